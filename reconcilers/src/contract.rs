@@ -1,0 +1,191 @@
+//! The contract between a loop and the runner that drives it.
+//!
+//! A loop is a name, an interval, optional trigger streams, and an async pass. The runner runs the
+//! pass once at start, then on the interval or when a trigger fires, never two passes of one loop at
+//! once. A pass reports every drift it found as a [`Drift`], whether or not it repaired it, so the
+//! same code serves `run`, `run --dry-run` and `check`.
+
+use std::fmt;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+
+/// A stream whose items mean "something this loop cares about may have changed".
+///
+/// Trigger streams are polled continuously by the runner, also between passes and in
+/// `--timer-only` mode (where their items are ignored), so a reflector inside one keeps its store
+/// fresh. The runner debounces the items.
+pub type Trigger = BoxStream<'static, ()>;
+
+/// What one pass of a loop gets to work with.
+#[derive(Clone)]
+pub struct PassContext {
+    pub client: kube::Client,
+    /// Compute and report the writes, but do not make them.
+    pub dry_run: bool,
+}
+
+/// What a pass did or would do about one piece of drift.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    Create,
+    Update,
+    Delete,
+    /// Drift that this loop only reports, by design (for example an immutable field).
+    Report,
+}
+
+impl Action {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Create => "create",
+            Action::Update => "update",
+            Action::Delete => "delete",
+            Action::Report => "report",
+        }
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One difference between the cluster and the desired state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Drift {
+    /// A stable, metric-friendly label for the kind of drift, e.g. `namespace_missing`.
+    pub kind: &'static str,
+    /// The object concerned, as `Kind/name` or `Kind/namespace/name`.
+    pub object: String,
+    pub action: Action,
+    /// A sentence for humans: what is wrong and what is (or would be) done.
+    pub message: String,
+    /// Whether the write was made in this pass (false in dry-run and for [`Action::Report`]).
+    pub applied: bool,
+}
+
+impl fmt::Display for Drift {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} [{}]: {}", self.object, self.kind, self.message)
+    }
+}
+
+/// Everything one pass found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PassReport {
+    pub drift: Vec<Drift>,
+}
+
+impl PassReport {
+    pub fn push(&mut self, drift: Drift) {
+        self.drift.push(drift);
+    }
+
+    pub fn is_clean(&self) -> bool {
+        self.drift.is_empty()
+    }
+}
+
+/// Why a pass failed. The runner retries failed passes with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    #[error("Kubernetes API request failed: {0}")]
+    Api(#[from] kube::Error),
+    /// The loop's cache has not synced or is older than the API: acting now could destroy data.
+    #[error("cache not ready: {0}")]
+    NotSynced(String),
+    /// The cluster holds something this loop cannot work with (for example an object it must not
+    /// overwrite). Retrying will not help until someone changes it.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl LoopError {
+    /// A short, bounded label for the `errors` metric.
+    pub fn category(&self) -> &'static str {
+        match self {
+            LoopError::Api(kube::Error::Api(status)) => match status.code {
+                401 | 403 => "forbidden",
+                404 => "not_found",
+                409 => "conflict",
+                422 => "invalid",
+                429 => "throttled",
+                500..=599 => "server_error",
+                _ => "api_other",
+            },
+            LoopError::Api(_) => "connection",
+            LoopError::NotSynced(_) => "not_synced",
+            LoopError::Invalid(_) => "invalid",
+            LoopError::Other(_) => "other",
+        }
+    }
+}
+
+/// One reconcile loop.
+///
+/// Implementations hold their own configuration, caches and metric handles; they are built once at
+/// start-up with a client and a metrics registry.
+pub trait Reconciler: Send + Sync + 'static {
+    /// Stable name: used in logs, metrics labels, `/readyz` detail and the configuration file.
+    fn name(&self) -> &'static str;
+
+    /// Time between passes when nothing triggers one.
+    fn interval(&self) -> Duration;
+
+    /// Whether the loop writes cluster-wide objects, and so runs only on the elected leader.
+    fn needs_leadership(&self) -> bool {
+        true
+    }
+
+    /// Streams that wake the loop. Called once by the runner.
+    fn triggers(&self) -> Vec<Trigger> {
+        Vec::new()
+    }
+
+    /// One pass: compare, repair (unless `ctx.dry_run`), report.
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>>;
+
+    /// Runs once on graceful shutdown, after the last pass finished, within the runner's timeout.
+    fn shutdown<'a>(&'a self, _ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// Treat `409 AlreadyExists` as success, as upstream's create-if-missing loops do.
+pub fn ignore_already_exists<T>(result: Result<T, kube::Error>) -> Result<Option<T>, kube::Error> {
+    match result {
+        Ok(value) => Ok(Some(value)),
+        Err(kube::Error::Api(status)) if status.code == 409 && status.reason == "AlreadyExists" => {
+            Ok(None)
+        }
+        Err(err) => Err(err),
+    }
+}
+
+/// Small helper so loops build [`Drift`] values uniformly.
+pub fn drift(
+    kind: &'static str,
+    object: impl Into<String>,
+    action: Action,
+    message: impl Into<String>,
+    applied: bool,
+) -> Drift {
+    Drift {
+        kind,
+        object: object.into(),
+        action,
+        message: message.into(),
+        applied,
+    }
+}
+
+/// Interval used when a configuration asks for none; kept here so loops agree.
+pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(10);

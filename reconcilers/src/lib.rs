@@ -1,0 +1,12 @@
+//! The bootstrap reconcile loops of bootstrap-controller.
+//!
+//! Each loop lives in one module and implements [`Reconciler`]; the runtime in the
+//! `bootstrap-controller` crate drives them. Pure logic (ranges, bitmaps, desired objects) lives in
+//! modules with no I/O so it can be tested without a cluster.
+
+pub mod contract;
+pub mod system_namespaces;
+
+pub use contract::{
+    Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, ignore_already_exists,
+};
