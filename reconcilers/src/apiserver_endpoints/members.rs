@@ -1,0 +1,252 @@
+//! The member model: which apiserver addresses belong in the `kubernetes` endpoints.
+//!
+//! Every write of the Endpoints object and of the EndpointSlices is derived from one [`MemberSet`],
+//! so the two can never disagree about who the members are.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+/// An IP family, as the Kubernetes API names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: &IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => IpFamily::V4,
+            IpAddr::V6(_) => IpFamily::V6,
+        }
+    }
+
+    /// The EndpointSlice `addressType` (and Service `ipFamilies` entry) for this family.
+    pub fn address_type(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        }
+    }
+
+    pub fn other(self) -> Self {
+        match self {
+            IpFamily::V4 => IpFamily::V6,
+            IpFamily::V6 => IpFamily::V4,
+        }
+    }
+
+    /// Lower-case short form used in object names (`ipv4`, `ipv6`).
+    pub fn short(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "ipv4",
+            IpFamily::V6 => "ipv6",
+        }
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.address_type())
+    }
+}
+
+impl FromStr for IpFamily {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "ipv4" | "v4" | "4" => Ok(IpFamily::V4),
+            "ipv6" | "v6" | "6" => Ok(IpFamily::V6),
+            other => Err(format!("unknown IP family {other:?}; use IPv4 or IPv6")),
+        }
+    }
+}
+
+/// The set of apiserver addresses that should be listed, both families together.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemberSet {
+    ips: BTreeSet<IpAddr>,
+}
+
+impl MemberSet {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn insert(&mut self, ip: IpAddr) -> bool {
+        self.ips.insert(canonical(ip))
+    }
+
+    pub fn remove(&mut self, ip: &IpAddr) -> bool {
+        self.ips.remove(&canonical(*ip))
+    }
+
+    pub fn contains(&self, ip: &IpAddr) -> bool {
+        self.ips.contains(&canonical(*ip))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ips.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.ips.len()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &IpAddr> {
+        self.ips.iter()
+    }
+
+    pub fn count(&self, family: IpFamily) -> usize {
+        self.ips
+            .iter()
+            .filter(|ip| IpFamily::of(ip) == family)
+            .count()
+    }
+
+    pub fn has_family(&self, family: IpFamily) -> bool {
+        self.ips.iter().any(|ip| IpFamily::of(ip) == family)
+    }
+
+    /// All addresses as strings, in the order upstream writes them: sorted by the address
+    /// *string* (`RepackSubsets` sorts by `ip` string), so `10.0.0.10` comes before `10.0.0.9`.
+    /// Matching upstream keeps objects written by us and by kube-apiserver byte-identical.
+    pub fn sorted_strings(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.ips.iter().map(ToString::to_string).collect();
+        out.sort();
+        out
+    }
+
+    /// The addresses of one family, in the same string order.
+    pub fn sorted_strings_of(&self, family: IpFamily) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .ips
+            .iter()
+            .filter(|ip| IpFamily::of(ip) == family)
+            .map(ToString::to_string)
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Who joined and who left between `self` (before) and `next` (after).
+    pub fn changes_to(&self, next: &MemberSet) -> MembershipChange {
+        MembershipChange {
+            joined: next.ips.difference(&self.ips).copied().collect(),
+            left: self.ips.difference(&next.ips).copied().collect(),
+        }
+    }
+}
+
+impl FromIterator<IpAddr> for MemberSet {
+    fn from_iter<T: IntoIterator<Item = IpAddr>>(iter: T) -> Self {
+        let mut set = MemberSet::new();
+        for ip in iter {
+            set.insert(ip);
+        }
+        set
+    }
+}
+
+impl fmt::Display for MemberSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{}]", self.sorted_strings().join(", "))
+    }
+}
+
+/// The difference between two member sets.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MembershipChange {
+    pub joined: Vec<IpAddr>,
+    pub left: Vec<IpAddr>,
+}
+
+impl MembershipChange {
+    pub fn is_empty(&self) -> bool {
+        self.joined.is_empty() && self.left.is_empty()
+    }
+}
+
+/// IPv4-mapped IPv6 addresses (`::ffff:10.0.0.1`) are stored as IPv4: the API server validates
+/// Endpoints addresses as the family they really are, and two spellings of one address must not
+/// count as two members.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        },
+        v4 => v4,
+    }
+}
+
+/// Parse an address as written in an Endpoints/EndpointSlice/Lease, tolerating surrounding space.
+pub fn parse_ip(text: &str) -> Option<IpAddr> {
+    text.trim().parse::<IpAddr>().ok().map(canonical)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn sorted_like_upstream_by_string_not_numerically() {
+        let set: MemberSet = [ip("10.0.0.9"), ip("10.0.0.10"), ip("10.0.0.1")]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            set.sorted_strings(),
+            vec!["10.0.0.1", "10.0.0.10", "10.0.0.9"]
+        );
+    }
+
+    #[test]
+    fn families_are_split_and_counted() {
+        let set: MemberSet = [ip("fd00::2"), ip("10.0.0.1"), ip("fd00::1")]
+            .into_iter()
+            .collect();
+        assert_eq!(set.count(IpFamily::V4), 1);
+        assert_eq!(set.count(IpFamily::V6), 2);
+        assert_eq!(
+            set.sorted_strings_of(IpFamily::V6),
+            vec!["fd00::1", "fd00::2"]
+        );
+        assert_eq!(set.sorted_strings_of(IpFamily::V4), vec!["10.0.0.1"]);
+        assert!(set.has_family(IpFamily::V6));
+    }
+
+    #[test]
+    fn mapped_ipv6_counts_as_the_ipv4_member() {
+        let mut set = MemberSet::new();
+        assert!(set.insert(ip("10.0.0.1")));
+        assert!(!set.insert(ip("::ffff:10.0.0.1")));
+        assert_eq!(set.len(), 1);
+        assert_eq!(parse_ip(" ::ffff:10.0.0.2 "), Some(ip("10.0.0.2")));
+        assert_eq!(parse_ip("not-an-ip"), None);
+    }
+
+    #[test]
+    fn changes_report_joined_and_left() {
+        let before: MemberSet = [ip("10.0.0.1"), ip("10.0.0.2")].into_iter().collect();
+        let after: MemberSet = [ip("10.0.0.2"), ip("10.0.0.3")].into_iter().collect();
+        let change = before.changes_to(&after);
+        assert_eq!(change.joined, vec![ip("10.0.0.3")]);
+        assert_eq!(change.left, vec![ip("10.0.0.1")]);
+        assert!(before.changes_to(&before).is_empty());
+    }
+
+    #[test]
+    fn family_parsing_accepts_api_spelling() {
+        assert_eq!("IPv6".parse::<IpFamily>(), Ok(IpFamily::V6));
+        assert_eq!("ipv4".parse::<IpFamily>(), Ok(IpFamily::V4));
+        assert!("ipx".parse::<IpFamily>().is_err());
+    }
+}

@@ -1,0 +1,998 @@
+//! The `default/kubernetes` Service loop.
+//!
+//! Upstream (spec §2) creates the Service when it is missing and never touches it again, so a
+//! changed `--secure-port`, node port or a hand edit stays broken until someone deletes the Service
+//! (kubernetes/kubernetes#12289, #72338). This loop creates it the same way and, by default, also
+//! repairs ports, type, selector, session affinity and its two labels. `clusterIP` is immutable: a
+//! mismatch is only reported, unless the operator opted in to delete-and-recreate.
+//!
+//! The first half of the file is pure (desired object, drift); the second half is the loop.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Resource, ResourceExt};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::contract::{
+    Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift, ignore_already_exists,
+};
+
+/// What to do about drift of the repairable fields.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RepairPolicy {
+    /// Rewrite ports, type, selector, session affinity and the two labels.
+    #[default]
+    Repair,
+    /// Upstream's behaviour: create when missing, never update; drift is only reported.
+    Off,
+}
+
+impl std::str::FromStr for RepairPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "repair" => Ok(RepairPolicy::Repair),
+            "off" => Ok(RepairPolicy::Off),
+            other => Err(format!(
+                "unknown repair policy {other:?}; use \"repair\" or \"off\""
+            )),
+        }
+    }
+}
+
+/// Configuration of the `kubernetes-service` loop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubernetesServiceConfig {
+    pub namespace: String,
+    pub name: String,
+    /// The Service port (upstream hard-codes 443).
+    pub port: i32,
+    /// The apiservers' `--secure-port`: the Service's `targetPort`.
+    pub target_port: i32,
+    /// `--service-cluster-ip-range`: one CIDR, or two of different families (primary first).
+    pub service_cidrs: Vec<IpNet>,
+    /// `--kubernetes-service-node-port`: makes the Service a NodePort Service.
+    pub node_port: Option<i32>,
+    pub repair: RepairPolicy,
+    /// Delete and recreate the Service when its clusterIP is not the desired one. Destructive:
+    /// clients connected through the old IP break. Off unless explicitly enabled.
+    pub recreate_on_cluster_ip_mismatch: bool,
+    pub interval: Duration,
+}
+
+impl Default for KubernetesServiceConfig {
+    fn default() -> Self {
+        Self {
+            namespace: "default".to_owned(),
+            name: "kubernetes".to_owned(),
+            port: 443,
+            target_port: 6443,
+            service_cidrs: Vec::new(),
+            node_port: None,
+            repair: RepairPolicy::Repair,
+            recreate_on_cluster_ip_mismatch: false,
+            interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A configuration problem, naming the field (relative to the loop's section) and the fix.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl KubernetesServiceConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |field, message: String| Err(ConfigError { field, message });
+        if self.service_cidrs.is_empty() || self.service_cidrs.len() > 2 {
+            return err(
+                "serviceClusterIPRange",
+                format!(
+                    "give one CIDR or two of different families (as --service-cluster-ip-range), got {}",
+                    self.service_cidrs.len()
+                ),
+            );
+        }
+        if self.service_cidrs.len() == 2
+            && self.service_cidrs[0].addr().is_ipv4() == self.service_cidrs[1].addr().is_ipv4()
+        {
+            return err(
+                "serviceClusterIPRange",
+                "the two CIDRs must be of different families (one IPv4, one IPv6)".to_owned(),
+            );
+        }
+        for cidr in &self.service_cidrs {
+            if cidr.max_prefix_len() - cidr.prefix_len() < 3 {
+                return err(
+                    "serviceClusterIPRange",
+                    format!("{cidr} holds fewer than 8 addresses; use a larger range"),
+                );
+            }
+        }
+        if !(1..=65535).contains(&self.port) {
+            return err("port", format!("{} is not a port (1-65535)", self.port));
+        }
+        if !(1..=65535).contains(&self.target_port) {
+            return err(
+                "securePort",
+                format!("{} is not a port (1-65535)", self.target_port),
+            );
+        }
+        if let Some(node_port) = self.node_port
+            && !(1..=65535).contains(&node_port)
+        {
+            return err(
+                "nodePort",
+                format!(
+                    "{node_port} is not a port (1-65535); leave it unset for a ClusterIP Service"
+                ),
+            );
+        }
+        if self.interval.is_zero() {
+            return err("interval", "must be greater than zero".to_owned());
+        }
+        Ok(())
+    }
+
+    /// The desired cluster IPs: the first usable address of each range, primary first.
+    pub fn cluster_ips(&self) -> Vec<IpAddr> {
+        self.service_cidrs
+            .iter()
+            .filter_map(first_usable_ip)
+            .collect()
+    }
+
+    pub fn object_ref(&self) -> String {
+        format!("Service/{}/{}", self.namespace, self.name)
+    }
+
+    fn service_type(&self) -> &'static str {
+        if self.node_port.is_some() {
+            "NodePort"
+        } else {
+            "ClusterIP"
+        }
+    }
+
+    fn ports(&self) -> Vec<ServicePort> {
+        vec![ServicePort {
+            name: Some("https".to_owned()),
+            protocol: Some("TCP".to_owned()),
+            port: self.port,
+            target_port: Some(IntOrString::Int(self.target_port)),
+            node_port: self.node_port,
+            app_protocol: None,
+        }]
+    }
+}
+
+/// Upstream's `GetIndexedIP(range, 1)`: the network address plus one.
+pub fn first_usable_ip(cidr: &IpNet) -> Option<IpAddr> {
+    match cidr.network() {
+        IpAddr::V4(net) => u32::from(net).checked_add(1).map(|n| IpAddr::V4(n.into())),
+        IpAddr::V6(net) => u128::from(net).checked_add(1).map(|n| IpAddr::V6(n.into())),
+    }
+    .filter(|ip| cidr.contains(ip))
+}
+
+pub const PROVIDER_LABEL: (&str, &str) = ("provider", "kubernetes");
+pub const COMPONENT_LABEL: (&str, &str) = ("component", "apiserver");
+
+/// The Service to create when none exists.
+pub fn desired_service(cfg: &KubernetesServiceConfig) -> Service {
+    let ips = cfg.cluster_ips();
+    let dual = ips.len() == 2;
+    Service {
+        metadata: ObjectMeta {
+            name: Some(cfg.name.clone()),
+            namespace: Some(cfg.namespace.clone()),
+            labels: Some(BTreeMap::from([
+                (PROVIDER_LABEL.0.to_owned(), PROVIDER_LABEL.1.to_owned()),
+                (COMPONENT_LABEL.0.to_owned(), COMPONENT_LABEL.1.to_owned()),
+            ])),
+            ..ObjectMeta::default()
+        },
+        spec: Some(ServiceSpec {
+            ports: Some(cfg.ports()),
+            selector: None,
+            cluster_ip: ips.first().map(ToString::to_string),
+            // Upstream only sets clusterIP; with two ranges we also ask for the secondary first IP,
+            // which needs clusterIPs and the dual-stack policy.
+            cluster_ips: dual.then(|| ips.iter().map(ToString::to_string).collect()),
+            ip_family_policy: Some(
+                if dual {
+                    "PreferDualStack"
+                } else {
+                    "SingleStack"
+                }
+                .to_owned(),
+            ),
+            session_affinity: Some("None".to_owned()),
+            type_: Some(cfg.service_type().to_owned()),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// One way an existing Service differs from the desired one.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ServiceDrift {
+    Ports {
+        found: Vec<ServicePort>,
+    },
+    Type {
+        found: Option<String>,
+    },
+    Selector {
+        found: BTreeMap<String, String>,
+    },
+    SessionAffinity {
+        found: String,
+    },
+    Label {
+        key: &'static str,
+        found: Option<String>,
+    },
+    /// Immutable: reported, never repaired in place.
+    ClusterIp {
+        found: Vec<String>,
+        want: Vec<String>,
+    },
+}
+
+impl ServiceDrift {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServiceDrift::Ports { .. } => "service_ports",
+            ServiceDrift::Type { .. } => "service_type",
+            ServiceDrift::Selector { .. } => "service_selector",
+            ServiceDrift::SessionAffinity { .. } => "service_session_affinity",
+            ServiceDrift::Label { .. } => "service_labels",
+            ServiceDrift::ClusterIp { .. } => "service_cluster_ip",
+        }
+    }
+
+    pub fn repairable(&self) -> bool {
+        !matches!(self, ServiceDrift::ClusterIp { .. })
+    }
+}
+
+impl fmt::Display for ServiceDrift {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ServiceDrift::Ports { found } => write!(
+                f,
+                "ports are [{}]",
+                found
+                    .iter()
+                    .map(describe_port)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            ServiceDrift::Type { found } => {
+                write!(f, "type is {}", found.as_deref().unwrap_or("unset"))
+            }
+            ServiceDrift::Selector { found } => write!(f, "has selector {found:?}, want none"),
+            ServiceDrift::SessionAffinity { found } => {
+                write!(f, "sessionAffinity is {found}, want None")
+            }
+            ServiceDrift::Label { key, found } => write!(
+                f,
+                "label {key} is {}",
+                found
+                    .as_deref()
+                    .map_or("missing".to_owned(), |v| format!("{v:?}"))
+            ),
+            ServiceDrift::ClusterIp { found, want } => write!(
+                f,
+                "clusterIPs are [{}], want [{}] (immutable)",
+                found.join(", "),
+                want.join(", ")
+            ),
+        }
+    }
+}
+
+fn describe_port(port: &ServicePort) -> String {
+    let target = match &port.target_port {
+        Some(IntOrString::Int(n)) => n.to_string(),
+        Some(IntOrString::String(s)) => s.clone(),
+        None => "-".to_owned(),
+    };
+    let node = port
+        .node_port
+        .map(|n| format!(" nodePort {n}"))
+        .unwrap_or_default();
+    format!(
+        "{} {}/{}->{}{}",
+        port.name.as_deref().unwrap_or(""),
+        port.protocol.as_deref().unwrap_or(""),
+        port.port,
+        target,
+        node
+    )
+}
+
+/// Every difference between `existing` and the desired Service.
+pub fn service_drift(cfg: &KubernetesServiceConfig, existing: &Service) -> Vec<ServiceDrift> {
+    let mut drift = Vec::new();
+    let spec = existing.spec.clone().unwrap_or_default();
+
+    let found_ports = spec.ports.clone().unwrap_or_default();
+    if found_ports != cfg.ports() {
+        drift.push(ServiceDrift::Ports { found: found_ports });
+    }
+    // The API defaults an unset type to ClusterIP.
+    let found_type = spec.type_.clone().unwrap_or_else(|| "ClusterIP".to_owned());
+    if found_type != cfg.service_type() {
+        drift.push(ServiceDrift::Type {
+            found: spec.type_.clone(),
+        });
+    }
+    if let Some(selector) = spec.selector.as_ref().filter(|s| !s.is_empty()) {
+        drift.push(ServiceDrift::Selector {
+            found: selector.clone(),
+        });
+    }
+    if let Some(affinity) = spec
+        .session_affinity
+        .as_ref()
+        .filter(|a| a.as_str() != "None")
+    {
+        drift.push(ServiceDrift::SessionAffinity {
+            found: affinity.clone(),
+        });
+    }
+    for (key, value) in [PROVIDER_LABEL, COMPONENT_LABEL] {
+        let found = existing.labels().get(key);
+        if found.map(String::as_str) != Some(value) {
+            drift.push(ServiceDrift::Label {
+                key,
+                found: found.cloned(),
+            });
+        }
+    }
+
+    let want: Vec<String> = cfg.cluster_ips().iter().map(ToString::to_string).collect();
+    let found_ips: Vec<String> = match (&spec.cluster_ips, &spec.cluster_ip) {
+        (Some(ips), _) if !ips.is_empty() => ips.clone(),
+        (_, Some(ip)) => vec![ip.clone()],
+        _ => Vec::new(),
+    };
+    // Only the primary IP is checked always; the secondary only if the Service has one, because
+    // a SingleStack Service upgraded by hand gets a random secondary that is not ours to judge.
+    let primary_ok = found_ips.first().and_then(|s| s.parse::<IpAddr>().ok())
+        == cfg.cluster_ips().first().copied();
+    let secondary_ok = match (found_ips.get(1), cfg.cluster_ips().get(1)) {
+        (Some(found), Some(want)) => found.parse::<IpAddr>().ok().as_ref() == Some(want),
+        _ => true,
+    };
+    if !primary_ok || !secondary_ok {
+        drift.push(ServiceDrift::ClusterIp {
+            found: found_ips,
+            want,
+        });
+    }
+    drift
+}
+
+/// `existing` with every repairable field set to the desired value; everything else (clusterIPs,
+/// ipFamilies, foreign labels and annotations, resourceVersion) kept.
+pub fn repaired_service(cfg: &KubernetesServiceConfig, existing: &Service) -> Service {
+    let mut repaired = existing.clone();
+    repaired.metadata.managed_fields = None;
+    let labels = repaired.metadata.labels.get_or_insert_with(BTreeMap::new);
+    for (key, value) in [PROVIDER_LABEL, COMPONENT_LABEL] {
+        labels.insert(key.to_owned(), value.to_owned());
+    }
+    let spec = repaired.spec.get_or_insert_with(ServiceSpec::default);
+    spec.ports = Some(cfg.ports());
+    spec.selector = None;
+    spec.session_affinity = Some("None".to_owned());
+    spec.session_affinity_config = None;
+    let want_type = cfg.service_type();
+    if spec.type_.as_deref().unwrap_or("ClusterIP") != want_type {
+        spec.type_ = Some(want_type.to_owned());
+        // Fields the API only allows on NodePort/LoadBalancer/ExternalName Services.
+        if want_type == "ClusterIP" {
+            spec.external_traffic_policy = None;
+            spec.health_check_node_port = None;
+            spec.allocate_load_balancer_node_ports = None;
+            spec.load_balancer_class = None;
+            spec.load_balancer_ip = None;
+            spec.load_balancer_source_ranges = None;
+        }
+        if want_type == "NodePort" {
+            spec.allocate_load_balancer_node_ports = None;
+            spec.load_balancer_class = None;
+            spec.load_balancer_ip = None;
+            spec.load_balancer_source_ranges = None;
+            spec.health_check_node_port = None;
+        }
+        spec.external_name = None;
+    }
+    repaired
+}
+
+// ------------------------------------------------------------------------------------------------
+// The loop.
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
+
+/// Metric handles of the `kubernetes-service` loop.
+#[derive(Clone, Default)]
+pub struct KubernetesServiceMetrics {
+    repairs: Family<KindLabel, Counter>,
+    cluster_ip_mismatch: Gauge,
+}
+
+impl KubernetesServiceMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        registry.register(
+            "kubernetes_service_repairs",
+            "Repairs made to the kubernetes Service, by kind of drift",
+            metrics.repairs.clone(),
+        );
+        registry.register(
+            "kubernetes_service_cluster_ip_mismatch",
+            "1 while the kubernetes Service's clusterIP is not the first IP of the service range",
+            metrics.cluster_ip_mismatch.clone(),
+        );
+        metrics
+    }
+
+    pub fn repairs(&self, kind: &str) -> u64 {
+        self.repairs
+            .get_or_create(&KindLabel {
+                kind: kind.to_owned(),
+            })
+            .get()
+    }
+
+    pub fn cluster_ip_mismatch(&self) -> i64 {
+        self.cluster_ip_mismatch.get()
+    }
+}
+
+/// Creates and repairs the `kubernetes` Service. Leader-only.
+pub struct KubernetesServiceLoop {
+    cfg: KubernetesServiceConfig,
+    client: kube::Client,
+    recorder: Recorder,
+    metrics: KubernetesServiceMetrics,
+    /// The last clusterIP mismatch warned about, so the warning event is not repeated every pass.
+    last_mismatch: Mutex<Option<ServiceDrift>>,
+}
+
+impl KubernetesServiceLoop {
+    /// `cfg` must have passed [`KubernetesServiceConfig::validate`].
+    pub fn new(
+        cfg: KubernetesServiceConfig,
+        client: kube::Client,
+        reporter: Reporter,
+        registry: &mut Registry,
+    ) -> Self {
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            cfg,
+            metrics: KubernetesServiceMetrics::register(registry),
+            last_mismatch: Mutex::new(None),
+        }
+    }
+
+    pub fn metrics(&self) -> &KubernetesServiceMetrics {
+        &self.metrics
+    }
+
+    async fn publish(&self, service: &Service, type_: EventType, reason: &str, note: String) {
+        let reference = service.object_ref(&());
+        let event = Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
+        if let Err(err) = self.recorder.publish(&event, &reference).await {
+            tracing::warn!(error = %err, reason, "could not publish event on the kubernetes Service");
+        }
+    }
+
+    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &self.cfg.namespace);
+        let mut report = PassReport::default();
+        let object = self.cfg.object_ref();
+
+        let Some(existing) = api.get_opt(&self.cfg.name).await? else {
+            let want = desired_service(&self.cfg);
+            let mut applied = false;
+            if !ctx.dry_run {
+                let created =
+                    ignore_already_exists(api.create(&PostParams::default(), &want).await)?;
+                applied = created.is_some();
+                if let Some(created) = &created {
+                    tracing::info!(service = %object, "created the kubernetes Service");
+                    self.metrics
+                        .repairs
+                        .get_or_create(&KindLabel {
+                            kind: "service_missing".into(),
+                        })
+                        .inc();
+                    self.publish(
+                        created,
+                        EventType::Normal,
+                        "KubernetesServiceCreated",
+                        format!("created {object}"),
+                    )
+                    .await;
+                }
+            }
+            report.push(drift(
+                "service_missing",
+                object,
+                Action::Create,
+                format!(
+                    "the Service does not exist; {}",
+                    if applied {
+                        "created it"
+                    } else {
+                        "would create it"
+                    }
+                ),
+                applied,
+            ));
+            return Ok(report);
+        };
+
+        let found = service_drift(&self.cfg, &existing);
+        let (repairable, immutable): (Vec<_>, Vec<_>) =
+            found.into_iter().partition(ServiceDrift::repairable);
+
+        if !repairable.is_empty() {
+            let repair = self.cfg.repair == RepairPolicy::Repair;
+            let mut applied = false;
+            if repair && !ctx.dry_run {
+                api.replace(
+                    &self.cfg.name,
+                    &PostParams::default(),
+                    &repaired_service(&self.cfg, &existing),
+                )
+                .await?;
+                applied = true;
+                for d in &repairable {
+                    self.metrics
+                        .repairs
+                        .get_or_create(&KindLabel {
+                            kind: d.kind().to_owned(),
+                        })
+                        .inc();
+                }
+                let note = repairable
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                tracing::warn!(service = %object, drift = %note, "repaired the kubernetes Service");
+                self.publish(
+                    &existing,
+                    EventType::Normal,
+                    "KubernetesServiceRepaired",
+                    format!("repaired: {note}"),
+                )
+                .await;
+            }
+            for d in repairable {
+                let message = match (repair, applied) {
+                    (true, true) => format!("{d}; repaired"),
+                    (true, false) => format!("{d}; would repair"),
+                    (false, _) => format!("{d}; not repaired (repair policy is off)"),
+                };
+                report.push(drift(
+                    d.kind(),
+                    object.clone(),
+                    if repair {
+                        Action::Update
+                    } else {
+                        Action::Report
+                    },
+                    message,
+                    applied,
+                ));
+            }
+        }
+
+        let mismatch = immutable.into_iter().next();
+        self.metrics
+            .cluster_ip_mismatch
+            .set(i64::from(mismatch.is_some()));
+        let Some(mismatch) = mismatch else {
+            if let Ok(mut last) = self.last_mismatch.lock() {
+                *last = None;
+            }
+            return Ok(report);
+        };
+
+        if self.cfg.recreate_on_cluster_ip_mismatch {
+            let mut applied = false;
+            if !ctx.dry_run {
+                api.delete(
+                    &self.cfg.name,
+                    &DeleteParams::default().preconditions(kube::api::Preconditions {
+                        uid: existing.metadata.uid.clone(),
+                        resource_version: existing.metadata.resource_version.clone(),
+                    }),
+                )
+                .await?;
+                let want = desired_service(&self.cfg);
+                // If the delete has not finished yet the create conflicts; the next pass creates.
+                match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
+                    Ok(_) => applied = true,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "recreating the kubernetes Service failed; retrying next pass")
+                    }
+                }
+                self.metrics
+                    .repairs
+                    .get_or_create(&KindLabel {
+                        kind: "service_cluster_ip".into(),
+                    })
+                    .inc();
+                self.publish(&existing, EventType::Warning, "KubernetesServiceRecreated",
+                    format!("{mismatch}; deleted and recreated the Service (recreateOnClusterIPMismatch)")).await;
+            }
+            report.push(drift(
+                mismatch.kind(),
+                object,
+                Action::Delete,
+                format!(
+                    "{mismatch}; {} (recreateOnClusterIPMismatch)",
+                    if applied {
+                        "deleted and recreated the Service"
+                    } else {
+                        "would delete and recreate the Service"
+                    }
+                ),
+                applied,
+            ));
+            return Ok(report);
+        }
+
+        let first_time = self
+            .last_mismatch
+            .lock()
+            .map(|mut last| {
+                let new = last.as_ref() != Some(&mismatch);
+                *last = Some(mismatch.clone());
+                new
+            })
+            .unwrap_or(true);
+        if first_time {
+            tracing::warn!(service = %object, drift = %mismatch, "the kubernetes Service has the wrong clusterIP");
+            if !ctx.dry_run {
+                self.publish(&existing, EventType::Warning, "ClusterIPMismatch",
+                    format!("{mismatch}: delete the Service to have it recreated, or set recreateOnClusterIPMismatch")).await;
+            }
+        }
+        report.push(drift(
+            mismatch.kind(),
+            object,
+            Action::Report,
+            format!("{mismatch}; reported only (delete the Service, or enable recreateOnClusterIPMismatch)"),
+            false,
+        ));
+        Ok(report)
+    }
+}
+
+impl Reconciler for KubernetesServiceLoop {
+    fn name(&self) -> &'static str {
+        "kubernetes-service"
+    }
+
+    fn interval(&self) -> Duration {
+        self.cfg.interval
+    }
+
+    fn triggers(&self) -> Vec<Trigger> {
+        let api: Api<Service> = Api::namespaced(self.client.clone(), &self.cfg.namespace);
+        let config = watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.name));
+        vec![watch_trigger(watcher(api, config))]
+    }
+
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        Box::pin(self.pass(ctx))
+    }
+}
+
+/// A watch as a trigger: one item per change (and one per completed relist), errors logged and
+/// retried with the watcher's default backoff.
+pub(crate) fn watch_trigger<K, S>(stream: S) -> Trigger
+where
+    K: Send + 'static,
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    stream
+        .default_backoff()
+        .filter_map(|event| async move {
+            match event {
+                Ok(
+                    watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
+                ) => Some(()),
+                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => None,
+                Err(err) => {
+                    tracing::debug!(error = %err, "watch failed; retrying with backoff");
+                    None
+                }
+            }
+        })
+        .boxed()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> KubernetesServiceConfig {
+        KubernetesServiceConfig {
+            service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
+            ..KubernetesServiceConfig::default()
+        }
+    }
+
+    #[test]
+    fn first_usable_ip_is_network_plus_one() {
+        assert_eq!(
+            first_usable_ip(&"10.96.0.0/12".parse().unwrap()),
+            Some("10.96.0.1".parse().unwrap())
+        );
+        assert_eq!(
+            first_usable_ip(&"10.96.3.7/12".parse().unwrap()),
+            Some("10.96.0.1".parse().unwrap())
+        );
+        assert_eq!(
+            first_usable_ip(&"fd00:10::/108".parse().unwrap()),
+            Some("fd00:10::1".parse().unwrap())
+        );
+        assert_eq!(first_usable_ip(&"10.0.0.1/32".parse().unwrap()), None);
+    }
+
+    #[test]
+    fn desired_service_matches_upstream_shape() {
+        let json = serde_json::to_value(desired_service(&cfg())).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    "name": "kubernetes",
+                    "namespace": "default",
+                    "labels": {"component": "apiserver", "provider": "kubernetes"}
+                },
+                "spec": {
+                    "clusterIP": "10.96.0.1",
+                    "ipFamilyPolicy": "SingleStack",
+                    "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443}],
+                    "sessionAffinity": "None",
+                    "type": "ClusterIP"
+                }
+            })
+        );
+    }
+
+    #[test]
+    fn dual_stack_and_node_port() {
+        let c = KubernetesServiceConfig {
+            service_cidrs: vec![
+                "10.96.0.0/12".parse().unwrap(),
+                "fd00::/108".parse().unwrap(),
+            ],
+            node_port: Some(30443),
+            port: 8443,
+            target_port: 6444,
+            ..KubernetesServiceConfig::default()
+        };
+        c.validate().unwrap();
+        let spec = desired_service(&c).spec.unwrap();
+        assert_eq!(spec.ip_family_policy.as_deref(), Some("PreferDualStack"));
+        assert_eq!(
+            spec.cluster_ips,
+            Some(vec!["10.96.0.1".to_owned(), "fd00::1".to_owned()])
+        );
+        assert_eq!(spec.type_.as_deref(), Some("NodePort"));
+        let port = &spec.ports.unwrap()[0];
+        assert_eq!((port.port, port.node_port), (8443, Some(30443)));
+        assert_eq!(port.target_port, Some(IntOrString::Int(6444)));
+    }
+
+    #[test]
+    fn validation_names_fields() {
+        let mut c = cfg();
+        c.service_cidrs.push("10.0.0.0/24".parse().unwrap());
+        assert_eq!(c.validate().unwrap_err().field, "serviceClusterIPRange");
+        let c = KubernetesServiceConfig {
+            service_cidrs: vec!["10.0.0.0/30".parse().unwrap()],
+            ..cfg()
+        };
+        assert!(c.validate().unwrap_err().message.contains("fewer than 8"));
+        let c = KubernetesServiceConfig {
+            node_port: Some(0),
+            ..cfg()
+        };
+        assert_eq!(c.validate().unwrap_err().field, "nodePort");
+        let c = KubernetesServiceConfig {
+            target_port: 70000,
+            ..cfg()
+        };
+        assert_eq!(c.validate().unwrap_err().field, "securePort");
+        assert!(
+            KubernetesServiceConfig::default().validate().is_err(),
+            "a range is required"
+        );
+    }
+
+    fn existing() -> Service {
+        let mut s = desired_service(&cfg());
+        // What the API adds on create.
+        s.metadata.resource_version = Some("5".into());
+        s.metadata.uid = Some("u".into());
+        let spec = s.spec.as_mut().unwrap();
+        spec.cluster_ips = Some(vec!["10.96.0.1".into()]);
+        spec.ip_families = Some(vec!["IPv4".into()]);
+        spec.internal_traffic_policy = Some("Cluster".into());
+        s
+    }
+
+    #[test]
+    fn freshly_created_service_has_no_drift() {
+        assert!(service_drift(&cfg(), &existing()).is_empty());
+        let mut unset = existing();
+        unset.spec.as_mut().unwrap().type_ = None;
+        unset.spec.as_mut().unwrap().session_affinity = None;
+        unset.spec.as_mut().unwrap().selector = Some(BTreeMap::new());
+        assert!(
+            service_drift(&cfg(), &unset).is_empty(),
+            "API defaults are not drift"
+        );
+    }
+
+    #[test]
+    fn every_repairable_drift_is_found_and_repaired() {
+        let mut s = existing();
+        s.metadata.labels = Some(BTreeMap::from([
+            ("provider".into(), "someone".into()),
+            ("team".into(), "x".into()),
+        ]));
+        let spec = s.spec.as_mut().unwrap();
+        spec.ports.as_mut().unwrap()[0].target_port = Some(IntOrString::Int(1));
+        spec.type_ = Some("NodePort".into());
+        spec.external_traffic_policy = Some("Cluster".into());
+        spec.selector = Some(BTreeMap::from([("app".into(), "x".into())]));
+        spec.session_affinity = Some("ClientIP".into());
+        let kinds: Vec<_> = service_drift(&cfg(), &s)
+            .iter()
+            .map(ServiceDrift::kind)
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                "service_ports",
+                "service_type",
+                "service_selector",
+                "service_session_affinity",
+                "service_labels",
+                "service_labels"
+            ]
+        );
+        let repaired = repaired_service(&cfg(), &s);
+        assert!(service_drift(&cfg(), &repaired).is_empty());
+        assert_eq!(repaired.metadata.resource_version.as_deref(), Some("5"));
+        assert_eq!(repaired.labels().get("team").map(String::as_str), Some("x"));
+        let spec = repaired.spec.unwrap();
+        assert_eq!(
+            spec.external_traffic_policy, None,
+            "ClusterIP Services may not carry it"
+        );
+        assert_eq!(
+            spec.cluster_ips,
+            Some(vec!["10.96.0.1".to_owned()]),
+            "clusterIPs untouched"
+        );
+    }
+
+    #[test]
+    fn switching_to_node_port_sets_the_node_port() {
+        let c = KubernetesServiceConfig {
+            node_port: Some(30443),
+            ..cfg()
+        };
+        let drift = service_drift(&c, &existing());
+        assert_eq!(
+            drift.iter().map(ServiceDrift::kind).collect::<Vec<_>>(),
+            vec!["service_ports", "service_type"]
+        );
+        let repaired = repaired_service(&c, &existing());
+        assert!(service_drift(&c, &repaired).is_empty());
+    }
+
+    #[test]
+    fn cluster_ip_mismatch_is_reported_not_repaired() {
+        let mut s = existing();
+        s.spec.as_mut().unwrap().cluster_ip = Some("10.96.0.10".into());
+        s.spec.as_mut().unwrap().cluster_ips = Some(vec!["10.96.0.10".into()]);
+        let drift = service_drift(&cfg(), &s);
+        assert_eq!(drift.len(), 1);
+        assert!(!drift[0].repairable());
+        assert_eq!(
+            drift[0].to_string(),
+            "clusterIPs are [10.96.0.10], want [10.96.0.1] (immutable)"
+        );
+        let repaired = repaired_service(&cfg(), &s);
+        assert_eq!(
+            repaired.spec.unwrap().cluster_ip.as_deref(),
+            Some("10.96.0.10")
+        );
+    }
+
+    #[test]
+    fn secondary_cluster_ip_only_checked_when_present() {
+        let dual = KubernetesServiceConfig {
+            service_cidrs: vec![
+                "10.96.0.0/12".parse().unwrap(),
+                "fd00::/108".parse().unwrap(),
+            ],
+            ..cfg()
+        };
+        let single = existing();
+        assert!(
+            service_drift(&dual, &single)
+                .iter()
+                .all(|d| d.kind() != "service_cluster_ip")
+        );
+        let mut wrong = existing();
+        wrong.spec.as_mut().unwrap().cluster_ips =
+            Some(vec!["10.96.0.1".into(), "fd00::77".into()]);
+        assert!(
+            service_drift(&dual, &wrong)
+                .iter()
+                .any(|d| d.kind() == "service_cluster_ip")
+        );
+    }
+
+    #[test]
+    fn repair_policy_parses() {
+        assert_eq!("off".parse::<RepairPolicy>(), Ok(RepairPolicy::Off));
+        assert!("sometimes".parse::<RepairPolicy>().is_err());
+    }
+}
