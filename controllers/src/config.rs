@@ -1,0 +1,1781 @@
+//! Configuration: flags (with environment variables), an optional YAML file, and defaults.
+//!
+//! Precedence is flags > file > defaults. Every value is validated before anything touches the
+//! cluster, and every error names the field (the flag when the value came from a flag, the YAML
+//! path when it came from the file) and says how to fix it.
+//!
+//! Adding a loop's configuration: add a struct for its section (see [`SystemNamespacesLoop`]), give
+//! it `#[serde(default, deny_unknown_fields, rename_all = "camelCase")]` and a [`Default`] with the
+//! upstream values, implement [`LoopSection`] for it, and add it as a field of [`Loops`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::ValueEnum;
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+/// Environment variable prefix shared by every flag.
+pub const ENV_PREFIX: &str = "BOOTSTRAP_";
+
+// ------------------------------------------------------------------------------------------------
+// Flags
+// ------------------------------------------------------------------------------------------------
+
+/// Flags that configure the controller. Every flag has an environment variable
+/// (`BOOTSTRAP_<FLAG_IN_UPPER_SNAKE_CASE>`). Values left unset fall back to the `--config` file,
+/// then to the defaults shown.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ConfigArgs {
+    /// YAML configuration file (loops, intervals, system namespaces, and every flag's setting).
+    /// Flags override the file; the file overrides the defaults.
+    #[arg(long, env = "BOOTSTRAP_CONFIG", value_name = "FILE", global = true)]
+    pub config: Option<PathBuf>,
+
+    /// Service cluster IP range(s), as given to kube-apiserver: one CIDR, or two of different
+    /// families separated by a comma (primary first). Each must hold at least 8 addresses.
+    /// [default: 10.0.0.0/24, kube-apiserver's]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE",
+        value_name = "CIDR[,CIDR]",
+        global = true
+    )]
+    pub service_cluster_ip_range: Option<String>,
+
+    /// NodePort range, as given to kube-apiserver: `BASE-LAST`, both inclusive.
+    /// [default: 30000-32767]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_SERVICE_NODE_PORT_RANGE",
+        value_name = "BASE-LAST",
+        global = true
+    )]
+    pub service_node_port_range: Option<String>,
+
+    /// IP address this apiserver advertises to the cluster (its address in the `kubernetes`
+    /// endpoints). Its family must match the primary service range's unless the endpoint
+    /// reconciler is `none`. [default: unset; the endpoints loop picks the host's address]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_ADVERTISE_ADDRESS",
+        value_name = "IP",
+        global = true
+    )]
+    pub advertise_address: Option<String>,
+
+    /// The apiserver's secure port: the endpoints' port and the `kubernetes` Service's
+    /// targetPort. [default: 6443]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_SECURE_PORT",
+        value_name = "PORT",
+        global = true
+    )]
+    pub secure_port: Option<String>,
+
+    /// NodePort of the `kubernetes` Service; 0 keeps it of type ClusterIP. When set it must lie
+    /// inside --service-node-port-range. [default: 0]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_KUBERNETES_SERVICE_NODE_PORT",
+        value_name = "PORT",
+        global = true
+    )]
+    pub kubernetes_service_node_port: Option<String>,
+
+    /// How the `kubernetes` endpoints are maintained: `lease` (one Lease per apiserver),
+    /// `static` (addresses from the configuration file), `master-count` (upstream's deprecated
+    /// reconciler, with --apiserver-count) or `none` (the endpoints loop is off). [default: lease]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_ENDPOINT_RECONCILER_TYPE",
+        value_name = "TYPE",
+        global = true
+    )]
+    pub endpoint_reconciler_type: Option<EndpointReconcilerType>,
+
+    /// Number of apiservers, used only by `--endpoint-reconciler-type=master-count`; must be
+    /// positive. [default: 1]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_APISERVER_COUNT",
+        value_name = "N",
+        global = true
+    )]
+    pub apiserver_count: Option<String>,
+
+    /// Kubeconfig file. Without it: $KUBECONFIG, then ~/.kube/config, then the in-cluster
+    /// service account.
+    #[arg(long, env = "BOOTSTRAP_KUBECONFIG", value_name = "FILE", global = true)]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Compute and report every write without making it (logs, metrics, `check`).
+    /// `--dry-run` alone means true. [default: false]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_DRY_RUN",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        global = true
+    )]
+    pub dry_run: Option<bool>,
+
+    /// Ignore watch triggers: every loop runs only at start and on its interval, as upstream.
+    /// `--timer-only` alone means true. [default: false]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_TIMER_ONLY",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        global = true
+    )]
+    pub timer_only: Option<bool>,
+
+    /// Address of the admin HTTP server (/livez, /readyz, /metrics). [default: 0.0.0.0:8080]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_ADMIN_ADDR",
+        value_name = "ADDR:PORT",
+        global = true
+    )]
+    pub admin_addr: Option<String>,
+
+    /// Log format; the level comes from RUST_LOG (default `info`). [default: text]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_LOG_FORMAT",
+        value_name = "FORMAT",
+        global = true
+    )]
+    pub log_format: Option<LogFormat>,
+
+    /// Elect a leader among replicas with a Lease; loops that write cluster-wide objects run only
+    /// on the leader. `--leader-elect` alone means true. [default: true]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_LEADER_ELECT",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        global = true
+    )]
+    pub leader_elect: Option<bool>,
+
+    /// Name of the leader-election Lease. [default: bootstrap-controller]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_LEADER_ELECT_LEASE_NAME",
+        value_name = "NAME",
+        global = true
+    )]
+    pub leader_elect_lease_name: Option<String>,
+
+    /// Namespace of the leader-election Lease. [default: kube-system]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_LEADER_ELECT_LEASE_NAMESPACE",
+        value_name = "NAMESPACE",
+        global = true
+    )]
+    pub leader_elect_lease_namespace: Option<String>,
+
+    /// This replica's identity in the leader-election Lease.
+    /// [default: $POD_NAME, else the host name, plus a random suffix]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_LEADER_ELECT_IDENTITY",
+        value_name = "ID",
+        global = true
+    )]
+    pub leader_elect_identity: Option<String>,
+
+    /// How long a leader holds the Lease without renewing it (also the longest failover time),
+    /// e.g. `15s`. [default: 15s]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_LEADER_ELECT_LEASE_DURATION",
+        value_name = "DURATION",
+        global = true
+    )]
+    pub leader_elect_lease_duration: Option<String>,
+
+    /// How long before the Lease expires the leader renews it, e.g. `5s`; must be shorter than
+    /// the lease duration. [default: 5s]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_LEADER_ELECT_RENEW_GRACE",
+        value_name = "DURATION",
+        global = true
+    )]
+    pub leader_elect_renew_grace: Option<String>,
+
+    /// Upper bound for graceful shutdown (finish running passes, run each loop's shutdown hook),
+    /// e.g. `30s`. [default: 30s]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_SHUTDOWN_TIMEOUT",
+        value_name = "DURATION",
+        global = true
+    )]
+    pub shutdown_timeout: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndpointReconcilerType {
+    #[default]
+    Lease,
+    Static,
+    MasterCount,
+    None,
+}
+
+impl EndpointReconcilerType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointReconcilerType::Lease => "lease",
+            EndpointReconcilerType::Static => "static",
+            EndpointReconcilerType::MasterCount => "master-count",
+            EndpointReconcilerType::None => "none",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+// ------------------------------------------------------------------------------------------------
+// The effective configuration
+// ------------------------------------------------------------------------------------------------
+
+/// The effective configuration, after merging flags, file and defaults, and validated.
+///
+/// Serialises (`config print`) to the same YAML shape the `--config` file accepts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Config {
+    #[serde(rename = "serviceClusterIPRange", serialize_with = "ser_cidrs")]
+    pub service_cluster_ip_range: Vec<IpNet>,
+    pub service_node_port_range: PortRange,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_address: Option<IpAddr>,
+    pub secure_port: u16,
+    pub kubernetes_service_node_port: u16,
+    pub endpoint_reconciler_type: EndpointReconcilerType,
+    pub apiserver_count: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubeconfig: Option<PathBuf>,
+    pub dry_run: bool,
+    pub timer_only: bool,
+    pub admin_addr: SocketAddr,
+    pub log_format: LogFormat,
+    #[serde(with = "duration_format")]
+    pub shutdown_timeout: Duration,
+    pub leader_election: LeaderElection,
+    pub loops: Loops,
+}
+
+/// Inclusive port range, written `BASE-LAST` like kube-apiserver's `--service-node-port-range`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortRange {
+    pub base: u16,
+    pub last: u16,
+}
+
+impl PortRange {
+    pub fn contains(&self, port: u16) -> bool {
+        (self.base..=self.last).contains(&port)
+    }
+
+    /// Number of ports in the range.
+    pub fn size(&self) -> u32 {
+        u32::from(self.last) - u32::from(self.base) + 1
+    }
+}
+
+impl Default for PortRange {
+    fn default() -> Self {
+        PortRange {
+            base: 30000,
+            last: 32767,
+        }
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.base, self.last)
+    }
+}
+
+impl Serialize for PortRange {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+/// Leader election among replicas of this controller.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct LeaderElection {
+    pub enabled: bool,
+    pub lease_name: String,
+    pub lease_namespace: String,
+    /// Empty means: derive one at start (see `--leader-elect-identity`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub identity: String,
+    #[serde(with = "duration_format")]
+    pub lease_duration: Duration,
+    #[serde(with = "duration_format")]
+    pub renew_grace: Duration,
+}
+
+impl Default for LeaderElection {
+    fn default() -> Self {
+        LeaderElection {
+            enabled: true,
+            lease_name: "bootstrap-controller".to_owned(),
+            lease_namespace: "kube-system".to_owned(),
+            identity: String::new(),
+            lease_duration: Duration::from_secs(15),
+            renew_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One section per loop. Loops not listed in the file keep their defaults.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct Loops {
+    pub system_namespaces: SystemNamespacesLoop,
+    pub kubernetes_service: KubernetesServiceLoop,
+    pub apiserver_endpoints: ApiserverEndpointsLoop,
+    #[serde(rename = "serviceCIDR")]
+    pub service_cidr: ServiceCidrLoop,
+    #[serde(rename = "clusterIPRepair")]
+    pub cluster_ip_repair: ClusterIpRepairLoop,
+}
+
+impl Loops {
+    fn validate(&self, config: &Config, errors: &mut Vec<ConfigError>) {
+        self.system_namespaces
+            .validate("loops.systemNamespaces", config, errors);
+        self.kubernetes_service
+            .validate("loops.kubernetesService", config, errors);
+        self.apiserver_endpoints
+            .validate("loops.apiserverEndpoints", config, errors);
+        self.service_cidr
+            .validate("loops.serviceCIDR", config, errors);
+        self.cluster_ip_repair
+            .validate("loops.clusterIPRepair", config, errors);
+    }
+}
+
+/// What every loop section implements so the configuration validates it.
+pub trait LoopSection {
+    /// Push one [`ConfigError`] per problem; `path` is the section's YAML path, e.g.
+    /// `loops.systemNamespaces`. `config` is the rest of the effective configuration, for
+    /// cross-field checks.
+    fn validate(&self, path: &str, config: &Config, errors: &mut Vec<ConfigError>);
+}
+
+fn validate_interval(path: &str, interval: Duration, errors: &mut Vec<ConfigError>) {
+    if interval.is_zero() {
+        errors.push(ConfigError::new(
+            format!("{path}.interval"),
+            "must be greater than zero (e.g. 10s or 1m)",
+        ));
+    }
+}
+
+/// Ensures the system namespaces exist (upstream: `kube-system`, `kube-public`,
+/// `kube-node-lease`, `default`, every minute).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct SystemNamespacesLoop {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+    pub namespaces: Vec<NamespaceSpec>,
+}
+
+impl Default for SystemNamespacesLoop {
+    fn default() -> Self {
+        SystemNamespacesLoop {
+            enabled: true,
+            interval: Duration::from_secs(60),
+            namespaces: ["kube-system", "kube-public", "kube-node-lease", "default"]
+                .into_iter()
+                .map(NamespaceSpec::named)
+                .collect(),
+        }
+    }
+}
+
+/// A namespace that must exist, with labels and annotations it must carry (others are left
+/// alone).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NamespaceSpec {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl NamespaceSpec {
+    pub fn named(name: &str) -> Self {
+        NamespaceSpec {
+            name: name.to_owned(),
+            labels: BTreeMap::new(),
+            annotations: BTreeMap::new(),
+        }
+    }
+}
+
+impl LoopSection for SystemNamespacesLoop {
+    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+        let mut seen = std::collections::BTreeSet::new();
+        for (index, namespace) in self.namespaces.iter().enumerate() {
+            let field = format!("{path}.namespaces[{index}]");
+            if let Err(why) = validate_dns1123_label(&namespace.name) {
+                errors.push(ConfigError::new(
+                    format!("{field}.name"),
+                    format!(
+                        "{:?} is not a valid namespace name: {why} (expected a DNS-1123 label \
+                         such as kube-system)",
+                        namespace.name
+                    ),
+                ));
+            } else if !seen.insert(namespace.name.as_str()) {
+                errors.push(ConfigError::new(
+                    format!("{field}.name"),
+                    format!(
+                        "{:?} is listed twice (list each namespace once and merge its labels \
+                         and annotations)",
+                        namespace.name
+                    ),
+                ));
+            }
+            for key in namespace.labels.keys() {
+                if let Err(why) = validate_qualified_name(key) {
+                    errors.push(ConfigError::new(
+                        format!("{field}.labels"),
+                        format!(
+                            "key {key:?} is not a valid label key: {why} (expected e.g. \
+                             example.com/team or team)"
+                        ),
+                    ));
+                }
+            }
+            for (key, value) in &namespace.labels {
+                if let Err(why) = validate_label_value(value) {
+                    errors.push(ConfigError::new(
+                        format!("{field}.labels.{key}"),
+                        format!("{value:?} is not a valid label value: {why}"),
+                    ));
+                }
+            }
+            for key in namespace.annotations.keys() {
+                if let Err(why) = validate_qualified_name(key) {
+                    errors.push(ConfigError::new(
+                        format!("{field}.annotations"),
+                        format!(
+                            "key {key:?} is not a valid annotation key: {why} (expected e.g. \
+                             example.com/owner)"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// The `default/kubernetes` Service (issue 4). Upstream interval: 10s.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct KubernetesServiceLoop {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+}
+
+impl Default for KubernetesServiceLoop {
+    fn default() -> Self {
+        KubernetesServiceLoop {
+            enabled: true,
+            interval: Duration::from_secs(10),
+        }
+    }
+}
+
+impl LoopSection for KubernetesServiceLoop {
+    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+    }
+}
+
+/// The `kubernetes` Endpoints and EndpointSlices (issue 4). Upstream interval: 10s.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct ApiserverEndpointsLoop {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+}
+
+impl Default for ApiserverEndpointsLoop {
+    fn default() -> Self {
+        ApiserverEndpointsLoop {
+            enabled: true,
+            interval: Duration::from_secs(10),
+        }
+    }
+}
+
+impl LoopSection for ApiserverEndpointsLoop {
+    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+    }
+}
+
+/// The default ServiceCIDR `kubernetes` (issue 5). Upstream interval: 10s.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct ServiceCidrLoop {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+}
+
+impl Default for ServiceCidrLoop {
+    fn default() -> Self {
+        ServiceCidrLoop {
+            enabled: true,
+            interval: Duration::from_secs(10),
+        }
+    }
+}
+
+impl LoopSection for ServiceCidrLoop {
+    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+    }
+}
+
+/// ClusterIP repair against IPAddress/ServiceCIDR (issue 5). Upstream interval: 3m.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct ClusterIpRepairLoop {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+}
+
+impl Default for ClusterIpRepairLoop {
+    fn default() -> Self {
+        ClusterIpRepairLoop {
+            enabled: true,
+            interval: Duration::from_secs(180),
+        }
+    }
+}
+
+impl LoopSection for ClusterIpRepairLoop {
+    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The file
+// ------------------------------------------------------------------------------------------------
+
+/// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field); the
+/// structured sections have no flags.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct FileConfig {
+    #[serde(rename = "serviceClusterIPRange")]
+    pub service_cluster_ip_range: Option<StringOrList>,
+    pub service_node_port_range: Option<String>,
+    pub advertise_address: Option<String>,
+    pub secure_port: Option<u32>,
+    pub kubernetes_service_node_port: Option<u32>,
+    pub endpoint_reconciler_type: Option<EndpointReconcilerType>,
+    pub apiserver_count: Option<i64>,
+    pub kubeconfig: Option<PathBuf>,
+    pub dry_run: Option<bool>,
+    pub timer_only: Option<bool>,
+    pub admin_addr: Option<String>,
+    pub log_format: Option<LogFormat>,
+    #[serde(default, with = "duration_format::option")]
+    pub shutdown_timeout: Option<Duration>,
+    pub leader_election: Option<LeaderElection>,
+    pub loops: Option<Loops>,
+}
+
+/// `serviceClusterIPRange` may be written `"a,b"` (like the flag) or as a YAML list.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum StringOrList {
+    One(String),
+    List(Vec<String>),
+}
+
+impl StringOrList {
+    fn joined(&self) -> String {
+        match self {
+            StringOrList::One(one) => one.clone(),
+            StringOrList::List(list) => list.join(","),
+        }
+    }
+}
+
+/// Parses the YAML text of a configuration file. Errors name the field path.
+pub fn parse_file(text: &str) -> Result<FileConfig, ConfigError> {
+    let mut failed_path = None;
+    let result = serde_saphyr::with_deserializer_from_str(text, |deserializer| {
+        serde_path_to_error::deserialize(deserializer).map_err(|err| {
+            failed_path = Some(err.path().to_string());
+            err.into_inner()
+        })
+    });
+    match result {
+        Ok(file) => Ok(file),
+        Err(err) => {
+            let path = failed_path
+                .filter(|path| path != ".")
+                .unwrap_or_else(|| "(file)".to_owned());
+            // The first line of serde-saphyr's message is the cause with its location; the rest
+            // is a source snippet that is noise in a one-line error.
+            let message = err.to_string();
+            let first = message.lines().next().unwrap_or("invalid YAML").trim();
+            Err(ConfigError::new(path, fix_hint_for_parse_error(first)))
+        }
+    }
+}
+
+fn fix_hint_for_parse_error(message: &str) -> String {
+    if message.contains("unknown field") {
+        format!("{message} (remove it or fix its spelling; `config print` shows every field)")
+    } else {
+        message.to_owned()
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Errors
+// ------------------------------------------------------------------------------------------------
+
+/// One invalid value: the field (flag or YAML path) and what is wrong with it, with the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl ConfigError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Every problem found in a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.as_slice() {
+            [one] => write!(f, "invalid configuration: {one}"),
+            many => {
+                write!(f, "invalid configuration ({} problems):", many.len())?;
+                for error in many {
+                    write!(f, "\n  {error}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+impl From<ConfigError> for ConfigErrors {
+    fn from(error: ConfigError) -> Self {
+        ConfigErrors(vec![error])
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Merging and validation
+// ------------------------------------------------------------------------------------------------
+
+/// Where a value came from, so errors name the flag or the YAML field the user wrote.
+struct Source<T> {
+    value: T,
+    field: &'static str,
+}
+
+fn pick<T>(
+    flag: Option<T>,
+    flag_name: &'static str,
+    file: Option<T>,
+    file_field: &'static str,
+) -> Option<Source<T>> {
+    match (flag, file) {
+        (Some(value), _) => Some(Source {
+            value,
+            field: flag_name,
+        }),
+        (None, Some(value)) => Some(Source {
+            value,
+            field: file_field,
+        }),
+        (None, None) => None,
+    }
+}
+
+impl Config {
+    /// Reads `--config` (if any), merges it with the flags and the defaults, and validates.
+    pub fn load(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        Config::merge(args, file)
+    }
+
+    /// Merges flags over a parsed file over defaults, and validates the result.
+    pub fn merge(args: &ConfigArgs, file: FileConfig) -> Result<Config, ConfigErrors> {
+        let mut errors = Vec::new();
+
+        let service_cluster_ip_range = match pick(
+            args.service_cluster_ip_range.clone(),
+            "--service-cluster-ip-range",
+            file.service_cluster_ip_range
+                .as_ref()
+                .map(StringOrList::joined),
+            "serviceClusterIPRange",
+        ) {
+            Some(source) => parse_service_cidrs(&source.value)
+                .map_err(|message| errors.push(ConfigError::new(source.field, message)))
+                .unwrap_or_default(),
+            None => vec![default_service_cidr()],
+        };
+
+        let service_node_port_range = match pick(
+            args.service_node_port_range.clone(),
+            "--service-node-port-range",
+            file.service_node_port_range.clone(),
+            "serviceNodePortRange",
+        ) {
+            Some(source) => parse_port_range(&source.value)
+                .map_err(|message| errors.push(ConfigError::new(source.field, message)))
+                .unwrap_or_default(),
+            None => PortRange::default(),
+        };
+
+        let advertise_address_source = pick(
+            args.advertise_address.clone(),
+            "--advertise-address",
+            file.advertise_address.clone(),
+            "advertiseAddress",
+        );
+        let advertise_address = advertise_address_source.as_ref().and_then(|source| {
+            let text = source.value.trim();
+            match text.parse::<IpAddr>() {
+                Ok(ip) if ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "{text:?} cannot be advertised to the cluster (use the apiserver's \
+                             routable address, e.g. 192.168.1.10)"
+                        ),
+                    ));
+                    None
+                }
+                Ok(ip) => Some(ip),
+                Err(_) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "{text:?} is not an IP address (expected e.g. 192.168.1.10 or \
+                             fd00::10)"
+                        ),
+                    ));
+                    None
+                }
+            }
+        });
+
+        let secure_port = match pick(
+            args.secure_port.as_deref().map(parse_u32),
+            "--secure-port",
+            file.secure_port.map(Ok),
+            "securePort",
+        ) {
+            Some(source) => match source.value {
+                Ok(port @ 1..=65535) => u16::try_from(port).unwrap_or(6443),
+                Ok(port) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!("{port} is not a valid port (expected 1-65535, e.g. 6443)"),
+                    ));
+                    6443
+                }
+                Err(text) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!("{text:?} is not a port number (expected 1-65535, e.g. 6443)"),
+                    ));
+                    6443
+                }
+            },
+            None => 6443,
+        };
+
+        let node_port_source = pick(
+            args.kubernetes_service_node_port.as_deref().map(parse_u32),
+            "--kubernetes-service-node-port",
+            file.kubernetes_service_node_port.map(Ok),
+            "kubernetesServiceNodePort",
+        );
+        let kubernetes_service_node_port = match node_port_source {
+            Some(source) => match source.value {
+                Ok(0) => 0,
+                Ok(port) => match u16::try_from(port) {
+                    Ok(port) if service_node_port_range.contains(port) => port,
+                    _ => {
+                        errors.push(ConfigError::new(
+                            source.field,
+                            format!(
+                                "{port} is outside the node port range {service_node_port_range} \
+                                 (use 0 for a ClusterIP Service, or a port inside \
+                                 --service-node-port-range)"
+                            ),
+                        ));
+                        0
+                    }
+                },
+                Err(text) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "{text:?} is not a port number (use 0 for a ClusterIP Service, or a \
+                             port inside {service_node_port_range})"
+                        ),
+                    ));
+                    0
+                }
+            },
+            None => 0,
+        };
+
+        let endpoint_reconciler_type = args
+            .endpoint_reconciler_type
+            .or(file.endpoint_reconciler_type)
+            .unwrap_or_default();
+
+        let apiserver_count = match pick(
+            args.apiserver_count
+                .as_deref()
+                .map(|text| text.trim().parse::<i64>().map_err(|_| text.to_owned())),
+            "--apiserver-count",
+            file.apiserver_count.map(Ok),
+            "apiserverCount",
+        ) {
+            Some(source) => match source.value {
+                Ok(count) if count > 0 => u32::try_from(count).unwrap_or(u32::MAX),
+                Ok(count) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "should be a positive number, but {count} was given (e.g. 3 for \
+                             three apiservers)"
+                        ),
+                    ));
+                    1
+                }
+                Err(text) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!("{text:?} is not a number (expected a positive count, e.g. 3)"),
+                    ));
+                    1
+                }
+            },
+            None => 1,
+        };
+
+        // The public address must be reachable over the primary service family (upstream's
+        // validatePublicIPServiceClusterIPRangeIPFamilies), unless no endpoints are written.
+        if let (Some(address), Some(primary), Some(source)) = (
+            advertise_address,
+            service_cluster_ip_range.first(),
+            advertise_address_source.as_ref(),
+        ) && endpoint_reconciler_type != EndpointReconcilerType::None
+            && address.is_ipv4() != primary.addr().is_ipv4()
+        {
+            errors.push(ConfigError::new(
+                source.field,
+                format!(
+                    "{address} is {} but the primary service range {primary} is {} (advertise \
+                     an address of the primary range's family, or list the other family's range \
+                     first)",
+                    family_name(address),
+                    family_name(primary.addr())
+                ),
+            ));
+        }
+
+        let admin_addr = match pick(
+            args.admin_addr.clone(),
+            "--admin-addr",
+            file.admin_addr.clone(),
+            "adminAddr",
+        ) {
+            Some(source) => match source.value.trim().parse::<SocketAddr>() {
+                Ok(addr) => addr,
+                Err(_) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "{:?} is not an address:port (expected e.g. 0.0.0.0:8080 or \
+                             [::]:8080)",
+                            source.value
+                        ),
+                    ));
+                    default_admin_addr()
+                }
+            },
+            None => default_admin_addr(),
+        };
+
+        let shutdown_timeout = match pick(
+            args.shutdown_timeout.as_deref().map(parse_duration),
+            "--shutdown-timeout",
+            file.shutdown_timeout.map(Ok),
+            "shutdownTimeout",
+        ) {
+            Some(source) => match source.value {
+                Ok(timeout) if !timeout.is_zero() => timeout,
+                Ok(_) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        "must be greater than zero (e.g. 30s)",
+                    ));
+                    default_shutdown_timeout()
+                }
+                Err(message) => {
+                    errors.push(ConfigError::new(source.field, message));
+                    default_shutdown_timeout()
+                }
+            },
+            None => default_shutdown_timeout(),
+        };
+
+        let mut leader_election = file.leader_election.clone().unwrap_or_default();
+        let file_has_leader_section = file.leader_election.is_some();
+        let le_field = |flag: &'static str, field: &'static str, from_flag: bool| {
+            if from_flag || !file_has_leader_section {
+                flag
+            } else {
+                field
+            }
+        };
+        if let Some(enabled) = args.leader_elect {
+            leader_election.enabled = enabled;
+        }
+        if let Some(name) = &args.leader_elect_lease_name {
+            leader_election.lease_name = name.clone();
+        }
+        if let Some(namespace) = &args.leader_elect_lease_namespace {
+            leader_election.lease_namespace = namespace.clone();
+        }
+        if let Some(identity) = &args.leader_elect_identity {
+            leader_election.identity = identity.clone();
+        }
+        let mut duration_from_flag = false;
+        if let Some(text) = &args.leader_elect_lease_duration {
+            duration_from_flag = true;
+            match parse_duration(text) {
+                Ok(duration) => leader_election.lease_duration = duration,
+                Err(message) => {
+                    errors.push(ConfigError::new("--leader-elect-lease-duration", message))
+                }
+            }
+        }
+        let mut grace_from_flag = false;
+        if let Some(text) = &args.leader_elect_renew_grace {
+            grace_from_flag = true;
+            match parse_duration(text) {
+                Ok(duration) => leader_election.renew_grace = duration,
+                Err(message) => {
+                    errors.push(ConfigError::new("--leader-elect-renew-grace", message))
+                }
+            }
+        }
+        if leader_election.enabled {
+            if let Err(why) = validate_dns1123_subdomain(&leader_election.lease_name) {
+                errors.push(ConfigError::new(
+                    le_field(
+                        "--leader-elect-lease-name",
+                        "leaderElection.leaseName",
+                        args.leader_elect_lease_name.is_some(),
+                    ),
+                    format!(
+                        "{:?} is not a valid Lease name: {why} (expected e.g. \
+                         bootstrap-controller)",
+                        leader_election.lease_name
+                    ),
+                ));
+            }
+            if let Err(why) = validate_dns1123_label(&leader_election.lease_namespace) {
+                errors.push(ConfigError::new(
+                    le_field(
+                        "--leader-elect-lease-namespace",
+                        "leaderElection.leaseNamespace",
+                        args.leader_elect_lease_namespace.is_some(),
+                    ),
+                    format!(
+                        "{:?} is not a valid namespace name: {why} (expected e.g. kube-system)",
+                        leader_election.lease_namespace
+                    ),
+                ));
+            }
+            // kube-lease-manager works in whole seconds.
+            if leader_election.lease_duration.as_secs() < 2 {
+                errors.push(ConfigError::new(
+                    le_field(
+                        "--leader-elect-lease-duration",
+                        "leaderElection.leaseDuration",
+                        duration_from_flag,
+                    ),
+                    "must be at least 2s (e.g. 15s)",
+                ));
+            } else if leader_election.renew_grace.as_secs() < 1
+                || leader_election.renew_grace >= leader_election.lease_duration
+            {
+                errors.push(ConfigError::new(
+                    le_field(
+                        "--leader-elect-renew-grace",
+                        "leaderElection.renewGrace",
+                        grace_from_flag,
+                    ),
+                    format!(
+                        "must be at least 1s and shorter than the lease duration ({}) (e.g. 5s \
+                         with a 15s lease)",
+                        format_duration(leader_election.lease_duration)
+                    ),
+                ));
+            }
+        }
+
+        let mut config = Config {
+            service_cluster_ip_range,
+            service_node_port_range,
+            advertise_address,
+            secure_port,
+            kubernetes_service_node_port,
+            endpoint_reconciler_type,
+            apiserver_count,
+            kubeconfig: args.kubeconfig.clone().or(file.kubeconfig.clone()),
+            dry_run: args.dry_run.or(file.dry_run).unwrap_or(false),
+            timer_only: args.timer_only.or(file.timer_only).unwrap_or(false),
+            admin_addr,
+            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
+            shutdown_timeout,
+            leader_election,
+            loops: Loops::default(),
+        };
+        let loops = file.loops.clone().unwrap_or_default();
+        loops.validate(&config, &mut errors);
+        config.loops = loops;
+
+        if errors.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigErrors(errors))
+        }
+    }
+
+    /// The effective configuration as YAML, in the shape `--config` accepts.
+    pub fn to_yaml(&self) -> Result<String, String> {
+        serde_saphyr::to_string(self).map_err(|err| err.to_string())
+    }
+
+    /// The leader-election identity to use: the configured one, else `$POD_NAME` or the host
+    /// name plus a random suffix, so two processes on one host never share an identity.
+    pub fn leader_identity(&self) -> String {
+        if !self.leader_election.identity.is_empty() {
+            return self.leader_election.identity.clone();
+        }
+        let base = std::env::var("POD_NAME")
+            .ok()
+            .filter(|name| !name.is_empty())
+            .or_else(|| {
+                std::env::var("HOSTNAME")
+                    .ok()
+                    .filter(|name| !name.is_empty())
+            })
+            .or_else(|| {
+                std::fs::read_to_string("/etc/hostname")
+                    .ok()
+                    .map(|name| name.trim().to_owned())
+                    .filter(|name| !name.is_empty())
+            })
+            .unwrap_or_else(|| "bootstrap-controller".to_owned());
+        let suffix: u32 = rand::random();
+        format!("{base}_{suffix:08x}")
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigErrors> {
+    let text = std::fs::read_to_string(path).map_err(|err| {
+        ConfigError::new(
+            "--config",
+            format!(
+                "cannot read {}: {err} (check the path, or leave --config out to use the \
+                 defaults)",
+                path.display()
+            ),
+        )
+    })?;
+    parse_file(&text).map_err(|err| {
+        ConfigErrors(vec![ConfigError::new(
+            err.field,
+            format!("{} (in {})", err.message, path.display()),
+        )])
+    })
+}
+
+fn default_service_cidr() -> IpNet {
+    IpNet::V4(ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 0, 0, 0), 24).unwrap_or_default())
+}
+
+fn default_admin_addr() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 8080))
+}
+
+fn default_shutdown_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn family_name(ip: IpAddr) -> &'static str {
+    if ip.is_ipv4() { "IPv4" } else { "IPv6" }
+}
+
+fn parse_u32(text: &str) -> Result<u32, String> {
+    text.trim().parse::<u32>().map_err(|_| text.to_owned())
+}
+
+/// Parses `--service-cluster-ip-range`: one CIDR, or two of different families, each holding at
+/// least 8 addresses (kube-apiserver's rules).
+pub fn parse_service_cidrs(text: &str) -> Result<Vec<IpNet>, String> {
+    let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+    if parts.iter().all(|part| part.is_empty()) {
+        return Err(
+            "is empty (expected one CIDR such as 10.96.0.0/12, or two of different families \
+             such as 10.96.0.0/12,fd00:10:96::/108)"
+                .to_owned(),
+        );
+    }
+    if parts.len() > 2 {
+        return Err(format!(
+            "{text:?} lists {} ranges; at most two are allowed, one IPv4 and one IPv6 (e.g. \
+             10.96.0.0/12,fd00:10:96::/108)",
+            parts.len()
+        ));
+    }
+    let mut cidrs = Vec::with_capacity(parts.len());
+    for part in parts {
+        let cidr: IpNet = part.parse().map_err(|_| {
+            format!("{part:?} is not a valid CIDR (expected e.g. 10.96.0.0/12 or fd00:10:96::/108)")
+        })?;
+        if cidr.trunc() != cidr {
+            return Err(format!(
+                "{part:?} has host bits set (did you mean {}?)",
+                cidr.trunc()
+            ));
+        }
+        let host_bits = cidr.max_prefix_len() - cidr.prefix_len();
+        if host_bits < 3 {
+            return Err(format!(
+                "{part:?} holds fewer than 8 addresses (use a larger range, e.g. /{} or shorter)",
+                cidr.max_prefix_len() - 3
+            ));
+        }
+        cidrs.push(cidr);
+    }
+    if let [first, second] = cidrs.as_slice()
+        && first.addr().is_ipv4() == second.addr().is_ipv4()
+    {
+        return Err(format!(
+            "{text:?} lists two {} ranges; a dual-stack range needs one IPv4 and one IPv6 CIDR \
+             (e.g. 10.96.0.0/12,fd00:10:96::/108)",
+            family_name(first.addr())
+        ));
+    }
+    Ok(cidrs)
+}
+
+/// Parses `BASE-LAST` (inclusive), e.g. `30000-32767`.
+pub fn parse_port_range(text: &str) -> Result<PortRange, String> {
+    let example = "(expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)";
+    let Some((base, last)) = text.trim().split_once('-') else {
+        return Err(format!("{text:?} is not a port range {example}"));
+    };
+    let parse = |part: &str| part.trim().parse::<u16>().ok().filter(|port| *port > 0);
+    match (parse(base), parse(last)) {
+        (Some(base), Some(last)) if base <= last => Ok(PortRange { base, last }),
+        (Some(base), Some(last)) => Err(format!(
+            "{text:?} is inverted: {base} is above {last} {example}"
+        )),
+        _ => Err(format!(
+            "{text:?} is not a port range of ports 1-65535 {example}"
+        )),
+    }
+}
+
+/// Parses durations such as `500ms`, `10s`, `1m`, `1m30s`, `2h`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let hint = "(expected a number with a unit: ms, s, m or h, e.g. 10s, 1m30s, 500ms)";
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return Err(format!("is empty {hint}"));
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = trimmed;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        if digits == 0 {
+            return Err(format!("{text:?} is not a duration {hint}"));
+        }
+        let number: u64 = rest[..digits]
+            .parse()
+            .map_err(|_| format!("{text:?} is too large {hint}"))?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit = &rest[..unit_len];
+        rest = &rest[unit_len..];
+        let part = match unit {
+            "ms" => Duration::from_millis(number),
+            "s" => Duration::from_secs(number),
+            "m" => Duration::from_secs(number.saturating_mul(60)),
+            "h" => Duration::from_secs(number.saturating_mul(3600)),
+            _ => return Err(format!("{text:?} is not a duration {hint}")),
+        };
+        total = total.saturating_add(part);
+    }
+    Ok(total)
+}
+
+/// Formats a duration the way [`parse_duration`] reads it, e.g. `1m30s`, `500ms`.
+pub fn format_duration(duration: Duration) -> String {
+    let millis = duration.as_millis();
+    if millis == 0 {
+        return "0s".to_owned();
+    }
+    let mut out = String::new();
+    let hours = millis / 3_600_000;
+    let minutes = (millis / 60_000) % 60;
+    let seconds = (millis / 1000) % 60;
+    let rest_ms = millis % 1000;
+    for (value, unit) in [
+        (hours, "h"),
+        (minutes, "m"),
+        (seconds, "s"),
+        (rest_ms, "ms"),
+    ] {
+        if value > 0 {
+            out.push_str(&format!("{value}{unit}"));
+        }
+    }
+    out
+}
+
+/// Serde support for durations written like `10s`.
+pub mod duration_format {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&super::format_duration(*duration))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        super::parse_duration(&text).map_err(serde::de::Error::custom)
+    }
+
+    pub mod option {
+        use std::time::Duration;
+
+        use serde::{Deserialize, Deserializer};
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            deserializer: D,
+        ) -> Result<Option<Duration>, D::Error> {
+            let text = Option::<String>::deserialize(deserializer)?;
+            text.map(|text| super::super::parse_duration(&text).map_err(serde::de::Error::custom))
+                .transpose()
+        }
+    }
+}
+
+fn ser_cidrs<S: serde::Serializer>(cidrs: &[IpNet], serializer: S) -> Result<S::Ok, S::Error> {
+    let joined = cidrs
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    serializer.serialize_str(&joined)
+}
+
+/// RFC 1123 label, as Kubernetes validates namespace names.
+pub fn validate_dns1123_label(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("it is empty".to_owned());
+    }
+    if name.len() > 63 {
+        return Err(format!(
+            "it is {} characters long, at most 63 are allowed",
+            name.len()
+        ));
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    {
+        return Err("only lowercase letters, digits and '-' are allowed".to_owned());
+    }
+    if name.starts_with('-') || name.ends_with('-') {
+        return Err("it must start and end with a letter or digit".to_owned());
+    }
+    Ok(())
+}
+
+/// RFC 1123 subdomain, as Kubernetes validates most object names.
+pub fn validate_dns1123_subdomain(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("it is empty".to_owned());
+    }
+    if name.len() > 253 {
+        return Err(format!(
+            "it is {} characters long, at most 253 are allowed",
+            name.len()
+        ));
+    }
+    for label in name.split('.') {
+        if label.is_empty() {
+            return Err("it has an empty part between dots".to_owned());
+        }
+        if !label
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        {
+            return Err("only lowercase letters, digits, '-' and '.' are allowed".to_owned());
+        }
+        if label.starts_with('-') || label.ends_with('-') {
+            return Err("each part must start and end with a letter or digit".to_owned());
+        }
+    }
+    Ok(())
+}
+
+/// A label or annotation key: `[prefix/]name`.
+fn validate_qualified_name(key: &str) -> Result<(), String> {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    if let Some(prefix) = prefix {
+        validate_dns1123_subdomain(prefix)
+            .map_err(|why| format!("its prefix is invalid: {why}"))?;
+    }
+    validate_label_name(name)
+}
+
+fn validate_label_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > 63 {
+        return Err("the name part must be 1-63 characters".to_owned());
+    }
+    let alnum = |c: char| c.is_ascii_alphanumeric();
+    if !name.starts_with(alnum) || !name.ends_with(alnum) {
+        return Err("it must start and end with a letter or digit".to_owned());
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err("only letters, digits, '-', '_' and '.' are allowed".to_owned());
+    }
+    Ok(())
+}
+
+fn validate_label_value(value: &str) -> Result<(), String> {
+    if value.is_empty() {
+        return Ok(());
+    }
+    validate_label_name(value)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
+        let file = parse_file(text).map_err(ConfigErrors::from)?;
+        Config::merge(&ConfigArgs::default(), file)
+    }
+
+    fn single_error(result: Result<Config, ConfigErrors>) -> ConfigError {
+        let errors = result.expect_err("configuration should be rejected").0;
+        assert_eq!(
+            errors.len(),
+            1,
+            "expected exactly one error, got {errors:?}"
+        );
+        errors.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn defaults_match_upstream() {
+        let config = Config::merge(&ConfigArgs::default(), FileConfig::default()).unwrap();
+        assert_eq!(
+            config.service_node_port_range,
+            PortRange {
+                base: 30000,
+                last: 32767
+            }
+        );
+        assert_eq!(config.secure_port, 6443);
+        assert_eq!(
+            config.endpoint_reconciler_type,
+            EndpointReconcilerType::Lease
+        );
+        assert_eq!(config.admin_addr, "0.0.0.0:8080".parse().unwrap());
+        assert_eq!(
+            config.loops.system_namespaces.interval,
+            Duration::from_secs(60)
+        );
+        assert_eq!(
+            config.loops.kubernetes_service.interval,
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            config.loops.apiserver_endpoints.interval,
+            Duration::from_secs(10)
+        );
+        assert_eq!(config.loops.service_cidr.interval, Duration::from_secs(10));
+        assert_eq!(
+            config.loops.cluster_ip_repair.interval,
+            Duration::from_secs(180)
+        );
+        let names: Vec<_> = config
+            .loops
+            .system_namespaces
+            .namespaces
+            .iter()
+            .map(|ns| ns.name.as_str())
+            .collect();
+        assert_eq!(
+            names,
+            ["kube-system", "kube-public", "kube-node-lease", "default"]
+        );
+        assert!(config.leader_election.enabled);
+        assert!(!config.dry_run);
+    }
+
+    #[test]
+    fn bad_cidr_names_field_and_fix() {
+        let error = single_error(from_yaml("serviceClusterIPRange: 10.0.0.0/33\n"));
+        assert_eq!(error.field, "serviceClusterIPRange");
+        assert_eq!(
+            error.to_string(),
+            "serviceClusterIPRange: \"10.0.0.0/33\" is not a valid CIDR (expected e.g. \
+             10.96.0.0/12 or fd00:10:96::/108)"
+        );
+    }
+
+    #[test]
+    fn bad_cidr_from_flag_names_flag() {
+        let args = ConfigArgs {
+            service_cluster_ip_range: Some("banana".to_owned()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, "--service-cluster-ip-range");
+        assert!(error.message.contains("not a valid CIDR"), "{error}");
+    }
+
+    #[test]
+    fn two_cidrs_of_one_family_rejected() {
+        let error = single_error(from_yaml(
+            "serviceClusterIPRange: 10.96.0.0/12,10.200.0.0/16\n",
+        ));
+        assert_eq!(error.field, "serviceClusterIPRange");
+        assert!(error.message.contains("two IPv4 ranges"), "{error}");
+        let error = single_error(from_yaml(
+            "serviceClusterIPRange: [fd00::/108, fd01::/108]\n",
+        ));
+        assert!(error.message.contains("two IPv6 ranges"), "{error}");
+    }
+
+    #[test]
+    fn dual_stack_and_small_ranges() {
+        let config =
+            from_yaml("serviceClusterIPRange: [10.96.0.0/12, fd00:10:96::/108]\n").unwrap();
+        assert_eq!(config.service_cluster_ip_range.len(), 2);
+        let error = single_error(from_yaml("serviceClusterIPRange: 10.0.0.0/30\n"));
+        assert!(error.message.contains("fewer than 8"), "{error}");
+        assert!(parse_service_cidrs("10.0.0.0/29").is_ok());
+        assert!(
+            parse_service_cidrs("10.0.0.1/24")
+                .unwrap_err()
+                .contains("host bits")
+        );
+        assert!(parse_service_cidrs("10.0.0.0/24,fd00::/64,10.1.0.0/24").is_err());
+    }
+
+    #[test]
+    fn inverted_port_range_rejected() {
+        let error = single_error(from_yaml("serviceNodePortRange: 32767-30000\n"));
+        assert_eq!(error.field, "serviceNodePortRange");
+        assert!(error.message.contains("inverted"), "{error}");
+        assert!(error.message.contains("e.g. 30000-32767"), "{error}");
+        let args = ConfigArgs {
+            service_node_port_range: Some("40000-30000".to_owned()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, "--service-node-port-range");
+        assert_eq!(parse_port_range("30000-30000").unwrap().size(), 1);
+        assert!(parse_port_range("0-10").is_err());
+        assert!(parse_port_range("30000").is_err());
+    }
+
+    #[test]
+    fn zero_interval_rejected() {
+        let error = single_error(from_yaml("loops:\n  systemNamespaces:\n    interval: 0s\n"));
+        assert_eq!(error.field, "loops.systemNamespaces.interval");
+        assert!(error.message.contains("greater than zero"), "{error}");
+        let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    interval: 0ms\n"));
+        assert_eq!(error.field, "loops.clusterIPRepair.interval");
+    }
+
+    #[test]
+    fn unparsable_interval_names_path() {
+        let error = single_error(from_yaml(
+            "loops:\n  systemNamespaces:\n    interval: soon\n",
+        ));
+        assert_eq!(error.field, "loops.systemNamespaces.interval");
+        assert!(error.message.contains("e.g. 10s"), "{error}");
+    }
+
+    #[test]
+    fn unknown_field_names_its_path() {
+        let error = single_error(from_yaml(
+            "loops:\n  systemNamespaces:\n    intervall: 1m\n",
+        ));
+        assert_eq!(error.field, "loops.systemNamespaces.intervall");
+        assert!(
+            error.message.contains("unknown field `intervall`"),
+            "{error}"
+        );
+        assert!(error.message.contains("expected one of"), "{error}");
+        let error = single_error(from_yaml("servicClusterIPRange: 10.0.0.0/24\n"));
+        assert!(
+            error
+                .message
+                .contains("unknown field `servicClusterIPRange`"),
+            "{error}"
+        );
+        let error = single_error(from_yaml(
+            "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labls: {}\n",
+        ));
+        assert_eq!(error.field, "loops.systemNamespaces.namespaces[0].labls");
+    }
+
+    #[test]
+    fn invalid_namespace_name_rejected() {
+        let error = single_error(from_yaml(
+            "loops:\n  systemNamespaces:\n    namespaces:\n      - name: kube-system\n      - name: Kube_Public\n",
+        ));
+        assert_eq!(error.field, "loops.systemNamespaces.namespaces[1].name");
+        assert!(error.message.contains("DNS-1123"), "{error}");
+        let error = single_error(from_yaml(
+            "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n      - name: a\n",
+        ));
+        assert!(error.message.contains("listed twice"), "{error}");
+    }
+
+    #[test]
+    fn invalid_labels_rejected() {
+        let error = single_error(from_yaml(
+            "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labels:\n          \"bad key!\": x\n",
+        ));
+        assert_eq!(error.field, "loops.systemNamespaces.namespaces[0].labels");
+        let ok = from_yaml(
+            "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labels:\n          example.com/team: core\n        annotations:\n          example.com/owner: \"Jane Doe <jane@example.com>\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            ok.loops.system_namespaces.namespaces[0].labels["example.com/team"],
+            "core"
+        );
+    }
+
+    #[test]
+    fn node_port_must_be_in_range() {
+        let error = single_error(from_yaml("kubernetesServiceNodePort: 80\n"));
+        assert_eq!(error.field, "kubernetesServiceNodePort");
+        assert!(error.message.contains("30000-32767"), "{error}");
+        let config = from_yaml("kubernetesServiceNodePort: 30443\n").unwrap();
+        assert_eq!(config.kubernetes_service_node_port, 30443);
+    }
+
+    #[test]
+    fn apiserver_count_and_advertise_address() {
+        let error = single_error(from_yaml("apiserverCount: 0\n"));
+        assert_eq!(error.field, "apiserverCount");
+        let error = single_error(from_yaml("advertiseAddress: fd00::1\n"));
+        assert_eq!(error.field, "advertiseAddress");
+        assert!(error.message.contains("IPv6"), "{error}");
+        let config =
+            from_yaml("advertiseAddress: fd00::1\nendpointReconcilerType: none\n").unwrap();
+        assert_eq!(config.advertise_address, Some("fd00::1".parse().unwrap()));
+        let error = single_error(from_yaml("advertiseAddress: not-an-ip\n"));
+        assert!(error.message.contains("not an IP"), "{error}");
+    }
+
+    #[test]
+    fn all_errors_reported_at_once() {
+        let errors = from_yaml(
+            "serviceClusterIPRange: x\nserviceNodePortRange: 2-1\nloops:\n  systemNamespaces:\n    interval: 0s\n",
+        )
+        .unwrap_err();
+        assert_eq!(errors.0.len(), 3, "{errors}");
+        assert!(errors.to_string().contains("3 problems"));
+    }
+
+    #[test]
+    fn flags_override_file_override_defaults() {
+        let file = parse_file(
+            "serviceNodePortRange: 20000-20999\nsecurePort: 8443\nadminAddr: 127.0.0.1:9000\ndryRun: true\nloops:\n  systemNamespaces:\n    interval: 5s\n",
+        )
+        .unwrap();
+        let args = ConfigArgs {
+            secure_port: Some("9443".to_owned()),
+            dry_run: Some(false),
+            ..ConfigArgs::default()
+        };
+        let config = Config::merge(&args, file).unwrap();
+        assert_eq!(config.secure_port, 9443, "flag wins over file");
+        assert!(!config.dry_run, "flag wins over file");
+        assert_eq!(
+            config.service_node_port_range,
+            PortRange {
+                base: 20000,
+                last: 20999
+            }
+        );
+        assert_eq!(config.admin_addr, "127.0.0.1:9000".parse().unwrap());
+        assert_eq!(
+            config.loops.system_namespaces.interval,
+            Duration::from_secs(5)
+        );
+        // Sections the file leaves out keep their defaults, as do fields of a partial section.
+        assert_eq!(
+            config.loops.kubernetes_service.interval,
+            Duration::from_secs(10)
+        );
+        assert_eq!(config.loops.system_namespaces.namespaces.len(), 4);
+        assert_eq!(config.apiserver_count, 1);
+    }
+
+    #[test]
+    fn leader_election_flags_override_file() {
+        let file =
+            parse_file("leaderElection:\n  enabled: true\n  leaseName: from-file\n").unwrap();
+        let args = ConfigArgs {
+            leader_elect: Some(false),
+            ..ConfigArgs::default()
+        };
+        let config = Config::merge(&args, file).unwrap();
+        assert!(!config.leader_election.enabled);
+        assert_eq!(config.leader_election.lease_name, "from-file");
+        assert_eq!(config.leader_election.lease_namespace, "kube-system");
+        let error = single_error(
+            parse_file("leaderElection:\n  leaseDuration: 5s\n  renewGrace: 5s\n")
+                .map_err(ConfigErrors::from)
+                .and_then(|file| Config::merge(&ConfigArgs::default(), file)),
+        );
+        assert_eq!(error.field, "leaderElection.renewGrace");
+    }
+
+    #[test]
+    fn printed_config_parses_back_to_the_same() {
+        let config = from_yaml(
+            "serviceClusterIPRange: 10.96.0.0/12,fd00::/108\nadvertiseAddress: 10.1.2.3\nloops:\n  systemNamespaces:\n    interval: 1m30s\n    namespaces:\n      - name: extra\n        labels:\n          team: core\n",
+        )
+        .unwrap();
+        let yaml = config.to_yaml().unwrap();
+        let again = from_yaml(&yaml).unwrap();
+        assert_eq!(config, again, "{yaml}");
+    }
+
+    #[test]
+    fn durations_round_trip() {
+        for (text, duration) in [
+            ("500ms", Duration::from_millis(500)),
+            ("10s", Duration::from_secs(10)),
+            ("1m", Duration::from_secs(60)),
+            ("1m30s", Duration::from_secs(90)),
+            ("2h", Duration::from_secs(7200)),
+        ] {
+            assert_eq!(parse_duration(text).unwrap(), duration);
+            assert_eq!(format_duration(duration), text);
+        }
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("1 minute").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn dns1123() {
+        assert!(validate_dns1123_label("kube-system").is_ok());
+        assert!(validate_dns1123_label("-a").is_err());
+        assert!(validate_dns1123_label(&"a".repeat(64)).is_err());
+        assert!(validate_dns1123_subdomain("a.b-c").is_ok());
+        assert!(validate_dns1123_subdomain("a..b").is_err());
+    }
+}

@@ -1,0 +1,1159 @@
+//! The runner: drives independent loops ([`Reconciler`]s).
+//!
+//! Each loop gets one task. It runs a pass at start, then again when its interval (plus a little
+//! jitter, so replicas and loops do not synchronise) elapses or a trigger fires (debounced),
+//! whichever comes first. Passes of one loop never overlap. A failed pass is retried with jittered
+//! exponential backoff capped at the loop's interval; a panicking pass is caught, counted and
+//! retried the same way. Loops that need leadership run only while the leader channel says so, and
+//! run at once on gaining it; losing it abandons a running pass.
+//!
+//! Trigger streams are polled in their own tasks from start to shutdown, also in `--timer-only`
+//! mode and while the loop waits for leadership, so reflectors inside them stay fresh.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use backon::BackoffBuilder;
+use futures::{FutureExt, StreamExt};
+use rand::Rng;
+use reconcilers::{LoopError, PassContext, PassReport, Reconciler, Trigger};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, error, info, info_span, warn};
+
+use crate::metrics::RunnerMetrics;
+
+/// How the runner schedules passes.
+#[derive(Clone, Debug)]
+pub struct RunnerOptions {
+    /// Passed to every pass: compute and report writes without making them.
+    pub dry_run: bool,
+    /// Ignore trigger items (streams are still polled).
+    pub timer_only: bool,
+    /// Quiet time after a trigger before the pass starts, so a burst of events makes one pass.
+    pub debounce: Duration,
+    /// Up to this fraction of the interval is added at random to each wait.
+    pub jitter: f64,
+    /// First retry delay after a failed pass; doubles up to the loop's interval.
+    pub min_backoff: Duration,
+    /// Bound for graceful shutdown: finishing running passes plus every loop's shutdown hook.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        RunnerOptions {
+            dry_run: false,
+            timer_only: false,
+            debounce: reconcilers::contract::DEFAULT_DEBOUNCE,
+            jitter: 0.1,
+            min_backoff: Duration::from_millis(200),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Health
+// ------------------------------------------------------------------------------------------------
+
+/// What `/readyz` reports about one loop.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoopStatus {
+    pub needs_leadership: bool,
+    /// Had a successful pass (stays true afterwards, as upstream's post-start hooks).
+    pub succeeded: bool,
+    /// Waiting for leadership: a standby replica is ready without running the loop.
+    pub standby: bool,
+    pub passes: u64,
+    pub consecutive_failures: u32,
+    pub last_error: Option<String>,
+}
+
+impl LoopStatus {
+    pub fn is_ready(&self) -> bool {
+        self.succeeded || (self.needs_leadership && self.standby)
+    }
+}
+
+/// Shared, per-loop readiness. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Health {
+    loops: Arc<Mutex<BTreeMap<&'static str, LoopStatus>>>,
+}
+
+/// The AND over every loop, with one line per loop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Readiness {
+    pub ready: bool,
+    /// `[+]name ok` / `[-]name failed: reason`, like kube-apiserver's `/readyz?verbose`.
+    pub lines: Vec<String>,
+}
+
+impl Health {
+    fn update(&self, name: &'static str, change: impl FnOnce(&mut LoopStatus)) {
+        let mut loops = self
+            .loops
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        change(loops.entry(name).or_default());
+    }
+
+    pub fn status(&self, name: &str) -> Option<LoopStatus> {
+        let loops = self
+            .loops
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        loops.get(name).cloned()
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        let loops = self
+            .loops
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let mut ready = true;
+        let mut lines = Vec::with_capacity(loops.len());
+        for (name, status) in loops.iter() {
+            let line = if status.succeeded {
+                match (&status.last_error, status.consecutive_failures) {
+                    (Some(err), failures) if failures > 0 => {
+                        format!("[+]{name} ok (last {failures} passes failed: {err})")
+                    }
+                    _ => format!("[+]{name} ok"),
+                }
+            } else if status.is_ready() {
+                format!("[+]{name} ok (standby: not the leader)")
+            } else {
+                ready = false;
+                match &status.last_error {
+                    Some(err) => format!("[-]{name} failed: no successful pass yet: {err}"),
+                    None if status.needs_leadership && status.standby => {
+                        format!("[-]{name} failed: waiting for leadership")
+                    }
+                    None => format!("[-]{name} failed: first pass not finished"),
+                }
+            };
+            lines.push(line);
+        }
+        Readiness { ready, lines }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Runner
+// ------------------------------------------------------------------------------------------------
+
+/// Drives a set of loops until cancelled.
+pub struct Runner {
+    loops: Vec<Arc<dyn Reconciler>>,
+    client: kube::Client,
+    options: RunnerOptions,
+    metrics: RunnerMetrics,
+    health: Health,
+}
+
+impl Runner {
+    pub fn new(
+        loops: Vec<Arc<dyn Reconciler>>,
+        client: kube::Client,
+        options: RunnerOptions,
+        metrics: RunnerMetrics,
+    ) -> Self {
+        let health = Health::default();
+        for reconciler in &loops {
+            let name = reconciler.name();
+            let needs_leadership = reconciler.needs_leadership();
+            health.update(name, |status| status.needs_leadership = needs_leadership);
+            metrics.init_loop(name);
+        }
+        Runner {
+            loops,
+            client,
+            options,
+            metrics,
+            health,
+        }
+    }
+
+    pub fn health(&self) -> Health {
+        self.health.clone()
+    }
+
+    /// Runs every loop until `cancel` fires, then shuts down gracefully within
+    /// [`RunnerOptions::shutdown_timeout`]: triggers stop, running passes finish, and each loop's
+    /// shutdown hook runs.
+    pub async fn run(self, leader: watch::Receiver<bool>, cancel: CancellationToken) {
+        let Runner {
+            loops,
+            client,
+            options,
+            metrics,
+            health,
+        } = self;
+        let options = Arc::new(options);
+        let ctx = PassContext {
+            client,
+            dry_run: options.dry_run,
+        };
+        let trigger_cancel = cancel.child_token();
+        let mut trigger_tasks = JoinSet::new();
+        let mut loop_tasks = JoinSet::new();
+        for reconciler in loops {
+            let name = reconciler.name();
+            let triggers = spawn_triggers(
+                &mut trigger_tasks,
+                name,
+                reconciler.triggers(),
+                options.timer_only,
+                trigger_cancel.clone(),
+            );
+            let task = LoopTask {
+                reconciler,
+                ctx: ctx.clone(),
+                options: options.clone(),
+                metrics: metrics.clone(),
+                health: health.clone(),
+                leader: leader.clone(),
+                triggers,
+                cancel: cancel.clone(),
+            };
+            loop_tasks.spawn(task.run().instrument(info_span!("loop", name)));
+        }
+
+        cancel.cancelled().await;
+        info!(
+            timeout = ?options.shutdown_timeout,
+            "shutting down: stopping triggers, letting running passes finish, running shutdown hooks"
+        );
+        trigger_cancel.cancel();
+        let drain = async {
+            while let Some(joined) = loop_tasks.join_next().await {
+                if let Err(err) = joined
+                    && err.is_panic()
+                {
+                    error!("a loop task panicked during shutdown: {err}");
+                }
+            }
+        };
+        if tokio::time::timeout(options.shutdown_timeout, drain)
+            .await
+            .is_err()
+        {
+            warn!(
+                timeout = ?options.shutdown_timeout,
+                "graceful shutdown timed out; abandoning the remaining passes and shutdown hooks"
+            );
+            loop_tasks.abort_all();
+        }
+        trigger_tasks.abort_all();
+        info!("all loops stopped");
+    }
+}
+
+/// Spawns one task per trigger stream; returns the receiver that counts trigger items.
+fn spawn_triggers(
+    tasks: &mut JoinSet<()>,
+    name: &'static str,
+    triggers: Vec<Trigger>,
+    timer_only: bool,
+    cancel: CancellationToken,
+) -> watch::Receiver<u64> {
+    let (sender, receiver) = watch::channel(0u64);
+    let sender = Arc::new(sender);
+    for (index, mut stream) in triggers.into_iter().enumerate() {
+        let sender = sender.clone();
+        let cancel = cancel.clone();
+        let poll = async move {
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => return,
+                    item = stream.next() => match item {
+                        Some(()) => {
+                            if !timer_only {
+                                sender.send_modify(|generation| *generation = generation.wrapping_add(1));
+                            }
+                        }
+                        None => {
+                            warn!(trigger = index, "trigger stream ended; the loop keeps running on its interval");
+                            return;
+                        }
+                    },
+                }
+            }
+        };
+        tasks.spawn(
+            async move {
+                if let Err(panic) = AssertUnwindSafe(poll).catch_unwind().await {
+                    error!(
+                        trigger = index,
+                        panic = panic_message(&*panic),
+                        "trigger stream panicked; the loop keeps running on its interval"
+                    );
+                }
+            }
+            .instrument(info_span!("trigger", name)),
+        );
+    }
+    receiver
+}
+
+struct LoopTask {
+    reconciler: Arc<dyn Reconciler>,
+    ctx: PassContext,
+    options: Arc<RunnerOptions>,
+    metrics: RunnerMetrics,
+    health: Health,
+    leader: watch::Receiver<bool>,
+    triggers: watch::Receiver<u64>,
+    cancel: CancellationToken,
+}
+
+/// Why the wait between passes ended.
+enum Wake {
+    Timer,
+    Trigger,
+    LostLeadership,
+    Cancelled,
+}
+
+impl LoopTask {
+    async fn run(mut self) {
+        let name = self.reconciler.name();
+        let interval = self.reconciler.interval();
+        let gated = self.reconciler.needs_leadership();
+        debug!(?interval, needs_leadership = gated, "loop started");
+        let mut backoff: Option<backon::ExponentialBackoff> = None;
+        let mut triggers_open = true;
+
+        'passes: loop {
+            if gated && !self.wait_for_leadership().await {
+                break 'passes;
+            }
+            // Triggers seen before the pass starts are covered by it.
+            self.triggers.borrow_and_update();
+
+            let pass = run_pass(&*self.reconciler, &self.ctx, &self.metrics);
+            let outcome = if gated {
+                tokio::select! {
+                    outcome = pass => Some(outcome),
+                    _ = lost_leadership(&mut self.leader) => None,
+                }
+            } else {
+                Some(pass.await)
+            };
+
+            let wait = match outcome {
+                None => {
+                    warn!("lost leadership during a pass; abandoned it");
+                    continue 'passes;
+                }
+                Some(Ok(_)) => {
+                    backoff = None;
+                    self.health.update(name, |status| {
+                        status.succeeded = true;
+                        status.passes += 1;
+                        status.consecutive_failures = 0;
+                        status.last_error = None;
+                    });
+                    self.metrics.set_ready(name, true);
+                    with_jitter(interval, self.options.jitter)
+                }
+                Some(Err(reason)) => {
+                    let delay = backoff
+                        .get_or_insert_with(|| new_backoff(self.options.min_backoff, interval))
+                        .next()
+                        .unwrap_or(interval)
+                        .min(interval);
+                    warn!(error = %reason, retry_in = ?delay, "pass failed");
+                    self.health.update(name, |status| {
+                        status.passes += 1;
+                        status.consecutive_failures += 1;
+                        status.last_error = Some(reason);
+                    });
+                    delay
+                }
+            };
+            if self.cancel.is_cancelled() {
+                break 'passes;
+            }
+
+            // After a failure only the backoff timer wakes the loop: triggers would turn a failing
+            // API into a retry storm.
+            let listen_to_triggers = backoff.is_none() && !self.options.timer_only;
+            match self
+                .wait(wait, gated, listen_to_triggers, &mut triggers_open)
+                .await
+            {
+                Wake::Timer | Wake::LostLeadership => {}
+                Wake::Trigger => debug!("triggered"),
+                Wake::Cancelled => break 'passes,
+            }
+        }
+
+        self.shutdown().await;
+    }
+
+    /// Returns false if cancelled while waiting.
+    async fn wait_for_leadership(&mut self) -> bool {
+        let name = self.reconciler.name();
+        let mut announced = false;
+        loop {
+            let is_leader = *self.leader.borrow_and_update();
+            self.health
+                .update(name, |status| status.standby = !is_leader);
+            if is_leader {
+                if announced {
+                    info!("became leader; running a pass now");
+                }
+                return true;
+            }
+            if !announced {
+                info!("not the leader; waiting for leadership");
+                announced = true;
+            }
+            tokio::select! {
+                _ = self.cancel.cancelled() => return false,
+                changed = self.leader.changed() => {
+                    if changed.is_err() {
+                        // Nobody can make us leader any more: wait for shutdown.
+                        self.cancel.cancelled().await;
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn wait(
+        &mut self,
+        delay: Duration,
+        gated: bool,
+        listen_to_triggers: bool,
+        triggers_open: &mut bool,
+    ) -> Wake {
+        let sleep = tokio::time::sleep(delay);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return Wake::Cancelled,
+                _ = &mut sleep => return Wake::Timer,
+                _ = lost_leadership(&mut self.leader), if gated => return Wake::LostLeadership,
+                changed = self.triggers.changed(), if listen_to_triggers && *triggers_open => {
+                    if changed.is_err() {
+                        *triggers_open = false;
+                        continue;
+                    }
+                    tokio::select! {
+                        _ = self.cancel.cancelled() => return Wake::Cancelled,
+                        _ = tokio::time::sleep(self.options.debounce) => return Wake::Trigger,
+                    }
+                }
+            }
+        }
+    }
+
+    async fn shutdown(&self) {
+        let started = Instant::now();
+        let hook =
+            std::panic::catch_unwind(AssertUnwindSafe(|| self.reconciler.shutdown(&self.ctx)));
+        let result = match hook {
+            Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
+            Err(panic) => Err(panic),
+        };
+        match result {
+            Ok(Ok(())) => info!(took = ?started.elapsed(), "loop stopped"),
+            Ok(Err(err)) => warn!(error = %err, "shutdown hook failed"),
+            Err(panic) => error!(panic = panic_message(&*panic), "shutdown hook panicked"),
+        }
+    }
+}
+
+/// Resolves once the leader channel says "not leader". Never resolves if the channel closed while
+/// leader (nobody can take leadership away any more).
+async fn lost_leadership(leader: &mut watch::Receiver<bool>) {
+    if leader.wait_for(|is_leader| !*is_leader).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+fn new_backoff(min: Duration, interval: Duration) -> backon::ExponentialBackoff {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(min.min(interval))
+        .with_max_delay(interval)
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+fn with_jitter(interval: Duration, fraction: f64) -> Duration {
+    if fraction <= 0.0 {
+        return interval;
+    }
+    let extra = rand::rng().random_range(0.0..=fraction);
+    interval.mul_f64(1.0 + extra)
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    if let Some(message) = panic.downcast_ref::<&str>() {
+        (*message).to_owned()
+    } else if let Some(message) = panic.downcast_ref::<String>() {
+        message.clone()
+    } else {
+        "(non-string panic payload)".to_owned()
+    }
+}
+
+/// Runs one pass, catching panics, recording metrics and logging drift. The error is a sentence
+/// for logs and `/readyz`.
+async fn run_pass(
+    reconciler: &dyn Reconciler,
+    ctx: &PassContext,
+    metrics: &RunnerMetrics,
+) -> Result<PassReport, String> {
+    let name = reconciler.name();
+    let started = Instant::now();
+    let pass = std::panic::catch_unwind(AssertUnwindSafe(|| reconciler.reconcile(ctx)));
+    let result = match pass {
+        Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
+        Err(panic) => Err(panic),
+    };
+    let took = started.elapsed();
+    match result {
+        Ok(Ok(report)) => {
+            metrics.pass(name, "success", took);
+            metrics.success(name);
+            for drift in &report.drift {
+                metrics.drift(name, drift.kind, drift.applied);
+                if drift.applied {
+                    info!(object = %drift.object, kind = drift.kind, action = %drift.action, "repaired: {}", drift.message);
+                } else {
+                    warn!(object = %drift.object, kind = drift.kind, action = %drift.action, dry_run = ctx.dry_run, "drift: {}", drift.message);
+                }
+            }
+            debug!(?took, drift = report.drift.len(), "pass succeeded");
+            Ok(report)
+        }
+        Ok(Err(err)) => {
+            metrics.pass(name, "failure", took);
+            metrics.error(name, err.category());
+            Err(err.to_string())
+        }
+        Err(panic) => {
+            metrics.pass(name, "failure", took);
+            metrics.panic(name);
+            metrics.error(name, "panic");
+            let message = panic_message(&*panic);
+            error!(panic = %message, "pass panicked; the loop will retry");
+            Err(format!("pass panicked: {message}"))
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// One-shot (check)
+// ------------------------------------------------------------------------------------------------
+
+/// What one loop's dry-run pass found.
+#[derive(Debug)]
+pub struct CheckResult {
+    pub name: &'static str,
+    pub result: Result<PassReport, String>,
+}
+
+/// One dry-run pass of every loop, concurrently. Each loop's triggers are polled (and ignored)
+/// so its caches fill; a pass that fails because a cache has not synced yet, or because the API
+/// failed, is retried with backoff until `timeout`. A loop that reports invalid state fails at
+/// once.
+pub async fn check_once(
+    loops: &[Arc<dyn Reconciler>],
+    client: kube::Client,
+    metrics: &RunnerMetrics,
+    timeout: Duration,
+) -> Vec<CheckResult> {
+    let ctx = PassContext {
+        client,
+        dry_run: true,
+    };
+    let cancel = CancellationToken::new();
+    let mut trigger_tasks = JoinSet::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    let checks = loops.iter().map(|reconciler| {
+        let _triggers = spawn_triggers(
+            &mut trigger_tasks,
+            reconciler.name(),
+            reconciler.triggers(),
+            true,
+            cancel.clone(),
+        );
+        let ctx = ctx.clone();
+        let reconciler = reconciler.clone();
+        let metrics = metrics.clone();
+        let name = reconciler.name();
+        async move {
+            let mut backoff = new_backoff(Duration::from_millis(100), Duration::from_secs(2));
+            loop {
+                let result = check_pass(&*reconciler, &ctx, &metrics).await;
+                let retry = match &result {
+                    Ok(_) | Err(CheckFailure::Permanent(_)) => false,
+                    Err(CheckFailure::Transient(_)) => true,
+                };
+                let delay = backoff.next().unwrap_or(Duration::from_secs(2));
+                if !retry || tokio::time::Instant::now() + delay >= deadline {
+                    return CheckResult {
+                        name,
+                        result: result.map_err(CheckFailure::into_message),
+                    };
+                }
+                tokio::time::sleep(delay).await;
+            }
+        }
+        .instrument(info_span!("check", name))
+    });
+    let results = futures::future::join_all(checks).await;
+    cancel.cancel();
+    trigger_tasks.abort_all();
+    results
+}
+
+enum CheckFailure {
+    Transient(String),
+    Permanent(String),
+}
+
+impl CheckFailure {
+    fn into_message(self) -> String {
+        match self {
+            CheckFailure::Transient(message) | CheckFailure::Permanent(message) => message,
+        }
+    }
+}
+
+async fn check_pass(
+    reconciler: &dyn Reconciler,
+    ctx: &PassContext,
+    metrics: &RunnerMetrics,
+) -> Result<PassReport, CheckFailure> {
+    let name = reconciler.name();
+    let started = Instant::now();
+    let pass = std::panic::catch_unwind(AssertUnwindSafe(|| reconciler.reconcile(ctx)));
+    let result = match pass {
+        Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
+        Err(panic) => Err(panic),
+    };
+    let took = started.elapsed();
+    match result {
+        Ok(Ok(report)) => {
+            metrics.pass(name, "success", took);
+            Ok(report)
+        }
+        Ok(Err(err @ LoopError::Invalid(_))) => {
+            metrics.pass(name, "failure", took);
+            Err(CheckFailure::Permanent(err.to_string()))
+        }
+        Ok(Err(err)) => {
+            metrics.pass(name, "failure", took);
+            debug!(error = %err, "check pass failed; retrying");
+            Err(CheckFailure::Transient(err.to_string()))
+        }
+        Err(panic) => {
+            metrics.pass(name, "failure", took);
+            Err(CheckFailure::Permanent(format!(
+                "pass panicked: {}",
+                panic_message(&*panic)
+            )))
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    use futures::future::BoxFuture;
+    use reconcilers::{Action, Drift};
+    use tokio::sync::{Notify, mpsc};
+
+    use super::*;
+    use crate::metrics::{encode, new_registry};
+
+    /// A client whose every request fails: the fake loops never use it.
+    fn offline_client() -> kube::Client {
+        let service =
+            tower::service_fn(|_request: axum::http::Request<kube::client::Body>| async {
+                Err::<axum::http::Response<kube::client::Body>, _>(std::io::Error::other(
+                    "unit tests have no cluster",
+                ))
+            });
+        kube::Client::new(service, "default")
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Step {
+        Succeed,
+        SucceedWithDrift,
+        Fail,
+        Panic,
+        /// Wait until `release` is notified, then succeed.
+        Block,
+    }
+
+    struct Fake {
+        name: &'static str,
+        interval: Duration,
+        needs_leadership: bool,
+        /// Steps consumed one per pass; when empty, passes succeed.
+        script: Mutex<VecDeque<Step>>,
+        pass_delay: Duration,
+        started: AtomicUsize,
+        finished: AtomicUsize,
+        running: AtomicUsize,
+        max_running: AtomicUsize,
+        shutdown_called: AtomicBool,
+        finished_before_shutdown: AtomicUsize,
+        release: Notify,
+        triggers: Mutex<Vec<Trigger>>,
+    }
+
+    impl Fake {
+        fn new(name: &'static str) -> Self {
+            Fake {
+                name,
+                interval: Duration::from_secs(3600),
+                needs_leadership: false,
+                script: Mutex::new(VecDeque::new()),
+                pass_delay: Duration::ZERO,
+                started: AtomicUsize::new(0),
+                finished: AtomicUsize::new(0),
+                running: AtomicUsize::new(0),
+                max_running: AtomicUsize::new(0),
+                shutdown_called: AtomicBool::new(false),
+                finished_before_shutdown: AtomicUsize::new(0),
+                release: Notify::new(),
+                triggers: Mutex::new(Vec::new()),
+            }
+        }
+
+        fn script(self, steps: &[Step]) -> Self {
+            *self.script.lock().unwrap() = steps.iter().copied().collect();
+            self
+        }
+
+        /// A trigger the test fires by sending on the returned channel. `polled` counts items
+        /// taken from the stream.
+        fn with_trigger(self) -> (Self, mpsc::UnboundedSender<()>, Arc<AtomicUsize>) {
+            let (sender, receiver) = mpsc::unbounded_channel::<()>();
+            let polled = Arc::new(AtomicUsize::new(0));
+            let counter = polled.clone();
+            let stream = futures::stream::unfold(receiver, |mut receiver| async move {
+                receiver.recv().await.map(|item| (item, receiver))
+            })
+            .inspect(move |_| {
+                counter.fetch_add(1, Ordering::SeqCst);
+            })
+            .boxed();
+            self.triggers.lock().unwrap().push(stream);
+            (self, sender, polled)
+        }
+    }
+
+    impl Reconciler for Fake {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+        fn interval(&self) -> Duration {
+            self.interval
+        }
+        fn needs_leadership(&self) -> bool {
+            self.needs_leadership
+        }
+        fn triggers(&self) -> Vec<Trigger> {
+            std::mem::take(&mut *self.triggers.lock().unwrap())
+        }
+        fn reconcile<'a>(
+            &'a self,
+            _ctx: &'a PassContext,
+        ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+            Box::pin(async move {
+                self.started.fetch_add(1, Ordering::SeqCst);
+                let running = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+                self.max_running.fetch_max(running, Ordering::SeqCst);
+                struct Leave<'a>(&'a AtomicUsize);
+                impl Drop for Leave<'_> {
+                    fn drop(&mut self) {
+                        self.0.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+                let _leave = Leave(&self.running);
+                tokio::time::sleep(self.pass_delay).await;
+                let step = self
+                    .script
+                    .lock()
+                    .unwrap()
+                    .pop_front()
+                    .unwrap_or(Step::Succeed);
+                let result = match step {
+                    Step::Succeed => Ok(PassReport::default()),
+                    Step::SucceedWithDrift => Ok(PassReport {
+                        drift: vec![Drift {
+                            kind: "namespace_missing",
+                            object: "Namespace/kube-public".to_owned(),
+                            action: Action::Create,
+                            message: "created".to_owned(),
+                            applied: true,
+                        }],
+                    }),
+                    Step::Fail => Err(LoopError::Other("scripted failure".to_owned())),
+                    Step::Panic => panic!("scripted panic"),
+                    Step::Block => {
+                        self.release.notified().await;
+                        Ok(PassReport::default())
+                    }
+                };
+                self.finished.fetch_add(1, Ordering::SeqCst);
+                result
+            })
+        }
+        fn shutdown<'a>(&'a self, _ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
+            Box::pin(async move {
+                self.finished_before_shutdown
+                    .store(self.finished.load(Ordering::SeqCst), Ordering::SeqCst);
+                self.shutdown_called.store(true, Ordering::SeqCst);
+                Ok(())
+            })
+        }
+    }
+
+    struct Harness {
+        health: Health,
+        registry: prometheus_client::registry::Registry,
+        cancel: CancellationToken,
+        leader: watch::Sender<bool>,
+        handle: tokio::task::JoinHandle<()>,
+    }
+
+    fn start(loops: Vec<Arc<dyn Reconciler>>, options: RunnerOptions, leader: bool) -> Harness {
+        let mut registry = new_registry();
+        let metrics = RunnerMetrics::register(&mut registry);
+        let runner = Runner::new(loops, offline_client(), options, metrics);
+        let health = runner.health();
+        let cancel = CancellationToken::new();
+        let (leader_tx, leader_rx) = watch::channel(leader);
+        let handle = tokio::spawn(runner.run(leader_rx, cancel.clone()));
+        Harness {
+            health,
+            registry,
+            cancel,
+            leader: leader_tx,
+            handle,
+        }
+    }
+
+    fn options() -> RunnerOptions {
+        RunnerOptions {
+            min_backoff: Duration::from_millis(10),
+            shutdown_timeout: Duration::from_secs(20),
+            ..RunnerOptions::default()
+        }
+    }
+
+    /// Polls until `condition` holds; fails after a generous timeout (slow CI machines).
+    async fn eventually(what: &str, condition: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !condition() {
+            assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn stop(harness: Harness) {
+        harness.cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(30), harness.handle)
+            .await
+            .expect("runner stops within its shutdown timeout")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn runs_once_at_start_and_becomes_ready() {
+        let fake = Arc::new(Fake::new("a").script(&[Step::SucceedWithDrift]));
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("first pass", || fake.finished.load(Ordering::SeqCst) == 1).await;
+        eventually("ready", || harness.health.readiness().ready).await;
+        assert_eq!(harness.health.readiness().lines, ["[+]a ok"]);
+        let text = encode(&harness.registry).unwrap();
+        assert!(
+            text.contains(
+                "bootstrap_loop_drift_repaired_total{loop=\"a\",kind=\"namespace_missing\"} 1"
+            ),
+            "{text}"
+        );
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn interval_runs_passes_again() {
+        let mut fake = Fake::new("a");
+        fake.interval = Duration::from_millis(20);
+        let fake = Arc::new(fake);
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("three passes on the timer", || {
+            fake.finished.load(Ordering::SeqCst) >= 3
+        })
+        .await;
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn trigger_wakes_the_loop() {
+        let (fake, trigger, _polled) = Fake::new("a").with_trigger();
+        let fake = Arc::new(fake);
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("first pass", || fake.finished.load(Ordering::SeqCst) == 1).await;
+        trigger.send(()).unwrap();
+        eventually("triggered pass", || {
+            fake.finished.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn timer_only_polls_triggers_but_ignores_them() {
+        let (fake, trigger, polled) = Fake::new("a").with_trigger();
+        let fake = Arc::new(fake);
+        let options = RunnerOptions {
+            timer_only: true,
+            ..options()
+        };
+        let harness = start(vec![fake.clone()], options, true);
+        eventually("first pass", || fake.finished.load(Ordering::SeqCst) == 1).await;
+        trigger.send(()).unwrap();
+        trigger.send(()).unwrap();
+        eventually("trigger items consumed", || {
+            polled.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        // Give a wrongly woken loop time to start a pass (the debounce is 10 ms).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(fake.started.load(Ordering::SeqCst), 1);
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn passes_never_overlap() {
+        let (mut fake, trigger, _polled) = Fake::new("a").with_trigger();
+        fake.pass_delay = Duration::from_millis(30);
+        fake.interval = Duration::from_millis(5);
+        let fake = Arc::new(fake);
+        let harness = start(vec![fake.clone()], options(), true);
+        for _ in 0..50 {
+            trigger.send(()).unwrap();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        eventually("several passes", || {
+            fake.finished.load(Ordering::SeqCst) >= 4
+        })
+        .await;
+        assert_eq!(fake.max_running.load(Ordering::SeqCst), 1);
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn failed_pass_is_retried_with_backoff_before_the_interval() {
+        let fake = Arc::new(Fake::new("a").script(&[Step::Fail, Step::Fail, Step::Succeed]));
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("not ready while failing", || {
+            let status = harness.health.status("a").unwrap();
+            status.consecutive_failures >= 1 && !harness.health.readiness().ready
+        })
+        .await;
+        let readiness = harness.health.readiness();
+        assert!(
+            readiness.lines[0].starts_with("[-]a failed"),
+            "{readiness:?}"
+        );
+        assert!(
+            readiness.lines[0].contains("scripted failure"),
+            "{readiness:?}"
+        );
+        // The interval is an hour: only the backoff can bring the third pass.
+        eventually("retried until success", || {
+            fake.finished.load(Ordering::SeqCst) == 3
+        })
+        .await;
+        eventually("ready", || harness.health.readiness().ready).await;
+        let text = encode(&harness.registry).unwrap();
+        assert!(
+            text.contains("bootstrap_loop_errors_total{loop=\"a\",category=\"other\"} 2"),
+            "{text}"
+        );
+        stop(harness).await;
+    }
+
+    #[test]
+    fn backoff_grows_and_is_capped_at_the_interval() {
+        let interval = Duration::from_millis(500);
+        let delays: Vec<_> = new_backoff(Duration::from_millis(10), interval)
+            .take(20)
+            .collect();
+        assert!(
+            delays.iter().all(|delay| *delay <= interval * 2),
+            "{delays:?}"
+        );
+        assert!(delays[0] < Duration::from_millis(50), "{delays:?}");
+        assert!(delays[19] >= Duration::from_millis(250), "{delays:?}");
+    }
+
+    #[tokio::test]
+    async fn panicking_pass_is_caught_counted_and_retried() {
+        let panicky = Arc::new(Fake::new("panicky").script(&[Step::Panic, Step::Succeed]));
+        let mut steady = Fake::new("steady");
+        steady.interval = Duration::from_millis(20);
+        let steady = Arc::new(steady);
+        let harness = start(vec![panicky.clone(), steady.clone()], options(), true);
+        eventually("panicky loop recovered", || {
+            panicky.finished.load(Ordering::SeqCst) == 1
+                && panicky.started.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        eventually("other loop unaffected", || {
+            steady.finished.load(Ordering::SeqCst) >= 3
+        })
+        .await;
+        eventually("both ready", || harness.health.readiness().ready).await;
+        let text = encode(&harness.registry).unwrap();
+        assert!(
+            text.contains("bootstrap_loop_panics_total{loop=\"panicky\"} 1"),
+            "{text}"
+        );
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn leader_only_loops_wait_for_leadership_and_run_at_once_on_gaining_it() {
+        let mut gated = Fake::new("gated");
+        gated.needs_leadership = true;
+        let gated = Arc::new(gated);
+        let free = Arc::new(Fake::new("free"));
+        let harness = start(vec![gated.clone(), free.clone()], options(), false);
+        eventually("ungated loop runs", || {
+            free.finished.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        eventually("standby counts as ready", || {
+            harness.health.readiness().ready
+        })
+        .await;
+        assert!(
+            harness
+                .health
+                .readiness()
+                .lines
+                .contains(&"[+]gated ok (standby: not the leader)".to_owned())
+        );
+        assert_eq!(gated.started.load(Ordering::SeqCst), 0);
+        harness.leader.send(true).unwrap();
+        // The interval is an hour: only gaining leadership can start this pass.
+        eventually("pass on gaining leadership", || {
+            gated.finished.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn losing_leadership_abandons_the_running_pass() {
+        let mut gated = Fake::new("gated").script(&[Step::Block, Step::Succeed]);
+        gated.needs_leadership = true;
+        let gated = Arc::new(gated);
+        let harness = start(vec![gated.clone()], options(), true);
+        eventually("blocked pass started", || {
+            gated.started.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        harness.leader.send(false).unwrap();
+        eventually("pass abandoned", || {
+            gated.running.load(Ordering::SeqCst) == 0
+        })
+        .await;
+        assert_eq!(gated.finished.load(Ordering::SeqCst), 0);
+        harness.leader.send(true).unwrap();
+        eventually("runs again as leader", || {
+            gated.finished.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn shutdown_lets_the_running_pass_finish_then_calls_the_hook() {
+        let fake = Arc::new(Fake::new("a").script(&[Step::Block]));
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("blocked pass started", || {
+            fake.started.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        harness.cancel.cancel();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !fake.shutdown_called.load(Ordering::SeqCst),
+            "hook ran before the pass finished"
+        );
+        fake.release.notify_one();
+        tokio::time::timeout(Duration::from_secs(30), harness.handle)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(fake.shutdown_called.load(Ordering::SeqCst));
+        assert_eq!(fake.finished_before_shutdown.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn shutdown_is_bounded_by_the_timeout() {
+        let fake = Arc::new(Fake::new("a").script(&[Step::Block]));
+        let options = RunnerOptions {
+            shutdown_timeout: Duration::from_millis(200),
+            ..options()
+        };
+        let harness = start(vec![fake.clone()], options, true);
+        eventually("blocked pass started", || {
+            fake.started.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        harness.cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(30), harness.handle)
+            .await
+            .expect("runner gives up after its shutdown timeout")
+            .unwrap();
+        assert_eq!(fake.finished.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn check_once_retries_transient_failures_and_reports_drift() {
+        let flaky = Arc::new(Fake::new("flaky").script(&[Step::Fail, Step::SucceedWithDrift]));
+        let broken: Arc<Fake> = Arc::new(Fake::new("broken").script(&[Step::Panic]));
+        let mut registry = new_registry();
+        let metrics = RunnerMetrics::register(&mut registry);
+        let loops: Vec<Arc<dyn Reconciler>> = vec![flaky.clone(), broken.clone()];
+        let results = check_once(&loops, offline_client(), &metrics, Duration::from_secs(20)).await;
+        assert_eq!(results.len(), 2);
+        let report = results[0].result.as_ref().unwrap();
+        assert_eq!(report.drift.len(), 1);
+        assert!(
+            results[1]
+                .result
+                .as_ref()
+                .unwrap_err()
+                .contains("scripted panic")
+        );
+    }
+}
