@@ -4,7 +4,9 @@
 //! `bootstrap-controller` crate drives them. Pure logic (ranges, bitmaps, desired objects) lives in
 //! modules with no I/O so it can be tested without a cluster.
 
+pub mod alloc;
 pub mod apiserver_endpoints;
+pub mod clusterip_repair;
 pub mod contract;
 pub mod kubernetes_service;
 pub mod system_namespaces;

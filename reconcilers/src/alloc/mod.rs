@@ -1,0 +1,11 @@
+//! Service IP range arithmetic and allocation bitmaps.
+//!
+//! Pure code: no Kubernetes types and no I/O, so it can be tested exhaustively and reused by the
+//! ClusterIP repair loop (both the IPAddress mode and the audit mode) and by the default
+//! ServiceCIDR loop.
+
+mod bitmap;
+mod range;
+
+pub use bitmap::{AllocError, RangeAllocator};
+pub use range::{IpFamily, ServiceRange, parse_ip_sloppy};

@@ -1,0 +1,1057 @@
+//! What a repair pass should do, decided from a snapshot: no I/O, no clock, no Kubernetes client.
+//!
+//! [`decide_ipaddress_mode`] follows upstream's `RepairIPAddress` (`syncService` for every
+//! Service, then `syncIPAddress` for every allocator-managed IPAddress) finding for finding, with
+//! the same event reasons, actions and notes. [`decide_audit_mode`] follows the legacy bitmap
+//! `Repair` for clusters that do not serve IPAddress: it can only report.
+
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange, parse_ip_sloppy};
+
+use super::model::{
+    IPALLOCATOR_MANAGER, IpAddressRecord, ObjectVersion, ParentRef, ServiceCidrRecord,
+    ServiceRecord,
+};
+
+/// Event actions upstream uses.
+pub const ACTION_CLUSTERIP_VALIDATION: &str = "ClusterIPValidation";
+pub const ACTION_CLUSTERIP_ALLOCATION: &str = "ClusterIPAllocation";
+pub const ACTION_IPADDRESS_ALLOCATION: &str = "IPAddressAllocation";
+
+/// The object an event is about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Regarding {
+    Service {
+        namespace: Box<str>,
+        name: Box<str>,
+        uid: Box<str>,
+    },
+    IpAddress {
+        name: Box<str>,
+        uid: Box<str>,
+    },
+}
+
+impl Regarding {
+    fn service(svc: &ServiceRecord) -> Self {
+        Regarding::Service {
+            namespace: svc.namespace.clone(),
+            name: svc.name.clone(),
+            uid: svc.uid.clone(),
+        }
+    }
+
+    fn ip_address(ip: &IpAddressRecord) -> Self {
+        Regarding::IpAddress {
+            name: ip.name.clone(),
+            uid: ip.uid.clone(),
+        }
+    }
+
+    /// `Kind/namespace/name` or `Kind/name`, as the contract's `Drift::object` wants.
+    pub fn object(&self) -> String {
+        match self {
+            Regarding::Service {
+                namespace, name, ..
+            } => format!("Service/{namespace}/{name}"),
+            Regarding::IpAddress { name, .. } => format!("IPAddress/{name}"),
+        }
+    }
+}
+
+/// A Warning event, exactly as upstream would emit it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventSpec {
+    pub reason: &'static str,
+    pub action: &'static str,
+    pub note: String,
+}
+
+/// The Service an IPAddress is (re)created for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceOwner {
+    pub namespace: Box<str>,
+    pub name: Box<str>,
+}
+
+/// Why deleting an IPAddress is right; re-checked against the live API before the delete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeleteGround {
+    /// `spec.parentRef` does not name a Service: true whatever the Services are.
+    NotAService,
+    /// The parent Service does not exist.
+    ParentGone { namespace: Box<str>, name: Box<str> },
+    /// The parent Service exists but does not list the IP.
+    ParentDoesNotList { namespace: Box<str>, name: Box<str> },
+}
+
+/// The write a finding calls for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Repair {
+    /// Only report (upstream only reports, or the object is not ours).
+    None,
+    /// Create the missing IPAddress `ip` for `owner`.
+    Create { ip: IpAddr, owner: ServiceOwner },
+    /// Delete the existing IPAddress (if still at `existing`) and create it again for `owner`.
+    Recreate {
+        ip: IpAddr,
+        owner: ServiceOwner,
+        existing: ObjectVersion,
+        /// The Service whose absence made the reference dangling, if that was the reason.
+        dangling_parent: Option<ServiceOwner>,
+    },
+    /// Delete the IPAddress named `name` (if still at `existing`).
+    Delete {
+        name: Box<str>,
+        existing: ObjectVersion,
+        ground: DeleteGround,
+    },
+}
+
+impl Repair {
+    pub fn deletes(&self) -> bool {
+        matches!(self, Repair::Recreate { .. } | Repair::Delete { .. })
+    }
+}
+
+/// One thing a pass found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finding {
+    /// Stable drift label (`Drift::kind`).
+    pub kind: &'static str,
+    pub regarding: Regarding,
+    /// The Warning event upstream emits for it; `None` where upstream repairs silently.
+    pub event: Option<EventSpec>,
+    /// `type` label of `clusterip_repair_ip_errors_total`, as upstream's legacy metric names them.
+    pub error_type: Option<&'static str>,
+    pub repair: Repair,
+}
+
+impl Finding {
+    /// A sentence for the drift report.
+    pub fn summary(&self) -> String {
+        match (&self.event, &self.repair) {
+            (Some(event), _) => format!("{}: {}", event.reason, event.note),
+            (None, Repair::Recreate { ip, owner, .. }) => format!(
+                "IPAddress {ip} for Service {}/{} lacks the allocator's labels; recreating it",
+                owner.namespace, owner.name
+            ),
+            (None, _) => self.kind.to_owned(),
+        }
+    }
+}
+
+/// The outcome of deciding one pass.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decision {
+    pub findings: Vec<Finding>,
+    /// Earliest time an orphan still inside its grace period becomes deletable: the loop should
+    /// look again then.
+    pub next_recheck: Option<jiff::Timestamp>,
+}
+
+/// Decides a pass of the IPAddress-mode repair from a snapshot.
+///
+/// `orphan_grace` is upstream's 60 s: an IPAddress whose parent Service is missing is left alone
+/// that long, since kube-apiserver writes the IPAddress before the Service.
+pub fn decide_ipaddress_mode<'a>(
+    services: impl IntoIterator<Item = &'a ServiceRecord>,
+    ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>,
+    service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
+    now: jiff::Timestamp,
+    orphan_grace: Duration,
+) -> Decision {
+    let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
+    // Upstream walks the lister in key order; so do we, so "who claimed it first" is stable.
+    services.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    let services_by_key: HashMap<(&str, &str), &ServiceRecord> = services
+        .iter()
+        .map(|svc| ((&*svc.namespace, &*svc.name), *svc))
+        .collect();
+    let mut ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
+    ip_addresses.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    let ips_by_addr: HashMap<IpAddr, &IpAddressRecord> = ip_addresses
+        .iter()
+        .filter_map(|ip| Some((ip.name.parse::<IpAddr>().ok()?, *ip)))
+        .collect();
+    let ranges: Vec<ServiceRange> = service_cidrs
+        .into_iter()
+        .flat_map(|cidr| cidr.cidrs.iter().copied())
+        .map(ServiceRange::new)
+        .collect();
+
+    let mut decision = Decision::default();
+    // IPs this pass already (re)creates, with the Service it creates them for: a second claimant
+    // is a duplicate, and the IPAddress phase must not delete what the Service phase rewrites.
+    let mut claimed: HashMap<IpAddr, (&str, &str)> = HashMap::new();
+    let mut rewritten: HashSet<&str> = HashSet::new();
+
+    for svc in &services {
+        for raw in svc.cluster_ips.iter() {
+            sync_service_ip(
+                svc,
+                raw,
+                &ranges,
+                &ips_by_addr,
+                &services_by_key,
+                &mut claimed,
+                &mut rewritten,
+                &mut decision,
+            );
+        }
+    }
+
+    for ip in &ip_addresses {
+        if rewritten.contains(&*ip.name) {
+            continue;
+        }
+        sync_ip_address(ip, &services_by_key, now, orphan_grace, &mut decision);
+    }
+    decision
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sync_service_ip<'a>(
+    svc: &'a ServiceRecord,
+    raw: &str,
+    ranges: &[ServiceRange],
+    ips_by_addr: &HashMap<IpAddr, &'a IpAddressRecord>,
+    services_by_key: &HashMap<(&str, &str), &'a ServiceRecord>,
+    claimed: &mut HashMap<IpAddr, (&'a str, &'a str)>,
+    rewritten: &mut HashSet<&'a str>,
+    decision: &mut Decision,
+) {
+    let regarding = || Regarding::service(svc);
+    let owner = || ServiceOwner {
+        namespace: svc.namespace.clone(),
+        name: svc.name.clone(),
+    };
+    let this = (&*svc.namespace, &*svc.name);
+    let Some(ip) = parse_ip_sloppy(raw) else {
+        // Upstream prints the parsed value (always `<nil>`); the written value is what helps.
+        decision.findings.push(Finding {
+            kind: "clusterip_not_valid",
+            regarding: regarding(),
+            event: Some(EventSpec {
+                reason: "ClusterIPNotValid",
+                action: ACTION_CLUSTERIP_VALIDATION,
+                note: format!("Cluster IP {raw} is not a valid IP; please recreate Service"),
+            }),
+            error_type: Some("invalid"),
+            repair: Repair::None,
+        });
+        return;
+    };
+    let family = IpFamily::of(ip);
+    if !ranges.iter().any(|range| range.holds_service_ip(ip)) {
+        decision.findings.push(Finding {
+            kind: "clusterip_out_of_range",
+            regarding: regarding(),
+            event: Some(EventSpec {
+                reason: "ClusterIPOutOfRange",
+                action: ACTION_CLUSTERIP_ALLOCATION,
+                note: format!(
+                    "Cluster IP [{family}]: {ip} is not within any configured Service CIDR; please recreate service"
+                ),
+            }),
+            error_type: Some("outOfRange"),
+            repair: Repair::None,
+        });
+        return;
+    }
+    let duplicate = |decision: &mut Decision| {
+        decision.findings.push(Finding {
+            kind: "clusterip_already_allocated",
+            regarding: regarding(),
+            event: Some(EventSpec {
+                reason: "ClusterIPAlreadyAllocated",
+                action: ACTION_CLUSTERIP_ALLOCATION,
+                note: format!(
+                    "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
+                ),
+            }),
+            error_type: Some("duplicate"),
+            repair: Repair::None,
+        });
+    };
+    if let Some(first) = claimed.get(&ip) {
+        if *first != this {
+            duplicate(decision);
+        }
+        return;
+    }
+
+    let Some(existing) = ips_by_addr.get(&ip) else {
+        claimed.insert(ip, this);
+        decision.findings.push(Finding {
+            kind: "clusterip_not_allocated",
+            regarding: regarding(),
+            event: Some(EventSpec {
+                reason: "ClusterIPNotAllocated",
+                action: ACTION_CLUSTERIP_ALLOCATION,
+                note: format!("Cluster IP [{family}]: {ip} is not allocated; repairing"),
+            }),
+            error_type: Some("repair"),
+            repair: Repair::Create { ip, owner: owner() },
+        });
+        return;
+    };
+    let existing_version = ObjectVersion {
+        uid: existing.uid.clone(),
+        resource_version: existing.resource_version.clone(),
+    };
+    let parent = existing.parent.as_ref();
+    let parent_is_this =
+        parent.is_some_and(|p| p.is_service() && (&*p.namespace, &*p.name) == this);
+
+    if !existing.managed_by_ipallocator() {
+        // Upstream recreates these; we never touch IPAddresses another controller manages.
+        if parent_is_this {
+            decision.findings.push(Finding {
+                kind: "ipaddress_foreign_manager",
+                regarding: regarding(),
+                event: None,
+                error_type: None,
+                repair: Repair::None,
+            });
+        } else {
+            duplicate(decision);
+        }
+        return;
+    }
+
+    let wrong_reference = |dangling_parent: Option<ServiceOwner>| Finding {
+        kind: "ipaddress_wrong_reference",
+        regarding: regarding(),
+        event: Some(EventSpec {
+            reason: "ClusterIPNotAllocated",
+            action: ACTION_CLUSTERIP_ALLOCATION,
+            note: format!(
+                "the ClusterIP [{family}]: {ip} for Service {}/{} has a wrong reference; repairing",
+                svc.namespace, svc.name
+            ),
+        }),
+        error_type: Some("repair"),
+        repair: Repair::Recreate {
+            ip,
+            owner: owner(),
+            existing: existing_version.clone(),
+            dangling_parent,
+        },
+    };
+
+    match parent {
+        Some(p) if p.is_service() => {
+            if !parent_is_this {
+                match services_by_key.get(&(&*p.namespace, &*p.name)) {
+                    None => {
+                        claimed.insert(ip, this);
+                        rewritten.insert(&existing.name);
+                        decision.findings.push(wrong_reference(Some(ServiceOwner {
+                            namespace: p.namespace.clone(),
+                            name: p.name.clone(),
+                        })));
+                        return;
+                    }
+                    Some(referenced) if referenced.lists_ip(ip) => {
+                        // Upstream goes on to the label check and may hand the IPAddress to
+                        // this Service; the owner's own sync repairs labels without that churn.
+                        duplicate(decision);
+                        return;
+                    }
+                    // The IPAddress phase deletes it; the next pass recreates it for us.
+                    Some(_) => {}
+                }
+            }
+        }
+        _ => {
+            claimed.insert(ip, this);
+            rewritten.insert(&existing.name);
+            decision.findings.push(wrong_reference(None));
+            return;
+        }
+    }
+
+    claimed.insert(ip, this);
+    let labels_right = existing.family_label.as_deref() == Some(family.as_str())
+        && existing.managed_by.as_deref() == Some(IPALLOCATOR_MANAGER);
+    if !labels_right {
+        rewritten.insert(&existing.name);
+        decision.findings.push(Finding {
+            kind: "ipaddress_wrong_labels",
+            regarding: regarding(),
+            event: None,
+            error_type: None,
+            repair: Repair::Recreate {
+                ip,
+                owner: owner(),
+                existing: existing_version,
+                dangling_parent: None,
+            },
+        });
+    }
+}
+
+/// Go's `%v` of a `*ParentReference`, as upstream's note prints it.
+fn go_parent_ref(parent: Option<&ParentRef>) -> String {
+    match parent {
+        None => "<nil>".to_owned(),
+        Some(p) => format!("&{{{} {} {} {}}}", p.group, p.resource, p.namespace, p.name),
+    }
+}
+
+fn sync_ip_address(
+    ip: &IpAddressRecord,
+    services_by_key: &HashMap<(&str, &str), &ServiceRecord>,
+    now: jiff::Timestamp,
+    orphan_grace: Duration,
+    decision: &mut Decision,
+) {
+    if !ip.managed_by_ipallocator() || ip.deleting {
+        return;
+    }
+    let existing = ObjectVersion {
+        uid: ip.uid.clone(),
+        resource_version: ip.resource_version.clone(),
+    };
+    let parent = match ip.parent.as_ref() {
+        Some(parent) if parent.is_service() => parent,
+        other => {
+            decision.findings.push(Finding {
+                kind: "ipaddress_not_a_service",
+                regarding: Regarding::ip_address(ip),
+                event: Some(EventSpec {
+                    reason: "IPAddressNotAllocated",
+                    action: ACTION_IPADDRESS_ALLOCATION,
+                    note: format!(
+                        "IPAddress {} appears to have been modified, not referencing a Service {}: cleaning up",
+                        ip.name,
+                        go_parent_ref(other)
+                    ),
+                }),
+                error_type: Some("leak"),
+                repair: Repair::Delete {
+                    name: ip.name.clone(),
+                    existing,
+                    ground: DeleteGround::NotAService,
+                },
+            });
+            return;
+        }
+    };
+    match services_by_key.get(&(&*parent.namespace, &*parent.name)) {
+        None => {
+            let grace =
+                jiff::SignedDuration::try_from(orphan_grace).unwrap_or(jiff::SignedDuration::MAX);
+            let turns_deletable = ip
+                .created
+                .and_then(|created| created.checked_add(grace).ok());
+            match turns_deletable {
+                Some(at) if at >= now => {
+                    decision.next_recheck = Some(match decision.next_recheck {
+                        Some(earlier) if earlier <= at => earlier,
+                        _ => at,
+                    });
+                }
+                _ => decision.findings.push(Finding {
+                    kind: "ipaddress_leaked",
+                    regarding: Regarding::ip_address(ip),
+                    event: Some(EventSpec {
+                        reason: "IPAddressNotAllocated",
+                        action: ACTION_IPADDRESS_ALLOCATION,
+                        note: format!(
+                            "IPAddress: {} for Service {}/{} appears to have leaked: cleaning up",
+                            ip.name, parent.namespace, parent.name
+                        ),
+                    }),
+                    error_type: Some("leak"),
+                    repair: Repair::Delete {
+                        name: ip.name.clone(),
+                        existing,
+                        ground: DeleteGround::ParentGone {
+                            namespace: parent.namespace.clone(),
+                            name: parent.name.clone(),
+                        },
+                    },
+                }),
+            }
+        }
+        Some(svc) => {
+            let listed = ip
+                .name
+                .parse::<IpAddr>()
+                .is_ok_and(|addr| svc.lists_ip(addr))
+                || svc.cluster_ips.iter().any(|listed| **listed == *ip.name);
+            if !listed {
+                decision.findings.push(Finding {
+                    kind: "ipaddress_wrong_parent",
+                    regarding: Regarding::ip_address(ip),
+                    event: Some(EventSpec {
+                        reason: "IPAddressWrongReference",
+                        action: ACTION_IPADDRESS_ALLOCATION,
+                        note: format!(
+                            "IPAddress: {} for Service {}/{} has a wrong reference; cleaning up",
+                            ip.name, svc.namespace, svc.name
+                        ),
+                    }),
+                    error_type: Some("leak"),
+                    repair: Repair::Delete {
+                        name: ip.name.clone(),
+                        existing,
+                        ground: DeleteGround::ParentDoesNotList {
+                            namespace: svc.namespace.clone(),
+                            name: svc.name.clone(),
+                        },
+                    },
+                });
+            }
+        }
+    }
+}
+
+/// Decides an audit pass (no IPAddress API): rebuild each configured range's allocation from
+/// all Services, as the legacy bitmap repair does, and report what it would have reported.
+/// Nothing here is ever repaired: the allocation state lives in etcd, out of our reach.
+pub fn decide_audit_mode<'a>(
+    services: impl IntoIterator<Item = &'a ServiceRecord>,
+    configured: &[ServiceRange],
+) -> AuditDecision {
+    let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
+    services.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    let mut allocators: Vec<RangeAllocator> = configured
+        .iter()
+        .copied()
+        .map(RangeAllocator::new)
+        .collect();
+    let mut findings = Vec::new();
+    for svc in services {
+        for raw in svc.cluster_ips.iter() {
+            let report = |kind, reason, action, note: String, error_type| Finding {
+                kind,
+                regarding: Regarding::service(svc),
+                event: Some(EventSpec {
+                    reason,
+                    action,
+                    note,
+                }),
+                error_type: Some(error_type),
+                repair: Repair::None,
+            };
+            let Some(ip) = parse_ip_sloppy(raw) else {
+                findings.push(report(
+                    "clusterip_not_valid",
+                    "ClusterIPNotValid",
+                    ACTION_CLUSTERIP_VALIDATION,
+                    format!("Cluster IP {raw} is not a valid IP; please recreate service"),
+                    "invalid",
+                ));
+                continue;
+            };
+            let family = IpFamily::of(ip);
+            let Some(allocator) = allocators
+                .iter_mut()
+                .find(|alloc| alloc.range().family() == family)
+            else {
+                findings.push(report(
+                    "clusterip_not_valid",
+                    "ClusterIPNotValid",
+                    ACTION_CLUSTERIP_VALIDATION,
+                    format!(
+                        "Cluster IP {ip}({family}) is of ip family that is no longer configured on cluster; please recreate service"
+                    ),
+                    "invalid",
+                ));
+                continue;
+            };
+            match allocator.allocate(ip) {
+                Ok(()) => {}
+                Err(AllocError::Allocated) => findings.push(report(
+                    "clusterip_already_allocated",
+                    "ClusterIPAlreadyAllocated",
+                    ACTION_CLUSTERIP_ALLOCATION,
+                    format!(
+                        "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
+                    ),
+                    "duplicate",
+                )),
+                Err(AllocError::NotInRange) => findings.push(report(
+                    "clusterip_out_of_range",
+                    "ClusterIPOutOfRange",
+                    ACTION_CLUSTERIP_ALLOCATION,
+                    format!(
+                        "Cluster IP [{family}]:{ip} is not within the service CIDR {}; please recreate service",
+                        allocator.range()
+                    ),
+                    "outOfRange",
+                )),
+            }
+        }
+    }
+    AuditDecision {
+        findings,
+        usage: allocators
+            .iter()
+            .map(|alloc| RangeUsage {
+                range: *alloc.range(),
+                allocated: alloc.allocated(),
+                free: alloc.free(),
+            })
+            .collect(),
+    }
+}
+
+/// The outcome of an audit pass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuditDecision {
+    pub findings: Vec<Finding>,
+    pub usage: Vec<RangeUsage>,
+}
+
+/// How full one configured range is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RangeUsage {
+    pub range: ServiceRange,
+    pub allocated: u128,
+    pub free: u128,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const GRACE: Duration = Duration::from_secs(60);
+
+    fn now() -> jiff::Timestamp {
+        "2026-11-22T03:00:00Z".parse().unwrap()
+    }
+
+    fn svc(ns: &str, name: &str, ips: &[&str]) -> ServiceRecord {
+        ServiceRecord {
+            namespace: ns.into(),
+            name: name.into(),
+            uid: format!("uid-{ns}-{name}").into(),
+            resource_version: "1".into(),
+            cluster_ips: ips.iter().map(|ip| (*ip).into()).collect(),
+        }
+    }
+
+    fn ipaddr(
+        ip: &str,
+        parent: Option<(&str, &str, &str, &str)>,
+        age_secs: i64,
+    ) -> IpAddressRecord {
+        let family = if ip.contains(':') { "IPv6" } else { "IPv4" };
+        IpAddressRecord {
+            name: ip.into(),
+            uid: format!("uid-{ip}").into(),
+            resource_version: "5".into(),
+            managed_by: Some(IPALLOCATOR_MANAGER.into()),
+            family_label: Some(family.into()),
+            parent: parent.map(|(group, resource, namespace, name)| ParentRef {
+                group: group.into(),
+                resource: resource.into(),
+                namespace: namespace.into(),
+                name: name.into(),
+            }),
+            created: Some(now() - jiff::SignedDuration::from_secs(age_secs)),
+            deleting: false,
+        }
+    }
+
+    fn owned(ip: &str, ns: &str, name: &str) -> IpAddressRecord {
+        ipaddr(ip, Some(("", "services", ns, name)), 3600)
+    }
+
+    fn cidrs() -> Vec<ServiceCidrRecord> {
+        vec![ServiceCidrRecord {
+            name: "kubernetes".into(),
+            resource_version: "1".into(),
+            cidrs: vec![
+                "10.0.0.0/24".parse().unwrap(),
+                "fd00::/108".parse().unwrap(),
+            ],
+            raw_cidrs: vec!["10.0.0.0/24".into(), "fd00::/108".into()],
+            deleting: false,
+        }]
+    }
+
+    fn decide(services: &[ServiceRecord], ips: &[IpAddressRecord]) -> Decision {
+        decide_ipaddress_mode(services, ips, &cidrs(), now(), GRACE)
+    }
+
+    fn reasons(decision: &Decision) -> Vec<(&'static str, String)> {
+        decision
+            .findings
+            .iter()
+            .filter_map(|f| f.event.as_ref().map(|e| (e.reason, e.note.clone())))
+            .collect()
+    }
+
+    #[test]
+    fn consistent_dual_stack_state_has_no_findings() {
+        let services = [svc("d", "a", &["10.0.0.5", "fd00::5"]), svc("d", "h", &[])];
+        let ips = [owned("10.0.0.5", "d", "a"), owned("fd00::5", "d", "a")];
+        let decision = decide(&services, &ips);
+        assert_eq!(decision, Decision::default());
+    }
+
+    #[test]
+    fn invalid_cluster_ip_is_reported() {
+        let decision = decide(&[svc("d", "a", &["10.0.0.999"])], &[]);
+        assert_eq!(
+            reasons(&decision),
+            [(
+                "ClusterIPNotValid",
+                "Cluster IP 10.0.0.999 is not a valid IP; please recreate Service".to_owned()
+            )]
+        );
+        let finding = &decision.findings[0];
+        assert_eq!(
+            finding.event.as_ref().unwrap().action,
+            "ClusterIPValidation"
+        );
+        assert_eq!(finding.error_type, Some("invalid"));
+        assert_eq!(finding.repair, Repair::None);
+    }
+
+    #[test]
+    fn out_of_range_is_reported_without_write() {
+        let decision = decide(&[svc("d", "a", &["10.1.0.5", "10.0.0.255"])], &[]);
+        assert_eq!(
+            reasons(&decision),
+            [
+                (
+                    "ClusterIPOutOfRange",
+                    "Cluster IP [IPv4]: 10.1.0.5 is not within any configured Service CIDR; please recreate service".to_owned()
+                ),
+                (
+                    "ClusterIPOutOfRange",
+                    "Cluster IP [IPv4]: 10.0.0.255 is not within any configured Service CIDR; please recreate service".to_owned()
+                ),
+            ]
+        );
+        assert!(decision.findings.iter().all(|f| f.repair == Repair::None));
+    }
+
+    #[test]
+    fn missing_ipaddress_is_created_per_family() {
+        let decision = decide(
+            &[svc("d", "a", &["10.0.0.5", "fd00::5"])],
+            &[owned("10.0.0.5", "d", "a")],
+        );
+        assert_eq!(
+            reasons(&decision),
+            [(
+                "ClusterIPNotAllocated",
+                "Cluster IP [IPv6]: fd00::5 is not allocated; repairing".to_owned()
+            )]
+        );
+        assert_eq!(
+            decision.findings[0].repair,
+            Repair::Create {
+                ip: "fd00::5".parse().unwrap(),
+                owner: ServiceOwner {
+                    namespace: "d".into(),
+                    name: "a".into()
+                }
+            }
+        );
+        assert_eq!(
+            decision.findings[0].event.as_ref().unwrap().action,
+            "ClusterIPAllocation"
+        );
+    }
+
+    #[test]
+    fn two_services_without_ipaddress_create_once_and_report_the_second() {
+        let decision = decide(
+            &[svc("d", "b", &["10.0.0.5"]), svc("d", "a", &["10.0.0.5"])],
+            &[],
+        );
+        let kinds: Vec<_> = decision
+            .findings
+            .iter()
+            .map(|f| (f.kind, f.regarding.object()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("clusterip_not_allocated", "Service/d/a".to_owned()),
+                ("clusterip_already_allocated", "Service/d/b".to_owned())
+            ]
+        );
+    }
+
+    #[test]
+    fn reference_to_non_service_is_recreated_for_the_service() {
+        let ips = [ipaddr(
+            "10.0.0.5",
+            Some(("gateway.networking.k8s.io", "gateways", "d", "a")),
+            3600,
+        )];
+        let decision = decide(&[svc("d", "a", &["10.0.0.5"])], &ips);
+        assert_eq!(
+            reasons(&decision),
+            [(
+                "ClusterIPNotAllocated",
+                "the ClusterIP [IPv4]: 10.0.0.5 for Service d/a has a wrong reference; repairing"
+                    .to_owned()
+            )]
+        );
+        assert!(matches!(
+            decision.findings[0].repair,
+            Repair::Recreate {
+                dangling_parent: None,
+                ..
+            }
+        ));
+        assert_eq!(
+            decision.findings.len(),
+            1,
+            "the IPAddress phase leaves the rewritten object alone"
+        );
+    }
+
+    #[test]
+    fn dangling_reference_is_recreated_for_the_service() {
+        let decision = decide(
+            &[svc("d", "a", &["10.0.0.5"])],
+            &[owned("10.0.0.5", "d", "gone")],
+        );
+        assert_eq!(decision.findings.len(), 1);
+        assert_eq!(decision.findings[0].kind, "ipaddress_wrong_reference");
+        match &decision.findings[0].repair {
+            Repair::Recreate {
+                owner,
+                existing,
+                dangling_parent,
+                ..
+            } => {
+                assert_eq!(&*owner.name, "a");
+                assert_eq!(&*existing.uid, "uid-10.0.0.5");
+                assert_eq!(dangling_parent.as_ref().map(|p| &*p.name), Some("gone"));
+            }
+            other => panic!("unexpected repair {other:?}"),
+        }
+    }
+
+    #[test]
+    fn ip_claimed_by_two_live_services_is_only_reported() {
+        let services = [svc("d", "a", &["10.0.0.5"]), svc("d", "b", &["10.0.0.5"])];
+        let decision = decide(&services, &[owned("10.0.0.5", "d", "a")]);
+        assert_eq!(
+            reasons(&decision),
+            [(
+                "ClusterIPAlreadyAllocated",
+                "Cluster IP [IPv4]:10.0.0.5 was assigned to multiple services; please recreate service".to_owned()
+            )]
+        );
+        assert_eq!(decision.findings[0].regarding.object(), "Service/d/b");
+        assert_eq!(decision.findings[0].repair, Repair::None);
+    }
+
+    #[test]
+    fn reference_to_service_not_listing_the_ip_is_left_to_the_ipaddress_phase() {
+        let services = [svc("d", "a", &["10.0.0.5"]), svc("d", "b", &["10.0.0.6"])];
+        let ips = [owned("10.0.0.5", "d", "b"), owned("10.0.0.6", "d", "b")];
+        let decision = decide(&services, &ips);
+        assert_eq!(
+            reasons(&decision),
+            [(
+                "IPAddressWrongReference",
+                "IPAddress: 10.0.0.5 for Service d/b has a wrong reference; cleaning up".to_owned()
+            )]
+        );
+        assert!(matches!(
+            &decision.findings[0].repair,
+            Repair::Delete {
+                ground: DeleteGround::ParentDoesNotList { .. },
+                ..
+            }
+        ));
+        assert_eq!(
+            decision.findings[0].regarding.object(),
+            "IPAddress/10.0.0.5"
+        );
+    }
+
+    #[test]
+    fn wrong_labels_are_recreated_silently() {
+        let mut ip = owned("fd00::5", "d", "a");
+        ip.family_label = Some("IPv4".into());
+        let decision = decide(&[svc("d", "a", &["fd00::5"])], &[ip]);
+        assert_eq!(decision.findings.len(), 1);
+        assert_eq!(decision.findings[0].kind, "ipaddress_wrong_labels");
+        assert!(decision.findings[0].event.is_none());
+        assert!(decision.findings[0].repair.deletes());
+    }
+
+    #[test]
+    fn ipaddress_of_other_managers_is_never_touched() {
+        let mut mine = owned("10.0.0.5", "d", "a");
+        mine.managed_by = Some("someone-else".into());
+        let mut stray = owned("10.0.0.9", "d", "gone");
+        stray.managed_by = None;
+        let mut taken = owned("10.0.0.7", "d", "other");
+        taken.managed_by = Some("someone-else".into());
+        let decision = decide(
+            &[svc("d", "a", &["10.0.0.5"]), svc("d", "c", &["10.0.0.7"])],
+            &[mine, stray, taken],
+        );
+        assert!(
+            decision.findings.iter().all(|f| f.repair == Repair::None),
+            "{decision:?}"
+        );
+        let kinds: Vec<_> = decision.findings.iter().map(|f| f.kind).collect();
+        assert_eq!(
+            kinds,
+            ["ipaddress_foreign_manager", "clusterip_already_allocated"]
+        );
+    }
+
+    #[test]
+    fn ipaddress_not_referencing_a_service_is_deleted() {
+        let ips = [
+            ipaddr("10.0.0.7", Some(("x.io", "things", "d", "t")), 3600),
+            ipaddr("10.0.0.8", None, 3600),
+        ];
+        let decision = decide(&[], &ips);
+        assert_eq!(
+            reasons(&decision),
+            [
+                (
+                    "IPAddressNotAllocated",
+                    "IPAddress 10.0.0.7 appears to have been modified, not referencing a Service &{x.io things d t}: cleaning up".to_owned()
+                ),
+                (
+                    "IPAddressNotAllocated",
+                    "IPAddress 10.0.0.8 appears to have been modified, not referencing a Service <nil>: cleaning up".to_owned()
+                ),
+            ]
+        );
+        assert!(decision.findings.iter().all(|f| matches!(
+            f.repair,
+            Repair::Delete {
+                ground: DeleteGround::NotAService,
+                ..
+            }
+        )));
+        assert_eq!(
+            decision.findings[0].event.as_ref().unwrap().action,
+            "IPAddressAllocation"
+        );
+    }
+
+    #[test]
+    fn leaked_ipaddress_is_deleted_only_after_the_grace_period() {
+        let old = ipaddr("10.0.0.7", Some(("", "services", "d", "gone")), 61);
+        let young = ipaddr("10.0.0.8", Some(("", "services", "d", "coming")), 20);
+        let younger = ipaddr("10.0.0.9", Some(("", "services", "d", "coming2")), 5);
+        let decision = decide(&[], &[old, young, younger]);
+        assert_eq!(
+            reasons(&decision),
+            [(
+                "IPAddressNotAllocated",
+                "IPAddress: 10.0.0.7 for Service d/gone appears to have leaked: cleaning up"
+                    .to_owned()
+            )]
+        );
+        assert_eq!(
+            decision.next_recheck,
+            Some(now() + jiff::SignedDuration::from_secs(40))
+        );
+    }
+
+    #[test]
+    fn ipaddress_without_creation_time_counts_as_old() {
+        let mut ip = ipaddr("10.0.0.7", Some(("", "services", "d", "gone")), 0);
+        ip.created = None;
+        assert_eq!(decide(&[], &[ip]).findings.len(), 1);
+    }
+
+    #[test]
+    fn terminating_ipaddress_is_left_alone() {
+        let mut ip = ipaddr("10.0.0.7", Some(("", "services", "d", "gone")), 3600);
+        ip.deleting = true;
+        assert!(decide(&[], &[ip]).findings.is_empty());
+    }
+
+    #[test]
+    fn no_service_cidr_means_everything_is_out_of_range() {
+        let decision =
+            decide_ipaddress_mode(&[svc("d", "a", &["10.0.0.5"])], &[], &[], now(), GRACE);
+        assert_eq!(decision.findings[0].kind, "clusterip_out_of_range");
+    }
+
+    fn configured() -> Vec<ServiceRange> {
+        vec![
+            ServiceRange::new("10.0.0.0/24".parse().unwrap()),
+            ServiceRange::new("fd00::/64".parse().unwrap()),
+        ]
+    }
+
+    #[test]
+    fn audit_reports_legacy_reasons() {
+        let services = [
+            svc("a", "one", &["10.0.0.5", "fd00::5"]),
+            svc("a", "two", &["10.0.0.5"]),
+            svc("b", "bad", &["nope"]),
+            svc("b", "far", &["10.9.0.1"]),
+            svc("c", "ok", &["fd00::ffff:1"]),
+        ];
+        let audit = decide_audit_mode(&services, &configured());
+        let got: Vec<_> = audit
+            .findings
+            .iter()
+            .map(|f| {
+                (
+                    f.regarding.object(),
+                    f.event.as_ref().unwrap().reason,
+                    f.event.as_ref().unwrap().note.clone(),
+                    f.error_type,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "Service/a/two".to_owned(),
+                    "ClusterIPAlreadyAllocated",
+                    "Cluster IP [IPv4]:10.0.0.5 was assigned to multiple services; please recreate service".to_owned(),
+                    Some("duplicate")
+                ),
+                (
+                    "Service/b/bad".to_owned(),
+                    "ClusterIPNotValid",
+                    "Cluster IP nope is not a valid IP; please recreate service".to_owned(),
+                    Some("invalid")
+                ),
+                (
+                    "Service/b/far".to_owned(),
+                    "ClusterIPOutOfRange",
+                    "Cluster IP [IPv4]:10.9.0.1 is not within the service CIDR 10.0.0.0/24; please recreate service".to_owned(),
+                    Some("outOfRange")
+                ),
+            ]
+        );
+        assert!(audit.findings.iter().all(|f| f.repair == Repair::None));
+        assert_eq!(audit.usage[0].allocated, 1);
+        assert_eq!(audit.usage[0].free, 253);
+        assert_eq!(audit.usage[1].allocated, 2);
+    }
+
+    #[test]
+    fn audit_reports_unconfigured_family() {
+        let only_v4 = [ServiceRange::new("10.0.0.0/24".parse().unwrap())];
+        let audit = decide_audit_mode(&[svc("a", "v6", &["fd00::5"])], &only_v4);
+        assert_eq!(
+            audit.findings[0].event.as_ref().unwrap().note,
+            "Cluster IP fd00::5(IPv6) is of ip family that is no longer configured on cluster; please recreate service"
+        );
+    }
+}

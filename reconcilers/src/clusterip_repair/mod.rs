@@ -1,0 +1,4 @@
+//! Loop: ClusterIP repair.
+
+pub mod decide;
+pub mod model;

@@ -1,0 +1,349 @@
+//! The compact records the repair works on.
+//!
+//! Lists and watches are decoded straight into these (only the fields the repair reads), never
+//! into full `k8s-openapi` objects: at 100,000 Services the difference is hundreds of megabytes
+//! (managedFields, annotations, ports, status) and most of the decoding time.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::Deserialize;
+
+use crate::alloc::parse_ip_sloppy;
+
+/// Label naming the controller that manages an IPAddress.
+pub const LABEL_MANAGED_BY: &str = "ipaddress.kubernetes.io/managed-by";
+/// Label holding an IPAddress's family (`IPv4`/`IPv6`).
+pub const LABEL_IP_FAMILY: &str = "ipaddress.kubernetes.io/ip-family";
+/// The value of [`LABEL_MANAGED_BY`] on IPAddresses of Service ClusterIPs.
+pub const IPALLOCATOR_MANAGER: &str = "ipallocator.k8s.io";
+
+/// The parts of a Service the repair needs.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(from = "wire::Service")]
+pub struct ServiceRecord {
+    pub namespace: Box<str>,
+    pub name: Box<str>,
+    pub uid: Box<str>,
+    pub resource_version: Box<str>,
+    /// The Service's cluster IPs as written (possibly unparseable); empty when the Service has no
+    /// cluster IP (headless, ExternalName, not yet allocated).
+    pub cluster_ips: Box<[Box<str>]>,
+}
+
+impl ServiceRecord {
+    /// Whether the Service lists `ip` among its cluster IPs.
+    pub fn lists_ip(&self, ip: IpAddr) -> bool {
+        self.cluster_ips
+            .iter()
+            .any(|listed| parse_ip_sloppy(listed) == Some(ip))
+    }
+
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// `spec.parentRef` of an IPAddress.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct ParentRef {
+    pub group: Box<str>,
+    pub resource: Box<str>,
+    pub namespace: Box<str>,
+    pub name: Box<str>,
+}
+
+impl ParentRef {
+    pub fn is_service(&self) -> bool {
+        self.group.is_empty() && &*self.resource == "services"
+    }
+}
+
+/// The parts of an IPAddress the repair needs.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(from = "wire::IpAddress")]
+pub struct IpAddressRecord {
+    /// The object name, which is the IP in canonical form.
+    pub name: Box<str>,
+    pub uid: Box<str>,
+    pub resource_version: Box<str>,
+    pub managed_by: Option<Box<str>>,
+    pub family_label: Option<Box<str>>,
+    pub parent: Option<ParentRef>,
+    /// `None` when missing or unparseable; treated as "old" as upstream does.
+    pub created: Option<jiff::Timestamp>,
+    pub deleting: bool,
+}
+
+impl IpAddressRecord {
+    pub fn managed_by_ipallocator(&self) -> bool {
+        self.managed_by.as_deref() == Some(IPALLOCATOR_MANAGER)
+    }
+}
+
+/// The parts of a ServiceCIDR the repair needs.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(from = "wire::ServiceCidr")]
+pub struct ServiceCidrRecord {
+    pub name: Box<str>,
+    pub resource_version: Box<str>,
+    /// Parsed `spec.cidrs`; entries that do not parse are dropped (the API validates them).
+    pub cidrs: Vec<IpNet>,
+    /// `spec.cidrs` as written, for comparisons with the configuration.
+    pub raw_cidrs: Vec<Box<str>>,
+    pub deleting: bool,
+}
+
+/// Object identity for preconditioned writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectVersion {
+    pub uid: Box<str>,
+    pub resource_version: Box<str>,
+}
+
+/// A page of a LIST response.
+#[derive(Debug, Deserialize)]
+#[serde(bound(deserialize = "T: Deserialize<'de>"))]
+pub struct ListPage<T> {
+    #[serde(default)]
+    pub metadata: ListMeta,
+    #[serde(default = "Vec::new")]
+    pub items: Vec<T>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct ListMeta {
+    pub resource_version: Option<String>,
+    #[serde(rename = "continue")]
+    pub continue_token: Option<String>,
+}
+
+mod wire {
+    use serde::Deserialize;
+
+    use super::ParentRef;
+
+    #[derive(Deserialize, Default)]
+    #[serde(default, rename_all = "camelCase")]
+    pub struct Meta {
+        pub name: Box<str>,
+        pub namespace: Box<str>,
+        pub uid: Box<str>,
+        pub resource_version: Box<str>,
+        pub creation_timestamp: Option<Box<str>>,
+        pub deletion_timestamp: Option<Box<str>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    pub struct Service {
+        pub metadata: Meta,
+        pub spec: ServiceSpec,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default, rename_all = "camelCase")]
+    pub struct ServiceSpec {
+        #[serde(rename = "clusterIP")]
+        pub cluster_ip: Option<Box<str>>,
+        #[serde(rename = "clusterIPs")]
+        pub cluster_ips: Option<Vec<Box<str>>>,
+    }
+
+    impl From<Service> for super::ServiceRecord {
+        fn from(wire: Service) -> Self {
+            // upstream's IsServiceIPSet: a Service without a cluster IP, or a headless one, has no
+            // IPs to repair whatever clusterIPs says.
+            let has_ip = wire
+                .spec
+                .cluster_ip
+                .as_deref()
+                .is_some_and(|ip| !ip.is_empty() && ip != "None");
+            let cluster_ips: Box<[Box<str>]> = if !has_ip {
+                Box::default()
+            } else {
+                match wire.spec.cluster_ips {
+                    Some(ips) if !ips.is_empty() => ips.into_boxed_slice(),
+                    _ => wire.spec.cluster_ip.into_iter().collect(),
+                }
+            };
+            Self {
+                namespace: wire.metadata.namespace,
+                name: wire.metadata.name,
+                uid: wire.metadata.uid,
+                resource_version: wire.metadata.resource_version,
+                cluster_ips,
+            }
+        }
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    pub struct IpLabels {
+        #[serde(rename = "ipaddress.kubernetes.io/managed-by")]
+        pub managed_by: Option<Box<str>>,
+        #[serde(rename = "ipaddress.kubernetes.io/ip-family")]
+        pub family: Option<Box<str>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    pub struct IpAddress {
+        pub metadata: IpAddressMeta,
+        pub spec: IpAddressSpec,
+    }
+
+    // Not `#[serde(flatten)]`: flatten buffers the whole map, which costs time at scale.
+    #[derive(Deserialize, Default)]
+    #[serde(default, rename_all = "camelCase")]
+    pub struct IpAddressMeta {
+        pub name: Box<str>,
+        pub uid: Box<str>,
+        pub resource_version: Box<str>,
+        pub creation_timestamp: Option<Box<str>>,
+        pub deletion_timestamp: Option<Box<str>>,
+        pub labels: IpLabels,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default, rename_all = "camelCase")]
+    pub struct IpAddressSpec {
+        pub parent_ref: Option<ParentRef>,
+    }
+
+    impl From<IpAddress> for super::IpAddressRecord {
+        fn from(wire: IpAddress) -> Self {
+            let meta = wire.metadata;
+            Self {
+                name: meta.name,
+                uid: meta.uid,
+                resource_version: meta.resource_version,
+                managed_by: meta.labels.managed_by,
+                family_label: meta.labels.family,
+                parent: wire.spec.parent_ref,
+                created: meta
+                    .creation_timestamp
+                    .and_then(|text| text.parse::<jiff::Timestamp>().ok()),
+                deleting: meta.deletion_timestamp.is_some(),
+            }
+        }
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    pub struct ServiceCidr {
+        pub metadata: Meta,
+        pub spec: ServiceCidrSpec,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    pub struct ServiceCidrSpec {
+        pub cidrs: Vec<Box<str>>,
+    }
+
+    impl From<ServiceCidr> for super::ServiceCidrRecord {
+        fn from(wire: ServiceCidr) -> Self {
+            Self {
+                name: wire.metadata.name,
+                resource_version: wire.metadata.resource_version,
+                cidrs: wire
+                    .spec
+                    .cidrs
+                    .iter()
+                    .filter_map(|cidr| cidr.parse().ok())
+                    .collect(),
+                raw_cidrs: wire.spec.cidrs,
+                deleting: wire.metadata.deletion_timestamp.is_some(),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const FIXTURES: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/fixtures/k8s-api-testdata"
+    );
+
+    #[test]
+    fn decodes_a_dual_stack_service() {
+        let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web","namespace":"shop",
+            "uid":"u1","resourceVersion":"42","managedFields":[{"manager":"x"}]},
+            "spec":{"clusterIP":"10.0.0.5","clusterIPs":["10.0.0.5","fd00::5"],"ports":[{"port":80}]}}"#;
+        let svc: ServiceRecord = serde_json::from_str(json).unwrap();
+        assert_eq!(&*svc.namespace, "shop");
+        assert_eq!(&*svc.name, "web");
+        assert_eq!(&*svc.resource_version, "42");
+        assert_eq!(svc.cluster_ips.len(), 2);
+        assert!(svc.lists_ip("fd00::5".parse().unwrap()));
+        assert!(!svc.lists_ip("10.0.0.6".parse().unwrap()));
+    }
+
+    #[test]
+    fn headless_and_old_services() {
+        let headless: ServiceRecord = serde_json::from_str(
+            r#"{"metadata":{"name":"h","namespace":"d"},"spec":{"clusterIP":"None","clusterIPs":["None"]}}"#,
+        )
+        .unwrap();
+        assert!(headless.cluster_ips.is_empty());
+        let external: ServiceRecord = serde_json::from_str(
+            r#"{"metadata":{"name":"e","namespace":"d"},"spec":{"type":"ExternalName"}}"#,
+        )
+        .unwrap();
+        assert!(external.cluster_ips.is_empty());
+        let old: ServiceRecord = serde_json::from_str(
+            r#"{"metadata":{"name":"o","namespace":"d"},"spec":{"clusterIP":"10.0.0.9"}}"#,
+        )
+        .unwrap();
+        assert_eq!(&*old.cluster_ips[0], "10.0.0.9");
+    }
+
+    #[test]
+    fn decodes_upstream_fixtures() {
+        let ip: IpAddressRecord = serde_json::from_str(
+            &std::fs::read_to_string(format!("{FIXTURES}/networking.k8s.io.v1.IPAddress.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        assert!(!ip.name.is_empty());
+        assert!(ip.parent.is_some());
+        let cidr: ServiceCidrRecord = serde_json::from_str(
+            &std::fs::read_to_string(format!("{FIXTURES}/networking.k8s.io.v1.ServiceCIDR.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        assert!(!cidr.raw_cidrs.is_empty());
+        assert!(
+            cidr.cidrs.is_empty(),
+            "placeholder CIDR strings are not parsed as ranges"
+        );
+        let svc: ServiceRecord = serde_json::from_str(
+            &std::fs::read_to_string(format!("{FIXTURES}/core.v1.Service.json")).unwrap(),
+        )
+        .unwrap();
+        assert!(!svc.name.is_empty());
+    }
+
+    #[test]
+    fn decodes_ipaddress_labels_and_times() {
+        let json = r#"{"metadata":{"name":"10.0.0.5","uid":"u","resourceVersion":"7",
+            "creationTimestamp":"2026-01-02T03:04:05Z",
+            "labels":{"ipaddress.kubernetes.io/managed-by":"ipallocator.k8s.io","ipaddress.kubernetes.io/ip-family":"IPv4","x":"y"}},
+            "spec":{"parentRef":{"resource":"services","namespace":"d","name":"s"}}}"#;
+        let ip: IpAddressRecord = serde_json::from_str(json).unwrap();
+        assert!(ip.managed_by_ipallocator());
+        assert_eq!(ip.family_label.as_deref(), Some("IPv4"));
+        let parent = ip.parent.unwrap();
+        assert!(parent.is_service());
+        assert_eq!(&*parent.name, "s");
+        assert_eq!(ip.created.unwrap().to_string(), "2026-01-02T03:04:05Z");
+        assert!(!ip.deleting);
+    }
+}
