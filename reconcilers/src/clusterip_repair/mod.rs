@@ -1,4 +1,1032 @@
 //! Loop: ClusterIP repair.
+//!
+//! Upstream (`pkg/registry/core/service/ipallocator/controller/repairip.go`) keeps every Service
+//! cluster IP backed by an `networking.k8s.io/v1` IPAddress that names the Service, inside
+//! kube-apiserver, on a 3-minute resync. We do the same from outside: caches of Services,
+//! IPAddresses and ServiceCIDRs are kept by watches (which also wake the loop), a full pass runs
+//! every interval, and [`decide`] says what is wrong with the exact upstream events.
+//!
+//! Safety beyond upstream: nothing is decided from an unsynced cache; every delete is
+//! preconditioned on the IPAddress's uid and resourceVersion; and before a delete the Service
+//! cache must be proven at least as new as the API's Services (a `limit=1` list gives the API's
+//! version), or else the parent Service is read live and the delete happens only if the live
+//! state agrees. If neither holds the delete is deferred and counted. IPAddresses managed by
+//! anyone but `ipallocator.k8s.io` are never written.
+//!
+//! Where the API serves no IPAddress (older clusters, generic control planes; found by
+//! discovery), the loop audits instead: it rebuilds each configured range's allocation from all
+//! Services and reports duplicates, out-of-range and invalid IPs with the legacy repair's
+//! reasons, without writing.
 
 pub mod decide;
 pub mod model;
+pub mod reflector;
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{DeleteParams, PostParams, Preconditions};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio::sync::Notify;
+use tracing::{debug, info, warn};
+
+use crate::alloc::{IpFamily, ServiceRange};
+use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
+
+use decide::{AuditDecision, Decision, DeleteGround, Finding, Regarding, Repair, ServiceOwner};
+use model::{
+    IPALLOCATOR_MANAGER, IpAddressRecord, LABEL_IP_FAMILY, LABEL_MANAGED_BY, ServiceCidrRecord,
+    ServiceRecord,
+};
+use reflector::{Collection, Store, list_all, parse_resource_version, reflect};
+
+/// Reporting controller of the events, as upstream.
+pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
+/// Name of the default ServiceCIDR; upstream's repair waits for it before its first pass.
+pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
+
+/// Which repair to run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RepairMode {
+    /// IPAddress mode when discovery shows `networking.k8s.io/v1` IPAddress and ServiceCIDR,
+    /// audit mode otherwise.
+    #[default]
+    Auto,
+    IpAddress,
+    Audit,
+}
+
+/// Configuration of the ClusterIP repair loop (`loops.clusterIPRepair`).
+#[derive(Clone, Debug)]
+pub struct ClusterIpRepairConfig {
+    /// Full pass interval (upstream: 3 minutes).
+    pub interval: Duration,
+    /// How long an IPAddress whose Service is missing is left alone (upstream: 60 s), because
+    /// kube-apiserver writes the IPAddress before the Service.
+    pub orphan_grace: Duration,
+    pub mode: RepairMode,
+    /// The service ranges the API server is configured with (`--service-cluster-ip-range`), in
+    /// family order. Required for audit mode; unused in IPAddress mode (ServiceCIDRs are read).
+    pub service_ranges: Vec<IpNet>,
+    /// `reportingInstance` of the events; `None` uses the host name.
+    pub reporting_instance: Option<String>,
+    /// How long a pass waits for the Service cache to catch up with the API before deletes
+    /// fall back to live checks.
+    pub freshness_wait: Duration,
+    /// When a delete is deferred, look again after this long.
+    pub deferral_retry: Duration,
+    /// LIST page size.
+    pub page_size: u32,
+}
+
+impl Default for ClusterIpRepairConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(180),
+            orphan_grace: Duration::from_secs(60),
+            mode: RepairMode::Auto,
+            service_ranges: Vec::new(),
+            reporting_instance: None,
+            freshness_wait: Duration::from_secs(2),
+            deferral_retry: Duration::from_secs(10),
+            page_size: 500,
+        }
+    }
+}
+
+/// Invalid [`ClusterIpRepairConfig`]; messages name the configuration field and the fix.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("loops.clusterIPRepair.{field}: {problem}")]
+    Invalid {
+        field: &'static str,
+        problem: String,
+    },
+}
+
+impl ClusterIpRepairConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field, problem: &str| {
+            Err(ConfigError::Invalid {
+                field,
+                problem: problem.to_owned(),
+            })
+        };
+        if self.interval < Duration::from_secs(1) {
+            return invalid("interval", "must be at least 1s (upstream uses 3m)");
+        }
+        if self.page_size == 0 {
+            return invalid("pageSize", "must be at least 1 (500 is a good value)");
+        }
+        validate_ranges(&self.service_ranges).map_err(|problem| ConfigError::Invalid {
+            field: "serviceClusterIPRanges",
+            problem,
+        })?;
+        if self.mode == RepairMode::Audit && self.service_ranges.is_empty() {
+            return invalid(
+                "serviceClusterIPRanges",
+                "audit mode needs the API server's --service-cluster-ip-range value(s)",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Checks service ranges the way kube-apiserver checks `--service-cluster-ip-range`: at most
+/// two, of different families, each holding at least 8 addresses.
+pub fn validate_ranges(ranges: &[IpNet]) -> Result<(), String> {
+    if ranges.len() > 2 {
+        return Err(format!(
+            "at most two ranges (one IPv4, one IPv6) are allowed, got {}",
+            ranges.len()
+        ));
+    }
+    if let [first, second] = ranges
+        && IpFamily::of_net(first) == IpFamily::of_net(second)
+    {
+        return Err(format!(
+            "{first} and {second} are of the same family; a dual-stack configuration needs one IPv4 and one IPv6 range"
+        ));
+    }
+    for range in ranges {
+        if ServiceRange::new(*range).total_size() < 8 {
+            return Err(format!(
+                "{range} is too small; a service range must hold at least 8 addresses"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Counters mirroring upstream's `apiserver_clusterip_repair_*`, plus the deferrals.
+#[derive(Clone, Debug, Default)]
+pub struct RepairMetrics {
+    /// `type` = leak | repair | full | outOfRange | duplicate | unknown | invalid.
+    pub ip_errors: Family<[(&'static str, &'static str); 1], Counter>,
+    pub reconcile_errors: Counter,
+    /// `reason` = stale_cache | verify_failed.
+    pub deferred_deletes: Family<[(&'static str, &'static str); 1], Counter>,
+}
+
+impl RepairMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        registry.register(
+            "clusterip_repair_ip_errors",
+            "Number of errors detected on cluster IPs by the repair loop, by type",
+            metrics.ip_errors.clone(),
+        );
+        registry.register(
+            "clusterip_repair_reconcile_errors",
+            "Number of ClusterIP repair passes that failed",
+            metrics.reconcile_errors.clone(),
+        );
+        registry.register(
+            "clusterip_repair_deferred_deletes",
+            "Number of IPAddress deletes put off because the Service cache could not be proven fresh, by reason",
+            metrics.deferred_deletes.clone(),
+        );
+        metrics
+    }
+}
+
+/// Wakes the loop at a chosen time (orphans leaving their grace period, deferred deletes).
+#[derive(Debug, Default)]
+struct Wakeup {
+    at: Mutex<Option<tokio::time::Instant>>,
+    changed: Notify,
+}
+
+impl Wakeup {
+    fn schedule(&self, at: tokio::time::Instant) {
+        let mut slot = self.at.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none_or(|current| at < current) {
+            *slot = Some(at);
+            self.changed.notify_one();
+        }
+    }
+
+    fn stream(self: Arc<Self>) -> Trigger {
+        futures::stream::unfold(self, |wakeup| async move {
+            loop {
+                let at = *wakeup.at.lock().unwrap_or_else(|p| p.into_inner());
+                match at {
+                    Some(at) => {
+                        tokio::select! {
+                            () = tokio::time::sleep_until(at) => {
+                                let mut slot = wakeup.at.lock().unwrap_or_else(|p| p.into_inner());
+                                if *slot == Some(at) {
+                                    *slot = None;
+                                }
+                                drop(slot);
+                                return Some(((), wakeup));
+                            }
+                            () = wakeup.changed.notified() => {}
+                        }
+                    }
+                    None => wakeup.changed.notified().await,
+                }
+            }
+        })
+        .boxed()
+    }
+}
+
+/// Which APIs the cluster serves, from discovery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Served {
+    IpAddressApi,
+    NoIpAddressApi,
+}
+
+async fn discover(client: &Client) -> Result<Served, kube::Error> {
+    match client
+        .list_api_group_resources("networking.k8s.io/v1")
+        .await
+    {
+        Ok(list) => {
+            let serves = |name: &str| list.resources.iter().any(|r| r.name == name);
+            Ok(if serves("ipaddresses") && serves("servicecidrs") {
+                Served::IpAddressApi
+            } else {
+                Served::NoIpAddressApi
+            })
+        }
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(Served::NoIpAddressApi),
+        Err(err) => Err(err),
+    }
+}
+
+/// The ClusterIP repair loop (`clusterip-repair`).
+pub struct ClusterIpRepair {
+    client: Client,
+    config: ClusterIpRepairConfig,
+    metrics: RepairMetrics,
+    services: Arc<Store<ServiceRecord>>,
+    ip_addresses: Arc<Store<IpAddressRecord>>,
+    service_cidrs: Arc<Store<ServiceCidrRecord>>,
+    /// Whether the runner took the trigger streams (which fill the caches); without them each
+    /// pass lists for itself.
+    caches_running: AtomicBool,
+    served: Mutex<Option<Served>>,
+    recorder: Recorder,
+    wakeup: Arc<Wakeup>,
+}
+
+impl ClusterIpRepair {
+    /// Builds the loop; registers its metrics in `registry` (give it the runtime's prefixed
+    /// registry). The client feeds the caches; passes use the client of their context.
+    pub fn new(
+        client: Client,
+        config: ClusterIpRepairConfig,
+        registry: &mut Registry,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let reporter = match &config.reporting_instance {
+            Some(instance) => Reporter {
+                controller: REPORTING_CONTROLLER.to_owned(),
+                instance: Some(instance.clone()),
+            },
+            None => Reporter::from(REPORTING_CONTROLLER),
+        };
+        Ok(Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            config,
+            metrics: RepairMetrics::register(registry),
+            services: Arc::default(),
+            ip_addresses: Arc::default(),
+            service_cidrs: Arc::default(),
+            caches_running: AtomicBool::new(false),
+            served: Mutex::new(None),
+            wakeup: Arc::default(),
+        })
+    }
+
+    pub fn metrics(&self) -> &RepairMetrics {
+        &self.metrics
+    }
+
+    fn collection(&self, path: &'static str) -> Collection {
+        let mut collection = Collection::new(path);
+        collection.page_size = self.config.page_size;
+        collection
+    }
+
+    async fn served(&self, client: &Client) -> Result<Served, LoopError> {
+        match self.config.mode {
+            RepairMode::IpAddress => return Ok(Served::IpAddressApi),
+            RepairMode::Audit => return Ok(Served::NoIpAddressApi),
+            RepairMode::Auto => {}
+        }
+        if let Some(served) = *self.served.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Ok(served);
+        }
+        let served = discover(client).await?;
+        info!(?served, "ClusterIP repair mode chosen by discovery");
+        *self.served.lock().unwrap_or_else(|p| p.into_inner()) = Some(served);
+        Ok(served)
+    }
+
+    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        match self.served(&ctx.client).await? {
+            Served::NoIpAddressApi => self.audit_pass(ctx).await,
+            Served::IpAddressApi => self.ipaddress_pass(ctx).await,
+        }
+    }
+
+    async fn audit_pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        let ranges: Vec<ServiceRange> = self
+            .config
+            .service_ranges
+            .iter()
+            .copied()
+            .map(ServiceRange::new)
+            .collect();
+        if ranges.is_empty() {
+            return Err(LoopError::Invalid(
+                "the API serves no networking.k8s.io/v1 IPAddress, so the repair can only audit, and \
+                 auditing needs loops.clusterIPRepair.serviceClusterIPRanges (the API server's \
+                 --service-cluster-ip-range)"
+                    .to_owned(),
+            ));
+        }
+        let audit = if self.caches_running.load(Ordering::Relaxed) {
+            let state = self.services.read();
+            if !state.synced {
+                return Err(LoopError::NotSynced(
+                    "Service cache has not synced yet".to_owned(),
+                ));
+            }
+            decide::decide_audit_mode(state.objects.values(), &ranges)
+        } else {
+            let (services, _) =
+                list_all::<ServiceRecord>(&ctx.client, &self.collection(reflector::SERVICES))
+                    .await?;
+            decide::decide_audit_mode(&services, &ranges)
+        };
+        let AuditDecision { findings, usage } = audit;
+        for range in &usage {
+            debug!(range = %range.range, allocated = %range.allocated, free = %range.free, "service range usage");
+        }
+        let mut report = PassReport::default();
+        for finding in findings {
+            self.count(&finding);
+            if !ctx.dry_run {
+                self.publish(&ctx.client, &finding).await;
+            }
+            report.push(drift_of(&finding, Action::Report, false, None));
+        }
+        Ok(report)
+    }
+
+    fn count(&self, finding: &Finding) {
+        if let Some(error_type) = finding.error_type {
+            self.metrics
+                .ip_errors
+                .get_or_create(&[("type", error_type)])
+                .inc();
+        }
+    }
+
+    async fn ipaddress_pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        let now = jiff::Timestamp::now();
+        let decision = if self.caches_running.load(Ordering::Relaxed) {
+            let services = self.services.read();
+            let ip_addresses = self.ip_addresses.read();
+            let service_cidrs = self.service_cidrs.read();
+            for (synced, what) in [
+                (services.synced, "Service"),
+                (ip_addresses.synced, "IPAddress"),
+                (service_cidrs.synced, "ServiceCIDR"),
+            ] {
+                if !synced {
+                    return Err(LoopError::NotSynced(format!(
+                        "{what} cache has not synced yet"
+                    )));
+                }
+            }
+            if !service_cidrs.objects.contains_key(DEFAULT_SERVICE_CIDR) {
+                return Err(LoopError::NotSynced(format!(
+                    "waiting for the default ServiceCIDR {DEFAULT_SERVICE_CIDR:?} to exist"
+                )));
+            }
+            decide::decide_ipaddress_mode(
+                services.objects.values(),
+                ip_addresses.objects.values(),
+                service_cidrs.objects.values(),
+                now,
+                self.config.orphan_grace,
+            )
+        } else {
+            let snapshot = Snapshot::list(&ctx.client, self.config.page_size).await?;
+            if !snapshot
+                .service_cidrs
+                .iter()
+                .any(|c| &*c.name == DEFAULT_SERVICE_CIDR)
+            {
+                return Err(LoopError::NotSynced(format!(
+                    "waiting for the default ServiceCIDR {DEFAULT_SERVICE_CIDR:?} to exist"
+                )));
+            }
+            snapshot.decide(now, self.config.orphan_grace)
+        };
+        self.act(ctx, decision).await
+    }
+
+    async fn act(&self, ctx: &PassContext, decision: Decision) -> Result<PassReport, LoopError> {
+        if let Some(at) = decision.next_recheck {
+            let wait = (at - jiff::Timestamp::now())
+                .try_into()
+                .unwrap_or(Duration::ZERO);
+            self.wakeup
+                .schedule(tokio::time::Instant::now() + wait + Duration::from_millis(50));
+        }
+        let mut report = PassReport::default();
+        let mut freshness: Option<bool> = None;
+        let mut first_error: Option<LoopError> = None;
+        for finding in decision.findings {
+            self.count(&finding);
+            let outcome = if ctx.dry_run {
+                Outcome::DryRun
+            } else {
+                match self.repair(ctx, &finding, &mut freshness).await {
+                    Ok(outcome) => outcome,
+                    Err(err) => {
+                        warn!(object = %finding.regarding.object(), error = %err, "repair failed");
+                        first_error.get_or_insert(err);
+                        Outcome::Failed
+                    }
+                }
+            };
+            let action = action_of(&finding.repair);
+            match outcome {
+                Outcome::Skip => continue,
+                Outcome::Done => {
+                    self.publish(&ctx.client, &finding).await;
+                    report.push(drift_of(&finding, action, action != Action::Report, None));
+                }
+                Outcome::DryRun => report.push(drift_of(&finding, action, false, None)),
+                Outcome::Deferred(why) => {
+                    self.wakeup
+                        .schedule(tokio::time::Instant::now() + self.config.deferral_retry);
+                    report.push(drift_of(&finding, action, false, Some(why)));
+                }
+                Outcome::Failed => report.push(drift_of(
+                    &finding,
+                    action,
+                    false,
+                    Some("the write failed; retrying".to_owned()),
+                )),
+            }
+        }
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(report),
+        }
+    }
+
+    /// Is the Service cache at least as new as the API's Services? Waits briefly for it to
+    /// catch up, as watch events may be in flight.
+    async fn service_cache_is_fresh(&self, client: &Client) -> bool {
+        if !self.caches_running.load(Ordering::Relaxed) {
+            // The snapshot was listed during this pass; treat it as stale, so deletes are
+            // checked against the live parent Service.
+            return false;
+        }
+        let api_version =
+            match reflector::current_resource_version(client, reflector::SERVICES).await {
+                Ok(Some(version)) => version,
+                Ok(None) => return false,
+                Err(err) => {
+                    warn!(error = %err, "cannot read the API's Services resourceVersion");
+                    return false;
+                }
+            };
+        let Some(api_version) = parse_resource_version(&api_version) else {
+            return false;
+        };
+        let deadline = tokio::time::Instant::now() + self.config.freshness_wait;
+        loop {
+            if self
+                .services
+                .resource_version()
+                .is_some_and(|cache| cache >= api_version)
+            {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                debug!(api_version, cache_version = ?self.services.resource_version(), "Service cache is behind the API");
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn repair(
+        &self,
+        ctx: &PassContext,
+        finding: &Finding,
+        freshness: &mut Option<bool>,
+    ) -> Result<Outcome, LoopError> {
+        let client = &ctx.client;
+        let ip_api: Api<IPAddress> = Api::all(client.clone());
+        match &finding.repair {
+            Repair::None => Ok(Outcome::Done),
+            Repair::Create { ip, owner } => {
+                match ip_api
+                    .create(&PostParams::default(), &new_ip_address(*ip, owner))
+                    .await
+                {
+                    Ok(_) => Ok(Outcome::Done),
+                    // The IPAddress cache was behind: it exists. The next pass looks again.
+                    Err(kube::Error::Api(status)) if status.code == 409 => Ok(Outcome::Skip),
+                    Err(err) => Err(err.into()),
+                }
+            }
+            Repair::Recreate {
+                ip,
+                owner,
+                existing,
+                dangling_parent,
+            } => {
+                if !self.delete_allowed(client, freshness).await {
+                    let verdict =
+                        verify_recreate(client, *ip, owner, dangling_parent.as_ref()).await;
+                    if let Some(outcome) = self.deferral(verdict) {
+                        return Ok(outcome);
+                    }
+                }
+                if !delete_ip_address(&ip_api, &ip.to_string(), existing).await? {
+                    return Ok(Outcome::Skip);
+                }
+                match ip_api
+                    .create(&PostParams::default(), &new_ip_address(*ip, owner))
+                    .await
+                {
+                    Ok(_) => Ok(Outcome::Done),
+                    Err(kube::Error::Api(status)) if status.code == 409 => Ok(Outcome::Skip),
+                    Err(err) => Err(err.into()),
+                }
+            }
+            Repair::Delete {
+                name,
+                existing,
+                ground,
+            } => {
+                if !matches!(ground, DeleteGround::NotAService)
+                    && !self.delete_allowed(client, freshness).await
+                {
+                    let verdict = verify_delete(client, name, ground).await;
+                    if let Some(outcome) = self.deferral(verdict) {
+                        return Ok(outcome);
+                    }
+                }
+                if delete_ip_address(&ip_api, name, existing).await? {
+                    Ok(Outcome::Done)
+                } else {
+                    Ok(Outcome::Skip)
+                }
+            }
+        }
+    }
+
+    async fn delete_allowed(&self, client: &Client, freshness: &mut Option<bool>) -> bool {
+        if let Some(fresh) = *freshness {
+            return fresh;
+        }
+        let fresh = self.service_cache_is_fresh(client).await;
+        *freshness = Some(fresh);
+        fresh
+    }
+
+    /// `None` when the live check confirmed the delete; otherwise the deferral outcome.
+    fn deferral(&self, verdict: Verdict) -> Option<Outcome> {
+        let (reason, why) = match verdict {
+            Verdict::Confirmed => return None,
+            Verdict::Contradicted(why) => ("stale_cache", why),
+            Verdict::Unknown(why) => ("verify_failed", why),
+        };
+        self.metrics
+            .deferred_deletes
+            .get_or_create(&[("reason", reason)])
+            .inc();
+        info!(reason, %why, "IPAddress delete deferred");
+        Some(Outcome::Deferred(format!("delete deferred: {why}")))
+    }
+
+    async fn publish(&self, _client: &Client, finding: &Finding) {
+        let Some(event) = &finding.event else {
+            return;
+        };
+        let reference = object_reference(&finding.regarding);
+        let result = self
+            .recorder
+            .publish(
+                &Event {
+                    type_: EventType::Warning,
+                    reason: event.reason.to_owned(),
+                    note: Some(event.note.clone()),
+                    action: event.action.to_owned(),
+                    secondary: None,
+                },
+                &reference,
+            )
+            .await;
+        if let Err(err) = result {
+            warn!(reason = event.reason, error = %err, "cannot publish event");
+        }
+    }
+}
+
+enum Outcome {
+    Done,
+    DryRun,
+    /// Nothing to do after all (the cache was behind); not reported.
+    Skip,
+    Deferred(String),
+    Failed,
+}
+
+enum Verdict {
+    Confirmed,
+    Contradicted(String),
+    Unknown(String),
+}
+
+async fn live_service(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<Service>, kube::Error> {
+    Api::<Service>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await
+}
+
+fn service_lists(service: &Service, ip: IpAddr) -> bool {
+    let spec = service.spec.as_ref();
+    let listed = spec
+        .and_then(|s| s.cluster_ips.as_ref())
+        .into_iter()
+        .flatten()
+        .chain(spec.and_then(|s| s.cluster_ip.as_ref()));
+    listed
+        .filter_map(|text| crate::alloc::parse_ip_sloppy(text))
+        .any(|listed| listed == ip)
+}
+
+async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Verdict {
+    let (namespace, parent) = match ground {
+        DeleteGround::NotAService => return Verdict::Confirmed,
+        DeleteGround::ParentGone { namespace, name }
+        | DeleteGround::ParentDoesNotList { namespace, name } => (namespace, name),
+    };
+    let Ok(ip) = name.parse::<IpAddr>() else {
+        return Verdict::Unknown(format!("IPAddress name {name:?} is not an IP"));
+    };
+    match live_service(client, namespace, parent).await {
+        Ok(None) => Verdict::Confirmed,
+        Ok(Some(service)) if !service_lists(&service, ip) => Verdict::Confirmed,
+        Ok(Some(_)) => Verdict::Contradicted(format!(
+            "Service {namespace}/{parent} exists and lists {ip}, but the Service cache did not show it"
+        )),
+        Err(err) => Verdict::Unknown(format!("cannot read Service {namespace}/{parent}: {err}")),
+    }
+}
+
+async fn verify_recreate(
+    client: &Client,
+    ip: IpAddr,
+    owner: &ServiceOwner,
+    dangling_parent: Option<&ServiceOwner>,
+) -> Verdict {
+    match live_service(client, &owner.namespace, &owner.name).await {
+        Ok(Some(service)) if service_lists(&service, ip) => {}
+        Ok(_) => {
+            return Verdict::Contradicted(format!(
+                "Service {}/{} no longer lists {ip}",
+                owner.namespace, owner.name
+            ));
+        }
+        Err(err) => {
+            return Verdict::Unknown(format!(
+                "cannot read Service {}/{}: {err}",
+                owner.namespace, owner.name
+            ));
+        }
+    }
+    let Some(parent) = dangling_parent else {
+        return Verdict::Confirmed;
+    };
+    match live_service(client, &parent.namespace, &parent.name).await {
+        Ok(Some(service)) if service_lists(&service, ip) => Verdict::Contradicted(format!(
+            "Service {}/{} exists and lists {ip}, but the Service cache did not show it",
+            parent.namespace, parent.name
+        )),
+        Ok(_) => Verdict::Confirmed,
+        Err(err) => Verdict::Unknown(format!(
+            "cannot read Service {}/{}: {err}",
+            parent.namespace, parent.name
+        )),
+    }
+}
+
+/// Deletes the IPAddress if it is still the object the decision saw. `Ok(false)` when it is
+/// gone or changed since (the next pass decides again).
+async fn delete_ip_address(
+    api: &Api<IPAddress>,
+    name: &str,
+    existing: &model::ObjectVersion,
+) -> Result<bool, LoopError> {
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: Some(existing.uid.to_string()),
+            resource_version: Some(existing.resource_version.to_string()),
+        }),
+        ..DeleteParams::default()
+    };
+    match api.delete(name, &params).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => Ok(false),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// The IPAddress upstream's allocator writes for `ip` of `owner` (`newIPAddress`).
+pub fn new_ip_address(ip: IpAddr, owner: &ServiceOwner) -> IPAddress {
+    IPAddress {
+        metadata: ObjectMeta {
+            name: Some(ip.to_string()),
+            labels: Some(BTreeMap::from([
+                (
+                    LABEL_IP_FAMILY.to_owned(),
+                    IpFamily::of(ip).as_str().to_owned(),
+                ),
+                (LABEL_MANAGED_BY.to_owned(), IPALLOCATOR_MANAGER.to_owned()),
+            ])),
+            ..ObjectMeta::default()
+        },
+        spec: Some(IPAddressSpec {
+            parent_ref: ParentReference {
+                group: Some(String::new()),
+                resource: "services".to_owned(),
+                namespace: Some(owner.namespace.to_string()),
+                name: owner.name.to_string(),
+            },
+        }),
+    }
+}
+
+fn object_reference(regarding: &Regarding) -> ObjectReference {
+    match regarding {
+        Regarding::Service {
+            namespace,
+            name,
+            uid,
+        } => ObjectReference {
+            api_version: Some("v1".to_owned()),
+            kind: Some("Service".to_owned()),
+            namespace: Some(namespace.to_string()),
+            name: Some(name.to_string()),
+            uid: Some(uid.to_string()).filter(|uid| !uid.is_empty()),
+            ..ObjectReference::default()
+        },
+        Regarding::IpAddress { name, uid } => ObjectReference {
+            api_version: Some("networking.k8s.io/v1".to_owned()),
+            kind: Some("IPAddress".to_owned()),
+            name: Some(name.to_string()),
+            uid: Some(uid.to_string()).filter(|uid| !uid.is_empty()),
+            ..ObjectReference::default()
+        },
+    }
+}
+
+fn action_of(repair: &Repair) -> Action {
+    match repair {
+        Repair::None => Action::Report,
+        Repair::Create { .. } => Action::Create,
+        Repair::Recreate { .. } => Action::Update,
+        Repair::Delete { .. } => Action::Delete,
+    }
+}
+
+fn drift_of(finding: &Finding, action: Action, applied: bool, note: Option<String>) -> Drift {
+    let mut message = finding.summary();
+    if let Some(note) = note {
+        message.push_str(" (");
+        message.push_str(&note);
+        message.push(')');
+    }
+    crate::contract::drift(
+        finding.kind,
+        finding.regarding.object(),
+        action,
+        message,
+        applied,
+    )
+}
+
+/// The three collections, listed fresh (no caches).
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub services: Vec<ServiceRecord>,
+    pub ip_addresses: Vec<IpAddressRecord>,
+    pub service_cidrs: Vec<ServiceCidrRecord>,
+}
+
+impl Snapshot {
+    /// Lists Services, IPAddresses and ServiceCIDRs concurrently, each completely or not at all.
+    pub async fn list(client: &Client, page_size: u32) -> Result<Self, kube::Error> {
+        let collection = |path| {
+            let mut collection = Collection::new(path);
+            collection.page_size = page_size;
+            collection
+        };
+        let (services_at, ip_addresses_at, service_cidrs_at) = (
+            collection(reflector::SERVICES),
+            collection(reflector::IPADDRESSES),
+            collection(reflector::SERVICECIDRS),
+        );
+        let (services, ip_addresses, service_cidrs) = futures::try_join!(
+            list_all::<ServiceRecord>(client, &services_at),
+            list_all::<IpAddressRecord>(client, &ip_addresses_at),
+            list_all::<ServiceCidrRecord>(client, &service_cidrs_at),
+        )?;
+        Ok(Self {
+            services: services.0,
+            ip_addresses: ip_addresses.0,
+            service_cidrs: service_cidrs.0,
+        })
+    }
+
+    pub fn decide(&self, now: jiff::Timestamp, orphan_grace: Duration) -> Decision {
+        decide::decide_ipaddress_mode(
+            &self.services,
+            &self.ip_addresses,
+            &self.service_cidrs,
+            now,
+            orphan_grace,
+        )
+    }
+}
+
+impl Reconciler for ClusterIpRepair {
+    fn name(&self) -> &'static str {
+        "clusterip-repair"
+    }
+
+    fn interval(&self) -> Duration {
+        self.config.interval
+    }
+
+    fn triggers(&self) -> Vec<Trigger> {
+        self.caches_running.store(true, Ordering::Relaxed);
+        let services = reflect(
+            self.client.clone(),
+            self.collection(reflector::SERVICES),
+            self.services.clone(),
+        );
+        let mut triggers = vec![services, self.wakeup.clone().stream()];
+        if self.config.mode == RepairMode::Audit {
+            return triggers;
+        }
+        // IPAddress and ServiceCIDR caches only where the API serves them.
+        let client = self.client.clone();
+        let mode = self.config.mode;
+        let ip_collection = self.collection(reflector::IPADDRESSES);
+        let cidr_collection = self.collection(reflector::SERVICECIDRS);
+        let ip_store = self.ip_addresses.clone();
+        let cidr_store = self.service_cidrs.clone();
+        let gated = futures::stream::once(async move {
+            let served = if mode == RepairMode::IpAddress {
+                Served::IpAddressApi
+            } else {
+                let mut delay = Duration::from_millis(500);
+                loop {
+                    match discover(&client).await {
+                        Ok(served) => break served,
+                        Err(err) => {
+                            warn!(error = %err, "discovery of networking.k8s.io/v1 failed; retrying");
+                            tokio::time::sleep(delay).await;
+                            delay = (delay * 2).min(Duration::from_secs(30));
+                        }
+                    }
+                }
+            };
+            match served {
+                Served::IpAddressApi => futures::stream::select(
+                    reflect(client.clone(), ip_collection, ip_store),
+                    reflect(client, cidr_collection, cidr_store),
+                )
+                .boxed(),
+                Served::NoIpAddressApi => futures::stream::pending().boxed(),
+            }
+        })
+        .flatten()
+        .boxed();
+        triggers.push(gated);
+        triggers
+    }
+
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        Box::pin(async move {
+            let result = self.pass(ctx).await;
+            if let Err(err) = &result
+                && !matches!(err, LoopError::NotSynced(_))
+            {
+                self.metrics.reconcile_errors.inc();
+            }
+            result
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_validation_names_the_field() {
+        let config = ClusterIpRepairConfig {
+            interval: Duration::ZERO,
+            ..ClusterIpRepairConfig::default()
+        };
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("loops.clusterIPRepair.interval:")
+        );
+        let config = ClusterIpRepairConfig {
+            service_ranges: vec![
+                "10.0.0.0/24".parse().unwrap(),
+                "10.1.0.0/24".parse().unwrap(),
+            ],
+            ..ClusterIpRepairConfig::default()
+        };
+        let message = config.validate().unwrap_err().to_string();
+        assert!(
+            message.contains("serviceClusterIPRanges") && message.contains("same family"),
+            "{message}"
+        );
+        let config = ClusterIpRepairConfig {
+            mode: RepairMode::Audit,
+            ..ClusterIpRepairConfig::default()
+        };
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("audit mode needs")
+        );
+        assert!(
+            validate_ranges(&["10.0.0.0/30".parse().unwrap()])
+                .unwrap_err()
+                .contains("at least 8")
+        );
+        assert!(ClusterIpRepairConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn new_ip_address_matches_upstream_shape() {
+        let owner = ServiceOwner {
+            namespace: "d".into(),
+            name: "s".into(),
+        };
+        let object =
+            serde_json::to_value(new_ip_address("fd00::5".parse().unwrap(), &owner)).unwrap();
+        assert_eq!(object["metadata"]["name"], "fd00::5");
+        assert_eq!(
+            object["metadata"]["labels"]["ipaddress.kubernetes.io/ip-family"],
+            "IPv6"
+        );
+        assert_eq!(
+            object["metadata"]["labels"]["ipaddress.kubernetes.io/managed-by"],
+            "ipallocator.k8s.io"
+        );
+        assert_eq!(
+            object["spec"]["parentRef"],
+            serde_json::json!({"group": "", "resource": "services", "namespace": "d", "name": "s"})
+        );
+    }
+}

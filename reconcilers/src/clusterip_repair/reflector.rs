@@ -1,0 +1,420 @@
+//! A small list+watch cache for the compact records.
+//!
+//! kube-runtime's reflector decodes into full objects and hides the resource version it has
+//! reached. The repair needs both the opposite ways: compact records (memory at 100,000
+//! Services) and the cache's resource version, to prove it is at least as new as the API before
+//! deleting anything. So this one lists in pages, watches with bookmarks, remembers the last
+//! resource version seen (list, event or bookmark), relists on `410 Gone`, and swaps a relist in
+//! only once every page has arrived: a failed or partial list never replaces the cache.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::time::Duration;
+
+use backon::BackoffBuilder;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use kube::api::{ListParams, WatchParams};
+use kube::core::WatchEvent;
+use serde::de::DeserializeOwned;
+use tracing::{debug, warn};
+
+use super::model::{IpAddressRecord, ListPage, ServiceCidrRecord, ServiceRecord};
+
+/// A record kept in a [`Store`].
+pub trait Cached: DeserializeOwned + Clone + Debug + Send + Sync + 'static {
+    /// Unique key within the collection (`namespace/name`, or `name` for cluster objects).
+    fn cache_key(&self) -> Box<str>;
+    fn resource_version(&self) -> &str;
+}
+
+impl Cached for ServiceRecord {
+    fn cache_key(&self) -> Box<str> {
+        self.key().into_boxed_str()
+    }
+    fn resource_version(&self) -> &str {
+        &self.resource_version
+    }
+}
+
+impl Cached for IpAddressRecord {
+    fn cache_key(&self) -> Box<str> {
+        self.name.clone()
+    }
+    fn resource_version(&self) -> &str {
+        &self.resource_version
+    }
+}
+
+impl Cached for ServiceCidrRecord {
+    fn cache_key(&self) -> Box<str> {
+        self.name.clone()
+    }
+    fn resource_version(&self) -> &str {
+        &self.resource_version
+    }
+}
+
+/// The cached collection and how fresh it is.
+#[derive(Debug)]
+pub struct StoreState<T> {
+    pub objects: HashMap<Box<str>, T>,
+    /// Whether one complete list has been loaded.
+    pub synced: bool,
+    /// The newest resource version the cache has provably caught up with.
+    pub resource_version: Option<u64>,
+}
+
+/// A cache shared between its [`reflect`] stream (the writer) and the passes (readers).
+#[derive(Debug)]
+pub struct Store<T> {
+    state: RwLock<StoreState<T>>,
+}
+
+impl<T> Default for Store<T> {
+    fn default() -> Self {
+        Self {
+            state: RwLock::new(StoreState {
+                objects: HashMap::new(),
+                synced: false,
+                resource_version: None,
+            }),
+        }
+    }
+}
+
+impl<T> Store<T> {
+    /// Read access for one synchronous decision. Never hold it across an `.await`.
+    pub fn read(&self) -> RwLockReadGuard<'_, StoreState<T>> {
+        // A writer that panicked left a consistent map (every mutation is a single insert,
+        // remove or swap), so reading on is safe.
+        self.state
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, StoreState<T>> {
+        self.state
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn is_synced(&self) -> bool {
+        self.read().synced
+    }
+
+    pub fn resource_version(&self) -> Option<u64> {
+        self.read().resource_version
+    }
+
+    pub fn len(&self) -> usize {
+        self.read().objects.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Resource versions are opaque to clients, but every kube-apiserver (and the simulator) backs
+/// them with etcd revisions: integers that only grow. A version that is not an integer cannot be
+/// compared, so freshness is then never proven and deletes wait for a live check.
+pub fn parse_resource_version(text: &str) -> Option<u64> {
+    text.parse().ok()
+}
+
+/// Where a collection lives and how to page through it.
+#[derive(Clone, Debug)]
+pub struct Collection {
+    /// `/api/v1/services`, `/apis/networking.k8s.io/v1/ipaddresses`, ...
+    pub path: &'static str,
+    pub page_size: u32,
+    /// Server-side watch timeout; the watch is resumed from the last version after it.
+    pub watch_timeout_secs: u32,
+}
+
+pub const SERVICES: &str = "/api/v1/services";
+pub const IPADDRESSES: &str = "/apis/networking.k8s.io/v1/ipaddresses";
+pub const SERVICECIDRS: &str = "/apis/networking.k8s.io/v1/servicecidrs";
+
+impl Collection {
+    pub fn new(path: &'static str) -> Self {
+        Self {
+            path,
+            page_size: 500,
+            watch_timeout_secs: 290,
+        }
+    }
+}
+
+/// Lists a whole collection page by page into compact records; returns the records and the
+/// list's resource version. Any failing page fails the whole list.
+pub async fn list_all<T: DeserializeOwned>(
+    client: &kube::Client,
+    collection: &Collection,
+) -> Result<(Vec<T>, Option<String>), kube::Error> {
+    let request = kube::core::Request::new(collection.path);
+    let mut items = Vec::new();
+    let mut continue_token: Option<String> = None;
+    loop {
+        let mut params = ListParams::default().limit(collection.page_size);
+        if let Some(token) = continue_token.take() {
+            params = params.continue_token(&token);
+        }
+        let page: ListPage<T> = client
+            .request(request.list(&params).map_err(kube::Error::BuildRequest)?)
+            .await?;
+        items.extend(page.items);
+        match page
+            .metadata
+            .continue_token
+            .filter(|token| !token.is_empty())
+        {
+            Some(token) => continue_token = Some(token),
+            None => return Ok((items, page.metadata.resource_version)),
+        }
+    }
+}
+
+/// The newest resource version of a collection, from a one-item list (cheap at any size).
+pub async fn current_resource_version(
+    client: &kube::Client,
+    path: &'static str,
+) -> Result<Option<String>, kube::Error> {
+    let request = kube::core::Request::new(path);
+    let page: ListPage<serde::de::IgnoredAny> = client
+        .request(
+            request
+                .list(&ListParams::default().limit(1))
+                .map_err(kube::Error::BuildRequest)?,
+        )
+        .await?;
+    Ok(page.metadata.resource_version)
+}
+
+enum Phase<T> {
+    List,
+    Watch {
+        from: String,
+    },
+    Watching {
+        events: BoxStream<'static, Result<WatchEvent<T>, kube::Error>>,
+    },
+    Backoff {
+        then: Box<Phase<T>>,
+    },
+}
+
+struct Reflector<T> {
+    client: kube::Client,
+    collection: Collection,
+    store: Arc<Store<T>>,
+    phase: Phase<T>,
+    backoff: backon::ExponentialBackoff,
+    last_version: String,
+}
+
+fn new_backoff() -> backon::ExponentialBackoff {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(30))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// Keeps `store` in sync with `collection`, forever; yields `()` after every change applied (a
+/// complete list, or one watch event), which makes it a trigger stream for the runner.
+pub fn reflect<T: Cached>(
+    client: kube::Client,
+    collection: Collection,
+    store: Arc<Store<T>>,
+) -> BoxStream<'static, ()> {
+    let reflector = Reflector {
+        client,
+        collection,
+        store,
+        phase: Phase::List,
+        backoff: new_backoff(),
+        last_version: String::new(),
+    };
+    futures::stream::unfold(reflector, |mut reflector| async move {
+        reflector.step_until_change().await;
+        Some(((), reflector))
+    })
+    .boxed()
+}
+
+impl<T: Cached> Reflector<T> {
+    async fn step_until_change(&mut self) {
+        loop {
+            let phase = std::mem::replace(&mut self.phase, Phase::List);
+            let (next, changed) = self.step(phase).await;
+            self.phase = next;
+            if changed {
+                return;
+            }
+        }
+    }
+
+    fn fail(&mut self, then: Phase<T>) -> (Phase<T>, bool) {
+        (
+            Phase::Backoff {
+                then: Box::new(then),
+            },
+            false,
+        )
+    }
+
+    async fn step(&mut self, phase: Phase<T>) -> (Phase<T>, bool) {
+        match phase {
+            Phase::Backoff { then } => {
+                let delay = self.backoff.next().unwrap_or(Duration::from_secs(30));
+                tokio::time::sleep(delay).await;
+                (*then, false)
+            }
+            Phase::List => match list_all::<T>(&self.client, &self.collection).await {
+                Ok((items, version)) => {
+                    let objects: HashMap<Box<str>, T> = items
+                        .into_iter()
+                        .map(|item| (item.cache_key(), item))
+                        .collect();
+                    let version = version.unwrap_or_default();
+                    {
+                        let mut state = self.store.write();
+                        state.objects = objects;
+                        state.synced = true;
+                        state.resource_version = parse_resource_version(&version);
+                    }
+                    debug!(path = self.collection.path, %version, "listed");
+                    self.last_version = version.clone();
+                    self.backoff = new_backoff();
+                    (Phase::Watch { from: version }, true)
+                }
+                Err(err) => {
+                    warn!(path = self.collection.path, error = %err, "list failed; the cache keeps its previous contents");
+                    self.fail(Phase::List)
+                }
+            },
+            Phase::Watch { from } => {
+                let mut params = WatchParams::default().timeout(self.collection.watch_timeout_secs);
+                params.bookmarks = true;
+                let request =
+                    match kube::core::Request::new(self.collection.path).watch(&params, &from) {
+                        Ok(request) => request,
+                        Err(err) => {
+                            warn!(error = %err, "cannot build watch request");
+                            return self.fail(Phase::List);
+                        }
+                    };
+                match self.client.request_events::<T>(request).await {
+                    Ok(events) => (
+                        Phase::Watching {
+                            events: events.boxed(),
+                        },
+                        false,
+                    ),
+                    Err(kube::Error::Api(status)) if status.code == 410 => (Phase::List, false),
+                    Err(err) => {
+                        warn!(path = self.collection.path, error = %err, "watch failed");
+                        self.fail(Phase::Watch { from })
+                    }
+                }
+            }
+            Phase::Watching { mut events } => match events.next().await {
+                None => {
+                    let from = self.last_version.clone();
+                    (Phase::Watch { from }, false)
+                }
+                Some(Ok(event)) => {
+                    let changed = self.apply(event);
+                    match changed {
+                        Applied::Changed => (Phase::Watching { events }, true),
+                        Applied::Quiet => (Phase::Watching { events }, false),
+                        Applied::Gone => (Phase::List, false),
+                        Applied::Failed => {
+                            let from = self.last_version.clone();
+                            self.fail(Phase::Watch { from })
+                        }
+                    }
+                }
+                Some(Err(kube::Error::Api(status))) if status.code == 410 => (Phase::List, false),
+                Some(Err(err)) => {
+                    warn!(path = self.collection.path, error = %err, "watch stream failed; resuming");
+                    let from = self.last_version.clone();
+                    self.fail(Phase::Watch { from })
+                }
+            },
+        }
+    }
+
+    fn note_version(&mut self, version: &str) {
+        if version.is_empty() {
+            return;
+        }
+        self.last_version = version.to_owned();
+    }
+
+    fn apply(&mut self, event: WatchEvent<T>) -> Applied {
+        match event {
+            WatchEvent::Added(object) | WatchEvent::Modified(object) => {
+                let version = object.resource_version().to_owned();
+                {
+                    let mut state = self.store.write();
+                    state.objects.insert(object.cache_key(), object);
+                    advance(&mut state, &version);
+                }
+                self.note_version(&version);
+                self.backoff = new_backoff();
+                Applied::Changed
+            }
+            WatchEvent::Deleted(object) => {
+                let version = object.resource_version().to_owned();
+                {
+                    let mut state = self.store.write();
+                    state.objects.remove(&object.cache_key());
+                    advance(&mut state, &version);
+                }
+                self.note_version(&version);
+                Applied::Changed
+            }
+            WatchEvent::Bookmark(bookmark) => {
+                let version = bookmark.metadata.resource_version;
+                advance(&mut self.store.write(), &version);
+                self.note_version(&version);
+                Applied::Quiet
+            }
+            WatchEvent::Error(status) if status.code == 410 => Applied::Gone,
+            WatchEvent::Error(status) => {
+                warn!(path = self.collection.path, code = status.code, message = %status.message, "watch error event");
+                Applied::Failed
+            }
+        }
+    }
+}
+
+enum Applied {
+    Changed,
+    Quiet,
+    Gone,
+    Failed,
+}
+
+fn advance<T>(state: &mut StoreState<T>, version: &str) {
+    if let Some(version) = parse_resource_version(version) {
+        state.resource_version = Some(
+            state
+                .resource_version
+                .map_or(version, |old| old.max(version)),
+        );
+    }
+}
+
+/// The three caches the IPAddress-mode repair reads, with their trigger streams.
+#[derive(Debug, Default)]
+pub struct Caches {
+    pub services: Arc<Store<ServiceRecord>>,
+    pub ip_addresses: Arc<Store<IpAddressRecord>>,
+    pub service_cidrs: Arc<Store<ServiceCidrRecord>>,
+}
