@@ -9,6 +9,7 @@ pub mod apiserver_endpoints;
 pub mod clusterip_repair;
 pub mod contract;
 pub mod kubernetes_service;
+pub mod service_cidr;
 pub mod system_namespaces;
 
 pub use contract::{
