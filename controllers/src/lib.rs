@@ -1,6 +1,11 @@
 //! Runtime of bootstrap-controller: configuration, the runner that drives the loops, the admin
 //! server, metrics, leader election and the binary's subcommands.
 
+pub mod admin;
+pub mod cli;
 pub mod config;
+pub mod demo;
+pub mod leader;
+pub mod loops;
 pub mod metrics;
 pub mod runner;

@@ -1,0 +1,627 @@
+//! The binary's command line: `run`, `check`, `demo`, `config validate`, `config print`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::admin::{self, AdminState};
+use crate::config::{Config, ConfigArgs, ConfigErrors, LogFormat, format_duration, parse_duration};
+use crate::leader::{self, LeaderMetrics, LeaderSettings};
+use crate::loops::build_loops;
+use crate::metrics::{RunnerMetrics, new_registry};
+use crate::runner::{CheckResult, Runner, RunnerOptions, check_once};
+
+/// No drift (`check`), or a clean exit.
+pub const EXIT_OK: u8 = 0;
+/// `check` found drift; `run` could not start (e.g. the admin address is taken).
+pub const EXIT_DRIFT_OR_FAILURE: u8 = 1;
+/// Invalid configuration, or (`check`) the API server could not be reached.
+pub const EXIT_CONFIG: u8 = 2;
+
+/// Runs kube-apiserver's bootstrap reconciliation from outside it: system namespaces, the
+/// `kubernetes` Service and its endpoints, ClusterIP and NodePort repair.
+///
+/// Every loop runs once at start, then on its interval, and whenever a watch shows drift.
+/// Configuration: flags (each also an environment variable, BOOTSTRAP_<FLAG>), then the --config
+/// YAML file, then defaults.
+#[derive(Debug, Parser)]
+#[command(name = "bootstrap-controller", version, about, long_about)]
+pub struct Cli {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the controller: every enabled loop, leader election, and the admin server
+    /// (/livez, /readyz, /metrics). Stops gracefully on SIGTERM or SIGINT.
+    Run,
+    /// Run one dry-run pass of every enabled loop against the cluster and print the drift found.
+    /// Writes nothing. Exit status: 0 no drift, 1 drift, 2 configuration or connection error.
+    Check {
+        /// How long to wait for the API server and for each loop's caches before giving up
+        /// (exit 2), e.g. `30s`.
+        #[arg(
+            long,
+            env = "BOOTSTRAP_CHECK_TIMEOUT",
+            value_name = "DURATION",
+            default_value = "30s"
+        )]
+        timeout: String,
+        /// Report format.
+        #[arg(
+            long,
+            env = "BOOTSTRAP_CHECK_OUTPUT",
+            value_name = "FORMAT",
+            default_value = "text"
+        )]
+        output: OutputFormat,
+    },
+    /// Start an in-process API simulator, run every enabled loop against it, break things on
+    /// purpose (delete a system namespace, ...) and show each repair and how long it took.
+    Demo {
+        /// Stay up after the demo and print a kubeconfig path for kubectl; stop with Ctrl-C.
+        #[arg(long, env = "BOOTSTRAP_DEMO_KEEP_RUNNING")]
+        keep_running: bool,
+    },
+    /// Validate or print the configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate a configuration file (merged with any flags and environment variables).
+    /// Exit status: 0 valid, 2 invalid.
+    Validate {
+        /// The YAML file to validate.
+        file: PathBuf,
+    },
+    /// Print the effective configuration (flags > file > defaults) as YAML, in the shape the
+    /// --config file accepts. Exit status 2 if it is invalid.
+    Print,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    Text,
+    Json,
+}
+
+/// Entry point of the binary.
+pub async fn execute(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Config(ConfigCommand::Validate { file }) => {
+            let args = ConfigArgs {
+                config: Some(file.clone()),
+                ..cli.config
+            };
+            match Config::load(&args) {
+                Ok(_) => {
+                    println!("{}: configuration is valid", file.display());
+                    ExitCode::from(EXIT_OK)
+                }
+                Err(errors) => config_error(&errors),
+            }
+        }
+        Command::Config(ConfigCommand::Print) => match Config::load(&cli.config) {
+            Ok(config) => match config.to_yaml() {
+                Ok(yaml) => {
+                    print!("{yaml}");
+                    ExitCode::from(EXIT_OK)
+                }
+                Err(err) => {
+                    eprintln!("error: cannot print the configuration: {err}");
+                    ExitCode::from(EXIT_DRIFT_OR_FAILURE)
+                }
+            },
+            Err(errors) => config_error(&errors),
+        },
+        Command::Run => match Config::load(&cli.config) {
+            Ok(config) => run(config).await,
+            Err(errors) => config_error(&errors),
+        },
+        Command::Check { timeout, output } => {
+            let timeout = match parse_duration(&timeout) {
+                Ok(timeout) if !timeout.is_zero() => timeout,
+                Ok(_) => {
+                    return config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
+                        "--timeout",
+                        "must be greater than zero (e.g. 30s)",
+                    )]));
+                }
+                Err(message) => {
+                    return config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
+                        "--timeout",
+                        message,
+                    )]));
+                }
+            };
+            match Config::load(&cli.config) {
+                Ok(config) => check(config, timeout, output).await,
+                Err(errors) => config_error(&errors),
+            }
+        }
+        Command::Demo { keep_running } => match Config::load(&cli.config) {
+            Ok(config) => crate::demo::demo(config, keep_running).await,
+            Err(errors) => config_error(&errors),
+        },
+    }
+}
+
+fn config_error(errors: &ConfigErrors) -> ExitCode {
+    eprintln!("error: {errors}");
+    ExitCode::from(EXIT_CONFIG)
+}
+
+/// Logs go to stderr, so `check` and `config print` keep stdout for their output.
+pub fn init_logging(format: LogFormat, default_filter: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // A second initialisation (tests, demo) keeps the first subscriber.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Reads the kubeconfig: `--kubeconfig`, else $KUBECONFIG, ~/.kube/config, in-cluster. Errors
+/// are configuration errors (exit 2): nothing about them gets better by retrying.
+pub async fn kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
+    match path {
+        Some(path) => {
+            let kubeconfig = Kubeconfig::read_from(path).map_err(|err| {
+                format!(
+                    "--kubeconfig: cannot read {}: {err} (check the path and that it is a \
+                     kubeconfig file)",
+                    path.display()
+                )
+            })?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .map_err(|err| {
+                    format!(
+                        "--kubeconfig: {} is not usable: {err} (check its current-context, \
+                         cluster and user)",
+                        path.display()
+                    )
+                })
+        }
+        None => kube::Config::infer().await.map_err(|err| {
+            format!(
+                "no usable Kubernetes configuration: {err} (pass --kubeconfig FILE, set \
+                 KUBECONFIG, or run inside a cluster with a service account)"
+            )
+        }),
+    }
+}
+
+/// Cancels `token` on SIGTERM or SIGINT; a second signal exits at once.
+pub fn cancel_on_signals(token: CancellationToken) {
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        info!("signal received; shutting down gracefully (send it again to exit at once)");
+        token.cancel();
+        wait_for_signal().await;
+        warn!("second signal; exiting without finishing the shutdown");
+        std::process::exit(130);
+    });
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(err) => {
+                warn!(error = %err, "cannot listen for SIGTERM; only SIGINT stops the process");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+fn runner_options(config: &Config) -> RunnerOptions {
+    RunnerOptions {
+        dry_run: config.dry_run,
+        timer_only: config.timer_only,
+        shutdown_timeout: config.shutdown_timeout,
+        ..RunnerOptions::default()
+    }
+}
+
+/// What `run` and `demo` share: everything after the client exists.
+pub struct Controller {
+    pub cancel: CancellationToken,
+    pub admin_addr: std::net::SocketAddr,
+    pub health: crate::runner::Health,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Controller {
+    /// Builds the loops, starts leader election, the admin server and the runner.
+    pub async fn start(
+        config: &Config,
+        kube_config: &kube::Config,
+        client: kube::Client,
+    ) -> Result<Controller, String> {
+        let cancel = CancellationToken::new();
+        let mut registry = new_registry();
+        let runner_metrics = RunnerMetrics::register(&mut registry);
+        let leader_metrics = LeaderMetrics::register(&mut registry);
+        let loops = build_loops(config, &client, &mut registry);
+        info!(
+            loops = ?loops.iter().map(|l| l.name()).collect::<Vec<_>>(),
+            dry_run = config.dry_run,
+            timer_only = config.timer_only,
+            leader_election = config.leader_election.enabled,
+            server = %kube_config.cluster_url,
+            "starting"
+        );
+
+        // Leadership outlives the runner, so passes running at shutdown may finish as leader.
+        let leader_cancel = CancellationToken::new();
+        let (leader, leader_task) = if config.leader_election.enabled {
+            let election_client =
+                leader::election_client(kube_config, config.leader_election.renew_grace)
+                    .map_err(|err| format!("cannot build the leader-election client: {err}"))?;
+            let settings = LeaderSettings {
+                lease_name: config.leader_election.lease_name.clone(),
+                lease_namespace: config.leader_election.lease_namespace.clone(),
+                identity: config.leader_identity(),
+                lease_duration: config.leader_election.lease_duration,
+                renew_grace: config.leader_election.renew_grace,
+            };
+            let (receiver, task) = leader::spawn(
+                election_client,
+                settings,
+                leader_metrics,
+                leader_cancel.clone(),
+            );
+            (receiver, Some(task))
+        } else {
+            (leader::always_leader(&leader_metrics), None)
+        };
+
+        let runner = Runner::new(loops, client, runner_options(config), runner_metrics);
+        let health = runner.health();
+        let listener = tokio::net::TcpListener::bind(config.admin_addr)
+            .await
+            .map_err(|err| {
+                format!(
+                    "--admin-addr: cannot listen on {}: {err} (pick a free address, e.g. \
+                     127.0.0.1:8081)",
+                    config.admin_addr
+                )
+            })?;
+        let admin_addr = listener.local_addr().unwrap_or(config.admin_addr);
+        info!(%admin_addr, "admin server listening (/livez, /readyz, /metrics)");
+        let admin_state = AdminState {
+            health: runner.health(),
+            registry: Arc::new(registry),
+            shutting_down: cancel.clone(),
+        };
+        let admin_stop = CancellationToken::new();
+        let admin_task = tokio::spawn(admin::serve(listener, admin_state, admin_stop.clone()));
+
+        let runner_cancel = cancel.clone();
+        let task = tokio::spawn(async move {
+            runner.run(leader, runner_cancel).await;
+            leader_cancel.cancel();
+            if let Some(task) = leader_task {
+                // Releasing the Lease is bounded by the renew grace inside the task.
+                let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
+            }
+            admin_stop.cancel();
+            match tokio::time::timeout(Duration::from_secs(5), admin_task).await {
+                Ok(Ok(Err(err))) => warn!(error = %err, "admin server failed"),
+                Ok(Err(err)) => warn!(error = %err, "admin server task failed"),
+                Ok(Ok(Ok(()))) | Err(_) => {}
+            }
+        });
+        Ok(Controller {
+            cancel,
+            admin_addr,
+            health,
+            task,
+        })
+    }
+
+    /// Waits until the controller stopped (after `cancel`).
+    pub async fn wait(self) {
+        if let Err(err) = self.task.await {
+            error!(error = %err, "controller task failed");
+        }
+    }
+}
+
+async fn run(config: Config) -> ExitCode {
+    init_logging(config.log_format, "info");
+    let kube_config = match kube_config(config.kubeconfig.as_deref()).await {
+        Ok(kube_config) => kube_config,
+        Err(message) => {
+            error!("{message}");
+            eprintln!("error: {message}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let client = match kube::Client::try_from(kube_config.clone()) {
+        Ok(client) => client,
+        Err(err) => {
+            let message = format!(
+                "cannot build a Kubernetes client for {}: {err} (check the kubeconfig's \
+                 certificates and credentials)",
+                kube_config.cluster_url
+            );
+            error!("{message}");
+            eprintln!("error: {message}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let controller = match Controller::start(&config, &kube_config, client).await {
+        Ok(controller) => controller,
+        Err(message) => {
+            error!("{message}");
+            eprintln!("error: {message}");
+            return ExitCode::from(EXIT_DRIFT_OR_FAILURE);
+        }
+    };
+    cancel_on_signals(controller.cancel.clone());
+    controller.wait().await;
+    info!("stopped");
+    ExitCode::from(EXIT_OK)
+}
+
+/// Retries `GET /version` until it answers or `timeout` passes; returns the last error.
+async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut delay = Duration::from_millis(200);
+    loop {
+        let attempt = tokio::time::timeout_at(deadline, client.apiserver_version()).await;
+        let last_error = match attempt {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(err)) => err.to_string(),
+            Err(_) => "timed out".to_owned(),
+        };
+        if tokio::time::Instant::now() + delay >= deadline {
+            return Err(last_error);
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
+async fn check(config: Config, timeout: Duration, output: OutputFormat) -> ExitCode {
+    init_logging(config.log_format, "warn");
+    let fail = |message: String| {
+        eprintln!("error: {message}");
+        ExitCode::from(EXIT_CONFIG)
+    };
+    let kube_config = match kube_config(config.kubeconfig.as_deref()).await {
+        Ok(kube_config) => kube_config,
+        Err(message) => return fail(message),
+    };
+    let server = kube_config.cluster_url.to_string();
+    let client = match kube::Client::try_from(kube_config) {
+        Ok(client) => client,
+        Err(err) => {
+            return fail(format!(
+                "cannot build a Kubernetes client for {server}: {err}"
+            ));
+        }
+    };
+    if let Err(err) = wait_for_api(&client, timeout).await {
+        return fail(format!(
+            "cannot reach the API server at {server} within {}: {err} (check the kubeconfig \
+             and that the server is up, or raise --timeout)",
+            format_duration(timeout)
+        ));
+    }
+    let mut registry = new_registry();
+    let metrics = RunnerMetrics::register(&mut registry);
+    let loops = build_loops(&config, &client, &mut registry);
+    let results = check_once(&loops, client, &metrics, timeout).await;
+    let (text, code) = check_report(&server, &results, output);
+    print!("{text}");
+    ExitCode::from(code)
+}
+
+/// Renders the `check` report and picks the exit status.
+pub fn check_report(server: &str, results: &[CheckResult], output: OutputFormat) -> (String, u8) {
+    let errors = results.iter().filter(|r| r.result.is_err()).count();
+    let drifting = results
+        .iter()
+        .filter(|r| r.result.as_ref().is_ok_and(|report| !report.is_clean()))
+        .count();
+    let (verdict, code) = if errors > 0 {
+        ("error", EXIT_CONFIG)
+    } else if drifting > 0 {
+        ("drift", EXIT_DRIFT_OR_FAILURE)
+    } else {
+        ("clean", EXIT_OK)
+    };
+    let text = match output {
+        OutputFormat::Json => {
+            let loops: Vec<_> = results
+                .iter()
+                .map(|result| match &result.result {
+                    Ok(report) => serde_json::json!({
+                        "name": result.name,
+                        "drift": report.drift.iter().map(|drift| serde_json::json!({
+                            "kind": drift.kind,
+                            "object": drift.object,
+                            "action": drift.action.as_str(),
+                            "message": drift.message,
+                        })).collect::<Vec<_>>(),
+                    }),
+                    Err(err) => serde_json::json!({ "name": result.name, "error": err }),
+                })
+                .collect();
+            let document = serde_json::json!({
+                "server": server,
+                "result": verdict,
+                "loops": loops,
+            });
+            format!("{document:#}\n")
+        }
+        OutputFormat::Text => {
+            let mut out = format!("Checked {server} (dry run: nothing was written)\n\n");
+            if results.is_empty() {
+                out.push_str("No loop is enabled.\n");
+            }
+            for result in results {
+                match &result.result {
+                    Ok(report) if report.is_clean() => {
+                        out.push_str(&format!("{}: no drift\n", result.name));
+                    }
+                    Ok(report) => {
+                        out.push_str(&format!("{}: {} drift\n", result.name, report.drift.len()));
+                        for drift in &report.drift {
+                            out.push_str(&format!(
+                                "  - {} [{}] {}: {}\n",
+                                drift.object,
+                                drift.kind,
+                                would(drift.action),
+                                drift.message
+                            ));
+                        }
+                    }
+                    Err(err) => out.push_str(&format!("{}: ERROR: {err}\n", result.name)),
+                }
+            }
+            out.push('\n');
+            out.push_str(&match verdict {
+                "error" => format!(
+                    "Result: {errors} of {} loops could not be checked (exit {code})\n",
+                    results.len()
+                ),
+                "drift" => format!(
+                    "Result: drift in {drifting} of {} loops (exit {code})\n",
+                    results.len()
+                ),
+                _ => format!("Result: no drift (exit {code})\n"),
+            });
+            out
+        }
+    };
+    (text, code)
+}
+
+fn would(action: reconcilers::Action) -> &'static str {
+    match action {
+        reconcilers::Action::Create => "would create",
+        reconcilers::Action::Update => "would update",
+        reconcilers::Action::Delete => "would delete",
+        reconcilers::Action::Report => "report only",
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use clap::CommandFactory;
+    use reconcilers::{Action, Drift, PassReport};
+
+    use super::*;
+
+    #[test]
+    fn verify_cli() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_config_flag_has_a_bootstrap_env_var() {
+        let command = Cli::command();
+        for arg in command.get_arguments() {
+            if arg.get_long().is_none() || matches!(arg.get_id().as_str(), "help" | "version") {
+                continue;
+            }
+            let env = arg
+                .get_env()
+                .unwrap_or_else(|| panic!("--{} has no env var", arg.get_id()));
+            assert!(env.to_string_lossy().starts_with("BOOTSTRAP_"), "{env:?}");
+        }
+    }
+
+    #[test]
+    fn flags_parse_after_the_subcommand() {
+        let cli = Cli::try_parse_from([
+            "bootstrap-controller",
+            "run",
+            "--dry-run",
+            "--service-cluster-ip-range=10.96.0.0/12",
+            "--leader-elect=false",
+        ])
+        .unwrap();
+        assert!(matches!(cli.command, Command::Run));
+        assert_eq!(cli.config.dry_run, Some(true));
+        assert_eq!(cli.config.leader_elect, Some(false));
+        let config = Config::load(&cli.config).unwrap();
+        assert!(config.dry_run);
+        assert!(!config.leader_election.enabled);
+    }
+
+    #[test]
+    fn check_report_exit_codes() {
+        let clean = CheckResult {
+            name: "a",
+            result: Ok(PassReport::default()),
+        };
+        let drift = CheckResult {
+            name: "system-namespaces",
+            result: Ok(PassReport {
+                drift: vec![Drift {
+                    kind: "namespace_missing",
+                    object: "Namespace/kube-public".to_owned(),
+                    action: Action::Create,
+                    message: "namespace kube-public is missing".to_owned(),
+                    applied: false,
+                }],
+            }),
+        };
+        let failed = CheckResult {
+            name: "b",
+            result: Err("connection refused".to_owned()),
+        };
+        let (text, code) = check_report(
+            "https://x",
+            std::slice::from_ref(&clean),
+            OutputFormat::Text,
+        );
+        assert_eq!(code, 0, "{text}");
+        let (text, code) = check_report("https://x", &[clean, drift], OutputFormat::Text);
+        assert_eq!(code, 1);
+        assert!(
+            text.contains("Namespace/kube-public [namespace_missing] would create"),
+            "{text}"
+        );
+        let (text, code) = check_report("https://x", &[failed], OutputFormat::Json);
+        assert_eq!(code, 2);
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(json["result"], "error");
+        assert_eq!(json["loops"][0]["error"], "connection refused");
+    }
+}
