@@ -1,0 +1,735 @@
+//! `apiserver-endpoints`: writes Endpoints and EndpointSlices of the `kubernetes` Service from one
+//! member set. Leader-only, except in `master-count` mode where, as upstream, every instance adds
+//! itself.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Endpoints, ObjectReference};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::jiff::Timestamp;
+use kube::Resource;
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::watcher;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::{Mutex, watch};
+use tokio::time::Instant;
+
+use super::desired::{
+    EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, endpoints_drift,
+    listed_members, plan_slices, repaired_endpoints,
+};
+use super::lease::{member_selector, membership};
+use super::members::{IpFamily, MemberSet};
+use super::modes::{EntryOutcome, master_count_members, static_members};
+use super::probe::{ReadinessProbe, Resolver};
+use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, StaticAddress};
+use crate::contract::{
+    Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, drift,
+    ignore_already_exists,
+};
+use crate::kubernetes_service::watch_trigger;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FamilyLabel {
+    family: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChangeLabel {
+    change: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
+
+/// Metric handles of the `apiserver-endpoints` loop.
+#[derive(Clone, Default)]
+pub struct EndpointsMetrics {
+    members: Family<FamilyLabel, Gauge>,
+    changes: Family<ChangeLabel, Counter>,
+    repairs: Family<KindLabel, Counter>,
+}
+
+impl EndpointsMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        registry.register(
+            "apiserver_endpoints_members",
+            "Apiserver addresses listed in the kubernetes endpoints, by IP family",
+            metrics.members.clone(),
+        );
+        registry.register(
+            "apiserver_endpoints_membership_changes",
+            "Members that joined, left (withdrew) or expired (Lease ran out)",
+            metrics.changes.clone(),
+        );
+        registry.register(
+            "apiserver_endpoints_repairs",
+            "Repairs of the kubernetes Endpoints/EndpointSlices not explained by a membership change, by kind of drift",
+            metrics.repairs.clone(),
+        );
+        metrics
+    }
+
+    pub fn members(&self, family: IpFamily) -> i64 {
+        self.members
+            .get_or_create(&FamilyLabel {
+                family: family.address_type().to_owned(),
+            })
+            .get()
+    }
+
+    pub fn changes(&self, change: &str) -> u64 {
+        self.changes
+            .get_or_create(&ChangeLabel {
+                change: change.to_owned(),
+            })
+            .get()
+    }
+
+    pub fn repairs(&self, kind: &str) -> u64 {
+        self.repairs
+            .get_or_create(&KindLabel {
+                kind: kind.to_owned(),
+            })
+            .get()
+    }
+
+    fn set_members(&self, members: &MemberSet) {
+        for family in [IpFamily::V4, IpFamily::V6] {
+            let count = i64::try_from(members.count(family)).unwrap_or(i64::MAX);
+            self.members
+                .get_or_create(&FamilyLabel {
+                    family: family.address_type().to_owned(),
+                })
+                .set(count);
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    /// The member set as of the last pass (initialised from the Endpoints on the first one), to
+    /// tell membership changes from hand edits.
+    previous: Option<MemberSet>,
+    /// `static` mode: last non-empty answer per name.
+    last_good: BTreeMap<String, Vec<IpAddr>>,
+    /// `static` mode: names whose last lookup failed (warned once per failure streak).
+    failing: BTreeSet<String>,
+    /// When this instance last ran a pass: a pass only runs on the leader, so this tells shutdown
+    /// whether it is (recently) the writer.
+    last_pass: Option<Instant>,
+    /// Whether the "refusing to write an empty set" warning was already logged.
+    warned_empty: bool,
+}
+
+/// Writes the `kubernetes` Endpoints and EndpointSlices.
+pub struct ApiserverEndpointsLoop {
+    cfg: ApiserverEndpointsConfig,
+    client: kube::Client,
+    readiness: Arc<dyn ReadinessProbe>,
+    resolver: Arc<dyn Resolver>,
+    recorder: Recorder,
+    metrics: EndpointsMetrics,
+    state: Mutex<State>,
+    /// Earliest expiry among live membership Leases: a trigger fires then, so a dead member goes
+    /// at TTL, not at TTL + interval.
+    next_expiry: watch::Sender<Option<Instant>>,
+}
+
+/// The member set of one pass, and what explains departures.
+struct Computed {
+    members: MemberSet,
+    /// Addresses whose Lease ran out (events say "expired" rather than "left").
+    expired: BTreeSet<IpAddr>,
+    /// Warnings to publish as events on the Endpoints.
+    warnings: Vec<(String, String)>,
+}
+
+impl ApiserverEndpointsLoop {
+    pub fn new(
+        cfg: &ApiserverEndpointsConfig,
+        deps: EndpointsDeps,
+        registry: &mut Registry,
+    ) -> Self {
+        Self {
+            cfg: cfg.clone(),
+            recorder: Recorder::new(deps.client.clone(), deps.reporter),
+            client: deps.client,
+            readiness: deps.readiness,
+            resolver: deps.resolver,
+            metrics: EndpointsMetrics::register(registry),
+            state: Mutex::new(State::default()),
+            next_expiry: watch::channel(None).0,
+        }
+    }
+
+    pub fn metrics(&self) -> &EndpointsMetrics {
+        &self.metrics
+    }
+
+    fn target(&self) -> &EndpointsTarget {
+        &self.cfg.target
+    }
+
+    fn endpoints_api(&self, ctx: &PassContext) -> Api<Endpoints> {
+        Api::namespaced(ctx.client.clone(), &self.target().namespace)
+    }
+
+    fn slices_api(&self, ctx: &PassContext) -> Api<EndpointSlice> {
+        Api::namespaced(ctx.client.clone(), &self.target().namespace)
+    }
+
+    async fn compute(
+        &self,
+        ctx: &PassContext,
+        state: &mut State,
+        existing: Option<&Endpoints>,
+        exclude_own: bool,
+    ) -> Result<Computed, LoopError> {
+        let mut computed = Computed {
+            members: MemberSet::new(),
+            expired: BTreeSet::new(),
+            warnings: Vec::new(),
+        };
+        match self.cfg.mode {
+            EndpointsMode::Lease => {
+                let api: Api<Lease> =
+                    Api::namespaced(ctx.client.clone(), &self.cfg.lease_namespace);
+                // A failed list is an error, never an empty membership.
+                let leases = api
+                    .list(
+                        &ListParams::default()
+                            .labels(&member_selector(&self.target().service_name)),
+                    )
+                    .await?;
+                let now = Timestamp::now();
+                let judged = membership(&leases.items, now, self.cfg.lease_ttl);
+                for problem in &judged.problems {
+                    tracing::warn!(%problem, "ignoring a membership Lease");
+                }
+                computed.expired = judged.expired.iter().map(|m| m.address).collect();
+                computed.members = judged.members;
+                let next = leases
+                    .items
+                    .iter()
+                    .filter_map(|l| super::lease::observe(l, self.cfg.lease_ttl).ok())
+                    .map(|m| m.expires)
+                    .filter(|t| *t > now)
+                    .min();
+                let wake = next.and_then(|t| {
+                    let left = now.duration_until(t);
+                    Duration::try_from(left)
+                        .ok()
+                        .map(|d| Instant::now() + d + Duration::from_millis(50))
+                });
+                self.next_expiry.send_replace(wake);
+            }
+            EndpointsMode::Static => {
+                let entries = self.cfg.static_entries();
+                let mut answers = BTreeMap::new();
+                for entry in &entries {
+                    if let StaticAddress::Name(name) = entry {
+                        let answer =
+                            tokio::time::timeout(self.cfg.interval, self.resolver.resolve(name))
+                                .await
+                                .map_err(|_| {
+                                    format!("lookup timed out after {:?}", self.cfg.interval)
+                                })
+                                .and_then(|r| r.map_err(|e| e.to_string()));
+                        answers.insert(name.clone(), answer);
+                    }
+                }
+                let (members, outcomes) = static_members(&entries, &answers, &mut state.last_good);
+                for (name, outcome) in outcomes {
+                    match outcome {
+                        EntryOutcome::Failed { reason, kept } => {
+                            if state.failing.insert(name.clone()) {
+                                let kept_text = kept
+                                    .iter()
+                                    .map(ToString::to_string)
+                                    .collect::<Vec<_>>()
+                                    .join(", ");
+                                tracing::warn!(%name, %reason, kept = %kept_text, "static address lookup failed; keeping the last good set");
+                                computed.warnings.push((
+                                    "StaticAddressResolutionFailed".to_owned(),
+                                    format!("resolving {name} failed ({reason}); keeping its last good addresses [{kept_text}]"),
+                                ));
+                            }
+                        }
+                        EntryOutcome::Resolved(_) => {
+                            if state.failing.remove(&name) {
+                                tracing::info!(%name, "static address resolves again");
+                            }
+                        }
+                        EntryOutcome::Ip => {}
+                    }
+                }
+                computed.members = members;
+            }
+            EndpointsMode::MasterCount => {
+                let listed = existing.map(listed_members).unwrap_or_default();
+                let own = self.cfg.advertise_address;
+                let ready = if exclude_own {
+                    Err("shutting down".to_owned())
+                } else {
+                    self.readiness.check().await
+                };
+                computed.members = match (own, ready) {
+                    (Some(own), Ok(())) => {
+                        master_count_members(&listed, own, self.cfg.apiserver_count)
+                    }
+                    (Some(own), Err(reason)) => {
+                        tracing::debug!(%reason, "local apiserver not ready; not adding this instance");
+                        let mut without = listed;
+                        without.remove(&own);
+                        without
+                    }
+                    (None, _) => listed,
+                };
+            }
+            EndpointsMode::None => {}
+        }
+        if exclude_own && let Some(own) = self.cfg.advertise_address {
+            computed.members.remove(&own);
+        }
+        Ok(computed)
+    }
+
+    async fn publish(
+        &self,
+        reference: &ObjectReference,
+        type_: EventType,
+        reason: &str,
+        note: String,
+    ) {
+        let event = Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
+        if let Err(err) = self.recorder.publish(&event, reference).await {
+            tracing::warn!(error = %err, reason, "could not publish event on the kubernetes Endpoints");
+        }
+    }
+
+    /// Bring Endpoints and slices to `members`. Returns the Endpoints as written or found (for
+    /// event references) and the drift.
+    async fn write_all(
+        &self,
+        ctx: &PassContext,
+        members: &MemberSet,
+        existing: Option<Endpoints>,
+        report: &mut PassReport,
+    ) -> Result<Option<Endpoints>, LoopError> {
+        let target = self.target();
+        let api = self.endpoints_api(ctx);
+        let object = target.endpoints_ref();
+        let found = endpoints_drift(target, members, existing.as_ref());
+        let mut current = existing.clone();
+        if !found.is_empty() {
+            let applied = !ctx.dry_run;
+            if applied {
+                current = match &existing {
+                    None => ignore_already_exists(
+                        api.create(&PostParams::default(), &desired_endpoints(target, members))
+                            .await,
+                    )?,
+                    Some(existing) => Some(
+                        api.replace(
+                            &target.service_name,
+                            &PostParams::default(),
+                            &repaired_endpoints(target, members, existing),
+                        )
+                        .await?,
+                    ),
+                };
+                tracing::info!(endpoints = %object, members = %members, "wrote the kubernetes Endpoints");
+            }
+            for d in &found {
+                report.push(drift(
+                    d.kind(),
+                    object.clone(),
+                    if existing.is_none() {
+                        Action::Create
+                    } else {
+                        Action::Update
+                    },
+                    format!(
+                        "{}; {}",
+                        d.describe(target),
+                        if applied { "repaired" } else { "would repair" }
+                    ),
+                    applied,
+                ));
+            }
+        }
+
+        let slices = self.slices_api(ctx);
+        let mut existing_slices = slices
+            .list(
+                &ListParams::default()
+                    .labels(&format!("{SERVICE_NAME_LABEL}={}", target.service_name)),
+            )
+            .await?
+            .items;
+        // A desired slice whose label was removed by hand is invisible to the label selector.
+        let primary = target.primary_family(members);
+        for family in [primary, primary.other()] {
+            let name = target.slice_name(family, primary);
+            if !existing_slices
+                .iter()
+                .any(|s| s.metadata.name.as_deref() == Some(name.as_str()))
+                && let Some(slice) = slices.get_opt(&name).await?
+            {
+                existing_slices.push(slice);
+            }
+        }
+        for change in plan_slices(target, members, &existing_slices) {
+            let slice_ref = target.slice_ref(&change.name);
+            let applied = !ctx.dry_run;
+            let action = match &change.write {
+                SliceWrite::Create(_) => Action::Create,
+                SliceWrite::Update(_) | SliceWrite::Recreate(_) => Action::Update,
+                SliceWrite::Delete { .. } => Action::Delete,
+            };
+            if applied {
+                let uid = |name: &str| {
+                    existing_slices
+                        .iter()
+                        .find(|s| s.metadata.name.as_deref() == Some(name))
+                        .and_then(|s| s.metadata.uid.clone())
+                };
+                let delete = |name: String| {
+                    let params = DeleteParams::default().preconditions(Preconditions {
+                        uid: uid(&name),
+                        resource_version: None,
+                    });
+                    let slices = slices.clone();
+                    async move {
+                        match slices.delete(&name, &params).await {
+                            Ok(_) => Ok(()),
+                            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                            Err(err) => Err(err),
+                        }
+                    }
+                };
+                match &change.write {
+                    SliceWrite::Create(slice) => {
+                        ignore_already_exists(slices.create(&PostParams::default(), slice).await)?;
+                    }
+                    SliceWrite::Update(slice) => {
+                        slices
+                            .replace(&change.name, &PostParams::default(), slice)
+                            .await?;
+                    }
+                    SliceWrite::Recreate(slice) => {
+                        delete(change.name.clone()).await?;
+                        ignore_already_exists(slices.create(&PostParams::default(), slice).await)?;
+                    }
+                    SliceWrite::Delete { name } => delete(name.clone()).await?,
+                }
+                tracing::info!(slice = %slice_ref, ?action, "wrote a kubernetes EndpointSlice");
+            }
+            for (kind, message) in change.drift {
+                report.push(drift(
+                    kind,
+                    slice_ref.clone(),
+                    action,
+                    format!(
+                        "{message}; {}",
+                        if applied { "repaired" } else { "would repair" }
+                    ),
+                    applied,
+                ));
+            }
+        }
+        Ok(current)
+    }
+
+    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        let mut state = self.state.lock().await;
+        state.last_pass = Some(Instant::now());
+        let mut report = PassReport::default();
+        let target = self.target().clone();
+        let existing = self
+            .endpoints_api(ctx)
+            .get_opt(&target.service_name)
+            .await?;
+        let computed = self
+            .compute(ctx, &mut state, existing.as_ref(), false)
+            .await?;
+        let members = computed.members;
+        let previous = state
+            .previous
+            .get_or_insert_with(|| existing.as_ref().map(listed_members).unwrap_or_default())
+            .clone();
+
+        if members.is_empty() {
+            // Upstream refuses too (spec §3.1.3): an empty list would cut every in-cluster client
+            // off. Only the last member's own shutdown may empty it.
+            if !state.warned_empty {
+                tracing::warn!(
+                    endpoints = %target.endpoints_ref(),
+                    "no live apiserver members; refusing to erase all endpoints of the kubernetes Service"
+                );
+                state.warned_empty = true;
+            }
+            report.push(drift(
+                "no_members",
+                target.endpoints_ref(),
+                Action::Report,
+                "no live apiserver members; refusing to erase all endpoints (kept as they are)",
+                false,
+            ));
+            return Ok(report);
+        }
+        state.warned_empty = false;
+
+        let written = self.write_all(ctx, &members, existing, &mut report).await?;
+        if ctx.dry_run {
+            return Ok(report);
+        }
+        self.metrics.set_members(&members);
+        let change = previous.changes_to(&members);
+        state.previous = Some(members.clone());
+        drop(state);
+
+        let reference = written
+            .map(|e| e.object_ref(&()))
+            .unwrap_or_else(|| ObjectReference {
+                api_version: Some("v1".to_owned()),
+                kind: Some("Endpoints".to_owned()),
+                name: Some(target.service_name.clone()),
+                namespace: Some(target.namespace.clone()),
+                ..ObjectReference::default()
+            });
+        for (reason, note) in computed.warnings {
+            self.publish(&reference, EventType::Warning, &reason, note)
+                .await;
+        }
+        for ip in &change.joined {
+            self.metrics
+                .changes
+                .get_or_create(&ChangeLabel {
+                    change: "joined".into(),
+                })
+                .inc();
+            tracing::info!(member = %ip, "apiserver joined the kubernetes endpoints");
+            self.publish(
+                &reference,
+                EventType::Normal,
+                "MemberJoined",
+                format!("apiserver {ip} joined the endpoints"),
+            )
+            .await;
+        }
+        for ip in &change.left {
+            let (label, reason, note) = if computed.expired.contains(ip) {
+                (
+                    "expired",
+                    "MemberExpired",
+                    format!("apiserver {ip} was removed: its membership Lease expired"),
+                )
+            } else {
+                (
+                    "left",
+                    "MemberLeft",
+                    format!("apiserver {ip} left the endpoints"),
+                )
+            };
+            self.metrics
+                .changes
+                .get_or_create(&ChangeLabel {
+                    change: label.into(),
+                })
+                .inc();
+            tracing::info!(member = %ip, change = label, "apiserver left the kubernetes endpoints");
+            self.publish(&reference, EventType::Normal, reason, note)
+                .await;
+        }
+
+        // Writes explained by a membership change are not repairs.
+        let membership_kinds = [
+            "endpoints_addresses",
+            "endpointslice_endpoints",
+            "endpointslice_missing",
+            "endpointslice_stray",
+            "endpointslice_address_type",
+            "endpoints_subsets",
+        ];
+        let repairs: Vec<&Drift> = report
+            .drift
+            .iter()
+            .filter(|d| d.applied)
+            .filter(|d| change.is_empty() || !membership_kinds.contains(&d.kind))
+            .collect();
+        if !repairs.is_empty() {
+            for d in &repairs {
+                self.metrics
+                    .repairs
+                    .get_or_create(&KindLabel {
+                        kind: d.kind.to_owned(),
+                    })
+                    .inc();
+            }
+            let note = repairs
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join("; ");
+            tracing::warn!(repairs = %note, "repaired the kubernetes endpoints");
+            let mut note = note;
+            note.truncate(1000);
+            self.publish(&reference, EventType::Normal, "EndpointsRepaired", note)
+                .await;
+        }
+        Ok(report)
+    }
+
+    /// Take this instance's address out at once, if it is the writer: the leader (it ran a pass
+    /// recently) in `lease` mode, always in `master-count` mode. An empty result is written: this
+    /// is the one case where upstream empties the endpoints too (the last member leaving).
+    async fn withdraw(&self, ctx: &PassContext) -> Result<(), LoopError> {
+        let Some(own) = self.cfg.advertise_address else {
+            return Ok(());
+        };
+        let mut state = self.state.lock().await;
+        let recently_leading = state
+            .last_pass
+            .is_some_and(|at| at.elapsed() < self.cfg.interval * 2);
+        let writer = match self.cfg.mode {
+            EndpointsMode::Lease => recently_leading,
+            EndpointsMode::MasterCount => true,
+            EndpointsMode::Static | EndpointsMode::None => false,
+        };
+        if !writer || ctx.dry_run {
+            return Ok(());
+        }
+        let existing = self
+            .endpoints_api(ctx)
+            .get_opt(&self.target().service_name)
+            .await?;
+        if !existing
+            .as_ref()
+            .map(listed_members)
+            .unwrap_or_default()
+            .contains(&own)
+        {
+            return Ok(());
+        }
+        let computed = self
+            .compute(ctx, &mut state, existing.as_ref(), true)
+            .await?;
+        let mut report = PassReport::default();
+        self.write_all(ctx, &computed.members, existing, &mut report)
+            .await?;
+        self.metrics.set_members(&computed.members);
+        state.previous = Some(computed.members.clone());
+        tracing::info!(member = %own, remaining = %computed.members, "withdrew this instance from the kubernetes endpoints");
+        Ok(())
+    }
+
+    fn expiry_trigger(&self) -> Trigger {
+        let rx = self.next_expiry.subscribe();
+        futures::stream::unfold(rx, |mut rx| async move {
+            loop {
+                let at = *rx.borrow_and_update();
+                match at {
+                    Some(at) => {
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(at) => {
+                                // Fire once per deadline; the pass publishes the next one.
+                                rx.borrow_and_update();
+                                return Some(((), rx));
+                            }
+                            changed = rx.changed() => if changed.is_err() { return None },
+                        }
+                    }
+                    None => {
+                        if rx.changed().await.is_err() {
+                            return None;
+                        }
+                    }
+                }
+            }
+        })
+        .boxed()
+    }
+}
+
+impl Reconciler for ApiserverEndpointsLoop {
+    fn name(&self) -> &'static str {
+        "apiserver-endpoints"
+    }
+
+    fn interval(&self) -> Duration {
+        self.cfg.interval
+    }
+
+    fn needs_leadership(&self) -> bool {
+        self.cfg.mode != EndpointsMode::MasterCount
+    }
+
+    fn triggers(&self) -> Vec<Trigger> {
+        let target = self.target();
+        let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), &target.namespace);
+        let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &target.namespace);
+        let mut triggers = vec![
+            watch_trigger(watcher(
+                endpoints,
+                watcher::Config::default()
+                    .fields(&format!("metadata.name={}", target.service_name)),
+            )),
+            watch_trigger(watcher(
+                slices,
+                watcher::Config::default()
+                    .labels(&format!("{SERVICE_NAME_LABEL}={}", target.service_name)),
+            )),
+        ];
+        if self.cfg.mode == EndpointsMode::Lease {
+            let leases: Api<Lease> =
+                Api::namespaced(self.client.clone(), &self.cfg.lease_namespace);
+            triggers.push(watch_trigger(watcher(
+                leases,
+                watcher::Config::default().labels(&member_selector(&target.service_name)),
+            )));
+            triggers.push(self.expiry_trigger());
+        }
+        triggers
+    }
+
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        Box::pin(self.pass(ctx))
+    }
+
+    fn shutdown<'a>(&'a self, ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
+        Box::pin(async move {
+            let bound = self.cfg.interval * 2;
+            match tokio::time::timeout(bound, self.withdraw(ctx)).await {
+                Ok(result) => result,
+                Err(_) => Err(LoopError::Other(format!(
+                    "removing this instance from the kubernetes endpoints timed out after {bound:?}"
+                ))),
+            }
+        })
+    }
+}

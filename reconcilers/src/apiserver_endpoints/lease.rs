@@ -1,0 +1,317 @@
+//! Membership Leases: one `coordination.k8s.io/v1` Lease per apiserver, written by the sidecar next
+//! to it while its `/readyz` answers 200. Pure: building, parsing and judging expiry.
+//!
+//! Upstream keeps this in TTL'd etcd keys (`/registry/masterleases/<ip>`) nobody outside can see.
+//! Leases are API-visible, so stale members can be inspected and deleted with `kubectl`.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use super::members::{MemberSet, parse_ip};
+
+/// Selects every membership Lease; the value is the Service the member serves.
+pub const MEMBER_LABEL: &str = "bootstrap-controller.io/apiserver-endpoint";
+/// The advertise address the member serves on.
+pub const ADDRESS_ANNOTATION: &str = "bootstrap-controller.io/advertise-address";
+/// The member's `--secure-port`.
+pub const PORT_ANNOTATION: &str = "bootstrap-controller.io/secure-port";
+/// Lease names are `apiserver-<address>`, so a restarted instance finds the Lease a crash left.
+pub const LEASE_NAME_PREFIX: &str = "apiserver-";
+
+/// Everything that identifies this instance's membership Lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnLease {
+    pub namespace: String,
+    pub service_name: String,
+    pub address: IpAddr,
+    pub port: i32,
+    /// `holderIdentity`: who writes it (pod or host name), for humans.
+    pub holder: String,
+    pub ttl: Duration,
+}
+
+impl OwnLease {
+    pub fn name(&self) -> String {
+        lease_name(&self.address)
+    }
+
+    pub fn object_ref(&self) -> String {
+        format!("Lease/{}/{}", self.namespace, self.name())
+    }
+
+    pub fn selector(&self) -> String {
+        member_selector(&self.service_name)
+    }
+
+    /// The Lease as it should be after a renewal at `now`. `existing` keeps its metadata
+    /// (resourceVersion, foreign labels) and its `acquireTime`.
+    pub fn renewed(&self, existing: Option<&Lease>, now: Timestamp) -> Lease {
+        let mut lease = existing.cloned().unwrap_or_else(|| Lease {
+            metadata: ObjectMeta {
+                name: Some(self.name()),
+                namespace: Some(self.namespace.clone()),
+                ..ObjectMeta::default()
+            },
+            spec: None,
+        });
+        lease.metadata.managed_fields = None;
+        lease
+            .metadata
+            .labels
+            .get_or_insert_with(BTreeMap::new)
+            .insert(MEMBER_LABEL.to_owned(), self.service_name.clone());
+        let annotations = lease.metadata.annotations.get_or_insert_with(BTreeMap::new);
+        annotations.insert(ADDRESS_ANNOTATION.to_owned(), self.address.to_string());
+        annotations.insert(PORT_ANNOTATION.to_owned(), self.port.to_string());
+        let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+        spec.holder_identity = Some(self.holder.clone());
+        spec.lease_duration_seconds = Some(ttl_seconds(self.ttl));
+        spec.renew_time = Some(MicroTime(now));
+        if spec.acquire_time.is_none() {
+            spec.acquire_time = Some(MicroTime(now));
+        }
+        lease
+    }
+}
+
+pub fn lease_name(address: &IpAddr) -> String {
+    // Lease names are DNS subdomains: IPv6 colons become dashes (`fd00::1` -> `fd00--1`).
+    format!(
+        "{LEASE_NAME_PREFIX}{}",
+        address.to_string().replace(':', "-")
+    )
+}
+
+pub fn member_selector(service_name: &str) -> String {
+    format!("{MEMBER_LABEL}={service_name}")
+}
+
+/// Whole seconds, at least one: the API's `leaseDurationSeconds` is an integer.
+pub fn ttl_seconds(ttl: Duration) -> i32 {
+    i32::try_from(ttl.as_secs().max(1)).unwrap_or(i32::MAX)
+}
+
+/// What one membership Lease says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObservedMember {
+    pub lease_name: String,
+    pub address: IpAddr,
+    pub port: Option<i32>,
+    pub holder: Option<String>,
+    pub expires: Timestamp,
+}
+
+/// Why a Lease carrying the member label is not a member.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeaseProblem {
+    /// The address annotation is missing or not an IP: someone else's object, or corrupted.
+    BadAddress {
+        lease_name: String,
+        found: Option<String>,
+    },
+    /// Never renewed (no `renewTime`).
+    NeverRenewed { lease_name: String },
+}
+
+impl std::fmt::Display for LeaseProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LeaseProblem::BadAddress { lease_name, found } => write!(
+                f,
+                "Lease {lease_name} has {} annotation {ADDRESS_ANNOTATION}; ignoring it",
+                found
+                    .as_deref()
+                    .map_or("no".to_owned(), |v| format!("a non-IP ({v:?})"))
+            ),
+            LeaseProblem::NeverRenewed { lease_name } => {
+                write!(f, "Lease {lease_name} has no renewTime; ignoring it")
+            }
+        }
+    }
+}
+
+/// Read one Lease. `fallback_ttl` applies when `leaseDurationSeconds` is missing.
+pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, LeaseProblem> {
+    let lease_name = lease.metadata.name.clone().unwrap_or_default();
+    let found = lease
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ADDRESS_ANNOTATION))
+        .cloned();
+    let Some(address) = found.as_deref().and_then(parse_ip) else {
+        return Err(LeaseProblem::BadAddress { lease_name, found });
+    };
+    let port = lease
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(PORT_ANNOTATION))
+        .and_then(|p| p.trim().parse::<i32>().ok());
+    let spec = lease.spec.clone().unwrap_or_default();
+    let Some(MicroTime(renewed)) = spec.renew_time else {
+        return Err(LeaseProblem::NeverRenewed { lease_name });
+    };
+    let seconds = spec
+        .lease_duration_seconds
+        .filter(|s| *s > 0)
+        .unwrap_or_else(|| ttl_seconds(fallback_ttl));
+    let expires = renewed
+        .checked_add(SignedDuration::from_secs(i64::from(seconds)))
+        .unwrap_or(renewed);
+    Ok(ObservedMember {
+        lease_name,
+        address,
+        port,
+        holder: spec.holder_identity,
+        expires,
+    })
+}
+
+/// The member set the Leases give at `now`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeaseMembership {
+    pub members: MemberSet,
+    /// Leases whose time ran out (their address is not a member unless another live Lease has it).
+    pub expired: Vec<ObservedMember>,
+    pub problems: Vec<LeaseProblem>,
+}
+
+/// Judge every Lease. Expiry is by the writer's `renewTime` against the reader's clock, so the
+/// control-plane hosts' clocks must agree to well within `ttl - interval` (NTP does this).
+/// Leases being deleted are not members.
+pub fn membership(leases: &[Lease], now: Timestamp, fallback_ttl: Duration) -> LeaseMembership {
+    let mut out = LeaseMembership::default();
+    for lease in leases {
+        if lease.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        match observe(lease, fallback_ttl) {
+            Ok(member) if member.expires > now => {
+                out.members.insert(member.address);
+            }
+            Ok(member) => out.expired.push(member),
+            Err(problem) => out.problems.push(problem),
+        }
+    }
+    out.expired.retain(|m| !out.members.contains(&m.address));
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn own(ip: &str) -> OwnLease {
+        OwnLease {
+            namespace: "kube-system".into(),
+            service_name: "kubernetes".into(),
+            address: ip.parse().unwrap(),
+            port: 6443,
+            holder: "cp-1".into(),
+            ttl: Duration::from_secs(15),
+        }
+    }
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    #[test]
+    fn names_are_dns_subdomains() {
+        assert_eq!(own("10.0.0.1").name(), "apiserver-10.0.0.1");
+        assert_eq!(own("fd00::1").name(), "apiserver-fd00--1");
+    }
+
+    #[test]
+    fn renewed_lease_carries_address_port_and_ttl() {
+        let lease = own("10.0.0.1").renewed(None, at(0));
+        let json = serde_json::to_value(&lease).unwrap();
+        assert_eq!(json["metadata"]["labels"][MEMBER_LABEL], "kubernetes");
+        assert_eq!(
+            json["metadata"]["annotations"][ADDRESS_ANNOTATION],
+            "10.0.0.1"
+        );
+        assert_eq!(json["metadata"]["annotations"][PORT_ANNOTATION], "6443");
+        assert_eq!(json["spec"]["leaseDurationSeconds"], 15);
+        assert_eq!(json["spec"]["holderIdentity"], "cp-1");
+        let member = observe(&lease, Duration::from_secs(1)).unwrap();
+        assert_eq!(member.expires, at(15));
+        assert_eq!(member.port, Some(6443));
+    }
+
+    #[test]
+    fn renewal_keeps_acquire_time_and_metadata() {
+        let mut first = own("10.0.0.1").renewed(None, at(0));
+        first.metadata.resource_version = Some("9".into());
+        let second = own("10.0.0.1").renewed(Some(&first), at(10));
+        assert_eq!(second.metadata.resource_version.as_deref(), Some("9"));
+        let spec = second.spec.unwrap();
+        assert_eq!(spec.acquire_time, Some(MicroTime(at(0))));
+        assert_eq!(spec.renew_time, Some(MicroTime(at(10))));
+    }
+
+    #[test]
+    fn membership_drops_expired_and_broken_leases() {
+        let live = own("10.0.0.1").renewed(None, at(0));
+        let dead = own("10.0.0.2").renewed(None, at(-20));
+        let mut garbage = own("10.0.0.3").renewed(None, at(0));
+        garbage
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(ADDRESS_ANNOTATION.into(), "nope".into());
+        let mut deleting = own("10.0.0.4").renewed(None, at(0));
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)));
+        let m = membership(
+            &[live, dead, garbage, deleting],
+            at(5),
+            Duration::from_secs(15),
+        );
+        assert_eq!(m.members.sorted_strings(), vec!["10.0.0.1"]);
+        assert_eq!(m.expired.len(), 1);
+        assert_eq!(m.expired[0].address.to_string(), "10.0.0.2");
+        assert_eq!(m.problems.len(), 1);
+        assert!(m.problems[0].to_string().contains("nope"));
+    }
+
+    #[test]
+    fn expiry_is_exclusive_at_the_deadline() {
+        let lease = own("10.0.0.1").renewed(None, at(0));
+        assert_eq!(
+            membership(std::slice::from_ref(&lease), at(14), Duration::ZERO)
+                .members
+                .len(),
+            1
+        );
+        assert_eq!(
+            membership(std::slice::from_ref(&lease), at(15), Duration::ZERO)
+                .members
+                .len(),
+            0
+        );
+    }
+
+    #[test]
+    fn missing_duration_uses_fallback_and_missing_renew_is_a_problem() {
+        let mut lease = own("10.0.0.1").renewed(None, at(0));
+        lease.spec.as_mut().unwrap().lease_duration_seconds = None;
+        assert_eq!(
+            observe(&lease, Duration::from_secs(30)).unwrap().expires,
+            at(30)
+        );
+        lease.spec.as_mut().unwrap().renew_time = None;
+        assert!(matches!(
+            observe(&lease, Duration::from_secs(30)),
+            Err(LeaseProblem::NeverRenewed { .. })
+        ));
+    }
+}

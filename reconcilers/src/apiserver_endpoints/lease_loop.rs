@@ -1,0 +1,287 @@
+//! `apiserver-lease`: this instance's membership Lease. Runs on every instance (no leadership):
+//! each sidecar vouches only for its own apiserver.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use super::lease::{MEMBER_LABEL, OwnLease, observe};
+use super::probe::ReadinessProbe;
+use super::{ApiserverEndpointsConfig, EndpointsDeps};
+use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, drift};
+
+/// Metric handles of the `apiserver-lease` loop.
+#[derive(Clone, Default)]
+pub struct LeaseMetrics {
+    ready: Gauge,
+    renewals: Counter,
+}
+
+impl LeaseMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        registry.register(
+            "apiserver_lease_apiserver_ready",
+            "1 while the local apiserver's readiness check passes and this instance holds its membership Lease",
+            metrics.ready.clone(),
+        );
+        registry.register(
+            "apiserver_lease_renewals",
+            "Writes of this instance's membership Lease (creations and renewals)",
+            metrics.renewals.clone(),
+        );
+        metrics
+    }
+
+    pub fn ready(&self) -> i64 {
+        self.ready.get()
+    }
+
+    pub fn renewals(&self) -> u64 {
+        self.renewals.get()
+    }
+}
+
+/// Keeps this instance's membership Lease while its apiserver is ready.
+pub struct ApiserverLeaseLoop {
+    own: OwnLease,
+    interval: Duration,
+    readiness: Arc<dyn ReadinessProbe>,
+    metrics: LeaseMetrics,
+    last_ready: Mutex<Option<bool>>,
+}
+
+impl ApiserverLeaseLoop {
+    /// `None` when `cfg` has no advertise address (validation rejects that in `lease` mode).
+    pub fn new(
+        cfg: &ApiserverEndpointsConfig,
+        deps: EndpointsDeps,
+        registry: &mut Registry,
+    ) -> Option<Self> {
+        let address = cfg.advertise_address?;
+        let holder = if cfg.identity.is_empty() {
+            address.to_string()
+        } else {
+            cfg.identity.clone()
+        };
+        Some(Self {
+            own: OwnLease {
+                namespace: cfg.lease_namespace.clone(),
+                service_name: cfg.target.service_name.clone(),
+                address,
+                port: cfg.target.port,
+                holder,
+                ttl: cfg.lease_ttl,
+            },
+            interval: cfg.interval,
+            readiness: deps.readiness,
+            metrics: LeaseMetrics::register(registry),
+            last_ready: Mutex::new(None),
+        })
+    }
+
+    pub fn own_lease(&self) -> &OwnLease {
+        &self.own
+    }
+
+    pub fn metrics(&self) -> &LeaseMetrics {
+        &self.metrics
+    }
+
+    fn note_readiness(&self, ready: &Result<(), String>) {
+        let now = ready.is_ok();
+        let before = self
+            .last_ready
+            .lock()
+            .map(|mut last| last.replace(now))
+            .unwrap_or(None);
+        match (before, ready) {
+            (Some(true) | None, Err(reason)) => tracing::warn!(
+                address = %self.own.address,
+                %reason,
+                "local apiserver is not ready; withdrawing this instance from the kubernetes endpoints"
+            ),
+            (Some(false) | None, Ok(())) => tracing::info!(
+                address = %self.own.address,
+                "local apiserver is ready; this instance is a member of the kubernetes endpoints"
+            ),
+            _ => {}
+        }
+    }
+
+    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
+        let name = self.own.name();
+        let object = self.own.object_ref();
+        let mut report = PassReport::default();
+
+        let ready = self.readiness.check().await;
+        self.note_readiness(&ready);
+        let existing = api.get_opt(&name).await?;
+        if let Some(existing) = &existing
+            && existing
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(MEMBER_LABEL))
+                != Some(&self.own.service_name)
+        {
+            return Err(LoopError::Invalid(format!(
+                "{object} exists but is not a membership Lease (label {MEMBER_LABEL}={} missing); \
+                 refusing to overwrite it: delete or rename it",
+                self.own.service_name
+            )));
+        }
+
+        if let Err(reason) = ready {
+            self.metrics.ready.set(0);
+            if let Some(existing) = existing {
+                let applied = !ctx.dry_run && self.delete(&api, &existing).await?;
+                report.push(drift(
+                    "member_lease_not_ready",
+                    object,
+                    Action::Delete,
+                    format!(
+                        "the local apiserver is not ready ({reason}); {} this instance's membership Lease",
+                        if applied { "deleted" } else { "would delete" }
+                    ),
+                    applied,
+                ));
+            }
+            return Ok(report);
+        }
+
+        let now = Timestamp::now();
+        let live = existing
+            .as_ref()
+            .and_then(|l| observe(l, self.own.ttl).ok())
+            .is_some_and(|m| m.expires > now && m.address == self.own.address);
+        if ctx.dry_run {
+            if !live {
+                report.push(drift(
+                    if existing.is_some() { "member_lease_expired" } else { "member_lease_missing" },
+                    object,
+                    if existing.is_some() { Action::Update } else { Action::Create },
+                    "the local apiserver is ready but its membership Lease is missing or expired; would renew it",
+                    false,
+                ));
+            }
+            return Ok(report);
+        }
+
+        match &existing {
+            None => {
+                api.create(&PostParams::default(), &self.own.renewed(None, now))
+                    .await?;
+                tracing::info!(lease = %object, "created this instance's membership Lease");
+                report.push(drift(
+                    "member_lease_missing",
+                    object,
+                    Action::Create,
+                    "the local apiserver is ready; created this instance's membership Lease",
+                    true,
+                ));
+            }
+            Some(existing) => {
+                let renewed = self.own.renewed(Some(existing), now);
+                if let Err(err) = api.replace(&name, &PostParams::default(), &renewed).await {
+                    // Someone (kubectl, a restarted twin) wrote it since our read: renew on top of
+                    // their version once, instead of waiting a whole backoff.
+                    if !matches!(&err, kube::Error::Api(s) if s.code == 409) {
+                        return Err(err.into());
+                    }
+                    let fresh = api.get(&name).await?;
+                    api.replace(
+                        &name,
+                        &PostParams::default(),
+                        &self.own.renewed(Some(&fresh), Timestamp::now()),
+                    )
+                    .await?;
+                }
+                if !live {
+                    report.push(drift(
+                        "member_lease_expired",
+                        object,
+                        Action::Update,
+                        "this instance's membership Lease had expired; renewed it",
+                        true,
+                    ));
+                }
+            }
+        }
+        self.metrics.renewals.inc();
+        self.metrics.ready.set(1);
+        Ok(report)
+    }
+
+    async fn delete(&self, api: &Api<Lease>, existing: &Lease) -> Result<bool, LoopError> {
+        let params = DeleteParams::default().preconditions(Preconditions {
+            uid: existing.metadata.uid.clone(),
+            resource_version: None,
+        });
+        match api.delete(&self.own.name(), &params).await {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+            Err(err) => Err(err.into()),
+        }
+    }
+}
+
+impl Reconciler for ApiserverLeaseLoop {
+    fn name(&self) -> &'static str {
+        "apiserver-lease"
+    }
+
+    fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    fn needs_leadership(&self) -> bool {
+        false
+    }
+
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        Box::pin(self.pass(ctx))
+    }
+
+    /// Withdraw at once: delete the Lease so the leader drops this address on the Lease watch,
+    /// bounded by 2 x interval like upstream's `RemoveEndpoints` on stop.
+    fn shutdown<'a>(&'a self, ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
+        Box::pin(async move {
+            self.metrics.ready.set(0);
+            if ctx.dry_run {
+                return Ok(());
+            }
+            let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
+            let bound = self.interval * 2;
+            let work = async {
+                match api.get_opt(&self.own.name()).await? {
+                    Some(existing) => self.delete(&api, &existing).await.map(|_| ()),
+                    None => Ok(()),
+                }
+            };
+            match tokio::time::timeout(bound, work).await {
+                Ok(result) => {
+                    if result.is_ok() {
+                        tracing::info!(lease = %self.own.object_ref(), "deleted this instance's membership Lease");
+                    }
+                    result
+                }
+                Err(_) => Err(LoopError::Other(format!(
+                    "deleting {} timed out after {bound:?}",
+                    self.own.object_ref()
+                ))),
+            }
+        })
+    }
+}
