@@ -1,1 +1,128 @@
-fn main() {}
+//! `apiserver-sim`: runs the simulator until SIGTERM/SIGINT.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use apiserver_sim::{Sim, SimConfig};
+use clap::Parser;
+
+/// An in-memory Kubernetes API server for tests and demos.
+#[derive(Debug, Parser)]
+#[command(name = "apiserver-sim", version)]
+struct Args {
+    /// Address to listen on; port 0 picks a free port (the kubeconfig tells which).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Where to write the kubeconfig once serving.
+    #[arg(long)]
+    kubeconfig_out: PathBuf,
+    /// Service ClusterIP range(s), comma-separated, at most one per IP family.
+    #[arg(long, default_value = "10.96.0.0/12", value_delimiter = ',')]
+    service_cluster_ip_range: Vec<String>,
+    /// NodePort range, `A-B`.
+    #[arg(long, default_value = "30000-32767")]
+    service_node_port_range: String,
+    /// Serve plain HTTP instead of HTTPS.
+    #[arg(long)]
+    plain_http: bool,
+    /// Do not allocate ClusterIPs / node ports / IPAddresses.
+    #[arg(long)]
+    no_allocation: bool,
+    /// How long a deleted namespace stays Terminating, e.g. `500ms`, `2s`.
+    #[arg(long, default_value = "500ms")]
+    namespace_finalize_delay: String,
+    /// Watch events retained; older resourceVersions get 410 Gone.
+    #[arg(long, default_value_t = 10_000)]
+    watch_window: usize,
+    /// Interval between watch bookmarks, e.g. `1s`.
+    #[arg(long, default_value = "1s")]
+    bookmark_interval: String,
+    /// Namespace to create at startup (repeatable).
+    #[arg(long = "seed-namespace")]
+    seed_namespaces: Vec<String>,
+}
+
+fn parse_duration(flag: &str, s: &str) -> anyhow::Result<Duration> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map(|i| s.split_at(i))
+        .unwrap_or((s, "ms"));
+    let n: u64 = num.parse().with_context(|| {
+        format!("--{flag} {s:?}: expected a number followed by ms or s, e.g. 500ms")
+    })?;
+    Ok(match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        other => bail!("--{flag} {s:?}: unknown unit {other:?}; use ms or s, e.g. 500ms or 2s"),
+    })
+}
+
+fn parse_port_range(s: &str) -> anyhow::Result<std::ops::RangeInclusive<u16>> {
+    let (a, b) = s.split_once('-').with_context(|| {
+        format!("--service-node-port-range {s:?}: expected A-B, e.g. 30000-32767")
+    })?;
+    let a: u16 = a
+        .trim()
+        .parse()
+        .with_context(|| format!("--service-node-port-range {s:?}: {a:?} is not a port"))?;
+    let b: u16 = b
+        .trim()
+        .parse()
+        .with_context(|| format!("--service-node-port-range {s:?}: {b:?} is not a port"))?;
+    if a > b {
+        bail!("--service-node-port-range {s:?}: start is after end");
+    }
+    Ok(a..=b)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let mut ranges = Vec::new();
+    for r in &args.service_cluster_ip_range {
+        ranges.push(r.trim().parse().with_context(|| {
+            format!("--service-cluster-ip-range {r:?}: expected a CIDR such as 10.96.0.0/12")
+        })?);
+    }
+    let config = SimConfig {
+        listen: args.listen,
+        plain_http: args.plain_http,
+        kubeconfig_path: Some(args.kubeconfig_out.clone()),
+        service_cluster_ip_ranges: ranges,
+        service_node_port_range: parse_port_range(&args.service_node_port_range)?,
+        allocation: !args.no_allocation,
+        namespace_finalize_delay: parse_duration(
+            "namespace-finalize-delay",
+            &args.namespace_finalize_delay,
+        )?,
+        watch_window: args.watch_window,
+        bookmark_interval: parse_duration("bookmark-interval", &args.bookmark_interval)?,
+        seed_namespaces: args.seed_namespaces,
+    };
+    let sim = Sim::start(config).await?;
+    tracing::info!(
+        url = sim.base_url(),
+        kubeconfig = %sim.kubeconfig_path().display(),
+        "apiserver-sim listening on {}",
+        sim.base_url()
+    );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("apiserver-sim shutting down");
+    sim.shutdown().await;
+    Ok(())
+}

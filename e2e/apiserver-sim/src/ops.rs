@@ -1,0 +1,827 @@
+//! The write and read operations behind the REST handlers, the backdoor and the namespace
+//! lifecycle. Every operation takes the global lock once, so each is atomic.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{Map, Value, json};
+use tokio::sync::watch;
+
+use crate::errors::ApiError;
+use crate::faults::Faults;
+use crate::meta::{
+    dns1123_label_errors, dns1123_subdomain_errors, finalizers_of, generated_suffix, go_quote,
+    meta_str, metadata, metadata_mut, new_uid, now_rfc3339,
+};
+use crate::resources::{self, RESOURCES, ResIdx};
+use crate::services::{self, AllocConfig};
+use crate::store::State;
+
+/// State shared by the server, the handle and background tasks.
+#[derive(Debug)]
+pub struct Shared {
+    state: Mutex<State>,
+    /// Publishes the latest resourceVersion; watchers wake on change.
+    pub rv_tx: watch::Sender<u64>,
+    pub alloc: AllocConfig,
+    pub namespace_finalize_delay: Duration,
+    pub bookmark_interval: Duration,
+    pub ready: AtomicBool,
+    pub faults: Faults,
+    pub ns_idx: ResIdx,
+    pub svc_idx: ResIdx,
+}
+
+/// How a PATCH body is to be interpreted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PatchKind {
+    Merge,
+    Json,
+    StrategicMerge,
+    Apply,
+}
+
+/// Outcome of a write: the object bytes and whether it was newly created (201 vs 200).
+#[derive(Debug)]
+pub struct Written {
+    pub json: Bytes,
+    pub created: bool,
+}
+
+fn idx(plural: &str) -> ResIdx {
+    RESOURCES
+        .iter()
+        .position(|r| r.group.is_empty() && r.plural == plural)
+        .unwrap_or(0)
+}
+
+impl Shared {
+    pub fn new(
+        alloc_enabled: bool,
+        ranges: Vec<ipnet::IpNet>,
+        node_ports: (u16, u16),
+        window: usize,
+        namespace_finalize_delay: Duration,
+        bookmark_interval: Duration,
+    ) -> Self {
+        let (rv_tx, _) = watch::channel(1);
+        let ipaddress_idx = resources::find("networking.k8s.io", "v1", "ipaddresses").unwrap_or(0);
+        let servicecidr_idx =
+            resources::find("networking.k8s.io", "v1", "servicecidrs").unwrap_or(0);
+        Self {
+            state: Mutex::new(State::new(window)),
+            rv_tx,
+            alloc: AllocConfig {
+                enabled: alloc_enabled,
+                ranges,
+                node_ports,
+                ipaddress_idx,
+                servicecidr_idx,
+            },
+            namespace_finalize_delay,
+            bookmark_interval,
+            ready: AtomicBool::new(true),
+            faults: Faults::default(),
+            ns_idx: idx("namespaces"),
+            svc_idx: idx("services"),
+        }
+    }
+
+    /// The global lock. A panic while holding it cannot leave a half-written object (writes
+    /// are single inserts), so a poisoned lock is still usable.
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn publish(&self, st: &State) {
+        self.rv_tx.send_replace(st.rv);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    pub fn current_rv(&self) -> u64 {
+        self.lock().rv
+    }
+
+    pub fn get(&self, res: ResIdx, ns: &str, name: &str) -> Result<Bytes, ApiError> {
+        self.lock()
+            .get(res, ns, name)
+            .map(|s| s.json.clone())
+            .ok_or_else(|| ApiError::not_found(&RESOURCES[res], name))
+    }
+
+    /// Checks body apiVersion/kind and URL/body namespace and name agreement; fills them in.
+    fn normalize_body(
+        &self,
+        res: ResIdx,
+        ns: &str,
+        url_name: Option<&str>,
+        body: &mut Value,
+    ) -> Result<(), ApiError> {
+        let def = &RESOURCES[res];
+        let Some(root) = body.as_object_mut() else {
+            return Err(ApiError::bad_request(
+                "the body of the request must be a JSON object",
+            ));
+        };
+        let api_version = def.api_version();
+        if let Some(av) = root.get("apiVersion").and_then(Value::as_str)
+            && !av.is_empty()
+            && av != api_version
+        {
+            return Err(ApiError::bad_request(format!(
+                "the API version in the data ({av}) does not match the expected API version ({api_version})"
+            )));
+        }
+        if let Some(k) = root.get("kind").and_then(Value::as_str)
+            && !k.is_empty()
+            && k != def.kind
+        {
+            return Err(ApiError::bad_request(format!(
+                "the kind in the data ({k}) does not match the expected kind ({})",
+                def.kind
+            )));
+        }
+        root.insert("apiVersion".into(), json!(api_version));
+        root.insert("kind".into(), json!(def.kind));
+        let m = metadata_mut(body);
+        if def.namespaced {
+            match m.get("namespace").and_then(Value::as_str) {
+                Some(n) if !n.is_empty() && n != ns => {
+                    return Err(ApiError::bad_request(
+                        "the namespace of the provided object does not match the namespace sent on the request",
+                    ));
+                }
+                _ => {
+                    m.insert("namespace".into(), json!(ns));
+                }
+            }
+        } else {
+            m.remove("namespace");
+        }
+        if let Some(url_name) = url_name {
+            match m.get("name").and_then(Value::as_str) {
+                Some(n) if !n.is_empty() && n != url_name => {
+                    return Err(ApiError::bad_request(format!(
+                        "the name of the object ({n}) does not match the name on the URL ({url_name})"
+                    )));
+                }
+                _ => {
+                    m.insert("name".into(), json!(url_name));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate(&self, res: ResIdx, name: &str, obj: &mut Value) -> Vec<(String, String)> {
+        let def = &RESOURCES[res];
+        let mut errs = Vec::new();
+        let name_err = match (def.group, def.plural) {
+            ("", "namespaces") | ("", "services") => dns1123_label_errors(name),
+            ("networking.k8s.io", "ipaddresses") => match name.parse::<std::net::IpAddr>() {
+                Ok(ip) if ip.to_string() == name => None,
+                Ok(ip) => Some(format!("must be in canonical form (\"{ip}\")")),
+                Err(_) => Some(
+                    "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)".to_string(),
+                ),
+            },
+            _ => dns1123_subdomain_errors(name),
+        };
+        if let Some(e) = name_err {
+            errs.push((
+                "metadata.name".into(),
+                format!("Invalid value: {}: {e}", go_quote(name)),
+            ));
+        }
+        match (def.group, def.plural) {
+            ("", "services") => errs.extend(services::default_and_validate(obj)),
+            ("networking.k8s.io", "ipaddresses") => {
+                if obj.pointer("/spec/parentRef").is_none_or(Value::is_null) {
+                    errs.push(("spec.parentRef".into(), "Required value".into()));
+                } else {
+                    for f in ["resource", "name"] {
+                        if obj
+                            .pointer(&format!("/spec/parentRef/{f}"))
+                            .and_then(Value::as_str)
+                            .is_none_or(str::is_empty)
+                        {
+                            errs.push((format!("spec.parentRef.{f}"), "Required value".into()));
+                        }
+                    }
+                }
+            }
+            ("networking.k8s.io", "servicecidrs") => {
+                let cidrs = obj.pointer("/spec/cidrs").and_then(Value::as_array);
+                match cidrs {
+                    None => errs.push(("spec.cidrs".into(), "Required value".into())),
+                    Some(c) if c.is_empty() => {
+                        errs.push(("spec.cidrs".into(), "Required value".into()))
+                    }
+                    Some(c) => {
+                        for (i, v) in c.iter().enumerate() {
+                            let s = v.as_str().unwrap_or("");
+                            if s.parse::<ipnet::IpNet>().is_err() {
+                                errs.push((
+                                    format!("spec.cidrs[{i}]"),
+                                    format!(
+                                        "Invalid value: {}: must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)",
+                                        go_quote(s)
+                                    ),
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            ("discovery.k8s.io", "endpointslices") => {
+                let at = obj.get("addressType").and_then(Value::as_str);
+                match at {
+                    None => errs.push(("addressType".into(), "Required value".into())),
+                    Some("IPv4" | "IPv6" | "FQDN") => {}
+                    Some(o) => errs.push((
+                        "addressType".into(),
+                        format!(
+                            "Unsupported value: {}: supported values: \"FQDN\", \"IPv4\", \"IPv6\"",
+                            go_quote(o)
+                        ),
+                    )),
+                }
+            }
+            _ => {}
+        }
+        errs
+    }
+
+    fn check_namespace(
+        &self,
+        st: &State,
+        res: ResIdx,
+        ns: &str,
+        name: &str,
+    ) -> Result<(), ApiError> {
+        if !RESOURCES[res].namespaced {
+            return Ok(());
+        }
+        let Some(nsobj) = st.get(self.ns_idx, "", ns) else {
+            let mut e = ApiError::not_found(&RESOURCES[self.ns_idx], ns);
+            e.details = Some(json!({"name": ns, "kind": "namespaces"}));
+            return Err(e);
+        };
+        let terminating = nsobj.value().ok().is_some_and(|v| {
+            meta_str(&v, "deletionTimestamp").is_some()
+                || v.pointer("/status/phase").and_then(Value::as_str) == Some("Terminating")
+        });
+        if terminating {
+            let mut e = ApiError::forbidden(
+                &RESOURCES[res],
+                name,
+                &format!(
+                    "unable to create new content in namespace {ns} because it is being terminated"
+                ),
+            );
+            if let Some(d) = e.details.as_mut() {
+                d["causes"] = json!([{
+                    "reason": "NamespaceTerminating",
+                    "message": format!("namespace {ns} is being terminated"),
+                    "field": "metadata.namespace",
+                }]);
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// POST: create a new object.
+    pub fn create(
+        &self,
+        res: ResIdx,
+        ns: &str,
+        mut body: Value,
+        dry_run: bool,
+    ) -> Result<Bytes, ApiError> {
+        let def = &RESOURCES[res];
+        self.normalize_body(res, ns, None, &mut body)?;
+        let name = match meta_str(&body, "name") {
+            Some(n) => n.to_string(),
+            None => match meta_str(&body, "generateName") {
+                Some(prefix) => format!("{prefix}{}", generated_suffix()),
+                None => {
+                    return Err(ApiError::invalid(
+                        def,
+                        "",
+                        &[(
+                            "metadata.name".into(),
+                            "Required value: name or generateName is required".into(),
+                        )],
+                    ));
+                }
+            },
+        };
+        if meta_str(&body, "resourceVersion").is_some() {
+            return Err(ApiError::internal(
+                "resourceVersion should not be set on objects to be created",
+            ));
+        }
+        {
+            let m = metadata_mut(&mut body);
+            m.insert("name".into(), json!(name));
+            m.insert("uid".into(), json!(new_uid()));
+            m.insert("creationTimestamp".into(), json!(now_rfc3339()));
+            m.remove("deletionTimestamp");
+            m.remove("deletionGracePeriodSeconds");
+            m.remove("generation");
+            m.remove("managedFields");
+        }
+        if res == self.ns_idx {
+            prepare_namespace(&mut body, &name);
+        }
+        let errs = self.validate(res, &name, &mut body);
+        if !errs.is_empty() {
+            return Err(ApiError::invalid(def, &name, &errs));
+        }
+        let mut st = self.lock();
+        self.check_namespace(&st, res, ns, &name)?;
+        if st.contains(res, ns, &name) {
+            return Err(ApiError::already_exists(def, &name));
+        }
+        let plan = if res == self.svc_idx {
+            services::on_create(&self.alloc, &st, &mut body)
+                .map_err(|errs| ApiError::invalid(def, &name, &errs))?
+        } else {
+            services::Plan::default()
+        };
+        if dry_run {
+            return serde_json::to_vec(&body)
+                .map(Bytes::from)
+                .map_err(|e| ApiError::internal(e.to_string()));
+        }
+        services::apply(&self.alloc, &mut st, &plan, ns, &name)?;
+        let out = st.commit_put(res, ns, &name, body)?;
+        self.publish(&st);
+        Ok(out)
+    }
+
+    /// PUT on the object or its `status` subresource.
+    pub fn update(
+        &self,
+        res: ResIdx,
+        ns: &str,
+        name: &str,
+        status: bool,
+        mut body: Value,
+        dry_run: bool,
+    ) -> Result<Written, ApiError> {
+        self.normalize_body(res, ns, Some(name), &mut body)?;
+        let mut st = self.lock();
+        let w = self.update_locked(&mut st, res, ns, name, status, body, dry_run)?;
+        self.publish(&st);
+        Ok(w)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn update_locked(
+        &self,
+        st: &mut State,
+        res: ResIdx,
+        ns: &str,
+        name: &str,
+        status: bool,
+        mut body: Value,
+        dry_run: bool,
+    ) -> Result<Written, ApiError> {
+        let def = &RESOURCES[res];
+        let Some(existing) = st.get(res, ns, name).cloned() else {
+            return Err(ApiError::not_found(def, name));
+        };
+        let old = existing.value()?;
+        if let Some(rv) = meta_str(&body, "resourceVersion")
+            && rv != existing.rv.to_string()
+        {
+            return Err(ApiError::stale(def, name));
+        }
+        // Fields the server owns: carried over whatever the client sent.
+        {
+            let old_meta = metadata(&old).cloned().unwrap_or_default();
+            let m = metadata_mut(&mut body);
+            for k in [
+                "uid",
+                "creationTimestamp",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+            ] {
+                match old_meta.get(k) {
+                    Some(v) => m.insert(k.into(), v.clone()),
+                    None => m.remove(k),
+                };
+            }
+            m.remove("resourceVersion");
+        }
+        if status {
+            let mut merged = old.clone();
+            match body.get("status") {
+                Some(s) => merged["status"] = s.clone(),
+                None => {
+                    if let Some(o) = merged.as_object_mut() {
+                        o.remove("status");
+                    }
+                }
+            }
+            body = merged;
+        } else if def.has_status {
+            match old.get("status") {
+                Some(s) => body["status"] = s.clone(),
+                None => {
+                    if let Some(o) = body.as_object_mut() {
+                        o.remove("status");
+                    }
+                }
+            }
+        }
+        if res == self.ns_idx {
+            prepare_namespace_update(&old, &mut body, name);
+        }
+        let errs = self.validate(res, name, &mut body);
+        if !errs.is_empty() {
+            return Err(ApiError::invalid(def, name, &errs));
+        }
+        let plan = if res == self.svc_idx && !status {
+            services::on_update(&self.alloc, st, &old, &mut body)
+                .map_err(|errs| ApiError::invalid(def, name, &errs))?
+        } else {
+            services::Plan::default()
+        };
+        // A write that changes nothing keeps the resourceVersion and emits no event, as in
+        // kube-apiserver.
+        let mut candidate = body.clone();
+        metadata_mut(&mut candidate)
+            .insert("resourceVersion".into(), json!(existing.rv.to_string()));
+        let unchanged = serde_json::to_vec(&candidate)
+            .map(|b| b == existing.json.as_ref())
+            .unwrap_or(false);
+        if unchanged || dry_run {
+            let json = if unchanged {
+                existing.json.clone()
+            } else {
+                Bytes::from(
+                    serde_json::to_vec(&candidate)
+                        .map_err(|e| ApiError::internal(e.to_string()))?,
+                )
+            };
+            return Ok(Written {
+                json,
+                created: false,
+            });
+        }
+        services::apply(&self.alloc, st, &plan, ns, name)?;
+        let deleting = meta_str(&body, "deletionTimestamp").is_some();
+        let finalized = deleting && finalizers_of(&body).is_empty();
+        let json = st.commit_put(res, ns, name, body)?;
+        if finalized && res != self.ns_idx {
+            return self.finish_delete(st, res, ns, name).map(|j| Written {
+                json: j.unwrap_or(json),
+                created: false,
+            });
+        }
+        Ok(Written {
+            json,
+            created: false,
+        })
+    }
+
+    /// PUT that creates when the resource allows it (`AllowCreateOnUpdate`).
+    pub fn create_or_update(
+        &self,
+        res: ResIdx,
+        ns: &str,
+        name: &str,
+        status: bool,
+        body: Value,
+        dry_run: bool,
+    ) -> Result<Written, ApiError> {
+        let def = &RESOURCES[res];
+        let exists = self.lock().contains(res, ns, name);
+        if !exists && def.create_on_update && !status {
+            let mut body = body;
+            self.normalize_body(res, ns, Some(name), &mut body)?;
+            if let Some(m) = body.get_mut("metadata").and_then(Value::as_object_mut) {
+                m.remove("resourceVersion");
+            }
+            return match self.create(res, ns, body, dry_run) {
+                Ok(json) => Ok(Written {
+                    json,
+                    created: true,
+                }),
+                Err(e) if e.code == 409 => Err(ApiError::stale(def, name)),
+                Err(e) => Err(e),
+            };
+        }
+        self.update(res, ns, name, status, body, dry_run)
+    }
+
+    /// PATCH: applied to the stored object under the lock, then validated as an update.
+    #[allow(clippy::too_many_arguments)]
+    pub fn patch(
+        &self,
+        res: ResIdx,
+        ns: &str,
+        name: &str,
+        status: bool,
+        kind: PatchKind,
+        patch: &[u8],
+        dry_run: bool,
+    ) -> Result<Written, ApiError> {
+        let def = &RESOURCES[res];
+        let patch_value: Value = match kind {
+            PatchKind::Apply => serde_saphyr::from_slice(patch)
+                .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?,
+            _ => serde_json::from_slice(patch)
+                .map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?,
+        };
+        let mut st = self.lock();
+        let existing = st.get(res, ns, name).cloned();
+        let Some(existing) = existing else {
+            drop(st);
+            if kind == PatchKind::Apply && !status {
+                let mut body = patch_value;
+                self.normalize_body(res, ns, Some(name), &mut body)?;
+                return self.create(res, ns, body, dry_run).map(|json| Written {
+                    json,
+                    created: true,
+                });
+            }
+            return Err(ApiError::not_found(def, name));
+        };
+        let mut doc = existing.value()?;
+        match kind {
+            PatchKind::Json => {
+                let p: json_patch::Patch = serde_json::from_value(patch_value.clone())
+                    .map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?;
+                json_patch::patch(&mut doc, &p).map_err(|e| {
+                    ApiError::new(
+                        422,
+                        "Invalid",
+                        format!(
+                            "the server rejected our request due to an error in our request: {e}"
+                        ),
+                    )
+                })?;
+            }
+            PatchKind::Merge | PatchKind::StrategicMerge | PatchKind::Apply => {
+                if !patch_value.is_object() {
+                    return Err(ApiError::bad_request("patch body must be a JSON object"));
+                }
+                json_patch::merge(&mut doc, &patch_value);
+            }
+        }
+        self.normalize_body(res, ns, Some(name), &mut doc)?;
+        if kind == PatchKind::Apply
+            && let Some(m) = doc.get_mut("metadata").and_then(Value::as_object_mut)
+        {
+            // Server-side apply is not optimistic unless the applied config carries a version.
+            if patch_value.pointer("/metadata/resourceVersion").is_none() {
+                m.insert("resourceVersion".into(), json!(existing.rv.to_string()));
+            }
+        }
+        let w = self.update_locked(&mut st, res, ns, name, status, doc, dry_run)?;
+        self.publish(&st);
+        Ok(w)
+    }
+
+    /// DELETE with optional preconditions. Namespaces go Terminating; objects with finalizers
+    /// get a deletionTimestamp; everything else disappears at once.
+    pub fn delete(
+        self: &Arc<Self>,
+        res: ResIdx,
+        ns: &str,
+        name: &str,
+        options: Option<&Value>,
+        dry_run: bool,
+    ) -> Result<Bytes, ApiError> {
+        let def = &RESOURCES[res];
+        let mut st = self.lock();
+        let Some(existing) = st.get(res, ns, name).cloned() else {
+            return Err(ApiError::not_found(def, name));
+        };
+        let mut obj = existing.value()?;
+        if let Some(pre) = options.and_then(|o| o.get("preconditions")) {
+            let uid = meta_str(&obj, "uid").unwrap_or("").to_string();
+            if let Some(want) = pre.get("uid").and_then(Value::as_str)
+                && want != uid
+            {
+                return Err(ApiError::conflict(
+                    def,
+                    name,
+                    &format!(
+                        "Precondition failed: UID in precondition: {want}, UID in object meta: {uid}"
+                    ),
+                ));
+            }
+            if let Some(want) = pre.get("resourceVersion").and_then(Value::as_str)
+                && want != existing.rv.to_string()
+            {
+                return Err(ApiError::conflict(
+                    def,
+                    name,
+                    &format!(
+                        "Precondition failed: ResourceVersion in precondition: {want}, ResourceVersion in object meta: {}",
+                        existing.rv
+                    ),
+                ));
+            }
+        }
+        if dry_run {
+            return Ok(existing.json);
+        }
+        let already_deleting = meta_str(&obj, "deletionTimestamp").is_some();
+        if res == self.ns_idx {
+            if already_deleting {
+                return Ok(existing.json);
+            }
+            metadata_mut(&mut obj).insert("deletionTimestamp".into(), json!(now_rfc3339()));
+            obj["status"] = json!({"phase": "Terminating"});
+            let json = st.commit_put(res, ns, name, obj)?;
+            self.publish(&st);
+            drop(st);
+            self.schedule_namespace_finalize(name.to_string());
+            return Ok(json);
+        }
+        if !finalizers_of(&obj).is_empty() {
+            if already_deleting {
+                return Ok(existing.json);
+            }
+            let m = metadata_mut(&mut obj);
+            m.insert("deletionTimestamp".into(), json!(now_rfc3339()));
+            m.insert("deletionGracePeriodSeconds".into(), json!(0));
+            let json = st.commit_put(res, ns, name, obj)?;
+            self.publish(&st);
+            return Ok(json);
+        }
+        let out = self.finish_delete(&mut st, res, ns, name)?;
+        self.publish(&st);
+        out.ok_or_else(|| ApiError::not_found(def, name))
+    }
+
+    /// Removes an object for good, releasing what a Service held.
+    fn finish_delete(
+        &self,
+        st: &mut State,
+        res: ResIdx,
+        ns: &str,
+        name: &str,
+    ) -> Result<Option<Bytes>, ApiError> {
+        if res == self.svc_idx
+            && let Some(old) = st.get(res, ns, name).cloned()
+        {
+            let plan = services::on_delete(&self.alloc, &old.value()?);
+            services::apply(&self.alloc, st, &plan, ns, name)?;
+        }
+        st.commit_delete(res, ns, name)
+    }
+
+    /// What the namespace controller does: after a delay, delete everything in the namespace,
+    /// then the namespace itself (unless metadata.finalizers hold it).
+    fn schedule_namespace_finalize(self: &Arc<Self>, ns: String) {
+        let shared = Arc::clone(self);
+        let delay = self.namespace_finalize_delay;
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            if let Err(e) = shared.finalize_namespace(&ns) {
+                tracing::warn!(namespace = %ns, error = %e.message, "namespace finalization failed");
+            }
+        });
+    }
+
+    fn finalize_namespace(&self, ns: &str) -> Result<(), ApiError> {
+        let mut st = self.lock();
+        let Some(nsobj) = st.get(self.ns_idx, "", ns).cloned() else {
+            return Ok(());
+        };
+        let v = nsobj.value()?;
+        if meta_str(&v, "deletionTimestamp").is_none() {
+            return Ok(());
+        }
+        for (res, def) in RESOURCES.iter().enumerate() {
+            if !def.namespaced {
+                continue;
+            }
+            let names: Vec<String> = st.objects[res]
+                .range((ns.to_string(), String::new())..)
+                .take_while(|((n, _), _)| n == ns)
+                .map(|((_, name), _)| name.clone())
+                .collect();
+            for name in names {
+                self.finish_delete(&mut st, res, ns, &name)?;
+            }
+        }
+        if finalizers_of(&v).is_empty() {
+            st.commit_delete(self.ns_idx, "", ns)?;
+        } else {
+            let mut v = v;
+            v["spec"]["finalizers"] = json!([]);
+            st.commit_put(self.ns_idx, "", ns, v)?;
+        }
+        self.publish(&st);
+        Ok(())
+    }
+
+    /// Backdoor write: stores the object as given (filling only uid and creationTimestamp when
+    /// absent), bypassing validation, allocation and namespace checks, but with a new
+    /// resourceVersion and a watch event.
+    pub fn backdoor_put(&self, mut obj: Value) -> Result<Bytes, ApiError> {
+        let av = obj.get("apiVersion").and_then(Value::as_str).unwrap_or("");
+        let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("");
+        let res = resources::find_by_kind(av, kind).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "backdoor: no served resource has apiVersion {av:?} and kind {kind:?}"
+            ))
+        })?;
+        let name = meta_str(&obj, "name")
+            .ok_or_else(|| ApiError::bad_request("backdoor: metadata.name is required"))?
+            .to_string();
+        let ns = if RESOURCES[res].namespaced {
+            meta_str(&obj, "namespace")
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "backdoor: metadata.namespace is required for a namespaced resource",
+                    )
+                })?
+                .to_string()
+        } else {
+            String::new()
+        };
+        let mut st = self.lock();
+        let existing = st.get(res, &ns, &name).and_then(|s| s.value().ok());
+        let m: &mut Map<String, Value> = metadata_mut(&mut obj);
+        for k in ["uid", "creationTimestamp"] {
+            if m.get(k).and_then(Value::as_str).is_none_or(str::is_empty) {
+                let carried = existing
+                    .as_ref()
+                    .and_then(|e| meta_str(e, k))
+                    .map(str::to_string);
+                let v =
+                    carried.unwrap_or_else(|| if k == "uid" { new_uid() } else { now_rfc3339() });
+                m.insert(k.into(), json!(v));
+            }
+        }
+        let out = st.commit_put(res, &ns, &name, obj)?;
+        self.publish(&st);
+        Ok(out)
+    }
+
+    /// Backdoor delete: removes the object with a DELETED event, releasing nothing.
+    pub fn backdoor_delete(
+        &self,
+        res: ResIdx,
+        ns: &str,
+        name: &str,
+    ) -> Result<Option<Bytes>, ApiError> {
+        let mut st = self.lock();
+        let out = st.commit_delete(res, ns, name)?;
+        self.publish(&st);
+        Ok(out)
+    }
+
+    /// Creates namespaces at startup (`SimConfig::seed_namespaces`).
+    pub fn seed_namespace(&self, name: &str) -> Result<(), ApiError> {
+        let body = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}});
+        match self.create(self.ns_idx, "", body, false) {
+            Ok(_) => Ok(()),
+            Err(e) if e.code == 409 => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn prepare_namespace(body: &mut Value, name: &str) {
+    let m = metadata_mut(body);
+    let labels = m.entry("labels").or_insert_with(|| json!({}));
+    if !labels.is_object() {
+        *labels = json!({});
+    }
+    labels["kubernetes.io/metadata.name"] = json!(name);
+    body["spec"] = json!({"finalizers": ["kubernetes"]});
+    body["status"] = json!({"phase": "Active"});
+}
+
+fn prepare_namespace_update(old: &Value, body: &mut Value, name: &str) {
+    let m = metadata_mut(body);
+    let labels = m.entry("labels").or_insert_with(|| json!({}));
+    if !labels.is_object() {
+        *labels = json!({});
+    }
+    labels["kubernetes.io/metadata.name"] = json!(name);
+    // spec.finalizers only change through /finalize, which is not served.
+    match old.get("spec") {
+        Some(s) => body["spec"] = s.clone(),
+        None => {
+            if let Some(o) = body.as_object_mut() {
+                o.remove("spec");
+            }
+        }
+    }
+}

@@ -1,0 +1,646 @@
+//! CRUD, metadata, errors, patches, selectors, pagination and namespaces through kube-rs.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{api_err, create_ns, eventually, start};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use serde_json::json;
+
+fn cm(name: &str, labels: &[(&str, &str)]) -> ConfigMap {
+    serde_json::from_value(json!({
+        "metadata": {
+            "name": name,
+            "labels": labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
+        },
+        "data": {"k": "v"},
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn crud_roundtrip_and_metadata() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "app").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    let created = api
+        .create(&PostParams::default(), &cm("one", &[]))
+        .await
+        .unwrap();
+    let meta = &created.metadata;
+    assert_eq!(meta.namespace.as_deref(), Some("app"));
+    assert!(meta.uid.as_ref().is_some_and(|u| u.len() == 36));
+    assert!(meta.creation_timestamp.is_some());
+    let rv1: u64 = meta.resource_version.as_ref().unwrap().parse().unwrap();
+
+    let got = api.get("one").await.unwrap();
+    assert_eq!(got.metadata.uid, created.metadata.uid);
+    assert_eq!(got.data.unwrap()["k"], "v");
+
+    // PUT without resourceVersion is unconditional; the global version increases.
+    let mut upd = cm("one", &[("a", "b")]);
+    upd.metadata.resource_version = None;
+    let replaced = api
+        .replace("one", &PostParams::default(), &upd)
+        .await
+        .unwrap();
+    let rv2: u64 = replaced
+        .metadata
+        .resource_version
+        .as_ref()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(rv2 > rv1);
+    assert_eq!(
+        replaced.metadata.uid, created.metadata.uid,
+        "uid survives updates"
+    );
+
+    // PUT with a stale resourceVersion is a 409 Conflict.
+    let mut stale = cm("one", &[]);
+    stale.metadata.resource_version = Some(rv1.to_string());
+    let e = api_err(api.replace("one", &PostParams::default(), &stale).await);
+    assert_eq!((e.code, e.reason.as_str()), (409, "Conflict"));
+    assert!(
+        e.message.contains("the object has been modified"),
+        "{}",
+        e.message
+    );
+
+    // PUT with the current resourceVersion works.
+    let mut fresh = cm("one", &[("c", "d")]);
+    fresh.metadata.resource_version = Some(rv2.to_string());
+    api.replace("one", &PostParams::default(), &fresh)
+        .await
+        .unwrap();
+
+    // A no-op update keeps the resourceVersion.
+    let current = api.get("one").await.unwrap();
+    let again = api
+        .replace("one", &PostParams::default(), &current)
+        .await
+        .unwrap();
+    assert_eq!(
+        again.metadata.resource_version,
+        current.metadata.resource_version
+    );
+
+    let list = api.list(&ListParams::default()).await.unwrap();
+    assert_eq!(list.items.len(), 1);
+    let list_rv: u64 = list.metadata.resource_version.unwrap().parse().unwrap();
+    assert!(list_rv >= rv2);
+
+    api.delete("one", &DeleteParams::default()).await.unwrap();
+    let e = api_err(api.get("one").await);
+    assert_eq!((e.code, e.reason.as_str()), (404, "NotFound"));
+    assert_eq!(e.message, "configmaps \"one\" not found");
+    let d = e.details.unwrap();
+    assert_eq!((d.name.as_str(), d.kind.as_str()), ("one", "configmaps"));
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn generate_name_and_namespace_label() {
+    let sim = start().await;
+    let client = sim.client();
+    let ns_api: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace =
+        serde_json::from_value(json!({"metadata": {"generateName": "gen-"}})).unwrap();
+    let created = ns_api.create(&PostParams::default(), &ns).await.unwrap();
+    let name = created.metadata.name.clone().unwrap();
+    assert!(name.starts_with("gen-") && name.len() == 9, "{name}");
+    assert_eq!(
+        created.metadata.labels.unwrap()["kubernetes.io/metadata.name"],
+        name
+    );
+    assert_eq!(created.status.unwrap().phase.as_deref(), Some("Active"));
+    assert_eq!(
+        created.spec.unwrap().finalizers.unwrap(),
+        vec!["kubernetes"]
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn error_statuses() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "app").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    api.create(&PostParams::default(), &cm("dup", &[]))
+        .await
+        .unwrap();
+
+    let e = api_err(api.create(&PostParams::default(), &cm("dup", &[])).await);
+    assert_eq!((e.code, e.reason.as_str()), (409, "AlreadyExists"));
+    assert_eq!(e.message, "configmaps \"dup\" already exists");
+
+    let e = api_err(
+        api.create(&PostParams::default(), &cm("Bad_Name", &[]))
+            .await,
+    );
+    assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
+    let d = e.details.unwrap();
+    assert_eq!(d.kind, "ConfigMap");
+    assert_eq!(d.causes[0].field, "metadata.name");
+
+    let e = api_err(api.create(&PostParams::default(), &cm("", &[])).await);
+    assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
+    assert!(
+        e.message.contains("name or generateName is required"),
+        "{}",
+        e.message
+    );
+
+    // Service without ports: missing required field.
+    let svc_api: Api<Service> = Api::namespaced(client.clone(), "app");
+    let svc: Service =
+        serde_json::from_value(json!({"metadata": {"name": "noports"}, "spec": {}})).unwrap();
+    let e = api_err(svc_api.create(&PostParams::default(), &svc).await);
+    assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
+    assert!(
+        e.message.contains("spec.ports: Required value"),
+        "{}",
+        e.message
+    );
+
+    // Namespaced create in a missing namespace: 404 for the namespace.
+    let missing: Api<ConfigMap> = Api::namespaced(client.clone(), "nowhere");
+    let e = api_err(missing.create(&PostParams::default(), &cm("x", &[])).await);
+    assert_eq!((e.code, e.reason.as_str()), (404, "NotFound"));
+    assert_eq!(e.message, "namespaces \"nowhere\" not found");
+    assert_eq!(e.details.unwrap().kind, "namespaces");
+
+    // Update and patch of a missing object.
+    let e = api_err(
+        api.replace("ghost", &PostParams::default(), &cm("ghost", &[]))
+            .await,
+    );
+    assert_eq!(e.code, 404);
+    let e = api_err(
+        api.patch(
+            "ghost",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {}})),
+        )
+        .await,
+    );
+    assert_eq!(e.code, 404);
+    let e = api_err(api.delete("ghost", &DeleteParams::default()).await);
+    assert_eq!(e.code, 404);
+
+    // Body/URL name mismatch.
+    let e = api_err(
+        api.replace("dup", &PostParams::default(), &cm("other", &[]))
+            .await,
+    );
+    assert_eq!((e.code, e.reason.as_str()), (400, "BadRequest"));
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn namespace_termination_removes_contents() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "doomed").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "doomed");
+    api.create(&PostParams::default(), &cm("a", &[]))
+        .await
+        .unwrap();
+    let svc_api: Api<Service> = Api::namespaced(client.clone(), "doomed");
+    let svc: Service = serde_json::from_value(
+        json!({"metadata": {"name": "s"}, "spec": {"ports": [{"port": 80}]}}),
+    )
+    .unwrap();
+    let svc = svc_api.create(&PostParams::default(), &svc).await.unwrap();
+    let ip = svc.spec.unwrap().cluster_ip.unwrap();
+    assert!(
+        sim.backdoor()
+            .get("ipaddresses", "", &ip)
+            .unwrap()
+            .is_some()
+    );
+
+    let ns_api: Api<Namespace> = Api::all(client.clone());
+    let deleted = ns_api
+        .delete("doomed", &DeleteParams::default())
+        .await
+        .unwrap();
+    let ns = deleted
+        .left()
+        .expect("namespace returned while terminating");
+    assert!(ns.metadata.deletion_timestamp.is_some());
+    assert_eq!(ns.status.unwrap().phase.as_deref(), Some("Terminating"));
+
+    // While terminating: creates are forbidden with 403.
+    let e = api_err(api.create(&PostParams::default(), &cm("late", &[])).await);
+    assert_eq!((e.code, e.reason.as_str()), (403, "Forbidden"));
+    assert!(
+        e.message.contains("because it is being terminated"),
+        "{}",
+        e.message
+    );
+
+    eventually("namespace gone", || async {
+        matches!(ns_api.get("doomed").await, Err(kube::Error::Api(e)) if e.code == 404)
+    })
+    .await;
+    assert!(
+        sim.backdoor()
+            .get("configmaps", "doomed", "a")
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        sim.backdoor()
+            .get("services", "doomed", "s")
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        sim.backdoor()
+            .get("ipaddresses", "", &ip)
+            .unwrap()
+            .is_none(),
+        "the Service's IP is released with the namespace"
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn patch_types() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "app").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    api.create(&PostParams::default(), &cm("p", &[("keep", "1")]))
+        .await
+        .unwrap();
+    let pp = PatchParams::default();
+
+    let merged = api
+        .patch(
+            "p",
+            &pp,
+            &Patch::Merge(
+                json!({"metadata": {"labels": {"m": "1"}}, "data": {"k": null, "n": "2"}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let labels = merged.metadata.labels.clone().unwrap();
+    assert_eq!((labels["keep"].as_str(), labels["m"].as_str()), ("1", "1"));
+    let data = merged.data.clone().unwrap();
+    assert!(!data.contains_key("k"));
+    assert_eq!(data["n"], "2");
+
+    let jp: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "add", "path": "/data/j", "value": "3"},
+        {"op": "remove", "path": "/metadata/labels/keep"},
+    ]))
+    .unwrap();
+    let patched = api.patch("p", &pp, &Patch::<()>::Json(jp)).await.unwrap();
+    assert_eq!(patched.data.unwrap()["j"], "3");
+    assert!(!patched.metadata.labels.unwrap().contains_key("keep"));
+
+    let sm = api
+        .patch("p", &pp, &Patch::Strategic(json!({"data": {"s": "4"}})))
+        .await
+        .unwrap();
+    assert_eq!(sm.data.unwrap()["s"], "4");
+
+    // A patch carrying a stale resourceVersion is a conflict.
+    let e = api_err(
+        api.patch(
+            "p",
+            &pp,
+            &Patch::Merge(json!({"metadata": {"resourceVersion": "1"}, "data": {"x": "y"}})),
+        )
+        .await,
+    );
+    assert_eq!((e.code, e.reason.as_str()), (409, "Conflict"));
+
+    // Server-side apply creates and then updates.
+    let apply = PatchParams::apply("test").force();
+    let applied = api
+        .patch("applied", &apply, &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "applied"}, "data": {"a": "1"}})))
+        .await
+        .unwrap();
+    assert_eq!(applied.data.unwrap()["a"], "1");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn delete_preconditions() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "app").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    let c = api
+        .create(&PostParams::default(), &cm("pre", &[]))
+        .await
+        .unwrap();
+    let stale = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: Some("1".into()),
+            uid: None,
+        }),
+        ..DeleteParams::default()
+    };
+    let e = api_err(api.delete("pre", &stale).await);
+    assert_eq!((e.code, e.reason.as_str()), (409, "Conflict"));
+    assert!(e.message.contains("Precondition failed"), "{}", e.message);
+    let wrong_uid = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: None,
+            uid: Some("00000000-0000-0000-0000-000000000000".into()),
+        }),
+        ..DeleteParams::default()
+    };
+    assert_eq!(api_err(api.delete("pre", &wrong_uid).await).code, 409);
+    let right = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: c.metadata.resource_version.clone(),
+            uid: c.metadata.uid.clone(),
+        }),
+        ..DeleteParams::default()
+    };
+    api.delete("pre", &right).await.unwrap();
+    assert_eq!(api_err(api.get("pre").await).code, 404);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn finalizers_hold_deletion() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "app").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    let mut c = cm("fin", &[]);
+    c.metadata.finalizers = Some(vec!["example.com/hold".into()]);
+    api.create(&PostParams::default(), &c).await.unwrap();
+    api.delete("fin", &DeleteParams::default()).await.unwrap();
+    let held = api.get("fin").await.unwrap();
+    assert!(held.metadata.deletion_timestamp.is_some());
+    api.patch(
+        "fin",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    assert_eq!(api_err(api.get("fin").await).code, 404);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn selectors_and_pagination() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "a").await;
+    create_ns(&client, "b").await;
+    for ns in ["a", "b"] {
+        let api: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+        for i in 0..12 {
+            let tier = if i % 3 == 0 { "front" } else { "back" };
+            let mut labels = vec![("tier", tier)];
+            if i % 2 == 0 {
+                labels.push(("even", "yes"));
+            }
+            api.create(&PostParams::default(), &cm(&format!("cm-{i:02}"), &labels))
+                .await
+                .unwrap();
+        }
+    }
+    let all: Api<ConfigMap> = Api::all(client.clone());
+    let names = |l: kube::core::ObjectList<ConfigMap>| -> Vec<String> {
+        l.items
+            .into_iter()
+            .map(|c| {
+                format!(
+                    "{}/{}",
+                    c.metadata.namespace.unwrap(),
+                    c.metadata.name.unwrap()
+                )
+            })
+            .collect()
+    };
+    let count = |sel: &'static str| {
+        let all = all.clone();
+        async move {
+            all.list(&ListParams::default().labels(sel))
+                .await
+                .unwrap()
+                .items
+                .len()
+        }
+    };
+    assert_eq!(count("tier=front").await, 8);
+    assert_eq!(count("tier!=front").await, 16);
+    assert_eq!(count("tier in (front,back)").await, 24);
+    assert_eq!(count("tier notin (front)").await, 16);
+    assert_eq!(count("even").await, 12);
+    assert_eq!(count("!even").await, 12);
+    assert_eq!(count("even,tier=front").await, 4);
+
+    let by_name = all
+        .list(&ListParams::default().fields("metadata.name=cm-03"))
+        .await
+        .unwrap();
+    assert_eq!(names(by_name), vec!["a/cm-03", "b/cm-03"]);
+    let by_ns = all
+        .list(&ListParams::default().fields("metadata.namespace=b,metadata.name!=cm-00"))
+        .await
+        .unwrap();
+    assert_eq!(by_ns.items.len(), 11);
+
+    // limit/continue across namespaces, stable order, no duplicates.
+    let mut seen = Vec::new();
+    let mut params = ListParams::default().limit(5);
+    let mut pages = 0;
+    let mut first_rv = None;
+    loop {
+        let page = all.list(&params).await.unwrap();
+        pages += 1;
+        let rv = page.metadata.resource_version.clone();
+        if first_rv.is_none() {
+            first_rv = rv.clone();
+            assert_eq!(page.metadata.remaining_item_count, Some(19));
+        }
+        assert_eq!(
+            rv, first_rv,
+            "every page reports the first page's resourceVersion"
+        );
+        let cont = page.metadata.continue_.clone();
+        seen.extend(names(page));
+        match cont {
+            Some(c) if !c.is_empty() => params = ListParams::default().limit(5).continue_token(&c),
+            _ => break,
+        }
+    }
+    assert_eq!(pages, 5);
+    assert_eq!(seen.len(), 24);
+    let mut sorted = seen.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 24);
+    // Namespaced list only sees its namespace.
+    let a: Api<ConfigMap> = Api::namespaced(client.clone(), "a");
+    assert_eq!(
+        a.list(&ListParams::default()).await.unwrap().items.len(),
+        12
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn other_resources_roundtrip_typed() {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use k8s_openapi::api::events::v1::Event as EventV1;
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "kube-system").await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    let lease: Lease = serde_json::from_value(json!({
+        "metadata": {"name": "leader"},
+        "spec": {"holderIdentity": "me", "leaseDurationSeconds": 15}
+    }))
+    .unwrap();
+    let l = leases.create(&PostParams::default(), &lease).await.unwrap();
+    assert_eq!(l.spec.unwrap().holder_identity.as_deref(), Some("me"));
+
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "kube-system");
+    let es: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": "kubernetes", "labels": {"kubernetes.io/service-name": "kubernetes"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["192.0.2.1"]}],
+        "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]
+    }))
+    .unwrap();
+    slices.create(&PostParams::default(), &es).await.unwrap();
+    assert_eq!(
+        slices
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len(),
+        1
+    );
+
+    let events: Api<EventV1> = Api::namespaced(client.clone(), "kube-system");
+    let ev: EventV1 = serde_json::from_value(json!({
+        "metadata": {"generateName": "x."},
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "reason": "Test", "action": "Testing", "type": "Normal",
+        "reportingController": "test", "reportingInstance": "test-1",
+        "note": "hello"
+    }))
+    .unwrap();
+    events.create(&PostParams::default(), &ev).await.unwrap();
+    assert_eq!(
+        events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .len(),
+        1
+    );
+
+    // ServiceCIDR and its status subresource.
+    let cidrs: Api<ServiceCIDR> = Api::all(client.clone());
+    let sc: ServiceCIDR = serde_json::from_value(json!({
+        "metadata": {"name": "kubernetes"}, "spec": {"cidrs": ["10.96.0.0/12"]}
+    }))
+    .unwrap();
+    cidrs.create(&PostParams::default(), &sc).await.unwrap();
+    let status = json!({"status": {"conditions": [{
+        "type": "Ready", "status": "True", "reason": "", "message": "Kubernetes default Service CIDR is ready",
+        "lastTransitionTime": "2026-01-01T00:00:00Z"
+    }]}});
+    let with_status = cidrs
+        .patch_status("kubernetes", &PatchParams::default(), &Patch::Merge(status))
+        .await
+        .unwrap();
+    assert_eq!(
+        with_status.status.unwrap().conditions.unwrap()[0].type_,
+        "Ready"
+    );
+    // A main-resource write cannot change status.
+    let cleared = cidrs
+        .patch(
+            "kubernetes",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": null, "metadata": {"labels": {"x": "y"}}})),
+        )
+        .await
+        .unwrap();
+    assert!(cleared.status.unwrap().conditions.is_some());
+    let bad: ServiceCIDR =
+        serde_json::from_value(json!({"metadata": {"name": "bad"}, "spec": {"cidrs": ["nope"]}}))
+            .unwrap();
+    assert_eq!(
+        api_err(cidrs.create(&PostParams::default(), &bad).await).code,
+        422
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn discovery_version_and_health() {
+    let sim = start().await;
+    let client = sim.client();
+    let v = client.apiserver_version().await.unwrap();
+    assert_eq!(v.major, "1");
+    let discovery = kube::discovery::Discovery::new(client.clone())
+        .run()
+        .await
+        .unwrap();
+    let mut found = Vec::new();
+    for group in discovery.groups() {
+        for (ar, _caps) in group.recommended_resources() {
+            found.push(format!("{}/{}", ar.group, ar.plural));
+        }
+    }
+    for want in [
+        "/namespaces",
+        "/services",
+        "/endpoints",
+        "/events",
+        "/configmaps",
+        "coordination.k8s.io/leases",
+        "discovery.k8s.io/endpointslices",
+        "networking.k8s.io/ipaddresses",
+        "networking.k8s.io/servicecidrs",
+        "events.k8s.io/events",
+    ] {
+        assert!(
+            found.iter().any(|f| f == want),
+            "{want} missing from {found:?}"
+        );
+    }
+    let get = |p: &'static str| {
+        let client = client.clone();
+        async move {
+            let req = hyper::Request::get(p).body(Vec::new()).unwrap();
+            client.request_text(req).await
+        }
+    };
+    assert_eq!(get("/livez").await.unwrap(), "ok");
+    assert_eq!(get("/healthz").await.unwrap(), "ok");
+    assert_eq!(get("/readyz").await.unwrap(), "ok");
+    sim.set_ready(false);
+    assert!(get("/readyz").await.is_err(), "readyz fails when not ready");
+    sim.set_ready(true);
+    assert_eq!(get("/readyz").await.unwrap(), "ok");
+    sim.shutdown().await;
+}

@@ -1,0 +1,60 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use apiserver_sim::{Sim, SimConfig};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+use kube::api::PostParams;
+
+/// A config with short delays so tests stay fast.
+pub fn fast_config() -> SimConfig {
+    SimConfig {
+        namespace_finalize_delay: Duration::from_millis(200),
+        bookmark_interval: Duration::from_millis(200),
+        ..SimConfig::default()
+    }
+}
+
+pub async fn start() -> Sim {
+    Sim::start(fast_config()).await.expect("simulator starts")
+}
+
+pub async fn start_with(config: SimConfig) -> Sim {
+    Sim::start(config).await.expect("simulator starts")
+}
+
+pub async fn create_ns(client: &kube::Client, name: &str) {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name}
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &ns).await.unwrap();
+}
+
+/// Polls `check` until it returns true; fails after 20 s.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// The `kube::Error::Api` inside a result, or a panic naming what was expected.
+pub fn api_err<T: std::fmt::Debug>(r: Result<T, kube::Error>) -> kube::core::Status {
+    match r {
+        Err(kube::Error::Api(e)) => *e,
+        other => panic!("expected kube::Error::Api, got {other:?}"),
+    }
+}

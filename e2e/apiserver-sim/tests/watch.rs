@@ -1,0 +1,286 @@
+//! WATCH semantics through kube-rs: resume, initial state, bookmarks, timeouts, selectors,
+//! 410 Gone, and kube-runtime's watcher recovering by relisting.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use apiserver_sim::{FaultKind, FaultRule, SimConfig, Verb};
+use common::{create_ns, eventually, fast_config, start, start_with};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use serde_json::json;
+
+fn cm(name: &str) -> ConfigMap {
+    serde_json::from_value(json!({"metadata": {"name": name}})).unwrap()
+}
+
+async fn next_event(
+    stream: &mut (impl futures::Stream<Item = kube::Result<WatchEvent<ConfigMap>>> + Unpin),
+) -> WatchEvent<ConfigMap> {
+    tokio::time::timeout(Duration::from_secs(20), stream.next())
+        .await
+        .expect("event within 20s")
+        .expect("stream still open")
+        .expect("event decodes")
+}
+
+fn describe(ev: &WatchEvent<ConfigMap>) -> String {
+    match ev {
+        WatchEvent::Added(o) => format!("ADDED {}", o.metadata.name.clone().unwrap()),
+        WatchEvent::Modified(o) => format!("MODIFIED {}", o.metadata.name.clone().unwrap()),
+        WatchEvent::Deleted(o) => format!("DELETED {}", o.metadata.name.clone().unwrap()),
+        WatchEvent::Bookmark(_) => "BOOKMARK".into(),
+        WatchEvent::Error(e) => format!("ERROR {} {}", e.code, e.reason),
+    }
+}
+
+#[tokio::test]
+async fn resume_from_resource_version() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let first = api.create(&PostParams::default(), &cm("a")).await.unwrap();
+    let rv = first.metadata.resource_version.clone().unwrap();
+    api.create(&PostParams::default(), &cm("b")).await.unwrap();
+    api.patch(
+        "a",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"data": {"x": "1"}})),
+    )
+    .await
+    .unwrap();
+    api.delete("b", &DeleteParams::default()).await.unwrap();
+
+    let mut stream = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        seen.push(describe(&next_event(&mut stream).await));
+    }
+    assert_eq!(seen, vec!["ADDED b", "MODIFIED a", "DELETED b"]);
+    // Live events follow.
+    api.create(&PostParams::default(), &cm("c")).await.unwrap();
+    assert_eq!(describe(&next_event(&mut stream).await), "ADDED c");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn resource_version_zero_sends_current_state() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    for n in ["a", "b"] {
+        api.create(&PostParams::default(), &cm(n)).await.unwrap();
+    }
+    let mut stream = api
+        .watch(&WatchParams::default(), "0")
+        .await
+        .unwrap()
+        .boxed();
+    let mut seen = vec![
+        describe(&next_event(&mut stream).await),
+        describe(&next_event(&mut stream).await),
+    ];
+    seen.sort();
+    assert_eq!(seen, vec!["ADDED a", "ADDED b"]);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn bookmarks_and_timeout() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
+    let rv = c.metadata.resource_version.unwrap();
+    let mut stream = api
+        .watch(&WatchParams::default().timeout(2), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    match next_event(&mut stream).await {
+        WatchEvent::Bookmark(b) => {
+            assert!(
+                b.metadata.resource_version.parse::<u64>().unwrap() >= rv.parse::<u64>().unwrap()
+            );
+        }
+        other => panic!("expected a bookmark, got {}", describe(&other)),
+    }
+    // timeoutSeconds=2 ends the stream.
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(ev) = stream.next().await {
+            ev.unwrap();
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the watch ends after timeoutSeconds");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn label_selector_watch_turns_updates_into_add_and_delete() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
+    let rv = c.metadata.resource_version.unwrap();
+    let mut stream = api
+        .watch(&WatchParams::default().labels("app=web"), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    let label = |v: serde_json::Value| Patch::Merge(json!({"metadata": {"labels": {"app": v}}}));
+    api.patch("a", &PatchParams::default(), &label(json!("web")))
+        .await
+        .unwrap();
+    api.patch("a", &PatchParams::default(), &label(json!("web")))
+        .await
+        .unwrap();
+    api.patch(
+        "a",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"data": {"k": "v"}})),
+    )
+    .await
+    .unwrap();
+    api.patch("a", &PatchParams::default(), &label(json!("db")))
+        .await
+        .unwrap();
+    let seen: Vec<String> = vec![
+        describe(&next_event(&mut stream).await),
+        describe(&next_event(&mut stream).await),
+        describe(&next_event(&mut stream).await),
+    ];
+    assert_eq!(seen, vec!["ADDED a", "MODIFIED a", "DELETED a"]);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn too_old_resource_version_is_gone() {
+    let sim = start_with(SimConfig {
+        watch_window: 5,
+        ..fast_config()
+    })
+    .await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
+    let old_rv = c.metadata.resource_version.unwrap();
+    for i in 0..10 {
+        api.patch(
+            "a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"i": i.to_string()}})),
+        )
+        .await
+        .unwrap();
+    }
+    let mut stream = api
+        .watch(&WatchParams::default(), &old_rv)
+        .await
+        .unwrap()
+        .boxed();
+    match next_event(&mut stream).await {
+        WatchEvent::Error(e) => {
+            assert_eq!((e.code, e.reason.as_str()), (410, "Expired"));
+            assert!(
+                e.message
+                    .starts_with(&format!("too old resource version: {old_rv} (")),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("expected 410, got {}", describe(&other)),
+    }
+    sim.shutdown().await;
+}
+
+/// kube-runtime's watcher must recover on its own from a 410 by relisting.
+#[tokio::test]
+async fn watcher_relists_after_gone() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    api.create(&PostParams::default(), &cm("before"))
+        .await
+        .unwrap();
+    // The watcher's first watch gets 410 Gone; it must relist and watch again.
+    sim.faults().inject(FaultRule::next(
+        Some(Verb::Watch),
+        Some("configmaps"),
+        1,
+        FaultKind::WatchGone,
+    ));
+    let (reader, writer) = reflector::store::<ConfigMap>();
+    let stream = reflector(writer, watcher(api.clone(), watcher::Config::default()))
+        .applied_objects()
+        .boxed();
+    let task = tokio::spawn(async move {
+        stream.for_each(|_| async {}).await;
+    });
+    eventually("relist after 410", || async {
+        sim.request_count("list", "configmaps") >= 2
+    })
+    .await;
+    eventually("second watch", || async {
+        sim.request_count("watch", "configmaps") >= 2
+    })
+    .await;
+    api.create(&PostParams::default(), &cm("after"))
+        .await
+        .unwrap();
+    eventually("store converges", || {
+        let reader = reader.clone();
+        async move { reader.state().len() == 2 }
+    })
+    .await;
+    task.abort();
+    sim.shutdown().await;
+}
+
+/// A small window makes live watches fall behind and get 410; the watcher still converges.
+#[tokio::test]
+async fn watcher_converges_with_tiny_window() {
+    let sim = start_with(SimConfig {
+        watch_window: 3,
+        ..fast_config()
+    })
+    .await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let (reader, writer) = reflector::store::<ConfigMap>();
+    let watch_stream = reflector(writer, watcher(api.clone(), watcher::Config::default()))
+        .touched_objects()
+        .boxed();
+    let task = tokio::spawn(async move {
+        // Errors (410s) are expected; the watcher recovers by itself on the next poll.
+        watch_stream.for_each(|_| async {}).await;
+    });
+    for i in 0..30 {
+        api.create(&PostParams::default(), &cm(&format!("c{i}")))
+            .await
+            .unwrap();
+    }
+    eventually("store has all 30", || {
+        let reader = reader.clone();
+        async move { reader.state().len() == 30 }
+    })
+    .await;
+    task.abort();
+    sim.shutdown().await;
+}
