@@ -113,6 +113,17 @@ async fn build_manager(
 ) -> Option<LeaseManager> {
     let mut delay = Duration::from_millis(500);
     loop {
+        // On a fresh control plane the Lease's namespace (kube-system) may not exist yet, and
+        // the loop that creates it runs only on the leader.
+        if let Err(err) = ensure_namespace(client, &settings.lease_namespace).await {
+            warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying");
+            tokio::select! {
+                _ = cancel.cancelled() => return None,
+                _ = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(settings.renew_grace.max(Duration::from_secs(1)));
+            continue;
+        }
         let build = LeaseManagerBuilder::new(client.clone(), settings.lease_name.clone())
             .with_namespace(settings.lease_namespace.clone())
             .with_identity(settings.identity.clone())
@@ -135,6 +146,31 @@ async fn build_manager(
         }
         delay = (delay * 2).min(settings.renew_grace.max(Duration::from_secs(1)));
     }
+}
+
+async fn ensure_namespace(client: &kube::Client, name: &str) -> Result<(), kube::Error> {
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::api::{ObjectMeta, PostParams};
+    let api: kube::Api<Namespace> = kube::Api::all(client.clone());
+    if api.get_opt(name).await?.is_some() {
+        return Ok(());
+    }
+    let namespace = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        ..Namespace::default()
+    };
+    if reconcilers::ignore_already_exists(api.create(&PostParams::default(), &namespace).await)?
+        .is_some()
+    {
+        info!(
+            namespace = name,
+            "created the leader-election Lease's namespace"
+        );
+    }
+    Ok(())
 }
 
 async fn elect(

@@ -531,10 +531,11 @@ async fn run_pass(
             metrics.success(name);
             for drift in &report.drift {
                 metrics.drift(name, drift.kind, drift.applied);
+                // Loops log their own repairs; the runner only says what was left undone.
                 if drift.applied {
-                    info!(object = %drift.object, kind = drift.kind, action = %drift.action, "repaired: {}", drift.message);
+                    debug!(object = %drift.object, kind = drift.kind, action = %drift.action, "repaired: {}", drift.message);
                 } else {
-                    warn!(object = %drift.object, kind = drift.kind, action = %drift.action, dry_run = ctx.dry_run, "drift: {}", drift.message);
+                    info!(object = %drift.object, kind = drift.kind, action = %drift.action, dry_run = ctx.dry_run, "drift: {}", drift.message);
                 }
             }
             debug!(?took, drift = report.drift.len(), "pass succeeded");

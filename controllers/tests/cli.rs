@@ -1,0 +1,197 @@
+//! The binary's exit statuses and messages: invalid configuration exits 2 naming the field,
+//! before touching any cluster; `check` exits 1 on drift and 2 when the API is unreachable.
+
+use std::process::{Command, Output};
+
+use apiserver_sim::{Sim, SimConfig};
+
+fn binary() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_bootstrap-controller"));
+    // Keep the developer's environment out of the test.
+    for (key, _) in std::env::vars() {
+        if key.starts_with("BOOTSTRAP_") || key == "KUBECONFIG" {
+            command.env_remove(key);
+        }
+    }
+    command.env("RUST_LOG", "error");
+    command
+}
+
+fn run(command: &mut Command) -> (i32, String, String) {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = command.output().expect("binary runs");
+    (
+        status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+    )
+}
+
+fn write_config(dir: &tempfile::TempDir, yaml: &str) -> std::path::PathBuf {
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, yaml).expect("write config");
+    path
+}
+
+#[test]
+fn invalid_configurations_exit_2_naming_the_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases = [
+        (
+            "serviceClusterIPRange: 10.0.0.0/33\n",
+            "serviceClusterIPRange",
+            "not a valid CIDR",
+        ),
+        (
+            "serviceClusterIPRange: 10.96.0.0/12,10.200.0.0/16\n",
+            "serviceClusterIPRange",
+            "two IPv4 ranges",
+        ),
+        (
+            "serviceNodePortRange: 32767-30000\n",
+            "serviceNodePortRange",
+            "inverted",
+        ),
+        (
+            "loops:\n  systemNamespaces:\n    interval: 0s\n",
+            "loops.systemNamespaces.interval",
+            "greater than zero",
+        ),
+        (
+            "loops:\n  systemNamespaces:\n    intervall: 1m\n",
+            "loops.systemNamespaces.intervall",
+            "unknown field",
+        ),
+        (
+            "loops:\n  systemNamespaces:\n    namespaces:\n      - name: Not_Valid\n",
+            "loops.systemNamespaces.namespaces[0].name",
+            "DNS-1123",
+        ),
+    ];
+    for (yaml, field, reason) in cases {
+        let path = write_config(&dir, yaml);
+        // `run` must refuse before touching a cluster: the kubeconfig points nowhere.
+        let (code, _, stderr) = run(binary().arg("--config").arg(&path).args([
+            "--kubeconfig",
+            "/nonexistent/kubeconfig",
+            "run",
+        ]));
+        assert_eq!(code, 2, "{yaml}: {stderr}");
+        assert!(
+            stderr.contains(field),
+            "{yaml}: expected {field:?} in {stderr}"
+        );
+        assert!(
+            stderr.contains(reason),
+            "{yaml}: expected {reason:?} in {stderr}"
+        );
+
+        let (code, _, stderr) = run(binary().arg("config").arg("validate").arg(&path));
+        assert_eq!(code, 2, "{yaml}: {stderr}");
+        assert!(stderr.contains(field), "{yaml}: {stderr}");
+    }
+}
+
+#[test]
+fn invalid_flag_and_env_values_exit_2_naming_the_flag() {
+    let (code, _, stderr) =
+        run(binary().args(["--service-cluster-ip-range", "banana", "config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--service-cluster-ip-range"), "{stderr}");
+
+    let (code, _, stderr) = run(binary()
+        .env("BOOTSTRAP_SERVICE_NODE_PORT_RANGE", "40000-30000")
+        .args(["config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--service-node-port-range"), "{stderr}");
+    assert!(stderr.contains("inverted"), "{stderr}");
+}
+
+#[test]
+fn config_print_shows_the_effective_configuration() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = write_config(
+        &dir,
+        "securePort: 7443\nserviceNodePortRange: 20000-20999\n",
+    );
+    let (code, stdout, stderr) =
+        run(binary()
+            .arg("--config")
+            .arg(&path)
+            .args(["--secure-port", "9443", "config", "print"]));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("securePort: 9443"), "flag wins: {stdout}");
+    assert!(
+        stdout.contains("serviceNodePortRange: 20000-20999"),
+        "file wins: {stdout}"
+    );
+    assert!(stdout.contains("systemNamespaces:"), "{stdout}");
+    assert!(stdout.contains("kube-node-lease"), "{stdout}");
+
+    // What `config print` prints is a valid configuration file.
+    let printed = dir.path().join("printed.yaml");
+    std::fs::write(&printed, &stdout).expect("write printed config");
+    let (code, stdout, stderr) = run(binary().arg("config").arg("validate").arg(&printed));
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stdout.contains("configuration is valid"), "{stdout}");
+}
+
+#[test]
+fn unusable_kubeconfig_exits_2() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("kubeconfig");
+    std::fs::write(&path, "this: is: not a kubeconfig").expect("write");
+    let (code, _, stderr) = run(binary().arg("--kubeconfig").arg(&path).arg("check"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--kubeconfig"), "{stderr}");
+}
+
+#[tokio::test]
+async fn check_reports_drift_with_exit_1_and_unreachable_api_with_exit_2() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    // A copy: the simulator removes its own kubeconfig when it shuts down.
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::copy(sim.kubeconfig_path(), &kubeconfig)?;
+    let (code, stdout, stderr) = tokio::task::spawn_blocking({
+        let kubeconfig = kubeconfig.clone();
+        move || run(binary().arg("--kubeconfig").arg(&kubeconfig).arg("check"))
+    })
+    .await?;
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("Namespace/kube-public [namespace_missing]"),
+        "{stdout}"
+    );
+
+    // check is a dry run: nothing was created.
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(sim.client());
+    assert!(namespaces.get_opt("kube-public").await?.is_none());
+
+    sim.shutdown().await;
+    let (code, stdout, stderr) = tokio::task::spawn_blocking(move || {
+        run(binary()
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["check", "--timeout", "2s"]))
+    })
+    .await?;
+    assert_eq!(code, 2, "{stdout}{stderr}");
+    assert!(stderr.contains("cannot reach the API server"), "{stderr}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn demo_exits_0_after_showing_the_repair() -> anyhow::Result<()> {
+    let (code, stdout, stderr) = tokio::task::spawn_blocking(|| run(binary().arg("demo"))).await?;
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("kube-public recreated by the controller"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("label restored"), "{stdout}");
+    Ok(())
+}

@@ -1,0 +1,96 @@
+//! Leader election against the API simulator: one leader at a time, failover on release, and
+//! stepping down (without exiting) while the API fails.
+
+use std::time::{Duration, Instant};
+
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
+use bootstrap_controller::leader::{self, LeaderMetrics, LeaderSettings};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+fn settings(identity: &str) -> LeaderSettings {
+    LeaderSettings {
+        lease_name: "bootstrap-controller".to_owned(),
+        lease_namespace: "kube-system".to_owned(),
+        identity: identity.to_owned(),
+        lease_duration: Duration::from_secs(2),
+        renew_grace: Duration::from_secs(1),
+    }
+}
+
+async fn eventually(what: &str, receiver: &watch::Receiver<bool>, want: bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while *receiver.borrow() != want {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
+    // No namespaces at all: the election must create kube-system for its Lease.
+    let sim = Sim::start(SimConfig::default()).await?;
+    let cancel_a = CancellationToken::new();
+    let (a, task_a) = leader::spawn(
+        sim.new_client().await?,
+        settings("a"),
+        LeaderMetrics::default(),
+        cancel_a.clone(),
+    );
+    eventually("a leads", &a, true).await;
+
+    let cancel_b = CancellationToken::new();
+    let (b, task_b) = leader::spawn(
+        sim.new_client().await?,
+        settings("b"),
+        LeaderMetrics::default(),
+        cancel_b.clone(),
+    );
+    // Give b a few renew periods to (wrongly) take over.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(*a.borrow(), "a keeps leading while it renews");
+    assert!(!*b.borrow(), "b must not lead while a holds the Lease");
+
+    cancel_a.cancel();
+    task_a.await?;
+    assert!(!*a.borrow(), "a stepped down on shutdown");
+    eventually("b takes over after a released", &b, true).await;
+
+    cancel_b.cancel();
+    task_b.await?;
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    let cancel = CancellationToken::new();
+    let (receiver, task) = leader::spawn(
+        sim.new_client().await?,
+        settings("a"),
+        LeaderMetrics::default(),
+        cancel.clone(),
+    );
+    eventually("a leads", &receiver, true).await;
+
+    sim.faults().inject(FaultRule::probability(
+        None,
+        Some("leases"),
+        1.0,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    eventually("steps down while renewals fail", &receiver, false).await;
+    assert!(!task.is_finished(), "the election task must keep running");
+
+    sim.faults().clear();
+    eventually("leads again once the API answers", &receiver, true).await;
+
+    cancel.cancel();
+    task.await?;
+    sim.shutdown().await;
+    Ok(())
+}
