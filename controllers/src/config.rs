@@ -673,11 +673,22 @@ pub fn parse_file(text: &str) -> Result<FileConfig, ConfigError> {
 }
 
 fn fix_hint_for_parse_error(message: &str) -> String {
-    if message.contains("unknown field") {
-        format!("{message} (remove it or fix its spelling; `config print` shows every field)")
+    let message = message.strip_prefix("error: ").unwrap_or(message);
+    let hint = if message.contains("unknown field") {
+        " (remove it or fix its spelling; `config print` shows every field)"
+    } else if message.contains("expected mapping") {
+        " (expected fields here, e.g. `name: kube-system` or `interval: 1m`)"
+    } else if ["invalid u16", "invalid u32", "invalid u64", "invalid i64"]
+        .iter()
+        .any(|kind| message.contains(kind))
+    {
+        " (expected a whole number, e.g. 6443)"
+    } else if message.contains("invalid bool") || message.contains("invalid boolean") {
+        " (expected true or false)"
     } else {
-        message.to_owned()
-    }
+        ""
+    };
+    format!("{message}{hint}")
 }
 
 // ------------------------------------------------------------------------------------------------

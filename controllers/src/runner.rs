@@ -338,7 +338,25 @@ impl LoopTask {
             // Triggers seen before the pass starts are covered by it.
             self.triggers.borrow_and_update();
 
-            let pass = run_pass(&*self.reconciler, &self.ctx, &self.metrics);
+            let pass_timeout = pass_timeout(interval);
+            let metrics = self.metrics.clone();
+            let pass = async {
+                match tokio::time::timeout(
+                    pass_timeout,
+                    run_pass(&*self.reconciler, &self.ctx, &self.metrics),
+                )
+                .await
+                {
+                    Ok(outcome) => outcome,
+                    Err(_) => {
+                        metrics.pass(name, "failure", pass_timeout);
+                        metrics.error(name, "timeout");
+                        Err(format!(
+                            "pass did not finish within {pass_timeout:?}; abandoned it"
+                        ))
+                    }
+                }
+            };
             let outcome = if gated {
                 tokio::select! {
                     outcome = pass => Some(outcome),
@@ -480,6 +498,12 @@ async fn lost_leadership(leader: &mut watch::Receiver<bool>) {
     if leader.wait_for(|is_leader| !*is_leader).await.is_err() {
         std::future::pending::<()>().await;
     }
+}
+
+/// A hung request must not stall a loop forever: a pass gets twice its interval, at least 30 s
+/// (slow APIs) and at most 10 min.
+fn pass_timeout(interval: Duration) -> Duration {
+    (interval * 2).clamp(Duration::from_secs(30), Duration::from_secs(600))
 }
 
 fn new_backoff(min: Duration, interval: Duration) -> backon::ExponentialBackoff {
