@@ -571,7 +571,7 @@ async fn run_pass(
             Err(err.to_string())
         }
         Err(panic) => {
-            metrics.pass(name, "failure", took);
+            metrics.pass(name, "panic", took);
             metrics.panic(name);
             metrics.error(name, "panic");
             let message = panic_message(&*panic);
@@ -688,7 +688,7 @@ async fn check_pass(
             Err(CheckFailure::Transient(err.to_string()))
         }
         Err(panic) => {
-            metrics.pass(name, "failure", took);
+            metrics.pass(name, "panic", took);
             Err(CheckFailure::Permanent(format!(
                 "pass panicked: {}",
                 panic_message(&*panic)
@@ -1058,6 +1058,10 @@ mod tests {
         let text = encode(&harness.registry).unwrap();
         assert!(
             text.contains("bootstrap_loop_panics_total{loop=\"panicky\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("bootstrap_loop_passes_total{loop=\"panicky\",result=\"panic\"} 1"),
             "{text}"
         );
         stop(harness).await;
