@@ -484,7 +484,9 @@ impl KubernetesServiceMetrics {
 pub struct KubernetesServiceLoop {
     cfg: KubernetesServiceConfig,
     client: kube::Client,
-    recorder: Recorder,
+    /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
+    /// one series and keeps the first note, which would hide who joined or what was repaired.
+    reporter: Reporter,
     metrics: KubernetesServiceMetrics,
     /// The last clusterIP mismatch warned about, so the warning event is not repeated every pass.
     last_mismatch: Mutex<Option<ServiceDrift>>,
@@ -499,7 +501,7 @@ impl KubernetesServiceLoop {
         registry: &mut Registry,
     ) -> Self {
         Self {
-            recorder: Recorder::new(client.clone(), reporter),
+            reporter,
             client,
             cfg,
             metrics: KubernetesServiceMetrics::register(registry),
@@ -520,7 +522,10 @@ impl KubernetesServiceLoop {
             action: "Reconcile".to_owned(),
             secondary: None,
         };
-        if let Err(err) = self.recorder.publish(&event, &reference).await {
+        if let Err(err) = Recorder::new(self.client.clone(), self.reporter.clone())
+            .publish(&event, &reference)
+            .await
+        {
             tracing::warn!(error = %err, reason, "could not publish event on the kubernetes Service");
         }
     }

@@ -15,7 +15,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -142,7 +142,9 @@ pub struct ApiserverEndpointsLoop {
     client: kube::Client,
     readiness: Arc<dyn ReadinessProbe>,
     resolver: Arc<dyn Resolver>,
-    recorder: Recorder,
+    /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
+    /// one series and keeps the first note, which would hide who joined or what was repaired.
+    reporter: Reporter,
     metrics: EndpointsMetrics,
     state: Mutex<State>,
     /// Earliest expiry among live membership Leases: a trigger fires then, so a dead member goes
@@ -167,7 +169,7 @@ impl ApiserverEndpointsLoop {
     ) -> Self {
         Self {
             cfg: cfg.clone(),
-            recorder: Recorder::new(deps.client.clone(), deps.reporter),
+            reporter: deps.reporter,
             client: deps.client,
             readiness: deps.readiness,
             resolver: deps.resolver,
@@ -323,7 +325,10 @@ impl ApiserverEndpointsLoop {
             action: "Reconcile".to_owned(),
             secondary: None,
         };
-        if let Err(err) = self.recorder.publish(&event, reference).await {
+        if let Err(err) = Recorder::new(self.client.clone(), self.reporter.clone())
+            .publish(&event, reference)
+            .await
+        {
             tracing::warn!(error = %err, reason, "could not publish event on the kubernetes Endpoints");
         }
     }

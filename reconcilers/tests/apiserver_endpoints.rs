@@ -1,0 +1,694 @@
+//! The apiserver endpoint loops against the in-process simulator: passes are driven directly, so
+//! every assertion is about state, not timing.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use apiserver_sim::Sim;
+use common::{FakeResolver, Flag, ctx, event_reasons, eventually, ip, reporter, sim, writes};
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Endpoints;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, PostParams};
+use prometheus_client::registry::Registry;
+use reconcilers::Reconciler;
+use reconcilers::apiserver_endpoints::{
+    ApiserverEndpointsConfig, ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps,
+    EndpointsMode, IpFamily, ReadinessProbe, Resolver,
+};
+
+fn cfg(address: &str) -> ApiserverEndpointsConfig {
+    ApiserverEndpointsConfig {
+        advertise_address: Some(ip(address)),
+        identity: format!("test-{address}"),
+        ..ApiserverEndpointsConfig::default()
+    }
+}
+
+fn deps(
+    sim: &Sim,
+    readiness: Arc<dyn ReadinessProbe>,
+    resolver: Arc<dyn Resolver>,
+) -> EndpointsDeps {
+    EndpointsDeps {
+        client: sim.client(),
+        readiness,
+        resolver,
+        reporter: reporter(),
+    }
+}
+
+struct Instance {
+    ready: Arc<Flag>,
+    lease: ApiserverLeaseLoop,
+    endpoints: ApiserverEndpointsLoop,
+}
+
+fn instance(sim: &Sim, cfg: &ApiserverEndpointsConfig, ready: bool) -> Instance {
+    let flag = Arc::new(Flag::new(ready));
+    let d = deps(sim, flag.clone(), Arc::new(FakeResolver::default()));
+    let mut registry = Registry::default();
+    Instance {
+        ready: flag,
+        lease: ApiserverLeaseLoop::new(cfg, d.clone(), &mut registry).unwrap(),
+        endpoints: ApiserverEndpointsLoop::new(cfg, d, &mut registry),
+    }
+}
+
+async fn endpoints(sim: &Sim) -> Option<Endpoints> {
+    Api::<Endpoints>::namespaced(sim.client(), "default")
+        .get_opt("kubernetes")
+        .await
+        .unwrap()
+}
+
+fn addresses(e: &Endpoints) -> Vec<String> {
+    e.subsets
+        .iter()
+        .flatten()
+        .flat_map(|s| s.addresses.iter().flatten())
+        .map(|a| a.ip.clone())
+        .collect()
+}
+
+async fn slices(sim: &Sim) -> Vec<EndpointSlice> {
+    Api::<EndpointSlice>::namespaced(sim.client(), "default")
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+}
+
+fn slice_addresses(s: &EndpointSlice) -> Vec<String> {
+    s.endpoints
+        .iter()
+        .flat_map(|e| e.addresses.clone())
+        .collect()
+}
+
+async fn three_members(sim: &Sim) -> Vec<Instance> {
+    let instances: Vec<Instance> = ["10.0.0.10", "10.0.0.9", "10.0.0.2"]
+        .iter()
+        .map(|a| instance(sim, &cfg(a), true))
+        .collect();
+    for i in &instances {
+        let report = i.lease.reconcile(&ctx(sim, false)).await.unwrap();
+        assert_eq!(report.drift[0].kind, "member_lease_missing");
+    }
+    let report = instances[0]
+        .endpoints
+        .reconcile(&ctx(sim, false))
+        .await
+        .unwrap();
+    assert!(
+        report
+            .drift
+            .iter()
+            .any(|d| d.kind == "endpoints_missing" && d.applied),
+        "{report:?}"
+    );
+    instances
+}
+
+#[tokio::test]
+async fn lease_members_are_written_sorted_to_endpoints_and_slice() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+
+    let e = endpoints(&sim).await.unwrap();
+    assert_eq!(addresses(&e), vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]);
+    let subset = &e.subsets.as_ref().unwrap()[0];
+    let port = &subset.ports.as_ref().unwrap()[0];
+    assert_eq!(
+        (port.name.as_deref(), port.port, port.protocol.as_deref()),
+        (Some("https"), 6443, Some("TCP"))
+    );
+    assert_eq!(
+        e.metadata
+            .labels
+            .unwrap()
+            .get("endpointslice.kubernetes.io/skip-mirror")
+            .map(String::as_str),
+        Some("true")
+    );
+
+    let all = slices(&sim).await;
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].metadata.name.as_deref(), Some("kubernetes"));
+    assert_eq!(all[0].address_type, "IPv4");
+    assert_eq!(
+        slice_addresses(&all[0]),
+        vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
+    );
+    assert!(
+        all[0]
+            .endpoints
+            .iter()
+            .all(|e| e.conditions.as_ref().unwrap().ready == Some(true))
+    );
+    assert_eq!(all[0].ports.as_ref().unwrap()[0].port, Some(6443));
+
+    let m = instances[0].endpoints.metrics();
+    assert_eq!(m.members(IpFamily::V4), 3);
+    assert_eq!(m.changes("joined"), 3);
+    assert_eq!(m.repairs("endpoints_addresses"), 0, "joins are not repairs");
+    eventually("MemberJoined events", || async {
+        event_reasons(&sim)
+            .iter()
+            .filter(|r| *r == "MemberJoined")
+            .count()
+            == 3
+    })
+    .await;
+
+    // At rest: another pass finds nothing and writes nothing.
+    sim.clear_requests();
+    let report = instances[0]
+        .endpoints
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(writes(&sim), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    let late = instance(&sim, &cfg("10.0.0.4"), false);
+    let report = late.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert!(report.is_clean(), "nothing to withdraw: {report:?}");
+    instances[0]
+        .endpoints
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert!(!addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.4".to_owned()));
+
+    // Its apiserver becomes ready: it joins.
+    late.ready.set(true);
+    late.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    instances[0]
+        .endpoints
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert!(addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.4".to_owned()));
+    assert_eq!(late.lease.metrics().ready(), 1);
+
+    // Another one starts failing: its Lease goes, then its address.
+    instances[1].ready.set(false);
+    let report = instances[1]
+        .lease
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert_eq!(report.drift[0].kind, "member_lease_not_ready");
+    assert!(report.drift[0].applied);
+    instances[0]
+        .endpoints
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.10", "10.0.0.2", "10.0.0.4"]
+    );
+    assert_eq!(
+        slice_addresses(&slices(&sim).await[0]),
+        vec!["10.0.0.10", "10.0.0.2", "10.0.0.4"]
+    );
+    assert_eq!(instances[0].endpoints.metrics().changes("left"), 1);
+}
+
+#[tokio::test]
+async fn expired_lease_removes_the_member_with_an_event() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    // 10.0.0.9 crashed: its Lease was last renewed long ago.
+    let mut stale = sim
+        .backdoor()
+        .get(
+            "leases.coordination.k8s.io",
+            "kube-system",
+            "apiserver-10.0.0.9",
+        )
+        .unwrap()
+        .unwrap();
+    stale["spec"]["renewTime"] = serde_json::json!("2020-01-01T00:00:00.000000Z");
+    sim.backdoor().put(stale).unwrap();
+
+    instances[0]
+        .endpoints
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.10", "10.0.0.2"]
+    );
+    assert_eq!(instances[0].endpoints.metrics().changes("expired"), 1);
+    eventually("MemberExpired event", || async {
+        event_reasons(&sim).contains(&"MemberExpired".to_owned())
+    })
+    .await;
+
+    // Its sidecar restarts while its apiserver is still starting: nothing comes back.
+    let restarted = instance(&sim, &cfg("10.0.0.9"), false);
+    let report = restarted.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(
+        report.drift[0].kind, "member_lease_not_ready",
+        "the stale Lease is removed at start"
+    );
+    assert!(
+        sim.backdoor()
+            .get(
+                "leases.coordination.k8s.io",
+                "kube-system",
+                "apiserver-10.0.0.9"
+            )
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn lease_expiry_without_any_write_wakes_the_leader() {
+    let sim = sim().await;
+    let mut c = cfg("10.0.0.1");
+    c.lease_ttl = Duration::from_secs(2);
+    c.interval = Duration::from_secs(1);
+    let leader = instance(&sim, &c, true);
+    let short = instance(&sim, &cfg("10.0.0.2"), true);
+    let mut short_cfg = cfg("10.0.0.2");
+    short_cfg.lease_ttl = Duration::from_secs(2);
+    short_cfg.interval = Duration::from_secs(1);
+    let short_lived = instance(&sim, &short_cfg, true);
+    drop(short);
+    leader.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    short_lived
+        .lease
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    // Subscribe before the pass publishes the next deadline.
+    let mut triggers = leader.endpoints.triggers();
+    let expiry = triggers.pop().unwrap();
+    leader.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.1", "10.0.0.2"]
+    );
+    // Nobody renews 10.0.0.2 (its sidecar was SIGKILLed); the expiry trigger fires by itself.
+    let fired = tokio::time::timeout(Duration::from_secs(20), expiry.into_future()).await;
+    assert!(matches!(fired, Ok((Some(()), _))), "expiry trigger fired");
+    leader.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    leader.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.1"]);
+}
+
+#[tokio::test]
+async fn deleting_every_lease_never_empties_the_endpoints() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    for lease in sim.backdoor().list("leases.coordination.k8s.io").unwrap() {
+        let name = lease["metadata"]["name"].as_str().unwrap().to_owned();
+        sim.backdoor()
+            .delete("leases.coordination.k8s.io", "kube-system", &name)
+            .unwrap();
+    }
+    sim.clear_requests();
+    let report = instances[0]
+        .endpoints
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert_eq!(report.drift.len(), 1);
+    assert_eq!(report.drift[0].kind, "no_members");
+    assert!(!report.drift[0].applied);
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    assert_eq!(addresses(&endpoints(&sim).await.unwrap()).len(), 3);
+    assert_eq!(slice_addresses(&slices(&sim).await[0]).len(), 3);
+}
+
+#[tokio::test]
+async fn every_drift_is_repaired_ports_included() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    let leader = &instances[0].endpoints;
+    let ep_api = Api::<Endpoints>::namespaced(sim.client(), "default");
+    let slice_api = Api::<EndpointSlice>::namespaced(sim.client(), "default");
+
+    // Endpoints port (upstream never repairs this, kubernetes/kubernetes#104252).
+    let mut e = endpoints(&sim).await.unwrap();
+    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 443;
+    ep_api
+        .replace("kubernetes", &PostParams::default(), &e)
+        .await
+        .unwrap();
+    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift.len(), 1, "{report:?}");
+    assert_eq!(report.drift[0].kind, "endpoints_ports");
+    assert!(report.drift[0].applied);
+    assert_eq!(
+        endpoints(&sim).await.unwrap().subsets.unwrap()[0]
+            .ports
+            .as_ref()
+            .unwrap()[0]
+            .port,
+        6443
+    );
+    assert_eq!(leader.metrics().repairs("endpoints_ports"), 1);
+
+    // An address swapped for a bogus one, and the skip-mirror label removed.
+    let mut e = endpoints(&sim).await.unwrap();
+    e.subsets.as_mut().unwrap()[0].addresses.as_mut().unwrap()[0].ip = "10.9.9.9".into();
+    e.metadata.labels = None;
+    ep_api
+        .replace("kubernetes", &PostParams::default(), &e)
+        .await
+        .unwrap();
+    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
+    assert_eq!(kinds, vec!["endpoints_label", "endpoints_addresses"]);
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
+    );
+    assert_eq!(leader.metrics().repairs("endpoints_addresses"), 1);
+
+    // Slice ports and an endpoint turned not-ready.
+    let mut s = slice_api.get("kubernetes").await.unwrap();
+    s.ports.as_mut().unwrap()[0].port = Some(1);
+    s.endpoints[1].conditions.as_mut().unwrap().ready = Some(false);
+    slice_api
+        .replace("kubernetes", &PostParams::default(), &s)
+        .await
+        .unwrap();
+    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
+    assert_eq!(
+        kinds,
+        vec!["endpointslice_endpoints", "endpointslice_ports"]
+    );
+    let s = slice_api.get("kubernetes").await.unwrap();
+    assert_eq!(s.ports.as_ref().unwrap()[0].port, Some(6443));
+    assert!(
+        s.endpoints
+            .iter()
+            .all(|e| e.conditions.as_ref().unwrap().ready == Some(true))
+    );
+
+    // Slice deleted; a stray slice of the wrong family added.
+    slice_api
+        .delete("kubernetes", &Default::default())
+        .await
+        .unwrap();
+    let mut stray = s.clone();
+    stray.metadata = kube::api::ObjectMeta {
+        name: Some("kubernetes-stray".into()),
+        namespace: Some("default".into()),
+        labels: s.metadata.labels.clone(),
+        ..Default::default()
+    };
+    stray.address_type = "IPv6".into();
+    stray.endpoints = vec![];
+    slice_api
+        .create(&PostParams::default(), &stray)
+        .await
+        .unwrap();
+    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
+    assert_eq!(kinds, vec!["endpointslice_missing", "endpointslice_stray"]);
+    let names: Vec<_> = slices(&sim)
+        .await
+        .iter()
+        .map(|s| s.metadata.name.clone().unwrap())
+        .collect();
+    assert_eq!(names, vec!["kubernetes"]);
+
+    // Endpoints deleted outright.
+    ep_api
+        .delete("kubernetes", &Default::default())
+        .await
+        .unwrap();
+    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift[0].kind, "endpoints_missing");
+    assert_eq!(addresses(&endpoints(&sim).await.unwrap()).len(), 3);
+    eventually("EndpointsRepaired event", || async {
+        event_reasons(&sim).contains(&"EndpointsRepaired".to_owned())
+    })
+    .await;
+
+    assert!(
+        leader
+            .reconcile(&ctx(&sim, false))
+            .await
+            .unwrap()
+            .is_clean()
+    );
+}
+
+#[tokio::test]
+async fn dry_run_reports_and_writes_nothing() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    let ep_api = Api::<Endpoints>::namespaced(sim.client(), "default");
+    let mut e = endpoints(&sim).await.unwrap();
+    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 443;
+    ep_api
+        .replace("kubernetes", &PostParams::default(), &e)
+        .await
+        .unwrap();
+    Api::<EndpointSlice>::namespaced(sim.client(), "default")
+        .delete("kubernetes", &Default::default())
+        .await
+        .unwrap();
+    let before = endpoints(&sim).await.unwrap();
+
+    // A new, ready member whose sidecar runs in dry-run does not write its Lease either.
+    let newcomer = instance(&sim, &cfg("10.0.0.5"), true);
+    sim.clear_requests();
+    let report = newcomer.lease.reconcile(&ctx(&sim, true)).await.unwrap();
+    assert_eq!(report.drift[0].kind, "member_lease_missing");
+    assert!(!report.drift[0].applied);
+
+    let report = instances[0]
+        .endpoints
+        .reconcile(&ctx(&sim, true))
+        .await
+        .unwrap();
+    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
+    assert_eq!(kinds, vec!["endpoints_ports", "endpointslice_missing"]);
+    assert!(report.drift.iter().all(|d| !d.applied));
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    assert_eq!(endpoints(&sim).await.unwrap(), before);
+    assert!(slices(&sim).await.is_empty());
+
+    // Shutdown hooks in dry-run write nothing too.
+    instances[0].lease.shutdown(&ctx(&sim, true)).await.unwrap();
+    instances[0]
+        .endpoints
+        .shutdown(&ctx(&sim, true))
+        .await
+        .unwrap();
+    assert_eq!(writes(&sim), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    // A non-leader stopping only deletes its Lease; the leader's next pass drops its address.
+    let follower = &instances[1];
+    follower.lease.shutdown(&ctx(&sim, false)).await.unwrap();
+    follower
+        .endpoints
+        .shutdown(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert!(
+        addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.9".to_owned()),
+        "a non-leader never writes"
+    );
+    instances[0]
+        .endpoints
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.10", "10.0.0.2"]
+    );
+
+    // The leader stopping takes its own address out itself.
+    let leader = &instances[0];
+    leader.lease.shutdown(&ctx(&sim, false)).await.unwrap();
+    leader.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+    assert_eq!(slice_addresses(&slices(&sim).await[0]), vec!["10.0.0.2"]);
+
+    // The last member, now leader, stops: the endpoints are emptied, as upstream does.
+    let last = &instances[2];
+    last.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    last.lease.shutdown(&ctx(&sim, false)).await.unwrap();
+    last.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+    assert!(addresses(&endpoints(&sim).await.unwrap()).is_empty());
+    assert!(slices(&sim).await[0].endpoints.is_empty());
+    assert!(
+        sim.backdoor()
+            .list("leases.coordination.k8s.io")
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn static_names_keep_the_last_good_set_and_go_dual_stack() {
+    let sim = sim().await;
+    let resolver = Arc::new(FakeResolver::default());
+    resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.1"), ip("fd00::1")]));
+    let c = ApiserverEndpointsConfig {
+        mode: EndpointsMode::Static,
+        static_addresses: vec!["lb.example.com".into(), "10.0.0.7".into()],
+        ..ApiserverEndpointsConfig::default()
+    };
+    c.validate().unwrap();
+    let mut registry = Registry::default();
+    let l = ApiserverEndpointsLoop::new(
+        &c,
+        deps(&sim, Arc::new(Flag::new(true)), resolver.clone()),
+        &mut registry,
+    );
+    assert!(l.needs_leadership());
+    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.1", "10.0.0.7", "fd00::1"]
+    );
+    let by_name: Vec<_> = slices(&sim)
+        .await
+        .iter()
+        .map(|s| {
+            (
+                s.metadata.name.clone().unwrap(),
+                s.address_type.clone(),
+                slice_addresses(s),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_name,
+        vec![
+            (
+                "kubernetes".into(),
+                "IPv4".into(),
+                vec!["10.0.0.1".into(), "10.0.0.7".into()]
+            ),
+            (
+                "kubernetes-ipv6".into(),
+                "IPv6".into(),
+                vec!["fd00::1".into()]
+            ),
+        ]
+    );
+
+    // The name now resolves to nothing, then fails: the last good set stays, with one warning.
+    resolver.answer("lb.example.com", Ok(vec![]));
+    sim.clear_requests();
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    resolver.answer("lb.example.com", Err("SERVFAIL".into()));
+    assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.1", "10.0.0.7", "fd00::1"]
+    );
+    eventually("StaticAddressResolutionFailed event", || async {
+        event_reasons(&sim)
+            .iter()
+            .filter(|r| *r == "StaticAddressResolutionFailed")
+            .count()
+            == 1
+    })
+    .await;
+
+    // It moves to a single IPv4 address: the IPv6 slice goes.
+    resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.3")]));
+    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.3", "10.0.0.7"]
+    );
+    let names: Vec<_> = slices(&sim)
+        .await
+        .iter()
+        .map(|s| s.metadata.name.clone().unwrap())
+        .collect();
+    assert_eq!(names, vec!["kubernetes"]);
+}
+
+#[tokio::test]
+async fn master_count_adds_itself_on_every_instance_and_trims() {
+    let sim = sim().await;
+    let mk = |a: &str| ApiserverEndpointsConfig {
+        mode: EndpointsMode::MasterCount,
+        apiserver_count: 2,
+        ..cfg(a)
+    };
+    let a = instance(&sim, &mk("10.0.0.1"), true);
+    let b = instance(&sim, &mk("10.0.0.2"), true);
+    let c = instance(&sim, &mk("10.0.0.3"), true);
+    assert!(
+        !a.endpoints.needs_leadership(),
+        "every apiserver adds itself, as upstream"
+    );
+    for i in [&a, &b] {
+        i.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    }
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.1", "10.0.0.2"]
+    );
+    c.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    let listed = addresses(&endpoints(&sim).await.unwrap());
+    assert_eq!(listed.len(), 2);
+    assert!(listed.contains(&"10.0.0.3".to_owned()));
+    c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+    assert!(!addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.3".to_owned()));
+}
+
+#[tokio::test]
+async fn watches_trigger_on_corruption() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    let mut triggers = futures::stream::select_all(instances[0].endpoints.triggers());
+    // Let the watches start (each yields once when its initial list is done).
+    for _ in 0..3 {
+        tokio::time::timeout(Duration::from_secs(20), triggers.next())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let mut e = endpoints(&sim).await.unwrap();
+    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 1;
+    Api::<Endpoints>::namespaced(sim.client(), "default")
+        .replace("kubernetes", &PostParams::default(), &e)
+        .await
+        .unwrap();
+    let fired = tokio::time::timeout(Duration::from_secs(20), triggers.next()).await;
+    assert!(matches!(fired, Ok(Some(()))));
+    let lease_api = Api::<Lease>::namespaced(sim.client(), "kube-system");
+    lease_api
+        .delete("apiserver-10.0.0.2", &Default::default())
+        .await
+        .unwrap();
+    let fired = tokio::time::timeout(Duration::from_secs(20), triggers.next()).await;
+    assert!(matches!(fired, Ok(Some(()))));
+}

@@ -1,0 +1,133 @@
+//! Shared helpers for the reconcilers' integration tests against the in-process simulator.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::io;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use apiserver_sim::{Sim, SimConfig};
+use futures::future::BoxFuture;
+use kube::runtime::events::Reporter;
+use reconcilers::PassContext;
+use reconcilers::apiserver_endpoints::{ReadinessProbe, Resolver};
+
+pub async fn sim() -> Sim {
+    Sim::start(SimConfig {
+        seed_namespaces: vec!["default".into(), "kube-system".into()],
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator starts")
+}
+
+pub fn ctx(sim: &Sim, dry_run: bool) -> PassContext {
+    PassContext {
+        client: sim.client(),
+        dry_run,
+    }
+}
+
+pub fn reporter() -> Reporter {
+    Reporter {
+        controller: "bootstrap-controller-test".into(),
+        instance: None,
+    }
+}
+
+/// A readiness probe the test flips.
+#[derive(Default)]
+pub struct Flag(AtomicBool);
+
+impl Flag {
+    pub fn new(ready: bool) -> Self {
+        Flag(AtomicBool::new(ready))
+    }
+
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::SeqCst);
+    }
+}
+
+impl ReadinessProbe for Flag {
+    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+        let ready = self.0.load(Ordering::SeqCst);
+        Box::pin(async move {
+            if ready {
+                Ok(())
+            } else {
+                Err("test says not ready".into())
+            }
+        })
+    }
+}
+
+/// A resolver whose answers the test sets.
+#[derive(Default)]
+pub struct FakeResolver(Mutex<BTreeMap<String, Result<Vec<IpAddr>, String>>>);
+
+impl FakeResolver {
+    pub fn answer(&self, name: &str, answer: Result<Vec<IpAddr>, String>) {
+        self.0.lock().unwrap().insert(name.to_owned(), answer);
+    }
+}
+
+impl Resolver for FakeResolver {
+    fn resolve<'a>(&'a self, host: &'a str) -> BoxFuture<'a, io::Result<Vec<IpAddr>>> {
+        let answer = self
+            .0
+            .lock()
+            .unwrap()
+            .get(host)
+            .cloned()
+            .unwrap_or_else(|| Err(format!("{host}: no such host")));
+        Box::pin(async move { answer.map_err(io::Error::other) })
+    }
+}
+
+pub fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+/// Requests that changed something (not reads, not events).
+pub fn writes(sim: &Sim) -> Vec<String> {
+    sim.requests()
+        .into_iter()
+        .filter(|r| {
+            matches!(
+                r.verb.as_str(),
+                "create" | "update" | "patch" | "delete" | "deletecollection"
+            )
+        })
+        .filter(|r| r.resource != "events")
+        .map(|r| format!("{} {} {}/{}", r.verb, r.resource, r.namespace, r.name))
+        .collect()
+}
+
+/// Poll `check` until it is true, failing after a generous timeout.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(25);
+    while tokio::time::Instant::now() < deadline {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+/// Reasons of the events.k8s.io events recorded so far.
+pub fn event_reasons(sim: &Sim) -> Vec<String> {
+    sim.backdoor()
+        .list("events.events.k8s.io")
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["reason"].as_str().map(str::to_owned))
+        .collect()
+}

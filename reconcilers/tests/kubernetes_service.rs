@@ -1,0 +1,303 @@
+//! The `kubernetes-service` loop against the in-process simulator.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use apiserver_sim::Sim;
+use common::{ctx, event_reasons, eventually, reporter, sim, writes};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, PostParams};
+use prometheus_client::registry::Registry;
+use reconcilers::Reconciler;
+use reconcilers::kubernetes_service::{
+    KubernetesServiceConfig, KubernetesServiceLoop, RepairPolicy,
+};
+
+type Corruption = Box<dyn Fn(&mut Service)>;
+
+fn cfg() -> KubernetesServiceConfig {
+    KubernetesServiceConfig {
+        service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
+        ..KubernetesServiceConfig::default()
+    }
+}
+
+fn service_loop(sim: &Sim, cfg: KubernetesServiceConfig) -> KubernetesServiceLoop {
+    cfg.validate().unwrap();
+    KubernetesServiceLoop::new(cfg, sim.client(), reporter(), &mut Registry::default())
+}
+
+fn api(sim: &Sim) -> Api<Service> {
+    Api::namespaced(sim.client(), "default")
+}
+
+async fn service(sim: &Sim) -> Option<Service> {
+    api(sim).get_opt("kubernetes").await.unwrap()
+}
+
+#[tokio::test]
+async fn creates_the_service_with_the_first_ip_and_then_rests() {
+    let sim = sim().await;
+    let l = service_loop(&sim, cfg());
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift.len(), 1);
+    assert_eq!(report.drift[0].kind, "service_missing");
+    assert!(report.drift[0].applied);
+    let s = service(&sim).await.unwrap();
+    let spec = s.spec.clone().unwrap();
+    assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.1"));
+    assert_eq!(spec.type_.as_deref(), Some("ClusterIP"));
+    assert_eq!(spec.selector, None);
+    let port = &spec.ports.unwrap()[0];
+    assert_eq!(
+        (port.name.as_deref(), port.port, port.target_port.clone()),
+        (Some("https"), 443, Some(IntOrString::Int(6443)))
+    );
+    assert_eq!(
+        s.metadata
+            .labels
+            .unwrap()
+            .get("provider")
+            .map(String::as_str),
+        Some("kubernetes")
+    );
+
+    sim.clear_requests();
+    assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
+    assert_eq!(writes(&sim), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn every_repairable_drift_is_repaired() {
+    let sim = sim().await;
+    let l = service_loop(&sim, cfg());
+    l.reconcile(&ctx(&sim, false)).await.unwrap();
+
+    let corruptions: Vec<(&str, Corruption)> = vec![
+        (
+            "service_ports",
+            Box::new(|s| {
+                s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].target_port =
+                    Some(IntOrString::Int(1))
+            }),
+        ),
+        (
+            "service_type",
+            Box::new(|s| s.spec.as_mut().unwrap().type_ = Some("NodePort".into())),
+        ),
+        (
+            "service_selector",
+            Box::new(|s| {
+                s.spec.as_mut().unwrap().selector =
+                    Some(BTreeMap::from([("app".into(), "x".into())]))
+            }),
+        ),
+        (
+            "service_session_affinity",
+            Box::new(|s| s.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into())),
+        ),
+        (
+            "service_labels",
+            Box::new(|s| {
+                s.metadata.labels.as_mut().unwrap().remove("component");
+            }),
+        ),
+    ];
+    for (kind, corrupt) in corruptions {
+        let mut s = service(&sim).await.unwrap();
+        corrupt(&mut s);
+        api(&sim)
+            .replace("kubernetes", &PostParams::default(), &s)
+            .await
+            .unwrap();
+        let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+        assert!(
+            report.drift.iter().any(|d| d.kind == kind && d.applied),
+            "{kind}: {report:?}"
+        );
+        assert!(
+            l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean(),
+            "{kind} stays repaired"
+        );
+        assert!(l.metrics().repairs(kind) >= 1, "{kind} counted");
+    }
+    let spec = service(&sim).await.unwrap().spec.unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("ClusterIP"));
+    assert_eq!(
+        spec.ports.unwrap()[0].node_port,
+        None,
+        "the node port allocated by the NodePort switch is gone"
+    );
+    eventually("KubernetesServiceRepaired event", || async {
+        event_reasons(&sim).contains(&"KubernetesServiceRepaired".to_owned())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn repair_off_only_reports_like_upstream() {
+    let sim = sim().await;
+    let l = service_loop(
+        &sim,
+        KubernetesServiceConfig {
+            repair: RepairPolicy::Off,
+            ..cfg()
+        },
+    );
+    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    let mut s = service(&sim).await.unwrap();
+    s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].port = 8443;
+    api(&sim)
+        .replace("kubernetes", &PostParams::default(), &s)
+        .await
+        .unwrap();
+    sim.clear_requests();
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift.len(), 1);
+    assert_eq!(report.drift[0].kind, "service_ports");
+    assert_eq!(report.drift[0].action, reconcilers::Action::Report);
+    assert!(!report.drift[0].applied);
+    assert_eq!(writes(&sim), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn dry_run_writes_nothing() {
+    let sim = sim().await;
+    let l = service_loop(&sim, cfg());
+    let report = l.reconcile(&ctx(&sim, true)).await.unwrap();
+    assert_eq!(report.drift[0].kind, "service_missing");
+    assert!(!report.drift[0].applied);
+    assert!(service(&sim).await.is_none());
+
+    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    let mut s = service(&sim).await.unwrap();
+    s.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into());
+    api(&sim)
+        .replace("kubernetes", &PostParams::default(), &s)
+        .await
+        .unwrap();
+    sim.clear_requests();
+    let report = l.reconcile(&ctx(&sim, true)).await.unwrap();
+    assert_eq!(report.drift.len(), 1);
+    assert!(!report.drift[0].applied);
+    assert!(report.drift[0].message.contains("would repair"));
+    assert_eq!(writes(&sim), Vec::<String>::new());
+}
+
+/// A Service someone created with another clusterIP (e.g. before the range changed).
+fn plant_wrong_ip(sim: &Sim) {
+    sim.backdoor()
+        .put(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "kubernetes", "namespace": "default", "labels": {"provider": "kubernetes", "component": "apiserver"}},
+            "spec": {
+                "clusterIP": "10.96.0.50",
+                "clusterIPs": ["10.96.0.50"],
+                "ipFamilies": ["IPv4"],
+                "ipFamilyPolicy": "SingleStack",
+                "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443}],
+                "sessionAffinity": "None",
+                "type": "ClusterIP"
+            }
+        }))
+        .unwrap();
+}
+
+#[tokio::test]
+async fn cluster_ip_mismatch_is_reported_never_fixed_by_default() {
+    let sim = sim().await;
+    plant_wrong_ip(&sim);
+    let l = service_loop(&sim, cfg());
+    sim.clear_requests();
+    for _ in 0..2 {
+        let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+        assert_eq!(report.drift.len(), 1);
+        assert_eq!(report.drift[0].kind, "service_cluster_ip");
+        assert_eq!(report.drift[0].action, reconcilers::Action::Report);
+    }
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    assert_eq!(l.metrics().cluster_ip_mismatch(), 1);
+    eventually("one ClusterIPMismatch warning", || async {
+        event_reasons(&sim)
+            .iter()
+            .filter(|r| *r == "ClusterIPMismatch")
+            .count()
+            == 1
+    })
+    .await;
+    assert_eq!(
+        service(&sim)
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .cluster_ip
+            .as_deref(),
+        Some("10.96.0.50")
+    );
+}
+
+#[tokio::test]
+async fn cluster_ip_mismatch_recreated_only_with_opt_in() {
+    let sim = sim().await;
+    plant_wrong_ip(&sim);
+    let l = service_loop(
+        &sim,
+        KubernetesServiceConfig {
+            recreate_on_cluster_ip_mismatch: true,
+            ..cfg()
+        },
+    );
+    let report = l.reconcile(&ctx(&sim, true)).await.unwrap();
+    assert_eq!(report.drift[0].action, reconcilers::Action::Delete);
+    assert!(!report.drift[0].applied, "dry-run never deletes");
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert!(report.drift[0].applied, "{report:?}");
+    assert_eq!(
+        service(&sim)
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .cluster_ip
+            .as_deref(),
+        Some("10.96.0.1")
+    );
+    assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
+}
+
+#[tokio::test]
+async fn node_port_and_dual_stack_shape() {
+    let sim = Sim::start(apiserver_sim::SimConfig {
+        seed_namespaces: vec!["default".into()],
+        service_cluster_ip_ranges: vec![
+            "10.96.0.0/12".parse().unwrap(),
+            "fd00:10:96::/108".parse().unwrap(),
+        ],
+        ..apiserver_sim::SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let c = KubernetesServiceConfig {
+        service_cidrs: vec![
+            "10.96.0.0/12".parse().unwrap(),
+            "fd00:10:96::/108".parse().unwrap(),
+        ],
+        node_port: Some(30443),
+        ..cfg()
+    };
+    let l = service_loop(&sim, c);
+    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    let spec = service(&sim).await.unwrap().spec.unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("NodePort"));
+    assert_eq!(spec.ports.as_ref().unwrap()[0].node_port, Some(30443));
+    assert_eq!(
+        spec.cluster_ips,
+        Some(vec!["10.96.0.1".to_owned(), "fd00:10:96::1".to_owned()])
+    );
+    assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
+}
