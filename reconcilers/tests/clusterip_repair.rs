@@ -1,0 +1,1119 @@
+//! The ClusterIP repair and default ServiceCIDR loops against the API simulator, in-process.
+//!
+//! Each upstream `RepairIPAddress` case is produced by writing broken state through the
+//! simulator's backdoor, then repaired (or only reported, where upstream only reports) with the
+//! exact event reason, note and reporting controller. Timing is never asserted: conditions are
+//! polled with generous deadlines.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::PostParams;
+use kube::{Api, Client};
+use prometheus_client::registry::Registry;
+use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
+use reconcilers::service_cidr::{DefaultServiceCidr, ServiceCidrConfig};
+use reconcilers::{Action, PassContext, PassReport, Reconciler};
+use serde_json::{Value, json};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn ranges() -> Vec<ipnet::IpNet> {
+    vec![
+        "10.96.0.0/16".parse().unwrap(),
+        "fd00:10:96::/108".parse().unwrap(),
+    ]
+}
+
+async fn start_sim() -> Result<Sim> {
+    let sim = Sim::start(SimConfig {
+        service_cluster_ip_ranges: ranges(),
+        seed_namespaces: vec!["default".into(), "shop".into(), "kube-system".into()],
+        ..SimConfig::default()
+    })
+    .await?;
+    Ok(sim)
+}
+
+fn ctx(client: &Client, dry_run: bool) -> PassContext {
+    PassContext {
+        client: client.clone(),
+        dry_run,
+    }
+}
+
+/// Creates the default ServiceCIDR with the real loop, as a deployment would.
+async fn ensure_default_service_cidr(client: &Client) -> Result<()> {
+    let service_cidr = DefaultServiceCidr::new(
+        client.clone(),
+        ServiceCidrConfig {
+            cidrs: ranges(),
+            ..ServiceCidrConfig::default()
+        },
+    )?;
+    service_cidr.reconcile(&ctx(client, false)).await?;
+    Ok(())
+}
+
+/// Polls the loop's trigger streams in the background, as the runner does.
+fn drive_triggers(repair: &ClusterIpRepair) -> tokio::task::JoinHandle<()> {
+    let mut triggers = futures::stream::select_all(repair.triggers());
+    tokio::spawn(async move { while triggers.next().await.is_some() {} })
+}
+
+fn repair_with(
+    client: &Client,
+    config: ClusterIpRepairConfig,
+) -> Result<(Arc<ClusterIpRepair>, Registry)> {
+    let mut registry = Registry::default();
+    let repair = ClusterIpRepair::new(client.clone(), config, &mut registry)?;
+    Ok((Arc::new(repair), registry))
+}
+
+fn config(grace: Duration) -> ClusterIpRepairConfig {
+    ClusterIpRepairConfig {
+        orphan_grace: grace,
+        mode: RepairMode::Auto,
+        service_ranges: ranges(),
+        freshness_wait: Duration::from_secs(3),
+        ..ClusterIpRepairConfig::default()
+    }
+}
+
+/// Runs passes until one succeeds and `done` holds for its report.
+async fn pass_until(
+    repair: &ClusterIpRepair,
+    client: &Client,
+    dry_run: bool,
+    what: &str,
+    mut done: impl FnMut(&PassReport) -> bool,
+) -> Result<PassReport> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut last;
+    loop {
+        match repair.reconcile(&ctx(client, dry_run)).await {
+            Ok(report) if done(&report) => return Ok(report),
+            Ok(report) => last = format!("{report:#?}"),
+            Err(err) => last = err.to_string(),
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("timed out waiting for {what}; last pass: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn create_service(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    cluster_ip: Option<&str>,
+    dual: bool,
+) -> Result<Service> {
+    let spec = ServiceSpec {
+        cluster_ip: cluster_ip.map(str::to_owned),
+        cluster_ips: cluster_ip.map(|ip| vec![ip.to_owned()]),
+        ip_family_policy: Some(
+            if dual {
+                "PreferDualStack"
+            } else {
+                "SingleStack"
+            }
+            .to_owned(),
+        ),
+        ports: Some(vec![ServicePort {
+            port: 80,
+            ..ServicePort::default()
+        }]),
+        ..ServiceSpec::default()
+    };
+    let service = Service {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            namespace: Some(ns.to_owned()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(spec),
+        status: None,
+    };
+    Api::<Service>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &service)
+        .await
+        .with_context(|| format!("create Service {ns}/{name}"))
+}
+
+fn cluster_ips(service: &Service) -> Vec<String> {
+    service
+        .spec
+        .as_ref()
+        .and_then(|s| s.cluster_ips.clone())
+        .unwrap_or_default()
+}
+
+fn ip_address_json(
+    ip: &str,
+    parent: Value,
+    managed_by: Option<&str>,
+    family: &str,
+    created: &str,
+) -> Value {
+    let mut labels = serde_json::Map::new();
+    labels.insert("ipaddress.kubernetes.io/ip-family".into(), json!(family));
+    if let Some(manager) = managed_by {
+        labels.insert("ipaddress.kubernetes.io/managed-by".into(), json!(manager));
+    }
+    json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "IPAddress",
+        "metadata": {"name": ip, "labels": labels, "creationTimestamp": created},
+        "spec": {"parentRef": parent},
+    })
+}
+
+fn service_ref(ns: &str, name: &str) -> Value {
+    json!({"group": "", "resource": "services", "namespace": ns, "name": name})
+}
+
+const LONG_AGO: &str = "2020-01-01T00:00:00Z";
+
+fn backdoor_service(ns: &str, name: &str, ips: &[&str]) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"clusterIP": ips[0], "clusterIPs": ips, "ports": [{"port": 80, "protocol": "TCP"}], "type": "ClusterIP"},
+    })
+}
+
+async fn ip_address(client: &Client, ip: &str) -> Result<Option<IPAddress>> {
+    Ok(Api::<IPAddress>::all(client.clone()).get_opt(ip).await?)
+}
+
+fn parent_of(ip: &IPAddress) -> (String, String, String, String) {
+    let parent = &ip.spec.as_ref().unwrap().parent_ref;
+    (
+        parent.group.clone().unwrap_or_default(),
+        parent.resource.clone(),
+        parent.namespace.clone().unwrap_or_default(),
+        parent.name.clone(),
+    )
+}
+
+/// Events with this reason from the ClusterIP repair's reporting controller.
+async fn repair_events(client: &Client, reason: &str) -> Result<Vec<Event>> {
+    let events = Api::<Event>::all(client.clone())
+        .list(&Default::default())
+        .await?;
+    Ok(events
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .filter(|e| e.reporting_controller.as_deref() == Some("ipallocator-repair-controller"))
+        .collect())
+}
+
+async fn expect_event(client: &Client, reason: &str, regarding: &str, note: &str) -> Result<()> {
+    let events = repair_events(client, reason).await?;
+    let found = events.iter().any(|e| {
+        e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(regarding)
+            && e.note.as_deref() == Some(note)
+            && e.type_.as_deref() == Some("Warning")
+    });
+    if !found {
+        let seen: Vec<_> = events
+            .iter()
+            .map(|e| {
+                (
+                    e.regarding.as_ref().and_then(|r| r.name.clone()),
+                    e.note.clone(),
+                )
+            })
+            .collect();
+        bail!("no {reason} event about {regarding} with note {note:?}; saw {seen:?}");
+    }
+    Ok(())
+}
+
+fn has_drift(report: &PassReport, kind: &str, object: &str) -> bool {
+    report
+        .drift
+        .iter()
+        .any(|d| d.kind == kind && d.object == object)
+}
+
+fn metric_text(registry: &Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    text
+}
+
+#[tokio::test]
+async fn default_service_cidr_is_created_upgraded_and_reported() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    let api = Api::<ServiceCIDR>::all(client.clone());
+    // Single-stack first, as a cluster that later gains a secondary range.
+    let single = DefaultServiceCidr::new(
+        client.clone(),
+        ServiceCidrConfig {
+            cidrs: ranges()[..1].to_vec(),
+            ..ServiceCidrConfig::default()
+        },
+    )?;
+    let report = single.reconcile(&ctx(&client, false)).await?;
+    assert!(
+        report
+            .drift
+            .iter()
+            .any(|d| d.kind == "servicecidr_missing" && d.applied)
+    );
+    let created = api.get("kubernetes").await?;
+    assert_eq!(created.spec.unwrap().cidrs.unwrap(), ["10.96.0.0/16"]);
+    let ready = created
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default();
+    assert!(
+        ready
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True"),
+        "{ready:?}"
+    );
+    assert!(single.reconcile(&ctx(&client, false)).await?.is_clean());
+
+    let dual = DefaultServiceCidr::new(
+        client.clone(),
+        ServiceCidrConfig {
+            cidrs: ranges(),
+            ..ServiceCidrConfig::default()
+        },
+    )?;
+    let dry = dual.reconcile(&ctx(&client, true)).await?;
+    assert!(
+        dry.drift
+            .iter()
+            .any(|d| d.kind == "servicecidr_single_stack" && !d.applied)
+    );
+    assert_eq!(
+        api.get("kubernetes")
+            .await?
+            .spec
+            .unwrap()
+            .cidrs
+            .unwrap()
+            .len(),
+        1,
+        "dry-run wrote"
+    );
+    dual.reconcile(&ctx(&client, false)).await?;
+    assert_eq!(
+        api.get("kubernetes").await?.spec.unwrap().cidrs.unwrap(),
+        ["10.96.0.0/16", "fd00:10:96::/108"]
+    );
+
+    // A different configuration is reported (event once), never applied or shrunk.
+    let other = DefaultServiceCidr::new(
+        client.clone(),
+        ServiceCidrConfig {
+            cidrs: vec!["10.100.0.0/16".parse()?],
+            ..ServiceCidrConfig::default()
+        },
+    )?;
+    for _ in 0..2 {
+        let report = other.reconcile(&ctx(&client, false)).await?;
+        assert!(
+            report
+                .drift
+                .iter()
+                .any(|d| d.kind == "servicecidr_inconsistent" && d.action == Action::Report)
+        );
+    }
+    assert_eq!(
+        api.get("kubernetes")
+            .await?
+            .spec
+            .unwrap()
+            .cidrs
+            .unwrap()
+            .len(),
+        2
+    );
+    let events = Api::<Event>::all(client.clone())
+        .list(&Default::default())
+        .await?;
+    let inconsistent: Vec<_> = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("KubernetesDefaultServiceCIDRInconsistent"))
+        .collect();
+    assert_eq!(inconsistent.len(), 1, "{inconsistent:?}");
+    assert_eq!(
+        inconsistent[0].note.as_deref(),
+        Some(
+            "The default ServiceCIDR [10.96.0.0/16 fd00:10:96::/108] does not match the controller flag configurations [10.100.0.0/16]"
+        )
+    );
+    assert_eq!(
+        inconsistent[0].reporting_controller.as_deref(),
+        Some("kubernetes-service-cidr-controller")
+    );
+    Ok(())
+}
+
+/// Plants every upstream case; returns (description, expected reason, regarding, note).
+struct Planted {
+    missing_v6: String,
+    wrong_kind_ip: String,
+    dangling_ip: String,
+    duplicate_ip: String,
+    not_service_ip: &'static str,
+    leaked_ip: &'static str,
+    wrong_parent_ip: &'static str,
+    foreign_ip: &'static str,
+    relabel_ip: String,
+}
+
+async fn plant_every_case(sim: &Sim, client: &Client) -> Result<Planted> {
+    let backdoor = sim.backdoor();
+    // Healthy services, allocated by the simulator like kube-apiserver does.
+    let a = create_service(client, "shop", "a", None, true).await?;
+    let b = create_service(client, "shop", "b", None, false).await?;
+    let c = create_service(client, "shop", "c", None, false).await?;
+    let d = create_service(client, "shop", "d", None, false).await?;
+    let e = create_service(client, "shop", "e", None, true).await?;
+    create_service(client, "shop", "f", Some("10.96.7.7"), false).await?;
+    let a_ips = cluster_ips(&a);
+    assert_eq!(a_ips.len(), 2, "dual-stack service {a_ips:?}");
+    let missing_v6 = a_ips[1].clone();
+    // ClusterIPNotAllocated: a's IPv6 IPAddress vanished.
+    backdoor.delete("ipaddresses.networking.k8s.io", "", &missing_v6)?;
+    // Wrong reference: b's IPAddress points at a Gateway.
+    let wrong_kind_ip = cluster_ips(&b)[0].clone();
+    backdoor.put(ip_address_json(
+        &wrong_kind_ip,
+        json!({"group": "gateway.networking.k8s.io", "resource": "gateways", "namespace": "shop", "name": "b"}),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    // Dangling reference: c's IPAddress points at a Service that does not exist.
+    let dangling_ip = cluster_ips(&c)[0].clone();
+    backdoor.put(ip_address_json(
+        &dangling_ip,
+        service_ref("shop", "ghost"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    // ClusterIPAlreadyAllocated: a second Service claims d's IP.
+    let duplicate_ip = cluster_ips(&d)[0].clone();
+    backdoor.put(backdoor_service("shop", "d-copy", &[&duplicate_ip]))?;
+    // Out of range and invalid.
+    backdoor.put(backdoor_service("shop", "far", &["192.168.50.5"]))?;
+    backdoor.put(backdoor_service("shop", "bad", &["10.96.0.999"]))?;
+    // IPAddress managed by the allocator but not referencing a Service.
+    let not_service_ip = "10.96.200.1";
+    backdoor.put(ip_address_json(
+        not_service_ip,
+        json!({"group": "example.io", "resource": "widgets", "namespace": "shop", "name": "w"}),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    // Leaked: its Service is gone, and it is old.
+    let leaked_ip = "10.96.200.2";
+    backdoor.put(ip_address_json(
+        leaked_ip,
+        service_ref("shop", "deleted-long-ago"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    // Wrong parent: e exists but does not list this IP.
+    let wrong_parent_ip = "10.96.200.3";
+    backdoor.put(ip_address_json(
+        wrong_parent_ip,
+        service_ref("shop", "e"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    // Someone else's IPAddress, parent gone: never touched.
+    let foreign_ip = "10.96.200.4";
+    backdoor.put(ip_address_json(
+        foreign_ip,
+        service_ref("shop", "nobody"),
+        Some("example.io/allocator"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    // Wrong family label on e's IPv6 IPAddress: recreated silently.
+    let relabel_ip = cluster_ips(&e)[1].clone();
+    backdoor.put(ip_address_json(
+        &relabel_ip,
+        service_ref("shop", "e"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    Ok(Planted {
+        missing_v6,
+        wrong_kind_ip,
+        dangling_ip,
+        duplicate_ip,
+        not_service_ip,
+        leaked_ip,
+        wrong_parent_ip,
+        foreign_ip,
+        relabel_ip,
+    })
+}
+
+#[tokio::test]
+async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let planted = plant_every_case(&sim, &client).await?;
+    let (repair, registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let _triggers = drive_triggers(&repair);
+
+    let report = pass_until(
+        &repair,
+        &client,
+        false,
+        "a pass with the planted drift",
+        |r| {
+            has_drift(
+                r,
+                "ipaddress_leaked",
+                &format!("IPAddress/{}", planted.leaked_ip),
+            )
+        },
+    )
+    .await?;
+    for (kind, object, applied) in [
+        ("clusterip_not_allocated", "Service/shop/a", true),
+        ("ipaddress_wrong_reference", "Service/shop/b", true),
+        ("ipaddress_wrong_reference", "Service/shop/c", true),
+        ("clusterip_already_allocated", "Service/shop/d-copy", false),
+        ("clusterip_out_of_range", "Service/shop/far", false),
+        ("clusterip_not_valid", "Service/shop/bad", false),
+        ("ipaddress_not_a_service", "IPAddress/10.96.200.1", true),
+        ("ipaddress_leaked", "IPAddress/10.96.200.2", true),
+        ("ipaddress_wrong_parent", "IPAddress/10.96.200.3", true),
+        ("ipaddress_wrong_labels", "Service/shop/e", true),
+    ] {
+        let drift = report
+            .drift
+            .iter()
+            .find(|d| d.kind == kind && d.object == object)
+            .with_context(|| format!("no {kind} drift for {object} in {report:#?}"))?;
+        assert_eq!(drift.applied, applied, "{drift:?}");
+    }
+    assert!(
+        !report
+            .drift
+            .iter()
+            .any(|d| d.object.contains(planted.foreign_ip)),
+        "{report:#?}"
+    );
+
+    // The cluster is repaired.
+    let v6 = ip_address(&client, &planted.missing_v6)
+        .await?
+        .context("a's IPv6 IPAddress recreated")?;
+    assert_eq!(
+        parent_of(&v6),
+        ("".into(), "services".into(), "shop".into(), "a".into())
+    );
+    let labels: BTreeMap<String, String> = v6.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels
+            .get("ipaddress.kubernetes.io/ip-family")
+            .map(String::as_str),
+        Some("IPv6")
+    );
+    assert_eq!(
+        labels
+            .get("ipaddress.kubernetes.io/managed-by")
+            .map(String::as_str),
+        Some("ipallocator.k8s.io")
+    );
+    for (ip, owner) in [(&planted.wrong_kind_ip, "b"), (&planted.dangling_ip, "c")] {
+        let object = ip_address(&client, ip)
+            .await?
+            .context("repaired IPAddress")?;
+        assert_eq!(
+            parent_of(&object),
+            ("".into(), "services".into(), "shop".into(), owner.into())
+        );
+    }
+    let d_ip = ip_address(&client, &planted.duplicate_ip)
+        .await?
+        .context("d's IPAddress")?;
+    assert_eq!(
+        parent_of(&d_ip).3,
+        "d",
+        "the duplicate claimant does not take the IPAddress"
+    );
+    for gone in [
+        planted.not_service_ip,
+        planted.leaked_ip,
+        planted.wrong_parent_ip,
+    ] {
+        assert!(
+            ip_address(&client, gone).await?.is_none(),
+            "{gone} should be deleted"
+        );
+    }
+    assert!(
+        ip_address(&client, planted.foreign_ip).await?.is_some(),
+        "foreign IPAddress touched"
+    );
+    let relabeled = ip_address(&client, &planted.relabel_ip)
+        .await?
+        .context("relabelled")?;
+    assert_eq!(
+        relabeled
+            .metadata
+            .labels
+            .unwrap_or_default()
+            .get("ipaddress.kubernetes.io/ip-family")
+            .map(String::as_str),
+        Some("IPv6")
+    );
+
+    // The events, word for word.
+    let ip6 = &planted.missing_v6;
+    expect_event(
+        &client,
+        "ClusterIPNotAllocated",
+        "a",
+        &format!("Cluster IP [IPv6]: {ip6} is not allocated; repairing"),
+    )
+    .await?;
+    expect_event(
+        &client,
+        "ClusterIPNotAllocated",
+        "b",
+        &format!(
+            "the ClusterIP [IPv4]: {} for Service shop/b has a wrong reference; repairing",
+            planted.wrong_kind_ip
+        ),
+    )
+    .await?;
+    expect_event(
+        &client,
+        "ClusterIPNotAllocated",
+        "c",
+        &format!(
+            "the ClusterIP [IPv4]: {} for Service shop/c has a wrong reference; repairing",
+            planted.dangling_ip
+        ),
+    )
+    .await?;
+    expect_event(
+        &client,
+        "ClusterIPAlreadyAllocated",
+        "d-copy",
+        &format!(
+            "Cluster IP [IPv4]:{} was assigned to multiple services; please recreate service",
+            planted.duplicate_ip
+        ),
+    )
+    .await?;
+    expect_event(
+        &client,
+        "ClusterIPOutOfRange",
+        "far",
+        "Cluster IP [IPv4]: 192.168.50.5 is not within any configured Service CIDR; please recreate service",
+    )
+    .await?;
+    expect_event(
+        &client,
+        "ClusterIPNotValid",
+        "bad",
+        "Cluster IP 10.96.0.999 is not a valid IP; please recreate Service",
+    )
+    .await?;
+    expect_event(
+        &client,
+        "IPAddressNotAllocated",
+        planted.not_service_ip,
+        "IPAddress 10.96.200.1 appears to have been modified, not referencing a Service &{example.io widgets shop w}: cleaning up",
+    )
+    .await?;
+    expect_event(
+        &client,
+        "IPAddressNotAllocated",
+        planted.leaked_ip,
+        "IPAddress: 10.96.200.2 for Service shop/deleted-long-ago appears to have leaked: cleaning up",
+    )
+    .await?;
+    expect_event(
+        &client,
+        "IPAddressWrongReference",
+        planted.wrong_parent_ip,
+        "IPAddress: 10.96.200.3 for Service shop/e has a wrong reference; cleaning up",
+    )
+    .await?;
+    let actions: Vec<_> = repair_events(&client, "ClusterIPNotValid")
+        .await?
+        .iter()
+        .map(|e| e.action.clone())
+        .collect();
+    assert_eq!(actions, [Some("ClusterIPValidation".to_owned())]);
+
+    // Only reported drift remains.
+    let again = pass_until(&repair, &client, false, "a settled pass", |r| {
+        r.drift.iter().all(|d| d.action == Action::Report)
+    })
+    .await?;
+    assert_eq!(again.drift.len(), 3, "{again:#?}");
+
+    let metrics = metric_text(&registry);
+    for line in [
+        "clusterip_repair_ip_errors_total{type=\"leak\"}",
+        "clusterip_repair_ip_errors_total{type=\"repair\"}",
+        "clusterip_repair_ip_errors_total{type=\"duplicate\"}",
+        "clusterip_repair_ip_errors_total{type=\"outOfRange\"}",
+        "clusterip_repair_ip_errors_total{type=\"invalid\"}",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from\n{metrics}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn dry_run_reports_every_case_and_writes_nothing() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    plant_every_case(&sim, &client).await?;
+    let (repair, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let _triggers = drive_triggers(&repair);
+    let before = sim.backdoor().list("ipaddresses.networking.k8s.io")?;
+    sim.clear_requests();
+    let report = pass_until(
+        &repair,
+        &client,
+        true,
+        "a dry-run pass with every case",
+        |r| r.drift.len() >= 10,
+    )
+    .await?;
+    assert!(report.drift.iter().all(|d| !d.applied), "{report:#?}");
+    let kinds: std::collections::BTreeSet<_> = report.drift.iter().map(|d| d.kind).collect();
+    for kind in [
+        "clusterip_not_allocated",
+        "ipaddress_wrong_reference",
+        "clusterip_already_allocated",
+        "clusterip_out_of_range",
+        "clusterip_not_valid",
+        "ipaddress_not_a_service",
+        "ipaddress_leaked",
+        "ipaddress_wrong_parent",
+        "ipaddress_wrong_labels",
+    ] {
+        assert!(kinds.contains(kind), "{kind} not reported: {kinds:?}");
+    }
+    let writes: Vec<_> = sim
+        .requests()
+        .into_iter()
+        .filter(|r| !matches!(r.verb.as_str(), "get" | "list" | "watch" | "GET"))
+        .collect();
+    assert!(writes.is_empty(), "dry-run wrote: {writes:?}");
+    assert_eq!(
+        sim.backdoor().list("ipaddresses.networking.k8s.io")?,
+        before
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn orphan_younger_than_the_grace_period_is_kept_then_deleted() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let grace = Duration::from_secs(4);
+    let (repair, _registry) = repair_with(&client, config(grace))?;
+    let _triggers = drive_triggers(&repair);
+    // As kube-apiserver does mid-create: the IPAddress exists, its Service not yet.
+    let now = jiff::Timestamp::now()
+        .round(jiff::Unit::Second)?
+        .to_string();
+    sim.backdoor().put(ip_address_json(
+        "10.96.201.1",
+        service_ref("shop", "being-created"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        &now,
+    ))?;
+    let report = pass_until(
+        &repair,
+        &client,
+        false,
+        "a pass seeing the young orphan",
+        |_| true,
+    )
+    .await?;
+    assert!(
+        !has_drift(&report, "ipaddress_leaked", "IPAddress/10.96.201.1"),
+        "{report:#?}"
+    );
+    assert!(ip_address(&client, "10.96.201.1").await?.is_some());
+    // The Service never arrives: once the grace period is over the orphan goes.
+    pass_until(&repair, &client, false, "the orphan's deletion", |r| {
+        r.drift
+            .iter()
+            .any(|d| d.object == "IPAddress/10.96.201.1" && d.applied)
+    })
+    .await?;
+    assert!(ip_address(&client, "10.96.201.1").await?.is_none());
+    Ok(())
+}
+
+#[tokio::test]
+async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let (repair, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a first clean pass", |r| {
+        r.is_clean()
+    })
+    .await?;
+    // IPAddress watch events arrive late; the Service shows up first.
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::Watch),
+        Some("ipaddresses.networking.k8s.io"),
+        1.0,
+        FaultKind::Latency { millis: 1500 },
+    ));
+    sim.backdoor()
+        .put(backdoor_service("shop", "late", &["10.96.9.9"]))?;
+    // The allocator's own write, delayed, lands while the repair may be running.
+    let writer = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let object: IPAddress = serde_json::from_value(ip_address_json(
+                "10.96.9.9",
+                service_ref("shop", "late"),
+                Some("ipallocator.k8s.io"),
+                "IPv4",
+                LONG_AGO,
+            ))
+            .unwrap();
+            Api::<IPAddress>::all(client)
+                .create(&PostParams::default(), &object)
+                .await
+        })
+    };
+    for _ in 0..10 {
+        repair.reconcile(&ctx(&client, false)).await.ok();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = writer.await?;
+    sim.faults().clear();
+    let settled = pass_until(&repair, &client, false, "a settled pass", |r| r.is_clean()).await?;
+    assert!(settled.is_clean());
+    let all = sim.backdoor().list("ipaddresses.networking.k8s.io")?;
+    let for_ip: Vec<_> = all
+        .iter()
+        .filter(|o| o["metadata"]["name"] == "10.96.9.9")
+        .collect();
+    assert_eq!(for_ip.len(), 1);
+    assert_eq!(for_ip[0]["spec"]["parentRef"]["name"], "late");
+    assert!(
+        repair_events(&client, "ClusterIPAlreadyAllocated")
+            .await?
+            .is_empty()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn stale_service_cache_defers_deletes() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    // The Service watch is broken from the start: the cache holds the initial list and never
+    // hears of anything newer.
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::Watch),
+        Some("services"),
+        1.0,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    let (repair, registry) = repair_with(&client, config(Duration::from_secs(1)))?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a first clean pass", |r| {
+        r.is_clean()
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A Service the cache cannot know about, with an IPAddress that looks leaked to it.
+    let fresh = create_service(&client, "shop", "unseen", Some("10.96.10.10"), false).await?;
+    assert_eq!(cluster_ips(&fresh), ["10.96.10.10"]);
+    sim.backdoor().put(ip_address_json(
+        "10.96.10.10",
+        service_ref("shop", "unseen"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    let report = pass_until(&repair, &client, false, "a deferred delete", |r| {
+        r.drift
+            .iter()
+            .any(|d| d.object == "IPAddress/10.96.10.10" && d.message.contains("deferred"))
+    })
+    .await?;
+    assert!(
+        report
+            .drift
+            .iter()
+            .all(|d| !(d.object == "IPAddress/10.96.10.10" && d.applied))
+    );
+    assert!(
+        ip_address(&client, "10.96.10.10").await?.is_some(),
+        "a live Service's IPAddress was deleted"
+    );
+    let metrics = metric_text(&registry);
+    assert!(
+        metrics.contains("clusterip_repair_deferred_deletes_total{reason=\"stale_cache\"}"),
+        "{metrics}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn audit_mode_reports_legacy_reasons_without_writing() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    let a = create_service(&client, "shop", "a", None, true).await?;
+    let a_ip = cluster_ips(&a)[0].clone();
+    sim.backdoor()
+        .put(backdoor_service("shop", "copy", &[&a_ip]))?;
+    sim.backdoor()
+        .put(backdoor_service("shop", "far", &["10.200.0.1"]))?;
+    sim.backdoor()
+        .put(backdoor_service("shop", "bad", &["nope"]))?;
+    let (repair, registry) = repair_with(
+        &client,
+        ClusterIpRepairConfig {
+            mode: RepairMode::Audit,
+            service_ranges: ranges(),
+            ..ClusterIpRepairConfig::default()
+        },
+    )?;
+    let _triggers = drive_triggers(&repair);
+    sim.clear_requests();
+    let report = pass_until(&repair, &client, false, "an audit pass", |r| {
+        r.drift.len() == 3
+    })
+    .await?;
+    assert!(
+        report
+            .drift
+            .iter()
+            .all(|d| d.action == Action::Report && !d.applied)
+    );
+    expect_event(
+        &client,
+        "ClusterIPAlreadyAllocated",
+        "copy",
+        &format!(
+            "Cluster IP [IPv4]:{a_ip} was assigned to multiple services; please recreate service"
+        ),
+    )
+    .await?;
+    expect_event(
+        &client,
+        "ClusterIPOutOfRange",
+        "far",
+        "Cluster IP [IPv4]:10.200.0.1 is not within the service CIDR 10.96.0.0/16; please recreate service",
+    )
+    .await?;
+    expect_event(
+        &client,
+        "ClusterIPNotValid",
+        "bad",
+        "Cluster IP nope is not a valid IP; please recreate service",
+    )
+    .await?;
+    let writes: Vec<_> = sim
+        .requests()
+        .into_iter()
+        .filter(|r| {
+            !matches!(r.verb.as_str(), "get" | "list" | "watch" | "GET") && r.resource != "events"
+        })
+        .collect();
+    assert!(writes.is_empty(), "audit wrote: {writes:?}");
+    assert!(
+        metric_text(&registry).contains("clusterip_repair_ip_errors_total{type=\"duplicate\"} 1")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn chaos_never_deletes_a_live_services_ipaddress() -> Result<()> {
+    let sim = Sim::start(SimConfig {
+        service_cluster_ip_ranges: ranges(),
+        seed_namespaces: vec!["shop".into()],
+        watch_window: 50,
+        ..SimConfig::default()
+    })
+    .await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    // Live Services with IPs in 10.96.100.0/24; churn and planted orphans elsewhere.
+    let mut live = Vec::new();
+    for i in 0..60u32 {
+        let ip = format!("10.96.100.{}", i + 1);
+        create_service(&client, "shop", &format!("live-{i}"), Some(&ip), false).await?;
+        live.push((format!("live-{i}"), ip));
+    }
+    for i in 0..5u32 {
+        sim.backdoor().put(ip_address_json(
+            &format!("10.96.150.{}", i + 1),
+            service_ref("shop", &format!("gone-{i}")),
+            Some("ipallocator.k8s.io"),
+            "IPv4",
+            LONG_AGO,
+        ))?;
+    }
+    let (repair, registry) = repair_with(&client, config(Duration::from_secs(1)))?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a first pass", |_| true).await?;
+    sim.clear_requests();
+
+    let faults = sim.faults();
+    for (verb, fault, p) in [
+        (
+            None,
+            FaultKind::Error {
+                code: 500,
+                retry_after_seconds: None,
+            },
+            0.15,
+        ),
+        (
+            Some(Verb::List),
+            FaultKind::Error {
+                code: 503,
+                retry_after_seconds: None,
+            },
+            0.2,
+        ),
+        (Some(Verb::Get), FaultKind::DropConnection, 0.1),
+        (
+            Some(Verb::Watch),
+            FaultKind::CutWatchAfterEvents { events: 3 },
+            0.4,
+        ),
+        (Some(Verb::Watch), FaultKind::WatchGone, 0.2),
+        (
+            Some(Verb::Watch),
+            FaultKind::CutWatchAfter { millis: 300 },
+            0.2,
+        ),
+    ] {
+        faults.inject(FaultRule::probability(verb, None, p, fault));
+    }
+    // Churn while the faults fire: Services created and deleted in 10.96.120.0/24.
+    let churn = {
+        let client = sim.new_client().await?;
+        tokio::spawn(async move {
+            for i in 0..40u32 {
+                let name = format!("churn-{i}");
+                let ip = format!("10.96.120.{}", i + 1);
+                if create_service(&client, "shop", &name, Some(&ip), false)
+                    .await
+                    .is_ok()
+                    && i % 2 == 0
+                {
+                    let _ = Api::<Service>::namespaced(client.clone(), "shop")
+                        .delete(&name, &Default::default())
+                        .await;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let chaos_until = tokio::time::Instant::now() + Duration::from_secs(12);
+    let mut passes = 0;
+    let mut failures = 0;
+    while tokio::time::Instant::now() < chaos_until {
+        match repair.reconcile(&ctx(&client, false)).await {
+            Ok(_) => passes += 1,
+            Err(_) => failures += 1,
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    churn.await?;
+    faults.clear();
+    assert!(
+        passes > 0,
+        "no pass succeeded under chaos ({failures} failed)"
+    );
+
+    let wrong: Vec<_> = sim
+        .requests()
+        .into_iter()
+        .filter(|r| {
+            r.verb == "delete" && r.resource == "ipaddresses" && r.name.starts_with("10.96.100.")
+        })
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "deleted live Services' IPAddresses: {wrong:?}"
+    );
+    for (name, ip) in &live {
+        let object = ip_address(&client, ip)
+            .await?
+            .with_context(|| format!("{ip} of {name} missing"))?;
+        assert_eq!(
+            parent_of(&object),
+            ("".into(), "services".into(), "shop".into(), name.clone())
+        );
+    }
+    // After the storm the planted orphans are gone and everything is consistent.
+    pass_until(&repair, &client, false, "a clean pass after chaos", |r| {
+        r.is_clean()
+    })
+    .await?;
+    for i in 0..5u32 {
+        assert!(
+            ip_address(&client, &format!("10.96.150.{}", i + 1))
+                .await?
+                .is_none()
+        );
+    }
+    for (name, ip) in &live {
+        let object = ip_address(&client, ip)
+            .await?
+            .with_context(|| format!("{ip} of {name} missing"))?;
+        assert_eq!(parent_of(&object).3, *name);
+    }
+    eprintln!(
+        "chaos: {passes} passes ok, {failures} failed; metrics:\n{}",
+        metric_text(&registry)
+    );
+    Ok(())
+}
