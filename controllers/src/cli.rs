@@ -282,6 +282,8 @@ impl Controller {
             "starting"
         );
 
+        let runner = Runner::new(loops, client, runner_options(config), runner_metrics);
+        let health = runner.health();
         // Leadership outlives the runner, so passes running at shutdown may finish as leader.
         let leader_cancel = CancellationToken::new();
         let (leader, leader_task) = if config.leader_election.enabled {
@@ -299,6 +301,7 @@ impl Controller {
                 election_client,
                 settings,
                 leader_metrics,
+                health.clone(),
                 leader_cancel.clone(),
             );
             (receiver, Some(task))
@@ -306,8 +309,6 @@ impl Controller {
             (leader::always_leader(&leader_metrics), None)
         };
 
-        let runner = Runner::new(loops, client, runner_options(config), runner_metrics);
-        let health = runner.health();
         let listener = tokio::net::TcpListener::bind(config.admin_addr)
             .await
             .map_err(|err| {

@@ -17,6 +17,11 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::runner::Health;
+
+/// Name of the leader-election check in `/readyz`.
+pub const READYZ_CHECK: &str = "leader-election";
+
 /// Where the Lease lives and how this replica holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaderSettings {
@@ -72,20 +77,27 @@ pub fn election_client(config: &kube::Config, renew_grace: Duration) -> kube::Re
 
 /// Starts the election. The task runs until `cancel` fires, then releases the Lease (bounded by
 /// the renew grace) so another replica can take over at once.
+///
+/// `health` gets a `leader-election` readiness check: failing until the replica has joined the
+/// election and while it cannot reach the API, so a replica that cannot reach the API is never a
+/// "ready standby".
 pub fn spawn(
     client: kube::Client,
     settings: LeaderSettings,
     metrics: LeaderMetrics,
+    health: Health,
     cancel: CancellationToken,
 ) -> (watch::Receiver<bool>, JoinHandle<()>) {
     let (sender, receiver) = watch::channel(false);
     metrics.is_leader.set(0);
+    health.set_check(READYZ_CHECK, Err("not joined the election yet".to_owned()));
     let span = info_span!(
         "leader_election",
         lease = %format!("{}/{}", settings.lease_namespace, settings.lease_name),
         identity = %settings.identity
     );
-    let task = tokio::spawn(elect(client, settings, metrics, sender, cancel).instrument(span));
+    let task =
+        tokio::spawn(elect(client, settings, metrics, health, sender, cancel).instrument(span));
     (receiver, task)
 }
 
@@ -106,9 +118,14 @@ fn publish(sender: &watch::Sender<bool>, metrics: &LeaderMetrics, leader: bool) 
     }
 }
 
+fn role(leader: bool) -> String {
+    if leader { "leader" } else { "standby" }.to_owned()
+}
+
 async fn build_manager(
     client: &kube::Client,
     settings: &LeaderSettings,
+    health: &Health,
     cancel: &CancellationToken,
 ) -> Option<LeaseManager> {
     let mut delay = Duration::from_millis(500);
@@ -116,6 +133,10 @@ async fn build_manager(
         // On a fresh control plane the Lease's namespace (kube-system) may not exist yet, and
         // the loop that creates it runs only on the leader.
         if let Err(err) = ensure_namespace(client, &settings.lease_namespace).await {
+            health.set_check(
+                READYZ_CHECK,
+                Err(format!("cannot reach the API to join the election: {err}")),
+            );
             warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying");
             tokio::select! {
                 _ = cancel.cancelled() => return None,
@@ -136,6 +157,10 @@ async fn build_manager(
             built = build => match built {
                 Ok(manager) => return Some(manager),
                 Err(err) => {
+                    health.set_check(
+                        READYZ_CHECK,
+                        Err(format!("cannot set up the leader-election Lease: {err}")),
+                    );
                     warn!(error = %err, retry_in = ?delay, "cannot set up the leader-election Lease; retrying");
                 }
             },
@@ -177,13 +202,15 @@ async fn elect(
     client: kube::Client,
     settings: LeaderSettings,
     metrics: LeaderMetrics,
+    health: Health,
     sender: watch::Sender<bool>,
     cancel: CancellationToken,
 ) {
-    let Some(manager) = build_manager(&client, &settings, &cancel).await else {
+    let Some(manager) = build_manager(&client, &settings, &health, &cancel).await else {
         return;
     };
     info!("joined leader election");
+    health.set_check(READYZ_CHECK, Ok(role(false)));
     // What the Lease manager last told us; it only reports changes.
     let mut holds_lease = false;
     let mut failing = false;
@@ -199,6 +226,7 @@ async fn elect(
                     failing = false;
                     delay = Duration::from_millis(500);
                     publish(&sender, &metrics, leader);
+                    health.set_check(READYZ_CHECK, Ok(role(leader)));
                 }
                 Err(err) => {
                     if !failing {
@@ -208,6 +236,10 @@ async fn elect(
                     }
                     failing = true;
                     publish(&sender, &metrics, false);
+                    health.set_check(
+                        READYZ_CHECK,
+                        Err(format!("cannot renew or observe the Lease: {err}")),
+                    );
                     tokio::select! {
                         _ = cancel.cancelled() => break,
                         _ = tokio::time::sleep(delay) => {}
@@ -221,6 +253,7 @@ async fn elect(
                 info!("leader election reaches the API again");
                 failing = false;
                 publish(&sender, &metrics, holds_lease);
+                health.set_check(READYZ_CHECK, Ok(role(holds_lease)));
             }
         }
     }

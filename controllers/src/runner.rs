@@ -84,6 +84,8 @@ impl LoopStatus {
 #[derive(Clone, Default)]
 pub struct Health {
     loops: Arc<Mutex<BTreeMap<&'static str, LoopStatus>>>,
+    /// Checks that are not loops (leader election): `Ok(detail)` or `Err(reason)`.
+    checks: Arc<Mutex<BTreeMap<&'static str, Result<String, String>>>>,
 }
 
 /// The AND over every loop, with one line per loop.
@@ -111,13 +113,38 @@ impl Health {
         loops.get(name).cloned()
     }
 
+    /// Sets a non-loop readiness check, e.g. `leader-election`.
+    pub fn set_check(&self, name: &'static str, state: Result<String, String>) {
+        let mut checks = self
+            .checks
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        checks.insert(name, state);
+    }
+
     pub fn readiness(&self) -> Readiness {
+        let mut ready = true;
+        let mut lines = Vec::new();
+        {
+            let checks = self
+                .checks
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner());
+            for (name, state) in checks.iter() {
+                lines.push(match state {
+                    Ok(detail) if detail.is_empty() => format!("[+]{name} ok"),
+                    Ok(detail) => format!("[+]{name} ok ({detail})"),
+                    Err(reason) => {
+                        ready = false;
+                        format!("[-]{name} failed: {reason}")
+                    }
+                });
+            }
+        }
         let loops = self
             .loops
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
-        let mut ready = true;
-        let mut lines = Vec::with_capacity(loops.len());
         for (name, status) in loops.iter() {
             let line = if status.succeeded {
                 match (&status.last_error, status.consecutive_failures) {
@@ -132,9 +159,6 @@ impl Health {
                 ready = false;
                 match &status.last_error {
                     Some(err) => format!("[-]{name} failed: no successful pass yet: {err}"),
-                    None if status.needs_leadership && status.standby => {
-                        format!("[-]{name} failed: waiting for leadership")
-                    }
                     None => format!("[-]{name} failed: first pass not finished"),
                 }
             };

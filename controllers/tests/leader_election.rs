@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
 use bootstrap_controller::leader::{self, LeaderMetrics, LeaderSettings};
+use bootstrap_controller::runner::Health;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +36,7 @@ async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
         sim.new_client().await?,
         settings("a"),
         LeaderMetrics::default(),
+        Health::default(),
         cancel_a.clone(),
     );
     eventually("a leads", &a, true).await;
@@ -44,6 +46,7 @@ async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
         sim.new_client().await?,
         settings("b"),
         LeaderMetrics::default(),
+        Health::default(),
         cancel_b.clone(),
     );
     // Give b a few renew periods to (wrongly) take over.
@@ -66,13 +69,20 @@ async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
 async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
     let cancel = CancellationToken::new();
+    let health = Health::default();
     let (receiver, task) = leader::spawn(
         sim.new_client().await?,
         settings("a"),
         LeaderMetrics::default(),
+        health.clone(),
         cancel.clone(),
     );
     eventually("a leads", &receiver, true).await;
+    assert_eq!(
+        health.readiness().lines,
+        ["[+]leader-election ok (leader)"],
+        "ready as leader"
+    );
 
     sim.faults().inject(FaultRule::probability(
         None,
@@ -85,9 +95,19 @@ async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()
     ));
     eventually("steps down while renewals fail", &receiver, false).await;
     assert!(!task.is_finished(), "the election task must keep running");
+    let readiness = health.readiness();
+    assert!(
+        !readiness.ready,
+        "not ready while the API fails: {readiness:?}"
+    );
+    assert!(
+        readiness.lines[0].starts_with("[-]leader-election failed"),
+        "{readiness:?}"
+    );
 
     sim.faults().clear();
     eventually("leads again once the API answers", &receiver, true).await;
+    assert!(health.readiness().ready, "{:?}", health.readiness());
 
     cancel.cancel();
     task.await?;
