@@ -508,12 +508,37 @@ impl LoopSection for SystemNamespacesLoop {
 }
 
 /// The `default/kubernetes` Service (issue 4). Upstream interval: 10s.
+///
+/// Its clusterIP, targetPort and node port come from `serviceClusterIPRange`, `securePort` and
+/// `kubernetesServiceNodePort`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct KubernetesServiceLoop {
     pub enabled: bool,
     #[serde(with = "duration_format")]
     pub interval: Duration,
+    /// Namespace of the Service (and of its Endpoints/EndpointSlices).
+    pub namespace: String,
+    /// Name of the Service (and of its Endpoints and primary EndpointSlice).
+    pub name: String,
+    /// The Service port (upstream hard-codes 443).
+    pub port: u16,
+    /// `repair`: fix ports, type, selector, sessionAffinity and labels; `off`: only create when
+    /// missing and report drift (upstream's behaviour).
+    pub repair: ServiceRepairPolicy,
+    /// Delete and recreate the Service when its clusterIP is not the first IP of the primary
+    /// range. Destructive (connections through the old IP break); off by default.
+    #[serde(rename = "recreateOnClusterIPMismatch")]
+    pub recreate_on_cluster_ip_mismatch: bool,
+}
+
+/// See [`KubernetesServiceLoop::repair`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServiceRepairPolicy {
+    #[default]
+    Repair,
+    Off,
 }
 
 impl Default for KubernetesServiceLoop {
@@ -521,6 +546,11 @@ impl Default for KubernetesServiceLoop {
         KubernetesServiceLoop {
             enabled: true,
             interval: Duration::from_secs(10),
+            namespace: "default".to_owned(),
+            name: "kubernetes".to_owned(),
+            port: 443,
+            repair: ServiceRepairPolicy::Repair,
+            recreate_on_cluster_ip_mismatch: false,
         }
     }
 }
@@ -528,16 +558,51 @@ impl Default for KubernetesServiceLoop {
 impl LoopSection for KubernetesServiceLoop {
     fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
         validate_interval(path, self.interval, errors);
+        if let Err(why) = validate_dns1123_label(&self.namespace) {
+            errors.push(ConfigError::new(
+                format!("{path}.namespace"),
+                format!("{why} (expected e.g. default)"),
+            ));
+        }
+        if let Err(why) = validate_dns1123_label(&self.name) {
+            errors.push(ConfigError::new(
+                format!("{path}.name"),
+                format!("{why} (expected e.g. kubernetes)"),
+            ));
+        }
+        if self.port == 0 {
+            errors.push(ConfigError::new(
+                format!("{path}.port"),
+                "must be a port between 1 and 65535 (upstream uses 443)",
+            ));
+        }
     }
 }
 
 /// The `kubernetes` Endpoints and EndpointSlices (issue 4). Upstream interval: 10s.
+///
+/// The mode is `endpointReconcilerType`; the address is `advertiseAddress`, the port `securePort`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct ApiserverEndpointsLoop {
     pub enabled: bool,
+    /// Lease renewal, endpoints check and DNS re-resolution interval.
     #[serde(with = "duration_format")]
     pub interval: Duration,
+    /// `lease` mode: namespace of the per-apiserver membership Leases.
+    pub lease_namespace: String,
+    /// `lease` mode: how long a membership Lease stays valid without renewal; longer than
+    /// `interval`.
+    #[serde(rename = "leaseTTL", with = "duration_format")]
+    pub lease_ttl: Duration,
+    /// `lease` and `master-count` modes: the local apiserver's readiness URL. Empty: `/readyz` of
+    /// the kubeconfig's server. A path (`/readyz?exclude=etcd`) is probed on that server; a full
+    /// URL (`https://127.0.0.1:6443/readyz`) with the kubeconfig's CA and credentials.
+    #[serde(rename = "readyzURL")]
+    pub readyz_url: String,
+    /// `static` mode: IP addresses and/or DNS names (re-resolved every interval, A and AAAA; a
+    /// failed or empty answer keeps the last good addresses).
+    pub static_addresses: Vec<String>,
 }
 
 impl Default for ApiserverEndpointsLoop {
@@ -545,13 +610,100 @@ impl Default for ApiserverEndpointsLoop {
         ApiserverEndpointsLoop {
             enabled: true,
             interval: Duration::from_secs(10),
+            lease_namespace: "kube-system".to_owned(),
+            lease_ttl: Duration::from_secs(15),
+            readyz_url: String::new(),
+            static_addresses: Vec::new(),
         }
     }
 }
 
+impl ApiserverEndpointsLoop {
+    /// `advertiseAddress`, else the default-route address of the primary range's family (what
+    /// kube-apiserver does when `--advertise-address` is unset).
+    pub fn advertise_address(&self, config: &Config) -> Option<IpAddr> {
+        config.advertise_address.or_else(|| {
+            let family = match config.service_cluster_ip_range.first() {
+                Some(IpNet::V6(_)) => reconcilers::apiserver_endpoints::IpFamily::V6,
+                _ => reconcilers::apiserver_endpoints::IpFamily::V4,
+            };
+            reconcilers::apiserver_endpoints::default_route_address(family)
+        })
+    }
+}
+
 impl LoopSection for ApiserverEndpointsLoop {
-    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
+    fn validate(&self, path: &str, config: &Config, errors: &mut Vec<ConfigError>) {
         validate_interval(path, self.interval, errors);
+        let mode = config.endpoint_reconciler_type;
+        if self.enabled
+            && matches!(
+                mode,
+                EndpointReconcilerType::Lease | EndpointReconcilerType::MasterCount
+            )
+            && self.advertise_address(config).is_none()
+        {
+            errors.push(ConfigError::new(
+                "advertiseAddress",
+                format!(
+                    "not set and this host has no default route to take it from; endpoint \
+                     reconciler {} needs the apiserver's address (--advertise-address)",
+                    mode.as_str()
+                ),
+            ));
+        }
+        if mode == EndpointReconcilerType::Lease {
+            if let Err(why) = validate_dns1123_label(&self.lease_namespace) {
+                errors.push(ConfigError::new(
+                    format!("{path}.leaseNamespace"),
+                    format!("{why} (expected e.g. kube-system)"),
+                ));
+            }
+            if self.lease_ttl <= self.interval || self.lease_ttl < Duration::from_secs(1) {
+                errors.push(ConfigError::new(
+                    format!("{path}.leaseTTL"),
+                    format!(
+                        "{} must be at least 1s and longer than interval {}, or members expire \
+                         between renewals (upstream: 15s with a 10s interval)",
+                        format_duration(self.lease_ttl),
+                        format_duration(self.interval)
+                    ),
+                ));
+            }
+        }
+        if matches!(
+            mode,
+            EndpointReconcilerType::Lease | EndpointReconcilerType::MasterCount
+        ) && !self.readyz_url.is_empty()
+        {
+            let url = self.readyz_url.as_str();
+            let full = url.starts_with("http://") || url.starts_with("https://");
+            if !full && !url.starts_with('/') {
+                errors.push(ConfigError::new(
+                    format!("{path}.readyzURL"),
+                    format!(
+                        "{url:?} is neither a path (/readyz) nor an http(s) URL \
+                         (https://127.0.0.1:6443/readyz)"
+                    ),
+                ));
+            }
+        }
+        if mode == EndpointReconcilerType::Static {
+            if self.static_addresses.is_empty() {
+                errors.push(ConfigError::new(
+                    format!("{path}.staticAddresses"),
+                    "endpointReconcilerType static needs at least one IP address or DNS name",
+                ));
+            }
+            for (index, entry) in self.static_addresses.iter().enumerate() {
+                if let Err(why) = reconcilers::apiserver_endpoints::StaticAddress::parse(entry) {
+                    errors.push(ConfigError::new(
+                        format!("{path}.staticAddresses[{index}]"),
+                        why,
+                    ));
+                }
+            }
+        }
     }
 }
 
@@ -1476,6 +1628,52 @@ mod tests {
             "expected exactly one error, got {errors:?}"
         );
         errors.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn kubernetes_service_and_endpoints_sections() {
+        let config = from_yaml(
+            "advertiseAddress: 10.0.0.1\nloops:\n  kubernetesService:\n    port: 8443\n    repair: off\n    recreateOnClusterIPMismatch: true\n  apiserverEndpoints:\n    leaseTTL: 30s\n    readyzURL: https://127.0.0.1:6443/readyz\n",
+        )
+        .unwrap();
+        assert_eq!(config.loops.kubernetes_service.port, 8443);
+        assert_eq!(
+            config.loops.kubernetes_service.repair,
+            ServiceRepairPolicy::Off
+        );
+        assert!(
+            config
+                .loops
+                .kubernetes_service
+                .recreate_on_cluster_ip_mismatch
+        );
+        assert_eq!(
+            config.loops.apiserver_endpoints.lease_ttl,
+            Duration::from_secs(30)
+        );
+
+        let error = single_error(from_yaml(
+            "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    leaseTTL: 10s\n",
+        ));
+        assert_eq!(error.field, "loops.apiserverEndpoints.leaseTTL");
+
+        let error = single_error(from_yaml(
+            "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    staticAddresses: [10.0.0.1, \"https://lb:6443\"]\n",
+        ));
+        assert_eq!(error.field, "loops.apiserverEndpoints.staticAddresses[1]");
+
+        let error = single_error(from_yaml("endpointReconcilerType: static\n"));
+        assert_eq!(error.field, "loops.apiserverEndpoints.staticAddresses");
+
+        let error = single_error(from_yaml(
+            "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    readyzURL: localhost:6443\n",
+        ));
+        assert_eq!(error.field, "loops.apiserverEndpoints.readyzURL");
+
+        let error = single_error(from_yaml(
+            "loops:\n  kubernetesService:\n    name: Kubernetes\n",
+        ));
+        assert_eq!(error.field, "loops.kubernetesService.name");
     }
 
     #[test]

@@ -45,19 +45,126 @@ pub fn build_loops(
         info!("loop system-namespaces disabled by configuration");
     }
 
+    // --- kubernetes Service (issue 4) ----------------------------------------------------------
+    let section = &config.loops.kubernetes_service;
+    if section.enabled {
+        use reconcilers::kubernetes_service::{
+            KubernetesServiceConfig, KubernetesServiceLoop, RepairPolicy,
+        };
+        let loop_config = KubernetesServiceConfig {
+            namespace: section.namespace.clone(),
+            name: section.name.clone(),
+            port: i32::from(section.port),
+            target_port: i32::from(config.secure_port),
+            service_cidrs: config.service_cluster_ip_range.clone(),
+            node_port: (config.kubernetes_service_node_port != 0)
+                .then(|| i32::from(config.kubernetes_service_node_port)),
+            repair: match section.repair {
+                crate::config::ServiceRepairPolicy::Repair => RepairPolicy::Repair,
+                crate::config::ServiceRepairPolicy::Off => RepairPolicy::Off,
+            },
+            recreate_on_cluster_ip_mismatch: section.recreate_on_cluster_ip_mismatch,
+            interval: section.interval,
+        };
+        match loop_config.validate() {
+            Ok(()) => loops.push(Arc::new(KubernetesServiceLoop::new(
+                loop_config,
+                client.clone(),
+                event_reporter(config),
+                registry,
+            ))),
+            // Unreachable after Config validation; never panic on it.
+            Err(err) => warn!("loop kubernetes-service not built: {err}"),
+        }
+    } else {
+        info!("loop kubernetes-service disabled by configuration");
+    }
+
+    // --- apiserver endpoints (issue 4): apiserver-lease on every replica, apiserver-endpoints
+    // on the leader (on every replica in master-count mode, as upstream) -------------------------
+    let section = &config.loops.apiserver_endpoints;
+    if section.enabled {
+        use crate::config::EndpointReconcilerType;
+        use reconcilers::apiserver_endpoints::{
+            self as endpoints, ApiserverEndpointsConfig, ApiserverReadyz, EndpointsDeps,
+            EndpointsMode, EndpointsTarget, IpFamily, LazyUrlReadyz, ReadinessProbe,
+            SystemResolver,
+        };
+        let mode = match config.endpoint_reconciler_type {
+            EndpointReconcilerType::Lease => EndpointsMode::Lease,
+            EndpointReconcilerType::Static => EndpointsMode::Static,
+            EndpointReconcilerType::MasterCount => EndpointsMode::MasterCount,
+            EndpointReconcilerType::None => EndpointsMode::None,
+        };
+        let primary_family = config
+            .service_cluster_ip_range
+            .first()
+            .map(|net| match net {
+                ipnet::IpNet::V4(_) => IpFamily::V4,
+                ipnet::IpNet::V6(_) => IpFamily::V6,
+            });
+        let loop_config = ApiserverEndpointsConfig {
+            mode,
+            target: EndpointsTarget {
+                namespace: config.loops.kubernetes_service.namespace.clone(),
+                service_name: config.loops.kubernetes_service.name.clone(),
+                port: i32::from(config.secure_port),
+                primary_family,
+            },
+            advertise_address: section.advertise_address(config),
+            interval: section.interval,
+            lease_namespace: section.lease_namespace.clone(),
+            lease_ttl: section.lease_ttl,
+            identity: config.leader_identity(),
+            static_addresses: section.static_addresses.clone(),
+            apiserver_count: usize::try_from(config.apiserver_count).unwrap_or(usize::MAX),
+        };
+        let probe_timeout = section.interval.min(std::time::Duration::from_secs(5));
+        let readiness: Arc<dyn ReadinessProbe> = if section.readyz_url.starts_with("http://")
+            || section.readyz_url.starts_with("https://")
+        {
+            let kubeconfig = config.kubeconfig.clone();
+            Arc::new(LazyUrlReadyz::new(
+                section.readyz_url.clone(),
+                probe_timeout,
+                Arc::new(move || {
+                    let kubeconfig = kubeconfig.clone();
+                    Box::pin(async move { crate::cli::kube_config(kubeconfig.as_deref()).await })
+                }),
+            ))
+        } else {
+            let path = if section.readyz_url.is_empty() {
+                "/readyz"
+            } else {
+                section.readyz_url.as_str()
+            };
+            Arc::new(ApiserverReadyz::new(client.clone(), path, probe_timeout))
+        };
+        match loop_config.validate() {
+            Ok(()) => {
+                if let Some(address) = loop_config.advertise_address {
+                    info!(%address, mode = ?mode, "apiserver endpoints: this instance's address");
+                }
+                let deps = EndpointsDeps {
+                    client: client.clone(),
+                    readiness,
+                    resolver: Arc::new(SystemResolver),
+                    reporter: event_reporter(config),
+                };
+                for built in endpoints::build_loops(&loop_config, deps, registry) {
+                    loops.push(Arc::from(built));
+                }
+            }
+            // Config validation checks the same; never panic on it.
+            Err(err) => warn!("loops apiserver-lease/apiserver-endpoints not built: {err}"),
+        }
+    } else {
+        info!("loop apiserver-endpoints disabled by configuration");
+    }
+
     // Sections whose loops are not wired in yet: say so rather than silently doing nothing.
     // Each helper replaces its line with a block like the one above.
     for (name, enabled) in [
-        // --- kubernetes Service (issue 4): config.loops.kubernetes_service
-        (
-            "kubernetes-service",
-            config.loops.kubernetes_service.enabled,
-        ),
-        // --- apiserver endpoints (issue 4): config.loops.apiserver_endpoints
-        (
-            "apiserver-endpoints",
-            config.loops.apiserver_endpoints.enabled,
-        ),
         // --- default ServiceCIDR (issue 5): config.loops.service_cidr
         ("service-cidr", config.loops.service_cidr.enabled),
         // --- ClusterIP repair (issue 5): config.loops.cluster_ip_repair
@@ -71,4 +178,12 @@ pub fn build_loops(
     }
 
     loops
+}
+
+/// Who events say they come from: the controller, and this replica.
+fn event_reporter(config: &Config) -> kube::runtime::events::Reporter {
+    kube::runtime::events::Reporter {
+        controller: "bootstrap-controller".to_owned(),
+        instance: Some(config.leader_identity()),
+    }
 }

@@ -31,7 +31,10 @@ pub use desired::EndpointsTarget;
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
 pub use members::{IpFamily, MemberSet};
-pub use probe::{ApiserverReadyz, ReadinessProbe, Resolver, SystemResolver};
+pub use probe::{
+    ApiserverReadyz, ConfigLoader, LazyUrlReadyz, ReadinessProbe, Resolver, SystemResolver,
+    default_route_address,
+};
 
 use crate::contract::Reconciler;
 

@@ -3,6 +3,7 @@
 
 use std::io;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -122,4 +123,58 @@ impl Resolver for SystemResolver {
             Ok(ips)
         })
     }
+}
+
+/// Builds the kube configuration a [`LazyUrlReadyz`] starts from (the kubeconfig's).
+pub type ConfigLoader =
+    Arc<dyn Fn() -> BoxFuture<'static, Result<kube::Config, String>> + Send + Sync>;
+
+/// [`ApiserverReadyz::for_url`], built on first use, for callers that only have an async way to
+/// load the kubeconfig. A failure to build is reported as "not ready" and retried next check.
+pub struct LazyUrlReadyz {
+    url: String,
+    timeout: Duration,
+    load: ConfigLoader,
+    built: tokio::sync::OnceCell<ApiserverReadyz>,
+}
+
+impl LazyUrlReadyz {
+    pub fn new(url: impl Into<String>, timeout: Duration, load: ConfigLoader) -> Self {
+        Self {
+            url: url.into(),
+            timeout,
+            load,
+            built: tokio::sync::OnceCell::new(),
+        }
+    }
+}
+
+impl ReadinessProbe for LazyUrlReadyz {
+    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let probe = self
+                .built
+                .get_or_try_init(|| async {
+                    let base = (self.load)().await?;
+                    ApiserverReadyz::for_url(&base, &self.url, self.timeout)
+                        .map_err(|e| e.to_string())
+                })
+                .await?;
+            probe.check().await
+        })
+    }
+}
+
+/// The address of the interface holding the default route for `family`, as kube-apiserver picks
+/// when `--advertise-address` is unset. Connecting a UDP socket sends nothing; it only asks the
+/// kernel which source address it would use.
+pub fn default_route_address(family: super::IpFamily) -> Option<IpAddr> {
+    let (bind, probe) = match family {
+        super::IpFamily::V4 => ("0.0.0.0:0", "192.0.2.1:9"),
+        super::IpFamily::V6 => ("[::]:0", "[2001:db8::1]:9"),
+    };
+    let socket = std::net::UdpSocket::bind(bind).ok()?;
+    socket.connect(probe).ok()?;
+    let ip = socket.local_addr().ok()?.ip();
+    (!ip.is_unspecified() && !ip.is_loopback()).then_some(ip)
 }
