@@ -1291,28 +1291,36 @@ impl Config {
 
     /// The leader-election identity to use: the configured one, else `$POD_NAME` or the host
     /// name plus a random suffix, so two processes on one host never share an identity.
+    ///
+    /// The derived identity is computed once per process, so every caller (leader election,
+    /// membership Leases, event reporters) agrees on it.
     pub fn leader_identity(&self) -> String {
         if !self.leader_election.identity.is_empty() {
             return self.leader_election.identity.clone();
         }
-        let base = std::env::var("POD_NAME")
-            .ok()
-            .filter(|name| !name.is_empty())
-            .or_else(|| {
-                std::env::var("HOSTNAME")
-                    .ok()
-                    .filter(|name| !name.is_empty())
-            })
-            .or_else(|| {
-                std::fs::read_to_string("/etc/hostname")
-                    .ok()
-                    .map(|name| name.trim().to_owned())
-                    .filter(|name| !name.is_empty())
-            })
-            .unwrap_or_else(|| "bootstrap-controller".to_owned());
-        let suffix: u32 = rand::random();
-        format!("{base}_{suffix:08x}")
+        static DERIVED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        DERIVED.get_or_init(derive_identity).clone()
     }
+}
+
+fn derive_identity() -> String {
+    let base = std::env::var("POD_NAME")
+        .ok()
+        .filter(|name| !name.is_empty())
+        .or_else(|| {
+            std::env::var("HOSTNAME")
+                .ok()
+                .filter(|name| !name.is_empty())
+        })
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|name| name.trim().to_owned())
+                .filter(|name| !name.is_empty())
+        })
+        .unwrap_or_else(|| "bootstrap-controller".to_owned());
+    let suffix: u32 = rand::random();
+    format!("{base}_{suffix:08x}")
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigErrors> {
@@ -1977,6 +1985,14 @@ mod tests {
         assert!(parse_duration("10").is_err());
         assert!(parse_duration("1 minute").is_err());
         assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn derived_identity_is_stable_within_the_process() {
+        let config = Config::merge(&ConfigArgs::default(), FileConfig::default()).unwrap();
+        assert_eq!(config.leader_identity(), config.leader_identity());
+        let named = from_yaml("leaderElection:\n  identity: replica-a\n").unwrap();
+        assert_eq!(named.leader_identity(), "replica-a");
     }
 
     #[test]
