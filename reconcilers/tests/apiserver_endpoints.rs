@@ -692,3 +692,61 @@ async fn watches_trigger_on_corruption() {
     let fired = tokio::time::timeout(Duration::from_secs(20), triggers.next()).await;
     assert!(matches!(fired, Ok(Some(()))));
 }
+
+#[tokio::test]
+async fn readyz_probe_follows_the_apiserver() {
+    use reconcilers::apiserver_endpoints::{ApiserverReadyz, LazyUrlReadyz};
+    let sim = sim().await;
+    let by_client = ApiserverReadyz::new(sim.client(), "/readyz", Duration::from_secs(5));
+    let kubeconfig = kube::config::Kubeconfig::read_from(sim.kubeconfig_path()).unwrap();
+    let base = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    let by_url = ApiserverReadyz::for_url(
+        &base,
+        &format!("{}/readyz", sim.base_url()),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let lazy = LazyUrlReadyz::new(
+        format!("{}/readyz", sim.base_url()),
+        Duration::from_secs(5),
+        Arc::new(move || {
+            let base = base.clone();
+            Box::pin(async move { Ok(base) })
+        }),
+    );
+    by_client.check().await.unwrap();
+    by_url.check().await.unwrap();
+    lazy.check().await.unwrap();
+    sim.set_ready(false);
+    assert!(by_client.check().await.unwrap_err().contains("500"));
+    assert!(by_url.check().await.is_err());
+    assert!(lazy.check().await.is_err());
+
+    // The lease loop with the real probe withdraws and rejoins with the apiserver.
+    let c = cfg("10.0.0.1");
+    let mut registry = Registry::default();
+    let d = deps(&sim, Arc::new(by_client), Arc::new(FakeResolver::default()));
+    let lease_loop = ApiserverLeaseLoop::new(&c, d, &mut registry).unwrap();
+    assert!(
+        lease_loop
+            .reconcile(&ctx(&sim, false))
+            .await
+            .unwrap()
+            .is_clean()
+    );
+    sim.set_ready(true);
+    let report = lease_loop.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift[0].kind, "member_lease_missing");
+    sim.set_ready(false);
+    let report = lease_loop.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift[0].kind, "member_lease_not_ready");
+    assert!(
+        Api::<Lease>::namespaced(sim.client(), "kube-system")
+            .get_opt("apiserver-10.0.0.1")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
