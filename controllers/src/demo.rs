@@ -48,7 +48,9 @@ const SCENARIOS: &[(&str, Scenario)] = &[
 ];
 
 pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
-    init_logging(config.log_format, "warn");
+    // Loops that start before the namespaces they write into exist fail their first pass and
+    // retry; at the default level that noise would hide the story. RUST_LOG=info shows it all.
+    init_logging(config.log_format, "error");
     // One replica, a throwaway admin port, and a namespace with a label to break.
     config.leader_election.enabled = false;
     config.admin_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
@@ -73,6 +75,7 @@ pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
         ..SimConfig::default()
     };
     println!("Starting the API simulator (an in-memory Kubernetes API server)...");
+    println!("  (controller logs: set RUST_LOG=info)");
     let sim = match Sim::start(sim_config).await {
         Ok(sim) => sim,
         Err(err) => {
