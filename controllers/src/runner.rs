@@ -354,6 +354,10 @@ impl LoopTask {
         debug!(?interval, needs_leadership = gated, "loop started");
         let mut backoff: Option<backon::ExponentialBackoff> = None;
         let mut triggers_open = true;
+        // Consecutive trigger-woken passes that still had to repair something: a sign that
+        // another actor undoes our writes, which would otherwise become a hot loop.
+        let mut fight_streak: u32 = 0;
+        let mut woken_by_trigger = false;
 
         'passes: loop {
             if gated && !self.wait_for_leadership().await {
@@ -395,8 +399,20 @@ impl LoopTask {
                     warn!("lost leadership during a pass; abandoned it");
                     continue 'passes;
                 }
-                Some(Ok(_)) => {
+                Some(Ok(report)) => {
                     backoff = None;
+                    let repaired = report.drift.iter().any(|drift| drift.applied);
+                    if woken_by_trigger && repaired {
+                        fight_streak = fight_streak.saturating_add(1);
+                        if fight_streak == FIGHT_STREAK_THRESHOLD {
+                            warn!(
+                                passes = fight_streak,
+                                "every triggered pass repairs drift again; another controller may be undoing these writes; slowing down triggered passes"
+                            );
+                        }
+                    } else {
+                        fight_streak = 0;
+                    }
                     self.health.update(name, |status| {
                         status.succeeded = true;
                         status.passes += 1;
@@ -428,12 +444,23 @@ impl LoopTask {
             // After a failure only the backoff timer wakes the loop: triggers would turn a failing
             // API into a retry storm.
             let listen_to_triggers = backoff.is_none() && !self.options.timer_only;
+            let debounce = trigger_delay(fight_streak, self.options.debounce, interval);
+            woken_by_trigger = false;
             match self
-                .wait(wait, gated, listen_to_triggers, &mut triggers_open)
+                .wait(
+                    wait,
+                    debounce,
+                    gated,
+                    listen_to_triggers,
+                    &mut triggers_open,
+                )
                 .await
             {
                 Wake::Timer | Wake::LostLeadership => {}
-                Wake::Trigger => debug!("triggered"),
+                Wake::Trigger => {
+                    woken_by_trigger = true;
+                    debug!("triggered");
+                }
                 Wake::Cancelled => break 'passes,
             }
         }
@@ -475,6 +502,7 @@ impl LoopTask {
     async fn wait(
         &mut self,
         delay: Duration,
+        debounce: Duration,
         gated: bool,
         listen_to_triggers: bool,
         triggers_open: &mut bool,
@@ -493,7 +521,7 @@ impl LoopTask {
                     }
                     tokio::select! {
                         _ = self.cancel.cancelled() => return Wake::Cancelled,
-                        _ = tokio::time::sleep(self.options.debounce) => return Wake::Trigger,
+                        _ = tokio::time::sleep(debounce) => return Wake::Trigger,
                     }
                 }
             }
@@ -522,6 +550,21 @@ async fn lost_leadership(leader: &mut watch::Receiver<bool>) {
     if leader.wait_for(|is_leader| !*is_leader).await.is_err() {
         std::future::pending::<()>().await;
     }
+}
+
+/// Triggered passes that keep repairing drift before the runner slows them down.
+const FIGHT_STREAK_THRESHOLD: u32 = 5;
+
+/// Quiet time before a triggered pass: the debounce, then doubling from 100 ms once the loop
+/// seems to fight another actor, up to the loop's interval (where the timer takes over anyway).
+fn trigger_delay(fight_streak: u32, debounce: Duration, interval: Duration) -> Duration {
+    if fight_streak < FIGHT_STREAK_THRESHOLD {
+        return debounce;
+    }
+    let doublings = (fight_streak - FIGHT_STREAK_THRESHOLD).min(20);
+    (Duration::from_millis(100) * 2u32.pow(doublings))
+        .min(interval)
+        .max(debounce)
 }
 
 /// A hung request must not stall a loop forever: a pass gets twice its interval, at least 30 s
@@ -1045,6 +1088,49 @@ mod tests {
             text.contains("bootstrap_loop_errors_total{loop=\"a\",category=\"other\"} 2"),
             "{text}"
         );
+        stop(harness).await;
+    }
+
+    #[test]
+    fn triggered_passes_slow_down_when_fighting_another_actor() {
+        let debounce = Duration::from_millis(10);
+        let interval = Duration::from_secs(60);
+        assert_eq!(trigger_delay(0, debounce, interval), debounce);
+        assert_eq!(trigger_delay(4, debounce, interval), debounce);
+        assert_eq!(
+            trigger_delay(5, debounce, interval),
+            Duration::from_millis(100)
+        );
+        assert_eq!(
+            trigger_delay(6, debounce, interval),
+            Duration::from_millis(200)
+        );
+        assert_eq!(trigger_delay(50, debounce, interval), interval);
+    }
+
+    #[tokio::test]
+    async fn a_fight_over_drift_does_not_become_a_hot_loop() {
+        // Every pass repairs drift and every repair triggers the loop again.
+        let (fake, trigger, _polled) = Fake::new("a").with_trigger();
+        let steps = vec![Step::SucceedWithDrift; 1000];
+        let fake = Arc::new(fake.script(&steps));
+        let harness = start(vec![fake.clone()], options(), true);
+        let feeder = tokio::spawn(async move {
+            while trigger.send(()).is_ok() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
+        eventually("the fight is detected", || {
+            fake.finished.load(Ordering::SeqCst) > FIGHT_STREAK_THRESHOLD as usize + 3
+        })
+        .await;
+        // Past the threshold, delays double from 100 ms: 2 s of fighting allow only a handful
+        // of passes (unthrottled, the 10 ms debounce would allow ~200).
+        let before = fake.finished.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let during = fake.finished.load(Ordering::SeqCst) - before;
+        assert!(during <= 6, "{during} passes in 2 s while fighting");
+        feeder.abort();
         stop(harness).await;
     }
 
