@@ -351,6 +351,11 @@ impl Controller {
         })
     }
 
+    /// Whether the controller stopped (it only stops after `cancel`).
+    pub fn task_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
     /// Waits until the controller stopped (after `cancel`).
     pub async fn wait(self) {
         if let Err(err) = self.task.await {

@@ -114,7 +114,7 @@ impl RunnerMetrics {
         );
         registry.register(
             "loop_ready",
-            "1 once a loop had its first successful pass (or waits as a standby replica)",
+            "1 once a loop had its first successful pass",
             metrics.ready.clone(),
         );
         metrics

@@ -1,0 +1,98 @@
+//! The controller as `run` assembles it (loops, runner, leader election, admin server), in-process
+//! against the API simulator: it repairs, stays up while the API fails, and converges after.
+
+use std::time::{Duration, Instant};
+
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
+use bootstrap_controller::cli::{Controller, kube_config};
+use bootstrap_controller::config::{Config, ConfigArgs, FileConfig};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+
+async fn eventually<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Only the system-namespaces loop, with leader election on (the default) and short leases.
+fn config() -> anyhow::Result<Config> {
+    let args = ConfigArgs {
+        admin_addr: Some("127.0.0.1:0".to_owned()),
+        leader_elect_lease_duration: Some("2s".to_owned()),
+        leader_elect_renew_grace: Some("1s".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let mut config = Config::merge(&args, FileConfig::default())?;
+    config.loops.kubernetes_service.enabled = false;
+    config.loops.apiserver_endpoints.enabled = false;
+    config.loops.service_cidr.enabled = false;
+    config.loops.cluster_ip_repair.enabled = false;
+    Ok(config)
+}
+
+async fn exists(api: &Api<Namespace>, name: &str) -> bool {
+    matches!(api.get_opt(name).await, Ok(Some(ns)) if ns.metadata.deletion_timestamp.is_none())
+}
+
+#[tokio::test]
+async fn repairs_and_survives_a_failing_api() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig {
+        namespace_finalize_delay: Duration::from_millis(50),
+        ..SimConfig::default()
+    })
+    .await?;
+    let config = config()?;
+    let kube_config = kube_config(Some(sim.kubeconfig_path()))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let client = kube::Client::try_from(kube_config.clone())?;
+    let controller = Controller::start(&config, &kube_config, client)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let namespaces: Api<Namespace> = Api::all(sim.client());
+
+    eventually("ready", || async { controller.health.readiness().ready }).await;
+    for name in ["kube-system", "kube-public", "kube-node-lease", "default"] {
+        assert!(exists(&namespaces, name).await, "{name} created at start");
+    }
+
+    // 30% of all requests fail; the backdoor bypasses faults, so the breakage always lands.
+    sim.faults().inject(FaultRule::probability(
+        None,
+        None,
+        0.3,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        sim.backdoor().delete("namespaces", "", "kube-public")?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(!controller.task_finished(), "the controller must stay up");
+
+    sim.faults().clear();
+    sim.backdoor().delete("namespaces", "", "kube-public")?;
+    eventually("kube-public back after the faults stop", || async {
+        exists(&namespaces, "kube-public").await
+    })
+    .await;
+    eventually("ready again", || async {
+        controller.health.readiness().ready
+    })
+    .await;
+
+    controller.cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(30), controller.wait()).await?;
+    sim.shutdown().await;
+    Ok(())
+}
