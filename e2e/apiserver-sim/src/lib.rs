@@ -236,6 +236,12 @@ impl Sim {
         client_from_kubeconfig(&self.kubeconfig).await
     }
 
+    /// The `kube::Config` the kubeconfig yields, to build a client with other settings
+    /// (e.g. `default_retry = false`: kube's default client retries 429/503/504 itself).
+    pub async fn kube_config(&self) -> Result<kube::Config, SimError> {
+        config_from_kubeconfig(&self.kubeconfig).await
+    }
+
     /// The kubeconfig file (`kubectl --kubeconfig`, `KUBECONFIG=`).
     pub fn kubeconfig_path(&self) -> &Path {
         &self.kubeconfig
@@ -324,12 +330,16 @@ impl Drop for Sim {
     }
 }
 
-async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client, SimError> {
+async fn config_from_kubeconfig(path: &Path) -> Result<kube::Config, SimError> {
     let kc = kube::config::Kubeconfig::read_from(path)
         .map_err(|e| SimError::Client(format!("reading {}: {e}", path.display())))?;
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+    kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
         .await
-        .map_err(|e| SimError::Client(e.to_string()))?;
+        .map_err(|e| SimError::Client(e.to_string()))
+}
+
+async fn client_from_kubeconfig(path: &Path) -> Result<kube::Client, SimError> {
+    let cfg = config_from_kubeconfig(path).await?;
     kube::Client::try_from(cfg).map_err(|e| SimError::Client(e.to_string()))
 }
 

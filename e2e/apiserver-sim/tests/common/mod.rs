@@ -58,3 +58,15 @@ pub fn api_err<T: std::fmt::Debug>(r: Result<T, kube::Error>) -> kube::core::Sta
         other => panic!("expected kube::Error::Api, got {other:?}"),
     }
 }
+
+/// A client without kube's built-in retry of 429/503/504, so injected errors reach the caller,
+/// sending `user_agent` as its User-Agent.
+pub async fn client_without_retry(sim: &Sim, user_agent: &str) -> kube::Client {
+    let mut cfg = sim.kube_config().await.unwrap();
+    cfg.default_retry = false;
+    cfg.headers.push((
+        hyper::header::USER_AGENT,
+        hyper::header::HeaderValue::from_str(user_agent).unwrap(),
+    ));
+    kube::Client::try_from(cfg).unwrap()
+}
