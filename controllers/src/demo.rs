@@ -45,6 +45,10 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("remove a declared label from a namespace", |env| {
         Box::pin(strip_label(env))
     }),
+    (
+        "three apiservers: one killed, one stopped cleanly, the endpoint port corrupted",
+        crate::demo_endpoints::apiserver_members,
+    ),
 ];
 
 pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
@@ -54,6 +58,9 @@ pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
     // One replica, a throwaway admin port, and a namespace with a label to break.
     config.leader_election.enabled = false;
     config.admin_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    // Membership at demo speed: a killed member goes after seconds, not upstream's 15 s.
+    config.loops.apiserver_endpoints.interval = Duration::from_secs(1);
+    config.loops.apiserver_endpoints.lease_ttl = Duration::from_secs(3);
     let system_namespaces = &mut config.loops.system_namespaces;
     if system_namespaces.enabled
         && !system_namespaces

@@ -5,6 +5,7 @@ pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod demo_endpoints;
 pub mod leader;
 pub mod loops;
 pub mod metrics;

@@ -84,41 +84,12 @@ pub fn build_loops(
     // on the leader (on every replica in master-count mode, as upstream) -------------------------
     let section = &config.loops.apiserver_endpoints;
     if section.enabled {
-        use crate::config::EndpointReconcilerType;
         use reconcilers::apiserver_endpoints::{
-            self as endpoints, ApiserverEndpointsConfig, ApiserverReadyz, EndpointsDeps,
-            EndpointsMode, EndpointsTarget, IpFamily, LazyUrlReadyz, ReadinessProbe,
+            self as endpoints, ApiserverReadyz, EndpointsDeps, LazyUrlReadyz, ReadinessProbe,
             SystemResolver,
         };
-        let mode = match config.endpoint_reconciler_type {
-            EndpointReconcilerType::Lease => EndpointsMode::Lease,
-            EndpointReconcilerType::Static => EndpointsMode::Static,
-            EndpointReconcilerType::MasterCount => EndpointsMode::MasterCount,
-            EndpointReconcilerType::None => EndpointsMode::None,
-        };
-        let primary_family = config
-            .service_cluster_ip_range
-            .first()
-            .map(|net| match net {
-                ipnet::IpNet::V4(_) => IpFamily::V4,
-                ipnet::IpNet::V6(_) => IpFamily::V6,
-            });
-        let loop_config = ApiserverEndpointsConfig {
-            mode,
-            target: EndpointsTarget {
-                namespace: config.loops.kubernetes_service.namespace.clone(),
-                service_name: config.loops.kubernetes_service.name.clone(),
-                port: i32::from(config.secure_port),
-                primary_family,
-            },
-            advertise_address: section.advertise_address(config),
-            interval: section.interval,
-            lease_namespace: section.lease_namespace.clone(),
-            lease_ttl: section.lease_ttl,
-            identity: config.leader_identity(),
-            static_addresses: section.static_addresses.clone(),
-            apiserver_count: usize::try_from(config.apiserver_count).unwrap_or(usize::MAX),
-        };
+        let loop_config = apiserver_endpoints_config(config);
+        let mode = loop_config.mode;
         let probe_timeout = section.interval.min(std::time::Duration::from_secs(5));
         let readiness: Arc<dyn ReadinessProbe> = if section.readyz_url.starts_with("http://")
             || section.readyz_url.starts_with("https://")
@@ -185,5 +156,48 @@ fn event_reporter(config: &Config) -> kube::runtime::events::Reporter {
     kube::runtime::events::Reporter {
         controller: "bootstrap-controller".to_owned(),
         instance: Some(config.leader_identity()),
+    }
+}
+
+/// The endpoint loops' configuration from the effective configuration: mode from
+/// `endpointReconcilerType`, Service from `loops.kubernetesService`, port from `securePort`,
+/// primary family from the first service range. Public so `demo` and tests build members that
+/// match the running controller.
+pub fn apiserver_endpoints_config(
+    config: &Config,
+) -> reconcilers::apiserver_endpoints::ApiserverEndpointsConfig {
+    use crate::config::EndpointReconcilerType;
+    use reconcilers::apiserver_endpoints::{
+        ApiserverEndpointsConfig, EndpointsMode, EndpointsTarget, IpFamily,
+    };
+    let section = &config.loops.apiserver_endpoints;
+    let mode = match config.endpoint_reconciler_type {
+        EndpointReconcilerType::Lease => EndpointsMode::Lease,
+        EndpointReconcilerType::Static => EndpointsMode::Static,
+        EndpointReconcilerType::MasterCount => EndpointsMode::MasterCount,
+        EndpointReconcilerType::None => EndpointsMode::None,
+    };
+    let primary_family = config
+        .service_cluster_ip_range
+        .first()
+        .map(|net| match net {
+            ipnet::IpNet::V4(_) => IpFamily::V4,
+            ipnet::IpNet::V6(_) => IpFamily::V6,
+        });
+    ApiserverEndpointsConfig {
+        mode,
+        target: EndpointsTarget {
+            namespace: config.loops.kubernetes_service.namespace.clone(),
+            service_name: config.loops.kubernetes_service.name.clone(),
+            port: i32::from(config.secure_port),
+            primary_family,
+        },
+        advertise_address: section.advertise_address(config),
+        interval: section.interval,
+        lease_namespace: section.lease_namespace.clone(),
+        lease_ttl: section.lease_ttl,
+        identity: config.leader_identity(),
+        static_addresses: section.static_addresses.clone(),
+        apiserver_count: usize::try_from(config.apiserver_count).unwrap_or(usize::MAX),
     }
 }

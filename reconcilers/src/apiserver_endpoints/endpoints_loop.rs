@@ -132,8 +132,9 @@ struct State {
     /// When this instance last ran a pass: a pass only runs on the leader, so this tells shutdown
     /// whether it is (recently) the writer.
     last_pass: Option<Instant>,
-    /// Whether the "refusing to write an empty set" warning was already logged.
-    warned_empty: bool,
+    /// Consecutive passes that found no member. The first is normal at start (this instance's
+    /// Lease may not be written yet), so the warning waits for the second.
+    empty_passes: u32,
 }
 
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
@@ -488,12 +489,12 @@ impl ApiserverEndpointsLoop {
         if members.is_empty() {
             // Upstream refuses too (spec §3.1.3): an empty list would cut every in-cluster client
             // off. Only the last member's own shutdown may empty it.
-            if !state.warned_empty {
+            state.empty_passes = state.empty_passes.saturating_add(1);
+            if state.empty_passes == 2 {
                 tracing::warn!(
                     endpoints = %target.endpoints_ref(),
                     "no live apiserver members; refusing to erase all endpoints of the kubernetes Service"
                 );
-                state.warned_empty = true;
             }
             report.push(drift(
                 "no_members",
@@ -504,7 +505,7 @@ impl ApiserverEndpointsLoop {
             ));
             return Ok(report);
         }
-        state.warned_empty = false;
+        state.empty_passes = 0;
 
         let written = self.write_all(ctx, &members, existing, &mut report).await?;
         if ctx.dry_run {
