@@ -65,9 +65,10 @@ pub fn always_leader(metrics: &LeaderMetrics) -> watch::Receiver<bool> {
 }
 
 /// A client for the election whose requests time out, so a hung API cannot keep this replica
-/// believing it leads after its Lease expired.
+/// believing it leads after its Lease expired: renewals start a renew grace before expiry, and
+/// connecting plus answering must fit in it.
 pub fn election_client(config: &kube::Config, renew_grace: Duration) -> kube::Result<kube::Client> {
-    let timeout = renew_grace.max(Duration::from_secs(1));
+    let timeout = (renew_grace / 2).max(Duration::from_millis(500));
     let mut config = config.clone();
     config.connect_timeout = Some(timeout);
     config.read_timeout = Some(timeout);

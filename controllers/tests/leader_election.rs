@@ -114,3 +114,44 @@ async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()
     sim.shutdown().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn steps_down_when_the_api_hangs() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    let kube_config = bootstrap_controller::cli::kube_config(Some(sim.kubeconfig_path()))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let settings = settings("a");
+    let client = leader::election_client(&kube_config, settings.renew_grace)?;
+    let cancel = CancellationToken::new();
+    let (receiver, task) = leader::spawn(
+        client,
+        settings,
+        LeaderMetrics::default(),
+        Health::default(),
+        cancel.clone(),
+    );
+    eventually("a leads", &receiver, true).await;
+
+    // Lease requests hang far longer than the Lease lasts (2 s).
+    sim.faults().inject(FaultRule::probability(
+        None,
+        Some("leases"),
+        1.0,
+        FaultKind::Latency { millis: 60_000 },
+    ));
+    eventually(
+        "steps down instead of waiting on a hung renewal",
+        &receiver,
+        false,
+    )
+    .await;
+    assert!(!task.is_finished(), "the election task must keep running");
+
+    sim.faults().clear();
+    eventually("leads again once the API answers", &receiver, true).await;
+    cancel.cancel();
+    task.await?;
+    sim.shutdown().await;
+    Ok(())
+}
