@@ -199,5 +199,11 @@ pub fn apiserver_endpoints_config(
         identity: config.leader_identity(),
         static_addresses: section.static_addresses.clone(),
         apiserver_count: usize::try_from(config.apiserver_count).unwrap_or(usize::MAX),
+        leader_lease: config.leader_election.enabled.then(|| {
+            (
+                config.leader_election.lease_namespace.clone(),
+                config.leader_election.lease_name.clone(),
+            )
+        }),
     }
 }

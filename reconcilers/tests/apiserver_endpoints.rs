@@ -750,3 +750,39 @@ async fn readyz_probe_follows_the_apiserver() {
             .is_none()
     );
 }
+
+#[tokio::test]
+async fn only_the_current_leader_withdraws_itself_at_shutdown() {
+    let sim = sim().await;
+    let with_election = |a: &str| ApiserverEndpointsConfig {
+        leader_lease: Some(("kube-system".into(), "bootstrap-controller".into())),
+        ..cfg(a)
+    };
+    let leader_lease = |holder: &str| {
+        serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "bootstrap-controller", "namespace": "kube-system"},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15}
+        })
+    };
+    let old = instance(&sim, &with_election("10.0.0.1"), true);
+    let other = instance(&sim, &with_election("10.0.0.2"), true);
+    old.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    other.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    // 10.0.0.1 led and ran a pass, then leadership moved to 10.0.0.2 before its SIGTERM.
+    old.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    sim.backdoor().put(leader_lease("test-10.0.0.2")).unwrap();
+    sim.clear_requests();
+    old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(
+        writes(&sim),
+        Vec::<String>::new(),
+        "a deposed leader never writes"
+    );
+
+    // While it does hold the leader Lease, it withdraws itself at once.
+    sim.backdoor().put(leader_lease("test-10.0.0.1")).unwrap();
+    old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+}

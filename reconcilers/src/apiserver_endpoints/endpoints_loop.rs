@@ -621,7 +621,7 @@ impl ApiserverEndpointsLoop {
             .last_pass
             .is_some_and(|at| at.elapsed() < self.cfg.interval * 2);
         let writer = match self.cfg.mode {
-            EndpointsMode::Lease => recently_leading,
+            EndpointsMode::Lease => recently_leading && self.holds_leadership(ctx).await,
             EndpointsMode::MasterCount => true,
             EndpointsMode::Static | EndpointsMode::None => false,
         };
@@ -650,6 +650,26 @@ impl ApiserverEndpointsLoop {
         state.previous = Some(computed.members.clone());
         tracing::info!(member = %own, remaining = %computed.members, "withdrew this instance from the kubernetes endpoints");
         Ok(())
+    }
+
+    /// Whether the leader-election Lease names this instance (true without leader election).
+    /// Read live: the runner may have handed leadership over since our last pass.
+    async fn holds_leadership(&self, ctx: &PassContext) -> bool {
+        let Some((namespace, name)) = &self.cfg.leader_lease else {
+            return true;
+        };
+        let api: Api<Lease> = Api::namespaced(ctx.client.clone(), namespace);
+        match api.get_opt(name).await {
+            Ok(Some(lease)) => {
+                lease.spec.and_then(|s| s.holder_identity).as_deref()
+                    == Some(self.cfg.identity.as_str())
+            }
+            Ok(None) => false,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot read the leader Lease at shutdown; leaving the withdrawal to the next leader");
+                false
+            }
+        }
     }
 
     fn expiry_trigger(&self) -> Trigger {

@@ -56,6 +56,8 @@ pub struct ApiserverLeaseLoop {
     readiness: Arc<dyn ReadinessProbe>,
     metrics: LeaseMetrics,
     last_ready: Mutex<Option<bool>>,
+    /// Whether the "another instance renews this Lease" warning was logged.
+    warned_shared: std::sync::atomic::AtomicBool,
 }
 
 impl ApiserverLeaseLoop {
@@ -84,6 +86,7 @@ impl ApiserverLeaseLoop {
             readiness: deps.readiness,
             metrics: LeaseMetrics::register(registry),
             last_ready: Mutex::new(None),
+            warned_shared: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -163,6 +166,26 @@ impl ApiserverLeaseLoop {
             .as_ref()
             .and_then(|l| observe(l, self.own.ttl).ok())
             .is_some_and(|m| m.expires > now && m.address == self.own.address);
+        // Two sidecars configured with one address would share this Lease and hide each other's
+        // failures: say so once.
+        let other_holder = existing
+            .as_ref()
+            .and_then(|l| l.spec.as_ref())
+            .and_then(|s| s.holder_identity.clone())
+            .filter(|holder| live && *holder != self.own.holder);
+        if let Some(holder) = other_holder
+            && !self
+                .warned_shared
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                lease = %object,
+                %holder,
+                "another instance renews this address's membership Lease: two sidecars share one \
+                 advertise address; give each its own apiserver's address"
+            );
+        }
+
         if ctx.dry_run {
             if !live {
                 report.push(drift(

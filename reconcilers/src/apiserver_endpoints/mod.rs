@@ -89,6 +89,10 @@ pub struct ApiserverEndpointsConfig {
     pub static_addresses: Vec<String>,
     /// `master-count` mode: `--apiserver-count`.
     pub apiserver_count: usize,
+    /// The leader-election Lease (namespace, name) when leader election is on: at shutdown only
+    /// its holder (`identity`) withdraws its own address directly, so a replica that lost
+    /// leadership never writes next to the new leader.
+    pub leader_lease: Option<(String, String)>,
 }
 
 impl Default for ApiserverEndpointsConfig {
@@ -103,6 +107,7 @@ impl Default for ApiserverEndpointsConfig {
             identity: String::new(),
             static_addresses: Vec::new(),
             apiserver_count: 1,
+            leader_lease: None,
         }
     }
 }
