@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use backon::BackoffBuilder;
 use futures::{FutureExt, StreamExt};
 use rand::Rng;
-use reconcilers::{LoopError, PassContext, PassReport, Reconciler, Trigger};
+use reconcilers::{PassContext, PassReport, Reconciler, Trigger};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -745,7 +745,8 @@ async fn check_pass(
             metrics.pass(name, "success", took);
             Ok(report)
         }
-        Ok(Err(err @ LoopError::Invalid(_))) => {
+        // Waiting will not fix missing permissions or objects the loop cannot work with.
+        Ok(Err(err)) if matches!(err.category(), "invalid" | "forbidden") => {
             metrics.pass(name, "failure", took);
             Err(CheckFailure::Permanent(err.to_string()))
         }
@@ -771,7 +772,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     use futures::future::BoxFuture;
-    use reconcilers::{Action, Drift};
+    use reconcilers::{Action, Drift, LoopError};
     use tokio::sync::{Notify, mpsc};
 
     use super::*;
@@ -793,6 +794,8 @@ mod tests {
         Succeed,
         SucceedWithDrift,
         Fail,
+        /// Fails in a way retrying cannot fix.
+        Invalid,
         Panic,
         /// Wait until `release` is notified, then succeed.
         Block,
@@ -904,6 +907,7 @@ mod tests {
                         }],
                     }),
                     Step::Fail => Err(LoopError::Other("scripted failure".to_owned())),
+                    Step::Invalid => Err(LoopError::Invalid("scripted invalid state".to_owned())),
                     Step::Panic => panic!("scripted panic"),
                     Step::Block => {
                         self.release.notified().await;
@@ -1294,5 +1298,25 @@ mod tests {
                 .unwrap_err()
                 .contains("scripted panic")
         );
+    }
+
+    #[tokio::test]
+    async fn check_once_does_not_wait_out_permanent_failures() {
+        let invalid = Arc::new(Fake::new("invalid").script(&[Step::Invalid, Step::Succeed]));
+        let mut registry = new_registry();
+        let metrics = RunnerMetrics::register(&mut registry);
+        let loops: Vec<Arc<dyn Reconciler>> = vec![invalid.clone()];
+        let started = Instant::now();
+        let results =
+            check_once(&loops, offline_client(), &metrics, Duration::from_secs(120)).await;
+        assert!(
+            results[0]
+                .result
+                .as_ref()
+                .unwrap_err()
+                .contains("scripted invalid state")
+        );
+        assert_eq!(invalid.started.load(Ordering::SeqCst), 1, "not retried");
+        assert!(started.elapsed() < Duration::from_secs(60));
     }
 }
