@@ -143,10 +143,19 @@ impl ApiserverLeaseLoop {
             )));
         }
 
+        // The Lease is this instance's own heartbeat, not cluster state that drifts: in dry-run
+        // (and so in `check`, typically run from a workstation that is no member) what would be
+        // written is logged, not reported, or every check would fail on the checker's own Lease.
         if let Err(reason) = ready {
             self.metrics.ready.set(0);
+            if ctx.dry_run {
+                if existing.is_some() {
+                    tracing::info!(lease = %object, %reason, "dry-run: would delete this instance's membership Lease (apiserver not ready)");
+                }
+                return Ok(report);
+            }
             if let Some(existing) = existing {
-                let applied = !ctx.dry_run && self.delete(&api, &existing).await?;
+                let applied = self.delete(&api, &existing).await?;
                 report.push(drift(
                     "member_lease_not_ready",
                     object,
@@ -188,13 +197,7 @@ impl ApiserverLeaseLoop {
 
         if ctx.dry_run {
             if !live {
-                report.push(drift(
-                    if existing.is_some() { "member_lease_expired" } else { "member_lease_missing" },
-                    object,
-                    if existing.is_some() { Action::Update } else { Action::Create },
-                    "the local apiserver is ready but its membership Lease is missing or expired; would renew it",
-                    false,
-                ));
+                tracing::info!(lease = %object, "dry-run: would write this instance's membership Lease (apiserver ready)");
             }
             return Ok(report);
         }
