@@ -181,6 +181,20 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
 /// Reads the kubeconfig: `--kubeconfig`, else $KUBECONFIG, ~/.kube/config, in-cluster. Errors
 /// are configuration errors (exit 2): nothing about them gets better by retrying.
 pub async fn kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
+    let mut config = load_kube_config(path).await?;
+    // kube-client sends no User-Agent; without one, audit logs and API request logs cannot tell
+    // this controller's requests from anyone else's.
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(USER_AGENT),
+    ));
+    Ok(config)
+}
+
+/// `bootstrap-controller/<version>`, sent with every API request.
+pub const USER_AGENT: &str = concat!("bootstrap-controller/", env!("CARGO_PKG_VERSION"));
+
+async fn load_kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
     match path {
         Some(path) => {
             let kubeconfig = Kubeconfig::read_from(path).map_err(|err| {

@@ -1,1 +1,1 @@
-//! Shared helpers for the end-to-end tests live in `tests/common`.
+//! End-to-end tests live in `tests/`; this crate has no library code of its own.

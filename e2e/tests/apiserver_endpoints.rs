@@ -1,0 +1,557 @@
+//! Issue 4 end to end: real `bootstrap-controller` processes (one per simulated apiserver, each
+//! with its own `/readyz`) against a real `apiserver-sim` process.
+//!
+//! Timings are printed, not asserted (2-core machines); BENCHMARKS.md measures them.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use common::{
+    CONVERGE, ControllerProcess, SimProcess, Target, eventually, kubectl, run_controller,
+};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Endpoints, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::{Api, Client};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A stand-in for one apiserver's `/readyz`: 200 or 500 as the test says.
+struct Readyz {
+    ready: Arc<AtomicBool>,
+    addr: SocketAddr,
+}
+
+impl Readyz {
+    async fn start() -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let ready = Arc::new(AtomicBool::new(true));
+        let flag = ready.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = stream.read(&mut buf).await;
+                    let response = if flag.load(Ordering::SeqCst) {
+                        "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
+                    } else {
+                        "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 6\r\nconnection: close\r\n\r\nfailed"
+                    };
+                    let _ = stream.write_all(response.as_bytes()).await;
+                });
+            }
+        });
+        Ok(Readyz { ready, addr })
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}/readyz", self.addr)
+    }
+
+    fn set(&self, ready: bool) {
+        self.ready.store(ready, Ordering::SeqCst);
+    }
+}
+
+/// One simulated control-plane node: its `/readyz` and its sidecar.
+struct Member {
+    address: String,
+    identity: String,
+    readyz: Readyz,
+    config: std::path::PathBuf,
+    process: Option<ControllerProcess>,
+}
+
+const LEASE_SELECTOR: &str = "bootstrap-controller.io/apiserver-endpoint=kubernetes";
+
+impl Member {
+    async fn new(dir: &std::path::Path, n: u8, ttl: &str) -> Result<Self> {
+        let readyz = Readyz::start().await?;
+        let config = dir.join(format!("member-{n}.yaml"));
+        std::fs::write(
+            &config,
+            format!(
+                "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: {ttl}\n    readyzURL: {}\n",
+                readyz.url()
+            ),
+        )?;
+        Ok(Member {
+            address: format!("10.0.0.{n}"),
+            identity: format!("member-{n}"),
+            readyz,
+            config,
+            process: None,
+        })
+    }
+
+    fn args(&self) -> Vec<String> {
+        vec![
+            "--config".into(),
+            self.config.display().to_string(),
+            "--advertise-address".into(),
+            self.address.clone(),
+            "--leader-elect-identity".into(),
+            self.identity.clone(),
+            "--leader-elect-lease-duration".into(),
+            "4s".into(),
+            "--leader-elect-renew-grace".into(),
+            "1s".into(),
+        ]
+    }
+
+    fn start(&mut self, kubeconfig: &std::path::Path, extra: &[&str]) -> Result<()> {
+        let mut args = self.args();
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.process = Some(ControllerProcess::start(kubeconfig, &args)?);
+        Ok(())
+    }
+
+    fn sigterm(&mut self) -> Result<()> {
+        let mut process = self.process.take().context("not running")?;
+        let status = process.terminate()?;
+        if !status.success() {
+            bail!(
+                "{} exited with {status} after SIGTERM:\n{}",
+                self.identity,
+                process.log()
+            );
+        }
+        Ok(())
+    }
+
+    fn sigkill(&mut self) -> Result<()> {
+        let process = self.process.take().context("not running")?;
+        let pid = process.pid().context("no pid")?;
+        let status = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -KILL {pid} failed");
+        }
+        drop(process);
+        Ok(())
+    }
+}
+
+async fn endpoints_state(
+    client: &Client,
+) -> Result<Option<(Vec<String>, Vec<i32>, Vec<String>, Vec<Option<i32>>)>> {
+    let Some(endpoints) = Api::<Endpoints>::namespaced(client.clone(), "default")
+        .get_opt("kubernetes")
+        .await?
+    else {
+        return Ok(None);
+    };
+    let subsets = endpoints.subsets.unwrap_or_default();
+    let ips = subsets
+        .iter()
+        .flat_map(|s| s.addresses.iter().flatten())
+        .map(|a| a.ip.clone())
+        .collect();
+    let ports = subsets
+        .iter()
+        .flat_map(|s| s.ports.iter().flatten())
+        .map(|p| p.port)
+        .collect();
+    let Some(slice) = Api::<EndpointSlice>::namespaced(client.clone(), "default")
+        .get_opt("kubernetes")
+        .await?
+    else {
+        return Ok(None);
+    };
+    let slice_ips = slice
+        .endpoints
+        .iter()
+        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+        .flat_map(|e| e.addresses.clone())
+        .collect();
+    let slice_ports = slice.ports.iter().flatten().map(|p| p.port).collect();
+    Ok(Some((ips, ports, slice_ips, slice_ports)))
+}
+
+/// Waits until Endpoints and the slice list exactly `want` (sorted), port 6443.
+async fn wait_members(client: &Client, want: &[&str], what: &str) -> Result<Duration> {
+    let started = Instant::now();
+    let want: Vec<String> = want.iter().map(|s| (*s).to_owned()).collect();
+    eventually(what, CONVERGE, || async {
+        Ok(match endpoints_state(client).await? {
+            Some((ips, ports, slice_ips, slice_ports))
+                if ips == want
+                    && slice_ips == want
+                    && ports == vec![6443]
+                    && slice_ports == vec![Some(6443)] =>
+            {
+                Some(())
+            }
+            _ => None,
+        })
+    })
+    .await?;
+    Ok(started.elapsed())
+}
+
+async fn leader(client: &Client) -> Result<Option<String>> {
+    Ok(Api::<Lease>::namespaced(client.clone(), "kube-system")
+        .get_opt("bootstrap-controller")
+        .await?
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity))
+}
+
+fn kubectl_ok(sim: &SimProcess, args: &[&str]) -> Result<()> {
+    let out = kubectl(&sim.kubeconfig, args)?;
+    if !out.status.success() {
+        bail!("kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// Writes to the objects this issue owns, from the simulator's request log.
+async fn writes(sim: &SimProcess) -> Result<Vec<String>> {
+    Ok(sim
+        .requests()
+        .await?
+        .into_iter()
+        .filter(|r| matches!(r.verb.as_str(), "create" | "update" | "patch" | "delete"))
+        .filter(|r| {
+            matches!(
+                r.resource.as_str(),
+                "endpoints" | "endpointslices" | "services"
+            )
+        })
+        .map(|r| format!("{} {} {}/{}", r.verb, r.resource, r.namespace, r.name))
+        .collect())
+}
+
+#[tokio::test]
+async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let Some(sim) = target.sim("three_apiservers_join_leave_crash_and_heal") else {
+        return Ok(());
+    };
+    let client = target.client().await?;
+    let dir = tempfile::tempdir()?;
+    let mut members = Vec::new();
+    for n in 1..=3 {
+        let mut member = Member::new(dir.path(), n, "3s").await?;
+        member.start(&sim.kubeconfig, &[])?;
+        members.push(member);
+    }
+    let took = wait_members(
+        &client,
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        "three members listed",
+    )
+    .await?;
+    println!("three members listed after {took:?}");
+
+    // A quiet period: membership renewals continue, the endpoints are not rewritten.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    sim.clear_requests().await?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(writes(sim).await?, Vec::<String>::new(), "writes at rest");
+
+    let leader_id = eventually("a leader", CONVERGE, || async { leader(&client).await }).await?;
+    let leader_index = members
+        .iter()
+        .position(|m| m.identity == leader_id)
+        .context("leader is a member")?;
+    let followers: Vec<usize> = (0..3).filter(|i| *i != leader_index).collect();
+    let (f1, f2) = (followers[0], followers[1]);
+    let addresses: Vec<String> = members.iter().map(|m| m.address.clone()).collect();
+    let remaining = |gone: &[usize]| -> Vec<&str> {
+        (0..3)
+            .filter(|i| !gone.contains(i))
+            .map(|i| addresses[i].as_str())
+            .collect()
+    };
+
+    // SIGTERM: the sidecar deletes its Lease, the leader drops the address on the watch.
+    let started = Instant::now();
+    members[f1].sigterm()?;
+    wait_members(&client, &remaining(&[f1]), "SIGTERMed member removed").await?;
+    println!("SIGTERM -> address removed after {:?}", started.elapsed());
+
+    // SIGKILL: nobody says goodbye; the Lease expires (TTL 3s).
+    let started = Instant::now();
+    members[f2].sigkill()?;
+    wait_members(&client, &remaining(&[f1, f2]), "SIGKILLed member removed").await?;
+    println!(
+        "SIGKILL -> address removed after {:?} (TTL 3s, interval 1s)",
+        started.elapsed()
+    );
+
+    // Restart: back.
+    members[f2].start(&sim.kubeconfig, &[])?;
+    members[f1].start(&sim.kubeconfig, &[])?;
+    wait_members(
+        &client,
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        "restarted members back",
+    )
+    .await?;
+
+    // An apiserver whose /readyz fails is removed, and added back once ready.
+    members[f2].readyz.set(false);
+    wait_members(&client, &remaining(&[f2]), "not-ready member removed").await?;
+    members[f2].readyz.set(true);
+    wait_members(
+        &client,
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        "ready again",
+    )
+    .await?;
+
+    // Corruption with kubectl is repaired: Endpoints port, an address, the slice, the Service.
+    kubectl_ok(
+        sim,
+        &[
+            "-n",
+            "default",
+            "patch",
+            "endpoints",
+            "kubernetes",
+            "--type=json",
+            "-p",
+            r#"[{"op":"replace","path":"/subsets/0/ports/0/port","value":443}]"#,
+        ],
+    )?;
+    wait_members(
+        &client,
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        "Endpoints port repaired",
+    )
+    .await?;
+    kubectl_ok(
+        sim,
+        &[
+            "-n",
+            "default",
+            "patch",
+            "endpoints",
+            "kubernetes",
+            "--type=json",
+            "-p",
+            r#"[{"op":"replace","path":"/subsets/0/addresses/0/ip","value":"10.9.9.9"}]"#,
+        ],
+    )?;
+    wait_members(
+        &client,
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        "Endpoints address repaired",
+    )
+    .await?;
+    kubectl_ok(
+        sim,
+        &[
+            "-n",
+            "default",
+            "patch",
+            "endpointslice",
+            "kubernetes",
+            "--type=json",
+            "-p",
+            r#"[{"op":"replace","path":"/ports/0/port","value":1}]"#,
+        ],
+    )?;
+    wait_members(
+        &client,
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        "EndpointSlice port repaired",
+    )
+    .await?;
+    kubectl_ok(
+        sim,
+        &["-n", "default", "delete", "endpointslice", "kubernetes"],
+    )?;
+    wait_members(
+        &client,
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        "EndpointSlice recreated",
+    )
+    .await?;
+    kubectl_ok(
+        sim,
+        &[
+            "-n",
+            "default",
+            "patch",
+            "service",
+            "kubernetes",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"type":"NodePort","ports":[{"name":"https","port":8443,"protocol":"TCP","targetPort":6443}]}}"#,
+        ],
+    )?;
+    let services = Api::<Service>::namespaced(client.clone(), "default");
+    eventually("Service repaired", CONVERGE, || async {
+        let spec = services.get("kubernetes").await?.spec.unwrap_or_default();
+        let port = spec
+            .ports
+            .unwrap_or_default()
+            .first()
+            .map(|p| (p.port, p.node_port));
+        Ok((spec.type_.as_deref() == Some("ClusterIP") && port == Some((443, None))).then_some(()))
+    })
+    .await?;
+
+    // Every membership Lease deleted: the endpoints are never emptied meanwhile.
+    kubectl_ok(
+        sim,
+        &[
+            "-n",
+            "kube-system",
+            "delete",
+            "leases",
+            "-l",
+            LEASE_SELECTOR,
+        ],
+    )?;
+    let watch_until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < watch_until {
+        let state = endpoints_state(&client).await?.context("endpoints exist")?;
+        assert!(
+            !state.0.is_empty() && !state.2.is_empty(),
+            "endpoints emptied: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_members(
+        &client,
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        "members back after Lease deletion",
+    )
+    .await?;
+
+    // The leader stops: it takes its own address out, another replica takes over and repairs.
+    let started = Instant::now();
+    members[leader_index].sigterm()?;
+    wait_members(
+        &client,
+        &remaining(&[leader_index]),
+        "SIGTERMed leader removed",
+    )
+    .await?;
+    println!(
+        "SIGTERM of the leader -> address removed after {:?}",
+        started.elapsed()
+    );
+    eventually("a new leader", CONVERGE, || async {
+        Ok(leader(&client).await?.filter(|id| *id != leader_id))
+    })
+    .await?;
+    kubectl_ok(
+        sim,
+        &[
+            "-n",
+            "default",
+            "patch",
+            "endpoints",
+            "kubernetes",
+            "--type=json",
+            "-p",
+            r#"[{"op":"replace","path":"/subsets/0/ports/0/port","value":443}]"#,
+        ],
+    )?;
+    wait_members(
+        &client,
+        &remaining(&[leader_index]),
+        "port repaired by the new leader",
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let Some(sim) = target.sim("dry_run_and_check_report_instead_of_repairing") else {
+        return Ok(());
+    };
+    let client = target.client().await?;
+    let dir = tempfile::tempdir()?;
+    // A long TTL keeps the member listed after its sidecar is killed.
+    let mut member = Member::new(dir.path(), 1, "5m").await?;
+    member.start(&sim.kubeconfig, &[])?;
+    wait_members(&client, &["10.0.0.1"], "member listed").await?;
+    member.sigkill()?;
+
+    kubectl_ok(
+        sim,
+        &[
+            "-n",
+            "default",
+            "patch",
+            "endpoints",
+            "kubernetes",
+            "--type=json",
+            "-p",
+            r#"[{"op":"replace","path":"/subsets/0/ports/0/port","value":443}]"#,
+        ],
+    )?;
+
+    // `run --dry-run` reports and writes nothing.
+    member.start(&sim.kubeconfig, &["--dry-run"])?;
+    member
+        .process
+        .as_mut()
+        .context("running")?
+        .wait_ready()
+        .await?;
+    sim.clear_requests().await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(writes(sim).await?, Vec::<String>::new());
+    let state = endpoints_state(&client).await?.context("endpoints")?;
+    assert_eq!(state.1, vec![443], "dry-run left the corruption");
+    let log = member.process.as_ref().context("running")?.log();
+    assert!(
+        log.contains("endpoints_ports"),
+        "dry-run logs the drift:\n{log}"
+    );
+    member.sigterm()?;
+
+    // `check` reports the drift with exit status 1.
+    let config = member.config.display().to_string();
+    let out = run_controller(&[
+        "check",
+        "--kubeconfig",
+        &sim.kubeconfig.display().to_string(),
+        "--config",
+        &config,
+        "--advertise-address",
+        "10.0.0.1",
+    ])?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "check exit status; stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("endpoints_ports"),
+        "check names the drift:\n{stdout}"
+    );
+    let state = endpoints_state(&client).await?.context("endpoints")?;
+    assert_eq!(state.1, vec![443], "check wrote nothing");
+    Ok(())
+}

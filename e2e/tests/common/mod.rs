@@ -1,0 +1,376 @@
+//! Process harness for the end-to-end tests: the simulator and the controller run as real
+//! processes, driven and observed through the Kubernetes API, their admin ports and their exit codes.
+//!
+//! Set `BOOTSTRAP_E2E_KUBECONFIG` to run the same tests against a real cluster (kind); cases that
+//! need the simulator's backdoor or fault injection say that they are skipped there.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use apiserver_sim::RequestRecord;
+use kube::Client;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+
+/// The real binaries, from the same target directory as the running test: `cargo test
+/// --workspace` builds them because their own packages have integration tests.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test>-<hash> -> target/<profile>/<name>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test executable lives in target/<profile>/deps");
+    let path = profile_dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first (`cargo build --workspace --bins`, or run the \
+         whole suite with `cargo test --workspace`)",
+        path.display()
+    );
+    path
+}
+
+pub fn controller_bin() -> PathBuf {
+    binary("bootstrap-controller")
+}
+
+pub fn sim_bin() -> PathBuf {
+    binary("apiserver-sim")
+}
+
+/// Generous: these machines have two cores and run several test binaries at once.
+pub const CONVERGE: Duration = Duration::from_secs(30);
+
+/// Where the tests run: a simulator process of their own, or a real cluster.
+pub enum Target {
+    Sim(SimProcess),
+    Cluster { kubeconfig: PathBuf },
+}
+
+impl Target {
+    pub async fn start() -> Result<Self> {
+        Self::start_with(&[]).await
+    }
+
+    /// `sim_args` are extra `apiserver-sim` flags; ignored against a real cluster.
+    pub async fn start_with(sim_args: &[&str]) -> Result<Self> {
+        match std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG") {
+            Some(path) => Ok(Target::Cluster {
+                kubeconfig: PathBuf::from(path),
+            }),
+            None => Ok(Target::Sim(SimProcess::start(sim_args).await?)),
+        }
+    }
+
+    pub fn kubeconfig(&self) -> &Path {
+        match self {
+            Target::Sim(sim) => &sim.kubeconfig,
+            Target::Cluster { kubeconfig } => kubeconfig,
+        }
+    }
+
+    pub async fn client(&self) -> Result<Client> {
+        client_from(self.kubeconfig()).await
+    }
+
+    /// The simulator, or `None` (after saying so) when the test runs against a real cluster.
+    pub fn sim(&self, test: &str) -> Option<&SimProcess> {
+        match self {
+            Target::Sim(sim) => Some(sim),
+            Target::Cluster { .. } => {
+                eprintln!(
+                    "SKIPPED {test}: needs the simulator's backdoor or faults (real cluster)"
+                );
+                None
+            }
+        }
+    }
+}
+
+pub async fn client_from(kubeconfig: &Path) -> Result<Client> {
+    let kubeconfig = Kubeconfig::read_from(kubeconfig)
+        .with_context(|| format!("reading {}", kubeconfig.display()))?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .context("building client config")?;
+    Ok(Client::try_from(config)?)
+}
+
+/// A running `apiserver-sim` process; killed on drop.
+pub struct SimProcess {
+    child: Child,
+    pub kubeconfig: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl SimProcess {
+    pub async fn start(extra: &[&str]) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let kubeconfig = dir.path().join("kubeconfig");
+        let log = std::fs::File::create(dir.path().join("sim.log"))?;
+        let child = Command::new(sim_bin())
+            .args(["--listen", "127.0.0.1:0", "--kubeconfig-out"])
+            .arg(&kubeconfig)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting apiserver-sim")?;
+        let mut sim = SimProcess {
+            child,
+            kubeconfig,
+            dir,
+        };
+        let deadline = Instant::now() + CONVERGE;
+        loop {
+            if let Some(status) = sim.child.try_wait()? {
+                bail!("apiserver-sim exited early ({status}):\n{}", sim.log());
+            }
+            if sim.kubeconfig.exists()
+                && let Ok(client) = client_from(&sim.kubeconfig).await
+                && client.apiserver_version().await.is_ok()
+            {
+                return Ok(sim);
+            }
+            if Instant::now() > deadline {
+                bail!("apiserver-sim did not start serving:\n{}", sim.log());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("sim.log")).unwrap_or_default()
+    }
+
+    /// Every request fails with a 500 or 503, or is dropped, with probability `p`.
+    pub async fn inject_random_failures(&self, p: f64) -> Result<()> {
+        let third = p / 3.0;
+        for fault in [
+            serde_json::json!({"type": "error", "code": 500}),
+            serde_json::json!({"type": "error", "code": 503, "retryAfterSeconds": 1}),
+            serde_json::json!({"type": "dropConnection"}),
+        ] {
+            self.admin(
+                "POST",
+                "/sim/faults",
+                Some(serde_json::json!({"fault": fault, "trigger": {"probability": third}})),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    pub async fn clear_faults(&self) -> Result<()> {
+        self.admin("DELETE", "/sim/faults", None).await.map(drop)
+    }
+
+    pub async fn requests(&self) -> Result<Vec<RequestRecord>> {
+        Ok(serde_json::from_str(
+            &self.admin("GET", "/sim/requests", None).await?,
+        )?)
+    }
+
+    pub async fn clear_requests(&self) -> Result<()> {
+        self.admin("DELETE", "/sim/requests", None).await.map(drop)
+    }
+
+    /// Calls the simulator's `/sim/...` admin API with the kubeconfig's credentials.
+    pub async fn admin(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<String> {
+        let client = client_from(&self.kubeconfig).await?;
+        let body = body.map(|b| b.to_string().into_bytes()).unwrap_or_default();
+        let request = http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json")
+            .body(body)?;
+        Ok(client.request_text(request).await?)
+    }
+}
+
+impl Drop for SimProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A running `bootstrap-controller run`; killed on drop. Its log is printed if a test fails
+/// while holding it (see [`ControllerProcess::log`]).
+pub struct ControllerProcess {
+    child: Option<Child>,
+    pub admin: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+pub fn free_port() -> Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+impl ControllerProcess {
+    pub fn start(kubeconfig: &Path, extra: &[&str]) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let admin = free_port()?;
+        let log = std::fs::File::create(dir.path().join("controller.log"))?;
+        let child = Command::new(controller_bin())
+            .arg("run")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(["--admin-addr", &admin.to_string()])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting bootstrap-controller")?;
+        Ok(ControllerProcess {
+            child: Some(child),
+            admin,
+            dir,
+        })
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("controller.log")).unwrap_or_default()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(Child::try_wait), Some(Ok(None)))
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// GET on the admin port; returns the status code and body.
+    pub async fn admin_get(&self, path: &str) -> Result<(u16, String)> {
+        admin_get(self.admin, path).await
+    }
+
+    pub async fn wait_ready(&mut self) -> Result<()> {
+        let admin = self.admin;
+        let deadline = Instant::now() + CONVERGE;
+        loop {
+            if !self.is_running() {
+                bail!("controller exited before ready:\n{}", self.log());
+            }
+            if let Ok((200, _)) = admin_get(admin, "/readyz").await {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("controller not ready in time:\n{}", self.log());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGTERM, then wait for the exit status.
+    pub fn terminate(&mut self) -> Result<std::process::ExitStatus> {
+        let mut child = self.child.take().context("already stopped")?;
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM failed");
+        }
+        let deadline = Instant::now() + CONVERGE;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                bail!("controller did not exit after SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ControllerProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("---- controller log ----\n{}", self.log());
+        }
+    }
+}
+
+/// Minimal HTTP/1.1 GET over a plain TCP connection (the admin port is plain HTTP).
+pub async fn admin_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await?;
+    let response = String::from_utf8_lossy(&response);
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .context("no status line")?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Runs the controller binary to completion (for `check` and `config` subcommands).
+pub fn run_controller(args: &[&str]) -> Result<Output> {
+    Ok(Command::new(controller_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?)
+}
+
+pub fn kubectl(kubeconfig: &Path, args: &[&str]) -> Result<Output> {
+    Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .context("running kubectl")
+}
+
+/// Polls `check` until it returns `Some`, failing after `timeout` with `what` in the message.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last_error = None;
+    loop {
+        match check().await {
+            Ok(Some(value)) => return Ok(value),
+            Ok(None) => {}
+            Err(err) => last_error = Some(err),
+        }
+        if Instant::now() > deadline {
+            match last_error {
+                Some(err) => bail!("timed out waiting for {what}; last error: {err:#}"),
+                None => bail!("timed out waiting for {what}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,338 @@
+//! End to end: the system-namespaces loop, the `check` subcommand and configuration errors,
+//! with the real `bootstrap-controller` binary against a real `apiserver-sim` process.
+
+mod common;
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use common::{CONVERGE, ControllerProcess, Target, eventually, kubectl, run_controller};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+use kube::api::DeleteParams;
+
+const SYSTEM: [&str; 4] = ["kube-system", "kube-public", "kube-node-lease", "default"];
+
+/// Only the loop under test, one replica (no leader election to wait for), and the simulator's
+/// service range, as a real deployment would match its apiserver's.
+struct NamespacesOnly {
+    _dir: tempfile::TempDir,
+    config: String,
+}
+
+impl NamespacesOnly {
+    fn new() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("config.yaml");
+        std::fs::write(
+            &path,
+            "loops:\n  kubernetesService: {enabled: false}\n  apiserverEndpoints: {enabled: false}\n  \
+             serviceCIDR: {enabled: false}\n  clusterIPRepair: {enabled: false}\n",
+        )?;
+        Ok(Self {
+            config: path.to_string_lossy().into_owned(),
+            _dir: dir,
+        })
+    }
+
+    fn args<'a>(&'a self, extra: &[&'a str]) -> Vec<&'a str> {
+        let mut args = vec![
+            "--config",
+            self.config.as_str(),
+            "--leader-elect=false",
+            "--service-cluster-ip-range",
+            "10.96.0.0/12",
+        ];
+        args.extend_from_slice(extra);
+        args
+    }
+}
+
+async fn all_present(api: &Api<Namespace>) -> Result<Option<()>> {
+    for name in SYSTEM {
+        match api.get_opt(name).await? {
+            Some(ns) if ns.metadata.deletion_timestamp.is_none() => {}
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some(()))
+}
+
+/// Returns the uid of a live (not terminating) namespace, if there is one.
+async fn live_uid(api: &Api<Namespace>, name: &str) -> Result<Option<String>> {
+    Ok(api
+        .get_opt(name)
+        .await?
+        .filter(|ns| ns.metadata.deletion_timestamp.is_none())
+        .and_then(|ns| ns.metadata.uid))
+}
+
+async fn create_system_namespaces(api: &Api<Namespace>) -> Result<()> {
+    for name in SYSTEM {
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "metadata": { "name": name }
+        }))?;
+        match api.create(&Default::default(), &ns).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(err) => return Err(err.into()),
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
+    let target = Target::start().await?;
+    let client = target.client().await?;
+    let namespaces: Api<Namespace> = Api::all(client);
+
+    let only = NamespacesOnly::new()?;
+    let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&[]))?;
+    controller.wait_ready().await?;
+    eventually("the four system namespaces", CONVERGE, || {
+        all_present(&namespaces)
+    })
+    .await?;
+
+    // Deleted through the kube client.
+    let before = live_uid(&namespaces, "kube-public").await?;
+    namespaces
+        .delete("kube-public", &DeleteParams::default())
+        .await?;
+    eventually("kube-public recreated", CONVERGE, || async {
+        let now = live_uid(&namespaces, "kube-public").await?;
+        Ok(now.filter(|uid| Some(uid) != before.as_ref()))
+    })
+    .await?;
+
+    // Deleted by an independent client.
+    let before = live_uid(&namespaces, "kube-node-lease").await?;
+    let out = kubectl(
+        target.kubeconfig(),
+        &["delete", "namespace", "kube-node-lease", "--wait=false"],
+    )?;
+    ensure!(out.status.success(), "kubectl delete failed: {out:?}");
+    eventually("kube-node-lease recreated", CONVERGE, || async {
+        let now = live_uid(&namespaces, "kube-node-lease").await?;
+        Ok(now.filter(|uid| Some(uid) != before.as_ref()))
+    })
+    .await?;
+
+    ensure!(
+        controller.is_running(),
+        "controller died:\n{}",
+        controller.log()
+    );
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    ensure!(
+        metrics.contains("namespace_missing"),
+        "repairs are not counted by kind in /metrics:\n{metrics}"
+    );
+    let status = controller.terminate()?;
+    ensure!(
+        status.success(),
+        "controller exited with {status} after SIGTERM"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn dry_run_reports_but_does_not_heal_and_check_names_the_drift() -> Result<()> {
+    let target = Target::start().await?;
+    if target.sim("dry_run_reports_but_does_not_heal").is_none() {
+        // Deleting kube-public on a real cluster without healing it would leave it broken.
+        return Ok(());
+    }
+    let client = target.client().await?;
+    let namespaces: Api<Namespace> = Api::all(client);
+    create_system_namespaces(&namespaces).await?;
+
+    let kubeconfig = target.kubeconfig().to_string_lossy().into_owned();
+    let only = NamespacesOnly::new()?;
+    let check = only.args(&["check", "--kubeconfig", &kubeconfig]);
+    let clean = run_controller(&check)?;
+    ensure!(
+        clean.status.code() == Some(0),
+        "check on a clean cluster should exit 0: {clean:?}"
+    );
+
+    let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&["--dry-run"]))?;
+    controller.wait_ready().await?;
+    namespaces
+        .delete("kube-public", &DeleteParams::default())
+        .await?;
+    eventually("kube-public gone", CONVERGE, || async {
+        Ok(namespaces
+            .get_opt("kube-public")
+            .await?
+            .is_none()
+            .then_some(()))
+    })
+    .await?;
+    // Long enough for the watch to wake the dry-run loop many times over.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ensure!(
+        namespaces.get_opt("kube-public").await?.is_none(),
+        "--dry-run recreated kube-public"
+    );
+    ensure!(
+        controller.is_running(),
+        "controller died:\n{}",
+        controller.log()
+    );
+
+    let drift = run_controller(&check)?;
+    let stdout = String::from_utf8_lossy(&drift.stdout);
+    ensure!(
+        drift.status.code() == Some(1),
+        "check with drift should exit 1: {drift:?}"
+    );
+    ensure!(
+        stdout.contains("kube-public"),
+        "check does not name the missing namespace:\n{stdout}"
+    );
+    ensure!(
+        namespaces.get_opt("kube-public").await?.is_none(),
+        "check wrote to the cluster"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn survives_a_flaky_api_and_converges_once_it_recovers() -> Result<()> {
+    let target = Target::start().await?;
+    let Some(sim) = target.sim("survives_a_flaky_api") else {
+        return Ok(());
+    };
+    let client = target.client().await?;
+    let namespaces: Api<Namespace> = Api::all(client);
+
+    let only = NamespacesOnly::new()?;
+    let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&[]))?;
+    controller.wait_ready().await?;
+    eventually("the four system namespaces", CONVERGE, || {
+        all_present(&namespaces)
+    })
+    .await?;
+
+    sim.clear_requests().await?;
+    sim.inject_random_failures(0.3).await?;
+    // Keep the controller busy while the API fails: each deletion (through the backdoor, which
+    // faults do not touch) makes it recreate the namespace, until enough injected failures have
+    // hit its requests to mean something.
+    eventually(
+        "injected failures reaching the controller",
+        CONVERGE,
+        || async {
+            if live_uid(&namespaces, "kube-public")
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+            {
+                sim.admin("DELETE", "/sim/backdoor/namespaces/kube-public", None)
+                    .await?;
+            }
+            let failed = sim
+                .requests()
+                .await?
+                .iter()
+                .filter(|r| r.user_agent.starts_with("bootstrap-controller/"))
+                .filter(|r| r.status == 0 || r.status >= 500)
+                .count();
+            Ok((failed >= 5).then_some(()))
+        },
+    )
+    .await?;
+    ensure!(
+        controller.is_running(),
+        "controller exited under faults:\n{}",
+        controller.log()
+    );
+    sim.clear_faults().await?;
+
+    eventually("kube-public back after faults stop", CONVERGE, || async {
+        Ok(live_uid(&namespaces, "kube-public").await?.map(|_| ()))
+    })
+    .await?;
+    ensure!(
+        controller.is_running(),
+        "controller died:\n{}",
+        controller.log()
+    );
+    Ok(())
+}
+
+/// Each invalid configuration exits 2 before touching a cluster, naming the field at fault.
+#[test]
+fn invalid_configurations_exit_2_naming_the_field() -> Result<()> {
+    let cases: &[(&str, &[&str], &str, &str)] = &[
+        (
+            "bad CIDR",
+            &["--service-cluster-ip-range", "10.0.0.0/33"],
+            "",
+            "service-cluster-ip-range",
+        ),
+        (
+            "two CIDRs of one family",
+            &["--service-cluster-ip-range", "10.0.0.0/16,10.1.0.0/16"],
+            "",
+            "service-cluster-ip-range",
+        ),
+        (
+            "inverted port range",
+            &["--service-node-port-range", "32767-30000"],
+            "",
+            "service-node-port-range",
+        ),
+        (
+            "zero interval",
+            &[],
+            "loops:\n  systemNamespaces:\n    interval: 0s\n",
+            "interval",
+        ),
+        (
+            "unknown field",
+            &[],
+            "loops:\n  systemNamespaces:\n    intervall: 10s\n",
+            "intervall",
+        ),
+        (
+            "invalid namespace name",
+            &[],
+            "loops:\n  systemNamespaces:\n    namespaces:\n      - name: Kube_Public\n",
+            "Kube_Public",
+        ),
+    ];
+    let dir = tempfile::tempdir()?;
+    for (what, flags, yaml, field) in cases {
+        let file = dir.path().join("config.yaml");
+        std::fs::write(&file, yaml)?;
+        let file = file.to_string_lossy().into_owned();
+        for subcommand in [
+            &["config", "validate", file.as_str()][..],
+            &["run", "--config", file.as_str()][..],
+        ] {
+            let mut args: Vec<&str> = subcommand.to_vec();
+            if subcommand[0] == "run" {
+                // Nothing listens here: a config error must be reported before any connection.
+                args.extend(["--kubeconfig", "/nonexistent/kubeconfig"]);
+            }
+            args.extend(flags.iter());
+            let out = run_controller(&args)?;
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            ensure!(
+                out.status.code() == Some(2),
+                "{what}: `{}` should exit 2, got {:?}\n{stderr}",
+                args.join(" "),
+                out.status.code()
+            );
+            ensure!(
+                stderr.contains(field),
+                "{what}: the error does not name `{field}`:\n{stderr}"
+            );
+        }
+    }
+    Ok(())
+}
