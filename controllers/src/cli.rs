@@ -183,16 +183,24 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
 pub async fn kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
     let mut config = load_kube_config(path).await?;
     // kube-client sends no User-Agent; without one, audit logs and API request logs cannot tell
-    // this controller's requests from anyone else's.
-    config.headers.push((
-        http::header::USER_AGENT,
-        http::HeaderValue::from_static(USER_AGENT),
-    ));
+    // this controller's requests from anyone else's, nor one replica's from another's.
+    let agent = user_agent();
+    let value = http::HeaderValue::from_str(&agent)
+        .unwrap_or_else(|_| http::HeaderValue::from_static(USER_AGENT_PRODUCT));
+    config.headers.push((http::header::USER_AGENT, value));
     Ok(config)
 }
 
-/// `bootstrap-controller/<version>`, sent with every API request.
-pub const USER_AGENT: &str = concat!("bootstrap-controller/", env!("CARGO_PKG_VERSION"));
+/// The product part of the User-Agent: `bootstrap-controller/<version>`.
+pub const USER_AGENT_PRODUCT: &str = concat!("bootstrap-controller/", env!("CARGO_PKG_VERSION"));
+
+/// `bootstrap-controller/<version> (<pod or host name>; pid <pid>)`, sent with every API request.
+pub fn user_agent() -> String {
+    let host = crate::config::host_name()
+        .filter(|name| name.is_ascii())
+        .unwrap_or_else(|| "unknown".into());
+    format!("{USER_AGENT_PRODUCT} ({host}; pid {})", std::process::id())
+}
 
 async fn load_kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
     match path {

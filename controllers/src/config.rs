@@ -1303,8 +1303,9 @@ impl Config {
     }
 }
 
-fn derive_identity() -> String {
-    let base = std::env::var("POD_NAME")
+/// `$POD_NAME`, else `$HOSTNAME`, else `/etc/hostname`: who this replica is, for humans.
+pub fn host_name() -> Option<String> {
+    std::env::var("POD_NAME")
         .ok()
         .filter(|name| !name.is_empty())
         .or_else(|| {
@@ -1318,7 +1319,10 @@ fn derive_identity() -> String {
                 .map(|name| name.trim().to_owned())
                 .filter(|name| !name.is_empty())
         })
-        .unwrap_or_else(|| "bootstrap-controller".to_owned());
+}
+
+fn derive_identity() -> String {
+    let base = host_name().unwrap_or_else(|| "bootstrap-controller".to_owned());
     let suffix: u32 = rand::random();
     format!("{base}_{suffix:08x}")
 }
