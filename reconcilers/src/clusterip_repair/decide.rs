@@ -299,7 +299,7 @@ fn sync_service_ip<'a>(
         });
         return;
     };
-    let existing_version = ObjectVersion {
+    let existing_version = || ObjectVersion {
         uid: existing.uid.clone(),
         resource_version: existing.resource_version.clone(),
     };
@@ -338,7 +338,7 @@ fn sync_service_ip<'a>(
         repair: Repair::Recreate {
             ip,
             owner: owner(),
-            existing: existing_version.clone(),
+            existing: existing_version(),
             dangling_parent,
         },
     };
@@ -388,7 +388,7 @@ fn sync_service_ip<'a>(
             repair: Repair::Recreate {
                 ip,
                 owner: owner(),
-                existing: existing_version,
+                existing: existing_version(),
                 dangling_parent: None,
             },
         });
@@ -413,7 +413,7 @@ fn sync_ip_address(
     if !ip.managed_by_ipallocator() || ip.deleting {
         return;
     }
-    let existing = ObjectVersion {
+    let existing = || ObjectVersion {
         uid: ip.uid.clone(),
         resource_version: ip.resource_version.clone(),
     };
@@ -435,7 +435,7 @@ fn sync_ip_address(
                 error_type: Some("leak"),
                 repair: Repair::Delete {
                     name: ip.name.clone(),
-                    existing,
+                    existing: existing(),
                     ground: DeleteGround::NotAService,
                 },
             });
@@ -470,7 +470,7 @@ fn sync_ip_address(
                     error_type: Some("leak"),
                     repair: Repair::Delete {
                         name: ip.name.clone(),
-                        existing,
+                        existing: existing(),
                         ground: DeleteGround::ParentGone {
                             namespace: parent.namespace.clone(),
                             name: parent.name.clone(),
@@ -500,7 +500,7 @@ fn sync_ip_address(
                     error_type: Some("leak"),
                     repair: Repair::Delete {
                         name: ip.name.clone(),
-                        existing,
+                        existing: existing(),
                         ground: DeleteGround::ParentDoesNotList {
                             namespace: svc.namespace.clone(),
                             name: svc.name.clone(),
@@ -634,7 +634,7 @@ mod tests {
             namespace: ns.into(),
             name: name.into(),
             uid: format!("uid-{ns}-{name}").into(),
-            resource_version: "1".into(),
+            resource_version: 1,
             cluster_ips: ips.iter().map(|ip| (*ip).into()).collect(),
         }
     }
@@ -669,7 +669,7 @@ mod tests {
     fn cidrs() -> Vec<ServiceCidrRecord> {
         vec![ServiceCidrRecord {
             name: "kubernetes".into(),
-            resource_version: "1".into(),
+            resource_version: 1,
             cidrs: vec![
                 "10.0.0.0/24".parse().unwrap(),
                 "fd00::/108".parse().unwrap(),

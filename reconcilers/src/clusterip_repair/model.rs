@@ -19,13 +19,13 @@ pub const LABEL_IP_FAMILY: &str = "ipaddress.kubernetes.io/ip-family";
 pub const IPALLOCATOR_MANAGER: &str = "ipallocator.k8s.io";
 
 /// The parts of a Service the repair needs.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(from = "wire::Service")]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceRecord {
     pub namespace: Box<str>,
     pub name: Box<str>,
     pub uid: Box<str>,
-    pub resource_version: Box<str>,
+    /// 0 when not a number (see [`super::reflector::parse_resource_version`]).
+    pub resource_version: u64,
     /// The Service's cluster IPs as written (possibly unparseable); empty when the Service has no
     /// cluster IP (headless, ExternalName, not yet allocated).
     pub cluster_ips: Box<[Box<str>]>,
@@ -45,8 +45,7 @@ impl ServiceRecord {
 }
 
 /// `spec.parentRef` of an IPAddress.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParentRef {
     pub group: Box<str>,
     pub resource: Box<str>,
@@ -61,8 +60,7 @@ impl ParentRef {
 }
 
 /// The parts of an IPAddress the repair needs.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(from = "wire::IpAddress")]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IpAddressRecord {
     /// The object name, which is the IP in canonical form.
     pub name: Box<str>,
@@ -83,11 +81,10 @@ impl IpAddressRecord {
 }
 
 /// The parts of a ServiceCIDR the repair needs.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(from = "wire::ServiceCidr")]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceCidrRecord {
     pub name: Box<str>,
-    pub resource_version: Box<str>,
+    pub resource_version: u64,
     /// Parsed `spec.cidrs`; entries that do not parse are dropped (the API validates them).
     pub cidrs: Vec<IpNet>,
     /// `spec.cidrs` as written, for comparisons with the configuration.
@@ -121,39 +118,54 @@ pub struct ListMeta {
 }
 
 mod wire {
+    //! What the API sends, borrowed from the response body where possible: only the fields kept
+    //! are copied out, everything else is skipped without allocating.
+
+    use std::borrow::Cow;
+
     use serde::Deserialize;
 
-    use super::ParentRef;
+    fn boxed(text: Cow<'_, str>) -> Box<str> {
+        Box::from(text.as_ref())
+    }
+
+    fn version(text: Option<Cow<'_, str>>) -> u64 {
+        text.and_then(|t| t.parse().ok()).unwrap_or(0)
+    }
 
     #[derive(Deserialize, Default)]
     #[serde(default, rename_all = "camelCase")]
-    pub struct Meta {
-        pub name: Box<str>,
-        pub namespace: Box<str>,
-        pub uid: Box<str>,
-        pub resource_version: Box<str>,
-        pub creation_timestamp: Option<Box<str>>,
-        pub deletion_timestamp: Option<Box<str>>,
+    pub struct ServiceMeta<'a> {
+        #[serde(borrow)]
+        pub name: Cow<'a, str>,
+        #[serde(borrow)]
+        pub namespace: Cow<'a, str>,
+        #[serde(borrow)]
+        pub uid: Cow<'a, str>,
+        #[serde(borrow)]
+        pub resource_version: Option<Cow<'a, str>>,
     }
 
     #[derive(Deserialize, Default)]
     #[serde(default)]
-    pub struct Service {
-        pub metadata: Meta,
-        pub spec: ServiceSpec,
+    pub struct Service<'a> {
+        #[serde(borrow)]
+        pub metadata: ServiceMeta<'a>,
+        #[serde(borrow)]
+        pub spec: ServiceSpec<'a>,
     }
 
     #[derive(Deserialize, Default)]
-    #[serde(default, rename_all = "camelCase")]
-    pub struct ServiceSpec {
-        #[serde(rename = "clusterIP")]
-        pub cluster_ip: Option<Box<str>>,
-        #[serde(rename = "clusterIPs")]
-        pub cluster_ips: Option<Vec<Box<str>>>,
+    #[serde(default)]
+    pub struct ServiceSpec<'a> {
+        #[serde(rename = "clusterIP", borrow)]
+        pub cluster_ip: Option<Cow<'a, str>>,
+        #[serde(rename = "clusterIPs", borrow)]
+        pub cluster_ips: Option<Vec<Cow<'a, str>>>,
     }
 
-    impl From<Service> for super::ServiceRecord {
-        fn from(wire: Service) -> Self {
+    impl From<Service<'_>> for super::ServiceRecord {
+        fn from(wire: Service<'_>) -> Self {
             // upstream's IsServiceIPSet: a Service without a cluster IP, or a headless one, has no
             // IPs to repair whatever clusterIPs says.
             let has_ip = wire
@@ -165,15 +177,15 @@ mod wire {
                 Box::default()
             } else {
                 match wire.spec.cluster_ips {
-                    Some(ips) if !ips.is_empty() => ips.into_boxed_slice(),
-                    _ => wire.spec.cluster_ip.into_iter().collect(),
+                    Some(ips) if !ips.is_empty() => ips.into_iter().map(boxed).collect(),
+                    _ => wire.spec.cluster_ip.into_iter().map(boxed).collect(),
                 }
             };
             Self {
-                namespace: wire.metadata.namespace,
-                name: wire.metadata.name,
-                uid: wire.metadata.uid,
-                resource_version: wire.metadata.resource_version,
+                namespace: boxed(wire.metadata.namespace),
+                name: boxed(wire.metadata.name),
+                uid: boxed(wire.metadata.uid),
+                resource_version: version(wire.metadata.resource_version),
                 cluster_ips,
             }
         }
@@ -181,48 +193,74 @@ mod wire {
 
     #[derive(Deserialize, Default)]
     #[serde(default)]
-    pub struct IpLabels {
-        #[serde(rename = "ipaddress.kubernetes.io/managed-by")]
-        pub managed_by: Option<Box<str>>,
-        #[serde(rename = "ipaddress.kubernetes.io/ip-family")]
-        pub family: Option<Box<str>>,
+    pub struct IpLabels<'a> {
+        #[serde(rename = "ipaddress.kubernetes.io/managed-by", borrow)]
+        pub managed_by: Option<Cow<'a, str>>,
+        #[serde(rename = "ipaddress.kubernetes.io/ip-family", borrow)]
+        pub family: Option<Cow<'a, str>>,
     }
 
     #[derive(Deserialize, Default)]
     #[serde(default)]
-    pub struct IpAddress {
-        pub metadata: IpAddressMeta,
-        pub spec: IpAddressSpec,
-    }
-
-    // Not `#[serde(flatten)]`: flatten buffers the whole map, which costs time at scale.
-    #[derive(Deserialize, Default)]
-    #[serde(default, rename_all = "camelCase")]
-    pub struct IpAddressMeta {
-        pub name: Box<str>,
-        pub uid: Box<str>,
-        pub resource_version: Box<str>,
-        pub creation_timestamp: Option<Box<str>>,
-        pub deletion_timestamp: Option<Box<str>>,
-        pub labels: IpLabels,
+    pub struct IpAddress<'a> {
+        #[serde(borrow)]
+        pub metadata: IpAddressMeta<'a>,
+        #[serde(borrow)]
+        pub spec: IpAddressSpec<'a>,
     }
 
     #[derive(Deserialize, Default)]
     #[serde(default, rename_all = "camelCase")]
-    pub struct IpAddressSpec {
-        pub parent_ref: Option<ParentRef>,
+    pub struct IpAddressMeta<'a> {
+        #[serde(borrow)]
+        pub name: Cow<'a, str>,
+        #[serde(borrow)]
+        pub uid: Cow<'a, str>,
+        #[serde(borrow)]
+        pub resource_version: Cow<'a, str>,
+        #[serde(borrow)]
+        pub creation_timestamp: Option<Cow<'a, str>>,
+        #[serde(borrow)]
+        pub deletion_timestamp: Option<Cow<'a, str>>,
+        #[serde(borrow)]
+        pub labels: IpLabels<'a>,
     }
 
-    impl From<IpAddress> for super::IpAddressRecord {
-        fn from(wire: IpAddress) -> Self {
+    #[derive(Deserialize, Default)]
+    #[serde(default, rename_all = "camelCase")]
+    pub struct IpAddressSpec<'a> {
+        #[serde(borrow)]
+        pub parent_ref: Option<ParentRef<'a>>,
+    }
+
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    pub struct ParentRef<'a> {
+        #[serde(borrow)]
+        pub group: Cow<'a, str>,
+        #[serde(borrow)]
+        pub resource: Cow<'a, str>,
+        #[serde(borrow)]
+        pub namespace: Cow<'a, str>,
+        #[serde(borrow)]
+        pub name: Cow<'a, str>,
+    }
+
+    impl From<IpAddress<'_>> for super::IpAddressRecord {
+        fn from(wire: IpAddress<'_>) -> Self {
             let meta = wire.metadata;
             Self {
-                name: meta.name,
-                uid: meta.uid,
-                resource_version: meta.resource_version,
-                managed_by: meta.labels.managed_by,
-                family_label: meta.labels.family,
-                parent: wire.spec.parent_ref,
+                name: boxed(meta.name),
+                uid: boxed(meta.uid),
+                resource_version: boxed(meta.resource_version),
+                managed_by: meta.labels.managed_by.map(boxed),
+                family_label: meta.labels.family.map(boxed),
+                parent: wire.spec.parent_ref.map(|p| super::ParentRef {
+                    group: boxed(p.group),
+                    resource: boxed(p.resource),
+                    namespace: boxed(p.namespace),
+                    name: boxed(p.name),
+                }),
                 created: meta
                     .creation_timestamp
                     .and_then(|text| text.parse::<jiff::Timestamp>().ok()),
@@ -232,34 +270,62 @@ mod wire {
     }
 
     #[derive(Deserialize, Default)]
-    #[serde(default)]
-    pub struct ServiceCidr {
-        pub metadata: Meta,
-        pub spec: ServiceCidrSpec,
+    #[serde(default, rename_all = "camelCase")]
+    pub struct ServiceCidrMeta<'a> {
+        #[serde(borrow)]
+        pub name: Cow<'a, str>,
+        #[serde(borrow)]
+        pub resource_version: Option<Cow<'a, str>>,
+        #[serde(borrow)]
+        pub deletion_timestamp: Option<Cow<'a, str>>,
     }
 
     #[derive(Deserialize, Default)]
     #[serde(default)]
-    pub struct ServiceCidrSpec {
-        pub cidrs: Vec<Box<str>>,
+    pub struct ServiceCidr<'a> {
+        #[serde(borrow)]
+        pub metadata: ServiceCidrMeta<'a>,
+        #[serde(borrow)]
+        pub spec: ServiceCidrSpec<'a>,
     }
 
-    impl From<ServiceCidr> for super::ServiceCidrRecord {
-        fn from(wire: ServiceCidr) -> Self {
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    pub struct ServiceCidrSpec<'a> {
+        #[serde(borrow)]
+        pub cidrs: Vec<Cow<'a, str>>,
+    }
+
+    impl From<ServiceCidr<'_>> for super::ServiceCidrRecord {
+        fn from(wire: ServiceCidr<'_>) -> Self {
             Self {
-                name: wire.metadata.name,
-                resource_version: wire.metadata.resource_version,
+                name: boxed(wire.metadata.name),
+                resource_version: version(wire.metadata.resource_version),
                 cidrs: wire
                     .spec
                     .cidrs
                     .iter()
                     .filter_map(|cidr| cidr.parse().ok())
                     .collect(),
-                raw_cidrs: wire.spec.cidrs,
+                raw_cidrs: wire.spec.cidrs.into_iter().map(boxed).collect(),
                 deleting: wire.metadata.deletion_timestamp.is_some(),
             }
         }
     }
+
+    /// `Deserialize` for a record through its borrowed wire form.
+    macro_rules! via_wire {
+        ($record:ty, $wire:ident) => {
+            impl<'de> Deserialize<'de> for $record {
+                fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                    $wire::deserialize(d).map(Into::into)
+                }
+            }
+        };
+    }
+    via_wire!(super::ServiceRecord, Service);
+    via_wire!(super::IpAddressRecord, IpAddress);
+    via_wire!(super::ServiceCidrRecord, ServiceCidr);
 }
 
 #[cfg(test)]
@@ -280,7 +346,7 @@ mod tests {
         let svc: ServiceRecord = serde_json::from_str(json).unwrap();
         assert_eq!(&*svc.namespace, "shop");
         assert_eq!(&*svc.name, "web");
-        assert_eq!(&*svc.resource_version, "42");
+        assert_eq!(svc.resource_version, 42);
         assert_eq!(svc.cluster_ips.len(), 2);
         assert!(svc.lists_ip("fd00::5".parse().unwrap()));
         assert!(!svc.lists_ip("10.0.0.6".parse().unwrap()));

@@ -26,15 +26,16 @@ use super::model::{IpAddressRecord, ListPage, ServiceCidrRecord, ServiceRecord};
 pub trait Cached: DeserializeOwned + Clone + Debug + Send + Sync + 'static {
     /// Unique key within the collection (`namespace/name`, or `name` for cluster objects).
     fn cache_key(&self) -> Box<str>;
-    fn resource_version(&self) -> &str;
+    /// The object's resourceVersion as a number, if it is one.
+    fn resource_version(&self) -> Option<u64>;
 }
 
 impl Cached for ServiceRecord {
     fn cache_key(&self) -> Box<str> {
         self.key().into_boxed_str()
     }
-    fn resource_version(&self) -> &str {
-        &self.resource_version
+    fn resource_version(&self) -> Option<u64> {
+        Some(self.resource_version).filter(|v| *v != 0)
     }
 }
 
@@ -42,8 +43,8 @@ impl Cached for IpAddressRecord {
     fn cache_key(&self) -> Box<str> {
         self.name.clone()
     }
-    fn resource_version(&self) -> &str {
-        &self.resource_version
+    fn resource_version(&self) -> Option<u64> {
+        parse_resource_version(&self.resource_version)
     }
 }
 
@@ -51,8 +52,8 @@ impl Cached for ServiceCidrRecord {
     fn cache_key(&self) -> Box<str> {
         self.name.clone()
     }
-    fn resource_version(&self) -> &str {
-        &self.resource_version
+    fn resource_version(&self) -> Option<u64> {
+        Some(self.resource_version).filter(|v| *v != 0)
     }
 }
 
@@ -150,31 +151,82 @@ impl Collection {
 
 /// Lists a whole collection page by page into compact records; returns the records and the
 /// list's resource version. Any failing page fails the whole list.
-pub async fn list_all<T: DeserializeOwned>(
+///
+/// While one page is decoded the next is already being fetched: its continue token is read
+/// ahead from the raw body, and the prefetch is thrown away unless the decoded page confirms the
+/// token (an object could contain a look-alike string).
+pub async fn list_all<T: DeserializeOwned + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
 ) -> Result<(Vec<T>, Option<String>), kube::Error> {
-    let request = kube::core::Request::new(collection.path);
-    let mut items = Vec::new();
-    let mut continue_token: Option<String> = None;
-    loop {
+    let fetch = |token: Option<String>| {
+        let client = client.clone();
         let mut params = ListParams::default().limit(collection.page_size);
-        if let Some(token) = continue_token.take() {
-            params = params.continue_token(&token);
+        if let Some(token) = &token {
+            params = params.continue_token(token);
         }
-        let page: ListPage<T> = client
-            .request(request.list(&params).map_err(kube::Error::BuildRequest)?)
-            .await?;
+        let request = kube::core::Request::new(collection.path).list(&params);
+        tokio::spawn(async move {
+            client
+                .request_text(request.map_err(kube::Error::BuildRequest)?)
+                .await
+        })
+    };
+    let joined = |result: Result<Result<String, kube::Error>, tokio::task::JoinError>| {
+        result.map_err(|err| kube::Error::Service(Box::new(err)))?
+    };
+    let mut items = Vec::new();
+    let mut pending = fetch(None);
+    loop {
+        let body = joined(pending.await)?;
+        let guessed = guess_continue_token(&body).map(str::to_owned);
+        let mut prefetch = guessed.clone().map(|token| fetch(Some(token)));
+        let page: ListPage<T> = match serde_json::from_str(&body) {
+            Ok(page) => page,
+            Err(err) => {
+                if let Some(prefetch) = prefetch {
+                    prefetch.abort();
+                }
+                return Err(kube::Error::SerdeError(err));
+            }
+        };
+        drop(body);
         items.extend(page.items);
-        match page
+        let Some(token) = page
             .metadata
             .continue_token
             .filter(|token| !token.is_empty())
-        {
-            Some(token) => continue_token = Some(token),
-            None => return Ok((items, page.metadata.resource_version)),
-        }
+        else {
+            if let Some(prefetch) = prefetch {
+                prefetch.abort();
+            }
+            return Ok((items, page.metadata.resource_version));
+        };
+        pending = match prefetch.take() {
+            Some(prefetch) if guessed.as_deref() == Some(token.as_str()) => prefetch,
+            other => {
+                if let Some(prefetch) = other {
+                    prefetch.abort();
+                }
+                fetch(Some(token))
+            }
+        };
     }
+}
+
+/// The list's `metadata.continue`, found without decoding: the top-level metadata comes either
+/// before `items` (kube-apiserver) or after it (sorted keys), so take the first occurrence in
+/// the first case and the last in the second. Only a guess; the caller verifies it.
+fn guess_continue_token(body: &str) -> Option<&str> {
+    const KEY: &str = "\"continue\":\"";
+    let first = body.find(KEY)?;
+    let at = match body.find("\"items\":") {
+        Some(items) if items < first => body.rfind(KEY)?,
+        _ => first,
+    };
+    let rest = &body[at + KEY.len()..];
+    let token = &rest[..rest.find('"')?];
+    (!token.is_empty()).then_some(token)
 }
 
 /// The newest resource version of a collection, from a one-item list (cheap at any size).
@@ -349,40 +401,39 @@ impl<T: Cached> Reflector<T> {
         }
     }
 
-    fn note_version(&mut self, version: &str) {
-        if version.is_empty() {
-            return;
+    fn note_version(&mut self, version: Option<u64>) {
+        if let Some(version) = version {
+            self.last_version = version.to_string();
         }
-        self.last_version = version.to_owned();
     }
 
     fn apply(&mut self, event: WatchEvent<T>) -> Applied {
         match event {
             WatchEvent::Added(object) | WatchEvent::Modified(object) => {
-                let version = object.resource_version().to_owned();
+                let version = object.resource_version();
                 {
                     let mut state = self.store.write();
                     state.objects.insert(object.cache_key(), object);
-                    advance(&mut state, &version);
+                    advance(&mut state, version);
                 }
-                self.note_version(&version);
+                self.note_version(version);
                 self.backoff = new_backoff();
                 Applied::Changed
             }
             WatchEvent::Deleted(object) => {
-                let version = object.resource_version().to_owned();
+                let version = object.resource_version();
                 {
                     let mut state = self.store.write();
                     state.objects.remove(&object.cache_key());
-                    advance(&mut state, &version);
+                    advance(&mut state, version);
                 }
-                self.note_version(&version);
+                self.note_version(version);
                 Applied::Changed
             }
             WatchEvent::Bookmark(bookmark) => {
-                let version = bookmark.metadata.resource_version;
-                advance(&mut self.store.write(), &version);
-                self.note_version(&version);
+                let version = parse_resource_version(&bookmark.metadata.resource_version);
+                advance(&mut self.store.write(), version);
+                self.note_version(version);
                 Applied::Quiet
             }
             WatchEvent::Error(status) if status.code == 410 => Applied::Gone,
@@ -401,8 +452,8 @@ enum Applied {
     Failed,
 }
 
-fn advance<T>(state: &mut StoreState<T>, version: &str) {
-    if let Some(version) = parse_resource_version(version) {
+fn advance<T>(state: &mut StoreState<T>, version: Option<u64>) {
+    if let Some(version) = version {
         state.resource_version = Some(
             state
                 .resource_version
@@ -417,4 +468,25 @@ pub struct Caches {
     pub services: Arc<Store<ServiceRecord>>,
     pub ip_addresses: Arc<Store<IpAddressRecord>>,
     pub service_cidrs: Arc<Store<ServiceCidrRecord>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::guess_continue_token;
+
+    #[test]
+    fn continue_token_is_guessed_from_either_layout() {
+        let apiserver = r#"{"kind":"ServiceList","metadata":{"resourceVersion":"9","continue":"abc"},"items":[{"metadata":{"annotations":{"continue":"fake"}}}]}"#;
+        assert_eq!(guess_continue_token(apiserver), Some("abc"));
+        let sorted = r#"{"items":[{"metadata":{"annotations":{"continue":"fake"}}}],"kind":"ServiceList","metadata":{"continue":"xyz","resourceVersion":"9"}}"#;
+        assert_eq!(guess_continue_token(sorted), Some("xyz"));
+        assert_eq!(
+            guess_continue_token(r#"{"items":[],"metadata":{"resourceVersion":"9"}}"#),
+            None
+        );
+        assert_eq!(
+            guess_continue_token(r#"{"metadata":{"continue":""},"items":[]}"#),
+            None
+        );
+    }
 }

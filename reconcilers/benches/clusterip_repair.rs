@@ -1,0 +1,372 @@
+//! ClusterIP repair at scale: prints how long a full pass takes over 10,000 and 100,000 Services
+//! (30 % dual-stack) against the API simulator over HTTPS, from a warm cache and from a fresh
+//! LIST, with peak RSS, next to the floor: JSON-decoding the same LIST bodies into
+//! `serde::de::IgnoredAny`.
+//!
+//! `cargo bench -p bootstrap-reconcilers --bench clusterip_repair [-- --sizes 10000,100000]`
+//!
+//! The simulator runs in this (parent) process; every measurement runs in a child process of
+//! this binary, so each peak RSS is the repair's own, not the simulator's.
+
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use apiserver_sim::{Sim, SimConfig};
+use futures::StreamExt;
+use kube::api::ListParams;
+use prometheus_client::registry::Registry;
+use reconcilers::clusterip_repair::model::{
+    IpAddressRecord, ListPage, ServiceCidrRecord, ServiceRecord,
+};
+use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
+use reconcilers::{PassContext, Reconciler};
+use serde_json::json;
+
+const PAGE_SIZE: u32 = 500;
+const PASSES: usize = 5;
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    if let Some(at) = args.iter().position(|a| a == "--child") {
+        let kubeconfig = args.get(at + 1).context("--child KUBECONFIG ROLE")?.clone();
+        let role = args.get(at + 2).context("--child KUBECONFIG ROLE")?.clone();
+        return runtime.block_on(child(&kubeconfig, &role));
+    }
+    let sizes: Vec<usize> = match args.iter().position(|a| a == "--sizes") {
+        Some(at) => args
+            .get(at + 1)
+            .context("--sizes N[,N...]")?
+            .split(',')
+            .map(str::parse)
+            .collect::<Result<_, _>>()?,
+        None => vec![10_000, 100_000],
+    };
+    runtime.block_on(parent(&sizes))
+}
+
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN);
+    kib / 1024.0
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+// ------------------------------------------------------------------------------------------------
+// Parent: the simulator and the cluster.
+
+fn service_json(i: usize, dual: bool) -> (serde_json::Value, Vec<String>) {
+    // Offsets from 10.96.0.1 upwards: unique, never the network or broadcast address.
+    let v4 = std::net::Ipv4Addr::from(u32::from(std::net::Ipv4Addr::new(10, 96, 0, 1)) + i as u32)
+        .to_string();
+    let mut ips = vec![v4.clone()];
+    if dual {
+        ips.push(format!("fd00:10:96::{:x}", i + 1));
+    }
+    let name = format!("svc-{i:06}");
+    let ns = format!("ns-{}", i % 200);
+    let object = json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {
+            "name": name, "namespace": ns,
+            "labels": {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "bench"},
+            "annotations": {"example.com/owner": "team-a"},
+            "managedFields": [{
+                "manager": "kubectl-client-side-apply", "operation": "Update", "apiVersion": "v1",
+                "time": "2026-11-22T00:00:00Z", "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:metadata": {"f:labels": {".": {}, "f:app.kubernetes.io/name": {}}},
+                             "f:spec": {"f:ports": {".": {}, "k:{\"port\":80,\"protocol\":\"TCP\"}": {".": {}, "f:name": {}, "f:port": {}, "f:protocol": {}, "f:targetPort": {}}},
+                                        "f:selector": {}, "f:sessionAffinity": {}, "f:type": {}}}
+            }]
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "clusterIP": v4,
+            "clusterIPs": ips,
+            "ipFamilies": if dual { json!(["IPv4", "IPv6"]) } else { json!(["IPv4"]) },
+            "ipFamilyPolicy": if dual { "PreferDualStack" } else { "SingleStack" },
+            "internalTrafficPolicy": "Cluster",
+            "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+            "selector": {"app.kubernetes.io/name": name},
+            "sessionAffinity": "None"
+        },
+        "status": {"loadBalancer": {}}
+    });
+    (object, ips)
+}
+
+fn populate(sim: &Sim, count: usize) -> Result<usize> {
+    let backdoor = sim.backdoor();
+    backdoor.put(json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+        "metadata": {"name": "kubernetes"},
+        "spec": {"cidrs": ["10.96.0.0/12", "fd00:10:96::/108"]}
+    }))?;
+    let mut ip_count = 0;
+    for i in 0..count {
+        let dual = i % 10 < 3;
+        let (object, ips) = service_json(i, dual);
+        let (ns, name) = (
+            object["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            object["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        );
+        backdoor.put(object)?;
+        for ip in ips {
+            let family = if ip.contains(':') { "IPv6" } else { "IPv4" };
+            backdoor.put(json!({
+                "apiVersion": "networking.k8s.io/v1", "kind": "IPAddress",
+                "metadata": {"name": ip, "labels": {
+                    "ipaddress.kubernetes.io/ip-family": family,
+                    "ipaddress.kubernetes.io/managed-by": "ipallocator.k8s.io"}},
+                "spec": {"parentRef": {"group": "", "resource": "services", "namespace": ns, "name": name}}
+            }))?;
+            ip_count += 1;
+        }
+    }
+    Ok(ip_count)
+}
+
+async fn parent(sizes: &[usize]) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    println!(
+        "{:>8} {:>9} {:<15} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}",
+        "services",
+        "ips",
+        "mode/source",
+        "sync ms",
+        "pass ms",
+        "floor ms",
+        "pass/floor",
+        "MiB body",
+        "peak MiB",
+        "drift"
+    );
+    for &count in sizes {
+        let sim = Sim::start(SimConfig {
+            service_cluster_ip_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
+            watch_window: 1_000,
+            ..SimConfig::default()
+        })
+        .await?;
+        let ip_count = populate(&sim, count)?;
+        let kubeconfig = sim.kubeconfig_path().display().to_string();
+        for role in [
+            "ipaddress-warm",
+            "ipaddress-fresh",
+            "audit-warm",
+            "audit-fresh",
+        ] {
+            let output = Command::new(&exe)
+                .args(["--child", &kubeconfig, role])
+                .output()?;
+            if !output.status.success() {
+                bail!(
+                    "child {role} failed: {}\n{}",
+                    output.status,
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+            let line = String::from_utf8_lossy(&output.stdout);
+            let result: serde_json::Value = serde_json::from_str(line.trim())
+                .with_context(|| format!("child output {line:?}"))?;
+            let num = |key: &str| result[key].as_f64().unwrap_or(f64::NAN);
+            let floor = num("floor_ms");
+            println!(
+                "{:>8} {:>9} {:<15} {:>9.0} {:>10.1} {:>10.1} {:>10} {:>9.1} {:>9.1} {:>6}",
+                count,
+                ip_count,
+                role,
+                num("sync_ms"),
+                num("pass_ms"),
+                floor,
+                if floor.is_nan() {
+                    "-".to_owned()
+                } else {
+                    format!("{:.2}x", num("pass_ms") / floor)
+                },
+                num("body_mib"),
+                num("peak_rss_mib"),
+                result["drift"],
+            );
+            for note in String::from_utf8_lossy(&output.stderr).lines() {
+                println!("{:>8} # {note}", "");
+            }
+        }
+        sim.shutdown().await;
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------------
+// Child: one measurement.
+
+async fn child(kubeconfig: &str, role: &str) -> Result<()> {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig)?;
+    let config =
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await?;
+    let client = kube::Client::try_from(config)?;
+    let (mode, warm) = match role {
+        "ipaddress-warm" => (RepairMode::IpAddress, true),
+        "ipaddress-fresh" => (RepairMode::IpAddress, false),
+        "audit-warm" => (RepairMode::Audit, true),
+        "audit-fresh" => (RepairMode::Audit, false),
+        other => bail!("unknown role {other}"),
+    };
+    let mut registry = Registry::default();
+    let repair = Arc::new(ClusterIpRepair::new(
+        client.clone(),
+        ClusterIpRepairConfig {
+            mode,
+            service_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
+            page_size: PAGE_SIZE,
+            ..ClusterIpRepairConfig::default()
+        },
+        &mut registry,
+    )?);
+    let ctx = PassContext {
+        client: client.clone(),
+        dry_run: true,
+    };
+    let mut sync_ms = f64::NAN;
+    if warm {
+        let mut triggers = futures::stream::select_all(repair.triggers());
+        tokio::spawn(async move { while triggers.next().await.is_some() {} });
+        let started = Instant::now();
+        loop {
+            match repair.reconcile(&ctx).await {
+                Ok(_) => break,
+                Err(reconcilers::LoopError::NotSynced(_)) => {
+                    tokio::time::sleep(Duration::from_millis(5)).await
+                }
+                Err(err) => bail!("pass failed: {err}"),
+            }
+        }
+        sync_ms = ms(started.elapsed());
+    }
+    let mut times = Vec::new();
+    let mut drift = 0;
+    for _ in 0..PASSES {
+        let started = Instant::now();
+        let report = repair.reconcile(&ctx).await?;
+        times.push(ms(started.elapsed()));
+        drift = report.drift.len();
+    }
+    let peak_rss_mib = peak_rss_mib();
+    let mut floor_ms = f64::NAN;
+    let mut body_mib = f64::NAN;
+    if !warm {
+        // The same paged LIST bodies the pass decodes, fetched once, then only decoded.
+        let mut paths = vec!["/api/v1/services"];
+        if mode == RepairMode::IpAddress {
+            paths.extend([
+                "/apis/networking.k8s.io/v1/ipaddresses",
+                "/apis/networking.k8s.io/v1/servicecidrs",
+            ]);
+        }
+        let mut bodies = Vec::new();
+        for path in paths {
+            let mut token: Option<String> = None;
+            loop {
+                let mut params = ListParams::default().limit(PAGE_SIZE);
+                if let Some(t) = token.take() {
+                    params = params.continue_token(&t);
+                }
+                let request = kube::core::Request::new(path).list(&params)?;
+                let body = client.request_text(request).await?;
+                let page: ListPage<serde::de::IgnoredAny> = serde_json::from_str(&body)?;
+                bodies.push(body);
+                match page.metadata.continue_token.filter(|t| !t.is_empty()) {
+                    Some(t) => token = Some(t),
+                    None => break,
+                }
+            }
+        }
+        body_mib = bodies.iter().map(String::len).sum::<usize>() as f64 / (1024.0 * 1024.0);
+        let mut floors = Vec::new();
+        for _ in 0..PASSES {
+            let started = Instant::now();
+            for body in &bodies {
+                let _: serde::de::IgnoredAny = serde_json::from_str(body)?;
+            }
+            floors.push(ms(started.elapsed()));
+        }
+        floor_ms = median(floors);
+        // Our compact decode of the same bodies, for reference (stderr).
+        let started = Instant::now();
+        let mut records = 0;
+        for body in &bodies {
+            if body.contains("\"kind\":\"ServiceList\"") {
+                records += serde_json::from_str::<ListPage<ServiceRecord>>(body)?
+                    .items
+                    .len();
+            } else if body.contains("\"kind\":\"IPAddressList\"") {
+                records += serde_json::from_str::<ListPage<IpAddressRecord>>(body)?
+                    .items
+                    .len();
+            } else {
+                records += serde_json::from_str::<ListPage<ServiceCidrRecord>>(body)?
+                    .items
+                    .len();
+            }
+        }
+        eprintln!(
+            "compact decode of {records} records: {:.1} ms",
+            ms(started.elapsed())
+        );
+        if mode == RepairMode::IpAddress {
+            let started = Instant::now();
+            let snapshot =
+                reconcilers::clusterip_repair::Snapshot::list(&client, PAGE_SIZE).await?;
+            let listed = started.elapsed();
+            let started = Instant::now();
+            let decision = snapshot.decide(jiff::Timestamp::now(), Duration::from_secs(60));
+            eprintln!(
+                "snapshot list {:.1} ms, decide {:.1} ms ({} findings)",
+                ms(listed),
+                ms(started.elapsed()),
+                decision.findings.len()
+            );
+        }
+    }
+    println!(
+        "{}",
+        json!({
+            "role": role,
+            "sync_ms": sync_ms,
+            "pass_ms": median(times.clone()),
+            "pass_ms_min": times.iter().copied().fold(f64::INFINITY, f64::min),
+            "floor_ms": floor_ms,
+            "body_mib": body_mib,
+            "peak_rss_mib": peak_rss_mib,
+            "drift": drift,
+        })
+    );
+    Ok(())
+}
