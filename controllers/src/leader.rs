@@ -102,7 +102,8 @@ pub fn spawn(
     (receiver, task)
 }
 
-fn publish(sender: &watch::Sender<bool>, metrics: &LeaderMetrics, leader: bool) {
+fn publish(sender: &watch::Sender<bool>, metrics: &LeaderMetrics, health: &Health, leader: bool) {
+    health.set_leading(leader);
     let changed = sender.send_if_modified(|current| {
         let changed = *current != leader;
         *current = leader;
@@ -211,10 +212,16 @@ async fn elect(
         return;
     };
     info!("joined leader election");
-    health.set_check(READYZ_CHECK, Ok(role(false)));
+    // Not "ready standby" yet: until the manager has either taken the Lease or watched another
+    // holder for a while, nobody may be leading.
+    health.set_check(
+        READYZ_CHECK,
+        Err("joined; waiting to learn which replica leads".to_owned()),
+    );
     // What the Lease manager last told us; it only reports changes.
     let mut holds_lease = false;
     let mut failing = false;
+    let mut settled = false;
     let mut delay = Duration::from_millis(500);
     let healthy_after = settings.renew_grace.max(Duration::from_secs(1));
     loop {
@@ -225,8 +232,9 @@ async fn elect(
                 Ok(leader) => {
                     holds_lease = leader;
                     failing = false;
+                    settled = true;
                     delay = Duration::from_millis(500);
-                    publish(&sender, &metrics, leader);
+                    publish(&sender, &metrics, &health, leader);
                     health.set_check(READYZ_CHECK, Ok(role(leader)));
                 }
                 Err(err) => {
@@ -236,7 +244,7 @@ async fn elect(
                         debug!(error = %err, "leader election still failing");
                     }
                     failing = true;
-                    publish(&sender, &metrics, false);
+                    publish(&sender, &metrics, &health, false);
                     health.set_check(
                         READYZ_CHECK,
                         Err(format!("cannot renew or observe the Lease: {err}")),
@@ -250,16 +258,19 @@ async fn elect(
             },
             // `changed()` ran a whole grace period without error: the manager is renewing (or
             // waiting for the other holder's Lease to expire) normally again.
-            _ = tokio::time::sleep(healthy_after), if failing => {
-                info!("leader election reaches the API again");
+            _ = tokio::time::sleep(healthy_after), if failing || !settled => {
+                if failing {
+                    info!("leader election reaches the API again");
+                }
                 failing = false;
-                publish(&sender, &metrics, holds_lease);
+                settled = true;
+                publish(&sender, &metrics, &health, holds_lease);
                 health.set_check(READYZ_CHECK, Ok(role(holds_lease)));
             }
         }
     }
 
-    publish(&sender, &metrics, false);
+    publish(&sender, &metrics, &health, false);
     if holds_lease {
         match tokio::time::timeout(healthy_after, manager.release()).await {
             Ok(Ok(())) => info!("released the leader-election Lease"),

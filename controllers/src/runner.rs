@@ -75,8 +75,10 @@ pub struct LoopStatus {
 }
 
 impl LoopStatus {
-    pub fn is_ready(&self) -> bool {
-        self.succeeded || (self.needs_leadership && self.standby)
+    /// `leading`: whether this replica currently leads. A leader-only loop is a ready standby
+    /// only on a replica that does not lead; on the leader it must have succeeded.
+    pub fn is_ready(&self, leading: bool) -> bool {
+        self.succeeded || (self.needs_leadership && self.standby && !leading)
     }
 }
 
@@ -86,6 +88,8 @@ pub struct Health {
     loops: Arc<Mutex<BTreeMap<&'static str, LoopStatus>>>,
     /// Checks that are not loops (leader election): `Ok(detail)` or `Err(reason)`.
     checks: Arc<Mutex<BTreeMap<&'static str, Result<String, String>>>>,
+    /// Set by leader election; without election no loop ever waits, so it does not matter.
+    leading: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The AND over every loop, with one line per loop.
@@ -113,6 +117,13 @@ impl Health {
         loops.get(name).cloned()
     }
 
+    /// Records whether this replica leads (before the leader channel announces it, so
+    /// `/readyz` never shows a new leader's loops as ready standbys).
+    pub fn set_leading(&self, leading: bool) {
+        self.leading
+            .store(leading, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Sets a non-loop readiness check, e.g. `leader-election`.
     pub fn set_check(&self, name: &'static str, state: Result<String, String>) {
         let mut checks = self
@@ -123,6 +134,7 @@ impl Health {
     }
 
     pub fn readiness(&self) -> Readiness {
+        let leading = self.leading.load(std::sync::atomic::Ordering::SeqCst);
         let mut ready = true;
         let mut lines = Vec::new();
         {
@@ -153,7 +165,7 @@ impl Health {
                     }
                     _ => format!("[+]{name} ok"),
                 }
-            } else if status.is_ready() {
+            } else if status.is_ready(leading) {
                 format!("[+]{name} ok (standby: not the leader)")
             } else {
                 ready = false;
@@ -1318,5 +1330,24 @@ mod tests {
         );
         assert_eq!(invalid.started.load(Ordering::SeqCst), 1, "not retried");
         assert!(started.elapsed() < Duration::from_secs(60));
+    }
+
+    #[test]
+    fn a_standby_loop_is_ready_only_on_a_replica_that_does_not_lead() {
+        let standby = LoopStatus {
+            needs_leadership: true,
+            standby: true,
+            ..LoopStatus::default()
+        };
+        assert!(standby.is_ready(false));
+        assert!(
+            !standby.is_ready(true),
+            "the leader must run its loops first"
+        );
+        let done = LoopStatus {
+            succeeded: true,
+            ..standby.clone()
+        };
+        assert!(done.is_ready(true));
     }
 }

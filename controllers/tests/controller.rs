@@ -59,6 +59,8 @@ async fn repairs_and_survives_a_failing_api() -> anyhow::Result<()> {
     let namespaces: Api<Namespace> = Api::all(sim.client());
 
     eventually("ready", || async { controller.health.readiness().ready }).await;
+    // A single replica is ready only once it leads and its loop succeeded (not as a standby
+    // while it has not yet learned who leads).
     for name in ["kube-system", "kube-public", "kube-node-lease", "default"] {
         assert!(exists(&namespaces, name).await, "{name} created at start");
     }
