@@ -304,6 +304,16 @@ impl Controller {
             "starting"
         );
 
+        // Bind before joining the election: failing here must not leave a Lease behind.
+        let listener = tokio::net::TcpListener::bind(config.admin_addr)
+            .await
+            .map_err(|err| {
+                format!(
+                    "--admin-addr: cannot listen on {}: {err} (pick a free address, e.g. \
+                     127.0.0.1:8081)",
+                    config.admin_addr
+                )
+            })?;
         let runner = Runner::new(loops, client, runner_options(config), runner_metrics);
         let health = runner.health();
         // Leadership outlives the runner, so passes running at shutdown may finish as leader.
@@ -331,15 +341,6 @@ impl Controller {
             (leader::always_leader(&leader_metrics), None)
         };
 
-        let listener = tokio::net::TcpListener::bind(config.admin_addr)
-            .await
-            .map_err(|err| {
-                format!(
-                    "--admin-addr: cannot listen on {}: {err} (pick a free address, e.g. \
-                     127.0.0.1:8081)",
-                    config.admin_addr
-                )
-            })?;
         let admin_addr = listener.local_addr().unwrap_or(config.admin_addr);
         info!(%admin_addr, "admin server listening (/livez, /readyz, /metrics)");
         let admin_state = AdminState {

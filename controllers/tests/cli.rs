@@ -195,3 +195,23 @@ async fn demo_exits_0_after_showing_the_repair() -> anyhow::Result<()> {
     assert!(stdout.contains("label restored"), "{stdout}");
     Ok(())
 }
+
+#[tokio::test]
+async fn run_exits_1_naming_the_admin_address_when_it_is_taken() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = taken.local_addr()?.to_string();
+    let kubeconfig = sim.kubeconfig_path().to_owned();
+    let (code, stdout, stderr) = tokio::task::spawn_blocking(move || {
+        run(binary()
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["run", "--admin-addr", &addr]))
+    })
+    .await?;
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    assert!(stderr.contains("--admin-addr"), "{stderr}");
+    drop(taken);
+    sim.shutdown().await;
+    Ok(())
+}
