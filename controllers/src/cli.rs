@@ -304,6 +304,14 @@ impl Controller {
             "starting"
         );
 
+        if config.service_cluster_ip_range_defaulted {
+            warn!(
+                range = %crate::config::format_cidrs(&config.service_cluster_ip_range),
+                "--service-cluster-ip-range is not set; using kube-apiserver's default. Set it to \
+                 the apiserver's --service-cluster-ip-range (kubeadm: 10.96.0.0/12), or loops \
+                 that use it will fight the cluster"
+            );
+        }
         // Bind before joining the election: failing here must not leave a Lease behind.
         let listener = tokio::net::TcpListener::bind(config.admin_addr)
             .await

@@ -270,6 +270,10 @@ pub enum LogFormat {
 pub struct Config {
     #[serde(rename = "serviceClusterIPRange", serialize_with = "ser_cidrs")]
     pub service_cluster_ip_range: Vec<IpNet>,
+    /// Neither flag nor file set the service range: kube-apiserver's default is in use, which
+    /// is wrong for most clusters (kubeadm uses 10.96.0.0/12), so `run` warns about it.
+    #[serde(skip)]
+    pub service_cluster_ip_range_defaulted: bool,
     pub service_node_port_range: PortRange,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise_address: Option<IpAddr>,
@@ -1256,8 +1260,11 @@ impl Config {
             }
         }
 
+        let service_cluster_ip_range_defaulted =
+            args.service_cluster_ip_range.is_none() && file.service_cluster_ip_range.is_none();
         let mut config = Config {
             service_cluster_ip_range,
+            service_cluster_ip_range_defaulted,
             service_node_port_range,
             advertise_address,
             secure_port,
@@ -1525,13 +1532,17 @@ pub mod duration_format {
     }
 }
 
-fn ser_cidrs<S: serde::Serializer>(cidrs: &[IpNet], serializer: S) -> Result<S::Ok, S::Error> {
-    let joined = cidrs
+/// `a,b`, as the flag takes it.
+pub fn format_cidrs(cidrs: &[IpNet]) -> String {
+    cidrs
         .iter()
         .map(ToString::to_string)
         .collect::<Vec<_>>()
-        .join(",");
-    serializer.serialize_str(&joined)
+        .join(",")
+}
+
+fn ser_cidrs<S: serde::Serializer>(cidrs: &[IpNet], serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&format_cidrs(cidrs))
 }
 
 /// RFC 1123 label, as Kubernetes validates namespace names.
@@ -1734,6 +1745,9 @@ mod tests {
         );
         assert!(config.leader_election.enabled);
         assert!(!config.dry_run);
+        assert!(config.service_cluster_ip_range_defaulted);
+        let set = from_yaml("serviceClusterIPRange: 10.96.0.0/12\n").unwrap();
+        assert!(!set.service_cluster_ip_range_defaulted);
     }
 
     #[test]
