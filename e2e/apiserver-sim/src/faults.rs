@@ -181,7 +181,12 @@ impl Faults {
                     *n > 0
                 }
                 Trigger::Probability(p) => {
-                    if rng.random_bool(p.clamp(0.0, 1.0)) {
+                    let p = if p.is_finite() {
+                        p.clamp(0.0, 1.0)
+                    } else {
+                        0.0
+                    };
+                    if rng.random_bool(p) {
                         fired.push(r.fault.clone());
                     }
                     true

@@ -36,7 +36,6 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde_json::Value;
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 pub use faults::{FaultKind, FaultRule, Faults, RequestRecord, Trigger, Verb};
 
@@ -189,12 +188,7 @@ impl Sim {
                 .seed_namespace(ns)
                 .map_err(|e| SimError::Config(format!("seed_namespaces: {ns:?}: {}", e.message)))?;
         }
-        let ctx = Arc::new(Ctx {
-            shared: Arc::clone(&shared),
-            requests: Default::default(),
-            address,
-            cancel: CancellationToken::new(),
-        });
+        let ctx = Arc::new(Ctx::new(Arc::clone(&shared), address));
         let acceptor = pki
             .as_ref()
             .map(|p| tokio_rustls::TlsAcceptor::from(Arc::clone(&p.server_config)));
@@ -299,6 +293,17 @@ impl Sim {
         self.shared
             .ready
             .store(ready, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Ends every open watch stream cleanly, as an apiserver restart or a load balancer's idle
+    /// timeout would; clients re-watch from their last resourceVersion.
+    pub fn close_watches(&self) {
+        self.ctx.close_watches();
+    }
+
+    /// Closes every open connection, abandoning in-flight requests and watches.
+    pub fn drop_connections(&self) {
+        self.ctx.drop_connections();
     }
 
     /// The current global resourceVersion.

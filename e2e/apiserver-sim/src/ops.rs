@@ -81,7 +81,8 @@ impl Shared {
                 servicecidr_idx,
             },
             namespace_finalize_delay,
-            bookmark_interval,
+            // tokio's interval panics on zero.
+            bookmark_interval: bookmark_interval.max(Duration::from_millis(1)),
             ready: AtomicBool::new(true),
             faults: Faults::default(),
             ns_idx: idx("namespaces"),

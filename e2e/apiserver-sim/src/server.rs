@@ -46,6 +46,44 @@ pub struct Ctx {
     /// `host:port` advertised in `/api`.
     pub address: String,
     pub cancel: CancellationToken,
+    /// Cancelled (and replaced) to end every open watch stream.
+    pub watch_epoch: std::sync::Mutex<CancellationToken>,
+    /// Cancelled (and replaced) to close every open connection.
+    pub conn_epoch: std::sync::Mutex<CancellationToken>,
+}
+
+impl Ctx {
+    pub fn new(shared: Arc<Shared>, address: String) -> Self {
+        let cancel = CancellationToken::new();
+        Self {
+            shared,
+            requests: RequestLog::default(),
+            address,
+            watch_epoch: std::sync::Mutex::new(cancel.child_token()),
+            conn_epoch: std::sync::Mutex::new(cancel.child_token()),
+            cancel,
+        }
+    }
+
+    fn current(epoch: &std::sync::Mutex<CancellationToken>) -> CancellationToken {
+        epoch.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn renew(&self, epoch: &std::sync::Mutex<CancellationToken>) {
+        let mut g = epoch.lock().unwrap_or_else(|e| e.into_inner());
+        g.cancel();
+        *g = self.cancel.child_token();
+    }
+
+    /// Ends every open watch stream (cleanly, as an apiserver restart or an idle-timeout would).
+    pub fn close_watches(&self) {
+        self.renew(&self.watch_epoch);
+    }
+
+    /// Closes every open connection without a response to in-flight requests.
+    pub fn drop_connections(&self) {
+        self.renew(&self.conn_epoch);
+    }
 }
 
 struct ChannelBody(mpsc::Receiver<Bytes>);
@@ -812,7 +850,7 @@ fn watch(
         .get("timeoutSeconds")
         .and_then(|t| t.parse::<u64>().ok())
         .filter(|t| *t > 0)
-        .map(Duration::from_secs);
+        .map(|t| Duration::from_secs(t.min(86_400)));
     let requested_rv: Option<u64> = match query.get("resourceVersion").map(String::as_str) {
         None | Some("") | Some("0") => None,
         Some(v) => Some(
@@ -833,7 +871,7 @@ fn watch(
     }
     let (tx, rx) = mpsc::channel::<Bytes>(256);
     let shared = Arc::clone(&ctx.shared);
-    let cancel = ctx.cancel.clone();
+    let cancel = Ctx::current(&ctx.watch_epoch);
     let mut rv_rx = shared.rv_tx.subscribe();
     // Snapshot under the lock so no event is missed between the initial state and the stream.
     let (mut last, initial, early_gone): (u64, Vec<Bytes>, Option<Bytes>) = {
@@ -1020,6 +1058,14 @@ async fn admin(
                     }
                 }
             }
+            ("POST", ["close-watches"]) => {
+                ctx.close_watches();
+                Ok(value_response(200, &json!({})))
+            }
+            ("POST", ["drop-connections"]) => {
+                ctx.drop_connections();
+                Ok(value_response(200, &json!({})))
+            }
             ("GET", ["rv"]) => Ok(value_response(
                 200,
                 &json!({"resourceVersion": shared.current_rv().to_string()}),
@@ -1057,7 +1103,7 @@ pub async fn serve(
         let ctx = Arc::clone(&ctx);
         let tls = tls.clone();
         tokio::spawn(async move {
-            let cancel = ctx.cancel.clone();
+            let cancel = Ctx::current(&ctx.conn_epoch);
             let svc_ctx = Arc::clone(&ctx);
             let svc = hyper::service::service_fn(move |req| handle(Arc::clone(&svc_ctx), req));
             let builder = hyper::server::conn::http1::Builder::new();

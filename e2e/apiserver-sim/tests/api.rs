@@ -644,3 +644,203 @@ async fn discovery_version_and_health() {
     assert_eq!(get("/readyz").await.unwrap(), "ok");
     sim.shutdown().await;
 }
+
+async fn raw(
+    client: &kube::Client,
+    method: &str,
+    path: &str,
+    ct: &str,
+    body: &str,
+) -> (u16, String) {
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", ct)
+        .body(body.as_bytes().to_vec())
+        .unwrap();
+    match client.request_text(req).await {
+        Ok(text) => (200, text),
+        Err(kube::Error::Api(s)) => (s.code, s.message),
+        Err(e) => panic!("transport error (the server must answer, not crash): {e}"),
+    }
+}
+
+#[tokio::test]
+async fn hostile_requests_get_clear_errors() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "h").await;
+    let j = "application/json";
+    assert_eq!(
+        raw(&client, "GET", "/api/v1/namespaces?limit=abc", j, "")
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        raw(
+            &client,
+            "GET",
+            "/api/v1/namespaces?labelSelector=a%20b%20c",
+            j,
+            ""
+        )
+        .await
+        .0,
+        400
+    );
+    assert_eq!(
+        raw(
+            &client,
+            "GET",
+            "/api/v1/namespaces?fieldSelector=nonsense",
+            j,
+            ""
+        )
+        .await
+        .0,
+        400
+    );
+    assert_eq!(
+        raw(&client, "GET", "/api/v1/namespaces?continue=%25%25", j, "")
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        raw(
+            &client,
+            "POST",
+            "/api/v1/namespaces/h/configmaps",
+            j,
+            "{not json"
+        )
+        .await
+        .0,
+        400
+    );
+    assert_eq!(
+        raw(
+            &client,
+            "POST",
+            "/api/v1/namespaces/h/configmaps",
+            j,
+            "[1,2]"
+        )
+        .await
+        .0,
+        400
+    );
+    let (code, msg) = raw(
+        &client,
+        "POST",
+        "/api/v1/namespaces/h/configmaps",
+        j,
+        r#"{"kind":"Secret","metadata":{"name":"x"}}"#,
+    )
+    .await;
+    assert_eq!(code, 400, "{msg}");
+    assert_eq!(
+        raw(
+            &client,
+            "POST",
+            "/api/v1/namespaces/h/configmaps",
+            "application/yaml",
+            "a: b"
+        )
+        .await
+        .0,
+        415
+    );
+    assert_eq!(raw(&client, "GET", "/api/v1/nothing", j, "").await.0, 404);
+    assert_eq!(raw(&client, "GET", "/apis/nope.io/v1", j, "").await.0, 404);
+    assert_eq!(
+        raw(&client, "POST", "/api/v1/services", j, "{}").await.0,
+        405
+    );
+    assert_eq!(
+        raw(
+            &client,
+            "GET",
+            "/api/v1/namespaces/h/configmaps/x/bogus",
+            j,
+            ""
+        )
+        .await
+        .0,
+        404
+    );
+    raw(
+        &client,
+        "POST",
+        "/api/v1/namespaces/h/configmaps",
+        j,
+        r#"{"metadata":{"name":"p"}}"#,
+    )
+    .await;
+    assert_eq!(
+        raw(
+            &client,
+            "PATCH",
+            "/api/v1/namespaces/h/configmaps/p",
+            "text/plain",
+            "{}"
+        )
+        .await
+        .0,
+        415
+    );
+    assert_eq!(
+        raw(
+            &client,
+            "PATCH",
+            "/api/v1/namespaces/h/configmaps/p",
+            "application/merge-patch+json",
+            "[]"
+        )
+        .await
+        .0,
+        400
+    );
+    let (code, _) = raw(
+        &client,
+        "PATCH",
+        "/api/v1/namespaces/h/configmaps/p",
+        "application/json-patch+json",
+        r#"[{"op":"test","path":"/data/x","value":"1"}]"#,
+    )
+    .await;
+    assert_eq!(code, 422);
+    // Absurd numbers are clamped, not fatal.
+    let (code, _) = raw(&client, "GET", "/api/v1/namespaces/h/configmaps?watch=1&timeoutSeconds=18446744073709551615&resourceVersion=1&allowWatchBookmarks=true", j, "").await;
+    assert_eq!(code, 200);
+
+    // Hostile stored objects (through the backdoor) do not break later API calls.
+    sim.backdoor()
+        .put(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "weird", "namespace": "h", "labels": "not-a-map"},
+            "spec": {"type": 5, "clusterIPs": [1, null], "ports": [{"nodePort": "x"}, "junk"], "healthCheckNodePort": 99999}
+        }))
+        .unwrap();
+    let svc: Api<Service> = Api::namespaced(client.clone(), "h");
+    let (code, _) = raw(&client, "GET", "/api/v1/namespaces/h/services", j, "").await;
+    assert_eq!(code, 200);
+    let (code, _) = raw(
+        &client,
+        "PATCH",
+        "/api/v1/namespaces/h/services/weird",
+        "application/merge-patch+json",
+        r#"{"metadata":{"annotations":{"a":"b"}}}"#,
+    )
+    .await;
+    assert!(code == 200 || code == 422, "{code}");
+    svc.delete("weird", &DeleteParams::default()).await.unwrap();
+    assert!(
+        sim.backdoor()
+            .get("services", "h", "weird")
+            .unwrap()
+            .is_none()
+    );
+    sim.shutdown().await;
+}

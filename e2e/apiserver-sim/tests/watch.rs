@@ -284,3 +284,60 @@ async fn watcher_converges_with_tiny_window() {
     task.abort();
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let rv = sim.resource_version().to_string();
+    let stream = api.watch(&WatchParams::default(), &rv).await.unwrap();
+    sim.close_watches();
+    let rest: Vec<_> = tokio::time::timeout(Duration::from_secs(20), stream.collect::<Vec<_>>())
+        .await
+        .expect("stream ends after close_watches");
+    assert!(rest.is_empty());
+
+    let (reader, writer) = reflector::store::<ConfigMap>();
+    let stream = reflector(writer, watcher(api.clone(), watcher::Config::default()))
+        .applied_objects()
+        .boxed();
+    let task = tokio::spawn(async move { stream.for_each(|_| async {}).await });
+    eventually("watching", || async {
+        sim.request_count("watch", "configmaps") >= 2
+    })
+    .await;
+    let lists = sim.request_count("list", "configmaps");
+    sim.close_watches();
+    eventually("re-watch", || async {
+        sim.request_count("watch", "configmaps") >= 3
+    })
+    .await;
+    api.create(&PostParams::default(), &cm("after-close"))
+        .await
+        .unwrap();
+    eventually("store sees the new object", || {
+        let reader = reader.clone();
+        async move { reader.state().len() == 1 }
+    })
+    .await;
+    assert_eq!(
+        sim.request_count("list", "configmaps"),
+        lists,
+        "resumed, not relisted"
+    );
+
+    // Dropping connections: the next request reconnects transparently.
+    sim.drop_connections();
+    api.create(&PostParams::default(), &cm("after-drop"))
+        .await
+        .unwrap();
+    eventually("store sees the object after reconnect", || {
+        let reader = reader.clone();
+        async move { reader.state().len() == 2 }
+    })
+    .await;
+    task.abort();
+    sim.shutdown().await;
+}

@@ -277,6 +277,14 @@ impl ControllerProcess {
         }
     }
 
+    /// SIGKILL: no shutdown hook runs, as when a node dies.
+    pub fn kill(&mut self) -> Result<()> {
+        let mut child = self.child.take().context("already stopped")?;
+        child.kill()?;
+        child.wait()?;
+        Ok(())
+    }
+
     /// SIGTERM, then wait for the exit status.
     pub fn terminate(&mut self) -> Result<std::process::ExitStatus> {
         let mut child = self.child.take().context("already stopped")?;
@@ -372,5 +380,23 @@ where
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A configuration file in a temporary directory that lives as long as this value.
+pub struct ConfigFile {
+    _dir: tempfile::TempDir,
+    pub path: String,
+}
+
+impl ConfigFile {
+    pub fn new(yaml: &str) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, yaml)?;
+        Ok(Self {
+            path: path.to_string_lossy().into_owned(),
+            _dir: dir,
+        })
     }
 }
