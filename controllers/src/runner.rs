@@ -453,10 +453,14 @@ impl LoopTask {
                 break 'passes;
             }
 
-            // After a failure only the backoff timer wakes the loop: triggers would turn a failing
-            // API into a retry storm.
-            let listen_to_triggers = backoff.is_none() && !self.options.timer_only;
-            let debounce = trigger_delay(fight_streak, self.options.debounce, interval);
+            // After a failure a trigger (someone fixed what the pass tripped over) still wakes
+            // the loop, but no sooner than a second later, so a burst of events cannot turn a
+            // failing API into a retry storm.
+            let listen_to_triggers = !self.options.timer_only;
+            let mut debounce = trigger_delay(fight_streak, self.options.debounce, interval);
+            if backoff.is_some() {
+                debounce = debounce.max(wait.min(FAILING_TRIGGER_DELAY));
+            }
             woken_by_trigger = false;
             match self
                 .wait(
@@ -563,6 +567,9 @@ async fn lost_leadership(leader: &mut watch::Receiver<bool>) {
         std::future::pending::<()>().await;
     }
 }
+
+/// Quiet time before a triggered retry of a failed pass.
+const FAILING_TRIGGER_DELAY: Duration = Duration::from_secs(1);
 
 /// Triggered passes that keep repairing drift before the runner slows them down.
 const FIGHT_STREAK_THRESHOLD: u32 = 5;
@@ -1147,6 +1154,32 @@ mod tests {
         let during = fake.finished.load(Ordering::SeqCst) - before;
         assert!(during <= 6, "{during} passes in 2 s while fighting");
         feeder.abort();
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn a_trigger_retries_a_failed_pass_before_its_backoff_ends() {
+        let (fake, trigger, _polled) = Fake::new("a").with_trigger();
+        let fake = Arc::new(fake.script(&[Step::Invalid, Step::Succeed]));
+        let options = RunnerOptions {
+            // Without the trigger the retry would come in ten minutes.
+            min_backoff: Duration::from_secs(600),
+            ..options()
+        };
+        let harness = start(vec![fake.clone()], options, true);
+        eventually("first pass failed", || {
+            harness
+                .health
+                .status("a")
+                .is_some_and(|status| status.consecutive_failures == 1)
+        })
+        .await;
+        trigger.send(()).unwrap();
+        eventually("retried on the trigger", || {
+            fake.finished.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        eventually("ready", || harness.health.readiness().ready).await;
         stop(harness).await;
     }
 
