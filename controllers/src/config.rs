@@ -742,6 +742,27 @@ pub struct ClusterIpRepairLoop {
     pub enabled: bool,
     #[serde(with = "duration_format")]
     pub interval: Duration,
+    /// See [`ClusterIpRepairMode`].
+    pub mode: ClusterIpRepairMode,
+    /// How long an allocator-managed IPAddress whose Service does not exist is left alone
+    /// before it is deleted as leaked (upstream: 60s; kube-apiserver writes the IPAddress before
+    /// the Service).
+    #[serde(with = "duration_format")]
+    pub orphan_grace_period: Duration,
+}
+
+/// Which ClusterIP repair runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ClusterIpRepairMode {
+    /// IPAddress mode where the API serves `networking.k8s.io/v1` IPAddress and ServiceCIDR
+    /// (found by discovery), audit mode otherwise.
+    #[default]
+    Auto,
+    /// Repair IPAddress objects (Kubernetes 1.33+).
+    IpAddress,
+    /// Only report duplicates, out-of-range and invalid cluster IPs of `serviceClusterIPRange`.
+    Audit,
 }
 
 impl Default for ClusterIpRepairLoop {
@@ -749,6 +770,8 @@ impl Default for ClusterIpRepairLoop {
         ClusterIpRepairLoop {
             enabled: true,
             interval: Duration::from_secs(180),
+            mode: ClusterIpRepairMode::Auto,
+            orphan_grace_period: Duration::from_secs(60),
         }
     }
 }
@@ -756,6 +779,12 @@ impl Default for ClusterIpRepairLoop {
 impl LoopSection for ClusterIpRepairLoop {
     fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
         validate_interval(path, self.interval, errors);
+        if self.orphan_grace_period < Duration::from_secs(5) {
+            errors.push(ConfigError::new(
+                format!("{path}.orphanGracePeriod"),
+                "must be at least 5s (upstream uses 60s; shorter risks deleting the IPAddress of a Service that is still being created)",
+            ));
+        }
     }
 }
 
@@ -1825,6 +1854,34 @@ mod tests {
         assert!(error.message.contains("greater than zero"), "{error}");
         let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    interval: 0ms\n"));
         assert_eq!(error.field, "loops.clusterIPRepair.interval");
+    }
+
+    #[test]
+    fn cluster_ip_repair_mode_and_grace_period() {
+        let config =
+            from_yaml("loops:\n  clusterIPRepair:\n    mode: audit\n    orphanGracePeriod: 2m\n")
+                .expect("valid");
+        assert_eq!(
+            config.loops.cluster_ip_repair.mode,
+            ClusterIpRepairMode::Audit
+        );
+        assert_eq!(
+            config.loops.cluster_ip_repair.orphan_grace_period,
+            Duration::from_secs(120)
+        );
+        assert_eq!(
+            ClusterIpRepairLoop::default().mode,
+            ClusterIpRepairMode::Auto
+        );
+        let error = single_error(from_yaml(
+            "loops:\n  clusterIPRepair:\n    orphanGracePeriod: 1s\n",
+        ));
+        assert_eq!(error.field, "loops.clusterIPRepair.orphanGracePeriod");
+        assert!(error.message.contains("60s"), "{error}");
+        let error = single_error(from_yaml(
+            "loops:\n  clusterIPRepair:\n    mode: sometimes\n",
+        ));
+        assert!(error.field.starts_with("loops.clusterIPRepair"), "{error}");
     }
 
     #[test]

@@ -133,19 +133,47 @@ pub fn build_loops(
         info!("loop apiserver-endpoints disabled by configuration");
     }
 
-    // Sections whose loops are not wired in yet: say so rather than silently doing nothing.
-    // Each helper replaces its line with a block like the one above.
-    for (name, enabled) in [
-        // --- default ServiceCIDR (issue 5): config.loops.service_cidr
-        ("service-cidr", config.loops.service_cidr.enabled),
-        // --- ClusterIP repair (issue 5): config.loops.cluster_ip_repair
-        ("cluster-ip-repair", config.loops.cluster_ip_repair.enabled),
-    ] {
-        if enabled {
-            warn!(
-                "loop {name} is enabled in the configuration but not built into this binary yet; skipped"
-            );
+    // --- default ServiceCIDR (issue 5) ----------------------------------------------------------
+    let section = &config.loops.service_cidr;
+    if section.enabled {
+        use reconcilers::service_cidr::{DefaultServiceCidr, ServiceCidrConfig};
+        let loop_config = ServiceCidrConfig {
+            cidrs: config.service_cluster_ip_range.clone(),
+            interval: section.interval,
+            reporting_instance: Some(config.leader_identity()),
+        };
+        match DefaultServiceCidr::new(client.clone(), loop_config) {
+            Ok(built) => loops.push(Arc::new(built)),
+            // Config validation checks the range; never panic on it.
+            Err(err) => warn!("loop service-cidr not built: {err}"),
         }
+    } else {
+        info!("loop service-cidr disabled by configuration");
+    }
+
+    // --- ClusterIP repair (issue 5) -------------------------------------------------------------
+    let section = &config.loops.cluster_ip_repair;
+    if section.enabled {
+        use crate::config::ClusterIpRepairMode;
+        use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
+        let loop_config = ClusterIpRepairConfig {
+            interval: section.interval,
+            orphan_grace: section.orphan_grace_period,
+            mode: match section.mode {
+                ClusterIpRepairMode::Auto => RepairMode::Auto,
+                ClusterIpRepairMode::IpAddress => RepairMode::IpAddress,
+                ClusterIpRepairMode::Audit => RepairMode::Audit,
+            },
+            service_ranges: config.service_cluster_ip_range.clone(),
+            reporting_instance: Some(config.leader_identity()),
+            ..ClusterIpRepairConfig::default()
+        };
+        match ClusterIpRepair::new(client.clone(), loop_config, registry) {
+            Ok(built) => loops.push(Arc::new(built)),
+            Err(err) => warn!("loop clusterip-repair not built: {err}"),
+        }
+    } else {
+        info!("loop clusterip-repair disabled by configuration");
     }
 
     loops

@@ -79,10 +79,10 @@ impl ServiceCidrConfig {
                 problem: format!("{net} has host bits set; write it as {}", net.trunc()),
             });
         }
-        if self.interval < Duration::from_secs(1) {
+        if self.interval.is_zero() {
             return Err(ServiceCidrConfigError {
                 field: "interval",
-                problem: "must be at least 1s (upstream uses 10s)".to_owned(),
+                problem: "must be greater than zero (upstream uses 10s)".to_owned(),
             });
         }
         Ok(())

@@ -125,8 +125,8 @@ impl ClusterIpRepairConfig {
                 problem: problem.to_owned(),
             })
         };
-        if self.interval < Duration::from_secs(1) {
-            return invalid("interval", "must be at least 1s (upstream uses 3m)");
+        if self.interval.is_zero() {
+            return invalid("interval", "must be greater than zero (upstream uses 3m)");
         }
         if self.page_size == 0 {
             return invalid("pageSize", "must be at least 1 (500 is a good value)");
