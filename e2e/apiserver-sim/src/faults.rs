@@ -220,25 +220,31 @@ pub struct RequestRecord {
     pub user_agent: String,
 }
 
+/// Entries kept; the oldest are dropped beyond this so a long demo does not grow without bound.
+const REQUEST_LOG_CAPACITY: usize = 500_000;
+
 /// The request log.
 #[derive(Debug, Default)]
 pub(crate) struct RequestLog {
-    entries: Mutex<Vec<RequestRecord>>,
+    entries: Mutex<std::collections::VecDeque<RequestRecord>>,
 }
 
 impl RequestLog {
     pub fn push(&self, r: RequestRecord) {
-        self.entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(r);
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if entries.len() >= REQUEST_LOG_CAPACITY {
+            entries.pop_front();
+        }
+        entries.push_back(r);
     }
 
     pub fn snapshot(&self) -> Vec<RequestRecord> {
         self.entries
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .iter()
+            .cloned()
+            .collect()
     }
 
     pub fn clear(&self) {

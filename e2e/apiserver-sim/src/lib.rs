@@ -268,7 +268,8 @@ impl Sim {
         &self.shared.faults
     }
 
-    /// A snapshot of the request log (oldest first). `/sim/...` calls are not logged.
+    /// A snapshot of the request log (oldest first; the last 500,000). `/sim/...` calls are
+    /// not logged.
     pub fn requests(&self) -> Vec<RequestRecord> {
         self.ctx.requests.snapshot()
     }

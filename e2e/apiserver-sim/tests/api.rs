@@ -811,8 +811,21 @@ async fn hostile_requests_get_clear_errors() {
     )
     .await;
     assert_eq!(code, 422);
-    // Absurd numbers are clamped, not fatal.
-    let (code, _) = raw(&client, "GET", "/api/v1/namespaces/h/configmaps?watch=1&timeoutSeconds=18446744073709551615&resourceVersion=1&allowWatchBookmarks=true", j, "").await;
+    // Absurd numbers are clamped, not fatal (the fault ends the stream so the body completes).
+    sim.faults().inject(apiserver_sim::FaultRule::next(
+        Some(apiserver_sim::Verb::Watch),
+        None,
+        1,
+        apiserver_sim::FaultKind::CutWatchAfter { millis: 200 },
+    ));
+    let (code, _) = raw(
+        &client,
+        "GET",
+        "/api/v1/namespaces/h/configmaps?watch=1&timeoutSeconds=18446744073709551615&resourceVersion=1&allowWatchBookmarks=true",
+        j,
+        "",
+    )
+    .await;
     assert_eq!(code, 200);
 
     // Hostile stored objects (through the backdoor) do not break later API calls.
@@ -835,7 +848,16 @@ async fn hostile_requests_get_clear_errors() {
     )
     .await;
     assert!(code == 200 || code == 422, "{code}");
-    svc.delete("weird", &DeleteParams::default()).await.unwrap();
+    let (code, _) = raw(
+        &client,
+        "DELETE",
+        "/api/v1/namespaces/h/services/weird",
+        j,
+        "",
+    )
+    .await;
+    assert_eq!(code, 200);
+    assert!(svc.get_opt("weird").await.unwrap().is_none());
     assert!(
         sim.backdoor()
             .get("services", "h", "weird")
