@@ -243,9 +243,9 @@ impl ApiserverEndpointsLoop {
             }
             EndpointsMode::Static => {
                 let entries = self.cfg.static_entries();
-                let mut answers = BTreeMap::new();
-                for entry in &entries {
-                    if let StaticAddress::Name(name) = entry {
+                // All names at once, each bounded, so one slow resolver cannot stall the pass.
+                let lookups = entries.iter().filter_map(|entry| match entry {
+                    StaticAddress::Name(name) => Some(async move {
                         let answer =
                             tokio::time::timeout(self.cfg.interval, self.resolver.resolve(name))
                                 .await
@@ -253,9 +253,14 @@ impl ApiserverEndpointsLoop {
                                     format!("lookup timed out after {:?}", self.cfg.interval)
                                 })
                                 .and_then(|r| r.map_err(|e| e.to_string()));
-                        answers.insert(name.clone(), answer);
-                    }
-                }
+                        (name.clone(), answer)
+                    }),
+                    StaticAddress::Ip(_) => None,
+                });
+                let answers: BTreeMap<_, _> = futures::future::join_all(lookups)
+                    .await
+                    .into_iter()
+                    .collect();
                 let (members, outcomes) = static_members(&entries, &answers, &mut state.last_good);
                 for (name, outcome) in outcomes {
                     match outcome {
