@@ -24,6 +24,7 @@ mod resources;
 mod selectors;
 mod server;
 mod services;
+mod ssa;
 mod store;
 mod tls;
 

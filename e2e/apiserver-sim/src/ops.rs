@@ -17,6 +17,7 @@ use crate::meta::{
 };
 use crate::resources::{self, RESOURCES, ResIdx};
 use crate::services::{self, AllocConfig};
+use crate::ssa;
 use crate::store::State;
 
 /// State shared by the server, the handle and background tasks.
@@ -41,6 +42,18 @@ pub enum PatchKind {
     Json,
     StrategicMerge,
     Apply,
+}
+
+/// Per-request write settings.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriteOptions<'a> {
+    pub dry_run: bool,
+    /// The `fieldManager` query parameter.
+    pub field_manager: Option<&'a str>,
+    /// Who a non-apply write is attributed to (fieldManager, else the User-Agent's product).
+    pub updater: &'a str,
+    /// The `force` query parameter (server-side apply).
+    pub force: bool,
 }
 
 /// Outcome of a write: the object bytes and whether it was newly created (201 vs 200).
@@ -375,11 +388,15 @@ impl Shared {
         name: &str,
         status: bool,
         mut body: Value,
-        dry_run: bool,
+        opts: WriteOptions<'_>,
     ) -> Result<Written, ApiError> {
         self.normalize_body(res, ns, Some(name), &mut body)?;
         let mut st = self.lock();
-        let w = self.update_locked(&mut st, res, ns, name, status, body, dry_run)?;
+        let before = st.get(res, ns, name).cloned();
+        let w = self.update_locked(&mut st, res, ns, name, status, body, opts.dry_run)?;
+        if !opts.dry_run {
+            track_update(&mut st, res, ns, name, before.as_ref(), opts.updater);
+        }
         self.publish(&st);
         Ok(w)
     }
@@ -502,9 +519,10 @@ impl Shared {
         name: &str,
         status: bool,
         body: Value,
-        dry_run: bool,
+        opts: WriteOptions<'_>,
     ) -> Result<Written, ApiError> {
         let def = &RESOURCES[res];
+        let dry_run = opts.dry_run;
         let exists = self.lock().contains(res, ns, name);
         if !exists && def.create_on_update && !status {
             let mut body = body;
@@ -521,7 +539,7 @@ impl Shared {
                 Err(e) => Err(e),
             };
         }
-        self.update(res, ns, name, status, body, dry_run)
+        self.update(res, ns, name, status, body, opts)
     }
 
     /// PATCH: applied to the stored object under the lock, then validated as an update.
@@ -534,9 +552,21 @@ impl Shared {
         status: bool,
         kind: PatchKind,
         patch: &[u8],
-        dry_run: bool,
+        opts: WriteOptions<'_>,
     ) -> Result<Written, ApiError> {
         let def = &RESOURCES[res];
+        let dry_run = opts.dry_run;
+        let applier = match (kind, opts.field_manager) {
+            (PatchKind::Apply, None) => {
+                return Err(ApiError::new(
+                    422,
+                    "Invalid",
+                    "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: is required for apply patch",
+                ));
+            }
+            (PatchKind::Apply, Some(m)) => Some(m),
+            _ => None,
+        };
         let patch_value: Value = match kind {
             PatchKind::Apply => serde_saphyr::from_slice(patch)
                 .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?,
@@ -547,10 +577,17 @@ impl Shared {
         let existing = st.get(res, ns, name).cloned();
         let Some(existing) = existing else {
             drop(st);
-            if kind == PatchKind::Apply && !status {
-                let mut body = patch_value;
+            if let Some(applier) = applier
+                && !status
+            {
+                let mut body = patch_value.clone();
                 self.normalize_body(res, ns, Some(name), &mut body)?;
-                return self.create(res, ns, body, dry_run).map(|json| Written {
+                let json = self.create(res, ns, body, dry_run)?;
+                if !dry_run {
+                    let owners = ssa::after_apply(None, applier, &patch_value);
+                    self.lock().set_owners(res, ns, name, owners);
+                }
+                return Ok(Written {
                     json,
                     created: true,
                 });
@@ -558,6 +595,18 @@ impl Shared {
             return Err(ApiError::not_found(def, name));
         };
         let mut doc = existing.value()?;
+        if let Some(applier) = applier
+            && !opts.force
+        {
+            ssa::check_conflicts(
+                def,
+                name,
+                applier,
+                existing.owners.as_deref(),
+                &doc,
+                &patch_value,
+            )?;
+        }
         match kind {
             PatchKind::Json => {
                 let p: json_patch::Patch = serde_json::from_value(patch_value.clone())
@@ -589,6 +638,16 @@ impl Shared {
             }
         }
         let w = self.update_locked(&mut st, res, ns, name, status, doc, dry_run)?;
+        if !dry_run {
+            match applier {
+                Some(applier) => {
+                    let owners =
+                        ssa::after_apply(existing.owners.as_deref(), applier, &patch_value);
+                    st.set_owners(res, ns, name, owners);
+                }
+                None => track_update(&mut st, res, ns, name, Some(&existing), opts.updater),
+            }
+        }
         self.publish(&st);
         Ok(w)
     }
@@ -795,6 +854,32 @@ impl Shared {
             Err(e) if e.code == 409 => Ok(()),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Moves ownership of the fields a non-apply write changed to `updater`, for objects whose
+/// ownership is tracked.
+fn track_update(
+    st: &mut State,
+    res: ResIdx,
+    ns: &str,
+    name: &str,
+    before: Option<&crate::store::Stored>,
+    updater: &str,
+) {
+    let Some(before) = before else { return };
+    let Some(owners) = before.owners.as_deref() else {
+        return;
+    };
+    let Some(after) = st.get(res, ns, name) else {
+        return;
+    };
+    if after.rv == before.rv {
+        return;
+    }
+    if let (Ok(old), Ok(new)) = (before.value(), after.value()) {
+        let owners = ssa::after_update(owners, updater, &old, &new);
+        st.set_owners(res, ns, name, owners);
     }
 }
 

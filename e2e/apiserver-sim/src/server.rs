@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::errors::ApiError;
 use crate::faults::{FaultKind, FaultRule, RequestLog, RequestRecord, Verb};
-use crate::ops::{PatchKind, Shared};
+use crate::ops::{PatchKind, Shared, WriteOptions};
 use crate::resources::{self, RESOURCES, ResIdx};
 use crate::selectors::{FieldSelector, LabelSelector};
 use crate::store::{EventType, Stored, WatchEvent};
@@ -398,6 +398,23 @@ async fn route(
         }
     }
     let dry_run = query.get("dryRun").is_some_and(|v| v == "All");
+    let field_manager = query
+        .get("fieldManager")
+        .map(String::as_str)
+        .filter(|m| !m.is_empty());
+    // kube-apiserver names an unnamed updater after the User-Agent's product token.
+    let updater = field_manager.map(str::to_string).unwrap_or_else(|| {
+        match record.user_agent.split('/').next() {
+            Some(p) if !p.is_empty() => p.to_string(),
+            _ => "unknown".to_string(),
+        }
+    });
+    let write_opts = WriteOptions {
+        dry_run,
+        field_manager,
+        updater: &updater,
+        force: truthy(query, "force"),
+    };
     let ns = target.ns.clone().unwrap_or_default();
     if def.namespaced && target.ns.is_none() && !matches!(verb, Verb::List | Verb::Watch) {
         return Ok(error_response(&ApiError::method_not_allowed(
@@ -427,7 +444,7 @@ async fn route(
                     target.name.as_deref().unwrap_or(""),
                     target.sub.is_some(),
                     body,
-                    dry_run,
+                    write_opts,
                 )
                 .map(|w| json_response(if w.created { 201 } else { 200 }, w.json)),
             Err(e) => Err(e),
@@ -461,7 +478,7 @@ async fn route(
                             target.sub.is_some(),
                             kind,
                             &body,
-                            dry_run,
+                            write_opts,
                         )
                         .map(|w| json_response(if w.created { 201 } else { 200 }, w.json)),
                     Err(e) => Err(e),

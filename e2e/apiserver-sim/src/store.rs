@@ -14,12 +14,18 @@ use crate::meta::{labels_of, metadata_mut};
 use crate::resources::{RESOURCES, ResIdx};
 use crate::selectors::Labels;
 
+/// Field path (`.spec.holderIdentity`) to the field manager that last set it.
+pub type Owners = BTreeMap<String, String>;
+
 /// One stored object.
 #[derive(Debug, Clone)]
 pub struct Stored {
     pub json: Bytes,
     pub rv: u64,
     pub labels: Arc<Labels>,
+    /// Field ownership, tracked only for objects ever written by server-side apply (the only
+    /// operation whose outcome depends on it).
+    pub owners: Option<Arc<Owners>>,
 }
 
 impl Stored {
@@ -111,12 +117,14 @@ impl State {
             Bytes::from(serde_json::to_vec(&obj).map_err(|e| ApiError::internal(e.to_string()))?);
         let labels = Arc::new(labels_of(&obj));
         let key = (ns.to_string(), name.to_string());
+        let owners = self.objects[res].get(&key).and_then(|p| p.owners.clone());
         let prev = self.objects[res].insert(
             key,
             Stored {
                 json: json.clone(),
                 rv,
                 labels: labels.clone(),
+                owners,
             },
         );
         let kind = if prev.is_some() {
@@ -136,6 +144,14 @@ impl State {
             prev_json: prev.map(|p| p.json),
         });
         Ok(json)
+    }
+
+    /// Replaces the field ownership of a stored object (no new version: managers are metadata
+    /// the simulator does not serialize).
+    pub fn set_owners(&mut self, res: ResIdx, ns: &str, name: &str, owners: Owners) {
+        if let Some(s) = self.objects[res].get_mut(&(ns.to_string(), name.to_string())) {
+            s.owners = Some(Arc::new(owners));
+        }
     }
 
     /// Removes an object, logs DELETED (carrying the deletion's resourceVersion, as etcd does),

@@ -866,3 +866,113 @@ async fn hostile_requests_get_clear_errors() {
     );
     sim.shutdown().await;
 }
+
+/// Server-side apply conflicts: what leader-election libraries use for mutual exclusion.
+#[tokio::test]
+async fn apply_conflicts_between_field_managers() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "kube-system").await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    let lease = |holder: &str| {
+        Patch::Apply(json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "lock"},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15}
+        }))
+    };
+    let created = leases
+        .patch("lock", &PatchParams::apply("candidate-a"), &lease("a"))
+        .await
+        .unwrap();
+    assert_eq!(created.spec.unwrap().holder_identity.as_deref(), Some("a"));
+    // The same manager may change its own fields; another manager may re-apply equal values.
+    leases
+        .patch("lock", &PatchParams::apply("candidate-a"), &lease("a"))
+        .await
+        .unwrap();
+    let e = api_err(
+        leases
+            .patch("lock", &PatchParams::apply("candidate-b"), &lease("b"))
+            .await,
+    );
+    assert_eq!((e.code, e.reason.as_str()), (409, "Conflict"));
+    assert!(
+        e.message.contains("conflict with \"candidate-a\"")
+            && e.message.contains(".spec.holderIdentity"),
+        "{}",
+        e.message
+    );
+    assert_eq!(
+        leases
+            .get("lock")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .holder_identity
+            .as_deref(),
+        Some("a")
+    );
+    // force takes the field over.
+    leases
+        .patch(
+            "lock",
+            &PatchParams::apply("candidate-b").force(),
+            &lease("b"),
+        )
+        .await
+        .unwrap();
+    let e = api_err(
+        leases
+            .patch("lock", &PatchParams::apply("candidate-a"), &lease("a"))
+            .await,
+    );
+    assert!(
+        e.message.contains("conflict with \"candidate-b\""),
+        "{}",
+        e.message
+    );
+    // A non-apply write moves ownership to its field manager.
+    let pp = PatchParams {
+        field_manager: Some("renewer".into()),
+        ..PatchParams::default()
+    };
+    leases
+        .patch(
+            "lock",
+            &pp,
+            &Patch::Strategic(json!({"spec": {"holderIdentity": "c"}})),
+        )
+        .await
+        .unwrap();
+    let e = api_err(
+        leases
+            .patch("lock", &PatchParams::apply("candidate-b"), &lease("b"))
+            .await,
+    );
+    assert!(
+        e.message.contains("conflict with \"renewer\""),
+        "{}",
+        e.message
+    );
+    // Apply without a field manager is rejected as upstream does.
+    let req = hyper::Request::builder()
+        .method("PATCH")
+        .uri("/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/lock")
+        .header("content-type", "application/apply-patch+yaml")
+        .body(b"spec: {holderIdentity: z}".to_vec())
+        .unwrap();
+    match client.request_text(req).await {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 422);
+            assert!(
+                s.message.contains("fieldManager: Required value"),
+                "{}",
+                s.message
+            );
+        }
+        other => panic!("expected 422, got {other:?}"),
+    }
+    sim.shutdown().await;
+}
