@@ -255,6 +255,11 @@ pub enum ServiceDrift {
         key: &'static str,
         found: Option<String>,
     },
+    /// Two ranges configured but the Service is single-stack (kube-apiserver always creates it
+    /// SingleStack): upgraded in place to PreferDualStack with the secondary range's first IP.
+    IpFamilyPolicy {
+        found: Option<String>,
+    },
     /// Immutable: reported, never repaired in place.
     ClusterIp {
         found: Vec<String>,
@@ -270,6 +275,7 @@ impl ServiceDrift {
             ServiceDrift::Selector { .. } => "service_selector",
             ServiceDrift::SessionAffinity { .. } => "service_session_affinity",
             ServiceDrift::Label { .. } => "service_labels",
+            ServiceDrift::IpFamilyPolicy { .. } => "service_ip_family_policy",
             ServiceDrift::ClusterIp { .. } => "service_cluster_ip",
         }
     }
@@ -304,6 +310,11 @@ impl fmt::Display for ServiceDrift {
                 found
                     .as_deref()
                     .map_or("missing".to_owned(), |v| format!("{v:?}"))
+            ),
+            ServiceDrift::IpFamilyPolicy { found } => write!(
+                f,
+                "single-stack (ipFamilyPolicy {}) although two service ranges are configured, want PreferDualStack",
+                found.as_deref().unwrap_or("unset")
             ),
             ServiceDrift::ClusterIp { found, want } => write!(
                 f,
@@ -375,6 +386,18 @@ pub fn service_drift(cfg: &KubernetesServiceConfig, existing: &Service) -> Vec<S
         }
     }
 
+    let single_stack_ips = match (&spec.cluster_ips, &spec.cluster_ip) {
+        (Some(ips), _) if !ips.is_empty() => ips.len() == 1,
+        (_, Some(_)) => true,
+        _ => false,
+    };
+    let policy = spec.ip_family_policy.as_deref().unwrap_or("SingleStack");
+    if cfg.cluster_ips().len() == 2 && single_stack_ips && policy == "SingleStack" {
+        drift.push(ServiceDrift::IpFamilyPolicy {
+            found: spec.ip_family_policy.clone(),
+        });
+    }
+
     let want: Vec<String> = cfg.cluster_ips().iter().map(ToString::to_string).collect();
     let found_ips: Vec<String> = match (&spec.cluster_ips, &spec.cluster_ip) {
         (Some(ips), _) if !ips.is_empty() => ips.clone(),
@@ -412,6 +435,30 @@ pub fn repaired_service(cfg: &KubernetesServiceConfig, existing: &Service) -> Se
     spec.selector = None;
     spec.session_affinity = Some("None".to_owned());
     spec.session_affinity_config = None;
+    let want_ips = cfg.cluster_ips();
+    if want_ips.len() == 2
+        && spec.ip_family_policy.as_deref().unwrap_or("SingleStack") == "SingleStack"
+    {
+        let primary = spec
+            .cluster_ips
+            .as_ref()
+            .and_then(|ips| ips.first().cloned())
+            .or_else(|| spec.cluster_ip.clone());
+        // Only a single-stack Service whose primary IP we can keep is upgraded; the primary
+        // family decides which of our two first IPs becomes the secondary.
+        if let Some(primary) = primary
+            && let Ok(primary_ip) = primary.parse::<IpAddr>()
+            && let Some(secondary) = want_ips
+                .iter()
+                .find(|ip| ip.is_ipv4() != primary_ip.is_ipv4())
+        {
+            let family = |ip: &IpAddr| if ip.is_ipv4() { "IPv4" } else { "IPv6" }.to_owned();
+            spec.ip_family_policy = Some("PreferDualStack".to_owned());
+            spec.cluster_ip = Some(primary.clone());
+            spec.cluster_ips = Some(vec![primary, secondary.to_string()]);
+            spec.ip_families = Some(vec![family(&primary_ip), family(secondary)]);
+        }
+    }
     let want_type = cfg.service_type();
     if spec.type_.as_deref().unwrap_or("ClusterIP") != want_type {
         spec.type_ = Some(want_type.to_owned());
@@ -992,6 +1039,39 @@ mod tests {
             service_drift(&dual, &wrong)
                 .iter()
                 .any(|d| d.kind() == "service_cluster_ip")
+        );
+    }
+
+    #[test]
+    fn single_stack_service_is_upgraded_to_dual_stack() {
+        let dual = KubernetesServiceConfig {
+            service_cidrs: vec![
+                "10.96.0.0/12".parse().unwrap(),
+                "fd00::/108".parse().unwrap(),
+            ],
+            ..cfg()
+        };
+        let single = existing();
+        let drift = service_drift(&dual, &single);
+        assert_eq!(
+            drift.iter().map(ServiceDrift::kind).collect::<Vec<_>>(),
+            vec!["service_ip_family_policy"]
+        );
+        let repaired = repaired_service(&dual, &single);
+        let spec = repaired.spec.clone().unwrap();
+        assert_eq!(spec.ip_family_policy.as_deref(), Some("PreferDualStack"));
+        assert_eq!(
+            spec.cluster_ips,
+            Some(vec!["10.96.0.1".to_owned(), "fd00::1".to_owned()])
+        );
+        assert_eq!(
+            spec.ip_families,
+            Some(vec!["IPv4".to_owned(), "IPv6".to_owned()])
+        );
+        assert!(service_drift(&dual, &repaired).is_empty());
+        assert!(
+            service_drift(&cfg(), &repaired).is_empty(),
+            "a single-stack configuration never downgrades"
         );
     }
 

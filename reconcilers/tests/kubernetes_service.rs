@@ -301,3 +301,50 @@ async fn node_port_and_dual_stack_shape() {
     );
     assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
 }
+
+#[tokio::test]
+async fn single_stack_service_from_kube_apiserver_is_upgraded_to_dual_stack() {
+    let ranges = vec![
+        "10.96.0.0/12".parse().unwrap(),
+        "fd00:10:96::/108".parse().unwrap(),
+    ];
+    let sim = Sim::start(apiserver_sim::SimConfig {
+        seed_namespaces: vec!["default".into()],
+        service_cluster_ip_ranges: ranges.clone(),
+        ..apiserver_sim::SimConfig::default()
+    })
+    .await
+    .unwrap();
+    // What kube-apiserver creates: SingleStack, primary first IP only.
+    let single = service_loop(&sim, cfg());
+    single.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(
+        service(&sim)
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .ip_family_policy
+            .as_deref(),
+        Some("SingleStack")
+    );
+
+    let dual = service_loop(
+        &sim,
+        KubernetesServiceConfig {
+            service_cidrs: ranges,
+            ..cfg()
+        },
+    );
+    let report = dual.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift.len(), 1, "{report:?}");
+    assert_eq!(report.drift[0].kind, "service_ip_family_policy");
+    assert!(report.drift[0].applied);
+    let spec = service(&sim).await.unwrap().spec.unwrap();
+    assert_eq!(spec.ip_family_policy.as_deref(), Some("PreferDualStack"));
+    assert_eq!(
+        spec.cluster_ips,
+        Some(vec!["10.96.0.1".to_owned(), "fd00:10:96::1".to_owned()])
+    );
+    assert!(dual.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
+}
