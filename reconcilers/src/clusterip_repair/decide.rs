@@ -9,10 +9,10 @@ use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
-use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange, parse_ip_sloppy};
+use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
 use super::model::{
-    IPALLOCATOR_MANAGER, IpAddressRecord, ObjectVersion, ParentRef, ServiceCidrRecord,
+    ClusterIp, IPALLOCATOR_MANAGER, IpAddressRecord, ObjectVersion, ParentRef, ServiceCidrRecord,
     ServiceRecord,
 };
 
@@ -171,8 +171,7 @@ pub fn decide_ipaddress_mode<'a>(
         .iter()
         .map(|svc| ((&*svc.namespace, &*svc.name), *svc))
         .collect();
-    let mut ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
-    ip_addresses.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
     let ips_by_addr: HashMap<IpAddr, &IpAddressRecord> = ip_addresses
         .iter()
         .filter_map(|ip| Some((ip.name.parse::<IpAddr>().ok()?, *ip)))
@@ -186,14 +185,14 @@ pub fn decide_ipaddress_mode<'a>(
     let mut decision = Decision::default();
     // IPs this pass already (re)creates, with the Service it creates them for: a second claimant
     // is a duplicate, and the IPAddress phase must not delete what the Service phase rewrites.
-    let mut claimed: HashMap<IpAddr, (&str, &str)> = HashMap::new();
+    let mut claimed: HashMap<IpAddr, (&str, &str)> = HashMap::with_capacity(ips_by_addr.len());
     let mut rewritten: HashSet<&str> = HashSet::new();
 
     for svc in &services {
-        for raw in svc.cluster_ips.iter() {
+        for cluster_ip in svc.cluster_ips.iter() {
             sync_service_ip(
                 svc,
-                raw,
+                cluster_ip,
                 &ranges,
                 &ips_by_addr,
                 &services_by_key,
@@ -204,19 +203,24 @@ pub fn decide_ipaddress_mode<'a>(
         }
     }
 
+    let service_findings = decision.findings.len();
     for ip in &ip_addresses {
         if rewritten.contains(&*ip.name) {
             continue;
         }
         sync_ip_address(ip, &services_by_key, now, orphan_grace, &mut decision);
     }
+    // IPAddresses come in cache order; report them in name order (there are few findings, and
+    // sorting them is cheaper than sorting every IPAddress).
+    decision.findings[service_findings..]
+        .sort_by(|a, b| a.regarding.object().cmp(&b.regarding.object()));
     decision
 }
 
 #[allow(clippy::too_many_arguments)]
 fn sync_service_ip<'a>(
     svc: &'a ServiceRecord,
-    raw: &str,
+    raw: &ClusterIp,
     ranges: &[ServiceRange],
     ips_by_addr: &HashMap<IpAddr, &'a IpAddressRecord>,
     services_by_key: &HashMap<(&str, &str), &'a ServiceRecord>,
@@ -230,7 +234,7 @@ fn sync_service_ip<'a>(
         name: svc.name.clone(),
     };
     let this = (&*svc.namespace, &*svc.name);
-    let Some(ip) = parse_ip_sloppy(raw) else {
+    let Some(ip) = raw.ip() else {
         // Upstream prints the parsed value (always `<nil>`); the written value is what helps.
         decision.findings.push(Finding {
             kind: "clusterip_not_valid",
@@ -483,8 +487,7 @@ fn sync_ip_address(
             let listed = ip
                 .name
                 .parse::<IpAddr>()
-                .is_ok_and(|addr| svc.lists_ip(addr))
-                || svc.cluster_ips.iter().any(|listed| **listed == *ip.name);
+                .is_ok_and(|addr| svc.lists_ip(addr));
             if !listed {
                 decision.findings.push(Finding {
                     kind: "ipaddress_wrong_parent",
@@ -540,7 +543,7 @@ pub fn decide_audit_mode<'a>(
                 error_type: Some(error_type),
                 repair: Repair::None,
             };
-            let Some(ip) = parse_ip_sloppy(raw) else {
+            let Some(ip) = raw.ip() else {
                 findings.push(report(
                     "clusterip_not_valid",
                     "ClusterIPNotValid",
@@ -635,13 +638,13 @@ mod tests {
             name: name.into(),
             uid: format!("uid-{ns}-{name}").into(),
             resource_version: 1,
-            cluster_ips: ips.iter().map(|ip| (*ip).into()).collect(),
+            cluster_ips: ips.iter().map(|ip| ClusterIp::parse(ip)).collect(),
         }
     }
 
     fn ipaddr(
         ip: &str,
-        parent: Option<(&str, &str, &str, &str)>,
+        parent: Option<(&str, &'static str, &str, &str)>,
         age_secs: i64,
     ) -> IpAddressRecord {
         let family = if ip.contains(':') { "IPv6" } else { "IPv4" };

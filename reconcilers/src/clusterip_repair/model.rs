@@ -4,6 +4,7 @@
 //! into full `k8s-openapi` objects: at 100,000 Services the difference is hundreds of megabytes
 //! (managedFields, annotations, ports, status) and most of the decoding time.
 
+use std::borrow::Cow;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
@@ -26,9 +27,40 @@ pub struct ServiceRecord {
     pub uid: Box<str>,
     /// 0 when not a number (see [`super::reflector::parse_resource_version`]).
     pub resource_version: u64,
-    /// The Service's cluster IPs as written (possibly unparseable); empty when the Service has no
+    /// The Service's cluster IPs, parsed once at decode time; empty when the Service has no
     /// cluster IP (headless, ExternalName, not yet allocated).
-    pub cluster_ips: Box<[Box<str>]>,
+    pub cluster_ips: Box<[ClusterIp]>,
+}
+
+/// One entry of `spec.clusterIPs`: an address (kept inline, no allocation) or, rarely, the
+/// text that does not parse.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClusterIp {
+    Ip(IpAddr),
+    Invalid(Box<str>),
+}
+
+impl ClusterIp {
+    /// Parses as kube-apiserver does ([`parse_ip_sloppy`]).
+    pub fn parse(text: &str) -> Self {
+        parse_ip_sloppy(text).map_or_else(|| ClusterIp::Invalid(text.into()), ClusterIp::Ip)
+    }
+
+    pub fn ip(&self) -> Option<IpAddr> {
+        match self {
+            ClusterIp::Ip(ip) => Some(*ip),
+            ClusterIp::Invalid(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ClusterIp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClusterIp::Ip(ip) => ip.fmt(f),
+            ClusterIp::Invalid(raw) => f.write_str(raw),
+        }
+    }
 }
 
 impl ServiceRecord {
@@ -36,7 +68,7 @@ impl ServiceRecord {
     pub fn lists_ip(&self, ip: IpAddr) -> bool {
         self.cluster_ips
             .iter()
-            .any(|listed| parse_ip_sloppy(listed) == Some(ip))
+            .any(|listed| listed.ip() == Some(ip))
     }
 
     pub fn key(&self) -> String {
@@ -47,8 +79,10 @@ impl ServiceRecord {
 /// `spec.parentRef` of an IPAddress.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParentRef {
+    /// Usually empty, which costs no allocation.
     pub group: Box<str>,
-    pub resource: Box<str>,
+    /// Usually `services`, kept without an allocation.
+    pub resource: Cow<'static, str>,
     pub namespace: Box<str>,
     pub name: Box<str>,
 }
@@ -66,8 +100,9 @@ pub struct IpAddressRecord {
     pub name: Box<str>,
     pub uid: Box<str>,
     pub resource_version: Box<str>,
-    pub managed_by: Option<Box<str>>,
-    pub family_label: Option<Box<str>>,
+    /// Shared constants for the usual values, so 130,000 records do not each hold copies.
+    pub managed_by: Option<Cow<'static, str>>,
+    pub family_label: Option<Cow<'static, str>>,
     pub parent: Option<ParentRef>,
     /// `None` when missing or unparseable; treated as "old" as upstream does.
     pub created: Option<jiff::Timestamp>,
@@ -129,6 +164,14 @@ mod wire {
         Box::from(text.as_ref())
     }
 
+    /// `text` as a static string when it is one of `known`, else copied.
+    fn shared(text: Cow<'_, str>, known: &[&'static str]) -> Cow<'static, str> {
+        match known.iter().find(|k| **k == text.as_ref()) {
+            Some(k) => Cow::Borrowed(k),
+            None => Cow::Owned(text.into_owned()),
+        }
+    }
+
     fn version(text: Option<Cow<'_, str>>) -> u64 {
         text.and_then(|t| t.parse().ok()).unwrap_or(0)
     }
@@ -173,12 +216,19 @@ mod wire {
                 .cluster_ip
                 .as_deref()
                 .is_some_and(|ip| !ip.is_empty() && ip != "None");
-            let cluster_ips: Box<[Box<str>]> = if !has_ip {
+            let cluster_ips: Box<[super::ClusterIp]> = if !has_ip {
                 Box::default()
             } else {
-                match wire.spec.cluster_ips {
-                    Some(ips) if !ips.is_empty() => ips.into_iter().map(boxed).collect(),
-                    _ => wire.spec.cluster_ip.into_iter().map(boxed).collect(),
+                match &wire.spec.cluster_ips {
+                    Some(ips) if !ips.is_empty() => {
+                        ips.iter().map(|ip| super::ClusterIp::parse(ip)).collect()
+                    }
+                    _ => wire
+                        .spec
+                        .cluster_ip
+                        .iter()
+                        .map(|ip| super::ClusterIp::parse(ip))
+                        .collect(),
                 }
             };
             Self {
@@ -253,11 +303,14 @@ mod wire {
                 name: boxed(meta.name),
                 uid: boxed(meta.uid),
                 resource_version: boxed(meta.resource_version),
-                managed_by: meta.labels.managed_by.map(boxed),
-                family_label: meta.labels.family.map(boxed),
+                managed_by: meta
+                    .labels
+                    .managed_by
+                    .map(|m| shared(m, &[super::IPALLOCATOR_MANAGER])),
+                family_label: meta.labels.family.map(|f| shared(f, &["IPv4", "IPv6"])),
                 parent: wire.spec.parent_ref.map(|p| super::ParentRef {
                     group: boxed(p.group),
-                    resource: boxed(p.resource),
+                    resource: shared(p.resource, &["services"]),
                     namespace: boxed(p.namespace),
                     name: boxed(p.name),
                 }),
@@ -368,7 +421,10 @@ mod tests {
             r#"{"metadata":{"name":"o","namespace":"d"},"spec":{"clusterIP":"10.0.0.9"}}"#,
         )
         .unwrap();
-        assert_eq!(&*old.cluster_ips[0], "10.0.0.9");
+        assert_eq!(
+            old.cluster_ips[0],
+            ClusterIp::Ip("10.0.0.9".parse().unwrap())
+        );
     }
 
     #[test]
