@@ -212,8 +212,7 @@ pub fn decide_ipaddress_mode<'a>(
     }
     // IPAddresses come in cache order; report them in name order (there are few findings, and
     // sorting them is cheaper than sorting every IPAddress).
-    decision.findings[service_findings..]
-        .sort_by(|a, b| a.regarding.object().cmp(&b.regarding.object()));
+    decision.findings[service_findings..].sort_by_key(|finding| finding.regarding.object());
     decision
 }
 
