@@ -26,6 +26,7 @@ mod server;
 mod services;
 mod ssa;
 mod store;
+mod table;
 mod tls;
 
 use std::net::SocketAddr;

@@ -422,14 +422,37 @@ async fn route(
         )));
     }
     let shared = &ctx.shared;
+    let as_table = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(crate::table::wants_table)
+        && target.sub.is_none();
     let result: Result<Response<Body>, ApiError> = match verb {
         Verb::Get => shared
             .get(target.res, &ns, target.name.as_deref().unwrap_or(""))
-            .map(|b| json_response(200, b)),
-        Verb::List => {
-            list(shared, target.res, target.ns.as_deref(), query).map(|b| json_response(200, b))
-        }
-        Verb::Watch => watch(ctx, target.res, target.ns.clone(), query, watch_faults),
+            .map(|b| {
+                if as_table {
+                    table_response(def, &b, false)
+                } else {
+                    json_response(200, b)
+                }
+            }),
+        Verb::List => list(shared, target.res, target.ns.as_deref(), query).map(|b| {
+            if as_table {
+                table_response(def, &b, true)
+            } else {
+                json_response(200, b)
+            }
+        }),
+        Verb::Watch => watch(
+            ctx,
+            target.res,
+            target.ns.clone(),
+            query,
+            watch_faults,
+            as_table,
+        ),
         Verb::Create => match read_json(req).await {
             Ok(body) => shared
                 .create(target.res, &ns, body, dry_run)
@@ -500,6 +523,54 @@ async fn route(
         Verb::Deletecollection => delete_collection(shared, target.res, &ns, query, dry_run),
     };
     Ok(result.unwrap_or_else(|e| error_response(&e)))
+}
+
+/// Re-renders a JSON object or list as a Table for kubectl's human-readable output.
+fn table_response(
+    def: &crate::resources::ResourceDef,
+    body: &[u8],
+    is_list: bool,
+) -> Response<Body> {
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return json_response(200, Bytes::copy_from_slice(body));
+    };
+    let t = if is_list {
+        let items = v
+            .get("items")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        crate::table::table(def, &items, v.get("metadata").cloned().unwrap_or(json!({})))
+    } else {
+        let rv = v
+            .pointer("/metadata/resourceVersion")
+            .cloned()
+            .unwrap_or(json!(""));
+        crate::table::table(
+            def,
+            std::slice::from_ref(&v),
+            json!({"resourceVersion": rv}),
+        )
+    };
+    value_response(200, &t)
+}
+
+fn table_event_object(res: ResIdx, object: &[u8]) -> Vec<u8> {
+    match serde_json::from_slice::<Value>(object) {
+        Ok(v) => {
+            let rv = v
+                .pointer("/metadata/resourceVersion")
+                .cloned()
+                .unwrap_or(json!(""));
+            let t = crate::table::table(
+                &RESOURCES[res],
+                std::slice::from_ref(&v),
+                json!({"resourceVersion": rv}),
+            );
+            serde_json::to_vec(&t).unwrap_or_else(|_| object.to_vec())
+        }
+        Err(_) => object.to_vec(),
+    }
 }
 
 async fn read_bytes(req: Request<Incoming>) -> Result<Bytes, ApiError> {
@@ -859,7 +930,15 @@ fn watch(
     ns: Option<String>,
     query: &HashMap<String, String>,
     faults: Vec<FaultKind>,
+    as_table: bool,
 ) -> Result<Response<Body>, ApiError> {
+    let render = move |kind: &str, obj: &[u8]| {
+        if as_table {
+            watch_line(kind, &table_event_object(res, obj))
+        } else {
+            watch_line(kind, obj)
+        }
+    };
     let sel = Selection::parse(query)?;
     let bookmarks = truthy(query, "allowWatchBookmarks");
     let send_initial = truthy(query, "sendInitialEvents");
@@ -921,7 +1000,7 @@ fn watch(
         }
         let mut sent: u64 = 0;
         for obj in initial {
-            if tx.send(watch_line("ADDED", &obj)).await.is_err() {
+            if tx.send(render("ADDED", &obj)).await.is_err() {
                 return;
             }
             sent += 1;
@@ -969,7 +1048,7 @@ fn watch(
                             continue;
                         }
                         if let Some(kind) = filter_event(&ev, ns.as_deref(), &sel) {
-                            if tx.send(watch_line(kind, &ev.json)).await.is_err() {
+                            if tx.send(render(kind, &ev.json)).await.is_err() {
                                 return;
                             }
                             sent += 1;

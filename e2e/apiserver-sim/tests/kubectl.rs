@@ -86,6 +86,23 @@ async fn kubectl_reads_and_writes() {
         "allocated on kubectl create"
     );
 
+    // Server-side printing: kube-apiserver's columns.
+    let out = kubectl(&sim, &["get", "svc", "-A"]).await;
+    let ip = svcs
+        .get("web")
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .cluster_ip
+        .unwrap();
+    assert!(
+        out.contains("CLUSTER-IP") && out.contains(&ip) && out.contains("80/TCP"),
+        "{out}"
+    );
+    let out = kubectl(&sim, &["get", "ns"]).await;
+    assert!(out.contains("STATUS") && out.contains("Active"), "{out}");
+
     let out = kubectl(&sim, &["get", "svc", "-A", "-o", "json"]).await;
     let list: serde_json::Value = serde_json::from_str(&out).unwrap();
     let items = list["items"].as_array().unwrap();
