@@ -1117,3 +1117,34 @@ async fn chaos_never_deletes_a_live_services_ipaddress() -> Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn dry_run_before_the_default_service_cidr_exists_uses_the_configured_ranges() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    let web = create_service(&client, "shop", "web", None, false).await?;
+    let ip = cluster_ips(&web)[0].clone();
+    sim.backdoor()
+        .delete("ipaddresses.networking.k8s.io", "", &ip)?;
+    sim.backdoor()
+        .put(backdoor_service("shop", "far", &["10.200.0.1"]))?;
+    let (repair, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let _triggers = drive_triggers(&repair);
+    let report = pass_until(&repair, &client, true, "a dry-run pass", |r| {
+        r.drift.len() == 2
+    })
+    .await?;
+    assert!(
+        has_drift(&report, "clusterip_not_allocated", "Service/shop/web"),
+        "{report:#?}"
+    );
+    assert!(
+        has_drift(&report, "clusterip_out_of_range", "Service/shop/far"),
+        "{report:#?}"
+    );
+    // A real pass still waits for the ServiceCIDR, as upstream's repair does.
+    let err = repair.reconcile(&ctx(&client, false)).await.unwrap_err();
+    assert!(err.to_string().contains("default ServiceCIDR"), "{err}");
+    assert!(ip_address(&client, &ip).await?.is_none());
+    Ok(())
+}

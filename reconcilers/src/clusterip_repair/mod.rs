@@ -419,32 +419,59 @@ impl ClusterIpRepair {
                     )));
                 }
             }
-            if !service_cidrs.objects.contains_key(DEFAULT_SERVICE_CIDR) {
-                return Err(LoopError::NotSynced(format!(
-                    "waiting for the default ServiceCIDR {DEFAULT_SERVICE_CIDR:?} to exist"
-                )));
-            }
+            let stand_in = self.default_service_cidr_stand_in(
+                ctx,
+                service_cidrs.objects.contains_key(DEFAULT_SERVICE_CIDR),
+            )?;
             decide::decide_ipaddress_mode(
                 services.objects.values(),
                 ip_addresses.objects.values(),
-                service_cidrs.objects.values(),
+                service_cidrs.objects.values().chain(stand_in.as_ref()),
                 now,
                 self.config.orphan_grace,
             )
         } else {
-            let snapshot = Snapshot::list(&ctx.client, self.config.page_size).await?;
-            if !snapshot
+            let mut snapshot = Snapshot::list(&ctx.client, self.config.page_size).await?;
+            let present = snapshot
                 .service_cidrs
                 .iter()
-                .any(|c| &*c.name == DEFAULT_SERVICE_CIDR)
-            {
-                return Err(LoopError::NotSynced(format!(
-                    "waiting for the default ServiceCIDR {DEFAULT_SERVICE_CIDR:?} to exist"
-                )));
-            }
+                .any(|c| &*c.name == DEFAULT_SERVICE_CIDR);
+            snapshot
+                .service_cidrs
+                .extend(self.default_service_cidr_stand_in(ctx, present)?);
             snapshot.decide(now, self.config.orphan_grace)
         };
         self.act(ctx, decision).await
+    }
+
+    /// Upstream's repair waits until the default ServiceCIDR exists (the service-cidr loop
+    /// creates it). A dry run cannot wait for that write, so it judges against the ranges the
+    /// service-cidr loop would create it with.
+    fn default_service_cidr_stand_in(
+        &self,
+        ctx: &PassContext,
+        present: bool,
+    ) -> Result<Option<ServiceCidrRecord>, LoopError> {
+        if present {
+            return Ok(None);
+        }
+        if !ctx.dry_run || self.config.service_ranges.is_empty() {
+            return Err(LoopError::NotSynced(format!(
+                "waiting for the default ServiceCIDR {DEFAULT_SERVICE_CIDR:?} to exist"
+            )));
+        }
+        Ok(Some(ServiceCidrRecord {
+            name: DEFAULT_SERVICE_CIDR.into(),
+            resource_version: 0,
+            cidrs: self.config.service_ranges.clone(),
+            raw_cidrs: self
+                .config
+                .service_ranges
+                .iter()
+                .map(|net| net.to_string().into_boxed_str())
+                .collect(),
+            deleting: false,
+        }))
     }
 
     async fn act(&self, ctx: &PassContext, decision: Decision) -> Result<PassReport, LoopError> {
