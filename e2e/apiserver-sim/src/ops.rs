@@ -252,8 +252,70 @@ impl Shared {
                     }
                 }
             }
+            ("", "endpoints") => {
+                let subsets = obj.get("subsets").and_then(Value::as_array);
+                for (i, subset) in subsets.into_iter().flatten().enumerate() {
+                    for list in ["addresses", "notReadyAddresses"] {
+                        let addrs = subset.get(list).and_then(Value::as_array);
+                        for (j, a) in addrs.into_iter().flatten().enumerate() {
+                            let ip = a.get("ip").and_then(Value::as_str).unwrap_or("");
+                            let field = format!("subsets[{i}].{list}[{j}].ip");
+                            match ip.parse::<std::net::IpAddr>() {
+                                Ok(parsed) => {
+                                    if let Some(why) = endpoint_ip_error(parsed) {
+                                        errs.push((field, format!("Invalid value: {}: {why}", go_quote(ip))));
+                                    }
+                                }
+                                Err(_) => errs.push((
+                                    field,
+                                    format!("Invalid value: {}: must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)", go_quote(ip)),
+                                )),
+                            }
+                        }
+                    }
+                    let ports = subset.get("ports").and_then(Value::as_array);
+                    for (j, p) in ports.into_iter().flatten().enumerate() {
+                        let port = p.get("port").and_then(Value::as_i64).unwrap_or(0);
+                        if !(1..=65535).contains(&port) {
+                            errs.push((
+                                format!("subsets[{i}].ports[{j}].port"),
+                                format!(
+                                    "Invalid value: {port}: must be between 1 and 65535, inclusive"
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
             ("discovery.k8s.io", "endpointslices") => {
                 let at = obj.get("addressType").and_then(Value::as_str);
+                if let Some(family @ ("IPv4" | "IPv6")) = at {
+                    let eps = obj.get("endpoints").and_then(Value::as_array);
+                    for (i, ep) in eps.into_iter().flatten().enumerate() {
+                        let addrs = ep.get("addresses").and_then(Value::as_array);
+                        for (j, a) in addrs.into_iter().flatten().enumerate() {
+                            let text = a.as_str().unwrap_or("");
+                            let field = format!("endpoints[{i}].addresses[{j}]");
+                            match text.parse::<std::net::IpAddr>() {
+                                Ok(ip) if (family == "IPv4") == ip.is_ipv4() => {
+                                    if let Some(why) = endpoint_ip_error(ip) {
+                                        errs.push((
+                                            field,
+                                            format!("Invalid value: {}: {why}", go_quote(text)),
+                                        ));
+                                    }
+                                }
+                                _ => errs.push((
+                                    field,
+                                    format!(
+                                        "Invalid value: {}: must be a valid {family} address",
+                                        go_quote(text)
+                                    ),
+                                )),
+                            }
+                        }
+                    }
+                }
                 match at {
                     None => errs.push(("addressType".into(), "Required value".into())),
                     Some("IPv4" | "IPv6" | "FQDN") => {}
@@ -853,6 +915,39 @@ impl Shared {
             Ok(_) => Ok(()),
             Err(e) if e.code == 409 => Ok(()),
             Err(e) => Err(e),
+        }
+    }
+}
+
+/// kube-apiserver's `ValidateEndpointIP`: addresses no endpoint may have.
+fn endpoint_ip_error(ip: std::net::IpAddr) -> Option<&'static str> {
+    use std::net::IpAddr;
+    if ip.is_unspecified() {
+        return Some("may not be unspecified (0.0.0.0, ::)");
+    }
+    if ip.is_loopback() {
+        return Some("may not be in the loopback range (127.0.0.0/8, ::1/128)");
+    }
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            if o[0] == 169 && o[1] == 254 {
+                Some("may not be in the link-local range (169.254.0.0/16, fe80::/10)")
+            } else if o[0] == 224 && o[1] == 0 && o[2] == 0 {
+                Some("may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)")
+            } else {
+                None
+            }
+        }
+        IpAddr::V6(v6) => {
+            let seg = v6.segments();
+            if seg[0] & 0xffc0 == 0xfe80 {
+                Some("may not be in the link-local range (169.254.0.0/16, fe80::/10)")
+            } else if seg[0] & 0xffcf == 0xff02 {
+                Some("may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)")
+            } else {
+                None
+            }
         }
     }
 }

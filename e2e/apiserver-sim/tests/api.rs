@@ -976,3 +976,75 @@ async fn apply_conflicts_between_field_managers() {
     }
     sim.shutdown().await;
 }
+
+/// kube-apiserver rejects endpoints no client could reach (loopback, link-local, unspecified).
+#[tokio::test]
+async fn endpoint_addresses_are_validated() {
+    use k8s_openapi::api::core::v1::Endpoints;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "default").await;
+    let eps: Api<Endpoints> = Api::namespaced(client.clone(), "default");
+    let ep = |ip: &str| -> Endpoints {
+        serde_json::from_value(json!({
+            "metadata": {"name": "kubernetes"},
+            "subsets": [{"addresses": [{"ip": ip}], "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]}]
+        }))
+        .unwrap()
+    };
+    for bad in ["127.0.0.1", "169.254.1.1", "0.0.0.0", "::1", "not-an-ip"] {
+        let e = api_err(eps.create(&PostParams::default(), &ep(bad)).await);
+        assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"), "{bad}");
+        assert!(
+            e.message.contains("subsets[0].addresses[0].ip"),
+            "{}",
+            e.message
+        );
+    }
+    let e = api_err(eps.create(&PostParams::default(), &ep("127.0.0.1")).await);
+    assert!(
+        e.message.contains("may not be in the loopback range"),
+        "{}",
+        e.message
+    );
+    eps.create(&PostParams::default(), &ep("192.0.2.10"))
+        .await
+        .unwrap();
+
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let slice = |name: &str, ip: &str| -> EndpointSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [ip]}],
+            "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]
+        }))
+        .unwrap()
+    };
+    let e = api_err(
+        slices
+            .create(&PostParams::default(), &slice("a", "127.0.0.1"))
+            .await,
+    );
+    assert!(
+        e.message.contains("endpoints[0].addresses[0]"),
+        "{}",
+        e.message
+    );
+    let e = api_err(
+        slices
+            .create(&PostParams::default(), &slice("b", "2001:db8::1"))
+            .await,
+    );
+    assert!(
+        e.message.contains("must be a valid IPv4 address"),
+        "{}",
+        e.message
+    );
+    slices
+        .create(&PostParams::default(), &slice("c", "192.0.2.10"))
+        .await
+        .unwrap();
+    sim.shutdown().await;
+}
