@@ -135,6 +135,8 @@ struct State {
     /// Consecutive passes that found no member. The first is normal at start (this instance's
     /// Lease may not be written yet), so the warning waits for the second.
     empty_passes: u32,
+    /// Members already warned about for advertising another port than the endpoints carry.
+    warned_ports: BTreeSet<(IpAddr, i32)>,
 }
 
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
@@ -223,6 +225,26 @@ impl ApiserverEndpointsLoop {
                 let judged = membership(&leases.items, now, self.cfg.lease_ttl);
                 for problem in &judged.problems {
                     tracing::warn!(%problem, "ignoring a membership Lease");
+                }
+                // One port for all members (the Endpoints have one subset): a member whose
+                // sidecar says otherwise is misconfigured, and clients would miss it.
+                for member in leases
+                    .items
+                    .iter()
+                    .filter_map(|l| super::lease::observe(l, self.cfg.lease_ttl).ok())
+                    .filter(|m| m.expires > now)
+                {
+                    if let Some(port) = member.port.filter(|p| *p != self.target().port)
+                        && state.warned_ports.insert((member.address, port))
+                    {
+                        tracing::warn!(
+                            member = %member.address,
+                            advertised_port = port,
+                            endpoints_port = self.target().port,
+                            "a member advertises another secure port than the endpoints carry; \
+                             give every instance the same securePort"
+                        );
+                    }
                 }
                 computed.expired = judged.expired.iter().map(|m| m.address).collect();
                 computed.members = judged.members;
