@@ -788,3 +788,64 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
     assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
 }
+
+#[tokio::test]
+async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
+    let sim = sim().await;
+    let member = instance(&sim, &cfg("10.0.0.1"), true);
+    member.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    sim.clear_requests();
+    assert!(
+        member
+            .lease
+            .reconcile(&ctx(&sim, false))
+            .await
+            .unwrap()
+            .is_clean()
+    );
+    assert_eq!(
+        sim.request_count("get", "leases"),
+        0,
+        "renewed on top of our last write"
+    );
+    assert_eq!(sim.request_count("update", "leases"), 1);
+
+    // Someone strips the member label: the next renewal conflicts, re-reads, and restores it.
+    let api = Api::<Lease>::namespaced(sim.client(), "kube-system");
+    let mut edited = api.get("apiserver-10.0.0.1").await.unwrap();
+    edited.metadata.labels = None;
+    api.replace("apiserver-10.0.0.1", &PostParams::default(), &edited)
+        .await
+        .unwrap();
+    member.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    let lease = api.get("apiserver-10.0.0.1").await.unwrap();
+    assert_eq!(
+        lease
+            .metadata
+            .labels
+            .unwrap()
+            .get("bootstrap-controller.io/apiserver-endpoint")
+            .map(String::as_str),
+        Some("kubernetes")
+    );
+
+    // A foreign Lease with our name is never overwritten.
+    sim.backdoor()
+        .delete(
+            "leases.coordination.k8s.io",
+            "kube-system",
+            "apiserver-10.0.0.1",
+        )
+        .unwrap();
+    sim.backdoor()
+        .put(serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "apiserver-10.0.0.1", "namespace": "kube-system"},
+            "spec": {"holderIdentity": "someone-else"}
+        }))
+        .unwrap();
+    let fresh = instance(&sim, &cfg("10.0.0.1"), true);
+    let err = fresh.lease.reconcile(&ctx(&sim, false)).await.unwrap_err();
+    assert!(err.to_string().contains("refusing to overwrite"), "{err}");
+}

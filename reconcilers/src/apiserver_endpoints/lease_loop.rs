@@ -58,6 +58,9 @@ pub struct ApiserverLeaseLoop {
     last_ready: Mutex<Option<bool>>,
     /// Whether the "another instance renews this Lease" warning was logged.
     warned_shared: std::sync::atomic::AtomicBool,
+    /// The Lease as this instance last wrote it: a renewal is then one PUT on top of it (its
+    /// resourceVersion guards against anyone else's write), not a GET and a PUT.
+    last_written: Mutex<Option<Lease>>,
 }
 
 impl ApiserverLeaseLoop {
@@ -87,6 +90,7 @@ impl ApiserverLeaseLoop {
             metrics: LeaseMetrics::register(registry),
             last_ready: Mutex::new(None),
             warned_shared: std::sync::atomic::AtomicBool::new(false),
+            last_written: Mutex::new(None),
         })
     }
 
@@ -127,20 +131,67 @@ impl ApiserverLeaseLoop {
 
         let ready = self.readiness.check().await;
         self.note_readiness(&ready);
+        let cached = self.last_written.lock().ok().and_then(|mut c| c.take());
+        if ready.is_ok()
+            && !ctx.dry_run
+            && let Some(cached) = cached
+        {
+            let now = Timestamp::now();
+            let was_live = observe(&cached, self.own.ttl).is_ok_and(|m| m.expires > now);
+            match api
+                .replace(
+                    &name,
+                    &PostParams::default(),
+                    &self.own.renewed(Some(&cached), now),
+                )
+                .await
+            {
+                Ok(written) => {
+                    self.remember(written);
+                    self.metrics.renewals.inc();
+                    self.metrics.ready.set(1);
+                    if !was_live {
+                        report.push(drift(
+                            "member_lease_expired",
+                            object,
+                            Action::Update,
+                            "this instance's membership Lease had expired; renewed it",
+                            true,
+                        ));
+                    }
+                    return Ok(report);
+                }
+                // Changed or deleted by someone else since our write: read it and start over.
+                Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
         let existing = api.get_opt(&name).await?;
-        if let Some(existing) = &existing
-            && existing
+        // Ours: it carries the member label, or (label removed by hand) our address annotation;
+        // renewing restores the label. Anything else with this name is someone else's object.
+        if let Some(existing) = &existing {
+            let labelled = existing
                 .metadata
                 .labels
                 .as_ref()
                 .and_then(|l| l.get(MEMBER_LABEL))
-                != Some(&self.own.service_name)
-        {
-            return Err(LoopError::Invalid(format!(
-                "{object} exists but is not a membership Lease (label {MEMBER_LABEL}={} missing); \
-                 refusing to overwrite it: delete or rename it",
-                self.own.service_name
-            )));
+                == Some(&self.own.service_name);
+            let our_address = existing
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(super::lease::ADDRESS_ANNOTATION))
+                .and_then(|a| super::members::parse_ip(a))
+                == Some(self.own.address);
+            if !labelled && !our_address {
+                return Err(LoopError::Invalid(format!(
+                    "{object} exists but is not a membership Lease (no label {MEMBER_LABEL}={} and \
+                     no {} annotation for {}); refusing to overwrite it: delete or rename it",
+                    self.own.service_name,
+                    super::lease::ADDRESS_ANNOTATION,
+                    self.own.address
+                )));
+            }
         }
 
         // The Lease is this instance's own heartbeat, not cluster state that drifts: in dry-run
@@ -204,8 +255,10 @@ impl ApiserverLeaseLoop {
 
         match &existing {
             None => {
-                api.create(&PostParams::default(), &self.own.renewed(None, now))
+                let written = api
+                    .create(&PostParams::default(), &self.own.renewed(None, now))
                     .await?;
+                self.remember(written);
                 tracing::info!(lease = %object, "created this instance's membership Lease");
                 report.push(drift(
                     "member_lease_missing",
@@ -217,20 +270,22 @@ impl ApiserverLeaseLoop {
             }
             Some(existing) => {
                 let renewed = self.own.renewed(Some(existing), now);
-                if let Err(err) = api.replace(&name, &PostParams::default(), &renewed).await {
-                    // Someone (kubectl, a restarted twin) wrote it since our read: renew on top of
-                    // their version once, instead of waiting a whole backoff.
-                    if !matches!(&err, kube::Error::Api(s) if s.code == 409) {
-                        return Err(err.into());
+                let written = match api.replace(&name, &PostParams::default(), &renewed).await {
+                    Ok(written) => written,
+                    // Someone (kubectl, a restarted twin) wrote it since our read: renew on top
+                    // of their version once, instead of waiting a whole backoff.
+                    Err(kube::Error::Api(s)) if s.code == 409 => {
+                        let fresh = api.get(&name).await?;
+                        api.replace(
+                            &name,
+                            &PostParams::default(),
+                            &self.own.renewed(Some(&fresh), Timestamp::now()),
+                        )
+                        .await?
                     }
-                    let fresh = api.get(&name).await?;
-                    api.replace(
-                        &name,
-                        &PostParams::default(),
-                        &self.own.renewed(Some(&fresh), Timestamp::now()),
-                    )
-                    .await?;
-                }
+                    Err(err) => return Err(err.into()),
+                };
+                self.remember(written);
                 if !live {
                     report.push(drift(
                         "member_lease_expired",
@@ -245,6 +300,12 @@ impl ApiserverLeaseLoop {
         self.metrics.renewals.inc();
         self.metrics.ready.set(1);
         Ok(report)
+    }
+
+    fn remember(&self, written: Lease) {
+        if let Ok(mut cached) = self.last_written.lock() {
+            *cached = Some(written);
+        }
     }
 
     async fn delete(&self, api: &Api<Lease>, existing: &Lease) -> Result<bool, LoopError> {
