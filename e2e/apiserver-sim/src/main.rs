@@ -89,11 +89,19 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
-    let mut ranges = Vec::new();
+    let mut ranges: Vec<ipnet::IpNet> = Vec::new();
     for r in &args.service_cluster_ip_range {
         ranges.push(r.trim().parse().with_context(|| {
             format!("--service-cluster-ip-range {r:?}: expected a CIDR such as 10.96.0.0/12")
         })?);
+    }
+    if ranges.len() > 2
+        || (ranges.len() == 2 && ranges[0].addr().is_ipv4() == ranges[1].addr().is_ipv4())
+    {
+        bail!(
+            "--service-cluster-ip-range {:?}: give at most one CIDR per IP family (e.g. 10.96.0.0/12,fd00::/108)",
+            args.service_cluster_ip_range.join(",")
+        );
     }
     let config = SimConfig {
         listen: args.listen,

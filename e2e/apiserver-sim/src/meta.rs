@@ -123,3 +123,74 @@ pub fn dns1123_subdomain_errors(name: &str) -> Option<String> {
 pub fn go_quote(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| format!("\"{s}\""))
 }
+
+fn qualified_name_error(key: &str) -> Option<String> {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, key),
+    };
+    if let Some(p) = prefix
+        && (p.is_empty() || dns1123_subdomain_errors(p).is_some())
+    {
+        return Some("prefix part a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character".into());
+    }
+    label_value_error(name, true)
+}
+
+fn label_value_error(v: &str, required: bool) -> Option<String> {
+    if v.is_empty() {
+        return required.then(|| "name part must be non-empty".to_string());
+    }
+    if v.len() > 63 {
+        return Some("must be no more than 63 characters".into());
+    }
+    let ok = v
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && v.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && v.ends_with(|c: char| c.is_ascii_alphanumeric());
+    (!ok).then(|| "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')".to_string())
+}
+
+/// `metadata.labels` and `metadata.annotations` checks kube-apiserver applies to every object.
+pub fn label_errors(obj: &Value) -> Vec<(String, String)> {
+    let mut errs = Vec::new();
+    let Some(m) = metadata(obj) else {
+        return errs;
+    };
+    for field in ["labels", "annotations"] {
+        match m.get(field) {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(map)) => {
+                for (k, v) in map {
+                    if let Some(e) = qualified_name_error(k) {
+                        errs.push((
+                            format!("metadata.{field}"),
+                            format!("Invalid value: {}: {e}", go_quote(k)),
+                        ));
+                    }
+                    match v {
+                        Value::String(v) if field == "labels" => {
+                            if let Some(e) = label_value_error(v, false) {
+                                errs.push((
+                                    "metadata.labels".to_string(),
+                                    format!("Invalid value: {}: {e}", go_quote(v)),
+                                ));
+                            }
+                        }
+                        Value::String(_) => {}
+                        other => errs.push((
+                            format!("metadata.{field}.{k}"),
+                            format!("Invalid value: {other}: must be a string"),
+                        )),
+                    }
+                }
+            }
+            Some(other) => errs.push((
+                format!("metadata.{field}"),
+                format!("Invalid value: {other}: must be a map of strings"),
+            )),
+        }
+    }
+    errs
+}

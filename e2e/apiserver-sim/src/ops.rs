@@ -212,6 +212,7 @@ impl Shared {
                 format!("Invalid value: {}: {e}", go_quote(name)),
             ));
         }
+        errs.extend(crate::meta::label_errors(obj));
         match (def.group, def.plural) {
             ("", "services") => errs.extend(services::default_and_validate(obj)),
             ("networking.k8s.io", "ipaddresses") => {
@@ -725,6 +726,12 @@ impl Shared {
         dry_run: bool,
     ) -> Result<Bytes, ApiError> {
         let def = &RESOURCES[res];
+        // DeleteOptions can carry dryRun in the body as well as in the query.
+        let dry_run = dry_run
+            || options
+                .and_then(|o| o.get("dryRun"))
+                .and_then(Value::as_array)
+                .is_some_and(|a| a.iter().any(|v| v == "All"));
         let mut st = self.lock();
         let Some(existing) = st.get(res, ns, name).cloned() else {
             return Err(ApiError::not_found(def, name));

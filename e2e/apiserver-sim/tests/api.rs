@@ -1048,3 +1048,46 @@ async fn endpoint_addresses_are_validated() {
         .unwrap();
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn labels_and_annotations_are_validated() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "l").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "l");
+    let e = api_err(
+        api.create(&PostParams::default(), &cm("a", &[("bad key!", "v")]))
+            .await,
+    );
+    assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
+    assert!(e.message.contains("metadata.labels"), "{}", e.message);
+    let e = api_err(
+        api.create(&PostParams::default(), &cm("b", &[("k", "bad value!")]))
+            .await,
+    );
+    assert!(e.message.contains("a valid label must be"), "{}", e.message);
+    let long = "x".repeat(64);
+    let e = api_err(
+        api.create(&PostParams::default(), &cm("c", &[("k", long.as_str())]))
+            .await,
+    );
+    assert!(e.message.contains("no more than 63"), "{}", e.message);
+    api.create(
+        &PostParams::default(),
+        &cm("ok", &[("app.kubernetes.io/name", "web"), ("empty", "")]),
+    )
+    .await
+    .unwrap();
+    // Dry-run delete (in the DeleteOptions body) deletes nothing.
+    api.delete(
+        "ok",
+        &DeleteParams {
+            dry_run: true,
+            ..DeleteParams::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(api.get_opt("ok").await.unwrap().is_some());
+    sim.shutdown().await;
+}

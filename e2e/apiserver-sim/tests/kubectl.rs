@@ -342,20 +342,33 @@ async fn binary_serves_until_sigterm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_rejects_bad_flags_with_a_clear_error() {
-    let out = Command::new(env!("CARGO_BIN_EXE_apiserver-sim"))
-        .args([
-            "--kubeconfig-out",
-            "/dev/null",
-            "--service-node-port-range",
-            "32000",
-        ])
-        .output()
-        .await
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--service-node-port-range") && err.contains("A-B"),
-        "{err}"
-    );
+    let cases: [(&[&str], &str); 4] = [
+        (&["--service-node-port-range", "32000"], "A-B"),
+        (
+            &["--service-node-port-range", "32767-30000"],
+            "start is after end",
+        ),
+        (
+            &["--service-cluster-ip-range", "10.0.0.0/16,10.1.0.0/16"],
+            "one CIDR per IP family",
+        ),
+        (
+            &["--namespace-finalize-delay", "5 parsecs"],
+            "--namespace-finalize-delay",
+        ),
+    ];
+    for (args, hint) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_apiserver-sim"))
+            .args(["--kubeconfig-out", "/dev/null"])
+            .args(args)
+            .output()
+            .await
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(args[0]) && err.contains(hint),
+            "{args:?}: {err}"
+        );
+    }
 }
