@@ -7,6 +7,11 @@
 //! mismatch is only reported, unless the operator opted in to delete-and-recreate.
 //!
 //! The first half of the file is pure (desired object, drift); the second half is the loop.
+//!
+//! Events on the Service: `KubernetesServiceCreated`, `KubernetesServiceRepaired`,
+//! `ClusterIPMismatch` (Warning, once per distinct mismatch), `KubernetesServiceRecreated`
+//! (Warning, opt-in only). RBAC: `services` get/list/watch/create/update in the Service namespace
+//! (plus delete for `recreateOnClusterIPMismatch`), `events.k8s.io` `events` create/patch.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -11,6 +11,27 @@
 //!
 //! Pure logic lives in [`members`], [`desired`] and [`lease`]; [`probe`] holds the readiness and
 //! DNS traits.
+//!
+//! Objects, as a user sees them:
+//! * Membership Leases `<leaseNamespace>/apiserver-<address>` (IPv6 colons as dashes), label
+//!   `bootstrap-controller.io/apiserver-endpoint=<service>`, annotations
+//!   `bootstrap-controller.io/advertise-address` and `bootstrap-controller.io/secure-port`,
+//!   `leaseDurationSeconds` = TTL, `renewTime` renewed every interval. `kubectl delete` of one
+//!   removes that member at once (its sidecar re-creates it on its next renewal if its apiserver
+//!   is ready).
+//! * Endpoints `<ns>/<service>` (label `endpointslice.kubernetes.io/skip-mirror: "true"`, one
+//!   subset, addresses sorted by string as upstream, port `https`/TCP/`securePort`); EndpointSlice
+//!   `<ns>/<service>` for the primary family and `<ns>/<service>-ipv6` (or `-ipv4`) for the other
+//!   family while it has members; both labelled `kubernetes.io/service-name=<service>`.
+//! * Events (events.k8s.io/v1) on the Endpoints: `MemberJoined`, `MemberLeft`, `MemberExpired`,
+//!   `EndpointsRepaired`, `StaticAddressResolutionFailed` (Warning).
+//!
+//! RBAC the loops need: `coordination.k8s.io` `leases` get/list/watch/create/update/delete in the
+//! Lease namespace; `endpoints` get/list/watch/create/update and `discovery.k8s.io`
+//! `endpointslices` get/list/watch/create/update/delete in the Service namespace;
+//! `events.k8s.io` `events` create/patch there; the non-resource URL `/readyz` get (when probed
+//! through the kubeconfig's server); reading the leader-election Lease (already granted to the
+//! election).
 
 pub mod desired;
 pub mod endpoints_loop;
