@@ -73,6 +73,11 @@ pub struct SimConfig {
     /// Namespaces created at startup. Default none: the cluster starts empty, as the
     /// controller under test must create system namespaces itself.
     pub seed_namespaces: Vec<String>,
+    /// Refuse API deletion of `default`, `kube-system` and `kube-public` with 403 "this
+    /// namespace may not be deleted", as kube-apiserver's NamespaceLifecycle admission plugin
+    /// (on by default) does. Default `false` for now, so tests can delete them through the API;
+    /// the backdoor can always delete them (what an etcd restore or a disabled plugin allows).
+    pub protect_system_namespaces: bool,
 }
 
 impl Default for SimConfig {
@@ -90,6 +95,7 @@ impl Default for SimConfig {
             watch_window: 10_000,
             bookmark_interval: Duration::from_secs(1),
             seed_namespaces: Vec::new(),
+            protect_system_namespaces: false,
         }
     }
 }
@@ -185,6 +191,10 @@ impl Sim {
             config.namespace_finalize_delay,
             config.bookmark_interval,
         ));
+        shared.protect_system_namespaces.store(
+            config.protect_system_namespaces,
+            std::sync::atomic::Ordering::SeqCst,
+        );
         for ns in &config.seed_namespaces {
             shared
                 .seed_namespace(ns)

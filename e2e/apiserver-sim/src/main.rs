@@ -42,6 +42,10 @@ struct Args {
     /// Namespace to create at startup (repeatable).
     #[arg(long = "seed-namespace")]
     seed_namespaces: Vec<String>,
+    /// Refuse deleting default, kube-system and kube-public (403), as kube-apiserver's
+    /// NamespaceLifecycle admission plugin does.
+    #[arg(long)]
+    protect_system_namespaces: bool,
 }
 
 fn parse_duration(flag: &str, s: &str) -> anyhow::Result<Duration> {
@@ -117,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
         watch_window: args.watch_window,
         bookmark_interval: parse_duration("bookmark-interval", &args.bookmark_interval)?,
         seed_namespaces: args.seed_namespaces,
+        protect_system_namespaces: args.protect_system_namespaces,
     };
     let sim = Sim::start(config).await?;
     tracing::info!(

@@ -30,6 +30,8 @@ pub struct Shared {
     pub namespace_finalize_delay: Duration,
     pub bookmark_interval: Duration,
     pub ready: AtomicBool,
+    /// Emulates the NamespaceLifecycle admission plugin's immortal namespaces.
+    pub protect_system_namespaces: AtomicBool,
     pub faults: Faults,
     pub ns_idx: ResIdx,
     pub svc_idx: ResIdx,
@@ -43,6 +45,9 @@ pub enum PatchKind {
     StrategicMerge,
     Apply,
 }
+
+/// Namespaces kube-apiserver's NamespaceLifecycle admission plugin refuses to delete.
+pub const IMMORTAL_NAMESPACES: [&str; 3] = ["default", "kube-system", "kube-public"];
 
 /// Per-request write settings.
 #[derive(Debug, Clone, Copy, Default)]
@@ -97,6 +102,7 @@ impl Shared {
             // tokio's interval panics on zero.
             bookmark_interval: bookmark_interval.max(Duration::from_millis(1)),
             ready: AtomicBool::new(true),
+            protect_system_namespaces: AtomicBool::new(false),
             faults: Faults::default(),
             ns_idx: idx("namespaces"),
             svc_idx: idx("services"),
@@ -726,6 +732,16 @@ impl Shared {
         dry_run: bool,
     ) -> Result<Bytes, ApiError> {
         let def = &RESOURCES[res];
+        if res == self.ns_idx
+            && IMMORTAL_NAMESPACES.contains(&name)
+            && self.protect_system_namespaces.load(Ordering::SeqCst)
+        {
+            return Err(ApiError::forbidden(
+                def,
+                name,
+                "this namespace may not be deleted",
+            ));
+        }
         // DeleteOptions can carry dryRun in the body as well as in the query.
         let dry_run = dry_run
             || options

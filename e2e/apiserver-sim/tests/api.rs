@@ -1091,3 +1091,38 @@ async fn labels_and_annotations_are_validated() {
     assert!(api.get_opt("ok").await.unwrap().is_some());
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn system_namespaces_can_be_protected_like_namespace_lifecycle() {
+    let sim = common::start_with(apiserver_sim::SimConfig {
+        protect_system_namespaces: true,
+        seed_namespaces: vec![
+            "default".into(),
+            "kube-public".into(),
+            "kube-node-lease".into(),
+        ],
+        ..common::fast_config()
+    })
+    .await;
+    let nss: Api<Namespace> = Api::all(sim.client());
+    let e = api_err(nss.delete("kube-public", &DeleteParams::default()).await);
+    assert_eq!((e.code, e.reason.as_str()), (403, "Forbidden"));
+    assert_eq!(
+        e.message,
+        "namespaces \"kube-public\" is forbidden: this namespace may not be deleted"
+    );
+    assert_eq!(
+        api_err(nss.delete("default", &DeleteParams::default()).await).code,
+        403
+    );
+    // kube-node-lease is not immortal upstream either.
+    nss.delete("kube-node-lease", &DeleteParams::default())
+        .await
+        .unwrap();
+    // The backdoor still can (an etcd restore or a disabled admission plugin).
+    sim.backdoor()
+        .delete("namespaces", "", "kube-public")
+        .unwrap()
+        .unwrap();
+    sim.shutdown().await;
+}
