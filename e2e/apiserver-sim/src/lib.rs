@@ -319,6 +319,15 @@ impl Sim {
         self.ctx.drop_connections();
     }
 
+    /// How many watch streams on `resource` (a plural or `plural.group`) are open right now.
+    /// Lets a test wait until the code under test is watching before it changes something.
+    /// Unknown resources count 0.
+    pub fn open_watches(&self, resource: &str) -> usize {
+        resources::find_by_name(resource)
+            .map(|i| self.ctx.open_watches[i].load(std::sync::atomic::Ordering::SeqCst))
+            .unwrap_or(0)
+    }
+
     /// The current global resourceVersion.
     pub fn resource_version(&self) -> u64 {
         self.shared.current_rv()

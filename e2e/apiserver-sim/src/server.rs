@@ -50,6 +50,27 @@ pub struct Ctx {
     pub watch_epoch: std::sync::Mutex<CancellationToken>,
     /// Cancelled (and replaced) to close every open connection.
     pub conn_epoch: std::sync::Mutex<CancellationToken>,
+    /// Open watch streams per resource (index into RESOURCES).
+    pub open_watches: Arc<Vec<std::sync::atomic::AtomicUsize>>,
+}
+
+/// Counts a watch stream as open for as long as it lives.
+struct WatchGuard {
+    counts: Arc<Vec<std::sync::atomic::AtomicUsize>>,
+    res: ResIdx,
+}
+
+impl WatchGuard {
+    fn new(counts: Arc<Vec<std::sync::atomic::AtomicUsize>>, res: ResIdx) -> Self {
+        counts[res].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self { counts, res }
+    }
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        self.counts[self.res].fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Ctx {
@@ -61,6 +82,12 @@ impl Ctx {
             address,
             watch_epoch: std::sync::Mutex::new(cancel.child_token()),
             conn_epoch: std::sync::Mutex::new(cancel.child_token()),
+            open_watches: Arc::new(
+                RESOURCES
+                    .iter()
+                    .map(|_| std::sync::atomic::AtomicUsize::new(0))
+                    .collect(),
+            ),
             cancel,
         }
     }
@@ -993,7 +1020,9 @@ fn watch(
         }
     };
     rv_rx.mark_changed();
+    let guard = WatchGuard::new(Arc::clone(&ctx.open_watches), res);
     tokio::spawn(async move {
+        let _guard = guard;
         if let Some(line) = early_gone {
             let _ = tx.send(line).await;
             return;
@@ -1161,6 +1190,19 @@ async fn admin(
             ("POST", ["drop-connections"]) => {
                 ctx.drop_connections();
                 Ok(value_response(200, &json!({})))
+            }
+            ("GET", ["watches"]) => {
+                let counts: serde_json::Map<String, Value> = RESOURCES
+                    .iter()
+                    .zip(ctx.open_watches.iter())
+                    .map(|(d, c)| {
+                        (
+                            d.qualified(),
+                            json!(c.load(std::sync::atomic::Ordering::SeqCst)),
+                        )
+                    })
+                    .collect();
+                Ok(value_response(200, &Value::Object(counts)))
             }
             ("GET", ["rv"]) => Ok(value_response(
                 200,

@@ -481,6 +481,11 @@ async fn admin_http_api() {
     admin(&client, "DELETE", "/sim/requests", json!(null)).await;
     assert!(sim.requests().is_empty());
 
+    // Open watches per resource.
+    let watches = admin(&client, "GET", "/sim/watches", json!(null)).await;
+    assert_eq!(watches["services"], 0);
+    assert_eq!(watches["leases.coordination.k8s.io"], 0);
+
     // Readiness.
     assert_eq!(
         admin(&client, "PUT", "/sim/ready", json!({"ready": false})).await,

@@ -341,3 +341,47 @@ async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
     task.abort();
     sim.shutdown().await;
 }
+
+/// kube-runtime's streaming-list strategy (sendInitialEvents + the initial-events-end bookmark).
+#[tokio::test]
+async fn watcher_streaming_list() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    for n in ["a", "b", "c"] {
+        api.create(&PostParams::default(), &cm(n)).await.unwrap();
+    }
+    let (reader, writer) = reflector::store::<ConfigMap>();
+    let stream = reflector(
+        writer,
+        watcher(api.clone(), watcher::Config::default().streaming_lists()),
+    )
+    .applied_objects()
+    .boxed();
+    let task = tokio::spawn(async move { stream.for_each(|_| async {}).await });
+    eventually("watch open", || async {
+        sim.open_watches("configmaps") == 1
+    })
+    .await;
+    let ready = tokio::time::timeout(Duration::from_secs(20), reader.wait_until_ready()).await;
+    assert!(ready.is_ok(), "initial events end is recognised");
+    assert_eq!(reader.state().len(), 3);
+    assert_eq!(
+        sim.request_count("list", "configmaps"),
+        0,
+        "no LIST with streaming lists"
+    );
+    api.create(&PostParams::default(), &cm("d")).await.unwrap();
+    eventually("live event after the initial stream", || {
+        let reader = reader.clone();
+        async move { reader.state().len() == 4 }
+    })
+    .await;
+    task.abort();
+    eventually("watch closed once the client is gone", || async {
+        sim.open_watches("configmaps") == 0
+    })
+    .await;
+    sim.shutdown().await;
+}
