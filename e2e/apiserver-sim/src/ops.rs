@@ -68,6 +68,7 @@ pub struct Written {
     pub created: bool,
 }
 
+/// Index of a core-group resource; the table always contains the ones asked for here.
 fn idx(plural: &str) -> ResIdx {
     RESOURCES
         .iter()

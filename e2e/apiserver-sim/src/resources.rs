@@ -112,3 +112,30 @@ pub fn groups() -> Vec<&'static str> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_has_the_resources_the_simulator_special_cases() {
+        for (g, p) in [
+            ("", "namespaces"),
+            ("", "services"),
+            ("networking.k8s.io", "ipaddresses"),
+            ("networking.k8s.io", "servicecidrs"),
+        ] {
+            assert!(find(g, "v1", p).is_some(), "{g}/{p}");
+        }
+        assert_eq!(find_by_name("events"), find("", "v1", "events"));
+        assert_eq!(
+            find_by_name("events.events.k8s.io"),
+            find("events.k8s.io", "v1", "events")
+        );
+        assert_eq!(
+            find_by_kind("coordination.k8s.io/v1", "Lease"),
+            find("coordination.k8s.io", "v1", "leases")
+        );
+        assert_eq!(groups().len(), 4);
+    }
+}

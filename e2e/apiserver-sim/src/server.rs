@@ -385,9 +385,7 @@ async fn route(
     {
         return Ok(error_response(&not_found_path()));
     }
-    if !ctx.shared.is_ready() {
-        // An apiserver that is not ready still serves; readiness only shows on /readyz.
-    }
+    // Readiness only shows on /readyz: an apiserver that reports not-ready still serves.
     let mut watch_faults = Vec::new();
     for fault in ctx.shared.faults.take(verb, def.plural, &def.qualified()) {
         match fault {
