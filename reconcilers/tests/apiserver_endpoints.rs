@@ -849,3 +849,59 @@ async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
     let err = fresh.lease.reconcile(&ctx(&sim, false)).await.unwrap_err();
     assert!(err.to_string().contains("refusing to overwrite"), "{err}");
 }
+
+#[tokio::test]
+async fn members_the_api_would_reject_are_left_out_not_fatal() {
+    let sim = sim().await;
+    let resolver = Arc::new(FakeResolver::default());
+    // /etc/hosts style answer: loopback next to a real address.
+    resolver.answer("lb.example.com", Ok(vec![ip("127.0.0.1"), ip("10.0.0.1")]));
+    let c = ApiserverEndpointsConfig {
+        mode: EndpointsMode::Static,
+        static_addresses: vec!["lb.example.com".into()],
+        ..ApiserverEndpointsConfig::default()
+    };
+    let l = ApiserverEndpointsLoop::new(
+        &c,
+        deps(&sim, Arc::new(Flag::new(true)), resolver),
+        &mut Registry::default(),
+    );
+    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.1"]);
+    eventually("InvalidMemberAddress event", || async {
+        event_reasons(&sim).contains(&"InvalidMemberAddress".to_owned())
+    })
+    .await;
+
+    // A hand-made membership Lease with a link-local address does not break lease mode either.
+    let lease_member = instance(&sim, &cfg("10.0.0.2"), true);
+    lease_member
+        .lease
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    let mut bogus = sim
+        .backdoor()
+        .get(
+            "leases.coordination.k8s.io",
+            "kube-system",
+            "apiserver-10.0.0.2",
+        )
+        .unwrap()
+        .unwrap();
+    bogus["metadata"]["name"] = serde_json::json!("apiserver-bogus");
+    bogus["metadata"]["annotations"]["bootstrap-controller.io/advertise-address"] =
+        serde_json::json!("169.254.169.254");
+    bogus["metadata"].as_object_mut().unwrap().remove("uid");
+    bogus["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("resourceVersion");
+    sim.backdoor().put(bogus).unwrap();
+    lease_member
+        .endpoints
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+}

@@ -30,7 +30,7 @@ use super::desired::{
     listed_members, plan_slices, repaired_endpoints,
 };
 use super::lease::{member_selector, membership};
-use super::members::{IpFamily, MemberSet};
+use super::members::{IpFamily, MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
 use super::probe::{ReadinessProbe, Resolver};
 use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, StaticAddress};
@@ -137,6 +137,8 @@ struct State {
     empty_passes: u32,
     /// Members already warned about for advertising another port than the endpoints carry.
     warned_ports: BTreeSet<(IpAddr, i32)>,
+    /// Members already warned about for an address the API server rejects.
+    warned_invalid: BTreeSet<IpAddr>,
 }
 
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
@@ -335,6 +337,21 @@ impl ApiserverEndpointsLoop {
         }
         if exclude_own && let Some(own) = self.cfg.advertise_address {
             computed.members.remove(&own);
+        }
+        let rejected: Vec<(IpAddr, &'static str)> = computed
+            .members
+            .iter()
+            .filter_map(|ip| endpoint_ip_problem(ip).map(|why| (*ip, why)))
+            .collect();
+        for (ip, why) in rejected {
+            computed.members.remove(&ip);
+            if state.warned_invalid.insert(ip) {
+                tracing::warn!(member = %ip, reason = why, "leaving out a member the API server would reject as an endpoint address");
+                computed.warnings.push((
+                    "InvalidMemberAddress".to_owned(),
+                    format!("left out {ip}: {why}"),
+                ));
+            }
         }
         Ok(computed)
     }

@@ -183,6 +183,33 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// Why the API server would reject `ip` as an endpoint address (upstream `ValidateEndpointIP`),
+/// or `None`. One such member would make every Endpoints write fail, so members are checked
+/// before they are written.
+pub fn endpoint_ip_problem(ip: &IpAddr) -> Option<&'static str> {
+    if ip.is_unspecified() {
+        return Some("may not be unspecified (0.0.0.0, ::)");
+    }
+    if ip.is_loopback() {
+        return Some("may not be in the loopback range (127.0.0.0/8, ::1/128)");
+    }
+    let link_local_unicast = match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+    };
+    if link_local_unicast {
+        return Some("may not be in the link-local range (169.254.0.0/16, fe80::/10)");
+    }
+    let link_local_multicast = match ip {
+        IpAddr::V4(v4) => v4.octets()[..3] == [224, 0, 0],
+        IpAddr::V6(v6) => v6.is_multicast() && (v6.segments()[0] & 0x000f) == 0x0002,
+    };
+    if link_local_multicast {
+        return Some("may not be in the link-local multicast range (224.0.0.0/24, ff02::/16)");
+    }
+    None
+}
+
 /// Parse an address as written in an Endpoints/EndpointSlice/Lease, tolerating surrounding space.
 pub fn parse_ip(text: &str) -> Option<IpAddr> {
     text.trim().parse::<IpAddr>().ok().map(canonical)
@@ -241,6 +268,25 @@ mod tests {
         assert_eq!(change.joined, vec![ip("10.0.0.3")]);
         assert_eq!(change.left, vec![ip("10.0.0.1")]);
         assert!(before.changes_to(&before).is_empty());
+    }
+
+    #[test]
+    fn addresses_the_api_rejects_are_named() {
+        for bad in [
+            "0.0.0.0",
+            "::",
+            "127.0.0.1",
+            "::1",
+            "169.254.1.1",
+            "fe80::1",
+            "224.0.0.5",
+            "ff02::1",
+        ] {
+            assert!(endpoint_ip_problem(&ip(bad)).is_some(), "{bad}");
+        }
+        for good in ["10.0.0.1", "192.0.2.1", "fd00::1", "2001:db8::1", "8.8.8.8"] {
+            assert_eq!(endpoint_ip_problem(&ip(good)), None, "{good}");
+        }
     }
 
     #[test]

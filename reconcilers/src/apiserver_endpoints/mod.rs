@@ -24,7 +24,7 @@
 //!   `<ns>/<service>` for the primary family and `<ns>/<service>-ipv6` (or `-ipv4`) for the other
 //!   family while it has members; both labelled `kubernetes.io/service-name=<service>`.
 //! * Events (events.k8s.io/v1) on the Endpoints: `MemberJoined`, `MemberLeft`, `MemberExpired`,
-//!   `EndpointsRepaired`, `StaticAddressResolutionFailed` (Warning).
+//!   `EndpointsRepaired`, `StaticAddressResolutionFailed` and `InvalidMemberAddress` (Warning).
 //!
 //! RBAC the loops need: `coordination.k8s.io` `leases` get/list/watch/create/update/delete in the
 //! Lease namespace; `endpoints` get/list/watch/create/update and `discovery.k8s.io`
@@ -147,6 +147,9 @@ impl StaticAddress {
     pub fn parse(text: &str) -> Result<Self, String> {
         let text = text.trim();
         if let Some(ip) = members::parse_ip(text) {
+            if let Some(why) = members::endpoint_ip_problem(&ip) {
+                return Err(format!("{ip} {why}"));
+            }
             return Ok(StaticAddress::Ip(ip));
         }
         let name = text.strip_suffix('.').unwrap_or(text);
@@ -362,6 +365,7 @@ mod tests {
             StaticAddress::parse("LB.example.com."),
             Ok(StaticAddress::Name("lb.example.com".into()))
         );
+        assert!(StaticAddress::parse("127.0.0.1").unwrap_err().contains("loopback"));
         assert!(
             StaticAddress::parse("https://lb.example.com:6443")
                 .unwrap_err()
