@@ -139,6 +139,11 @@ impl Finding {
                 "IPAddress {ip} for Service {}/{} lacks the allocator's labels; recreating it",
                 owner.namespace, owner.name
             ),
+            (None, _) if self.kind == "ipaddress_foreign_manager" => {
+                "the IPAddress of a cluster IP of this Service is managed by another controller than \
+                 ipallocator.k8s.io; left alone"
+                    .to_owned()
+            }
             (None, _) => self.kind.to_owned(),
         }
     }
@@ -912,6 +917,11 @@ mod tests {
         assert_eq!(
             kinds,
             ["ipaddress_foreign_manager", "clusterip_already_allocated"]
+        );
+        assert!(
+            decision.findings[0]
+                .summary()
+                .contains("another controller")
         );
     }
 
