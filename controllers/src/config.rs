@@ -638,6 +638,29 @@ impl ApiserverEndpointsLoop {
 
 impl LoopSection for ApiserverEndpointsLoop {
     fn validate(&self, path: &str, config: &Config, errors: &mut Vec<ConfigError>) {
+        let before = errors.len();
+        self.validate_fields(path, config, errors);
+        // The loops' own validation (e.g. a loopback advertiseAddress) catches what the field
+        // checks above do not; without this the loops would be skipped at start-up instead.
+        if self.enabled
+            && errors.len() == before
+            && let Err(err) = crate::loops::apiserver_endpoints_config(config).validate()
+        {
+            let field = match err.field {
+                "advertiseAddress" | "securePort" | "apiserverCount" => err.field.to_owned(),
+                "lease.namespace" => format!("{path}.leaseNamespace"),
+                "lease.ttl" => format!("{path}.leaseTTL"),
+                "static.addresses" => format!("{path}.staticAddresses"),
+                "service" => "loops.kubernetesService.name".to_owned(),
+                other => format!("{path}.{other}"),
+            };
+            errors.push(ConfigError::new(field, err.message));
+        }
+    }
+}
+
+impl ApiserverEndpointsLoop {
+    fn validate_fields(&self, path: &str, config: &Config, errors: &mut Vec<ConfigError>) {
         validate_interval(path, self.interval, errors);
         let mode = config.endpoint_reconciler_type;
         if self.enabled
@@ -1726,6 +1749,9 @@ mod tests {
             "loops:\n  kubernetesService:\n    name: Kubernetes\n",
         ));
         assert_eq!(error.field, "loops.kubernetesService.name");
+
+        let error = single_error(from_yaml("advertiseAddress: 127.0.0.1\n"));
+        assert_eq!(error.field, "advertiseAddress");
     }
 
     #[test]
