@@ -159,6 +159,18 @@ pub async fn list_all<T: DeserializeOwned + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
 ) -> Result<(Vec<T>, Option<String>), kube::Error> {
+    let mut items = Vec::new();
+    let version = list_pages(client, collection, |page: Vec<T>| items.extend(page)).await?;
+    Ok((items, version))
+}
+
+/// Like [`list_all`], handing each decoded page to `sink` (so a cache can be built without a
+/// second copy of the whole collection); returns the list's resource version.
+pub async fn list_pages<T: DeserializeOwned + Send + 'static>(
+    client: &kube::Client,
+    collection: &Collection,
+    mut sink: impl FnMut(Vec<T>),
+) -> Result<Option<String>, kube::Error> {
     let fetch = |token: Option<String>| {
         let client = client.clone();
         let mut params = ListParams::default().limit(collection.page_size);
@@ -175,7 +187,6 @@ pub async fn list_all<T: DeserializeOwned + Send + 'static>(
     let joined = |result: Result<Result<String, kube::Error>, tokio::task::JoinError>| {
         result.map_err(|err| kube::Error::Service(Box::new(err)))?
     };
-    let mut items = Vec::new();
     let mut pending = fetch(None);
     loop {
         let body = joined(pending.await)?;
@@ -191,7 +202,7 @@ pub async fn list_all<T: DeserializeOwned + Send + 'static>(
             }
         };
         drop(body);
-        items.extend(page.items);
+        sink(page.items);
         let Some(token) = page
             .metadata
             .continue_token
@@ -200,7 +211,7 @@ pub async fn list_all<T: DeserializeOwned + Send + 'static>(
             if let Some(prefetch) = prefetch {
                 prefetch.abort();
             }
-            return Ok((items, page.metadata.resource_version));
+            return Ok(page.metadata.resource_version);
         };
         pending = match prefetch.take() {
             Some(prefetch) if guessed.as_deref() == Some(token.as_str()) => prefetch,
@@ -326,29 +337,32 @@ impl<T: Cached> Reflector<T> {
                 tokio::time::sleep(delay).await;
                 (*then, false)
             }
-            Phase::List => match list_all::<T>(&self.client, &self.collection).await {
-                Ok((items, version)) => {
-                    let objects: HashMap<Box<str>, T> = items
-                        .into_iter()
-                        .map(|item| (item.cache_key(), item))
-                        .collect();
-                    let version = version.unwrap_or_default();
-                    {
-                        let mut state = self.store.write();
-                        state.objects = objects;
-                        state.synced = true;
-                        state.resource_version = parse_resource_version(&version);
+            Phase::List => {
+                let mut objects: HashMap<Box<str>, T> = HashMap::new();
+                let listed = list_pages(&self.client, &self.collection, |page: Vec<T>| {
+                    objects.extend(page.into_iter().map(|item| (item.cache_key(), item)));
+                })
+                .await;
+                match listed {
+                    Ok(version) => {
+                        let version = version.unwrap_or_default();
+                        {
+                            let mut state = self.store.write();
+                            state.objects = objects;
+                            state.synced = true;
+                            state.resource_version = parse_resource_version(&version);
+                        }
+                        debug!(path = self.collection.path, %version, "listed");
+                        self.last_version = version.clone();
+                        self.backoff = new_backoff();
+                        (Phase::Watch { from: version }, true)
                     }
-                    debug!(path = self.collection.path, %version, "listed");
-                    self.last_version = version.clone();
-                    self.backoff = new_backoff();
-                    (Phase::Watch { from: version }, true)
+                    Err(err) => {
+                        warn!(path = self.collection.path, error = %err, "list failed; the cache keeps its previous contents");
+                        self.fail(Phase::List)
+                    }
                 }
-                Err(err) => {
-                    warn!(path = self.collection.path, error = %err, "list failed; the cache keeps its previous contents");
-                    self.fail(Phase::List)
-                }
-            },
+            }
             Phase::Watch { from } => {
                 let mut params = WatchParams::default().timeout(self.collection.watch_timeout_secs);
                 params.bookmarks = true;
