@@ -16,6 +16,7 @@
 //! # Ok(()) }
 //! ```
 
+mod convert;
 mod errors;
 mod faults;
 mod meta;
@@ -414,15 +415,15 @@ impl Backdoor<'_> {
         let idx = resource_index(resource)?;
         match self
             .shared
-            .backdoor_delete(idx, namespace, name)
+            .backdoor_delete(convert::storage_idx(idx), namespace, name)
             .map_err(|e| SimError::Backdoor(e.message))?
         {
-            Some(b) => to_value(&b).map(Some),
+            Some(b) => to_value(&b).map(|v| Some(convert::from_storage(idx, v))),
             None => Ok(None),
         }
     }
 
-    /// Reads an object as stored.
+    /// Reads an object (events.k8s.io Events are shown in that API's form).
     pub fn get(
         &self,
         resource: &str,
@@ -430,8 +431,8 @@ impl Backdoor<'_> {
         name: &str,
     ) -> Result<Option<Value>, SimError> {
         let idx = resource_index(resource)?;
-        match self.shared.get(idx, namespace, name) {
-            Ok(b) => to_value(&b).map(Some),
+        match self.shared.get(convert::storage_idx(idx), namespace, name) {
+            Ok(b) => to_value(&b).map(|v| Some(convert::from_storage(idx, v))),
             Err(_) => Ok(None),
         }
     }
@@ -439,11 +440,14 @@ impl Backdoor<'_> {
     /// Every stored object of a resource, all namespaces, ordered by namespace and name.
     pub fn list(&self, resource: &str) -> Result<Vec<Value>, SimError> {
         let idx = resource_index(resource)?;
-        let jsons: Vec<bytes::Bytes> = self.shared.lock().objects[idx]
+        let jsons: Vec<bytes::Bytes> = self.shared.lock().objects[convert::storage_idx(idx)]
             .values()
             .map(|s| s.json.clone())
             .collect();
-        jsons.iter().map(|b| to_value(b)).collect()
+        jsons
+            .iter()
+            .map(|b| to_value(b).map(|v| convert::from_storage(idx, v)))
+            .collect()
     }
 
     /// Node ports the allocator currently holds (the simulator's equivalent of the

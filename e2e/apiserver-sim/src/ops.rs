@@ -9,6 +9,7 @@ use bytes::Bytes;
 use serde_json::{Map, Value, json};
 use tokio::sync::watch;
 
+use crate::convert;
 use crate::errors::ApiError;
 use crate::faults::Faults;
 use crate::meta::{
@@ -388,8 +389,10 @@ impl Shared {
         mut body: Value,
         dry_run: bool,
     ) -> Result<Bytes, ApiError> {
-        let def = &RESOURCES[res];
         self.normalize_body(res, ns, None, &mut body)?;
+        let mut body = convert::to_storage(res, body);
+        let res = convert::storage_idx(res);
+        let def = &RESOURCES[res];
         let name = match meta_str(&body, "name") {
             Some(n) => n.to_string(),
             None => match meta_str(&body, "generateName") {
@@ -461,6 +464,8 @@ impl Shared {
         opts: WriteOptions<'_>,
     ) -> Result<Written, ApiError> {
         self.normalize_body(res, ns, Some(name), &mut body)?;
+        let body = convert::to_storage(res, body);
+        let res = convert::storage_idx(res);
         let mut st = self.lock();
         let before = st.get(res, ns, name).cloned();
         let w = self.update_locked(&mut st, res, ns, name, status, body, opts.dry_run)?;
@@ -593,7 +598,7 @@ impl Shared {
     ) -> Result<Written, ApiError> {
         let def = &RESOURCES[res];
         let dry_run = opts.dry_run;
-        let exists = self.lock().contains(res, ns, name);
+        let exists = self.lock().contains(convert::storage_idx(res), ns, name);
         if !exists && def.create_on_update && !status {
             let mut body = body;
             self.normalize_body(res, ns, Some(name), &mut body)?;
@@ -644,7 +649,7 @@ impl Shared {
                 .map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?,
         };
         let mut st = self.lock();
-        let existing = st.get(res, ns, name).cloned();
+        let existing = st.get(convert::storage_idx(res), ns, name).cloned();
         let Some(existing) = existing else {
             drop(st);
             if let Some(applier) = applier
@@ -655,7 +660,8 @@ impl Shared {
                 let json = self.create(res, ns, body, dry_run)?;
                 if !dry_run {
                     let owners = ssa::after_apply(None, applier, &patch_value);
-                    self.lock().set_owners(res, ns, name, owners);
+                    self.lock()
+                        .set_owners(convert::storage_idx(res), ns, name, owners);
                 }
                 return Ok(Written {
                     json,
@@ -664,7 +670,7 @@ impl Shared {
             }
             return Err(ApiError::not_found(def, name));
         };
-        let mut doc = existing.value()?;
+        let mut doc = convert::from_storage(res, existing.value()?);
         if let Some(applier) = applier
             && !opts.force
         {
@@ -707,6 +713,8 @@ impl Shared {
                 m.insert("resourceVersion".into(), json!(existing.rv.to_string()));
             }
         }
+        let doc = convert::to_storage(res, doc);
+        let res = convert::storage_idx(res);
         let w = self.update_locked(&mut st, res, ns, name, status, doc, dry_run)?;
         if !dry_run {
             match applier {
@@ -732,6 +740,7 @@ impl Shared {
         options: Option<&Value>,
         dry_run: bool,
     ) -> Result<Bytes, ApiError> {
+        let res = convert::storage_idx(res);
         let def = &RESOURCES[res];
         if res == self.ns_idx
             && IMMORTAL_NAMESPACES.contains(&name)
@@ -878,7 +887,7 @@ impl Shared {
     /// Backdoor write: stores the object as given (filling only uid and creationTimestamp when
     /// absent), bypassing validation, allocation and namespace checks, but with a new
     /// resourceVersion and a watch event.
-    pub fn backdoor_put(&self, mut obj: Value) -> Result<Bytes, ApiError> {
+    pub fn backdoor_put(&self, obj: Value) -> Result<Bytes, ApiError> {
         let av = obj.get("apiVersion").and_then(Value::as_str).unwrap_or("");
         let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("");
         let res = resources::find_by_kind(av, kind).ok_or_else(|| {
@@ -886,6 +895,8 @@ impl Shared {
                 "backdoor: no served resource has apiVersion {av:?} and kind {kind:?}"
             ))
         })?;
+        let mut obj = convert::to_storage(res, obj);
+        let res = convert::storage_idx(res);
         let name = meta_str(&obj, "name")
             .ok_or_else(|| ApiError::bad_request("backdoor: metadata.name is required"))?
             .to_string();

@@ -453,9 +453,20 @@ async fn route(
         .and_then(|v| v.to_str().ok())
         .is_some_and(crate::table::wants_table)
         && target.sub.is_none();
+    let res = target.res;
+    let sres = crate::convert::storage_idx(res);
+    // Objects of a converted resource (events.k8s.io) are stored in another's form.
+    let out = |b: Bytes| -> Bytes {
+        if sres == res {
+            b
+        } else {
+            Bytes::from(crate::convert::bytes_from_storage(res, &b))
+        }
+    };
     let result: Result<Response<Body>, ApiError> = match verb {
         Verb::Get => shared
-            .get(target.res, &ns, target.name.as_deref().unwrap_or(""))
+            .get(sres, &ns, target.name.as_deref().unwrap_or(""))
+            .map(out)
             .map(|b| {
                 if as_table {
                     table_response(def, &b, false)
@@ -463,25 +474,20 @@ async fn route(
                     json_response(200, b)
                 }
             }),
-        Verb::List => list(shared, target.res, target.ns.as_deref(), query).map(|b| {
-            if as_table {
-                table_response(def, &b, true)
-            } else {
-                json_response(200, b)
-            }
-        }),
-        Verb::Watch => watch(
-            ctx,
-            target.res,
-            target.ns.clone(),
-            query,
-            watch_faults,
-            as_table,
-        ),
+        Verb::List => list(shared, sres, target.ns.as_deref(), query)
+            .map(|b| convert_list(res, b))
+            .map(|b| {
+                if as_table {
+                    table_response(def, &b, true)
+                } else {
+                    json_response(200, b)
+                }
+            }),
+        Verb::Watch => watch(ctx, res, target.ns.clone(), query, watch_faults, as_table),
         Verb::Create => match read_json(req).await {
             Ok(body) => shared
                 .create(target.res, &ns, body, dry_run)
-                .map(|b| json_response(201, b)),
+                .map(|b| json_response(201, out(b))),
             Err(e) => Err(e),
         },
         Verb::Update => match read_json(req).await {
@@ -494,7 +500,7 @@ async fn route(
                     body,
                     write_opts,
                 )
-                .map(|w| json_response(if w.created { 201 } else { 200 }, w.json)),
+                .map(|w| json_response(if w.created { 201 } else { 200 }, out(w.json))),
             Err(e) => Err(e),
         },
         Verb::Patch => {
@@ -528,7 +534,7 @@ async fn route(
                             &body,
                             write_opts,
                         )
-                        .map(|w| json_response(if w.created { 201 } else { 200 }, w.json)),
+                        .map(|w| json_response(if w.created { 201 } else { 200 }, out(w.json))),
                     Err(e) => Err(e),
                 },
             }
@@ -542,12 +548,51 @@ async fn route(
                     opts.as_ref(),
                     dry_run,
                 )
-                .map(|b| json_response(200, b)),
+                .map(|b| json_response(200, out(b))),
             Err(e) => Err(e),
         },
         Verb::Deletecollection => delete_collection(shared, target.res, &ns, query, dry_run),
     };
-    Ok(result.unwrap_or_else(|e| error_response(&e)))
+    Ok(result.unwrap_or_else(|e| error_response(&rename_error(res, e))))
+}
+
+/// Errors from a converted resource's storage name the resource the client asked for.
+fn rename_error(res: ResIdx, mut e: ApiError) -> ApiError {
+    let sres = crate::convert::storage_idx(res);
+    if sres == res {
+        return e;
+    }
+    let (api, stored) = (&RESOURCES[res], &RESOURCES[sres]);
+    e.message = e.message.replacen(
+        &format!("{} \"", stored.qualified()),
+        &format!("{} \"", api.qualified()),
+        1,
+    );
+    if let Some(d) = e.details.as_mut()
+        && d.get("kind").and_then(Value::as_str) == Some(stored.plural)
+    {
+        d["group"] = json!(api.group);
+    }
+    e
+}
+
+/// A stored-form list → the list of a converted resource.
+fn convert_list(res: ResIdx, body: Bytes) -> Bytes {
+    if !crate::convert::is_converted(res) {
+        return body;
+    }
+    let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
+    let def = &RESOURCES[res];
+    if let Some(items) = v.get_mut("items").and_then(Value::as_array_mut) {
+        for item in items.iter_mut() {
+            *item = crate::convert::from_storage(res, std::mem::take(item));
+        }
+    }
+    v["kind"] = json!(format!("{}List", def.kind));
+    v["apiVersion"] = json!(def.api_version());
+    serde_json::to_vec(&v).map(Bytes::from).unwrap_or(body)
 }
 
 /// Re-renders a JSON object or list as a Table for kubectl's human-readable output.
@@ -852,7 +897,7 @@ fn delete_collection(
     let sel = Selection::parse(query)?;
     let names: Vec<String> = {
         let st = shared.lock();
-        st.objects[res]
+        st.objects[crate::convert::storage_idx(res)]
             .range((ns.to_string(), String::new())..)
             .take_while(|((n, _), _)| n == ns)
             .filter(|((n, name), s)| sel.matches(n, name, s))
@@ -862,7 +907,7 @@ fn delete_collection(
     let mut items = Vec::new();
     for name in names {
         match shared.delete(res, ns, &name, None, dry_run) {
-            Ok(b) => items.push(b),
+            Ok(b) => items.push(Bytes::from(crate::convert::bytes_from_storage(res, &b))),
             Err(e) if e.code == 404 => {}
             Err(e) => return Err(e),
         }
@@ -957,9 +1002,18 @@ fn watch(
     faults: Vec<FaultKind>,
     as_table: bool,
 ) -> Result<Response<Body>, ApiError> {
+    let api_res = res;
+    let res = crate::convert::storage_idx(api_res);
     let render = move |kind: &str, obj: &[u8]| {
+        let converted;
+        let obj = if res == api_res {
+            obj
+        } else {
+            converted = crate::convert::bytes_from_storage(api_res, obj);
+            &converted[..]
+        };
         if as_table {
-            watch_line(kind, &table_event_object(res, obj))
+            watch_line(kind, &table_event_object(api_res, obj))
         } else {
             watch_line(kind, obj)
         }
@@ -1018,7 +1072,7 @@ fn watch(
         }
     };
     rv_rx.mark_changed();
-    let guard = WatchGuard::new(Arc::clone(&ctx.open_watches), res);
+    let guard = WatchGuard::new(Arc::clone(&ctx.open_watches), api_res);
     tokio::spawn(async move {
         let _guard = guard;
         if let Some(line) = early_gone {
@@ -1035,7 +1089,7 @@ fn watch(
                 return;
             }
         }
-        if send_initial && bookmarks && tx.send(bookmark_line(res, last, true)).await.is_err() {
+        if send_initial && bookmarks && tx.send(bookmark_line(api_res, last, true)).await.is_err() {
             return;
         }
         let deadline = tokio::time::Instant::now()
@@ -1052,7 +1106,7 @@ fn watch(
                 _ = tx.closed() => return,
                 _ = tokio::time::sleep_until(deadline) => return,
                 _ = bookmark_tick.tick(), if bookmarks => {
-                    if tx.send(bookmark_line(res, last, false)).await.is_err() {
+                    if tx.send(bookmark_line(api_res, last, false)).await.is_err() {
                         return;
                     }
                 }

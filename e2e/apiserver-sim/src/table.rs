@@ -205,6 +205,42 @@ fn columns_and_cells(def: &ResourceDef, o: &Value) -> (Vec<&'static str>, Vec<St
                 .unwrap_or_default();
             (vec!["Name", "CIDRs", "Age"], vec![name, cidrs, age])
         }
+        ("", "events") | ("events.k8s.io", "events") => {
+            let core = def.group.is_empty();
+            let (object, message, last) = if core {
+                ("/involvedObject", "/message", "/lastTimestamp")
+            } else {
+                ("/regarding", "/note", "/deprecatedLastTimestamp")
+            };
+            let seen = [
+                last,
+                "/series/lastObservedTime",
+                "/eventTime",
+                "/metadata/creationTimestamp",
+            ]
+            .iter()
+            .find_map(|p| {
+                o.pointer(p)
+                    .and_then(Value::as_str)
+                    .filter(|s| !s.is_empty())
+            })
+            .map(str::to_string);
+            let object = format!(
+                "{}/{}",
+                s(o, &format!("{object}/kind")).to_lowercase(),
+                s(o, &format!("{object}/name"))
+            );
+            (
+                vec!["Last Seen", "Type", "Reason", "Object", "Message"],
+                vec![
+                    human_age(seen.as_deref()),
+                    s(o, "/type"),
+                    s(o, "/reason"),
+                    object,
+                    s(o, message),
+                ],
+            )
+        }
         _ => (vec!["Name", "Age"], vec![name, age]),
     }
 }

@@ -1171,3 +1171,96 @@ async fn concurrent_updates_never_lose_a_write() {
     assert_eq!(n, workers * per_worker);
     sim.shutdown().await;
 }
+
+/// events.k8s.io/v1 and core/v1 Events are one store, as in kube-apiserver.
+#[tokio::test]
+async fn events_are_shared_between_the_two_apis() {
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::Event as CoreEvent;
+    use k8s_openapi::api::events::v1::Event as EventV1;
+    use kube::api::{WatchEvent, WatchParams};
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "default").await;
+    let v1: Api<EventV1> = Api::namespaced(client.clone(), "default");
+    let core: Api<CoreEvent> = Api::namespaced(client.clone(), "default");
+    let rv = sim.resource_version().to_string();
+    let mut core_watch = core
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    let mut v1_watch = v1
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    let ev: EventV1 = serde_json::from_value(json!({
+        "metadata": {"name": "kubernetes.1"},
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "regarding": {"kind": "Service", "namespace": "default", "name": "kubernetes"},
+        "reason": "ClusterIPNotAllocated", "action": "ClusterIPAllocation", "type": "Warning",
+        "note": "Cluster IP [IPv4]: 10.96.0.1 is not allocated; repairing",
+        "reportingController": "ipallocator-repair-controller", "reportingInstance": "x"
+    }))
+    .unwrap();
+    let created = v1.create(&PostParams::default(), &ev).await.unwrap();
+    assert_eq!(created.note.as_deref(), ev.note.as_deref());
+    let as_core = core.get("kubernetes.1").await.unwrap();
+    assert_eq!(as_core.message.as_deref(), ev.note.as_deref());
+    assert_eq!(as_core.involved_object.name.as_deref(), Some("kubernetes"));
+    assert_eq!(
+        as_core.reporting_component.as_deref(),
+        Some("ipallocator-repair-controller")
+    );
+    match tokio::time::timeout(std::time::Duration::from_secs(20), core_watch.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+    {
+        WatchEvent::Added(e) => assert_eq!(e.reason.as_deref(), Some("ClusterIPNotAllocated")),
+        other => panic!("expected ADDED, got {other:?}"),
+    }
+    match tokio::time::timeout(std::time::Duration::from_secs(20), v1_watch.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+    {
+        WatchEvent::Added(e) => assert_eq!(e.note.as_deref(), ev.note.as_deref()),
+        other => panic!("expected ADDED, got {other:?}"),
+    }
+    // A merge patch through events.k8s.io (what kube-runtime's Recorder sends for a series).
+    let patched = v1
+        .patch(
+            "kubernetes.1",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"series": {"count": 2, "lastObservedTime": "2026-01-01T00:01:00.000000Z"}}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(patched.series.unwrap().count, 2);
+    assert_eq!(
+        core.get("kubernetes.1")
+            .await
+            .unwrap()
+            .series
+            .unwrap()
+            .count,
+        Some(2)
+    );
+    assert_eq!(
+        v1.list(&ListParams::default()).await.unwrap().items.len(),
+        1
+    );
+    let e = api_err(v1.get("missing").await);
+    assert_eq!(e.message, "events.events.k8s.io \"missing\" not found");
+    v1.delete("kubernetes.1", &DeleteParams::default())
+        .await
+        .unwrap();
+    assert!(core.get_opt("kubernetes.1").await.unwrap().is_none());
+    sim.shutdown().await;
+}
