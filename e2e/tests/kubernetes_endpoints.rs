@@ -1,5 +1,8 @@
-//! End to end: the `kubernetes` Service and its endpoints with several real controller processes
-//! (one per simulated apiserver) against a real `apiserver-sim` process.
+//! End to end: the `kubernetes` endpoints with several real controller processes (one per
+//! simulated apiserver) against a real `apiserver-sim` process. `apiserver_endpoints.rs` covers
+//! joining, leaving, crashes, corruption and `check`; this file covers what needs its own setup:
+//! an apiserver that is not ready from the start, and leader handovers judged from the
+//! simulator's request log, followed by a quiet minute.
 
 mod common;
 
@@ -7,15 +10,12 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use common::{
-    CONVERGE, ConfigFile, ControllerProcess, SimProcess, Target, eventually, kubectl,
-    run_controller,
-};
+use common::{CONVERGE, ConfigFile, ControllerProcess, SimProcess, Target, eventually, kubectl};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Endpoints, Service};
+use k8s_openapi::api::core::v1::Endpoints;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams};
+use kube::api::ListParams;
 
 const RANGE: &str = "10.96.0.0/12";
 
@@ -105,7 +105,6 @@ struct Cluster {
     sim: SimProcess,
     endpoints: Api<Endpoints>,
     slices: Api<EndpointSlice>,
-    services: Api<Service>,
     leases: Api<Lease>,
 }
 
@@ -121,40 +120,9 @@ async fn cluster() -> Result<Option<Cluster>> {
     Ok(Some(Cluster {
         endpoints: Api::namespaced(client.clone(), "default"),
         slices: Api::namespaced(client.clone(), "default"),
-        services: Api::namespaced(client.clone(), "default"),
         leases: Api::namespaced(client, "kube-system"),
         sim,
     }))
-}
-
-#[tokio::test]
-async fn members_join_leave_on_sigterm_expire_on_sigkill_and_come_back() -> Result<()> {
-    let Some(c) = cluster().await? else {
-        return Ok(());
-    };
-    let config = endpoints_config("")?;
-    let kubeconfig = c.sim.kubeconfig.clone();
-    let mut a = member(&kubeconfig, &config, "192.0.2.1", &[])?;
-    let mut b = member(&kubeconfig, &config, "192.0.2.2", &[])?;
-    let mut x = member(&kubeconfig, &config, "192.0.2.3", &[])?;
-    expect_members(
-        &c.endpoints,
-        &c.slices,
-        &["192.0.2.1", "192.0.2.2", "192.0.2.3"],
-    )
-    .await?;
-
-    let status = b.terminate()?;
-    ensure!(status.success(), "SIGTERM exit status {status}");
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1", "192.0.2.3"]).await?;
-
-    x.kill()?;
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1"]).await?;
-
-    let _x = member(&kubeconfig, &config, "192.0.2.3", &[])?;
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1", "192.0.2.3"]).await?;
-    ensure!(a.is_running(), "first member died:\n{}", a.log());
-    Ok(())
 }
 
 #[tokio::test]
@@ -219,207 +187,6 @@ async fn an_instance_whose_apiserver_is_not_ready_is_never_added_and_leaves_when
         .await?;
     expect_members(&c.endpoints, &c.slices, &["192.0.2.1"]).await?;
     Ok(())
-}
-
-#[tokio::test]
-async fn corruption_is_repaired_and_reported_by_check_in_dry_run() -> Result<()> {
-    let Some(c) = cluster().await? else {
-        return Ok(());
-    };
-    let config = endpoints_config("")?;
-    let kubeconfig = c.sim.kubeconfig.clone();
-    let kc = kubeconfig.to_string_lossy().into_owned();
-    let mut a = member(&kubeconfig, &config, "192.0.2.1", &["--leader-elect=false"])?;
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1"]).await?;
-    eventually("the kubernetes Service", CONVERGE, || async {
-        Ok(c.services.get_opt("kubernetes").await?)
-    })
-    .await?;
-
-    // The Endpoints port (upstream never repairs this: kubernetes/kubernetes#104252).
-    let out = kubectl(
-        &kubeconfig,
-        &[
-            "patch",
-            "endpoints",
-            "kubernetes",
-            "-n",
-            "default",
-            "--type=merge",
-            "-p",
-            r#"{"subsets":[{"addresses":[{"ip":"192.0.2.1"}],"ports":[{"name":"https","port":443,"protocol":"TCP"}]}]}"#,
-        ],
-    )?;
-    ensure!(out.status.success(), "kubectl patch: {out:?}");
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1"]).await?;
-
-    // An address.
-    let out = kubectl(
-        &kubeconfig,
-        &[
-            "patch",
-            "endpoints",
-            "kubernetes",
-            "-n",
-            "default",
-            "--type=merge",
-            "-p",
-            r#"{"subsets":[{"addresses":[{"ip":"203.0.113.9"}],"ports":[{"name":"https","port":6443,"protocol":"TCP"}]}]}"#,
-        ],
-    )?;
-    ensure!(out.status.success(), "kubectl patch: {out:?}");
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1"]).await?;
-
-    // The EndpointSlice.
-    c.slices
-        .delete("kubernetes", &DeleteParams::default())
-        .await?;
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1"]).await?;
-
-    // The Service's ports and type.
-    let out = kubectl(
-        &kubeconfig,
-        &[
-            "patch",
-            "service",
-            "kubernetes",
-            "-n",
-            "default",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"type":"NodePort","ports":[{"name":"https","port":443,"protocol":"TCP","targetPort":7443}]}}"#,
-        ],
-    )?;
-    ensure!(out.status.success(), "kubectl patch service: {out:?}");
-    eventually("Service ports and type repaired", CONVERGE, || async {
-        let svc = c.services.get("kubernetes").await?;
-        let spec = svc.spec.unwrap_or_default();
-        let port = spec.ports.unwrap_or_default();
-        let repaired = spec.type_.as_deref() == Some("ClusterIP")
-            && port.len() == 1
-            && port[0].port == 443
-            && port[0].target_port
-                == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(6443));
-        Ok(repaired.then_some(()))
-    })
-    .await?;
-    ensure!(a.is_running(), "controller died:\n{}", a.log());
-
-    // Stop the controller cleanly (it deletes its Lease and takes its address out). Put back a
-    // long-lived membership Lease and the address, corrupt the port, and let `check` find the
-    // port drift without writing.
-    let mut lease = serde_json::to_value(
-        c.leases
-            .list(&ListParams::default())
-            .await?
-            .items
-            .into_iter()
-            .find(|l| {
-                l.metadata
-                    .name
-                    .as_deref()
-                    .is_some_and(|n| n.contains("192.0.2.1"))
-            })
-            .context("no membership Lease for 192.0.2.1")?,
-    )?;
-    a.terminate()?;
-    lease["metadata"]
-        .as_object_mut()
-        .context("lease metadata")?
-        .remove("resourceVersion");
-    lease["spec"]["leaseDurationSeconds"] = serde_json::json!(3600);
-    lease["spec"]["renewTime"] = serde_json::json!(now_micro_time());
-    c.sim.admin("PUT", "/sim/backdoor", Some(lease)).await?;
-    let out = kubectl(
-        &kubeconfig,
-        &[
-            "patch",
-            "endpoints",
-            "kubernetes",
-            "-n",
-            "default",
-            "--type=merge",
-            "-p",
-            r#"{"subsets":[{"addresses":[{"ip":"192.0.2.1"}],"ports":[{"name":"https","port":443,"protocol":"TCP"}]}]}"#,
-        ],
-    )?;
-    ensure!(out.status.success(), "kubectl patch: {out:?}");
-    let check = run_controller(&[
-        "--config",
-        &config.path,
-        "--service-cluster-ip-range",
-        RANGE,
-        "--advertise-address",
-        "192.0.2.1",
-        "--leader-elect=false",
-        "check",
-        "--kubeconfig",
-        &kc,
-    ])?;
-    let stdout = String::from_utf8_lossy(&check.stdout);
-    ensure!(
-        check.status.code() == Some(1),
-        "check should exit 1 on drift: {check:?}"
-    );
-    ensure!(
-        stdout.contains("Endpoints/default/kubernetes") && stdout.contains("endpoints_ports"),
-        "check does not report the Endpoints port drift:\n{stdout}"
-    );
-    let (_, ports) = endpoint_view(&c.endpoints)
-        .await?
-        .context("endpoints gone")?;
-    ensure!(
-        ports == vec![443],
-        "check wrote to the cluster: ports {ports:?}"
-    );
-    Ok(())
-}
-
-#[tokio::test]
-async fn deleting_every_membership_lease_never_empties_the_endpoints() -> Result<()> {
-    let Some(c) = cluster().await? else {
-        return Ok(());
-    };
-    let config = endpoints_config("")?;
-    let kubeconfig = c.sim.kubeconfig.clone();
-    let _a = member(&kubeconfig, &config, "192.0.2.1", &[])?;
-    let _b = member(&kubeconfig, &config, "192.0.2.2", &[])?;
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1", "192.0.2.2"]).await?;
-
-    let until = Instant::now() + Duration::from_secs(5);
-    let mut deleted = 0;
-    while Instant::now() < until {
-        for lease in c.leases.list(&ListParams::default()).await?.items {
-            let name = lease.metadata.name.unwrap_or_default();
-            if name.starts_with("bootstrap-controller") {
-                continue; // the leader-election Lease, not a membership Lease
-            }
-            c.sim
-                .admin(
-                    "DELETE",
-                    &format!("/sim/backdoor/leases/kube-system/{name}"),
-                    None,
-                )
-                .await?;
-            deleted += 1;
-        }
-        let (addresses, _) = endpoint_view(&c.endpoints)
-            .await?
-            .context("Endpoints deleted")?;
-        ensure!(
-            !addresses.is_empty(),
-            "endpoints were emptied after deleting the Leases"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    ensure!(deleted > 0, "no membership Lease found to delete");
-    expect_members(&c.endpoints, &c.slices, &["192.0.2.1", "192.0.2.2"]).await?;
-    Ok(())
-}
-
-/// Now as a Kubernetes MicroTime (RFC 3339 with microseconds).
-fn now_micro_time() -> String {
-    format!("{:.6}", jiff::Timestamp::now())
 }
 
 /// The pid in `bootstrap-controller/<v> (<host>; pid <pid>)`.
