@@ -572,9 +572,17 @@ impl Shared {
         }
         services::apply(&self.alloc, st, &plan, ns, name)?;
         let deleting = meta_str(&body, "deletionTimestamp").is_some();
-        let finalized = deleting && finalizers_of(&body).is_empty();
+        // A namespace also waits for the namespace controller (spec.finalizers), which empties
+        // spec.finalizers once the contents are gone.
+        let finalized = deleting
+            && finalizers_of(&body).is_empty()
+            && (res != self.ns_idx
+                || body
+                    .pointer("/spec/finalizers")
+                    .and_then(Value::as_array)
+                    .is_none_or(Vec::is_empty));
         let json = st.commit_put(res, ns, name, body)?;
-        if finalized && res != self.ns_idx {
+        if finalized {
             return self.finish_delete(st, res, ns, name).map(|j| Written {
                 json: j.unwrap_or(json),
                 created: false,

@@ -1264,3 +1264,41 @@ async fn events_are_shared_between_the_two_apis() {
     assert!(core.get_opt("kubernetes.1").await.unwrap().is_none());
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn namespace_with_metadata_finalizers_goes_once_they_are_removed() {
+    let sim = start().await;
+    let client = sim.client();
+    let nss: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({
+        "metadata": {"name": "held", "finalizers": ["example.com/hold"]}
+    }))
+    .unwrap();
+    nss.create(&PostParams::default(), &ns).await.unwrap();
+    create_ns(&client, "other").await;
+    nss.delete("held", &DeleteParams::default()).await.unwrap();
+    // Wait until the namespace controller's part is done (spec.finalizers emptied).
+    eventually("contents finalized", || async {
+        nss.get("held")
+            .await
+            .unwrap()
+            .spec
+            .and_then(|s| s.finalizers)
+            .is_none_or(|f| f.is_empty())
+    })
+    .await;
+    assert!(
+        nss.get_opt("held").await.unwrap().is_some(),
+        "held by metadata.finalizers"
+    );
+    nss.patch(
+        "held",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    assert!(nss.get_opt("held").await.unwrap().is_none());
+    assert!(nss.get_opt("other").await.unwrap().is_some());
+    sim.shutdown().await;
+}
