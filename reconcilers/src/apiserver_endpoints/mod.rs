@@ -365,7 +365,11 @@ mod tests {
             StaticAddress::parse("LB.example.com."),
             Ok(StaticAddress::Name("lb.example.com".into()))
         );
-        assert!(StaticAddress::parse("127.0.0.1").unwrap_err().contains("loopback"));
+        assert!(
+            StaticAddress::parse("127.0.0.1")
+                .unwrap_err()
+                .contains("loopback")
+        );
         assert!(
             StaticAddress::parse("https://lb.example.com:6443")
                 .unwrap_err()
