@@ -95,13 +95,18 @@ async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
     })
     .await?;
 
-    // Deleted through the kube client.
-    let before = live_uid(&namespaces, "kube-public").await?;
-    namespaces
-        .delete("kube-public", &DeleteParams::default())
-        .await?;
-    eventually("kube-public recreated", CONVERGE, || async {
-        let now = live_uid(&namespaces, "kube-public").await?;
+    // Deleted through the kube client. A real kube-apiserver refuses to delete `default`,
+    // `kube-system` and `kube-public` (NamespaceLifecycle admission), but not `kube-node-lease`
+    // (kubernetes/kubernetes#105743); the simulator allows both, as an apiserver without that
+    // admission plugin or a restored etcd would.
+    let victim = match target {
+        Target::Sim(_) => "kube-public",
+        Target::Cluster { .. } => "kube-node-lease",
+    };
+    let before = live_uid(&namespaces, victim).await?;
+    namespaces.delete(victim, &DeleteParams::default()).await?;
+    eventually(&format!("{victim} recreated"), CONVERGE, || async {
+        let now = live_uid(&namespaces, victim).await?;
         Ok(now.filter(|uid| Some(uid) != before.as_ref()))
     })
     .await?;
