@@ -371,7 +371,7 @@ impl ClusterIpRepair {
                     "Service cache has not synced yet".to_owned(),
                 ));
             }
-            decide::decide_audit_mode(state.objects.values(), &ranges)
+            decide::decide_audit_mode(state.values(), &ranges)
         } else {
             let (services, _) =
                 list_all::<ServiceRecord>(&ctx.client, &self.collection(reflector::SERVICES))
@@ -421,12 +421,12 @@ impl ClusterIpRepair {
             }
             let stand_in = self.default_service_cidr_stand_in(
                 ctx,
-                service_cidrs.objects.contains_key(DEFAULT_SERVICE_CIDR),
+                service_cidrs.contains_key(DEFAULT_SERVICE_CIDR),
             )?;
             decide::decide_ipaddress_mode(
-                services.objects.values(),
-                ip_addresses.objects.values(),
-                service_cidrs.objects.values().chain(stand_in.as_ref()),
+                services.values(),
+                ip_addresses.values(),
+                service_cidrs.values().chain(stand_in.as_ref()),
                 now,
                 self.config.orphan_grace,
             )

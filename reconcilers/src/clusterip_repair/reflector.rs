@@ -4,8 +4,12 @@
 //! reached. The repair needs both the opposite ways: compact records (memory at 100,000
 //! Services) and the cache's resource version, to prove it is at least as new as the API before
 //! deleting anything. So this one lists in pages, watches with bookmarks, remembers the last
-//! resource version seen (list, event or bookmark), relists on `410 Gone`, and swaps a relist in
-//! only once every page has arrived: a failed or partial list never replaces the cache.
+//! resource version seen (list, event or bookmark) and relists on `410 Gone`.
+//!
+//! A relist is written into the live map page by page (holding two copies of 100,000 Services
+//! would double the memory), so while it runs the store says it is *not synced* and passes
+//! refuse to decide; it becomes synced again only when every page has arrived and the objects
+//! no page mentioned are dropped. A failed or partial list therefore never leads to a decision.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
@@ -60,11 +64,37 @@ impl Cached for ServiceCidrRecord {
 /// The cached collection and how fresh it is.
 #[derive(Debug)]
 pub struct StoreState<T> {
-    pub objects: HashMap<Box<str>, T>,
-    /// Whether one complete list has been loaded.
+    /// Each object with the list generation that last saw it (for dropping what a relist did
+    /// not return).
+    objects: HashMap<Box<str>, (T, u32)>,
+    generation: u32,
+    /// Whether the contents are one complete list plus the watch events after it; false during
+    /// a (re)list.
     pub synced: bool,
     /// The newest resource version the cache has provably caught up with.
     pub resource_version: Option<u64>,
+}
+
+impl<T> StoreState<T> {
+    pub fn values(&self) -> impl Iterator<Item = &T> + Clone {
+        self.objects.values().map(|(value, _)| value)
+    }
+
+    pub fn get(&self, key: &str) -> Option<&T> {
+        self.objects.get(key).map(|(value, _)| value)
+    }
+
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.objects.contains_key(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.objects.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.objects.is_empty()
+    }
 }
 
 /// A cache shared between its [`reflect`] stream (the writer) and the passes (readers).
@@ -78,6 +108,7 @@ impl<T> Default for Store<T> {
         Self {
             state: RwLock::new(StoreState {
                 objects: HashMap::new(),
+                generation: 0,
                 synced: false,
                 resource_version: None,
             }),
@@ -338,9 +369,18 @@ impl<T: Cached> Reflector<T> {
                 (*then, false)
             }
             Phase::List => {
-                let mut objects: HashMap<Box<str>, T> = HashMap::new();
+                let generation = {
+                    let mut state = self.store.write();
+                    state.synced = false;
+                    state.generation = state.generation.wrapping_add(1);
+                    state.generation
+                };
+                let store = self.store.clone();
                 let listed = list_pages(&self.client, &self.collection, |page: Vec<T>| {
-                    objects.extend(page.into_iter().map(|item| (item.cache_key(), item)));
+                    let mut state = store.write();
+                    for item in page {
+                        state.objects.insert(item.cache_key(), (item, generation));
+                    }
                 })
                 .await;
                 match listed {
@@ -348,7 +388,8 @@ impl<T: Cached> Reflector<T> {
                         let version = version.unwrap_or_default();
                         {
                             let mut state = self.store.write();
-                            state.objects = objects;
+                            state.objects.retain(|_, (_, seen)| *seen == generation);
+                            state.objects.shrink_to_fit();
                             state.synced = true;
                             state.resource_version = parse_resource_version(&version);
                         }
@@ -358,7 +399,7 @@ impl<T: Cached> Reflector<T> {
                         (Phase::Watch { from: version }, true)
                     }
                     Err(err) => {
-                        warn!(path = self.collection.path, error = %err, "list failed; the cache keeps its previous contents");
+                        warn!(path = self.collection.path, error = %err, "list failed; the cache stays unsynced until a list completes");
                         self.fail(Phase::List)
                     }
                 }
@@ -427,7 +468,10 @@ impl<T: Cached> Reflector<T> {
                 let version = object.resource_version();
                 {
                     let mut state = self.store.write();
-                    state.objects.insert(object.cache_key(), object);
+                    let generation = state.generation;
+                    state
+                        .objects
+                        .insert(object.cache_key(), (object, generation));
                     advance(&mut state, version);
                 }
                 self.note_version(version);
