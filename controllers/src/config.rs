@@ -1330,11 +1330,11 @@ impl Config {
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),
             shutdown_timeout,
             leader_election,
-            loops: Loops::default(),
+            loops: file.loops.clone().unwrap_or_default(),
         };
-        let loops = file.loops.clone().unwrap_or_default();
-        loops.validate(&config, &mut errors);
-        config.loops = loops;
+        // Sections validate against the whole effective configuration, their own values included
+        // (the endpoints check builds the loop's configuration from `config.loops`).
+        config.loops.validate(&config, &mut errors);
 
         if errors.is_empty() {
             Ok(config)
@@ -1739,6 +1739,16 @@ mod tests {
 
         let error = single_error(from_yaml("endpointReconcilerType: static\n"));
         assert_eq!(error.field, "loops.apiserverEndpoints.staticAddresses");
+
+        // A valid static list is accepted and reaches the loop's configuration.
+        let config = from_yaml(
+            "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    staticAddresses: [192.0.2.1, lb.example.com]\n",
+        )
+        .expect("a valid static configuration");
+        assert_eq!(
+            crate::loops::apiserver_endpoints_config(&config).static_addresses,
+            ["192.0.2.1", "lb.example.com"]
+        );
 
         let error = single_error(from_yaml(
             "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    readyzURL: localhost:6443\n",

@@ -322,3 +322,77 @@ async fn leader_handover_never_has_two_writers_and_a_quiet_minute_has_no_endpoin
     );
     Ok(())
 }
+
+/// `static` mode with a DNS name: the name is re-resolved every interval; when it stops
+/// resolving, the last good set stays and a warning event says why; a new answer is taken up.
+#[tokio::test]
+async fn static_name_that_stops_resolving_keeps_the_last_good_set() -> Result<()> {
+    let Some(c) = cluster().await? else {
+        return Ok(());
+    };
+    let dir = tempfile::tempdir()?;
+    let hosts = dir.path().join("hosts");
+    let write_hosts = |lines: &str| std::fs::write(&hosts, lines);
+    write_hosts("192.0.2.77 lb.bootstrap.test\n192.0.2.78 lb.bootstrap.test\n")?;
+
+    let config = ConfigFile::new(
+        "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    \
+         staticAddresses: [lb.bootstrap.test]\n  serviceCIDR: {enabled: false}\n  \
+         clusterIPRepair: {enabled: false}\n",
+    )?;
+    let Some(mut controller) = ControllerProcess::start_with_hosts(
+        &c.sim.kubeconfig,
+        &hosts,
+        &[
+            "--config",
+            config.path.as_str(),
+            "--service-cluster-ip-range",
+            RANGE,
+            "--leader-elect=false",
+        ],
+    )?
+    else {
+        return Ok(());
+    };
+    expect_members(&c.endpoints, &c.slices, &["192.0.2.77", "192.0.2.78"])
+        .await
+        .with_context(|| controller.log())?;
+
+    // The name now resolves to nothing: several intervals later the last good set is still there.
+    write_hosts("")?;
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(common::client_from(&c.sim.kubeconfig).await?, "default");
+    eventually("a resolution warning event", CONVERGE, || async {
+        let warned = events
+            .list(&ListParams::default())
+            .await?
+            .items
+            .iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("StaticAddressResolutionFailed")
+                    && e.type_.as_deref() == Some("Warning")
+            });
+        Ok(warned.then_some(()))
+    })
+    .await?;
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let view = endpoint_view(&c.endpoints).await?;
+        ensure!(
+            view.as_ref().map(|(a, _)| a.as_slice())
+                == Some(&["192.0.2.77".to_string(), "192.0.2.78".to_string()][..]),
+            "the last good set was not kept: {view:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A new answer replaces the set: resolution is live, not cached.
+    write_hosts("192.0.2.79 lb.bootstrap.test\n")?;
+    expect_members(&c.endpoints, &c.slices, &["192.0.2.79"]).await?;
+    ensure!(
+        controller.is_running(),
+        "controller died:\n{}",
+        controller.log()
+    );
+    Ok(())
+}

@@ -221,10 +221,46 @@ pub fn free_port() -> Result<SocketAddr> {
 
 impl ControllerProcess {
     pub fn start(kubeconfig: &Path, extra: &[&str]) -> Result<Self> {
+        Self::spawn(Command::new(controller_bin()), kubeconfig, extra)
+    }
+
+    /// Starts the controller in a private mount namespace whose `/etc/hosts` is `hosts`, so a
+    /// test controls what names resolve to for this process alone by rewriting that file in
+    /// place. Needs root or unprivileged user namespaces; `None` (after saying so) otherwise.
+    pub fn start_with_hosts(
+        kubeconfig: &Path,
+        hosts: &Path,
+        extra: &[&str],
+    ) -> Result<Option<Self>> {
+        let probe = Command::new("unshare")
+            .args(["-m", "sh", "-c", "mount --bind \"$0\" /etc/hosts"])
+            .arg(hosts)
+            .output();
+        if !matches!(&probe, Ok(out) if out.status.success()) {
+            eprintln!(
+                "SKIPPED: cannot bind-mount a private /etc/hosts (needs root for `unshare -m`): \
+                 {probe:?}"
+            );
+            return Ok(None);
+        }
+        let mut command = Command::new("unshare");
+        command
+            .args([
+                "-m",
+                "sh",
+                "-c",
+                "mount --bind \"$0\" /etc/hosts && exec \"$@\"",
+            ])
+            .arg(hosts)
+            .arg(controller_bin());
+        Self::spawn(command, kubeconfig, extra).map(Some)
+    }
+
+    fn spawn(mut command: Command, kubeconfig: &Path, extra: &[&str]) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let admin = free_port()?;
         let log = std::fs::File::create(dir.path().join("controller.log"))?;
-        let child = Command::new(controller_bin())
+        let child = command
             .arg("run")
             .arg("--kubeconfig")
             .arg(kubeconfig)
