@@ -1314,7 +1314,7 @@ impl Config {
 
         let service_cluster_ip_range_defaulted =
             args.service_cluster_ip_range.is_none() && file.service_cluster_ip_range.is_none();
-        let mut config = Config {
+        let config = Config {
             service_cluster_ip_range,
             service_cluster_ip_range_defaulted,
             service_node_port_range,
