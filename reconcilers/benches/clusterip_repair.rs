@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use apiserver_sim::{Sim, SimConfig};
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use futures::StreamExt;
 use kube::api::ListParams;
 use prometheus_client::registry::Registry;
@@ -185,13 +185,32 @@ async fn parent(sizes: &[usize]) -> Result<()> {
         let kubeconfig = sim.kubeconfig_path().display().to_string();
         for role in [
             "ipaddress-warm",
+            "ipaddress-relist",
             "ipaddress-fresh",
             "audit-warm",
             "audit-fresh",
         ] {
+            if role == "ipaddress-relist" {
+                sim.faults().inject(FaultRule::probability(
+                    Some(Verb::Watch),
+                    None,
+                    1.0,
+                    FaultKind::WatchGone,
+                ));
+                sim.clear_requests();
+            }
             let output = Command::new(&exe)
                 .args(["--child", &kubeconfig, role])
                 .output()?;
+            if role == "ipaddress-relist" {
+                sim.faults().clear();
+                println!(
+                    "{:>8} # every watch answered 410 Gone for 15 s: {} Service and {} IPAddress LIST requests",
+                    "",
+                    sim.request_count("list", "services"),
+                    sim.request_count("list", "ipaddresses"),
+                );
+            }
             if !output.status.success() {
                 bail!(
                     "child {role} failed: {}\n{}",
@@ -240,7 +259,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             .await?;
     let client = kube::Client::try_from(config)?;
     let (mode, warm) = match role {
-        "ipaddress-warm" => (RepairMode::IpAddress, true),
+        "ipaddress-warm" | "ipaddress-relist" => (RepairMode::IpAddress, true),
         "ipaddress-fresh" => (RepairMode::IpAddress, false),
         "audit-warm" => (RepairMode::Audit, true),
         "audit-fresh" => (RepairMode::Audit, false),
@@ -262,6 +281,19 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         dry_run: true,
     };
     let mut sync_ms = f64::NAN;
+    if role == "ipaddress-relist" {
+        // The parent answers every watch with 410 Gone, so the caches relist over and over and
+        // are rarely synced: no passes, only the memory of relisting next to a full cache.
+        let mut triggers = futures::stream::select_all(repair.triggers());
+        tokio::spawn(async move { while triggers.next().await.is_some() {} });
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        println!(
+            "{}",
+            json!({"role": role, "sync_ms": f64::NAN, "pass_ms": f64::NAN, "floor_ms": f64::NAN,
+                   "body_mib": f64::NAN, "peak_rss_mib": peak_rss_mib(), "drift": 0})
+        );
+        return Ok(());
+    }
     if warm {
         let mut triggers = futures::stream::select_all(repair.triggers());
         tokio::spawn(async move { while triggers.next().await.is_some() {} });
