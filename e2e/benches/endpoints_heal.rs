@@ -15,7 +15,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use common::{CONVERGE, ControllerProcess, SimProcess, eventually};
+use common::{CONVERGE, ControllerProcess, SimProcess, eventually, summary};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Endpoints;
@@ -57,26 +57,6 @@ fn parse_args() -> Result<Args> {
         }
     }
     Ok(args)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-fn summary(label: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    println!(
-        "{label}: n={} p50={:.1} ms p99={:.1} ms max={:.1} ms",
-        samples.len(),
-        ms(percentile(&samples, 50.0)),
-        ms(percentile(&samples, 99.0)),
-        ms(samples.last().copied().unwrap_or_default()),
-    );
 }
 
 fn start_member(kubeconfig: &Path, config: &Path, n: usize) -> Result<ControllerProcess> {

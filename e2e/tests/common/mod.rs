@@ -436,3 +436,25 @@ impl ConfigFile {
         })
     }
 }
+
+/// Nearest-rank percentile of sorted samples.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Prints `label: n=.. p50=.. ms p99=.. ms max=.. ms` for a benchmark.
+pub fn summary(label: &str, mut samples: Vec<Duration>) {
+    samples.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    println!(
+        "{label}: n={} p50={:.1} ms p99={:.1} ms max={:.1} ms",
+        samples.len(),
+        ms(percentile(&samples, 50.0)),
+        ms(percentile(&samples, 99.0)),
+        ms(samples.last().copied().unwrap_or_default()),
+    );
+}
