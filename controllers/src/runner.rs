@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use backon::BackoffBuilder;
 use futures::{FutureExt, StreamExt};
 use rand::Rng;
-use reconcilers::{PassContext, PassReport, Reconciler, Trigger};
+use reconcilers::{LoopError, PassContext, PassReport, Reconciler, Trigger};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -620,6 +620,22 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
     }
 }
 
+/// A panic while building or polling a pass, as caught by [`invoke`].
+type Panic = Box<dyn Any + Send>;
+
+/// Runs one pass with panics caught, whether they happen while the future is built or polled.
+async fn invoke(
+    reconciler: &dyn Reconciler,
+    ctx: &PassContext,
+) -> (Result<Result<PassReport, LoopError>, Panic>, Duration) {
+    let started = Instant::now();
+    let result = match std::panic::catch_unwind(AssertUnwindSafe(|| reconciler.reconcile(ctx))) {
+        Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
+        Err(panic) => Err(panic),
+    };
+    (result, started.elapsed())
+}
+
 /// Runs one pass, catching panics, recording metrics and logging drift. The error is a sentence
 /// for logs and `/readyz`.
 async fn run_pass(
@@ -628,13 +644,7 @@ async fn run_pass(
     metrics: &RunnerMetrics,
 ) -> Result<PassReport, String> {
     let name = reconciler.name();
-    let started = Instant::now();
-    let pass = std::panic::catch_unwind(AssertUnwindSafe(|| reconciler.reconcile(ctx)));
-    let result = match pass {
-        Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
-        Err(panic) => Err(panic),
-    };
-    let took = started.elapsed();
+    let (result, took) = invoke(reconciler, ctx).await;
     match result {
         Ok(Ok(report)) => {
             metrics.pass(name, "success", took);
@@ -752,13 +762,7 @@ async fn check_pass(
     metrics: &RunnerMetrics,
 ) -> Result<PassReport, CheckFailure> {
     let name = reconciler.name();
-    let started = Instant::now();
-    let pass = std::panic::catch_unwind(AssertUnwindSafe(|| reconciler.reconcile(ctx)));
-    let result = match pass {
-        Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
-        Err(panic) => Err(panic),
-    };
-    let took = started.elapsed();
+    let (result, took) = invoke(reconciler, ctx).await;
     match result {
         Ok(Ok(report)) => {
             metrics.pass(name, "success", took);

@@ -573,17 +573,7 @@ impl ClusterIpRepair {
         let ip_api: Api<IPAddress> = Api::all(client.clone());
         match &finding.repair {
             Repair::None => Ok(Outcome::Done),
-            Repair::Create { ip, owner } => {
-                match ip_api
-                    .create(&PostParams::default(), &new_ip_address(*ip, owner))
-                    .await
-                {
-                    Ok(_) => Ok(Outcome::Done),
-                    // The IPAddress cache was behind: it exists. The next pass looks again.
-                    Err(kube::Error::Api(status)) if status.code == 409 => Ok(Outcome::Skip),
-                    Err(err) => Err(err.into()),
-                }
-            }
+            Repair::Create { ip, owner } => create_ip_address(&ip_api, *ip, owner).await,
             Repair::Recreate {
                 ip,
                 owner,
@@ -600,14 +590,7 @@ impl ClusterIpRepair {
                 if !delete_ip_address(&ip_api, &ip.to_string(), existing).await? {
                     return Ok(Outcome::Skip);
                 }
-                match ip_api
-                    .create(&PostParams::default(), &new_ip_address(*ip, owner))
-                    .await
-                {
-                    Ok(_) => Ok(Outcome::Done),
-                    Err(kube::Error::Api(status)) if status.code == 409 => Ok(Outcome::Skip),
-                    Err(err) => Err(err.into()),
-                }
+                create_ip_address(&ip_api, *ip, owner).await
             }
             Repair::Delete {
                 name,
@@ -774,6 +757,23 @@ async fn verify_recreate(
 
 /// Deletes the IPAddress if it is still the object the decision saw. `Ok(false)` when it is
 /// gone or changed since (the next pass decides again).
+/// Creates the IPAddress for `owner`. A 409 means the IPAddress cache was behind and it exists
+/// already: skip, and let the next pass look again.
+async fn create_ip_address(
+    ip_api: &Api<IPAddress>,
+    ip: IpAddr,
+    owner: &ServiceOwner,
+) -> Result<Outcome, LoopError> {
+    match ip_api
+        .create(&PostParams::default(), &new_ip_address(ip, owner))
+        .await
+    {
+        Ok(_) => Ok(Outcome::Done),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(Outcome::Skip),
+        Err(err) => Err(err.into()),
+    }
+}
+
 async fn delete_ip_address(
     api: &Api<IPAddress>,
     name: &str,
