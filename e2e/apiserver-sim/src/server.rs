@@ -747,6 +747,10 @@ struct ContinueToken {
     rv: u64,
     ns: String,
     name: String,
+    /// Items handed out by the pages before, so `remainingItemCount` needs no walk over the
+    /// rest of the collection (which made paging through 100,000 objects quadratic).
+    #[serde(default)]
+    offset: u64,
 }
 
 struct Selection {
@@ -800,8 +804,11 @@ fn list(
         ),
     };
     let mut items: Vec<Bytes> = Vec::new();
-    let mut next: Option<(String, String)> = None;
-    let mut remaining: u64 = 0;
+    let mut last_key: Option<(String, String)> = None;
+    let mut more = false;
+    let mut in_scope: Option<usize> = None;
+    let unselective = sel.labels.is_empty() && sel.fields.is_empty();
+    let offset = token.as_ref().map_or(0, |t| t.offset);
     let list_rv;
     {
         let st = shared.lock();
@@ -827,45 +834,51 @@ fn list(
         let iter = map
             .range(start.clone()..)
             .filter(|(k, _)| token.is_none() || **k != start);
-        for ((ons, oname), s) in iter {
+        for (key, s) in iter {
             if let Some(ns) = ns
-                && ons != ns
+                && key.0 != ns
             {
                 break;
             }
-            if !sel.matches(ons, oname, s) {
+            if !sel.matches(&key.0, &key.1, s) {
                 continue;
             }
             if items.len() >= limit {
-                if next.is_none() {
-                    next = Some((ons.clone(), oname.clone()));
-                }
-                remaining += 1;
-                continue;
+                more = true;
+                break;
             }
             items.push(s.json.clone());
+            last_key = Some(key.clone());
+        }
+        if more && unselective {
+            // Counted only when a page is cut short, and then without selectors (as
+            // kube-apiserver, which omits the count for selective lists). Not a consistent
+            // snapshot: objects created or deleted during the list make it an estimate, which
+            // the API allows.
+            in_scope = Some(match ns {
+                None => map.len(),
+                Some(ns) => map
+                    .range((ns.to_string(), String::new())..)
+                    .take_while(|(k, _)| k.0 == ns)
+                    .count(),
+            });
         }
     }
     let def = &RESOURCES[res];
     let mut meta = json!({"resourceVersion": list_rv.to_string()});
-    if next.is_some()
-        && let Some(last) = items.last()
-    {
-        let last: Value = serde_json::from_slice(last).unwrap_or_default();
+    if more && let Some((last_ns, last_name)) = last_key {
+        let handed_out = offset + items.len() as u64;
         let token = ContinueToken {
             rv: list_rv,
-            ns: crate::meta::meta_str(&last, "namespace")
-                .unwrap_or("")
-                .to_string(),
-            name: crate::meta::meta_str(&last, "name")
-                .unwrap_or("")
-                .to_string(),
+            ns: last_ns,
+            name: last_name,
+            offset: handed_out,
         };
         let encoded = base64::engine::general_purpose::URL_SAFE_NO_PAD
             .encode(serde_json::to_vec(&token).unwrap_or_default());
         meta["continue"] = json!(encoded);
-        if sel.labels.is_empty() && sel.fields.is_empty() {
-            meta["remainingItemCount"] = json!(remaining);
+        if let Some(in_scope) = in_scope {
+            meta["remainingItemCount"] = json!((in_scope as u64).saturating_sub(handed_out));
         }
     }
     let head = format!(

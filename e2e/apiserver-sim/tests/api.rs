@@ -472,8 +472,13 @@ async fn selectors_and_pagination() {
         let rv = page.metadata.resource_version.clone();
         if first_rv.is_none() {
             first_rv = rv.clone();
-            assert_eq!(page.metadata.remaining_item_count, Some(19));
         }
+        // 24 objects in pages of 5: 19, 14, 9, 4 left after the first four; none on the last.
+        let expected_remaining = (pages < 5).then(|| 24 - 5 * pages);
+        assert_eq!(
+            page.metadata.remaining_item_count, expected_remaining,
+            "remainingItemCount on page {pages}"
+        );
         assert_eq!(
             rv, first_rv,
             "every page reports the first page's resourceVersion"
@@ -491,12 +496,30 @@ async fn selectors_and_pagination() {
     sorted.sort();
     sorted.dedup();
     assert_eq!(sorted.len(), 24);
-    // Namespaced list only sees its namespace.
+    // Namespaced list only sees its namespace, and counts only what is left of it.
     let a: Api<ConfigMap> = Api::namespaced(client.clone(), "a");
     assert_eq!(
         a.list(&ListParams::default()).await.unwrap().items.len(),
         12
     );
+    let first = a.list(&ListParams::default().limit(5)).await.unwrap();
+    assert_eq!(first.metadata.remaining_item_count, Some(7));
+    let second = a
+        .list(
+            &ListParams::default()
+                .limit(5)
+                .continue_token(first.metadata.continue_.as_deref().unwrap()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(second.metadata.remaining_item_count, Some(2));
+    // Selective lists carry no count, as kube-apiserver's.
+    let selective = all
+        .list(&ListParams::default().labels("even").limit(5))
+        .await
+        .unwrap();
+    assert!(selective.metadata.continue_.is_some());
+    assert_eq!(selective.metadata.remaining_item_count, None);
     sim.shutdown().await;
 }
 
