@@ -1148,3 +1148,67 @@ async fn dry_run_before_the_default_service_cidr_exists_uses_the_configured_rang
     assert!(ip_address(&client, &ip).await?.is_none());
     Ok(())
 }
+
+/// Paged LISTs (next page requested from the early continue token) return every object exactly
+/// once, fetch each page once, and fail as a whole when any page fails: never a partial list.
+#[tokio::test]
+async fn paged_lists_are_complete_or_fail() -> Result<()> {
+    use reconcilers::clusterip_repair::model::IpAddressRecord;
+    use reconcilers::clusterip_repair::reflector::{Collection, IPADDRESSES, list_all};
+
+    let sim = start_sim().await?;
+    let client = sim.new_client().await?;
+    for i in 0..50u32 {
+        sim.backdoor().put(ip_address_json(
+            &format!("10.96.200.{}", i + 1),
+            service_ref("shop", &format!("svc-{i}")),
+            Some("ipallocator.k8s.io"),
+            "IPv4",
+            LONG_AGO,
+        ))?;
+    }
+    let mut collection = Collection::new(IPADDRESSES);
+    collection.page_size = 7;
+
+    sim.clear_requests();
+    let (items, version) = list_all::<IpAddressRecord>(&client, &collection).await?;
+    let mut names: Vec<String> = items.iter().map(|ip| ip.name.to_string()).collect();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), 50, "every object once");
+    assert_eq!(items.len(), 50);
+    assert!(version.is_some());
+    assert_eq!(
+        sim.request_count("list", "ipaddresses"),
+        8,
+        "50 objects in pages of 7 take 8 requests, none repeated"
+    );
+
+    // 8 pages, each failing with probability 0.3: most lists fail, many of them on a later page.
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::List),
+        Some("ipaddresses"),
+        0.3,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    let (mut complete, mut failed) = (0, 0);
+    for _ in 0..30 {
+        match list_all::<IpAddressRecord>(&client, &collection).await {
+            Ok((items, _)) => {
+                assert_eq!(items.len(), 50, "a list that succeeds is complete");
+                complete += 1;
+            }
+            Err(_) => failed += 1,
+        }
+    }
+    sim.faults().clear();
+    assert!(
+        failed > 0,
+        "some lists met a failing page ({complete} complete)"
+    );
+    sim.shutdown().await;
+    Ok(())
+}

@@ -5,16 +5,26 @@
 //! the same event reasons, actions and notes. [`decide_audit_mode`] follows the legacy bitmap
 //! `Repair` for clusters that do not serve IPAddress: it can only report.
 
-use std::collections::{HashMap, HashSet};
+use std::cell::OnceCell;
+use std::collections::hash_map::Entry;
 use std::net::IpAddr;
 use std::time::Duration;
 
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
 use super::model::{
-    ClusterIp, IPALLOCATOR_MANAGER, IpAddressRecord, ObjectVersion, ParentRef, ServiceCidrRecord,
-    ServiceRecord,
+    ClusterIp, IPALLOCATOR_MANAGER, IpAddressRecord, IpName, ObjectVersion, ParentRef,
+    ServiceCidrRecord, ServiceRecord,
 };
+
+/// Hash maps over IPs and short keys; foldhash is several times faster than SipHash, and the
+/// keys come from the API server, not from parties that could aim collisions at one process.
+type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
+
+fn fast_map<K, V>(capacity: usize) -> FastMap<K, V> {
+    FastMap::with_capacity_and_hasher(capacity, foldhash::fast::RandomState::default())
+}
 
 /// Event actions upstream uses.
 pub const ACTION_CLUSTERIP_VALIDATION: &str = "ClusterIPValidation";
@@ -40,14 +50,24 @@ impl Regarding {
         Regarding::Service {
             namespace: svc.namespace.clone(),
             name: svc.name.clone(),
-            uid: svc.uid.clone(),
+            uid: svc.uid.to_string().into(),
         }
     }
 
     fn ip_address(ip: &IpAddressRecord) -> Self {
         Regarding::IpAddress {
-            name: ip.name.clone(),
-            uid: ip.uid.clone(),
+            name: ip.name.to_string().into(),
+            uid: ip.uid.to_string().into(),
+        }
+    }
+
+    /// `(namespace, name)`, namespace empty for cluster objects: the lister's key order.
+    fn key(&self) -> (&str, &str) {
+        match self {
+            Regarding::Service {
+                namespace, name, ..
+            } => (namespace, name),
+            Regarding::IpAddress { name, .. } => ("", name),
         }
     }
 
@@ -158,6 +178,68 @@ pub struct Decision {
     pub next_recheck: Option<jiff::Timestamp>,
 }
 
+/// Services by namespace/name, built only when a pass needs it: a consistent cluster never
+/// does, because [`Index::listed_by`] answers every question a healthy IPAddress asks.
+struct ServicesByKey<'a> {
+    services: &'a [&'a ServiceRecord],
+    map: OnceCell<FastMap<(&'a str, &'a str), &'a ServiceRecord>>,
+}
+
+impl<'a> ServicesByKey<'a> {
+    fn get(&self, namespace: &str, name: &str) -> Option<&'a ServiceRecord> {
+        self.map
+            .get_or_init(|| {
+                let mut map = fast_map(self.services.len());
+                for svc in self.services {
+                    map.insert((&*svc.namespace, &*svc.name), *svc);
+                }
+                map
+            })
+            .get(&(namespace, name))
+            .copied()
+    }
+}
+
+/// Which Service first claimed an IP during the Service phase (a later claimant is a
+/// duplicate). When no IP is listed by two Services, only the Service being synced can have
+/// claimed anything, so its own few claims are all that need remembering.
+enum Claims<'a> {
+    Global(FastMap<IpAddr, (&'a str, &'a str)>),
+    PerService(Vec<IpAddr>),
+}
+
+impl<'a> Claims<'a> {
+    fn first(&self, ip: IpAddr, this: (&'a str, &'a str)) -> Option<(&'a str, &'a str)> {
+        match self {
+            Claims::Global(map) => map.get(&ip).copied(),
+            Claims::PerService(own) => own.contains(&ip).then_some(this),
+        }
+    }
+
+    fn claim(&mut self, ip: IpAddr, this: (&'a str, &'a str)) {
+        match self {
+            Claims::Global(map) => {
+                map.insert(ip, this);
+            }
+            Claims::PerService(own) => own.push(ip),
+        }
+    }
+
+    fn next_service(&mut self) {
+        if let Claims::PerService(own) = self {
+            own.clear();
+        }
+    }
+}
+
+/// The lookups a pass makes, built once per pass.
+struct Index<'a> {
+    ips_by_addr: FastMap<IpAddr, &'a IpAddressRecord>,
+    /// For each IP some Service lists, the first such Service (in key order when contested).
+    listed_by: FastMap<IpAddr, &'a ServiceRecord>,
+    services_by_key: ServicesByKey<'a>,
+}
+
 /// Decides a pass of the IPAddress-mode repair from a snapshot.
 ///
 /// `orphan_grace` is upstream's 60 s: an IPAddress whose parent Service is missing is left alone
@@ -170,50 +252,89 @@ pub fn decide_ipaddress_mode<'a>(
     orphan_grace: Duration,
 ) -> Decision {
     let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
-    // Upstream walks the lister in key order; so do we, so "who claimed it first" is stable.
-    services.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    let services_by_key: HashMap<(&str, &str), &ServiceRecord> = services
-        .iter()
-        .map(|svc| ((&*svc.namespace, &*svc.name), *svc))
-        .collect();
     let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
-    let ips_by_addr: HashMap<IpAddr, &IpAddressRecord> = ip_addresses
-        .iter()
-        .filter_map(|ip| Some((ip.name.parse::<IpAddr>().ok()?, *ip)))
-        .collect();
     let ranges: Vec<ServiceRange> = service_cidrs
         .into_iter()
         .flat_map(|cidr| cidr.cidrs.iter().copied())
         .map(ServiceRange::new)
         .collect();
 
+    let mut listed_by: FastMap<IpAddr, &ServiceRecord> = fast_map(ip_addresses.len());
+    let mut contested = false;
+    for svc in &services {
+        for ip in svc.cluster_ips.iter().filter_map(ClusterIp::ip) {
+            match listed_by.entry(ip) {
+                Entry::Vacant(vacant) => {
+                    vacant.insert(svc);
+                }
+                Entry::Occupied(first) => {
+                    contested |=
+                        (&first.get().namespace, &first.get().name) != (&svc.namespace, &svc.name);
+                }
+            }
+        }
+    }
+    let mut claims = if contested {
+        // Upstream walks the lister in key order, so "who claimed it first" is the Service with
+        // the smaller key; only then does the order matter.
+        services.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        listed_by.clear();
+        for svc in &services {
+            for ip in svc.cluster_ips.iter().filter_map(ClusterIp::ip) {
+                listed_by.entry(ip).or_insert(svc);
+            }
+        }
+        Claims::Global(fast_map(ip_addresses.len()))
+    } else {
+        Claims::PerService(Vec::new())
+    };
+    let mut ips_by_addr: FastMap<IpAddr, &IpAddressRecord> = fast_map(ip_addresses.len());
+    for ip in &ip_addresses {
+        if let Some(addr) = ip.name.ip() {
+            ips_by_addr.insert(addr, ip);
+        }
+    }
+    let index = Index {
+        ips_by_addr,
+        listed_by,
+        services_by_key: ServicesByKey {
+            services: &services,
+            map: OnceCell::new(),
+        },
+    };
+
     let mut decision = Decision::default();
-    // IPs this pass already (re)creates, with the Service it creates them for: a second claimant
-    // is a duplicate, and the IPAddress phase must not delete what the Service phase rewrites.
-    let mut claimed: HashMap<IpAddr, (&str, &str)> = HashMap::with_capacity(ips_by_addr.len());
-    let mut rewritten: HashSet<&str> = HashSet::new();
+    // IPAddresses the Service phase (re)creates: the IPAddress phase must not delete them.
+    let mut rewritten: FastSet<&IpName> = FastSet::default();
 
     for svc in &services {
+        claims.next_service();
         for cluster_ip in svc.cluster_ips.iter() {
             sync_service_ip(
                 svc,
                 cluster_ip,
                 &ranges,
-                &ips_by_addr,
-                &services_by_key,
-                &mut claimed,
+                &index,
+                &mut claims,
                 &mut rewritten,
                 &mut decision,
             );
         }
     }
-
     let service_findings = decision.findings.len();
+    if !contested {
+        // Services were walked in cache order; report their findings in key order, as upstream
+        // (a stable sort keeps each Service's own findings in clusterIPs order).
+        decision
+            .findings
+            .sort_by(|a, b| a.regarding.key().cmp(&b.regarding.key()));
+    }
+
     for ip in &ip_addresses {
-        if rewritten.contains(&*ip.name) {
+        if !rewritten.is_empty() && rewritten.contains(&ip.name) {
             continue;
         }
-        sync_ip_address(ip, &services_by_key, now, orphan_grace, &mut decision);
+        sync_ip_address(ip, &index, now, orphan_grace, &mut decision);
     }
     // IPAddresses come in cache order; report them in name order (there are few findings, and
     // sorting them is cheaper than sorting every IPAddress).
@@ -226,10 +347,9 @@ fn sync_service_ip<'a>(
     svc: &'a ServiceRecord,
     raw: &ClusterIp,
     ranges: &[ServiceRange],
-    ips_by_addr: &HashMap<IpAddr, &'a IpAddressRecord>,
-    services_by_key: &HashMap<(&str, &str), &'a ServiceRecord>,
-    claimed: &mut HashMap<IpAddr, (&'a str, &'a str)>,
-    rewritten: &mut HashSet<&'a str>,
+    index: &Index<'a>,
+    claims: &mut Claims<'a>,
+    rewritten: &mut FastSet<&'a IpName>,
     decision: &mut Decision,
 ) {
     let regarding = || Regarding::service(svc);
@@ -285,15 +405,15 @@ fn sync_service_ip<'a>(
             repair: Repair::None,
         });
     };
-    if let Some(first) = claimed.get(&ip) {
-        if *first != this {
+    if let Some(first) = claims.first(ip, this) {
+        if first != this {
             duplicate(decision);
         }
         return;
     }
 
-    let Some(existing) = ips_by_addr.get(&ip) else {
-        claimed.insert(ip, this);
+    let Some(existing) = index.ips_by_addr.get(&ip).copied() else {
+        claims.claim(ip, this);
         decision.findings.push(Finding {
             kind: "clusterip_not_allocated",
             regarding: regarding(),
@@ -308,8 +428,8 @@ fn sync_service_ip<'a>(
         return;
     };
     let existing_version = || ObjectVersion {
-        uid: existing.uid.clone(),
-        resource_version: existing.resource_version.clone(),
+        uid: existing.uid.to_string().into(),
+        resource_version: existing.resource_version.to_string().into(),
     };
     let parent = existing.parent.as_ref();
     let parent_is_this =
@@ -354,9 +474,9 @@ fn sync_service_ip<'a>(
     match parent {
         Some(p) if p.is_service() => {
             if !parent_is_this {
-                match services_by_key.get(&(&*p.namespace, &*p.name)) {
+                match index.services_by_key.get(&p.namespace, &p.name) {
                     None => {
-                        claimed.insert(ip, this);
+                        claims.claim(ip, this);
                         rewritten.insert(&existing.name);
                         decision.findings.push(wrong_reference(Some(ServiceOwner {
                             namespace: p.namespace.clone(),
@@ -376,14 +496,14 @@ fn sync_service_ip<'a>(
             }
         }
         _ => {
-            claimed.insert(ip, this);
+            claims.claim(ip, this);
             rewritten.insert(&existing.name);
             decision.findings.push(wrong_reference(None));
             return;
         }
     }
 
-    claimed.insert(ip, this);
+    claims.claim(ip, this);
     let labels_right = existing.family_label.as_deref() == Some(family.as_str())
         && existing.managed_by.as_deref() == Some(IPALLOCATOR_MANAGER);
     if !labels_right {
@@ -413,7 +533,7 @@ fn go_parent_ref(parent: Option<&ParentRef>) -> String {
 
 fn sync_ip_address(
     ip: &IpAddressRecord,
-    services_by_key: &HashMap<(&str, &str), &ServiceRecord>,
+    index: &Index<'_>,
     now: jiff::Timestamp,
     orphan_grace: Duration,
     decision: &mut Decision,
@@ -422,8 +542,8 @@ fn sync_ip_address(
         return;
     }
     let existing = || ObjectVersion {
-        uid: ip.uid.clone(),
-        resource_version: ip.resource_version.clone(),
+        uid: ip.uid.to_string().into(),
+        resource_version: ip.resource_version.to_string().into(),
     };
     let parent = match ip.parent.as_ref() {
         Some(parent) if parent.is_service() => parent,
@@ -442,7 +562,7 @@ fn sync_ip_address(
                 }),
                 error_type: Some("leak"),
                 repair: Repair::Delete {
-                    name: ip.name.clone(),
+                    name: ip.name.to_string().into(),
                     existing: existing(),
                     ground: DeleteGround::NotAService,
                 },
@@ -450,7 +570,15 @@ fn sync_ip_address(
             return;
         }
     };
-    match services_by_key.get(&(&*parent.namespace, &*parent.name)) {
+    let addr = ip.name.ip();
+    // The healthy case, answered without hashing any names: the Service that lists this IP is
+    // the parent.
+    if let Some(svc) = addr.and_then(|addr| index.listed_by.get(&addr))
+        && (&*svc.namespace, &*svc.name) == (&*parent.namespace, &*parent.name)
+    {
+        return;
+    }
+    match index.services_by_key.get(&parent.namespace, &parent.name) {
         None => {
             let grace =
                 jiff::SignedDuration::try_from(orphan_grace).unwrap_or(jiff::SignedDuration::MAX);
@@ -477,7 +605,7 @@ fn sync_ip_address(
                     }),
                     error_type: Some("leak"),
                     repair: Repair::Delete {
-                        name: ip.name.clone(),
+                        name: ip.name.to_string().into(),
                         existing: existing(),
                         ground: DeleteGround::ParentGone {
                             namespace: parent.namespace.clone(),
@@ -488,10 +616,7 @@ fn sync_ip_address(
             }
         }
         Some(svc) => {
-            let listed = ip
-                .name
-                .parse::<IpAddr>()
-                .is_ok_and(|addr| svc.lists_ip(addr));
+            let listed = addr.is_some_and(|addr| svc.lists_ip(addr));
             if !listed {
                 decision.findings.push(Finding {
                     kind: "ipaddress_wrong_parent",
@@ -506,7 +631,7 @@ fn sync_ip_address(
                     }),
                     error_type: Some("leak"),
                     repair: Repair::Delete {
-                        name: ip.name.clone(),
+                        name: ip.name.to_string().into(),
                         existing: existing(),
                         ground: DeleteGround::ParentDoesNotList {
                             namespace: svc.namespace.clone(),
@@ -629,6 +754,7 @@ pub struct RangeUsage {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::clusterip_repair::model::Token;
 
     const GRACE: Duration = Duration::from_secs(60);
 
@@ -640,7 +766,7 @@ mod tests {
         ServiceRecord {
             namespace: ns.into(),
             name: name.into(),
-            uid: format!("uid-{ns}-{name}").into(),
+            uid: Token::new(&format!("uid-{ns}-{name}")),
             resource_version: 1,
             cluster_ips: ips.iter().map(|ip| ClusterIp::parse(ip)).collect(),
         }
@@ -654,7 +780,7 @@ mod tests {
         let family = if ip.contains(':') { "IPv6" } else { "IPv4" };
         IpAddressRecord {
             name: ip.into(),
-            uid: format!("uid-{ip}").into(),
+            uid: Token::new(&format!("uid-{ip}")),
             resource_version: "5".into(),
             managed_by: Some(IPALLOCATOR_MANAGER.into()),
             family_label: Some(family.into()),
@@ -791,6 +917,54 @@ mod tests {
                 ("clusterip_already_allocated", "Service/d/b".to_owned())
             ]
         );
+    }
+
+    #[test]
+    fn findings_come_in_key_order_whatever_the_cache_order() {
+        // No IP is contested, so the Services are walked as given; the findings still come in
+        // upstream's lister order, namespace first ("a" before "a-b", unlike "Service/a/..."
+        // strings would sort).
+        let services = [
+            svc("a-b", "x", &["10.0.0.3"]),
+            svc("a", "z", &["10.0.0.2", "fd00::2"]),
+            svc("a", "y", &["10.0.0.1"]),
+        ];
+        let expected = [
+            ("Service/a/y", "10.0.0.1"),
+            ("Service/a/z", "10.0.0.2"),
+            ("Service/a/z", "fd00::2"),
+            ("Service/a-b/x", "10.0.0.3"),
+        ];
+        let mut reversed = services.clone();
+        reversed.reverse();
+        for order in [&services[..], &reversed[..]] {
+            let decision = decide(order, &[]);
+            let got: Vec<(String, String)> = decision
+                .findings
+                .iter()
+                .map(|f| match &f.repair {
+                    Repair::Create { ip, .. } => (f.regarding.object(), ip.to_string()),
+                    other => panic!("unexpected repair {other:?}"),
+                })
+                .collect();
+            let want: Vec<(String, String)> = expected
+                .iter()
+                .map(|(object, ip)| ((*object).to_owned(), (*ip).to_owned()))
+                .collect();
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn an_ip_listed_twice_by_one_service_is_repaired_once() {
+        let decision = decide(&[svc("d", "a", &["10.0.0.5", "10.0.0.5"])], &[]);
+        assert_eq!(decision.findings.len(), 1);
+        assert_eq!(decision.findings[0].kind, "clusterip_not_allocated");
+        let consistent = decide(
+            &[svc("d", "a", &["10.0.0.5", "10.0.0.5"])],
+            &[owned("10.0.0.5", "d", "a")],
+        );
+        assert_eq!(consistent.findings, []);
     }
 
     #[test]

@@ -888,15 +888,32 @@ impl Snapshot {
             collection(reflector::IPADDRESSES),
             collection(reflector::SERVICECIDRS),
         );
+        // Each list in its own task, so their pages are decoded on different threads; when one
+        // fails, dropping the others' handles stops them.
+        fn spawned<T: serde::de::DeserializeOwned + Send + 'static>(
+            client: &Client,
+            collection: Collection,
+        ) -> impl Future<Output = Result<Vec<T>, kube::Error>> {
+            let client = client.clone();
+            let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+                list_all::<T>(&client, &collection).await
+            }));
+            async move {
+                match task.await {
+                    Ok(listed) => listed.map(|(items, _)| items),
+                    Err(err) => Err(kube::Error::Service(Box::new(err))),
+                }
+            }
+        }
         let (services, ip_addresses, service_cidrs) = futures::try_join!(
-            list_all::<ServiceRecord>(client, &services_at),
-            list_all::<IpAddressRecord>(client, &ip_addresses_at),
-            list_all::<ServiceCidrRecord>(client, &service_cidrs_at),
+            spawned::<ServiceRecord>(client, services_at),
+            spawned::<IpAddressRecord>(client, ip_addresses_at),
+            spawned::<ServiceCidrRecord>(client, service_cidrs_at),
         )?;
         Ok(Self {
-            services: services.0,
-            ip_addresses: ip_addresses.0,
-            service_cidrs: service_cidrs.0,
+            services,
+            ip_addresses,
+            service_cidrs,
         })
     }
 

@@ -24,7 +24,7 @@ pub const IPALLOCATOR_MANAGER: &str = "ipallocator.k8s.io";
 pub struct ServiceRecord {
     pub namespace: Box<str>,
     pub name: Box<str>,
-    pub uid: Box<str>,
+    pub uid: Token,
     /// 0 when not a number (see [`super::reflector::parse_resource_version`]).
     pub resource_version: u64,
     /// The Service's cluster IPs, parsed once at decode time; empty when the Service has no
@@ -97,9 +97,9 @@ impl ParentRef {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IpAddressRecord {
     /// The object name, which is the IP in canonical form.
-    pub name: Box<str>,
-    pub uid: Box<str>,
-    pub resource_version: Box<str>,
+    pub name: IpName,
+    pub uid: Token,
+    pub resource_version: Token,
     /// Shared constants for the usual values, so 130,000 records do not each hold copies.
     pub managed_by: Option<Cow<'static, str>>,
     pub family_label: Option<Cow<'static, str>>,
@@ -132,6 +132,226 @@ pub struct ServiceCidrRecord {
 pub struct ObjectVersion {
     pub uid: Box<str>,
     pub resource_version: Box<str>,
+}
+
+/// An identifier from the API (a uid, a resourceVersion), kept without a heap allocation when it
+/// has the usual shape and rendered back exactly as received. At 100,000 Services and 130,000
+/// IPAddresses the allocations it saves are a large part of decoding a LIST.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub enum Token {
+    /// A lowercase hyphenated UUID, as kube-apiserver generates uids.
+    Uuid(u128),
+    /// A decimal number without leading zeros, as etcd-backed resourceVersions are.
+    Number(u64),
+    Text(Box<str>),
+}
+
+impl Token {
+    pub fn new(text: &str) -> Self {
+        if let Some(number) = canonical_number(text) {
+            Token::Number(number)
+        } else if let Some(uuid) = canonical_uuid(text) {
+            Token::Uuid(uuid)
+        } else {
+            Token::Text(text.into())
+        }
+    }
+
+    /// The token as a number, when it is one (resourceVersions).
+    pub fn number(&self) -> Option<u64> {
+        match self {
+            Token::Number(number) => Some(*number),
+            _ => None,
+        }
+    }
+}
+
+impl From<&str> for Token {
+    fn from(text: &str) -> Self {
+        Token::new(text)
+    }
+}
+
+impl std::fmt::Display for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Token::Uuid(v) => write!(
+                f,
+                "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+                v >> 96,
+                (v >> 80) & 0xffff,
+                (v >> 64) & 0xffff,
+                (v >> 48) & 0xffff,
+                v & 0xffff_ffff_ffff
+            ),
+            Token::Number(number) => number.fmt(f),
+            Token::Text(text) => f.write_str(text),
+        }
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.to_string())
+    }
+}
+
+/// Digits only, no leading zero, fits a u64: exactly the texts `u64::to_string` produces.
+fn canonical_number(text: &str) -> Option<u64> {
+    let bytes = text.as_bytes();
+    let plain = !bytes.is_empty()
+        && bytes.len() <= 19
+        && (bytes[0] != b'0' || bytes.len() == 1)
+        && bytes.iter().all(u8::is_ascii_digit);
+    if plain { text.parse().ok() } else { None }
+}
+
+/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` in lowercase hex: exactly what [`Token`]'s `Display`
+/// writes back.
+fn canonical_uuid(text: &str) -> Option<u128> {
+    let bytes = text.as_bytes();
+    if bytes.len() != 36 || [8, 13, 18, 23].iter().any(|&at| bytes[at] != b'-') {
+        return None;
+    }
+    // Two 64-bit halves: cheaper than shifting one u128 per digit (two uids per object, and
+    // 230,000 objects in a LIST at scale).
+    let half = |groups: &[&[u8]]| -> Option<u64> {
+        let mut value: u64 = 0;
+        for &byte in groups.iter().flat_map(|group| group.iter()) {
+            let digit = match byte {
+                b'0'..=b'9' => byte - b'0',
+                b'a'..=b'f' => byte - b'a' + 10,
+                _ => return None,
+            };
+            value = (value << 4) | u64::from(digit);
+        }
+        Some(value)
+    };
+    let high = half(&[&bytes[0..8], &bytes[9..13], &bytes[14..18]])?;
+    let low = half(&[&bytes[19..23], &bytes[24..36]])?;
+    Some((u128::from(high) << 64) | u128::from(low))
+}
+
+/// An IPAddress object's name: the IP itself when the name is its canonical spelling (always, for
+/// names the API accepted; no allocation), otherwise the text as written.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub enum IpName {
+    Canonical(IpAddr),
+    Other(Box<str>),
+}
+
+impl IpName {
+    pub fn new(text: &str) -> Self {
+        match text.parse::<IpAddr>() {
+            Ok(ip) if renders_as(ip, text) => IpName::Canonical(ip),
+            _ => IpName::Other(text.into()),
+        }
+    }
+
+    /// The IP the name spells (strict parse, as the API validates names).
+    pub fn ip(&self) -> Option<IpAddr> {
+        match self {
+            IpName::Canonical(ip) => Some(*ip),
+            IpName::Other(text) => text.parse().ok(),
+        }
+    }
+}
+
+impl From<&str> for IpName {
+    fn from(text: &str) -> Self {
+        IpName::new(text)
+    }
+}
+
+impl std::fmt::Display for IpName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IpName::Canonical(ip) => ip.fmt(f),
+            IpName::Other(text) => f.write_str(text),
+        }
+    }
+}
+
+impl std::fmt::Debug for IpName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.to_string())
+    }
+}
+
+/// Whether `ip` displays as exactly `text`, without allocating.
+fn renders_as(ip: IpAddr, text: &str) -> bool {
+    // std's IPv4 parser accepts only plain dotted decimal without leading zeros, which is what
+    // it displays; IPv6 has several spellings of one address, so compare.
+    if ip.is_ipv4() {
+        return true;
+    }
+    struct Compare<'a> {
+        rest: &'a [u8],
+        equal: bool,
+    }
+    impl std::fmt::Write for Compare<'_> {
+        fn write_str(&mut self, piece: &str) -> std::fmt::Result {
+            match self.rest.strip_prefix(piece.as_bytes()) {
+                Some(rest) => self.rest = rest,
+                None => self.equal = false,
+            }
+            Ok(())
+        }
+    }
+    let mut compare = Compare {
+        rest: text.as_bytes(),
+        equal: true,
+    };
+    use std::fmt::Write;
+    let _ = write!(compare, "{ip}");
+    compare.equal && compare.rest.is_empty()
+}
+
+/// `metadata.creationTimestamp`. The API always writes `YYYY-MM-DDTHH:MM:SSZ`, which is read
+/// directly (a general RFC 3339 parse of 130,000 timestamps is a visible part of decoding a
+/// LIST); anything else goes through jiff.
+pub fn parse_timestamp(text: &str) -> Option<jiff::Timestamp> {
+    utc_seconds_timestamp(text).or_else(|| text.parse().ok())
+}
+
+fn utc_seconds_timestamp(text: &str) -> Option<jiff::Timestamp> {
+    let b = text.as_bytes();
+    if b.len() != 20
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || b[10] != b'T'
+        || b[13] != b':'
+        || b[16] != b':'
+        || b[19] != b'Z'
+    {
+        return None;
+    }
+    let number = |from: usize, to: usize| -> Option<i64> {
+        b[from..to].iter().try_fold(0i64, |acc, &c| {
+            c.is_ascii_digit().then(|| acc * 10 + i64::from(c - b'0'))
+        })
+    };
+    let (year, month, day) = (number(0, 4)?, number(5, 7)?, number(8, 10)?);
+    let (hour, minute, second) = (number(11, 13)?, number(14, 16)?, number(17, 19)?);
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let month_days = match month {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if leap => 29,
+        2 => 28,
+        _ => return None,
+    };
+    if day < 1 || day > month_days || hour > 23 || minute > 59 || second > 59 {
+        return None;
+    }
+    // Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's days_from_civil).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let year_of_era = y - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = era * 146_097 + day_of_era - 719_468;
+    jiff::Timestamp::from_second(days * 86_400 + hour * 3_600 + minute * 60 + second).ok()
 }
 
 /// A page of a LIST response.
@@ -203,8 +423,40 @@ mod wire {
     pub struct ServiceSpec<'a> {
         #[serde(rename = "clusterIP", borrow)]
         pub cluster_ip: Option<Cow<'a, str>>,
-        #[serde(rename = "clusterIPs", borrow)]
-        pub cluster_ips: Option<Vec<Cow<'a, str>>>,
+        #[serde(rename = "clusterIPs")]
+        pub cluster_ips: Option<ParsedIps>,
+    }
+
+    /// A string borrowed from the body unless it has escapes.
+    #[derive(Deserialize)]
+    struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
+
+    /// `spec.clusterIPs`, parsed while decoding (no intermediate list of strings).
+    #[derive(Default)]
+    pub struct ParsedIps(Vec<super::ClusterIp>);
+
+    impl<'de> Deserialize<'de> for ParsedIps {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visitor;
+            impl<'de> serde::de::Visitor<'de> for Visitor {
+                type Value = ParsedIps;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a list of IP addresses")
+                }
+                fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                    self,
+                    mut seq: A,
+                ) -> Result<ParsedIps, A::Error> {
+                    // Dual-stack at most: two entries.
+                    let mut ips = Vec::with_capacity(2);
+                    while let Some(Text(text)) = seq.next_element::<Text<'de>>()? {
+                        ips.push(super::ClusterIp::parse(&text));
+                    }
+                    Ok(ParsedIps(ips))
+                }
+            }
+            d.deserialize_seq(Visitor)
+        }
     }
 
     impl From<Service<'_>> for super::ServiceRecord {
@@ -219,10 +471,8 @@ mod wire {
             let cluster_ips: Box<[super::ClusterIp]> = if !has_ip {
                 Box::default()
             } else {
-                match &wire.spec.cluster_ips {
-                    Some(ips) if !ips.is_empty() => {
-                        ips.iter().map(|ip| super::ClusterIp::parse(ip)).collect()
-                    }
+                match wire.spec.cluster_ips {
+                    Some(ParsedIps(ips)) if !ips.is_empty() => ips.into_boxed_slice(),
                     _ => wire
                         .spec
                         .cluster_ip
@@ -234,7 +484,7 @@ mod wire {
             Self {
                 namespace: boxed(wire.metadata.namespace),
                 name: boxed(wire.metadata.name),
-                uid: boxed(wire.metadata.uid),
+                uid: super::Token::new(&wire.metadata.uid),
                 resource_version: version(wire.metadata.resource_version),
                 cluster_ips,
             }
@@ -300,9 +550,9 @@ mod wire {
         fn from(wire: IpAddress<'_>) -> Self {
             let meta = wire.metadata;
             Self {
-                name: boxed(meta.name),
-                uid: boxed(meta.uid),
-                resource_version: boxed(meta.resource_version),
+                name: super::IpName::new(&meta.name),
+                uid: super::Token::new(&meta.uid),
+                resource_version: super::Token::new(&meta.resource_version),
                 managed_by: meta
                     .labels
                     .managed_by
@@ -316,7 +566,7 @@ mod wire {
                 }),
                 created: meta
                     .creation_timestamp
-                    .and_then(|text| text.parse::<jiff::Timestamp>().ok()),
+                    .and_then(|text| super::parse_timestamp(&text)),
                 deleting: meta.deletion_timestamp.is_some(),
             }
         }
@@ -434,7 +684,7 @@ mod tests {
                 .unwrap(),
         )
         .unwrap();
-        assert!(!ip.name.is_empty());
+        assert!(!ip.name.to_string().is_empty());
         assert!(ip.parent.is_some());
         let cidr: ServiceCidrRecord = serde_json::from_str(
             &std::fs::read_to_string(format!("{FIXTURES}/networking.k8s.io.v1.ServiceCIDR.json"))
@@ -451,6 +701,93 @@ mod tests {
         )
         .unwrap();
         assert!(!svc.name.is_empty());
+    }
+
+    #[test]
+    fn tokens_render_back_exactly() {
+        for text in [
+            "0",
+            "42",
+            "18446744073709551615",
+            "18446744073709551616",
+            "007",
+            "",
+            "abc",
+            "6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f",
+            "6F2C1D5E-8B7A-4C3D-9E1F-0A2B3C4D5E6F",
+            "6f2c1d5e8b7a4c3d9e1f0a2b3c4d5e6f",
+            "uid-10.0.0.5",
+        ] {
+            assert_eq!(Token::new(text).to_string(), text);
+        }
+        assert_eq!(Token::new("42"), Token::Number(42));
+        assert_eq!(Token::new("42").number(), Some(42));
+        assert!(matches!(
+            Token::new("6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f"),
+            Token::Uuid(_)
+        ));
+        assert!(matches!(Token::new("007"), Token::Text(_)));
+    }
+
+    #[test]
+    fn ip_names_render_back_exactly() {
+        for text in [
+            "10.0.0.1",
+            "fd00::1",
+            "FD00::1",
+            "fd00:0:0:0:0:0:0:1",
+            "::ffff:10.0.0.1",
+            "010.0.0.1",
+            "not-an-ip",
+        ] {
+            assert_eq!(IpName::new(text).to_string(), text);
+        }
+        assert!(matches!(IpName::new("fd00::1"), IpName::Canonical(_)));
+        assert!(matches!(IpName::new("FD00::1"), IpName::Other(_)));
+        assert_eq!(
+            IpName::new("FD00::1").ip(),
+            Some("fd00::1".parse().unwrap())
+        );
+        assert_eq!(IpName::new("010.0.0.1").ip(), None);
+    }
+
+    #[test]
+    fn timestamps_match_jiff() {
+        // Every day of several years (leap and not), at varied times of day.
+        let mut day = jiff::civil::date(1999, 12, 1);
+        let mut checked = 0;
+        while day < jiff::civil::date(2101, 3, 2) {
+            let seconds = (checked * 7_919) % 86_400;
+            let text = format!(
+                "{day}T{:02}:{:02}:{:02}Z",
+                seconds / 3_600,
+                seconds / 60 % 60,
+                seconds % 60
+            );
+            assert_eq!(
+                utc_seconds_timestamp(&text),
+                Some(text.parse::<jiff::Timestamp>().unwrap()),
+                "{text}"
+            );
+            day = day.tomorrow().unwrap();
+            checked += 1;
+        }
+        for bad in [
+            "2026-02-29T00:00:00Z",
+            "2026-13-01T00:00:00Z",
+            "2026-00-01T00:00:00Z",
+            "2026-01-01T24:00:00Z",
+            "2026-01-01T00:60:00Z",
+            "2026-01-01 00:00:00Z",
+        ] {
+            assert_eq!(utc_seconds_timestamp(bad), None, "{bad}");
+        }
+        // Other RFC 3339 spellings still parse, through jiff.
+        assert_eq!(
+            parse_timestamp("2026-01-02T03:04:05.5+01:00"),
+            Some("2026-01-02T02:04:05.5Z".parse().unwrap())
+        );
+        assert_eq!(parse_timestamp("yesterday"), None);
     }
 
     #[test]

@@ -24,19 +24,21 @@ use kube::core::WatchEvent;
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-use super::model::{IpAddressRecord, ListPage, ServiceCidrRecord, ServiceRecord};
+use super::model::{IpAddressRecord, IpName, ListPage, ServiceCidrRecord, ServiceRecord};
 
 /// A record kept in a [`Store`].
 pub trait Cached: DeserializeOwned + Clone + Debug + Send + Sync + 'static {
-    /// Unique key within the collection (`namespace/name`, or `name` for cluster objects).
-    fn cache_key(&self) -> Box<str>;
+    /// Unique key within the collection.
+    type Key: std::hash::Hash + Eq + Debug + Send + Sync + 'static;
+    fn cache_key(&self) -> Self::Key;
     /// The object's resourceVersion as a number, if it is one.
     fn resource_version(&self) -> Option<u64>;
 }
 
 impl Cached for ServiceRecord {
-    fn cache_key(&self) -> Box<str> {
-        self.key().into_boxed_str()
+    type Key = (Box<str>, Box<str>);
+    fn cache_key(&self) -> Self::Key {
+        (self.namespace.clone(), self.name.clone())
     }
     fn resource_version(&self) -> Option<u64> {
         Some(self.resource_version).filter(|v| *v != 0)
@@ -44,16 +46,19 @@ impl Cached for ServiceRecord {
 }
 
 impl Cached for IpAddressRecord {
-    fn cache_key(&self) -> Box<str> {
+    /// The name, which is the IP: no allocation for the usual (canonical) names.
+    type Key = IpName;
+    fn cache_key(&self) -> Self::Key {
         self.name.clone()
     }
     fn resource_version(&self) -> Option<u64> {
-        parse_resource_version(&self.resource_version)
+        self.resource_version.number()
     }
 }
 
 impl Cached for ServiceCidrRecord {
-    fn cache_key(&self) -> Box<str> {
+    type Key = Box<str>;
+    fn cache_key(&self) -> Self::Key {
         self.name.clone()
     }
     fn resource_version(&self) -> Option<u64> {
@@ -63,10 +68,10 @@ impl Cached for ServiceCidrRecord {
 
 /// The cached collection and how fresh it is.
 #[derive(Debug)]
-pub struct StoreState<T> {
+pub struct StoreState<T: Cached> {
     /// Each object with the list generation that last saw it (for dropping what a relist did
     /// not return).
-    objects: HashMap<Box<str>, (T, u32)>,
+    objects: HashMap<T::Key, (T, u32)>,
     generation: u32,
     /// Whether the contents are one complete list plus the watch events after it; false during
     /// a (re)list.
@@ -75,16 +80,24 @@ pub struct StoreState<T> {
     pub resource_version: Option<u64>,
 }
 
-impl<T> StoreState<T> {
+impl<T: Cached> StoreState<T> {
     pub fn values(&self) -> impl Iterator<Item = &T> + Clone {
         self.objects.values().map(|(value, _)| value)
     }
 
-    pub fn get(&self, key: &str) -> Option<&T> {
+    pub fn get<Q>(&self, key: &Q) -> Option<&T>
+    where
+        T::Key: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
         self.objects.get(key).map(|(value, _)| value)
     }
 
-    pub fn contains_key(&self, key: &str) -> bool {
+    pub fn contains_key<Q>(&self, key: &Q) -> bool
+    where
+        T::Key: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
         self.objects.contains_key(key)
     }
 
@@ -99,11 +112,11 @@ impl<T> StoreState<T> {
 
 /// A cache shared between its [`reflect`] stream (the writer) and the passes (readers).
 #[derive(Debug)]
-pub struct Store<T> {
+pub struct Store<T: Cached> {
     state: RwLock<StoreState<T>>,
 }
 
-impl<T> Default for Store<T> {
+impl<T: Cached> Default for Store<T> {
     fn default() -> Self {
         Self {
             state: RwLock::new(StoreState {
@@ -116,7 +129,7 @@ impl<T> Default for Store<T> {
     }
 }
 
-impl<T> Store<T> {
+impl<T: Cached> Store<T> {
     /// Read access for one synchronous decision. Never hold it across an `.await`.
     pub fn read(&self) -> RwLockReadGuard<'_, StoreState<T>> {
         // A writer that panicked left a consistent map (every mutation is a single insert,
@@ -197,63 +210,207 @@ pub async fn list_all<T: DeserializeOwned + Send + 'static>(
 
 /// Like [`list_all`], handing each decoded page to `sink` (so a cache can be built without a
 /// second copy of the whole collection); returns the list's resource version.
+///
+/// Each page is requested as soon as the previous page's continue token is known. kube-apiserver
+/// writes the list metadata before the items, so the token is usually in the first bytes of a
+/// page: the next request goes out while the rest of the page is still arriving, and is then
+/// received while this page is decoded. At most two pages are in flight.
 pub async fn list_pages<T: DeserializeOwned + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
     mut sink: impl FnMut(Vec<T>),
 ) -> Result<Option<String>, kube::Error> {
     let fetch = |token: Option<String>| {
-        let client = client.clone();
         let mut params = ListParams::default().limit(collection.page_size);
         if let Some(token) = &token {
             params = params.continue_token(token);
         }
-        let request = kube::core::Request::new(collection.path).list(&params);
-        tokio::spawn(async move {
-            client
-                .request_text(request.map_err(kube::Error::BuildRequest)?)
-                .await
-        })
+        let request = kube::core::Request::new(collection.path)
+            .list(&params)
+            .map_err(kube::Error::BuildRequest);
+        PageFetch::start(client.clone(), request)
     };
-    let joined = |result: Result<Result<String, kube::Error>, tokio::task::JoinError>| {
-        result.map_err(|err| kube::Error::Service(Box::new(err)))?
-    };
-    let mut pending = fetch(None);
+    let mut current = fetch(None);
     loop {
-        let body = joined(pending.await)?;
-        let guessed = guess_continue_token(&body).map(str::to_owned);
-        let mut prefetch = guessed.clone().map(|token| fetch(Some(token)));
-        let page: ListPage<T> = match serde_json::from_str(&body) {
+        // The token as read from the page's first bytes (or, failing that, from the whole body);
+        // only a guess until the decoded page confirms it.
+        let guessed = current.early_token().await;
+        let mut next = guessed.clone().map(|token| fetch(Some(token)));
+        let page: Result<ListPage<T>, kube::Error> = match current.body().await {
+            Ok(body) => std::str::from_utf8(&body)
+                .map_err(|err| {
+                    kube::Error::Service(format!("LIST page is not UTF-8: {err}").into())
+                })
+                .and_then(|text| serde_json::from_str(text).map_err(kube::Error::SerdeError)),
+            Err(err) => Err(err),
+        };
+        let page = match page {
             Ok(page) => page,
             Err(err) => {
-                if let Some(prefetch) = prefetch {
-                    prefetch.abort();
+                if let Some(next) = next {
+                    next.abort();
                 }
-                return Err(kube::Error::SerdeError(err));
+                return Err(err);
             }
         };
-        drop(body);
         sink(page.items);
         let Some(token) = page
             .metadata
             .continue_token
             .filter(|token| !token.is_empty())
         else {
-            if let Some(prefetch) = prefetch {
-                prefetch.abort();
+            if let Some(next) = next {
+                next.abort();
             }
             return Ok(page.metadata.resource_version);
         };
-        pending = match prefetch.take() {
-            Some(prefetch) if guessed.as_deref() == Some(token.as_str()) => prefetch,
+        current = match next.take() {
+            Some(next) if guessed.as_deref() == Some(token.as_str()) => next,
             other => {
-                if let Some(prefetch) = other {
-                    prefetch.abort();
+                if let Some(wrong) = other {
+                    wrong.abort();
                 }
                 fetch(Some(token))
             }
         };
     }
+}
+
+/// Every page of a collection as received, nothing decoded: what the transfer alone costs
+/// (benchmarks). Pages are chained by their guessed continue tokens, unverified.
+#[doc(hidden)]
+pub async fn fetch_raw_pages(
+    client: &kube::Client,
+    collection: &Collection,
+) -> Result<Vec<bytes::Bytes>, kube::Error> {
+    let fetch = |token: Option<String>| {
+        let mut params = ListParams::default().limit(collection.page_size);
+        if let Some(token) = &token {
+            params = params.continue_token(token);
+        }
+        let request = kube::core::Request::new(collection.path)
+            .list(&params)
+            .map_err(kube::Error::BuildRequest);
+        PageFetch::start(client.clone(), request)
+    };
+    let mut pages = Vec::new();
+    let mut current = fetch(None);
+    loop {
+        let next = current.early_token().await.map(|token| fetch(Some(token)));
+        pages.push(current.body().await?);
+        match next {
+            Some(next) => current = next,
+            None => return Ok(pages),
+        }
+    }
+}
+
+/// One LIST page being fetched in its own task: the continue token is handed over as soon as it
+/// can be read, the body when complete.
+/// Dropping it stops the fetch.
+struct PageFetch {
+    token: Option<tokio::sync::oneshot::Receiver<Option<String>>>,
+    task: tokio_util::task::AbortOnDropHandle<Result<bytes::Bytes, kube::Error>>,
+}
+
+impl PageFetch {
+    fn start(client: kube::Client, request: Result<http::Request<Vec<u8>>, kube::Error>) -> Self {
+        let (token_tx, token_rx) = tokio::sync::oneshot::channel();
+        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+            fetch_body(&client, request?, token_tx).await
+        }));
+        Self {
+            token: Some(token_rx),
+            task,
+        }
+    }
+
+    /// The continue token, once read from the page; `None` for the last page or when the page
+    /// failed (the body then says why).
+    async fn early_token(&mut self) -> Option<String> {
+        self.token.take()?.await.ok().flatten()
+    }
+
+    async fn body(self) -> Result<bytes::Bytes, kube::Error> {
+        self.task
+            .await
+            .map_err(|err| kube::Error::Service(Box::new(err)))?
+    }
+
+    fn abort(self) {
+        drop(self);
+    }
+}
+
+/// One response body as the bytes received (`Client::request_text` would copy every page into a
+/// `String` first), telling `token` the continue token as soon as the bytes so far show it.
+/// Error statuses become `kube::Error::Api` as kube's own calls make them.
+async fn fetch_body(
+    client: &kube::Client,
+    request: http::Request<Vec<u8>>,
+    token: tokio::sync::oneshot::Sender<Option<String>>,
+) -> Result<bytes::Bytes, kube::Error> {
+    use http_body_util::BodyExt;
+    let response = client.send(request.map(kube::client::Body::from)).await?;
+    let status = response.status();
+    let failed = status.is_client_error() || status.is_server_error();
+    let mut token = (!failed).then_some(token);
+    let mut body = response.into_body();
+    let mut received = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        let seen_before = received.len();
+        received.extend_from_slice(&data);
+        // The list metadata is a few hundred bytes; a page without it in the first 64 KiB lacks
+        // the usual layout, and looking again on every frame would cost quadratic time.
+        if let Some(tx) = token.take_if(|_| seen_before <= EARLY_TOKEN_WITHIN) {
+            match early_continue_token(&received) {
+                Some(found) => {
+                    let _ = tx.send(found.map(str::to_owned));
+                }
+                None => token = Some(tx),
+            }
+        }
+    }
+    let received = received.freeze();
+    if failed {
+        let status = serde_json::from_slice::<kube::core::Status>(&received).unwrap_or_else(|_| {
+            let text = String::from_utf8_lossy(&received);
+            kube::core::Status::failure(text.trim(), "Failed to parse error data")
+                .with_code(status.as_u16())
+        });
+        return Err(kube::Error::Api(status.boxed()));
+    }
+    if let Some(tx) = token {
+        let text = std::str::from_utf8(&received).unwrap_or_default();
+        let _ = tx.send(guess_continue_token(text).map(str::to_owned));
+    }
+    Ok(received)
+}
+
+const EARLY_TOKEN_WITHIN: usize = 64 * 1024;
+
+/// The continue token from the first bytes of a page, when they settle it: `Some(Some(token))`
+/// when the list metadata came before the items and carried one, `Some(None)` when it came
+/// before the items without one (the last page), `None` when the bytes so far do not tell.
+fn early_continue_token(prefix: &[u8]) -> Option<Option<&str>> {
+    // The top-level metadata is complete before `"items":` starts; a prefix that has not
+    // reached `"items":` yet cannot settle anything.
+    let items = find(prefix, b"\"items\":")?;
+    let head = std::str::from_utf8(&prefix[..items]).ok()?;
+    if !head.contains("\"metadata\":") {
+        // Items first (sorted keys): the metadata, and the token, come at the end.
+        return None;
+    }
+    Some(guess_continue_token(head))
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
 }
 
 /// The list's `metadata.continue`, found without decoding: the top-level metadata comes either
@@ -300,7 +457,7 @@ enum Phase<T> {
     },
 }
 
-struct Reflector<T> {
+struct Reflector<T: Cached> {
     client: kube::Client,
     collection: Collection,
     store: Arc<Store<T>>,
@@ -510,7 +667,7 @@ enum Applied {
     Failed,
 }
 
-fn advance<T>(state: &mut StoreState<T>, version: Option<u64>) {
+fn advance<T: Cached>(state: &mut StoreState<T>, version: Option<u64>) {
     if let Some(version) = version {
         state.resource_version = Some(
             state
@@ -530,7 +687,19 @@ pub struct Caches {
 
 #[cfg(test)]
 mod tests {
-    use super::guess_continue_token;
+    use super::{early_continue_token, guess_continue_token};
+
+    #[test]
+    fn continue_token_is_read_early_only_when_the_prefix_settles_it() {
+        let page = br#"{"kind":"ServiceList","metadata":{"resourceVersion":"9","continue":"abc"},"items":[{"metadata":{"annotations":{"continue":"fake"}}}]}"#;
+        assert_eq!(early_continue_token(&page[..20]), None);
+        assert_eq!(early_continue_token(&page[..90]), Some(Some("abc")));
+        assert_eq!(early_continue_token(page), Some(Some("abc")));
+        let last = br#"{"kind":"ServiceList","metadata":{"resourceVersion":"9"},"items":[{"metadata":{"annotations":{"continue":"fake"}}}]}"#;
+        assert_eq!(early_continue_token(last), Some(None));
+        let sorted = br#"{"items":[{"metadata":{"annotations":{"continue":"fake"}}}],"kind":"ServiceList","metadata":{"continue":"xyz"}}"#;
+        assert_eq!(early_continue_token(sorted), None);
+    }
 
     #[test]
     fn continue_token_is_guessed_from_either_layout() {
