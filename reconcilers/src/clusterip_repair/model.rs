@@ -213,23 +213,37 @@ fn canonical_uuid(text: &str) -> Option<u128> {
     if bytes.len() != 36 || [8, 13, 18, 23].iter().any(|&at| bytes[at] != b'-') {
         return None;
     }
-    // Two 64-bit halves: cheaper than shifting one u128 per digit (two uids per object, and
-    // 230,000 objects in a LIST at scale).
-    let half = |groups: &[&[u8]]| -> Option<u64> {
-        let mut value: u64 = 0;
-        for &byte in groups.iter().flat_map(|group| group.iter()) {
-            let digit = match byte {
-                b'0'..=b'9' => byte - b'0',
-                b'a'..=b'f' => byte - b'a' + 10,
-                _ => return None,
-            };
-            value = (value << 4) | u64::from(digit);
-        }
-        Some(value)
-    };
-    let high = half(&[&bytes[0..8], &bytes[9..13], &bytes[14..18]])?;
-    let low = half(&[&bytes[19..23], &bytes[24..36]])?;
+    let high = (hex(&bytes[0..8])? << 32) | (hex(&bytes[9..13])? << 16) | hex(&bytes[14..18])?;
+    let low = (hex(&bytes[19..23])? << 48) | hex(&bytes[24..36])?;
     Some((u128::from(high) << 64) | u128::from(low))
+}
+
+/// Lowercase hex digits (at most 16) as a number. Table-driven and branch-free per digit: two
+/// uids per object, 230,000 objects in a LIST at scale.
+fn hex(digits: &[u8]) -> Option<u64> {
+    const INVALID: u8 = 0xF0;
+    const VALUES: [u8; 256] = {
+        let mut table = [INVALID; 256];
+        let mut digit = 0;
+        while digit < 10 {
+            table[b'0' as usize + digit] = digit as u8;
+            digit += 1;
+        }
+        let mut letter = 0;
+        while letter < 6 {
+            table[b'a' as usize + letter] = 10 + letter as u8;
+            letter += 1;
+        }
+        table
+    };
+    let mut value: u64 = 0;
+    let mut invalid = 0u8;
+    for &byte in digits {
+        let digit = VALUES[usize::from(byte)];
+        invalid |= digit;
+        value = (value << 4) | u64::from(digit & 0x0F);
+    }
+    (invalid & INVALID == 0).then_some(value)
 }
 
 /// An IPAddress object's name: the IP itself when the name is its canonical spelling (always, for

@@ -355,8 +355,16 @@ async fn fetch_body(
     let status = response.status();
     let failed = status.is_client_error() || status.is_server_error();
     let mut token = (!failed).then_some(token);
+    // Sized once from Content-Length when the server sends one (kube-apiserver and the
+    // simulator do): growing by doubling would copy each page about twice more. Capped, since
+    // the header is the server's word.
+    let announced = response
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|length| length.to_str().ok()?.parse::<usize>().ok())
+        .unwrap_or(0);
     let mut body = response.into_body();
-    let mut received = bytes::BytesMut::new();
+    let mut received = bytes::BytesMut::with_capacity(announced.min(MAX_PRESIZE));
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame?.into_data() else {
             continue;
@@ -391,6 +399,7 @@ async fn fetch_body(
 }
 
 const EARLY_TOKEN_WITHIN: usize = 64 * 1024;
+const MAX_PRESIZE: usize = 64 * 1024 * 1024;
 
 /// The continue token from the first bytes of a page, when they settle it: `Some(Some(token))`
 /// when the list metadata came before the items and carried one, `Some(None)` when it came
