@@ -1,9 +1,13 @@
 //! ClusterIP repair at scale: prints how long a full pass takes over 10,000 and 100,000 Services
-//! (30 % dual-stack) against the API simulator over HTTPS, from a warm cache and from a fresh
-//! LIST, with peak RSS, next to the floor: JSON-decoding the same LIST bodies into
-//! `serde::de::IgnoredAny`.
+//! (30 % dual-stack) against the API simulator, from a warm cache and from a fresh LIST, with
+//! peak RSS, next to the floor: JSON-decoding the same LIST bodies into `serde::de::IgnoredAny`.
+//! For fresh-LIST rows it also prints (stderr, as `#` lines) the transfer alone, each
+//! collection's floor next to our compact decode, and the decision alone.
 //!
-//! `cargo bench -p bootstrap-reconcilers --bench clusterip_repair [-- --sizes 10000,100000]`
+//! `cargo bench -p bootstrap-reconcilers --bench clusterip_repair [-- --sizes 10000,100000] [--roles ipaddress-fresh,audit-fresh]`
+//!
+//! Environment: `BENCH_PAGE_SIZE=N` (LIST page size, default 500), `BENCH_PLAIN_HTTP=1` (the
+//! simulator serves plain HTTP instead of HTTPS).
 //!
 //! The simulator runs in this (parent) process; every measurement runs in a child process of
 //! this binary, so each peak RSS is the repair's own, not the simulator's.
@@ -35,6 +39,11 @@ fn page_size() -> u32 {
 }
 const PASSES: usize = 5;
 
+/// `BENCH_PLAIN_HTTP=1`: the simulator serves plain HTTP instead of HTTPS.
+fn plain_http() -> bool {
+    std::env::var("BENCH_PLAIN_HTTP").is_ok_and(|v| v == "1")
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -55,8 +64,25 @@ fn main() -> Result<()> {
             .collect::<Result<_, _>>()?,
         None => vec![10_000, 100_000],
     };
-    runtime.block_on(parent(&sizes))
+    let roles: Vec<String> = match args.iter().position(|a| a == "--roles") {
+        Some(at) => args
+            .get(at + 1)
+            .context("--roles ROLE[,ROLE...]")?
+            .split(',')
+            .map(str::to_owned)
+            .collect(),
+        None => ROLES.iter().map(|r| (*r).to_owned()).collect(),
+    };
+    runtime.block_on(parent(&sizes, &roles))
 }
+
+const ROLES: [&str; 5] = [
+    "ipaddress-warm",
+    "ipaddress-relist",
+    "ipaddress-fresh",
+    "audit-warm",
+    "audit-fresh",
+];
 
 fn peak_rss_mib() -> f64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -159,7 +185,7 @@ fn populate(sim: &Sim, count: usize) -> Result<usize> {
     Ok(ip_count)
 }
 
-async fn parent(sizes: &[usize]) -> Result<()> {
+async fn parent(sizes: &[usize], roles: &[String]) -> Result<()> {
     let exe = std::env::current_exe()?;
     println!(
         "{:>8} {:>9} {:<15} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}",
@@ -178,18 +204,13 @@ async fn parent(sizes: &[usize]) -> Result<()> {
         let sim = Sim::start(SimConfig {
             service_cluster_ip_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
             watch_window: 1_000,
+            plain_http: plain_http(),
             ..SimConfig::default()
         })
         .await?;
         let ip_count = populate(&sim, count)?;
         let kubeconfig = sim.kubeconfig_path().display().to_string();
-        for role in [
-            "ipaddress-warm",
-            "ipaddress-relist",
-            "ipaddress-fresh",
-            "audit-warm",
-            "audit-fresh",
-        ] {
+        for role in roles.iter().map(String::as_str) {
             if role == "ipaddress-relist" {
                 sim.faults().inject(FaultRule::probability(
                     Some(Verb::Watch),
@@ -322,7 +343,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
     let mut body_mib = f64::NAN;
     if !warm {
         // The same paged LIST bodies the pass decodes, fetched once, then only decoded.
-        let mut paths = vec!["/api/v1/services"];
+        let mut paths: Vec<&'static str> = vec!["/api/v1/services"];
         if mode == RepairMode::IpAddress {
             paths.extend([
                 "/apis/networking.k8s.io/v1/ipaddresses",
@@ -332,7 +353,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         let mut bodies = Vec::new();
         let mut paths_of_bodies = Vec::new();
         let fetch_started = Instant::now();
-        for path in paths {
+        for path in paths.iter().copied() {
             let mut token: Option<String> = None;
             loop {
                 let mut params = ListParams::default().limit(page_size());
@@ -350,11 +371,32 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
                 }
             }
         }
-        let fetch_ms = ms(fetch_started.elapsed());
+        let _ = fetch_started;
         body_mib = bodies.iter().map(String::len).sum::<usize>() as f64 / (1024.0 * 1024.0);
+        // The transfer alone, as the pass fetches (collections concurrently, each page requested
+        // as soon as the previous one's continue token arrives), nothing decoded.
+        let mut transfer = Vec::new();
+        for _ in 0..PASSES {
+            let started = Instant::now();
+            let fetched = futures::future::try_join_all(paths.iter().map(|path| {
+                let client = client.clone();
+                let mut collection =
+                    reconcilers::clusterip_repair::reflector::Collection::new(path);
+                collection.page_size = page_size();
+                tokio::spawn(async move {
+                    reconcilers::clusterip_repair::reflector::fetch_raw_pages(&client, &collection)
+                        .await
+                })
+            }))
+            .await?;
+            transfer.push(ms(started.elapsed()));
+            let pages: usize = fetched.iter().map(|r| r.as_ref().map_or(0, Vec::len)).sum();
+            assert_eq!(pages, bodies.len(), "the raw fetch got every page");
+        }
         eprintln!(
-            "fetching the {} pages one after the other, without decoding: {fetch_ms:.1} ms",
-            bodies.len()
+            "transfer only, {} pages fetched as the pass fetches them, nothing decoded: {:.1} ms",
+            bodies.len(),
+            median(transfer)
         );
         let mut floors = Vec::new();
         for _ in 0..PASSES {
@@ -365,33 +407,54 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             floors.push(ms(started.elapsed()));
         }
         floor_ms = median(floors);
-        // Our compact decode of the same bodies, for reference (stderr).
-        let mut compact = Vec::new();
-        let mut records = 0;
-        for _ in 0..PASSES {
-            let started = Instant::now();
-            records = 0;
-            for (path, body) in paths_of_bodies.iter().zip(&bodies) {
-                records += match *path {
-                    "/api/v1/services" => serde_json::from_str::<ListPage<ServiceRecord>>(body)?
-                        .items
-                        .len(),
-                    "/apis/networking.k8s.io/v1/ipaddresses" => {
-                        serde_json::from_str::<ListPage<IpAddressRecord>>(body)?
+        // Per collection: the floor next to our compact decode of the same bodies (stderr).
+        for path in paths_of_bodies
+            .iter()
+            .copied()
+            .collect::<std::collections::BTreeSet<_>>()
+        {
+            let of_path: Vec<&String> = paths_of_bodies
+                .iter()
+                .zip(&bodies)
+                .filter(|(p, _)| **p == path)
+                .map(|(_, body)| body)
+                .collect();
+            let mut floors = Vec::new();
+            let mut compact = Vec::new();
+            let mut records = 0;
+            for _ in 0..PASSES {
+                let started = Instant::now();
+                for body in &of_path {
+                    let _: serde::de::IgnoredAny = serde_json::from_str(body)?;
+                }
+                floors.push(ms(started.elapsed()));
+                let started = Instant::now();
+                records = 0;
+                for body in &of_path {
+                    records += match path {
+                        "/api/v1/services" => {
+                            serde_json::from_str::<ListPage<ServiceRecord>>(body)?
+                                .items
+                                .len()
+                        }
+                        "/apis/networking.k8s.io/v1/ipaddresses" => {
+                            serde_json::from_str::<ListPage<IpAddressRecord>>(body)?
+                                .items
+                                .len()
+                        }
+                        _ => serde_json::from_str::<ListPage<ServiceCidrRecord>>(body)?
                             .items
-                            .len()
-                    }
-                    _ => serde_json::from_str::<ListPage<ServiceCidrRecord>>(body)?
-                        .items
-                        .len(),
-                };
+                            .len(),
+                    };
+                }
+                compact.push(ms(started.elapsed()));
             }
-            compact.push(ms(started.elapsed()));
+            eprintln!(
+                "{path}: {records} records, floor {:.1} ms, compact decode {:.1} ms (records dropped inside the timing)",
+                median(floors),
+                median(compact)
+            );
         }
-        eprintln!(
-            "compact decode of the same bodies into {records} records: {:.1} ms",
-            median(compact)
-        );
         if mode == RepairMode::IpAddress {
             let started = Instant::now();
             let snapshot =
