@@ -17,8 +17,10 @@ use super::model::{
     ServiceCidrRecord, ServiceRecord,
 };
 
-/// Hash maps over IPs and short keys; foldhash is several times faster than SipHash, and the
-/// keys come from the API server, not from parties that could aim collisions at one process.
+/// Hash maps over IPs and names. foldhash is several times faster than SipHash here; names come
+/// from whoever may create Services, and foldhash's per-process random seed is what keeps them
+/// from aiming collisions at a pass (minimal DoS resistance, as its documentation puts it; names
+/// are also short, validated DNS labels).
 type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
