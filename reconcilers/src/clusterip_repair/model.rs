@@ -786,6 +786,22 @@ mod tests {
             day = day.tomorrow().unwrap();
             checked += 1;
         }
+        for edge in [
+            "0000-01-01T00:00:00Z",
+            "0001-01-01T00:00:00Z",
+            "1600-02-29T12:00:00Z",
+            "1969-12-31T23:59:59Z",
+            "1970-01-01T00:00:00Z",
+            "9999-12-30T22:00:00Z",
+            // Past jiff's range: both say no.
+            "9999-12-31T23:59:59Z",
+        ] {
+            assert_eq!(
+                utc_seconds_timestamp(edge),
+                edge.parse::<jiff::Timestamp>().ok(),
+                "{edge}"
+            );
+        }
         for bad in [
             "2026-02-29T00:00:00Z",
             "2026-13-01T00:00:00Z",
