@@ -220,16 +220,7 @@ pub async fn list_pages<T: DeserializeOwned + Send + 'static>(
     collection: &Collection,
     mut sink: impl FnMut(Vec<T>),
 ) -> Result<Option<String>, kube::Error> {
-    let fetch = |token: Option<String>| {
-        let mut params = ListParams::default().limit(collection.page_size);
-        if let Some(token) = &token {
-            params = params.continue_token(token);
-        }
-        let request = kube::core::Request::new(collection.path)
-            .list(&params)
-            .map_err(kube::Error::BuildRequest);
-        PageFetch::start(client.clone(), request)
-    };
+    let fetch = |token: Option<String>| PageFetch::start(client, collection, token);
     let mut current = fetch(None);
     loop {
         // The token as read from the page's first bytes (or, failing that, from the whole body);
@@ -283,16 +274,7 @@ pub async fn fetch_raw_pages(
     client: &kube::Client,
     collection: &Collection,
 ) -> Result<Vec<bytes::Bytes>, kube::Error> {
-    let fetch = |token: Option<String>| {
-        let mut params = ListParams::default().limit(collection.page_size);
-        if let Some(token) = &token {
-            params = params.continue_token(token);
-        }
-        let request = kube::core::Request::new(collection.path)
-            .list(&params)
-            .map_err(kube::Error::BuildRequest);
-        PageFetch::start(client.clone(), request)
-    };
+    let fetch = |token: Option<String>| PageFetch::start(client, collection, token);
     let mut pages = Vec::new();
     let mut current = fetch(None);
     loop {
@@ -314,7 +296,16 @@ struct PageFetch {
 }
 
 impl PageFetch {
-    fn start(client: kube::Client, request: Result<http::Request<Vec<u8>>, kube::Error>) -> Self {
+    /// Requests the page after `token` (the first page without one).
+    fn start(client: &kube::Client, collection: &Collection, token: Option<String>) -> Self {
+        let mut params = ListParams::default().limit(collection.page_size);
+        if let Some(token) = &token {
+            params = params.continue_token(token);
+        }
+        let request = kube::core::Request::new(collection.path)
+            .list(&params)
+            .map_err(kube::Error::BuildRequest);
+        let client = client.clone();
         let (token_tx, token_rx) = tokio::sync::oneshot::channel();
         let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
             fetch_body(&client, request?, token_tx).await
