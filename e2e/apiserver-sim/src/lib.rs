@@ -21,6 +21,7 @@ mod errors;
 mod faults;
 mod meta;
 mod ops;
+pub mod protobuf;
 mod resources;
 mod selectors;
 mod server;

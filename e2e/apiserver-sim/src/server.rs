@@ -144,6 +144,24 @@ fn value_response(status: u16, v: &Value) -> Response<Body> {
     json_response(status, serde_json::to_vec(v).unwrap_or_default())
 }
 
+fn protobuf_response(status: u16, body: impl Into<Bytes>) -> Response<Body> {
+    full(status, crate::protobuf::MEDIA_TYPE, body)
+}
+
+/// The error as a protobuf `Status` (JSON when it cannot be encoded, which would be a bug).
+fn protobuf_error_response(e: &ApiError) -> Response<Body> {
+    let Ok(body) = crate::protobuf::encode_single("Status", "v1", &e.to_status()) else {
+        return error_response(e);
+    };
+    let mut r = protobuf_response(e.code, body);
+    if let Some(secs) = e.retry_after
+        && let Ok(v) = header::HeaderValue::from_str(&secs.to_string())
+    {
+        r.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+    r
+}
+
 fn error_response(e: &ApiError) -> Response<Body> {
     let mut r = value_response(e.code, &e.to_status());
     if let Some(secs) = e.retry_after
@@ -455,6 +473,17 @@ async fn route(
         && target.sub.is_none();
     let res = target.res;
     let sres = crate::convert::storage_idx(res);
+    // Protobuf for GET and LIST of the kinds that have a schema, when the client prefers it;
+    // errors of such requests are protobuf Status objects, as kube-apiserver sends them.
+    let protobuf = sres == res
+        && !as_table
+        && target.sub.is_none()
+        && matches!(verb, Verb::Get | Verb::List)
+        && req
+            .headers()
+            .get(header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|accept| crate::protobuf::preferred(accept, RESOURCES[res].kind));
     // Objects of a converted resource (events.k8s.io) are stored in another's form.
     let out = |b: Bytes| -> Bytes {
         if sres == res {
@@ -464,6 +493,18 @@ async fn route(
         }
     };
     let result: Result<Response<Body>, ApiError> = match verb {
+        Verb::Get if protobuf => shared
+            .get(sres, &ns, target.name.as_deref().unwrap_or(""))
+            .and_then(|b| {
+                let def = &RESOURCES[res];
+                let value: Value = serde_json::from_slice(&b)
+                    .map_err(|e| ApiError::internal(format!("stored object is not JSON: {e}")))?;
+                crate::protobuf::encode_single(def.kind, &def.api_version(), &value)
+                    .map_err(|e| ApiError::internal(e.to_string()))
+            })
+            .map(|b| protobuf_response(200, b)),
+        Verb::List if protobuf => list_protobuf(shared, sres, target.ns.as_deref(), query)
+            .map(|b| protobuf_response(200, b)),
         Verb::Get => shared
             .get(sres, &ns, target.name.as_deref().unwrap_or(""))
             .map(out)
@@ -553,7 +594,14 @@ async fn route(
         },
         Verb::Deletecollection => delete_collection(shared, target.res, &ns, query, dry_run),
     };
-    Ok(result.unwrap_or_else(|e| error_response(&rename_error(res, e))))
+    Ok(result.unwrap_or_else(|e| {
+        let e = rename_error(res, e);
+        if protobuf {
+            protobuf_error_response(&e)
+        } else {
+            error_response(&e)
+        }
+    }))
 }
 
 /// Errors from a converted resource's storage name the resource the client asked for.
@@ -779,13 +827,63 @@ impl Selection {
     }
 }
 
-/// LIST: the body is assembled from stored bytes without re-serializing objects.
+/// One page of a LIST: each item's bytes in the requested encoding (picked under the store
+/// lock, so only one reference count per item is touched), and the list metadata.
+struct ListResult {
+    items: Vec<Bytes>,
+    /// `resourceVersion`, and `continue` and `remainingItemCount` when cut short.
+    meta: Value,
+}
+
+/// LIST in JSON: the body is assembled from stored bytes without re-serializing objects.
 fn list(
     shared: &Shared,
     res: ResIdx,
     ns: Option<&str>,
     query: &HashMap<String, String>,
 ) -> Result<Bytes, ApiError> {
+    let page = list_page(shared, res, ns, query, |s| Ok(s.json.clone()))?;
+    let def = &RESOURCES[res];
+    let head = format!(
+        "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{},\"items\":[",
+        def.kind,
+        def.api_version(),
+        page.meta
+    );
+    let total: usize = page.items.iter().map(|b| b.len() + 1).sum::<usize>() + head.len() + 2;
+    let mut out = BytesMut::with_capacity(total);
+    out.extend_from_slice(head.as_bytes());
+    for (i, b) in page.items.iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b",");
+        }
+        out.extend_from_slice(b);
+    }
+    out.extend_from_slice(b"]}");
+    Ok(out.freeze())
+}
+
+/// LIST in protobuf, from each object's cached encoding.
+fn list_protobuf(
+    shared: &Shared,
+    res: ResIdx,
+    ns: Option<&str>,
+    query: &HashMap<String, String>,
+) -> Result<Bytes, ApiError> {
+    let def = &RESOURCES[res];
+    let page = list_page(shared, res, ns, query, |s| s.protobuf(def.kind))?;
+    crate::protobuf::encode_list(&def.api_version(), def.kind, &page.meta, &page.items)
+        .map(Bytes::from)
+        .map_err(|e| ApiError::internal(e.to_string()))
+}
+
+fn list_page(
+    shared: &Shared,
+    res: ResIdx,
+    ns: Option<&str>,
+    query: &HashMap<String, String>,
+    item: impl Fn(&Stored) -> Result<Bytes, ApiError>,
+) -> Result<ListResult, ApiError> {
     let sel = Selection::parse(query)?;
     let limit: usize = match query.get("limit").map(String::as_str) {
         None | Some("") | Some("0") => usize::MAX,
@@ -804,7 +902,7 @@ fn list(
         ),
     };
     let mut items: Vec<Bytes> = Vec::new();
-    let mut last_key: Option<(String, String)> = None;
+    let last_key: Option<(String, String)>;
     let mut more = false;
     let mut in_scope: Option<usize> = None;
     let unselective = sel.labels.is_empty() && sel.fields.is_empty();
@@ -831,10 +929,13 @@ fn list(
             .unwrap_or_default();
         let start_name = token.as_ref().map(|t| t.name.clone()).unwrap_or_default();
         let start = (start_ns, start_name);
-        let iter = map
-            .range(start.clone()..)
-            .filter(|(k, _)| token.is_none() || **k != start);
-        for (key, s) in iter {
+        // A continue token names the last key handed out: resume strictly after it.
+        let from = match &token {
+            Some(_) => std::ops::Bound::Excluded(&start),
+            None => std::ops::Bound::Included(&start),
+        };
+        let mut last: Option<&(String, String)> = None;
+        for (key, s) in map.range::<(String, String), _>((from, std::ops::Bound::Unbounded)) {
             if let Some(ns) = ns
                 && key.0 != ns
             {
@@ -847,9 +948,10 @@ fn list(
                 more = true;
                 break;
             }
-            items.push(s.json.clone());
-            last_key = Some(key.clone());
+            items.push(item(s)?);
+            last = Some(key);
         }
+        last_key = last.cloned();
         if more && unselective {
             // Counted only when a page is cut short, and then without selectors (as
             // kube-apiserver, which omits the count for selective lists). Not a consistent
@@ -864,7 +966,6 @@ fn list(
             });
         }
     }
-    let def = &RESOURCES[res];
     let mut meta = json!({"resourceVersion": list_rv.to_string()});
     if more && let Some((last_ns, last_name)) = last_key {
         let handed_out = offset + items.len() as u64;
@@ -881,23 +982,7 @@ fn list(
             meta["remainingItemCount"] = json!((in_scope as u64).saturating_sub(handed_out));
         }
     }
-    let head = format!(
-        "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{},\"items\":[",
-        def.kind,
-        def.api_version(),
-        meta
-    );
-    let total: usize = items.iter().map(|b| b.len() + 1).sum::<usize>() + head.len() + 2;
-    let mut out = BytesMut::with_capacity(total);
-    out.extend_from_slice(head.as_bytes());
-    for (i, b) in items.iter().enumerate() {
-        if i > 0 {
-            out.extend_from_slice(b",");
-        }
-        out.extend_from_slice(b);
-    }
-    out.extend_from_slice(b"]}");
-    Ok(out.freeze())
+    Ok(ListResult { items, meta })
 }
 
 fn delete_collection(

@@ -26,9 +26,25 @@ pub struct Stored {
     /// Field ownership, tracked only for objects ever written by server-side apply (the only
     /// operation whose outcome depends on it).
     pub owners: Option<Arc<Owners>>,
+    /// The protobuf encoding, made on the first protobuf request (most runs never ask) and then
+    /// shared by every list that returns this version of the object.
+    pub protobuf: Arc<std::sync::OnceLock<Result<Bytes, String>>>,
 }
 
 impl Stored {
+    /// The object's protobuf bytes (no envelope) for a kind with a protobuf schema.
+    pub fn protobuf(&self, kind: &str) -> Result<Bytes, ApiError> {
+        self.protobuf
+            .get_or_init(|| {
+                let value: Value = serde_json::from_slice(&self.json).map_err(|e| e.to_string())?;
+                crate::protobuf::encode_object(kind, &value)
+                    .map(Bytes::from)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(ApiError::internal)
+    }
+
     pub fn value(&self) -> Result<Value, ApiError> {
         serde_json::from_slice(&self.json)
             .map_err(|e| ApiError::internal(format!("stored object is not JSON: {e}")))
@@ -125,6 +141,7 @@ impl State {
                 rv,
                 labels: labels.clone(),
                 owners,
+                protobuf: Arc::default(),
             },
         );
         let kind = if prev.is_some() {

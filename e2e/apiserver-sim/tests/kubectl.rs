@@ -110,6 +110,28 @@ async fn kubectl_reads_and_writes() {
     assert_eq!(items[0]["metadata"]["name"], "web");
     assert_eq!(items[0]["metadata"]["namespace"], "shop");
 
+    // `kubectl describe` reads through client-go's typed client, which asks for protobuf: the
+    // simulator's encoding must decode in upstream's own decoder (the target port is an
+    // IntOrString, the labels a map).
+    let described = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(sim.kubeconfig_path())
+        .args(["describe", "svc", "web", "-n", "shop", "-v=8"])
+        .output()
+        .await
+        .unwrap();
+    assert!(described.status.success(), "kubectl describe failed");
+    let out = String::from_utf8_lossy(&described.stdout);
+    let log = String::from_utf8_lossy(&described.stderr);
+    assert!(
+        log.contains("Content-Type: application/vnd.kubernetes.protobuf"),
+        "kubectl describe got protobuf: {log}"
+    );
+    assert!(
+        out.contains(&ip) && out.contains("8080/TCP") && out.contains("app=web"),
+        "{out}"
+    );
+
     // replace -f with a changed label.
     std::fs::write(&manifest, MANIFEST.replace("app: web", "app: web-v2")).unwrap();
     let out = kubectl(&sim, &["replace", "-f", manifest_path, "--validate=false"]).await;
