@@ -7,7 +7,8 @@
 //! `cargo bench -p bootstrap-reconcilers --bench clusterip_repair [-- --sizes 10000,100000] [--roles ipaddress-fresh,audit-fresh]`
 //!
 //! Environment: `BENCH_PAGE_SIZE=N` (LIST page size, default 500), `BENCH_PLAIN_HTTP=1` (the
-//! simulator serves plain HTTP instead of HTTPS).
+//! simulator serves plain HTTP instead of HTTPS), `BENCH_JSON=1` (the pass lists in JSON instead
+//! of protobuf), `BENCH_PASSES=N` (only N passes, no floor or breakdown: for profiling).
 //!
 //! The simulator runs in this (parent) process; every measurement runs in a child process of
 //! this binary, so each peak RSS is the repair's own, not the simulator's.
@@ -42,6 +43,11 @@ const PASSES: usize = 5;
 /// `BENCH_PLAIN_HTTP=1`: the simulator serves plain HTTP instead of HTTPS.
 fn plain_http() -> bool {
     std::env::var("BENCH_PLAIN_HTTP").is_ok_and(|v| v == "1")
+}
+
+/// The pass lists in protobuf (the default) unless `BENCH_JSON=1`.
+fn list_protobuf() -> bool {
+    !std::env::var("BENCH_JSON").is_ok_and(|v| v == "1")
 }
 
 fn main() -> Result<()> {
@@ -293,6 +299,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             mode,
             service_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
             page_size: page_size(),
+            list_protobuf: list_protobuf(),
             ..ClusterIpRepairConfig::default()
         },
         &mut registry,
@@ -332,7 +339,11 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
     }
     let mut times = Vec::new();
     let mut drift = 0;
-    for _ in 0..PASSES {
+    let passes = std::env::var("BENCH_PASSES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(PASSES);
+    for _ in 0..passes {
         let started = Instant::now();
         let report = repair.reconcile(&ctx).await?;
         times.push(ms(started.elapsed()));
@@ -341,7 +352,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
     let peak_rss_mib = peak_rss_mib();
     let mut floor_ms = f64::NAN;
     let mut body_mib = f64::NAN;
-    if !warm {
+    if !warm && std::env::var("BENCH_PASSES").is_err() {
         // The same paged LIST bodies the pass decodes, fetched once, then only decoded.
         let mut paths: Vec<&'static str> = vec!["/api/v1/services"];
         if mode == RepairMode::IpAddress {
@@ -376,6 +387,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         // The transfer alone, as the pass fetches (collections concurrently, each page requested
         // as soon as the previous one's continue token arrives), nothing decoded.
         let mut transfer = Vec::new();
+        let mut raw_pages: Vec<Vec<bytes::Bytes>> = Vec::new();
         for _ in 0..PASSES {
             let started = Instant::now();
             let fetched = futures::future::try_join_all(paths.iter().map(|path| {
@@ -383,6 +395,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
                 let mut collection =
                     reconcilers::clusterip_repair::reflector::Collection::new(path);
                 collection.page_size = page_size();
+                collection.protobuf = list_protobuf();
                 tokio::spawn(async move {
                     reconcilers::clusterip_repair::reflector::fetch_raw_pages(&client, &collection)
                         .await
@@ -392,10 +405,18 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             transfer.push(ms(started.elapsed()));
             let pages: usize = fetched.iter().map(|r| r.as_ref().map_or(0, Vec::len)).sum();
             assert_eq!(pages, bodies.len(), "the raw fetch got every page");
+            raw_pages = fetched.into_iter().collect::<Result<_, _>>()?;
         }
+        let raw_mib = raw_pages
+            .iter()
+            .flatten()
+            .map(bytes::Bytes::len)
+            .sum::<usize>() as f64
+            / (1024.0 * 1024.0);
         eprintln!(
-            "transfer only, {} pages fetched as the pass fetches them, nothing decoded: {:.1} ms",
+            "transfer only, {} pages ({raw_mib:.1} MiB of {}) fetched as the pass fetches them, nothing decoded: {:.1} ms",
             bodies.len(),
+            if list_protobuf() { "protobuf" } else { "JSON" },
             median(transfer)
         );
         let mut floors = Vec::new();
@@ -449,16 +470,52 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
                 }
                 compact.push(ms(started.elapsed()));
             }
+            let mut from_protobuf = Vec::new();
+            let pages = &raw_pages[paths.iter().position(|p| *p == path).unwrap()];
+            if list_protobuf() {
+                use reconcilers::clusterip_repair::protobuf::decode_list;
+                for _ in 0..PASSES {
+                    let started = Instant::now();
+                    let mut decoded = 0;
+                    for page in pages {
+                        decoded += match path {
+                            "/api/v1/services" => decode_list::<ServiceRecord>(page)?.items.len(),
+                            "/apis/networking.k8s.io/v1/ipaddresses" => {
+                                decode_list::<IpAddressRecord>(page)?.items.len()
+                            }
+                            _ => decode_list::<ServiceCidrRecord>(page)?.items.len(),
+                        };
+                    }
+                    from_protobuf.push(ms(started.elapsed()));
+                    assert_eq!(
+                        decoded, records,
+                        "protobuf and JSON pages hold the same objects"
+                    );
+                }
+            }
+            let protobuf_note = if from_protobuf.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ", compact decode from protobuf {:.1} ms ({:.1} MiB)",
+                    median(from_protobuf),
+                    pages.iter().map(bytes::Bytes::len).sum::<usize>() as f64 / (1024.0 * 1024.0)
+                )
+            };
             eprintln!(
-                "{path}: {records} records, floor {:.1} ms, compact decode {:.1} ms (records dropped inside the timing)",
+                "{path}: {records} records, JSON floor {:.1} ms, compact decode from JSON {:.1} ms{protobuf_note} (records dropped inside the timing)",
                 median(floors),
                 median(compact)
             );
         }
         if mode == RepairMode::IpAddress {
             let started = Instant::now();
-            let snapshot =
-                reconcilers::clusterip_repair::Snapshot::list(&client, page_size()).await?;
+            let snapshot = reconcilers::clusterip_repair::Snapshot::list(
+                &client,
+                page_size(),
+                list_protobuf(),
+            )
+            .await?;
             let listed = started.elapsed();
             let started = Instant::now();
             let decision = snapshot.decide(jiff::Timestamp::now(), Duration::from_secs(60));

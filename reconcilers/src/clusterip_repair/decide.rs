@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
 use super::model::{
-    ClusterIp, IPALLOCATOR_MANAGER, IpAddressRecord, IpName, ObjectVersion, ParentRef,
+    ClusterIp, IPALLOCATOR_MANAGER, IpAddressRecord, IpName, Name, ObjectVersion, ParentRef,
     ServiceCidrRecord, ServiceRecord,
 };
 
@@ -37,8 +37,8 @@ pub const ACTION_IPADDRESS_ALLOCATION: &str = "IPAddressAllocation";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Regarding {
     Service {
-        namespace: Box<str>,
-        name: Box<str>,
+        namespace: Name,
+        name: Name,
         uid: Box<str>,
     },
     IpAddress {
@@ -95,8 +95,8 @@ pub struct EventSpec {
 /// The Service an IPAddress is (re)created for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceOwner {
-    pub namespace: Box<str>,
-    pub name: Box<str>,
+    pub namespace: Name,
+    pub name: Name,
 }
 
 /// Why deleting an IPAddress is right; re-checked against the live API before the delete.
@@ -105,9 +105,9 @@ pub enum DeleteGround {
     /// `spec.parentRef` does not name a Service: true whatever the Services are.
     NotAService,
     /// The parent Service does not exist.
-    ParentGone { namespace: Box<str>, name: Box<str> },
+    ParentGone { namespace: Name, name: Name },
     /// The parent Service exists but does not list the IP.
-    ParentDoesNotList { namespace: Box<str>, name: Box<str> },
+    ParentDoesNotList { namespace: Name, name: Name },
 }
 
 /// The write a finding calls for.

@@ -20,6 +20,7 @@
 
 pub mod decide;
 pub mod model;
+pub mod protobuf;
 pub mod reflector;
 
 use std::collections::BTreeMap;
@@ -90,6 +91,9 @@ pub struct ClusterIpRepairConfig {
     pub deferral_retry: Duration,
     /// LIST page size.
     pub page_size: u32,
+    /// Ask for LIST pages in protobuf (falls back to JSON per response); `false` only to
+    /// compare the two.
+    pub list_protobuf: bool,
 }
 
 impl Default for ClusterIpRepairConfig {
@@ -103,6 +107,7 @@ impl Default for ClusterIpRepairConfig {
             freshness_wait: Duration::from_secs(2),
             deferral_retry: Duration::from_secs(10),
             page_size: 500,
+            list_protobuf: true,
         }
     }
 }
@@ -323,6 +328,7 @@ impl ClusterIpRepair {
     fn collection(&self, path: &'static str) -> Collection {
         let mut collection = Collection::new(path);
         collection.page_size = self.config.page_size;
+        collection.protobuf = self.config.list_protobuf;
         collection
     }
 
@@ -431,7 +437,12 @@ impl ClusterIpRepair {
                 self.config.orphan_grace,
             )
         } else {
-            let mut snapshot = Snapshot::list(&ctx.client, self.config.page_size).await?;
+            let mut snapshot = Snapshot::list(
+                &ctx.client,
+                self.config.page_size,
+                self.config.list_protobuf,
+            )
+            .await?;
             let present = snapshot
                 .service_cidrs
                 .iter()
@@ -877,10 +888,15 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// Lists Services, IPAddresses and ServiceCIDRs concurrently, each completely or not at all.
-    pub async fn list(client: &Client, page_size: u32) -> Result<Self, kube::Error> {
+    pub async fn list(
+        client: &Client,
+        page_size: u32,
+        protobuf: bool,
+    ) -> Result<Self, kube::Error> {
         let collection = |path| {
             let mut collection = Collection::new(path);
             collection.page_size = page_size;
+            collection.protobuf = protobuf;
             collection
         };
         let (services_at, ip_addresses_at, service_cidrs_at) = (
@@ -890,7 +906,7 @@ impl Snapshot {
         );
         // Each list in its own task, so their pages are decoded on different threads; when one
         // fails, dropping the others' handles stops them.
-        fn spawned<T: serde::de::DeserializeOwned + Send + 'static>(
+        fn spawned<T: serde::de::DeserializeOwned + protobuf::ProtobufRecord + Send + 'static>(
             client: &Client,
             collection: Collection,
         ) -> impl Future<Output = Result<Vec<T>, kube::Error>> {

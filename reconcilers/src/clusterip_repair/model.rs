@@ -19,11 +19,16 @@ pub const LABEL_IP_FAMILY: &str = "ipaddress.kubernetes.io/ip-family";
 /// The value of [`LABEL_MANAGED_BY`] on IPAddresses of Service ClusterIPs.
 pub const IPALLOCATOR_MANAGER: &str = "ipallocator.k8s.io";
 
+/// A namespace or object name. Kept inline up to 24 bytes (most names; no heap allocation):
+/// the decision compares each IPAddress's parent with its Service's namespace and name, and with
+/// the text inside the record that costs no extra cache miss.
+pub type Name = compact_str::CompactString;
+
 /// The parts of a Service the repair needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceRecord {
-    pub namespace: Box<str>,
-    pub name: Box<str>,
+    pub namespace: Name,
+    pub name: Name,
     pub uid: Token,
     /// 0 when not a number (see [`super::reflector::parse_resource_version`]).
     pub resource_version: u64,
@@ -79,12 +84,12 @@ impl ServiceRecord {
 /// `spec.parentRef` of an IPAddress.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParentRef {
-    /// Usually empty, which costs no allocation.
-    pub group: Box<str>,
+    /// Usually empty.
+    pub group: Name,
     /// Usually `services`, kept without an allocation.
     pub resource: Cow<'static, str>,
-    pub namespace: Box<str>,
-    pub name: Box<str>,
+    pub namespace: Name,
+    pub name: Name,
 }
 
 impl ParentRef {
@@ -386,7 +391,7 @@ pub struct ListMeta {
     pub continue_token: Option<String>,
 }
 
-mod wire {
+pub(super) mod wire {
     //! What the API sends, borrowed from the response body where possible: only the fields kept
     //! are copied out, everything else is skipped without allocating.
 
@@ -396,6 +401,10 @@ mod wire {
 
     fn boxed(text: Cow<'_, str>) -> Box<str> {
         Box::from(text.as_ref())
+    }
+
+    fn name(text: Cow<'_, str>) -> super::Name {
+        super::Name::new(text.as_ref())
     }
 
     /// `text` as a static string when it is one of `known`, else copied.
@@ -447,7 +456,7 @@ mod wire {
 
     /// `spec.clusterIPs`, parsed while decoding (no intermediate list of strings).
     #[derive(Default)]
-    pub struct ParsedIps(Vec<super::ClusterIp>);
+    pub struct ParsedIps(pub Vec<super::ClusterIp>);
 
     impl<'de> Deserialize<'de> for ParsedIps {
         fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -496,8 +505,8 @@ mod wire {
                 }
             };
             Self {
-                namespace: boxed(wire.metadata.namespace),
-                name: boxed(wire.metadata.name),
+                namespace: name(wire.metadata.namespace),
+                name: name(wire.metadata.name),
                 uid: super::Token::new(&wire.metadata.uid),
                 resource_version: version(wire.metadata.resource_version),
                 cluster_ips,
@@ -573,10 +582,10 @@ mod wire {
                     .map(|m| shared(m, &[super::IPALLOCATOR_MANAGER])),
                 family_label: meta.labels.family.map(|f| shared(f, &["IPv4", "IPv6"])),
                 parent: wire.spec.parent_ref.map(|p| super::ParentRef {
-                    group: boxed(p.group),
+                    group: name(p.group),
                     resource: shared(p.resource, &["services"]),
-                    namespace: boxed(p.namespace),
-                    name: boxed(p.name),
+                    namespace: name(p.namespace),
+                    name: name(p.name),
                 }),
                 created: meta
                     .creation_timestamp
@@ -650,10 +659,7 @@ mod wire {
 mod tests {
     use super::*;
 
-    const FIXTURES: &str = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/fixtures/k8s-api-testdata"
-    );
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/k8s-api");
 
     #[test]
     fn decodes_a_dual_stack_service() {

@@ -25,9 +25,12 @@ use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
 use super::model::{IpAddressRecord, IpName, ListPage, ServiceCidrRecord, ServiceRecord};
+use super::protobuf::{self, ProtobufRecord};
 
 /// A record kept in a [`Store`].
-pub trait Cached: DeserializeOwned + Clone + Debug + Send + Sync + 'static {
+pub trait Cached:
+    DeserializeOwned + ProtobufRecord + Clone + Debug + Send + Sync + 'static
+{
     /// Unique key within the collection.
     type Key: std::hash::Hash + Eq + Debug + Send + Sync + 'static;
     fn cache_key(&self) -> Self::Key;
@@ -36,7 +39,7 @@ pub trait Cached: DeserializeOwned + Clone + Debug + Send + Sync + 'static {
 }
 
 impl Cached for ServiceRecord {
-    type Key = (Box<str>, Box<str>);
+    type Key = (super::model::Name, super::model::Name);
     fn cache_key(&self) -> Self::Key {
         (self.namespace.clone(), self.name.clone())
     }
@@ -177,6 +180,8 @@ pub struct Collection {
     pub page_size: u32,
     /// Server-side watch timeout; the watch is resumed from the last version after it.
     pub watch_timeout_secs: u32,
+    /// Ask for LIST pages in protobuf (JSON when the server does not have it for the kind).
+    pub protobuf: bool,
 }
 
 pub const SERVICES: &str = "/api/v1/services";
@@ -189,6 +194,7 @@ impl Collection {
             path,
             page_size: 500,
             watch_timeout_secs: 290,
+            protobuf: true,
         }
     }
 }
@@ -199,7 +205,7 @@ impl Collection {
 /// While one page is decoded the next is already being fetched: its continue token is read
 /// ahead from the raw body, and the prefetch is thrown away unless the decoded page confirms the
 /// token (an object could contain a look-alike string).
-pub async fn list_all<T: DeserializeOwned + Send + 'static>(
+pub async fn list_all<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
 ) -> Result<(Vec<T>, Option<String>), kube::Error> {
@@ -215,7 +221,7 @@ pub async fn list_all<T: DeserializeOwned + Send + 'static>(
 /// writes the list metadata before the items, so the token is usually in the first bytes of a
 /// page: the next request goes out while the rest of the page is still arriving, and is then
 /// received while this page is decoded. At most two pages are in flight.
-pub async fn list_pages<T: DeserializeOwned + Send + 'static>(
+pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
     mut sink: impl FnMut(Vec<T>),
@@ -228,11 +234,7 @@ pub async fn list_pages<T: DeserializeOwned + Send + 'static>(
         let guessed = current.early_token().await;
         let mut next = guessed.clone().map(|token| fetch(Some(token)));
         let page: Result<ListPage<T>, kube::Error> = match current.body().await {
-            Ok(body) => std::str::from_utf8(&body)
-                .map_err(|err| {
-                    kube::Error::Service(format!("LIST page is not UTF-8: {err}").into())
-                })
-                .and_then(|text| serde_json::from_str(text).map_err(kube::Error::SerdeError)),
+            Ok(page) => page.decode(),
             Err(err) => Err(err),
         };
         let page = match page {
@@ -279,7 +281,7 @@ pub async fn fetch_raw_pages(
     let mut current = fetch(None);
     loop {
         let next = current.early_token().await.map(|token| fetch(Some(token)));
-        pages.push(current.body().await?);
+        pages.push(current.body().await?.body);
         match next {
             Some(next) => current = next,
             None => return Ok(pages),
@@ -292,7 +294,26 @@ pub async fn fetch_raw_pages(
 /// Dropping it stops the fetch.
 struct PageFetch {
     token: Option<tokio::sync::oneshot::Receiver<Option<String>>>,
-    task: tokio_util::task::AbortOnDropHandle<Result<bytes::Bytes, kube::Error>>,
+    task: tokio_util::task::AbortOnDropHandle<Result<RawPage, kube::Error>>,
+}
+
+/// A LIST page as received.
+struct RawPage {
+    body: bytes::Bytes,
+    protobuf: bool,
+}
+
+impl RawPage {
+    fn decode<T: DeserializeOwned + ProtobufRecord>(&self) -> Result<ListPage<T>, kube::Error> {
+        if self.protobuf {
+            return protobuf::decode_list(&self.body).map_err(|err| {
+                kube::Error::Service(format!("LIST page is not valid protobuf: {err}").into())
+            });
+        }
+        let text = std::str::from_utf8(&self.body)
+            .map_err(|err| kube::Error::Service(format!("LIST page is not UTF-8: {err}").into()))?;
+        serde_json::from_str(text).map_err(kube::Error::SerdeError)
+    }
 }
 
 impl PageFetch {
@@ -302,9 +323,19 @@ impl PageFetch {
         if let Some(token) = &token {
             params = params.continue_token(token);
         }
+        let protobuf = collection.protobuf;
         let request = kube::core::Request::new(collection.path)
             .list(&params)
-            .map_err(kube::Error::BuildRequest);
+            .map_err(kube::Error::BuildRequest)
+            .map(|mut request| {
+                if protobuf {
+                    request.headers_mut().insert(
+                        http::header::ACCEPT,
+                        http::HeaderValue::from_static(protobuf::ACCEPT),
+                    );
+                }
+                request
+            });
         let client = client.clone();
         let (token_tx, token_rx) = tokio::sync::oneshot::channel();
         let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
@@ -322,7 +353,7 @@ impl PageFetch {
         self.token.take()?.await.ok().flatten()
     }
 
-    async fn body(self) -> Result<bytes::Bytes, kube::Error> {
+    async fn body(self) -> Result<RawPage, kube::Error> {
         self.task
             .await
             .map_err(|err| kube::Error::Service(Box::new(err)))?
@@ -340,10 +371,15 @@ async fn fetch_body(
     client: &kube::Client,
     request: http::Request<Vec<u8>>,
     token: tokio::sync::oneshot::Sender<Option<String>>,
-) -> Result<bytes::Bytes, kube::Error> {
+) -> Result<RawPage, kube::Error> {
     use http_body_util::BodyExt;
     let response = client.send(request.map(kube::client::Body::from)).await?;
     let status = response.status();
+    let is_protobuf = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with(protobuf::MEDIA_TYPE));
     let failed = status.is_client_error() || status.is_server_error();
     let mut token = (!failed).then_some(token);
     // Sized once from Content-Length when the server sends one (kube-apiserver and the
@@ -365,9 +401,14 @@ async fn fetch_body(
         // The list metadata is a few hundred bytes; a page without it in the first 64 KiB lacks
         // the usual layout, and looking again on every frame would cost quadratic time.
         if let Some(tx) = token.take_if(|_| seen_before <= EARLY_TOKEN_WITHIN) {
-            match early_continue_token(&received) {
+            let found = if is_protobuf {
+                protobuf::early_continue_token(&received)
+            } else {
+                early_continue_token(&received).map(|found| found.map(str::to_owned))
+            };
+            match found {
                 Some(found) => {
-                    let _ = tx.send(found.map(str::to_owned));
+                    let _ = tx.send(found);
                 }
                 None => token = Some(tx),
             }
@@ -375,7 +416,12 @@ async fn fetch_body(
     }
     let received = received.freeze();
     if failed {
-        let status = serde_json::from_slice::<kube::core::Status>(&received).unwrap_or_else(|_| {
+        let decoded = if is_protobuf {
+            protobuf::decode_status(&received)
+        } else {
+            serde_json::from_slice::<kube::core::Status>(&received).ok()
+        };
+        let status = decoded.unwrap_or_else(|| {
             let text = String::from_utf8_lossy(&received);
             kube::core::Status::failure(text.trim(), "Failed to parse error data")
                 .with_code(status.as_u16())
@@ -383,10 +429,18 @@ async fn fetch_body(
         return Err(kube::Error::Api(status.boxed()));
     }
     if let Some(tx) = token {
-        let text = std::str::from_utf8(&received).unwrap_or_default();
-        let _ = tx.send(guess_continue_token(text).map(str::to_owned));
+        let guessed = if is_protobuf {
+            protobuf::early_continue_token(&received).flatten()
+        } else {
+            let text = std::str::from_utf8(&received).unwrap_or_default();
+            guess_continue_token(text).map(str::to_owned)
+        };
+        let _ = tx.send(guessed);
     }
-    Ok(received)
+    Ok(RawPage {
+        body: received,
+        protobuf: is_protobuf,
+    })
 }
 
 const EARLY_TOKEN_WITHIN: usize = 64 * 1024;
