@@ -5,15 +5,14 @@
 //! the same event reasons, actions and notes. [`decide_audit_mode`] follows the legacy bitmap
 //! `Repair` for clusters that do not serve IPAddress: it can only report.
 
-use std::cell::OnceCell;
-use std::collections::hash_map::Entry;
 use std::net::IpAddr;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
 use super::model::{
-    ClusterIp, IPALLOCATOR_MANAGER, IpAddressRecord, IpName, Name, ObjectVersion, ParentRef,
+    ClusterIp, IPALLOCATOR_MANAGER, IpAddressRecord, Name, ObjectVersion, ParentRef,
     ServiceCidrRecord, ServiceRecord,
 };
 
@@ -181,13 +180,14 @@ pub struct Decision {
 }
 
 /// Services by namespace/name, built only when a pass needs it: a consistent cluster never
-/// does, because [`Index::listed_by`] answers every question a healthy IPAddress asks.
-struct ServicesByKey<'a> {
-    services: &'a [&'a ServiceRecord],
-    map: OnceCell<FastMap<(&'a str, &'a str), &'a ServiceRecord>>,
+/// does, because the Service phase has already matched every healthy IPAddress with its parent.
+/// A `OnceLock` because the Service phase runs on several threads.
+struct ServicesByKey<'i, 'a> {
+    services: &'i [&'a ServiceRecord],
+    map: OnceLock<FastMap<(&'a str, &'a str), &'a ServiceRecord>>,
 }
 
-impl<'a> ServicesByKey<'a> {
+impl<'a> ServicesByKey<'_, 'a> {
     fn get(&self, namespace: &str, name: &str) -> Option<&'a ServiceRecord> {
         self.map
             .get_or_init(|| {
@@ -203,7 +203,7 @@ impl<'a> ServicesByKey<'a> {
 }
 
 /// Which Service first claimed an IP during the Service phase (a later claimant is a
-/// duplicate). When no IP is listed by two Services, only the Service being synced can have
+/// duplicate). When no IP is claimed by two Services, only the Service being synced can have
 /// claimed anything, so its own few claims are all that need remembering.
 enum Claims<'a> {
     Global(FastMap<IpAddr, (&'a str, &'a str)>),
@@ -218,15 +218,6 @@ impl<'a> Claims<'a> {
         }
     }
 
-    fn claim(&mut self, ip: IpAddr, this: (&'a str, &'a str)) {
-        match self {
-            Claims::Global(map) => {
-                map.insert(ip, this);
-            }
-            Claims::PerService(own) => own.push(ip),
-        }
-    }
-
     fn next_service(&mut self) {
         if let Claims::PerService(own) = self {
             own.clear();
@@ -235,12 +226,53 @@ impl<'a> Claims<'a> {
 }
 
 /// The lookups a pass makes, built once per pass.
-struct Index<'a> {
-    ips_by_addr: FastMap<IpAddr, &'a IpAddressRecord>,
-    /// For each IP some Service lists, the first such Service (in key order when contested).
-    listed_by: FastMap<IpAddr, &'a ServiceRecord>,
-    services_by_key: ServicesByKey<'a>,
+struct Index<'i, 'a> {
+    ip_addresses: &'i [&'a IpAddressRecord],
+    /// Position in `ip_addresses` of the IPAddress each IP names.
+    ips_by_addr: FastMap<IpAddr, u32>,
+    services_by_key: ServicesByKey<'i, 'a>,
 }
+
+/// What the Service phase found and did, for one run over some Services.
+#[derive(Default)]
+struct ServicePhase {
+    findings: Vec<Finding>,
+    /// IPAddresses (positions in `Index::ip_addresses`) this phase (re)creates: the IPAddress
+    /// phase must not delete them.
+    rewritten: Vec<u32>,
+    /// IPAddresses whose parent is the Service that claimed them: the IPAddress phase has
+    /// nothing to say about them.
+    matched: Vec<u32>,
+    /// Every IP claimed, as the position of its IPAddress or, when there is none, the IP: when
+    /// the Services were synced on their own, one IP in here twice means they should not have.
+    claimed: Vec<u32>,
+    claimed_unallocated: Vec<IpAddr>,
+}
+
+impl ServicePhase {
+    fn claim<'a>(
+        &mut self,
+        claims: &mut Claims<'a>,
+        ip: IpAddr,
+        at: Option<u32>,
+        this: (&'a str, &'a str),
+    ) {
+        match claims {
+            Claims::Global(map) => {
+                map.insert(ip, this);
+            }
+            Claims::PerService(own) => own.push(ip),
+        }
+        match at {
+            Some(at) => self.claimed.push(at),
+            None => self.claimed_unallocated.push(ip),
+        }
+    }
+}
+
+/// Below this many Services per thread the Service phase stays on one thread: a thread costs
+/// more than it saves.
+const SERVICES_PER_THREAD: usize = 16_384;
 
 /// Decides a pass of the IPAddress-mode repair from a snapshot.
 ///
@@ -253,90 +285,121 @@ pub fn decide_ipaddress_mode<'a>(
     now: jiff::Timestamp,
     orphan_grace: Duration,
 ) -> Decision {
-    let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    decide_in_chunks(
+        services,
+        ip_addresses,
+        service_cidrs,
+        now,
+        orphan_grace,
+        |services| Some(services.div_ceil(threads).max(SERVICES_PER_THREAD)),
+    )
+}
+
+/// [`decide_ipaddress_mode`] with the Service phase split into chunks of
+/// `chunk_len(services)` Services, each on its own thread (tests choose tiny chunks); `None`
+/// walks the Services in key order on one thread, as upstream does (the tests' reference).
+fn decide_in_chunks<'a>(
+    services: impl IntoIterator<Item = &'a ServiceRecord>,
+    ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>,
+    service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
+    now: jiff::Timestamp,
+    orphan_grace: Duration,
+    chunk_len: impl Fn(usize) -> Option<usize>,
+) -> Decision {
+    let services: Vec<&ServiceRecord> = services.into_iter().collect();
     let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
     let ranges: Vec<ServiceRange> = service_cidrs
         .into_iter()
         .flat_map(|cidr| cidr.cidrs.iter().copied())
         .map(ServiceRange::new)
         .collect();
-
-    let mut listed_by: FastMap<IpAddr, &ServiceRecord> = fast_map(ip_addresses.len());
-    let mut contested = false;
-    for svc in &services {
-        for ip in svc.cluster_ips.iter().filter_map(ClusterIp::ip) {
-            match listed_by.entry(ip) {
-                Entry::Vacant(vacant) => {
-                    vacant.insert(svc);
-                }
-                Entry::Occupied(first) => {
-                    contested |=
-                        (&first.get().namespace, &first.get().name) != (&svc.namespace, &svc.name);
-                }
-            }
-        }
-    }
-    let mut claims = if contested {
-        // Upstream walks the lister in key order, so "who claimed it first" is the Service with
-        // the smaller key; only then does the order matter.
-        services.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        listed_by.clear();
-        for svc in &services {
-            for ip in svc.cluster_ips.iter().filter_map(ClusterIp::ip) {
-                listed_by.entry(ip).or_insert(svc);
-            }
-        }
-        Claims::Global(fast_map(ip_addresses.len()))
-    } else {
-        Claims::PerService(Vec::new())
-    };
-    let mut ips_by_addr: FastMap<IpAddr, &IpAddressRecord> = fast_map(ip_addresses.len());
-    for ip in &ip_addresses {
+    let mut ips_by_addr: FastMap<IpAddr, u32> = fast_map(ip_addresses.len());
+    for (at, ip) in (0u32..).zip(&ip_addresses) {
         if let Some(addr) = ip.name.ip() {
-            ips_by_addr.insert(addr, ip);
+            ips_by_addr.insert(addr, at);
         }
     }
     let index = Index {
+        ip_addresses: &ip_addresses,
         ips_by_addr,
-        listed_by,
         services_by_key: ServicesByKey {
             services: &services,
-            map: OnceCell::new(),
+            map: OnceLock::new(),
         },
     };
 
-    let mut decision = Decision::default();
-    // IPAddresses the Service phase (re)creates: the IPAddress phase must not delete them.
-    let mut rewritten: FastSet<&IpName> = FastSet::default();
-
-    for svc in &services {
-        claims.next_service();
-        for cluster_ip in svc.cluster_ips.iter() {
-            sync_service_ip(
-                svc,
-                cluster_ip,
-                &ranges,
-                &index,
-                &mut claims,
-                &mut rewritten,
-                &mut decision,
-            );
+    // First assume no IP is claimed by two Services: then each Service can be synced on its
+    // own, on several threads, in whatever order the cache holds them. The findings still come
+    // in key order (a stable sort keeps each Service's own in clusterIPs order).
+    let sync = |chunk: &[&'a ServiceRecord], mut claims: Claims<'a>| {
+        let mut phase = ServicePhase::default();
+        for svc in chunk {
+            claims.next_service();
+            for cluster_ip in svc.cluster_ips.iter() {
+                sync_service_ip(svc, cluster_ip, &ranges, &index, &mut claims, &mut phase);
+            }
         }
+        phase
+    };
+    let in_key_order = || {
+        // Upstream walks the lister in key order, so "who claimed it first" is the Service with
+        // the smaller key; only then does the order matter.
+        let mut in_key_order = services.clone();
+        in_key_order.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        sync(&in_key_order, Claims::Global(fast_map(ip_addresses.len())))
+    };
+    let phase = match chunk_len(services.len()) {
+        None => in_key_order(),
+        Some(chunk) => {
+            let parts: Vec<ServicePhase> = std::thread::scope(|scope| {
+                let mut chunks = services.chunks(chunk.max(1));
+                let first = chunks.next().unwrap_or_default();
+                let others: Vec<_> = chunks
+                    .map(|chunk| scope.spawn(move || sync(chunk, Claims::PerService(Vec::new()))))
+                    .collect();
+                let mut parts = vec![sync(first, Claims::PerService(Vec::new()))];
+                for other in others {
+                    parts.push(
+                        other
+                            .join()
+                            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    );
+                }
+                parts
+            });
+            let mut phase = ServicePhase::default();
+            for part in parts {
+                phase.findings.extend(part.findings);
+                phase.rewritten.extend(part.rewritten);
+                phase.matched.extend(part.matched);
+                phase.claimed.extend(part.claimed);
+                phase.claimed_unallocated.extend(part.claimed_unallocated);
+            }
+            if claimed_twice(&phase, ip_addresses.len()) {
+                in_key_order()
+            } else {
+                phase
+                    .findings
+                    .sort_by(|a, b| a.regarding.key().cmp(&b.regarding.key()));
+                phase
+            }
+        }
+    };
+
+    let mut settled = vec![false; ip_addresses.len()];
+    for &at in phase.rewritten.iter().chain(&phase.matched) {
+        settled[at as usize] = true;
     }
+    let mut decision = Decision {
+        findings: phase.findings,
+        next_recheck: None,
+    };
     let service_findings = decision.findings.len();
-    if !contested {
-        // Services were walked in cache order; report their findings in key order, as upstream
-        // (a stable sort keeps each Service's own findings in clusterIPs order).
-        decision
-            .findings
-            .sort_by(|a, b| a.regarding.key().cmp(&b.regarding.key()));
-    }
-
-    for ip in &ip_addresses {
-        if !rewritten.is_empty() && rewritten.contains(&ip.name) {
-            continue;
+    for (ip, settled) in ip_addresses.iter().zip(settled) {
+        if !settled {
+            sync_ip_address(ip, &index, now, orphan_grace, &mut decision);
         }
-        sync_ip_address(ip, &index, now, orphan_grace, &mut decision);
     }
     // IPAddresses come in cache order; report them in name order (there are few findings, and
     // sorting them is cheaper than sorting every IPAddress).
@@ -344,15 +407,31 @@ pub fn decide_ipaddress_mode<'a>(
     decision
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Whether some IP was claimed by two Services (each Service claims an IP once).
+fn claimed_twice(phase: &ServicePhase, ip_addresses: usize) -> bool {
+    let mut seen = vec![false; ip_addresses];
+    for &at in &phase.claimed {
+        if std::mem::replace(&mut seen[at as usize], true) {
+            return true;
+        }
+    }
+    let mut unallocated: FastSet<IpAddr> = FastSet::with_capacity_and_hasher(
+        phase.claimed_unallocated.len(),
+        foldhash::fast::RandomState::default(),
+    );
+    !phase
+        .claimed_unallocated
+        .iter()
+        .all(|ip| unallocated.insert(*ip))
+}
+
 fn sync_service_ip<'a>(
     svc: &'a ServiceRecord,
     raw: &ClusterIp,
     ranges: &[ServiceRange],
-    index: &Index<'a>,
+    index: &Index<'_, 'a>,
     claims: &mut Claims<'a>,
-    rewritten: &mut FastSet<&'a IpName>,
-    decision: &mut Decision,
+    phase: &mut ServicePhase,
 ) {
     let regarding = || Regarding::service(svc);
     let owner = || ServiceOwner {
@@ -362,7 +441,7 @@ fn sync_service_ip<'a>(
     let this = (&*svc.namespace, &*svc.name);
     let Some(ip) = raw.ip() else {
         // Upstream prints the parsed value (always `<nil>`); the written value is what helps.
-        decision.findings.push(Finding {
+        phase.findings.push(Finding {
             kind: "clusterip_not_valid",
             regarding: regarding(),
             event: Some(EventSpec {
@@ -377,7 +456,7 @@ fn sync_service_ip<'a>(
     };
     let family = IpFamily::of(ip);
     if !ranges.iter().any(|range| range.holds_service_ip(ip)) {
-        decision.findings.push(Finding {
+        phase.findings.push(Finding {
             kind: "clusterip_out_of_range",
             regarding: regarding(),
             event: Some(EventSpec {
@@ -392,8 +471,8 @@ fn sync_service_ip<'a>(
         });
         return;
     }
-    let duplicate = |decision: &mut Decision| {
-        decision.findings.push(Finding {
+    let duplicate = |phase: &mut ServicePhase| {
+        phase.findings.push(Finding {
             kind: "clusterip_already_allocated",
             regarding: regarding(),
             event: Some(EventSpec {
@@ -409,14 +488,14 @@ fn sync_service_ip<'a>(
     };
     if let Some(first) = claims.first(ip, this) {
         if first != this {
-            duplicate(decision);
+            duplicate(phase);
         }
         return;
     }
 
-    let Some(existing) = index.ips_by_addr.get(&ip).copied() else {
-        claims.claim(ip, this);
-        decision.findings.push(Finding {
+    let Some(at) = index.ips_by_addr.get(&ip).copied() else {
+        phase.claim(claims, ip, None, this);
+        phase.findings.push(Finding {
             kind: "clusterip_not_allocated",
             regarding: regarding(),
             event: Some(EventSpec {
@@ -429,6 +508,7 @@ fn sync_service_ip<'a>(
         });
         return;
     };
+    let existing = index.ip_addresses[at as usize];
     let existing_version = || ObjectVersion {
         uid: existing.uid.to_string().into(),
         resource_version: existing.resource_version.to_string().into(),
@@ -440,7 +520,7 @@ fn sync_service_ip<'a>(
     if !existing.managed_by_ipallocator() {
         // Upstream recreates these; we never touch IPAddresses another controller manages.
         if parent_is_this {
-            decision.findings.push(Finding {
+            phase.findings.push(Finding {
                 kind: "ipaddress_foreign_manager",
                 regarding: regarding(),
                 event: None,
@@ -448,7 +528,7 @@ fn sync_service_ip<'a>(
                 repair: Repair::None,
             });
         } else {
-            duplicate(decision);
+            duplicate(phase);
         }
         return;
     }
@@ -478,9 +558,9 @@ fn sync_service_ip<'a>(
             if !parent_is_this {
                 match index.services_by_key.get(&p.namespace, &p.name) {
                     None => {
-                        claims.claim(ip, this);
-                        rewritten.insert(&existing.name);
-                        decision.findings.push(wrong_reference(Some(ServiceOwner {
+                        phase.claim(claims, ip, Some(at), this);
+                        phase.rewritten.push(at);
+                        phase.findings.push(wrong_reference(Some(ServiceOwner {
                             namespace: p.namespace.clone(),
                             name: p.name.clone(),
                         })));
@@ -489,7 +569,7 @@ fn sync_service_ip<'a>(
                     Some(referenced) if referenced.lists_ip(ip) => {
                         // Upstream goes on to the label check and may hand the IPAddress to
                         // this Service; the owner's own sync repairs labels without that churn.
-                        duplicate(decision);
+                        duplicate(phase);
                         return;
                     }
                     // The IPAddress phase deletes it; the next pass recreates it for us.
@@ -498,19 +578,22 @@ fn sync_service_ip<'a>(
             }
         }
         _ => {
-            claims.claim(ip, this);
-            rewritten.insert(&existing.name);
-            decision.findings.push(wrong_reference(None));
+            phase.claim(claims, ip, Some(at), this);
+            phase.rewritten.push(at);
+            phase.findings.push(wrong_reference(None));
             return;
         }
     }
 
-    claims.claim(ip, this);
+    phase.claim(claims, ip, Some(at), this);
     let labels_right = existing.family_label.as_deref() == Some(family.as_str())
         && existing.managed_by.as_deref() == Some(IPALLOCATOR_MANAGER);
-    if !labels_right {
-        rewritten.insert(&existing.name);
-        decision.findings.push(Finding {
+    if labels_right && parent_is_this {
+        // The claiming Service is the parent: the IPAddress phase would find the same.
+        phase.matched.push(at);
+    } else if !labels_right {
+        phase.rewritten.push(at);
+        phase.findings.push(Finding {
             kind: "ipaddress_wrong_labels",
             regarding: regarding(),
             event: None,
@@ -535,7 +618,7 @@ fn go_parent_ref(parent: Option<&ParentRef>) -> String {
 
 fn sync_ip_address(
     ip: &IpAddressRecord,
-    index: &Index<'_>,
+    index: &Index<'_, '_>,
     now: jiff::Timestamp,
     orphan_grace: Duration,
     decision: &mut Decision,
@@ -573,13 +656,6 @@ fn sync_ip_address(
         }
     };
     let addr = ip.name.ip();
-    // The healthy case, answered without hashing any names: the Service that lists this IP is
-    // the parent.
-    if let Some(svc) = addr.and_then(|addr| index.listed_by.get(&addr))
-        && (&*svc.namespace, &*svc.name) == (&*parent.namespace, &*parent.name)
-    {
-        return;
-    }
     match index.services_by_key.get(&parent.namespace, &parent.name) {
         None => {
             let grace =
@@ -1020,6 +1096,120 @@ mod tests {
             }
             other => panic!("unexpected repair {other:?}"),
         }
+    }
+
+    /// A cluster with every kind of damage, from a seed: Services drawing IPs from `pool` IPs
+    /// (a small pool makes Services share IPs), IPAddresses with every kind of parent, manager,
+    /// label, age and deletion state.
+    fn damaged_cluster(seed: u64, pool: u32) -> (Vec<ServiceRecord>, Vec<IpAddressRecord>) {
+        let mut state = seed.max(1);
+        let mut next = move |below: u32| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % u64::from(below)) as u32
+        };
+        // Distinct for every n below 250.
+        let ip_of = |n: u32| match n % 3 {
+            0 => format!("fd00::{:x}", n + 1),
+            _ => format!("10.0.0.{}", n % 250 + 1),
+        };
+        let mut services = Vec::new();
+        for i in 0..60 {
+            let ips: Vec<String> = match next(20) {
+                0 => vec!["10.0.0.300".to_owned()],
+                1 => vec!["10.9.9.9".to_owned()],
+                2 => vec![],
+                3..=5 => vec![ip_of(next(pool)), ip_of(next(pool))],
+                _ => vec![ip_of(next(pool))],
+            };
+            let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+            services.push(svc(&format!("ns{}", next(3)), &format!("s{i}"), &ips));
+        }
+        let mut ips = Vec::new();
+        for n in 0..pool {
+            if next(5) == 0 {
+                continue;
+            }
+            let parent_ns = format!("ns{}", next(3));
+            let parent_name = format!("s{}", next(70));
+            let parent = match next(8) {
+                0 => None,
+                1 => Some(("", "pods", parent_ns.as_str(), parent_name.as_str())),
+                _ => Some(("", "services", parent_ns.as_str(), parent_name.as_str())),
+            };
+            let mut record = ipaddr(&ip_of(n), parent, if next(2) == 0 { 10 } else { 3600 });
+            match next(10) {
+                0 => record.managed_by = Some("other.example.com".into()),
+                1 => record.family_label = None,
+                2 => record.deleting = true,
+                _ => {}
+            }
+            ips.push(record);
+        }
+        // Most IPAddresses name a Service that lists them.
+        for svc in &services {
+            for ip in svc.cluster_ips.iter().filter_map(ClusterIp::ip) {
+                if next(4) != 0 {
+                    continue;
+                }
+                if let Some(record) = ips.iter_mut().find(|r| r.name.ip() == Some(ip)) {
+                    record.parent = Some(ParentRef {
+                        group: "".into(),
+                        resource: "services".into(),
+                        namespace: svc.namespace.clone(),
+                        name: svc.name.clone(),
+                    });
+                }
+            }
+        }
+        (services, ips)
+    }
+
+    #[test]
+    fn threads_and_cache_order_decide_as_upstreams_key_order_walk() {
+        let mut kinds = std::collections::BTreeSet::new();
+        let mut contested_seen = false;
+        for seed in 1..40u64 {
+            // A pool of 40 IPs for 60 Services: shared IPs; 240: rarely.
+            for pool in [40, 240] {
+                let (services, ips) = damaged_cluster(seed, pool);
+                let serial = decide_in_chunks(&services, &ips, &cidrs(), now(), GRACE, |_| None);
+                contested_seen |= serial
+                    .findings
+                    .iter()
+                    .any(|f| f.kind == "clusterip_already_allocated");
+                kinds.extend(serial.findings.iter().map(|f| f.kind));
+                let mut reversed = services.clone();
+                reversed.reverse();
+                let mut reversed_ips = ips.clone();
+                reversed_ips.reverse();
+                for chunk in [1, 2, 7, 60] {
+                    for (services, ips) in [(&services, &ips), (&reversed, &reversed_ips)] {
+                        let chunked =
+                            decide_in_chunks(services, ips, &cidrs(), now(), GRACE, |_| {
+                                Some(chunk)
+                            });
+                        let differs = chunked
+                            .findings
+                            .iter()
+                            .zip(&serial.findings)
+                            .position(|(a, b)| a != b);
+                        assert_eq!(
+                            (chunked.findings.len(), differs, chunked.next_recheck),
+                            (serial.findings.len(), None, serial.next_recheck),
+                            "seed {seed}, pool {pool}, chunks of {chunk}: first difference {:?}",
+                            differs.map(|at| (&chunked.findings[at], &serial.findings[at]))
+                        );
+                    }
+                }
+            }
+        }
+        assert!(contested_seen, "some seeds have IPs claimed twice");
+        assert!(
+            kinds.len() >= 9,
+            "the seeds cover most kinds of finding: {kinds:?}"
+        );
     }
 
     #[test]
