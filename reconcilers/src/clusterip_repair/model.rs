@@ -34,8 +34,12 @@ pub struct ServiceRecord {
     pub resource_version: u64,
     /// The Service's cluster IPs, parsed once at decode time; empty when the Service has no
     /// cluster IP (headless, ExternalName, not yet allocated).
-    pub cluster_ips: Box<[ClusterIp]>,
+    pub cluster_ips: ClusterIps,
 }
+
+/// At most two cluster IPs (dual-stack) are valid, so they are kept inside the record: no
+/// allocation per Service when decoding, and no second cache miss when a pass reads them.
+pub type ClusterIps = smallvec::SmallVec<[ClusterIp; 2]>;
 
 /// One entry of `spec.clusterIPs`: an address (kept inline, no allocation) or, rarely, the
 /// text that does not parse.
@@ -389,6 +393,8 @@ pub struct ListMeta {
     pub resource_version: Option<String>,
     #[serde(rename = "continue")]
     pub continue_token: Option<String>,
+    /// How many items the pages after this one hold, when the server says (a hint).
+    pub remaining_item_count: Option<u64>,
 }
 
 pub(super) mod wire {
@@ -456,7 +462,7 @@ pub(super) mod wire {
 
     /// `spec.clusterIPs`, parsed while decoding (no intermediate list of strings).
     #[derive(Default)]
-    pub struct ParsedIps(pub Vec<super::ClusterIp>);
+    pub struct ParsedIps(pub super::ClusterIps);
 
     impl<'de> Deserialize<'de> for ParsedIps {
         fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -470,8 +476,7 @@ pub(super) mod wire {
                     self,
                     mut seq: A,
                 ) -> Result<ParsedIps, A::Error> {
-                    // Dual-stack at most: two entries.
-                    let mut ips = Vec::with_capacity(2);
+                    let mut ips = super::ClusterIps::new();
                     while let Some(Text(text)) = seq.next_element::<Text<'de>>()? {
                         ips.push(super::ClusterIp::parse(&text));
                     }
@@ -491,11 +496,11 @@ pub(super) mod wire {
                 .cluster_ip
                 .as_deref()
                 .is_some_and(|ip| !ip.is_empty() && ip != "None");
-            let cluster_ips: Box<[super::ClusterIp]> = if !has_ip {
-                Box::default()
+            let cluster_ips = if !has_ip {
+                super::ClusterIps::new()
             } else {
                 match wire.spec.cluster_ips {
-                    Some(ParsedIps(ips)) if !ips.is_empty() => ips.into_boxed_slice(),
+                    Some(ParsedIps(ips)) if !ips.is_empty() => ips,
                     _ => wire
                         .spec
                         .cluster_ip

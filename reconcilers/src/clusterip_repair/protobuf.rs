@@ -75,15 +75,20 @@ fn fields<'a>(message: &'a [u8], what: &'static str) -> Fields<'a> {
     }
 }
 
+#[inline]
 fn varint(rest: &mut &[u8], what: &'static str) -> Result<u64, DecodeError> {
-    // The usual one-byte case first: tags and short lengths.
-    if let Some((&byte, tail)) = rest.split_first()
-        && byte < 0x80
-    {
-        *rest = tail;
-        return Ok(u64::from(byte));
+    // The usual cases first: one byte (tags, short lengths), two bytes (object lengths).
+    match **rest {
+        [low, ref tail @ ..] if low < 0x80 => {
+            *rest = tail;
+            Ok(u64::from(low))
+        }
+        [low, high, ref tail @ ..] if high < 0x80 => {
+            *rest = tail;
+            Ok(u64::from(low & 0x7f) | (u64::from(high) << 7))
+        }
+        _ => prost::encoding::decode_varint(rest).map_err(|_| invalid(what, "bad varint")),
     }
-    prost::encoding::decode_varint(rest).map_err(|_| invalid(what, "bad varint"))
 }
 
 impl<'a> Iterator for Fields<'a> {
@@ -98,6 +103,7 @@ impl<'a> Iterator for Fields<'a> {
 }
 
 impl<'a> Fields<'a> {
+    #[inline]
     fn read(&mut self) -> Result<(u64, Value<'a>), DecodeError> {
         let what = self.what;
         let key = varint(&mut self.rest, what)?;
@@ -158,6 +164,9 @@ fn list_meta(message: &[u8]) -> Result<ListMeta, DecodeError> {
                 meta.resource_version = Some(value.str("ListMeta.resourceVersion")?.into())
             }
             (3, value) => meta.continue_token = Some(value.str("ListMeta.continue")?.into()),
+            (4, value) => {
+                meta.remaining_item_count = Some(value.varint("ListMeta.remainingItemCount")?)
+            }
             _ => {}
         }
     }
@@ -253,18 +262,26 @@ impl ProtobufRecord for ServiceRecord {
             match field? {
                 (1, value) => {
                     let meta = &mut service.metadata;
+                    // Once the four fields are read, the rest of the metadata (labels,
+                    // annotations, managedFields) is not even walked: kube-apiserver writes each
+                    // field once.
+                    const WANTED: u8 = 1 << 1 | 1 << 3 | 1 << 5 | 1 << 6;
+                    let mut seen = 0u8;
                     for field in fields(value.bytes("Service.metadata")?, "ObjectMeta") {
-                        match field? {
-                            (1, v) => meta.name = Cow::Borrowed(v.str("ObjectMeta.name")?),
-                            (3, v) => {
-                                meta.namespace = Cow::Borrowed(v.str("ObjectMeta.namespace")?)
-                            }
-                            (5, v) => meta.uid = Cow::Borrowed(v.str("ObjectMeta.uid")?),
-                            (6, v) => {
+                        let (number, v) = field?;
+                        match number {
+                            1 => meta.name = Cow::Borrowed(v.str("ObjectMeta.name")?),
+                            3 => meta.namespace = Cow::Borrowed(v.str("ObjectMeta.namespace")?),
+                            5 => meta.uid = Cow::Borrowed(v.str("ObjectMeta.uid")?),
+                            6 => {
                                 meta.resource_version =
                                     Some(Cow::Borrowed(v.str("ObjectMeta.resourceVersion")?))
                             }
-                            _ => {}
+                            _ => continue,
+                        }
+                        seen |= 1 << number;
+                        if seen == WANTED {
+                            break;
                         }
                     }
                 }
@@ -281,7 +298,7 @@ impl ProtobufRecord for ServiceRecord {
                                     v.str("ServiceSpec.clusterIPs")?,
                                 );
                                 spec.cluster_ips
-                                    .get_or_insert_with(|| wire::ParsedIps(Vec::with_capacity(2)))
+                                    .get_or_insert_with(wire::ParsedIps::default)
                                     .0
                                     .push(ip);
                             }
@@ -477,8 +494,10 @@ mod tests {
 
     #[test]
     fn early_token_needs_the_whole_list_metadata() {
-        // k8s\0, typeMeta, raw = ServiceList {1: ListMeta {2: "7", 3: "next"}, 2: ...}.
-        let meta = [0x12, 1, b'7', 0x1a, 4, b'n', b'e', b'x', b't'];
+        // k8s\0, typeMeta, raw = ServiceList {1: ListMeta {2: "7", 3: "next", 4: 1234}, 2: ...}.
+        let meta = [
+            0x12, 1, b'7', 0x1a, 4, b'n', b'e', b'x', b't', 0x20, 0xd2, 0x09,
+        ];
         let mut list = vec![0x0a, meta.len() as u8];
         list.extend_from_slice(&meta);
         // One item: ServiceCIDR {1: ObjectMeta {1: "x"}}.
@@ -498,6 +517,12 @@ mod tests {
         let page = decode_list::<ServiceCidrRecord>(&body).unwrap();
         assert_eq!(page.metadata.continue_token.as_deref(), Some("next"));
         assert_eq!(page.metadata.resource_version.as_deref(), Some("7"));
+        assert_eq!(page.metadata.remaining_item_count, Some(1234));
         assert_eq!(&*page.items[0].name, "x");
+        let json: ListPage<ServiceCidrRecord> = serde_json::from_str(
+            r#"{"metadata":{"resourceVersion":"7","continue":"next","remainingItemCount":1234}}"#,
+        )
+        .unwrap();
+        assert_eq!(json.metadata.remaining_item_count, Some(1234));
     }
 }
