@@ -24,7 +24,7 @@ use kube::core::WatchEvent;
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-use super::model::{IpAddressRecord, IpName, ListPage, ServiceCidrRecord, ServiceRecord};
+use super::model::{IpAddressRecord, IpName, ListMeta, ListPage, ServiceCidrRecord, ServiceRecord};
 use super::protobuf::{self, ProtobufRecord};
 
 /// A record kept in a [`Store`].
@@ -213,11 +213,11 @@ pub async fn list_all<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     collection: &Collection,
 ) -> Result<(Vec<T>, Option<String>), kube::Error> {
     let mut items = Vec::new();
-    let version = list_pages(client, collection, |page: Vec<T>, remaining| {
+    let version = list_pages(client, collection, |page: &mut Vec<T>, remaining| {
         // Sized once from the first page's count of what follows: growing by doubling would
         // copy the records made so far several times (tens of MB at 100,000 Services).
         items.reserve(page.len() + remaining);
-        items.extend(page);
+        items.append(page);
     })
     .await?;
     Ok((items, version))
@@ -226,7 +226,8 @@ pub async fn list_all<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
 /// Like [`list_all`], handing each decoded page to `sink` (so a cache can be built without a
 /// second copy of the whole collection) with the number of items the server says are still to
 /// come (0 when it does not say; capped, since it is only a hint); returns the list's resource
-/// version.
+/// version. The page is lent in a buffer reused for every page: `sink` takes what it keeps,
+/// whatever it leaves is dropped.
 ///
 /// Each page is requested as soon as the previous page's continue token is known. kube-apiserver
 /// writes the list metadata before the items, so the token is usually in the first bytes of a
@@ -235,21 +236,23 @@ pub async fn list_all<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
 pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
-    mut sink: impl FnMut(Vec<T>, usize),
+    mut sink: impl FnMut(&mut Vec<T>, usize),
 ) -> Result<Option<String>, kube::Error> {
     let fetch = |token: Option<String>| PageFetch::start(client, collection, token);
     let mut current = fetch(None);
+    let mut page_items = Vec::new();
     loop {
+        page_items.clear();
         // The token as read from the page's first bytes (or, failing that, from the whole body);
         // only a guess until the decoded page confirms it.
         let guessed = current.early_token().await;
         let mut next = guessed.clone().map(|token| fetch(Some(token)));
-        let page: Result<ListPage<T>, kube::Error> = match current.body().await {
-            Ok(page) => page.decode(),
+        let metadata = match current.body().await {
+            Ok(page) => page.decode_into(&mut page_items),
             Err(err) => Err(err),
         };
-        let page = match page {
-            Ok(page) => page,
+        let metadata = match metadata {
+            Ok(metadata) => metadata,
             Err(err) => {
                 if let Some(next) = next {
                     next.abort();
@@ -257,21 +260,16 @@ pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
                 return Err(err);
             }
         };
-        let remaining = page
-            .metadata
+        let remaining = metadata
             .remaining_item_count
             .map_or(0, |count| usize::try_from(count).unwrap_or(usize::MAX))
             .min(MAX_ITEMS_HINT);
-        sink(page.items, remaining);
-        let Some(token) = page
-            .metadata
-            .continue_token
-            .filter(|token| !token.is_empty())
-        else {
+        sink(&mut page_items, remaining);
+        let Some(token) = metadata.continue_token.filter(|token| !token.is_empty()) else {
             if let Some(next) = next {
                 next.abort();
             }
-            return Ok(page.metadata.resource_version);
+            return Ok(metadata.resource_version);
         };
         current = match next.take() {
             Some(next) if guessed.as_deref() == Some(token.as_str()) => next,
@@ -320,15 +318,21 @@ struct RawPage {
 }
 
 impl RawPage {
-    fn decode<T: DeserializeOwned + ProtobufRecord>(&self) -> Result<ListPage<T>, kube::Error> {
+    /// Appends the page's items to `items`; returns the list metadata.
+    fn decode_into<T: DeserializeOwned + ProtobufRecord>(
+        &self,
+        items: &mut Vec<T>,
+    ) -> Result<ListMeta, kube::Error> {
         if self.protobuf {
-            return protobuf::decode_list(&self.body).map_err(|err| {
+            return protobuf::decode_list_into(&self.body, items).map_err(|err| {
                 kube::Error::Service(format!("LIST page is not valid protobuf: {err}").into())
             });
         }
         let text = std::str::from_utf8(&self.body)
             .map_err(|err| kube::Error::Service(format!("LIST page is not UTF-8: {err}").into()))?;
-        serde_json::from_str(text).map_err(kube::Error::SerdeError)
+        let mut page: ListPage<T> = serde_json::from_str(text).map_err(kube::Error::SerdeError)?;
+        items.append(&mut page.items);
+        Ok(page.metadata)
     }
 }
 
@@ -603,19 +607,22 @@ impl<T: Cached> Reflector<T> {
                     state.generation
                 };
                 let store = self.store.clone();
-                let listed =
-                    list_pages(&self.client, &self.collection, |page: Vec<T>, remaining| {
+                let listed = list_pages(
+                    &self.client,
+                    &self.collection,
+                    |page: &mut Vec<T>, remaining| {
                         let mut state = store.write();
                         if state.objects.is_empty() {
                             // First list: room for all of it at once. A relist keeps the old
                             // entries until it ends, so it grows only as far as it has to.
                             state.objects.reserve(page.len() + remaining);
                         }
-                        for item in page {
+                        for item in page.drain(..) {
                             state.objects.insert(item.cache_key(), (item, generation));
                         }
-                    })
-                    .await;
+                    },
+                )
+                .await;
                 match listed {
                     Ok(version) => {
                         let version = version.unwrap_or_default();
