@@ -487,8 +487,10 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
                 use reconcilers::clusterip_repair::protobuf::{ProtobufRecord, decode_list_into};
                 // As the pass decodes: into one page buffer, each page's records then moved out.
                 fn decode_pages<T: ProtobufRecord>(pages: &[bytes::Bytes]) -> Result<usize> {
-                    let (mut buffer, mut all) =
-                        (Vec::new(), Vec::<T>::with_capacity(pages.len() * 500));
+                    let (mut buffer, mut all) = (
+                        Vec::new(),
+                        Vec::<T>::with_capacity(pages.len() * page_size() as usize),
+                    );
                     for page in pages {
                         buffer.clear();
                         decode_list_into(page, &mut buffer)?;

@@ -133,10 +133,14 @@ pub(super) fn known_or_owned(
     text: &[u8],
     known: &[&'static str],
 ) -> Result<Cow<'static, str>, std::str::Utf8Error> {
-    match known.iter().find(|k| k.as_bytes() == text) {
+    match known_text(text, known) {
         Some(k) => Ok(Cow::Borrowed(k)),
         None => Ok(Cow::Owned(std::str::from_utf8(text)?.to_owned())),
     }
+}
+
+fn known_text(text: &[u8], known: &[&'static str]) -> Option<&'static str> {
+    known.iter().find(|k| k.as_bytes() == text).copied()
 }
 
 /// The values the repair compares labels and references with, kept without copies.
@@ -300,12 +304,9 @@ pub enum IpName {
 
 impl IpName {
     pub fn new(text: &str) -> Self {
-        if let Some(v4) = canonical_ipv4(text.as_bytes()) {
-            return IpName::Canonical(IpAddr::V4(v4));
-        }
-        match text.parse::<IpAddr>() {
-            Ok(ip) if renders_as(ip, text) => IpName::Canonical(ip),
-            _ => IpName::Other(text.into()),
+        match canonical_ipv4(text.as_bytes()) {
+            Some(v4) => IpName::Canonical(IpAddr::V4(v4)),
+            None => IpName::not_plain_ipv4(text),
         }
     }
 
@@ -313,7 +314,15 @@ impl IpName {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, std::str::Utf8Error> {
         match canonical_ipv4(bytes) {
             Some(v4) => Ok(IpName::Canonical(IpAddr::V4(v4))),
-            None => Ok(IpName::new(std::str::from_utf8(bytes)?)),
+            None => Ok(IpName::not_plain_ipv4(std::str::from_utf8(bytes)?)),
+        }
+    }
+
+    /// IPv6 (canonical only if it renders back the same) or anything else.
+    fn not_plain_ipv4(text: &str) -> Self {
+        match text.parse::<IpAddr>() {
+            Ok(ip) if renders_as(ip, text) => IpName::Canonical(ip),
+            _ => IpName::Other(text.into()),
         }
     }
 
@@ -491,7 +500,7 @@ pub(super) mod wire {
 
     /// `text` as a static string when it is one of `known`, else copied.
     fn shared(text: Cow<'_, str>, known: &[&'static str]) -> Cow<'static, str> {
-        match known.iter().find(|k| **k == text.as_ref()) {
+        match super::known_text(text.as_bytes(), known) {
             Some(k) => Cow::Borrowed(k),
             None => Cow::Owned(text.into_owned()),
         }
