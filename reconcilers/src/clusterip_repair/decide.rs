@@ -274,6 +274,9 @@ impl ServicePhase {
 /// more than it saves.
 const SERVICES_PER_THREAD: usize = 16_384;
 
+/// Services whose IPAddresses the Service phase looks up together (see its `sync`).
+const LOOKAHEAD: usize = 16;
+
 /// Decides a pass of the IPAddress-mode repair from a snapshot.
 ///
 /// `orphan_grace` is upstream's 60 s: an IPAddress whose parent Service is missing is left alone
@@ -334,10 +337,39 @@ fn decide_in_chunks<'a>(
     // in key order (a stable sort keeps each Service's own in clusterIPs order).
     let sync = |chunk: &[&'a ServiceRecord], mut claims: Claims<'a>| {
         let mut phase = ServicePhase::default();
-        for svc in chunk {
-            claims.next_service();
-            for cluster_ip in svc.cluster_ips.iter() {
-                sync_service_ip(svc, cluster_ip, &ranges, &index, &mut claims, &mut phase);
+        let mut found: Vec<Option<u32>> = Vec::with_capacity(2 * LOOKAHEAD);
+        for batch in chunk.chunks(LOOKAHEAD) {
+            // Each lookup is a chain of cache misses (bucket, position, record). Done for a
+            // batch in short loops of their own, the misses of different IPs overlap instead of
+            // one chain at a time waiting inside the long sync below.
+            found.clear();
+            found.extend(
+                batch
+                    .iter()
+                    .flat_map(|svc| svc.cluster_ips.iter())
+                    .map(|raw| raw.ip().and_then(|ip| index.ips_by_addr.get(&ip).copied())),
+            );
+            let warmed = found
+                .iter()
+                .flatten()
+                .map(|&at| index.ip_addresses[at as usize])
+                .fold(0, |acc, ip| acc ^ touch_service_phase_fields(ip));
+            std::hint::black_box(warmed);
+            let mut found = found.iter().copied();
+            for svc in batch {
+                claims.next_service();
+                for cluster_ip in svc.cluster_ips.iter() {
+                    let at = found.next().flatten();
+                    sync_service_ip(
+                        svc,
+                        cluster_ip,
+                        at,
+                        &ranges,
+                        &index,
+                        &mut claims,
+                        &mut phase,
+                    );
+                }
             }
         }
         phase
@@ -407,6 +439,16 @@ fn decide_in_chunks<'a>(
     decision
 }
 
+/// Reads what the Service phase reads of an IPAddress, so its cache lines are loaded early.
+fn touch_service_phase_fields(ip: &IpAddressRecord) -> usize {
+    let parent = ip.parent.as_ref().map_or(0, |p| {
+        p.group.len() ^ p.resource.len() ^ p.namespace.len() ^ p.name.len()
+    });
+    parent
+        ^ ip.managed_by.as_ref().map_or(0, |m| m.len())
+        ^ ip.family_label.as_ref().map_or(0, |f| f.len())
+}
+
 /// Whether some IP was claimed by two Services (each Service claims an IP once).
 fn claimed_twice(phase: &ServicePhase, ip_addresses: usize) -> bool {
     let mut seen = vec![false; ip_addresses];
@@ -425,9 +467,12 @@ fn claimed_twice(phase: &ServicePhase, ip_addresses: usize) -> bool {
         .all(|ip| unallocated.insert(*ip))
 }
 
+/// Upstream's `syncService` for one cluster IP; `at` is where `index.ip_addresses` holds the
+/// IPAddress of that IP, looked up by the caller.
 fn sync_service_ip<'a>(
     svc: &'a ServiceRecord,
     raw: &ClusterIp,
+    at: Option<u32>,
     ranges: &[ServiceRange],
     index: &Index<'_, 'a>,
     claims: &mut Claims<'a>,
@@ -493,7 +538,7 @@ fn sync_service_ip<'a>(
         return;
     }
 
-    let Some(at) = index.ips_by_addr.get(&ip).copied() else {
+    let Some(at) = at else {
         phase.claim(claims, ip, None, this);
         phase.findings.push(Finding {
             kind: "clusterip_not_allocated",
