@@ -485,16 +485,11 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             let pages = &raw_pages[paths.iter().position(|p| *p == path).unwrap()];
             if list_protobuf() {
                 use reconcilers::clusterip_repair::protobuf::{ProtobufRecord, decode_list_into};
-                // As the pass decodes: into one page buffer, each page's records then moved out.
+                // As the pass decodes: every page onto the end of one presized vector.
                 fn decode_pages<T: ProtobufRecord>(pages: &[bytes::Bytes]) -> Result<usize> {
-                    let (mut buffer, mut all) = (
-                        Vec::new(),
-                        Vec::<T>::with_capacity(pages.len() * page_size() as usize),
-                    );
+                    let mut all = Vec::<T>::with_capacity(pages.len() * page_size() as usize);
                     for page in pages {
-                        buffer.clear();
-                        decode_list_into(page, &mut buffer)?;
-                        all.append(&mut buffer);
+                        decode_list_into(page, &mut all)?;
                     }
                     Ok(all.len())
                 }

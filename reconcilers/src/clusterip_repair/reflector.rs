@@ -213,21 +213,20 @@ pub async fn list_all<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     collection: &Collection,
 ) -> Result<(Vec<T>, Option<String>), kube::Error> {
     let mut items = Vec::new();
-    let version = list_pages(client, collection, |page: &mut Vec<T>, remaining| {
+    let version = list_pages(client, collection, &mut items, |items, remaining| {
         // Sized once from the first page's count of what follows: growing by doubling would
         // copy the records made so far several times (tens of MB at 100,000 Services).
-        items.reserve(page.len() + remaining);
-        items.append(page);
+        items.reserve(remaining);
     })
     .await?;
     Ok((items, version))
 }
 
-/// Like [`list_all`], handing each decoded page to `sink` (so a cache can be built without a
-/// second copy of the whole collection) with the number of items the server says are still to
-/// come (0 when it does not say; capped, since it is only a hint); returns the list's resource
-/// version. The page is lent in a buffer reused for every page: `sink` takes what it keeps,
-/// whatever it leaves is dropped.
+/// Like [`list_all`], decoding each page onto the end of `items` and then calling `sink` with
+/// them and the number of items the server says are still to come (0 when it does not say;
+/// capped, since it is only a hint); returns the list's resource version. `sink` may take what
+/// it wants out of `items` (a cache drains each page, so the collection is never held twice) or
+/// leave it there (a whole list in one vector, without copying each page into it).
 ///
 /// Each page is requested as soon as the previous page's continue token is known. kube-apiserver
 /// writes the list metadata before the items, so the token is usually in the first bytes of a
@@ -236,19 +235,18 @@ pub async fn list_all<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
 pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
+    items: &mut Vec<T>,
     mut sink: impl FnMut(&mut Vec<T>, usize),
 ) -> Result<Option<String>, kube::Error> {
     let fetch = |token: Option<String>| PageFetch::start(client, collection, token);
     let mut current = fetch(None);
-    let mut page_items = Vec::new();
     loop {
-        page_items.clear();
         // The token as read from the page's first bytes (or, failing that, from the whole body);
         // only a guess until the decoded page confirms it.
         let guessed = current.early_token().await;
         let mut next = guessed.clone().map(|token| fetch(Some(token)));
         let metadata = match current.body().await {
-            Ok(page) => page.decode_into(&mut page_items),
+            Ok(page) => page.decode_into(items),
             Err(err) => Err(err),
         };
         let metadata = match metadata {
@@ -264,7 +262,7 @@ pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
             .remaining_item_count
             .map_or(0, |count| usize::try_from(count).unwrap_or(usize::MAX))
             .min(MAX_ITEMS_HINT);
-        sink(&mut page_items, remaining);
+        sink(items, remaining);
         let Some(token) = metadata.continue_token.filter(|token| !token.is_empty()) else {
             if let Some(next) = next {
                 next.abort();
@@ -607,9 +605,11 @@ impl<T: Cached> Reflector<T> {
                     state.generation
                 };
                 let store = self.store.clone();
+                let mut page = Vec::new();
                 let listed = list_pages(
                     &self.client,
                     &self.collection,
+                    &mut page,
                     |page: &mut Vec<T>, remaining| {
                         let mut state = store.write();
                         if state.objects.is_empty() {
