@@ -6,7 +6,7 @@
 //!
 //! `cargo bench -p bootstrap-reconcilers --bench clusterip_repair [-- --sizes 10000,100000] [--roles ipaddress-fresh,audit-fresh]`
 //!
-//! Environment: `BENCH_PAGE_SIZE=N` (LIST page size, default 500), `BENCH_PLAIN_HTTP=1` (the
+//! Environment: `BENCH_PAGE_SIZE=N` (LIST page size, default 2000), `BENCH_PLAIN_HTTP=1` (the
 //! simulator serves plain HTTP instead of HTTPS), `BENCH_JSON=1` (the pass lists in JSON instead
 //! of protobuf), `BENCH_PASSES=N` (only N passes, no floor or breakdown: for profiling).
 //!
@@ -36,7 +36,7 @@ fn page_size() -> u32 {
     std::env::var("BENCH_PAGE_SIZE")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(500)
+        .unwrap_or(reconcilers::clusterip_repair::reflector::DEFAULT_PAGE_SIZE)
 }
 const PASSES: usize = 5;
 

@@ -106,7 +106,7 @@ impl Default for ClusterIpRepairConfig {
             reporting_instance: None,
             freshness_wait: Duration::from_secs(2),
             deferral_retry: Duration::from_secs(10),
-            page_size: 500,
+            page_size: reflector::DEFAULT_PAGE_SIZE,
             list_protobuf: true,
         }
     }
@@ -134,7 +134,7 @@ impl ClusterIpRepairConfig {
             return invalid("interval", "must be greater than zero (upstream uses 3m)");
         }
         if self.page_size == 0 {
-            return invalid("pageSize", "must be at least 1 (500 is a good value)");
+            return invalid("pageSize", "must be at least 1 (the default is 2000)");
         }
         validate_ranges(&self.service_ranges).map_err(|problem| ConfigError::Invalid {
             field: "serviceClusterIPRanges",
