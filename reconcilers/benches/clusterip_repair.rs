@@ -526,7 +526,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         }
         if mode == RepairMode::IpAddress {
             let started = Instant::now();
-            let snapshot = reconcilers::clusterip_repair::Snapshot::list(
+            let mut snapshot = reconcilers::clusterip_repair::Snapshot::list(
                 &client,
                 page_size(),
                 list_protobuf(),

@@ -1239,12 +1239,26 @@ async fn protobuf_and_json_lists_give_the_same_records() -> Result<()> {
         "every page came as protobuf"
     );
 
-    let from_protobuf = Snapshot::list(&client, 3, true).await?;
-    let from_json = Snapshot::list(&client, 3, false).await?;
-    assert!(from_json.services.len() > 5 && from_json.ip_addresses.len() > 5);
-    assert_eq!(from_protobuf.services, from_json.services);
-    assert_eq!(from_protobuf.ip_addresses, from_json.ip_addresses);
-    assert_eq!(from_protobuf.service_cidrs, from_json.service_cidrs);
+    let mut from_protobuf = Snapshot::list(&client, 3, true).await?;
+    let mut from_json = Snapshot::list(&client, 3, false).await?;
+    assert!(from_json.services().len() > 5 && from_json.ip_addresses().len() > 5);
+    assert_eq!(from_protobuf.services(), from_json.services());
+    assert_eq!(from_protobuf.ip_addresses(), from_json.ip_addresses());
+    assert_eq!(from_protobuf.service_cidrs(), from_json.service_cidrs());
+    // The IPAddress index each snapshot built page by page points where one built at once does.
+    let now = jiff::Timestamp::now();
+    let grace = std::time::Duration::from_secs(60);
+    let unindexed = reconcilers::clusterip_repair::decide::decide_ipaddress_mode(
+        from_json.services(),
+        from_json.ip_addresses(),
+        from_json.service_cidrs(),
+        now,
+        grace,
+    );
+    assert!(unindexed.findings.len() > 5, "{unindexed:?}");
+    assert_eq!(from_protobuf.decide(now, grace), unindexed);
+    assert_eq!(from_protobuf.decide(now, grace), unindexed, "decided again");
+    assert_eq!(from_json.decide(now, grace), unindexed);
 
     // Errors of protobuf requests are protobuf Status objects; they decode to the same error.
     let mut request = http::Request::get("/api/v1/services?limit=1&continue=not-a-token")

@@ -225,11 +225,61 @@ impl<'a> Claims<'a> {
     }
 }
 
+/// The position of the IPAddress each IP names, in the order the IPAddresses were added.
+/// A fresh LIST builds it page by page while the next page is on its way, so a pass does not
+/// wait for it after the last page.
+#[derive(Debug, Default)]
+pub struct IpIndex {
+    by_addr: FastMap<IpAddr, u32>,
+    /// How many IPAddresses were added (those whose name is no IP are not in `by_addr`).
+    added: usize,
+}
+
+impl IpIndex {
+    fn of<'a>(ip_addresses: impl ExactSizeIterator<Item = &'a IpAddressRecord>) -> Self {
+        let mut index = IpIndex {
+            by_addr: fast_map(ip_addresses.len()),
+            added: 0,
+        };
+        index.extend(ip_addresses);
+        index
+    }
+
+    /// Adds the IPAddresses that follow those added so far.
+    pub fn extend<'a>(&mut self, ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>) {
+        for ip in ip_addresses {
+            if let Some(addr) = ip.name.ip()
+                && let Ok(at) = u32::try_from(self.added)
+            {
+                self.by_addr.insert(addr, at);
+            }
+            self.added += 1;
+        }
+    }
+
+    /// Room for `additional` more IPAddresses.
+    pub fn reserve(&mut self, additional: usize) {
+        self.by_addr.reserve(additional);
+    }
+
+    /// How many IPAddresses were added.
+    pub fn len(&self) -> usize {
+        self.added
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.added == 0
+    }
+
+    fn get(&self, ip: IpAddr) -> Option<u32> {
+        self.by_addr.get(&ip).copied()
+    }
+}
+
 /// The lookups a pass makes, built once per pass.
 struct Index<'i, 'a> {
     ip_addresses: &'i [&'a IpAddressRecord],
-    /// Position in `ip_addresses` of the IPAddress each IP names.
-    ips_by_addr: FastMap<IpAddr, u32>,
+    ips_by_addr: IpIndex,
     services_by_key: ServicesByKey<'i, 'a>,
 }
 
@@ -288,10 +338,31 @@ pub fn decide_ipaddress_mode<'a>(
     now: jiff::Timestamp,
     orphan_grace: Duration,
 ) -> Decision {
+    decide_indexed(
+        services,
+        ip_addresses,
+        None,
+        service_cidrs,
+        now,
+        orphan_grace,
+    )
+}
+
+/// [`decide_ipaddress_mode`] with the IPAddresses already indexed, in the order `ip_addresses`
+/// yields them. An index of another length is a bug: ignored, and a panic in debug builds.
+pub fn decide_indexed<'a>(
+    services: impl IntoIterator<Item = &'a ServiceRecord>,
+    ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>,
+    index: Option<IpIndex>,
+    service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
+    now: jiff::Timestamp,
+    orphan_grace: Duration,
+) -> Decision {
     let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     decide_in_chunks(
         services,
         ip_addresses,
+        index,
         service_cidrs,
         now,
         orphan_grace,
@@ -305,6 +376,7 @@ pub fn decide_ipaddress_mode<'a>(
 fn decide_in_chunks<'a>(
     services: impl IntoIterator<Item = &'a ServiceRecord>,
     ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>,
+    index: Option<IpIndex>,
     service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
     now: jiff::Timestamp,
     orphan_grace: Duration,
@@ -317,12 +389,13 @@ fn decide_in_chunks<'a>(
         .flat_map(|cidr| cidr.cidrs.iter().copied())
         .map(ServiceRange::new)
         .collect();
-    let mut ips_by_addr: FastMap<IpAddr, u32> = fast_map(ip_addresses.len());
-    for (at, ip) in (0u32..).zip(&ip_addresses) {
-        if let Some(addr) = ip.name.ip() {
-            ips_by_addr.insert(addr, at);
+    let ips_by_addr = match index {
+        Some(index) if index.len() == ip_addresses.len() => index,
+        other => {
+            debug_assert!(other.is_none(), "an IpIndex of another list");
+            IpIndex::of(ip_addresses.iter().copied())
         }
-    }
+    };
     let index = Index {
         ip_addresses: &ip_addresses,
         ips_by_addr,
@@ -347,7 +420,7 @@ fn decide_in_chunks<'a>(
                 batch
                     .iter()
                     .flat_map(|svc| svc.cluster_ips.iter())
-                    .map(|raw| raw.ip().and_then(|ip| index.ips_by_addr.get(&ip).copied())),
+                    .map(|raw| raw.ip().and_then(|ip| index.ips_by_addr.get(ip))),
             );
             let warmed = found
                 .iter()
@@ -1219,7 +1292,8 @@ mod tests {
             // A pool of 40 IPs for 60 Services: shared IPs; 240: rarely.
             for pool in [40, 240] {
                 let (services, ips) = damaged_cluster(seed, pool);
-                let serial = decide_in_chunks(&services, &ips, &cidrs(), now(), GRACE, |_| None);
+                let serial =
+                    decide_in_chunks(&services, &ips, None, &cidrs(), now(), GRACE, |_| None);
                 contested_seen |= serial
                     .findings
                     .iter()
@@ -1231,8 +1305,15 @@ mod tests {
                 reversed_ips.reverse();
                 for chunk in [1, 2, 7, 60] {
                     for (services, ips) in [(&services, &ips), (&reversed, &reversed_ips)] {
+                        // Built page by page, as a fresh LIST does.
+                        let index = (chunk == 2).then(|| {
+                            ips.chunks(3).fold(IpIndex::default(), |mut index, page| {
+                                index.extend(page);
+                                index
+                            })
+                        });
                         let chunked =
-                            decide_in_chunks(services, ips, &cidrs(), now(), GRACE, |_| {
+                            decide_in_chunks(services, ips, index, &cidrs(), now(), GRACE, |_| {
                                 Some(chunk)
                             });
                         let differs = chunked

@@ -450,7 +450,11 @@ impl ClusterIpRepair {
             snapshot
                 .service_cidrs
                 .extend(self.default_service_cidr_stand_in(ctx, present)?);
-            snapshot.decide(now, self.config.orphan_grace)
+            let decision = snapshot.decide(now, self.config.orphan_grace);
+            // Freeing a few hundred thousand records takes milliseconds that the pass need
+            // not wait for.
+            drop(tokio::task::spawn_blocking(move || drop(snapshot)));
+            decision
         };
         self.act(ctx, decision).await
     }
@@ -881,9 +885,11 @@ fn drift_of(finding: &Finding, action: Action, applied: bool, note: Option<Strin
 /// The three collections, listed fresh (no caches).
 #[derive(Debug, Default)]
 pub struct Snapshot {
-    pub services: Vec<ServiceRecord>,
-    pub ip_addresses: Vec<IpAddressRecord>,
-    pub service_cidrs: Vec<ServiceCidrRecord>,
+    services: Vec<ServiceRecord>,
+    ip_addresses: Vec<IpAddressRecord>,
+    /// `ip_addresses` indexed while they were listed, until a decision takes it.
+    ip_index: Option<decide::IpIndex>,
+    service_cidrs: Vec<ServiceCidrRecord>,
 }
 
 impl Snapshot {
@@ -899,44 +905,71 @@ impl Snapshot {
             collection.protobuf = protobuf;
             collection
         };
-        let (services_at, ip_addresses_at, service_cidrs_at) = (
-            collection(reflector::SERVICES),
-            collection(reflector::IPADDRESSES),
-            collection(reflector::SERVICECIDRS),
-        );
         // Each list in its own task, so their pages are decoded on different threads; when one
         // fails, dropping the others' handles stops them.
-        fn spawned<T: serde::de::DeserializeOwned + protobuf::ProtobufRecord + Send + 'static>(
-            client: &Client,
-            collection: Collection,
-        ) -> impl Future<Output = Result<Vec<T>, kube::Error>> {
-            let client = client.clone();
-            let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
-                list_all::<T>(&client, &collection).await
-            }));
+        fn spawned<T: Send + 'static>(
+            task: impl Future<Output = Result<T, kube::Error>> + Send + 'static,
+        ) -> impl Future<Output = Result<T, kube::Error>> {
+            let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(task));
             async move {
                 match task.await {
-                    Ok(listed) => listed.map(|(items, _)| items),
+                    Ok(listed) => listed,
                     Err(err) => Err(kube::Error::Service(Box::new(err))),
                 }
             }
         }
-        let (services, ip_addresses, service_cidrs) = futures::try_join!(
-            spawned::<ServiceRecord>(client, services_at),
-            spawned::<IpAddressRecord>(client, ip_addresses_at),
-            spawned::<ServiceCidrRecord>(client, service_cidrs_at),
+        fn listed<T: serde::de::DeserializeOwned + protobuf::ProtobufRecord + Send + 'static>(
+            client: &Client,
+            collection: Collection,
+        ) -> impl Future<Output = Result<Vec<T>, kube::Error>> + Send + 'static {
+            let client = client.clone();
+            async move { list_all(&client, &collection).await.map(|(items, _)| items) }
+        }
+        let ip_addresses = {
+            let (client, collection) = (client.clone(), collection(reflector::IPADDRESSES));
+            async move {
+                let (mut items, mut index) = (Vec::new(), decide::IpIndex::default());
+                reflector::list_pages(&client, &collection, &mut items, |items, remaining| {
+                    items.reserve(remaining);
+                    index.reserve(remaining);
+                    index.extend(&items[index.len()..]);
+                })
+                .await?;
+                Ok((items, index))
+            }
+        };
+        let (services, (ip_addresses, ip_index), service_cidrs) = futures::try_join!(
+            spawned(listed(client, collection(reflector::SERVICES))),
+            spawned(ip_addresses),
+            spawned(listed(client, collection(reflector::SERVICECIDRS))),
         )?;
         Ok(Self {
             services,
             ip_addresses,
+            ip_index: Some(ip_index),
             service_cidrs,
         })
     }
 
-    pub fn decide(&self, now: jiff::Timestamp, orphan_grace: Duration) -> Decision {
-        decide::decide_ipaddress_mode(
+    pub fn services(&self) -> &[ServiceRecord] {
+        &self.services
+    }
+
+    pub fn ip_addresses(&self) -> &[IpAddressRecord] {
+        &self.ip_addresses
+    }
+
+    pub fn service_cidrs(&self) -> &[ServiceCidrRecord] {
+        &self.service_cidrs
+    }
+
+    /// Decides the pass. The decision takes the IPAddress index over, so deciding again
+    /// indexes the IPAddresses anew.
+    pub fn decide(&mut self, now: jiff::Timestamp, orphan_grace: Duration) -> Decision {
+        decide::decide_indexed(
             &self.services,
             &self.ip_addresses,
+            self.ip_index.take(),
             &self.service_cidrs,
             now,
             orphan_grace,
