@@ -266,7 +266,7 @@ impl IpIndex {
     }
 
     /// Room for `additional` more IPAddresses, in both tables since either family may hold
-    /// them all (the part of a table no entry lands in is never touched, so costs no memory).
+    /// them all (of the slots no entry lands in, only their one control byte each is written).
     pub fn reserve(&mut self, additional: usize) {
         self.v4.reserve(additional);
         self.v6.reserve(additional);
