@@ -33,16 +33,16 @@ pub struct Stored {
 
 impl Stored {
     /// The object's protobuf bytes (no envelope) for a kind with a protobuf schema.
-    pub fn protobuf(&self, kind: &str) -> Result<Bytes, ApiError> {
-        self.protobuf
-            .get_or_init(|| {
-                let value: Value = serde_json::from_slice(&self.json).map_err(|e| e.to_string())?;
-                crate::protobuf::encode_object(kind, &value)
-                    .map(Bytes::from)
-                    .map_err(|e| e.to_string())
-            })
-            .clone()
-            .map_err(ApiError::internal)
+    pub fn protobuf(&self, kind: &str) -> Result<&[u8], ApiError> {
+        match self.protobuf.get_or_init(|| {
+            let value: Value = serde_json::from_slice(&self.json).map_err(|e| e.to_string())?;
+            crate::protobuf::encode_object(kind, &value)
+                .map(Bytes::from)
+                .map_err(|e| e.to_string())
+        }) {
+            Ok(bytes) => Ok(bytes),
+            Err(e) => Err(ApiError::internal(e.clone())),
+        }
     }
 
     pub fn value(&self) -> Result<Value, ApiError> {
