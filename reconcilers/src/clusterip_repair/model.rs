@@ -52,10 +52,21 @@ pub enum ClusterIp {
 impl ClusterIp {
     /// Parses as kube-apiserver does ([`parse_ip_sloppy`]).
     pub fn parse(text: &str) -> Self {
-        if let Some(v4) = canonical_ipv4(text.as_bytes()) {
-            return ClusterIp::Ip(IpAddr::V4(v4));
+        if let Some(ip) = canonical_ip(text.as_bytes()) {
+            // Canonical texts never spell an IPv4-mapped address (those display dotted, which
+            // `canonical_ipv6` does not accept), so the sloppy parse would give the same IP.
+            return ClusterIp::Ip(ip);
         }
         parse_ip_sloppy(text).map_or_else(|| ClusterIp::Invalid(text.into()), ClusterIp::Ip)
+    }
+
+    /// From the raw bytes of a protobuf string: canonical IPs are ASCII by construction, so
+    /// only other texts are checked for UTF-8.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, std::str::Utf8Error> {
+        match canonical_ip(bytes) {
+            Some(ip) => Ok(ClusterIp::Ip(ip)),
+            None => Ok(ClusterIp::parse(std::str::from_utf8(bytes)?)),
+        }
     }
 
     pub fn ip(&self) -> Option<IpAddr> {
@@ -245,6 +256,15 @@ impl std::fmt::Debug for Token {
     }
 }
 
+/// A Service's `resourceVersion` as the record keeps it (`wire::version`: the number, or 0 when
+/// it is not one), from the raw bytes of a protobuf string: the usual digits need no UTF-8 check.
+pub(super) fn resource_version_number(bytes: &[u8]) -> Result<u64, std::str::Utf8Error> {
+    match canonical_number(bytes) {
+        Some(number) => Ok(number),
+        None => Ok(std::str::from_utf8(bytes)?.parse().unwrap_or(0)),
+    }
+}
+
 /// Digits only, no leading zero, fits a u64: exactly the texts `u64::to_string` produces.
 fn canonical_number(bytes: &[u8]) -> Option<u64> {
     let plain = !bytes.is_empty()
@@ -308,22 +328,23 @@ pub enum IpName {
 
 impl IpName {
     pub fn new(text: &str) -> Self {
-        match canonical_ipv4(text.as_bytes()) {
-            Some(v4) => IpName::Canonical(IpAddr::V4(v4)),
-            None => IpName::not_plain_ipv4(text),
+        match canonical_ip(text.as_bytes()) {
+            Some(ip) => IpName::Canonical(ip),
+            None => IpName::uncommon(text),
         }
     }
 
-    /// From the raw bytes of a protobuf string (an IPv4 name needs no UTF-8 check).
+    /// From the raw bytes of a protobuf string (a canonical IP needs no UTF-8 check).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, std::str::Utf8Error> {
-        match canonical_ipv4(bytes) {
-            Some(v4) => Ok(IpName::Canonical(IpAddr::V4(v4))),
-            None => Ok(IpName::not_plain_ipv4(std::str::from_utf8(bytes)?)),
+        match canonical_ip(bytes) {
+            Some(ip) => Ok(IpName::Canonical(ip)),
+            None => Ok(IpName::uncommon(std::str::from_utf8(bytes)?)),
         }
     }
 
-    /// IPv6 (canonical only if it renders back the same) or anything else.
-    fn not_plain_ipv4(text: &str) -> Self {
+    /// What [`canonical_ip`] leaves: IPv4-mapped IPv6 (canonical only if it renders back the
+    /// same), other spellings, or no IP at all.
+    fn uncommon(text: &str) -> Self {
         match text.parse::<IpAddr>() {
             Ok(ip) if renders_as(ip, text) => IpName::Canonical(ip),
             _ => IpName::Other(text.into()),
@@ -388,6 +409,97 @@ pub(crate) fn canonical_ipv4(bytes: &[u8]) -> Option<std::net::Ipv4Addr> {
         *octet = u8::try_from(value).ok()?;
     }
     (at == bytes.len()).then_some(std::net::Ipv4Addr::from(octets))
+}
+
+/// [`canonical_ipv4`], else [`canonical_ipv6`].
+pub(crate) fn canonical_ip(bytes: &[u8]) -> Option<IpAddr> {
+    match canonical_ipv4(bytes) {
+        Some(v4) => Some(IpAddr::V4(v4)),
+        None => canonical_ipv6(bytes).map(IpAddr::V6),
+    }
+}
+
+/// IPv6 exactly as `Ipv6Addr`'s `Display` writes it (RFC 5952: lowercase, no leading zeros, the
+/// first longest run of two or more zero groups as `::`), except IPv4-mapped addresses, which
+/// it writes dotted and this leaves to the slow path. A hand-written scan: std's parser tries
+/// an embedded IPv4 at every group, and proving the text canonical by formatting the address
+/// again cost as much as the parse; 30,000 IPv6 names and as many cluster IPs per LIST.
+pub(crate) fn canonical_ipv6(bytes: &[u8]) -> Option<std::net::Ipv6Addr> {
+    if !(2..=39).contains(&bytes.len()) {
+        return None;
+    }
+    let mut segments = [0u16; 8];
+    let mut count = 0;
+    // Where `::` stands, as an index into `segments` before the right part is moved.
+    let mut gap: Option<usize> = None;
+    let mut at = 0;
+    if bytes.starts_with(b"::") {
+        gap = Some(0);
+        at = 2;
+    }
+    while at < bytes.len() {
+        let start = at;
+        let mut value = 0u16;
+        while at < bytes.len() && at - start < 4 {
+            let digit = match bytes[at] {
+                digit @ b'0'..=b'9' => digit - b'0',
+                letter @ b'a'..=b'f' => letter - b'a' + 10,
+                _ => break,
+            };
+            value = (value << 4) | u16::from(digit);
+            at += 1;
+        }
+        let digits = at - start;
+        if digits == 0 || (digits > 1 && bytes[start] == b'0') || count == 8 {
+            return None;
+        }
+        segments[count] = value;
+        count += 1;
+        if at == bytes.len() {
+            break;
+        }
+        if bytes[at] != b':' {
+            return None;
+        }
+        at += 1;
+        if bytes.get(at) == Some(&b':') {
+            if gap.is_some() {
+                return None;
+            }
+            gap = Some(count);
+            at += 1;
+            if at == bytes.len() {
+                break;
+            }
+        } else if at == bytes.len() {
+            return None;
+        }
+    }
+    let written = match gap {
+        None if count == 8 => segments,
+        // `::` must stand for at least one group (and, canonically, two: checked below).
+        Some(gap) if count < 8 => {
+            let mut full = [0u16; 8];
+            full[..gap].copy_from_slice(&segments[..gap]);
+            let right = count - gap;
+            full[8 - right..].copy_from_slice(&segments[gap..count]);
+            full
+        }
+        _ => return None,
+    };
+    // The first longest run of zero groups, as `Display` picks it.
+    let (mut longest, mut longest_at, mut run) = (0, 0, 0);
+    for (index, &segment) in written.iter().enumerate() {
+        run = if segment == 0 { run + 1 } else { 0 };
+        if run > longest {
+            longest = run;
+            longest_at = index + 1 - run;
+        }
+    }
+    let expected_gap = (longest > 1).then_some((longest_at, longest));
+    let actual_gap = gap.map(|gap| (gap, 8 - count));
+    let address = std::net::Ipv6Addr::from(written);
+    (expected_gap == actual_gap && address.to_ipv4_mapped().is_none()).then_some(address)
 }
 
 /// Whether `ip` displays as exactly `text`, without allocating.
@@ -939,6 +1051,85 @@ mod tests {
             assert_eq!(canonical_ipv4(text.as_bytes()), expected, "{text:?}");
         }
         assert!(checked > 70_000);
+    }
+
+    /// `canonical_ipv6` accepts exactly the texts std's `Display` writes (bar IPv4-mapped
+    /// addresses, left to the slow path), for every pattern of zero groups, and no other
+    /// spelling of the same addresses.
+    #[test]
+    fn canonical_ipv6_is_exactly_what_std_prints() {
+        let mut checked = 0;
+        for zeros in 0u32..256 {
+            for fill in [0x1u16, 0xa, 0xf0, 0xabc, 0xffff, 0x1000] {
+                let mut segments = [0u16; 8];
+                for (index, segment) in segments.iter_mut().enumerate() {
+                    if zeros & (1 << index) == 0 {
+                        *segment = fill.wrapping_add(index as u16) | 1;
+                    }
+                }
+                let ip = std::net::Ipv6Addr::from(segments);
+                let text = ip.to_string();
+                let expected = (ip.to_ipv4_mapped().is_none()).then_some(ip);
+                assert_eq!(canonical_ipv6(text.as_bytes()), expected, "{text}");
+                // Other spellings of the same address: not canonical.
+                let full = segments.map(|s| format!("{s:x}")).join(":");
+                let padded = segments.map(|s| format!("{s:04x}")).join(":");
+                for other in [
+                    full,
+                    padded,
+                    text.to_uppercase(),
+                    format!("{text}:"),
+                    format!(":{text}"),
+                ] {
+                    let expected = other
+                        .parse::<std::net::Ipv6Addr>()
+                        .ok()
+                        .filter(|ip| ip.to_string() == other && ip.to_ipv4_mapped().is_none());
+                    assert_eq!(canonical_ipv6(other.as_bytes()), expected, "{other}");
+                }
+                checked += 1;
+            }
+        }
+        for text in [
+            "",
+            ":",
+            "::",
+            ":::",
+            "::1",
+            "1::",
+            "1:2:3:4:5:6:7:8",
+            "1:2:3:4:5:6:7:8:9",
+            "1:2:3:4::5:6:7:8",
+            "1::2::3",
+            "fd00::0:1",
+            "fd00:0::1",
+            "fd00::01",
+            "fd00::12345",
+            "fd00::g",
+            "fd00::1%eth0",
+            "::ffff:10.0.0.1",
+            "::ffff:a00:1",
+            "::a00:1",
+            "::10.0.0.1",
+            "1:0:0:1:0:0:0:1",
+            "1::1:0:0:0:1",
+            "1:0:0:1::1",
+            "0:0:1::",
+            "::1:0:0",
+            "1:2:3:4:5:6::",
+            "1:2:3:4:5:6:7::",
+            "::2:3:4:5:6:7:8",
+            "1:2:3:4:5:6:0:0",
+            "fd00:\u{e9}::1",
+        ] {
+            let expected = text
+                .parse::<std::net::Ipv6Addr>()
+                .ok()
+                .filter(|ip| ip.to_string() == text && ip.to_ipv4_mapped().is_none());
+            assert_eq!(canonical_ipv6(text.as_bytes()), expected, "{text:?}");
+            checked += 1;
+        }
+        assert!(checked > 1_500);
     }
 
     #[test]
