@@ -535,8 +535,6 @@ mod tests {
         );
     }
 
-    /// IPAddresses of every shape the repair tells apart decode to the same record from
-    /// protobuf (the direct path) as from JSON (the wire structs).
     /// The protobuf path decodes Services straight into records, the JSON path through
     /// `wire::Service`: both must give the same record for every shape of spec and metadata.
     #[test]
@@ -605,6 +603,8 @@ mod tests {
         }
     }
 
+    /// IPAddresses of every shape the repair tells apart decode to the same record from
+    /// protobuf (the direct path) as from JSON (the wire structs).
     #[test]
     fn ipaddresses_decode_alike_from_both_encodings() {
         use serde_json::json;
