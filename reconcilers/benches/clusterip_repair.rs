@@ -2,13 +2,17 @@
 //! (30 % dual-stack) against the API simulator, from a warm cache and from a fresh LIST, with
 //! peak RSS, next to the floor: JSON-decoding the same LIST bodies into `serde::de::IgnoredAny`.
 //! For fresh-LIST rows it also prints (stderr, as `#` lines) the transfer alone, each
-//! collection's floor next to our compact decode, and the decision alone.
+//! collection's floor next to our compact decode, the decision alone, and 10 more passes each
+//! measured right next to a floor: *paired* is the median of those per-pair ratios, which
+//! compares a pass with a floor at the same moment of the VM (`benches/paired-ratios.py` pools
+//! the pairs of several runs).
 //!
 //! `cargo bench -p bootstrap-reconcilers --bench clusterip_repair [-- --sizes 10000,100000] [--roles ipaddress-fresh,audit-fresh]`
 //!
 //! Environment: `BENCH_PAGE_SIZE=N` (LIST page size, default 2000), `BENCH_PLAIN_HTTP=1` (the
 //! simulator serves plain HTTP instead of HTTPS), `BENCH_JSON=1` (the pass lists in JSON instead
-//! of protobuf), `BENCH_PASSES=N` (only N passes, no floor or breakdown: for profiling).
+//! of protobuf), `BENCH_PASSES=N` (only N passes, no floor or breakdown: for profiling),
+//! `BENCH_SETTLE_MS=N` (the pause before each timed measurement, default 50).
 //!
 //! The simulator runs in this (parent) process; every measurement runs in a child process of
 //! this binary, so each peak RSS is the repair's own, not the simulator's.
@@ -39,6 +43,8 @@ fn page_size() -> u32 {
         .unwrap_or(reconcilers::clusterip_repair::reflector::DEFAULT_PAGE_SIZE)
 }
 const PASSES: usize = 5;
+/// Rounds of a fresh pass measured next to a floor.
+const PAIRS: usize = 10;
 
 /// `BENCH_PLAIN_HTTP=1`: the simulator serves plain HTTP instead of HTTPS.
 fn plain_http() -> bool {
@@ -104,6 +110,19 @@ fn peak_rss_mib() -> f64 {
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
+}
+
+/// A pause before each timed measurement: a pass hands its snapshot to a blocking thread to
+/// free, and back to back the next measurement would share the cores with that (passes run
+/// minutes apart in production).
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(
+        std::env::var("BENCH_SETTLE_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50),
+    ))
+    .await;
 }
 
 fn ms(d: Duration) -> f64 {
@@ -194,7 +213,7 @@ fn populate(sim: &Sim, count: usize) -> Result<usize> {
 async fn parent(sizes: &[usize], roles: &[String]) -> Result<()> {
     let exe = std::env::current_exe()?;
     println!(
-        "{:>8} {:>9} {:<15} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6}",
+        "{:>8} {:>9} {:<15} {:>9} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9} {:>6}",
         "services",
         "ips",
         "mode/source",
@@ -202,6 +221,7 @@ async fn parent(sizes: &[usize], roles: &[String]) -> Result<()> {
         "pass ms",
         "floor ms",
         "pass/floor",
+        "paired",
         "MiB body",
         "peak MiB",
         "drift"
@@ -262,7 +282,7 @@ async fn parent(sizes: &[usize], roles: &[String]) -> Result<()> {
             let num = |key: &str| result[key].as_f64().unwrap_or(f64::NAN);
             let floor = num("floor_ms");
             println!(
-                "{:>8} {:>9} {:<15} {:>9.0} {:>10.1} {:>10.1} {:>10} {:>9.1} {:>9.1} {:>6}",
+                "{:>8} {:>9} {:<15} {:>9.0} {:>10.1} {:>10.1} {:>10} {:>7} {:>9.1} {:>9.1} {:>6}",
                 count,
                 ip_count,
                 role,
@@ -273,6 +293,11 @@ async fn parent(sizes: &[usize], roles: &[String]) -> Result<()> {
                     "-".to_owned()
                 } else {
                     format!("{:.2}x", num("pass_ms") / floor)
+                },
+                if num("paired_ratio").is_nan() {
+                    "-".to_owned()
+                } else {
+                    format!("{:.2}x", num("paired_ratio"))
                 },
                 num("body_mib"),
                 num("peak_rss_mib"),
@@ -355,6 +380,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(PASSES);
     for _ in 0..passes {
+        settle().await;
         let started = Instant::now();
         let report = repair.reconcile(&ctx).await?;
         times.push(ms(started.elapsed()));
@@ -362,6 +388,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
     }
     let peak_rss_mib = peak_rss_mib();
     let mut floor_ms = f64::NAN;
+    let mut paired_ratio = f64::NAN;
     let mut body_mib = f64::NAN;
     if !warm && std::env::var("BENCH_PASSES").is_err() {
         // The same paged LIST bodies the pass decodes, fetched once, then only decoded.
@@ -524,6 +551,61 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
                 median(compact)
             );
         }
+        // The VM's speed swings by up to 2x within seconds, so a pass and a floor measured
+        // apart can compare a fast moment with a slow one. Here each pass is measured right
+        // next to a floor (the order alternating), and the ratio is taken per pair.
+        let mut pairs = Vec::new();
+        for round in 0..PAIRS {
+            let floor = || -> Result<f64> {
+                let started = Instant::now();
+                for body in &bodies {
+                    let _: serde::de::IgnoredAny = serde_json::from_str(body)?;
+                }
+                Ok(ms(started.elapsed()))
+            };
+            settle().await;
+            let floor_before = if round % 2 == 1 { Some(floor()?) } else { None };
+            settle().await;
+            let started = Instant::now();
+            repair.reconcile(&ctx).await?;
+            let pass = ms(started.elapsed());
+            settle().await;
+            let floor = match floor_before {
+                Some(floor) => floor,
+                None => floor()?,
+            };
+            pairs.push((pass, floor));
+        }
+        let ratios: Vec<f64> = pairs.iter().map(|(pass, floor)| pass / floor).collect();
+        paired_ratio = median(ratios.clone());
+        let of_rounds = |parity: usize| {
+            median(
+                ratios
+                    .iter()
+                    .enumerate()
+                    .filter(|(round, _)| round % 2 == parity)
+                    .map(|(_, ratio)| *ratio)
+                    .collect(),
+            )
+        };
+        eprintln!(
+            "paired, {PAIRS} rounds of a pass next to a floor: pass {:.1} ms, floor {:.1} ms (medians); pass/floor per pair: median {:.2}x ({:.2}x with the pass first, {:.2}x with the floor first), {:.2}x to {:.2}x",
+            median(pairs.iter().map(|(pass, _)| *pass).collect()),
+            median(pairs.iter().map(|(_, floor)| *floor).collect()),
+            paired_ratio,
+            of_rounds(0),
+            of_rounds(1),
+            ratios.iter().copied().fold(f64::INFINITY, f64::min),
+            ratios.iter().copied().fold(0.0, f64::max),
+        );
+        eprintln!(
+            "pairs (pass/floor ms, in order): {}",
+            pairs
+                .iter()
+                .map(|(pass, floor)| format!("{pass:.0}/{floor:.0}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
         if mode == RepairMode::IpAddress {
             let started = Instant::now();
             let mut snapshot = reconcilers::clusterip_repair::Snapshot::list(
@@ -551,6 +633,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             "pass_ms": median(times.clone()),
             "pass_ms_min": times.iter().copied().fold(f64::INFINITY, f64::min),
             "floor_ms": floor_ms,
+            "paired_ratio": paired_ratio,
             "body_mib": body_mib,
             "peak_rss_mib": peak_rss_mib,
             "drift": drift,
