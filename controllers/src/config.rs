@@ -772,6 +772,8 @@ pub struct ClusterIpRepairLoop {
     /// the Service).
     #[serde(with = "duration_format")]
     pub orphan_grace_period: Duration,
+    /// Objects per LIST page when a pass or a relist reads Services and IPAddresses.
+    pub page_size: u32,
 }
 
 /// Which ClusterIP repair runs.
@@ -795,6 +797,7 @@ impl Default for ClusterIpRepairLoop {
             interval: Duration::from_secs(180),
             mode: ClusterIpRepairMode::Auto,
             orphan_grace_period: Duration::from_secs(60),
+            page_size: reconcilers::clusterip_repair::reflector::DEFAULT_PAGE_SIZE,
         }
     }
 }
@@ -806,6 +809,15 @@ impl LoopSection for ClusterIpRepairLoop {
             errors.push(ConfigError::new(
                 format!("{path}.orphanGracePeriod"),
                 "must be at least 5s (upstream uses 60s; shorter risks deleting the IPAddress of a Service that is still being created)",
+            ));
+        }
+        if self.page_size == 0 {
+            errors.push(ConfigError::new(
+                format!("{path}.pageSize"),
+                format!(
+                    "must be at least 1 (the default is {})",
+                    reconcilers::clusterip_repair::reflector::DEFAULT_PAGE_SIZE
+                ),
             ));
         }
     }
@@ -1917,6 +1929,18 @@ mod tests {
         let error = single_error(from_yaml(
             "loops:\n  clusterIPRepair:\n    mode: sometimes\n",
         ));
+        assert!(error.field.starts_with("loops.clusterIPRepair"), "{error}");
+    }
+
+    #[test]
+    fn cluster_ip_repair_page_size() {
+        assert_eq!(ClusterIpRepairLoop::default().page_size, 2000);
+        let config = from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 500\n").expect("valid");
+        assert_eq!(config.loops.cluster_ip_repair.page_size, 500);
+        let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 0\n"));
+        assert_eq!(error.field, "loops.clusterIPRepair.pageSize");
+        assert!(error.message.contains("at least 1"), "{error}");
+        let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    pageSize: -1\n"));
         assert!(error.field.starts_with("loops.clusterIPRepair"), "{error}");
     }
 
