@@ -563,8 +563,12 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
                 }
                 Ok(ms(started.elapsed()))
             };
-            settle().await;
-            let floor_before = if round % 2 == 1 { Some(floor()?) } else { None };
+            let floor_before = if round % 2 == 1 {
+                settle().await;
+                Some(floor()?)
+            } else {
+                None
+            };
             settle().await;
             let started = Instant::now();
             repair.reconcile(&ctx).await?;
