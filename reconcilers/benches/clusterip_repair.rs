@@ -125,6 +125,15 @@ async fn settle() {
     .await;
 }
 
+/// The floor: how long merely JSON-decoding `bodies` into `IgnoredAny` takes, in ms.
+fn json_floor_ms(bodies: &[impl AsRef<str>]) -> Result<f64> {
+    let started = Instant::now();
+    for body in bodies {
+        let _: serde::de::IgnoredAny = serde_json::from_str(body.as_ref())?;
+    }
+    Ok(ms(started.elapsed()))
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
@@ -459,11 +468,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         );
         let mut floors = Vec::new();
         for _ in 0..PASSES {
-            let started = Instant::now();
-            for body in &bodies {
-                let _: serde::de::IgnoredAny = serde_json::from_str(body)?;
-            }
-            floors.push(ms(started.elapsed()));
+            floors.push(json_floor_ms(&bodies)?);
         }
         floor_ms = median(floors);
         // Per collection: the floor next to our compact decode of the same bodies (stderr).
@@ -482,11 +487,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             let mut compact = Vec::new();
             let mut records = 0;
             for _ in 0..PASSES {
-                let started = Instant::now();
-                for body in &of_path {
-                    let _: serde::de::IgnoredAny = serde_json::from_str(body)?;
-                }
-                floors.push(ms(started.elapsed()));
+                floors.push(json_floor_ms(&of_path)?);
                 let started = Instant::now();
                 records = 0;
                 for body in &of_path {
@@ -556,13 +557,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         // next to a floor (the order alternating), and the ratio is taken per pair.
         let mut pairs = Vec::new();
         for round in 0..PAIRS {
-            let floor = || -> Result<f64> {
-                let started = Instant::now();
-                for body in &bodies {
-                    let _: serde::de::IgnoredAny = serde_json::from_str(body)?;
-                }
-                Ok(ms(started.elapsed()))
-            };
+            let floor = || json_floor_ms(&bodies);
             let floor_before = if round % 2 == 1 {
                 settle().await;
                 Some(floor()?)
