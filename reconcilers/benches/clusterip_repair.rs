@@ -9,10 +9,11 @@
 //!
 //! `cargo bench -p bootstrap-reconcilers --bench clusterip_repair [-- --sizes 10000,100000] [--roles ipaddress-fresh,audit-fresh]`
 //!
-//! Environment: `BENCH_PAGE_SIZE=N` (LIST page size, default 2000), `BENCH_PLAIN_HTTP=1` (the
-//! simulator serves plain HTTP instead of HTTPS), `BENCH_JSON=1` (the pass lists in JSON instead
-//! of protobuf), `BENCH_PASSES=N` (only N passes, no floor or breakdown: for profiling),
-//! `BENCH_SETTLE_MS=N` (the pause before each timed measurement, default 50).
+//! Environment: `BENCH_PAGE_SIZE=N` (LIST page size as configured, default 2000; IPAddresses
+//! go three times as many per page), `BENCH_PLAIN_HTTP=1` (the simulator serves plain HTTP
+//! instead of HTTPS), `BENCH_JSON=1` (the pass lists in JSON instead of protobuf),
+//! `BENCH_PASSES=N` (only N passes, no floor or breakdown: for profiling), `BENCH_SETTLE_MS=N`
+//! (the pause before each timed measurement, default 50).
 //!
 //! The simulator runs in this (parent) process; every measurement runs in a child process of
 //! this binary, so each peak RSS is the repair's own, not the simulator's.
@@ -414,7 +415,9 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         for path in paths.iter().copied() {
             let mut token: Option<String> = None;
             loop {
-                let mut params = ListParams::default().limit(page_size());
+                let mut params = ListParams::default().limit(
+                    reconcilers::clusterip_repair::reflector::page_size_for(path, page_size()),
+                );
                 if let Some(t) = token.take() {
                     params = params.continue_token(&t);
                 }
@@ -440,8 +443,8 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             let fetched = futures::future::try_join_all(paths.iter().map(|path| {
                 let client = client.clone();
                 let mut collection =
-                    reconcilers::clusterip_repair::reflector::Collection::new(path);
-                collection.page_size = page_size();
+                    reconcilers::clusterip_repair::reflector::Collection::new(path)
+                        .paged(page_size());
                 collection.protobuf = list_protobuf();
                 tokio::spawn(async move {
                     reconcilers::clusterip_repair::reflector::fetch_raw_pages(&client, &collection)
@@ -611,13 +614,15 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
                 &client,
                 page_size(),
                 list_protobuf(),
+                None,
             )
             .await?;
             let listed = started.elapsed();
+            let synced_ahead = snapshot.services_synced_ahead();
             let started = Instant::now();
             let decision = snapshot.decide(jiff::Timestamp::now(), Duration::from_secs(60));
             eprintln!(
-                "snapshot list {:.1} ms, decide {:.1} ms ({} findings)",
+                "snapshot list {:.1} ms ({synced_ahead} Services synced while listing), decide {:.1} ms ({} findings)",
                 ms(listed),
                 ms(started.elapsed()),
                 decision.findings.len()

@@ -1239,10 +1239,13 @@ async fn protobuf_and_json_lists_give_the_same_records() -> Result<()> {
         "every page came as protobuf"
     );
 
-    let mut from_protobuf = Snapshot::list(&client, 3, true).await?;
-    let mut from_json = Snapshot::list(&client, 3, false).await?;
-    assert!(from_json.services().len() > 5 && from_json.ip_addresses().len() > 5);
-    assert_eq!(from_protobuf.services(), from_json.services());
+    let mut from_protobuf = Snapshot::list(&client, 3, true, None).await?;
+    let mut from_json = Snapshot::list(&client, 3, false, None).await?;
+    assert!(from_json.services().count() > 5 && from_json.ip_addresses().len() > 5);
+    assert!(
+        from_protobuf.services().eq(from_json.services()),
+        "the same Services"
+    );
     assert_eq!(from_protobuf.ip_addresses(), from_json.ip_addresses());
     assert_eq!(from_protobuf.service_cidrs(), from_json.service_cidrs());
     // The IPAddress index each snapshot built page by page points where one built at once does.
@@ -1259,6 +1262,24 @@ async fn protobuf_and_json_lists_give_the_same_records() -> Result<()> {
     assert_eq!(from_protobuf.decide(now, grace), unindexed);
     assert_eq!(from_protobuf.decide(now, grace), unindexed, "decided again");
     assert_eq!(from_json.decide(now, grace), unindexed);
+
+    // With each Service page held back, the IPAddresses and ServiceCIDRs are complete first,
+    // and the Service phase runs on the Service pages as they come; the decision is the same.
+    sim.faults().inject(FaultRule::next(
+        Some(Verb::List),
+        Some("services"),
+        3,
+        FaultKind::Latency { millis: 500 },
+    ));
+    let mut ahead = Snapshot::list(&client, 3, true, None).await?;
+    // The last page may come just as the listing ends, and stay for the decision.
+    let synced_ahead = ahead.services_synced_ahead();
+    assert!(
+        synced_ahead > 0 && synced_ahead + 3 >= ahead.services().count(),
+        "{synced_ahead} of {} Services synced ahead",
+        ahead.services().count()
+    );
+    assert_eq!(ahead.decide(now, grace), unindexed);
 
     // Errors of protobuf requests are protobuf Status objects; they decode to the same error.
     let mut request = http::Request::get("/api/v1/services?limit=1&continue=not-a-token")

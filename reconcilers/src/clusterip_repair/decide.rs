@@ -6,6 +6,8 @@
 //! `Repair` for clusters that do not serve IPAddress: it can only report.
 
 use std::net::IpAddr;
+
+use ipnet::IpNet;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -290,15 +292,110 @@ impl IpIndex {
     }
 }
 
+/// The IPAddresses the lookups point into: referenced one by one (from a cache) or as listed.
+#[derive(Clone, Copy)]
+enum IpRecords<'i, 'a> {
+    Refs(&'i [&'a IpAddressRecord]),
+    Listed(&'a [IpAddressRecord]),
+}
+
+impl<'a> IpRecords<'_, 'a> {
+    fn get(self, at: u32) -> &'a IpAddressRecord {
+        match self {
+            IpRecords::Refs(refs) => refs[at as usize],
+            IpRecords::Listed(listed) => &listed[at as usize],
+        }
+    }
+}
+
 /// The lookups a pass makes, built once per pass.
 struct Index<'i, 'a> {
-    ip_addresses: &'i [&'a IpAddressRecord],
-    ips_by_addr: IpIndex,
-    services_by_key: ServicesByKey<'i, 'a>,
+    ip_addresses: IpRecords<'i, 'a>,
+    ips_by_addr: &'i IpIndex,
+    /// `None` while the Services are still being listed: a Service whose sync needs to look
+    /// up another Service waits for the decision (see [`ServicePhaseAhead`]).
+    services_by_key: Option<&'i ServicesByKey<'i, 'a>>,
+}
+
+/// A Service's sync needed another Service while not all were listed yet.
+struct NeedsAllServices;
+
+/// The IPAddresses of a fresh LIST, in list order, with their index.
+#[derive(Debug, Default)]
+pub struct ListedIpAddresses {
+    pub records: Vec<IpAddressRecord>,
+    pub index: IpIndex,
+}
+
+/// The Service phase of a fresh LIST, run on the Services page by page while the rest are still
+/// on their way, once the IPAddresses and ServiceCIDRs are complete: the pass then does not do
+/// it all after the last page. It syncs each Service exactly as the decision would, except
+/// those whose IPAddress names another Service: their sync needs every Service, so they wait.
+/// A decision takes it over only for the same ServiceCIDRs and IPAddresses.
+#[derive(Debug)]
+pub struct ServicePhaseAhead {
+    cidrs: Vec<IpNet>,
+    ranges: Vec<ServiceRange>,
+    ip_addresses: usize,
+    /// How many Services, from the first listed, it has seen.
+    services: usize,
+    phase: ServicePhase,
+}
+
+impl ServicePhaseAhead {
+    pub fn new(service_cidrs: &[ServiceCidrRecord], ip_addresses: &ListedIpAddresses) -> Self {
+        let cidrs = cidrs_of(service_cidrs.iter());
+        Self {
+            ranges: cidrs.iter().copied().map(ServiceRange::new).collect(),
+            cidrs,
+            ip_addresses: ip_addresses.records.len(),
+            services: 0,
+            phase: ServicePhase::default(),
+        }
+    }
+
+    /// How many Services, from the first listed, it has seen.
+    pub fn services(&self) -> usize {
+        self.services
+    }
+
+    /// Syncs the Services that follow those seen so far, against `ip_addresses` (those it was
+    /// made with).
+    pub fn sync(&mut self, services: &[ServiceRecord], ip_addresses: &ListedIpAddresses) {
+        if ip_addresses.records.len() != self.ip_addresses {
+            debug_assert!(false, "a ServicePhaseAhead given other IPAddresses");
+            return;
+        }
+        if u32::try_from(self.services + services.len()).is_err() {
+            // Positions are u32; the decision syncs any Services beyond.
+            return;
+        }
+        let index = Index {
+            ip_addresses: IpRecords::Listed(&ip_addresses.records),
+            ips_by_addr: &ip_addresses.index,
+            services_by_key: None,
+        };
+        let part = sync_services(
+            services,
+            self.services,
+            Claims::PerService(Vec::new()),
+            &self.ranges,
+            &index,
+        );
+        self.phase.absorb(part);
+        self.services += services.len();
+    }
+}
+
+fn cidrs_of<'a>(service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>) -> Vec<IpNet> {
+    service_cidrs
+        .into_iter()
+        .flat_map(|cidr| cidr.cidrs.iter().copied())
+        .collect()
 }
 
 /// What the Service phase found and did, for one run over some Services.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct ServicePhase {
     findings: Vec<Finding>,
     /// IPAddresses (positions in `Index::ip_addresses`) this phase (re)creates: the IPAddress
@@ -311,9 +408,44 @@ struct ServicePhase {
     /// the Services were synced on their own, one IP in here twice means they should not have.
     claimed: Vec<u32>,
     claimed_unallocated: Vec<IpAddr>,
+    /// Services (positions in the list) whose sync waits for every Service to be listed.
+    deferred: Vec<u32>,
 }
 
+/// The lengths of a [`ServicePhase`]'s lists before a Service's sync, to undo it.
+struct Checkpoint([usize; 5]);
+
 impl ServicePhase {
+    fn checkpoint(&self) -> Checkpoint {
+        Checkpoint([
+            self.findings.len(),
+            self.rewritten.len(),
+            self.matched.len(),
+            self.claimed.len(),
+            self.claimed_unallocated.len(),
+        ])
+    }
+
+    fn undo(
+        &mut self,
+        Checkpoint([findings, rewritten, matched, claimed, unallocated]): Checkpoint,
+    ) {
+        self.findings.truncate(findings);
+        self.rewritten.truncate(rewritten);
+        self.matched.truncate(matched);
+        self.claimed.truncate(claimed);
+        self.claimed_unallocated.truncate(unallocated);
+    }
+
+    fn absorb(&mut self, part: ServicePhase) {
+        self.findings.extend(part.findings);
+        self.rewritten.extend(part.rewritten);
+        self.matched.extend(part.matched);
+        self.claimed.extend(part.claimed);
+        self.claimed_unallocated.extend(part.claimed_unallocated);
+        self.deferred.extend(part.deferred);
+    }
+
     fn claim<'a>(
         &mut self,
         claims: &mut Claims<'a>,
@@ -352,22 +484,25 @@ pub fn decide_ipaddress_mode<'a>(
     now: jiff::Timestamp,
     orphan_grace: Duration,
 ) -> Decision {
-    decide_indexed(
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    decide_in_chunks(
         services,
         ip_addresses,
+        None,
         None,
         service_cidrs,
         now,
         orphan_grace,
+        |services| Some(services.div_ceil(threads).max(SERVICES_PER_THREAD)),
     )
 }
 
-/// [`decide_ipaddress_mode`] with the IPAddresses already indexed, in the order `ip_addresses`
-/// yields them. An index of another length is a bug: ignored, and a panic in debug builds.
-pub fn decide_indexed<'a>(
+/// [`decide_ipaddress_mode`] for a fresh LIST: the IPAddresses already indexed, and maybe the
+/// Service phase already run on some Services (`ahead`, made with these IPAddresses).
+pub(super) fn decide_listed<'a>(
     services: impl IntoIterator<Item = &'a ServiceRecord>,
-    ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>,
-    index: Option<IpIndex>,
+    ip_addresses: &'a ListedIpAddresses,
+    ahead: Option<ServicePhaseAhead>,
     service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
     now: jiff::Timestamp,
     orphan_grace: Duration,
@@ -375,8 +510,9 @@ pub fn decide_indexed<'a>(
     let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     decide_in_chunks(
         services,
-        ip_addresses,
-        index,
+        &ip_addresses.records,
+        Some(&ip_addresses.index),
+        ahead,
         service_cidrs,
         now,
         orphan_grace,
@@ -387,10 +523,14 @@ pub fn decide_indexed<'a>(
 /// [`decide_ipaddress_mode`] with the Service phase split into chunks of
 /// `chunk_len(services)` Services, each on its own thread (tests choose tiny chunks); `None`
 /// walks the Services in key order on one thread, as upstream does (the tests' reference).
+/// `index` is used when it indexes `ip_addresses` in their order, `ahead` when it was run on
+/// them and the same ServiceCIDRs.
+#[allow(clippy::too_many_arguments)]
 fn decide_in_chunks<'a>(
     services: impl IntoIterator<Item = &'a ServiceRecord>,
     ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>,
-    index: Option<IpIndex>,
+    index: Option<&IpIndex>,
+    ahead: Option<ServicePhaseAhead>,
     service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
     now: jiff::Timestamp,
     orphan_grace: Duration,
@@ -398,86 +538,85 @@ fn decide_in_chunks<'a>(
 ) -> Decision {
     let services: Vec<&ServiceRecord> = services.into_iter().collect();
     let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
-    let ranges: Vec<ServiceRange> = service_cidrs
-        .into_iter()
-        .flat_map(|cidr| cidr.cidrs.iter().copied())
-        .map(ServiceRange::new)
-        .collect();
+    let cidrs = cidrs_of(service_cidrs);
+    let ranges: Vec<ServiceRange> = cidrs.iter().copied().map(ServiceRange::new).collect();
+    let built;
     let ips_by_addr = match index {
         Some(index) if index.len() == ip_addresses.len() => index,
         other => {
             debug_assert!(other.is_none(), "an IpIndex of another list");
-            IpIndex::of(ip_addresses.iter().copied())
+            built = IpIndex::of(ip_addresses.iter().copied());
+            &built
         }
+    };
+    let services_by_key = ServicesByKey {
+        services: &services,
+        map: OnceLock::new(),
     };
     let index = Index {
-        ip_addresses: &ip_addresses,
+        ip_addresses: IpRecords::Refs(&ip_addresses),
         ips_by_addr,
-        services_by_key: ServicesByKey {
-            services: &services,
-            map: OnceLock::new(),
-        },
+        services_by_key: Some(&services_by_key),
     };
+    let ahead = ahead.filter(|ahead| {
+        let fits = ahead.cidrs == cidrs
+            && ahead.ip_addresses == ip_addresses.len()
+            && ahead.services <= services.len();
+        debug_assert!(fits, "a ServicePhaseAhead of another list");
+        fits
+    });
 
-    // First assume no IP is claimed by two Services: then each Service can be synced on its
-    // own, on several threads, in whatever order the cache holds them. The findings still come
-    // in key order (a stable sort keeps each Service's own in clusterIPs order).
-    let sync = |chunk: &[&'a ServiceRecord], mut claims: Claims<'a>| {
-        let mut phase = ServicePhase::default();
-        let mut found: Vec<Option<u32>> = Vec::with_capacity(2 * LOOKAHEAD);
-        for batch in chunk.chunks(LOOKAHEAD) {
-            // Each lookup is a chain of cache misses (bucket, position, record). Done for a
-            // batch in short loops of their own, the misses of different IPs overlap instead of
-            // one chain at a time waiting inside the long sync below.
-            found.clear();
-            found.extend(
-                batch
-                    .iter()
-                    .flat_map(|svc| svc.cluster_ips.iter())
-                    .map(|raw| raw.ip().and_then(|ip| index.ips_by_addr.get(ip))),
-            );
-            let warmed = found
-                .iter()
-                .flatten()
-                .map(|&at| index.ip_addresses[at as usize])
-                .fold(0, |acc, ip| acc ^ touch_service_phase_fields(ip));
-            std::hint::black_box(warmed);
-            let mut found = found.iter().copied();
-            for svc in batch {
-                claims.next_service();
-                for cluster_ip in svc.cluster_ips.iter() {
-                    let at = found.next().flatten();
-                    sync_service_ip(
-                        svc,
-                        cluster_ip,
-                        at,
-                        &ranges,
-                        &index,
-                        &mut claims,
-                        &mut phase,
-                    );
-                }
-            }
-        }
-        phase
-    };
     let in_key_order = || {
         // Upstream walks the lister in key order, so "who claimed it first" is the Service with
         // the smaller key; only then does the order matter.
         let mut in_key_order = services.clone();
         in_key_order.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        sync(&in_key_order, Claims::Global(fast_map(ip_addresses.len())))
+        sync_services(
+            &in_key_order,
+            0,
+            Claims::Global(fast_map(ip_addresses.len())),
+            &ranges,
+            &index,
+        )
     };
     let phase = match chunk_len(services.len()) {
         None => in_key_order(),
-        Some(chunk) => {
+        Some(_) => {
+            // First assume no IP is claimed by two Services: then each Service can be synced
+            // on its own, on several threads, in whatever order the cache holds them (or
+            // ahead, as they were listed). The findings still come in key order (a stable sort
+            // keeps each Service's own in clusterIPs order).
+            let (mut phase, rest): (ServicePhase, Vec<&ServiceRecord>) = match ahead {
+                Some(mut ahead) => {
+                    let deferred = std::mem::take(&mut ahead.phase.deferred);
+                    let rest = deferred
+                        .iter()
+                        .map(|&at| services[at as usize])
+                        .chain(services[ahead.services..].iter().copied())
+                        .collect();
+                    (ahead.phase, rest)
+                }
+                None => (ServicePhase::default(), services.clone()),
+            };
+            let chunk = chunk_len(rest.len()).unwrap_or(rest.len()).max(1);
             let parts: Vec<ServicePhase> = std::thread::scope(|scope| {
-                let mut chunks = services.chunks(chunk.max(1));
+                let mut chunks = rest.chunks(chunk);
                 let first = chunks.next().unwrap_or_default();
                 let others: Vec<_> = chunks
-                    .map(|chunk| scope.spawn(move || sync(chunk, Claims::PerService(Vec::new()))))
+                    .map(|chunk| {
+                        let (ranges, index) = (&ranges, &index);
+                        scope.spawn(move || {
+                            sync_services(chunk, 0, Claims::PerService(Vec::new()), ranges, index)
+                        })
+                    })
                     .collect();
-                let mut parts = vec![sync(first, Claims::PerService(Vec::new()))];
+                let mut parts = vec![sync_services(
+                    first,
+                    0,
+                    Claims::PerService(Vec::new()),
+                    &ranges,
+                    &index,
+                )];
                 for other in others {
                     parts.push(
                         other
@@ -487,13 +626,8 @@ fn decide_in_chunks<'a>(
                 }
                 parts
             });
-            let mut phase = ServicePhase::default();
             for part in parts {
-                phase.findings.extend(part.findings);
-                phase.rewritten.extend(part.rewritten);
-                phase.matched.extend(part.matched);
-                phase.claimed.extend(part.claimed);
-                phase.claimed_unallocated.extend(part.claimed_unallocated);
+                phase.absorb(part);
             }
             if claimed_twice(&phase, ip_addresses.len()) {
                 in_key_order()
@@ -505,6 +639,7 @@ fn decide_in_chunks<'a>(
             }
         }
     };
+    debug_assert!(phase.deferred.is_empty(), "every Service was listed");
 
     let mut settled = vec![false; ip_addresses.len()];
     for &at in phase.rewritten.iter().chain(&phase.matched) {
@@ -517,13 +652,71 @@ fn decide_in_chunks<'a>(
     let service_findings = decision.findings.len();
     for (ip, settled) in ip_addresses.iter().zip(settled) {
         if !settled {
-            sync_ip_address(ip, &index, now, orphan_grace, &mut decision);
+            sync_ip_address(ip, &services_by_key, now, orphan_grace, &mut decision);
         }
     }
     // IPAddresses come in cache order; report them in name order (there are few findings, and
     // sorting them is cheaper than sorting every IPAddress).
     decision.findings[service_findings..].sort_by_key(|finding| finding.regarding.object());
     decision
+}
+
+/// Upstream's `syncService` for each of `services` (the first at position `first` of the list)
+/// with `claims` as the IPs claimed so far. A Service whose sync needs every Service while they
+/// are not all listed is left out, its position noted in `deferred`.
+fn sync_services<'c, S: std::borrow::Borrow<ServiceRecord>>(
+    services: &'c [S],
+    first: usize,
+    mut claims: Claims<'c>,
+    ranges: &[ServiceRange],
+    index: &Index<'_, '_>,
+) -> ServicePhase {
+    let mut phase = ServicePhase::default();
+    let mut found: Vec<Option<u32>> = Vec::with_capacity(2 * LOOKAHEAD);
+    for (batch_number, batch) in services.chunks(LOOKAHEAD).enumerate() {
+        // Each lookup is a chain of cache misses (bucket, position, record). Done for a batch
+        // in short loops of their own, the misses of different IPs overlap instead of one chain
+        // at a time waiting inside the long sync below.
+        found.clear();
+        found.extend(
+            batch
+                .iter()
+                .flat_map(|svc| svc.borrow().cluster_ips.iter())
+                .map(|raw| raw.ip().and_then(|ip| index.ips_by_addr.get(ip))),
+        );
+        let warmed = found
+            .iter()
+            .flatten()
+            .map(|&at| index.ip_addresses.get(at))
+            .fold(0, |acc, ip| acc ^ touch_service_phase_fields(ip));
+        std::hint::black_box(warmed);
+        let mut found = found.iter().copied();
+        for (offset, svc) in batch.iter().enumerate() {
+            let svc = svc.borrow();
+            claims.next_service();
+            let checkpoint = phase.checkpoint();
+            let mut deferred = false;
+            for cluster_ip in svc.cluster_ips.iter() {
+                let at = found.next().flatten();
+                if deferred {
+                    continue;
+                }
+                let synced =
+                    sync_service_ip(svc, cluster_ip, at, ranges, index, &mut claims, &mut phase);
+                if synced.is_err() {
+                    deferred = true;
+                }
+            }
+            if deferred {
+                phase.undo(checkpoint);
+                let position = first + batch_number * LOOKAHEAD + offset;
+                phase
+                    .deferred
+                    .push(u32::try_from(position).unwrap_or(u32::MAX));
+            }
+        }
+    }
+    phase
 }
 
 /// Reads what the Service phase reads of an IPAddress, so its cache lines are loaded early.
@@ -561,10 +754,10 @@ fn sync_service_ip<'a>(
     raw: &ClusterIp,
     at: Option<u32>,
     ranges: &[ServiceRange],
-    index: &Index<'_, 'a>,
+    index: &Index<'_, '_>,
     claims: &mut Claims<'a>,
     phase: &mut ServicePhase,
-) {
+) -> Result<(), NeedsAllServices> {
     let regarding = || Regarding::service(svc);
     let owner = || ServiceOwner {
         namespace: svc.namespace.clone(),
@@ -584,7 +777,7 @@ fn sync_service_ip<'a>(
             error_type: Some("invalid"),
             repair: Repair::None,
         });
-        return;
+        return Ok(());
     };
     let family = IpFamily::of(ip);
     if !ranges.iter().any(|range| range.holds_service_ip(ip)) {
@@ -601,7 +794,7 @@ fn sync_service_ip<'a>(
             error_type: Some("outOfRange"),
             repair: Repair::None,
         });
-        return;
+        return Ok(());
     }
     let duplicate = |phase: &mut ServicePhase| {
         phase.findings.push(Finding {
@@ -622,7 +815,7 @@ fn sync_service_ip<'a>(
         if first != this {
             duplicate(phase);
         }
-        return;
+        return Ok(());
     }
 
     let Some(at) = at else {
@@ -638,9 +831,9 @@ fn sync_service_ip<'a>(
             error_type: Some("repair"),
             repair: Repair::Create { ip, owner: owner() },
         });
-        return;
+        return Ok(());
     };
-    let existing = index.ip_addresses[at as usize];
+    let existing = index.ip_addresses.get(at);
     let existing_version = || ObjectVersion {
         uid: existing.uid.to_string().into(),
         resource_version: existing.resource_version.to_string().into(),
@@ -662,7 +855,7 @@ fn sync_service_ip<'a>(
         } else {
             duplicate(phase);
         }
-        return;
+        return Ok(());
     }
 
     let wrong_reference = |dangling_parent: Option<ServiceOwner>| Finding {
@@ -688,7 +881,8 @@ fn sync_service_ip<'a>(
     match parent {
         Some(p) if p.is_service() => {
             if !parent_is_this {
-                match index.services_by_key.get(&p.namespace, &p.name) {
+                let services_by_key = index.services_by_key.ok_or(NeedsAllServices)?;
+                match services_by_key.get(&p.namespace, &p.name) {
                     None => {
                         phase.claim(claims, ip, Some(at), this);
                         phase.rewritten.push(at);
@@ -696,13 +890,13 @@ fn sync_service_ip<'a>(
                             namespace: p.namespace.clone(),
                             name: p.name.clone(),
                         })));
-                        return;
+                        return Ok(());
                     }
                     Some(referenced) if referenced.lists_ip(ip) => {
                         // Upstream goes on to the label check and may hand the IPAddress to
                         // this Service; the owner's own sync repairs labels without that churn.
                         duplicate(phase);
-                        return;
+                        return Ok(());
                     }
                     // The IPAddress phase deletes it; the next pass recreates it for us.
                     Some(_) => {}
@@ -713,7 +907,7 @@ fn sync_service_ip<'a>(
             phase.claim(claims, ip, Some(at), this);
             phase.rewritten.push(at);
             phase.findings.push(wrong_reference(None));
-            return;
+            return Ok(());
         }
     }
 
@@ -738,6 +932,7 @@ fn sync_service_ip<'a>(
             },
         });
     }
+    Ok(())
 }
 
 /// Go's `%v` of a `*ParentReference`, as upstream's note prints it.
@@ -750,7 +945,7 @@ fn go_parent_ref(parent: Option<&ParentRef>) -> String {
 
 fn sync_ip_address(
     ip: &IpAddressRecord,
-    index: &Index<'_, '_>,
+    services_by_key: &ServicesByKey<'_, '_>,
     now: jiff::Timestamp,
     orphan_grace: Duration,
     decision: &mut Decision,
@@ -788,7 +983,7 @@ fn sync_ip_address(
         }
     };
     let addr = ip.name.ip();
-    match index.services_by_key.get(&parent.namespace, &parent.name) {
+    match services_by_key.get(&parent.namespace, &parent.name) {
         None => {
             let grace =
                 jiff::SignedDuration::try_from(orphan_grace).unwrap_or(jiff::SignedDuration::MAX);
@@ -1298,16 +1493,33 @@ mod tests {
         (services, ips)
     }
 
+    fn same_findings(decided: &Decision, reference: &Decision, case: &str) {
+        let differs = decided
+            .findings
+            .iter()
+            .zip(&reference.findings)
+            .position(|(a, b)| a != b);
+        assert_eq!(
+            (decided.findings.len(), differs, decided.next_recheck),
+            (reference.findings.len(), None, reference.next_recheck),
+            "{case}: first difference {:?}",
+            differs.map(|at| (&decided.findings[at], &reference.findings[at]))
+        );
+    }
+
     #[test]
     fn threads_and_cache_order_decide_as_upstreams_key_order_walk() {
         let mut kinds = std::collections::BTreeSet::new();
         let mut contested_seen = false;
+        let mut deferred_seen = false;
         for seed in 1..40u64 {
             // A pool of 40 IPs for 60 Services: shared IPs; 240: rarely.
             for pool in [40, 240] {
                 let (services, ips) = damaged_cluster(seed, pool);
                 let serial =
-                    decide_in_chunks(&services, &ips, None, &cidrs(), now(), GRACE, |_| None);
+                    decide_in_chunks(&services, &ips, None, None, &cidrs(), now(), GRACE, |_| {
+                        None
+                    });
                 contested_seen |= serial
                     .findings
                     .iter()
@@ -1326,26 +1538,58 @@ mod tests {
                                 index
                             })
                         });
-                        let chunked =
-                            decide_in_chunks(services, ips, index, &cidrs(), now(), GRACE, |_| {
-                                Some(chunk)
-                            });
-                        let differs = chunked
-                            .findings
-                            .iter()
-                            .zip(&serial.findings)
-                            .position(|(a, b)| a != b);
-                        assert_eq!(
-                            (chunked.findings.len(), differs, chunked.next_recheck),
-                            (serial.findings.len(), None, serial.next_recheck),
-                            "seed {seed}, pool {pool}, chunks of {chunk}: first difference {:?}",
-                            differs.map(|at| (&chunked.findings[at], &serial.findings[at]))
+                        let chunked = decide_in_chunks(
+                            services,
+                            ips,
+                            index.as_ref(),
+                            None,
+                            &cidrs(),
+                            now(),
+                            GRACE,
+                            |_| Some(chunk),
                         );
+                        same_findings(
+                            &chunked,
+                            &serial,
+                            &format!("seed {seed}, pool {pool}, chunks of {chunk}"),
+                        );
+
+                        // The Service phase run ahead on the first pages of Services (a page
+                        // of `chunk`), the rest left to the decision.
+                        let listed = ListedIpAddresses {
+                            records: ips.clone(),
+                            index: IpIndex::of(ips.iter()),
+                        };
+                        for synced_ahead in [services.len(), services.len() / 2] {
+                            let mut ahead = ServicePhaseAhead::new(&cidrs(), &listed);
+                            for page in services[..synced_ahead].chunks(chunk) {
+                                ahead.sync(page, &listed);
+                            }
+                            deferred_seen |= !ahead.phase.deferred.is_empty();
+                            let decided = decide_in_chunks(
+                                services,
+                                &listed.records,
+                                Some(&listed.index),
+                                Some(ahead),
+                                &cidrs(),
+                                now(),
+                                GRACE,
+                                |_| Some(chunk),
+                            );
+                            same_findings(
+                                &decided,
+                                &serial,
+                                &format!(
+                                    "seed {seed}, pool {pool}, {synced_ahead} Services synced ahead in pages of {chunk}"
+                                ),
+                            );
+                        }
                     }
                 }
             }
         }
         assert!(contested_seen, "some seeds have IPs claimed twice");
+        assert!(deferred_seen, "some Services wait for the decision");
         assert!(
             kinds.len() >= 9,
             "the seeds cover most kinds of finding: {kinds:?}"

@@ -89,7 +89,7 @@ pub struct ClusterIpRepairConfig {
     pub freshness_wait: Duration,
     /// When a delete is deferred, look again after this long.
     pub deferral_retry: Duration,
-    /// LIST page size.
+    /// LIST page size (IPAddresses: [`reflector::IPADDRESS_PAGE_FACTOR`] times this).
     pub page_size: u32,
     /// Ask for LIST pages in protobuf (falls back to JSON per response); `false` only to
     /// compare the two.
@@ -326,8 +326,7 @@ impl ClusterIpRepair {
     }
 
     fn collection(&self, path: &'static str) -> Collection {
-        let mut collection = Collection::new(path);
-        collection.page_size = self.config.page_size;
+        let mut collection = Collection::new(path).paged(self.config.page_size);
         collection.protobuf = self.config.list_protobuf;
         collection
     }
@@ -425,10 +424,10 @@ impl ClusterIpRepair {
                     )));
                 }
             }
-            let stand_in = self.default_service_cidr_stand_in(
-                ctx,
-                service_cidrs.contains_key(DEFAULT_SERVICE_CIDR),
-            )?;
+            let stand_in = match service_cidrs.contains_key(DEFAULT_SERVICE_CIDR) {
+                true => None,
+                false => Some(self.default_service_cidr_stand_in(ctx)?),
+            };
             decide::decide_ipaddress_mode(
                 services.values(),
                 ip_addresses.values(),
@@ -437,19 +436,22 @@ impl ClusterIpRepair {
                 self.config.orphan_grace,
             )
         } else {
+            // Listed with the stand-in, if any, so the Service phase can run while listing.
+            let stand_in = self.default_service_cidr_stand_in(ctx);
             let mut snapshot = Snapshot::list(
                 &ctx.client,
                 self.config.page_size,
                 self.config.list_protobuf,
+                stand_in.as_ref().ok().cloned(),
             )
             .await?;
-            let present = snapshot
+            if !snapshot
                 .service_cidrs
                 .iter()
-                .any(|c| &*c.name == DEFAULT_SERVICE_CIDR);
-            snapshot
-                .service_cidrs
-                .extend(self.default_service_cidr_stand_in(ctx, present)?);
+                .any(|c| &*c.name == DEFAULT_SERVICE_CIDR)
+            {
+                stand_in?;
+            }
             let decision = snapshot.decide(now, self.config.orphan_grace);
             // Freeing a few hundred thousand records takes milliseconds that the pass need
             // not wait for.
@@ -465,17 +467,13 @@ impl ClusterIpRepair {
     fn default_service_cidr_stand_in(
         &self,
         ctx: &PassContext,
-        present: bool,
-    ) -> Result<Option<ServiceCidrRecord>, LoopError> {
-        if present {
-            return Ok(None);
-        }
+    ) -> Result<ServiceCidrRecord, LoopError> {
         if !ctx.dry_run || self.config.service_ranges.is_empty() {
             return Err(LoopError::NotSynced(format!(
                 "waiting for the default ServiceCIDR {DEFAULT_SERVICE_CIDR:?} to exist"
             )));
         }
-        Ok(Some(ServiceCidrRecord {
+        Ok(ServiceCidrRecord {
             name: DEFAULT_SERVICE_CIDR.into(),
             resource_version: 0,
             cidrs: self.config.service_ranges.clone(),
@@ -486,7 +484,7 @@ impl ClusterIpRepair {
                 .map(|net| net.to_string().into_boxed_str())
                 .collect(),
             deleting: false,
-        }))
+        })
     }
 
     async fn act(&self, ctx: &PassContext, decision: Decision) -> Result<PassReport, LoopError> {
@@ -885,23 +883,47 @@ fn drift_of(finding: &Finding, action: Action, applied: bool, note: Option<Strin
 /// The three collections, listed fresh (no caches).
 #[derive(Debug, Default)]
 pub struct Snapshot {
-    services: Vec<ServiceRecord>,
-    ip_addresses: Vec<IpAddressRecord>,
-    /// `ip_addresses` indexed while they were listed, until a decision takes it.
-    ip_index: Option<decide::IpIndex>,
+    /// In list order, as the pages came.
+    services: Vec<Vec<ServiceRecord>>,
+    ip_addresses: Arc<decide::ListedIpAddresses>,
     service_cidrs: Vec<ServiceCidrRecord>,
+    /// The Service phase as far as it got while the Services were listed, until a decision
+    /// takes it.
+    ahead: Option<decide::ServicePhaseAhead>,
+}
+
+/// What the thread that keeps the Service pages receives.
+enum Arrival {
+    Services(Vec<ServiceRecord>),
+    /// The IPAddresses and ServiceCIDRs, all of them.
+    Rest(Arc<decide::ListedIpAddresses>, Vec<ServiceCidrRecord>),
+}
+
+/// Sets the flag when dropped: however a listing ends, its Service thread stops working ahead.
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Snapshot {
     /// Lists Services, IPAddresses and ServiceCIDRs concurrently, each completely or not at all.
+    /// `stand_in` is added to the ServiceCIDRs when they lack the default one.
+    ///
+    /// The IPAddresses and ServiceCIDRs are usually complete before the Services (they are
+    /// fewer bytes): from then on a thread of its own runs the Service phase on each Service
+    /// page as it comes ([`decide::ServicePhaseAhead`]), so little of it is left for after the
+    /// last page.
     pub async fn list(
         client: &Client,
         page_size: u32,
         protobuf: bool,
+        stand_in: Option<ServiceCidrRecord>,
     ) -> Result<Self, kube::Error> {
         let collection = |path| {
-            let mut collection = Collection::new(path);
-            collection.page_size = page_size;
+            let mut collection = Collection::new(path).paged(page_size);
             collection.protobuf = protobuf;
             collection
         };
@@ -918,63 +940,138 @@ impl Snapshot {
                 }
             }
         }
-        fn listed<T: serde::de::DeserializeOwned + protobuf::ProtobufRecord + Send + 'static>(
-            client: &Client,
-            collection: Collection,
-        ) -> impl Future<Output = Result<Vec<T>, kube::Error>> + Send + 'static {
-            let client = client.clone();
-            async move { list_all(&client, &collection).await.map(|(items, _)| items) }
-        }
+        let (arrivals, arrived) = std::sync::mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_when_done = SetOnDrop(stop.clone());
+        let service_thread = tokio::task::spawn_blocking(move || keep_services(&arrived, &stop));
+        let services = {
+            let (client, collection, arrivals) = (
+                client.clone(),
+                collection(reflector::SERVICES),
+                arrivals.clone(),
+            );
+            async move {
+                let mut page = Vec::new();
+                reflector::list_pages(&client, &collection, &mut page, |page, _| {
+                    // The next page decodes into room of the same size.
+                    let full = std::mem::replace(page, Vec::with_capacity(page.capacity()));
+                    // The thread only ends once every sender is gone.
+                    let _ = arrivals.send(Arrival::Services(full));
+                })
+                .await?;
+                Ok(())
+            }
+        };
         let ip_addresses = {
             let (client, collection) = (client.clone(), collection(reflector::IPADDRESSES));
             async move {
-                let (mut items, mut index) = (Vec::new(), decide::IpIndex::default());
-                reflector::list_pages(&client, &collection, &mut items, |items, remaining| {
-                    items.reserve(remaining);
+                let mut listed = decide::ListedIpAddresses::default();
+                let (records, index) = (&mut listed.records, &mut listed.index);
+                reflector::list_pages(&client, &collection, records, |records, remaining| {
+                    records.reserve(remaining);
                     index.reserve(remaining);
-                    index.extend(&items[index.len()..]);
+                    index.extend(&records[index.len()..]);
                 })
                 .await?;
-                Ok((items, index))
+                Ok(Arc::new(listed))
             }
         };
-        let (services, (ip_addresses, ip_index), service_cidrs) = futures::try_join!(
-            spawned(listed(client, collection(reflector::SERVICES))),
-            spawned(ip_addresses),
-            spawned(listed(client, collection(reflector::SERVICECIDRS))),
-        )?;
+        let service_cidrs = {
+            let (client, collection) = (client.clone(), collection(reflector::SERVICECIDRS));
+            async move {
+                list_all::<ServiceCidrRecord>(&client, &collection)
+                    .await
+                    .map(|(items, _)| items)
+            }
+        };
+        let rest = async move {
+            let (ip_addresses, mut service_cidrs) =
+                futures::try_join!(spawned(ip_addresses), spawned(service_cidrs))?;
+            if let Some(stand_in) = stand_in
+                && !service_cidrs
+                    .iter()
+                    .any(|c| &*c.name == DEFAULT_SERVICE_CIDR)
+            {
+                service_cidrs.push(stand_in);
+            }
+            let _ = arrivals.send(Arrival::Rest(ip_addresses.clone(), service_cidrs.clone()));
+            Ok((ip_addresses, service_cidrs))
+        };
+        let ((), (ip_addresses, service_cidrs)) = futures::try_join!(spawned(services), rest)?;
+        // Every sender is gone now: the thread takes what is still on its way and ends.
+        drop(stop_when_done);
+        let (services, ahead) = service_thread
+            .await
+            .map_err(|err| kube::Error::Service(Box::new(err)))?;
         Ok(Self {
             services,
             ip_addresses,
-            ip_index: Some(ip_index),
             service_cidrs,
+            ahead,
         })
     }
 
-    pub fn services(&self) -> &[ServiceRecord] {
-        &self.services
+    pub fn services(&self) -> impl Iterator<Item = &ServiceRecord> {
+        self.services.iter().flatten()
     }
 
     pub fn ip_addresses(&self) -> &[IpAddressRecord] {
-        &self.ip_addresses
+        &self.ip_addresses.records
     }
 
     pub fn service_cidrs(&self) -> &[ServiceCidrRecord] {
         &self.service_cidrs
     }
 
-    /// Decides the pass. The decision takes the IPAddress index over, so deciding again
-    /// indexes the IPAddresses anew.
+    /// How many Services the Service phase was run on while they were listed.
+    pub fn services_synced_ahead(&self) -> usize {
+        self.ahead
+            .as_ref()
+            .map_or(0, decide::ServicePhaseAhead::services)
+    }
+
+    /// Decides the pass. The decision takes over the Service phase run while listing, so
+    /// deciding again runs it anew.
     pub fn decide(&mut self, now: jiff::Timestamp, orphan_grace: Duration) -> Decision {
-        decide::decide_indexed(
-            &self.services,
+        let ahead = self.ahead.take();
+        decide::decide_listed(
+            self.services(),
             &self.ip_addresses,
-            self.ip_index.take(),
+            ahead,
             &self.service_cidrs,
             now,
             orphan_grace,
         )
     }
+}
+
+/// Keeps the Service pages as they arrive and, once the rest is complete, runs the Service
+/// phase on them until `stop`; ends when every sender is gone.
+fn keep_services(
+    arrived: &std::sync::mpsc::Receiver<Arrival>,
+    stop: &AtomicBool,
+) -> (Vec<Vec<ServiceRecord>>, Option<decide::ServicePhaseAhead>) {
+    let mut pages = Vec::new();
+    let mut ahead = None;
+    let mut synced_pages = 0;
+    for arrival in arrived {
+        match arrival {
+            Arrival::Services(page) => pages.push(page),
+            Arrival::Rest(ip_addresses, service_cidrs) => {
+                let phase = decide::ServicePhaseAhead::new(&service_cidrs, &ip_addresses);
+                ahead = Some((ip_addresses, phase));
+            }
+        }
+        if let Some((ip_addresses, phase)) = &mut ahead {
+            while let Some(page) = pages.get(synced_pages)
+                && !stop.load(Ordering::Relaxed)
+            {
+                phase.sync(page, ip_addresses);
+                synced_pages += 1;
+            }
+        }
+    }
+    (pages, ahead.map(|(_, phase)| phase))
 }
 
 impl Reconciler for ClusterIpRepair {
