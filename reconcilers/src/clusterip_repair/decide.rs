@@ -6,10 +6,10 @@
 //! `Repair` for clusters that do not serve IPAddress: it can only report.
 
 use std::net::IpAddr;
-
-use ipnet::IpNet;
 use std::sync::OnceLock;
 use std::time::Duration;
+
+use ipnet::IpNet;
 
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
@@ -484,7 +484,6 @@ pub fn decide_ipaddress_mode<'a>(
     now: jiff::Timestamp,
     orphan_grace: Duration,
 ) -> Decision {
-    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     decide_in_chunks(
         services,
         ip_addresses,
@@ -493,7 +492,7 @@ pub fn decide_ipaddress_mode<'a>(
         service_cidrs,
         now,
         orphan_grace,
-        |services| Some(services.div_ceil(threads).max(SERVICES_PER_THREAD)),
+        per_thread,
     )
 }
 
@@ -507,7 +506,6 @@ pub(super) fn decide_listed<'a>(
     now: jiff::Timestamp,
     orphan_grace: Duration,
 ) -> Decision {
-    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     decide_in_chunks(
         services,
         &ip_addresses.records,
@@ -516,8 +514,14 @@ pub(super) fn decide_listed<'a>(
         service_cidrs,
         now,
         orphan_grace,
-        |services| Some(services.div_ceil(threads).max(SERVICES_PER_THREAD)),
+        per_thread,
     )
+}
+
+/// Services per thread of the Service phase: one chunk per core, unless that makes them small.
+fn per_thread(services: usize) -> Option<usize> {
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    Some(services.div_ceil(threads).max(SERVICES_PER_THREAD))
 }
 
 /// [`decide_ipaddress_mode`] with the Service phase split into chunks of
