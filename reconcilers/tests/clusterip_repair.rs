@@ -1146,6 +1146,20 @@ async fn dry_run_before_the_default_service_cidr_exists_uses_the_configured_rang
     let err = repair.reconcile(&ctx(&client, false)).await.unwrap_err();
     assert!(err.to_string().contains("default ServiceCIDR"), "{err}");
     assert!(ip_address(&client, &ip).await?.is_none());
+
+    // The same without caches: each pass lists afresh, and the Service phase that runs while
+    // the Services are listed judges against the configured ranges too.
+    let (fresh, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let report = fresh.reconcile(&ctx(&client, true)).await?;
+    assert!(
+        has_drift(&report, "clusterip_not_allocated", "Service/shop/web")
+            && has_drift(&report, "clusterip_out_of_range", "Service/shop/far")
+            && report.drift.len() == 2,
+        "{report:#?}"
+    );
+    let err = fresh.reconcile(&ctx(&client, false)).await.unwrap_err();
+    assert!(err.to_string().contains("default ServiceCIDR"), "{err}");
+    assert!(ip_address(&client, &ip).await?.is_none());
     Ok(())
 }
 

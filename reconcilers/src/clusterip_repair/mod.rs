@@ -912,10 +912,11 @@ impl Snapshot {
     /// Lists Services, IPAddresses and ServiceCIDRs concurrently, each completely or not at all.
     /// `stand_in` is added to the ServiceCIDRs when they lack the default one.
     ///
-    /// The IPAddresses and ServiceCIDRs are usually complete before the Services (they are
-    /// fewer bytes): from then on a thread of its own runs the Service phase on each Service
-    /// page as it comes ([`decide::ServicePhaseAhead`]), so little of it is left for after the
-    /// last page.
+    /// The IPAddresses and ServiceCIDRs are usually complete before the Services (fewer bytes,
+    /// in larger pages: [`reflector::IPADDRESS_PAGE_FACTOR`]): from then on a thread of its own
+    /// runs the Service phase on each Service page as it comes ([`decide::ServicePhaseAhead`]),
+    /// so little of it is left for after the last page. When they come last, the decision runs
+    /// the whole phase, as before.
     pub async fn list(
         client: &Client,
         page_size: u32,
