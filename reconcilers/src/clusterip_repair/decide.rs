@@ -9,8 +9,6 @@ use std::net::IpAddr;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use ipnet::IpNet;
-
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
 use super::model::{
@@ -334,7 +332,6 @@ pub struct ListedIpAddresses {
 /// A decision takes it over only for the same ServiceCIDRs and IPAddresses.
 #[derive(Debug)]
 pub struct ServicePhaseAhead {
-    cidrs: Vec<IpNet>,
     ranges: Vec<ServiceRange>,
     ip_addresses: usize,
     /// How many Services, from the first listed, it has seen.
@@ -344,10 +341,8 @@ pub struct ServicePhaseAhead {
 
 impl ServicePhaseAhead {
     pub fn new(service_cidrs: &[ServiceCidrRecord], ip_addresses: &ListedIpAddresses) -> Self {
-        let cidrs = cidrs_of(service_cidrs.iter());
         Self {
-            ranges: cidrs.iter().copied().map(ServiceRange::new).collect(),
-            cidrs,
+            ranges: ranges_of(service_cidrs),
             ip_addresses: ip_addresses.records.len(),
             services: 0,
             phase: ServicePhase::default(),
@@ -387,10 +382,13 @@ impl ServicePhaseAhead {
     }
 }
 
-fn cidrs_of<'a>(service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>) -> Vec<IpNet> {
+fn ranges_of<'a>(
+    service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
+) -> Vec<ServiceRange> {
     service_cidrs
         .into_iter()
         .flat_map(|cidr| cidr.cidrs.iter().copied())
+        .map(ServiceRange::new)
         .collect()
 }
 
@@ -542,8 +540,7 @@ fn decide_in_chunks<'a>(
 ) -> Decision {
     let services: Vec<&ServiceRecord> = services.into_iter().collect();
     let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
-    let cidrs = cidrs_of(service_cidrs);
-    let ranges: Vec<ServiceRange> = cidrs.iter().copied().map(ServiceRange::new).collect();
+    let ranges = ranges_of(service_cidrs);
     let built;
     let ips_by_addr = match index {
         Some(index) if index.len() == ip_addresses.len() => index,
@@ -563,7 +560,7 @@ fn decide_in_chunks<'a>(
         services_by_key: Some(&services_by_key),
     };
     let ahead = ahead.filter(|ahead| {
-        let fits = ahead.cidrs == cidrs
+        let fits = ahead.ranges == ranges
             && ahead.ip_addresses == ip_addresses.len()
             && ahead.services <= services.len();
         debug_assert!(fits, "a ServicePhaseAhead of another list");
