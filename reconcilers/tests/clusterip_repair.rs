@@ -1163,6 +1163,63 @@ async fn dry_run_before_the_default_service_cidr_exists_uses_the_configured_rang
     Ok(())
 }
 
+/// A fresh listing that meets a failing page fails as a whole, whichever list the failure hits
+/// and however far the Service phase has run ahead of it, and never hangs: a snapshot that comes
+/// back has every Service and decides as one listed without faults.
+#[tokio::test]
+async fn snapshots_are_complete_or_fail() -> Result<()> {
+    use reconcilers::clusterip_repair::Snapshot;
+
+    let sim = start_sim().await?;
+    let client = sim.new_client().await?;
+    ensure_default_service_cidr(&client).await?;
+    plant_every_case(&sim, &client).await?;
+    let now = jiff::Timestamp::now();
+    let grace = Duration::from_secs(60);
+    let mut reference = Snapshot::list(&client, 3, true, None).await?;
+    let services = reference.services().count();
+    let expected = reference.decide(now, grace);
+    assert!(
+        services > 3 && !expected.findings.is_empty(),
+        "{expected:?}"
+    );
+    for resource in ["services", "ipaddresses"] {
+        sim.faults().inject(FaultRule::probability(
+            Some(Verb::List),
+            Some(resource),
+            0.3,
+            FaultKind::Error {
+                code: 500,
+                retry_after_seconds: None,
+            },
+        ));
+        let (mut complete, mut failed) = (0, 0);
+        for _ in 0..20 {
+            let listed = tokio::time::timeout(
+                Duration::from_secs(30),
+                Snapshot::list(&client, 3, true, None),
+            )
+            .await
+            .context("a listing that meets a failing page still ends")?;
+            match listed {
+                Ok(mut snapshot) => {
+                    assert_eq!(snapshot.services().count(), services, "every Service");
+                    assert_eq!(snapshot.decide(now, grace), expected);
+                    complete += 1;
+                }
+                Err(_) => failed += 1,
+            }
+        }
+        sim.faults().clear();
+        assert!(
+            failed > 0,
+            "some listings met a failing {resource} page ({complete} complete)"
+        );
+    }
+    sim.shutdown().await;
+    Ok(())
+}
+
 /// Paged LISTs (next page requested from the early continue token) return every object exactly
 /// once, fetch each page once, and fail as a whole when any page fails: never a partial list.
 #[tokio::test]
