@@ -12,8 +12,7 @@ use std::time::Duration;
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
 use super::model::{
-    ClusterIp, IPALLOCATOR_MANAGER, IpAddressRecord, Name, ObjectVersion, ParentRef,
-    ServiceCidrRecord, ServiceRecord,
+    ClusterIp, IpAddressRecord, Name, ObjectVersion, ParentRef, ServiceCidrRecord, ServiceRecord,
 };
 
 /// Hash maps over IPs and names. foldhash is several times faster than SipHash here; names come
@@ -723,11 +722,9 @@ fn sync_services<'c, S: std::borrow::Borrow<ServiceRecord>>(
 /// Reads what the Service phase reads of an IPAddress, so its cache lines are loaded early.
 fn touch_service_phase_fields(ip: &IpAddressRecord) -> usize {
     let parent = ip.parent.as_ref().map_or(0, |p| {
-        p.group.len() ^ p.resource.len() ^ p.namespace.len() ^ p.name.len()
+        usize::from(p.is_service()) ^ p.namespace.len() ^ p.name.len()
     });
-    parent
-        ^ ip.managed_by.as_ref().map_or(0, |m| m.len())
-        ^ ip.family_label.as_ref().map_or(0, |f| f.len())
+    parent ^ usize::from(ip.managed_by_ipallocator())
 }
 
 /// Whether some IP was claimed by two Services (each Service claims an IP once).
@@ -913,8 +910,7 @@ fn sync_service_ip<'a>(
     }
 
     phase.claim(claims, ip, Some(at), this);
-    let labels_right = existing.family_label.as_deref() == Some(family.as_str())
-        && existing.managed_by.as_deref() == Some(IPALLOCATOR_MANAGER);
+    let labels_right = existing.labels_as_allocated(family);
     if labels_right && parent_is_this {
         // The claiming Service is the parent: the IPAddress phase would find the same.
         phase.matched.push(at);
@@ -940,7 +936,13 @@ fn sync_service_ip<'a>(
 fn go_parent_ref(parent: Option<&ParentRef>) -> String {
     match parent {
         None => "<nil>".to_owned(),
-        Some(p) => format!("&{{{} {} {} {}}}", p.group, p.resource, p.namespace, p.name),
+        Some(p) => format!(
+            "&{{{} {} {} {}}}",
+            p.group(),
+            p.resource(),
+            p.namespace,
+            p.name
+        ),
     }
 }
 
@@ -1160,7 +1162,7 @@ pub struct RangeUsage {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::clusterip_repair::model::Token;
+    use crate::clusterip_repair::model::{IPALLOCATOR_MANAGER, IpLabels, Token};
 
     const GRACE: Duration = Duration::from_secs(60);
 
@@ -1188,13 +1190,9 @@ mod tests {
             name: ip.into(),
             uid: Token::new(&format!("uid-{ip}")),
             resource_version: "5".into(),
-            managed_by: Some(IPALLOCATOR_MANAGER.into()),
-            family_label: Some(family.into()),
-            parent: parent.map(|(group, resource, namespace, name)| ParentRef {
-                group: group.into(),
-                resource: resource.into(),
-                namespace: namespace.into(),
-                name: name.into(),
+            labels: IpLabels::new(Some(IPALLOCATOR_MANAGER), Some(family)),
+            parent: parent.map(|(group, resource, namespace, name)| {
+                ParentRef::new(group, resource, namespace.into(), name.into())
             }),
             created: Some(now() - jiff::SignedDuration::from_secs(age_secs)),
             deleting: false,
@@ -1468,8 +1466,8 @@ mod tests {
             };
             let mut record = ipaddr(&ip_of(n), parent, if next(2) == 0 { 10 } else { 3600 });
             match next(10) {
-                0 => record.managed_by = Some("other.example.com".into()),
-                1 => record.family_label = None,
+                0 => record.labels.set_managed_by(Some("other.example.com")),
+                1 => record.labels.set_family(None),
                 2 => record.deleting = true,
                 _ => {}
             }
@@ -1482,12 +1480,12 @@ mod tests {
                     continue;
                 }
                 if let Some(record) = ips.iter_mut().find(|r| r.name.ip() == Some(ip)) {
-                    record.parent = Some(ParentRef {
-                        group: "".into(),
-                        resource: "services".into(),
-                        namespace: svc.namespace.clone(),
-                        name: svc.name.clone(),
-                    });
+                    record.parent = Some(ParentRef::new(
+                        "",
+                        "services",
+                        svc.namespace.clone(),
+                        svc.name.clone(),
+                    ));
                 }
             }
         }
@@ -1640,7 +1638,7 @@ mod tests {
     #[test]
     fn wrong_labels_are_recreated_silently() {
         let mut ip = owned("fd00::5", "d", "a");
-        ip.family_label = Some("IPv4".into());
+        ip.labels.set_family(Some("IPv4"));
         let decision = decide(&[svc("d", "a", &["fd00::5"])], &[ip]);
         assert_eq!(decision.findings.len(), 1);
         assert_eq!(decision.findings[0].kind, "ipaddress_wrong_labels");
@@ -1651,11 +1649,11 @@ mod tests {
     #[test]
     fn ipaddress_of_other_managers_is_never_touched() {
         let mut mine = owned("10.0.0.5", "d", "a");
-        mine.managed_by = Some("someone-else".into());
+        mine.labels.set_managed_by(Some("someone-else"));
         let mut stray = owned("10.0.0.9", "d", "gone");
-        stray.managed_by = None;
+        stray.labels.set_managed_by(None);
         let mut taken = owned("10.0.0.7", "d", "other");
-        taken.managed_by = Some("someone-else".into());
+        taken.labels.set_managed_by(Some("someone-else"));
         let decision = decide(
             &[svc("d", "a", &["10.0.0.5"]), svc("d", "c", &["10.0.0.7"])],
             &[mine, stray, taken],

@@ -4,13 +4,12 @@
 //! into full `k8s-openapi` objects: at 100,000 Services the difference is hundreds of megabytes
 //! (managedFields, annotations, ports, status) and most of the decoding time.
 
-use std::borrow::Cow;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::Deserialize;
 
-use crate::alloc::parse_ip_sloppy;
+use crate::alloc::{IpFamily, parse_ip_sloppy};
 
 /// Label naming the controller that manages an IPAddress.
 pub const LABEL_MANAGED_BY: &str = "ipaddress.kubernetes.io/managed-by";
@@ -100,33 +99,145 @@ impl ServiceRecord {
 }
 
 /// `spec.parentRef` of an IPAddress.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParentRef {
-    /// Usually empty.
-    pub group: Name,
-    /// Usually `services`, kept without an allocation.
-    pub resource: Cow<'static, str>,
     pub namespace: Name,
     pub name: Name,
+    /// The group and resource, a Service's (the usual) without an allocation.
+    kind: ParentKind,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ParentKind {
+    /// The core group, resource `services`.
+    Service,
+    /// Anything else: `(group, resource)`.
+    Other(Box<(Box<str>, Box<str>)>),
 }
 
 impl ParentRef {
+    pub fn new(group: &str, resource: &str, namespace: Name, name: Name) -> Self {
+        let kind = if group.is_empty() && resource == "services" {
+            ParentKind::Service
+        } else {
+            ParentKind::Other(Box::new((group.into(), resource.into())))
+        };
+        Self {
+            namespace,
+            name,
+            kind,
+        }
+    }
+
+    pub fn group(&self) -> &str {
+        match &self.kind {
+            ParentKind::Service => "",
+            ParentKind::Other(other) => &other.0,
+        }
+    }
+
+    pub fn resource(&self) -> &str {
+        match &self.kind {
+            ParentKind::Service => "services",
+            ParentKind::Other(other) => &other.1,
+        }
+    }
+
     pub fn is_service(&self) -> bool {
-        self.group.is_empty() && &*self.resource == "services"
+        matches!(self.kind, ParentKind::Service)
     }
 }
 
-/// The parts of an IPAddress the repair needs.
+/// The two labels of an IPAddress the repair reads. The values the allocator writes (on every
+/// IPAddress it manages) are kept as bits of one byte; any other value behind one pointer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IpLabels {
+    usual: u8,
+    unusual: Option<Box<UnusualLabels>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct UnusualLabels {
+    managed_by: Option<Box<str>>,
+    family: Option<Box<str>>,
+}
+
+const MANAGED_BY_IPALLOCATOR: u8 = 1;
+const FAMILY_IPV4: u8 = 1 << 1;
+const FAMILY_IPV6: u8 = 1 << 2;
+const FAMILIES: [(u8, &str); 2] = [(FAMILY_IPV4, "IPv4"), (FAMILY_IPV6, "IPv6")];
+
+impl IpLabels {
+    pub fn new(managed_by: Option<&str>, family: Option<&str>) -> Self {
+        let mut labels = Self::default();
+        labels.set_managed_by(managed_by);
+        labels.set_family(family);
+        labels
+    }
+
+    /// [`LABEL_MANAGED_BY`].
+    pub fn managed_by(&self) -> Option<&str> {
+        if self.usual & MANAGED_BY_IPALLOCATOR != 0 {
+            return Some(IPALLOCATOR_MANAGER);
+        }
+        self.unusual.as_ref()?.managed_by.as_deref()
+    }
+
+    /// [`LABEL_IP_FAMILY`].
+    pub fn family(&self) -> Option<&str> {
+        match FAMILIES.iter().find(|(bit, _)| self.usual & bit != 0) {
+            Some((_, family)) => Some(family),
+            None => self.unusual.as_ref()?.family.as_deref(),
+        }
+    }
+
+    pub fn set_managed_by(&mut self, value: Option<&str>) {
+        self.usual &= !MANAGED_BY_IPALLOCATOR;
+        let unusual = match value {
+            Some(IPALLOCATOR_MANAGER) => {
+                self.usual |= MANAGED_BY_IPALLOCATOR;
+                None
+            }
+            other => other.map(Box::from),
+        };
+        self.set_unusual(|labels| labels.managed_by = unusual);
+    }
+
+    pub fn set_family(&mut self, value: Option<&str>) {
+        self.usual &= !(FAMILY_IPV4 | FAMILY_IPV6);
+        let unusual = match value.and_then(|v| FAMILIES.iter().find(|(_, f)| *f == v)) {
+            Some((bit, _)) => {
+                self.usual |= bit;
+                None
+            }
+            None => value.map(Box::from),
+        };
+        self.set_unusual(|labels| labels.family = unusual);
+    }
+
+    /// Changes the unusual values, keeping none allocated when there are none (so equal labels
+    /// compare equal).
+    fn set_unusual(&mut self, change: impl FnOnce(&mut UnusualLabels)) {
+        let mut unusual = self.unusual.take().unwrap_or_default();
+        change(&mut unusual);
+        if *unusual != UnusualLabels::default() {
+            self.unusual = Some(unusual);
+        }
+    }
+}
+
+/// The parts of an IPAddress the repair needs. The Service phase reads the parent and the
+/// labels of IPAddresses in random order, so they come first (`repr(C)`), in as few cache lines
+/// as the record allows.
+#[repr(C)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IpAddressRecord {
+    pub parent: Option<ParentRef>,
+    pub labels: IpLabels,
     /// The object name, which is the IP in canonical form.
     pub name: IpName,
     pub uid: Token,
     pub resource_version: Token,
-    /// Shared constants for the usual values, so 130,000 records do not each hold copies.
-    pub managed_by: Option<Cow<'static, str>>,
-    pub family_label: Option<Cow<'static, str>>,
-    pub parent: Option<ParentRef>,
     /// `None` when missing or unparseable; treated as "old" as upstream does.
     pub created: Option<jiff::Timestamp>,
     pub deleting: bool,
@@ -134,27 +245,25 @@ pub struct IpAddressRecord {
 
 impl IpAddressRecord {
     pub fn managed_by_ipallocator(&self) -> bool {
-        self.managed_by.as_deref() == Some(IPALLOCATOR_MANAGER)
+        self.labels.usual & MANAGED_BY_IPALLOCATOR != 0
+    }
+
+    /// Whether both labels hold what the allocator writes for an IP of `family`.
+    pub fn labels_as_allocated(&self, family: IpFamily) -> bool {
+        let bit = match family {
+            IpFamily::V4 => FAMILY_IPV4,
+            IpFamily::V6 => FAMILY_IPV6,
+        };
+        self.labels.usual == MANAGED_BY_IPALLOCATOR | bit
     }
 }
 
-/// `text` as a static string when it is one of `known` (no allocation, no UTF-8 check), else
-/// copied.
-pub(super) fn known_or_owned(
-    text: &[u8],
-    known: &[&'static str],
-) -> Result<Cow<'static, str>, std::str::Utf8Error> {
-    match known_text(text, known) {
-        Some(k) => Ok(Cow::Borrowed(k)),
-        None => Ok(Cow::Owned(std::str::from_utf8(text)?.to_owned())),
-    }
-}
-
-fn known_text(text: &[u8], known: &[&'static str]) -> Option<&'static str> {
+/// `text` as a static string when it is one of `known` (no allocation, no UTF-8 check).
+pub(super) fn known_text(text: &[u8], known: &[&'static str]) -> Option<&'static str> {
     known.iter().find(|k| k.as_bytes() == text).copied()
 }
 
-/// The values the repair compares labels and references with, kept without copies.
+/// The values the repair compares labels and references with, recognised without a UTF-8 check.
 pub(super) const KNOWN_MANAGERS: &[&str] = &[IPALLOCATOR_MANAGER];
 pub(super) const KNOWN_FAMILIES: &[&str] = &["IPv4", "IPv6"];
 pub(super) const KNOWN_RESOURCES: &[&str] = &["services"];
@@ -614,14 +723,6 @@ pub(super) mod wire {
         super::Name::new(text.as_ref())
     }
 
-    /// `text` as a static string when it is one of `known`, else copied.
-    fn shared(text: Cow<'_, str>, known: &[&'static str]) -> Cow<'static, str> {
-        match super::known_text(text.as_bytes(), known) {
-            Some(k) => Cow::Borrowed(k),
-            None => Cow::Owned(text.into_owned()),
-        }
-    }
-
     fn version(text: Option<Cow<'_, str>>) -> u64 {
         text.and_then(|t| t.parse().ok()).unwrap_or(0)
     }
@@ -782,16 +883,12 @@ pub(super) mod wire {
                 name: super::IpName::new(&meta.name),
                 uid: super::Token::new(&meta.uid),
                 resource_version: super::Token::new(&meta.resource_version),
-                managed_by: meta
-                    .labels
-                    .managed_by
-                    .map(|m| shared(m, super::KNOWN_MANAGERS)),
-                family_label: meta.labels.family.map(|f| shared(f, super::KNOWN_FAMILIES)),
-                parent: wire.spec.parent_ref.map(|p| super::ParentRef {
-                    group: name(p.group),
-                    resource: shared(p.resource, super::KNOWN_RESOURCES),
-                    namespace: name(p.namespace),
-                    name: name(p.name),
+                labels: super::IpLabels::new(
+                    meta.labels.managed_by.as_deref(),
+                    meta.labels.family.as_deref(),
+                ),
+                parent: wire.spec.parent_ref.map(|p| {
+                    super::ParentRef::new(&p.group, &p.resource, name(p.namespace), name(p.name))
                 }),
                 created: meta
                     .creation_timestamp
@@ -966,10 +1063,13 @@ mod tests {
             size_of::<ServiceRecord>()
         );
         assert!(
-            size_of::<IpAddressRecord>() <= 248,
+            size_of::<IpAddressRecord>() <= 176,
             "{}",
             size_of::<IpAddressRecord>()
         );
+        // What the Service phase reads of an IPAddress fits in 72 bytes at its start.
+        assert_eq!(std::mem::offset_of!(IpAddressRecord, labels), 56);
+        assert!(size_of::<IpLabels>() <= 16);
     }
 
     #[test]
@@ -1001,15 +1101,52 @@ mod tests {
         }
         assert!(Token::from_bytes(b"\xff\xfe").is_err());
         assert!(IpName::from_bytes(b"10.0.0.\xff").is_err());
-        assert_eq!(
-            known_or_owned(b"services", KNOWN_RESOURCES).unwrap(),
-            Cow::<str>::Borrowed("services")
-        );
-        assert!(matches!(
-            known_or_owned(b"endpoints", KNOWN_RESOURCES).unwrap(),
-            Cow::Owned(text) if text == "endpoints"
-        ));
-        assert!(known_or_owned(b"\xff", KNOWN_RESOURCES).is_err());
+        assert_eq!(known_text(b"services", KNOWN_RESOURCES), Some("services"));
+        assert_eq!(known_text(b"endpoints", KNOWN_RESOURCES), None);
+    }
+
+    /// Labels and parents keep what they are given, however they are set, and equal values
+    /// compare equal.
+    #[test]
+    fn labels_and_parents_round_trip() {
+        let values = [
+            None,
+            Some(IPALLOCATOR_MANAGER),
+            Some("IPv4"),
+            Some("IPv6"),
+            Some("x"),
+        ];
+        for managed_by in values {
+            for family in values {
+                let labels = IpLabels::new(managed_by, family);
+                assert_eq!((labels.managed_by(), labels.family()), (managed_by, family));
+                // Set over other values, in either order: the same labels.
+                let mut over = IpLabels::new(Some("y"), Some("IPv6"));
+                over.set_family(family);
+                over.set_managed_by(managed_by);
+                assert_eq!(over, labels, "{managed_by:?} {family:?}");
+            }
+        }
+        let mut record: IpAddressRecord = serde_json::from_str(
+            r#"{"metadata":{"name":"10.0.0.5","labels":{"ipaddress.kubernetes.io/managed-by":"ipallocator.k8s.io","ipaddress.kubernetes.io/ip-family":"IPv4"}}}"#,
+        )
+        .unwrap();
+        assert!(record.labels_as_allocated(IpFamily::V4));
+        assert!(!record.labels_as_allocated(IpFamily::V6));
+        record.labels.set_family(Some("ipv4"));
+        assert!(!record.labels_as_allocated(IpFamily::V4));
+        assert!(record.managed_by_ipallocator());
+        record.labels.set_managed_by(None);
+        assert!(!record.managed_by_ipallocator());
+
+        let service = ParentRef::new("", "services", "d".into(), "s".into());
+        assert!(service.is_service());
+        assert_eq!((service.group(), service.resource()), ("", "services"));
+        for (group, resource) in [("", "pods"), ("apps", "services"), ("x", "")] {
+            let other = ParentRef::new(group, resource, "d".into(), "s".into());
+            assert!(!other.is_service());
+            assert_eq!((other.group(), other.resource()), (group, resource));
+        }
     }
 
     /// The hand-written IPv4 scan accepts exactly what std parses and prints back unchanged.
@@ -1224,7 +1361,7 @@ mod tests {
             "spec":{"parentRef":{"resource":"services","namespace":"d","name":"s"}}}"#;
         let ip: IpAddressRecord = serde_json::from_str(json).unwrap();
         assert!(ip.managed_by_ipallocator());
-        assert_eq!(ip.family_label.as_deref(), Some("IPv4"));
+        assert_eq!(ip.labels.family(), Some("IPv4"));
         let parent = ip.parent.unwrap();
         assert!(parent.is_service());
         assert_eq!(&*parent.name, "s");

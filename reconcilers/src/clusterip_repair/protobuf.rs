@@ -15,9 +15,9 @@
 use std::borrow::Cow;
 
 use super::model::{
-    ClusterIp, ClusterIps, IpAddressRecord, IpName, KNOWN_FAMILIES, KNOWN_MANAGERS,
+    ClusterIp, ClusterIps, IpAddressRecord, IpLabels, IpName, KNOWN_FAMILIES, KNOWN_MANAGERS,
     KNOWN_RESOURCES, LABEL_IP_FAMILY, LABEL_MANAGED_BY, ListMeta, ListPage, Name, ParentRef,
-    ServiceCidrRecord, ServiceRecord, Token, known_or_owned, resource_version_number, wire,
+    ServiceCidrRecord, ServiceRecord, Token, known_text, resource_version_number, wire,
 };
 
 /// The media type of protobuf bodies; requests `Accept` it before JSON.
@@ -362,6 +362,26 @@ impl ProtobufRecord for ServiceRecord {
     }
 }
 
+/// `bytes` as text: one of `known` without a UTF-8 check (the usual values), else checked.
+fn known_or_str<'b>(
+    bytes: &'b [u8],
+    known: &[&'static str],
+    what: &'static str,
+) -> Result<&'b str, DecodeError> {
+    match known_text(bytes, known) {
+        Some(known) => Ok(known),
+        None => std::str::from_utf8(bytes).map_err(|_| invalid(what, "string is not UTF-8")),
+    }
+}
+
+/// The fields of `ParentReference`, by number.
+const PARENT_FIELDS: [&str; 4] = [
+    "ParentReference.group",
+    "ParentReference.resource",
+    "ParentReference.namespace",
+    "ParentReference.name",
+];
+
 impl ProtobufRecord for IpAddressRecord {
     /// Straight into the record, without the borrowed wire struct the JSON path fills: 130,000
     /// of these per LIST, on the list that usually finishes last. Texts only compared with
@@ -373,7 +393,7 @@ impl ProtobufRecord for IpAddressRecord {
     fn from_protobuf(message: &[u8]) -> Result<Self, DecodeError> {
         let utf8 = |what| move |_| invalid(what, "string is not UTF-8");
         let (mut name, mut uid, mut resource_version): (&[u8], &[u8], &[u8]) = (b"", b"", b"");
-        let (mut managed_by, mut family_label, mut parent) = (None, None, None);
+        let (mut labels, mut parent) = (IpLabels::default(), None);
         let (mut created, mut deleting) = (None, false);
         for field in fields(message, "IPAddress") {
             match field? {
@@ -398,18 +418,18 @@ impl ProtobufRecord for IpAddressRecord {
                                         _ => {}
                                     }
                                 }
-                                let (slot, known) = match key {
+                                let (set, known): (fn(&mut IpLabels, Option<&str>), _) = match key {
                                     k if k == LABEL_MANAGED_BY.as_bytes() => {
-                                        (&mut managed_by, KNOWN_MANAGERS)
+                                        (IpLabels::set_managed_by, KNOWN_MANAGERS)
                                     }
                                     k if k == LABEL_IP_FAMILY.as_bytes() => {
-                                        (&mut family_label, KNOWN_FAMILIES)
+                                        (IpLabels::set_family, KNOWN_FAMILIES)
                                     }
                                     _ => continue,
                                 };
-                                *slot = Some(
-                                    known_or_owned(text, known)
-                                        .map_err(utf8("ObjectMeta.labels value"))?,
+                                set(
+                                    &mut labels,
+                                    Some(known_or_str(text, known, "ObjectMeta.labels value")?),
                                 );
                             }
                             _ => {}
@@ -419,26 +439,17 @@ impl ProtobufRecord for IpAddressRecord {
                 (2, value) => {
                     for field in fields(value.bytes("IPAddress.spec")?, "IPAddressSpec") {
                         if let (1, v) = field? {
-                            let parent = parent.get_or_insert_with(ParentRef::default);
+                            // A message field met twice is merged, as Go's decoder does.
+                            let texts = parent.get_or_insert([&b""[..]; 4]);
                             for field in
                                 fields(v.bytes("IPAddressSpec.parentRef")?, "ParentReference")
                             {
                                 let (number, v) = field?;
-                                let (slot, what) = match number {
-                                    1 => (&mut parent.group, "ParentReference.group"),
-                                    2 => {
-                                        parent.resource = known_or_owned(
-                                            v.bytes("ParentReference.resource")?,
-                                            KNOWN_RESOURCES,
-                                        )
-                                        .map_err(utf8("ParentReference.resource"))?;
-                                        continue;
-                                    }
-                                    3 => (&mut parent.namespace, "ParentReference.namespace"),
-                                    4 => (&mut parent.name, "ParentReference.name"),
-                                    _ => continue,
-                                };
-                                *slot = Name::from_utf8(v.bytes(what)?).map_err(utf8(what))?;
+                                if let Some(at) = (number as usize).checked_sub(1)
+                                    && let Some(slot) = texts.get_mut(at)
+                                {
+                                    *slot = v.bytes(PARENT_FIELDS[at])?;
+                                }
                             }
                         }
                     }
@@ -446,13 +457,21 @@ impl ProtobufRecord for IpAddressRecord {
                 _ => {}
             }
         }
+        let parent = match parent {
+            Some([group, resource, namespace, name]) => Some(ParentRef::new(
+                known_or_str(group, &[""], PARENT_FIELDS[0])?,
+                known_or_str(resource, KNOWN_RESOURCES, PARENT_FIELDS[1])?,
+                Name::from_utf8(namespace).map_err(utf8(PARENT_FIELDS[2]))?,
+                Name::from_utf8(name).map_err(utf8(PARENT_FIELDS[3]))?,
+            )),
+            None => None,
+        };
         Ok(IpAddressRecord {
             name: IpName::from_bytes(name).map_err(utf8("ObjectMeta.name"))?,
             uid: Token::from_bytes(uid).map_err(utf8("ObjectMeta.uid"))?,
             resource_version: Token::from_bytes(resource_version)
                 .map_err(utf8("ObjectMeta.resourceVersion"))?,
-            managed_by,
-            family_label,
+            labels,
             parent,
             created,
             deleting,
