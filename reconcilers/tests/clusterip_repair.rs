@@ -383,7 +383,9 @@ struct Planted {
     relabel_ip: String,
 }
 
+/// Creates the default ServiceCIDR, then plants every upstream case.
 async fn plant_every_case(sim: &Sim, client: &Client) -> Result<Planted> {
+    ensure_default_service_cidr(client).await?;
     let backdoor = sim.backdoor();
     // Healthy services, allocated by the simulator like kube-apiserver does.
     let a = create_service(client, "shop", "a", None, true).await?;
@@ -483,7 +485,6 @@ async fn plant_every_case(sim: &Sim, client: &Client) -> Result<Planted> {
 async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<()> {
     let sim = start_sim().await?;
     let client = sim.client();
-    ensure_default_service_cidr(&client).await?;
     let planted = plant_every_case(&sim, &client).await?;
     let (repair, registry) = repair_with(&client, config(Duration::from_secs(60)))?;
     let _triggers = drive_triggers(&repair);
@@ -699,7 +700,6 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
 async fn dry_run_reports_every_case_and_writes_nothing() -> Result<()> {
     let sim = start_sim().await?;
     let client = sim.client();
-    ensure_default_service_cidr(&client).await?;
     plant_every_case(&sim, &client).await?;
     let (repair, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
     let _triggers = drive_triggers(&repair);
@@ -1172,7 +1172,6 @@ async fn snapshots_are_complete_or_fail() -> Result<()> {
 
     let sim = start_sim().await?;
     let client = sim.new_client().await?;
-    ensure_default_service_cidr(&client).await?;
     plant_every_case(&sim, &client).await?;
     let now = jiff::Timestamp::now();
     let grace = Duration::from_secs(60);
@@ -1298,7 +1297,6 @@ async fn protobuf_and_json_lists_give_the_same_records() -> Result<()> {
 
     let sim = start_sim().await?;
     let client = sim.new_client().await?;
-    ensure_default_service_cidr(&client).await?;
     plant_every_case(&sim, &client).await?;
 
     let mut services = Collection::new(SERVICES);
