@@ -63,13 +63,16 @@ pub fn generate(listen: &SocketAddr) -> Result<Pki, SimError> {
         CertificateDer::from(ca_cert.der().to_vec()),
     ];
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(server_key.serialize_der()));
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(go_like_provider()))
         .with_safe_default_protocol_versions()
         .map_err(tls_err)?
         .with_no_client_auth()
         .with_single_cert(certs, key)
         .map_err(tls_err)?;
+    // Go's TLS 1.3 server picks the suite by its own order, not the client's: kube-apiserver
+    // serves a client that prefers AES-GCM with AES-128-GCM, where rustls by default would
+    // follow the client to AES-256-GCM, a third more AES rounds on every byte of a LIST.
+    config.ignore_client_order = true;
     // HTTP/1.1 only: every client in scope speaks it, and a dropped connection then affects
     // exactly one request.
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -77,6 +80,33 @@ pub fn generate(listen: &SocketAddr) -> Result<Pki, SimError> {
         ca_pem: ca_cert.pem(),
         server_config: Arc::new(config),
     })
+}
+
+/// ring's suites in the order Go's `crypto/tls` prefers them on a machine with AES hardware
+/// (`defaultCipherSuitesTLS13`: AES-128-GCM, AES-256-GCM, ChaCha20-Poly1305; TLS 1.2 likewise).
+/// Go switches to ChaCha20 first for a client that prefers it; rustls has no hook for that, and
+/// every client here (kube-rs, kubectl, Python) prefers AES-GCM.
+fn go_like_provider() -> rustls::crypto::CryptoProvider {
+    use rustls::CipherSuite::*;
+    const GO_ORDER: [rustls::CipherSuite; 9] = [
+        TLS13_AES_128_GCM_SHA256,
+        TLS13_AES_256_GCM_SHA384,
+        TLS13_CHACHA20_POLY1305_SHA256,
+        TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+        TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+        TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+        TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+        TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+    ];
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites.sort_by_key(|suite| {
+        GO_ORDER
+            .iter()
+            .position(|&preferred| preferred == suite.suite())
+            .unwrap_or(GO_ORDER.len())
+    });
+    provider
 }
 
 /// The bearer token written into the kubeconfig (the simulator accepts any credentials).
@@ -98,4 +128,59 @@ pub fn write_kubeconfig(path: &Path, server: &str, ca_pem: Option<&str>) -> Resu
     let tmp = path.with_extension("tmp-apiserver-sim");
     std::fs::write(&tmp, text).map_err(|e| SimError::Kubeconfig(path.to_path_buf(), e))?;
     std::fs::rename(&tmp, path).map_err(|e| SimError::Kubeconfig(path.to_path_buf(), e))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use rustls::pki_types::pem::PemObject;
+
+    /// A kube-rs-like client (ring's default suites, AES-256-GCM first) against the simulator
+    /// negotiates what a Go kube-apiserver would give it.
+    #[test]
+    fn clients_get_the_suite_a_go_server_would_choose() {
+        let pki = generate(&"127.0.0.1:0".parse().unwrap()).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(pki.ca_pem.as_bytes()).unwrap())
+            .unwrap();
+        let client_provider = rustls::crypto::ring::default_provider();
+        assert_eq!(
+            client_provider.cipher_suites[0].suite(),
+            rustls::CipherSuite::TLS13_AES_256_GCM_SHA384,
+            "the premise: rustls clients list AES-256-GCM first"
+        );
+        let client_config = rustls::ClientConfig::builder_with_provider(Arc::new(client_provider))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let mut client =
+            rustls::ClientConnection::new(Arc::new(client_config), "localhost".try_into().unwrap())
+                .unwrap();
+        let mut server = rustls::ServerConnection::new(pki.server_config.clone()).unwrap();
+        for _ in 0..10 {
+            if !client.is_handshaking() && !server.is_handshaking() {
+                break;
+            }
+            let mut wire = Vec::new();
+            while client.wants_write() {
+                client.write_tls(&mut wire).unwrap();
+            }
+            server.read_tls(&mut wire.as_slice()).unwrap();
+            server.process_new_packets().unwrap();
+            let mut wire = Vec::new();
+            while server.wants_write() {
+                server.write_tls(&mut wire).unwrap();
+            }
+            client.read_tls(&mut wire.as_slice()).unwrap();
+            client.process_new_packets().unwrap();
+        }
+        assert!(!client.is_handshaking(), "the handshake did not complete");
+        assert_eq!(
+            client.negotiated_cipher_suite().map(|suite| suite.suite()),
+            Some(rustls::CipherSuite::TLS13_AES_128_GCM_SHA256)
+        );
+    }
 }
