@@ -136,6 +136,44 @@ fn full(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Bod
     r
 }
 
+/// A LIST body as kube-apiserver sends one: without Content-Length, in HTTP/1.1 chunks of
+/// 2 KiB. Go's `net/http` announces a length only for bodies that fit its 2 KiB buffer before
+/// chunking, and kube-apiserver (1.33+, streaming collection encoding) writes a list item by
+/// item, so a client cannot size its buffer from the headers and reads a page in small chunks.
+fn list_response(content_type: &str, body: Bytes) -> Response<Body> {
+    let mut r = Response::new(GoChunks(body).boxed_unsync());
+    if let Ok(v) = header::HeaderValue::from_str(content_type) {
+        r.headers_mut().insert(header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+/// Go's `bufferBeforeChunkingSize`: the size of the chunks a streamed response is sent in.
+const GO_CHUNK: usize = 2048;
+
+/// A body sent in [`GO_CHUNK`]-sized frames, its length unannounced (so hyper sends it chunked).
+struct GoChunks(Bytes);
+
+impl hyper::body::Body for GoChunks {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.0.is_empty() {
+            return Poll::Ready(None);
+        }
+        let len = self.0.len().min(GO_CHUNK);
+        Poll::Ready(Some(Ok(Frame::data(self.0.split_to(len)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 fn json_response(status: u16, body: impl Into<Bytes>) -> Response<Body> {
     full(status, "application/json", body)
 }
@@ -504,7 +542,7 @@ async fn route(
             })
             .map(|b| protobuf_response(200, b)),
         Verb::List if protobuf => list_protobuf(shared, sres, target.ns.as_deref(), query)
-            .map(|b| protobuf_response(200, b)),
+            .map(|b| list_response(crate::protobuf::MEDIA_TYPE, b)),
         Verb::Get => shared
             .get(sres, &ns, target.name.as_deref().unwrap_or(""))
             .map(out)
@@ -521,7 +559,7 @@ async fn route(
                 if as_table {
                     table_response(def, &b, true)
                 } else {
-                    json_response(200, b)
+                    list_response("application/json", b)
                 }
             }),
         Verb::Watch => watch(ctx, res, target.ns.clone(), query, watch_faults, as_table),
