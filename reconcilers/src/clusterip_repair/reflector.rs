@@ -267,15 +267,22 @@ pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     items: &mut Vec<T>,
     mut sink: impl FnMut(&mut Vec<T>, usize),
 ) -> Result<Option<String>, kube::Error> {
-    let fetch = |token: Option<String>| PageFetch::start(client, collection, token);
-    let mut current = fetch(None);
+    let fetch =
+        |token: Option<String>, size: usize| PageFetch::start(client, collection, token, size);
+    let mut current = fetch(None, 0);
+    // The size of the last page received: pages of one list are about the same size, and
+    // kube-apiserver does not announce a page's length (it streams it in chunks).
+    let mut last_len = 0;
     loop {
         // The token as read from the page's first bytes (or, failing that, from the whole body);
         // only a guess until the decoded page confirms it.
         let guessed = current.early_token().await;
-        let mut next = guessed.clone().map(|token| fetch(Some(token)));
+        let mut next = guessed.clone().map(|token| fetch(Some(token), last_len));
         let metadata = match current.body().await {
-            Ok(page) => page.decode_into(items),
+            Ok(page) => {
+                last_len = page.body.len();
+                page.decode_into(items)
+            }
             Err(err) => Err(err),
         };
         let metadata = match metadata {
@@ -304,7 +311,7 @@ pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
                 if let Some(wrong) = other {
                     wrong.abort();
                 }
-                fetch(Some(token))
+                fetch(Some(token), last_len)
             }
         };
     }
@@ -317,11 +324,16 @@ pub async fn fetch_raw_pages(
     client: &kube::Client,
     collection: &Collection,
 ) -> Result<Vec<bytes::Bytes>, kube::Error> {
-    let fetch = |token: Option<String>| PageFetch::start(client, collection, token);
-    let mut pages = Vec::new();
-    let mut current = fetch(None);
+    let fetch =
+        |token: Option<String>, size: usize| PageFetch::start(client, collection, token, size);
+    let mut pages: Vec<bytes::Bytes> = Vec::new();
+    let mut current = fetch(None, 0);
     loop {
-        let next = current.early_token().await.map(|token| fetch(Some(token)));
+        let last_len = pages.last().map_or(0, bytes::Bytes::len);
+        let next = current
+            .early_token()
+            .await
+            .map(|token| fetch(Some(token), last_len));
         pages.push(current.body().await?.body);
         match next {
             Some(next) => current = next,
@@ -365,7 +377,13 @@ impl RawPage {
 
 impl PageFetch {
     /// Requests the page after `token` (the first page without one).
-    fn start(client: &kube::Client, collection: &Collection, token: Option<String>) -> Self {
+    /// `expected_len` sizes the body's buffer when the response does not announce its length.
+    fn start(
+        client: &kube::Client,
+        collection: &Collection,
+        token: Option<String>,
+        expected_len: usize,
+    ) -> Self {
         let mut params = ListParams::default().limit(collection.page_size);
         if let Some(token) = &token {
             params = params.continue_token(token);
@@ -386,7 +404,7 @@ impl PageFetch {
         let client = client.clone();
         let (token_tx, token_rx) = tokio::sync::oneshot::channel();
         let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
-            fetch_body(&client, request?, token_tx).await
+            fetch_body(&client, request?, token_tx, expected_len).await
         }));
         Self {
             token: Some(token_rx),
@@ -418,6 +436,7 @@ async fn fetch_body(
     client: &kube::Client,
     request: http::Request<Vec<u8>>,
     token: tokio::sync::oneshot::Sender<Option<String>>,
+    expected_len: usize,
 ) -> Result<RawPage, kube::Error> {
     use http_body_util::BodyExt;
     let response = client.send(request.map(kube::client::Body::from)).await?;
@@ -429,14 +448,15 @@ async fn fetch_body(
         .is_some_and(|value| value.starts_with(protobuf::MEDIA_TYPE));
     let failed = status.is_client_error() || status.is_server_error();
     let mut token = (!failed).then_some(token);
-    // Sized once from Content-Length when the server sends one (kube-apiserver and the
-    // simulator do): growing by doubling would copy each page about twice more. Capped, since
-    // the header is the server's word.
+    // Sized once, from Content-Length when the server sends one, else from the caller's
+    // expectation (kube-apiserver streams a LIST without a length): growing by doubling would
+    // copy each page about twice more. An eighth more than expected absorbs a page somewhat
+    // larger than the last without a copy. Capped, since either is only a guess.
     let announced = response
         .headers()
         .get(http::header::CONTENT_LENGTH)
         .and_then(|length| length.to_str().ok()?.parse::<usize>().ok())
-        .unwrap_or(0);
+        .unwrap_or(expected_len + expected_len / 8);
     let mut body = response.into_body();
     let mut received = bytes::BytesMut::with_capacity(announced.min(MAX_PRESIZE));
     while let Some(frame) = body.frame().await {
