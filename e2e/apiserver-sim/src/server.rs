@@ -128,7 +128,11 @@ impl hyper::body::Body for ChannelBody {
 }
 
 fn full(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
-    let mut r = Response::new(Full::new(body.into()).boxed_unsync());
+    respond(status, content_type, Full::new(body.into()).boxed_unsync())
+}
+
+fn respond(status: u16, content_type: &str, body: Body) -> Response<Body> {
+    let mut r = Response::new(body);
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     if let Ok(v) = header::HeaderValue::from_str(content_type) {
         r.headers_mut().insert(header::CONTENT_TYPE, v);
@@ -141,11 +145,7 @@ fn full(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Bod
 /// chunking, and kube-apiserver (1.33+, streaming collection encoding) writes a list item by
 /// item, so a client cannot size its buffer from the headers and reads a page in small chunks.
 fn list_response(content_type: &str, body: Bytes) -> Response<Body> {
-    let mut r = Response::new(GoChunks(body).boxed_unsync());
-    if let Ok(v) = header::HeaderValue::from_str(content_type) {
-        r.headers_mut().insert(header::CONTENT_TYPE, v);
-    }
-    r
+    respond(200, content_type, GoChunks(body).boxed_unsync())
 }
 
 /// Go's `bufferBeforeChunkingSize`: the size of the chunks a streamed response is sent in.
