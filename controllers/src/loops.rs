@@ -12,10 +12,12 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 
-/// Every enabled loop, ready for the runner.
+/// Every enabled loop, ready for the runner. `list_client`, when there is one, carries the large
+/// LISTs of the ClusterIP repair ([`list_client`]).
 pub fn build_loops(
     config: &Config,
     client: &kube::Client,
+    list_client: Option<&kube::Client>,
     registry: &mut Registry,
 ) -> Vec<Arc<dyn Reconciler>> {
     let mut loops: Vec<Arc<dyn Reconciler>> = Vec::new();
@@ -170,7 +172,10 @@ pub fn build_loops(
             ..ClusterIpRepairConfig::default()
         };
         match ClusterIpRepair::new(client.clone(), loop_config, registry) {
-            Ok(built) => loops.push(Arc::new(built)),
+            Ok(built) => loops.push(Arc::new(match list_client {
+                Some(list_client) => built.with_list_client(list_client.clone()),
+                None => built,
+            })),
             Err(err) => warn!("loop clusterip-repair not built: {err}"),
         }
     } else {
@@ -178,6 +183,26 @@ pub fn build_loops(
     }
 
     loops
+}
+
+/// A client for the ClusterIP repair's LISTs that reads each response on the task that decodes
+/// it ([`reconcilers::transport`]); `None`, and the repair lists through the main client, where
+/// the kubeconfig needs what only kube's client does (a proxy, an exec plugin) or the transport
+/// cannot be built.
+pub fn list_client(kube_config: &kube::Config) -> Option<kube::Client> {
+    match reconcilers::transport::in_task_client(kube_config) {
+        Ok(Some(client)) => Some(client),
+        Ok(None) => {
+            info!(
+                "the ClusterIP repair lists through kube's client (the kubeconfig uses a proxy or an exec plugin)"
+            );
+            None
+        }
+        Err(err) => {
+            warn!(error = %err, "the ClusterIP repair lists through kube's client: its LIST transport could not be built");
+            None
+        }
+    }
 }
 
 /// Who events say they come from: the controller, and this replica.

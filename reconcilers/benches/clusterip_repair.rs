@@ -13,7 +13,8 @@
 //! go three times as many per page), `BENCH_PLAIN_HTTP=1` (the simulator serves plain HTTP
 //! instead of HTTPS), `BENCH_JSON=1` (the pass lists in JSON instead of protobuf),
 //! `BENCH_PASSES=N` (only N passes, no floor or breakdown: for profiling), `BENCH_SETTLE_MS=N`
-//! (the pause before each timed measurement, default 50).
+//! (the pause before each timed measurement, default 50), `BENCH_KUBE_LISTS=1` (LISTs go
+//! through kube's client instead of the controller's LIST transport, `reconcilers::transport`).
 //!
 //! The simulator runs in this (parent) process; every measurement runs in a child process of
 //! this binary, so each peak RSS is the repair's own, not the simulator's.
@@ -330,7 +331,15 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
     let config =
         kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
             .await?;
-    let client = kube::Client::try_from(config)?;
+    let client = kube::Client::try_from(config.clone())?;
+    // LISTs go as the controller sends them (reconcilers::transport), or through kube's client
+    // with BENCH_KUBE_LISTS=1.
+    let list_client = if std::env::var("BENCH_KUBE_LISTS").is_ok_and(|v| v == "1") {
+        client.clone()
+    } else {
+        reconcilers::transport::in_task_client(&config)?
+            .context("the LIST transport does not cover this kubeconfig")?
+    };
     let (mode, warm) = match role {
         "ipaddress-warm" | "ipaddress-relist" => (RepairMode::IpAddress, true),
         "ipaddress-fresh" => (RepairMode::IpAddress, false),
@@ -339,17 +348,20 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         other => bail!("unknown role {other}"),
     };
     let mut registry = Registry::default();
-    let repair = Arc::new(ClusterIpRepair::new(
-        client.clone(),
-        ClusterIpRepairConfig {
-            mode,
-            service_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
-            page_size: page_size(),
-            list_protobuf: list_protobuf(),
-            ..ClusterIpRepairConfig::default()
-        },
-        &mut registry,
-    )?);
+    let repair = Arc::new(
+        ClusterIpRepair::new(
+            client.clone(),
+            ClusterIpRepairConfig {
+                mode,
+                service_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
+                page_size: page_size(),
+                list_protobuf: list_protobuf(),
+                ..ClusterIpRepairConfig::default()
+            },
+            &mut registry,
+        )?
+        .with_list_client(list_client.clone()),
+    );
     let ctx = PassContext {
         client: client.clone(),
         dry_run: true,
@@ -441,7 +453,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         for _ in 0..PASSES {
             let started = Instant::now();
             let fetched = futures::future::try_join_all(paths.iter().map(|path| {
-                let client = client.clone();
+                let client = list_client.clone();
                 let mut collection =
                     reconcilers::clusterip_repair::reflector::Collection::new(path)
                         .paged(page_size());
@@ -611,7 +623,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         if mode == RepairMode::IpAddress {
             let started = Instant::now();
             let mut snapshot = reconcilers::clusterip_repair::Snapshot::list(
-                &client,
+                &list_client,
                 page_size(),
                 list_protobuf(),
                 None,

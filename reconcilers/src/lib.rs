@@ -11,6 +11,7 @@ pub mod contract;
 pub mod kubernetes_service;
 pub mod service_cidr;
 pub mod system_namespaces;
+pub mod transport;
 
 pub use contract::{
     Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, ignore_already_exists,

@@ -71,12 +71,17 @@ fn drive_triggers(repair: &ClusterIpRepair) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move { while triggers.next().await.is_some() {} })
 }
 
-fn repair_with(
+/// The loop as the controller builds it: LISTs through the in-task transport.
+async fn repair_with(
+    sim: &Sim,
     client: &Client,
     config: ClusterIpRepairConfig,
 ) -> Result<(Arc<ClusterIpRepair>, Registry)> {
     let mut registry = Registry::default();
-    let repair = ClusterIpRepair::new(client.clone(), config, &mut registry)?;
+    let list_client = reconcilers::transport::in_task_client(&sim.kube_config().await?)?
+        .context("the simulator's kubeconfig is covered by the LIST transport")?;
+    let repair =
+        ClusterIpRepair::new(client.clone(), config, &mut registry)?.with_list_client(list_client);
     Ok((Arc::new(repair), registry))
 }
 
@@ -486,7 +491,7 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
     let sim = start_sim().await?;
     let client = sim.client();
     let planted = plant_every_case(&sim, &client).await?;
-    let (repair, registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
     let _triggers = drive_triggers(&repair);
 
     let report = pass_until(
@@ -701,7 +706,7 @@ async fn dry_run_reports_every_case_and_writes_nothing() -> Result<()> {
     let sim = start_sim().await?;
     let client = sim.client();
     plant_every_case(&sim, &client).await?;
-    let (repair, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
     let _triggers = drive_triggers(&repair);
     let before = sim.backdoor().list("ipaddresses.networking.k8s.io")?;
     sim.clear_requests();
@@ -747,7 +752,7 @@ async fn orphan_younger_than_the_grace_period_is_kept_then_deleted() -> Result<(
     let client = sim.client();
     ensure_default_service_cidr(&client).await?;
     let grace = Duration::from_secs(4);
-    let (repair, _registry) = repair_with(&client, config(grace))?;
+    let (repair, _registry) = repair_with(&sim, &client, config(grace)).await?;
     let _triggers = drive_triggers(&repair);
     // As kube-apiserver does mid-create: the IPAddress exists, its Service not yet.
     let now = jiff::Timestamp::now()
@@ -789,7 +794,7 @@ async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate()
     let sim = start_sim().await?;
     let client = sim.client();
     ensure_default_service_cidr(&client).await?;
-    let (repair, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
     let _triggers = drive_triggers(&repair);
     pass_until(&repair, &client, false, "a first clean pass", |r| {
         r.is_clean()
@@ -861,7 +866,7 @@ async fn stale_service_cache_defers_deletes() -> Result<()> {
             retry_after_seconds: None,
         },
     ));
-    let (repair, registry) = repair_with(&client, config(Duration::from_secs(1)))?;
+    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(1))).await?;
     let _triggers = drive_triggers(&repair);
     pass_until(&repair, &client, false, "a first clean pass", |r| {
         r.is_clean()
@@ -915,13 +920,15 @@ async fn audit_mode_reports_legacy_reasons_without_writing() -> Result<()> {
     sim.backdoor()
         .put(backdoor_service("shop", "bad", &["nope"]))?;
     let (repair, registry) = repair_with(
+        &sim,
         &client,
         ClusterIpRepairConfig {
             mode: RepairMode::Audit,
             service_ranges: ranges(),
             ..ClusterIpRepairConfig::default()
         },
-    )?;
+    )
+    .await?;
     let _triggers = drive_triggers(&repair);
     sim.clear_requests();
     let report = pass_until(&repair, &client, false, "an audit pass", |r| {
@@ -998,7 +1005,7 @@ async fn chaos_never_deletes_a_live_services_ipaddress() -> Result<()> {
             LONG_AGO,
         ))?;
     }
-    let (repair, registry) = repair_with(&client, config(Duration::from_secs(1)))?;
+    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(1))).await?;
     let _triggers = drive_triggers(&repair);
     pass_until(&repair, &client, false, "a first pass", |_| true).await?;
     sim.clear_requests();
@@ -1022,6 +1029,7 @@ async fn chaos_never_deletes_a_live_services_ipaddress() -> Result<()> {
             0.2,
         ),
         (Some(Verb::Get), FaultKind::DropConnection, 0.1),
+        (Some(Verb::List), FaultKind::DropConnection, 0.1),
         (
             Some(Verb::Watch),
             FaultKind::CutWatchAfterEvents { events: 3 },
@@ -1128,7 +1136,7 @@ async fn dry_run_before_the_default_service_cidr_exists_uses_the_configured_rang
         .delete("ipaddresses.networking.k8s.io", "", &ip)?;
     sim.backdoor()
         .put(backdoor_service("shop", "far", &["10.200.0.1"]))?;
-    let (repair, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
     let _triggers = drive_triggers(&repair);
     let report = pass_until(&repair, &client, true, "a dry-run pass", |r| {
         r.drift.len() == 2
@@ -1149,7 +1157,7 @@ async fn dry_run_before_the_default_service_cidr_exists_uses_the_configured_rang
 
     // The same without caches: each pass lists afresh, and the Service phase that runs while
     // the Services are listed judges against the configured ranges too.
-    let (fresh, _registry) = repair_with(&client, config(Duration::from_secs(60)))?;
+    let (fresh, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
     let report = fresh.reconcile(&ctx(&client, true)).await?;
     assert!(
         has_drift(&report, "clusterip_not_allocated", "Service/shop/web")

@@ -278,6 +278,8 @@ async fn discover(client: &Client) -> Result<Served, kube::Error> {
 /// The ClusterIP repair loop (`clusterip-repair`).
 pub struct ClusterIpRepair {
     client: Client,
+    /// LISTs (fresh passes, cache relists) go through this one; see [`Self::with_list_client`].
+    list_client: Option<Client>,
     config: ClusterIpRepairConfig,
     metrics: RepairMetrics,
     services: Arc<Store<ServiceRecord>>,
@@ -310,6 +312,7 @@ impl ClusterIpRepair {
         Ok(Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
+            list_client: None,
             config,
             metrics: RepairMetrics::register(registry),
             services: Arc::default(),
@@ -319,6 +322,20 @@ impl ClusterIpRepair {
             served: Mutex::new(None),
             wakeup: Arc::default(),
         })
+    }
+
+    /// Sends the loop's LISTs (its fresh passes and its caches' lists) through `client`, and
+    /// everything else (watches, writes, discovery) through the one it was built with. Meant for
+    /// [`crate::transport::in_task_client`]: a LIST of 100,000 Services is about 45,000 frames of
+    /// 2 KiB, and that transport hands none of them between tasks.
+    pub fn with_list_client(mut self, client: Client) -> Self {
+        self.list_client = Some(client);
+        self
+    }
+
+    /// The client for a LIST, `fallback` when none was set for LISTs.
+    fn list_client<'a>(&'a self, fallback: &'a Client) -> &'a Client {
+        self.list_client.as_ref().unwrap_or(fallback)
     }
 
     pub fn metrics(&self) -> &RepairMetrics {
@@ -378,9 +395,11 @@ impl ClusterIpRepair {
             }
             decide::decide_audit_mode(state.values(), &ranges)
         } else {
-            let (services, _) =
-                list_all::<ServiceRecord>(&ctx.client, &self.collection(reflector::SERVICES))
-                    .await?;
+            let (services, _) = list_all::<ServiceRecord>(
+                self.list_client(&ctx.client),
+                &self.collection(reflector::SERVICES),
+            )
+            .await?;
             decide::decide_audit_mode(&services, &ranges)
         };
         let AuditDecision { findings, usage } = audit;
@@ -439,7 +458,7 @@ impl ClusterIpRepair {
             // Listed with the stand-in, if any, so the Service phase can run while listing.
             let stand_in = self.default_service_cidr_stand_in(ctx);
             let mut snapshot = Snapshot::list(
-                &ctx.client,
+                self.list_client(&ctx.client),
                 self.config.page_size,
                 self.config.list_protobuf,
                 stand_in.as_ref().ok().cloned(),
@@ -1088,6 +1107,7 @@ impl Reconciler for ClusterIpRepair {
         self.caches_running.store(true, Ordering::Relaxed);
         let services = reflect(
             self.client.clone(),
+            self.list_client(&self.client).clone(),
             self.collection(reflector::SERVICES),
             self.services.clone(),
         );
@@ -1097,6 +1117,7 @@ impl Reconciler for ClusterIpRepair {
         }
         // IPAddress and ServiceCIDR caches only where the API serves them.
         let client = self.client.clone();
+        let list_client = self.list_client(&self.client).clone();
         let mode = self.config.mode;
         let ip_collection = self.collection(reflector::IPADDRESSES);
         let cidr_collection = self.collection(reflector::SERVICECIDRS);
@@ -1120,8 +1141,8 @@ impl Reconciler for ClusterIpRepair {
             };
             match served {
                 Served::IpAddressApi => futures::stream::select(
-                    reflect(client.clone(), ip_collection, ip_store),
-                    reflect(client, cidr_collection, cidr_store),
+                    reflect(client.clone(), list_client.clone(), ip_collection, ip_store),
+                    reflect(client, list_client, cidr_collection, cidr_store),
                 )
                 .boxed(),
                 Served::NoIpAddressApi => futures::stream::pending().boxed(),

@@ -580,6 +580,8 @@ enum Phase<T> {
 
 struct Reflector<T: Cached> {
     client: kube::Client,
+    /// Lists go through this one: see [`crate::transport`].
+    list_client: kube::Client,
     collection: Collection,
     store: Arc<Store<T>>,
     phase: Phase<T>,
@@ -597,14 +599,17 @@ fn new_backoff() -> backon::ExponentialBackoff {
 }
 
 /// Keeps `store` in sync with `collection`, forever; yields `()` after every change applied (a
-/// complete list, or one watch event), which makes it a trigger stream for the runner.
+/// complete list, or one watch event), which makes it a trigger stream for the runner. Lists go
+/// through `list_client`, watches through `client` (they may be the same).
 pub fn reflect<T: Cached>(
     client: kube::Client,
+    list_client: kube::Client,
     collection: Collection,
     store: Arc<Store<T>>,
 ) -> BoxStream<'static, ()> {
     let reflector = Reflector {
         client,
+        list_client,
         collection,
         store,
         phase: Phase::List,
@@ -656,7 +661,7 @@ impl<T: Cached> Reflector<T> {
                 let store = self.store.clone();
                 let mut page = Vec::new();
                 let listed = list_pages(
-                    &self.client,
+                    &self.list_client,
                     &self.collection,
                     &mut page,
                     |page: &mut Vec<T>, remaining| {
