@@ -3,16 +3,16 @@
 //!
 //! kube's client (hyper-util's pooled client) runs every connection in a task of its own and
 //! hands the body to the reader through a channel that holds one frame. kube-apiserver streams a
-//! LIST page in chunks of 2 KiB (Go's `net/http` buffer), so a page of 2,000 Services is about 700
-//! hand-overs between two tasks, each a wake-up, often of the other worker thread, and each
-//! frame's buffer is released on a different core than the one that cut it. Here the body polls
-//! its own connection: the frames are cut and consumed on one task, without any hand-over.
+//! LIST page in chunks of 2 KiB (Go's `net/http` buffer), so a page of 2,000 Services in protobuf
+//! is about 650 hand-overs between two tasks. Each is a wake-up, often of the other worker
+//! thread, and then the frame's buffer is released on another core than the one that cut it.
+//! Here the body polls its own connection: the frames are cut and consumed on one task, with no
+//! hand-over.
 //!
 //! Everything else comes from kube's [`Config`]: the TLS setup (`rustls_https_connector`), the
 //! cluster URL, authentication (with token refresh) and the extra headers (impersonation) are
 //! the layers kube's own client is built from. A configuration this transport does not cover (a
-//! proxy, an exec plugin) gets no client here; the caller keeps
-//! kube's.
+//! proxy, an exec plugin) gets no client here, and the caller keeps kube's.
 
 use std::future::Future;
 use std::pin::Pin;
