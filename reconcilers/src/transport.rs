@@ -210,6 +210,14 @@ impl Shared {
             };
             match head {
                 Ok(head) => {
+                    // What kube's client logs through its tracing layer, once per request.
+                    tracing::debug!(
+                        method = %parts.method,
+                        path = %parts.uri,
+                        status = head.status().as_u16(),
+                        reused,
+                        "HTTP response (LIST transport)"
+                    );
                     let shared = Arc::clone(&self);
                     return Ok(head.map(|incoming| InTaskBody {
                         incoming,
