@@ -10,8 +10,9 @@
 //! hand-over.
 //!
 //! Everything else comes from kube's [`Config`]: the TLS setup (`rustls_https_connector`), the
-//! cluster URL, authentication (with token refresh) and the extra headers (impersonation) are
-//! the layers kube's own client is built from. A configuration this transport does not cover (a
+//! cluster URL, the retry of 429/503/504 answers (`default_retry`), authentication (with token
+//! refresh) and the extra headers (impersonation) are the layers kube's own client is built
+//! from. A configuration this transport does not cover (a
 //! proxy, an exec plugin) gets no client here, and the caller keeps kube's.
 
 use std::future::Future;
@@ -78,8 +79,14 @@ pub fn in_task_client(config: &Config) -> Result<Option<Client>, kube::Error> {
             read_timeout: config.read_timeout,
         }),
     };
+    // The layers in kube's order (`ClientBuilder::try_from`), its tracing layer aside: that one
+    // reads the clock twice per frame.
+    let retry = config
+        .default_retry
+        .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
+        .option_layer(retry)
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
         .map_err(BoxError::from)

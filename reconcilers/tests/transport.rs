@@ -264,3 +264,45 @@ async fn a_server_that_closes_every_connection_fails_the_request() -> Result<()>
     );
     Ok(())
 }
+
+/// kube's client retries 429, 503 and 504 answers when `default_retry` is on (the default); so
+/// does this transport, and only then.
+#[tokio::test]
+async fn overload_answers_are_retried_as_kubes_client_retries_them() -> Result<()> {
+    for default_retry in [true, false] {
+        let answered = Arc::new(AtomicUsize::new(0));
+        let count = answered.clone();
+        let (client, _) = raw_server_with(
+            move |_, mut stream| {
+                let count = count.clone();
+                async move {
+                    while read_request(&mut stream).await {
+                        let answer: &[u8] = if count.fetch_add(1, Ordering::SeqCst) == 0 {
+                            b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
+                        } else {
+                            OK
+                        };
+                        if stream.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            },
+            |config| config.default_retry = default_retry,
+        )
+        .await?;
+        let request = http::Request::get("/api/v1/services").body(kube::client::Body::empty())?;
+        let response = tokio::time::timeout(DEADLINE, client.send(request)).await??;
+        let expected = if default_retry { 200 } else { 503 };
+        assert_eq!(
+            response.status().as_u16(),
+            expected,
+            "default_retry {default_retry}"
+        );
+        assert_eq!(
+            answered.load(Ordering::SeqCst),
+            if default_retry { 2 } else { 1 }
+        );
+    }
+    Ok(())
+}
