@@ -294,7 +294,7 @@ impl Controller {
         let mut registry = new_registry();
         let runner_metrics = RunnerMetrics::register(&mut registry);
         let leader_metrics = LeaderMetrics::register(&mut registry);
-        let list_client = crate::loops::list_client(kube_config);
+        let list_client = crate::loops::list_client(config, kube_config);
         let loops = build_loops(config, &client, list_client.as_ref(), &mut registry);
         info!(
             loops = ?loops.iter().map(|l| l.name()).collect::<Vec<_>>(),
@@ -463,7 +463,7 @@ async fn check(config: Config, timeout: Duration, output: OutputFormat) -> ExitC
         Err(message) => return fail(message),
     };
     let server = kube_config.cluster_url.to_string();
-    let list_client = crate::loops::list_client(&kube_config);
+    let list_client = crate::loops::list_client(&config, &kube_config);
     let client = match kube::Client::try_from(kube_config) {
         Ok(client) => client,
         Err(err) => {

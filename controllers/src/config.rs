@@ -775,6 +775,21 @@ pub struct ClusterIpRepairLoop {
     /// Services per LIST page when a pass or a relist reads them; IPAddresses (about a third
     /// the bytes) go three times as many per page.
     pub page_size: u32,
+    /// See [`ListTransport`].
+    pub list_transport: ListTransport,
+}
+
+/// What the ClusterIP repair's LISTs go through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ListTransport {
+    /// Connections of their own, read by the task that decodes the pages
+    /// (`reconcilers::transport`); kube's client where the kubeconfig uses a proxy or an exec
+    /// plugin.
+    #[default]
+    Own,
+    /// kube's client, like every other request.
+    KubeClient,
 }
 
 /// Which ClusterIP repair runs.
@@ -799,6 +814,7 @@ impl Default for ClusterIpRepairLoop {
             mode: ClusterIpRepairMode::Auto,
             orphan_grace_period: Duration::from_secs(60),
             page_size: reconcilers::clusterip_repair::reflector::DEFAULT_PAGE_SIZE,
+            list_transport: ListTransport::Own,
         }
     }
 }
@@ -1931,6 +1947,23 @@ mod tests {
             "loops:\n  clusterIPRepair:\n    mode: sometimes\n",
         ));
         assert!(error.field.starts_with("loops.clusterIPRepair"), "{error}");
+    }
+
+    #[test]
+    fn cluster_ip_repair_list_transport() {
+        assert_eq!(
+            ClusterIpRepairLoop::default().list_transport,
+            ListTransport::Own
+        );
+        let config = from_yaml("loops:\n  clusterIPRepair:\n    listTransport: kubeClient\n")
+            .expect("valid");
+        assert_eq!(
+            config.loops.cluster_ip_repair.list_transport,
+            ListTransport::KubeClient
+        );
+        let error = from_yaml("loops:\n  clusterIPRepair:\n    listTransport: fast\n")
+            .expect_err("an unknown transport is refused");
+        assert!(error.to_string().contains("listTransport"), "{error}");
     }
 
     #[test]

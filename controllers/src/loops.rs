@@ -186,10 +186,16 @@ pub fn build_loops(
 }
 
 /// A client for the ClusterIP repair's LISTs that reads each response on the task that decodes
-/// it ([`reconcilers::transport`]); `None`, and the repair lists through the main client, where
-/// the kubeconfig needs what only kube's client does (a proxy, an exec plugin) or the transport
-/// cannot be built.
-pub fn list_client(kube_config: &kube::Config) -> Option<kube::Client> {
+/// it ([`reconcilers::transport`]); `None`, and the repair lists through the main client, when
+/// the loop is off or configured so (`loops.clusterIPRepair.listTransport: kubeClient`), when
+/// the kubeconfig needs what only kube's client does (a proxy, an exec plugin), or when the
+/// transport cannot be built.
+pub fn list_client(config: &Config, kube_config: &kube::Config) -> Option<kube::Client> {
+    use crate::config::ListTransport;
+    let section = &config.loops.cluster_ip_repair;
+    if !section.enabled || section.list_transport == ListTransport::KubeClient {
+        return None;
+    }
     match reconcilers::transport::in_task_client(kube_config) {
         Ok(Some(client)) => Some(client),
         Ok(None) => {
@@ -259,5 +265,33 @@ pub fn apiserver_endpoints_config(
                 config.leader_election.lease_name.clone(),
             )
         }),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::config::{ConfigArgs, ListTransport, parse_file};
+
+    /// The repair gets its own LIST client unless the configuration or the kubeconfig says not
+    /// to.
+    #[tokio::test]
+    async fn the_list_transport_is_used_unless_configured_off() {
+        let mut config = Config::merge(&ConfigArgs::default(), parse_file("{}").unwrap()).unwrap();
+        let kube_config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
+        assert!(list_client(&config, &kube_config).is_some());
+
+        config.loops.cluster_ip_repair.list_transport = ListTransport::KubeClient;
+        assert!(list_client(&config, &kube_config).is_none());
+
+        config.loops.cluster_ip_repair.list_transport = ListTransport::Own;
+        config.loops.cluster_ip_repair.enabled = false;
+        assert!(list_client(&config, &kube_config).is_none());
+
+        config.loops.cluster_ip_repair.enabled = true;
+        let mut behind_proxy = kube_config.clone();
+        behind_proxy.proxy_url = Some("http://proxy.example:3128".parse().unwrap());
+        assert!(list_client(&config, &behind_proxy).is_none());
     }
 }
