@@ -233,7 +233,6 @@ impl Shared {
                             sender,
                             connection,
                         }),
-                        connection_ended: false,
                         shared,
                         read_timer: None,
                         progressed: false,
@@ -323,9 +322,9 @@ struct Driven {
 /// the body has been read to its end.
 pub struct InTaskBody {
     incoming: hyper::body::Incoming,
+    /// `None` once the connection has ended (or failed): frames it cut before are still in the
+    /// body's channel, which outlives it.
     connection: Option<Driven>,
-    /// The connection's future completed (closed cleanly); it is not polled again.
-    connection_ended: bool,
     shared: Arc<Shared>,
     /// Fires when the server has sent nothing for the read timeout: armed while the body waits,
     /// moved on (rather than reset on every frame, which would read the clock each time) when
@@ -370,18 +369,15 @@ impl http_body::Body for InTaskBody {
                     return Poll::Ready(Some(frame.map_err(TransportError::Http)));
                 }
                 Poll::Ready(None) => {
-                    if let Some(driven) = this.connection.take()
-                        && !this.connection_ended
-                    {
+                    if let Some(driven) = this.connection.take() {
                         this.shared.put_idle(driven);
                     }
                     return Poll::Ready(None);
                 }
                 Poll::Pending => {}
             }
-            if this.connection_ended || this.connection.is_none() {
+            if this.connection.is_none() {
                 // The connection is done, and whatever it had for the body was handed over.
-                this.connection = None;
                 return Poll::Ready(Some(Err(TransportError::Closed)));
             }
             // Once the connection is polled and still waits, its wakers are set, and so is the
@@ -399,7 +395,7 @@ impl http_body::Body for InTaskBody {
             if let Some(driven) = &mut this.connection {
                 match Pin::new(&mut driven.connection).poll(cx) {
                     Poll::Pending => {}
-                    Poll::Ready(Ok(())) => this.connection_ended = true,
+                    Poll::Ready(Ok(())) => this.connection = None,
                     Poll::Ready(Err(err)) => {
                         this.connection = None;
                         return Poll::Ready(Some(Err(err.into())));

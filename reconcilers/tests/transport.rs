@@ -306,3 +306,20 @@ async fn overload_answers_are_retried_as_kubes_client_retries_them() -> Result<(
     }
     Ok(())
 }
+
+/// A server that closes the connection right after a complete answer: the connection ends while
+/// the body's last frames are still on their way to the reader, and none is lost.
+#[tokio::test]
+async fn a_complete_answer_followed_by_a_close_is_read_whole() -> Result<()> {
+    let (client, accepted) = raw_server(|_, mut stream| async move {
+        if read_request(&mut stream).await {
+            let _ = stream.write_all(OK).await;
+        }
+    })
+    .await?;
+    for _ in 0..20 {
+        assert_eq!(get(&client, "/api/v1/services").await?, "abcde");
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 20);
+    Ok(())
+}
