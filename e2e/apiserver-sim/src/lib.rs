@@ -441,7 +441,7 @@ impl Backdoor<'_> {
     /// Every stored object of a resource, all namespaces, ordered by namespace and name.
     pub fn list(&self, resource: &str) -> Result<Vec<Value>, SimError> {
         let idx = resource_index(resource)?;
-        let jsons: Vec<bytes::Bytes> = self.shared.lock().objects[convert::storage_idx(idx)]
+        let jsons: Vec<bytes::Bytes> = self.shared.read().objects[convert::storage_idx(idx)]
             .values()
             .map(|s| s.json.clone())
             .collect();
@@ -454,7 +454,7 @@ impl Backdoor<'_> {
     /// Node ports the allocator currently holds (the simulator's equivalent of the
     /// `servicenodeports` RangeAllocation, which the REST API does not expose).
     pub fn allocated_node_ports(&self) -> Vec<u16> {
-        let mut v: Vec<u16> = self.shared.lock().node_ports.iter().copied().collect();
+        let mut v: Vec<u16> = self.shared.read().node_ports.iter().copied().collect();
         v.sort_unstable();
         v
     }

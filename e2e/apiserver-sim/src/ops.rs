@@ -2,7 +2,7 @@
 //! lifecycle. Every operation takes the global lock once, so each is atomic.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,7 +24,7 @@ use crate::store::State;
 /// State shared by the server, the handle and background tasks.
 #[derive(Debug)]
 pub struct Shared {
-    state: Mutex<State>,
+    state: RwLock<State>,
     /// Publishes the latest resourceVersion; watchers wake on change.
     pub rv_tx: watch::Sender<u64>,
     pub alloc: AllocConfig,
@@ -91,7 +91,7 @@ impl Shared {
         let servicecidr_idx =
             resources::find("networking.k8s.io", "v1", "servicecidrs").unwrap_or(0);
         Self {
-            state: Mutex::new(State::new(window)),
+            state: RwLock::new(State::new(window)),
             rv_tx,
             alloc: AllocConfig {
                 enabled: alloc_enabled,
@@ -111,10 +111,16 @@ impl Shared {
         }
     }
 
-    /// The global lock. A panic while holding it cannot leave a half-written object (writes
-    /// are single inserts), so a poisoned lock is still usable.
-    pub fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// The global lock, for writing. A panic while holding it cannot leave a half-written
+    /// object (writes are single inserts), so a poisoned lock is still usable.
+    pub fn lock(&self) -> RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The global lock, for reading: concurrent LISTs, GETs and watch catch-ups are served in
+    /// parallel, as kube-apiserver serves them from its watch cache.
+    pub fn read(&self) -> RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|e| e.into_inner())
     }
 
     fn publish(&self, st: &State) {
@@ -126,11 +132,11 @@ impl Shared {
     }
 
     pub fn current_rv(&self) -> u64 {
-        self.lock().rv
+        self.read().rv
     }
 
     pub fn get(&self, res: ResIdx, ns: &str, name: &str) -> Result<Bytes, ApiError> {
-        self.lock()
+        self.read()
             .get(res, ns, name)
             .map(|s| s.json.clone())
             .ok_or_else(|| ApiError::not_found(&RESOURCES[res], name))
@@ -606,7 +612,7 @@ impl Shared {
     ) -> Result<Written, ApiError> {
         let def = &RESOURCES[res];
         let dry_run = opts.dry_run;
-        let exists = self.lock().contains(convert::storage_idx(res), ns, name);
+        let exists = self.read().contains(convert::storage_idx(res), ns, name);
         if !exists && def.create_on_update && !status {
             let mut body = body;
             self.normalize_body(res, ns, Some(name), &mut body)?;

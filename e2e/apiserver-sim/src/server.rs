@@ -966,7 +966,7 @@ fn list_page(
     let mut in_scope: Option<usize> = None;
     let unselective = sel.labels.is_empty() && sel.fields.is_empty();
     let offset = token.as_ref().map_or(0, |t| t.offset);
-    let st = shared.lock();
+    let st = shared.read();
     let list_rv = match &token {
         Some(t) => {
             if t.rv < st.compacted_rv {
@@ -1055,7 +1055,7 @@ fn delete_collection(
 ) -> Result<Response<Body>, ApiError> {
     let sel = Selection::parse(query)?;
     let names: Vec<String> = {
-        let st = shared.lock();
+        let st = shared.read();
         st.objects[crate::convert::storage_idx(res)]
             .range((ns.to_string(), String::new())..)
             .take_while(|((n, _), _)| n == ns)
@@ -1209,7 +1209,7 @@ fn watch(
     let mut rv_rx = shared.rv_tx.subscribe();
     // Snapshot under the lock so no event is missed between the initial state and the stream.
     let (mut last, initial, early_gone): (u64, Vec<Bytes>, Option<Bytes>) = {
-        let st = shared.lock();
+        let st = shared.read();
         if gone {
             (
                 st.rv,
@@ -1274,11 +1274,11 @@ fn watch(
                         return;
                     }
                     let (events, head) = {
-                        let st = shared.lock();
+                        let st = shared.read();
                         (st.events_after(last), st.rv)
                     };
                     let Some(events) = events else {
-                        let oldest = shared.lock().compacted_rv;
+                        let oldest = shared.read().compacted_rv;
                         let _ = tx.send(gone_line(last, oldest)).await;
                         return;
                     };
