@@ -1004,9 +1004,12 @@ impl Snapshot {
                     .map(|(items, _)| items)
             }
         };
+        // Requested before the Services: the Service phase needs all of them, but Services
+        // only page by page.
+        let (ip_addresses, service_cidrs) = (spawned(ip_addresses), spawned(service_cidrs));
         let rest = async move {
             let (ip_addresses, mut service_cidrs) =
-                futures::try_join!(spawned(ip_addresses), spawned(service_cidrs))?;
+                futures::try_join!(ip_addresses, service_cidrs)?;
             if let Some(stand_in) = stand_in
                 && !service_cidrs
                     .iter()

@@ -270,6 +270,9 @@ pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     let fetch =
         |token: Option<String>, size: usize| PageFetch::start(client, collection, token, size);
     let mut current = fetch(None, 0);
+    // Room for a full first page: decoded into an empty vector it would grow by doubling, each
+    // step copying every record so far (6,000 IPAddresses a page by default).
+    items.reserve((collection.page_size as usize).min(MAX_ITEMS_HINT));
     // The size of the last page received: pages of one list are about the same size, and
     // kube-apiserver does not announce a page's length (it streams it in chunks).
     let mut last_len = 0;
@@ -278,6 +281,11 @@ pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
         // only a guess until the decoded page confirms it.
         let guessed = current.early_token().await;
         let mut next = guessed.clone().map(|token| fetch(Some(token), last_len));
+        if next.is_some() {
+            // The next page's task sits in this worker's LIFO slot, where no other worker can
+            // steal it: without a yield its request would wait for this page's decode.
+            tokio::task::yield_now().await;
+        }
         let metadata = match current.body().await {
             Ok(page) => {
                 last_len = page.body.len();
