@@ -5,7 +5,8 @@
 //! collection's floor next to our compact decode, the decision alone, and 10 more passes each
 //! measured right next to a floor: *paired* is the median of those per-pair ratios, which
 //! compares a pass with a floor at the same moment of the VM (`benches/paired-ratios.py` pools
-//! the pairs of several runs).
+//! the pairs of several runs). Around each pair it probes every CPU's speed (`probes` lines):
+//! each virtual CPU here runs at full or about half speed, independently of the other.
 //!
 //! `cargo bench -p bootstrap-reconcilers --bench clusterip_repair [-- --sizes 10000,100000] [--roles ipaddress-fresh,audit-fresh]`
 //!
@@ -134,6 +135,56 @@ fn json_floor_ms(bodies: &[impl AsRef<str>]) -> Result<f64> {
         let _: serde::de::IgnoredAny = serde_json::from_str(body.as_ref())?;
     }
     Ok(ms(started.elapsed()))
+}
+
+/// The VM's speed, per CPU: how long the same JSON decode takes on a thread pinned to each
+/// CPU, all CPUs at once. Each virtual CPU of these machines runs at full speed or at about half
+/// of it, for seconds at a time and independently of the other: a floor (one thread) can run on
+/// a fast CPU while the pass (both CPUs, and the simulator) runs half on a slow one. Probing
+/// around each pair tells the pairs measured with every CPU at full speed
+/// (`benches/paired-ratios.py`).
+struct CpuProbe {
+    body: Arc<String>,
+    cpus: usize,
+}
+
+impl CpuProbe {
+    fn new() -> Result<Self> {
+        let services: Vec<serde_json::Value> =
+            (0..100).map(|i| service_json(i, i % 10 < 3).0).collect();
+        Ok(Self {
+            body: Arc::new(serde_json::to_string(&services)?),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        })
+    }
+
+    /// Milliseconds per CPU; NaN where the thread could not be pinned.
+    fn run(&self) -> Vec<f64> {
+        let threads: Vec<_> = (0..self.cpus)
+            .map(|cpu| {
+                let body = self.body.clone();
+                std::thread::spawn(move || {
+                    let mut set = nix::sched::CpuSet::new();
+                    let pinned = set.set(cpu).is_ok()
+                        && nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+                            .is_ok();
+                    if !pinned {
+                        return f64::NAN;
+                    }
+                    let started = Instant::now();
+                    for _ in 0..4 {
+                        let _: serde::de::IgnoredAny =
+                            serde_json::from_str(std::hint::black_box(&body)).unwrap();
+                    }
+                    ms(started.elapsed())
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|thread| thread.join().unwrap_or(f64::NAN))
+            .collect()
+    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -571,8 +622,12 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         // apart can compare a fast moment with a slow one. Here each pass is measured right
         // next to a floor (the order alternating), and the ratio is taken per pair.
         let mut pairs = Vec::new();
+        let mut probes = Vec::new();
+        let probe = CpuProbe::new()?;
         for round in 0..PAIRS {
             let floor = || json_floor_ms(&bodies);
+            settle().await;
+            let before = probe.run();
             let floor_before = if round % 2 == 1 {
                 settle().await;
                 Some(floor()?)
@@ -589,6 +644,12 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
                 None => floor()?,
             };
             pairs.push((pass, floor));
+            settle().await;
+            let readings: Vec<f64> = before.into_iter().chain(probe.run()).collect();
+            probes.push((
+                readings.iter().copied().fold(f64::INFINITY, f64::min),
+                readings.iter().copied().fold(0.0, f64::max),
+            ));
         }
         let ratios: Vec<f64> = pairs.iter().map(|(pass, floor)| pass / floor).collect();
         paired_ratio = median(ratios.clone());
@@ -617,6 +678,14 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             pairs
                 .iter()
                 .map(|(pass, floor)| format!("{pass:.0}/{floor:.0}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        eprintln!(
+            "probes (fastest/slowest CPU ms around each pair, in order): {}",
+            probes
+                .iter()
+                .map(|(fastest, slowest)| format!("{fastest:.2}/{slowest:.2}"))
                 .collect::<Vec<_>>()
                 .join(" ")
         );

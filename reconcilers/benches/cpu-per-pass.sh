@@ -6,12 +6,13 @@
 #
 # usage: reconcilers/benches/cpu-per-pass.sh <bench binary> [passes]
 #   the bench binary: cargo bench -p bootstrap-reconcilers --bench clusterip_repair --no-run
-#   environment: BENCH_PLAIN_HTTP (default 1), ROLE (default ipaddress-fresh)
+#   environment: BENCH_PLAIN_HTTP (default 1), ROLE (default ipaddress-fresh), SIZE (Services,
+#   default 100000)
 set -euo pipefail
 bin=$1
 passes=${2:-60}
 out=$(mktemp)
-BENCH_PASSES=$passes BENCH_PLAIN_HTTP=${BENCH_PLAIN_HTTP:-1} "$bin" --sizes 100000 \
+BENCH_PASSES=$passes BENCH_PLAIN_HTTP=${BENCH_PLAIN_HTTP:-1} "$bin" --sizes "${SIZE:-100000}" \
     --roles "${ROLE:-ipaddress-fresh}" >"$out" 2>&1 &
 parent=$!
 ticks=$(getconf CLK_TCK)

@@ -1,22 +1,37 @@
 #!/usr/bin/env python3
 """Pools the `pairs (pass/floor ms, in order): ...` lines of several clusterip_repair bench runs
-and prints, per transport and role, the median pass/floor ratio over all pairs and over the
-pairs whose floor ran at the machine's normal speed.
+and prints, per transport and role, the median pass/floor ratio over all pairs, over the pairs
+measured with every CPU at full speed, and over the pairs whose floor ran fast.
 
-The floor (JSON-decoding the LIST bodies, one thread) slows down on this kind of VM by up to 2x
-at times, much more than the pass does, which flatters the ratio then; the pairs with a fast
-floor are the fair ones.
+Each virtual CPU of this kind of VM runs at full speed or at about half of it, for seconds at a
+time and independently of the other. The floor (JSON-decoding the LIST bodies) is one thread;
+the pass uses both CPUs and shares them with the simulator. The bench probes each CPU's speed
+around every pair (`probes (fastest/slowest CPU ms ...)` lines); a pair counts as at full speed
+when its slowest probe is within `--full-speed` of the fastest probe of the whole file, and as
+slower when even its fastest probe is not. Pairs
+selected by a fast floor alone (the older view, `--fast-ip`/`--fast-audit`) include pairs whose
+floor ran on a fast CPU while the other CPU was slow, which penalises the pass.
 
 usage: for i in 1 2 3; do for p in 1 0; do echo "plain=$p"; BENCH_PLAIN_HTTP=$p <bench binary> \
            --sizes 100000 --roles ipaddress-fresh,audit-fresh 2>&1; done; done > runs.txt
-       benches/paired-ratios.py runs.txt [--fast-ip MS] [--fast-audit MS]
+       benches/paired-ratios.py runs.txt [--fast-ip MS] [--fast-audit MS] [--full-speed F]
 The `plain=` lines tell the transport; without them everything counts as one transport.
---fast-ip/--fast-audit: the floor (ms) below which a pair counts as at normal speed
-(defaults 100 and 70: the normal floors measured here were 83 and 58 ms).
+--fast-ip/--fast-audit: the floor (ms) below which a pair counts as having a fast floor
+(defaults 100 and 70: the normal floors measured here at 100,000 Services were 83 and 58 ms;
+at 10,000 use 10 and 7).
+--full-speed: how much slower than the fastest probe a probe may be and still count as full
+speed (default 1.25).
 """
 import argparse
 import re
 import statistics
+
+
+def summary(ratios):
+    ratios = sorted(ratios)
+    return (
+        f"median {statistics.median(ratios):.2f}x, 3rd quartile {ratios[(3 * len(ratios)) // 4]:.2f}x"
+    )
 
 
 def main():
@@ -24,9 +39,11 @@ def main():
     parser.add_argument("runs")
     parser.add_argument("--fast-ip", type=float, default=100.0)
     parser.add_argument("--fast-audit", type=float, default=70.0)
+    parser.add_argument("--full-speed", type=float, default=1.25)
     args = parser.parse_args()
+    # (transport, role) -> [(pass, floor, fastest probe or None, slowest probe or None)]
     pooled = {}
-    transport, role = "?", None
+    transport, role, last = "?", None, None
     with open(args.runs) as runs:
         for line in runs:
             if m := re.match(r"plain=(\d)", line):
@@ -35,24 +52,48 @@ def main():
                 if role is None:
                     raise SystemExit(f"pairs before any result row: {line.strip()}")
                 pairs = [tuple(map(float, p.split("/"))) for p in line.split(":", 1)[1].split()]
-                pooled.setdefault((transport, role), []).extend(pairs)
+                last = [[p, f, None, None] for p, f in pairs]
+                pooled.setdefault((transport, role), []).extend(last)
+            elif "probes (fastest/slowest CPU ms" in line:
+                probes = [tuple(map(float, p.split("/"))) for p in line.split(":", 1)[1].split()]
+                if last is None or len(probes) != len(last):
+                    raise SystemExit(f"probes without their pairs: {line.strip()}")
+                for pair, (fastest, slowest) in zip(last, probes):
+                    pair[2], pair[3] = fastest, slowest
+                last = None
             elif m := re.search(r"\b(ipaddress-fresh|audit-fresh)\b", line):
                 role = m.group(1)
     if not pooled:
         raise SystemExit("no pairs found")
+    probed = [p[2] for pairs in pooled.values() for p in pairs if p[2] is not None]
+    full_speed = min(probed) * args.full_speed if probed else None
     for (transport, role), pairs in sorted(pooled.items()):
         fast_floor = args.fast_ip if role.startswith("ipaddress") else args.fast_audit
-        ratios = sorted(p / f for p, f in pairs)
-        fast = sorted(p / f for p, f in pairs if f < fast_floor)
+        ratios = [p / f for p, f, _, _ in pairs]
         line = (
-            f"{transport:10} {role:15} {len(ratios):3} pairs: median {statistics.median(ratios):.2f}x"
-            f" (pass {statistics.median(p for p, _ in pairs):.0f} ms)"
+            f"{transport:10} {role:15} {len(ratios):3} pairs: {summary(ratios)}"
+            f" (pass {statistics.median(p for p, *_ in pairs):.0f} ms)"
         )
+        if full_speed is not None:
+            full = [(p, f) for p, f, _, slowest in pairs if slowest is not None and slowest <= full_speed]
+            if full:
+                line += (
+                    f"; {len(full)} with every CPU at full speed: {summary(p / f for p, f in full)}"
+                    f" (pass {statistics.median(p for p, _ in full):.0f} ms,"
+                    f" floor {statistics.median(f for _, f in full):.0f} ms)"
+                )
+            else:
+                line += "; none with every CPU at full speed"
+            slow = [(p, f) for p, f, fastest, _ in pairs if fastest is not None and fastest > full_speed]
+            if slow:
+                line += (
+                    f"; {len(slow)} with every CPU slower: {summary(p / f for p, f in slow)}"
+                    f" (pass {statistics.median(p for p, _ in slow):.0f} ms,"
+                    f" floor {statistics.median(f for _, f in slow):.0f} ms)"
+                )
+        fast = [p / f for p, f, _, _ in pairs if f < fast_floor]
         if fast:
-            line += (
-                f"; {len(fast)} with the floor under {fast_floor:.0f} ms: median"
-                f" {statistics.median(fast):.2f}x, 3rd quartile {fast[(3 * len(fast)) // 4]:.2f}x"
-            )
+            line += f"; {len(fast)} with the floor under {fast_floor:.0f} ms: {summary(fast)}"
         print(line)
 
 
