@@ -213,6 +213,253 @@ pub fn decode_list_into<T: ProtobufRecord>(
     decoded
 }
 
+/// A protobuf LIST page decoded while it arrives: each received chunk is decoded as far as it
+/// holds whole items, and only an item cut by the chunk's end is copied, to be completed by the
+/// next chunk. The page is never held whole, and its items are decoded while the rest of it is
+/// still on the way. Decodes what [`decode_list`] decodes, except that a second `raw` field in
+/// the envelope (never sent by kube-apiserver) is an error here rather than overriding the first.
+pub struct StreamingList<T> {
+    items: Vec<T>,
+    metadata: ListMeta,
+    at: Within,
+    /// The start of a unit (a field, or the magic) that the chunks so far cut off.
+    pending: Vec<u8>,
+    /// Whether the list metadata came before any item (upstream's order): it then settles the
+    /// continue token before the items arrive.
+    metadata_first: Option<bool>,
+    received: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Within {
+    Magic,
+    /// The fields of `runtime.Unknown`; `raw_seen` once its object has been read.
+    Envelope {
+        raw_seen: bool,
+    },
+    /// The fields of the list inside `runtime.Unknown.raw`, `left` bytes of it to come.
+    List {
+        left: u64,
+    },
+}
+
+/// Where a unit ends, if the bytes so far tell: a varint's value and length.
+fn try_varint(bytes: &[u8], what: &'static str) -> Result<Option<(u64, usize)>, DecodeError> {
+    let mut value = 0u64;
+    for (index, &byte) in bytes.iter().enumerate().take(10) {
+        value |= u64::from(byte & 0x7f) << (7 * index);
+        if byte < 0x80 {
+            return Ok(Some((value, index + 1)));
+        }
+    }
+    match bytes.len() >= 10 {
+        true => Err(invalid(what, "bad varint")),
+        false => Ok(None),
+    }
+}
+
+/// The length of a field (its key and value) starting at `bytes`, `None` when `bytes` ends
+/// before its header does; with `header_only` for a length-delimited field only its key and
+/// length are counted (the envelope's `raw`, which is read field by field).
+fn field_len(
+    bytes: &[u8],
+    what: &'static str,
+    header_only: impl Fn(u64) -> bool,
+) -> Result<Option<usize>, DecodeError> {
+    let Some((key, key_len)) = try_varint(bytes, what)? else {
+        return Ok(None);
+    };
+    let rest = &bytes[key_len..];
+    let value_len = match key & 7 {
+        0 => match try_varint(rest, what)? {
+            Some((_, len)) => len,
+            None => return Ok(None),
+        },
+        1 => 8,
+        5 => 4,
+        2 => match try_varint(rest, what)? {
+            Some((_, len)) if header_only(key >> 3) => len,
+            Some((len, len_len)) => usize::try_from(len)
+                .ok()
+                .and_then(|len| len.checked_add(len_len))
+                .ok_or_else(|| invalid(what, "length overflows"))?,
+            None => return Ok(None),
+        },
+        _ => return Err(invalid(what, "unsupported wire type (groups)")),
+    };
+    key_len
+        .checked_add(value_len)
+        .map(Some)
+        .ok_or_else(|| invalid(what, "length overflows"))
+}
+
+impl<T: ProtobufRecord> StreamingList<T> {
+    /// Room for `capacity` items is made up front (a page's size): growing by doubling would
+    /// copy the records several times.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            items: Vec::with_capacity(capacity),
+            metadata: ListMeta::default(),
+            at: Within::Magic,
+            pending: Vec::new(),
+            metadata_first: None,
+            received: 0,
+        }
+    }
+
+    /// Decodes what `chunk`, the next bytes of the body, completes.
+    pub fn feed(&mut self, mut chunk: &[u8]) -> Result<(), DecodeError> {
+        self.received += chunk.len();
+        // First the unit the previous chunks cut off: its header byte by byte (at most 20),
+        // then exactly the rest of it, so that `pending` never holds more than one unit.
+        while !self.pending.is_empty() {
+            match self.unit_len(&self.pending)? {
+                Some(len) => {
+                    let take = (len - self.pending.len()).min(chunk.len());
+                    self.pending.extend_from_slice(&chunk[..take]);
+                    chunk = &chunk[take..];
+                    if self.pending.len() < len {
+                        return Ok(());
+                    }
+                    let unit = std::mem::take(&mut self.pending);
+                    self.consume(&unit)?;
+                    // The buffer is kept for the next cut unit.
+                    self.pending = unit;
+                    self.pending.clear();
+                    break;
+                }
+                None => {
+                    let Some((&byte, rest)) = chunk.split_first() else {
+                        return Ok(());
+                    };
+                    self.pending.push(byte);
+                    chunk = rest;
+                }
+            }
+        }
+        loop {
+            match self.unit_len(chunk)? {
+                Some(len) if len <= chunk.len() => {
+                    let (unit, rest) = chunk.split_at(len);
+                    self.consume(unit)?;
+                    chunk = rest;
+                }
+                _ => {
+                    self.pending.extend_from_slice(chunk);
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// The length of the unit starting at `bytes` (which may hold more), if known yet.
+    fn unit_len(&self, bytes: &[u8]) -> Result<Option<usize>, DecodeError> {
+        match self.at {
+            Within::Magic => Ok(Some(MAGIC.len())),
+            Within::Envelope { .. } => field_len(bytes, "runtime.Unknown", |number| number == 2),
+            Within::List { left } => {
+                let left = usize::try_from(left).unwrap_or(usize::MAX);
+                let within = &bytes[..bytes.len().min(left)];
+                match field_len(within, "List", |_| false)? {
+                    Some(len) if len > left => Err(invalid(
+                        "List",
+                        "field runs past the end of runtime.Unknown.raw",
+                    )),
+                    None if within.len() == left => Err(invalid(
+                        "List",
+                        "field runs past the end of runtime.Unknown.raw",
+                    )),
+                    found => Ok(found),
+                }
+            }
+        }
+    }
+
+    /// Decodes one whole unit.
+    fn consume(&mut self, unit: &[u8]) -> Result<(), DecodeError> {
+        match self.at {
+            Within::Magic => {
+                if unit != MAGIC {
+                    return Err(invalid("body", "missing the k8s\\0 prefix"));
+                }
+                self.at = Within::Envelope { raw_seen: false };
+            }
+            Within::Envelope { raw_seen } => {
+                let mut header = unit;
+                if varint(&mut header, "runtime.Unknown")? == (2 << 3) | 2 {
+                    if raw_seen {
+                        return Err(invalid("runtime.Unknown", "more than one raw object"));
+                    }
+                    self.at = match varint(&mut header, "runtime.Unknown.raw")? {
+                        0 => Within::Envelope { raw_seen: true },
+                        left => Within::List { left },
+                    };
+                } else {
+                    // Another field of the envelope (type meta, content type): not needed.
+                    fields(unit, "runtime.Unknown").read()?;
+                }
+            }
+            Within::List { left } => {
+                for field in fields(unit, "List") {
+                    match field? {
+                        (1, value) => {
+                            self.metadata = list_meta(value.bytes("List.metadata")?)?;
+                            self.metadata_first.get_or_insert(true);
+                        }
+                        (2, value) => {
+                            self.items
+                                .push(T::from_protobuf(value.bytes("List.items")?)?);
+                            self.metadata_first.get_or_insert(false);
+                        }
+                        _ => {}
+                    }
+                }
+                // `unit_len` kept the unit within `left`.
+                let left = left - unit.len() as u64;
+                self.at = match left {
+                    0 => Within::Envelope { raw_seen: true },
+                    left => Within::List { left },
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// The continue token once the bytes so far settle it, as [`early_continue_token`]: when
+    /// the list metadata came before the items, from then on (`Some(None)`: the last page).
+    pub fn early_continue_token(&self) -> Option<Option<&str>> {
+        (self.metadata_first == Some(true)).then(|| {
+            self.metadata
+                .continue_token
+                .as_deref()
+                .filter(|token| !token.is_empty())
+        })
+    }
+
+    /// How many bytes of the body were fed.
+    pub fn received(&self) -> usize {
+        self.received
+    }
+
+    /// The items and the list metadata, once the body is complete.
+    pub fn finish(self) -> Result<ListPage<T>, DecodeError> {
+        if !self.pending.is_empty() || self.at != (Within::Envelope { raw_seen: true }) {
+            return Err(match self.at {
+                Within::Envelope { raw_seen: true } | Within::List { .. } => {
+                    invalid("body", "cut off before its end")
+                }
+                Within::Magic if self.pending.is_empty() => invalid("body", "empty"),
+                Within::Magic => invalid("body", "missing the k8s\\0 prefix"),
+                Within::Envelope { raw_seen: false } => invalid("runtime.Unknown", "no raw object"),
+            });
+        }
+        Ok(ListPage {
+            metadata: self.metadata,
+            items: self.items,
+        })
+    }
+}
+
 /// The continue token from the first bytes of a protobuf LIST page, when they settle it:
 /// upstream writes fields in number order, so the list metadata (field 1) precedes the items.
 /// `Some(None)`: the metadata is complete and has no token (the last page); `None`: the bytes
@@ -734,5 +981,145 @@ mod tests {
         )
         .unwrap();
         assert_eq!(json.metadata.remaining_item_count, Some(1234));
+    }
+
+    fn push_field(out: &mut Vec<u8>, number: u64, value: &[u8]) {
+        prost::encoding::encode_varint((number << 3) | 2, out);
+        prost::encoding::encode_varint(value.len() as u64, out);
+        out.extend_from_slice(value);
+    }
+
+    /// A protobuf LIST body as kube-apiserver writes it: magic, `runtime.Unknown` with the list
+    /// in `raw` and the (empty) content encoding and type after it.
+    fn list_body(meta: &[u8], items: &[&[u8]], meta_first: bool) -> Vec<u8> {
+        let mut list = Vec::new();
+        if meta_first {
+            push_field(&mut list, 1, meta);
+        }
+        for item in items {
+            push_field(&mut list, 2, item);
+        }
+        if !meta_first {
+            push_field(&mut list, 1, meta);
+        }
+        let mut body = MAGIC.to_vec();
+        push_field(
+            &mut body,
+            1,
+            &[0x0a, 2, b'v', b'1', 0x12, 4, b'L', b'i', b's', b't'],
+        );
+        push_field(&mut body, 2, &list);
+        push_field(&mut body, 3, b"");
+        push_field(&mut body, 4, b"");
+        body
+    }
+
+    fn streamed<T: ProtobufRecord>(chunks: &[&[u8]]) -> Result<ListPage<T>, DecodeError> {
+        let mut list = StreamingList::new(4);
+        for chunk in chunks {
+            list.feed(chunk)?;
+        }
+        list.finish()
+    }
+
+    /// However the body is cut into chunks, the streaming decoder gives what the whole-body
+    /// decoder gives, and settles the continue token once the list metadata is complete.
+    #[test]
+    fn streaming_decode_matches_the_whole_body_at_every_cut() {
+        let pb = fixture("core.v1.Service.pb");
+        let service = unwrap_envelope(&pb).unwrap();
+        let meta = [0x12, 1, b'7', 0x1a, 4, b'n', b'e', b'x', b't', 0x20, 0x02];
+        let body = list_body(&meta, &[service, service, service], true);
+        let whole = decode_list::<ServiceRecord>(&body).unwrap();
+        assert_eq!(whole.items.len(), 3);
+        let expected = (whole.items, whole.metadata.continue_token);
+        let meta_ends = body.windows(meta.len()).position(|w| w == meta).unwrap() + meta.len();
+        for cut in 0..=body.len() {
+            let (head, tail) = body.split_at(cut);
+            let page = streamed::<ServiceRecord>(&[head, tail]).unwrap();
+            assert_eq!(
+                (page.items, page.metadata.continue_token),
+                expected,
+                "cut at {cut}"
+            );
+            let mut list = StreamingList::<ServiceRecord>::new(0);
+            list.feed(head).unwrap();
+            let settled = list.early_continue_token().map(|t| t.map(str::to_owned));
+            match cut >= meta_ends {
+                true => assert_eq!(settled, Some(Some("next".to_owned())), "cut at {cut}"),
+                false => assert_eq!(settled, None, "cut at {cut}"),
+            }
+        }
+        let bytes: Vec<&[u8]> = body.chunks(1).collect();
+        let page = streamed::<ServiceRecord>(&bytes).unwrap();
+        assert_eq!((page.items, page.metadata.continue_token), expected);
+        for size in [2, 3, 7, 64, 500] {
+            let chunks: Vec<&[u8]> = body.chunks(size).collect();
+            let page = streamed::<ServiceRecord>(&chunks).unwrap();
+            assert_eq!(page.items, expected.0, "chunks of {size}");
+        }
+    }
+
+    /// Metadata after the items (not upstream's order) settles the token only at the end.
+    #[test]
+    fn streaming_decode_with_metadata_last() {
+        let item = [0x0a, 3, 0x0a, 1, b'x'];
+        let meta = [0x1a, 4, b'n', b'e', b'x', b't'];
+        let body = list_body(&meta, &[&item], false);
+        let mut list = StreamingList::<ServiceCidrRecord>::new(1);
+        list.feed(&body).unwrap();
+        assert_eq!(list.early_continue_token(), None);
+        let page = list.finish().unwrap();
+        assert_eq!(page.metadata.continue_token.as_deref(), Some("next"));
+        assert_eq!(&*page.items[0].name, "x");
+        // The last page: metadata first, no token.
+        let body = list_body(&[0x12, 1, b'9'], &[&item], true);
+        let mut list = StreamingList::<ServiceCidrRecord>::new(1);
+        list.feed(&body[..body.len() - 11]).unwrap();
+        assert_eq!(list.early_continue_token(), Some(None));
+    }
+
+    /// Cut-off, oversized and malformed bodies are errors, whatever the chunking; never a panic.
+    #[test]
+    fn streaming_decode_rejects_bad_bodies() {
+        let item = [0x0a, 3, 0x0a, 1, b'x'];
+        let body = list_body(&[0x12, 1, b'9'], &[&item, &item], true);
+        // Cut anywhere before the end of `raw` (the two empty fields after it may go).
+        for cut in 0..body.len() - 4 {
+            let (head, _) = body.split_at(cut);
+            let one: Vec<&[u8]> = head.chunks(1).collect();
+            assert!(
+                streamed::<ServiceCidrRecord>(&[head]).is_err(),
+                "cut at {cut}"
+            );
+            assert!(streamed::<ServiceCidrRecord>(&one).is_err(), "cut at {cut}");
+        }
+        // Not protobuf at all.
+        assert!(streamed::<ServiceRecord>(&[b"{\"kind\":\"ServiceList\"}"]).is_err());
+        // `raw` claims more than the body holds.
+        assert!(streamed::<ServiceRecord>(&[b"k8s\0\x12\xff\x01\x0a"]).is_err());
+        // An item runs past the end of `raw`.
+        let mut list = Vec::new();
+        push_field(&mut list, 2, &item);
+        let mut body = MAGIC.to_vec();
+        push_field(&mut body, 2, &list[..list.len() - 2]);
+        body.extend_from_slice(&list[list.len() - 2..]);
+        assert!(streamed::<ServiceCidrRecord>(&[&body]).is_err());
+        // Two objects in one envelope.
+        let mut body = MAGIC.to_vec();
+        push_field(&mut body, 2, &list);
+        push_field(&mut body, 2, &list);
+        assert!(streamed::<ServiceCidrRecord>(&[&body]).is_err());
+        assert!(decode_list::<ServiceCidrRecord>(&body).is_ok());
+        // A varint that never ends.
+        let mut body = MAGIC.to_vec();
+        body.extend_from_slice(&[0xff; 12]);
+        assert!(streamed::<ServiceCidrRecord>(&[&body]).is_err());
+        // An item that is not a valid object.
+        let mut list = Vec::new();
+        push_field(&mut list, 2, &[0x0a, 9, 0x0a]);
+        let mut body = MAGIC.to_vec();
+        push_field(&mut body, 2, &list);
+        assert!(streamed::<ServiceCidrRecord>(&[&body]).is_err());
     }
 }
