@@ -973,10 +973,8 @@ impl Snapshot {
             async move {
                 let mut page = Vec::new();
                 reflector::list_pages(&client, &collection, &mut page, |page, _| {
-                    // The next page decodes into room of the same size.
-                    let full = std::mem::replace(page, Vec::with_capacity(page.capacity()));
                     // The thread only ends once every sender is gone.
-                    let _ = arrivals.send(Arrival::Services(full));
+                    let _ = arrivals.send(Arrival::Services(std::mem::take(page)));
                 })
                 .await?;
                 Ok(())

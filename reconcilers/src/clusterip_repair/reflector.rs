@@ -11,7 +11,7 @@
 //! refuse to decide; it becomes synced again only when every page has arrived and the objects
 //! no page mentioned are dropped. A failed or partial list therefore never leads to a decision.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Debug;
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::Duration;
@@ -24,7 +24,7 @@ use kube::core::WatchEvent;
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-use super::model::{IpAddressRecord, IpName, ListMeta, ListPage, ServiceCidrRecord, ServiceRecord};
+use super::model::{IpAddressRecord, IpName, ListPage, ServiceCidrRecord, ServiceRecord};
 use super::protobuf::{self, ProtobufRecord};
 
 /// A record kept in a [`Store`].
@@ -234,9 +234,10 @@ const MAX_ITEMS_HINT: usize = 2_000_000;
 /// Lists a whole collection page by page into compact records; returns the records and the
 /// list's resource version. Any failing page fails the whole list.
 ///
-/// While one page is decoded the next is already being fetched: its continue token is read
-/// ahead from the raw body, and the prefetch is thrown away unless the decoded page confirms the
-/// token (an object could contain a look-alike string).
+/// While one page arrives the next is already requested: its continue token is taken from the
+/// page's first bytes (decoded from protobuf, guessed from JSON), and the prefetch is thrown away
+/// unless the whole decoded page confirms the token (an object could contain a look-alike string,
+/// or the metadata come twice).
 pub async fn list_all<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
@@ -251,78 +252,123 @@ pub async fn list_all<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     Ok((items, version))
 }
 
-/// Like [`list_all`], decoding each page onto the end of `items` and then calling `sink` with
+/// Like [`list_all`], putting each page onto the end of `items` and then calling `sink` with
 /// them and the number of items the server says are still to come (0 when it does not say;
 /// capped, since it is only a hint); returns the list's resource version. `sink` may take what
 /// it wants out of `items` (a cache drains each page, so the collection is never held twice) or
-/// leave it there (a whole list in one vector, without copying each page into it).
+/// leave it there (a whole list in one vector).
 ///
-/// Each page is requested as soon as the previous page's continue token is known. kube-apiserver
-/// writes the list metadata before the items, so the token is usually in the first bytes of a
-/// page: the next request goes out while the rest of the page is still arriving, and is then
-/// received while this page is decoded. At most two pages are in flight.
+/// Each page is requested as soon as the previous page's continue token is known, up to
+/// [`PAGES_IN_FLIGHT`] pages at once. kube-apiserver writes the list metadata before the items,
+/// so the token is usually in the first bytes of a page: the next request goes out while the rest
+/// of the page is still arriving. Each page is decoded by the task that receives it, protobuf
+/// pages while they arrive ([`protobuf::StreamingList`]), so pages in flight are received and
+/// decoded side by side; they are handed to `sink` in list order.
 pub async fn list_pages<T: DeserializeOwned + ProtobufRecord + Send + 'static>(
     client: &kube::Client,
     collection: &Collection,
     items: &mut Vec<T>,
     mut sink: impl FnMut(&mut Vec<T>, usize),
 ) -> Result<Option<String>, kube::Error> {
-    let fetch =
-        |token: Option<String>, size: usize| PageFetch::start(client, collection, token, size);
-    let mut current = fetch(None, 0);
-    // Room for a full first page: decoded into an empty vector it would grow by doubling, each
-    // step copying every record so far (6,000 IPAddresses a page by default).
-    items.reserve((collection.page_size as usize).min(MAX_ITEMS_HINT));
     // The size of the last page received: pages of one list are about the same size, and
     // kube-apiserver does not announce a page's length (it streams it in chunks).
     let mut last_len = 0;
+    let fetch = |token: Option<String>, last_len: usize| {
+        PageFetch::<Decoding<T>>::start(client, collection, token, last_len)
+    };
+    // The pages requested and not yet handed over, in list order, each with the continue token
+    // it showed early once it did; and the newest page's token while still to come.
+    let first = fetch(None, 0);
+    let mut newest_token = Some(first.token);
+    let mut flights = VecDeque::from([Flight {
+        task: first.task,
+        guessed: None,
+    }]);
     loop {
-        // The token as read from the page's first bytes (or, failing that, from the whole body);
-        // only a guess until the decoded page confirms it.
-        let guessed = current.early_token().await;
-        let mut next = guessed.clone().map(|token| fetch(Some(token), last_len));
-        if next.is_some() {
-            // The next page's task sits in this worker's LIFO slot, where no other worker can
-            // steal it: without a yield its request would wait for this page's decode.
-            tokio::task::yield_now().await;
+        let wanted = flights.len() < PAGES_IN_FLIGHT && newest_token.is_some();
+        let next_token = async {
+            match newest_token.as_mut() {
+                Some(token) => token.await.ok().flatten(),
+                None => std::future::pending().await,
+            }
+        };
+        let oldest = async {
+            match flights.front_mut() {
+                Some(flight) => (&mut flight.task).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            // A page's early token is taken before its body: the body is complete only after.
+            biased;
+            guessed = next_token, if wanted => {
+                newest_token = None;
+                if let Some(newest) = flights.back_mut() {
+                    newest.guessed = Some(guessed.clone());
+                }
+                if let Some(token) = guessed {
+                    let next = fetch(Some(token), last_len);
+                    newest_token = Some(next.token);
+                    flights.push_back(Flight { task: next.task, guessed: None });
+                    // The next page's task sits in this worker's LIFO slot, where no other
+                    // worker can steal it: without a yield its request would wait until this
+                    // task awaits again.
+                    tokio::task::yield_now().await;
+                }
+            }
+            received = oldest => {
+                let Some(flight) = flights.pop_front() else {
+                    continue;
+                };
+                if flights.is_empty() {
+                    // Its token, if still to come, is of no use now.
+                    newest_token = None;
+                }
+                // Dropping the later pages stops them.
+                let (mut page, len) = received
+                    .map_err(|err| kube::Error::Service(Box::new(err)))??;
+                last_len = len;
+                if items.is_empty() {
+                    // The page's own vector, sized for a page, without copying it.
+                    std::mem::swap(items, &mut page.items);
+                } else {
+                    items.append(&mut page.items);
+                }
+                let metadata = page.metadata;
+                let remaining = metadata
+                    .remaining_item_count
+                    .map_or(0, |count| usize::try_from(count).unwrap_or(usize::MAX))
+                    .min(MAX_ITEMS_HINT);
+                sink(items, remaining);
+                let Some(token) = metadata.continue_token.filter(|token| !token.is_empty())
+                else {
+                    return Ok(metadata.resource_version);
+                };
+                // The next page was requested with the token this page showed early: keep it
+                // (and those after it) only if the whole page confirms that token.
+                let confirmed = flight.guessed.as_ref().and_then(Option::as_deref)
+                    == Some(token.as_str());
+                if !confirmed || flights.is_empty() {
+                    flights.clear();
+                    let next = fetch(Some(token), last_len);
+                    newest_token = Some(next.token);
+                    flights.push_back(Flight { task: next.task, guessed: None });
+                }
+            }
         }
-        let metadata = match current.body().await {
-            Ok(page) => {
-                last_len = page.body.len();
-                page.decode_into(items)
-            }
-            Err(err) => Err(err),
-        };
-        let metadata = match metadata {
-            Ok(metadata) => metadata,
-            Err(err) => {
-                if let Some(next) = next {
-                    next.abort();
-                }
-                return Err(err);
-            }
-        };
-        let remaining = metadata
-            .remaining_item_count
-            .map_or(0, |count| usize::try_from(count).unwrap_or(usize::MAX))
-            .min(MAX_ITEMS_HINT);
-        sink(items, remaining);
-        let Some(token) = metadata.continue_token.filter(|token| !token.is_empty()) else {
-            if let Some(next) = next {
-                next.abort();
-            }
-            return Ok(metadata.resource_version);
-        };
-        current = match next.take() {
-            Some(next) if guessed.as_deref() == Some(token.as_str()) => next,
-            other => {
-                if let Some(wrong) = other {
-                    wrong.abort();
-                }
-                fetch(Some(token), last_len)
-            }
-        };
     }
+}
+
+/// At most this many pages of one list are requested at once: enough to keep receiving while
+/// the server gathers the next page, few enough not to crowd the API server (client-go's pager
+/// asks for one at a time).
+pub const PAGES_IN_FLIGHT: usize = 3;
+
+/// A page of [`list_pages`] requested and not yet handed over.
+struct Flight<P> {
+    task: tokio_util::task::AbortOnDropHandle<Result<P, kube::Error>>,
+    /// The continue token the page showed early, once it did (`Some(None)`: none).
+    guessed: Option<Option<String>>,
 }
 
 /// Every page of a collection as received, nothing decoded: what the transfer alone costs
@@ -332,8 +378,9 @@ pub async fn fetch_raw_pages(
     client: &kube::Client,
     collection: &Collection,
 ) -> Result<Vec<bytes::Bytes>, kube::Error> {
-    let fetch =
-        |token: Option<String>, size: usize| PageFetch::start(client, collection, token, size);
+    let fetch = |token: Option<String>, size: usize| {
+        PageFetch::<Whole>::start(client, collection, token, size)
+    };
     let mut pages: Vec<bytes::Bytes> = Vec::new();
     let mut current = fetch(None, 0);
     loop {
@@ -342,7 +389,7 @@ pub async fn fetch_raw_pages(
             .early_token()
             .await
             .map(|token| fetch(Some(token), last_len));
-        pages.push(current.body().await?.body);
+        pages.push(current.body().await?.bytes.freeze());
         match next {
             Some(next) => current = next,
             None => return Ok(pages),
@@ -350,40 +397,136 @@ pub async fn fetch_raw_pages(
     }
 }
 
-/// One LIST page being fetched in its own task: the continue token is handed over as soon as it
-/// can be read, the body when complete.
-/// Dropping it stops the fetch.
-struct PageFetch {
-    token: Option<tokio::sync::oneshot::Receiver<Option<String>>>,
-    task: tokio_util::task::AbortOnDropHandle<Result<RawPage, kube::Error>>,
+/// What a LIST page's body is made into while it arrives, by the task that receives it.
+trait Receive: Sized + Send + 'static {
+    type Page: Send + 'static;
+
+    /// For a body in protobuf (`protobuf`) or JSON, `expected_len` bytes long as far as known,
+    /// of a collection listed `page_size` items a page.
+    fn new(protobuf: bool, expected_len: usize, page_size: usize) -> Self;
+
+    /// Takes the next bytes of the body.
+    fn push(&mut self, data: &[u8]) -> Result<(), kube::Error>;
+
+    /// The continue token once the bytes so far settle it (`Some(None)`: the last page).
+    fn early_token(&self) -> Option<Option<String>>;
+
+    /// The page once the body is complete, and its continue token as well as it can be told.
+    fn finish(self) -> Result<(Self::Page, Option<String>), kube::Error>;
 }
 
-/// A LIST page as received.
-struct RawPage {
-    body: bytes::Bytes,
+/// A body as received, whole: error statuses, JSON pages, and the raw pages of
+/// [`fetch_raw_pages`].
+struct Whole {
+    bytes: bytes::BytesMut,
     protobuf: bool,
 }
 
-impl RawPage {
-    /// Appends the page's items to `items`; returns the list metadata.
-    fn decode_into<T: DeserializeOwned + ProtobufRecord>(
-        &self,
-        items: &mut Vec<T>,
-    ) -> Result<ListMeta, kube::Error> {
-        if self.protobuf {
-            return protobuf::decode_list_into(&self.body, items).map_err(|err| {
-                kube::Error::Service(format!("LIST page is not valid protobuf: {err}").into())
-            });
+impl Receive for Whole {
+    type Page = Self;
+
+    fn new(protobuf: bool, expected_len: usize, _: usize) -> Self {
+        // Sized once from the expectation (kube-apiserver streams a LIST without a length):
+        // growing by doubling would copy each page about twice more. Capped, since it is only
+        // a guess.
+        Self {
+            bytes: bytes::BytesMut::with_capacity(expected_len.min(MAX_PRESIZE)),
+            protobuf,
         }
-        let text = std::str::from_utf8(&self.body)
-            .map_err(|err| kube::Error::Service(format!("LIST page is not UTF-8: {err}").into()))?;
-        let mut page: ListPage<T> = serde_json::from_str(text).map_err(kube::Error::SerdeError)?;
-        items.append(&mut page.items);
-        Ok(page.metadata)
+    }
+
+    fn push(&mut self, data: &[u8]) -> Result<(), kube::Error> {
+        self.bytes.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn early_token(&self) -> Option<Option<String>> {
+        if self.protobuf {
+            protobuf::early_continue_token(&self.bytes)
+        } else {
+            early_continue_token(&self.bytes).map(|found| found.map(str::to_owned))
+        }
+    }
+
+    fn finish(self) -> Result<(Self, Option<String>), kube::Error> {
+        let guessed = if self.protobuf {
+            protobuf::early_continue_token(&self.bytes).flatten()
+        } else {
+            let text = std::str::from_utf8(&self.bytes).unwrap_or_default();
+            guess_continue_token(text).map(str::to_owned)
+        };
+        Ok((self, guessed))
     }
 }
 
-impl PageFetch {
+/// A page decoded into records: protobuf while it arrives, JSON once complete.
+enum Decoding<T> {
+    Protobuf(protobuf::StreamingList<T>),
+    Json(Whole),
+}
+
+fn protobuf_error(err: protobuf::DecodeError) -> kube::Error {
+    kube::Error::Service(format!("LIST page is not valid protobuf: {err}").into())
+}
+
+impl<T: DeserializeOwned + ProtobufRecord + Send + 'static> Receive for Decoding<T> {
+    /// The records and the list metadata, and the body's length in bytes.
+    type Page = (ListPage<T>, usize);
+
+    fn new(protobuf: bool, expected_len: usize, page_size: usize) -> Self {
+        match protobuf {
+            true => Decoding::Protobuf(protobuf::StreamingList::new(page_size)),
+            false => Decoding::Json(Whole::new(false, expected_len, page_size)),
+        }
+    }
+
+    fn push(&mut self, data: &[u8]) -> Result<(), kube::Error> {
+        match self {
+            Decoding::Protobuf(list) => list.feed(data).map_err(protobuf_error),
+            Decoding::Json(whole) => whole.push(data),
+        }
+    }
+
+    fn early_token(&self) -> Option<Option<String>> {
+        match self {
+            Decoding::Protobuf(list) => list
+                .early_continue_token()
+                .map(|token| token.map(str::to_owned)),
+            Decoding::Json(whole) => whole.early_token(),
+        }
+    }
+
+    fn finish(self) -> Result<((ListPage<T>, usize), Option<String>), kube::Error> {
+        match self {
+            Decoding::Protobuf(list) => {
+                let len = list.received();
+                let page = list.finish().map_err(protobuf_error)?;
+                let token = page.metadata.continue_token.clone();
+                Ok(((page, len), token.filter(|token| !token.is_empty())))
+            }
+            Decoding::Json(whole) => {
+                let len = whole.bytes.len();
+                let text = std::str::from_utf8(&whole.bytes).map_err(|err| {
+                    kube::Error::Service(format!("LIST page is not UTF-8: {err}").into())
+                })?;
+                let page: ListPage<T> =
+                    serde_json::from_str(text).map_err(kube::Error::SerdeError)?;
+                let token = page.metadata.continue_token.clone();
+                Ok(((page, len), token.filter(|token| !token.is_empty())))
+            }
+        }
+    }
+}
+
+/// One LIST page being fetched in its own task: the continue token is handed over as soon as it
+/// can be read, the page when complete.
+/// Dropping it stops the fetch.
+struct PageFetch<R: Receive> {
+    token: tokio::sync::oneshot::Receiver<Option<String>>,
+    task: tokio_util::task::AbortOnDropHandle<Result<R::Page, kube::Error>>,
+}
+
+impl<R: Receive> PageFetch<R> {
     /// Requests the page after `token` (the first page without one).
     /// `expected_len` sizes the body's buffer when the response does not announce its length.
     fn start(
@@ -397,6 +540,7 @@ impl PageFetch {
             params = params.continue_token(token);
         }
         let protobuf = collection.protobuf;
+        let page_size = (collection.page_size as usize).min(MAX_ITEMS_HINT);
         let request = kube::core::Request::new(collection.path)
             .list(&params)
             .map_err(kube::Error::BuildRequest)
@@ -412,10 +556,10 @@ impl PageFetch {
         let client = client.clone();
         let (token_tx, token_rx) = tokio::sync::oneshot::channel();
         let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
-            fetch_body(&client, request?, token_tx, expected_len).await
+            fetch_body::<R>(&client, request?, token_tx, expected_len, page_size).await
         }));
         Self {
-            token: Some(token_rx),
+            token: token_rx,
             task,
         }
     }
@@ -423,29 +567,27 @@ impl PageFetch {
     /// The continue token, once read from the page; `None` for the last page or when the page
     /// failed (the body then says why).
     async fn early_token(&mut self) -> Option<String> {
-        self.token.take()?.await.ok().flatten()
+        (&mut self.token).await.ok().flatten()
     }
 
-    async fn body(self) -> Result<RawPage, kube::Error> {
+    async fn body(self) -> Result<R::Page, kube::Error> {
         self.task
             .await
             .map_err(|err| kube::Error::Service(Box::new(err)))?
     }
-
-    fn abort(self) {
-        drop(self);
-    }
 }
 
-/// One response body as the bytes received (`Client::request_text` would copy every page into a
-/// `String` first), telling `token` the continue token as soon as the bytes so far show it.
-/// Error statuses become `kube::Error::Api` as kube's own calls make them.
-async fn fetch_body(
+/// One response body, made into a page by `R` frame by frame (`Client::request_text` would
+/// copy every page into a `String` first), telling `token` the continue token as soon as the
+/// bytes so far show it. Error statuses become `kube::Error::Api` as kube's own calls make
+/// them.
+async fn fetch_body<R: Receive>(
     client: &kube::Client,
     request: http::Request<Vec<u8>>,
     token: tokio::sync::oneshot::Sender<Option<String>>,
     expected_len: usize,
-) -> Result<RawPage, kube::Error> {
+    page_size: usize,
+) -> Result<R::Page, kube::Error> {
     use http_body_util::BodyExt;
     let response = client.send(request.map(kube::client::Body::from)).await?;
     let status = response.status();
@@ -454,43 +596,22 @@ async fn fetch_body(
         .get(http::header::CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
         .is_some_and(|value| value.starts_with(protobuf::MEDIA_TYPE));
-    let failed = status.is_client_error() || status.is_server_error();
-    let mut token = (!failed).then_some(token);
-    // Sized once, from Content-Length when the server sends one, else from the caller's
-    // expectation (kube-apiserver streams a LIST without a length): growing by doubling would
-    // copy each page about twice more. An eighth more than expected absorbs a page somewhat
-    // larger than the last without a copy. Capped, since either is only a guess.
+    // From Content-Length when the server sends one, else from the caller's expectation, an
+    // eighth more to absorb a page somewhat larger than the last without a copy.
     let announced = response
         .headers()
         .get(http::header::CONTENT_LENGTH)
         .and_then(|length| length.to_str().ok()?.parse::<usize>().ok())
         .unwrap_or(expected_len + expected_len / 8);
     let mut body = response.into_body();
-    let mut received = bytes::BytesMut::with_capacity(announced.min(MAX_PRESIZE));
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else {
-            continue;
-        };
-        let seen_before = received.len();
-        received.extend_from_slice(&data);
-        // The list metadata is a few hundred bytes; a page without it in the first 64 KiB lacks
-        // the usual layout, and looking again on every frame would cost quadratic time.
-        if let Some(tx) = token.take_if(|_| seen_before <= EARLY_TOKEN_WITHIN) {
-            let found = if is_protobuf {
-                protobuf::early_continue_token(&received)
-            } else {
-                early_continue_token(&received).map(|found| found.map(str::to_owned))
-            };
-            match found {
-                Some(found) => {
-                    let _ = tx.send(found);
-                }
-                None => token = Some(tx),
+    if status.is_client_error() || status.is_server_error() {
+        let mut whole = Whole::new(is_protobuf, announced, page_size);
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                whole.push(&data)?;
             }
         }
-    }
-    let received = received.freeze();
-    if failed {
+        let received = whole.bytes;
         let decoded = if is_protobuf {
             protobuf::decode_status(&received)
         } else {
@@ -503,19 +624,36 @@ async fn fetch_body(
         });
         return Err(kube::Error::Api(status.boxed()));
     }
-    if let Some(tx) = token {
-        let guessed = if is_protobuf {
-            protobuf::early_continue_token(&received).flatten()
-        } else {
-            let text = std::str::from_utf8(&received).unwrap_or_default();
-            guess_continue_token(text).map(str::to_owned)
+    let mut page = R::new(is_protobuf, announced, page_size);
+    let mut token = Some(token);
+    let mut received = 0;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
         };
+        let seen_before = received;
+        received += data.len();
+        page.push(&data)?;
+        // The list metadata is a few hundred bytes; a page without it in the first 64 KiB lacks
+        // the usual layout, and looking again on every frame would cost quadratic time.
+        if let Some(tx) = token.take_if(|_| seen_before <= EARLY_TOKEN_WITHIN) {
+            match page.early_token() {
+                Some(found) => {
+                    let _ = tx.send(found);
+                    // The task waiting for the token was woken into this worker's LIFO slot,
+                    // where no other worker can steal it: without a yield it would wait until
+                    // this whole page has arrived, and the next page's request with it.
+                    tokio::task::yield_now().await;
+                }
+                None => token = Some(tx),
+            }
+        }
+    }
+    let (page, guessed) = page.finish()?;
+    if let Some(tx) = token {
         let _ = tx.send(guessed);
     }
-    Ok(RawPage {
-        body: received,
-        protobuf: is_protobuf,
-    })
+    Ok(page)
 }
 
 const EARLY_TOKEN_WITHIN: usize = 64 * 1024;
