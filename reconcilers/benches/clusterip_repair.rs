@@ -474,7 +474,15 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(PASSES);
+    // Profiling runs (BENCH_PASSES) with BENCH_FULL_SPEED_MS: each pass waits for full speed.
+    let gate = (std::env::var("BENCH_PASSES").is_ok()
+        && std::env::var("BENCH_FULL_SPEED_MS").is_ok())
+    .then(CpuProbe::new)
+    .transpose()?;
     for _ in 0..passes {
+        if let Some(gate) = &gate {
+            gate.until_full_speed().await;
+        }
         settle().await;
         let started = Instant::now();
         let report = repair.reconcile(&ctx).await?;
