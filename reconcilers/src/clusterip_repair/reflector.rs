@@ -497,24 +497,23 @@ impl<T: DeserializeOwned + ProtobufRecord + Send + 'static> Receive for Decoding
     }
 
     fn finish(self) -> Result<((ListPage<T>, usize), Option<String>), kube::Error> {
-        match self {
+        let (page, len) = match self {
             Decoding::Protobuf(list) => {
                 let len = list.received();
-                let page = list.finish().map_err(protobuf_error)?;
-                let token = page.metadata.continue_token.clone();
-                Ok(((page, len), token.filter(|token| !token.is_empty())))
+                (list.finish().map_err(protobuf_error)?, len)
             }
             Decoding::Json(whole) => {
-                let len = whole.bytes.len();
                 let text = std::str::from_utf8(&whole.bytes).map_err(|err| {
                     kube::Error::Service(format!("LIST page is not UTF-8: {err}").into())
                 })?;
                 let page: ListPage<T> =
                     serde_json::from_str(text).map_err(kube::Error::SerdeError)?;
-                let token = page.metadata.continue_token.clone();
-                Ok(((page, len), token.filter(|token| !token.is_empty())))
+                (page, whole.bytes.len())
             }
-        }
+        };
+        // Decoded, not guessed: the page's own token.
+        let token = page.metadata.continue_token.clone();
+        Ok(((page, len), token.filter(|token| !token.is_empty())))
     }
 }
 
@@ -605,7 +604,8 @@ async fn fetch_body<R: Receive>(
         .unwrap_or(expected_len + expected_len / 8);
     let mut body = response.into_body();
     if status.is_client_error() || status.is_server_error() {
-        let mut whole = Whole::new(is_protobuf, announced, page_size);
+        // An error status is a few hundred bytes: no room made for a page.
+        let mut whole = Whole::new(is_protobuf, 0, page_size);
         while let Some(frame) = body.frame().await {
             if let Ok(data) = frame?.into_data() {
                 whole.push(&data)?;
