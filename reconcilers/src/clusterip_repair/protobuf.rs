@@ -15,9 +15,9 @@
 use std::borrow::Cow;
 
 use super::model::{
-    ClusterIp, ClusterIps, IpAddressRecord, IpLabels, IpName, KNOWN_FAMILIES, KNOWN_MANAGERS,
-    KNOWN_RESOURCES, LABEL_IP_FAMILY, LABEL_MANAGED_BY, ListMeta, ListPage, Name, ParentRef,
-    ServiceCidrRecord, ServiceRecord, Token, known_text, resource_version_number, wire,
+    ClusterIp, ClusterIps, IpAddressRecord, IpLabels, IpName, LABEL_IP_FAMILY, LABEL_MANAGED_BY,
+    ListMeta, ListPage, Name, ParentRef, ServiceCidrRecord, ServiceRecord, Token, array, equals,
+    known_family, known_group, known_manager, known_resource, resource_version_number, wire,
 };
 
 /// The media type of protobuf bodies; requests `Accept` it before JSON.
@@ -609,17 +609,21 @@ impl ProtobufRecord for ServiceRecord {
     }
 }
 
-/// `bytes` as text: one of `known` without a UTF-8 check (the usual values), else checked.
+/// `bytes` as text: a `known` one without a UTF-8 check (the usual values), else checked.
+#[inline(always)]
 fn known_or_str<'b>(
     bytes: &'b [u8],
-    known: &[&'static str],
+    known: fn(&[u8]) -> Option<&'static str>,
     what: &'static str,
 ) -> Result<&'b str, DecodeError> {
-    match known_text(bytes, known) {
+    match known(bytes) {
         Some(known) => Ok(known),
         None => std::str::from_utf8(bytes).map_err(|_| invalid(what, "string is not UTF-8")),
     }
 }
+
+const MANAGED_BY_KEY: &[u8; LABEL_MANAGED_BY.len()] = array(LABEL_MANAGED_BY);
+const IP_FAMILY_KEY: &[u8; LABEL_IP_FAMILY.len()] = array(LABEL_IP_FAMILY);
 
 /// The fields of `ParentReference`, by number.
 const PARENT_FIELDS: [&str; 4] = [
@@ -665,15 +669,17 @@ impl ProtobufRecord for IpAddressRecord {
                                         _ => {}
                                     }
                                 }
-                                let (set, known): (fn(&mut IpLabels, Option<&str>), _) = match key {
-                                    k if k == LABEL_MANAGED_BY.as_bytes() => {
-                                        (IpLabels::set_managed_by, KNOWN_MANAGERS)
-                                    }
-                                    k if k == LABEL_IP_FAMILY.as_bytes() => {
-                                        (IpLabels::set_family, KNOWN_FAMILIES)
-                                    }
-                                    _ => continue,
-                                };
+                                type Known = fn(&[u8]) -> Option<&'static str>;
+                                let (set, known): (fn(&mut IpLabels, Option<&str>), Known) =
+                                    match key {
+                                        k if equals(k, MANAGED_BY_KEY) => {
+                                            (IpLabels::set_managed_by, known_manager)
+                                        }
+                                        k if equals(k, IP_FAMILY_KEY) => {
+                                            (IpLabels::set_family, known_family)
+                                        }
+                                        _ => continue,
+                                    };
                                 set(
                                     &mut labels,
                                     Some(known_or_str(text, known, "ObjectMeta.labels value")?),
@@ -706,8 +712,8 @@ impl ProtobufRecord for IpAddressRecord {
         }
         let parent = match parent {
             Some([group, resource, namespace, name]) => Some(ParentRef::new(
-                known_or_str(group, &[""], PARENT_FIELDS[0])?,
-                known_or_str(resource, KNOWN_RESOURCES, PARENT_FIELDS[1])?,
+                known_or_str(group, known_group, PARENT_FIELDS[0])?,
+                known_or_str(resource, known_resource, PARENT_FIELDS[1])?,
                 Name::from_utf8(namespace).map_err(utf8(PARENT_FIELDS[2]))?,
                 Name::from_utf8(name).map_err(utf8(PARENT_FIELDS[3]))?,
             )),
