@@ -17,7 +17,8 @@
 //! (the pause before each timed measurement, default 50), `BENCH_KUBE_LISTS=1` (LISTs go
 //! through kube's client instead of the controller's LIST transport, `reconcilers::transport`),
 //! `BENCH_FULL_SPEED_MS=T` (before each pair, wait up to 10 s for every CPU to probe at most
-//! T ms: collects pairs at full speed).
+//! T ms: collects pairs at full speed), `BENCH_DECODE_LOOPS=N` (repeat the in-memory protobuf
+//! decode of each collection N times instead of 5: for profiling the decoders).
 //!
 //! The simulator runs in this (parent) process; every measurement runs in a child process of
 //! this binary, so each peak RSS is the repair's own, not the simulator's.
@@ -610,21 +611,30 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             if list_protobuf() {
                 use reconcilers::clusterip_repair::protobuf::{ProtobufRecord, decode_list_into};
                 // As the pass decodes: every page onto the end of one presized vector.
-                fn decode_pages<T: ProtobufRecord>(pages: &[bytes::Bytes]) -> Result<usize> {
-                    let mut all = Vec::<T>::with_capacity(pages.len() * page_size() as usize);
+                fn decode_pages<T: ProtobufRecord>(
+                    pages: &[bytes::Bytes],
+                    per_page: u32,
+                ) -> Result<usize> {
+                    let mut all = Vec::<T>::with_capacity(pages.len() * per_page as usize);
                     for page in pages {
                         decode_list_into(page, &mut all)?;
                     }
                     Ok(all.len())
                 }
-                for _ in 0..PASSES {
+                let loops = std::env::var("BENCH_DECODE_LOOPS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(PASSES);
+                for _ in 0..loops {
                     let started = Instant::now();
+                    let per_page =
+                        reconcilers::clusterip_repair::reflector::page_size_for(path, page_size());
                     let decoded = match path {
-                        "/api/v1/services" => decode_pages::<ServiceRecord>(pages)?,
+                        "/api/v1/services" => decode_pages::<ServiceRecord>(pages, per_page)?,
                         "/apis/networking.k8s.io/v1/ipaddresses" => {
-                            decode_pages::<IpAddressRecord>(pages)?
+                            decode_pages::<IpAddressRecord>(pages, per_page)?
                         }
-                        _ => decode_pages::<ServiceCidrRecord>(pages)?,
+                        _ => decode_pages::<ServiceCidrRecord>(pages, per_page)?,
                     };
                     from_protobuf.push(ms(started.elapsed()));
                     assert_eq!(
