@@ -21,16 +21,39 @@ The `plain=` lines tell the transport; without them everything counts as one tra
 at 10,000 use 10 and 7).
 --full-speed: how much slower than the full-speed level a probe may be and still count as full
 speed (default 1.3: the readings here cluster at 0.20 - 0.28 and 0.32 - 0.50 ms).
+
+Each median comes with a 95 % interval from a bootstrap over runs: the runs (each the 10 pairs of
+one result row) are drawn with replacement, and the median of their pairs taken, 2,000 times.
+Runs, not pairs, are drawn because pairs of one run share the VM's state: two batches of the
+same build have differed by more than the pairs alone would suggest.
 """
 import argparse
+import random
 import re
 import statistics
 
+RESAMPLES = 2000
 
-def summary(ratios):
-    ratios = sorted(ratios)
+
+def interval(runs):
+    """95 % bootstrap interval of the median ratio, drawing whole runs (lists of ratios)."""
+    runs = [run for run in runs if run]
+    if len(runs) < 2:
+        return "one run: no interval"
+    draw = random.Random(0)
+    medians = sorted(
+        statistics.median([r for run in draw.choices(runs, k=len(runs)) for r in run])
+        for _ in range(RESAMPLES)
+    )
+    return f"95 % interval {medians[RESAMPLES // 40]:.2f} - {medians[RESAMPLES - 1 - RESAMPLES // 40]:.2f}x over {len(runs)} runs"
+
+
+def summary(runs):
+    """`runs`: the ratios of each run."""
+    ratios = sorted(r for run in runs for r in run)
     return (
-        f"median {statistics.median(ratios):.2f}x, 3rd quartile {ratios[(3 * len(ratios)) // 4]:.2f}x"
+        f"median {statistics.median(ratios):.2f}x ({interval(runs)}),"
+        f" 3rd quartile {ratios[(3 * len(ratios)) // 4]:.2f}x"
     )
 
 
@@ -43,7 +66,7 @@ def main():
     args = parser.parse_args()
     # (transport, role) -> [(pass, floor, fastest probe or None, slowest probe or None)]
     pooled = {}
-    transport, role, last = "?", None, None
+    transport, role, last, run = "?", None, None, 0
     with open(args.runs) as runs:
         for line in runs:
             if m := re.match(r"plain=(\d)", line):
@@ -52,7 +75,8 @@ def main():
                 if role is None:
                     raise SystemExit(f"pairs before any result row: {line.strip()}")
                 pairs = [tuple(map(float, p.split("/"))) for p in line.split(":", 1)[1].split()]
-                last = [[p, f, None, None] for p, f in pairs]
+                run += 1
+                last = [[p, f, None, None, run] for p, f in pairs]
                 pooled.setdefault((transport, role), []).extend(last)
             elif "probes (fastest/slowest CPU ms" in line:
                 probes = [tuple(map(float, p.split("/"))) for p in line.split(":", 1)[1].split()]
@@ -69,33 +93,39 @@ def main():
     # readings is the full-speed level, robust to an odd low reading.
     probed = sorted(p[2] for pairs in pooled.values() for p in pairs if p[2] is not None)
     full_speed = probed[len(probed) // 10] * args.full_speed if probed else None
+    def by_run(selected):
+        """The ratios of `selected` pairs, grouped by the run they came from."""
+        runs = {}
+        for p, f, _, _, run in selected:
+            runs.setdefault(run, []).append(p / f)
+        return list(runs.values())
+
     for (transport, role), pairs in sorted(pooled.items()):
         fast_floor = args.fast_ip if role.startswith("ipaddress") else args.fast_audit
-        ratios = [p / f for p, f, _, _ in pairs]
         line = (
-            f"{transport:10} {role:15} {len(ratios):3} pairs: {summary(ratios)}"
-            f" (pass {statistics.median(p for p, *_ in pairs):.0f} ms)"
+            f"{transport:10} {role:15} {len(pairs):3} pairs: {summary(by_run(pairs))}"
+            f" (pass {statistics.median(p[0] for p in pairs):.0f} ms)"
         )
         if full_speed is not None:
-            full = [(p, f) for p, f, _, slowest in pairs if slowest is not None and slowest <= full_speed]
+            full = [p for p in pairs if p[3] is not None and p[3] <= full_speed]
             if full:
                 line += (
-                    f"; {len(full)} with every CPU at full speed: {summary(p / f for p, f in full)}"
-                    f" (pass {statistics.median(p for p, _ in full):.0f} ms,"
-                    f" floor {statistics.median(f for _, f in full):.0f} ms)"
+                    f"; {len(full)} with every CPU at full speed: {summary(by_run(full))}"
+                    f" (pass {statistics.median(p[0] for p in full):.0f} ms,"
+                    f" floor {statistics.median(p[1] for p in full):.0f} ms)"
                 )
             else:
                 line += "; none with every CPU at full speed"
-            slow = [(p, f) for p, f, fastest, _ in pairs if fastest is not None and fastest > full_speed]
+            slow = [p for p in pairs if p[2] is not None and p[2] > full_speed]
             if slow:
                 line += (
-                    f"; {len(slow)} with every CPU slower: {summary(p / f for p, f in slow)}"
-                    f" (pass {statistics.median(p for p, _ in slow):.0f} ms,"
-                    f" floor {statistics.median(f for _, f in slow):.0f} ms)"
+                    f"; {len(slow)} with every CPU slower: {summary(by_run(slow))}"
+                    f" (pass {statistics.median(p[0] for p in slow):.0f} ms,"
+                    f" floor {statistics.median(p[1] for p in slow):.0f} ms)"
                 )
-        fast = [p / f for p, f, _, _ in pairs if f < fast_floor]
+        fast = [p for p in pairs if p[1] < fast_floor]
         if fast:
-            line += f"; {len(fast)} with the floor under {fast_floor:.0f} ms: {summary(fast)}"
+            line += f"; {len(fast)} with the floor under {fast_floor:.0f} ms: {summary(by_run(fast))}"
         print(line)
 
 
