@@ -972,6 +972,144 @@ pub struct Caches {
 mod tests {
     use super::{early_continue_token, guess_continue_token};
 
+    /// A LIST whose first page shows one continue token in its first bytes and then a second
+    /// list metadata with another (protobuf merges a message met twice; kube-apiserver never
+    /// sends this): the page requested with the early token is dropped, and the list goes on
+    /// from the token the whole page decodes to.
+    #[tokio::test]
+    #[allow(clippy::unwrap_used)]
+    async fn a_page_that_contradicts_its_early_token_is_followed_by_its_decoded_token() {
+        use std::sync::{Arc, Mutex};
+
+        use bytes::Bytes;
+        use http_body_util::StreamBody;
+
+        use super::{Collection, SERVICES, list_all};
+        use crate::clusterip_repair::model::ServiceRecord;
+        use crate::clusterip_repair::protobuf::MEDIA_TYPE;
+
+        fn field(out: &mut Vec<u8>, number: u64, value: &[u8]) {
+            prost::encoding::encode_varint((number << 3) | 2, out);
+            prost::encoding::encode_varint(value.len() as u64, out);
+            out.extend_from_slice(value);
+        }
+        fn list_meta(continue_token: &str) -> Vec<u8> {
+            let mut meta = Vec::new();
+            field(&mut meta, 2, b"7");
+            if !continue_token.is_empty() {
+                field(&mut meta, 3, continue_token.as_bytes());
+            }
+            meta
+        }
+        fn service(name: &str) -> Vec<u8> {
+            let mut meta = Vec::new();
+            field(&mut meta, 1, name.as_bytes());
+            field(&mut meta, 3, b"default");
+            let mut service = Vec::new();
+            field(&mut service, 1, &meta);
+            service
+        }
+        /// The page's list fields, in order: (1, metadata) or (2, item).
+        fn page(fields: &[(u64, Vec<u8>)]) -> Vec<u8> {
+            let mut list = Vec::new();
+            for (number, value) in fields {
+                field(&mut list, *number, value);
+            }
+            let mut body = b"k8s\0".to_vec();
+            field(
+                &mut body,
+                1,
+                &[0x0a, 2, b'v', b'1', 0x12, 4, b'L', b'i', b's', b't'],
+            );
+            field(&mut body, 2, &list);
+            field(&mut body, 3, b"");
+            field(&mut body, 4, b"");
+            body
+        }
+
+        let first = page(&[
+            (1, list_meta("guessed")),
+            (2, service("a")),
+            (2, service("b")),
+            (1, list_meta("decoded")),
+        ]);
+        // The first frame ends where the first item starts: the early token is "guessed".
+        let item = service("a");
+        let cut = first
+            .windows(item.len())
+            .position(|window| window == item)
+            .unwrap()
+            - 2;
+        let guessed_page = page(&[(1, list_meta("")), (2, service("wrong"))]);
+        let decoded_page = page(&[(1, list_meta("")), (2, service("c"))]);
+        let requests = Arc::new(Mutex::new(Vec::<String>::new()));
+        let guessed_requested = Arc::new(tokio::sync::Notify::new());
+        let service = {
+            let (requests, guessed_requested) = (requests.clone(), guessed_requested.clone());
+            tower::service_fn(move |request: http::Request<kube::client::Body>| {
+                let token = request
+                    .uri()
+                    .query()
+                    .unwrap_or("")
+                    .split('&')
+                    .find_map(|pair| pair.strip_prefix("continue="))
+                    .unwrap_or("")
+                    .to_owned();
+                requests.lock().unwrap().push(token.clone());
+                let frames: Vec<Bytes> = match token.as_str() {
+                    "" => vec![
+                        Bytes::copy_from_slice(&first[..cut]),
+                        Bytes::copy_from_slice(&first[cut..]),
+                    ],
+                    "guessed" => {
+                        guessed_requested.notify_one();
+                        vec![Bytes::from(guessed_page.clone())]
+                    }
+                    _ => vec![Bytes::from(decoded_page.clone())],
+                };
+                let guessed_requested = guessed_requested.clone();
+                // The rest of the first page waits until the page after it has been requested
+                // with the early token, so that the prefetch is certain to happen.
+                let body = futures::stream::unfold(
+                    (frames.into_iter(), token.is_empty(), 0),
+                    move |(mut frames, first_page, sent)| {
+                        let guessed_requested = guessed_requested.clone();
+                        async move {
+                            if first_page && sent == 1 {
+                                guessed_requested.notified().await;
+                            }
+                            let frame = frames.next()?;
+                            Some((
+                                Ok::<_, std::io::Error>(http_body::Frame::data(frame)),
+                                (frames, first_page, sent + 1),
+                            ))
+                        }
+                    },
+                );
+                let response = http::Response::builder()
+                    .header(http::header::CONTENT_TYPE, MEDIA_TYPE)
+                    .body(StreamBody::new(body))
+                    .unwrap();
+                async move { Ok::<_, std::io::Error>(response) }
+            })
+        };
+        let client = kube::Client::new(service, "default");
+        let mut collection = Collection::new(SERVICES).paged(2);
+        collection.protobuf = true;
+        let (items, version) = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            list_all::<ServiceRecord>(&client, &collection),
+        )
+        .await
+        .expect("the list ends: the page after the first must be requested with the early token")
+        .unwrap();
+        let names: Vec<&str> = items.iter().map(|service| service.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert_eq!(version.as_deref(), Some("7"));
+        let requests = requests.lock().unwrap().clone();
+        assert_eq!(requests, ["", "guessed", "decoded"]);
+    }
+
     #[test]
     fn continue_token_is_read_early_only_when_the_prefix_settles_it() {
         let page = br#"{"kind":"ServiceList","metadata":{"resourceVersion":"9","continue":"abc"},"items":[{"metadata":{"annotations":{"continue":"fake"}}}]}"#;
