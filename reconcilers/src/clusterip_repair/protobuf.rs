@@ -769,6 +769,39 @@ impl ProtobufRecord for ServiceCidrRecord {
     }
 }
 
+/// Protobuf bodies built field by field, for tests here and in the reflector.
+#[cfg(test)]
+pub(crate) mod test_bodies {
+    use super::MAGIC;
+
+    /// A length-delimited field.
+    pub(crate) fn push_field(out: &mut Vec<u8>, number: u64, value: &[u8]) {
+        prost::encoding::encode_varint((number << 3) | 2, out);
+        prost::encoding::encode_varint(value.len() as u64, out);
+        out.extend_from_slice(value);
+    }
+
+    /// A protobuf LIST body with the list's `fields` in the order given (`(1, metadata)`,
+    /// `(2, item)`): magic, `runtime.Unknown` with the list in `raw` and the (empty) content
+    /// encoding and type after it, as kube-apiserver writes them.
+    pub(crate) fn list_body_of(fields: &[(u64, &[u8])]) -> Vec<u8> {
+        let mut list = Vec::new();
+        for (number, value) in fields {
+            push_field(&mut list, *number, value);
+        }
+        let mut body = MAGIC.to_vec();
+        push_field(
+            &mut body,
+            1,
+            &[0x0a, 2, b'v', b'1', 0x12, 4, b'L', b'i', b's', b't'],
+        );
+        push_field(&mut body, 2, &list);
+        push_field(&mut body, 3, b"");
+        push_field(&mut body, 4, b"");
+        body
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -989,35 +1022,16 @@ mod tests {
         assert_eq!(json.metadata.remaining_item_count, Some(1234));
     }
 
-    fn push_field(out: &mut Vec<u8>, number: u64, value: &[u8]) {
-        prost::encoding::encode_varint((number << 3) | 2, out);
-        prost::encoding::encode_varint(value.len() as u64, out);
-        out.extend_from_slice(value);
-    }
+    use super::test_bodies::{list_body_of, push_field};
 
-    /// A protobuf LIST body as kube-apiserver writes it: magic, `runtime.Unknown` with the list
-    /// in `raw` and the (empty) content encoding and type after it.
+    /// A protobuf LIST body as kube-apiserver writes it, or with the metadata last.
     fn list_body(meta: &[u8], items: &[&[u8]], meta_first: bool) -> Vec<u8> {
-        let mut list = Vec::new();
-        if meta_first {
-            push_field(&mut list, 1, meta);
+        let mut fields: Vec<(u64, &[u8])> = items.iter().map(|item| (2, *item)).collect();
+        match meta_first {
+            true => fields.insert(0, (1, meta)),
+            false => fields.push((1, meta)),
         }
-        for item in items {
-            push_field(&mut list, 2, item);
-        }
-        if !meta_first {
-            push_field(&mut list, 1, meta);
-        }
-        let mut body = MAGIC.to_vec();
-        push_field(
-            &mut body,
-            1,
-            &[0x0a, 2, b'v', b'1', 0x12, 4, b'L', b'i', b's', b't'],
-        );
-        push_field(&mut body, 2, &list);
-        push_field(&mut body, 3, b"");
-        push_field(&mut body, 4, b"");
-        body
+        list_body_of(&fields)
     }
 
     fn streamed<T: ProtobufRecord>(chunks: &[&[u8]]) -> Result<ListPage<T>, DecodeError> {

@@ -987,44 +987,28 @@ mod tests {
         use super::{Collection, SERVICES, list_all};
         use crate::clusterip_repair::model::ServiceRecord;
         use crate::clusterip_repair::protobuf::MEDIA_TYPE;
+        use crate::clusterip_repair::protobuf::test_bodies::{list_body_of, push_field};
 
-        fn field(out: &mut Vec<u8>, number: u64, value: &[u8]) {
-            prost::encoding::encode_varint((number << 3) | 2, out);
-            prost::encoding::encode_varint(value.len() as u64, out);
-            out.extend_from_slice(value);
-        }
         fn list_meta(continue_token: &str) -> Vec<u8> {
             let mut meta = Vec::new();
-            field(&mut meta, 2, b"7");
+            push_field(&mut meta, 2, b"7");
             if !continue_token.is_empty() {
-                field(&mut meta, 3, continue_token.as_bytes());
+                push_field(&mut meta, 3, continue_token.as_bytes());
             }
             meta
         }
         fn service(name: &str) -> Vec<u8> {
             let mut meta = Vec::new();
-            field(&mut meta, 1, name.as_bytes());
-            field(&mut meta, 3, b"default");
+            push_field(&mut meta, 1, name.as_bytes());
+            push_field(&mut meta, 3, b"default");
             let mut service = Vec::new();
-            field(&mut service, 1, &meta);
+            push_field(&mut service, 1, &meta);
             service
         }
         /// The page's list fields, in order: (1, metadata) or (2, item).
         fn page(fields: &[(u64, Vec<u8>)]) -> Vec<u8> {
-            let mut list = Vec::new();
-            for (number, value) in fields {
-                field(&mut list, *number, value);
-            }
-            let mut body = b"k8s\0".to_vec();
-            field(
-                &mut body,
-                1,
-                &[0x0a, 2, b'v', b'1', 0x12, 4, b'L', b'i', b's', b't'],
-            );
-            field(&mut body, 2, &list);
-            field(&mut body, 3, b"");
-            field(&mut body, 4, b"");
-            body
+            let fields: Vec<(u64, &[u8])> = fields.iter().map(|(n, v)| (*n, &v[..])).collect();
+            list_body_of(&fields)
         }
 
         let first = page(&[
