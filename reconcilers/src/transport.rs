@@ -9,11 +9,14 @@
 //! Here the body polls its own connection: the frames are cut and consumed on one task, with no
 //! hand-over.
 //!
-//! Everything else comes from kube's [`Config`]: the TLS setup (`rustls_https_connector`), the
-//! cluster URL, the retry of 429/503/504 answers (`default_retry`), authentication (with token
-//! refresh) and the extra headers (impersonation) are the layers kube's own client is built
-//! from. A configuration this transport does not cover (a
-//! proxy, an exec plugin) gets no client here, and the caller keeps kube's.
+//! Below TLS, reads go through a buffer of [`READ_BUFFER`] bytes ([`BufferedTcp`]): rustls
+//! reads 4 – 16 KiB at a time, one system call each.
+//!
+//! Everything else comes from kube's [`Config`]: the TLS setup
+//! (`rustls_https_connector_with_connector`), the cluster URL, the retry of 429/503/504 answers
+//! (`default_retry`), authentication (with token refresh) and the extra headers (impersonation)
+//! are the layers kube's own client is built from. A configuration this transport does not
+//! cover (a proxy, an exec plugin) gets no client here, and the caller keeps kube's.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -29,8 +32,8 @@ use kube::client::{Body, ConfigExt};
 use kube::{Client, Config};
 use tower::{BoxError, ServiceBuilder, ServiceExt as _};
 
-type Connector = hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
-type Stream = hyper_rustls::MaybeHttpsStream<hyper_util::rt::TokioIo<tokio::net::TcpStream>>;
+type Connector = hyper_rustls::HttpsConnector<BufferedConnector>;
+type Stream = hyper_rustls::MaybeHttpsStream<BufferedTcp>;
 type Connection = http1::Connection<Stream, Body>;
 type Sender = http1::SendRequest<Body>;
 
@@ -73,7 +76,7 @@ pub fn in_task_client(config: &Config) -> Result<Option<Client>, kube::Error> {
     }
     let transport = InTaskTransport {
         shared: Arc::new(Shared {
-            connector: config.rustls_https_connector()?,
+            connector: config.rustls_https_connector_with_connector(BufferedConnector::new())?,
             idle: Mutex::new(Vec::new()),
             connect_timeout: config.connect_timeout,
             read_timeout: config.read_timeout,
@@ -411,5 +414,152 @@ impl http_body::Body for InTaskBody {
 
     fn size_hint(&self) -> SizeHint {
         self.incoming.size_hint()
+    }
+}
+
+/// Bytes read from the socket at once. rustls asks for 4 – 16 KiB per read, one `recv` each;
+/// reading through this buffer cut the `recv` calls of back-to-back passes at 10,000 Services
+/// fourfold (BENCHMARKS.md, session 14), for one more copy in memory.
+const READ_BUFFER: usize = 64 * 1024;
+
+/// Connects as kube's connector does (`HttpConnector` with `enforce_http(false)`, the TLS layer
+/// on top), returning streams read through a buffer ([`BufferedTcp`]).
+#[derive(Clone)]
+pub struct BufferedConnector(hyper_util::client::legacy::connect::HttpConnector);
+
+impl BufferedConnector {
+    fn new() -> Self {
+        let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+        http.enforce_http(false);
+        Self(http)
+    }
+}
+
+impl tower::Service<http::Uri> for BufferedConnector {
+    type Response = BufferedTcp;
+    type Error =
+        <hyper_util::client::legacy::connect::HttpConnector as tower::Service<http::Uri>>::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<BufferedTcp, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connecting = self.0.call(uri);
+        Box::pin(async move {
+            let stream = connecting.await?.into_inner();
+            Ok(BufferedTcp(hyper_util::rt::TokioIo::new(
+                tokio::io::BufReader::with_capacity(READ_BUFFER, stream),
+            )))
+        })
+    }
+}
+
+/// A TCP stream whose reads go through tokio's `BufReader` (a read asking for at least the
+/// buffer's size goes to the socket directly); writes are not buffered. A type of its own only
+/// because the connection info hyper's connectors want (`Connection`) is not implemented for
+/// `BufReader`.
+pub struct BufferedTcp(hyper_util::rt::TokioIo<tokio::io::BufReader<tokio::net::TcpStream>>);
+
+impl hyper::rt::Read for BufferedTcp {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_read(cx, out)
+    }
+}
+
+impl hyper::rt::Write for BufferedTcp {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bytes: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write(cx, bytes)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bytes: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bytes)
+    }
+}
+
+impl hyper_util::client::legacy::connect::Connection for BufferedTcp {
+    fn connected(&self) -> hyper_util::client::legacy::connect::Connected {
+        self.0.inner().get_ref().connected()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::{BufferedTcp, READ_BUFFER};
+
+    /// Reads of every size see the stream's bytes in order, whether served from the buffer,
+    /// refilling it, or going to the socket directly; the end of the stream is a read of 0.
+    #[tokio::test]
+    async fn buffered_reads_return_the_stream_in_order() {
+        use tokio::io::AsyncWriteExt;
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let sent: Vec<u8> = (0..3 * READ_BUFFER + 12_345)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let server = {
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                for piece in sent.chunks(10_000) {
+                    socket.write_all(piece).await.unwrap();
+                }
+            })
+        };
+        let mut stream = BufferedTcp(hyper_util::rt::TokioIo::new(
+            tokio::io::BufReader::with_capacity(
+                READ_BUFFER,
+                tokio::net::TcpStream::connect(address).await.unwrap(),
+            ),
+        ));
+        let mut received = Vec::new();
+        // Small reads (from the buffer), one larger than the buffer (straight from the socket
+        // once the buffer is empty), and sizes that end in the middle of a buffered read.
+        let sizes = [1, 4096, 100, READ_BUFFER + 7, 3, 65_000, 4096];
+        for size in sizes.iter().cycle() {
+            let mut space = vec![0u8; *size];
+            let mut read = hyper::rt::ReadBuf::new(&mut space);
+            std::future::poll_fn(|cx| {
+                hyper::rt::Read::poll_read(std::pin::Pin::new(&mut stream), cx, read.unfilled())
+            })
+            .await
+            .unwrap();
+            let filled = read.filled();
+            if filled.is_empty() {
+                break;
+            }
+            received.extend_from_slice(filled);
+        }
+        server.await.unwrap();
+        assert_eq!(received.len(), sent.len());
+        assert!(received == sent, "the bytes arrive in order");
     }
 }
