@@ -372,6 +372,7 @@ pub struct Loops {
     pub service_cidr: ServiceCidrLoop,
     #[serde(rename = "clusterIPRepair")]
     pub cluster_ip_repair: ClusterIpRepairLoop,
+    pub node_port_repair: NodePortRepairLoop,
 }
 
 impl Loops {
@@ -386,6 +387,8 @@ impl Loops {
             .validate("loops.serviceCIDR", config, errors);
         self.cluster_ip_repair
             .validate("loops.clusterIPRepair", config, errors);
+        self.node_port_repair
+            .validate("loops.nodePortRepair", config, errors);
     }
 }
 
@@ -753,6 +756,31 @@ impl Default for ServiceCidrLoop {
 }
 
 impl LoopSection for ServiceCidrLoop {
+    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+    }
+}
+
+/// NodePort repair: node ports held twice or outside `serviceNodePortRange`. Upstream interval:
+/// 3m.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct NodePortRepairLoop {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+}
+
+impl Default for NodePortRepairLoop {
+    fn default() -> Self {
+        NodePortRepairLoop {
+            enabled: true,
+            interval: Duration::from_secs(180),
+        }
+    }
+}
+
+impl LoopSection for NodePortRepairLoop {
     fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
         validate_interval(path, self.interval, errors);
     }

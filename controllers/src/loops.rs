@@ -154,6 +154,8 @@ pub fn build_loops(
     }
 
     // --- ClusterIP repair (issue 5) -------------------------------------------------------------
+    // Its Service cache, when it runs, is the NodePort repair's too: one watch of Services.
+    let mut shared_services = None;
     let section = &config.loops.cluster_ip_repair;
     if section.enabled {
         use crate::config::ClusterIpRepairMode;
@@ -172,14 +174,44 @@ pub fn build_loops(
             ..ClusterIpRepairConfig::default()
         };
         match ClusterIpRepair::new(client.clone(), loop_config, registry) {
-            Ok(built) => loops.push(Arc::new(match list_client {
-                Some(list_client) => built.with_list_client(list_client.clone()),
-                None => built,
-            })),
+            Ok(built) => {
+                shared_services = Some(built.shared_services());
+                loops.push(Arc::new(match list_client {
+                    Some(list_client) => built.with_list_client(list_client.clone()),
+                    None => built,
+                }));
+            }
             Err(err) => warn!("loop clusterip-repair not built: {err}"),
         }
     } else {
         info!("loop clusterip-repair disabled by configuration");
+    }
+
+    // --- NodePort repair ------------------------------------------------------------------------
+    let section = &config.loops.node_port_repair;
+    if section.enabled {
+        use reconcilers::nodeport_repair::{NodePortRepair, NodePortRepairConfig, PortRange};
+        let range = &config.service_node_port_range;
+        match PortRange::new(range.base, range.last) {
+            Ok(range) => {
+                let loop_config = NodePortRepairConfig {
+                    interval: section.interval,
+                    range,
+                    reporting_instance: Some(config.leader_identity()),
+                    page_size: config.loops.cluster_ip_repair.page_size,
+                };
+                loops.push(Arc::new(NodePortRepair::new(
+                    client.clone(),
+                    loop_config,
+                    shared_services,
+                    registry,
+                )));
+            }
+            // Config validation checks the range; never panic on it.
+            Err(err) => warn!("loop nodeport-repair not built: {err}"),
+        }
+    } else {
+        info!("loop nodeport-repair disabled by configuration");
     }
 
     loops

@@ -1177,6 +1177,8 @@ mod tests {
             uid: Token::new(&format!("uid-{ns}-{name}")),
             resource_version: 1,
             cluster_ips: ips.iter().map(|ip| ClusterIp::parse(ip)).collect(),
+            node_ports: Default::default(),
+            health_check_node_port: 0,
         }
     }
 

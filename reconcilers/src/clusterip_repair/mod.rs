@@ -52,7 +52,7 @@ use model::{
     IPALLOCATOR_MANAGER, IpAddressRecord, LABEL_IP_FAMILY, LABEL_MANAGED_BY, ServiceCidrRecord,
     ServiceRecord,
 };
-use reflector::{Collection, Store, list_all, parse_resource_version, reflect};
+use reflector::{Collection, SharedStore, Store, list_all, parse_resource_version, reflect};
 
 /// Reporting controller of the events, as upstream.
 pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
@@ -283,6 +283,8 @@ pub struct ClusterIpRepair {
     config: ClusterIpRepairConfig,
     metrics: RepairMetrics,
     services: Arc<Store<ServiceRecord>>,
+    /// The Service cache's feed, shared with the NodePort repair ([`Self::shared_services`]).
+    shared_services: Arc<SharedStore<ServiceRecord>>,
     ip_addresses: Arc<Store<IpAddressRecord>>,
     service_cidrs: Arc<Store<ServiceCidrRecord>>,
     /// Whether the runner took the trigger streams (which fill the caches); without them each
@@ -309,13 +311,15 @@ impl ClusterIpRepair {
             },
             None => Reporter::from(REPORTING_CONTROLLER),
         };
+        let shared_services = Arc::<SharedStore<ServiceRecord>>::default();
         Ok(Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             list_client: None,
             config,
             metrics: RepairMetrics::register(registry),
-            services: Arc::default(),
+            services: shared_services.store().clone(),
+            shared_services,
             ip_addresses: Arc::default(),
             service_cidrs: Arc::default(),
             caches_running: AtomicBool::new(false),
@@ -336,6 +340,12 @@ impl ClusterIpRepair {
     /// The client for a LIST, `fallback` when none was set for LISTs.
     fn list_client<'a>(&'a self, fallback: &'a Client) -> &'a Client {
         self.list_client.as_ref().unwrap_or(fallback)
+    }
+
+    /// The Service cache this loop keeps, for other loops that read Services: the process then
+    /// watches Services once.
+    pub fn shared_services(&self) -> Arc<SharedStore<ServiceRecord>> {
+        self.shared_services.clone()
     }
 
     pub fn metrics(&self) -> &RepairMetrics {
@@ -1106,12 +1116,11 @@ impl Reconciler for ClusterIpRepair {
 
     fn triggers(&self) -> Vec<Trigger> {
         self.caches_running.store(true, Ordering::Relaxed);
-        let services = reflect(
-            self.client.clone(),
-            self.list_client(&self.client).clone(),
-            self.collection(reflector::SERVICES),
-            self.services.clone(),
-        );
+        let (client, list_client) = (self.client.clone(), self.list_client(&self.client).clone());
+        let collection = self.collection(reflector::SERVICES);
+        let services = self
+            .shared_services
+            .subscribe(|store| reflect(client, list_client, collection, store));
         let mut triggers = vec![services, self.wakeup.clone().stream()];
         if self.config.mode == RepairMode::Audit {
             return triggers;

@@ -16,8 +16,9 @@ use std::borrow::Cow;
 
 use super::model::{
     ClusterIp, ClusterIps, IpAddressRecord, IpLabels, IpName, LABEL_IP_FAMILY, LABEL_MANAGED_BY,
-    ListMeta, ListPage, Name, ParentRef, ServiceCidrRecord, ServiceRecord, Token, array, equals,
-    known_family, known_group, known_manager, known_resource, resource_version_number, wire,
+    ListMeta, ListPage, Name, ParentRef, Protocol, ServiceCidrRecord, ServiceRecord, Token, array,
+    equals, known_family, known_group, known_manager, known_resource, resource_version_number,
+    wire,
 };
 
 /// The media type of protobuf bodies; requests `Accept` it before JSON.
@@ -538,6 +539,8 @@ impl ProtobufRecord for ServiceRecord {
         let mut resource_version: Option<&[u8]> = None;
         let mut cluster_ip: Option<&[u8]> = None;
         let mut cluster_ips = ClusterIps::new();
+        let mut node_ports = Vec::new();
+        let mut health_check_node_port = 0;
         for field in fields(message, "Service") {
             match field? {
                 (1, value) => {
@@ -576,6 +579,29 @@ impl ProtobufRecord for ServiceRecord {
                                 ClusterIp::from_bytes(v.bytes("ServiceSpec.clusterIPs")?)
                                     .map_err(utf8("ServiceSpec.clusterIPs"))?,
                             ),
+                            (1, v) => {
+                                let (mut node_port, mut protocol) = (0, Protocol::Tcp);
+                                for field in fields(v.bytes("ServiceSpec.ports")?, "ServicePort") {
+                                    match field? {
+                                        (2, v) => {
+                                            protocol = Protocol::from_bytes(
+                                                v.bytes("ServicePort.protocol")?,
+                                            );
+                                        }
+                                        (5, v) => {
+                                            node_port = int32(v.varint("ServicePort.nodePort")?)
+                                        }
+                                        _ => {}
+                                    }
+                                }
+                                if node_port != 0 {
+                                    node_ports.push((node_port, protocol));
+                                }
+                            }
+                            (12, v) => {
+                                health_check_node_port =
+                                    int32(v.varint("ServiceSpec.healthCheckNodePort")?);
+                            }
                             _ => {}
                         }
                     }
@@ -605,8 +631,16 @@ impl ProtobufRecord for ServiceRecord {
                 .map_err(utf8("ObjectMeta.resourceVersion"))?
                 .unwrap_or(0),
             cluster_ips,
+            node_ports: node_ports.into_boxed_slice(),
+            health_check_node_port,
         })
     }
+}
+
+/// An `int32` field: protobuf writes negative values as ten-byte varints of their 64-bit two's
+/// complement, so the low 32 bits are the value.
+fn int32(varint: u64) -> i32 {
+    varint as u32 as i32
 }
 
 /// `bytes` as text: a `known` one without a UTF-8 check (the usual values), else checked.
@@ -823,6 +857,8 @@ mod tests {
             ServiceRecord::from_protobuf(unwrap_envelope(&pb).unwrap()).unwrap(),
             json
         );
+        assert_eq!(&*json.node_ports, &[(5, Protocol::Other)]);
+        assert_eq!(json.health_check_node_port, 12);
 
         let pb = fixture("networking.k8s.io.v1.IPAddress.pb");
         let json: IpAddressRecord =
@@ -857,6 +893,16 @@ mod tests {
             json!({"clusterIP": "fd00:0:0:0:0:0:0:1"}),
             json!({"clusterIP": "not-an-ip", "clusterIPs": ["not-an-ip", "10.96.0.15"]}),
             json!({"clusterIP": "10.96.0.16", "clusterIPs": []}),
+            json!({"type": "NodePort", "clusterIP": "10.96.0.17", "ports": [
+                {"port": 80, "protocol": "TCP", "nodePort": 30080},
+                {"port": 53, "protocol": "UDP", "nodePort": 30080},
+                {"port": 54, "nodePort": 30081},
+                {"port": 81, "protocol": "SCTP"},
+            ]}),
+            json!({"type": "LoadBalancer", "healthCheckNodePort": 32000, "ports": [
+                {"port": 443, "protocol": "TCP", "nodePort": -5},
+                {"port": 444, "protocol": "ODD", "nodePort": 70000},
+            ]}),
         ];
         let metas = [
             json!({"name": "web", "namespace": "default", "uid": "6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f", "resourceVersion": "12345"}),
@@ -879,7 +925,7 @@ mod tests {
                 checked += 1;
             }
         }
-        assert_eq!(checked, 44);
+        assert_eq!(checked, 52);
     }
 
     /// Texts kept from a Service are checked for UTF-8 even on the byte-reading fast paths.

@@ -165,6 +165,55 @@ impl<T: Cached> Store<T> {
     }
 }
 
+/// A store that several loops read and one reflector keeps, so the process lists and watches a
+/// collection once however many loops need it (the ClusterIP and NodePort repairs both read
+/// Services).
+#[derive(Debug)]
+pub struct SharedStore<T: Cached> {
+    store: Arc<Store<T>>,
+    /// Counts the changes the reflector applied; readers other than the first wait on it.
+    changes: tokio::sync::watch::Sender<u64>,
+    fed: std::sync::atomic::AtomicBool,
+}
+
+impl<T: Cached> Default for SharedStore<T> {
+    fn default() -> Self {
+        Self {
+            store: Arc::default(),
+            changes: tokio::sync::watch::Sender::new(0),
+            fed: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+}
+
+impl<T: Cached> SharedStore<T> {
+    pub fn store(&self) -> &Arc<Store<T>> {
+        &self.store
+    }
+
+    /// A trigger stream for one reader. The first reader's is `reflector(store)`, the stream that
+    /// keeps the store, which also wakes the other readers after each change it applied; the
+    /// others' yield after each such change.
+    pub fn subscribe(
+        &self,
+        reflector: impl FnOnce(Arc<Store<T>>) -> BoxStream<'static, ()>,
+    ) -> BoxStream<'static, ()> {
+        if !self.fed.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            let changes = self.changes.clone();
+            return reflector(self.store.clone())
+                .inspect(move |()| changes.send_modify(|count| *count = count.wrapping_add(1)))
+                .boxed();
+        }
+        let mut changes = self.changes.subscribe();
+        changes.mark_unchanged();
+        futures::stream::unfold(changes, |mut changes| async move {
+            changes.changed().await.ok()?;
+            Some(((), changes))
+        })
+        .boxed()
+    }
+}
+
 /// Resource versions are opaque to clients, but every kube-apiserver (and the simulator) backs
 /// them with etcd revisions: integers that only grow. A version that is not an integer cannot be
 /// compared, so freshness is then never proven and deletes wait for a live check.

@@ -1,0 +1,226 @@
+//! The NodePort repair loop (`nodeport-repair`).
+//!
+//! Upstream's repair (`pkg/registry/core/service/portallocator/controller/repair.go`) rebuilds
+//! the NodePort allocation bitmap from every Service each 3 minutes and warns about ports held by
+//! two Services or outside `--service-node-port-range`. This loop does the same from the Service
+//! cache the process already keeps (one watch of Services, shared with the ClusterIP repair),
+//! so a duplicate is reported as soon as the watch shows it and a quiet cluster costs nothing.
+//!
+//! Without etcd the loop only reports: it never changes a Service, and upstream's own advice
+//! ("please recreate service") stands. Each problem is reported once when it appears (event,
+//! warning log, counter), not again on every pass while it persists; `check` lists every
+//! current problem.
+
+pub mod scan;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::Client;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tracing::warn;
+
+use crate::clusterip_repair::model::ServiceRecord;
+use crate::clusterip_repair::reflector::{self, Collection, SharedStore, reflect};
+use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
+use crate::findings::ReportOnce;
+pub use scan::{Finding, PortRange, Problem};
+
+/// Upstream's event source for this repair.
+pub const REPORTING_CONTROLLER: &str = "portallocator-repair-controller";
+/// Upstream's event action.
+pub const EVENT_ACTION: &str = "PortAllocation";
+
+#[derive(Clone, Debug)]
+pub struct NodePortRepairConfig {
+    /// Time between passes when no Service changes (upstream: 3 minutes).
+    pub interval: Duration,
+    pub range: PortRange,
+    /// This replica's identity, for the events' `reportingInstance`.
+    pub reporting_instance: Option<String>,
+    /// LIST page size of the Service cache, when this loop keeps it itself.
+    pub page_size: u32,
+}
+
+impl Default for NodePortRepairConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(180),
+            range: PortRange::default(),
+            reporting_instance: None,
+            page_size: reflector::DEFAULT_PAGE_SIZE,
+        }
+    }
+}
+
+/// Counters mirroring upstream's `apiserver_nodeport_repair_port_errors_total`, counted once
+/// per problem when it appears, and the problems present now.
+#[derive(Clone, Debug, Default)]
+pub struct NodePortMetrics {
+    /// `type` = duplicate | outOfRange.
+    pub port_errors: Family<[(&'static str, &'static str); 1], Counter>,
+    /// `type` as above: problems present after the last complete pass.
+    pub current_problems: Family<[(&'static str, &'static str); 1], Gauge>,
+}
+
+impl NodePortMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        registry.register(
+            "nodeport_repair_port_errors",
+            "Number of node port problems found by the repair loop, counted when each appears, by type",
+            metrics.port_errors.clone(),
+        );
+        registry.register(
+            "nodeport_repair_problems",
+            "Node port problems present after the last pass, by type",
+            metrics.current_problems.clone(),
+        );
+        metrics
+    }
+}
+
+/// The NodePort repair loop.
+pub struct NodePortRepair {
+    client: Client,
+    config: NodePortRepairConfig,
+    services: Arc<SharedStore<ServiceRecord>>,
+    recorder: Recorder,
+    reported: ReportOnce<Finding>,
+    metrics: NodePortMetrics,
+}
+
+impl NodePortRepair {
+    /// Builds the loop. `services` is the Service cache another loop keeps (the ClusterIP
+    /// repair's), or `None` for one of its own.
+    pub fn new(
+        client: Client,
+        config: NodePortRepairConfig,
+        services: Option<Arc<SharedStore<ServiceRecord>>>,
+        registry: &mut Registry,
+    ) -> Self {
+        let reporter = Reporter {
+            controller: REPORTING_CONTROLLER.to_owned(),
+            instance: config.reporting_instance.clone(),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            services: services.unwrap_or_default(),
+            config,
+            reported: ReportOnce::new(),
+            metrics: NodePortMetrics::register(registry),
+        }
+    }
+
+    pub fn metrics(&self) -> &NodePortMetrics {
+        &self.metrics
+    }
+
+    async fn publish(&self, finding: &Finding) {
+        let reference = ObjectReference {
+            api_version: Some("v1".to_owned()),
+            kind: Some("Service".to_owned()),
+            namespace: Some(finding.namespace.to_string()),
+            name: Some(finding.name.to_string()),
+            uid: Some(finding.uid.to_string()).filter(|uid| !uid.is_empty()),
+            ..ObjectReference::default()
+        };
+        let event = Event {
+            type_: EventType::Warning,
+            reason: finding.problem.reason().to_owned(),
+            note: Some(finding.note(self.config.range)),
+            action: EVENT_ACTION.to_owned(),
+            secondary: None,
+        };
+        if let Err(err) = self.recorder.publish(&event, &reference).await {
+            warn!(reason = event.reason, error = %err, "cannot publish event");
+        }
+    }
+
+    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        let store = self.services.store();
+        let scan = {
+            let state = store.read();
+            if !state.synced {
+                return Err(LoopError::NotSynced(
+                    "Service cache has not synced yet".to_owned(),
+                ));
+            }
+            scan::scan(state.values(), self.config.range)
+        };
+
+        let new = self.reported.update(scan.findings.iter().cloned());
+        for finding in &new {
+            self.metrics
+                .port_errors
+                .get_or_create(&[("type", finding.problem.error_type())])
+                .inc();
+            warn!(
+                service = %format_args!("{}/{}", finding.namespace, finding.name),
+                port = finding.port,
+                reason = finding.problem.reason(),
+                "{}",
+                finding.note(self.config.range)
+            );
+            if !ctx.dry_run {
+                self.publish(finding).await;
+            }
+        }
+        for problem in [Problem::AlreadyAllocated, Problem::OutOfRange] {
+            let present = scan
+                .findings
+                .iter()
+                .filter(|finding| finding.problem == problem)
+                .count();
+            self.metrics
+                .current_problems
+                .get_or_create(&[("type", problem.error_type())])
+                .set(i64::try_from(present).unwrap_or(i64::MAX));
+        }
+
+        let mut report = PassReport::default();
+        for finding in &scan.findings {
+            report.push(drift(
+                finding.problem.drift_kind(),
+                format!("Service/{}/{}", finding.namespace, finding.name),
+                Action::Report,
+                finding.note(self.config.range),
+                false,
+            ));
+        }
+        Ok(report)
+    }
+}
+
+impl Reconciler for NodePortRepair {
+    fn name(&self) -> &'static str {
+        "nodeport-repair"
+    }
+
+    fn interval(&self) -> Duration {
+        self.config.interval
+    }
+
+    fn triggers(&self) -> Vec<Trigger> {
+        let client = self.client.clone();
+        let collection = Collection::new(reflector::SERVICES).paged(self.config.page_size);
+        vec![
+            self.services
+                .subscribe(|store| reflect(client.clone(), client, collection, store)),
+        ]
+    }
+
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        Box::pin(self.pass(ctx))
+    }
+}

@@ -1,0 +1,385 @@
+//! Which node ports the Services hold, and which of them are held twice or lie outside the
+//! range: upstream's `collectServiceNodePorts` and the allocation half of its repair pass
+//! (`pkg/registry/core/service/portallocator/controller/repair.go`). Pure: no I/O.
+
+use std::fmt;
+
+use fixedbitset::FixedBitSet;
+use smallvec::SmallVec;
+
+use crate::clusterip_repair::model::{Name, Protocol, ServiceRecord, Token};
+
+/// kube-apiserver's `--service-node-port-range`: `base` to `last`, both inclusive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortRange {
+    base: u16,
+    last: u16,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("node port range {base}-{last} is empty: the first port must not be above the last")]
+pub struct EmptyRange {
+    base: u16,
+    last: u16,
+}
+
+impl PortRange {
+    pub fn new(base: u16, last: u16) -> Result<Self, EmptyRange> {
+        if base > last {
+            return Err(EmptyRange { base, last });
+        }
+        Ok(Self { base, last })
+    }
+
+    pub fn base(&self) -> u16 {
+        self.base
+    }
+
+    pub fn last(&self) -> u16 {
+        self.last
+    }
+
+    /// Number of ports in the range.
+    pub fn size(&self) -> usize {
+        usize::from(self.last - self.base) + 1
+    }
+
+    /// The port's place in the range, if it lies inside.
+    pub fn offset(&self, port: i32) -> Option<usize> {
+        let port = u16::try_from(port).ok()?;
+        (self.base..=self.last)
+            .contains(&port)
+            .then(|| usize::from(port - self.base))
+    }
+}
+
+impl Default for PortRange {
+    /// kube-apiserver's default.
+    fn default() -> Self {
+        Self {
+            base: 30000,
+            last: 32767,
+        }
+    }
+}
+
+/// As upstream's `net.PortRange.String()`, which the events quote.
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.base, self.last)
+    }
+}
+
+/// The node ports one Service holds, as upstream collects them: each non-zero `nodePort`
+/// whatever the Service's type; the same port with the same protocol twice counts twice (a
+/// duplicate), with different protocols once; `healthCheckNodePort` counts unless the Service
+/// already uses that port with a protocol other than TCP only.
+pub fn collect_service_node_ports(service: &ServiceRecord) -> SmallVec<[i32; 4]> {
+    let mut ports = SmallVec::new();
+    // (port, protocols seen with it): a Service has a handful of ports, a scan beats a map.
+    let mut seen: SmallVec<[(i32, SmallVec<[Protocol; 2]>); 4]> = SmallVec::new();
+    for &(port, protocol) in &service.node_ports {
+        if port == 0 {
+            continue;
+        }
+        match seen.iter_mut().find(|(seen_port, _)| *seen_port == port) {
+            None => {
+                seen.push((port, SmallVec::from_slice(&[protocol])));
+                ports.push(port);
+            }
+            Some((_, protocols)) if protocols.contains(&protocol) => ports.push(port),
+            Some((_, protocols)) => protocols.push(protocol),
+        }
+    }
+    let health = service.health_check_node_port;
+    if health != 0 {
+        let protocols = seen.iter().find(|(port, _)| *port == health);
+        if protocols.is_none_or(|(_, protocols)| protocols.contains(&Protocol::Tcp)) {
+            ports.push(health);
+        }
+    }
+    ports
+}
+
+/// What is wrong with one node port of one Service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Problem {
+    /// Another Service (earlier in list order), or this one, holds the port already.
+    AlreadyAllocated,
+    /// The port lies outside the configured range.
+    OutOfRange,
+}
+
+impl Problem {
+    /// The event reason, upstream's.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Problem::AlreadyAllocated => "PortAlreadyAllocated",
+            Problem::OutOfRange => "PortOutOfRange",
+        }
+    }
+
+    /// The `type` label of the error counter, upstream's.
+    pub fn error_type(self) -> &'static str {
+        match self {
+            Problem::AlreadyAllocated => "duplicate",
+            Problem::OutOfRange => "outOfRange",
+        }
+    }
+
+    /// The drift kind in `check` output and the drift metrics.
+    pub fn drift_kind(self) -> &'static str {
+        match self {
+            Problem::AlreadyAllocated => "nodeport_duplicate",
+            Problem::OutOfRange => "nodeport_out_of_range",
+        }
+    }
+}
+
+/// One problem with one port of one Service. Equal findings are the same condition: a Service
+/// deleted and created again under the same name is another object (another uid), so its
+/// problem is reported again.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Finding {
+    pub problem: Problem,
+    pub namespace: Name,
+    pub name: Name,
+    pub uid: Token,
+    pub port: i32,
+}
+
+impl Finding {
+    /// The event note, upstream's wording.
+    pub fn note(&self, range: PortRange) -> String {
+        match self.problem {
+            Problem::AlreadyAllocated => format!(
+                "Port {} was assigned to multiple services; please recreate service",
+                self.port
+            ),
+            Problem::OutOfRange => format!(
+                "Port {} is not within the port range {range}; please recreate service",
+                self.port
+            ),
+        }
+    }
+}
+
+/// What one scan of the Services found.
+#[derive(Debug)]
+pub struct Scan {
+    /// In list order (namespace, then name), as upstream's pass meets them.
+    pub findings: Vec<Finding>,
+    /// The ports inside the range that some Service holds, by offset in the range: the
+    /// allocation bitmap as it should be.
+    pub in_use: FixedBitSet,
+}
+
+/// Allocates every Service's node ports into an empty bitmap of `range`, in list order, as
+/// upstream's repair rebuilds its allocator: the first Service to hold a port owns it, every
+/// later holder (or a second hold by the same Service) is a duplicate.
+pub fn scan<'a>(services: impl IntoIterator<Item = &'a ServiceRecord>, range: PortRange) -> Scan {
+    // Only Services that hold node ports need the list order; most hold none.
+    let mut holders: Vec<&ServiceRecord> = services
+        .into_iter()
+        .filter(|service| !service.node_ports.is_empty() || service.health_check_node_port != 0)
+        .collect();
+    holders.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+
+    let mut in_use = FixedBitSet::with_capacity(range.size());
+    let mut findings = Vec::new();
+    for service in holders {
+        for port in collect_service_node_ports(service) {
+            let problem = match range.offset(port) {
+                None => Problem::OutOfRange,
+                Some(offset) if in_use.put(offset) => Problem::AlreadyAllocated,
+                Some(_) => continue,
+            };
+            findings.push(Finding {
+                problem,
+                namespace: service.namespace.clone(),
+                name: service.name.clone(),
+                uid: service.uid.clone(),
+                port,
+            });
+        }
+    }
+    Scan { findings, in_use }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn service(
+        namespace: &str,
+        name: &str,
+        ports: &[(i32, Protocol)],
+        health: i32,
+    ) -> ServiceRecord {
+        ServiceRecord {
+            namespace: namespace.into(),
+            name: name.into(),
+            uid: Token::new(&format!("uid-{namespace}-{name}")),
+            resource_version: 1,
+            cluster_ips: Default::default(),
+            node_ports: ports.iter().copied().collect(),
+            health_check_node_port: health,
+        }
+    }
+
+    /// upstream's TestCollectServiceNodePorts, case by case.
+    #[test]
+    fn collects_node_ports_as_upstream() {
+        use Protocol::{Tcp, Udp};
+        /// Name, `spec.ports` as (nodePort, protocol), `healthCheckNodePort`, ports expected.
+        type Case = (
+            &'static str,
+            &'static [(i32, Protocol)],
+            i32,
+            &'static [i32],
+        );
+        let cases: &[Case] = &[
+            (
+                "no duplicated nodePorts",
+                &[(111, Tcp), (112, Udp), (113, Udp)],
+                0,
+                &[111, 112, 113],
+            ),
+            (
+                "duplicated nodePort with TCP protocol",
+                &[(111, Tcp), (111, Tcp), (112, Udp)],
+                0,
+                &[111, 111, 112],
+            ),
+            (
+                "duplicated nodePort with UDP protocol",
+                &[(111, Udp), (111, Udp), (112, Tcp)],
+                0,
+                &[111, 111, 112],
+            ),
+            (
+                "duplicated nodePort with different protocol",
+                &[(111, Tcp), (112, Tcp), (111, Udp)],
+                0,
+                &[111, 112],
+            ),
+            (
+                "no duplicated port(with health check port)",
+                &[(111, Tcp), (112, Udp)],
+                113,
+                &[111, 112, 113],
+            ),
+            (
+                "nodePort has different protocol with duplicated health check port",
+                &[(111, Udp), (112, Tcp)],
+                111,
+                &[111, 112],
+            ),
+            (
+                "nodePort has same protocol as duplicated health check port",
+                &[(111, Udp), (112, Tcp)],
+                112,
+                &[111, 112, 112],
+            ),
+        ];
+        for (name, ports, health, expected) in cases {
+            let mut got = collect_service_node_ports(&service("one", "one", ports, *health));
+            got.sort_unstable();
+            assert_eq!(got.as_slice(), *expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn the_later_service_in_list_order_holds_the_duplicate() {
+        let range = PortRange::default();
+        // Given out of list order: the scan sorts by namespace, then name.
+        let services = [
+            service("b", "web", &[(30080, Protocol::Tcp)], 0),
+            service("a", "zeta", &[(30080, Protocol::Tcp)], 0),
+            service("a", "alpha", &[(30081, Protocol::Tcp)], 0),
+        ];
+        let scan = scan(&services, range);
+        assert_eq!(scan.findings.len(), 1);
+        let finding = &scan.findings[0];
+        assert_eq!(
+            (finding.namespace.as_str(), finding.name.as_str()),
+            ("b", "web")
+        );
+        assert_eq!(finding.problem, Problem::AlreadyAllocated);
+        assert_eq!(
+            finding.note(range),
+            "Port 30080 was assigned to multiple services; please recreate service"
+        );
+        assert_eq!(scan.in_use.count_ones(..), 2);
+        assert!(scan.in_use.contains(80) && scan.in_use.contains(81));
+    }
+
+    #[test]
+    fn every_type_counts_and_out_of_range_ports_are_reported() {
+        let range = PortRange::new(30000, 30100).unwrap();
+        let services = [
+            // A nodePort left on a ClusterIP Service still counts (the record keeps no type).
+            service("default", "leftover", &[(30001, Protocol::Tcp)], 0),
+            service(
+                "default",
+                "lb",
+                &[(30001, Protocol::Udp), (40000, Protocol::Tcp)],
+                30002,
+            ),
+            service(
+                "default",
+                "hostile",
+                &[(-5, Protocol::Tcp), (70000, Protocol::Other)],
+                0,
+            ),
+        ];
+        let scan = scan(&services, range);
+        let got: Vec<_> = scan
+            .findings
+            .iter()
+            .map(|f| (f.name.as_str(), f.port, f.problem))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("hostile", -5, Problem::OutOfRange),
+                ("hostile", 70000, Problem::OutOfRange),
+                ("lb", 40000, Problem::OutOfRange),
+                // "lb" comes first in list order and owns the port, whatever the protocol.
+                ("leftover", 30001, Problem::AlreadyAllocated),
+            ]
+        );
+        assert_eq!(
+            scan.findings[2].note(range),
+            "Port 40000 is not within the port range 30000-30100; please recreate service"
+        );
+        assert!(scan.in_use.contains(1) && scan.in_use.contains(2));
+        assert_eq!(scan.in_use.count_ones(..), 2);
+    }
+
+    #[test]
+    fn a_port_twice_in_one_service_is_a_duplicate_of_itself() {
+        let services = [service(
+            "ns",
+            "twice",
+            &[(30500, Protocol::Tcp), (30500, Protocol::Tcp)],
+            0,
+        )];
+        let scan = scan(&services, PortRange::default());
+        assert_eq!(scan.findings.len(), 1);
+        assert_eq!(scan.findings[0].problem, Problem::AlreadyAllocated);
+    }
+
+    #[test]
+    fn ranges_are_checked_and_displayed_as_upstream() {
+        assert!(PortRange::new(32767, 30000).is_err());
+        let range = PortRange::new(1, 65535).unwrap();
+        assert_eq!(range.size(), 65535);
+        assert_eq!(range.offset(0), None);
+        assert_eq!(range.offset(65535), Some(65534));
+        assert_eq!(range.offset(65536), None);
+        assert_eq!(PortRange::default().to_string(), "30000-32767");
+    }
+}
