@@ -1,0 +1,261 @@
+//! One pass of upstream's bitmap repair (`portallocator/controller/repair.go`, and the legacy
+//! `ipallocator/controller/repair.go`), on offsets into the range. Pure: no I/O, no clock.
+//!
+//! What the Services hold and the stored bitmap does not is set at once (`PortNotAllocated`,
+//! `ClusterIPNotAllocated`). What the bitmap holds and no Service uses "may have leaked":
+//! kube-apiserver sets the bit before it creates the Service, so a young bit without its Service
+//! is normal. It is released only on its third sighting, and only when the caller proved its view
+//! of the Services fresh; until then it stays set. Upstream sees a leak once per 3-minute pass;
+//! passes here also run on every Service change, so sightings count only when `spacing` apart.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use fixedbitset::FixedBitSet;
+
+/// Sightings of an unused bit before it is released (upstream's `numRepairsBeforeLeakCleanup`).
+pub const SIGHTINGS_BEFORE_RELEASE: u8 = 3;
+
+/// Unused bits seen so far, across passes.
+#[derive(Debug, Default)]
+pub struct LeakTracker {
+    sightings: HashMap<usize, Sighting>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sighting {
+    count: u8,
+    last: Instant,
+}
+
+impl LeakTracker {
+    /// Bits suspected of having leaked now.
+    pub fn suspects(&self) -> usize {
+        self.sightings.len()
+    }
+}
+
+/// What one pass decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The bitmap to store.
+    pub bitmap: FixedBitSet,
+    /// In use but not set in the stored bitmap: set by this plan.
+    pub not_allocated: Vec<usize>,
+    /// Unused bits seen for the first time: kept for now.
+    pub flagged: Vec<usize>,
+    /// Unused bits seen often enough, with a fresh view of the Services: cleared by this plan.
+    pub released: Vec<usize>,
+    /// Unused bits seen often enough, kept because the view of the Services is not proven fresh.
+    pub held: Vec<usize>,
+}
+
+impl Plan {
+    /// Whether the stored bitmap must be written.
+    pub fn changes(&self, stored: &FixedBitSet) -> bool {
+        self.bitmap.ones().ne(stored.ones())
+    }
+}
+
+/// Plans one pass: `stored` is the bitmap read from etcd, `in_use` the offsets the Services hold
+/// (both of the range's size), `fresh` whether the Service view is proven at least as new as the
+/// API. `leaks` carries the sightings from pass to pass.
+pub fn plan(
+    stored: &FixedBitSet,
+    in_use: &FixedBitSet,
+    leaks: &mut LeakTracker,
+    fresh: bool,
+    now: Instant,
+    spacing: Duration,
+) -> Plan {
+    let mut bitmap = in_use.clone();
+    bitmap.grow(stored.len());
+    let not_allocated: Vec<usize> = in_use.difference(stored).collect();
+    let unused: Vec<usize> = stored.difference(in_use).collect();
+
+    // A bit in use, or no longer set, is no suspect.
+    leaks
+        .sightings
+        .retain(|offset, _| stored.contains(*offset) && !in_use.contains(*offset));
+
+    let (mut flagged, mut released, mut held) = (Vec::new(), Vec::new(), Vec::new());
+    for offset in unused {
+        let sighting = leaks.sightings.entry(offset).or_insert_with(|| {
+            flagged.push(offset);
+            Sighting {
+                count: 0,
+                last: now,
+            }
+        });
+        if sighting.count == 0 || now.duration_since(sighting.last) >= spacing {
+            sighting.count = sighting.count.saturating_add(1);
+            sighting.last = now;
+        }
+        if sighting.count < SIGHTINGS_BEFORE_RELEASE {
+            bitmap.insert(offset);
+        } else if fresh {
+            released.push(offset);
+            leaks.sightings.remove(&offset);
+        } else {
+            bitmap.insert(offset);
+            held.push(offset);
+        }
+    }
+    Plan {
+        bitmap,
+        not_allocated,
+        flagged,
+        released,
+        held,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The port range "100-200" of upstream's tests: offset = port - 100.
+    const SIZE: usize = 101;
+
+    fn bits(ports: &[usize]) -> FixedBitSet {
+        let mut bits = FixedBitSet::with_capacity(SIZE);
+        for port in ports {
+            bits.insert(port - 100);
+        }
+        bits
+    }
+
+    fn ports(plan_bits: &FixedBitSet) -> Vec<usize> {
+        plan_bits.ones().map(|offset| offset + 100).collect()
+    }
+
+    /// Passes as upstream runs them: every sighting counts.
+    fn pass(
+        stored: &FixedBitSet,
+        in_use: &FixedBitSet,
+        leaks: &mut LeakTracker,
+        fresh: bool,
+    ) -> Plan {
+        plan(stored, in_use, leaks, fresh, Instant::now(), Duration::ZERO)
+    }
+
+    /// TestRepair: an empty bitmap and no Services: nothing to change.
+    #[test]
+    fn repair_of_an_empty_range_changes_nothing() {
+        let stored = bits(&[]);
+        let plan = pass(&stored, &bits(&[]), &mut LeakTracker::default(), true);
+        assert!(!plan.changes(&stored));
+        assert!(plan.not_allocated.is_empty() && plan.flagged.is_empty());
+    }
+
+    /// TestRepairLeak: a leaked port survives two passes and is released by the third.
+    #[test]
+    fn a_leak_is_released_on_the_third_pass() {
+        let mut stored = bits(&[111]);
+        let mut leaks = LeakTracker::default();
+        for round in 0..2 {
+            let plan = pass(&stored, &bits(&[]), &mut leaks, true);
+            assert_eq!(ports(&plan.bitmap), vec![111], "round {round}");
+            assert_eq!(plan.flagged.len(), usize::from(round == 0));
+            stored = plan.bitmap;
+        }
+        let plan = pass(&stored, &bits(&[]), &mut leaks, true);
+        assert_eq!(ports(&plan.bitmap), Vec::<usize>::new());
+        assert_eq!(plan.released, vec![11]);
+        assert!(plan.changes(&stored));
+        assert_eq!(leaks.suspects(), 0);
+    }
+
+    /// TestRepairWithExisting: Services holding 111, 122, 133 (an out-of-range port, an empty
+    /// port and a duplicate are dropped before the bitmap) on an empty bitmap: all three set.
+    #[test]
+    fn ports_in_use_are_set() {
+        let stored = bits(&[]);
+        let plan = pass(
+            &stored,
+            &bits(&[111, 122, 133]),
+            &mut LeakTracker::default(),
+            true,
+        );
+        assert_eq!(ports(&plan.bitmap), vec![111, 122, 133]);
+        assert_eq!(plan.not_allocated, vec![11, 22, 33]);
+        assert_eq!(SIZE - plan.bitmap.count_ones(..), 98);
+    }
+
+    /// TestRepairLeakDeferredUntilCacheFresh and TestRepairLeakReleasedAfterCacheCatchesUp:
+    /// with a stale Service view the leak is held however often it is seen, and released by the
+    /// first pass with a fresh one.
+    #[test]
+    fn a_leak_waits_for_a_fresh_view() {
+        let mut stored = bits(&[150]);
+        let mut leaks = LeakTracker::default();
+        for _ in 0..5 {
+            let plan = pass(&stored, &bits(&[]), &mut leaks, false);
+            assert_eq!(ports(&plan.bitmap), vec![150]);
+            assert!(plan.released.is_empty());
+            stored = plan.bitmap;
+        }
+        let plan = pass(&stored, &bits(&[]), &mut leaks, false);
+        assert_eq!(plan.held, vec![50]);
+        let plan = pass(&stored, &bits(&[]), &mut leaks, true);
+        assert_eq!(plan.released, vec![50]);
+        assert!(plan.bitmap.is_clear());
+    }
+
+    /// TestRepairStaleCacheStillRepairsAllocations: a stale view still sets what is in use.
+    #[test]
+    fn a_stale_view_still_sets_ports_in_use() {
+        let stored = bits(&[]);
+        let plan = pass(&stored, &bits(&[120]), &mut LeakTracker::default(), false);
+        assert_eq!(ports(&plan.bitmap), vec![120]);
+        assert_eq!(plan.not_allocated, vec![20]);
+    }
+
+    /// A suspect that turns out to be used (its Service arrived) is forgotten: it starts over if
+    /// it is ever unused again.
+    #[test]
+    fn a_suspect_in_use_is_forgotten() {
+        let stored = bits(&[111]);
+        let mut leaks = LeakTracker::default();
+        pass(&stored, &bits(&[]), &mut leaks, true);
+        pass(&stored, &bits(&[]), &mut leaks, true);
+        pass(&stored, &bits(&[111]), &mut leaks, true);
+        assert_eq!(leaks.suspects(), 0);
+        let plan = pass(&stored, &bits(&[]), &mut leaks, true);
+        assert_eq!(plan.flagged, vec![11]);
+        assert_eq!(ports(&plan.bitmap), vec![111]);
+    }
+
+    /// Passes closer together than `spacing` (woken by Service changes) do not count as
+    /// sightings: the leak is released only after sightings `spacing` apart.
+    #[test]
+    fn sightings_count_only_when_spaced() {
+        let stored = bits(&[111]);
+        let mut leaks = LeakTracker::default();
+        let start = Instant::now();
+        let spacing = Duration::from_secs(90);
+        for second in 0..100 {
+            let at = start + Duration::from_millis(second * 10);
+            let plan = plan(&stored, &bits(&[]), &mut leaks, true, at, spacing);
+            assert!(plan.released.is_empty());
+        }
+        let plan2 = plan(
+            &stored,
+            &bits(&[]),
+            &mut leaks,
+            true,
+            start + spacing,
+            spacing,
+        );
+        assert!(plan2.released.is_empty());
+        let plan3 = plan(
+            &stored,
+            &bits(&[]),
+            &mut leaks,
+            true,
+            start + spacing * 2,
+            spacing,
+        );
+        assert_eq!(plan3.released, vec![11]);
+    }
+}
