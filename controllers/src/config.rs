@@ -113,6 +113,53 @@ pub struct ConfigArgs {
     #[arg(long, env = "BOOTSTRAP_KUBECONFIG", value_name = "FILE", global = true)]
     pub kubeconfig: Option<PathBuf>,
 
+    /// The etcd of the apiserver, as its --etcd-servers: comma-separated URLs. Turns on etcd
+    /// mode: the NodePort repair also repairs the allocation bitmap kube-apiserver keeps there.
+    /// Without it the repairs work through the API only. [default: none]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_ETCD_SERVERS",
+        value_name = "URL[,URL]",
+        global = true
+    )]
+    pub etcd_servers: Option<String>,
+
+    /// CA bundle that verifies the etcd servers' certificates (as kube-apiserver's).
+    #[arg(
+        long,
+        env = "BOOTSTRAP_ETCD_CAFILE",
+        value_name = "FILE",
+        global = true
+    )]
+    pub etcd_cafile: Option<PathBuf>,
+
+    /// Client certificate for etcd (PEM); goes with --etcd-keyfile.
+    #[arg(
+        long,
+        env = "BOOTSTRAP_ETCD_CERTFILE",
+        value_name = "FILE",
+        global = true
+    )]
+    pub etcd_certfile: Option<PathBuf>,
+
+    /// Client key for etcd (PEM); goes with --etcd-certfile.
+    #[arg(
+        long,
+        env = "BOOTSTRAP_ETCD_KEYFILE",
+        value_name = "FILE",
+        global = true
+    )]
+    pub etcd_keyfile: Option<PathBuf>,
+
+    /// The apiserver's --etcd-prefix. [default: /registry]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_ETCD_PREFIX",
+        value_name = "PREFIX",
+        global = true
+    )]
+    pub etcd_prefix: Option<String>,
+
     /// Compute and report every write without making it (logs, metrics, `check`).
     /// `--dry-run` alone means true. [default: false]
     #[arg(
@@ -283,6 +330,16 @@ pub struct Config {
     pub apiserver_count: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<PathBuf>,
+    #[serde(rename = "etcdServers", skip_serializing_if = "Vec::is_empty")]
+    pub etcd_servers: Vec<String>,
+    #[serde(rename = "etcdCAFile", skip_serializing_if = "Option::is_none")]
+    pub etcd_ca_file: Option<PathBuf>,
+    #[serde(rename = "etcdCertFile", skip_serializing_if = "Option::is_none")]
+    pub etcd_cert_file: Option<PathBuf>,
+    #[serde(rename = "etcdKeyFile", skip_serializing_if = "Option::is_none")]
+    pub etcd_key_file: Option<PathBuf>,
+    #[serde(rename = "etcdPrefix")]
+    pub etcd_prefix: String,
     pub dry_run: bool,
     pub timer_only: bool,
     pub admin_addr: SocketAddr,
@@ -886,6 +943,12 @@ pub struct FileConfig {
     pub endpoint_reconciler_type: Option<EndpointReconcilerType>,
     pub apiserver_count: Option<i64>,
     pub kubeconfig: Option<PathBuf>,
+    pub etcd_servers: Option<StringOrList>,
+    #[serde(rename = "etcdCAFile")]
+    pub etcd_ca_file: Option<PathBuf>,
+    pub etcd_cert_file: Option<PathBuf>,
+    pub etcd_key_file: Option<PathBuf>,
+    pub etcd_prefix: Option<String>,
     pub dry_run: Option<bool>,
     pub timer_only: Option<bool>,
     pub admin_addr: Option<String>,
@@ -1014,6 +1077,115 @@ struct Source<T> {
     field: &'static str,
 }
 
+/// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
+/// its key, the files are readable, and nothing but the servers turns etcd mode on.
+fn merge_etcd(
+    args: &ConfigArgs,
+    file: &FileConfig,
+    errors: &mut Vec<ConfigError>,
+) -> reconcilers::legacy_alloc::etcd::EtcdConfig {
+    let servers_source = pick(
+        args.etcd_servers.clone(),
+        "--etcd-servers",
+        file.etcd_servers.as_ref().map(StringOrList::joined),
+        "etcdServers",
+    );
+    let mut servers = Vec::new();
+    if let Some(source) = &servers_source {
+        for server in source
+            .value
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
+            let valid = server.parse::<http::Uri>().is_ok_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
+            });
+            if valid {
+                servers.push(server.to_owned());
+            } else {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!("{server:?} is not an etcd URL (expected e.g. https://10.0.0.1:2379)"),
+                ));
+            }
+        }
+    }
+    let mut path = |flag: Option<&PathBuf>,
+                    flag_name: &'static str,
+                    field: Option<&PathBuf>,
+                    field_name: &'static str| {
+        let source = pick(flag.cloned(), flag_name, field.cloned(), field_name)?;
+        if servers_source.is_none() {
+            errors.push(ConfigError::new(
+                source.field,
+                "is only used in etcd mode: set --etcd-servers too, or remove it",
+            ));
+        } else if let Err(err) = std::fs::File::open(&source.value) {
+            errors.push(ConfigError::new(
+                source.field,
+                format!("cannot read {}: {err}", source.value.display()),
+            ));
+        }
+        Some(source)
+    };
+    let ca_file = path(
+        args.etcd_cafile.as_ref(),
+        "--etcd-cafile",
+        file.etcd_ca_file.as_ref(),
+        "etcdCAFile",
+    );
+    let cert_file = path(
+        args.etcd_certfile.as_ref(),
+        "--etcd-certfile",
+        file.etcd_cert_file.as_ref(),
+        "etcdCertFile",
+    );
+    let key_file = path(
+        args.etcd_keyfile.as_ref(),
+        "--etcd-keyfile",
+        file.etcd_key_file.as_ref(),
+        "etcdKeyFile",
+    );
+    match (&cert_file, &key_file) {
+        (Some(cert), None) => errors.push(ConfigError::new(
+            cert.field,
+            "needs --etcd-keyfile (etcdKeyFile) too: a client certificate goes with its key",
+        )),
+        (None, Some(key)) => errors.push(ConfigError::new(
+            key.field,
+            "needs --etcd-certfile (etcdCertFile) too: a client key goes with its certificate",
+        )),
+        _ => {}
+    }
+    let prefix = match pick(
+        args.etcd_prefix.clone(),
+        "--etcd-prefix",
+        file.etcd_prefix.clone(),
+        "etcdPrefix",
+    ) {
+        Some(source) if !source.value.starts_with('/') => {
+            errors.push(ConfigError::new(
+                source.field,
+                format!(
+                    "{:?} must start with / (kube-apiserver's default is /registry)",
+                    source.value
+                ),
+            ));
+            source.value
+        }
+        Some(source) => source.value,
+        None => "/registry".to_owned(),
+    };
+    reconcilers::legacy_alloc::etcd::EtcdConfig {
+        servers,
+        ca_file: ca_file.map(|source| source.value),
+        cert_file: cert_file.map(|source| source.value),
+        key_file: key_file.map(|source| source.value),
+        prefix,
+    }
+}
+
 fn pick<T>(
     flag: Option<T>,
     flag_name: &'static str,
@@ -1034,6 +1206,17 @@ fn pick<T>(
 }
 
 impl Config {
+    /// etcd mode's settings, when `--etcd-servers` is set.
+    pub fn etcd(&self) -> Option<reconcilers::legacy_alloc::etcd::EtcdConfig> {
+        (!self.etcd_servers.is_empty()).then(|| reconcilers::legacy_alloc::etcd::EtcdConfig {
+            servers: self.etcd_servers.clone(),
+            ca_file: self.etcd_ca_file.clone(),
+            cert_file: self.etcd_cert_file.clone(),
+            key_file: self.etcd_key_file.clone(),
+            prefix: self.etcd_prefix.clone(),
+        })
+    }
+
     /// Reads `--config` (if any), merges it with the flags and the defaults, and validates.
     pub fn load(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
         let file = match &args.config {
@@ -1369,6 +1552,8 @@ impl Config {
             }
         }
 
+        let etcd = merge_etcd(args, &file, &mut errors);
+
         let service_cluster_ip_range_defaulted =
             args.service_cluster_ip_range.is_none() && file.service_cluster_ip_range.is_none();
         let config = Config {
@@ -1381,6 +1566,11 @@ impl Config {
             endpoint_reconciler_type,
             apiserver_count,
             kubeconfig: args.kubeconfig.clone().or(file.kubeconfig.clone()),
+            etcd_servers: etcd.servers,
+            etcd_ca_file: etcd.ca_file,
+            etcd_cert_file: etcd.cert_file,
+            etcd_key_file: etcd.key_file,
+            etcd_prefix: etcd.prefix,
             dry_run: args.dry_run.or(file.dry_run).unwrap_or(false),
             timer_only: args.timer_only.or(file.timer_only).unwrap_or(false),
             admin_addr,
@@ -2066,6 +2256,56 @@ mod tests {
             ok.loops.system_namespaces.namespaces[0].labels["example.com/team"],
             "core"
         );
+    }
+
+    #[test]
+    fn etcd_settings_are_validated_and_name_the_field() {
+        assert!(from_yaml("{}").unwrap().etcd().is_none());
+
+        let config =
+            from_yaml("etcdServers: https://10.0.0.1:2379,http://10.0.0.2:2379\n").unwrap();
+        let etcd = config.etcd().unwrap();
+        assert_eq!(etcd.servers.len(), 2);
+        assert_eq!(etcd.prefix, "/registry");
+
+        let args = ConfigArgs {
+            etcd_servers: Some("10.0.0.1:2379".to_owned()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, "--etcd-servers");
+        assert!(error.message.contains("https://10.0.0.1:2379"), "{error}");
+
+        let error = single_error(from_yaml("etcdCAFile: /etc/kubernetes/pki/etcd/ca.crt\n"));
+        assert_eq!(error.field, "etcdCAFile");
+        assert!(error.message.contains("--etcd-servers"), "{error}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let cert = dir.path().join("client.crt");
+        std::fs::write(&cert, "pem").unwrap();
+        let args = ConfigArgs {
+            etcd_servers: Some("https://127.0.0.1:2379".to_owned()),
+            etcd_certfile: Some(cert.clone()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, "--etcd-certfile");
+        assert!(error.message.contains("--etcd-keyfile"), "{error}");
+
+        let args = ConfigArgs {
+            etcd_servers: Some("https://127.0.0.1:2379".to_owned()),
+            etcd_certfile: Some(cert.clone()),
+            etcd_keyfile: Some(dir.path().join("missing.key")),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, "--etcd-keyfile");
+        assert!(error.message.contains("missing.key"), "{error}");
+
+        let error = single_error(from_yaml(
+            "etcdServers: [\"http://127.0.0.1:2379\"]\netcdPrefix: registry\n",
+        ));
+        assert_eq!(error.field, "etcdPrefix");
     }
 
     #[test]

@@ -199,6 +199,7 @@ pub fn build_loops(
                     range,
                     reporting_instance: Some(config.leader_identity()),
                     page_size: config.loops.cluster_ip_repair.page_size,
+                    etcd: config.etcd(),
                 };
                 loops.push(Arc::new(NodePortRepair::new(
                     client.clone(),

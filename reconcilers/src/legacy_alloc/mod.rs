@@ -4,4 +4,5 @@
 //! `codec` and `repair` are pure; `etcd` is the only part that talks to etcd.
 
 pub mod codec;
+pub mod etcd;
 pub mod repair;

@@ -51,6 +51,15 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Releases the held bits: the caller has since proven its view of the Services fresh.
+    pub fn release_held(&mut self, leaks: &mut LeakTracker) {
+        for offset in self.held.drain(..) {
+            self.bitmap.set(offset, false);
+            leaks.sightings.remove(&offset);
+            self.released.push(offset);
+        }
+    }
+
     /// Whether the stored bitmap must be written.
     pub fn changes(&self, stored: &FixedBitSet) -> bool {
         self.bitmap.ones().ne(stored.ones())
@@ -200,6 +209,22 @@ mod tests {
         let plan = pass(&stored, &bits(&[]), &mut leaks, true);
         assert_eq!(plan.released, vec![50]);
         assert!(plan.bitmap.is_clear());
+    }
+
+    /// A held bit released after the view was proven fresh within the same pass.
+    #[test]
+    fn held_bits_are_released_once_the_view_is_proven_fresh() {
+        let stored = bits(&[150, 160]);
+        let mut leaks = LeakTracker::default();
+        for _ in 0..2 {
+            pass(&stored, &bits(&[160]), &mut leaks, false);
+        }
+        let mut plan = pass(&stored, &bits(&[160]), &mut leaks, false);
+        assert_eq!(ports(&plan.bitmap), vec![150, 160]);
+        plan.release_held(&mut leaks);
+        assert_eq!(ports(&plan.bitmap), vec![160]);
+        assert_eq!((plan.released, plan.held.len()), (vec![50], 0));
+        assert_eq!(leaks.suspects(), 0);
     }
 
     /// TestRepairStaleCacheStillRepairsAllocations: a stale view still sets what is in use.

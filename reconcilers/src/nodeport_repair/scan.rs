@@ -2,6 +2,7 @@
 //! range: upstream's `collectServiceNodePorts` and the allocation half of its repair pass
 //! (`pkg/registry/core/service/portallocator/controller/repair.go`). Pure: no I/O.
 
+use std::collections::HashMap;
 use std::fmt;
 
 use fixedbitset::FixedBitSet;
@@ -172,6 +173,16 @@ pub struct Scan {
     /// The ports inside the range that some Service holds, by offset in the range: the
     /// allocation bitmap as it should be.
     pub in_use: FixedBitSet,
+    /// The Service that holds each offset of `in_use` (the first in list order).
+    pub owners: HashMap<usize, Holder>,
+}
+
+/// A Service that holds a node port.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Holder {
+    pub namespace: Name,
+    pub name: Name,
+    pub uid: Token,
 }
 
 /// Allocates every Service's node ports into an empty bitmap of `range`, in list order, as
@@ -186,13 +197,24 @@ pub fn scan<'a>(services: impl IntoIterator<Item = &'a ServiceRecord>, range: Po
     holders.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
 
     let mut in_use = FixedBitSet::with_capacity(range.size());
+    let mut owners = HashMap::new();
     let mut findings = Vec::new();
     for service in holders {
         for port in collect_service_node_ports(service) {
             let problem = match range.offset(port) {
                 None => Problem::OutOfRange,
                 Some(offset) if in_use.put(offset) => Problem::AlreadyAllocated,
-                Some(_) => continue,
+                Some(offset) => {
+                    owners.insert(
+                        offset,
+                        Holder {
+                            namespace: service.namespace.clone(),
+                            name: service.name.clone(),
+                            uid: service.uid.clone(),
+                        },
+                    );
+                    continue;
+                }
             };
             findings.push(Finding {
                 problem,
@@ -203,7 +225,11 @@ pub fn scan<'a>(services: impl IntoIterator<Item = &'a ServiceRecord>, range: Po
             });
         }
     }
-    Scan { findings, in_use }
+    Scan {
+        findings,
+        in_use,
+        owners,
+    }
 }
 
 #[cfg(test)]

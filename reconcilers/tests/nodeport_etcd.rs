@@ -1,0 +1,509 @@
+//! The NodePort repair's etcd mode against a real etcd (Debian's `etcd-server`, started by each
+//! test on free loopback ports) and the in-process API simulator: the bitmap repaired as
+//! upstream does, written only by compare-and-swap, left alone when it cannot be trusted.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use apiserver_sim::Sim;
+use fixedbitset::FixedBitSet;
+use futures::StreamExt;
+use prometheus_client::registry::Registry;
+use reconcilers::Reconciler;
+use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
+use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
+use reconcilers::nodeport_repair::{NodePortRepair, NodePortRepairConfig, PortRange};
+use serde_json::json;
+
+const KEY: &str = "/registry/ranges/servicenodeports";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free port")
+}
+
+fn etcd_binary() -> PathBuf {
+    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+        let candidate = Path::new(dir).join("etcd");
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    panic!(
+        "the etcd binary is not on PATH: these tests need a real etcd (Debian: apt-get install etcd-server)"
+    );
+}
+
+/// TLS material for an etcd that requires client certificates.
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn generate() -> Self {
+        use rcgen::{
+            BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+            SanType,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let leaf = |name: &str, usage: ExtendedKeyUsagePurpose| {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+            params
+                .subject_alt_names
+                .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+            params.extended_key_usages = vec![usage];
+            let cert = params.signed_by(&key, &issuer).unwrap();
+            std::fs::write(dir.path().join(format!("{name}.crt")), cert.pem()).unwrap();
+            std::fs::write(dir.path().join(format!("{name}.key")), key.serialize_pem()).unwrap();
+        };
+        leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
+        leaf("client", ExtendedKeyUsagePurpose::ClientAuth);
+        std::fs::write(dir.path().join("ca.crt"), ca_cert.pem()).unwrap();
+        Pki { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+/// A real etcd on loopback; killed on drop.
+struct Etcd {
+    child: Option<Child>,
+    data: tempfile::TempDir,
+    client_port: u16,
+    peer_port: u16,
+    tls: Option<Pki>,
+}
+
+impl Etcd {
+    async fn start(tls: Option<Pki>) -> Self {
+        let mut etcd = Etcd {
+            child: None,
+            data: tempfile::tempdir().unwrap(),
+            client_port: free_port(),
+            peer_port: free_port(),
+            tls,
+        };
+        etcd.spawn().await;
+        etcd
+    }
+
+    fn url(&self) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    async fn spawn(&mut self) {
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let mut command = Command::new(etcd_binary());
+        command
+            .arg("--name=test")
+            .arg(format!(
+                "--data-dir={}",
+                self.data.path().join("data").display()
+            ))
+            .arg(format!("--listen-client-urls={}", self.url()))
+            .arg(format!("--advertise-client-urls={}", self.url()))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=test={peer}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(pki) = &self.tls {
+            command
+                .arg(format!("--cert-file={}", pki.path("server.crt").display()))
+                .arg(format!("--key-file={}", pki.path("server.key").display()))
+                .arg(format!(
+                    "--trusted-ca-file={}",
+                    pki.path("ca.crt").display()
+                ))
+                .arg("--client-cert-auth");
+        }
+        self.child = Some(command.spawn().expect("etcd starts"));
+        let store = EtcdStore::new(self.config());
+        common::eventually("etcd answers", || async {
+            store.get("/probe").await.is_ok()
+        })
+        .await;
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn config(&self) -> EtcdConfig {
+        EtcdConfig {
+            servers: vec![self.url()],
+            ca_file: self.tls.as_ref().map(|pki| pki.path("ca.crt")),
+            cert_file: self.tls.as_ref().map(|pki| pki.path("client.crt")),
+            key_file: self.tls.as_ref().map(|pki| pki.path("client.key")),
+            prefix: "/registry".to_owned(),
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn range() -> PortRange {
+    PortRange::default()
+}
+
+fn bitmap(ports: &[u16]) -> Vec<u8> {
+    let mut bits = FixedBitSet::with_capacity(range().size());
+    for port in ports {
+        bits.insert(usize::from(port - range().base()));
+    }
+    bitmap_to_bytes(&bits)
+}
+
+fn ports_of(value: &[u8]) -> Vec<u16> {
+    let decoded = RangeAllocation::decode(value).unwrap();
+    bitmap_from_bytes(&decoded.data, range().size())
+        .ones()
+        .map(|offset| range().base() + u16::try_from(offset).unwrap())
+        .collect()
+}
+
+fn put_service(sim: &Sim, name: &str, node_port: i32) {
+    sim.backdoor()
+        .put(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"type": "NodePort", "ports": [{"port": 80, "protocol": "TCP", "nodePort": node_port}]}
+        }))
+        .unwrap();
+}
+
+/// A NodePort repair in etcd mode whose Service cache is fed in the background.
+struct Harness {
+    repair: Arc<NodePortRepair>,
+    _cache: tokio::task::JoinHandle<()>,
+}
+
+impl Harness {
+    async fn start(sim: &Sim, etcd: EtcdConfig, interval: Duration) -> Self {
+        let repair = Arc::new(NodePortRepair::new(
+            sim.client(),
+            NodePortRepairConfig {
+                interval,
+                range: range(),
+                reporting_instance: None,
+                page_size: 500,
+                etcd: Some(etcd),
+            },
+            None,
+            &mut Registry::default(),
+        ));
+        let mut triggers = repair.triggers();
+        let cache = triggers.remove(0);
+        let task = tokio::spawn(cache.for_each(|()| async {}));
+        Harness {
+            repair,
+            _cache: task,
+        }
+    }
+
+    /// One pass, once the Service cache has synced.
+    async fn pass(
+        &self,
+        sim: &Sim,
+        dry_run: bool,
+    ) -> Result<reconcilers::PassReport, reconcilers::LoopError> {
+        let ctx = common::ctx(sim, dry_run);
+        for _ in 0..100 {
+            match self.repair.reconcile(&ctx).await {
+                Err(reconcilers::LoopError::NotSynced(_)) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                other => return other,
+            }
+        }
+        panic!("the Service cache never synced");
+    }
+}
+
+fn kinds(report: &reconcilers::PassReport) -> Vec<&'static str> {
+    report.drift.iter().map(|drift| drift.kind).collect()
+}
+
+#[tokio::test]
+async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    put_service(&sim, "db", 30081);
+    let stored = RangeAllocation::new(range().to_string(), bitmap(&[30081, 30500]));
+    assert!(
+        store
+            .compare_and_swap(KEY, None, stored.encode())
+            .await
+            .unwrap()
+    );
+
+    // Sightings count when an interval apart: 1 ms here, so each pass is one.
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_millis(1)).await;
+    let first = harness.pass(&sim, false).await.unwrap();
+    assert_eq!(kinds(&first), vec!["nodeport_not_allocated"]);
+    assert!(first.drift[0].applied);
+    assert_eq!(first.drift[0].object, "Service/default/web");
+    let value = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(ports_of(&value.value), vec![30080, 30081, 30500]);
+
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let second = harness.pass(&sim, false).await.unwrap();
+    assert!(second.drift.is_empty(), "{second:?}");
+    assert_eq!(
+        store.get(KEY).await.unwrap().unwrap(),
+        value,
+        "nothing to write"
+    );
+
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let third = harness.pass(&sim, false).await.unwrap();
+    assert_eq!(kinds(&third), vec!["nodeport_leaked"]);
+    let value = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(ports_of(&value.value), vec![30080, 30081]);
+
+    // One PortNotAllocated event, on the Service holding the port.
+    assert_eq!(
+        common::event_reasons(&sim)
+            .iter()
+            .filter(|reason| *reason == "PortNotAllocated")
+            .count(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_missing_key_is_created_only_if_absent() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+    harness.pass(&sim, false).await.unwrap();
+    let created = store.get(KEY).await.unwrap().unwrap();
+    let decoded = RangeAllocation::decode(&created.value).unwrap();
+    assert_eq!(decoded.range, "30000-32767");
+    assert_eq!(ports_of(&created.value), vec![30080]);
+    // A create that finds the key written meanwhile writes nothing.
+    assert!(
+        !store
+            .compare_and_swap(KEY, None, b"other".to_vec())
+            .await
+            .unwrap()
+    );
+    assert_eq!(store.get(KEY).await.unwrap().unwrap(), created);
+}
+
+#[tokio::test]
+async fn dry_run_reports_and_writes_nothing() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let stored = RangeAllocation::new(range().to_string(), bitmap(&[]));
+    store
+        .compare_and_swap(KEY, None, stored.encode())
+        .await
+        .unwrap();
+    let before = store.get(KEY).await.unwrap().unwrap();
+
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+    let report = harness.pass(&sim, true).await.unwrap();
+    assert_eq!(kinds(&report), vec!["nodeport_not_allocated"]);
+    assert!(!report.drift[0].applied);
+    let after = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(after.mod_revision, before.mod_revision);
+    assert!(common::event_reasons(&sim).is_empty());
+}
+
+#[tokio::test]
+async fn a_foreign_range_or_an_unreadable_value_is_reported_and_left_alone() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+
+    let foreign = RangeAllocation::new("20000-22767".to_owned(), bitmap(&[]));
+    store
+        .compare_and_swap(KEY, None, foreign.encode())
+        .await
+        .unwrap();
+    let before = store.get(KEY).await.unwrap().unwrap();
+    let report = harness.pass(&sim, false).await.unwrap();
+    assert_eq!(kinds(&report), vec!["nodeport_range_mismatch"]);
+    assert!(report.drift[0].message.contains("20000-22767"));
+    assert_eq!(store.get(KEY).await.unwrap().unwrap(), before);
+
+    for value in [
+        &b"k8s:enc:aescbc:v1:key1:\x01\x02"[..],
+        b"k8s\0\xff\xff",
+        b"not a value",
+    ] {
+        let current = store.get(KEY).await.unwrap().unwrap();
+        assert!(
+            store
+                .compare_and_swap(KEY, Some(current.mod_revision), value.to_vec())
+                .await
+                .unwrap()
+        );
+        let before = store.get(KEY).await.unwrap().unwrap();
+        let report = harness.pass(&sim, false).await.unwrap();
+        assert_eq!(
+            kinds(&report),
+            vec!["nodeport_bitmap_unusable"],
+            "{value:?}"
+        );
+        assert_eq!(store.get(KEY).await.unwrap().unwrap(), before);
+    }
+}
+
+/// kube-apiserver allocating ports while the repair writes: every allocation it made survives,
+/// because the repair writes only over the revision it read.
+#[tokio::test]
+async fn a_concurrent_writer_loses_no_allocation() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    for (i, port) in (30100..30120).enumerate() {
+        put_service(&sim, &format!("svc-{i}"), port);
+    }
+    store
+        .compare_and_swap(
+            KEY,
+            None,
+            RangeAllocation::new(range().to_string(), bitmap(&[])).encode(),
+        )
+        .await
+        .unwrap();
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+
+    let writer = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut allocated = Vec::new();
+            for port in 31000..31060u16 {
+                loop {
+                    let current = store.get(KEY).await.unwrap().unwrap();
+                    let mut ports = ports_of(&current.value);
+                    ports.push(port);
+                    let value = RangeAllocation::decode(&current.value)
+                        .unwrap()
+                        .with_data(bitmap(&ports));
+                    if store
+                        .compare_and_swap(KEY, Some(current.mod_revision), value.encode())
+                        .await
+                        .unwrap()
+                    {
+                        allocated.push(port);
+                        break;
+                    }
+                }
+            }
+            allocated
+        })
+    };
+    let mut conflicts = 0;
+    while !writer.is_finished() {
+        if harness.pass(&sim, false).await.is_err() {
+            conflicts += 1;
+        }
+    }
+    let allocated = writer.await.unwrap();
+    harness.pass(&sim, false).await.unwrap();
+    let stored = ports_of(&store.get(KEY).await.unwrap().unwrap().value);
+    for port in (30100..30120).chain(allocated.iter().copied()) {
+        assert!(
+            stored.contains(&port),
+            "port {port} lost ({conflicts} passes gave up on conflicts)"
+        );
+    }
+}
+
+#[tokio::test]
+async fn etcd_restarting_fails_passes_until_it_is_back() {
+    let mut etcd = Etcd::start(None).await;
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+    harness.pass(&sim, false).await.unwrap();
+
+    etcd.stop();
+    let error = harness.pass(&sim, false).await.unwrap_err();
+    assert!(error.to_string().contains("etcd"), "{error}");
+
+    etcd.spawn().await;
+    common::eventually("a pass succeeds once etcd is back", || async {
+        harness.pass(&sim, false).await.is_ok()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn tls_with_client_certificates() {
+    let etcd = Etcd::start(Some(Pki::generate())).await;
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+    harness.pass(&sim, false).await.unwrap();
+    let store = EtcdStore::new(etcd.config());
+    assert_eq!(
+        ports_of(&store.get(KEY).await.unwrap().unwrap().value),
+        vec![30080]
+    );
+
+    // Without the client certificate the server refuses.
+    let mut anonymous = etcd.config();
+    anonymous.cert_file = None;
+    anonymous.key_file = None;
+    assert!(EtcdStore::new(anonymous).get(KEY).await.is_err());
+}
+
+#[tokio::test]
+async fn a_change_in_etcd_wakes_the_loop() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let mut watch = store.watch(etcd.config().key(RangeKey::NodePorts));
+    // The first item: the watch is established.
+    tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .unwrap();
+    store
+        .compare_and_swap(
+            KEY,
+            None,
+            RangeAllocation::new(range().to_string(), bitmap(&[30001])).encode(),
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .expect("the watch yields after the change");
+}
