@@ -171,6 +171,7 @@ pub fn build_loops(
             service_ranges: config.service_cluster_ip_range.clone(),
             reporting_instance: Some(config.leader_identity()),
             page_size: section.page_size,
+            etcd: config.etcd(),
             ..ClusterIpRepairConfig::default()
         };
         match ClusterIpRepair::new(client.clone(), loop_config, registry) {

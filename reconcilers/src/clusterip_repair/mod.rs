@@ -19,6 +19,7 @@
 //! reasons, without writing.
 
 pub mod decide;
+mod legacy;
 pub mod model;
 pub mod protobuf;
 pub mod reflector;
@@ -94,6 +95,8 @@ pub struct ClusterIpRepairConfig {
     /// Ask for LIST pages in protobuf (falls back to JSON per response); `false` only to
     /// compare the two.
     pub list_protobuf: bool,
+    /// etcd mode: also repair the legacy ClusterIP bitmaps of `service_ranges` in etcd.
+    pub etcd: Option<crate::legacy_alloc::etcd::EtcdConfig>,
 }
 
 impl Default for ClusterIpRepairConfig {
@@ -108,6 +111,7 @@ impl Default for ClusterIpRepairConfig {
             deferral_retry: Duration::from_secs(10),
             page_size: reflector::DEFAULT_PAGE_SIZE,
             list_protobuf: true,
+            etcd: None,
         }
     }
 }
@@ -293,6 +297,8 @@ pub struct ClusterIpRepair {
     served: Mutex<Option<Served>>,
     recorder: Recorder,
     wakeup: Arc<Wakeup>,
+    /// etcd mode's bitmaps ([`legacy`]).
+    legacy: Option<legacy::LegacyIpBitmaps>,
 }
 
 impl ClusterIpRepair {
@@ -312,7 +318,11 @@ impl ClusterIpRepair {
             None => Reporter::from(REPORTING_CONTROLLER),
         };
         let shared_services = Arc::<SharedStore<ServiceRecord>>::default();
+        let legacy = config.etcd.as_ref().map(|etcd| {
+            legacy::LegacyIpBitmaps::new(etcd, &config.service_ranges, config.interval)
+        });
         Ok(Self {
+            legacy,
             recorder: Recorder::new(client.clone(), reporter),
             client,
             list_client: None,
@@ -1122,6 +1132,9 @@ impl Reconciler for ClusterIpRepair {
             .shared_services
             .subscribe(|store| reflect(client, list_client, collection, store));
         let mut triggers = vec![services, self.wakeup.clone().stream()];
+        if let Some(legacy) = &self.legacy {
+            triggers.extend(legacy.triggers());
+        }
         if self.config.mode == RepairMode::Audit {
             return triggers;
         }
@@ -1169,7 +1182,21 @@ impl Reconciler for ClusterIpRepair {
         ctx: &'a PassContext,
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
         Box::pin(async move {
-            let result = self.pass(ctx).await;
+            let mut result = self.pass(ctx).await;
+            if let (Ok(report), Some(legacy)) = (&mut result, &self.legacy) {
+                let count = |error_type: &'static str| {
+                    self.metrics
+                        .ip_errors
+                        .get_or_create(&[("type", error_type)])
+                        .inc();
+                };
+                if let Err(err) = legacy
+                    .pass(ctx, &self.services, &self.recorder, &count, report)
+                    .await
+                {
+                    result = Err(err);
+                }
+            }
             if let Err(err) = &result
                 && !matches!(err, LoopError::NotSynced(_))
             {

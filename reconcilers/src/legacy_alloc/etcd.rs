@@ -70,6 +70,8 @@ pub enum EtcdError {
     },
     #[error("etcd: {0}")]
     Client(#[from] etcd_client::Error),
+    #[error("etcd key {key} changed under every write ({attempts} compare-and-swap conflicts)")]
+    Conflicts { key: String, attempts: usize },
 }
 
 /// A stored value and the revision it was last written at.

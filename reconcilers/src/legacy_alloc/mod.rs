@@ -1,8 +1,334 @@
 //! The legacy allocation bitmaps kube-apiserver keeps in etcd (`RangeAllocation` at
 //! `<prefix>/ranges/servicenodeports`, `serviceips`, `secondaryserviceips`), and their repair.
 //!
-//! `codec` and `repair` are pure; `etcd` is the only part that talks to etcd.
+//! `codec` and `repair` are pure; `etcd` is the only part that talks to etcd; [`LegacyBitmap`]
+//! is the pass both repair loops run on one key: read it, plan it against what the Services
+//! hold, write the plan by compare-and-swap, and report each finding once.
 
 pub mod codec;
 pub mod etcd;
 pub mod repair;
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use fixedbitset::FixedBitSet;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use tracing::{debug, warn};
+
+use crate::contract::{Action, Drift, drift};
+use crate::findings::ReportOnce;
+use codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
+use etcd::{EtcdError, EtcdStore};
+use repair::{LeakTracker, plan};
+
+/// How many times a pass reads, plans and writes the key again after a compare-and-swap lost
+/// to another writer (kube-apiserver allocating), before it fails and the runner retries.
+const WRITE_ATTEMPTS: usize = 3;
+
+/// What one key holds, for messages and drift kinds.
+#[derive(Clone, Copy, Debug)]
+pub struct Subject {
+    /// `"node port"`, `"cluster IP"`.
+    pub noun: &'static str,
+    /// Drift kinds start with this: `"nodeport"`, `"clusterip"`.
+    pub kind_prefix: &'static str,
+}
+
+/// A finding about a stored bitmap, reported once while it lasts.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum BitmapFinding {
+    NotAllocated(usize),
+    MayHaveLeaked(usize),
+    Released(usize),
+    ReleaseHeld(usize),
+    RangeMismatch(String),
+    Unusable(String),
+}
+
+/// What a pass over one key found. `new` holds the findings that appeared in this pass (for
+/// events and counters); `drift` every current one (for `check` and the runner).
+#[derive(Debug, Default)]
+pub struct BitmapPass {
+    pub drift: Vec<Drift>,
+    pub new: Vec<BitmapFinding>,
+}
+
+/// One range key and what earlier passes saw of it.
+pub struct LegacyBitmap {
+    store: EtcdStore,
+    key: String,
+    /// The range the key must hold: `"30000-32767"`, or the CIDR.
+    range: String,
+    size: usize,
+    /// Whether a missing key is created (the NodePort key), or left missing (the ClusterIP keys
+    /// do not exist where kube-apiserver allocates with IPAddress objects alone).
+    create_if_missing: bool,
+    subject: Subject,
+    /// Renders an offset: the port, or the IP.
+    item: Box<dyn Fn(usize) -> String + Send + Sync>,
+    /// Sightings of a leak count only this far apart.
+    spacing: Duration,
+    leaks: Mutex<LeakTracker>,
+    reported: ReportOnce<BitmapFinding>,
+}
+
+impl LegacyBitmap {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        store: EtcdStore,
+        key: String,
+        range: String,
+        size: usize,
+        create_if_missing: bool,
+        subject: Subject,
+        item: impl Fn(usize) -> String + Send + Sync + 'static,
+        spacing: Duration,
+    ) -> Self {
+        Self {
+            store,
+            key,
+            range,
+            size,
+            create_if_missing,
+            subject,
+            item: Box::new(item),
+            spacing,
+            leaks: Mutex::default(),
+            reported: ReportOnce::new(),
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// A trigger stream: yields when the key changes in etcd.
+    pub fn watch(&self) -> BoxStream<'static, ()> {
+        self.store.watch(self.key.clone())
+    }
+
+    /// Renders an offset as the port or IP it stands for.
+    pub fn item(&self, offset: usize) -> String {
+        (self.item)(offset)
+    }
+
+    /// One pass: `in_use` holds the offsets the Services hold (of this key's size), `owner`
+    /// names the Service holding an offset, `prove_fresh` proves the Service view at least as
+    /// new as the API (called only when a leak is due for release).
+    pub async fn pass(
+        &self,
+        in_use: &FixedBitSet,
+        owner: &(dyn Fn(usize) -> Option<String> + Sync),
+        dry_run: bool,
+        prove_fresh: impl FnOnce() -> BoxFuture<'static, bool>,
+    ) -> Result<BitmapPass, EtcdError> {
+        let object = format!("etcd{}", self.key);
+        let kind = |suffix: &str| -> &'static str {
+            match (self.subject.kind_prefix, suffix) {
+                ("nodeport", "not_allocated") => "nodeport_not_allocated",
+                ("nodeport", "leaked") => "nodeport_leaked",
+                ("nodeport", "leak_held") => "nodeport_leak_held",
+                ("nodeport", "range_mismatch") => "nodeport_range_mismatch",
+                ("nodeport", _) => "nodeport_bitmap_unusable",
+                (_, "not_allocated") => "clusterip_bitmap_not_allocated",
+                (_, "leaked") => "clusterip_bitmap_leaked",
+                (_, "leak_held") => "clusterip_bitmap_leak_held",
+                (_, "range_mismatch") => "clusterip_bitmap_range_mismatch",
+                _ => "clusterip_bitmap_unusable",
+            }
+        };
+        let mut prove_fresh = Some(prove_fresh);
+        for _ in 0..WRITE_ATTEMPTS {
+            let stored = self.store.get(&self.key).await?;
+            let (value, mod_revision) = match stored {
+                None if !self.create_if_missing => return Ok(BitmapPass::default()),
+                None => (None, None),
+                Some(stored) => match RangeAllocation::decode(&stored.value) {
+                    Ok(value) => (Some(value), Some(stored.mod_revision)),
+                    Err(err) => {
+                        let message = format!("{err}; nothing is written to it");
+                        let new = self.report(vec![BitmapFinding::Unusable(message.clone())]);
+                        let drift = vec![drift(
+                            kind("unusable"),
+                            object,
+                            Action::Report,
+                            message,
+                            false,
+                        )];
+                        return Ok(BitmapPass { drift, new });
+                    }
+                },
+            };
+            if let Some(value) = &value
+                && !value.range.is_empty()
+                && value.range != self.range
+            {
+                let message = format!(
+                    "the stored range {:?} is not the configured {}; nothing is written (give this controller the apiserver's range)",
+                    value.range, self.range
+                );
+                let new = self.report(vec![BitmapFinding::RangeMismatch(value.range.clone())]);
+                let drift = vec![drift(
+                    kind("range_mismatch"),
+                    object,
+                    Action::Report,
+                    message,
+                    false,
+                )];
+                return Ok(BitmapPass { drift, new });
+            }
+            let stored_bits = value
+                .as_ref()
+                .map(|value| bitmap_from_bytes(&value.data, self.size))
+                .unwrap_or_else(|| FixedBitSet::with_capacity(self.size));
+
+            let mut plan = {
+                let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
+                plan(
+                    &stored_bits,
+                    in_use,
+                    &mut leaks,
+                    false,
+                    Instant::now(),
+                    self.spacing,
+                )
+            };
+            if !plan.held.is_empty()
+                && let Some(prove_fresh) = prove_fresh.take()
+                && prove_fresh().await
+            {
+                let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
+                plan.release_held(&mut leaks);
+            }
+
+            let write = value.is_none() || plan.changes(&stored_bits);
+            let applied = write && !dry_run;
+            if applied {
+                let bytes = bitmap_to_bytes(&plan.bitmap);
+                let new_value = match &value {
+                    Some(value) => value.with_data(bytes),
+                    None => RangeAllocation::new(self.range.clone(), bytes),
+                };
+                if !self
+                    .store
+                    .compare_and_swap(&self.key, mod_revision, new_value.encode())
+                    .await?
+                {
+                    debug!(
+                        key = self.key,
+                        "the etcd key changed while the repair wrote it; reading it again"
+                    );
+                    continue;
+                }
+            }
+
+            let noun = self.subject.noun;
+            let mut drifts = Vec::new();
+            for &offset in &plan.not_allocated {
+                drifts.push(drift(
+                    kind("not_allocated"),
+                    owner(offset).unwrap_or_else(|| object.clone()),
+                    Action::Update,
+                    format!(
+                        "the {noun} {} is in use but not allocated in {}; repairing",
+                        self.item(offset),
+                        self.key
+                    ),
+                    applied,
+                ));
+            }
+            for &offset in &plan.released {
+                drifts.push(drift(
+                    kind("leaked"),
+                    object.clone(),
+                    Action::Update,
+                    format!(
+                        "the {noun} {} appears to have leaked: cleaning up",
+                        self.item(offset)
+                    ),
+                    applied,
+                ));
+            }
+            for &offset in &plan.held {
+                drifts.push(drift(
+                    kind("leak_held"),
+                    object.clone(),
+                    Action::Report,
+                    format!("the {noun} {} appears to have leaked, but the Service cache is not proven fresh: kept until it is", self.item(offset)),
+                    false,
+                ));
+            }
+            let mut findings: Vec<BitmapFinding> = Vec::new();
+            findings.extend(
+                plan.not_allocated
+                    .iter()
+                    .map(|&o| BitmapFinding::NotAllocated(o)),
+            );
+            findings.extend(
+                plan.flagged
+                    .iter()
+                    .map(|&o| BitmapFinding::MayHaveLeaked(o)),
+            );
+            findings.extend(plan.released.iter().map(|&o| BitmapFinding::Released(o)));
+            findings.extend(plan.held.iter().map(|&o| BitmapFinding::ReleaseHeld(o)));
+            let new = self.report(findings);
+            return Ok(BitmapPass { drift: drifts, new });
+        }
+        Err(EtcdError::Conflicts {
+            key: self.key.clone(),
+            attempts: WRITE_ATTEMPTS,
+        })
+    }
+
+    /// Logs the findings that are new; returns them.
+    fn report(&self, findings: Vec<BitmapFinding>) -> Vec<BitmapFinding> {
+        let new = self.reported.update(findings);
+        let (noun, key) = (self.subject.noun, self.key.as_str());
+        for finding in &new {
+            match finding {
+                BitmapFinding::NotAllocated(offset) => {
+                    warn!(
+                        key,
+                        "the {noun} {} is in use but not allocated; repairing",
+                        self.item(*offset)
+                    );
+                }
+                BitmapFinding::MayHaveLeaked(offset) => {
+                    warn!(
+                        key,
+                        "the {noun} {} may have leaked: flagging for later clean up",
+                        self.item(*offset)
+                    );
+                }
+                BitmapFinding::Released(offset) => {
+                    warn!(
+                        key,
+                        "the {noun} {} appears to have leaked: cleaning up",
+                        self.item(*offset)
+                    );
+                }
+                BitmapFinding::ReleaseHeld(offset) => {
+                    warn!(
+                        key,
+                        "the {noun} {} appears to have leaked, but the Service cache is not proven fresh: keeping it until it is",
+                        self.item(*offset)
+                    );
+                }
+                BitmapFinding::RangeMismatch(stored) => {
+                    warn!(
+                        key,
+                        stored,
+                        configured = self.range,
+                        "the stored range differs from the configured one; the bitmap is left alone"
+                    );
+                }
+                BitmapFinding::Unusable(why) => {
+                    warn!(key, "the stored bitmap cannot be used: {why}");
+                }
+            }
+        }
+        new
+    }
+}

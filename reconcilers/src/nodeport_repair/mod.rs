@@ -33,9 +33,8 @@ use crate::clusterip_repair::model::ServiceRecord;
 use crate::clusterip_repair::reflector::{self, Collection, SharedStore, reflect};
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
 use crate::findings::ReportOnce;
-use crate::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
-use crate::legacy_alloc::etcd::{EtcdConfig, EtcdError, EtcdStore, RangeKey};
-use crate::legacy_alloc::repair::{LeakTracker, plan};
+use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
+use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
 pub use scan::{Finding, PortRange, Problem};
 
 /// Upstream's event source for this repair.
@@ -104,31 +103,8 @@ pub struct NodePortRepair {
     recorder: Recorder,
     reported: ReportOnce<Finding>,
     metrics: NodePortMetrics,
-    etcd: Option<EtcdBitmap>,
+    etcd: Option<LegacyBitmap>,
 }
-
-/// etcd mode's state: the key, and what earlier passes saw of it.
-struct EtcdBitmap {
-    store: EtcdStore,
-    key: String,
-    leaks: std::sync::Mutex<LeakTracker>,
-    reported: ReportOnce<BitmapFinding>,
-}
-
-/// A finding about the stored bitmap, reported once while it lasts.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-enum BitmapFinding {
-    NotAllocated(i32),
-    MayHaveLeaked(i32),
-    Released(i32),
-    ReleaseHeld(i32),
-    RangeMismatch(String),
-    Unusable(String),
-}
-
-/// How many times a pass reads, plans and writes the key again after a compare-and-swap lost
-/// to another writer (kube-apiserver allocating), before it fails and the runner retries.
-const WRITE_ATTEMPTS: usize = 3;
 
 impl NodePortRepair {
     /// Builds the loop. `services` is the Service cache another loop keeps (the ClusterIP
@@ -143,11 +119,21 @@ impl NodePortRepair {
             controller: REPORTING_CONTROLLER.to_owned(),
             instance: config.reporting_instance.clone(),
         };
-        let etcd = config.etcd.clone().map(|etcd| EtcdBitmap {
-            key: etcd.key(RangeKey::NodePorts),
-            store: EtcdStore::new(etcd),
-            leaks: std::sync::Mutex::default(),
-            reported: ReportOnce::new(),
+        let range = config.range;
+        let etcd = config.etcd.clone().map(|etcd| {
+            LegacyBitmap::new(
+                EtcdStore::new(etcd.clone()),
+                etcd.key(RangeKey::NodePorts),
+                range.to_string(),
+                range.size(),
+                true,
+                Subject {
+                    noun: "node port",
+                    kind_prefix: "nodeport",
+                },
+                move |offset| (usize::from(range.base()) + offset).to_string(),
+                config.interval,
+            )
         });
         Self {
             recorder: Recorder::new(client.clone(), reporter),
@@ -167,271 +153,50 @@ impl NodePortRepair {
             .inc();
     }
 
-    /// Whether the Service cache is at least as new as the API's Services: read only when a
-    /// pass has a port to release.
-    async fn services_fresh(&self, client: &Client) -> bool {
-        let api_version =
-            match reflector::current_resource_version(client, reflector::SERVICES).await {
-                Ok(Some(version)) => reflector::parse_resource_version(&version),
-                Ok(None) => None,
-                Err(err) => {
-                    warn!(error = %err, "cannot read the API's Services resourceVersion");
-                    None
-                }
-            };
-        let Some(api_version) = api_version else {
-            return false;
-        };
-        // Watch events may still be in flight: give the cache a moment to catch up.
-        for _ in 0..20 {
-            if self
-                .services
-                .store()
-                .resource_version()
-                .is_some_and(|cache| cache >= api_version)
-            {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        false
-    }
-
-    /// etcd mode: reads the bitmap, plans it against the ports in use and writes the plan by
-    /// compare-and-swap, again from the read when another writer came first.
+    /// etcd mode: repairs the bitmap against the ports in use; `PortNotAllocated` on the
+    /// Service of each port found missing.
     async fn repair_bitmap(
         &self,
         ctx: &PassContext,
-        etcd: &EtcdBitmap,
+        etcd: &LegacyBitmap,
         scan: &scan::Scan,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        let range = self.config.range;
-        let object = format!("etcd{}", etcd.key);
-        let unavailable =
-            |err: EtcdError| LoopError::Other(format!("etcd key {} unavailable: {err}", etcd.key));
-        for _ in 0..WRITE_ATTEMPTS {
-            let stored = etcd.store.get(&etcd.key).await.map_err(unavailable)?;
-            let (value, mod_revision) = match stored {
-                None => (None, None),
-                Some(stored) => match RangeAllocation::decode(&stored.value) {
-                    Ok(value) => (Some(value), Some(stored.mod_revision)),
-                    Err(err) => {
-                        let message = format!("{err}; nothing is written to it");
-                        self.report_bitmap(etcd, vec![BitmapFinding::Unusable(message.clone())]);
-                        report.push(drift(
-                            "nodeport_bitmap_unusable",
-                            object,
-                            Action::Report,
-                            message,
-                            false,
-                        ));
-                        return Ok(());
-                    }
-                },
-            };
-            if let Some(value) = &value
-                && !value.range.is_empty()
-                && value.range != range.to_string()
-            {
-                let message = format!(
-                    "the stored range {:?} is not the configured --service-node-port-range {range}; nothing is written (set the apiserver's range, or fix the flag)",
-                    value.range
-                );
-                self.report_bitmap(
-                    etcd,
-                    vec![BitmapFinding::RangeMismatch(value.range.clone())],
-                );
-                report.push(drift(
-                    "nodeport_range_mismatch",
-                    object,
-                    Action::Report,
-                    message,
-                    false,
-                ));
-                return Ok(());
-            }
-            let stored_bits = value
-                .as_ref()
-                .map(|value| bitmap_from_bytes(&value.data, range.size()))
-                .unwrap_or_else(|| fixedbitset::FixedBitSet::with_capacity(range.size()));
-
-            let mut plan = {
-                let mut leaks = etcd.leaks.lock().unwrap_or_else(|p| p.into_inner());
-                plan(
-                    &stored_bits,
-                    &scan.in_use,
-                    &mut leaks,
-                    false,
-                    std::time::Instant::now(),
-                    self.config.interval,
-                )
-            };
-            if !plan.held.is_empty() && self.services_fresh(&ctx.client).await {
-                let mut leaks = etcd.leaks.lock().unwrap_or_else(|p| p.into_inner());
-                plan.release_held(&mut leaks);
-            }
-
-            let port =
-                |offset: usize| i32::from(range.base()) + i32::try_from(offset).unwrap_or(i32::MAX);
-            let write = value.is_none() || plan.changes(&stored_bits);
-            let applied = write && !ctx.dry_run;
-            // This attempt's drift, kept only if its write is not lost to another writer.
-            let mut found = Vec::new();
-            for &offset in &plan.not_allocated {
-                let holder = scan.owners.get(&offset);
-                let who = holder.map_or_else(String::new, |h| {
-                    format!("Service/{}/{}", h.namespace, h.name)
-                });
-                found.push(drift(
-                    "nodeport_not_allocated",
-                    if who.is_empty() { object.clone() } else { who },
-                    Action::Update,
-                    format!("Port {} is not allocated; repairing", port(offset)),
-                    applied,
-                ));
-            }
-            for &offset in &plan.released {
-                found.push(drift(
-                    "nodeport_leaked",
-                    object.clone(),
-                    Action::Update,
-                    format!(
-                        "the node port {} appears to have leaked: cleaning up",
-                        port(offset)
-                    ),
-                    applied,
-                ));
-            }
-            for &offset in &plan.held {
-                found.push(drift(
-                    "nodeport_leak_held",
-                    object.clone(),
-                    Action::Report,
-                    format!("the node port {} appears to have leaked, but the Service cache is not proven fresh: kept until it is", port(offset)),
-                    false,
-                ));
-            }
-
-            if applied {
-                let bytes = bitmap_to_bytes(&plan.bitmap);
-                let new_value = match &value {
-                    Some(value) => value.with_data(bytes),
-                    None => RangeAllocation::new(range.to_string(), bytes),
-                };
-                let written = etcd
-                    .store
-                    .compare_and_swap(&etcd.key, mod_revision, new_value.encode())
-                    .await
-                    .map_err(unavailable)?;
-                if !written {
-                    tracing::debug!(
-                        key = etcd.key,
-                        "the etcd key changed while the repair wrote it; reading it again"
-                    );
-                    continue;
-                }
-            }
-
-            report.drift.extend(found);
-            let mut findings = Vec::new();
-            findings.extend(
-                plan.not_allocated
-                    .iter()
-                    .map(|&o| BitmapFinding::NotAllocated(port(o))),
-            );
-            findings.extend(
-                plan.flagged
-                    .iter()
-                    .map(|&o| BitmapFinding::MayHaveLeaked(port(o))),
-            );
-            findings.extend(
-                plan.released
-                    .iter()
-                    .map(|&o| BitmapFinding::Released(port(o))),
-            );
-            findings.extend(
-                plan.held
-                    .iter()
-                    .map(|&o| BitmapFinding::ReleaseHeld(port(o))),
-            );
-            let new = self.report_bitmap(etcd, findings);
-            if !ctx.dry_run {
-                for finding in new {
-                    if let BitmapFinding::NotAllocated(port) = finding
-                        && let Some(offset) = range.offset(port)
+        let owner = |offset: usize| {
+            scan.owners
+                .get(&offset)
+                .map(|holder| format!("Service/{}/{}", holder.namespace, holder.name))
+        };
+        let prove_fresh = || -> BoxFuture<'static, bool> {
+            let client = ctx.client.clone();
+            let store = self.services.store().clone();
+            Box::pin(async move { services_fresh(&client, &store).await })
+        };
+        let pass = etcd
+            .pass(&scan.in_use, &owner, ctx.dry_run, prove_fresh)
+            .await
+            .map_err(|err| LoopError::Other(format!("NodePort bitmap in etcd: {err}")))?;
+        report.drift.extend(pass.drift);
+        for finding in pass.new {
+            match finding {
+                BitmapFinding::NotAllocated(offset) => {
+                    self.count("repair");
+                    if !ctx.dry_run
                         && let Some(holder) = scan.owners.get(&offset)
                     {
-                        self.publish_about(
-                            holder,
-                            "PortNotAllocated",
-                            format!("Port {port} is not allocated; repairing"),
-                        )
-                        .await;
+                        let note =
+                            format!("Port {} is not allocated; repairing", etcd.item(offset));
+                        self.publish_about(holder, "PortNotAllocated", note).await;
                     }
                 }
-            }
-            return Ok(());
-        }
-        Err(LoopError::Other(format!(
-            "etcd key {} changed under every write ({WRITE_ATTEMPTS} compare-and-swap conflicts); retrying",
-            etcd.key
-        )))
-    }
-
-    /// Logs and counts the findings that are new; returns them.
-    fn report_bitmap(&self, etcd: &EtcdBitmap, findings: Vec<BitmapFinding>) -> Vec<BitmapFinding> {
-        let new = etcd.reported.update(findings);
-        for finding in &new {
-            match finding {
-                BitmapFinding::NotAllocated(port) => {
-                    self.count("repair");
-                    warn!(
-                        port,
-                        key = etcd.key,
-                        "the node port {port} is in use but not allocated; repairing"
-                    );
-                }
-                BitmapFinding::MayHaveLeaked(port) => {
-                    warn!(
-                        port,
-                        key = etcd.key,
-                        "the node port {port} may have leaked: flagging for later clean up"
-                    );
-                }
-                BitmapFinding::Released(port) => {
-                    self.count("leak");
-                    warn!(
-                        port,
-                        key = etcd.key,
-                        "the node port {port} appears to have leaked: cleaning up"
-                    );
-                }
-                BitmapFinding::ReleaseHeld(port) => {
-                    warn!(
-                        port,
-                        key = etcd.key,
-                        "the node port {port} appears to have leaked, but the Service cache is not proven fresh: keeping it until it is"
-                    );
-                }
-                BitmapFinding::RangeMismatch(stored) => {
+                BitmapFinding::Released(_) => self.count("leak"),
+                BitmapFinding::RangeMismatch(_) | BitmapFinding::Unusable(_) => {
                     self.count("invalid");
-                    warn!(key = etcd.key, stored, configured = %self.config.range, "the stored node port range differs from --service-node-port-range; the bitmap is left alone");
                 }
-                BitmapFinding::Unusable(why) => {
-                    self.count("invalid");
-                    warn!(
-                        key = etcd.key,
-                        "the stored node port bitmap cannot be used: {why}"
-                    );
-                }
+                BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
             }
         }
-        new
-    }
-
-    pub fn metrics(&self) -> &NodePortMetrics {
-        &self.metrics
+        Ok(())
     }
 
     async fn publish(&self, finding: &Finding) {
@@ -541,7 +306,7 @@ impl Reconciler for NodePortRepair {
                 .subscribe(|store| reflect(client.clone(), client, collection, store)),
         ];
         if let Some(etcd) = &self.etcd {
-            triggers.push(etcd.store.watch(etcd.key.clone()));
+            triggers.push(etcd.watch());
         }
         triggers
     }
@@ -552,4 +317,34 @@ impl Reconciler for NodePortRepair {
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
         Box::pin(self.pass(ctx))
     }
+}
+
+/// Whether `store` is at least as new as the API's Services: one LIST with `limit=1`, made only
+/// when a pass has something to release.
+pub(crate) async fn services_fresh(
+    client: &Client,
+    store: &reflector::Store<ServiceRecord>,
+) -> bool {
+    let api_version = match reflector::current_resource_version(client, reflector::SERVICES).await {
+        Ok(Some(version)) => reflector::parse_resource_version(&version),
+        Ok(None) => None,
+        Err(err) => {
+            warn!(error = %err, "cannot read the API's Services resourceVersion");
+            None
+        }
+    };
+    let Some(api_version) = api_version else {
+        return false;
+    };
+    // Watch events may still be in flight: give the cache a moment to catch up.
+    for _ in 0..20 {
+        if store
+            .resource_version()
+            .is_some_and(|cache| cache >= api_version)
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
 }

@@ -1,6 +1,8 @@
 //! Shared helpers for the reconcilers' integration tests against the in-process simulator.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod etcd;
+
 use std::collections::BTreeMap;
 use std::io;
 use std::net::IpAddr;

@@ -1,0 +1,235 @@
+//! etcd mode: the ClusterIP allocation bitmaps kube-apiserver keeps in etcd
+//! (`<prefix>/ranges/serviceips` for the primary range, `secondaryserviceips` for the other
+//! family), repaired against the Service cache as upstream's legacy `ipallocator` repair does.
+//! A key that does not exist is left missing: kube-apiserver allocating with IPAddress objects
+//! alone (no dual-write) keeps none.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use fixedbitset::FixedBitSet;
+use futures::future::BoxFuture;
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, EventType, Recorder};
+use tracing::warn;
+
+use super::model::{ClusterIp, ServiceRecord};
+use super::reflector::Store;
+use crate::alloc::{IpFamily, ServiceRange};
+use crate::contract::{LoopError, PassContext, PassReport, Trigger};
+use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
+use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
+
+/// The bitmaps of the configured ranges, primary first.
+pub(super) struct LegacyIpBitmaps {
+    bitmaps: Vec<(LegacyBitmap, ServiceRange)>,
+}
+
+impl LegacyIpBitmaps {
+    pub(super) fn new(etcd: &EtcdConfig, ranges: &[IpNet], interval: std::time::Duration) -> Self {
+        let store = EtcdStore::new(etcd.clone());
+        let bitmaps = ranges
+            .iter()
+            .zip([RangeKey::ServiceIps, RangeKey::SecondaryServiceIps])
+            .map(|(net, key)| {
+                let range = ServiceRange::new(*net);
+                let size = usize::try_from(range.legacy_bitmap_size()).unwrap_or(usize::MAX);
+                let bitmap = LegacyBitmap::new(
+                    store.clone(),
+                    etcd.key(key),
+                    net.to_string(),
+                    size,
+                    false,
+                    Subject {
+                        noun: "cluster IP",
+                        kind_prefix: "clusterip",
+                    },
+                    move |offset| {
+                        range
+                            .address_at(offset as u128 + 1)
+                            .map_or_else(|| format!("offset {offset}"), |ip| ip.to_string())
+                    },
+                    interval,
+                );
+                (bitmap, range)
+            })
+            .collect();
+        Self { bitmaps }
+    }
+
+    pub(super) fn triggers(&self) -> Vec<Trigger> {
+        self.bitmaps
+            .iter()
+            .map(|(bitmap, _)| bitmap.watch())
+            .collect()
+    }
+
+    /// Repairs each bitmap against the cluster IPs the Service cache holds.
+    pub(super) async fn pass(
+        &self,
+        ctx: &PassContext,
+        services: &std::sync::Arc<Store<ServiceRecord>>,
+        recorder: &Recorder,
+        count: &(dyn Fn(&'static str) + Sync),
+        report: &mut PassReport,
+    ) -> Result<(), LoopError> {
+        for (bitmap, range) in &self.bitmaps {
+            let (in_use, owners) = {
+                let state = services.read();
+                if !state.synced {
+                    return Ok(());
+                }
+                in_use(state.values(), range, bitmap_size(range))
+            };
+            let owner = |offset: usize| {
+                owners
+                    .get(&offset)
+                    .map(|(namespace, name, _)| format!("Service/{namespace}/{name}"))
+            };
+            let prove_fresh = || -> BoxFuture<'static, bool> {
+                let client = ctx.client.clone();
+                let store = services.clone();
+                Box::pin(
+                    async move { crate::nodeport_repair::services_fresh(&client, &store).await },
+                )
+            };
+            let pass = bitmap
+                .pass(&in_use, &owner, ctx.dry_run, prove_fresh)
+                .await
+                .map_err(|err| LoopError::Other(format!("ClusterIP bitmap in etcd: {err}")))?;
+            report.drift.extend(pass.drift);
+            for finding in pass.new {
+                match finding {
+                    BitmapFinding::NotAllocated(offset) => {
+                        count("repair");
+                        if !ctx.dry_run
+                            && let Some((namespace, name, uid)) = owners.get(&offset)
+                        {
+                            let family = match range.family() {
+                                IpFamily::V4 => "IPv4",
+                                IpFamily::V6 => "IPv6",
+                            };
+                            let note = format!(
+                                "Cluster IP [{family}]:{} is not allocated; repairing",
+                                bitmap.item(offset)
+                            );
+                            publish(recorder, namespace, name, uid, note).await;
+                        }
+                    }
+                    BitmapFinding::Released(_) => count("leak"),
+                    BitmapFinding::RangeMismatch(_) | BitmapFinding::Unusable(_) => {
+                        count("invalid")
+                    }
+                    BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn bitmap_size(range: &ServiceRange) -> usize {
+    usize::try_from(range.legacy_bitmap_size()).unwrap_or(usize::MAX)
+}
+
+/// The offsets (`ip - (network + 1)`, upstream's) the Services' cluster IPs take in `range`'s
+/// bitmap, and the first Service seen holding each.
+fn in_use<'a>(
+    services: impl Iterator<Item = &'a ServiceRecord>,
+    range: &ServiceRange,
+    size: usize,
+) -> (FixedBitSet, HashMap<usize, (String, String, String)>) {
+    let mut bits = FixedBitSet::with_capacity(size);
+    let mut owners = HashMap::new();
+    for service in services {
+        for ip in service.cluster_ips.iter().filter_map(ClusterIp::ip) {
+            if let Some(offset) = offset(range, ip, size) {
+                bits.insert(offset);
+                owners.entry(offset).or_insert_with(|| {
+                    (
+                        service.namespace.to_string(),
+                        service.name.to_string(),
+                        service.uid.to_string(),
+                    )
+                });
+            }
+        }
+    }
+    (bits, owners)
+}
+
+fn offset(range: &ServiceRange, ip: IpAddr, size: usize) -> Option<usize> {
+    let from_network = range.offset_of(ip)?;
+    let offset = usize::try_from(from_network.checked_sub(1)?).ok()?;
+    (offset < size).then_some(offset)
+}
+
+async fn publish(recorder: &Recorder, namespace: &str, name: &str, uid: &str, note: String) {
+    let reference = ObjectReference {
+        api_version: Some("v1".to_owned()),
+        kind: Some("Service".to_owned()),
+        namespace: Some(namespace.to_owned()),
+        name: Some(name.to_owned()),
+        uid: Some(uid.to_owned()).filter(|uid| !uid.is_empty()),
+        ..ObjectReference::default()
+    };
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "ClusterIPNotAllocated".to_owned(),
+        note: Some(note),
+        action: "ClusterIPAllocation".to_owned(),
+        secondary: None,
+    };
+    if let Err(err) = recorder.publish(&event, &reference).await {
+        warn!(error = %err, "cannot publish event");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::clusterip_repair::model::Token;
+
+    fn service(name: &str, ips: &[&str]) -> ServiceRecord {
+        ServiceRecord {
+            namespace: "default".into(),
+            name: name.into(),
+            uid: Token::new(name),
+            resource_version: 1,
+            cluster_ips: ips.iter().map(|ip| ClusterIp::parse(ip)).collect(),
+            node_ports: Default::default(),
+            health_check_node_port: 0,
+        }
+    }
+
+    /// Upstream's offsets: IPv4 from network + 1 with the broadcast address excluded; IPv6 from
+    /// network + 1, capped at 65,535 addresses.
+    #[test]
+    fn offsets_are_upstreams() {
+        let v4 = ServiceRange::new("10.96.0.0/24".parse().unwrap());
+        let size = bitmap_size(&v4);
+        assert_eq!(size, 254);
+        let services = [
+            service("first", &["10.96.0.1"]),
+            service("last", &["10.96.0.254"]),
+            service("network", &["10.96.0.0"]),
+            service("broadcast", &["10.96.0.255"]),
+            service("outside", &["10.97.0.1"]),
+            service("dual", &["fd00::5", "10.96.0.10"]),
+            service("twice", &["10.96.0.10"]),
+        ];
+        let (bits, owners) = in_use(services.iter(), &v4, size);
+        assert_eq!(bits.ones().collect::<Vec<_>>(), vec![0, 9, 253]);
+        assert_eq!(owners[&9].1, "dual");
+
+        let v6 = ServiceRange::new("fd00::/64".parse().unwrap());
+        let size = bitmap_size(&v6);
+        assert_eq!(size, 65_535);
+        let (bits, _) = in_use(services.iter(), &v6, size);
+        assert_eq!(bits.ones().collect::<Vec<_>>(), vec![4]);
+        assert_eq!(offset(&v6, "fd00::1:0".parse().unwrap(), size), None);
+    }
+}
