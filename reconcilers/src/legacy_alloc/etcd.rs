@@ -81,6 +81,56 @@ pub struct Stored {
     pub mod_revision: i64,
 }
 
+/// The last value of one key that its live watch saw: passes read it instead of etcd. Known
+/// only while the watch is established and no write of ours has been refused since its last
+/// event (a refused compare-and-swap means the watch has not caught up yet).
+#[derive(Clone, Debug, Default)]
+pub struct KeyCache(Arc<std::sync::Mutex<KeyCacheState>>);
+
+#[derive(Debug, Default)]
+struct KeyCacheState {
+    live: bool,
+    /// `Some(value)` when known (`Some(None)`: the key does not exist).
+    value: Option<Option<Stored>>,
+}
+
+impl KeyCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, KeyCacheState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `Some(value)` when known (`Some(None)`: the key does not exist).
+    pub fn get(&self) -> Option<Option<Stored>> {
+        let state = self.lock();
+        if state.live {
+            state.value.clone()
+        } else {
+            None
+        }
+    }
+
+    /// What the watch saw (`live`: the watch is established).
+    fn watched(&self, live: bool, value: Option<Option<Stored>>) {
+        *self.lock() = KeyCacheState { live, value };
+    }
+
+    /// A write of ours went through at `mod_revision`.
+    pub fn wrote(&self, value: Vec<u8>, mod_revision: i64) {
+        let mut state = self.lock();
+        if state.live {
+            state.value = Some(Some(Stored {
+                value,
+                mod_revision,
+            }));
+        }
+    }
+
+    /// A write of ours was refused: read etcd itself until the watch's next event.
+    pub fn forget(&self) {
+        self.lock().value = None;
+    }
+}
+
 /// A lazily connected etcd client.
 #[derive(Clone)]
 pub struct EtcdStore {
@@ -159,6 +209,19 @@ impl EtcdStore {
         mod_revision: Option<i64>,
         value: Vec<u8>,
     ) -> Result<bool, EtcdError> {
+        Ok(self
+            .compare_and_swap_revision(key, mod_revision, value)
+            .await?
+            .is_some())
+    }
+
+    /// As [`Self::compare_and_swap`]; `Some(revision)`: written, at that revision.
+    pub async fn compare_and_swap_revision(
+        &self,
+        key: &str,
+        mod_revision: Option<i64>,
+        value: Vec<u8>,
+    ) -> Result<Option<i64>, EtcdError> {
         let mut client = self.client().await?;
         let condition = match mod_revision {
             Some(revision) => Compare::mod_revision(key, CompareOp::Equal, revision),
@@ -167,51 +230,91 @@ impl EtcdStore {
         let txn = Txn::new()
             .when([condition])
             .and_then([TxnOp::put(key, value, None)]);
-        Ok(client.txn(txn).await?.succeeded())
+        let response = client.txn(txn).await?;
+        Ok(response
+            .succeeded()
+            .then(|| response.header().map_or(0, |header| header.revision())))
     }
 
     /// Yields after every change of `key` (and once when a watch is (re)established, since
-    /// changes may have been missed while it was down). Reconnects with backoff, forever.
-    pub fn watch(&self, key: String) -> BoxStream<'static, ()> {
+    /// changes may have been missed while it was down), keeping `cache` at the key's value: the
+    /// watch starts with one read and follows from that revision, so nothing falls in between.
+    /// Reconnects with backoff, forever.
+    pub fn watch(&self, key: String, cache: KeyCache) -> BoxStream<'static, ()> {
         let store = self.clone();
-        let state = (store, key, None, new_backoff());
-        futures::stream::unfold(state, |(store, key, mut stream, mut backoff)| async move {
-            loop {
-                let Some(watch) = stream.as_mut() else {
-                    match store.client().await {
-                        Ok(mut client) => match client.watch(key.clone(), None).await {
+        let state = (store, key, cache, None, new_backoff());
+        futures::stream::unfold(
+            state,
+            |(store, key, cache, mut stream, mut backoff)| async move {
+                loop {
+                    let Some(watch) = stream.as_mut() else {
+                        match store.establish(&key, &cache).await {
                             Ok(watch) => {
                                 debug!(key, "watching the etcd key");
                                 stream = Some(watch);
                                 backoff = new_backoff();
-                                return Some(((), (store, key, stream, backoff)));
+                                return Some(((), (store, key, cache, stream, backoff)));
                             }
                             Err(err) => {
-                                warn!(key, error = %err, "cannot watch the etcd key; retrying")
+                                warn!(key, error = %err, "cannot watch the etcd key; retrying");
                             }
-                        },
-                        Err(err) => warn!(key, error = %err, "cannot connect to etcd; retrying"),
-                    }
-                    tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(30))).await;
-                    continue;
-                };
-                match watch.next().await {
-                    Some(Ok(response)) if !response.events().is_empty() => {
-                        return Some(((), (store, key, stream, backoff)));
-                    }
-                    Some(Ok(_)) => {}
-                    Some(Err(err)) => {
-                        warn!(key, error = %err, "the etcd watch failed; re-establishing it");
-                        stream = None;
-                    }
-                    None => {
-                        debug!(key, "the etcd watch ended; re-establishing it");
-                        stream = None;
+                        }
+                        tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(30))).await;
+                        continue;
+                    };
+                    match watch.next().await {
+                        Some(Ok(response)) if !response.events().is_empty() => {
+                            for event in response.events() {
+                                if let Some(kv) = event.kv() {
+                                    // A delete event carries the key with version 0.
+                                    let value = (kv.version() != 0).then(|| Stored {
+                                        value: kv.value().to_vec(),
+                                        mod_revision: kv.mod_revision(),
+                                    });
+                                    cache.watched(true, Some(value));
+                                }
+                            }
+                            return Some(((), (store, key, cache, stream, backoff)));
+                        }
+                        Some(Ok(_)) => {}
+                        Some(Err(err)) => {
+                            warn!(key, error = %err, "the etcd watch failed; re-establishing it");
+                            cache.watched(false, None);
+                            stream = None;
+                        }
+                        None => {
+                            debug!(key, "the etcd watch ended; re-establishing it");
+                            cache.watched(false, None);
+                            stream = None;
+                        }
                     }
                 }
-            }
-        })
+            },
+        )
         .boxed()
+    }
+
+    /// Reads the key into `cache` and watches it from the revision after that read.
+    async fn establish(
+        &self,
+        key: &str,
+        cache: &KeyCache,
+    ) -> Result<etcd_client::WatchStream, EtcdError> {
+        let mut client = self.client().await?;
+        let response = client.get(key, None).await?;
+        let revision = response.header().map_or(0, |header| header.revision());
+        let stored = response.kvs().first().map(|kv| Stored {
+            value: kv.value().to_vec(),
+            mod_revision: kv.mod_revision(),
+        });
+        let watch = client
+            .watch(
+                key,
+                Some(etcd_client::WatchOptions::new().with_start_revision(revision + 1)),
+            )
+            .await?;
+        cache.watched(true, Some(stored));
+        Ok(watch)
     }
 }
 

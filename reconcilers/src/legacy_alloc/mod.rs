@@ -20,7 +20,7 @@ use tracing::{debug, warn};
 use crate::contract::{Action, Drift, drift};
 use crate::findings::ReportOnce;
 use codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
-use etcd::{EtcdError, EtcdStore};
+use etcd::{EtcdError, EtcdStore, KeyCache};
 use repair::{LeakTracker, plan};
 
 /// How many times a pass reads, plans and writes the key again after a compare-and-swap lost
@@ -72,6 +72,8 @@ pub struct LegacyBitmap {
     spacing: Duration,
     leaks: Mutex<LeakTracker>,
     reported: ReportOnce<BitmapFinding>,
+    /// The key's value as its watch last saw it: at rest a pass reads nothing from etcd.
+    cache: KeyCache,
 }
 
 impl LegacyBitmap {
@@ -97,6 +99,7 @@ impl LegacyBitmap {
             spacing,
             leaks: Mutex::default(),
             reported: ReportOnce::new(),
+            cache: KeyCache::default(),
         }
     }
 
@@ -104,9 +107,9 @@ impl LegacyBitmap {
         &self.key
     }
 
-    /// A trigger stream: yields when the key changes in etcd.
+    /// A trigger stream: yields when the key changes in etcd, and keeps the value passes read.
     pub fn watch(&self) -> BoxStream<'static, ()> {
-        self.store.watch(self.key.clone())
+        self.store.watch(self.key.clone(), self.cache.clone())
     }
 
     /// Renders an offset as the port or IP it stands for.
@@ -141,7 +144,10 @@ impl LegacyBitmap {
         };
         let mut prove_fresh = Some(prove_fresh);
         for _ in 0..WRITE_ATTEMPTS {
-            let stored = self.store.get(&self.key).await?;
+            let stored = match self.cache.get() {
+                Some(stored) => stored,
+                None => self.store.get(&self.key).await?,
+            };
             let (value, mod_revision) = match stored {
                 None if !self.create_if_missing => return Ok(BitmapPass::default()),
                 None => (None, None),
@@ -211,16 +217,21 @@ impl LegacyBitmap {
                     Some(value) => value.with_data(bytes),
                     None => RangeAllocation::new(self.range.clone(), bytes),
                 };
-                if !self
+                let encoded = new_value.encode();
+                match self
                     .store
-                    .compare_and_swap(&self.key, mod_revision, new_value.encode())
+                    .compare_and_swap_revision(&self.key, mod_revision, encoded.clone())
                     .await?
                 {
-                    debug!(
-                        key = self.key,
-                        "the etcd key changed while the repair wrote it; reading it again"
-                    );
-                    continue;
+                    Some(revision) => self.cache.wrote(encoded, revision),
+                    None => {
+                        debug!(
+                            key = self.key,
+                            "the etcd key changed while the repair wrote it; reading it again"
+                        );
+                        self.cache.forget();
+                        continue;
+                    }
                 }
             }
 

@@ -150,3 +150,27 @@ impl Drop for Etcd {
         self.stop();
     }
 }
+
+impl Etcd {
+    /// Requests etcd has answered on its KV service so far (Range, Put, DeleteRange, Txn,
+    /// Compact, every result), from its own metrics. Plain-HTTP etcd only.
+    pub async fn kv_requests(&self) -> u64 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", self.client_port))
+            .await
+            .unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .await
+            .unwrap();
+        let mut body = String::new();
+        stream.read_to_string(&mut body).await.unwrap();
+        body.lines()
+            .filter(|line| {
+                line.starts_with("grpc_server_handled_total{")
+                    && line.contains("grpc_service=\"etcdserverpb.KV\"")
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    }
+}
