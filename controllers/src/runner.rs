@@ -370,6 +370,9 @@ impl LoopTask {
         // another actor undoes our writes, which would otherwise become a hot loop.
         let mut fight_streak: u32 = 0;
         let mut woken_by_trigger = false;
+        // Drift left as it is (report-only, dry run) is logged and counted when it appears, not
+        // again on every pass while it lasts.
+        let unapplied = reconcilers::findings::ReportOnce::new();
 
         'passes: loop {
             if gated && !self.wait_for_leadership().await {
@@ -383,7 +386,7 @@ impl LoopTask {
             let pass = async {
                 match tokio::time::timeout(
                     pass_timeout,
-                    run_pass(&*self.reconciler, &self.ctx, &self.metrics),
+                    run_pass(&*self.reconciler, &self.ctx, &self.metrics, &unapplied),
                 )
                 .await
                 {
@@ -636,12 +639,17 @@ async fn invoke(
     (result, started.elapsed())
 }
 
-/// Runs one pass, catching panics, recording metrics and logging drift. The error is a sentence
-/// for logs and `/readyz`.
+/// Drift left undone, as [`run_pass`] remembers it between passes.
+type UnappliedDrift = reconcilers::findings::ReportOnce<(&'static str, String, String)>;
+
+/// Runs one pass, catching panics, recording metrics and logging drift. Drift left undone is
+/// logged and counted when it first appears (`unapplied` remembers it across passes). The error
+/// is a sentence for logs and `/readyz`.
 async fn run_pass(
     reconciler: &dyn Reconciler,
     ctx: &PassContext,
     metrics: &RunnerMetrics,
+    unapplied: &UnappliedDrift,
 ) -> Result<PassReport, String> {
     let name = reconciler.name();
     let (result, took) = invoke(reconciler, ctx).await;
@@ -649,14 +657,19 @@ async fn run_pass(
         Ok(Ok(report)) => {
             metrics.pass(name, "success", took);
             metrics.success(name);
-            for drift in &report.drift {
-                metrics.drift(name, drift.kind, drift.applied);
-                // Loops log their own repairs; the runner only says what was left undone.
-                if drift.applied {
-                    debug!(object = %drift.object, kind = drift.kind, action = %drift.action, "repaired: {}", drift.message);
-                } else {
-                    info!(object = %drift.object, kind = drift.kind, action = %drift.action, dry_run = ctx.dry_run, "drift: {}", drift.message);
-                }
+            for drift in report.drift.iter().filter(|drift| drift.applied) {
+                metrics.drift(name, drift.kind, true);
+                // Loops log their own repairs.
+                debug!(object = %drift.object, kind = drift.kind, action = %drift.action, "repaired: {}", drift.message);
+            }
+            let undone = report
+                .drift
+                .iter()
+                .filter(|drift| !drift.applied)
+                .map(|drift| (drift.kind, drift.object.clone(), drift.message.clone()));
+            for (kind, object, message) in unapplied.update(undone) {
+                metrics.drift(name, kind, false);
+                info!(%object, kind, dry_run = ctx.dry_run, "drift: {message}");
             }
             debug!(?took, drift = report.drift.len(), "pass succeeded");
             Ok(report)
@@ -816,6 +829,8 @@ mod tests {
     enum Step {
         Succeed,
         SucceedWithDrift,
+        /// Succeeds with drift it only reports.
+        ReportDrift,
         Fail,
         /// Fails in a way retrying cannot fix.
         Invalid,
@@ -929,6 +944,15 @@ mod tests {
                             applied: true,
                         }],
                     }),
+                    Step::ReportDrift => Ok(PassReport {
+                        drift: vec![Drift {
+                            kind: "service_cluster_ip",
+                            object: "Service/default/kubernetes".to_owned(),
+                            action: Action::Report,
+                            message: "clusterIP is not the first IP of the range".to_owned(),
+                            applied: false,
+                        }],
+                    }),
                     Step::Fail => Err(LoopError::Other("scripted failure".to_owned())),
                     Step::Invalid => Err(LoopError::Invalid("scripted invalid state".to_owned())),
                     Step::Panic => panic!("scripted panic"),
@@ -1012,6 +1036,24 @@ mod tests {
         assert!(
             text.contains(
                 "bootstrap_loop_drift_repaired_total{loop=\"a\",kind=\"namespace_missing\"} 1"
+            ),
+            "{text}"
+        );
+        stop(harness).await;
+    }
+
+    /// Drift a loop only reports, found again on every pass: counted (and logged) once.
+    #[tokio::test]
+    async fn drift_left_undone_is_reported_once_while_it_lasts() {
+        let mut fake = Fake::new("a").script(&[Step::ReportDrift; 6]);
+        fake.interval = Duration::from_millis(10);
+        let fake = Arc::new(fake);
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("six passes", || fake.finished.load(Ordering::SeqCst) >= 6).await;
+        let text = encode(&harness.registry).unwrap();
+        assert!(
+            text.contains(
+                "bootstrap_loop_drift_found_total{loop=\"a\",kind=\"service_cluster_ip\"} 1\n"
             ),
             "{text}"
         );
