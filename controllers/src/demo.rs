@@ -21,7 +21,7 @@ use crate::config::{Config, NamespaceSpec};
 
 /// How long any repair may take before the demo calls it a failure. Generous: a healthy repair
 /// takes milliseconds, but the demo must not fail on a busy laptop.
-const REPAIR_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const REPAIR_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A namespace the demo declares with a label, to show metadata repair.
 const DEMO_NAMESPACE: &str = "bootstrap-demo";
@@ -48,6 +48,10 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     (
         "three apiservers: one killed, one stopped cleanly, the endpoint port corrupted",
         crate::demo_endpoints::apiserver_members,
+    ),
+    (
+        "two Services share a node port, a third is outside the range",
+        crate::demo_nodeport::node_ports,
     ),
 ];
 
@@ -225,7 +229,7 @@ async fn show_namespaces(env: &DemoEnv<'_>) {
     }
 }
 
-fn millis(duration: Duration) -> String {
+pub(crate) fn millis(duration: Duration) -> String {
     format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
 }
 

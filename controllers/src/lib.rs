@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod demo_endpoints;
+pub mod demo_nodeport;
 pub mod leader;
 pub mod loops;
 pub mod metrics;

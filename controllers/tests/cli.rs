@@ -193,6 +193,11 @@ async fn demo_exits_0_after_showing_the_repair() -> anyhow::Result<()> {
         "{stdout}"
     );
     assert!(stdout.contains("label restored"), "{stdout}");
+    assert!(
+        stdout.contains("PortAlreadyAllocated on Service demo-np-second")
+            && stdout.contains("PortOutOfRange on Service demo-np-outside"),
+        "{stdout}"
+    );
     Ok(())
 }
 
