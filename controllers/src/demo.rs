@@ -53,6 +53,10 @@ const SCENARIOS: &[(&str, Scenario)] = &[
         "two Services share a node port, a third is outside the range",
         crate::demo_nodeport::node_ports,
     ),
+    (
+        "etcd mode: a port in use lost from the NodePort bitmap",
+        crate::demo_nodeport::etcd_bitmap,
+    ),
 ];
 
 pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
@@ -79,6 +83,17 @@ pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
         });
     }
 
+    // etcd mode when an etcd is at hand: the NodePort repair then also repairs its bitmap.
+    let etcd = if config.etcd().is_none() {
+        crate::demo_nodeport::DemoEtcd::start().await
+    } else {
+        None
+    };
+    if let Some(etcd) = &etcd {
+        println!("Started etcd for etcd mode ({}), found on PATH", etcd.url);
+        config.etcd_servers = vec![etcd.url.clone()];
+    }
+
     let sim_config = SimConfig {
         service_cluster_ip_ranges: config.service_cluster_ip_range.clone(),
         service_node_port_range: config.service_node_port_range.base
@@ -98,6 +113,7 @@ pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
 
     let code = run_demo(&sim, &config, keep_running).await;
     sim.shutdown().await;
+    drop(etcd);
     code
 }
 

@@ -198,6 +198,11 @@ async fn demo_exits_0_after_showing_the_repair() -> anyhow::Result<()> {
             && stdout.contains("PortOutOfRange on Service demo-np-outside"),
         "{stdout}"
     );
+    // CI installs etcd, so the demo's etcd mode runs there.
+    assert!(
+        stdout.contains("PortNotAllocated on Service demo-np-first"),
+        "{stdout}"
+    );
     Ok(())
 }
 

@@ -232,4 +232,42 @@ mod tests {
         assert_eq!(bits.ones().collect::<Vec<_>>(), vec![4]);
         assert_eq!(offset(&v6, "fd00::1:0".parse().unwrap(), size), None);
     }
+
+    /// upstream's legacy TestRepairLeakDualStack: a leaked IP in each family's bitmap survives
+    /// two passes and is released by the third, each bitmap on its own.
+    #[test]
+    fn repair_leak_dual_stack() {
+        use crate::legacy_alloc::repair::{LeakTracker, plan};
+        use std::time::{Duration, Instant};
+        let services = [service("web", &["192.168.1.2", "2000::2"])];
+        for (cidr, leaked) in [
+            ("192.168.1.0/24", "192.168.1.10"),
+            ("2000::/108", "2000::10"),
+        ] {
+            let range = ServiceRange::new(cidr.parse().unwrap());
+            let size = bitmap_size(&range);
+            let (in_use, _) = in_use(services.iter(), &range, size);
+            let leaked = offset(&range, leaked.parse().unwrap(), size).unwrap();
+            let mut stored = in_use.clone();
+            stored.insert(leaked);
+            let mut leaks = LeakTracker::default();
+            for round in 0..3 {
+                let plan = plan(
+                    &stored,
+                    &in_use,
+                    &mut leaks,
+                    true,
+                    Instant::now(),
+                    Duration::ZERO,
+                );
+                assert_eq!(
+                    plan.bitmap.contains(leaked),
+                    round < 2,
+                    "{cidr} round {round}"
+                );
+                assert_eq!(plan.bitmap.count_ones(..), if round < 2 { 2 } else { 1 });
+                stored = plan.bitmap;
+            }
+        }
+    }
 }
