@@ -486,6 +486,76 @@ async fn plant_every_case(sim: &Sim, client: &Client) -> Result<Planted> {
     })
 }
 
+/// Conditions the repair only reports (a duplicate, out-of-range or invalid cluster IP) get
+/// their event once, however many passes find them again.
+#[tokio::test]
+async fn report_only_findings_get_one_event_however_many_passes() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    let planted = plant_every_case(&sim, &client).await?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(
+        &repair,
+        &client,
+        false,
+        "a pass with the planted drift",
+        |r| {
+            has_drift(
+                r,
+                "ipaddress_leaked",
+                &format!("IPAddress/{}", planted.leaked_ip),
+            )
+        },
+    )
+    .await?;
+    let event_writes = |sim: &Sim| {
+        sim.requests()
+            .iter()
+            .filter(|r| {
+                r.resource == "events" && matches!(r.verb.as_str(), "create" | "patch" | "update")
+            })
+            .count()
+    };
+    let before = event_writes(&sim);
+    for round in 0..10 {
+        let report = pass_until(&repair, &client, false, "another pass", |_| true).await?;
+        assert!(
+            has_drift(&report, "clusterip_out_of_range", "Service/shop/far"),
+            "round {round}: the finding is still reported to check: {report:#?}"
+        );
+    }
+    assert_eq!(
+        event_writes(&sim),
+        before,
+        "passes wrote events about unchanged findings"
+    );
+    let reasons = event_reasons_of(&client).await?;
+    for reason in [
+        "ClusterIPAlreadyAllocated",
+        "ClusterIPOutOfRange",
+        "ClusterIPNotValid",
+    ] {
+        assert_eq!(
+            reasons.iter().filter(|r| *r == reason).count(),
+            1,
+            "{reason}: {reasons:?}"
+        );
+    }
+    Ok(())
+}
+
+async fn event_reasons_of(client: &Client) -> Result<Vec<String>> {
+    let events: Api<Event> = Api::all(client.clone());
+    Ok(events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|e| e.reason)
+        .collect())
+}
+
 #[tokio::test]
 async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<()> {
     let sim = start_sim().await?;

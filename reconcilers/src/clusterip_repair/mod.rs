@@ -299,6 +299,17 @@ pub struct ClusterIpRepair {
     wakeup: Arc<Wakeup>,
     /// etcd mode's bitmaps ([`legacy`]).
     legacy: Option<legacy::LegacyIpBitmaps>,
+    /// Findings this loop only reports (a duplicate or out-of-range cluster IP), as they stood
+    /// after the last pass: each gets its event and count when it appears, not on every pass.
+    reported: crate::findings::ReportOnce<ReportKey>,
+}
+
+/// A report-only finding: its kind, the object and the sentence.
+type ReportKey = (&'static str, String, String);
+
+fn report_key(finding: &Finding) -> Option<ReportKey> {
+    matches!(finding.repair, decide::Repair::None)
+        .then(|| (finding.kind, finding.regarding.object(), finding.summary()))
 }
 
 impl ClusterIpRepair {
@@ -323,6 +334,7 @@ impl ClusterIpRepair {
         });
         Ok(Self {
             legacy,
+            reported: crate::findings::ReportOnce::new(),
             recorder: Recorder::new(client.clone(), reporter),
             client,
             list_client: None,
@@ -427,14 +439,25 @@ impl ClusterIpRepair {
             debug!(range = %range.range, allocated = %range.allocated, free = %range.free, "service range usage");
         }
         let mut report = PassReport::default();
+        let appeared = self.appeared(&findings);
         for finding in findings {
-            self.count(&finding);
-            if !ctx.dry_run {
-                self.publish(&ctx.client, &finding).await;
+            if report_key(&finding).is_none_or(|key| appeared.contains(&key)) {
+                self.count(&finding);
+                if !ctx.dry_run {
+                    self.publish(&ctx.client, &finding).await;
+                }
             }
             report.push(drift_of(&finding, Action::Report, false, None));
         }
         Ok(report)
+    }
+
+    /// The report-only findings of a complete pass that were not there after the last one.
+    fn appeared(&self, findings: &[Finding]) -> std::collections::HashSet<ReportKey> {
+        self.reported
+            .update(findings.iter().filter_map(report_key))
+            .into_iter()
+            .collect()
     }
 
     fn count(&self, finding: &Finding) {
@@ -537,7 +560,17 @@ impl ClusterIpRepair {
         let mut report = PassReport::default();
         let mut freshness: Option<bool> = None;
         let mut first_error: Option<LoopError> = None;
+        let appeared = self.appeared(&decision.findings);
         for finding in decision.findings {
+            let report_only = report_key(&finding);
+            if report_only
+                .as_ref()
+                .is_some_and(|key| !appeared.contains(key))
+            {
+                // Reported when it appeared; still there, still in `check`'s list.
+                report.push(drift_of(&finding, Action::Report, false, None));
+                continue;
+            }
             self.count(&finding);
             let outcome = if ctx.dry_run {
                 Outcome::DryRun
