@@ -161,6 +161,14 @@ impl KubernetesServiceConfig {
     }
 
     /// The desired cluster IPs: the first usable address of each range, primary first.
+    /// The same Service with the primary range alone (single-stack).
+    pub fn primary_only(&self) -> Self {
+        Self {
+            service_cidrs: self.service_cidrs.iter().take(1).copied().collect(),
+            ..self.clone()
+        }
+    }
+
     pub fn cluster_ips(&self) -> Vec<IpAddr> {
         self.service_cidrs
             .iter()
@@ -591,8 +599,24 @@ impl KubernetesServiceLoop {
             let want = desired_service(&self.cfg);
             let mut applied = false;
             if !ctx.dry_run {
-                let created =
-                    ignore_already_exists(api.create(&PostParams::default(), &want).await)?;
+                let created = match api.create(&PostParams::default(), &want).await {
+                    // The secondary range's first IP can be taken (or the secondary family not
+                    // served); the primary family's Service must exist whatever happens there.
+                    Err(kube::Error::Api(status))
+                        if status.code == 422 && self.cfg.cluster_ips().len() == 2 =>
+                    {
+                        tracing::warn!(
+                            service = %object,
+                            error = %status.message,
+                            "cannot create the kubernetes Service dual-stack; creating it with the primary family only"
+                        );
+                        let primary_only = desired_service(&self.cfg.primary_only());
+                        ignore_already_exists(
+                            api.create(&PostParams::default(), &primary_only).await,
+                        )?
+                    }
+                    other => ignore_already_exists(other)?,
+                };
                 applied = created.is_some();
                 if let Some(created) = &created {
                     tracing::info!(service = %object, "created the kubernetes Service");
@@ -635,13 +659,38 @@ impl KubernetesServiceLoop {
         if !repairable.is_empty() {
             let repair = self.cfg.repair == RepairPolicy::Repair;
             let mut applied = false;
+            // The dual-stack upgrade the API refused (its secondary IP taken): reported, and the
+            // other repairs made without it.
+            let mut upgrade_refused: Option<String> = None;
             if repair && !ctx.dry_run {
-                api.replace(
-                    &self.cfg.name,
-                    &PostParams::default(),
-                    &repaired_service(&self.cfg, &existing),
-                )
-                .await?;
+                let replaced = api
+                    .replace(
+                        &self.cfg.name,
+                        &PostParams::default(),
+                        &repaired_service(&self.cfg, &existing),
+                    )
+                    .await;
+                match replaced {
+                    Err(kube::Error::Api(status))
+                        if status.code == 422
+                            && repairable
+                                .iter()
+                                .any(|d| matches!(d, ServiceDrift::IpFamilyPolicy { .. })) =>
+                    {
+                        upgrade_refused = Some(status.message.clone());
+                        if repairable.len() > 1 {
+                            api.replace(
+                                &self.cfg.name,
+                                &PostParams::default(),
+                                &repaired_service(&self.cfg.primary_only(), &existing),
+                            )
+                            .await?;
+                        }
+                    }
+                    other => {
+                        other?;
+                    }
+                }
                 applied = true;
                 for d in &repairable {
                     self.metrics
@@ -666,6 +715,16 @@ impl KubernetesServiceLoop {
                 .await;
             }
             for d in repairable {
+                if let (ServiceDrift::IpFamilyPolicy { .. }, Some(why)) = (&d, &upgrade_refused) {
+                    report.push(drift(
+                        d.kind(),
+                        object.clone(),
+                        Action::Report,
+                        format!("{d}; the API refused the secondary IP ({why}): kept single-stack, the primary family is served"),
+                        false,
+                    ));
+                    continue;
+                }
                 let message = match (repair, applied) {
                     (true, true) => format!("{d}; repaired"),
                     (true, false) => format!("{d}; would repair"),

@@ -348,3 +348,68 @@ async fn single_stack_service_from_kube_apiserver_is_upgraded_to_dual_stack() {
     );
     assert!(dual.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
 }
+
+/// The secondary range's first IP is taken: the Service must exist all the same, with the
+/// primary family, and later passes report the refused upgrade instead of failing.
+#[tokio::test]
+async fn dual_stack_service_exists_when_the_secondary_first_ip_is_taken() {
+    let ranges: Vec<ipnet::IpNet> = vec![
+        "10.96.0.0/12".parse().unwrap(),
+        "fd00:10:96::/108".parse().unwrap(),
+    ];
+    let sim = Sim::start(apiserver_sim::SimConfig {
+        seed_namespaces: vec!["default".into()],
+        service_cluster_ip_ranges: ranges.clone(),
+        ..apiserver_sim::SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let services: kube::Api<k8s_openapi::api::core::v1::Service> =
+        kube::Api::namespaced(sim.client(), "default");
+    let taker: k8s_openapi::api::core::v1::Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "taker", "namespace": "default"},
+        "spec": {
+            "ipFamilyPolicy": "RequireDualStack",
+            "ipFamilies": ["IPv6", "IPv4"],
+            "clusterIPs": ["fd00:10:96::1", "10.96.0.77"],
+            "ports": [{"port": 80}]
+        }
+    }))
+    .unwrap();
+    services.create(&Default::default(), &taker).await.unwrap();
+
+    let dual = service_loop(
+        &sim,
+        KubernetesServiceConfig {
+            service_cidrs: ranges,
+            ..cfg()
+        },
+    );
+    let report = dual.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift[0].kind, "service_missing", "{report:?}");
+    let spec = service(&sim).await.unwrap().spec.unwrap();
+    assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.1"));
+    assert_eq!(
+        spec.cluster_ips,
+        Some(vec!["10.96.0.1".to_owned()]),
+        "{spec:?}"
+    );
+
+    for _ in 0..3 {
+        let report = dual.reconcile(&ctx(&sim, false)).await.unwrap();
+        assert_eq!(report.drift.len(), 1, "{report:?}");
+        assert_eq!(report.drift[0].kind, "service_ip_family_policy");
+        assert!(!report.drift[0].applied);
+        assert!(report.drift[0].message.contains("refused"), "{report:?}");
+    }
+    assert_eq!(
+        service(&sim)
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .cluster_ip
+            .as_deref(),
+        Some("10.96.0.1")
+    );
+}

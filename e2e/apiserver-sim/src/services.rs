@@ -690,6 +690,30 @@ pub fn on_update(
                 ),
             ));
         } else {
+            // A dual-stack upgrade adds a secondary IP: allocated as on create, so a taken or
+            // out-of-range one is refused as kube-apiserver refuses it.
+            for (i, added) in new_ips.iter().enumerate().skip(old_ips.len()) {
+                let Ok(ip) = added.parse::<IpAddr>() else {
+                    continue;
+                };
+                let problem = if !cfg.in_range(st, ip) {
+                    Some(format!("the provided IP ({ip}) is not in the valid range"))
+                } else if cfg.ip_taken(st, ip) {
+                    Some("provided IP is already allocated".to_owned())
+                } else {
+                    None
+                };
+                match problem {
+                    Some(problem) => errs.push((
+                        format!("spec.clusterIPs[{i}]"),
+                        format!(
+                            "Invalid value: {}: failed to allocate IP {ip}: {problem}",
+                            ips_literal(&new_ips)
+                        ),
+                    )),
+                    None => plan.allocate_ips.push(ip),
+                }
+            }
             let spec = spec_mut(svc);
             spec.insert("clusterIP".into(), json!(new_ips[0]));
             spec.insert("clusterIPs".into(), json!(new_ips));
