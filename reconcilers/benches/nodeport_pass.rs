@@ -60,6 +60,7 @@ fn main() {
                 .collect(),
                 node_ports,
                 health_check_node_port: 0,
+                created: None,
             }
         })
         .collect();

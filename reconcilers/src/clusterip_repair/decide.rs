@@ -173,9 +173,15 @@ impl Finding {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Decision {
     pub findings: Vec<Finding>,
-    /// Earliest time an orphan still inside its grace period becomes deletable: the loop should
+    /// Earliest time an IPAddress still inside a grace period becomes deletable: the loop should
     /// look again then.
     pub next_recheck: Option<jiff::Timestamp>,
+}
+
+impl Decision {
+    fn recheck_by(&mut self, at: jiff::Timestamp) {
+        self.next_recheck = Some(self.next_recheck.map_or(at, |earlier| earlier.min(at)));
+    }
 }
 
 /// Services by namespace/name, built only when a pass needs it: a consistent cluster never
@@ -995,10 +1001,7 @@ fn sync_ip_address(
                 .and_then(|created| created.checked_add(grace).ok());
             match turns_deletable {
                 Some(at) if at >= now => {
-                    decision.next_recheck = Some(match decision.next_recheck {
-                        Some(earlier) if earlier <= at => earlier,
-                        _ => at,
-                    });
+                    decision.recheck_by(at);
                 }
                 _ => decision.findings.push(Finding {
                     kind: "ipaddress_leaked",
@@ -1025,7 +1028,9 @@ fn sync_ip_address(
         }
         Some(svc) => {
             let listed = addr.is_some_and(|addr| svc.lists_ip(addr));
-            if !listed {
+            if !listed && let Some(at) = written_ahead_of_its_service(ip, svc, now) {
+                decision.recheck_by(at);
+            } else if !listed {
                 decision.findings.push(Finding {
                     kind: "ipaddress_wrong_parent",
                     regarding: Regarding::ip_address(ip),
@@ -1050,6 +1055,28 @@ fn sync_ip_address(
             }
         }
     }
+}
+
+/// How long an IPAddress newer than its Service may go unlisted by it (upstream's 5 s):
+/// kube-apiserver writes the IPAddress first and then the Service update that lists it (a
+/// dual-stack upgrade, ExternalName to ClusterIP, a retried create). Deleting it in between would
+/// free an IP that is about to be in use.
+pub const UNLISTED_GRACE: jiff::SignedDuration = jiff::SignedDuration::from_secs(5);
+
+/// When an IPAddress its Service does not list turns deletable, if it is still in
+/// [`UNLISTED_GRACE`]: only one created after its Service can be waiting for the Service's
+/// update; one older than its Service was left behind by a Service of the same name.
+fn written_ahead_of_its_service(
+    ip: &IpAddressRecord,
+    svc: &ServiceRecord,
+    now: jiff::Timestamp,
+) -> Option<jiff::Timestamp> {
+    let (ip_created, svc_created) = (ip.created?, svc.created?);
+    if ip_created <= svc_created {
+        return None;
+    }
+    let at = ip_created.checked_add(UNLISTED_GRACE).ok()?;
+    (at > now).then_some(at)
 }
 
 /// Decides an audit pass (no IPAddress API): rebuild each configured range's allocation from
@@ -1179,6 +1206,7 @@ mod tests {
             cluster_ips: ips.iter().map(|ip| ClusterIp::parse(ip)).collect(),
             node_ports: Default::default(),
             health_check_node_port: 0,
+            created: None,
         }
     }
 
@@ -1635,6 +1663,39 @@ mod tests {
             decision.findings[0].regarding.object(),
             "IPAddress/10.0.0.5"
         );
+    }
+
+    /// upstream repairip_test.go's three "Two IPAddresses referencing the same service" cases:
+    /// the Service created at t+1 lists 10.0.0.5; 10.0.0.6 also names it as parent.
+    #[test]
+    fn ipaddress_newer_than_its_service_is_kept_unlisted_for_five_seconds() {
+        let t = now();
+        let at = |secs| t + jiff::SignedDuration::from_secs(secs);
+        let mut service = svc("bar", "test-svc", &["10.0.0.5"]);
+        service.created = Some(at(1));
+        let ip = |name, created| IpAddressRecord {
+            created: Some(created),
+            ..owned(name, "bar", "test-svc")
+        };
+        let decide_at = |second_created, pass_at| {
+            let ips = [ip("10.0.0.5", t), ip("10.0.0.6", second_created)];
+            decide_ipaddress_mode([&service], &ips, &cidrs(), pass_at, GRACE)
+        };
+        let wrong_reference = [(
+            "IPAddressWrongReference",
+            "IPAddress: 10.0.0.6 for Service bar/test-svc has a wrong reference; cleaning up"
+                .to_owned(),
+        )];
+
+        // Older than its Service: left behind by an earlier Service of that name.
+        assert_eq!(reasons(&decide_at(t, t)), wrong_reference);
+        // "...when service create is called again and ip address is in grace period": written
+        // at t+2, ahead of the Service's update; at t+3 it is kept and looked at again at t+7.
+        let in_grace = decide_at(at(2), at(3));
+        assert_eq!(in_grace.findings, []);
+        assert_eq!(in_grace.next_recheck, Some(at(7)));
+        // "...not in grace period": at t+10 the Service has had its time to list it.
+        assert_eq!(reasons(&decide_at(at(2), at(10))), wrong_reference);
     }
 
     #[test]

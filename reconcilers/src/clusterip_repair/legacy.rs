@@ -202,6 +202,7 @@ mod tests {
             cluster_ips: ips.iter().map(|ip| ClusterIp::parse(ip)).collect(),
             node_ports: Default::default(),
             health_check_node_port: 0,
+            created: None,
         }
     }
 

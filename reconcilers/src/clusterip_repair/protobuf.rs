@@ -541,14 +541,15 @@ impl ProtobufRecord for ServiceRecord {
         let mut cluster_ips = ClusterIps::new();
         let mut node_ports = Vec::new();
         let mut health_check_node_port = 0;
+        let mut created = None;
         for field in fields(message, "Service") {
             match field? {
                 (1, value) => {
-                    // Once the four fields are read, the rest of the metadata (labels,
+                    // Once the five fields are read, the rest of the metadata (labels,
                     // annotations, managedFields) is not even walked: kube-apiserver writes each
                     // field once.
-                    const WANTED: u8 = 1 << 1 | 1 << 3 | 1 << 5 | 1 << 6;
-                    let mut seen = 0u8;
+                    const WANTED: u16 = 1 << 1 | 1 << 3 | 1 << 5 | 1 << 6 | 1 << 8;
+                    let mut seen = 0u16;
                     for field in fields(value.bytes("Service.metadata")?, "ObjectMeta") {
                         let (number, v) = field?;
                         match number {
@@ -556,6 +557,7 @@ impl ProtobufRecord for ServiceRecord {
                             3 => namespace = v.bytes("ObjectMeta.namespace")?,
                             5 => uid = v.bytes("ObjectMeta.uid")?,
                             6 => resource_version = Some(v.bytes("ObjectMeta.resourceVersion")?),
+                            8 => created = time(v.bytes("ObjectMeta.creationTimestamp")?)?,
                             _ => continue,
                         }
                         seen |= 1 << number;
@@ -633,6 +635,7 @@ impl ProtobufRecord for ServiceRecord {
             cluster_ips,
             node_ports: node_ports.into_boxed_slice(),
             health_check_node_port,
+            created,
         })
     }
 }

@@ -252,6 +252,7 @@ mod tests {
             cluster_ips: Default::default(),
             node_ports: ports.iter().copied().collect(),
             health_check_node_port: health,
+            created: None,
         }
     }
 
