@@ -137,6 +137,10 @@ async fn every_repairable_drift_is_repaired() {
     .await;
 }
 
+/// upstream controller_test.go's "service definition wrong port, no expected update": upstream's
+/// periodic pass never rewrites the Service (it reconciles only at start-up). `repair: off` is
+/// that policy: the wrong port is reported, nothing is written. The default, `repair: repair`,
+/// fixes it (`every_repairable_drift_is_repaired`).
 #[tokio::test]
 async fn repair_off_only_reports_like_upstream() {
     let sim = sim().await;

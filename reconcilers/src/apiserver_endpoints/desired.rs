@@ -618,6 +618,56 @@ mod tests {
         assert!(endpoints_drift(&target(), &m, Some(&endpoints)).is_empty());
     }
 
+    /// An Endpoints for 1.2.3.4 listing `ports` as (name, port), as upstream's lease_test.go
+    /// builds them.
+    fn listing_ports(ports: &[(&str, i32)]) -> Endpoints {
+        let mut endpoints = desired_endpoints(&target(), &members(&["1.2.3.4"]));
+        endpoints.subsets.as_mut().unwrap()[0].ports = Some(
+            ports
+                .iter()
+                .map(|(name, port)| EndpointPort {
+                    name: Some((*name).to_owned()),
+                    port: *port,
+                    protocol: Some("TCP".to_owned()),
+                    app_protocol: None,
+                })
+                .collect(),
+        );
+        endpoints
+    }
+
+    /// upstream lease_test.go's "existing endpoints extra service ports satisfy", "...missing
+    /// port" and "...missing port no update". Upstream's apiserver may serve several ports; ours
+    /// serves the one `https` port, so "extra" is a port besides it. The listed ports must equal
+    /// the wanted ones, as upstream's `checkEndpointSubsetFormatWithLease` requires when it
+    /// reconciles ports. Upstream's periodic pass does not reconcile ports ("...no update"): it
+    /// leaves a wrong port until the apiserver restarts (kubernetes/kubernetes#104252). Ours
+    /// repairs them on every pass, so that case is drift repaired here.
+    #[test]
+    fn endpoint_ports_must_equal_the_wanted_ones_as_upstreams_lease_reconciler_checks() {
+        let m = members(&["1.2.3.4"]);
+        let wanted = || listing_ports(&[("https", 6443)]);
+        // "satisfy": exactly the wanted ports, nothing to write.
+        assert_eq!(endpoints_drift(&target(), &m, Some(&wanted())), vec![]);
+        for (case, listed) in [
+            ("missing port", listing_ports(&[("foo", 8080)])),
+            ("missing port no update", listing_ports(&[])),
+            (
+                "extra port",
+                listing_ports(&[("https", 6443), ("bar", 1000)]),
+            ),
+        ] {
+            let drift = endpoints_drift(&target(), &m, Some(&listed));
+            assert_eq!(
+                drift.iter().map(EndpointsDrift::kind).collect::<Vec<_>>(),
+                ["endpoints_ports"],
+                "{case}"
+            );
+            let repaired = repaired_endpoints(&target(), &m, &listed);
+            assert_eq!(repaired.subsets, wanted().subsets, "{case}");
+        }
+    }
+
     #[test]
     fn port_drift_is_detected_and_repaired() {
         let m = members(&["10.0.0.1"]);
