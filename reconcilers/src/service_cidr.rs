@@ -8,7 +8,6 @@
 //! either. We keep all of that; the ClusterIP repair waits for this object.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -23,6 +22,7 @@ use tracing::{info, warn};
 
 use crate::clusterip_repair::validate_ranges;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, drift};
+use crate::findings::ReportOnce;
 
 /// Name of the default ServiceCIDR.
 pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
@@ -166,8 +166,9 @@ fn go_list(items: &[String]) -> String {
 pub struct DefaultServiceCidr {
     config: ServiceCidrConfig,
     recorder: Recorder,
-    reported_inconsistent: AtomicBool,
-    reported_not_ready: AtomicBool,
+    /// The reported condition (inconsistent or not ready), so each gets its event and log line
+    /// once when it appears, and again only if it clears and comes back.
+    reported: ReportOnce<String>,
     served: Mutex<Option<bool>>,
 }
 
@@ -184,8 +185,7 @@ impl DefaultServiceCidr {
         Ok(Self {
             recorder: Recorder::new(client, reporter),
             config,
-            reported_inconsistent: AtomicBool::new(false),
-            reported_not_ready: AtomicBool::new(false),
+            reported: ReportOnce::new(),
             served: Mutex::new(None),
         })
     }
@@ -352,14 +352,26 @@ impl DefaultServiceCidr {
         object: &str,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        match plan(current, &self.config.cidrs) {
-            Plan::Inconsistent { actual } => {
-                let note = format!(
-                    "The default ServiceCIDR {} does not match the controller flag configurations {}",
-                    go_list(&actual),
-                    go_list(&self.config.desired())
-                );
-                if !ctx.dry_run && !self.reported_inconsistent.swap(true, Ordering::Relaxed) {
+        let plan = plan(current, &self.config.cidrs);
+        let note = match &plan {
+            Plan::Inconsistent { actual } => format!(
+                "The default ServiceCIDR {} does not match the controller flag configurations {}",
+                go_list(actual),
+                go_list(&self.config.desired())
+            ),
+            Plan::NotReady { message, .. } => format!("Configuration matches, but {message}"),
+            _ => String::new(),
+        };
+        let condition = match &plan {
+            Plan::Inconsistent { .. } => Some(note.clone()),
+            Plan::NotReady { reason, .. } => Some(format!("{reason}: {note}")),
+            _ => None,
+        };
+        // A dry run (`check`) reports without touching what the running loop has reported.
+        let appeared = !ctx.dry_run && !self.reported.update(condition).is_empty();
+        match plan {
+            Plan::Inconsistent { .. } => {
+                if appeared {
                     warn!(%note, "Inconsistent ServiceCIDR status");
                     self.warn_event("KubernetesDefaultServiceCIDRInconsistent", note.clone())
                         .await;
@@ -372,9 +384,8 @@ impl DefaultServiceCidr {
                     false,
                 ));
             }
-            Plan::NotReady { reason, message } => {
-                let note = format!("Configuration matches, but {message}");
-                if !ctx.dry_run && !self.reported_not_ready.swap(true, Ordering::Relaxed) {
+            Plan::NotReady { reason, .. } => {
+                if appeared {
                     self.warn_event(&reason, note.clone()).await;
                 }
                 report.push(drift(
