@@ -19,7 +19,7 @@ use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use futures::StreamExt;
+use crate::watch_cache::{WatchCache, watch_trigger};
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
@@ -27,7 +27,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -550,6 +550,8 @@ pub struct KubernetesServiceLoop {
     metrics: KubernetesServiceMetrics,
     /// The last clusterIP mismatch warned about, so the warning event is not repeated every pass.
     last_mismatch: Mutex<Option<ServiceDrift>>,
+    /// The Service, kept by the watch that is also this loop's trigger.
+    cache: WatchCache<Service>,
 }
 
 impl KubernetesServiceLoop {
@@ -560,12 +562,17 @@ impl KubernetesServiceLoop {
         reporter: Reporter,
         registry: &mut Registry,
     ) -> Self {
+        let cache = WatchCache::new(
+            Api::namespaced(client.clone(), &cfg.namespace),
+            watcher::Config::default().fields(&format!("metadata.name={}", cfg.name)),
+        );
         Self {
             reporter,
             client,
             cfg,
             metrics: KubernetesServiceMetrics::register(registry),
             last_mismatch: Mutex::new(None),
+            cache,
         }
     }
 
@@ -595,7 +602,7 @@ impl KubernetesServiceLoop {
         let mut report = PassReport::default();
         let object = self.cfg.object_ref();
 
-        let Some(existing) = api.get_opt(&self.cfg.name).await? else {
+        let Some(existing) = self.cache.get(&api, &self.cfg.name).await? else {
             let want = desired_service(&self.cfg);
             let mut applied = false;
             if !ctx.dry_run {
@@ -837,9 +844,11 @@ impl Reconciler for KubernetesServiceLoop {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        let api: Api<Service> = Api::namespaced(self.client.clone(), &self.cfg.namespace);
-        let config = watcher::Config::default().fields(&format!("metadata.name={}", self.cfg.name));
-        vec![watch_trigger(watcher(api, config))]
+        self.cache
+            .take_events()
+            .map(watch_trigger)
+            .into_iter()
+            .collect()
     }
 
     fn reconcile<'a>(
@@ -848,30 +857,6 @@ impl Reconciler for KubernetesServiceLoop {
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
         Box::pin(self.pass(ctx))
     }
-}
-
-/// A watch as a trigger: one item per change (and one per completed relist), errors logged and
-/// retried with the watcher's default backoff.
-pub(crate) fn watch_trigger<K, S>(stream: S) -> Trigger
-where
-    K: Send + 'static,
-    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
-{
-    stream
-        .default_backoff()
-        .filter_map(|event| async move {
-            match event {
-                Ok(
-                    watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
-                ) => Some(()),
-                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => None,
-                Err(err) => {
-                    tracing::debug!(error = %err, "watch failed; retrying with backoff");
-                    None
-                }
-            }
-        })
-        .boxed()
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub mod nodeport_repair;
 pub mod service_cidr;
 pub mod system_namespaces;
 pub mod transport;
+pub mod watch_cache;
 
 pub use contract::{
     Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, ignore_already_exists,

@@ -7,9 +7,11 @@
 //! "fixed": reverting a range could strand allocated IPs, so it is never deleted or shrunk
 //! either. We keep all of that; the ClusterIP repair waits for this object.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use backon::Retryable;
+use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -17,12 +19,15 @@ use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use tracing::{info, warn};
 
+use crate::Trigger;
 use crate::clusterip_repair::validate_ranges;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, drift};
 use crate::findings::ReportOnce;
+use crate::watch_cache::{WatchCache, watch_trigger};
 
 /// Name of the default ServiceCIDR.
 pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
@@ -162,6 +167,29 @@ fn go_list(items: &[String]) -> String {
     format!("[{}]", items.join(" "))
 }
 
+/// Whether the API serves networking.k8s.io/v1 ServiceCIDRs; the answer is kept in `slot`.
+async fn served(client: &Client, slot: &Mutex<Option<bool>>) -> Result<bool, kube::Error> {
+    if let Some(served) = *slot.lock().unwrap_or_else(|p| p.into_inner()) {
+        return Ok(served);
+    }
+    let served = match client
+        .list_api_group_resources("networking.k8s.io/v1")
+        .await
+    {
+        Ok(list) => list.resources.iter().any(|r| r.name == "servicecidrs"),
+        Err(kube::Error::Api(status)) if status.code == 404 => false,
+        Err(err) => return Err(err),
+    };
+    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if slot.is_none() && !served {
+        info!(
+            "the API serves no networking.k8s.io/v1 ServiceCIDR; the service-cidr loop has nothing to do"
+        );
+    }
+    *slot = Some(served);
+    Ok(served)
+}
+
 /// The default ServiceCIDR loop (`service-cidr`).
 pub struct DefaultServiceCidr {
     config: ServiceCidrConfig,
@@ -169,7 +197,11 @@ pub struct DefaultServiceCidr {
     /// The reported condition (inconsistent or not ready), so each gets its event and log line
     /// once when it appears, and again only if it clears and comes back.
     reported: ReportOnce<String>,
-    served: Mutex<Option<bool>>,
+    /// Whether the API serves ServiceCIDRs, once discovery has answered.
+    served: Arc<Mutex<Option<bool>>>,
+    client: Client,
+    /// The default ServiceCIDR, kept by the watch that is also this loop's trigger.
+    cache: WatchCache<ServiceCIDR>,
 }
 
 impl DefaultServiceCidr {
@@ -183,32 +215,20 @@ impl DefaultServiceCidr {
             None => Reporter::from(CONTROLLER_NAME),
         };
         Ok(Self {
-            recorder: Recorder::new(client, reporter),
+            recorder: Recorder::new(client.clone(), reporter),
             config,
             reported: ReportOnce::new(),
-            served: Mutex::new(None),
+            served: Arc::new(Mutex::new(None)),
+            cache: WatchCache::new(
+                Api::all(client.clone()),
+                watcher::Config::default().fields(&format!("metadata.name={DEFAULT_SERVICE_CIDR}")),
+            ),
+            client,
         })
     }
 
     async fn served(&self, client: &Client) -> Result<bool, LoopError> {
-        if let Some(served) = *self.served.lock().unwrap_or_else(|p| p.into_inner()) {
-            return Ok(served);
-        }
-        let served = match client
-            .list_api_group_resources("networking.k8s.io/v1")
-            .await
-        {
-            Ok(list) => list.resources.iter().any(|r| r.name == "servicecidrs"),
-            Err(kube::Error::Api(status)) if status.code == 404 => false,
-            Err(err) => return Err(err.into()),
-        };
-        if !served {
-            info!(
-                "the API serves no networking.k8s.io/v1 ServiceCIDR; the service-cidr loop has nothing to do"
-            );
-        }
-        *self.served.lock().unwrap_or_else(|p| p.into_inner()) = Some(served);
-        Ok(served)
+        Ok(served(client, &self.served).await?)
     }
 
     async fn warn_event(&self, reason: &str, note: String) {
@@ -238,7 +258,7 @@ impl DefaultServiceCidr {
         let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());
         let object = format!("ServiceCIDR/{DEFAULT_SERVICE_CIDR}");
         let desired = self.config.desired();
-        let mut current = api.get_opt(DEFAULT_SERVICE_CIDR).await?;
+        let mut current = self.cache.get(&api, DEFAULT_SERVICE_CIDR).await?;
         match plan(current.as_ref(), &self.config.cidrs) {
             Plan::Create => {
                 let message = format!(
@@ -455,6 +475,32 @@ impl Reconciler for DefaultServiceCidr {
 
     fn interval(&self) -> Duration {
         self.config.interval
+    }
+
+    /// The watch of the default ServiceCIDR, once discovery says the API serves them (retried
+    /// with backoff until it answers); none where it does not.
+    fn triggers(&self) -> Vec<Trigger> {
+        let Some(events) = self.cache.take_events() else {
+            return Vec::new();
+        };
+        let (client, slot) = (self.client.clone(), self.served.clone());
+        let trigger = async move {
+            let discover = || served(&client, &slot);
+            match discover
+                .retry(
+                    backon::ExponentialBuilder::default()
+                        .with_min_delay(Duration::from_millis(200))
+                        .with_max_delay(Duration::from_secs(30))
+                        .with_jitter()
+                        .without_max_times(),
+                )
+                .await
+            {
+                Ok(true) => watch_trigger(events),
+                Ok(false) | Err(_) => futures::stream::pending().boxed(),
+            }
+        };
+        vec![futures::stream::once(trigger).flatten().boxed()]
     }
 
     fn reconcile<'a>(

@@ -26,8 +26,8 @@ use tokio::sync::{Mutex, watch};
 use tokio::time::Instant;
 
 use super::desired::{
-    EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, endpoints_drift,
-    listed_members, plan_slices, repaired_endpoints,
+    EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
+    endpoints_drift, listed_members, plan_slices, repaired_endpoints,
 };
 use super::lease::{member_selector, membership};
 use super::members::{IpFamily, MemberSet, endpoint_ip_problem};
@@ -38,7 +38,8 @@ use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, drift,
     ignore_already_exists,
 };
-use crate::kubernetes_service::watch_trigger;
+use crate::findings::ReportOnce;
+use crate::watch_cache::{WatchCache, watch_trigger};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FamilyLabel {
@@ -155,6 +156,12 @@ pub struct ApiserverEndpointsLoop {
     /// Earliest expiry among live membership Leases: a trigger fires then, so a dead member goes
     /// at TTL, not at TTL + interval.
     next_expiry: watch::Sender<Option<Instant>>,
+    /// The objects each pass reads, kept by the watches that are also this loop's triggers.
+    endpoints: WatchCache<Endpoints>,
+    slices: WatchCache<EndpointSlice>,
+    leases: WatchCache<Lease>,
+    /// Unusable membership Leases, logged once each while they stay.
+    lease_problems: ReportOnce<String>,
 }
 
 /// The member set of one pass, and what explains departures.
@@ -172,7 +179,24 @@ impl ApiserverEndpointsLoop {
         deps: EndpointsDeps,
         registry: &mut Registry,
     ) -> Self {
+        let target = &cfg.target;
+        let endpoints = WatchCache::new(
+            Api::namespaced(deps.client.clone(), &target.namespace),
+            watcher::Config::default().fields(&format!("metadata.name={}", target.service_name)),
+        );
+        let slices = WatchCache::new(
+            Api::namespaced(deps.client.clone(), &target.namespace),
+            watcher::Config::default().labels(&slice_selector(target)),
+        );
+        let leases = WatchCache::new(
+            Api::namespaced(deps.client.clone(), &cfg.lease_namespace),
+            watcher::Config::default().labels(&member_selector(&target.service_name)),
+        );
         Self {
+            endpoints,
+            slices,
+            leases,
+            lease_problems: ReportOnce::new(),
             cfg: cfg.clone(),
             reporter: deps.reporter,
             client: deps.client,
@@ -217,21 +241,23 @@ impl ApiserverEndpointsLoop {
                 let api: Api<Lease> =
                     Api::namespaced(ctx.client.clone(), &self.cfg.lease_namespace);
                 // A failed list is an error, never an empty membership.
-                let leases = api
+                let leases = self
+                    .leases
                     .list(
+                        &api,
                         &ListParams::default()
                             .labels(&member_selector(&self.target().service_name)),
                     )
                     .await?;
                 let now = Timestamp::now();
-                let judged = membership(&leases.items, now, self.cfg.lease_ttl);
-                for problem in &judged.problems {
+                let judged = membership(&leases, now, self.cfg.lease_ttl);
+                let problems = judged.problems.iter().map(ToString::to_string);
+                for problem in self.lease_problems.update(problems) {
                     tracing::warn!(%problem, "ignoring a membership Lease");
                 }
                 // One port for all members (the Endpoints have one subset): a member whose
                 // sidecar says otherwise is misconfigured, and clients would miss it.
                 for member in leases
-                    .items
                     .iter()
                     .filter_map(|l| super::lease::observe(l, self.cfg.lease_ttl).ok())
                     .filter(|m| m.expires > now)
@@ -251,7 +277,6 @@ impl ApiserverEndpointsLoop {
                 computed.expired = judged.expired.iter().map(|m| m.address).collect();
                 computed.members = judged.members;
                 let next = leases
-                    .items
                     .iter()
                     .filter_map(|l| super::lease::observe(l, self.cfg.lease_ttl).ok())
                     .map(|m| m.expires)
@@ -431,17 +456,17 @@ impl ApiserverEndpointsLoop {
         }
 
         let slices = self.slices_api(ctx);
-        let mut existing_slices = slices
+        let mut existing_slices = self
+            .slices
             .list(
-                &ListParams::default()
-                    .labels(&format!("{SERVICE_NAME_LABEL}={}", target.service_name)),
+                &slices,
+                &ListParams::default().labels(&slice_selector(target)),
             )
-            .await?
-            .items;
-        // A desired slice whose label was removed by hand is invisible to the label selector.
-        let primary = target.primary_family(members);
-        for family in [primary, primary.other()] {
-            let name = target.slice_name(family, primary);
+            .await?;
+        // A desired slice whose label was removed by hand is invisible to the label selector:
+        // one that seems missing is looked up by name before it is created.
+        for want in desired_slices(target, members) {
+            let name = want.metadata.name.unwrap_or_default();
             if !existing_slices
                 .iter()
                 .any(|s| s.metadata.name.as_deref() == Some(name.as_str()))
@@ -518,8 +543,8 @@ impl ApiserverEndpointsLoop {
         let mut report = PassReport::default();
         let target = self.target().clone();
         let existing = self
-            .endpoints_api(ctx)
-            .get_opt(&target.service_name)
+            .endpoints
+            .get(&self.endpoints_api(ctx), &target.service_name)
             .await?;
         let computed = self
             .compute(ctx, &mut state, existing.as_ref(), false)
@@ -758,31 +783,19 @@ impl Reconciler for ApiserverEndpointsLoop {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        let target = self.target();
-        let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), &target.namespace);
-        let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &target.namespace);
-        let mut triggers = vec![
-            watch_trigger(watcher(
-                endpoints,
-                watcher::Config::default()
-                    .fields(&format!("metadata.name={}", target.service_name)),
-            )),
-            watch_trigger(watcher(
-                slices,
-                watcher::Config::default()
-                    .labels(&format!("{SERVICE_NAME_LABEL}={}", target.service_name)),
-            )),
-        ];
+        let mut triggers: Vec<Trigger> = [
+            self.endpoints.take_events().map(watch_trigger),
+            self.slices.take_events().map(watch_trigger),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         if self.cfg.mode == EndpointsMode::Lease {
-            let leases: Api<Lease> =
-                Api::namespaced(self.client.clone(), &self.cfg.lease_namespace);
-            triggers.push(lease_trigger(
-                watcher(
-                    leases,
-                    watcher::Config::default().labels(&member_selector(&target.service_name)),
-                ),
-                self.cfg.lease_ttl,
-            ));
+            triggers.extend(
+                self.leases
+                    .take_events()
+                    .map(|events| lease_trigger(events, self.cfg.lease_ttl)),
+            );
             triggers.push(self.expiry_trigger());
         }
         triggers
@@ -811,6 +824,11 @@ impl Reconciler for ApiserverEndpointsLoop {
 /// The Lease watch as a trigger, minus plain renewals: with N members a renewal arrives every
 /// interval/N, and each would cost the leader a pass that finds nothing. A Lease fires when it
 /// appears, goes, changes address, or is renewed after it had expired (a member coming back).
+/// The label selector of the `kubernetes` Service's EndpointSlices.
+fn slice_selector(target: &EndpointsTarget) -> String {
+    format!("{SERVICE_NAME_LABEL}={}", target.service_name)
+}
+
 fn lease_trigger<S>(stream: S, fallback_ttl: Duration) -> Trigger
 where
     S: futures::Stream<Item = Result<watcher::Event<Lease>, watcher::Error>> + Send + 'static,

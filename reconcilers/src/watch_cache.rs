@@ -1,0 +1,149 @@
+//! Objects a loop reads on every pass, kept current by a watch, so a pass at rest reads the cache
+//! and sends nothing.
+//!
+//! The watch that feeds the cache is the loop's trigger: the runner polls it continuously, so the
+//! cache stays current between passes. A pass uses the cache only while it is proven current (the
+//! watch has listed and not failed since); otherwise, and when the loop is driven without its
+//! triggers (a one-off pass in a test), it reads the API as before. Writes made from a cached
+//! object carry its resourceVersion, so a cache that lags by a moment costs a conflict and a
+//! retry, never a lost update.
+
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures::StreamExt;
+use kube::api::ListParams;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Resource};
+use serde::de::DeserializeOwned;
+
+use crate::Trigger;
+
+/// A cache of one watch's objects; clones share it.
+#[derive(Clone)]
+pub struct WatchCache<K: Resource + 'static>
+where
+    K::DynamicType: Eq + Hash + Clone,
+{
+    store: Store<K>,
+    current: Arc<AtomicBool>,
+    /// Handed once to the loop's trigger, which the runner polls.
+    events: Arc<Mutex<Option<WatchEvents<K>>>>,
+}
+
+/// The event stream that fills a [`WatchCache`]: a loop turns it into its trigger.
+pub type WatchEvents<K> =
+    futures::stream::BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
+
+impl<K> WatchCache<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone,
+{
+    /// A cache of what `config` selects. Nothing is cached until [`Self::take_events`]'s stream is
+    /// polled.
+    pub fn new(api: Api<K>, config: watcher::Config) -> Self {
+        let (store, writer) = reflector::store();
+        let current = Arc::new(AtomicBool::new(false));
+        let flag = current.clone();
+        let (mut listed, mut relisting) = (false, false);
+        let events = watcher(api, config)
+            .reflect(writer)
+            .inspect(move |event| {
+                match event {
+                    // A relist is under way: changes may be missing until it completes.
+                    Ok(watcher::Event::Init) => relisting = true,
+                    Ok(watcher::Event::InitApply(_)) => {}
+                    Ok(watcher::Event::InitDone) => (listed, relisting) = (true, false),
+                    // A resumed watch starts from the last resourceVersion seen, so its events
+                    // after a failure complete the cache again.
+                    Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {}
+                    Err(_) => {
+                        flag.store(false, Ordering::Release);
+                        return;
+                    }
+                }
+                flag.store(listed && !relisting, Ordering::Release);
+            })
+            .boxed();
+        Self {
+            store,
+            current,
+            events: Arc::new(Mutex::new(Some(events))),
+        }
+    }
+
+    /// The stream that fills the cache, for the loop to make its trigger of; `None` after the
+    /// first call.
+    pub fn take_events(&self) -> Option<WatchEvents<K>> {
+        self.events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+
+    /// The cached objects, if the cache is proven current.
+    pub fn current(&self) -> Option<&Store<K>> {
+        self.current.load(Ordering::Acquire).then_some(&self.store)
+    }
+}
+
+impl<K> WatchCache<K>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    /// The named object: from the cache when it is current, else read from the API.
+    pub async fn get(&self, api: &Api<K>, name: &str) -> Result<Option<K>, kube::Error> {
+        match self.current() {
+            Some(store) => {
+                let key = match api.namespace() {
+                    Some(namespace) => ObjectRef::new(name).within(namespace),
+                    None => ObjectRef::new(name),
+                };
+                Ok(store.get(&key).map(|object| K::clone(&object)))
+            }
+            None => api.get_opt(name).await,
+        }
+    }
+
+    /// Every object the watch selects: from the cache when it is current, else listed from the
+    /// API with `params` (which must select what the watch does). A failed list is an error,
+    /// never an empty answer.
+    pub async fn list(&self, api: &Api<K>, params: &ListParams) -> Result<Vec<K>, kube::Error> {
+        match self.current() {
+            Some(store) => Ok(store
+                .state()
+                .iter()
+                .map(|object| K::clone(object))
+                .collect()),
+            None => Ok(api.list(params).await?.items),
+        }
+    }
+}
+
+/// A watch as a trigger: one item per change (and one per completed relist), errors logged and
+/// retried with the watcher's default backoff.
+pub fn watch_trigger<K, S>(stream: S) -> Trigger
+where
+    K: Send + 'static,
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    stream
+        .default_backoff()
+        .filter_map(|event| async move {
+            match event {
+                Ok(
+                    watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
+                ) => Some(()),
+                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => None,
+                Err(err) => {
+                    tracing::debug!(error = %err, "watch failed; retrying with backoff");
+                    None
+                }
+            }
+        })
+        .boxed()
+}
