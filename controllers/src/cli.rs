@@ -323,7 +323,12 @@ impl Controller {
                     config.admin_addr
                 )
             })?;
-        let runner = Runner::new(loops, client, runner_options(config), runner_metrics);
+        let runner = Runner::new(
+            loops,
+            client.clone(),
+            runner_options(config),
+            runner_metrics,
+        );
         let health = runner.health();
         // Leadership outlives the runner, so passes running at shutdown may finish as leader.
         let leader_cancel = CancellationToken::new();
@@ -338,8 +343,12 @@ impl Controller {
                 lease_duration: config.leader_election.lease_duration,
                 renew_grace: config.leader_election.renew_grace,
             };
+            let clients = leader::ElectionClients {
+                watch: client.clone(),
+                write: election_client,
+            };
             let (receiver, task) = leader::spawn(
-                election_client,
+                clients,
                 settings,
                 leader_metrics,
                 health.clone(),

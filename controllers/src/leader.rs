@@ -1,19 +1,30 @@
-//! Leader election among replicas, with a `coordination.k8s.io/v1` Lease (kube-lease-manager).
+//! Leader election among replicas, with a `coordination.k8s.io/v1` Lease, as client-go's
+//! leaderelection does it, with two differences that keep a quiet cluster quiet: every replica
+//! learns the Lease from a watch instead of reading it before each step, and the leader renews
+//! with one compare-and-swap write (the resourceVersion it last wrote or saw), no read. A
+//! standby only writes when the Lease has gone unchanged for its whole duration, by its own
+//! clock (so clocks need not agree), and a lost race is a conflict, never two leaders.
 //!
 //! The result is a `watch::Receiver<bool>` the runner gates leader-only loops on. The election
 //! task never ends the process: when the API is unavailable it keeps retrying, and it steps down
-//! (publishes `false`) as soon as it cannot renew, because another replica may take the Lease once
-//! it expires. It publishes `true` again once the Lease manager has worked without error for a
-//! renew-grace period while still holding the Lease.
+//! (publishes `false`) as soon as a renewal fails, because another replica may take the Lease
+//! once it expires. A renewal that succeeds again proves nobody else took it in between.
 
 use std::time::Duration;
 
-use kube_lease_manager::{LeaseManager, LeaseManagerBuilder};
+use backon::BackoffBuilder;
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -76,6 +87,23 @@ pub fn election_client(config: &kube::Config, renew_grace: Duration) -> kube::Re
     kube::Client::try_from(config)
 }
 
+/// The clients the election uses: writes must time out (see [`election_client`]), while the
+/// watch must not, or an idle watch would be cut at every read timeout.
+#[derive(Clone)]
+pub struct ElectionClients {
+    pub watch: kube::Client,
+    pub write: kube::Client,
+}
+
+impl From<kube::Client> for ElectionClients {
+    fn from(client: kube::Client) -> Self {
+        Self {
+            watch: client.clone(),
+            write: client,
+        }
+    }
+}
+
 /// Starts the election. The task runs until `cancel` fires, then releases the Lease (bounded by
 /// the renew grace) so another replica can take over at once.
 ///
@@ -83,7 +111,7 @@ pub fn election_client(config: &kube::Config, renew_grace: Duration) -> kube::Re
 /// election and while it cannot reach the API, so a replica that cannot reach the API is never a
 /// "ready standby".
 pub fn spawn(
-    client: kube::Client,
+    clients: ElectionClients,
     settings: LeaderSettings,
     metrics: LeaderMetrics,
     health: Health,
@@ -98,7 +126,7 @@ pub fn spawn(
         identity = %settings.identity
     );
     let task =
-        tokio::spawn(elect(client, settings, metrics, health, sender, cancel).instrument(span));
+        tokio::spawn(elect(clients, settings, metrics, health, sender, cancel).instrument(span));
     (receiver, task)
 }
 
@@ -122,57 +150,6 @@ fn publish(sender: &watch::Sender<bool>, metrics: &LeaderMetrics, health: &Healt
 
 fn role(leader: bool) -> String {
     if leader { "leader" } else { "standby" }.to_owned()
-}
-
-async fn build_manager(
-    client: &kube::Client,
-    settings: &LeaderSettings,
-    health: &Health,
-    cancel: &CancellationToken,
-) -> Option<LeaseManager> {
-    let mut delay = Duration::from_millis(500);
-    loop {
-        // On a fresh control plane the Lease's namespace (kube-system) may not exist yet, and
-        // the loop that creates it runs only on the leader.
-        if let Err(err) = ensure_namespace(client, &settings.lease_namespace).await {
-            health.set_check(
-                READYZ_CHECK,
-                Err(format!("cannot reach the API to join the election: {err}")),
-            );
-            warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying");
-            tokio::select! {
-                _ = cancel.cancelled() => return None,
-                _ = tokio::time::sleep(delay) => {}
-            }
-            delay = (delay * 2).min(settings.renew_grace.max(Duration::from_secs(1)));
-            continue;
-        }
-        let build = LeaseManagerBuilder::new(client.clone(), settings.lease_name.clone())
-            .with_namespace(settings.lease_namespace.clone())
-            .with_identity(settings.identity.clone())
-            .with_duration(settings.lease_duration.as_secs())
-            .with_grace(settings.renew_grace.as_secs())
-            .with_field_manager(format!("bootstrap-controller/{}", settings.identity))
-            .build();
-        tokio::select! {
-            _ = cancel.cancelled() => return None,
-            built = build => match built {
-                Ok(manager) => return Some(manager),
-                Err(err) => {
-                    health.set_check(
-                        READYZ_CHECK,
-                        Err(format!("cannot set up the leader-election Lease: {err}")),
-                    );
-                    warn!(error = %err, retry_in = ?delay, "cannot set up the leader-election Lease; retrying");
-                }
-            },
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return None,
-            _ = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(settings.renew_grace.max(Duration::from_secs(1)));
-    }
 }
 
 async fn ensure_namespace(client: &kube::Client, name: &str) -> Result<(), kube::Error> {
@@ -200,84 +177,408 @@ async fn ensure_namespace(client: &kube::Client, name: &str) -> Result<(), kube:
     Ok(())
 }
 
+/// What the election knows of the Lease, and what it does next.
+#[derive(Debug)]
+struct Election {
+    identity: String,
+    duration: Duration,
+    renew_grace: Duration,
+    /// The Lease as last seen (watch, write answer or read); `None` while it does not exist.
+    lease: Option<Lease>,
+    /// Whether `lease` is known: the watch has listed, or a write or read told.
+    known: bool,
+    /// When the holder or renew time last changed, by this replica's clock: a standby takes
+    /// over only after a whole lease duration without change.
+    changed_at: Instant,
+    /// When this replica's last successful write (as holder) was sent.
+    renewed_at: Option<Instant>,
+    leading: bool,
+}
+
+/// The election's next write.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    Create,
+    /// Take over a Lease without a live holder.
+    Acquire,
+    /// Renew (or take back) the Lease this replica holds.
+    Renew,
+    Wait(Instant),
+    /// Nothing is known yet: wait for the watch.
+    Observe,
+}
+
+impl Election {
+    fn new(settings: &LeaderSettings, now: Instant) -> Self {
+        Self {
+            identity: settings.identity.clone(),
+            duration: settings.lease_duration,
+            renew_grace: settings.renew_grace,
+            lease: None,
+            known: false,
+            changed_at: now,
+            renewed_at: None,
+            leading: false,
+        }
+    }
+
+    fn holder(&self) -> Option<&str> {
+        self.lease
+            .as_ref()
+            .and_then(|l| l.spec.as_ref())
+            .and_then(|s| s.holder_identity.as_deref())
+            .filter(|h| !h.is_empty())
+    }
+
+    /// Records a Lease seen through the watch, a write's answer or a read. An answer older than
+    /// what is known (by resourceVersion) is ignored.
+    fn observe(&mut self, lease: Option<Lease>, now: Instant) {
+        let version = |l: &Lease| {
+            l.metadata
+                .resource_version
+                .as_deref()
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        if let (Some(new), Some(old)) = (&lease, &self.lease)
+            && let (Some(new), Some(old)) = (version(new), version(old))
+            && new < old
+        {
+            return;
+        }
+        let record = |l: &Option<Lease>| {
+            l.as_ref().and_then(|l| l.spec.as_ref()).map(|s| {
+                (
+                    s.holder_identity.clone(),
+                    s.renew_time.as_ref().map(|t| t.0),
+                )
+            })
+        };
+        if !self.known || record(&lease) != record(&self.lease) {
+            self.changed_at = now;
+        }
+        self.lease = lease;
+        self.known = true;
+    }
+
+    fn next_step(&self, now: Instant) -> Step {
+        if !self.known {
+            return Step::Observe;
+        }
+        let Some(lease) = &self.lease else {
+            return Step::Create;
+        };
+        match self.holder() {
+            Some(holder) if holder == self.identity => match self.renewed_at {
+                Some(at) if self.leading => {
+                    let due = at + self.duration.saturating_sub(self.renew_grace);
+                    if due > now {
+                        Step::Wait(due)
+                    } else {
+                        Step::Renew
+                    }
+                }
+                _ => Step::Renew,
+            },
+            None => Step::Acquire,
+            Some(_) => {
+                let duration = lease
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.lease_duration_seconds)
+                    .and_then(|d| u64::try_from(d).ok())
+                    .filter(|d| *d > 0)
+                    .map_or(self.duration, Duration::from_secs);
+                let expires = self.changed_at + duration;
+                if expires > now {
+                    Step::Wait(expires)
+                } else {
+                    Step::Acquire
+                }
+            }
+        }
+    }
+
+    /// The Lease to write for `step`: this replica as holder, renewed now.
+    fn desired(&self, step: &Step) -> Lease {
+        let now = MicroTime(Timestamp::now());
+        let mut lease = self.lease.clone().unwrap_or_default();
+        let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+        if *step != Step::Renew || spec.acquire_time.is_none() {
+            spec.acquire_time = Some(now.clone());
+        }
+        if matches!(step, Step::Acquire) {
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0).saturating_add(1));
+        }
+        spec.holder_identity = Some(self.identity.clone());
+        spec.renew_time = Some(now);
+        spec.lease_duration_seconds = i32::try_from(self.duration.as_secs()).ok();
+        lease.metadata.managed_fields = None;
+        lease
+    }
+}
+
+/// Whether a write failed because someone else wrote first (or created it first).
+fn lost_race(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(status) if status.code == 409)
+}
+
 async fn elect(
-    client: kube::Client,
+    clients: ElectionClients,
     settings: LeaderSettings,
     metrics: LeaderMetrics,
     health: Health,
     sender: watch::Sender<bool>,
     cancel: CancellationToken,
 ) {
-    let Some(manager) = build_manager(&client, &settings, &health, &cancel).await else {
-        return;
+    let backoff = || {
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(500))
+            .with_max_delay(settings.renew_grace.max(Duration::from_secs(1)))
+            .with_jitter()
+            .without_max_times()
+            .build()
     };
+    // On a fresh control plane the Lease's namespace (kube-system) may not exist yet, and the
+    // loop that creates it runs only on the leader.
+    let mut delays = backoff();
+    while let Err(err) = ensure_namespace(&clients.write, &settings.lease_namespace).await {
+        let delay = delays.next().unwrap_or(settings.renew_grace);
+        health.set_check(
+            READYZ_CHECK,
+            Err(format!("cannot reach the API to join the election: {err}")),
+        );
+        warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying");
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
     info!("joined leader election");
-    // Not "ready standby" yet: until the manager has either taken the Lease or watched another
-    // holder for a while, nobody may be leading.
     health.set_check(
         READYZ_CHECK,
         Err("joined; waiting to learn which replica leads".to_owned()),
     );
-    // What the Lease manager last told us; it only reports changes.
-    let mut holds_lease = false;
+
+    let leases: Api<Lease> = Api::namespaced(clients.write.clone(), &settings.lease_namespace);
+    let mut watch = watcher(
+        Api::<Lease>::namespaced(clients.watch.clone(), &settings.lease_namespace),
+        watcher::Config::default().fields(&format!("metadata.name={}", settings.lease_name)),
+    )
+    .default_backoff()
+    .boxed();
+    let mut election = Election::new(&settings, Instant::now());
+    // Filled by a listing watch; turned into the known state at its end.
+    let mut listing: Option<Option<Lease>> = None;
     let mut failing = false;
-    let mut settled = false;
-    let mut delay = Duration::from_millis(500);
-    let healthy_after = settings.renew_grace.max(Duration::from_secs(1));
+    let mut delays = backoff();
+    let mut retry_at: Option<Instant> = None;
     loop {
+        let step = election.next_step(Instant::now());
+        let wake = match (&step, retry_at) {
+            (_, Some(at)) => Some(at),
+            (Step::Wait(at), None) => Some(*at),
+            (Step::Observe, None) => None,
+            _ => Some(Instant::now()),
+        };
         tokio::select! {
             biased;
             _ = cancel.cancelled() => break,
-            changed = manager.changed() => match changed {
-                Ok(leader) => {
-                    holds_lease = leader;
-                    failing = false;
-                    settled = true;
-                    delay = Duration::from_millis(500);
-                    publish(&sender, &metrics, &health, leader);
-                    health.set_check(READYZ_CHECK, Ok(role(leader)));
+            _ = sleep_until(wake) => {
+                retry_at = None;
+                if matches!(step, Step::Wait(_) | Step::Observe) {
+                    continue;
                 }
-                Err(err) => {
-                    if !failing {
-                        warn!(error = %err, "leader election cannot reach the API; stepping down until it can");
-                    } else {
-                        debug!(error = %err, "leader election still failing");
+                let sent = Instant::now();
+                let desired = election.desired(&step);
+                let written = match step {
+                    Step::Create => {
+                        let mut desired = desired;
+                        desired.metadata = ObjectMeta {
+                            name: Some(settings.lease_name.clone()),
+                            namespace: Some(settings.lease_namespace.clone()),
+                            ..ObjectMeta::default()
+                        };
+                        leases.create(&PostParams::default(), &desired).await
                     }
-                    failing = true;
+                    _ => leases.replace(&settings.lease_name, &PostParams::default(), &desired).await,
+                };
+                match written {
+                    Ok(lease) => {
+                        election.observe(Some(lease), sent);
+                        election.renewed_at = Some(sent);
+                        election.leading = true;
+                        if failing {
+                            info!("leader election reaches the API again");
+                        }
+                        failing = false;
+                        delays = backoff();
+                        publish(&sender, &metrics, &health, true);
+                        health.set_check(READYZ_CHECK, Ok(role(true)));
+                    }
+                    Err(err) => {
+                        // Whoever wrote first leads; learn who (a read, only after a lost race).
+                        let raced = lost_race(&err);
+                        if election.leading {
+                            warn!(error = %err, "cannot renew the leader-election Lease; stepping down");
+                        } else if !raced && !failing {
+                            warn!(error = %err, "leader election cannot reach the API; retrying");
+                        }
+                        election.leading = false;
+                        election.renewed_at = None;
+                        publish(&sender, &metrics, &health, false);
+                        if raced {
+                            match leases.get_opt(&settings.lease_name).await {
+                                Ok(lease) => election.observe(lease, Instant::now()),
+                                Err(err) => debug!(error = %err, "cannot read the Lease after a lost race"),
+                            }
+                            health.set_check(READYZ_CHECK, Ok(role(false)));
+                        } else {
+                            failing = true;
+                            health.set_check(
+                                READYZ_CHECK,
+                                Err(format!("cannot renew or observe the Lease: {err}")),
+                            );
+                            retry_at = Some(Instant::now() + delays.next().unwrap_or(settings.renew_grace));
+                        }
+                    }
+                }
+            }
+            event = watch.next() => {
+                let now = Instant::now();
+                match event {
+                    Some(Ok(watcher::Event::Init)) => listing = Some(None),
+                    Some(Ok(watcher::Event::InitApply(lease))) => listing = Some(Some(lease)),
+                    Some(Ok(watcher::Event::InitDone)) => {
+                        election.observe(listing.take().flatten(), now);
+                    }
+                    Some(Ok(watcher::Event::Apply(lease))) => election.observe(Some(lease), now),
+                    Some(Ok(watcher::Event::Delete(_))) => election.observe(None, now),
+                    Some(Err(err)) => {
+                        debug!(error = %err, "leader-election Lease watch failed; retrying with backoff");
+                    }
+                    None => break,
+                }
+                if election.leading && election.holder() != Some(settings.identity.as_str()) {
+                    warn!(holder = ?election.holder(), "another replica holds the leader-election Lease; stepping down");
+                    election.leading = false;
+                    election.renewed_at = None;
                     publish(&sender, &metrics, &health, false);
-                    health.set_check(
-                        READYZ_CHECK,
-                        Err(format!("cannot renew or observe the Lease: {err}")),
-                    );
-                    tokio::select! {
-                        _ = cancel.cancelled() => break,
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                    delay = (delay * 2).min(healthy_after);
+                    health.set_check(READYZ_CHECK, Ok(role(false)));
+                } else if !failing && election.known {
+                    health.set_check(READYZ_CHECK, Ok(role(election.leading)));
                 }
-            },
-            // `changed()` ran a whole grace period without error: the manager is renewing (or
-            // waiting for the other holder's Lease to expire) normally again.
-            _ = tokio::time::sleep(healthy_after), if failing || !settled => {
-                if failing {
-                    info!("leader election reaches the API again");
-                }
-                failing = false;
-                settled = true;
-                publish(&sender, &metrics, &health, holds_lease);
-                health.set_check(READYZ_CHECK, Ok(role(holds_lease)));
             }
         }
     }
 
+    let was_leading = election.leading;
     publish(&sender, &metrics, &health, false);
-    if holds_lease {
-        match tokio::time::timeout(healthy_after, manager.release()).await {
-            Ok(Ok(())) => info!("released the leader-election Lease"),
+    if was_leading {
+        // Hand over at once: a Lease without a holder is free to take.
+        let mut released = election.desired(&Step::Renew);
+        if let Some(spec) = released.spec.as_mut() {
+            spec.holder_identity = None;
+            spec.lease_duration_seconds = Some(1);
+        }
+        let params = PostParams::default();
+        let release = leases.replace(&settings.lease_name, &params, &released);
+        match tokio::time::timeout(settings.renew_grace.max(Duration::from_secs(1)), release).await
+        {
+            Ok(Ok(_)) => info!("released the leader-election Lease"),
             Ok(Err(err)) => {
                 warn!(error = %err, "could not release the Lease; it expires on its own")
             }
             Err(_) => warn!("releasing the Lease timed out; it expires on its own"),
         }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn settings() -> LeaderSettings {
+        LeaderSettings {
+            lease_name: "l".into(),
+            lease_namespace: "kube-system".into(),
+            identity: "me".into(),
+            lease_duration: Duration::from_secs(15),
+            renew_grace: Duration::from_secs(5),
+        }
+    }
+
+    fn lease(holder: Option<&str>, version: u64) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                resource_version: Some(version.to_string()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: holder.map(str::to_owned),
+                renew_time: Some(MicroTime(
+                    Timestamp::from_second(1_700_000_000 + i64::try_from(version).unwrap())
+                        .unwrap(),
+                )),
+                lease_duration_seconds: Some(15),
+                ..LeaseSpec::default()
+            }),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_standby_waits_a_whole_duration_without_change_before_taking_over() {
+        let t0 = Instant::now();
+        let mut e = Election::new(&settings(), t0);
+        assert_eq!(e.next_step(t0), Step::Observe);
+        e.observe(None, t0);
+        assert_eq!(e.next_step(t0), Step::Create);
+
+        e.observe(Some(lease(Some("other"), 1)), t0);
+        assert_eq!(e.next_step(t0), Step::Wait(t0 + Duration::from_secs(15)));
+        // A renewal seen later moves the deadline; a stale answer does not.
+        let t1 = t0 + Duration::from_secs(10);
+        e.observe(Some(lease(Some("other"), 2)), t1);
+        e.observe(Some(lease(Some("other"), 1)), t1 + Duration::from_secs(1));
+        assert_eq!(e.next_step(t0), Step::Wait(t1 + Duration::from_secs(15)));
+        // The same record seen again (a relist) is no renewal.
+        e.observe(Some(lease(Some("other"), 2)), t1 + Duration::from_secs(5));
+        assert_eq!(e.next_step(t0), Step::Wait(t1 + Duration::from_secs(15)));
+        assert_eq!(e.next_step(t1 + Duration::from_secs(15)), Step::Acquire);
+        // Released: free to take at once.
+        e.observe(Some(lease(None, 3)), t1);
+        assert_eq!(e.next_step(t0), Step::Acquire);
+        let taken = e.desired(&Step::Acquire);
+        let spec = taken.spec.unwrap();
+        assert_eq!(spec.holder_identity.as_deref(), Some("me"));
+        assert_eq!(spec.lease_transitions, Some(1));
+        assert_eq!(
+            taken.metadata.resource_version.as_deref(),
+            Some("3"),
+            "written by CAS"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_leader_renews_a_grace_before_expiry_and_takes_back_its_own_lease() {
+        let t0 = Instant::now();
+        let mut e = Election::new(&settings(), t0);
+        // Restarted while the Lease still names it: renew at once.
+        e.observe(Some(lease(Some("me"), 7)), t0);
+        assert_eq!(e.next_step(t0), Step::Renew);
+        e.leading = true;
+        e.renewed_at = Some(t0);
+        assert_eq!(e.next_step(t0), Step::Wait(t0 + Duration::from_secs(10)));
+        assert_eq!(e.next_step(t0 + Duration::from_secs(10)), Step::Renew);
+        let renewal = e.desired(&Step::Renew);
+        assert_eq!(renewal.metadata.resource_version.as_deref(), Some("7"));
+        assert_eq!(renewal.spec.unwrap().lease_transitions, None);
     }
 }

@@ -33,7 +33,7 @@ async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
     let cancel_a = CancellationToken::new();
     let (a, task_a) = leader::spawn(
-        sim.new_client().await?,
+        sim.new_client().await?.into(),
         settings("a"),
         LeaderMetrics::default(),
         Health::default(),
@@ -43,7 +43,7 @@ async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
 
     let cancel_b = CancellationToken::new();
     let (b, task_b) = leader::spawn(
-        sim.new_client().await?,
+        sim.new_client().await?.into(),
         settings("b"),
         LeaderMetrics::default(),
         Health::default(),
@@ -71,7 +71,7 @@ async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()
     let cancel = CancellationToken::new();
     let health = Health::default();
     let (receiver, task) = leader::spawn(
-        sim.new_client().await?,
+        sim.new_client().await?.into(),
         settings("a"),
         LeaderMetrics::default(),
         health.clone(),
@@ -125,7 +125,10 @@ async fn steps_down_when_the_api_hangs() -> anyhow::Result<()> {
     let client = leader::election_client(&kube_config, settings.renew_grace)?;
     let cancel = CancellationToken::new();
     let (receiver, task) = leader::spawn(
-        client,
+        leader::ElectionClients {
+            watch: sim.new_client().await?,
+            write: client,
+        },
         settings,
         LeaderMetrics::default(),
         Health::default(),

@@ -224,6 +224,11 @@ impl ControllerProcess {
         Self::spawn(Command::new(controller_bin()), kubeconfig, extra)
     }
 
+    /// [`Self::start`] with another build of the controller (a benchmark comparing two).
+    pub fn start_binary(binary: &Path, kubeconfig: &Path, extra: &[&str]) -> Result<Self> {
+        Self::spawn(Command::new(binary), kubeconfig, extra)
+    }
+
     /// Starts the controller in a private mount namespace whose `/etc/hosts` is `hosts`, so a
     /// test controls what names resolve to for this process alone by rewriting that file in
     /// place. Needs root or unprivileged user namespaces; `None` (after saying so) otherwise.
@@ -457,4 +462,74 @@ pub fn summary(label: &str, mut samples: Vec<Duration>) {
         ms(percentile(&samples, 99.0)),
         ms(samples.last().copied().unwrap_or_default()),
     );
+}
+
+/// The requests replicas sent in a window, from the simulator's log: per replica (its user agent
+/// carries its pid) and per kind (`verb resource`, or `verb path` for non-resource requests).
+pub struct RequestsAtRest {
+    pub window: Duration,
+    pub per_replica: std::collections::BTreeMap<(usize, String), usize>,
+}
+
+impl RequestsAtRest {
+    /// Clears the log, waits `window`, and sorts what `replicas` sent.
+    pub async fn measure(
+        sim: &SimProcess,
+        replicas: &[ControllerProcess],
+        window: Duration,
+    ) -> Result<Self> {
+        sim.clear_requests().await?;
+        tokio::time::sleep(window).await;
+        let pids: Vec<String> = replicas
+            .iter()
+            .map(|r| format!("pid {})", r.pid().unwrap_or_default()))
+            .collect();
+        let mut per_replica = std::collections::BTreeMap::new();
+        for request in sim.requests().await? {
+            let Some(replica) = pids.iter().position(|pid| request.user_agent.contains(pid)) else {
+                continue;
+            };
+            let what = if request.resource.is_empty() {
+                format!("{} {}", request.verb, request.path)
+            } else if request.subresource.is_empty() {
+                format!("{} {}", request.verb, request.resource)
+            } else {
+                format!(
+                    "{} {}/{}",
+                    request.verb, request.resource, request.subresource
+                )
+            };
+            *per_replica.entry((replica + 1, what)).or_default() += 1;
+        }
+        Ok(Self {
+            window,
+            per_replica,
+        })
+    }
+
+    pub fn per_minute(&self, count: usize) -> f64 {
+        count as f64 * 60.0 / self.window.as_secs_f64()
+    }
+
+    /// One line per replica and kind, with requests per minute.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        for ((replica, what), count) in &self.per_replica {
+            out += &format!(
+                "  replica {replica}  {:>6.1}/min  {what}\n",
+                self.per_minute(*count)
+            );
+        }
+        out
+    }
+
+    /// Reads of API objects (GET or LIST of a resource): watches and health probes aside.
+    pub fn reads(&self) -> Vec<String> {
+        self.per_replica
+            .iter()
+            .filter(|((_, what), _)| what.starts_with("get ") || what.starts_with("list "))
+            .filter(|((_, what), _)| !what.contains(" /"))
+            .map(|((replica, what), count)| format!("replica {replica}: {count} x {what}"))
+            .collect()
+    }
 }
