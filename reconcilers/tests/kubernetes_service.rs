@@ -217,7 +217,7 @@ async fn cluster_ip_mismatch_is_reported_never_fixed_by_default() {
     plant_wrong_ip(&sim);
     let l = service_loop(&sim, cfg());
     sim.clear_requests();
-    for _ in 0..2 {
+    for _ in 0..10 {
         let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
         assert_eq!(report.drift.len(), 1);
         assert_eq!(report.drift[0].kind, "service_cluster_ip");
