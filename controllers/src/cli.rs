@@ -168,8 +168,11 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    // Colours only where a person reads them: not in a pipe, a file or a container log.
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(terminal)
         .with_writer(std::io::stderr);
     // A second initialisation (tests, demo) keeps the first subscriber.
     let _ = match format {
@@ -206,8 +209,11 @@ async fn load_kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
     match path {
         Some(path) => {
             let kubeconfig = Kubeconfig::read_from(path).map_err(|err| {
+                // kube's message repeats the path, quoted twice; its cause says what went wrong.
+                let cause = std::error::Error::source(&err)
+                    .map_or_else(|| err.to_string(), ToString::to_string);
                 format!(
-                    "--kubeconfig: cannot read {}: {err} (check the path and that it is a \
+                    "--kubeconfig: cannot read {}: {cause} (check the path and that it is a \
                      kubeconfig file)",
                     path.display()
                 )
