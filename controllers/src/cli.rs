@@ -101,6 +101,15 @@ pub enum OutputFormat {
 pub async fn execute(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Config(ConfigCommand::Validate { file }) => {
+            if let Some(other) = cli.config.config.as_ref().filter(|other| **other != file) {
+                eprintln!(
+                    "error: config validate checks the FILE it is given ({}), but --config (or \
+                     BOOTSTRAP_CONFIG) names {}: give the file once, as the argument",
+                    file.display(),
+                    other.display()
+                );
+                return ExitCode::from(EXIT_CONFIG);
+            }
             let args = ConfigArgs {
                 config: Some(file.clone()),
                 ..cli.config

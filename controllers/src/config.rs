@@ -31,7 +31,7 @@ pub const ENV_PREFIX: &str = "BOOTSTRAP_";
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ConfigArgs {
     /// YAML configuration file (loops, intervals, system namespaces, and every flag's setting).
-    /// Flags override the file; the file overrides the defaults.
+    /// Flags override the file; the file overrides the defaults. [default: none]
     #[arg(long, env = "BOOTSTRAP_CONFIG", value_name = "FILE", global = true)]
     pub config: Option<PathBuf>,
 
@@ -58,7 +58,8 @@ pub struct ConfigArgs {
 
     /// IP address this apiserver advertises to the cluster (its address in the `kubernetes`
     /// endpoints). Its family must match the primary service range's unless the endpoint
-    /// reconciler is `none`. [default: unset; the endpoints loop picks the host's address]
+    /// reconciler is `none`. [default: the default-route address of the primary range's family,
+    /// as kube-apiserver]
     #[arg(
         long,
         env = "BOOTSTRAP_ADVERTISE_ADDRESS",
@@ -108,8 +109,8 @@ pub struct ConfigArgs {
     )]
     pub apiserver_count: Option<String>,
 
-    /// Kubeconfig file. Without it: $KUBECONFIG, then ~/.kube/config, then the in-cluster
-    /// service account.
+    /// Kubeconfig file. [default: `$KUBECONFIG`, then `~/.kube/config`, then the in-cluster
+    /// service account]
     #[arg(long, env = "BOOTSTRAP_KUBECONFIG", value_name = "FILE", global = true)]
     pub kubeconfig: Option<PathBuf>,
 
@@ -124,7 +125,8 @@ pub struct ConfigArgs {
     )]
     pub etcd_servers: Option<String>,
 
-    /// CA bundle that verifies the etcd servers' certificates (as kube-apiserver's).
+    /// CA bundle that verifies the etcd servers' certificates (as kube-apiserver's). [default:
+    /// none]
     #[arg(
         long,
         env = "BOOTSTRAP_ETCD_CAFILE",
@@ -133,7 +135,7 @@ pub struct ConfigArgs {
     )]
     pub etcd_cafile: Option<PathBuf>,
 
-    /// Client certificate for etcd (PEM); goes with --etcd-keyfile.
+    /// Client certificate for etcd (PEM); goes with --etcd-keyfile. [default: none]
     #[arg(
         long,
         env = "BOOTSTRAP_ETCD_CERTFILE",
@@ -142,7 +144,7 @@ pub struct ConfigArgs {
     )]
     pub etcd_certfile: Option<PathBuf>,
 
-    /// Client key for etcd (PEM); goes with --etcd-certfile.
+    /// Client key for etcd (PEM); goes with --etcd-certfile. [default: none]
     #[arg(
         long,
         env = "BOOTSTRAP_ETCD_KEYFILE",

@@ -137,6 +137,16 @@ fn config_print_shows_the_effective_configuration() {
     let (code, stdout, stderr) = run(binary().arg("config").arg("validate").arg(&printed));
     assert_eq!(code, 0, "{stdout}{stderr}");
     assert!(stdout.contains("configuration is valid"), "{stdout}");
+
+    // The file is given once: a different --config beside it is refused, not silently ignored.
+    let (code, _, stderr) = run(binary()
+        .arg("config")
+        .arg("validate")
+        .arg(&printed)
+        .arg("--config")
+        .arg(dir.path().join("other.yaml")));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("give the file once"), "{stderr}");
 }
 
 #[test]

@@ -1,0 +1,173 @@
+//! The docs state what the binary does: every flag of `run` (name, environment variable and
+//! default, from clap) appears in CONFIG.md's flag table and in README's, and neither table names
+//! a flag the binary does not have.
+
+use std::collections::BTreeMap;
+
+use bootstrap_controller::cli::Cli;
+use clap::CommandFactory;
+
+/// One flag as clap knows it.
+#[derive(Debug)]
+struct Flag {
+    env: Option<String>,
+    default: Option<String>,
+}
+
+/// `run`'s flags by long name, with their env var and the default their help states.
+fn clap_flags() -> BTreeMap<String, Flag> {
+    let command = Cli::command();
+    let run = command
+        .find_subcommand("run")
+        .expect("a run subcommand")
+        .clone();
+    let mut flags = BTreeMap::new();
+    for arg in command.get_arguments().chain(run.get_arguments()) {
+        let Some(long) = arg.get_long() else { continue };
+        if long == "help" || long == "version" {
+            continue;
+        }
+        let help = arg
+            .get_long_help()
+            .or(arg.get_help())
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        let default = arg
+            .get_default_values()
+            .first()
+            .map(|v| v.to_string_lossy().into_owned())
+            .or_else(|| {
+                help.split_once("[default: ")
+                    .and_then(|(_, rest)| rest.split_once(']'))
+                    .map(|(default, _)| default.to_owned())
+            });
+        flags.insert(
+            format!("--{long}"),
+            Flag {
+                env: arg.get_env().map(|e| e.to_string_lossy().into_owned()),
+                default,
+            },
+        );
+    }
+    flags
+}
+
+/// The rows of the first table after `heading` in `doc`, as cells.
+fn table_after(doc: &str, heading: &str) -> Vec<Vec<String>> {
+    let start = doc
+        .find(heading)
+        .unwrap_or_else(|| panic!("{heading} missing"));
+    doc[start..]
+        .lines()
+        .skip_while(|line| !line.starts_with('|'))
+        .take_while(|line| line.starts_with('|'))
+        .skip(2)
+        .map(|line| {
+            // `\|` inside a cell is a literal bar.
+            line.replace("\\|", "\u{0}")
+                .trim_matches('|')
+                .split('|')
+                .map(|cell| cell.replace('\u{0}', "|").trim().to_owned())
+                .collect()
+        })
+        .collect()
+}
+
+/// The flags a first cell documents: "`--a X`, `--b`" names `--a` and `--b`.
+fn flags_in(cell: &str) -> Vec<String> {
+    cell.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter_map(|code| code.split([' ', '[', '=']).next())
+        .filter(|name| name.starts_with("--"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A default as written in a doc cell or a help text, compared loosely: the first code span
+/// if there is one, else the words.
+fn normalise(text: &str) -> String {
+    let text = match text.split('`').nth(1) {
+        Some(code) if text.contains('`') => code.to_owned(),
+        _ => text.to_owned(),
+    };
+    let text = text.split([';', ',', '(']).next().unwrap_or_default();
+    text.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_lowercase()
+}
+
+#[test]
+fn config_md_documents_every_flag_with_its_env_and_default() {
+    let doc = include_str!("../CONFIG.md");
+    let flags = clap_flags();
+    let mut documented = BTreeMap::new();
+    for row in table_after(doc, "## Flags") {
+        for name in flags_in(&row[0]) {
+            documented.insert(name, (row[1].trim_matches('`').to_owned(), row[3].clone()));
+        }
+    }
+    let mut problems = Vec::new();
+    for (name, flag) in &flags {
+        let Some((env, default)) = documented.get(name) else {
+            problems.push(format!("{name} is missing from CONFIG.md"));
+            continue;
+        };
+        if flag.env.as_deref() != Some(env.as_str()) {
+            problems.push(format!(
+                "{name}: env {:?} in --help, {env} in CONFIG.md",
+                flag.env
+            ));
+        }
+        let help_default = flag.default.as_deref().map(normalise).unwrap_or_default();
+        if help_default != normalise(default) {
+            problems.push(format!(
+                "{name}: default {help_default:?} in --help, {:?} in CONFIG.md",
+                normalise(default)
+            ));
+        }
+    }
+    for name in documented.keys() {
+        if !flags.contains_key(name) {
+            problems.push(format!(
+                "CONFIG.md documents {name}, which `run` does not have"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn readme_lists_every_flag_with_its_default() {
+    let doc = include_str!("../../README.md");
+    let flags = clap_flags();
+    let mut documented = BTreeMap::new();
+    for row in table_after(doc, "## Configuration") {
+        for name in flags_in(&row[0]) {
+            documented.insert(name, row[1].clone());
+        }
+    }
+    let mut problems = Vec::new();
+    for (name, flag) in &flags {
+        let Some(default) = documented.get(name) else {
+            problems.push(format!("{name} is missing from README's flag table"));
+            continue;
+        };
+        let help_default = flag.default.as_deref().map(normalise).unwrap_or_default();
+        if help_default != normalise(default) {
+            problems.push(format!(
+                "{name}: default {help_default:?} in --help, {:?} in README",
+                normalise(default)
+            ));
+        }
+    }
+    for name in documented.keys() {
+        if !flags.contains_key(name) {
+            problems.push(format!(
+                "README documents {name}, which `run` does not have"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
