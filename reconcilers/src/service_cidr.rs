@@ -289,7 +289,7 @@ impl DefaultServiceCidr {
                 match api.create(&PostParams::default(), &new).await {
                     Ok(created) => current = Some(created),
                     Err(kube::Error::Api(status)) if status.code == 409 => {
-                        current = api.get_opt(DEFAULT_SERVICE_CIDR).await?;
+                        current = self.cache.get(&api, DEFAULT_SERVICE_CIDR).await?;
                     }
                     Err(err) => {
                         self.warn_event(

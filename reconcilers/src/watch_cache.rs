@@ -30,6 +30,8 @@ where
 {
     store: Store<K>,
     current: Arc<AtomicBool>,
+    /// The watch's selectors, for reads while the cache is not current.
+    selection: ListParams,
     /// Handed once to the loop's trigger, which the runner polls.
     events: Arc<Mutex<Option<WatchEvents<K>>>>,
 }
@@ -46,6 +48,11 @@ where
     /// A cache of what `config` selects. Nothing is cached until [`Self::take_events`]'s stream is
     /// polled.
     pub fn new(api: Api<K>, config: watcher::Config) -> Self {
+        let selection = ListParams {
+            label_selector: config.label_selector.clone(),
+            field_selector: config.field_selector.clone(),
+            ..ListParams::default()
+        };
         let (store, writer) = reflector::store();
         let current = Arc::new(AtomicBool::new(false));
         let flag = current.clone();
@@ -72,6 +79,7 @@ where
         Self {
             store,
             current,
+            selection,
             events: Arc::new(Mutex::new(Some(events))),
         }
     }
@@ -95,7 +103,8 @@ impl<K> WatchCache<K>
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
-    /// The named object: from the cache when it is current, else read from the API.
+    /// The named object among those the watch selects: from the cache when it is current, else
+    /// from a LIST with the watch's selectors (no permission beyond the watch's).
     pub async fn get(&self, api: &Api<K>, name: &str) -> Result<Option<K>, kube::Error> {
         match self.current() {
             Some(store) => {
@@ -105,21 +114,25 @@ where
                 };
                 Ok(store.get(&key).map(|object| K::clone(&object)))
             }
-            None => api.get_opt(name).await,
+            None => Ok(api
+                .list(&self.selection)
+                .await?
+                .items
+                .into_iter()
+                .find(|object| object.meta().name.as_deref() == Some(name))),
         }
     }
 
-    /// Every object the watch selects: from the cache when it is current, else listed from the
-    /// API with `params` (which must select what the watch does). A failed list is an error,
-    /// never an empty answer.
-    pub async fn list(&self, api: &Api<K>, params: &ListParams) -> Result<Vec<K>, kube::Error> {
+    /// Every object the watch selects: from the cache when it is current, else from a LIST with
+    /// the watch's selectors. A failed list is an error, never an empty answer.
+    pub async fn list(&self, api: &Api<K>) -> Result<Vec<K>, kube::Error> {
         match self.current() {
             Some(store) => Ok(store
                 .state()
                 .iter()
                 .map(|object| K::clone(object))
                 .collect()),
-            None => Ok(api.list(params).await?.items),
+            None => Ok(api.list(&self.selection).await?.items),
         }
     }
 }

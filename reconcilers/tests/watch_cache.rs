@@ -10,7 +10,7 @@ use apiserver_sim::{FaultKind, FaultRule, Verb};
 use common::{eventually, sim};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use reconcilers::watch_cache::WatchCache;
 
@@ -37,12 +37,11 @@ async fn reads_come_from_the_cache_only_while_it_is_proven_current() {
         .await
         .unwrap();
     let cache = WatchCache::new(api.clone(), watcher::Config::default().labels("app=x"));
-    let params = ListParams::default().labels("app=x");
 
     // Not watching yet: the API answers.
     sim.clear_requests();
     assert!(cache.current().is_none());
-    assert_eq!(cache.list(&api, &params).await.unwrap().len(), 1);
+    assert_eq!(cache.list(&api).await.unwrap().len(), 1);
     assert!(cache.get(&api, "a").await.unwrap().is_some());
     assert_eq!(reads(&sim), 2);
 
@@ -61,7 +60,7 @@ async fn reads_come_from_the_cache_only_while_it_is_proven_current() {
         .await
         .unwrap();
     eventually("b seen", || async {
-        cache.list(&api, &params).await.unwrap().len() == 2
+        cache.list(&api).await.unwrap().len() == 2
     })
     .await;
     sim.clear_requests();
@@ -76,7 +75,7 @@ async fn reads_come_from_the_cache_only_while_it_is_proven_current() {
             "2"
         );
         assert!(cache.get(&api, "missing").await.unwrap().is_none());
-        assert_eq!(cache.list(&api, &params).await.unwrap().len(), 2);
+        assert_eq!(cache.list(&api).await.unwrap().len(), 2);
     }
     assert_eq!(reads(&sim), 0, "{:?}", sim.requests());
 

@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::{Endpoints, ObjectReference};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -241,14 +241,7 @@ impl ApiserverEndpointsLoop {
                 let api: Api<Lease> =
                     Api::namespaced(ctx.client.clone(), &self.cfg.lease_namespace);
                 // A failed list is an error, never an empty membership.
-                let leases = self
-                    .leases
-                    .list(
-                        &api,
-                        &ListParams::default()
-                            .labels(&member_selector(&self.target().service_name)),
-                    )
-                    .await?;
+                let leases = self.leases.list(&api).await?;
                 let now = Timestamp::now();
                 let judged = membership(&leases, now, self.cfg.lease_ttl);
                 let problems = judged.problems.iter().map(ToString::to_string);
@@ -456,13 +449,7 @@ impl ApiserverEndpointsLoop {
         }
 
         let slices = self.slices_api(ctx);
-        let mut existing_slices = self
-            .slices
-            .list(
-                &slices,
-                &ListParams::default().labels(&slice_selector(target)),
-            )
-            .await?;
+        let mut existing_slices = self.slices.list(&slices).await?;
         // A desired slice whose label was removed by hand is invisible to the label selector:
         // one that seems missing is looked up by name before it is created.
         for want in desired_slices(target, members) {
