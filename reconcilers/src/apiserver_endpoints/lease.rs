@@ -103,6 +103,9 @@ pub struct ObservedMember {
     pub address: IpAddr,
     pub port: Option<i32>,
     pub holder: Option<String>,
+    pub renewed: Timestamp,
+    /// The Lease's `leaseDurationSeconds`, or the fallback when it is missing or not positive.
+    pub duration: SignedDuration,
     pub expires: Timestamp,
 }
 
@@ -116,6 +119,12 @@ pub enum LeaseProblem {
     },
     /// Never renewed (no `renewTime`).
     NeverRenewed { lease_name: String },
+    /// Renewed further in the future than its own duration: no clock is that far off, so the
+    /// object is corrupted (an etcd restore, a hand edit), and it would never expire.
+    RenewedInTheFuture {
+        lease_name: String,
+        renewed: Timestamp,
+    },
 }
 
 impl std::fmt::Display for LeaseProblem {
@@ -131,6 +140,14 @@ impl std::fmt::Display for LeaseProblem {
             LeaseProblem::NeverRenewed { lease_name } => {
                 write!(f, "Lease {lease_name} has no renewTime; ignoring it")
             }
+            LeaseProblem::RenewedInTheFuture {
+                lease_name,
+                renewed,
+            } => write!(
+                f,
+                "Lease {lease_name} says it was renewed at {renewed}, further ahead than its \
+                 duration; ignoring it"
+            ),
         }
     }
 }
@@ -161,14 +178,15 @@ pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, 
         .lease_duration_seconds
         .filter(|s| *s > 0)
         .unwrap_or_else(|| ttl_seconds(fallback_ttl));
-    let expires = renewed
-        .checked_add(SignedDuration::from_secs(i64::from(seconds)))
-        .unwrap_or(renewed);
+    let duration = SignedDuration::from_secs(i64::from(seconds));
+    let expires = renewed.checked_add(duration).unwrap_or(renewed);
     Ok(ObservedMember {
         lease_name,
         address,
         port,
         holder: spec.holder_identity,
+        renewed,
+        duration,
         expires,
     })
 }
@@ -192,6 +210,12 @@ pub fn membership(leases: &[Lease], now: Timestamp, fallback_ttl: Duration) -> L
             continue;
         }
         match observe(lease, fallback_ttl) {
+            Ok(member) if member.renewed > now.checked_add(member.duration).unwrap_or(now) => {
+                out.problems.push(LeaseProblem::RenewedInTheFuture {
+                    lease_name: member.lease_name,
+                    renewed: member.renewed,
+                });
+            }
             Ok(member) if member.expires > now => {
                 out.members.insert(member.address);
             }
@@ -207,6 +231,29 @@ pub fn membership(leases: &[Lease], now: Timestamp, fallback_ttl: Duration) -> L
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_renewed_far_in_the_future_is_a_problem_not_an_everlasting_member() {
+        let now = Timestamp::now();
+        let mut lease = own("10.0.0.9").renewed(None, now);
+        let spec = lease.spec.as_mut().unwrap();
+        spec.renew_time = Some(MicroTime("9000-01-01T00:00:00Z".parse().unwrap()));
+        spec.lease_duration_seconds = Some(-5);
+        let judged = membership(&[lease], now, Duration::from_secs(15));
+        assert!(judged.members.is_empty());
+        assert!(matches!(
+            judged.problems.as_slice(),
+            [LeaseProblem::RenewedInTheFuture { .. }]
+        ));
+        // A few seconds of clock skew is no problem.
+        let skewed = own("10.0.0.8").renewed(None, now + SignedDuration::from_secs(3));
+        assert_eq!(
+            membership(&[skewed], now, Duration::from_secs(15))
+                .members
+                .len(),
+            1
+        );
+    }
 
     fn own(ip: &str) -> OwnLease {
         OwnLease {
