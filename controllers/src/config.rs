@@ -573,7 +573,7 @@ impl LoopSection for SystemNamespacesLoop {
     }
 }
 
-/// The `default/kubernetes` Service (issue 4). Upstream interval: 10s.
+/// The `default/kubernetes` Service. Upstream interval: 10s.
 ///
 /// Its clusterIP, targetPort and node port come from `serviceClusterIPRange`, `securePort` and
 /// `kubernetesServiceNodePort`.
@@ -645,7 +645,7 @@ impl LoopSection for KubernetesServiceLoop {
     }
 }
 
-/// The `kubernetes` Endpoints and EndpointSlices (issue 4). Upstream interval: 10s.
+/// The `kubernetes` Endpoints and EndpointSlices. Upstream interval: 10s.
 ///
 /// The mode is `endpointReconcilerType`; the address is `advertiseAddress`, the port `securePort`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -796,7 +796,7 @@ impl ApiserverEndpointsLoop {
     }
 }
 
-/// The default ServiceCIDR `kubernetes` (issue 5). Upstream interval: 10s.
+/// The default ServiceCIDR `kubernetes`. Upstream interval: 10s.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct ServiceCidrLoop {
@@ -845,7 +845,7 @@ impl LoopSection for NodePortRepairLoop {
     }
 }
 
-/// ClusterIP repair against IPAddress/ServiceCIDR (issue 5). Upstream interval: 3m.
+/// ClusterIP repair against IPAddress/ServiceCIDR. Upstream interval: 3m.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct ClusterIpRepairLoop {

@@ -1,4 +1,4 @@
-//! `demo` scenario for the `kubernetes` endpoints (issue 4): two more apiservers join next to the
+//! `demo` scenario for the `kubernetes` endpoints: two more apiservers join next to the
 //! demo's own, one is killed, one stops cleanly, the endpoint port is corrupted; each heals.
 //!
 //! The extra members run the real `apiserver-lease` loop in this process (their "apiservers"

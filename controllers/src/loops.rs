@@ -22,7 +22,7 @@ pub fn build_loops(
 ) -> Vec<Arc<dyn Reconciler>> {
     let mut loops: Vec<Arc<dyn Reconciler>> = Vec::new();
 
-    // --- system namespaces (issue 3) -----------------------------------------------------------
+    // --- system namespaces -----------------------------------------------------------
     let section = &config.loops.system_namespaces;
     if section.enabled {
         use reconcilers::system_namespaces::{self, SystemNamespaces};
@@ -47,7 +47,7 @@ pub fn build_loops(
         info!("loop system-namespaces disabled by configuration");
     }
 
-    // --- kubernetes Service (issue 4) ----------------------------------------------------------
+    // --- kubernetes Service ----------------------------------------------------------
     let section = &config.loops.kubernetes_service;
     if section.enabled {
         use reconcilers::kubernetes_service::{
@@ -82,7 +82,7 @@ pub fn build_loops(
         info!("loop kubernetes-service disabled by configuration");
     }
 
-    // --- apiserver endpoints (issue 4): apiserver-lease on every replica, apiserver-endpoints
+    // --- apiserver endpoints: apiserver-lease on every replica, apiserver-endpoints
     // on the leader (on every replica in master-count mode, as upstream) -------------------------
     let section = &config.loops.apiserver_endpoints;
     if section.enabled {
@@ -135,7 +135,7 @@ pub fn build_loops(
         info!("loop apiserver-endpoints disabled by configuration");
     }
 
-    // --- default ServiceCIDR (issue 5) ----------------------------------------------------------
+    // --- default ServiceCIDR ----------------------------------------------------------
     let section = &config.loops.service_cidr;
     if section.enabled {
         use reconcilers::service_cidr::{DefaultServiceCidr, ServiceCidrConfig};
@@ -153,7 +153,7 @@ pub fn build_loops(
         info!("loop service-cidr disabled by configuration");
     }
 
-    // --- ClusterIP repair (issue 5) -------------------------------------------------------------
+    // --- ClusterIP repair -------------------------------------------------------------
     // Its Service cache, when it runs, is the NodePort repair's too: one watch of Services.
     let mut shared_services = None;
     let section = &config.loops.cluster_ip_repair;

@@ -1,4 +1,4 @@
-//! Benchmark for the `kubernetes` endpoints (issue 4), against real processes: three
+//! Benchmark for the `kubernetes` endpoints, against real processes: three
 //! `bootstrap-controller run` sidecars (one per simulated apiserver) and `apiserver-sim`.
 //! - time from a SIGKILL of a non-leader sidecar to its address leaving the Endpoints;
 //! - time from a SIGTERM of a non-leader sidecar to its address leaving the Endpoints;

@@ -1,4 +1,4 @@
-//! Issue 4 end to end: real `bootstrap-controller` processes (one per simulated apiserver, each
+//! The `kubernetes` endpoints end to end: real `bootstrap-controller` processes (one per simulated apiserver, each
 //! with its own `/readyz`) against a real `apiserver-sim` process.
 //!
 //! Timings are printed, not asserted (2-core machines); BENCHMARKS.md measures them.
