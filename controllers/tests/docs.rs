@@ -171,3 +171,101 @@ fn readme_lists_every_flag_with_its_default() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// Every field of the configuration file CONFIG.md documents, as a dotted path.
+fn documented_file_fields() -> Vec<String> {
+    let doc = include_str!("../CONFIG.md");
+    let mut fields = Vec::new();
+    for row in table_after(doc, "## Flags") {
+        if let Some(field) = row[2].split('`').nth(1) {
+            fields.push(field.to_owned());
+        }
+    }
+    for row in table_after(doc, "## The file: loop sections") {
+        let names: Vec<&str> = row[0].split('`').skip(1).step_by(2).collect();
+        let Some(first) = names.first().filter(|n| n.starts_with("loops.")) else {
+            continue;
+        };
+        if first.matches('.').count() < 2 {
+            continue; // a note about a whole section
+        }
+        fields.push((*first).to_owned());
+        let section = first
+            .rsplit_once('.')
+            .map_or(*first, |(section, _)| section);
+        for more in names.iter().skip(1).filter(|n| n.starts_with('.')) {
+            fields.push(format!("{section}{more}"));
+        }
+    }
+    fields
+}
+
+/// `path` = `value` as a YAML document.
+fn nested(path: &str, value: &str) -> String {
+    let mut yaml = String::new();
+    let parts: Vec<&str> = path.split('.').collect();
+    for (depth, part) in parts.iter().enumerate() {
+        yaml += &"  ".repeat(depth);
+        yaml += part;
+        yaml += ":";
+        yaml += if depth + 1 == parts.len() { " " } else { "\n" };
+    }
+    yaml + value + "\n"
+}
+
+fn load(yaml: &str) -> Result<(), String> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, yaml).expect("write config");
+    let args = bootstrap_controller::config::ConfigArgs {
+        config: Some(path),
+        ..Default::default()
+    };
+    bootstrap_controller::config::Config::load(&args)
+        .map(drop)
+        .map_err(|errors| errors.to_string())
+}
+
+#[test]
+fn every_documented_file_field_rejects_a_wrong_type_naming_the_field() {
+    let fields = documented_file_fields();
+    assert!(fields.len() >= 40, "CONFIG.md tables not found: {fields:?}");
+    let mut problems = Vec::new();
+    for field in &fields {
+        // A mapping where a scalar or a list belongs.
+        match load(&nested(field, "{wrong: [type]}")) {
+            Ok(()) => problems.push(format!("{field}: a mapping was accepted")),
+            Err(message) if message.contains("unknown field") => problems.push(format!(
+                "{field}: CONFIG.md documents a field the file does not have: {message}"
+            )),
+            Err(message) if !message.contains(field.as_str()) => {
+                problems.push(format!("{field}: the error does not name it: {message}"))
+            }
+            Err(_) => {}
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn every_section_rejects_an_unknown_key_naming_it_and_the_fix() {
+    let mut sections: Vec<String> = documented_file_fields()
+        .iter()
+        .filter_map(|f| f.rsplit_once('.').map(|(section, _)| section.to_owned()))
+        .collect();
+    sections.push(String::new());
+    sections.sort();
+    sections.dedup();
+    for section in sections {
+        let path = if section.is_empty() {
+            "unknownField".to_owned()
+        } else {
+            format!("{section}.unknownField")
+        };
+        let message = load(&nested(&path, "1")).expect_err(&path);
+        assert!(
+            message.contains(&path) && message.contains("remove it or fix its spelling"),
+            "{path}: {message}"
+        );
+    }
+}
