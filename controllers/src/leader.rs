@@ -390,17 +390,37 @@ async fn elect(
                 }
                 let sent = Instant::now();
                 let desired = election.desired(&step);
-                let written = match step {
-                    Step::Create => {
-                        let mut desired = desired;
-                        desired.metadata = ObjectMeta {
-                            name: Some(settings.lease_name.clone()),
-                            namespace: Some(settings.lease_namespace.clone()),
-                            ..ObjectMeta::default()
-                        };
-                        leases.create(&PostParams::default(), &desired).await
+                let params = PostParams::default();
+                let write = async {
+                    match step {
+                        Step::Create => {
+                            let mut desired = desired;
+                            desired.metadata = ObjectMeta {
+                                name: Some(settings.lease_name.clone()),
+                                namespace: Some(settings.lease_namespace.clone()),
+                                ..ObjectMeta::default()
+                            };
+                            leases.create(&params, &desired).await
+                        }
+                        _ => leases.replace(&settings.lease_name, &params, &desired).await,
                     }
-                    _ => leases.replace(&settings.lease_name, &PostParams::default(), &desired).await,
+                };
+                // A leader's authority ends before its Lease could expire on a standby's clock,
+                // whatever the renewal is doing: kube's client retries 429 and 503 answers after
+                // their Retry-After, which could outlast the Lease.
+                let authority_ends = election
+                    .renewed_at
+                    .filter(|_| election.leading)
+                    .map(|at| at + leadership_span(&settings));
+                let written = match authority_ends {
+                    Some(deadline) => tokio::time::timeout_at(deadline, write)
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(kube::Error::Service(
+                                "the renewal did not succeed before the Lease could expire".into(),
+                            ))
+                        }),
+                    None => write.await,
                 };
                 match written {
                     Ok(lease) => {
@@ -491,6 +511,15 @@ async fn elect(
             Err(_) => warn!("releasing the Lease timed out; it expires on its own"),
         }
     }
+}
+
+/// How long after its last successful renewal was sent a leader may go on leading: the lease
+/// duration less half the renew grace, a margin for the standbys' clocks (which count the
+/// duration from when they saw the renewal, later) running a little fast.
+fn leadership_span(settings: &LeaderSettings) -> Duration {
+    settings
+        .lease_duration
+        .saturating_sub(settings.renew_grace / 2)
 }
 
 async fn sleep_until(at: Option<Instant>) {

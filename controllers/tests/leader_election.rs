@@ -158,3 +158,44 @@ async fn steps_down_when_the_api_hangs() -> anyhow::Result<()> {
     sim.shutdown().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn steps_down_before_the_lease_expires_while_renewals_are_retried() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    let cancel = CancellationToken::new();
+    let (receiver, task) = leader::spawn(
+        sim.new_client().await?.into(),
+        settings("a"),
+        LeaderMetrics::default(),
+        Health::default(),
+        cancel.clone(),
+    );
+    eventually("a leads", &receiver, true).await;
+
+    // kube's client retries 429 after Retry-After, up to 15 times: a renewal could take 15 s,
+    // far past the 2 s Lease, while a standby takes over.
+    let injected = Instant::now();
+    sim.faults().inject(FaultRule::probability(
+        None,
+        Some("leases"),
+        1.0,
+        FaultKind::Error {
+            code: 429,
+            retry_after_seconds: Some(1),
+        },
+    ));
+    eventually("steps down", &receiver, false).await;
+    let stepped_down_after = injected.elapsed();
+    // At most one renewal period plus the Lease (2 s): well before the client's retries end.
+    assert!(
+        stepped_down_after < Duration::from_secs(6),
+        "stepped down only after {stepped_down_after:?}"
+    );
+
+    sim.faults().clear();
+    eventually("leads again once the API answers", &receiver, true).await;
+    cancel.cancel();
+    task.await?;
+    sim.shutdown().await;
+    Ok(())
+}
