@@ -201,7 +201,7 @@ impl Faults {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RequestRecord {
-    /// RFC 3339 time the request arrived.
+    /// RFC 3339 time the request arrived, to the microsecond.
     pub time: String,
     /// `get`, `list`, `watch`, ...; for non-resource paths (discovery, health) the HTTP method.
     pub verb: String,

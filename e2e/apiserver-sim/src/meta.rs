@@ -11,6 +11,14 @@ pub fn now_rfc3339() -> String {
         .to_string()
 }
 
+/// Now, to the microsecond: for the request log, where the order of requests within a second
+/// matters.
+pub fn now_rfc3339_micros() -> String {
+    jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
+        .to_string()
+}
+
 pub fn new_uid() -> String {
     let mut b: [u8; 16] = rand::rng().random();
     b[6] = (b[6] & 0x0f) | 0x40;

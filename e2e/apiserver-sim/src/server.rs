@@ -339,7 +339,7 @@ pub async fn handle(
         return Ok(admin(&ctx, req, &rest, &query).await);
     }
     let mut record = RequestRecord {
-        time: crate::meta::now_rfc3339(),
+        time: crate::meta::now_rfc3339_micros(),
         verb: req.method().as_str().to_lowercase(),
         resource: String::new(),
         subresource: String::new(),
