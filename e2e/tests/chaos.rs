@@ -73,6 +73,8 @@ fn replica_args(config: &ConfigFile, n: usize) -> Vec<String> {
         "4s",
         "--leader-elect-renew-grace",
         "2s",
+        "--leader-elect-identity",
+        &format!("replica-{n}"),
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -329,18 +331,63 @@ async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
     let started = Instant::now();
     let mut breakages = Vec::new();
     let mut kills = 0;
+    // (pid, when): a killed replica writes nothing after, so its writes cannot overlap a
+    // successor's.
+    let mut killed: Vec<(String, Timestamp)> = Vec::new();
+    let mut partitions = 0;
     let mut unhealthy = Vec::new();
     let mut restarted = vec![started; count];
     let chaos = async {
         let result = async {
             let mut next_kill = Instant::now() + Duration::from_secs(3);
+            // With several replicas, the leader is cut off for longer than its Lease: the
+            // simulator refuses its every request, then takes it back.
+            let (mut partition, mut healed): (Option<Instant>, bool) = (None, false);
+            let partition_at = Duration::from_secs(secs.saturating_sub(13).max(1));
             while started.elapsed() < Duration::from_secs(secs) {
+                if count > 1 && partition.is_none() && started.elapsed() >= partition_at {
+                    let lease =
+                        backdoor_get(&sim, "leases/kube-system/bootstrap-controller").await?;
+                    let holder = lease
+                        .as_ref()
+                        .and_then(|l| l["spec"]["holderIdentity"].as_str())
+                        .and_then(|h| h.strip_prefix("replica-"))
+                        .and_then(|n| n.parse::<usize>().ok());
+                    if let Some(pid) = holder
+                        .and_then(|n| replicas.get(n - 1))
+                        .and_then(ControllerProcess::pid)
+                    {
+                        sim.admin(
+                            "POST",
+                            "/sim/faults",
+                            Some(json!({"userAgent": format!("pid {pid})"),
+                                        "fault": {"type": "dropConnection"},
+                                        "trigger": {"probability": 1.0}})),
+                        )
+                        .await?;
+                        breakages.push(format!("partitioned the leader (pid {pid})"));
+                        partitions += 1;
+                    }
+                    partition = Some(Instant::now());
+                }
+                if let Some(at) = partition
+                    && !healed
+                    && at.elapsed() > Duration::from_secs(6)
+                {
+                    // Heal: the base faults go on.
+                    sim.admin("DELETE", "/sim/faults", None).await?;
+                    inject_faults(&sim).await?;
+                    healed = true;
+                }
                 breakages.push(break_something(&sim, &mut rng, &mut orphans).await?);
                 // Kill and restart a replica now and then, never in the last 6 s.
                 if Instant::now() > next_kill
                     && started.elapsed() + Duration::from_secs(6) < Duration::from_secs(secs)
                 {
                     let victim = usize::try_from(rng.below(count as u64))?;
+                    if let Some(pid) = replicas[victim].pid() {
+                        killed.push((pid.to_string(), Timestamp::now()));
+                    }
                     replicas[victim].kill()?;
                     replicas[victim] = start(&sim, &config, victim + 1)?;
                     restarted[victim] = Instant::now();
@@ -429,9 +476,18 @@ async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
             Some((r.time.parse().ok()?, pid_of(&r.user_agent), what))
         })
         .collect();
+    let dead_by = |pid: &str, at: Timestamp| killed.iter().any(|(p, when)| p == pid && *when <= at);
     for (i, (at, pid, what)) in leader_writes.iter().enumerate() {
         for (other_at, other_pid, other_what) in &leader_writes[i + 1..] {
-            if other_pid != pid && other_at.duration_since(*at).abs().as_secs_f64() < 1.0 {
+            let (first, second) = if other_at >= at {
+                (pid, *other_at)
+            } else {
+                (other_pid, *at)
+            };
+            if other_pid != pid
+                && other_at.duration_since(*at).abs().as_secs_f64() < 1.0
+                && !dead_by(first, second)
+            {
                 two_writers.insert(format!(
                     "pid {pid} at {at}: {what}; pid {other_pid} at {other_at}: {other_what}"
                 ));
@@ -439,7 +495,7 @@ async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
         }
     }
     println!(
-        "chaos, {count} replica(s): {secs} s, {} breakages, {kills} replicas killed, {} controller requests \
+        "chaos, {count} replica(s): {secs} s, {} breakages, {kills} replicas killed, {partitions} leader partitions, {} controller requests \
          ({faults_hit} answered with a fault), {} writes, converged {:.0} ms after the faults \
          stopped",
         breakages.len(),

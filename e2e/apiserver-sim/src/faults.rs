@@ -96,6 +96,10 @@ pub struct FaultRule {
     pub verb: Option<Verb>,
     #[serde(default)]
     pub resource: Option<String>,
+    /// Only requests whose `User-Agent` contains this (one client among several: a network
+    /// partition of one replica).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_agent: Option<String>,
     pub fault: FaultKind,
     pub trigger: Trigger,
 }
@@ -106,6 +110,7 @@ impl FaultRule {
         Self {
             verb,
             resource: resource.map(str::to_string),
+            user_agent: None,
             fault,
             trigger: Trigger::Next(n),
         }
@@ -121,17 +126,22 @@ impl FaultRule {
         Self {
             verb,
             resource: resource.map(str::to_string),
+            user_agent: None,
             fault,
             trigger: Trigger::Probability(p),
         }
     }
 
-    fn matches(&self, verb: Verb, plural: &str, qualified: &str) -> bool {
+    fn matches(&self, verb: Verb, plural: &str, qualified: &str, user_agent: &str) -> bool {
         self.verb.is_none_or(|v| v == verb)
             && self
                 .resource
                 .as_deref()
                 .is_none_or(|r| r == plural || r == qualified)
+            && self
+                .user_agent
+                .as_deref()
+                .is_none_or(|wanted| user_agent.contains(wanted))
     }
 }
 
@@ -163,12 +173,19 @@ impl Faults {
     }
 
     /// The faults that fire for this request, consuming `Next` budgets.
-    pub(crate) fn take(&self, verb: Verb, plural: &str, qualified: &str) -> Vec<FaultKind> {
+    pub(crate) fn take(
+        &self,
+        verb: Verb,
+        plural: &str,
+        qualified: &str,
+        user_agent: &str,
+    ) -> Vec<FaultKind> {
         let mut rules = self.lock();
         let mut fired = Vec::new();
         let mut rng = rand::rng();
         rules.retain_mut(|r| {
-            if !r.matches(verb, plural, qualified) || (r.fault.watch_only() && verb != Verb::Watch)
+            if !r.matches(verb, plural, qualified, user_agent)
+                || (r.fault.watch_only() && verb != Verb::Watch)
             {
                 return true;
             }

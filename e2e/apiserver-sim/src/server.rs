@@ -443,7 +443,11 @@ async fn route(
     }
     // Readiness only shows on /readyz: an apiserver that reports not-ready still serves.
     let mut watch_faults = Vec::new();
-    for fault in ctx.shared.faults.take(verb, def.plural, &def.qualified()) {
+    for fault in ctx
+        .shared
+        .faults
+        .take(verb, def.plural, &def.qualified(), &record.user_agent)
+    {
         match fault {
             FaultKind::Latency { millis } => {
                 tokio::time::sleep(Duration::from_millis(millis)).await
