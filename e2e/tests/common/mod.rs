@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod chaos;
+
 use anyhow::{Context, Result, bail};
 use apiserver_sim::RequestRecord;
 use kube::Client;

@@ -1,0 +1,516 @@
+//! The chaos harness (see `tests/chaos.rs` for what it checks): shared by the short-mode test and
+//! the long-mode bench.
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::{ConfigFile, ControllerProcess, SimProcess, run_controller};
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::jiff::Timestamp;
+use serde_json::{Value, json};
+
+const CONFIG: &str = "\
+loops:
+  systemNamespaces: {interval: 2s}
+  kubernetesService: {interval: 2s}
+  apiserverEndpoints: {interval: 2s, leaseTTL: 6s}
+  serviceCIDR: {interval: 2s}
+  clusterIPRepair: {interval: 2s, orphanGracePeriod: 5s}
+  nodePortRepair: {interval: 2s}
+";
+
+/// Leader-only objects: a write of one of these by two replicas in the same second means two
+/// writers.
+const LEADER_ONLY: &[&str] = &[
+    "namespaces",
+    "services",
+    "endpoints",
+    "endpointslices",
+    "servicecidrs",
+    "ipaddresses",
+];
+
+/// xorshift64*: reproducible from the printed seed, no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn replica_args(config: &ConfigFile, n: usize) -> Vec<String> {
+    [
+        "--config",
+        config.path.as_str(),
+        "--service-cluster-ip-range",
+        "10.96.0.0/12",
+        "--advertise-address",
+        &format!("10.0.0.{n}"),
+        "--leader-elect-lease-duration",
+        "4s",
+        "--leader-elect-renew-grace",
+        "2s",
+        "--leader-elect-identity",
+        &format!("replica-{n}"),
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect()
+}
+
+fn start(sim: &SimProcess, config: &ConfigFile, n: usize) -> Result<ControllerProcess> {
+    let args = replica_args(config, n);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    ControllerProcess::start(&sim.kubeconfig, &args)
+}
+
+async fn backdoor_get(sim: &SimProcess, path: &str) -> Result<Option<Value>> {
+    match sim
+        .admin("GET", &format!("/sim/backdoor/{path}"), None)
+        .await
+    {
+        Ok(text) => Ok(Some(serde_json::from_str(&text)?)),
+        Err(err) if err.to_string().contains("NotFound") || err.to_string().contains("404") => {
+            Ok(None)
+        }
+        Err(err) => Err(err),
+    }
+}
+
+async fn backdoor_put(sim: &SimProcess, object: Value) -> Result<()> {
+    sim.admin("PUT", "/sim/backdoor", Some(object))
+        .await
+        .map(drop)
+}
+
+async fn backdoor_delete(sim: &SimProcess, path: &str) -> Result<()> {
+    let _ = sim
+        .admin("DELETE", &format!("/sim/backdoor/{path}"), None)
+        .await;
+    Ok(())
+}
+
+fn endpoint_ips(endpoints: &Value) -> Vec<String> {
+    endpoints["subsets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|s| s["addresses"].as_array().into_iter().flatten())
+        .filter_map(|a| a["ip"].as_str().map(str::to_owned))
+        .collect()
+}
+
+async fn inject_faults(sim: &SimProcess) -> Result<()> {
+    let rule = |fault: Value, p: f64| json!({"fault": fault, "trigger": {"probability": p}});
+    for body in [
+        rule(json!({"type": "error", "code": 500}), 0.10),
+        rule(
+            json!({"type": "error", "code": 503, "retryAfterSeconds": 1}),
+            0.10,
+        ),
+        rule(
+            json!({"type": "error", "code": 429, "retryAfterSeconds": 1}),
+            0.10,
+        ),
+        rule(json!({"type": "dropConnection"}), 0.03),
+        rule(json!({"type": "latency", "millis": 150}), 0.05),
+        rule(json!({"type": "cutWatchAfterEvents", "events": 3}), 0.3),
+        rule(json!({"type": "watchGone"}), 0.1),
+    ] {
+        sim.admin("POST", "/sim/faults", Some(body)).await?;
+    }
+    Ok(())
+}
+
+/// One breakage every loop must heal; returns what it did.
+async fn break_something(
+    sim: &SimProcess,
+    rng: &mut Rng,
+    orphans: &mut Vec<String>,
+) -> Result<String> {
+    Ok(match rng.below(6) {
+        0 => {
+            backdoor_delete(sim, "namespaces/kube-public").await?;
+            "deleted namespace kube-public".to_owned()
+        }
+        1 => {
+            if let Some(mut svc) = backdoor_get(sim, "services/default/kubernetes").await? {
+                svc["spec"]["ports"][0]["port"] = json!(8443);
+                backdoor_put(sim, svc).await?;
+            }
+            "changed the kubernetes Service's port".to_owned()
+        }
+        2 => {
+            backdoor_delete(sim, "endpoints/default/kubernetes").await?;
+            "deleted the kubernetes Endpoints".to_owned()
+        }
+        3 => {
+            backdoor_delete(sim, "endpointslices/default/kubernetes").await?;
+            "deleted the kubernetes EndpointSlice".to_owned()
+        }
+        4 => {
+            let ip = format!("10.96.0.{}", 20 + rng.below(5));
+            backdoor_delete(sim, &format!("ipaddresses/{ip}")).await?;
+            format!("deleted Service web's IPAddress {ip} (if it was the one)")
+        }
+        _ => {
+            let ip = format!("10.96.250.{}", orphans.len() + 1);
+            backdoor_put(
+                sim,
+                json!({
+                    "apiVersion": "networking.k8s.io/v1", "kind": "IPAddress",
+                    "metadata": {"name": ip, "creationTimestamp": "2026-01-01T00:00:00Z",
+                                 "labels": {"ipaddress.kubernetes.io/managed-by": "ipallocator.k8s.io",
+                                            "ipaddress.kubernetes.io/ip-family": "IPv4"}},
+                    "spec": {"parentRef": {"group": "", "resource": "services",
+                                           "namespace": "default", "name": "gone"}},
+                }),
+            )
+            .await?;
+            orphans.push(ip.clone());
+            format!("created orphan IPAddress {ip}")
+        }
+    })
+}
+
+/// Whether every loop's objects are as they should be.
+async fn converged(
+    sim: &SimProcess,
+    orphans: &[String],
+    web_ip: &str,
+    members: &[String],
+) -> Result<Option<String>> {
+    for ns in ["kube-system", "kube-public", "kube-node-lease", "default"] {
+        if backdoor_get(sim, &format!("namespaces/{ns}"))
+            .await?
+            .is_none()
+        {
+            return Ok(Some(format!("namespace {ns} missing")));
+        }
+    }
+    let Some(svc) = backdoor_get(sim, "services/default/kubernetes").await? else {
+        return Ok(Some("kubernetes Service missing".into()));
+    };
+    if svc["spec"]["ports"][0]["port"] != json!(443) {
+        return Ok(Some(format!(
+            "kubernetes Service port {}",
+            svc["spec"]["ports"][0]["port"]
+        )));
+    }
+    let Some(endpoints) = backdoor_get(sim, "endpoints/default/kubernetes").await? else {
+        return Ok(Some("Endpoints missing".into()));
+    };
+    let mut ips = endpoint_ips(&endpoints);
+    ips.sort();
+    if ips != members {
+        return Ok(Some(format!("Endpoints list {ips:?}")));
+    }
+    if backdoor_get(sim, "endpointslices/default/kubernetes")
+        .await?
+        .is_none()
+    {
+        return Ok(Some("EndpointSlice missing".into()));
+    }
+    if backdoor_get(sim, &format!("ipaddresses/{web_ip}"))
+        .await?
+        .is_none()
+    {
+        return Ok(Some(format!("web's IPAddress {web_ip} missing")));
+    }
+    for ip in orphans {
+        if backdoor_get(sim, &format!("ipaddresses/{ip}"))
+            .await?
+            .is_some()
+        {
+            return Ok(Some(format!("orphan {ip} still there")));
+        }
+    }
+    Ok(None)
+}
+
+/// One chaos run; the figures are printed, the first broken invariant is the error.
+pub async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
+    let mut rng = Rng(seed);
+    let sim = SimProcess::start(&[]).await?;
+    let config = ConfigFile::new(CONFIG)?;
+    let mut replicas = Vec::new();
+    for n in 1..=count {
+        replicas.push(start(&sim, &config, n)?);
+    }
+    let members: Vec<String> = (1..=count).map(|n| format!("10.0.0.{n}")).collect();
+    for replica in &mut replicas {
+        replica.wait_ready().await?;
+    }
+    // A Service with a cluster IP in the range the breakage deletes from.
+    sim.admin(
+        "PUT",
+        "/sim/backdoor",
+        Some(json!({"apiVersion": "v1", "kind": "Service",
+                    "metadata": {"name": "web", "namespace": "default", "uid": "uid-web"},
+                    "spec": {"clusterIP": "10.96.0.22", "clusterIPs": ["10.96.0.22"],
+                             "ports": [{"port": 80}]}})),
+    )
+    .await?;
+    let web_ip = "10.96.0.22";
+    let mut orphans = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while let Some(problem) = converged(&sim, &orphans, web_ip, &members).await? {
+        ensure!(
+            Instant::now() < deadline,
+            "never converged before the faults: {problem}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The Endpoints must never be seen emptied, polled through the backdoor (which no fault
+    // touches) while the chaos runs.
+    let stop = AtomicBool::new(false);
+    let emptied = AtomicUsize::new(0);
+    let endpoints_watch = async {
+        while !stop.load(Ordering::Relaxed) {
+            if let Ok(Some(endpoints)) = backdoor_get(&sim, "endpoints/default/kubernetes").await
+                && endpoints.get("subsets").is_some()
+                && endpoint_ips(&endpoints).is_empty()
+            {
+                emptied.fetch_add(1, Ordering::Relaxed);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+
+    inject_faults(&sim).await?;
+    sim.clear_requests().await?;
+    let started = Instant::now();
+    let mut breakages = Vec::new();
+    let mut kills = 0;
+    // (pid, when): a killed replica writes nothing after, so its writes cannot overlap a
+    // successor's.
+    let mut killed: Vec<(String, Timestamp)> = Vec::new();
+    let mut partitions = 0;
+    let mut unhealthy = Vec::new();
+    let mut restarted = vec![started; count];
+    let chaos = async {
+        let result = async {
+            let mut next_kill = Instant::now() + Duration::from_secs(3);
+            // With several replicas, the leader is cut off for longer than its Lease: the
+            // simulator refuses its every request, then takes it back.
+            let (mut partition, mut healed): (Option<Instant>, bool) = (None, false);
+            let partition_at = Duration::from_secs(secs.saturating_sub(13).max(1));
+            while started.elapsed() < Duration::from_secs(secs) {
+                if count > 1 && partition.is_none() && started.elapsed() >= partition_at {
+                    let lease =
+                        backdoor_get(&sim, "leases/kube-system/bootstrap-controller").await?;
+                    let holder = lease
+                        .as_ref()
+                        .and_then(|l| l["spec"]["holderIdentity"].as_str())
+                        .and_then(|h| h.strip_prefix("replica-"))
+                        .and_then(|n| n.parse::<usize>().ok());
+                    if let Some(pid) = holder
+                        .and_then(|n| replicas.get(n - 1))
+                        .and_then(ControllerProcess::pid)
+                    {
+                        sim.admin(
+                            "POST",
+                            "/sim/faults",
+                            Some(json!({"userAgent": format!("pid {pid})"),
+                                        "fault": {"type": "dropConnection"},
+                                        "trigger": {"probability": 1.0}})),
+                        )
+                        .await?;
+                        breakages.push(format!("partitioned the leader (pid {pid})"));
+                        partitions += 1;
+                    }
+                    partition = Some(Instant::now());
+                }
+                if let Some(at) = partition
+                    && !healed
+                    && at.elapsed() > Duration::from_secs(6)
+                {
+                    // Heal: the base faults go on.
+                    sim.admin("DELETE", "/sim/faults", None).await?;
+                    inject_faults(&sim).await?;
+                    healed = true;
+                }
+                breakages.push(break_something(&sim, &mut rng, &mut orphans).await?);
+                // Kill and restart a replica now and then, never in the last 6 s.
+                if Instant::now() > next_kill
+                    && started.elapsed() + Duration::from_secs(6) < Duration::from_secs(secs)
+                {
+                    let victim = usize::try_from(rng.below(count as u64))?;
+                    if let Some(pid) = replicas[victim].pid() {
+                        killed.push((pid.to_string(), Timestamp::now()));
+                    }
+                    replicas[victim].kill()?;
+                    replicas[victim] = start(&sim, &config, victim + 1)?;
+                    restarted[victim] = Instant::now();
+                    kills += 1;
+                    next_kill = Instant::now() + Duration::from_secs(5);
+                }
+                for (i, replica) in replicas.iter_mut().enumerate() {
+                    if !replica.is_running() {
+                        bail!("replica {} exited:\n{}", i + 1, replica.log());
+                    }
+                    // A replica just restarted may not listen yet.
+                    if restarted[i].elapsed() < Duration::from_secs(3) {
+                        continue;
+                    }
+                    match replica.admin_get("/healthz").await {
+                        Ok((200, _)) => {}
+                        other => unhealthy.push(format!("replica {}: {other:?}", i + 1)),
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(300 + rng.below(700))).await;
+            }
+            let faults_stopped = Instant::now();
+            sim.admin("DELETE", "/sim/faults", None).await?;
+            while faults_stopped.elapsed() < Duration::from_secs(5) {
+                if converged(&sim, &orphans, web_ip, &members).await?.is_none() {
+                    return Ok(Some(faults_stopped.elapsed()));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            anyhow::Ok(None)
+        }
+        .await;
+        stop.store(true, Ordering::Relaxed);
+        result
+    };
+    let (convergence, ()) = tokio::join!(chaos, endpoints_watch);
+    let requests = sim.requests().await?;
+    let Some(convergence) = convergence? else {
+        let problem = converged(&sim, &orphans, web_ip, &members).await?;
+        bail!("not converged 5 s after the faults stopped: {problem:?}");
+    };
+
+    // `check` agrees, checking as replica 1 (whose membership Lease is its own).
+    let kubeconfig = sim.kubeconfig.to_string_lossy().into_owned();
+    let check = run_controller(&[
+        "check",
+        "--kubeconfig",
+        &kubeconfig,
+        "--config",
+        config.path.as_str(),
+        "--service-cluster-ip-range",
+        "10.96.0.0/12",
+        "--advertise-address",
+        "10.0.0.1",
+    ])?;
+
+    // Invariants from the request log.
+    let controller_requests: Vec<_> = requests
+        .iter()
+        .filter(|r| r.user_agent.contains("bootstrap-controller/"))
+        .collect();
+    let faults_hit = controller_requests
+        .iter()
+        .filter(|r| r.status >= 429 || r.status == 0)
+        .count();
+    let writes: Vec<_> = controller_requests
+        .iter()
+        .filter(|r| matches!(r.verb.as_str(), "create" | "update" | "patch" | "delete"))
+        .collect();
+    let wrong_deletes: Vec<String> = writes
+        .iter()
+        .filter(|r| r.verb == "delete" && r.status < 300)
+        .filter(|r| match r.resource.as_str() {
+            "ipaddresses" => !orphans.contains(&r.name),
+            "namespaces" | "services" | "endpoints" => true,
+            _ => false,
+        })
+        .map(|r| format!("{} {}/{}", r.verb, r.resource, r.name))
+        .collect();
+    let mut two_writers = BTreeSet::new();
+    let leader_writes: Vec<(Timestamp, &str, String)> = writes
+        .iter()
+        .filter(|r| LEADER_ONLY.contains(&r.resource.as_str()) && r.status < 300)
+        .filter_map(|r| {
+            let what = format!("{} {}/{} ({})", r.verb, r.resource, r.name, r.status);
+            Some((r.time.parse().ok()?, pid_of(&r.user_agent), what))
+        })
+        .collect();
+    let dead_by = |pid: &str, at: Timestamp| killed.iter().any(|(p, when)| p == pid && *when <= at);
+    for (i, (at, pid, what)) in leader_writes.iter().enumerate() {
+        for (other_at, other_pid, other_what) in &leader_writes[i + 1..] {
+            let (first, second) = if other_at >= at {
+                (pid, *other_at)
+            } else {
+                (other_pid, *at)
+            };
+            if other_pid != pid
+                && other_at.duration_since(*at).abs().as_secs_f64() < 1.0
+                && !dead_by(first, second)
+            {
+                two_writers.insert(format!(
+                    "pid {pid} at {at}: {what}; pid {other_pid} at {other_at}: {other_what}"
+                ));
+            }
+        }
+    }
+    println!(
+        "chaos, {count} replica(s): {secs} s, {} breakages, {kills} replicas killed, {partitions} leader partitions, {} controller requests \
+         ({faults_hit} answered with a fault), {} writes, converged {:.0} ms after the faults \
+         stopped",
+        breakages.len(),
+        controller_requests.len(),
+        writes.len(),
+        convergence.as_secs_f64() * 1000.0
+    );
+    for replica in &mut replicas {
+        ensure!(replica.is_running(), "a replica exited:\n{}", replica.log());
+        ensure!(
+            !replica.log().contains("panicked"),
+            "a replica panicked:\n{}",
+            replica.log()
+        );
+    }
+    ensure!(unhealthy.is_empty(), "/healthz failed: {unhealthy:?}");
+    ensure!(
+        check.status.code() == Some(0),
+        "check after convergence: {}\n{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    ensure!(wrong_deletes.is_empty(), "wrong deletes: {wrong_deletes:?}");
+    ensure!(
+        two_writers.is_empty(),
+        "two writers at once: {two_writers:?}"
+    );
+    ensure!(
+        emptied.load(Ordering::Relaxed) == 0,
+        "the kubernetes Endpoints were seen empty"
+    );
+    ensure!(faults_hit > 0, "no fault reached the controllers");
+    Ok(())
+}
+
+fn pid_of(user_agent: &str) -> &str {
+    user_agent
+        .split("pid ")
+        .nth(1)
+        .map_or(user_agent, |rest| rest.trim_end_matches(')'))
+}
+
+/// A run with the seed from `BOOTSTRAP_CHAOS_SEED` (or a new one) and the length from
+/// `BOOTSTRAP_CHAOS_SECS` (default 20 s).
+pub async fn chaos(replicas: usize) -> Result<()> {
+    let seed: u64 = match std::env::var("BOOTSTRAP_CHAOS_SEED") {
+        Ok(seed) => seed.parse().context("BOOTSTRAP_CHAOS_SEED")?,
+        Err(_) => u64::try_from(Timestamp::now().as_nanosecond())? | 1,
+    };
+    let secs: u64 = std::env::var("BOOTSTRAP_CHAOS_SECS").map_or(Ok(20), |s| s.parse())?;
+    println!(
+        "chaos, {replicas} replica(s): seed {seed} ({secs} s); replay with BOOTSTRAP_CHAOS_SEED={seed}"
+    );
+    let result = run(seed, secs, replicas).await;
+    if let Err(err) = &result {
+        eprintln!("chaos run failed; replay with BOOTSTRAP_CHAOS_SEED={seed}: {err:#}");
+    }
+    result
+}
