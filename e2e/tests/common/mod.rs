@@ -116,8 +116,12 @@ impl SimProcess {
         let dir = tempfile::tempdir()?;
         let kubeconfig = dir.path().join("kubeconfig");
         let log = std::fs::File::create(dir.path().join("sim.log"))?;
-        let child = Command::new(sim_bin())
-            .args(["--listen", "127.0.0.1:0", "--kubeconfig-out"])
+        let mut command = Command::new(sim_bin());
+        if !extra.contains(&"--listen") {
+            command.args(["--listen", "127.0.0.1:0"]);
+        }
+        let child = command
+            .arg("--kubeconfig-out")
             .arg(&kubeconfig)
             .args(extra)
             .stdin(Stdio::null())

@@ -1,0 +1,96 @@
+//! End to end: the API is not there when the controller starts, and goes away while it runs. The
+//! process never exits for it: it retries with backoff, `/readyz` says why it is not ready, and
+//! every loop converges once the API answers.
+
+mod common;
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use common::{CONVERGE, ControllerProcess, SimProcess, eventually, free_port};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+use kube::api::DeleteParams;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
+    // Nothing listens at this address yet.
+    let address = free_port()?.to_string();
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: sim\n  cluster: {{server: \"http://{address}\"}}\n\
+             users:\n- name: u\n  user: {{}}\ncontexts:\n- name: sim\n  context: {{cluster: sim, user: u}}\n\
+             current-context: sim\n"
+        ),
+    )?;
+    let mut controller = ControllerProcess::start(
+        &kubeconfig,
+        &[
+            "--service-cluster-ip-range",
+            "10.96.0.0/12",
+            "--advertise-address",
+            "10.0.0.1",
+            "--leader-elect=false",
+        ],
+    )?;
+
+    // Not ready, and saying why, for a while: no exit.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(
+        controller.is_running(),
+        "exited without an API:\n{}",
+        controller.log()
+    );
+    let (status, why) = controller.admin_get("/readyz?verbose").await?;
+    ensure!(status != 200, "ready without an API: {why}");
+    ensure!(why.contains("no successful pass yet"), "{why}");
+
+    // The API appears: every loop converges.
+    let sim = SimProcess::start(&["--plain-http", "--listen", &address]).await?;
+    controller.wait_ready().await?;
+    let client = common::client_from(&sim.kubeconfig).await?;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    eventually("kube-public created", CONVERGE, || async {
+        Ok(namespaces.get_opt("kube-public").await?)
+    })
+    .await?;
+
+    // The API goes away (every request dropped) for 10 s, then comes back.
+    sim.admin(
+        "POST",
+        "/sim/faults",
+        Some(serde_json::json!({"fault": {"type": "dropConnection"},
+                                "trigger": {"probability": 1.0}})),
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    ensure!(
+        controller.is_running(),
+        "exited while the API was gone:\n{}",
+        controller.log()
+    );
+    let (status, _) = controller.admin_get("/livez").await?;
+    ensure!(status == 200, "not live while the API was gone");
+    sim.clear_faults().await?;
+
+    // Still repairing afterwards.
+    namespaces
+        .delete("kube-node-lease", &DeleteParams::default())
+        .await?;
+    eventually(
+        "kube-node-lease recreated after the outage",
+        CONVERGE,
+        || async {
+            Ok(namespaces
+                .get_opt("kube-node-lease")
+                .await?
+                .filter(|ns| ns.metadata.deletion_timestamp.is_none()))
+        },
+    )
+    .await?;
+    ensure!(controller.is_running(), "{}", controller.log());
+    Ok(())
+}
