@@ -459,21 +459,24 @@ async fn run(config: Config) -> ExitCode {
 
 /// Retries `GET /version` until it answers or `timeout` passes; returns the last error.
 async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), String> {
+    use backon::Retryable;
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut delay = Duration::from_millis(200);
-    loop {
-        let attempt = tokio::time::timeout_at(deadline, client.apiserver_version()).await;
-        let last_error = match attempt {
-            Ok(Ok(_)) => return Ok(()),
-            Ok(Err(err)) => err.to_string(),
-            Err(_) => "timed out".to_owned(),
-        };
-        if tokio::time::Instant::now() + delay >= deadline {
-            return Err(last_error);
+    let attempt = || async {
+        match tokio::time::timeout_at(deadline, client.apiserver_version()).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(err)) => Err(err.to_string()),
+            Err(_) => Err("timed out".to_owned()),
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_secs(2));
-    }
+    };
+    attempt
+        .retry(
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(200))
+                .with_max_delay(Duration::from_secs(2))
+                .without_max_times(),
+        )
+        .when(|_| tokio::time::Instant::now() < deadline)
+        .await
 }
 
 async fn check(config: Config, timeout: Duration, output: OutputFormat) -> ExitCode {
