@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use common::{CONVERGE, ControllerProcess, Target, eventually};
 use k8s_openapi::api::core::v1::{Endpoints, Namespace};
+use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::Api;
 use serde_json::{Value, json};
@@ -191,6 +192,36 @@ async fn hostile_objects_are_skipped_and_every_loop_keeps_working() -> Result<()
         "the Terminating namespace was replaced: {stuck:?}"
     );
     let log = controller.log();
+    // Each strange object is reported (upstream's events for the ClusterIP repair's findings),
+    // and replacing 10,000 stale addresses is one event, not 10,000.
+    let events: Api<Event> = Api::all(client.clone());
+    let events: Vec<(String, String)> = events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|e| {
+            (
+                e.reason.unwrap_or_default(),
+                e.regarding.and_then(|r| r.name).unwrap_or_default(),
+            )
+        })
+        .collect();
+    for (reason, regarding) in [
+        ("ClusterIPNotValid", "bad-ip"),
+        ("ClusterIPNotValid", "junk-ips"),
+        ("IPAddressWrongReference", "foo"),
+        ("IPAddressNotAllocated", "10.96.0.77"),
+    ] {
+        ensure!(
+            events
+                .iter()
+                .any(|(r, name)| r == reason && name == regarding),
+            "no {reason} event about {regarding}: {events:?}"
+        );
+    }
+    let left = events.iter().filter(|(r, _)| r == "MemberLeft").count();
+    ensure!(left == 1, "{left} MemberLeft events for one replacement");
     ensure!(log.contains("Lease garbage-address has a non-IP"), "{log}");
     ensure!(
         log.contains("Lease everlasting says it was renewed at"),

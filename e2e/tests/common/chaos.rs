@@ -135,7 +135,7 @@ async fn break_something(
     rng: &mut Rng,
     orphans: &mut Vec<String>,
 ) -> Result<String> {
-    Ok(match rng.below(6) {
+    Ok(match rng.below(7) {
         0 => {
             backdoor_delete(sim, "namespaces/kube-public").await?;
             "deleted namespace kube-public".to_owned()
@@ -159,6 +159,19 @@ async fn break_something(
             let ip = format!("10.96.0.{}", 20 + rng.below(5));
             backdoor_delete(sim, &format!("ipaddresses/{ip}")).await?;
             format!("deleted Service web's IPAddress {ip} (if it was the one)")
+        }
+        5 => {
+            // Node port duplicates: reported, never "repaired" by changing a Service.
+            let name = format!("dup-{}", rng.below(1_000_000));
+            backdoor_put(
+                sim,
+                json!({"apiVersion": "v1", "kind": "Service",
+                       "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+                       "spec": {"type": "NodePort",
+                                "ports": [{"port": 80, "protocol": "TCP", "nodePort": 31000}]}}),
+            )
+            .await?;
+            format!("created Service {name} holding node port 31000 too")
         }
         _ => {
             let ip = format!("10.96.250.{}", orphans.len() + 1);
@@ -418,10 +431,12 @@ pub async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
         .collect();
     let wrong_deletes: Vec<String> = writes
         .iter()
-        .filter(|r| r.verb == "delete" && r.status < 300)
-        .filter(|r| match r.resource.as_str() {
-            "ipaddresses" => !orphans.contains(&r.name),
-            "namespaces" | "services" | "endpoints" => true,
+        .filter(|r| r.status < 300)
+        .filter(|r| match (r.verb.as_str(), r.resource.as_str()) {
+            ("delete", "ipaddresses") => !orphans.contains(&r.name),
+            ("delete", "namespaces" | "services" | "endpoints") => true,
+            // Only the kubernetes Service is ever changed; node port duplicates are reported.
+            ("update" | "patch", "services") => r.name != "kubernetes",
             _ => false,
         })
         .map(|r| format!("{} {}/{}", r.verb, r.resource, r.name))
@@ -477,7 +492,10 @@ pub async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
         String::from_utf8_lossy(&check.stdout),
         String::from_utf8_lossy(&check.stderr)
     );
-    ensure!(wrong_deletes.is_empty(), "wrong deletes: {wrong_deletes:?}");
+    ensure!(
+        wrong_deletes.is_empty(),
+        "wrong deletes or writes: {wrong_deletes:?}"
+    );
     ensure!(
         two_writers.is_empty(),
         "two writers at once: {two_writers:?}"

@@ -585,45 +585,64 @@ impl ApiserverEndpointsLoop {
             self.publish(&reference, EventType::Warning, &reason, note)
                 .await;
         }
-        for ip in &change.joined {
-            self.metrics
-                .changes
-                .get_or_create(&ChangeLabel {
-                    change: "joined".into(),
-                })
-                .inc();
-            tracing::info!(member = %ip, "apiserver joined the kubernetes endpoints");
-            self.publish(
-                &reference,
-                EventType::Normal,
+        let (expired, left): (Vec<IpAddr>, Vec<IpAddr>) = change
+            .left
+            .iter()
+            .partition(|ip| computed.expired.contains(*ip));
+        let groups = [
+            (
+                "joined",
                 "MemberJoined",
-                format!("apiserver {ip} joined the endpoints"),
-            )
-            .await;
-        }
-        for ip in &change.left {
-            let (label, reason, note) = if computed.expired.contains(ip) {
-                (
-                    "expired",
-                    "MemberExpired",
-                    format!("apiserver {ip} was removed: its membership Lease expired"),
-                )
-            } else {
-                (
-                    "left",
-                    "MemberLeft",
-                    format!("apiserver {ip} left the endpoints"),
-                )
-            };
+                "joined the endpoints",
+                change.joined.clone(),
+            ),
+            (
+                "expired",
+                "MemberExpired",
+                "was removed: its membership Lease expired",
+                expired,
+            ),
+            ("left", "MemberLeft", "left the endpoints", left),
+        ];
+        for (label, reason, what, members) in groups {
+            if members.is_empty() {
+                continue;
+            }
             self.metrics
                 .changes
                 .get_or_create(&ChangeLabel {
                     change: label.into(),
                 })
-                .inc();
-            tracing::info!(member = %ip, change = label, "apiserver left the kubernetes endpoints");
-            self.publish(&reference, EventType::Normal, reason, note)
-                .await;
+                .inc_by(members.len() as u64);
+            // One event per member, unless a pass changes many at once (a corrupted Endpoints
+            // replaced, a first pass over a stale list): then one event says how many.
+            if members.len() <= MEMBER_EVENTS_PER_PASS {
+                for ip in &members {
+                    tracing::info!(member = %ip, change = label, "apiserver {what}");
+                    self.publish(
+                        &reference,
+                        EventType::Normal,
+                        reason,
+                        format!("apiserver {ip} {what}"),
+                    )
+                    .await;
+                }
+            } else {
+                let shown: Vec<String> = members
+                    .iter()
+                    .take(MEMBER_EVENTS_PER_PASS)
+                    .map(ToString::to_string)
+                    .collect();
+                let note = format!(
+                    "{} apiservers {what}: {} and {} more",
+                    members.len(),
+                    shown.join(", "),
+                    members.len() - shown.len()
+                );
+                tracing::info!(change = label, count = members.len(), "{note}");
+                self.publish(&reference, EventType::Normal, reason, note)
+                    .await;
+            }
         }
 
         // Writes explained by a membership change are not repairs.
@@ -811,6 +830,10 @@ impl Reconciler for ApiserverEndpointsLoop {
 /// The Lease watch as a trigger, minus plain renewals: with N members a renewal arrives every
 /// interval/N, and each would cost the leader a pass that finds nothing. A Lease fires when it
 /// appears, goes, changes address, or is renewed after it had expired (a member coming back).
+/// Above this many members changing in one pass (per kind of change), one event says how many
+/// instead of one event each.
+const MEMBER_EVENTS_PER_PASS: usize = 5;
+
 /// The label selector of the `kubernetes` Service's EndpointSlices.
 fn slice_selector(target: &EndpointsTarget) -> String {
     format!("{SERVICE_NAME_LABEL}={}", target.service_name)
