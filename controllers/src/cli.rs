@@ -194,6 +194,18 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
 /// are configuration errors (exit 2): nothing about them gets better by retrying.
 pub async fn kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
     let mut config = load_kube_config(path).await?;
+    // A CA bundle without one PEM certificate trusts nothing: every TLS handshake would fail
+    // and the loops would retry for ever, so it is a configuration error.
+    if config.root_cert.as_ref().is_some_and(Vec::is_empty) {
+        let source = path.map_or_else(
+            || "the Kubernetes configuration".to_owned(),
+            |p| format!("--kubeconfig {}", p.display()),
+        );
+        return Err(format!(
+            "{source}: the cluster's certificate-authority(-data) holds no PEM certificate \
+             (it must be the API server's CA bundle, PEM-encoded: -----BEGIN CERTIFICATE-----)"
+        ));
+    }
     // kube-client sends no User-Agent; without one, audit logs and API request logs cannot tell
     // this controller's requests from anyone else's, nor one replica's from another's.
     let agent = user_agent();

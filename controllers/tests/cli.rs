@@ -159,6 +159,27 @@ fn unusable_kubeconfig_exits_2() {
     assert!(stderr.contains("--kubeconfig"), "{stderr}");
 }
 
+#[test]
+fn kubeconfig_with_a_ca_that_is_no_certificate_exits_2_naming_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("kubeconfig");
+    std::fs::write(
+        &path,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \"https://127.0.0.1:1\", \
+         certificate-authority-data: bm90IGEgY2VydA==}\nusers:\n- name: u\n  user: {token: x}\n\
+         contexts:\n- name: x\n  context: {cluster: c, user: u}\ncurrent-context: x\n",
+    )
+    .expect("write");
+    for command in ["check", "run"] {
+        let (code, _, stderr) = run(binary().arg("--kubeconfig").arg(&path).arg(command));
+        assert_eq!(code, 2, "{command}: {stderr}");
+        assert!(
+            stderr.contains("certificate-authority") && stderr.contains("PEM"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn check_reports_drift_with_exit_1_and_unreachable_api_with_exit_2() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
