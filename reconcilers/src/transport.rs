@@ -419,7 +419,7 @@ impl http_body::Body for InTaskBody {
 
 /// Bytes read from the socket at once. rustls asks for 4 – 16 KiB per read, one `recv` each;
 /// reading through this buffer cut the `recv` calls of back-to-back passes at 10,000 Services
-/// fourfold (BENCHMARKS.md, session 14), for one more copy in memory.
+/// fourfold (measured with the ClusterIP bench), for one more copy in memory.
 const READ_BUFFER: usize = 64 * 1024;
 
 /// Connects as kube's connector does (`HttpConnector` with `enforce_http(false)`, the TLS layer
