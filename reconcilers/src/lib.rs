@@ -14,7 +14,6 @@ pub mod legacy_alloc;
 pub mod nodeport_repair;
 pub mod service_cidr;
 pub mod system_namespaces;
-pub mod transport;
 pub mod watch_cache;
 
 pub use contract::{

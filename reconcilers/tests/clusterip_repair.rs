@@ -71,17 +71,14 @@ fn drive_triggers(repair: &ClusterIpRepair) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move { while triggers.next().await.is_some() {} })
 }
 
-/// The loop as the controller builds it: LISTs through the in-task transport.
+/// The loop as the controller builds it.
 async fn repair_with(
-    sim: &Sim,
+    _sim: &Sim,
     client: &Client,
     config: ClusterIpRepairConfig,
 ) -> Result<(Arc<ClusterIpRepair>, Registry)> {
     let mut registry = Registry::default();
-    let list_client = reconcilers::transport::in_task_client(&sim.kube_config().await?)?
-        .context("the simulator's kubeconfig is covered by the LIST transport")?;
-    let repair =
-        ClusterIpRepair::new(client.clone(), config, &mut registry)?.with_list_client(list_client);
+    let repair = ClusterIpRepair::new(client.clone(), config, &mut registry)?;
     Ok((Arc::new(repair), registry))
 }
 
@@ -90,7 +87,6 @@ fn config(grace: Duration) -> ClusterIpRepairConfig {
         orphan_grace: grace,
         mode: RepairMode::Auto,
         service_ranges: ranges(),
-        freshness_wait: Duration::from_secs(3),
         ..ClusterIpRepairConfig::default()
     }
 }
@@ -1276,230 +1272,100 @@ async fn dry_run_before_the_default_service_cidr_exists_uses_the_configured_rang
     assert!(err.to_string().contains("default ServiceCIDR"), "{err}");
     assert!(ip_address(&client, &ip).await?.is_none());
 
-    // The same without caches: each pass lists afresh, and the Service phase that runs while
-    // the Services are listed judges against the configured ranges too.
-    let (fresh, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
-    let report = fresh.reconcile(&ctx(&client, true)).await?;
-    assert!(
-        has_drift(&report, "clusterip_not_allocated", "Service/shop/web")
-            && has_drift(&report, "clusterip_out_of_range", "Service/shop/far")
-            && report.drift.len() == 2,
-        "{report:#?}"
-    );
-    let err = fresh.reconcile(&ctx(&client, false)).await.unwrap_err();
-    assert!(err.to_string().contains("default ServiceCIDR"), "{err}");
-    assert!(ip_address(&client, &ip).await?.is_none());
     Ok(())
 }
 
 /// A fresh listing that meets a failing page fails as a whole, whichever list the failure hits
 /// and however far the Service phase has run ahead of it, and never hangs: a snapshot that comes
 /// back has every Service and decides as one listed without faults.
+/// The caches list in pages, and a list that meets a failing page starts over: a cache says it
+/// is synced only while it holds every object, and until then a pass decides nothing.
 #[tokio::test]
-async fn snapshots_are_complete_or_fail() -> Result<()> {
-    use reconcilers::clusterip_repair::Snapshot;
+async fn caches_are_synced_only_when_complete() -> Result<()> {
+    use reconcilers::LoopError;
 
     let sim = start_sim().await?;
-    let client = sim.new_client().await?;
-    plant_every_case(&sim, &client).await?;
-    let now = jiff::Timestamp::now();
-    let grace = Duration::from_secs(60);
-    let mut reference = Snapshot::list(&client, 3, true, None).await?;
-    let services = reference.services().count();
-    let expected = reference.decide(now, grace);
-    assert!(
-        services > 3 && !expected.findings.is_empty(),
-        "{expected:?}"
-    );
-    for resource in ["services", "ipaddresses"] {
-        sim.faults().inject(FaultRule::probability(
-            Some(Verb::List),
-            Some(resource),
-            0.3,
-            FaultKind::Error {
-                code: 500,
-                retry_after_seconds: None,
-            },
-        ));
-        let (mut complete, mut failed) = (0, 0);
-        for _ in 0..20 {
-            let listed = tokio::time::timeout(
-                Duration::from_secs(30),
-                Snapshot::list(&client, 3, true, None),
-            )
-            .await
-            .context("a listing that meets a failing page still ends")?;
-            match listed {
-                Ok(mut snapshot) => {
-                    assert_eq!(snapshot.services().count(), services, "every Service");
-                    assert_eq!(snapshot.decide(now, grace), expected);
-                    complete += 1;
-                }
-                Err(_) => failed += 1,
-            }
-        }
-        sim.faults().clear();
-        assert!(
-            failed > 0,
-            "some listings met a failing {resource} page ({complete} complete)"
-        );
-    }
-    sim.shutdown().await;
-    Ok(())
-}
-
-/// Paged LISTs (next page requested from the early continue token) return every object exactly
-/// once, fetch each page once, and fail as a whole when any page fails: never a partial list.
-#[tokio::test]
-async fn paged_lists_are_complete_or_fail() -> Result<()> {
-    use reconcilers::clusterip_repair::model::IpAddressRecord;
-    use reconcilers::clusterip_repair::reflector::{Collection, IPADDRESSES, list_all};
-
-    let sim = start_sim().await?;
-    let client = sim.new_client().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
     for i in 0..50u32 {
+        let ip = format!("10.96.200.{}", i + 1);
+        sim.backdoor()
+            .put(backdoor_service("shop", &format!("svc-{i}"), &[&ip]))?;
         sim.backdoor().put(ip_address_json(
-            &format!("10.96.200.{}", i + 1),
+            &ip,
             service_ref("shop", &format!("svc-{i}")),
             Some("ipallocator.k8s.io"),
             "IPv4",
             LONG_AGO,
         ))?;
     }
-    for protobuf in [true, false] {
-        let mut collection = Collection::new(IPADDRESSES);
-        collection.page_size = 7;
-        collection.protobuf = protobuf;
-
-        sim.clear_requests();
-        let (items, version) = list_all::<IpAddressRecord>(&client, &collection).await?;
-        let mut names: Vec<String> = items.iter().map(|ip| ip.name.to_string()).collect();
-        names.sort();
-        names.dedup();
-        assert_eq!(names.len(), 50, "every object once");
-        assert_eq!(items.len(), 50);
-        assert!(version.is_some());
-        assert_eq!(
-            sim.request_count("list", "ipaddresses"),
-            8,
-            "50 objects in pages of 7 take 8 requests, none repeated"
-        );
-
-        // 8 pages, each failing with probability 0.3: most lists fail, many of them on a later page.
-        sim.faults().inject(FaultRule::probability(
-            Some(Verb::List),
-            Some("ipaddresses"),
-            0.3,
-            FaultKind::Error {
-                code: 500,
-                retry_after_seconds: None,
-            },
-        ));
-        let (mut complete, mut failed) = (0, 0);
-        for _ in 0..30 {
-            match list_all::<IpAddressRecord>(&client, &collection).await {
-                Ok((items, _)) => {
-                    assert_eq!(items.len(), 50, "a list that succeeds is complete");
-                    complete += 1;
-                }
-                Err(_) => failed += 1,
-            }
-        }
-        sim.faults().clear();
-        assert!(
-            failed > 0,
-            "some lists met a failing page ({complete} complete, protobuf: {protobuf})"
-        );
-    }
-    sim.shutdown().await;
-    Ok(())
-}
-
-/// The repair lists in protobuf where the server has it: the simulator answers in upstream's
-/// encoding (checked byte for byte against upstream's fixtures in its own tests), and the
-/// records decoded from it are exactly those decoded from JSON, for every planted case
-/// (invalid and out-of-range IPs, wrong references, other managers, terminating objects).
-#[tokio::test]
-async fn protobuf_and_json_lists_give_the_same_records() -> Result<()> {
-    use reconcilers::clusterip_repair::Snapshot;
-    use reconcilers::clusterip_repair::reflector::{Collection, SERVICES, fetch_raw_pages};
-
-    let sim = start_sim().await?;
-    let client = sim.new_client().await?;
-    plant_every_case(&sim, &client).await?;
-
-    let mut services = Collection::new(SERVICES);
-    services.page_size = 3;
-    let pages = fetch_raw_pages(&client, &services).await?;
-    assert!(pages.len() > 1, "several pages");
-    assert!(
-        pages.iter().all(|page| page.starts_with(b"k8s\0")),
-        "every page came as protobuf"
-    );
-
-    let mut from_protobuf = Snapshot::list(&client, 3, true, None).await?;
-    let mut from_json = Snapshot::list(&client, 3, false, None).await?;
-    assert!(from_json.services().count() > 5 && from_json.ip_addresses().len() > 5);
-    assert!(
-        from_protobuf.services().eq(from_json.services()),
-        "the same Services"
-    );
-    assert_eq!(from_protobuf.ip_addresses(), from_json.ip_addresses());
-    assert_eq!(from_protobuf.service_cidrs(), from_json.service_cidrs());
-    // The IPAddress index each snapshot built page by page points where one built at once does.
-    let now = jiff::Timestamp::now();
-    let grace = std::time::Duration::from_secs(60);
-    let unindexed = reconcilers::clusterip_repair::decide::decide_ipaddress_mode(
-        from_json.services(),
-        from_json.ip_addresses(),
-        from_json.service_cidrs(),
-        now,
-        grace,
-    );
-    assert!(unindexed.findings.len() > 5, "{unindexed:?}");
-    assert_eq!(from_protobuf.decide(now, grace), unindexed);
-    assert_eq!(from_protobuf.decide(now, grace), unindexed, "decided again");
-    assert_eq!(from_json.decide(now, grace), unindexed);
-
-    // With each Service page held back, the IPAddresses and ServiceCIDRs are complete first,
-    // and the Service phase runs on the Service pages as they come; the decision is the same.
+    let expected = Api::<Service>::all(client.clone())
+        .list(&Default::default())
+        .await?
+        .items
+        .len();
+    let error = FaultKind::Error {
+        code: 500,
+        retry_after_seconds: None,
+    };
+    // The first page fails for certain; later pages of Services and IPAddresses often.
     sim.faults().inject(FaultRule::next(
         Some(Verb::List),
         Some("services"),
-        3,
-        FaultKind::Latency { millis: 500 },
+        1,
+        error.clone(),
     ));
-    let mut ahead = Snapshot::list(&client, 3, true, None).await?;
-    // The last page may come just as the listing ends, and stay for the decision.
-    let synced_ahead = ahead.services_synced_ahead();
+    for resource in ["services", "ipaddresses"] {
+        sim.faults().inject(FaultRule::probability(
+            Some(Verb::List),
+            Some(resource),
+            0.3,
+            error.clone(),
+        ));
+    }
+    let (repair, _registry) = repair_with(
+        &sim,
+        &client,
+        ClusterIpRepairConfig {
+            page_size: 7,
+            ..config(Duration::from_secs(60))
+        },
+    )
+    .await?;
+    let services = repair.shared_services();
+    let _triggers = drive_triggers(&repair);
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut unsynced_passes = 0;
+    loop {
+        {
+            let state = services.store().read();
+            if state.synced {
+                assert_eq!(state.len(), expected, "a synced cache holds every Service");
+                break;
+            }
+        }
+        match repair.reconcile(&ctx(&client, false)).await {
+            Err(LoopError::NotSynced(_)) => unsynced_passes += 1,
+            Err(err) => bail!("a pass before the caches synced: {err}"),
+            Ok(report) => assert!(services.store().is_synced(), "{report:?}"),
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the Service cache never synced");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert!(
-        synced_ahead > 0 && synced_ahead + 3 >= ahead.services().count(),
-        "{synced_ahead} of {} Services synced ahead",
-        ahead.services().count()
+        unsynced_passes > 0,
+        "passes before the sync decided nothing"
     );
-    assert_eq!(ahead.decide(now, grace), unindexed);
-
-    // Errors of protobuf requests are protobuf Status objects; they decode to the same error.
-    let mut request = http::Request::get("/api/v1/services?limit=1&continue=not-a-token")
-        .body(kube::client::Body::empty())?;
-    request.headers_mut().insert(
-        http::header::ACCEPT,
-        http::HeaderValue::from_static(reconcilers::clusterip_repair::protobuf::ACCEPT),
-    );
-    let response = client.send(request).await?;
-    assert_eq!(response.status(), 400);
-    let body = http_body_util::BodyExt::collect(response.into_body())
-        .await?
-        .to_bytes();
-    assert!(body.starts_with(b"k8s\0"), "a protobuf Status");
-    let status = reconcilers::clusterip_repair::protobuf::decode_status(&body)
-        .context("the Status decodes")?;
-    assert_eq!(status.code, 400);
-    assert_eq!(status.reason, "BadRequest");
-    assert!(
-        status.message.contains("continue key is not valid"),
-        "{status:?}"
-    );
+    let failed_lists = sim
+        .requests()
+        .iter()
+        .filter(|r| r.verb == "list" && r.resource == "services" && r.status == 500)
+        .count();
+    assert!(failed_lists > 0, "the Service list met failing pages");
+    sim.faults().clear();
+    pass_until(&repair, &client, false, "a clean pass", |r| r.is_clean()).await?;
     sim.shutdown().await;
     Ok(())
 }

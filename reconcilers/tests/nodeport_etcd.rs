@@ -153,6 +153,62 @@ async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() 
     );
 }
 
+/// A bit the Service cache shows unused is released only when a fresh list of the Services
+/// agrees: with the Service watch broken, a Service created after the cache synced holds a port
+/// the cache does not know of, and that port stays allocated however often it is sighted; a
+/// port no Service holds is released as usual.
+#[tokio::test]
+async fn a_leak_is_released_only_when_a_fresh_list_confirms_it() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    // The Service watch never starts: the cache holds the first list and nothing after it.
+    sim.faults().inject(apiserver_sim::FaultRule::probability(
+        Some(apiserver_sim::Verb::Watch),
+        Some("services"),
+        1.0,
+        apiserver_sim::FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_millis(1)).await;
+    harness.pass(&sim, false).await.unwrap();
+    put_service(&sim, "late", 30600);
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let stored = RangeAllocation::new(range().to_string(), bitmap(&[30080, 30500, 30600]));
+    assert!(
+        store
+            .compare_and_swap(KEY, Some(value.mod_revision), stored.encode())
+            .await
+            .unwrap()
+    );
+    let mut released = Vec::new();
+    let mut held = 0;
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let report = harness.pass(&sim, false).await.unwrap();
+        for drift in &report.drift {
+            match drift.kind {
+                "nodeport_leaked" => released.push(drift.message.clone()),
+                "nodeport_leak_held" => held += 1,
+                _ => {}
+            }
+        }
+    }
+    let value = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(ports_of(&value.value), vec![30080, 30600], "{released:?}");
+    assert_eq!(released.len(), 1, "{released:?}");
+    assert!(released[0].contains("30500"), "{released:?}");
+    assert_eq!(
+        held, 0,
+        "the fresh list settled every held suspect in its pass"
+    );
+    // The watcher's one list, then the fresh lists that confirmed the suspects.
+    assert!(sim.request_count("list", "services") >= 2);
+}
+
 #[tokio::test]
 async fn a_missing_key_is_created_only_if_absent() {
     let etcd = Etcd::start(None).await;

@@ -53,15 +53,15 @@ impl ApiserverReadyz {
             url: url.to_owned(),
             reason,
         };
-        let uri: hyper::Uri = url
+        let uri: http::Uri = url
             .parse()
-            .map_err(|e: hyper::http::uri::InvalidUri| parse_err(e.to_string()))?;
+            .map_err(|e: http::uri::InvalidUri| parse_err(e.to_string()))?;
         let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
             return Err(parse_err("scheme and host are required".to_owned()));
         };
-        let server: hyper::Uri = format!("{scheme}://{authority}")
+        let server: http::Uri = format!("{scheme}://{authority}")
             .parse()
-            .map_err(|e: hyper::http::uri::InvalidUri| parse_err(e.to_string()))?;
+            .map_err(|e: http::uri::InvalidUri| parse_err(e.to_string()))?;
         let path = uri
             .path_and_query()
             .map(|p| p.as_str())
@@ -81,7 +81,7 @@ impl ApiserverReadyz {
 impl ReadinessProbe for ApiserverReadyz {
     fn check(&self) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async move {
-            let request = hyper::Request::get(self.path.as_str())
+            let request = http::Request::get(self.path.as_str())
                 .body(Vec::new())
                 .map_err(|e| e.to_string())?;
             let response = tokio::time::timeout(
@@ -92,7 +92,7 @@ impl ReadinessProbe for ApiserverReadyz {
             .map_err(|_| format!("GET {} timed out after {:?}", self.path, self.timeout))?
             .map_err(|e| format!("GET {} failed: {e}", self.path))?;
             let status = response.status();
-            if status == hyper::StatusCode::OK {
+            if status == http::StatusCode::OK {
                 Ok(())
             } else {
                 Err(format!("GET {} answered {status}", self.path))

@@ -295,96 +295,11 @@ impl IpIndex {
     }
 }
 
-/// The IPAddresses the lookups point into: referenced one by one (from a cache) or as listed.
-#[derive(Clone, Copy)]
-enum IpRecords<'i, 'a> {
-    Refs(&'i [&'a IpAddressRecord]),
-    Listed(&'a [IpAddressRecord]),
-}
-
-impl<'a> IpRecords<'_, 'a> {
-    fn get(self, at: u32) -> &'a IpAddressRecord {
-        match self {
-            IpRecords::Refs(refs) => refs[at as usize],
-            IpRecords::Listed(listed) => &listed[at as usize],
-        }
-    }
-}
-
 /// The lookups a pass makes, built once per pass.
 struct Index<'i, 'a> {
-    ip_addresses: IpRecords<'i, 'a>,
+    ip_addresses: &'i [&'a IpAddressRecord],
     ips_by_addr: &'i IpIndex,
-    /// `None` while the Services are still being listed: a Service whose sync needs to look
-    /// up another Service waits for the decision (see [`ServicePhaseAhead`]).
-    services_by_key: Option<&'i ServicesByKey<'i, 'a>>,
-}
-
-/// A Service's sync needed another Service while not all were listed yet.
-struct NeedsAllServices;
-
-/// The IPAddresses of a fresh LIST, in list order, with their index.
-#[derive(Debug, Default)]
-pub struct ListedIpAddresses {
-    pub records: Vec<IpAddressRecord>,
-    pub index: IpIndex,
-}
-
-/// The Service phase of a fresh LIST, run on the Services page by page while the rest are still
-/// on their way, once the IPAddresses and ServiceCIDRs are complete: the pass then does not do
-/// it all after the last page. It syncs each Service exactly as the decision would, except
-/// those whose IPAddress names another Service: their sync needs every Service, so they wait.
-/// A decision takes it over only for the same ServiceCIDRs and IPAddresses.
-#[derive(Debug)]
-pub struct ServicePhaseAhead {
-    ranges: Vec<ServiceRange>,
-    ip_addresses: usize,
-    /// How many Services, from the first listed, it has seen.
-    services: usize,
-    phase: ServicePhase,
-}
-
-impl ServicePhaseAhead {
-    pub fn new(service_cidrs: &[ServiceCidrRecord], ip_addresses: &ListedIpAddresses) -> Self {
-        Self {
-            ranges: ranges_of(service_cidrs),
-            ip_addresses: ip_addresses.records.len(),
-            services: 0,
-            phase: ServicePhase::default(),
-        }
-    }
-
-    /// How many Services, from the first listed, it has seen.
-    pub fn services(&self) -> usize {
-        self.services
-    }
-
-    /// Syncs the Services that follow those seen so far, against `ip_addresses` (those it was
-    /// made with).
-    pub fn sync(&mut self, services: &[ServiceRecord], ip_addresses: &ListedIpAddresses) {
-        if ip_addresses.records.len() != self.ip_addresses {
-            debug_assert!(false, "a ServicePhaseAhead given other IPAddresses");
-            return;
-        }
-        if u32::try_from(self.services + services.len()).is_err() {
-            // Positions are u32; the decision syncs any Services beyond.
-            return;
-        }
-        let index = Index {
-            ip_addresses: IpRecords::Listed(&ip_addresses.records),
-            ips_by_addr: &ip_addresses.index,
-            services_by_key: None,
-        };
-        let part = sync_services(
-            services,
-            self.services,
-            Claims::PerService(Vec::new()),
-            &self.ranges,
-            &index,
-        );
-        self.phase.absorb(part);
-        self.services += services.len();
-    }
+    services_by_key: &'i ServicesByKey<'i, 'a>,
 }
 
 fn ranges_of<'a>(
@@ -411,42 +326,15 @@ struct ServicePhase {
     /// the Services were synced on their own, one IP in here twice means they should not have.
     claimed: Vec<u32>,
     claimed_unallocated: Vec<IpAddr>,
-    /// Services (positions in the list) whose sync waits for every Service to be listed.
-    deferred: Vec<u32>,
 }
 
-/// The lengths of a [`ServicePhase`]'s lists before a Service's sync, to undo it.
-struct Checkpoint([usize; 5]);
-
 impl ServicePhase {
-    fn checkpoint(&self) -> Checkpoint {
-        Checkpoint([
-            self.findings.len(),
-            self.rewritten.len(),
-            self.matched.len(),
-            self.claimed.len(),
-            self.claimed_unallocated.len(),
-        ])
-    }
-
-    fn undo(
-        &mut self,
-        Checkpoint([findings, rewritten, matched, claimed, unallocated]): Checkpoint,
-    ) {
-        self.findings.truncate(findings);
-        self.rewritten.truncate(rewritten);
-        self.matched.truncate(matched);
-        self.claimed.truncate(claimed);
-        self.claimed_unallocated.truncate(unallocated);
-    }
-
     fn absorb(&mut self, part: ServicePhase) {
         self.findings.extend(part.findings);
         self.rewritten.extend(part.rewritten);
         self.matched.extend(part.matched);
         self.claimed.extend(part.claimed);
         self.claimed_unallocated.extend(part.claimed_unallocated);
-        self.deferred.extend(part.deferred);
     }
 
     fn claim<'a>(
@@ -490,30 +378,6 @@ pub fn decide_ipaddress_mode<'a>(
     decide_in_chunks(
         services,
         ip_addresses,
-        None,
-        None,
-        service_cidrs,
-        now,
-        orphan_grace,
-        per_thread,
-    )
-}
-
-/// [`decide_ipaddress_mode`] for a fresh LIST: the IPAddresses already indexed, and maybe the
-/// Service phase already run on some Services (`ahead`, made with these IPAddresses).
-pub(super) fn decide_listed<'a>(
-    services: impl IntoIterator<Item = &'a ServiceRecord>,
-    ip_addresses: &'a ListedIpAddresses,
-    ahead: Option<ServicePhaseAhead>,
-    service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
-    now: jiff::Timestamp,
-    orphan_grace: Duration,
-) -> Decision {
-    decide_in_chunks(
-        services,
-        &ip_addresses.records,
-        Some(&ip_addresses.index),
-        ahead,
         service_cidrs,
         now,
         orphan_grace,
@@ -530,14 +394,9 @@ fn per_thread(services: usize) -> Option<usize> {
 /// [`decide_ipaddress_mode`] with the Service phase split into chunks of
 /// `chunk_len(services)` Services, each on its own thread (tests choose tiny chunks); `None`
 /// walks the Services in key order on one thread, as upstream does (the tests' reference).
-/// `index` is used when it indexes `ip_addresses` in their order, `ahead` when it was run on
-/// them and the same ServiceCIDRs.
-#[allow(clippy::too_many_arguments)]
 fn decide_in_chunks<'a>(
     services: impl IntoIterator<Item = &'a ServiceRecord>,
     ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>,
-    index: Option<&IpIndex>,
-    ahead: Option<ServicePhaseAhead>,
     service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
     now: jiff::Timestamp,
     orphan_grace: Duration,
@@ -546,31 +405,16 @@ fn decide_in_chunks<'a>(
     let services: Vec<&ServiceRecord> = services.into_iter().collect();
     let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
     let ranges = ranges_of(service_cidrs);
-    let built;
-    let ips_by_addr = match index {
-        Some(index) if index.len() == ip_addresses.len() => index,
-        other => {
-            debug_assert!(other.is_none(), "an IpIndex of another list");
-            built = IpIndex::of(ip_addresses.iter().copied());
-            &built
-        }
-    };
+    let ips_by_addr = IpIndex::of(ip_addresses.iter().copied());
     let services_by_key = ServicesByKey {
         services: &services,
         map: OnceLock::new(),
     };
     let index = Index {
-        ip_addresses: IpRecords::Refs(&ip_addresses),
-        ips_by_addr,
-        services_by_key: Some(&services_by_key),
+        ip_addresses: &ip_addresses,
+        ips_by_addr: &ips_by_addr,
+        services_by_key: &services_by_key,
     };
-    let ahead = ahead.filter(|ahead| {
-        let fits = ahead.ranges == ranges
-            && ahead.ip_addresses == ip_addresses.len()
-            && ahead.services <= services.len();
-        debug_assert!(fits, "a ServicePhaseAhead of another list");
-        fits
-    });
 
     let in_key_order = || {
         // Upstream walks the lister in key order, so "who claimed it first" is the Service with
@@ -579,7 +423,6 @@ fn decide_in_chunks<'a>(
         in_key_order.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
         sync_services(
             &in_key_order,
-            0,
             Claims::Global(fast_map(ip_addresses.len())),
             &ranges,
             &index,
@@ -589,36 +432,24 @@ fn decide_in_chunks<'a>(
         None => in_key_order(),
         Some(_) => {
             // First assume no IP is claimed by two Services: then each Service can be synced
-            // on its own, on several threads, in whatever order the cache holds them (or
-            // ahead, as they were listed). The findings still come in key order (a stable sort
-            // keeps each Service's own in clusterIPs order).
-            let (mut phase, rest): (ServicePhase, Vec<&ServiceRecord>) = match ahead {
-                Some(mut ahead) => {
-                    let deferred = std::mem::take(&mut ahead.phase.deferred);
-                    let rest = deferred
-                        .iter()
-                        .map(|&at| services[at as usize])
-                        .chain(services[ahead.services..].iter().copied())
-                        .collect();
-                    (ahead.phase, rest)
-                }
-                None => (ServicePhase::default(), services.clone()),
-            };
-            let chunk = chunk_len(rest.len()).unwrap_or(rest.len()).max(1);
+            // on its own, on several threads, in whatever order the cache holds them. The
+            // findings still come in key order (a stable sort keeps each Service's own in
+            // clusterIPs order).
+            let mut phase = ServicePhase::default();
+            let chunk = chunk_len(services.len()).unwrap_or(services.len()).max(1);
             let parts: Vec<ServicePhase> = std::thread::scope(|scope| {
-                let mut chunks = rest.chunks(chunk);
+                let mut chunks = services.chunks(chunk);
                 let first = chunks.next().unwrap_or_default();
                 let others: Vec<_> = chunks
                     .map(|chunk| {
                         let (ranges, index) = (&ranges, &index);
                         scope.spawn(move || {
-                            sync_services(chunk, 0, Claims::PerService(Vec::new()), ranges, index)
+                            sync_services(chunk, Claims::PerService(Vec::new()), ranges, index)
                         })
                     })
                     .collect();
                 let mut parts = vec![sync_services(
                     first,
-                    0,
                     Claims::PerService(Vec::new()),
                     &ranges,
                     &index,
@@ -645,7 +476,6 @@ fn decide_in_chunks<'a>(
             }
         }
     };
-    debug_assert!(phase.deferred.is_empty(), "every Service was listed");
 
     let mut settled = vec![false; ip_addresses.len()];
     for &at in phase.rewritten.iter().chain(&phase.matched) {
@@ -667,19 +497,16 @@ fn decide_in_chunks<'a>(
     decision
 }
 
-/// Upstream's `syncService` for each of `services` (the first at position `first` of the list)
-/// with `claims` as the IPs claimed so far. A Service whose sync needs every Service while they
-/// are not all listed is left out, its position noted in `deferred`.
+/// Upstream's `syncService` for each of `services`, with `claims` as the IPs claimed so far.
 fn sync_services<'c, S: std::borrow::Borrow<ServiceRecord>>(
     services: &'c [S],
-    first: usize,
     mut claims: Claims<'c>,
     ranges: &[ServiceRange],
     index: &Index<'_, '_>,
 ) -> ServicePhase {
     let mut phase = ServicePhase::default();
     let mut found: Vec<Option<u32>> = Vec::with_capacity(2 * LOOKAHEAD);
-    for (batch_number, batch) in services.chunks(LOOKAHEAD).enumerate() {
+    for batch in services.chunks(LOOKAHEAD) {
         // Each lookup is a chain of cache misses (bucket, position, record). Done for a batch
         // in short loops of their own, the misses of different IPs overlap instead of one chain
         // at a time waiting inside the long sync below.
@@ -693,32 +520,16 @@ fn sync_services<'c, S: std::borrow::Borrow<ServiceRecord>>(
         let warmed = found
             .iter()
             .flatten()
-            .map(|&at| index.ip_addresses.get(at))
+            .map(|&at| index.ip_addresses[at as usize])
             .fold(0, |acc, ip| acc ^ touch_service_phase_fields(ip));
         std::hint::black_box(warmed);
         let mut found = found.iter().copied();
-        for (offset, svc) in batch.iter().enumerate() {
+        for svc in batch {
             let svc = svc.borrow();
             claims.next_service();
-            let checkpoint = phase.checkpoint();
-            let mut deferred = false;
             for cluster_ip in svc.cluster_ips.iter() {
                 let at = found.next().flatten();
-                if deferred {
-                    continue;
-                }
-                let synced =
-                    sync_service_ip(svc, cluster_ip, at, ranges, index, &mut claims, &mut phase);
-                if synced.is_err() {
-                    deferred = true;
-                }
-            }
-            if deferred {
-                phase.undo(checkpoint);
-                let position = first + batch_number * LOOKAHEAD + offset;
-                phase
-                    .deferred
-                    .push(u32::try_from(position).unwrap_or(u32::MAX));
+                sync_service_ip(svc, cluster_ip, at, ranges, index, &mut claims, &mut phase);
             }
         }
     }
@@ -761,7 +572,7 @@ fn sync_service_ip<'a>(
     index: &Index<'_, '_>,
     claims: &mut Claims<'a>,
     phase: &mut ServicePhase,
-) -> Result<(), NeedsAllServices> {
+) {
     let regarding = || Regarding::service(svc);
     let owner = || ServiceOwner {
         namespace: svc.namespace.clone(),
@@ -781,7 +592,7 @@ fn sync_service_ip<'a>(
             error_type: Some("invalid"),
             repair: Repair::None,
         });
-        return Ok(());
+        return;
     };
     let family = IpFamily::of(ip);
     if !ranges.iter().any(|range| range.holds_service_ip(ip)) {
@@ -798,7 +609,7 @@ fn sync_service_ip<'a>(
             error_type: Some("outOfRange"),
             repair: Repair::None,
         });
-        return Ok(());
+        return;
     }
     let duplicate = |phase: &mut ServicePhase| {
         phase.findings.push(Finding {
@@ -819,7 +630,7 @@ fn sync_service_ip<'a>(
         if first != this {
             duplicate(phase);
         }
-        return Ok(());
+        return;
     }
 
     let Some(at) = at else {
@@ -835,9 +646,9 @@ fn sync_service_ip<'a>(
             error_type: Some("repair"),
             repair: Repair::Create { ip, owner: owner() },
         });
-        return Ok(());
+        return;
     };
-    let existing = index.ip_addresses.get(at);
+    let existing = index.ip_addresses[at as usize];
     let existing_version = || ObjectVersion {
         uid: existing.uid.to_string().into(),
         resource_version: existing.resource_version.to_string().into(),
@@ -859,7 +670,7 @@ fn sync_service_ip<'a>(
         } else {
             duplicate(phase);
         }
-        return Ok(());
+        return;
     }
 
     let wrong_reference = |dangling_parent: Option<ServiceOwner>| Finding {
@@ -885,8 +696,7 @@ fn sync_service_ip<'a>(
     match parent {
         Some(p) if p.is_service() => {
             if !parent_is_this {
-                let services_by_key = index.services_by_key.ok_or(NeedsAllServices)?;
-                match services_by_key.get(&p.namespace, &p.name) {
+                match index.services_by_key.get(&p.namespace, &p.name) {
                     None => {
                         phase.claim(claims, ip, Some(at), this);
                         phase.rewritten.push(at);
@@ -894,13 +704,13 @@ fn sync_service_ip<'a>(
                             namespace: p.namespace.clone(),
                             name: p.name.clone(),
                         })));
-                        return Ok(());
+                        return;
                     }
                     Some(referenced) if referenced.lists_ip(ip) => {
                         // Upstream goes on to the label check and may hand the IPAddress to
                         // this Service; the owner's own sync repairs labels without that churn.
                         duplicate(phase);
-                        return Ok(());
+                        return;
                     }
                     // The IPAddress phase deletes it; the next pass recreates it for us.
                     Some(_) => {}
@@ -911,7 +721,7 @@ fn sync_service_ip<'a>(
             phase.claim(claims, ip, Some(at), this);
             phase.rewritten.push(at);
             phase.findings.push(wrong_reference(None));
-            return Ok(());
+            return;
         }
     }
 
@@ -935,7 +745,6 @@ fn sync_service_ip<'a>(
             },
         });
     }
-    Ok(())
 }
 
 /// Go's `%v` of a `*ParentReference`, as upstream's note prints it.
@@ -1540,15 +1349,11 @@ mod tests {
     fn threads_and_cache_order_decide_as_upstreams_key_order_walk() {
         let mut kinds = std::collections::BTreeSet::new();
         let mut contested_seen = false;
-        let mut deferred_seen = false;
         for seed in 1..40u64 {
             // A pool of 40 IPs for 60 Services: shared IPs; 240: rarely.
             for pool in [40, 240] {
                 let (services, ips) = damaged_cluster(seed, pool);
-                let serial =
-                    decide_in_chunks(&services, &ips, None, None, &cidrs(), now(), GRACE, |_| {
-                        None
-                    });
+                let serial = decide_in_chunks(&services, &ips, &cidrs(), now(), GRACE, |_| None);
                 contested_seen |= serial
                     .findings
                     .iter()
@@ -1560,65 +1365,20 @@ mod tests {
                 reversed_ips.reverse();
                 for chunk in [1, 2, 7, 60] {
                     for (services, ips) in [(&services, &ips), (&reversed, &reversed_ips)] {
-                        // Built page by page, as a fresh LIST does.
-                        let index = (chunk == 2).then(|| {
-                            ips.chunks(3).fold(IpIndex::default(), |mut index, page| {
-                                index.extend(page);
-                                index
-                            })
-                        });
-                        let chunked = decide_in_chunks(
-                            services,
-                            ips,
-                            index.as_ref(),
-                            None,
-                            &cidrs(),
-                            now(),
-                            GRACE,
-                            |_| Some(chunk),
-                        );
+                        let chunked =
+                            decide_in_chunks(services, ips, &cidrs(), now(), GRACE, |_| {
+                                Some(chunk)
+                            });
                         same_findings(
                             &chunked,
                             &serial,
                             &format!("seed {seed}, pool {pool}, chunks of {chunk}"),
                         );
-
-                        // The Service phase run ahead on the first pages of Services (a page
-                        // of `chunk`), the rest left to the decision.
-                        let listed = ListedIpAddresses {
-                            records: ips.clone(),
-                            index: IpIndex::of(ips.iter()),
-                        };
-                        for synced_ahead in [services.len(), services.len() / 2] {
-                            let mut ahead = ServicePhaseAhead::new(&cidrs(), &listed);
-                            for page in services[..synced_ahead].chunks(chunk) {
-                                ahead.sync(page, &listed);
-                            }
-                            deferred_seen |= !ahead.phase.deferred.is_empty();
-                            let decided = decide_in_chunks(
-                                services,
-                                &listed.records,
-                                Some(&listed.index),
-                                Some(ahead),
-                                &cidrs(),
-                                now(),
-                                GRACE,
-                                |_| Some(chunk),
-                            );
-                            same_findings(
-                                &decided,
-                                &serial,
-                                &format!(
-                                    "seed {seed}, pool {pool}, {synced_ahead} Services synced ahead in pages of {chunk}"
-                                ),
-                            );
-                        }
                     }
                 }
             }
         }
         assert!(contested_seen, "some seeds have IPs claimed twice");
-        assert!(deferred_seen, "some Services wait for the decision");
         assert!(
             kinds.len() >= 9,
             "the seeds cover most kinds of finding: {kinds:?}"

@@ -24,10 +24,17 @@ use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
 /// The bitmaps of the configured ranges, primary first.
 pub(super) struct LegacyIpBitmaps {
     bitmaps: Vec<(LegacyBitmap, ServiceRange)>,
+    /// LIST page size of the fresh list that confirms a leak.
+    page_size: u32,
 }
 
 impl LegacyIpBitmaps {
-    pub(super) fn new(etcd: &EtcdConfig, ranges: &[IpNet], interval: std::time::Duration) -> Self {
+    pub(super) fn new(
+        etcd: &EtcdConfig,
+        ranges: &[IpNet],
+        interval: std::time::Duration,
+        page_size: u32,
+    ) -> Self {
         let store = EtcdStore::new(etcd.clone());
         let bitmaps = ranges
             .iter()
@@ -55,7 +62,7 @@ impl LegacyIpBitmaps {
                 (bitmap, range)
             })
             .collect();
-        Self { bitmaps }
+        Self { bitmaps, page_size }
     }
 
     pub(super) fn triggers(&self) -> Vec<Trigger> {
@@ -87,15 +94,16 @@ impl LegacyIpBitmaps {
                     .get(&offset)
                     .map(|(namespace, name, _)| format!("Service/{namespace}/{name}"))
             };
-            let prove_fresh = || -> BoxFuture<'static, bool> {
-                let client = ctx.client.clone();
-                let store = services.clone();
-                Box::pin(
-                    async move { crate::nodeport_repair::services_fresh(&client, &store).await },
-                )
+            let fresh_in_use = || -> BoxFuture<'static, Option<FixedBitSet>> {
+                let (client, page_size, range) = (ctx.client.clone(), self.page_size, *range);
+                Box::pin(async move {
+                    let services =
+                        crate::nodeport_repair::fresh_services(&client, page_size).await?;
+                    Some(self::in_use(services.iter(), &range, bitmap_size(&range)).0)
+                })
             };
             let pass = bitmap
-                .pass(&in_use, &owner, ctx.dry_run, prove_fresh)
+                .pass(&in_use, &owner, ctx.dry_run, fresh_in_use)
                 .await
                 .map_err(|err| LoopError::Other(format!("ClusterIP bitmap in etcd: {err}")))?;
             report.drift.extend(pass.drift);

@@ -7,11 +7,10 @@
 //! every interval, and [`decide`] says what is wrong with the exact upstream events.
 //!
 //! Safety beyond upstream: nothing is decided from an unsynced cache; every delete is
-//! preconditioned on the IPAddress's uid and resourceVersion; and before a delete the Service
-//! cache must be proven at least as new as the API's Services (a `limit=1` list gives the API's
-//! version), or else the parent Service is read live and the delete happens only if the live
-//! state agrees. If neither holds the delete is deferred and counted. IPAddresses managed by
-//! anyone but `ipallocator.k8s.io` are never written.
+//! preconditioned on the IPAddress's uid and resourceVersion; and before a delete the parent
+//! Service is read live, and the delete happens only if the live state agrees (otherwise it is
+//! deferred and counted). IPAddresses managed by anyone but `ipallocator.k8s.io` are never
+//! written.
 //!
 //! Where the API serves no IPAddress (older clusters, generic control planes; found by
 //! discovery), the loop audits instead: it rebuilds each configured range's allocation from all
@@ -21,12 +20,10 @@
 pub mod decide;
 mod legacy;
 pub mod model;
-pub mod protobuf;
 pub mod reflector;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -53,7 +50,7 @@ use model::{
     IPALLOCATOR_MANAGER, IpAddressRecord, LABEL_IP_FAMILY, LABEL_MANAGED_BY, ServiceCidrRecord,
     ServiceRecord,
 };
-use reflector::{Collection, SharedStore, Store, list_all, parse_resource_version, reflect};
+use reflector::{SharedStore, Store, reflect};
 
 /// Reporting controller of the events, as upstream.
 pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
@@ -85,16 +82,10 @@ pub struct ClusterIpRepairConfig {
     pub service_ranges: Vec<IpNet>,
     /// `reportingInstance` of the events; `None` uses the host name.
     pub reporting_instance: Option<String>,
-    /// How long a pass waits for the Service cache to catch up with the API before deletes
-    /// fall back to live checks.
-    pub freshness_wait: Duration,
     /// When a delete is deferred, look again after this long.
     pub deferral_retry: Duration,
-    /// LIST page size (IPAddresses: [`reflector::IPADDRESS_PAGE_FACTOR`] times this).
+    /// LIST page size of the caches' (re)lists.
     pub page_size: u32,
-    /// Ask for LIST pages in protobuf (falls back to JSON per response); `false` only to
-    /// compare the two.
-    pub list_protobuf: bool,
     /// etcd mode: also repair the legacy ClusterIP bitmaps of `service_ranges` in etcd.
     pub etcd: Option<crate::legacy_alloc::etcd::EtcdConfig>,
 }
@@ -107,10 +98,8 @@ impl Default for ClusterIpRepairConfig {
             mode: RepairMode::Auto,
             service_ranges: Vec::new(),
             reporting_instance: None,
-            freshness_wait: Duration::from_secs(2),
             deferral_retry: Duration::from_secs(10),
             page_size: reflector::DEFAULT_PAGE_SIZE,
-            list_protobuf: true,
             etcd: None,
         }
     }
@@ -205,7 +194,7 @@ impl RepairMetrics {
         );
         registry.register(
             "clusterip_repair_deferred_deletes",
-            "Number of IPAddress deletes put off because the Service cache could not be proven fresh, by reason",
+            "Number of IPAddress deletes put off because a live read of the Service disagreed with the cache or failed, by reason",
             metrics.deferred_deletes.clone(),
         );
         metrics
@@ -282,8 +271,6 @@ async fn discover(client: &Client) -> Result<Served, kube::Error> {
 /// The ClusterIP repair loop (`clusterip-repair`).
 pub struct ClusterIpRepair {
     client: Client,
-    /// LISTs (fresh passes, cache relists) go through this one; see [`Self::with_list_client`].
-    list_client: Option<Client>,
     config: ClusterIpRepairConfig,
     metrics: RepairMetrics,
     services: Arc<Store<ServiceRecord>>,
@@ -291,9 +278,6 @@ pub struct ClusterIpRepair {
     shared_services: Arc<SharedStore<ServiceRecord>>,
     ip_addresses: Arc<Store<IpAddressRecord>>,
     service_cidrs: Arc<Store<ServiceCidrRecord>>,
-    /// Whether the runner took the trigger streams (which fill the caches); without them each
-    /// pass lists for itself.
-    caches_running: AtomicBool,
     served: Mutex<Option<Served>>,
     recorder: Recorder,
     wakeup: Arc<Wakeup>,
@@ -330,38 +314,27 @@ impl ClusterIpRepair {
         };
         let shared_services = Arc::<SharedStore<ServiceRecord>>::default();
         let legacy = config.etcd.as_ref().map(|etcd| {
-            legacy::LegacyIpBitmaps::new(etcd, &config.service_ranges, config.interval)
+            legacy::LegacyIpBitmaps::new(
+                etcd,
+                &config.service_ranges,
+                config.interval,
+                config.page_size,
+            )
         });
         Ok(Self {
             legacy,
             reported: crate::findings::ReportOnce::new(),
             recorder: Recorder::new(client.clone(), reporter),
             client,
-            list_client: None,
             config,
             metrics: RepairMetrics::register(registry),
             services: shared_services.store().clone(),
             shared_services,
             ip_addresses: Arc::default(),
             service_cidrs: Arc::default(),
-            caches_running: AtomicBool::new(false),
             served: Mutex::new(None),
             wakeup: Arc::default(),
         })
-    }
-
-    /// Sends the loop's LISTs (its fresh passes and its caches' lists) through `client`, and
-    /// everything else (watches, writes, discovery) through the one it was built with. Meant for
-    /// [`crate::transport::in_task_client`]: a LIST of 100,000 Services is about 45,000 frames of
-    /// 2 KiB, and that transport hands none of them between tasks.
-    pub fn with_list_client(mut self, client: Client) -> Self {
-        self.list_client = Some(client);
-        self
-    }
-
-    /// The client for a LIST, `fallback` when none was set for LISTs.
-    fn list_client<'a>(&'a self, fallback: &'a Client) -> &'a Client {
-        self.list_client.as_ref().unwrap_or(fallback)
     }
 
     /// The Service cache this loop keeps, for other loops that read Services: the process then
@@ -372,12 +345,6 @@ impl ClusterIpRepair {
 
     pub fn metrics(&self) -> &RepairMetrics {
         &self.metrics
-    }
-
-    fn collection(&self, path: &'static str) -> Collection {
-        let mut collection = Collection::new(path).paged(self.config.page_size);
-        collection.protobuf = self.config.list_protobuf;
-        collection
     }
 
     async fn served(&self, client: &Client) -> Result<Served, LoopError> {
@@ -418,7 +385,7 @@ impl ClusterIpRepair {
                     .to_owned(),
             ));
         }
-        let audit = if self.caches_running.load(Ordering::Relaxed) {
+        let audit = {
             let state = self.services.read();
             if !state.synced {
                 return Err(LoopError::NotSynced(
@@ -426,13 +393,6 @@ impl ClusterIpRepair {
                 ));
             }
             decide::decide_audit_mode(state.values(), &ranges)
-        } else {
-            let (services, _) = list_all::<ServiceRecord>(
-                self.list_client(&ctx.client),
-                &self.collection(reflector::SERVICES),
-            )
-            .await?;
-            decide::decide_audit_mode(&services, &ranges)
         };
         let AuditDecision { findings, usage } = audit;
         for range in &usage {
@@ -471,7 +431,7 @@ impl ClusterIpRepair {
 
     async fn ipaddress_pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
         let now = jiff::Timestamp::now();
-        let decision = if self.caches_running.load(Ordering::Relaxed) {
+        let decision = {
             let services = self.services.read();
             let ip_addresses = self.ip_addresses.read();
             let service_cidrs = self.service_cidrs.read();
@@ -497,28 +457,6 @@ impl ClusterIpRepair {
                 now,
                 self.config.orphan_grace,
             )
-        } else {
-            // Listed with the stand-in, if any, so the Service phase can run while listing.
-            let stand_in = self.default_service_cidr_stand_in(ctx);
-            let mut snapshot = Snapshot::list(
-                self.list_client(&ctx.client),
-                self.config.page_size,
-                self.config.list_protobuf,
-                stand_in.as_ref().ok().cloned(),
-            )
-            .await?;
-            if !snapshot
-                .service_cidrs
-                .iter()
-                .any(|c| &*c.name == DEFAULT_SERVICE_CIDR)
-            {
-                stand_in?;
-            }
-            let decision = snapshot.decide(now, self.config.orphan_grace);
-            // Freeing a few hundred thousand records takes milliseconds that the pass need
-            // not wait for.
-            drop(tokio::task::spawn_blocking(move || drop(snapshot)));
-            decision
         };
         self.act(ctx, decision).await
     }
@@ -558,7 +496,6 @@ impl ClusterIpRepair {
                 .schedule(tokio::time::Instant::now() + wait + Duration::from_millis(50));
         }
         let mut report = PassReport::default();
-        let mut freshness: Option<bool> = None;
         let mut first_error: Option<LoopError> = None;
         let appeared = self.appeared(&decision.findings);
         for finding in decision.findings {
@@ -575,7 +512,7 @@ impl ClusterIpRepair {
             let outcome = if ctx.dry_run {
                 Outcome::DryRun
             } else {
-                match self.repair(ctx, &finding, &mut freshness).await {
+                match self.repair(ctx, &finding).await {
                     Ok(outcome) => outcome,
                     Err(err) => {
                         warn!(object = %finding.regarding.object(), error = %err, "repair failed");
@@ -611,49 +548,9 @@ impl ClusterIpRepair {
         }
     }
 
-    /// Is the Service cache at least as new as the API's Services? Waits briefly for it to
-    /// catch up, as watch events may be in flight.
-    async fn service_cache_is_fresh(&self, client: &Client) -> bool {
-        if !self.caches_running.load(Ordering::Relaxed) {
-            // The snapshot was listed during this pass; treat it as stale, so deletes are
-            // checked against the live parent Service.
-            return false;
-        }
-        let api_version =
-            match reflector::current_resource_version(client, reflector::SERVICES).await {
-                Ok(Some(version)) => version,
-                Ok(None) => return false,
-                Err(err) => {
-                    warn!(error = %err, "cannot read the API's Services resourceVersion");
-                    return false;
-                }
-            };
-        let Some(api_version) = parse_resource_version(&api_version) else {
-            return false;
-        };
-        let deadline = tokio::time::Instant::now() + self.config.freshness_wait;
-        loop {
-            if self
-                .services
-                .resource_version()
-                .is_some_and(|cache| cache >= api_version)
-            {
-                return true;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                debug!(api_version, cache_version = ?self.services.resource_version(), "Service cache is behind the API");
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    async fn repair(
-        &self,
-        ctx: &PassContext,
-        finding: &Finding,
-        freshness: &mut Option<bool>,
-    ) -> Result<Outcome, LoopError> {
+    /// Carries out one repair. Deletes (and the delete of a recreate) happen only when a live
+    /// read of the Services involved agrees with the cache: a watch may be behind.
+    async fn repair(&self, ctx: &PassContext, finding: &Finding) -> Result<Outcome, LoopError> {
         let client = &ctx.client;
         let ip_api: Api<IPAddress> = Api::all(client.clone());
         match &finding.repair {
@@ -665,12 +562,9 @@ impl ClusterIpRepair {
                 existing,
                 dangling_parent,
             } => {
-                if !self.delete_allowed(client, freshness).await {
-                    let verdict =
-                        verify_recreate(client, *ip, owner, dangling_parent.as_ref()).await;
-                    if let Some(outcome) = self.deferral(verdict) {
-                        return Ok(outcome);
-                    }
+                let verdict = verify_recreate(client, *ip, owner, dangling_parent.as_ref()).await;
+                if let Some(outcome) = self.deferral(verdict) {
+                    return Ok(outcome);
                 }
                 if !delete_ip_address(&ip_api, &ip.to_string(), existing).await? {
                     return Ok(Outcome::Skip);
@@ -682,13 +576,9 @@ impl ClusterIpRepair {
                 existing,
                 ground,
             } => {
-                if !matches!(ground, DeleteGround::NotAService)
-                    && !self.delete_allowed(client, freshness).await
-                {
-                    let verdict = verify_delete(client, name, ground).await;
-                    if let Some(outcome) = self.deferral(verdict) {
-                        return Ok(outcome);
-                    }
+                let verdict = verify_delete(client, name, ground).await;
+                if let Some(outcome) = self.deferral(verdict) {
+                    return Ok(outcome);
                 }
                 if delete_ip_address(&ip_api, name, existing).await? {
                     Ok(Outcome::Done)
@@ -697,15 +587,6 @@ impl ClusterIpRepair {
                 }
             }
         }
-    }
-
-    async fn delete_allowed(&self, client: &Client, freshness: &mut Option<bool>) -> bool {
-        if let Some(fresh) = *freshness {
-            return fresh;
-        }
-        let fresh = self.service_cache_is_fresh(client).await;
-        *freshness = Some(fresh);
-        fresh
     }
 
     /// `None` when the live check confirmed the delete; otherwise the deferral outcome.
@@ -791,7 +672,8 @@ async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Ve
         | DeleteGround::ParentDoesNotList { namespace, name } => (namespace, name),
     };
     let Ok(ip) = name.parse::<IpAddr>() else {
-        return Verdict::Unknown(format!("IPAddress name {name:?} is not an IP"));
+        // No Service can list a name that is no IP.
+        return Verdict::Confirmed;
     };
     match live_service(client, namespace, parent).await {
         Ok(None) => Verdict::Confirmed,
@@ -952,202 +834,6 @@ fn drift_of(finding: &Finding, action: Action, applied: bool, note: Option<Strin
     )
 }
 
-/// The three collections, listed fresh (no caches).
-#[derive(Debug, Default)]
-pub struct Snapshot {
-    /// In list order, as the pages came.
-    services: Vec<Vec<ServiceRecord>>,
-    ip_addresses: Arc<decide::ListedIpAddresses>,
-    service_cidrs: Vec<ServiceCidrRecord>,
-    /// The Service phase as far as it got while the Services were listed, until a decision
-    /// takes it.
-    ahead: Option<decide::ServicePhaseAhead>,
-}
-
-/// What the thread that keeps the Service pages receives.
-enum Arrival {
-    Services(Vec<ServiceRecord>),
-    /// The IPAddresses and ServiceCIDRs, all of them.
-    Rest(Arc<decide::ListedIpAddresses>, Vec<ServiceCidrRecord>),
-}
-
-/// Sets the flag when dropped: however a listing ends, its Service thread stops working ahead.
-struct SetOnDrop(Arc<AtomicBool>);
-
-impl Drop for SetOnDrop {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-}
-
-impl Snapshot {
-    /// Lists Services, IPAddresses and ServiceCIDRs concurrently, each completely or not at all.
-    /// `stand_in` is added to the ServiceCIDRs when they lack the default one.
-    ///
-    /// The IPAddresses and ServiceCIDRs are usually complete before the Services (fewer bytes,
-    /// in larger pages: [`reflector::IPADDRESS_PAGE_FACTOR`]): from then on a thread of its own
-    /// runs the Service phase on each Service page as it comes ([`decide::ServicePhaseAhead`]),
-    /// so little of it is left for after the last page. When they come last, the decision runs
-    /// the whole phase, as before.
-    pub async fn list(
-        client: &Client,
-        page_size: u32,
-        protobuf: bool,
-        stand_in: Option<ServiceCidrRecord>,
-    ) -> Result<Self, kube::Error> {
-        let collection = |path| {
-            let mut collection = Collection::new(path).paged(page_size);
-            collection.protobuf = protobuf;
-            collection
-        };
-        // Each list in its own task, so their pages are decoded on different threads; when one
-        // fails, dropping the others' handles stops them.
-        fn spawned<T: Send + 'static>(
-            task: impl Future<Output = Result<T, kube::Error>> + Send + 'static,
-        ) -> impl Future<Output = Result<T, kube::Error>> {
-            let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(task));
-            async move {
-                match task.await {
-                    Ok(listed) => listed,
-                    Err(err) => Err(kube::Error::Service(Box::new(err))),
-                }
-            }
-        }
-        let (arrivals, arrived) = std::sync::mpsc::channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop_when_done = SetOnDrop(stop.clone());
-        let service_thread = tokio::task::spawn_blocking(move || keep_services(&arrived, &stop));
-        let services = {
-            let (client, collection, arrivals) = (
-                client.clone(),
-                collection(reflector::SERVICES),
-                arrivals.clone(),
-            );
-            async move {
-                let mut page = Vec::new();
-                reflector::list_pages(&client, &collection, &mut page, |page, _| {
-                    // The thread only ends once every sender is gone.
-                    let _ = arrivals.send(Arrival::Services(std::mem::take(page)));
-                })
-                .await?;
-                Ok(())
-            }
-        };
-        let ip_addresses = {
-            let (client, collection) = (client.clone(), collection(reflector::IPADDRESSES));
-            async move {
-                let mut listed = decide::ListedIpAddresses::default();
-                let (records, index) = (&mut listed.records, &mut listed.index);
-                reflector::list_pages(&client, &collection, records, |records, remaining| {
-                    records.reserve(remaining);
-                    index.reserve(remaining);
-                    index.extend(&records[index.len()..]);
-                })
-                .await?;
-                Ok(Arc::new(listed))
-            }
-        };
-        let service_cidrs = {
-            let (client, collection) = (client.clone(), collection(reflector::SERVICECIDRS));
-            async move {
-                list_all::<ServiceCidrRecord>(&client, &collection)
-                    .await
-                    .map(|(items, _)| items)
-            }
-        };
-        // Requested before the Services: the Service phase needs all of them, but Services
-        // only page by page.
-        let (ip_addresses, service_cidrs) = (spawned(ip_addresses), spawned(service_cidrs));
-        let rest = async move {
-            let (ip_addresses, mut service_cidrs) =
-                futures::try_join!(ip_addresses, service_cidrs)?;
-            if let Some(stand_in) = stand_in
-                && !service_cidrs
-                    .iter()
-                    .any(|c| &*c.name == DEFAULT_SERVICE_CIDR)
-            {
-                service_cidrs.push(stand_in);
-            }
-            let _ = arrivals.send(Arrival::Rest(ip_addresses.clone(), service_cidrs.clone()));
-            Ok((ip_addresses, service_cidrs))
-        };
-        let ((), (ip_addresses, service_cidrs)) = futures::try_join!(spawned(services), rest)?;
-        // Every sender is gone now: the thread takes what is still on its way and ends.
-        drop(stop_when_done);
-        let (services, ahead) = service_thread
-            .await
-            .map_err(|err| kube::Error::Service(Box::new(err)))?;
-        Ok(Self {
-            services,
-            ip_addresses,
-            service_cidrs,
-            ahead,
-        })
-    }
-
-    pub fn services(&self) -> impl Iterator<Item = &ServiceRecord> {
-        self.services.iter().flatten()
-    }
-
-    pub fn ip_addresses(&self) -> &[IpAddressRecord] {
-        &self.ip_addresses.records
-    }
-
-    pub fn service_cidrs(&self) -> &[ServiceCidrRecord] {
-        &self.service_cidrs
-    }
-
-    /// How many Services the Service phase was run on while they were listed.
-    pub fn services_synced_ahead(&self) -> usize {
-        self.ahead
-            .as_ref()
-            .map_or(0, decide::ServicePhaseAhead::services)
-    }
-
-    /// Decides the pass. The decision takes over the Service phase run while listing, so
-    /// deciding again runs it anew.
-    pub fn decide(&mut self, now: jiff::Timestamp, orphan_grace: Duration) -> Decision {
-        let ahead = self.ahead.take();
-        decide::decide_listed(
-            self.services(),
-            &self.ip_addresses,
-            ahead,
-            &self.service_cidrs,
-            now,
-            orphan_grace,
-        )
-    }
-}
-
-/// Keeps the Service pages as they arrive and, once the rest is complete, runs the Service
-/// phase on them until `stop`; ends when every sender is gone.
-fn keep_services(
-    arrived: &std::sync::mpsc::Receiver<Arrival>,
-    stop: &AtomicBool,
-) -> (Vec<Vec<ServiceRecord>>, Option<decide::ServicePhaseAhead>) {
-    let mut pages = Vec::new();
-    let mut ahead = None;
-    let mut synced_pages = 0;
-    for arrival in arrived {
-        match arrival {
-            Arrival::Services(page) => pages.push(page),
-            Arrival::Rest(ip_addresses, service_cidrs) => {
-                let phase = decide::ServicePhaseAhead::new(&service_cidrs, &ip_addresses);
-                ahead = Some((ip_addresses, phase));
-            }
-        }
-        if let Some((ip_addresses, phase)) = &mut ahead {
-            while let Some(page) = pages.get(synced_pages)
-                && !stop.load(Ordering::Relaxed)
-            {
-                phase.sync(page, ip_addresses);
-                synced_pages += 1;
-            }
-        }
-    }
-    (pages, ahead.map(|(_, phase)| phase))
-}
-
 impl Reconciler for ClusterIpRepair {
     fn name(&self) -> &'static str {
         "clusterip-repair"
@@ -1158,12 +844,10 @@ impl Reconciler for ClusterIpRepair {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        self.caches_running.store(true, Ordering::Relaxed);
-        let (client, list_client) = (self.client.clone(), self.list_client(&self.client).clone());
-        let collection = self.collection(reflector::SERVICES);
+        let (client, page_size) = (self.client.clone(), self.config.page_size);
         let services = self
             .shared_services
-            .subscribe(|store| reflect(client, list_client, collection, store));
+            .subscribe(|store| reflect(client, page_size, store));
         let mut triggers = vec![services, self.wakeup.clone().stream()];
         if let Some(legacy) = &self.legacy {
             triggers.extend(legacy.triggers());
@@ -1173,10 +857,7 @@ impl Reconciler for ClusterIpRepair {
         }
         // IPAddress and ServiceCIDR caches only where the API serves them.
         let client = self.client.clone();
-        let list_client = self.list_client(&self.client).clone();
         let mode = self.config.mode;
-        let ip_collection = self.collection(reflector::IPADDRESSES);
-        let cidr_collection = self.collection(reflector::SERVICECIDRS);
         let ip_store = self.ip_addresses.clone();
         let cidr_store = self.service_cidrs.clone();
         let gated = futures::stream::once(async move {
@@ -1197,8 +878,8 @@ impl Reconciler for ClusterIpRepair {
             };
             match served {
                 Served::IpAddressApi => futures::stream::select(
-                    reflect(client.clone(), list_client.clone(), ip_collection, ip_store),
-                    reflect(client, list_client, cidr_collection, cidr_store),
+                    reflect(client.clone(), page_size, ip_store),
+                    reflect(client, page_size, cidr_store),
                 )
                 .boxed(),
                 Served::NoIpAddressApi => futures::stream::pending().boxed(),

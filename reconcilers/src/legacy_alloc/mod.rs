@@ -118,14 +118,15 @@ impl LegacyBitmap {
     }
 
     /// One pass: `in_use` holds the offsets the Services hold (of this key's size), `owner`
-    /// names the Service holding an offset, `prove_fresh` proves the Service view at least as
-    /// new as the API (called only when a leak is due for release).
+    /// names the Service holding an offset, `fresh_in_use` lists the Services afresh and gives
+    /// the offsets they hold, `None` if the list failed (called only when a leak is due for
+    /// release).
     pub async fn pass(
         &self,
         in_use: &FixedBitSet,
         owner: &(dyn Fn(usize) -> Option<String> + Sync),
         dry_run: bool,
-        prove_fresh: impl FnOnce() -> BoxFuture<'static, bool>,
+        fresh_in_use: impl FnOnce() -> BoxFuture<'static, Option<FixedBitSet>>,
     ) -> Result<BitmapPass, EtcdError> {
         let object = format!("etcd{}", self.key);
         let kind = |suffix: &str| -> &'static str {
@@ -142,7 +143,7 @@ impl LegacyBitmap {
                 _ => "clusterip_bitmap_unusable",
             }
         };
-        let mut prove_fresh = Some(prove_fresh);
+        let mut fresh_in_use = Some(fresh_in_use);
         for _ in 0..WRITE_ATTEMPTS {
             let stored = match self.cache.get() {
                 Some(stored) => stored,
@@ -202,11 +203,11 @@ impl LegacyBitmap {
                 )
             };
             if !plan.held.is_empty()
-                && let Some(prove_fresh) = prove_fresh.take()
-                && prove_fresh().await
+                && let Some(fresh_in_use) = fresh_in_use.take()
+                && let Some(fresh) = fresh_in_use().await
             {
                 let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
-                plan.release_held(&mut leaks);
+                plan.release_held(&mut leaks, &fresh);
             }
 
             let write = value.is_none() || plan.changes(&stored_bits);
@@ -267,7 +268,7 @@ impl LegacyBitmap {
                     kind("leak_held"),
                     object.clone(),
                     Action::Report,
-                    format!("the {noun} {} appears to have leaked, but the Service cache is not proven fresh: kept until it is", self.item(offset)),
+                    format!("the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: kept until one does", self.item(offset)),
                     false,
                 ));
             }
@@ -323,7 +324,7 @@ impl LegacyBitmap {
                 BitmapFinding::ReleaseHeld(offset) => {
                     warn!(
                         key,
-                        "the {noun} {} appears to have leaked, but the Service cache is not proven fresh: keeping it until it is",
+                        "the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: keeping it until one does",
                         self.item(*offset)
                     );
                 }

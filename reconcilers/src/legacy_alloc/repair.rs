@@ -4,8 +4,8 @@
 //! What the Services hold and the stored bitmap does not is set at once (`PortNotAllocated`,
 //! `ClusterIPNotAllocated`). What the bitmap holds and no Service uses "may have leaked":
 //! kube-apiserver sets the bit before it creates the Service, so a young bit without its Service
-//! is normal. It is released only on its third sighting, and only when the caller proved its view
-//! of the Services fresh; until then it stays set. Upstream sees a leak once per 3-minute pass;
+//! is normal. It is released only on its third sighting, and only when a fresh list of the
+//! Services confirms it unused; until then it stays set. Upstream sees a leak once per 3-minute pass;
 //! passes here also run on every Service change, so sightings count only when `spacing` apart.
 
 use std::collections::HashMap;
@@ -44,19 +44,24 @@ pub struct Plan {
     pub not_allocated: Vec<usize>,
     /// Unused bits seen for the first time: kept for now.
     pub flagged: Vec<usize>,
-    /// Unused bits seen often enough, with a fresh view of the Services: cleared by this plan.
+    /// Unused bits seen often enough, confirmed unused by a fresh list: cleared by this plan.
     pub released: Vec<usize>,
-    /// Unused bits seen often enough, kept because the view of the Services is not proven fresh.
+    /// Unused bits seen often enough, kept until a fresh list of the Services confirms them
+    /// unused.
     pub held: Vec<usize>,
 }
 
 impl Plan {
-    /// Releases the held bits: the caller has since proven its view of the Services fresh.
-    pub fn release_held(&mut self, leaks: &mut LeakTracker) {
+    /// Releases the held bits that `fresh_in_use` (the offsets a fresh list of the Services
+    /// holds) confirms unused; the others were in use after all (the cache was behind), and are
+    /// no suspects any more.
+    pub fn release_held(&mut self, leaks: &mut LeakTracker, fresh_in_use: &FixedBitSet) {
         for offset in self.held.drain(..) {
-            self.bitmap.set(offset, false);
             leaks.sightings.remove(&offset);
-            self.released.push(offset);
+            if !fresh_in_use.contains(offset) {
+                self.bitmap.set(offset, false);
+                self.released.push(offset);
+            }
         }
     }
 
@@ -211,18 +216,19 @@ mod tests {
         assert!(plan.bitmap.is_clear());
     }
 
-    /// A held bit released after the view was proven fresh within the same pass.
+    /// Held bits are released when a fresh list confirms them unused; one the fresh list shows
+    /// in use (the cache was behind) stays set and is no suspect any more.
     #[test]
-    fn held_bits_are_released_once_the_view_is_proven_fresh() {
-        let stored = bits(&[150, 160]);
+    fn held_bits_are_released_as_far_as_a_fresh_list_confirms() {
+        let stored = bits(&[150, 160, 170]);
         let mut leaks = LeakTracker::default();
         for _ in 0..2 {
             pass(&stored, &bits(&[160]), &mut leaks, false);
         }
         let mut plan = pass(&stored, &bits(&[160]), &mut leaks, false);
-        assert_eq!(ports(&plan.bitmap), vec![150, 160]);
-        plan.release_held(&mut leaks);
-        assert_eq!(ports(&plan.bitmap), vec![160]);
+        assert_eq!(ports(&plan.bitmap), vec![150, 160, 170]);
+        plan.release_held(&mut leaks, &bits(&[160, 170]));
+        assert_eq!(ports(&plan.bitmap), vec![160, 170]);
         assert_eq!((plan.released, plan.held.len()), (vec![50], 0));
         assert_eq!(leaks.suspects(), 0);
     }

@@ -9,8 +9,8 @@
 //! The loop never changes a Service: upstream's own advice ("please recreate service") stands.
 //! In etcd mode it also repairs the allocation bitmap kube-apiserver keeps at
 //! `<prefix>/ranges/servicenodeports` as upstream does ([`crate::legacy_alloc`]): ports in use
-//! are set at once, unused ones released only on their third sighting with the Service cache
-//! proven fresh, and the key is written only by compare-and-swap. A watch on the key wakes the
+//! are set at once, unused ones released only on their third sighting and when a fresh list of
+//! the Services confirms them unused, and the key is written only by compare-and-swap. A watch on the key wakes the
 //! loop when it changes. Each problem is reported once when it appears (event, warning log,
 //! counter), not again on every pass while it persists; `check` lists every current problem.
 
@@ -30,7 +30,7 @@ use prometheus_client::registry::Registry;
 use tracing::warn;
 
 use crate::clusterip_repair::model::ServiceRecord;
-use crate::clusterip_repair::reflector::{self, Collection, SharedStore, reflect};
+use crate::clusterip_repair::reflector::{self, SharedStore, reflect};
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
@@ -167,13 +167,16 @@ impl NodePortRepair {
                 .get(&offset)
                 .map(|holder| format!("Service/{}/{}", holder.namespace, holder.name))
         };
-        let prove_fresh = || -> BoxFuture<'static, bool> {
-            let client = ctx.client.clone();
-            let store = self.services.store().clone();
-            Box::pin(async move { services_fresh(&client, &store).await })
+        let fresh_in_use = || -> BoxFuture<'static, Option<fixedbitset::FixedBitSet>> {
+            let (client, page_size, range) =
+                (ctx.client.clone(), self.config.page_size, self.config.range);
+            Box::pin(async move {
+                let services = fresh_services(&client, page_size).await?;
+                Some(scan::scan(&services, range).in_use)
+            })
         };
         let pass = etcd
-            .pass(&scan.in_use, &owner, ctx.dry_run, prove_fresh)
+            .pass(&scan.in_use, &owner, ctx.dry_run, fresh_in_use)
             .await
             .map_err(|err| LoopError::Other(format!("NodePort bitmap in etcd: {err}")))?;
         report.drift.extend(pass.drift);
@@ -299,11 +302,10 @@ impl Reconciler for NodePortRepair {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        let client = self.client.clone();
-        let collection = Collection::new(reflector::SERVICES).paged(self.config.page_size);
+        let (client, page_size) = (self.client.clone(), self.config.page_size);
         let mut triggers = vec![
             self.services
-                .subscribe(|store| reflect(client.clone(), client, collection, store)),
+                .subscribe(|store| reflect(client, page_size, store)),
         ];
         if let Some(etcd) = &self.etcd {
             triggers.push(etcd.watch());
@@ -319,32 +321,13 @@ impl Reconciler for NodePortRepair {
     }
 }
 
-/// Whether `store` is at least as new as the API's Services: one LIST with `limit=1`, made only
-/// when a pass has something to release.
-pub(crate) async fn services_fresh(
-    client: &Client,
-    store: &reflector::Store<ServiceRecord>,
-) -> bool {
-    let api_version = match reflector::current_resource_version(client, reflector::SERVICES).await {
-        Ok(Some(version)) => reflector::parse_resource_version(&version),
-        Ok(None) => None,
+/// Every Service, listed now; `None` (logged) when the list fails.
+pub(crate) async fn fresh_services(client: &Client, page_size: u32) -> Option<Vec<ServiceRecord>> {
+    match reflector::list_fresh::<ServiceRecord>(client, page_size).await {
+        Ok(services) => Some(services),
         Err(err) => {
-            warn!(error = %err, "cannot read the API's Services resourceVersion");
+            warn!(error = %err, "cannot list the Services to confirm a leak; it stays held");
             None
         }
-    };
-    let Some(api_version) = api_version else {
-        return false;
-    };
-    // Watch events may still be in flight: give the cache a moment to catch up.
-    for _ in 0..20 {
-        if store
-            .resource_version()
-            .is_some_and(|cache| cache >= api_version)
-        {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    false
 }
