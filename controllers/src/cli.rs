@@ -1,17 +1,17 @@
-//! The binary's command line: `run`, `check`, `demo`, `config validate`, `config print`.
+//! The binary's command line: `run`, `check`, `config validate`, `config print`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::admin::{self, AdminState};
 use crate::config::{Config, ConfigArgs, ConfigErrors, LogFormat, format_duration, parse_duration};
+use crate::kubeconfig;
 use crate::leader::{self, LeaderMetrics, LeaderSettings};
 use crate::loops::build_loops;
 use crate::metrics::{RunnerMetrics, new_registry};
@@ -65,13 +65,6 @@ pub enum Command {
             default_value = "text"
         )]
         output: OutputFormat,
-    },
-    /// Start an in-process API simulator, run every enabled loop against it, break things on
-    /// purpose (delete a system namespace, ...) and show each repair and how long it took.
-    Demo {
-        /// Stay up after the demo and print a kubeconfig path for kubectl; stop with Ctrl-C.
-        #[arg(long, env = "BOOTSTRAP_DEMO_KEEP_RUNNING")]
-        keep_running: bool,
     },
     /// Validate or print the configuration.
     #[command(subcommand)]
@@ -160,10 +153,6 @@ pub async fn execute(cli: Cli) -> ExitCode {
                 Err(errors) => config_error(&errors),
             }
         }
-        Command::Demo { keep_running } => match Config::load(&cli.config) {
-            Ok(config) => crate::demo::demo(config, keep_running).await,
-            Err(errors) => config_error(&errors),
-        },
     }
 }
 
@@ -183,79 +172,11 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
         .with_env_filter(filter)
         .with_ansi(terminal)
         .with_writer(std::io::stderr);
-    // A second initialisation (tests, demo) keeps the first subscriber.
+    // A second initialisation (tests, the demo) keeps the first subscriber.
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
-}
-
-/// Reads the kubeconfig: `--kubeconfig`, else $KUBECONFIG, ~/.kube/config, in-cluster. Errors
-/// are configuration errors (exit 2): nothing about them gets better by retrying.
-pub async fn kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
-    let mut config = load_kube_config(path).await?;
-    // A CA bundle without one PEM certificate trusts nothing: every TLS handshake would fail
-    // and the loops would retry for ever, so it is a configuration error.
-    if config.root_cert.as_ref().is_some_and(Vec::is_empty) {
-        let source = path.map_or_else(
-            || "the Kubernetes configuration".to_owned(),
-            |p| format!("--kubeconfig {}", p.display()),
-        );
-        return Err(format!(
-            "{source}: the cluster's certificate-authority(-data) holds no PEM certificate \
-             (it must be the API server's CA bundle, PEM-encoded: -----BEGIN CERTIFICATE-----)"
-        ));
-    }
-    // kube-client sends no User-Agent; without one, audit logs and API request logs cannot tell
-    // this controller's requests from anyone else's, nor one replica's from another's.
-    let agent = user_agent();
-    let value = http::HeaderValue::from_str(&agent)
-        .unwrap_or_else(|_| http::HeaderValue::from_static(USER_AGENT_PRODUCT));
-    config.headers.push((http::header::USER_AGENT, value));
-    Ok(config)
-}
-
-/// The product part of the User-Agent: `bootstrap-controller/<version>`.
-pub const USER_AGENT_PRODUCT: &str = concat!("bootstrap-controller/", env!("CARGO_PKG_VERSION"));
-
-/// `bootstrap-controller/<version> (<pod or host name>; pid <pid>)`, sent with every API request.
-pub fn user_agent() -> String {
-    let host = crate::config::host_name()
-        .filter(|name| name.is_ascii())
-        .unwrap_or_else(|| "unknown".into());
-    format!("{USER_AGENT_PRODUCT} ({host}; pid {})", std::process::id())
-}
-
-async fn load_kube_config(path: Option<&Path>) -> Result<kube::Config, String> {
-    match path {
-        Some(path) => {
-            let kubeconfig = Kubeconfig::read_from(path).map_err(|err| {
-                // kube's message repeats the path, quoted twice; its cause says what went wrong.
-                let cause = std::error::Error::source(&err)
-                    .map_or_else(|| err.to_string(), ToString::to_string);
-                format!(
-                    "--kubeconfig: cannot read {}: {cause} (check the path and that it is a \
-                     kubeconfig file)",
-                    path.display()
-                )
-            })?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                .await
-                .map_err(|err| {
-                    format!(
-                        "--kubeconfig: {} is not usable: {err} (check its current-context, \
-                         cluster and user)",
-                        path.display()
-                    )
-                })
-        }
-        None => kube::Config::infer().await.map_err(|err| {
-            format!(
-                "no usable Kubernetes configuration: {err} (pass --kubeconfig FILE, set \
-                 KUBECONFIG, or run inside a cluster with a service account)"
-            )
-        }),
-    }
 }
 
 /// Cancels `token` on SIGTERM or SIGINT; a second signal exits at once.
@@ -302,7 +223,7 @@ fn runner_options(config: &Config) -> RunnerOptions {
     }
 }
 
-/// What `run` and `demo` share: everything after the client exists.
+/// What `run` and the demo (`bootstrap-demo`) share: everything after the client exists.
 pub struct Controller {
     pub cancel: CancellationToken,
     pub admin_addr: std::net::SocketAddr,
@@ -321,8 +242,7 @@ impl Controller {
         let mut registry = new_registry();
         let runner_metrics = RunnerMetrics::register(&mut registry);
         let leader_metrics = LeaderMetrics::register(&mut registry);
-        let list_client = crate::loops::list_client(config, kube_config);
-        let loops = build_loops(config, &client, list_client.as_ref(), &mut registry);
+        let loops = build_loops(config, &client, &mut registry);
         info!(
             loops = ?loops.iter().map(|l| l.name()).collect::<Vec<_>>(),
             dry_run = config.dry_run,
@@ -434,7 +354,7 @@ impl Controller {
 
 async fn run(config: Config) -> ExitCode {
     init_logging(config.log_format, "info");
-    let kube_config = match kube_config(config.kubeconfig.as_deref()).await {
+    let kube_config = match kubeconfig::load(config.kubeconfig.as_deref()).await {
         Ok(kube_config) => kube_config,
         Err(message) => {
             error!("{message}");
@@ -497,12 +417,11 @@ async fn check(config: Config, timeout: Duration, output: OutputFormat) -> ExitC
         eprintln!("error: {message}");
         ExitCode::from(EXIT_CONFIG)
     };
-    let kube_config = match kube_config(config.kubeconfig.as_deref()).await {
+    let kube_config = match kubeconfig::load(config.kubeconfig.as_deref()).await {
         Ok(kube_config) => kube_config,
-        Err(message) => return fail(message),
+        Err(err) => return fail(err.to_string()),
     };
     let server = kube_config.cluster_url.to_string();
-    let list_client = crate::loops::list_client(&config, &kube_config);
     let client = match kube::Client::try_from(kube_config) {
         Ok(client) => client,
         Err(err) => {
@@ -520,7 +439,7 @@ async fn check(config: Config, timeout: Duration, output: OutputFormat) -> ExitC
     }
     let mut registry = new_registry();
     let metrics = RunnerMetrics::register(&mut registry);
-    let loops = build_loops(&config, &client, list_client.as_ref(), &mut registry);
+    let loops = build_loops(&config, &client, &mut registry);
     let results = check_once(&loops, client, &metrics, timeout).await;
     let (text, code) = check_report(&server, &results, output);
     print!("{text}");

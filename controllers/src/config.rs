@@ -706,7 +706,7 @@ impl LoopSection for ApiserverEndpointsLoop {
         // checks above do not; without this the loops would be skipped at start-up instead.
         if self.enabled
             && errors.len() == before
-            && let Err(err) = crate::loops::apiserver_endpoints_config(config).validate()
+            && let Err(err) = config.apiserver_endpoints().validate()
         {
             let field = match err.field {
                 "advertiseAddress" | "securePort" | "apiserverCount" => err.field.to_owned(),
@@ -859,24 +859,9 @@ pub struct ClusterIpRepairLoop {
     /// the Service).
     #[serde(with = "duration_format")]
     pub orphan_grace_period: Duration,
-    /// Services per LIST page when a pass or a relist reads them; IPAddresses (about a third
-    /// the bytes) go three times as many per page.
+    /// Objects per LIST page when the repairs' caches (re)list Services, IPAddresses and
+    /// ServiceCIDRs, and when a leak in an etcd bitmap is confirmed by a fresh list.
     pub page_size: u32,
-    /// See [`ListTransport`].
-    pub list_transport: ListTransport,
-}
-
-/// What the ClusterIP repair's LISTs go through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum ListTransport {
-    /// Connections of their own, read by the task that decodes the pages
-    /// (`reconcilers::transport`); kube's client where the kubeconfig uses a proxy or an exec
-    /// plugin.
-    #[default]
-    Own,
-    /// kube's client, like every other request.
-    KubeClient,
 }
 
 /// Which ClusterIP repair runs.
@@ -901,7 +886,6 @@ impl Default for ClusterIpRepairLoop {
             mode: ClusterIpRepairMode::Auto,
             orphan_grace_period: Duration::from_secs(60),
             page_size: reconcilers::clusterip_repair::reflector::DEFAULT_PAGE_SIZE,
-            list_transport: ListTransport::Own,
         }
     }
 }
@@ -1217,6 +1201,55 @@ impl Config {
             key_file: self.etcd_key_file.clone(),
             prefix: self.etcd_prefix.clone(),
         })
+    }
+
+    /// The endpoint loops' configuration from the effective configuration: mode from
+    /// `endpointReconcilerType`, Service from `loops.kubernetesService`, port from `securePort`,
+    /// primary family from the first service range. Public so the demo and tests build members
+    /// that match the running controller.
+    pub fn apiserver_endpoints(
+        &self,
+    ) -> reconcilers::apiserver_endpoints::ApiserverEndpointsConfig {
+        let config = self;
+        use reconcilers::apiserver_endpoints::{
+            ApiserverEndpointsConfig, EndpointsMode, EndpointsTarget, IpFamily,
+        };
+        let section = &config.loops.apiserver_endpoints;
+        let mode = match config.endpoint_reconciler_type {
+            EndpointReconcilerType::Lease => EndpointsMode::Lease,
+            EndpointReconcilerType::Static => EndpointsMode::Static,
+            EndpointReconcilerType::MasterCount => EndpointsMode::MasterCount,
+            EndpointReconcilerType::None => EndpointsMode::None,
+        };
+        let primary_family = config
+            .service_cluster_ip_range
+            .first()
+            .map(|net| match net {
+                ipnet::IpNet::V4(_) => IpFamily::V4,
+                ipnet::IpNet::V6(_) => IpFamily::V6,
+            });
+        ApiserverEndpointsConfig {
+            mode,
+            target: EndpointsTarget {
+                namespace: config.loops.kubernetes_service.namespace.clone(),
+                service_name: config.loops.kubernetes_service.name.clone(),
+                port: i32::from(config.secure_port),
+                primary_family,
+            },
+            advertise_address: section.advertise_address(config),
+            interval: section.interval,
+            lease_namespace: section.lease_namespace.clone(),
+            lease_ttl: section.lease_ttl,
+            identity: config.leader_identity(),
+            static_addresses: section.static_addresses.clone(),
+            apiserver_count: usize::try_from(config.apiserver_count).unwrap_or(usize::MAX),
+            leader_lease: config.leader_election.enabled.then(|| {
+                (
+                    config.leader_election.lease_namespace.clone(),
+                    config.leader_election.lease_name.clone(),
+                )
+            }),
+        }
     }
 
     /// Reads `--config` (if any), merges it with the flags and the defaults, and validates.
@@ -1995,7 +2028,7 @@ mod tests {
         )
         .expect("a valid static configuration");
         assert_eq!(
-            crate::loops::apiserver_endpoints_config(&config).static_addresses,
+            config.apiserver_endpoints().static_addresses,
             ["192.0.2.1", "lb.example.com"]
         );
 
@@ -2170,25 +2203,8 @@ mod tests {
     }
 
     #[test]
-    fn cluster_ip_repair_list_transport() {
-        assert_eq!(
-            ClusterIpRepairLoop::default().list_transport,
-            ListTransport::Own
-        );
-        let config = from_yaml("loops:\n  clusterIPRepair:\n    listTransport: kubeClient\n")
-            .expect("valid");
-        assert_eq!(
-            config.loops.cluster_ip_repair.list_transport,
-            ListTransport::KubeClient
-        );
-        let error = from_yaml("loops:\n  clusterIPRepair:\n    listTransport: fast\n")
-            .expect_err("an unknown transport is refused");
-        assert!(error.to_string().contains("listTransport"), "{error}");
-    }
-
-    #[test]
     fn cluster_ip_repair_page_size() {
-        assert_eq!(ClusterIpRepairLoop::default().page_size, 2000);
+        assert_eq!(ClusterIpRepairLoop::default().page_size, 500);
         let config = from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 500\n").expect("valid");
         assert_eq!(config.loops.cluster_ip_repair.page_size, 500);
         let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 0\n"));

@@ -4,9 +4,7 @@
 pub mod admin;
 pub mod cli;
 pub mod config;
-pub mod demo;
-pub mod demo_endpoints;
-pub mod demo_nodeport;
+pub mod kubeconfig;
 pub mod leader;
 pub mod loops;
 pub mod metrics;

@@ -12,12 +12,10 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 
-/// Every enabled loop, ready for the runner. `list_client`, when there is one, carries the large
-/// LISTs of the ClusterIP repair ([`list_client`]).
+/// Every enabled loop, ready for the runner.
 pub fn build_loops(
     config: &Config,
     client: &kube::Client,
-    list_client: Option<&kube::Client>,
     registry: &mut Registry,
 ) -> Vec<Arc<dyn Reconciler>> {
     let mut loops: Vec<Arc<dyn Reconciler>> = Vec::new();
@@ -90,7 +88,7 @@ pub fn build_loops(
             self as endpoints, ApiserverReadyz, EndpointsDeps, LazyUrlReadyz, ReadinessProbe,
             SystemResolver,
         };
-        let loop_config = apiserver_endpoints_config(config);
+        let loop_config = config.apiserver_endpoints();
         let mode = loop_config.mode;
         let probe_timeout = section.interval.min(std::time::Duration::from_secs(5));
         let readiness: Arc<dyn ReadinessProbe> = if section.readyz_url.starts_with("http://")
@@ -102,7 +100,11 @@ pub fn build_loops(
                 probe_timeout,
                 Arc::new(move || {
                     let kubeconfig = kubeconfig.clone();
-                    Box::pin(async move { crate::cli::kube_config(kubeconfig.as_deref()).await })
+                    Box::pin(async move {
+                        crate::kubeconfig::load(kubeconfig.as_deref())
+                            .await
+                            .map_err(|err| err.to_string())
+                    })
                 }),
             ))
         } else {
@@ -177,10 +179,7 @@ pub fn build_loops(
         match ClusterIpRepair::new(client.clone(), loop_config, registry) {
             Ok(built) => {
                 shared_services = Some(built.shared_services());
-                loops.push(Arc::new(match list_client {
-                    Some(list_client) => built.with_list_client(list_client.clone()),
-                    None => built,
-                }));
+                loops.push(Arc::new(built));
             }
             Err(err) => warn!("loop clusterip-repair not built: {err}"),
         }
@@ -219,113 +218,10 @@ pub fn build_loops(
     loops
 }
 
-/// A client for the ClusterIP repair's LISTs that reads each response on the task that decodes
-/// it ([`reconcilers::transport`]); `None`, and the repair lists through the main client, when
-/// the loop is off or configured so (`loops.clusterIPRepair.listTransport: kubeClient`), when
-/// the kubeconfig needs what only kube's client does (a proxy, an exec plugin), or when the
-/// transport cannot be built.
-pub fn list_client(config: &Config, kube_config: &kube::Config) -> Option<kube::Client> {
-    use crate::config::ListTransport;
-    let section = &config.loops.cluster_ip_repair;
-    if !section.enabled || section.list_transport == ListTransport::KubeClient {
-        return None;
-    }
-    match reconcilers::transport::in_task_client(kube_config) {
-        Ok(Some(client)) => Some(client),
-        Ok(None) => {
-            info!(
-                "the ClusterIP repair lists through kube's client (the kubeconfig uses a proxy or an exec plugin)"
-            );
-            None
-        }
-        Err(err) => {
-            warn!(error = %err, "the ClusterIP repair lists through kube's client: its LIST transport could not be built");
-            None
-        }
-    }
-}
-
 /// Who events say they come from: the controller, and this replica.
 fn event_reporter(config: &Config) -> kube::runtime::events::Reporter {
     kube::runtime::events::Reporter {
         controller: "bootstrap-controller".to_owned(),
         instance: Some(config.leader_identity()),
-    }
-}
-
-/// The endpoint loops' configuration from the effective configuration: mode from
-/// `endpointReconcilerType`, Service from `loops.kubernetesService`, port from `securePort`,
-/// primary family from the first service range. Public so `demo` and tests build members that
-/// match the running controller.
-pub fn apiserver_endpoints_config(
-    config: &Config,
-) -> reconcilers::apiserver_endpoints::ApiserverEndpointsConfig {
-    use crate::config::EndpointReconcilerType;
-    use reconcilers::apiserver_endpoints::{
-        ApiserverEndpointsConfig, EndpointsMode, EndpointsTarget, IpFamily,
-    };
-    let section = &config.loops.apiserver_endpoints;
-    let mode = match config.endpoint_reconciler_type {
-        EndpointReconcilerType::Lease => EndpointsMode::Lease,
-        EndpointReconcilerType::Static => EndpointsMode::Static,
-        EndpointReconcilerType::MasterCount => EndpointsMode::MasterCount,
-        EndpointReconcilerType::None => EndpointsMode::None,
-    };
-    let primary_family = config
-        .service_cluster_ip_range
-        .first()
-        .map(|net| match net {
-            ipnet::IpNet::V4(_) => IpFamily::V4,
-            ipnet::IpNet::V6(_) => IpFamily::V6,
-        });
-    ApiserverEndpointsConfig {
-        mode,
-        target: EndpointsTarget {
-            namespace: config.loops.kubernetes_service.namespace.clone(),
-            service_name: config.loops.kubernetes_service.name.clone(),
-            port: i32::from(config.secure_port),
-            primary_family,
-        },
-        advertise_address: section.advertise_address(config),
-        interval: section.interval,
-        lease_namespace: section.lease_namespace.clone(),
-        lease_ttl: section.lease_ttl,
-        identity: config.leader_identity(),
-        static_addresses: section.static_addresses.clone(),
-        apiserver_count: usize::try_from(config.apiserver_count).unwrap_or(usize::MAX),
-        leader_lease: config.leader_election.enabled.then(|| {
-            (
-                config.leader_election.lease_namespace.clone(),
-                config.leader_election.lease_name.clone(),
-            )
-        }),
-    }
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-    use crate::config::{ConfigArgs, ListTransport, parse_file};
-
-    /// The repair gets its own LIST client unless the configuration or the kubeconfig says not
-    /// to.
-    #[tokio::test]
-    async fn the_list_transport_is_used_unless_configured_off() {
-        let mut config = Config::merge(&ConfigArgs::default(), parse_file("{}").unwrap()).unwrap();
-        let kube_config = kube::Config::new("https://127.0.0.1:6443".parse().unwrap());
-        assert!(list_client(&config, &kube_config).is_some());
-
-        config.loops.cluster_ip_repair.list_transport = ListTransport::KubeClient;
-        assert!(list_client(&config, &kube_config).is_none());
-
-        config.loops.cluster_ip_repair.list_transport = ListTransport::Own;
-        config.loops.cluster_ip_repair.enabled = false;
-        assert!(list_client(&config, &kube_config).is_none());
-
-        config.loops.cluster_ip_repair.enabled = true;
-        let mut behind_proxy = kube_config.clone();
-        behind_proxy.proxy_url = Some("http://proxy.example:3128".parse().unwrap());
-        assert!(list_client(&config, &behind_proxy).is_none());
     }
 }

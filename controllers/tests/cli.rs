@@ -216,28 +216,6 @@ async fn check_reports_drift_with_exit_1_and_unreachable_api_with_exit_2() -> an
 }
 
 #[tokio::test]
-async fn demo_exits_0_after_showing_the_repair() -> anyhow::Result<()> {
-    let (code, stdout, stderr) = tokio::task::spawn_blocking(|| run(binary().arg("demo"))).await?;
-    assert_eq!(code, 0, "{stdout}{stderr}");
-    assert!(
-        stdout.contains("kube-public recreated by the controller"),
-        "{stdout}"
-    );
-    assert!(stdout.contains("label restored"), "{stdout}");
-    assert!(
-        stdout.contains("PortAlreadyAllocated on Service demo-np-second")
-            && stdout.contains("PortOutOfRange on Service demo-np-outside"),
-        "{stdout}"
-    );
-    // CI installs etcd, so the demo's etcd mode runs there.
-    assert!(
-        stdout.contains("PortNotAllocated on Service demo-np-first"),
-        "{stdout}"
-    );
-    Ok(())
-}
-
-#[tokio::test]
 async fn run_exits_1_naming_the_admin_address_when_it_is_taken() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
     let taken = std::net::TcpListener::bind("127.0.0.1:0")?;

@@ -4,8 +4,9 @@
 use std::time::{Duration, Instant};
 
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
-use bootstrap_controller::cli::{Controller, kube_config};
+use bootstrap_controller::cli::Controller;
 use bootstrap_controller::config::{Config, ConfigArgs, FileConfig};
+use bootstrap_controller::kubeconfig;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
 
@@ -49,9 +50,7 @@ async fn repairs_and_survives_a_failing_api() -> anyhow::Result<()> {
     })
     .await?;
     let config = config()?;
-    let kube_config = kube_config(Some(sim.kubeconfig_path()))
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let kube_config = kubeconfig::load(Some(sim.kubeconfig_path())).await?;
     let client = kube::Client::try_from(kube_config.clone())?;
     let controller = Controller::start(&config, &kube_config, client)
         .await

@@ -118,9 +118,7 @@ async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()
 #[tokio::test]
 async fn steps_down_when_the_api_hangs() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
-    let kube_config = bootstrap_controller::cli::kube_config(Some(sim.kubeconfig_path()))
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let kube_config = bootstrap_controller::kubeconfig::load(Some(sim.kubeconfig_path())).await?;
     let settings = settings("a");
     let client = leader::election_client(&kube_config, settings.renew_grace)?;
     let cancel = CancellationToken::new();

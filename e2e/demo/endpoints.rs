@@ -18,8 +18,7 @@ use reconcilers::apiserver_endpoints::{
 };
 use reconcilers::{PassContext, Reconciler};
 
-use crate::demo::DemoEnv;
-use crate::loops::apiserver_endpoints_config;
+use crate::DemoEnv;
 
 /// Documentation addresses (RFC 5737), so the demo never points at a real host.
 const EXTRA_MEMBERS: [&str; 2] = ["192.0.2.11", "192.0.2.12"];
@@ -88,7 +87,7 @@ async fn wait_for(
 }
 
 async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
-    let cfg = apiserver_endpoints_config(env.config);
+    let cfg = env.config.apiserver_endpoints();
     if !env.config.loops.apiserver_endpoints.enabled || cfg.mode != EndpointsMode::Lease {
         return Ok("skipped: the endpoints loop is not in lease mode".to_owned());
     }

@@ -1,10 +1,14 @@
-//! `demo`: the first command a newcomer runs.
+//! `bootstrap-demo`: the first command a newcomer runs.
 //!
 //! Starts the API simulator in-process, runs every enabled loop against it (the same code as
-//! `run`), breaks things on purpose and shows each repair and how long it took. Each scenario is
-//! one function; add yours to [`SCENARIOS`].
+//! `bootstrap-controller run`), breaks things on purpose and shows each repair and how long it
+//! took. Each scenario is one function; add yours to [`SCENARIOS`].
+
+mod endpoints;
+mod nodeport;
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -16,12 +20,45 @@ use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::watcher;
 
-use crate::cli::{Controller, EXIT_DRIFT_OR_FAILURE, EXIT_OK, cancel_on_signals, init_logging};
-use crate::config::{Config, NamespaceSpec};
+use bootstrap_controller::cli::{
+    Controller, EXIT_CONFIG, EXIT_DRIFT_OR_FAILURE, EXIT_OK, cancel_on_signals, init_logging,
+};
+use bootstrap_controller::config::{Config, ConfigArgs, NamespaceSpec};
+use clap::Parser;
+
+/// Runs bootstrap-controller against an in-process API simulator, breaks things on purpose and
+/// shows each repair and how long it took. Exit status: 0 every repair seen, 1 otherwise, 2 bad
+/// configuration.
+#[derive(Debug, Parser)]
+#[command(name = "bootstrap-demo", version)]
+struct DemoCli {
+    /// A bootstrap-controller configuration file to run the loops with (defaults otherwise).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Stay up after the demo and print a kubeconfig path for kubectl; stop with Ctrl-C.
+    #[arg(long, env = "BOOTSTRAP_DEMO_KEEP_RUNNING")]
+    keep_running: bool,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = DemoCli::parse();
+    let args = ConfigArgs {
+        config: cli.config,
+        ..ConfigArgs::default()
+    };
+    match Config::load(&args) {
+        Ok(config) => demo(config, cli.keep_running).await,
+        Err(errors) => {
+            eprintln!("error: {errors}");
+            ExitCode::from(EXIT_CONFIG)
+        }
+    }
+}
 
 /// How long any repair may take before the demo calls it a failure. Generous: a healthy repair
 /// takes milliseconds, but the demo must not fail on a busy laptop.
-pub(crate) const REPAIR_TIMEOUT: Duration = Duration::from_secs(30);
+const REPAIR_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A namespace the demo declares with a label, to show metadata repair.
 const DEMO_NAMESPACE: &str = "bootstrap-demo";
@@ -47,19 +84,19 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     }),
     (
         "three apiservers: one killed, one stopped cleanly, the endpoint port corrupted",
-        crate::demo_endpoints::apiserver_members,
+        endpoints::apiserver_members,
     ),
     (
         "two Services share a node port, a third is outside the range",
-        crate::demo_nodeport::node_ports,
+        nodeport::node_ports,
     ),
     (
         "etcd mode: a port in use lost from the NodePort bitmap",
-        crate::demo_nodeport::etcd_bitmap,
+        nodeport::etcd_bitmap,
     ),
 ];
 
-pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
+async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
     // Loops that start before the namespaces they write into exist fail their first pass and
     // retry; at the default level that noise would hide the story. RUST_LOG=info shows it all.
     init_logging(config.log_format, "error");
@@ -85,7 +122,7 @@ pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
 
     // etcd mode when an etcd is at hand: the NodePort repair then also repairs its bitmap.
     let etcd = if config.etcd().is_none() {
-        crate::demo_nodeport::DemoEtcd::start().await
+        nodeport::DemoEtcd::start().await
     } else {
         None
     };
@@ -118,13 +155,14 @@ pub async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
 }
 
 async fn run_demo(sim: &Sim, config: &Config, keep_running: bool) -> ExitCode {
-    let kube_config = match crate::cli::kube_config(Some(sim.kubeconfig_path())).await {
-        Ok(kube_config) => kube_config,
-        Err(message) => {
-            eprintln!("error: {message}");
-            return ExitCode::from(EXIT_DRIFT_OR_FAILURE);
-        }
-    };
+    let kube_config =
+        match bootstrap_controller::kubeconfig::load(Some(sim.kubeconfig_path())).await {
+            Ok(kube_config) => kube_config,
+            Err(message) => {
+                eprintln!("error: {message}");
+                return ExitCode::from(EXIT_DRIFT_OR_FAILURE);
+            }
+        };
     let controller_client = match kube::Client::try_from(kube_config.clone()) {
         Ok(client) => client,
         Err(err) => {
@@ -245,7 +283,7 @@ async fn show_namespaces(env: &DemoEnv<'_>) {
     }
 }
 
-pub(crate) fn millis(duration: Duration) -> String {
+fn millis(duration: Duration) -> String {
     format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
 }
 

@@ -8,7 +8,7 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 
-use crate::demo::{DemoEnv, REPAIR_TIMEOUT, millis};
+use crate::{DemoEnv, REPAIR_TIMEOUT, millis};
 
 /// The Services the scenario writes: (name, nodePort).
 const SERVICES: [(&str, i32); 3] = [

@@ -1,0 +1,67 @@
+//! `bootstrap-demo`: the one command a newcomer runs shows every loop repairing what it broke,
+//! and its `--help` is about the demo alone.
+
+use std::process::{Command, Output};
+
+fn demo() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_bootstrap-demo"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("BOOTSTRAP_") || key == "KUBECONFIG" {
+            command.env_remove(key);
+        }
+    }
+    command.env("RUST_LOG", "error");
+    command
+}
+
+fn run(command: &mut Command) -> (i32, String, String) {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = command.output().expect("the demo runs");
+    (
+        status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+    )
+}
+
+#[test]
+fn demo_exits_0_after_showing_every_repair() {
+    let (code, stdout, stderr) = run(&mut demo());
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    for shown in [
+        "kube-public recreated by the controller",
+        "label restored",
+        "PortAlreadyAllocated on Service demo-np-second",
+        "PortOutOfRange on Service demo-np-outside",
+        // CI installs etcd, so the demo's etcd mode runs there.
+        "PortNotAllocated on Service demo-np-first",
+    ] {
+        assert!(stdout.contains(shown), "{shown:?} missing:\n{stdout}");
+    }
+}
+
+#[test]
+fn help_lists_the_demos_flags_only() {
+    let (code, stdout, stderr) = run(demo().arg("--help"));
+    assert_eq!(code, 0, "{stderr}");
+    for flag in ["--config", "--keep-running"] {
+        assert!(stdout.contains(flag), "{flag} missing:\n{stdout}");
+    }
+    for controller_flag in [
+        "--kubeconfig",
+        "--leader-elect",
+        "--etcd-servers",
+        "--dry-run",
+    ] {
+        assert!(
+            !stdout.contains(controller_flag),
+            "{controller_flag} is the controller's:\n{stdout}"
+        );
+    }
+    let (code, stdout, stderr) = run(demo().args(["--config", "/nonexistent/demo.yaml"]));
+    assert_eq!(code, 2, "{stdout}{stderr}");
+    assert!(stderr.contains("/nonexistent/demo.yaml"), "{stderr}");
+}
