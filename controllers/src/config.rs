@@ -1775,65 +1775,28 @@ pub fn parse_port_range(text: &str) -> Result<PortRange, String> {
     }
 }
 
-/// Parses durations such as `500ms`, `10s`, `1m`, `1m30s`, `2h`.
+/// Parses durations such as `500ms`, `10s`, `1m`, `1m30s`, `2h` (jiff's friendly format, so
+/// also `1.5s` or `1 minute`; ISO 8601 `PT10S` too).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let hint = "(expected a number with a unit: ms, s, m or h, e.g. 10s, 1m30s, 500ms)";
     let trimmed = text.trim();
     if trimmed.is_empty() {
         return Err(format!("is empty {hint}"));
     }
-    let mut total = Duration::ZERO;
-    let mut rest = trimmed;
-    while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        if digits == 0 {
-            return Err(format!("{text:?} is not a duration {hint}"));
-        }
-        let number: u64 = rest[..digits]
-            .parse()
-            .map_err(|_| format!("{text:?} is too large {hint}"))?;
-        rest = &rest[digits..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let unit = &rest[..unit_len];
-        rest = &rest[unit_len..];
-        let part = match unit {
-            "ms" => Duration::from_millis(number),
-            "s" => Duration::from_secs(number),
-            "m" => Duration::from_secs(number.saturating_mul(60)),
-            "h" => Duration::from_secs(number.saturating_mul(3600)),
-            _ => return Err(format!("{text:?} is not a duration {hint}")),
-        };
-        total = total.saturating_add(part);
-    }
-    Ok(total)
+    let parsed: jiff::SignedDuration = trimmed
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration {hint}"))?;
+    Duration::try_from(parsed).map_err(|_| format!("{text:?} is negative {hint}"))
 }
 
 /// Formats a duration the way [`parse_duration`] reads it, e.g. `1m30s`, `500ms`.
 pub fn format_duration(duration: Duration) -> String {
-    let millis = duration.as_millis();
-    if millis == 0 {
-        return "0s".to_owned();
-    }
-    let mut out = String::new();
-    let hours = millis / 3_600_000;
-    let minutes = (millis / 60_000) % 60;
-    let seconds = (millis / 1000) % 60;
-    let rest_ms = millis % 1000;
-    for (value, unit) in [
-        (hours, "h"),
-        (minutes, "m"),
-        (seconds, "s"),
-        (rest_ms, "ms"),
-    ] {
-        if value > 0 {
-            out.push_str(&format!("{value}{unit}"));
-        }
-    }
-    out
+    use jiff::fmt::friendly::{Designator, Spacing, SpanPrinter};
+    let duration = jiff::SignedDuration::try_from(duration).unwrap_or(jiff::SignedDuration::MAX);
+    SpanPrinter::new()
+        .designator(Designator::Compact)
+        .spacing(Spacing::None)
+        .duration_to_string(&duration)
 }
 
 /// Serde support for durations written like `10s`.
@@ -2437,9 +2400,17 @@ mod tests {
             assert_eq!(parse_duration(text).unwrap(), duration);
             assert_eq!(format_duration(duration), text);
         }
-        assert!(parse_duration("10").is_err());
-        assert!(parse_duration("1 minute").is_err());
-        assert!(parse_duration("").is_err());
+        assert_eq!(format_duration(Duration::ZERO), "0s");
+        assert_eq!(
+            format_duration(Duration::from_millis(61_500)),
+            "1m1s500ms"
+        );
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("1 minute").unwrap(), Duration::from_secs(60));
+        for bad in ["10", "", "-5s", "ten seconds", "5x"] {
+            let err = parse_duration(bad).unwrap_err();
+            assert!(err.contains("e.g. 10s"), "{bad:?}: {err}");
+        }
     }
 
     #[test]
