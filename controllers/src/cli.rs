@@ -401,12 +401,10 @@ async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), St
         }
     };
     attempt
-        .retry(
-            backon::ExponentialBuilder::default()
-                .with_min_delay(Duration::from_millis(200))
-                .with_max_delay(Duration::from_secs(2))
-                .without_max_times(),
-        )
+        .retry(reconcilers::retry::backoff(
+            Duration::from_millis(200),
+            Duration::from_secs(2),
+        ))
         .when(|_| tokio::time::Instant::now() < deadline)
         .await
 }

@@ -2401,10 +2401,7 @@ mod tests {
             assert_eq!(format_duration(duration), text);
         }
         assert_eq!(format_duration(Duration::ZERO), "0s");
-        assert_eq!(
-            format_duration(Duration::from_millis(61_500)),
-            "1m1s500ms"
-        );
+        assert_eq!(format_duration(Duration::from_millis(61_500)), "1m1s500ms");
         assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
         assert_eq!(parse_duration("1 minute").unwrap(), Duration::from_secs(60));
         for bad in ["10", "", "-5s", "ten seconds", "5x"] {

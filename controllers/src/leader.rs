@@ -331,12 +331,11 @@ async fn elect(
     cancel: CancellationToken,
 ) {
     let backoff = || {
-        backon::ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(500))
-            .with_max_delay(settings.renew_grace.max(Duration::from_secs(1)))
-            .with_jitter()
-            .without_max_times()
-            .build()
+        reconcilers::retry::backoff(
+            Duration::from_millis(500),
+            settings.renew_grace.max(Duration::from_secs(1)),
+        )
+        .build()
     };
     // On a fresh control plane the Lease's namespace (kube-system) may not exist yet, and the
     // loop that creates it runs only on the leader.

@@ -596,13 +596,7 @@ fn pass_timeout(interval: Duration) -> Duration {
 }
 
 fn new_backoff(min: Duration, interval: Duration) -> backon::ExponentialBackoff {
-    backon::ExponentialBuilder::default()
-        .with_min_delay(min.min(interval))
-        .with_max_delay(interval)
-        .with_factor(2.0)
-        .with_jitter()
-        .without_max_times()
-        .build()
+    reconcilers::retry::backoff(min, interval).build()
 }
 
 fn with_jitter(interval: Duration, fraction: f64) -> Duration {

@@ -12,6 +12,7 @@ pub mod findings;
 pub mod kubernetes_service;
 pub mod legacy_alloc;
 pub mod nodeport_repair;
+pub mod retry;
 pub mod service_cidr;
 pub mod system_namespaces;
 pub mod watch_cache;

@@ -487,13 +487,10 @@ impl Reconciler for DefaultServiceCidr {
         let trigger = async move {
             let discover = || served(&client, &slot);
             match discover
-                .retry(
-                    backon::ExponentialBuilder::default()
-                        .with_min_delay(Duration::from_millis(200))
-                        .with_max_delay(Duration::from_secs(30))
-                        .with_jitter()
-                        .without_max_times(),
-                )
+                .retry(crate::retry::backoff(
+                    Duration::from_millis(200),
+                    Duration::from_secs(30),
+                ))
                 .await
             {
                 Ok(true) => watch_trigger(events),

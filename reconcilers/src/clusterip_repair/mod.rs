@@ -27,6 +27,7 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use backon::Retryable;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
@@ -864,17 +865,19 @@ impl Reconciler for ClusterIpRepair {
             let served = if mode == RepairMode::IpAddress {
                 Served::IpAddressApi
             } else {
-                let mut delay = Duration::from_millis(500);
-                loop {
-                    match discover(&client).await {
-                        Ok(served) => break served,
-                        Err(err) => {
-                            warn!(error = %err, "discovery of networking.k8s.io/v1 failed; retrying");
-                            tokio::time::sleep(delay).await;
-                            delay = (delay * 2).min(Duration::from_secs(30));
-                        }
-                    }
-                }
+                let attempt = || discover(&client);
+                let discovered = attempt
+                    .retry(crate::retry::backoff(
+                        Duration::from_millis(500),
+                        Duration::from_secs(30),
+                    ))
+                    .notify(|err, _| {
+                        warn!(error = %err, "discovery of networking.k8s.io/v1 failed; retrying");
+                    })
+                    .await;
+                // The backoff never runs out, so an error cannot come back; audit is the safe
+                // answer if it ever did.
+                discovered.unwrap_or(Served::NoIpAddressApi)
             };
             match served {
                 Served::IpAddressApi => futures::stream::select(

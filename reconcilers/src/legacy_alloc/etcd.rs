@@ -319,12 +319,7 @@ impl EtcdStore {
 }
 
 fn new_backoff() -> backon::ExponentialBackoff {
-    backon::ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(200))
-        .with_max_delay(Duration::from_secs(30))
-        .with_jitter()
-        .without_max_times()
-        .build()
+    crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(30)).build()
 }
 
 #[cfg(test)]
