@@ -77,8 +77,9 @@ fn hostile() -> Vec<Value> {
         // A ServiceCIDR whose CIDR cannot parse.
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
                "metadata": {"name": "broken"}, "spec": {"cidrs": ["10.0.0.0/33"]}}),
-        // Membership Leases with nonsense: a holder address that is no IP; a renewal far in the
-        // future with a negative duration (it would never expire).
+        // Membership Leases with nonsense: a holder address that is no IP; a renewal at the last
+        // second the API can write (past what k8s-openapi's clock can read) with a negative
+        // duration (it would never expire).
         member_lease(
             "garbage-address",
             "\u{1f4a5} not an address",
@@ -91,7 +92,7 @@ fn hostile() -> Vec<Value> {
             "10.0.0.9",
             json!({
             "holderIdentity": "x", "leaseDurationSeconds": -5,
-            "renewTime": "9000-01-01T00:00:00.000000Z"}),
+            "renewTime": "9999-12-31T23:59:59.999999Z"}),
         ),
         // The kubernetes Endpoints with 10,000 addresses nobody serves.
         json!({"apiVersion": "v1", "kind": "Endpoints",

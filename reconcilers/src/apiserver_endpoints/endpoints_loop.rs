@@ -29,7 +29,7 @@ use super::desired::{
     EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
     endpoints_drift, listed_members, plan_slices, repaired_endpoints,
 };
-use super::lease::{member_selector, membership};
+use super::lease::{MemberLease, member_selector, membership};
 use super::members::{IpFamily, MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
 use super::probe::{ReadinessProbe, Resolver};
@@ -159,7 +159,7 @@ pub struct ApiserverEndpointsLoop {
     /// The objects each pass reads, kept by the watches that are also this loop's triggers.
     endpoints: WatchCache<Endpoints>,
     slices: WatchCache<EndpointSlice>,
-    leases: WatchCache<Lease>,
+    leases: WatchCache<MemberLease>,
     /// Unusable membership Leases, logged once each while they stay.
     lease_problems: ReportOnce<String>,
 }
@@ -238,12 +238,13 @@ impl ApiserverEndpointsLoop {
         };
         match self.cfg.mode {
             EndpointsMode::Lease => {
-                let api: Api<Lease> =
+                let api: Api<MemberLease> =
                     Api::namespaced(ctx.client.clone(), &self.cfg.lease_namespace);
                 // A failed list is an error, never an empty membership.
                 let leases = self.leases.list(&api).await?;
                 let now = Timestamp::now();
-                let judged = membership(&leases, now, self.cfg.lease_ttl);
+                let judged =
+                    membership(leases.iter().map(|lease| &lease.0), now, self.cfg.lease_ttl);
                 let problems = judged.problems.iter().map(ToString::to_string);
                 for problem in self.lease_problems.update(problems) {
                     tracing::warn!(%problem, "ignoring a membership Lease");
@@ -841,7 +842,7 @@ fn slice_selector(target: &EndpointsTarget) -> String {
 
 fn lease_trigger<S>(stream: S, fallback_ttl: Duration) -> Trigger
 where
-    S: futures::Stream<Item = Result<watcher::Event<Lease>, watcher::Error>> + Send + 'static,
+    S: futures::Stream<Item = Result<watcher::Event<MemberLease>, watcher::Error>> + Send + 'static,
 {
     use kube::runtime::WatchStreamExt;
     let mut seen: BTreeMap<String, (IpAddr, Timestamp)> = BTreeMap::new();
@@ -898,16 +899,18 @@ mod tests {
     use super::*;
     use crate::apiserver_endpoints::lease::OwnLease;
 
-    fn lease(ip: &str, renewed: Timestamp) -> Lease {
-        OwnLease {
-            namespace: "kube-system".into(),
-            service_name: "kubernetes".into(),
-            address: ip.parse().unwrap(),
-            port: 6443,
-            holder: "t".into(),
-            ttl: Duration::from_secs(15),
-        }
-        .renewed(None, renewed)
+    fn lease(ip: &str, renewed: Timestamp) -> MemberLease {
+        MemberLease(
+            OwnLease {
+                namespace: "kube-system".into(),
+                service_name: "kubernetes".into(),
+                address: ip.parse().unwrap(),
+                port: 6443,
+                holder: "t".into(),
+                ttl: Duration::from_secs(15),
+            }
+            .renewed(None, renewed),
+        )
     }
 
     #[tokio::test]

@@ -203,7 +203,11 @@ pub struct LeaseMembership {
 /// Judge every Lease. Expiry is by the writer's `renewTime` against the reader's clock, so the
 /// control-plane hosts' clocks must agree to well within `ttl - interval` (NTP does this).
 /// Leases being deleted are not members.
-pub fn membership(leases: &[Lease], now: Timestamp, fallback_ttl: Duration) -> LeaseMembership {
+pub fn membership<'a>(
+    leases: impl IntoIterator<Item = &'a Lease>,
+    now: Timestamp,
+    fallback_ttl: Duration,
+) -> LeaseMembership {
     let mut out = LeaseMembership::default();
     for lease in leases {
         if lease.metadata.deletion_timestamp.is_some() {
@@ -225,6 +229,69 @@ pub fn membership(leases: &[Lease], now: Timestamp, fallback_ttl: Duration) -> L
     }
     out.expired.retain(|m| !out.members.contains(&m.address));
     out
+}
+
+/// A membership Lease as the cache receives it. k8s-openapi reads a Lease's times with jiff,
+/// whose latest time is 9999-12-30T22:00:00Z; a Lease "renewed" later than that (the API takes
+/// 9999-12-31T23:59:59Z) would fail every list of the namespace's Leases and freeze the
+/// membership. Such a time is read as jiff's latest, which [`membership`] reports as a renewal
+/// in the future.
+#[derive(Clone, Debug)]
+pub struct MemberLease(pub Lease);
+
+impl std::ops::Deref for MemberLease {
+    type Target = Lease;
+    fn deref(&self) -> &Lease {
+        &self.0
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for MemberLease {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let mut value = serde_json::Value::deserialize(deserializer)?;
+        if let Some(spec) = value.get_mut("spec").and_then(|spec| spec.as_object_mut()) {
+            for field in ["renewTime", "acquireTime"] {
+                let unreadable = spec
+                    .get(field)
+                    .and_then(|time| time.as_str())
+                    .is_some_and(|text| text.parse::<Timestamp>().is_err());
+                if unreadable {
+                    let latest = Timestamp::MAX
+                        .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
+                        .to_string();
+                    spec.insert(field.to_owned(), serde_json::Value::String(latest));
+                }
+            }
+        }
+        serde_json::from_value(value)
+            .map(MemberLease)
+            .map_err(D::Error::custom)
+    }
+}
+
+impl kube::Resource for MemberLease {
+    type DynamicType = ();
+    type Scope = kube::core::NamespaceResourceScope;
+
+    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
+        Lease::kind(dt)
+    }
+    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
+        Lease::group(dt)
+    }
+    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
+        Lease::version(dt)
+    }
+    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
+        Lease::plural(dt)
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.0.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.0.metadata
+    }
 }
 
 #[cfg(test)]
@@ -360,5 +427,53 @@ mod tests {
             observe(&lease, Duration::from_secs(30)),
             Err(LeaseProblem::NeverRenewed { .. })
         ));
+    }
+
+    /// A renewal past jiff's last representable time (9999-12-31T23:59:59Z, which the API
+    /// takes) reads as a renewal in the future instead of failing the whole list.
+    #[test]
+    fn a_renewal_past_the_last_readable_time_is_a_problem_not_a_failed_list() {
+        let list = serde_json::json!([{
+            "metadata": {"name": "far", "namespace": "kube-system",
+                         "annotations": {ADDRESS_ANNOTATION: "10.0.0.9"}},
+            "spec": {"holderIdentity": "10.0.0.9:6443", "renewTime": "9999-12-31T23:59:59.000000Z",
+                     "leaseDurationSeconds": 15},
+        }, {
+            "metadata": {"name": "near", "namespace": "kube-system",
+                         "annotations": {ADDRESS_ANNOTATION: "10.0.0.8"}},
+            "spec": {"holderIdentity": "10.0.0.8:6443", "renewTime": "2026-11-25T08:00:00.000000Z",
+                     "leaseDurationSeconds": 15},
+        }]);
+        assert!(
+            serde_json::from_value::<Vec<Lease>>(list.clone()).is_err(),
+            "k8s-openapi alone cannot read it"
+        );
+        let leases: Vec<MemberLease> = serde_json::from_value(list).unwrap();
+        assert_eq!(
+            leases[0]
+                .spec
+                .as_ref()
+                .unwrap()
+                .renew_time
+                .as_ref()
+                .unwrap()
+                .0
+                .as_second(),
+            Timestamp::MAX.as_second()
+        );
+        let judged = membership(
+            leases.iter().map(|lease| &lease.0),
+            "2026-11-25T08:00:05Z".parse().unwrap(),
+            Duration::from_secs(15),
+        );
+        assert!(
+            matches!(
+                judged.problems.as_slice(),
+                [LeaseProblem::RenewedInTheFuture { .. }]
+            ),
+            "{:?}",
+            judged.problems
+        );
+        assert_eq!(judged.members.len(), 1, "the readable member stays");
     }
 }
