@@ -6,6 +6,7 @@
 
 mod endpoints;
 mod nodeport;
+mod services;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -82,6 +83,18 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("remove a declared label from a namespace", |env| {
         Box::pin(strip_label(env))
     }),
+    (
+        "the default ServiceCIDR the ClusterIP allocator needs",
+        services::default_service_cidr,
+    ),
+    (
+        "change the port of the kubernetes Service",
+        services::kubernetes_service_port,
+    ),
+    (
+        "delete the IPAddress behind a Service's cluster IP",
+        services::ip_address_deleted,
+    ),
     (
         "three apiservers: one killed, one stopped cleanly, the endpoint port corrupted",
         endpoints::apiserver_members,
@@ -196,7 +209,9 @@ async fn run_demo(sim: &Sim, config: &Config, keep_running: bool) -> ExitCode {
                 config,
             };
             show_namespaces(&env).await;
-            run_scenarios(&env).await
+            let code = run_scenarios(&env).await;
+            where_to_look(&env, controller.admin_addr).await;
+            code
         }
         Err(message) => {
             eprintln!("error: {message}");
@@ -210,6 +225,11 @@ async fn run_demo(sim: &Sim, config: &Config, keep_running: bool) -> ExitCode {
         println!("  export KUBECONFIG={}", sim.kubeconfig_path().display());
         println!("  kubectl get namespaces --show-labels");
         println!("  kubectl delete namespace kube-public && kubectl get namespace kube-public -w");
+        println!("  kubectl get events -A");
+        println!(
+            "  cargo run -p bootstrap-controller -- --kubeconfig {} check",
+            sim.kubeconfig_path().display()
+        );
         println!(
             "  curl -s http://{}/metrics | grep bootstrap_",
             controller.admin_addr
@@ -266,6 +286,74 @@ async fn run_scenarios(env: &DemoEnv<'_>) -> ExitCode {
     } else {
         ExitCode::from(EXIT_OK)
     }
+}
+
+/// Where a person sees what the loops did: the events they wrote and their metrics.
+async fn where_to_look(env: &DemoEnv<'_>, admin: std::net::SocketAddr) {
+    use k8s_openapi::api::events::v1::Event;
+    println!();
+    println!("Where to look:");
+    let events: Api<Event> = Api::all(env.client.clone());
+    match events.list(&Default::default()).await {
+        Ok(list) => {
+            let mut counts: BTreeMap<(String, String), usize> = BTreeMap::new();
+            for event in &list.items {
+                let reason = event.reason.clone().unwrap_or_default();
+                let by = event.reporting_controller.clone().unwrap_or_default();
+                *counts.entry((by, reason)).or_default() += 1;
+            }
+            println!("  events (kubectl get events -A), by reporting controller and reason:");
+            for ((by, reason), count) in counts {
+                println!("    {by:<34} {reason:<28} {count}");
+            }
+        }
+        Err(err) => println!("  (cannot list events: {err})"),
+    }
+    match admin_metrics(admin).await {
+        Ok(text) => {
+            // One line per loop: what it repaired, from bootstrap_loop_drift_repaired_total.
+            let mut repaired: BTreeMap<String, f64> = BTreeMap::new();
+            for line in text
+                .lines()
+                .filter(|line| line.starts_with("bootstrap_loop_drift_repaired_total{"))
+            {
+                let name = line
+                    .split("loop=\"")
+                    .nth(1)
+                    .and_then(|rest| rest.split('"').next());
+                let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+                if let (Some(name), Some(value)) = (name, value) {
+                    *repaired.entry(name.to_owned()).or_default() += value;
+                }
+            }
+            println!(
+                "  metrics (curl http://{admin}/metrics | grep bootstrap_), repairs per loop:"
+            );
+            let per_loop: Vec<String> = repaired
+                .iter()
+                .map(|(name, count)| format!("{name} {count}"))
+                .collect();
+            println!("    {}", per_loop.join(", "));
+        }
+        Err(err) => println!("  (cannot read metrics: {err})"),
+    }
+    println!(
+        "  drift, without writing anything: bootstrap-controller check (exit 0 clean, 1 drift)"
+    );
+}
+
+/// GET /metrics from the admin server (plain HTTP on loopback).
+async fn admin_metrics(addr: std::net::SocketAddr) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    Ok(response
+        .split_once("\r\n\r\n")
+        .map_or(response.clone(), |(_, body)| body.to_owned()))
 }
 
 async fn show_namespaces(env: &DemoEnv<'_>) {

@@ -34,6 +34,10 @@ fn demo_exits_0_after_showing_every_repair() {
     for shown in [
         "kube-public recreated by the controller",
         "label restored",
+        "ServiceCIDR kubernetes holds",
+        "port 443 restored by the controller",
+        "recreated by the controller for default/demo-web",
+        "192.0.2.11 removed: its Lease expired",
         "PortAlreadyAllocated on Service demo-np-second",
         "PortOutOfRange on Service demo-np-outside",
         // CI installs etcd, so the demo's etcd mode runs there.
@@ -41,6 +45,10 @@ fn demo_exits_0_after_showing_every_repair() {
     ] {
         assert!(stdout.contains(shown), "{shown:?} missing:\n{stdout}");
     }
+    // Where to look: the events by reason and the repairs per loop from /metrics.
+    assert!(stdout.contains("ClusterIPNotAllocated"), "{stdout}");
+    assert!(stdout.contains("repairs per loop:"), "{stdout}");
+    assert!(stdout.contains("clusterip-repair 1"), "{stdout}");
 }
 
 #[test]
