@@ -39,6 +39,11 @@ use crate::contract::{
     Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift, ignore_already_exists,
 };
 
+use crate::metrics::{loop_registry, registered};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "kubernetes-service";
+
 /// What to do about drift of the repairable fields.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum RepairPolicy {
@@ -513,18 +518,21 @@ pub struct KubernetesServiceMetrics {
 
 impl KubernetesServiceMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let metrics = Self::default();
-        registry.register(
-            "kubernetes_service_repairs",
-            "Repairs made to the kubernetes Service, by kind of drift",
-            metrics.repairs.clone(),
-        );
-        registry.register(
-            "kubernetes_service_cluster_ip_mismatch",
-            "1 while the kubernetes Service's clusterIP is not the first IP of the service range",
-            metrics.cluster_ip_mismatch.clone(),
-        );
-        metrics
+        let registry = loop_registry(registry, NAME);
+        Self {
+            repairs: registered(
+                registry,
+                "repairs",
+                "Repairs made to the kubernetes Service, by kind of drift",
+                Family::default(),
+            ),
+            cluster_ip_mismatch: registered(
+                registry,
+                "cluster_ip_mismatch",
+                "1 while the kubernetes Service's clusterIP is not the first IP of the service range",
+                Gauge::default(),
+            ),
+        }
     }
 
     pub fn repairs(&self, kind: &str) -> u64 {
@@ -836,7 +844,7 @@ impl KubernetesServiceLoop {
 
 impl Reconciler for KubernetesServiceLoop {
     fn name(&self) -> &'static str {
-        "kubernetes-service"
+        NAME
     }
 
     fn interval(&self) -> Duration {

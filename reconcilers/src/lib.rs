@@ -11,6 +11,7 @@ pub mod contract;
 pub mod findings;
 pub mod kubernetes_service;
 pub mod legacy_alloc;
+pub mod metrics;
 pub mod nodeport_repair;
 pub mod retry;
 pub mod service_cidr;

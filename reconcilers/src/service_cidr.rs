@@ -29,6 +29,9 @@ use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, dr
 use crate::findings::ReportOnce;
 use crate::watch_cache::{WatchCache, watch_trigger};
 
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "service-cidr";
+
 /// Name of the default ServiceCIDR.
 pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
 /// Upstream's controller name: field manager of the status and reporting controller of events.
@@ -470,7 +473,7 @@ impl DefaultServiceCidr {
 
 impl Reconciler for DefaultServiceCidr {
     fn name(&self) -> &'static str {
-        "service-cidr"
+        NAME
     }
 
     fn interval(&self) -> Duration {

@@ -24,6 +24,11 @@ use crate::contract::{
     ignore_already_exists,
 };
 
+use crate::metrics::{loop_registry, registered};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "system-namespaces";
+
 /// Upstream's interval (`wait.UntilWithContext(ctx, sync, 1*time.Minute)`).
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(60);
 
@@ -157,11 +162,11 @@ impl SystemNamespaces {
         })
         .boxed();
 
-        let missing = Gauge::default();
-        registry.register(
-            "namespaces_missing",
+        let missing = registered(
+            loop_registry(registry, NAME),
+            "missing",
             "Declared system namespaces absent at the end of the last pass (dry-run: before it)",
-            missing.clone(),
+            Gauge::default(),
         );
         Self {
             config,
@@ -285,7 +290,7 @@ impl SystemNamespaces {
 
 impl Reconciler for SystemNamespaces {
     fn name(&self) -> &'static str {
-        "system-namespaces"
+        NAME
     }
 
     fn interval(&self) -> Duration {

@@ -41,6 +41,11 @@ use crate::contract::{
 use crate::findings::ReportOnce;
 use crate::watch_cache::{WatchCache, watch_trigger};
 
+use crate::metrics::{loop_registry, registered};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "apiserver-endpoints";
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FamilyLabel {
     family: String,
@@ -66,23 +71,27 @@ pub struct EndpointsMetrics {
 
 impl EndpointsMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let metrics = Self::default();
-        registry.register(
-            "apiserver_endpoints_members",
-            "Apiserver addresses listed in the kubernetes endpoints, by IP family",
-            metrics.members.clone(),
-        );
-        registry.register(
-            "apiserver_endpoints_membership_changes",
-            "Members that joined, left (withdrew) or expired (Lease ran out)",
-            metrics.changes.clone(),
-        );
-        registry.register(
-            "apiserver_endpoints_repairs",
-            "Repairs of the kubernetes Endpoints/EndpointSlices not explained by a membership change, by kind of drift",
-            metrics.repairs.clone(),
-        );
-        metrics
+        let registry = loop_registry(registry, NAME);
+        Self {
+            members: registered(
+                registry,
+                "members",
+                "Apiserver addresses listed in the kubernetes endpoints, by IP family",
+                Family::default(),
+            ),
+            changes: registered(
+                registry,
+                "membership_changes",
+                "Members that joined, left (withdrew) or expired (Lease ran out)",
+                Family::default(),
+            ),
+            repairs: registered(
+                registry,
+                "repairs",
+                "Repairs of the kubernetes Endpoints/EndpointSlices not explained by a membership change, by kind of drift",
+                Family::default(),
+            ),
+        }
     }
 
     pub fn members(&self, family: IpFamily) -> i64 {
@@ -778,7 +787,7 @@ impl ApiserverEndpointsLoop {
 
 impl Reconciler for ApiserverEndpointsLoop {
     fn name(&self) -> &'static str {
-        "apiserver-endpoints"
+        NAME
     }
 
     fn interval(&self) -> Duration {

@@ -17,6 +17,11 @@ use super::probe::ReadinessProbe;
 use super::{ApiserverEndpointsConfig, EndpointsDeps};
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, drift};
 
+use crate::metrics::{loop_registry, registered};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "apiserver-lease";
+
 /// Metric handles of the `apiserver-lease` loop.
 #[derive(Clone, Default)]
 pub struct LeaseMetrics {
@@ -26,18 +31,21 @@ pub struct LeaseMetrics {
 
 impl LeaseMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let metrics = Self::default();
-        registry.register(
-            "apiserver_lease_apiserver_ready",
-            "1 while the local apiserver's readiness check passes and this instance holds its membership Lease",
-            metrics.ready.clone(),
-        );
-        registry.register(
-            "apiserver_lease_renewals",
-            "Writes of this instance's membership Lease (creations and renewals)",
-            metrics.renewals.clone(),
-        );
-        metrics
+        let registry = loop_registry(registry, NAME);
+        Self {
+            ready: registered(
+                registry,
+                "apiserver_ready",
+                "1 while the local apiserver's readiness check passes and this instance holds its membership Lease",
+                Gauge::default(),
+            ),
+            renewals: registered(
+                registry,
+                "renewals",
+                "Writes of this instance's membership Lease (creations and renewals)",
+                Counter::default(),
+            ),
+        }
     }
 
     pub fn ready(&self) -> i64 {
@@ -323,7 +331,7 @@ impl ApiserverLeaseLoop {
 
 impl Reconciler for ApiserverLeaseLoop {
     fn name(&self) -> &'static str {
-        "apiserver-lease"
+        NAME
     }
 
     fn interval(&self) -> Duration {

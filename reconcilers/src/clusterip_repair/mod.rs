@@ -53,6 +53,11 @@ use model::{
 };
 use reflector::{SharedStore, Store, reflect};
 
+use crate::metrics::{loop_registry, registered};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "clusterip-repair";
+
 /// Reporting controller of the events, as upstream.
 pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
 /// Name of the default ServiceCIDR; upstream's repair waits for it before its first pass.
@@ -182,23 +187,27 @@ pub struct RepairMetrics {
 
 impl RepairMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let metrics = Self::default();
-        registry.register(
-            "clusterip_repair_ip_errors",
-            "Number of errors detected on cluster IPs by the repair loop, by type",
-            metrics.ip_errors.clone(),
-        );
-        registry.register(
-            "clusterip_repair_reconcile_errors",
-            "Number of ClusterIP repair passes that failed",
-            metrics.reconcile_errors.clone(),
-        );
-        registry.register(
-            "clusterip_repair_deferred_deletes",
-            "Number of IPAddress deletes put off because a live read of the Service disagreed with the cache or failed, by reason",
-            metrics.deferred_deletes.clone(),
-        );
-        metrics
+        let registry = loop_registry(registry, NAME);
+        Self {
+            ip_errors: registered(
+                registry,
+                "ip_errors",
+                "Number of errors detected on cluster IPs by the repair loop, by type",
+                Family::default(),
+            ),
+            reconcile_errors: registered(
+                registry,
+                "reconcile_errors",
+                "Number of ClusterIP repair passes that failed",
+                Counter::default(),
+            ),
+            deferred_deletes: registered(
+                registry,
+                "deferred_deletes",
+                "Number of IPAddress deletes put off because a live read of the Service disagreed with the cache or failed, by reason",
+                Family::default(),
+            ),
+        }
     }
 }
 
@@ -837,7 +846,7 @@ fn drift_of(finding: &Finding, action: Action, applied: bool, note: Option<Strin
 
 impl Reconciler for ClusterIpRepair {
     fn name(&self) -> &'static str {
-        "clusterip-repair"
+        NAME
     }
 
     fn interval(&self) -> Duration {

@@ -37,6 +37,11 @@ use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
 pub use scan::{Finding, PortRange, Problem};
 
+use crate::metrics::{loop_registry, registered};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "nodeport-repair";
+
 /// Upstream's event source for this repair.
 pub const REPORTING_CONTROLLER: &str = "portallocator-repair-controller";
 /// Upstream's event action.
@@ -80,18 +85,21 @@ pub struct NodePortMetrics {
 
 impl NodePortMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let metrics = Self::default();
-        registry.register(
-            "nodeport_repair_port_errors",
-            "Number of node port problems found by the repair loop, counted when each appears, by type",
-            metrics.port_errors.clone(),
-        );
-        registry.register(
-            "nodeport_repair_problems",
-            "Node port problems present after the last pass, by type",
-            metrics.current_problems.clone(),
-        );
-        metrics
+        let registry = loop_registry(registry, NAME);
+        Self {
+            port_errors: registered(
+                registry,
+                "port_errors",
+                "Number of node port problems found by the repair loop, counted when each appears, by type",
+                Family::default(),
+            ),
+            current_problems: registered(
+                registry,
+                "problems",
+                "Node port problems present after the last pass, by type",
+                Family::default(),
+            ),
+        }
     }
 }
 
@@ -294,7 +302,7 @@ impl NodePortRepair {
 
 impl Reconciler for NodePortRepair {
     fn name(&self) -> &'static str {
-        "nodeport-repair"
+        NAME
     }
 
     fn interval(&self) -> Duration {
