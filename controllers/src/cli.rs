@@ -141,10 +141,10 @@ pub async fn execute(cli: Cli) -> ExitCode {
                         "must be greater than zero (e.g. 30s)",
                     )]));
                 }
-                Err(message) => {
+                Err(err) => {
                     return config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
                         "--timeout",
-                        message,
+                        err.to_string(),
                     )]));
                 }
             };
@@ -231,13 +231,27 @@ pub struct Controller {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// Why the controller could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(
+        "--admin-addr: cannot listen on {addr}: {source} (pick a free address, e.g. 127.0.0.1:8081)"
+    )]
+    AdminAddress {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot build the leader-election client: {0}")]
+    ElectionClient(kube::Error),
+}
+
 impl Controller {
     /// Builds the loops, starts leader election, the admin server and the runner.
     pub async fn start(
         config: &Config,
         kube_config: &kube::Config,
         client: kube::Client,
-    ) -> Result<Controller, String> {
+    ) -> Result<Controller, StartError> {
         let cancel = CancellationToken::new();
         let mut registry = new_registry();
         let runner_metrics = RunnerMetrics::register(&mut registry);
@@ -263,12 +277,9 @@ impl Controller {
         // Bind before joining the election: failing here must not leave a Lease behind.
         let listener = tokio::net::TcpListener::bind(config.admin_addr)
             .await
-            .map_err(|err| {
-                format!(
-                    "--admin-addr: cannot listen on {}: {err} (pick a free address, e.g. \
-                     127.0.0.1:8081)",
-                    config.admin_addr
-                )
+            .map_err(|source| StartError::AdminAddress {
+                addr: config.admin_addr,
+                source,
             })?;
         let runner = Runner::new(
             loops,
@@ -282,7 +293,7 @@ impl Controller {
         let (leader, leader_task) = if config.leader_election.enabled {
             let election_client =
                 leader::election_client(kube_config, config.leader_election.renew_grace)
-                    .map_err(|err| format!("cannot build the leader-election client: {err}"))?;
+                    .map_err(StartError::ElectionClient)?;
             let settings = LeaderSettings {
                 lease_name: config.leader_election.lease_name.clone(),
                 lease_namespace: config.leader_election.lease_namespace.clone(),
@@ -389,15 +400,24 @@ async fn run(config: Config) -> ExitCode {
     ExitCode::from(EXIT_OK)
 }
 
+/// Why `check` gave up waiting for the API.
+#[derive(Debug, thiserror::Error)]
+enum ApiWaitError {
+    #[error("{0}")]
+    Api(kube::Error),
+    #[error("timed out")]
+    TimedOut,
+}
+
 /// Retries `GET /version` until it answers or `timeout` passes; returns the last error.
-async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), String> {
+async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), ApiWaitError> {
     use backon::Retryable;
     let deadline = tokio::time::Instant::now() + timeout;
     let attempt = || async {
         match tokio::time::timeout_at(deadline, client.apiserver_version()).await {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(err)) => Err(err.to_string()),
-            Err(_) => Err("timed out".to_owned()),
+            Ok(Err(err)) => Err(ApiWaitError::Api(err)),
+            Err(_) => Err(ApiWaitError::TimedOut),
         }
     };
     attempt
@@ -472,7 +492,9 @@ pub fn check_report(server: &str, results: &[CheckResult], output: OutputFormat)
                             "message": drift.message,
                         })).collect::<Vec<_>>(),
                     }),
-                    Err(err) => serde_json::json!({ "name": result.name, "error": err }),
+                    Err(err) => {
+                        serde_json::json!({ "name": result.name, "error": err.to_string() })
+                    }
                 })
                 .collect();
             let document = serde_json::json!({
@@ -599,7 +621,9 @@ mod tests {
         };
         let failed = CheckResult {
             name: "b",
-            result: Err("connection refused".to_owned()),
+            result: Err(crate::runner::PassError::Failed(
+                reconcilers::LoopError::Other("connection refused".to_owned()),
+            )),
         };
         let (text, code) = check_report(
             "https://x",

@@ -1018,10 +1018,11 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+    /// `message` is anything that displays: a sentence, or a typed error from a parser.
+    pub fn new(field: impl Into<String>, message: impl std::fmt::Display) -> Self {
         ConfigError {
             field: field.into(),
-            message: message.into(),
+            message: message.to_string(),
         }
     }
 }
@@ -1286,7 +1287,7 @@ impl Config {
             "serviceNodePortRange",
         ) {
             Some(source) => parse_port_range(&source.value)
-                .map_err(|message| errors.push(ConfigError::new(source.field, message)))
+                .map_err(|err| errors.push(ConfigError::new(source.field, err.to_string())))
                 .unwrap_or_default(),
             None => PortRange::default(),
         };
@@ -1339,7 +1340,7 @@ impl Config {
                     ));
                     6443
                 }
-                Err(text) => {
+                Err(NotANumber(text)) => {
                     errors.push(ConfigError::new(
                         source.field,
                         format!("{text:?} is not a port number (expected 1-65535, e.g. 6443)"),
@@ -1482,8 +1483,8 @@ impl Config {
                     ));
                     default_shutdown_timeout()
                 }
-                Err(message) => {
-                    errors.push(ConfigError::new(source.field, message));
+                Err(err) => {
+                    errors.push(ConfigError::new(source.field, err.to_string()));
                     default_shutdown_timeout()
                 }
             },
@@ -1516,9 +1517,10 @@ impl Config {
             duration_from_flag = true;
             match parse_duration(text) {
                 Ok(duration) => leader_election.lease_duration = duration,
-                Err(message) => {
-                    errors.push(ConfigError::new("--leader-elect-lease-duration", message))
-                }
+                Err(err) => errors.push(ConfigError::new(
+                    "--leader-elect-lease-duration",
+                    err.to_string(),
+                )),
             }
         }
         let mut grace_from_flag = false;
@@ -1526,9 +1528,10 @@ impl Config {
             grace_from_flag = true;
             match parse_duration(text) {
                 Ok(duration) => leader_election.renew_grace = duration,
-                Err(message) => {
-                    errors.push(ConfigError::new("--leader-elect-renew-grace", message))
-                }
+                Err(err) => errors.push(ConfigError::new(
+                    "--leader-elect-renew-grace",
+                    err.to_string(),
+                )),
             }
         }
         if leader_election.enabled {
@@ -1626,8 +1629,8 @@ impl Config {
     }
 
     /// The effective configuration as YAML, in the shape `--config` accepts.
-    pub fn to_yaml(&self) -> Result<String, String> {
-        serde_saphyr::to_string(self).map_err(|err| err.to_string())
+    pub fn to_yaml(&self) -> Result<String, serde_saphyr::SerializeError> {
+        serde_saphyr::to_string(self)
     }
 
     /// The leader-election identity to use: the configured one, else `$POD_NAME` or the host
@@ -1703,90 +1706,130 @@ fn family_name(ip: IpAddr) -> &'static str {
     if ip.is_ipv4() { "IPv4" } else { "IPv6" }
 }
 
-fn parse_u32(text: &str) -> Result<u32, String> {
-    text.trim().parse::<u32>().map_err(|_| text.to_owned())
+/// `Err` holds the text that is no number, for the message.
+fn parse_u32(text: &str) -> Result<u32, NotANumber> {
+    text.trim()
+        .parse::<u32>()
+        .map_err(|_| NotANumber(text.to_owned()))
 }
+
+/// A flag's text that is not a number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotANumber(pub String);
+
+/// A flag's or field's value that does not parse; the message says what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValueError {
+    #[error("is empty {DURATION_HINT}")]
+    EmptyDuration,
+    #[error("{0:?} is not a duration {DURATION_HINT}")]
+    NotADuration(String),
+    #[error("{0:?} is negative {DURATION_HINT}")]
+    NegativeDuration(String),
+    #[error("{0:?} is not a port range {PORT_RANGE_HINT}")]
+    NotAPortRange(String),
+    #[error("{text:?} is inverted: {base} is above {last} {PORT_RANGE_HINT}")]
+    InvertedPortRange { text: String, base: u16, last: u16 },
+    #[error("{0:?} is not a port range of ports 1-65535 {PORT_RANGE_HINT}")]
+    PortsOutOfRange(String),
+    #[error(
+        "is empty (expected one CIDR such as 10.96.0.0/12, or two of different families such as 10.96.0.0/12,fd00:10:96::/108)"
+    )]
+    NoCidr,
+    #[error(
+        "{text:?} lists {count} ranges; at most two are allowed, one IPv4 and one IPv6 (e.g. 10.96.0.0/12,fd00:10:96::/108)"
+    )]
+    TooManyCidrs { text: String, count: usize },
+    #[error("{0:?} is not a valid CIDR (expected e.g. 10.96.0.0/12 or fd00:10:96::/108)")]
+    NotACidr(String),
+    #[error("{text:?} has host bits set (did you mean {network}?)")]
+    HostBits { text: String, network: IpNet },
+    #[error(
+        "{text:?} holds fewer than 8 addresses (use a larger range, e.g. /{longest} or shorter)"
+    )]
+    SmallCidr { text: String, longest: u8 },
+    #[error(
+        "{text:?} lists two {family} ranges; a dual-stack range needs one IPv4 and one IPv6 CIDR (e.g. 10.96.0.0/12,fd00:10:96::/108)"
+    )]
+    SameFamilyCidrs { text: String, family: &'static str },
+}
+
+const DURATION_HINT: &str =
+    "(expected a number with a unit: ms, s, m or h, e.g. 10s, 1m30s, 500ms)";
+const PORT_RANGE_HINT: &str = "(expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)";
 
 /// Parses `--service-cluster-ip-range`: one CIDR, or two of different families, each holding at
 /// least 8 addresses (kube-apiserver's rules).
-pub fn parse_service_cidrs(text: &str) -> Result<Vec<IpNet>, String> {
+pub fn parse_service_cidrs(text: &str) -> Result<Vec<IpNet>, ValueError> {
     let parts: Vec<&str> = text.split(',').map(str::trim).collect();
     if parts.iter().all(|part| part.is_empty()) {
-        return Err(
-            "is empty (expected one CIDR such as 10.96.0.0/12, or two of different families \
-             such as 10.96.0.0/12,fd00:10:96::/108)"
-                .to_owned(),
-        );
+        return Err(ValueError::NoCidr);
     }
     if parts.len() > 2 {
-        return Err(format!(
-            "{text:?} lists {} ranges; at most two are allowed, one IPv4 and one IPv6 (e.g. \
-             10.96.0.0/12,fd00:10:96::/108)",
-            parts.len()
-        ));
+        return Err(ValueError::TooManyCidrs {
+            text: text.to_owned(),
+            count: parts.len(),
+        });
     }
     let mut cidrs = Vec::with_capacity(parts.len());
     for part in parts {
-        let cidr: IpNet = part.parse().map_err(|_| {
-            format!("{part:?} is not a valid CIDR (expected e.g. 10.96.0.0/12 or fd00:10:96::/108)")
-        })?;
+        let cidr: IpNet = part
+            .parse()
+            .map_err(|_| ValueError::NotACidr(part.to_owned()))?;
         if cidr.trunc() != cidr {
-            return Err(format!(
-                "{part:?} has host bits set (did you mean {}?)",
-                cidr.trunc()
-            ));
+            return Err(ValueError::HostBits {
+                text: part.to_owned(),
+                network: cidr.trunc(),
+            });
         }
         let host_bits = cidr.max_prefix_len() - cidr.prefix_len();
         if host_bits < 3 {
-            return Err(format!(
-                "{part:?} holds fewer than 8 addresses (use a larger range, e.g. /{} or shorter)",
-                cidr.max_prefix_len() - 3
-            ));
+            return Err(ValueError::SmallCidr {
+                text: part.to_owned(),
+                longest: cidr.max_prefix_len() - 3,
+            });
         }
         cidrs.push(cidr);
     }
     if let [first, second] = cidrs.as_slice()
         && first.addr().is_ipv4() == second.addr().is_ipv4()
     {
-        return Err(format!(
-            "{text:?} lists two {} ranges; a dual-stack range needs one IPv4 and one IPv6 CIDR \
-             (e.g. 10.96.0.0/12,fd00:10:96::/108)",
-            family_name(first.addr())
-        ));
+        return Err(ValueError::SameFamilyCidrs {
+            text: text.to_owned(),
+            family: family_name(first.addr()),
+        });
     }
     Ok(cidrs)
 }
 
 /// Parses `BASE-LAST` (inclusive), e.g. `30000-32767`.
-pub fn parse_port_range(text: &str) -> Result<PortRange, String> {
-    let example = "(expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)";
+pub fn parse_port_range(text: &str) -> Result<PortRange, ValueError> {
     let Some((base, last)) = text.trim().split_once('-') else {
-        return Err(format!("{text:?} is not a port range {example}"));
+        return Err(ValueError::NotAPortRange(text.to_owned()));
     };
     let parse = |part: &str| part.trim().parse::<u16>().ok().filter(|port| *port > 0);
     match (parse(base), parse(last)) {
         (Some(base), Some(last)) if base <= last => Ok(PortRange { base, last }),
-        (Some(base), Some(last)) => Err(format!(
-            "{text:?} is inverted: {base} is above {last} {example}"
-        )),
-        _ => Err(format!(
-            "{text:?} is not a port range of ports 1-65535 {example}"
-        )),
+        (Some(base), Some(last)) => Err(ValueError::InvertedPortRange {
+            text: text.to_owned(),
+            base,
+            last,
+        }),
+        _ => Err(ValueError::PortsOutOfRange(text.to_owned())),
     }
 }
 
 /// Parses durations such as `500ms`, `10s`, `1m`, `1m30s`, `2h` (jiff's friendly format, so
 /// also `1.5s` or `1 minute`; ISO 8601 `PT10S` too).
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let hint = "(expected a number with a unit: ms, s, m or h, e.g. 10s, 1m30s, 500ms)";
+pub fn parse_duration(text: &str) -> Result<Duration, ValueError> {
     let trimmed = text.trim();
     if trimmed.is_empty() {
-        return Err(format!("is empty {hint}"));
+        return Err(ValueError::EmptyDuration);
     }
     let parsed: jiff::SignedDuration = trimmed
         .parse()
-        .map_err(|_| format!("{text:?} is not a duration {hint}"))?;
-    Duration::try_from(parsed).map_err(|_| format!("{text:?} is negative {hint}"))
+        .map_err(|_| ValueError::NotADuration(text.to_owned()))?;
+    Duration::try_from(parsed).map_err(|_| ValueError::NegativeDuration(text.to_owned()))
 }
 
 /// Formats a duration the way [`parse_duration`] reads it, e.g. `1m30s`, `500ms`.
@@ -1843,87 +1886,109 @@ fn ser_cidrs<S: serde::Serializer>(cidrs: &[IpNet], serializer: S) -> Result<S::
 }
 
 /// RFC 1123 label, as Kubernetes validates namespace names.
-pub fn validate_dns1123_label(name: &str) -> Result<(), String> {
+/// Why a name, key or value is not one Kubernetes accepts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("it is empty")]
+    Empty,
+    #[error("it is {length} characters long, at most {limit} are allowed")]
+    TooLong { length: usize, limit: usize },
+    #[error("only lowercase letters, digits and '-' are allowed")]
+    LabelCharacters,
+    #[error("only lowercase letters, digits, '-' and '.' are allowed")]
+    SubdomainCharacters,
+    #[error("only letters, digits, '-', '_' and '.' are allowed")]
+    NameCharacters,
+    #[error("it must start and end with a letter or digit")]
+    Ends,
+    #[error("it has an empty part between dots")]
+    EmptyPart,
+    #[error("each part must start and end with a letter or digit")]
+    PartEnds,
+    #[error("the name part must be 1-63 characters")]
+    NameLength,
+    #[error("its prefix is invalid: {0}")]
+    Prefix(Box<NameError>),
+}
+
+pub fn validate_dns1123_label(name: &str) -> Result<(), NameError> {
     if name.is_empty() {
-        return Err("it is empty".to_owned());
+        return Err(NameError::Empty);
     }
     if name.len() > 63 {
-        return Err(format!(
-            "it is {} characters long, at most 63 are allowed",
-            name.len()
-        ));
+        return Err(NameError::TooLong {
+            length: name.len(),
+            limit: 63,
+        });
     }
     if !name
         .chars()
         .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
     {
-        return Err("only lowercase letters, digits and '-' are allowed".to_owned());
+        return Err(NameError::LabelCharacters);
     }
     if name.starts_with('-') || name.ends_with('-') {
-        return Err("it must start and end with a letter or digit".to_owned());
+        return Err(NameError::Ends);
     }
     Ok(())
 }
 
-/// RFC 1123 subdomain, as Kubernetes validates most object names.
-pub fn validate_dns1123_subdomain(name: &str) -> Result<(), String> {
+pub fn validate_dns1123_subdomain(name: &str) -> Result<(), NameError> {
     if name.is_empty() {
-        return Err("it is empty".to_owned());
+        return Err(NameError::Empty);
     }
     if name.len() > 253 {
-        return Err(format!(
-            "it is {} characters long, at most 253 are allowed",
-            name.len()
-        ));
+        return Err(NameError::TooLong {
+            length: name.len(),
+            limit: 253,
+        });
     }
     for label in name.split('.') {
         if label.is_empty() {
-            return Err("it has an empty part between dots".to_owned());
+            return Err(NameError::EmptyPart);
         }
         if !label
             .chars()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
         {
-            return Err("only lowercase letters, digits, '-' and '.' are allowed".to_owned());
+            return Err(NameError::SubdomainCharacters);
         }
         if label.starts_with('-') || label.ends_with('-') {
-            return Err("each part must start and end with a letter or digit".to_owned());
+            return Err(NameError::PartEnds);
         }
     }
     Ok(())
 }
 
-/// A label or annotation key: `[prefix/]name`.
-fn validate_qualified_name(key: &str) -> Result<(), String> {
+fn validate_qualified_name(key: &str) -> Result<(), NameError> {
     let (prefix, name) = match key.rsplit_once('/') {
         Some((prefix, name)) => (Some(prefix), name),
         None => (None, key),
     };
     if let Some(prefix) = prefix {
-        validate_dns1123_subdomain(prefix)
-            .map_err(|why| format!("its prefix is invalid: {why}"))?;
+        validate_dns1123_subdomain(prefix).map_err(|why| NameError::Prefix(Box::new(why)))?;
     }
     validate_label_name(name)
 }
 
-fn validate_label_name(name: &str) -> Result<(), String> {
+fn validate_label_name(name: &str) -> Result<(), NameError> {
     if name.is_empty() || name.len() > 63 {
-        return Err("the name part must be 1-63 characters".to_owned());
+        return Err(NameError::NameLength);
     }
     let alnum = |c: char| c.is_ascii_alphanumeric();
     if !name.starts_with(alnum) || !name.ends_with(alnum) {
-        return Err("it must start and end with a letter or digit".to_owned());
+        return Err(NameError::Ends);
     }
     if !name
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
     {
-        return Err("only letters, digits, '-', '_' and '.' are allowed".to_owned());
+        return Err(NameError::NameCharacters);
     }
     Ok(())
 }
 
-fn validate_label_value(value: &str) -> Result<(), String> {
+fn validate_label_value(value: &str) -> Result<(), NameError> {
     if value.is_empty() {
         return Ok(());
     }
@@ -2106,6 +2171,7 @@ mod tests {
         assert!(
             parse_service_cidrs("10.0.0.1/24")
                 .unwrap_err()
+                .to_string()
                 .contains("host bits")
         );
         assert!(parse_service_cidrs("10.0.0.0/24,fd00::/64,10.1.0.0/24").is_err());
@@ -2406,7 +2472,7 @@ mod tests {
         assert_eq!(parse_duration("1 minute").unwrap(), Duration::from_secs(60));
         for bad in ["10", "", "-5s", "ten seconds", "5x"] {
             let err = parse_duration(bad).unwrap_err();
-            assert!(err.contains("e.g. 10s"), "{bad:?}: {err}");
+            assert!(err.to_string().contains("e.g. 10s"), "{bad:?}: {err}");
         }
     }
 

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::runner::Health;
+use crate::runner::{CheckState, Health};
 
 /// Name of the leader-election check in `/readyz`.
 pub const READYZ_CHECK: &str = "leader-election";
@@ -119,7 +119,10 @@ pub fn spawn(
 ) -> (watch::Receiver<bool>, JoinHandle<()>) {
     let (sender, receiver) = watch::channel(false);
     metrics.is_leader.set(0);
-    health.set_check(READYZ_CHECK, Err("not joined the election yet".to_owned()));
+    health.set_check(
+        READYZ_CHECK,
+        CheckState::Failing("not joined the election yet".to_owned()),
+    );
     let span = info_span!(
         "leader_election",
         lease = %format!("{}/{}", settings.lease_namespace, settings.lease_name),
@@ -344,7 +347,7 @@ async fn elect(
         let delay = delays.next().unwrap_or(settings.renew_grace);
         health.set_check(
             READYZ_CHECK,
-            Err(format!("cannot reach the API to join the election: {err}")),
+            CheckState::Failing(format!("cannot reach the API to join the election: {err}")),
         );
         warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying");
         tokio::select! {
@@ -355,7 +358,7 @@ async fn elect(
     info!("joined leader election");
     health.set_check(
         READYZ_CHECK,
-        Err("joined; waiting to learn which replica leads".to_owned()),
+        CheckState::Failing("joined; waiting to learn which replica leads".to_owned()),
     );
 
     let leases: Api<Lease> = Api::namespaced(clients.write.clone(), &settings.lease_namespace);
@@ -432,7 +435,7 @@ async fn elect(
                         failing = false;
                         delays = backoff();
                         publish(&sender, &metrics, &health, true);
-                        health.set_check(READYZ_CHECK, Ok(role(true)));
+                        health.set_check(READYZ_CHECK, CheckState::Passing(role(true)));
                     }
                     Err(err) => {
                         // Whoever wrote first leads; learn who (a read, only after a lost race).
@@ -450,12 +453,12 @@ async fn elect(
                                 Ok(lease) => election.observe(lease, Instant::now()),
                                 Err(err) => debug!(error = %err, "cannot read the Lease after a lost race"),
                             }
-                            health.set_check(READYZ_CHECK, Ok(role(false)));
+                            health.set_check(READYZ_CHECK, CheckState::Passing(role(false)));
                         } else {
                             failing = true;
                             health.set_check(
                                 READYZ_CHECK,
-                                Err(format!("cannot renew or observe the Lease: {err}")),
+                                CheckState::Failing(format!("cannot renew or observe the Lease: {err}")),
                             );
                             retry_at = Some(Instant::now() + delays.next().unwrap_or(settings.renew_grace));
                         }
@@ -482,9 +485,9 @@ async fn elect(
                     election.leading = false;
                     election.renewed_at = None;
                     publish(&sender, &metrics, &health, false);
-                    health.set_check(READYZ_CHECK, Ok(role(false)));
+                    health.set_check(READYZ_CHECK, CheckState::Passing(role(false)));
                 } else if !failing && election.known {
-                    health.set_check(READYZ_CHECK, Ok(role(election.leading)));
+                    health.set_check(READYZ_CHECK, CheckState::Passing(role(election.leading)));
                 }
             }
         }

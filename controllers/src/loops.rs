@@ -103,7 +103,7 @@ pub fn build_loops(
                     Box::pin(async move {
                         crate::kubeconfig::load(kubeconfig.as_deref())
                             .await
-                            .map_err(|err| err.to_string())
+                            .map_err(Into::into)
                     })
                 }),
             ))

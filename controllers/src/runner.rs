@@ -86,10 +86,17 @@ impl LoopStatus {
 #[derive(Clone, Default)]
 pub struct Health {
     loops: Arc<Mutex<BTreeMap<&'static str, LoopStatus>>>,
-    /// Checks that are not loops (leader election): `Ok(detail)` or `Err(reason)`.
-    checks: Arc<Mutex<BTreeMap<&'static str, Result<String, String>>>>,
+    /// Checks that are not loops (leader election).
+    checks: Arc<Mutex<BTreeMap<&'static str, CheckState>>>,
     /// Set by leader election; without election no loop ever waits, so it does not matter.
     leading: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// A readiness check that is not a loop, with the words `/readyz` shows for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckState {
+    Passing(String),
+    Failing(String),
 }
 
 /// The AND over every loop, with one line per loop.
@@ -125,7 +132,7 @@ impl Health {
     }
 
     /// Sets a non-loop readiness check, e.g. `leader-election`.
-    pub fn set_check(&self, name: &'static str, state: Result<String, String>) {
+    pub fn set_check(&self, name: &'static str, state: CheckState) {
         let mut checks = self
             .checks
             .lock()
@@ -144,9 +151,9 @@ impl Health {
                 .unwrap_or_else(|poison| poison.into_inner());
             for (name, state) in checks.iter() {
                 lines.push(match state {
-                    Ok(detail) if detail.is_empty() => format!("[+]{name} ok"),
-                    Ok(detail) => format!("[+]{name} ok ({detail})"),
-                    Err(reason) => {
+                    CheckState::Passing(detail) if detail.is_empty() => format!("[+]{name} ok"),
+                    CheckState::Passing(detail) => format!("[+]{name} ok ({detail})"),
+                    CheckState::Failing(reason) => {
                         ready = false;
                         format!("[-]{name} failed: {reason}")
                     }
@@ -394,9 +401,7 @@ impl LoopTask {
                     Err(_) => {
                         metrics.pass(name, "failure", pass_timeout);
                         metrics.error(name, "timeout");
-                        Err(format!(
-                            "pass did not finish within {pass_timeout:?}; abandoned it"
-                        ))
+                        Err(PassError::TimedOut(pass_timeout))
                     }
                 }
             };
@@ -447,7 +452,7 @@ impl LoopTask {
                     self.health.update(name, |status| {
                         status.passes += 1;
                         status.consecutive_failures += 1;
-                        status.last_error = Some(reason);
+                        status.last_error = Some(reason.to_string());
                     });
                     delay
                 }
@@ -636,15 +641,25 @@ async fn invoke(
 /// Drift left undone, as [`run_pass`] remembers it between passes.
 type UnappliedDrift = reconcilers::findings::ReportOnce<(&'static str, String, String)>;
 
+/// Why a pass gave no report; its message is the sentence for logs, `/readyz` and `check`.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error(transparent)]
+    Failed(#[from] reconcilers::LoopError),
+    #[error("pass panicked: {0}")]
+    Panicked(String),
+    #[error("pass did not finish within {0:?}; abandoned it")]
+    TimedOut(Duration),
+}
+
 /// Runs one pass, catching panics, recording metrics and logging drift. Drift left undone is
-/// logged and counted when it first appears (`unapplied` remembers it across passes). The error
-/// is a sentence for logs and `/readyz`.
+/// logged and counted when it first appears (`unapplied` remembers it across passes).
 async fn run_pass(
     reconciler: &dyn Reconciler,
     ctx: &PassContext,
     metrics: &RunnerMetrics,
     unapplied: &UnappliedDrift,
-) -> Result<PassReport, String> {
+) -> Result<PassReport, PassError> {
     let name = reconciler.name();
     let (result, took) = invoke(reconciler, ctx).await;
     match result {
@@ -671,7 +686,7 @@ async fn run_pass(
         Ok(Err(err)) => {
             metrics.pass(name, "failure", took);
             metrics.error(name, err.category());
-            Err(err.to_string())
+            Err(PassError::Failed(err))
         }
         Err(panic) => {
             metrics.pass(name, "panic", took);
@@ -679,7 +694,7 @@ async fn run_pass(
             metrics.error(name, "panic");
             let message = panic_message(&*panic);
             error!(panic = %message, "pass panicked; the loop will retry");
-            Err(format!("pass panicked: {message}"))
+            Err(PassError::Panicked(message))
         }
     }
 }
@@ -692,7 +707,7 @@ async fn run_pass(
 #[derive(Debug)]
 pub struct CheckResult {
     pub name: &'static str,
-    pub result: Result<PassReport, String>,
+    pub result: Result<PassReport, PassError>,
 }
 
 /// One dry-run pass of every loop, concurrently. Each loop's triggers are polled (and ignored)
@@ -736,7 +751,7 @@ pub async fn check_once(
                 if !retry || tokio::time::Instant::now() + delay >= deadline {
                     return CheckResult {
                         name,
-                        result: result.map_err(CheckFailure::into_message),
+                        result: result.map_err(CheckFailure::into_error),
                     };
                 }
                 tokio::time::sleep(delay).await;
@@ -751,14 +766,14 @@ pub async fn check_once(
 }
 
 enum CheckFailure {
-    Transient(String),
-    Permanent(String),
+    Transient(PassError),
+    Permanent(PassError),
 }
 
 impl CheckFailure {
-    fn into_message(self) -> String {
+    fn into_error(self) -> PassError {
         match self {
-            CheckFailure::Transient(message) | CheckFailure::Permanent(message) => message,
+            CheckFailure::Transient(err) | CheckFailure::Permanent(err) => err,
         }
     }
 }
@@ -778,19 +793,18 @@ async fn check_pass(
         // Waiting will not fix missing permissions or objects the loop cannot work with.
         Ok(Err(err)) if matches!(err.category(), "invalid" | "forbidden") => {
             metrics.pass(name, "failure", took);
-            Err(CheckFailure::Permanent(err.to_string()))
+            Err(CheckFailure::Permanent(PassError::Failed(err)))
         }
         Ok(Err(err)) => {
             metrics.pass(name, "failure", took);
             debug!(error = %err, "check pass failed; retrying");
-            Err(CheckFailure::Transient(err.to_string()))
+            Err(CheckFailure::Transient(PassError::Failed(err)))
         }
         Err(panic) => {
             metrics.pass(name, "panic", took);
-            Err(CheckFailure::Permanent(format!(
-                "pass panicked: {}",
-                panic_message(&*panic)
-            )))
+            Err(CheckFailure::Permanent(PassError::Panicked(panic_message(
+                &*panic,
+            ))))
         }
     }
 }
@@ -1381,6 +1395,7 @@ mod tests {
                 .result
                 .as_ref()
                 .unwrap_err()
+                .to_string()
                 .contains("scripted panic")
         );
     }
@@ -1399,6 +1414,7 @@ mod tests {
                 .result
                 .as_ref()
                 .unwrap_err()
+                .to_string()
                 .contains("scripted invalid state")
         );
         assert_eq!(invalid.started.load(Ordering::SeqCst), 1, "not retried");

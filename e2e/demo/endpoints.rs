@@ -26,7 +26,7 @@ const EXTRA_MEMBERS: [&str; 2] = ["192.0.2.11", "192.0.2.12"];
 struct AlwaysReady;
 
 impl ReadinessProbe for AlwaysReady {
-    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn check(&self) -> BoxFuture<'_, Result<(), reconcilers::apiserver_endpoints::NotReady>> {
         Box::pin(async { Ok(()) })
     }
 }

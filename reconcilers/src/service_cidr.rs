@@ -77,9 +77,9 @@ impl ServiceCidrConfig {
                 problem: "set the API server's --service-cluster-ip-range value(s), primary first (e.g. [10.96.0.0/12])".to_owned(),
             });
         }
-        validate_ranges(&self.cidrs).map_err(|problem| ServiceCidrConfigError {
+        validate_ranges(&self.cidrs).map_err(|err| ServiceCidrConfigError {
             field: "cidrs",
-            problem,
+            problem: err.to_string(),
         })?;
         if let Some(net) = self.cidrs.iter().find(|net| net.trunc() != **net) {
             return Err(ServiceCidrConfigError {

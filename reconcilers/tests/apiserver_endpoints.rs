@@ -722,7 +722,14 @@ async fn readyz_probe_follows_the_apiserver() {
     by_url.check().await.unwrap();
     lazy.check().await.unwrap();
     sim.set_ready(false);
-    assert!(by_client.check().await.unwrap_err().contains("500"));
+    assert!(
+        by_client
+            .check()
+            .await
+            .unwrap_err()
+            .to_string()
+            .contains("500")
+    );
     assert!(by_url.check().await.is_err());
     assert!(lazy.check().await.is_err());
 

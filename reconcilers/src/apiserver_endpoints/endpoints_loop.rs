@@ -343,17 +343,16 @@ impl ApiserverEndpointsLoop {
             EndpointsMode::MasterCount => {
                 let listed = existing.map(listed_members).unwrap_or_default();
                 let own = self.cfg.advertise_address;
-                let ready = if exclude_own {
-                    Err("shutting down".to_owned())
-                } else {
-                    self.readiness.check().await
-                };
+                // Shutting down counts as not ready.
+                let ready = !exclude_own && self.readiness.check().await.is_ok();
                 computed.members = match (own, ready) {
-                    (Some(own), Ok(())) => {
+                    (Some(own), true) => {
                         master_count_members(&listed, own, self.cfg.apiserver_count)
                     }
-                    (Some(own), Err(reason)) => {
-                        tracing::debug!(%reason, "local apiserver not ready; not adding this instance");
+                    (Some(own), false) => {
+                        tracing::debug!(
+                            "local apiserver not ready or shutting down; not adding this instance"
+                        );
                         let mut without = listed;
                         without.remove(&own);
                         without

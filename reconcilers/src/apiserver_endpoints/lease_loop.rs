@@ -110,7 +110,7 @@ impl ApiserverLeaseLoop {
         &self.metrics
     }
 
-    fn note_readiness(&self, ready: &Result<(), String>) {
+    fn note_readiness(&self, ready: &Result<(), super::probe::NotReady>) {
         let now = ready.is_ok();
         let before = self
             .last_ready

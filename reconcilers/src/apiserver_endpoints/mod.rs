@@ -53,8 +53,8 @@ pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
 pub use members::{IpFamily, MemberSet};
 pub use probe::{
-    ApiserverReadyz, ConfigLoader, LazyUrlReadyz, ReadinessProbe, Resolver, SystemResolver,
-    default_route_address,
+    ApiserverReadyz, ConfigLoader, LazyUrlReadyz, NotReady, ReadinessProbe, Resolver,
+    SystemResolver, default_route_address,
 };
 
 use crate::contract::Reconciler;
@@ -143,12 +143,23 @@ pub enum StaticAddress {
     Name(String),
 }
 
+/// Why an entry of `static` mode's address list cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StaticAddressError {
+    #[error("{ip} {why}")]
+    UnusableIp { ip: IpAddr, why: &'static str },
+    #[error(
+        "{0:?} is neither an IP address nor a DNS name (no scheme, port or path: write apiserver.example.com, not https://apiserver.example.com:6443)"
+    )]
+    NotAnAddress(String),
+}
+
 impl StaticAddress {
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, StaticAddressError> {
         let text = text.trim();
         if let Some(ip) = members::parse_ip(text) {
             if let Some(why) = members::endpoint_ip_problem(&ip) {
-                return Err(format!("{ip} {why}"));
+                return Err(StaticAddressError::UnusableIp { ip, why });
             }
             return Ok(StaticAddress::Ip(ip));
         }
@@ -161,9 +172,7 @@ impl StaticAddress {
                 && !label.ends_with('-')
         };
         if name.is_empty() || name.len() > 253 || !name.split('.').all(label_ok) {
-            return Err(format!(
-                "{text:?} is neither an IP address nor a DNS name (no scheme, port or path: write apiserver.example.com, not https://apiserver.example.com:6443)"
-            ));
+            return Err(StaticAddressError::NotAnAddress(text.to_owned()));
         }
         Ok(StaticAddress::Name(name.to_ascii_lowercase()))
     }
@@ -368,11 +377,13 @@ mod tests {
         assert!(
             StaticAddress::parse("127.0.0.1")
                 .unwrap_err()
+                .to_string()
                 .contains("loopback")
         );
         assert!(
             StaticAddress::parse("https://lb.example.com:6443")
                 .unwrap_err()
+                .to_string()
                 .contains("no scheme")
         );
         let cfg = ApiserverEndpointsConfig {

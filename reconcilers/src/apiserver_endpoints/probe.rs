@@ -10,8 +10,24 @@ use futures::future::BoxFuture;
 
 /// Whether the local apiserver is ready to serve.
 pub trait ReadinessProbe: Send + Sync + 'static {
-    /// `Ok(())` when ready; `Err(reason)` otherwise (the reason is logged).
-    fn check(&self) -> BoxFuture<'_, Result<(), String>>;
+    /// `Ok(())` when ready; why not otherwise (logged once when it starts).
+    fn check(&self) -> BoxFuture<'_, Result<(), NotReady>>;
+}
+
+/// Why the local apiserver does not count as ready.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NotReady {
+    #[error("GET {path} timed out after {timeout:?}")]
+    TimedOut { path: String, timeout: Duration },
+    #[error("GET {path} failed: {reason}")]
+    Failed { path: String, reason: String },
+    #[error("GET {path} answered {status}")]
+    Answered {
+        path: String,
+        status: http::StatusCode,
+    },
+    #[error("cannot build the readiness probe: {0}")]
+    Setup(String),
 }
 
 /// `GET /readyz` (or another path) through a kube client, so it uses the kubeconfig's server,
@@ -79,23 +95,31 @@ impl ApiserverReadyz {
 }
 
 impl ReadinessProbe for ApiserverReadyz {
-    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn check(&self) -> BoxFuture<'_, Result<(), NotReady>> {
         Box::pin(async move {
+            let path = || self.path.clone();
             let request = http::Request::get(self.path.as_str())
                 .body(Vec::new())
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| NotReady::Setup(e.to_string()))?;
             let response = tokio::time::timeout(
                 self.timeout,
                 self.client.send(request.map(kube::client::Body::from)),
             )
             .await
-            .map_err(|_| format!("GET {} timed out after {:?}", self.path, self.timeout))?
-            .map_err(|e| format!("GET {} failed: {e}", self.path))?;
-            let status = response.status();
-            if status == http::StatusCode::OK {
-                Ok(())
-            } else {
-                Err(format!("GET {} answered {status}", self.path))
+            .map_err(|_| NotReady::TimedOut {
+                path: path(),
+                timeout: self.timeout,
+            })?
+            .map_err(|e| NotReady::Failed {
+                path: path(),
+                reason: e.to_string(),
+            })?;
+            match response.status() {
+                http::StatusCode::OK => Ok(()),
+                status => Err(NotReady::Answered {
+                    path: path(),
+                    status,
+                }),
             }
         })
     }
@@ -126,8 +150,11 @@ impl Resolver for SystemResolver {
 }
 
 /// Builds the kube configuration a [`LazyUrlReadyz`] starts from (the kubeconfig's).
-pub type ConfigLoader =
-    Arc<dyn Fn() -> BoxFuture<'static, Result<kube::Config, String>> + Send + Sync>;
+pub type ConfigLoader = Arc<
+    dyn Fn() -> BoxFuture<'static, Result<kube::Config, Box<dyn std::error::Error + Send + Sync>>>
+        + Send
+        + Sync,
+>;
 
 /// [`ApiserverReadyz::for_url`], built on first use, for callers that only have an async way to
 /// load the kubeconfig. A failure to build is reported as "not ready" and retried next check.
@@ -150,14 +177,16 @@ impl LazyUrlReadyz {
 }
 
 impl ReadinessProbe for LazyUrlReadyz {
-    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn check(&self) -> BoxFuture<'_, Result<(), NotReady>> {
         Box::pin(async move {
             let probe = self
                 .built
                 .get_or_try_init(|| async {
-                    let base = (self.load)().await?;
+                    let base = (self.load)()
+                        .await
+                        .map_err(|e| NotReady::Setup(e.to_string()))?;
                     ApiserverReadyz::for_url(&base, &self.url, self.timeout)
-                        .map_err(|e| e.to_string())
+                        .map_err(|e| NotReady::Setup(e.to_string()))
                 })
                 .await?;
             probe.check().await

@@ -133,11 +133,17 @@ impl ClusterIpRepairConfig {
             return invalid("interval", "must be greater than zero (upstream uses 3m)");
         }
         if self.page_size == 0 {
-            return invalid("pageSize", "must be at least 1 (the default is 2000)");
+            return invalid(
+                "pageSize",
+                &format!(
+                    "must be at least 1 (the default is {})",
+                    reflector::DEFAULT_PAGE_SIZE
+                ),
+            );
         }
-        validate_ranges(&self.service_ranges).map_err(|problem| ConfigError::Invalid {
+        validate_ranges(&self.service_ranges).map_err(|err| ConfigError::Invalid {
             field: "serviceClusterIPRanges",
-            problem,
+            problem: err.to_string(),
         })?;
         if self.mode == RepairMode::Audit && self.service_ranges.is_empty() {
             return invalid(
@@ -151,28 +157,35 @@ impl ClusterIpRepairConfig {
 
 /// Checks service ranges the way kube-apiserver checks `--service-cluster-ip-range`: at most
 /// two, of different families, each holding at least 8 addresses.
-pub fn validate_ranges(ranges: &[IpNet]) -> Result<(), String> {
+/// What is wrong with a list of service ranges.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RangeError {
+    #[error("at most two ranges (one IPv4, one IPv6) are allowed, got {0}")]
+    TooMany(usize),
+    #[error(
+        "{0} and {1} are of the same family; a dual-stack configuration needs one IPv4 and one IPv6 range"
+    )]
+    SameFamily(IpNet, IpNet),
+    #[error("{0} is too small; a service range must hold at least 8 addresses")]
+    TooSmall(IpNet),
+}
+
+pub fn validate_ranges(ranges: &[IpNet]) -> Result<(), RangeError> {
     if ranges.len() > 2 {
-        return Err(format!(
-            "at most two ranges (one IPv4, one IPv6) are allowed, got {}",
-            ranges.len()
-        ));
+        return Err(RangeError::TooMany(ranges.len()));
     }
     if let [first, second] = ranges
         && IpFamily::of_net(first) == IpFamily::of_net(second)
     {
-        return Err(format!(
-            "{first} and {second} are of the same family; a dual-stack configuration needs one IPv4 and one IPv6 range"
-        ));
+        return Err(RangeError::SameFamily(*first, *second));
     }
-    for range in ranges {
-        if ServiceRange::new(*range).total_size() < 8 {
-            return Err(format!(
-                "{range} is too small; a service range must hold at least 8 addresses"
-            ));
-        }
+    match ranges
+        .iter()
+        .find(|range| ServiceRange::new(**range).total_size() < 8)
+    {
+        Some(range) => Err(RangeError::TooSmall(*range)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Counters mirroring upstream's `apiserver_clusterip_repair_*`, plus the deferrals.
@@ -977,6 +990,7 @@ mod tests {
         assert!(
             validate_ranges(&["10.0.0.0/30".parse().unwrap()])
                 .unwrap_err()
+                .to_string()
                 .contains("at least 8")
         );
         assert!(ClusterIpRepairConfig::default().validate().is_ok());

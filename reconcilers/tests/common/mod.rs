@@ -14,7 +14,7 @@ use apiserver_sim::{Sim, SimConfig};
 use futures::future::BoxFuture;
 use kube::runtime::events::Reporter;
 use reconcilers::PassContext;
-use reconcilers::apiserver_endpoints::{ReadinessProbe, Resolver};
+use reconcilers::apiserver_endpoints::{NotReady, ReadinessProbe, Resolver};
 
 pub async fn sim() -> Sim {
     Sim::start(SimConfig {
@@ -54,13 +54,16 @@ impl Flag {
 }
 
 impl ReadinessProbe for Flag {
-    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn check(&self) -> BoxFuture<'_, Result<(), NotReady>> {
         let ready = self.0.load(Ordering::SeqCst);
         Box::pin(async move {
             if ready {
                 Ok(())
             } else {
-                Err("test says not ready".into())
+                Err(NotReady::Answered {
+                    path: "/readyz".to_owned(),
+                    status: http::StatusCode::SERVICE_UNAVAILABLE,
+                })
             }
         })
     }
