@@ -471,13 +471,18 @@ async fn route(
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .unwrap_or("application/json");
-        if !ct.is_empty() && !ct.starts_with("application/json") && !ct.starts_with("*/*") {
-            // Only JSON is spoken; client-go falls back to JSON on 415.
+        let protobuf_body =
+            ct.starts_with(crate::protobuf::MEDIA_TYPE) && crate::protobuf::supports(&def.kind);
+        if !ct.is_empty()
+            && !ct.starts_with("application/json")
+            && !ct.starts_with("*/*")
+            && !protobuf_body
+        {
             return Ok(error_response(&ApiError::new(
                 415,
                 "UnsupportedMediaType",
                 format!(
-                    "the body of the request was in an unknown format - accepted media types include: application/json; got {ct:?}"
+                    "the body of the request was in an unknown format - accepted media types include: application/json, application/vnd.kubernetes.protobuf; got {ct:?}"
                 ),
             )));
         }
@@ -741,8 +746,18 @@ async fn read_bytes(req: Request<Incoming>) -> Result<Bytes, ApiError> {
         .map_err(|e| ApiError::bad_request(format!("reading request body: {e}")))
 }
 
+/// The request body as JSON: as sent, or decoded from protobuf (kubectl's generators send it).
 async fn read_json(req: Request<Incoming>) -> Result<Value, ApiError> {
+    let protobuf = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with(crate::protobuf::MEDIA_TYPE));
     let b = read_bytes(req).await?;
+    if protobuf {
+        return crate::protobuf::decode_single(&b)
+            .map_err(|e| ApiError::bad_request(e.to_string()));
+    }
     serde_json::from_slice(&b).map_err(|e| {
         ApiError::bad_request(format!("the body of the request is not valid JSON: {e}"))
     })

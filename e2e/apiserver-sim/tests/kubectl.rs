@@ -185,6 +185,78 @@ async fn kubectl_reads_and_writes() {
     sim.shutdown().await;
 }
 
+/// kubectl's generators send protobuf bodies (and do not fall back to JSON): each of them for
+/// the kinds the simulator serves creates what kubectl meant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_generators_create_through_protobuf() {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let sim = start().await;
+    let client = sim.client();
+    kubectl(&sim, &["create", "namespace", "gen"]).await;
+    for args in [
+        &["create", "service", "clusterip", "web", "--tcp=80:8080"][..],
+        &[
+            "create",
+            "service",
+            "nodeport",
+            "np",
+            "--tcp=8080:80",
+            "--node-port=30123",
+        ],
+        &[
+            "create",
+            "service",
+            "externalname",
+            "ext",
+            "--external-name=example.com",
+        ],
+        &["create", "service", "loadbalancer", "lb", "--tcp=443"],
+        &[
+            "create",
+            "configmap",
+            "settings",
+            "--from-literal=mode=fast",
+        ],
+    ] {
+        let mut args = args.to_vec();
+        args.extend(["--namespace", "gen"]);
+        kubectl(&sim, &args).await;
+    }
+    let namespace = Api::<Namespace>::all(client.clone())
+        .get("gen")
+        .await
+        .unwrap();
+    assert_eq!(namespace.metadata.name.as_deref(), Some("gen"));
+    let services: Api<Service> = Api::namespaced(client.clone(), "gen");
+    let web = services.get("web").await.unwrap();
+    let spec = web.spec.unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("ClusterIP"));
+    assert!(spec.cluster_ip.is_some_and(|ip| ip.starts_with("10.")));
+    let port = &spec.ports.unwrap()[0];
+    assert_eq!(
+        (port.port, port.target_port.clone()),
+        (80, Some(IntOrString::Int(8080)))
+    );
+    assert_eq!(web.metadata.labels.unwrap()["app"], "web");
+    let np = services.get("np").await.unwrap().spec.unwrap();
+    assert_eq!(np.type_.as_deref(), Some("NodePort"));
+    assert_eq!(np.ports.unwrap()[0].node_port, Some(30123));
+    let ext = services.get("ext").await.unwrap().spec.unwrap();
+    assert_eq!(ext.external_name.as_deref(), Some("example.com"));
+    assert_eq!(
+        ext.cluster_ip, None,
+        "an ExternalName Service gets no cluster IP"
+    );
+    let lb = services.get("lb").await.unwrap().spec.unwrap();
+    assert_eq!(lb.type_.as_deref(), Some("LoadBalancer"));
+    let settings = Api::<ConfigMap>::namespaced(client, "gen")
+        .get("settings")
+        .await
+        .unwrap();
+    assert_eq!(settings.data.unwrap()["mode"], "fast");
+    sim.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_watch_sees_another_clients_change() {
     let sim = start().await;
