@@ -472,7 +472,7 @@ async fn route(
             .and_then(|v| v.to_str().ok())
             .unwrap_or("application/json");
         let protobuf_body =
-            ct.starts_with(crate::protobuf::MEDIA_TYPE) && crate::protobuf::supports(&def.kind);
+            ct.starts_with(crate::protobuf::MEDIA_TYPE) && crate::protobuf::supports(def.kind);
         if !ct.is_empty()
             && !ct.starts_with("application/json")
             && !ct.starts_with("*/*")
