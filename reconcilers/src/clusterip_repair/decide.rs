@@ -5,8 +5,8 @@
 //! the same event reasons, actions and notes. [`decide_audit_mode`] follows the legacy bitmap
 //! `Repair` for clusters that do not serve IPAddress: it can only report.
 
+use std::cell::OnceCell;
 use std::net::IpAddr;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
@@ -20,7 +20,6 @@ use super::model::{
 /// from aiming collisions at a pass (minimal DoS resistance, as its documentation puts it; names
 /// are also short, validated DNS labels).
 type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 fn fast_map<K, V>(capacity: usize) -> FastMap<K, V> {
     FastMap::with_capacity_and_hasher(capacity, foldhash::fast::RandomState::default())
@@ -58,16 +57,6 @@ impl Regarding {
         Regarding::IpAddress {
             name: ip.name.to_string().into(),
             uid: ip.uid.to_string().into(),
-        }
-    }
-
-    /// `(namespace, name)`, namespace empty for cluster objects: the lister's key order.
-    fn key(&self) -> (&str, &str) {
-        match self {
-            Regarding::Service {
-                namespace, name, ..
-            } => (namespace, name),
-            Regarding::IpAddress { name, .. } => ("", name),
         }
     }
 
@@ -186,10 +175,9 @@ impl Decision {
 
 /// Services by namespace/name, built only when a pass needs it: a consistent cluster never
 /// does, because the Service phase has already matched every healthy IPAddress with its parent.
-/// A `OnceLock` because the Service phase runs on several threads.
 struct ServicesByKey<'i, 'a> {
     services: &'i [&'a ServiceRecord],
-    map: OnceLock<FastMap<(&'a str, &'a str), &'a ServiceRecord>>,
+    map: OnceCell<FastMap<(&'a str, &'a str), &'a ServiceRecord>>,
 }
 
 impl<'a> ServicesByKey<'_, 'a> {
@@ -207,91 +195,22 @@ impl<'a> ServicesByKey<'_, 'a> {
     }
 }
 
-/// Which Service first claimed an IP during the Service phase (a later claimant is a
-/// duplicate). When no IP is claimed by two Services, only the Service being synced can have
-/// claimed anything, so its own few claims are all that need remembering.
-enum Claims<'a> {
-    Global(FastMap<IpAddr, (&'a str, &'a str)>),
-    PerService(Vec<IpAddr>),
-}
-
-impl<'a> Claims<'a> {
-    fn first(&self, ip: IpAddr, this: (&'a str, &'a str)) -> Option<(&'a str, &'a str)> {
-        match self {
-            Claims::Global(map) => map.get(&ip).copied(),
-            Claims::PerService(own) => own.contains(&ip).then_some(this),
-        }
-    }
-
-    fn next_service(&mut self) {
-        if let Claims::PerService(own) = self {
-            own.clear();
-        }
-    }
-}
-
-/// The position of the IPAddress each IP names, in the order the IPAddresses were added.
-/// A fresh LIST builds it page by page while the next page is on its way, so a pass does not
-/// wait for it after the last page.
-#[derive(Debug, Default)]
-pub struct IpIndex {
-    /// One table per family, keyed by the address as a number: an IPv4 entry takes 8 bytes
-    /// instead of the 24 of an `IpAddr` one, so the table the Service phase probes at random
-    /// stays small enough for the caches.
-    v4: FastMap<u32, u32>,
-    v6: FastMap<u128, u32>,
-    /// How many IPAddresses were added (those whose name is no IP are in neither table).
-    added: usize,
-}
+/// The position of the IPAddress each IP names (those whose name is no IP are not in it).
+struct IpIndex(FastMap<IpAddr, u32>);
 
 impl IpIndex {
-    fn of<'a>(ip_addresses: impl ExactSizeIterator<Item = &'a IpAddressRecord>) -> Self {
-        let mut index = IpIndex::default();
-        index.reserve(ip_addresses.len());
-        index.extend(ip_addresses);
-        index
-    }
-
-    /// Adds the IPAddresses that follow those added so far.
-    pub fn extend<'a>(&mut self, ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>) {
-        for ip in ip_addresses {
-            if let Ok(at) = u32::try_from(self.added) {
-                match ip.name.ip() {
-                    Some(IpAddr::V4(v4)) => {
-                        self.v4.insert(v4.to_bits(), at);
-                    }
-                    Some(IpAddr::V6(v6)) => {
-                        self.v6.insert(v6.to_bits(), at);
-                    }
-                    None => {}
-                }
+    fn of(ip_addresses: &[&IpAddressRecord]) -> Self {
+        let mut map = fast_map(ip_addresses.len());
+        for (at, ip) in ip_addresses.iter().enumerate() {
+            if let (Some(addr), Ok(at)) = (ip.name.ip(), u32::try_from(at)) {
+                map.insert(addr, at);
             }
-            self.added += 1;
         }
-    }
-
-    /// Room for `additional` more IPAddresses, in both tables since either family may hold
-    /// them all (of the slots no entry lands in, only their one control byte each is written).
-    pub fn reserve(&mut self, additional: usize) {
-        self.v4.reserve(additional);
-        self.v6.reserve(additional);
-    }
-
-    /// How many IPAddresses were added.
-    pub fn len(&self) -> usize {
-        self.added
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.added == 0
+        IpIndex(map)
     }
 
     fn get(&self, ip: IpAddr) -> Option<u32> {
-        match ip {
-            IpAddr::V4(v4) => self.v4.get(&v4.to_bits()),
-            IpAddr::V6(v6) => self.v6.get(&v6.to_bits()),
-        }
-        .copied()
+        self.0.get(&ip).copied()
     }
 }
 
@@ -322,47 +241,11 @@ struct ServicePhase {
     /// IPAddresses whose parent is the Service that claimed them: the IPAddress phase has
     /// nothing to say about them.
     matched: Vec<u32>,
-    /// Every IP claimed, as the position of its IPAddress or, when there is none, the IP: when
-    /// the Services were synced on their own, one IP in here twice means they should not have.
-    claimed: Vec<u32>,
-    claimed_unallocated: Vec<IpAddr>,
 }
 
-impl ServicePhase {
-    fn absorb(&mut self, part: ServicePhase) {
-        self.findings.extend(part.findings);
-        self.rewritten.extend(part.rewritten);
-        self.matched.extend(part.matched);
-        self.claimed.extend(part.claimed);
-        self.claimed_unallocated.extend(part.claimed_unallocated);
-    }
-
-    fn claim<'a>(
-        &mut self,
-        claims: &mut Claims<'a>,
-        ip: IpAddr,
-        at: Option<u32>,
-        this: (&'a str, &'a str),
-    ) {
-        match claims {
-            Claims::Global(map) => {
-                map.insert(ip, this);
-            }
-            Claims::PerService(own) => own.push(ip),
-        }
-        match at {
-            Some(at) => self.claimed.push(at),
-            None => self.claimed_unallocated.push(ip),
-        }
-    }
-}
-
-/// Below this many Services per thread the Service phase stays on one thread: a thread costs
-/// more than it saves.
-const SERVICES_PER_THREAD: usize = 16_384;
-
-/// Services whose IPAddresses the Service phase looks up together (see its `sync`).
-const LOOKAHEAD: usize = 16;
+/// Which Service first claimed each IP during the Service phase (a later claimant is a
+/// duplicate).
+type Claims<'a> = FastMap<IpAddr, (&'a str, &'a str)>;
 
 /// Decides a pass of the IPAddress-mode repair from a snapshot.
 ///
@@ -375,107 +258,38 @@ pub fn decide_ipaddress_mode<'a>(
     now: jiff::Timestamp,
     orphan_grace: Duration,
 ) -> Decision {
-    decide_in_chunks(
-        services,
-        ip_addresses,
-        service_cidrs,
-        now,
-        orphan_grace,
-        per_thread,
-    )
-}
-
-/// Services per thread of the Service phase: one chunk per core, unless that makes them small.
-fn per_thread(services: usize) -> Option<usize> {
-    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    Some(services.div_ceil(threads).max(SERVICES_PER_THREAD))
-}
-
-/// [`decide_ipaddress_mode`] with the Service phase split into chunks of
-/// `chunk_len(services)` Services, each on its own thread (tests choose tiny chunks); `None`
-/// walks the Services in key order on one thread, as upstream does (the tests' reference).
-fn decide_in_chunks<'a>(
-    services: impl IntoIterator<Item = &'a ServiceRecord>,
-    ip_addresses: impl IntoIterator<Item = &'a IpAddressRecord>,
-    service_cidrs: impl IntoIterator<Item = &'a ServiceCidrRecord>,
-    now: jiff::Timestamp,
-    orphan_grace: Duration,
-    chunk_len: impl Fn(usize) -> Option<usize>,
-) -> Decision {
-    let services: Vec<&ServiceRecord> = services.into_iter().collect();
+    let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
+    // Upstream walks the lister in key order, so "who claimed it first" is the Service with the
+    // smaller key.
+    services.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
     let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
     let ranges = ranges_of(service_cidrs);
-    let ips_by_addr = IpIndex::of(ip_addresses.iter().copied());
+    let ips_by_addr = IpIndex::of(&ip_addresses);
     let services_by_key = ServicesByKey {
         services: &services,
-        map: OnceLock::new(),
+        map: OnceCell::new(),
     };
     let index = Index {
         ip_addresses: &ip_addresses,
         ips_by_addr: &ips_by_addr,
         services_by_key: &services_by_key,
     };
-
-    let in_key_order = || {
-        // Upstream walks the lister in key order, so "who claimed it first" is the Service with
-        // the smaller key; only then does the order matter.
-        let mut in_key_order = services.clone();
-        in_key_order.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        sync_services(
-            &in_key_order,
-            Claims::Global(fast_map(ip_addresses.len())),
-            &ranges,
-            &index,
-        )
-    };
-    let phase = match chunk_len(services.len()) {
-        None => in_key_order(),
-        Some(_) => {
-            // First assume no IP is claimed by two Services: then each Service can be synced
-            // on its own, on several threads, in whatever order the cache holds them. The
-            // findings still come in key order (a stable sort keeps each Service's own in
-            // clusterIPs order).
-            let mut phase = ServicePhase::default();
-            let chunk = chunk_len(services.len()).unwrap_or(services.len()).max(1);
-            let parts: Vec<ServicePhase> = std::thread::scope(|scope| {
-                let mut chunks = services.chunks(chunk);
-                let first = chunks.next().unwrap_or_default();
-                let others: Vec<_> = chunks
-                    .map(|chunk| {
-                        let (ranges, index) = (&ranges, &index);
-                        scope.spawn(move || {
-                            sync_services(chunk, Claims::PerService(Vec::new()), ranges, index)
-                        })
-                    })
-                    .collect();
-                let mut parts = vec![sync_services(
-                    first,
-                    Claims::PerService(Vec::new()),
-                    &ranges,
-                    &index,
-                )];
-                for other in others {
-                    parts.push(
-                        other
-                            .join()
-                            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-                    );
-                }
-                parts
-            });
-            for part in parts {
-                phase.absorb(part);
-            }
-            if claimed_twice(&phase, ip_addresses.len()) {
-                in_key_order()
-            } else {
-                phase
-                    .findings
-                    .sort_by(|a, b| a.regarding.key().cmp(&b.regarding.key()));
-                phase
-            }
+    let mut phase = ServicePhase::default();
+    let mut claims = fast_map(ip_addresses.len());
+    for svc in &services {
+        for cluster_ip in svc.cluster_ips.iter() {
+            let at = cluster_ip.ip().and_then(|ip| index.ips_by_addr.get(ip));
+            sync_service_ip(
+                svc,
+                cluster_ip,
+                at,
+                &ranges,
+                &index,
+                &mut claims,
+                &mut phase,
+            );
         }
-    };
+    }
 
     let mut settled = vec![false; ip_addresses.len()];
     for &at in phase.rewritten.iter().chain(&phase.matched) {
@@ -495,71 +309,6 @@ fn decide_in_chunks<'a>(
     // sorting them is cheaper than sorting every IPAddress).
     decision.findings[service_findings..].sort_by_key(|finding| finding.regarding.object());
     decision
-}
-
-/// Upstream's `syncService` for each of `services`, with `claims` as the IPs claimed so far.
-fn sync_services<'c, S: std::borrow::Borrow<ServiceRecord>>(
-    services: &'c [S],
-    mut claims: Claims<'c>,
-    ranges: &[ServiceRange],
-    index: &Index<'_, '_>,
-) -> ServicePhase {
-    let mut phase = ServicePhase::default();
-    let mut found: Vec<Option<u32>> = Vec::with_capacity(2 * LOOKAHEAD);
-    for batch in services.chunks(LOOKAHEAD) {
-        // Each lookup is a chain of cache misses (bucket, position, record). Done for a batch
-        // in short loops of their own, the misses of different IPs overlap instead of one chain
-        // at a time waiting inside the long sync below.
-        found.clear();
-        found.extend(
-            batch
-                .iter()
-                .flat_map(|svc| svc.borrow().cluster_ips.iter())
-                .map(|raw| raw.ip().and_then(|ip| index.ips_by_addr.get(ip))),
-        );
-        let warmed = found
-            .iter()
-            .flatten()
-            .map(|&at| index.ip_addresses[at as usize])
-            .fold(0, |acc, ip| acc ^ touch_service_phase_fields(ip));
-        std::hint::black_box(warmed);
-        let mut found = found.iter().copied();
-        for svc in batch {
-            let svc = svc.borrow();
-            claims.next_service();
-            for cluster_ip in svc.cluster_ips.iter() {
-                let at = found.next().flatten();
-                sync_service_ip(svc, cluster_ip, at, ranges, index, &mut claims, &mut phase);
-            }
-        }
-    }
-    phase
-}
-
-/// Reads what the Service phase reads of an IPAddress, so its cache lines are loaded early.
-fn touch_service_phase_fields(ip: &IpAddressRecord) -> usize {
-    let parent = ip.parent.as_ref().map_or(0, |p| {
-        usize::from(p.is_service()) ^ p.namespace.len() ^ p.name.len()
-    });
-    parent ^ usize::from(ip.managed_by_ipallocator())
-}
-
-/// Whether some IP was claimed by two Services (each Service claims an IP once).
-fn claimed_twice(phase: &ServicePhase, ip_addresses: usize) -> bool {
-    let mut seen = vec![false; ip_addresses];
-    for &at in &phase.claimed {
-        if std::mem::replace(&mut seen[at as usize], true) {
-            return true;
-        }
-    }
-    let mut unallocated: FastSet<IpAddr> = FastSet::with_capacity_and_hasher(
-        phase.claimed_unallocated.len(),
-        foldhash::fast::RandomState::default(),
-    );
-    !phase
-        .claimed_unallocated
-        .iter()
-        .all(|ip| unallocated.insert(*ip))
 }
 
 /// Upstream's `syncService` for one cluster IP; `at` is where `index.ip_addresses` holds the
@@ -626,7 +375,7 @@ fn sync_service_ip<'a>(
             repair: Repair::None,
         });
     };
-    if let Some(first) = claims.first(ip, this) {
+    if let Some(&first) = claims.get(&ip) {
         if first != this {
             duplicate(phase);
         }
@@ -634,7 +383,7 @@ fn sync_service_ip<'a>(
     }
 
     let Some(at) = at else {
-        phase.claim(claims, ip, None, this);
+        claims.insert(ip, this);
         phase.findings.push(Finding {
             kind: "clusterip_not_allocated",
             regarding: regarding(),
@@ -698,7 +447,7 @@ fn sync_service_ip<'a>(
             if !parent_is_this {
                 match index.services_by_key.get(&p.namespace, &p.name) {
                     None => {
-                        phase.claim(claims, ip, Some(at), this);
+                        claims.insert(ip, this);
                         phase.rewritten.push(at);
                         phase.findings.push(wrong_reference(Some(ServiceOwner {
                             namespace: p.namespace.clone(),
@@ -718,14 +467,14 @@ fn sync_service_ip<'a>(
             }
         }
         _ => {
-            phase.claim(claims, ip, Some(at), this);
+            claims.insert(ip, this);
             phase.rewritten.push(at);
             phase.findings.push(wrong_reference(None));
             return;
         }
     }
 
-    phase.claim(claims, ip, Some(at), this);
+    claims.insert(ip, this);
     let labels_right = existing.labels_as_allocated(family);
     if labels_right && parent_is_this {
         // The claiming Service is the parent: the IPAddress phase would find the same.
@@ -1345,37 +1094,29 @@ mod tests {
         );
     }
 
+    /// The decision does not depend on the order the caches hold the objects in: it is
+    /// upstream's walk in key order whatever the order given.
     #[test]
-    fn threads_and_cache_order_decide_as_upstreams_key_order_walk() {
+    fn cache_order_does_not_change_the_decision() {
         let mut kinds = std::collections::BTreeSet::new();
         let mut contested_seen = false;
         for seed in 1..40u64 {
             // A pool of 40 IPs for 60 Services: shared IPs; 240: rarely.
             for pool in [40, 240] {
                 let (services, ips) = damaged_cluster(seed, pool);
-                let serial = decide_in_chunks(&services, &ips, &cidrs(), now(), GRACE, |_| None);
-                contested_seen |= serial
+                let reference = decide_ipaddress_mode(&services, &ips, &cidrs(), now(), GRACE);
+                contested_seen |= reference
                     .findings
                     .iter()
                     .any(|f| f.kind == "clusterip_already_allocated");
-                kinds.extend(serial.findings.iter().map(|f| f.kind));
+                kinds.extend(reference.findings.iter().map(|f| f.kind));
                 let mut reversed = services.clone();
                 reversed.reverse();
                 let mut reversed_ips = ips.clone();
                 reversed_ips.reverse();
-                for chunk in [1, 2, 7, 60] {
-                    for (services, ips) in [(&services, &ips), (&reversed, &reversed_ips)] {
-                        let chunked =
-                            decide_in_chunks(services, ips, &cidrs(), now(), GRACE, |_| {
-                                Some(chunk)
-                            });
-                        same_findings(
-                            &chunked,
-                            &serial,
-                            &format!("seed {seed}, pool {pool}, chunks of {chunk}"),
-                        );
-                    }
-                }
+                let decided =
+                    decide_ipaddress_mode(&reversed, &reversed_ips, &cidrs(), now(), GRACE);
+                same_findings(&decided, &reference, &format!("seed {seed}, pool {pool}"));
             }
         }
         assert!(contested_seen, "some seeds have IPs claimed twice");
