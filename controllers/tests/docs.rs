@@ -269,3 +269,63 @@ fn every_section_rejects_an_unknown_key_naming_it_and_the_fix() {
         );
     }
 }
+
+/// Every metric the process registers (the runtime's, leader election's and every loop's, all
+/// loops enabled) has a row in CONFIG.md's metrics table. (prometheus-client encodes a labelled
+/// family only once it has a child, so the families seen here are those with none: the check
+/// covers the plain counters and gauges, and whatever a future loop registers unlabelled.)
+#[tokio::test]
+async fn config_md_documents_every_metric() {
+    use bootstrap_controller::config::{Config, ConfigArgs};
+    use bootstrap_controller::leader::LeaderMetrics;
+    use bootstrap_controller::metrics::{RunnerMetrics, new_registry};
+
+    let config = Config::load(&ConfigArgs {
+        leader_elect: Some(true),
+        ..ConfigArgs::default()
+    })
+    .expect("the default configuration is valid");
+    let kube_config = kube::Config::new("https://127.0.0.1:1".parse().expect("a URL"));
+    let client = kube::Client::try_from(kube_config).expect("a client");
+    let mut registry = new_registry();
+    RunnerMetrics::register(&mut registry);
+    LeaderMetrics::register(&mut registry);
+    let loops = bootstrap_controller::loops::build_loops(&config, &client, &mut registry);
+    assert!(loops.len() >= 7, "every loop is built");
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+    let registered: std::collections::BTreeSet<String> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .map(|rest| {
+            let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+            // OpenMetrics names counters without `_total` in TYPE; samples and docs carry it.
+            if kind == "counter" {
+                format!("{name}_total")
+            } else {
+                name.to_owned()
+            }
+        })
+        .collect();
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/CONFIG.md"))
+        .expect("CONFIG.md");
+    let documented: std::collections::BTreeSet<String> =
+        table_after(&doc, "## Metrics (prefix `bootstrap_`)")
+            .iter()
+            .filter_map(|row| row.first())
+            .map(|cell| cell.trim_matches('`').to_owned())
+            .collect();
+    assert!(
+        registered.len() >= 5,
+        "the encoding shows the plain metrics: {registered:?}"
+    );
+    let undocumented: Vec<_> = registered.difference(&documented).collect();
+    assert!(
+        undocumented.is_empty(),
+        "registered but not in CONFIG.md's metrics table: {undocumented:?}"
+    );
+    assert!(
+        documented.iter().all(|name| name.starts_with("bootstrap_")),
+        "{documented:?}"
+    );
+}

@@ -228,6 +228,11 @@ async fn hostile_objects_are_skipped_and_every_loop_keeps_working() -> Result<()
         log.contains("Lease everlasting says it was renewed at"),
         "{log}"
     );
+    // The stuck namespace is warned about (once) with what holds it.
+    ensure!(
+        log.contains("kube-node-lease has been terminating") && log.contains("example.com/stuck"),
+        "{log}"
+    );
     ensure!(!log.contains("panicked"), "{log}");
     Ok(())
 }

@@ -32,6 +32,10 @@ pub const NAME: &str = "system-namespaces";
 /// Upstream's interval (`wait.UntilWithContext(ctx, sync, 1*time.Minute)`).
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(60);
 
+/// A namespace terminating this long is stuck (kube-apiserver's namespace controller empties one
+/// in seconds): reported, since nothing here may touch it.
+const STUCK_TERMINATING: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// How long a pass waits for the namespace cache's first list before giving up and retrying.
 const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -82,7 +86,11 @@ impl Default for Config {
 pub enum NamespaceNeed {
     Nothing,
     /// Present but being deleted: upstream counts it as present; it is recreated once gone.
-    Terminating,
+    Terminating {
+        since: Option<jiff::Timestamp>,
+        /// What it waits for: `metadata.finalizers` and `spec.finalizers`.
+        finalizers: Vec<String>,
+    },
     Create,
     /// Declared labels/annotations missing or different: these are the keys to set.
     SetMetadata {
@@ -95,8 +103,26 @@ pub fn assess(spec: &NamespaceSpec, existing: Option<&Namespace>) -> NamespaceNe
     let Some(existing) = existing else {
         return NamespaceNeed::Create;
     };
-    if existing.metadata.deletion_timestamp.is_some() {
-        return NamespaceNeed::Terminating;
+    if let Some(since) = &existing.metadata.deletion_timestamp {
+        let finalizers = existing
+            .metadata
+            .finalizers
+            .iter()
+            .flatten()
+            .chain(
+                existing
+                    .spec
+                    .as_ref()
+                    .and_then(|spec| spec.finalizers.as_ref())
+                    .into_iter()
+                    .flatten(),
+            )
+            .cloned()
+            .collect();
+        return NamespaceNeed::Terminating {
+            since: Some(since.0),
+            finalizers,
+        };
     }
     let labels = missing_entries(&spec.labels, existing.metadata.labels.as_ref());
     let annotations = missing_entries(&spec.annotations, existing.metadata.annotations.as_ref());
@@ -141,6 +167,8 @@ pub struct SystemNamespaces {
     /// Taken by the runner's single call to `triggers()`; the reflector inside feeds `store`.
     trigger: std::sync::Mutex<Option<Trigger>>,
     missing: Gauge,
+    /// Namespaces reported stuck terminating: warned about once when each gets stuck.
+    stuck: crate::findings::ReportOnce<String>,
 }
 
 impl SystemNamespaces {
@@ -174,6 +202,7 @@ impl SystemNamespaces {
             store,
             trigger: std::sync::Mutex::new(Some(trigger)),
             missing,
+            stuck: crate::findings::ReportOnce::new(),
         }
     }
 
@@ -207,6 +236,19 @@ impl SystemNamespaces {
         }
         self.missing
             .set(i64::try_from(still_missing).unwrap_or(i64::MAX));
+        let stuck = report
+            .drift
+            .iter()
+            .filter(|found| found.kind == "namespace_stuck_terminating");
+        let messages: std::collections::BTreeMap<&str, &str> = stuck
+            .map(|found| (found.object.as_str(), found.message.as_str()))
+            .collect();
+        for object in self
+            .stuck
+            .update(messages.keys().map(|object| (*object).to_owned()))
+        {
+            tracing::warn!(%object, "{}", messages.get(object.as_str()).copied().unwrap_or_default());
+        }
         match first_error {
             // Every namespace was tried; the runner retries the pass with backoff.
             Some(err) => Err(LoopError::Api(err)),
@@ -223,9 +265,28 @@ impl SystemNamespaces {
         let object = format!("Namespace/{}", spec.name);
         match need {
             NamespaceNeed::Nothing => Ok(None),
-            NamespaceNeed::Terminating => {
-                tracing::debug!(namespace = %spec.name, "namespace is terminating; will recreate once it is gone");
-                Ok(None)
+            NamespaceNeed::Terminating { since, finalizers } => {
+                let stuck_for = since
+                    .and_then(|since| {
+                        std::time::Duration::try_from(jiff::Timestamp::now() - since).ok()
+                    })
+                    .filter(|age| *age >= STUCK_TERMINATING);
+                let Some(stuck_for) = stuck_for else {
+                    tracing::debug!(namespace = %spec.name, "namespace is terminating; will recreate once it is gone");
+                    return Ok(None);
+                };
+                Ok(Some(drift(
+                    "namespace_stuck_terminating",
+                    object,
+                    Action::Report,
+                    format!(
+                        "required system namespace {} has been terminating for {}s, waiting for finalizers [{}]; it is left alone and recreated once it is gone (remove what holds it, or its finalizer)",
+                        spec.name,
+                        stuck_for.as_secs(),
+                        finalizers.join(", ")
+                    ),
+                    false,
+                )))
             }
             NamespaceNeed::Create => {
                 if !ctx.dry_run {
@@ -380,7 +441,14 @@ mod tests {
         let mut existing = namespace("kube-public", &[]);
         existing.metadata.deletion_timestamp = Some(Time(jiff::Timestamp::UNIX_EPOCH));
         let spec = spec_with_label("kube-public", "team", "platform");
-        assert_eq!(assess(&spec, Some(&existing)), NamespaceNeed::Terminating);
+        existing.metadata.finalizers = Some(vec!["example.com/hold".into()]);
+        assert_eq!(
+            assess(&spec, Some(&existing)),
+            NamespaceNeed::Terminating {
+                since: Some(jiff::Timestamp::UNIX_EPOCH),
+                finalizers: vec!["example.com/hold".into()],
+            }
+        );
     }
 
     #[test]
