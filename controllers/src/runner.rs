@@ -433,6 +433,13 @@ impl LoopTask {
                     } else {
                         fight_streak = 0;
                     }
+                    let failures_before = self
+                        .health
+                        .status(name)
+                        .map_or(0, |status| status.consecutive_failures);
+                    if failures_before > 0 {
+                        info!(failed_passes = failures_before, "pass succeeded again");
+                    }
                     self.health.update(name, |status| {
                         status.succeeded = true;
                         status.passes += 1;
@@ -448,7 +455,19 @@ impl LoopTask {
                         .next()
                         .unwrap_or(interval)
                         .min(interval);
-                    warn!(error = %reason, retry_in = ?delay, "pass failed");
+                    // Warned once per kind of failure: an outage that lasts fails every
+                    // retry the same way, and the first line says all there is.
+                    let message = reason.to_string();
+                    let repeated = self
+                        .health
+                        .status(name)
+                        .and_then(|status| status.last_error)
+                        .is_some_and(|last| last == message);
+                    if repeated {
+                        debug!(error = %message, retry_in = ?delay, "pass failed again");
+                    } else {
+                        warn!(error = %message, retry_in = ?delay, "pass failed; retrying with backoff (the same failure again is logged at debug level)");
+                    }
                     self.health.update(name, |status| {
                         status.passes += 1;
                         status.consecutive_failures += 1;
