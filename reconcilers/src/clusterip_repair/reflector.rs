@@ -256,16 +256,32 @@ pub fn reflect<T: Cached>(
 ) -> BoxStream<'static, ()> {
     let api: Api<T::Object> = Api::all(client);
     let config = watcher::Config::default().page_size(page_size);
+    let mut last_warning: Option<String> = None;
     watcher(api, config)
         .default_backoff()
         .filter_map(move |event| {
+            let kind = <T::Object as kube::Resource>::kind(&());
             let changed = match event {
-                Ok(event) => store.write().apply(event),
+                Ok(event) => {
+                    let changed = store.write().apply(event);
+                    if changed {
+                        last_warning = None;
+                    }
+                    changed
+                }
+                Err(err) if store.is_synced() => {
+                    debug!(%kind, error = %err, "watch failed; resuming");
+                    false
+                }
                 Err(err) => {
-                    if store.is_synced() {
-                        debug!(kind = %<T::Object as kube::Resource>::kind(&()), error = %err, "watch failed; resuming");
+                    // Warned once per kind of failure while a list keeps failing (an outage fails
+                    // every retry the same way).
+                    let message = err.to_string();
+                    if last_warning.as_deref() == Some(message.as_str()) {
+                        debug!(%kind, error = %message, "list failed again");
                     } else {
-                        warn!(kind = %<T::Object as kube::Resource>::kind(&()), error = %err, "list failed; the cache stays unsynced until a list completes");
+                        warn!(%kind, error = %message, "list failed; the cache stays unsynced until a list completes");
+                        last_warning = Some(message);
                     }
                     false
                 }
