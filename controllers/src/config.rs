@@ -4,11 +4,9 @@
 //! cluster, and every error names the field (the flag when the value came from a flag, the YAML
 //! path when it came from the file) and says how to fix it.
 //!
-//! Adding a loop's configuration: add a struct for its section (see [`SystemNamespacesLoop`]), give
-//! it `#[serde(default, deny_unknown_fields, rename_all = "camelCase")]` and a [`Default`] with the
-//! upstream values, implement [`LoopSection`] for it, and add it as a field of [`Loops`].
+//! Each loop's section (`loops.<key>`) is owned by the loop's module in `reconcilers`
+//! ([`LoopSection`]); [`Loops`] is the list of them.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -17,6 +15,14 @@ use std::time::Duration;
 use clap::ValueEnum;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
+
+pub use reconcilers::names::{
+    NameError, validate_dns1123_label, validate_dns1123_subdomain, validate_qualified_name,
+};
+pub use reconcilers::section::{
+    ConfigError, DurationError, LoopSection, ServiceName, Settings, duration_format,
+    format_duration, parse_duration,
+};
 
 /// Environment variable prefix shared by every flag.
 pub const ENV_PREFIX: &str = "BOOTSTRAP_";
@@ -420,493 +426,41 @@ impl Default for LeaderElection {
     }
 }
 
-/// One section per loop. Loops not listed in the file keep their defaults.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct Loops {
-    pub system_namespaces: SystemNamespacesLoop,
-    pub kubernetes_service: KubernetesServiceLoop,
-    pub apiserver_endpoints: ApiserverEndpointsLoop,
-    #[serde(rename = "serviceCIDR")]
-    pub service_cidr: ServiceCidrLoop,
-    #[serde(rename = "clusterIPRepair")]
-    pub cluster_ip_repair: ClusterIpRepairLoop,
-    pub node_port_repair: NodePortRepairLoop,
+/// The loops, in the order they are built: the one list a loop is added to. Each entry is the
+/// section's key under `loops` in the file, its field here, and the section type its module owns
+/// (which validates it and builds the loop). The ClusterIP repair comes before the NodePort
+/// repair, which reads its Service cache.
+macro_rules! loop_list {
+    ($($key:literal => $field:ident: $section:ty,)+) => {
+        /// One section per loop. Loops not listed in the file keep their defaults.
+        #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct Loops {
+            $(#[serde(rename = $key)] pub $field: $section,)+
+        }
+
+        impl Loops {
+            /// Every section with its key under `loops`, in build order.
+            pub fn sections(&self) -> Vec<(&'static str, &dyn LoopSection)> {
+                vec![$(($key, &self.$field as &dyn LoopSection),)+]
+            }
+        }
+    };
+}
+
+loop_list! {
+    "systemNamespaces" => system_namespaces: reconcilers::system_namespaces::Section,
+    "kubernetesService" => kubernetes_service: reconcilers::kubernetes_service::Section,
+    "apiserverEndpoints" => apiserver_endpoints: reconcilers::apiserver_endpoints::Section,
+    "serviceCIDR" => service_cidr: reconcilers::service_cidr::Section,
+    "clusterIPRepair" => cluster_ip_repair: reconcilers::clusterip_repair::Section,
+    "nodePortRepair" => node_port_repair: reconcilers::nodeport_repair::Section,
 }
 
 impl Loops {
-    fn validate(&self, config: &Config, errors: &mut Vec<ConfigError>) {
-        self.system_namespaces
-            .validate("loops.systemNamespaces", config, errors);
-        self.kubernetes_service
-            .validate("loops.kubernetesService", config, errors);
-        self.apiserver_endpoints
-            .validate("loops.apiserverEndpoints", config, errors);
-        self.service_cidr
-            .validate("loops.serviceCIDR", config, errors);
-        self.cluster_ip_repair
-            .validate("loops.clusterIPRepair", config, errors);
-        self.node_port_repair
-            .validate("loops.nodePortRepair", config, errors);
-    }
-}
-
-/// What every loop section implements so the configuration validates it.
-pub trait LoopSection {
-    /// Push one [`ConfigError`] per problem; `path` is the section's YAML path, e.g.
-    /// `loops.systemNamespaces`. `config` is the rest of the effective configuration, for
-    /// cross-field checks.
-    fn validate(&self, path: &str, config: &Config, errors: &mut Vec<ConfigError>);
-}
-
-fn validate_interval(path: &str, interval: Duration, errors: &mut Vec<ConfigError>) {
-    if interval.is_zero() {
-        errors.push(ConfigError::new(
-            format!("{path}.interval"),
-            "must be greater than zero (e.g. 10s or 1m)",
-        ));
-    }
-}
-
-/// Ensures the system namespaces exist (upstream: `kube-system`, `kube-public`,
-/// `kube-node-lease`, `default`, every minute).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct SystemNamespacesLoop {
-    pub enabled: bool,
-    #[serde(with = "duration_format")]
-    pub interval: Duration,
-    pub namespaces: Vec<NamespaceSpec>,
-}
-
-impl Default for SystemNamespacesLoop {
-    fn default() -> Self {
-        SystemNamespacesLoop {
-            enabled: true,
-            interval: Duration::from_secs(60),
-            namespaces: ["kube-system", "kube-public", "kube-node-lease", "default"]
-                .into_iter()
-                .map(NamespaceSpec::named)
-                .collect(),
-        }
-    }
-}
-
-/// A namespace that must exist, with labels and annotations it must carry (others are left
-/// alone).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct NamespaceSpec {
-    pub name: String,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub labels: BTreeMap<String, String>,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub annotations: BTreeMap<String, String>,
-}
-
-impl NamespaceSpec {
-    pub fn named(name: &str) -> Self {
-        NamespaceSpec {
-            name: name.to_owned(),
-            labels: BTreeMap::new(),
-            annotations: BTreeMap::new(),
-        }
-    }
-}
-
-impl LoopSection for SystemNamespacesLoop {
-    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
-        validate_interval(path, self.interval, errors);
-        let mut seen = std::collections::BTreeSet::new();
-        for (index, namespace) in self.namespaces.iter().enumerate() {
-            let field = format!("{path}.namespaces[{index}]");
-            if let Err(why) = validate_dns1123_label(&namespace.name) {
-                errors.push(ConfigError::new(
-                    format!("{field}.name"),
-                    format!(
-                        "{:?} is not a valid namespace name: {why} (expected a DNS-1123 label \
-                         such as kube-system)",
-                        namespace.name
-                    ),
-                ));
-            } else if !seen.insert(namespace.name.as_str()) {
-                errors.push(ConfigError::new(
-                    format!("{field}.name"),
-                    format!(
-                        "{:?} is listed twice (list each namespace once and merge its labels \
-                         and annotations)",
-                        namespace.name
-                    ),
-                ));
-            }
-            for key in namespace.labels.keys() {
-                if let Err(why) = validate_qualified_name(key) {
-                    errors.push(ConfigError::new(
-                        format!("{field}.labels"),
-                        format!(
-                            "key {key:?} is not a valid label key: {why} (expected e.g. \
-                             example.com/team or team)"
-                        ),
-                    ));
-                }
-            }
-            for (key, value) in &namespace.labels {
-                if let Err(why) = validate_label_value(value) {
-                    errors.push(ConfigError::new(
-                        format!("{field}.labels.{key}"),
-                        format!("{value:?} is not a valid label value: {why}"),
-                    ));
-                }
-            }
-            for key in namespace.annotations.keys() {
-                if let Err(why) = validate_qualified_name(key) {
-                    errors.push(ConfigError::new(
-                        format!("{field}.annotations"),
-                        format!(
-                            "key {key:?} is not a valid annotation key: {why} (expected e.g. \
-                             example.com/owner)"
-                        ),
-                    ));
-                }
-            }
-        }
-    }
-}
-
-/// The `default/kubernetes` Service. Upstream interval: 10s.
-///
-/// Its clusterIP, targetPort and node port come from `serviceClusterIPRange`, `securePort` and
-/// `kubernetesServiceNodePort`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct KubernetesServiceLoop {
-    pub enabled: bool,
-    #[serde(with = "duration_format")]
-    pub interval: Duration,
-    /// Namespace of the Service (and of its Endpoints/EndpointSlices).
-    pub namespace: String,
-    /// Name of the Service (and of its Endpoints and primary EndpointSlice).
-    pub name: String,
-    /// The Service port (upstream hard-codes 443).
-    pub port: u16,
-    /// `repair`: fix ports, type, selector, sessionAffinity and labels; `off`: only create when
-    /// missing and report drift (upstream's behaviour).
-    pub repair: ServiceRepairPolicy,
-    /// Delete and recreate the Service when its clusterIP is not the first IP of the primary
-    /// range. Destructive (connections through the old IP break); off by default.
-    #[serde(rename = "recreateOnClusterIPMismatch")]
-    pub recreate_on_cluster_ip_mismatch: bool,
-}
-
-/// See [`KubernetesServiceLoop::repair`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ServiceRepairPolicy {
-    #[default]
-    Repair,
-    Off,
-}
-
-impl Default for KubernetesServiceLoop {
-    fn default() -> Self {
-        KubernetesServiceLoop {
-            enabled: true,
-            interval: Duration::from_secs(10),
-            namespace: "default".to_owned(),
-            name: "kubernetes".to_owned(),
-            port: 443,
-            repair: ServiceRepairPolicy::Repair,
-            recreate_on_cluster_ip_mismatch: false,
-        }
-    }
-}
-
-impl LoopSection for KubernetesServiceLoop {
-    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
-        validate_interval(path, self.interval, errors);
-        if let Err(why) = validate_dns1123_label(&self.namespace) {
-            errors.push(ConfigError::new(
-                format!("{path}.namespace"),
-                format!("{why} (expected e.g. default)"),
-            ));
-        }
-        if let Err(why) = validate_dns1123_label(&self.name) {
-            errors.push(ConfigError::new(
-                format!("{path}.name"),
-                format!("{why} (expected e.g. kubernetes)"),
-            ));
-        }
-        if self.port == 0 {
-            errors.push(ConfigError::new(
-                format!("{path}.port"),
-                "must be a port between 1 and 65535 (upstream uses 443)",
-            ));
-        }
-    }
-}
-
-/// The `kubernetes` Endpoints and EndpointSlices. Upstream interval: 10s.
-///
-/// The mode is `endpointReconcilerType`; the address is `advertiseAddress`, the port `securePort`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct ApiserverEndpointsLoop {
-    pub enabled: bool,
-    /// Lease renewal, endpoints check and DNS re-resolution interval.
-    #[serde(with = "duration_format")]
-    pub interval: Duration,
-    /// `lease` mode: namespace of the per-apiserver membership Leases.
-    pub lease_namespace: String,
-    /// `lease` mode: how long a membership Lease stays valid without renewal; longer than
-    /// `interval`.
-    #[serde(rename = "leaseTTL", with = "duration_format")]
-    pub lease_ttl: Duration,
-    /// `lease` and `master-count` modes: the local apiserver's readiness URL. Empty: `/readyz` of
-    /// the kubeconfig's server. A path (`/readyz?exclude=etcd`) is probed on that server; a full
-    /// URL (`https://127.0.0.1:6443/readyz`) with the kubeconfig's CA and credentials.
-    #[serde(rename = "readyzURL")]
-    pub readyz_url: String,
-    /// `static` mode: IP addresses and/or DNS names (re-resolved every interval, A and AAAA; a
-    /// failed or empty answer keeps the last good addresses).
-    pub static_addresses: Vec<String>,
-}
-
-impl Default for ApiserverEndpointsLoop {
-    fn default() -> Self {
-        ApiserverEndpointsLoop {
-            enabled: true,
-            interval: Duration::from_secs(10),
-            lease_namespace: "kube-system".to_owned(),
-            lease_ttl: Duration::from_secs(15),
-            readyz_url: String::new(),
-            static_addresses: Vec::new(),
-        }
-    }
-}
-
-impl ApiserverEndpointsLoop {
-    /// `advertiseAddress`, else the default-route address of the primary range's family (what
-    /// kube-apiserver does when `--advertise-address` is unset).
-    pub fn advertise_address(&self, config: &Config) -> Option<IpAddr> {
-        config.advertise_address.or_else(|| {
-            let family = match config.service_cluster_ip_range.first() {
-                Some(IpNet::V6(_)) => reconcilers::apiserver_endpoints::IpFamily::V6,
-                _ => reconcilers::apiserver_endpoints::IpFamily::V4,
-            };
-            reconcilers::apiserver_endpoints::default_route_address(family)
-        })
-    }
-}
-
-impl LoopSection for ApiserverEndpointsLoop {
-    fn validate(&self, path: &str, config: &Config, errors: &mut Vec<ConfigError>) {
-        let before = errors.len();
-        self.validate_fields(path, config, errors);
-        // The loops' own validation (e.g. a loopback advertiseAddress) catches what the field
-        // checks above do not; without this the loops would be skipped at start-up instead.
-        if self.enabled
-            && errors.len() == before
-            && let Err(err) = config.apiserver_endpoints().validate()
-        {
-            let field = match err.field {
-                "advertiseAddress" | "securePort" | "apiserverCount" => err.field.to_owned(),
-                "lease.namespace" => format!("{path}.leaseNamespace"),
-                "lease.ttl" => format!("{path}.leaseTTL"),
-                "static.addresses" => format!("{path}.staticAddresses"),
-                "service" => "loops.kubernetesService.name".to_owned(),
-                other => format!("{path}.{other}"),
-            };
-            errors.push(ConfigError::new(field, err.message));
-        }
-    }
-}
-
-impl ApiserverEndpointsLoop {
-    fn validate_fields(&self, path: &str, config: &Config, errors: &mut Vec<ConfigError>) {
-        validate_interval(path, self.interval, errors);
-        let mode = config.endpoint_reconciler_type;
-        if self.enabled
-            && matches!(
-                mode,
-                EndpointReconcilerType::Lease | EndpointReconcilerType::MasterCount
-            )
-            && self.advertise_address(config).is_none()
-        {
-            errors.push(ConfigError::new(
-                "advertiseAddress",
-                format!(
-                    "not set and this host has no default route to take it from; endpoint \
-                     reconciler {} needs the apiserver's address (--advertise-address)",
-                    mode.as_str()
-                ),
-            ));
-        }
-        if mode == EndpointReconcilerType::Lease {
-            if let Err(why) = validate_dns1123_label(&self.lease_namespace) {
-                errors.push(ConfigError::new(
-                    format!("{path}.leaseNamespace"),
-                    format!("{why} (expected e.g. kube-system)"),
-                ));
-            }
-            if self.lease_ttl <= self.interval || self.lease_ttl < Duration::from_secs(1) {
-                errors.push(ConfigError::new(
-                    format!("{path}.leaseTTL"),
-                    format!(
-                        "{} must be at least 1s and longer than interval {}, or members expire \
-                         between renewals (upstream: 15s with a 10s interval)",
-                        format_duration(self.lease_ttl),
-                        format_duration(self.interval)
-                    ),
-                ));
-            }
-        }
-        if matches!(
-            mode,
-            EndpointReconcilerType::Lease | EndpointReconcilerType::MasterCount
-        ) && !self.readyz_url.is_empty()
-        {
-            let url = self.readyz_url.as_str();
-            let full = url.starts_with("http://") || url.starts_with("https://");
-            if !full && !url.starts_with('/') {
-                errors.push(ConfigError::new(
-                    format!("{path}.readyzURL"),
-                    format!(
-                        "{url:?} is neither a path (/readyz) nor an http(s) URL \
-                         (https://127.0.0.1:6443/readyz)"
-                    ),
-                ));
-            }
-        }
-        if mode == EndpointReconcilerType::Static {
-            if self.static_addresses.is_empty() {
-                errors.push(ConfigError::new(
-                    format!("{path}.staticAddresses"),
-                    "endpointReconcilerType static needs at least one IP address or DNS name",
-                ));
-            }
-            for (index, entry) in self.static_addresses.iter().enumerate() {
-                if let Err(why) = reconcilers::apiserver_endpoints::StaticAddress::parse(entry) {
-                    errors.push(ConfigError::new(
-                        format!("{path}.staticAddresses[{index}]"),
-                        why,
-                    ));
-                }
-            }
-        }
-    }
-}
-
-/// The default ServiceCIDR `kubernetes`. Upstream interval: 10s.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct ServiceCidrLoop {
-    pub enabled: bool,
-    #[serde(with = "duration_format")]
-    pub interval: Duration,
-}
-
-impl Default for ServiceCidrLoop {
-    fn default() -> Self {
-        ServiceCidrLoop {
-            enabled: true,
-            interval: Duration::from_secs(10),
-        }
-    }
-}
-
-impl LoopSection for ServiceCidrLoop {
-    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
-        validate_interval(path, self.interval, errors);
-    }
-}
-
-/// NodePort repair: node ports held twice or outside `serviceNodePortRange`. Upstream interval:
-/// 3m.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct NodePortRepairLoop {
-    pub enabled: bool,
-    #[serde(with = "duration_format")]
-    pub interval: Duration,
-}
-
-impl Default for NodePortRepairLoop {
-    fn default() -> Self {
-        NodePortRepairLoop {
-            enabled: true,
-            interval: Duration::from_secs(180),
-        }
-    }
-}
-
-impl LoopSection for NodePortRepairLoop {
-    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
-        validate_interval(path, self.interval, errors);
-    }
-}
-
-/// ClusterIP repair against IPAddress/ServiceCIDR. Upstream interval: 3m.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct ClusterIpRepairLoop {
-    pub enabled: bool,
-    #[serde(with = "duration_format")]
-    pub interval: Duration,
-    /// See [`ClusterIpRepairMode`].
-    pub mode: ClusterIpRepairMode,
-    /// How long an allocator-managed IPAddress whose Service does not exist is left alone
-    /// before it is deleted as leaked (upstream: 60s; kube-apiserver writes the IPAddress before
-    /// the Service).
-    #[serde(with = "duration_format")]
-    pub orphan_grace_period: Duration,
-    /// Objects per LIST page when the repairs' caches (re)list Services, IPAddresses and
-    /// ServiceCIDRs, and when a leak in an etcd bitmap is confirmed by a fresh list.
-    pub page_size: u32,
-}
-
-/// Which ClusterIP repair runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum ClusterIpRepairMode {
-    /// IPAddress mode where the API serves `networking.k8s.io/v1` IPAddress and ServiceCIDR
-    /// (found by discovery), audit mode otherwise.
-    #[default]
-    Auto,
-    /// Repair IPAddress objects (Kubernetes 1.33+).
-    IpAddress,
-    /// Only report duplicates, out-of-range and invalid cluster IPs of `serviceClusterIPRange`.
-    Audit,
-}
-
-impl Default for ClusterIpRepairLoop {
-    fn default() -> Self {
-        ClusterIpRepairLoop {
-            enabled: true,
-            interval: Duration::from_secs(180),
-            mode: ClusterIpRepairMode::Auto,
-            orphan_grace_period: Duration::from_secs(60),
-            page_size: reconcilers::clusterip_repair::reflector::DEFAULT_PAGE_SIZE,
-        }
-    }
-}
-
-impl LoopSection for ClusterIpRepairLoop {
-    fn validate(&self, path: &str, _config: &Config, errors: &mut Vec<ConfigError>) {
-        validate_interval(path, self.interval, errors);
-        if self.orphan_grace_period < Duration::from_secs(5) {
-            errors.push(ConfigError::new(
-                format!("{path}.orphanGracePeriod"),
-                "must be at least 5s (upstream uses 60s; shorter risks deleting the IPAddress of a Service that is still being created)",
-            ));
-        }
-        if self.page_size == 0 {
-            errors.push(ConfigError::new(
-                format!("{path}.pageSize"),
-                format!(
-                    "must be at least 1 (the default is {})",
-                    reconcilers::clusterip_repair::reflector::DEFAULT_PAGE_SIZE
-                ),
-            ));
+    fn validate(&self, settings: &Settings, errors: &mut Vec<ConfigError>) {
+        for (key, section) in self.sections() {
+            section.validate(&format!("loops.{key}"), settings, errors);
         }
     }
 }
@@ -1008,24 +562,6 @@ fn fix_hint_for_parse_error(message: &str) -> String {
 // ------------------------------------------------------------------------------------------------
 // Errors
 // ------------------------------------------------------------------------------------------------
-
-/// One invalid value: the field (flag or YAML path) and what is wrong with it, with the fix.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct ConfigError {
-    pub field: String,
-    pub message: String,
-}
-
-impl ConfigError {
-    /// `message` is anything that displays: a sentence, or a typed error from a parser.
-    pub fn new(field: impl Into<String>, message: impl std::fmt::Display) -> Self {
-        ConfigError {
-            field: field.into(),
-            message: message.to_string(),
-        }
-    }
-}
 
 /// Every problem found in a configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1204,52 +740,35 @@ impl Config {
         })
     }
 
-    /// The endpoint loops' configuration from the effective configuration: mode from
-    /// `endpointReconcilerType`, Service from `loops.kubernetesService`, port from `securePort`,
-    /// primary family from the first service range. Public so the demo and tests build members
-    /// that match the running controller.
-    pub fn apiserver_endpoints(
-        &self,
-    ) -> reconcilers::apiserver_endpoints::ApiserverEndpointsConfig {
-        let config = self;
-        use reconcilers::apiserver_endpoints::{
-            ApiserverEndpointsConfig, EndpointsMode, EndpointsTarget, IpFamily,
-        };
-        let section = &config.loops.apiserver_endpoints;
-        let mode = match config.endpoint_reconciler_type {
-            EndpointReconcilerType::Lease => EndpointsMode::Lease,
-            EndpointReconcilerType::Static => EndpointsMode::Static,
-            EndpointReconcilerType::MasterCount => EndpointsMode::MasterCount,
-            EndpointReconcilerType::None => EndpointsMode::None,
-        };
-        let primary_family = config
-            .service_cluster_ip_range
-            .first()
-            .map(|net| match net {
-                ipnet::IpNet::V4(_) => IpFamily::V4,
-                ipnet::IpNet::V6(_) => IpFamily::V6,
-            });
-        ApiserverEndpointsConfig {
-            mode,
-            target: EndpointsTarget {
-                namespace: config.loops.kubernetes_service.namespace.clone(),
-                service_name: config.loops.kubernetes_service.name.clone(),
-                port: i32::from(config.secure_port),
-                primary_family,
+    /// What the loops read outside their own sections.
+    pub fn settings(&self) -> Settings {
+        use reconcilers::apiserver_endpoints::EndpointsMode;
+        Settings {
+            service_ranges: self.service_cluster_ip_range.clone(),
+            node_port_range: self.service_node_port_range.base..=self.service_node_port_range.last,
+            secure_port: self.secure_port,
+            kubernetes_service_node_port: (self.kubernetes_service_node_port != 0)
+                .then_some(self.kubernetes_service_node_port),
+            advertise_address: self.advertise_address,
+            endpoint_mode: match self.endpoint_reconciler_type {
+                EndpointReconcilerType::Lease => EndpointsMode::Lease,
+                EndpointReconcilerType::Static => EndpointsMode::Static,
+                EndpointReconcilerType::MasterCount => EndpointsMode::MasterCount,
+                EndpointReconcilerType::None => EndpointsMode::None,
             },
-            advertise_address: section.advertise_address(config),
-            interval: section.interval,
-            lease_namespace: section.lease_namespace.clone(),
-            lease_ttl: section.lease_ttl,
-            identity: config.leader_identity(),
-            static_addresses: section.static_addresses.clone(),
-            apiserver_count: usize::try_from(config.apiserver_count).unwrap_or(usize::MAX),
-            leader_lease: config.leader_election.enabled.then(|| {
+            apiserver_count: self.apiserver_count,
+            kubernetes_service: ServiceName {
+                namespace: self.loops.kubernetes_service.namespace.clone(),
+                name: self.loops.kubernetes_service.name.clone(),
+            },
+            identity: self.leader_identity(),
+            leader_lease: self.leader_election.enabled.then(|| {
                 (
-                    config.leader_election.lease_namespace.clone(),
-                    config.leader_election.lease_name.clone(),
+                    self.leader_election.lease_namespace.clone(),
+                    self.leader_election.lease_name.clone(),
                 )
             }),
+            etcd: self.etcd(),
         }
     }
 
@@ -1617,9 +1136,8 @@ impl Config {
             leader_election,
             loops: file.loops.clone().unwrap_or_default(),
         };
-        // Sections validate against the whole effective configuration, their own values included
-        // (the endpoints check builds the loop's configuration from `config.loops`).
-        config.loops.validate(&config, &mut errors);
+        // Sections validate against the settings of the effective configuration.
+        config.loops.validate(&config.settings(), &mut errors);
 
         if errors.is_empty() {
             Ok(config)
@@ -1720,12 +1238,6 @@ pub struct NotANumber(pub String);
 /// A flag's or field's value that does not parse; the message says what was expected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ValueError {
-    #[error("is empty {DURATION_HINT}")]
-    EmptyDuration,
-    #[error("{0:?} is not a duration {DURATION_HINT}")]
-    NotADuration(String),
-    #[error("{0:?} is negative {DURATION_HINT}")]
-    NegativeDuration(String),
     #[error("{0:?} is not a port range {PORT_RANGE_HINT}")]
     NotAPortRange(String),
     #[error("{text:?} is inverted: {base} is above {last} {PORT_RANGE_HINT}")]
@@ -1754,8 +1266,6 @@ pub enum ValueError {
     SameFamilyCidrs { text: String, family: &'static str },
 }
 
-const DURATION_HINT: &str =
-    "(expected a number with a unit: ms, s, m or h, e.g. 10s, 1m30s, 500ms)";
 const PORT_RANGE_HINT: &str = "(expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)";
 
 /// Parses `--service-cluster-ip-range`: one CIDR, or two of different families, each holding at
@@ -1819,59 +1329,6 @@ pub fn parse_port_range(text: &str) -> Result<PortRange, ValueError> {
     }
 }
 
-/// Parses durations such as `500ms`, `10s`, `1m`, `1m30s`, `2h` (jiff's friendly format, so
-/// also `1.5s` or `1 minute`; ISO 8601 `PT10S` too).
-pub fn parse_duration(text: &str) -> Result<Duration, ValueError> {
-    let trimmed = text.trim();
-    if trimmed.is_empty() {
-        return Err(ValueError::EmptyDuration);
-    }
-    let parsed: jiff::SignedDuration = trimmed
-        .parse()
-        .map_err(|_| ValueError::NotADuration(text.to_owned()))?;
-    Duration::try_from(parsed).map_err(|_| ValueError::NegativeDuration(text.to_owned()))
-}
-
-/// Formats a duration the way [`parse_duration`] reads it, e.g. `1m30s`, `500ms`.
-pub fn format_duration(duration: Duration) -> String {
-    use jiff::fmt::friendly::{Designator, Spacing, SpanPrinter};
-    let duration = jiff::SignedDuration::try_from(duration).unwrap_or(jiff::SignedDuration::MAX);
-    SpanPrinter::new()
-        .designator(Designator::Compact)
-        .spacing(Spacing::None)
-        .duration_to_string(&duration)
-}
-
-/// Serde support for durations written like `10s`.
-pub mod duration_format {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(&super::format_duration(*duration))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(deserializer)?;
-        super::parse_duration(&text).map_err(serde::de::Error::custom)
-    }
-
-    pub mod option {
-        use std::time::Duration;
-
-        use serde::{Deserialize, Deserializer};
-
-        pub fn deserialize<'de, D: Deserializer<'de>>(
-            deserializer: D,
-        ) -> Result<Option<Duration>, D::Error> {
-            let text = Option::<String>::deserialize(deserializer)?;
-            text.map(|text| super::super::parse_duration(&text).map_err(serde::de::Error::custom))
-                .transpose()
-        }
-    }
-}
-
 /// `a,b`, as the flag takes it.
 pub fn format_cidrs(cidrs: &[IpNet]) -> String {
     cidrs
@@ -1883,116 +1340,6 @@ pub fn format_cidrs(cidrs: &[IpNet]) -> String {
 
 fn ser_cidrs<S: serde::Serializer>(cidrs: &[IpNet], serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(&format_cidrs(cidrs))
-}
-
-/// RFC 1123 label, as Kubernetes validates namespace names.
-/// Why a name, key or value is not one Kubernetes accepts.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum NameError {
-    #[error("it is empty")]
-    Empty,
-    #[error("it is {length} characters long, at most {limit} are allowed")]
-    TooLong { length: usize, limit: usize },
-    #[error("only lowercase letters, digits and '-' are allowed")]
-    LabelCharacters,
-    #[error("only lowercase letters, digits, '-' and '.' are allowed")]
-    SubdomainCharacters,
-    #[error("only letters, digits, '-', '_' and '.' are allowed")]
-    NameCharacters,
-    #[error("it must start and end with a letter or digit")]
-    Ends,
-    #[error("it has an empty part between dots")]
-    EmptyPart,
-    #[error("each part must start and end with a letter or digit")]
-    PartEnds,
-    #[error("the name part must be 1-63 characters")]
-    NameLength,
-    #[error("its prefix is invalid: {0}")]
-    Prefix(Box<NameError>),
-}
-
-pub fn validate_dns1123_label(name: &str) -> Result<(), NameError> {
-    if name.is_empty() {
-        return Err(NameError::Empty);
-    }
-    if name.len() > 63 {
-        return Err(NameError::TooLong {
-            length: name.len(),
-            limit: 63,
-        });
-    }
-    if !name
-        .chars()
-        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-    {
-        return Err(NameError::LabelCharacters);
-    }
-    if name.starts_with('-') || name.ends_with('-') {
-        return Err(NameError::Ends);
-    }
-    Ok(())
-}
-
-pub fn validate_dns1123_subdomain(name: &str) -> Result<(), NameError> {
-    if name.is_empty() {
-        return Err(NameError::Empty);
-    }
-    if name.len() > 253 {
-        return Err(NameError::TooLong {
-            length: name.len(),
-            limit: 253,
-        });
-    }
-    for label in name.split('.') {
-        if label.is_empty() {
-            return Err(NameError::EmptyPart);
-        }
-        if !label
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        {
-            return Err(NameError::SubdomainCharacters);
-        }
-        if label.starts_with('-') || label.ends_with('-') {
-            return Err(NameError::PartEnds);
-        }
-    }
-    Ok(())
-}
-
-fn validate_qualified_name(key: &str) -> Result<(), NameError> {
-    let (prefix, name) = match key.rsplit_once('/') {
-        Some((prefix, name)) => (Some(prefix), name),
-        None => (None, key),
-    };
-    if let Some(prefix) = prefix {
-        validate_dns1123_subdomain(prefix).map_err(|why| NameError::Prefix(Box::new(why)))?;
-    }
-    validate_label_name(name)
-}
-
-fn validate_label_name(name: &str) -> Result<(), NameError> {
-    if name.is_empty() || name.len() > 63 {
-        return Err(NameError::NameLength);
-    }
-    let alnum = |c: char| c.is_ascii_alphanumeric();
-    if !name.starts_with(alnum) || !name.ends_with(alnum) {
-        return Err(NameError::Ends);
-    }
-    if !name
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    {
-        return Err(NameError::NameCharacters);
-    }
-    Ok(())
-}
-
-fn validate_label_value(value: &str) -> Result<(), NameError> {
-    if value.is_empty() {
-        return Ok(());
-    }
-    validate_label_name(value)
 }
 
 #[cfg(test)]
@@ -2024,7 +1371,7 @@ mod tests {
         assert_eq!(config.loops.kubernetes_service.port, 8443);
         assert_eq!(
             config.loops.kubernetes_service.repair,
-            ServiceRepairPolicy::Off
+            reconcilers::kubernetes_service::RepairPolicy::Off
         );
         assert!(
             config
@@ -2056,7 +1403,11 @@ mod tests {
         )
         .expect("a valid static configuration");
         assert_eq!(
-            config.apiserver_endpoints().static_addresses,
+            config
+                .loops
+                .apiserver_endpoints
+                .loop_config(&config.settings())
+                .static_addresses,
             ["192.0.2.1", "lb.example.com"]
         );
 
@@ -2210,15 +1561,15 @@ mod tests {
                 .expect("valid");
         assert_eq!(
             config.loops.cluster_ip_repair.mode,
-            ClusterIpRepairMode::Audit
+            reconcilers::clusterip_repair::RepairMode::Audit
         );
         assert_eq!(
             config.loops.cluster_ip_repair.orphan_grace_period,
             Duration::from_secs(120)
         );
         assert_eq!(
-            ClusterIpRepairLoop::default().mode,
-            ClusterIpRepairMode::Auto
+            reconcilers::clusterip_repair::Section::default().mode,
+            reconcilers::clusterip_repair::RepairMode::Auto
         );
         let error = single_error(from_yaml(
             "loops:\n  clusterIPRepair:\n    orphanGracePeriod: 1s\n",
@@ -2232,8 +1583,23 @@ mod tests {
     }
 
     #[test]
+    fn node_port_repair_page_size() {
+        let config = from_yaml("loops:\n  nodePortRepair:\n    pageSize: 50\n").expect("valid");
+        assert_eq!(config.loops.node_port_repair.page_size, 50);
+        assert_eq!(
+            config.loops.cluster_ip_repair.page_size, 500,
+            "each repair has its own page size"
+        );
+        let error = single_error(from_yaml("loops:\n  nodePortRepair:\n    pageSize: 0\n"));
+        assert_eq!(error.field, "loops.nodePortRepair.pageSize");
+    }
+
+    #[test]
     fn cluster_ip_repair_page_size() {
-        assert_eq!(ClusterIpRepairLoop::default().page_size, 500);
+        assert_eq!(
+            reconcilers::clusterip_repair::Section::default().page_size,
+            500
+        );
         let config = from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 500\n").expect("valid");
         assert_eq!(config.loops.cluster_ip_repair.page_size, 500);
         let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 0\n"));

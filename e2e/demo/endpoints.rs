@@ -87,7 +87,11 @@ async fn wait_for(
 }
 
 async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
-    let cfg = env.config.apiserver_endpoints();
+    let cfg = env
+        .config
+        .loops
+        .apiserver_endpoints
+        .loop_config(&env.config.settings());
     if !env.config.loops.apiserver_endpoints.enabled || cfg.mode != EndpointsMode::Lease {
         return Ok("skipped: the endpoints loop is not in lease mode".to_owned());
     }

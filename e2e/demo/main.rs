@@ -24,8 +24,9 @@ use kube::runtime::watcher;
 use bootstrap_controller::cli::{
     Controller, EXIT_CONFIG, EXIT_DRIFT_OR_FAILURE, EXIT_OK, cancel_on_signals, init_logging,
 };
-use bootstrap_controller::config::{Config, ConfigArgs, NamespaceSpec};
+use bootstrap_controller::config::{Config, ConfigArgs};
 use clap::Parser;
+use reconcilers::system_namespaces::NamespaceSpec;
 
 /// Runs bootstrap-controller against an in-process API simulator, breaks things on purpose and
 /// shows each repair and how long it took. Exit status: 0 every repair seen, 1 otherwise, 2 bad

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from harness import (
     CHART,
     Controller,
     Sim,
+    binary,
     container_args,
     local_args,
     objects,
@@ -63,6 +65,23 @@ def test_lint_strict_passes(case):
 @pytest.mark.parametrize("case", CASES)
 def test_schema_accepts_each_case(case):
     helm.Chart.load(CHART).validate_schema(CASES[case])
+
+
+def test_schema_lists_every_loop_section_and_field_the_controller_reads():
+    """The schema of `config.loops` holds exactly the sections and fields of `config print`, so a
+    loop or a field added to the code cannot be refused (or a removed one accepted) by the chart."""
+    printed = subprocess.run(
+        [binary("bootstrap-controller"), "config", "print"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    loops = yaml.safe_load(printed)["loops"]
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    sections = schema["properties"]["config"]["properties"]["loops"]["properties"]
+    assert sorted(sections) == sorted(loops)
+    for key, fields in loops.items():
+        assert sorted(sections[key]["properties"]) == sorted(fields), key
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::watch_cache::{WatchCache, watch_trigger};
@@ -34,18 +34,24 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
 
 use crate::contract::{
     Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift, ignore_already_exists,
 };
 
 use crate::metrics::{loop_registry, registered};
+use crate::names::validate_dns1123_label;
+use crate::section::{
+    self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
+};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "kubernetes-service";
 
 /// What to do about drift of the repairable fields.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum RepairPolicy {
     /// Rewrite ports, type, selector, session affinity and the two labels.
     #[default]
@@ -101,6 +107,103 @@ impl Default for KubernetesServiceConfig {
             recreate_on_cluster_ip_mismatch: false,
             interval: Duration::from_secs(10),
         }
+    }
+}
+
+/// `loops.kubernetesService`: the `default/kubernetes` Service. Its clusterIP, targetPort and
+/// node port come from `serviceClusterIPRange`, `securePort` and `kubernetesServiceNodePort`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct Section {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+    /// Namespace of the Service (and of its Endpoints/EndpointSlices).
+    pub namespace: String,
+    /// Name of the Service (and of its Endpoints and primary EndpointSlice).
+    pub name: String,
+    /// The Service port (upstream hard-codes 443).
+    pub port: u16,
+    /// `repair`: fix ports, type, selector, sessionAffinity and labels; `off`: only create when
+    /// missing and report drift (upstream's behaviour).
+    pub repair: RepairPolicy,
+    /// Delete and recreate the Service when its clusterIP is not the first IP of the primary
+    /// range. Destructive (connections through the old IP break); off by default.
+    #[serde(rename = "recreateOnClusterIPMismatch")]
+    pub recreate_on_cluster_ip_mismatch: bool,
+}
+
+impl Default for Section {
+    fn default() -> Self {
+        let defaults = KubernetesServiceConfig::default();
+        Section {
+            enabled: true,
+            interval: defaults.interval,
+            namespace: defaults.namespace,
+            name: defaults.name,
+            port: 443,
+            repair: defaults.repair,
+            recreate_on_cluster_ip_mismatch: defaults.recreate_on_cluster_ip_mismatch,
+        }
+    }
+}
+
+impl Section {
+    /// The loop's configuration: this section with the Service range, `securePort` and node port.
+    pub fn loop_config(&self, settings: &Settings) -> KubernetesServiceConfig {
+        KubernetesServiceConfig {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            port: i32::from(self.port),
+            target_port: i32::from(settings.secure_port),
+            service_cidrs: settings.service_ranges.clone(),
+            node_port: settings.kubernetes_service_node_port.map(i32::from),
+            repair: self.repair,
+            recreate_on_cluster_ip_mismatch: self.recreate_on_cluster_ip_mismatch,
+            interval: self.interval,
+        }
+    }
+}
+
+impl LoopSection for Section {
+    fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    fn validate(&self, path: &str, _settings: &Settings, errors: &mut Vec<section::ConfigError>) {
+        validate_interval(path, self.interval, errors);
+        if let Err(why) = validate_dns1123_label(&self.namespace) {
+            errors.push(section::ConfigError::new(
+                format!("{path}.namespace"),
+                format!("{why} (expected e.g. default)"),
+            ));
+        }
+        if let Err(why) = validate_dns1123_label(&self.name) {
+            errors.push(section::ConfigError::new(
+                format!("{path}.name"),
+                format!("{why} (expected e.g. kubernetes)"),
+            ));
+        }
+        if self.port == 0 {
+            errors.push(section::ConfigError::new(
+                format!("{path}.port"),
+                "must be a port between 1 and 65535 (upstream uses 443)",
+            ));
+        }
+    }
+
+    fn build(
+        &self,
+        context: &mut BuildContext<'_>,
+    ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
+        let config = self.loop_config(context.settings);
+        config.validate()?;
+        Ok(vec![Arc::new(KubernetesServiceLoop::new(
+            config,
+            context.client.clone(),
+            context.settings.reporter(),
+            context.registry,
+        ))])
     }
 }
 

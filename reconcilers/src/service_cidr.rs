@@ -21,12 +21,17 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client};
+use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::Trigger;
 use crate::clusterip_repair::validate_ranges;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, drift};
 use crate::findings::ReportOnce;
+use crate::section::{
+    BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
+    validate_interval,
+};
 use crate::watch_cache::{WatchCache, watch_trigger};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
@@ -58,6 +63,49 @@ impl Default for ServiceCidrConfig {
             interval: Duration::from_secs(10),
             reporting_instance: None,
         }
+    }
+}
+
+/// `loops.serviceCIDR`: the default ServiceCIDR `kubernetes`, from `serviceClusterIPRange`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct Section {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+}
+
+impl Default for Section {
+    fn default() -> Self {
+        Section {
+            enabled: true,
+            interval: ServiceCidrConfig::default().interval,
+        }
+    }
+}
+
+impl LoopSection for Section {
+    fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    fn validate(&self, path: &str, _settings: &Settings, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+    }
+
+    fn build(
+        &self,
+        context: &mut BuildContext<'_>,
+    ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
+        let config = ServiceCidrConfig {
+            cidrs: context.settings.service_ranges.clone(),
+            interval: self.interval,
+            reporting_instance: Some(context.settings.identity.clone()),
+        };
+        Ok(vec![Arc::new(DefaultServiceCidr::new(
+            context.client.clone(),
+            config,
+        )?)])
     }
 }
 

@@ -47,6 +47,7 @@ use std::time::Duration;
 
 use kube::runtime::events::Reporter;
 use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
 
 pub use desired::EndpointsTarget;
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
@@ -58,6 +59,11 @@ pub use probe::{
 };
 
 use crate::contract::Reconciler;
+use crate::names::validate_dns1123_label;
+use crate::section::{
+    self, BuildContext, BuildError, LoopSection, Settings, duration_format, format_duration,
+    validate_interval,
+};
 
 /// `--endpoint-reconciler-type`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -71,6 +77,18 @@ pub enum EndpointsMode {
     MasterCount,
     /// Leave the endpoints alone.
     None,
+}
+
+impl EndpointsMode {
+    /// The name `--endpoint-reconciler-type` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointsMode::Lease => "lease",
+            EndpointsMode::Static => "static",
+            EndpointsMode::MasterCount => "master-count",
+            EndpointsMode::None => "none",
+        }
+    }
 }
 
 impl std::str::FromStr for EndpointsMode {
@@ -130,6 +148,221 @@ impl Default for ApiserverEndpointsConfig {
             apiserver_count: 1,
             leader_lease: None,
         }
+    }
+}
+
+/// `loops.apiserverEndpoints`: the `kubernetes` Endpoints and EndpointSlices. The mode is
+/// `endpointReconcilerType`; the address `advertiseAddress`, the port `securePort`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct Section {
+    pub enabled: bool,
+    /// Lease renewal, endpoints check and DNS re-resolution interval.
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+    /// `lease` mode: namespace of the per-apiserver membership Leases.
+    pub lease_namespace: String,
+    /// `lease` mode: how long a membership Lease stays valid without renewal; longer than
+    /// `interval`.
+    #[serde(rename = "leaseTTL", with = "duration_format")]
+    pub lease_ttl: Duration,
+    /// `lease` and `master-count` modes: the local apiserver's readiness URL. Empty: `/readyz` of
+    /// the kubeconfig's server. A path (`/readyz?exclude=etcd`) is probed on that server; a full
+    /// URL (`https://127.0.0.1:6443/readyz`) with the kubeconfig's CA and credentials.
+    #[serde(rename = "readyzURL")]
+    pub readyz_url: String,
+    /// `static` mode: IP addresses and/or DNS names (re-resolved every interval, A and AAAA; a
+    /// failed or empty answer keeps the last good addresses).
+    pub static_addresses: Vec<String>,
+}
+
+impl Default for Section {
+    fn default() -> Self {
+        let defaults = ApiserverEndpointsConfig::default();
+        Section {
+            enabled: true,
+            interval: defaults.interval,
+            lease_namespace: defaults.lease_namespace,
+            lease_ttl: defaults.lease_ttl,
+            readyz_url: String::new(),
+            static_addresses: Vec::new(),
+        }
+    }
+}
+
+impl Section {
+    /// `advertiseAddress`, else the default-route address of the primary range's family (what
+    /// kube-apiserver does when `--advertise-address` is unset).
+    pub fn advertise_address(&self, settings: &Settings) -> Option<IpAddr> {
+        settings
+            .advertise_address
+            .or_else(|| default_route_address(primary_family(settings).unwrap_or(IpFamily::V4)))
+    }
+
+    /// Both loops' configuration: this section with the mode, the `kubernetes` Service, the port
+    /// and the primary family from `settings`. Public so the demo and tests build members that
+    /// match the running controller.
+    pub fn loop_config(&self, settings: &Settings) -> ApiserverEndpointsConfig {
+        ApiserverEndpointsConfig {
+            mode: settings.endpoint_mode,
+            target: EndpointsTarget {
+                namespace: settings.kubernetes_service.namespace.clone(),
+                service_name: settings.kubernetes_service.name.clone(),
+                port: i32::from(settings.secure_port),
+                primary_family: primary_family(settings),
+            },
+            advertise_address: self.advertise_address(settings),
+            interval: self.interval,
+            lease_namespace: self.lease_namespace.clone(),
+            lease_ttl: self.lease_ttl,
+            identity: settings.identity.clone(),
+            static_addresses: self.static_addresses.clone(),
+            apiserver_count: usize::try_from(settings.apiserver_count).unwrap_or(usize::MAX),
+            leader_lease: settings.leader_lease.clone(),
+        }
+    }
+
+    fn validate_fields(
+        &self,
+        path: &str,
+        settings: &Settings,
+        errors: &mut Vec<section::ConfigError>,
+    ) {
+        validate_interval(path, self.interval, errors);
+        let mode = settings.endpoint_mode;
+        let probes = matches!(mode, EndpointsMode::Lease | EndpointsMode::MasterCount);
+        if self.enabled && probes && self.advertise_address(settings).is_none() {
+            errors.push(section::ConfigError::new(
+                "advertiseAddress",
+                format!(
+                    "not set and this host has no default route to take it from; endpoint \
+                     reconciler {} needs the apiserver's address (--advertise-address)",
+                    mode.as_str()
+                ),
+            ));
+        }
+        if mode == EndpointsMode::Lease {
+            if let Err(why) = validate_dns1123_label(&self.lease_namespace) {
+                errors.push(section::ConfigError::new(
+                    format!("{path}.leaseNamespace"),
+                    format!("{why} (expected e.g. kube-system)"),
+                ));
+            }
+            if self.lease_ttl <= self.interval || self.lease_ttl < Duration::from_secs(1) {
+                errors.push(section::ConfigError::new(
+                    format!("{path}.leaseTTL"),
+                    format!(
+                        "{} must be at least 1s and longer than interval {}, or members expire \
+                         between renewals (upstream: 15s with a 10s interval)",
+                        format_duration(self.lease_ttl),
+                        format_duration(self.interval)
+                    ),
+                ));
+            }
+        }
+        if probes && !self.readyz_url.is_empty() {
+            let url = self.readyz_url.as_str();
+            let full = url.starts_with("http://") || url.starts_with("https://");
+            if !full && !url.starts_with('/') {
+                errors.push(section::ConfigError::new(
+                    format!("{path}.readyzURL"),
+                    format!(
+                        "{url:?} is neither a path (/readyz) nor an http(s) URL \
+                         (https://127.0.0.1:6443/readyz)"
+                    ),
+                ));
+            }
+        }
+        if mode == EndpointsMode::Static {
+            if self.static_addresses.is_empty() {
+                errors.push(section::ConfigError::new(
+                    format!("{path}.staticAddresses"),
+                    "endpointReconcilerType static needs at least one IP address or DNS name",
+                ));
+            }
+            for (index, entry) in self.static_addresses.iter().enumerate() {
+                if let Err(why) = StaticAddress::parse(entry) {
+                    errors.push(section::ConfigError::new(
+                        format!("{path}.staticAddresses[{index}]"),
+                        why,
+                    ));
+                }
+            }
+        }
+    }
+
+    /// The local apiserver's readiness: `/readyz` (or the configured path) through the client,
+    /// or a full URL with the kubeconfig's CA and credentials.
+    fn readiness(&self, context: &BuildContext<'_>) -> Arc<dyn ReadinessProbe> {
+        let timeout = self.interval.min(Duration::from_secs(5));
+        let url = self.readyz_url.as_str();
+        if url.starts_with("http://") || url.starts_with("https://") {
+            Arc::new(LazyUrlReadyz::new(
+                url,
+                timeout,
+                context.load_kubeconfig.clone(),
+            ))
+        } else {
+            let path = if url.is_empty() { "/readyz" } else { url };
+            Arc::new(ApiserverReadyz::new(context.client.clone(), path, timeout))
+        }
+    }
+}
+
+fn primary_family(settings: &Settings) -> Option<IpFamily> {
+    settings.service_ranges.first().map(|net| match net {
+        ipnet::IpNet::V4(_) => IpFamily::V4,
+        ipnet::IpNet::V6(_) => IpFamily::V6,
+    })
+}
+
+impl LoopSection for Section {
+    fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    fn validate(&self, path: &str, settings: &Settings, errors: &mut Vec<section::ConfigError>) {
+        let before = errors.len();
+        self.validate_fields(path, settings, errors);
+        // The loops' own validation (e.g. a loopback advertiseAddress) catches what the field
+        // checks above do not; without this the loops would be skipped at start-up instead.
+        if self.enabled
+            && errors.len() == before
+            && let Err(err) = self.loop_config(settings).validate()
+        {
+            let field = match err.field {
+                "advertiseAddress" | "securePort" | "apiserverCount" => err.field.to_owned(),
+                "lease.namespace" => format!("{path}.leaseNamespace"),
+                "lease.ttl" => format!("{path}.leaseTTL"),
+                "static.addresses" => format!("{path}.staticAddresses"),
+                "service" => "loops.kubernetesService.name".to_owned(),
+                other => format!("{path}.{other}"),
+            };
+            errors.push(section::ConfigError::new(field, err.message));
+        }
+    }
+
+    /// `apiserver-lease` on every replica and `apiserver-endpoints` on the leader (on every
+    /// replica in master-count mode, as upstream), as [`build_loops`] says.
+    fn build(
+        &self,
+        context: &mut BuildContext<'_>,
+    ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
+        let config = self.loop_config(context.settings);
+        config.validate()?;
+        if let Some(address) = config.advertise_address {
+            tracing::info!(%address, mode = config.mode.as_str(), "apiserver endpoints: this instance's address");
+        }
+        let deps = EndpointsDeps {
+            client: context.client.clone(),
+            readiness: self.readiness(context),
+            resolver: Arc::new(SystemResolver),
+            reporter: context.settings.reporter(),
+        };
+        Ok(build_loops(&config, deps, context.registry)
+            .into_iter()
+            .map(Arc::from)
+            .collect())
     }
 }
 

@@ -40,6 +40,7 @@ use kube::{Api, Client};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
@@ -54,6 +55,9 @@ use model::{
 use reflector::{SharedStore, Store, reflect};
 
 use crate::metrics::{loop_registry, registered};
+use crate::section::{
+    self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
+};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "clusterip-repair";
@@ -64,13 +68,16 @@ pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
 pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
 
 /// Which repair to run.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub enum RepairMode {
     /// IPAddress mode when discovery shows `networking.k8s.io/v1` IPAddress and ServiceCIDR,
     /// audit mode otherwise.
     #[default]
     Auto,
+    /// Repair IPAddress objects (Kubernetes 1.33+).
     IpAddress,
+    /// Only report duplicates, out-of-range and invalid cluster IPs of `serviceClusterIPRange`.
     Audit,
 }
 
@@ -108,6 +115,93 @@ impl Default for ClusterIpRepairConfig {
             page_size: reflector::DEFAULT_PAGE_SIZE,
             etcd: None,
         }
+    }
+}
+
+/// `loops.clusterIPRepair`: Services' cluster IPs against IPAddress objects (or audited against
+/// `serviceClusterIPRange`), and the legacy bitmaps in etcd mode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct Section {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+    pub mode: RepairMode,
+    /// How long an allocator-managed IPAddress whose Service does not exist is left alone
+    /// before it is deleted as leaked (upstream: 60s; kube-apiserver writes the IPAddress before
+    /// the Service).
+    #[serde(with = "duration_format")]
+    pub orphan_grace_period: Duration,
+    /// Objects per LIST page when the caches (re)list Services, IPAddresses and ServiceCIDRs,
+    /// and when a leak in an etcd bitmap is confirmed by a fresh list.
+    pub page_size: u32,
+}
+
+impl Default for Section {
+    fn default() -> Self {
+        let defaults = ClusterIpRepairConfig::default();
+        Section {
+            enabled: true,
+            interval: defaults.interval,
+            mode: defaults.mode,
+            orphan_grace_period: defaults.orphan_grace,
+            page_size: defaults.page_size,
+        }
+    }
+}
+
+impl LoopSection for Section {
+    fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    fn validate(&self, path: &str, _settings: &Settings, errors: &mut Vec<section::ConfigError>) {
+        validate_interval(path, self.interval, errors);
+        if self.orphan_grace_period < Duration::from_secs(5) {
+            errors.push(section::ConfigError::new(
+                format!("{path}.orphanGracePeriod"),
+                "must be at least 5s (upstream uses 60s; shorter risks deleting the IPAddress of \
+                 a Service that is still being created)",
+            ));
+        }
+        validate_page_size(path, self.page_size, errors);
+    }
+
+    /// Also hands its Service cache to the loops built after it ([`BuildContext::services`]).
+    fn build(
+        &self,
+        context: &mut BuildContext<'_>,
+    ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
+        let config = ClusterIpRepairConfig {
+            interval: self.interval,
+            orphan_grace: self.orphan_grace_period,
+            mode: self.mode,
+            service_ranges: context.settings.service_ranges.clone(),
+            reporting_instance: Some(context.settings.identity.clone()),
+            page_size: self.page_size,
+            etcd: context.settings.etcd.clone(),
+            ..ClusterIpRepairConfig::default()
+        };
+        let built = ClusterIpRepair::new(context.client.clone(), config, context.registry)?;
+        context.services = Some(built.shared_services());
+        Ok(vec![Arc::new(built)])
+    }
+}
+
+/// A LIST page holds at least one object.
+pub(crate) fn validate_page_size(
+    path: &str,
+    page_size: u32,
+    errors: &mut Vec<section::ConfigError>,
+) {
+    if page_size == 0 {
+        errors.push(section::ConfigError::new(
+            format!("{path}.pageSize"),
+            format!(
+                "must be at least 1 (the default is {})",
+                reflector::DEFAULT_PAGE_SIZE
+            ),
+        ));
     }
 }
 

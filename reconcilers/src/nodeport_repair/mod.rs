@@ -27,6 +27,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::clusterip_repair::model::ServiceRecord;
@@ -37,7 +38,12 @@ use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
 pub use scan::{Finding, PortRange, Problem};
 
+use crate::clusterip_repair::validate_page_size;
 use crate::metrics::{loop_registry, registered};
+use crate::section::{
+    BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
+    validate_interval,
+};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "nodeport-repair";
@@ -69,6 +75,64 @@ impl Default for NodePortRepairConfig {
             page_size: reflector::DEFAULT_PAGE_SIZE,
             etcd: None,
         }
+    }
+}
+
+/// `loops.nodePortRepair`: node ports held twice or outside `serviceNodePortRange`, and the
+/// legacy bitmap in etcd mode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct Section {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+    /// Objects per LIST page when this loop lists Services itself: its own Service cache (when
+    /// the ClusterIP repair is off; otherwise it reads that loop's), and the fresh list that
+    /// confirms a leak in the etcd bitmap.
+    pub page_size: u32,
+}
+
+impl Default for Section {
+    fn default() -> Self {
+        let defaults = NodePortRepairConfig::default();
+        Section {
+            enabled: true,
+            interval: defaults.interval,
+            page_size: defaults.page_size,
+        }
+    }
+}
+
+impl LoopSection for Section {
+    fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    fn validate(&self, path: &str, _settings: &Settings, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+        validate_page_size(path, self.page_size, errors);
+    }
+
+    /// Reads the Service cache of a loop built before it ([`BuildContext::services`]), when there
+    /// is one.
+    fn build(
+        &self,
+        context: &mut BuildContext<'_>,
+    ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
+        let range = &context.settings.node_port_range;
+        let config = NodePortRepairConfig {
+            interval: self.interval,
+            range: PortRange::new(*range.start(), *range.end())?,
+            reporting_instance: Some(context.settings.identity.clone()),
+            page_size: self.page_size,
+            etcd: context.settings.etcd.clone(),
+        };
+        Ok(vec![Arc::new(NodePortRepair::new(
+            context.client.clone(),
+            config,
+            context.services.clone(),
+            context.registry,
+        ))])
     }
 }
 

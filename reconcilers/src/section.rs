@@ -1,0 +1,190 @@
+//! A loop's section of the configuration file (`loops.<key>`), and what it is given.
+//!
+//! Each loop module owns its section: a serde type with upstream's defaults, its validation, and
+//! how the loop is built from it ([`LoopSection`]). The runtime keeps only the list of sections
+//! (`bootstrap_controller::config::Loops`) and the settings every loop may read ([`Settings`]:
+//! the flags that mirror kube-apiserver's).
+
+use std::net::IpAddr;
+use std::ops::RangeInclusive;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use prometheus_client::registry::Registry;
+
+use crate::apiserver_endpoints::{ConfigLoader, EndpointsMode};
+use crate::clusterip_repair::model::ServiceRecord;
+use crate::clusterip_repair::reflector::SharedStore;
+use crate::contract::Reconciler;
+use crate::legacy_alloc::etcd::EtcdConfig;
+
+/// One invalid value: the field (flag or YAML path) and what is wrong with it, with the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl ConfigError {
+    /// `message` is anything that displays: a sentence, or a typed error from a parser.
+    pub fn new(field: impl Into<String>, message: impl std::fmt::Display) -> Self {
+        ConfigError {
+            field: field.into(),
+            message: message.to_string(),
+        }
+    }
+}
+
+/// The settings outside `loops` that loops read: kube-apiserver's flags, this replica's identity
+/// and etcd mode. Validated before any section sees them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// `serviceClusterIPRange`, primary first.
+    pub service_ranges: Vec<IpNet>,
+    /// `serviceNodePortRange`.
+    pub node_port_range: RangeInclusive<u16>,
+    /// `securePort`: the `kubernetes` Service's targetPort and the endpoints' port.
+    pub secure_port: u16,
+    /// `kubernetesServiceNodePort`, when not 0.
+    pub kubernetes_service_node_port: Option<u16>,
+    /// `advertiseAddress` as configured (loops that need one fall back to the default route).
+    pub advertise_address: Option<IpAddr>,
+    /// `endpointReconcilerType`.
+    pub endpoint_mode: EndpointsMode,
+    /// `apiserverCount`.
+    pub apiserver_count: u32,
+    /// The `kubernetes` Service (`loops.kubernetesService`): its endpoints carry the same name.
+    pub kubernetes_service: ServiceName,
+    /// This replica: events' `reportingInstance`, membership Lease holder.
+    pub identity: String,
+    /// The leader-election Lease (namespace, name) when leader election is on.
+    pub leader_lease: Option<(String, String)>,
+    /// etcd mode, when `etcdServers` is set.
+    pub etcd: Option<EtcdConfig>,
+}
+
+/// A namespaced name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl Settings {
+    /// Who events say they come from: the controller, and this replica.
+    pub fn reporter(&self) -> kube::runtime::events::Reporter {
+        kube::runtime::events::Reporter {
+            controller: "bootstrap-controller".to_owned(),
+            instance: Some(self.identity.clone()),
+        }
+    }
+}
+
+/// What a loop is built with.
+pub struct BuildContext<'a> {
+    pub client: kube::Client,
+    /// The process's registry; each loop registers under its own name.
+    pub registry: &'a mut Registry,
+    pub settings: &'a Settings,
+    /// Loads the kubeconfig again (a readiness probe of a full URL uses its CA and credentials).
+    pub load_kubeconfig: ConfigLoader,
+    /// The Service cache of the ClusterIP repair, once it is built, for the NodePort repair to
+    /// share (one watch of Services per process): the ClusterIP repair comes first in the list.
+    pub services: Option<Arc<SharedStore<ServiceRecord>>>,
+}
+
+/// Why a loop was not built. Unreachable after validation; reported, never a panic.
+pub type BuildError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What every loop's section implements.
+pub trait LoopSection: std::fmt::Debug + Send + Sync {
+    /// A disabled loop is not built: no watches, no metrics, not part of `/readyz`.
+    fn enabled(&self) -> bool;
+
+    /// Push one [`ConfigError`] per problem; `path` is the section's YAML path, e.g.
+    /// `loops.systemNamespaces`.
+    fn validate(&self, path: &str, settings: &Settings, errors: &mut Vec<ConfigError>);
+
+    /// The loop (or loops) of an enabled, validated section.
+    fn build(&self, context: &mut BuildContext<'_>)
+    -> Result<Vec<Arc<dyn Reconciler>>, BuildError>;
+}
+
+/// Every loop has an interval; zero would spin.
+pub fn validate_interval(path: &str, interval: Duration, errors: &mut Vec<ConfigError>) {
+    if interval.is_zero() {
+        errors.push(ConfigError::new(
+            format!("{path}.interval"),
+            "must be greater than zero (e.g. 10s or 1m)",
+        ));
+    }
+}
+
+/// A duration that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    #[error("is empty {DURATION_HINT}")]
+    Empty,
+    #[error("{0:?} is not a duration {DURATION_HINT}")]
+    NotADuration(String),
+    #[error("{0:?} is negative {DURATION_HINT}")]
+    Negative(String),
+}
+
+const DURATION_HINT: &str =
+    "(expected a number with a unit: ms, s, m or h, e.g. 10s, 1m30s, 500ms)";
+
+/// Parses durations such as `500ms`, `10s`, `1m`, `1m30s`, `2h` (jiff's friendly format, so
+/// also `1.5s` or `1 minute`; ISO 8601 `PT10S` too).
+pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return Err(DurationError::Empty);
+    }
+    let parsed: jiff::SignedDuration = trimmed
+        .parse()
+        .map_err(|_| DurationError::NotADuration(text.to_owned()))?;
+    Duration::try_from(parsed).map_err(|_| DurationError::Negative(text.to_owned()))
+}
+
+/// Formats a duration the way [`parse_duration`] reads it, e.g. `1m30s`, `500ms`.
+pub fn format_duration(duration: Duration) -> String {
+    use jiff::fmt::friendly::{Designator, Spacing, SpanPrinter};
+    let duration = jiff::SignedDuration::try_from(duration).unwrap_or(jiff::SignedDuration::MAX);
+    SpanPrinter::new()
+        .designator(Designator::Compact)
+        .spacing(Spacing::None)
+        .duration_to_string(&duration)
+}
+
+/// Serde support for durations written like `10s`.
+pub mod duration_format {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&super::format_duration(*duration))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        super::parse_duration(&text).map_err(serde::de::Error::custom)
+    }
+
+    pub mod option {
+        use std::time::Duration;
+
+        use serde::{Deserialize, Deserializer};
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            deserializer: D,
+        ) -> Result<Option<Duration>, D::Error> {
+            let text = Option::<String>::deserialize(deserializer)?;
+            text.map(|text| super::super::parse_duration(&text).map_err(serde::de::Error::custom))
+                .transpose()
+        }
+    }
+}
