@@ -60,20 +60,6 @@ pub enum RepairPolicy {
     Off,
 }
 
-impl std::str::FromStr for RepairPolicy {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "repair" => Ok(RepairPolicy::Repair),
-            "off" => Ok(RepairPolicy::Off),
-            other => Err(format!(
-                "unknown repair policy {other:?}; use \"repair\" or \"off\""
-            )),
-        }
-    }
-}
-
 /// Configuration of the `kubernetes-service` loop.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KubernetesServiceConfig {
@@ -1233,11 +1219,5 @@ mod tests {
             service_drift(&cfg(), &repaired).is_empty(),
             "a single-stack configuration never downgrades"
         );
-    }
-
-    #[test]
-    fn repair_policy_parses() {
-        assert_eq!("off".parse::<RepairPolicy>(), Ok(RepairPolicy::Off));
-        assert!("sometimes".parse::<RepairPolicy>().is_err());
     }
 }

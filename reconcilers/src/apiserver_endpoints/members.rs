@@ -6,7 +6,6 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::net::IpAddr;
-use std::str::FromStr;
 
 /// An IP family, as the Kubernetes API names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -50,18 +49,6 @@ impl IpFamily {
 impl fmt::Display for IpFamily {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.address_type())
-    }
-}
-
-impl FromStr for IpFamily {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "ipv4" | "v4" | "4" => Ok(IpFamily::V4),
-            "ipv6" | "v6" | "6" => Ok(IpFamily::V6),
-            other => Err(format!("unknown IP family {other:?}; use IPv4 or IPv6")),
-        }
     }
 }
 
@@ -287,12 +274,5 @@ mod tests {
         for good in ["10.0.0.1", "192.0.2.1", "fd00::1", "2001:db8::1", "8.8.8.8"] {
             assert_eq!(endpoint_ip_problem(&ip(good)), None, "{good}");
         }
-    }
-
-    #[test]
-    fn family_parsing_accepts_api_spelling() {
-        assert_eq!("IPv6".parse::<IpFamily>(), Ok(IpFamily::V6));
-        assert_eq!("ipv4".parse::<IpFamily>(), Ok(IpFamily::V4));
-        assert!("ipx".parse::<IpFamily>().is_err());
     }
 }

@@ -91,22 +91,6 @@ impl EndpointsMode {
     }
 }
 
-impl std::str::FromStr for EndpointsMode {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "lease" => Ok(EndpointsMode::Lease),
-            "static" => Ok(EndpointsMode::Static),
-            "master-count" => Ok(EndpointsMode::MasterCount),
-            "none" => Ok(EndpointsMode::None),
-            other => Err(format!(
-                "unknown endpoint reconciler type {other:?}; use lease, static, master-count or none"
-            )),
-        }
-    }
-}
-
 /// Configuration of both endpoint loops.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ApiserverEndpointsConfig {
@@ -651,10 +635,5 @@ mod tests {
             ..ApiserverEndpointsConfig::default()
         };
         cfg.validate().unwrap();
-        assert_eq!(
-            "master-count".parse::<EndpointsMode>(),
-            Ok(EndpointsMode::MasterCount)
-        );
-        assert!("leases".parse::<EndpointsMode>().is_err());
     }
 }
