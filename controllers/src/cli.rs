@@ -1,6 +1,5 @@
 //! The binary's command line: `run`, `check`, `config validate`, `config print`.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +9,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::admin::{self, AdminState};
-use crate::config::{Config, ConfigArgs, ConfigErrors, LogFormat, format_duration, parse_duration};
+use crate::config::{
+    Config, ConfigArgs, ConfigError, ConfigErrors, LogFormat, format_duration, parse_duration,
+};
 use crate::kubeconfig;
 use crate::leader::{self, LeaderMetrics, LeaderSettings};
 use crate::loops::build_loops;
@@ -73,12 +74,9 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
-    /// Validate a configuration file (merged with any flags and environment variables).
-    /// Exit status: 0 valid, 2 invalid.
-    Validate {
-        /// The YAML file to validate.
-        file: PathBuf,
-    },
+    /// Validate the --config file (merged with any flags and environment variables), as
+    /// `kubeadm config validate --config FILE` does. Exit status: 0 valid, 2 invalid.
+    Validate,
     /// Print the effective configuration (flags > file > defaults) as YAML, in the shape the
     /// --config file accepts. Exit status 2 if it is invalid.
     Print,
@@ -93,21 +91,15 @@ pub enum OutputFormat {
 /// Entry point of the binary.
 pub async fn execute(cli: Cli) -> ExitCode {
     match cli.command {
-        Command::Config(ConfigCommand::Validate { file }) => {
-            if let Some(other) = cli.config.config.as_ref().filter(|other| **other != file) {
-                eprintln!(
-                    "error: config validate checks the FILE it is given ({}), but --config (or \
-                     BOOTSTRAP_CONFIG) names {}: give the file once, as the argument",
-                    file.display(),
-                    other.display()
-                );
-                return ExitCode::from(EXIT_CONFIG);
-            }
-            let args = ConfigArgs {
-                config: Some(file.clone()),
-                ..cli.config
+        Command::Config(ConfigCommand::Validate) => {
+            let Some(file) = cli.config.config.clone() else {
+                return config_error(&ConfigErrors(vec![ConfigError::new(
+                    "--config",
+                    "config validate checks the file given with --config FILE (or \
+                     BOOTSTRAP_CONFIG); none was given",
+                )]));
             };
-            match Config::load(&args) {
+            match Config::load(&cli.config) {
                 Ok(_) => {
                     println!("{}: configuration is valid", file.display());
                     ExitCode::from(EXIT_OK)

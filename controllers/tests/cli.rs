@@ -89,7 +89,7 @@ fn invalid_configurations_exit_2_naming_the_field() {
             "{yaml}: expected {reason:?} in {stderr}"
         );
 
-        let (code, _, stderr) = run(binary().arg("config").arg("validate").arg(&path));
+        let (code, _, stderr) = run(binary().args(["config", "validate", "--config"]).arg(&path));
         assert_eq!(code, 2, "{yaml}: {stderr}");
         assert!(stderr.contains(field), "{yaml}: {stderr}");
     }
@@ -134,19 +134,22 @@ fn config_print_shows_the_effective_configuration() {
     // What `config print` prints is a valid configuration file.
     let printed = dir.path().join("printed.yaml");
     std::fs::write(&printed, &stdout).expect("write printed config");
-    let (code, stdout, stderr) = run(binary().arg("config").arg("validate").arg(&printed));
+    let (code, stdout, stderr) = run(binary()
+        .args(["config", "validate", "--config"])
+        .arg(&printed));
     assert_eq!(code, 0, "{stdout}{stderr}");
     assert!(stdout.contains("configuration is valid"), "{stdout}");
 
-    // The file is given once: a different --config beside it is refused, not silently ignored.
-    let (code, _, stderr) = run(binary()
-        .arg("config")
-        .arg("validate")
-        .arg(&printed)
-        .arg("--config")
-        .arg(dir.path().join("other.yaml")));
+    // The file is given one way, with --config: a positional file is refused by the parser, and
+    // no file at all is an error naming --config, not a silent check of the defaults.
+    let (code, _, stderr) = run(binary().args(["config", "validate"]).arg(&printed));
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("give the file once"), "{stderr}");
+    assert!(stderr.contains("unexpected argument"), "{stderr}");
+    let (code, _, stderr) = run(binary()
+        .env_remove("BOOTSTRAP_CONFIG")
+        .args(["config", "validate"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--config"), "{stderr}");
 }
 
 #[test]

@@ -316,7 +316,7 @@ fn invalid_configurations_exit_2_naming_the_field() -> Result<()> {
         std::fs::write(&file, yaml)?;
         let file = file.to_string_lossy().into_owned();
         for subcommand in [
-            &["config", "validate", file.as_str()][..],
+            &["config", "validate", "--config", file.as_str()][..],
             &["run", "--config", file.as_str()][..],
         ] {
             let mut args: Vec<&str> = subcommand.to_vec();
