@@ -193,17 +193,10 @@ impl LoopSection for Section {
     }
 }
 
-/// A configuration problem, naming the field (relative to the loop's section) and the fix.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct ConfigError {
-    pub field: &'static str,
-    pub message: String,
-}
-
 impl KubernetesServiceConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let err = |field, message: String| Err(ConfigError { field, message });
+    /// Fields are named as in the file's top level or the loop's section (`port`, `nodePort`).
+    pub fn validate(&self) -> Result<(), section::ConfigError> {
+        let err = |field: &str, message: String| Err(section::ConfigError::new(field, message));
         if self.service_cidrs.is_empty() || self.service_cidrs.len() > 2 {
             return err(
                 "serviceClusterIPRange",

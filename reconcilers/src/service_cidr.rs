@@ -109,37 +109,29 @@ impl LoopSection for Section {
     }
 }
 
-/// Invalid [`ServiceCidrConfig`]; the message names the field and the fix.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("loops.serviceCIDR.{field}: {problem}")]
-pub struct ServiceCidrConfigError {
-    pub field: &'static str,
-    pub problem: String,
-}
-
 impl ServiceCidrConfig {
-    pub fn validate(&self) -> Result<(), ServiceCidrConfigError> {
+    /// Errors name the field's YAML path.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        const RANGE: &str = "serviceClusterIPRange";
         if self.cidrs.is_empty() {
-            return Err(ServiceCidrConfigError {
-                field: "cidrs",
-                problem: "set the API server's --service-cluster-ip-range value(s), primary first (e.g. [10.96.0.0/12])".to_owned(),
-            });
+            return Err(ConfigError::new(
+                RANGE,
+                "set the API server's --service-cluster-ip-range value(s), primary first (e.g. \
+                 [10.96.0.0/12])",
+            ));
         }
-        validate_ranges(&self.cidrs).map_err(|err| ServiceCidrConfigError {
-            field: "cidrs",
-            problem: err.to_string(),
-        })?;
+        validate_ranges(&self.cidrs).map_err(|err| ConfigError::new(RANGE, err))?;
         if let Some(net) = self.cidrs.iter().find(|net| net.trunc() != **net) {
-            return Err(ServiceCidrConfigError {
-                field: "cidrs",
-                problem: format!("{net} has host bits set; write it as {}", net.trunc()),
-            });
+            return Err(ConfigError::new(
+                RANGE,
+                format!("{net} has host bits set; write it as {}", net.trunc()),
+            ));
         }
         if self.interval.is_zero() {
-            return Err(ServiceCidrConfigError {
-                field: "interval",
-                problem: "must be greater than zero (upstream uses 10s)".to_owned(),
-            });
+            return Err(ConfigError::new(
+                "loops.serviceCIDR.interval",
+                "must be greater than zero (upstream uses 10s)",
+            ));
         }
         Ok(())
     }
@@ -256,7 +248,7 @@ pub struct DefaultServiceCidr {
 }
 
 impl DefaultServiceCidr {
-    pub fn new(client: Client, config: ServiceCidrConfig) -> Result<Self, ServiceCidrConfigError> {
+    pub fn new(client: Client, config: ServiceCidrConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         let reporter = match &config.reporting_instance {
             Some(instance) => Reporter {
@@ -641,8 +633,8 @@ mod tests {
     #[test]
     fn config_errors_name_the_field() {
         let err = ServiceCidrConfig::default().validate().unwrap_err();
-        assert_eq!(err.field, "cidrs");
-        assert!(err.to_string().starts_with("loops.serviceCIDR.cidrs:"));
+        assert_eq!(err.field, "serviceClusterIPRange");
+        assert!(err.to_string().starts_with("serviceClusterIPRange:"));
         let host_bits = ServiceCidrConfig {
             cidrs: nets(&["10.96.0.1/12"]),
             ..ServiceCidrConfig::default()
@@ -651,7 +643,7 @@ mod tests {
             host_bits
                 .validate()
                 .unwrap_err()
-                .problem
+                .message
                 .contains("10.96.0.0/12")
         );
         let ok = ServiceCidrConfig {

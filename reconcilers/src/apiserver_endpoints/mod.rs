@@ -314,8 +314,8 @@ impl LoopSection for Section {
             && errors.len() == before
             && let Err(err) = self.loop_config(settings).validate()
         {
-            let field = match err.field {
-                "advertiseAddress" | "securePort" | "apiserverCount" => err.field.to_owned(),
+            let field = match err.field.as_str() {
+                "advertiseAddress" | "securePort" | "apiserverCount" => err.field.clone(),
                 "lease.namespace" => format!("{path}.leaseNamespace"),
                 "lease.ttl" => format!("{path}.leaseTTL"),
                 "static.addresses" => format!("{path}.staticAddresses"),
@@ -349,9 +349,6 @@ impl LoopSection for Section {
             .collect())
     }
 }
-
-/// A configuration problem, naming the field (relative to the loop's section) and the fix.
-pub use crate::kubernetes_service::ConfigError;
 
 /// One entry of `static` mode's address list.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -396,8 +393,10 @@ impl StaticAddress {
 }
 
 impl ApiserverEndpointsConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let err = |field, message: String| Err(ConfigError { field, message });
+    /// Fields are named relative to the loop's section (`lease.ttl`) or as in the file's top
+    /// level (`advertiseAddress`); the section's validation maps them to YAML paths.
+    pub fn validate(&self) -> Result<(), section::ConfigError> {
+        let err = |field: &str, message: String| Err(section::ConfigError::new(field, message));
         if self.mode == EndpointsMode::None {
             return Ok(());
         }
@@ -483,10 +482,7 @@ impl ApiserverEndpointsConfig {
                 }
                 for (i, text) in self.static_addresses.iter().enumerate() {
                     if let Err(message) = StaticAddress::parse(text) {
-                        return Err(ConfigError {
-                            field: "static.addresses",
-                            message: format!("entry {i}: {message}"),
-                        });
+                        return err("static.addresses", format!("entry {i}: {message}"));
                     }
                 }
             }

@@ -205,23 +205,14 @@ pub(crate) fn validate_page_size(
     }
 }
 
-/// Invalid [`ClusterIpRepairConfig`]; messages name the configuration field and the fix.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ConfigError {
-    #[error("loops.clusterIPRepair.{field}: {problem}")]
-    Invalid {
-        field: &'static str,
-        problem: String,
-    },
-}
-
 impl ClusterIpRepairConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |field, problem: &str| {
-            Err(ConfigError::Invalid {
-                field,
-                problem: problem.to_owned(),
-            })
+    /// Errors name the field's YAML path.
+    pub fn validate(&self) -> Result<(), section::ConfigError> {
+        let invalid = |field: &str, problem: &str| {
+            Err(section::ConfigError::new(
+                format!("loops.clusterIPRepair.{field}"),
+                problem,
+            ))
         };
         if self.interval.is_zero() {
             return invalid("interval", "must be greater than zero (upstream uses 3m)");
@@ -235,15 +226,13 @@ impl ClusterIpRepairConfig {
                 ),
             );
         }
-        validate_ranges(&self.service_ranges).map_err(|err| ConfigError::Invalid {
-            field: "serviceClusterIPRanges",
-            problem: err.to_string(),
-        })?;
+        validate_ranges(&self.service_ranges)
+            .map_err(|err| section::ConfigError::new("serviceClusterIPRange", err))?;
         if self.mode == RepairMode::Audit && self.service_ranges.is_empty() {
-            return invalid(
-                "serviceClusterIPRanges",
+            return Err(section::ConfigError::new(
+                "serviceClusterIPRange",
                 "audit mode needs the API server's --service-cluster-ip-range value(s)",
-            );
+            ));
         }
         Ok(())
     }
@@ -420,7 +409,7 @@ impl ClusterIpRepair {
         client: Client,
         config: ClusterIpRepairConfig,
         registry: &mut Registry,
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<Self, section::ConfigError> {
         config.validate()?;
         let reporter = match &config.reporting_instance {
             Some(instance) => Reporter {
@@ -497,7 +486,7 @@ impl ClusterIpRepair {
         if ranges.is_empty() {
             return Err(LoopError::Invalid(
                 "the API serves no networking.k8s.io/v1 IPAddress, so the repair can only audit, and \
-                 auditing needs loops.clusterIPRepair.serviceClusterIPRanges (the API server's \
+                 auditing needs serviceClusterIPRange (the API server's \
                  --service-cluster-ip-range)"
                     .to_owned(),
             ));
@@ -1067,7 +1056,7 @@ mod tests {
         };
         let message = config.validate().unwrap_err().to_string();
         assert!(
-            message.contains("serviceClusterIPRanges") && message.contains("same family"),
+            message.contains("serviceClusterIPRange") && message.contains("same family"),
             "{message}"
         );
         let config = ClusterIpRepairConfig {
