@@ -1081,7 +1081,7 @@ impl Config {
                     ),
                 ));
             }
-            // kube-lease-manager works in whole seconds.
+            // A Lease holds whole seconds (leaseDurationSeconds).
             if leader_election.lease_duration.as_secs() < 2 {
                 errors.push(ConfigError::new(
                     le_field(
