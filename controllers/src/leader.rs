@@ -9,6 +9,10 @@
 //! task never ends the process: when the API is unavailable it keeps retrying, and it steps down
 //! (publishes `false`) as soon as a renewal fails, because another replica may take the Lease
 //! once it expires. A renewal that succeeds again proves nobody else took it in between.
+//!
+//! Why not kube-lease-manager: it reads the Lease after every renewal and polls it while a
+//! standby waits, so three idle replicas sent a Lease GET every few seconds; this election sends
+//! no read at rest (`e2e/tests/quiet_at_rest.rs`), only the leader's renewal writes.
 
 use std::time::Duration;
 
