@@ -92,7 +92,7 @@ impl PassReport {
 /// Why a pass failed. The runner retries failed passes with backoff.
 #[derive(Debug, thiserror::Error)]
 pub enum LoopError {
-    #[error("Kubernetes API request failed: {0}")]
+    #[error("Kubernetes API request failed: {}", api_error_text(.0))]
     Api(#[from] kube::Error),
     /// The loop's cache has not synced or is older than the API: acting now could destroy data.
     #[error("cache not ready: {0}")]
@@ -103,6 +103,17 @@ pub enum LoopError {
     Invalid(String),
     #[error("{0}")]
     Other(String),
+}
+
+/// An API refusal as one line, `404 NotFound: namespaces "default" not found` (kube's own text
+/// adds the whole Status in debug form); other errors as kube writes them.
+fn api_error_text(error: &kube::Error) -> String {
+    match error {
+        kube::Error::Api(status) => {
+            format!("{} {}: {}", status.code, status.reason, status.message)
+        }
+        other => other.to_string(),
+    }
 }
 
 impl LoopError {
@@ -189,3 +200,21 @@ pub fn drift(
 
 /// Interval used when a configuration asks for none; kept here so loops agree.
 pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_api_refusal_reads_as_one_line() {
+        let status = kube::core::Status::failure("namespaces \"default\" not found", "NotFound")
+            .with_code(404)
+            .boxed();
+        let error = LoopError::from(kube::Error::Api(status));
+        assert_eq!(
+            error.to_string(),
+            "Kubernetes API request failed: 404 NotFound: namespaces \"default\" not found"
+        );
+        assert_eq!(error.category(), "not_found");
+    }
+}
