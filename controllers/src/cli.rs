@@ -153,11 +153,23 @@ fn config_error(errors: &ConfigErrors) -> ExitCode {
     ExitCode::from(EXIT_CONFIG)
 }
 
+/// kube's log target for each failed request.
+const KUBE_REQUEST_ERRORS: &str = "kube_client::client::builder";
+
 /// Logs go to stderr, so `check` and `config print` keep stdout for their output.
 pub fn init_logging(format: LogFormat, default_filter: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    // kube's client logs every failed request at error level; the loops report those failures
+    // themselves, once while they repeat, so an outage is not an error line per request. A
+    // RUST_LOG that names kube_client gets exactly what it asks for.
+    let quiet_kube = format!("{KUBE_REQUEST_ERRORS}=off");
+    let directives = match std::env::var("RUST_LOG") {
+        Ok(asked) if asked.contains("kube_client") => asked,
+        Ok(asked) if !asked.trim().is_empty() => format!("{asked},{quiet_kube}"),
+        _ => format!("{default_filter},{quiet_kube}"),
+    };
+    let filter = EnvFilter::try_new(directives)
+        .unwrap_or_else(|_| EnvFilter::new(format!("{default_filter},{quiet_kube}")));
     // Colours only where a person reads them: not in a pipe, a file or a container log.
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()

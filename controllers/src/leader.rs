@@ -347,13 +347,18 @@ async fn elect(
     // On a fresh control plane the Lease's namespace (kube-system) may not exist yet, and the
     // loop that creates it runs only on the leader.
     let mut delays = backoff();
+    let mut failure = reconcilers::findings::RepeatedFailure::default();
     while let Err(err) = ensure_namespace(&clients.write, &settings.lease_namespace).await {
         let delay = delays.next().unwrap_or(settings.renew_grace);
         health.set_check(
             READYZ_CHECK,
             CheckState::Failing(format!("cannot reach the API to join the election: {err}")),
         );
-        warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying");
+        if failure.is_new(&err) {
+            warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying (the same failure again is logged at debug level)");
+        } else {
+            debug!(error = %err, retry_in = ?delay, "cannot ensure the leader-election Lease's namespace exists, again");
+        }
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}

@@ -59,6 +59,7 @@ async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
     .await?;
 
     // The API goes away (every request dropped) for a minute, then comes back.
+    let lines_before_outage = controller.log().lines().count();
     sim.admin(
         "POST",
         "/sim/faults",
@@ -78,6 +79,31 @@ async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
         ensure!(status == 200, "not live while the API was gone");
     }
     sim.clear_faults().await?;
+    // The outage is reported when it starts, not on every retry: each kind of failure is warned
+    // about once per loop, cache, watch and the election, so a minute of retries stays a few lines.
+    let log = controller.log();
+    let complaints: Vec<&str> = log
+        .lines()
+        .skip(lines_before_outage)
+        .filter(|line| line.contains(" WARN ") || line.contains(" ERROR "))
+        .collect();
+    let listed = complaints.join("\n");
+    ensure!(
+        !listed.contains("kube_client"),
+        "kube's per-request error lines are not the controller's report:\n{listed}"
+    );
+    // The same warning twice (its time and the next retry's delay aside) is a warning per retry.
+    let mut seen = std::collections::BTreeSet::new();
+    for line in &complaints {
+        let without_time = line.split_once(' ').map_or(*line, |(_, rest)| rest);
+        let what = without_time
+            .split_once(" retry_in=")
+            .map_or(without_time, |(what, _)| what);
+        ensure!(
+            seen.insert(what),
+            "warned twice during one outage:\n{listed}"
+        );
+    }
 
     // Still repairing afterwards.
     namespaces

@@ -1,5 +1,6 @@
 //! Findings reported once: when a condition appears, not again on every pass while it persists,
-//! and again if it clears and comes back.
+//! and again if it clears and comes back; and failures that repeat while they last
+//! ([`RepeatedFailure`]), warned about once.
 //!
 //! A loop keys each finding (for example `("PortAlreadyAllocated", "default/web", 30080)`) and,
 //! after every *complete* pass, hands the whole set it found to [`ReportOnce::update`], which
@@ -65,6 +66,30 @@ impl<K: Eq + Hash + Clone> ReportOnce<K> {
     }
 }
 
+/// A failure that repeats while it lasts (an outage fails every retry the same way): warned about
+/// when it first appears or changes, logged at debug while it repeats, new again after a success.
+#[derive(Debug, Default)]
+pub struct RepeatedFailure {
+    last: Option<String>,
+}
+
+impl RepeatedFailure {
+    /// Whether `error` should be warned about: it differs from the failure seen last.
+    pub fn is_new(&mut self, error: &impl std::fmt::Display) -> bool {
+        let message = error.to_string();
+        if self.last.as_deref() == Some(message.as_str()) {
+            return false;
+        }
+        self.last = Some(message);
+        true
+    }
+
+    /// A success: the next failure is new, whatever it is.
+    pub fn succeeded(&mut self) {
+        self.last = None;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +111,17 @@ mod tests {
         assert!(once.update(Vec::<&str>::new()).is_empty());
         assert!(!once.is_present(&"a"));
         assert_eq!(once.update(["a"]), vec!["a"]);
+    }
+
+    #[test]
+    fn a_repeated_failure_is_new_when_it_appears_changes_or_follows_a_success() {
+        let mut failure = RepeatedFailure::default();
+        assert!(failure.is_new(&"connection refused"));
+        assert!(!failure.is_new(&"connection refused"));
+        assert!(failure.is_new(&"403 Forbidden"));
+        assert!(!failure.is_new(&"403 Forbidden"));
+        failure.succeeded();
+        assert!(failure.is_new(&"403 Forbidden"));
     }
 
     #[test]

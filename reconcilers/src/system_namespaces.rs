@@ -291,13 +291,27 @@ impl SystemNamespaces {
             writer,
             watcher(api.clone(), watcher::Config::default()).default_backoff(),
         )
-        .filter_map(|event| async move {
-            match event {
-                Ok(_) => Some(()),
-                Err(err) => {
-                    tracing::warn!(error = %err, "namespace watch failed; retrying with backoff");
-                    None
-                }
+        .filter_map({
+            let mut failure = crate::findings::RepeatedFailure::default();
+            move |event| {
+                let woken = match event {
+                    Ok(event) => {
+                        // Init starts every attempt to list, the failing ones too.
+                        if !matches!(event, watcher::Event::Init) {
+                            failure.succeeded();
+                        }
+                        Some(())
+                    }
+                    Err(err) if failure.is_new(&err) => {
+                        tracing::warn!(error = %err, "namespace watch failed; retrying with backoff (the same failure again is logged at debug level)");
+                        None
+                    }
+                    Err(err) => {
+                        tracing::debug!(error = %err, "namespace watch failed again");
+                        None
+                    }
+                };
+                futures::future::ready(woken)
             }
         })
         .boxed();

@@ -971,13 +971,18 @@ impl Reconciler for ClusterIpRepair {
                 Served::IpAddressApi
             } else {
                 let attempt = || discover(&client);
+                let mut failure = crate::findings::RepeatedFailure::default();
                 let discovered = attempt
                     .retry(crate::retry::backoff(
                         Duration::from_millis(500),
                         Duration::from_secs(30),
                     ))
                     .notify(|err, _| {
-                        warn!(error = %err, "discovery of networking.k8s.io/v1 failed; retrying");
+                        if failure.is_new(err) {
+                            warn!(error = %err, "discovery of networking.k8s.io/v1 failed; retrying (the same failure again is logged at debug level)");
+                        } else {
+                            debug!(error = %err, "discovery of networking.k8s.io/v1 failed again");
+                        }
                     })
                     .await;
                 // The backoff never runs out, so an error cannot come back; audit is the safe

@@ -256,7 +256,7 @@ pub fn reflect<T: Cached>(
 ) -> BoxStream<'static, ()> {
     let api: Api<T::Object> = Api::all(client);
     let config = watcher::Config::default().page_size(page_size);
-    let mut last_warning: Option<String> = None;
+    let mut failure = crate::findings::RepeatedFailure::default();
     watcher(api, config)
         .default_backoff()
         .filter_map(move |event| {
@@ -265,7 +265,7 @@ pub fn reflect<T: Cached>(
                 Ok(event) => {
                     let changed = store.write().apply(event);
                     if changed {
-                        last_warning = None;
+                        failure.succeeded();
                     }
                     changed
                 }
@@ -276,12 +276,10 @@ pub fn reflect<T: Cached>(
                 Err(err) => {
                     // Warned once per kind of failure while a list keeps failing (an outage fails
                     // every retry the same way).
-                    let message = err.to_string();
-                    if last_warning.as_deref() == Some(message.as_str()) {
-                        debug!(%kind, error = %message, "list failed again");
+                    if failure.is_new(&err) {
+                        warn!(%kind, error = %err, "list failed; the cache stays unsynced until a list completes");
                     } else {
-                        warn!(%kind, error = %message, "list failed; the cache stays unsynced until a list completes");
-                        last_warning = Some(message);
+                        debug!(%kind, error = %err, "list failed again");
                     }
                     false
                 }

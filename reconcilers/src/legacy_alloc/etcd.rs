@@ -17,6 +17,8 @@ use futures::stream::BoxStream;
 use tokio::sync::Mutex;
 use tracing::{debug, warn};
 
+use crate::findings::RepeatedFailure;
+
 /// How to reach etcd: kube-apiserver's `--etcd-*` flags.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdConfig {
@@ -242,10 +244,17 @@ impl EtcdStore {
     /// Reconnects with backoff, forever.
     pub fn watch(&self, key: String, cache: KeyCache) -> BoxStream<'static, ()> {
         let store = self.clone();
-        let state = (store, key, cache, None, new_backoff());
+        let state = (
+            store,
+            key,
+            cache,
+            None,
+            new_backoff(),
+            RepeatedFailure::default(),
+        );
         futures::stream::unfold(
             state,
-            |(store, key, cache, mut stream, mut backoff)| async move {
+            |(store, key, cache, mut stream, mut backoff, mut failure)| async move {
                 loop {
                     let Some(watch) = stream.as_mut() else {
                         match store.establish(&key, &cache).await {
@@ -253,10 +262,14 @@ impl EtcdStore {
                                 debug!(key, "watching the etcd key");
                                 stream = Some(watch);
                                 backoff = new_backoff();
-                                return Some(((), (store, key, cache, stream, backoff)));
+                                failure.succeeded();
+                                return Some(((), (store, key, cache, stream, backoff, failure)));
+                            }
+                            Err(err) if failure.is_new(&err) => {
+                                warn!(key, error = %err, "cannot watch the etcd key; retrying (the same failure again is logged at debug level)");
                             }
                             Err(err) => {
-                                warn!(key, error = %err, "cannot watch the etcd key; retrying");
+                                debug!(key, error = %err, "cannot watch the etcd key, again");
                             }
                         }
                         tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(30))).await;
@@ -274,7 +287,7 @@ impl EtcdStore {
                                     cache.watched(true, Some(value));
                                 }
                             }
-                            return Some(((), (store, key, cache, stream, backoff)));
+                            return Some(((), (store, key, cache, stream, backoff, failure)));
                         }
                         Some(Ok(_)) => {}
                         Some(Err(err)) => {
