@@ -455,18 +455,23 @@ impl LoopTask {
                         .next()
                         .unwrap_or(interval)
                         .min(interval);
-                    // Warned once per kind of failure: an outage that lasts fails every
-                    // retry the same way, and the first line says all there is.
                     let message = reason.to_string();
-                    let repeated = self
-                        .health
-                        .status(name)
-                        .and_then(|status| status.last_error)
-                        .is_some_and(|last| last == message);
-                    if repeated {
-                        debug!(error = %message, retry_in = ?delay, "pass failed again");
-                    } else {
-                        warn!(error = %message, retry_in = ?delay, "pass failed; retrying with backoff (the same failure again is logged at debug level)");
+                    let before = self.health.status(name).unwrap_or_default();
+                    match failure_log(
+                        &reason,
+                        &message,
+                        before.last_error.as_deref(),
+                        before.consecutive_failures,
+                    ) {
+                        FailureLog::Warn => {
+                            warn!(error = %message, retry_in = ?delay, "pass failed; retrying with backoff (the same failure again is logged at debug level)")
+                        }
+                        FailureLog::NotYet(why) => {
+                            info!(retry_in = ?delay, "pass deferred: {why}")
+                        }
+                        FailureLog::Again => {
+                            debug!(error = %message, retry_in = ?delay, "pass failed again")
+                        }
                     }
                     self.health.update(name, |status| {
                         status.passes += 1;
@@ -611,6 +616,44 @@ fn trigger_delay(fight_streak: u32, debounce: Duration, interval: Duration) -> D
     (Duration::from_millis(100) * 2u32.pow(doublings))
         .min(interval)
         .max(debounce)
+}
+
+/// How a failed pass is logged.
+#[derive(Debug, PartialEq, Eq)]
+enum FailureLog {
+    Warn,
+    /// At info: the pass cannot run yet, as is normal for a moment after start-up.
+    NotYet(String),
+    /// At debug: the failure logged last time, again.
+    Again,
+}
+
+/// Retries a pass may spend deferred ([`LoopError::not_yet`]) before that is warned about: about
+/// 30 s with the default backoff (200 ms doubling), where a new cluster's namespaces and default
+/// ServiceCIDR take milliseconds to appear.
+const NOT_YET_PATIENCE: u32 = 8;
+
+/// Each kind of failure is warned about once: an outage that lasts fails every retry the same way,
+/// and the first line says all there is. A pass that cannot run yet (a namespace or a cache another
+/// loop provides, on a new cluster) is expected for a moment, so it is a warning only once it
+/// has lasted.
+fn failure_log(
+    reason: &PassError,
+    message: &str,
+    last_error: Option<&str>,
+    failures_before: u32,
+) -> FailureLog {
+    let repeated = last_error == Some(message);
+    let not_yet = match reason {
+        PassError::Failed(error) => error.not_yet(),
+        PassError::Panicked(_) | PassError::TimedOut(_) => None,
+    };
+    match not_yet {
+        Some(_) if failures_before == NOT_YET_PATIENCE => FailureLog::Warn,
+        Some(why) if failures_before < NOT_YET_PATIENCE && !repeated => FailureLog::NotYet(why),
+        _ if repeated => FailureLog::Again,
+        _ => FailureLog::Warn,
+    }
 }
 
 /// A hung request must not stall a loop forever: a pass gets twice its interval, at least 30 s
@@ -1254,6 +1297,72 @@ mod tests {
         .await;
         eventually("ready", || harness.health.readiness().ready).await;
         stop(harness).await;
+    }
+
+    #[test]
+    fn a_failure_is_warned_once_and_a_pass_deferred_at_start_only_once_it_lasts() {
+        let refused = |kind: &str, name: &str| {
+            let details = kube::core::response::StatusDetails {
+                name: name.to_owned(),
+                group: String::new(),
+                kind: kind.to_owned(),
+                uid: String::new(),
+                causes: Vec::new(),
+                retry_after_seconds: 0,
+            };
+            let status =
+                kube::core::Status::failure(&format!("{kind} \"{name}\" not found"), "NotFound")
+                    .with_code(404)
+                    .with_details(details)
+                    .boxed();
+            PassError::Failed(LoopError::Api(kube::Error::Api(status)))
+        };
+        let log = |reason: &PassError, last: Option<&str>, failures: u32| {
+            failure_log(reason, &reason.to_string(), last, failures)
+        };
+
+        let outage = PassError::Failed(LoopError::Other("connection refused".into()));
+        assert_eq!(log(&outage, None, 0), FailureLog::Warn);
+        let said = outage.to_string();
+        for failures in 1..20 {
+            assert_eq!(log(&outage, Some(&said), failures), FailureLog::Again);
+        }
+
+        let namespace = refused("namespaces", "default");
+        let said = namespace.to_string();
+        assert_eq!(
+            log(&namespace, None, 0),
+            FailureLog::NotYet("namespace default does not exist yet".into())
+        );
+        assert_eq!(
+            log(&namespace, Some("connection refused"), 3),
+            FailureLog::NotYet("namespace default does not exist yet".into())
+        );
+        for failures in 1..NOT_YET_PATIENCE {
+            assert_eq!(log(&namespace, Some(&said), failures), FailureLog::Again);
+        }
+        assert_eq!(
+            log(&namespace, Some(&said), NOT_YET_PATIENCE),
+            FailureLog::Warn
+        );
+        assert_eq!(
+            log(&namespace, Some(&said), NOT_YET_PATIENCE + 1),
+            FailureLog::Again
+        );
+
+        let syncing = PassError::Failed(LoopError::NotSynced(
+            "Service cache has not synced yet".into(),
+        ));
+        assert_eq!(
+            log(&syncing, None, 0),
+            FailureLog::NotYet("cache not ready: Service cache has not synced yet".into())
+        );
+
+        // Another object missing is an ordinary failure.
+        let service = refused("services", "kubernetes");
+        assert_eq!(log(&service, None, 0), FailureLog::Warn);
+        let timed_out = PassError::TimedOut(Duration::from_secs(30));
+        assert_eq!(log(&timed_out, None, 0), FailureLog::Warn);
     }
 
     #[test]

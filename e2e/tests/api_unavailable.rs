@@ -1,6 +1,7 @@
-//! End to end: the API is not there when the controller starts, and goes away while it runs. The
-//! process never exits for it: it retries with backoff, `/readyz` says why it is not ready, and
-//! every loop converges once the API answers.
+//! End to end: start-up. The API is not there when the controller starts, and goes away while it
+//! runs: the process never exits for it, it retries with backoff, `/readyz` says why it is not
+//! ready, and every loop converges once the API answers. And on a new, empty cluster every loop
+//! sets up its objects without a warning.
 
 mod common;
 
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use common::{CONVERGE, ControllerProcess, SimProcess, eventually, free_port};
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
 use kube::Api;
 use kube::api::DeleteParams;
 
@@ -121,5 +122,53 @@ async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
     )
     .await?;
     ensure!(controller.is_running(), "{}", controller.log());
+    Ok(())
+}
+
+/// An empty cluster (no namespaces at all, as a new etcd) with every default loop: the loops that
+/// write into `default` and `kube-system` start alongside the loop that creates those namespaces,
+/// and waiting a moment for them is not something to warn about.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_cluster_is_set_up_without_a_warning() -> Result<()> {
+    let sim = SimProcess::start(&[]).await?;
+    let mut controller = ControllerProcess::start(
+        &sim.kubeconfig,
+        &[
+            "--service-cluster-ip-range",
+            "10.96.0.0/12",
+            "--advertise-address",
+            "10.0.0.1",
+        ],
+    )?;
+    controller.wait_ready().await?;
+    let client = common::client_from(&sim.kubeconfig).await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let endpoints: Api<Endpoints> = Api::namespaced(client, "default");
+    eventually(
+        "the kubernetes Service and its Endpoints",
+        CONVERGE,
+        || async {
+            let service = services.get_opt("kubernetes").await?;
+            let members = endpoints
+                .get_opt("kubernetes")
+                .await?
+                .and_then(|endpoints| endpoints.subsets)
+                .is_some_and(|subsets| !subsets.is_empty());
+            Ok((service.is_some() && members).then_some(()))
+        },
+    )
+    .await?;
+
+    let log = controller.log();
+    let complaints: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(" WARN ") || line.contains(" ERROR "))
+        .collect();
+    ensure!(
+        complaints.is_empty(),
+        "warnings while setting up a new cluster:\n{}\n\nwhole log:\n{log}",
+        complaints.join("\n")
+    );
+    ensure!(controller.is_running(), "{log}");
     Ok(())
 }

@@ -117,6 +117,22 @@ fn api_error_text(error: &kube::Error) -> String {
 }
 
 impl LoopError {
+    /// Why the pass cannot run yet, when that is normal for a moment after start-up: every loop
+    /// starts at once, so a namespace a loop writes into may not exist yet (the system-namespaces
+    /// loop creates it) and a cache may still be syncing or waiting for an object another loop
+    /// creates. The runner warns about these only once they last.
+    pub fn not_yet(&self) -> Option<String> {
+        match self {
+            LoopError::NotSynced(_) => Some(self.to_string()),
+            LoopError::Api(kube::Error::Api(status)) if status.code == 404 => status
+                .details
+                .as_ref()
+                .filter(|details| details.kind == "namespaces" && !details.name.is_empty())
+                .map(|details| format!("namespace {} does not exist yet", details.name)),
+            _ => None,
+        }
+    }
+
     /// A short, bounded label for the `errors` metric.
     pub fn category(&self) -> &'static str {
         match self {
@@ -216,5 +232,40 @@ mod tests {
             "Kubernetes API request failed: 404 NotFound: namespaces \"default\" not found"
         );
         assert_eq!(error.category(), "not_found");
+    }
+
+    fn not_found(kind: &str, name: &str) -> LoopError {
+        let details = kube::core::response::StatusDetails {
+            name: name.to_owned(),
+            group: String::new(),
+            kind: kind.to_owned(),
+            uid: String::new(),
+            causes: Vec::new(),
+            retry_after_seconds: 0,
+        };
+        let status =
+            kube::core::Status::failure(&format!("{kind} \"{name}\" not found"), "NotFound")
+                .with_code(404)
+                .with_details(details)
+                .boxed();
+        LoopError::from(kube::Error::Api(status))
+    }
+
+    #[test]
+    fn a_missing_namespace_and_an_unsynced_cache_are_not_yet_failures() {
+        assert_eq!(
+            not_found("namespaces", "default").not_yet().as_deref(),
+            Some("namespace default does not exist yet")
+        );
+        assert_eq!(
+            LoopError::NotSynced("Service cache has not synced yet".into())
+                .not_yet()
+                .as_deref(),
+            Some("cache not ready: Service cache has not synced yet")
+        );
+        // The object itself missing, a refusal without details, anything else: a failure.
+        assert_eq!(not_found("services", "kubernetes").not_yet(), None);
+        assert_eq!(not_found("namespaces", "").not_yet(), None);
+        assert_eq!(LoopError::Other("x".into()).not_yet(), None);
     }
 }
