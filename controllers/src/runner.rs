@@ -628,9 +628,9 @@ enum FailureLog {
     Again,
 }
 
-/// Retries a pass may spend deferred ([`LoopError::not_yet`]) before that is warned about: about
-/// 30 s with the default backoff (200 ms doubling), where a new cluster's namespaces and default
-/// ServiceCIDR take milliseconds to appear.
+/// Retries a pass may spend deferred ([`LoopError::not_yet`]) before that is warned about: with
+/// the default backoff (200 ms doubling, capped at the interval) at least 32.6 s for a 10 s loop,
+/// where a new cluster's namespaces and default ServiceCIDR take milliseconds to appear.
 const NOT_YET_PATIENCE: u32 = 8;
 
 /// Each kind of failure is warned about once: an outage that lasts fails every retry the same way,
