@@ -259,9 +259,10 @@ pub fn decide_ipaddress_mode<'a>(
     orphan_grace: Duration,
 ) -> Decision {
     let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
-    // Upstream walks the lister in key order, so "who claimed it first" is the Service with the
-    // smaller key.
-    services.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    // Upstream's legacy repair walks a LIST, in etcd key order: "who claimed it first" is the
+    // Service with the smaller key. Its lister order is a map's; key order makes the outcome
+    // the same whatever order the caches hold.
+    services.sort_unstable_by(|a, b| a.key_cmp(b));
     let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
     let ranges = ranges_of(service_cidrs);
     let ips_by_addr = IpIndex::of(&ip_addresses);
@@ -417,7 +418,7 @@ fn sync_service_ip<'a>(
                 repair: Repair::None,
             });
         } else {
-            duplicate(phase);
+            held_elsewhere(svc, ip, existing, index, phase);
         }
         return;
     }
@@ -494,6 +495,70 @@ fn sync_service_ip<'a>(
             },
         });
     }
+}
+
+/// A cluster IP whose IPAddress another controller manages for someone else: reported on the
+/// Service, never repaired. Upstream's "assigned to multiple services" only where another
+/// Service does list the IP; otherwise the note says what holds it.
+fn held_elsewhere(
+    svc: &ServiceRecord,
+    ip: IpAddr,
+    existing: &IpAddressRecord,
+    index: &Index<'_, '_>,
+    phase: &mut ServicePhase,
+) {
+    let family = IpFamily::of(ip);
+    let holder = match existing.parent.as_ref() {
+        Some(p) if p.is_service() => match index.services_by_key.get(&p.namespace, &p.name) {
+            Some(other) if other.lists_ip(ip) => None,
+            Some(_) => Some(format!(
+                "Service {}/{}, which does not list it",
+                p.namespace, p.name
+            )),
+            None => Some(format!(
+                "Service {}/{}, which does not exist",
+                p.namespace, p.name
+            )),
+        },
+        Some(p) => {
+            let kind = match p.group() {
+                "" => p.resource().to_owned(),
+                group => format!("{}.{group}", p.resource()),
+            };
+            Some(match &*p.namespace {
+                "" => format!("{kind} {}", p.name),
+                namespace => format!("{kind} {namespace}/{}", p.name),
+            })
+        }
+        None => Some("no parent".to_owned()),
+    };
+    let note = match holder {
+        None => format!(
+            "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
+        ),
+        Some(holder) => {
+            let manager = match existing.labels.managed_by() {
+                Some(manager) => format!("managed by {manager}"),
+                None => "without a managed-by label".to_owned(),
+            };
+            format!(
+                "Cluster IP [{family}]:{ip} is held by {holder} (IPAddress {}, {manager}); please \
+                 recreate service",
+                existing.name
+            )
+        }
+    };
+    phase.findings.push(Finding {
+        kind: "clusterip_already_allocated",
+        regarding: Regarding::service(svc),
+        event: Some(EventSpec {
+            reason: "ClusterIPAlreadyAllocated",
+            action: ACTION_CLUSTERIP_ALLOCATION,
+            note,
+        }),
+        error_type: Some("duplicate"),
+        repair: Repair::None,
+    });
 }
 
 /// Go's `%v` of a `*ParentReference`, as upstream's note prints it.
@@ -645,7 +710,8 @@ pub fn decide_audit_mode<'a>(
     configured: &[ServiceRange],
 ) -> AuditDecision {
     let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
-    services.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    // Upstream's LIST order, etcd key order: the later of two holders gets the event.
+    services.sort_unstable_by(|a, b| a.key_cmp(b));
     let mut allocators: Vec<RangeAllocator> = configured
         .iter()
         .copied()
@@ -913,19 +979,18 @@ mod tests {
 
     #[test]
     fn findings_come_in_key_order_whatever_the_cache_order() {
-        // No IP is contested, so the Services are walked as given; the findings still come in
-        // upstream's lister order, namespace first ("a" before "a-b", unlike "Service/a/..."
-        // strings would sort).
+        // No IP is contested; the findings still come in the order of the etcd keys as bytes
+        // ("a-b/x" before "a/y": `-` sorts below `/`).
         let services = [
             svc("a-b", "x", &["10.0.0.3"]),
             svc("a", "z", &["10.0.0.2", "fd00::2"]),
             svc("a", "y", &["10.0.0.1"]),
         ];
         let expected = [
+            ("Service/a-b/x", "10.0.0.3"),
             ("Service/a/y", "10.0.0.1"),
             ("Service/a/z", "10.0.0.2"),
             ("Service/a/z", "fd00::2"),
-            ("Service/a-b/x", "10.0.0.3"),
         ];
         let mut reversed = services.clone();
         reversed.reverse();
@@ -945,6 +1010,114 @@ mod tests {
                 .collect();
             assert_eq!(got, want);
         }
+    }
+
+    /// Two Services holding one IP: the one whose etcd key comes first claims it, as in
+    /// upstream's walk of a LIST; the event lands on the other. `a-b/x` sorts before `a/z`
+    /// (`-` is below `/`), although namespace "a" sorts before "a-b".
+    #[test]
+    fn a_duplicate_lands_on_the_later_etcd_key() {
+        let services = [svc("a", "z", &["10.0.0.5"]), svc("a-b", "x", &["10.0.0.5"])];
+        let mut reversed = services.clone();
+        reversed.reverse();
+        for order in [&services[..], &reversed[..]] {
+            let decision = decide(order, &[]);
+            let got: Vec<_> = decision
+                .findings
+                .iter()
+                .map(|f| (f.kind, f.regarding.object()))
+                .collect();
+            assert_eq!(
+                got,
+                [
+                    ("clusterip_not_allocated", "Service/a-b/x".to_owned()),
+                    ("clusterip_already_allocated", "Service/a/z".to_owned())
+                ]
+            );
+            let audit = decide_audit_mode(order, &configured());
+            let got: Vec<_> = audit
+                .findings
+                .iter()
+                .map(|f| (f.kind, f.regarding.object()))
+                .collect();
+            assert_eq!(
+                got,
+                [("clusterip_already_allocated", "Service/a/z".to_owned())]
+            );
+        }
+    }
+
+    /// An IPAddress another controller manages for something that is not a Service (a
+    /// Gateway): the Service listing the IP is told what holds it, not "multiple services".
+    #[test]
+    fn an_ip_held_by_a_gateway_is_reported_as_such() {
+        let mut held = ipaddr(
+            "10.0.0.5",
+            Some(("gateway.networking.k8s.io", "gateways", "infra", "edge")),
+            3600,
+        );
+        held.labels.set_managed_by(Some("gateway.example.com"));
+        let decision = decide(&[svc("d", "a", &["10.0.0.5"])], &[held]);
+        assert_eq!(
+            reasons(&decision),
+            [(
+                "ClusterIPAlreadyAllocated",
+                "Cluster IP [IPv4]:10.0.0.5 is held by gateways.gateway.networking.k8s.io \
+                 infra/edge (IPAddress 10.0.0.5, managed by gateway.example.com); please \
+                 recreate service"
+                    .to_owned()
+            )]
+        );
+        assert_eq!(decision.findings[0].repair, Repair::None);
+        assert_eq!(decision.findings[0].error_type, Some("duplicate"));
+    }
+
+    /// The same for a foreign IPAddress naming another Service: "multiple services" only when
+    /// that Service exists and lists the IP.
+    #[test]
+    fn a_foreign_ipaddress_of_another_service_is_described_as_it_is() {
+        let foreign = |parent: Option<(&str, &'static str, &str, &str)>| {
+            let mut ip = ipaddr("10.0.0.5", parent, 3600);
+            ip.labels.set_managed_by(Some("other.example.com"));
+            ip
+        };
+        let note = |services: &[ServiceRecord], ip: IpAddressRecord| {
+            let decision = decide(services, &[ip]);
+            let found: Vec<_> = decision
+                .findings
+                .iter()
+                .filter(|f| f.regarding.object() == "Service/d/a")
+                .map(|f| f.event.as_ref().unwrap().note.clone())
+                .collect();
+            assert_eq!(found.len(), 1, "{decision:?}");
+            found[0].clone()
+        };
+        let a = svc("d", "a", &["10.0.0.5"]);
+        assert_eq!(
+            note(
+                &[a.clone(), svc("d", "b", &["10.0.0.5"])],
+                foreign(Some(("", "services", "d", "b")))
+            ),
+            "Cluster IP [IPv4]:10.0.0.5 was assigned to multiple services; please recreate service"
+        );
+        assert_eq!(
+            note(&[a.clone()], foreign(Some(("", "services", "d", "gone")))),
+            "Cluster IP [IPv4]:10.0.0.5 is held by Service d/gone, which does not exist \
+             (IPAddress 10.0.0.5, managed by other.example.com); please recreate service"
+        );
+        assert_eq!(
+            note(
+                &[a.clone(), svc("d", "b", &["10.0.0.6"])],
+                foreign(Some(("", "services", "d", "b")))
+            ),
+            "Cluster IP [IPv4]:10.0.0.5 is held by Service d/b, which does not list it \
+             (IPAddress 10.0.0.5, managed by other.example.com); please recreate service"
+        );
+        assert_eq!(
+            note(&[a], foreign(None)),
+            "Cluster IP [IPv4]:10.0.0.5 is held by no parent (IPAddress 10.0.0.5, managed by \
+             other.example.com); please recreate service"
+        );
     }
 
     #[test]

@@ -142,28 +142,41 @@ fn bitmap_size(range: &ServiceRange) -> usize {
 }
 
 /// The offsets (`ip - (network + 1)`, upstream's) the Services' cluster IPs take in `range`'s
-/// bitmap, and the first Service seen holding each.
+/// bitmap, and the Service holding each that upstream's walk of a LIST meets first: the
+/// smallest etcd key (the cache's order is a hash map's).
 fn in_use<'a>(
     services: impl Iterator<Item = &'a ServiceRecord>,
     range: &ServiceRange,
     size: usize,
 ) -> (FixedBitSet, HashMap<usize, (String, String, String)>) {
     let mut bits = FixedBitSet::with_capacity(size);
-    let mut owners = HashMap::new();
+    let mut first: HashMap<usize, &ServiceRecord> = HashMap::new();
     for service in services {
         for ip in service.cluster_ips.iter().filter_map(ClusterIp::ip) {
             if let Some(offset) = offset(range, ip, size) {
                 bits.insert(offset);
-                owners.entry(offset).or_insert_with(|| {
-                    (
-                        service.namespace.to_string(),
-                        service.name.to_string(),
-                        service.uid.to_string(),
-                    )
-                });
+                first
+                    .entry(offset)
+                    .and_modify(|held| {
+                        if service.key_cmp(held).is_lt() {
+                            *held = service;
+                        }
+                    })
+                    .or_insert(service);
             }
         }
     }
+    let owners = first
+        .into_iter()
+        .map(|(offset, service)| {
+            let owner = (
+                service.namespace.to_string(),
+                service.name.to_string(),
+                service.uid.to_string(),
+            );
+            (offset, owner)
+        })
+        .collect();
     (bits, owners)
 }
 
@@ -240,6 +253,24 @@ mod tests {
         let (bits, _) = in_use(services.iter(), &v6, size);
         assert_eq!(bits.ones().collect::<Vec<_>>(), vec![4]);
         assert_eq!(offset(&v6, "fd00::1:0".parse().unwrap(), size), None);
+    }
+
+    /// The event of an IP missing from the bitmap goes to the Service upstream's walk meets
+    /// first: the smallest etcd key (`a-b/x` before `a/z`), whatever the cache's order.
+    #[test]
+    fn the_owner_of_a_shared_ip_is_the_first_etcd_key() {
+        let range = ServiceRange::new("10.96.0.0/24".parse().unwrap());
+        let mut first = service("z", &["10.96.0.10"]);
+        first.namespace = "a".into();
+        let mut second = service("x", &["10.96.0.10"]);
+        second.namespace = "a-b".into();
+        for order in [[&first, &second], [&second, &first]] {
+            let (_, owners) = in_use(order.into_iter(), &range, bitmap_size(&range));
+            assert_eq!(
+                (owners[&9].0.as_str(), owners[&9].1.as_str()),
+                ("a-b", "x")
+            );
+        }
     }
 
     /// upstream's legacy TestRepairLeakDualStack: a leaked IP in each family's bitmap survives

@@ -116,6 +116,33 @@ impl ServiceRecord {
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
+
+    /// The order of the Services' etcd keys ([`key_order`]).
+    pub fn key_cmp(&self, other: &Self) -> std::cmp::Ordering {
+        key_order((&self.namespace, &self.name), (&other.namespace, &other.name))
+    }
+}
+
+/// The order kube-apiserver lists objects in: their etcd keys `<prefix>/<namespace>/<name>`
+/// compared as bytes. Upstream's repairs walk a LIST in this order, so the first of two Services
+/// holding one IP or port is the one with the smaller key. It is not (namespace, name) order:
+/// `-` sorts before the `/` that ends a namespace, so `a-b/x` comes before `a/y`.
+pub fn key_order(a: (&str, &str), b: (&str, &str)) -> std::cmp::Ordering {
+    let (a_ns, b_ns) = (a.0.as_bytes(), b.0.as_bytes());
+    if a_ns == b_ns {
+        return a.1.cmp(b.1);
+    }
+    // Namespaces hold no `/`: where one namespace is a prefix of the other, its `/` meets the
+    // other's next byte.
+    let common = a_ns.len().min(b_ns.len());
+    match a_ns[..common].cmp(&b_ns[..common]) {
+        std::cmp::Ordering::Equal => {
+            let a_next = a_ns.get(common).copied().unwrap_or(b'/');
+            let b_next = b_ns.get(common).copied().unwrap_or(b'/');
+            a_next.cmp(&b_next)
+        }
+        unequal => unequal,
+    }
 }
 
 /// `spec.parentRef` of an IPAddress.
@@ -662,6 +689,36 @@ mod tests {
     }
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/k8s-api");
+
+    /// The order of `<namespace>/<name>` as bytes, for every pair of a few names chosen around
+    /// the `/`: `-` and `.` sort below it, digits and letters above.
+    #[test]
+    fn key_order_is_the_order_of_the_keys_as_bytes() {
+        let names = [
+            ("a", "z"),
+            ("a", "y"),
+            ("a-b", "x"),
+            ("a0", "a"),
+            ("a", "a-b"),
+            ("ab", "a"),
+            ("", "a"),
+            ("a", ""),
+            ("b", "a"),
+        ];
+        for a in names {
+            for b in names {
+                let want = format!("{}/{}", a.0, a.1)
+                    .as_bytes()
+                    .cmp(format!("{}/{}", b.0, b.1).as_bytes());
+                assert_eq!(key_order(a, b), want, "{a:?} vs {b:?}");
+            }
+        }
+        assert_eq!(
+            key_order(("a-b", "x"), ("a", "y")),
+            std::cmp::Ordering::Less
+        );
+    }
+
 
     #[test]
     fn decodes_a_dual_stack_service() {

@@ -105,7 +105,7 @@ pub fn collect_service_node_ports(service: &ServiceRecord) -> SmallVec<[i32; 4]>
 /// What is wrong with one node port of one Service.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Problem {
-    /// Another Service (earlier in list order), or this one, holds the port already.
+    /// Another Service (earlier in etcd key order), or this one, holds the port already.
     AlreadyAllocated,
     /// The port lies outside the configured range.
     OutOfRange,
@@ -168,12 +168,12 @@ impl Finding {
 /// What one scan of the Services found.
 #[derive(Debug)]
 pub struct Scan {
-    /// In list order (namespace, then name), as upstream's pass meets them.
+    /// In etcd key order (`namespace/name` as bytes), as upstream's pass meets them.
     pub findings: Vec<Finding>,
     /// The ports inside the range that some Service holds, by offset in the range: the
     /// allocation bitmap as it should be.
     pub in_use: FixedBitSet,
-    /// The Service that holds each offset of `in_use` (the first in list order).
+    /// The Service that holds each offset of `in_use` (the first in etcd key order).
     pub owners: HashMap<usize, Holder>,
 }
 
@@ -185,7 +185,7 @@ pub struct Holder {
     pub uid: Token,
 }
 
-/// Allocates every Service's node ports into an empty bitmap of `range`, in list order, as
+/// Allocates every Service's node ports into an empty bitmap of `range`, in etcd key order, as
 /// upstream's repair rebuilds its allocator: the first Service to hold a port owns it, every
 /// later holder (or a second hold by the same Service) is a duplicate.
 pub fn scan<'a>(services: impl IntoIterator<Item = &'a ServiceRecord>, range: PortRange) -> Scan {
@@ -194,7 +194,8 @@ pub fn scan<'a>(services: impl IntoIterator<Item = &'a ServiceRecord>, range: Po
         .into_iter()
         .filter(|service| !service.node_ports.is_empty() || service.health_check_node_port != 0)
         .collect();
-    holders.sort_unstable_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    // Upstream's repair walks a LIST, in etcd key order (`namespace/name` as bytes).
+    holders.sort_unstable_by(|a, b| a.key_cmp(b));
 
     let mut in_use = FixedBitSet::with_capacity(range.size());
     let mut owners = HashMap::new();
@@ -321,7 +322,7 @@ mod tests {
     #[test]
     fn the_later_service_in_list_order_holds_the_duplicate() {
         let range = PortRange::default();
-        // Given out of list order: the scan sorts by namespace, then name.
+        // Given out of order: the scan sorts by etcd key.
         let services = [
             service("b", "web", &[(30080, Protocol::Tcp)], 0),
             service("a", "zeta", &[(30080, Protocol::Tcp)], 0),
@@ -341,6 +342,28 @@ mod tests {
         );
         assert_eq!(scan.in_use.count_ones(..), 2);
         assert!(scan.in_use.contains(80) && scan.in_use.contains(81));
+    }
+
+    /// The first holder is the Service whose etcd key comes first (upstream walks a LIST):
+    /// `a-b/x` before `a/z`, although namespace "a" sorts before "a-b".
+    #[test]
+    fn the_duplicate_lands_on_the_later_etcd_key() {
+        let services = [
+            service("a", "z", &[(30080, Protocol::Tcp)], 0),
+            service("a-b", "x", &[(30080, Protocol::Tcp)], 0),
+        ];
+        let mut reversed = services.clone();
+        reversed.reverse();
+        for order in [&services[..], &reversed[..]] {
+            let scan = scan(order, PortRange::default());
+            let got: Vec<_> = scan
+                .findings
+                .iter()
+                .map(|f| (f.namespace.as_str(), f.name.as_str(), f.problem))
+                .collect();
+            assert_eq!(got, [("a", "z", Problem::AlreadyAllocated)]);
+            assert_eq!(scan.owners[&80].namespace.as_str(), "a-b");
+        }
     }
 
     #[test]
