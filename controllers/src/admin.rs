@@ -113,7 +113,11 @@ mod tests {
     async fn serves_livez_readyz_and_openmetrics() {
         let mut registry = new_registry();
         let metrics = RunnerMetrics::register(&mut registry);
-        metrics.init_loop("system-namespaces");
+        metrics.init_loop(
+            "system-namespaces",
+            std::time::Duration::from_secs(60),
+            true,
+        );
         let state = AdminState {
             health: Health::default(),
             registry: Arc::new(registry),

@@ -260,6 +260,7 @@ impl Controller {
         let mut registry = new_registry();
         let runner_metrics = RunnerMetrics::register(&mut registry);
         let leader_metrics = LeaderMetrics::register(&mut registry);
+        crate::metrics::register_etcd_mode(&mut registry, !config.etcd_servers.is_empty());
         let loops = build_loops(config, &client, &mut registry);
         info!(
             loops = ?loops.iter().map(|l| l.name()).collect::<Vec<_>>(),
@@ -270,12 +271,11 @@ impl Controller {
             "starting"
         );
 
-        if config.service_cluster_ip_range_defaulted {
-            warn!(
-                range = %crate::config::format_cidrs(&config.service_cluster_ip_range),
-                "--service-cluster-ip-range is not set; using kube-apiserver's default. Set it to \
-                 the apiserver's --service-cluster-ip-range (kubeadm: 10.96.0.0/12), or loops \
-                 that use it will fight the cluster"
+        if config.service_cluster_ip_range.is_empty() {
+            info!(
+                "--service-cluster-ip-range is not set: the loops read the range from the \
+                 cluster's ServiceCIDR \"kubernetes\" (Kubernetes 1.33+), and the service-cidr \
+                 loop, which would create that object from it, does not run"
             );
         }
         // Bind before joining the election: failing here must not leave a Lease behind.

@@ -3,6 +3,8 @@
 //! Loops register their own metrics in the same registry when they are built; everything is
 //! served by the admin server's `/metrics`.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -45,10 +47,17 @@ pub struct ErrorLabels {
 }
 
 type HistogramFamily = Family<LoopLabels, Histogram, fn() -> Histogram>;
+type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 fn pass_duration_histogram() -> Histogram {
     // 1 ms .. ~33 s: a pass against a healthy API takes milliseconds, a stuck one seconds.
     Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+fn heal_duration_histogram() -> Histogram {
+    // 5 ms .. ~11 min: a watch-woken repair takes milliseconds; one that needed retries through
+    // an outage takes as long as the backoff, which is capped at the loop's interval.
+    Histogram::new(exponential_buckets(0.005, 2.0, 18))
 }
 
 /// Handles to the runtime's per-loop metrics. Cheap to clone.
@@ -62,6 +71,13 @@ pub struct RunnerMetrics {
     errors: Family<ErrorLabels, Counter>,
     panics: Family<LoopLabels, Counter>,
     ready: Family<LoopLabels, Gauge>,
+    drift_unrepaired: Family<DriftLabels, Gauge>,
+    /// The kinds each loop's `drift_unrepaired` was last set for, so a kind that cleared is set
+    /// back to zero (a family cannot be listed).
+    unrepaired_kinds: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>>,
+    heal_duration: HistogramFamily,
+    interval: Family<LoopLabels, FloatGauge>,
+    active: Family<LoopLabels, Gauge>,
 }
 
 impl RunnerMetrics {
@@ -75,6 +91,11 @@ impl RunnerMetrics {
             errors: Family::default(),
             panics: Family::default(),
             ready: Family::default(),
+            drift_unrepaired: Family::default(),
+            unrepaired_kinds: Arc::default(),
+            heal_duration: Family::new_with_constructor(heal_duration_histogram),
+            interval: Family::default(),
+            active: Family::default(),
         };
         registry.register(
             "loop_passes",
@@ -116,6 +137,28 @@ impl RunnerMetrics {
             "loop_ready",
             "1 once a loop had its first successful pass",
             metrics.ready.clone(),
+        );
+        registry.register(
+            "loop_drift_unrepaired",
+            "Drift left undone (report-only, dry run) at the end of the last pass, per loop and kind",
+            metrics.drift_unrepaired.clone(),
+        );
+        registry.register_with_unit(
+            "loop_heal_duration",
+            "Time from the watch event that woke a loop to the end of the pass that repaired drift",
+            prometheus_client::registry::Unit::Seconds,
+            metrics.heal_duration.clone(),
+        );
+        registry.register_with_unit(
+            "loop_interval",
+            "Configured interval between passes per loop",
+            prometheus_client::registry::Unit::Seconds,
+            metrics.interval.clone(),
+        );
+        registry.register(
+            "loop_active",
+            "1 while this replica runs the loop (0 while a standby waits for leadership)",
+            metrics.active.clone(),
         );
         metrics
     }
@@ -170,9 +213,51 @@ impl RunnerMetrics {
             .set(i64::from(ready));
     }
 
+    /// Sets the drift a pass left undone, by kind; kinds of earlier passes that are gone go to 0.
+    pub fn set_unrepaired(&self, name: &str, counts: &BTreeMap<&str, i64>) {
+        let mut kinds = self
+            .unrepaired_kinds
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let known = kinds.entry(name.to_owned()).or_default();
+        for kind in counts.keys() {
+            known.insert((*kind).to_owned());
+        }
+        for kind in known.iter() {
+            let count = counts.get(kind.as_str()).copied().unwrap_or(0);
+            self.drift_unrepaired
+                .get_or_create(&DriftLabels {
+                    r#loop: name.to_owned(),
+                    kind: kind.clone(),
+                })
+                .set(count);
+        }
+    }
+
+    /// A replica that stops running a loop (lost leadership) no longer vouches for its drift.
+    pub fn clear_unrepaired(&self, name: &str) {
+        self.set_unrepaired(name, &BTreeMap::new());
+    }
+
+    pub fn heal(&self, name: &str, took: Duration) {
+        self.heal_duration
+            .get_or_create(&loop_labels(name))
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn set_active(&self, name: &str, active: bool) {
+        self.active
+            .get_or_create(&loop_labels(name))
+            .set(i64::from(active));
+    }
+
     /// Makes every series of a loop visible at zero before its first pass, so dashboards and
     /// alerts see the loop exists.
-    pub fn init_loop(&self, name: &str) {
+    pub fn init_loop(&self, name: &str, interval: Duration, active: bool) {
+        self.interval
+            .get_or_create(&loop_labels(name))
+            .set(interval.as_secs_f64());
+        self.set_active(name, active);
         for result in ["success", "failure", "panic"] {
             drop(self.passes.get_or_create(&PassLabels {
                 r#loop: name.to_owned(),
@@ -188,6 +273,17 @@ fn loop_labels(name: &str) -> LoopLabels {
     LoopLabels {
         r#loop: name.to_owned(),
     }
+}
+
+/// `bootstrap_etcd_mode`: whether the allocation bitmaps in etcd are repaired too.
+pub fn register_etcd_mode(registry: &mut Registry, on: bool) {
+    let gauge: Gauge = Gauge::default();
+    gauge.set(i64::from(on));
+    registry.register(
+        "etcd_mode",
+        "1 when --etcd-servers is set: the repairs also keep the allocation bitmaps in etcd",
+        gauge,
+    );
 }
 
 /// Encodes the registry in the OpenMetrics text format.
@@ -210,7 +306,7 @@ mod tests {
     fn encodes_loop_metrics_with_loop_label() {
         let mut registry = new_registry();
         let metrics = RunnerMetrics::register(&mut registry);
-        metrics.init_loop("system-namespaces");
+        metrics.init_loop("system-namespaces", Duration::from_secs(60), true);
         metrics.pass("system-namespaces", "success", Duration::from_millis(3));
         metrics.success("system-namespaces");
         metrics.drift("system-namespaces", "namespace_missing", true);

@@ -212,7 +212,7 @@ impl Runner {
             let name = reconciler.name();
             let needs_leadership = reconciler.needs_leadership();
             health.update(name, |status| status.needs_leadership = needs_leadership);
-            metrics.init_loop(name);
+            metrics.init_loop(name, reconciler.interval(), !needs_leadership);
         }
         Runner {
             loops,
@@ -248,7 +248,7 @@ impl Runner {
         let mut loop_tasks = JoinSet::new();
         for reconciler in loops {
             let name = reconciler.name();
-            let triggers = spawn_triggers(
+            let (triggers, triggered_at) = spawn_triggers(
                 &mut trigger_tasks,
                 name,
                 reconciler.triggers(),
@@ -263,6 +263,7 @@ impl Runner {
                 health: health.clone(),
                 leader: leader.clone(),
                 triggers,
+                triggered_at,
                 cancel: cancel.clone(),
             };
             loop_tasks.spawn(task.run().instrument(info_span!("loop", name)));
@@ -298,18 +299,24 @@ impl Runner {
     }
 }
 
-/// Spawns one task per trigger stream; returns the receiver that counts trigger items.
+/// When the first trigger item not yet covered by a pass arrived (the start of a heal).
+type TriggeredAt = Arc<Mutex<Option<Instant>>>;
+
+/// Spawns one task per trigger stream; returns the receiver that counts trigger items, and when
+/// the first item since the loop last took it arrived.
 fn spawn_triggers(
     tasks: &mut JoinSet<()>,
     name: &'static str,
     triggers: Vec<Trigger>,
     timer_only: bool,
     cancel: CancellationToken,
-) -> watch::Receiver<u64> {
+) -> (watch::Receiver<u64>, TriggeredAt) {
     let (sender, receiver) = watch::channel(0u64);
     let sender = Arc::new(sender);
+    let triggered_at = TriggeredAt::default();
     for (index, mut stream) in triggers.into_iter().enumerate() {
         let sender = sender.clone();
+        let triggered_at = triggered_at.clone();
         let cancel = cancel.clone();
         let poll = async move {
             loop {
@@ -319,6 +326,10 @@ fn spawn_triggers(
                     item = stream.next() => match item {
                         Some(()) => {
                             if !timer_only {
+                                triggered_at
+                                    .lock()
+                                    .unwrap_or_else(|poison| poison.into_inner())
+                                    .get_or_insert_with(Instant::now);
                                 sender.send_modify(|generation| *generation = generation.wrapping_add(1));
                             }
                         }
@@ -343,7 +354,7 @@ fn spawn_triggers(
             .instrument(info_span!("trigger", name)),
         );
     }
-    receiver
+    (receiver, triggered_at)
 }
 
 struct LoopTask {
@@ -354,6 +365,7 @@ struct LoopTask {
     health: Health,
     leader: watch::Receiver<bool>,
     triggers: watch::Receiver<u64>,
+    triggered_at: TriggeredAt,
     cancel: CancellationToken,
 }
 
@@ -380,6 +392,8 @@ impl LoopTask {
         // Drift left as it is (report-only, dry run) is logged and counted when it appears, not
         // again on every pass while it lasts.
         let unapplied = reconcilers::findings::ReportOnce::new();
+        // The trigger a heal is timed from: kept through failed passes until one succeeds.
+        let mut heal_since: Option<Instant> = None;
 
         'passes: loop {
             if gated && !self.wait_for_leadership().await {
@@ -387,6 +401,12 @@ impl LoopTask {
             }
             // Triggers seen before the pass starts are covered by it.
             self.triggers.borrow_and_update();
+            let triggered_at = self
+                .triggered_at
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner())
+                .take();
+            heal_since = heal_since.or(triggered_at);
 
             let pass_timeout = pass_timeout(interval);
             let metrics = self.metrics.clone();
@@ -417,11 +437,17 @@ impl LoopTask {
             let wait = match outcome {
                 None => {
                     warn!("lost leadership during a pass; abandoned it");
+                    heal_since = None;
                     continue 'passes;
                 }
                 Some(Ok(report)) => {
                     backoff = None;
                     let repaired = report.drift.iter().any(|drift| drift.applied);
+                    if let Some(since) = heal_since.take()
+                        && repaired
+                    {
+                        self.metrics.heal(name, since.elapsed());
+                    }
                     if woken_by_trigger && repaired {
                         fight_streak = fight_streak.saturating_add(1);
                         if fight_streak == FIGHT_STREAK_THRESHOLD {
@@ -504,7 +530,8 @@ impl LoopTask {
                 )
                 .await
             {
-                Wake::Timer | Wake::LostLeadership => {}
+                Wake::Timer => {}
+                Wake::LostLeadership => heal_since = None,
                 Wake::Trigger => {
                     woken_by_trigger = true;
                     debug!("triggered");
@@ -524,9 +551,18 @@ impl LoopTask {
             let is_leader = *self.leader.borrow_and_update();
             self.health
                 .update(name, |status| status.standby = !is_leader);
+            self.metrics.set_active(name, is_leader);
+            if !is_leader {
+                self.metrics.clear_unrepaired(name);
+            }
             if is_leader {
                 if announced {
                     info!("became leader; running a pass now");
+                    // Events seen as a standby did not wake this pass: the election did.
+                    self.triggered_at
+                        .lock()
+                        .unwrap_or_else(|poison| poison.into_inner())
+                        .take();
                 }
                 return true;
             }
@@ -733,6 +769,11 @@ async fn run_pass(
                 // Loops log their own repairs.
                 debug!(object = %drift.object, kind = drift.kind, action = %drift.action, "repaired: {}", drift.message);
             }
+            let mut unrepaired = BTreeMap::<&str, i64>::new();
+            for drift in report.drift.iter().filter(|drift| !drift.applied) {
+                *unrepaired.entry(drift.kind).or_default() += 1;
+            }
+            metrics.set_unrepaired(name, &unrepaired);
             let undone = report
                 .drift
                 .iter()
@@ -1126,6 +1167,114 @@ mod tests {
                 "bootstrap_loop_drift_found_total{loop=\"a\",kind=\"service_cluster_ip\"} 1\n"
             ),
             "{text}"
+        );
+        stop(harness).await;
+    }
+
+    /// The unrepaired-drift gauge follows the last pass: set while the drift lasts, 0 once it
+    /// clears, and 0 on a replica that lost leadership (it no longer runs the loop).
+    #[tokio::test]
+    async fn unrepaired_drift_gauge_follows_the_last_pass_and_leadership() {
+        let (mut fake, trigger, _polled) = Fake::new("a")
+            .script(&[
+                Step::ReportDrift,
+                Step::ReportDrift,
+                Step::Succeed,
+                Step::ReportDrift,
+            ])
+            .with_trigger();
+        fake.needs_leadership = true;
+        let fake = Arc::new(fake);
+        let harness = start(vec![fake.clone()], options(), true);
+        let gauge = |value: u8| {
+            format!(
+                "bootstrap_loop_drift_unrepaired{{loop=\"a\",kind=\"service_cluster_ip\"}} {value}\n"
+            )
+        };
+        let text = || encode(&harness.registry).unwrap();
+        eventually("first pass", || fake.finished.load(Ordering::SeqCst) == 1).await;
+        assert!(text().contains(&gauge(1)), "{}", text());
+        assert!(
+            text().contains("bootstrap_loop_active{loop=\"a\"} 1\n"),
+            "{}",
+            text()
+        );
+        assert!(
+            text().contains("bootstrap_loop_interval_seconds{loop=\"a\"} 3600.0\n"),
+            "{}",
+            text()
+        );
+        for passes in [2, 3] {
+            trigger.send(()).unwrap();
+            eventually("triggered pass", || {
+                fake.finished.load(Ordering::SeqCst) == passes
+            })
+            .await;
+        }
+        assert!(text().contains(&gauge(0)), "cleared drift is 0: {}", text());
+        trigger.send(()).unwrap();
+        eventually("drift again", || text().contains(&gauge(1))).await;
+        harness.leader.send(false).unwrap();
+        eventually("a standby vouches for no drift", || {
+            text().contains(&gauge(0)) && text().contains("bootstrap_loop_active{loop=\"a\"} 0\n")
+        })
+        .await;
+        stop(harness).await;
+    }
+
+    /// A repair after a trigger is timed from the trigger (through a failed pass in between); a
+    /// repair found by the timer, and a triggered pass with nothing to repair, are not.
+    #[tokio::test]
+    async fn heal_duration_is_timed_from_the_trigger_to_the_repairing_pass() {
+        let (mut fake, trigger, _polled) = Fake::new("a")
+            .script(&[
+                Step::SucceedWithDrift,
+                Step::Succeed,
+                Step::Fail,
+                Step::SucceedWithDrift,
+            ])
+            .with_trigger();
+        fake.pass_delay = Duration::from_millis(30);
+        let fake = Arc::new(fake);
+        let harness = start(vec![fake.clone()], options(), true);
+        let count =
+            |n: u8| format!("bootstrap_loop_heal_duration_seconds_count{{loop=\"a\"}} {n}\n");
+        let text = || encode(&harness.registry).unwrap();
+        eventually("first pass", || fake.finished.load(Ordering::SeqCst) == 1).await;
+        // The first pass repaired drift, but no trigger woke it.
+        assert!(
+            !text().contains("bootstrap_loop_heal_duration_seconds_count"),
+            "{}",
+            text()
+        );
+        trigger.send(()).unwrap();
+        eventually("triggered pass", || {
+            fake.finished.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        assert!(
+            !text().contains("bootstrap_loop_heal_duration_seconds_count"),
+            "{}",
+            text()
+        );
+        trigger.send(()).unwrap();
+        eventually("failed pass, then its retry", || {
+            fake.finished.load(Ordering::SeqCst) == 4
+        })
+        .await;
+        eventually("one heal", || text().contains(&count(1))).await;
+        // Two passes of 30 ms each lie between the trigger and the end of the repair.
+        let sum: f64 = text()
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix("bootstrap_loop_heal_duration_seconds_sum{loop=\"a\"} ")
+            })
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            sum >= 0.06,
+            "heal timed from the trigger, through the retry: {sum}"
         );
         stop(harness).await;
     }
