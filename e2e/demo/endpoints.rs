@@ -14,7 +14,7 @@ use kube::Api;
 use kube::api::PostParams;
 use prometheus_client::registry::Registry;
 use reconcilers::apiserver_endpoints::{
-    ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, ReadinessProbe, SystemResolver,
+    ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, ReadinessProbe, ShutdownGate, SystemResolver,
 };
 use reconcilers::{PassContext, Reconciler};
 
@@ -23,11 +23,25 @@ use crate::DemoEnv;
 /// Documentation addresses (RFC 5737), so the demo never points at a real host.
 const EXTRA_MEMBERS: [&str; 2] = ["192.0.2.11", "192.0.2.12"];
 
-struct AlwaysReady;
+/// A demo member's apiserver: ready until the demo stops it.
+#[derive(Default)]
+struct DemoApiserver {
+    stopped: std::sync::atomic::AtomicBool,
+}
 
-impl ReadinessProbe for AlwaysReady {
+impl ReadinessProbe for DemoApiserver {
     fn check(&self) -> BoxFuture<'_, Result<(), reconcilers::apiserver_endpoints::NotReady>> {
-        Box::pin(async { Ok(()) })
+        let stopped = self.stopped.load(std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async move {
+            if stopped {
+                Err(reconcilers::apiserver_endpoints::NotReady::Failed {
+                    path: "/readyz".to_owned(),
+                    reason: "connection refused (the demo stopped this apiserver)".to_owned(),
+                })
+            } else {
+                Ok(())
+            }
+        })
     }
 }
 
@@ -112,9 +126,11 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
         let mut member_cfg = cfg.clone();
         member_cfg.advertise_address = Some(ip);
         member_cfg.identity = format!("demo-member-{}", index + 1);
+        let apiserver = Arc::new(DemoApiserver::default());
         let deps = EndpointsDeps {
             client: env.client.clone(),
-            readiness: Arc::new(AlwaysReady),
+            shutdown: Arc::new(ShutdownGate::new(member_cfg.shutdown, apiserver.clone())),
+            readiness: apiserver.clone(),
             resolver: Arc::new(SystemResolver),
             reporter: kube::runtime::events::Reporter {
                 controller: "bootstrap-controller-demo".to_owned(),
@@ -137,9 +153,9 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
                 }
             })
         };
-        members.push((address.to_string(), lease_loop, task));
+        members.push((address.to_string(), lease_loop, task, apiserver));
     }
-    let all: Vec<String> = members.iter().map(|(a, _, _)| a.clone()).collect();
+    let all: Vec<String> = members.iter().map(|(a, _, _, _)| a.clone()).collect();
     let joined = wait_for(&api, &name, limit, "two more apiservers join", |ips, _| {
         all.iter().all(|a| ips.contains(a))
     })
@@ -152,7 +168,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
     );
 
     let mut members = members.into_iter();
-    let (killed, _, killed_task) = members
+    let (killed, _, killed_task, _) = members
         .next()
         .ok_or_else(|| "demo members missing".to_owned())?;
     killed_task.abort();
@@ -173,16 +189,23 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
         millis(killed_gone)
     );
 
-    let (stopped, stopped_loop, stopped_task) = members
+    let (stopped, stopped_loop, stopped_task, stopped_apiserver) = members
         .next()
         .ok_or_else(|| "demo members missing".to_owned())?;
     stopped_task.abort();
     let stop_started = Instant::now();
+    // The node goes away: its apiserver stops with the controller, so the controller withdraws
+    // (a controller restarting next to a ready apiserver would keep its Lease).
+    stopped_apiserver
+        .stopped
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     stopped_loop
         .shutdown(&ctx)
         .await
         .map_err(|err| format!("clean stop of {stopped}: {err}"))?;
-    println!("  stopped {stopped} cleanly (SIGTERM: it deletes its Lease)");
+    println!(
+        "  stopped {stopped} with its apiserver (SIGTERM, /readyz failing: it deletes its Lease)"
+    );
     wait_for(
         &api,
         &name,

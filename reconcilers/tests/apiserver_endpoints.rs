@@ -18,7 +18,7 @@ use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::apiserver_endpoints::{
     ApiserverEndpointsConfig, ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps,
-    EndpointsMode, IpFamily, ReadinessProbe, Resolver,
+    EndpointsMode, IpFamily, ReadinessProbe, Resolver, ShutdownGate, ShutdownProbing,
 };
 
 fn cfg(address: &str) -> ApiserverEndpointsConfig {
@@ -34,8 +34,14 @@ fn deps(
     readiness: Arc<dyn ReadinessProbe>,
     resolver: Arc<dyn Resolver>,
 ) -> EndpointsDeps {
+    // The shutdown probing's window is short here: what it decides is tested, not how long.
+    let probing = ShutdownProbing {
+        window: Duration::from_millis(20),
+        ..ShutdownProbing::default()
+    };
     EndpointsDeps {
         client: sim.client(),
+        shutdown: Arc::new(ShutdownGate::new(probing, readiness.clone())),
         readiness,
         resolver,
         reporter: reporter(),
@@ -44,6 +50,7 @@ fn deps(
 
 struct Instance {
     ready: Arc<Flag>,
+    shutdown: Arc<ShutdownGate>,
     lease: ApiserverLeaseLoop,
     endpoints: ApiserverEndpointsLoop,
 }
@@ -54,6 +61,7 @@ fn instance(sim: &Sim, cfg: &ApiserverEndpointsConfig, ready: bool) -> Instance 
     let mut registry = Registry::default();
     Instance {
         ready: flag,
+        shutdown: d.shutdown.clone(),
         lease: ApiserverLeaseLoop::new(cfg, d.clone(), &mut registry).unwrap(),
         endpoints: ApiserverEndpointsLoop::new(cfg, d, &mut registry),
     }
@@ -502,10 +510,44 @@ async fn dry_run_reports_and_writes_nothing() {
     assert_eq!(writes(&sim), Vec::<String>::new());
 }
 
+/// A controller stopping next to an apiserver that stays ready (a sidecar restart or upgrade)
+/// keeps its membership: the Lease stays (it expires on its TTL if the controller does not come
+/// back) and the leader leaves its address listed.
+#[tokio::test]
+async fn shutdown_with_a_ready_apiserver_keeps_the_lease_and_the_address() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    sim.clear_requests();
+    for i in [&instances[1], &instances[0]] {
+        i.lease.shutdown(&ctx(&sim, false)).await.unwrap();
+        i.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+        assert_eq!(
+            (i.shutdown.count("kept"), i.shutdown.count("withdrew")),
+            (1, 0)
+        );
+    }
+    assert_eq!(writes(&sim), Vec::<String>::new(), "nothing withdrawn");
+    assert_eq!(
+        sim.backdoor()
+            .list("leases.coordination.k8s.io")
+            .unwrap()
+            .len(),
+        3
+    );
+    assert_eq!(
+        addresses(&endpoints(&sim).await.unwrap()),
+        vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
+    );
+}
+
+/// The apiserver fails its readiness at shutdown (it is stopping too): the controller withdraws.
 #[tokio::test]
 async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
     let sim = sim().await;
     let instances = three_members(&sim).await;
+    for i in &instances {
+        i.ready.set(false);
+    }
     // A non-leader stopping only deletes its Lease; the leader's next pass drops its address.
     let follower = &instances[1];
     follower.lease.shutdown(&ctx(&sim, false)).await.unwrap();
@@ -662,6 +704,10 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
     let listed = addresses(&endpoints(&sim).await.unwrap());
     assert_eq!(listed.len(), 2);
     assert!(listed.contains(&"10.0.0.3".to_owned()));
+    // Its apiserver still ready: a restart of the controller alone keeps the address.
+    c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+    assert!(addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.3".to_owned()));
+    let c = instance(&sim, &mk("10.0.0.3"), false);
     c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
     assert!(!addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.3".to_owned()));
 }
@@ -779,6 +825,8 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     let other = instance(&sim, &with_election("10.0.0.2"), true);
     old.lease.reconcile(&ctx(&sim, false)).await.unwrap();
     other.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    // Its apiserver is stopping too, so a leader would withdraw.
+    old.ready.set(false);
     // 10.0.0.1 led and ran a pass, then leadership moved to 10.0.0.2 before its SIGTERM.
     old.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
     sim.backdoor().put(leader_lease("test-10.0.0.2")).unwrap();

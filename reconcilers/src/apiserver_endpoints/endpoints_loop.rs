@@ -33,6 +33,7 @@ use super::lease::{MemberLease, member_selector, membership};
 use super::members::{IpFamily, MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
 use super::probe::{ReadinessProbe, Resolver};
+use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, StaticAddress};
 use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, drift,
@@ -156,6 +157,7 @@ pub struct ApiserverEndpointsLoop {
     cfg: ApiserverEndpointsConfig,
     client: kube::Client,
     readiness: Arc<dyn ReadinessProbe>,
+    shutdown: Arc<ShutdownGate>,
     resolver: Arc<dyn Resolver>,
     /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
     /// one series and keeps the first note, which would hide who joined or what was repaired.
@@ -210,6 +212,7 @@ impl ApiserverEndpointsLoop {
             reporter: deps.reporter,
             client: deps.client,
             readiness: deps.readiness,
+            shutdown: deps.shutdown,
             resolver: deps.resolver,
             metrics: EndpointsMetrics::register(registry),
             state: Mutex::new(State::default()),
@@ -693,25 +696,36 @@ impl ApiserverEndpointsLoop {
         Ok(report)
     }
 
-    /// Take this instance's address out at once, if it is the writer: the leader (it ran a pass
-    /// recently) in `lease` mode, always in `master-count` mode. An empty result is written: this
-    /// is the one case where upstream empties the endpoints too (the last member leaving).
+    /// Whether this instance is the writer and its address is to be withdrawn: the decision of
+    /// the [`ShutdownGate`] is asked only of a writer, so a follower's hook costs no probing here.
+    async fn withdraws(&self, ctx: &PassContext) -> bool {
+        let recently_leading = self
+            .state
+            .lock()
+            .await
+            .last_pass
+            .is_some_and(|at| at.elapsed() < self.cfg.interval * 2);
+        let writer = match self.cfg.mode {
+            EndpointsMode::Lease => {
+                recently_leading
+                    && tokio::time::timeout(self.cfg.interval * 2, self.holds_leadership(ctx))
+                        .await
+                        .unwrap_or(false)
+            }
+            EndpointsMode::MasterCount => true,
+            EndpointsMode::Static | EndpointsMode::None => false,
+        };
+        writer && !ctx.dry_run && self.shutdown.decide().await.withdraw
+    }
+
+    /// Take this instance's address out at once (the caller checked [`Self::withdraws`]). An
+    /// empty result is written: this is the one case where upstream empties the endpoints too
+    /// (the last member leaving).
     async fn withdraw(&self, ctx: &PassContext) -> Result<(), LoopError> {
         let Some(own) = self.cfg.advertise_address else {
             return Ok(());
         };
         let mut state = self.state.lock().await;
-        let recently_leading = state
-            .last_pass
-            .is_some_and(|at| at.elapsed() < self.cfg.interval * 2);
-        let writer = match self.cfg.mode {
-            EndpointsMode::Lease => recently_leading && self.holds_leadership(ctx).await,
-            EndpointsMode::MasterCount => true,
-            EndpointsMode::Static | EndpointsMode::None => false,
-        };
-        if !writer || ctx.dry_run {
-            return Ok(());
-        }
         let existing = self
             .endpoints_api(ctx)
             .get_opt(&self.target().service_name)
@@ -825,6 +839,11 @@ impl Reconciler for ApiserverEndpointsLoop {
 
     fn shutdown<'a>(&'a self, ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
         Box::pin(async move {
+            // The probing has its own bound (the window plus a probe timeout); the withdrawal
+            // gets the same bound as upstream's `RemoveEndpoints`.
+            if !self.withdraws(ctx).await {
+                return Ok(());
+            }
             let bound = self.cfg.interval * 2;
             match tokio::time::timeout(bound, self.withdraw(ctx)).await {
                 Ok(result) => result,

@@ -14,6 +14,7 @@ use prometheus_client::registry::Registry;
 
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
 use super::probe::ReadinessProbe;
+use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps};
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, drift};
 
@@ -62,6 +63,7 @@ pub struct ApiserverLeaseLoop {
     own: OwnLease,
     interval: Duration,
     readiness: Arc<dyn ReadinessProbe>,
+    shutdown: Arc<ShutdownGate>,
     metrics: LeaseMetrics,
     last_ready: Mutex<Option<bool>>,
     /// Whether the "another instance renews this Lease" warning was logged.
@@ -95,6 +97,7 @@ impl ApiserverLeaseLoop {
             },
             interval: cfg.interval,
             readiness: deps.readiness,
+            shutdown: deps.shutdown,
             metrics: LeaseMetrics::register(registry),
             last_ready: Mutex::new(None),
             warned_shared: std::sync::atomic::AtomicBool::new(false),
@@ -349,12 +352,13 @@ impl Reconciler for ApiserverLeaseLoop {
         Box::pin(self.pass(ctx))
     }
 
-    /// Withdraw at once: delete the Lease so the leader drops this address on the Lease watch,
-    /// bounded by 2 x interval like upstream's `RemoveEndpoints` on stop.
+    /// When the local apiserver is stopping too (see [`ShutdownGate`]), withdraw at once: delete
+    /// the Lease so the leader drops this address on the Lease watch, bounded by 2 x interval like
+    /// upstream's `RemoveEndpoints` on stop. Otherwise the Lease stays and expires on its TTL.
     fn shutdown<'a>(&'a self, ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
         Box::pin(async move {
             self.metrics.ready.set(0);
-            if ctx.dry_run {
+            if ctx.dry_run || !self.shutdown.decide().await.withdraw {
                 return Ok(());
             }
             let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);

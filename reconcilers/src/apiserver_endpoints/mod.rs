@@ -4,7 +4,8 @@
 //! Two loops share one configuration:
 //! * [`ApiserverLeaseLoop`] (`apiserver-lease`, every instance, `lease` mode only): keeps this
 //!   instance's membership Lease while its apiserver's `/readyz` answers 200, deletes it when the
-//!   apiserver is not ready and on shutdown.
+//!   apiserver is not ready, and on shutdown when [`shutdown`] decides its apiserver is stopping
+//!   too.
 //! * [`ApiserverEndpointsLoop`] (`apiserver-endpoints`, leader only; on every instance in
 //!   `master-count` mode, as upstream): computes the member set and writes the Endpoints and
 //!   EndpointSlices from it.
@@ -40,6 +41,7 @@ pub mod lease_loop;
 pub mod members;
 pub mod modes;
 pub mod probe;
+pub mod shutdown;
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -57,6 +59,7 @@ pub use probe::{
     ApiserverReadyz, ConfigLoader, LazyUrlReadyz, NotReady, ReadinessProbe, Resolver,
     SystemResolver, default_route_address,
 };
+pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate, ShutdownProbing};
 
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
@@ -116,6 +119,8 @@ pub struct ApiserverEndpointsConfig {
     /// its holder (`identity`) withdraws its own address directly, so a replica that lost
     /// leadership never writes next to the new leader.
     pub leader_lease: Option<(String, String)>,
+    /// What a graceful stop does with this instance's membership (`lease` and `master-count`).
+    pub shutdown: ShutdownProbing,
 }
 
 impl Default for ApiserverEndpointsConfig {
@@ -131,6 +136,7 @@ impl Default for ApiserverEndpointsConfig {
             static_addresses: Vec::new(),
             apiserver_count: 1,
             leader_lease: None,
+            shutdown: ShutdownProbing::default(),
         }
     }
 }
@@ -158,6 +164,16 @@ pub struct Section {
     /// `static` mode: IP addresses and/or DNS names (re-resolved every interval, A and AAAA; a
     /// failed or empty answer keeps the last good addresses).
     pub static_addresses: Vec<String>,
+    /// `lease` and `master-count` modes: on a graceful stop, `withdrawIfApiserverStopping`
+    /// (probe the local apiserver's readiness; withdraw this instance only if it fails),
+    /// `alwaysWithdraw` or `keep`.
+    pub on_shutdown: OnShutdown,
+    /// Readiness probes made at shutdown (`withdrawIfApiserverStopping`); every one must pass for
+    /// the membership to be kept.
+    pub shutdown_probes: u32,
+    /// The time over which the shutdown probes are spread (first to last).
+    #[serde(with = "duration_format")]
+    pub shutdown_probe_window: Duration,
 }
 
 impl Default for Section {
@@ -170,6 +186,9 @@ impl Default for Section {
             lease_ttl: defaults.lease_ttl,
             readyz_url: String::new(),
             static_addresses: Vec::new(),
+            on_shutdown: defaults.shutdown.policy,
+            shutdown_probes: defaults.shutdown.probes,
+            shutdown_probe_window: defaults.shutdown.window,
         }
     }
 }
@@ -203,6 +222,11 @@ impl Section {
             static_addresses: self.static_addresses.clone(),
             apiserver_count: usize::try_from(settings.apiserver_count).unwrap_or(usize::MAX),
             leader_lease: settings.leader_lease.clone(),
+            shutdown: ShutdownProbing {
+                policy: self.on_shutdown,
+                probes: self.shutdown_probes,
+                window: self.shutdown_probe_window,
+            },
         }
     }
 
@@ -257,6 +281,27 @@ impl Section {
                 ));
             }
         }
+        if probes && !(1..=MAX_SHUTDOWN_PROBES).contains(&self.shutdown_probes) {
+            errors.push(section::ConfigError::new(
+                format!("{path}.shutdownProbes"),
+                format!(
+                    "{} is not between 1 and {MAX_SHUTDOWN_PROBES} (default 3: enough to see a \
+                     stopping apiserver fail its readiness, few enough to stop quickly)",
+                    self.shutdown_probes
+                ),
+            ));
+        }
+        if probes && self.shutdown_probe_window > MAX_SHUTDOWN_PROBE_WINDOW {
+            errors.push(section::ConfigError::new(
+                format!("{path}.shutdownProbeWindow"),
+                format!(
+                    "{} is longer than {}: the probes must end well inside the pod's \
+                     termination grace period and shutdownTimeout (default 2s)",
+                    format_duration(self.shutdown_probe_window),
+                    format_duration(MAX_SHUTDOWN_PROBE_WINDOW)
+                ),
+            ));
+        }
         if mode == EndpointsMode::Static {
             if self.static_addresses.is_empty() {
                 errors.push(section::ConfigError::new(
@@ -292,6 +337,11 @@ impl Section {
         }
     }
 }
+
+/// Bounds of the shutdown probing: it delays the stop by about the window, inside the runner's
+/// `shutdownTimeout` (default 30 s) and a pod's grace period (default 30 s).
+const MAX_SHUTDOWN_PROBES: u32 = 10;
+const MAX_SHUTDOWN_PROBE_WINDOW: Duration = Duration::from_secs(10);
 
 fn primary_family(settings: &Settings) -> Option<IpFamily> {
     settings.service_ranges.first().map(|net| match net {
@@ -337,9 +387,11 @@ impl LoopSection for Section {
         if let Some(address) = config.advertise_address {
             tracing::info!(%address, mode = config.mode.as_str(), "apiserver endpoints: this instance's address");
         }
+        let readiness = self.readiness(context);
         let deps = EndpointsDeps {
             client: context.client.clone(),
-            readiness: self.readiness(context),
+            shutdown: Arc::new(ShutdownGate::new(config.shutdown, readiness.clone())),
+            readiness,
             resolver: Arc::new(SystemResolver),
             reporter: context.settings.reporter(),
         };
@@ -514,6 +566,8 @@ pub struct EndpointsDeps {
     pub client: kube::Client,
     /// Whether the local apiserver is ready (`lease` and `master-count` modes).
     pub readiness: Arc<dyn ReadinessProbe>,
+    /// Whether a graceful stop withdraws this instance: one decision shared by both loops.
+    pub shutdown: Arc<ShutdownGate>,
     /// Name resolution (`static` mode).
     pub resolver: Arc<dyn Resolver>,
     pub reporter: Reporter,
@@ -531,6 +585,7 @@ pub fn build_loops(
     if cfg.mode == EndpointsMode::None {
         return loops;
     }
+    deps.shutdown.register(registry);
     if cfg.mode == EndpointsMode::Lease
         && let Some(lease_loop) = ApiserverLeaseLoop::new(cfg, deps.clone(), registry)
     {

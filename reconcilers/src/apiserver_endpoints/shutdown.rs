@@ -1,0 +1,321 @@
+//! What a stopping controller does with its apiserver's membership: withdraw it only when the
+//! apiserver itself is going away.
+//!
+//! The controller usually runs as a sidecar next to kube-apiserver, and the two stop for
+//! different reasons: a pod deletion stops both, a sidecar upgrade or restart stops only the
+//! controller. Withdrawing on every stop would empty the `kubernetes` endpoints of a
+//! one-apiserver cluster while its apiserver serves. kube-apiserver fails `/readyz` as soon as its
+//! own shutdown starts, so a few probes over a short window tell the two cases apart; a membership
+//! Lease that is kept expires on its own TTL if the controller does not come back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+use tokio::sync::OnceCell;
+
+use super::probe::ReadinessProbe;
+use crate::metrics::{loop_registry, registered};
+
+/// `loops.apiserverEndpoints.onShutdown`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum OnShutdown {
+    /// Probe the local apiserver's readiness; withdraw only if it fails (the apiserver is
+    /// stopping too), keep the membership otherwise.
+    #[default]
+    WithdrawIfApiserverStopping,
+    /// Withdraw on every stop, whatever the apiserver's state.
+    AlwaysWithdraw,
+    /// Never withdraw on stop: the membership Lease expires after its TTL.
+    Keep,
+}
+
+impl OnShutdown {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnShutdown::WithdrawIfApiserverStopping => "withdrawIfApiserverStopping",
+            OnShutdown::AlwaysWithdraw => "alwaysWithdraw",
+            OnShutdown::Keep => "keep",
+        }
+    }
+}
+
+/// How the readiness is probed at shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShutdownProbing {
+    pub policy: OnShutdown,
+    /// How many probes; every one must pass for the membership to be kept.
+    pub probes: u32,
+    /// The time from the first probe to the last.
+    pub window: Duration,
+}
+
+impl Default for ShutdownProbing {
+    fn default() -> Self {
+        Self {
+            policy: OnShutdown::default(),
+            probes: 3,
+            window: Duration::from_secs(2),
+        }
+    }
+}
+
+impl ShutdownProbing {
+    /// The pause between two probes.
+    pub fn spacing(&self) -> Duration {
+        match self.probes {
+            0 | 1 => Duration::ZERO,
+            n => self.window / (n - 1),
+        }
+    }
+
+    /// How long one probe may take before it counts as failed: an apiserver that does not answer
+    /// within this at shutdown is treated as going away.
+    pub fn probe_timeout(&self) -> Duration {
+        self.spacing().max(Duration::from_secs(1))
+    }
+}
+
+/// The decision, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShutdownDecision {
+    pub withdraw: bool,
+    pub reason: String,
+}
+
+impl ShutdownDecision {
+    /// The metric label and log word.
+    pub fn label(&self) -> &'static str {
+        if self.withdraw { "withdrew" } else { "kept" }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabel {
+    decision: String,
+}
+
+/// Makes the decision once per process, shared by the loops that withdraw (the membership Lease
+/// and the leader's endpoints): both hooks run at once on SIGTERM and must agree.
+pub struct ShutdownGate {
+    probing: ShutdownProbing,
+    readiness: Arc<dyn ReadinessProbe>,
+    decided: OnceCell<ShutdownDecision>,
+    decisions: Family<DecisionLabel, Counter>,
+}
+
+impl ShutdownGate {
+    pub fn new(probing: ShutdownProbing, readiness: Arc<dyn ReadinessProbe>) -> Self {
+        Self {
+            probing,
+            readiness,
+            decided: OnceCell::new(),
+            decisions: Family::default(),
+        }
+    }
+
+    /// Registers `bootstrap_apiserver_endpoints_shutdown_total{decision}`.
+    pub fn register(&self, registry: &mut Registry) {
+        registered(
+            loop_registry(registry, super::endpoints_loop::NAME),
+            "shutdown",
+            "Graceful stops by what was done with this instance's membership: kept (the local \
+             apiserver still ready) or withdrew",
+            self.decisions.clone(),
+        );
+    }
+
+    /// How many stops ended with `decision` (`kept` or `withdrew`).
+    pub fn count(&self, decision: &str) -> u64 {
+        self.decisions
+            .get_or_create(&DecisionLabel {
+                decision: decision.to_owned(),
+            })
+            .get()
+    }
+
+    /// The decision: made (probed, logged at info, counted) by the first caller, shared by the rest.
+    pub async fn decide(&self) -> ShutdownDecision {
+        self.decided
+            .get_or_init(|| async {
+                let decision = self.probe().await;
+                tracing::info!(
+                    decision = %decision.label(),
+                    policy = %self.probing.policy.as_str(),
+                    reason = %decision.reason,
+                    "shutdown: {} this instance's apiserver membership",
+                    if decision.withdraw { "withdrawing" } else { "keeping" }
+                );
+                self.decisions
+                    .get_or_create(&DecisionLabel {
+                        decision: decision.label().to_owned(),
+                    })
+                    .inc();
+                decision
+            })
+            .await
+            .clone()
+    }
+
+    async fn probe(&self) -> ShutdownDecision {
+        let probing = self.probing;
+        match probing.policy {
+            OnShutdown::AlwaysWithdraw => {
+                return ShutdownDecision {
+                    withdraw: true,
+                    reason: "onShutdown is alwaysWithdraw".to_owned(),
+                };
+            }
+            OnShutdown::Keep => {
+                return ShutdownDecision {
+                    withdraw: false,
+                    reason: "onShutdown is keep; the membership Lease expires after its TTL"
+                        .to_owned(),
+                };
+            }
+            OnShutdown::WithdrawIfApiserverStopping => {}
+        }
+        let timeout = probing.probe_timeout();
+        for n in 0..probing.probes.max(1) {
+            if n > 0 {
+                tokio::time::sleep(probing.spacing()).await;
+            }
+            let failed = match tokio::time::timeout(timeout, self.readiness.check()).await {
+                Ok(Ok(())) => None,
+                Ok(Err(why)) => Some(why.to_string()),
+                Err(_) => Some(format!("no answer within {timeout:?}")),
+            };
+            if let Some(why) = failed {
+                return ShutdownDecision {
+                    withdraw: true,
+                    reason: format!("the local apiserver is stopping: {why}"),
+                };
+            }
+        }
+        ShutdownDecision {
+            withdraw: false,
+            reason: format!(
+                "the local apiserver stays ready ({} readiness probes passed over {:?}); the \
+                 membership Lease is kept and expires after its TTL if this controller does not \
+                 come back",
+                probing.probes.max(1),
+                probing.window
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use futures::future::BoxFuture;
+
+    use super::*;
+    use crate::apiserver_endpoints::NotReady;
+
+    /// Answers from a script, then ready; counts the probes.
+    struct Scripted {
+        answers: Mutex<Vec<bool>>,
+        calls: AtomicUsize,
+    }
+
+    impl Scripted {
+        fn new(answers: &[bool]) -> Arc<Self> {
+            Arc::new(Self {
+                answers: Mutex::new(answers.iter().rev().copied().collect()),
+                calls: AtomicUsize::new(0),
+            })
+        }
+    }
+
+    impl ReadinessProbe for Scripted {
+        fn check(&self) -> BoxFuture<'_, Result<(), NotReady>> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let ready = self.answers.lock().unwrap().pop().unwrap_or(true);
+            Box::pin(async move {
+                if ready {
+                    Ok(())
+                } else {
+                    Err(NotReady::Failed {
+                        path: "/readyz".into(),
+                        reason: "connection refused".into(),
+                    })
+                }
+            })
+        }
+    }
+
+    fn gate(policy: OnShutdown, probe: Arc<Scripted>) -> ShutdownGate {
+        let probing = ShutdownProbing {
+            policy,
+            probes: 3,
+            window: Duration::from_millis(20),
+        };
+        ShutdownGate::new(probing, probe)
+    }
+
+    #[tokio::test]
+    async fn a_ready_apiserver_keeps_the_membership_after_every_probe_passed() {
+        let probe = Scripted::new(&[]);
+        let gate = gate(OnShutdown::WithdrawIfApiserverStopping, probe.clone());
+        let decision = gate.decide().await;
+        assert!(!decision.withdraw, "{decision:?}");
+        assert_eq!(probe.calls.load(Ordering::SeqCst), 3);
+        assert_eq!((gate.count("kept"), gate.count("withdrew")), (1, 0));
+    }
+
+    #[tokio::test]
+    async fn a_failing_probe_withdraws_at_once_and_the_decision_is_made_once() {
+        let probe = Scripted::new(&[true, false]);
+        let gate = gate(OnShutdown::WithdrawIfApiserverStopping, probe.clone());
+        let decision = gate.decide().await;
+        assert!(decision.withdraw, "{decision:?}");
+        assert!(
+            decision.reason.contains("connection refused"),
+            "{decision:?}"
+        );
+        assert_eq!(probe.calls.load(Ordering::SeqCst), 2);
+        // The second loop's hook gets the same answer without probing or counting again.
+        assert_eq!(gate.decide().await, decision);
+        assert_eq!(probe.calls.load(Ordering::SeqCst), 2);
+        assert_eq!((gate.count("kept"), gate.count("withdrew")), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn the_fixed_policies_do_not_probe() {
+        let probe = Scripted::new(&[false]);
+        assert!(
+            gate(OnShutdown::AlwaysWithdraw, probe.clone())
+                .decide()
+                .await
+                .withdraw
+        );
+        assert!(
+            !gate(OnShutdown::Keep, probe.clone())
+                .decide()
+                .await
+                .withdraw
+        );
+        assert_eq!(probe.calls.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn probes_are_spread_over_the_window() {
+        let probing = ShutdownProbing::default();
+        assert_eq!(probing.spacing(), Duration::from_secs(1));
+        assert_eq!(probing.probe_timeout(), Duration::from_secs(1));
+        let one = ShutdownProbing {
+            probes: 1,
+            ..probing
+        };
+        assert_eq!(one.spacing(), Duration::ZERO);
+    }
+}
