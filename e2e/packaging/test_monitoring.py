@@ -1,0 +1,230 @@
+"""The alerts and the dashboard the chart ships: the rules file passes `promtool check rules`
+and its unit tests (`promtool test rules`, each alert fires and resolves), every alert carries
+what an operator needs (summary, description, a runbook that exists, a severity), the chart's
+PrometheusRule and dashboard ConfigMap follow their values, and every dashboard query parses.
+(That the queries and rules name only metrics the binary exports, against a real scrape, and
+that an alert fires and resolves in a real Prometheus: e2e/tests/alerts.rs.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness import CHART, ROOT, render
+
+RULES = CHART / "files" / "prometheus-rules.yaml"
+DASHBOARD = CHART / "files" / "dashboard.json"
+UNIT_TESTS = Path(__file__).parent / "monitoring" / "alerts_test.yaml"
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail(
+            "promtool is not installed: these tests need it (Debian: `apt-get install prometheus`, "
+            "which also brings the prometheus binary e2e/tests/alerts.rs runs)"
+        )
+    return subprocess.run([path, *args], capture_output=True, text=True, cwd=cwd)
+
+
+def alerts() -> list[dict]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
+            for rule in group["rules"]]
+
+
+def test_rules_file_passes_promtool_check():
+    result = promtool("check", "rules", str(RULES))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_fires_and_resolves_in_promtool_unit_tests():
+    result = promtool("test", "rules", UNIT_TESTS.name, cwd=UNIT_TESTS.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Each alert has a case where it fires and a later one, in the same test, where it does not.
+    tests = yaml.safe_load(UNIT_TESTS.read_text())["tests"]
+    for alert in alerts():
+        name = alert["alert"]
+        covered = False
+        for test in tests:
+            cases = [c for c in test.get("alert_rule_test", []) if c["alertname"] == name]
+            fired = [parse_duration(c["eval_time"]) for c in cases if c.get("exp_alerts")]
+            quiet = [parse_duration(c["eval_time"]) for c in cases if not c.get("exp_alerts")]
+            if fired and any(t > min(fired) for t in quiet):
+                covered = True
+        assert covered, f"{name}: no unit test sees it fire and then resolve"
+
+
+def parse_duration(text: str) -> int:
+    units = {"s": 1, "m": 60, "h": 3600}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([smh])", text))
+
+
+def runbook_anchors() -> set[str]:
+    anchors = set()
+    for line in RUNBOOKS.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_every_alert_has_summary_description_severity_and_an_existing_runbook():
+    repository = tomllib.loads((ROOT / "Cargo.toml").read_text())["workspace"]["package"][
+        "repository"]
+    base = f"{repository}/blob/main/docs/runbooks.md#"
+    anchors = runbook_anchors()
+    for alert in alerts():
+        name = alert["alert"]
+        annotations = alert["annotations"]
+        assert annotations.get("summary") and annotations.get("description"), name
+        assert alert["labels"].get("severity") in ("critical", "warning", "info"), name
+        url = annotations.get("runbook_url", "")
+        assert url == base + name.lower(), f"{name}: runbook_url {url!r}"
+        assert name.lower() in anchors, f"{name}: docs/runbooks.md has no section {name}"
+
+
+def test_schema_names_exactly_the_alerts_of_the_rules_file():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    alerts_schema = schema["properties"]["metrics"]["properties"]["prometheusRule"]["properties"][
+        "alerts"]
+    assert alerts_schema["propertyNames"]["enum"] == [a["alert"] for a in alerts()]
+
+
+def test_no_monitoring_objects_by_default():
+    kinds = [doc["kind"] for docs in render({}).values() for doc in docs]
+    assert "PrometheusRule" not in kinds
+    assert not any(doc["kind"] == "ConfigMap" and "grafana_dashboard" in
+                   doc["metadata"].get("labels", {})
+                   for docs in render({}).values() for doc in docs)
+
+
+def rendered_rule(values: dict, namespace: str = "bootstrap") -> dict:
+    docs = render({"metrics": {"prometheusRule": values}}, namespace)["prometheusrule.yaml"]
+    assert len(docs) == 1
+    return docs[0]
+
+
+def test_prometheusrule_carries_the_file_with_this_releases_selector(tmp_path):
+    rule = rendered_rule({"enabled": True}, namespace="monitoring-test")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == "monitoring-test"
+    by_name = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert list(by_name) == [a["alert"] for a in alerts()]
+    for alert in alerts():
+        got = by_name[alert["alert"]]
+        assert got["for"] == alert["for"] and got["labels"] == alert["labels"]
+        assert got["annotations"] == alert["annotations"]
+        assert got["expr"] == alert["expr"].replace(
+            'job="bootstrap-controller"',
+            'job="bc-bootstrap-controller-metrics",namespace="monitoring-test"')
+    # The ServiceMonitor's targets are the metrics Service's: its name is their job.
+    services = [d for d in render({})["service.yaml"] if d["kind"] == "Service"]
+    assert any(s["metadata"]["name"] == "bc-bootstrap-controller-metrics" for s in services)
+    # What Prometheus Operator hands Prometheus is a valid rules file.
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    result = promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheusrule_overrides_follow_values():
+    rule = rendered_rule({
+        "enabled": True,
+        "namespace": "monitoring",
+        "labels": {"release": "prometheus"},
+        "selector": 'job="custom"',
+        "alerts": {
+            "BootstrapNoLeader": {"for": "1m", "severity": "page"},
+            "BootstrapLoopPanicking": {"enabled": False},
+            "BootstrapDriftPersists": {"enabled": True, "for": "2h"},
+        },
+    })
+    assert rule["metadata"]["namespace"] == "monitoring"
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    by_name = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert "BootstrapLoopPanicking" not in by_name
+    assert by_name["BootstrapNoLeader"]["for"] == "1m"
+    assert by_name["BootstrapNoLeader"]["labels"]["severity"] == "page"
+    assert by_name["BootstrapDriftPersists"]["for"] == "2h"
+    assert by_name["BootstrapDriftPersists"]["labels"]["severity"] == "warning"
+    assert 'up{job="custom"}' in by_name["BootstrapControllerDown"]["expr"]
+
+
+@pytest.mark.parametrize("values", [
+    {"alerts": {"BootstrapNoSuchAlert": {"for": "1m"}}},
+    {"alerts": {"BootstrapNoLeader": {"for": "soon"}}},
+    {"alerts": {"BootstrapNoLeader": {"severityy": "page"}}},
+    {"enabledd": True},
+])
+def test_schema_rejects_unknown_alerts_and_bad_overrides(values):
+    import helm_python as helm
+    with pytest.raises(Exception):
+        helm.Chart.load(CHART).validate_schema({"metrics": {"prometheusRule": values}})
+
+
+def test_dashboard_configmap_is_labelled_for_the_grafana_sidecar():
+    docs = render({"metrics": {"dashboard": {
+        "enabled": True, "namespace": "grafana", "labels": {"team": "platform"},
+        "annotations": {"grafana_folder": "Kubernetes"},
+    }}})["dashboard.yaml"]
+    (config_map,) = docs
+    assert config_map["kind"] == "ConfigMap"
+    assert config_map["metadata"]["namespace"] == "grafana"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["labels"]["team"] == "platform"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "Kubernetes"}
+    (text,) = config_map["data"].values()
+    assert json.loads(text) == json.loads(DASHBOARD.read_text())
+    relabelled = render({"metrics": {"dashboard": {
+        "enabled": True, "labels": {"grafana_dashboard": "bootstrap"}}}})["dashboard.yaml"][0]
+    assert relabelled["metadata"]["labels"]["grafana_dashboard"] == "bootstrap"
+
+
+def dashboard_queries() -> list[str]:
+    return [target["expr"] for panel in dashboard_panels() for target in panel.get("targets", [])]
+
+
+def dashboard_panels() -> list[dict]:
+    panels = []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        panels.append(panel)
+        panels.extend(panel.get("panels", []))
+    return panels
+
+
+def grafana_to_promql(expr: str) -> str:
+    """Grafana's variables replaced by values of the same syntactic kind."""
+    return (expr.replace("$__rate_interval", "5m").replace("$__range", "1h")
+            .replace("$__interval", "1m").replace('"$job"', '"bootstrap-controller"'))
+
+
+def test_every_dashboard_query_parses(tmp_path):
+    queries = dashboard_queries()
+    assert len(queries) >= 20, queries
+    leftovers = [q for q in queries if "$" in grafana_to_promql(q)]
+    assert not leftovers, f"queries with variables the test does not know: {leftovers}"
+    path = tmp_path / "queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": grafana_to_promql(q)}
+        for i, q in enumerate(queries)]}]}))
+    result = promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_has_a_row_per_loop_and_no_tenant_variable():
+    loops = ["system-namespaces", "kubernetes-service", "apiserver-endpoints", "apiserver-lease",
+             "service-cidr", "clusterip-repair", "nodeport-repair"]
+    rows = [p for p in dashboard_panels() if p["type"] == "row"]
+    for loop in loops:
+        assert any(loop in row["title"] for row in rows), f"no row for {loop}"
+    variables = [v["name"] for v in json.loads(DASHBOARD.read_text())["templating"]["list"]]
+    # No metric carries a tenant label yet.
+    assert "tenant" not in variables
