@@ -1,0 +1,264 @@
+//! A real control plane for the tests that only a real kube-apiserver can judge: etcd,
+//! kube-apiserver(s) and kube-controller-manager built from the Go modules pinned in
+//! `e2e/control-plane/` and started by its `up.sh` (the same script a person uses), stopped by
+//! `down.sh` when this value drops.
+//!
+//! The binaries come from `e2e/control-plane/build.sh` (cached per version under
+//! `target/control-plane/`), or from `BOOTSTRAP_CONTROL_PLANE_BIN` when set.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use anyhow::{Context, Result, ensure};
+use serde_json::Value;
+
+fn scripts() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("control-plane")
+}
+
+fn run_script(script: &str, args: &[&std::ffi::OsStr]) -> Result<String> {
+    let output = Command::new(scripts().join(script))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {script}"))?;
+    ensure!(
+        output.status.success(),
+        "{script} failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// The directory holding etcd, kube-apiserver and kube-controller-manager: built once per test
+/// process (and cached across runs by build.sh).
+pub fn binaries() -> Result<PathBuf> {
+    static BIN: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("BOOTSTRAP_CONTROL_PLANE_BIN")
+            && Path::new(&dir).join("kube-apiserver").exists()
+        {
+            return Ok(PathBuf::from(dir));
+        }
+        let out = run_script("build.sh", &[]).map_err(|err| format!("{err:#}"))?;
+        let dir = out.lines().last().unwrap_or_default();
+        Ok(PathBuf::from(dir))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// One running control plane; `down.sh` stops it on drop (its directory, with the logs and audit
+/// logs, is printed when a test fails while holding it).
+pub struct ControlPlane {
+    dir: Option<tempfile::TempDir>,
+    pub env: BTreeMap<String, String>,
+}
+
+impl ControlPlane {
+    pub fn start(apiservers: usize) -> Result<Self> {
+        Self::start_with(apiservers, &[])
+    }
+
+    /// `extra`: more `up.sh` arguments.
+    pub fn start_with(apiservers: usize, extra: &[&str]) -> Result<Self> {
+        let bin = binaries()?;
+        let dir = tempfile::Builder::new()
+            .prefix("control-plane-")
+            .tempdir()?;
+        let apiservers = apiservers.to_string();
+        let mut args: Vec<&std::ffi::OsStr> = vec![
+            dir.path().as_os_str(),
+            "--apiservers".as_ref(),
+            apiservers.as_ref(),
+            "--bin".as_ref(),
+            bin.as_os_str(),
+        ];
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        run_script("up.sh", &args)?;
+        let env = std::fs::read_to_string(dir.path().join("env"))?
+            .lines()
+            .filter_map(|line| line.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        Ok(Self {
+            dir: Some(dir),
+            env,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir
+            .as_ref()
+            .map_or(Path::new("/nonexistent"), |dir| dir.path())
+    }
+
+    fn var(&self, key: &str) -> Result<&str> {
+        self.env
+            .get(key)
+            .map(String::as_str)
+            .with_context(|| format!("{key} missing from the control plane's env"))
+    }
+
+    /// system:masters on apiserver `n` (1-based).
+    pub fn admin_kubeconfig(&self, n: usize) -> PathBuf {
+        self.dir().join(format!("admin-{n}.kubeconfig"))
+    }
+
+    /// `https://127.0.0.1:PORT` of apiserver `n`.
+    pub fn apiserver_url(&self, n: usize) -> Result<&str> {
+        self.var(&format!("APISERVER_{n}_URL"))
+    }
+
+    /// The TEST-NET address apiserver `n` advertises.
+    pub fn apiserver_address(&self, n: usize) -> Result<&str> {
+        self.var(&format!("APISERVER_{n}_ADDRESS"))
+    }
+
+    pub fn etcd_url(&self) -> Result<&str> {
+        self.var("ETCD_URL")
+    }
+
+    pub fn service_range(&self) -> Result<&str> {
+        self.var("SERVICE_CLUSTER_IP_RANGE")
+    }
+
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir().join("ca.crt")
+    }
+
+    /// A kubeconfig for user `name` (client certificate, in `groups`) on apiserver `n`.
+    pub fn user_kubeconfig(&self, name: &str, groups: &[&str], n: usize) -> Result<PathBuf> {
+        let n = n.to_string();
+        let mut args: Vec<&std::ffi::OsStr> = vec![
+            self.dir().as_os_str(),
+            name.as_ref(),
+            "--apiserver".as_ref(),
+            n.as_ref(),
+        ];
+        for group in groups {
+            args.push("--group".as_ref());
+            args.push(group.as_ref());
+        }
+        let file = format!("{name}-{n}.kubeconfig").replace(':', "_");
+        let out = self.dir().join("users").join(file);
+        args.push("--out".as_ref());
+        args.push(out.as_os_str());
+        run_script("kubeconfig.sh", &args)?;
+        Ok(out)
+    }
+
+    /// The pid up.sh recorded for `name` (`etcd`, `kube-apiserver-N`, `kube-controller-manager`).
+    pub fn pid(&self, name: &str) -> Result<u32> {
+        let pids = std::fs::read_to_string(self.dir().join("pids"))?;
+        pids.lines()
+            .filter_map(|line| line.split_once(' '))
+            .find(|(n, _)| *n == name)
+            .with_context(|| format!("{name} not in pids"))?
+            .1
+            .parse()
+            .context("pid")
+    }
+
+    /// Sends `signal` (`TERM`, `KILL`) to one component.
+    pub fn signal(&self, name: &str, signal: &str) -> Result<()> {
+        let pid = self.pid(name)?;
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &pid.to_string()])
+            .status()?;
+        ensure!(status.success(), "kill -{signal} {name} ({pid}) failed");
+        Ok(())
+    }
+
+    /// Whether one component's process still runs.
+    pub fn is_running(&self, name: &str) -> Result<bool> {
+        Ok(process_alive(self.pid(name)?))
+    }
+
+    /// Every audit event apiserver `n` has written so far (one JSON object a line).
+    pub fn audit_events(&self, n: usize) -> Result<Vec<Value>> {
+        let path = self.dir().join(format!("audit-{n}.log"));
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        text.lines()
+            .filter(|line| !line.trim().is_empty())
+            .map(|line| serde_json::from_str(line).context("audit line"))
+            .collect()
+    }
+
+    /// The audit events of every apiserver, of requests by `user`.
+    pub fn audit_events_of(&self, user: &str) -> Result<Vec<Value>> {
+        let mut events = Vec::new();
+        let apiservers: usize = self.var("APISERVERS")?.parse()?;
+        for n in 1..=apiservers {
+            events.extend(
+                self.audit_events(n)?
+                    .into_iter()
+                    .filter(|event| event["user"]["username"] == user),
+            );
+        }
+        Ok(events)
+    }
+
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir().join(format!("{name}.log"))).unwrap_or_default()
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        if let Err(err) = run_script("down.sh", &[self.dir().as_os_str()]) {
+            eprintln!("stopping the control plane: {err:#}");
+        }
+        if std::thread::panicking()
+            && let Some(dir) = self.dir.take()
+        {
+            // The logs and audit logs outlive a failed test, for a look.
+            eprintln!("control plane logs kept in {}", dir.keep().display());
+        }
+    }
+}
+
+/// Whether `pid` runs: a zombie does not (up.sh's processes outlive it, so whoever inherits them
+/// may reap them late).
+pub fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+    })
+}
+
+/// One audit event in a line: `user verb resource ns/name -> code`.
+pub fn describe(event: &Value) -> String {
+    let object = &event["objectRef"];
+    format!(
+        "{} {} {}{} {}/{} -> {}",
+        event["user"]["username"].as_str().unwrap_or("?"),
+        event["verb"].as_str().unwrap_or("?"),
+        object["resource"].as_str().unwrap_or("?"),
+        object["subresource"]
+            .as_str()
+            .map(|s| format!("/{s}"))
+            .unwrap_or_default(),
+        object["namespace"].as_str().unwrap_or(""),
+        object["name"].as_str().unwrap_or(""),
+        event["responseStatus"]["code"]
+    )
+}
+
+/// The writes (create, update, patch, delete) among `events`.
+pub fn writes(events: &[Value]) -> Vec<&Value> {
+    events
+        .iter()
+        .filter(|event| {
+            matches!(
+                event["verb"].as_str(),
+                Some("create" | "update" | "patch" | "delete" | "deletecollection")
+            )
+        })
+        .collect()
+}
