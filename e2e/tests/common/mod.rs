@@ -13,6 +13,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 pub mod chaos;
+pub mod control_plane;
 
 use anyhow::{Context, Result, bail};
 use apiserver_sim::RequestRecord;
