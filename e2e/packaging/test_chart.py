@@ -362,7 +362,10 @@ def test_rbac_grants_exactly_what_the_controller_uses():
                 controller.wait_ready()
                 exercise_every_loop(sim, wait)
             finally:
-                # SIGTERM: the membership Lease is withdrawn, the leader Lease released.
+                # The apiserver stops with the controller (its /readyz fails), so SIGTERM
+                # withdraws the membership Lease (a controller stopping beside a ready apiserver
+                # keeps it) and releases the leader Lease.
+                sim.kubectl("create", "--raw", "/sim/ready", "-f", "-", stdin='{"ready": false}')
                 assert controller.stop() == 0, controller.output()
             used = set()
             for r in sim.requests():

@@ -113,7 +113,8 @@ impl Member {
         Ok(())
     }
 
-    fn sigterm(&mut self) -> Result<()> {
+    /// SIGTERM; returns the process's log.
+    fn sigterm(&mut self) -> Result<String> {
         let mut process = self.process.take().context("not running")?;
         let status = process.terminate()?;
         if !status.success() {
@@ -123,7 +124,7 @@ impl Member {
                 process.log()
             );
         }
-        Ok(())
+        Ok(process.log())
     }
 
     fn sigkill(&mut self) -> Result<()> {
@@ -230,7 +231,9 @@ async fn writes(sim: &SimProcess) -> Result<Vec<String>> {
         .collect())
 }
 
-#[tokio::test]
+// Two threads: `sigterm` blocks one while the stopping controller probes its `/readyz`, which
+// the other serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
     let target = Target::start_with(&[
         "--seed-namespace",
@@ -279,11 +282,28 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
             .collect()
     };
 
-    // SIGTERM: the sidecar deletes its Lease, the leader drops the address on the watch.
+    // SIGTERM of a sidecar whose apiserver stays ready (a restart or upgrade of the sidecar
+    // alone): it keeps its Lease, which expires on its TTL (3s) since it does not come back.
+    sim.clear_requests().await?;
     let started = Instant::now();
-    members[f1].sigterm()?;
-    wait_members(&client, &remaining(&[f1]), "SIGTERMed member removed").await?;
-    println!("SIGTERM -> address removed after {:?}", started.elapsed());
+    let log = members[f1].sigterm()?;
+    assert!(
+        log.contains("keeping this instance's apiserver membership"),
+        "the decision is logged:\n{log}"
+    );
+    let lease_deletes: Vec<String> = sim
+        .requests()
+        .await?
+        .into_iter()
+        .filter(|r| r.verb == "delete" && r.resource == "leases")
+        .map(|r| r.name)
+        .collect();
+    assert_eq!(lease_deletes, Vec::<String>::new(), "no Lease withdrawn");
+    wait_members(&client, &remaining(&[f1]), "kept Lease expired").await?;
+    println!(
+        "SIGTERM (apiserver ready) -> address removed on Lease expiry after {:?}",
+        started.elapsed()
+    );
 
     // SIGKILL: nobody says goodbye; the Lease expires (TTL 3s).
     let started = Instant::now();
@@ -436,8 +456,10 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
     )
     .await?;
 
-    // The leader stops: it takes its own address out, another replica takes over and repairs.
+    // The leader stops with its apiserver (readyz failing): it takes its own address out,
+    // another replica takes over and repairs.
     let started = Instant::now();
+    members[leader_index].readyz.set(false);
     members[leader_index].sigterm()?;
     wait_members(
         &client,
@@ -553,5 +575,94 @@ async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
     );
     let state = endpoints_state(&client).await?.context("endpoints")?;
     assert_eq!(state.1, vec![443], "check wrote nothing");
+    Ok(())
+}
+
+/// SIGTERM with the local apiserver (the simulator's own `/readyz`) ready keeps the membership
+/// Lease and the address; with `/readyz` failing (the apiserver stopping too) it withdraws both.
+/// A long interval keeps the loops' regular passes out of the way: what happens is the shutdown's.
+#[tokio::test]
+async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones() -> Result<()> {
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let Some(sim) =
+        target.sim("sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones")
+    else {
+        return Ok(());
+    };
+    let client = target.client().await?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 30s\n    leaseTTL: 5m\n",
+    )?;
+    let config = config.display().to_string();
+    let args = [
+        "--config",
+        config.as_str(),
+        "--advertise-address",
+        "192.0.2.21",
+        "--leader-elect-identity",
+        "member-21",
+    ];
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    const LEASE: &str = "apiserver-192.0.2.21";
+
+    let mut process = ControllerProcess::start(&sim.kubeconfig, &args)?;
+    wait_members(&client, &["192.0.2.21"], "member listed").await?;
+    process.wait_ready().await?;
+    sim.clear_requests().await?;
+    let status = process.terminate()?;
+    let log = process.log();
+    assert!(status.success(), "exit status {status}:\n{log}");
+    assert!(
+        log.contains("keeping this instance's apiserver membership")
+            && log.contains("the local apiserver stays ready"),
+        "the decision is logged at info with its reason:\n{log}"
+    );
+    assert_eq!(
+        writes(sim).await?,
+        Vec::<String>::new(),
+        "nothing withdrawn"
+    );
+    assert!(leases.get_opt(LEASE).await?.is_some(), "the Lease is kept");
+    let (ips, _, slice_ips, _) = endpoints_state(&client).await?.context("endpoints")?;
+    assert_eq!(
+        (ips, slice_ips),
+        (vec!["192.0.2.21".to_owned()], vec!["192.0.2.21".to_owned()])
+    );
+
+    let mut process = ControllerProcess::start(&sim.kubeconfig, &args)?;
+    process.wait_ready().await?;
+    // Its apiserver stops too: /readyz fails from now on.
+    sim.admin(
+        "PUT",
+        "/sim/ready",
+        Some(serde_json::json!({"ready": false})),
+    )
+    .await?;
+    let status = process.terminate()?;
+    let log = process.log();
+    assert!(status.success(), "exit status {status}:\n{log}");
+    assert!(
+        log.contains("withdrawing this instance's apiserver membership")
+            && log.contains("the local apiserver is stopping"),
+        "the decision is logged at info with its reason:\n{log}"
+    );
+    assert!(
+        leases.get_opt(LEASE).await?.is_none(),
+        "the Lease is deleted"
+    );
+    let (ips, _, slice_ips, _) = endpoints_state(&client).await?.context("endpoints")?;
+    assert!(
+        ips.is_empty() && slice_ips.is_empty(),
+        "the last member withdrew its address: {ips:?} {slice_ips:?}"
+    );
     Ok(())
 }
