@@ -1,0 +1,375 @@
+//! End to end: the chart's alerts in a real Prometheus (Debian's `prometheus` package) scraping
+//! the real controller running against the simulator. Drift the controller cannot fix (two
+//! Services on one node port, a cluster IP outside the range, both written through the
+//! simulator's backdoor) makes BootstrapNodePortConflict and BootstrapClusterIPConflict fire in
+//! Prometheus's alerts API; removing the drift resolves them. The rules are the chart's file with
+//! every `for` shortened, scraped and evaluated every second. The same run checks that every
+//! metric the dashboard and the rules name is in the controller's real `/metrics`.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use common::{ControllerProcess, Target, eventually, free_port};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams};
+
+/// Prometheus scrapes and evaluates every second; each wait is bounded by this.
+const ALERT_WAIT: Duration = Duration::from_secs(90);
+
+fn chart_file(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../charts/bootstrap-controller/files")
+        .join(name)
+}
+
+/// The chart's rules with every `for` set to one second.
+fn short_rules() -> Result<String> {
+    let rules = std::fs::read_to_string(chart_file("prometheus-rules.yaml"))?;
+    let mut out = String::new();
+    let mut changed = 0;
+    for line in rules.lines() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("for: ") {
+            let indent = &line[..line.len() - trimmed.len()];
+            out += &format!("{indent}for: 1s\n");
+            changed += 1;
+        } else {
+            out += line;
+            out.push('\n');
+        }
+    }
+    ensure!(
+        changed >= 10,
+        "expected a `for` per alert, changed {changed}"
+    );
+    Ok(out)
+}
+
+/// A Prometheus of the test's own, on a free loopback port; killed on drop.
+struct Prometheus {
+    child: Child,
+    addr: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    fn start(target: SocketAddr) -> Result<Self> {
+        let binary = which("prometheus").context(
+            "the `prometheus` binary is not on PATH: this test needs it (Debian: \
+             `apt-get install prometheus`)",
+        )?;
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join("rules.yaml"), short_rules()?)?;
+        std::fs::write(
+            dir.path().join("prometheus.yml"),
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 rule_files: [rules.yaml]\n\
+                 scrape_configs:\n  - job_name: bootstrap-controller\n    \
+                 static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )?;
+        let addr = free_port()?;
+        let log = std::fs::File::create(dir.path().join("prometheus.log"))?;
+        let child = Command::new(binary)
+            .current_dir(dir.path())
+            .arg(format!(
+                "--config.file={}",
+                dir.path().join("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting prometheus")?;
+        Ok(Prometheus { child, addr, dir })
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("prometheus.log")).unwrap_or_default()
+    }
+
+    async fn get(&self, path: &str) -> Result<serde_json::Value> {
+        let (status, body) = http10_get(self.addr, path).await?;
+        ensure!(status == 200, "GET {path}: {status} {body}");
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    /// The alerts Prometheus holds (pending or firing) named `name`.
+    async fn alerts(&self, name: &str) -> Result<Vec<serde_json::Value>> {
+        let alerts = self.get("/api/v1/alerts").await?;
+        Ok(alerts["data"]["alerts"]
+            .as_array()
+            .context("data.alerts")?
+            .iter()
+            .filter(|alert| alert["labels"]["alertname"] == name)
+            .cloned()
+            .collect())
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("---- prometheus log ----\n{}", self.log());
+        }
+    }
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(name))
+        .find(|path| path.is_file())
+}
+
+/// GET as HTTP/1.0, so the body is never chunked.
+async fn http10_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await?;
+    let response = String::from_utf8_lossy(&response);
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .context("no status line")?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Every `bootstrap_...` metric name in `text`.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("bootstrap_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        names.insert(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    names
+}
+
+/// The PromQL of every dashboard panel.
+fn dashboard_queries() -> Result<Vec<String>> {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(chart_file("dashboard.json"))?)?;
+    let mut queries = Vec::new();
+    let mut panels: Vec<&serde_json::Value> = dashboard["panels"]
+        .as_array()
+        .context("panels")?
+        .iter()
+        .collect();
+    while let Some(panel) = panels.pop() {
+        if let Some(nested) = panel["panels"].as_array() {
+            panels.extend(nested);
+        }
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            queries.push(target["expr"].as_str().context("expr")?.to_owned());
+        }
+    }
+    Ok(queries)
+}
+
+fn node_port_service(name: &str, node_port: i32) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+        "spec": {
+            "type": "NodePort",
+            "ports": [{"port": 80, "protocol": "TCP", "nodePort": node_port}]
+        }
+    })
+}
+
+#[tokio::test]
+async fn alerts_fire_in_a_real_prometheus_and_resolve_when_the_drift_is_removed() -> Result<()> {
+    tokio::time::timeout(Duration::from_secs(300), scenario())
+        .await
+        .context("the scenario did not finish within 5 minutes")?
+}
+
+async fn scenario() -> Result<()> {
+    let target = Target::start().await?;
+    // A real kube-apiserver refuses the drift this test needs.
+    let Some(sim) = target.sim("alerts: drift written by the backdoor") else {
+        return Ok(());
+    };
+    let client = target.client().await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let slices: Api<EndpointSlice> = Api::namespaced(client, "default");
+
+    let mut controller = ControllerProcess::start(
+        target.kubeconfig(),
+        &[
+            "--service-cluster-ip-range",
+            "10.96.0.0/12",
+            "--advertise-address",
+            "192.0.2.10",
+        ],
+    )?;
+    controller.wait_ready().await?;
+    let prometheus = Prometheus::start(controller.admin)?;
+    eventually("Prometheus scrapes the controller", ALERT_WAIT, || async {
+        let up = prometheus.get("/api/v1/query?query=up").await?;
+        Ok(up["data"]["result"]
+            .as_array()
+            .is_some_and(|result| result.iter().any(|sample| sample["value"][1] == "1"))
+            .then_some(()))
+    })
+    .await
+    .with_context(|| prometheus.log())?;
+
+    // Families that appear only once something happened: a repair woken by a watch event
+    // through a failed pass (heal time, errors), and an endpoints repair.
+    sim.admin(
+        "POST",
+        "/sim/faults",
+        Some(serde_json::json!({
+            "verb": "create", "resource": "services",
+            "fault": {"type": "error", "code": 500}, "trigger": {"next": 1}
+        })),
+    )
+    .await?;
+    services
+        .delete("kubernetes", &DeleteParams::default())
+        .await?;
+    eventually("the kubernetes Service is back", ALERT_WAIT, || async {
+        Ok(services.get_opt("kubernetes").await?.map(drop))
+    })
+    .await?;
+    slices
+        .patch(
+            "kubernetes",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "ports": [{"name": "https", "port": 1234, "protocol": "TCP"}]
+            })),
+        )
+        .await?;
+
+    // Drift only a human can fix.
+    for service in [
+        node_port_service("a-first", 30080),
+        node_port_service("b-second", 30080),
+    ] {
+        sim.admin("PUT", "/sim/backdoor", Some(service)).await?;
+    }
+    sim.admin(
+        "PUT",
+        "/sim/backdoor",
+        Some(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "outside", "namespace": "default", "uid": "uid-outside"},
+            "spec": {"clusterIP": "10.200.0.5", "clusterIPs": ["10.200.0.5"],
+                     "ports": [{"port": 80, "protocol": "TCP"}]}
+        })),
+    )
+    .await?;
+
+    for (alert, kind, anchor) in [
+        (
+            "BootstrapNodePortConflict",
+            "nodeport_duplicate",
+            "#bootstrapnodeportconflict",
+        ),
+        (
+            "BootstrapClusterIPConflict",
+            "clusterip_out_of_range",
+            "#bootstrapclusteripconflict",
+        ),
+    ] {
+        let firing = eventually(&format!("{alert} firing"), ALERT_WAIT, || async {
+            Ok(prometheus
+                .alerts(alert)
+                .await?
+                .into_iter()
+                .find(|a| a["state"] == "firing"))
+        })
+        .await
+        .with_context(|| controller.log())?;
+        ensure!(
+            firing["labels"]["kind"] == kind && firing["labels"]["severity"] == "warning",
+            "{alert}: {firing}"
+        );
+        ensure!(
+            firing["annotations"]["runbook_url"]
+                .as_str()
+                .is_some_and(|url| url.ends_with(anchor)),
+            "{alert}: {firing}"
+        );
+    }
+
+    // Every metric the dashboard and the rules name is in the real scrape.
+    let (_, scrape) = controller.admin_get("/metrics").await?;
+    let exported: BTreeSet<String> = scrape
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| line.split(['{', ' ']).next())
+        .map(str::to_owned)
+        .collect();
+    let mut named = BTreeSet::new();
+    for query in dashboard_queries()? {
+        named.extend(metric_names(&query));
+    }
+    let rules = std::fs::read_to_string(chart_file("prometheus-rules.yaml"))?;
+    named.extend(metric_names(&rules));
+    ensure!(named.len() >= 20, "too few names found: {named:?}");
+    let missing: Vec<_> = named.difference(&exported).collect();
+    ensure!(
+        missing.is_empty(),
+        "the dashboard or the rules name metrics the binary does not export: {missing:?}\n{scrape}"
+    );
+
+    // The drift goes; so do the alerts.
+    services
+        .delete("b-second", &DeleteParams::default())
+        .await?;
+    services.delete("outside", &DeleteParams::default()).await?;
+    for alert in ["BootstrapNodePortConflict", "BootstrapClusterIPConflict"] {
+        eventually(&format!("{alert} resolved"), ALERT_WAIT, || async {
+            Ok(prometheus.alerts(alert).await?.is_empty().then_some(()))
+        })
+        .await
+        .with_context(|| controller.log())?;
+    }
+    ensure!(
+        controller.is_running(),
+        "controller died:\n{}",
+        controller.log()
+    );
+    if !prometheus
+        .alerts("BootstrapControllerDown")
+        .await?
+        .is_empty()
+    {
+        bail!("BootstrapControllerDown while the controller is scraped");
+    }
+    Ok(())
+}
