@@ -228,3 +228,16 @@ def test_dashboard_has_a_row_per_loop_and_no_tenant_variable():
     variables = [v["name"] for v in json.loads(DASHBOARD.read_text())["templating"]["list"]]
     # No metric carries a tenant label yet.
     assert "tenant" not in variables
+
+
+def test_lint_strict_passes_with_alerts_and_dashboard_on():
+    import helm_python as helm
+    values = {"metrics": {
+        "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"},
+                           "alerts": {"BootstrapNoLeader": {"for": "1m", "severity": "page"}}},
+        "dashboard": {"enabled": True, "annotations": {"grafana_folder": "Kubernetes"}},
+    }}
+    helm.Chart.load(CHART).validate_schema(values)
+    report = helm.lint(str(CHART), values, strict=True, namespace="bootstrap")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
