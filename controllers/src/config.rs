@@ -43,7 +43,8 @@ pub struct ConfigArgs {
 
     /// Service cluster IP range(s), as given to kube-apiserver: one CIDR, or two of different
     /// families separated by a comma (primary first). Each must hold at least 8 addresses.
-    /// [default: 10.0.0.0/24, kube-apiserver's]
+    /// [default: none: read from the cluster's kubernetes ServiceCIDR (Kubernetes 1.33+); older
+    /// clusters need it set for the ClusterIP repair]
     #[arg(
         long,
         env = "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE",
@@ -323,12 +324,14 @@ pub enum LogFormat {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Config {
-    #[serde(rename = "serviceClusterIPRange", serialize_with = "ser_cidrs")]
+    /// Empty when not set: no range is assumed (kube-apiserver's 10.0.0.0/24 is not kubeadm's,
+    /// k3s' or a managed cluster's); the loops read it from the `kubernetes` ServiceCIDR.
+    #[serde(
+        rename = "serviceClusterIPRange",
+        serialize_with = "ser_cidrs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     pub service_cluster_ip_range: Vec<IpNet>,
-    /// Neither flag nor file set the service range: kube-apiserver's default is in use, which
-    /// is wrong for most clusters (kubeadm uses 10.96.0.0/12), so `run` warns about it.
-    #[serde(skip)]
-    pub service_cluster_ip_range_defaulted: bool,
     pub service_node_port_range: PortRange,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise_address: Option<IpAddr>,
@@ -796,7 +799,7 @@ impl Config {
             Some(source) => parse_service_cidrs(&source.value)
                 .map_err(|message| errors.push(ConfigError::new(source.field, message)))
                 .unwrap_or_default(),
-            None => vec![default_service_cidr()],
+            None => Vec::new(),
         };
 
         let service_node_port_range = match pick(
@@ -1111,11 +1114,8 @@ impl Config {
 
         let etcd = merge_etcd(args, &file, &mut errors);
 
-        let service_cluster_ip_range_defaulted =
-            args.service_cluster_ip_range.is_none() && file.service_cluster_ip_range.is_none();
         let config = Config {
             service_cluster_ip_range,
-            service_cluster_ip_range_defaulted,
             service_node_port_range,
             advertise_address,
             secure_port,
@@ -1206,10 +1206,6 @@ fn read_file(path: &Path) -> Result<FileConfig, ConfigErrors> {
             format!("{} (in {})", err.message, path.display()),
         )])
     })
-}
-
-fn default_service_cidr() -> IpNet {
-    IpNet::V4(ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 0, 0, 0), 24).unwrap_or_default())
 }
 
 fn default_admin_addr() -> SocketAddr {
@@ -1471,9 +1467,19 @@ mod tests {
         );
         assert!(config.leader_election.enabled);
         assert!(!config.dry_run);
-        assert!(config.service_cluster_ip_range_defaulted);
+        assert_eq!(
+            config.service_cluster_ip_range,
+            [],
+            "no range is assumed: it is read from the cluster"
+        );
+        assert!(config.settings().service_ranges.is_empty());
+        let printed = config.to_yaml().unwrap();
+        assert!(!printed.contains("serviceClusterIPRange"), "{printed}");
         let set = from_yaml("serviceClusterIPRange: 10.96.0.0/12\n").unwrap();
-        assert!(!set.service_cluster_ip_range_defaulted);
+        assert_eq!(
+            set.service_cluster_ip_range,
+            ["10.96.0.0/12".parse().unwrap()]
+        );
     }
 
     #[test]
@@ -1734,7 +1740,9 @@ mod tests {
     fn apiserver_count_and_advertise_address() {
         let error = single_error(from_yaml("apiserverCount: 0\n"));
         assert_eq!(error.field, "apiserverCount");
-        let error = single_error(from_yaml("advertiseAddress: fd00::1\n"));
+        let error = single_error(from_yaml(
+            "serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\n",
+        ));
         assert_eq!(error.field, "advertiseAddress");
         assert!(error.message.contains("IPv6"), "{error}");
         let config =

@@ -192,7 +192,15 @@ async fn check_reports_drift_with_exit_1_and_unreachable_api_with_exit_2() -> an
     std::fs::copy(sim.kubeconfig_path(), &kubeconfig)?;
     let (code, stdout, stderr) = tokio::task::spawn_blocking({
         let kubeconfig = kubeconfig.clone();
-        move || run(binary().arg("--kubeconfig").arg(&kubeconfig).arg("check"))
+        // The simulator creates no ServiceCIDR `kubernetes` to read the range from (a 1.33
+        // kube-apiserver would): its range is given, as on an older cluster.
+        move || {
+            run(binary().arg("--kubeconfig").arg(&kubeconfig).args([
+                "--service-cluster-ip-range",
+                "10.96.0.0/12",
+                "check",
+            ]))
+        }
     })
     .await?;
     assert_eq!(code, 1, "{stdout}{stderr}");

@@ -280,8 +280,10 @@ async fn config_md_documents_every_metric() {
     use bootstrap_controller::leader::LeaderMetrics;
     use bootstrap_controller::metrics::{RunnerMetrics, new_registry};
 
+    // With a range: without one the service-cidr loop is not built.
     let config = Config::load(&ConfigArgs {
         leader_elect: Some(true),
+        service_cluster_ip_range: Some("10.96.0.0/12".to_owned()),
         ..ConfigArgs::default()
     })
     .expect("the default configuration is valid");

@@ -145,6 +145,12 @@ async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
         config.etcd_servers = vec![etcd.url.clone()];
     }
 
+    // The simulator plays a kube-apiserver started with a range; with none configured the demo
+    // gives the controller kubeadm's, as an operator would (the simulator creates no
+    // ServiceCIDR for the controller to read it from).
+    if config.service_cluster_ip_range.is_empty() {
+        config.service_cluster_ip_range = "10.96.0.0/12".parse().into_iter().collect();
+    }
     let sim_config = SimConfig {
         service_cluster_ip_ranges: config.service_cluster_ip_range.clone(),
         service_node_port_range: config.service_node_port_range.base

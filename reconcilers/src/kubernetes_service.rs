@@ -45,6 +45,7 @@ use crate::names::validate_dns1123_label;
 use crate::section::{
     self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
 };
+use crate::service_range::{RangeError, ServiceRanges};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "kubernetes-service";
@@ -197,7 +198,8 @@ impl KubernetesServiceConfig {
     /// Fields are named as in the file's top level or the loop's section (`port`, `nodePort`).
     pub fn validate(&self) -> Result<(), section::ConfigError> {
         let err = |field: &str, message: String| Err(section::ConfigError::new(field, message));
-        if self.service_cidrs.is_empty() || self.service_cidrs.len() > 2 {
+        // None: read from the cluster's `kubernetes` ServiceCIDR.
+        if self.service_cidrs.len() > 2 {
             return err(
                 "serviceClusterIPRange",
                 format!(
@@ -512,7 +514,8 @@ pub fn service_drift(cfg: &KubernetesServiceConfig, existing: &Service) -> Vec<S
         (Some(found), Some(want)) => found.parse::<IpAddr>().ok().as_ref() == Some(want),
         _ => true,
     };
-    if !primary_ok || !secondary_ok {
+    // No range known (not configured, not told by the cluster): nothing to judge the IP by.
+    if !want.is_empty() && (!primary_ok || !secondary_ok) {
         drift.push(ServiceDrift::ClusterIp {
             found: found_ips,
             want,
@@ -642,6 +645,8 @@ pub struct KubernetesServiceLoop {
     last_mismatch: Mutex<Option<ServiceDrift>>,
     /// The Service, kept by the watch that is also this loop's trigger.
     cache: WatchCache<Service>,
+    /// `serviceClusterIPRange`, or the `kubernetes` ServiceCIDR's ranges when it is not set.
+    ranges: ServiceRanges,
 }
 
 impl KubernetesServiceLoop {
@@ -656,7 +661,16 @@ impl KubernetesServiceLoop {
             Api::namespaced(client.clone(), &cfg.namespace),
             watcher::Config::default().fields(&format!("metadata.name={}", cfg.name)),
         );
+        let ranges = ServiceRanges::new(
+            client.clone(),
+            cfg.service_cidrs.clone(),
+            section::ServiceName {
+                namespace: cfg.namespace.clone(),
+                name: cfg.name.clone(),
+            },
+        );
         Self {
+            ranges,
             reporter,
             client,
             cfg,
@@ -688,26 +702,55 @@ impl KubernetesServiceLoop {
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &self.cfg.namespace);
+        // Without serviceClusterIPRange the range is the `kubernetes` ServiceCIDR's. Where the
+        // cluster does not tell it (before 1.33), the ClusterIP is neither chosen nor checked.
+        let mut unknown_range: Option<String> = None;
+        let discovered;
+        let cfg = match self.ranges.resolve().await {
+            Ok(ranges) if self.ranges.configured().is_none() => {
+                discovered = KubernetesServiceConfig {
+                    service_cidrs: ranges,
+                    ..self.cfg.clone()
+                };
+                &discovered
+            }
+            Ok(_) => &self.cfg,
+            Err(RangeError::Api(err)) => return Err(err.into()),
+            Err(err) => {
+                unknown_range = Some(err.to_string());
+                &self.cfg
+            }
+        };
+        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &cfg.namespace);
         let mut report = PassReport::default();
-        let object = self.cfg.object_ref();
+        let object = cfg.object_ref();
 
-        let Some(existing) = self.cache.get(&api, &self.cfg.name).await? else {
-            let want = desired_service(&self.cfg);
+        let Some(existing) = self.cache.get(&api, &cfg.name).await? else {
+            if let Some(why) = unknown_range {
+                report.push(drift(
+                    "service_missing",
+                    object,
+                    Action::Create,
+                    format!("the Service does not exist; not created: {why}"),
+                    false,
+                ));
+                return Ok(report);
+            }
+            let want = desired_service(cfg);
             let mut applied = false;
             if !ctx.dry_run {
                 let created = match api.create(&PostParams::default(), &want).await {
                     // The secondary range's first IP can be taken (or the secondary family not
                     // served); the primary family's Service must exist whatever happens there.
                     Err(kube::Error::Api(status))
-                        if status.code == 422 && self.cfg.cluster_ips().len() == 2 =>
+                        if status.code == 422 && cfg.cluster_ips().len() == 2 =>
                     {
                         tracing::warn!(
                             service = %object,
                             error = %status.message,
                             "cannot create the kubernetes Service dual-stack; creating it with the primary family only"
                         );
-                        let primary_only = desired_service(&self.cfg.primary_only());
+                        let primary_only = desired_service(&cfg.primary_only());
                         ignore_already_exists(
                             api.create(&PostParams::default(), &primary_only).await,
                         )?
@@ -749,12 +792,12 @@ impl KubernetesServiceLoop {
             return Ok(report);
         };
 
-        let found = service_drift(&self.cfg, &existing);
+        let found = service_drift(cfg, &existing);
         let (repairable, immutable): (Vec<_>, Vec<_>) =
             found.into_iter().partition(ServiceDrift::repairable);
 
         if !repairable.is_empty() {
-            let repair = self.cfg.repair == RepairPolicy::Repair;
+            let repair = cfg.repair == RepairPolicy::Repair;
             let mut applied = false;
             // The dual-stack upgrade the API refused (its secondary IP taken): reported, and the
             // other repairs made without it.
@@ -762,9 +805,9 @@ impl KubernetesServiceLoop {
             if repair && !ctx.dry_run {
                 let replaced = api
                     .replace(
-                        &self.cfg.name,
+                        &cfg.name,
                         &PostParams::default(),
-                        &repaired_service(&self.cfg, &existing),
+                        &repaired_service(cfg, &existing),
                     )
                     .await;
                 match replaced {
@@ -777,9 +820,9 @@ impl KubernetesServiceLoop {
                         upgrade_refused = Some(status.message.clone());
                         if repairable.len() > 1 {
                             api.replace(
-                                &self.cfg.name,
+                                &cfg.name,
                                 &PostParams::default(),
-                                &repaired_service(&self.cfg.primary_only(), &existing),
+                                &repaired_service(&cfg.primary_only(), &existing),
                             )
                             .await?;
                         }
@@ -852,18 +895,18 @@ impl KubernetesServiceLoop {
             return Ok(report);
         };
 
-        if self.cfg.recreate_on_cluster_ip_mismatch {
+        if cfg.recreate_on_cluster_ip_mismatch {
             let mut applied = false;
             if !ctx.dry_run {
                 api.delete(
-                    &self.cfg.name,
+                    &cfg.name,
                     &DeleteParams::default().preconditions(kube::api::Preconditions {
                         uid: existing.metadata.uid.clone(),
                         resource_version: existing.metadata.resource_version.clone(),
                     }),
                 )
                 .await?;
-                let want = desired_service(&self.cfg);
+                let want = desired_service(cfg);
                 // If the delete has not finished yet the create conflicts; the next pass creates.
                 match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
                     Ok(_) => applied = true,
@@ -1048,8 +1091,8 @@ mod tests {
         };
         assert_eq!(c.validate().unwrap_err().field, "securePort");
         assert!(
-            KubernetesServiceConfig::default().validate().is_err(),
-            "a range is required"
+            KubernetesServiceConfig::default().validate().is_ok(),
+            "no range: read from the cluster's ServiceCIDR"
         );
     }
 

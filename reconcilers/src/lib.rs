@@ -17,6 +17,7 @@ pub mod nodeport_repair;
 pub mod retry;
 pub mod section;
 pub mod service_cidr;
+pub mod service_range;
 pub mod system_namespaces;
 pub mod watch_cache;
 

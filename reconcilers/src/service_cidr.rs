@@ -93,10 +93,21 @@ impl LoopSection for Section {
         validate_interval(path, self.interval, errors);
     }
 
+    /// Without `serviceClusterIPRange` there is nothing to create or check the default
+    /// ServiceCIDR against (the other loops read the range from it): no loop, and a log line
+    /// saying so. Inventing a range would create a ServiceCIDR the apiserver does not serve.
     fn build(
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
+        if context.settings.service_ranges.is_empty() {
+            info!(
+                "loops.serviceCIDR not started: serviceClusterIPRange is not set, so there is no \
+                 range to create or check the ServiceCIDR \"kubernetes\" with (kube-apiserver \
+                 1.33+ creates it from its own --service-cluster-ip-range)"
+            );
+            return Ok(Vec::new());
+        }
         let config = ServiceCidrConfig {
             cidrs: context.settings.service_ranges.clone(),
             interval: self.interval,

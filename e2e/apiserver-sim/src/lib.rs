@@ -80,6 +80,15 @@ pub struct SimConfig {
     /// (on by default) does. Default `false` for now, so tests can delete them through the API;
     /// the backdoor can always delete them (what an etcd restore or a disabled plugin allows).
     pub protect_system_namespaces: bool,
+    /// Serve `networking.k8s.io/v1` (ServiceCIDR, IPAddress), as Kubernetes 1.33+ does. `false`
+    /// simulates an older cluster: discovery of the group and its resources answer 404 (the
+    /// simulator still allocates cluster IPs). Default `true`.
+    pub serve_networking_v1: bool,
+    /// Create the ServiceCIDR `kubernetes` from `service_cluster_ip_ranges` at start, as
+    /// kube-apiserver 1.33+ does (only while `serve_networking_v1`). Default `false`: the
+    /// in-process tests watch the service-cidr loop create it; the `apiserver-sim` binary turns
+    /// it on unless `--no-default-service-cidr`.
+    pub default_service_cidr: bool,
 }
 
 impl Default for SimConfig {
@@ -98,6 +107,8 @@ impl Default for SimConfig {
             bookmark_interval: Duration::from_secs(1),
             seed_namespaces: Vec::new(),
             protect_system_namespaces: false,
+            serve_networking_v1: true,
+            default_service_cidr: false,
         }
     }
 }
@@ -197,6 +208,18 @@ impl Sim {
             config.protect_system_namespaces,
             std::sync::atomic::Ordering::SeqCst,
         );
+        shared.serve_networking_v1.store(
+            config.serve_networking_v1,
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        if config.default_service_cidr
+            && config.serve_networking_v1
+            && !config.service_cluster_ip_ranges.is_empty()
+        {
+            shared
+                .seed_default_service_cidr(&config.service_cluster_ip_ranges)
+                .map_err(|e| SimError::Config(format!("default ServiceCIDR: {}", e.message)))?;
+        }
         for ns in &config.seed_namespaces {
             shared
                 .seed_namespace(ns)

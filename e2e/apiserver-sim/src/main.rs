@@ -46,6 +46,13 @@ struct Args {
     /// NamespaceLifecycle admission plugin does.
     #[arg(long)]
     protect_system_namespaces: bool,
+    /// Do not create the ServiceCIDR `kubernetes` from --service-cluster-ip-range at start
+    /// (kube-apiserver 1.33+ creates it; without it a controller must be given the range).
+    #[arg(long)]
+    no_default_service_cidr: bool,
+    /// Serve no networking.k8s.io/v1 (ServiceCIDR, IPAddress), as clusters before 1.33.
+    #[arg(long)]
+    no_networking_v1: bool,
 }
 
 fn parse_duration(flag: &str, s: &str) -> anyhow::Result<Duration> {
@@ -122,6 +129,8 @@ async fn main() -> anyhow::Result<()> {
         bookmark_interval: parse_duration("bookmark-interval", &args.bookmark_interval)?,
         seed_namespaces: args.seed_namespaces,
         protect_system_namespaces: args.protect_system_namespaces,
+        serve_networking_v1: !args.no_networking_v1,
+        default_service_cidr: !args.no_default_service_cidr,
     };
     let sim = Sim::start(config).await?;
     tracing::info!(

@@ -33,6 +33,8 @@ pub struct Shared {
     pub ready: AtomicBool,
     /// Emulates the NamespaceLifecycle admission plugin's immortal namespaces.
     pub protect_system_namespaces: AtomicBool,
+    /// Whether `networking.k8s.io/v1` is served (Kubernetes 1.33+); 404 otherwise.
+    pub serve_networking_v1: AtomicBool,
     pub faults: Faults,
     pub ns_idx: ResIdx,
     pub svc_idx: ResIdx,
@@ -105,6 +107,7 @@ impl Shared {
             bookmark_interval: bookmark_interval.max(Duration::from_millis(1)),
             ready: AtomicBool::new(true),
             protect_system_namespaces: AtomicBool::new(false),
+            serve_networking_v1: AtomicBool::new(true),
             faults: Faults::default(),
             ns_idx: idx("namespaces"),
             svc_idx: idx("services"),
@@ -958,6 +961,26 @@ impl Shared {
     }
 
     /// Creates namespaces at startup (`SimConfig::seed_namespaces`).
+    /// Creates the ServiceCIDR `kubernetes` from the service ranges, as kube-apiserver 1.33+
+    /// does at start (its default ServiceCIDR controller); an existing one is kept.
+    pub fn seed_default_service_cidr(&self, ranges: &[ipnet::IpNet]) -> Result<(), ApiError> {
+        let Some(res) = resources::find("networking.k8s.io", "v1", "servicecidrs") else {
+            return Ok(());
+        };
+        let cidrs: Vec<String> = ranges.iter().map(ToString::to_string).collect();
+        let body = json!({
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "ServiceCIDR",
+            "metadata": {"name": "kubernetes"},
+            "spec": {"cidrs": cidrs},
+        });
+        match self.create(res, "", body, false) {
+            Ok(_) => Ok(()),
+            Err(e) if e.code == 409 => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     pub fn seed_namespace(&self, name: &str) -> Result<(), ApiError> {
         let body = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}});
         match self.create(self.ns_idx, "", body, false) {

@@ -394,6 +394,15 @@ async fn route(
         _ => {}
     }
     let segs: Vec<&str> = trimmed.split('/').filter(|s| !s.is_empty()).collect();
+    // An older cluster (before 1.33) serves no networking.k8s.io/v1.
+    if let ["apis", "networking.k8s.io", ..] = segs.as_slice()
+        && !ctx
+            .shared
+            .serve_networking_v1
+            .load(std::sync::atomic::Ordering::SeqCst)
+    {
+        return Ok(error_response(&not_found_path()));
+    }
     let (group, version, rest) = match segs.as_slice() {
         ["api", v, rest @ ..] => ("", *v, rest),
         ["apis", g] => {

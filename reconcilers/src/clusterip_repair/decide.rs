@@ -1101,7 +1101,7 @@ mod tests {
             "Cluster IP [IPv4]:10.0.0.5 was assigned to multiple services; please recreate service"
         );
         assert_eq!(
-            note(&[a.clone()], foreign(Some(("", "services", "d", "gone")))),
+            note(std::slice::from_ref(&a), foreign(Some(("", "services", "d", "gone")))),
             "Cluster IP [IPv4]:10.0.0.5 is held by Service d/gone, which does not exist \
              (IPAddress 10.0.0.5, managed by other.example.com); please recreate service"
         );

@@ -46,6 +46,7 @@ use tracing::{debug, info, warn};
 
 use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::service_range::ServiceRanges;
 
 use decide::{AuditDecision, Decision, DeleteGround, Finding, Regarding, Repair, ServiceOwner};
 use model::{
@@ -91,8 +92,12 @@ pub struct ClusterIpRepairConfig {
     pub orphan_grace: Duration,
     pub mode: RepairMode,
     /// The service ranges the API server is configured with (`--service-cluster-ip-range`), in
-    /// family order. Required for audit mode; unused in IPAddress mode (ServiceCIDRs are read).
+    /// family order; empty: read from the `kubernetes` ServiceCIDR when needed
+    /// ([`crate::service_range`]). Needed by audit mode and etcd mode's bitmaps; IPAddress mode
+    /// judges against the ServiceCIDRs themselves.
     pub service_ranges: Vec<IpNet>,
+    /// The `kubernetes` Service, whose ClusterIP the error names when the range is unknown.
+    pub kubernetes_service: section::ServiceName,
     /// `reportingInstance` of the events; `None` uses the host name.
     pub reporting_instance: Option<String>,
     /// When a delete is deferred, look again after this long.
@@ -110,6 +115,10 @@ impl Default for ClusterIpRepairConfig {
             orphan_grace: Duration::from_secs(60),
             mode: RepairMode::Auto,
             service_ranges: Vec::new(),
+            kubernetes_service: section::ServiceName {
+                namespace: "default".to_owned(),
+                name: "kubernetes".to_owned(),
+            },
             reporting_instance: None,
             deferral_retry: Duration::from_secs(10),
             page_size: reflector::DEFAULT_PAGE_SIZE,
@@ -177,6 +186,7 @@ impl LoopSection for Section {
             orphan_grace: self.orphan_grace_period,
             mode: self.mode,
             service_ranges: context.settings.service_ranges.clone(),
+            kubernetes_service: context.settings.kubernetes_service.clone(),
             reporting_instance: Some(context.settings.identity.clone()),
             page_size: self.page_size,
             etcd: context.settings.etcd.clone(),
@@ -228,12 +238,6 @@ impl ClusterIpRepairConfig {
         }
         validate_ranges(&self.service_ranges)
             .map_err(|err| section::ConfigError::new("serviceClusterIPRange", err))?;
-        if self.mode == RepairMode::Audit && self.service_ranges.is_empty() {
-            return Err(section::ConfigError::new(
-                "serviceClusterIPRange",
-                "audit mode needs the API server's --service-cluster-ip-range value(s)",
-            ));
-        }
         Ok(())
     }
 }
@@ -349,6 +353,51 @@ impl Wakeup {
     }
 }
 
+/// etcd mode's bitmaps: built at once from a configured range, or at the first pass that reads
+/// the range from the cluster. Their etcd watches wake the loop from then on.
+struct LegacySlot {
+    etcd: crate::legacy_alloc::etcd::EtcdConfig,
+    bitmaps: Arc<std::sync::OnceLock<legacy::LegacyIpBitmaps>>,
+    built: Arc<Notify>,
+}
+
+impl LegacySlot {
+    fn build(&self, config: &ClusterIpRepairConfig, ranges: Vec<IpNet>) {
+        self.bitmaps.get_or_init(|| {
+            legacy::LegacyIpBitmaps::new(&self.etcd, &ranges, config.interval, config.page_size)
+        });
+        self.built.notify_one();
+    }
+
+    async fn get_or_build(
+        &self,
+        config: &ClusterIpRepairConfig,
+        ranges: &ServiceRanges,
+    ) -> Result<&legacy::LegacyIpBitmaps, LoopError> {
+        if self.bitmaps.get().is_none() {
+            self.build(config, ranges.resolve().await?);
+        }
+        self.bitmaps
+            .get()
+            .ok_or_else(|| LoopError::Other("the etcd bitmaps were not built".to_owned()))
+    }
+
+    /// The bitmaps' etcd watches, once they are built.
+    fn triggers(&self) -> Trigger {
+        let (bitmaps, built) = (self.bitmaps.clone(), self.built.clone());
+        futures::stream::once(async move {
+            loop {
+                if let Some(bitmaps) = bitmaps.get() {
+                    return futures::stream::select_all(bitmaps.triggers());
+                }
+                built.notified().await;
+            }
+        })
+        .flatten()
+        .boxed()
+    }
+}
+
 /// Which APIs the cluster serves, from discovery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Served {
@@ -387,8 +436,10 @@ pub struct ClusterIpRepair {
     served: Mutex<Option<Served>>,
     recorder: Recorder,
     wakeup: Arc<Wakeup>,
-    /// etcd mode's bitmaps ([`legacy`]).
-    legacy: Option<legacy::LegacyIpBitmaps>,
+    /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
+    legacy: Option<LegacySlot>,
+    /// The ranges audit mode and the bitmaps work with: configured, or read from the cluster.
+    ranges: ServiceRanges,
     /// Findings this loop only reports (a duplicate or out-of-range cluster IP), as they stood
     /// after the last pass: each gets its event and count when it appears, not on every pass.
     reported: crate::findings::ReportOnce<ReportKey>,
@@ -420,15 +471,23 @@ impl ClusterIpRepair {
         };
         let shared_services = Arc::<SharedStore<ServiceRecord>>::default();
         let legacy = config.etcd.as_ref().map(|etcd| {
-            legacy::LegacyIpBitmaps::new(
-                etcd,
-                &config.service_ranges,
-                config.interval,
-                config.page_size,
-            )
+            let slot = LegacySlot {
+                etcd: etcd.clone(),
+                bitmaps: Arc::default(),
+                built: Arc::default(),
+            };
+            if !config.service_ranges.is_empty() {
+                slot.build(&config, config.service_ranges.clone());
+            }
+            slot
         });
         Ok(Self {
             legacy,
+            ranges: ServiceRanges::new(
+                client.clone(),
+                config.service_ranges.clone(),
+                config.kubernetes_service.clone(),
+            ),
             reported: crate::findings::ReportOnce::new(),
             recorder: Recorder::new(client.clone(), reporter),
             client,
@@ -476,21 +535,15 @@ impl ClusterIpRepair {
     }
 
     async fn audit_pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        // An older cluster: nothing tells the range but the configuration, so without it the
+        // repair refuses to run (the error names the setting) and the other loops go on.
         let ranges: Vec<ServiceRange> = self
-            .config
-            .service_ranges
-            .iter()
-            .copied()
+            .ranges
+            .resolve()
+            .await?
+            .into_iter()
             .map(ServiceRange::new)
             .collect();
-        if ranges.is_empty() {
-            return Err(LoopError::Invalid(
-                "the API serves no networking.k8s.io/v1 IPAddress, so the repair can only audit, and \
-                 auditing needs serviceClusterIPRange (the API server's \
-                 --service-cluster-ip-range)"
-                    .to_owned(),
-            ));
-        }
         let audit = {
             let state = self.services.read();
             if !state.synced {
@@ -956,7 +1009,7 @@ impl Reconciler for ClusterIpRepair {
             .subscribe(|store| reflect(client, page_size, store));
         let mut triggers = vec![services, self.wakeup.clone().stream()];
         if let Some(legacy) = &self.legacy {
-            triggers.extend(legacy.triggers());
+            triggers.push(legacy.triggers());
         }
         if self.config.mode == RepairMode::Audit {
             return triggers;
@@ -1010,7 +1063,17 @@ impl Reconciler for ClusterIpRepair {
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
         Box::pin(async move {
             let mut result = self.pass(ctx).await;
-            if let (Ok(report), Some(legacy)) = (&mut result, &self.legacy) {
+            let legacy = match (&result, &self.legacy) {
+                (Ok(_), Some(slot)) => match slot.get_or_build(&self.config, &self.ranges).await {
+                    Ok(bitmaps) => Some(bitmaps),
+                    Err(err) => {
+                        result = Err(err);
+                        None
+                    }
+                },
+                _ => None,
+            };
+            if let (Ok(report), Some(legacy)) = (&mut result, legacy) {
                 let count = |error_type: &'static str| {
                     self.metrics
                         .ip_errors
@@ -1064,17 +1127,12 @@ mod tests {
             message.contains("serviceClusterIPRange") && message.contains("same family"),
             "{message}"
         );
+        // No range: read from the cluster when a pass needs it.
         let config = ClusterIpRepairConfig {
             mode: RepairMode::Audit,
             ..ClusterIpRepairConfig::default()
         };
-        assert!(
-            config
-                .validate()
-                .unwrap_err()
-                .to_string()
-                .contains("audit mode needs")
-        );
+        assert!(config.validate().is_ok());
         assert!(
             validate_ranges(&["10.0.0.0/30".parse().unwrap()])
                 .unwrap_err()

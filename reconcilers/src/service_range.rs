@@ -1,0 +1,231 @@
+//! The service range (`serviceClusterIPRange`): configured, or read from the cluster.
+//!
+//! kube-apiserver's default range (10.0.0.0/24) is not what kubeadm (10.96.0.0/12), k3s
+//! (10.43.0.0/16) or managed clusters use, so no range is assumed. When none is configured, it
+//! is read from the `kubernetes` ServiceCIDR (networking.k8s.io/v1, Kubernetes 1.33+), which
+//! kube-apiserver creates from its own `--service-cluster-ip-range`. Older clusters have nothing
+//! that tells the range (the `kubernetes` Service's ClusterIP shows its family, not its size):
+//! a loop that needs the range then refuses to work, with an error naming the setting, and the
+//! other loops go on.
+
+use std::sync::Mutex;
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
+use kube::{Api, Client};
+
+use crate::alloc::IpFamily;
+use crate::clusterip_repair::validate_ranges;
+use crate::contract::LoopError;
+use crate::section::ServiceName;
+
+/// Name of the ServiceCIDR kube-apiserver creates from its `--service-cluster-ip-range`.
+pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
+
+/// Why the range is not known.
+#[derive(Debug, thiserror::Error)]
+pub enum RangeError {
+    /// Not configured, and the cluster has no ServiceCIDR to read it from.
+    #[error(
+        "serviceClusterIPRange is not set and the cluster does not tell it: it serves no \
+         networking.k8s.io/v1 ServiceCIDR (Kubernetes 1.33+){hint}; set serviceClusterIPRange \
+         (flag --service-cluster-ip-range) to kube-apiserver's --service-cluster-ip-range"
+    )]
+    Unknown {
+        /// What the `kubernetes` Service's ClusterIP shows, starting with `; `, or empty.
+        hint: String,
+    },
+    /// The cluster serves ServiceCIDRs but kube-apiserver has not created `kubernetes` yet.
+    #[error(
+        "serviceClusterIPRange is not set and the ServiceCIDR \"kubernetes\" it is read from does \
+         not exist yet"
+    )]
+    NotYet,
+    /// The `kubernetes` ServiceCIDR holds ranges that are no service range.
+    #[error(
+        "serviceClusterIPRange is not set and the ServiceCIDR \"kubernetes\" it is read from holds \
+         {cidrs:?}: {why}; set serviceClusterIPRange (flag --service-cluster-ip-range)"
+    )]
+    Unusable { cidrs: Vec<String>, why: String },
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+}
+
+impl From<RangeError> for LoopError {
+    fn from(err: RangeError) -> Self {
+        match err {
+            RangeError::Api(err) => LoopError::Api(err),
+            // kube-apiserver creates it at start: normal for a moment, retried.
+            RangeError::NotYet => LoopError::NotSynced(err.to_string()),
+            RangeError::Unknown { .. } | RangeError::Unusable { .. } => {
+                LoopError::Invalid(err.to_string())
+            }
+        }
+    }
+}
+
+/// What the cluster said, kept once read.
+#[derive(Clone, Debug)]
+enum Found {
+    Ranges(Vec<IpNet>),
+    /// No ServiceCIDR API; the hint for the error.
+    NotServed(String),
+}
+
+/// The service ranges a loop works with: the configured ones, or the `kubernetes` ServiceCIDR's,
+/// read once (two requests) the first time a pass needs them.
+pub struct ServiceRanges {
+    configured: Vec<IpNet>,
+    client: Client,
+    /// The `kubernetes` Service, whose ClusterIP names the family in the error.
+    service: ServiceName,
+    found: Mutex<Option<Found>>,
+}
+
+impl ServiceRanges {
+    /// `configured` empty: read the range from the cluster.
+    pub fn new(client: Client, configured: Vec<IpNet>, service: ServiceName) -> Self {
+        ServiceRanges {
+            configured,
+            client,
+            service,
+            found: Mutex::new(None),
+        }
+    }
+
+    /// The configured ranges, if any.
+    pub fn configured(&self) -> Option<&[IpNet]> {
+        (!self.configured.is_empty()).then_some(&self.configured[..])
+    }
+
+    /// The ranges, primary first: the configured ones, or the `kubernetes` ServiceCIDR's.
+    pub async fn resolve(&self) -> Result<Vec<IpNet>, RangeError> {
+        if !self.configured.is_empty() {
+            return Ok(self.configured.clone());
+        }
+        let known = self.found.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let found = match known {
+            Some(found) => found,
+            None => {
+                let found = self.read().await?;
+                *self.found.lock().unwrap_or_else(|p| p.into_inner()) = Some(found.clone());
+                if let Found::Ranges(ranges) = &found {
+                    tracing::info!(
+                        ranges = %ranges.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+                        "serviceClusterIPRange is not set; using the ranges of the ServiceCIDR \"kubernetes\""
+                    );
+                }
+                found
+            }
+        };
+        match found {
+            Found::Ranges(ranges) => Ok(ranges),
+            Found::NotServed(hint) => Err(RangeError::Unknown { hint }),
+        }
+    }
+
+    async fn read(&self) -> Result<Found, RangeError> {
+        let served = match self
+            .client
+            .list_api_group_resources("networking.k8s.io/v1")
+            .await
+        {
+            Ok(list) => list.resources.iter().any(|r| r.name == "servicecidrs"),
+            Err(kube::Error::Api(status)) if status.code == 404 => false,
+            Err(err) => return Err(err.into()),
+        };
+        if !served {
+            return Ok(Found::NotServed(self.hint().await?));
+        }
+        // A LIST of the one object: the loops' RBAC lists and watches ServiceCIDRs, never gets.
+        let api: Api<ServiceCIDR> = Api::all(self.client.clone());
+        let params = kube::api::ListParams::default()
+            .fields(&format!("metadata.name={DEFAULT_SERVICE_CIDR}"));
+        let Some(object) = api.list(&params).await?.items.into_iter().next() else {
+            return Err(RangeError::NotYet);
+        };
+        let cidrs = object.spec.and_then(|spec| spec.cidrs).unwrap_or_default();
+        ranges_of(&cidrs).map(Found::Ranges)
+    }
+
+    /// What the `kubernetes` Service's ClusterIP says about the range, for the error.
+    async fn hint(&self) -> Result<String, kube::Error> {
+        let api: Api<Service> = Api::namespaced(self.client.clone(), &self.service.namespace);
+        let ip = api
+            .get_opt(&self.service.name)
+            .await?
+            .and_then(|service| service.spec)
+            .and_then(|spec| spec.cluster_ip)
+            .and_then(|ip| crate::alloc::parse_ip_sloppy(&ip));
+        Ok(match ip {
+            Some(ip) => format!(
+                "; the {}/{} Service's ClusterIP {ip} shows an {} range, but not its size",
+                self.service.namespace,
+                self.service.name,
+                IpFamily::of(ip)
+            ),
+            None => String::new(),
+        })
+    }
+}
+
+/// The ranges of a ServiceCIDR's `spec.cidrs`, checked as a configured range would be.
+fn ranges_of(cidrs: &[String]) -> Result<Vec<IpNet>, RangeError> {
+    let unusable = |why: String| RangeError::Unusable {
+        cidrs: cidrs.to_vec(),
+        why,
+    };
+    if cidrs.is_empty() {
+        return Err(unusable("no ranges".to_owned()));
+    }
+    let ranges = cidrs
+        .iter()
+        .map(|cidr| {
+            cidr.parse::<IpNet>()
+                .map(|net| net.trunc())
+                .map_err(|_| unusable(format!("{cidr:?} is not a CIDR")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    validate_ranges(&ranges).map_err(|err| unusable(err.to_string()))?;
+    Ok(ranges)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_service_cidrs_ranges_are_checked_as_configured_ones() {
+        let ok = ranges_of(&["10.43.0.0/16".to_owned(), "fd00:43::/112".to_owned()]).unwrap();
+        assert_eq!(ok.len(), 2);
+        for bad in [
+            vec![],
+            vec!["banana".to_owned()],
+            vec!["10.43.0.0/16".to_owned(), "10.44.0.0/16".to_owned()],
+        ] {
+            let err = ranges_of(&bad).unwrap_err().to_string();
+            assert!(err.contains("serviceClusterIPRange"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_refusal_names_the_setting_and_the_flag() {
+        let err = LoopError::from(RangeError::Unknown {
+            hint: "; the default/kubernetes Service's ClusterIP 10.43.0.1 shows an IPv4 range, \
+                   but not its size"
+                .to_owned(),
+        });
+        let text = err.to_string();
+        assert!(matches!(err, LoopError::Invalid(_)));
+        for part in [
+            "serviceClusterIPRange is not set",
+            "--service-cluster-ip-range",
+            "10.43.0.1 shows an IPv4 range",
+        ] {
+            assert!(text.contains(part), "{text}");
+        }
+        assert!(LoopError::from(RangeError::NotYet).not_yet().is_some());
+    }
+}
