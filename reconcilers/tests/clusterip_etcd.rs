@@ -140,25 +140,130 @@ async fn ips_in_use_are_set_and_leaks_flagged_with_upstreams_event() {
     );
 }
 
+/// A bitmap under the IPv4 CIDR `stored` holding `ips` (offsets from network + 1).
+fn value_under(stored: &str, ips: &[&str]) -> Vec<u8> {
+    let net: ipnet::Ipv4Net = stored.parse().unwrap();
+    let size = (1usize << (32 - net.prefix_len())) - 2;
+    let first = u32::from(net.network()) + 1;
+    let mut bits = FixedBitSet::with_capacity(size);
+    for ip in ips {
+        let ip: std::net::Ipv4Addr = ip.parse().unwrap();
+        bits.insert(usize::try_from(u32::from(ip) - first).unwrap());
+    }
+    RangeAllocation::new(stored.to_owned(), bitmap_to_bytes(&bits)).encode()
+}
+
+/// The IPs the stored value holds, under the configured range.
+fn ips_of(value: &[u8]) -> Vec<String> {
+    let decoded = RangeAllocation::decode(value).unwrap();
+    assert_eq!(decoded.range, RANGE);
+    let first = u32::from(std::net::Ipv4Addr::new(10, 96, 0, 1));
+    bitmap_from_bytes(&decoded.data, SIZE)
+        .ones()
+        .map(|offset| std::net::Ipv4Addr::from(first + u32::try_from(offset).unwrap()).to_string())
+        .collect()
+}
+
+fn range_drift(report: &reconcilers::PassReport) -> Vec<&reconcilers::Drift> {
+    report
+        .drift
+        .iter()
+        .filter(|d| d.kind == "clusterip_bitmap_range_mismatch")
+        .collect()
+}
+
+/// A value stored without a range gets the configured one, its bits kept; once.
 #[tokio::test]
-async fn a_foreign_range_is_left_alone() {
+async fn an_empty_range_is_filled_in() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
     let sim = common::sim().await;
-    web_ip(&sim).await;
-    let stored = RangeAllocation::new("10.0.0.0/24".to_owned(), Vec::new());
+    let web = web_ip(&sim).await;
+    let stored = RangeAllocation::new(String::new(), bitmap(&[&web, "10.96.0.20"]));
     store
         .compare_and_swap(KEY, None, stored.encode())
         .await
         .unwrap();
-    let before = store.get(KEY).await.unwrap().unwrap();
     let repair = repair(&sim, &etcd).await;
+    let report = pass(&sim, &repair).await;
+    let drift = range_drift(&report);
+    assert_eq!(drift.len(), 1, "{report:?}");
+    assert!(drift[0].applied);
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let mut expected = vec![web, "10.96.0.20".to_owned()];
+    expected.sort_by_key(|ip| offset(ip));
+    assert_eq!(ips_of(&value.value), expected);
+
+    let again = pass(&sim, &repair).await;
+    assert!(range_drift(&again).is_empty(), "{again:?}");
+    assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
+}
+
+/// The range grew from 10.96.0.0/24 to 10.96.0.0/12: every allocation is kept at its IP.
+#[tokio::test]
+async fn a_grown_range_is_rebuilt_keeping_every_allocation() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    let web = web_ip(&sim).await;
+    let stored = value_under("10.96.0.0/24", &["10.96.0.10", "10.96.0.20"]);
+    store.compare_and_swap(KEY, None, stored).await.unwrap();
+    let repair = repair(&sim, &etcd).await;
+    let report = pass(&sim, &repair).await;
+    let drift = range_drift(&report);
+    assert_eq!(drift.len(), 1, "{report:?}");
+    assert!(drift[0].applied && drift[0].message.contains("10.96.0.0/24"));
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let mut expected = vec!["10.96.0.10".to_owned(), "10.96.0.20".to_owned(), web];
+    expected.sort_by_key(|ip| offset(ip));
+    expected.dedup();
+    assert_eq!(ips_of(&value.value), expected);
+
+    let again = pass(&sim, &repair).await;
+    assert!(range_drift(&again).is_empty(), "{again:?}");
+    assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
+}
+
+/// The range shrank from 10.96.0.0/11 to 10.96.0.0/12: 10.112.0.5 falls outside and is
+/// dropped; a range that is no CIDR at all is reported and left alone.
+#[tokio::test]
+async fn a_shrunk_range_drops_what_falls_outside() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    let web = web_ip(&sim).await;
+    let stored = value_under("10.96.0.0/11", &["10.96.0.10", "10.112.0.5"]);
+    store.compare_and_swap(KEY, None, stored).await.unwrap();
+    let repair = repair(&sim, &etcd).await;
+    let report = pass(&sim, &repair).await;
+    let drift = range_drift(&report);
+    assert_eq!(drift.len(), 1, "{report:?}");
+    assert!(drift[0].applied);
+    assert!(
+        drift[0]
+            .message
+            .contains("1 allocations outside it dropped")
+    );
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let mut expected = vec!["10.96.0.10".to_owned(), web];
+    expected.sort_by_key(|ip| offset(ip));
+    expected.dedup();
+    assert_eq!(ips_of(&value.value), expected);
+
+    let unreadable = RangeAllocation::new("30000-32767".to_owned(), Vec::new());
+    assert!(
+        store
+            .compare_and_swap(KEY, Some(value.mod_revision), unreadable.encode())
+            .await
+            .unwrap()
+    );
+    let before = store.get(KEY).await.unwrap().unwrap();
     let report = pass(&sim, &repair).await;
     assert!(
         report
             .drift
             .iter()
-            .any(|d| d.kind == "clusterip_bitmap_range_mismatch"),
+            .any(|d| d.kind == "clusterip_bitmap_unusable" && d.message.contains("30000-32767")),
         "{report:?}"
     );
     assert_eq!(store.get(KEY).await.unwrap().unwrap(), before);

@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use apiserver_sim::Sim;
+use apiserver_sim::{FaultKind, FaultRule, Sim, Verb};
 use common::etcd::{Etcd, Pki};
 use fixedbitset::FixedBitSet;
 use futures::StreamExt;
@@ -55,11 +55,13 @@ fn put_service(sim: &Sim, name: &str, node_port: i32) {
 /// A NodePort repair in etcd mode whose Service cache is fed in the background.
 struct Harness {
     repair: Arc<NodePortRepair>,
+    registry: Registry,
     _cache: tokio::task::JoinHandle<()>,
 }
 
 impl Harness {
     async fn start(sim: &Sim, etcd: EtcdConfig, interval: Duration) -> Self {
+        let mut registry = Registry::default();
         let repair = Arc::new(NodePortRepair::new(
             sim.client(),
             NodePortRepairConfig {
@@ -70,15 +72,27 @@ impl Harness {
                 etcd: Some(etcd),
             },
             None,
-            &mut Registry::default(),
+            &mut registry,
         ));
         let mut triggers = repair.triggers();
         let cache = triggers.remove(0);
         let task = tokio::spawn(cache.for_each(|()| async {}));
         Harness {
             repair,
+            registry,
             _cache: task,
         }
+    }
+
+    /// The value of `bootstrap_nodeport_repair_port_errors_total{type}`.
+    fn errors(&self, error_type: &str) -> u64 {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).unwrap();
+        let series = format!("type=\"{error_type}\"}}");
+        text.lines()
+            .filter(|line| line.contains("port_errors_total") && line.contains(&series))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
     }
 
     /// One pass, once the Service cache has synced.
@@ -253,23 +267,178 @@ async fn dry_run_reports_and_writes_nothing() {
     assert!(common::event_reasons(&sim).is_empty());
 }
 
+/// A bitmap under `stored` (`"first-last"`) holding `ports`, as kube-apiserver encodes it.
+fn value_under(stored: &str, ports: &[u16]) -> Vec<u8> {
+    let (first, last) = stored.split_once('-').unwrap();
+    let (first, last): (u16, u16) = (first.parse().unwrap(), last.parse().unwrap());
+    let mut bits = FixedBitSet::with_capacity(usize::from(last - first) + 1);
+    for port in ports {
+        bits.insert(usize::from(port - first));
+    }
+    RangeAllocation::new(stored.to_owned(), bitmap_to_bytes(&bits)).encode()
+}
+
+/// Upstream's repair fills in the range of a value stored without one (`snapshot.Range ==
+/// ""`), keeping its bits: written once, reported once, counted once.
 #[tokio::test]
-async fn a_foreign_range_or_an_unreadable_value_is_reported_and_left_alone() {
+async fn an_empty_range_is_filled_in() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let stored = RangeAllocation::new(String::new(), bitmap(&[30080, 30500]));
+    assert!(
+        store
+            .compare_and_swap(KEY, None, stored.encode())
+            .await
+            .unwrap()
+    );
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+
+    let first = harness.pass(&sim, false).await.unwrap();
+    assert_eq!(kinds(&first), vec!["nodeport_range_mismatch"], "{first:?}");
+    assert!(first.drift[0].applied);
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let decoded = RangeAllocation::decode(&value.value).unwrap();
+    assert_eq!(decoded.range, "30000-32767");
+    assert_eq!(ports_of(&value.value), vec![30080, 30500]);
+
+    let second = harness.pass(&sim, false).await.unwrap();
+    assert!(second.drift.is_empty(), "{second:?}");
+    assert_eq!(
+        store.get(KEY).await.unwrap().unwrap(),
+        value,
+        "written once"
+    );
+    assert_eq!(harness.errors("repair"), 1);
+}
+
+/// The apiserver's range grew from 30000-30999 to 30000-32767: the bitmap is rebuilt under the
+/// new range with every allocation kept (the one no Service holds is a leak suspect, as any),
+/// and the change is reported once.
+#[tokio::test]
+async fn a_grown_range_is_rebuilt_keeping_every_allocation() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    put_service(&sim, "db", 32000);
+    let stored = value_under("30000-30999", &[30080, 30500]);
+    assert!(store.compare_and_swap(KEY, None, stored).await.unwrap());
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+
+    let first = harness.pass(&sim, false).await.unwrap();
+    assert_eq!(
+        kinds(&first),
+        vec!["nodeport_not_allocated", "nodeport_range_mismatch"],
+        "{first:?}"
+    );
+    assert!(first.drift.iter().all(|drift| drift.applied));
+    assert!(first.drift[1].message.contains("30000-30999"));
+    assert!(
+        first.drift[1]
+            .message
+            .contains("0 allocations outside it dropped")
+    );
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let decoded = RangeAllocation::decode(&value.value).unwrap();
+    assert_eq!(decoded.range, "30000-32767");
+    assert_eq!(ports_of(&value.value), vec![30080, 30500, 32000]);
+
+    let second = harness.pass(&sim, false).await.unwrap();
+    assert!(second.drift.is_empty(), "{second:?}");
+    assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
+    // The range change once, and 32000 set once.
+    assert_eq!(harness.errors("repair"), 2);
+}
+
+/// The apiserver's range shrank from 30000-40000 to 30000-32767: what falls outside is dropped
+/// (upstream's rebuilt allocator cannot hold it), the rest kept, and only after a fresh list of
+/// the Services.
+#[tokio::test]
+async fn a_shrunk_range_drops_what_falls_outside() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let stored = value_under("30000-40000", &[30080, 31000, 35000, 40000]);
+    assert!(store.compare_and_swap(KEY, None, stored).await.unwrap());
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+
+    let lists = || {
+        sim.requests()
+            .iter()
+            .filter(|request| request.verb == "list" && request.resource == "services")
+            .count()
+    };
+    // Until the cache is synced (listed, then watching), a pass waits for it.
+    common::eventually("the Service cache watches", || async {
+        sim.requests()
+            .iter()
+            .any(|request| request.verb == "watch" && request.resource == "services")
+    })
+    .await;
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::List),
+        Some("services"),
+        1.0,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    let stored = store.get(KEY).await.unwrap().unwrap();
+    let held = harness.pass(&sim, false).await.unwrap();
+    assert_eq!(kinds(&held), vec!["nodeport_range_mismatch"], "{held:?}");
+    assert!(!held.drift[0].applied);
+    assert!(held.drift[0].message.contains("once a fresh list"));
+    assert_eq!(
+        store.get(KEY).await.unwrap().unwrap(),
+        stored,
+        "nothing written"
+    );
+    sim.faults().clear();
+
+    let before = lists();
+    let first = harness.pass(&sim, false).await.unwrap();
+    assert_eq!(kinds(&first), vec!["nodeport_range_mismatch"], "{first:?}");
+    assert!(first.drift[0].applied);
+    assert!(
+        first.drift[0]
+            .message
+            .contains("2 allocations outside it dropped")
+    );
+    assert_eq!(lists(), before + 1, "one fresh list of the Services");
+    let value = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(
+        RangeAllocation::decode(&value.value).unwrap().range,
+        "30000-32767"
+    );
+    assert_eq!(ports_of(&value.value), vec![30080, 31000]);
+
+    let second = harness.pass(&sim, false).await.unwrap();
+    assert!(second.drift.is_empty(), "{second:?}");
+    assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
+    assert_eq!(harness.errors("repair"), 1);
+}
+
+#[tokio::test]
+async fn an_unreadable_value_or_range_is_reported_and_left_alone() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
     let sim = common::sim().await;
     put_service(&sim, "web", 30080);
     let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
 
-    let foreign = RangeAllocation::new("20000-22767".to_owned(), bitmap(&[]));
+    let foreign = RangeAllocation::new("10.0.0.0/24".to_owned(), bitmap(&[]));
     store
         .compare_and_swap(KEY, None, foreign.encode())
         .await
         .unwrap();
     let before = store.get(KEY).await.unwrap().unwrap();
     let report = harness.pass(&sim, false).await.unwrap();
-    assert_eq!(kinds(&report), vec!["nodeport_range_mismatch"]);
-    assert!(report.drift[0].message.contains("20000-22767"));
+    assert_eq!(kinds(&report), vec!["nodeport_bitmap_unusable"]);
+    assert!(report.drift[0].message.contains("10.0.0.0/24"));
     assert_eq!(store.get(KEY).await.unwrap().unwrap(), before);
 
     for value in [
@@ -451,6 +620,7 @@ async fn passes_at_rest_send_etcd_nothing() {
     });
     let harness = Harness {
         repair,
+        registry: Registry::default(),
         _cache: tokio::spawn(async {}),
     };
     // The first pass creates the key; the watch then sees it.

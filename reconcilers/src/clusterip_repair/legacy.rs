@@ -57,6 +57,17 @@ impl LegacyIpBitmaps {
                             .address_at(offset as u128 + 1)
                             .map_or_else(|| format!("offset {offset}"), |ip| ip.to_string())
                     },
+                    move |stored: &str, data: &[u8]| {
+                        let from = ServiceRange::new(stored.parse::<IpNet>().ok()?);
+                        let bits =
+                            crate::legacy_alloc::codec::bitmap_from_bytes(data, bitmap_size(&from));
+                        Some(crate::legacy_alloc::repair::rebase(
+                            &bits,
+                            size,
+                            |offset| from.address_at(offset as u128 + 1),
+                            |ip| self::offset(&range, ip, size),
+                        ))
+                    },
                     interval,
                 );
                 (bitmap, range)
@@ -126,9 +137,9 @@ impl LegacyIpBitmaps {
                         }
                     }
                     BitmapFinding::Released(_) => count("leak"),
-                    BitmapFinding::RangeMismatch(_) | BitmapFinding::Unusable(_) => {
-                        count("invalid")
-                    }
+                    // The bitmap rebuilt under the configured range (or its range filled in).
+                    BitmapFinding::RangeMismatch(_) => count("repair"),
+                    BitmapFinding::Unusable(_) => count("invalid"),
                     BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
                 }
             }
@@ -266,10 +277,7 @@ mod tests {
         second.namespace = "a-b".into();
         for order in [[&first, &second], [&second, &first]] {
             let (_, owners) = in_use(order.into_iter(), &range, bitmap_size(&range));
-            assert_eq!(
-                (owners[&9].0.as_str(), owners[&9].1.as_str()),
-                ("a-b", "x")
-            );
+            assert_eq!((owners[&9].0.as_str(), owners[&9].1.as_str()), ("a-b", "x"));
         }
     }
 

@@ -74,6 +74,15 @@ impl RangeAllocation {
         }
     }
 
+    /// The same value (metadata and encoding kept) under `range`, with the bitmap `data`.
+    pub fn with_range_and_data(&self, range: String, data: Vec<u8>) -> Self {
+        Self {
+            range,
+            data,
+            ..self.clone()
+        }
+    }
+
     pub fn decode(value: &[u8]) -> Result<Self, DecodeError> {
         if value.starts_with(ENCRYPTED_PREFIX) {
             return Err(DecodeError::Encrypted);

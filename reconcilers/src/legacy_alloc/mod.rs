@@ -55,6 +55,9 @@ pub struct BitmapPass {
     pub new: Vec<BitmapFinding>,
 }
 
+/// Moves bitmap bytes stored under the given range onto the configured range's offsets.
+pub type Rebase = dyn Fn(&str, &[u8]) -> Option<FixedBitSet> + Send + Sync;
+
 /// One range key and what earlier passes saw of it.
 pub struct LegacyBitmap {
     store: EtcdStore,
@@ -68,6 +71,9 @@ pub struct LegacyBitmap {
     subject: Subject,
     /// Renders an offset: the port, or the IP.
     item: Box<dyn Fn(usize) -> String + Send + Sync>,
+    /// The bitmap bytes stored under another range, moved onto this key's range (see
+    /// [`repair::rebase`]); `None` when that range cannot be read.
+    rebase: Box<Rebase>,
     /// Sightings of a leak count only this far apart.
     spacing: Duration,
     leaks: Mutex<LeakTracker>,
@@ -86,6 +92,7 @@ impl LegacyBitmap {
         create_if_missing: bool,
         subject: Subject,
         item: impl Fn(usize) -> String + Send + Sync + 'static,
+        rebase: impl Fn(&str, &[u8]) -> Option<FixedBitSet> + Send + Sync + 'static,
         spacing: Duration,
     ) -> Self {
         Self {
@@ -96,6 +103,7 @@ impl LegacyBitmap {
             create_if_missing,
             subject,
             item: Box::new(item),
+            rebase: Box::new(rebase),
             spacing,
             leaks: Mutex::default(),
             reported: ReportOnce::new(),
@@ -144,6 +152,8 @@ impl LegacyBitmap {
             }
         };
         let mut fresh_in_use = Some(fresh_in_use);
+        // The offsets a fresh list of the Services holds, once one was made in this pass.
+        let mut fresh: Option<FixedBitSet> = None;
         for _ in 0..WRITE_ATTEMPTS {
             let stored = match self.cache.get() {
                 Some(stored) => stored,
@@ -168,28 +178,75 @@ impl LegacyBitmap {
                     }
                 },
             };
-            if let Some(value) = &value
-                && !value.range.is_empty()
-                && value.range != self.range
-            {
-                let message = format!(
-                    "the stored range {:?} is not the configured {}; nothing is written (give this controller the apiserver's range)",
-                    value.range, self.range
-                );
-                let new = self.report(vec![BitmapFinding::RangeMismatch(value.range.clone())]);
-                let drift = vec![drift(
-                    kind("range_mismatch"),
-                    object,
-                    Action::Report,
-                    message,
-                    false,
-                )];
-                return Ok(BitmapPass { drift, new });
-            }
-            let stored_bits = value
+            // The range the value was stored under, when it is not the configured one: empty
+            // (never initialized), or another range (the apiserver's range was changed). Both
+            // are rewritten under the configured range, as upstream's repair does.
+            let moved_from = value
                 .as_ref()
-                .map(|value| bitmap_from_bytes(&value.data, self.size))
-                .unwrap_or_else(|| FixedBitSet::with_capacity(self.size));
+                .map(|value| value.range.clone())
+                .filter(|range| *range != self.range);
+            let stored_bits = match (&value, &moved_from) {
+                (None, _) => FixedBitSet::with_capacity(self.size),
+                (Some(value), Some(from)) if !from.is_empty() => {
+                    match (self.rebase)(from, &value.data) {
+                        Some(bits) => bits,
+                        None => {
+                            let message = format!(
+                                "the stored range {from:?} cannot be read; nothing is written to it"
+                            );
+                            let new = self.report(vec![BitmapFinding::Unusable(message.clone())]);
+                            let drift = vec![drift(
+                                kind("unusable"),
+                                object,
+                                Action::Report,
+                                message,
+                                false,
+                            )];
+                            return Ok(BitmapPass { drift, new });
+                        }
+                    }
+                }
+                (Some(value), _) => bitmap_from_bytes(&value.data, self.size),
+            };
+            let range_change = moved_from.as_ref().map(|from| {
+                let kept = stored_bits.count_ones(..);
+                let stored = value.as_ref().map_or(kept, |value| {
+                    value
+                        .data
+                        .iter()
+                        .map(|byte| byte.count_ones() as usize)
+                        .sum()
+                });
+                (from.clone(), stored.saturating_sub(kept))
+            });
+
+            // Moving to another range drops what falls outside it: only on a fresh complete
+            // list of the Services, never on the cache alone. Its Services are the ones in use.
+            if let Some((from, dropped)) =
+                range_change.as_ref().filter(|(from, _)| !from.is_empty())
+                && fresh.is_none()
+            {
+                fresh = match fresh_in_use.take() {
+                    Some(list) => list().await,
+                    None => None,
+                };
+                if fresh.is_none() {
+                    let message = format!(
+                        "the stored range {from:?} is not the configured {}: the bitmap is to be rebuilt under {} ({dropped} allocations outside it dropped), once a fresh list of the Services succeeds",
+                        self.range, self.range
+                    );
+                    let new = self.report(vec![BitmapFinding::RangeMismatch(from.clone())]);
+                    let drift = vec![drift(
+                        kind("range_mismatch"),
+                        object,
+                        Action::Report,
+                        message,
+                        false,
+                    )];
+                    return Ok(BitmapPass { drift, new });
+                }
+            }
+            let in_use = fresh.as_ref().unwrap_or(in_use);
 
             let mut plan = {
                 let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
@@ -202,20 +259,24 @@ impl LegacyBitmap {
                     self.spacing,
                 )
             };
-            if !plan.held.is_empty()
-                && let Some(fresh_in_use) = fresh_in_use.take()
-                && let Some(fresh) = fresh_in_use().await
-            {
-                let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
-                plan.release_held(&mut leaks, &fresh);
+            if !plan.held.is_empty() {
+                if fresh.is_none()
+                    && let Some(list) = fresh_in_use.take()
+                {
+                    fresh = list().await;
+                }
+                if let Some(fresh) = &fresh {
+                    let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
+                    plan.release_held(&mut leaks, fresh);
+                }
             }
 
-            let write = value.is_none() || plan.changes(&stored_bits);
+            let write = value.is_none() || range_change.is_some() || plan.changes(&stored_bits);
             let applied = write && !dry_run;
             if applied {
                 let bytes = bitmap_to_bytes(&plan.bitmap);
                 let new_value = match &value {
-                    Some(value) => value.with_data(bytes),
+                    Some(value) => value.with_range_and_data(self.range.clone(), bytes),
                     None => RangeAllocation::new(self.range.clone(), bytes),
                 };
                 let encoded = new_value.encode();
@@ -273,6 +334,24 @@ impl LegacyBitmap {
                 ));
             }
             let mut findings: Vec<BitmapFinding> = Vec::new();
+            if let Some((from, dropped)) = &range_change {
+                let message = if from.is_empty() {
+                    format!("the stored value has no range: {} is filled in", self.range)
+                } else {
+                    format!(
+                        "the stored range {from:?} is not the configured {}: the bitmap is rebuilt under {} ({dropped} allocations outside it dropped)",
+                        self.range, self.range
+                    )
+                };
+                drifts.push(drift(
+                    kind("range_mismatch"),
+                    object.clone(),
+                    Action::Update,
+                    message,
+                    applied,
+                ));
+                findings.push(BitmapFinding::RangeMismatch(from.clone()));
+            }
             findings.extend(
                 plan.not_allocated
                     .iter()
@@ -328,12 +407,19 @@ impl LegacyBitmap {
                         self.item(*offset)
                     );
                 }
+                BitmapFinding::RangeMismatch(stored) if stored.is_empty() => {
+                    warn!(
+                        key,
+                        configured = self.range,
+                        "the stored bitmap has no range; filling in the configured one"
+                    );
+                }
                 BitmapFinding::RangeMismatch(stored) => {
                     warn!(
                         key,
                         stored,
                         configured = self.range,
-                        "the stored range differs from the configured one; the bitmap is left alone"
+                        "the stored range differs from the configured one; rebuilding the bitmap under the configured range, dropping the allocations outside it"
                     );
                 }
                 BitmapFinding::Unusable(why) => {

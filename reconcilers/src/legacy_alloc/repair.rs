@@ -124,6 +124,42 @@ pub fn plan(
     }
 }
 
+/// The bitmap `stored` (kept under another range) under the configured range: each bit moves
+/// to the offset its item (port, IP) has in the configured range, and bits whose item falls
+/// outside it are dropped, as upstream's repair does when the range changed (its rebuilt
+/// allocator cannot allocate them). `item` gives the item of a stored offset, `offset` the
+/// configured offset of an item; `size` is the configured range's size.
+pub fn rebase<T>(
+    stored: &FixedBitSet,
+    size: usize,
+    item: impl Fn(usize) -> Option<T>,
+    offset: impl Fn(T) -> Option<usize>,
+) -> FixedBitSet {
+    let mut bits = FixedBitSet::with_capacity(size);
+    for moved in stored.ones().filter_map(|o| offset(item(o)?)) {
+        if moved < size {
+            bits.insert(moved);
+        }
+    }
+    bits
+}
+
+/// A node port range as kube-apiserver stores it (`"30000-32767"`; Go's `ParsePortRange` also
+/// reads `"30000+2767"` and a single port): its first and last port.
+pub fn parse_port_range(text: &str) -> Option<(u16, u16)> {
+    let text = text.trim();
+    let (base, last) = if let Some((base, last)) = text.split_once('-') {
+        (base.trim().parse().ok()?, last.trim().parse().ok()?)
+    } else if let Some((base, extra)) = text.split_once('+') {
+        let base: u16 = base.trim().parse().ok()?;
+        (base, base.checked_add(extra.trim().parse().ok()?)?)
+    } else {
+        let port = text.parse().ok()?;
+        (port, port)
+    };
+    (base <= last).then_some((base, last))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,5 +324,54 @@ mod tests {
             spacing,
         );
         assert_eq!(plan3.released, vec![11]);
+    }
+
+    /// A range change moves each bit to its item's place in the new range, dropping what falls
+    /// outside: 100-200 holding 111, 150, 199 onto 140-240 keeps 150 and 199, drops 111.
+    #[test]
+    fn rebase_keeps_items_and_drops_what_falls_outside() {
+        let stored = bits(&[111, 150, 199]);
+        let moved = rebase(
+            &stored,
+            101,
+            |o| Some(o + 100),
+            |port: usize| port.checked_sub(140),
+        );
+        assert_eq!(moved.len(), 101);
+        assert_eq!(
+            moved.ones().map(|o| o + 140).collect::<Vec<_>>(),
+            vec![150, 199]
+        );
+        let grown = rebase(
+            &stored,
+            301,
+            |o| Some(o + 100),
+            |port: usize| port.checked_sub(50),
+        );
+        assert_eq!(
+            grown.ones().map(|o| o + 50).collect::<Vec<_>>(),
+            vec![111, 150, 199]
+        );
+        let shrunk = rebase(
+            &stored,
+            51,
+            |o| Some(o + 100),
+            |port: usize| port.checked_sub(100),
+        );
+        assert_eq!(
+            shrunk.ones().map(|o| o + 100).collect::<Vec<_>>(),
+            vec![111, 150]
+        );
+    }
+
+    #[test]
+    fn port_ranges_parse_as_go_does() {
+        assert_eq!(parse_port_range("30000-32767"), Some((30000, 32767)));
+        assert_eq!(parse_port_range("30000+2767"), Some((30000, 32767)));
+        assert_eq!(parse_port_range("30000"), Some((30000, 30000)));
+        assert_eq!(parse_port_range("32767-30000"), None);
+        assert_eq!(parse_port_range("10.0.0.0/24"), None);
+        assert_eq!(parse_port_range(""), None);
+        assert_eq!(parse_port_range("65535+1"), None);
     }
 }

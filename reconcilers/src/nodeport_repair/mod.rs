@@ -204,6 +204,17 @@ impl NodePortRepair {
                     kind_prefix: "nodeport",
                 },
                 move |offset| (usize::from(range.base()) + offset).to_string(),
+                move |stored: &str, data: &[u8]| {
+                    let (base, last) = crate::legacy_alloc::repair::parse_port_range(stored)?;
+                    let from = PortRange::new(base, last).ok()?;
+                    let bits = crate::legacy_alloc::codec::bitmap_from_bytes(data, from.size());
+                    Some(crate::legacy_alloc::repair::rebase(
+                        &bits,
+                        range.size(),
+                        |offset| i32::try_from(usize::from(base) + offset).ok(),
+                        |port| range.offset(port),
+                    ))
+                },
                 config.interval,
             )
         });
@@ -265,9 +276,9 @@ impl NodePortRepair {
                     }
                 }
                 BitmapFinding::Released(_) => self.count("leak"),
-                BitmapFinding::RangeMismatch(_) | BitmapFinding::Unusable(_) => {
-                    self.count("invalid");
-                }
+                // The bitmap rebuilt under the configured range (or its range filled in).
+                BitmapFinding::RangeMismatch(_) => self.count("repair"),
+                BitmapFinding::Unusable(_) => self.count("invalid"),
                 BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
             }
         }
