@@ -247,6 +247,30 @@ impl Shared {
                     }
                 }
             }
+            // kube-apiserver's ValidateLeaseSpec: a Lease that could never expire (or never
+            // be held) is refused.
+            ("coordination.k8s.io", "leases") => {
+                if let Some(seconds) = obj
+                    .pointer("/spec/leaseDurationSeconds")
+                    .and_then(Value::as_i64)
+                    && seconds <= 0
+                {
+                    errs.push((
+                        "spec.leaseDurationSeconds".into(),
+                        format!("Invalid value: {seconds}: must be greater than 0"),
+                    ));
+                }
+                if let Some(count) = obj
+                    .pointer("/spec/leaseTransitions")
+                    .and_then(Value::as_i64)
+                    && count < 0
+                {
+                    errs.push((
+                        "spec.leaseTransitions".into(),
+                        format!("Invalid value: {count}: must be greater than or equal to 0"),
+                    ));
+                }
+            }
             ("networking.k8s.io", "servicecidrs") => {
                 let cidrs = obj.pointer("/spec/cidrs").and_then(Value::as_array);
                 match cidrs {

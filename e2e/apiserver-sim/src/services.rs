@@ -294,6 +294,11 @@ fn u128_to_ip(v: u128, v4: bool) -> IpAddr {
     }
 }
 
+/// A list of strings as kube-apiserver's field errors print a list value: `["a","b"]`.
+fn json_literal(ips: &[String]) -> String {
+    serde_json::to_string(ips).unwrap_or_default()
+}
+
 fn ips_literal(ips: &[String]) -> String {
     format!(
         "[]string{{{}}}",
@@ -341,6 +346,15 @@ fn allocate_cluster_ips(
                 ),
             )),
         }
+    }
+    if requested.len() > 2 {
+        errs.push((
+            "spec.clusterIPs".into(),
+            format!(
+                "Invalid value: {}: may only hold up to 2 values",
+                json_literal(&requested)
+            ),
+        ));
     }
     if !errs.is_empty() {
         return;
