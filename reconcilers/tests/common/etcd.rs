@@ -56,11 +56,14 @@ impl Pki {
         };
         leaf("server", ExtendedKeyUsagePurpose::ServerAuth);
         leaf("client", ExtendedKeyUsagePurpose::ClientAuth);
+        // A second client certificate of the same CA: the first one renewed.
+        leaf("renewed", ExtendedKeyUsagePurpose::ClientAuth);
         std::fs::write(dir.path().join("ca.crt"), ca_cert.pem()).unwrap();
         Pki { dir }
     }
 
-    fn path(&self, name: &str) -> PathBuf {
+    /// A file of this PKI: `ca.crt`, `server.crt`/`.key`, `client.crt`/`.key`.
+    pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
 }
@@ -85,6 +88,11 @@ impl Etcd {
         };
         etcd.spawn().await;
         etcd
+    }
+
+    /// The PKI the server uses and trusts, when it serves TLS.
+    pub fn pki(&self) -> Option<&Pki> {
+        self.tls.as_ref()
     }
 
     pub fn url(&self) -> String {
