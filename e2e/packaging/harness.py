@@ -53,8 +53,16 @@ def render(values: dict, namespace: str = "bootstrap") -> dict[str, list[dict]]:
     return out
 
 
-def objects(values: dict) -> list[dict]:
-    return [doc for docs in render(values).values() for doc in docs]
+def objects(values: dict, namespace: str = "bootstrap") -> list[dict]:
+    return [doc for docs in render(values, namespace).values() for doc in docs]
+
+
+def render_text(values: dict, namespace: str = "bootstrap") -> dict[str, str]:
+    """Each template's rendered text by file name, NOTES.txt included (`helm template
+    --show-only templates/<name>` prints one of them)."""
+    chart = helm.Chart.load(CHART)
+    rendered = chart.render(values, name="bc", namespace=namespace, is_install=True)
+    return {path.rsplit("/", 1)[-1]: text for path, text in rendered.items()}
 
 
 class Sim:
@@ -229,3 +237,110 @@ def tls_etcd(directory: Path) -> Iterator[tuple[str, Path, Path, Path]]:
 
 def workdir() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix="bc-packaging-")
+
+
+class RecordingProxy:
+    """A plain-HTTP proxy in front of a `--plain-http` simulator that records each API request
+    as kube-apiserver's authorizer sees it: (namespace, group, resource[/subresource], verb,
+    name), where a list or watch selecting `metadata.name=X` by field selector has the name X
+    (k8s.io/apiserver's RequestInfoFactory), so `resourceNames` rules can be judged."""
+
+    def __init__(self, upstream: str):
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+
+        target = urllib.parse.urlsplit(upstream)
+        self.records: list[tuple[str | None, str, str, str, str | None]] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                proxy.record(self.command, self.path)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=600)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "connection")}
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                self.send_response(response.status)
+                chunked = response.getheader("Content-Length") is None
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection"):
+                        self.send_header(key, value)
+                if chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                try:
+                    while True:
+                        data = response.read1(65536)
+                        if not data:
+                            break
+                        if chunked:
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                        else:
+                            self.wfile.write(data)
+                        self.wfile.flush()
+                    if chunked:
+                        self.wfile.write(b"0\r\n\r\n")
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True
+                finally:
+                    upstream.close()
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def record(self, method: str, raw_path: str) -> None:
+        import urllib.parse
+
+        parts = urllib.parse.urlsplit(raw_path)
+        query = urllib.parse.parse_qs(parts.query)
+        segments = [s for s in parts.path.split("/") if s]
+        if segments[:1] == ["api"] and len(segments) >= 3:
+            group, rest = "", segments[2:]
+        elif segments[:1] == ["apis"] and len(segments) >= 4:
+            group, rest = segments[1], segments[3:]
+        else:
+            return  # discovery, health: not resources
+        namespace = None
+        if len(rest) >= 3 and rest[0] == "namespaces":
+            namespace, rest = rest[1], rest[2:]
+        resource, name, sub = rest[0], (rest[1] if len(rest) > 1 else None), (
+            rest[2] if len(rest) > 2 else None)
+        if method == "GET" and name is None:
+            verb = "watch" if query.get("watch", ["false"])[0] in ("true", "1") else "list"
+            for selector in query.get("fieldSelector", []):
+                for term in selector.split(","):
+                    key, _, value = term.partition("=")
+                    if key == "metadata.name" and value and not value.startswith("="):
+                        name = value
+        else:
+            verb = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch",
+                    "DELETE": "delete" if name else "deletecollection"}[method]
+        self.records.append(
+            (namespace, group, resource + (f"/{sub}" if sub else ""), verb, name))
+
+    def kubeconfig(self, path: Path) -> Path:
+        path.write_text(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: proxy\n  cluster:\n"
+            f"    server: {self.url}\nusers:\n- name: proxy\n  user: {{}}\ncontexts:\n"
+            "- name: proxy\n  context: {cluster: proxy, user: proxy}\ncurrent-context: proxy\n"
+        )
+        return path
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,12 +1,15 @@
-"""The static-pod sidecar manifests (deploy/sidecar) and the kind scripts (e2e/kind): the
-manifests valid against the Kubernetes OpenAPI schemas in strict mode, their container arguments
-run against the simulator (and a real etcd with TLS) until /readyz is 200 and the sidecar has
-put its apiserver in the `kubernetes` endpoints; the scripts shellcheck-clean."""
+"""The static-pod sidecar (deploy/sidecar): the manifests valid against the Kubernetes OpenAPI
+schemas in strict mode; setup-node.sh writing the node's kubeconfig and configuration privately;
+the manifests' settings, with those files, run against the simulator (and a real etcd with TLS)
+until /readyz is 200 and the sidecar has put its apiserver in the `kubernetes` endpoints. The
+kind scripts are tested in test_kind.py."""
 
 from __future__ import annotations
 
+import base64
 import json
-import shutil
+import os
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from harness import ROOT, Controller, Sim, container_args, local_args, tls_etcd, workdir
+from harness import ROOT, Controller, Sim, binary, container_args, tls_etcd, workdir
 
 SIDECAR = ROOT / "deploy" / "sidecar"
 MANIFESTS = ["bootstrap-controller.yaml", "bootstrap-controller-etcd.yaml", "rbac.yaml"]
@@ -40,24 +43,125 @@ def test_sidecar_is_modelled_on_kubeadms_static_pods():
     assert spec["hostNetwork"] is True
     assert spec["priorityClassName"] == "system-node-critical"
     assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-    args = spec["containers"][0]["args"]
-    assert "--endpoint-reconciler-type=lease" in args
-    assert "--leader-elect=true" in args
+    _, env = container_args(load("bootstrap-controller.yaml"), kind="Pod")
+    assert env["BOOTSTRAP_ENDPOINT_RECONCILER_TYPE"] == "lease"
+    assert env["BOOTSTRAP_LEADER_ELECT"] == "true"
+    # $(HOST_IP) and $(NODE_NAME) expand only from variables defined before them.
+    names = [e["name"] for e in spec["containers"][0]["env"]]
+    assert names.index("HOST_IP") < names.index("BOOTSTRAP_ADVERTISE_ADDRESS")
+    assert names.index("NODE_NAME") < names.index("BOOTSTRAP_LEADER_ELECT_IDENTITY")
 
 
-def sidecar_env(args: list[str]) -> list[str]:
-    """The kubelet's expansion of $(HOST_IP) and $(NODE_NAME)."""
-    return [a.replace("$(HOST_IP)", "10.0.0.1").replace("$(NODE_NAME)", "cp-1") for a in args]
+def node_files(tmp: Path, sim: Sim) -> Path:
+    """/etc/kubernetes/bootstrap-controller as deploy/sidecar/setup-node.sh writes it, with a
+    stand-in for kubeadm that prints the simulator's kubeconfig holding a client certificate for
+    system:bootstrap-controller (made with openssl; the simulator accepts any credentials)."""
+    pki = tmp / "node-pki"
+    pki.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365",
+                    "-subj", "/CN=system:bootstrap-controller", "-keyout", str(pki / "key.pem"),
+                    "-out", str(pki / "cert.pem")], check=True, capture_output=True)
+    kubeconfig = yaml.safe_load(sim.kubeconfig.read_text())
+    kubeconfig["users"][0]["user"] = {
+        "client-certificate-data": base64.b64encode((pki / "cert.pem").read_bytes()).decode(),
+        "client-key-data": base64.b64encode((pki / "key.pem").read_bytes()).decode(),
+    }
+    (pki / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+    bin_dir = tmp / "node-bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubeadm").write_text(
+        "#!/bin/sh\n"
+        '[ "$1 $2 $3" = "kubeconfig user --client-name=system:bootstrap-controller" ] || exit 3\n'
+        f'exec cat "{pki / "kubeconfig"}"\n')
+    (bin_dir / "kubeadm").chmod(0o755)
+    directory = tmp / "etc-kubernetes-bootstrap-controller"
+    done = setup_node(directory, bin_dir)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "expires" in done.stdout, done.stdout
+    return directory
+
+
+def owner() -> str:
+    """setup-node.sh's default owner, the pod's uid; where the tests do not run as root, chown
+    can only give the files to the current user."""
+    return "65532:65532" if os.geteuid() == 0 else f"{os.geteuid()}:{os.getegid()}"
+
+
+def setup_node(directory: Path, bin_dir: Path, *args: str, **env: str):
+    run_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DIR": str(directory),
+               **env}
+    if os.geteuid() != 0:
+        run_env["OWNER"] = owner()
+    return subprocess.run(["bash", str(SIDECAR / "setup-node.sh"), *args], env=run_env,
+                          capture_output=True, text=True)
+
+
+def sidecar_settings(name: str, directory: Path, files: dict[str, Path]) -> tuple[list, dict]:
+    """The manifest's args and environment, with the kubelet's expansion of $(HOST_IP) and
+    $(NODE_NAME) and the hostPath directory replaced by the one setup-node.sh wrote."""
+    args, env = container_args(load(name), kind="Pod")
+    expanded = {}
+    for key, value in env.items():
+        value = value.replace("$(HOST_IP)", "192.0.2.1").replace("$(NODE_NAME)", "cp-1")
+        value = value.replace("/etc/kubernetes/bootstrap-controller", str(directory))
+        for container_path, local in files.items():
+            value = value.replace(container_path, str(local))
+        expanded[key] = value
+    unmapped = [v for v in expanded.values() if v.startswith("/etc/kubernetes")]
+    assert not unmapped, unmapped
+    return args, expanded
 
 
 def wait_for_own_endpoint(sim: Sim, controller: Controller) -> None:
     deadline = time.monotonic() + 30
     while True:
         done = sim.kubectl("get", "endpoints", "kubernetes", "-o", "json", check=False)
-        if done.returncode == 0 and "10.0.0.1" in json.dumps(json.loads(done.stdout)):
+        if done.returncode == 0 and "192.0.2.1" in json.dumps(json.loads(done.stdout)):
             return
         assert time.monotonic() < deadline, controller.output()
         time.sleep(0.2)
+
+
+def test_setup_node_writes_private_files_and_checks_the_expiry():
+    with workdir() as tmp:
+        tmp = Path(tmp)
+        sim = Sim(tmp)
+        try:
+            directory = node_files(tmp, sim)
+        finally:
+            sim.stop()
+        uid, gid = (int(x) for x in owner().split(":"))
+        for path, mode in [(directory, 0o700), (directory / "kubeconfig", 0o600),
+                           (directory / "config.yaml", 0o600)]:
+            info = path.stat()
+            assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (mode, uid, gid), path
+        assert yaml.safe_load((directory / "config.yaml").read_text()) == {
+            "loops": {"apiserverEndpoints": {"leaseNamespace": "bootstrap-controller"}}}
+        bin_dir = tmp / "node-bin"
+        # A year's certificate: fine for 30 days, not for 400.
+        assert setup_node(directory, bin_dir, "--check").returncode == 0
+        done = setup_node(directory, bin_dir, "--check", RENEW_DAYS="400")
+        assert done.returncode == 1 and "run " in done.stderr and "again" in done.stderr, done
+        # The server can be pinned to this node's apiserver; the file is replaced, not edited.
+        before = (directory / "kubeconfig").stat().st_ino
+        done = setup_node(directory, bin_dir, SERVER="https://192.0.2.10:6443")
+        assert done.returncode == 0, done.stderr
+        written = yaml.safe_load((directory / "kubeconfig").read_text())
+        assert written["clusters"][0]["cluster"]["server"] == "https://192.0.2.10:6443"
+        assert (directory / "kubeconfig").stat().st_ino != before
+        assert sorted(p.name for p in directory.iterdir()) == ["config.yaml", "kubeconfig"]
+
+
+def test_sidecar_keeps_its_secrets_in_a_mounted_directory():
+    """The kubeconfig is replaced by rename when renewed: a file mount would keep showing the
+    old inode, a directory mount shows the new file."""
+    for name in ("bootstrap-controller.yaml", "bootstrap-controller-etcd.yaml"):
+        pod = load(name)[0]
+        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        own = next(m for m in mounts if m["mountPath"] == "/etc/kubernetes/bootstrap-controller")
+        assert volumes[own["name"]]["hostPath"]["type"] == "Directory"
+        assert all("subPath" not in m for m in mounts)
 
 
 def test_sidecar_arguments_run_and_keep_the_endpoints():
@@ -65,17 +169,23 @@ def test_sidecar_arguments_run_and_keep_the_endpoints():
         tmp = Path(tmp)
         sim = Sim(tmp)
         try:
-            args, env = container_args(load("bootstrap-controller.yaml"), kind="Pod")
-            args = local_args(
-                sidecar_env(args),
-                {"/etc/kubernetes/bootstrap-controller.conf": sim.kubeconfig},
-                sim.kubeconfig,
-            )
+            directory = node_files(tmp, sim)
+            sim.kubectl("create", "namespace", "bootstrap-controller")  # rbac.yaml makes it
+            args, env = sidecar_settings("bootstrap-controller.yaml", directory, {})
+            assert args == ["run"]
             controller = Controller(args, env, tmp, "sidecar")
             try:
                 readyz = controller.wait_ready()
                 assert "[+]apiserver-lease ok" in readyz, readyz
                 wait_for_own_endpoint(sim, controller)
+                leases = sim.kubectl("get", "leases", "-n", "bootstrap-controller", "-o",
+                                     "name").stdout
+                assert "lease.coordination.k8s.io/apiserver-192.0.2.1" in leases, leases
+                # `kubectl exec ... check` in the pod: the same environment, nothing else.
+                done = subprocess.run([str(binary("bootstrap-controller")), "check"],
+                                      env={"PATH": "/usr/bin:/bin", **env},
+                                      capture_output=True, text=True, timeout=120)
+                assert done.returncode in (0, 1), done.stdout + done.stderr
             finally:
                 assert controller.stop() == 0, controller.output()
         finally:
@@ -87,19 +197,15 @@ def test_sidecar_etcd_arguments_run_against_a_tls_etcd():
         tmp = Path(tmp)
         sim = Sim(tmp)
         try:
+            directory = node_files(tmp, sim)
+            sim.kubectl("create", "namespace", "bootstrap-controller")
             with tls_etcd(tmp) as (url, ca, cert, key):
-                args, env = container_args(load("bootstrap-controller-etcd.yaml"), kind="Pod")
-                args = [a.replace("https://127.0.0.1:2379", url) for a in sidecar_env(args)]
-                args = local_args(
-                    args,
-                    {
-                        "/etc/kubernetes/bootstrap-controller.conf": sim.kubeconfig,
-                        "/etc/kubernetes/pki/etcd/ca.crt": ca,
-                        "/etc/kubernetes/pki/apiserver-etcd-client.crt": cert,
-                        "/etc/kubernetes/pki/apiserver-etcd-client.key": key,
-                    },
-                    sim.kubeconfig,
-                )
+                args, env = sidecar_settings("bootstrap-controller-etcd.yaml", directory, {
+                    "/etc/kubernetes/pki/etcd/ca.crt": ca,
+                    "/etc/kubernetes/pki/apiserver-etcd-client.crt": cert,
+                    "/etc/kubernetes/pki/apiserver-etcd-client.key": key,
+                })
+                env["BOOTSTRAP_ETCD_SERVERS"] = url
                 controller = Controller(args, env, tmp, "sidecar-etcd")
                 try:
                     controller.wait_ready()
@@ -108,29 +214,3 @@ def test_sidecar_etcd_arguments_run_against_a_tls_etcd():
                     assert controller.stop() == 0, controller.output()
         finally:
             sim.stop()
-
-
-def test_kind_scripts_are_shellcheck_clean():
-    shellcheck = shutil.which("shellcheck")
-    assert shellcheck, "shellcheck is not on PATH (Debian: apt-get install shellcheck)"
-    scripts = sorted(str(p) for p in (ROOT / "e2e" / "kind").glob("*.sh"))
-    assert scripts, "no kind scripts found"
-    done = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_kind_script_picks_the_kubeadm_api_by_node_version():
-    script = (ROOT / "e2e" / "kind" / "up.sh").read_text()
-    # The function, run alone for two node images.
-    start = script.index("node_minor() {")
-    end = script.index('log "cluster')
-    functions = script[start:end]
-    for image, api, arg_shape in [
-        ("kindest/node:v1.33.1", "kubeadm.k8s.io/v1beta4", "- name: endpoint-reconciler-type"),
-        ("kindest/node:v1.30.13", "kubeadm.k8s.io/v1beta3", 'endpoint-reconciler-type: "none"'),
-    ]:
-        out = subprocess.run(
-            ["bash", "-c", f"set -euo pipefail\nNODE_IMAGE={image}\n{functions}\nkubeadm_patch"],
-            capture_output=True, text=True, check=True,
-        ).stdout
-        assert api in out and arg_shape in out, out

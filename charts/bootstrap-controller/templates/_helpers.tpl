@@ -22,6 +22,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{ include "bootstrap-controller.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{- define "bootstrap-controller.serviceAccountName" -}}
@@ -38,10 +41,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default "kube-system" $le.leaseNamespace -}}
 {{- end }}
 
+{{/* The endpoint reconciler type in effect (the binary's default is `lease`). */}}
+{{- define "bootstrap-controller.endpointMode" -}}
+{{- default "lease" .Values.config.endpointReconcilerType -}}
+{{- end }}
+
+{{/* The namespace of the membership Leases (`lease` mode): the one configured, else the
+release's own, so that the Role writing them covers no other component's Leases. */}}
 {{- define "bootstrap-controller.membershipNamespace" -}}
 {{- $loops := default dict .Values.config.loops -}}
 {{- $ep := default dict $loops.apiserverEndpoints -}}
-{{- default "kube-system" $ep.leaseNamespace -}}
+{{- default .Release.Namespace $ep.leaseNamespace -}}
+{{- end }}
+
+{{/* The configuration file: config, with the membership Lease namespace made explicit. */}}
+{{- define "bootstrap-controller.config" -}}
+{{- $config := deepCopy .Values.config -}}
+{{- if eq (include "bootstrap-controller.endpointMode" .) "lease" -}}
+{{- $loops := default dict $config.loops -}}
+{{- $ep := default dict $loops.apiserverEndpoints -}}
+{{- $_ := set $ep "leaseNamespace" (include "bootstrap-controller.membershipNamespace" .) -}}
+{{- $_ := set $loops "apiserverEndpoints" $ep -}}
+{{- $_ := set $config "loops" $loops -}}
+{{- end -}}
+{{- toYaml $config -}}
 {{- end }}
 
 {{- define "bootstrap-controller.servicesNamespace" -}}
@@ -50,24 +73,91 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default "default" $svc.namespace -}}
 {{- end }}
 
-{{/* The container's arguments: the config file, and what only a flag or the chart knows. */}}
-{{- define "bootstrap-controller.args" -}}
-- run
-- --config=/etc/bootstrap-controller/config.yaml
-- --admin-addr=0.0.0.0:{{ .Values.adminPort }}
+{{/* The image reference: by digest when one is given. */}}
+{{- define "bootstrap-controller.image" -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ $tag }}
+{{- end -}}
+{{- end }}
+
+{{/* The priority class: system-cluster-critical only in kube-system unless one is named (quota
+elsewhere refuses it on managed clusters). */}}
+{{- define "bootstrap-controller.priorityClassName" -}}
+{{- if .Values.priorityClassName -}}
+{{ .Values.priorityClassName }}
+{{- else if eq .Release.Namespace "kube-system" -}}
+system-cluster-critical
+{{- end -}}
+{{- end }}
+
+{{/* The subjects of every binding: rbac.subjects, or this release's ServiceAccount. */}}
+{{- define "bootstrap-controller.subjects" -}}
+{{- if .Values.rbac.subjects }}
+{{- range .Values.rbac.subjects }}
+- kind: {{ .kind }}
+  name: {{ .name | quote }}
+  {{- if eq .kind "ServiceAccount" }}
+  namespace: {{ required "rbac.subjects: a ServiceAccount subject needs its namespace" .namespace }}
+  {{- else }}
+  apiGroup: rbac.authorization.k8s.io
+  {{- end }}
+{{- end }}
+{{- else }}
+- kind: ServiceAccount
+  name: {{ include "bootstrap-controller.serviceAccountName" . }}
+  namespace: {{ .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* Where the etcd CA is mounted: its own Secret's directory, or the client certificate's. */}}
+{{- define "bootstrap-controller.etcdCADir" -}}
+{{- if and .Values.etcd.caSecret (ne .Values.etcd.caSecret .Values.etcd.certificatesSecret) -}}
+/etc/bootstrap-controller/etcd-ca
+{{- else -}}
+/etc/bootstrap-controller/etcd
+{{- end -}}
+{{- end }}
+
+{{/* The settings, as the environment variables the binary reads for each flag: `kubectl exec
+... bootstrap-controller check` inherits them, where container arguments would not reach it. */}}
+{{- define "bootstrap-controller.settingsEnv" -}}
+- name: BOOTSTRAP_CONFIG
+  value: /etc/bootstrap-controller/config.yaml
+- name: BOOTSTRAP_ADMIN_ADDR
+  value: "0.0.0.0:{{ .Values.adminPort }}"
 {{- if .Values.targetKubeconfig.secretName }}
-- --kubeconfig=/etc/bootstrap-controller/target/{{ .Values.targetKubeconfig.key }}
+- name: BOOTSTRAP_KUBECONFIG
+  value: /etc/bootstrap-controller/target/{{ .Values.targetKubeconfig.key }}
 {{- end }}
 {{- if .Values.etcd.servers }}
-- --etcd-servers={{ join "," .Values.etcd.servers }}
-- --etcd-prefix={{ .Values.etcd.prefix }}
+- name: BOOTSTRAP_ETCD_SERVERS
+  value: {{ join "," .Values.etcd.servers | quote }}
+- name: BOOTSTRAP_ETCD_PREFIX
+  value: {{ .Values.etcd.prefix | quote }}
 {{- if .Values.etcd.certificatesSecret }}
-- --etcd-cafile=/etc/bootstrap-controller/etcd/ca.crt
-- --etcd-certfile=/etc/bootstrap-controller/etcd/tls.crt
-- --etcd-keyfile=/etc/bootstrap-controller/etcd/tls.key
+- name: BOOTSTRAP_ETCD_CAFILE
+  value: {{ include "bootstrap-controller.etcdCADir" . }}/{{ .Values.etcd.caKey }}
+- name: BOOTSTRAP_ETCD_CERTFILE
+  value: /etc/bootstrap-controller/etcd/tls.crt
+- name: BOOTSTRAP_ETCD_KEYFILE
+  value: /etc/bootstrap-controller/etcd/tls.key
+{{- else if .Values.etcd.caSecret }}
+- name: BOOTSTRAP_ETCD_CAFILE
+  value: {{ include "bootstrap-controller.etcdCADir" . }}/{{ .Values.etcd.caKey }}
 {{- end }}
 {{- end }}
-{{- with .Values.extraArgs }}
-{{ toYaml . }}
 {{- end }}
+
+{{/* Combinations the schema cannot refuse. */}}
+{{- define "bootstrap-controller.validate" -}}
+{{- $le := default dict .Values.config.leaderElection -}}
+{{- if and (gt (int .Values.replicaCount) 1) (eq (toString $le.enabled) "false") -}}
+{{- fail (printf "replicaCount is %d with config.leaderElection.enabled=false: every replica would write the same objects. Set replicaCount=1, or turn leader election on." (int .Values.replicaCount)) -}}
+{{- end -}}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
+{{- fail "metrics.serviceMonitor.enabled=true scrapes the metrics Service, but metrics.service.enabled=false renders none. Turn metrics.service.enabled on, or the ServiceMonitor off." -}}
+{{- end -}}
 {{- end }}
