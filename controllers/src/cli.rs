@@ -295,9 +295,12 @@ impl Controller {
         // Leadership outlives the runner, so passes running at shutdown may finish as leader.
         let leader_cancel = CancellationToken::new();
         let (leader, leader_task) = if config.leader_election.enabled {
-            let election_client =
-                leader::election_client(kube_config, config.leader_election.renew_grace)
-                    .map_err(StartError::ElectionClient)?;
+            let election_client = leader::election_client(
+                kube_config,
+                config.kubeconfig.as_deref(),
+                config.leader_election.renew_grace,
+            )
+            .map_err(StartError::ElectionClient)?;
             let settings = LeaderSettings {
                 lease_name: config.leader_election.lease_name.clone(),
                 lease_namespace: config.leader_election.lease_namespace.clone(),
@@ -377,7 +380,7 @@ async fn run(config: Config) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let client = match kube::Client::try_from(kube_config.clone()) {
+    let client = match crate::client::build(&kube_config, config.kubeconfig.as_deref()) {
         Ok(client) => client,
         Err(err) => {
             let message = format!(
@@ -444,7 +447,7 @@ async fn check(config: Config, timeout: Duration, output: OutputFormat) -> ExitC
         Err(err) => return fail(err.to_string()),
     };
     let server = kube_config.cluster_url.to_string();
-    let client = match kube::Client::try_from(kube_config) {
+    let client = match crate::client::build(&kube_config, config.kubeconfig.as_deref()) {
         Ok(client) => client,
         Err(err) => {
             return fail(format!(

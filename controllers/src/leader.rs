@@ -82,13 +82,18 @@ pub fn always_leader(metrics: &LeaderMetrics) -> watch::Receiver<bool> {
 /// A client for the election whose requests time out, so a hung API cannot keep this replica
 /// believing it leads after its Lease expired: renewals start a renew grace before expiry, and
 /// connecting plus answering must fit in it.
-pub fn election_client(config: &kube::Config, renew_grace: Duration) -> kube::Result<kube::Client> {
+/// `kubeconfig` is the file `config` came from (see [`crate::client::build`]).
+pub fn election_client(
+    config: &kube::Config,
+    kubeconfig: Option<&std::path::Path>,
+    renew_grace: Duration,
+) -> kube::Result<kube::Client> {
     let timeout = (renew_grace / 2).max(Duration::from_millis(500));
     let mut config = config.clone();
     config.connect_timeout = Some(timeout);
     config.read_timeout = Some(timeout);
     config.write_timeout = Some(timeout);
-    kube::Client::try_from(config)
+    crate::client::build(&config, kubeconfig)
 }
 
 /// The clients the election uses: writes must time out (see [`election_client`]), while the

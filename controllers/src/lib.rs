@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod kubeconfig;
 pub mod leader;

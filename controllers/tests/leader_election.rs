@@ -120,7 +120,7 @@ async fn steps_down_when_the_api_hangs() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
     let kube_config = bootstrap_controller::kubeconfig::load(Some(sim.kubeconfig_path())).await?;
     let settings = settings("a");
-    let client = leader::election_client(&kube_config, settings.renew_grace)?;
+    let client = leader::election_client(&kube_config, None, settings.renew_grace)?;
     let cancel = CancellationToken::new();
     let (receiver, task) = leader::spawn(
         leader::ElectionClients {
