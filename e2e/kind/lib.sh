@@ -76,11 +76,26 @@ wait_for_pod() {
     --timeout="$((timeout - waited > 1 ? timeout - waited : 1))s"
 }
 
-# The sidecar manifest on stdin with the image built here ($1), never pulled.
+# The value of kube-apiserver's flag --$1 in the first command line on stdin (as
+# require_reconciler_off reads them); fails if the flag is absent.
+apiserver_flag() {
+  local value
+  value="$(head -n 1 | sed -e 's/^\[//' -e 's/\]$//' -e 's/","/\n/g' | tr -d '"' |
+    sed -n "s#^--$1=##p" | head -n 1)"
+  if [ -z "${value}" ]; then
+    die "kube-apiserver has no --$1"
+  fi
+  printf '%s\n' "${value}"
+}
+
+# The sidecar manifest on stdin with the image built here ($1), never pulled, and the service
+# range of the cluster's kube-apiserver ($2; kind's default is 10.96.0.0/16, the manifest's
+# kubeadm's 10.96.0.0/12).
 sidecar_manifest() {
-  local image="$1"
+  local image="$1" range="$2"
   sed -e "s#^\( *image: \).*#\1${image}#" \
-    -e 's#^\( *imagePullPolicy: \).*#\1Never#'
+    -e 's#^\( *imagePullPolicy: \).*#\1Never#' \
+    -e "/name: BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE\$/{n;s#^\( *value: \).*#\1\"${range}\"#;}"
 }
 
 # Waits up to $2 seconds for the `kubernetes` endpoints to list the address $1.

@@ -35,9 +35,10 @@ kind create cluster --name "${CLUSTER}" --config "${WORK}/kind.yaml" --wait 120s
 KUBECONFIG_FILE="${WORK}/kubeconfig"
 kind get kubeconfig --name "${CLUSTER}" >"${KUBECONFIG_FILE}"
 export KUBECONFIG="${KUBECONFIG_FILE}"
-kubectl -n kube-system get pods -l component=kube-apiserver \
-  -o jsonpath='{range .items[*]}{.spec.containers[0].command}{"\n"}{end}' |
-  require_reconciler_off
+APISERVER_COMMANDS="$(kubectl -n kube-system get pods -l component=kube-apiserver \
+  -o jsonpath='{range .items[*]}{.spec.containers[0].command}{"\n"}{end}')"
+printf '%s\n' "${APISERVER_COMMANDS}" | require_reconciler_off
+SERVICE_RANGE="$(printf '%s\n' "${APISERVER_COMMANDS}" | apiserver_flag service-cluster-ip-range)"
 
 log "image ${IMAGE}"
 "${ENGINE}" build -f Containerfile -t "${IMAGE}" .
@@ -58,7 +59,8 @@ log "sidecar (static pod beside kube-apiserver)"
 kubectl apply -f deploy/sidecar/rbac.yaml
 "${ENGINE}" exec -i -e KUBEADM_CONFIG=/kind/kubeadm.conf "${NODE}" bash -s \
   <deploy/sidecar/setup-node.sh
-sidecar_manifest "${IMAGE}" <deploy/sidecar/bootstrap-controller.yaml >"${WORK}/sidecar.yaml"
+sidecar_manifest "${IMAGE}" "${SERVICE_RANGE}" <deploy/sidecar/bootstrap-controller.yaml \
+  >"${WORK}/sidecar.yaml"
 "${ENGINE}" cp "${WORK}/sidecar.yaml" "${NODE}:/etc/kubernetes/manifests/bootstrap-controller.yaml"
 wait_for_pod kube-system "bootstrap-controller-${NODE}" 180
 NODE_IP="$(kubectl get node "${NODE}" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')"

@@ -53,11 +53,15 @@ with open(os.path.join(state, "calls.jsonl"), "a") as log:
     log.write(json.dumps(call) + "\n")
 '''
 
+# kube-apiserver's command as kind starts it (its service subnet is 10.96.0.0/16).
 APISERVER_WITH_FLAG = (
     '["kube-apiserver","--advertise-address=192.0.2.10","--endpoint-reconciler-type=none",'
-    '"--secure-port=6443"]\n'
+    '"--secure-port=6443","--service-cluster-ip-range=10.96.0.0/16"]\n'
 )
-APISERVER_WITHOUT_FLAG = '["kube-apiserver","--advertise-address=192.0.2.10","--secure-port=6443"]\n'
+APISERVER_WITHOUT_FLAG = (
+    '["kube-apiserver","--advertise-address=192.0.2.10","--secure-port=6443",'
+    '"--service-cluster-ip-range=10.96.0.0/16"]\n'
+)
 
 
 def run_up(tmp: Path, engine: str, apiserver_command: str, mirror_delay: int = 2):
@@ -126,6 +130,9 @@ def test_up_runs_each_step_in_an_order_that_can_pass():
     assert calls[index(calls, "kind", "load")]["args"][2] == image
     container = sidecar["spec"]["containers"][0]
     assert container["image"] == image and container["imagePullPolicy"] == "Never"
+    # The sidecar uses the cluster's service range, not the manifest's kubeadm default.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE"] == "10.96.0.0/16"
     setup = calls[index(calls, "docker", "exec")]
     assert setup["stdin"] == (ROOT / "deploy" / "sidecar" / "setup-node.sh").read_text()
     assert "KUBEADM_CONFIG=/kind/kubeadm.conf" in setup["args"]
@@ -297,16 +304,31 @@ def test_wait_for_pod_gives_up_on_a_pod_that_never_appears():
 
 def test_sidecar_manifest_runs_the_local_image_without_pulling():
     manifest = (ROOT / "deploy" / "sidecar" / "bootstrap-controller.yaml").read_text()
-    out = lib('sidecar_manifest "example.org/bc:kind"', stdin=manifest)
+    out = lib('sidecar_manifest "example.org/bc:kind" "10.96.0.0/16,fd00:10:96::/112"',
+              stdin=manifest)
     assert out.returncode == 0, out.stderr
     pod = yaml.safe_load(out.stdout)
     original = yaml.safe_load(manifest)
     container = pod["spec"]["containers"][0]
     assert container["image"] == "example.org/bc:kind"
     assert container["imagePullPolicy"] == "Never"
+    ranges = [e for e in container["env"] if e["name"] == "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE"]
+    assert ranges == [{"name": "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE",
+                       "value": "10.96.0.0/16,fd00:10:96::/112"}]
+    ranges[0]["value"] = next(e["value"] for e in original["spec"]["containers"][0]["env"]
+                              if e["name"] == "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE")
     container.update(image=original["spec"]["containers"][0]["image"],
                      imagePullPolicy=original["spec"]["containers"][0]["imagePullPolicy"])
     assert pod == original  # nothing else changed
+
+
+def test_apiserver_flag_reads_one_flag_of_the_command():
+    command = '["kube-apiserver","--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/112",' \
+              '"--secure-port=6443"]\n'
+    done = lib("apiserver_flag service-cluster-ip-range", stdin=command)
+    assert done.stdout == "10.96.0.0/16,fd00:10:96::/112\n", done.stderr
+    done = lib("apiserver_flag service-cluster-ip-range", stdin='["kube-apiserver"]\n')
+    assert done.returncode == 1 and "has no --service-cluster-ip-range" in done.stderr
 
 
 def test_kind_scripts_are_shellcheck_clean():
