@@ -168,22 +168,6 @@ def container_args(manifests: list[dict], kind: str = "Deployment") -> tuple[lis
     return list(container.get("args", [])), env
 
 
-def local_args(
-    args: list[str], files: dict[str, Path], kubeconfig: Path, drop: tuple[str, ...] = ()
-) -> list[str]:
-    """Container args with in-container paths replaced by local files, the kubeconfig set."""
-    out = []
-    for arg in args:
-        if arg.startswith(drop):
-            continue
-        for container_path, local in files.items():
-            arg = arg.replace(container_path, str(local))
-        out.append(arg)
-    if not any(a.startswith("--kubeconfig") for a in out):
-        out.append(f"--kubeconfig={kubeconfig}")
-    return out
-
-
 @contextlib.contextmanager
 def tls_etcd(directory: Path) -> Iterator[tuple[str, Path, Path, Path]]:
     """A real etcd on free loopback ports with TLS and client certificates (made with openssl).
