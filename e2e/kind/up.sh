@@ -35,8 +35,14 @@ kind create cluster --name "${CLUSTER}" --config "${WORK}/kind.yaml" --wait 120s
 KUBECONFIG_FILE="${WORK}/kubeconfig"
 kind get kubeconfig --name "${CLUSTER}" >"${KUBECONFIG_FILE}"
 export KUBECONFIG="${KUBECONFIG_FILE}"
-APISERVER_COMMANDS="$(kubectl -n kube-system get pods -l component=kube-apiserver \
-  -o jsonpath='{range .items[*]}{.spec.containers[0].command}{"\n"}{end}')"
+# The mirror pod of kube-apiserver's static pod may be registered a moment after the node is
+# Ready: an empty answer is asked again (require_reconciler_off fails on one that stays empty).
+for _ in $(seq 30); do
+  APISERVER_COMMANDS="$(kubectl -n kube-system get pods -l component=kube-apiserver \
+    -o jsonpath='{range .items[*]}{.spec.containers[0].command}{"\n"}{end}')"
+  [ -n "${APISERVER_COMMANDS}" ] && break
+  sleep 1
+done
 printf '%s\n' "${APISERVER_COMMANDS}" | require_reconciler_off
 SERVICE_RANGE="$(printf '%s\n' "${APISERVER_COMMANDS}" | apiserver_flag service-cluster-ip-range)"
 
