@@ -275,7 +275,7 @@ async fn cluster_ip_mismatch_recreated_only_with_opt_in() {
 }
 
 #[tokio::test]
-async fn node_port_and_dual_stack_shape() {
+async fn node_port_with_two_ranges_is_single_stack() {
     let sim = Sim::start(apiserver_sim::SimConfig {
         seed_namespaces: vec!["default".into()],
         service_cluster_ip_ranges: vec![
@@ -299,64 +299,15 @@ async fn node_port_and_dual_stack_shape() {
     let spec = service(&sim).await.unwrap().spec.unwrap();
     assert_eq!(spec.type_.as_deref(), Some("NodePort"));
     assert_eq!(spec.ports.as_ref().unwrap()[0].node_port, Some(30443));
-    assert_eq!(
-        spec.cluster_ips,
-        Some(vec!["10.96.0.1".to_owned(), "fd00:10:96::1".to_owned()])
-    );
+    assert_eq!(spec.cluster_ips, Some(vec!["10.96.0.1".to_owned()]));
     assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
 }
 
+/// Two service ranges, but each apiserver advertises one address: the Service stays SingleStack
+/// of the primary range's family, as upstream keeps it, so no ClusterIP of the other family
+/// points at endpoints nobody serves. kube-apiserver's own SingleStack Service is left as it is.
 #[tokio::test]
-async fn single_stack_service_from_kube_apiserver_is_upgraded_to_dual_stack() {
-    let ranges = vec![
-        "10.96.0.0/12".parse().unwrap(),
-        "fd00:10:96::/108".parse().unwrap(),
-    ];
-    let sim = Sim::start(apiserver_sim::SimConfig {
-        seed_namespaces: vec!["default".into()],
-        service_cluster_ip_ranges: ranges.clone(),
-        ..apiserver_sim::SimConfig::default()
-    })
-    .await
-    .unwrap();
-    // What kube-apiserver creates: SingleStack, primary first IP only.
-    let single = service_loop(&sim, cfg());
-    single.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(
-        service(&sim)
-            .await
-            .unwrap()
-            .spec
-            .unwrap()
-            .ip_family_policy
-            .as_deref(),
-        Some("SingleStack")
-    );
-
-    let dual = service_loop(
-        &sim,
-        KubernetesServiceConfig {
-            service_cidrs: ranges,
-            ..cfg()
-        },
-    );
-    let report = dual.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(report.drift.len(), 1, "{report:?}");
-    assert_eq!(report.drift[0].kind, "service_ip_family_policy");
-    assert!(report.drift[0].applied);
-    let spec = service(&sim).await.unwrap().spec.unwrap();
-    assert_eq!(spec.ip_family_policy.as_deref(), Some("PreferDualStack"));
-    assert_eq!(
-        spec.cluster_ips,
-        Some(vec!["10.96.0.1".to_owned(), "fd00:10:96::1".to_owned()])
-    );
-    assert!(dual.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
-}
-
-/// The secondary range's first IP is taken: the Service must exist all the same, with the
-/// primary family, and later passes report the refused upgrade instead of failing.
-#[tokio::test]
-async fn dual_stack_service_exists_when_the_secondary_first_ip_is_taken() {
+async fn two_ranges_keep_the_service_single_stack_of_the_primary_family() {
     let ranges: Vec<ipnet::IpNet> = vec![
         "10.96.0.0/12".parse().unwrap(),
         "fd00:10:96::/108".parse().unwrap(),
@@ -368,52 +319,137 @@ async fn dual_stack_service_exists_when_the_secondary_first_ip_is_taken() {
     })
     .await
     .unwrap();
-    let services: kube::Api<k8s_openapi::api::core::v1::Service> =
-        kube::Api::namespaced(sim.client(), "default");
-    let taker: k8s_openapi::api::core::v1::Service = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "taker", "namespace": "default"},
-        "spec": {
-            "ipFamilyPolicy": "RequireDualStack",
-            "ipFamilies": ["IPv6", "IPv4"],
-            "clusterIPs": ["fd00:10:96::1", "10.96.0.77"],
-            "ports": [{"port": 80}]
-        }
-    }))
-    .unwrap();
-    services.create(&Default::default(), &taker).await.unwrap();
-
     let dual = service_loop(
         &sim,
         KubernetesServiceConfig {
-            service_cidrs: ranges,
+            service_cidrs: ranges.clone(),
             ..cfg()
         },
     );
     let report = dual.reconcile(&ctx(&sim, false)).await.unwrap();
     assert_eq!(report.drift[0].kind, "service_missing", "{report:?}");
     let spec = service(&sim).await.unwrap().spec.unwrap();
-    assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.1"));
+    assert_eq!(spec.ip_family_policy.as_deref(), Some("SingleStack"));
+    assert_eq!(spec.cluster_ips, Some(vec!["10.96.0.1".to_owned()]));
+    assert_eq!(spec.ip_families, Some(vec!["IPv4".to_owned()]));
+    sim.clear_requests();
+    assert!(dual.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
     assert_eq!(
-        spec.cluster_ips,
-        Some(vec!["10.96.0.1".to_owned()]),
-        "{spec:?}"
+        writes(&sim),
+        Vec::<String>::new(),
+        "never upgraded in place"
     );
 
-    for _ in 0..3 {
-        let report = dual.reconcile(&ctx(&sim, false)).await.unwrap();
-        assert_eq!(report.drift.len(), 1, "{report:?}");
-        assert_eq!(report.drift[0].kind, "service_ip_family_policy");
-        assert!(!report.drift[0].applied);
-        assert!(report.drift[0].message.contains("refused"), "{report:?}");
-    }
-    assert_eq!(
-        service(&sim)
-            .await
-            .unwrap()
-            .spec
-            .unwrap()
-            .cluster_ip
-            .as_deref(),
-        Some("10.96.0.1")
+    // An IPv6-primary cluster: the IPv6 family alone.
+    api(&sim)
+        .delete("kubernetes", &Default::default())
+        .await
+        .unwrap();
+    let v6_first = service_loop(
+        &sim,
+        KubernetesServiceConfig {
+            service_cidrs: vec![ranges[1], ranges[0]],
+            ..cfg()
+        },
     );
+    v6_first.reconcile(&ctx(&sim, false)).await.unwrap();
+    let spec = service(&sim).await.unwrap().spec.unwrap();
+    assert_eq!(spec.ip_family_policy.as_deref(), Some("SingleStack"));
+    assert_eq!(spec.cluster_ips, Some(vec!["fd00:10:96::1".to_owned()]));
+}
+
+/// A repair the API refuses (the configured node port is another Service's) is reported once, as
+/// a warning event, counted as a refusal and never as a repair, however many passes see it; it
+/// is repaired once the API accepts it.
+#[tokio::test]
+async fn a_refused_repair_is_reported_once_and_not_counted_as_a_repair() {
+    let sim = sim().await;
+    service_loop(&sim, cfg())
+        .reconcile(&ctx(&sim, false))
+        .await
+        .unwrap();
+    let holder: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "holder", "namespace": "default"},
+        "spec": {"type": "NodePort", "ports": [{"port": 80, "nodePort": 30443}]}
+    }))
+    .unwrap();
+    api(&sim)
+        .create(&PostParams::default(), &holder)
+        .await
+        .unwrap();
+
+    let l = service_loop(
+        &sim,
+        KubernetesServiceConfig {
+            node_port: Some(30443),
+            ..cfg()
+        },
+    );
+    for pass in 0..3 {
+        let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+        assert!(!report.drift.is_empty(), "pass {pass}: {report:?}");
+        for d in &report.drift {
+            assert!(!d.applied, "pass {pass}: {report:?}");
+            assert!(d.message.contains("refused"), "pass {pass}: {report:?}");
+        }
+    }
+    let reasons = event_reasons(&sim);
+    let count = |reason: &str| reasons.iter().filter(|r| *r == reason).count();
+    assert_eq!(count("KubernetesServiceRepairRefused"), 1, "{reasons:?}");
+    assert_eq!(count("KubernetesServiceRepaired"), 0, "{reasons:?}");
+    for kind in ["service_type", "service_ports"] {
+        assert_eq!(l.metrics().repairs(kind), 0, "{kind}");
+        assert_eq!(l.metrics().refusals(kind), 1, "{kind}");
+    }
+
+    api(&sim)
+        .delete("holder", &Default::default())
+        .await
+        .unwrap();
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert!(
+        report.drift.iter().all(|d| d.applied),
+        "repaired once accepted: {report:?}"
+    );
+    assert_eq!(l.metrics().repairs("service_type"), 1);
+    let spec = service(&sim).await.unwrap().spec.unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("NodePort"));
+}
+
+/// A creation the API refuses (the primary range's first IP is another Service's) is reported
+/// once too, and the loop keeps passing instead of failing.
+#[tokio::test]
+async fn a_refused_creation_is_reported_once() {
+    let sim = sim().await;
+    let taker: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "taker", "namespace": "default"},
+        "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}
+    }))
+    .unwrap();
+    api(&sim)
+        .create(&PostParams::default(), &taker)
+        .await
+        .unwrap();
+    let l = service_loop(&sim, cfg());
+    for _ in 0..3 {
+        let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+        assert_eq!(report.drift.len(), 1, "{report:?}");
+        assert_eq!(report.drift[0].kind, "service_missing");
+        assert!(!report.drift[0].applied);
+        assert!(
+            report.drift[0].message.contains("already allocated"),
+            "{report:?}"
+        );
+    }
+    let reasons = event_reasons(&sim);
+    assert_eq!(
+        reasons
+            .iter()
+            .filter(|r| *r == "KubernetesServiceCreateRefused")
+            .count(),
+        1,
+        "{reasons:?}"
+    );
+    assert_eq!(l.metrics().repairs("service_missing"), 0);
+    assert_eq!(l.metrics().refusals("service_missing"), 1);
 }
