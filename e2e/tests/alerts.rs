@@ -4,7 +4,8 @@
 //! simulator's backdoor) makes BootstrapNodePortConflict and BootstrapClusterIPConflict fire in
 //! Prometheus's alerts API; removing the drift resolves them. The rules are the chart's file with
 //! every `for` shortened, scraped and evaluated every second. The same run checks that every
-//! metric the dashboard and the rules name is in the controller's real `/metrics`.
+//! metric the dashboard and the rules name is in the controller's real `/metrics`, that every
+//! rule evaluates without error, and that every dashboard query runs.
 
 mod common;
 
@@ -157,6 +158,18 @@ async fn http10_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
         .map(|(_, body)| body.to_owned())
         .unwrap_or_default();
     Ok((status, body))
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters.
+fn url_encode(text: &str) -> String {
+    text.bytes()
+        .map(|byte| match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(byte).to_string()
+            }
+            _ => format!("%{byte:02X}"),
+        })
+        .collect()
 }
 
 /// Every `bootstrap_...` metric name in `text`.
@@ -345,6 +358,57 @@ async fn scenario() -> Result<()> {
     ensure!(
         missing.is_empty(),
         "the dashboard or the rules name metrics the binary does not export: {missing:?}\n{scrape}"
+    );
+
+    // Every rule evaluates without error, and so does every dashboard query (what promtool's
+    // parse cannot see: matching errors, wrong types at run time).
+    eventually("every rule evaluated without error", ALERT_WAIT, || async {
+        let rules = prometheus.get("/api/v1/rules").await?;
+        let health: Vec<(String, String)> = rules["data"]["groups"]
+            .as_array()
+            .context("groups")?
+            .iter()
+            .flat_map(|group| group["rules"].as_array().cloned().unwrap_or_default())
+            .map(|rule| {
+                (
+                    rule["name"].as_str().unwrap_or_default().to_owned(),
+                    format!("{} {}", rule["health"], rule["lastError"]),
+                )
+            })
+            .collect();
+        let bad: Vec<_> = health
+            .iter()
+            .filter(|(_, health)| !health.starts_with("\"ok\""))
+            .collect();
+        if bad.iter().any(|(_, health)| health.starts_with("\"err")) {
+            bail!("rules failed to evaluate: {bad:?}");
+        }
+        Ok((health.len() >= 10 && bad.is_empty()).then_some(()))
+    })
+    .await?;
+    let mut empty = Vec::new();
+    for query in dashboard_queries()? {
+        let promql = query
+            .replace("$__rate_interval", "1m")
+            .replace("\"$job\"", "\".+\"");
+        let answer = prometheus
+            .get(&format!("/api/v1/query?query={}", url_encode(&promql)))
+            .await
+            .with_context(|| format!("dashboard query {promql}"))?;
+        ensure!(answer["status"] == "success", "{promql}: {answer}");
+        if answer["data"]["result"]
+            .as_array()
+            .is_none_or(|result| result.is_empty())
+        {
+            empty.push(promql);
+        }
+    }
+    ensure!(
+        !empty
+            .iter()
+            .any(|q| q.contains("bootstrap_apiserver_endpoints_members")
+                || q.contains("bootstrap_loop_passes_total")),
+        "the endpoints members and the passes show no data: {empty:?}"
     );
 
     // The drift goes; so do the alerts.

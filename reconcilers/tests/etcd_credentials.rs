@@ -27,12 +27,15 @@ async fn a_renewed_client_certificate_is_used_without_a_restart() {
     // A client certificate from a CA the server does not trust.
     let foreign = Pki::generate();
     let dir = tempfile::tempdir().unwrap();
-    install(trusted, "client", dir.path());
+    install(&foreign, "client", dir.path());
     let mut config = etcd.config();
     config.cert_file = Some(dir.path().join("client.crt"));
     config.key_file = Some(dir.path().join("client.key"));
     let store = EtcdStore::new(config);
 
+    // Started with a certificate the server refuses: calls fail until it is replaced.
+    assert!(store.get("/k").await.is_err());
+    install(trusted, "client", dir.path());
     assert!(
         store
             .compare_and_swap("/k", None, b"1".to_vec())
