@@ -6,10 +6,10 @@
 
 use std::time::{Duration, Instant};
 
-use reconcilers::clusterip_repair::model::{ClusterIp, Protocol, ServiceRecord, Token};
 use reconcilers::findings::ReportOnce;
 use reconcilers::nodeport_repair::PortRange;
 use reconcilers::nodeport_repair::scan::scan;
+use reconcilers::service_cache::record::{ClusterIp, Protocol, ServiceRecord, Token};
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();

@@ -16,6 +16,7 @@ pub mod names;
 pub mod nodeport_repair;
 pub mod retry;
 pub mod section;
+pub mod service_cache;
 pub mod service_cidr;
 pub mod service_range;
 pub mod system_namespaces;

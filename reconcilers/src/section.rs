@@ -14,10 +14,10 @@ use ipnet::IpNet;
 use prometheus_client::registry::Registry;
 
 use crate::apiserver_endpoints::{ConfigLoader, EndpointsMode};
-use crate::clusterip_repair::model::ServiceRecord;
-use crate::clusterip_repair::reflector::SharedStore;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
+use crate::service_cache::record::ServiceRecord;
+use crate::service_cache::store::SharedStore;
 
 /// One invalid value: the field (flag or YAML path) and what is wrong with it, with the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -11,9 +11,8 @@ use std::time::Duration;
 
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
-use super::model::{
-    ClusterIp, IpAddressRecord, Name, ObjectVersion, ParentRef, ServiceCidrRecord, ServiceRecord,
-};
+use super::model::{IpAddressRecord, ObjectVersion, ParentRef, ServiceCidrRecord};
+use crate::service_cache::record::{ClusterIp, Name, ServiceRecord};
 
 /// Hash maps over IPs and names. foldhash is several times faster than SipHash here; names come
 /// from whoever may create Services, and foldhash's per-process random seed is what keeps them
@@ -813,7 +812,8 @@ pub struct RangeUsage {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::clusterip_repair::model::{IPALLOCATOR_MANAGER, IpLabels, Token};
+    use crate::clusterip_repair::model::{IPALLOCATOR_MANAGER, IpLabels};
+    use crate::service_cache::record::Token;
 
     const GRACE: Duration = Duration::from_secs(60);
 
@@ -1101,7 +1101,10 @@ mod tests {
             "Cluster IP [IPv4]:10.0.0.5 was assigned to multiple services; please recreate service"
         );
         assert_eq!(
-            note(std::slice::from_ref(&a), foreign(Some(("", "services", "d", "gone")))),
+            note(
+                std::slice::from_ref(&a),
+                foreign(Some(("", "services", "d", "gone")))
+            ),
             "Cluster IP [IPv4]:10.0.0.5 is held by Service d/gone, which does not exist \
              (IPAddress 10.0.0.5, managed by other.example.com); please recreate service"
         );

@@ -14,12 +14,12 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
 use tracing::warn;
 
-use super::model::{ClusterIp, ServiceRecord};
-use super::reflector::Store;
 use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
+use crate::service_cache::record::{ClusterIp, ServiceRecord};
+use crate::service_cache::store::Store;
 
 /// The bitmaps of the configured ranges, primary first.
 pub(super) struct LegacyIpBitmaps {
@@ -108,8 +108,7 @@ impl LegacyIpBitmaps {
             let fresh_in_use = || -> BoxFuture<'static, Option<FixedBitSet>> {
                 let (client, page_size, range) = (ctx.client.clone(), self.page_size, *range);
                 Box::pin(async move {
-                    let services =
-                        crate::nodeport_repair::fresh_services(&client, page_size).await?;
+                    let services = crate::service_cache::fresh_services(&client, page_size).await?;
                     Some(self::in_use(services.iter(), &range, bitmap_size(&range)).0)
                 })
             };
@@ -223,7 +222,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::clusterip_repair::model::Token;
+    use crate::service_cache::record::Token;
 
     fn service(name: &str, ips: &[&str]) -> ServiceRecord {
         ServiceRecord {

@@ -20,7 +20,6 @@
 pub mod decide;
 mod legacy;
 pub mod model;
-pub mod reflector;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -48,12 +47,13 @@ use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::service_range::ServiceRanges;
 
+use crate::service_cache::record::ServiceRecord;
+use crate::service_cache::store::{self, SharedStore, Store, reflect};
+use crate::service_cache::validate_page_size;
 use decide::{AuditDecision, Decision, DeleteGround, Finding, Regarding, Repair, ServiceOwner};
 use model::{
     IPALLOCATOR_MANAGER, IpAddressRecord, LABEL_IP_FAMILY, LABEL_MANAGED_BY, ServiceCidrRecord,
-    ServiceRecord,
 };
-use reflector::{SharedStore, Store, reflect};
 
 use crate::metrics::{loop_registry, registered};
 use crate::section::{
@@ -121,7 +121,7 @@ impl Default for ClusterIpRepairConfig {
             },
             reporting_instance: None,
             deferral_retry: Duration::from_secs(10),
-            page_size: reflector::DEFAULT_PAGE_SIZE,
+            page_size: store::DEFAULT_PAGE_SIZE,
             etcd: None,
         }
     }
@@ -198,23 +198,6 @@ impl LoopSection for Section {
     }
 }
 
-/// A LIST page holds at least one object.
-pub(crate) fn validate_page_size(
-    path: &str,
-    page_size: u32,
-    errors: &mut Vec<section::ConfigError>,
-) {
-    if page_size == 0 {
-        errors.push(section::ConfigError::new(
-            format!("{path}.pageSize"),
-            format!(
-                "must be at least 1 (the default is {})",
-                reflector::DEFAULT_PAGE_SIZE
-            ),
-        ));
-    }
-}
-
 impl ClusterIpRepairConfig {
     /// Errors name the field's YAML path.
     pub fn validate(&self) -> Result<(), section::ConfigError> {
@@ -232,7 +215,7 @@ impl ClusterIpRepairConfig {
                 "pageSize",
                 &format!(
                     "must be at least 1 (the default is {})",
-                    reflector::DEFAULT_PAGE_SIZE
+                    store::DEFAULT_PAGE_SIZE
                 ),
             );
         }

@@ -1,16 +1,17 @@
-//! The compact records the repair works on: each object the caches receive is projected to
-//! the fields the repair reads and dropped (at 100,000 Services the full objects would take
-//! hundreds of megabytes: managedFields, annotations, status).
+//! The compact records of IPAddresses and ServiceCIDRs the ClusterIP repair works on: each object
+//! its caches receive is projected to the fields the repair reads and dropped. The Services' are
+//! in [`crate::service_cache::record`].
 
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
-use crate::alloc::{IpFamily, parse_ip_sloppy};
+use crate::alloc::IpFamily;
+use crate::service_cache::record::{Name, Token, version_of};
+use crate::service_cache::store::Cached;
 
 /// Label naming the controller that manages an IPAddress.
 pub const LABEL_MANAGED_BY: &str = "ipaddress.kubernetes.io/managed-by";
@@ -18,132 +19,6 @@ pub const LABEL_MANAGED_BY: &str = "ipaddress.kubernetes.io/managed-by";
 pub const LABEL_IP_FAMILY: &str = "ipaddress.kubernetes.io/ip-family";
 /// The value of [`LABEL_MANAGED_BY`] on IPAddresses of Service ClusterIPs.
 pub const IPALLOCATOR_MANAGER: &str = "ipallocator.k8s.io";
-
-/// A namespace or object name. Kept inline up to 24 bytes (most names; no heap allocation):
-/// the decision compares each IPAddress's parent with its Service's namespace and name, and with
-/// the text inside the record that costs no extra cache miss.
-pub type Name = compact_str::CompactString;
-
-/// The parts of a Service the repair needs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ServiceRecord {
-    pub namespace: Name,
-    pub name: Name,
-    pub uid: Token,
-    /// 0 when not a number.
-    pub resource_version: u64,
-    /// The Service's cluster IPs, parsed once at decode time; empty when the Service has no
-    /// cluster IP (headless, ExternalName, not yet allocated).
-    pub cluster_ips: ClusterIps,
-    /// The non-zero `spec.ports[].nodePort`s with their protocols, in spec order, whatever the
-    /// Service's type: what the NodePort repair counts (upstream's `collectServiceNodePorts`).
-    pub node_ports: NodePorts,
-    /// `spec.healthCheckNodePort`, 0 when unset.
-    pub health_check_node_port: i32,
-    /// `metadata.creationTimestamp`: an IPAddress newer than its Service may have been written
-    /// ahead of the Service's update that lists it.
-    pub created: Option<jiff::Timestamp>,
-}
-
-/// Boxed: most Services hold no node port, and an empty box costs no allocation.
-pub type NodePorts = Box<[(i32, Protocol)]>;
-
-/// `spec.ports[].protocol`, as far as the NodePort repair tells them apart.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Protocol {
-    /// `TCP`, and an unset protocol (the API defaults it to TCP).
-    Tcp,
-    Udp,
-    Sctp,
-    /// Anything else; the API admits only the three above.
-    Other,
-}
-
-impl Protocol {
-    pub fn parse(text: &str) -> Self {
-        match text {
-            "TCP" | "" => Protocol::Tcp,
-            "UDP" => Protocol::Udp,
-            "SCTP" => Protocol::Sctp,
-            _ => Protocol::Other,
-        }
-    }
-}
-
-/// At most two cluster IPs (dual-stack) are valid, so they are kept inside the record: no
-/// allocation per Service when decoding, and no second cache miss when a pass reads them.
-pub type ClusterIps = smallvec::SmallVec<[ClusterIp; 2]>;
-
-/// One entry of `spec.clusterIPs`: an address (kept inline, no allocation) or, rarely, the
-/// text that does not parse.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ClusterIp {
-    Ip(IpAddr),
-    Invalid(Box<str>),
-}
-
-impl ClusterIp {
-    /// Parses as kube-apiserver does ([`parse_ip_sloppy`]).
-    pub fn parse(text: &str) -> Self {
-        parse_ip_sloppy(text).map_or_else(|| ClusterIp::Invalid(text.into()), ClusterIp::Ip)
-    }
-
-    pub fn ip(&self) -> Option<IpAddr> {
-        match self {
-            ClusterIp::Ip(ip) => Some(*ip),
-            ClusterIp::Invalid(_) => None,
-        }
-    }
-}
-
-impl std::fmt::Display for ClusterIp {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ClusterIp::Ip(ip) => ip.fmt(f),
-            ClusterIp::Invalid(raw) => f.write_str(raw),
-        }
-    }
-}
-
-impl ServiceRecord {
-    /// Whether the Service lists `ip` among its cluster IPs.
-    pub fn lists_ip(&self, ip: IpAddr) -> bool {
-        self.cluster_ips
-            .iter()
-            .any(|listed| listed.ip() == Some(ip))
-    }
-
-    pub fn key(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
-    }
-
-    /// The order of the Services' etcd keys ([`key_order`]).
-    pub fn key_cmp(&self, other: &Self) -> std::cmp::Ordering {
-        key_order((&self.namespace, &self.name), (&other.namespace, &other.name))
-    }
-}
-
-/// The order kube-apiserver lists objects in: their etcd keys `<prefix>/<namespace>/<name>`
-/// compared as bytes. Upstream's repairs walk a LIST in this order, so the first of two Services
-/// holding one IP or port is the one with the smaller key. It is not (namespace, name) order:
-/// `-` sorts before the `/` that ends a namespace, so `a-b/x` comes before `a/y`.
-pub fn key_order(a: (&str, &str), b: (&str, &str)) -> std::cmp::Ordering {
-    let (a_ns, b_ns) = (a.0.as_bytes(), b.0.as_bytes());
-    if a_ns == b_ns {
-        return a.1.cmp(b.1);
-    }
-    // Namespaces hold no `/`: where one namespace is a prefix of the other, its `/` meets the
-    // other's next byte.
-    let common = a_ns.len().min(b_ns.len());
-    match a_ns[..common].cmp(&b_ns[..common]) {
-        std::cmp::Ordering::Equal => {
-            let a_next = a_ns.get(common).copied().unwrap_or(b'/');
-            let b_next = b_ns.get(common).copied().unwrap_or(b'/');
-            a_next.cmp(&b_next)
-        }
-        unequal => unequal,
-    }
-}
 
 /// `spec.parentRef` of an IPAddress.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -334,128 +209,6 @@ pub struct ObjectVersion {
     pub resource_version: Box<str>,
 }
 
-/// An identifier from the API (a uid, a resourceVersion), kept without a heap allocation when it
-/// has the usual shape and rendered back exactly as received. At 100,000 Services and 130,000
-/// IPAddresses the allocations it saves are a large part of decoding a LIST.
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub enum Token {
-    /// A lowercase hyphenated UUID, as kube-apiserver generates uids: high and low halves
-    /// (a `u128` would align the whole enum, and every record holding one, to 16 bytes).
-    Uuid([u64; 2]),
-    /// A decimal number without leading zeros, as etcd-backed resourceVersions are.
-    Number(u64),
-    Text(Box<str>),
-}
-
-impl Token {
-    pub fn new(text: &str) -> Self {
-        match Token::canonical(text.as_bytes()) {
-            Some(token) => token,
-            None => Token::Text(text.into()),
-        }
-    }
-
-    fn canonical(bytes: &[u8]) -> Option<Self> {
-        canonical_number(bytes)
-            .map(Token::Number)
-            .or_else(|| canonical_uuid(bytes).map(Token::Uuid))
-    }
-
-    /// The token as a number, when it is one (resourceVersions).
-    pub fn number(&self) -> Option<u64> {
-        match self {
-            Token::Number(number) => Some(*number),
-            _ => None,
-        }
-    }
-}
-
-impl From<&str> for Token {
-    fn from(text: &str) -> Self {
-        Token::new(text)
-    }
-}
-
-impl std::fmt::Display for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Token::Uuid([high, low]) => {
-                let v = (u128::from(*high) << 64) | u128::from(*low);
-                write!(
-                    f,
-                    "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-                    v >> 96,
-                    (v >> 80) & 0xffff,
-                    (v >> 64) & 0xffff,
-                    (v >> 48) & 0xffff,
-                    v & 0xffff_ffff_ffff
-                )
-            }
-            Token::Number(number) => number.fmt(f),
-            Token::Text(text) => f.write_str(text),
-        }
-    }
-}
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}", self.to_string())
-    }
-}
-
-/// Digits only, no leading zero, fits a u64: exactly the texts `u64::to_string` produces.
-fn canonical_number(bytes: &[u8]) -> Option<u64> {
-    let plain = !bytes.is_empty()
-        && bytes.len() <= 19
-        && (bytes[0] != b'0' || bytes.len() == 1)
-        && bytes.iter().all(u8::is_ascii_digit);
-    // At most 19 digits: no overflow.
-    plain.then(|| {
-        bytes
-            .iter()
-            .fold(0u64, |value, digit| value * 10 + u64::from(digit - b'0'))
-    })
-}
-
-/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` in lowercase hex: exactly what [`Token`]'s `Display`
-/// writes back.
-fn canonical_uuid(bytes: &[u8]) -> Option<[u64; 2]> {
-    if bytes.len() != 36 || [8, 13, 18, 23].iter().any(|&at| bytes[at] != b'-') {
-        return None;
-    }
-    let high = (hex(&bytes[0..8])? << 32) | (hex(&bytes[9..13])? << 16) | hex(&bytes[14..18])?;
-    let low = (hex(&bytes[19..23])? << 48) | hex(&bytes[24..36])?;
-    Some([high, low])
-}
-
-/// Lowercase hex digits (at most 16) as a number. Table-driven and branch-free per digit: two
-/// uids per object, 230,000 objects in a LIST at scale.
-fn hex(digits: &[u8]) -> Option<u64> {
-    const INVALID: u8 = 0xF0;
-    const VALUES: [u8; 256] = {
-        let mut table = [INVALID; 256];
-        let mut digit = 0;
-        while digit < 10 {
-            table[b'0' as usize + digit] = digit as u8;
-            digit += 1;
-        }
-        let mut letter = 0;
-        while letter < 6 {
-            table[b'a' as usize + letter] = 10 + letter as u8;
-            letter += 1;
-        }
-        table
-    };
-    let mut value: u64 = 0;
-    let mut invalid = 0u8;
-    for &byte in digits {
-        let digit = VALUES[usize::from(byte)];
-        invalid |= digit;
-        value = (value << 4) | u64::from(digit & 0x0F);
-    }
-    (invalid & INVALID == 0).then_some(value)
-}
-
 /// An IPAddress object's name: the IP itself when the name is its canonical spelling (always, for
 /// names the API accepted; no allocation), otherwise the text as written.
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -530,60 +283,6 @@ fn renders_as(ip: IpAddr, text: &str) -> bool {
     use std::fmt::Write;
     let _ = write!(compare, "{ip}");
     compare.equal && compare.rest.is_empty()
-}
-
-fn name_of(text: Option<&String>) -> Name {
-    Name::new(text.map_or("", String::as_str))
-}
-
-fn version_of(meta: &ObjectMeta) -> u64 {
-    meta.resource_version
-        .as_deref()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or(0)
-}
-
-impl From<&Service> for ServiceRecord {
-    fn from(service: &Service) -> Self {
-        let meta = &service.metadata;
-        let spec = service.spec.as_ref();
-        let cluster_ip = spec.and_then(|spec| spec.cluster_ip.as_deref());
-        // upstream's IsServiceIPSet: a Service without a cluster IP, or a headless one, has no
-        // IPs to repair whatever clusterIPs says.
-        let has_ip = cluster_ip.is_some_and(|ip| !ip.is_empty() && ip != "None");
-        let listed = spec
-            .and_then(|spec| spec.cluster_ips.as_deref())
-            .filter(|ips| !ips.is_empty());
-        let cluster_ips = match (has_ip, listed) {
-            (false, _) => ClusterIps::new(),
-            (true, Some(ips)) => ips.iter().map(|ip| ClusterIp::parse(ip)).collect(),
-            (true, None) => cluster_ip.map(ClusterIp::parse).into_iter().collect(),
-        };
-        let node_ports = spec
-            .and_then(|spec| spec.ports.as_deref())
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|port| {
-                let node_port = port.node_port.filter(|port| *port != 0)?;
-                Some((
-                    node_port,
-                    Protocol::parse(port.protocol.as_deref().unwrap_or("")),
-                ))
-            })
-            .collect();
-        Self {
-            namespace: name_of(meta.namespace.as_ref()),
-            name: name_of(meta.name.as_ref()),
-            uid: Token::new(meta.uid.as_deref().unwrap_or("")),
-            resource_version: version_of(meta),
-            cluster_ips,
-            node_ports,
-            health_check_node_port: spec
-                .and_then(|spec| spec.health_check_node_port)
-                .unwrap_or(0),
-            created: meta.creation_timestamp.as_ref().map(|time| time.0),
-        }
-    }
 }
 
 /// An IPAddress as the cache receives it: k8s-openapi's type requires `spec.parentRef` and its
@@ -675,10 +374,35 @@ impl From<&ServiceCIDR> for ServiceCidrRecord {
     }
 }
 
+impl Cached for IpAddressRecord {
+    type Object = IpAddressObject;
+    /// The name, which is the IP: no allocation for the usual (canonical) names.
+    type Key = IpName;
+    fn project(object: &IpAddressObject) -> Self {
+        IpAddressRecord::from(object)
+    }
+    fn cache_key(&self) -> Self::Key {
+        self.name.clone()
+    }
+}
+
+impl Cached for ServiceCidrRecord {
+    type Object = ServiceCIDR;
+    type Key = Box<str>;
+    fn project(object: &ServiceCIDR) -> Self {
+        ServiceCidrRecord::from(object)
+    }
+    fn cache_key(&self) -> Self::Key {
+        self.name.clone()
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::service_cache::record::ServiceRecord;
+    use k8s_openapi::api::core::v1::Service;
 
     fn service(json: &str) -> ServiceRecord {
         ServiceRecord::from(&serde_json::from_str::<Service>(json).unwrap())
@@ -689,67 +413,6 @@ mod tests {
     }
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/k8s-api");
-
-    /// The order of `<namespace>/<name>` as bytes, for every pair of a few names chosen around
-    /// the `/`: `-` and `.` sort below it, digits and letters above.
-    #[test]
-    fn key_order_is_the_order_of_the_keys_as_bytes() {
-        let names = [
-            ("a", "z"),
-            ("a", "y"),
-            ("a-b", "x"),
-            ("a0", "a"),
-            ("a", "a-b"),
-            ("ab", "a"),
-            ("", "a"),
-            ("a", ""),
-            ("b", "a"),
-        ];
-        for a in names {
-            for b in names {
-                let want = format!("{}/{}", a.0, a.1)
-                    .as_bytes()
-                    .cmp(format!("{}/{}", b.0, b.1).as_bytes());
-                assert_eq!(key_order(a, b), want, "{a:?} vs {b:?}");
-            }
-        }
-        assert_eq!(
-            key_order(("a-b", "x"), ("a", "y")),
-            std::cmp::Ordering::Less
-        );
-    }
-
-
-    #[test]
-    fn decodes_a_dual_stack_service() {
-        let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web","namespace":"shop",
-            "uid":"u1","resourceVersion":"42","managedFields":[{"manager":"x"}]},
-            "spec":{"clusterIP":"10.0.0.5","clusterIPs":["10.0.0.5","fd00::5"],"ports":[{"port":80}]}}"#;
-        let svc = service(json);
-        assert_eq!(&*svc.namespace, "shop");
-        assert_eq!(&*svc.name, "web");
-        assert_eq!(svc.resource_version, 42);
-        assert_eq!(svc.cluster_ips.len(), 2);
-        assert!(svc.lists_ip("fd00::5".parse().unwrap()));
-        assert!(!svc.lists_ip("10.0.0.6".parse().unwrap()));
-    }
-
-    #[test]
-    fn headless_and_old_services() {
-        let headless = service(
-            r#"{"metadata":{"name":"h","namespace":"d"},"spec":{"clusterIP":"None","clusterIPs":["None"]}}"#,
-        );
-        assert!(headless.cluster_ips.is_empty());
-        let external =
-            service(r#"{"metadata":{"name":"e","namespace":"d"},"spec":{"type":"ExternalName"}}"#);
-        assert!(external.cluster_ips.is_empty());
-        let old =
-            service(r#"{"metadata":{"name":"o","namespace":"d"},"spec":{"clusterIP":"10.0.0.9"}}"#);
-        assert_eq!(
-            old.cluster_ips[0],
-            ClusterIp::Ip("10.0.0.9".parse().unwrap())
-        );
-    }
 
     #[test]
     fn decodes_upstream_fixtures() {
@@ -776,32 +439,6 @@ mod tests {
         let svc =
             service(&std::fs::read_to_string(format!("{FIXTURES}/core.v1.Service.json")).unwrap());
         assert!(!svc.name.is_empty());
-    }
-
-    #[test]
-    fn tokens_render_back_exactly() {
-        for text in [
-            "0",
-            "42",
-            "18446744073709551615",
-            "18446744073709551616",
-            "007",
-            "",
-            "abc",
-            "6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f",
-            "6F2C1D5E-8B7A-4C3D-9E1F-0A2B3C4D5E6F",
-            "6f2c1d5e8b7a4c3d9e1f0a2b3c4d5e6f",
-            "uid-10.0.0.5",
-        ] {
-            assert_eq!(Token::new(text).to_string(), text);
-        }
-        assert_eq!(Token::new("42"), Token::Number(42));
-        assert_eq!(Token::new("42").number(), Some(42));
-        assert!(matches!(
-            Token::new("6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f"),
-            Token::Uuid(_)
-        ));
-        assert!(matches!(Token::new("007"), Token::Text(_)));
     }
 
     /// A pass holds one record per Service and per IPAddress: 100,000s at scale, so every

@@ -30,15 +30,15 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
-use crate::clusterip_repair::model::ServiceRecord;
-use crate::clusterip_repair::reflector::{self, SharedStore, reflect};
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
+use crate::service_cache::record::ServiceRecord;
+use crate::service_cache::store::{self, SharedStore, reflect};
+use crate::service_cache::{fresh_services, validate_page_size};
 pub use scan::{Finding, PortRange, Problem};
 
-use crate::clusterip_repair::validate_page_size;
 use crate::metrics::{loop_registry, registered};
 use crate::section::{
     BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
@@ -72,7 +72,7 @@ impl Default for NodePortRepairConfig {
             interval: Duration::from_secs(180),
             range: PortRange::default(),
             reporting_instance: None,
-            page_size: reflector::DEFAULT_PAGE_SIZE,
+            page_size: store::DEFAULT_PAGE_SIZE,
             etcd: None,
         }
     }
@@ -401,16 +401,5 @@ impl Reconciler for NodePortRepair {
         ctx: &'a PassContext,
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
         Box::pin(self.pass(ctx))
-    }
-}
-
-/// Every Service, listed now; `None` (logged) when the list fails.
-pub(crate) async fn fresh_services(client: &Client, page_size: u32) -> Option<Vec<ServiceRecord>> {
-    match reflector::list_fresh::<ServiceRecord>(client, page_size).await {
-        Ok(services) => Some(services),
-        Err(err) => {
-            warn!(error = %err, "cannot list the Services to confirm a leak; it stays held");
-            None
-        }
     }
 }

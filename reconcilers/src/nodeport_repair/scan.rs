@@ -8,7 +8,7 @@ use std::fmt;
 use fixedbitset::FixedBitSet;
 use smallvec::SmallVec;
 
-use crate::clusterip_repair::model::{Name, Protocol, ServiceRecord, Token};
+use crate::service_cache::record::{Name, Protocol, ServiceRecord, Token};
 
 /// kube-apiserver's `--service-node-port-range`: `base` to `last`, both inclusive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -14,14 +14,13 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::api::{Api, ListParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, watcher};
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-use super::model::{IpAddressRecord, IpName, ServiceCidrRecord, ServiceRecord};
+use super::record::{Name, ServiceRecord};
 
 /// A record kept in a [`Store`]: the projection of one API object.
 pub trait Cached: Clone + Debug + Send + Sync + 'static {
@@ -40,35 +39,12 @@ pub trait Cached: Clone + Debug + Send + Sync + 'static {
 
 impl Cached for ServiceRecord {
     type Object = Service;
-    type Key = (super::model::Name, super::model::Name);
+    type Key = (Name, Name);
     fn project(object: &Service) -> Self {
         ServiceRecord::from(object)
     }
     fn cache_key(&self) -> Self::Key {
         (self.namespace.clone(), self.name.clone())
-    }
-}
-
-impl Cached for IpAddressRecord {
-    type Object = super::model::IpAddressObject;
-    /// The name, which is the IP: no allocation for the usual (canonical) names.
-    type Key = IpName;
-    fn project(object: &super::model::IpAddressObject) -> Self {
-        IpAddressRecord::from(object)
-    }
-    fn cache_key(&self) -> Self::Key {
-        self.name.clone()
-    }
-}
-
-impl Cached for ServiceCidrRecord {
-    type Object = ServiceCIDR;
-    type Key = Box<str>;
-    fn project(object: &ServiceCIDR) -> Self {
-        ServiceCidrRecord::from(object)
-    }
-    fn cache_key(&self) -> Self::Key {
-        self.name.clone()
     }
 }
 
