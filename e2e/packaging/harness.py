@@ -252,8 +252,12 @@ class RecordingProxy:
                 upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=600)
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in ("host", "connection")}
-                upstream.request(self.command, self.path, body=body, headers=headers)
-                response = upstream.getresponse()
+                try:
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    response = upstream.getresponse()
+                except (OSError, http.client.HTTPException):
+                    self.send_error(502, "the simulator did not answer")
+                    return
                 self.send_response(response.status)
                 chunked = response.getheader("Content-Length") is None
                 for key, value in response.getheaders():
@@ -275,7 +279,8 @@ class RecordingProxy:
                     if chunked:
                         self.wfile.write(b"0\r\n\r\n")
                         self.wfile.flush()
-                except (BrokenPipeError, ConnectionResetError):
+                except (OSError, http.client.HTTPException):
+                    # A watch cut by either side (the simulator or the controller stopping).
                     self.close_connection = True
                 finally:
                     upstream.close()
