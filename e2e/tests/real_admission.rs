@@ -1,0 +1,183 @@
+//! What a real kube-apiserver refuses at admission among the hostile objects of
+//! `hostile_objects.rs` (`hostile/objects.rs`), each created through its API as any client would,
+//! and the simulator refusing the same through its normal API (its backdoor stores them anyway,
+//! which is how `hostile_objects.rs` plants them there; against a real cluster it plants the
+//! rest through the API).
+
+mod common;
+// The list is shared with hostile_objects.rs, which uses all of it.
+#[allow(dead_code)]
+#[path = "hostile/objects.rs"]
+mod hostile;
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context, Result, ensure};
+use common::control_plane::ControlPlane;
+use common::{SimProcess, client_from};
+use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use kube::{Api, Client};
+use serde_json::Value;
+
+/// One control plane at a time: each is three processes that want a core.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn skipped_under_shared_control_plane(test: &str) -> bool {
+    if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_some() {
+        eprintln!(
+            "SKIPPED {test}: starts a control plane of its own; `cargo test -p e2e --test \
+             real_admission` without BOOTSTRAP_E2E_KUBECONFIG runs it"
+        );
+        return true;
+    }
+    false
+}
+
+/// The API of an object's kind, from its apiVersion and kind.
+fn api_of(client: &Client, object: &Value) -> Result<Api<DynamicObject>> {
+    let api_version = object["apiVersion"].as_str().context("apiVersion")?;
+    let kind = object["kind"].as_str().context("kind")?;
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let plural = match kind {
+        "Endpoints" => "endpoints".to_owned(),
+        other if other.ends_with('s') => format!("{}es", other.to_lowercase()),
+        other => format!("{}s", other.to_lowercase()),
+    };
+    let resource =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), &plural);
+    Ok(match object["metadata"]["namespace"].as_str() {
+        Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
+        None => Api::all_with(client.clone(), &resource),
+    })
+}
+
+/// Creates `object` through the API: `None` when it went in, the refusal (code and message)
+/// otherwise.
+async fn create(client: &Client, object: &Value) -> Result<Option<(u16, String)>> {
+    let api = api_of(client, object)?;
+    let mut object = object.clone();
+    // A client cannot choose a uid; the backdoor's objects carry one.
+    if let Some(metadata) = object["metadata"].as_object_mut() {
+        metadata.remove("uid");
+    }
+    let object: DynamicObject = serde_json::from_value(object)?;
+    match api.create(&PostParams::default(), &object).await {
+        Ok(_) => Ok(None),
+        Err(kube::Error::Api(status)) => Ok(Some((status.code, status.message))),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// Every hostile object created through `client`'s API. The Terminating namespace is created
+/// under a fresh name (`kube-node-lease` exists on a real cluster).
+async fn outcomes(client: &Client) -> Result<BTreeMap<String, Option<(u16, String)>>> {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    for name in ["default", "kube-system"] {
+        let ns = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        // Present on a real cluster (409); the simulator starts without them.
+        let _ = namespaces.create(&PostParams::default(), &ns).await;
+    }
+    let mut out = BTreeMap::new();
+    for mut object in hostile::hostile() {
+        if object["kind"] == "Namespace" {
+            object["metadata"]["name"] = "hostile-terminating".into();
+        }
+        out.insert(hostile::name_of(&object), create(client, &object).await?);
+    }
+    Ok(out)
+}
+
+/// The outcomes against the pinned list: exactly the listed objects refused, each with its code
+/// and words.
+fn judge(who: &str, outcomes: &BTreeMap<String, Option<(u16, String)>>) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (name, outcome) in outcomes {
+        let pinned = hostile::REFUSED_BY_A_REAL_APISERVER
+            .iter()
+            .find(|(refused, _, _)| refused == name);
+        match (pinned, outcome) {
+            (None, None) => {}
+            (None, Some(refusal)) => problems.push(format!(
+                "{who} refused {name}, which a real apiserver takes: {refusal:?}"
+            )),
+            (Some(_), None) => problems.push(format!("{who} took {name}")),
+            (Some((_, code, words)), Some((got, message))) => {
+                if got != code || !message.contains(words) {
+                    problems.push(format!(
+                        "{who} refused {name} with {got} {message:?}, not {code} ...{words}..."
+                    ));
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// The hostile objects created through a real kube-apiserver's API: the pinned ones are refused
+/// (invalid cluster IPs, IPAddresses without an IP name or a parent, an unparseable
+/// ServiceCIDR, a Lease that could never expire); the rest go in, and how they are stored is
+/// what `hostile_objects.rs` meets on a real cluster. The simulator refuses exactly the same
+/// through its API.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator_too() -> Result<()>
+{
+    if skipped_under_shared_control_plane(
+        "the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator_too",
+    ) {
+        return Ok(());
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cp = ControlPlane::start(1)?;
+    let client = client_from(&cp.admin_kubeconfig(1)).await?;
+    let real = outcomes(&client).await?;
+    for (name, outcome) in &real {
+        match outcome {
+            None => println!("real kube-apiserver took {name}"),
+            Some((code, message)) => {
+                println!("real kube-apiserver refused {name}: {code} {message}")
+            }
+        }
+    }
+    let mut problems = judge("the real apiserver", &real);
+
+    // How the real apiserver stores what it takes: unknown fields dropped; a deletionTimestamp
+    // in a create ignored (the namespace is Active, its finalizer kept: only a delete makes it
+    // Terminating); the 10,000 addresses kept.
+    let future = Api::<Service>::namespaced(client.clone(), "default")
+        .get("future")
+        .await?;
+    let future = serde_json::to_value(&future)?;
+    ensure!(
+        future.pointer("/spec/futureSpecField").is_none()
+            && future.pointer("/spec/ports/0/futurePortField").is_none(),
+        "unknown fields kept: {future}"
+    );
+    let terminating = Api::<Namespace>::all(client.clone())
+        .get("hostile-terminating")
+        .await?;
+    ensure!(
+        terminating.metadata.deletion_timestamp.is_none()
+            && terminating.status.and_then(|s| s.phase).as_deref() == Some("Active")
+            && terminating.metadata.finalizers == Some(vec!["example.com/stuck".to_owned()]),
+        "a namespace created with a deletionTimestamp: {:?}",
+        terminating.metadata
+    );
+    let endpoints = Api::<Endpoints>::namespaced(client.clone(), "default")
+        .get("kubernetes")
+        .await?;
+    let addresses: usize = endpoints
+        .subsets
+        .unwrap_or_default()
+        .iter()
+        .map(|s| s.addresses.as_ref().map_or(0, Vec::len))
+        .sum();
+    ensure!(addresses == 10_000, "{addresses} addresses stored");
+    drop(cp);
+
+    let sim = SimProcess::start(&[]).await?;
+    let simulated = outcomes(&client_from(&sim.kubeconfig).await?).await?;
+    problems.extend(judge("the simulator", &simulated));
+    ensure!(problems.is_empty(), "{}", problems.join("\n"));
+    Ok(())
+}
