@@ -1,8 +1,9 @@
 //! Process harness for the end-to-end tests: the simulator and the controller run as real
 //! processes, driven and observed through the Kubernetes API, their admin ports and their exit codes.
 //!
-//! Set `BOOTSTRAP_E2E_KUBECONFIG` to run the same tests against a real cluster (kind); cases that
-//! need the simulator's backdoor or fault injection say that they are skipped there.
+//! Set `BOOTSTRAP_E2E_KUBECONFIG` to run the same tests against a real cluster (one at a time:
+//! they share it); the parts that need the simulator's backdoor, fault injection or request log
+//! say that they are skipped there (`Target::sim`).
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -82,18 +83,70 @@ impl Target {
         client_from(self.kubeconfig()).await
     }
 
-    /// The simulator, or `None` (after saying so) when the test runs against a real cluster.
+    /// The simulator, or `None` (after saying so) when the test runs against a real cluster: for
+    /// the parts of a test that need its backdoor, fault injection or request log.
     pub fn sim(&self, test: &str) -> Option<&SimProcess> {
         match self {
             Target::Sim(sim) => Some(sim),
             Target::Cluster { .. } => {
                 eprintln!(
-                    "SKIPPED {test}: needs the simulator's backdoor or faults (real cluster)"
+                    "SKIPPED {test}: needs the simulator's backdoor, faults or request log \
+                     (real cluster)"
                 );
                 None
             }
         }
     }
+}
+
+/// The label of the apiserver membership Leases (kube-system) the controllers write.
+pub const MEMBERSHIP_LEASES: &str = "bootstrap-controller.io/apiserver-endpoint=kubernetes";
+
+/// What controllers of earlier tests leave behind in kube-system on a shared real cluster: their
+/// membership Leases (a long TTL keeps an address listed for minutes) and the leader-election
+/// Lease (a killed holder keeps it for a lease duration, and its holder's name is not the test's).
+/// Deleted when a test that counts members or reads the leader starts (see [`forget_controllers`])
+/// and, through this guard's drop, when it ends; declare it before the controllers, so that they
+/// are gone first. Nothing to do on a fresh simulator.
+pub struct ControllerLeftovers(Option<PathBuf>);
+
+impl ControllerLeftovers {
+    pub fn forget(target: &Target) -> Result<Self> {
+        match target {
+            Target::Sim(_) => Ok(Self(None)),
+            Target::Cluster { kubeconfig } => {
+                forget_controllers(kubeconfig)?;
+                Ok(Self(Some(kubeconfig.clone())))
+            }
+        }
+    }
+}
+
+impl Drop for ControllerLeftovers {
+    fn drop(&mut self) {
+        if let Some(kubeconfig) = &self.0
+            && let Err(err) = forget_controllers(kubeconfig)
+        {
+            eprintln!("cleaning up the controllers' Leases: {err:#}");
+        }
+    }
+}
+
+/// Deletes the membership Leases and the leader-election Lease (kubectl: also from a drop).
+pub fn forget_controllers(kubeconfig: &Path) -> Result<()> {
+    for args in [
+        &["delete", "leases", "-l", MEMBERSHIP_LEASES][..],
+        &["delete", "lease", "bootstrap-controller"][..],
+    ] {
+        let out = kubectl(
+            kubeconfig,
+            &[args, &["-n", "kube-system", "--ignore-not-found"]].concat(),
+        )?;
+        if !out.status.success() {
+            bail!("kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    Ok(())
 }
 
 pub async fn client_from(kubeconfig: &Path) -> Result<Client> {
