@@ -1,7 +1,10 @@
 //! Benchmark for the `kubernetes` endpoints, against real processes: three
 //! `bootstrap-controller run` sidecars (one per simulated apiserver) and `apiserver-sim`.
 //! - time from a SIGKILL of a non-leader sidecar to its address leaving the Endpoints;
-//! - time from a SIGTERM of a non-leader sidecar to its address leaving the Endpoints;
+//! - time from a SIGTERM of a non-leader sidecar whose apiserver is stopping (its `/readyz`
+//!   failing) to its address leaving the Endpoints;
+//! - how long a SIGTERM of a sidecar beside a ready apiserver takes to exit (it probes `/readyz`
+//!   over `shutdownProbeWindow` and keeps its address);
 //! - time from a corrupted Endpoints port to its repair (seen by our own watch);
 //! - writes per minute to Endpoints/EndpointSlices/Services at rest, and all requests per minute.
 //!
@@ -12,6 +15,8 @@
 mod common;
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -22,6 +27,31 @@ use k8s_openapi::api::core::v1::Endpoints;
 use kube::api::PostParams;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// One simulated apiserver's `/readyz`: 200 or 500 as the benchmark says.
+async fn readyz() -> Result<(String, Arc<AtomicBool>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}/readyz", listener.local_addr()?);
+    let ready = Arc::new(AtomicBool::new(true));
+    let flag = ready.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let flag = flag.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let response = if flag.load(Ordering::SeqCst) {
+                    "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
+                } else {
+                    "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 6\r\nconnection: close\r\n\r\nfailed"
+                };
+                let _ = stream.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    Ok((url, ready))
+}
 
 struct Args {
     interval: String,
@@ -145,21 +175,29 @@ async fn main() -> Result<()> {
     let client = common::client_from(&sim.kubeconfig).await?;
     let endpoints: Api<Endpoints> = Api::namespaced(client.clone(), "default");
     let dir = tempfile::tempdir()?;
-    let config = dir.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: {}\n    leaseTTL: {}\n",
-            args.interval, args.ttl
-        ),
-    )?;
+    // Each sidecar probes its own apiserver's /readyz.
+    let mut configs = Vec::new();
+    let mut readiness = Vec::new();
+    for n in 1..=3 {
+        let (url, ready) = readyz().await?;
+        let config = dir.path().join(format!("config-{n}.yaml"));
+        std::fs::write(
+            &config,
+            format!(
+                "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: {}\n    leaseTTL: {}\n    readyzURL: {url}\n",
+                args.interval, args.ttl
+            ),
+        )?;
+        configs.push(config);
+        readiness.push(ready);
+    }
     println!(
         "three sidecars, endpoints interval {}, lease TTL {}",
         args.interval, args.ttl
     );
     let mut members: Vec<Option<ControllerProcess>> = Vec::new();
     for n in 1..=3 {
-        members.push(Some(start_member(&sim.kubeconfig, &config, n)?));
+        members.push(Some(start_member(&sim.kubeconfig, &configs[n - 1], n)?));
     }
     for n in 1..=3 {
         wait_listed(&endpoints, &format!("10.0.0.{n}"), true).await?;
@@ -169,26 +207,48 @@ async fn main() -> Result<()> {
         .find(|n| format!("member-{n}") != leader_id)
         .context("a follower")?;
     let victim_address = format!("10.0.0.{victim}");
+    let config = &configs[victim - 1];
 
     let mut kills = Vec::new();
     for _ in 0..args.kill_trials {
         let process = members[victim - 1].take().context("victim running")?;
         kills.push(removal_after(&endpoints, &victim_address, || signal(&process, "-KILL")).await?);
         drop(process);
-        members[victim - 1] = Some(start_member(&sim.kubeconfig, &config, victim)?);
+        members[victim - 1] = Some(start_member(&sim.kubeconfig, config, victim)?);
         wait_listed(&endpoints, &victim_address, true).await?;
     }
     summary("SIGKILL -> address removed", kills);
 
+    // The node goes away: its apiserver fails /readyz, then the sidecar gets SIGTERM.
     let mut terms = Vec::new();
     for _ in 0..args.term_trials {
         let process = members[victim - 1].take().context("victim running")?;
+        readiness[victim - 1].store(false, Ordering::SeqCst);
         terms.push(removal_after(&endpoints, &victim_address, || signal(&process, "-TERM")).await?);
         drop(process);
-        members[victim - 1] = Some(start_member(&sim.kubeconfig, &config, victim)?);
+        readiness[victim - 1].store(true, Ordering::SeqCst);
+        members[victim - 1] = Some(start_member(&sim.kubeconfig, config, victim)?);
         wait_listed(&endpoints, &victim_address, true).await?;
     }
-    summary("SIGTERM -> address removed", terms);
+    summary("SIGTERM, apiserver stopping -> address removed", terms);
+
+    // Only the sidecar stops (a restart, an upgrade): it probes, keeps the address, exits.
+    let mut stops = Vec::new();
+    for _ in 0..args.term_trials.min(5) {
+        let mut process = members[victim - 1].take().context("victim running")?;
+        process.wait_ready().await?;
+        let started = Instant::now();
+        let status = process.terminate()?;
+        stops.push(started.elapsed());
+        if !status.success() {
+            bail!("SIGTERM: exit status {status}:\n{}", process.log());
+        }
+        if !listed(&endpoints).await?.contains(&victim_address) {
+            bail!("{victim_address} withdrawn although its apiserver is ready");
+        }
+        members[victim - 1] = Some(start_member(&sim.kubeconfig, config, victim)?);
+    }
+    summary("SIGTERM, apiserver ready -> exited, address kept", stops);
 
     let mut events = watcher::watcher(
         endpoints.clone(),
