@@ -75,6 +75,7 @@ async fn wait_listed(client: &Client, want: &[&str], what: &str) -> Result<Durat
 fn sidecar(cp: &ControlPlane, n: usize, config: &ConfigFile) -> Result<ControllerProcess> {
     let kubeconfig = cp.user_kubeconfig(&format!("sidecar-{n}"), &["system:masters"], n)?;
     let address = cp.apiserver_address(n)?.to_owned();
+    let port = cp.apiserver_port(n)?.to_owned();
     let identity = format!("sidecar-{n}");
     ControllerProcess::start(
         &kubeconfig,
@@ -83,6 +84,8 @@ fn sidecar(cp: &ControlPlane, n: usize, config: &ConfigFile) -> Result<Controlle
             &config.path,
             "--advertise-address",
             &address,
+            "--secure-port",
+            &port,
             "--endpoint-reconciler-type",
             "lease",
             "--leader-elect-identity",

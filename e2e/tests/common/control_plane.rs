@@ -119,6 +119,11 @@ impl ControlPlane {
         self.var(&format!("APISERVER_{n}_ADDRESS"))
     }
 
+    /// The port apiserver `n` serves on: the controller's `--secure-port` beside it.
+    pub fn apiserver_port(&self, n: usize) -> Result<&str> {
+        self.var(&format!("APISERVER_{n}_PORT"))
+    }
+
     pub fn etcd_url(&self) -> Result<&str> {
         self.var("ETCD_URL")
     }
