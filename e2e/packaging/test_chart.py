@@ -497,6 +497,22 @@ def rbac_of(values: dict, namespace: str = "bootstrap") -> list[dict]:
             if o["kind"] in ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding")]
 
 
+def test_servicecidr_writes_are_granted_only_with_a_configured_range():
+    """Without serviceClusterIPRange the service-cidr loop does not run (the range is read from
+    the cluster), so nothing may create the default ServiceCIDR or patch its status."""
+    def servicecidr_verbs(values):
+        return sorted({g[2] + " " + g[3] for g in granted(rbac_of(values))
+                       if g[2].startswith("servicecidrs")})
+    assert servicecidr_verbs({}) == ["servicecidrs list", "servicecidrs watch"]
+    configured = {"config": {"serviceClusterIPRange": "10.96.0.0/12"}}
+    assert servicecidr_verbs(configured) == [
+        "servicecidrs create", "servicecidrs list", "servicecidrs watch",
+        "servicecidrs/status patch"]
+    loop_off = {"config": {"serviceClusterIPRange": "10.96.0.0/12",
+                           "loops": {"serviceCIDR": {"enabled": False}}}}
+    assert servicecidr_verbs(loop_off) == ["servicecidrs list", "servicecidrs watch"]
+
+
 def test_writes_are_granted_only_where_they_are_made():
     rendered = rbac_of(RBAC_VALUES)
     grants = granted(rendered)
@@ -560,7 +576,9 @@ def test_hosted_rbac_binds_the_kubeconfigs_identity_and_renders_alone():
 SIDECAR_EQUIVALENT = {
     "fullnameOverride": "bootstrap-controller",
     "rbac": {"subjects": [{"kind": "User", "name": "system:bootstrap-controller"}]},
-    "config": {"endpointReconcilerType": "lease",
+    # The sidecar sets the apiserver's range (BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE), so it keeps
+    # the default ServiceCIDR.
+    "config": {"endpointReconcilerType": "lease", "serviceClusterIPRange": "10.96.0.0/12",
                "loops": {"apiserverEndpoints": {"leaseNamespace": "bootstrap-controller"}}},
 }
 
