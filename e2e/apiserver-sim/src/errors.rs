@@ -91,18 +91,20 @@ impl ApiError {
         }
     }
 
-    /// 422 Invalid with one cause per field error: `(field, message)`.
+    /// 422 Invalid with one cause per field error: `(field, message)`. The message names the
+    /// group-qualified kind, as kube-apiserver's `NewInvalid` does (`Lease.coordination.k8s.io
+    /// "x" is invalid: ...`; core kinds, and Events of either API, unqualified).
     pub fn invalid(res: &ResourceDef, name: &str, causes: &[(String, String)]) -> Self {
         let msgs: Vec<String> = causes.iter().map(|(f, m)| format!("{f}: {m}")).collect();
-        let message = if msgs.len() == 1 {
-            format!("{} \"{}\" is invalid: {}", res.kind, name, msgs[0])
+        let kind = if res.group.is_empty() {
+            res.kind.to_string()
         } else {
-            format!(
-                "{} \"{}\" is invalid: [{}]",
-                res.kind,
-                name,
-                msgs.join(", ")
-            )
+            format!("{}.{}", res.kind, res.group)
+        };
+        let message = if msgs.len() == 1 {
+            format!("{kind} \"{name}\" is invalid: {}", msgs[0])
+        } else {
+            format!("{kind} \"{name}\" is invalid: [{}]", msgs.join(", "))
         };
         let mut details = json!({
             "name": name,

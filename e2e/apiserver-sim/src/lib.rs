@@ -18,6 +18,7 @@
 
 mod convert;
 mod errors;
+mod events;
 mod faults;
 mod meta;
 mod ops;

@@ -214,13 +214,7 @@ impl Shared {
         let mut errs = Vec::new();
         let name_err = match (def.group, def.plural) {
             ("", "namespaces") | ("", "services") => dns1123_label_errors(name),
-            ("networking.k8s.io", "ipaddresses") => match name.parse::<std::net::IpAddr>() {
-                Ok(ip) if ip.to_string() == name => None,
-                Ok(ip) => Some(format!("must be in canonical form (\"{ip}\")")),
-                Err(_) => Some(
-                    "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)".to_string(),
-                ),
-            },
+            ("networking.k8s.io", "ipaddresses") => ip_address_name_error(name),
             _ => dns1123_subdomain_errors(name),
         };
         if let Some(e) = name_err {
@@ -233,6 +227,18 @@ impl Shared {
         match (def.group, def.plural) {
             ("", "services") => errs.extend(services::default_and_validate(obj)),
             ("networking.k8s.io", "ipaddresses") => {
+                // Empty optional strings are not serialized by kube-apiserver: a `group: ""`
+                // sent for a core parent comes back without `group`.
+                if let Some(parent) = obj
+                    .pointer_mut("/spec/parentRef")
+                    .and_then(Value::as_object_mut)
+                {
+                    for f in ["group", "namespace"] {
+                        if parent.get(f).and_then(Value::as_str) == Some("") {
+                            parent.remove(f);
+                        }
+                    }
+                }
                 if obj.pointer("/spec/parentRef").is_none_or(Value::is_null) {
                     errs.push(("spec.parentRef".into(), "Required value".into()));
                 } else {
@@ -423,6 +429,8 @@ impl Shared {
         dry_run: bool,
     ) -> Result<Bytes, ApiError> {
         self.normalize_body(res, ns, None, &mut body)?;
+        // events.k8s.io/v1 is stored as core/v1 Events; which API created one decides its checks.
+        let events_v1 = convert::is_converted(res);
         let mut body = convert::to_storage(res, body);
         let res = convert::storage_idx(res);
         let def = &RESOURCES[res];
@@ -460,7 +468,10 @@ impl Shared {
         if res == self.ns_idx {
             prepare_namespace(&mut body, &name);
         }
-        let errs = self.validate(res, &name, &mut body);
+        let mut errs = self.validate(res, &name, &mut body);
+        if (def.group, def.plural) == ("", "events") {
+            errs.extend(crate::events::create_errors(&body, ns, events_v1));
+        }
         if !errs.is_empty() {
             return Err(ApiError::invalid(def, &name, &errs));
         }
@@ -571,7 +582,18 @@ impl Shared {
         if res == self.ns_idx {
             prepare_namespace_update(&old, &mut body, name);
         }
-        let errs = self.validate(res, name, &mut body);
+        let mut errs = self.validate(res, name, &mut body);
+        // kube-apiserver's ValidateIPAddressUpdate: the parent of an IP is fixed (the repair
+        // loops delete and recreate an IPAddress to change it). Its message has `null` for the
+        // value.
+        if (def.group, def.plural) == ("networking.k8s.io", "ipaddresses")
+            && parent_ref(&old) != parent_ref(&body)
+        {
+            errs.push((
+                "spec.parentRef".into(),
+                "Invalid value: null: field is immutable".into(),
+            ));
+        }
         if !errs.is_empty() {
             return Err(ApiError::invalid(def, name, &errs));
         }
@@ -1101,4 +1123,42 @@ fn prepare_namespace_update(old: &Value, body: &mut Value, name: &str) {
             }
         }
     }
+}
+
+/// kube-apiserver's checks of an IPAddress name (`ValidateIPAddressName` with strict IP parsing):
+/// a valid IP, without leading zeros (Go's legacy parser reads `10.096.0.1`, the strict one
+/// refuses it), not IPv4-mapped IPv6, in canonical form.
+fn ip_address_name_error(name: &str) -> Option<String> {
+    match name.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V6(v6)) if v6.to_ipv4_mapped().is_some() => {
+            Some("must not be an IPv4-mapped IPv6 address".to_string())
+        }
+        Ok(ip) if ip.to_string() == name => None,
+        Ok(ip) => Some(format!("must be in canonical form (\"{ip}\")")),
+        Err(_) if is_ipv4_with_leading_zeros(name) => Some("must not have leading 0s".to_string()),
+        Err(_) => Some("must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)".to_string()),
+    }
+}
+
+/// Four dot-separated decimal numbers up to 255, which Go's `ParseIPSloppy` accepts with leading
+/// zeros.
+fn is_ipv4_with_leading_zeros(name: &str) -> bool {
+    let parts: Vec<&str> = name.split('.').collect();
+    parts.len() == 4
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && p.bytes().all(|b| b.is_ascii_digit())
+                && p.trim_start_matches('0').len() <= 3
+                && p.parse::<u32>().is_ok_and(|n| n <= 255)
+        })
+}
+
+/// An IPAddress's `spec.parentRef` without empty `group` and `namespace`, which kube-apiserver
+/// does not tell from absent ones (objects the backdoor wrote may carry them).
+fn parent_ref(obj: &Value) -> Option<Value> {
+    let mut parent = obj.pointer("/spec/parentRef")?.clone();
+    if let Some(fields) = parent.as_object_mut() {
+        fields.retain(|_, v| v.as_str() != Some(""));
+    }
+    Some(parent)
 }

@@ -815,8 +815,8 @@ pub fn apply(
                 },
             },
             "spec": {
+                // kube-apiserver's allocator leaves `group` empty, which it does not serialize.
                 "parentRef": {
-                    "group": "",
                     "resource": "services",
                     "namespace": ns,
                     "name": name,
