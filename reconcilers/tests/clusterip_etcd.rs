@@ -268,3 +268,59 @@ async fn a_shrunk_range_drops_what_falls_outside() {
     );
     assert_eq!(store.get(KEY).await.unwrap().unwrap(), before);
 }
+
+/// No `serviceClusterIPRange`: the bitmaps are built for the range of the ServiceCIDR
+/// `kubernetes` (what kube-apiserver 1.33+ creates from its flag), at the first pass.
+#[tokio::test]
+async fn without_a_configured_range_the_bitmap_follows_the_service_cidr() {
+    use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    Api::<ServiceCIDR>::all(sim.client())
+        .create(
+            &Default::default(),
+            &ServiceCIDR {
+                metadata: kube::api::ObjectMeta {
+                    name: Some("kubernetes".into()),
+                    ..Default::default()
+                },
+                spec: Some(ServiceCIDRSpec {
+                    cidrs: Some(vec![RANGE.to_owned()]),
+                }),
+                status: None,
+            },
+        )
+        .await
+        .unwrap();
+    let ip = web_ip(&sim).await;
+    let stored = RangeAllocation::new(RANGE.to_owned(), bitmap(&[]));
+    assert!(
+        store
+            .compare_and_swap(KEY, None, stored.encode())
+            .await
+            .unwrap()
+    );
+
+    let repair = Arc::new(
+        ClusterIpRepair::new(
+            sim.client(),
+            ClusterIpRepairConfig {
+                mode: RepairMode::Audit,
+                etcd: Some(etcd.config()),
+                ..ClusterIpRepairConfig::default()
+            },
+            &mut Registry::default(),
+        )
+        .unwrap(),
+    );
+    let mut triggers = futures::stream::select_all(repair.triggers());
+    tokio::spawn(async move { while triggers.next().await.is_some() {} });
+    let report = pass(&sim, &repair).await;
+    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
+    assert_eq!(kinds, vec!["clusterip_bitmap_not_allocated"], "{report:?}");
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let decoded = RangeAllocation::decode(&value.value).unwrap();
+    assert_eq!(decoded.range, RANGE);
+    assert!(bitmap_from_bytes(&decoded.data, SIZE).contains(offset(&ip)));
+}
