@@ -741,6 +741,40 @@ async fn watches_trigger_on_corruption() {
     assert!(matches!(fired, Ok(Some(()))));
 }
 
+/// A full-URL probe whose connection fails (here: a TLS name mismatch, as with credentials that
+/// changed on disk) builds its client again from the kubeconfig as it is now, within the same
+/// check, and keeps a client that works.
+#[tokio::test]
+async fn a_full_url_probe_rebuilds_its_client_after_a_connection_failure() {
+    use reconcilers::apiserver_endpoints::LazyUrlReadyz;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let sim = sim().await;
+    let kubeconfig = kube::config::Kubeconfig::read_from(sim.kubeconfig_path()).unwrap();
+    let good = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    let mut stale = good.clone();
+    stale.tls_server_name = Some("not-the-apiserver.example".to_owned());
+    let loads = Arc::new(AtomicUsize::new(0));
+    let counted = loads.clone();
+    let lazy = LazyUrlReadyz::new(
+        format!("{}/readyz", sim.base_url()),
+        Duration::from_secs(5),
+        Arc::new(move || {
+            let config = if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                stale.clone()
+            } else {
+                good.clone()
+            };
+            Box::pin(async move { Ok(config) })
+        }),
+    );
+    lazy.check().await.unwrap();
+    assert_eq!(loads.load(Ordering::SeqCst), 2, "built again once");
+    lazy.check().await.unwrap();
+    assert_eq!(loads.load(Ordering::SeqCst), 2, "a working client is kept");
+}
+
 #[tokio::test]
 async fn readyz_probe_follows_the_apiserver() {
     use reconcilers::apiserver_endpoints::{ApiserverReadyz, LazyUrlReadyz};

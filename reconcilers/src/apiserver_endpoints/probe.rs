@@ -158,11 +158,14 @@ pub type ConfigLoader = Arc<
 
 /// [`ApiserverReadyz::for_url`], built on first use, for callers that only have an async way to
 /// load the kubeconfig. A failure to build is reported as "not ready" and retried next check.
+/// A probe that cannot connect (refused, TLS handshake failed) builds its client again from the
+/// kubeconfig as it is then and tries once more: its client certificate and CA were read when it
+/// was built, and may have been rotated on disk since.
 pub struct LazyUrlReadyz {
     url: String,
     timeout: Duration,
     load: ConfigLoader,
-    built: tokio::sync::OnceCell<ApiserverReadyz>,
+    built: tokio::sync::Mutex<Option<ApiserverReadyz>>,
 }
 
 impl LazyUrlReadyz {
@@ -171,25 +174,34 @@ impl LazyUrlReadyz {
             url: url.into(),
             timeout,
             load,
-            built: tokio::sync::OnceCell::new(),
+            built: tokio::sync::Mutex::new(None),
         }
+    }
+
+    /// The probe, built from the kubeconfig if there is none yet or `fresh` is asked for.
+    async fn probe(&self, fresh: bool) -> Result<ApiserverReadyz, NotReady> {
+        let mut built = self.built.lock().await;
+        if let Some(probe) = built.as_ref().filter(|_| !fresh) {
+            return Ok(probe.clone());
+        }
+        let base = (self.load)()
+            .await
+            .map_err(|e| NotReady::Setup(e.to_string()))?;
+        let probe = ApiserverReadyz::for_url(&base, &self.url, self.timeout)
+            .map_err(|e| NotReady::Setup(e.to_string()))?;
+        *built = Some(probe.clone());
+        Ok(probe)
     }
 }
 
 impl ReadinessProbe for LazyUrlReadyz {
     fn check(&self) -> BoxFuture<'_, Result<(), NotReady>> {
         Box::pin(async move {
-            let probe = self
-                .built
-                .get_or_try_init(|| async {
-                    let base = (self.load)()
-                        .await
-                        .map_err(|e| NotReady::Setup(e.to_string()))?;
-                    ApiserverReadyz::for_url(&base, &self.url, self.timeout)
-                        .map_err(|e| NotReady::Setup(e.to_string()))
-                })
-                .await?;
-            probe.check().await
+            match self.probe(false).await?.check().await {
+                // No HTTP answer at all: perhaps credentials that changed on disk.
+                Err(NotReady::Failed { .. }) => self.probe(true).await?.check().await,
+                answered => answered,
+            }
         })
     }
 }
