@@ -322,7 +322,19 @@ impl Shared {
                         }
                     }
                     let ports = subset.get("ports").and_then(Value::as_array);
+                    // validateEndpointPort: with several ports each needs its name.
+                    let many = ports.is_some_and(|p| p.len() > 1);
                     for (j, p) in ports.into_iter().flatten().enumerate() {
+                        if many
+                            && p.get("name")
+                                .and_then(Value::as_str)
+                                .is_none_or(str::is_empty)
+                        {
+                            errs.push((
+                                format!("subsets[{i}].ports[{j}].name"),
+                                "Required value".into(),
+                            ));
+                        }
                         let port = p.get("port").and_then(Value::as_i64).unwrap_or(0);
                         if !(1..=65535).contains(&port) {
                             errs.push((
@@ -593,6 +605,9 @@ impl Shared {
                 "spec.parentRef".into(),
                 "Invalid value: null: field is immutable".into(),
             ));
+        }
+        if (def.group, def.plural) == ("networking.k8s.io", "servicecidrs") && !status {
+            errs.extend(service_cidr_update_errors(&old, &body));
         }
         if !errs.is_empty() {
             return Err(ApiError::invalid(def, name, &errs));
@@ -1161,4 +1176,28 @@ fn parent_ref(obj: &Value) -> Option<Value> {
         fields.retain(|_, v| v.as_str() != Some(""));
     }
     Some(parent)
+}
+
+/// kube-apiserver's ValidateServiceCIDRUpdate: the CIDRs are immutable, except that a
+/// single-stack ServiceCIDR may gain a second CIDR (to become dual-stack).
+fn service_cidr_update_errors(old: &Value, new: &Value) -> Vec<(String, String)> {
+    let cidrs = |obj: &Value| -> Vec<Value> {
+        obj.pointer("/spec/cidrs")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let (old, new) = (cidrs(old), cidrs(new));
+    let immutable = |field: String, value: &Value| {
+        (field, format!("Invalid value: {value}: field is immutable"))
+    };
+    match (old.len(), new.len()) {
+        (o, n) if o == n => (0..o)
+            .filter(|i| old[*i] != new[*i])
+            .map(|i| immutable(format!("spec.cidrs[{i}]"), &new[i]))
+            .collect(),
+        (1, 2) if old[0] != new[0] => vec![immutable("spec.cidrs[0]".into(), &new[0])],
+        (1, 2) => Vec::new(),
+        _ => vec![immutable("spec.cidrs".into(), &Value::Array(new))],
+    }
 }

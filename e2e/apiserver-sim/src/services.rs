@@ -150,15 +150,11 @@ pub fn default_and_validate(svc: &mut Value) -> FieldErrors {
                 };
                 p.entry("protocol").or_insert(json!("TCP"));
                 let port = p.get("port").and_then(Value::as_i64).unwrap_or(0);
-                if !(1..=65535).contains(&port) {
-                    errs.push((
-                        format!("spec.ports[{i}].port"),
-                        format!("Invalid value: {port}: must be between 1 and 65535, inclusive"),
-                    ));
-                }
                 if !p.contains_key("targetPort") {
                     p.insert("targetPort".into(), json!(port));
                 }
+                // validateServicePort's order: the name, the port, then the target port
+                // (defaulted to the port, so a port 0 is reported twice, as upstream does).
                 let name = p
                     .get("name")
                     .and_then(Value::as_str)
@@ -170,6 +166,20 @@ pub fn default_and_validate(svc: &mut Value) -> FieldErrors {
                     errs.push((
                         format!("spec.ports[{i}].name"),
                         format!("Duplicate value: {}", go_quote(&name)),
+                    ));
+                }
+                if !(1..=65535).contains(&port) {
+                    errs.push((
+                        format!("spec.ports[{i}].port"),
+                        format!("Invalid value: {port}: must be between 1 and 65535, inclusive"),
+                    ));
+                }
+                if let Some(target) = p.get("targetPort").and_then(Value::as_i64)
+                    && !(1..=65535).contains(&target)
+                {
+                    errs.push((
+                        format!("spec.ports[{i}].targetPort"),
+                        format!("Invalid value: {target}: must be between 1 and 65535, inclusive"),
                     ));
                 }
             }

@@ -7,8 +7,8 @@ mod common;
 
 use common::{api_err, create_ns, start};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Event as CoreEvent;
-use k8s_openapi::api::networking::v1::IPAddress;
+use k8s_openapi::api::core::v1::{Endpoints, Event as CoreEvent, Service};
+use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
 use kube::Api;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -294,4 +294,88 @@ async fn events_are_validated_on_create() {
     )
     .await
     .unwrap();
+}
+
+/// ValidateServiceCIDRUpdate: the CIDRs are immutable, except a single-stack ServiceCIDR gaining
+/// its second family.
+#[tokio::test]
+async fn service_cidrs_are_immutable_but_may_become_dual_stack() {
+    let sim = start().await;
+    let api: Api<ServiceCIDR> = Api::all(sim.client());
+    let cidr: ServiceCIDR = serde_json::from_value(json!({
+        "metadata": {"name": "extra"}, "spec": {"cidrs": ["10.210.0.0/24"]}
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &cidr).await.unwrap();
+    let set = |cidrs: Value| {
+        let api = api.clone();
+        async move {
+            api.patch(
+                "extra",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"cidrs": cidrs}})),
+            )
+            .await
+        }
+    };
+    let invalid = "ServiceCIDR.networking.k8s.io \"extra\" is invalid: ";
+    for (cidrs, error) in [
+        (
+            json!(["10.211.0.0/24"]),
+            "spec.cidrs[0]: Invalid value: \"10.211.0.0/24\": field is immutable",
+        ),
+        (
+            json!(["10.210.0.0/24", "10.202.0.0/24", "fd00::/64"]),
+            "spec.cidrs: Invalid value: [\"10.210.0.0/24\",\"10.202.0.0/24\",\"fd00::/64\"]: \
+             field is immutable",
+        ),
+        (
+            json!(["10.212.0.0/24", "fd00::/120"]),
+            "spec.cidrs[0]: Invalid value: \"10.212.0.0/24\": field is immutable",
+        ),
+    ] {
+        let e = api_err(set(cidrs).await);
+        assert_eq!(e.message, format!("{invalid}{error}"));
+    }
+    set(json!(["10.210.0.0/24", "fd00::/120"])).await.unwrap();
+    let e = api_err(set(json!(["10.210.0.0/24"])).await);
+    assert_eq!(
+        e.message,
+        format!("{invalid}spec.cidrs: Invalid value: [\"10.210.0.0/24\"]: field is immutable")
+    );
+}
+
+/// Ports: a Service's are checked name, port, then target port (defaulted to the port); with
+/// several ports in a Service or an Endpoints subset, each needs a name.
+#[tokio::test]
+async fn service_and_endpoints_ports_are_checked_as_upstream() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "default").await;
+    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let endpoints: Api<Endpoints> = Api::namespaced(client, "default");
+    let service: Service = serde_json::from_value(json!({
+        "metadata": {"name": "ports"},
+        "spec": {"ports": [{"port": 0}, {"port": 5, "name": "a", "targetPort": 70000}]}
+    }))
+    .unwrap();
+    let e = api_err(services.create(&PostParams::default(), &service).await);
+    assert_eq!(
+        e.message,
+        "Service \"ports\" is invalid: [spec.ports[0].name: Required value, spec.ports[0].port: \
+         Invalid value: 0: must be between 1 and 65535, inclusive, spec.ports[0].targetPort: \
+         Invalid value: 0: must be between 1 and 65535, inclusive, spec.ports[1].targetPort: \
+         Invalid value: 70000: must be between 1 and 65535, inclusive]"
+    );
+    let subset: Endpoints = serde_json::from_value(json!({
+        "metadata": {"name": "ports"},
+        "subsets": [{"addresses": [{"ip": "192.0.2.9"}], "ports": [{"port": 1}, {"port": 0, "name": "b"}]}]
+    }))
+    .unwrap();
+    let e = api_err(endpoints.create(&PostParams::default(), &subset).await);
+    assert_eq!(
+        e.message,
+        "Endpoints \"ports\" is invalid: [subsets[0].ports[0].name: Required value, \
+         subsets[0].ports[1].port: Invalid value: 0: must be between 1 and 65535, inclusive]"
+    );
 }
