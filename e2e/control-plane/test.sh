@@ -6,7 +6,17 @@
 # control planes of their own (tests/real_control_plane.rs) run in the plain `cargo test`.
 #
 # Usage: e2e/control-plane/test.sh [cargo test options, e.g. --test system_namespaces]
+#                                    [-- test binary options, e.g. --nocapture]
 set -euo pipefail
+
+# Options after `--` go to the test binaries, after --test-threads=1 (a second `--` would make
+# libtest read it as a name filter and run nothing).
+cargo_args=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  cargo_args+=("$1")
+  shift
+done
+if [ $# -gt 0 ]; then shift; fi
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -17,4 +27,4 @@ trap '"$here/down.sh" "$dir" >/dev/null || true' EXIT
 cd "$root"
 # One test at a time: they share the cluster's kubernetes Service, leader Lease and namespaces.
 BOOTSTRAP_E2E_KUBECONFIG="$dir/admin.kubeconfig" \
-  cargo test -p e2e "$@" -- --test-threads=1
+  cargo test -p e2e ${cargo_args[@]+"${cargo_args[@]}"} -- --test-threads=1 "$@"
