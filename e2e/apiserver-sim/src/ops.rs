@@ -480,6 +480,13 @@ impl Shared {
         if res == self.ns_idx {
             prepare_namespace(&mut body, &name);
         }
+        // kube-apiserver's PrepareForCreate: the status a client sends is dropped (a
+        // Service's empty status still shows its `loadBalancer`).
+        match (def.group, def.plural) {
+            ("", "services") => body["status"] = json!({"loadBalancer": {}}),
+            ("networking.k8s.io", "servicecidrs") => body["status"] = json!({}),
+            _ => {}
+        }
         let mut errs = self.validate(res, &name, &mut body);
         if (def.group, def.plural) == ("", "events") {
             errs.extend(crate::events::create_errors(&body, ns, events_v1));

@@ -379,3 +379,36 @@ async fn service_and_endpoints_ports_are_checked_as_upstream() {
          subsets[0].ports[1].port: Invalid value: 0: must be between 1 and 65535, inclusive]"
     );
 }
+
+/// A create drops the status the client sent, for Services and ServiceCIDRs.
+#[tokio::test]
+async fn create_drops_the_status_the_client_sent() {
+    let sim = start().await;
+    let client = sim.client();
+    create_ns(&client, "default").await;
+    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let service: Service = serde_json::from_value(json!({
+        "metadata": {"name": "lb"},
+        "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]},
+        "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.50"}]}}
+    }))
+    .unwrap();
+    let created = services
+        .create(&PostParams::default(), &service)
+        .await
+        .unwrap();
+    assert_eq!(
+        serde_json::to_value(created.status).unwrap(),
+        json!({"loadBalancer": {}})
+    );
+    let cidrs: Api<ServiceCIDR> = Api::all(client);
+    let cidr: ServiceCIDR = serde_json::from_value(json!({
+        "metadata": {"name": "extra"},
+        "spec": {"cidrs": ["10.220.0.0/24"]},
+        "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "x",
+            "message": "m", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
+    }))
+    .unwrap();
+    let created = cidrs.create(&PostParams::default(), &cidr).await.unwrap();
+    assert_eq!(serde_json::to_value(created.status).unwrap(), json!({}));
+}
