@@ -108,6 +108,7 @@ impl ServiceRecord {
     }
 
     /// The order of the Services' etcd keys ([`key_order`]).
+    #[inline]
     pub fn key_cmp(&self, other: &Self) -> std::cmp::Ordering {
         key_order(
             (&self.namespace, &self.name),
@@ -120,20 +121,19 @@ impl ServiceRecord {
 /// compared as bytes. Upstream's repairs walk a LIST in this order, so the first of two Services
 /// holding one IP or port is the one with the smaller key. It is not (namespace, name) order:
 /// `-` sorts before the `/` that ends a namespace, so `a-b/x` comes before `a/y`.
+#[inline]
 pub fn key_order(a: (&str, &str), b: (&str, &str)) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
     let (a_ns, b_ns) = (a.0.as_bytes(), b.0.as_bytes());
-    if a_ns == b_ns {
-        return a.1.cmp(b.1);
-    }
-    // Namespaces hold no `/`: where one namespace is a prefix of the other, its `/` meets the
-    // other's next byte.
     let common = a_ns.len().min(b_ns.len());
     match a_ns[..common].cmp(&b_ns[..common]) {
-        std::cmp::Ordering::Equal => {
-            let a_next = a_ns.get(common).copied().unwrap_or(b'/');
-            let b_next = b_ns.get(common).copied().unwrap_or(b'/');
-            a_next.cmp(&b_next)
-        }
+        // Namespaces hold no `/`: where one is a prefix of the other, its `/` meets the other's
+        // next byte.
+        Ordering::Equal => match a_ns.len().cmp(&b_ns.len()) {
+            Ordering::Equal => a.1.cmp(b.1),
+            Ordering::Less => b'/'.cmp(&b_ns[common]),
+            Ordering::Greater => a_ns[common].cmp(&b'/'),
+        },
         unequal => unequal,
     }
 }
