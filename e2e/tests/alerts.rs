@@ -104,7 +104,7 @@ impl Prometheus {
     }
 
     async fn get(&self, path: &str) -> Result<serde_json::Value> {
-        let (status, body) = http10_get(self.addr, path).await?;
+        let (status, body) = common::admin_get(self.addr, path).await?;
         ensure!(status == 200, "GET {path}: {status} {body}");
         Ok(serde_json::from_str(&body)?)
     }
@@ -136,28 +136,6 @@ fn which(name: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?)
         .map(|dir| dir.join(name))
         .find(|path| path.is_file())
-}
-
-/// GET as HTTP/1.0, so the body is never chunked.
-async fn http10_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await?;
-    let response = String::from_utf8_lossy(&response);
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .context("no status line")?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
-        .unwrap_or_default();
-    Ok((status, body))
 }
 
 /// Percent-encodes everything but RFC 3986's unreserved characters.

@@ -421,11 +421,12 @@ impl Drop for ControllerProcess {
     }
 }
 
-/// Minimal HTTP/1.1 GET over a plain TCP connection (the admin port is plain HTTP).
+/// Minimal GET over a plain TCP connection (the admin port and Prometheus are plain HTTP), as
+/// HTTP/1.0 so that the body is never chunked.
 pub async fn admin_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
     stream.write_all(request.as_bytes()).await?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response).await?;
