@@ -49,7 +49,7 @@ minor=${k8s_version#v1.}
 minor=${minor%%.*}
 version_flags="-X k8s.io/component-base/version.gitVersion=$k8s_version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 started=$(date +%s)
-echo "build.sh: building etcd $etcd_version, kube-apiserver and kube-controller-manager $k8s_version (a link from warm Go caches: under a minute; cold: about 15 minutes on 2 cores)" >&2
+echo "build.sh: building etcd $etcd_version, kube-apiserver and kube-controller-manager $k8s_version (a link from warm Go caches: under a minute; cold: about 7 minutes on 2 idle cores)" >&2
 (cd "$here/etcd" && go build -o "$out.partial/etcd" go.etcd.io/etcd/server/v3)
 (cd "$here/k8s" && go build -ldflags "$version_flags" -o "$out.partial/" \
   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager)
