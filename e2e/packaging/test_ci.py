@@ -30,6 +30,9 @@ def test_ci_runs_the_readme_test_command_verbatim():
     ci = (ROOT / ".ci" / "run").read_text()
     lines = [line.strip() for line in ci.splitlines()]
     assert command in lines, f"{command!r} is not a line of .ci/run"
+    # set -e does not stop inside an && list: only as the last command does its failure fail CI.
+    commands = [line for line in lines if line and not line.startswith("#")]
+    assert commands[-1] == command, f".ci/run must end with the test command, not {commands[-1]!r}"
 
 
 def test_ci_builds_without_protoc():
