@@ -48,6 +48,16 @@ impl<K: Eq + Hash + Clone> ReportOnce<K> {
         new
     }
 
+    /// Forgets `finding`, so the next complete pass that finds it returns it as new: for a
+    /// finding whose report could not be written (its event refused while the namespace it goes
+    /// into is still being created, say), which must not be lost.
+    pub fn forget(&self, finding: &K) {
+        self.present
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(finding);
+    }
+
     /// Whether `finding` was present after the last complete pass.
     pub fn is_present(&self, finding: &K) -> bool {
         self.present
@@ -111,6 +121,15 @@ mod tests {
         assert!(once.update(Vec::<&str>::new()).is_empty());
         assert!(!once.is_present(&"a"));
         assert_eq!(once.update(["a"]), vec!["a"]);
+    }
+
+    #[test]
+    fn a_forgotten_finding_is_new_again_while_the_others_stay_reported() {
+        let once = ReportOnce::new();
+        assert_eq!(once.update(["a", "b"]), vec!["a", "b"]);
+        once.forget(&"a");
+        assert_eq!(once.update(["a", "b"]), vec!["a"]);
+        assert!(once.update(["a", "b"]).is_empty());
     }
 
     #[test]

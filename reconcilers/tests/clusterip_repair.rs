@@ -592,6 +592,41 @@ async fn report_only_findings_get_one_event_however_many_passes() -> Result<()> 
     Ok(())
 }
 
+#[tokio::test]
+async fn a_finding_whose_event_is_refused_is_reported_on_a_later_pass() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    plant_every_case(&sim, &client).await?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    // As when the namespace events go into is still being created: the first ten writes of an
+    // event (more than one pass writes) are refused.
+    sim.faults().inject(FaultRule::next(
+        Some(Verb::Create),
+        Some("events"),
+        10,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    pass_until(&repair, &client, false, "a pass that publishes", |_| true).await?;
+    let after = repair.reconcile(&ctx(&client, false)).await;
+    let reasons = event_reasons_of(&client).await?;
+    for reason in [
+        "ClusterIPAlreadyAllocated",
+        "ClusterIPOutOfRange",
+        "ClusterIPNotValid",
+    ] {
+        assert_eq!(
+            reasons.iter().filter(|r| *r == reason).count(),
+            1,
+            "{reason} (a pass after: {after:?}): {reasons:?}"
+        );
+    }
+    Ok(())
+}
+
 async fn event_reasons_of(client: &Client) -> Result<Vec<String>> {
     let events: Api<Event> = Api::all(client.clone());
     Ok(events

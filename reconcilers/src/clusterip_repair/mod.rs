@@ -542,16 +542,29 @@ impl ClusterIpRepair {
         }
         let mut report = PassReport::default();
         let appeared = self.appeared(&findings);
+        let mut unpublished = None;
         for finding in findings {
-            if report_key(&finding).is_none_or(|key| appeared.contains(&key)) {
-                self.count(&finding);
-                if !ctx.dry_run {
-                    self.publish(&ctx.client, &finding).await;
+            let key = report_key(&finding);
+            if key.as_ref().is_none_or(|key| appeared.contains(key)) {
+                if !ctx.dry_run
+                    && let Err(err) = self.publish(&finding).await
+                {
+                    // Counted, logged and published on the next pass instead.
+                    if let Some(key) = &key {
+                        self.reported.forget(key);
+                    }
+                    unpublished.get_or_insert(err);
+                    report.push(drift_of(&finding, Action::Report, false, None));
+                    continue;
                 }
+                self.count(&finding);
             }
             report.push(drift_of(&finding, Action::Report, false, None));
         }
-        Ok(report)
+        match unpublished {
+            Some(err) => Err(err),
+            None => Ok(report),
+        }
     }
 
     /// The report-only findings of a complete pass that were not there after the last one.
@@ -650,7 +663,9 @@ impl ClusterIpRepair {
                 report.push(drift_of(&finding, Action::Report, false, None));
                 continue;
             }
-            self.count(&finding);
+            if report_only.is_none() {
+                self.count(&finding);
+            }
             let outcome = if ctx.dry_run {
                 Outcome::DryRun
             } else {
@@ -666,11 +681,29 @@ impl ClusterIpRepair {
             let action = action_of(&finding.repair);
             match outcome {
                 Outcome::Skip => continue,
-                Outcome::Done => {
-                    self.publish(&ctx.client, &finding).await;
-                    report.push(drift_of(&finding, action, action != Action::Report, None));
+                Outcome::Done => match self.publish(&finding).await {
+                    Ok(()) => {
+                        if report_only.is_some() {
+                            self.count(&finding);
+                        }
+                        report.push(drift_of(&finding, action, action != Action::Report, None));
+                    }
+                    Err(err) => {
+                        // A report-only finding is counted and published on the next pass
+                        // instead (the runner retries a failed pass soon); a repair is done.
+                        if let Some(key) = &report_only {
+                            self.reported.forget(key);
+                        }
+                        first_error.get_or_insert(err);
+                        report.push(drift_of(&finding, action, action != Action::Report, None));
+                    }
+                },
+                Outcome::DryRun => {
+                    if report_only.is_some() {
+                        self.count(&finding);
+                    }
+                    report.push(drift_of(&finding, action, false, None));
                 }
-                Outcome::DryRun => report.push(drift_of(&finding, action, false, None)),
                 Outcome::Deferred(why) => {
                     self.wakeup
                         .schedule(tokio::time::Instant::now() + self.config.deferral_retry);
@@ -746,9 +779,11 @@ impl ClusterIpRepair {
         Some(Outcome::Deferred(format!("delete deferred: {why}")))
     }
 
-    async fn publish(&self, _client: &Client, finding: &Finding) {
+    /// Publishes the finding's event. A failure is the caller's to retry: the finding must not
+    /// be marked reported without its event (the namespace it goes into may not exist yet).
+    async fn publish(&self, finding: &Finding) -> Result<(), LoopError> {
         let Some(event) = &finding.event else {
-            return;
+            return Ok(());
         };
         let reference = object_reference(&finding.regarding);
         let result = self
@@ -764,9 +799,10 @@ impl ClusterIpRepair {
                 &reference,
             )
             .await;
-        if let Err(err) = result {
-            warn!(reason = event.reason, error = %err, "cannot publish event");
-        }
+        result.map_err(|err| {
+            warn!(reason = event.reason, error = %err, "cannot publish event; retrying");
+            LoopError::Api(err)
+        })
     }
 }
 

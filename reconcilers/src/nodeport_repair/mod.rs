@@ -272,7 +272,8 @@ impl NodePortRepair {
                     {
                         let note =
                             format!("Port {} is not allocated; repairing", etcd.item(offset));
-                        self.publish_about(holder, "PortNotAllocated", note).await;
+                        // The bitmap is repaired either way; the event is best effort here.
+                        let _ = self.publish_about(holder, "PortNotAllocated", note).await;
                     }
                 }
                 BitmapFinding::Released(_) => self.count("leak"),
@@ -285,7 +286,7 @@ impl NodePortRepair {
         Ok(())
     }
 
-    async fn publish(&self, finding: &Finding) {
+    async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
         let holder = scan::Holder {
             namespace: finding.namespace.clone(),
             name: finding.name.clone(),
@@ -296,10 +297,15 @@ impl NodePortRepair {
             finding.problem.reason(),
             finding.note(self.config.range),
         )
-        .await;
+        .await
     }
 
-    async fn publish_about(&self, holder: &scan::Holder, reason: &str, note: String) {
+    async fn publish_about(
+        &self,
+        holder: &scan::Holder,
+        reason: &str,
+        note: String,
+    ) -> Result<(), kube::Error> {
         let reference = ObjectReference {
             api_version: Some("v1".to_owned()),
             kind: Some("Service".to_owned()),
@@ -315,9 +321,10 @@ impl NodePortRepair {
             action: EVENT_ACTION.to_owned(),
             secondary: None,
         };
-        if let Err(err) = self.recorder.publish(&event, &reference).await {
-            warn!(reason = event.reason, error = %err, "cannot publish event");
-        }
+        self.recorder
+            .publish(&event, &reference)
+            .await
+            .inspect_err(|err| warn!(reason = event.reason, error = %err, "cannot publish event"))
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
@@ -333,7 +340,17 @@ impl NodePortRepair {
         };
 
         let new = self.reported.update(scan.findings.iter().cloned());
+        let mut unpublished = None;
         for finding in &new {
+            if !ctx.dry_run
+                && let Err(err) = self.publish(finding).await
+            {
+                // Not reported yet (the namespace may still be being created): the next pass,
+                // which the runner retries soon, reports it.
+                self.reported.forget(finding);
+                unpublished.get_or_insert(err);
+                continue;
+            }
             self.count(finding.problem.error_type());
             warn!(
                 service = %format_args!("{}/{}", finding.namespace, finding.name),
@@ -342,9 +359,6 @@ impl NodePortRepair {
                 "{}",
                 finding.note(self.config.range)
             );
-            if !ctx.dry_run {
-                self.publish(finding).await;
-            }
         }
         for problem in [Problem::AlreadyAllocated, Problem::OutOfRange] {
             let present = scan
@@ -371,7 +385,10 @@ impl NodePortRepair {
         if let Some(etcd) = &self.etcd {
             self.repair_bitmap(ctx, etcd, &scan, &mut report).await?;
         }
-        Ok(report)
+        match unpublished {
+            Some(err) => Err(LoopError::Api(err)),
+            None => Ok(report),
+        }
     }
 }
 
