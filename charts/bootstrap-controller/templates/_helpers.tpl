@@ -35,10 +35,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The Lease namespace of leader election and of the membership Leases. */}}
+{{/* The Lease namespace of leader election and of the membership Leases. In management mode,
+where each replica writes a Lease of its own there (and may delete another's), the release's
+namespace unless one is configured, so that the Role writing them covers no other component's
+Leases. */}}
 {{- define "bootstrap-controller.leaseNamespace" -}}
 {{- $le := default dict .Values.config.leaderElection -}}
+{{- if .Values.tenants.enabled -}}
+{{- default .Release.Namespace $le.leaseNamespace -}}
+{{- else -}}
 {{- default "kube-system" $le.leaseNamespace -}}
+{{- end -}}
 {{- end }}
 
 {{/* The endpoint reconciler type in effect (the binary's default is `lease`). */}}
@@ -54,9 +61,15 @@ release's own, so that the Role writing them covers no other component's Leases.
 {{- default .Release.Namespace $ep.leaseNamespace -}}
 {{- end }}
 
-{{/* The configuration file: config, with the membership Lease namespace made explicit. */}}
+{{/* The configuration file: config, with the membership Lease namespace (and in management
+mode the replicas' Lease namespace) made explicit. */}}
 {{- define "bootstrap-controller.config" -}}
 {{- $config := deepCopy .Values.config -}}
+{{- if .Values.tenants.enabled -}}
+{{- $le := default dict $config.leaderElection -}}
+{{- $_ := set $le "leaseNamespace" (include "bootstrap-controller.leaseNamespace" .) -}}
+{{- $_ := set $config "leaderElection" $le -}}
+{{- end -}}
 {{- if eq (include "bootstrap-controller.endpointMode" .) "lease" -}}
 {{- $loops := default dict $config.loops -}}
 {{- $ep := default dict $loops.apiserverEndpoints -}}
@@ -132,6 +145,16 @@ system-cluster-critical
 - name: BOOTSTRAP_KUBECONFIG
   value: /etc/bootstrap-controller/target/{{ .Values.targetKubeconfig.key }}
 {{- end }}
+{{- if .Values.tenants.enabled }}
+- name: BOOTSTRAP_TENANTS_SECRET_SELECTOR
+  value: {{ .Values.tenants.secretSelector | quote }}
+{{- if not .Values.tenants.allNamespaces }}
+- name: BOOTSTRAP_TENANTS_NAMESPACE
+  value: {{ .Values.tenants.namespace | quote }}
+{{- end }}
+- name: BOOTSTRAP_TENANTS_KUBECONFIG_KEY
+  value: {{ .Values.tenants.kubeconfigKey | quote }}
+{{- end }}
 {{- if .Values.etcd.servers }}
 - name: BOOTSTRAP_ETCD_SERVERS
   value: {{ join "," .Values.etcd.servers | quote }}
@@ -156,6 +179,20 @@ system-cluster-critical
 {{- $le := default dict .Values.config.leaderElection -}}
 {{- if and (gt (int .Values.replicaCount) 1) (eq (toString $le.enabled) "false") -}}
 {{- fail (printf "replicaCount is %d with config.leaderElection.enabled=false: every replica would write the same objects. Set replicaCount=1, or turn leader election on." (int .Values.replicaCount)) -}}
+{{- end -}}
+{{- if .Values.tenants.enabled -}}
+{{- if not .Values.tenants.secretSelector -}}
+{{- fail "tenants.enabled=true needs tenants.secretSelector: the label selector of the Secrets holding the tenant kubeconfigs (e.g. cluster.x-k8s.io/cluster-name for Cluster API)." -}}
+{{- end -}}
+{{- if and .Values.tenants.allNamespaces .Values.tenants.namespace -}}
+{{- fail (printf "tenants.namespace=%s and tenants.allNamespaces=true contradict each other: keep the namespace (Secret read only there), or leave it empty to watch every namespace." .Values.tenants.namespace) -}}
+{{- end -}}
+{{- if not (or .Values.tenants.namespace .Values.tenants.allNamespaces) -}}
+{{- fail "tenants.enabled=true needs tenants.namespace: the namespace of the tenant Secrets, the only one where the chart grants Secret read. To watch every namespace (a ClusterRole reading every Secret of the cluster), set tenants.allNamespaces=true instead." -}}
+{{- end -}}
+{{- if .Values.etcd.servers -}}
+{{- fail "etcd.servers with tenants.enabled=true: it becomes BOOTSTRAP_ETCD_SERVERS, which wins over every tenant's configuration, so every tenant would use one etcd. Give each tenant its etcdServers and etcdPrefix in the bootstrap-controller.io/config annotation of its Secret (or defaults in config), and leave etcd.servers empty." -}}
+{{- end -}}
 {{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
 {{- fail "metrics.serviceMonitor.enabled=true scrapes the metrics Service, but metrics.service.enabled=false renders none. Turn metrics.service.enabled on, or the ServiceMonitor off." -}}

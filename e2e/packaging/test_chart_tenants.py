@@ -1,0 +1,243 @@
+"""The chart in management mode (`tenants.enabled`): the settings reach the container as the
+binary's environment variables, the management cluster's RBAC is exactly Secret read and event
+writes in the tenants' namespace plus the replicas' Leases in the lease namespace (none of the
+loops' rules, which belong in each tenant cluster), contradictory values are refused naming the
+value to set, the schema is strict, and every rendered object is a valid Kubernetes object."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from harness import CHART, container_args, objects, render_text
+from test_chart import KUBE_VERSIONS, granted
+
+SELECTOR = "cluster.x-k8s.io/cluster-name"
+
+CASES = {
+    # Cluster API: the kubeconfig Secrets in one namespace, the default key `value`.
+    "capi": {"tenants": {"enabled": True, "secretSelector": SELECTOR,
+                         "namespace": "capi-clusters"}},
+    # Kamaji across every namespace.
+    "kamaji-all-namespaces": {"tenants": {
+        "enabled": True, "secretSelector": "kamaji.clastix.io/component=admin-kubeconfig",
+        "allNamespaces": True, "kubeconfigKey": "admin.conf"}},
+    # One replica running every tenant, leader election off.
+    "single": {"replicaCount": 1, "config": {"leaderElection": {"enabled": False}},
+               "tenants": {"enabled": True, "secretSelector": "example.com/tenant",
+                           "namespace": "tenants", "kubeconfigKey": "config"}},
+    # The replicas' Leases in a namespace of the user's choosing, another lease name, and the
+    # bindings naming a User (the management cluster reached through targetKubeconfig).
+    "lease-namespace": {
+        "targetKubeconfig": {"secretName": "management-kubeconfig"},
+        "rbac": {"subjects": [{"kind": "User", "name": "system:bootstrap-controller"}]},
+        "config": {"leaderElection": {"leaseName": "bc", "leaseNamespace": "bc-leases"}},
+        "tenants": {"enabled": True, "secretSelector": SELECTOR, "namespace": "capi-clusters"}},
+}
+
+RBAC_KINDS = ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding")
+SECRETS = [("", "secrets", verb) for verb in ("get", "list", "watch")]
+EVENTS = [("events.k8s.io", "events", verb) for verb in ("create", "patch")]
+LEASES = [("coordination.k8s.io", "leases", verb)
+          for verb in ("get", "list", "watch", "create", "update", "delete")]
+
+
+def rbac(values: dict, namespace: str = "bootstrap") -> list[dict]:
+    return [o for o in objects(values, namespace) if o["kind"] in RBAC_KINDS]
+
+
+def grants(values: dict) -> set[tuple]:
+    return set(granted(rbac(values)))
+
+
+def expected(tenants_ns, lease_ns) -> set[tuple]:
+    """(namespace or None, group, resource, verb, resourceNames) as test_chart.granted gives them."""
+    out = {(tenants_ns, g, r, v, None) for g, r, v in SECRETS + EVENTS}
+    if lease_ns is not None:
+        out |= {(lease_ns, g, r, v, None) for g, r, v in LEASES}
+    return out
+
+
+def env_of(values: dict) -> dict:
+    return container_args(objects(values))[1]
+
+
+def config_file(values: dict) -> dict:
+    config_map = next(o for o in objects(values) if o["kind"] == "ConfigMap")
+    return yaml.safe_load(config_map["data"]["config.yaml"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_lint_strict_and_schema_accept_each_case(case):
+    helm.Chart.load(CHART).validate_schema(CASES[case])
+    report = helm.lint(str(CHART), CASES[case], strict=True, namespace="bootstrap")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_rendered_objects_are_valid_kubernetes_objects(case, version):
+    rendered = objects(CASES[case])
+    assert {"Deployment", "ConfigMap"} <= {o["kind"] for o in rendered}
+    for obj in rendered:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_rbac_is_exactly_secret_read_and_events_in_the_tenants_namespace_and_the_leases():
+    """Namespaced by default: a Role and RoleBinding in the tenants' namespace, a Role and
+    RoleBinding for the replicas' Leases in the release's namespace; nothing cluster-wide."""
+    rendered = rbac(CASES["capi"])
+    assert grants(CASES["capi"]) == expected("capi-clusters", "bootstrap")
+    kinds = sorted((o["kind"], o["metadata"]["name"], o["metadata"].get("namespace"))
+                   for o in rendered)
+    assert kinds == [
+        ("Role", "bc-bootstrap-controller-replicas", "bootstrap"),
+        ("Role", "bc-bootstrap-controller-tenants", "capi-clusters"),
+        ("RoleBinding", "bc-bootstrap-controller-replicas", "bootstrap"),
+        ("RoleBinding", "bc-bootstrap-controller-tenants", "capi-clusters"),
+    ]
+    for binding in (o for o in rendered if o["kind"] == "RoleBinding"):
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": binding["metadata"]["name"]}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "bc-bootstrap-controller",
+                                        "namespace": "bootstrap"}]
+
+
+def test_loops_rules_are_not_rendered_in_the_management_cluster():
+    """The single-cluster rules (namespaces, Services, ServiceCIDRs, IPAddresses, endpoints,
+    the leader Lease by name) are the tenants' RBAC: none of them in the management cluster,
+    whatever `config` enables."""
+    values = {**CASES["capi"], "config": {
+        "serviceClusterIPRange": "10.96.0.0/12", "endpointReconcilerType": "static",
+        "loops": {"apiserverEndpoints": {"staticAddresses": ["192.0.2.10"]},
+                  "systemNamespaces": {"namespaces": [
+                      {"name": "platform", "labels": {"example.com/team": "platform"}}]},
+                  "kubernetesService": {"recreateOnClusterIPMismatch": True}}}}
+    resources = {g[2] for g in grants(values)}
+    assert resources == {"secrets", "events", "leases"}, resources
+    assert not render_text(values)["rbac.yaml"].strip()
+    # The same values without management mode do render them: the chart's single-cluster RBAC.
+    single = {k: v for k, v in values.items() if k != "tenants"}
+    assert {"namespaces", "services", "servicecidrs", "ipaddresses", "endpoints",
+            "endpointslices"} <= {g[2] for g in grants(single)}
+
+
+def test_all_namespaces_is_a_cluster_role_and_the_leases_stay_namespaced():
+    values = CASES["kamaji-all-namespaces"]
+    assert grants(values) == expected(None, "bootstrap")
+    kinds = sorted((o["kind"], o["metadata"].get("namespace")) for o in rbac(values))
+    assert kinds == [("ClusterRole", None), ("ClusterRoleBinding", None),
+                     ("Role", "bootstrap"), ("RoleBinding", "bootstrap")]
+    binding = next(o for o in rbac(values) if o["kind"] == "ClusterRoleBinding")
+    assert binding["roleRef"]["kind"] == "ClusterRole"
+
+
+def test_leader_election_off_renders_no_lease_rules():
+    assert grants(CASES["single"]) == expected("tenants", None)
+
+
+def test_configured_lease_namespace_and_subjects_are_used():
+    values = CASES["lease-namespace"]
+    assert grants(values) == expected("capi-clusters", "bc-leases")
+    for binding in (o for o in rbac(values) if o["kind"] == "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "User", "name": "system:bootstrap-controller",
+                                        "apiGroup": "rbac.authorization.k8s.io"}]
+    assert config_file(values)["leaderElection"] == {
+        "enabled": True, "leaseName": "bc", "leaseNamespace": "bc-leases"}
+
+
+def test_rbac_create_false_renders_none():
+    assert not rbac({**CASES["capi"], "rbac": {"create": False}})
+
+
+def test_lease_namespace_defaults_to_the_releases_and_the_configuration_says_so():
+    """The Role that creates and deletes the replicas' Leases reaches no other component's
+    Leases (kube-system's kube-controller-manager and kube-scheduler): the chart puts them in
+    the release's namespace and writes that into the file the binary reads."""
+    assert config_file(CASES["capi"])["leaderElection"] == {
+        "enabled": True, "leaseNamespace": "bootstrap"}
+    other = objects(CASES["capi"], namespace="platform")
+    config = yaml.safe_load(next(o for o in other if o["kind"] == "ConfigMap")
+                            ["data"]["config.yaml"])
+    assert config["leaderElection"]["leaseNamespace"] == "platform"
+    # Without management mode the file is as before: the binary's default, kube-system.
+    assert "leaseNamespace" not in config_file({})["leaderElection"]
+
+
+@pytest.mark.parametrize("case, env", [
+    ("capi", {"BOOTSTRAP_TENANTS_SECRET_SELECTOR": SELECTOR,
+              "BOOTSTRAP_TENANTS_NAMESPACE": "capi-clusters",
+              "BOOTSTRAP_TENANTS_KUBECONFIG_KEY": "value"}),
+    ("kamaji-all-namespaces", {
+        "BOOTSTRAP_TENANTS_SECRET_SELECTOR": "kamaji.clastix.io/component=admin-kubeconfig",
+        "BOOTSTRAP_TENANTS_KUBECONFIG_KEY": "admin.conf"}),
+    ("single", {"BOOTSTRAP_TENANTS_SECRET_SELECTOR": "example.com/tenant",
+                "BOOTSTRAP_TENANTS_NAMESPACE": "tenants",
+                "BOOTSTRAP_TENANTS_KUBECONFIG_KEY": "config"}),
+])
+def test_settings_reach_the_container_as_the_binarys_environment(case, env):
+    args, rendered = container_args(objects(CASES[case]))
+    assert args == ["run"]
+    tenants = {k: v for k, v in rendered.items() if k.startswith("BOOTSTRAP_TENANTS_")}
+    assert tenants == env
+
+
+def test_disabled_renders_as_before():
+    env = env_of({})
+    assert not [k for k in env if k.startswith("BOOTSTRAP_TENANTS_")], env
+    assert "rbac-tenants.yaml" not in {k for k, v in render_text({}).items() if v.strip()}
+    # tenants.* set but not enabled changes nothing.
+    quiet = {"tenants": {"secretSelector": SELECTOR, "namespace": "capi-clusters"}}
+    assert objects(quiet) == objects({})
+    # Replicas stay at the chart's default in management mode.
+    deploy = next(o for o in objects(CASES["capi"]) if o["kind"] == "Deployment")
+    assert deploy["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("tenants, complaint", [
+    ({"enabled": True, "namespace": "capi-clusters"}, "tenants.secretSelector"),
+    ({"enabled": True, "secretSelector": SELECTOR}, "tenants.namespace"),
+    ({"enabled": True, "secretSelector": SELECTOR}, "tenants.allNamespaces=true"),
+    ({"enabled": True, "secretSelector": SELECTOR, "namespace": "capi-clusters",
+      "allNamespaces": True}, "contradict"),
+])
+def test_missing_or_contradictory_tenants_values_are_refused_naming_them(tenants, complaint):
+    with pytest.raises(helm.HelmError) as err:
+        objects({"tenants": tenants})
+    assert complaint in str(err.value), str(err.value)
+
+
+def test_etcd_servers_are_refused_in_management_mode():
+    """BOOTSTRAP_ETCD_SERVERS is a flag's variable, and flags win over every tenant's fragment:
+    every tenant would be pointed at one etcd."""
+    with pytest.raises(helm.HelmError) as err:
+        objects({**CASES["capi"], "etcd": {"servers": ["https://etcd-0.etcd:2379"]}})
+    assert "etcd.servers" in str(err.value) and "etcdServers" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("tenants, complaint", [
+    ({"selector": SELECTOR}, "selector"),
+    ({"enabled": "yes"}, "enabled"),
+    ({"allNamespaces": "true"}, "allNamespaces"),
+    ({"namespace": "Capi_Clusters"}, "namespace"),
+    ({"kubeconfigKey": ""}, "kubeconfigKey"),
+    ({"kubeconfigKey": "a/b"}, "kubeconfigKey"),
+    ({"secretSelector": ["a", "b"]}, "secretSelector"),
+])
+def test_schema_rejects_unknown_keys_and_wrong_types(tenants, complaint):
+    with pytest.raises(helm.HelmValuesError) as err:
+        helm.Chart.load(CHART).validate_schema({"tenants": tenants})
+    assert complaint in str(err.value), str(err.value)
+
+
+def test_notes_point_at_the_tenants_and_the_replicas_leases():
+    notes = render_text(CASES["capi"])["NOTES.txt"]
+    assert f'kubectl get secrets -n capi-clusters -l "{SELECTOR}"' in notes, notes
+    assert "get leases -l bootstrap-controller.io/replica-of=bootstrap-controller" in notes
+    assert "TenantConfigInvalid" in notes
+    # `check` is the single-cluster command: not offered for the tenants.
+    assert "-- /bootstrap-controller check" not in notes
+    assert "-- /bootstrap-controller check" in render_text({})["NOTES.txt"]
