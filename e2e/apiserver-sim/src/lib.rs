@@ -20,6 +20,7 @@ mod convert;
 mod errors;
 mod events;
 mod faults;
+mod fleet;
 mod meta;
 mod ops;
 pub mod protobuf;
@@ -43,6 +44,9 @@ use serde_json::Value;
 use tokio::task::JoinHandle;
 
 pub use faults::{FaultKind, FaultRule, Faults, RequestRecord, Trigger, Verb};
+pub use fleet::{
+    CLUSTER_NAME_LABEL, Fleet, FleetConfig, KUBECONFIG_SECRET_KEY, TENANT_LABEL, kubeconfig_secret,
+};
 
 use crate::ops::Shared;
 use crate::server::Ctx;
@@ -148,6 +152,12 @@ pub struct Sim {
 impl Sim {
     /// Starts serving and returns once a client built from the kubeconfig has been answered.
     pub async fn start(config: SimConfig) -> Result<Sim, SimError> {
+        Self::start_with_pki(config, None).await
+    }
+
+    /// [`Sim::start`] serving with `pki` when given (a fleet's tenants share one) instead of
+    /// generating a CA and certificate of its own. Ignored with `plain_http`.
+    async fn start_with_pki(config: SimConfig, pki: Option<&tls::Pki>) -> Result<Sim, SimError> {
         let mut families = Vec::new();
         for r in &config.service_cluster_ip_ranges {
             let fam = r.addr().is_ipv4();
@@ -182,7 +192,11 @@ impl Sim {
         let (pki, base_url) = if config.plain_http {
             (None, format!("http://{address}"))
         } else {
-            (Some(tls::generate(&addr)?), format!("https://{address}"))
+            let pki = match pki {
+                Some(p) => p.clone(),
+                None => tls::generate(&addr)?,
+            };
+            (Some(pki), format!("https://{address}"))
         };
         let (kubeconfig, tempdir) = match &config.kubeconfig_path {
             Some(p) => (p.clone(), None),
@@ -277,6 +291,12 @@ impl Sim {
     /// The kubeconfig file (`kubectl --kubeconfig`, `KUBECONFIG=`).
     pub fn kubeconfig_path(&self) -> &Path {
         &self.kubeconfig
+    }
+
+    /// The kubeconfig's text: self-contained (server URL, the CA inline, the token the
+    /// simulator accepts), what a Cluster API `<cluster>-kubeconfig` Secret holds.
+    pub fn kubeconfig_yaml(&self) -> String {
+        tls::kubeconfig_text(&self.base_url, self.ca_pem.as_deref())
     }
 
     /// `https://127.0.0.1:PORT` (or `http://` with `plain_http`).

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use apiserver_sim::{Sim, SimConfig};
+use apiserver_sim::{Fleet, FleetConfig, Sim, SimConfig};
 use clap::Parser;
 
 /// An in-memory Kubernetes API server for tests and demos.
@@ -53,6 +53,28 @@ struct Args {
     /// Serve no networking.k8s.io/v1 (ServiceCIDR, IPAddress), as clusters before 1.33.
     #[arg(long)]
     no_networking_v1: bool,
+    /// Also serve this many tenant clusters (each on its own port of the --listen address) and
+    /// store one Cluster API style kubeconfig Secret per tenant in the cluster at --listen,
+    /// which becomes the management cluster.
+    #[arg(long, default_value_t = 0)]
+    tenants: usize,
+    /// Namespace of the tenant kubeconfig Secrets in the management cluster (seeded).
+    #[arg(long, default_value = "tenants")]
+    tenants_namespace: String,
+    /// Where to write `tenant-<i>.kubeconfig` for each tenant; default a temporary directory.
+    #[arg(long)]
+    tenants_kubeconfig_dir: Option<PathBuf>,
+}
+
+/// File descriptors a tenant holds with one client connected: its listener, the connection its
+/// own start-up probe keeps pooled (both ends), and the client's connection, with some slack.
+const FDS_PER_TENANT: u64 = 6;
+
+/// The soft limit on open files, from `/proc/self/limits` (no unsafe `getrlimit` needed).
+fn open_files_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
 }
 
 fn parse_duration(flag: &str, s: &str) -> anyhow::Result<Duration> {
@@ -87,6 +109,22 @@ fn parse_port_range(s: &str) -> anyhow::Result<std::ops::RangeInclusive<u16>> {
         bail!("--service-node-port-range {s:?}: start is after end");
     }
     Ok(a..=b)
+}
+
+/// One cluster, or a management cluster with its tenants.
+enum Running {
+    One(Sim),
+    Fleet(Fleet),
+}
+
+impl Running {
+    /// The cluster at `--listen` whose kubeconfig is `--kubeconfig-out`.
+    fn main(&self) -> &Sim {
+        match self {
+            Running::One(sim) => sim,
+            Running::Fleet(fleet) => fleet.management(),
+        }
+    }
 }
 
 #[tokio::main]
@@ -132,12 +170,50 @@ async fn main() -> anyhow::Result<()> {
         serve_networking_v1: !args.no_networking_v1,
         default_service_cidr: !args.no_default_service_cidr,
     };
-    let sim = Sim::start(config).await?;
+    let running = if args.tenants == 0 {
+        Running::One(Sim::start(config).await?)
+    } else {
+        if let Some(limit) = open_files_limit() {
+            let needed = args.tenants as u64 * FDS_PER_TENANT + 64;
+            if limit < needed {
+                bail!(
+                    "--tenants {}: needs about {needed} open files, the limit is {limit}; raise it (ulimit -n {needed}) or serve fewer tenants",
+                    args.tenants
+                );
+            }
+        }
+        let tenant = SimConfig {
+            listen: SocketAddr::new(args.listen.ip(), 0),
+            kubeconfig_path: None,
+            seed_namespaces: Vec::new(),
+            ..config.clone()
+        };
+        let fleet = Fleet::start(FleetConfig {
+            tenants: args.tenants,
+            management: config,
+            tenant,
+            namespace: args.tenants_namespace.clone(),
+            kubeconfig_dir: args.tenants_kubeconfig_dir.clone(),
+            write_secrets: true,
+        })
+        .await?;
+        for (i, t) in fleet.tenants().iter().enumerate() {
+            tracing::debug!(
+                tenant = i,
+                url = t.base_url(),
+                kubeconfig = %t.kubeconfig_path().display(),
+                "tenant cluster"
+            );
+        }
+        Running::Fleet(fleet)
+    };
+    let main_sim = running.main();
     tracing::info!(
-        url = sim.base_url(),
-        kubeconfig = %sim.kubeconfig_path().display(),
+        url = main_sim.base_url(),
+        kubeconfig = %main_sim.kubeconfig_path().display(),
+        tenants = args.tenants,
         "apiserver-sim listening on {}",
-        sim.base_url()
+        main_sim.base_url()
     );
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
@@ -146,6 +222,9 @@ async fn main() -> anyhow::Result<()> {
         _ = term.recv() => {}
     }
     tracing::info!("apiserver-sim shutting down");
-    sim.shutdown().await;
+    match running {
+        Running::One(sim) => sim.shutdown().await,
+        Running::Fleet(fleet) => fleet.shutdown().await,
+    }
     Ok(())
 }

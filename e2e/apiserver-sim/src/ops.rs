@@ -300,6 +300,7 @@ impl Shared {
                     }
                 }
             }
+            ("", "secrets") => errs.extend(default_and_validate_secret(obj)),
             ("", "endpoints") => {
                 let subsets = obj.get("subsets").and_then(Value::as_array);
                 for (i, subset) in subsets.into_iter().flatten().enumerate() {
@@ -1207,4 +1208,67 @@ fn service_cidr_update_errors(old: &Value, new: &Value) -> Vec<(String, String)>
         (1, 2) => Vec::new(),
         _ => vec![immutable("spec.cidrs".into(), &Value::Array(new))],
     }
+}
+
+/// kube-apiserver's Secret handling on write: `stringData` is folded into `data` (base64) and
+/// never stored, `type` defaults to `Opaque`, and keys and values are checked as
+/// `ValidateSecret` and the JSON decoder would (values must be base64).
+fn default_and_validate_secret(obj: &mut Value) -> Vec<(String, String)> {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut errs = Vec::new();
+    let Some(root) = obj.as_object_mut() else {
+        return errs;
+    };
+    if let Some(Value::Object(string_data)) = root.remove("stringData") {
+        let data = root
+            .entry("data")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if !data.is_object() {
+            *data = Value::Object(Map::new());
+        }
+        if let Some(data) = data.as_object_mut() {
+            for (k, v) in string_data {
+                let text = v.as_str().unwrap_or_default();
+                data.insert(k, json!(b64.encode(text)));
+            }
+        }
+    }
+    if root
+        .get("type")
+        .and_then(Value::as_str)
+        .is_none_or(str::is_empty)
+    {
+        root.insert("type".into(), json!("Opaque"));
+    }
+    for (k, v) in root
+        .get("data")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+    {
+        let key_ok = !k.is_empty()
+            && k.len() <= 253
+            && k.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+            && k != "."
+            && k != ".."
+            && !k.starts_with("..");
+        if !key_ok {
+            errs.push((
+                format!("data[{k}]"),
+                format!(
+                    "Invalid value: {}: a valid config key must consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')",
+                    go_quote(k)
+                ),
+            ));
+        }
+        if !v.is_null() && v.as_str().is_none_or(|s| b64.decode(s).is_err()) {
+            errs.push((
+                format!("data[{k}]"),
+                "Invalid value: must be a base64-encoded string".into(),
+            ));
+        }
+    }
+    errs
 }

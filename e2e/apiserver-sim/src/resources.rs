@@ -71,6 +71,7 @@ pub const RESOURCES: &[ResourceDef] = &[
     def("", "endpoints", "endpoints", "Endpoints", true, false, true, &["ep"]),
     def("", "events", "event", "Event", true, false, true, &["ev"]),
     def("", "configmaps", "configmap", "ConfigMap", true, false, false, &["cm"]),
+    def("", "secrets", "secret", "Secret", true, false, false, &[]),
     def("coordination.k8s.io", "leases", "lease", "Lease", true, false, false, &[]),
     def("discovery.k8s.io", "endpointslices", "endpointslice", "EndpointSlice", true, false, false, &[]),
     def("networking.k8s.io", "ipaddresses", "ipaddress", "IPAddress", false, false, false, &["ip"]),

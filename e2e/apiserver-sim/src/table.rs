@@ -147,6 +147,16 @@ fn columns_and_cells(def: &ResourceDef, o: &Value) -> (Vec<&'static str>, Vec<St
                     .map_or(0, |m| m.len());
             (vec!["Name", "Data", "Age"], vec![name, n.to_string(), age])
         }
+        ("", "secrets") => {
+            let n = o
+                .get("data")
+                .and_then(Value::as_object)
+                .map_or(0, |m| m.len());
+            (
+                vec!["Name", "Type", "Data", "Age"],
+                vec![name, s(o, "/type"), n.to_string(), age],
+            )
+        }
         ("coordination.k8s.io", "leases") => (
             vec!["Name", "Holder", "Age"],
             vec![name, s(o, "/spec/holderIdentity"), age],

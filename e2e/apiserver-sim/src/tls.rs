@@ -13,7 +13,9 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use crate::SimError;
 
-/// A CA and a serving certificate for loopback names, generated at startup.
+/// A CA and a serving certificate for loopback names, generated at startup. The certificate
+/// names no port, so the simulators of a fleet share one (one key pair, not one per tenant).
+#[derive(Clone)]
 pub struct Pki {
     pub ca_pem: String,
     pub server_config: Arc<rustls::ServerConfig>,
@@ -112,8 +114,9 @@ fn go_like_provider() -> rustls::crypto::CryptoProvider {
 /// The bearer token written into the kubeconfig (the simulator accepts any credentials).
 pub const TOKEN: &str = "apiserver-sim-token";
 
-/// Writes a kubeconfig for `server` (an `https://` or `http://` URL).
-pub fn write_kubeconfig(path: &Path, server: &str, ca_pem: Option<&str>) -> Result<(), SimError> {
+/// A self-contained kubeconfig for `server` (an `https://` or `http://` URL): the CA inline, the
+/// simulator's token.
+pub fn kubeconfig_text(server: &str, ca_pem: Option<&str>) -> String {
     let cluster = match ca_pem {
         Some(pem) => format!(
             "    server: {server}\n    certificate-authority-data: {}\n",
@@ -121,9 +124,14 @@ pub fn write_kubeconfig(path: &Path, server: &str, ca_pem: Option<&str>) -> Resu
         ),
         None => format!("    server: {server}\n"),
     };
-    let text = format!(
+    format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: apiserver-sim\n  cluster:\n{cluster}users:\n- name: apiserver-sim\n  user:\n    token: {TOKEN}\ncontexts:\n- name: apiserver-sim\n  context:\n    cluster: apiserver-sim\n    user: apiserver-sim\n    namespace: default\ncurrent-context: apiserver-sim\npreferences: {{}}\n"
-    );
+    )
+}
+
+/// Writes [`kubeconfig_text`] to `path`.
+pub fn write_kubeconfig(path: &Path, server: &str, ca_pem: Option<&str>) -> Result<(), SimError> {
+    let text = kubeconfig_text(server, ca_pem);
     // Write-then-rename so a reader polling for the file never sees half of it.
     let tmp = path.with_extension("tmp-apiserver-sim");
     std::fs::write(&tmp, text).map_err(|e| SimError::Kubeconfig(path.to_path_buf(), e))?;
