@@ -6,13 +6,31 @@ value to set, the schema is strict, and every rendered object is a valid Kuberne
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
 import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
 
-from harness import CHART, container_args, objects, render_text
-from test_chart import KUBE_VERSIONS, granted
+from harness import (
+    CHART,
+    Controller,
+    RecordingProxy,
+    Sim,
+    container_args,
+    objects,
+    render_text,
+    workdir,
+)
+from test_chart import KUBE_VERSIONS, allows, granted
+
+# The label apiserver-sim puts on each tenant kubeconfig Secret (--tenants).
+TENANT_LABEL = "bootstrap-controller.io/tenant"
 
 SELECTOR = "cluster.x-k8s.io/cluster-name"
 
@@ -241,3 +259,107 @@ def test_notes_point_at_the_tenants_and_the_replicas_leases():
     # `check` is the single-cluster command: not offered for the tenants.
     assert "-- /bootstrap-controller check" not in notes
     assert "-- /bootstrap-controller check" in render_text({})["NOTES.txt"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The rendered settings against a simulated fleet: a management cluster holding one kubeconfig
+# Secret per tenant cluster (apiserver-sim --tenants).
+
+
+def test_rendered_settings_run_the_tenants_within_the_rendered_rbac():
+    """The Deployment's environment runs the binary in management mode against the simulator's
+    management cluster, through a proxy recording each request as the authorizer sees it: the
+    tenants' loops do their work in the tenant clusters, a bad annotation is reported on its
+    Secret, and every request made to the management cluster is one the rendered RBAC grants
+    (none of the loops' requests reach it)."""
+    values = {"tenants": {"enabled": True, "secretSelector": f"{TENANT_LABEL}=true",
+                          "namespace": "tenants"}}
+    rendered = objects(values)
+    grants_made = granted([o for o in rendered if o["kind"] in RBAC_KINDS])
+    args, env = container_args(rendered)
+    with workdir() as tmp:
+        tmp = Path(tmp)
+        tenants_dir = tmp / "tenants"
+        sim = Sim(tmp, "--plain-http", "--tenants", "2", "--tenants-namespace", "tenants",
+                  "--tenants-kubeconfig-dir", str(tenants_dir))
+        proxy = RecordingProxy(yaml.safe_load(sim.kubeconfig.read_text())
+                               ["clusters"][0]["cluster"]["server"])
+        try:
+            config_map = next(o for o in rendered if o["kind"] == "ConfigMap")
+            (tmp / "config.yaml").write_text(config_map["data"]["config.yaml"])
+            assert env["BOOTSTRAP_CONFIG"] == "/etc/bootstrap-controller/config.yaml"
+            env["BOOTSTRAP_CONFIG"] = str(tmp / "config.yaml")
+            env["BOOTSTRAP_KUBECONFIG"] = str(proxy.kubeconfig(tmp / "proxy-kubeconfig"))
+            sim.kubectl("create", "namespace", "bootstrap", check=False)
+            controller = Controller(args, {**env, "POD_NAME": "bc-0"}, tmp, "tenants")
+
+            def wait(check, timeout=30):
+                deadline = time.monotonic() + timeout
+                while not check():
+                    assert time.monotonic() < deadline, controller.output()
+                    time.sleep(0.2)
+
+            try:
+                controller.wait_ready()
+                deadline = time.monotonic() + 10
+                while "bootstrap_tenants" not in controller.get("/metrics")[1]:
+                    if time.monotonic() > deadline:
+                        pytest.skip("the binary at target/debug runs no management mode yet "
+                                    "(no bootstrap_tenants metric)")
+                    time.sleep(0.2)
+                # Each tenant's loops work in its own cluster.
+                for i in range(2):
+                    tenant = ["kubectl", "--kubeconfig", str(tenants_dir / f"tenant-{i}.kubeconfig")]
+                    wait(lambda: subprocess.run(
+                        [*tenant, "get", "service", "kubernetes", "-n", "default"],
+                        capture_output=True).returncode == 0)
+                # A tenant whose annotation names a process-wide key starts nothing and says so
+                # on its Secret.
+                secret = json.loads(sim.kubectl("get", "secret", "-n", "tenants",
+                                                "tenant-0-kubeconfig", "-o", "json").stdout)
+                sim.apply({
+                    "apiVersion": "v1", "kind": "Secret",
+                    "metadata": {"name": "bad-kubeconfig", "namespace": "tenants",
+                                 "labels": {TENANT_LABEL: "true"},
+                                 "annotations": {"bootstrap-controller.io/config":
+                                                 "adminAddr: 0.0.0.0:1\n"}},
+                    "data": secret["data"],
+                })
+
+                def invalid_event():
+                    items = json.loads(sim.kubectl(
+                        "get", "events.events.k8s.io", "-n", "tenants", "-o", "json").stdout)
+                    return any(e.get("reason") == "TenantConfigInvalid" for e in items["items"])
+
+                wait(invalid_event)
+            finally:
+                assert controller.stop() == 0, controller.output()
+            used = set(proxy.records)
+        finally:
+            proxy.stop()
+            sim.stop()
+    ungranted = [u for u in sorted(used, key=str) if not any(allows(g, u) for g in grants_made)]
+    assert not ungranted, "\n".join(map(str, ungranted))
+    assert {u[2] for u in used} <= {"secrets", "events", "leases"}, used
+
+
+def test_readme_examples_are_what_the_chart_and_the_file_accept():
+    """The top-level README's values example renders, and its annotation fragment is a valid
+    piece of the configuration file (the chart's `config` schema mirrors the binary's loops)
+    without any of the process-wide keys a fragment may not hold."""
+    readme = (CHART.parents[1] / "README.md").read_text()
+    section = readme.split("## Many control planes: management mode", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    values = yaml.safe_load(next(b for b in blocks if b.startswith("# tenants.yaml")))
+    helm.Chart.load(CHART).validate_schema(values)
+    env = env_of(values)
+    assert env["BOOTSTRAP_TENANTS_SECRET_SELECTOR"] == values["tenants"]["secretSelector"]
+    secret = yaml.safe_load(next(b for b in blocks if "bootstrap-controller.io/config" in b))
+    fragment = yaml.safe_load(secret["metadata"]["annotations"]["bootstrap-controller.io/config"])
+    helm.Chart.load(CHART).validate_schema({"config": fragment})
+    process_wide = {"kubeconfig", "adminAddr", "logFormat", "shutdownTimeout", "leaderElection",
+                    "tenants"}
+    assert not process_wide & set(fragment), fragment
+    for name in ("BOOTSTRAP_TENANTS_SECRET_SELECTOR", "BOOTSTRAP_TENANTS_NAMESPACE",
+                 "BOOTSTRAP_TENANTS_KUBECONFIG_KEY"):
+        assert name in section, name
