@@ -363,3 +363,27 @@ def test_readme_examples_are_what_the_chart_and_the_file_accept():
     for name in ("BOOTSTRAP_TENANTS_SECRET_SELECTOR", "BOOTSTRAP_TENANTS_NAMESPACE",
                  "BOOTSTRAP_TENANTS_KUBECONFIG_KEY"):
         assert name in section, name
+
+
+def test_tenant_cluster_rbac_renders_alone_as_the_chart_readme_says():
+    """The chart README's command for a tenant cluster's RBAC: the same values with
+    tenants.enabled=false, one replica and leader election off (no Lease rules: the replicas'
+    Leases are in the management cluster), bound to the kubeconfig's user."""
+    readme = (CHART / "README.md").read_text()
+    for flag in ("--set tenants.enabled=false", "--set replicaCount=1",
+                 "--set config.leaderElection.enabled=false", "--show-only templates/rbac.yaml"):
+        assert flag in readme, flag
+    values = {**CASES["capi"], "replicaCount": 1,
+              "config": {"leaderElection": {"enabled": False}},
+              "rbac": {"subjects": [{"kind": "User", "name": "capi-admin"}]}}
+    values["tenants"] = {**values["tenants"], "enabled": False}
+    docs = [d for d in yaml.safe_load_all(render_text(values)["rbac.yaml"]) if d]
+    resources = {r for d in docs if "rules" in d for rule in d["rules"] for r in rule["resources"]}
+    assert {"namespaces", "services", "ipaddresses", "events"} <= resources, resources
+    assert "leases" not in resources and "secrets" not in resources, resources
+    for binding in (d for d in docs if d["kind"].endswith("Binding")):
+        assert binding["subjects"] == [{"kind": "User", "name": "capi-admin",
+                                        "apiGroup": "rbac.authorization.k8s.io"}]
+    for version in KUBE_VERSIONS:
+        for doc in docs:
+            kubernetes_validate.validate(doc, version, strict=True)
