@@ -266,14 +266,25 @@ def test_notes_point_at_the_tenants_and_the_replicas_leases():
 # Secret per tenant cluster (apiserver-sim --tenants).
 
 
-def test_rendered_settings_run_the_tenants_within_the_rendered_rbac():
+def readme_fragment() -> str:
+    """The annotation of the top-level README's per-tenant example."""
+    readme = (CHART.parents[1] / "README.md").read_text()
+    section = readme.split("## Many control planes: management mode", 1)[1].split("\n## ", 1)[0]
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", section, re.S)
+                 if "bootstrap-controller.io/config" in b)
+    return yaml.safe_load(block)["metadata"]["annotations"]["bootstrap-controller.io/config"]
+
+
+@pytest.mark.parametrize("scope", [{"namespace": "tenants"}, {"allNamespaces": True}],
+                         ids=["namespaced", "all-namespaces"])
+def test_rendered_settings_run_the_tenants_within_the_rendered_rbac(scope):
     """The Deployment's environment runs the binary in management mode against the simulator's
     management cluster, through a proxy recording each request as the authorizer sees it: the
-    tenants' loops do their work in the tenant clusters, a bad annotation is reported on its
-    Secret, and every request made to the management cluster is one the rendered RBAC grants
-    (none of the loops' requests reach it)."""
-    values = {"tenants": {"enabled": True, "secretSelector": f"{TENANT_LABEL}=true",
-                          "namespace": "tenants"}}
+    tenants' loops do their work in the tenant clusters, the README's annotation example takes
+    effect on its tenant, a bad annotation is reported on its Secret, and every request made to
+    the management cluster is one the rendered RBAC grants (none of the loops' requests reach
+    it)."""
+    values = {"tenants": {"enabled": True, "secretSelector": f"{TENANT_LABEL}=true", **scope}}
     rendered = objects(values)
     grants_made = granted([o for o in rendered if o["kind"] in RBAC_KINDS])
     args, env = container_args(rendered)
@@ -313,6 +324,15 @@ def test_rendered_settings_run_the_tenants_within_the_rendered_rbac():
                     wait(lambda: subprocess.run(
                         [*tenant, "get", "service", "kubernetes", "-n", "default"],
                         capture_output=True).returncode == 0)
+                # The README's fragment on tenant-1's Secret: its extra system namespace, with
+                # its label, appears there (a changed Secret restarts the tenant's loops).
+                sim.kubectl("annotate", "secret", "-n", "tenants", "tenant-1-kubeconfig",
+                            f"bootstrap-controller.io/config={readme_fragment()}")
+                tenant_1 = ["kubectl", "--kubeconfig", str(tenants_dir / "tenant-1.kubeconfig")]
+                wait(lambda: "platform" in subprocess.run(
+                    [*tenant_1, "get", "namespace", "tenant-platform", "-o",
+                     "jsonpath={.metadata.labels.example\\.com/team}"],
+                    capture_output=True, text=True).stdout)
                 # A tenant whose annotation names a process-wide key starts nothing and says so
                 # on its Secret.
                 secret = json.loads(sim.kubectl("get", "secret", "-n", "tenants",
@@ -341,6 +361,9 @@ def test_rendered_settings_run_the_tenants_within_the_rendered_rbac():
     ungranted = [u for u in sorted(used, key=str) if not any(allows(g, u) for g in grants_made)]
     assert not ungranted, "\n".join(map(str, ungranted))
     assert {u[2] for u in used} <= {"secrets", "events", "leases"}, used
+    # The Secret watch is where the RBAC puts it: the tenants' namespace, or cluster-wide.
+    watched = {u[0] for u in used if u[2] == "secrets" and u[3] == "watch"}
+    assert watched == {scope.get("namespace")}, watched
 
 
 def test_readme_examples_are_what_the_chart_and_the_file_accept():
