@@ -10,3 +10,4 @@ pub mod leader;
 pub mod loops;
 pub mod metrics;
 pub mod runner;
+pub mod shards;
