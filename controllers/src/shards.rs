@@ -29,7 +29,7 @@ use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
+use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -222,6 +222,15 @@ enum WriteError {
 }
 
 /// Following the replicas: announcing this one, and publishing views.
+///
+/// The manager's side of the protocol, on every view it receives: stop the tenants it does not
+/// [own](View::owns) (all of them when `fenced`), then [`ack`](Shards::ack) the view's id; start
+/// the tenants it owns but does not run only when the view is `settled`, and keep running those
+/// it ran before and still owns. On shutdown: cancel, stop every tenant, then
+/// [`stopped`](Shards::stopped).
+///
+/// The client's watch must not be cut by a short read timeout, or it would relist (read) at
+/// every timeout; each write is bounded here instead.
 pub struct Shards {
     pub views: watch::Receiver<View>,
     acks: watch::Sender<Option<u64>>,
@@ -313,6 +322,9 @@ struct Member {
     record: (Option<String>, Option<Timestamp>),
     /// When `record` last changed, by this replica's clock.
     changed_at: Instant,
+    version: Option<String>,
+    /// When to delete the Lease if it has not changed by then (see [`State::cleanup_after`]).
+    cleanup_at: Instant,
 }
 
 impl Member {
@@ -329,6 +341,9 @@ struct State {
     duration: Duration,
     renew_every: Duration,
     fence_span: Duration,
+    /// A Lease unchanged this long belongs to a replica that is gone for good (a replaced pod
+    /// under a new name): deleting it keeps the group's Leases from piling up.
+    cleanup_after: Duration,
     others: BTreeMap<String, Member>,
     /// Whether the Lease is believed to exist (`None`: unknown, try creating it).
     exists: Option<bool>,
@@ -376,6 +391,7 @@ impl State {
                 .min(fence_span / 2)
                 .max(Duration::from_millis(50)),
             fence_span,
+            cleanup_after: duration * 10,
             others: BTreeMap::new(),
             exists: None,
             written_version: None,
@@ -447,9 +463,9 @@ impl State {
             .as_ref()
             .and_then(|a| a.get(VIEW_ANNOTATION))
             .and_then(|v| v.parse().ok());
-        let changed_at = match self.others.get(name) {
-            Some(known) if known.record == record => known.changed_at,
-            _ => now,
+        let (changed_at, cleanup_at) = match self.others.get(name) {
+            Some(known) if known.record == record => (known.changed_at, known.cleanup_at),
+            _ => (now, now + duration.max(self.cleanup_after)),
         };
         self.others.insert(
             name.to_owned(),
@@ -459,6 +475,8 @@ impl State {
                 duration,
                 record,
                 changed_at,
+                version: lease.metadata.resource_version.clone(),
+                cleanup_at,
             },
         );
     }
@@ -511,10 +529,23 @@ impl State {
             .filter(|at| *at > now);
         self.others
             .values()
-            .map(|m| m.changed_at + m.duration)
+            .flat_map(|m| [m.changed_at + m.duration, m.cleanup_at])
             .filter(|at| *at > now)
             .chain(fence)
             .min()
+    }
+
+    /// The Leases due for deletion (name and the resourceVersion they must still have), each
+    /// rescheduled in case the deletion fails.
+    fn due_for_cleanup(&mut self, now: Instant) -> Vec<(String, Option<String>)> {
+        let mut due = Vec::new();
+        for (name, member) in &mut self.others {
+            if member.cleanup_at <= now {
+                member.cleanup_at = now + self.cleanup_after;
+                due.push((name.clone(), member.version.clone()));
+            }
+        }
+        due
     }
 
     fn desired(&self, ack: Option<u64>) -> Lease {
@@ -614,6 +645,26 @@ fn leases_namespace(leases: &Api<Lease>) -> Option<String> {
     leases.namespace().map(str::to_owned)
 }
 
+/// Deletes a Lease that stopped changing long ago, unless it changed since (the precondition):
+/// every replica may try, and only one deletion can succeed.
+async fn clean_up(leases: Api<Lease>, name: String, version: Option<String>, timeout: Duration) {
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: version,
+            uid: None,
+        }),
+        ..DeleteParams::default()
+    };
+    match tokio::time::timeout(timeout, leases.delete(&name, &params)).await {
+        Ok(Ok(_)) => info!(lease = %name, "deleted the Lease of a replica gone for good"),
+        Ok(Err(err)) if matches!(code(&err), Some(404 | 409)) => {}
+        Ok(Err(err)) => {
+            debug!(error = %err, lease = %name, "cannot delete a stale replica Lease; retrying later")
+        }
+        Err(_) => debug!(lease = %name, "deleting a stale replica Lease timed out; retrying later"),
+    }
+}
+
 fn publish(sender: &watch::Sender<View>, view: View) {
     sender.send_if_modified(|current| {
         if *current == view {
@@ -705,6 +756,15 @@ async fn follow(
             }
             _ = tokio::time::sleep_until(wake) => {
                 let now = Instant::now();
+                // A fence falling due together with a write is published before the write.
+                publish(&views, state.view(now));
+                for (name, version) in state.due_for_cleanup(now) {
+                    // Detached, so that a slow API cannot hold up this replica's renewals.
+                    tokio::spawn(
+                        clean_up(leases.clone(), name, version, state.renew_every)
+                            .in_current_span(),
+                    );
+                }
                 if write_at > now {
                     continue;
                 }

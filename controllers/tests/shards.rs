@@ -423,13 +423,24 @@ async fn a_dead_replicas_tenants_are_taken_over_once_its_lease_expires() -> anyh
         "took over after {:?}, before c's Lease expired",
         died.elapsed()
     );
-    let leases: Api<Lease> = Api::namespaced(sim.client(), NAMESPACE);
+    // Much later (ten Lease durations), a survivor deletes the dead replica's Lease, so that
+    // replicas replaced under new names do not leave Leases piling up.
+    let name = shards::lease_name(GROUP, "c");
+    let deleted = || {
+        shard_requests(&sim)
+            .iter()
+            .any(|r| r.verb == "delete" && r.name == name && r.status == 200)
+    };
     assert!(
-        leases
-            .get_opt(&shards::lease_name(GROUP, "c"))
-            .await?
-            .is_some(),
-        "a dead replica's Lease stays until someone cleans it up"
+        !deleted(),
+        "c's Lease is deleted only long after it expired"
+    );
+    eventually("the dead replica's Lease is deleted", &claims, deleted).await;
+    let leases: Api<Lease> = Api::namespaced(sim.client(), NAMESPACE);
+    assert!(leases.get_opt(&name).await?.is_none());
+    assert!(
+        converged(&[&a, &b], &claims, &tenants),
+        "deleting a dead Lease changes nothing"
     );
     for replica in [a, b] {
         replica.stop().await?;
