@@ -875,6 +875,102 @@ mod tests {
         assert!(!fenced.owns("x") && View::single("a").owns("x"));
     }
 
+    fn settings() -> ShardSettings {
+        ShardSettings {
+            namespace: "kube-system".into(),
+            group: "g".into(),
+            identity: "me".into(),
+            lease_duration: Duration::from_secs(15),
+            renew_grace: Duration::from_secs(5),
+        }
+    }
+
+    fn lease(name: &str, holder: &str, renewed: i64, ack: Option<u64>, version: u64) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                resource_version: Some(version.to_string()),
+                annotations: ack
+                    .map(|id| BTreeMap::from([(VIEW_ANNOTATION.to_owned(), id.to_string())])),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.to_owned()),
+                renew_time: Some(MicroTime(
+                    Timestamp::from_second(1_700_000_000 + renewed).unwrap(),
+                )),
+                lease_duration_seconds: Some(15),
+                ..LeaseSpec::default()
+            }),
+        }
+    }
+
+    /// What `follow` records after a successful write.
+    fn written(state: &mut State, at: Instant, ack: Option<u64>, version: u64, sync: bool) {
+        state.renewed_at = Some(at);
+        state.written_ack = ack;
+        state.written_version = Some(version.to_string());
+        if sync {
+            state.sync_version = Some(version.to_string());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_view_settles_once_every_live_lease_acknowledges_it_after_this_ones_own() {
+        let t0 = Instant::now();
+        let mut state = State::new(&settings(), lease_name("g", "me"));
+        let view = state.view(t0);
+        assert!(view.fenced && !view.settled && view.members.is_empty());
+
+        state.observe(&lease("g-other", "other", 1, None, 5), t0);
+        written(&mut state, t0, None, 6, true);
+        let view = state.view(t0);
+        assert_eq!(&*view.members, ["me".to_owned(), "other".to_owned()]);
+        assert!(!view.fenced && !view.settled);
+
+        written(&mut state, t0, Some(view.id), 7, true);
+        state.observe(&lease("g-other", "other", 2, Some(view.id), 8), t0);
+        assert!(
+            !state.view(t0).settled,
+            "this replica's acknowledgement is not seen back yet"
+        );
+        state.observe(&lease("g-me", "me", 0, Some(view.id), 7), t0);
+        assert!(state.view(t0).settled);
+
+        // A renewal changing nothing else keeps the view settled while the watch lags.
+        written(&mut state, t0, Some(view.id), 9, false);
+        assert!(state.view(t0).settled);
+        // A stale acknowledgement from the other replica unsettles it.
+        state.observe(&lease("g-other", "other", 3, Some(1), 10), t0);
+        assert!(!state.view(t0).settled);
+    }
+
+    #[tokio::test]
+    async fn members_expire_by_this_replicas_clock_and_fencing_comes_first() {
+        let t0 = Instant::now();
+        let mut state = State::new(&settings(), lease_name("g", "me"));
+        state.observe(&lease("g-other", "other", 1, None, 5), t0);
+        // Seen again unchanged (a relist): no sign of life.
+        state.observe(
+            &lease("g-other", "other", 1, None, 5),
+            t0 + Duration::from_secs(10),
+        );
+        let renewed = t0 + Duration::from_secs(5);
+        written(&mut state, renewed, None, 6, true);
+        let at = |s: u64| t0 + Duration::from_millis(s);
+        assert_eq!(state.view(at(14_999)).members.len(), 2);
+        assert_eq!(&*state.view(at(15_000)).members, ["me".to_owned()]);
+        // Own renewals failing: fenced at lease duration less grace after the last one was sent,
+        // before the others can see this replica's Lease expire.
+        assert!(!state.view(renewed + Duration::from_millis(9_999)).fenced);
+        assert!(state.view(renewed + Duration::from_secs(10)).fenced);
+        assert_eq!(
+            state.next_change(renewed),
+            Some(renewed + Duration::from_secs(10))
+        );
+        assert!(!state.view(renewed + Duration::from_secs(10)).owns("t"));
+    }
+
     #[test]
     fn lease_names_are_dns_safe_and_distinct() {
         assert_eq!(lease_name("bc", "pod-0"), "bc-pod-0");
