@@ -11,13 +11,15 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::{OPENMETRICS_CONTENT_TYPE, encode};
+use crate::metrics::{OPENMETRICS_CONTENT_TYPE, encode, encode_merged};
 use crate::runner::Health;
 
 #[derive(Clone)]
 pub struct AdminState {
     pub health: Health,
     pub registry: Arc<Registry>,
+    /// Management mode's tenants: their readiness lines and metrics registries.
+    pub tenants: Option<crate::tenants::Directory>,
     /// Once cancelled, `/readyz` fails so traffic and rollouts move on while loops stop.
     pub shutting_down: CancellationToken,
 }
@@ -60,8 +62,16 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         body.push_str(line);
         body.push('\n');
     }
-    if readiness.lines.is_empty() {
+    if readiness.lines.is_empty() && state.tenants.is_none() {
         body.push_str("[+]loops ok (no loop enabled)\n");
+    }
+    // Informational: a failing tenant does not make this process unready (a restart would not
+    // heal it, and would interrupt every other tenant).
+    if let Some(tenants) = &state.tenants {
+        for line in tenants.readyz_lines() {
+            body.push_str(&line);
+            body.push('\n');
+        }
     }
     if ready {
         body.push_str("readyz check passed\n");
@@ -73,7 +83,11 @@ async fn readyz(State(state): State<AdminState>) -> Response {
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {
-    match encode(&state.registry) {
+    let encoded = match &state.tenants {
+        Some(tenants) => encode_merged(&state.registry, &tenants.registries()),
+        None => encode(&state.registry),
+    };
+    match encoded {
         Ok(text) => ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], text).into_response(),
         Err(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -121,6 +135,7 @@ mod tests {
         let state = AdminState {
             health: Health::default(),
             registry: Arc::new(registry),
+            tenants: None,
             shutting_down: CancellationToken::new(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

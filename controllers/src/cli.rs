@@ -9,14 +9,17 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::admin::{self, AdminState};
+use crate::config::TenantBase;
 use crate::config::{
     Config, ConfigArgs, ConfigError, ConfigErrors, LogFormat, format_duration, parse_duration,
 };
 use crate::kubeconfig;
 use crate::leader::{self, LeaderMetrics, LeaderSettings};
-use crate::loops::build_loops;
+use crate::loops::{build_loops, build_runner, kubeconfig_loader};
 use crate::metrics::{RunnerMetrics, new_registry};
-use crate::runner::{CheckResult, Runner, RunnerOptions, check_once};
+use crate::runner::{CheckResult, Health, Runner, check_once};
+use crate::shards::{ShardSettings, Shards};
+use crate::tenants::{self, Directory, Ownership, TenantMetrics, TenantSettings};
 
 /// No drift (`check`), or a clean exit.
 pub const EXIT_OK: u8 = 0;
@@ -121,7 +124,18 @@ pub async fn execute(cli: Cli) -> ExitCode {
             Err(errors) => config_error(&errors),
         },
         Command::Run => match Config::load(&cli.config) {
-            Ok(config) => run(config).await,
+            Ok(config) if config.tenants.is_some() => {
+                // Every tenant's configuration starts from the file: one the tenants cannot
+                // use is refused now, not once per tenant.
+                match TenantBase::load(&cli.config).and_then(|base| {
+                    base.tenant(None)?;
+                    Ok(base)
+                }) {
+                    Ok(base) => run(config, Some(base)).await,
+                    Err(errors) => config_error(&errors),
+                }
+            }
+            Ok(config) => run(config, None).await,
             Err(errors) => config_error(&errors),
         },
         Command::Check { timeout, output } => {
@@ -141,6 +155,13 @@ pub async fn execute(cli: Cli) -> ExitCode {
                 }
             };
             match Config::load(&cli.config) {
+                Ok(config) if config.tenants.is_some() => {
+                    config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
+                        "--tenants-secret-selector",
+                        "check works on one cluster: point --kubeconfig at one tenant's \
+                         kubeconfig and leave the tenants settings out",
+                    )]))
+                }
                 Ok(config) => check(config, timeout, output).await,
                 Err(errors) => config_error(&errors),
             }
@@ -218,21 +239,18 @@ async fn wait_for_signal() {
     }
 }
 
-fn runner_options(config: &Config) -> RunnerOptions {
-    RunnerOptions {
-        dry_run: config.dry_run,
-        timer_only: config.timer_only,
-        shutdown_timeout: config.shutdown_timeout,
-        ..RunnerOptions::default()
-    }
-}
-
 /// What `run` and the demo (`bootstrap-demo`) share: everything after the client exists.
 pub struct Controller {
     pub cancel: CancellationToken,
     pub admin_addr: std::net::SocketAddr,
     pub health: crate::runner::Health,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// What one process keeps: one cluster, or every tenant of a management cluster.
+enum Mode {
+    Single(Box<Runner>),
+    Management(Box<(crate::config::Tenants, TenantBase)>),
 }
 
 /// Why the controller could not start.
@@ -256,28 +274,61 @@ impl Controller {
         kube_config: &kube::Config,
         client: kube::Client,
     ) -> Result<Controller, StartError> {
+        Controller::start_mode(config, kube_config, client, None).await
+    }
+
+    /// Management mode: one runtime per tenant Secret, shared between replicas (see
+    /// [`crate::tenants`]); `base` is what every tenant's configuration is made from.
+    pub async fn start_management(
+        config: &Config,
+        kube_config: &kube::Config,
+        client: kube::Client,
+        base: TenantBase,
+    ) -> Result<Controller, StartError> {
+        Controller::start_mode(config, kube_config, client, Some(base)).await
+    }
+
+    async fn start_mode(
+        config: &Config,
+        kube_config: &kube::Config,
+        client: kube::Client,
+        tenant_base: Option<TenantBase>,
+    ) -> Result<Controller, StartError> {
         let cancel = CancellationToken::new();
         let mut registry = new_registry();
-        let runner_metrics = RunnerMetrics::register(&mut registry);
-        let leader_metrics = LeaderMetrics::register(&mut registry);
-        crate::metrics::register_etcd_mode(&mut registry, !config.etcd_servers.is_empty());
-        let loops = build_loops(config, &client, &mut registry);
-        info!(
-            loops = ?loops.iter().map(|l| l.name()).collect::<Vec<_>>(),
-            dry_run = config.dry_run,
-            timer_only = config.timer_only,
-            leader_election = config.leader_election.enabled,
-            server = %kube_config.cluster_url,
-            "starting"
-        );
-
-        if config.service_cluster_ip_range.is_empty() {
-            info!(
-                "--service-cluster-ip-range is not set: the loops read the range from the \
-                 cluster's ServiceCIDR \"kubernetes\" (Kubernetes 1.33+), and the service-cidr \
-                 loop, which would create that object from it, does not run"
-            );
-        }
+        let mode = match (&config.tenants, tenant_base) {
+            (Some(tenants), Some(base)) => {
+                info!(
+                    selector = %tenants.secret_selector,
+                    namespace = tenants.namespace.as_deref().unwrap_or("(all)"),
+                    kubeconfig_key = %tenants.kubeconfig_key,
+                    sharing = config.leader_election.enabled,
+                    server = %kube_config.cluster_url,
+                    "starting in management mode: one runtime per tenant Secret"
+                );
+                Mode::Management(Box::new((tenants.clone(), base)))
+            }
+            _ => {
+                let runner =
+                    build_runner(config, &client, kubeconfig_loader(config), &mut registry);
+                info!(
+                    loops = ?runner.loop_names(),
+                    dry_run = config.dry_run,
+                    timer_only = config.timer_only,
+                    leader_election = config.leader_election.enabled,
+                    server = %kube_config.cluster_url,
+                    "starting"
+                );
+                if config.service_cluster_ip_range.is_empty() {
+                    info!(
+                        "--service-cluster-ip-range is not set: the loops read the range from the \
+                         cluster's ServiceCIDR \"kubernetes\" (Kubernetes 1.33+), and the \
+                         service-cidr loop, which would create that object from it, does not run"
+                    );
+                }
+                Mode::Single(Box::new(runner))
+            }
+        };
         // Bind before joining the election: failing here must not leave a Lease behind.
         let listener = tokio::net::TcpListener::bind(config.admin_addr)
             .await
@@ -285,13 +336,127 @@ impl Controller {
                 addr: config.admin_addr,
                 source,
             })?;
-        let runner = Runner::new(
-            loops,
-            client.clone(),
-            runner_options(config),
-            runner_metrics,
-        );
-        let health = runner.health();
+        let health = match &mode {
+            Mode::Single(runner) => runner.health(),
+            Mode::Management(..) => Health::default(),
+        };
+        let admin_addr = listener.local_addr().unwrap_or(config.admin_addr);
+
+        let (work, directory): (tokio::task::JoinHandle<()>, Option<Directory>) = match mode {
+            Mode::Single(runner) => {
+                let leader_metrics = LeaderMetrics::register(&mut registry);
+                let work = Controller::spawn_single(
+                    config,
+                    kube_config,
+                    &client,
+                    *runner,
+                    leader_metrics,
+                    health.clone(),
+                    cancel.clone(),
+                )?;
+                (work, None)
+            }
+            Mode::Management(management) => {
+                let (tenants, base) = *management;
+                let directory = Directory::default();
+                let metrics = TenantMetrics::register(&mut registry);
+                let identity = config.leader_identity();
+                let shards_cancel = CancellationToken::new();
+                let (ownership, shards) = if config.leader_election.enabled {
+                    let shards = Shards::spawn(
+                        client.clone(),
+                        ShardSettings {
+                            namespace: config.leader_election.lease_namespace.clone(),
+                            group: config.leader_election.lease_name.clone(),
+                            identity: identity.clone(),
+                            lease_duration: config.leader_election.lease_duration,
+                            renew_grace: config.leader_election.renew_grace,
+                        },
+                        shards_cancel.clone(),
+                    );
+                    let views = shards.views.clone();
+                    let shards = Arc::new(shards);
+                    let acks = shards.clone();
+                    (
+                        Ownership {
+                            views,
+                            ack: Box::new(move |id| acks.ack(id)),
+                        },
+                        Some(shards),
+                    )
+                } else {
+                    (Ownership::single(&identity), None)
+                };
+                let settings = TenantSettings {
+                    selector: tenants.secret_selector.clone(),
+                    namespace: tenants.namespace.clone(),
+                    kubeconfig_key: tenants.kubeconfig_key.clone(),
+                    base,
+                    identity,
+                };
+                let manager = tenants::spawn(
+                    client.clone(),
+                    settings,
+                    ownership,
+                    health.clone(),
+                    metrics,
+                    directory.clone(),
+                    cancel.clone(),
+                );
+                let work = tokio::spawn(async move {
+                    if let Err(err) = manager.await {
+                        error!(error = %err, "the tenant manager failed");
+                    }
+                    // Every tenant has stopped: withdraw from the replicas so the others
+                    // take the tenants at once (the manager, gone now, held the other
+                    // handle).
+                    shards_cancel.cancel();
+                    if let Some(shards) = shards.and_then(Arc::into_inner) {
+                        shards.stopped().await;
+                    }
+                });
+                (work, Some(directory))
+            }
+        };
+
+        info!(%admin_addr, "admin server listening (/livez, /readyz, /metrics)");
+        let admin_state = AdminState {
+            health: health.clone(),
+            registry: Arc::new(registry),
+            tenants: directory,
+            shutting_down: cancel.clone(),
+        };
+        let admin_stop = CancellationToken::new();
+        let admin_task = tokio::spawn(admin::serve(listener, admin_state, admin_stop.clone()));
+        let task = tokio::spawn(async move {
+            if let Err(err) = work.await {
+                error!(error = %err, "controller task failed");
+            }
+            admin_stop.cancel();
+            match tokio::time::timeout(Duration::from_secs(5), admin_task).await {
+                Ok(Ok(Err(err))) => warn!(error = %err, "admin server failed"),
+                Ok(Err(err)) => warn!(error = %err, "admin server task failed"),
+                Ok(Ok(Ok(()))) | Err(_) => {}
+            }
+        });
+        Ok(Controller {
+            cancel,
+            admin_addr,
+            health,
+            task,
+        })
+    }
+
+    /// The single-cluster mode's work: leader election (if on) and the runner.
+    fn spawn_single(
+        config: &Config,
+        kube_config: &kube::Config,
+        client: &kube::Client,
+        runner: Runner,
+        leader_metrics: LeaderMetrics,
+        health: Health,
+        cancel: CancellationToken,
+    ) -> Result<tokio::task::JoinHandle<()>, StartError> {
         // Leadership outlives the runner, so passes running at shutdown may finish as leader.
         let leader_cancel = CancellationToken::new();
         let (leader, leader_task) = if config.leader_election.enabled {
@@ -316,45 +481,21 @@ impl Controller {
                 clients,
                 settings,
                 leader_metrics,
-                health.clone(),
+                health,
                 leader_cancel.clone(),
             );
             (receiver, Some(task))
         } else {
             (leader::always_leader(&leader_metrics), None)
         };
-
-        let admin_addr = listener.local_addr().unwrap_or(config.admin_addr);
-        info!(%admin_addr, "admin server listening (/livez, /readyz, /metrics)");
-        let admin_state = AdminState {
-            health: runner.health(),
-            registry: Arc::new(registry),
-            shutting_down: cancel.clone(),
-        };
-        let admin_stop = CancellationToken::new();
-        let admin_task = tokio::spawn(admin::serve(listener, admin_state, admin_stop.clone()));
-
-        let runner_cancel = cancel.clone();
-        let task = tokio::spawn(async move {
-            runner.run(leader, runner_cancel).await;
+        Ok(tokio::spawn(async move {
+            runner.run(leader, cancel).await;
             leader_cancel.cancel();
             if let Some(task) = leader_task {
                 // Releasing the Lease is bounded by the renew grace inside the task.
                 let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
             }
-            admin_stop.cancel();
-            match tokio::time::timeout(Duration::from_secs(5), admin_task).await {
-                Ok(Ok(Err(err))) => warn!(error = %err, "admin server failed"),
-                Ok(Err(err)) => warn!(error = %err, "admin server task failed"),
-                Ok(Ok(Ok(()))) | Err(_) => {}
-            }
-        });
-        Ok(Controller {
-            cancel,
-            admin_addr,
-            health,
-            task,
-        })
+        }))
     }
 
     /// Whether the controller stopped (it only stops after `cancel`).
@@ -370,7 +511,7 @@ impl Controller {
     }
 }
 
-async fn run(config: Config) -> ExitCode {
+async fn run(config: Config, tenant_base: Option<TenantBase>) -> ExitCode {
     init_logging(config.log_format, "info");
     let kube_config = match kubeconfig::load(config.kubeconfig.as_deref()).await {
         Ok(kube_config) => kube_config,
@@ -393,7 +534,11 @@ async fn run(config: Config) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let controller = match Controller::start(&config, &kube_config, client).await {
+    let started = match tenant_base {
+        Some(base) => Controller::start_management(&config, &kube_config, client, base).await,
+        None => Controller::start(&config, &kube_config, client).await,
+    };
+    let controller = match started {
         Ok(controller) => controller,
         Err(message) => {
             error!("{message}");

@@ -283,6 +283,38 @@ pub struct ConfigArgs {
         global = true
     )]
     pub shutdown_timeout: Option<String>,
+
+    /// Management mode: keep the bootstrap state of every tenant cluster whose kubeconfig is in
+    /// a Secret of this (management) cluster matching this label selector, e.g.
+    /// `cluster.x-k8s.io/cluster-name`; left out, the one cluster of --kubeconfig is kept.
+    /// [default: none]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_TENANTS_SECRET_SELECTOR",
+        value_name = "SELECTOR",
+        global = true
+    )]
+    pub tenants_secret_selector: Option<String>,
+
+    /// Management mode: only Secrets in this namespace are tenants. [default: every namespace]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_TENANTS_NAMESPACE",
+        value_name = "NAMESPACE",
+        global = true
+    )]
+    pub tenants_namespace: Option<String>,
+
+    /// Management mode: the Secret data key holding the tenant's kubeconfig: `value` (Cluster
+    /// API), `admin.conf` (Kamaji), `kubeconfig` (HyperShift), `config` (vcluster).
+    /// [default: value]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_TENANTS_KUBECONFIG_KEY",
+        value_name = "KEY",
+        global = true
+    )]
+    pub tenants_kubeconfig_key: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
@@ -358,8 +390,175 @@ pub struct Config {
     #[serde(with = "duration_format")]
     pub shutdown_timeout: Duration,
     pub leader_election: LeaderElection,
+    /// Management mode, when a Secret selector is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenants: Option<Tenants>,
     pub loops: Loops,
 }
+
+/// Management mode: which Secrets of the management cluster are tenant clusters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Tenants {
+    pub secret_selector: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    pub kubeconfig_key: String,
+}
+
+/// The annotation on a tenant's Secret holding its YAML fragment of the configuration file.
+pub const TENANT_CONFIG_ANNOTATION: &str = "bootstrap-controller.io/config";
+
+/// Keys of the file that belong to the process, not to one tenant: refused in a fragment.
+const PROCESS_WIDE_KEYS: [&str; 6] = [
+    "kubeconfig",
+    "adminAddr",
+    "logFormat",
+    "shutdownTimeout",
+    "leaderElection",
+    "tenants",
+];
+
+/// What every tenant's configuration is made from: the flags and the file as it was read at
+/// start. A tenant's fragment is merged over the file (flags still win, as over the file).
+#[derive(Debug, Clone)]
+pub struct TenantBase {
+    args: ConfigArgs,
+    file: serde_json::Value,
+}
+
+impl TenantBase {
+    /// Reads `--config` again, as a tree the fragments merge into.
+    pub fn load(args: &ConfigArgs) -> Result<TenantBase, ConfigErrors> {
+        let file = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|err| {
+                    ConfigError::new("--config", format!("cannot read {}: {err}", path.display()))
+                })?;
+                yaml_tree(&text).map_err(|message| ConfigError::new("--config", message))?
+            }
+            None => serde_json::Value::Null,
+        };
+        // Flags that name the management cluster or management mode are not a tenant's.
+        let args = ConfigArgs {
+            tenants_secret_selector: None,
+            tenants_namespace: None,
+            tenants_kubeconfig_key: None,
+            kubeconfig: None,
+            ..args.clone()
+        };
+        Ok(TenantBase { args, file })
+    }
+
+    /// One tenant's configuration: `fragment` (the Secret's annotation, if any) over the file,
+    /// over the defaults, with the flags winning. The endpoint reconciler defaults to `none`
+    /// here: this process is not one of the tenant's apiservers, so it cannot hold a membership
+    /// Lease for one; `static` (the tenant's load-balancer address) or `none` are the choices.
+    pub fn tenant(&self, fragment: Option<&str>) -> Result<Config, ConfigErrors> {
+        let field = |path: &str| format!("{TENANT_CONFIG_ANNOTATION}: {path}");
+        let fragment = match fragment {
+            Some(text) => {
+                yaml_tree(text).map_err(|message| ConfigError::new(field("(fragment)"), message))?
+            }
+            None => serde_json::Value::Null,
+        };
+        match &fragment {
+            serde_json::Value::Null => {}
+            serde_json::Value::Object(map) => {
+                let refused: Vec<ConfigError> = map
+                    .keys()
+                    .filter(|key| PROCESS_WIDE_KEYS.contains(&key.as_str()))
+                    .map(|key| {
+                        ConfigError::new(
+                            field(key),
+                            "is set for the whole process (flags or the --config file), not per \
+                             tenant: remove it from the annotation",
+                        )
+                    })
+                    .collect();
+                if !refused.is_empty() {
+                    return Err(ConfigErrors(refused));
+                }
+            }
+            _ => {
+                return Err(ConfigErrors(vec![ConfigError::new(
+                    field("(fragment)"),
+                    "must be a YAML mapping of configuration file keys (e.g. \
+                     serviceClusterIPRange: 10.96.0.0/12)",
+                )]));
+            }
+        }
+        let mut merged = serde_json::json!({"endpointReconcilerType": "none"});
+        deep_merge(&mut merged, self.file.clone());
+        deep_merge(&mut merged, fragment);
+        if let serde_json::Value::Object(map) = &mut merged {
+            for key in PROCESS_WIDE_KEYS {
+                map.remove(key);
+            }
+        }
+        let text = serde_saphyr::to_string(&merged).map_err(|err| {
+            ConfigError::new(field("(fragment)"), format!("cannot be merged: {err}"))
+        })?;
+        let file =
+            parse_file(&text).map_err(|err| ConfigError::new(field(&err.field), err.message))?;
+        let config = Config::merge(&self.args, file).map_err(|errors| {
+            ConfigErrors(
+                errors
+                    .0
+                    .into_iter()
+                    .map(|err| match err.field.starts_with("--") {
+                        true => err,
+                        false => ConfigError::new(field(&err.field), err.message),
+                    })
+                    .collect(),
+            )
+        })?;
+        match config.endpoint_reconciler_type {
+            EndpointReconcilerType::Static | EndpointReconcilerType::None => Ok(config),
+            other => Err(ConfigErrors(vec![ConfigError::new(
+                field("endpointReconcilerType"),
+                format!(
+                    "{:?} makes this process one of the tenant's apiservers, which it is not: \
+                     use static (with the tenant's load-balancer address under \
+                     loops.apiserverEndpoints) or none",
+                    other.as_str()
+                ),
+            )])),
+        }
+    }
+}
+
+/// A YAML document as a tree (empty text is `null`).
+fn yaml_tree(text: &str) -> Result<serde_json::Value, String> {
+    if text.trim().is_empty() {
+        return Ok(serde_json::Value::Null);
+    }
+    serde_saphyr::from_str(text).map_err(|err| {
+        let message = err.to_string();
+        message
+            .lines()
+            .next()
+            .unwrap_or("invalid YAML")
+            .trim()
+            .to_owned()
+    })
+}
+
+/// Merges `over` into `base`: mappings key by key, anything else replaced.
+fn deep_merge(base: &mut serde_json::Value, over: serde_json::Value) {
+    match (base, over) {
+        (_, serde_json::Value::Null) => {}
+        (serde_json::Value::Object(base), serde_json::Value::Object(over)) => {
+            for (key, value) in over {
+                deep_merge(base.entry(key).or_insert(serde_json::Value::Null), value);
+            }
+        }
+        (base, over) => *base = over,
+    }
+}
+
+/// The Secret data key Cluster API's `<cluster>-kubeconfig` Secrets use.
+pub const DEFAULT_TENANTS_KUBECONFIG_KEY: &str = "value";
 
 /// Inclusive port range, written `BASE-LAST` like kube-apiserver's `--service-node-port-range`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -499,7 +698,17 @@ pub struct FileConfig {
     #[serde(default, with = "duration_format::option")]
     pub shutdown_timeout: Option<Duration>,
     pub leader_election: Option<LeaderElection>,
+    pub tenants: Option<TenantsFile>,
     pub loops: Option<Loops>,
+}
+
+/// The file's `tenants` section (management mode); the flags `--tenants-*` win over it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TenantsFile {
+    pub secret_selector: Option<String>,
+    pub namespace: Option<String>,
+    pub kubeconfig_key: Option<String>,
 }
 
 /// `serviceClusterIPRange` may be written `"a,b"` (like the flag) or as a YAML list.
@@ -1113,6 +1322,7 @@ impl Config {
         }
 
         let etcd = merge_etcd(args, &file, &mut errors);
+        let tenants = merge_tenants(args, file.tenants.as_ref(), &mut errors);
 
         let config = Config {
             service_cluster_ip_range,
@@ -1134,6 +1344,7 @@ impl Config {
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),
             shutdown_timeout,
             leader_election,
+            tenants,
             loops: file.loops.clone().unwrap_or_default(),
         };
         // Sections validate against the settings of the effective configuration.
@@ -1187,6 +1398,198 @@ fn derive_identity() -> String {
     let base = host_name().unwrap_or_else(|| "bootstrap-controller".to_owned());
     let suffix: u32 = rand::random();
     format!("{base}_{suffix:08x}")
+}
+
+/// Management mode's settings: flags over the file's `tenants` section. `None` when no
+/// selector is set (the one cluster of `--kubeconfig`).
+fn merge_tenants(
+    args: &ConfigArgs,
+    file: Option<&TenantsFile>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<Tenants> {
+    let selector = pick(
+        args.tenants_secret_selector.clone(),
+        "--tenants-secret-selector",
+        file.and_then(|f| f.secret_selector.clone()),
+        "tenants.secretSelector",
+    );
+    let namespace = pick(
+        args.tenants_namespace.clone(),
+        "--tenants-namespace",
+        file.and_then(|f| f.namespace.clone()),
+        "tenants.namespace",
+    );
+    let key = pick(
+        args.tenants_kubeconfig_key.clone(),
+        "--tenants-kubeconfig-key",
+        file.and_then(|f| f.kubeconfig_key.clone()),
+        "tenants.kubeconfigKey",
+    );
+    let Some(selector) = selector else {
+        for source in [namespace, key].into_iter().flatten() {
+            errors.push(ConfigError::new(
+                source.field,
+                "only means something in management mode: set --tenants-secret-selector                  (tenants.secretSelector) too, or leave it out",
+            ));
+        }
+        return None;
+    };
+    let selector_text = selector.value.trim().to_owned();
+    if selector_text.is_empty() {
+        errors.push(ConfigError::new(
+            selector.field,
+            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g.              cluster.x-k8s.io/cluster-name)",
+        ));
+    } else if let Err(why) = validate_label_selector(&selector_text) {
+        errors.push(ConfigError::new(
+            selector.field,
+            format!(
+                "{selector_text:?} is not a label selector: {why} (e.g. \
+                 cluster.x-k8s.io/cluster-name, or team=a,tier!=dev)"
+            ),
+        ));
+    }
+    let namespace = namespace.and_then(|source| {
+        match reconcilers::names::validate_dns1123_label(&source.value) {
+            Ok(()) => Some(source.value),
+            Err(why) => {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{:?} is not a valid namespace name: {why} (e.g. tenants)",
+                        source.value
+                    ),
+                ));
+                None
+            }
+        }
+    });
+    let kubeconfig_key = match key {
+        Some(source) => {
+            let valid = !source.value.is_empty()
+                && source.value.len() <= 253
+                && source
+                    .value
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+            if !valid {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{:?} is not a Secret data key (letters, digits, '-', '_' and '.';                          e.g. value, admin.conf, kubeconfig, config)",
+                        source.value
+                    ),
+                ));
+            }
+            source.value
+        }
+        None => DEFAULT_TENANTS_KUBECONFIG_KEY.to_owned(),
+    };
+    Some(Tenants {
+        secret_selector: selector_text,
+        namespace,
+        kubeconfig_key,
+    })
+}
+
+/// Checks a label selector as `kubectl get -l` writes it (`k`, `!k`, `k=v`, `k==v`, `k!=v`,
+/// `k in (a,b)`, `k notin (a,b)`, joined by commas), so a typo is a configuration error at
+/// start rather than a refused list later.
+fn validate_label_selector(selector: &str) -> Result<(), String> {
+    fn key(text: &str) -> Result<(), String> {
+        let text = text.trim();
+        let (prefix, name) = match text.split_once('/') {
+            Some((prefix, name)) => (Some(prefix), name),
+            None => (None, text),
+        };
+        if let Some(prefix) = prefix {
+            reconcilers::names::validate_dns1123_subdomain(prefix)
+                .map_err(|why| format!("label key {text:?}: prefix: {why}"))?;
+        }
+        value(name).and_then(|()| {
+            if name.is_empty() {
+                Err(format!("label key {text:?} has no name"))
+            } else {
+                Ok(())
+            }
+        })
+    }
+    fn value(text: &str) -> Result<(), String> {
+        let text = text.trim();
+        let valid = text.len() <= 63
+            && text
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && text
+                .chars()
+                .next()
+                .is_none_or(|c| c.is_ascii_alphanumeric())
+            && text
+                .chars()
+                .last()
+                .is_none_or(|c| c.is_ascii_alphanumeric());
+        if valid {
+            Ok(())
+        } else {
+            Err(format!(
+                "{text:?} is not a label name or value (at most 63 letters, digits, '-', '_' or \
+                 '.', starting and ending with a letter or digit)"
+            ))
+        }
+    }
+    // Commas separate requirements except inside a set's parentheses.
+    let mut requirements = Vec::new();
+    let (mut depth, mut start) = (0_i32, 0);
+    for (at, c) in selector.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                requirements.push(&selector[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+        if depth < 0 {
+            return Err("unbalanced parentheses".to_owned());
+        }
+    }
+    if depth != 0 {
+        return Err("unbalanced parentheses".to_owned());
+    }
+    requirements.push(&selector[start..]);
+    for requirement in requirements {
+        let requirement = requirement.trim();
+        if requirement.is_empty() {
+            return Err("an empty requirement (two commas in a row?)".to_owned());
+        }
+        if let Some(rest) = requirement.strip_prefix('!') {
+            key(rest)?;
+        } else if let Some((k, v)) = requirement
+            .split_once("!=")
+            .or_else(|| requirement.split_once("=="))
+            .or_else(|| requirement.split_once('='))
+        {
+            key(k)?;
+            value(v)?;
+        } else if let Some((k, set)) = requirement
+            .split_once(" notin ")
+            .or_else(|| requirement.split_once(" in "))
+        {
+            key(k)?;
+            let set = set.trim();
+            let inner = set
+                .strip_prefix('(')
+                .and_then(|set| set.strip_suffix(')'))
+                .ok_or_else(|| format!("{set:?}: a set is written (a,b)"))?;
+            for item in inner.split(',') {
+                value(item)?;
+            }
+        } else {
+            key(requirement)?;
+        }
+    }
+    Ok(())
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigErrors> {
@@ -1760,6 +2163,133 @@ mod tests {
         .unwrap_err();
         assert_eq!(errors.0.len(), 3, "{errors}");
         assert!(errors.to_string().contains("3 problems"));
+    }
+
+    #[test]
+    fn tenants_settings_from_flags_and_file_are_validated() {
+        let config = from_yaml(
+            "tenants:\n  secretSelector: cluster.x-k8s.io/cluster-name\n  namespace: capi\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.tenants,
+            Some(Tenants {
+                secret_selector: "cluster.x-k8s.io/cluster-name".to_owned(),
+                namespace: Some("capi".to_owned()),
+                kubeconfig_key: "value".to_owned(),
+            })
+        );
+        assert_eq!(from_yaml("{}\n").unwrap().tenants, None);
+        for selector in [
+            "a=b,c!=d",
+            "!legacy",
+            "tier in (a, b),env notin (dev)",
+            "example.com/x==y",
+        ] {
+            let args = ConfigArgs {
+                tenants_secret_selector: Some(selector.to_owned()),
+                ..ConfigArgs::default()
+            };
+            assert!(
+                Config::merge(&args, FileConfig::default()).is_ok(),
+                "{selector}"
+            );
+        }
+        for (selector, field) in [
+            ("a=b,,c", "--tenants-secret-selector"),
+            ("tier in a,b", "--tenants-secret-selector"),
+            ("-bad-=x", "--tenants-secret-selector"),
+            ("  ", "--tenants-secret-selector"),
+        ] {
+            let args = ConfigArgs {
+                tenants_secret_selector: Some(selector.to_owned()),
+                ..ConfigArgs::default()
+            };
+            let error = single_error(Config::merge(&args, FileConfig::default()));
+            assert_eq!(error.field, field, "{selector}: {error}");
+        }
+        let args = ConfigArgs {
+            tenants_namespace: Some("capi".to_owned()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, "--tenants-namespace");
+        assert!(
+            error.message.contains("--tenants-secret-selector"),
+            "{error}"
+        );
+        let error = single_error(from_yaml(
+            "tenants:\n  secretSelector: a=b\n  kubeconfigKey: \"admin conf\"\n",
+        ));
+        assert_eq!(error.field, "tenants.kubeconfigKey");
+    }
+
+    fn tenant_base(file: &str) -> TenantBase {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, file).unwrap();
+        let args = ConfigArgs {
+            config: Some(path),
+            tenants_secret_selector: Some("a=b".to_owned()),
+            ..ConfigArgs::default()
+        };
+        TenantBase::load(&args).unwrap()
+    }
+
+    #[test]
+    fn a_tenant_fragment_merges_over_the_file_and_is_validated_as_the_file() {
+        let base = tenant_base(
+            "serviceClusterIPRange: 10.96.0.0/12\ntenants:\n  secretSelector: a=b\nloops:\n  systemNamespaces:\n    interval: 5s\n",
+        );
+        let defaults = base.tenant(None).unwrap();
+        assert_eq!(
+            defaults.endpoint_reconciler_type,
+            EndpointReconcilerType::None
+        );
+        assert_eq!(defaults.tenants, None, "a tenant is one cluster");
+        assert_eq!(
+            defaults.service_cluster_ip_range,
+            vec!["10.96.0.0/12".parse::<IpNet>().unwrap()]
+        );
+        let tenant = base
+            .tenant(Some(
+                "serviceClusterIPRange: 10.100.0.0/16\nloops:\n  nodePortRepair:\n    enabled: false\n",
+            ))
+            .unwrap();
+        assert_eq!(
+            tenant.service_cluster_ip_range,
+            vec!["10.100.0.0/16".parse::<IpNet>().unwrap()]
+        );
+        assert!(!tenant.loops.node_port_repair.enabled);
+        // What the fragment leaves out comes from the file, key by key.
+        assert_eq!(
+            tenant.loops.system_namespaces.interval,
+            Duration::from_secs(5)
+        );
+
+        let error = single_error(base.tenant(Some("serviceClusterIPRange: 10.0.0.0/33\n")));
+        assert_eq!(
+            error.field,
+            "bootstrap-controller.io/config: serviceClusterIPRange"
+        );
+        let error = single_error(base.tenant(Some("loops:\n  nope: {}\n")));
+        assert!(
+            error
+                .field
+                .starts_with("bootstrap-controller.io/config: loops"),
+            "{error}"
+        );
+        let error = single_error(base.tenant(Some("adminAddr: 127.0.0.1:1\n")));
+        assert_eq!(error.field, "bootstrap-controller.io/config: adminAddr");
+        let error = single_error(base.tenant(Some("endpointReconcilerType: lease\n")));
+        assert_eq!(
+            error.field,
+            "bootstrap-controller.io/config: endpointReconcilerType"
+        );
+        let error = single_error(base.tenant(Some("- a\n- b\n")));
+        assert_eq!(error.field, "bootstrap-controller.io/config: (fragment)");
+        let error = single_error(base.tenant(Some("key: [unclosed\n")));
+        assert_eq!(error.field, "bootstrap-controller.io/config: (fragment)");
     }
 
     #[test]

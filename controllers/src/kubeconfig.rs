@@ -31,16 +31,39 @@ pub enum KubeconfigError {
 
 /// Reads the client configuration and sets this controller's User-Agent on it.
 pub async fn load(path: Option<&Path>) -> Result<kube::Config, KubeconfigError> {
-    let mut config = read(path).await?;
+    let config = read(path).await?;
+    finish(
+        config,
+        path.map_or_else(
+            || "the Kubernetes configuration".to_owned(),
+            |p| format!("--kubeconfig {}", p.display()),
+        ),
+    )
+}
+
+/// A kubeconfig held as text (a tenant's, from its Secret), read as [`load`] reads a file;
+/// `source_name` (e.g. `Secret tenants/a key value`) starts the error message.
+pub async fn from_text(text: &str, source_name: &str) -> Result<kube::Config, String> {
+    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|err| {
+        let cause =
+            std::error::Error::source(&err).map_or_else(|| err.to_string(), ToString::to_string);
+        format!("{source_name} is not a kubeconfig: {cause}")
+    })?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .map_err(|err| {
+            format!(
+                "{source_name} is not usable: {err} (check its current-context, cluster and user)"
+            )
+        })?;
+    finish(config, source_name.to_owned()).map_err(|err| err.to_string())
+}
+
+fn finish(mut config: kube::Config, source_name: String) -> Result<kube::Config, KubeconfigError> {
     // A CA bundle without one PEM certificate trusts nothing: every TLS handshake would fail
     // and the loops would retry for ever, so it is a configuration error.
     if config.root_cert.as_ref().is_some_and(Vec::is_empty) {
-        return Err(KubeconfigError::CaWithoutCertificate {
-            source_name: path.map_or_else(
-                || "the Kubernetes configuration".to_owned(),
-                |p| format!("--kubeconfig {}", p.display()),
-            ),
-        });
+        return Err(KubeconfigError::CaWithoutCertificate { source_name });
     }
     // kube-client sends no User-Agent; without one, audit logs and API request logs cannot tell
     // this controller's requests from anyone else's, nor one replica's from another's.

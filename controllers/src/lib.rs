@@ -11,3 +11,4 @@ pub mod loops;
 pub mod metrics;
 pub mod runner;
 pub mod shards;
+pub mod tenants;

@@ -293,6 +293,47 @@ pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
     Ok(out)
 }
 
+/// Encodes `main` and `more` (one registry per tenant, each with its `tenant` label) as one
+/// OpenMetrics text. Each registry registers the same families, and a family must appear once
+/// with its samples together, so the texts are merged family by family.
+pub fn encode_merged(main: &Registry, more: &[Arc<Registry>]) -> Result<String, std::fmt::Error> {
+    use prometheus_client::encoding::text::encode_registry;
+    // Family name -> its descriptor lines and samples, in the order families first appear.
+    let mut families: Vec<(String, String, String)> = Vec::new();
+    let mut index: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut text = String::new();
+    for registry in std::iter::once(main).chain(more.iter().map(|r| &**r)) {
+        text.clear();
+        encode_registry(&mut text, registry)?;
+        let mut current: Option<usize> = None;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# ") {
+                let name = rest.split(' ').nth(1).unwrap_or_default();
+                let at = *index.entry(name.to_owned()).or_insert_with(|| {
+                    families.push((name.to_owned(), String::new(), String::new()));
+                    families.len() - 1
+                });
+                let descriptors = &mut families[at].1;
+                if !descriptors.contains(line) {
+                    descriptors.push_str(line);
+                    descriptors.push('\n');
+                }
+                current = Some(at);
+            } else if let Some(at) = current {
+                families[at].2.push_str(line);
+                families[at].2.push('\n');
+            }
+        }
+    }
+    let mut out = String::with_capacity(families.iter().map(|f| f.1.len() + f.2.len()).sum());
+    for (_, descriptors, samples) in &families {
+        out.push_str(descriptors);
+        out.push_str(samples);
+    }
+    prometheus_client::encoding::text::encode_eof(&mut out)?;
+    Ok(out)
+}
+
 /// The content type of [`encode`]'s output.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -301,6 +342,57 @@ pub const OPENMETRICS_CONTENT_TYPE: &str =
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn merged_registries_give_each_family_once_with_every_tenants_samples() {
+        let mut main = new_registry();
+        RunnerMetrics::register(&mut main);
+        let tenants: Vec<Arc<Registry>> = ["tenants/a", "tenants/b"]
+            .into_iter()
+            .map(|tenant| {
+                let mut registry = Registry::with_prefix_and_labels(
+                    METRICS_PREFIX,
+                    [(
+                        std::borrow::Cow::Borrowed("tenant"),
+                        std::borrow::Cow::Owned(tenant.to_owned()),
+                    )]
+                    .into_iter(),
+                );
+                let metrics = RunnerMetrics::register(&mut registry);
+                metrics.pass("system-namespaces", "success", Duration::from_millis(3));
+                Arc::new(registry)
+            })
+            .collect();
+        let text = encode_merged(&main, &tenants).unwrap();
+        let type_lines = text
+            .lines()
+            .filter(|line| *line == "# TYPE bootstrap_loop_passes counter")
+            .count();
+        assert_eq!(type_lines, 1, "{text}");
+        for tenant in ["tenants/a", "tenants/b"] {
+            let sample = format!(
+                "bootstrap_loop_passes_total{{tenant=\"{tenant}\",loop=\"system-namespaces\",result=\"success\"}} 1"
+            );
+            assert!(text.contains(&sample), "missing {sample} in\n{text}");
+        }
+        // Samples of a family directly follow its descriptors: no other family in between.
+        let lines: Vec<&str> = text.lines().collect();
+        let first = lines
+            .iter()
+            .position(|l| l.starts_with("bootstrap_loop_passes_total"))
+            .unwrap();
+        let last = lines
+            .iter()
+            .rposition(|l| l.starts_with("bootstrap_loop_passes_total"))
+            .unwrap();
+        assert!(
+            lines[first..=last]
+                .iter()
+                .all(|l| l.starts_with("bootstrap_loop_passes_total")),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
 
     #[test]
     fn encodes_loop_metrics_with_loop_label() {

@@ -227,6 +227,11 @@ impl Runner {
         self.health.clone()
     }
 
+    /// The loops' names, in build order (for the start-up log).
+    pub fn loop_names(&self) -> Vec<&'static str> {
+        self.loops.iter().map(|l| l.name()).collect()
+    }
+
     /// Runs every loop until `cancel` fires, then shuts down gracefully within
     /// [`RunnerOptions::shutdown_timeout`]: triggers stop, running passes finish, and each loop's
     /// shutdown hook runs.

@@ -1,0 +1,391 @@
+//! End to end: management mode. The real binary runs against a simulated management cluster
+//! whose Secrets hold the kubeconfigs of simulated tenant clusters (one process serves them all,
+//! see `apiserver_sim::Fleet`): tenants start, restart and stop with their Secrets, a bad
+//! fragment or a dead tenant leaves the others alone, and replicas share the tenants without
+//! ever writing one tenant from two processes (proved from every tenant's request log).
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use apiserver_sim::{FaultKind, FaultRule, Fleet, FleetConfig, Sim, kubeconfig_secret};
+use common::{CONVERGE, ControllerProcess, eventually};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::events::v1::Event;
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+const SYSTEM_NAMESPACES: [&str; 4] = ["kube-system", "kube-public", "kube-node-lease", "default"];
+
+async fn fleet(tenants: usize) -> Result<Fleet> {
+    Ok(Fleet::start(FleetConfig {
+        tenants,
+        ..FleetConfig::default()
+    })
+    .await?)
+}
+
+fn management_args(extra: &[&'static str]) -> Vec<&'static str> {
+    let mut args = vec![
+        "--tenants-secret-selector",
+        "bootstrap-controller.io/tenant=true",
+        "--tenants-namespace",
+        "tenants",
+        "--service-cluster-ip-range",
+        "10.96.0.0/12",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// Whether the tenant holds its bootstrap state (read through the backdoor: no API request).
+fn converged(tenant: &Sim) -> bool {
+    SYSTEM_NAMESPACES
+        .iter()
+        .all(|ns| matches!(tenant.backdoor().get("namespaces", "", ns), Ok(Some(_))))
+        && matches!(
+            tenant.backdoor().get("services", "default", "kubernetes"),
+            Ok(Some(_))
+        )
+}
+
+async fn wait_converged(fleet: &Fleet, which: &[usize]) -> Result<()> {
+    for &i in which {
+        let tenant = fleet.tenant(i).context("tenant")?;
+        eventually(&format!("tenant {i} converged"), CONVERGE, || async {
+            Ok(converged(tenant).then_some(()))
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+/// Writes (not reads or watches) the controller sent to a tenant, by User-Agent.
+fn writes(tenant: &Sim) -> Vec<(String, String)> {
+    tenant
+        .requests()
+        .into_iter()
+        .filter(|r| r.user_agent.starts_with("bootstrap-controller/"))
+        .filter(|r| matches!(r.verb.as_str(), "create" | "update" | "patch" | "delete"))
+        .map(|r| (r.time, r.user_agent))
+        .collect()
+}
+
+fn open_watches(tenant: &Sim) -> usize {
+    [
+        "namespaces",
+        "services",
+        "endpoints",
+        "endpointslices",
+        "leases",
+        "ipaddresses",
+        "servicecidrs",
+    ]
+    .iter()
+    .map(|resource| tenant.open_watches(resource))
+    .sum()
+}
+
+fn secret_name(i: usize) -> String {
+    Fleet::secret_name(i)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_start_restart_and_stop_with_their_secrets() -> Result<()> {
+    let fleet = fleet(3).await?;
+    let management = fleet.management().client();
+    let secrets: Api<Secret> = Api::namespaced(management.clone(), "tenants");
+    // Tenant 2's fragment makes this process one of its apiservers: refused, nothing starts.
+    secrets
+        .patch(
+            &secret_name(2),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {
+                "bootstrap-controller.io/config": "endpointReconcilerType: lease\n"
+            }}})),
+        )
+        .await?;
+    let mut controller = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&["--leader-elect=false"]),
+    )?;
+    controller.wait_ready().await?;
+    wait_converged(&fleet, &[0, 1]).await?;
+
+    let invalid = format!("tenants/{}", secret_name(2));
+    let (status, readyz) = controller.admin_get("/readyz?verbose").await?;
+    ensure!(status == 200, "{readyz}");
+    ensure!(
+        readyz.contains(&format!("[-]tenant {invalid} not started"))
+            && readyz.contains("endpointReconcilerType"),
+        "{readyz}"
+    );
+    ensure!(
+        writes(fleet.tenant(2).context("tenant")?).is_empty(),
+        "the invalid tenant was written"
+    );
+    let events: Api<Event> = Api::namespaced(management.clone(), "tenants");
+    let reasons: Vec<(String, String)> =
+        eventually("the TenantConfigInvalid event", CONVERGE, || async {
+            let found: Vec<(String, String)> = events
+                .list(&Default::default())
+                .await?
+                .items
+                .into_iter()
+                .map(|e| {
+                    (
+                        e.reason.unwrap_or_default(),
+                        e.regarding.and_then(|r| r.name).unwrap_or_default(),
+                    )
+                })
+                .collect();
+            Ok(found
+                .iter()
+                .any(|(reason, _)| reason == "TenantConfigInvalid")
+                .then_some(found))
+        })
+        .await?;
+    ensure!(
+        reasons.contains(&("TenantConfigInvalid".to_owned(), secret_name(2))),
+        "{reasons:?}"
+    );
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    for expected in [
+        format!(
+            "tenant=\"tenants/{}\",loop=\"system-namespaces\",result=\"success\"",
+            secret_name(0)
+        ),
+        format!(
+            "tenant=\"tenants/{}\",loop=\"system-namespaces\",result=\"success\"",
+            secret_name(1)
+        ),
+        "bootstrap_tenant_config_errors_total 1".to_owned(),
+        "bootstrap_tenants{state=\"running\"} 2".to_owned(),
+        "bootstrap_tenants{state=\"invalid\"} 1".to_owned(),
+    ] {
+        ensure!(
+            metrics.contains(&expected),
+            "missing {expected} in\n{metrics}"
+        );
+    }
+
+    // Fixed: the tenant starts, with its own extra namespace.
+    secrets
+        .patch(
+            &secret_name(2),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {
+                "bootstrap-controller.io/config":
+                    "loops:\n  systemNamespaces:\n    namespaces:\n      - name: kube-system\n      - name: kube-public\n      - name: kube-node-lease\n      - name: default\n      - name: tenant-two-extra\n"
+            }}})),
+        )
+        .await?;
+    let two = fleet.tenant(2).context("tenant")?;
+    eventually("tenant 2's extra namespace", CONVERGE, || async {
+        Ok(matches!(
+            two.backdoor().get("namespaces", "", "tenant-two-extra"),
+            Ok(Some(_))
+        )
+        .then_some(()))
+    })
+    .await?;
+    wait_converged(&fleet, &[2]).await?;
+
+    // Deleted: every watch to the tenant closes and nothing more is sent to it.
+    let one = fleet.tenant(1).context("tenant")?;
+    ensure!(open_watches(one) > 0, "tenant 1 was not watched");
+    secrets
+        .delete(&secret_name(1), &DeleteParams::default())
+        .await?;
+    eventually("tenant 1's watches closed", CONVERGE, || async {
+        Ok((open_watches(one) == 0).then_some(()))
+    })
+    .await?;
+    one.clear_requests();
+    one.backdoor().delete("namespaces", "", "kube-public")?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let sent: Vec<String> = one
+        .requests()
+        .into_iter()
+        .filter(|r| r.user_agent.starts_with("bootstrap-controller/"))
+        .map(|r| format!("{} {} {}", r.verb, r.resource, r.name))
+        .collect();
+    ensure!(sent.is_empty(), "requests to a deleted tenant: {sent:?}");
+
+    // Rotated: tenant 0's Secret now reaches tenant 1's cluster; the runtime restarts against
+    // it (kube-public comes back there) and leaves tenant 0's cluster.
+    let rotated = fleet.tenant_kubeconfig(1).context("kubeconfig")?;
+    let mut secret: Secret = serde_json::from_value(kubeconfig_secret(
+        "tenants",
+        &Fleet::tenant_name(0),
+        &rotated,
+    ))?;
+    let current = secrets.get(&secret_name(0)).await?;
+    secret.metadata.resource_version = current.metadata.resource_version;
+    secrets
+        .replace(&secret_name(0), &PostParams::default(), &secret)
+        .await?;
+    wait_converged(&fleet, &[1]).await?;
+    let zero = fleet.tenant(0).context("tenant")?;
+    eventually(
+        "tenant 0's old cluster no longer watched",
+        CONVERGE,
+        || async { Ok((open_watches(zero) == 0).then_some(())) },
+    )
+    .await?;
+    ensure!(controller.is_running(), "{}", controller.log());
+    ensure!(
+        !controller.log().contains("panicked"),
+        "{}",
+        controller.log()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_that_refuses_everything_does_not_hold_up_the_others() -> Result<()> {
+    let fleet = fleet(3).await?;
+    let broken = fleet.tenant(1).context("tenant")?;
+    broken.faults().inject(FaultRule::probability(
+        None,
+        None,
+        1.0,
+        FaultKind::Error {
+            code: 503,
+            retry_after_seconds: None,
+        },
+    ));
+    let mut controller = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&["--leader-elect=false"]),
+    )?;
+    controller.wait_ready().await?;
+    wait_converged(&fleet, &[0, 2]).await?;
+    let failing = format!("[-]tenant tenants/{} failing", secret_name(1));
+    let healthy = [0, 2].map(|i| format!("[+]tenant tenants/{} ok\n", secret_name(i)));
+    eventually(
+        "the failing tenant named, the others ready",
+        CONVERGE,
+        || async {
+            let (status, body) = controller.admin_get("/readyz?verbose").await?;
+            Ok((status == 200
+                && body.contains(&failing)
+                && healthy.iter().all(|line| body.contains(line)))
+            .then_some(()))
+        },
+    )
+    .await?;
+    // The healthy tenants still heal while it fails.
+    let zero = fleet.tenant(0).context("tenant")?;
+    zero.backdoor().delete("namespaces", "", "kube-public")?;
+    wait_converged(&fleet, &[0]).await?;
+    ensure!(controller.is_running(), "{}", controller.log());
+    Ok(())
+}
+
+/// The writers of one tenant, in time order, collapsed into runs: `[A, B]` is a hand-over,
+/// `[A, B, A]` two writers at once (a replica writing after another took over).
+fn writer_runs(writes: &[(String, String)]) -> Vec<String> {
+    let mut sorted = writes.to_vec();
+    sorted.sort();
+    let mut runs: Vec<String> = Vec::new();
+    for (_, writer) in sorted {
+        if runs.last() != Some(&writer) {
+            runs.push(writer);
+        }
+    }
+    runs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_the_tenants_and_never_write_one_from_two() -> Result<()> {
+    const TENANTS: usize = 8;
+    let fleet = fleet(TENANTS).await?;
+    let all: Vec<usize> = (0..TENANTS).collect();
+    let sharing = [
+        "--leader-elect-lease-namespace",
+        "tenants",
+        "--leader-elect-lease-duration",
+        "3s",
+        "--leader-elect-renew-grace",
+        "1s",
+    ];
+    let mut first = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&[&sharing[..], &["--leader-elect-identity", "replica-a"]].concat()),
+    )?;
+    first.wait_ready().await?;
+    wait_converged(&fleet, &all).await?;
+
+    let mut second = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&[&sharing[..], &["--leader-elect-identity", "replica-b"]].concat()),
+    )?;
+    second.wait_ready().await?;
+    // Settled: each replica runs some tenants and says who runs the others.
+    let running = |body: &str| {
+        body.lines()
+            .filter(|line| line.starts_with("[+]tenant ") && line.ends_with(" ok"))
+            .count()
+    };
+    let split = eventually(
+        "the tenants split between the replicas",
+        CONVERGE,
+        || async {
+            let (_, a) = first.admin_get("/readyz?verbose").await?;
+            let (_, b) = second.admin_get("/readyz?verbose").await?;
+            Ok(
+                (running(&a) > 0 && running(&b) > 0 && running(&a) + running(&b) == TENANTS)
+                    .then_some(()),
+            )
+        },
+    )
+    .await;
+    if let Err(err) = split {
+        let (_, a) = first.admin_get("/readyz?verbose").await?;
+        let (_, b) = second.admin_get("/readyz?verbose").await?;
+        anyhow::bail!("{err}\nfirst:\n{a}\nsecond:\n{b}");
+    }
+    // Work for whoever runs each tenant.
+    for i in &all {
+        let tenant = fleet.tenant(*i).context("tenant")?;
+        tenant.backdoor().delete("namespaces", "", "kube-public")?;
+    }
+    wait_converged(&fleet, &all).await?;
+
+    // The first replica dies without a word: the second takes every tenant after the lease.
+    first.kill()?;
+    eventually("the survivor runs every tenant", CONVERGE, || async {
+        let (_, b) = second.admin_get("/readyz?verbose").await?;
+        Ok((running(&b) == TENANTS).then_some(()))
+    })
+    .await
+    .with_context(|| format!("second:\n{}", second.log()))?;
+    for i in &all {
+        let tenant = fleet.tenant(*i).context("tenant")?;
+        tenant
+            .backdoor()
+            .delete("namespaces", "", "kube-node-lease")?;
+    }
+    wait_converged(&fleet, &all).await?;
+
+    let mut writers = BTreeSet::new();
+    let mut runs_of: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    for i in &all {
+        let tenant = fleet.tenant(*i).context("tenant")?;
+        let runs = writer_runs(&writes(tenant));
+        let distinct: BTreeSet<&String> = runs.iter().collect();
+        ensure!(
+            distinct.len() == runs.len(),
+            "tenant {i} was written by two replicas at once: {runs:?}"
+        );
+        writers.extend(runs.iter().cloned());
+        runs_of.insert(*i, runs);
+    }
+    ensure!(writers.len() == 2, "both replicas wrote: {runs_of:?}");
+    ensure!(second.is_running(), "{}", second.log());
+    Ok(())
+}
