@@ -312,12 +312,7 @@ def test_rendered_settings_run_the_tenants_within_the_rendered_rbac(scope):
 
             try:
                 controller.wait_ready()
-                deadline = time.monotonic() + 10
-                while "bootstrap_tenants" not in controller.get("/metrics")[1]:
-                    if time.monotonic() > deadline:
-                        pytest.skip("the binary at target/debug runs no management mode yet "
-                                    "(no bootstrap_tenants metric)")
-                    time.sleep(0.2)
+                wait(lambda: "bootstrap_tenants" in controller.get("/metrics")[1])
                 # Each tenant's loops work in its own cluster.
                 for i in range(2):
                     tenant = ["kubectl", "--kubeconfig", str(tenants_dir / f"tenant-{i}.kubeconfig")]
@@ -454,8 +449,7 @@ def test_rendered_replicas_share_the_tenants_within_the_rendered_rbac():
             try:
                 for replica in replicas:
                     replica.wait_ready()
-                if "bootstrap_tenants" not in replicas[0].get("/metrics")[1]:
-                    pytest.skip("the binary at target/debug runs no management mode yet")
+                assert "bootstrap_tenants" in replicas[0].get("/metrics")[1]
 
                 def shared():
                     # Both replicas run tenants, each tenant on exactly one. (Rendezvous hashing
