@@ -391,7 +391,7 @@ impl State {
                 .min(fence_span / 2)
                 .max(Duration::from_millis(50)),
             fence_span,
-            cleanup_after: duration * 10,
+            cleanup_after: duration * 5,
             others: BTreeMap::new(),
             exists: None,
             written_version: None,
