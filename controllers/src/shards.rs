@@ -15,9 +15,13 @@
 //!   changed within its duration, by the observer's own clock (so clocks need not agree). A
 //!   replica whose own renewals have not succeeded for `lease_duration - renew_grace` since one
 //!   was sent publishes `fenced` and owns nothing, before any other replica can judge it dead.
+//!   The renew grace is the time the manager has to stop its tenants once fenced, so it must
+//!   exceed how long stopping them takes (plus clock rate drift between replicas).
 //!
-//! At rest the only requests are this replica's renewals (every third of the Lease duration):
-//! no reads, no polling. Reads happen only after a lost compare-and-swap.
+//! At rest the only requests are this replica's renewals (every third of the Lease duration, or
+//! half the time to the fence if that is shorter): no reads, no polling. A read happens only
+//! after a lost compare-and-swap, and a Lease unchanged for five Lease durations (a replica
+//! gone for good) is deleted by whichever survivor gets there first.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
