@@ -384,6 +384,45 @@ async fn a_joining_replica_starts_tenants_only_after_their_old_owners_stopped() 
     Ok(())
 }
 
+/// A replica on a runtime of its own, so that it can die: its tasks vanish mid-flight, without
+/// releasing anything, as when a process is killed.
+struct Process {
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Process {
+    async fn start(
+        sim: &Sim,
+        identity: &str,
+        claims: &Claims,
+        tenants: &Arc<[String]>,
+    ) -> anyhow::Result<(Replica, Process)> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let config = kube_config(sim, identity).await?;
+        let (claims, tenants) = (claims.clone(), Arc::clone(tenants));
+        let settings = short(identity);
+        let replica = runtime
+            .spawn(async move {
+                let client = kube::Client::try_from(config)?;
+                anyhow::Ok(Replica::start(client, settings, &claims, &tenants))
+            })
+            .await??;
+        Ok((replica, Process { runtime }))
+    }
+
+    async fn kill(self, claims: &Claims, identity: &str) -> anyhow::Result<()> {
+        // Wait for the runtime to stop, so that nothing of the replica runs after this.
+        let runtime = self.runtime;
+        tokio::task::spawn_blocking(move || runtime.shutdown_timeout(Duration::from_secs(10)))
+            .await?;
+        claims.died(identity);
+        Ok(())
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_replicas_tenants_are_taken_over_once_its_lease_expires() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
@@ -391,29 +430,14 @@ async fn a_dead_replicas_tenants_are_taken_over_once_its_lease_expires() -> anyh
     let tenants = tenants();
     let a = Replica::start(client(&sim, "a").await?, short("a"), &claims, &tenants);
     let b = Replica::start(client(&sim, "b").await?, short("b"), &claims, &tenants);
-    // c runs on a runtime of its own, so that it can die: its tasks vanish mid-flight, without
-    // releasing anything, as when a process is killed.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    let config = kube_config(&sim, "c").await?;
-    let (c_claims, c_tenants) = (claims.clone(), Arc::clone(&tenants));
-    let c = runtime
-        .spawn(async move {
-            let client = kube::Client::try_from(config)?;
-            anyhow::Ok(Replica::start(client, short("c"), &c_claims, &c_tenants))
-        })
-        .await??;
+    let (c, c_process) = Process::start(&sim, "c", &claims, &tenants).await?;
     eventually("a, b and c settle", &claims, || {
         converged(&[&a, &b, &c], &claims, &tenants)
     })
     .await;
 
-    // Wait for c's runtime to stop so nothing of c runs after this point.
-    tokio::task::spawn_blocking(move || runtime.shutdown_timeout(Duration::from_secs(10))).await?;
+    c_process.kill(&claims, "c").await?;
     let died = Instant::now();
-    claims.died("c");
     eventually("a and b take over c's tenants", &claims, || {
         converged(&[&a, &b], &claims, &tenants)
     })
@@ -582,6 +606,62 @@ async fn at_rest_the_replicas_only_renew_their_leases() -> anyhow::Result<()> {
         );
     }
     for replica in replicas {
+        replica.stop().await?;
+    }
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_restarted_under_its_name_takes_its_tenants_back() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    let claims = Claims::default();
+    let tenants = tenants();
+    let a = Replica::start(client(&sim, "a").await?, short("a"), &claims, &tenants);
+    let b = Replica::start(client(&sim, "b").await?, short("b"), &claims, &tenants);
+    let (c, c_process) = Process::start(&sim, "c", &claims, &tenants).await?;
+    eventually("a, b and c settle", &claims, || {
+        converged(&[&a, &b, &c], &claims, &tenants)
+    })
+    .await;
+    let before = claims.running();
+
+    // A pod of a StatefulSet comes back under its name while its Lease is still there: it takes
+    // over its old Lease (dropping its predecessor's acknowledgement) and gets its tenants back.
+    c_process.kill(&claims, "c").await?;
+    sim.clear_requests();
+    let c = Replica::start(client(&sim, "c").await?, short("c"), &claims, &tenants);
+    eventually("the restarted c settles with a and b", &claims, || {
+        converged(&[&a, &b, &c], &claims, &tenants)
+    })
+    .await;
+    assert_eq!(
+        claims.running(),
+        before,
+        "every tenant is back on its owner"
+    );
+    let name = shards::lease_name(GROUP, "c");
+    let c_requests: Vec<(String, u16)> = shard_requests(&sim)
+        .into_iter()
+        // A create names its object in the body only.
+        .filter(|r| {
+            r.user_agent == format!("{AGENT}c")
+                && r.resource == "leases"
+                && (r.name == name || r.verb == "create")
+        })
+        .map(|r| (r.verb, r.status))
+        .collect();
+    let took_over = [("create", 409), ("get", 200), ("update", 200)];
+    assert!(
+        c_requests.len() >= 3
+            && c_requests.iter().zip(took_over).all(
+                |((verb, status), (want_verb, want_status))| {
+                    verb == want_verb && *status == want_status
+                }
+            ),
+        "the restarted c takes over its Lease: {c_requests:?}"
+    );
+    for replica in [a, b, c] {
         replica.stop().await?;
     }
     sim.shutdown().await;
