@@ -90,6 +90,9 @@ impl Spec {
 /// A tenant whose loops run here.
 struct Running {
     spec: Spec,
+    /// The runtime's leadership: every loop of a tenant is leader-only, and taking it away
+    /// abandons running passes at once (a pass hung on a slow API must not outlive the stop).
+    leading: watch::Sender<bool>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
     health: Health,
@@ -205,6 +208,8 @@ pub struct TenantMetrics {
     config_errors: Counter,
     starts: Counter,
     stops: Family<ReasonLabels, Counter>,
+    replicas: Gauge,
+    fenced: Gauge,
 }
 
 impl TenantMetrics {
@@ -232,6 +237,16 @@ impl TenantMetrics {
             "Tenant runtimes stopped on this replica, by reason (deleted, changed, moved: \
              another replica owns it now, shutdown)",
             metrics.stops.clone(),
+        );
+        registry.register(
+            "tenant_replicas",
+            "Live replicas sharing the tenants, as this replica sees them (1 without sharing)",
+            metrics.replicas.clone(),
+        );
+        registry.register(
+            "tenant_fenced",
+            "1 while this replica cannot prove its replica Lease is current: it runs no tenant",
+            metrics.fenced.clone(),
         );
         for state in ["running", "invalid", "waiting", "elsewhere"] {
             metrics.tenants.get_or_create(&StateLabels { state }).set(0);
@@ -467,6 +482,10 @@ impl Manager {
                 }
             }
         }
+        self.metrics
+            .replicas
+            .set(i64::try_from(view.members.len()).unwrap_or(i64::MAX));
+        self.metrics.fenced.set(i64::from(view.fenced));
         let mut counts: BTreeMap<&str, i64> = BTreeMap::new();
         for entry in entries.values() {
             *counts.entry(entry.state()).or_default() += 1;
@@ -518,16 +537,17 @@ impl Manager {
         let runner = crate::loops::build_runner(&config, &client, load_kubeconfig, &mut registry);
         let health = runner.health();
         let cancel = CancellationToken::new();
-        let (_leader, leading) = watch::channel(true);
+        let (leading, leadership) = watch::channel(true);
         let task = tokio::spawn(
             runner
-                .run(leading, cancel.clone())
+                .run(leadership, cancel.clone())
                 .instrument(info_span!("tenant", tenant = %key)),
         );
         info!(tenant = %key, server = %kube_config.cluster_url, "tenant started");
         self.metrics.starts.inc();
         Ok(Running {
             spec: spec.clone(),
+            leading,
             cancel,
             task,
             health,
@@ -535,8 +555,9 @@ impl Manager {
         })
     }
 
-    /// Stops tenants and waits until each runtime has ended (its passes finished or abandoned
-    /// within its shutdown timeout): only then may another replica start them.
+    /// Stops tenants and waits until each runtime has ended: running passes are abandoned (their
+    /// leadership taken away) rather than awaited, so a stop is quick even when a tenant's API
+    /// hangs, and only then may another replica start them.
     async fn stop(&mut self, keys: Vec<String>, reason: &'static str) {
         if keys.is_empty() {
             return;
@@ -545,6 +566,7 @@ impl Manager {
         let mut stopping = Vec::with_capacity(keys.len());
         for key in &keys {
             if let Some(running) = self.running.remove(key) {
+                let _ = running.leading.send(false);
                 running.cancel.cancel();
                 stopping.push(running.task);
             }
