@@ -203,7 +203,8 @@ def dashboard_panels() -> list[dict]:
 def grafana_to_promql(expr: str) -> str:
     """Grafana's variables replaced by values of the same syntactic kind."""
     return (expr.replace("$__rate_interval", "5m").replace("$__range", "1h")
-            .replace("$__interval", "1m").replace('"$job"', '"bootstrap-controller"'))
+            .replace("$__interval", "1m").replace('"$job"', '"bootstrap-controller"')
+            .replace('"$tenant"', '".*"'))
 
 
 def test_every_dashboard_query_parses(tmp_path):
@@ -219,15 +220,95 @@ def test_every_dashboard_query_parses(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_dashboard_has_a_row_per_loop_and_no_tenant_variable():
+# The process's own metrics: never labelled with a tenant (up is Prometheus's; bootstrap_leader*
+# exist in single-cluster mode only; bootstrap_tenant* in management mode only). Every other
+# bootstrap_ metric is a loop's or a runtime's, labelled tenant="<namespace>/<name>" in
+# management mode.
+PROCESS_METRICS = re.compile(r"^(up|bootstrap_leader\w*|bootstrap_tenant\w*)$")
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric, matchers) of every `metric{...}` in `expr`."""
+    return re.findall(r"\b(up|bootstrap_\w+)\{([^}]*)\}", expr)
+
+
+def label_lists(expr: str) -> list[list[str]]:
+    """The labels of every `by (...)` and `on (...)` in `expr`."""
+    return [[label.strip() for label in labels.split(",")]
+            for labels in re.findall(r"\b(?:by|on) \(([^)]*)\)", expr)]
+
+
+def test_dashboard_has_a_row_per_loop_and_one_for_management_mode():
     loops = ["system-namespaces", "kubernetes-service", "apiserver-endpoints", "apiserver-lease",
              "service-cidr", "clusterip-repair", "nodeport-repair"]
     rows = [p for p in dashboard_panels() if p["type"] == "row"]
     for loop in loops:
         assert any(loop in row["title"] for row in rows), f"no row for {loop}"
-    variables = [v["name"] for v in json.loads(DASHBOARD.read_text())["templating"]["list"]]
-    # No metric carries a tenant label yet.
-    assert "tenant" not in variables
+    assert any("Management mode" in row["title"] for row in rows)
+    queries = " ".join(dashboard_queries())
+    for metric in ["bootstrap_tenants", "bootstrap_tenant_config_errors_total"]:
+        assert metric + "{" in queries, metric
+
+
+def test_dashboard_has_a_tenant_variable_that_every_tenant_query_uses():
+    variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    tenant = variables["tenant"]
+    assert tenant["type"] == "query"
+    assert tenant["query"]["query"] == tenant["definition"]
+    assert re.fullmatch(r"label_values\(bootstrap_loop_passes_total(\{[^}]*\})?, tenant\)",
+                        tenant["definition"]), tenant["definition"]
+    assert tenant["multi"] and tenant["includeAll"]
+    # `.*`, not Grafana's default (the values joined) nor `.+`: a single cluster's series, which
+    # have no tenant label, must match All.
+    assert tenant["allValue"] == ".*"
+    # The job variable must find the jobs in both modes.
+    assert "bootstrap_tenants" in variables["job"]["definition"]
+    checked = 0
+    for panel in dashboard_panels():
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            found = selectors(expr)
+            assert found, expr
+            process = [m for m, _ in found if PROCESS_METRICS.match(m)]
+            for metric, matchers in found:
+                if PROCESS_METRICS.match(metric):
+                    assert "tenant" not in matchers, f"{metric} has no tenant label: {expr}"
+                else:
+                    assert 'tenant=~"$tenant"' in matchers, f"{metric} not filtered: {expr}"
+            if process:
+                assert len(process) == len(found), f"process and tenant metrics mixed: {expr}"
+                continue
+            checked += 1
+            # Matching and aggregation keep tenants apart.
+            for labels in label_lists(expr):
+                assert "tenant" in labels, f"by/on without tenant: {expr}"
+            assert not re.search(r"\b(sum|max|min|avg)\(", expr) or panel["type"] == "stat", \
+                f"an aggregation over every tenant: {expr}"
+            # Series per tenant are told apart in the legend (empty in single-cluster mode).
+            if panel["type"] == "timeseries":
+                assert "{{tenant}}" in target["legendFormat"], f"{panel['title']}: {target}"
+    assert checked >= 60, checked
+
+
+def rule_is_per_tenant(alert: dict) -> bool:
+    return not all(PROCESS_METRICS.match(m) for m in metric_names(alert["expr"]))
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b(?:up|bootstrap_\w+)(?=[{\s)\[]|$)", expr))
+
+
+def test_every_alert_on_loop_metrics_is_per_tenant_and_names_the_tenant():
+    per_tenant = [a for a in alerts() if rule_is_per_tenant(a)]
+    assert len(per_tenant) >= 10, [a["alert"] for a in per_tenant]
+    for alert in per_tenant:
+        for labels in label_lists(alert["expr"]):
+            assert "tenant" in labels, f"{alert['alert']}: by/on without tenant"
+        # Printed only when the label is set, so single-cluster alerts read as before.
+        assert "{{ with $labels.tenant }}" in alert["annotations"]["summary"], alert["alert"]
+    process = {a["alert"] for a in alerts() if not rule_is_per_tenant(a)}
+    assert process == {"BootstrapControllerDown", "BootstrapNoLeader",
+                       "BootstrapTenantConfigInvalid"}, process
 
 
 def test_lint_strict_passes_with_alerts_and_dashboard_on():
