@@ -5,22 +5,30 @@
 #
 # Usage: e2e/control-plane/up.sh DIR [--apiservers N] [--bin BINDIR]
 #                                    [--service-cluster-ip-range CIDR] [--etcd-prefix PREFIX]
+#                                    [--etcd-url URL]
 #
 # kube-apiserver runs as kubeadm runs it, with envtest-like test settings:
 # --endpoint-reconciler-type=none (the controller under test owns the kubernetes endpoints),
 # --authorization-mode=RBAC, service-account keys, and an audit log at Metadata level
 # (DIR/audit-N.log, one JSON event a line) that tests read to see who did what. Apiserver N binds
 # 127.0.0.1 on its own port and advertises 192.0.2.N (TEST-NET-1: Endpoints refuse loopback
-# addresses, and nothing needs to reach the advertised one). On SIGTERM an apiserver fails
-# /readyz at once and serves on for --shutdown-delay-duration=3s, as load-balanced control planes
-# run it, so that its sidecar can withdraw it through it.
+# addresses, and nothing needs to reach the advertised one). Every port is a free loopback port
+# picked at start, so several control planes run side by side on one host. On SIGTERM an
+# apiserver fails /readyz at once and serves on for --shutdown-delay-duration=3s, as
+# load-balanced control planes run it, so that its sidecar can withdraw it through it.
+#
+# --etcd-url URL (http://HOST:PORT) uses an etcd that is already running, e.g. another control
+# plane's (its ETCD_URL in its env), instead of starting one: several control planes then share
+# one etcd, each under its own --etcd-prefix (tenant clusters of one etcd, as Kamaji runs them).
+# That etcd is not recorded in DIR/pids, so down.sh DIR leaves it running for its owner.
 #
 # What it writes into DIR:
 #   admin.kubeconfig           system:masters, talks to apiserver 1
 #   admin-N.kubeconfig         the same for apiserver N
 #   ca.crt, ca.key             the cluster CA (kubeconfig.sh DIR NAME makes more users from it)
-#   env                        ports, addresses and paths as shell variables (source it)
-#   pids                       "name pid" per process; down.sh reads it
+#   env                        ports, addresses and paths as shell variables (source it);
+#                              ETCD_STARTED=false when --etcd-url named someone else's etcd
+#   pids                       "name pid" per process started here; down.sh reads it
 #   *.log                      each process's output; audit-N.log the audit events
 set -euo pipefail
 
@@ -38,12 +46,14 @@ apiservers=1
 bin=
 service_range=${BOOTSTRAP_CONTROL_PLANE_SERVICE_RANGE:-10.96.0.0/12}
 etcd_prefix=/registry
+etcd_url=
 while [ $# -gt 0 ]; do
   case "$1" in
     --apiservers) apiservers=${2:?--apiservers needs a number}; shift 2 ;;
     --bin) bin=${2:?--bin needs a directory}; shift 2 ;;
     --service-cluster-ip-range) service_range=${2:?--service-cluster-ip-range needs a CIDR}; shift 2 ;;
     --etcd-prefix) etcd_prefix=${2:?--etcd-prefix needs a prefix}; shift 2 ;;
+    --etcd-url) etcd_url=${2:?--etcd-url needs a URL}; shift 2 ;;
     -h|--help) usage ;;
     *) echo "up.sh: unknown argument $1" >&2; usage ;;
   esac
@@ -51,6 +61,10 @@ done
 case "$apiservers" in
   [1-9]) ;;
   *) echo "up.sh: --apiservers must be 1 to 9, not $apiservers" >&2; exit 2 ;;
+esac
+case "$etcd_url" in
+  ''|http://?*) ;;
+  *) echo "up.sh: --etcd-url must be http://HOST:PORT (no TLS), not $etcd_url" >&2; exit 2 ;;
 esac
 for tool in openssl python3 curl; do
   command -v "$tool" >/dev/null 2>&1 || { echo "up.sh: $tool is needed (apt-get install $tool)" >&2; exit 2; }
@@ -118,11 +132,6 @@ start() { # name, command... : runs it in the background, logging to DIR/name.lo
   "$@" >"$dir/$name.log" 2>&1 </dev/null &
   echo "$name $!" >> "$dir/pids"
 }
-start etcd "$bin/etcd" --name default --data-dir "$dir/etcd-data" \
-  --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
-  --listen-peer-urls "http://127.0.0.1:$etcd_peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer_port" \
-  --initial-cluster "default=http://127.0.0.1:$etcd_peer_port" --log-level warn
-etcd_url="http://127.0.0.1:$etcd_port"
 
 wait_for() { # name, seconds, command... : retries the command until it succeeds
   local name=$1 seconds=$2
@@ -143,7 +152,28 @@ wait_for() { # name, seconds, command... : retries the command until it succeeds
     sleep 0.2
   done
 }
-wait_for "etcd" 30 curl -fsS "$etcd_url/health"
+
+if [ -n "$etcd_url" ]; then
+  # Someone else's etcd: not started, not in pids (down.sh leaves it alone), only waited for.
+  etcd_started=false
+  etcd_url=${etcd_url%/}
+  deadline=$((SECONDS + 30))
+  until curl -fsS "$etcd_url/health" >/dev/null 2>&1; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "up.sh: no healthy etcd at --etcd-url $etcd_url within 30 s" >&2
+      exit 1
+    fi
+    sleep 0.2
+  done
+else
+  etcd_started=true
+  start etcd "$bin/etcd" --name default --data-dir "$dir/etcd-data" \
+    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls "http://127.0.0.1:$etcd_peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer_port" \
+    --initial-cluster "default=http://127.0.0.1:$etcd_peer_port" --log-level warn
+  etcd_url="http://127.0.0.1:$etcd_port"
+  wait_for "etcd" 30 curl -fsS "$etcd_url/health"
+fi
 
 # --- kube-apiservers ----------------------------------------------------------------------------
 {
@@ -151,6 +181,7 @@ wait_for "etcd" 30 curl -fsS "$etcd_url/health"
   echo "CONTROL_PLANE_BIN=$bin"
   echo "ETCD_URL=$etcd_url"
   echo "ETCD_PREFIX=$etcd_prefix"
+  echo "ETCD_STARTED=$etcd_started"
   echo "SERVICE_CLUSTER_IP_RANGE=$service_range"
   echo "APISERVERS=$apiservers"
 } > "$dir/env"
@@ -199,7 +230,7 @@ start kube-controller-manager "$bin/kube-controller-manager" \
 
 trap - EXIT
 cat <<EOF
-A control plane runs in $dir: etcd $etcd_url, $apiservers kube-apiserver(s) ($(sed -n 's/^APISERVER_\([0-9]\)_URL=/\1: /p' "$dir/env" | paste -sd' ')), kube-controller-manager.
+A control plane runs in $dir: etcd $etcd_url$([ "$etcd_started" = true ] || echo ' (shared, not started here)') prefix $etcd_prefix, $apiservers kube-apiserver(s) ($(sed -n 's/^APISERVER_\([0-9]\)_URL=/\1: /p' "$dir/env" | paste -sd' ')), kube-controller-manager.
   export KUBECONFIG=$dir/admin.kubeconfig
   kubectl get namespaces
   bootstrap-controller run --kubeconfig $dir/admin.kubeconfig --advertise-address 192.0.2.1 --secure-port ${ports[2]}

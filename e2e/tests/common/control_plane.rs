@@ -91,6 +91,22 @@ impl ControlPlane {
         })
     }
 
+    /// A control plane whose apiservers store under `etcd_prefix` in an etcd that already runs
+    /// (`etcd_url`, e.g. another control plane's [`Self::etcd_url`]): `up.sh --etcd-url`. Its
+    /// ports are free ones picked at start, as every control plane's, so several run side by
+    /// side; dropping it stops its apiservers and controller-manager and leaves that etcd alone.
+    /// `extra`: more `up.sh` arguments.
+    pub fn start_on_etcd(
+        apiservers: usize,
+        etcd_url: &str,
+        etcd_prefix: &str,
+        extra: &[&str],
+    ) -> Result<Self> {
+        let mut args = vec!["--etcd-url", etcd_url, "--etcd-prefix", etcd_prefix];
+        args.extend_from_slice(extra);
+        Self::start_with(apiservers, &args)
+    }
+
     pub fn dir(&self) -> &Path {
         self.dir
             .as_ref()
@@ -126,6 +142,16 @@ impl ControlPlane {
 
     pub fn etcd_url(&self) -> Result<&str> {
         self.var("ETCD_URL")
+    }
+
+    /// The apiservers' `--etcd-prefix` (`/registry` unless given).
+    pub fn etcd_prefix(&self) -> Result<&str> {
+        self.var("ETCD_PREFIX")
+    }
+
+    /// Whether up.sh started the etcd (false: `--etcd-url`, someone else's).
+    pub fn etcd_started_here(&self) -> bool {
+        self.env.get("ETCD_STARTED").is_none_or(|v| v == "true")
     }
 
     pub fn service_range(&self) -> Result<&str> {
@@ -235,6 +261,30 @@ pub fn process_alive(pid: u32) -> bool {
         stat.rsplit_once(") ")
             .is_some_and(|(_, rest)| !rest.starts_with('Z'))
     })
+}
+
+/// `kubeconfig` made self-contained (`kubectl config view --flatten`: the CA, certificate
+/// and key it names in files embedded as `-data`), as the text a kubeconfig Secret holds.
+pub fn self_contained_kubeconfig(kubeconfig: &Path) -> Result<String> {
+    let output = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["config", "view", "--raw", "--flatten", "--minify"])
+        .stdin(Stdio::null())
+        .output()
+        .context("running kubectl config view")?;
+    ensure!(
+        output.status.success(),
+        "kubectl config view --flatten {}: {}",
+        kubeconfig.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout).context("kubeconfig text")?;
+    ensure!(
+        text.contains("certificate-authority-data") && text.contains("client-key-data"),
+        "not self-contained:\n{text}"
+    );
+    Ok(text)
 }
 
 /// One audit event in a line: `user verb resource ns/name -> code`.
