@@ -7,11 +7,26 @@
 //! - requests per minute at rest, summed over the fleet, reads and writes per verb (reads of API
 //!   objects should be none: watches keep the caches current);
 //! - how long a system namespace deleted in a random tenant stays gone (backdoor polled every
-//!   millisecond).
+//!   millisecond), and the controller's CPU time over those trials.
 //!
 //! `cargo bench -p e2e --bench multi_tenant -- [--tenants 10,100,1000] [--rest-secs 60]
-//! [--heal-trials 100] [--converge-timeout-secs 600] [--controller PATH]`
+//! [--heal-trials 100] [--converge-timeout-secs 600] [--controller PATH] [--config FILE]
+//! [--wait-for all|namespaces|started]`
 //! (`MULTI_TENANT_SIZES=10,100` also chooses the sizes).
+//!
+//! `--config FILE` is passed to the controller (e.g. loops switched off, to see what a tenant's
+//! memory is made of); `--wait-for` then says what "converged" means: `all` (default) the system
+//! namespaces and the `kubernetes` Service, `namespaces` the namespaces only, `started` every
+//! tenant running (`bootstrap_tenants{state="running"}` on the admin port), for a configuration
+//! that creates nothing. Heal trials need the namespaces loop.
+//!
+//! Isolation (`--isolation N [--bad-percent 10]`, instead of the sizes): two fleets of N tenants,
+//! each with its own controller process, measured the same way one after the other: first all
+//! healthy, then with a share of bad tenants from the start (answering every API request 503;
+//! delaying every request 2 s; dropping every connection; answering every watch 410 Expired, so
+//! each re-watch is a re-list). Both runs delete namespaces only in the same healthy tenants,
+//! `--heal-trials` times, and print heal p50/p99, the controller's CPU time in the heal window
+//! and the ratio of the two runs.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -21,7 +36,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use apiserver_sim::{Fleet, FleetConfig, RequestRecord, Sim, SimConfig, TENANT_LABEL};
+use apiserver_sim::{
+    FaultKind, FaultRule, Fleet, FleetConfig, RequestRecord, Sim, SimConfig, TENANT_LABEL, Verb,
+};
 use common::{ControllerProcess, controller_bin, percentile};
 
 const SYSTEM_NAMESPACES: [&str; 4] = ["default", "kube-system", "kube-public", "kube-node-lease"];
@@ -38,12 +55,28 @@ const WATCHED: [&str; 8] = [
     "events",
 ];
 
+/// What a fleet must show before it counts as converged.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum WaitFor {
+    /// The system namespaces and the `kubernetes` Service in every tenant.
+    All,
+    /// The system namespaces only (the Service loop is off).
+    Namespaces,
+    /// Every tenant running in the controller (no loop creates anything).
+    Started,
+}
+
 struct Args {
     sizes: Vec<usize>,
     rest: Duration,
     heal_trials: usize,
     converge_timeout: Duration,
     controller: PathBuf,
+    config: Option<PathBuf>,
+    wait_for: WaitFor,
+    /// Fleet size of the isolation scenario; `None`: the sizes are run instead.
+    isolation: Option<usize>,
+    bad_percent: usize,
 }
 
 fn parse_sizes(list: &str) -> Result<Vec<usize>> {
@@ -66,6 +99,10 @@ fn parse_args() -> Result<Args> {
         heal_trials: 100,
         converge_timeout: Duration::from_secs(600),
         controller: controller_bin(),
+        config: None,
+        wait_for: WaitFor::All,
+        isolation: None,
+        bad_percent: 10,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -78,6 +115,17 @@ fn parse_args() -> Result<Args> {
                 args.converge_timeout = Duration::from_secs(value()?.parse()?)
             }
             "--controller" => args.controller = PathBuf::from(value()?),
+            "--config" => args.config = Some(PathBuf::from(value()?)),
+            "--wait-for" => {
+                args.wait_for = match value()?.as_str() {
+                    "all" => WaitFor::All,
+                    "namespaces" => WaitFor::Namespaces,
+                    "started" => WaitFor::Started,
+                    other => bail!("--wait-for {other}: expected all, namespaces or started"),
+                }
+            }
+            "--isolation" => args.isolation = Some(value()?.parse()?),
+            "--bad-percent" => args.bad_percent = value()?.parse()?,
             // cargo bench passes --bench to every bench binary.
             "--bench" => {}
             other => bail!("unknown argument {other}"),
@@ -94,6 +142,7 @@ struct Row {
     rss_kib: Option<u64>,
     reads_per_min: Option<f64>,
     writes_per_min: Option<f64>,
+    sockets: Option<usize>,
     heal: Vec<Duration>,
 }
 
@@ -107,13 +156,50 @@ fn rss_kib(pid: u32) -> Result<u64> {
         .context("no VmRSS")
 }
 
+/// The process's CPU time so far (user + system), from `/proc/<pid>/stat`.
+fn cpu_time(pid: u32) -> Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) in parentheses; utime and stime are
+    // fields 14 and 15 of the line, 12 and 13 after it.
+    let after = stat.rsplit_once(')').context("no command name")?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = fields.get(11).context("no utime")?.parse::<u64>()?
+        + fields.get(12).context("no stime")?.parse::<u64>()?;
+    Ok(Duration::from_secs_f64(ticks as f64 / clock_ticks() as f64))
+}
+
+fn clock_ticks() -> u64 {
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(100)
+    })
+}
+
+/// Open sockets of the process (its connections to the tenants, the management cluster and the
+/// admin listener), from `/proc/<pid>/fd`.
+fn sockets(pid: u32) -> Result<usize> {
+    Ok(std::fs::read_dir(format!("/proc/{pid}/fd"))?
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"))
+        })
+        .count())
+}
+
 fn own_rss_kib() -> u64 {
     rss_kib(std::process::id()).unwrap_or_default()
 }
 
 /// Whether a tenant has what the controller must create: the system namespaces (not being
-/// deleted) and the `kubernetes` Service.
-fn converged(sim: &Sim) -> bool {
+/// deleted) and, unless `namespaces_only`, the `kubernetes` Service.
+fn converged(sim: &Sim, namespaces_only: bool) -> bool {
     let backdoor = sim.backdoor();
     SYSTEM_NAMESPACES.iter().all(|ns| {
         backdoor
@@ -121,23 +207,57 @@ fn converged(sim: &Sim) -> bool {
             .ok()
             .flatten()
             .is_some_and(|o| o["metadata"]["deletionTimestamp"].is_null())
-    }) && backdoor
-        .get("services", "default", "kubernetes")
-        .ok()
-        .flatten()
-        .is_some()
+    }) && (namespaces_only
+        || backdoor
+            .get("services", "default", "kubernetes")
+            .ok()
+            .flatten()
+            .is_some())
 }
 
-/// Polls every tenant through the backdoor until all have converged; returns when each did,
-/// counted from `started`, or the tenants still pending at the timeout.
+/// `bootstrap_tenants{state="running"}` from the controller's admin port.
+async fn running_tenants(controller: &ControllerProcess) -> Option<usize> {
+    let (status, body) = controller.admin_get("/metrics").await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    body.lines()
+        .find(|l| l.starts_with("bootstrap_tenants{") && l.contains("state=\"running\""))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(|v| v as usize)
+}
+
+/// Polls the tenants `which` through the backdoor until all have converged; returns when each
+/// did, counted from `started`, or the tenants still pending at the timeout. With
+/// [`WaitFor::Started`], waits for the controller to run them all instead (every tenant then
+/// gets the same time).
 async fn wait_converged(
     fleet: &Fleet,
+    which: &[usize],
+    wait_for: WaitFor,
     controller: &mut ControllerProcess,
     started: Instant,
     timeout: Duration,
 ) -> Result<std::result::Result<Vec<Duration>, usize>> {
-    let mut pending: Vec<usize> = (0..fleet.tenants().len()).collect();
-    let mut at = vec![Duration::ZERO; pending.len()];
+    if wait_for == WaitFor::Started {
+        loop {
+            if !controller.is_running() {
+                bail!("the controller exited:\n{}", tail(&controller.log(), 40));
+            }
+            let running = running_tenants(controller).await.unwrap_or(0);
+            if running >= fleet.tenants().len() {
+                return Ok(Ok(vec![started.elapsed(); which.len()]));
+            }
+            if started.elapsed() > timeout {
+                return Ok(Err(fleet.tenants().len() - running));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let namespaces_only = wait_for == WaitFor::Namespaces;
+    let mut pending: Vec<usize> = which.to_vec();
+    let mut at = vec![Duration::ZERO; fleet.tenants().len()];
     while !pending.is_empty() {
         if !controller.is_running() {
             bail!("the controller exited:\n{}", tail(&controller.log(), 40));
@@ -146,7 +266,7 @@ async fn wait_converged(
             return Ok(Err(pending.len()));
         }
         pending.retain(|&i| {
-            let done = converged(&fleet.tenants()[i]);
+            let done = converged(&fleet.tenants()[i], namespaces_only);
             if done {
                 at[i] = started.elapsed();
             }
@@ -154,7 +274,7 @@ async fn wait_converged(
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(Ok(at))
+    Ok(Ok(which.iter().map(|&i| at[i]).collect()))
 }
 
 fn tail(text: &str, lines: usize) -> String {
@@ -269,13 +389,13 @@ impl Random {
     }
 }
 
-/// Deletes a random system namespace in a random tenant through the backdoor (gone at once,
-/// a DELETED watch event), then polls the backdoor every millisecond until it is back.
-async fn heal_latencies(fleet: &Fleet, trials: usize) -> Result<Vec<Duration>> {
+/// Deletes a random system namespace in a random tenant of `which` through the backdoor (gone
+/// at once, a DELETED watch event), then polls the backdoor every millisecond until it is back.
+async fn heal_latencies(fleet: &Fleet, which: &[usize], trials: usize) -> Result<Vec<Duration>> {
     let mut random = Random::seeded();
     let mut samples = Vec::with_capacity(trials);
     for trial in 0..trials {
-        let tenant = random.below(fleet.tenants().len());
+        let tenant = which[random.below(which.len())];
         let namespace = SYSTEM_NAMESPACES[random.below(SYSTEM_NAMESPACES.len())];
         let sim = &fleet.tenants()[tenant];
         sim.backdoor()
@@ -316,11 +436,7 @@ fn tenant_config() -> SimConfig {
     }
 }
 
-async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
-    let mut row = Row {
-        tenants,
-        ..Row::default()
-    };
+async fn start_fleet(tenants: usize) -> Result<Fleet> {
     let before = own_rss_kib();
     let t = Instant::now();
     let fleet = Fleet::start(FleetConfig {
@@ -338,47 +454,120 @@ async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
         t.elapsed(),
         own_rss_kib().saturating_sub(before) as f64 / 1024.0
     );
+    Ok(fleet)
+}
+
+fn start_controller(args: &Args, fleet: &Fleet) -> Result<ControllerProcess> {
     let selector = format!("{TENANT_LABEL}=true");
-    let started = Instant::now();
-    let mut controller = ControllerProcess::start_binary(
+    let config = args
+        .config
+        .as_ref()
+        .map(|p| p.to_string_lossy().into_owned());
+    let mut extra = vec![
+        "--tenants-secret-selector",
+        &selector,
+        "--tenants-namespace",
+        fleet.namespace(),
+        "--service-cluster-ip-range",
+        "10.96.0.0/12",
+        "--advertise-address",
+        "192.0.2.10",
+        "--leader-elect=false",
+    ];
+    if let Some(config) = &config {
+        extra.extend(["--config", config.as_str()]);
+    }
+    ControllerProcess::start_binary(
         &args.controller,
         fleet.management().kubeconfig_path(),
-        &[
-            "--tenants-secret-selector",
-            &selector,
-            "--tenants-namespace",
-            fleet.namespace(),
-            "--service-cluster-ip-range",
-            "10.96.0.0/12",
-            "--advertise-address",
-            "192.0.2.10",
-            "--leader-elect=false",
-        ],
-    )?;
-    let at = match wait_converged(&fleet, &mut controller, started, args.converge_timeout).await? {
+        &extra,
+    )
+}
+
+/// Starts the controller on `fleet` and waits until the tenants `which` converged; `None` (after
+/// saying so) if they did not in time.
+async fn converge(
+    args: &Args,
+    fleet: &Fleet,
+    which: &[usize],
+) -> Result<Option<(ControllerProcess, Duration)>> {
+    let started = Instant::now();
+    let mut controller = start_controller(args, fleet)?;
+    let at = match wait_converged(
+        fleet,
+        which,
+        args.wait_for,
+        &mut controller,
+        started,
+        args.converge_timeout,
+    )
+    .await?
+    {
         Ok(at) => at,
         Err(pending) => {
             println!(
-                "  NOT converged: {pending} of {tenants} tenants still missing system namespaces or \
-                 the kubernetes Service after {:.0?}; controller log tail:\n{}",
+                "  NOT converged ({:?}): {pending} of {} tenants still pending after {:.0?}; \
+                 controller log tail:\n{}",
+                args.wait_for,
+                which.len(),
                 args.converge_timeout,
                 tail(&controller.log(), 20)
             );
-            fleet.shutdown().await;
-            return Ok(row);
+            controller.terminate().ok();
+            return Ok(None);
         }
     };
     let all = started.elapsed();
-    row.converged = Some(all);
     let mut sorted = at;
     sorted.sort();
     println!(
-        "  converged: every tenant after {:.2} s (per tenant: p50 {:.2} s, p99 {:.2} s, first {:.2} s)",
+        "  converged ({:?}, {} tenants): all after {:.2} s (per tenant: p50 {:.2} s, p99 {:.2} s, \
+         first {:.2} s)",
+        args.wait_for,
+        which.len(),
         all.as_secs_f64(),
         percentile(&sorted, 50.0).as_secs_f64(),
         percentile(&sorted, 99.0).as_secs_f64(),
         sorted.first().copied().unwrap_or_default().as_secs_f64()
     );
+    Ok(Some((controller, all)))
+}
+
+/// Heal trials in the tenants `which`, with the controller's CPU time over them.
+async fn heal_window(
+    fleet: &Fleet,
+    pid: u32,
+    which: &[usize],
+    trials: usize,
+    label: &str,
+) -> Result<(Vec<Duration>, Duration, Duration)> {
+    let cpu0 = cpu_time(pid)?;
+    let t = Instant::now();
+    let heal = heal_latencies(fleet, which, trials).await?;
+    let wall = t.elapsed();
+    let cpu = cpu_time(pid)?.saturating_sub(cpu0);
+    common::summary(label, heal.clone());
+    println!(
+        "  controller CPU over the {:.1} s of heal trials: {:.2} s ({:.1} % of one core)",
+        wall.as_secs_f64(),
+        cpu.as_secs_f64(),
+        100.0 * cpu.as_secs_f64() / wall.as_secs_f64()
+    );
+    Ok((heal, cpu, wall))
+}
+
+async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
+    let mut row = Row {
+        tenants,
+        ..Row::default()
+    };
+    let fleet = start_fleet(tenants).await?;
+    let all: Vec<usize> = (0..tenants).collect();
+    let Some((mut controller, converged)) = converge(args, &fleet, &all).await? else {
+        fleet.shutdown().await;
+        return Ok(row);
+    };
+    row.converged = Some(converged);
     let pid = controller.pid().context("controller not running")?;
     println!(
         "  controller RSS when converged: {:.1} MiB",
@@ -386,22 +575,33 @@ async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
     );
     // Past start-up: the first passes' confirmations and the events they write are done.
     tokio::time::sleep(Duration::from_secs(10)).await;
+    let cpu0 = cpu_time(pid)?;
     let (reads, writes) = at_rest(&fleet, args.rest).await;
+    let cpu = cpu_time(pid)?.saturating_sub(cpu0);
     row.reads_per_min = Some(reads);
     row.writes_per_min = Some(writes);
     let rss = rss_kib(pid)?;
     row.rss_kib = Some(rss);
+    let open = sockets(pid)?;
+    row.sockets = Some(open);
     println!(
-        "  controller RSS at rest: {:.1} MiB ({:.1} KiB per tenant)",
+        "  controller at rest: RSS {:.1} MiB ({:.1} KiB per tenant), {open} open sockets, \
+         CPU {:.2} s over the {:.0} s window",
         rss as f64 / 1024.0,
-        rss as f64 / tenants.max(1) as f64
+        rss as f64 / tenants.max(1) as f64,
+        cpu.as_secs_f64(),
+        args.rest.as_secs_f64()
     );
-    if args.heal_trials > 0 {
-        row.heal = heal_latencies(&fleet, args.heal_trials).await?;
-        common::summary(
+    if args.heal_trials > 0 && args.wait_for != WaitFor::Started {
+        row.heal = heal_window(
+            &fleet,
+            pid,
+            &all,
+            args.heal_trials,
             "  heal of a system namespace in a random tenant",
-            row.heal.clone(),
-        );
+        )
+        .await?
+        .0;
     }
     if !controller.is_running() {
         println!(
@@ -414,12 +614,151 @@ async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
     Ok(row)
 }
 
+/// The ways a bad tenant misbehaves, one after the other over the bad tenants.
+const BAD_KINDS: [&str; 4] = ["503", "latency 2 s", "drop connection", "watch 410"];
+
+fn make_bad(sim: &Sim, kind: &str) {
+    let fault = match kind {
+        "503" => FaultKind::Error {
+            code: 503,
+            retry_after_seconds: None,
+        },
+        "latency 2 s" => FaultKind::Latency { millis: 2000 },
+        "drop connection" => FaultKind::DropConnection,
+        _ => FaultKind::WatchGone,
+    };
+    let verb = matches!(fault, FaultKind::WatchGone).then_some(Verb::Watch);
+    sim.faults()
+        .inject(FaultRule::probability(verb, None, 1.0, fault));
+}
+
+struct IsolationRun {
+    heal: Vec<Duration>,
+    cpu: Duration,
+    wall: Duration,
+    rss_kib: u64,
+}
+
+/// One controller on a fresh fleet of `tenants`, `bad` of them (spread evenly) misbehaving from
+/// the start; heal trials in the healthy ones only (the same tenants whatever `bad` is).
+async fn isolation_run(args: &Args, tenants: usize, bad: &[usize]) -> Result<Option<IsolationRun>> {
+    let fleet = start_fleet(tenants).await?;
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    for (n, &i) in bad.iter().enumerate() {
+        let kind = BAD_KINDS[n % BAD_KINDS.len()];
+        make_bad(&fleet.tenants()[i], kind);
+        *kinds.entry(kind).or_default() += 1;
+    }
+    println!("  bad tenants: {} ({kinds:?})", bad.len());
+    let healthy: Vec<usize> = (0..tenants).filter(|i| !bad.contains(i)).collect();
+    let Some((mut controller, _)) = converge(args, &fleet, &healthy).await? else {
+        fleet.shutdown().await;
+        return Ok(None);
+    };
+    let pid = controller.pid().context("controller not running")?;
+    // Past start-up; the bad tenants are deep in their retries by now.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    for &i in bad {
+        fleet.tenants()[i].clear_requests();
+    }
+    let (heal, cpu, wall) = heal_window(
+        &fleet,
+        pid,
+        &healthy,
+        args.heal_trials,
+        "  heal of a system namespace in a random healthy tenant",
+    )
+    .await?;
+    if !bad.is_empty() {
+        let mut asked: BTreeMap<&str, usize> = BTreeMap::new();
+        for (n, &i) in bad.iter().enumerate() {
+            *asked.entry(BAD_KINDS[n % BAD_KINDS.len()]).or_default() +=
+                fleet.tenants()[i].requests().len();
+        }
+        println!(
+            "  requests to the bad tenants during the heal window (per kind, summed): {asked:?}"
+        );
+    }
+    let rss_kib = rss_kib(pid)?;
+    println!(
+        "  controller RSS after the trials: {:.1} MiB, {} open sockets",
+        rss_kib as f64 / 1024.0,
+        sockets(pid)?
+    );
+    if !controller.is_running() {
+        println!(
+            "  the controller exited during the run:\n{}",
+            tail(&controller.log(), 20)
+        );
+    }
+    controller.terminate().ok();
+    fleet.shutdown().await;
+    Ok(Some(IsolationRun {
+        heal,
+        cpu,
+        wall,
+        rss_kib,
+    }))
+}
+
+async fn isolation(args: &Args, tenants: usize) -> Result<()> {
+    let count = (tenants * args.bad_percent).div_ceil(100).min(tenants);
+    let bad: Vec<usize> = (0..count).map(|n| n * tenants / count.max(1)).collect();
+    println!("isolation, run 1 of 2: {tenants} tenants, all healthy");
+    let healthy = isolation_run(args, tenants, &[]).await?;
+    println!(
+        "isolation, run 2 of 2: {tenants} tenants, {count} bad ({} %)",
+        args.bad_percent
+    );
+    let with_bad = isolation_run(args, tenants, &bad).await?;
+    let (Some(a), Some(b)) = (healthy, with_bad) else {
+        println!("isolation: a run did not converge, no comparison");
+        return Ok(());
+    };
+    let mut ha = a.heal.clone();
+    ha.sort();
+    let mut hb = b.heal.clone();
+    hb.sort();
+    let ms = |h: &[Duration], p: f64| percentile(h, p).as_secs_f64() * 1000.0;
+    println!();
+    println!(
+        "{:<22} {:>6} {:>9} {:>9} {:>9} {:>12} {:>8}",
+        "run", "n", "heal p50", "heal p99", "heal max", "CPU s (wall)", "RSS MiB"
+    );
+    for (name, r, h) in [("all healthy", &a, &ha), ("with bad tenants", &b, &hb)] {
+        println!(
+            "{:<22} {:>6} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>5.2} ({:>4.1}) {:>8.1}",
+            name,
+            h.len(),
+            ms(h, 50.0),
+            ms(h, 99.0),
+            ms(h, 100.0),
+            r.cpu.as_secs_f64(),
+            r.wall.as_secs_f64(),
+            r.rss_kib as f64 / 1024.0
+        );
+    }
+    println!(
+        "ratio with bad / all healthy: p50 {:.2}, p99 {:.2} (requirement: within 1.20)",
+        ms(&hb, 50.0) / ms(&ha, 50.0),
+        ms(&hb, 99.0) / ms(&ha, 99.0)
+    );
+    Ok(())
+}
+
 fn print_table(rows: &[Row]) {
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     println!();
     println!(
-        "{:>8} {:>12} {:>9} {:>10} {:>11} {:>9} {:>9}",
-        "tenants", "converge s", "RSS MiB", "reads/min", "writes/min", "heal p50", "heal p99"
+        "{:>8} {:>12} {:>9} {:>8} {:>10} {:>11} {:>9} {:>9}",
+        "tenants",
+        "converge s",
+        "RSS MiB",
+        "sockets",
+        "reads/min",
+        "writes/min",
+        "heal p50",
+        "heal p99"
     );
     for r in rows {
         let mut heal = r.heal.clone();
@@ -432,10 +771,11 @@ fn print_table(rows: &[Row]) {
             }
         };
         println!(
-            "{:>8} {:>12} {:>9} {:>10} {:>11} {:>9} {:>9}",
+            "{:>8} {:>12} {:>9} {:>8} {:>10} {:>11} {:>9} {:>9}",
             r.tenants,
             opt(r.converged.map(|d| d.as_secs_f64()), 2),
             opt(r.rss_kib.map(|k| k as f64 / 1024.0), 1),
+            r.sockets.map_or("-".to_string(), |n| n.to_string()),
             opt(r.reads_per_min, 1),
             opt(r.writes_per_min, 1),
             ms(50.0),
@@ -462,12 +802,29 @@ fn print_table(rows: &[Row]) {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = parse_args()?;
+    let binary = std::fs::metadata(&args.controller)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or("?".to_string(), |d| {
+            format!("modified {} s since the epoch", d.as_secs())
+        });
     println!(
-        "multi_tenant: {} in management mode, fleets of {:?} tenants, {} s at rest, {} heal trials",
+        "multi_tenant: {} ({binary}) in management mode, config {}, {} heal trials",
         args.controller.display(),
+        args.config
+            .as_ref()
+            .map_or("none".to_string(), |p| p.display().to_string()),
+        args.heal_trials
+    );
+    if let Some(tenants) = args.isolation {
+        return isolation(&args, tenants).await;
+    }
+    println!(
+        "fleets of {:?} tenants, {} s at rest, waiting for {:?}",
         args.sizes,
         args.rest.as_secs(),
-        args.heal_trials
+        args.wait_for
     );
     let mut rows = Vec::new();
     for &tenants in &args.sizes {
