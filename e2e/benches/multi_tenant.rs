@@ -678,6 +678,12 @@ async fn isolation_run(args: &Args, tenants: usize, bad: &[usize]) -> Result<Opt
         println!(
             "  requests to the bad tenants during the heal window (per kind, summed): {asked:?}"
         );
+        let mut done: BTreeMap<&str, usize> = BTreeMap::new();
+        for (n, &i) in bad.iter().enumerate() {
+            *done.entry(BAD_KINDS[n % BAD_KINDS.len()]).or_default() +=
+                usize::from(converged(&fleet.tenants()[i], false));
+        }
+        println!("  bad tenants converged at the end of the heal window (per kind): {done:?}");
     }
     let rss_kib = rss_kib(pid)?;
     println!(
