@@ -473,7 +473,7 @@ async fn plant_every_case(sim: &Sim, client: &Client) -> Result<Planted> {
     let duplicate_ip = cluster_ips(&d)[0].clone();
     backdoor.put(backdoor_service("shop", "d-copy", &[&duplicate_ip]))?;
     // Out of range and invalid.
-    backdoor.put(backdoor_service("shop", "far", &["192.168.50.5"]))?;
+    backdoor.put(backdoor_service("shop", "far", &["192.0.2.5"]))?;
     backdoor.put(backdoor_service("shop", "bad", &["10.96.0.999"]))?;
     // IPAddress managed by the allocator but not referencing a Service.
     let not_service_ip = "10.96.200.1";
@@ -795,7 +795,7 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
         &client,
         "ClusterIPOutOfRange",
         "far",
-        "Cluster IP [IPv4]: 192.168.50.5 is not within any configured Service CIDR; please recreate service",
+        "Cluster IP [IPv4]: 192.0.2.5 is not within any configured Service CIDR; please recreate service",
     )
     .await?;
     expect_event(
