@@ -167,6 +167,57 @@ async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() 
     );
 }
 
+/// A bit cleared again right after its repair, before any pass saw it set, is a new occurrence:
+/// reported (event, metric) and repaired again, not taken for the one already repaired.
+#[tokio::test]
+async fn a_bit_cleared_again_after_its_repair_is_counted_again() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let stored = RangeAllocation::new(range().to_string(), bitmap(&[]));
+    assert!(
+        store
+            .compare_and_swap(KEY, None, stored.encode())
+            .await
+            .unwrap()
+    );
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(60)).await;
+    for round in 1..=2u64 {
+        let report = harness.pass(&sim, false).await.unwrap();
+        assert_eq!(
+            kinds(&report),
+            vec!["nodeport_not_allocated"],
+            "round {round}"
+        );
+        assert_eq!(harness.errors("repair"), round, "round {round}");
+        let value = store.get(KEY).await.unwrap().unwrap();
+        assert_eq!(ports_of(&value.value), vec![30080]);
+        // Cleared again by another writer before any pass sees it set.
+        let cleared = RangeAllocation::new(range().to_string(), bitmap(&[]));
+        assert!(
+            store
+                .compare_and_swap(KEY, Some(value.mod_revision), cleared.encode())
+                .await
+                .unwrap()
+        );
+    }
+    // Both published: kube's recorder folds the second into the first event's series (a patch).
+    assert_eq!(
+        common::event_reasons(&sim)
+            .iter()
+            .filter(|reason| *reason == "PortNotAllocated")
+            .count(),
+        1
+    );
+    let event_writes = sim
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "events" && matches!(r.verb.as_str(), "create" | "patch"))
+        .count();
+    assert_eq!(event_writes, 2);
+}
+
 /// A bit the Service cache shows unused is released only when a fresh list of the Services
 /// agrees: with the Service watch broken, a Service created after the cache synced holds a port
 /// the cache does not know of, and that port stays allocated however often it is sighted; a

@@ -364,7 +364,26 @@ impl LegacyBitmap {
             );
             findings.extend(plan.released.iter().map(|&o| BitmapFinding::Released(o)));
             findings.extend(plan.held.iter().map(|&o| BitmapFinding::ReleaseHeld(o)));
+            let repaired: Vec<BitmapFinding> = findings
+                .iter()
+                .filter(|finding| {
+                    matches!(
+                        finding,
+                        BitmapFinding::NotAllocated(_)
+                            | BitmapFinding::Released(_)
+                            | BitmapFinding::RangeMismatch(_)
+                    )
+                })
+                .cloned()
+                .collect();
             let new = self.report(findings);
+            if applied {
+                // Written: what was repaired is gone, so if it comes back (the bit cleared again
+                // before a pass saw it set) that is a new occurrence, reported and counted again.
+                for finding in &repaired {
+                    self.reported.forget(finding);
+                }
+            }
             return Ok(BitmapPass { drift: drifts, new });
         }
         Err(EtcdError::Conflicts {
