@@ -13,7 +13,7 @@ mod hostile;
 use std::collections::BTreeMap;
 
 use anyhow::{Context, Result, ensure};
-use common::control_plane::ControlPlane;
+use common::control_plane::{ControlPlane, skipped_under_shared_control_plane};
 use common::{SimProcess, client_from};
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, PostParams};
@@ -22,17 +22,6 @@ use serde_json::Value;
 
 /// One control plane at a time: each is three processes that want a core.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn skipped_under_shared_control_plane(test: &str) -> bool {
-    if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_some() {
-        eprintln!(
-            "SKIPPED {test}: starts a control plane of its own; `cargo test -p e2e --test \
-             real_admission` without BOOTSTRAP_E2E_KUBECONFIG runs it"
-        );
-        return true;
-    }
-    false
-}
 
 /// The API of an object's kind, from its apiVersion and kind.
 fn api_of(client: &Client, object: &Value) -> Result<Api<DynamicObject>> {
@@ -123,6 +112,7 @@ fn judge(who: &str, outcomes: &BTreeMap<String, Option<(u16, String)>>) -> Vec<S
 async fn the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator_too() -> Result<()>
 {
     if skipped_under_shared_control_plane(
+        "real_admission",
         "the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator_too",
     ) {
         return Ok(());

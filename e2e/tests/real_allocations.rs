@@ -12,113 +12,18 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
-use common::control_plane::ControlPlane;
+use anyhow::{Result, ensure};
+use common::control_plane::{ControlPlane, skipped_under_shared_control_plane};
+use common::node_port_bitmap::NodePortBitmap;
 use common::{CONVERGE, ConfigFile, ControllerProcess, client_from, eventually, kubectl};
 use k8s_openapi::api::core::v1::Service;
 use kube::Api;
-use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
-use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 
 /// One control plane at a time: each is three processes that want a core.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// kube-apiserver's default `--service-node-port-range` (up.sh does not change it).
-const BASE: u16 = 30000;
-const SIZE: usize = 2768;
-
 /// The NodePort repair's interval in these tests: sightings of a leak are this far apart.
 const INTERVAL: Duration = Duration::from_secs(2);
-
-/// Under `test.sh` (the suite against a shared control plane) these tests are not repeated: they
-/// start a control plane of their own in the plain `cargo test`.
-fn skipped_under_shared_control_plane(test: &str) -> bool {
-    if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_some() {
-        eprintln!(
-            "SKIPPED {test}: starts a control plane of its own; `cargo test -p e2e --test \
-             real_allocations` without BOOTSTRAP_E2E_KUBECONFIG runs it"
-        );
-        return true;
-    }
-    false
-}
-
-/// The node port bitmap in the control plane's etcd.
-struct Bitmap {
-    store: EtcdStore,
-    key: String,
-}
-
-impl Bitmap {
-    fn new(cp: &ControlPlane) -> Result<Self> {
-        let config = EtcdConfig {
-            servers: vec![cp.etcd_url()?.to_owned()],
-            ca_file: None,
-            cert_file: None,
-            key_file: None,
-            prefix: cp
-                .env
-                .get("ETCD_PREFIX")
-                .cloned()
-                .unwrap_or_else(|| "/registry".to_owned()),
-        };
-        let key = config.key(RangeKey::NodePorts);
-        Ok(Self {
-            store: EtcdStore::new(config),
-            key,
-        })
-    }
-
-    /// The ports set, and the value's revision.
-    async fn read(&self) -> Result<(Vec<u16>, RangeAllocation, i64)> {
-        let stored = self
-            .store
-            .get(&self.key)
-            .await?
-            .with_context(|| format!("{} does not exist", self.key))?;
-        ensure!(
-            stored.value.starts_with(b"k8s\0"),
-            "kube-apiserver stores protobuf (k8s\\0 envelope): {:?}",
-            &stored.value[..stored.value.len().min(16)]
-        );
-        let decoded = RangeAllocation::decode(&stored.value)?;
-        ensure!(
-            decoded.range == "30000-32767",
-            "stored range {}",
-            decoded.range
-        );
-        let ports = bitmap_from_bytes(&decoded.data, SIZE)
-            .ones()
-            .map(|offset| BASE + u16::try_from(offset).unwrap_or(u16::MAX))
-            .collect();
-        Ok((ports, decoded, stored.mod_revision))
-    }
-
-    async fn contains(&self, port: u16) -> Result<bool> {
-        Ok(self.read().await?.0.contains(&port))
-    }
-
-    /// Sets or clears `port` by compare-and-swap (retried when the apiserver or the controller
-    /// wrote in between), as another writer would.
-    async fn set(&self, port: u16, allocated: bool) -> Result<()> {
-        for _ in 0..10 {
-            let (_, decoded, revision) = self.read().await?;
-            let mut bits = bitmap_from_bytes(&decoded.data, SIZE);
-            bits.set(usize::from(port - BASE), allocated);
-            let value = decoded
-                .with_range_and_data(decoded.range.clone(), bitmap_to_bytes(&bits))
-                .encode();
-            if self
-                .store
-                .compare_and_swap(&self.key, Some(revision), value)
-                .await?
-            {
-                return Ok(());
-            }
-        }
-        bail!("{} changed under ten compare-and-swaps", self.key)
-    }
-}
 
 /// `kubectl create service nodeport NAME --node-port PORT` through the real apiserver.
 fn create_node_port_service(
@@ -193,13 +98,16 @@ fn service_lists(cp: &ControlPlane, user: &str) -> Result<usize> {
 /// port out.
 #[tokio::test(flavor = "multi_thread")]
 async fn node_port_bitmap_repaired_beside_the_real_allocator() -> Result<()> {
-    if skipped_under_shared_control_plane("node_port_bitmap_repaired_beside_the_real_allocator") {
+    if skipped_under_shared_control_plane(
+        "real_allocations",
+        "node_port_bitmap_repaired_beside_the_real_allocator",
+    ) {
         return Ok(());
     }
     let _one = ONE_AT_A_TIME.lock().await;
     let cp = ControlPlane::start(1)?;
     let admin = cp.admin_kubeconfig(1);
-    let bitmap = Bitmap::new(&cp)?;
+    let bitmap = NodePortBitmap::new(cp.etcd_url()?, cp.etcd_prefix()?);
     let services: Api<Service> = Api::namespaced(client_from(&admin).await?, "default");
 
     // The real allocator writes the bitmap.

@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use common::control_plane::{ControlPlane, describe, process_alive, writes};
+use common::control_plane::{
+    ControlPlane, describe, process_alive, skipped_under_shared_control_plane, writes,
+};
 use common::{CONVERGE, ConfigFile, ControllerProcess, client_from, eventually};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, Namespace};
@@ -24,19 +26,6 @@ use kube::{Api, Client};
 
 /// One control plane at a time: each is three processes that want a core.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// Under `test.sh` (the suite against a shared control plane) these tests are not repeated: they
-/// run in the plain `cargo test --workspace`, with control planes of their own.
-fn skipped_under_shared_control_plane(test: &str) -> bool {
-    if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_some() {
-        eprintln!(
-            "SKIPPED {test}: starts control planes of its own; `cargo test -p e2e --test \
-             real_control_plane` without BOOTSTRAP_E2E_KUBECONFIG runs it"
-        );
-        return true;
-    }
-    false
-}
 
 /// The addresses the Endpoints and the EndpointSlice list, in that order.
 async fn listed(client: &Client) -> Result<(BTreeSet<String>, BTreeSet<String>)> {
@@ -132,7 +121,7 @@ fn lease_deleters(cp: &ControlPlane, lease: &str) -> Result<Vec<String>> {
 /// apiserver's address out.
 #[tokio::test(flavor = "multi_thread")]
 async fn sidecars_beside_real_apiservers() -> Result<()> {
-    if skipped_under_shared_control_plane("sidecars_beside_real_apiservers") {
+    if skipped_under_shared_control_plane("real_control_plane", "sidecars_beside_real_apiservers") {
         return Ok(());
     }
     let _one = ONE_AT_A_TIME.lock().await;
@@ -242,7 +231,10 @@ async fn sidecars_beside_real_apiservers() -> Result<()> {
 /// this controller writes nothing but its Lease renewals, and no object flips between writers.
 #[tokio::test(flavor = "multi_thread")]
 async fn at_rest_beside_the_apiservers_own_loops() -> Result<()> {
-    if skipped_under_shared_control_plane("at_rest_beside_the_apiservers_own_loops") {
+    if skipped_under_shared_control_plane(
+        "real_control_plane",
+        "at_rest_beside_the_apiservers_own_loops",
+    ) {
         return Ok(());
     }
     let _one = ONE_AT_A_TIME.lock().await;
@@ -330,6 +322,7 @@ fn rest_window() -> Duration {
 #[tokio::test(flavor = "multi_thread")]
 async fn namespace_deletion_heals_through_the_real_namespace_controller() -> Result<()> {
     if skipped_under_shared_control_plane(
+        "real_control_plane",
         "namespace_deletion_heals_through_the_real_namespace_controller",
     ) {
         return Ok(());
@@ -410,7 +403,10 @@ async fn active(namespaces: &Api<Namespace>, name: &str) -> Result<()> {
 /// The harness itself: up.sh's control plane answers, down.sh stops exactly what it started.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_harness_starts_and_stops_exactly_its_processes() -> Result<()> {
-    if skipped_under_shared_control_plane("the_harness_starts_and_stops_exactly_its_processes") {
+    if skipped_under_shared_control_plane(
+        "real_control_plane",
+        "the_harness_starts_and_stops_exactly_its_processes",
+    ) {
         return Ok(());
     }
     let _one = ONE_AT_A_TIME.lock().await;

@@ -16,20 +16,17 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail, ensure};
-use common::control_plane::{ControlPlane, self_contained_kubeconfig};
+use anyhow::{Context, Result, ensure};
+use common::control_plane::{
+    ControlPlane, self_contained_kubeconfig, skipped_under_shared_control_plane,
+};
+use common::node_port_bitmap::NodePortBitmap;
 use common::{CONVERGE, ControllerProcess, client_from, eventually, kubectl};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
-use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
-use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
-
-/// kube-apiserver's default `--service-node-port-range` (up.sh does not change it).
-const BASE: u16 = 30000;
-const SIZE: usize = 2768;
 
 const SELECTOR: &str = "bootstrap-controller.io/tenant=true";
 const TENANTS_NAMESPACE: &str = "tenants";
@@ -66,19 +63,6 @@ const TENANTS: [TenantSpec; 2] = [
     },
 ];
 
-/// Under `test.sh` (the suite against a shared control plane) this test is not repeated: it
-/// starts control planes of its own in the plain `cargo test`.
-fn skipped_under_shared_control_plane(test: &str) -> bool {
-    if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_some() {
-        eprintln!(
-            "SKIPPED {test}: starts control planes of its own; `cargo test -p e2e --test \
-             real_tenants` without BOOTSTRAP_E2E_KUBECONFIG runs it"
-        );
-        return true;
-    }
-    false
-}
-
 /// The tenant's configuration fragment: its etcd prefix on the shared etcd, its service range,
 /// the default system namespaces plus one of its own, and a quick NodePort repair.
 fn fragment(tenant: &TenantSpec, etcd_url: &str) -> String {
@@ -102,79 +86,6 @@ fn fragment(tenant: &TenantSpec, etcd_url: &str) -> String {
         own = tenant.own_namespace,
         name = tenant.name,
     )
-}
-
-/// The node port bitmap one apiserver group keeps under its prefix of the shared etcd.
-struct Bitmap {
-    store: EtcdStore,
-    key: String,
-}
-
-impl Bitmap {
-    fn new(etcd_url: &str, prefix: &str) -> Self {
-        let config = EtcdConfig {
-            servers: vec![etcd_url.to_owned()],
-            ca_file: None,
-            cert_file: None,
-            key_file: None,
-            prefix: prefix.to_owned(),
-        };
-        let key = config.key(RangeKey::NodePorts);
-        Self {
-            store: EtcdStore::new(config),
-            key,
-        }
-    }
-
-    /// The ports set, the stored value, and its revision.
-    async fn read(&self) -> Result<(Vec<u16>, RangeAllocation, i64)> {
-        let stored = self
-            .store
-            .get(&self.key)
-            .await?
-            .with_context(|| format!("{} does not exist", self.key))?;
-        let decoded = RangeAllocation::decode(&stored.value)
-            .with_context(|| format!("decoding {}", self.key))?;
-        ensure!(
-            decoded.range == "30000-32767",
-            "{}: stored range {}",
-            self.key,
-            decoded.range
-        );
-        let ports = bitmap_from_bytes(&decoded.data, SIZE)
-            .ones()
-            .map(|offset| BASE + u16::try_from(offset).unwrap_or(u16::MAX))
-            .collect();
-        Ok((ports, decoded, stored.mod_revision))
-    }
-
-    async fn contains(&self, port: u16) -> Result<bool> {
-        Ok(self.read().await?.0.contains(&port))
-    }
-
-    async fn revision(&self) -> Result<i64> {
-        Ok(self.read().await?.2)
-    }
-
-    /// Clears `port` by compare-and-swap, as a lost write or a restore would leave it.
-    async fn clear(&self, port: u16) -> Result<()> {
-        for _ in 0..10 {
-            let (_, decoded, revision) = self.read().await?;
-            let mut bits = bitmap_from_bytes(&decoded.data, SIZE);
-            bits.set(usize::from(port - BASE), false);
-            let value = decoded
-                .with_range_and_data(decoded.range.clone(), bitmap_to_bytes(&bits))
-                .encode();
-            if self
-                .store
-                .compare_and_swap(&self.key, Some(revision), value)
-                .await?
-            {
-                return Ok(());
-            }
-        }
-        bail!("{} changed under ten compare-and-swaps", self.key)
-    }
 }
 
 /// Every key in the etcd, through its HTTP gateway (`/v3/kv/range`, keys only).
@@ -264,7 +175,10 @@ fn kubectl_ok(kubeconfig: &std::path::Path, args: &[&str]) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn management_mode_keeps_real_tenants_on_one_etcd_apart() -> Result<()> {
-    if skipped_under_shared_control_plane("management_mode_keeps_real_tenants_on_one_etcd_apart") {
+    if skipped_under_shared_control_plane(
+        "real_tenants",
+        "management_mode_keeps_real_tenants_on_one_etcd_apart",
+    ) {
         return Ok(());
     }
     let started = Instant::now();
@@ -296,10 +210,10 @@ async fn management_mode_keeps_real_tenants_on_one_etcd_apart() -> Result<()> {
     }
 
     // A NodePort Service in each tenant, allocated by its own apiserver into its own bitmap.
-    let registry = Bitmap::new(&etcd_url, "/registry");
-    let bitmaps: Vec<Bitmap> = TENANTS
+    let registry = NodePortBitmap::new(&etcd_url, "/registry");
+    let bitmaps: Vec<NodePortBitmap> = TENANTS
         .iter()
-        .map(|tenant| Bitmap::new(&etcd_url, tenant.prefix))
+        .map(|tenant| NodePortBitmap::new(&etcd_url, tenant.prefix))
         .collect();
     for (tenant, cp) in TENANTS.iter().zip(&tenants) {
         kubectl_ok(
@@ -505,7 +419,7 @@ async fn management_mode_keeps_real_tenants_on_one_etcd_apart() -> Result<()> {
         ];
         let (_, before) = controller.admin_get("/metrics").await?;
         let other_repairs = port_errors(&before, other.name, "repair");
-        bitmaps[i].clear(tenant.node_port).await?;
+        bitmaps[i].set(tenant.node_port, false).await?;
         let cleared = Instant::now();
         eventually(
             &format!("{} set again in {}", tenant.node_port, bitmaps[i].key),

@@ -256,6 +256,20 @@ impl Drop for ControlPlane {
 
 /// Whether `pid` runs: a zombie does not (up.sh's processes outlive it, so whoever inherits them
 /// may reap them late).
+/// Under `test.sh` (the suite against a shared control plane) the tests that start control planes
+/// of their own are not repeated: they run in the plain `cargo test --workspace`. `binary` is the
+/// test file's name, for the command that runs it.
+pub fn skipped_under_shared_control_plane(binary: &str, test: &str) -> bool {
+    if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_some() {
+        eprintln!(
+            "SKIPPED {test}: starts control planes of its own; `cargo test -p e2e --test \
+             {binary}` without BOOTSTRAP_E2E_KUBECONFIG runs it"
+        );
+        return true;
+    }
+    false
+}
+
 pub fn process_alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
         stat.rsplit_once(") ")

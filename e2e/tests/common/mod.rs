@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 pub mod chaos;
 pub mod control_plane;
+pub mod node_port_bitmap;
 
 use anyhow::{Context, Result, bail};
 use apiserver_sim::RequestRecord;
