@@ -154,6 +154,7 @@ impl DemoEtcd {
             cert_file: None,
             key_file: None,
             prefix: "/registry".to_owned(),
+            inline_tls: None,
         }
     }
 }

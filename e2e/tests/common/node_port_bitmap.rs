@@ -24,6 +24,7 @@ impl NodePortBitmap {
             cert_file: None,
             key_file: None,
             prefix: prefix.to_owned(),
+            inline_tls: None,
         };
         let key = config.key(RangeKey::NodePorts);
         Self {

@@ -50,6 +50,32 @@ pub struct EtcdConfig {
     pub key_file: Option<PathBuf>,
     /// `--etcd-prefix` (default `/registry`).
     pub prefix: String,
+    /// TLS material held in memory instead of files (a tenant's, from its Secret); when set,
+    /// the files are not used.
+    pub inline_tls: Option<InlineTls>,
+}
+
+/// etcd TLS material in PEM, as a tenant's Secret carries it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct InlineTls {
+    /// Verifies the servers' certificates.
+    pub ca: Option<Vec<u8>>,
+    /// The client certificate and its key, both or neither.
+    pub cert: Option<Vec<u8>>,
+    pub key: Option<Vec<u8>>,
+    /// Where it came from, for messages (e.g. the Secret keys).
+    pub origin: &'static str,
+}
+
+impl std::fmt::Debug for InlineTls {
+    // The key stays out of logs and error messages.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InlineTls")
+            .field("ca", &self.ca.as_ref().map(Vec::len))
+            .field("cert", &self.cert.as_ref().map(Vec::len))
+            .field("key", &self.key.as_ref().map(|_| "(redacted)"))
+            .finish()
+    }
 }
 
 impl EtcdConfig {
@@ -89,8 +115,11 @@ pub enum EtcdError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("etcd TLS settings (--etcd-cafile, --etcd-certfile, --etcd-keyfile): {0}")]
-    Tls(String),
+    #[error("etcd TLS settings ({settings}): {message}")]
+    Tls {
+        settings: &'static str,
+        message: String,
+    },
     #[error("cannot connect to etcd: {0}")]
     Connect(String),
     #[error("etcd {server} answered {code:?}: {message}")]
@@ -231,13 +260,23 @@ impl EtcdStore {
 
     fn tls_files(&self) -> impl Iterator<Item = (&'static str, &PathBuf)> {
         let config = &self.config;
+        let files = config.inline_tls.is_none();
         [
             ("--etcd-cafile", &config.ca_file),
             ("--etcd-certfile", &config.cert_file),
             ("--etcd-keyfile", &config.key_file),
         ]
         .into_iter()
+        .filter(move |_| files)
         .filter_map(|(flag, path)| Some((flag, path.as_ref()?)))
+    }
+
+    /// Where the TLS material comes from, for messages.
+    fn tls_settings(&self) -> &'static str {
+        match &self.config.inline_tls {
+            Some(inline) => inline.origin,
+            None => "--etcd-cafile, --etcd-certfile, --etcd-keyfile",
+        }
     }
 
     /// The TLS files' stamps now; `None` if one cannot be read (being replaced, say).
@@ -284,7 +323,10 @@ impl EtcdStore {
             let endpoint = match &tls {
                 Some(tls) => endpoint
                     .tls_config(tls.clone())
-                    .map_err(|err| EtcdError::Tls(chain(&err)))?,
+                    .map_err(|err| EtcdError::Tls {
+                        settings: self.tls_settings(),
+                        message: chain(&err),
+                    })?,
                 None => endpoint,
             };
             match endpoint.connect().await {
@@ -315,6 +357,19 @@ impl EtcdStore {
             })
         };
         let config = &self.config;
+        if let Some(inline) = &config.inline_tls {
+            if inline.ca.is_none() && inline.cert.is_none() {
+                return Ok(None);
+            }
+            let mut tls = ClientTlsConfig::new();
+            if let Some(ca) = &inline.ca {
+                tls = tls.ca_certificate(Certificate::from_pem(ca));
+            }
+            if let (Some(cert), Some(key)) = (&inline.cert, &inline.key) {
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            return Ok(Some(tls));
+        }
         if config.ca_file.is_none() && config.cert_file.is_none() {
             return Ok(None);
         }
@@ -600,6 +655,7 @@ mod tests {
             cert_file: None,
             key_file: None,
             prefix: "/registry".to_owned(),
+            inline_tls: None,
         };
         assert_eq!(
             config.key(RangeKey::NodePorts),

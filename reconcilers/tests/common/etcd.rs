@@ -149,6 +149,7 @@ impl Etcd {
             cert_file: self.tls.as_ref().map(|pki| pki.path("client.crt")),
             key_file: self.tls.as_ref().map(|pki| pki.path("client.key")),
             prefix: "/registry".to_owned(),
+            inline_tls: None,
         }
     }
 }
