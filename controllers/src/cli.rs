@@ -19,6 +19,7 @@ use crate::loops::{build_loops, build_runner, kubeconfig_loader};
 use crate::metrics::{RunnerMetrics, new_registry};
 use crate::runner::{CheckResult, Health, Runner, check_once};
 use crate::shards::{ShardSettings, Shards};
+use crate::tenant_kubeconfig::{self, CredentialPolicy};
 use crate::tenants::{self, Directory, Ownership, TenantMetrics, TenantSettings};
 
 /// No drift (`check`), or a clean exit.
@@ -73,6 +74,14 @@ pub enum Command {
     /// Validate or print the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Runs a credential plugin the operator allowed for tenant kubeconfigs, on behalf of the
+    /// controller's client: bounded in time and output, its stderr discarded.
+    #[command(name = "credential-plugin", hide = true)]
+    CredentialPlugin {
+        /// The plugin and its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -94,6 +103,7 @@ pub enum OutputFormat {
 /// Entry point of the binary.
 pub async fn execute(cli: Cli) -> ExitCode {
     match cli.command {
+        Command::CredentialPlugin { command } => tenant_kubeconfig::run_plugin(&command).await,
         Command::Config(ConfigCommand::Validate) => {
             let Some(file) = cli.config.config.clone() else {
                 return config_error(&ConfigErrors(vec![ConfigError::new(
@@ -393,6 +403,14 @@ impl Controller {
                     kubeconfig_key: tenants.kubeconfig_key.clone(),
                     base,
                     identity,
+                    credentials: CredentialPolicy {
+                        plugins: tenants.credential_plugins.clone(),
+                        // Allowed plugins run under this program's credential-plugin
+                        // subcommand; without its path none can run.
+                        runner: (!tenants.credential_plugins.is_empty())
+                            .then(|| std::env::current_exe().ok())
+                            .flatten(),
+                    },
                 };
                 let manager = tenants::spawn(
                     client.clone(),

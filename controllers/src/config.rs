@@ -315,6 +315,17 @@ pub struct ConfigArgs {
         global = true
     )]
     pub tenants_kubeconfig_key: Option<String>,
+
+    /// Management mode: credential plugins (absolute paths, comma-separated) a tenant
+    /// kubeconfig's `exec` may run, e.g. `/usr/local/bin/aws-iam-authenticator`. Any other exec
+    /// entry is refused. [default: none]
+    #[arg(
+        long,
+        env = "BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS",
+        value_name = "PATHS",
+        global = true
+    )]
+    pub tenants_credential_plugins: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
@@ -383,6 +394,10 @@ pub struct Config {
     pub etcd_key_file: Option<PathBuf>,
     #[serde(rename = "etcdPrefix")]
     pub etcd_prefix: String,
+    /// A tenant's etcd client certificate, from its Secret (management mode); the files are
+    /// not used then.
+    #[serde(skip)]
+    pub etcd_inline_tls: Option<reconcilers::legacy_alloc::etcd::InlineTls>,
     pub dry_run: bool,
     pub timer_only: bool,
     pub admin_addr: SocketAddr,
@@ -404,6 +419,8 @@ pub struct Tenants {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
     pub kubeconfig_key: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub credential_plugins: Vec<PathBuf>,
 }
 
 /// The annotation on a tenant's Secret holding its YAML fragment of the configuration file.
@@ -418,6 +435,111 @@ const PROCESS_WIDE_KEYS: [&str; 6] = [
     "leaderElection",
     "tenants",
 ];
+
+/// Settings a fragment may not make, because they name files of the controller's filesystem.
+const FRAGMENT_FILE_KEYS: [&str; 3] = ["etcdCAFile", "etcdCertFile", "etcdKeyFile"];
+
+/// The data keys of a tenant's Secret that hold its etcd client certificate (PEM), used with
+/// `etcdServers` and `etcdPrefix` from its annotation.
+pub struct TenantEtcdKeys {
+    pub ca: &'static str,
+    pub cert: &'static str,
+    pub key: &'static str,
+}
+
+pub const TENANT_ETCD_KEYS: TenantEtcdKeys = TenantEtcdKeys {
+    ca: "etcd-ca.crt",
+    cert: "etcd-client.crt",
+    key: "etcd-client.key",
+};
+
+/// The least a fragment may set for a loop setting: every tenant shares this process's CPU and
+/// connections, so no Secret may make its loops spin (a timer pass every millisecond, pages of
+/// one object).
+#[derive(Clone, Copy, Debug)]
+enum Floor {
+    Duration(Duration),
+    Count(u64),
+}
+
+/// Floors by field name, in every loop section of a fragment (see CONFIG.md).
+const FRAGMENT_FLOORS: [(&str, Floor); 4] = [
+    ("interval", Floor::Duration(Duration::from_secs(5))),
+    ("leaseTTL", Floor::Duration(Duration::from_secs(5))),
+    (
+        "shutdownProbeWindow",
+        Floor::Duration(Duration::from_secs(1)),
+    ),
+    ("pageSize", Floor::Count(100)),
+];
+
+/// The fragment's loop settings below their floors.
+fn below_floors(fragment: &serde_json::Value) -> Vec<ConfigError> {
+    let mut errors = Vec::new();
+    let Some(loops) = fragment.get("loops").and_then(serde_json::Value::as_object) else {
+        return errors;
+    };
+    for (section, fields) in loops {
+        let Some(fields) = fields.as_object() else {
+            continue;
+        };
+        for (field, floor) in FRAGMENT_FLOORS {
+            let Some(value) = fields.get(field) else {
+                continue;
+            };
+            // A value that does not parse is reported by the full validation.
+            let (below, least) = match floor {
+                Floor::Duration(least) => (
+                    value
+                        .as_str()
+                        .and_then(|text| parse_duration(text).ok())
+                        .is_some_and(|given| given < least),
+                    format_duration(least),
+                ),
+                Floor::Count(least) => (
+                    value.as_u64().is_some_and(|given| given < least),
+                    least.to_string(),
+                ),
+            };
+            if below {
+                errors.push(ConfigError::new(
+                    format!("{TENANT_CONFIG_ANNOTATION}: loops.{section}.{field}"),
+                    format!(
+                        "is below {least}, the least a tenant may set (every tenant shares this \
+                         process): set {least} or more, or leave it to the configuration file"
+                    ),
+                ));
+            }
+        }
+    }
+    errors
+}
+
+/// A tenant's `etcdPrefix` is a plain absolute key path (`/registry`, `/tenants/a`): no empty,
+/// `.` or `..` segment, no trailing `/`, so the keys written under it are where they appear to
+/// be. Whether it overlaps another tenant's prefix is checked against every tenant
+/// (`tenants.rs`).
+pub fn validate_tenant_etcd_prefix(prefix: &str) -> Result<(), String> {
+    let Some(rest) = prefix.strip_prefix('/') else {
+        return Err("must start with /".to_owned());
+    };
+    for segment in rest.split('/') {
+        let plain = !segment.is_empty()
+            && segment != "."
+            && segment != ".."
+            && segment
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if !plain {
+            return Err(
+                "must be a plain key path: segments of letters, digits, '-', '_' and '.', \
+                 separated by single / with none at the end (e.g. /registry or /tenants/a)"
+                    .to_owned(),
+            );
+        }
+    }
+    Ok(())
+}
 
 /// What every tenant's configuration is made from: the flags and the file as it was read at
 /// start. A tenant's fragment is merged over the file (flags still win, as over the file).
@@ -444,6 +566,7 @@ impl TenantBase {
             tenants_secret_selector: None,
             tenants_namespace: None,
             tenants_kubeconfig_key: None,
+            tenants_credential_plugins: None,
             kubeconfig: None,
             ..args.clone()
         };
@@ -465,7 +588,7 @@ impl TenantBase {
         match &fragment {
             serde_json::Value::Null => {}
             serde_json::Value::Object(map) => {
-                let refused: Vec<ConfigError> = map
+                let mut refused: Vec<ConfigError> = map
                     .keys()
                     .filter(|key| PROCESS_WIDE_KEYS.contains(&key.as_str()))
                     .map(|key| {
@@ -476,6 +599,23 @@ impl TenantBase {
                         )
                     })
                     .collect();
+                refused.extend(
+                    map.keys()
+                        .filter(|key| FRAGMENT_FILE_KEYS.contains(&key.as_str()))
+                        .map(|key| {
+                            ConfigError::new(
+                                field(key),
+                                format!(
+                                    "names a file, which a tenant may not: put the etcd client \
+                                     certificate in the Secret's data keys {}, {} and {}",
+                                    TENANT_ETCD_KEYS.ca,
+                                    TENANT_ETCD_KEYS.cert,
+                                    TENANT_ETCD_KEYS.key
+                                ),
+                            )
+                        }),
+                );
+                refused.extend(below_floors(&fragment));
                 if !refused.is_empty() {
                     return Err(ConfigErrors(refused));
                 }
@@ -513,6 +653,14 @@ impl TenantBase {
                     .collect(),
             )
         })?;
+        if !config.etcd_servers.is_empty()
+            && let Err(why) = validate_tenant_etcd_prefix(&config.etcd_prefix)
+        {
+            return Err(ConfigErrors(vec![ConfigError::new(
+                field("etcdPrefix"),
+                format!("{:?} {why}", config.etcd_prefix),
+            )]));
+        }
         match config.endpoint_reconciler_type {
             EndpointReconcilerType::Static | EndpointReconcilerType::None => Ok(config),
             other => Err(ConfigErrors(vec![ConfigError::new(
@@ -526,6 +674,37 @@ impl TenantBase {
             )])),
         }
     }
+}
+
+/// The etcd servers and prefix a tenant's fragment sets (`None` without `etcdServers`, or if it
+/// does not parse: loading the tenant reports that), normalised for comparison with other
+/// tenants': servers lower-cased without a trailing `/`. A prefix that is not a plain key path
+/// claims nothing (the tenant is refused for it when it loads).
+pub fn fragment_etcd(fragment: &str) -> Option<(Vec<String>, String)> {
+    let tree = yaml_tree(fragment).ok()?;
+    let servers: Vec<String> = match tree.get("etcdServers")? {
+        serde_json::Value::String(text) => text.split(',').map(str::to_owned).collect(),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect(),
+        _ => return None,
+    };
+    let servers: Vec<String> = servers
+        .iter()
+        .map(|s| s.trim().trim_end_matches('/').to_ascii_lowercase())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if servers.is_empty() {
+        return None;
+    }
+    let prefix = tree
+        .get("etcdPrefix")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("/registry")
+        .to_owned();
+    validate_tenant_etcd_prefix(&prefix).ok()?;
+    Some((servers, prefix))
 }
 
 /// A YAML document as a tree (empty text is `null`).
@@ -709,6 +888,7 @@ pub struct TenantsFile {
     pub secret_selector: Option<String>,
     pub namespace: Option<String>,
     pub kubeconfig_key: Option<String>,
+    pub credential_plugins: Option<StringOrList>,
 }
 
 /// `serviceClusterIPRange` may be written `"a,b"` (like the flag) or as a YAML list.
@@ -918,6 +1098,36 @@ fn merge_etcd(
         cert_file: cert_file.map(|source| source.value),
         key_file: key_file.map(|source| source.value),
         prefix,
+        inline_tls: None,
+    }
+}
+
+/// In management mode every tenant has its own etcd (servers and prefix in its annotation,
+/// credentials in its Secret): one process-wide etcd would be shared by every tenant, each
+/// repairing the others' bitmaps with its own cluster's Services.
+fn refuse_process_etcd(args: &ConfigArgs, file: &FileConfig, errors: &mut Vec<ConfigError>) {
+    let set = [
+        (args.etcd_servers.is_some(), "--etcd-servers"),
+        (args.etcd_prefix.is_some(), "--etcd-prefix"),
+        (args.etcd_cafile.is_some(), "--etcd-cafile"),
+        (args.etcd_certfile.is_some(), "--etcd-certfile"),
+        (args.etcd_keyfile.is_some(), "--etcd-keyfile"),
+        (file.etcd_servers.is_some(), "etcdServers"),
+        (file.etcd_prefix.is_some(), "etcdPrefix"),
+        (file.etcd_ca_file.is_some(), "etcdCAFile"),
+        (file.etcd_cert_file.is_some(), "etcdCertFile"),
+        (file.etcd_key_file.is_some(), "etcdKeyFile"),
+    ];
+    for (_, field) in set.into_iter().filter(|(given, _)| *given) {
+        errors.push(ConfigError::new(
+            field,
+            format!(
+                "is not used in management mode: each tenant's etcd is its own (etcdServers and \
+                 etcdPrefix in its Secret's {TENANT_CONFIG_ANNOTATION} annotation, the client \
+                 certificate in its data keys {}, {}, {}); remove it",
+                TENANT_ETCD_KEYS.ca, TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
+            ),
+        ));
     }
 }
 
@@ -949,6 +1159,7 @@ impl Config {
             cert_file: self.etcd_cert_file.clone(),
             key_file: self.etcd_key_file.clone(),
             prefix: self.etcd_prefix.clone(),
+            inline_tls: self.etcd_inline_tls.clone(),
         })
     }
 
@@ -1323,6 +1534,9 @@ impl Config {
 
         let etcd = merge_etcd(args, &file, &mut errors);
         let tenants = merge_tenants(args, file.tenants.as_ref(), &mut errors);
+        if tenants.is_some() {
+            refuse_process_etcd(args, &file, &mut errors);
+        }
 
         let config = Config {
             service_cluster_ip_range,
@@ -1338,6 +1552,7 @@ impl Config {
             etcd_cert_file: etcd.cert_file,
             etcd_key_file: etcd.key_file,
             etcd_prefix: etcd.prefix,
+            etcd_inline_tls: None,
             dry_run: args.dry_run.or(file.dry_run).unwrap_or(false),
             timer_only: args.timer_only.or(file.timer_only).unwrap_or(false),
             admin_addr,
@@ -1425,8 +1640,14 @@ fn merge_tenants(
         file.and_then(|f| f.kubeconfig_key.clone()),
         "tenants.kubeconfigKey",
     );
+    let plugins = pick(
+        args.tenants_credential_plugins.clone(),
+        "--tenants-credential-plugins",
+        file.and_then(|f| f.credential_plugins.as_ref().map(StringOrList::joined)),
+        "tenants.credentialPlugins",
+    );
     let Some(selector) = selector else {
-        for source in [namespace, key].into_iter().flatten() {
+        for source in [namespace, key, plugins].into_iter().flatten() {
             errors.push(ConfigError::new(
                 source.field,
                 "only means something in management mode: set --tenants-secret-selector                  (tenants.secretSelector) too, or leave it out",
@@ -1485,10 +1706,43 @@ fn merge_tenants(
         }
         None => DEFAULT_TENANTS_KUBECONFIG_KEY.to_owned(),
     };
+    let mut credential_plugins = Vec::new();
+    if let Some(source) = plugins {
+        for path in source
+            .value
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            let directory = path.ends_with('/');
+            let path = PathBuf::from(path);
+            let plain = !directory
+                && path.components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::RootDir | std::path::Component::Normal(_)
+                    )
+                });
+            if !path.is_absolute() || !plain || path.file_name().is_none() {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{} is not an absolute path to a program (e.g. \
+                         /usr/local/bin/aws-iam-authenticator): a plugin is allowed by the path \
+                         that runs, never looked up in PATH",
+                        path.display()
+                    ),
+                ));
+            } else if !credential_plugins.contains(&path) {
+                credential_plugins.push(path);
+            }
+        }
+    }
     Some(Tenants {
         secret_selector: selector_text,
         namespace,
         kubeconfig_key,
+        credential_plugins,
     })
 }
 
@@ -2177,6 +2431,7 @@ mod tests {
                 secret_selector: "cluster.x-k8s.io/cluster-name".to_owned(),
                 namespace: Some("capi".to_owned()),
                 kubeconfig_key: "value".to_owned(),
+                credential_plugins: Vec::new(),
             })
         );
         assert_eq!(from_yaml("{}\n").unwrap().tenants, None);
@@ -2290,6 +2545,142 @@ mod tests {
         assert_eq!(error.field, "bootstrap-controller.io/config: (fragment)");
         let error = single_error(base.tenant(Some("key: [unclosed\n")));
         assert_eq!(error.field, "bootstrap-controller.io/config: (fragment)");
+    }
+
+    #[test]
+    fn credential_plugins_are_absolute_program_paths() {
+        let config = from_yaml(
+            "tenants:\n  secretSelector: a=b\n  credentialPlugins: [/usr/bin/aws, \
+             /usr/local/bin/gke-gcloud-auth-plugin]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.tenants.unwrap().credential_plugins,
+            [
+                PathBuf::from("/usr/bin/aws"),
+                PathBuf::from("/usr/local/bin/gke-gcloud-auth-plugin")
+            ]
+        );
+        for bad in ["aws", "./aws", "/usr/bin/../bin/aws", "/usr/bin/"] {
+            let args = ConfigArgs {
+                tenants_secret_selector: Some("a=b".to_owned()),
+                tenants_credential_plugins: Some(bad.to_owned()),
+                ..ConfigArgs::default()
+            };
+            let error = single_error(Config::merge(&args, FileConfig::default()));
+            assert_eq!(
+                error.field, "--tenants-credential-plugins",
+                "{bad}: {error}"
+            );
+        }
+        let args = ConfigArgs {
+            tenants_credential_plugins: Some("/usr/bin/aws".to_owned()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, "--tenants-credential-plugins");
+    }
+
+    #[test]
+    fn management_mode_refuses_the_process_wide_etcd_settings() {
+        let args = ConfigArgs {
+            tenants_secret_selector: Some("a=b".to_owned()),
+            etcd_servers: Some("https://192.0.2.1:2379".to_owned()),
+            etcd_prefix: Some("/registry".to_owned()),
+            ..ConfigArgs::default()
+        };
+        let errors = Config::merge(&args, FileConfig::default()).unwrap_err().0;
+        let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["--etcd-servers", "--etcd-prefix"], "{errors:?}");
+        assert!(
+            errors[0].message.contains("etcd-client.crt"),
+            "{}",
+            errors[0]
+        );
+        let error = single_error(from_yaml(
+            "tenants:\n  secretSelector: a=b\netcdServers: https://192.0.2.1:2379\n",
+        ));
+        assert_eq!(error.field, "etcdServers");
+    }
+
+    #[test]
+    fn a_fragment_names_no_file_and_stays_above_the_floors() {
+        let base = tenant_base("tenants:\n  secretSelector: a=b\n");
+        for key in ["etcdCAFile", "etcdCertFile", "etcdKeyFile"] {
+            let error = single_error(base.tenant(Some(&format!("{key}: /etc/passwd\n"))));
+            assert_eq!(
+                error.field,
+                format!("bootstrap-controller.io/config: {key}")
+            );
+            assert!(error.message.contains("etcd-client.key"), "{error}");
+        }
+        for (fragment, field) in [
+            (
+                "loops:\n  systemNamespaces:\n    interval: 1ms\n",
+                "loops.systemNamespaces.interval",
+            ),
+            (
+                "loops:\n  nodePortRepair:\n    interval: 4s\n",
+                "loops.nodePortRepair.interval",
+            ),
+            (
+                "loops:\n  clusterIPRepair:\n    pageSize: 1\n",
+                "loops.clusterIPRepair.pageSize",
+            ),
+            (
+                "loops:\n  apiserverEndpoints:\n    leaseTTL: 100ms\n",
+                "loops.apiserverEndpoints.leaseTTL",
+            ),
+        ] {
+            let error = single_error(base.tenant(Some(fragment)));
+            assert_eq!(
+                error.field,
+                format!("bootstrap-controller.io/config: {field}"),
+                "{error}"
+            );
+        }
+        // At the floor is allowed; the file itself is the operator's and has no floors.
+        assert!(
+            base.tenant(Some("loops:\n  systemNamespaces:\n    interval: 5s\n"))
+                .is_ok()
+        );
+        let fast = tenant_base(
+            "tenants:\n  secretSelector: a=b\nloops:\n  systemNamespaces:\n    interval: 1s\n",
+        );
+        assert!(fast.tenant(None).is_ok());
+    }
+
+    #[test]
+    fn a_tenant_etcd_prefix_is_a_plain_key_path() {
+        let base = tenant_base("tenants:\n  secretSelector: a=b\n");
+        let tenant = base
+            .tenant(Some(
+                "etcdServers: https://192.0.2.1:2379\netcdPrefix: /tenants/a\n",
+            ))
+            .unwrap();
+        assert_eq!(tenant.etcd_prefix, "/tenants/a");
+        for prefix in ["registry", "/a//b", "/a/../b", "/a/", "/a b", "/"] {
+            let error = single_error(base.tenant(Some(&format!(
+                "etcdServers: https://192.0.2.1:2379\netcdPrefix: \"{prefix}\"\n"
+            ))));
+            assert_eq!(
+                error.field, "bootstrap-controller.io/config: etcdPrefix",
+                "{prefix}: {error}"
+            );
+        }
+        assert_eq!(
+            fragment_etcd("etcdServers: [HTTPS://192.0.2.1:2379/]\netcdPrefix: /t/a\n"),
+            Some((vec!["https://192.0.2.1:2379".to_owned()], "/t/a".to_owned()))
+        );
+        assert_eq!(
+            fragment_etcd("etcdServers: https://192.0.2.1:2379\n").map(|c| c.1),
+            Some("/registry".to_owned())
+        );
+        assert_eq!(fragment_etcd("etcdPrefix: /t/a\n"), None);
+        assert_eq!(
+            fragment_etcd("etcdServers: https://192.0.2.1:2379\netcdPrefix: /t/../a\n"),
+            None
+        );
     }
 
     #[test]

@@ -41,21 +41,11 @@ pub async fn load(path: Option<&Path>) -> Result<kube::Config, KubeconfigError> 
     )
 }
 
-/// A kubeconfig held as text (a tenant's, from its Secret), read as [`load`] reads a file;
-/// `source_name` (e.g. `Secret tenants/a key value`) starts the error message.
-pub async fn from_text(text: &str, source_name: &str) -> Result<kube::Config, String> {
-    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|err| {
-        let cause =
-            std::error::Error::source(&err).map_or_else(|| err.to_string(), ToString::to_string);
-        format!("{source_name} is not a kubeconfig: {cause}")
-    })?;
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .map_err(|err| {
-            format!(
-                "{source_name} is not usable: {err} (check its current-context, cluster and user)"
-            )
-        })?;
+/// [`load`]'s last step for a tenant's configuration (see [`crate::tenant_kubeconfig`]).
+pub(crate) fn finish_tenant(
+    config: kube::Config,
+    source_name: &str,
+) -> Result<kube::Config, String> {
     finish(config, source_name.to_owned()).map_err(|err| err.to_string())
 }
 

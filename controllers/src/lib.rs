@@ -11,4 +11,5 @@ pub mod loops;
 pub mod metrics;
 pub mod runner;
 pub mod shards;
+pub mod tenant_kubeconfig;
 pub mod tenants;

@@ -8,6 +8,12 @@
 //! registry labelled `tenant`, so a tenant that is down, slow or hostile only occupies its own
 //! tasks and connections.
 //!
+//! A tenant Secret is untrusted input (see README, "Security model"): its kubeconfig is read by
+//! [`crate::tenant_kubeconfig`] (inline material only), its fragment within floors
+//! ([`TenantBase::tenant`]), its etcd credentials from its own data keys; loading happens in a
+//! task of its own under [`LOAD_TIMEOUT`], so a huge Secret or a hung credential plugin costs
+//! that tenant only, never the manager.
+//!
 //! Replicas share the tenants through [`crate::shards`]: a tenant starts only on the replica
 //! that owns it in a settled view, and a replica stops the tenants it lost before it
 //! acknowledges a view, so a tenant never has two writers. Nothing is stopped on partial
@@ -16,10 +22,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -29,15 +36,23 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use reconcilers::legacy_alloc::etcd::InlineTls;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::config::{TENANT_CONFIG_ANNOTATION, TenantBase};
+use crate::config::{Config, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
 use crate::metrics::METRICS_PREFIX;
 use crate::runner::{CheckState, Health};
 use crate::shards::View;
+use crate::tenant_kubeconfig::{self, CredentialPolicy};
+
+/// The longest a tenant's configuration and client may take to load: past it the Secret is
+/// reported and the tenant not started. Reading a Secret takes milliseconds; an allowed
+/// credential plugin may take up to its own deadline, which this covers.
+pub const LOAD_TIMEOUT: Duration =
+    Duration::from_secs(tenant_kubeconfig::PLUGIN_TIMEOUT.as_secs() + 10);
 
 /// Name of the readiness check that the Secrets of the management cluster are known.
 pub const READYZ_CHECK: &str = "tenant-secrets";
@@ -51,6 +66,8 @@ pub struct TenantSettings {
     pub base: TenantBase,
     /// This replica: the events' `reportingInstance`.
     pub identity: String,
+    /// What a tenant kubeconfig may use beyond inline material.
+    pub credentials: CredentialPolicy,
 }
 
 /// What the runtime of a tenant is made from: any change restarts the tenant.
@@ -59,27 +76,40 @@ struct Spec {
     namespace: String,
     name: String,
     uid: String,
+    /// Orders tenants whose etcd keys would overlap: the older Secret keeps them.
+    created: Option<Timestamp>,
     kubeconfig: Option<Vec<u8>>,
     fragment: Option<String>,
+    /// The etcd client certificate's data keys ([`TENANT_ETCD_KEYS`]): CA, certificate, key.
+    etcd: [Option<Vec<u8>>; 3],
 }
 
 impl Spec {
     fn of(secret: &Secret, key: &str) -> Option<(String, Spec)> {
         let namespace = secret.metadata.namespace.clone()?;
         let name = secret.metadata.name.clone()?;
-        let spec = Spec {
-            uid: secret.metadata.uid.clone().unwrap_or_default(),
-            kubeconfig: secret
+        let data = |key: &str| {
+            secret
                 .data
                 .as_ref()
                 .and_then(|data| data.get(key))
-                .map(|bytes| bytes.0.clone()),
+                .map(|bytes| bytes.0.clone())
+        };
+        let spec = Spec {
+            uid: secret.metadata.uid.clone().unwrap_or_default(),
+            created: secret.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            kubeconfig: data(key),
             fragment: secret
                 .metadata
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(TENANT_CONFIG_ANNOTATION))
                 .cloned(),
+            etcd: [
+                data(TENANT_ETCD_KEYS.ca),
+                data(TENANT_ETCD_KEYS.cert),
+                data(TENANT_ETCD_KEYS.key),
+            ],
             namespace,
             name,
         };
@@ -106,6 +136,8 @@ enum Entry {
         health: Health,
         registry: Arc<Registry>,
     },
+    /// Its Secret is being read (kubeconfig, configuration, client) in a task of its own.
+    Starting,
     /// Its Secret cannot start a runtime; the reason names what to fix.
     Invalid(String),
     /// Owned here, waiting for the replicas to agree on who owns what (a hand-over).
@@ -118,6 +150,7 @@ impl Entry {
     fn state(&self) -> &'static str {
         match self {
             Entry::Running { .. } => "running",
+            Entry::Starting => "starting",
             Entry::Invalid(_) => "invalid",
             Entry::Waiting => "waiting",
             Entry::Elsewhere(_) => "elsewhere",
@@ -163,6 +196,7 @@ impl Directory {
                         format!("[-]tenant {key} failing: {}", failing.join("; "))
                     }
                 }
+                Entry::Starting => format!("[+]tenant {key} ok (starting)"),
                 Entry::Invalid(reason) => format!("[-]tenant {key} not started: {reason}"),
                 Entry::Waiting => format!("[+]tenant {key} ok (waiting for the hand-over)"),
                 Entry::Elsewhere(owner) => format!("[+]tenant {key} ok (run by replica {owner})"),
@@ -191,6 +225,9 @@ impl Directory {
     }
 }
 
+/// Every state of [`Entry`], for the `bootstrap_tenants` gauge.
+const STATES: [&str; 5] = ["running", "starting", "invalid", "waiting", "elsewhere"];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     state: &'static str,
@@ -217,8 +254,9 @@ impl TenantMetrics {
         let metrics = TenantMetrics::default();
         registry.register(
             "tenants",
-            "Tenant clusters known to this replica, by state (running here, invalid: its Secret \
-             cannot start it, waiting for a hand-over, elsewhere: run by another replica)",
+            "Tenant clusters known to this replica, by state (running here, starting: its Secret \
+             is being read, invalid: its Secret cannot start it, waiting for a hand-over, \
+             elsewhere: run by another replica)",
             metrics.tenants.clone(),
         );
         registry.register(
@@ -235,7 +273,8 @@ impl TenantMetrics {
         registry.register(
             "tenant_stops",
             "Tenant runtimes stopped on this replica, by reason (deleted, changed, moved: \
-             another replica owns it now, shutdown)",
+             another replica owns it now, refused: its etcd keys overlap an older tenant's, \
+             shutdown)",
             metrics.stops.clone(),
         );
         registry.register(
@@ -248,7 +287,7 @@ impl TenantMetrics {
             "1 while this replica cannot prove its replica Lease is current: it runs no tenant",
             metrics.fenced.clone(),
         );
-        for state in ["running", "invalid", "waiting", "elsewhere"] {
+        for state in STATES {
             metrics.tenants.get_or_create(&StateLabels { state }).set(0);
         }
         metrics
@@ -296,12 +335,17 @@ pub fn spawn(
     let manager = Manager {
         reporter,
         client,
-        settings,
+        settings: Arc::new(settings),
         health,
         metrics,
         directory,
         running: HashMap::new(),
+        loads: JoinSet::new(),
+        loading: HashMap::new(),
+        loaded: HashMap::new(),
         invalid: HashMap::new(),
+        claims: HashMap::new(),
+        conflicts: HashMap::new(),
         acked: None,
     };
     tokio::spawn(
@@ -311,18 +355,62 @@ pub fn spawn(
     )
 }
 
+/// What loading a tenant's Secret gives: everything its runtime is built from.
+struct Loaded {
+    config: Config,
+    kube_config: kube::Config,
+    client: kube::Client,
+}
+
+/// What a load task ends with: the tenant, the Secret version it read, and the outcome.
+type LoadOutcome = (String, Spec, Result<Loaded, String>);
+
+/// A load under way.
+struct Loading {
+    spec: Spec,
+    id: tokio::task::Id,
+    abort: AbortHandle,
+}
+
+/// The etcd keys a tenant writes: its servers and prefix. Two tenants on one server must not
+/// have prefixes one of which contains the other (equal included): one would rewrite the
+/// other's bitmaps, or write into its resources' key space.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct EtcdClaim {
+    servers: Vec<String>,
+    prefix: String,
+}
+
+impl EtcdClaim {
+    fn overlaps(&self, other: &EtcdClaim) -> bool {
+        let within = |a: &str, b: &str| a == b || b.starts_with(&format!("{a}/"));
+        self.servers.iter().any(|s| other.servers.contains(s))
+            && (within(&self.prefix, &other.prefix) || within(&other.prefix, &self.prefix))
+    }
+}
+
 struct Manager {
     client: kube::Client,
     /// A fresh Recorder per event: kube's Recorder folds events with the same reason about the
     /// same object into one series that keeps the first note, which would hide a new reason.
     reporter: Reporter,
-    settings: TenantSettings,
+    settings: Arc<TenantSettings>,
     health: Health,
     metrics: TenantMetrics,
     directory: Directory,
     running: HashMap<String, Running>,
+    /// Secrets being loaded, each in a task of its own (never awaited by the manager).
+    loads: JoinSet<LoadOutcome>,
+    loading: HashMap<String, Loading>,
+    /// Loads finished, waiting for the next sync to start their runtime.
+    loaded: HashMap<String, (Spec, Result<Loaded, String>)>,
     /// Secrets that could not start a runtime, with why; reported once per version.
     invalid: HashMap<String, (Spec, String)>,
+    /// Each Secret's etcd keys, read from its fragment once per version.
+    claims: HashMap<String, (Spec, Option<EtcdClaim>)>,
+    /// Tenants refused because their etcd keys overlap an older tenant's, reported once per
+    /// version and reason.
+    conflicts: HashMap<String, (Spec, String)>,
     /// The last view acknowledged.
     acked: Option<u64>,
 }
@@ -396,45 +484,96 @@ impl Manager {
                         views_open = false;
                     }
                 }
+                Some(done) = self.loads.join_next_with_id(), if !self.loads.is_empty() => {
+                    self.finished(done);
+                }
             }
             if let Some(secrets) = &secrets {
                 let view = views.borrow().clone();
                 self.sync(secrets, &view, ack.as_ref()).await;
             }
         }
+        self.loads.abort_all();
         let all: Vec<String> = self.running.keys().cloned().collect();
         self.stop(all, "shutdown").await;
         self.directory.replace(BTreeMap::new());
     }
 
-    /// Makes the running tenants those this replica owns: stops the ones deleted, changed or
-    /// owned elsewhere now, acknowledges the view, then (once the view is settled) starts the
-    /// ones it owns that are not running.
+    /// A load ended: keep its result for the next sync, if it is still the load wanted.
+    fn finished(&mut self, done: Result<(tokio::task::Id, LoadOutcome), tokio::task::JoinError>) {
+        match done {
+            Ok((id, (key, spec, result))) => {
+                if self.loading.get(&key).is_some_and(|l| l.id == id) {
+                    self.loading.remove(&key);
+                    self.loaded.insert(key, (spec, result));
+                }
+            }
+            // Aborted: nothing was wanted of it any more. Panicked: the Secret is reported.
+            Err(err) => {
+                let id = err.id();
+                let Some(key) = self
+                    .loading
+                    .iter()
+                    .find(|(_, l)| l.id == id)
+                    .map(|(key, _)| key.clone())
+                else {
+                    return;
+                };
+                if let Some(loading) = self.loading.remove(&key) {
+                    warn!(tenant = %key, error = %err, "loading a tenant failed abnormally");
+                    self.loaded.insert(
+                        key,
+                        (loading.spec, Err("loading it failed abnormally".to_owned())),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Makes the running tenants those this replica owns: stops the ones deleted, changed,
+    /// owned elsewhere now or refused for their etcd keys, acknowledges the view, then (once the
+    /// view is settled) starts the ones it owns that are not running, loading each first.
     async fn sync(
         &mut self,
         secrets: &BTreeMap<String, Spec>,
         view: &View,
         ack: &(dyn Fn(u64) + Send + Sync),
     ) {
+        let conflicts = self.etcd_conflicts(secrets);
         let mut deleted = Vec::new();
         let mut changed = Vec::new();
         let mut moved = Vec::new();
+        let mut refused = Vec::new();
         for (key, running) in &self.running {
             match secrets.get(key) {
                 None => deleted.push(key.clone()),
                 Some(spec) if *spec != running.spec => changed.push(key.clone()),
                 Some(_) if !view.owns(key) => moved.push(key.clone()),
+                Some(_) if conflicts.contains_key(key) => refused.push(key.clone()),
                 Some(_) => {}
             }
         }
         self.stop(deleted, "deleted").await;
         self.stop(changed, "changed").await;
         self.stop(moved, "moved").await;
+        self.stop(refused, "refused").await;
         if self.acked != Some(view.id) {
             ack(view.id);
             self.acked = Some(view.id);
         }
+        // Loads of what is no longer wanted here end now; they never touched the tenant.
+        let wanted = |key: &str, spec: &Spec| secrets.get(key) == Some(spec) && view.owns(key);
+        self.loading.retain(|key, loading| {
+            let keep = wanted(key, &loading.spec);
+            if !keep {
+                loading.abort.abort();
+            }
+            keep
+        });
+        self.loaded.retain(|key, (spec, _)| wanted(key, spec));
         self.invalid
+            .retain(|key, (spec, _)| secrets.get(key) == Some(spec));
+        self.conflicts
             .retain(|key, (spec, _)| secrets.get(key) == Some(spec));
 
         let mut entries = BTreeMap::new();
@@ -458,12 +597,22 @@ impl Manager {
                 entries.insert(key.clone(), Entry::Invalid(reason.clone()));
                 continue;
             }
+            if let Some(reason) = conflicts.get(key) {
+                if self.conflicts.get(key) != Some(&(spec.clone(), reason.clone())) {
+                    self.refuse(key, spec, reason);
+                    self.conflicts
+                        .insert(key.clone(), (spec.clone(), reason.clone()));
+                }
+                entries.insert(key.clone(), Entry::Invalid(reason.clone()));
+                continue;
+            }
             if !view.settled {
                 entries.insert(key.clone(), Entry::Waiting);
                 continue;
             }
-            match self.start(key, spec).await {
-                Ok(running) => {
+            match self.loaded.remove(key) {
+                Some((_, Ok(loaded))) => {
+                    let running = self.start(key, spec, loaded);
                     entries.insert(
                         key.clone(),
                         Entry::Running {
@@ -473,12 +622,16 @@ impl Manager {
                     );
                     self.running.insert(key.clone(), running);
                 }
-                Err(reason) => {
-                    warn!(tenant = %key, "{reason}");
-                    self.metrics.config_errors.inc();
-                    self.report_invalid(spec, &reason).await;
+                Some((_, Err(reason))) => {
+                    self.refuse(key, spec, &reason);
                     entries.insert(key.clone(), Entry::Invalid(reason.clone()));
                     self.invalid.insert(key.clone(), (spec.clone(), reason));
+                }
+                None => {
+                    if !self.loading.contains_key(key) {
+                        self.load(key, spec);
+                    }
+                    entries.insert(key.clone(), Entry::Starting);
                 }
             }
         }
@@ -490,7 +643,7 @@ impl Manager {
         for entry in entries.values() {
             *counts.entry(entry.state()).or_default() += 1;
         }
-        for state in ["running", "invalid", "waiting", "elsewhere"] {
+        for state in STATES {
             self.metrics
                 .tenants
                 .get_or_create(&StateLabels { state })
@@ -499,26 +652,119 @@ impl Manager {
         self.directory.replace(entries);
     }
 
-    /// Builds and starts one tenant's runtime. Nothing here reaches the tenant's API, so a
-    /// tenant that is down costs no time here; its loops retry on their own.
-    async fn start(&self, key: &str, spec: &Spec) -> Result<Running, String> {
-        let config = self
-            .settings
-            .base
-            .tenant(spec.fragment.as_deref())
-            .map_err(|errors| format!("configuration: {errors}"))?;
-        let source = format!("Secret {key} key {:?}", self.settings.kubeconfig_key);
-        let bytes = spec.kubeconfig.as_ref().ok_or_else(|| {
-            format!(
-                "{source} is missing (the kubeconfig must be under that data key; set \
-                 --tenants-kubeconfig-key for another)"
-            )
-        })?;
-        let text = std::str::from_utf8(bytes)
-            .map_err(|_| format!("{source} is not text (a kubeconfig is YAML)"))?;
-        let kube_config = crate::kubeconfig::from_text(text, &source).await?;
-        let client = kube::Client::try_from(kube_config.clone())
-            .map_err(|err| format!("{source}: cannot build a client: {err}"))?;
+    /// Tenants whose etcd keys overlap an older tenant's (by the Secrets' creation, then name),
+    /// with why. Decided from every Secret, so every replica decides alike.
+    fn etcd_conflicts(&mut self, secrets: &BTreeMap<String, Spec>) -> HashMap<String, String> {
+        self.claims
+            .retain(|key, (spec, _)| secrets.get(key) == Some(spec));
+        let mut claimed: Vec<(&String, &Spec, EtcdClaim)> = Vec::new();
+        for (key, spec) in secrets {
+            let claim = match self.claims.get(key) {
+                Some((_, claim)) => claim.clone(),
+                None => {
+                    let claim = spec
+                        .fragment
+                        .as_deref()
+                        .and_then(crate::config::fragment_etcd)
+                        .map(|(servers, prefix)| EtcdClaim { servers, prefix });
+                    self.claims
+                        .insert(key.clone(), (spec.clone(), claim.clone()));
+                    claim
+                }
+            };
+            if let Some(claim) = claim {
+                claimed.push((key, spec, claim));
+            }
+        }
+        claimed.sort_by(|a, b| (a.1.created, a.0).cmp(&(b.1.created, b.0)));
+        let mut conflicts = HashMap::new();
+        let mut kept: Vec<(&String, &EtcdClaim)> = Vec::new();
+        for (key, _, claim) in &claimed {
+            match kept.iter().find(|(_, other)| claim.overlaps(other)) {
+                Some((owner, other)) => {
+                    conflicts.insert(
+                        (*key).clone(),
+                        format!(
+                            "{TENANT_CONFIG_ANNOTATION}: etcdPrefix {:?} overlaps {:?} of the \
+                             older tenant {owner} on the same etcd server: two tenants' keys \
+                             must not contain each other (give each tenant its own prefix)",
+                            claim.prefix, other.prefix
+                        ),
+                    );
+                }
+                None => kept.push((key, claim)),
+            }
+        }
+        conflicts
+    }
+
+    /// Starts loading a tenant's Secret in a task of its own, bounded by [`LOAD_TIMEOUT`].
+    fn load(&mut self, key: &str, spec: &Spec) {
+        let settings = self.settings.clone();
+        let (task_key, task_spec) = (key.to_owned(), spec.clone());
+        let abort = self.loads.spawn(
+            async move {
+                let result = match tokio::time::timeout(
+                    LOAD_TIMEOUT,
+                    load(&settings, &task_key, &task_spec),
+                )
+                .await
+                {
+                    Ok(result) => result,
+                    Err(_) => Err(format!(
+                        "loading its kubeconfig and configuration took more than {} s (a \
+                         credential plugin that does not answer?)",
+                        LOAD_TIMEOUT.as_secs()
+                    )),
+                };
+                (task_key, task_spec, result)
+            }
+            .instrument(info_span!("tenant", tenant = %key)),
+        );
+        self.loading.insert(
+            key.to_owned(),
+            Loading {
+                spec: spec.clone(),
+                id: abort.id(),
+                abort,
+            },
+        );
+    }
+
+    /// A Secret that cannot start its tenant: a log line, the counter, and a Warning event on
+    /// the Secret (published in a task of its own: the management API's latency is not the
+    /// manager's).
+    fn refuse(&self, key: &str, spec: &Spec, reason: &str) {
+        warn!(tenant = %key, "{reason}");
+        self.metrics.config_errors.inc();
+        let mut secret = Secret::default();
+        secret.metadata.namespace = Some(spec.namespace.clone());
+        secret.metadata.name = Some(spec.name.clone());
+        secret.metadata.uid = Some(spec.uid.clone()).filter(|uid| !uid.is_empty());
+        let reference = secret.object_ref(&());
+        let event = Event {
+            type_: EventType::Warning,
+            reason: "TenantConfigInvalid".to_owned(),
+            note: Some(truncate(reason, 1000)),
+            action: "StartTenant".to_owned(),
+            secondary: None,
+        };
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        tokio::spawn(async move {
+            if let Err(err) = recorder.publish(&event, &reference).await {
+                debug!(error = %err, "cannot publish the TenantConfigInvalid event");
+            }
+        });
+    }
+
+    /// Starts one tenant's runtime from what its load gave. Nothing here reaches the tenant's
+    /// API, so a tenant that is down costs no time here; its loops retry on their own.
+    fn start(&self, key: &str, spec: &Spec, loaded: Loaded) -> Running {
+        let Loaded {
+            config,
+            kube_config,
+            client,
+        } = loaded;
         let mut registry = Registry::with_prefix_and_labels(
             METRICS_PREFIX,
             [(
@@ -545,14 +791,14 @@ impl Manager {
         );
         info!(tenant = %key, server = %kube_config.cluster_url, "tenant started");
         self.metrics.starts.inc();
-        Ok(Running {
+        Running {
             spec: spec.clone(),
             leading,
             cancel,
             task,
             health,
             registry: Arc::new(registry),
-        })
+        }
     }
 
     /// Stops tenants and waits until each runtime has ended: running passes are abandoned (their
@@ -583,26 +829,90 @@ impl Manager {
             .inc_by(u64::try_from(count).unwrap_or(u64::MAX));
         info!(tenants = ?keys, reason, took = ?started.elapsed(), "tenants stopped");
     }
+}
 
-    /// A Warning event on the Secret, once per version of it (the caller remembers it).
-    async fn report_invalid(&self, spec: &Spec, reason: &str) {
-        let mut secret = Secret::default();
-        secret.metadata.namespace = Some(spec.namespace.clone());
-        secret.metadata.name = Some(spec.name.clone());
-        secret.metadata.uid = Some(spec.uid.clone()).filter(|uid| !uid.is_empty());
-        let reference = secret.object_ref(&());
-        let event = Event {
-            type_: EventType::Warning,
-            reason: "TenantConfigInvalid".to_owned(),
-            note: Some(truncate(reason, 1000)),
-            action: "StartTenant".to_owned(),
-            secondary: None,
-        };
-        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
-        if let Err(err) = recorder.publish(&event, &reference).await {
-            debug!(error = %err, "cannot publish the TenantConfigInvalid event");
+/// Reads a tenant's Secret into what its runtime is built from: the configuration (fragment
+/// over the file), the kubeconfig under the credential policy, the etcd credentials, and the
+/// client (whose construction runs an allowed credential plugin, hence off the async threads).
+async fn load(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Loaded, String> {
+    let mut config = settings
+        .base
+        .tenant(spec.fragment.as_deref())
+        .map_err(|errors| format!("configuration: {errors}"))?;
+    let source = format!("Secret {key} key {:?}", settings.kubeconfig_key);
+    let bytes = spec.kubeconfig.as_ref().ok_or_else(|| {
+        format!(
+            "{source} is missing (the kubeconfig must be under that data key; set \
+             --tenants-kubeconfig-key for another)"
+        )
+    })?;
+    let kube_config = tenant_kubeconfig::read(bytes, &source, &settings.credentials)
+        .await
+        .map_err(|err| err.to_string())?;
+    config.etcd_inline_tls = etcd_tls(key, spec, &config)?;
+    let client = {
+        let kube_config = kube_config.clone();
+        tokio::task::spawn_blocking(move || kube::Client::try_from(kube_config))
+            .await
+            .map_err(|err| format!("{source}: cannot build a client: {err}"))?
+            .map_err(|err| format!("{source}: cannot build a client: {err}"))?
+    };
+    Ok(Loaded {
+        config,
+        kube_config,
+        client,
+    })
+}
+
+/// The tenant's etcd client certificate from its Secret's data keys, checked against its
+/// `etcdServers`: credentials go to TLS servers only, a certificate comes with its key, and
+/// credentials without servers are a mistake worth saying.
+fn etcd_tls(key: &str, spec: &Spec, config: &Config) -> Result<Option<InlineTls>, String> {
+    let [ca, cert, client_key] = spec.etcd.clone();
+    let names = [
+        TENANT_ETCD_KEYS.ca,
+        TENANT_ETCD_KEYS.cert,
+        TENANT_ETCD_KEYS.key,
+    ];
+    let given: Vec<&str> = spec
+        .etcd
+        .iter()
+        .zip(names)
+        .filter_map(|(data, name)| data.as_ref().map(|_| name))
+        .collect();
+    if config.etcd_servers.is_empty() {
+        if given.is_empty() {
+            return Ok(None);
         }
+        return Err(format!(
+            "Secret {key} has etcd credentials ({}) but its {TENANT_CONFIG_ANNOTATION} \
+             annotation sets no etcdServers: set etcdServers (and etcdPrefix), or remove them",
+            given.join(", ")
+        ));
     }
+    if cert.is_some() != client_key.is_some() {
+        return Err(format!(
+            "Secret {key}: {} and {} go together (a client certificate and its key)",
+            TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
+        ));
+    }
+    if !given.is_empty()
+        && let Some(plain) = config
+            .etcd_servers
+            .iter()
+            .find(|server| !server.starts_with("https://"))
+    {
+        return Err(format!(
+            "{TENANT_CONFIG_ANNOTATION}: etcdServers {plain:?} is not https://: the Secret's \
+             etcd credentials are sent over TLS only"
+        ));
+    }
+    Ok(Some(InlineTls {
+        ca,
+        cert,
+        key: client_key,
+        origin: "the tenant Secret's etcd-ca.crt, etcd-client.crt, etcd-client.key",
+    }))
 }
 
 /// Event notes are limited to 1 KiB by the API.
@@ -615,4 +925,42 @@ fn truncate(text: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}...", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(servers: &[&str], prefix: &str) -> EtcdClaim {
+        EtcdClaim {
+            servers: servers.iter().map(|s| (*s).to_owned()).collect(),
+            prefix: prefix.to_owned(),
+        }
+    }
+
+    #[test]
+    fn etcd_claims_overlap_on_a_shared_server_when_one_prefix_contains_the_other() {
+        let a = claim(&["https://192.0.2.1:2379"], "/tenants/a");
+        for (other, overlaps) in [
+            (claim(&["https://192.0.2.1:2379"], "/tenants/a"), true),
+            (claim(&["https://192.0.2.1:2379"], "/tenants"), true),
+            (
+                claim(&["https://192.0.2.1:2379"], "/tenants/a/services"),
+                true,
+            ),
+            (
+                claim(
+                    &["https://192.0.2.2:2379", "https://192.0.2.1:2379"],
+                    "/tenants/a",
+                ),
+                true,
+            ),
+            (claim(&["https://192.0.2.1:2379"], "/tenants/ab"), false),
+            (claim(&["https://192.0.2.1:2379"], "/tenants/b"), false),
+            (claim(&["https://192.0.2.2:2379"], "/tenants/a"), false),
+        ] {
+            assert_eq!(a.overlaps(&other), overlaps, "{other:?}");
+            assert_eq!(other.overlaps(&a), overlaps, "{other:?}");
+        }
+    }
 }

@@ -24,7 +24,8 @@ struct Args {
     /// NodePort range, `A-B`.
     #[arg(long, default_value = "30000-32767")]
     service_node_port_range: String,
-    /// Serve plain HTTP instead of HTTPS.
+    /// Serve plain HTTP instead of HTTPS. With --tenants it applies to the management cluster
+    /// only: tenant clusters always serve HTTPS, the only scheme a tenant kubeconfig may use.
     #[arg(long)]
     plain_http: bool,
     /// Do not allocate ClusterIPs / node ports / IPAddresses.
@@ -184,6 +185,7 @@ async fn main() -> anyhow::Result<()> {
         }
         let tenant = SimConfig {
             listen: SocketAddr::new(args.listen.ip(), 0),
+            plain_http: false,
             kubeconfig_path: None,
             seed_namespaces: Vec::new(),
             ..config.clone()

@@ -1,0 +1,577 @@
+//! End to end: tenant Secrets are untrusted input. The real binary runs in management mode
+//! against a simulated management cluster where Secrets carry hostile kubeconfigs and fragments:
+//! each is refused by its field, without a file read, a program run or a connection made, and
+//! the healthy tenants are not affected. Allowed credential plugins run bounded, and what they
+//! print stays out of every message.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use apiserver_sim::{Fleet, FleetConfig, TENANT_LABEL, kubeconfig_secret};
+use common::{CONVERGE, ControllerProcess, eventually};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::events::v1::Event;
+use kube::Api;
+use kube::api::{DeleteParams, PostParams};
+use serde_json::{Value, json};
+
+const NAMESPACE: &str = "tenants";
+
+fn management_args(extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--tenants-secret-selector",
+        &format!("{TENANT_LABEL}=true"),
+        "--tenants-namespace",
+        NAMESPACE,
+        "--service-cluster-ip-range",
+        "10.96.0.0/12",
+        "--leader-elect=false",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    args.extend(extra.iter().map(|s| (*s).to_owned()));
+    args
+}
+
+fn start_controller(fleet: &Fleet, extra: &[&str]) -> Result<ControllerProcess> {
+    let args = management_args(extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    ControllerProcess::start(fleet.management().kubeconfig_path(), &args)
+}
+
+async fn fleet(tenants: usize) -> Result<Fleet> {
+    Ok(Fleet::start(FleetConfig {
+        tenants,
+        ..FleetConfig::default()
+    })
+    .await?)
+}
+
+/// A kubeconfig with one cluster and one user, `cluster` and `user` being their YAML bodies
+/// (indented by four spaces).
+fn kubeconfig(cluster: &str, user: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\ncurrent-context: t\ncontexts:\n- name: t\n  context: \
+         {{cluster: c, user: u}}\nclusters:\n- name: c\n  cluster:\n{cluster}users:\n- name: u\n  \
+         user:\n{user}"
+    )
+}
+
+/// Tenant `i`'s cluster section with its CA inline, as its own kubeconfig has it.
+fn tenant_cluster(fleet: &Fleet, i: usize) -> Result<String> {
+    let tenant = fleet.tenant(i).context("tenant")?;
+    let ca = tenant.ca_pem().context("the fleet serves https")?;
+    use base64::Engine;
+    Ok(format!(
+        "    server: {}\n    certificate-authority-data: {}\n",
+        tenant.base_url(),
+        base64::engine::general_purpose::STANDARD.encode(ca)
+    ))
+}
+
+/// Creates a tenant Secret named `<name>-kubeconfig` through the API, as a user would.
+async fn create_secret(
+    secrets: &Api<Secret>,
+    name: &str,
+    kubeconfig: &str,
+    fragment: Option<&str>,
+    extra_data: &[(&str, &[u8])],
+) -> Result<()> {
+    let mut secret: Value = kubeconfig_secret(NAMESPACE, name, kubeconfig);
+    if let Some(fragment) = fragment {
+        secret["metadata"]["annotations"] = json!({"bootstrap-controller.io/config": fragment});
+    }
+    use base64::Engine;
+    for (key, bytes) in extra_data {
+        secret["data"][*key] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+    }
+    secrets
+        .create(&PostParams::default(), &serde_json::from_value(secret)?)
+        .await?;
+    Ok(())
+}
+
+/// The notes of the `TenantConfigInvalid` events, by Secret name.
+async fn refusals(events: &Api<Event>) -> Result<BTreeMap<String, String>> {
+    Ok(events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("TenantConfigInvalid"))
+        .filter_map(|e| Some((e.regarding?.name?, e.note.unwrap_or_default())))
+        .collect())
+}
+
+/// A TCP listener that counts the connections made to it and keeps what they sent.
+struct Listener {
+    port: u16,
+    accepted: Arc<AtomicUsize>,
+    received: Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl Listener {
+    async fn start() -> Result<Self> {
+        let socket = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = socket.local_addr()?.port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let received = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (count, bytes) = (accepted.clone(), received.clone());
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = socket.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let bytes = bytes.clone();
+                tokio::spawn(async move {
+                    use tokio::io::AsyncReadExt;
+                    let mut buffer = [0u8; 4096];
+                    while let Ok(n) = stream.read(&mut buffer).await {
+                        if n == 0 {
+                            break;
+                        }
+                        if let Ok(mut all) = bytes.lock() {
+                            all.extend_from_slice(&buffer[..n]);
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Listener {
+            port,
+            accepted,
+            received,
+        })
+    }
+}
+
+fn write_script(dir: &Path, name: &str, body: &str) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n"))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+    Ok(path)
+}
+
+/// Whether the simulated tenant holds its bootstrap state (read through its backdoor).
+fn converged(fleet: &Fleet, i: usize) -> bool {
+    fleet.tenant(i).is_some_and(|tenant| {
+        matches!(
+            tenant.backdoor().get("services", "default", "kubernetes"),
+            Ok(Some(_))
+        )
+    })
+}
+
+async fn wait_converged(fleet: &Fleet, i: usize) -> Result<()> {
+    eventually(&format!("tenant {i} converged"), CONVERGE, || async {
+        Ok(converged(fleet, i).then_some(()))
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_kubeconfigs_and_fragments_are_refused_by_field_and_never_acted_on() -> Result<()> {
+    let fleet = fleet(2).await?;
+    let management = fleet.management().client();
+    let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
+    let events: Api<Event> = Api::namespaced(management.clone(), NAMESPACE);
+    let dir = tempfile::tempdir()?;
+    let listener = Listener::start().await?;
+    // A credential of the controller's own, as its service-account token would be.
+    let token = "controller-own-token-5b8e1c";
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, token)?;
+    let marker = dir.path().join("ran");
+    // Opening a FIFO for reading blocks until a writer comes: a refusal that opened it would
+    // hang the tenant's load instead of answering.
+    let fifo = dir.path().join("fifo");
+    ensure!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()?
+            .success(),
+        "mkfifo"
+    );
+    let listen_http = format!("    server: http://127.0.0.1:{}\n", listener.port);
+    let listen_https = format!("    server: https://127.0.0.1:{}\n", listener.port);
+    let healthy = tenant_cluster(&fleet, 1)?;
+    let marker_text = marker.display().to_string();
+    let token_path = token_file.display().to_string();
+    let fifo_path = fifo.display().to_string();
+    let cases: Vec<(&str, String, Option<String>, &str)> = vec![
+        (
+            "token-file",
+            kubeconfig(&listen_http, &format!("    tokenFile: {token_path}\n")),
+            None,
+            "users[u].user.tokenFile",
+        ),
+        (
+            "token-file-tls",
+            kubeconfig(&listen_https, &format!("    tokenFile: {token_path}\n")),
+            None,
+            "users[u].user.tokenFile",
+        ),
+        (
+            "plain-http",
+            kubeconfig(&listen_http, "    token: abc\n"),
+            None,
+            "clusters[c].cluster.server",
+        ),
+        (
+            "exec",
+            kubeconfig(
+                &listen_https,
+                &format!(
+                    "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      \
+                     command: /bin/sh\n      args: [-c, \"touch {marker_text}\"]\n"
+                ),
+            ),
+            None,
+            "users[u].user.exec.command",
+        ),
+        (
+            "auth-provider",
+            kubeconfig(
+                &listen_https,
+                &format!(
+                    "    auth-provider:\n      name: gcp\n      config:\n        cmd-path: \
+                     /bin/sh\n        cmd-args: \"-c 'touch {marker_text}'\"\n"
+                ),
+            ),
+            None,
+            "users[u].user.auth-provider",
+        ),
+        (
+            "ca-file",
+            kubeconfig(
+                &format!("{listen_https}    certificate-authority: /dev/zero\n"),
+                "    token: abc\n",
+            ),
+            None,
+            "clusters[c].cluster.certificate-authority",
+        ),
+        (
+            "client-key-file",
+            kubeconfig(
+                &listen_https,
+                &format!("    client-certificate: {fifo_path}\n    client-key: {fifo_path}\n"),
+            ),
+            None,
+            "users[u].user.client-certificate",
+        ),
+        (
+            "skip-tls",
+            kubeconfig(
+                &format!("{listen_https}    insecure-skip-tls-verify: true\n"),
+                "    token: abc\n",
+            ),
+            None,
+            "clusters[c].cluster.insecure-skip-tls-verify",
+        ),
+        (
+            "fragment-file",
+            kubeconfig(&healthy, "    token: abc\n"),
+            Some(format!(
+                "etcdServers: https://127.0.0.1:{}\netcdCAFile: {fifo_path}\n",
+                listener.port
+            )),
+            "bootstrap-controller.io/config: etcdCAFile",
+        ),
+        (
+            "fragment-spin",
+            kubeconfig(&healthy, "    token: abc\n"),
+            Some("loops:\n  systemNamespaces:\n    interval: 1ms\n".to_owned()),
+            "bootstrap-controller.io/config: loops.systemNamespaces.interval",
+        ),
+    ];
+    for (name, kubeconfig, fragment, _) in &cases {
+        create_secret(&secrets, name, kubeconfig, fragment.as_deref(), &[]).await?;
+    }
+
+    let mut controller = start_controller(&fleet, &[])?;
+    controller.wait_ready().await?;
+    // The tenants of the fleet's own Secrets are not affected.
+    wait_converged(&fleet, 0).await?;
+    wait_converged(&fleet, 1).await?;
+    let found = eventually("every hostile Secret refused", CONVERGE, || async {
+        let found = refusals(&events).await?;
+        Ok((found.len() >= cases.len()).then_some(found))
+    })
+    .await?;
+    for (name, _, _, field) in &cases {
+        let secret = format!("{name}-kubeconfig");
+        let note = found
+            .get(&secret)
+            .with_context(|| format!("no TenantConfigInvalid event for {secret}: {found:?}"))?;
+        ensure!(
+            note.contains(field),
+            "{secret}: {note:?} does not name {field}"
+        );
+        ensure!(!note.contains(token), "{secret}: the note quotes the token");
+    }
+    let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+    for (name, _, _, field) in &cases {
+        let line = format!("[-]tenant {NAMESPACE}/{name}-kubeconfig not started: ");
+        ensure!(
+            readyz
+                .lines()
+                .any(|l| l.starts_with(&line) && l.contains(field)),
+            "{line}...{field} missing in\n{readyz}"
+        );
+    }
+    ensure!(!readyz.contains(token), "/readyz quotes the token");
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    let expected = format!("bootstrap_tenant_config_errors_total {}", cases.len());
+    ensure!(
+        metrics.contains(&expected),
+        "{expected} missing in\n{metrics}"
+    );
+    ensure!(
+        metrics.contains("bootstrap_tenants{state=\"running\"} 2"),
+        "{metrics}"
+    );
+
+    // Nothing reached the listener (no token sent, no TLS handshake, no etcd connection),
+    // nothing ran, the controller's own log holds no token either.
+    ensure!(
+        listener.accepted.load(Ordering::SeqCst) == 0,
+        "the controller connected to the listener: {:?}",
+        String::from_utf8_lossy(
+            &listener
+                .received
+                .lock()
+                .map(|b| b.clone())
+                .unwrap_or_default()
+        )
+    );
+    ensure!(!marker.exists(), "a program ran inside the controller");
+    ensure!(
+        !controller.log().contains(token),
+        "the log quotes the token"
+    );
+    // Refused Secrets are reported once per version, not on every event.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    ensure!(metrics.contains(&expected), "reported again:\n{metrics}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowed_credential_plugins_run_bounded_and_their_output_stays_private() -> Result<()> {
+    let fleet = fleet(4).await?;
+    let management = fleet.management().client();
+    let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
+    let events: Api<Event> = Api::namespaced(management.clone(), NAMESPACE);
+    // The fleet's own Secrets are replaced by the test's.
+    for i in 0..4 {
+        secrets
+            .delete(&Fleet::secret_name(i), &DeleteParams::default())
+            .await?;
+    }
+    let dir = tempfile::tempdir()?;
+    let credential = r#"{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential","status":{"token":"from-the-plugin"}}"#;
+    let good = write_script(dir.path(), "good-plugin", &format!("echo '{credential}'"))?;
+    let pid_file = dir.path().join("hung.pid");
+    let hung = write_script(
+        dir.path(),
+        "hung-plugin",
+        &format!("echo $$ > {}\nexec sleep 600", pid_file.display()),
+    )?;
+    let leaky = write_script(
+        dir.path(),
+        "leaky-plugin",
+        "echo LEAKED-SECRET-1f3a; echo LEAKED-SECRET-1f3a >&2; exit 1",
+    )?;
+    let allowed = [&good, &hung, &leaky]
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let exec = |command: &str| {
+        format!(
+            "    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: \
+             {command}\n"
+        )
+    };
+    let mut controller =
+        start_controller(&fleet, &["--tenants-credential-plugins", allowed.as_str()])?;
+    controller.wait_ready().await?;
+
+    // A plugin that never answers: its tenant waits, the manager does not.
+    create_secret(
+        &secrets,
+        "hung",
+        &kubeconfig(&tenant_cluster(&fleet, 1)?, &exec("hung-plugin")),
+        None,
+        &[],
+    )
+    .await?;
+    eventually("the hung plugin started", CONVERGE, || async {
+        Ok(pid_file.exists().then_some(()))
+    })
+    .await?;
+    // Named by file name: the allowed path runs and its credential authenticates the tenant.
+    create_secret(
+        &secrets,
+        "good",
+        &kubeconfig(&tenant_cluster(&fleet, 0)?, &exec("good-plugin")),
+        None,
+        &[],
+    )
+    .await?;
+    create_secret(
+        &secrets,
+        "token",
+        &kubeconfig(&tenant_cluster(&fleet, 2)?, "    token: abc\n"),
+        None,
+        &[],
+    )
+    .await?;
+    create_secret(
+        &secrets,
+        "leaky",
+        &kubeconfig(
+            &tenant_cluster(&fleet, 3)?,
+            &exec(&leaky.display().to_string()),
+        ),
+        None,
+        &[],
+    )
+    .await?;
+    wait_converged(&fleet, 0).await?;
+    wait_converged(&fleet, 2).await?;
+    let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+    ensure!(
+        readyz.contains(&format!(
+            "[+]tenant {NAMESPACE}/hung-kubeconfig ok (starting)"
+        )),
+        "{readyz}"
+    );
+    let agent = fleet.tenant(0).context("tenant")?.requests();
+    ensure!(
+        agent
+            .iter()
+            .any(|r| r.user_agent.starts_with("bootstrap-controller/")),
+        "the plugin's tenant was not reached"
+    );
+
+    let found = eventually("the leaky plugin's refusal", CONVERGE, || async {
+        let found = refusals(&events).await?;
+        Ok(found.contains_key("leaky-kubeconfig").then_some(found))
+    })
+    .await?;
+    let note = &found["leaky-kubeconfig"];
+    ensure!(note.contains("leaky-plugin"), "{note}");
+    ensure!(
+        !note.contains("LEAKED-SECRET"),
+        "the event quotes the plugin: {note}"
+    );
+
+    // The hung plugin is killed at its deadline, and its tenant is reported.
+    let pid: u32 = std::fs::read_to_string(&pid_file)?.trim().parse()?;
+    let found = eventually(
+        "the hung plugin's refusal",
+        Duration::from_secs(90),
+        || async {
+            let found = refusals(&events).await?;
+            Ok(found.contains_key("hung-kubeconfig").then_some(found))
+        },
+    )
+    .await?;
+    ensure!(
+        found["hung-kubeconfig"].contains("did not finish within 30 s"),
+        "{}",
+        found["hung-kubeconfig"]
+    );
+    ensure!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "the hung plugin (pid {pid}) still runs"
+    );
+    let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+    ensure!(!readyz.contains("LEAKED-SECRET"), "{readyz}");
+    ensure!(
+        !controller.log().contains("LEAKED-SECRET"),
+        "the log quotes the plugin"
+    );
+    ensure!(converged(&fleet, 0) && converged(&fleet, 2));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Result<()> {
+    let fleet = fleet(3).await?;
+    let management = fleet.management().client();
+    let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
+    let events: Api<Event> = Api::namespaced(management.clone(), NAMESPACE);
+    for i in 0..3 {
+        secrets
+            .delete(&Fleet::secret_name(i), &DeleteParams::default())
+            .await?;
+    }
+    // Nothing listens there: only the claims matter here, not the repairs.
+    let etcd = "https://127.0.0.1:9";
+    let mut controller = start_controller(&fleet, &[])?;
+    controller.wait_ready().await?;
+    // "zz-old" is older; "aa-young" sorts first by name but came later.
+    create_secret(
+        &secrets,
+        "zz-old",
+        &kubeconfig(&tenant_cluster(&fleet, 0)?, "    token: abc\n"),
+        Some(&format!("etcdServers: {etcd}\netcdPrefix: /tenants/a\n")),
+        &[],
+    )
+    .await?;
+    wait_converged(&fleet, 0).await?;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    create_secret(
+        &secrets,
+        "aa-young",
+        &kubeconfig(&tenant_cluster(&fleet, 1)?, "    token: abc\n"),
+        Some(&format!(
+            "etcdServers: [{etcd}/]\netcdPrefix: /tenants/a/b\n"
+        )),
+        &[],
+    )
+    .await?;
+    // Credentials go to TLS servers only.
+    create_secret(
+        &secrets,
+        "plain-etcd",
+        &kubeconfig(&tenant_cluster(&fleet, 2)?, "    token: abc\n"),
+        Some("etcdServers: http://127.0.0.1:9\netcdPrefix: /tenants/c\n"),
+        &[("etcd-client.crt", b"x"), ("etcd-client.key", b"y")],
+    )
+    .await?;
+    let found = eventually("both refused", CONVERGE, || async {
+        let found = refusals(&events).await?;
+        Ok((found.contains_key("aa-young-kubeconfig")
+            && found.contains_key("plain-etcd-kubeconfig"))
+        .then_some(found))
+    })
+    .await?;
+    let young = &found["aa-young-kubeconfig"];
+    ensure!(
+        young.contains("etcdPrefix") && young.contains("tenants/zz-old-kubeconfig"),
+        "{young}"
+    );
+    ensure!(
+        found["plain-etcd-kubeconfig"].contains("etcdServers"),
+        "{}",
+        found["plain-etcd-kubeconfig"]
+    );
+    ensure!(!found.contains_key("zz-old-kubeconfig"), "{found:?}");
+    ensure!(!converged(&fleet, 1), "the younger tenant was written");
+
+    // The older one gone, the younger one's keys are its own.
+    secrets
+        .delete("zz-old-kubeconfig", &DeleteParams::default())
+        .await?;
+    wait_converged(&fleet, 1).await?;
+    Ok(())
+}
