@@ -56,7 +56,7 @@ CASES = {
 }
 
 RBAC_KINDS = ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding")
-SECRETS = [("", "secrets", verb) for verb in ("get", "list", "watch")]
+SECRETS = [("", "secrets", verb) for verb in ("list", "watch")]
 EVENTS = [("events.k8s.io", "events", verb) for verb in ("create", "patch")]
 LEASES = [("coordination.k8s.io", "leases", verb)
           for verb in ("get", "list", "watch", "create", "update", "delete")]

@@ -154,6 +154,10 @@ system-cluster-critical
 {{- end }}
 - name: BOOTSTRAP_TENANTS_KUBECONFIG_KEY
   value: {{ .Values.tenants.kubeconfigKey | quote }}
+{{- if .Values.tenants.credentialPlugins }}
+- name: BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS
+  value: {{ join "," .Values.tenants.credentialPlugins | quote }}
+{{- end }}
 {{- end }}
 {{- if .Values.etcd.servers }}
 - name: BOOTSTRAP_ETCD_SERVERS
@@ -191,7 +195,12 @@ system-cluster-critical
 {{- fail "tenants.enabled=true needs tenants.namespace: the namespace of the tenant Secrets, the only one where the chart grants Secret read. To watch every namespace (a ClusterRole reading every Secret of the cluster), set tenants.allNamespaces=true instead." -}}
 {{- end -}}
 {{- if .Values.etcd.servers -}}
-{{- fail "etcd.servers with tenants.enabled=true: it becomes BOOTSTRAP_ETCD_SERVERS, which wins over every tenant's configuration, so every tenant would use one etcd. Give each tenant its etcdServers and etcdPrefix in the bootstrap-controller.io/config annotation of its Secret (or defaults in config), and leave etcd.servers empty." -}}
+{{- fail "etcd.servers with tenants.enabled=true: one etcd would be shared by every tenant, and the controller refuses process-wide etcd settings in management mode. Give each tenant its etcdServers and etcdPrefix in the bootstrap-controller.io/config annotation of its Secret and its client certificate in the Secret's data keys etcd-ca.crt, etcd-client.crt and etcd-client.key, and leave etcd.servers empty." -}}
+{{- end -}}
+{{- range $key := list "etcdServers" "etcdPrefix" "etcdCAFile" "etcdCertFile" "etcdKeyFile" -}}
+{{- if hasKey $.Values.config $key -}}
+{{- fail (printf "config.%s with tenants.enabled=true: the controller refuses process-wide etcd settings in management mode. Set etcdServers and etcdPrefix per tenant in the bootstrap-controller.io/config annotation of its Secret, its client certificate in the Secret's data keys etcd-ca.crt, etcd-client.crt and etcd-client.key." $key) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
