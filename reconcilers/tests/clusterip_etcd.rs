@@ -1,5 +1,8 @@
 //! The ClusterIP repair's etcd mode against a real etcd and the in-process simulator: the
-//! legacy `serviceips` bitmap repaired where it exists, never created where it does not.
+//! legacy `serviceips` bitmap repaired where kube-apiserver allocates with it (a cluster that
+//! serves no IPAddress API), never created where it does not exist, left alone where the
+//! IPAddress API is served (Kubernetes 1.33+), and never rewritten under a range other than
+//! the one it is stored under unless the operator opts in.
 
 #![allow(clippy::unwrap_used)]
 
@@ -8,6 +11,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use apiserver_sim::{Sim, SimConfig};
 use common::etcd::Etcd;
 use fixedbitset::FixedBitSet;
 use futures::StreamExt;
@@ -37,18 +41,42 @@ fn bitmap(ips: &[&str]) -> Vec<u8> {
     bitmap_to_bytes(&bits)
 }
 
-async fn repair(sim: &apiserver_sim::Sim, etcd: &Etcd) -> Arc<ClusterIpRepair> {
+/// A cluster older than 1.33: no `networking.k8s.io/v1`, so kube-apiserver allocates cluster
+/// IPs with the legacy bitmap.
+async fn old_sim() -> Sim {
+    Sim::start(SimConfig {
+        seed_namespaces: vec!["default".into(), "kube-system".into()],
+        serve_networking_v1: false,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+async fn repair(sim: &Sim, etcd: &Etcd) -> Arc<ClusterIpRepair> {
+    repair_with(sim, etcd, RepairMode::Auto, false, &mut Registry::default()).await
+}
+
+/// `rebuild`: `rebuildBitmapOnRangeChange`.
+async fn repair_with(
+    sim: &Sim,
+    etcd: &Etcd,
+    mode: RepairMode,
+    rebuild: bool,
+    registry: &mut Registry,
+) -> Arc<ClusterIpRepair> {
     let repair = Arc::new(
         ClusterIpRepair::new(
             sim.client(),
             ClusterIpRepairConfig {
-                mode: RepairMode::Audit,
+                mode,
                 service_ranges: vec![RANGE.parse().unwrap()],
                 interval: Duration::from_secs(180),
                 etcd: Some(etcd.config()),
+                rebuild_bitmap_on_range_change: rebuild,
                 ..ClusterIpRepairConfig::default()
             },
-            &mut Registry::default(),
+            registry,
         )
         .unwrap(),
     );
@@ -57,7 +85,7 @@ async fn repair(sim: &apiserver_sim::Sim, etcd: &Etcd) -> Arc<ClusterIpRepair> {
     repair
 }
 
-async fn pass(sim: &apiserver_sim::Sim, repair: &ClusterIpRepair) -> reconcilers::PassReport {
+async fn pass(sim: &Sim, repair: &ClusterIpRepair) -> reconcilers::PassReport {
     for _ in 0..100 {
         match repair.reconcile(&common::ctx(sim, false)).await {
             Err(reconcilers::LoopError::NotSynced(_)) => {
@@ -69,7 +97,7 @@ async fn pass(sim: &apiserver_sim::Sim, repair: &ClusterIpRepair) -> reconcilers
     panic!("the Service cache never synced");
 }
 
-async fn web_ip(sim: &apiserver_sim::Sim) -> String {
+async fn web_ip(sim: &Sim) -> String {
     let services: Api<Service> = Api::namespaced(sim.client(), "default");
     let web: Service = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "web", "namespace": "default"},
@@ -83,7 +111,7 @@ async fn web_ip(sim: &apiserver_sim::Sim) -> String {
 #[tokio::test]
 async fn a_missing_key_stays_missing() {
     let etcd = Etcd::start(None).await;
-    let sim = common::sim().await;
+    let sim = old_sim().await;
     web_ip(&sim).await;
     let repair = repair(&sim, &etcd).await;
     pass(&sim, &repair).await;
@@ -100,7 +128,7 @@ async fn a_missing_key_stays_missing() {
 async fn ips_in_use_are_set_and_leaks_flagged_with_upstreams_event() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let sim = old_sim().await;
     let ip = web_ip(&sim).await;
     let leaked = "10.100.0.1";
     let stored = RangeAllocation::new(RANGE.to_owned(), bitmap(&[leaked]));
@@ -172,19 +200,26 @@ fn range_drift(report: &reconcilers::PassReport) -> Vec<&reconcilers::Drift> {
         .collect()
 }
 
-/// A value stored without a range gets the configured one, its bits kept; once.
+/// With the opt-in, a value stored without a range gets the configured one, its bits kept; once.
 #[tokio::test]
-async fn an_empty_range_is_filled_in() {
+async fn with_the_opt_in_an_empty_range_is_filled_in() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let sim = old_sim().await;
     let web = web_ip(&sim).await;
     let stored = RangeAllocation::new(String::new(), bitmap(&[&web, "10.96.0.20"]));
     store
         .compare_and_swap(KEY, None, stored.encode())
         .await
         .unwrap();
-    let repair = repair(&sim, &etcd).await;
+    let repair = repair_with(
+        &sim,
+        &etcd,
+        RepairMode::Auto,
+        true,
+        &mut Registry::default(),
+    )
+    .await;
     let report = pass(&sim, &repair).await;
     let drift = range_drift(&report);
     assert_eq!(drift.len(), 1, "{report:?}");
@@ -199,16 +234,24 @@ async fn an_empty_range_is_filled_in() {
     assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
 }
 
-/// The range grew from 10.96.0.0/24 to 10.96.0.0/12: every allocation is kept at its IP.
+/// With the opt-in, the range grew from 10.96.0.0/24 to 10.96.0.0/12: every allocation is kept
+/// at its IP.
 #[tokio::test]
-async fn a_grown_range_is_rebuilt_keeping_every_allocation() {
+async fn with_the_opt_in_a_grown_range_is_rebuilt_keeping_every_allocation() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let sim = old_sim().await;
     let web = web_ip(&sim).await;
     let stored = value_under("10.96.0.0/24", &["10.96.0.10", "10.96.0.20"]);
     store.compare_and_swap(KEY, None, stored).await.unwrap();
-    let repair = repair(&sim, &etcd).await;
+    let repair = repair_with(
+        &sim,
+        &etcd,
+        RepairMode::Auto,
+        true,
+        &mut Registry::default(),
+    )
+    .await;
     let report = pass(&sim, &repair).await;
     let drift = range_drift(&report);
     assert_eq!(drift.len(), 1, "{report:?}");
@@ -224,17 +267,24 @@ async fn a_grown_range_is_rebuilt_keeping_every_allocation() {
     assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
 }
 
-/// The range shrank from 10.96.0.0/11 to 10.96.0.0/12: 10.112.0.5 falls outside and is
-/// dropped; a range that is no CIDR at all is reported and left alone.
+/// With the opt-in, the range shrank from 10.96.0.0/11 to 10.96.0.0/12: 10.112.0.5 falls
+/// outside and is dropped; a range that is no CIDR at all is reported and left alone.
 #[tokio::test]
-async fn a_shrunk_range_drops_what_falls_outside() {
+async fn with_the_opt_in_a_shrunk_range_drops_what_falls_outside() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let sim = old_sim().await;
     let web = web_ip(&sim).await;
     let stored = value_under("10.96.0.0/11", &["10.96.0.10", "10.112.0.5"]);
     store.compare_and_swap(KEY, None, stored).await.unwrap();
-    let repair = repair(&sim, &etcd).await;
+    let repair = repair_with(
+        &sim,
+        &etcd,
+        RepairMode::Auto,
+        true,
+        &mut Registry::default(),
+    )
+    .await;
     let report = pass(&sim, &repair).await;
     let drift = range_drift(&report);
     assert_eq!(drift.len(), 1, "{report:?}");
@@ -269,14 +319,134 @@ async fn a_shrunk_range_drops_what_falls_outside() {
     assert_eq!(store.get(KEY).await.unwrap().unwrap(), before);
 }
 
-/// No `serviceClusterIPRange`: the bitmaps are built for the range of the ServiceCIDR
-/// `kubernetes` (what kube-apiserver 1.33+ creates from its flag), at the first pass.
+fn ip_events(sim: &Sim, reason: &str) -> Vec<serde_json::Value> {
+    sim.backdoor()
+        .list("events.events.k8s.io")
+        .unwrap()
+        .into_iter()
+        .filter(|event| event["reason"] == reason)
+        .collect()
+}
+
+/// `bootstrap_clusterip_repair_ip_errors_total{type}` in `registry`.
+fn ip_errors(registry: &Registry, error_type: &str) -> u64 {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    let series = format!("type=\"{error_type}\"}}");
+    text.lines()
+        .filter(|line| line.contains("ip_errors_total") && line.contains(&series))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A bitmap stored under another range than `serviceClusterIPRange` is kube-apiserver's, as far
+/// as anyone here can tell: reported once (event on the `kubernetes` Service naming both ranges,
+/// metric) and in every pass's drift, never written, even though a Service's IP is missing.
 #[tokio::test]
-async fn without_a_configured_range_the_bitmap_follows_the_service_cidr() {
-    use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
+async fn a_bitmap_under_another_range_is_reported_once_and_left_alone() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let sim = old_sim().await;
+    web_ip(&sim).await;
+    let stored = value_under("10.96.0.0/24", &["10.96.0.10"]);
+    store.compare_and_swap(KEY, None, stored).await.unwrap();
+    let before = store.get(KEY).await.unwrap().unwrap();
+    let mut registry = Registry::default();
+    let repair = repair_with(&sim, &etcd, RepairMode::Auto, false, &mut registry).await;
+    for round in 0..3 {
+        let report = pass(&sim, &repair).await;
+        let drift = range_drift(&report);
+        assert_eq!(drift.len(), 1, "round {round}: {report:?}");
+        assert!(!drift[0].applied);
+        for text in ["10.96.0.0/24", RANGE, "rebuildBitmapOnRangeChange"] {
+            assert!(drift[0].message.contains(text), "{}", drift[0].message);
+        }
+        assert!(
+            !report
+                .drift
+                .iter()
+                .any(|d| d.kind == "clusterip_bitmap_not_allocated"),
+            "{report:?}"
+        );
+        assert_eq!(
+            store.get(KEY).await.unwrap().unwrap(),
+            before,
+            "round {round}"
+        );
+    }
+    assert_eq!(ip_errors(&registry, "rangeMismatch"), 1);
+    assert_eq!(ip_errors(&registry, "repair"), 0);
+    assert!(ip_events(&sim, "ClusterIPNotAllocated").is_empty());
+    let reported = ip_events(&sim, "ClusterIPRangeMismatch");
+    assert_eq!(reported.len(), 1, "{reported:?}");
+    assert_eq!(reported[0]["type"], "Warning");
+    assert_eq!(reported[0]["regarding"]["name"], "kubernetes");
+    let note = reported[0]["note"].as_str().unwrap();
+    for text in ["10.96.0.0/24", RANGE, "--service-cluster-ip-range"] {
+        assert!(note.contains(text), "{note}");
+    }
+}
+
+/// Kubernetes 1.33+ allocates cluster IPs with IPAddress objects and (from 1.35 always)
+/// neither reads nor writes the legacy bitmap, which an upgraded cluster still keeps in etcd.
+/// Where the IPAddress API is served the bitmap is left alone: a new Service's IP is not set in
+/// it, no `ClusterIPNotAllocated` is sent, its key is not even watched. Whatever the loop's
+/// mode: `audit` chooses how the Services are checked, not who allocates.
+#[tokio::test]
+async fn where_the_ipaddress_api_is_served_the_legacy_bitmap_is_left_alone() {
+    for mode in [RepairMode::Auto, RepairMode::Audit, RepairMode::IpAddress] {
+        let etcd = Etcd::start(None).await;
+        let store = EtcdStore::new(etcd.config());
+        let sim = common::sim().await;
+        let stored = RangeAllocation::new(RANGE.to_owned(), bitmap(&[]));
+        assert!(
+            store
+                .compare_and_swap(KEY, None, stored.encode())
+                .await
+                .unwrap()
+        );
+        let before = store.get(KEY).await.unwrap().unwrap();
+        let mut registry = Registry::default();
+        let repair = repair_with(&sim, &etcd, mode, false, &mut registry).await;
+        // IPAddress mode waits for the default ServiceCIDR, which kube-apiserver writes.
+        create_default_service_cidr(&sim).await;
+        let requests = etcd.kv_requests().await;
+        let first = pass(&sim, &repair).await;
+        web_ip(&sim).await;
+        // A new Service wakes the loop; its passes see it.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let second = pass(&sim, &repair).await;
+        for report in [&first, &second] {
+            assert!(
+                !report
+                    .drift
+                    .iter()
+                    .any(|d| d.kind.starts_with("clusterip_bitmap")),
+                "{mode:?}: {report:?}"
+            );
+        }
+        assert_eq!(
+            store.get(KEY).await.unwrap().unwrap(),
+            before,
+            "{mode:?}: the legacy bitmap was written"
+        );
+        assert!(
+            ip_events(&sim, "ClusterIPNotAllocated").is_empty(),
+            "{mode:?}"
+        );
+        assert_eq!(ip_errors(&registry, "repair"), 0, "{mode:?}");
+        // The test's own read above is the last request etcd answered.
+        assert_eq!(
+            etcd.kv_requests().await,
+            requests + 1,
+            "{mode:?}: the repair sent etcd requests"
+        );
+    }
+}
+
+/// The ServiceCIDR `kubernetes`, as kube-apiserver 1.33+ creates it from its flag.
+async fn create_default_service_cidr(sim: &Sim) {
+    use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
     Api::<ServiceCIDR>::all(sim.client())
         .create(
             &Default::default(),
@@ -293,34 +463,4 @@ async fn without_a_configured_range_the_bitmap_follows_the_service_cidr() {
         )
         .await
         .unwrap();
-    let ip = web_ip(&sim).await;
-    let stored = RangeAllocation::new(RANGE.to_owned(), bitmap(&[]));
-    assert!(
-        store
-            .compare_and_swap(KEY, None, stored.encode())
-            .await
-            .unwrap()
-    );
-
-    let repair = Arc::new(
-        ClusterIpRepair::new(
-            sim.client(),
-            ClusterIpRepairConfig {
-                mode: RepairMode::Audit,
-                etcd: Some(etcd.config()),
-                ..ClusterIpRepairConfig::default()
-            },
-            &mut Registry::default(),
-        )
-        .unwrap(),
-    );
-    let mut triggers = futures::stream::select_all(repair.triggers());
-    tokio::spawn(async move { while triggers.next().await.is_some() {} });
-    let report = pass(&sim, &repair).await;
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
-    assert_eq!(kinds, vec!["clusterip_bitmap_not_allocated"], "{report:?}");
-    let value = store.get(KEY).await.unwrap().unwrap();
-    let decoded = RangeAllocation::decode(&value.value).unwrap();
-    assert_eq!(decoded.range, RANGE);
-    assert!(bitmap_from_bytes(&decoded.data, SIZE).contains(offset(&ip)));
 }

@@ -1,6 +1,7 @@
 //! The NodePort repair's etcd mode against a real etcd (Debian's `etcd-server`, started by each
 //! test on free loopback ports) and the in-process API simulator: the bitmap repaired as
-//! upstream does, written only by compare-and-swap, left alone when it cannot be trusted.
+//! upstream does, written only by compare-and-swap, left alone when it cannot be trusted or is
+//! stored under another range than the configured one (rebuilt only when the operator opts in).
 
 #![allow(clippy::unwrap_used)]
 
@@ -61,6 +62,11 @@ struct Harness {
 
 impl Harness {
     async fn start(sim: &Sim, etcd: EtcdConfig, interval: Duration) -> Self {
+        Self::start_with(sim, etcd, interval, false).await
+    }
+
+    /// `rebuild`: `rebuildBitmapOnRangeChange`.
+    async fn start_with(sim: &Sim, etcd: EtcdConfig, interval: Duration, rebuild: bool) -> Self {
         let mut registry = Registry::default();
         let repair = Arc::new(NodePortRepair::new(
             sim.client(),
@@ -70,6 +76,8 @@ impl Harness {
                 reporting_instance: None,
                 page_size: 500,
                 etcd: Some(etcd),
+                rebuild_bitmap_on_range_change: rebuild,
+                ..NodePortRepairConfig::default()
             },
             None,
             &mut registry,
@@ -329,10 +337,138 @@ fn value_under(stored: &str, ports: &[u16]) -> Vec<u8> {
     RangeAllocation::new(stored.to_owned(), bitmap_to_bytes(&bits)).encode()
 }
 
-/// Upstream's repair fills in the range of a value stored without one (`snapshot.Range ==
-/// ""`), keeping its bits: written once, reported once, counted once.
+/// The events of `reason` the simulator holds.
+fn events(sim: &Sim, reason: &str) -> Vec<serde_json::Value> {
+    sim.backdoor()
+        .list("events.events.k8s.io")
+        .unwrap()
+        .into_iter()
+        .filter(|event| event["reason"] == reason)
+        .collect()
+}
+
+fn range_mismatches(report: &reconcilers::PassReport) -> Vec<&reconcilers::Drift> {
+    report
+        .drift
+        .iter()
+        .filter(|drift| drift.kind == "nodeport_range_mismatch")
+        .collect()
+}
+
+/// A management cluster gives every tenant the default range, but this tenant's kube-apiserver
+/// runs with `--service-node-port-range=20000-22767` and has allocated 20080. The bitmap is
+/// stored under 20000-22767; rewriting it under 30000-32767 would lose 20080 and make
+/// kube-apiserver refuse every new node port. It is reported once (a Warning event on the
+/// `kubernetes` Service naming both ranges, the metric, the drift `check` lists on every pass)
+/// and never written. Once the stored range is the configured one, the repair works as usual.
 #[tokio::test]
-async fn an_empty_range_is_filled_in() {
+async fn a_bitmap_under_another_range_is_reported_once_and_left_alone() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 20080);
+    put_service(&sim, "db", 30081);
+    assert!(
+        store
+            .compare_and_swap(KEY, None, value_under("20000-22767", &[20080]))
+            .await
+            .unwrap()
+    );
+    let before = store.get(KEY).await.unwrap().unwrap();
+    // Sightings count when an interval apart: 1 ms here, so a leak would be released by the
+    // third pass if the bitmap were read under the configured range.
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_millis(1)).await;
+
+    for round in 0..4 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let report = harness.pass(&sim, round == 3).await.unwrap();
+        let mismatch = range_mismatches(&report);
+        assert_eq!(mismatch.len(), 1, "round {round}: {report:?}");
+        assert!(!mismatch[0].applied);
+        assert_eq!(mismatch[0].action, reconcilers::Action::Report);
+        assert_eq!(mismatch[0].object, format!("etcd{KEY}"));
+        for text in ["20000-22767", "30000-32767", "rebuildBitmapOnRangeChange"] {
+            assert!(
+                mismatch[0].message.contains(text),
+                "{}",
+                mismatch[0].message
+            );
+        }
+        assert!(
+            !report
+                .drift
+                .iter()
+                .any(|drift| drift.kind == "nodeport_not_allocated" || drift.applied),
+            "round {round}: {report:?}"
+        );
+        assert_eq!(
+            store.get(KEY).await.unwrap().unwrap(),
+            before,
+            "round {round}: the bitmap was written"
+        );
+    }
+    let kept = RangeAllocation::decode(&before.value).unwrap();
+    assert_eq!(kept.range, "20000-22767");
+    assert!(
+        bitmap_from_bytes(&kept.data, 2768).contains(80),
+        "20080 kept"
+    );
+
+    // Reported once: one event, one count.
+    assert_eq!(harness.errors("rangeMismatch"), 1);
+    assert_eq!(harness.errors("repair"), 0);
+    let reported = events(&sim, "NodePortRangeMismatch");
+    assert_eq!(reported.len(), 1, "{reported:?}");
+    let event = &reported[0];
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(
+        event["reportingController"],
+        "portallocator-repair-controller"
+    );
+    assert_eq!(event["regarding"]["kind"], "Service");
+    assert_eq!(event["regarding"]["namespace"], "default");
+    assert_eq!(event["regarding"]["name"], "kubernetes");
+    let note = event["note"].as_str().unwrap();
+    for text in [
+        "20000-22767",
+        "30000-32767",
+        KEY,
+        "--service-node-port-range",
+    ] {
+        assert!(note.contains(text), "{note}");
+    }
+
+    // kube-apiserver restarted with the configured range rebuilt it: repaired as usual.
+    let current = store.get(KEY).await.unwrap().unwrap();
+    assert!(
+        store
+            .compare_and_swap(
+                KEY,
+                Some(current.mod_revision),
+                RangeAllocation::new(range().to_string(), bitmap(&[])).encode()
+            )
+            .await
+            .unwrap()
+    );
+    let report = harness.pass(&sim, false).await.unwrap();
+    assert!(range_mismatches(&report).is_empty(), "{report:?}");
+    assert!(
+        report
+            .drift
+            .iter()
+            .any(|drift| drift.kind == "nodeport_not_allocated" && drift.applied),
+        "{report:?}"
+    );
+    assert_eq!(
+        ports_of(&store.get(KEY).await.unwrap().unwrap().value),
+        vec![30081]
+    );
+}
+
+/// A value stored without a range: which range its bits belong to is not known here, so it is
+/// reported and left alone; kube-apiserver's own repair fills in its range.
+#[tokio::test]
+async fn an_empty_range_is_reported_and_left_alone() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
     let sim = common::sim().await;
@@ -344,7 +480,40 @@ async fn an_empty_range_is_filled_in() {
             .await
             .unwrap()
     );
+    let before = store.get(KEY).await.unwrap().unwrap();
     let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+    for _ in 0..2 {
+        let report = harness.pass(&sim, false).await.unwrap();
+        assert_eq!(
+            kinds(&report),
+            vec!["nodeport_range_mismatch"],
+            "{report:?}"
+        );
+        assert!(!report.drift[0].applied);
+        assert!(report.drift[0].message.contains("without a range"));
+        assert_eq!(store.get(KEY).await.unwrap().unwrap(), before);
+    }
+    assert_eq!(harness.errors("rangeMismatch"), 1);
+    assert_eq!(events(&sim, "NodePortRangeMismatch").len(), 1);
+}
+
+/// With the opt-in, upstream's repair's behaviour: a value stored without a range
+/// (`snapshot.Range == ""`) gets `serviceNodePortRange` filled in, keeping its bits: written
+/// once, reported once, counted once.
+#[tokio::test]
+async fn with_the_opt_in_an_empty_range_is_filled_in() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = common::sim().await;
+    put_service(&sim, "web", 30080);
+    let stored = RangeAllocation::new(String::new(), bitmap(&[30080, 30500]));
+    assert!(
+        store
+            .compare_and_swap(KEY, None, stored.encode())
+            .await
+            .unwrap()
+    );
+    let harness = Harness::start_with(&sim, etcd.config(), Duration::from_secs(180), true).await;
 
     let first = harness.pass(&sim, false).await.unwrap();
     assert_eq!(kinds(&first), vec!["nodeport_range_mismatch"], "{first:?}");
@@ -362,13 +531,14 @@ async fn an_empty_range_is_filled_in() {
         "written once"
     );
     assert_eq!(harness.errors("repair"), 1);
+    assert!(events(&sim, "NodePortRangeMismatch").is_empty());
 }
 
-/// The apiserver's range grew from 30000-30999 to 30000-32767: the bitmap is rebuilt under the
-/// new range with every allocation kept (the one no Service holds is a leak suspect, as any),
-/// and the change is reported once.
+/// With the opt-in, the apiserver's range grew from 30000-30999 to 30000-32767: the bitmap is
+/// rebuilt under the new range with every allocation kept (the one no Service holds is a leak
+/// suspect, as any), and the change is reported once.
 #[tokio::test]
-async fn a_grown_range_is_rebuilt_keeping_every_allocation() {
+async fn with_the_opt_in_a_grown_range_is_rebuilt_keeping_every_allocation() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
     let sim = common::sim().await;
@@ -376,7 +546,7 @@ async fn a_grown_range_is_rebuilt_keeping_every_allocation() {
     put_service(&sim, "db", 32000);
     let stored = value_under("30000-30999", &[30080, 30500]);
     assert!(store.compare_and_swap(KEY, None, stored).await.unwrap());
-    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+    let harness = Harness::start_with(&sim, etcd.config(), Duration::from_secs(180), true).await;
 
     let first = harness.pass(&sim, false).await.unwrap();
     assert_eq!(
@@ -403,18 +573,18 @@ async fn a_grown_range_is_rebuilt_keeping_every_allocation() {
     assert_eq!(harness.errors("repair"), 2);
 }
 
-/// The apiserver's range shrank from 30000-40000 to 30000-32767: what falls outside is dropped
-/// (upstream's rebuilt allocator cannot hold it), the rest kept, and only after a fresh list of
-/// the Services.
+/// With the opt-in, the apiserver's range shrank from 30000-40000 to 30000-32767: what falls
+/// outside is dropped (upstream's rebuilt allocator cannot hold it), the rest kept, and only
+/// after a fresh list of the Services.
 #[tokio::test]
-async fn a_shrunk_range_drops_what_falls_outside() {
+async fn with_the_opt_in_a_shrunk_range_drops_what_falls_outside() {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
     let sim = common::sim().await;
     put_service(&sim, "web", 30080);
     let stored = value_under("30000-40000", &[30080, 31000, 35000, 40000]);
     assert!(store.compare_and_swap(KEY, None, stored).await.unwrap());
-    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+    let harness = Harness::start_with(&sim, etcd.config(), Duration::from_secs(180), true).await;
 
     let lists = || {
         sim.requests()

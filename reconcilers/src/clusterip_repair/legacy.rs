@@ -1,8 +1,10 @@
 //! etcd mode: the ClusterIP allocation bitmaps kube-apiserver keeps in etcd
 //! (`<prefix>/ranges/serviceips` for the primary range, `secondaryserviceips` for the other
-//! family), repaired against the Service cache as upstream's legacy `ipallocator` repair does.
-//! A key that does not exist is left missing: kube-apiserver allocating with IPAddress objects
-//! alone (no dual-write) keeps none.
+//! family), repaired against the Service cache as upstream's legacy `ipallocator` repair does,
+//! on clusters that allocate with them (the loop decides which: [`super::ClusterIpRepair`]).
+//! A key that does not exist is left missing. A key stored under another range than
+//! `serviceClusterIPRange` is reported (a Warning event on the `kubernetes` Service naming both
+//! ranges) and left alone, unless `rebuildBitmapOnRangeChange` is set.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -18,6 +20,7 @@ use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
+use crate::section::ServiceName;
 use crate::service_cache::record::{ClusterIp, ServiceRecord};
 use crate::service_cache::store::Store;
 
@@ -26,15 +29,26 @@ pub(super) struct LegacyIpBitmaps {
     bitmaps: Vec<(LegacyBitmap, ServiceRange)>,
     /// LIST page size of the fresh list that confirms a leak.
     page_size: u32,
+    /// The `kubernetes` Service: a range mismatch is reported in an event about it.
+    kubernetes_service: ServiceName,
+}
+
+/// The event reason of a bitmap stored under another range (not upstream's: its repair always
+/// rebuilds under its own range).
+pub(super) const RANGE_MISMATCH_REASON: &str = "ClusterIPRangeMismatch";
+
+/// How the bitmaps are built.
+pub(super) struct BitmapSettings<'a> {
+    pub etcd: &'a EtcdConfig,
+    pub interval: std::time::Duration,
+    pub page_size: u32,
+    pub rebuild_on_range_change: bool,
+    pub kubernetes_service: &'a ServiceName,
 }
 
 impl LegacyIpBitmaps {
-    pub(super) fn new(
-        etcd: &EtcdConfig,
-        ranges: &[IpNet],
-        interval: std::time::Duration,
-        page_size: u32,
-    ) -> Self {
+    pub(super) fn new(settings: &BitmapSettings<'_>, ranges: &[IpNet]) -> Self {
+        let etcd = settings.etcd;
         let store = EtcdStore::new(etcd.clone());
         let bitmaps = ranges
             .iter()
@@ -51,6 +65,9 @@ impl LegacyIpBitmaps {
                     Subject {
                         noun: "cluster IP",
                         kind_prefix: "clusterip",
+                        range_setting: "serviceClusterIPRange",
+                        apiserver_flag: "--service-cluster-ip-range",
+                        rebuild_setting: "loops.clusterIPRepair.rebuildBitmapOnRangeChange",
                     },
                     move |offset| {
                         range
@@ -68,12 +85,17 @@ impl LegacyIpBitmaps {
                             |ip| self::offset(&range, ip, size),
                         ))
                     },
-                    interval,
+                    settings.rebuild_on_range_change,
+                    settings.interval,
                 );
                 (bitmap, range)
             })
             .collect();
-        Self { bitmaps, page_size }
+        Self {
+            bitmaps,
+            page_size: settings.page_size,
+            kubernetes_service: settings.kubernetes_service.clone(),
+        }
     }
 
     pub(super) fn triggers(&self) -> Vec<Trigger> {
@@ -117,6 +139,7 @@ impl LegacyIpBitmaps {
                 .await
                 .map_err(|err| LoopError::Other(format!("ClusterIP bitmap in etcd: {err}")))?;
             report.drift.extend(pass.drift);
+            let mut unpublished = None;
             for finding in pass.new {
                 match finding {
                     BitmapFinding::NotAllocated(offset) => {
@@ -132,15 +155,42 @@ impl LegacyIpBitmaps {
                                 "Cluster IP [{family}]:{} is not allocated; repairing",
                                 bitmap.item(offset)
                             );
-                            publish(recorder, namespace, name, uid, note).await;
+                            // The bitmap is repaired either way; the event is best effort here.
+                            let _ = publish(
+                                recorder,
+                                (namespace.as_str(), name.as_str(), uid.as_str()),
+                                "ClusterIPNotAllocated",
+                                note,
+                            )
+                            .await;
                         }
                     }
                     BitmapFinding::Released(_) => count("leak"),
+                    BitmapFinding::RangeMismatch(ref stored) => {
+                        if !ctx.dry_run {
+                            let service = &self.kubernetes_service;
+                            let note = bitmap.range_mismatch_note(stored);
+                            let regarding = (service.namespace.as_str(), service.name.as_str(), "");
+                            if let Err(err) =
+                                publish(recorder, regarding, RANGE_MISMATCH_REASON, note).await
+                            {
+                                // Reported with its event or not at all: the next pass tries
+                                // again.
+                                bitmap.forget(&finding);
+                                unpublished.get_or_insert(err);
+                                continue;
+                            }
+                        }
+                        count("rangeMismatch");
+                    }
                     // The bitmap rebuilt under the configured range (or its range filled in).
-                    BitmapFinding::RangeMismatch(_) => count("repair"),
+                    BitmapFinding::RangeRebuilt(_) => count("repair"),
                     BitmapFinding::Unusable(_) => count("invalid"),
                     BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
                 }
+            }
+            if let Some(err) = unpublished {
+                return Err(LoopError::Api(err));
             }
         }
         Ok(())
@@ -196,7 +246,13 @@ fn offset(range: &ServiceRange, ip: IpAddr, size: usize) -> Option<usize> {
     (offset < size).then_some(offset)
 }
 
-async fn publish(recorder: &Recorder, namespace: &str, name: &str, uid: &str, note: String) {
+/// A Warning event about the Service `(namespace, name, uid)` (an empty uid: not known).
+async fn publish(
+    recorder: &Recorder,
+    (namespace, name, uid): (&str, &str, &str),
+    reason: &str,
+    note: String,
+) -> Result<(), kube::Error> {
     let reference = ObjectReference {
         api_version: Some("v1".to_owned()),
         kind: Some("Service".to_owned()),
@@ -207,14 +263,15 @@ async fn publish(recorder: &Recorder, namespace: &str, name: &str, uid: &str, no
     };
     let event = Event {
         type_: EventType::Warning,
-        reason: "ClusterIPNotAllocated".to_owned(),
+        reason: reason.to_owned(),
         note: Some(note),
         action: "ClusterIPAllocation".to_owned(),
         secondary: None,
     };
-    if let Err(err) = recorder.publish(&event, &reference).await {
-        warn!(error = %err, "cannot publish event");
-    }
+    recorder
+        .publish(&event, &reference)
+        .await
+        .inspect_err(|err| warn!(reason, error = %err, "cannot publish event"))
 }
 
 #[cfg(test)]

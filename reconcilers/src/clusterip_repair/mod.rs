@@ -15,7 +15,9 @@
 //! Where the API serves no IPAddress (older clusters, generic control planes; found by
 //! discovery), the loop audits instead: it rebuilds each configured range's allocation from all
 //! Services and reports duplicates, out-of-range and invalid IPs with the legacy repair's
-//! reasons, without writing.
+//! reasons, without writing. In etcd mode it also repairs the legacy bitmaps there ([`legacy`]),
+//! and only there: where the IPAddress API is served they are left alone
+//! ([`ClusterIpRepair::keeps_legacy_bitmaps`] says why).
 
 pub mod decide;
 mod legacy;
@@ -104,8 +106,12 @@ pub struct ClusterIpRepairConfig {
     pub deferral_retry: Duration,
     /// LIST page size of the caches' (re)lists.
     pub page_size: u32,
-    /// etcd mode: also repair the legacy ClusterIP bitmaps of `service_ranges` in etcd.
+    /// etcd mode: also repair the legacy ClusterIP bitmaps of `service_ranges` in etcd, where
+    /// the cluster serves no IPAddress API.
     pub etcd: Option<crate::legacy_alloc::etcd::EtcdConfig>,
+    /// etcd mode: rebuild a bitmap stored under another range (or none) under
+    /// `service_ranges`, instead of reporting it and leaving it alone.
+    pub rebuild_bitmap_on_range_change: bool,
 }
 
 impl Default for ClusterIpRepairConfig {
@@ -123,6 +129,7 @@ impl Default for ClusterIpRepairConfig {
             deferral_retry: Duration::from_secs(10),
             page_size: store::DEFAULT_PAGE_SIZE,
             etcd: None,
+            rebuild_bitmap_on_range_change: false,
         }
     }
 }
@@ -144,6 +151,11 @@ pub struct Section {
     /// Objects per LIST page when the caches (re)list Services, IPAddresses and ServiceCIDRs,
     /// and when a leak in an etcd bitmap is confirmed by a fresh list.
     pub page_size: u32,
+    /// etcd mode: a legacy bitmap stored under another range than `serviceClusterIPRange` (or
+    /// none) is rebuilt under it, dropping the IPs outside it. Off: it is reported and left
+    /// alone. For an operator who changed kube-apiserver's `--service-cluster-ip-range` and
+    /// wants the bitmap moved before kube-apiserver's restart does it.
+    pub rebuild_bitmap_on_range_change: bool,
 }
 
 impl Default for Section {
@@ -155,6 +167,7 @@ impl Default for Section {
             mode: defaults.mode,
             orphan_grace_period: defaults.orphan_grace,
             page_size: defaults.page_size,
+            rebuild_bitmap_on_range_change: defaults.rebuild_bitmap_on_range_change,
         }
     }
 }
@@ -190,6 +203,7 @@ impl LoopSection for Section {
             reporting_instance: Some(context.settings.identity.clone()),
             page_size: self.page_size,
             etcd: context.settings.etcd.clone(),
+            rebuild_bitmap_on_range_change: self.rebuild_bitmap_on_range_change,
             ..ClusterIpRepairConfig::default()
         };
         let built = ClusterIpRepair::new(context.client.clone(), config, context.registry)?;
@@ -336,8 +350,9 @@ impl Wakeup {
     }
 }
 
-/// etcd mode's bitmaps: built at once from a configured range, or at the first pass that reads
-/// the range from the cluster. Their etcd watches wake the loop from then on.
+/// etcd mode's bitmaps: built at the first pass that finds the cluster allocating with them,
+/// from the configured range or the one read from the cluster. Their etcd watches wake the loop
+/// from then on; where they are left alone, nothing watches them.
 struct LegacySlot {
     etcd: crate::legacy_alloc::etcd::EtcdConfig,
     bitmaps: Arc<std::sync::OnceLock<legacy::LegacyIpBitmaps>>,
@@ -347,7 +362,14 @@ struct LegacySlot {
 impl LegacySlot {
     fn build(&self, config: &ClusterIpRepairConfig, ranges: Vec<IpNet>) {
         self.bitmaps.get_or_init(|| {
-            legacy::LegacyIpBitmaps::new(&self.etcd, &ranges, config.interval, config.page_size)
+            let settings = legacy::BitmapSettings {
+                etcd: &self.etcd,
+                interval: config.interval,
+                page_size: config.page_size,
+                rebuild_on_range_change: config.rebuild_bitmap_on_range_change,
+                kubernetes_service: &config.kubernetes_service,
+            };
+            legacy::LegacyIpBitmaps::new(&settings, &ranges)
         });
         self.built.notify_one();
     }
@@ -416,7 +438,10 @@ pub struct ClusterIpRepair {
     shared_services: Arc<SharedStore<ServiceRecord>>,
     ip_addresses: Arc<Store<IpAddressRecord>>,
     service_cidrs: Arc<Store<ServiceCidrRecord>>,
-    served: Mutex<Option<Served>>,
+    /// What discovery found, once it answered.
+    discovered: Mutex<Option<Served>>,
+    /// Whether the legacy bitmaps left alone were logged.
+    legacy_skip_logged: std::sync::atomic::AtomicBool,
     recorder: Recorder,
     wakeup: Arc<Wakeup>,
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
@@ -453,16 +478,10 @@ impl ClusterIpRepair {
             None => Reporter::from(REPORTING_CONTROLLER),
         };
         let shared_services = Arc::<SharedStore<ServiceRecord>>::default();
-        let legacy = config.etcd.as_ref().map(|etcd| {
-            let slot = LegacySlot {
-                etcd: etcd.clone(),
-                bitmaps: Arc::default(),
-                built: Arc::default(),
-            };
-            if !config.service_ranges.is_empty() {
-                slot.build(&config, config.service_ranges.clone());
-            }
-            slot
+        let legacy = config.etcd.as_ref().map(|etcd| LegacySlot {
+            etcd: etcd.clone(),
+            bitmaps: Arc::default(),
+            built: Arc::default(),
         });
         Ok(Self {
             legacy,
@@ -480,7 +499,8 @@ impl ClusterIpRepair {
             shared_services,
             ip_addresses: Arc::default(),
             service_cidrs: Arc::default(),
-            served: Mutex::new(None),
+            discovered: Mutex::new(None),
+            legacy_skip_logged: std::sync::atomic::AtomicBool::new(false),
             wakeup: Arc::default(),
         })
     }
@@ -495,19 +515,70 @@ impl ClusterIpRepair {
         &self.metrics
     }
 
+    /// Which repair runs: the configured mode, or discovery's answer.
     async fn served(&self, client: &Client) -> Result<Served, LoopError> {
         match self.config.mode {
-            RepairMode::IpAddress => return Ok(Served::IpAddressApi),
-            RepairMode::Audit => return Ok(Served::NoIpAddressApi),
-            RepairMode::Auto => {}
+            RepairMode::IpAddress => Ok(Served::IpAddressApi),
+            RepairMode::Audit => Ok(Served::NoIpAddressApi),
+            RepairMode::Auto => {
+                let served = self.discovered(client).await?;
+                Ok(served)
+            }
         }
-        if let Some(served) = *self.served.lock().unwrap_or_else(|p| p.into_inner()) {
+    }
+
+    /// What the cluster serves, by discovery, asked once.
+    async fn discovered(&self, client: &Client) -> Result<Served, LoopError> {
+        if let Some(served) = *self.discovered.lock().unwrap_or_else(|p| p.into_inner()) {
             return Ok(served);
         }
         let served = discover(client).await?;
-        info!(?served, "ClusterIP repair mode chosen by discovery");
-        *self.served.lock().unwrap_or_else(|p| p.into_inner()) = Some(served);
+        info!(?served, "networking.k8s.io/v1 discovered");
+        *self.discovered.lock().unwrap_or_else(|p| p.into_inner()) = Some(served);
         Ok(served)
+    }
+
+    /// etcd mode: whether kube-apiserver allocates cluster IPs with the legacy bitmaps, so that
+    /// they are repaired. Only where the cluster serves no `networking.k8s.io/v1` IPAddress API
+    /// (asked by discovery whatever `mode` says; `ipAddress` mode asserts it is served).
+    ///
+    /// Upstream (`pkg/registry/core/rest/storage_core.go`) runs the bitmap repair only while
+    /// the `MultiCIDRServiceAllocator` gate is off; with it on, it runs `RepairIPAddress` and
+    /// repairs no bitmap. With the gate on, the allocator (`ipallocator/cidrallocator.go`,
+    /// `MetaAllocator`) still writes the bitmap for older apiservers of a mixed-version
+    /// control plane while `DisableAllocatorDualWrite` is off, and neither reads nor writes it
+    /// once that gate is on. By release (`pkg/features/kube_features.go`):
+    /// `MultiCIDRServiceAllocator` beta and off in 1.31, on from 1.33, locked on from 1.34;
+    /// `DisableAllocatorDualWrite` off until 1.33, on from 1.34, locked on from 1.35. The
+    /// gates cannot be read from outside; the served API can: `networking.k8s.io/v1`
+    /// IPAddress is served from 1.33, where the allocator gate is on by default, so where it
+    /// is served kube-apiserver allocates by IPAddress objects, and the bitmap it may still
+    /// dual-write (1.33, or 1.34 with dual write turned back on) is not what it allocates by:
+    /// upstream repairs none there, and neither does this loop. Repairing it there would set
+    /// bits nobody reads and send `ClusterIPNotAllocated` for every new Service.
+    async fn keeps_legacy_bitmaps(&self, client: &Client) -> Result<bool, LoopError> {
+        let served = match self.config.mode {
+            RepairMode::IpAddress => Served::IpAddressApi,
+            RepairMode::Auto | RepairMode::Audit => self.discovered(client).await?,
+        };
+        let keeps = served == Served::NoIpAddressApi;
+        if !keeps
+            && let Some(slot) = &self.legacy
+            && !self
+                .legacy_skip_logged
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            info!(
+                keys = %format_args!(
+                    "{}, {}",
+                    slot.etcd.key(crate::legacy_alloc::etcd::RangeKey::ServiceIps),
+                    slot.etcd.key(crate::legacy_alloc::etcd::RangeKey::SecondaryServiceIps)
+                ),
+                "the cluster serves the IPAddress API, by which kube-apiserver allocates cluster \
+                 IPs: the legacy ClusterIP bitmaps in etcd are left alone"
+            );
+        }
+        Ok(keeps)
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
@@ -1083,8 +1154,15 @@ impl Reconciler for ClusterIpRepair {
         Box::pin(async move {
             let mut result = self.pass(ctx).await;
             let legacy = match (&result, &self.legacy) {
-                (Ok(_), Some(slot)) => match slot.get_or_build(&self.config, &self.ranges).await {
-                    Ok(bitmaps) => Some(bitmaps),
+                (Ok(_), Some(slot)) => match self.keeps_legacy_bitmaps(&ctx.client).await {
+                    Ok(false) => None,
+                    Ok(true) => match slot.get_or_build(&self.config, &self.ranges).await {
+                        Ok(bitmaps) => Some(bitmaps),
+                        Err(err) => {
+                            result = Err(err);
+                            None
+                        }
+                    },
                     Err(err) => {
                         result = Err(err);
                         None

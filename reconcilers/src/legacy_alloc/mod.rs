@@ -4,6 +4,15 @@
 //! `codec` and `repair` are pure; `etcd` is the only part that talks to etcd; [`LegacyBitmap`]
 //! is the pass both repair loops run on one key: read it, plan it against what the Services
 //! hold, write the plan by compare-and-swap, and report each finding once.
+//!
+//! A bitmap stored under a range other than the configured one is reported and never written,
+//! unless the operator opted in to rebuilding it ([`LegacyBitmap::new`]'s
+//! `rebuild_on_range_change`). Inside kube-apiserver the configured range is the allocator's
+//! own, so upstream's repair rebuilds the bitmap under it; from outside it is this process's
+//! belief about kube-apiserver's flag, and a wrong belief (a management cluster giving a tenant
+//! the default range) would make kube-apiserver refuse every allocation ("the provided range
+//! does not match the current range") and drop what lies outside. A restarted kube-apiserver
+//! rebuilds the bitmap under its new range itself.
 
 pub mod codec;
 pub mod etcd;
@@ -34,6 +43,13 @@ pub struct Subject {
     pub noun: &'static str,
     /// Drift kinds start with this: `"nodeport"`, `"clusterip"`.
     pub kind_prefix: &'static str,
+    /// The setting holding the configured range: `"serviceNodePortRange"`.
+    pub range_setting: &'static str,
+    /// kube-apiserver's flag it mirrors: `"--service-node-port-range"`.
+    pub apiserver_flag: &'static str,
+    /// The opt-in that rebuilds a bitmap stored under another range:
+    /// `"loops.nodePortRepair.rebuildBitmapOnRangeChange"`.
+    pub rebuild_setting: &'static str,
 }
 
 /// A finding about a stored bitmap, reported once while it lasts.
@@ -43,7 +59,10 @@ pub enum BitmapFinding {
     MayHaveLeaked(usize),
     Released(usize),
     ReleaseHeld(usize),
+    /// Stored under this range (empty: none), not the configured one; nothing written.
     RangeMismatch(String),
+    /// Stored under this range (empty: none), rebuilt under the configured one (opted in).
+    RangeRebuilt(String),
     Unusable(String),
 }
 
@@ -74,6 +93,9 @@ pub struct LegacyBitmap {
     /// The bitmap bytes stored under another range, moved onto this key's range (see
     /// [`repair::rebase`]); `None` when that range cannot be read.
     rebase: Box<Rebase>,
+    /// Whether a bitmap stored under another range (or none) is rebuilt under `range`: the
+    /// operator's opt-in; otherwise it is reported and left alone.
+    rebuild_on_range_change: bool,
     /// Sightings of a leak count only this far apart.
     spacing: Duration,
     leaks: Mutex<LeakTracker>,
@@ -93,6 +115,7 @@ impl LegacyBitmap {
         subject: Subject,
         item: impl Fn(usize) -> String + Send + Sync + 'static,
         rebase: impl Fn(&str, &[u8]) -> Option<FixedBitSet> + Send + Sync + 'static,
+        rebuild_on_range_change: bool,
         spacing: Duration,
     ) -> Self {
         Self {
@@ -104,6 +127,7 @@ impl LegacyBitmap {
             subject,
             item: Box::new(item),
             rebase: Box::new(rebase),
+            rebuild_on_range_change,
             spacing,
             leaks: Mutex::default(),
             reported: ReportOnce::new(),
@@ -123,6 +147,52 @@ impl LegacyBitmap {
     /// Renders an offset as the port or IP it stands for.
     pub fn item(&self, offset: usize) -> String {
         (self.item)(offset)
+    }
+
+    /// What is wrong when the key is stored under `stored` (empty: no range), and how to
+    /// resolve it: the drift's message, the event's note and the log line.
+    pub fn range_mismatch_note(&self, stored: &str) -> String {
+        let Subject {
+            noun,
+            range_setting,
+            apiserver_flag,
+            rebuild_setting,
+            ..
+        } = self.subject;
+        let (key, configured) = (&self.key, &self.range);
+        if self.rebuild_on_range_change {
+            let under = match stored {
+                "" => "without a range".to_owned(),
+                stored => format!("under the range {stored}"),
+            };
+            return format!(
+                "The {noun} allocation bitmap {key} is stored {under}, but {range_setting} is \
+                 {configured}: it is rebuilt under {configured} once a fresh list of the Services \
+                 succeeds ({rebuild_setting} is set)"
+            );
+        }
+        if stored.is_empty() {
+            format!(
+                "The {noun} allocation bitmap {key} is stored without a range; {range_setting} is \
+                 {configured}: the bitmap is left unchanged. kube-apiserver's own repair fills in \
+                 its {apiserver_flag}; to fill in {configured} from here, set {rebuild_setting}: true"
+            )
+        } else {
+            format!(
+                "The {noun} allocation bitmap {key} is stored under the range {stored}, but \
+                 {range_setting} is {configured}: the bitmap is left unchanged. If kube-apiserver's \
+                 {apiserver_flag} is {stored}, set {range_setting} to it; if the flag was changed to \
+                 {configured}, kube-apiserver rebuilds the bitmap when it restarts, or set \
+                 {rebuild_setting}: true to rebuild it from here (allocations outside {configured} \
+                 are dropped)"
+            )
+        }
+    }
+
+    /// Forgets a finding reported in an earlier pass, so the next pass that finds it reports it
+    /// again: for a finding whose event could not be written.
+    pub fn forget(&self, finding: &BitmapFinding) {
+        self.reported.forget(finding);
     }
 
     /// One pass: `in_use` holds the offsets the Services hold (of this key's size), `owner`
@@ -179,8 +249,8 @@ impl LegacyBitmap {
                 },
             };
             // The range the value was stored under, when it is not the configured one: empty
-            // (never initialized), or another range (the apiserver's range was changed). Both
-            // are rewritten under the configured range, as upstream's repair does.
+            // (never initialized), or another range (kube-apiserver's flag differs from this
+            // process's configuration, or was changed).
             let moved_from = value
                 .as_ref()
                 .map(|value| value.range.clone())
@@ -208,6 +278,22 @@ impl LegacyBitmap {
                 }
                 (Some(value), _) => bitmap_from_bytes(&value.data, self.size),
             };
+            if let Some(from) = &moved_from
+                && !self.rebuild_on_range_change
+            {
+                // Which range is kube-apiserver's cannot be told from here: report, write
+                // nothing. Leak sightings made under the other range mean nothing any more.
+                *self.leaks.lock().unwrap_or_else(|p| p.into_inner()) = LeakTracker::default();
+                let new = self.report(vec![BitmapFinding::RangeMismatch(from.clone())]);
+                let drift = vec![drift(
+                    kind("range_mismatch"),
+                    object,
+                    Action::Report,
+                    self.range_mismatch_note(from),
+                    false,
+                )];
+                return Ok(BitmapPass { drift, new });
+            }
             let range_change = moved_from.as_ref().map(|from| {
                 let kept = stored_bits.count_ones(..);
                 let stored = value.as_ref().map_or(kept, |value| {
@@ -232,8 +318,8 @@ impl LegacyBitmap {
                 };
                 if fresh.is_none() {
                     let message = format!(
-                        "the stored range {from:?} is not the configured {}: the bitmap is to be rebuilt under {} ({dropped} allocations outside it dropped), once a fresh list of the Services succeeds",
-                        self.range, self.range
+                        "the stored range {from:?} is not the configured {}: the bitmap is to be rebuilt under {} ({dropped} allocations outside it dropped; {}), once a fresh list of the Services succeeds",
+                        self.range, self.range, self.subject.rebuild_setting
                     );
                     let new = self.report(vec![BitmapFinding::RangeMismatch(from.clone())]);
                     let drift = vec![drift(
@@ -336,11 +422,14 @@ impl LegacyBitmap {
             let mut findings: Vec<BitmapFinding> = Vec::new();
             if let Some((from, dropped)) = &range_change {
                 let message = if from.is_empty() {
-                    format!("the stored value has no range: {} is filled in", self.range)
+                    format!(
+                        "the stored value has no range: {} is filled in ({})",
+                        self.range, self.subject.rebuild_setting
+                    )
                 } else {
                     format!(
-                        "the stored range {from:?} is not the configured {}: the bitmap is rebuilt under {} ({dropped} allocations outside it dropped)",
-                        self.range, self.range
+                        "the stored range {from:?} is not the configured {}: the bitmap is rebuilt under {} ({dropped} allocations outside it dropped; {})",
+                        self.range, self.range, self.subject.rebuild_setting
                     )
                 };
                 drifts.push(drift(
@@ -350,7 +439,11 @@ impl LegacyBitmap {
                     message,
                     applied,
                 ));
-                findings.push(BitmapFinding::RangeMismatch(from.clone()));
+                findings.push(if applied {
+                    BitmapFinding::RangeRebuilt(from.clone())
+                } else {
+                    BitmapFinding::RangeMismatch(from.clone())
+                });
             }
             findings.extend(
                 plan.not_allocated
@@ -371,7 +464,7 @@ impl LegacyBitmap {
                         finding,
                         BitmapFinding::NotAllocated(_)
                             | BitmapFinding::Released(_)
-                            | BitmapFinding::RangeMismatch(_)
+                            | BitmapFinding::RangeRebuilt(_)
                     )
                 })
                 .cloned()
@@ -426,19 +519,30 @@ impl LegacyBitmap {
                         self.item(*offset)
                     );
                 }
-                BitmapFinding::RangeMismatch(stored) if stored.is_empty() => {
-                    warn!(
-                        key,
-                        configured = self.range,
-                        "the stored bitmap has no range; filling in the configured one"
-                    );
-                }
                 BitmapFinding::RangeMismatch(stored) => {
                     warn!(
                         key,
                         stored,
                         configured = self.range,
-                        "the stored range differs from the configured one; rebuilding the bitmap under the configured range, dropping the allocations outside it"
+                        "{}",
+                        self.range_mismatch_note(stored)
+                    );
+                }
+                BitmapFinding::RangeRebuilt(stored) if stored.is_empty() => {
+                    warn!(
+                        key,
+                        configured = self.range,
+                        "the stored bitmap has no range; filling in the configured one ({} is set)",
+                        self.subject.rebuild_setting
+                    );
+                }
+                BitmapFinding::RangeRebuilt(stored) => {
+                    warn!(
+                        key,
+                        stored,
+                        configured = self.range,
+                        "the stored range differs from the configured one; rebuilding the bitmap under the configured range, dropping the allocations outside it ({} is set)",
+                        self.subject.rebuild_setting
                     );
                 }
                 BitmapFinding::Unusable(why) => {

@@ -10,9 +10,12 @@
 //! In etcd mode it also repairs the allocation bitmap kube-apiserver keeps at
 //! `<prefix>/ranges/servicenodeports` as upstream does ([`crate::legacy_alloc`]): ports in use
 //! are set at once, unused ones released only on their third sighting and when a fresh list of
-//! the Services confirms them unused, and the key is written only by compare-and-swap. A watch on the key wakes the
-//! loop when it changes. Each problem is reported once when it appears (event, warning log,
-//! counter), not again on every pass while it persists; `check` lists every current problem.
+//! the Services confirms them unused, and the key is written only by compare-and-swap. A watch
+//! on the key wakes the loop when it changes. A bitmap stored under another range than
+//! `serviceNodePortRange` is reported (a Warning event on the `kubernetes` Service naming both
+//! ranges) and left alone, unless `rebuildBitmapOnRangeChange` is set. Each problem is reported
+//! once when it appears (event, warning log, counter), not again on every pass while it
+//! persists; `check` lists every current problem.
 
 pub mod scan;
 
@@ -41,7 +44,7 @@ pub use scan::{Finding, PortRange, Problem};
 
 use crate::metrics::{loop_registry, registered};
 use crate::section::{
-    BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
+    BuildContext, BuildError, ConfigError, LoopSection, ServiceName, Settings, duration_format,
     validate_interval,
 };
 
@@ -52,6 +55,9 @@ pub const NAME: &str = "nodeport-repair";
 pub const REPORTING_CONTROLLER: &str = "portallocator-repair-controller";
 /// Upstream's event action.
 pub const EVENT_ACTION: &str = "PortAllocation";
+/// The event reason of a bitmap stored under another range (not upstream's: its repair always
+/// rebuilds under its own range).
+pub const RANGE_MISMATCH_REASON: &str = "NodePortRangeMismatch";
 
 #[derive(Clone, Debug)]
 pub struct NodePortRepairConfig {
@@ -64,6 +70,11 @@ pub struct NodePortRepairConfig {
     pub page_size: u32,
     /// etcd mode: repair the bitmap at `<prefix>/ranges/servicenodeports` too.
     pub etcd: Option<EtcdConfig>,
+    /// etcd mode: rebuild a bitmap stored under another range (or none) under `range`, instead
+    /// of reporting it and leaving it alone.
+    pub rebuild_bitmap_on_range_change: bool,
+    /// The `kubernetes` Service: a bitmap range mismatch is reported in an event about it.
+    pub kubernetes_service: ServiceName,
 }
 
 impl Default for NodePortRepairConfig {
@@ -74,6 +85,11 @@ impl Default for NodePortRepairConfig {
             reporting_instance: None,
             page_size: store::DEFAULT_PAGE_SIZE,
             etcd: None,
+            rebuild_bitmap_on_range_change: false,
+            kubernetes_service: ServiceName {
+                namespace: "default".to_owned(),
+                name: "kubernetes".to_owned(),
+            },
         }
     }
 }
@@ -90,6 +106,11 @@ pub struct Section {
     /// the ClusterIP repair is off; otherwise it reads that loop's), and the fresh list that
     /// confirms a leak in the etcd bitmap.
     pub page_size: u32,
+    /// etcd mode: a bitmap stored under another range than `serviceNodePortRange` (or none) is
+    /// rebuilt under `serviceNodePortRange`, dropping the ports outside it. Off: it is reported
+    /// and left alone. For an operator who changed kube-apiserver's `--service-node-port-range`
+    /// and wants the bitmap moved before kube-apiserver's restart does it.
+    pub rebuild_bitmap_on_range_change: bool,
 }
 
 impl Default for Section {
@@ -99,6 +120,7 @@ impl Default for Section {
             enabled: true,
             interval: defaults.interval,
             page_size: defaults.page_size,
+            rebuild_bitmap_on_range_change: defaults.rebuild_bitmap_on_range_change,
         }
     }
 }
@@ -126,6 +148,8 @@ impl LoopSection for Section {
             reporting_instance: Some(context.settings.identity.clone()),
             page_size: self.page_size,
             etcd: context.settings.etcd.clone(),
+            rebuild_bitmap_on_range_change: self.rebuild_bitmap_on_range_change,
+            kubernetes_service: context.settings.kubernetes_service.clone(),
         };
         Ok(vec![Arc::new(NodePortRepair::new(
             context.client.clone(),
@@ -140,8 +164,9 @@ impl LoopSection for Section {
 /// per problem when it appears, and the problems present now.
 #[derive(Clone, Debug, Default)]
 pub struct NodePortMetrics {
-    /// `type` = duplicate | outOfRange | repair (set in the bitmap) | leak (released from it) |
-    /// invalid (the stored bitmap cannot be used).
+    /// `type` = duplicate | outOfRange | repair (set in the bitmap, or the bitmap rebuilt under
+    /// the configured range) | leak (released from it) | invalid (the stored bitmap cannot be
+    /// used) | rangeMismatch (the bitmap is stored under another range: left alone).
     pub port_errors: Family<[(&'static str, &'static str); 1], Counter>,
     /// `type` as above: problems present after the last complete pass.
     pub current_problems: Family<[(&'static str, &'static str); 1], Gauge>,
@@ -202,6 +227,9 @@ impl NodePortRepair {
                 Subject {
                     noun: "node port",
                     kind_prefix: "nodeport",
+                    range_setting: "serviceNodePortRange",
+                    apiserver_flag: "--service-node-port-range",
+                    rebuild_setting: "loops.nodePortRepair.rebuildBitmapOnRangeChange",
                 },
                 move |offset| (usize::from(range.base()) + offset).to_string(),
                 move |stored: &str, data: &[u8]| {
@@ -215,6 +243,7 @@ impl NodePortRepair {
                         |port| range.offset(port),
                     ))
                 },
+                config.rebuild_bitmap_on_range_change,
                 config.interval,
             )
         });
@@ -263,6 +292,7 @@ impl NodePortRepair {
             .await
             .map_err(|err| LoopError::Other(format!("NodePort bitmap in etcd: {err}")))?;
         report.drift.extend(pass.drift);
+        let mut unpublished = None;
         for finding in pass.new {
             match finding {
                 BitmapFinding::NotAllocated(offset) => {
@@ -277,13 +307,37 @@ impl NodePortRepair {
                     }
                 }
                 BitmapFinding::Released(_) => self.count("leak"),
+                BitmapFinding::RangeMismatch(ref stored) => {
+                    if !ctx.dry_run {
+                        let service = &self.config.kubernetes_service;
+                        let holder = scan::Holder {
+                            namespace: service.namespace.as_str().into(),
+                            name: service.name.as_str().into(),
+                            uid: "".into(),
+                        };
+                        let note = etcd.range_mismatch_note(stored);
+                        if let Err(err) = self
+                            .publish_about(&holder, RANGE_MISMATCH_REASON, note)
+                            .await
+                        {
+                            // Reported with its event or not at all: the next pass tries again.
+                            etcd.forget(&finding);
+                            unpublished.get_or_insert(err);
+                            continue;
+                        }
+                    }
+                    self.count("rangeMismatch");
+                }
                 // The bitmap rebuilt under the configured range (or its range filled in).
-                BitmapFinding::RangeMismatch(_) => self.count("repair"),
+                BitmapFinding::RangeRebuilt(_) => self.count("repair"),
                 BitmapFinding::Unusable(_) => self.count("invalid"),
                 BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
             }
         }
-        Ok(())
+        match unpublished {
+            Some(err) => Err(LoopError::Api(err)),
+            None => Ok(()),
+        }
     }
 
     async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
