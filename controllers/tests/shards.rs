@@ -1,13 +1,14 @@
 //! Sharing tenants between replicas over Leases, against the API simulator. Every replica here
 //! runs a stand-in manager that follows the protocol (stop what it no longer owns, acknowledge,
-//! start what it newly owns only once settled) and records what it runs in one shared map that
-//! panics when a tenant would get a second writer.
+//! start what it newly owns only once settled) with stand-in tenant runtimes that write until
+//! their leadership is taken away. What they write is recorded in one shared map that panics when
+//! a tenant would get a second writer.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Trigger};
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Trigger, Verb};
 use bootstrap_controller::shards::{self, ShardSettings, Shards, View};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
@@ -31,15 +32,18 @@ fn settings(identity: &str, lease_duration: Duration, renew_grace: Duration) -> 
 
 fn short(identity: &str) -> ShardSettings {
     // Fenced 1 s after the last renewal, judged dead 3 s after it was seen: a 2 s margin for a
-    // loaded test machine to let each manager stop its tenants in time.
+    // loaded test machine to let each replica's runtimes stop in time. The manager has 3 s to
+    // acknowledge a view.
     settings(identity, Duration::from_secs(3), Duration::from_secs(2))
 }
 
-fn tenants() -> Arc<[String]> {
-    (0..200)
-        .map(|i| format!("tenant-{}/kubeconfig-{i}", i % 7))
-        .collect()
+fn long(identity: &str) -> ShardSettings {
+    settings(identity, Duration::from_secs(300), Duration::from_secs(10))
 }
+
+/// How long a stand-in runtime goes on writing once its leadership is gone: well within the
+/// renew grace, as a real runtime's abandoned pass must be.
+const STOP_DELAY: Duration = Duration::from_millis(500);
 
 /// A client whose requests the simulator can tell apart (request log, faults) by User-Agent.
 async fn kube_config(sim: &Sim, identity: &str) -> anyhow::Result<kube::Config> {
@@ -49,10 +53,6 @@ async fn kube_config(sim: &Sim, identity: &str) -> anyhow::Result<kube::Config> 
         http::HeaderValue::from_str(&format!("{AGENT}{identity}"))?,
     ));
     Ok(config)
-}
-
-async fn client(sim: &Sim, identity: &str) -> anyhow::Result<kube::Client> {
-    Ok(kube::Client::try_from(kube_config(sim, identity).await?)?)
 }
 
 /// Which replica runs which tenant, across all replicas, plus the order things happened in.
@@ -121,10 +121,166 @@ impl Claims {
     }
 }
 
+/// The simulator, the two-writer detector and the tenants the replicas share.
+struct Group {
+    sim: Sim,
+    claims: Claims,
+    tenants: Arc<[String]>,
+}
+
+impl Group {
+    async fn start() -> anyhow::Result<Group> {
+        Ok(Group {
+            sim: Sim::start(SimConfig::default()).await?,
+            claims: Claims::default(),
+            tenants: (0..200)
+                .map(|i| format!("tenant-{}/kubeconfig-{i}", i % 7))
+                .collect(),
+        })
+    }
+
+    async fn replica(&self, settings: ShardSettings) -> anyhow::Result<Replica> {
+        let client = kube::Client::try_from(kube_config(&self.sim, &settings.identity).await?)?;
+        Ok(Replica::start(
+            client,
+            settings,
+            &self.claims,
+            &self.tenants,
+        ))
+    }
+
+    /// Starts replicas and waits until they have settled and split the tenants.
+    async fn settled<const N: usize>(
+        &self,
+        identities: [&str; N],
+        settings: fn(&str) -> ShardSettings,
+    ) -> anyhow::Result<[Replica; N]> {
+        let mut replicas = Vec::with_capacity(N);
+        for identity in identities {
+            replicas.push(self.replica(settings(identity)).await?);
+        }
+        let replicas: [Replica; N] = replicas
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("{N} replicas"))?;
+        self.converge(&replicas.each_ref(), "the replicas settle")
+            .await;
+        Ok(replicas)
+    }
+
+    /// Waits until exactly `replicas` have settled on one view and each tenant runs on its
+    /// owner, failing at once on a second writer.
+    async fn converge(&self, replicas: &[&Replica], what: &str) {
+        eventually(what, &self.claims, || {
+            converged(replicas, &self.claims, &self.tenants)
+        })
+        .await;
+    }
+
+    /// A replica on a runtime of its own, so that it can die: its tasks vanish mid-flight,
+    /// without releasing anything, as when a process is killed.
+    async fn process(&self, identity: &str) -> anyhow::Result<(Replica, Process)> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let config = kube_config(&self.sim, identity).await?;
+        let (claims, tenants) = (self.claims.clone(), Arc::clone(&self.tenants));
+        let settings = short(identity);
+        let replica = runtime
+            .spawn(async move {
+                let client = kube::Client::try_from(config)?;
+                anyhow::Ok(Replica::start(client, settings, &claims, &tenants))
+            })
+            .await??;
+        Ok((replica, Process { runtime }))
+    }
+
+    /// Who runs what now, and how far the events go, before a disturbance.
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            running: self.claims.running(),
+            events: self.claims.events().len(),
+        }
+    }
+
+    /// Whether `replica` stopped each tenant it ran at `snapshot` before another replica
+    /// started it.
+    fn handed_over(&self, snapshot: &Snapshot, replica: &str) -> bool {
+        let events = self.claims.events();
+        let events = events.get(snapshot.events..).unwrap_or_default();
+        let position = |wanted: &dyn Fn(&String) -> bool| events.iter().position(wanted);
+        snapshot
+            .running
+            .iter()
+            .filter(|(_, owner)| *owner == replica)
+            .all(|(tenant, _)| {
+                let stopped = position(&|e| *e == format!("{replica} stops {tenant}"));
+                let started = position(&|e| {
+                    e.ends_with(&format!(" starts {tenant}"))
+                        && !e.starts_with(&format!("{replica} "))
+                });
+                stopped.is_some() && started.is_some() && stopped < started
+            })
+    }
+
+    /// From now on, every request of `identity` (of `verb` only, if given) fails.
+    fn fail(&self, identity: &str, verb: Option<Verb>) {
+        self.sim.faults().inject(FaultRule {
+            verb,
+            resource: None,
+            user_agent: Some(format!("{AGENT}{identity}")),
+            fault: FaultKind::Error {
+                code: 500,
+                retry_after_seconds: None,
+            },
+            trigger: Trigger::Probability(1.0),
+        });
+    }
+
+    /// a and b, and c on a runtime of its own (so that it can be killed), settled.
+    async fn settled_with_process(&self) -> anyhow::Result<([Replica; 3], Process)> {
+        let [a, b] = self.settled(["a", "b"], short).await?;
+        let (c, c_process) = self.process("c").await?;
+        self.converge(&[&a, &b, &c], "a, b and c settle").await;
+        Ok(([a, b, c], c_process))
+    }
+
+    fn lease_requests(&self, identity: &str) -> Vec<apiserver_sim::RequestRecord> {
+        let agent = format!("{AGENT}{identity}");
+        self.sim
+            .requests()
+            .into_iter()
+            .filter(|r| r.user_agent == agent && r.resource == "leases")
+            .collect()
+    }
+
+    fn leases(&self) -> Api<Lease> {
+        Api::namespaced(self.sim.client(), NAMESPACE)
+    }
+
+    /// Cleanly stops every replica, then the simulator.
+    async fn finish(self, replicas: impl IntoIterator<Item = Replica>) -> anyhow::Result<()> {
+        for replica in replicas {
+            replica.stop().await?;
+        }
+        self.claims.check();
+        self.sim.shutdown().await;
+        Ok(())
+    }
+}
+
+/// See [`Group::snapshot`].
+struct Snapshot {
+    running: HashMap<String, String>,
+    events: usize,
+}
+
 struct Replica {
     identity: String,
     cancel: CancellationToken,
     views: watch::Receiver<View>,
+    /// While true, the manager handles no view (it is stuck); the runtimes go on.
+    hung: watch::Sender<bool>,
     manager: JoinHandle<Shards>,
 }
 
@@ -139,17 +295,21 @@ impl Replica {
         let identity = settings.identity.clone();
         let shards = Shards::spawn(client, settings, cancel.clone());
         let views = shards.views.clone();
-        let manager = tokio::spawn(manage(
-            shards,
-            identity.clone(),
-            claims.clone(),
-            Arc::clone(tenants),
-            cancel.clone(),
-        ));
+        let (hung, hang) = watch::channel(false);
+        let manager = tokio::spawn(
+            Manager {
+                me: identity.clone(),
+                claims: claims.clone(),
+                tenants: Arc::clone(tenants),
+                running: HashMap::new(),
+            }
+            .run(shards, hang, cancel.clone()),
+        );
         Replica {
             identity,
             cancel,
             views,
+            hung,
             manager,
         }
     }
@@ -158,8 +318,13 @@ impl Replica {
         self.views.borrow().clone()
     }
 
+    fn lease_name(&self) -> String {
+        shards::lease_name(GROUP, &self.identity)
+    }
+
     /// A clean stop: the manager stops its tenants, then the Lease is released.
     async fn stop(self) -> anyhow::Result<()> {
+        self.hung.send_replace(false);
         self.cancel.cancel();
         let shards = self.manager.await?;
         shards.stopped().await;
@@ -167,48 +332,99 @@ impl Replica {
     }
 }
 
+/// A stand-in tenant runtime: it writes while it leads and stops [`STOP_DELAY`] after its
+/// leadership is taken away, by its manager or by fencing.
+struct Runtime {
+    leading: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
 /// What the real manager does with views: stop what is no longer owned, acknowledge, and start
 /// what is newly owned only once every live replica acknowledged the same view.
-async fn manage(
-    shards: Shards,
+struct Manager {
     me: String,
     claims: Claims,
     tenants: Arc<[String]>,
-    cancel: CancellationToken,
-) -> Shards {
-    let mut views = shards.views.clone();
-    let mut running: HashSet<String> = HashSet::new();
-    let mut fenced = false;
-    loop {
-        let view = views.borrow_and_update().clone();
-        if view.fenced && !fenced {
-            claims.note(format!("{me} fenced"));
-        }
-        fenced = view.fenced;
-        running.retain(|tenant| {
-            let owned = view.owns(tenant);
-            if !owned {
-                claims.release(tenant, &me);
-            }
-            owned
-        });
-        shards.ack(view.id);
-        if view.settled {
-            for tenant in tenants.iter() {
-                if view.owns(tenant) && running.insert(tenant.clone()) {
-                    claims.claim(tenant, &me);
+    running: HashMap<String, Runtime>,
+}
+
+impl Manager {
+    async fn run(
+        mut self,
+        shards: Shards,
+        mut hang: watch::Receiver<bool>,
+        cancel: CancellationToken,
+    ) -> Shards {
+        let mut views = shards.views.clone();
+        let mut fenced = false;
+        loop {
+            if *hang.borrow_and_update() {
+                self.claims.note(format!("{}'s manager hangs", self.me));
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = hang.wait_for(|hung| !*hung) => {}
                 }
             }
+            let view = views.borrow_and_update().clone();
+            if view.fenced && !fenced {
+                self.claims.note(format!("{} fenced", self.me));
+            }
+            fenced = view.fenced;
+            let lost = self
+                .running
+                .keys()
+                .filter(|tenant| !view.owns(tenant))
+                .cloned()
+                .collect();
+            self.stop(lost).await;
+            shards.ack(view.id);
+            if view.settled {
+                for tenant in self.tenants.iter() {
+                    if view.owns(tenant) && !self.running.contains_key(tenant) {
+                        let runtime = self.runtime(tenant);
+                        self.running.insert(tenant.clone(), runtime);
+                    }
+                }
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                changed = views.changed() => if changed.is_err() { break },
+                changed = hang.changed() => if changed.is_err() { break },
+            }
         }
-        tokio::select! {
-            _ = cancel.cancelled() => break,
-            changed = views.changed() => if changed.is_err() { break },
+        let all = self.running.keys().cloned().collect();
+        self.stop(all).await;
+        shards
+    }
+
+    fn runtime(&self, tenant: &str) -> Runtime {
+        let (leading, mut leadership) = watch::channel(true);
+        let leads = *leadership.borrow_and_update();
+        if leads {
+            self.claims.claim(tenant, &self.me);
         }
+        let (claims, tenant, me) = (self.claims.clone(), tenant.to_owned(), self.me.clone());
+        let task = tokio::spawn(async move {
+            if leads {
+                let _ = leadership.wait_for(|leading| !*leading).await;
+                tokio::time::sleep(STOP_DELAY).await;
+                claims.release(&tenant, &me);
+            }
+        });
+        Runtime { leading, task }
     }
-    for tenant in &running {
-        claims.release(tenant, &me);
+
+    /// Takes the runtimes' leadership away and waits until they have stopped writing.
+    async fn stop(&mut self, tenants: Vec<String>) {
+        let mut stopping = Vec::new();
+        for tenant in tenants {
+            if let Some(runtime) = self.running.remove(&tenant) {
+                runtime.leading.send_replace(false);
+                stopping.push(runtime.task);
+            }
+        }
+        futures::future::join_all(stopping).await;
     }
-    shards
 }
 
 /// Polls `condition` with a generous deadline, failing at once on a second writer.
@@ -244,31 +460,31 @@ fn converged(replicas: &[&Replica], claims: &Claims, tenants: &[String]) -> bool
             .all(|t| running.get(t).map(String::as_str) == first.owner(t))
 }
 
-fn shard_requests(sim: &Sim) -> Vec<apiserver_sim::RequestRecord> {
-    sim.requests()
-        .into_iter()
-        .filter(|r| r.user_agent.starts_with(AGENT))
-        .collect()
+struct Process {
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Process {
+    async fn kill(self, claims: &Claims, identity: &str) -> anyhow::Result<()> {
+        // Wait for the runtime to stop, so that nothing of the replica runs after this.
+        let runtime = self.runtime;
+        tokio::task::spawn_blocking(move || runtime.shutdown_timeout(Duration::from_secs(10)))
+            .await?;
+        claims.died(identity);
+        Ok(())
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_replica_settles_and_owns_every_tenant() -> anyhow::Result<()> {
     // No namespaces at all: the replica must create its Lease's namespace.
-    let sim = Sim::start(SimConfig::default()).await?;
-    let claims = Claims::default();
-    let tenants = tenants();
-    let a = Replica::start(client(&sim, "a").await?, short("a"), &claims, &tenants);
-    eventually("a settles and runs everything", &claims, || {
-        converged(&[&a], &claims, &tenants)
-    })
-    .await;
+    let group = Group::start().await?;
+    let [a] = group.settled(["a"], short).await?;
     let view = a.view();
     assert_eq!(&*view.members, ["a".to_owned()]);
-    assert!(tenants.iter().all(|t| view.owns(t)));
+    assert!(group.tenants.iter().all(|t| view.owns(t)));
 
-    let leases: Api<Lease> = Api::namespaced(sim.client(), NAMESPACE);
-    let name = shards::lease_name(GROUP, "a");
-    let lease = leases.get(&name).await?;
+    let lease = group.leases().get(&a.lease_name()).await?;
     assert_eq!(
         lease
             .metadata
@@ -277,50 +493,32 @@ async fn one_replica_settles_and_owns_every_tenant() -> anyhow::Result<()> {
             .get(shards::REPLICA_LABEL),
         Some(&GROUP.to_owned())
     );
+    let annotations = lease.metadata.annotations.unwrap_or_default();
     assert_eq!(
-        lease
-            .metadata
-            .annotations
-            .unwrap_or_default()
-            .get(shards::VIEW_ANNOTATION),
+        annotations.get(shards::VIEW_ANNOTATION),
         Some(&view.id.to_string()),
         "the Lease carries the acknowledged view"
     );
 
+    let name = a.lease_name();
     a.stop().await?;
-    assert!(claims.running().is_empty(), "a stopped its tenants");
+    assert!(group.claims.running().is_empty(), "a stopped its tenants");
     assert!(
-        leases.get_opt(&name).await?.is_none(),
+        group.leases().get_opt(&name).await?.is_none(),
         "a clean stop deletes the Lease"
     );
-    sim.shutdown().await;
-    Ok(())
+    group.finish([]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_replicas_split_the_tenants_evenly() -> anyhow::Result<()> {
-    let sim = Sim::start(SimConfig::default()).await?;
-    let claims = Claims::default();
-    let tenants = tenants();
-    let mut replicas = Vec::new();
-    for identity in ["a", "b", "c"] {
-        replicas.push(Replica::start(
-            client(&sim, identity).await?,
-            short(identity),
-            &claims,
-            &tenants,
-        ));
-    }
-    let all: Vec<&Replica> = replicas.iter().collect();
-    eventually("three replicas settle", &claims, || {
-        converged(&all, &claims, &tenants)
-    })
-    .await;
-    for tenant in tenants.iter() {
+    let group = Group::start().await?;
+    let replicas = group.settled(["a", "b", "c"], short).await?;
+    for tenant in group.tenants.iter() {
         let owners = replicas.iter().filter(|r| r.view().owns(tenant)).count();
         assert_eq!(owners, 1, "{tenant} has {owners} owners");
     }
-    let running = claims.running();
+    let running = group.claims.running();
     for replica in &replicas {
         let count = running.values().filter(|r| **r == replica.identity).count();
         // 200 / 3 is about 67; a sound hash stays far from these bounds.
@@ -330,39 +528,26 @@ async fn three_replicas_split_the_tenants_evenly() -> anyhow::Result<()> {
             replica.identity
         );
     }
-    for replica in replicas {
-        replica.stop().await?;
-    }
-    sim.shutdown().await;
-    Ok(())
+    group.finish(replicas).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_joining_replica_starts_tenants_only_after_their_old_owners_stopped() -> anyhow::Result<()>
 {
-    let sim = Sim::start(SimConfig::default()).await?;
-    let claims = Claims::default();
-    let tenants = tenants();
-    let a = Replica::start(client(&sim, "a").await?, short("a"), &claims, &tenants);
-    let b = Replica::start(client(&sim, "b").await?, short("b"), &claims, &tenants);
-    eventually("a and b settle", &claims, || {
-        converged(&[&a, &b], &claims, &tenants)
-    })
-    .await;
-    let before = claims.running();
+    let group = Group::start().await?;
+    let [a, b] = group.settled(["a", "b"], short).await?;
+    let before = group.claims.running();
 
-    let c = Replica::start(client(&sim, "c").await?, short("c"), &claims, &tenants);
-    eventually("a, b and c settle", &claims, || {
-        converged(&[&a, &b, &c], &claims, &tenants)
-    })
-    .await;
-    let after = claims.running();
-    let moved: Vec<&String> = tenants
+    let c = group.replica(short("c")).await?;
+    group.converge(&[&a, &b, &c], "a, b and c settle").await;
+    let after = group.claims.running();
+    let moved: Vec<&String> = group
+        .tenants
         .iter()
         .filter(|t| before.get(*t) != after.get(*t))
         .collect();
     assert!(!moved.is_empty(), "c took over some tenants");
-    let events = claims.events();
+    let events = group.claims.events();
     for tenant in moved {
         assert_eq!(after.get(tenant).map(String::as_str), Some("c"), "{tenant}");
         let old = before.get(tenant).map(String::as_str).unwrap_or_default();
@@ -377,71 +562,19 @@ async fn a_joining_replica_starts_tenants_only_after_their_old_owners_stopped() 
             "{tenant}: {old} must stop it before c starts it"
         );
     }
-    for replica in [a, b, c] {
-        replica.stop().await?;
-    }
-    sim.shutdown().await;
-    Ok(())
-}
-
-/// A replica on a runtime of its own, so that it can die: its tasks vanish mid-flight, without
-/// releasing anything, as when a process is killed.
-struct Process {
-    runtime: tokio::runtime::Runtime,
-}
-
-impl Process {
-    async fn start(
-        sim: &Sim,
-        identity: &str,
-        claims: &Claims,
-        tenants: &Arc<[String]>,
-    ) -> anyhow::Result<(Replica, Process)> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()?;
-        let config = kube_config(sim, identity).await?;
-        let (claims, tenants) = (claims.clone(), Arc::clone(tenants));
-        let settings = short(identity);
-        let replica = runtime
-            .spawn(async move {
-                let client = kube::Client::try_from(config)?;
-                anyhow::Ok(Replica::start(client, settings, &claims, &tenants))
-            })
-            .await??;
-        Ok((replica, Process { runtime }))
-    }
-
-    async fn kill(self, claims: &Claims, identity: &str) -> anyhow::Result<()> {
-        // Wait for the runtime to stop, so that nothing of the replica runs after this.
-        let runtime = self.runtime;
-        tokio::task::spawn_blocking(move || runtime.shutdown_timeout(Duration::from_secs(10)))
-            .await?;
-        claims.died(identity);
-        Ok(())
-    }
+    group.finish([a, b, c]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_replicas_tenants_are_taken_over_once_its_lease_expires() -> anyhow::Result<()> {
-    let sim = Sim::start(SimConfig::default()).await?;
-    let claims = Claims::default();
-    let tenants = tenants();
-    let a = Replica::start(client(&sim, "a").await?, short("a"), &claims, &tenants);
-    let b = Replica::start(client(&sim, "b").await?, short("b"), &claims, &tenants);
-    let (c, c_process) = Process::start(&sim, "c", &claims, &tenants).await?;
-    eventually("a, b and c settle", &claims, || {
-        converged(&[&a, &b, &c], &claims, &tenants)
-    })
-    .await;
+    let group = Group::start().await?;
+    let ([a, b, c], c_process) = group.settled_with_process().await?;
 
-    c_process.kill(&claims, "c").await?;
+    c_process.kill(&group.claims, "c").await?;
     let died = Instant::now();
-    eventually("a and b take over c's tenants", &claims, || {
-        converged(&[&a, &b], &claims, &tenants)
-    })
-    .await;
+    group
+        .converge(&[&a, &b], "a and b take over c's tenants")
+        .await;
     // The survivors waited for the Lease to lapse: c renewed every half second until it died,
     // and its Lease lasts 3 s, so no take-over can come sooner than this.
     assert!(
@@ -451,95 +584,66 @@ async fn a_dead_replicas_tenants_are_taken_over_once_its_lease_expires() -> anyh
     );
     // Much later (five Lease durations), a survivor deletes the dead replica's Lease, so that
     // replicas replaced under new names do not leave Leases piling up.
-    let name = shards::lease_name(GROUP, "c");
+    let name = c.lease_name();
     let deleted = || {
-        shard_requests(&sim)
+        group
+            .sim
+            .requests()
             .iter()
             .any(|r| r.verb == "delete" && r.name == name && r.status == 200)
     };
-    eventually("the dead replica's Lease is deleted", &claims, deleted).await;
-    let leases: Api<Lease> = Api::namespaced(sim.client(), NAMESPACE);
-    assert!(leases.get_opt(&name).await?.is_none());
+    eventually(
+        "the dead replica's Lease is deleted",
+        &group.claims,
+        deleted,
+    )
+    .await;
+    assert!(group.leases().get_opt(&name).await?.is_none());
     assert!(
-        converged(&[&a, &b], &claims, &tenants),
+        converged(&[&a, &b], &group.claims, &group.tenants),
         "deleting a dead Lease changes nothing"
     );
-    for replica in [a, b] {
-        replica.stop().await?;
-    }
-    sim.shutdown().await;
-    Ok(())
+    group.finish([a, b]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_clean_stop_hands_over_without_waiting_for_the_lease_to_expire() -> anyhow::Result<()> {
-    let sim = Sim::start(SimConfig::default()).await?;
-    let claims = Claims::default();
-    let tenants = tenants();
+    let group = Group::start().await?;
     // Leases far longer than the wait below: only a released Lease can hand over in time.
-    let long = |identity| settings(identity, Duration::from_secs(300), Duration::from_secs(10));
-    let a = Replica::start(client(&sim, "a").await?, long("a"), &claims, &tenants);
-    let b = Replica::start(client(&sim, "b").await?, long("b"), &claims, &tenants);
-    let c = Replica::start(client(&sim, "c").await?, long("c"), &claims, &tenants);
-    eventually("a, b and c settle", &claims, || {
-        converged(&[&a, &b, &c], &claims, &tenants)
-    })
-    .await;
+    let [a, b, c] = group.settled(["a", "b", "c"], long).await?;
 
+    group.sim.clear_requests();
     c.stop().await?;
-    eventually("a and b take over c's tenants", &claims, || {
-        converged(&[&a, &b], &claims, &tenants)
-    })
-    .await;
-    let name = shards::lease_name(GROUP, "c");
+    group
+        .converge(&[&a, &b], "a and b take over c's tenants")
+        .await;
     assert!(
-        shard_requests(&sim)
+        group
+            .lease_requests("c")
             .iter()
-            .any(|r| r.verb == "delete" && r.resource == "leases" && r.name == name),
+            .any(|r| r.verb == "delete" && r.status == 200),
         "c deleted its Lease"
     );
-    for replica in [a, b] {
-        replica.stop().await?;
-    }
-    sim.shutdown().await;
-    Ok(())
+    group.finish([a, b]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_cut_off_from_the_api_is_fenced_before_the_others_take_its_tenants()
 -> anyhow::Result<()> {
-    let sim = Sim::start(SimConfig::default()).await?;
-    let claims = Claims::default();
-    let tenants = tenants();
-    let a = Replica::start(client(&sim, "a").await?, short("a"), &claims, &tenants);
-    let b = Replica::start(client(&sim, "b").await?, short("b"), &claims, &tenants);
-    let c = Replica::start(client(&sim, "c").await?, short("c"), &claims, &tenants);
-    eventually("a, b and c settle", &claims, || {
-        converged(&[&a, &b, &c], &claims, &tenants)
-    })
-    .await;
-    let before = claims.running();
+    let group = Group::start().await?;
+    let [a, b, c] = group.settled(["a", "b", "c"], short).await?;
+    let before = group.snapshot();
 
     // Every request of c fails; its open watch goes on, so it still sees the others.
-    sim.faults().inject(FaultRule {
-        verb: None,
-        resource: None,
-        user_agent: Some(format!("{AGENT}c")),
-        fault: FaultKind::Error {
-            code: 500,
-            retry_after_seconds: None,
-        },
-        trigger: Trigger::Probability(1.0),
-    });
-    eventually("a and b take over c's tenants", &claims, || {
-        converged(&[&a, &b], &claims, &tenants)
-    })
-    .await;
+    group.fail("c", None);
+    group
+        .converge(&[&a, &b], "a and b take over c's tenants")
+        .await;
     assert!(c.view().fenced, "c is fenced while it cannot renew");
-    let events = claims.events();
+    let events = group.claims.events();
     let fenced = events.iter().position(|e| e == "c fenced");
     let taken = events.iter().position(|e| {
-        before.iter().any(|(tenant, replica)| {
+        before.running.iter().any(|(tenant, replica)| {
             replica == "c"
                 && (*e == format!("a starts {tenant}") || *e == format!("b starts {tenant}"))
         })
@@ -548,44 +652,30 @@ async fn a_replica_cut_off_from_the_api_is_fenced_before_the_others_take_its_ten
         fenced.is_some() && taken.is_some() && fenced < taken,
         "c must be fenced (at {fenced:?}) before its tenants move (at {taken:?})"
     );
+    assert!(group.handed_over(&before, "c"));
     assert!(!c.manager.is_finished(), "c keeps trying");
 
-    sim.faults().clear();
-    eventually("c rejoins once it reaches the API", &claims, || {
-        converged(&[&a, &b, &c], &claims, &tenants)
-    })
-    .await;
-    for replica in [a, b, c] {
-        replica.stop().await?;
-    }
-    sim.shutdown().await;
-    Ok(())
+    group.sim.faults().clear();
+    group
+        .converge(&[&a, &b, &c], "c rejoins once it reaches the API")
+        .await;
+    group.finish([a, b, c]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn at_rest_the_replicas_only_renew_their_leases() -> anyhow::Result<()> {
-    let sim = Sim::start(SimConfig::default()).await?;
-    let claims = Claims::default();
-    let tenants = tenants();
-    let mut replicas = Vec::new();
-    for identity in ["a", "b", "c"] {
-        replicas.push(Replica::start(
-            client(&sim, identity).await?,
-            short(identity),
-            &claims,
-            &tenants,
-        ));
-    }
-    let all: Vec<&Replica> = replicas.iter().collect();
-    eventually("three replicas settle", &claims, || {
-        converged(&all, &claims, &tenants)
-    })
-    .await;
+    let group = Group::start().await?;
+    let replicas = group.settled(["a", "b", "c"], short).await?;
 
-    sim.clear_requests();
+    group.sim.clear_requests();
     // Several renewal periods (half a second each).
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let requests = shard_requests(&sim);
+    let requests: Vec<apiserver_sim::RequestRecord> = group
+        .sim
+        .requests()
+        .into_iter()
+        .filter(|r| r.user_agent.starts_with(AGENT))
+        .collect();
     let unexpected: Vec<String> = requests
         .iter()
         .filter(|r| !(r.verb == "update" && r.resource == "leases") && r.verb != "watch")
@@ -596,59 +686,41 @@ async fn at_rest_the_replicas_only_renew_their_leases() -> anyhow::Result<()> {
         "at rest only renewals: {unexpected:?}"
     );
     for replica in &replicas {
-        let agent = format!("{AGENT}{}", replica.identity);
         assert!(
-            requests
-                .iter()
-                .any(|r| r.user_agent == agent && r.verb == "update"),
+            !group.lease_requests(&replica.identity).is_empty(),
             "{} renews its Lease",
             replica.identity
         );
     }
-    for replica in replicas {
-        replica.stop().await?;
-    }
-    sim.shutdown().await;
-    Ok(())
+    group.finish(replicas).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_restarted_under_its_name_takes_its_tenants_back() -> anyhow::Result<()> {
-    let sim = Sim::start(SimConfig::default()).await?;
-    let claims = Claims::default();
-    let tenants = tenants();
-    let a = Replica::start(client(&sim, "a").await?, short("a"), &claims, &tenants);
-    let b = Replica::start(client(&sim, "b").await?, short("b"), &claims, &tenants);
-    let (c, c_process) = Process::start(&sim, "c", &claims, &tenants).await?;
-    eventually("a, b and c settle", &claims, || {
-        converged(&[&a, &b, &c], &claims, &tenants)
-    })
-    .await;
-    let before = claims.running();
+    let group = Group::start().await?;
+    // The first c is only killed: it stays bound until then.
+    let ([a, b, _first_c], c_process) = group.settled_with_process().await?;
+    let before = group.claims.running();
 
     // A pod of a StatefulSet comes back under its name while its Lease is still there: it takes
     // over its old Lease (dropping its predecessor's acknowledgement) and gets its tenants back.
-    c_process.kill(&claims, "c").await?;
-    sim.clear_requests();
-    let c = Replica::start(client(&sim, "c").await?, short("c"), &claims, &tenants);
-    eventually("the restarted c settles with a and b", &claims, || {
-        converged(&[&a, &b, &c], &claims, &tenants)
-    })
-    .await;
+    c_process.kill(&group.claims, "c").await?;
+    group.sim.clear_requests();
+    let c = group.replica(short("c")).await?;
+    group
+        .converge(&[&a, &b, &c], "the restarted c settles with a and b")
+        .await;
     assert_eq!(
-        claims.running(),
+        group.claims.running(),
         before,
         "every tenant is back on its owner"
     );
-    let name = shards::lease_name(GROUP, "c");
-    let c_requests: Vec<(String, u16)> = shard_requests(&sim)
+    let name = c.lease_name();
+    let c_requests: Vec<(String, u16)> = group
+        .lease_requests("c")
         .into_iter()
         // A create names its object in the body only.
-        .filter(|r| {
-            r.user_agent == format!("{AGENT}c")
-                && r.resource == "leases"
-                && (r.name == name || r.verb == "create")
-        })
+        .filter(|r| r.name == name || r.verb == "create")
         .map(|r| (r.verb, r.status))
         .collect();
     let took_over = [("create", 409), ("get", 200), ("update", 200)];
@@ -661,9 +733,5 @@ async fn a_replica_restarted_under_its_name_takes_its_tenants_back() -> anyhow::
             ),
         "the restarted c takes over its Lease: {c_requests:?}"
     );
-    for replica in [a, b, c] {
-        replica.stop().await?;
-    }
-    sim.shutdown().await;
-    Ok(())
+    group.finish([a, b, c]).await
 }
