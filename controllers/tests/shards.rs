@@ -1,8 +1,8 @@
 //! Sharing tenants between replicas over Leases, against the API simulator. Every replica here
 //! runs a stand-in manager that follows the protocol (stop what it no longer owns, acknowledge,
-//! start what it newly owns only once settled) with stand-in tenant runtimes that write until
-//! their leadership is taken away. What they write is recorded in one shared map that panics when
-//! a tenant would get a second writer.
+//! start what it newly owns only once settled) with stand-in tenant runtimes that lead through the
+//! replica's [`Leadership`] and write until their leadership is taken away. What they write is
+//! recorded in one shared map that panics when a tenant would get a second writer.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -12,6 +12,7 @@ use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Trigger, Verb};
 use bootstrap_controller::shards::{self, ShardSettings, Shards, View};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
+use kube::api::DeleteParams;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -381,7 +382,7 @@ impl Manager {
             if view.settled {
                 for tenant in self.tenants.iter() {
                     if view.owns(tenant) && !self.running.contains_key(tenant) {
-                        let runtime = self.runtime(tenant);
+                        let runtime = self.runtime(tenant, &shards);
                         self.running.insert(tenant.clone(), runtime);
                     }
                 }
@@ -397,8 +398,9 @@ impl Manager {
         shards
     }
 
-    fn runtime(&self, tenant: &str) -> Runtime {
-        let (leading, mut leadership) = watch::channel(true);
+    fn runtime(&self, tenant: &str, shards: &Shards) -> Runtime {
+        let (leading, mut leadership) = shards.leadership().grant();
+        // Granted while fenced: it never leads, so it never writes.
         let leads = *leadership.borrow_and_update();
         if leads {
             self.claims.claim(tenant, &self.me);
@@ -499,6 +501,7 @@ async fn one_replica_settles_and_owns_every_tenant() -> anyhow::Result<()> {
         Some(&view.id.to_string()),
         "the Lease carries the acknowledged view"
     );
+    assert_eq!(annotations.get(shards::FENCED_ANNOTATION), None);
 
     let name = a.lease_name();
     a.stop().await?;
@@ -617,12 +620,17 @@ async fn a_clean_stop_hands_over_without_waiting_for_the_lease_to_expire() -> an
     group
         .converge(&[&a, &b], "a and b take over c's tenants")
         .await;
-    assert!(
-        group
-            .lease_requests("c")
-            .iter()
-            .any(|r| r.verb == "delete" && r.status == 200),
-        "c deleted its Lease"
+    // c said it owns nothing (an update, since its Lease's content is not in the request log),
+    // then deleted its Lease.
+    let verbs: Vec<(String, u16)> = group
+        .lease_requests("c")
+        .into_iter()
+        .map(|r| (r.verb, r.status))
+        .collect();
+    assert_eq!(
+        verbs,
+        [("update".to_owned(), 200), ("delete".to_owned(), 200)],
+        "c released its Lease"
     );
     group.finish([a, b]).await
 }
@@ -659,6 +667,124 @@ async fn a_replica_cut_off_from_the_api_is_fenced_before_the_others_take_its_ten
     group
         .converge(&[&a, &b, &c], "c rejoins once it reaches the API")
         .await;
+    group.finish([a, b, c]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_whose_manager_hangs_is_fenced_and_counted_gone_so_the_others_go_on()
+-> anyhow::Result<()> {
+    let group = Group::start().await?;
+    let [a, b, c] = group.settled(["a", "b", "c"], short).await?;
+    let before = group.snapshot();
+
+    // c's manager stops handling views; its runtimes go on writing, its Lease is renewed.
+    c.hung.send_replace(true);
+    // A replica joins, so every view changes, and c's manager acknowledges none of them.
+    let d = group.replica(short("d")).await?;
+    group
+        .converge(&[&a, &b, &d], "a, b and d share every tenant while c hangs")
+        .await;
+    // c fenced itself: its runtimes lost their leadership (without its manager) and stopped
+    // before anyone took their tenants (or the detector would have failed), and its Lease says
+    // so with its renew grace.
+    assert!(c.view().fenced);
+    assert!(group.handed_over(&before, "c"));
+    let lease = group.leases().get(&c.lease_name()).await?;
+    let annotations = lease.metadata.annotations.unwrap_or_default();
+    assert_eq!(
+        annotations
+            .get(shards::FENCED_ANNOTATION)
+            .map(String::as_str),
+        Some("2000")
+    );
+
+    // Its manager back, c acknowledges the fence and rejoins.
+    c.hung.send_replace(false);
+    group
+        .converge(&[&a, &b, &c, &d], "c rejoins once its manager is back")
+        .await;
+    group.finish([a, b, c, d]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_whose_watch_stalls_is_fenced_and_counted_gone_so_the_others_go_on()
+-> anyhow::Result<()> {
+    let group = Group::start().await?;
+    let [a, b, c] = group.settled(["a", "b", "c"], short).await?;
+    let before = group.snapshot();
+
+    // c cannot watch or list any more (its writes go through): it cannot see anyone join.
+    group.fail("c", Some(Verb::Watch));
+    group.fail("c", Some(Verb::List));
+    group.sim.close_watches();
+    let d = group.replica(short("d")).await?;
+    group
+        .converge(
+            &[&a, &b, &d],
+            "a, b and d share every tenant while c is blind",
+        )
+        .await;
+    assert!(c.view().fenced);
+    assert!(group.handed_over(&before, "c"));
+
+    group.sim.faults().clear();
+    group
+        .converge(&[&a, &b, &c, &d], "c rejoins once it can watch again")
+        .await;
+    group.finish([a, b, c, d]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_lease_deleted_by_hand_does_not_move_its_tenants() -> anyhow::Result<()> {
+    // Renewed every 2 s and fenced 4 s after the last renewal: c can take a second to write its
+    // Lease again without being fenced.
+    let lease_duration = Duration::from_secs(6);
+    let medium =
+        |identity: &str| settings(identity, Duration::from_secs(6), Duration::from_secs(2));
+    let group = Group::start().await?;
+    let [a, b, c] = group.settled(["a", "b", "c"], medium).await?;
+    let before = group.claims.running();
+    let incarnation = |lease: Lease| lease.spec.and_then(|s| s.acquire_time);
+    let name = c.lease_name();
+    let acquired = incarnation(group.leases().get(&name).await?);
+
+    // c's runtimes take STOP_DELAY to stop once fenced, and writing its Lease again takes it a
+    // second: had the others counted it gone on the deletion, they would start its tenants
+    // while it still runs them.
+    group.sim.faults().inject(FaultRule {
+        verb: Some(Verb::Create),
+        resource: Some("leases".to_owned()),
+        user_agent: Some(format!("{AGENT}c")),
+        fault: FaultKind::Latency { millis: 1000 },
+        trigger: Trigger::Probability(1.0),
+    });
+    group.sim.clear_requests();
+    group
+        .leases()
+        .delete(&name, &DeleteParams::default())
+        .await?;
+    let written_again = || {
+        group
+            .lease_requests("c")
+            .iter()
+            .any(|r| r.verb == "create" && r.status == 201)
+    };
+    eventually("c writes its Lease again", &group.claims, written_again).await;
+    // A whole Lease duration after the deletion: had c been gone, its Lease would have expired.
+    let quiet = Instant::now() + lease_duration;
+    eventually("a Lease duration passes", &group.claims, || {
+        Instant::now() >= quiet
+    })
+    .await;
+    group
+        .converge(&[&a, &b, &c], "a, b and c keep their tenants")
+        .await;
+    assert_eq!(group.claims.running(), before, "no tenant moved");
+    assert_eq!(
+        incarnation(group.leases().get(&name).await?),
+        acquired,
+        "c wrote its Lease again under the same incarnation"
+    );
     group.finish([a, b, c]).await
 }
 
