@@ -385,12 +385,14 @@ impl Controller {
                         shards_cancel.clone(),
                     );
                     let views = shards.views.clone();
+                    let leadership = shards.leadership();
                     let shards = Arc::new(shards);
                     let acks = shards.clone();
                     (
                         Ownership {
                             views,
                             ack: Box::new(move |id| acks.ack(id)),
+                            leadership,
                         },
                         Some(shards),
                     )

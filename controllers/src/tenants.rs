@@ -45,7 +45,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::config::{Config, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
 use crate::metrics::METRICS_PREFIX;
 use crate::runner::{CheckState, Health};
-use crate::shards::View;
+use crate::shards::{Leadership, View};
 use crate::tenant_kubeconfig::{self, CredentialPolicy};
 
 /// The longest a tenant's configuration and client may take to load: past it the Secret is
@@ -294,10 +294,13 @@ impl TenantMetrics {
     }
 }
 
-/// How tenants are shared with other replicas: the views to follow and how to acknowledge one.
+/// How tenants are shared with other replicas: the views to follow, how to acknowledge one, and
+/// where each runtime's leadership comes from (a fenced replica takes it from every runtime at
+/// once, even while this manager is stuck).
 pub struct Ownership {
     pub views: watch::Receiver<View>,
     pub ack: Box<dyn Fn(u64) + Send + Sync>,
+    pub leadership: Leadership,
 }
 
 impl Ownership {
@@ -309,6 +312,7 @@ impl Ownership {
         Ownership {
             views,
             ack: Box::new(|_| {}),
+            leadership: Leadership::default(),
         }
     }
 }
@@ -347,6 +351,7 @@ pub fn spawn(
         claims: HashMap::new(),
         conflicts: HashMap::new(),
         acked: None,
+        leadership: ownership.leadership.clone(),
     };
     tokio::spawn(
         manager
@@ -413,11 +418,12 @@ struct Manager {
     conflicts: HashMap<String, (Spec, String)>,
     /// The last view acknowledged.
     acked: Option<u64>,
+    leadership: Leadership,
 }
 
 impl Manager {
     async fn run(mut self, ownership: Ownership, cancel: CancellationToken) {
-        let Ownership { mut views, ack } = ownership;
+        let Ownership { mut views, ack, .. } = ownership;
         let api: Api<Secret> = match &self.settings.namespace {
             Some(namespace) => Api::namespaced(self.client.clone(), namespace),
             None => Api::all(self.client.clone()),
@@ -783,7 +789,7 @@ impl Manager {
         let runner = crate::loops::build_runner(&config, &client, load_kubeconfig, &mut registry);
         let health = runner.health();
         let cancel = CancellationToken::new();
-        let (leading, leadership) = watch::channel(true);
+        let (leading, leadership) = self.leadership.grant();
         let task = tokio::spawn(
             runner
                 .run(leadership, cancel.clone())
