@@ -457,6 +457,7 @@ async fn stored_range(cp: &ControlPlane, key: &str) -> Result<(String, i64)> {
         cert_file: None,
         key_file: None,
         prefix: cp.etcd_prefix()?.to_owned(),
+        inline_tls: None,
     });
     let stored = store
         .get(key)
@@ -495,6 +496,7 @@ async fn the_legacy_cluster_ip_bitmap_of_an_upgraded_cluster_is_left_alone() -> 
         cert_file: None,
         key_file: None,
         prefix: cp.etcd_prefix()?.to_owned(),
+        inline_tls: None,
     };
     let key = etcd.key(RangeKey::ServiceIps);
     let store = EtcdStore::new(etcd);
