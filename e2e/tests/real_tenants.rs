@@ -64,7 +64,8 @@ const TENANTS: [TenantSpec; 2] = [
 ];
 
 /// The tenant's configuration fragment: its etcd prefix on the shared etcd, its service range,
-/// the default system namespaces plus one of its own, and a quick NodePort repair.
+/// the default system namespaces plus one of its own, and the NodePort repair as often as a
+/// tenant may set it (5 s).
 fn fragment(tenant: &TenantSpec, etcd_url: &str) -> String {
     format!(
         "serviceClusterIPRange: {range}\n\
@@ -72,7 +73,7 @@ fn fragment(tenant: &TenantSpec, etcd_url: &str) -> String {
          etcdPrefix: {prefix}\n\
          loops:\n  \
            nodePortRepair:\n    \
-             interval: 2s\n  \
+             interval: 5s\n  \
            systemNamespaces:\n    \
              namespaces:\n      \
                - name: kube-system\n      \
