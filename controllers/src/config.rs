@@ -14,13 +14,14 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 use ipnet::IpNet;
+use reconcilers::alloc::IpFamily;
 use serde::{Deserialize, Serialize};
 
 pub use reconcilers::names::{
     NameError, validate_dns1123_label, validate_dns1123_subdomain, validate_qualified_name,
 };
 pub use reconcilers::section::{
-    ConfigError, DurationError, LoopSection, ServiceName, Settings, duration_format,
+    ConfigError, DurationError, EndpointsMode, LoopSection, ServiceName, Settings, duration_format,
     format_duration, parse_duration,
 };
 
@@ -102,9 +103,10 @@ pub struct ConfigArgs {
         long,
         env = "BOOTSTRAP_ENDPOINT_RECONCILER_TYPE",
         value_name = "TYPE",
+        value_parser = endpoint_reconciler_type_parser(),
         global = true
     )]
-    pub endpoint_reconciler_type: Option<EndpointReconcilerType>,
+    pub endpoint_reconciler_type: Option<EndpointsMode>,
 
     /// Number of apiservers, used only by `--endpoint-reconciler-type=master-count`; must be
     /// positive. [default: 1]
@@ -328,25 +330,18 @@ pub struct ConfigArgs {
     pub tenants_credential_plugins: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EndpointReconcilerType {
-    #[default]
-    Lease,
-    Static,
-    MasterCount,
-    None,
-}
-
-impl EndpointReconcilerType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EndpointReconcilerType::Lease => "lease",
-            EndpointReconcilerType::Static => "static",
-            EndpointReconcilerType::MasterCount => "master-count",
-            EndpointReconcilerType::None => "none",
-        }
-    }
+/// clap's parser of `--endpoint-reconciler-type`, listing the modes in `--help`.
+fn endpoint_reconciler_type_parser() -> impl clap::builder::TypedValueParser<Value = EndpointsMode>
+{
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(EndpointsMode::ALL.map(EndpointsMode::as_str)).try_map(
+        |name| {
+            EndpointsMode::from_name(&name).ok_or_else(|| {
+                // PossibleValuesParser lets only the listed names through.
+                format!("{name:?} is not an endpoint reconciler type")
+            })
+        },
+    )
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
@@ -380,7 +375,7 @@ pub struct Config {
     pub advertise_address: Option<IpAddr>,
     pub secure_port: u16,
     pub kubernetes_service_node_port: u16,
-    pub endpoint_reconciler_type: EndpointReconcilerType,
+    pub endpoint_reconciler_type: EndpointsMode,
     pub apiserver_count: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<PathBuf>,
@@ -662,7 +657,7 @@ impl TenantBase {
             )]));
         }
         match config.endpoint_reconciler_type {
-            EndpointReconcilerType::Static | EndpointReconcilerType::None => Ok(config),
+            EndpointsMode::Static | EndpointsMode::None => Ok(config),
             other => Err(ConfigErrors(vec![ConfigError::new(
                 field("endpointReconcilerType"),
                 format!(
@@ -861,7 +856,7 @@ pub struct FileConfig {
     pub advertise_address: Option<String>,
     pub secure_port: Option<u32>,
     pub kubernetes_service_node_port: Option<u32>,
-    pub endpoint_reconciler_type: Option<EndpointReconcilerType>,
+    pub endpoint_reconciler_type: Option<EndpointsMode>,
     pub apiserver_count: Option<i64>,
     pub kubeconfig: Option<PathBuf>,
     pub etcd_servers: Option<StringOrList>,
@@ -1165,7 +1160,6 @@ impl Config {
 
     /// What the loops read outside their own sections.
     pub fn settings(&self) -> Settings {
-        use reconcilers::apiserver_endpoints::EndpointsMode;
         Settings {
             service_ranges: self.service_cluster_ip_range.clone(),
             node_port_range: self.service_node_port_range.base..=self.service_node_port_range.last,
@@ -1173,12 +1167,7 @@ impl Config {
             kubernetes_service_node_port: (self.kubernetes_service_node_port != 0)
                 .then_some(self.kubernetes_service_node_port),
             advertise_address: self.advertise_address,
-            endpoint_mode: match self.endpoint_reconciler_type {
-                EndpointReconcilerType::Lease => EndpointsMode::Lease,
-                EndpointReconcilerType::Static => EndpointsMode::Static,
-                EndpointReconcilerType::MasterCount => EndpointsMode::MasterCount,
-                EndpointReconcilerType::None => EndpointsMode::None,
-            },
+            endpoint_mode: self.endpoint_reconciler_type,
             apiserver_count: self.apiserver_count,
             kubernetes_service: ServiceName {
                 namespace: self.loops.kubernetes_service.namespace.clone(),
@@ -1372,7 +1361,7 @@ impl Config {
             advertise_address,
             service_cluster_ip_range.first(),
             advertise_address_source.as_ref(),
-        ) && endpoint_reconciler_type != EndpointReconcilerType::None
+        ) && endpoint_reconciler_type != EndpointsMode::None
             && address.is_ipv4() != primary.addr().is_ipv4()
         {
             errors.push(ConfigError::new(
@@ -1381,8 +1370,8 @@ impl Config {
                     "{address} is {} but the primary service range {primary} is {} (advertise \
                      an address of the primary range's family, or list the other family's range \
                      first)",
-                    family_name(address),
-                    family_name(primary.addr())
+                    IpFamily::of(address),
+                    IpFamily::of_net(primary)
                 ),
             ));
         }
@@ -1873,10 +1862,6 @@ fn default_shutdown_timeout() -> Duration {
     Duration::from_secs(30)
 }
 
-fn family_name(ip: IpAddr) -> &'static str {
-    if ip.is_ipv4() { "IPv4" } else { "IPv6" }
-}
-
 /// `Err` holds the text that is no number, for the message.
 fn parse_u32(text: &str) -> Result<u32, NotANumber> {
     text.trim()
@@ -1901,38 +1886,25 @@ pub enum ValueError {
         "is empty (expected one CIDR such as 10.96.0.0/12, or two of different families such as 10.96.0.0/12,fd00:10:96::/108)"
     )]
     NoCidr,
-    #[error(
-        "{text:?} lists {count} ranges; at most two are allowed, one IPv4 and one IPv6 (e.g. 10.96.0.0/12,fd00:10:96::/108)"
-    )]
-    TooManyCidrs { text: String, count: usize },
     #[error("{0:?} is not a valid CIDR (expected e.g. 10.96.0.0/12 or fd00:10:96::/108)")]
     NotACidr(String),
     #[error("{text:?} has host bits set (did you mean {network}?)")]
     HostBits { text: String, network: IpNet },
-    #[error(
-        "{text:?} holds fewer than 8 addresses (use a larger range, e.g. /{longest} or shorter)"
-    )]
-    SmallCidr { text: String, longest: u8 },
-    #[error(
-        "{text:?} lists two {family} ranges; a dual-stack range needs one IPv4 and one IPv6 CIDR (e.g. 10.96.0.0/12,fd00:10:96::/108)"
-    )]
-    SameFamilyCidrs { text: String, family: &'static str },
+    /// Parsed, but not a usable set of service ranges: the message of
+    /// [`reconcilers::service_range::RangeError`].
+    #[error("{0}")]
+    Ranges(String),
 }
 
 const PORT_RANGE_HINT: &str = "(expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)";
 
 /// Parses `--service-cluster-ip-range`: one CIDR, or two of different families, each holding at
-/// least 8 addresses (kube-apiserver's rules).
+/// least 8 addresses (kube-apiserver's rules, checked by
+/// [`reconcilers::service_range::validate_ranges`]).
 pub fn parse_service_cidrs(text: &str) -> Result<Vec<IpNet>, ValueError> {
     let parts: Vec<&str> = text.split(',').map(str::trim).collect();
     if parts.iter().all(|part| part.is_empty()) {
         return Err(ValueError::NoCidr);
-    }
-    if parts.len() > 2 {
-        return Err(ValueError::TooManyCidrs {
-            text: text.to_owned(),
-            count: parts.len(),
-        });
     }
     let mut cidrs = Vec::with_capacity(parts.len());
     for part in parts {
@@ -1945,23 +1917,10 @@ pub fn parse_service_cidrs(text: &str) -> Result<Vec<IpNet>, ValueError> {
                 network: cidr.trunc(),
             });
         }
-        let host_bits = cidr.max_prefix_len() - cidr.prefix_len();
-        if host_bits < 3 {
-            return Err(ValueError::SmallCidr {
-                text: part.to_owned(),
-                longest: cidr.max_prefix_len() - 3,
-            });
-        }
         cidrs.push(cidr);
     }
-    if let [first, second] = cidrs.as_slice()
-        && first.addr().is_ipv4() == second.addr().is_ipv4()
-    {
-        return Err(ValueError::SameFamilyCidrs {
-            text: text.to_owned(),
-            family: family_name(first.addr()),
-        });
-    }
+    reconcilers::service_range::validate_ranges(&cidrs)
+        .map_err(|problem| ValueError::Ranges(problem.to_string()))?;
     Ok(cidrs)
 }
 
@@ -2089,10 +2048,7 @@ mod tests {
             }
         );
         assert_eq!(config.secure_port, 6443);
-        assert_eq!(
-            config.endpoint_reconciler_type,
-            EndpointReconcilerType::Lease
-        );
+        assert_eq!(config.endpoint_reconciler_type, EndpointsMode::Lease);
         assert_eq!(config.admin_addr, "0.0.0.0:8080".parse().unwrap());
         assert_eq!(
             config.loops.system_namespaces.interval,
@@ -2497,10 +2453,7 @@ mod tests {
             "serviceClusterIPRange: 10.96.0.0/12\ntenants:\n  secretSelector: a=b\nloops:\n  systemNamespaces:\n    interval: 5s\n",
         );
         let defaults = base.tenant(None).unwrap();
-        assert_eq!(
-            defaults.endpoint_reconciler_type,
-            EndpointReconcilerType::None
-        );
+        assert_eq!(defaults.endpoint_reconciler_type, EndpointsMode::None);
         assert_eq!(defaults.tenants, None, "a tenant is one cluster");
         assert_eq!(
             defaults.service_cluster_ip_range,

@@ -71,13 +71,7 @@ pub fn build_cluster_loops(
     registry: &mut Registry,
 ) -> Vec<Arc<dyn Reconciler>> {
     let settings = config.settings();
-    let mut context = BuildContext {
-        client: client.clone(),
-        registry,
-        settings: &settings,
-        load_kubeconfig,
-        services: None,
-    };
+    let mut context = BuildContext::new(client.clone(), registry, &settings, load_kubeconfig);
     let mut loops = Vec::new();
     for (key, section) in config.loops.sections() {
         if !section.enabled() {

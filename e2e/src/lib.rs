@@ -1,1 +1,3 @@
-//! End-to-end tests live in `tests/`; this crate has no library code of its own.
+//! Support for the end-to-end tests in `tests/` and the benches in `benches/`.
+
+pub mod layout;

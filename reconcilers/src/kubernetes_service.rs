@@ -51,7 +51,7 @@ use crate::names::validate_dns1123_label;
 use crate::section::{
     self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
 };
-use crate::service_range::{RangeError, ServiceRanges};
+use crate::service_range::{RangeError, ServiceRanges, validate_ranges};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "kubernetes-service";
@@ -205,30 +205,8 @@ impl KubernetesServiceConfig {
     pub fn validate(&self) -> Result<(), section::ConfigError> {
         let err = |field: &str, message: String| Err(section::ConfigError::new(field, message));
         // None: read from the cluster's `kubernetes` ServiceCIDR.
-        if self.service_cidrs.len() > 2 {
-            return err(
-                "serviceClusterIPRange",
-                format!(
-                    "give one CIDR or two of different families (as --service-cluster-ip-range), got {}",
-                    self.service_cidrs.len()
-                ),
-            );
-        }
-        if self.service_cidrs.len() == 2
-            && self.service_cidrs[0].addr().is_ipv4() == self.service_cidrs[1].addr().is_ipv4()
-        {
-            return err(
-                "serviceClusterIPRange",
-                "the two CIDRs must be of different families (one IPv4, one IPv6)".to_owned(),
-            );
-        }
-        for cidr in &self.service_cidrs {
-            if cidr.max_prefix_len() - cidr.prefix_len() < 3 {
-                return err(
-                    "serviceClusterIPRange",
-                    format!("{cidr} holds fewer than 8 addresses; use a larger range"),
-                );
-            }
+        if let Err(problem) = validate_ranges(&self.service_cidrs) {
+            return err("serviceClusterIPRange", problem.to_string());
         }
         if !(1..=65535).contains(&self.port) {
             return err("port", format!("{} is not a port (1-65535)", self.port));

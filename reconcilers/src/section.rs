@@ -10,10 +10,10 @@ use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use ipnet::IpNet;
 use prometheus_client::registry::Registry;
 
-use crate::apiserver_endpoints::{ConfigLoader, EndpointsMode};
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
 use crate::service_cache::record::ServiceRecord;
@@ -65,6 +65,54 @@ pub struct Settings {
     pub etcd: Option<EtcdConfig>,
 }
 
+/// `--endpoint-reconciler-type`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndpointsMode {
+    /// Membership from per-instance Leases (default).
+    #[default]
+    Lease,
+    /// Addresses from configuration: IPs and DNS names, re-resolved every interval.
+    Static,
+    /// Upstream's deprecated `master-count`: every instance adds itself and trims to the count.
+    MasterCount,
+    /// Leave the endpoints alone.
+    None,
+}
+
+impl EndpointsMode {
+    /// The name `--endpoint-reconciler-type` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointsMode::Lease => "lease",
+            EndpointsMode::Static => "static",
+            EndpointsMode::MasterCount => "master-count",
+            EndpointsMode::None => "none",
+        }
+    }
+
+    /// Every mode, in the order `--help` lists them.
+    pub const ALL: [EndpointsMode; 4] = [
+        EndpointsMode::Lease,
+        EndpointsMode::Static,
+        EndpointsMode::MasterCount,
+        EndpointsMode::None,
+    ];
+
+    /// The mode `--endpoint-reconciler-type` names, if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
+    }
+}
+
+/// Builds the kube configuration (the kubeconfig's) that the endpoints loop's readiness probe of
+/// a full URL starts from.
+pub type ConfigLoader = Arc<
+    dyn Fn() -> BoxFuture<'static, Result<kube::Config, Box<dyn std::error::Error + Send + Sync>>>
+        + Send
+        + Sync,
+>;
+
 /// A namespaced name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceName {
@@ -90,9 +138,32 @@ pub struct BuildContext<'a> {
     pub settings: &'a Settings,
     /// Loads the kubeconfig again (a readiness probe of a full URL uses its CA and credentials).
     pub load_kubeconfig: ConfigLoader,
-    /// The Service cache of the ClusterIP repair, once it is built, for the NodePort repair to
-    /// share (one watch of Services per process): the ClusterIP repair comes first in the list.
-    pub services: Option<Arc<SharedStore<ServiceRecord>>>,
+    /// The Service cache, made by the first loop that asks ([`BuildContext::services`]).
+    services: Option<Arc<SharedStore<ServiceRecord>>>,
+}
+
+impl<'a> BuildContext<'a> {
+    pub fn new(
+        client: kube::Client,
+        registry: &'a mut Registry,
+        settings: &'a Settings,
+        load_kubeconfig: ConfigLoader,
+    ) -> Self {
+        BuildContext {
+            client,
+            registry,
+            settings,
+            load_kubeconfig,
+            services: None,
+        }
+    }
+
+    /// The Service cache every loop of this cluster that reads Services shares, so the process
+    /// lists and watches Services once whichever of those loops are enabled and in whatever
+    /// order they are built. The first loop to subscribe to it feeds it.
+    pub fn services(&mut self) -> Arc<SharedStore<ServiceRecord>> {
+        self.services.get_or_insert_with(Arc::default).clone()
+    }
 }
 
 /// Why a loop was not built. Unreachable after validation; reported, never a panic.
@@ -118,6 +189,19 @@ pub fn validate_interval(path: &str, interval: Duration, errors: &mut Vec<Config
         errors.push(ConfigError::new(
             format!("{path}.interval"),
             "must be greater than zero (e.g. 10s or 1m)",
+        ));
+    }
+}
+
+/// `loops.<loop>.pageSize`: a LIST page holds at least one object.
+pub fn validate_page_size(path: &str, page_size: u32, errors: &mut Vec<ConfigError>) {
+    if page_size == 0 {
+        errors.push(ConfigError::new(
+            format!("{path}.pageSize"),
+            format!(
+                "must be at least 1 (the default is {})",
+                crate::service_cache::store::DEFAULT_PAGE_SIZE
+            ),
         ));
     }
 }

@@ -25,20 +25,18 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::Trigger;
-use crate::clusterip_repair::validate_ranges;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, drift};
 use crate::findings::ReportOnce;
 use crate::section::{
     BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
     validate_interval,
 };
+use crate::service_range::{DEFAULT_SERVICE_CIDR, validate_ranges};
 use crate::watch_cache::{WatchCache, watch_trigger};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "service-cidr";
 
-/// Name of the default ServiceCIDR.
-pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
 /// Upstream's controller name: field manager of the status and reporting controller of events.
 pub const CONTROLLER_NAME: &str = "kubernetes-service-cidr-controller";
 const READY_MESSAGE: &str = "Kubernetes default Service CIDR is ready";

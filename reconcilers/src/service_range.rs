@@ -15,17 +15,33 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::{Api, Client};
 
-use crate::alloc::IpFamily;
-use crate::clusterip_repair::validate_ranges;
+use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::LoopError;
 use crate::section::ServiceName;
 
-/// Name of the ServiceCIDR kube-apiserver creates from its `--service-cluster-ip-range`.
+/// Name of the ServiceCIDR kube-apiserver creates from its `--service-cluster-ip-range`
+/// (upstream's ClusterIP repair waits for it before its first pass).
 pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
 
-/// Why the range is not known.
+/// Why the service ranges are unusable or unknown.
 #[derive(Debug, thiserror::Error)]
 pub enum RangeError {
+    #[error(
+        "lists {0} ranges; at most two are allowed, one IPv4 and one IPv6 (e.g. \
+         10.96.0.0/12,fd00:10:96::/108)"
+    )]
+    TooMany(usize),
+    #[error(
+        "lists two {family} ranges ({0} and {1}); a dual-stack range needs one IPv4 and one IPv6 \
+         CIDR (e.g. 10.96.0.0/12,fd00:10:96::/108)",
+        family = IpFamily::of_net(.0)
+    )]
+    SameFamily(IpNet, IpNet),
+    #[error(
+        "{0} holds fewer than 8 addresses (use a larger range, e.g. /{longest} or shorter)",
+        longest = .0.max_prefix_len() - 3
+    )]
+    TooSmall(IpNet),
     /// Not configured, and the cluster has no ServiceCIDR to read it from.
     #[error(
         "serviceClusterIPRange is not set and the cluster does not tell it: it serves no \
@@ -58,9 +74,11 @@ impl From<RangeError> for LoopError {
             RangeError::Api(err) => LoopError::Api(err),
             // kube-apiserver creates it at start: normal for a moment, retried.
             RangeError::NotYet => LoopError::NotSynced(err.to_string()),
-            RangeError::Unknown { .. } | RangeError::Unusable { .. } => {
-                LoopError::Invalid(err.to_string())
-            }
+            RangeError::Unknown { .. }
+            | RangeError::Unusable { .. }
+            | RangeError::TooMany(_)
+            | RangeError::SameFamily(..)
+            | RangeError::TooSmall(_) => LoopError::Invalid(err.to_string()),
         }
     }
 }
@@ -167,6 +185,28 @@ impl ServiceRanges {
             ),
             None => String::new(),
         })
+    }
+}
+
+/// Checks service ranges the way kube-apiserver checks `--service-cluster-ip-range`
+/// (`ValidateServiceClusterIPRanges` in `cmd/kube-apiserver/app/options/validation.go`): at most
+/// two, of different families, each holding at least 8 addresses. The flag, the file and a
+/// ServiceCIDR read from the cluster are all checked here.
+pub fn validate_ranges(ranges: &[IpNet]) -> Result<(), RangeError> {
+    if ranges.len() > 2 {
+        return Err(RangeError::TooMany(ranges.len()));
+    }
+    if let [first, second] = ranges
+        && IpFamily::of_net(first) == IpFamily::of_net(second)
+    {
+        return Err(RangeError::SameFamily(*first, *second));
+    }
+    match ranges
+        .iter()
+        .find(|range| ServiceRange::new(**range).total_size() < 8)
+    {
+        Some(range) => Err(RangeError::TooSmall(*range)),
+        None => Ok(()),
     }
 }
 

@@ -16,9 +16,10 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, PostParams};
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
+use reconcilers::alloc::IpFamily;
 use reconcilers::apiserver_endpoints::{
     ApiserverEndpointsConfig, ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps,
-    EndpointsMode, IpFamily, ReadinessProbe, Resolver, ShutdownGate, ShutdownProbing,
+    EndpointsMode, ReadinessProbe, Resolver, ShutdownGate, ShutdownProbing,
 };
 
 fn cfg(address: &str) -> ApiserverEndpointsConfig {

@@ -27,11 +27,27 @@ impl IpFamily {
         }
     }
 
-    /// The value of `v1.IPFamily` and of the `ipaddress.kubernetes.io/ip-family` label.
+    /// The value of `v1.IPFamily`, of an EndpointSlice's `addressType` and of the
+    /// `ipaddress.kubernetes.io/ip-family` label.
     pub fn as_str(self) -> &'static str {
         match self {
             IpFamily::V4 => "IPv4",
             IpFamily::V6 => "IPv6",
+        }
+    }
+
+    pub fn other(self) -> Self {
+        match self {
+            IpFamily::V4 => IpFamily::V6,
+            IpFamily::V6 => IpFamily::V4,
+        }
+    }
+
+    /// Lower-case short form used in object names (`ipv4`, `ipv6`).
+    pub fn short(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "ipv4",
+            IpFamily::V6 => "ipv6",
         }
     }
 }

@@ -19,7 +19,8 @@ use k8s_openapi::api::discovery::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use super::members::{IpFamily, MemberSet, parse_ip};
+use super::members::{MemberSet, parse_ip};
+use crate::alloc::IpFamily;
 
 /// Makes the EndpointSliceMirroring controller ignore the Endpoints (we write the slices).
 pub const SKIP_MIRROR_LABEL: &str = "endpointslice.kubernetes.io/skip-mirror";
@@ -353,7 +354,7 @@ fn slice_for(
             )])),
             ..ObjectMeta::default()
         },
-        address_type: family.address_type().to_owned(),
+        address_type: family.as_str().to_owned(),
         endpoints: members
             .sorted_strings_of(family)
             .into_iter()

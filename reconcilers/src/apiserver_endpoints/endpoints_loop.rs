@@ -30,11 +30,12 @@ use super::desired::{
     endpoints_drift, listed_members, plan_slices, repaired_endpoints,
 };
 use super::lease::{MemberLease, member_selector, membership};
-use super::members::{IpFamily, MemberSet, endpoint_ip_problem};
+use super::members::{MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
 use super::probe::{ReadinessProbe, Resolver};
 use super::shutdown::ShutdownGate;
-use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, StaticAddress};
+use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, NAME, StaticAddress};
+use crate::alloc::IpFamily;
 use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, drift,
     ignore_already_exists,
@@ -43,9 +44,6 @@ use crate::findings::ReportOnce;
 use crate::watch_cache::{WatchCache, watch_trigger};
 
 use crate::metrics::{loop_registry, registered};
-
-/// The loop's name: in logs, `/readyz`, metrics and events.
-pub const NAME: &str = "apiserver-endpoints";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FamilyLabel {
@@ -98,7 +96,7 @@ impl EndpointsMetrics {
     pub fn members(&self, family: IpFamily) -> i64 {
         self.members
             .get_or_create(&FamilyLabel {
-                family: family.address_type().to_owned(),
+                family: family.as_str().to_owned(),
             })
             .get()
     }
@@ -124,7 +122,7 @@ impl EndpointsMetrics {
             let count = i64::try_from(members.count(family)).unwrap_or(i64::MAX);
             self.members
                 .get_or_create(&FamilyLabel {
-                    family: family.address_type().to_owned(),
+                    family: family.as_str().to_owned(),
                 })
                 .set(count);
         }

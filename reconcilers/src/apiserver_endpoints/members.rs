@@ -7,50 +7,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::net::IpAddr;
 
-/// An IP family, as the Kubernetes API names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum IpFamily {
-    V4,
-    V6,
-}
-
-impl IpFamily {
-    pub fn of(ip: &IpAddr) -> Self {
-        match ip {
-            IpAddr::V4(_) => IpFamily::V4,
-            IpAddr::V6(_) => IpFamily::V6,
-        }
-    }
-
-    /// The EndpointSlice `addressType` (and Service `ipFamilies` entry) for this family.
-    pub fn address_type(self) -> &'static str {
-        match self {
-            IpFamily::V4 => "IPv4",
-            IpFamily::V6 => "IPv6",
-        }
-    }
-
-    pub fn other(self) -> Self {
-        match self {
-            IpFamily::V4 => IpFamily::V6,
-            IpFamily::V6 => IpFamily::V4,
-        }
-    }
-
-    /// Lower-case short form used in object names (`ipv4`, `ipv6`).
-    pub fn short(self) -> &'static str {
-        match self {
-            IpFamily::V4 => "ipv4",
-            IpFamily::V6 => "ipv6",
-        }
-    }
-}
-
-impl fmt::Display for IpFamily {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.address_type())
-    }
-}
+use crate::alloc::IpFamily;
 
 /// The set of apiserver addresses that should be listed, both families together.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -90,12 +47,12 @@ impl MemberSet {
     pub fn count(&self, family: IpFamily) -> usize {
         self.ips
             .iter()
-            .filter(|ip| IpFamily::of(ip) == family)
+            .filter(|ip| IpFamily::of(**ip) == family)
             .count()
     }
 
     pub fn has_family(&self, family: IpFamily) -> bool {
-        self.ips.iter().any(|ip| IpFamily::of(ip) == family)
+        self.ips.iter().any(|ip| IpFamily::of(*ip) == family)
     }
 
     /// All addresses as strings, in the order upstream writes them: sorted by the address
@@ -112,7 +69,7 @@ impl MemberSet {
         let mut out: Vec<String> = self
             .ips
             .iter()
-            .filter(|ip| IpFamily::of(ip) == family)
+            .filter(|ip| IpFamily::of(**ip) == family)
             .map(ToString::to_string)
             .collect();
         out.sort();

@@ -54,45 +54,25 @@ use serde::{Deserialize, Serialize};
 pub use desired::EndpointsTarget;
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
-pub use members::{IpFamily, MemberSet};
+pub use members::MemberSet;
 pub use probe::{
-    ApiserverReadyz, ConfigLoader, LazyUrlReadyz, NotReady, ReadinessProbe, Resolver,
-    SystemResolver, default_route_address,
+    ApiserverReadyz, LazyUrlReadyz, NotReady, ReadinessProbe, Resolver, SystemResolver,
+    default_route_address,
 };
 pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate, ShutdownProbing};
 
+use crate::alloc::IpFamily;
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
+pub use crate::section::{ConfigLoader, EndpointsMode};
+
+/// The endpoints loop's name: in logs, `/readyz`, metrics and events (the Lease loop's is
+/// [`lease_loop::NAME`]).
+pub const NAME: &str = "apiserver-endpoints";
 use crate::section::{
     self, BuildContext, BuildError, LoopSection, Settings, duration_format, format_duration,
     validate_interval,
 };
-
-/// `--endpoint-reconciler-type`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum EndpointsMode {
-    /// Membership from per-instance Leases (default).
-    #[default]
-    Lease,
-    /// Addresses from configuration: IPs and DNS names, re-resolved every interval.
-    Static,
-    /// Upstream's deprecated `master-count`: every instance adds itself and trims to the count.
-    MasterCount,
-    /// Leave the endpoints alone.
-    None,
-}
-
-impl EndpointsMode {
-    /// The name `--endpoint-reconciler-type` takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EndpointsMode::Lease => "lease",
-            EndpointsMode::Static => "static",
-            EndpointsMode::MasterCount => "master-count",
-            EndpointsMode::None => "none",
-        }
-    }
-}
 
 /// Configuration of both endpoint loops.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -492,7 +472,7 @@ impl ApiserverEndpointsConfig {
                 }
                 if let Some(primary) = self.target.primary_family
                     && self.mode == EndpointsMode::MasterCount
-                    && IpFamily::of(&address) != primary
+                    && IpFamily::of(address) != primary
                 {
                     return err(
                         "advertiseAddress",

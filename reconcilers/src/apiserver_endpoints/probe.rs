@@ -3,10 +3,11 @@
 
 use std::io;
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+
+use crate::section::ConfigLoader;
 
 /// Whether the local apiserver is ready to serve.
 pub trait ReadinessProbe: Send + Sync + 'static {
@@ -149,13 +150,6 @@ impl Resolver for SystemResolver {
     }
 }
 
-/// Builds the kube configuration a [`LazyUrlReadyz`] starts from (the kubeconfig's).
-pub type ConfigLoader = Arc<
-    dyn Fn() -> BoxFuture<'static, Result<kube::Config, Box<dyn std::error::Error + Send + Sync>>>
-        + Send
-        + Sync,
->;
-
 /// [`ApiserverReadyz::for_url`], built on first use, for callers that only have an async way to
 /// load the kubeconfig. A failure to build is reported as "not ready" and retried next check.
 /// A probe that cannot connect (refused, TLS handshake failed) builds its client again from the
@@ -209,10 +203,10 @@ impl ReadinessProbe for LazyUrlReadyz {
 /// The address of the interface holding the default route for `family`, as kube-apiserver picks
 /// when `--advertise-address` is unset. Connecting a UDP socket sends nothing; it only asks the
 /// kernel which source address it would use.
-pub fn default_route_address(family: super::IpFamily) -> Option<IpAddr> {
+pub fn default_route_address(family: crate::alloc::IpFamily) -> Option<IpAddr> {
     let (bind, probe) = match family {
-        super::IpFamily::V4 => ("0.0.0.0:0", "192.0.2.1:9"),
-        super::IpFamily::V6 => ("[::]:0", "[2001:db8::1]:9"),
+        crate::alloc::IpFamily::V4 => ("0.0.0.0:0", "192.0.2.1:9"),
+        crate::alloc::IpFamily::V6 => ("[::]:0", "[2001:db8::1]:9"),
     };
     let socket = std::net::UdpSocket::bind(bind).ok()?;
     socket.connect(probe).ok()?;

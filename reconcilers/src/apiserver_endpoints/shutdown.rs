@@ -122,7 +122,7 @@ impl ShutdownGate {
     /// Registers `bootstrap_apiserver_endpoints_shutdown_total{decision}`.
     pub fn register(&self, registry: &mut Registry) {
         registered(
-            loop_registry(registry, super::endpoints_loop::NAME),
+            loop_registry(registry, super::NAME),
             "shutdown",
             "Graceful stops by what was done with this instance's membership: kept (the local \
              apiserver still ready) or withdrew",

@@ -47,11 +47,10 @@ use tracing::{debug, info, warn};
 
 use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
-use crate::service_range::ServiceRanges;
+use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges, validate_ranges};
 
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{self, SharedStore, Store, reflect};
-use crate::service_cache::validate_page_size;
 use decide::{AuditDecision, Decision, DeleteGround, Finding, Regarding, Repair, ServiceOwner};
 use model::{
     IPALLOCATOR_MANAGER, IpAddressRecord, LABEL_IP_FAMILY, LABEL_MANAGED_BY, ServiceCidrRecord,
@@ -60,6 +59,7 @@ use model::{
 use crate::metrics::{loop_registry, registered};
 use crate::section::{
     self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
+    validate_page_size,
 };
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
@@ -67,8 +67,6 @@ pub const NAME: &str = "clusterip-repair";
 
 /// Reporting controller of the events, as upstream.
 pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
-/// Name of the default ServiceCIDR; upstream's repair waits for it before its first pass.
-pub const DEFAULT_SERVICE_CIDR: &str = "kubernetes";
 
 /// Which repair to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -189,7 +187,6 @@ impl LoopSection for Section {
         validate_page_size(path, self.page_size, errors);
     }
 
-    /// Also hands its Service cache to the loops built after it ([`BuildContext::services`]).
     fn build(
         &self,
         context: &mut BuildContext<'_>,
@@ -206,8 +203,13 @@ impl LoopSection for Section {
             rebuild_bitmap_on_range_change: self.rebuild_bitmap_on_range_change,
             ..ClusterIpRepairConfig::default()
         };
-        let built = ClusterIpRepair::new(context.client.clone(), config, context.registry)?;
-        context.services = Some(built.shared_services());
+        let services = context.services();
+        let built = ClusterIpRepair::with_services(
+            context.client.clone(),
+            config,
+            services,
+            context.registry,
+        )?;
         Ok(vec![Arc::new(built)])
     }
 }
@@ -236,39 +238,6 @@ impl ClusterIpRepairConfig {
         validate_ranges(&self.service_ranges)
             .map_err(|err| section::ConfigError::new("serviceClusterIPRange", err))?;
         Ok(())
-    }
-}
-
-/// Checks service ranges the way kube-apiserver checks `--service-cluster-ip-range`: at most
-/// two, of different families, each holding at least 8 addresses.
-/// What is wrong with a list of service ranges.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RangeError {
-    #[error("at most two ranges (one IPv4, one IPv6) are allowed, got {0}")]
-    TooMany(usize),
-    #[error(
-        "{0} and {1} are of the same family; a dual-stack configuration needs one IPv4 and one IPv6 range"
-    )]
-    SameFamily(IpNet, IpNet),
-    #[error("{0} is too small; a service range must hold at least 8 addresses")]
-    TooSmall(IpNet),
-}
-
-pub fn validate_ranges(ranges: &[IpNet]) -> Result<(), RangeError> {
-    if ranges.len() > 2 {
-        return Err(RangeError::TooMany(ranges.len()));
-    }
-    if let [first, second] = ranges
-        && IpFamily::of_net(first) == IpFamily::of_net(second)
-    {
-        return Err(RangeError::SameFamily(*first, *second));
-    }
-    match ranges
-        .iter()
-        .find(|range| ServiceRange::new(**range).total_size() < 8)
-    {
-        Some(range) => Err(RangeError::TooSmall(*range)),
-        None => Ok(()),
     }
 }
 
@@ -469,6 +438,17 @@ impl ClusterIpRepair {
         config: ClusterIpRepairConfig,
         registry: &mut Registry,
     ) -> Result<Self, section::ConfigError> {
+        Self::with_services(client, config, Arc::default(), registry)
+    }
+
+    /// [`Self::new`] with a Service cache other loops may share (whichever subscribes first
+    /// feeds it).
+    pub fn with_services(
+        client: Client,
+        config: ClusterIpRepairConfig,
+        shared_services: Arc<SharedStore<ServiceRecord>>,
+        registry: &mut Registry,
+    ) -> Result<Self, section::ConfigError> {
         config.validate()?;
         let reporter = match &config.reporting_instance {
             Some(instance) => Reporter {
@@ -477,7 +457,6 @@ impl ClusterIpRepair {
             },
             None => Reporter::from(REPORTING_CONTROLLER),
         };
-        let shared_services = Arc::<SharedStore<ServiceRecord>>::default();
         let legacy = config.etcd.as_ref().map(|etcd| LegacySlot {
             etcd: etcd.clone(),
             bitmaps: Arc::default(),
@@ -1221,7 +1200,7 @@ mod tests {
         };
         let message = config.validate().unwrap_err().to_string();
         assert!(
-            message.contains("serviceClusterIPRange") && message.contains("same family"),
+            message.contains("serviceClusterIPRange") && message.contains("two IPv4 ranges"),
             "{message}"
         );
         // No range: read from the cluster when a pass needs it.
@@ -1234,7 +1213,7 @@ mod tests {
             validate_ranges(&["10.0.0.0/30".parse().unwrap()])
                 .unwrap_err()
                 .to_string()
-                .contains("at least 8")
+                .contains("fewer than 8")
         );
         assert!(ClusterIpRepairConfig::default().validate().is_ok());
     }

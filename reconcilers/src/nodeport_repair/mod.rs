@@ -37,15 +37,15 @@ use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Tr
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
+use crate::service_cache::fresh_services;
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{self, SharedStore, reflect};
-use crate::service_cache::{fresh_services, validate_page_size};
 pub use scan::{Finding, PortRange, Problem};
 
 use crate::metrics::{loop_registry, registered};
 use crate::section::{
     BuildContext, BuildError, ConfigError, LoopSection, ServiceName, Settings, duration_format,
-    validate_interval,
+    validate_interval, validate_page_size,
 };
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
@@ -154,7 +154,7 @@ impl LoopSection for Section {
         Ok(vec![Arc::new(NodePortRepair::new(
             context.client.clone(),
             config,
-            context.services.clone(),
+            Some(context.services()),
             context.registry,
         ))])
     }

@@ -1,0 +1,72 @@
+//! The layout rules of the product crates: no module refers back to a module that refers to it,
+//! and the base layer of `reconcilers` (everything but the loops) names no loop, so a loop can
+//! be read, changed or removed without touching the layer every loop stands on.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use e2e::layout::ModuleGraph;
+
+/// The loop modules of `reconcilers`: each owns a `LoopSection` and its `Reconciler`s.
+const LOOPS: [&str; 6] = [
+    "apiserver_endpoints",
+    "clusterip_repair",
+    "kubernetes_service",
+    "nodeport_repair",
+    "service_cidr",
+    "system_namespaces",
+];
+
+fn graph(krate: &str) -> ModuleGraph {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(krate)
+        .join("src");
+    ModuleGraph::read(&src).unwrap_or_else(|err| panic!("reading {}: {err}", src.display()))
+}
+
+#[test]
+fn the_product_crates_have_no_module_cycle() {
+    for krate in ["reconcilers", "controllers"] {
+        let cycles = graph(krate).cycles();
+        assert!(
+            cycles.is_empty(),
+            "{krate}/src has modules that refer to each other: {cycles:?}"
+        );
+    }
+}
+
+#[test]
+fn the_base_layer_names_no_loop() {
+    let graph = graph("reconcilers");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../reconcilers/src");
+    let mut modules: BTreeSet<String> = BTreeSet::new();
+    for entry in std::fs::read_dir(&src).expect("reconcilers/src") {
+        let path = entry.expect("entry").path();
+        let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        if let Some(stem) = stem
+            && stem != "lib"
+        {
+            modules.insert(stem);
+        }
+    }
+    for looped in LOOPS {
+        assert!(
+            modules.contains(looped),
+            "{looped} is listed as a loop but reconcilers/src has no such module"
+        );
+    }
+    let mut offences = Vec::new();
+    for base in modules.iter().filter(|m| !LOOPS.contains(&m.as_str())) {
+        for target in graph.refers_to(base) {
+            let target_root = target.split('/').next().unwrap_or(&target);
+            if LOOPS.contains(&target_root) {
+                offences.push(format!("{base} -> {target}"));
+            }
+        }
+    }
+    assert!(
+        offences.is_empty(),
+        "base modules of reconcilers name loops: {offences:?}"
+    );
+}
