@@ -1,0 +1,123 @@
+//! The `--config` file: its shape and its parser.
+
+use super::*;
+
+/// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field); the
+/// structured sections have no flags.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct FileConfig {
+    #[serde(rename = "serviceClusterIPRange")]
+    pub service_cluster_ip_range: Option<StringOrList>,
+    pub service_node_port_range: Option<String>,
+    pub advertise_address: Option<String>,
+    pub secure_port: Option<u32>,
+    pub kubernetes_service_node_port: Option<u32>,
+    pub endpoint_reconciler_type: Option<EndpointsMode>,
+    pub apiserver_count: Option<i64>,
+    pub kubeconfig: Option<PathBuf>,
+    pub etcd_servers: Option<StringOrList>,
+    #[serde(rename = "etcdCAFile")]
+    pub etcd_ca_file: Option<PathBuf>,
+    pub etcd_cert_file: Option<PathBuf>,
+    pub etcd_key_file: Option<PathBuf>,
+    pub etcd_prefix: Option<String>,
+    pub dry_run: Option<bool>,
+    pub timer_only: Option<bool>,
+    pub admin_addr: Option<String>,
+    pub log_format: Option<LogFormat>,
+    #[serde(default, with = "duration_format::option")]
+    pub shutdown_timeout: Option<Duration>,
+    pub leader_election: Option<LeaderElection>,
+    pub tenants: Option<TenantsFile>,
+    pub loops: Option<Loops>,
+}
+
+/// The file's `tenants` section (management mode); the flags `--tenants-*` win over it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TenantsFile {
+    pub secret_selector: Option<String>,
+    pub namespace: Option<String>,
+    pub kubeconfig_key: Option<String>,
+    pub credential_plugins: Option<StringOrList>,
+}
+
+/// `serviceClusterIPRange` may be written `"a,b"` (like the flag) or as a YAML list.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum StringOrList {
+    One(String),
+    List(Vec<String>),
+}
+
+impl StringOrList {
+    pub(super) fn joined(&self) -> String {
+        match self {
+            StringOrList::One(one) => one.clone(),
+            StringOrList::List(list) => list.join(","),
+        }
+    }
+}
+
+/// Parses the YAML text of a configuration file. Errors name the field path.
+pub fn parse_file(text: &str) -> Result<FileConfig, ConfigError> {
+    let mut failed_path = None;
+    let result = serde_saphyr::with_deserializer_from_str(text, |deserializer| {
+        serde_path_to_error::deserialize(deserializer).map_err(|err| {
+            failed_path = Some(err.path().to_string());
+            err.into_inner()
+        })
+    });
+    match result {
+        Ok(file) => Ok(file),
+        Err(err) => {
+            let path = failed_path
+                .filter(|path| path != ".")
+                .unwrap_or_else(|| "(file)".to_owned());
+            // The first line of serde-saphyr's message is the cause with its location; the rest
+            // is a source snippet that is noise in a one-line error.
+            let message = err.to_string();
+            let first = message.lines().next().unwrap_or("invalid YAML").trim();
+            Err(ConfigError::new(path, fix_hint_for_parse_error(first)))
+        }
+    }
+}
+
+pub(super) fn fix_hint_for_parse_error(message: &str) -> String {
+    let message = message.strip_prefix("error: ").unwrap_or(message);
+    let hint = if message.contains("unknown field") {
+        " (remove it or fix its spelling; `config print` shows every field)"
+    } else if message.contains("expected mapping") {
+        " (expected fields here, e.g. `name: kube-system` or `interval: 1m`)"
+    } else if ["invalid u16", "invalid u32", "invalid u64", "invalid i64"]
+        .iter()
+        .any(|kind| message.contains(kind))
+    {
+        " (expected a whole number, e.g. 6443)"
+    } else if message.contains("invalid bool") || message.contains("invalid boolean") {
+        " (expected true or false)"
+    } else {
+        ""
+    };
+    format!("{message}{hint}")
+}
+
+pub(super) fn read_file(path: &Path) -> Result<FileConfig, ConfigErrors> {
+    let text = std::fs::read_to_string(path).map_err(|err| {
+        ConfigError::new(
+            "--config",
+            format!(
+                "cannot read {}: {err} (check the path, or leave --config out to use the \
+                 defaults)",
+                path.display()
+            ),
+        )
+    })?;
+    parse_file(&text).map_err(|err| {
+        ConfigErrors(vec![ConfigError::new(
+            err.field,
+            format!("{} (in {})", err.message, path.display()),
+        )])
+    })
+}

@@ -1,0 +1,638 @@
+//! Merging flags over the file over the defaults, and validating the result.
+
+use super::*;
+
+/// Where a value came from, so errors name the flag or the YAML field the user wrote.
+pub(super) struct Source<T> {
+    pub(super) value: T,
+    pub(super) field: &'static str,
+}
+
+/// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
+/// its key, the files are readable, and nothing but the servers turns etcd mode on.
+pub(super) fn merge_etcd(
+    args: &ConfigArgs,
+    file: &FileConfig,
+    errors: &mut Vec<ConfigError>,
+) -> reconcilers::legacy_alloc::etcd::EtcdConfig {
+    let servers_source = pick(
+        args.etcd_servers.clone(),
+        "--etcd-servers",
+        file.etcd_servers.as_ref().map(StringOrList::joined),
+        "etcdServers",
+    );
+    let mut servers = Vec::new();
+    if let Some(source) = &servers_source {
+        for server in source
+            .value
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
+            let valid = server.parse::<http::Uri>().is_ok_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
+            });
+            if valid {
+                servers.push(server.to_owned());
+            } else {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!("{server:?} is not an etcd URL (expected e.g. https://10.0.0.1:2379)"),
+                ));
+            }
+        }
+    }
+    let mut path = |flag: Option<&PathBuf>,
+                    flag_name: &'static str,
+                    field: Option<&PathBuf>,
+                    field_name: &'static str| {
+        let source = pick(flag.cloned(), flag_name, field.cloned(), field_name)?;
+        if servers_source.is_none() {
+            errors.push(ConfigError::new(
+                source.field,
+                "is only used in etcd mode: set --etcd-servers too, or remove it",
+            ));
+        } else if let Err(err) = std::fs::File::open(&source.value) {
+            errors.push(ConfigError::new(
+                source.field,
+                format!("cannot read {}: {err}", source.value.display()),
+            ));
+        }
+        Some(source)
+    };
+    let ca_file = path(
+        args.etcd_cafile.as_ref(),
+        "--etcd-cafile",
+        file.etcd_ca_file.as_ref(),
+        "etcdCAFile",
+    );
+    let cert_file = path(
+        args.etcd_certfile.as_ref(),
+        "--etcd-certfile",
+        file.etcd_cert_file.as_ref(),
+        "etcdCertFile",
+    );
+    let key_file = path(
+        args.etcd_keyfile.as_ref(),
+        "--etcd-keyfile",
+        file.etcd_key_file.as_ref(),
+        "etcdKeyFile",
+    );
+    match (&cert_file, &key_file) {
+        (Some(cert), None) => errors.push(ConfigError::new(
+            cert.field,
+            "needs --etcd-keyfile (etcdKeyFile) too: a client certificate goes with its key",
+        )),
+        (None, Some(key)) => errors.push(ConfigError::new(
+            key.field,
+            "needs --etcd-certfile (etcdCertFile) too: a client key goes with its certificate",
+        )),
+        _ => {}
+    }
+    let prefix = match pick(
+        args.etcd_prefix.clone(),
+        "--etcd-prefix",
+        file.etcd_prefix.clone(),
+        "etcdPrefix",
+    ) {
+        Some(source) if !source.value.starts_with('/') => {
+            errors.push(ConfigError::new(
+                source.field,
+                format!(
+                    "{:?} must start with / (kube-apiserver's default is /registry)",
+                    source.value
+                ),
+            ));
+            source.value
+        }
+        Some(source) => source.value,
+        None => "/registry".to_owned(),
+    };
+    reconcilers::legacy_alloc::etcd::EtcdConfig {
+        servers,
+        ca_file: ca_file.map(|source| source.value),
+        cert_file: cert_file.map(|source| source.value),
+        key_file: key_file.map(|source| source.value),
+        prefix,
+        inline_tls: None,
+    }
+}
+
+/// In management mode every tenant has its own etcd (servers and prefix in its annotation,
+/// credentials in its Secret): one process-wide etcd would be shared by every tenant, each
+/// repairing the others' bitmaps with its own cluster's Services.
+pub(super) fn refuse_process_etcd(
+    args: &ConfigArgs,
+    file: &FileConfig,
+    errors: &mut Vec<ConfigError>,
+) {
+    let set = [
+        (args.etcd_servers.is_some(), "--etcd-servers"),
+        (args.etcd_prefix.is_some(), "--etcd-prefix"),
+        (args.etcd_cafile.is_some(), "--etcd-cafile"),
+        (args.etcd_certfile.is_some(), "--etcd-certfile"),
+        (args.etcd_keyfile.is_some(), "--etcd-keyfile"),
+        (file.etcd_servers.is_some(), "etcdServers"),
+        (file.etcd_prefix.is_some(), "etcdPrefix"),
+        (file.etcd_ca_file.is_some(), "etcdCAFile"),
+        (file.etcd_cert_file.is_some(), "etcdCertFile"),
+        (file.etcd_key_file.is_some(), "etcdKeyFile"),
+    ];
+    for (_, field) in set.into_iter().filter(|(given, _)| *given) {
+        errors.push(ConfigError::new(
+            field,
+            format!(
+                "is not used in management mode: each tenant's etcd is its own (etcdServers and \
+                 etcdPrefix in its Secret's {TENANT_CONFIG_ANNOTATION} annotation, the client \
+                 certificate in its data keys {}, {}, {}); remove it",
+                TENANT_ETCD_KEYS.ca, TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
+            ),
+        ));
+    }
+}
+
+pub(super) fn pick<T>(
+    flag: Option<T>,
+    flag_name: &'static str,
+    file: Option<T>,
+    file_field: &'static str,
+) -> Option<Source<T>> {
+    match (flag, file) {
+        (Some(value), _) => Some(Source {
+            value,
+            field: flag_name,
+        }),
+        (None, Some(value)) => Some(Source {
+            value,
+            field: file_field,
+        }),
+        (None, None) => None,
+    }
+}
+
+impl Config {
+    /// etcd mode's settings, when `--etcd-servers` is set.
+    pub fn etcd(&self) -> Option<reconcilers::legacy_alloc::etcd::EtcdConfig> {
+        (!self.etcd_servers.is_empty()).then(|| reconcilers::legacy_alloc::etcd::EtcdConfig {
+            servers: self.etcd_servers.clone(),
+            ca_file: self.etcd_ca_file.clone(),
+            cert_file: self.etcd_cert_file.clone(),
+            key_file: self.etcd_key_file.clone(),
+            prefix: self.etcd_prefix.clone(),
+            inline_tls: self.etcd_inline_tls.clone(),
+        })
+    }
+
+    /// What the loops read outside their own sections.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            service_ranges: self.service_cluster_ip_range.clone(),
+            node_port_range: self.service_node_port_range.base..=self.service_node_port_range.last,
+            secure_port: self.secure_port,
+            kubernetes_service_node_port: (self.kubernetes_service_node_port != 0)
+                .then_some(self.kubernetes_service_node_port),
+            advertise_address: self.advertise_address,
+            endpoint_mode: self.endpoint_reconciler_type,
+            apiserver_count: self.apiserver_count,
+            kubernetes_service: ServiceName {
+                namespace: self.loops.kubernetes_service.namespace.clone(),
+                name: self.loops.kubernetes_service.name.clone(),
+            },
+            identity: self.leader_identity(),
+            leader_lease: self.leader_election.enabled.then(|| {
+                (
+                    self.leader_election.lease_namespace.clone(),
+                    self.leader_election.lease_name.clone(),
+                )
+            }),
+            etcd: self.etcd(),
+        }
+    }
+
+    /// Reads `--config` (if any), merges it with the flags and the defaults, and validates.
+    pub fn load(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        Config::merge(args, file)
+    }
+
+    /// Merges flags over a parsed file over defaults, and validates the result.
+    pub fn merge(args: &ConfigArgs, file: FileConfig) -> Result<Config, ConfigErrors> {
+        let mut errors = Vec::new();
+
+        let service_cluster_ip_range = match pick(
+            args.service_cluster_ip_range.clone(),
+            "--service-cluster-ip-range",
+            file.service_cluster_ip_range
+                .as_ref()
+                .map(StringOrList::joined),
+            "serviceClusterIPRange",
+        ) {
+            Some(source) => parse_service_cidrs(&source.value)
+                .map_err(|message| errors.push(ConfigError::new(source.field, message)))
+                .unwrap_or_default(),
+            None => Vec::new(),
+        };
+
+        let service_node_port_range = match pick(
+            args.service_node_port_range.clone(),
+            "--service-node-port-range",
+            file.service_node_port_range.clone(),
+            "serviceNodePortRange",
+        ) {
+            Some(source) => parse_port_range(&source.value)
+                .map_err(|err| errors.push(ConfigError::new(source.field, err.to_string())))
+                .unwrap_or_default(),
+            None => PortRange::default(),
+        };
+
+        let advertise_address_source = pick(
+            args.advertise_address.clone(),
+            "--advertise-address",
+            file.advertise_address.clone(),
+            "advertiseAddress",
+        );
+        let advertise_address = advertise_address_source.as_ref().and_then(|source| {
+            let text = source.value.trim();
+            match text.parse::<IpAddr>() {
+                Ok(ip) if ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "{text:?} cannot be advertised to the cluster (use the apiserver's \
+                             routable address, e.g. 192.168.1.10)"
+                        ),
+                    ));
+                    None
+                }
+                Ok(ip) => Some(ip),
+                Err(_) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "{text:?} is not an IP address (expected e.g. 192.168.1.10 or \
+                             fd00::10)"
+                        ),
+                    ));
+                    None
+                }
+            }
+        });
+
+        let secure_port = match pick(
+            args.secure_port.as_deref().map(parse_u32),
+            "--secure-port",
+            file.secure_port.map(Ok),
+            "securePort",
+        ) {
+            Some(source) => match source.value {
+                Ok(port @ 1..=65535) => u16::try_from(port).unwrap_or(6443),
+                Ok(port) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!("{port} is not a valid port (expected 1-65535, e.g. 6443)"),
+                    ));
+                    6443
+                }
+                Err(NotANumber(text)) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!("{text:?} is not a port number (expected 1-65535, e.g. 6443)"),
+                    ));
+                    6443
+                }
+            },
+            None => 6443,
+        };
+
+        let node_port_source = pick(
+            args.kubernetes_service_node_port.as_deref().map(parse_u32),
+            "--kubernetes-service-node-port",
+            file.kubernetes_service_node_port.map(Ok),
+            "kubernetesServiceNodePort",
+        );
+        let kubernetes_service_node_port = match node_port_source {
+            Some(source) => match source.value {
+                Ok(0) => 0,
+                Ok(port) => match u16::try_from(port) {
+                    Ok(port) if service_node_port_range.contains(port) => port,
+                    _ => {
+                        errors.push(ConfigError::new(
+                            source.field,
+                            format!(
+                                "{port} is outside the node port range {service_node_port_range} \
+                                 (use 0 for a ClusterIP Service, or a port inside \
+                                 --service-node-port-range)"
+                            ),
+                        ));
+                        0
+                    }
+                },
+                Err(text) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "{text:?} is not a port number (use 0 for a ClusterIP Service, or a \
+                             port inside {service_node_port_range})"
+                        ),
+                    ));
+                    0
+                }
+            },
+            None => 0,
+        };
+
+        let endpoint_reconciler_type = args
+            .endpoint_reconciler_type
+            .or(file.endpoint_reconciler_type)
+            .unwrap_or_default();
+
+        let apiserver_count = match pick(
+            args.apiserver_count
+                .as_deref()
+                .map(|text| text.trim().parse::<i64>().map_err(|_| text.to_owned())),
+            "--apiserver-count",
+            file.apiserver_count.map(Ok),
+            "apiserverCount",
+        ) {
+            Some(source) => match source.value {
+                Ok(count) if count > 0 => u32::try_from(count).unwrap_or(u32::MAX),
+                Ok(count) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "should be a positive number, but {count} was given (e.g. 3 for \
+                             three apiservers)"
+                        ),
+                    ));
+                    1
+                }
+                Err(text) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!("{text:?} is not a number (expected a positive count, e.g. 3)"),
+                    ));
+                    1
+                }
+            },
+            None => 1,
+        };
+
+        // The public address must be reachable over the primary service family (upstream's
+        // validatePublicIPServiceClusterIPRangeIPFamilies), unless no endpoints are written.
+        if let (Some(address), Some(primary), Some(source)) = (
+            advertise_address,
+            service_cluster_ip_range.first(),
+            advertise_address_source.as_ref(),
+        ) && endpoint_reconciler_type != EndpointsMode::None
+            && address.is_ipv4() != primary.addr().is_ipv4()
+        {
+            errors.push(ConfigError::new(
+                source.field,
+                format!(
+                    "{address} is {} but the primary service range {primary} is {} (advertise \
+                     an address of the primary range's family, or list the other family's range \
+                     first)",
+                    IpFamily::of(address),
+                    IpFamily::of_net(primary)
+                ),
+            ));
+        }
+
+        let admin_addr = match pick(
+            args.admin_addr.clone(),
+            "--admin-addr",
+            file.admin_addr.clone(),
+            "adminAddr",
+        ) {
+            Some(source) => match source.value.trim().parse::<SocketAddr>() {
+                Ok(addr) => addr,
+                Err(_) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        format!(
+                            "{:?} is not an address:port (expected e.g. 0.0.0.0:8080 or \
+                             [::]:8080)",
+                            source.value
+                        ),
+                    ));
+                    default_admin_addr()
+                }
+            },
+            None => default_admin_addr(),
+        };
+
+        let shutdown_timeout = match pick(
+            args.shutdown_timeout.as_deref().map(parse_duration),
+            "--shutdown-timeout",
+            file.shutdown_timeout.map(Ok),
+            "shutdownTimeout",
+        ) {
+            Some(source) => match source.value {
+                Ok(timeout) if !timeout.is_zero() => timeout,
+                Ok(_) => {
+                    errors.push(ConfigError::new(
+                        source.field,
+                        "must be greater than zero (e.g. 30s)",
+                    ));
+                    default_shutdown_timeout()
+                }
+                Err(err) => {
+                    errors.push(ConfigError::new(source.field, err.to_string()));
+                    default_shutdown_timeout()
+                }
+            },
+            None => default_shutdown_timeout(),
+        };
+
+        let mut leader_election = file.leader_election.clone().unwrap_or_default();
+        let file_has_leader_section = file.leader_election.is_some();
+        let le_field = |flag: &'static str, field: &'static str, from_flag: bool| {
+            if from_flag || !file_has_leader_section {
+                flag
+            } else {
+                field
+            }
+        };
+        if let Some(enabled) = args.leader_elect {
+            leader_election.enabled = enabled;
+        }
+        if let Some(name) = &args.leader_elect_lease_name {
+            leader_election.lease_name = name.clone();
+        }
+        if let Some(namespace) = &args.leader_elect_lease_namespace {
+            leader_election.lease_namespace = namespace.clone();
+        }
+        if let Some(identity) = &args.leader_elect_identity {
+            leader_election.identity = identity.clone();
+        }
+        let mut duration_from_flag = false;
+        if let Some(text) = &args.leader_elect_lease_duration {
+            duration_from_flag = true;
+            match parse_duration(text) {
+                Ok(duration) => leader_election.lease_duration = duration,
+                Err(err) => errors.push(ConfigError::new(
+                    "--leader-elect-lease-duration",
+                    err.to_string(),
+                )),
+            }
+        }
+        let mut grace_from_flag = false;
+        if let Some(text) = &args.leader_elect_renew_grace {
+            grace_from_flag = true;
+            match parse_duration(text) {
+                Ok(duration) => leader_election.renew_grace = duration,
+                Err(err) => errors.push(ConfigError::new(
+                    "--leader-elect-renew-grace",
+                    err.to_string(),
+                )),
+            }
+        }
+        if leader_election.enabled {
+            if let Err(why) = validate_dns1123_subdomain(&leader_election.lease_name) {
+                errors.push(ConfigError::new(
+                    le_field(
+                        "--leader-elect-lease-name",
+                        "leaderElection.leaseName",
+                        args.leader_elect_lease_name.is_some(),
+                    ),
+                    format!(
+                        "{:?} is not a valid Lease name: {why} (expected e.g. \
+                         bootstrap-controller)",
+                        leader_election.lease_name
+                    ),
+                ));
+            }
+            if let Err(why) = validate_dns1123_label(&leader_election.lease_namespace) {
+                errors.push(ConfigError::new(
+                    le_field(
+                        "--leader-elect-lease-namespace",
+                        "leaderElection.leaseNamespace",
+                        args.leader_elect_lease_namespace.is_some(),
+                    ),
+                    format!(
+                        "{:?} is not a valid namespace name: {why} (expected e.g. kube-system)",
+                        leader_election.lease_namespace
+                    ),
+                ));
+            }
+            // A Lease holds whole seconds (leaseDurationSeconds).
+            if leader_election.lease_duration.as_secs() < 2 {
+                errors.push(ConfigError::new(
+                    le_field(
+                        "--leader-elect-lease-duration",
+                        "leaderElection.leaseDuration",
+                        duration_from_flag,
+                    ),
+                    "must be at least 2s (e.g. 15s)",
+                ));
+            } else if leader_election.renew_grace.as_secs() < 1
+                || leader_election.renew_grace >= leader_election.lease_duration
+            {
+                errors.push(ConfigError::new(
+                    le_field(
+                        "--leader-elect-renew-grace",
+                        "leaderElection.renewGrace",
+                        grace_from_flag,
+                    ),
+                    format!(
+                        "must be at least 1s and shorter than the lease duration ({}) (e.g. 5s \
+                         with a 15s lease)",
+                        format_duration(leader_election.lease_duration)
+                    ),
+                ));
+            }
+        }
+
+        let etcd = merge_etcd(args, &file, &mut errors);
+        let tenants = merge_tenants(args, file.tenants.as_ref(), &mut errors);
+        if tenants.is_some() {
+            refuse_process_etcd(args, &file, &mut errors);
+        }
+
+        let config = Config {
+            service_cluster_ip_range,
+            service_node_port_range,
+            advertise_address,
+            secure_port,
+            kubernetes_service_node_port,
+            endpoint_reconciler_type,
+            apiserver_count,
+            kubeconfig: args.kubeconfig.clone().or(file.kubeconfig.clone()),
+            etcd_servers: etcd.servers,
+            etcd_ca_file: etcd.ca_file,
+            etcd_cert_file: etcd.cert_file,
+            etcd_key_file: etcd.key_file,
+            etcd_prefix: etcd.prefix,
+            etcd_inline_tls: None,
+            dry_run: args.dry_run.or(file.dry_run).unwrap_or(false),
+            timer_only: args.timer_only.or(file.timer_only).unwrap_or(false),
+            admin_addr,
+            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
+            shutdown_timeout,
+            leader_election,
+            tenants,
+            loops: file.loops.clone().unwrap_or_default(),
+        };
+        // Sections validate against the settings of the effective configuration.
+        config.loops.validate(&config.settings(), &mut errors);
+
+        if errors.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigErrors(errors))
+        }
+    }
+
+    /// The effective configuration as YAML, in the shape `--config` accepts.
+    pub fn to_yaml(&self) -> Result<String, serde_saphyr::SerializeError> {
+        serde_saphyr::to_string(self)
+    }
+
+    /// The leader-election identity to use: the configured one, else `$POD_NAME` or the host
+    /// name plus a random suffix, so two processes on one host never share an identity.
+    ///
+    /// The derived identity is computed once per process, so every caller (leader election,
+    /// membership Leases, event reporters) agrees on it.
+    pub fn leader_identity(&self) -> String {
+        if !self.leader_election.identity.is_empty() {
+            return self.leader_election.identity.clone();
+        }
+        static DERIVED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        DERIVED.get_or_init(derive_identity).clone()
+    }
+}
+
+/// `$POD_NAME`, else `$HOSTNAME`, else `/etc/hostname`: who this replica is, for humans.
+pub fn host_name() -> Option<String> {
+    std::env::var("POD_NAME")
+        .ok()
+        .filter(|name| !name.is_empty())
+        .or_else(|| {
+            std::env::var("HOSTNAME")
+                .ok()
+                .filter(|name| !name.is_empty())
+        })
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|name| name.trim().to_owned())
+                .filter(|name| !name.is_empty())
+        })
+}
+
+pub(super) fn derive_identity() -> String {
+    let base = host_name().unwrap_or_else(|| "bootstrap-controller".to_owned());
+    let suffix: u32 = rand::random();
+    format!("{base}_{suffix:08x}")
+}
+
+pub(super) fn default_admin_addr() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 8080))
+}
+
+pub(super) fn default_shutdown_timeout() -> Duration {
+    Duration::from_secs(30)
+}

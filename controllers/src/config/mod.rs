@@ -1,0 +1,215 @@
+//! Configuration: flags (with environment variables), an optional YAML file, and defaults.
+//!
+//! Precedence is flags > file > defaults. Every value is validated before anything touches the
+//! cluster, and every error names the field (the flag when the value came from a flag, the YAML
+//! path when it came from the file) and says how to fix it.
+//!
+//! Each loop's section (`loops.<key>`) is owned by the loop's module in `reconcilers`
+//! ([`LoopSection`]); [`Loops`] is the list of them.
+//!
+//! By concern: `flags.rs` (the flags and their environment variables), `file.rs` (the file's
+//! shape and parser), `merge.rs` (flags over file over defaults, and validation), `tenant.rs`
+//! (management mode, and a tenant's annotation fragment merged over the file), `values.rs` (value
+//! types and their parsers); this module holds the effective [`Config`], the list of loops and
+//! the error type.
+
+mod file;
+mod flags;
+mod merge;
+mod tenant;
+mod values;
+
+pub use file::*;
+pub use flags::*;
+pub use merge::*;
+pub use tenant::*;
+pub use values::*;
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::ValueEnum;
+use ipnet::IpNet;
+use reconcilers::alloc::IpFamily;
+use serde::{Deserialize, Serialize};
+
+pub use reconcilers::names::{
+    NameError, validate_dns1123_label, validate_dns1123_subdomain, validate_qualified_name,
+};
+pub use reconcilers::section::{
+    ConfigError, DurationError, EndpointsMode, LoopSection, ServiceName, Settings, duration_format,
+    format_duration, parse_duration,
+};
+
+/// Environment variable prefix shared by every flag.
+pub const ENV_PREFIX: &str = "BOOTSTRAP_";
+
+// ------------------------------------------------------------------------------------------------
+// The effective configuration
+// ------------------------------------------------------------------------------------------------
+
+/// The effective configuration, after merging flags, file and defaults, and validated.
+///
+/// Serialises (`config print`) to the same YAML shape the `--config` file accepts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Config {
+    /// Empty when not set: no range is assumed (kube-apiserver's 10.0.0.0/24 is not kubeadm's,
+    /// k3s' or a managed cluster's); the loops read it from the `kubernetes` ServiceCIDR.
+    #[serde(
+        rename = "serviceClusterIPRange",
+        serialize_with = "ser_cidrs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub service_cluster_ip_range: Vec<IpNet>,
+    pub service_node_port_range: PortRange,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_address: Option<IpAddr>,
+    pub secure_port: u16,
+    pub kubernetes_service_node_port: u16,
+    pub endpoint_reconciler_type: EndpointsMode,
+    pub apiserver_count: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubeconfig: Option<PathBuf>,
+    #[serde(rename = "etcdServers", skip_serializing_if = "Vec::is_empty")]
+    pub etcd_servers: Vec<String>,
+    #[serde(rename = "etcdCAFile", skip_serializing_if = "Option::is_none")]
+    pub etcd_ca_file: Option<PathBuf>,
+    #[serde(rename = "etcdCertFile", skip_serializing_if = "Option::is_none")]
+    pub etcd_cert_file: Option<PathBuf>,
+    #[serde(rename = "etcdKeyFile", skip_serializing_if = "Option::is_none")]
+    pub etcd_key_file: Option<PathBuf>,
+    #[serde(rename = "etcdPrefix")]
+    pub etcd_prefix: String,
+    /// A tenant's etcd client certificate, from its Secret (management mode); the files are
+    /// not used then.
+    #[serde(skip)]
+    pub etcd_inline_tls: Option<reconcilers::legacy_alloc::etcd::InlineTls>,
+    pub dry_run: bool,
+    pub timer_only: bool,
+    pub admin_addr: SocketAddr,
+    pub log_format: LogFormat,
+    #[serde(with = "duration_format")]
+    pub shutdown_timeout: Duration,
+    pub leader_election: LeaderElection,
+    /// Management mode, when a Secret selector is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenants: Option<Tenants>,
+    pub loops: Loops,
+}
+
+/// Management mode: which Secrets of the management cluster are tenant clusters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Tenants {
+    pub secret_selector: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    pub kubeconfig_key: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub credential_plugins: Vec<PathBuf>,
+}
+
+/// Leader election among replicas of this controller.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct LeaderElection {
+    pub enabled: bool,
+    pub lease_name: String,
+    pub lease_namespace: String,
+    /// Empty means: derive one at start (see `--leader-elect-identity`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub identity: String,
+    #[serde(with = "duration_format")]
+    pub lease_duration: Duration,
+    #[serde(with = "duration_format")]
+    pub renew_grace: Duration,
+}
+
+impl Default for LeaderElection {
+    fn default() -> Self {
+        LeaderElection {
+            enabled: true,
+            lease_name: "bootstrap-controller".to_owned(),
+            lease_namespace: "kube-system".to_owned(),
+            identity: String::new(),
+            lease_duration: Duration::from_secs(15),
+            renew_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The loops, in the order they are built: the one list a loop is added to. Each entry is the
+/// section's key under `loops` in the file, its field here, and the section type its module owns
+/// (which validates it and builds the loop). The ClusterIP repair comes before the NodePort
+/// repair, which reads its Service cache.
+macro_rules! loop_list {
+    ($($key:literal => $field:ident: $section:ty,)+) => {
+        /// One section per loop. Loops not listed in the file keep their defaults.
+        #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct Loops {
+            $(#[serde(rename = $key)] pub $field: $section,)+
+        }
+
+        impl Loops {
+            /// Every section with its key under `loops`, in build order.
+            pub fn sections(&self) -> Vec<(&'static str, &dyn LoopSection)> {
+                vec![$(($key, &self.$field as &dyn LoopSection),)+]
+            }
+        }
+    };
+}
+
+loop_list! {
+    "systemNamespaces" => system_namespaces: reconcilers::system_namespaces::Section,
+    "kubernetesService" => kubernetes_service: reconcilers::kubernetes_service::Section,
+    "apiserverEndpoints" => apiserver_endpoints: reconcilers::apiserver_endpoints::Section,
+    "serviceCIDR" => service_cidr: reconcilers::service_cidr::Section,
+    "clusterIPRepair" => cluster_ip_repair: reconcilers::clusterip_repair::Section,
+    "nodePortRepair" => node_port_repair: reconcilers::nodeport_repair::Section,
+}
+
+impl Loops {
+    fn validate(&self, settings: &Settings, errors: &mut Vec<ConfigError>) {
+        for (key, section) in self.sections() {
+            section.validate(&format!("loops.{key}"), settings, errors);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Errors
+// ------------------------------------------------------------------------------------------------
+
+/// Every problem found in a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.as_slice() {
+            [one] => write!(f, "invalid configuration: {one}"),
+            many => {
+                write!(f, "invalid configuration ({} problems):", many.len())?;
+                for error in many {
+                    write!(f, "\n  {error}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+impl From<ConfigError> for ConfigErrors {
+    fn from(error: ConfigError) -> Self {
+        ConfigErrors(vec![error])
+    }
+}
+
+#[cfg(test)]
+mod tests;

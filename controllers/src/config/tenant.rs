@@ -1,0 +1,552 @@
+//! Management mode's settings and a tenant's configuration: its Secret's annotation (a YAML
+//! fragment of the file, untrusted) merged over the file, with the keys and floors a fragment may
+//! not cross.
+
+use super::*;
+
+/// The annotation on a tenant's Secret holding its YAML fragment of the configuration file.
+pub const TENANT_CONFIG_ANNOTATION: &str = "bootstrap-controller.io/config";
+
+/// Keys of the file that belong to the process, not to one tenant: refused in a fragment.
+pub(super) const PROCESS_WIDE_KEYS: [&str; 6] = [
+    "kubeconfig",
+    "adminAddr",
+    "logFormat",
+    "shutdownTimeout",
+    "leaderElection",
+    "tenants",
+];
+
+/// Settings a fragment may not make, because they name files of the controller's filesystem.
+pub(super) const FRAGMENT_FILE_KEYS: [&str; 3] = ["etcdCAFile", "etcdCertFile", "etcdKeyFile"];
+
+/// The data keys of a tenant's Secret that hold its etcd client certificate (PEM), used with
+/// `etcdServers` and `etcdPrefix` from its annotation.
+pub struct TenantEtcdKeys {
+    pub ca: &'static str,
+    pub cert: &'static str,
+    pub key: &'static str,
+}
+
+pub const TENANT_ETCD_KEYS: TenantEtcdKeys = TenantEtcdKeys {
+    ca: "etcd-ca.crt",
+    cert: "etcd-client.crt",
+    key: "etcd-client.key",
+};
+
+/// The least a fragment may set for a loop setting: every tenant shares this process's CPU and
+/// connections, so no Secret may make its loops spin (a timer pass every millisecond, pages of
+/// one object).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Floor {
+    Duration(Duration),
+    Count(u64),
+}
+
+/// Floors by field name, in every loop section of a fragment (see CONFIG.md).
+pub(super) const FRAGMENT_FLOORS: [(&str, Floor); 4] = [
+    ("interval", Floor::Duration(Duration::from_secs(5))),
+    ("leaseTTL", Floor::Duration(Duration::from_secs(5))),
+    (
+        "shutdownProbeWindow",
+        Floor::Duration(Duration::from_secs(1)),
+    ),
+    ("pageSize", Floor::Count(100)),
+];
+
+/// The fragment's loop settings below their floors.
+pub(super) fn below_floors(fragment: &serde_json::Value) -> Vec<ConfigError> {
+    let mut errors = Vec::new();
+    let Some(loops) = fragment.get("loops").and_then(serde_json::Value::as_object) else {
+        return errors;
+    };
+    for (section, fields) in loops {
+        let Some(fields) = fields.as_object() else {
+            continue;
+        };
+        for (field, floor) in FRAGMENT_FLOORS {
+            let Some(value) = fields.get(field) else {
+                continue;
+            };
+            // A value that does not parse is reported by the full validation.
+            let (below, least) = match floor {
+                Floor::Duration(least) => (
+                    value
+                        .as_str()
+                        .and_then(|text| parse_duration(text).ok())
+                        .is_some_and(|given| given < least),
+                    format_duration(least),
+                ),
+                Floor::Count(least) => (
+                    value.as_u64().is_some_and(|given| given < least),
+                    least.to_string(),
+                ),
+            };
+            if below {
+                errors.push(ConfigError::new(
+                    format!("{TENANT_CONFIG_ANNOTATION}: loops.{section}.{field}"),
+                    format!(
+                        "is below {least}, the least a tenant may set (every tenant shares this \
+                         process): set {least} or more, or leave it to the configuration file"
+                    ),
+                ));
+            }
+        }
+    }
+    errors
+}
+
+/// A tenant's `etcdPrefix` is a plain absolute key path (`/registry`, `/tenants/a`): no empty,
+/// `.` or `..` segment, no trailing `/`, so the keys written under it are where they appear to
+/// be. Whether it overlaps another tenant's prefix is checked against every tenant
+/// (`tenants.rs`).
+pub fn validate_tenant_etcd_prefix(prefix: &str) -> Result<(), String> {
+    let Some(rest) = prefix.strip_prefix('/') else {
+        return Err("must start with /".to_owned());
+    };
+    for segment in rest.split('/') {
+        let plain = !segment.is_empty()
+            && segment != "."
+            && segment != ".."
+            && segment
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if !plain {
+            return Err(
+                "must be a plain key path: segments of letters, digits, '-', '_' and '.', \
+                 separated by single / with none at the end (e.g. /registry or /tenants/a)"
+                    .to_owned(),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What every tenant's configuration is made from: the flags and the file as it was read at
+/// start. A tenant's fragment is merged over the file (flags still win, as over the file).
+#[derive(Debug, Clone)]
+pub struct TenantBase {
+    args: ConfigArgs,
+    file: serde_json::Value,
+}
+
+impl TenantBase {
+    /// Reads `--config` again, as a tree the fragments merge into.
+    pub fn load(args: &ConfigArgs) -> Result<TenantBase, ConfigErrors> {
+        let file = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|err| {
+                    ConfigError::new("--config", format!("cannot read {}: {err}", path.display()))
+                })?;
+                yaml_tree(&text).map_err(|message| ConfigError::new("--config", message))?
+            }
+            None => serde_json::Value::Null,
+        };
+        // Flags that name the management cluster or management mode are not a tenant's.
+        let args = ConfigArgs {
+            tenants_secret_selector: None,
+            tenants_namespace: None,
+            tenants_kubeconfig_key: None,
+            tenants_credential_plugins: None,
+            kubeconfig: None,
+            ..args.clone()
+        };
+        Ok(TenantBase { args, file })
+    }
+
+    /// One tenant's configuration: `fragment` (the Secret's annotation, if any) over the file,
+    /// over the defaults, with the flags winning. The endpoint reconciler defaults to `none`
+    /// here: this process is not one of the tenant's apiservers, so it cannot hold a membership
+    /// Lease for one; `static` (the tenant's load-balancer address) or `none` are the choices.
+    pub fn tenant(&self, fragment: Option<&str>) -> Result<Config, ConfigErrors> {
+        let field = |path: &str| format!("{TENANT_CONFIG_ANNOTATION}: {path}");
+        let fragment = match fragment {
+            Some(text) => {
+                yaml_tree(text).map_err(|message| ConfigError::new(field("(fragment)"), message))?
+            }
+            None => serde_json::Value::Null,
+        };
+        match &fragment {
+            serde_json::Value::Null => {}
+            serde_json::Value::Object(map) => {
+                let mut refused: Vec<ConfigError> = map
+                    .keys()
+                    .filter(|key| PROCESS_WIDE_KEYS.contains(&key.as_str()))
+                    .map(|key| {
+                        ConfigError::new(
+                            field(key),
+                            "is set for the whole process (flags or the --config file), not per \
+                             tenant: remove it from the annotation",
+                        )
+                    })
+                    .collect();
+                refused.extend(
+                    map.keys()
+                        .filter(|key| FRAGMENT_FILE_KEYS.contains(&key.as_str()))
+                        .map(|key| {
+                            ConfigError::new(
+                                field(key),
+                                format!(
+                                    "names a file, which a tenant may not: put the etcd client \
+                                     certificate in the Secret's data keys {}, {} and {}",
+                                    TENANT_ETCD_KEYS.ca,
+                                    TENANT_ETCD_KEYS.cert,
+                                    TENANT_ETCD_KEYS.key
+                                ),
+                            )
+                        }),
+                );
+                refused.extend(below_floors(&fragment));
+                if !refused.is_empty() {
+                    return Err(ConfigErrors(refused));
+                }
+            }
+            _ => {
+                return Err(ConfigErrors(vec![ConfigError::new(
+                    field("(fragment)"),
+                    "must be a YAML mapping of configuration file keys (e.g. \
+                     serviceClusterIPRange: 10.96.0.0/12)",
+                )]));
+            }
+        }
+        let mut merged = serde_json::json!({"endpointReconcilerType": "none"});
+        deep_merge(&mut merged, self.file.clone());
+        deep_merge(&mut merged, fragment);
+        if let serde_json::Value::Object(map) = &mut merged {
+            for key in PROCESS_WIDE_KEYS {
+                map.remove(key);
+            }
+        }
+        let text = serde_saphyr::to_string(&merged).map_err(|err| {
+            ConfigError::new(field("(fragment)"), format!("cannot be merged: {err}"))
+        })?;
+        let file =
+            parse_file(&text).map_err(|err| ConfigError::new(field(&err.field), err.message))?;
+        let config = Config::merge(&self.args, file).map_err(|errors| {
+            ConfigErrors(
+                errors
+                    .0
+                    .into_iter()
+                    .map(|err| match err.field.starts_with("--") {
+                        true => err,
+                        false => ConfigError::new(field(&err.field), err.message),
+                    })
+                    .collect(),
+            )
+        })?;
+        if !config.etcd_servers.is_empty()
+            && let Err(why) = validate_tenant_etcd_prefix(&config.etcd_prefix)
+        {
+            return Err(ConfigErrors(vec![ConfigError::new(
+                field("etcdPrefix"),
+                format!("{:?} {why}", config.etcd_prefix),
+            )]));
+        }
+        match config.endpoint_reconciler_type {
+            EndpointsMode::Static | EndpointsMode::None => Ok(config),
+            other => Err(ConfigErrors(vec![ConfigError::new(
+                field("endpointReconcilerType"),
+                format!(
+                    "{:?} makes this process one of the tenant's apiservers, which it is not: \
+                     use static (with the tenant's load-balancer address under \
+                     loops.apiserverEndpoints) or none",
+                    other.as_str()
+                ),
+            )])),
+        }
+    }
+}
+
+/// The etcd servers and prefix a tenant's fragment sets (`None` without `etcdServers`, or if it
+/// does not parse: loading the tenant reports that), normalised for comparison with other
+/// tenants': servers lower-cased without a trailing `/`. A prefix that is not a plain key path
+/// claims nothing (the tenant is refused for it when it loads).
+pub fn fragment_etcd(fragment: &str) -> Option<(Vec<String>, String)> {
+    let tree = yaml_tree(fragment).ok()?;
+    let servers: Vec<String> = match tree.get("etcdServers")? {
+        serde_json::Value::String(text) => text.split(',').map(str::to_owned).collect(),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect(),
+        _ => return None,
+    };
+    let servers: Vec<String> = servers
+        .iter()
+        .map(|s| s.trim().trim_end_matches('/').to_ascii_lowercase())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if servers.is_empty() {
+        return None;
+    }
+    let prefix = tree
+        .get("etcdPrefix")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("/registry")
+        .to_owned();
+    validate_tenant_etcd_prefix(&prefix).ok()?;
+    Some((servers, prefix))
+}
+
+/// A YAML document as a tree (empty text is `null`).
+pub(super) fn yaml_tree(text: &str) -> Result<serde_json::Value, String> {
+    if text.trim().is_empty() {
+        return Ok(serde_json::Value::Null);
+    }
+    serde_saphyr::from_str(text).map_err(|err| {
+        let message = err.to_string();
+        message
+            .lines()
+            .next()
+            .unwrap_or("invalid YAML")
+            .trim()
+            .to_owned()
+    })
+}
+
+/// Merges `over` into `base`: mappings key by key, anything else replaced.
+pub(super) fn deep_merge(base: &mut serde_json::Value, over: serde_json::Value) {
+    match (base, over) {
+        (_, serde_json::Value::Null) => {}
+        (serde_json::Value::Object(base), serde_json::Value::Object(over)) => {
+            for (key, value) in over {
+                deep_merge(base.entry(key).or_insert(serde_json::Value::Null), value);
+            }
+        }
+        (base, over) => *base = over,
+    }
+}
+
+/// The Secret data key Cluster API's `<cluster>-kubeconfig` Secrets use.
+pub const DEFAULT_TENANTS_KUBECONFIG_KEY: &str = "value";
+
+/// Management mode's settings: flags over the file's `tenants` section. `None` when no
+/// selector is set (the one cluster of `--kubeconfig`).
+pub(super) fn merge_tenants(
+    args: &ConfigArgs,
+    file: Option<&TenantsFile>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<Tenants> {
+    let selector = pick(
+        args.tenants_secret_selector.clone(),
+        "--tenants-secret-selector",
+        file.and_then(|f| f.secret_selector.clone()),
+        "tenants.secretSelector",
+    );
+    let namespace = pick(
+        args.tenants_namespace.clone(),
+        "--tenants-namespace",
+        file.and_then(|f| f.namespace.clone()),
+        "tenants.namespace",
+    );
+    let key = pick(
+        args.tenants_kubeconfig_key.clone(),
+        "--tenants-kubeconfig-key",
+        file.and_then(|f| f.kubeconfig_key.clone()),
+        "tenants.kubeconfigKey",
+    );
+    let plugins = pick(
+        args.tenants_credential_plugins.clone(),
+        "--tenants-credential-plugins",
+        file.and_then(|f| f.credential_plugins.as_ref().map(StringOrList::joined)),
+        "tenants.credentialPlugins",
+    );
+    let Some(selector) = selector else {
+        for source in [namespace, key, plugins].into_iter().flatten() {
+            errors.push(ConfigError::new(
+                source.field,
+                "only means something in management mode: set --tenants-secret-selector                  (tenants.secretSelector) too, or leave it out",
+            ));
+        }
+        return None;
+    };
+    let selector_text = selector.value.trim().to_owned();
+    if selector_text.is_empty() {
+        errors.push(ConfigError::new(
+            selector.field,
+            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g.              cluster.x-k8s.io/cluster-name)",
+        ));
+    } else if let Err(why) = validate_label_selector(&selector_text) {
+        errors.push(ConfigError::new(
+            selector.field,
+            format!(
+                "{selector_text:?} is not a label selector: {why} (e.g. \
+                 cluster.x-k8s.io/cluster-name, or team=a,tier!=dev)"
+            ),
+        ));
+    }
+    let namespace = namespace.and_then(|source| {
+        match reconcilers::names::validate_dns1123_label(&source.value) {
+            Ok(()) => Some(source.value),
+            Err(why) => {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{:?} is not a valid namespace name: {why} (e.g. tenants)",
+                        source.value
+                    ),
+                ));
+                None
+            }
+        }
+    });
+    let kubeconfig_key = match key {
+        Some(source) => {
+            let valid = !source.value.is_empty()
+                && source.value.len() <= 253
+                && source
+                    .value
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+            if !valid {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{:?} is not a Secret data key (letters, digits, '-', '_' and '.';                          e.g. value, admin.conf, kubeconfig, config)",
+                        source.value
+                    ),
+                ));
+            }
+            source.value
+        }
+        None => DEFAULT_TENANTS_KUBECONFIG_KEY.to_owned(),
+    };
+    let mut credential_plugins = Vec::new();
+    if let Some(source) = plugins {
+        for path in source
+            .value
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            let directory = path.ends_with('/');
+            let path = PathBuf::from(path);
+            let plain = !directory
+                && path.components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::RootDir | std::path::Component::Normal(_)
+                    )
+                });
+            if !path.is_absolute() || !plain || path.file_name().is_none() {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{} is not an absolute path to a program (e.g. \
+                         /usr/local/bin/aws-iam-authenticator): a plugin is allowed by the path \
+                         that runs, never looked up in PATH",
+                        path.display()
+                    ),
+                ));
+            } else if !credential_plugins.contains(&path) {
+                credential_plugins.push(path);
+            }
+        }
+    }
+    Some(Tenants {
+        secret_selector: selector_text,
+        namespace,
+        kubeconfig_key,
+        credential_plugins,
+    })
+}
+
+/// Checks a label selector as `kubectl get -l` writes it (`k`, `!k`, `k=v`, `k==v`, `k!=v`,
+/// `k in (a,b)`, `k notin (a,b)`, joined by commas), so a typo is a configuration error at
+/// start rather than a refused list later.
+pub(super) fn validate_label_selector(selector: &str) -> Result<(), String> {
+    fn key(text: &str) -> Result<(), String> {
+        let text = text.trim();
+        let (prefix, name) = match text.split_once('/') {
+            Some((prefix, name)) => (Some(prefix), name),
+            None => (None, text),
+        };
+        if let Some(prefix) = prefix {
+            reconcilers::names::validate_dns1123_subdomain(prefix)
+                .map_err(|why| format!("label key {text:?}: prefix: {why}"))?;
+        }
+        value(name).and_then(|()| {
+            if name.is_empty() {
+                Err(format!("label key {text:?} has no name"))
+            } else {
+                Ok(())
+            }
+        })
+    }
+    fn value(text: &str) -> Result<(), String> {
+        let text = text.trim();
+        let valid = text.len() <= 63
+            && text
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && text
+                .chars()
+                .next()
+                .is_none_or(|c| c.is_ascii_alphanumeric())
+            && text
+                .chars()
+                .last()
+                .is_none_or(|c| c.is_ascii_alphanumeric());
+        if valid {
+            Ok(())
+        } else {
+            Err(format!(
+                "{text:?} is not a label name or value (at most 63 letters, digits, '-', '_' or \
+                 '.', starting and ending with a letter or digit)"
+            ))
+        }
+    }
+    // Commas separate requirements except inside a set's parentheses.
+    let mut requirements = Vec::new();
+    let (mut depth, mut start) = (0_i32, 0);
+    for (at, c) in selector.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                requirements.push(&selector[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+        if depth < 0 {
+            return Err("unbalanced parentheses".to_owned());
+        }
+    }
+    if depth != 0 {
+        return Err("unbalanced parentheses".to_owned());
+    }
+    requirements.push(&selector[start..]);
+    for requirement in requirements {
+        let requirement = requirement.trim();
+        if requirement.is_empty() {
+            return Err("an empty requirement (two commas in a row?)".to_owned());
+        }
+        if let Some(rest) = requirement.strip_prefix('!') {
+            key(rest)?;
+        } else if let Some((k, v)) = requirement
+            .split_once("!=")
+            .or_else(|| requirement.split_once("=="))
+            .or_else(|| requirement.split_once('='))
+        {
+            key(k)?;
+            value(v)?;
+        } else if let Some((k, set)) = requirement
+            .split_once(" notin ")
+            .or_else(|| requirement.split_once(" in "))
+        {
+            key(k)?;
+            let set = set.trim();
+            let inner = set
+                .strip_prefix('(')
+                .and_then(|set| set.strip_suffix(')'))
+                .ok_or_else(|| format!("{set:?}: a set is written (a,b)"))?;
+            for item in inner.split(',') {
+                value(item)?;
+            }
+        } else {
+            key(requirement)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,780 @@
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+
+fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
+    let file = parse_file(text).map_err(ConfigErrors::from)?;
+    Config::merge(&ConfigArgs::default(), file)
+}
+
+fn single_error(result: Result<Config, ConfigErrors>) -> ConfigError {
+    let errors = result.expect_err("configuration should be rejected").0;
+    assert_eq!(
+        errors.len(),
+        1,
+        "expected exactly one error, got {errors:?}"
+    );
+    errors.into_iter().next().unwrap()
+}
+
+#[test]
+fn kubernetes_service_and_endpoints_sections() {
+    let config = from_yaml(
+        "advertiseAddress: 10.0.0.1\nloops:\n  kubernetesService:\n    port: 8443\n    repair: off\n    recreateOnClusterIPMismatch: true\n  apiserverEndpoints:\n    leaseTTL: 30s\n    readyzURL: https://127.0.0.1:6443/readyz\n",
+    )
+    .unwrap();
+    assert_eq!(config.loops.kubernetes_service.port, 8443);
+    assert_eq!(
+        config.loops.kubernetes_service.repair,
+        reconcilers::kubernetes_service::RepairPolicy::Off
+    );
+    assert!(
+        config
+            .loops
+            .kubernetes_service
+            .recreate_on_cluster_ip_mismatch
+    );
+    assert_eq!(
+        config.loops.apiserver_endpoints.lease_ttl,
+        Duration::from_secs(30)
+    );
+
+    let error = single_error(from_yaml(
+        "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    leaseTTL: 10s\n",
+    ));
+    assert_eq!(error.field, "loops.apiserverEndpoints.leaseTTL");
+
+    let error = single_error(from_yaml(
+        "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    staticAddresses: [10.0.0.1, \"https://lb:6443\"]\n",
+    ));
+    assert_eq!(error.field, "loops.apiserverEndpoints.staticAddresses[1]");
+
+    let error = single_error(from_yaml("endpointReconcilerType: static\n"));
+    assert_eq!(error.field, "loops.apiserverEndpoints.staticAddresses");
+
+    // A valid static list is accepted and reaches the loop's configuration.
+    let config = from_yaml(
+        "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    staticAddresses: [192.0.2.1, lb.example.com]\n",
+    )
+    .expect("a valid static configuration");
+    assert_eq!(
+        config
+            .loops
+            .apiserver_endpoints
+            .loop_config(&config.settings())
+            .static_addresses,
+        ["192.0.2.1", "lb.example.com"]
+    );
+
+    let error = single_error(from_yaml(
+        "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    readyzURL: localhost:6443\n",
+    ));
+    assert_eq!(error.field, "loops.apiserverEndpoints.readyzURL");
+
+    let error = single_error(from_yaml(
+        "loops:\n  kubernetesService:\n    name: Kubernetes\n",
+    ));
+    assert_eq!(error.field, "loops.kubernetesService.name");
+
+    let error = single_error(from_yaml("advertiseAddress: 127.0.0.1\n"));
+    assert_eq!(error.field, "advertiseAddress");
+}
+
+#[test]
+fn defaults_match_upstream() {
+    let config = Config::merge(&ConfigArgs::default(), FileConfig::default()).unwrap();
+    assert_eq!(
+        config.service_node_port_range,
+        PortRange {
+            base: 30000,
+            last: 32767
+        }
+    );
+    assert_eq!(config.secure_port, 6443);
+    assert_eq!(config.endpoint_reconciler_type, EndpointsMode::Lease);
+    assert_eq!(config.admin_addr, "0.0.0.0:8080".parse().unwrap());
+    assert_eq!(
+        config.loops.system_namespaces.interval,
+        Duration::from_secs(60)
+    );
+    assert_eq!(
+        config.loops.kubernetes_service.interval,
+        Duration::from_secs(10)
+    );
+    assert_eq!(
+        config.loops.apiserver_endpoints.interval,
+        Duration::from_secs(10)
+    );
+    assert_eq!(config.loops.service_cidr.interval, Duration::from_secs(10));
+    assert_eq!(
+        config.loops.cluster_ip_repair.interval,
+        Duration::from_secs(180)
+    );
+    let names: Vec<_> = config
+        .loops
+        .system_namespaces
+        .namespaces
+        .iter()
+        .map(|ns| ns.name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        ["kube-system", "kube-public", "kube-node-lease", "default"]
+    );
+    assert!(config.leader_election.enabled);
+    assert!(!config.dry_run);
+    assert_eq!(
+        config.service_cluster_ip_range,
+        [],
+        "no range is assumed: it is read from the cluster"
+    );
+    assert!(config.settings().service_ranges.is_empty());
+    let printed = config.to_yaml().unwrap();
+    assert!(!printed.contains("serviceClusterIPRange"), "{printed}");
+    let set = from_yaml("serviceClusterIPRange: 10.96.0.0/12\n").unwrap();
+    assert_eq!(
+        set.service_cluster_ip_range,
+        ["10.96.0.0/12".parse().unwrap()]
+    );
+}
+
+#[test]
+fn bad_cidr_names_field_and_fix() {
+    let error = single_error(from_yaml("serviceClusterIPRange: 10.0.0.0/33\n"));
+    assert_eq!(error.field, "serviceClusterIPRange");
+    assert_eq!(
+        error.to_string(),
+        "serviceClusterIPRange: \"10.0.0.0/33\" is not a valid CIDR (expected e.g. \
+         10.96.0.0/12 or fd00:10:96::/108)"
+    );
+}
+
+#[test]
+fn bad_cidr_from_flag_names_flag() {
+    let args = ConfigArgs {
+        service_cluster_ip_range: Some("banana".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--service-cluster-ip-range");
+    assert!(error.message.contains("not a valid CIDR"), "{error}");
+}
+
+#[test]
+fn two_cidrs_of_one_family_rejected() {
+    let error = single_error(from_yaml(
+        "serviceClusterIPRange: 10.96.0.0/12,10.200.0.0/16\n",
+    ));
+    assert_eq!(error.field, "serviceClusterIPRange");
+    assert!(error.message.contains("two IPv4 ranges"), "{error}");
+    let error = single_error(from_yaml(
+        "serviceClusterIPRange: [fd00::/108, fd01::/108]\n",
+    ));
+    assert!(error.message.contains("two IPv6 ranges"), "{error}");
+}
+
+#[test]
+fn dual_stack_and_small_ranges() {
+    let config = from_yaml("serviceClusterIPRange: [10.96.0.0/12, fd00:10:96::/108]\n").unwrap();
+    assert_eq!(config.service_cluster_ip_range.len(), 2);
+    let error = single_error(from_yaml("serviceClusterIPRange: 10.0.0.0/30\n"));
+    assert!(error.message.contains("fewer than 8"), "{error}");
+    assert!(parse_service_cidrs("10.0.0.0/29").is_ok());
+    assert!(
+        parse_service_cidrs("10.0.0.1/24")
+            .unwrap_err()
+            .to_string()
+            .contains("host bits")
+    );
+    assert!(parse_service_cidrs("10.0.0.0/24,fd00::/64,10.1.0.0/24").is_err());
+}
+
+#[test]
+fn inverted_port_range_rejected() {
+    let error = single_error(from_yaml("serviceNodePortRange: 32767-30000\n"));
+    assert_eq!(error.field, "serviceNodePortRange");
+    assert!(error.message.contains("inverted"), "{error}");
+    assert!(error.message.contains("e.g. 30000-32767"), "{error}");
+    let args = ConfigArgs {
+        service_node_port_range: Some("40000-30000".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--service-node-port-range");
+    assert_eq!(parse_port_range("30000-30000").unwrap().size(), 1);
+    assert!(parse_port_range("0-10").is_err());
+    assert!(parse_port_range("30000").is_err());
+}
+
+#[test]
+fn zero_interval_rejected() {
+    let error = single_error(from_yaml("loops:\n  systemNamespaces:\n    interval: 0s\n"));
+    assert_eq!(error.field, "loops.systemNamespaces.interval");
+    assert!(error.message.contains("greater than zero"), "{error}");
+    let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    interval: 0ms\n"));
+    assert_eq!(error.field, "loops.clusterIPRepair.interval");
+}
+
+#[test]
+fn cluster_ip_repair_mode_and_grace_period() {
+    let config =
+        from_yaml("loops:\n  clusterIPRepair:\n    mode: audit\n    orphanGracePeriod: 2m\n")
+            .expect("valid");
+    assert_eq!(
+        config.loops.cluster_ip_repair.mode,
+        reconcilers::clusterip_repair::RepairMode::Audit
+    );
+    assert_eq!(
+        config.loops.cluster_ip_repair.orphan_grace_period,
+        Duration::from_secs(120)
+    );
+    assert_eq!(
+        reconcilers::clusterip_repair::Section::default().mode,
+        reconcilers::clusterip_repair::RepairMode::Auto
+    );
+    let error = single_error(from_yaml(
+        "loops:\n  clusterIPRepair:\n    orphanGracePeriod: 1s\n",
+    ));
+    assert_eq!(error.field, "loops.clusterIPRepair.orphanGracePeriod");
+    assert!(error.message.contains("60s"), "{error}");
+    let error = single_error(from_yaml(
+        "loops:\n  clusterIPRepair:\n    mode: sometimes\n",
+    ));
+    assert!(error.field.starts_with("loops.clusterIPRepair"), "{error}");
+}
+
+#[test]
+fn node_port_repair_page_size() {
+    let config = from_yaml("loops:\n  nodePortRepair:\n    pageSize: 50\n").expect("valid");
+    assert_eq!(config.loops.node_port_repair.page_size, 50);
+    assert_eq!(
+        config.loops.cluster_ip_repair.page_size, 500,
+        "each repair has its own page size"
+    );
+    let error = single_error(from_yaml("loops:\n  nodePortRepair:\n    pageSize: 0\n"));
+    assert_eq!(error.field, "loops.nodePortRepair.pageSize");
+}
+
+#[test]
+fn cluster_ip_repair_page_size() {
+    assert_eq!(
+        reconcilers::clusterip_repair::Section::default().page_size,
+        500
+    );
+    let config = from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 500\n").expect("valid");
+    assert_eq!(config.loops.cluster_ip_repair.page_size, 500);
+    let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 0\n"));
+    assert_eq!(error.field, "loops.clusterIPRepair.pageSize");
+    assert!(error.message.contains("at least 1"), "{error}");
+    let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    pageSize: -1\n"));
+    assert!(error.field.starts_with("loops.clusterIPRepair"), "{error}");
+}
+
+#[test]
+fn unparsable_interval_names_path() {
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    interval: soon\n",
+    ));
+    assert_eq!(error.field, "loops.systemNamespaces.interval");
+    assert!(error.message.contains("e.g. 10s"), "{error}");
+}
+
+#[test]
+fn unknown_field_names_its_path() {
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    intervall: 1m\n",
+    ));
+    assert_eq!(error.field, "loops.systemNamespaces.intervall");
+    assert!(
+        error.message.contains("unknown field `intervall`"),
+        "{error}"
+    );
+    assert!(error.message.contains("expected one of"), "{error}");
+    let error = single_error(from_yaml("servicClusterIPRange: 10.0.0.0/24\n"));
+    assert!(
+        error
+            .message
+            .contains("unknown field `servicClusterIPRange`"),
+        "{error}"
+    );
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labls: {}\n",
+    ));
+    assert_eq!(error.field, "loops.systemNamespaces.namespaces[0].labls");
+}
+
+#[test]
+fn invalid_namespace_name_rejected() {
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    namespaces:\n      - name: kube-system\n      - name: Kube_Public\n",
+    ));
+    assert_eq!(error.field, "loops.systemNamespaces.namespaces[1].name");
+    assert!(error.message.contains("DNS-1123"), "{error}");
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n      - name: a\n",
+    ));
+    assert!(error.message.contains("listed twice"), "{error}");
+}
+
+#[test]
+fn invalid_labels_rejected() {
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labels:\n          \"bad key!\": x\n",
+    ));
+    assert_eq!(error.field, "loops.systemNamespaces.namespaces[0].labels");
+    let ok = from_yaml(
+        "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labels:\n          example.com/team: core\n        annotations:\n          example.com/owner: \"Jane Doe <jane@example.com>\"\n",
+    )
+    .unwrap();
+    assert_eq!(
+        ok.loops.system_namespaces.namespaces[0].labels["example.com/team"],
+        "core"
+    );
+}
+
+#[test]
+fn etcd_settings_are_validated_and_name_the_field() {
+    assert!(from_yaml("{}").unwrap().etcd().is_none());
+
+    let config = from_yaml("etcdServers: https://10.0.0.1:2379,http://10.0.0.2:2379\n").unwrap();
+    let etcd = config.etcd().unwrap();
+    assert_eq!(etcd.servers.len(), 2);
+    assert_eq!(etcd.prefix, "/registry");
+
+    let args = ConfigArgs {
+        etcd_servers: Some("10.0.0.1:2379".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--etcd-servers");
+    assert!(error.message.contains("https://10.0.0.1:2379"), "{error}");
+
+    let error = single_error(from_yaml("etcdCAFile: /etc/kubernetes/pki/etcd/ca.crt\n"));
+    assert_eq!(error.field, "etcdCAFile");
+    assert!(error.message.contains("--etcd-servers"), "{error}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let cert = dir.path().join("client.crt");
+    std::fs::write(&cert, "pem").unwrap();
+    let args = ConfigArgs {
+        etcd_servers: Some("https://127.0.0.1:2379".to_owned()),
+        etcd_certfile: Some(cert.clone()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--etcd-certfile");
+    assert!(error.message.contains("--etcd-keyfile"), "{error}");
+
+    let args = ConfigArgs {
+        etcd_servers: Some("https://127.0.0.1:2379".to_owned()),
+        etcd_certfile: Some(cert.clone()),
+        etcd_keyfile: Some(dir.path().join("missing.key")),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--etcd-keyfile");
+    assert!(error.message.contains("missing.key"), "{error}");
+
+    let error = single_error(from_yaml(
+        "etcdServers: [\"http://127.0.0.1:2379\"]\netcdPrefix: registry\n",
+    ));
+    assert_eq!(error.field, "etcdPrefix");
+}
+
+#[test]
+fn node_port_must_be_in_range() {
+    let error = single_error(from_yaml("kubernetesServiceNodePort: 80\n"));
+    assert_eq!(error.field, "kubernetesServiceNodePort");
+    assert!(error.message.contains("30000-32767"), "{error}");
+    let config = from_yaml("kubernetesServiceNodePort: 30443\n").unwrap();
+    assert_eq!(config.kubernetes_service_node_port, 30443);
+}
+
+#[test]
+fn apiserver_count_and_advertise_address() {
+    let error = single_error(from_yaml("apiserverCount: 0\n"));
+    assert_eq!(error.field, "apiserverCount");
+    let error = single_error(from_yaml(
+        "serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\n",
+    ));
+    assert_eq!(error.field, "advertiseAddress");
+    assert!(error.message.contains("IPv6"), "{error}");
+    let config = from_yaml("advertiseAddress: fd00::1\nendpointReconcilerType: none\n").unwrap();
+    assert_eq!(config.advertise_address, Some("fd00::1".parse().unwrap()));
+    let error = single_error(from_yaml("advertiseAddress: not-an-ip\n"));
+    assert!(error.message.contains("not an IP"), "{error}");
+}
+
+#[test]
+fn all_errors_reported_at_once() {
+    let errors = from_yaml(
+        "serviceClusterIPRange: x\nserviceNodePortRange: 2-1\nloops:\n  systemNamespaces:\n    interval: 0s\n",
+    )
+    .unwrap_err();
+    assert_eq!(errors.0.len(), 3, "{errors}");
+    assert!(errors.to_string().contains("3 problems"));
+}
+
+#[test]
+fn tenants_settings_from_flags_and_file_are_validated() {
+    let config =
+        from_yaml("tenants:\n  secretSelector: cluster.x-k8s.io/cluster-name\n  namespace: capi\n")
+            .unwrap();
+    assert_eq!(
+        config.tenants,
+        Some(Tenants {
+            secret_selector: "cluster.x-k8s.io/cluster-name".to_owned(),
+            namespace: Some("capi".to_owned()),
+            kubeconfig_key: "value".to_owned(),
+            credential_plugins: Vec::new(),
+        })
+    );
+    assert_eq!(from_yaml("{}\n").unwrap().tenants, None);
+    for selector in [
+        "a=b,c!=d",
+        "!legacy",
+        "tier in (a, b),env notin (dev)",
+        "example.com/x==y",
+    ] {
+        let args = ConfigArgs {
+            tenants_secret_selector: Some(selector.to_owned()),
+            ..ConfigArgs::default()
+        };
+        assert!(
+            Config::merge(&args, FileConfig::default()).is_ok(),
+            "{selector}"
+        );
+    }
+    for (selector, field) in [
+        ("a=b,,c", "--tenants-secret-selector"),
+        ("tier in a,b", "--tenants-secret-selector"),
+        ("-bad-=x", "--tenants-secret-selector"),
+        ("  ", "--tenants-secret-selector"),
+    ] {
+        let args = ConfigArgs {
+            tenants_secret_selector: Some(selector.to_owned()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, field, "{selector}: {error}");
+    }
+    let args = ConfigArgs {
+        tenants_namespace: Some("capi".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--tenants-namespace");
+    assert!(
+        error.message.contains("--tenants-secret-selector"),
+        "{error}"
+    );
+    let error = single_error(from_yaml(
+        "tenants:\n  secretSelector: a=b\n  kubeconfigKey: \"admin conf\"\n",
+    ));
+    assert_eq!(error.field, "tenants.kubeconfigKey");
+}
+
+fn tenant_base(file: &str) -> TenantBase {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, file).unwrap();
+    let args = ConfigArgs {
+        config: Some(path),
+        tenants_secret_selector: Some("a=b".to_owned()),
+        ..ConfigArgs::default()
+    };
+    TenantBase::load(&args).unwrap()
+}
+
+#[test]
+fn a_tenant_fragment_merges_over_the_file_and_is_validated_as_the_file() {
+    let base = tenant_base(
+        "serviceClusterIPRange: 10.96.0.0/12\ntenants:\n  secretSelector: a=b\nloops:\n  systemNamespaces:\n    interval: 5s\n",
+    );
+    let defaults = base.tenant(None).unwrap();
+    assert_eq!(defaults.endpoint_reconciler_type, EndpointsMode::None);
+    assert_eq!(defaults.tenants, None, "a tenant is one cluster");
+    assert_eq!(
+        defaults.service_cluster_ip_range,
+        vec!["10.96.0.0/12".parse::<IpNet>().unwrap()]
+    );
+    let tenant = base
+        .tenant(Some(
+            "serviceClusterIPRange: 10.100.0.0/16\nloops:\n  nodePortRepair:\n    enabled: false\n",
+        ))
+        .unwrap();
+    assert_eq!(
+        tenant.service_cluster_ip_range,
+        vec!["10.100.0.0/16".parse::<IpNet>().unwrap()]
+    );
+    assert!(!tenant.loops.node_port_repair.enabled);
+    // What the fragment leaves out comes from the file, key by key.
+    assert_eq!(
+        tenant.loops.system_namespaces.interval,
+        Duration::from_secs(5)
+    );
+
+    let error = single_error(base.tenant(Some("serviceClusterIPRange: 10.0.0.0/33\n")));
+    assert_eq!(
+        error.field,
+        "bootstrap-controller.io/config: serviceClusterIPRange"
+    );
+    let error = single_error(base.tenant(Some("loops:\n  nope: {}\n")));
+    assert!(
+        error
+            .field
+            .starts_with("bootstrap-controller.io/config: loops"),
+        "{error}"
+    );
+    let error = single_error(base.tenant(Some("adminAddr: 127.0.0.1:1\n")));
+    assert_eq!(error.field, "bootstrap-controller.io/config: adminAddr");
+    let error = single_error(base.tenant(Some("endpointReconcilerType: lease\n")));
+    assert_eq!(
+        error.field,
+        "bootstrap-controller.io/config: endpointReconcilerType"
+    );
+    let error = single_error(base.tenant(Some("- a\n- b\n")));
+    assert_eq!(error.field, "bootstrap-controller.io/config: (fragment)");
+    let error = single_error(base.tenant(Some("key: [unclosed\n")));
+    assert_eq!(error.field, "bootstrap-controller.io/config: (fragment)");
+}
+
+#[test]
+fn credential_plugins_are_absolute_program_paths() {
+    let config = from_yaml(
+        "tenants:\n  secretSelector: a=b\n  credentialPlugins: [/usr/bin/aws, \
+         /usr/local/bin/gke-gcloud-auth-plugin]\n",
+    )
+    .unwrap();
+    assert_eq!(
+        config.tenants.unwrap().credential_plugins,
+        [
+            PathBuf::from("/usr/bin/aws"),
+            PathBuf::from("/usr/local/bin/gke-gcloud-auth-plugin")
+        ]
+    );
+    for bad in ["aws", "./aws", "/usr/bin/../bin/aws", "/usr/bin/"] {
+        let args = ConfigArgs {
+            tenants_secret_selector: Some("a=b".to_owned()),
+            tenants_credential_plugins: Some(bad.to_owned()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(
+            error.field, "--tenants-credential-plugins",
+            "{bad}: {error}"
+        );
+    }
+    let args = ConfigArgs {
+        tenants_credential_plugins: Some("/usr/bin/aws".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--tenants-credential-plugins");
+}
+
+#[test]
+fn management_mode_refuses_the_process_wide_etcd_settings() {
+    let args = ConfigArgs {
+        tenants_secret_selector: Some("a=b".to_owned()),
+        etcd_servers: Some("https://192.0.2.1:2379".to_owned()),
+        etcd_prefix: Some("/registry".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let errors = Config::merge(&args, FileConfig::default()).unwrap_err().0;
+    let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+    assert_eq!(fields, ["--etcd-servers", "--etcd-prefix"], "{errors:?}");
+    assert!(
+        errors[0].message.contains("etcd-client.crt"),
+        "{}",
+        errors[0]
+    );
+    let error = single_error(from_yaml(
+        "tenants:\n  secretSelector: a=b\netcdServers: https://192.0.2.1:2379\n",
+    ));
+    assert_eq!(error.field, "etcdServers");
+}
+
+#[test]
+fn a_fragment_names_no_file_and_stays_above_the_floors() {
+    let base = tenant_base("tenants:\n  secretSelector: a=b\n");
+    for key in ["etcdCAFile", "etcdCertFile", "etcdKeyFile"] {
+        let error = single_error(base.tenant(Some(&format!("{key}: /etc/passwd\n"))));
+        assert_eq!(
+            error.field,
+            format!("bootstrap-controller.io/config: {key}")
+        );
+        assert!(error.message.contains("etcd-client.key"), "{error}");
+    }
+    for (fragment, field) in [
+        (
+            "loops:\n  systemNamespaces:\n    interval: 1ms\n",
+            "loops.systemNamespaces.interval",
+        ),
+        (
+            "loops:\n  nodePortRepair:\n    interval: 4s\n",
+            "loops.nodePortRepair.interval",
+        ),
+        (
+            "loops:\n  clusterIPRepair:\n    pageSize: 1\n",
+            "loops.clusterIPRepair.pageSize",
+        ),
+        (
+            "loops:\n  apiserverEndpoints:\n    leaseTTL: 100ms\n",
+            "loops.apiserverEndpoints.leaseTTL",
+        ),
+    ] {
+        let error = single_error(base.tenant(Some(fragment)));
+        assert_eq!(
+            error.field,
+            format!("bootstrap-controller.io/config: {field}"),
+            "{error}"
+        );
+    }
+    // At the floor is allowed; the file itself is the operator's and has no floors.
+    assert!(
+        base.tenant(Some("loops:\n  systemNamespaces:\n    interval: 5s\n"))
+            .is_ok()
+    );
+    let fast = tenant_base(
+        "tenants:\n  secretSelector: a=b\nloops:\n  systemNamespaces:\n    interval: 1s\n",
+    );
+    assert!(fast.tenant(None).is_ok());
+}
+
+#[test]
+fn a_tenant_etcd_prefix_is_a_plain_key_path() {
+    let base = tenant_base("tenants:\n  secretSelector: a=b\n");
+    let tenant = base
+        .tenant(Some(
+            "etcdServers: https://192.0.2.1:2379\netcdPrefix: /tenants/a\n",
+        ))
+        .unwrap();
+    assert_eq!(tenant.etcd_prefix, "/tenants/a");
+    for prefix in ["registry", "/a//b", "/a/../b", "/a/", "/a b", "/"] {
+        let error = single_error(base.tenant(Some(&format!(
+            "etcdServers: https://192.0.2.1:2379\netcdPrefix: \"{prefix}\"\n"
+        ))));
+        assert_eq!(
+            error.field, "bootstrap-controller.io/config: etcdPrefix",
+            "{prefix}: {error}"
+        );
+    }
+    assert_eq!(
+        fragment_etcd("etcdServers: [HTTPS://192.0.2.1:2379/]\netcdPrefix: /t/a\n"),
+        Some((vec!["https://192.0.2.1:2379".to_owned()], "/t/a".to_owned()))
+    );
+    assert_eq!(
+        fragment_etcd("etcdServers: https://192.0.2.1:2379\n").map(|c| c.1),
+        Some("/registry".to_owned())
+    );
+    assert_eq!(fragment_etcd("etcdPrefix: /t/a\n"), None);
+    assert_eq!(
+        fragment_etcd("etcdServers: https://192.0.2.1:2379\netcdPrefix: /t/../a\n"),
+        None
+    );
+}
+
+#[test]
+fn flags_override_file_override_defaults() {
+    let file = parse_file(
+        "serviceNodePortRange: 20000-20999\nsecurePort: 8443\nadminAddr: 127.0.0.1:9000\ndryRun: true\nloops:\n  systemNamespaces:\n    interval: 5s\n",
+    )
+    .unwrap();
+    let args = ConfigArgs {
+        secure_port: Some("9443".to_owned()),
+        dry_run: Some(false),
+        ..ConfigArgs::default()
+    };
+    let config = Config::merge(&args, file).unwrap();
+    assert_eq!(config.secure_port, 9443, "flag wins over file");
+    assert!(!config.dry_run, "flag wins over file");
+    assert_eq!(
+        config.service_node_port_range,
+        PortRange {
+            base: 20000,
+            last: 20999
+        }
+    );
+    assert_eq!(config.admin_addr, "127.0.0.1:9000".parse().unwrap());
+    assert_eq!(
+        config.loops.system_namespaces.interval,
+        Duration::from_secs(5)
+    );
+    // Sections the file leaves out keep their defaults, as do fields of a partial section.
+    assert_eq!(
+        config.loops.kubernetes_service.interval,
+        Duration::from_secs(10)
+    );
+    assert_eq!(config.loops.system_namespaces.namespaces.len(), 4);
+    assert_eq!(config.apiserver_count, 1);
+}
+
+#[test]
+fn leader_election_flags_override_file() {
+    let file = parse_file("leaderElection:\n  enabled: true\n  leaseName: from-file\n").unwrap();
+    let args = ConfigArgs {
+        leader_elect: Some(false),
+        ..ConfigArgs::default()
+    };
+    let config = Config::merge(&args, file).unwrap();
+    assert!(!config.leader_election.enabled);
+    assert_eq!(config.leader_election.lease_name, "from-file");
+    assert_eq!(config.leader_election.lease_namespace, "kube-system");
+    let error = single_error(
+        parse_file("leaderElection:\n  leaseDuration: 5s\n  renewGrace: 5s\n")
+            .map_err(ConfigErrors::from)
+            .and_then(|file| Config::merge(&ConfigArgs::default(), file)),
+    );
+    assert_eq!(error.field, "leaderElection.renewGrace");
+}
+
+#[test]
+fn printed_config_parses_back_to_the_same() {
+    let config = from_yaml(
+        "serviceClusterIPRange: 10.96.0.0/12,fd00::/108\nadvertiseAddress: 10.1.2.3\nloops:\n  systemNamespaces:\n    interval: 1m30s\n    namespaces:\n      - name: extra\n        labels:\n          team: core\n",
+    )
+    .unwrap();
+    let yaml = config.to_yaml().unwrap();
+    let again = from_yaml(&yaml).unwrap();
+    assert_eq!(config, again, "{yaml}");
+}
+
+#[test]
+fn durations_round_trip() {
+    for (text, duration) in [
+        ("500ms", Duration::from_millis(500)),
+        ("10s", Duration::from_secs(10)),
+        ("1m", Duration::from_secs(60)),
+        ("1m30s", Duration::from_secs(90)),
+        ("2h", Duration::from_secs(7200)),
+    ] {
+        assert_eq!(parse_duration(text).unwrap(), duration);
+        assert_eq!(format_duration(duration), text);
+    }
+    assert_eq!(format_duration(Duration::ZERO), "0s");
+    assert_eq!(format_duration(Duration::from_millis(61_500)), "1m1s500ms");
+    assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+    assert_eq!(parse_duration("1 minute").unwrap(), Duration::from_secs(60));
+    for bad in ["10", "", "-5s", "ten seconds", "5x"] {
+        let err = parse_duration(bad).unwrap_err();
+        assert!(err.to_string().contains("e.g. 10s"), "{bad:?}: {err}");
+    }
+}
+
+#[test]
+fn derived_identity_is_stable_within_the_process() {
+    let config = Config::merge(&ConfigArgs::default(), FileConfig::default()).unwrap();
+    assert_eq!(config.leader_identity(), config.leader_identity());
+    let named = from_yaml("leaderElection:\n  identity: replica-a\n").unwrap();
+    assert_eq!(named.leader_identity(), "replica-a");
+}
+
+#[test]
+fn dns1123() {
+    assert!(validate_dns1123_label("kube-system").is_ok());
+    assert!(validate_dns1123_label("-a").is_err());
+    assert!(validate_dns1123_label(&"a".repeat(64)).is_err());
+    assert!(validate_dns1123_subdomain("a.b-c").is_ok());
+    assert!(validate_dns1123_subdomain("a..b").is_err());
+}

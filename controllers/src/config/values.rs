@@ -1,0 +1,137 @@
+//! Value types and their parsers: port ranges, service ranges, numbers.
+
+use super::*;
+
+/// Inclusive port range, written `BASE-LAST` like kube-apiserver's `--service-node-port-range`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortRange {
+    pub base: u16,
+    pub last: u16,
+}
+
+impl PortRange {
+    pub fn contains(&self, port: u16) -> bool {
+        (self.base..=self.last).contains(&port)
+    }
+
+    /// Number of ports in the range.
+    pub fn size(&self) -> u32 {
+        u32::from(self.last) - u32::from(self.base) + 1
+    }
+}
+
+impl Default for PortRange {
+    fn default() -> Self {
+        PortRange {
+            base: 30000,
+            last: 32767,
+        }
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.base, self.last)
+    }
+}
+
+impl Serialize for PortRange {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+/// `Err` holds the text that is no number, for the message.
+pub(super) fn parse_u32(text: &str) -> Result<u32, NotANumber> {
+    text.trim()
+        .parse::<u32>()
+        .map_err(|_| NotANumber(text.to_owned()))
+}
+
+/// A flag's text that is not a number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotANumber(pub String);
+
+/// A flag's or field's value that does not parse; the message says what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValueError {
+    #[error("{0:?} is not a port range {PORT_RANGE_HINT}")]
+    NotAPortRange(String),
+    #[error("{text:?} is inverted: {base} is above {last} {PORT_RANGE_HINT}")]
+    InvertedPortRange { text: String, base: u16, last: u16 },
+    #[error("{0:?} is not a port range of ports 1-65535 {PORT_RANGE_HINT}")]
+    PortsOutOfRange(String),
+    #[error(
+        "is empty (expected one CIDR such as 10.96.0.0/12, or two of different families such as 10.96.0.0/12,fd00:10:96::/108)"
+    )]
+    NoCidr,
+    #[error("{0:?} is not a valid CIDR (expected e.g. 10.96.0.0/12 or fd00:10:96::/108)")]
+    NotACidr(String),
+    #[error("{text:?} has host bits set (did you mean {network}?)")]
+    HostBits { text: String, network: IpNet },
+    /// Parsed, but not a usable set of service ranges: the message of
+    /// [`reconcilers::service_range::RangeError`].
+    #[error("{0}")]
+    Ranges(String),
+}
+
+pub(super) const PORT_RANGE_HINT: &str = "(expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)";
+
+/// Parses `--service-cluster-ip-range`: one CIDR, or two of different families, each holding at
+/// least 8 addresses (kube-apiserver's rules, checked by
+/// [`reconcilers::service_range::validate_ranges`]).
+pub fn parse_service_cidrs(text: &str) -> Result<Vec<IpNet>, ValueError> {
+    let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+    if parts.iter().all(|part| part.is_empty()) {
+        return Err(ValueError::NoCidr);
+    }
+    let mut cidrs = Vec::with_capacity(parts.len());
+    for part in parts {
+        let cidr: IpNet = part
+            .parse()
+            .map_err(|_| ValueError::NotACidr(part.to_owned()))?;
+        if cidr.trunc() != cidr {
+            return Err(ValueError::HostBits {
+                text: part.to_owned(),
+                network: cidr.trunc(),
+            });
+        }
+        cidrs.push(cidr);
+    }
+    reconcilers::service_range::validate_ranges(&cidrs)
+        .map_err(|problem| ValueError::Ranges(problem.to_string()))?;
+    Ok(cidrs)
+}
+
+/// Parses `BASE-LAST` (inclusive), e.g. `30000-32767`.
+pub fn parse_port_range(text: &str) -> Result<PortRange, ValueError> {
+    let Some((base, last)) = text.trim().split_once('-') else {
+        return Err(ValueError::NotAPortRange(text.to_owned()));
+    };
+    let parse = |part: &str| part.trim().parse::<u16>().ok().filter(|port| *port > 0);
+    match (parse(base), parse(last)) {
+        (Some(base), Some(last)) if base <= last => Ok(PortRange { base, last }),
+        (Some(base), Some(last)) => Err(ValueError::InvertedPortRange {
+            text: text.to_owned(),
+            base,
+            last,
+        }),
+        _ => Err(ValueError::PortsOutOfRange(text.to_owned())),
+    }
+}
+
+/// `a,b`, as the flag takes it.
+pub fn format_cidrs(cidrs: &[IpNet]) -> String {
+    cidrs
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+pub(super) fn ser_cidrs<S: serde::Serializer>(
+    cidrs: &[IpNet],
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&format_cidrs(cidrs))
+}
