@@ -17,6 +17,9 @@ use std::path::Path;
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ModuleGraph {
     pub edges: BTreeMap<String, BTreeSet<String>>,
+    /// Files that import their parent with a glob (`use super::*`), which would hide which
+    /// sibling they use.
+    pub glob_imports: BTreeSet<String>,
 }
 
 impl ModuleGraph {
@@ -35,7 +38,13 @@ impl ModuleGraph {
                 let siblings = top_level_modules(&path)?;
                 for file in rust_files(&path)? {
                     let stem = file_stem(&file);
+                    if stem == "tests" {
+                        continue; // a `#[cfg(test)] mod tests;` of its own file
+                    }
                     let code = code_of(&fs::read_to_string(&file)?);
+                    if stem != "mod" && code.contains("use super::*") {
+                        graph.glob_imports.insert(format!("{name}/{stem}"));
+                    }
                     let from = if stem == "mod" || !siblings.contains(&stem) {
                         name.clone()
                     } else {
@@ -373,6 +382,18 @@ mod tests {
             "{cycles:?}"
         );
         assert!(graph.refers_to("base").contains("looped"));
+    }
+
+    #[test]
+    fn a_glob_import_of_the_parent_is_named() {
+        let dir = tree(&[
+            ("lib.rs", "pub mod looped;"),
+            ("looped/mod.rs", "pub mod a; pub mod tests;"),
+            ("looped/a.rs", "use super::*;"),
+            ("looped/tests.rs", "use super::*;"),
+        ]);
+        let graph = ModuleGraph::read(dir.path()).unwrap();
+        assert_eq!(graph.glob_imports, ["looped/a".to_owned()].into());
     }
 
     #[test]

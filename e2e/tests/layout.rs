@@ -37,6 +37,18 @@ fn the_product_crates_have_no_module_cycle() {
 }
 
 #[test]
+fn the_files_of_a_module_import_their_siblings_by_name() {
+    for krate in ["reconcilers", "controllers"] {
+        let globs = graph(krate).glob_imports;
+        assert!(
+            globs.is_empty(),
+            "{krate}/src files import their parent with `use super::*`, hiding which siblings \
+             they use: {globs:?}"
+        );
+    }
+}
+
+#[test]
 fn the_base_layer_names_no_loop() {
     let graph = graph("reconcilers");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../reconcilers/src");

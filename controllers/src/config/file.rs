@@ -1,6 +1,13 @@
 //! The `--config` file: its shape and its parser.
 
-use super::*;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use reconcilers::section::{ConfigError, EndpointsMode, duration_format};
+use serde::Deserialize;
+
+use super::flags::LogFormat;
+use super::{ConfigErrors, LeaderElection, Loops};
 
 /// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field); the
 /// structured sections have no flags.

@@ -1,6 +1,10 @@
 //! The flags, each with its environment variable (`BOOTSTRAP_<FLAG>`).
 
-use super::*;
+use std::path::PathBuf;
+
+use clap::ValueEnum;
+use reconcilers::section::EndpointsMode;
+use serde::{Deserialize, Serialize};
 
 /// Flags that configure the controller. Every flag has an environment variable
 /// (`BOOTSTRAP_<FLAG_IN_UPPER_SNAKE_CASE>`). Values left unset fall back to the `--config` file,

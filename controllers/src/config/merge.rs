@@ -1,6 +1,20 @@
 //! Merging flags over the file over the defaults, and validating the result.
 
-use super::*;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use reconcilers::alloc::IpFamily;
+use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
+use reconcilers::section::{
+    ConfigError, EndpointsMode, ServiceName, Settings, format_duration, parse_duration,
+};
+
+use super::file::{FileConfig, StringOrList, TenantsFile, read_file};
+use super::flags::ConfigArgs;
+use super::tenant::{DEFAULT_TENANTS_KUBECONFIG_KEY, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
+use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs, parse_u32};
+use super::{Config, ConfigErrors, Tenants};
 
 /// Where a value came from, so errors name the flag or the YAML field the user wrote.
 pub(super) struct Source<T> {
@@ -635,4 +649,235 @@ pub(super) fn default_admin_addr() -> SocketAddr {
 
 pub(super) fn default_shutdown_timeout() -> Duration {
     Duration::from_secs(30)
+}
+
+/// Management mode's settings: flags over the file's `tenants` section. `None` when no
+/// selector is set (the one cluster of `--kubeconfig`).
+pub(super) fn merge_tenants(
+    args: &ConfigArgs,
+    file: Option<&TenantsFile>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<Tenants> {
+    let selector = pick(
+        args.tenants_secret_selector.clone(),
+        "--tenants-secret-selector",
+        file.and_then(|f| f.secret_selector.clone()),
+        "tenants.secretSelector",
+    );
+    let namespace = pick(
+        args.tenants_namespace.clone(),
+        "--tenants-namespace",
+        file.and_then(|f| f.namespace.clone()),
+        "tenants.namespace",
+    );
+    let key = pick(
+        args.tenants_kubeconfig_key.clone(),
+        "--tenants-kubeconfig-key",
+        file.and_then(|f| f.kubeconfig_key.clone()),
+        "tenants.kubeconfigKey",
+    );
+    let plugins = pick(
+        args.tenants_credential_plugins.clone(),
+        "--tenants-credential-plugins",
+        file.and_then(|f| f.credential_plugins.as_ref().map(StringOrList::joined)),
+        "tenants.credentialPlugins",
+    );
+    let Some(selector) = selector else {
+        for source in [namespace, key, plugins].into_iter().flatten() {
+            errors.push(ConfigError::new(
+                source.field,
+                "only means something in management mode: set --tenants-secret-selector                  (tenants.secretSelector) too, or leave it out",
+            ));
+        }
+        return None;
+    };
+    let selector_text = selector.value.trim().to_owned();
+    if selector_text.is_empty() {
+        errors.push(ConfigError::new(
+            selector.field,
+            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g.              cluster.x-k8s.io/cluster-name)",
+        ));
+    } else if let Err(why) = validate_label_selector(&selector_text) {
+        errors.push(ConfigError::new(
+            selector.field,
+            format!(
+                "{selector_text:?} is not a label selector: {why} (e.g. \
+                 cluster.x-k8s.io/cluster-name, or team=a,tier!=dev)"
+            ),
+        ));
+    }
+    let namespace = namespace.and_then(|source| {
+        match reconcilers::names::validate_dns1123_label(&source.value) {
+            Ok(()) => Some(source.value),
+            Err(why) => {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{:?} is not a valid namespace name: {why} (e.g. tenants)",
+                        source.value
+                    ),
+                ));
+                None
+            }
+        }
+    });
+    let kubeconfig_key = match key {
+        Some(source) => {
+            let valid = !source.value.is_empty()
+                && source.value.len() <= 253
+                && source
+                    .value
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+            if !valid {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{:?} is not a Secret data key (letters, digits, '-', '_' and '.';                          e.g. value, admin.conf, kubeconfig, config)",
+                        source.value
+                    ),
+                ));
+            }
+            source.value
+        }
+        None => DEFAULT_TENANTS_KUBECONFIG_KEY.to_owned(),
+    };
+    let mut credential_plugins = Vec::new();
+    if let Some(source) = plugins {
+        for path in source
+            .value
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            let directory = path.ends_with('/');
+            let path = PathBuf::from(path);
+            let plain = !directory
+                && path.components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::RootDir | std::path::Component::Normal(_)
+                    )
+                });
+            if !path.is_absolute() || !plain || path.file_name().is_none() {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{} is not an absolute path to a program (e.g. \
+                         /usr/local/bin/aws-iam-authenticator): a plugin is allowed by the path \
+                         that runs, never looked up in PATH",
+                        path.display()
+                    ),
+                ));
+            } else if !credential_plugins.contains(&path) {
+                credential_plugins.push(path);
+            }
+        }
+    }
+    Some(Tenants {
+        secret_selector: selector_text,
+        namespace,
+        kubeconfig_key,
+        credential_plugins,
+    })
+}
+
+/// Checks a label selector as `kubectl get -l` writes it (`k`, `!k`, `k=v`, `k==v`, `k!=v`,
+/// `k in (a,b)`, `k notin (a,b)`, joined by commas), so a typo is a configuration error at
+/// start rather than a refused list later.
+pub(super) fn validate_label_selector(selector: &str) -> Result<(), String> {
+    fn key(text: &str) -> Result<(), String> {
+        let text = text.trim();
+        let (prefix, name) = match text.split_once('/') {
+            Some((prefix, name)) => (Some(prefix), name),
+            None => (None, text),
+        };
+        if let Some(prefix) = prefix {
+            reconcilers::names::validate_dns1123_subdomain(prefix)
+                .map_err(|why| format!("label key {text:?}: prefix: {why}"))?;
+        }
+        value(name).and_then(|()| {
+            if name.is_empty() {
+                Err(format!("label key {text:?} has no name"))
+            } else {
+                Ok(())
+            }
+        })
+    }
+    fn value(text: &str) -> Result<(), String> {
+        let text = text.trim();
+        let valid = text.len() <= 63
+            && text
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && text
+                .chars()
+                .next()
+                .is_none_or(|c| c.is_ascii_alphanumeric())
+            && text
+                .chars()
+                .last()
+                .is_none_or(|c| c.is_ascii_alphanumeric());
+        if valid {
+            Ok(())
+        } else {
+            Err(format!(
+                "{text:?} is not a label name or value (at most 63 letters, digits, '-', '_' or \
+                 '.', starting and ending with a letter or digit)"
+            ))
+        }
+    }
+    // Commas separate requirements except inside a set's parentheses.
+    let mut requirements = Vec::new();
+    let (mut depth, mut start) = (0_i32, 0);
+    for (at, c) in selector.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                requirements.push(&selector[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+        if depth < 0 {
+            return Err("unbalanced parentheses".to_owned());
+        }
+    }
+    if depth != 0 {
+        return Err("unbalanced parentheses".to_owned());
+    }
+    requirements.push(&selector[start..]);
+    for requirement in requirements {
+        let requirement = requirement.trim();
+        if requirement.is_empty() {
+            return Err("an empty requirement (two commas in a row?)".to_owned());
+        }
+        if let Some(rest) = requirement.strip_prefix('!') {
+            key(rest)?;
+        } else if let Some((k, v)) = requirement
+            .split_once("!=")
+            .or_else(|| requirement.split_once("=="))
+            .or_else(|| requirement.split_once('='))
+        {
+            key(k)?;
+            value(v)?;
+        } else if let Some((k, set)) = requirement
+            .split_once(" notin ")
+            .or_else(|| requirement.split_once(" in "))
+        {
+            key(k)?;
+            let set = set.trim();
+            let inner = set
+                .strip_prefix('(')
+                .and_then(|set| set.strip_suffix(')'))
+                .ok_or_else(|| format!("{set:?}: a set is written (a,b)"))?;
+            for item in inner.split(',') {
+                value(item)?;
+            }
+        } else {
+            key(requirement)?;
+        }
+    }
+    Ok(())
 }

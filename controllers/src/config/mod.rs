@@ -27,12 +27,10 @@ pub use values::*;
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::ValueEnum;
 use ipnet::IpNet;
-use reconcilers::alloc::IpFamily;
 use serde::{Deserialize, Serialize};
 
 pub use reconcilers::names::{

@@ -1,6 +1,9 @@
 //! Value types and their parsers: port ranges, service ranges, numbers.
 
-use super::*;
+use std::fmt;
+
+use ipnet::IpNet;
+use serde::Serialize;
 
 /// Inclusive port range, written `BASE-LAST` like kube-apiserver's `--service-node-port-range`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
