@@ -36,6 +36,37 @@ fn the_product_crates_have_no_module_cycle() {
     }
 }
 
+/// A file longer than this, not counting its tests, is split by concern.
+const MAX_LINES: usize = 1_000;
+
+#[test]
+fn no_product_file_is_over_a_thousand_lines_without_its_tests() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut long = Vec::new();
+    for krate in ["reconcilers", "controllers"] {
+        let mut dirs = vec![root.join(krate).join("src")];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).expect("src dir") {
+                let path = entry.expect("entry").path();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).expect("source file");
+                let code = match text.find("\n#[cfg(test)]") {
+                    Some(at) => &text[..at],
+                    None => &text[..],
+                };
+                let lines = code.lines().count();
+                if lines > MAX_LINES && path.file_name().is_some_and(|n| n != "tests.rs") {
+                    long.push(format!("{} ({lines} lines)", path.display()));
+                }
+            }
+        }
+    }
+    assert!(long.is_empty(), "files over {MAX_LINES} lines: {long:?}");
+}
+
 #[test]
 fn the_files_of_a_module_import_their_siblings_by_name() {
     for krate in ["reconcilers", "controllers"] {

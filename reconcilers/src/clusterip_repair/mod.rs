@@ -21,10 +21,14 @@
 
 pub mod decide;
 mod legacy;
+pub mod metrics;
 pub mod model;
+pub mod section;
+mod writes;
 
-use std::collections::BTreeMap;
-use std::net::IpAddr;
+pub use metrics::RepairMetrics;
+pub use section::{ClusterIpRepairConfig, RepairMode, Section};
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,34 +36,25 @@ use backon::Retryable;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{ObjectReference, Service};
-use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{DeleteParams, PostParams, Preconditions};
+use k8s_openapi::api::networking::v1::IPAddress;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
-use crate::alloc::{IpFamily, ServiceRange};
-use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
-use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges, validate_ranges};
-
+use crate::alloc::ServiceRange;
+use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::section::ConfigError;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_cache::store::{self, SharedStore, Store, reflect};
-use decide::{AuditDecision, Decision, DeleteGround, Finding, Regarding, Repair, ServiceOwner};
-use model::{
-    IPALLOCATOR_MANAGER, IpAddressRecord, LABEL_IP_FAMILY, LABEL_MANAGED_BY, ServiceCidrRecord,
-};
-
-use crate::metrics::{loop_registry, registered};
-use crate::section::{
-    self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
-    validate_page_size,
+use crate::service_cache::store::{SharedStore, Store, reflect};
+use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
+use decide::{AuditDecision, Decision, Finding, Repair};
+use model::{IpAddressRecord, ServiceCidrRecord};
+pub use writes::new_ip_address;
+use writes::{
+    Outcome, Verdict, action_of, create_ip_address, delete_ip_address, drift_of, object_reference,
+    verify_delete, verify_recreate,
 };
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
@@ -67,215 +62,6 @@ pub const NAME: &str = "clusterip-repair";
 
 /// Reporting controller of the events, as upstream.
 pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
-
-/// Which repair to run.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum RepairMode {
-    /// IPAddress mode when discovery shows `networking.k8s.io/v1` IPAddress and ServiceCIDR,
-    /// audit mode otherwise.
-    #[default]
-    Auto,
-    /// Repair IPAddress objects (Kubernetes 1.33+).
-    IpAddress,
-    /// Only report duplicates, out-of-range and invalid cluster IPs of `serviceClusterIPRange`.
-    Audit,
-}
-
-/// Configuration of the ClusterIP repair loop (`loops.clusterIPRepair`).
-#[derive(Clone, Debug)]
-pub struct ClusterIpRepairConfig {
-    /// Full pass interval (upstream: 3 minutes).
-    pub interval: Duration,
-    /// How long an IPAddress whose Service is missing is left alone (upstream: 60 s), because
-    /// kube-apiserver writes the IPAddress before the Service.
-    pub orphan_grace: Duration,
-    pub mode: RepairMode,
-    /// The service ranges the API server is configured with (`--service-cluster-ip-range`), in
-    /// family order; empty: read from the `kubernetes` ServiceCIDR when needed
-    /// ([`crate::service_range`]). Needed by audit mode and etcd mode's bitmaps; IPAddress mode
-    /// judges against the ServiceCIDRs themselves.
-    pub service_ranges: Vec<IpNet>,
-    /// The `kubernetes` Service, whose ClusterIP the error names when the range is unknown.
-    pub kubernetes_service: section::ServiceName,
-    /// `reportingInstance` of the events; `None` uses the host name.
-    pub reporting_instance: Option<String>,
-    /// When a delete is deferred, look again after this long.
-    pub deferral_retry: Duration,
-    /// LIST page size of the caches' (re)lists.
-    pub page_size: u32,
-    /// etcd mode: also repair the legacy ClusterIP bitmaps of `service_ranges` in etcd, where
-    /// the cluster serves no IPAddress API.
-    pub etcd: Option<crate::legacy_alloc::etcd::EtcdConfig>,
-    /// etcd mode: rebuild a bitmap stored under another range (or none) under
-    /// `service_ranges`, instead of reporting it and leaving it alone.
-    pub rebuild_bitmap_on_range_change: bool,
-}
-
-impl Default for ClusterIpRepairConfig {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(180),
-            orphan_grace: Duration::from_secs(60),
-            mode: RepairMode::Auto,
-            service_ranges: Vec::new(),
-            kubernetes_service: section::ServiceName {
-                namespace: "default".to_owned(),
-                name: "kubernetes".to_owned(),
-            },
-            reporting_instance: None,
-            deferral_retry: Duration::from_secs(10),
-            page_size: store::DEFAULT_PAGE_SIZE,
-            etcd: None,
-            rebuild_bitmap_on_range_change: false,
-        }
-    }
-}
-
-/// `loops.clusterIPRepair`: Services' cluster IPs against IPAddress objects (or audited against
-/// `serviceClusterIPRange`), and the legacy bitmaps in etcd mode.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct Section {
-    pub enabled: bool,
-    #[serde(with = "duration_format")]
-    pub interval: Duration,
-    pub mode: RepairMode,
-    /// How long an allocator-managed IPAddress whose Service does not exist is left alone
-    /// before it is deleted as leaked (upstream: 60s; kube-apiserver writes the IPAddress before
-    /// the Service).
-    #[serde(with = "duration_format")]
-    pub orphan_grace_period: Duration,
-    /// Objects per LIST page when the caches (re)list Services, IPAddresses and ServiceCIDRs,
-    /// and when a leak in an etcd bitmap is confirmed by a fresh list.
-    pub page_size: u32,
-    /// etcd mode: a legacy bitmap stored under another range than `serviceClusterIPRange` (or
-    /// none) is rebuilt under it, dropping the IPs outside it. Off: it is reported and left
-    /// alone. For an operator who changed kube-apiserver's `--service-cluster-ip-range` and
-    /// wants the bitmap moved before kube-apiserver's restart does it.
-    pub rebuild_bitmap_on_range_change: bool,
-}
-
-impl Default for Section {
-    fn default() -> Self {
-        let defaults = ClusterIpRepairConfig::default();
-        Section {
-            enabled: true,
-            interval: defaults.interval,
-            mode: defaults.mode,
-            orphan_grace_period: defaults.orphan_grace,
-            page_size: defaults.page_size,
-            rebuild_bitmap_on_range_change: defaults.rebuild_bitmap_on_range_change,
-        }
-    }
-}
-
-impl LoopSection for Section {
-    fn enabled(&self) -> bool {
-        self.enabled
-    }
-
-    fn validate(&self, path: &str, _settings: &Settings, errors: &mut Vec<section::ConfigError>) {
-        validate_interval(path, self.interval, errors);
-        if self.orphan_grace_period < Duration::from_secs(5) {
-            errors.push(section::ConfigError::new(
-                format!("{path}.orphanGracePeriod"),
-                "must be at least 5s (upstream uses 60s; shorter risks deleting the IPAddress of \
-                 a Service that is still being created)",
-            ));
-        }
-        validate_page_size(path, self.page_size, errors);
-    }
-
-    fn build(
-        &self,
-        context: &mut BuildContext<'_>,
-    ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let config = ClusterIpRepairConfig {
-            interval: self.interval,
-            orphan_grace: self.orphan_grace_period,
-            mode: self.mode,
-            service_ranges: context.settings.service_ranges.clone(),
-            kubernetes_service: context.settings.kubernetes_service.clone(),
-            reporting_instance: Some(context.settings.identity.clone()),
-            page_size: self.page_size,
-            etcd: context.settings.etcd.clone(),
-            rebuild_bitmap_on_range_change: self.rebuild_bitmap_on_range_change,
-            ..ClusterIpRepairConfig::default()
-        };
-        let services = context.services();
-        let built = ClusterIpRepair::with_services(
-            context.client.clone(),
-            config,
-            services,
-            context.registry,
-        )?;
-        Ok(vec![Arc::new(built)])
-    }
-}
-
-impl ClusterIpRepairConfig {
-    /// Errors name the field's YAML path.
-    pub fn validate(&self) -> Result<(), section::ConfigError> {
-        let invalid = |field: &str, problem: &str| {
-            Err(section::ConfigError::new(
-                format!("loops.clusterIPRepair.{field}"),
-                problem,
-            ))
-        };
-        if self.interval.is_zero() {
-            return invalid("interval", "must be greater than zero (upstream uses 3m)");
-        }
-        if self.page_size == 0 {
-            return invalid(
-                "pageSize",
-                &format!(
-                    "must be at least 1 (the default is {})",
-                    store::DEFAULT_PAGE_SIZE
-                ),
-            );
-        }
-        validate_ranges(&self.service_ranges)
-            .map_err(|err| section::ConfigError::new("serviceClusterIPRange", err))?;
-        Ok(())
-    }
-}
-
-/// Counters mirroring upstream's `apiserver_clusterip_repair_*`, plus the deferrals.
-#[derive(Clone, Debug, Default)]
-pub struct RepairMetrics {
-    /// `type` = leak | repair | full | outOfRange | duplicate | unknown | invalid.
-    pub ip_errors: Family<[(&'static str, &'static str); 1], Counter>,
-    pub reconcile_errors: Counter,
-    /// `reason` = stale_cache | verify_failed.
-    pub deferred_deletes: Family<[(&'static str, &'static str); 1], Counter>,
-}
-
-impl RepairMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let registry = loop_registry(registry, NAME);
-        Self {
-            ip_errors: registered(
-                registry,
-                "ip_errors",
-                "Number of errors detected on cluster IPs by the repair loop, by type",
-                Family::default(),
-            ),
-            reconcile_errors: registered(
-                registry,
-                "reconcile_errors",
-                "Number of ClusterIP repair passes that failed",
-                Counter::default(),
-            ),
-            deferred_deletes: registered(
-                registry,
-                "deferred_deletes",
-                "Number of IPAddress deletes put off because a live read of the Service disagreed with the cache or failed, by reason",
-                Family::default(),
-            ),
-        }
-    }
-}
 
 /// Wakes the loop at a chosen time (orphans leaving their grace period, deferred deletes).
 #[derive(Debug, Default)]
@@ -437,7 +223,7 @@ impl ClusterIpRepair {
         client: Client,
         config: ClusterIpRepairConfig,
         registry: &mut Registry,
-    ) -> Result<Self, section::ConfigError> {
+    ) -> Result<Self, ConfigError> {
         Self::with_services(client, config, Arc::default(), registry)
     }
 
@@ -448,7 +234,7 @@ impl ClusterIpRepair {
         config: ClusterIpRepairConfig,
         shared_services: Arc<SharedStore<ServiceRecord>>,
         registry: &mut Registry,
-    ) -> Result<Self, section::ConfigError> {
+    ) -> Result<Self, ConfigError> {
         config.validate()?;
         let reporter = match &config.reporting_instance {
             Some(instance) => Reporter {
@@ -856,212 +642,6 @@ impl ClusterIpRepair {
     }
 }
 
-enum Outcome {
-    Done,
-    DryRun,
-    /// Nothing to do after all (the cache was behind); not reported.
-    Skip,
-    Deferred(String),
-    Failed,
-}
-
-enum Verdict {
-    Confirmed,
-    Contradicted(String),
-    Unknown(String),
-}
-
-async fn live_service(
-    client: &Client,
-    namespace: &str,
-    name: &str,
-) -> Result<Option<Service>, kube::Error> {
-    Api::<Service>::namespaced(client.clone(), namespace)
-        .get_opt(name)
-        .await
-}
-
-fn service_lists(service: &Service, ip: IpAddr) -> bool {
-    let spec = service.spec.as_ref();
-    let listed = spec
-        .and_then(|s| s.cluster_ips.as_ref())
-        .into_iter()
-        .flatten()
-        .chain(spec.and_then(|s| s.cluster_ip.as_ref()));
-    listed
-        .filter_map(|text| crate::alloc::parse_ip_sloppy(text))
-        .any(|listed| listed == ip)
-}
-
-async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Verdict {
-    let (namespace, parent) = match ground {
-        DeleteGround::NotAService => return Verdict::Confirmed,
-        DeleteGround::ParentGone { namespace, name }
-        | DeleteGround::ParentDoesNotList { namespace, name } => (namespace, name),
-    };
-    let Ok(ip) = name.parse::<IpAddr>() else {
-        // No Service can list a name that is no IP.
-        return Verdict::Confirmed;
-    };
-    match live_service(client, namespace, parent).await {
-        Ok(None) => Verdict::Confirmed,
-        Ok(Some(service)) if !service_lists(&service, ip) => Verdict::Confirmed,
-        Ok(Some(_)) => Verdict::Contradicted(format!(
-            "Service {namespace}/{parent} exists and lists {ip}, but the Service cache did not show it"
-        )),
-        Err(err) => Verdict::Unknown(format!("cannot read Service {namespace}/{parent}: {err}")),
-    }
-}
-
-async fn verify_recreate(
-    client: &Client,
-    ip: IpAddr,
-    owner: &ServiceOwner,
-    dangling_parent: Option<&ServiceOwner>,
-) -> Verdict {
-    match live_service(client, &owner.namespace, &owner.name).await {
-        Ok(Some(service)) if service_lists(&service, ip) => {}
-        Ok(_) => {
-            return Verdict::Contradicted(format!(
-                "Service {}/{} no longer lists {ip}",
-                owner.namespace, owner.name
-            ));
-        }
-        Err(err) => {
-            return Verdict::Unknown(format!(
-                "cannot read Service {}/{}: {err}",
-                owner.namespace, owner.name
-            ));
-        }
-    }
-    let Some(parent) = dangling_parent else {
-        return Verdict::Confirmed;
-    };
-    match live_service(client, &parent.namespace, &parent.name).await {
-        Ok(Some(service)) if service_lists(&service, ip) => Verdict::Contradicted(format!(
-            "Service {}/{} exists and lists {ip}, but the Service cache did not show it",
-            parent.namespace, parent.name
-        )),
-        Ok(_) => Verdict::Confirmed,
-        Err(err) => Verdict::Unknown(format!(
-            "cannot read Service {}/{}: {err}",
-            parent.namespace, parent.name
-        )),
-    }
-}
-
-/// Deletes the IPAddress if it is still the object the decision saw. `Ok(false)` when it is
-/// gone or changed since (the next pass decides again).
-/// Creates the IPAddress for `owner`. A 409 means the IPAddress cache was behind and it exists
-/// already: skip, and let the next pass look again.
-async fn create_ip_address(
-    ip_api: &Api<IPAddress>,
-    ip: IpAddr,
-    owner: &ServiceOwner,
-) -> Result<Outcome, LoopError> {
-    match ip_api
-        .create(&PostParams::default(), &new_ip_address(ip, owner))
-        .await
-    {
-        Ok(_) => Ok(Outcome::Done),
-        Err(kube::Error::Api(status)) if status.code == 409 => Ok(Outcome::Skip),
-        Err(err) => Err(err.into()),
-    }
-}
-
-async fn delete_ip_address(
-    api: &Api<IPAddress>,
-    name: &str,
-    existing: &model::ObjectVersion,
-) -> Result<bool, LoopError> {
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: Some(existing.uid.to_string()),
-            resource_version: Some(existing.resource_version.to_string()),
-        }),
-        ..DeleteParams::default()
-    };
-    match api.delete(name, &params).await {
-        Ok(_) => Ok(true),
-        Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => Ok(false),
-        Err(err) => Err(err.into()),
-    }
-}
-
-/// The IPAddress upstream's allocator writes for `ip` of `owner` (`newIPAddress`).
-pub fn new_ip_address(ip: IpAddr, owner: &ServiceOwner) -> IPAddress {
-    IPAddress {
-        metadata: ObjectMeta {
-            name: Some(ip.to_string()),
-            labels: Some(BTreeMap::from([
-                (
-                    LABEL_IP_FAMILY.to_owned(),
-                    IpFamily::of(ip).as_str().to_owned(),
-                ),
-                (LABEL_MANAGED_BY.to_owned(), IPALLOCATOR_MANAGER.to_owned()),
-            ])),
-            ..ObjectMeta::default()
-        },
-        spec: Some(IPAddressSpec {
-            parent_ref: ParentReference {
-                group: Some(String::new()),
-                resource: "services".to_owned(),
-                namespace: Some(owner.namespace.to_string()),
-                name: owner.name.to_string(),
-            },
-        }),
-    }
-}
-
-fn object_reference(regarding: &Regarding) -> ObjectReference {
-    match regarding {
-        Regarding::Service {
-            namespace,
-            name,
-            uid,
-        } => ObjectReference {
-            api_version: Some("v1".to_owned()),
-            kind: Some("Service".to_owned()),
-            namespace: Some(namespace.to_string()),
-            name: Some(name.to_string()),
-            uid: Some(uid.to_string()).filter(|uid| !uid.is_empty()),
-            ..ObjectReference::default()
-        },
-        Regarding::IpAddress { name, uid } => ObjectReference {
-            api_version: Some("networking.k8s.io/v1".to_owned()),
-            kind: Some("IPAddress".to_owned()),
-            name: Some(name.to_string()),
-            uid: Some(uid.to_string()).filter(|uid| !uid.is_empty()),
-            ..ObjectReference::default()
-        },
-    }
-}
-
-fn action_of(repair: &Repair) -> Action {
-    match repair {
-        Repair::None => Action::Report,
-        Repair::Create { .. } => Action::Create,
-        Repair::Recreate { .. } => Action::Update,
-        Repair::Delete { .. } => Action::Delete,
-    }
-}
-
-fn drift_of(finding: &Finding, action: Action, applied: bool, note: Option<String>) -> Drift {
-    let mut message = finding.summary();
-    if let Some(note) = note {
-        message.push_str(" (");
-        message.push_str(&note);
-        message.push(')');
-    }
-    crate::contract::drift(
-        finding.kind,
-        finding.regarding.object(),
-        action,
-        message,
-        applied,
-    )
-}
-
 impl Reconciler for ClusterIpRepair {
     fn name(&self) -> &'static str {
         NAME
@@ -1176,7 +756,9 @@ impl Reconciler for ClusterIpRepair {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use super::decide::ServiceOwner;
     use super::*;
+    use crate::service_range::validate_ranges;
 
     #[test]
     fn config_validation_names_the_field() {

@@ -1,0 +1,228 @@
+//! The loop's writes and the live reads that guard them: IPAddresses created and deleted by
+//! compare-and-swap, each delete confirmed against the Service read live; events' references
+//! and the drift each finding is reported as.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{DeleteParams, PostParams, Preconditions};
+use kube::{Api, Client};
+
+use super::decide::{DeleteGround, Finding, Regarding, Repair, ServiceOwner};
+use super::model::{self, IPALLOCATOR_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
+use crate::alloc::IpFamily;
+use crate::contract::{Action, Drift, LoopError};
+
+pub(super) enum Outcome {
+    Done,
+    DryRun,
+    /// Nothing to do after all (the cache was behind); not reported.
+    Skip,
+    Deferred(String),
+    Failed,
+}
+
+pub(super) enum Verdict {
+    Confirmed,
+    Contradicted(String),
+    Unknown(String),
+}
+
+pub(super) async fn live_service(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<Service>, kube::Error> {
+    Api::<Service>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await
+}
+
+pub(super) fn service_lists(service: &Service, ip: IpAddr) -> bool {
+    let spec = service.spec.as_ref();
+    let listed = spec
+        .and_then(|s| s.cluster_ips.as_ref())
+        .into_iter()
+        .flatten()
+        .chain(spec.and_then(|s| s.cluster_ip.as_ref()));
+    listed
+        .filter_map(|text| crate::alloc::parse_ip_sloppy(text))
+        .any(|listed| listed == ip)
+}
+
+pub(super) async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Verdict {
+    let (namespace, parent) = match ground {
+        DeleteGround::NotAService => return Verdict::Confirmed,
+        DeleteGround::ParentGone { namespace, name }
+        | DeleteGround::ParentDoesNotList { namespace, name } => (namespace, name),
+    };
+    let Ok(ip) = name.parse::<IpAddr>() else {
+        // No Service can list a name that is no IP.
+        return Verdict::Confirmed;
+    };
+    match live_service(client, namespace, parent).await {
+        Ok(None) => Verdict::Confirmed,
+        Ok(Some(service)) if !service_lists(&service, ip) => Verdict::Confirmed,
+        Ok(Some(_)) => Verdict::Contradicted(format!(
+            "Service {namespace}/{parent} exists and lists {ip}, but the Service cache did not show it"
+        )),
+        Err(err) => Verdict::Unknown(format!("cannot read Service {namespace}/{parent}: {err}")),
+    }
+}
+
+pub(super) async fn verify_recreate(
+    client: &Client,
+    ip: IpAddr,
+    owner: &ServiceOwner,
+    dangling_parent: Option<&ServiceOwner>,
+) -> Verdict {
+    match live_service(client, &owner.namespace, &owner.name).await {
+        Ok(Some(service)) if service_lists(&service, ip) => {}
+        Ok(_) => {
+            return Verdict::Contradicted(format!(
+                "Service {}/{} no longer lists {ip}",
+                owner.namespace, owner.name
+            ));
+        }
+        Err(err) => {
+            return Verdict::Unknown(format!(
+                "cannot read Service {}/{}: {err}",
+                owner.namespace, owner.name
+            ));
+        }
+    }
+    let Some(parent) = dangling_parent else {
+        return Verdict::Confirmed;
+    };
+    match live_service(client, &parent.namespace, &parent.name).await {
+        Ok(Some(service)) if service_lists(&service, ip) => Verdict::Contradicted(format!(
+            "Service {}/{} exists and lists {ip}, but the Service cache did not show it",
+            parent.namespace, parent.name
+        )),
+        Ok(_) => Verdict::Confirmed,
+        Err(err) => Verdict::Unknown(format!(
+            "cannot read Service {}/{}: {err}",
+            parent.namespace, parent.name
+        )),
+    }
+}
+
+/// Deletes the IPAddress if it is still the object the decision saw. `Ok(false)` when it is
+/// gone or changed since (the next pass decides again).
+/// Creates the IPAddress for `owner`. A 409 means the IPAddress cache was behind and it exists
+/// already: skip, and let the next pass look again.
+pub(super) async fn create_ip_address(
+    ip_api: &Api<IPAddress>,
+    ip: IpAddr,
+    owner: &ServiceOwner,
+) -> Result<Outcome, LoopError> {
+    match ip_api
+        .create(&PostParams::default(), &new_ip_address(ip, owner))
+        .await
+    {
+        Ok(_) => Ok(Outcome::Done),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(Outcome::Skip),
+        Err(err) => Err(err.into()),
+    }
+}
+
+pub(super) async fn delete_ip_address(
+    api: &Api<IPAddress>,
+    name: &str,
+    existing: &model::ObjectVersion,
+) -> Result<bool, LoopError> {
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: Some(existing.uid.to_string()),
+            resource_version: Some(existing.resource_version.to_string()),
+        }),
+        ..DeleteParams::default()
+    };
+    match api.delete(name, &params).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => Ok(false),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// The IPAddress upstream's allocator writes for `ip` of `owner` (`newIPAddress`).
+pub fn new_ip_address(ip: IpAddr, owner: &ServiceOwner) -> IPAddress {
+    IPAddress {
+        metadata: ObjectMeta {
+            name: Some(ip.to_string()),
+            labels: Some(BTreeMap::from([
+                (
+                    LABEL_IP_FAMILY.to_owned(),
+                    IpFamily::of(ip).as_str().to_owned(),
+                ),
+                (LABEL_MANAGED_BY.to_owned(), IPALLOCATOR_MANAGER.to_owned()),
+            ])),
+            ..ObjectMeta::default()
+        },
+        spec: Some(IPAddressSpec {
+            parent_ref: ParentReference {
+                group: Some(String::new()),
+                resource: "services".to_owned(),
+                namespace: Some(owner.namespace.to_string()),
+                name: owner.name.to_string(),
+            },
+        }),
+    }
+}
+
+pub(super) fn object_reference(regarding: &Regarding) -> ObjectReference {
+    match regarding {
+        Regarding::Service {
+            namespace,
+            name,
+            uid,
+        } => ObjectReference {
+            api_version: Some("v1".to_owned()),
+            kind: Some("Service".to_owned()),
+            namespace: Some(namespace.to_string()),
+            name: Some(name.to_string()),
+            uid: Some(uid.to_string()).filter(|uid| !uid.is_empty()),
+            ..ObjectReference::default()
+        },
+        Regarding::IpAddress { name, uid } => ObjectReference {
+            api_version: Some("networking.k8s.io/v1".to_owned()),
+            kind: Some("IPAddress".to_owned()),
+            name: Some(name.to_string()),
+            uid: Some(uid.to_string()).filter(|uid| !uid.is_empty()),
+            ..ObjectReference::default()
+        },
+    }
+}
+
+pub(super) fn action_of(repair: &Repair) -> Action {
+    match repair {
+        Repair::None => Action::Report,
+        Repair::Create { .. } => Action::Create,
+        Repair::Recreate { .. } => Action::Update,
+        Repair::Delete { .. } => Action::Delete,
+    }
+}
+
+pub(super) fn drift_of(
+    finding: &Finding,
+    action: Action,
+    applied: bool,
+    note: Option<String>,
+) -> Drift {
+    let mut message = finding.summary();
+    if let Some(note) = note {
+        message.push_str(" (");
+        message.push_str(&note);
+        message.push(')');
+    }
+    crate::contract::drift(
+        finding.kind,
+        finding.regarding.object(),
+        action,
+        message,
+        applied,
+    )
+}
