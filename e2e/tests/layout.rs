@@ -113,3 +113,45 @@ fn the_base_layer_names_no_loop() {
         "base modules of reconcilers name loops: {offences:?}"
     );
 }
+
+/// Code and docs cite upstream by its own files and functions, which a reader can open; section
+/// numbers of notes outside the repository point nowhere.
+#[test]
+fn code_and_docs_cite_no_section_numbers() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut pending = vec![
+        root.join("reconcilers"),
+        root.join("controllers"),
+        root.join("e2e"),
+        root.join("docs"),
+        root.join("charts"),
+        root.join("deploy"),
+    ];
+    for file in ["README.md", "ARCHITECTURE.md", "BENCHMARKS.md"] {
+        pending.push(root.join(file));
+    }
+    let mut citing = Vec::new();
+    while let Some(path) = pending.pop() {
+        if path.is_dir() {
+            for entry in std::fs::read_dir(&path).expect("dir") {
+                pending.push(entry.expect("entry").path());
+            }
+            continue;
+        }
+        let wanted = path.extension().is_some_and(|ext| {
+            ["rs", "md", "py", "sh", "yaml", "tpl"].contains(&&*ext.to_string_lossy())
+        });
+        if !wanted || path.ends_with("tests/layout.rs") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        for (number, line) in text.lines().enumerate() {
+            if line.contains('\u{a7}') {
+                citing.push(format!("{}:{}", path.display(), number + 1));
+            }
+        }
+    }
+    assert!(citing.is_empty(), "section numbers cited at {citing:?}");
+}

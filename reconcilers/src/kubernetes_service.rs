@@ -1,10 +1,11 @@
 //! The `default/kubernetes` Service loop.
 //!
-//! Upstream (spec §2) creates the Service when it is missing and never touches it again, so a
-//! changed `--secure-port`, node port or a hand edit stays broken until someone deletes the Service
-//! (kubernetes/kubernetes#12289, #72338). This loop creates it the same way and, by default, also
-//! repairs ports, type, selector, session affinity and its two labels. `clusterIP` is immutable: a
-//! mismatch is only reported, unless the operator opted in to delete-and-recreate.
+//! Upstream (`pkg/controlplane/controller/kubernetesservice/controller.go`,
+//! `UpdateKubernetesService`) creates the Service when it is missing and never touches it again, so
+//! a changed `--secure-port`, node port or a hand edit stays broken until someone deletes the
+//! Service (kubernetes/kubernetes#12289, #72338). This loop creates it the same way and, by
+//! default, also repairs ports, type, selector, session affinity and its two labels. `clusterIP` is
+//! immutable: a mismatch is only reported, unless the operator opted in to delete-and-recreate.
 //!
 //! The first half of the file is pure (desired object, drift); the second half is the loop.
 //!

@@ -1,9 +1,10 @@
 //! Desired `kubernetes` Endpoints and EndpointSlices, and the drift between them and the cluster.
 //!
 //! Pure functions: no client, no clock. The loop fetches the objects, calls these, and writes what
-//! they say. Shapes follow upstream's `EndpointsAdapter` (spec §4): the Endpoints carries the
-//! `skip-mirror` label and one subset; each slice carries `kubernetes.io/service-name`,
-//! `conditions.ready: true` and the same port.
+//! they say. Shapes follow upstream's `EndpointsAdapter`
+//! (`pkg/controlplane/reconcilers/endpointsadapter.go`): the Endpoints carries the `skip-mirror`
+//! label and one subset; each slice carries `kubernetes.io/service-name`, `conditions.ready: true`
+//! and the same port.
 //!
 //! Dual-stack (upstream has none, KEP-2438): the slice of the primary family is named like the
 //! Service (`kubernetes`), exactly as upstream names its only slice, so single-stack clusters see no

@@ -553,8 +553,9 @@ impl ApiserverEndpointsLoop {
             .clone();
 
         if members.is_empty() {
-            // Upstream refuses too (spec §3.1.3): an empty list would cut every in-cluster client
-            // off. Only the last member's own shutdown may empty it.
+            // Upstream refuses too (`doReconcile` in `pkg/controlplane/reconcilers/lease.go`): an
+            // empty list would cut every in-cluster client off. Only the last member's own shutdown
+            // may empty it.
             state.empty_passes = state.empty_passes.saturating_add(1);
             if state.empty_passes == 2 {
                 tracing::warn!(

@@ -6,8 +6,9 @@ use std::net::IpAddr;
 use super::StaticAddress;
 use super::members::MemberSet;
 
-/// Upstream's `master-count` rule (spec §3.2): our own address is always listed; when there are
-/// more than `count` addresses, the ones following ours in (string) order are dropped, wrapping
+/// Upstream's `master-count` rule (`ReconcileEndpoints` in
+/// `pkg/controlplane/reconcilers/instancecount.go`): our own address is always listed; when there
+/// are more than `count` addresses, the ones following ours in (string) order are dropped, wrapping
 /// around. Unlike upstream's loop, which can drop its own address when the removal wraps, ours is
 /// always kept.
 pub fn master_count_members(listed: &MemberSet, own: IpAddr, count: usize) -> MemberSet {

@@ -31,8 +31,9 @@ pub enum NotReady {
     Setup(String),
 }
 
-/// `GET /readyz` (or another path) through a kube client, so it uses the kubeconfig's server,
-/// CA and credentials. Upstream's own gate (spec §2.2 Run.1) accepts only status 200.
+/// `GET /readyz` (or another path) through a kube client, so it uses the kubeconfig's server, CA
+/// and credentials. Upstream's own gate (the `/readyz` poll in `Start` of
+/// `pkg/controlplane/controller/kubernetesservice/controller.go`) accepts only status 200.
 #[derive(Clone)]
 pub struct ApiserverReadyz {
     client: kube::Client,
