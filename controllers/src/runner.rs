@@ -1126,10 +1126,9 @@ mod tests {
 
     /// Polls until `condition` holds; fails after a generous timeout (slow CI machines).
     async fn eventually(what: &str, condition: impl Fn() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !condition() {
-            assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        let holds = || std::future::ready(condition());
+        if let Err(err) = test_support::eventually(what, Duration::from_secs(20), holds).await {
+            panic!("{err}");
         }
     }
 

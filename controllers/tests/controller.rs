@@ -10,15 +10,13 @@ use bootstrap_controller::kubeconfig;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
 
-async fn eventually<F, Fut>(what: &str, mut condition: F)
+async fn eventually<F, Fut>(what: &str, condition: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !condition().await {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    if let Err(err) = test_support::eventually(what, Duration::from_secs(30), condition).await {
+        panic!("{err}");
     }
 }
 

@@ -20,10 +20,9 @@ fn settings(identity: &str) -> LeaderSettings {
 }
 
 async fn eventually(what: &str, receiver: &watch::Receiver<bool>, want: bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while *receiver.borrow() != want {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let holds = || std::future::ready(*receiver.borrow() == want);
+    if let Err(err) = test_support::eventually(what, Duration::from_secs(30), holds).await {
+        panic!("{err}");
     }
 }
 

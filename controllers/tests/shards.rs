@@ -431,14 +431,12 @@ impl Manager {
 
 /// Polls `condition` with a generous deadline, failing at once on a second writer.
 async fn eventually(what: &str, claims: &Claims, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    let holds = || {
         claims.check();
-        if condition() {
-            return;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        std::future::ready(condition())
+    };
+    if let Err(err) = test_support::eventually(what, Duration::from_secs(60), holds).await {
+        panic!("{err}");
     }
 }
 

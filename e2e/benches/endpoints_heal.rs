@@ -15,8 +15,6 @@
 mod common;
 
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -27,31 +25,7 @@ use k8s_openapi::api::core::v1::Endpoints;
 use kube::api::PostParams;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// One simulated apiserver's `/readyz`: 200 or 500 as the benchmark says.
-async fn readyz() -> Result<(String, Arc<AtomicBool>)> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}/readyz", listener.local_addr()?);
-    let ready = Arc::new(AtomicBool::new(true));
-    let flag = ready.clone();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let flag = flag.clone();
-            tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let _ = stream.read(&mut buf).await;
-                let response = if flag.load(Ordering::SeqCst) {
-                    "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
-                } else {
-                    "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 6\r\nconnection: close\r\n\r\nfailed"
-                };
-                let _ = stream.write_all(response.as_bytes()).await;
-            });
-        }
-    });
-    Ok((url, ready))
-}
+use test_support::readyz::FakeReadyz;
 
 struct Args {
     interval: String,
@@ -179,7 +153,8 @@ async fn main() -> Result<()> {
     let mut configs = Vec::new();
     let mut readiness = Vec::new();
     for n in 1..=3 {
-        let (url, ready) = readyz().await?;
+        let ready = FakeReadyz::start().await?;
+        let url = ready.url();
         let config = dir.path().join(format!("config-{n}.yaml"));
         std::fs::write(
             &config,
@@ -223,10 +198,10 @@ async fn main() -> Result<()> {
     let mut terms = Vec::new();
     for _ in 0..args.term_trials {
         let process = members[victim - 1].take().context("victim running")?;
-        readiness[victim - 1].store(false, Ordering::SeqCst);
+        readiness[victim - 1].set(false);
         terms.push(removal_after(&endpoints, &victim_address, || signal(&process, "-TERM")).await?);
         drop(process);
-        readiness[victim - 1].store(true, Ordering::SeqCst);
+        readiness[victim - 1].set(true);
         members[victim - 1] = Some(start_member(&sim.kubeconfig, config, victim)?);
         wait_listed(&endpoints, &victim_address, true).await?;
     }

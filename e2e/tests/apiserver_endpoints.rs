@@ -7,9 +7,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -21,52 +18,13 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::{Api, Client};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// A stand-in for one apiserver's `/readyz`: 200 or 500 as the test says.
-struct Readyz {
-    ready: Arc<AtomicBool>,
-    addr: SocketAddr,
-}
-
-impl Readyz {
-    async fn start() -> Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let ready = Arc::new(AtomicBool::new(true));
-        let flag = ready.clone();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                let flag = flag.clone();
-                tokio::spawn(async move {
-                    let mut buf = [0u8; 4096];
-                    let _ = stream.read(&mut buf).await;
-                    let response = if flag.load(Ordering::SeqCst) {
-                        "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
-                    } else {
-                        "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 6\r\nconnection: close\r\n\r\nfailed"
-                    };
-                    let _ = stream.write_all(response.as_bytes()).await;
-                });
-            }
-        });
-        Ok(Readyz { ready, addr })
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}/readyz", self.addr)
-    }
-
-    fn set(&self, ready: bool) {
-        self.ready.store(ready, Ordering::SeqCst);
-    }
-}
+use test_support::readyz::FakeReadyz;
 
 /// One simulated control-plane node: its `/readyz` and its sidecar.
 struct Member {
     address: String,
     identity: String,
-    readyz: Readyz,
+    readyz: FakeReadyz,
     config: std::path::PathBuf,
     process: Option<ControllerProcess>,
 }
@@ -75,7 +33,7 @@ const LEASE_SELECTOR: &str = "bootstrap-controller.io/apiserver-endpoint=kuberne
 
 impl Member {
     async fn new(dir: &std::path::Path, n: u8, ttl: &str) -> Result<Self> {
-        let readyz = Readyz::start().await?;
+        let readyz = FakeReadyz::start().await?;
         let config = dir.join(format!("member-{n}.yaml"));
         std::fs::write(
             &config,

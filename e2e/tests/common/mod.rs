@@ -462,28 +462,14 @@ pub fn kubectl(kubeconfig: &Path, args: &[&str]) -> Result<Output> {
         .context("running kubectl")
 }
 
-/// Polls `check` until it returns `Some`, failing after `timeout` with `what` in the message.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T>
+/// Polls `check` until it returns `Ok(Some)`, failing after `timeout` with `what` (and the last
+/// error) in the message. The error type is fixed here so that closures can write `Ok(...)`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, check: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Option<T>>>,
 {
-    let deadline = Instant::now() + timeout;
-    let mut last_error = None;
-    loop {
-        match check().await {
-            Ok(Some(value)) => return Ok(value),
-            Ok(None) => {}
-            Err(err) => last_error = Some(err),
-        }
-        if Instant::now() > deadline {
-            match last_error {
-                Some(err) => bail!("timed out waiting for {what}; last error: {err:#}"),
-                None => bail!("timed out waiting for {what}"),
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    Ok(test_support::eventually(what, timeout, check).await?)
 }
 
 /// A configuration file in a temporary directory that lives as long as this value.

@@ -112,19 +112,14 @@ pub fn writes(sim: &Sim) -> Vec<String> {
 }
 
 /// Poll `check` until it is true, failing after a generous timeout.
-pub async fn eventually<F, Fut>(what: &str, mut check: F)
+pub async fn eventually<F, Fut>(what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(25);
-    while tokio::time::Instant::now() < deadline {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    if let Err(err) = test_support::eventually(what, Duration::from_secs(25), check).await {
+        panic!("{err}");
     }
-    panic!("timed out waiting for: {what}");
 }
 
 /// Reasons of the events.k8s.io events recorded so far.

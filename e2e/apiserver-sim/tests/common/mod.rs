@@ -2,7 +2,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use apiserver_sim::{Sim, SimConfig};
 use k8s_openapi::api::core::v1::Namespace;
@@ -36,18 +36,13 @@ pub async fn create_ns(client: &kube::Client, name: &str) {
 }
 
 /// Polls `check` until it returns true; fails after 20 s.
-pub async fn eventually<F, Fut>(what: &str, mut check: F)
+pub async fn eventually<F, Fut>(what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
+    if let Err(err) = test_support::eventually(what, Duration::from_secs(20), check).await {
+        panic!("{err}");
     }
 }
 
