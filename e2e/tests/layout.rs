@@ -155,3 +155,49 @@ fn code_and_docs_cite_no_section_numbers() {
     }
     assert!(citing.is_empty(), "section numbers cited at {citing:?}");
 }
+
+/// Every repository path the docs name in backticks exists (a `::item` after a file is allowed).
+#[test]
+fn the_docs_name_only_paths_that_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut docs = vec![
+        root.join("README.md"),
+        root.join("ARCHITECTURE.md"),
+        root.join("BENCHMARKS.md"),
+        root.join("controllers/CONFIG.md"),
+        root.join("e2e/apiserver-sim/README.md"),
+    ];
+    for entry in std::fs::read_dir(root.join("docs")).expect("docs/") {
+        docs.push(entry.expect("entry").path());
+    }
+    const TOP: [&str; 9] = [
+        "controllers/",
+        "reconcilers/",
+        "e2e/",
+        "charts/",
+        "deploy/",
+        "docs/",
+        "testdata/",
+        ".ci/",
+        ".github/",
+    ];
+    let mut missing = Vec::new();
+    for doc in docs {
+        let text = std::fs::read_to_string(&doc).expect("doc");
+        for quoted in text.split('`').skip(1).step_by(2) {
+            if !TOP.iter().any(|top| quoted.starts_with(top)) || quoted.contains('*') {
+                continue;
+            }
+            let path = quoted.split("::").next().unwrap_or(quoted);
+            let path = path.split_whitespace().next().unwrap_or(path);
+            let path = path.trim_end_matches([':', '.', ',']);
+            if !root.join(path).exists() {
+                missing.push(format!("{}: {path}", doc.display()));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "docs name paths that do not exist: {missing:?}"
+    );
+}
