@@ -7,6 +7,7 @@ pub mod client;
 pub mod config;
 pub mod kubeconfig;
 pub mod leader;
+pub mod limits;
 pub mod loops;
 pub mod metrics;
 pub mod runner;

@@ -43,6 +43,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::config::{Config, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
+use crate::limits::Limits;
 use crate::metrics::METRICS_PREFIX;
 use crate::runner::{CheckState, Health};
 use crate::shards::{Leadership, View};
@@ -858,10 +859,13 @@ async fn load(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Loade
     config.etcd_inline_tls = etcd_tls(key, spec, &config)?;
     let client = {
         let kube_config = kube_config.clone();
-        tokio::task::spawn_blocking(move || kube::Client::try_from(kube_config))
-            .await
-            .map_err(|err| format!("{source}: cannot build a client: {err}"))?
-            .map_err(|err| format!("{source}: cannot build a client: {err}"))?
+        tokio::task::spawn_blocking(move || {
+            kube::client::ClientBuilder::try_from(kube_config)
+                .map(|builder| builder.with_layer(&Limits::TENANT.for_one_client()).build())
+        })
+        .await
+        .map_err(|err| format!("{source}: cannot build a client: {err}"))?
+        .map_err(|err| format!("{source}: cannot build a client: {err}"))?
     };
     Ok(Loaded {
         config,

@@ -38,7 +38,8 @@ impl Verb {
 ///
 /// JSON shape (externally tagged by `type`), e.g. `{"type":"error","code":429,"retryAfterSeconds":1}`,
 /// `{"type":"latency","millis":200}`, `{"type":"cutWatchAfterEvents","events":3}`,
-/// `{"type":"cutWatchAfter","millis":500}`, `{"type":"watchGone"}`, `{"type":"dropConnection"}`.
+/// `{"type":"cutWatchAfter","millis":500}`, `{"type":"watchGone"}`, `{"type":"dropConnection"}`,
+/// `{"type":"hang"}`, `{"type":"endlessResponse"}`, `{"type":"hugeWatchEvent","bytes":10485760}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "camelCase")]
 pub enum FaultKind {
@@ -60,6 +61,12 @@ pub enum FaultKind {
     WatchGone,
     /// Close the TCP connection without any response.
     DropConnection,
+    /// Read the request and never answer, holding the connection open (a hung server).
+    Hang,
+    /// Answer 200 with a JSON list whose items never end, streamed as fast as it is read.
+    EndlessResponse,
+    /// Answer a watch with one event line of this many bytes (a hostile or broken server).
+    HugeWatchEvent { bytes: u64 },
 }
 
 impl FaultKind {
@@ -69,6 +76,7 @@ impl FaultKind {
             FaultKind::CutWatchAfterEvents { .. }
                 | FaultKind::CutWatchAfter { .. }
                 | FaultKind::WatchGone
+                | FaultKind::HugeWatchEvent { .. }
         )
     }
 }

@@ -127,6 +127,48 @@ impl hyper::body::Body for ChannelBody {
     }
 }
 
+/// One ADDED event line of about `bytes` bytes (a name of that length), sent in 64 KiB chunks.
+async fn send_huge_event(tx: &mpsc::Sender<Bytes>, bytes: u64) {
+    if tx
+        .send(Bytes::from_static(
+            br#"{"type":"ADDED","object":{"metadata":{"name":""#,
+        ))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+    let mut left = bytes;
+    while left > 0 {
+        let part = chunk.slice(..usize::try_from(left.min(64 * 1024)).unwrap_or(64 * 1024));
+        left = left.saturating_sub(part.len() as u64);
+        if tx.send(part).await.is_err() {
+            return;
+        }
+    }
+    let _ = tx.send(Bytes::from_static(b"\"}}}\n")).await;
+}
+
+/// A 200 JSON list that never ends: items are produced as fast as the client reads them.
+fn endless_list() -> Response<Body> {
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    tokio::spawn(async move {
+        let item = Bytes::from_static(br#"{"metadata":{"name":"again-and-again"}},"#);
+        if tx
+            .send(Bytes::from_static(
+                br#"{"kind":"List","apiVersion":"v1","metadata":{},"items":["#,
+            ))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        while tx.send(item.clone()).await.is_ok() {}
+    });
+    respond(200, "application/json", ChannelBody(rx).boxed_unsync())
+}
+
 fn full(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
     respond(status, content_type, Full::new(body.into()).boxed_unsync())
 }
@@ -471,6 +513,11 @@ async fn route(
                 )));
             }
             FaultKind::DropConnection => return Err(DropConnection),
+            FaultKind::Hang => {
+                // Until the client gives up and the connection (so this future) is dropped.
+                std::future::pending::<()>().await;
+            }
+            FaultKind::EndlessResponse => return Ok(endless_list()),
             other => watch_faults.push(other),
         }
     }
@@ -1223,11 +1270,13 @@ fn watch(
     let mut cut_after_events: Option<u64> = None;
     let mut cut_after: Option<Duration> = None;
     let mut gone = false;
+    let mut huge_event: Option<u64> = None;
     for f in faults {
         match f {
             FaultKind::CutWatchAfterEvents { events } => cut_after_events = Some(events),
             FaultKind::CutWatchAfter { millis } => cut_after = Some(Duration::from_millis(millis)),
             FaultKind::WatchGone => gone = true,
+            FaultKind::HugeWatchEvent { bytes } => huge_event = Some(bytes),
             _ => {}
         }
     }
@@ -1264,6 +1313,10 @@ fn watch(
         let _guard = guard;
         if let Some(line) = early_gone {
             let _ = tx.send(line).await;
+            return;
+        }
+        if let Some(bytes) = huge_event {
+            send_huge_event(&tx, bytes).await;
             return;
         }
         let mut sent: u64 = 0;

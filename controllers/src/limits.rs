@@ -1,0 +1,492 @@
+//! Bounds on what one API server can make this process wait for or hold: a tower layer for the
+//! clients of tenant control planes, which are untrusted (management mode).
+//!
+//! kube's client waits for an answer without a deadline (its read timeout is unset by default,
+//! so a server that accepts a connection and never answers holds the request for ever), reads
+//! a whole non-watch response into memory whatever its size, and buffers a watch event until its
+//! newline however long it is. One broken or hostile tenant API could so stop its loops for good
+//! or exhaust the memory every tenant shares. With this layer:
+//!
+//! - every request's answer (status and headers) must arrive within `answer_timeout`;
+//! - a non-watch response's body must be complete within `answer_timeout` of the request and
+//!   hold at most `max_response_bytes`;
+//! - a watch response may stream for as long as the server keeps it open (kube-runtime's watcher
+//!   ends a silent one after the server-side timeout plus a margin), but each of its lines (one
+//!   event) holds at most `max_watch_line_bytes`.
+//!
+//! A request over a bound fails with an error naming the bound; the loop's pass fails and is
+//! retried with backoff, as for any API error.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use tokio::time::{Instant, Sleep};
+use tower::{Layer, Service};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The bounds; [`Limits::TENANT`] for tenant clients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub answer_timeout: Duration,
+    pub max_response_bytes: usize,
+    pub max_watch_line_bytes: usize,
+    /// What all of one client's responses may hold at once (bodies being read, watch events not
+    /// yet complete): the loops of one cluster list several collections at a time.
+    pub max_in_flight_bytes: usize,
+}
+
+impl Limits {
+    /// kube-apiserver refuses request bodies over 3 MiB, so no object, and no watch event (one
+    /// object and a few bytes around it), comes near 4 MiB. A LIST page of the objects the loops
+    /// read (500 per page by default, `loops.*.pageSize`) is well under 1 MiB for typical
+    /// Services and far smaller for the other kinds; 8 MiB leaves room for pages of unusually
+    /// large objects. A healthy apiserver answers within seconds.
+    pub const TENANT: Limits = Limits {
+        answer_timeout: Duration::from_secs(60),
+        max_response_bytes: 8 * 1024 * 1024,
+        max_watch_line_bytes: 4 * 1024 * 1024,
+        max_in_flight_bytes: 24 * 1024 * 1024,
+    };
+
+    /// The layer for one client: its responses share one in-flight budget.
+    pub fn for_one_client(self) -> LimitLayer {
+        LimitLayer {
+            limits: self,
+            in_flight: Arc::default(),
+        }
+    }
+}
+
+/// [`Limits`] as a tower layer, with the in-flight budget of the client it is part of.
+#[derive(Clone, Debug)]
+pub struct LimitLayer {
+    limits: Limits,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Why a response was cut off.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LimitError {
+    #[error("the API server did not answer within {0:?}")]
+    NoAnswer(Duration),
+    #[error("the API server's response did not complete within {0:?}")]
+    TooSlow(Duration),
+    #[error("the API server's response exceeded {0} bytes (the limit for one response)")]
+    TooLarge(usize),
+    #[error("a watch event from the API server exceeded {0} bytes (the limit for one event)")]
+    LineTooLong(usize),
+    #[error(
+        "the API server's responses being read at once exceeded {0} bytes (the limit for one \
+         cluster)"
+    )]
+    TooMuchAtOnce(usize),
+}
+
+impl<S> Layer<S> for LimitLayer {
+    type Service = Limited<S>;
+
+    fn layer(&self, inner: S) -> Limited<S> {
+        Limited {
+            inner,
+            limits: self.limits,
+            in_flight: self.in_flight.clone(),
+        }
+    }
+}
+
+/// A service whose answers are bounded by [`Limits`].
+#[derive(Clone, Debug)]
+pub struct Limited<S> {
+    inner: S,
+    limits: Limits,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Limited<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    ResBody: Body<Data = Bytes> + Unpin,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<BoundedBody<ResBody>>;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<Self::Response, BoxError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let limits = self.limits;
+        let in_flight = self.in_flight.clone();
+        let watch = is_watch(request.uri());
+        let deadline = Instant::now() + limits.answer_timeout;
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let response = match tokio::time::timeout_at(deadline, answer).await {
+                Ok(response) => response.map_err(Into::into)?,
+                Err(_) => return Err(LimitError::NoAnswer(limits.answer_timeout).into()),
+            };
+            Ok(response.map(|body| BoundedBody::new(body, limits, watch, deadline, in_flight)))
+        })
+    }
+}
+
+/// What one chunk of a non-watch body costs its reader beyond its bytes, counted against the
+/// bounds (a `Bytes` handle and its share of the buffer bookkeeping, rounded up).
+const CHUNK_COST: usize = 64;
+
+/// `?watch=true` (or `1`): kube's watch requests.
+fn is_watch(uri: &http::Uri) -> bool {
+    uri.query().is_some_and(|query| {
+        query
+            .split('&')
+            .any(|pair| pair == "watch=true" || pair == "watch=1")
+    })
+}
+
+/// A response body cut off at its bound.
+pub struct BoundedBody<B> {
+    inner: B,
+    bound: Bound,
+    failed: bool,
+    /// The client's bytes in flight, and this body's share of them.
+    in_flight: Arc<AtomicUsize>,
+    held: usize,
+    max_in_flight: usize,
+}
+
+impl<B> Drop for BoundedBody<B> {
+    fn drop(&mut self) {
+        self.in_flight.fetch_sub(self.held, Ordering::AcqRel);
+    }
+}
+
+enum Bound {
+    Whole {
+        max: usize,
+        read: usize,
+        timeout: Duration,
+        deadline: Pin<Box<Sleep>>,
+    },
+    Lines {
+        max: usize,
+        since_newline: usize,
+    },
+}
+
+impl<B> BoundedBody<B> {
+    fn new(
+        inner: B,
+        limits: Limits,
+        watch: bool,
+        deadline: Instant,
+        in_flight: Arc<AtomicUsize>,
+    ) -> Self {
+        let bound = if watch {
+            Bound::Lines {
+                max: limits.max_watch_line_bytes,
+                since_newline: 0,
+            }
+        } else {
+            Bound::Whole {
+                max: limits.max_response_bytes,
+                read: 0,
+                timeout: limits.answer_timeout,
+                deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            }
+        };
+        BoundedBody {
+            inner,
+            bound,
+            failed: false,
+            in_flight,
+            held: 0,
+            max_in_flight: limits.max_in_flight_bytes,
+        }
+    }
+
+    /// Moves this body's share of the client's bytes in flight to `held` (what it holds now:
+    /// all it read, or a watch's unfinished event); the error when the client's total is over.
+    fn hold(&mut self, held: usize) -> Result<(), LimitError> {
+        let total = if held >= self.held {
+            self.in_flight.fetch_add(held - self.held, Ordering::AcqRel) + (held - self.held)
+        } else {
+            self.in_flight.fetch_sub(self.held - held, Ordering::AcqRel) - (self.held - held)
+        };
+        self.held = held;
+        if total > self.max_in_flight {
+            return Err(LimitError::TooMuchAtOnce(self.max_in_flight));
+        }
+        Ok(())
+    }
+}
+
+impl Bound {
+    /// Counts a chunk; the error when it crosses the bound.
+    fn count(&mut self, data: &[u8]) -> Result<(), LimitError> {
+        match self {
+            Bound::Whole { max, read, .. } => {
+                // A reader keeps every chunk until the body is complete (kube collects them
+                // before parsing), each with its own bookkeeping: a body of many tiny chunks
+                // costs far more than its bytes.
+                *read = read.saturating_add(data.len()).saturating_add(CHUNK_COST);
+                if *read > *max {
+                    return Err(LimitError::TooLarge(*max));
+                }
+            }
+            Bound::Lines { max, since_newline } => {
+                let mut segments = data.split(|byte| *byte == b'\n');
+                // The first segment continues the line before this chunk.
+                let first = segments.next().map_or(0, <[u8]>::len);
+                let mut line = since_newline.saturating_add(first);
+                for segment in segments {
+                    if line > *max {
+                        return Err(LimitError::LineTooLong(*max));
+                    }
+                    line = segment.len();
+                }
+                if line > *max {
+                    return Err(LimitError::LineTooLong(*max));
+                }
+                *since_newline = line;
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes this body holds for its reader: all of a whole response, a watch's unfinished
+    /// event.
+    fn held(&self) -> usize {
+        match self {
+            Bound::Whole { read, .. } => *read,
+            Bound::Lines { since_newline, .. } => *since_newline,
+        }
+    }
+
+    /// The deadline of a whole response, if it has passed (registers the waker otherwise).
+    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Option<LimitError> {
+        match self {
+            Bound::Whole {
+                timeout, deadline, ..
+            } => deadline
+                .as_mut()
+                .poll(cx)
+                .is_ready()
+                .then_some(LimitError::TooSlow(*timeout)),
+            Bound::Lines { .. } => None,
+        }
+    }
+}
+
+impl<B> Body for BoundedBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.failed {
+            return Poll::Ready(None);
+        }
+        if let Some(err) = this.bound.poll_deadline(cx) {
+            this.failed = true;
+            return Poll::Ready(Some(Err(err.into())));
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Ready(Some(Err(err))) => Poll::Ready(Some(Err(err.into()))),
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    let counted = this.bound.count(data);
+                    let held = this.bound.held();
+                    if let Err(err) = counted.and_then(|()| this.hold(held)) {
+                        this.failed = true;
+                        return Poll::Ready(Some(Err(err.into())));
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.failed || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use http_body_util::{BodyExt, StreamBody};
+
+    use super::*;
+
+    const SMALL: Limits = Limits {
+        answer_timeout: Duration::from_millis(200),
+        max_response_bytes: 10,
+        max_watch_line_bytes: 5,
+        max_in_flight_bytes: 15,
+    };
+
+    type Chunks =
+        StreamBody<futures::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, BoxError>>>>;
+
+    fn chunks(parts: &[&'static str]) -> Chunks {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = parts
+            .iter()
+            .map(|part| Ok(Frame::data(Bytes::from_static(part.as_bytes()))))
+            .collect();
+        StreamBody::new(futures::stream::iter(frames))
+    }
+
+    async fn read(body: BoundedBody<Chunks>) -> Result<Vec<u8>, String> {
+        body.collect()
+            .await
+            .map(|all| all.to_bytes().to_vec())
+            .map_err(|err| err.to_string())
+    }
+
+    fn bounded(parts: &[&'static str], watch: bool) -> BoundedBody<Chunks> {
+        bounded_in(parts, watch, &Arc::default())
+    }
+
+    fn bounded_in(
+        parts: &[&'static str],
+        watch: bool,
+        in_flight: &Arc<AtomicUsize>,
+    ) -> BoundedBody<Chunks> {
+        BoundedBody::new(
+            chunks(parts),
+            SMALL,
+            watch,
+            Instant::now() + SMALL.answer_timeout,
+            in_flight.clone(),
+        )
+    }
+
+    #[test]
+    fn watch_requests_are_told_by_their_query() {
+        let uri = |text: &str| text.parse::<http::Uri>().unwrap();
+        assert!(is_watch(&uri(
+            "/api/v1/services?watch=true&resourceVersion=1"
+        )));
+        assert!(is_watch(&uri(
+            "/api/v1/services?allowWatchBookmarks=true&watch=1"
+        )));
+        assert!(!is_watch(&uri("/api/v1/services?limit=500")));
+        assert!(!is_watch(&uri("/api/v1/services?watchx=true")));
+    }
+
+    #[tokio::test]
+    async fn a_response_within_its_bound_passes_whole() {
+        assert_eq!(
+            read(bounded(&["12345", "67890"], false)).await.unwrap(),
+            b"1234567890"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_response_over_its_bound_is_cut_off_naming_the_bound() {
+        let err = read(bounded(&["12345", "678901"], false))
+            .await
+            .unwrap_err();
+        assert_eq!(err, LimitError::TooLarge(10).to_string());
+    }
+
+    #[tokio::test]
+    async fn watch_lines_are_bounded_one_by_one_across_chunks() {
+        // Many short lines add up to more than the whole-response bound: fine for a watch.
+        let fine = read(bounded(&["abc\nde", "f\nghij\n", "12345\n"], true)).await;
+        assert_eq!(fine.unwrap(), b"abc\ndef\nghij\n12345\n");
+        // A line split over chunks is counted whole.
+        let err = read(bounded(&["ab\ncde", "fgh\n"], true))
+            .await
+            .unwrap_err();
+        assert_eq!(err, LimitError::LineTooLong(5).to_string());
+        // So is a long line inside one chunk.
+        let err = read(bounded(&["a\n123456\nb"], true)).await.unwrap_err();
+        assert_eq!(err, LimitError::LineTooLong(5).to_string());
+    }
+
+    #[tokio::test]
+    async fn one_clients_responses_share_a_budget_given_back_when_they_are_dropped() {
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        // Each within its own bound (10), together over the client's (15).
+        let mut first = bounded_in(&["12345678"], false, &in_flight);
+        let frame = first.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "12345678");
+        assert_eq!(in_flight.load(Ordering::Acquire), 8);
+        let err = read(bounded_in(&["12345678"], false, &in_flight))
+            .await
+            .unwrap_err();
+        assert_eq!(err, LimitError::TooMuchAtOnce(15).to_string());
+        drop(first);
+        assert_eq!(in_flight.load(Ordering::Acquire), 0);
+        assert_eq!(
+            read(bounded_in(&["12345678"], false, &in_flight))
+                .await
+                .unwrap(),
+            b"12345678"
+        );
+        // A watch holds only its unfinished event.
+        let watch = read(bounded_in(
+            &["1234\n", "1234\n", "1234\n", "1234\n"],
+            true,
+            &in_flight,
+        ));
+        assert_eq!(watch.await.unwrap().len(), 20);
+        assert_eq!(in_flight.load(Ordering::Acquire), 0);
+    }
+
+    #[tokio::test]
+    async fn a_response_that_never_completes_fails_at_the_deadline() {
+        let pending = StreamBody::new(futures::stream::pending::<Result<Frame<Bytes>, BoxError>>());
+        let deadline = Instant::now() + SMALL.answer_timeout;
+        let body = BoundedBody::new(pending, SMALL, false, deadline, Arc::default());
+        let err = body.collect().await.map(|_| ()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            LimitError::TooSlow(SMALL.answer_timeout).to_string()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_server_that_never_answers_fails_at_the_deadline() {
+        let never = tower::service_fn(|_: Request<()>| {
+            futures::future::pending::<Result<Response<Chunks>, BoxError>>()
+        });
+        let mut limited = SMALL.for_one_client().layer(never);
+        let err = limited
+            .call(Request::new(()))
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            LimitError::NoAnswer(SMALL.answer_timeout).to_string()
+        );
+    }
+}
