@@ -210,8 +210,33 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
         },
     )
     .await?;
-    // A few more passes over the same objects.
+    // A few more passes over the same objects; with the simulator's objects, until the ClusterIP
+    // repair has reported each of them (its events are checked below).
     tokio::time::sleep(Duration::from_secs(3)).await;
+    if sim.is_some() {
+        eventually(
+            "the ClusterIP repair's findings reported",
+            CONVERGE,
+            || async {
+                let reasons: BTreeSet<String> = events
+                    .list(&Default::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .filter_map(|e| e.reason)
+                    .collect();
+                Ok([
+                    "ClusterIPNotValid",
+                    "IPAddressWrongReference",
+                    "IPAddressNotAllocated",
+                ]
+                .iter()
+                .all(|reason| reasons.contains(*reason))
+                .then_some(()))
+            },
+        )
+        .await?;
+    }
 
     ensure!(controller.is_running(), "exited:\n{}", controller.log());
     let (status, readyz) = controller.admin_get("/readyz?verbose").await?;

@@ -1,7 +1,7 @@
 //! kube-apiserver's protobuf encoding (`application/vnd.kubernetes.protobuf`) for Services,
-//! IPAddresses, ServiceCIDRs, Namespaces and ConfigMaps (and `Status`, for errors), both ways:
-//! kubectl sends the objects its generators make (`kubectl create service|namespace|configmap`)
-//! in protobuf and reads the answers in it. Objects are stored as JSON; each is encoded from it
+//! IPAddresses, ServiceCIDRs, Namespaces, ConfigMaps and Secrets (and `Status`, for errors), both
+//! ways: kubectl sends the objects its generators make (`kubectl create
+//! service|namespace|configmap|secret`) in protobuf and reads the answers in it. Objects are stored as JSON; each is encoded from it
 //! once, on first request, and request bodies are decoded to it, with a schema of field numbers
 //! taken from upstream's `generated.proto` (checked against upstream's round-trip fixtures in the
 //! tests).
@@ -227,6 +227,15 @@ const CONFIG_MAP: &[Field] = &[
     f("immutable", 4, Bool),
 ];
 
+// k8s.io/api/core/v1/generated.proto, message Secret.
+const SECRET: &[Field] = &[
+    f("metadata", 1, Msg(OBJECT_META)),
+    f("data", 2, BytesMap),
+    f("type", 3, Str),
+    f("stringData", 4, StrMap),
+    f("immutable", 5, Bool),
+];
+
 const STATUS_CAUSE: &[Field] = &[
     f("reason", 1, Str),
     f("message", 2, Str),
@@ -259,6 +268,7 @@ fn schema(kind: &str) -> Option<&'static [Field]> {
         "ServiceCIDR" => SERVICE_CIDR,
         "Namespace" => NAMESPACE,
         "ConfigMap" => CONFIG_MAP,
+        "Secret" => SECRET,
         "Status" => STATUS,
         _ => return None,
     })

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use apiserver_sim::Sim;
 use common::{create_ns, eventually, start};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
@@ -217,6 +217,14 @@ async fn kubectl_generators_create_through_protobuf() {
             "settings",
             "--from-literal=mode=fast",
         ],
+        // How people add a tenant in management mode.
+        &[
+            "create",
+            "secret",
+            "generic",
+            "tenant-a",
+            "--from-literal=value=apiVersion: v1",
+        ],
     ] {
         let mut args = args.to_vec();
         args.extend(["--namespace", "gen"]);
@@ -254,6 +262,27 @@ async fn kubectl_generators_create_through_protobuf() {
         .await
         .unwrap();
     assert_eq!(settings.data.unwrap()["mode"], "fast");
+    let secret = Api::<Secret>::namespaced(sim.client(), "gen")
+        .get("tenant-a")
+        .await
+        .unwrap();
+    assert_eq!(secret.type_.as_deref(), Some("Opaque"));
+    assert_eq!(secret.data.unwrap()["value"].0, b"apiVersion: v1");
+    // kubectl reads it back in protobuf too.
+    let out = kubectl(
+        &sim,
+        &[
+            "get",
+            "secret",
+            "tenant-a",
+            "-n",
+            "gen",
+            "-o",
+            "jsonpath={.data.value}",
+        ],
+    )
+    .await;
+    assert_eq!(out.trim(), "YXBpVmVyc2lvbjogdjE=");
     sim.shutdown().await;
 }
 
