@@ -125,8 +125,66 @@ pub fn validate_tenant_etcd_prefix(prefix: &str) -> Result<(), String> {
             );
         }
     }
+    // Below a first segment (an apiserver's own prefix, e.g. /registry), kube-apiserver keeps
+    // each resource under a key named after it (`/registry/services/specs/...`,
+    // `/registry/ranges/...`, `/registry/networking.k8s.io/...`). A tenant prefix naming one
+    // would put this tenant's bitmaps inside another cluster's objects.
+    if let Some(segment) = rest
+        .split('/')
+        .skip(1)
+        .find(|segment| RESOURCE_KEYS.contains(segment) || segment.ends_with(".k8s.io"))
+    {
+        return Err(format!(
+            "names {segment:?}, where kube-apiserver keeps a resource's objects below its own \
+             prefix: the bitmaps would be written inside another cluster's keys; give the \
+             tenant apiserver's own --etcd-prefix (e.g. /registry or /tenants/a)"
+        ));
+    }
     Ok(())
 }
+
+/// The keys kube-apiserver keeps resources under, below its `--etcd-prefix` (the resources of
+/// the core and built-in groups whose storage key is the resource's name).
+const RESOURCE_KEYS: [&str; 38] = [
+    "apiextensions.k8s.io",
+    "apiregistration.k8s.io",
+    "certificatesigningrequests",
+    "clusterrolebindings",
+    "clusterroles",
+    "configmaps",
+    "controllerrevisions",
+    "controllers",
+    "cronjobs",
+    "csidrivers",
+    "csinodes",
+    "daemonsets",
+    "deployments",
+    "endpointslices",
+    "events",
+    "horizontalpodautoscalers",
+    "ingress",
+    "ipaddresses",
+    "jobs",
+    "leases",
+    "limitranges",
+    "minions",
+    "namespaces",
+    "persistentvolumeclaims",
+    "persistentvolumes",
+    "poddisruptionbudgets",
+    "pods",
+    "podtemplates",
+    "priorityclasses",
+    "ranges",
+    "replicasets",
+    "resourcequotas",
+    "rolebindings",
+    "roles",
+    "secrets",
+    "serviceaccounts",
+    "services",
+    "statefulsets",
+];
 
 /// What every tenant's configuration is made from: the flags and the file as it was read at
 /// start. A tenant's fragment is merged over the file (flags still win, as over the file).

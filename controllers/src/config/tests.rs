@@ -660,6 +660,26 @@ fn a_tenant_etcd_prefix_is_a_plain_key_path() {
             "{prefix}: {error}"
         );
     }
+    // Inside another cluster's keys: refused, naming the resource key.
+    for (prefix, named) in [
+        ("/registry/services/specs", "services"),
+        ("/registry/ranges", "ranges"),
+        ("/registry/networking.k8s.io", "networking.k8s.io"),
+        ("/tenant-a/secrets", "secrets"),
+    ] {
+        let error = single_error(base.tenant(Some(&format!(
+            "etcdServers: https://192.0.2.1:2379\netcdPrefix: \"{prefix}\"\n"
+        ))));
+        assert_eq!(error.field, "bootstrap-controller.io/config: etcdPrefix");
+        assert!(
+            error.message.contains(&format!("names \"{named}\"")),
+            "{prefix}: {error}"
+        );
+    }
+    // An apiserver's own prefix of one or more plain segments is fine, whatever its first one.
+    for prefix in ["/registry", "/tenant-a/registry", "/services", "/k8s/t-1"] {
+        assert!(validate_tenant_etcd_prefix(prefix).is_ok(), "{prefix}");
+    }
     assert_eq!(
         fragment_etcd("etcdServers: [HTTPS://192.0.2.1:2379/]\netcdPrefix: /t/a\n"),
         Some((vec!["https://192.0.2.1:2379".to_owned()], "/t/a".to_owned()))
