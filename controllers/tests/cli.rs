@@ -70,6 +70,12 @@ fn invalid_configurations_exit_2_naming_the_field() {
             "loops.systemNamespaces.namespaces[0].name",
             "DNS-1123",
         ),
+        // Management mode: one process-wide etcd would be every tenant's.
+        (
+            "tenants:\n  secretSelector: a=b\netcdServers: https://192.0.2.1:2379\n",
+            "etcdServers",
+            "is not used in management mode",
+        ),
     ];
     for (yaml, field, reason) in cases {
         let path = write_config(&dir, yaml);
@@ -108,6 +114,20 @@ fn invalid_flag_and_env_values_exit_2_naming_the_flag() {
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--service-node-port-range"), "{stderr}");
     assert!(stderr.contains("inverted"), "{stderr}");
+
+    let (code, _, stderr) = run(binary().args([
+        "--tenants-secret-selector",
+        "a=b",
+        "--etcd-servers",
+        "https://192.0.2.1:2379",
+        "config",
+        "print",
+    ]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--etcd-servers: is not used in management mode"),
+        "{stderr}"
+    );
 }
 
 #[test]
