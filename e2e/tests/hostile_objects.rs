@@ -22,34 +22,14 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::api::{
-    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
-};
+use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
-
-/// The API of an object's kind, from its apiVersion and kind.
-fn api_of(client: &Client, object: &Value) -> Result<Api<DynamicObject>> {
-    let api_version = object["apiVersion"].as_str().context("apiVersion")?;
-    let kind = object["kind"].as_str().context("kind")?;
-    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-    let plural = match kind {
-        "Endpoints" => "endpoints".to_owned(),
-        other if other.ends_with('s') => format!("{}es", other.to_lowercase()),
-        other => format!("{}s", other.to_lowercase()),
-    };
-    let resource =
-        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), &plural);
-    Ok(match object["metadata"]["namespace"].as_str() {
-        Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
-        None => Api::all_with(client.clone(), &resource),
-    })
-}
 
 /// Creates `object` through the API, or replaces the one of its name (a shared cluster keeps
 /// the `kubernetes` Endpoints of earlier tests).
 async fn put(client: &Client, object: &Value) -> Result<()> {
-    let api = api_of(client, object)?;
+    let api = common::api_of(client, object).await?;
     let mut object = object.clone();
     if let Some(metadata) = object["metadata"].as_object_mut() {
         metadata.remove("uid");

@@ -12,39 +12,21 @@ mod hostile;
 
 use std::collections::BTreeMap;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Result, ensure};
 use common::control_plane::{ControlPlane, skipped_under_shared_control_plane};
 use common::{SimProcess, client_from};
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use kube::api::{DynamicObject, PostParams};
 use kube::{Api, Client};
 use serde_json::Value;
 
 /// One control plane at a time: each is three processes that want a core.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The API of an object's kind, from its apiVersion and kind.
-fn api_of(client: &Client, object: &Value) -> Result<Api<DynamicObject>> {
-    let api_version = object["apiVersion"].as_str().context("apiVersion")?;
-    let kind = object["kind"].as_str().context("kind")?;
-    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-    let plural = match kind {
-        "Endpoints" => "endpoints".to_owned(),
-        other if other.ends_with('s') => format!("{}es", other.to_lowercase()),
-        other => format!("{}s", other.to_lowercase()),
-    };
-    let resource =
-        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), &plural);
-    Ok(match object["metadata"]["namespace"].as_str() {
-        Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
-        None => Api::all_with(client.clone(), &resource),
-    })
-}
-
 /// Creates `object` through the API: `None` when it went in, the refusal (code and message)
 /// otherwise.
 async fn create(client: &Client, object: &Value) -> Result<Option<(u16, String)>> {
-    let api = api_of(client, object)?;
+    let api = common::api_of(client, object).await?;
     let mut object = object.clone();
     // A client cannot choose a uid; the backdoor's objects carry one.
     if let Some(metadata) = object["metadata"].as_object_mut() {

@@ -581,3 +581,22 @@ impl RequestsAtRest {
             .collect()
     }
 }
+
+/// The API of an object's kind, from its apiVersion and kind, with the resource (its plural, its
+/// scope) found through the API's discovery rather than guessed from the kind.
+pub async fn api_of(
+    client: &Client,
+    object: &serde_json::Value,
+) -> Result<kube::Api<kube::api::DynamicObject>> {
+    let api_version = object["apiVersion"].as_str().context("apiVersion")?;
+    let kind = object["kind"].as_str().context("kind")?;
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let gvk = kube::api::GroupVersionKind::gvk(group, version, kind);
+    let (resource, _) = kube::discovery::pinned_kind(client, &gvk)
+        .await
+        .with_context(|| format!("discovering {api_version} {kind}"))?;
+    Ok(match object["metadata"]["namespace"].as_str() {
+        Some(namespace) => kube::Api::namespaced_with(client.clone(), namespace, &resource),
+        None => kube::Api::all_with(client.clone(), &resource),
+    })
+}
