@@ -42,6 +42,11 @@ pub struct Limits {
     /// What all of one client's responses may hold at once (bodies being read, watch events not
     /// yet complete): the loops of one cluster list several collections at a time.
     pub max_in_flight_bytes: usize,
+    /// What one chunk of a non-watch body costs its reader beyond its bytes, counted against the
+    /// bounds: a reader keeps every chunk until the body is complete (kube collects them before
+    /// parsing), each with its own bookkeeping, so a body of many tiny chunks costs far more
+    /// than its bytes.
+    pub chunk_cost: usize,
 }
 
 impl Limits {
@@ -55,6 +60,8 @@ impl Limits {
         max_response_bytes: 8 * 1024 * 1024,
         max_watch_line_bytes: 4 * 1024 * 1024,
         max_in_flight_bytes: 24 * 1024 * 1024,
+        // A `Bytes` handle and its share of the buffer bookkeeping, rounded up.
+        chunk_cost: 64,
     };
 
     /// The layer for one client: its responses share one in-flight budget.
@@ -143,10 +150,6 @@ where
     }
 }
 
-/// What one chunk of a non-watch body costs its reader beyond its bytes, counted against the
-/// bounds (a `Bytes` handle and its share of the buffer bookkeeping, rounded up).
-const CHUNK_COST: usize = 64;
-
 /// `?watch=true` (or `1`): kube's watch requests.
 fn is_watch(uri: &http::Uri) -> bool {
     uri.query().is_some_and(|query| {
@@ -177,6 +180,7 @@ enum Bound {
     Whole {
         max: usize,
         read: usize,
+        chunk_cost: usize,
         timeout: Duration,
         deadline: Pin<Box<Sleep>>,
     },
@@ -203,6 +207,7 @@ impl<B> BoundedBody<B> {
             Bound::Whole {
                 max: limits.max_response_bytes,
                 read: 0,
+                chunk_cost: limits.chunk_cost,
                 timeout: limits.answer_timeout,
                 deadline: Box::pin(tokio::time::sleep_until(deadline)),
             }
@@ -237,11 +242,13 @@ impl Bound {
     /// Counts a chunk; the error when it crosses the bound.
     fn count(&mut self, data: &[u8]) -> Result<(), LimitError> {
         match self {
-            Bound::Whole { max, read, .. } => {
-                // A reader keeps every chunk until the body is complete (kube collects them
-                // before parsing), each with its own bookkeeping: a body of many tiny chunks
-                // costs far more than its bytes.
-                *read = read.saturating_add(data.len()).saturating_add(CHUNK_COST);
+            Bound::Whole {
+                max,
+                read,
+                chunk_cost,
+                ..
+            } => {
+                *read = read.saturating_add(data.len()).saturating_add(*chunk_cost);
                 if *read > *max {
                     return Err(LimitError::TooLarge(*max));
                 }
@@ -349,6 +356,7 @@ mod tests {
         max_response_bytes: 10,
         max_watch_line_bytes: 5,
         max_in_flight_bytes: 15,
+        chunk_cost: 0,
     };
 
     type Chunks =
@@ -406,6 +414,27 @@ mod tests {
             read(bounded(&["12345", "67890"], false)).await.unwrap(),
             b"1234567890"
         );
+    }
+
+    #[tokio::test]
+    async fn many_tiny_chunks_count_their_cost_too() {
+        let costly = Limits {
+            chunk_cost: 2,
+            ..SMALL
+        };
+        let body = |parts| {
+            BoundedBody::new(
+                chunks(parts),
+                costly,
+                false,
+                Instant::now() + SMALL.answer_timeout,
+                Arc::default(),
+            )
+        };
+        // 3 bytes in 3 chunks cost 9; 4 bytes in 4 chunks cost 12, over the bound of 10.
+        assert_eq!(read(body(&["a", "b", "c"])).await.unwrap(), b"abc");
+        let err = read(body(&["a", "b", "c", "d"])).await.unwrap_err();
+        assert_eq!(err, LimitError::TooLarge(10).to_string());
     }
 
     #[tokio::test]
