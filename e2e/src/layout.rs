@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Which module each module's code refers to. Keys and values are module paths relative to the
 /// crate root: `section`, `apiserver_endpoints`, `apiserver_endpoints/shutdown`.
@@ -179,13 +179,23 @@ fn top_level_modules(dir: &Path) -> io::Result<BTreeSet<String>> {
     Ok(modules)
 }
 
-fn rust_files(dir: &Path) -> io::Result<Vec<std::path::PathBuf>> {
+fn rust_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    Ok(files_under(&[dir.to_path_buf()])?
+        .into_iter()
+        .filter(|path| path.extension().is_some_and(|ext| ext == "rs"))
+        .collect())
+}
+
+/// Every file under `roots` (a root that is a file is itself), sorted.
+pub fn files_under(roots: &[PathBuf]) -> io::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
-    for entry in fs::read_dir(dir)? {
-        let path = entry?.path();
+    let mut pending = roots.to_vec();
+    while let Some(path) = pending.pop() {
         if path.is_dir() {
-            files.extend(rust_files(&path)?);
-        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            for entry in fs::read_dir(&path)? {
+                pending.push(entry?.path());
+            }
+        } else {
             files.push(path);
         }
     }

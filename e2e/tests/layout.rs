@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use e2e::layout::ModuleGraph;
+use e2e::layout::{ModuleGraph, files_under};
 
 /// The loop modules of `reconcilers`: each owns a `LoopSection` and its `Reconciler`s.
 const LOOPS: [&str; 6] = [
@@ -36,32 +36,28 @@ fn the_product_crates_have_no_module_cycle() {
     }
 }
 
+/// A file's lines before its trailing `#[cfg(test)]` section.
+fn code_lines(text: &str) -> usize {
+    let code = match text.find("\n#[cfg(test)]") {
+        Some(at) => &text[..at],
+        None => text,
+    };
+    code.lines().count()
+}
+
 /// A file longer than this, not counting its tests, is split by concern.
 const MAX_LINES: usize = 1_000;
 
 #[test]
 fn no_product_file_is_over_a_thousand_lines_without_its_tests() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let sources = ["reconcilers", "controllers"].map(|krate| root.join(krate).join("src"));
     let mut long = Vec::new();
-    for krate in ["reconcilers", "controllers"] {
-        let mut dirs = vec![root.join(krate).join("src")];
-        while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(&dir).expect("src dir") {
-                let path = entry.expect("entry").path();
-                if path.is_dir() {
-                    dirs.push(path);
-                    continue;
-                }
-                let text = std::fs::read_to_string(&path).expect("source file");
-                let code = match text.find("\n#[cfg(test)]") {
-                    Some(at) => &text[..at],
-                    None => &text[..],
-                };
-                let lines = code.lines().count();
-                if lines > MAX_LINES && path.file_name().is_some_and(|n| n != "tests.rs") {
-                    long.push(format!("{} ({lines} lines)", path.display()));
-                }
-            }
+    for path in files_under(&sources).expect("the product sources") {
+        let text = std::fs::read_to_string(&path).expect("source file");
+        let lines = code_lines(&text);
+        if lines > MAX_LINES && path.file_name().is_some_and(|n| n != "tests.rs") {
+            long.push(format!("{} ({lines} lines)", path.display()));
         }
     }
     assert!(long.is_empty(), "files over {MAX_LINES} lines: {long:?}");
@@ -119,7 +115,7 @@ fn the_base_layer_names_no_loop() {
 #[test]
 fn code_and_docs_cite_no_section_numbers() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut pending = vec![
+    let mut roots = vec![
         root.join("reconcilers"),
         root.join("controllers"),
         root.join("e2e"),
@@ -128,16 +124,10 @@ fn code_and_docs_cite_no_section_numbers() {
         root.join("deploy"),
     ];
     for file in ["README.md", "ARCHITECTURE.md", "BENCHMARKS.md"] {
-        pending.push(root.join(file));
+        roots.push(root.join(file));
     }
     let mut citing = Vec::new();
-    while let Some(path) = pending.pop() {
-        if path.is_dir() {
-            for entry in std::fs::read_dir(&path).expect("dir") {
-                pending.push(entry.expect("entry").path());
-            }
-            continue;
-        }
+    for path in files_under(&roots).expect("the repository's files") {
         let wanted = path.extension().is_some_and(|ext| {
             ["rs", "md", "py", "sh", "yaml", "tpl"].contains(&&*ext.to_string_lossy())
         });
