@@ -296,6 +296,10 @@ async fn a_secret_writer_cannot_take_the_controllers_token_run_read_or_reach_ano
             None,
         ),
     ];
+    // Overlapping etcd claims are ordered by the Secrets' creationTimestamp, which has whole
+    // seconds: Secrets created within the second of tenant-a's would tie with it (and ties go
+    // by name). Mallory's come at least a second later.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     for (name, secret, _) in &hostile {
         mallory
             .create(&PostParams::default(), secret)
