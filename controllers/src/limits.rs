@@ -15,12 +15,18 @@
 //!   event) holds at most `max_watch_line_bytes`.
 //!
 //! A request over a bound fails with an error naming the bound; the loop's pass fails and is
-//! retried with backoff, as for any API error.
+//! retried with backoff, as for any API error. A server that broke a bound is then not asked
+//! anything for a pause (`first_pause`, doubling with each further breach up to `max_pause`,
+//! back to `first_pause` once a response completes within its bounds): requests in the pause
+//! fail at once, naming the breach. Without it each of a hostile tenant's watches and passes
+//! would retry on its own backoff, and every retry would read another endless body up to its
+//! bound, costing the CPU and memory that every tenant shares.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -47,6 +53,10 @@ pub struct Limits {
     /// parsing), each with its own bookkeeping, so a body of many tiny chunks costs far more
     /// than its bytes.
     pub chunk_cost: usize,
+    /// How long a server that broke a bound is not asked anything, the first time.
+    pub first_pause: Duration,
+    /// The longest pause, however often the server breaks its bounds.
+    pub max_pause: Duration,
 }
 
 impl Limits {
@@ -62,26 +72,82 @@ impl Limits {
         max_in_flight_bytes: 24 * 1024 * 1024,
         // A `Bytes` handle and its share of the buffer bookkeeping, rounded up.
         chunk_cost: 64,
+        // Long against the watches' backoff (kube-runtime's default reaches 30 s), short
+        // against the 60 s a healthy tenant's loops take to notice a change they missed.
+        first_pause: Duration::from_secs(30),
+        max_pause: Duration::from_secs(300),
     };
 
-    /// The layer for one client: its responses share one in-flight budget.
+    /// The pause after a breach that follows `earlier` breaches without a completed response.
+    fn pause_after(&self, earlier: u32) -> Duration {
+        self.first_pause
+            .saturating_mul(2u32.saturating_pow(earlier.min(16)))
+            .min(self.max_pause)
+    }
+
+    /// The layer for one client: its responses share one in-flight budget and one pause.
     pub fn for_one_client(self) -> LimitLayer {
         LimitLayer {
             limits: self,
-            in_flight: Arc::default(),
+            client: Arc::default(),
         }
     }
 }
 
-/// [`Limits`] as a tower layer, with the in-flight budget of the client it is part of.
+/// [`Limits`] as a tower layer, with the state of the client it is part of.
 #[derive(Clone, Debug)]
 pub struct LimitLayer {
     limits: Limits,
-    in_flight: Arc<AtomicUsize>,
+    client: Arc<ClientState>,
+}
+
+/// What one client's requests share.
+#[derive(Debug, Default)]
+struct ClientState {
+    /// The bytes its responses hold.
+    in_flight: AtomicUsize,
+    pause: Mutex<Pause>,
+}
+
+#[derive(Debug, Default)]
+struct Pause {
+    until: Option<Instant>,
+    /// Breaches since the last response that completed within its bounds.
+    breaches: u32,
+    cause: Option<LimitError>,
+}
+
+impl ClientState {
+    fn pause(&self) -> std::sync::MutexGuard<'_, Pause> {
+        // A panic while holding the lock leaves a consistent `Pause` (plain field writes).
+        self.pause.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The error for a request made now, if the client is in a pause.
+    fn paused(&self, now: Instant) -> Option<LimitError> {
+        let pause = self.pause();
+        let until = pause.until.filter(|until| *until > now)?;
+        Some(LimitError::Paused {
+            remaining: until.saturating_duration_since(now),
+            cause: Box::new(pause.cause.clone()?),
+        })
+    }
+
+    /// A bound broken: the next pause starts now.
+    fn breached(&self, limits: &Limits, cause: &LimitError) {
+        let mut pause = self.pause();
+        pause.until = Some(Instant::now() + limits.pause_after(pause.breaches));
+        pause.breaches = pause.breaches.saturating_add(1);
+        pause.cause = Some(cause.clone());
+    }
+
+    fn completed(&self) {
+        self.pause().breaches = 0;
+    }
 }
 
 /// Why a response was cut off.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LimitError {
     #[error("the API server did not answer within {0:?}")]
     NoAnswer(Duration),
@@ -96,6 +162,14 @@ pub enum LimitError {
          cluster)"
     )]
     TooMuchAtOnce(usize),
+    #[error(
+        "not asking the API server anything for {} s more, after it broke a bound: {cause}",
+        remaining.as_secs().max(1)
+    )]
+    Paused {
+        remaining: Duration,
+        cause: Box<LimitError>,
+    },
 }
 
 impl<S> Layer<S> for LimitLayer {
@@ -105,7 +179,7 @@ impl<S> Layer<S> for LimitLayer {
         Limited {
             inner,
             limits: self.limits,
-            in_flight: self.in_flight.clone(),
+            client: self.client.clone(),
         }
     }
 }
@@ -115,7 +189,7 @@ impl<S> Layer<S> for LimitLayer {
 pub struct Limited<S> {
     inner: S,
     limits: Limits,
-    in_flight: Arc<AtomicUsize>,
+    client: Arc<ClientState>,
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Limited<S>
@@ -136,16 +210,24 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let limits = self.limits;
-        let in_flight = self.in_flight.clone();
+        let client = self.client.clone();
+        let now = Instant::now();
+        if let Some(paused) = client.paused(now) {
+            return Box::pin(async move { Err(paused.into()) });
+        }
         let watch = is_watch(request.uri());
-        let deadline = Instant::now() + limits.answer_timeout;
+        let deadline = now + limits.answer_timeout;
         let answer = self.inner.call(request);
         Box::pin(async move {
             let response = match tokio::time::timeout_at(deadline, answer).await {
                 Ok(response) => response.map_err(Into::into)?,
-                Err(_) => return Err(LimitError::NoAnswer(limits.answer_timeout).into()),
+                Err(_) => {
+                    let err = LimitError::NoAnswer(limits.answer_timeout);
+                    client.breached(&limits, &err);
+                    return Err(err.into());
+                }
             };
-            Ok(response.map(|body| BoundedBody::new(body, limits, watch, deadline, in_flight)))
+            Ok(response.map(|body| BoundedBody::new(body, limits, watch, deadline, client)))
         })
     }
 }
@@ -164,15 +246,15 @@ pub struct BoundedBody<B> {
     inner: B,
     bound: Bound,
     failed: bool,
-    /// The client's bytes in flight, and this body's share of them.
-    in_flight: Arc<AtomicUsize>,
+    /// The client (its bytes in flight, of which this body holds `held`).
+    client: Arc<ClientState>,
     held: usize,
-    max_in_flight: usize,
+    limits: Limits,
 }
 
 impl<B> Drop for BoundedBody<B> {
     fn drop(&mut self) {
-        self.in_flight.fetch_sub(self.held, Ordering::AcqRel);
+        self.client.in_flight.fetch_sub(self.held, Ordering::AcqRel);
     }
 }
 
@@ -196,7 +278,7 @@ impl<B> BoundedBody<B> {
         limits: Limits,
         watch: bool,
         deadline: Instant,
-        in_flight: Arc<AtomicUsize>,
+        client: Arc<ClientState>,
     ) -> Self {
         let bound = if watch {
             Bound::Lines {
@@ -216,23 +298,31 @@ impl<B> BoundedBody<B> {
             inner,
             bound,
             failed: false,
-            in_flight,
+            client,
             held: 0,
-            max_in_flight: limits.max_in_flight_bytes,
+            limits,
         }
+    }
+
+    /// Ends the body with a broken bound, which starts the client's pause.
+    fn fail(&mut self, err: LimitError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.failed = true;
+        self.client.breached(&self.limits, &err);
+        Poll::Ready(Some(Err(err.into())))
     }
 
     /// Moves this body's share of the client's bytes in flight to `held` (what it holds now:
     /// all it read, or a watch's unfinished event); the error when the client's total is over.
     fn hold(&mut self, held: usize) -> Result<(), LimitError> {
+        let in_flight = &self.client.in_flight;
         let total = if held >= self.held {
-            self.in_flight.fetch_add(held - self.held, Ordering::AcqRel) + (held - self.held)
+            in_flight.fetch_add(held - self.held, Ordering::AcqRel) + (held - self.held)
         } else {
-            self.in_flight.fetch_sub(self.held - held, Ordering::AcqRel) - (self.held - held)
+            in_flight.fetch_sub(self.held - held, Ordering::AcqRel) - (self.held - held)
         };
         self.held = held;
-        if total > self.max_in_flight {
-            return Err(LimitError::TooMuchAtOnce(self.max_in_flight));
+        if total > self.limits.max_in_flight_bytes {
+            return Err(LimitError::TooMuchAtOnce(self.limits.max_in_flight_bytes));
         }
         Ok(())
     }
@@ -314,20 +404,23 @@ where
             return Poll::Ready(None);
         }
         if let Some(err) = this.bound.poll_deadline(cx) {
-            this.failed = true;
-            return Poll::Ready(Some(Err(err.into())));
+            return this.fail(err);
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Ready(None) => {
+                if matches!(this.bound, Bound::Whole { .. }) {
+                    this.client.completed();
+                }
+                Poll::Ready(None)
+            }
             Poll::Ready(Some(Err(err))) => Poll::Ready(Some(Err(err.into()))),
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     let counted = this.bound.count(data);
                     let held = this.bound.held();
                     if let Err(err) = counted.and_then(|()| this.hold(held)) {
-                        this.failed = true;
-                        return Poll::Ready(Some(Err(err.into())));
+                        return this.fail(err);
                     }
                 }
                 Poll::Ready(Some(Ok(frame)))
@@ -357,6 +450,8 @@ mod tests {
         max_watch_line_bytes: 5,
         max_in_flight_bytes: 15,
         chunk_cost: 0,
+        first_pause: Duration::from_secs(30),
+        max_pause: Duration::from_secs(100),
     };
 
     type Chunks =
@@ -384,14 +479,14 @@ mod tests {
     fn bounded_in(
         parts: &[&'static str],
         watch: bool,
-        in_flight: &Arc<AtomicUsize>,
+        client: &Arc<ClientState>,
     ) -> BoundedBody<Chunks> {
         BoundedBody::new(
             chunks(parts),
             SMALL,
             watch,
             Instant::now() + SMALL.answer_timeout,
-            in_flight.clone(),
+            client.clone(),
         )
     }
 
@@ -462,20 +557,21 @@ mod tests {
 
     #[tokio::test]
     async fn one_clients_responses_share_a_budget_given_back_when_they_are_dropped() {
-        let in_flight = Arc::new(AtomicUsize::new(0));
+        let client = Arc::new(ClientState::default());
+        let in_flight = &client.in_flight;
         // Each within its own bound (10), together over the client's (15).
-        let mut first = bounded_in(&["12345678"], false, &in_flight);
+        let mut first = bounded_in(&["12345678"], false, &client);
         let frame = first.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), "12345678");
         assert_eq!(in_flight.load(Ordering::Acquire), 8);
-        let err = read(bounded_in(&["12345678"], false, &in_flight))
+        let err = read(bounded_in(&["12345678"], false, &client))
             .await
             .unwrap_err();
         assert_eq!(err, LimitError::TooMuchAtOnce(15).to_string());
         drop(first);
         assert_eq!(in_flight.load(Ordering::Acquire), 0);
         assert_eq!(
-            read(bounded_in(&["12345678"], false, &in_flight))
+            read(bounded_in(&["12345678"], false, &client))
                 .await
                 .unwrap(),
             b"12345678"
@@ -484,7 +580,7 @@ mod tests {
         let watch = read(bounded_in(
             &["1234\n", "1234\n", "1234\n", "1234\n"],
             true,
-            &in_flight,
+            &client,
         ));
         assert_eq!(watch.await.unwrap().len(), 20);
         assert_eq!(in_flight.load(Ordering::Acquire), 0);
@@ -517,5 +613,72 @@ mod tests {
             err.to_string(),
             LimitError::NoAnswer(SMALL.answer_timeout).to_string()
         );
+    }
+
+    #[test]
+    fn pauses_double_up_to_their_cap() {
+        let pauses: Vec<u64> = (0..5).map(|n| SMALL.pause_after(n).as_secs()).collect();
+        assert_eq!(pauses, [30, 60, 100, 100, 100]);
+        assert_eq!(SMALL.pause_after(u32::MAX), SMALL.max_pause);
+    }
+
+    #[tokio::test]
+    async fn a_server_that_broke_a_bound_is_not_asked_again_until_its_pause_ends() {
+        let quick = Limits {
+            first_pause: Duration::from_millis(50),
+            max_pause: Duration::from_millis(50),
+            ..SMALL
+        };
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        // The first and second answers are over the bound, the third fits.
+        let server = tower::service_fn(move |_: Request<()>| {
+            let n = counted.fetch_add(1, Ordering::AcqRel);
+            let body = if n < 2 {
+                chunks(&["12345678901"])
+            } else {
+                chunks(&["123"])
+            };
+            futures::future::ready(Ok::<_, BoxError>(Response::new(body)))
+        });
+        let mut limited = quick.for_one_client().layer(server);
+        let mut get = async || -> Result<Vec<u8>, String> {
+            let response = limited
+                .call(Request::new(()))
+                .await
+                .map_err(|e| e.to_string())?;
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(body.to_bytes().to_vec())
+        };
+        assert_eq!(
+            get().await.unwrap_err(),
+            LimitError::TooLarge(10).to_string()
+        );
+        // In the pause: refused without asking, naming the breach.
+        let refused = get().await.unwrap_err();
+        assert!(
+            refused.starts_with("not asking the API server anything"),
+            "{refused}"
+        );
+        assert!(
+            refused.ends_with(&LimitError::TooLarge(10).to_string()),
+            "{refused}"
+        );
+        assert_eq!(calls.load(Ordering::Acquire), 1);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(
+            get().await.unwrap_err(),
+            LimitError::TooLarge(10).to_string()
+        );
+        assert_eq!(calls.load(Ordering::Acquire), 2);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(get().await.unwrap(), b"123");
+        assert_eq!(calls.load(Ordering::Acquire), 3);
+        // A completed response starts the count of breaches again.
+        assert_eq!(limited.client.pause().breaches, 0);
     }
 }
