@@ -639,3 +639,113 @@ async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones(
     );
     Ok(())
 }
+
+/// A member whose host clock runs behind the leader's: its sidecar's `renewTime`s are 20 s old
+/// on the leader's clock, longer than the Lease's 3 s duration. Judged by when the leader sees
+/// each renewal, it is listed once renewed and stays listed, with no expiry, while it renews.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Result<()> {
+    use k8s_openapi::api::events::v1::Event;
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+    use kube::api::PostParams;
+    use reconcilers::apiserver_endpoints::lease::OwnLease;
+
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let kubeconfig = target.kubeconfig();
+    let client = target.client().await?;
+    let _leftovers = ControllerLeftovers::forget(&target)?;
+    let dir = tempfile::tempdir()?;
+    let readyz = FakeReadyz::start().await?;
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n    readyzURL: {}\n",
+            readyz.url()
+        ),
+    )?;
+    let config = config.display().to_string();
+    let _leader = ControllerProcess::start(
+        kubeconfig,
+        &[
+            "--config",
+            &config,
+            "--advertise-address",
+            "192.0.2.31",
+            "--leader-elect-identity",
+            "member-31",
+        ],
+    )?;
+    wait_members(&client, &["192.0.2.31"], "the leader's own address").await?;
+
+    // The skewed member's sidecar, by hand: renewed every second, 20 s in the past.
+    let skewed = OwnLease {
+        namespace: "kube-system".into(),
+        service_name: "kubernetes".into(),
+        address: "192.0.2.32".parse()?,
+        port: 6443,
+        holder: "member-32".into(),
+        ttl: Duration::from_secs(3),
+    };
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    let behind = || Timestamp::now() - SignedDuration::from_secs(20);
+    let mut written = leases
+        .create(&PostParams::default(), &skewed.renewed(None, behind()))
+        .await?;
+    let renewer = {
+        let leases = leases.clone();
+        let name = skewed.name();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let next = skewed.renewed(Some(&written), behind());
+                match leases.replace(&name, &PostParams::default(), &next).await {
+                    Ok(lease) => written = lease,
+                    Err(err) => return err.to_string(),
+                }
+            }
+        })
+    };
+    wait_members(
+        &client,
+        &["192.0.2.31", "192.0.2.32"],
+        "the member whose clock is behind listed",
+    )
+    .await?;
+    // Ten of its renewals, each 20 s old when written: listed at every look.
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until {
+        let (ips, _, slice_ips, _) = endpoints_state(&client).await?.context("endpoints")?;
+        assert!(
+            ips.contains(&"192.0.2.32".to_owned()) && slice_ips.contains(&"192.0.2.32".to_owned()),
+            "the skewed member left the endpoints: {ips:?} {slice_ips:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        !renewer.is_finished(),
+        "the renewals failed: {:?}",
+        renewer.await
+    );
+    renewer.abort();
+    let expiries = Api::<Event>::namespaced(client.clone(), "default")
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some("MemberExpired")
+                && e.note.as_deref().is_some_and(|n| n.contains("192.0.2.32"))
+        })
+        .count();
+    assert_eq!(expiries, 0, "MemberExpired events for the skewed member");
+    // It stops renewing: it expires 3 s after the last renewal the leader saw.
+    wait_members(&client, &["192.0.2.31"], "the silent skewed member expired").await?;
+    Ok(())
+}

@@ -29,7 +29,7 @@ use super::desired::{
     EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
     endpoints_drift, listed_members, plan_slices, repaired_endpoints,
 };
-use super::lease::{MemberLease, member_selector, membership};
+use super::lease::{MemberLease, Sightings, member_selector, membership};
 use super::members::{MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
 use super::probe::{ReadinessProbe, Resolver};
@@ -148,6 +148,8 @@ struct State {
     warned_ports: BTreeSet<(IpAddr, i32)>,
     /// Members already warned about for an address the API server rejects.
     warned_invalid: BTreeSet<IpAddr>,
+    /// When each membership Lease was seen renewed (expiry on this clock).
+    sightings: Sightings,
 }
 
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
@@ -253,19 +255,19 @@ impl ApiserverEndpointsLoop {
                 // A failed list is an error, never an empty membership.
                 let leases = self.leases.list(&api).await?;
                 let now = Timestamp::now();
-                let judged =
-                    membership(leases.iter().map(|lease| &lease.0), now, self.cfg.lease_ttl);
+                let judged = membership(
+                    leases.iter().map(|lease| &lease.0),
+                    now,
+                    self.cfg.lease_ttl,
+                    &mut state.sightings,
+                );
                 let problems = judged.problems.iter().map(ToString::to_string);
                 for problem in self.lease_problems.update(problems) {
                     tracing::warn!(%problem, "ignoring a membership Lease");
                 }
                 // One port for all members (the Endpoints have one subset): a member whose
                 // sidecar says otherwise is misconfigured, and clients would miss it.
-                for member in leases
-                    .iter()
-                    .filter_map(|l| super::lease::observe(l, self.cfg.lease_ttl).ok())
-                    .filter(|m| m.expires > now)
-                {
+                for member in &judged.live {
                     if let Some(port) = member.port.filter(|p| *p != self.target().port)
                         && state.warned_ports.insert((member.address, port))
                     {
@@ -279,13 +281,8 @@ impl ApiserverEndpointsLoop {
                     }
                 }
                 computed.expired = judged.expired.iter().map(|m| m.address).collect();
+                let next = judged.live.iter().map(|m| m.expires).min();
                 computed.members = judged.members;
-                let next = leases
-                    .iter()
-                    .filter_map(|l| super::lease::observe(l, self.cfg.lease_ttl).ok())
-                    .map(|m| m.expires)
-                    .filter(|t| *t > now)
-                    .min();
                 let wake = next.and_then(|t| {
                     let left = now.duration_until(t);
                     Duration::try_from(left)

@@ -119,8 +119,8 @@ pub enum LeaseProblem {
     },
     /// Never renewed (no `renewTime`).
     NeverRenewed { lease_name: String },
-    /// Renewed further in the future than its own duration: no clock is that far off, so the
-    /// object is corrupted (an etcd restore, a hand edit), and it would never expire.
+    /// Renewed more than a day ahead of the reader's clock: no clock is that far off, so the
+    /// object is corrupted (an etcd restore, a hand edit).
     RenewedInTheFuture {
         lease_name: String,
         renewed: Timestamp,
@@ -145,8 +145,8 @@ impl std::fmt::Display for LeaseProblem {
                 renewed,
             } => write!(
                 f,
-                "Lease {lease_name} says it was renewed at {renewed}, further ahead than its \
-                 duration; ignoring it"
+                "Lease {lease_name} says it was renewed at {renewed}, more than a day ahead of \
+                 this clock; ignoring it"
             ),
         }
     }
@@ -195,38 +195,94 @@ pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaseMembership {
     pub members: MemberSet,
+    /// The live Leases, each with its expiry as judged (see [`Sightings`]).
+    pub live: Vec<ObservedMember>,
     /// Leases whose time ran out (their address is not a member unless another live Lease has it).
     pub expired: Vec<ObservedMember>,
     pub problems: Vec<LeaseProblem>,
 }
 
-/// Judge every Lease. Expiry is by the writer's `renewTime` against the reader's clock, so the
-/// control-plane hosts' clocks must agree to well within `ttl - interval` (NTP does this).
-/// Leases being deleted are not members.
+/// A renewal further ahead of the reader's clock than this is no clock's error but a corrupted
+/// object (an etcd restore, a hand edit).
+const FAR_FUTURE: SignedDuration = SignedDuration::from_hours(24);
+
+/// When this reader saw each Lease renewed. A member's expiry is judged on the reader's own
+/// clock from the moment it saw the renewal, as client-go's leader election does (its
+/// `observedTime`), so a control-plane host whose clock is off is neither flapping nor missing:
+/// comparing the writer's `renewTime` with the reader's clock would make a host 5 s behind
+/// expire and rejoin every interval, and one a whole TTL behind never be listed. A Lease met for
+/// the first time (every Lease on a new leader's first pass) is judged by its `renewTime`: live,
+/// it counts as renewed now (so a member a few seconds behind does not expire before its next
+/// renewal); expired, it waits for a renewal to be seen (so a long-dead member is not listed).
+#[derive(Clone, Debug, Default)]
+pub struct Sightings {
+    by_lease: BTreeMap<String, Sighting>,
+}
+
+#[derive(Clone, Debug)]
+struct Sighting {
+    renewed: Timestamp,
+    /// When the reader saw `renewed` (see [`Sightings`]); `None` for an expired Lease not yet
+    /// seen renewed.
+    seen: Option<Timestamp>,
+}
+
+impl Sightings {
+    /// Records `member`'s renewal as seen at `now` if it is new, and gives its expiry.
+    fn expiry(&mut self, member: &ObservedMember, now: Timestamp) -> Timestamp {
+        let seen = match self.by_lease.get(&member.lease_name) {
+            Some(sighting) if sighting.renewed == member.renewed => sighting.seen,
+            Some(_) => Some(now),
+            None => (member.expires > now).then_some(now),
+        };
+        self.by_lease.insert(
+            member.lease_name.clone(),
+            Sighting {
+                renewed: member.renewed,
+                seen,
+            },
+        );
+        match seen {
+            Some(seen) => seen.checked_add(member.duration).unwrap_or(seen),
+            None => member.expires,
+        }
+    }
+}
+
+/// Judge every Lease (expiry as [`Sightings`] says). Leases being deleted are not members.
 pub fn membership<'a>(
     leases: impl IntoIterator<Item = &'a Lease>,
     now: Timestamp,
     fallback_ttl: Duration,
+    sightings: &mut Sightings,
 ) -> LeaseMembership {
     let mut out = LeaseMembership::default();
+    let mut present = std::collections::BTreeSet::new();
     for lease in leases {
         if lease.metadata.deletion_timestamp.is_some() {
             continue;
         }
         match observe(lease, fallback_ttl) {
-            Ok(member) if member.renewed > now.checked_add(member.duration).unwrap_or(now) => {
+            Ok(member) if member.renewed > now.checked_add(FAR_FUTURE).unwrap_or(now) => {
                 out.problems.push(LeaseProblem::RenewedInTheFuture {
                     lease_name: member.lease_name,
                     renewed: member.renewed,
                 });
             }
-            Ok(member) if member.expires > now => {
-                out.members.insert(member.address);
+            Ok(mut member) => {
+                present.insert(member.lease_name.clone());
+                member.expires = sightings.expiry(&member, now);
+                if member.expires > now {
+                    out.members.insert(member.address);
+                    out.live.push(member);
+                } else {
+                    out.expired.push(member);
+                }
             }
-            Ok(member) => out.expired.push(member),
             Err(problem) => out.problems.push(problem),
         }
     }
+    sightings.by_lease.retain(|name, _| present.contains(name));
     out.expired.retain(|m| !out.members.contains(&m.address));
     out
 }
@@ -306,20 +362,28 @@ mod tests {
         let spec = lease.spec.as_mut().unwrap();
         spec.renew_time = Some(MicroTime("9000-01-01T00:00:00Z".parse().unwrap()));
         spec.lease_duration_seconds = Some(-5);
-        let judged = membership(&[lease], now, Duration::from_secs(15));
+        let judged = membership(
+            &[lease],
+            now,
+            Duration::from_secs(15),
+            &mut Sightings::default(),
+        );
         assert!(judged.members.is_empty());
         assert!(matches!(
             judged.problems.as_slice(),
             [LeaseProblem::RenewedInTheFuture { .. }]
         ));
-        // A few seconds of clock skew is no problem.
-        let skewed = own("10.0.0.8").renewed(None, now + SignedDuration::from_secs(3));
-        assert_eq!(
-            membership(&[skewed], now, Duration::from_secs(15))
-                .members
-                .len(),
-            1
+        // A writer's clock ahead of the reader's is no problem: met for the first time, it
+        // counts as renewed now.
+        let skewed = own("10.0.0.8").renewed(None, now + SignedDuration::from_secs(60));
+        let judged = membership(
+            &[skewed],
+            now,
+            Duration::from_secs(15),
+            &mut Sightings::default(),
         );
+        assert_eq!(judged.members.len(), 1);
+        assert_eq!(judged.live[0].expires, now + SignedDuration::from_secs(15));
     }
 
     fn own(ip: &str) -> OwnLease {
@@ -389,6 +453,7 @@ mod tests {
             &[live, dead, garbage, deleting],
             at(5),
             Duration::from_secs(15),
+            &mut Sightings::default(),
         );
         assert_eq!(m.members.sorted_strings(), vec!["10.0.0.1"]);
         assert_eq!(m.expired.len(), 1);
@@ -401,15 +466,25 @@ mod tests {
     fn expiry_is_exclusive_at_the_deadline() {
         let lease = own("10.0.0.1").renewed(None, at(0));
         assert_eq!(
-            membership(std::slice::from_ref(&lease), at(14), Duration::ZERO)
-                .members
-                .len(),
+            membership(
+                std::slice::from_ref(&lease),
+                at(14),
+                Duration::ZERO,
+                &mut Sightings::default()
+            )
+            .members
+            .len(),
             1
         );
         assert_eq!(
-            membership(std::slice::from_ref(&lease), at(15), Duration::ZERO)
-                .members
-                .len(),
+            membership(
+                std::slice::from_ref(&lease),
+                at(15),
+                Duration::ZERO,
+                &mut Sightings::default()
+            )
+            .members
+            .len(),
             0
         );
     }
@@ -465,6 +540,7 @@ mod tests {
             leases.iter().map(|lease| &lease.0),
             "2026-11-25T08:00:05Z".parse().unwrap(),
             Duration::from_secs(15),
+            &mut Sightings::default(),
         );
         assert!(
             matches!(
@@ -475,5 +551,77 @@ mod tests {
             judged.problems
         );
         assert_eq!(judged.members.len(), 1, "the readable member stays");
+    }
+
+    /// A member whose clock runs `skew` behind (negative: ahead of) the reader's renews every
+    /// 10 s with a 15 s duration; the reader judges every second for two minutes. Returns
+    /// how often the member left and rejoined, and whether it was listed at the end.
+    fn judged_over_two_minutes(skew: i64) -> (usize, bool) {
+        let mut sightings = Sightings::default();
+        let mut listed = Vec::new();
+        for second in 0..120 {
+            let renewed_at = second - second % 10;
+            let lease = own("10.0.0.7").renewed(None, at(renewed_at - skew));
+            let judged = membership(&[lease], at(second), Duration::ZERO, &mut sightings);
+            listed.push(!judged.members.is_empty());
+        }
+        let flips = listed.windows(2).filter(|pair| pair[0] && !pair[1]).count();
+        (flips, listed.last().copied().unwrap_or(false))
+    }
+
+    #[test]
+    fn a_member_whose_clock_is_off_neither_flaps_nor_goes_missing() {
+        for skew in [0, 5, 14, 15, 60, 3600, -5, -60] {
+            assert_eq!(
+                judged_over_two_minutes(skew),
+                (0, true),
+                "clock {skew} s behind"
+            );
+        }
+    }
+
+    #[test]
+    fn a_member_seen_renewed_expires_a_duration_after_the_last_renewal_seen() {
+        let mut sightings = Sightings::default();
+        // Its clock is a minute behind: by its renewTime it expired long ago.
+        let first = own("10.0.0.7").renewed(None, at(-60));
+        let judged = membership(&[first], at(0), Duration::ZERO, &mut sightings);
+        assert!(
+            judged.members.is_empty(),
+            "not yet seen renewed: judged by renewTime"
+        );
+        let second = own("10.0.0.7").renewed(None, at(-50));
+        let judged = membership(
+            std::slice::from_ref(&second),
+            at(10),
+            Duration::ZERO,
+            &mut sightings,
+        );
+        assert_eq!(judged.live[0].expires, at(25));
+        // No renewal after that: listed until 15 s after it was seen, not after.
+        let judged = membership(
+            std::slice::from_ref(&second),
+            at(24),
+            Duration::ZERO,
+            &mut sightings,
+        );
+        assert_eq!(judged.members.len(), 1);
+        let judged = membership(
+            std::slice::from_ref(&second),
+            at(25),
+            Duration::ZERO,
+            &mut sightings,
+        );
+        assert!(judged.members.is_empty());
+        assert_eq!(judged.expired.len(), 1);
+        // A deleted Lease is forgotten: back, it is judged by its renewTime again.
+        membership(&[], at(26), Duration::ZERO, &mut sightings);
+        let judged = membership(
+            std::slice::from_ref(&second),
+            at(27),
+            Duration::ZERO,
+            &mut sightings,
+        );
+        assert!(judged.members.is_empty());
     }
 }
