@@ -749,3 +749,77 @@ async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Resul
     wait_members(&client, &["192.0.2.31"], "the silent skewed member expired").await?;
     Ok(())
 }
+
+/// One or two failed `/readyz` probes in a row (an etcd latency spike) keep the member listed;
+/// three in a row (the default `readinessFailureThreshold`) withdraw it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_readiness_probe_below_the_threshold_keeps_the_member() -> Result<()> {
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let kubeconfig = target.kubeconfig();
+    let client = target.client().await?;
+    let _leftovers = ControllerLeftovers::forget(&target)?;
+    let dir = tempfile::tempdir()?;
+    let mut member = Member::new(dir.path(), 41, "3s").await?;
+    member.address = "192.0.2.41".into();
+    member.start(kubeconfig, &[])?;
+    wait_members(&client, &["192.0.2.41"], "the member listed").await?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    let uid = |lease: Option<Lease>| lease.and_then(|l| l.metadata.uid);
+    let first = uid(leases.get_opt("apiserver-192.0.2.41").await?).context("its Lease")?;
+
+    for failures in [1, 2, 1] {
+        member.readyz.fail_next(failures);
+        let probes = member.readyz.probes();
+        // Until the failures are answered and two more probes pass, listed at every look.
+        let until = Instant::now() + CONVERGE;
+        while member.readyz.failing() > 0 || member.readyz.probes() < probes + failures + 2 {
+            assert!(Instant::now() < until, "the probes did not come");
+            let (ips, _, slice_ips, _) = endpoints_state(&client).await?.context("endpoints")?;
+            assert_eq!(
+                (ips, slice_ips),
+                (vec!["192.0.2.41".to_owned()], vec!["192.0.2.41".to_owned()]),
+                "withdrawn after {failures} failed probe(s)"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    assert_eq!(
+        uid(leases.get_opt("apiserver-192.0.2.41").await?),
+        Some(first),
+        "the membership Lease was deleted (and written again)"
+    );
+    let log = member.process.as_ref().context("running")?.log();
+    assert!(
+        log.contains("readiness probe failed; keeping this instance's membership"),
+        "{log}"
+    );
+
+    // Failing from now on: withdrawn after three in a row (its Lease deleted; the endpoints keep
+    // the last member, as upstream never empties them).
+    member.readyz.set(false);
+    eventually("the failing member's Lease deleted", CONVERGE, || async {
+        Ok(leases
+            .get_opt("apiserver-192.0.2.41")
+            .await?
+            .is_none()
+            .then_some(()))
+    })
+    .await?;
+    let log = member.process.as_ref().context("running")?.log();
+    assert!(
+        log.contains("local apiserver is not ready; withdrawing this instance"),
+        "{log}"
+    );
+    member.readyz.set(true);
+    eventually("the member's Lease back", CONVERGE, || async {
+        Ok(leases.get_opt("apiserver-192.0.2.41").await?.map(|_| ()))
+    })
+    .await?;
+    Ok(())
+}

@@ -18,6 +18,54 @@ use futures::stream::BoxStream;
 /// fresh. The runner debounces the items.
 pub type Trigger = BoxStream<'static, ()>;
 
+/// A trigger that fires at an instant a pass chooses (a Lease's expiry, a re-probe): the pass
+/// sets the next instant, replacing the one before; `None` fires nothing.
+pub struct WakeAt {
+    next: tokio::sync::watch::Sender<Option<tokio::time::Instant>>,
+}
+
+impl Default for WakeAt {
+    fn default() -> Self {
+        Self {
+            next: tokio::sync::watch::channel(None).0,
+        }
+    }
+}
+
+impl WakeAt {
+    pub fn set(&self, at: Option<tokio::time::Instant>) {
+        self.next.send_replace(at);
+    }
+
+    /// The trigger: one item at each instant set (the pass it wakes sets the next one).
+    pub fn trigger(&self) -> Trigger {
+        use futures::StreamExt;
+        let rx = self.next.subscribe();
+        futures::stream::unfold(rx, |mut rx| async move {
+            loop {
+                let at = *rx.borrow_and_update();
+                match at {
+                    Some(at) => {
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(at) => {
+                                rx.borrow_and_update();
+                                return Some(((), rx));
+                            }
+                            changed = rx.changed() => if changed.is_err() { return None },
+                        }
+                    }
+                    None => {
+                        if rx.changed().await.is_err() {
+                            return None;
+                        }
+                    }
+                }
+            }
+        })
+        .boxed()
+    }
+}
+
 /// What one pass of a loop gets to work with.
 #[derive(Clone)]
 pub struct PassContext {

@@ -4,7 +4,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -12,6 +12,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 #[derive(Clone, Debug)]
 pub struct FakeReadyz {
     ready: Arc<AtomicBool>,
+    /// Probes still to fail before `ready` decides again.
+    failing: Arc<AtomicU32>,
+    /// Probes answered so far.
+    probes: Arc<AtomicU32>,
     addr: SocketAddr,
 }
 
@@ -21,14 +25,20 @@ impl FakeReadyz {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let ready = Arc::new(AtomicBool::new(true));
-        let flag = ready.clone();
+        let failing = Arc::new(AtomicU32::new(0));
+        let probes = Arc::new(AtomicU32::new(0));
+        let (flag, fail, count) = (ready.clone(), failing.clone(), probes.clone());
         tokio::spawn(async move {
             while let Ok((mut stream, _)) = listener.accept().await {
-                let flag = flag.clone();
+                let (flag, fail, count) = (flag.clone(), fail.clone(), count.clone());
                 tokio::spawn(async move {
                     let mut buf = [0u8; 4096];
                     let _ = stream.read(&mut buf).await;
-                    let response = if flag.load(Ordering::SeqCst) {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let forced = fail
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                        .is_ok();
+                    let response = if !forced && flag.load(Ordering::SeqCst) {
                         "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
                     } else {
                         "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 6\r\n\
@@ -38,7 +48,12 @@ impl FakeReadyz {
                 });
             }
         });
-        Ok(FakeReadyz { ready, addr })
+        Ok(FakeReadyz {
+            ready,
+            failing,
+            probes,
+            addr,
+        })
     }
 
     pub fn url(&self) -> String {
@@ -48,5 +63,20 @@ impl FakeReadyz {
     /// From now on, answer 200 (`true`) or 500.
     pub fn set(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
+    }
+
+    /// The next `n` probes answer 500, whatever [`FakeReadyz::set`] says.
+    pub fn fail_next(&self, n: u32) {
+        self.failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Probes still to fail from [`FakeReadyz::fail_next`].
+    pub fn failing(&self) -> u32 {
+        self.failing.load(Ordering::SeqCst)
+    }
+
+    /// Probes answered so far.
+    pub fn probes(&self) -> u32 {
+        self.probes.load(Ordering::SeqCst)
     }
 }

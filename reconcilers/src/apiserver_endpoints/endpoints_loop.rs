@@ -22,7 +22,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::{Mutex, watch};
+use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use super::desired::{
@@ -32,12 +32,12 @@ use super::desired::{
 use super::lease::{MemberLease, Sightings, member_selector, membership};
 use super::members::{MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
-use super::probe::{ReadinessProbe, Resolver};
+use super::probe::{FailureThreshold, ReadinessProbe, Resolver};
 use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, NAME, StaticAddress};
 use crate::alloc::IpFamily;
 use crate::contract::{
-    Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, drift,
+    Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt, drift,
     ignore_already_exists,
 };
 use crate::findings::ReportOnce;
@@ -157,6 +157,8 @@ pub struct ApiserverEndpointsLoop {
     cfg: ApiserverEndpointsConfig,
     client: kube::Client,
     readiness: Arc<dyn ReadinessProbe>,
+    /// `master-count` mode: failed probes in a row that take this instance out.
+    failures: FailureThreshold,
     shutdown: Arc<ShutdownGate>,
     resolver: Arc<dyn Resolver>,
     /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
@@ -166,7 +168,7 @@ pub struct ApiserverEndpointsLoop {
     state: Mutex<State>,
     /// Earliest expiry among live membership Leases: a trigger fires then, so a dead member goes
     /// at TTL, not at TTL + interval.
-    next_expiry: watch::Sender<Option<Instant>>,
+    next_expiry: WakeAt,
     /// The objects each pass reads, kept by the watches that are also this loop's triggers.
     endpoints: WatchCache<Endpoints>,
     slices: WatchCache<EndpointSlice>,
@@ -212,11 +214,12 @@ impl ApiserverEndpointsLoop {
             reporter: deps.reporter,
             client: deps.client,
             readiness: deps.readiness,
+            failures: FailureThreshold::new(cfg.readiness_failure_threshold),
             shutdown: deps.shutdown,
             resolver: deps.resolver,
             metrics: EndpointsMetrics::register(registry),
             state: Mutex::new(State::default()),
-            next_expiry: watch::channel(None).0,
+            next_expiry: WakeAt::default(),
         }
     }
 
@@ -289,7 +292,7 @@ impl ApiserverEndpointsLoop {
                         .ok()
                         .map(|d| Instant::now() + d + Duration::from_millis(50))
                 });
-                self.next_expiry.send_replace(wake);
+                self.next_expiry.set(wake);
             }
             EndpointsMode::Static => {
                 let entries = self.cfg.static_entries();
@@ -342,7 +345,12 @@ impl ApiserverEndpointsLoop {
                 let listed = existing.map(listed_members).unwrap_or_default();
                 let own = self.cfg.advertise_address;
                 // Shutting down counts as not ready.
-                let ready = !exclude_own && self.readiness.check().await.is_ok();
+                let ready = !exclude_own
+                    && self
+                        .failures
+                        .judge(self.readiness.check().await)
+                        .result()
+                        .is_ok();
                 computed.members = match (own, ready) {
                     (Some(own), true) => {
                         master_count_members(&listed, own, self.cfg.apiserver_count)
@@ -765,33 +773,6 @@ impl ApiserverEndpointsLoop {
             }
         }
     }
-
-    fn expiry_trigger(&self) -> Trigger {
-        let rx = self.next_expiry.subscribe();
-        futures::stream::unfold(rx, |mut rx| async move {
-            loop {
-                let at = *rx.borrow_and_update();
-                match at {
-                    Some(at) => {
-                        tokio::select! {
-                            _ = tokio::time::sleep_until(at) => {
-                                // Fire once per deadline; the pass publishes the next one.
-                                rx.borrow_and_update();
-                                return Some(((), rx));
-                            }
-                            changed = rx.changed() => if changed.is_err() { return None },
-                        }
-                    }
-                    None => {
-                        if rx.changed().await.is_err() {
-                            return None;
-                        }
-                    }
-                }
-            }
-        })
-        .boxed()
-    }
 }
 
 impl Reconciler for ApiserverEndpointsLoop {
@@ -821,7 +802,7 @@ impl Reconciler for ApiserverEndpointsLoop {
                     .take_events()
                     .map(|events| lease_trigger(events, self.cfg.lease_ttl)),
             );
-            triggers.push(self.expiry_trigger());
+            triggers.push(self.next_expiry.trigger());
         }
         triggers
     }

@@ -13,15 +13,22 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
-use super::probe::ReadinessProbe;
+use super::probe::{FailureThreshold, ReadinessProbe, Verdict};
 use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps};
-use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, drift};
+use crate::contract::{
+    Action, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt, drift,
+};
 
 use crate::metrics::{loop_registry, registered};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "apiserver-lease";
+
+/// How soon a readiness probe that failed below the threshold is repeated: a dead apiserver is
+/// withdrawn within about `threshold - 1` seconds plus the probes' timeouts, not threshold
+/// intervals.
+const RECHECK: Duration = Duration::from_secs(1);
 
 /// Metric handles of the `apiserver-lease` loop.
 #[derive(Clone, Default)]
@@ -63,6 +70,10 @@ pub struct ApiserverLeaseLoop {
     own: OwnLease,
     interval: Duration,
     readiness: Arc<dyn ReadinessProbe>,
+    /// Failed probes in a row that withdraw this instance.
+    failures: FailureThreshold,
+    /// A probe again soon after a tolerated failure.
+    recheck: WakeAt,
     shutdown: Arc<ShutdownGate>,
     metrics: LeaseMetrics,
     last_ready: Mutex<Option<bool>>,
@@ -97,6 +108,8 @@ impl ApiserverLeaseLoop {
             },
             interval: cfg.interval,
             readiness: deps.readiness,
+            failures: FailureThreshold::new(cfg.readiness_failure_threshold),
+            recheck: WakeAt::default(),
             shutdown: deps.shutdown,
             metrics: LeaseMetrics::register(registry),
             last_ready: Mutex::new(None),
@@ -134,13 +147,37 @@ impl ApiserverLeaseLoop {
         }
     }
 
+    /// A failure below the threshold: the membership stays, and the next probe comes within a
+    /// second (logged when a run of failures starts).
+    fn note_tolerated(&self, verdict: &Verdict) {
+        match verdict {
+            Verdict::Tolerated { failures, reason } => {
+                if *failures == 1 {
+                    tracing::info!(
+                        address = %self.own.address,
+                        %reason,
+                        threshold = self.failures.threshold(),
+                        "local apiserver's readiness probe failed; keeping this instance's \
+                         membership unless it fails readinessFailureThreshold times in a row"
+                    );
+                }
+                self.recheck.set(Some(
+                    tokio::time::Instant::now() + RECHECK.min(self.interval),
+                ));
+            }
+            Verdict::Ready | Verdict::NotReady(_) => self.recheck.set(None),
+        }
+    }
+
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
         let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
         let name = self.own.name();
         let object = self.own.object_ref();
         let mut report = PassReport::default();
 
-        let ready = self.readiness.check().await;
+        let verdict = self.failures.judge(self.readiness.check().await);
+        self.note_tolerated(&verdict);
+        let ready = verdict.result();
         self.note_readiness(&ready);
         let cached = self.last_written.lock().ok().and_then(|mut c| c.take());
         if ready.is_ok()
@@ -343,6 +380,10 @@ impl Reconciler for ApiserverLeaseLoop {
 
     fn needs_leadership(&self) -> bool {
         false
+    }
+
+    fn triggers(&self) -> Vec<Trigger> {
+        vec![self.recheck.trigger()]
     }
 
     fn reconcile<'a>(

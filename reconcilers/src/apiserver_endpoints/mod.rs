@@ -101,6 +101,8 @@ pub struct ApiserverEndpointsConfig {
     pub leader_lease: Option<(String, String)>,
     /// What a graceful stop does with this instance's membership (`lease` and `master-count`).
     pub shutdown: ShutdownProbing,
+    /// Failed readiness probes in a row that withdraw this instance (`lease` and `master-count`).
+    pub readiness_failure_threshold: u32,
 }
 
 impl Default for ApiserverEndpointsConfig {
@@ -117,6 +119,7 @@ impl Default for ApiserverEndpointsConfig {
             apiserver_count: 1,
             leader_lease: None,
             shutdown: ShutdownProbing::default(),
+            readiness_failure_threshold: 3,
         }
     }
 }
@@ -154,6 +157,9 @@ pub struct Section {
     /// The time over which the shutdown probes are spread (first to last).
     #[serde(with = "duration_format")]
     pub shutdown_probe_window: Duration,
+    /// `lease` and `master-count` modes: failed readiness probes in a row that withdraw this
+    /// instance; after a failure below it the next probe comes within a second.
+    pub readiness_failure_threshold: u32,
 }
 
 impl Default for Section {
@@ -169,6 +175,7 @@ impl Default for Section {
             on_shutdown: defaults.shutdown.policy,
             shutdown_probes: defaults.shutdown.probes,
             shutdown_probe_window: defaults.shutdown.window,
+            readiness_failure_threshold: defaults.readiness_failure_threshold,
         }
     }
 }
@@ -207,6 +214,7 @@ impl Section {
                 probes: self.shutdown_probes,
                 window: self.shutdown_probe_window,
             },
+            readiness_failure_threshold: self.readiness_failure_threshold,
         }
     }
 
@@ -271,6 +279,19 @@ impl Section {
                 ),
             ));
         }
+        if probes
+            && !(1..=MAX_READINESS_FAILURE_THRESHOLD).contains(&self.readiness_failure_threshold)
+        {
+            errors.push(section::ConfigError::new(
+                format!("{path}.readinessFailureThreshold"),
+                format!(
+                    "{} is not between 1 and {MAX_READINESS_FAILURE_THRESHOLD} (default 3: one \
+                     slow /readyz never withdraws a member, one that keeps failing goes within \
+                     seconds; 1 withdraws on the first failure)",
+                    self.readiness_failure_threshold
+                ),
+            ));
+        }
         if probes && self.shutdown_probe_window > MAX_SHUTDOWN_PROBE_WINDOW {
             errors.push(section::ConfigError::new(
                 format!("{path}.shutdownProbeWindow"),
@@ -322,6 +343,9 @@ impl Section {
 /// `shutdownTimeout` (default 30 s) and a pod's grace period (default 30 s).
 const MAX_SHUTDOWN_PROBES: u32 = 10;
 const MAX_SHUTDOWN_PROBE_WINDOW: Duration = Duration::from_secs(10);
+/// Past this, a dead apiserver stays listed too long (each failure below the threshold is
+/// re-probed within a second, plus the probe's own timeout of up to 5 s).
+const MAX_READINESS_FAILURE_THRESHOLD: u32 = 10;
 
 fn primary_family(settings: &Settings) -> Option<IpFamily> {
     settings.service_ranges.first().map(|net| match net {

@@ -127,6 +127,76 @@ impl ReadinessProbe for ApiserverReadyz {
     }
 }
 
+/// How many failed readiness probes in a row withdraw a member. One slow `/readyz` (an etcd
+/// latency spike fails `[-]etcd` on every apiserver at once) must not shrink the endpoints; an
+/// apiserver that keeps failing must still go. A stopping apiserver is withdrawn at once by the
+/// shutdown path ([`super::shutdown::ShutdownGate`]), which probes without this tolerance.
+#[derive(Debug)]
+pub struct FailureThreshold {
+    threshold: u32,
+    failures: std::sync::atomic::AtomicU32,
+}
+
+/// What one probe means once earlier ones are counted.
+#[derive(Debug, Clone)]
+pub enum Verdict {
+    Ready,
+    /// Failed, but fewer than the threshold in a row: still counts as ready.
+    Tolerated {
+        failures: u32,
+        reason: NotReady,
+    },
+    NotReady(NotReady),
+}
+
+impl FailureThreshold {
+    /// `threshold` failures in a row are not ready (at least 1).
+    pub fn new(threshold: u32) -> Self {
+        Self {
+            threshold: threshold.max(1),
+            failures: std::sync::atomic::AtomicU32::new(0),
+        }
+    }
+
+    pub fn threshold(&self) -> u32 {
+        self.threshold
+    }
+
+    /// Counts `probe` and says what it means.
+    pub fn judge(&self, probe: Result<(), NotReady>) -> Verdict {
+        use std::sync::atomic::Ordering;
+        match probe {
+            Ok(()) => {
+                self.failures.store(0, Ordering::Relaxed);
+                Verdict::Ready
+            }
+            Err(reason) => {
+                let failures = self
+                    .failures
+                    .fetch_add(1, Ordering::Relaxed)
+                    .saturating_add(1)
+                    .min(self.threshold);
+                if failures < self.threshold {
+                    Verdict::Tolerated { failures, reason }
+                } else {
+                    self.failures.store(self.threshold, Ordering::Relaxed);
+                    Verdict::NotReady(reason)
+                }
+            }
+        }
+    }
+}
+
+impl Verdict {
+    /// Ready or tolerated: `Ok`; not ready: why.
+    pub fn result(&self) -> Result<(), NotReady> {
+        match self {
+            Verdict::Ready | Verdict::Tolerated { .. } => Ok(()),
+            Verdict::NotReady(reason) => Err(reason.clone()),
+        }
+    }
+}
+
 /// Name resolution for `static` mode.
 pub trait Resolver: Send + Sync + 'static {
     /// Every address `host` resolves to, both families.
@@ -213,4 +283,57 @@ pub fn default_route_address(family: crate::alloc::IpFamily) -> Option<IpAddr> {
     socket.connect(probe).ok()?;
     let ip = socket.local_addr().ok()?.ip();
     (!ip.is_unspecified() && !ip.is_loopback()).then_some(ip)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed() -> Result<(), NotReady> {
+        Err(NotReady::Setup("probe failed".into()))
+    }
+
+    fn kinds(threshold: &FailureThreshold, probes: &[bool]) -> Vec<&'static str> {
+        probes
+            .iter()
+            .map(
+                |ok| match threshold.judge(if *ok { Ok(()) } else { failed() }) {
+                    Verdict::Ready => "ready",
+                    Verdict::Tolerated { .. } => "tolerated",
+                    Verdict::NotReady(_) => "not ready",
+                },
+            )
+            .collect()
+    }
+
+    #[test]
+    fn failures_withdraw_only_when_the_threshold_is_reached_in_a_row() {
+        let three = FailureThreshold::new(3);
+        assert_eq!(
+            kinds(
+                &three,
+                &[
+                    false, true, false, false, true, false, false, false, false, true
+                ]
+            ),
+            [
+                "tolerated",
+                "ready",
+                "tolerated",
+                "tolerated",
+                "ready",
+                "tolerated",
+                "tolerated",
+                "not ready",
+                "not ready",
+                "ready"
+            ]
+        );
+        // 1: every failure counts, as without a threshold; 0 is read as 1.
+        assert_eq!(
+            kinds(&FailureThreshold::new(1), &[false, true]),
+            ["not ready", "ready"]
+        );
+        assert_eq!(FailureThreshold::new(0).threshold(), 1);
+    }
 }
