@@ -823,3 +823,143 @@ async fn a_failed_readiness_probe_below_the_threshold_keeps_the_member() -> Resu
     .await?;
     Ok(())
 }
+
+/// An IPv6 cluster with no `serviceClusterIPRange` given: the endpoints take the family of the
+/// `kubernetes` Service (created IPv6 from the cluster's ServiceCIDR). A member of the other
+/// family is left out with a Warning; a sidecar whose own address is of the other family
+/// refuses to write its Lease, naming `advertiseAddress`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoints_take_the_services_family() -> Result<()> {
+    use k8s_openapi::api::events::v1::Event;
+    use kube::api::PostParams;
+    use reconcilers::apiserver_endpoints::lease::OwnLease;
+
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+        "--service-cluster-ip-range",
+        "2001:db8:96::/112",
+    ])
+    .await?;
+    // The real control plane here is IPv4.
+    let Some(sim) = target.sim("the_endpoints_take_the_services_family") else {
+        return Ok(());
+    };
+    let client = target.client().await?;
+    let dir = tempfile::tempdir()?;
+    let readyz = FakeReadyz::start().await?;
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "loops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n    readyzURL: {}\n",
+            readyz.url()
+        ),
+    )?;
+    let config = config.display().to_string();
+    let start = |address: &str, identity: &str| {
+        ControllerProcess::start(
+            &sim.kubeconfig,
+            &[
+                "--config",
+                &config,
+                "--advertise-address",
+                address,
+                "--leader-elect-identity",
+                identity,
+            ],
+        )
+    };
+    let _v6 = start("2001:db8::41", "member-v6")?;
+    let v6_only = |want: &'static str| {
+        let client = client.clone();
+        async move {
+            eventually(want, CONVERGE, || async {
+                let Some(slice) = Api::<EndpointSlice>::namespaced(client.clone(), "default")
+                    .get_opt("kubernetes")
+                    .await?
+                else {
+                    return Ok(None);
+                };
+                let (ips, ..) = endpoints_state(&client).await?.context("endpoints")?;
+                Ok((slice.address_type == "IPv6"
+                    && ips == ["2001:db8::41"]
+                    && slice
+                        .endpoints
+                        .iter()
+                        .flat_map(|e| e.addresses.clone())
+                        .eq(["2001:db8::41".to_owned()]))
+                .then_some(()))
+            })
+            .await
+        }
+    };
+    v6_only("an IPv6 slice listing the IPv6 member").await?;
+    let service = Api::<Service>::namespaced(client.clone(), "default")
+        .get("kubernetes")
+        .await?;
+    let cluster_ip = service.spec.and_then(|s| s.cluster_ip).unwrap_or_default();
+    assert!(
+        cluster_ip.contains(':'),
+        "the Service is IPv6: {cluster_ip}"
+    );
+
+    // A member of the other family (its sidecar configured with an IPv4 address): left out.
+    let v4 = OwnLease {
+        namespace: "kube-system".into(),
+        service_name: "kubernetes".into(),
+        address: "192.0.2.42".parse()?,
+        port: 6443,
+        holder: "member-v4".into(),
+        ttl: Duration::from_secs(3600),
+    };
+    Api::<Lease>::namespaced(client.clone(), "kube-system")
+        .create(
+            &PostParams::default(),
+            &v4.renewed(None, k8s_openapi::jiff::Timestamp::now()),
+        )
+        .await?;
+    eventually("a MemberWrongFamily event", CONVERGE, || async {
+        let events = Api::<Event>::namespaced(client.clone(), "default")
+            .list(&Default::default())
+            .await?;
+        Ok(events
+            .items
+            .iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("MemberWrongFamily")
+                    && e.note
+                        .as_deref()
+                        .is_some_and(|n| n.contains("192.0.2.42") && n.contains("advertiseAddress"))
+            })
+            .then_some(()))
+    })
+    .await?;
+    v6_only("still only the IPv6 member").await?;
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), "default")
+        .list(&kube::api::ListParams::default().labels("kubernetes.io/service-name=kubernetes"))
+        .await?;
+    assert_eq!(slices.items.len(), 1, "one slice, one family: {slices:?}");
+
+    // A sidecar whose own address is IPv4 refuses to write its Lease, naming the setting.
+    let v4_sidecar = start("192.0.2.43", "member-v4-sidecar")?;
+    eventually("the refusal logged", CONVERGE, || async {
+        let log = v4_sidecar.log();
+        Ok(log
+            .contains(
+                "advertiseAddress 192.0.2.43 is IPv4, but the Service default/kubernetes is IPv6",
+            )
+            .then_some(()))
+    })
+    .await?;
+    assert!(
+        Api::<Lease>::namespaced(client.clone(), "kube-system")
+            .get_opt("apiserver-192.0.2.43")
+            .await?
+            .is_none(),
+        "no Lease for the IPv4 sidecar"
+    );
+    Ok(())
+}

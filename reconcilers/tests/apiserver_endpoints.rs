@@ -210,8 +210,18 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
     assert!(addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.4".to_owned()));
     assert_eq!(late.lease.metrics().ready(), 1);
 
-    // Another one starts failing: its Lease goes, then its address.
+    // Another one starts failing: below the threshold (3 in a row) its Lease is renewed; at
+    // the third failure the Lease goes, then its address.
     instances[1].ready.set(false);
+    for failure in 1..=2 {
+        let report = instances[1]
+            .lease
+            .reconcile(&ctx(&sim, false))
+            .await
+            .unwrap();
+        assert!(report.is_clean(), "failure {failure} tolerated: {report:?}");
+    }
+    assert_eq!(instances[1].lease.metrics().ready(), 1);
     let report = instances[1]
         .lease
         .reconcile(&ctx(&sim, false))
@@ -594,7 +604,7 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
 }
 
 #[tokio::test]
-async fn static_names_keep_the_last_good_set_and_go_dual_stack() {
+async fn static_names_keep_the_last_good_set_of_the_services_family() {
     let sim = sim().await;
     let resolver = Arc::new(FakeResolver::default());
     resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.1"), ip("fd00::1")]));
@@ -612,10 +622,16 @@ async fn static_names_keep_the_last_good_set_and_go_dual_stack() {
     );
     assert!(l.needs_leadership());
     l.reconcile(&ctx(&sim, false)).await.unwrap();
+    // One family, the Service's (no range and no Service here: the members' rule, IPv4 while
+    // there is any): the IPv6 address is left out, with a Warning.
     assert_eq!(
         addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.7", "fd00::1"]
+        vec!["10.0.0.1", "10.0.0.7"]
     );
+    eventually("MemberWrongFamily event", || async {
+        event_reasons(&sim).contains(&"MemberWrongFamily".to_owned())
+    })
+    .await;
     let by_name: Vec<_> = slices(&sim)
         .await
         .iter()
@@ -629,18 +645,11 @@ async fn static_names_keep_the_last_good_set_and_go_dual_stack() {
         .collect();
     assert_eq!(
         by_name,
-        vec![
-            (
-                "kubernetes".into(),
-                "IPv4".into(),
-                vec!["10.0.0.1".into(), "10.0.0.7".into()]
-            ),
-            (
-                "kubernetes-ipv6".into(),
-                "IPv6".into(),
-                vec!["fd00::1".into()]
-            ),
-        ]
+        vec![(
+            "kubernetes".into(),
+            "IPv4".into(),
+            vec!["10.0.0.1".into(), "10.0.0.7".into()]
+        )]
     );
 
     // The name now resolves to nothing, then fails: the last good set stays, with one warning.
@@ -653,7 +662,7 @@ async fn static_names_keep_the_last_good_set_and_go_dual_stack() {
     assert_eq!(writes(&sim), Vec::<String>::new());
     assert_eq!(
         addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.7", "fd00::1"]
+        vec!["10.0.0.1", "10.0.0.7"]
     );
     eventually("StaticAddressResolutionFailed event", || async {
         event_reasons(&sim)
@@ -664,7 +673,22 @@ async fn static_names_keep_the_last_good_set_and_go_dual_stack() {
     })
     .await;
 
-    // It moves to a single IPv4 address: the IPv6 slice goes.
+    // It moves to a single IPv4 address; a slice of the other family carrying the Service's
+    // label (left by an older version, or by hand) goes.
+    let stray: EndpointSlice = serde_json::from_value(serde_json::json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": "kubernetes-ipv6", "namespace": "default",
+                     "labels": {"kubernetes.io/service-name": "kubernetes"}},
+        "addressType": "IPv6",
+        "endpoints": [{"addresses": ["fd00::1"], "conditions": {"ready": true}}],
+        "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
+    }))
+    .unwrap();
+    Api::<EndpointSlice>::namespaced(sim.client(), "default")
+        .create(&Default::default(), &stray)
+        .await
+        .unwrap();
     resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.3")]));
     l.reconcile(&ctx(&sim, false)).await.unwrap();
     assert_eq!(
@@ -830,6 +854,16 @@ async fn readyz_probe_follows_the_apiserver() {
     let report = lease_loop.reconcile(&ctx(&sim, false)).await.unwrap();
     assert_eq!(report.drift[0].kind, "member_lease_missing");
     sim.set_ready(false);
+    // Withdrawn at the third failure in a row (the default readinessFailureThreshold).
+    for _ in 1..=2 {
+        assert!(
+            lease_loop
+                .reconcile(&ctx(&sim, false))
+                .await
+                .unwrap()
+                .is_clean()
+        );
+    }
     let report = lease_loop.reconcile(&ctx(&sim, false)).await.unwrap();
     assert_eq!(report.drift[0].kind, "member_lease_not_ready");
     assert!(

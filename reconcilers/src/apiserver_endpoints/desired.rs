@@ -6,11 +6,12 @@
 //! label and one subset; each slice carries `kubernetes.io/service-name`, `conditions.ready: true`
 //! and the same port.
 //!
-//! Dual-stack (upstream has none, KEP-2438): the slice of the primary family is named like the
-//! Service (`kubernetes`), exactly as upstream names its only slice, so single-stack clusters see no
-//! difference. The other family's slice is named `<service>-<family>`, e.g. `kubernetes-ipv6`, and
-//! exists only while that family has members. Any other slice carrying the service-name label is
-//! stray and is deleted, as the newest upstream adapter does.
+//! One family, the Service's: the loop gives these functions members of that family only and
+//! the family as `primary_family`, so there is one slice, named like the Service (`kubernetes`),
+//! exactly as upstream names its only slice. Given members of both families (tests, a caller
+//! that does not filter), the other family's slice would be `<service>-<family>`, e.g.
+//! `kubernetes-ipv6`. Any other slice carrying the service-name label is stray and is deleted,
+//! as the newest upstream adapter does.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Endpoints, ObjectReference};
+use k8s_openapi::api::core::v1::{Endpoints, ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
@@ -148,6 +148,8 @@ struct State {
     warned_ports: BTreeSet<(IpAddr, i32)>,
     /// Members already warned about for an address the API server rejects.
     warned_invalid: BTreeSet<IpAddr>,
+    /// Members already warned about for an address of the other family than the Service's.
+    warned_family: BTreeSet<IpAddr>,
     /// When each membership Lease was seen renewed (expiry on this clock).
     sightings: Sightings,
 }
@@ -173,13 +175,18 @@ pub struct ApiserverEndpointsLoop {
     endpoints: WatchCache<Endpoints>,
     slices: WatchCache<EndpointSlice>,
     leases: WatchCache<MemberLease>,
+    /// The Service the endpoints serve: its IP family is theirs.
+    service: WatchCache<Service>,
     /// Unusable membership Leases, logged once each while they stay.
     lease_problems: ReportOnce<String>,
 }
 
 /// The member set of one pass, and what explains departures.
 struct Computed {
+    /// Members of the Service's family only.
     members: MemberSet,
+    /// The Service's family: the endpoints' and their one slice's.
+    family: IpFamily,
     /// Addresses whose Lease ran out (events say "expired" rather than "left").
     expired: BTreeSet<IpAddr>,
     /// Warnings to publish as events on the Endpoints.
@@ -205,10 +212,15 @@ impl ApiserverEndpointsLoop {
             Api::namespaced(deps.client.clone(), &cfg.lease_namespace),
             watcher::Config::default().labels(&member_selector(&target.service_name)),
         );
+        let service = WatchCache::new(
+            Api::namespaced(deps.client.clone(), &target.namespace),
+            watcher::Config::default().fields(&format!("metadata.name={}", target.service_name)),
+        );
         Self {
             endpoints,
             slices,
             leases,
+            service,
             lease_problems: ReportOnce::new(),
             cfg: cfg.clone(),
             reporter: deps.reporter,
@@ -248,6 +260,7 @@ impl ApiserverEndpointsLoop {
     ) -> Result<Computed, LoopError> {
         let mut computed = Computed {
             members: MemberSet::new(),
+            family: IpFamily::V4,
             expired: BTreeSet::new(),
             warnings: Vec::new(),
         };
@@ -371,6 +384,43 @@ impl ApiserverEndpointsLoop {
         if exclude_own && let Some(own) = self.cfg.advertise_address {
             computed.members.remove(&own);
         }
+        // One family, the Service's, as upstream (`pkg/controlplane/reconcilers` lists the
+        // addresses of the apiservers, which share the Service's family): clients of an IPv6
+        // Service cannot use IPv4 endpoints. A member of the other family is a misconfigured
+        // sidecar, left out and reported once.
+        let (family, source) = match self.service_family(ctx).await? {
+            Some(known) => known,
+            None => (
+                self.target().primary_family(&computed.members),
+                "its members (no serviceClusterIPRange, and the Service does not exist yet)"
+                    .to_owned(),
+            ),
+        };
+        computed.family = family;
+        let other: Vec<IpAddr> = computed
+            .members
+            .iter()
+            .filter(|ip| IpFamily::of(**ip) != family)
+            .copied()
+            .collect();
+        for ip in other {
+            computed.members.remove(&ip);
+            if state.warned_family.insert(ip) {
+                let why = format!(
+                    "left out {ip}: an {} address, but the {} Service is {} (from {source}); set \
+                     that apiserver's advertiseAddress (--advertise-address) to its {} address",
+                    IpFamily::of(ip).as_str(),
+                    self.target().service_name,
+                    family.as_str(),
+                    family.as_str()
+                );
+                tracing::warn!(member = %ip, "{why}");
+                computed
+                    .warnings
+                    .push(("MemberWrongFamily".to_owned(), why));
+            }
+        }
+        state.warned_family.retain(|ip| IpFamily::of(*ip) != family);
         let rejected: Vec<(IpAddr, &'static str)> = computed
             .members
             .iter()
@@ -387,6 +437,41 @@ impl ApiserverEndpointsLoop {
             }
         }
         Ok(computed)
+    }
+
+    /// The `kubernetes` Service's IP family and where it was learnt: the primary service range
+    /// when one is configured, else the Service's own (`ipFamilies`, or its clusterIP); `None`
+    /// while neither is known.
+    async fn service_family(
+        &self,
+        ctx: &PassContext,
+    ) -> Result<Option<(IpFamily, String)>, LoopError> {
+        if let Some(family) = self.target().primary_family {
+            return Ok(Some((family, "serviceClusterIPRange".to_owned())));
+        }
+        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &self.target().namespace);
+        let Some(service) = self.service.get(&api, &self.target().service_name).await? else {
+            return Ok(None);
+        };
+        let spec = service.spec.unwrap_or_default();
+        let by_families = spec
+            .ip_families
+            .as_ref()
+            .and_then(|families| families.first())
+            .and_then(|family| match family.as_str() {
+                "IPv4" => Some(IpFamily::V4),
+                "IPv6" => Some(IpFamily::V6),
+                _ => None,
+            });
+        let by_ip = spec
+            .cluster_ip
+            .as_deref()
+            .and_then(super::members::parse_ip)
+            .map(IpFamily::of);
+        Ok(by_families.or(by_ip).map(|family| {
+            let ip = spec.cluster_ip.unwrap_or_default();
+            (family, format!("its clusterIP {ip}"))
+        }))
     }
 
     async fn publish(
@@ -417,10 +502,14 @@ impl ApiserverEndpointsLoop {
         &self,
         ctx: &PassContext,
         members: &MemberSet,
+        family: IpFamily,
         existing: Option<Endpoints>,
         report: &mut PassReport,
     ) -> Result<Option<Endpoints>, LoopError> {
-        let target = self.target();
+        let target = &EndpointsTarget {
+            primary_family: Some(family),
+            ..self.target().clone()
+        };
         let api = self.endpoints_api(ctx);
         let object = target.endpoints_ref();
         let found = endpoints_drift(target, members, existing.as_ref());
@@ -579,7 +668,9 @@ impl ApiserverEndpointsLoop {
         }
         state.empty_passes = 0;
 
-        let written = self.write_all(ctx, &members, existing, &mut report).await?;
+        let written = self
+            .write_all(ctx, &members, computed.family, existing, &mut report)
+            .await?;
         if ctx.dry_run {
             return Ok(report);
         }
@@ -746,8 +837,14 @@ impl ApiserverEndpointsLoop {
             .compute(ctx, &mut state, existing.as_ref(), true)
             .await?;
         let mut report = PassReport::default();
-        self.write_all(ctx, &computed.members, existing, &mut report)
-            .await?;
+        self.write_all(
+            ctx,
+            &computed.members,
+            computed.family,
+            existing,
+            &mut report,
+        )
+        .await?;
         self.metrics.set_members(&computed.members);
         state.previous = Some(computed.members.clone());
         tracing::info!(member = %own, remaining = %computed.members, "withdrew this instance from the kubernetes endpoints");
@@ -792,6 +889,7 @@ impl Reconciler for ApiserverEndpointsLoop {
         let mut triggers: Vec<Trigger> = [
             self.endpoints.take_events().map(watch_trigger),
             self.slices.take_events().map(watch_trigger),
+            self.service.take_events().map(watch_trigger),
         ]
         .into_iter()
         .flatten()

@@ -211,9 +211,10 @@ const FAR_FUTURE: SignedDuration = SignedDuration::from_hours(24);
 /// `observedTime`), so a control-plane host whose clock is off is neither flapping nor missing:
 /// comparing the writer's `renewTime` with the reader's clock would make a host 5 s behind
 /// expire and rejoin every interval, and one a whole TTL behind never be listed. A Lease met for
-/// the first time (every Lease on a new leader's first pass) is judged by its `renewTime`: live,
-/// it counts as renewed now (so a member a few seconds behind does not expire before its next
-/// renewal); expired, it waits for a renewal to be seen (so a long-dead member is not listed).
+/// the first time (every Lease on a new leader's first pass), or renewed back in time, is judged
+/// by its `renewTime`: live, it counts as renewed now (so a member a few seconds behind does not
+/// expire before its next renewal); expired, it waits for a renewal to be seen (so a long-dead
+/// member is not listed).
 #[derive(Clone, Debug, Default)]
 pub struct Sightings {
     by_lease: BTreeMap<String, Sighting>,
@@ -230,10 +231,12 @@ struct Sighting {
 impl Sightings {
     /// Records `member`'s renewal as seen at `now` if it is new, and gives its expiry.
     fn expiry(&mut self, member: &ObservedMember, now: Timestamp) -> Timestamp {
+        let met_now = (member.expires > now).then_some(now);
         let seen = match self.by_lease.get(&member.lease_name) {
             Some(sighting) if sighting.renewed == member.renewed => sighting.seen,
-            Some(_) => Some(now),
-            None => (member.expires > now).then_some(now),
+            Some(sighting) if member.renewed > sighting.renewed => Some(now),
+            // Back in time (a clock stepped back, a hand edit): as if met for the first time.
+            Some(_) | None => met_now,
         };
         self.by_lease.insert(
             member.lease_name.clone(),

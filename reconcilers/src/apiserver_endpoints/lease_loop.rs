@@ -12,10 +12,12 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use super::desired::EndpointsTarget;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
 use super::probe::{FailureThreshold, ReadinessProbe, Verdict};
 use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps};
+use crate::alloc::IpFamily;
 use crate::contract::{
     Action, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt, drift,
 };
@@ -68,6 +70,11 @@ impl LeaseMetrics {
 /// Keeps this instance's membership Lease while its apiserver is ready.
 pub struct ApiserverLeaseLoop {
     own: OwnLease,
+    /// The Service the endpoints serve, and whether `own.address` was defaulted (for messages).
+    target: EndpointsTarget,
+    address_defaulted: bool,
+    /// The Service's IP family once learnt from the cluster (no range configured).
+    service_family: std::sync::OnceLock<IpFamily>,
     interval: Duration,
     readiness: Arc<dyn ReadinessProbe>,
     /// Failed probes in a row that withdraw this instance.
@@ -98,6 +105,9 @@ impl ApiserverLeaseLoop {
             cfg.identity.clone()
         };
         Some(Self {
+            target: cfg.target.clone(),
+            address_defaulted: cfg.advertise_address_defaulted,
+            service_family: std::sync::OnceLock::new(),
             own: OwnLease {
                 namespace: cfg.lease_namespace.clone(),
                 service_name: cfg.target.service_name.clone(),
@@ -169,7 +179,59 @@ impl ApiserverLeaseLoop {
         }
     }
 
+    /// Refuses an address of the other family than the Service's: in-cluster clients of an IPv6
+    /// Service cannot use an IPv4 endpoint (the endpoints loop would leave it out). The family is
+    /// the range's, else the Service's, read until it exists (a start-up cost only).
+    async fn check_family(&self, ctx: &PassContext) -> Result<(), LoopError> {
+        let (family, source) = match (self.target.primary_family, self.service_family.get()) {
+            (Some(family), _) => (family, "serviceClusterIPRange".to_owned()),
+            (None, Some(family)) => (*family, "its clusterIP".to_owned()),
+            (None, None) => {
+                let api: Api<k8s_openapi::api::core::v1::Service> =
+                    Api::namespaced(ctx.client.clone(), &self.target.namespace);
+                let Some(service) = api.get_opt(&self.target.service_name).await? else {
+                    return Ok(());
+                };
+                let ip = service.spec.and_then(|spec| spec.cluster_ip);
+                let Some(family) = ip
+                    .as_deref()
+                    .and_then(super::members::parse_ip)
+                    .map(IpFamily::of)
+                else {
+                    return Ok(());
+                };
+                let _ = self.service_family.set(family);
+                (family, format!("its clusterIP {}", ip.unwrap_or_default()))
+            }
+        };
+        let own = IpFamily::of(self.own.address);
+        if own == family {
+            return Ok(());
+        }
+        let defaulted = if self.address_defaulted {
+            format!(
+                " (taken from this host's {} default route: neither advertiseAddress nor \
+                 serviceClusterIPRange is set)",
+                own.as_str()
+            )
+        } else {
+            String::new()
+        };
+        Err(LoopError::Invalid(format!(
+            "advertiseAddress {}{defaulted} is {}, but the Service {}/{} is {} (from {source}): \
+             in-cluster clients could not reach this apiserver at it; set advertiseAddress \
+             (--advertise-address) to this apiserver's {} address",
+            self.own.address,
+            own.as_str(),
+            self.target.namespace,
+            self.target.service_name,
+            family.as_str(),
+            family.as_str()
+        )))
+    }
+
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        self.check_family(ctx).await?;
         let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
         let name = self.own.name();
         let object = self.own.object_ref();

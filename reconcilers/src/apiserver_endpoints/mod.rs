@@ -83,6 +83,8 @@ pub struct ApiserverEndpointsConfig {
     /// This instance's apiserver address (`--advertise-address`). Required for `lease` and
     /// `master-count`.
     pub advertise_address: Option<IpAddr>,
+    /// `advertise_address` was taken from the default route, not configured (for messages).
+    pub advertise_address_defaulted: bool,
     /// Pass interval of both loops (lease renewal, endpoints check, DNS re-resolution).
     pub interval: Duration,
     /// Namespace of the membership Leases.
@@ -111,6 +113,7 @@ impl Default for ApiserverEndpointsConfig {
             mode: EndpointsMode::Lease,
             target: EndpointsTarget::default(),
             advertise_address: None,
+            advertise_address_defaulted: false,
             interval: Duration::from_secs(10),
             lease_namespace: "kube-system".to_owned(),
             lease_ttl: Duration::from_secs(15),
@@ -202,6 +205,7 @@ impl Section {
                 primary_family: primary_family(settings),
             },
             advertise_address: self.advertise_address(settings),
+            advertise_address_defaulted: settings.advertise_address.is_none(),
             interval: self.interval,
             lease_namespace: self.lease_namespace.clone(),
             lease_ttl: self.lease_ttl,

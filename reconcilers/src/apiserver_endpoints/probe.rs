@@ -150,11 +150,13 @@ pub enum Verdict {
 }
 
 impl FailureThreshold {
-    /// `threshold` failures in a row are not ready (at least 1).
+    /// `threshold` failures in a row are not ready (at least 1). Not ready until a probe
+    /// passes: only a member that was ready is given the benefit of the doubt.
     pub fn new(threshold: u32) -> Self {
+        let threshold = threshold.max(1);
         Self {
-            threshold: threshold.max(1),
-            failures: std::sync::atomic::AtomicU32::new(0),
+            threshold,
+            failures: std::sync::atomic::AtomicU32::new(threshold),
         }
     }
 
