@@ -136,6 +136,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
                 controller: "bootstrap-controller-demo".to_owned(),
                 instance: Some(member_cfg.identity.clone()),
             },
+            probed: None,
         };
         let lease_loop = ApiserverLeaseLoop::new(&member_cfg, deps, &mut Registry::default())
             .ok_or_else(|| "cannot build a demo member".to_owned())?;

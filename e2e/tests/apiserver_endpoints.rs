@@ -963,3 +963,49 @@ async fn the_endpoints_take_the_services_family() -> Result<()> {
     );
     Ok(())
 }
+
+/// A readiness probe aimed elsewhere than the local apiserver (here `0.0.0.0`, which Linux
+/// connects to this host, standing in for a load balancer) is reported once, naming `readyzURL`;
+/// the member is still listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let client = target.client().await?;
+    let _leftovers = ControllerLeftovers::forget(&target)?;
+    let dir = tempfile::tempdir()?;
+    let readyz = FakeReadyz::start().await?;
+    let elsewhere = readyz.url().replace("127.0.0.1", "0.0.0.0");
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n    readyzURL: {elsewhere}\n"
+        ),
+    )?;
+    let config = config.display().to_string();
+    let member = ControllerProcess::start(
+        target.kubeconfig(),
+        &[
+            "--config",
+            &config,
+            "--advertise-address",
+            "192.0.2.51",
+            "--leader-elect-identity",
+            "member-51",
+        ],
+    )?;
+    wait_members(&client, &["192.0.2.51"], "the member listed").await?;
+    let log = member.log();
+    let warning = "the readiness probe asks 0.0.0.0, which is neither loopback nor this \
+                   instance's advertiseAddress 192.0.2.51";
+    assert!(log.contains(warning), "{log}");
+    assert_eq!(log.matches(warning).count(), 1, "reported once:\n{log}");
+    assert!(readyz.probes() > 0, "the probe reached the stand-in");
+    Ok(())
+}

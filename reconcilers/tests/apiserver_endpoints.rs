@@ -46,6 +46,7 @@ fn deps(
         readiness,
         resolver,
         reporter: reporter(),
+        probed: None,
     }
 }
 

@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry;
 
 use super::desired::EndpointsTarget;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
-use super::probe::{FailureThreshold, ReadinessProbe, Verdict};
+use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere};
 use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps};
 use crate::alloc::IpFamily;
@@ -75,6 +75,8 @@ pub struct ApiserverLeaseLoop {
     address_defaulted: bool,
     /// The Service's IP family once learnt from the cluster (no range configured).
     service_family: std::sync::OnceLock<IpFamily>,
+    /// The server the readiness probe asks, checked at the first pass (then `None`).
+    probed: Mutex<Option<ProbedServer>>,
     interval: Duration,
     readiness: Arc<dyn ReadinessProbe>,
     /// Failed probes in a row that withdraw this instance.
@@ -108,6 +110,7 @@ impl ApiserverLeaseLoop {
             target: cfg.target.clone(),
             address_defaulted: cfg.advertise_address_defaulted,
             service_family: std::sync::OnceLock::new(),
+            probed: Mutex::new(deps.probed.clone()),
             own: OwnLease {
                 namespace: cfg.lease_namespace.clone(),
                 service_name: cfg.target.service_name.clone(),
@@ -230,7 +233,21 @@ impl ApiserverLeaseLoop {
         )))
     }
 
+    /// Warns once if the readiness probe asks another server than this instance's apiserver.
+    async fn check_probed_server(&self) {
+        let probed = self.probed.lock().ok().and_then(|mut probed| probed.take());
+        let Some(probed) = probed else {
+            return;
+        };
+        if let Some(host) = probed.host().await
+            && let Some(why) = probed_elsewhere(&host, Some(self.own.address))
+        {
+            tracing::warn!(address = %self.own.address, "{why}");
+        }
+    }
+
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        self.check_probed_server().await;
         self.check_family(ctx).await?;
         let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
         let name = self.own.name();

@@ -56,8 +56,8 @@ pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
 pub use members::MemberSet;
 pub use probe::{
-    ApiserverReadyz, LazyUrlReadyz, NotReady, ReadinessProbe, Resolver, SystemResolver,
-    default_route_address,
+    ApiserverReadyz, LazyUrlReadyz, NotReady, ProbedServer, ReadinessProbe, Resolver,
+    SystemResolver, default_route_address,
 };
 pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate, ShutdownProbing};
 
@@ -402,6 +402,11 @@ impl LoopSection for Section {
             readiness,
             resolver: Arc::new(SystemResolver),
             reporter: context.settings.reporter(),
+            probed: Some(ProbedServer {
+                url: Some(self.readyz_url.clone())
+                    .filter(|url| url.starts_with("http://") || url.starts_with("https://")),
+                load: context.load_kubeconfig.clone(),
+            }),
         };
         Ok(build_loops(&config, deps, context.registry)
             .into_iter()
@@ -579,6 +584,9 @@ pub struct EndpointsDeps {
     /// Name resolution (`static` mode).
     pub resolver: Arc<dyn Resolver>,
     pub reporter: Reporter,
+    /// The server the readiness probe asks, checked once to be this instance's own (`None`:
+    /// not checked).
+    pub probed: Option<ProbedServer>,
 }
 
 /// The loops for `cfg.mode`: `lease` gives the per-instance lease loop and the leader-only

@@ -127,6 +127,55 @@ impl ReadinessProbe for ApiserverReadyz {
     }
 }
 
+/// Which server the readiness probe asks: the host of `readyzURL` when it is a full URL, else
+/// the kubeconfig's server. Learnt once, at the first pass that needs it.
+#[derive(Clone)]
+pub struct ProbedServer {
+    pub url: Option<String>,
+    pub load: ConfigLoader,
+}
+
+impl ProbedServer {
+    /// The host (name or IP) the probe connects to; `None` when it cannot be told.
+    pub async fn host(&self) -> Option<String> {
+        let uri: http::Uri = match &self.url {
+            Some(url) => url.parse().ok()?,
+            None => (self.load)().await.ok()?.cluster_url,
+        };
+        uri.host().map(|host| {
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned()
+        })
+    }
+}
+
+/// Why probing `host` may not say whether this instance's apiserver is ready, or `None`. A
+/// sidecar probes its own apiserver: on loopback, or at the address it advertises. Any other
+/// server (a load balancer in the kubeconfig, another node) answers for whichever apiserver it
+/// reaches, so a dead local apiserver would stay listed.
+pub fn probed_elsewhere(host: &str, advertised: Option<IpAddr>) -> Option<String> {
+    if host.eq_ignore_ascii_case("localhost") {
+        return None;
+    }
+    match super::members::parse_ip(host) {
+        Some(ip) if ip.is_loopback() || Some(ip) == advertised => None,
+        Some(ip) => Some(format!(
+            "the readiness probe asks {ip}, which is neither loopback nor this instance's \
+             advertiseAddress{}: if it is a load balancer or another apiserver, it answers for \
+             whichever apiserver it reaches and a dead local apiserver stays listed; set readyzURL \
+             to this apiserver's own address (e.g. https://127.0.0.1:6443/readyz)",
+            advertised.map(|a| format!(" {a}")).unwrap_or_default()
+        )),
+        None => Some(format!(
+            "the readiness probe asks {host:?}, a name rather than loopback or this instance's \
+             advertiseAddress: if it leads to a load balancer or another apiserver, it answers \
+             for whichever apiserver it reaches and a dead local apiserver stays listed; set \
+             readyzURL to this apiserver's own address (e.g. https://127.0.0.1:6443/readyz)"
+        )),
+    }
+}
+
 /// How many failed readiness probes in a row withdraw a member. One slow `/readyz` (an etcd
 /// latency spike fails `[-]etcd` on every apiserver at once) must not shrink the endpoints; an
 /// apiserver that keeps failing must still go. A stopping apiserver is withdrawn at once by the
@@ -306,6 +355,24 @@ mod tests {
                 },
             )
             .collect()
+    }
+
+    #[test]
+    fn a_probe_of_anything_but_loopback_or_the_advertised_address_is_reported() {
+        let own: Option<IpAddr> = "192.0.2.10".parse().ok();
+        for fine in ["127.0.0.1", "::1", "localhost", "LOCALHOST", "192.0.2.10"] {
+            assert_eq!(probed_elsewhere(fine, own), None, "{fine}");
+        }
+        let lb = probed_elsewhere("192.0.2.99", own).unwrap_or_default();
+        assert!(
+            lb.contains("192.0.2.99") && lb.contains("advertiseAddress 192.0.2.10"),
+            "{lb}"
+        );
+        let name = probed_elsewhere("api.example.com", own).unwrap_or_default();
+        assert!(
+            name.contains("\"api.example.com\"") && name.contains("readyzURL"),
+            "{name}"
+        );
     }
 
     #[test]
