@@ -378,26 +378,25 @@ mod tests {
     #[test]
     fn failures_withdraw_only_when_the_threshold_is_reached_in_a_row() {
         let three = FailureThreshold::new(3);
-        assert_eq!(
-            kinds(
-                &three,
-                &[
-                    false, true, false, false, true, false, false, false, false, true
-                ]
-            ),
-            [
-                "tolerated",
-                "ready",
-                "tolerated",
-                "tolerated",
-                "ready",
-                "tolerated",
-                "tolerated",
-                "not ready",
-                "not ready",
-                "ready"
-            ]
-        );
+        let probes = [
+            false, true, false, true, false, false, true, false, false, false, false, true,
+        ];
+        // Not ready until a probe passes; then a member is kept below the threshold.
+        let want = [
+            "not ready",
+            "ready",
+            "tolerated",
+            "ready",
+            "tolerated",
+            "tolerated",
+            "ready",
+            "tolerated",
+            "tolerated",
+            "not ready",
+            "not ready",
+            "ready",
+        ];
+        assert_eq!(kinds(&three, &probes), want);
         // 1: every failure counts, as without a threshold; 0 is read as 1.
         assert_eq!(
             kinds(&FailureThreshold::new(1), &[false, true]),
