@@ -50,6 +50,11 @@ pub fn generate(listen: &SocketAddr) -> Result<Pki, SimError> {
     params
         .subject_alt_names
         .push(SanType::IpAddress("::1".parse().map_err(tls_err)?));
+    // The address tests advertise for "the apiserver behind this simulator" (TEST-NET-1), so
+    // the serving-certificate check has an address the certificate holds.
+    params
+        .subject_alt_names
+        .push(SanType::IpAddress("192.0.2.1".parse().map_err(tls_err)?));
     let ip = listen.ip();
     if !ip.is_loopback() && !ip.is_unspecified() {
         params.subject_alt_names.push(SanType::IpAddress(ip));

@@ -14,7 +14,9 @@ use prometheus_client::registry::Registry;
 
 use super::desired::EndpointsTarget;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
-use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere};
+use super::probe::{
+    CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere,
+};
 use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps};
 use crate::alloc::IpFamily;
@@ -32,11 +34,16 @@ pub const NAME: &str = "apiserver-lease";
 /// intervals.
 const RECHECK: Duration = Duration::from_secs(1);
 
+/// How often the serving certificate is checked against the advertised address: certificates
+/// are rotated while the apiserver runs.
+const CERTIFICATE_RECHECK: Duration = Duration::from_secs(600);
+
 /// Metric handles of the `apiserver-lease` loop.
 #[derive(Clone, Default)]
 pub struct LeaseMetrics {
     ready: Gauge,
     renewals: Counter,
+    certificate_lacks_address: Gauge,
 }
 
 impl LeaseMetrics {
@@ -55,6 +62,13 @@ impl LeaseMetrics {
                 "Writes of this instance's membership Lease (creations and renewals)",
                 Counter::default(),
             ),
+            certificate_lacks_address: registered(
+                registry,
+                "serving_certificate_lacks_address",
+                "1 while the local apiserver's serving certificate is not valid for this \
+                 instance's advertise address (in-cluster clients fail TLS)",
+                Gauge::default(),
+            ),
         }
     }
 
@@ -64,6 +78,10 @@ impl LeaseMetrics {
 
     pub fn renewals(&self) -> u64 {
         self.renewals.get()
+    }
+
+    pub fn certificate_lacks_address(&self) -> i64 {
+        self.certificate_lacks_address.get()
     }
 }
 
@@ -75,8 +93,13 @@ pub struct ApiserverLeaseLoop {
     address_defaulted: bool,
     /// The Service's IP family once learnt from the cluster (no range configured).
     service_family: std::sync::OnceLock<IpFamily>,
-    /// The server the readiness probe asks, checked at the first pass (then `None`).
-    probed: Mutex<Option<ProbedServer>>,
+    /// The server the readiness probe asks: checked at the first pass to be this instance's
+    /// apiserver, and its certificate now and then ([`CERTIFICATE_RECHECK`]).
+    probed: Option<ProbedServer>,
+    probed_checked: std::sync::atomic::AtomicBool,
+    check_certificate: bool,
+    /// When the certificate is next checked, and whether it lacked the address at the last check.
+    certificate: Mutex<(Option<tokio::time::Instant>, Option<bool>)>,
     interval: Duration,
     readiness: Arc<dyn ReadinessProbe>,
     /// Failed probes in a row that withdraw this instance.
@@ -110,7 +133,10 @@ impl ApiserverLeaseLoop {
             target: cfg.target.clone(),
             address_defaulted: cfg.advertise_address_defaulted,
             service_family: std::sync::OnceLock::new(),
-            probed: Mutex::new(deps.probed.clone()),
+            probed: deps.probed.clone(),
+            probed_checked: std::sync::atomic::AtomicBool::new(false),
+            check_certificate: cfg.check_serving_certificate,
+            certificate: Mutex::new((None, None)),
             own: OwnLease {
                 namespace: cfg.lease_namespace.clone(),
                 service_name: cfg.target.service_name.clone(),
@@ -235,10 +261,15 @@ impl ApiserverLeaseLoop {
 
     /// Warns once if the readiness probe asks another server than this instance's apiserver.
     async fn check_probed_server(&self) {
-        let probed = self.probed.lock().ok().and_then(|mut probed| probed.take());
-        let Some(probed) = probed else {
+        let Some(probed) = &self.probed else {
             return;
         };
+        if self
+            .probed_checked
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
         if let Some(host) = probed.host().await
             && let Some(why) = probed_elsewhere(&host, Some(self.own.address))
         {
@@ -246,8 +277,60 @@ impl ApiserverLeaseLoop {
         }
     }
 
+    /// Whether the local apiserver's serving certificate is valid for the advertised address,
+    /// at the first pass and every [`CERTIFICATE_RECHECK`]: in-cluster clients reach it at that
+    /// address through the `kubernetes` Service and check it. Reported once when it starts
+    /// lacking, once when it holds again.
+    async fn check_serving_certificate(&self) {
+        let Some(probed) = self.probed.as_ref().filter(|_| self.check_certificate) else {
+            return;
+        };
+        let now = tokio::time::Instant::now();
+        let lacked = match self.certificate.lock() {
+            Ok(mut state) => {
+                if state.0.is_some_and(|next| next > now) {
+                    return;
+                }
+                state.0 = Some(now + CERTIFICATE_RECHECK);
+                state.1
+            }
+            Err(_) => return,
+        };
+        let address = self.own.address;
+        let lacks = match probed
+            .certificate_holds(address, Duration::from_secs(3))
+            .await
+        {
+            CertificateCheck::Holds => false,
+            CertificateCheck::Lacks => true,
+            CertificateCheck::CannotTell(why) => {
+                tracing::debug!(%address, %why, "cannot check the local apiserver's serving certificate");
+                return;
+            }
+        };
+        self.metrics.certificate_lacks_address.set(i64::from(lacks));
+        match (lacked, lacks) {
+            (Some(true), true) | (Some(false) | None, false) => {}
+            (_, true) => tracing::warn!(
+                %address,
+                "the local apiserver's serving certificate is not valid for this instance's \
+                 advertiseAddress {address}: in-cluster clients reach it there through the \
+                 kubernetes Service and fail TLS; add {address} to the certificate's IP SANs \
+                 (kubeadm: apiServer.certSANs) or advertise an address it holds"
+            ),
+            (Some(true), false) => tracing::info!(
+                %address,
+                "the local apiserver's serving certificate is valid for advertiseAddress again"
+            ),
+        }
+        if let Ok(mut state) = self.certificate.lock() {
+            state.1 = Some(lacks);
+        }
+    }
+
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
         self.check_probed_server().await;
+        self.check_serving_certificate().await;
         self.check_family(ctx).await?;
         let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
         let name = self.own.name();

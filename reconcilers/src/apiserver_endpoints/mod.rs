@@ -105,6 +105,9 @@ pub struct ApiserverEndpointsConfig {
     pub shutdown: ShutdownProbing,
     /// Failed readiness probes in a row that withdraw this instance (`lease` and `master-count`).
     pub readiness_failure_threshold: u32,
+    /// `lease` mode: check that the probed apiserver's serving certificate names the advertised
+    /// address.
+    pub check_serving_certificate: bool,
 }
 
 impl Default for ApiserverEndpointsConfig {
@@ -123,6 +126,7 @@ impl Default for ApiserverEndpointsConfig {
             leader_lease: None,
             shutdown: ShutdownProbing::default(),
             readiness_failure_threshold: 3,
+            check_serving_certificate: true,
         }
     }
 }
@@ -163,6 +167,9 @@ pub struct Section {
     /// `lease` and `master-count` modes: failed readiness probes in a row that withdraw this
     /// instance; after a failure below it the next probe comes within a second.
     pub readiness_failure_threshold: u32,
+    /// `lease` mode: check, at start and every 10 minutes, that the local apiserver's serving
+    /// certificate is valid for `advertiseAddress` (reported once when it is not).
+    pub check_serving_certificate: bool,
 }
 
 impl Default for Section {
@@ -179,6 +186,7 @@ impl Default for Section {
             shutdown_probes: defaults.shutdown.probes,
             shutdown_probe_window: defaults.shutdown.window,
             readiness_failure_threshold: defaults.readiness_failure_threshold,
+            check_serving_certificate: defaults.check_serving_certificate,
         }
     }
 }
@@ -219,6 +227,7 @@ impl Section {
                 window: self.shutdown_probe_window,
             },
             readiness_failure_threshold: self.readiness_failure_threshold,
+            check_serving_certificate: self.check_serving_certificate,
         }
     }
 

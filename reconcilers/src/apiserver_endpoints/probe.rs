@@ -150,6 +150,95 @@ impl ProbedServer {
     }
 }
 
+/// What the apiserver's serving certificate says about an address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CertificateCheck {
+    /// Valid for it, as in-cluster clients check it (chain to the kubeconfig's CA, IP SAN).
+    Holds,
+    /// Chains to the CA but does not name the address.
+    Lacks,
+    /// The check could not be made (why): no CA in the kubeconfig, a plain-HTTP probe, the
+    /// server unreachable, another TLS failure.
+    CannotTell(String),
+}
+
+impl ProbedServer {
+    /// Whether the probed server's certificate is valid for `address`, as a client of the
+    /// `kubernetes` Service reaching the apiserver at `address` would check it: a TLS handshake
+    /// with the kubeconfig's CA and `address` as the name to verify. Nothing is sent after it.
+    pub async fn certificate_holds(&self, address: IpAddr, timeout: Duration) -> CertificateCheck {
+        let cannot = |why: String| CertificateCheck::CannotTell(why);
+        let config = match (self.load)().await {
+            Ok(config) => config,
+            Err(err) => return cannot(format!("cannot load the kubeconfig: {err}")),
+        };
+        let uri: http::Uri = match &self.url {
+            Some(url) => match url.parse() {
+                Ok(uri) => uri,
+                Err(err) => return cannot(format!("readyzURL: {err}")),
+            },
+            None => config.cluster_url.clone(),
+        };
+        if uri.scheme_str() != Some("https") {
+            return cannot(format!("{uri} is not https"));
+        }
+        let Some(host) = uri
+            .host()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+        else {
+            return cannot(format!("{uri} has no host"));
+        };
+        let mut roots = rustls::RootCertStore::empty();
+        for der in config.root_cert.iter().flatten() {
+            if let Err(err) = roots.add(rustls::pki_types::CertificateDer::from(der.clone())) {
+                return cannot(format!("the kubeconfig's certificate-authority: {err}"));
+            }
+        }
+        if roots.is_empty() {
+            return cannot("the kubeconfig has no certificate-authority data".to_owned());
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let tls = match rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+        {
+            Ok(builder) => builder.with_root_certificates(roots).with_no_client_auth(),
+            Err(err) => return cannot(err.to_string()),
+        };
+        let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls));
+        let port = uri.port_u16().unwrap_or(443);
+        let handshake = async {
+            let tcp = tokio::net::TcpStream::connect((host, port)).await?;
+            let name = rustls::pki_types::ServerName::IpAddress(address.into());
+            connector.connect(name, tcp).await
+        };
+        match tokio::time::timeout(timeout, handshake).await {
+            Err(_) => cannot(format!(
+                "no TLS handshake with {host}:{port} within {timeout:?}"
+            )),
+            Ok(Ok(_)) => CertificateCheck::Holds,
+            Ok(Err(err)) => {
+                let not_for_name = err
+                    .get_ref()
+                    .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+                    .is_some_and(|tls| {
+                        matches!(
+                            tls,
+                            rustls::Error::InvalidCertificate(
+                                rustls::CertificateError::NotValidForName
+                                    | rustls::CertificateError::NotValidForNameContext { .. }
+                            )
+                        )
+                    });
+                if not_for_name {
+                    CertificateCheck::Lacks
+                } else {
+                    cannot(format!("TLS handshake with {host}:{port}: {err}"))
+                }
+            }
+        }
+    }
+}
+
 /// Why probing `host` may not say whether this instance's apiserver is ready, or `None`. A
 /// sidecar probes its own apiserver: on loopback, or at the address it advertises. Any other
 /// server (a load balancer in the kubeconfig, another node) answers for whichever apiserver it
