@@ -1071,6 +1071,116 @@ async fn an_advertised_address_the_serving_certificate_lacks_is_reported() -> Re
     tokio::time::sleep(Duration::from_secs(3)).await;
     let log = lacks.log();
     assert_eq!(log.matches(lacking).count(), 1, "{log}");
-    assert!(log.contains("192.0.2.62") && log.contains("certSANs"), "{log}");
+    assert!(
+        log.contains("192.0.2.62") && log.contains("certSANs"),
+        "{log}"
+    );
+    Ok(())
+}
+
+/// `writeEndpoints: false`: the EndpointSlice alone is kept; an Endpoints object left from
+/// before is neither written nor deleted, and reported once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<()> {
+    use kube::api::{DeleteParams, PostParams};
+    use reconcilers::apiserver_endpoints::lease::OwnLease;
+
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let client = target.client().await?;
+    let _leftovers = ControllerLeftovers::forget(&target)?;
+    // An Endpoints object from before (another writer, an earlier configuration).
+    let endpoints: Api<Endpoints> = Api::namespaced(client.clone(), "default");
+    if endpoints.get_opt("kubernetes").await?.is_some() {
+        endpoints
+            .delete("kubernetes", &DeleteParams::default())
+            .await?;
+    }
+    let stale: Endpoints = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kubernetes", "namespace": "default"},
+        "subsets": [{"addresses": [{"ip": "192.0.2.99"}],
+                     "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]}],
+    }))?;
+    let stale = endpoints.create(&PostParams::default(), &stale).await?;
+
+    let dir = tempfile::tempdir()?;
+    let readyz = FakeReadyz::start().await?;
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n    writeEndpoints: false\n    readyzURL: {}\n",
+            readyz.url()
+        ),
+    )?;
+    let config = config.display().to_string();
+    let member = ControllerProcess::start(
+        target.kubeconfig(),
+        &[
+            "--config",
+            &config,
+            "--advertise-address",
+            "192.0.2.71",
+            "--leader-elect-identity",
+            "member-71",
+        ],
+    )?;
+    let slice_ips = || async {
+        Ok::<_, anyhow::Error>(
+            Api::<EndpointSlice>::namespaced(client.clone(), "default")
+                .get_opt("kubernetes")
+                .await?
+                .map(|slice| {
+                    slice
+                        .endpoints
+                        .iter()
+                        .flat_map(|e| e.addresses.clone())
+                        .collect::<Vec<_>>()
+                }),
+        )
+    };
+    eventually("the slice lists the member", CONVERGE, || async {
+        Ok((slice_ips().await? == Some(vec!["192.0.2.71".to_owned()])).then_some(()))
+    })
+    .await?;
+
+    // Another member joins: the slice follows.
+    let other = OwnLease {
+        namespace: "kube-system".into(),
+        service_name: "kubernetes".into(),
+        address: "192.0.2.72".parse()?,
+        port: 6443,
+        holder: "member-72".into(),
+        ttl: Duration::from_secs(3600),
+    };
+    Api::<Lease>::namespaced(client.clone(), "kube-system")
+        .create(
+            &PostParams::default(),
+            &other.renewed(None, k8s_openapi::jiff::Timestamp::now()),
+        )
+        .await?;
+    eventually("the slice lists both", CONVERGE, || async {
+        Ok(
+            (slice_ips().await? == Some(vec!["192.0.2.71".to_owned(), "192.0.2.72".to_owned()]))
+                .then_some(()),
+        )
+    })
+    .await?;
+    let now = endpoints.get("kubernetes").await?;
+    assert_eq!(
+        now.metadata.resource_version, stale.metadata.resource_version,
+        "the Endpoints were written: {now:?}"
+    );
+    let log = member.log();
+    let warning = "writeEndpoints is false: this Endpoints object is no longer kept up to date";
+    assert_eq!(log.matches(warning).count(), 1, "{log}");
+    endpoints
+        .delete("kubernetes", &DeleteParams::default())
+        .await?;
     Ok(())
 }

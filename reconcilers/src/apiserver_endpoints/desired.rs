@@ -330,6 +330,17 @@ pub fn listed_members(existing: &Endpoints) -> MemberSet {
         .collect()
 }
 
+/// The addresses the slices list as ready (all slices given, every family).
+pub fn slice_members(slices: &[EndpointSlice]) -> MemberSet {
+    slices
+        .iter()
+        .flat_map(|slice| slice.endpoints.iter())
+        .filter(|endpoint| endpoint.conditions.as_ref().and_then(|c| c.ready) != Some(false))
+        .flat_map(|endpoint| endpoint.addresses.iter())
+        .filter_map(|address| parse_ip(address))
+        .collect()
+}
+
 /// The desired slices, primary family first.
 pub fn desired_slices(target: &EndpointsTarget, members: &MemberSet) -> Vec<EndpointSlice> {
     let primary = target.primary_family(members);

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 
 use super::desired::{
     EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
-    endpoints_drift, listed_members, plan_slices, repaired_endpoints,
+    endpoints_drift, listed_members, plan_slices, repaired_endpoints, slice_members,
 };
 use super::lease::{MemberLease, Sightings, member_selector, membership};
 use super::members::{MemberSet, endpoint_ip_problem};
@@ -150,6 +150,8 @@ struct State {
     warned_invalid: BTreeSet<IpAddr>,
     /// Members already warned about for an address of the other family than the Service's.
     warned_family: BTreeSet<IpAddr>,
+    /// Slices only: whether a leftover Endpoints object was reported.
+    warned_endpoints_left: bool,
     /// When each membership Lease was seen renewed (expiry on this clock).
     sightings: Sightings,
 }
@@ -255,7 +257,7 @@ impl ApiserverEndpointsLoop {
         &self,
         ctx: &PassContext,
         state: &mut State,
-        existing: Option<&Endpoints>,
+        listed: &MemberSet,
         exclude_own: bool,
     ) -> Result<Computed, LoopError> {
         let mut computed = Computed {
@@ -355,7 +357,7 @@ impl ApiserverEndpointsLoop {
                 computed.members = members;
             }
             EndpointsMode::MasterCount => {
-                let listed = existing.map(listed_members).unwrap_or_default();
+                let listed = listed.clone();
                 let own = self.cfg.advertise_address;
                 // Shutting down counts as not ready.
                 let ready = !exclude_own
@@ -439,6 +441,20 @@ impl ApiserverEndpointsLoop {
         Ok(computed)
     }
 
+    /// Who the endpoints list now: the Endpoints' addresses, or with slices only, the slices'.
+    async fn listed(
+        &self,
+        ctx: &PassContext,
+        endpoints: Option<&Endpoints>,
+    ) -> Result<MemberSet, LoopError> {
+        if self.cfg.write_endpoints {
+            return Ok(endpoints.map(listed_members).unwrap_or_default());
+        }
+        Ok(slice_members(
+            &self.slices.list(&self.slices_api(ctx)).await?,
+        ))
+    }
+
     /// The `kubernetes` Service's IP family and where it was learnt: the primary service range
     /// when one is configured, else the Service's own (`ipFamilies`, or its clusterIP); `None`
     /// while neither is known.
@@ -512,7 +528,11 @@ impl ApiserverEndpointsLoop {
         };
         let api = self.endpoints_api(ctx);
         let object = target.endpoints_ref();
-        let found = endpoints_drift(target, members, existing.as_ref());
+        let found = if self.cfg.write_endpoints {
+            endpoints_drift(target, members, existing.as_ref())
+        } else {
+            Vec::new()
+        };
         let mut current = existing.clone();
         if !found.is_empty() {
             let applied = !ctx.dry_run;
@@ -637,14 +657,21 @@ impl ApiserverEndpointsLoop {
             .endpoints
             .get(&self.endpoints_api(ctx), &target.service_name)
             .await?;
-        let computed = self
-            .compute(ctx, &mut state, existing.as_ref(), false)
-            .await?;
+        if !self.cfg.write_endpoints && existing.is_some() && !state.warned_endpoints_left {
+            state.warned_endpoints_left = true;
+            tracing::warn!(
+                endpoints = %target.endpoints_ref(),
+                "writeEndpoints is false: this Endpoints object is no longer kept up to date; \
+                 delete it once nothing reads it (kubectl -n {} delete endpoints {})",
+                target.namespace,
+                target.service_name
+            );
+        }
+        let existing = existing.filter(|_| self.cfg.write_endpoints);
+        let listed = self.listed(ctx, existing.as_ref()).await?;
+        let computed = self.compute(ctx, &mut state, &listed, false).await?;
         let members = computed.members;
-        let previous = state
-            .previous
-            .get_or_insert_with(|| existing.as_ref().map(listed_members).unwrap_or_default())
-            .clone();
+        let previous = state.previous.get_or_insert(listed).clone();
 
         if members.is_empty() {
             // Upstream refuses too (`doReconcile` in `pkg/controlplane/reconcilers/lease.go`): an
@@ -682,8 +709,22 @@ impl ApiserverEndpointsLoop {
         let reference = written
             .map(|e| e.object_ref(&()))
             .unwrap_or_else(|| ObjectReference {
-                api_version: Some("v1".to_owned()),
-                kind: Some("Endpoints".to_owned()),
+                api_version: Some(
+                    if self.cfg.write_endpoints {
+                        "v1"
+                    } else {
+                        "discovery.k8s.io/v1"
+                    }
+                    .to_owned(),
+                ),
+                kind: Some(
+                    if self.cfg.write_endpoints {
+                        "Endpoints"
+                    } else {
+                        "EndpointSlice"
+                    }
+                    .to_owned(),
+                ),
                 name: Some(target.service_name.clone()),
                 namespace: Some(target.namespace.clone()),
                 ..ObjectReference::default()
@@ -821,21 +862,18 @@ impl ApiserverEndpointsLoop {
             return Ok(());
         };
         let mut state = self.state.lock().await;
-        let existing = self
-            .endpoints_api(ctx)
-            .get_opt(&self.target().service_name)
-            .await?;
-        if !existing
-            .as_ref()
-            .map(listed_members)
-            .unwrap_or_default()
-            .contains(&own)
-        {
+        let existing = if self.cfg.write_endpoints {
+            self.endpoints_api(ctx)
+                .get_opt(&self.target().service_name)
+                .await?
+        } else {
+            None
+        };
+        let listed = self.listed(ctx, existing.as_ref()).await?;
+        if !listed.contains(&own) {
             return Ok(());
         }
-        let computed = self
-            .compute(ctx, &mut state, existing.as_ref(), true)
-            .await?;
+        let computed = self.compute(ctx, &mut state, &listed, true).await?;
         let mut report = PassReport::default();
         self.write_all(
             ctx,

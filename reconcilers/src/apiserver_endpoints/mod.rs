@@ -108,6 +108,8 @@ pub struct ApiserverEndpointsConfig {
     /// `lease` mode: check that the probed apiserver's serving certificate names the advertised
     /// address.
     pub check_serving_certificate: bool,
+    /// Write the `kubernetes` Endpoints as well as its EndpointSlice (`false`: slices only).
+    pub write_endpoints: bool,
 }
 
 impl Default for ApiserverEndpointsConfig {
@@ -127,6 +129,7 @@ impl Default for ApiserverEndpointsConfig {
             shutdown: ShutdownProbing::default(),
             readiness_failure_threshold: 3,
             check_serving_certificate: true,
+            write_endpoints: true,
         }
     }
 }
@@ -170,6 +173,9 @@ pub struct Section {
     /// `lease` mode: check, at start and every 10 minutes, that the local apiserver's serving
     /// certificate is valid for `advertiseAddress` (reported once when it is not).
     pub check_serving_certificate: bool,
+    /// Write the `kubernetes` Endpoints as well as its EndpointSlice. `false`: slices only
+    /// (Endpoints are deprecated since 1.33); an existing Endpoints is left as it is, reported.
+    pub write_endpoints: bool,
 }
 
 impl Default for Section {
@@ -187,6 +193,7 @@ impl Default for Section {
             shutdown_probe_window: defaults.shutdown.window,
             readiness_failure_threshold: defaults.readiness_failure_threshold,
             check_serving_certificate: defaults.check_serving_certificate,
+            write_endpoints: defaults.write_endpoints,
         }
     }
 }
@@ -228,6 +235,7 @@ impl Section {
             },
             readiness_failure_threshold: self.readiness_failure_threshold,
             check_serving_certificate: self.check_serving_certificate,
+            write_endpoints: self.write_endpoints,
         }
     }
 
