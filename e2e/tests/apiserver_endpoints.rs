@@ -1184,3 +1184,81 @@ async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<
         .await?;
     Ok(())
 }
+
+/// Two apiservers behind one address (a VIP), each with its sidecar: one stopping (its
+/// apiserver failing `/readyz`, then SIGTERM) never takes the address out while the other is
+/// live; once the other fails too, the address goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_address_stays_listed_while_any_of_its_apiservers_is_live() -> Result<()> {
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let kubeconfig = target.kubeconfig();
+    let client = target.client().await?;
+    let _leftovers = ControllerLeftovers::forget(&target)?;
+    let dir = tempfile::tempdir()?;
+    let mut a = Member::new(dir.path(), 81, "3s").await?;
+    let mut b = Member::new(dir.path(), 82, "3s").await?;
+    for member in [&mut a, &mut b] {
+        member.address = "192.0.2.80".into();
+        member.start(kubeconfig, &[])?;
+    }
+    wait_members(&client, &["192.0.2.80"], "the shared address listed").await?;
+    let shared = "another instance renews this address's membership Lease: the address is shared";
+    eventually("both sidecars see the sharing", CONVERGE, || async {
+        let logs = [&a, &b].map(|m| m.process.as_ref().map(ControllerProcess::log));
+        Ok(logs
+            .iter()
+            .all(|log| log.as_deref().is_some_and(|l| l.contains(shared)))
+            .then_some(()))
+    })
+    .await?;
+
+    // a's apiserver stops: /readyz fails, then its sidecar gets SIGTERM.
+    a.readyz.set(false);
+    let listed = || async {
+        let (ips, ..) = endpoints_state(&client).await?.context("endpoints")?;
+        let lease = Api::<Lease>::namespaced(client.clone(), "kube-system")
+            .get_opt("apiserver-192.0.2.80")
+            .await?;
+        Ok::<_, anyhow::Error>(ips == ["192.0.2.80"] && lease.is_some())
+    };
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        assert!(
+            listed().await?,
+            "the address left while b is live (a failing)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = a.sigterm()?;
+    assert!(
+        log.contains("keeping this instance's apiserver membership")
+            && log.contains("a shared address"),
+        "{log}"
+    );
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        assert!(
+            listed().await?,
+            "the address left while b is live (a stopped)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // b's apiserver fails too, with nobody left to share: its Lease goes.
+    b.readyz.set(false);
+    eventually("the Lease withdrawn", CONVERGE, || async {
+        Ok(Api::<Lease>::namespaced(client.clone(), "kube-system")
+            .get_opt("apiserver-192.0.2.80")
+            .await?
+            .is_none()
+            .then_some(()))
+    })
+    .await?;
+    Ok(())
+}

@@ -328,6 +328,45 @@ impl ApiserverLeaseLoop {
         }
     }
 
+    /// Another instance renewing this address's Lease (a live Lease whose holder is not this
+    /// one): the address is shared, which the [`ShutdownGate`] and a not-ready withdrawal
+    /// respect. Said once: two sidecars given one address by mistake hide each other's failures.
+    fn note_other_holder(&self, existing: Option<&Lease>) {
+        let Some(lease) = existing else {
+            return;
+        };
+        let Some(member) = observe(lease, self.own.ttl)
+            .ok()
+            .filter(|m| m.address == self.own.address)
+        else {
+            return;
+        };
+        let Some(holder) = member.holder.clone().filter(|h| *h != self.own.holder) else {
+            return;
+        };
+        let left = Duration::try_from(Timestamp::now().duration_until(member.expires))
+            .unwrap_or(Duration::ZERO)
+            .min(self.own.ttl);
+        if left.is_zero() {
+            return;
+        }
+        self.shutdown
+            .note_shared(holder.clone(), tokio::time::Instant::now() + left);
+        if !self
+            .warned_shared
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                lease = %self.own.object_ref(),
+                %holder,
+                "another instance renews this address's membership Lease: the address is shared. \
+                 Expected for a VIP in front of several apiservers (it stays listed while either \
+                 renews it, and neither withdraws it when it stops); otherwise give each sidecar \
+                 its own apiserver's address"
+            );
+        }
+    }
+
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
         self.check_probed_server().await;
         self.check_serving_certificate().await;
@@ -407,8 +446,14 @@ impl ApiserverLeaseLoop {
         // The Lease is this instance's own heartbeat, not cluster state that drifts: in dry-run
         // (and so in `check`, typically run from a workstation that is no member) what would be
         // written is logged, not reported, or every check would fail on the checker's own Lease.
+        self.note_other_holder(existing.as_ref());
         if let Err(reason) = ready {
             self.metrics.ready.set(0);
+            if let Some(holder) = self.shutdown.shared_with() {
+                // A shared address: the other instance's apiserver still serves at it.
+                tracing::debug!(lease = %object, %holder, %reason, "not withdrawing a shared address while another instance renews it");
+                return Ok(report);
+            }
             if ctx.dry_run {
                 if existing.is_some() {
                     tracing::info!(lease = %object, %reason, "dry-run: would delete this instance's membership Lease (apiserver not ready)");
@@ -436,26 +481,6 @@ impl ApiserverLeaseLoop {
             .as_ref()
             .and_then(|l| observe(l, self.own.ttl).ok())
             .is_some_and(|m| m.expires > now && m.address == self.own.address);
-        // Two sidecars configured with one address would share this Lease and hide each other's
-        // failures: say so once.
-        let other_holder = existing
-            .as_ref()
-            .and_then(|l| l.spec.as_ref())
-            .and_then(|s| s.holder_identity.clone())
-            .filter(|holder| live && *holder != self.own.holder);
-        if let Some(holder) = other_holder
-            && !self
-                .warned_shared
-                .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            tracing::warn!(
-                lease = %object,
-                %holder,
-                "another instance renews this address's membership Lease: two sidecars share one \
-                 advertise address; give each its own apiserver's address"
-            );
-        }
-
         if ctx.dry_run {
             if !live {
                 tracing::info!(lease = %object, "dry-run: would write this instance's membership Lease (apiserver ready)");

@@ -107,6 +107,9 @@ pub struct ShutdownGate {
     readiness: Arc<dyn ReadinessProbe>,
     decided: OnceCell<ShutdownDecision>,
     decisions: Family<DecisionLabel, Counter>,
+    /// Another instance seen renewing this address's membership Lease, and until when that
+    /// sighting holds (see [`ShutdownGate::note_shared`]).
+    shared: std::sync::Mutex<Option<(String, tokio::time::Instant)>>,
 }
 
 impl ShutdownGate {
@@ -116,7 +119,26 @@ impl ShutdownGate {
             readiness,
             decided: OnceCell::new(),
             decisions: Family::default(),
+            shared: std::sync::Mutex::new(None),
         }
+    }
+
+    /// Another instance (`holder`) renews this address's membership Lease: the address is
+    /// shared (several apiservers behind one VIP). Until `until`, no stop of this instance
+    /// withdraws the address, which stays listed while the other renews it.
+    pub fn note_shared(&self, holder: String, until: tokio::time::Instant) {
+        if let Ok(mut shared) = self.shared.lock() {
+            *shared = Some((holder, until));
+        }
+    }
+
+    /// The other instance renewing this address's Lease, if one was seen recently.
+    pub fn shared_with(&self) -> Option<String> {
+        let shared = self.shared.lock().ok()?;
+        shared
+            .as_ref()
+            .filter(|(_, until)| *until > tokio::time::Instant::now())
+            .map(|(holder, _)| holder.clone())
     }
 
     /// Registers `bootstrap_apiserver_endpoints_shutdown_total{decision}`.
@@ -164,6 +186,17 @@ impl ShutdownGate {
 
     async fn probe(&self) -> ShutdownDecision {
         let probing = self.probing;
+        if probing.policy != OnShutdown::Keep
+            && let Some(holder) = self.shared_with()
+        {
+            return ShutdownDecision {
+                withdraw: false,
+                reason: format!(
+                    "another instance ({holder}) renews this address's membership Lease (a \
+                     shared address): it stays listed while that instance is live"
+                ),
+            };
+        }
         match probing.policy {
             OnShutdown::AlwaysWithdraw => {
                 return ShutdownDecision {
