@@ -17,10 +17,6 @@ use kube::Resource;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
@@ -43,91 +39,8 @@ use crate::contract::{
 use crate::findings::ReportOnce;
 use crate::watch_cache::{WatchCache, watch_trigger};
 
-use crate::metrics::{loop_registry, registered};
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct FamilyLabel {
-    family: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ChangeLabel {
-    change: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindLabel {
-    kind: String,
-}
-
-/// Metric handles of the `apiserver-endpoints` loop.
-#[derive(Clone, Default)]
-pub struct EndpointsMetrics {
-    members: Family<FamilyLabel, Gauge>,
-    changes: Family<ChangeLabel, Counter>,
-    repairs: Family<KindLabel, Counter>,
-}
-
-impl EndpointsMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let registry = loop_registry(registry, NAME);
-        Self {
-            members: registered(
-                registry,
-                "members",
-                "Apiserver addresses listed in the kubernetes endpoints, by IP family",
-                Family::default(),
-            ),
-            changes: registered(
-                registry,
-                "membership_changes",
-                "Members that joined, left (withdrew) or expired (Lease ran out)",
-                Family::default(),
-            ),
-            repairs: registered(
-                registry,
-                "repairs",
-                "Repairs of the kubernetes Endpoints/EndpointSlices not explained by a membership change, by kind of drift",
-                Family::default(),
-            ),
-        }
-    }
-
-    pub fn members(&self, family: IpFamily) -> i64 {
-        self.members
-            .get_or_create(&FamilyLabel {
-                family: family.as_str().to_owned(),
-            })
-            .get()
-    }
-
-    pub fn changes(&self, change: &str) -> u64 {
-        self.changes
-            .get_or_create(&ChangeLabel {
-                change: change.to_owned(),
-            })
-            .get()
-    }
-
-    pub fn repairs(&self, kind: &str) -> u64 {
-        self.repairs
-            .get_or_create(&KindLabel {
-                kind: kind.to_owned(),
-            })
-            .get()
-    }
-
-    fn set_members(&self, members: &MemberSet) {
-        for family in [IpFamily::V4, IpFamily::V6] {
-            let count = i64::try_from(members.count(family)).unwrap_or(i64::MAX);
-            self.members
-                .get_or_create(&FamilyLabel {
-                    family: family.as_str().to_owned(),
-                })
-                .set(count);
-        }
-    }
-}
+pub use super::endpoints_metrics::EndpointsMetrics;
+use super::endpoints_metrics::{ChangeLabel, KindLabel};
 
 #[derive(Default)]
 struct State {

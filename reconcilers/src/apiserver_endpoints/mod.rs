@@ -36,6 +36,7 @@
 
 pub mod desired;
 pub mod endpoints_loop;
+mod endpoints_metrics;
 pub mod lease;
 pub mod lease_loop;
 pub mod members;
