@@ -99,3 +99,17 @@ async fn read(path: Option<&Path>) -> Result<kube::Config, KubeconfigError> {
             cause: err.to_string(),
         })
 }
+
+#[cfg(test)]
+mod tests {
+    /// kube-apiserver names an update without `fieldManager` after the User-Agent's product
+    /// (the part before `/`); the endpoints loop tells its own writes from others' by that name.
+    #[test]
+    fn the_user_agent_names_the_field_manager_the_loops_expect() {
+        let product = super::USER_AGENT_PRODUCT.split('/').next();
+        assert_eq!(
+            product,
+            Some(reconcilers::apiserver_endpoints::desired::FIELD_MANAGER)
+        );
+    }
+}

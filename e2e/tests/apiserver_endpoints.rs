@@ -1262,3 +1262,101 @@ async fn a_shared_address_stays_listed_while_any_of_its_apiservers_is_live() -> 
     .await?;
     Ok(())
 }
+
+/// Another writer changes the Endpoints (here `other-reconciler`, as kube-apiserver's own
+/// reconciler or a syncer would): the repair names it by its field manager, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_other_writer_of_a_repaired_object_is_named_once() -> Result<()> {
+    use k8s_openapi::api::events::v1::Event;
+
+    let target = Target::start_with(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let kubeconfig = target.kubeconfig();
+    let client = target.client().await?;
+    let _leftovers = ControllerLeftovers::forget(&target)?;
+    let dir = tempfile::tempdir()?;
+    let mut member = Member::new(dir.path(), 91, "3s").await?;
+    member.address = "192.0.2.91".into();
+    member.start(kubeconfig, &[])?;
+    wait_members(&client, &["192.0.2.91"], "the member listed").await?;
+
+    let tamper = || async {
+        match target.sim("the other writer, planted with its managedFields") {
+            // The simulator keeps no managedFields of its own: the backdoor plants them as
+            // kube-apiserver would record a write by `other-reconciler`.
+            Some(sim) => {
+                let mut endpoints = serde_json::to_value(
+                    Api::<Endpoints>::namespaced(client.clone(), "default")
+                        .get("kubernetes")
+                        .await?,
+                )?;
+                endpoints["apiVersion"] = "v1".into();
+                endpoints["kind"] = "Endpoints".into();
+                endpoints["subsets"][0]["addresses"] = serde_json::json!([{"ip": "192.0.2.99"}]);
+                endpoints["metadata"]["managedFields"] = serde_json::json!([{
+                    "manager": "other-reconciler", "operation": "Update", "apiVersion": "v1",
+                    "time": k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+                    "fieldsType": "FieldsV1", "fieldsV1": {},
+                }]);
+                sim.admin("PUT", "/sim/backdoor", Some(endpoints)).await?;
+            }
+            None => kubectl_ok(
+                kubeconfig,
+                &[
+                    "-n",
+                    "default",
+                    "patch",
+                    "endpoints",
+                    "kubernetes",
+                    "--field-manager=other-reconciler",
+                    "--type=json",
+                    "-p",
+                    r#"[{"op":"replace","path":"/subsets/0/addresses/0/ip","value":"192.0.2.99"}]"#,
+                ],
+            )?,
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+    let named = || async {
+        let events = Api::<Event>::namespaced(client.clone(), "default")
+            .list(&Default::default())
+            .await?;
+        Ok::<_, anyhow::Error>(
+            events
+                .items
+                .iter()
+                .filter(|e| {
+                    e.reason.as_deref() == Some("ConflictingWriter")
+                        && e.note.as_deref().is_some_and(|n| {
+                            n.contains("\"other-reconciler\"")
+                                && n.contains("Endpoints/default/kubernetes")
+                        })
+                })
+                .count(),
+        )
+    };
+    for round in 1..=2 {
+        tamper().await?;
+        wait_members(&client, &["192.0.2.91"], "the Endpoints repaired").await?;
+        eventually("the other writer named", CONVERGE, || async {
+            Ok((named().await? >= 1).then_some(()))
+        })
+        .await?;
+        // A second event would follow the repair's write within moments.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(named().await?, 1, "named again in round {round}");
+    }
+    let log = member.process.as_ref().context("running")?.log();
+    assert_eq!(
+        log.matches("was last written by \"other-reconciler\"")
+            .count(),
+        1,
+        "{log}"
+    );
+    Ok(())
+}

@@ -330,6 +330,25 @@ pub fn listed_members(existing: &Endpoints) -> MemberSet {
         .collect()
 }
 
+/// The field manager kube-apiserver records for this controller's writes: the product of its
+/// User-Agent (`bootstrap-controller/<version> (...)`), as kube-apiserver names an update
+/// without `fieldManager`.
+pub const FIELD_MANAGER: &str = "bootstrap-controller";
+
+/// Who last wrote `meta`'s object, if that was not this controller: the manager of its newest
+/// `managedFields` entry (kube-apiserver's own reconciler is `kube-apiserver`, kubectl
+/// `kubectl-edit`, `kubectl-patch`, ...). Entries without a time count as oldest.
+pub fn other_writer(meta: &ObjectMeta) -> Option<String> {
+    let newest = meta
+        .managed_fields
+        .iter()
+        .flatten()
+        .max_by_key(|entry| entry.time.as_ref().map(|t| t.0))?;
+    let manager = newest.manager.as_deref().filter(|m| !m.is_empty())?;
+    (manager != FIELD_MANAGER && !manager.starts_with(&format!("{FIELD_MANAGER}-")))
+        .then(|| manager.chars().take(128).collect())
+}
+
 /// The addresses the slices list as ready (all slices given, every family).
 pub fn slice_members(slices: &[EndpointSlice]) -> MemberSet {
     slices
@@ -919,5 +938,38 @@ mod tests {
             }
         );
         assert_eq!(plan[1].drift[0].0, "endpointslice_stray");
+    }
+
+    #[test]
+    fn the_other_writer_is_the_newest_manager_if_not_this_controller() {
+        let meta = |entries: &[(&str, i64)]| ObjectMeta {
+            managed_fields: Some(
+                entries
+                    .iter()
+                    .map(|(manager, at)| {
+                        k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry {
+                            manager: Some((*manager).to_owned()),
+                            operation: Some("Update".to_owned()),
+                            time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                                k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + at)
+                                    .unwrap(),
+                            )),
+                            ..Default::default()
+                        }
+                    })
+                    .collect(),
+            ),
+            ..ObjectMeta::default()
+        };
+        assert_eq!(
+            other_writer(&meta(&[(FIELD_MANAGER, 1), ("kube-apiserver", 2)])).as_deref(),
+            Some("kube-apiserver")
+        );
+        assert_eq!(
+            other_writer(&meta(&[("kube-apiserver", 1), (FIELD_MANAGER, 2)])),
+            None
+        );
+        assert_eq!(other_writer(&meta(&[])), None);
+        assert_eq!(other_writer(&ObjectMeta::default()), None);
     }
 }

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use super::desired::{
     EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
-    endpoints_drift, listed_members, plan_slices, repaired_endpoints, slice_members,
+    endpoints_drift, listed_members, other_writer, plan_slices, repaired_endpoints, slice_members,
 };
 use super::lease::{MemberLease, Sightings, member_selector, membership};
 use super::members::{MemberSet, endpoint_ip_problem};
@@ -65,6 +65,8 @@ struct State {
     warned_family: BTreeSet<IpAddr>,
     /// Slices only: whether a leftover Endpoints object was reported.
     warned_endpoints_left: bool,
+    /// Other writers already named, by object.
+    named_writers: BTreeSet<(String, String)>,
     /// When each membership Lease was seen renewed (expiry on this clock).
     sightings: Sightings,
 }
@@ -608,6 +610,22 @@ impl ApiserverEndpointsLoop {
         }
         state.empty_passes = 0;
 
+        // Who last wrote each object before this pass, when not this controller: named if this
+        // pass has to repair it (two writers of one object fight).
+        let mut writers: BTreeMap<String, String> = BTreeMap::new();
+        if let Some(endpoints) = &existing
+            && let Some(manager) = other_writer(&endpoints.metadata)
+        {
+            writers.insert(target.endpoints_ref(), manager);
+        }
+        for slice in self.slices.list(&self.slices_api(ctx)).await? {
+            if let (Some(name), Some(manager)) = (
+                slice.metadata.name.as_deref(),
+                other_writer(&slice.metadata),
+            ) {
+                writers.insert(target.slice_ref(name), manager);
+            }
+        }
         let written = self
             .write_all(ctx, &members, computed.family, existing, &mut report)
             .await?;
@@ -741,6 +759,36 @@ impl ApiserverEndpointsLoop {
             note.truncate(1000);
             self.publish(&reference, EventType::Normal, "EndpointsRepaired", note)
                 .await;
+            let named: Vec<(String, String)> = repairs
+                .iter()
+                .filter_map(|d| {
+                    let manager = writers.get(&d.object)?;
+                    Some((d.object.clone(), manager.clone()))
+                })
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            for (object, manager) in named {
+                if !self
+                    .state
+                    .lock()
+                    .await
+                    .named_writers
+                    .insert((object.clone(), manager.clone()))
+                {
+                    continue;
+                }
+                let why = format!(
+                    "{object} was last written by {manager:?} (its field manager), not by this \
+                     controller: two writers keep the kubernetes endpoints and undo each other. \
+                     If it is kube-apiserver, start it with --endpoint-reconciler-type=none; \
+                     otherwise stop the other writer or this loop"
+                );
+                tracing::warn!(%object, %manager, "{why}");
+                self.metrics.conflicting_writers.inc();
+                self.publish(&reference, EventType::Warning, "ConflictingWriter", why)
+                    .await;
+            }
         }
         Ok(report)
     }

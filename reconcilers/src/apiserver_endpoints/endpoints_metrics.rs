@@ -32,6 +32,7 @@ pub struct EndpointsMetrics {
     members: Family<FamilyLabel, Gauge>,
     pub(super) changes: Family<ChangeLabel, Counter>,
     pub(super) repairs: Family<KindLabel, Counter>,
+    pub(super) conflicting_writers: Counter,
 }
 
 impl EndpointsMetrics {
@@ -56,7 +57,17 @@ impl EndpointsMetrics {
                 "Repairs of the kubernetes Endpoints/EndpointSlices not explained by a membership change, by kind of drift",
                 Family::default(),
             ),
+            conflicting_writers: registered(
+                registry,
+                "conflicting_writers",
+                "Other writers named (once per object and field manager) for objects this loop had to repair",
+                Counter::default(),
+            ),
         }
+    }
+
+    pub fn conflicting_writers(&self) -> u64 {
+        self.conflicting_writers.get()
     }
 
     pub fn members(&self, family: IpFamily) -> i64 {
