@@ -33,7 +33,7 @@ async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
             "--service-cluster-ip-range",
             "10.96.0.0/12",
             "--advertise-address",
-            "10.0.0.1",
+            "192.0.2.1",
             "--leader-elect=false",
         ],
     )?;
@@ -137,7 +137,7 @@ async fn a_new_cluster_is_set_up_without_a_warning() -> Result<()> {
             "--service-cluster-ip-range",
             "10.96.0.0/12",
             "--advertise-address",
-            "10.0.0.1",
+            "192.0.2.1",
         ],
     )?;
     controller.wait_ready().await?;
