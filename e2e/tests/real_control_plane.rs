@@ -226,6 +226,102 @@ async fn sidecars_beside_real_apiservers() -> Result<()> {
     Ok(())
 }
 
+/// Two real apiservers behind one address (a VIP), one sidecar each advertising it: a rolling
+/// restart of the second (its apiserver SIGTERMed, failing `/readyz` and stopping, then its
+/// sidecar) never takes the address out of the endpoints while the first serves.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_restart() -> Result<()>
+{
+    if skipped_under_shared_control_plane(
+        "real_control_plane",
+        "a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_restart",
+    ) {
+        return Ok(());
+    }
+    const VIP: &str = "192.0.2.100";
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cp = ControlPlane::start(2)?;
+    let config = ConfigFile::new(&format!(
+        "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n",
+        cp.service_range()?
+    ))?;
+    let client = client_from(&cp.admin_kubeconfig(1)).await?;
+    let behind_the_vip = |n: usize| -> Result<ControllerProcess> {
+        let kubeconfig = cp.user_kubeconfig(&format!("sidecar-{n}"), &["system:masters"], n)?;
+        let identity = format!("sidecar-{n}");
+        ControllerProcess::start(
+            &kubeconfig,
+            &[
+                "--config",
+                &config.path,
+                "--advertise-address",
+                VIP,
+                "--secure-port",
+                "443",
+                "--endpoint-reconciler-type",
+                "lease",
+                "--leader-elect-identity",
+                &identity,
+                "--leader-elect-lease-duration",
+                "4s",
+                "--leader-elect-renew-grace",
+                "1s",
+            ],
+        )
+    };
+    let mut first = behind_the_vip(1)?;
+    first.wait_ready().await?;
+    eventually("sidecar-1 to lead", CONVERGE, || async {
+        Ok((leader(&client).await?.as_deref() == Some("sidecar-1")).then_some(()))
+    })
+    .await?;
+    let mut second = behind_the_vip(2)?;
+    wait_listed(&client, &[VIP], "the VIP listed").await?;
+    let shared = "another instance renews this address's membership Lease: the address is shared";
+    eventually("both sidecars see the sharing", CONVERGE, || async {
+        Ok((first.log().contains(shared) && second.log().contains(shared)).then_some(()))
+    })
+    .await?;
+
+    let watching = Arc::new(AtomicBool::new(true));
+    let missing = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (client, watching, missing) = (client.clone(), watching.clone(), missing.clone());
+        tokio::spawn(async move {
+            while watching.load(Ordering::SeqCst) {
+                if let Ok((endpoints, slice)) = listed(&client).await
+                    && (!endpoints.contains(VIP) || !slice.contains(VIP))
+                {
+                    missing.store(true, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    // Apiserver 2 stops: /readyz fails at once; its sidecar probes it past the threshold.
+    cp.signal("kube-apiserver-2", "TERM")?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let status = second.terminate()?;
+    ensure!(status.success(), "sidecar 2 exited with {status}");
+    let log = second.log();
+    ensure!(
+        log.contains("keeping this instance's apiserver membership")
+            && log.contains("a shared address"),
+        "sidecar 2 should keep the shared address at its stop:\n{log}"
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await; // past a Lease TTL
+    watching.store(false, Ordering::SeqCst);
+    watcher.await?;
+    ensure!(
+        !missing.load(Ordering::SeqCst),
+        "the VIP left the endpoints while apiserver 1 served behind it\n{}\n{log}",
+        first.log()
+    );
+    wait_listed(&client, &[VIP], "the VIP still listed").await?;
+    ensure!(first.is_running(), "sidecar 1 stopped");
+    Ok(())
+}
+
 /// Beside kube-apiserver's own bootstrap loops (system namespaces, the `kubernetes` Service, the
 /// default ServiceCIDR, IPAddress repair) for two minutes with every loop on: once converged,
 /// this controller writes nothing but its Lease renewals, and no object flips between writers.

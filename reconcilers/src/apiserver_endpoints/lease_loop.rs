@@ -344,14 +344,10 @@ impl ApiserverLeaseLoop {
         let Some(holder) = member.holder.clone().filter(|h| *h != self.own.holder) else {
             return;
         };
-        let left = Duration::try_from(Timestamp::now().duration_until(member.expires))
-            .unwrap_or(Duration::ZERO)
-            .min(self.own.ttl);
-        if left.is_zero() {
+        if member.expires <= Timestamp::now() {
             return;
         }
-        self.shutdown
-            .note_shared(holder.clone(), tokio::time::Instant::now() + left);
+        self.shutdown.note_shared(holder.clone());
         if !self
             .warned_shared
             .swap(true, std::sync::atomic::Ordering::Relaxed)

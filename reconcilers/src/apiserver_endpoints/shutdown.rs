@@ -107,9 +107,9 @@ pub struct ShutdownGate {
     readiness: Arc<dyn ReadinessProbe>,
     decided: OnceCell<ShutdownDecision>,
     decisions: Family<DecisionLabel, Counter>,
-    /// Another instance seen renewing this address's membership Lease, and until when that
-    /// sighting holds (see [`ShutdownGate::note_shared`]).
-    shared: std::sync::Mutex<Option<(String, tokio::time::Instant)>>,
+    /// Another instance seen renewing this address's membership Lease (see
+    /// [`ShutdownGate::note_shared`]).
+    shared: std::sync::Mutex<Option<String>>,
 }
 
 impl ShutdownGate {
@@ -124,21 +124,19 @@ impl ShutdownGate {
     }
 
     /// Another instance (`holder`) renews this address's membership Lease: the address is
-    /// shared (several apiservers behind one VIP). Until `until`, no stop of this instance
-    /// withdraws the address, which stays listed while the other renews it.
-    pub fn note_shared(&self, holder: String, until: tokio::time::Instant) {
+    /// shared (several apiservers behind one VIP). From then on no stop of this instance
+    /// withdraws the address: the other may still serve behind it, and once its own apiserver
+    /// is down this sidecar often cannot see the Lease any more (it talks through that
+    /// apiserver). The address then goes by Lease expiry once nobody renews it.
+    pub fn note_shared(&self, holder: String) {
         if let Ok(mut shared) = self.shared.lock() {
-            *shared = Some((holder, until));
+            *shared = Some(holder);
         }
     }
 
-    /// The other instance renewing this address's Lease, if one was seen recently.
+    /// The other instance seen renewing this address's Lease, if any.
     pub fn shared_with(&self) -> Option<String> {
-        let shared = self.shared.lock().ok()?;
-        shared
-            .as_ref()
-            .filter(|(_, until)| *until > tokio::time::Instant::now())
-            .map(|(holder, _)| holder.clone())
+        self.shared.lock().ok()?.clone()
     }
 
     /// Registers `bootstrap_apiserver_endpoints_shutdown_total{decision}`.
