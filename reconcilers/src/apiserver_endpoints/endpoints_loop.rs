@@ -613,12 +613,18 @@ impl ApiserverEndpointsLoop {
         // Who last wrote each object before this pass, when not this controller: named if this
         // pass has to repair it (two writers of one object fight).
         let mut writers: BTreeMap<String, String> = BTreeMap::new();
-        if let Some(endpoints) = &existing
+        if self.cfg.name_conflicting_writers
+            && let Some(endpoints) = &existing
             && let Some(manager) = other_writer(&endpoints.metadata)
         {
             writers.insert(target.endpoints_ref(), manager);
         }
-        for slice in self.slices.list(&self.slices_api(ctx)).await? {
+        let slices = if self.cfg.name_conflicting_writers {
+            self.slices.list(&self.slices_api(ctx)).await?
+        } else {
+            Vec::new()
+        };
+        for slice in slices {
             if let (Some(name), Some(manager)) = (
                 slice.metadata.name.as_deref(),
                 other_writer(&slice.metadata),

@@ -93,6 +93,8 @@ pub struct ApiserverLeaseLoop {
     address_defaulted: bool,
     /// The Service's IP family once learnt from the cluster (no range configured).
     service_family: std::sync::OnceLock<IpFamily>,
+    /// Whether an address another instance renews is left to Lease expiry.
+    keep_shared_address: bool,
     /// The server the readiness probe asks: checked at the first pass to be this instance's
     /// apiserver, and its certificate now and then ([`CERTIFICATE_RECHECK`]).
     probed: Option<ProbedServer>,
@@ -133,6 +135,7 @@ impl ApiserverLeaseLoop {
             target: cfg.target.clone(),
             address_defaulted: cfg.advertise_address_defaulted,
             service_family: std::sync::OnceLock::new(),
+            keep_shared_address: cfg.keep_shared_address,
             probed: deps.probed.clone(),
             probed_checked: std::sync::atomic::AtomicBool::new(false),
             check_certificate: cfg.check_serving_certificate,
@@ -347,7 +350,9 @@ impl ApiserverLeaseLoop {
         if member.expires <= Timestamp::now() {
             return;
         }
-        self.shutdown.note_shared(holder.clone());
+        if self.keep_shared_address {
+            self.shutdown.note_shared(holder.clone());
+        }
         if !self
             .warned_shared
             .swap(true, std::sync::atomic::Ordering::Relaxed)

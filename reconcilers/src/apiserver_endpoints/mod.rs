@@ -111,6 +111,11 @@ pub struct ApiserverEndpointsConfig {
     pub check_serving_certificate: bool,
     /// Write the `kubernetes` Endpoints as well as its EndpointSlice (`false`: slices only).
     pub write_endpoints: bool,
+    /// Name the other writer of an object a pass repairs (event, log, metric).
+    pub name_conflicting_writers: bool,
+    /// `lease` mode: an address another instance also renews is left to Lease expiry, never
+    /// withdrawn by this one.
+    pub keep_shared_address: bool,
 }
 
 impl Default for ApiserverEndpointsConfig {
@@ -131,6 +136,8 @@ impl Default for ApiserverEndpointsConfig {
             readiness_failure_threshold: 3,
             check_serving_certificate: true,
             write_endpoints: true,
+            name_conflicting_writers: true,
+            keep_shared_address: true,
         }
     }
 }
@@ -177,6 +184,12 @@ pub struct Section {
     /// Write the `kubernetes` Endpoints as well as its EndpointSlice. `false`: slices only
     /// (Endpoints are deprecated since 1.33); an existing Endpoints is left as it is, reported.
     pub write_endpoints: bool,
+    /// When a pass repairs an object another field manager wrote last, name that writer once
+    /// (a Warning event `ConflictingWriter`, a log line, a metric).
+    pub name_conflicting_writers: bool,
+    /// `lease` mode: once another instance is seen renewing this address's Lease (several
+    /// apiservers behind one VIP), never withdraw the address; it goes by Lease expiry.
+    pub keep_shared_address: bool,
 }
 
 impl Default for Section {
@@ -195,6 +208,8 @@ impl Default for Section {
             readiness_failure_threshold: defaults.readiness_failure_threshold,
             check_serving_certificate: defaults.check_serving_certificate,
             write_endpoints: defaults.write_endpoints,
+            name_conflicting_writers: defaults.name_conflicting_writers,
+            keep_shared_address: defaults.keep_shared_address,
         }
     }
 }
@@ -237,6 +252,8 @@ impl Section {
             readiness_failure_threshold: self.readiness_failure_threshold,
             check_serving_certificate: self.check_serving_certificate,
             write_endpoints: self.write_endpoints,
+            name_conflicting_writers: self.name_conflicting_writers,
+            keep_shared_address: self.keep_shared_address,
         }
     }
 
