@@ -349,6 +349,27 @@ pub fn other_writer(meta: &ObjectMeta) -> Option<String> {
         .then(|| manager.chars().take(128).collect())
 }
 
+/// The other writers ([`other_writer`]) of the Endpoints and the slices, by object reference.
+pub fn other_writers(
+    target: &EndpointsTarget,
+    endpoints: Option<&Endpoints>,
+    slices: &[EndpointSlice],
+) -> BTreeMap<String, String> {
+    let mut writers = BTreeMap::new();
+    if let Some(manager) = endpoints.and_then(|e| other_writer(&e.metadata)) {
+        writers.insert(target.endpoints_ref(), manager);
+    }
+    for slice in slices {
+        if let (Some(name), Some(manager)) = (
+            slice.metadata.name.as_deref(),
+            other_writer(&slice.metadata),
+        ) {
+            writers.insert(target.slice_ref(name), manager);
+        }
+    }
+    writers
+}
+
 /// The addresses the slices list as ready (all slices given, every family).
 pub fn slice_members(slices: &[EndpointSlice]) -> MemberSet {
     slices

@@ -23,12 +23,12 @@ use tokio::time::Instant;
 
 use super::desired::{
     EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
-    endpoints_drift, listed_members, other_writer, plan_slices, repaired_endpoints, slice_members,
+    endpoints_drift, listed_members, other_writers, plan_slices, repaired_endpoints, slice_members,
 };
 use super::lease::{MemberLease, Sightings, member_selector, membership};
 use super::members::{MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
-use super::probe::{FailureThreshold, ReadinessProbe, Resolver};
+use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, probed_elsewhere};
 use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, NAME, StaticAddress};
 use crate::alloc::IpFamily;
@@ -78,6 +78,9 @@ pub struct ApiserverEndpointsLoop {
     readiness: Arc<dyn ReadinessProbe>,
     /// `master-count` mode: failed probes in a row that take this instance out.
     failures: FailureThreshold,
+    /// `master-count` mode: the server the readiness probe asks, checked once (then `None`) to
+    /// be this instance's apiserver.
+    probed: std::sync::Mutex<Option<ProbedServer>>,
     shutdown: Arc<ShutdownGate>,
     resolver: Arc<dyn Resolver>,
     /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
@@ -144,6 +147,7 @@ impl ApiserverEndpointsLoop {
             client: deps.client,
             readiness: deps.readiness,
             failures: FailureThreshold::new(cfg.readiness_failure_threshold),
+            probed: std::sync::Mutex::new(deps.probed.clone()),
             shutdown: deps.shutdown,
             resolver: deps.resolver,
             metrics: EndpointsMetrics::register(registry),
@@ -272,6 +276,13 @@ impl ApiserverEndpointsLoop {
                 computed.members = members;
             }
             EndpointsMode::MasterCount => {
+                let probed = self.probed.lock().ok().and_then(|mut p| p.take());
+                if let Some(probed) = probed
+                    && let Some(host) = probed.host().await
+                    && let Some(why) = probed_elsewhere(&host, self.cfg.advertise_address)
+                {
+                    tracing::warn!("{why}");
+                }
                 let listed = listed.clone();
                 let own = self.cfg.advertise_address;
                 // Shutting down counts as not ready.
@@ -612,26 +623,12 @@ impl ApiserverEndpointsLoop {
 
         // Who last wrote each object before this pass, when not this controller: named if this
         // pass has to repair it (two writers of one object fight).
-        let mut writers: BTreeMap<String, String> = BTreeMap::new();
-        if self.cfg.name_conflicting_writers
-            && let Some(endpoints) = &existing
-            && let Some(manager) = other_writer(&endpoints.metadata)
-        {
-            writers.insert(target.endpoints_ref(), manager);
-        }
-        let slices = if self.cfg.name_conflicting_writers {
-            self.slices.list(&self.slices_api(ctx)).await?
+        let writers = if self.cfg.name_conflicting_writers {
+            let slices = self.slices.list(&self.slices_api(ctx)).await?;
+            other_writers(&target, existing.as_ref(), &slices)
         } else {
-            Vec::new()
+            BTreeMap::new()
         };
-        for slice in slices {
-            if let (Some(name), Some(manager)) = (
-                slice.metadata.name.as_deref(),
-                other_writer(&slice.metadata),
-            ) {
-                writers.insert(target.slice_ref(name), manager);
-            }
-        }
         let written = self
             .write_all(ctx, &members, computed.family, existing, &mut report)
             .await?;
