@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use common::{
-    CONVERGE, ControllerLeftovers, ControllerProcess, SimProcess, Target, eventually, kubectl,
-    run_controller,
+    CONVERGE, ConfigFile, ControllerLeftovers, ControllerProcess, SimProcess, Target, eventually,
+    kubectl, run_controller,
 };
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, Service};
@@ -175,7 +175,51 @@ fn kubectl_ok(kubeconfig: &std::path::Path, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// Writes to the objects this issue owns, from the simulator's request log.
+/// A simulator (or the real cluster) holding the namespaces the loops write into; `extra` are
+/// further simulator flags.
+async fn seeded(extra: &[&str]) -> Result<Target> {
+    let mut args = vec![
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ];
+    args.extend_from_slice(extra);
+    Target::start_with(&args).await
+}
+
+/// The endpoints tests' configuration: `serviceClusterIPRange` (unless `None`), a 1 s interval,
+/// a 3 s Lease TTL and `lines` more under `loops.apiserverEndpoints` (each ending in a newline).
+fn endpoints_config(range: Option<&str>, lines: &str) -> Result<ConfigFile> {
+    let range = range
+        .map(|range| format!("serviceClusterIPRange: {range}\n"))
+        .unwrap_or_default();
+    ConfigFile::new(&format!(
+        "{range}loops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n{lines}"
+    ))
+}
+
+/// A controller with `config`, advertising `address` as `identity`.
+fn start_member(
+    kubeconfig: &std::path::Path,
+    config: &ConfigFile,
+    address: &str,
+    identity: &str,
+) -> Result<ControllerProcess> {
+    ControllerProcess::start(
+        kubeconfig,
+        &[
+            "--config",
+            &config.path,
+            "--advertise-address",
+            address,
+            "--leader-elect-identity",
+            identity,
+        ],
+    )
+}
+
+/// Writes to the objects these loops own, from the simulator's request log.
 async fn writes(sim: &SimProcess) -> Result<Vec<String>> {
     Ok(sim
         .requests()
@@ -196,13 +240,7 @@ async fn writes(sim: &SimProcess) -> Result<Vec<String>> {
 // the other serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let sim = target.sim("three_apiservers_join_leave_crash_and_heal: its request-log checks");
     let kubeconfig = target.kubeconfig();
     let client = target.client().await?;
@@ -466,13 +504,7 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
 
 #[tokio::test]
 async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let sim = target
         .sim("dry_run_and_check_report_instead_of_repairing: no writes, from the request log");
     let kubeconfig = target.kubeconfig();
@@ -556,13 +588,7 @@ async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
 /// A long interval keeps the loops' regular passes out of the way: what happens is the shutdown's.
 #[tokio::test]
 async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones() -> Result<()> {
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let Some(sim) =
         target.sim("sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones")
     else {
@@ -650,38 +676,16 @@ async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Resul
     use kube::api::PostParams;
     use reconcilers::apiserver_endpoints::lease::OwnLease;
 
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let kubeconfig = target.kubeconfig();
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
-    let dir = tempfile::tempdir()?;
     let readyz = FakeReadyz::start().await?;
-    let config = dir.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n    readyzURL: {}\n",
-            readyz.url()
-        ),
+    let config = endpoints_config(
+        Some("10.96.0.0/12"),
+        &format!("    readyzURL: {}\n", readyz.url()),
     )?;
-    let config = config.display().to_string();
-    let _leader = ControllerProcess::start(
-        kubeconfig,
-        &[
-            "--config",
-            &config,
-            "--advertise-address",
-            "192.0.2.31",
-            "--leader-elect-identity",
-            "member-31",
-        ],
-    )?;
+    let _leader = start_member(kubeconfig, &config, "192.0.2.31", "member-31")?;
     wait_members(&client, &["192.0.2.31"], "the leader's own address").await?;
 
     // The skewed member's sidecar, by hand: renewed every second, 20 s in the past.
@@ -754,13 +758,7 @@ async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Resul
 /// three in a row (the default `readinessFailureThreshold`) withdraw it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_readiness_probe_below_the_threshold_keeps_the_member() -> Result<()> {
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let kubeconfig = target.kubeconfig();
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
@@ -834,44 +832,16 @@ async fn the_endpoints_take_the_services_family() -> Result<()> {
     use kube::api::PostParams;
     use reconcilers::apiserver_endpoints::lease::OwnLease;
 
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-        "--service-cluster-ip-range",
-        "2001:db8:96::/112",
-    ])
-    .await?;
+    let target = seeded(&["--service-cluster-ip-range", "2001:db8:96::/112"]).await?;
     // The real control plane here is IPv4.
     let Some(sim) = target.sim("the_endpoints_take_the_services_family") else {
         return Ok(());
     };
     let client = target.client().await?;
-    let dir = tempfile::tempdir()?;
     let readyz = FakeReadyz::start().await?;
-    let config = dir.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "loops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n    readyzURL: {}\n",
-            readyz.url()
-        ),
-    )?;
-    let config = config.display().to_string();
-    let start = |address: &str, identity: &str| {
-        ControllerProcess::start(
-            &sim.kubeconfig,
-            &[
-                "--config",
-                &config,
-                "--advertise-address",
-                address,
-                "--leader-elect-identity",
-                identity,
-            ],
-        )
-    };
+    let config = endpoints_config(None, &format!("    readyzURL: {}\n", readyz.url()))?;
+    let start =
+        |address: &str, identity: &str| start_member(&sim.kubeconfig, &config, address, identity);
     let _v6 = start("2001:db8::41", "member-v6")?;
     let v6_only = |want: &'static str| {
         let client = client.clone();
@@ -969,37 +939,16 @@ async fn the_endpoints_take_the_services_family() -> Result<()> {
 /// the member is still listed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
-    let dir = tempfile::tempdir()?;
     let readyz = FakeReadyz::start().await?;
     let elsewhere = readyz.url().replace("127.0.0.1", "0.0.0.0");
-    let config = dir.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n    readyzURL: {elsewhere}\n"
-        ),
+    let config = endpoints_config(
+        Some("10.96.0.0/12"),
+        &format!("    readyzURL: {elsewhere}\n"),
     )?;
-    let config = config.display().to_string();
-    let member = ControllerProcess::start(
-        target.kubeconfig(),
-        &[
-            "--config",
-            &config,
-            "--advertise-address",
-            "192.0.2.51",
-            "--leader-elect-identity",
-            "member-51",
-        ],
-    )?;
+    let member = start_member(target.kubeconfig(), &config, "192.0.2.51", "member-51")?;
     wait_members(&client, &["192.0.2.51"], "the member listed").await?;
     let log = member.log();
     let warning = "the readiness probe asks 0.0.0.0, which is neither loopback nor this \
@@ -1015,35 +964,13 @@ async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
 /// control plane's certificates) is quiet; one it lacks is reported once, with the metric.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_advertised_address_the_serving_certificate_lacks_is_reported() -> Result<()> {
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
-    let dir = tempfile::tempdir()?;
-    let config = dir.path().join("config.yaml");
     // No readyzURL: the probe, and so the check, asks the kubeconfig's server over https.
-    std::fs::write(
-        &config,
-        "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n",
-    )?;
-    let config = config.display().to_string();
+    let config = endpoints_config(Some("10.96.0.0/12"), "")?;
     let start = |address: &str, identity: &str| {
-        ControllerProcess::start(
-            target.kubeconfig(),
-            &[
-                "--config",
-                &config,
-                "--advertise-address",
-                address,
-                "--leader-elect-identity",
-                identity,
-            ],
-        )
+        start_member(target.kubeconfig(), &config, address, identity)
     };
     let lacking = "serving certificate is not valid for this instance's advertiseAddress";
     async fn gauge(process: &ControllerProcess) -> Result<Option<String>> {
@@ -1085,13 +1012,7 @@ async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<
     use kube::api::{DeleteParams, PostParams};
     use reconcilers::apiserver_endpoints::lease::OwnLease;
 
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
     // An Endpoints object from before (another writer, an earlier configuration).
@@ -1108,28 +1029,15 @@ async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<
     }))?;
     let stale = endpoints.create(&PostParams::default(), &stale).await?;
 
-    let dir = tempfile::tempdir()?;
     let readyz = FakeReadyz::start().await?;
-    let config = dir.path().join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n    writeEndpoints: false\n    readyzURL: {}\n",
+    let config = endpoints_config(
+        Some("10.96.0.0/12"),
+        &format!(
+            "    writeEndpoints: false\n    readyzURL: {}\n",
             readyz.url()
         ),
     )?;
-    let config = config.display().to_string();
-    let member = ControllerProcess::start(
-        target.kubeconfig(),
-        &[
-            "--config",
-            &config,
-            "--advertise-address",
-            "192.0.2.71",
-            "--leader-elect-identity",
-            "member-71",
-        ],
-    )?;
+    let member = start_member(target.kubeconfig(), &config, "192.0.2.71", "member-71")?;
     let slice_ips = || async {
         Ok::<_, anyhow::Error>(
             Api::<EndpointSlice>::namespaced(client.clone(), "default")
@@ -1190,13 +1098,7 @@ async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<
 /// live; once the other fails too, the address goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_address_stays_listed_while_any_of_its_apiservers_is_live() -> Result<()> {
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let kubeconfig = target.kubeconfig();
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
@@ -1281,13 +1183,7 @@ async fn a_shared_address_stays_listed_while_any_of_its_apiservers_is_live() -> 
 async fn the_other_writer_of_a_repaired_object_is_named_once() -> Result<()> {
     use k8s_openapi::api::events::v1::Event;
 
-    let target = Target::start_with(&[
-        "--seed-namespace",
-        "default",
-        "--seed-namespace",
-        "kube-system",
-    ])
-    .await?;
+    let target = seeded(&[]).await?;
     let kubeconfig = target.kubeconfig();
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
