@@ -62,9 +62,19 @@ async fn wait_listed(client: &Client, want: &[&str], what: &str) -> Result<Durat
 
 /// One sidecar: a controller in `lease` mode whose kubeconfig names its own apiserver.
 fn sidecar(cp: &ControlPlane, n: usize, config: &ConfigFile) -> Result<ControllerProcess> {
+    let (address, port) = (cp.apiserver_address(n)?, cp.apiserver_port(n)?);
+    sidecar_advertising(cp, n, config, address, port)
+}
+
+/// The sidecar of apiserver `n`, advertising `address:port` (a VIP in front of several).
+fn sidecar_advertising(
+    cp: &ControlPlane,
+    n: usize,
+    config: &ConfigFile,
+    address: &str,
+    port: &str,
+) -> Result<ControllerProcess> {
     let kubeconfig = cp.user_kubeconfig(&format!("sidecar-{n}"), &["system:masters"], n)?;
-    let address = cp.apiserver_address(n)?.to_owned();
-    let port = cp.apiserver_port(n)?.to_owned();
     let identity = format!("sidecar-{n}");
     ControllerProcess::start(
         &kubeconfig,
@@ -72,9 +82,9 @@ fn sidecar(cp: &ControlPlane, n: usize, config: &ConfigFile) -> Result<Controlle
             "--config",
             &config.path,
             "--advertise-address",
-            &address,
+            address,
             "--secure-port",
-            &port,
+            port,
             "--endpoint-reconciler-type",
             "lease",
             "--leader-elect-identity",
@@ -246,29 +256,7 @@ async fn a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_re
         cp.service_range()?
     ))?;
     let client = client_from(&cp.admin_kubeconfig(1)).await?;
-    let behind_the_vip = |n: usize| -> Result<ControllerProcess> {
-        let kubeconfig = cp.user_kubeconfig(&format!("sidecar-{n}"), &["system:masters"], n)?;
-        let identity = format!("sidecar-{n}");
-        ControllerProcess::start(
-            &kubeconfig,
-            &[
-                "--config",
-                &config.path,
-                "--advertise-address",
-                VIP,
-                "--secure-port",
-                "443",
-                "--endpoint-reconciler-type",
-                "lease",
-                "--leader-elect-identity",
-                &identity,
-                "--leader-elect-lease-duration",
-                "4s",
-                "--leader-elect-renew-grace",
-                "1s",
-            ],
-        )
-    };
+    let behind_the_vip = |n: usize| sidecar_advertising(&cp, n, &config, VIP, "443");
     let mut first = behind_the_vip(1)?;
     first.wait_ready().await?;
     eventually("sidecar-1 to lead", CONVERGE, || async {
