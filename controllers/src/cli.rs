@@ -413,6 +413,8 @@ impl Controller {
                             .then(|| std::env::current_exe().ok())
                             .flatten(),
                     },
+                    claims_namespace: config.leader_election.lease_namespace.clone(),
+                    claims_group: config.leader_election.lease_name.clone(),
                 };
                 let manager = tenants::spawn(
                     client.clone(),

@@ -5,6 +5,7 @@ pub mod admin;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod etcd_claims;
 pub mod kubeconfig;
 pub mod leader;
 pub mod limits;

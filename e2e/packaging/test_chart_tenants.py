@@ -153,8 +153,12 @@ def test_all_namespaces_is_a_cluster_role_and_the_leases_stay_namespaced():
     assert binding["roleRef"]["kind"] == "ClusterRole"
 
 
-def test_leader_election_off_renders_no_lease_rules():
-    assert grants(CASES["single"]) == expected("tenants", None)
+def test_leader_election_off_grants_the_etcd_claim_records_only():
+    """One replica shares nothing, but still records which tenant keeps overlapping etcd keys:
+    the Leases' rules without `get`, which only sharing uses."""
+    assert grants(CASES["single"]) == (
+        expected("tenants", None)
+        | {("bootstrap", g, r, v, None) for g, r, v in LEASES if v != "get"})
 
 
 def test_configured_lease_namespace_and_subjects_are_used():

@@ -335,7 +335,7 @@ async fn scenario() -> Result<()> {
     named.extend(metric_names(&rules));
     ensure!(named.len() >= 20, "too few names found: {named:?}");
     // The tenant manager's own metrics exist only in management mode (`--tenants-secret-selector`,
-    // `TenantMetrics::register` in controllers/src/tenants.rs); this controller runs one cluster.
+    // `TenantMetrics::register` in controllers/src/tenants/metrics.rs); this controller runs one cluster.
     for management_only in [
         "bootstrap_tenants",
         "bootstrap_tenant_config_errors_total",

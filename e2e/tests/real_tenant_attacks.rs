@@ -33,8 +33,36 @@ const TENANTS_NAMESPACE: &str = "tenants";
 const SELECTOR_LABEL: &str = "bootstrap-controller.io/tenant";
 /// The legitimate tenant's kubeconfig user, as its audit log names it.
 const TENANT_USER: &str = "tenant-admin";
-/// The controller's own identity in the management cluster.
-const CONTROLLER_SA: &str = "system:serviceaccount:bootstrap:bootstrap-controller";
+/// The controller's own identity in the management cluster: the chart's ServiceAccount for a
+/// release `bc` in namespace `bootstrap`.
+const CONTROLLER_SA: &str = "system:serviceaccount:bootstrap:bc-bootstrap-controller";
+
+/// The chart's management-mode RBAC for one replica (the ServiceAccount, Roles and bindings,
+/// leader election off as this test runs it), rendered by the real Helm engine as
+/// e2e/packaging renders it, as YAML documents.
+fn chart_rbac() -> Result<String> {
+    let packaging = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging");
+    let script = format!(
+        "import sys, yaml\n\
+         sys.path.insert(0, {packaging:?})\n\
+         from harness import objects\n\
+         values = {{'replicaCount': 1, 'tenants': {{'enabled': True, 'namespace': '{TENANTS_NAMESPACE}', \
+         'secretSelector': '{SELECTOR_LABEL}=true'}}, \
+         'config': {{'leaderElection': {{'enabled': False}}}}}}\n\
+         kinds = {{'ServiceAccount', 'Role', 'RoleBinding', 'ClusterRole', 'ClusterRoleBinding'}}\n\
+         print(yaml.safe_dump_all([o for o in objects(values) if o['kind'] in kinds]))\n"
+    );
+    let output = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .context("python3 (with helm-python-sdk and pyyaml, as e2e/packaging needs)")?;
+    ensure!(
+        output.status.success(),
+        "rendering the chart's RBAC: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
 
 fn kubectl_ok(kubeconfig: &Path, args: &[&str]) -> Result<String> {
     let output = kubectl(kubeconfig, args)?;
@@ -109,25 +137,23 @@ async fn a_secret_writer_cannot_take_the_controllers_token_run_read_or_reach_ano
     let admin = management.admin_kubeconfig(1);
     let work = tempfile::tempdir()?;
 
-    // The controller's identity: a service account allowed what management mode needs.
+    // The controller's identity: the chart's ServiceAccount with the chart's RBAC.
+    apply(
+        &admin,
+        work.path(),
+        "namespaces.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata: {{name: bootstrap}}\n---\n\
+             apiVersion: v1\nkind: Namespace\nmetadata: {{name: {TENANTS_NAMESPACE}}}\n"
+        ),
+    )?;
+    apply(&admin, work.path(), "chart-rbac.yaml", &chart_rbac()?)?;
     apply(
         &admin,
         work.path(),
         "rbac.yaml",
         &format!(
-            "apiVersion: v1\nkind: Namespace\nmetadata: {{name: bootstrap}}\n---\n\
-             apiVersion: v1\nkind: Namespace\nmetadata: {{name: {TENANTS_NAMESPACE}}}\n---\n\
-             apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: bootstrap-controller, \
-             namespace: bootstrap}}\n---\n\
-             apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: \
-             bootstrap-controller, namespace: {TENANTS_NAMESPACE}}}\nrules:\n\
-             - {{apiGroups: [\"\"], resources: [secrets], verbs: [list, watch]}}\n\
-             - {{apiGroups: [events.k8s.io], resources: [events], verbs: [create, patch]}}\n---\n\
-             apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: \
-             bootstrap-controller, namespace: {TENANTS_NAMESPACE}}}\nroleRef: {{apiGroup: \
-             rbac.authorization.k8s.io, kind: Role, name: bootstrap-controller}}\nsubjects:\n\
-             - {{kind: ServiceAccount, name: bootstrap-controller, namespace: bootstrap}}\n---\n\
-             apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: \
+            "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: \
              secret-writer, namespace: {TENANTS_NAMESPACE}}}\nrules:\n\
              - {{apiGroups: [\"\"], resources: [secrets], verbs: [create]}}\n---\n\
              apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: \
@@ -141,7 +167,7 @@ async fn a_secret_writer_cannot_take_the_controllers_token_run_read_or_reach_ano
         &[
             "create",
             "token",
-            "bootstrap-controller",
+            "bc-bootstrap-controller",
             "-n",
             "bootstrap",
             "--duration",
@@ -191,6 +217,9 @@ async fn a_secret_writer_cannot_take_the_controllers_token_run_read_or_reach_ano
             "--tenants-namespace",
             TENANTS_NAMESPACE,
             "--leader-elect=false",
+            // The chart's configuration file says so: the Leases in the release's namespace.
+            "--leader-elect-lease-namespace",
+            "bootstrap",
         ],
     )?;
     controller.wait_ready().await?;

@@ -15,10 +15,11 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use apiserver_sim::{Fleet, FleetConfig, TENANT_LABEL, kubeconfig_secret};
 use common::{CONVERGE, ControllerProcess, eventually};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 const NAMESPACE: &str = "tenants";
@@ -574,4 +575,134 @@ async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Resu
         .await?;
     wait_converged(&fleet, 1).await?;
     Ok(())
+}
+
+/// Which tenant keeps overlapping etcd keys is not up to the Secrets' writers: a tenant that
+/// runs with its claim recorded keeps it against an older Secret edited to claim the same keys,
+/// and a restarted controller decides alike from the records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_secret_edited_to_claim_a_running_tenants_etcd_keys_is_refused() -> Result<()> {
+    let fleet = fleet(2).await?;
+    let management = fleet.management().client();
+    let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
+    let events: Api<Event> = Api::namespaced(management.clone(), NAMESPACE);
+    let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
+    for i in 0..2 {
+        secrets
+            .delete(&Fleet::secret_name(i), &DeleteParams::default())
+            .await?;
+    }
+    // Nothing listens there: only the claims matter here, not the repairs.
+    let etcd = "https://127.0.0.1:9";
+    let mut controller = start_controller(&fleet, &["--leader-elect-lease-namespace", NAMESPACE])?;
+    controller.wait_ready().await?;
+    create_secret(
+        &secrets,
+        "zz-old",
+        &kubeconfig(&tenant_cluster(&fleet, 0)?, "    token: abc\n"),
+        Some(&format!("etcdServers: {etcd}\netcdPrefix: /tenants/b\n")),
+        &[],
+    )
+    .await?;
+    wait_converged(&fleet, 0).await?;
+    // Creation times have a resolution of one second: "zz-old" is the older Secret.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    create_secret(
+        &secrets,
+        "aa-young",
+        &kubeconfig(&tenant_cluster(&fleet, 1)?, "    token: abc\n"),
+        Some(&format!("etcdServers: {etcd}\netcdPrefix: /tenants/a\n")),
+        &[],
+    )
+    .await?;
+    wait_converged(&fleet, 1).await?;
+    let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
+    eventually("both claims recorded", CONVERGE, || async {
+        let prefixes: Vec<String> = records
+            .list(&selector)
+            .await?
+            .items
+            .into_iter()
+            .filter_map(|lease| {
+                lease
+                    .metadata
+                    .annotations?
+                    .get("bootstrap-controller.io/etcd-prefix")
+                    .cloned()
+            })
+            .collect();
+        Ok((prefixes.len() == 2).then_some(()))
+    })
+    .await
+    .with_context(|| controller.log())?;
+
+    // The old Secret now names the young tenant's prefix.
+    let patch = json!({"metadata": {"annotations": {
+        "bootstrap-controller.io/config": format!("etcdServers: {etcd}\netcdPrefix: /tenants/a\n")
+    }}});
+    secrets
+        .patch(
+            "zz-old-kubeconfig",
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
+    let why = eventually("the edited old Secret refused", CONVERGE, || async {
+        Ok(refusals(&events).await?.remove("zz-old-kubeconfig"))
+    })
+    .await?;
+    ensure!(
+        why.contains("tenants/aa-young-kubeconfig, which has held them since"),
+        "{why}"
+    );
+    let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+    ensure!(runs(&readyz, "aa-young-kubeconfig"), "{readyz}");
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    ensure!(
+        !metrics.contains("bootstrap_tenant_stops_total{reason=\"refused\"} 1"),
+        "the running tenant was stopped:\n{metrics}"
+    );
+
+    // A new process (the records are all it knows of the past) decides alike.
+    controller.terminate()?;
+    let mut controller = start_controller(&fleet, &["--leader-elect-lease-namespace", NAMESPACE])?;
+    controller.wait_ready().await?;
+    let readyz = eventually("the young tenant running again", CONVERGE, || async {
+        let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+        Ok(runs(&readyz, "aa-young-kubeconfig").then_some(readyz))
+    })
+    .await?;
+    ensure!(
+        readyz.contains(&format!(
+            "[-]tenant {NAMESPACE}/zz-old-kubeconfig not started"
+        )),
+        "{readyz}"
+    );
+
+    // The young tenant's Secret gone, its record goes and the old one's claim is free.
+    secrets
+        .delete("aa-young-kubeconfig", &DeleteParams::default())
+        .await?;
+    eventually("the old tenant running", CONVERGE, || async {
+        let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+        Ok(runs(&readyz, "zz-old-kubeconfig").then_some(()))
+    })
+    .await?;
+    eventually("one record left", CONVERGE, || async {
+        Ok((records.list(&selector).await?.items.len() == 1).then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// Whether `/readyz?verbose` shows the tenant of Secret `name` running (its loops passing or
+/// not: here nothing answers at its etcd address).
+fn runs(readyz: &str, name: &str) -> bool {
+    let tenant = format!("tenant {NAMESPACE}/{name} ");
+    readyz.lines().any(|line| {
+        line.strip_prefix("[+]")
+            .or_else(|| line.strip_prefix("[-]"))
+            .and_then(|rest| rest.strip_prefix(&tenant))
+            .is_some_and(|state| state == "ok" || state.starts_with("failing: "))
+    })
 }

@@ -105,7 +105,7 @@ pub(super) fn below_floors(fragment: &serde_json::Value) -> Vec<ConfigError> {
 /// A tenant's `etcdPrefix` is a plain absolute key path (`/registry`, `/tenants/a`): no empty,
 /// `.` or `..` segment, no trailing `/`, so the keys written under it are where they appear to
 /// be. Whether it overlaps another tenant's prefix is checked against every tenant
-/// (`tenants.rs`).
+/// (`tenants/`).
 pub fn validate_tenant_etcd_prefix(prefix: &str) -> Result<(), String> {
     let Some(rest) = prefix.strip_prefix('/') else {
         return Err("must start with /".to_owned());

@@ -25,29 +25,36 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use reconcilers::legacy_alloc::etcd::InlineTls;
 use tokio::sync::watch;
 use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::config::{Config, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
-use crate::limits::Limits;
+use crate::config::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
+use crate::etcd_claims::{self, EtcdClaim, RECORD_LABEL, Record};
 use crate::metrics::METRICS_PREFIX;
 use crate::runner::{CheckState, Health};
 use crate::shards::{Leadership, View};
 use crate::tenant_kubeconfig::{self, CredentialPolicy};
+
+mod directory;
+mod load;
+mod metrics;
+mod records;
+
+pub use directory::Directory;
+use directory::Entry;
+use load::{Loaded, load};
+pub use metrics::TenantMetrics;
+use metrics::{ReasonLabels, STATES, StateLabels};
 
 /// The longest a tenant's configuration and client may take to load: past it the Secret is
 /// reported and the tenant not started. Reading a Secret takes milliseconds; an allowed
@@ -69,6 +76,10 @@ pub struct TenantSettings {
     pub identity: String,
     /// What a tenant kubeconfig may use beyond inline material.
     pub credentials: CredentialPolicy,
+    /// Where the etcd-claim records are kept ([`crate::etcd_claims`]): the controller's own
+    /// namespace, and the replicas' group (the Lease name) their names start with.
+    pub claims_namespace: String,
+    pub claims_group: String,
 }
 
 /// What the runtime of a tenant is made from: any change restarts the tenant.
@@ -130,171 +141,6 @@ struct Running {
     registry: Arc<Registry>,
 }
 
-/// What this replica knows of one tenant, for `/readyz` and `/metrics`.
-#[derive(Clone)]
-enum Entry {
-    Running {
-        health: Health,
-        registry: Arc<Registry>,
-    },
-    /// Its Secret is being read (kubeconfig, configuration, client) in a task of its own.
-    Starting,
-    /// Its Secret cannot start a runtime; the reason names what to fix.
-    Invalid(String),
-    /// Owned here, waiting for the replicas to agree on who owns what (a hand-over).
-    Waiting,
-    /// Another replica owns it.
-    Elsewhere(String),
-}
-
-impl Entry {
-    fn state(&self) -> &'static str {
-        match self {
-            Entry::Running { .. } => "running",
-            Entry::Starting => "starting",
-            Entry::Invalid(_) => "invalid",
-            Entry::Waiting => "waiting",
-            Entry::Elsewhere(_) => "elsewhere",
-        }
-    }
-}
-
-/// The tenants as `/readyz` and `/metrics` see them; cheap to clone.
-#[derive(Clone, Default)]
-pub struct Directory {
-    entries: Arc<Mutex<BTreeMap<String, Entry>>>,
-}
-
-impl Directory {
-    fn replace(&self, entries: BTreeMap<String, Entry>) {
-        *self.entries.lock().unwrap_or_else(|p| p.into_inner()) = entries;
-    }
-
-    fn snapshot(&self) -> BTreeMap<String, Entry> {
-        self.entries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    /// One line per tenant, `/readyz?verbose` style. A tenant never fails the process's
-    /// readiness (restarting this process would not heal it); the lines say which fail.
-    pub fn readyz_lines(&self) -> Vec<String> {
-        self.snapshot()
-            .into_iter()
-            .map(|(key, entry)| match entry {
-                Entry::Running { health, .. } => {
-                    let readiness = health.readiness();
-                    if readiness.ready {
-                        format!("[+]tenant {key} ok")
-                    } else {
-                        let failing: Vec<String> = readiness
-                            .lines
-                            .iter()
-                            .filter_map(|line| line.strip_prefix("[-]"))
-                            .map(str::to_owned)
-                            .collect();
-                        format!("[-]tenant {key} failing: {}", failing.join("; "))
-                    }
-                }
-                Entry::Starting => format!("[+]tenant {key} ok (starting)"),
-                Entry::Invalid(reason) => format!("[-]tenant {key} not started: {reason}"),
-                Entry::Waiting => format!("[+]tenant {key} ok (waiting for the hand-over)"),
-                Entry::Elsewhere(owner) => format!("[+]tenant {key} ok (run by replica {owner})"),
-            })
-            .collect()
-    }
-
-    /// The registries of the tenants running here, each labelled with its tenant.
-    pub fn registries(&self) -> Vec<Arc<Registry>> {
-        self.snapshot()
-            .into_values()
-            .filter_map(|entry| match entry {
-                Entry::Running { registry, .. } => Some(registry),
-                _ => None,
-            })
-            .collect()
-    }
-
-    /// Which tenants run here (tests, logs).
-    pub fn running(&self) -> Vec<String> {
-        self.snapshot()
-            .into_iter()
-            .filter(|(_, entry)| matches!(entry, Entry::Running { .. }))
-            .map(|(key, _)| key)
-            .collect()
-    }
-}
-
-/// Every state of [`Entry`], for the `bootstrap_tenants` gauge.
-const STATES: [&str; 5] = ["running", "starting", "invalid", "waiting", "elsewhere"];
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct StateLabels {
-    state: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabels {
-    reason: &'static str,
-}
-
-/// The manager's own metrics (the tenants' are in their registries).
-#[derive(Clone, Default)]
-pub struct TenantMetrics {
-    tenants: Family<StateLabels, Gauge>,
-    config_errors: Counter,
-    starts: Counter,
-    stops: Family<ReasonLabels, Counter>,
-    replicas: Gauge,
-    fenced: Gauge,
-}
-
-impl TenantMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let metrics = TenantMetrics::default();
-        registry.register(
-            "tenants",
-            "Tenant clusters known to this replica, by state (running here, starting: its Secret \
-             is being read, invalid: its Secret cannot start it, waiting for a hand-over, \
-             elsewhere: run by another replica)",
-            metrics.tenants.clone(),
-        );
-        registry.register(
-            "tenant_config_errors",
-            "Tenant Secrets found unusable (bad kubeconfig or configuration fragment), counted \
-             once per version of the Secret",
-            metrics.config_errors.clone(),
-        );
-        registry.register(
-            "tenant_starts",
-            "Tenant runtimes started on this replica",
-            metrics.starts.clone(),
-        );
-        registry.register(
-            "tenant_stops",
-            "Tenant runtimes stopped on this replica, by reason (deleted, changed, moved: \
-             another replica owns it now, refused: its etcd keys overlap an older tenant's, \
-             shutdown)",
-            metrics.stops.clone(),
-        );
-        registry.register(
-            "tenant_replicas",
-            "Live replicas sharing the tenants, as this replica sees them (1 without sharing)",
-            metrics.replicas.clone(),
-        );
-        registry.register(
-            "tenant_fenced",
-            "1 while this replica cannot prove its replica Lease is current: it runs no tenant",
-            metrics.fenced.clone(),
-        );
-        for state in STATES {
-            metrics.tenants.get_or_create(&StateLabels { state }).set(0);
-        }
-        metrics
-    }
-}
-
 /// How tenants are shared with other replicas: the views to follow, how to acknowledge one, and
 /// where each runtime's leadership comes from (a fenced replica takes it from every runtime at
 /// once, even while this manager is stuck).
@@ -350,6 +196,9 @@ pub fn spawn(
         loaded: HashMap::new(),
         invalid: HashMap::new(),
         claims: HashMap::new(),
+        records: None,
+        recording: HashMap::new(),
+        record_errors: Arc::new(Mutex::new(None)),
         conflicts: HashMap::new(),
         acked: None,
         leadership: ownership.leadership.clone(),
@@ -361,13 +210,6 @@ pub fn spawn(
     )
 }
 
-/// What loading a tenant's Secret gives: everything its runtime is built from.
-struct Loaded {
-    config: Config,
-    kube_config: kube::Config,
-    client: kube::Client,
-}
-
 /// What a load task ends with: the tenant, the Secret version it read, and the outcome.
 type LoadOutcome = (String, Spec, Result<Loaded, String>);
 
@@ -376,23 +218,6 @@ struct Loading {
     spec: Spec,
     id: tokio::task::Id,
     abort: AbortHandle,
-}
-
-/// The etcd keys a tenant writes: its servers and prefix. Two tenants on one server must not
-/// have prefixes one of which contains the other (equal included): one would rewrite the
-/// other's bitmaps, or write into its resources' key space.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct EtcdClaim {
-    servers: Vec<String>,
-    prefix: String,
-}
-
-impl EtcdClaim {
-    fn overlaps(&self, other: &EtcdClaim) -> bool {
-        let within = |a: &str, b: &str| a == b || b.starts_with(&format!("{a}/"));
-        self.servers.iter().any(|s| other.servers.contains(s))
-            && (within(&self.prefix, &other.prefix) || within(&other.prefix, &self.prefix))
-    }
 }
 
 struct Manager {
@@ -414,6 +239,12 @@ struct Manager {
     invalid: HashMap<String, (Spec, String)>,
     /// Each Secret's etcd keys, read from its fragment once per version.
     claims: HashMap<String, (Spec, Option<EtcdClaim>)>,
+    /// The etcd-claim records by Secret uid, once listed completely.
+    records: Option<BTreeMap<String, Record>>,
+    /// Records being written or deleted, by name, with when: retried after [`RECORD_RETRY`].
+    recording: HashMap<String, Instant>,
+    /// The last error writing a record, logged once.
+    record_errors: Arc<Mutex<Option<String>>>,
     /// Tenants refused because their etcd keys overlap an older tenant's, reported once per
     /// version and reason.
     conflicts: HashMap<String, (Spec, String)>,
@@ -431,6 +262,14 @@ impl Manager {
         };
         let config = watcher::Config::default().labels(&self.settings.selector);
         let mut events = watcher(api, config).default_backoff().boxed();
+        let records_api: Api<Lease> =
+            Api::namespaced(self.client.clone(), &self.settings.claims_namespace);
+        let records_config = watcher::Config::default().labels(&format!("{RECORD_LABEL}=true"));
+        let mut record_events = watcher(records_api, records_config)
+            .default_backoff()
+            .boxed();
+        let mut records_relist: Option<BTreeMap<String, Record>> = None;
+        let mut records_error: Option<String> = None;
         // Only complete lists are acted on: a re-list builds the next set aside.
         let mut secrets: Option<BTreeMap<String, Spec>> = None;
         let mut relist: Option<BTreeMap<String, Spec>> = None;
@@ -483,6 +322,55 @@ impl Manager {
                                 CheckState::Failing(format!("cannot watch the tenant Secrets: {message}")),
                             );
                             last_error = Some(message);
+                        }
+                    }
+                }
+                event = record_events.next() => {
+                    let Some(event) = event else { break };
+                    let group = self.settings.claims_group.clone();
+                    match event {
+                        Ok(watcher::Event::Init) => records_relist = Some(BTreeMap::new()),
+                        Ok(watcher::Event::InitApply(lease)) => {
+                            if let (Some(next), Some((uid, record))) =
+                                (records_relist.as_mut(), etcd_claims::parse(&group, &lease))
+                            {
+                                next.insert(uid, record);
+                            }
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            if let Some(next) = records_relist.take() {
+                                debug!(records = next.len(), "etcd-claim records listed");
+                                self.records = Some(next);
+                            }
+                            records_error = None;
+                        }
+                        Ok(watcher::Event::Apply(lease)) => {
+                            if let (Some(known), Some((uid, record))) =
+                                (self.records.as_mut(), etcd_claims::parse(&group, &lease))
+                            {
+                                known.insert(uid, record);
+                            }
+                        }
+                        Ok(watcher::Event::Delete(lease)) => {
+                            if let (Some(known), Some(uid)) = (
+                                self.records.as_mut(),
+                                lease.metadata.name.as_deref().and_then(|name| {
+                                    etcd_claims::uid_of(&group, name)
+                                }),
+                            ) {
+                                known.remove(uid);
+                            }
+                        }
+                        Err(err) => {
+                            let message = err.to_string();
+                            if records_error.as_deref() != Some(message.as_str()) {
+                                warn!(
+                                    error = %message,
+                                    namespace = %self.settings.claims_namespace,
+                                    "cannot watch the etcd-claim records (Leases labelled {RECORD_LABEL}); tenants whose etcd keys overlap wait for them"
+                                );
+                            }
+                            records_error = Some(message);
                         }
                     }
                 }
@@ -546,7 +434,8 @@ impl Manager {
         view: &View,
         ack: &(dyn Fn(u64) + Send + Sync),
     ) {
-        let conflicts = self.etcd_conflicts(secrets);
+        let decision = self.etcd_conflicts(secrets);
+        let conflicts = decision.refused;
         let mut deleted = Vec::new();
         let mut changed = Vec::new();
         let mut moved = Vec::new();
@@ -613,7 +502,7 @@ impl Manager {
                 entries.insert(key.clone(), Entry::Invalid(reason.clone()));
                 continue;
             }
-            if !view.settled {
+            if !view.settled || decision.undecided.contains(key) {
                 entries.insert(key.clone(), Entry::Waiting);
                 continue;
             }
@@ -657,52 +546,7 @@ impl Manager {
                 .set(counts.get(state).copied().unwrap_or(0));
         }
         self.directory.replace(entries);
-    }
-
-    /// Tenants whose etcd keys overlap an older tenant's (by the Secrets' creation, then name),
-    /// with why. Decided from every Secret, so every replica decides alike.
-    fn etcd_conflicts(&mut self, secrets: &BTreeMap<String, Spec>) -> HashMap<String, String> {
-        self.claims
-            .retain(|key, (spec, _)| secrets.get(key) == Some(spec));
-        let mut claimed: Vec<(&String, &Spec, EtcdClaim)> = Vec::new();
-        for (key, spec) in secrets {
-            let claim = match self.claims.get(key) {
-                Some((_, claim)) => claim.clone(),
-                None => {
-                    let claim = spec
-                        .fragment
-                        .as_deref()
-                        .and_then(crate::config::fragment_etcd)
-                        .map(|(servers, prefix)| EtcdClaim { servers, prefix });
-                    self.claims
-                        .insert(key.clone(), (spec.clone(), claim.clone()));
-                    claim
-                }
-            };
-            if let Some(claim) = claim {
-                claimed.push((key, spec, claim));
-            }
-        }
-        claimed.sort_by(|a, b| (a.1.created, a.0).cmp(&(b.1.created, b.0)));
-        let mut conflicts = HashMap::new();
-        let mut kept: Vec<(&String, &EtcdClaim)> = Vec::new();
-        for (key, _, claim) in &claimed {
-            match kept.iter().find(|(_, other)| claim.overlaps(other)) {
-                Some((owner, other)) => {
-                    conflicts.insert(
-                        (*key).clone(),
-                        format!(
-                            "{TENANT_CONFIG_ANNOTATION}: etcdPrefix {:?} overlaps {:?} of the \
-                             older tenant {owner} on the same etcd server: two tenants' keys \
-                             must not contain each other (give each tenant its own prefix)",
-                            claim.prefix, other.prefix
-                        ),
-                    );
-                }
-                None => kept.push((key, claim)),
-            }
-        }
-        conflicts
+        self.keep_records();
     }
 
     /// Starts loading a tenant's Secret in a task of its own, bounded by [`LOAD_TIMEOUT`].
@@ -838,93 +682,6 @@ impl Manager {
     }
 }
 
-/// Reads a tenant's Secret into what its runtime is built from: the configuration (fragment
-/// over the file), the kubeconfig under the credential policy, the etcd credentials, and the
-/// client (whose construction runs an allowed credential plugin, hence off the async threads).
-async fn load(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Loaded, String> {
-    let mut config = settings
-        .base
-        .tenant(spec.fragment.as_deref())
-        .map_err(|errors| format!("configuration: {errors}"))?;
-    let source = format!("Secret {key} key {:?}", settings.kubeconfig_key);
-    let bytes = spec.kubeconfig.as_ref().ok_or_else(|| {
-        format!(
-            "{source} is missing (the kubeconfig must be under that data key; set \
-             --tenants-kubeconfig-key for another)"
-        )
-    })?;
-    let kube_config = tenant_kubeconfig::read(bytes, &source, &settings.credentials)
-        .await
-        .map_err(|err| err.to_string())?;
-    config.etcd_inline_tls = etcd_tls(key, spec, &config)?;
-    let client = {
-        let kube_config = kube_config.clone();
-        tokio::task::spawn_blocking(move || {
-            kube::client::ClientBuilder::try_from(kube_config)
-                .map(|builder| builder.with_layer(&Limits::TENANT.for_one_client()).build())
-        })
-        .await
-        .map_err(|err| format!("{source}: cannot build a client: {err}"))?
-        .map_err(|err| format!("{source}: cannot build a client: {err}"))?
-    };
-    Ok(Loaded {
-        config,
-        kube_config,
-        client,
-    })
-}
-
-/// The tenant's etcd client certificate from its Secret's data keys, checked against its
-/// `etcdServers`: credentials go to TLS servers only, a certificate comes with its key, and
-/// credentials without servers are a mistake worth saying.
-fn etcd_tls(key: &str, spec: &Spec, config: &Config) -> Result<Option<InlineTls>, String> {
-    let [ca, cert, client_key] = spec.etcd.clone();
-    let names = [
-        TENANT_ETCD_KEYS.ca,
-        TENANT_ETCD_KEYS.cert,
-        TENANT_ETCD_KEYS.key,
-    ];
-    let given: Vec<&str> = spec
-        .etcd
-        .iter()
-        .zip(names)
-        .filter_map(|(data, name)| data.as_ref().map(|_| name))
-        .collect();
-    if config.etcd_servers.is_empty() {
-        if given.is_empty() {
-            return Ok(None);
-        }
-        return Err(format!(
-            "Secret {key} has etcd credentials ({}) but its {TENANT_CONFIG_ANNOTATION} \
-             annotation sets no etcdServers: set etcdServers (and etcdPrefix), or remove them",
-            given.join(", ")
-        ));
-    }
-    if cert.is_some() != client_key.is_some() {
-        return Err(format!(
-            "Secret {key}: {} and {} go together (a client certificate and its key)",
-            TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
-        ));
-    }
-    if !given.is_empty()
-        && let Some(plain) = config
-            .etcd_servers
-            .iter()
-            .find(|server| !server.starts_with("https://"))
-    {
-        return Err(format!(
-            "{TENANT_CONFIG_ANNOTATION}: etcdServers {plain:?} is not https://: the Secret's \
-             etcd credentials are sent over TLS only"
-        ));
-    }
-    Ok(Some(InlineTls {
-        ca,
-        cert,
-        key: client_key,
-        origin: "the tenant Secret's etcd-ca.crt, etcd-client.crt, etcd-client.key",
-    }))
-}
-
 /// Event notes are limited to 1 KiB by the API.
 fn truncate(text: &str, max: usize) -> String {
     if text.len() <= max {
@@ -935,42 +692,4 @@ fn truncate(text: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}...", &text[..end])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn claim(servers: &[&str], prefix: &str) -> EtcdClaim {
-        EtcdClaim {
-            servers: servers.iter().map(|s| (*s).to_owned()).collect(),
-            prefix: prefix.to_owned(),
-        }
-    }
-
-    #[test]
-    fn etcd_claims_overlap_on_a_shared_server_when_one_prefix_contains_the_other() {
-        let a = claim(&["https://192.0.2.1:2379"], "/tenants/a");
-        for (other, overlaps) in [
-            (claim(&["https://192.0.2.1:2379"], "/tenants/a"), true),
-            (claim(&["https://192.0.2.1:2379"], "/tenants"), true),
-            (
-                claim(&["https://192.0.2.1:2379"], "/tenants/a/services"),
-                true,
-            ),
-            (
-                claim(
-                    &["https://192.0.2.2:2379", "https://192.0.2.1:2379"],
-                    "/tenants/a",
-                ),
-                true,
-            ),
-            (claim(&["https://192.0.2.1:2379"], "/tenants/ab"), false),
-            (claim(&["https://192.0.2.1:2379"], "/tenants/b"), false),
-            (claim(&["https://192.0.2.2:2379"], "/tenants/a"), false),
-        ] {
-            assert_eq!(a.overlaps(&other), overlaps, "{other:?}");
-            assert_eq!(other.overlaps(&a), overlaps, "{other:?}");
-        }
-    }
 }

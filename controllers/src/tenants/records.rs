@@ -1,0 +1,166 @@
+//! The etcd-claim records ([`crate::etcd_claims`]) as the manager keeps them: which tenants are
+//! refused, or wait, for their etcd keys, and the records of the tenants running here.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use tracing::{debug, warn};
+
+use super::{Manager, Spec};
+use crate::etcd_claims::{self, Candidate, EtcdClaim};
+
+/// How long a record write or deletion may take, and how soon one that failed is tried again.
+pub(super) const RECORD_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const RECORD_RETRY: Duration = Duration::from_secs(30);
+
+impl Manager {
+    /// Which tenants are refused, or wait, because their etcd keys overlap another's
+    /// ([`etcd_claims::conflicts`]). Decided from every Secret and record, so every replica
+    /// decides alike.
+    pub(super) fn etcd_conflicts(
+        &mut self,
+        secrets: &BTreeMap<String, Spec>,
+    ) -> etcd_claims::Decision {
+        self.claims
+            .retain(|key, (spec, _)| secrets.get(key) == Some(spec));
+        for (key, spec) in secrets {
+            if !self.claims.contains_key(key) {
+                let claim = spec
+                    .fragment
+                    .as_deref()
+                    .and_then(crate::config::fragment_etcd)
+                    .map(|(servers, prefix)| EtcdClaim { servers, prefix });
+                self.claims.insert(key.clone(), (spec.clone(), claim));
+            }
+        }
+        let candidates: Vec<Candidate<'_>> = self
+            .claims
+            .iter()
+            .filter_map(|(key, (spec, claim))| {
+                Some(Candidate {
+                    key,
+                    uid: &spec.uid,
+                    created: spec.created,
+                    claim: claim.clone()?,
+                })
+            })
+            .collect();
+        etcd_claims::conflicts(&candidates, self.records.as_ref())
+    }
+
+    /// Keeps the etcd-claim records: the claim of every tenant running here recorded as it is
+    /// now, and the records that no Secret makes any more deleted. Each write runs in a task
+    /// of its own, bounded by [`RECORD_TIMEOUT`]; one that fails is tried again after
+    /// [`RECORD_RETRY`]. Deletions carry the record's resourceVersion, so a record rewritten
+    /// meanwhile (by another replica) stays.
+    pub(super) fn keep_records(&mut self) {
+        let Some(records) = &self.records else {
+            return;
+        };
+        let now = Instant::now();
+        self.recording
+            .retain(|_, at| now.duration_since(*at) < RECORD_RETRY);
+        let group = &self.settings.claims_group;
+        let api: Api<Lease> = Api::namespaced(self.client.clone(), &self.settings.claims_namespace);
+        let mut writes = Vec::new();
+        for (key, running) in &self.running {
+            let Some((_, Some(claim))) = self.claims.get(key) else {
+                continue;
+            };
+            let uid = &running.spec.uid;
+            let existing = records.get(uid);
+            if uid.is_empty() || existing.is_some_and(|record| &record.claim == claim) {
+                continue;
+            }
+            let version = existing.and_then(|record| record.resource_version.clone());
+            let lease = etcd_claims::record(group, uid, key, claim, version);
+            writes.push((etcd_claims::record_name(group, uid), lease));
+        }
+        let claimed: HashSet<&str> = self
+            .claims
+            .values()
+            .filter(|(_, claim)| claim.is_some())
+            .map(|(spec, _)| spec.uid.as_str())
+            .collect();
+        let mut deletions = Vec::new();
+        for (uid, record) in records {
+            if !claimed.contains(uid.as_str()) {
+                deletions.push((record.name.clone(), record.resource_version.clone()));
+            }
+        }
+        for (name, lease) in writes {
+            if self.recording.insert(name.clone(), now).is_some() {
+                continue;
+            }
+            let (api, errors) = (api.clone(), self.record_errors.clone());
+            tokio::spawn(async move {
+                let params = PostParams {
+                    field_manager: Some("bootstrap-controller".to_owned()),
+                    ..PostParams::default()
+                };
+                // With the old record's resourceVersion a replacement, else a creation: both
+                // fail rather than overwrite a record another replica wrote meanwhile.
+                let write = async {
+                    if lease.metadata.resource_version.is_some() {
+                        api.replace(&name, &params, &lease).await.map(drop)
+                    } else {
+                        api.create(&params, &lease).await.map(drop)
+                    }
+                };
+                let result = tokio::time::timeout(RECORD_TIMEOUT, write).await;
+                report_record(&errors, &name, "write", result);
+            });
+        }
+        for (name, version) in deletions {
+            if self.recording.insert(name.clone(), now).is_some() {
+                continue;
+            }
+            let (api, errors) = (api.clone(), self.record_errors.clone());
+            tokio::spawn(async move {
+                let params = DeleteParams {
+                    preconditions: Some(Preconditions {
+                        resource_version: version,
+                        uid: None,
+                    }),
+                    ..DeleteParams::default()
+                };
+                let delete = async { api.delete(&name, &params).await.map(drop) };
+                let result = tokio::time::timeout(RECORD_TIMEOUT, delete).await;
+                report_record(&errors, &name, "delete", result);
+            });
+        }
+    }
+}
+
+/// Logs how a record's write or deletion ended: a conflict or a record already gone is a race
+/// with another replica, settled on the next try; other errors are warned once until another
+/// comes.
+fn report_record(
+    errors: &Mutex<Option<String>>,
+    name: &str,
+    what: &str,
+    result: Result<Result<(), kube::Error>, tokio::time::error::Elapsed>,
+) {
+    let message = match result {
+        Ok(Ok(())) => {
+            debug!(record = %name, "etcd-claim record {what} done");
+            return;
+        }
+        Ok(Err(kube::Error::Api(status)))
+            if status.code == 409 || (status.code == 404 && what == "delete") =>
+        {
+            debug!(record = %name, reason = %status.message, "etcd-claim record {what} raced another writer; tried again later");
+            return;
+        }
+        Ok(Err(err)) => err.to_string(),
+        Err(_) => format!("no answer within {} s", RECORD_TIMEOUT.as_secs()),
+    };
+    let mut last = errors.lock().unwrap_or_else(|p| p.into_inner());
+    if last.as_deref() != Some(message.as_str()) {
+        warn!(record = %name, error = %message, "cannot {what} an etcd-claim record; tried again in {} s", RECORD_RETRY.as_secs());
+        *last = Some(message);
+    }
+}
