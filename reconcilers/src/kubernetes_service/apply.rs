@@ -1,0 +1,295 @@
+//! The writes of a [`Plan`]: each made unless the pass is a dry run, with its event, metric and
+//! log, and every drift put in the pass's report with what was done about it. A write the API
+//! refuses as invalid (422: a cluster IP or node port another Service holds, say) cannot succeed
+//! by retrying it, so it is not an error of the pass: it is returned, and the loop reports it
+//! once while it lasts.
+
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::runtime::events::EventType;
+
+use super::metrics::KubernetesServiceMetrics;
+use super::plan::{Plan, ServiceDrift, desired_service};
+use super::section::KubernetesServiceConfig;
+use super::{KubernetesServiceLoop, Refusal};
+use crate::contract::{Action, LoopError, PassContext, PassReport, drift, ignore_already_exists};
+
+/// What a pass did: its report, and the write the API refused in it, if any.
+pub(super) struct Applied {
+    pub(super) report: PassReport,
+    pub(super) refused: Option<Refusal>,
+}
+
+impl KubernetesServiceLoop {
+    pub(super) async fn apply(
+        &self,
+        ctx: &PassContext,
+        cfg: &KubernetesServiceConfig,
+        plan: Plan,
+    ) -> Result<Applied, LoopError> {
+        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &cfg.namespace);
+        let mut report = PassReport::default();
+        let object = cfg.object_ref();
+        let refused = match plan {
+            Plan::MissingUnknownRange(why) => {
+                report.push(drift(
+                    "service_missing",
+                    object,
+                    Action::Create,
+                    format!("the Service does not exist; not created: {why}"),
+                    false,
+                ));
+                None
+            }
+            Plan::Create(want) => self.create(ctx, &api, &object, &want, &mut report).await?,
+            Plan::Existing {
+                existing,
+                drift,
+                repaired,
+                mismatch,
+                recreate,
+            } => {
+                let refused = self
+                    .repair(ctx, &api, &object, &existing, drift, repaired, &mut report)
+                    .await?;
+                self.cluster_ip(ctx, &api, cfg, &existing, mismatch, recreate, &mut report)
+                    .await?;
+                refused
+            }
+        };
+        Ok(Applied { report, refused })
+    }
+
+    async fn create(
+        &self,
+        ctx: &PassContext,
+        api: &Api<Service>,
+        object: &str,
+        want: &Service,
+        report: &mut PassReport,
+    ) -> Result<Option<Refusal>, LoopError> {
+        let mut refused = None;
+        let mut applied = false;
+        if !ctx.dry_run {
+            let created = match api.create(&PostParams::default(), want).await {
+                // Its cluster IP taken or outside the range the apiserver serves: nothing this
+                // loop can change, so reported rather than failed.
+                Err(kube::Error::Api(status)) if status.code == 422 => {
+                    refused = Some(Refusal {
+                        kinds: vec!["service_missing"],
+                        message: status.message.clone(),
+                    });
+                    None
+                }
+                other => ignore_already_exists(other)?,
+            };
+            applied = created.is_some();
+            if let Some(created) = &created {
+                tracing::info!(service = %object, "created the kubernetes Service");
+                KubernetesServiceMetrics::count(&self.metrics.repairs, &["service_missing"]);
+                self.publish(
+                    created,
+                    EventType::Normal,
+                    "KubernetesServiceCreated",
+                    format!("created {object}"),
+                )
+                .await;
+            }
+        }
+        report.push(drift(
+            "service_missing",
+            object.to_owned(),
+            Action::Create,
+            match (&refused, applied) {
+                (Some(refusal), _) => format!(
+                    "the Service does not exist; the API refused to create it: {}",
+                    refusal.message
+                ),
+                (None, true) => "the Service does not exist; created it".to_owned(),
+                (None, false) => "the Service does not exist; would create it".to_owned(),
+            },
+            applied,
+        ));
+        Ok(refused)
+    }
+
+    /// The repairable drift: one update when the policy repairs, a report line per drift.
+    #[allow(clippy::too_many_arguments)]
+    async fn repair(
+        &self,
+        ctx: &PassContext,
+        api: &Api<Service>,
+        object: &str,
+        existing: &Service,
+        found: Vec<ServiceDrift>,
+        repaired: Option<Box<Service>>,
+        report: &mut PassReport,
+    ) -> Result<Option<Refusal>, LoopError> {
+        if found.is_empty() {
+            return Ok(None);
+        }
+        let repair = repaired.is_some();
+        let mut refused = None;
+        let mut applied = false;
+        if let Some(repaired) = repaired.filter(|_| !ctx.dry_run) {
+            let name = existing.metadata.name.clone().unwrap_or_default();
+            match api.replace(&name, &PostParams::default(), &repaired).await {
+                Ok(_) => applied = true,
+                // Refused as invalid (a node port another Service holds, say): retrying the
+                // same write cannot help, so it is reported, not failed, and not a repair.
+                Err(kube::Error::Api(status)) if status.code == 422 => {
+                    refused = Some(Refusal {
+                        kinds: found.iter().map(ServiceDrift::kind).collect(),
+                        message: status.message.clone(),
+                    });
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+        if applied {
+            let kinds: Vec<&str> = found.iter().map(ServiceDrift::kind).collect();
+            KubernetesServiceMetrics::count(&self.metrics.repairs, &kinds);
+            let note = found
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ");
+            tracing::warn!(service = %object, drift = %note, "repaired the kubernetes Service");
+            self.publish(
+                existing,
+                EventType::Normal,
+                "KubernetesServiceRepaired",
+                format!("repaired: {note}"),
+            )
+            .await;
+        }
+        for d in found {
+            let message = match (repair, applied, &refused) {
+                (true, _, Some(refusal)) => {
+                    format!("{d}; the API refused the repair: {}", refusal.message)
+                }
+                (true, true, None) => format!("{d}; repaired"),
+                (true, false, None) => format!("{d}; would repair"),
+                (false, _, _) => format!("{d}; not repaired (repair policy is off)"),
+            };
+            report.push(drift(
+                d.kind(),
+                object.to_owned(),
+                if repair {
+                    Action::Update
+                } else {
+                    Action::Report
+                },
+                message,
+                applied,
+            ));
+        }
+        Ok(refused)
+    }
+
+    /// The clusterIP: immutable, so reported once per distinct mismatch, or (opted in) the
+    /// Service deleted, by its uid and resourceVersion, and created anew.
+    #[allow(clippy::too_many_arguments)]
+    async fn cluster_ip(
+        &self,
+        ctx: &PassContext,
+        api: &Api<Service>,
+        cfg: &KubernetesServiceConfig,
+        existing: &Service,
+        mismatch: Option<ServiceDrift>,
+        recreate: bool,
+        report: &mut PassReport,
+    ) -> Result<(), LoopError> {
+        let object = cfg.object_ref();
+        self.metrics
+            .cluster_ip_mismatch
+            .set(i64::from(mismatch.is_some()));
+        let Some(mismatch) = mismatch else {
+            if let Ok(mut last) = self.last_mismatch.lock() {
+                *last = None;
+            }
+            return Ok(());
+        };
+
+        if recreate {
+            let mut applied = false;
+            if !ctx.dry_run {
+                api.delete(
+                    &cfg.name,
+                    &DeleteParams::default().preconditions(Preconditions {
+                        uid: existing.metadata.uid.clone(),
+                        resource_version: existing.metadata.resource_version.clone(),
+                    }),
+                )
+                .await?;
+                // If the delete has not finished yet the create conflicts; the next pass creates.
+                let want = desired_service(cfg);
+                match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
+                    Ok(_) => applied = true,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "recreating the kubernetes Service failed; retrying next pass")
+                    }
+                }
+                KubernetesServiceMetrics::count(&self.metrics.repairs, &["service_cluster_ip"]);
+                self.publish(
+                    existing,
+                    EventType::Warning,
+                    "KubernetesServiceRecreated",
+                    format!(
+                        "{mismatch}; deleted and recreated the Service (recreateOnClusterIPMismatch)"
+                    ),
+                )
+                .await;
+            }
+            report.push(drift(
+                mismatch.kind(),
+                object,
+                Action::Delete,
+                format!(
+                    "{mismatch}; {} (recreateOnClusterIPMismatch)",
+                    if applied {
+                        "deleted and recreated the Service"
+                    } else {
+                        "would delete and recreate the Service"
+                    }
+                ),
+                applied,
+            ));
+            return Ok(());
+        }
+
+        let first_time = self
+            .last_mismatch
+            .lock()
+            .map(|mut last| {
+                let new = last.as_ref() != Some(&mismatch);
+                *last = Some(mismatch.clone());
+                new
+            })
+            .unwrap_or(true);
+        if first_time {
+            tracing::warn!(service = %object, drift = %mismatch, "the kubernetes Service has the wrong clusterIP");
+            if !ctx.dry_run {
+                self.publish(
+                    existing,
+                    EventType::Warning,
+                    "ClusterIPMismatch",
+                    format!(
+                        "{mismatch}: delete the Service to have it recreated, or set recreateOnClusterIPMismatch"
+                    ),
+                )
+                .await;
+            }
+        }
+        report.push(drift(
+            mismatch.kind(),
+            object,
+            Action::Report,
+            format!(
+                "{mismatch}; reported only (delete the Service, or enable recreateOnClusterIPMismatch)"
+            ),
+            false,
+        ));
+        Ok(())
+    }
+}

@@ -1,0 +1,228 @@
+//! The `default/kubernetes` Service loop.
+//!
+//! Upstream (`pkg/controlplane/controller/kubernetesservice/controller.go`,
+//! `UpdateKubernetesService`) creates the Service when it is missing and never touches it again, so
+//! a changed `--secure-port`, node port or a hand edit stays broken until someone deletes the
+//! Service (kubernetes/kubernetes#12289, #72338). This loop creates it the same way and, by
+//! default, also repairs ports, type, selector, session affinity and its two labels. `clusterIP` is
+//! immutable: a mismatch is only reported, unless the operator opted in to delete-and-recreate.
+//!
+//! The files: `section.rs` (the file's section and the loop's configuration), `plan.rs` (what a
+//! pass does, pure, with the table of its cases), `apply.rs` (the writes, events and metrics of
+//! a plan), `metrics.rs`; here the loop itself.
+//!
+//! With two service ranges the Service stays `SingleStack` of the primary range's family, as
+//! upstream keeps it: each apiserver advertises one address, so a second family's ClusterIP would
+//! lead nowhere. A Service someone else made dual-stack is left so (only its primary IP is judged).
+//!
+//! Events on the Service: `KubernetesServiceCreated`, `KubernetesServiceRepaired`,
+//! `ClusterIPMismatch` (Warning, once per distinct mismatch), `KubernetesServiceRecreated`
+//! (Warning, opt-in only), `KubernetesServiceCreateRefused` and `KubernetesServiceRepairRefused`
+//! (Warning, once per distinct refusal: the API answered 422 to the write). RBAC: `services` get/list/watch/create/update in the Service namespace
+//! (plus delete for `recreateOnClusterIPMismatch`), `events.k8s.io` `events` create/patch.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Service;
+use kube::Resource;
+use kube::api::Api;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use prometheus_client::registry::Registry;
+
+use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::findings::ReportOnce;
+use crate::section::ServiceName;
+use crate::service_range::{RangeError, ServiceRanges};
+use crate::watch_cache::{WatchCache, watch_trigger};
+
+mod apply;
+mod metrics;
+mod plan;
+mod section;
+
+use apply::Applied;
+pub use metrics::KubernetesServiceMetrics;
+pub use plan::{
+    COMPONENT_LABEL, PROVIDER_LABEL, Plan, ServiceDrift, desired_service, plan, repaired_service,
+    service_drift,
+};
+pub use section::{KubernetesServiceConfig, RepairPolicy, Section, first_usable_ip};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "kubernetes-service";
+
+/// A write of the Service the API refused: the drift it was to repair and the API's message.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Refusal {
+    kinds: Vec<&'static str>,
+    message: String,
+}
+
+/// Creates and repairs the `kubernetes` Service. Leader-only.
+pub struct KubernetesServiceLoop {
+    cfg: KubernetesServiceConfig,
+    client: kube::Client,
+    /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
+    /// one series and keeps the first note, which would hide who joined or what was repaired.
+    reporter: Reporter,
+    metrics: KubernetesServiceMetrics,
+    /// The last clusterIP mismatch warned about, so the warning event is not repeated every pass.
+    last_mismatch: Mutex<Option<ServiceDrift>>,
+    /// Writes the API refused, reported once each while the refusal lasts.
+    refusals: ReportOnce<Refusal>,
+    /// The Service, kept by the watch that is also this loop's trigger.
+    cache: WatchCache<Service>,
+    /// `serviceClusterIPRange`, or the `kubernetes` ServiceCIDR's ranges when it is not set.
+    ranges: ServiceRanges,
+}
+
+impl KubernetesServiceLoop {
+    /// `cfg` must have passed [`KubernetesServiceConfig::validate`].
+    pub fn new(
+        cfg: KubernetesServiceConfig,
+        client: kube::Client,
+        reporter: Reporter,
+        registry: &mut Registry,
+    ) -> Self {
+        let cache = WatchCache::new(
+            Api::namespaced(client.clone(), &cfg.namespace),
+            watcher::Config::default().fields(&format!("metadata.name={}", cfg.name)),
+        );
+        let ranges = ServiceRanges::new(
+            client.clone(),
+            cfg.service_cidrs.clone(),
+            ServiceName {
+                namespace: cfg.namespace.clone(),
+                name: cfg.name.clone(),
+            },
+        );
+        Self {
+            ranges,
+            reporter,
+            client,
+            cfg,
+            metrics: KubernetesServiceMetrics::register(registry),
+            last_mismatch: Mutex::new(None),
+            refusals: ReportOnce::new(),
+            cache,
+        }
+    }
+
+    pub fn metrics(&self) -> &KubernetesServiceMetrics {
+        &self.metrics
+    }
+
+    async fn publish(&self, service: &Service, type_: EventType, reason: &str, note: String) {
+        let reference = service.object_ref(&());
+        let event = Event {
+            type_,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
+        if let Err(err) = Recorder::new(self.client.clone(), self.reporter.clone())
+            .publish(&event, &reference)
+            .await
+        {
+            tracing::warn!(error = %err, reason, "could not publish event on the kubernetes Service");
+        }
+    }
+
+    /// One pass, then the write the API refused in it (if any) reported once: a refusal stays
+    /// until what the API objects to changes, so a warning on every pass would only repeat it.
+    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        let Applied { report, refused } = self.pass_writing(ctx).await?;
+        for refusal in self.refusals.update(refused) {
+            let create = refusal.kinds == ["service_missing"];
+            let object = self.cfg.object_ref();
+            tracing::warn!(
+                service = %object,
+                drift = %refusal.kinds.join(", "),
+                error = %refusal.message,
+                "the API refused to {} the kubernetes Service; reported once, retried every pass",
+                if create { "create" } else { "repair" }
+            );
+            KubernetesServiceMetrics::count(&self.metrics.refusals, &refusal.kinds);
+            let (reason, note) = if create {
+                (
+                    "KubernetesServiceCreateRefused",
+                    format!("the API refused to create {object}: {}", refusal.message),
+                )
+            } else {
+                (
+                    "KubernetesServiceRepairRefused",
+                    format!(
+                        "the API refused to repair {}: {}",
+                        refusal.kinds.join(", "),
+                        refusal.message
+                    ),
+                )
+            };
+            self.publish(
+                &desired_service(&self.cfg),
+                EventType::Warning,
+                reason,
+                note,
+            )
+            .await;
+        }
+        Ok(report)
+    }
+
+    /// The Service range in effect, the Service as the watch has it, its plan, and the plan
+    /// applied.
+    async fn pass_writing(&self, ctx: &PassContext) -> Result<Applied, LoopError> {
+        // Without serviceClusterIPRange the range is the `kubernetes` ServiceCIDR's. Where the
+        // cluster does not tell it (before 1.33), the ClusterIP is neither chosen nor checked.
+        let mut unknown_range: Option<String> = None;
+        let discovered;
+        let cfg = match self.ranges.resolve().await {
+            Ok(ranges) if self.ranges.configured().is_none() => {
+                discovered = KubernetesServiceConfig {
+                    service_cidrs: ranges,
+                    ..self.cfg.clone()
+                };
+                &discovered
+            }
+            Ok(_) => &self.cfg,
+            Err(RangeError::Api(err)) => return Err(err.into()),
+            Err(err) => {
+                unknown_range = Some(err.to_string());
+                &self.cfg
+            }
+        };
+        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &cfg.namespace);
+        let existing = self.cache.get(&api, &cfg.name).await?;
+        self.apply(ctx, cfg, plan(cfg, existing, unknown_range))
+            .await
+    }
+}
+
+impl Reconciler for KubernetesServiceLoop {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn interval(&self) -> Duration {
+        self.cfg.interval
+    }
+
+    fn triggers(&self) -> Vec<Trigger> {
+        self.cache
+            .take_events()
+            .map(watch_trigger)
+            .into_iter()
+            .collect()
+    }
+
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        Box::pin(self.pass(ctx))
+    }
+}
