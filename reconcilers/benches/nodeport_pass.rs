@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use reconcilers::findings::ReportOnce;
 use reconcilers::nodeport_repair::PortRange;
-use reconcilers::nodeport_repair::scan::scan;
+use reconcilers::nodeport_repair::plan::scan;
 use reconcilers::service_cache::record::{ClusterIp, Protocol, ServiceRecord, Token};
 
 fn arg(name: &str, default: usize) -> usize {

@@ -4,7 +4,7 @@
 //! cluster IP backed by an `networking.k8s.io/v1` IPAddress that names the Service, inside
 //! kube-apiserver, on a 3-minute resync. We do the same from outside: caches of Services,
 //! IPAddresses and ServiceCIDRs are kept by watches (which also wake the loop), a full pass runs
-//! every interval, and [`decide`] says what is wrong with the exact upstream events.
+//! every interval, and [`plan`] says what is wrong with the exact upstream events.
 //!
 //! Safety beyond upstream: nothing is decided from an unsynced cache; every delete is
 //! preconditioned on the IPAddress's uid and resourceVersion; and before a delete the parent
@@ -19,12 +19,12 @@
 //! and only there: where the IPAddress API is served they are left alone
 //! ([`ClusterIpRepair::keeps_legacy_bitmaps`] says why).
 
-pub mod decide;
+mod apply;
 mod legacy;
 pub mod metrics;
 pub mod model;
+pub mod plan;
 pub mod section;
-mod writes;
 
 pub use metrics::RepairMetrics;
 pub use section::{ClusterIpRepairConfig, RepairMode, Section};
@@ -49,13 +49,13 @@ use crate::section::ConfigError;
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{SharedStore, Store, reflect};
 use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
-use decide::{AuditDecision, Decision, Finding, Repair};
-use model::{IpAddressRecord, ServiceCidrRecord};
-pub use writes::new_ip_address;
-use writes::{
+pub use apply::new_ip_address;
+use apply::{
     Outcome, Verdict, action_of, create_ip_address, delete_ip_address, drift_of, object_reference,
     verify_delete, verify_recreate,
 };
+use model::{IpAddressRecord, ServiceCidrRecord};
+use plan::{AuditDecision, Decision, Finding, Repair};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "clusterip-repair";
@@ -212,7 +212,7 @@ pub struct ClusterIpRepair {
 type ReportKey = (&'static str, String, String);
 
 fn report_key(finding: &Finding) -> Option<ReportKey> {
-    matches!(finding.repair, decide::Repair::None)
+    matches!(finding.repair, plan::Repair::None)
         .then(|| (finding.kind, finding.regarding.object(), finding.summary()))
 }
 
@@ -370,7 +370,7 @@ impl ClusterIpRepair {
                     "Service cache has not synced yet".to_owned(),
                 ));
             }
-            decide::decide_audit_mode(state.values(), &ranges)
+            plan::decide_audit_mode(state.values(), &ranges)
         };
         let AuditDecision { findings, usage } = audit;
         for range in &usage {
@@ -441,7 +441,7 @@ impl ClusterIpRepair {
                 true => None,
                 false => Some(self.default_service_cidr_stand_in(ctx)?),
             };
-            decide::decide_ipaddress_mode(
+            plan::decide_ipaddress_mode(
                 services.values(),
                 ip_addresses.values(),
                 service_cidrs.values().chain(stand_in.as_ref()),
@@ -756,7 +756,7 @@ impl Reconciler for ClusterIpRepair {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::decide::ServiceOwner;
+    use super::plan::ServiceOwner;
     use super::*;
     use crate::service_range::validate_ranges;
 

@@ -17,7 +17,7 @@
 //! once when it appears (event, warning log, counter), not again on every pass while it
 //! persists; `check` lists every current problem.
 
-pub mod scan;
+pub mod plan;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,7 +40,7 @@ use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
 use crate::service_cache::fresh_services;
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{self, SharedStore, reflect};
-pub use scan::{Finding, PortRange, Problem};
+pub use plan::{Finding, PortRange, Problem};
 
 use crate::metrics::{loop_registry, registered};
 use crate::section::{
@@ -271,7 +271,7 @@ impl NodePortRepair {
         &self,
         ctx: &PassContext,
         etcd: &LegacyBitmap,
-        scan: &scan::Scan,
+        scan: &plan::Scan,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
         let owner = |offset: usize| {
@@ -284,7 +284,7 @@ impl NodePortRepair {
                 (ctx.client.clone(), self.config.page_size, self.config.range);
             Box::pin(async move {
                 let services = fresh_services(&client, page_size).await?;
-                Some(scan::scan(&services, range).in_use)
+                Some(plan::scan(&services, range).in_use)
             })
         };
         let pass = etcd
@@ -310,7 +310,7 @@ impl NodePortRepair {
                 BitmapFinding::RangeMismatch(ref stored) => {
                     if !ctx.dry_run {
                         let service = &self.config.kubernetes_service;
-                        let holder = scan::Holder {
+                        let holder = plan::Holder {
                             namespace: service.namespace.as_str().into(),
                             name: service.name.as_str().into(),
                             uid: "".into(),
@@ -341,7 +341,7 @@ impl NodePortRepair {
     }
 
     async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
-        let holder = scan::Holder {
+        let holder = plan::Holder {
             namespace: finding.namespace.clone(),
             name: finding.name.clone(),
             uid: finding.uid.clone(),
@@ -356,7 +356,7 @@ impl NodePortRepair {
 
     async fn publish_about(
         &self,
-        holder: &scan::Holder,
+        holder: &plan::Holder,
         reason: &str,
         note: String,
     ) -> Result<(), kube::Error> {
@@ -390,7 +390,7 @@ impl NodePortRepair {
                     "Service cache has not synced yet".to_owned(),
                 ));
             }
-            scan::scan(state.values(), self.config.range)
+            plan::scan(state.values(), self.config.range)
         };
 
         let new = self.reported.update(scan.findings.iter().cloned());

@@ -11,8 +11,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::{Api, Client};
 
-use super::decide::{DeleteGround, Finding, Regarding, Repair, ServiceOwner};
 use super::model::{self, IPALLOCATOR_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
+use super::plan::{DeleteGround, Finding, Regarding, Repair, ServiceOwner};
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError};
 
