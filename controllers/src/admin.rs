@@ -11,8 +11,8 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::health::Health;
 use crate::metrics::{OPENMETRICS_CONTENT_TYPE, encode, encode_merged};
-use crate::runner::Health;
 
 #[derive(Clone)]
 pub struct AdminState {

@@ -13,11 +13,12 @@ use crate::config::TenantBase;
 use crate::config::{
     Config, ConfigArgs, ConfigError, ConfigErrors, LogFormat, format_duration, parse_duration,
 };
+use crate::health::Health;
 use crate::kubeconfig;
 use crate::leader::{self, LeaderMetrics, LeaderSettings};
 use crate::loops::{build_loops, build_runner, kubeconfig_loader};
 use crate::metrics::{RunnerMetrics, new_registry};
-use crate::runner::{CheckResult, Health, Runner, check_once};
+use crate::runner::{CheckResult, Runner, check_once};
 use crate::shards::{ShardSettings, Shards};
 use crate::tenant_kubeconfig::{self, CredentialPolicy};
 use crate::tenants::{self, Directory, Ownership, TenantMetrics, TenantSettings};
@@ -253,7 +254,7 @@ async fn wait_for_signal() {
 pub struct Controller {
     pub cancel: CancellationToken,
     pub admin_addr: std::net::SocketAddr,
-    pub health: crate::runner::Health,
+    pub health: crate::health::Health,
     task: tokio::task::JoinHandle<()>,
 }
 

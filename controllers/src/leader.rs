@@ -32,7 +32,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::runner::{CheckState, Health};
+use crate::health::{CheckState, Health};
 
 /// Name of the leader-election check in `/readyz`.
 pub const READYZ_CHECK: &str = "leader-election";

@@ -6,6 +6,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod etcd_claims;
+pub mod health;
 pub mod kubeconfig;
 pub mod leader;
 pub mod limits;

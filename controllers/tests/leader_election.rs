@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
+use bootstrap_controller::health::Health;
 use bootstrap_controller::leader::{self, LeaderMetrics, LeaderSettings};
-use bootstrap_controller::runner::Health;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 

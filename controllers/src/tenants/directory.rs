@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use prometheus_client::registry::Registry;
 
-use crate::runner::Health;
+use crate::health::Health;
 
 /// What this replica knows of one tenant, for `/readyz` and `/metrics`.
 #[derive(Clone)]

@@ -40,8 +40,8 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::config::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
 use crate::etcd_claims::{self, EtcdClaim, RECORD_LABEL, Record};
+use crate::health::{CheckState, Health};
 use crate::metrics::METRICS_PREFIX;
-use crate::runner::{CheckState, Health};
 use crate::shards::{Leadership, View};
 use crate::tenant_kubeconfig::{self, CredentialPolicy};
 
