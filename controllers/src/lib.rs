@@ -12,6 +12,7 @@ pub mod leader;
 pub mod limits;
 pub mod loops;
 pub mod metrics;
+pub mod process;
 pub mod runner;
 pub mod shards;
 pub mod tenant_kubeconfig;

@@ -4,9 +4,9 @@
 use std::time::{Duration, Instant};
 
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
-use bootstrap_controller::cli::Controller;
 use bootstrap_controller::config::{Config, ConfigArgs, FileConfig};
 use bootstrap_controller::kubeconfig;
+use bootstrap_controller::process::Controller;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
 

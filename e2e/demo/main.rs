@@ -22,9 +22,10 @@ use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::watcher;
 
 use bootstrap_controller::cli::{
-    Controller, EXIT_CONFIG, EXIT_DRIFT_OR_FAILURE, EXIT_OK, cancel_on_signals, init_logging,
+    EXIT_CONFIG, EXIT_DRIFT_OR_FAILURE, EXIT_OK, cancel_on_signals, init_logging,
 };
 use bootstrap_controller::config::{Config, ConfigArgs};
+use bootstrap_controller::process::Controller;
 use clap::Parser;
 use reconcilers::system_namespaces::NamespaceSpec;
 

@@ -1,0 +1,305 @@
+//! The process assembly that `run` and the demo (`bootstrap-demo`) share, once a client exists:
+//! the admin server, then either one cluster's runner gated by leader election, or the tenant
+//! manager with its replica group. The command line (`crate::cli`) only parses, loads the
+//! configuration and the kubeconfig, and waits.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::admin::{self, AdminState};
+use crate::config::{Config, TenantBase};
+use crate::health::Health;
+use crate::leader::{self, LeaderMetrics, LeaderSettings};
+use crate::loops::{build_runner, kubeconfig_loader};
+use crate::metrics::new_registry;
+use crate::runner::Runner;
+use crate::shards::{ShardSettings, Shards};
+use crate::tenant_kubeconfig::CredentialPolicy;
+use crate::tenants::{self, Directory, Ownership, TenantMetrics, TenantSettings};
+
+/// What `run` and the demo (`bootstrap-demo`) share: everything after the client exists.
+pub struct Controller {
+    pub cancel: CancellationToken,
+    pub admin_addr: std::net::SocketAddr,
+    pub health: crate::health::Health,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// What one process keeps: one cluster, or every tenant of a management cluster.
+enum Mode {
+    Single(Box<Runner>),
+    Management(Box<(crate::config::Tenants, TenantBase)>),
+}
+
+/// Why the controller could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(
+        "--admin-addr: cannot listen on {addr}: {source} (pick a free address, e.g. 127.0.0.1:8081)"
+    )]
+    AdminAddress {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot build the leader-election client: {0}")]
+    ElectionClient(kube::Error),
+}
+
+impl Controller {
+    /// Builds the loops, starts leader election, the admin server and the runner.
+    pub async fn start(
+        config: &Config,
+        kube_config: &kube::Config,
+        client: kube::Client,
+    ) -> Result<Controller, StartError> {
+        Controller::start_mode(config, kube_config, client, None).await
+    }
+
+    /// Management mode: one runtime per tenant Secret, shared between replicas (see
+    /// [`crate::tenants`]); `base` is what every tenant's configuration is made from.
+    pub async fn start_management(
+        config: &Config,
+        kube_config: &kube::Config,
+        client: kube::Client,
+        base: TenantBase,
+    ) -> Result<Controller, StartError> {
+        Controller::start_mode(config, kube_config, client, Some(base)).await
+    }
+
+    async fn start_mode(
+        config: &Config,
+        kube_config: &kube::Config,
+        client: kube::Client,
+        tenant_base: Option<TenantBase>,
+    ) -> Result<Controller, StartError> {
+        let cancel = CancellationToken::new();
+        let mut registry = new_registry();
+        let mode = match (&config.tenants, tenant_base) {
+            (Some(tenants), Some(base)) => {
+                info!(
+                    selector = %tenants.secret_selector,
+                    namespace = tenants.namespace.as_deref().unwrap_or("(all)"),
+                    kubeconfig_key = %tenants.kubeconfig_key,
+                    sharing = config.leader_election.enabled,
+                    server = %kube_config.cluster_url,
+                    "starting in management mode: one runtime per tenant Secret"
+                );
+                Mode::Management(Box::new((tenants.clone(), base)))
+            }
+            _ => {
+                let runner =
+                    build_runner(config, &client, kubeconfig_loader(config), &mut registry);
+                info!(
+                    loops = ?runner.loop_names(),
+                    dry_run = config.dry_run,
+                    timer_only = config.timer_only,
+                    leader_election = config.leader_election.enabled,
+                    server = %kube_config.cluster_url,
+                    "starting"
+                );
+                if config.service_cluster_ip_range.is_empty() {
+                    info!(
+                        "--service-cluster-ip-range is not set: the loops read the range from the \
+                         cluster's ServiceCIDR \"kubernetes\" (Kubernetes 1.33+), and the \
+                         service-cidr loop, which would create that object from it, does not run"
+                    );
+                }
+                Mode::Single(Box::new(runner))
+            }
+        };
+        // Bind before joining the election: failing here must not leave a Lease behind.
+        let listener = tokio::net::TcpListener::bind(config.admin_addr)
+            .await
+            .map_err(|source| StartError::AdminAddress {
+                addr: config.admin_addr,
+                source,
+            })?;
+        let health = match &mode {
+            Mode::Single(runner) => runner.health(),
+            Mode::Management(..) => Health::default(),
+        };
+        let admin_addr = listener.local_addr().unwrap_or(config.admin_addr);
+
+        let (work, directory): (tokio::task::JoinHandle<()>, Option<Directory>) = match mode {
+            Mode::Single(runner) => {
+                let leader_metrics = LeaderMetrics::register(&mut registry);
+                let work = Controller::spawn_single(
+                    config,
+                    kube_config,
+                    &client,
+                    *runner,
+                    leader_metrics,
+                    health.clone(),
+                    cancel.clone(),
+                )?;
+                (work, None)
+            }
+            Mode::Management(management) => {
+                let (tenants, base) = *management;
+                let directory = Directory::default();
+                let metrics = TenantMetrics::register(&mut registry);
+                let identity = config.leader_identity();
+                let shards_cancel = CancellationToken::new();
+                let (ownership, shards) = if config.leader_election.enabled {
+                    let shards = Shards::spawn(
+                        client.clone(),
+                        ShardSettings {
+                            namespace: config.leader_election.lease_namespace.clone(),
+                            group: config.leader_election.lease_name.clone(),
+                            identity: identity.clone(),
+                            lease_duration: config.leader_election.lease_duration,
+                            renew_grace: config.leader_election.renew_grace,
+                        },
+                        shards_cancel.clone(),
+                    );
+                    let views = shards.views.clone();
+                    let leadership = shards.leadership();
+                    let shards = Arc::new(shards);
+                    let acks = shards.clone();
+                    (
+                        Ownership {
+                            views,
+                            ack: Box::new(move |id| acks.ack(id)),
+                            leadership,
+                        },
+                        Some(shards),
+                    )
+                } else {
+                    (Ownership::single(&identity), None)
+                };
+                let settings = TenantSettings {
+                    selector: tenants.secret_selector.clone(),
+                    namespace: tenants.namespace.clone(),
+                    kubeconfig_key: tenants.kubeconfig_key.clone(),
+                    base,
+                    identity,
+                    credentials: CredentialPolicy {
+                        plugins: tenants.credential_plugins.clone(),
+                        // Allowed plugins run under this program's credential-plugin
+                        // subcommand; without its path none can run.
+                        runner: (!tenants.credential_plugins.is_empty())
+                            .then(|| std::env::current_exe().ok())
+                            .flatten(),
+                    },
+                    claims_namespace: config.leader_election.lease_namespace.clone(),
+                    claims_group: config.leader_election.lease_name.clone(),
+                };
+                let manager = tenants::spawn(
+                    client.clone(),
+                    settings,
+                    ownership,
+                    health.clone(),
+                    metrics,
+                    directory.clone(),
+                    cancel.clone(),
+                );
+                let work = tokio::spawn(async move {
+                    if let Err(err) = manager.await {
+                        error!(error = %err, "the tenant manager failed");
+                    }
+                    // Every tenant has stopped: withdraw from the replicas so the others
+                    // take the tenants at once (the manager, gone now, held the other
+                    // handle).
+                    shards_cancel.cancel();
+                    if let Some(shards) = shards.and_then(Arc::into_inner) {
+                        shards.stopped().await;
+                    }
+                });
+                (work, Some(directory))
+            }
+        };
+
+        info!(%admin_addr, "admin server listening (/livez, /readyz, /metrics)");
+        let admin_state = AdminState {
+            health: health.clone(),
+            registry: Arc::new(registry),
+            tenants: directory,
+            shutting_down: cancel.clone(),
+        };
+        let admin_stop = CancellationToken::new();
+        let admin_task = tokio::spawn(admin::serve(listener, admin_state, admin_stop.clone()));
+        let task = tokio::spawn(async move {
+            if let Err(err) = work.await {
+                error!(error = %err, "controller task failed");
+            }
+            admin_stop.cancel();
+            match tokio::time::timeout(Duration::from_secs(5), admin_task).await {
+                Ok(Ok(Err(err))) => warn!(error = %err, "admin server failed"),
+                Ok(Err(err)) => warn!(error = %err, "admin server task failed"),
+                Ok(Ok(Ok(()))) | Err(_) => {}
+            }
+        });
+        Ok(Controller {
+            cancel,
+            admin_addr,
+            health,
+            task,
+        })
+    }
+
+    /// The single-cluster mode's work: leader election (if on) and the runner.
+    fn spawn_single(
+        config: &Config,
+        kube_config: &kube::Config,
+        client: &kube::Client,
+        runner: Runner,
+        leader_metrics: LeaderMetrics,
+        health: Health,
+        cancel: CancellationToken,
+    ) -> Result<tokio::task::JoinHandle<()>, StartError> {
+        // Leadership outlives the runner, so passes running at shutdown may finish as leader.
+        let leader_cancel = CancellationToken::new();
+        let (leader, leader_task) = if config.leader_election.enabled {
+            let election_client = leader::election_client(
+                kube_config,
+                config.kubeconfig.as_deref(),
+                config.leader_election.renew_grace,
+            )
+            .map_err(StartError::ElectionClient)?;
+            let settings = LeaderSettings {
+                lease_name: config.leader_election.lease_name.clone(),
+                lease_namespace: config.leader_election.lease_namespace.clone(),
+                identity: config.leader_identity(),
+                lease_duration: config.leader_election.lease_duration,
+                renew_grace: config.leader_election.renew_grace,
+            };
+            let clients = leader::ElectionClients {
+                watch: client.clone(),
+                write: election_client,
+            };
+            let (receiver, task) = leader::spawn(
+                clients,
+                settings,
+                leader_metrics,
+                health,
+                leader_cancel.clone(),
+            );
+            (receiver, Some(task))
+        } else {
+            (leader::always_leader(&leader_metrics), None)
+        };
+        Ok(tokio::spawn(async move {
+            runner.run(leader, cancel).await;
+            leader_cancel.cancel();
+            if let Some(task) = leader_task {
+                // Releasing the Lease is bounded by the renew grace inside the task.
+                let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
+            }
+        }))
+    }
+
+    /// Whether the controller stopped (it only stops after `cancel`).
+    pub fn task_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Waits until the controller stopped (after `cancel`).
+    pub async fn wait(self) {
+        if let Err(err) = self.task.await {
+            error!(error = %err, "controller task failed");
+        }
+    }
+}
