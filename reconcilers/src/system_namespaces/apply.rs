@@ -1,0 +1,109 @@
+//! The writes of a namespace's need, each made unless the pass is a dry run, and the drift each
+//! is reported as. Namespaces are created and patched, never deleted or renamed.
+
+use kube::api::{Patch, PatchParams, PostParams};
+
+use super::SystemNamespaces;
+use super::plan::{NamespaceNeed, desired_namespace};
+use super::section::NamespaceSpec;
+use crate::contract::{Action, Drift, PassContext, drift, ignore_already_exists};
+
+/// A namespace terminating this long is stuck (kube-apiserver's namespace controller empties one
+/// in seconds): reported, since nothing here may touch it.
+const STUCK_TERMINATING: std::time::Duration = std::time::Duration::from_secs(300);
+
+const FIELD_MANAGER: &str = "bootstrap-controller";
+
+impl SystemNamespaces {
+    pub(super) async fn apply(
+        &self,
+        ctx: &PassContext,
+        spec: &NamespaceSpec,
+        need: NamespaceNeed,
+    ) -> Result<Option<Drift>, kube::Error> {
+        let object = format!("Namespace/{}", spec.name);
+        match need {
+            NamespaceNeed::Nothing => Ok(None),
+            NamespaceNeed::Terminating { since, finalizers } => {
+                let stuck_for = since
+                    .and_then(|since| {
+                        std::time::Duration::try_from(jiff::Timestamp::now() - since).ok()
+                    })
+                    .filter(|age| *age >= STUCK_TERMINATING);
+                let Some(stuck_for) = stuck_for else {
+                    tracing::debug!(namespace = %spec.name, "namespace is terminating; will recreate once it is gone");
+                    return Ok(None);
+                };
+                Ok(Some(drift(
+                    "namespace_stuck_terminating",
+                    object,
+                    Action::Report,
+                    format!(
+                        "required system namespace {} has been terminating for {}s, waiting for finalizers [{}]; it is left alone and recreated once it is gone (remove what holds it, or its finalizer)",
+                        spec.name,
+                        stuck_for.as_secs(),
+                        finalizers.join(", ")
+                    ),
+                    false,
+                )))
+            }
+            NamespaceNeed::Create => {
+                if !ctx.dry_run {
+                    let created = ignore_already_exists(
+                        self.api
+                            .create(&PostParams::default(), &desired_namespace(spec))
+                            .await,
+                    )?;
+                    if created.is_some() {
+                        tracing::info!(namespace = %spec.name, "created missing system namespace");
+                    }
+                }
+                Ok(Some(drift(
+                    "namespace_missing",
+                    object,
+                    Action::Create,
+                    format!("required system namespace {} does not exist", spec.name),
+                    !ctx.dry_run,
+                )))
+            }
+            NamespaceNeed::SetMetadata {
+                labels,
+                annotations,
+            } => {
+                let keys: Vec<&str> = labels
+                    .keys()
+                    .map(|k| k.as_str())
+                    .chain(annotations.keys().map(|k| k.as_str()))
+                    .collect();
+                let message = format!(
+                    "declared labels/annotations missing or different: {}",
+                    keys.join(", ")
+                );
+                if !ctx.dry_run {
+                    // A merge patch touches only the declared keys, leaving everyone else's alone.
+                    let patch = serde_json::json!({
+                        "metadata": { "labels": labels, "annotations": annotations }
+                    });
+                    self.api
+                        .patch(
+                            &spec.name,
+                            &PatchParams {
+                                field_manager: Some(FIELD_MANAGER.into()),
+                                ..PatchParams::default()
+                            },
+                            &Patch::Merge(&patch),
+                        )
+                        .await?;
+                    tracing::info!(namespace = %spec.name, keys = %keys.join(","), "restored declared namespace metadata");
+                }
+                Ok(Some(drift(
+                    "namespace_metadata",
+                    object,
+                    Action::Update,
+                    message,
+                    !ctx.dry_run,
+                )))
+            }
+        }
+    }
+}

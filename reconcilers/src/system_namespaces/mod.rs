@@ -1,0 +1,173 @@
+//! Loop: system namespaces.
+//!
+//! Upstream (`pkg/controlplane/controller/systemnamespaces`) creates a fixed list of namespaces
+//! once a minute and never does anything else. We keep its semantics (create when missing,
+//! `AlreadyExists` is success, a `Terminating` namespace counts as present, never delete or rename)
+//! but also wake on the namespace watch, so a deleted namespace is back as soon as it is gone,
+//! and we let operators declare extra namespaces with labels and annotations.
+//!
+//! The files: `section.rs` (the configuration), `plan.rs` (what each namespace needs, pure, with
+//! the table of its cases), `apply.rs` (the writes); here the loop: the namespace cache and a
+//! pass over the declared namespaces.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::metrics::{loop_registry, registered};
+
+mod apply;
+mod plan;
+mod section;
+
+pub use plan::{NamespaceNeed, assess};
+pub use section::{Config, DEFAULT_INTERVAL, NamespaceSpec, Section, UPSTREAM_NAMESPACES};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "system-namespaces";
+
+/// How long a pass waits for the namespace cache's first list before giving up and retrying.
+const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub struct SystemNamespaces {
+    config: Config,
+    api: Api<Namespace>,
+    store: Store<Namespace>,
+    /// Taken by the runner's single call to `triggers()`; the reflector inside feeds `store`.
+    trigger: std::sync::Mutex<Option<Trigger>>,
+    missing: Gauge,
+    /// Namespaces reported stuck terminating: warned about once when each gets stuck.
+    stuck: crate::findings::ReportOnce<String>,
+}
+
+impl SystemNamespaces {
+    pub fn new(client: Client, config: Config, registry: &mut Registry) -> Self {
+        let api: Api<Namespace> = Api::all(client);
+        let (store, writer) = reflector::store();
+        let trigger = reflector::reflector(
+            writer,
+            watcher(api.clone(), watcher::Config::default()).default_backoff(),
+        )
+        .filter_map({
+            let mut failure = crate::findings::RepeatedFailure::default();
+            move |event| {
+                let woken = match event {
+                    Ok(event) => {
+                        // Init starts every attempt to list, the failing ones too.
+                        if !matches!(event, watcher::Event::Init) {
+                            failure.succeeded();
+                        }
+                        Some(())
+                    }
+                    Err(err) if failure.is_new(&err) => {
+                        tracing::warn!(error = %err, "namespace watch failed; retrying with backoff (the same failure again is logged at debug level)");
+                        None
+                    }
+                    Err(err) => {
+                        tracing::debug!(error = %err, "namespace watch failed again");
+                        None
+                    }
+                };
+                futures::future::ready(woken)
+            }
+        })
+        .boxed();
+
+        let missing = registered(
+            loop_registry(registry, NAME),
+            "missing",
+            "Declared system namespaces absent at the end of the last pass (dry-run: before it)",
+            Gauge::default(),
+        );
+        Self {
+            config,
+            api,
+            store,
+            trigger: std::sync::Mutex::new(Some(trigger)),
+            missing,
+            stuck: crate::findings::ReportOnce::new(),
+        }
+    }
+
+    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        tokio::time::timeout(CACHE_SYNC_TIMEOUT, self.store.wait_until_ready())
+            .await
+            .map_err(|_| LoopError::NotSynced("namespace cache has not listed yet".into()))?
+            .map_err(|_| LoopError::NotSynced("namespace watch stopped".into()))?;
+
+        let mut report = PassReport::default();
+        let mut first_error = None;
+        let mut still_missing = 0;
+        for spec in &self.config.namespaces {
+            let existing = self.store.get(&ObjectRef::new(&spec.name));
+            let need = assess(spec, existing.as_deref());
+            match self.apply(ctx, spec, need).await {
+                Ok(Some(found)) => {
+                    if found.action == Action::Create && !found.applied {
+                        still_missing += 1;
+                    }
+                    report.push(found);
+                }
+                Ok(None) => {}
+                Err(err) => {
+                    still_missing += usize::from(existing.is_none());
+                    tracing::error!(namespace = %spec.name, error = %err,
+                        "unable to reconcile required system namespace");
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        self.missing
+            .set(i64::try_from(still_missing).unwrap_or(i64::MAX));
+        let stuck = report
+            .drift
+            .iter()
+            .filter(|found| found.kind == "namespace_stuck_terminating");
+        let messages: std::collections::BTreeMap<&str, &str> = stuck
+            .map(|found| (found.object.as_str(), found.message.as_str()))
+            .collect();
+        for object in self
+            .stuck
+            .update(messages.keys().map(|object| (*object).to_owned()))
+        {
+            tracing::warn!(%object, "{}", messages.get(object.as_str()).copied().unwrap_or_default());
+        }
+        match first_error {
+            // Every namespace was tried; the runner retries the pass with backoff.
+            Some(err) => Err(LoopError::Api(err)),
+            None => Ok(report),
+        }
+    }
+}
+
+impl Reconciler for SystemNamespaces {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn interval(&self) -> Duration {
+        self.config.interval
+    }
+
+    fn triggers(&self) -> Vec<Trigger> {
+        match self.trigger.lock() {
+            Ok(mut slot) => slot.take().into_iter().collect(),
+            Err(poisoned) => poisoned.into_inner().take().into_iter().collect(),
+        }
+    }
+
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        Box::pin(self.pass(ctx))
+    }
+}

@@ -1,0 +1,183 @@
+//! `loops.systemNamespaces`: the section of the configuration file (the namespaces to keep, each
+//! with the labels and annotations it must carry), which is also the loop's configuration.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::SystemNamespaces;
+use crate::contract::Reconciler;
+use crate::names::{validate_dns1123_label, validate_label_value, validate_qualified_name};
+use crate::section::{
+    BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
+    validate_interval,
+};
+
+/// Upstream's interval (`wait.UntilWithContext(ctx, sync, 1*time.Minute)`).
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(60);
+
+/// The namespaces kube-apiserver ensures, in its order.
+pub const UPSTREAM_NAMESPACES: [&str; 4] =
+    ["kube-system", "kube-public", "kube-node-lease", "default"];
+
+/// One declared namespace. Declared labels and annotations are kept at their declared values;
+/// keys nobody declared are left alone.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NamespaceSpec {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl NamespaceSpec {
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            ..Self::default()
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub namespaces: Vec<NamespaceSpec>,
+    pub interval: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            namespaces: UPSTREAM_NAMESPACES
+                .iter()
+                .map(|name| NamespaceSpec::named(*name))
+                .collect(),
+            interval: DEFAULT_INTERVAL,
+        }
+    }
+}
+
+/// `loops.systemNamespaces`: which namespaces must exist, how often to check besides the watch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct Section {
+    pub enabled: bool,
+    #[serde(with = "duration_format")]
+    pub interval: Duration,
+    pub namespaces: Vec<NamespaceSpec>,
+}
+
+impl Default for Section {
+    fn default() -> Self {
+        let Config {
+            namespaces,
+            interval,
+        } = Config::default();
+        Section {
+            enabled: true,
+            interval,
+            namespaces,
+        }
+    }
+}
+
+impl LoopSection for Section {
+    fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    fn validate(&self, path: &str, _settings: &Settings, errors: &mut Vec<ConfigError>) {
+        validate_interval(path, self.interval, errors);
+        let mut seen = std::collections::BTreeSet::new();
+        for (index, namespace) in self.namespaces.iter().enumerate() {
+            let field = format!("{path}.namespaces[{index}]");
+            if let Err(why) = validate_dns1123_label(&namespace.name) {
+                errors.push(ConfigError::new(
+                    format!("{field}.name"),
+                    format!(
+                        "{:?} is not a valid namespace name: {why} (expected a DNS-1123 label \
+                         such as kube-system)",
+                        namespace.name
+                    ),
+                ));
+            } else if !seen.insert(namespace.name.as_str()) {
+                errors.push(ConfigError::new(
+                    format!("{field}.name"),
+                    format!(
+                        "{:?} is listed twice (list each namespace once and merge its labels \
+                         and annotations)",
+                        namespace.name
+                    ),
+                ));
+            }
+            for key in namespace.labels.keys() {
+                if let Err(why) = validate_qualified_name(key) {
+                    errors.push(ConfigError::new(
+                        format!("{field}.labels"),
+                        format!(
+                            "key {key:?} is not a valid label key: {why} (expected e.g. \
+                             example.com/team or team)"
+                        ),
+                    ));
+                }
+            }
+            for (key, value) in &namespace.labels {
+                if let Err(why) = validate_label_value(value) {
+                    errors.push(ConfigError::new(
+                        format!("{field}.labels.{key}"),
+                        format!("{value:?} is not a valid label value: {why}"),
+                    ));
+                }
+            }
+            for key in namespace.annotations.keys() {
+                if let Err(why) = validate_qualified_name(key) {
+                    errors.push(ConfigError::new(
+                        format!("{field}.annotations"),
+                        format!(
+                            "key {key:?} is not a valid annotation key: {why} (expected e.g. \
+                             example.com/owner)"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+
+    fn build(
+        &self,
+        context: &mut BuildContext<'_>,
+    ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
+        let config = Config {
+            namespaces: self.namespaces.clone(),
+            interval: self.interval,
+        };
+        Ok(vec![Arc::new(SystemNamespaces::new(
+            context.client.clone(),
+            config,
+            context.registry,
+        ))])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_list_is_upstreams() {
+        let names: Vec<_> = Config::default()
+            .namespaces
+            .into_iter()
+            .map(|spec| spec.name)
+            .collect();
+        assert_eq!(
+            names,
+            ["kube-system", "kube-public", "kube-node-lease", "default"]
+        );
+        assert_eq!(Config::default().interval, Duration::from_secs(60));
+    }
+}
