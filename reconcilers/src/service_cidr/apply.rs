@@ -1,0 +1,258 @@
+//! The writes of a plan: the ServiceCIDR created or upgraded to dual-stack, its `Ready`
+//! condition set, each unless the pass is a dry run, with upstream's events and the drift each
+//! is reported as.
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType};
+use tracing::{info, warn};
+
+use super::plan::{Plan, go_list, plan};
+use super::{CONTROLLER_NAME, DefaultServiceCidr};
+use crate::contract::{Action, LoopError, PassContext, PassReport, drift};
+use crate::service_range::DEFAULT_SERVICE_CIDR;
+
+const READY_MESSAGE: &str = "Kubernetes default Service CIDR is ready";
+/// events.k8s.io/v1 needs an action; upstream's core/v1 events have none.
+const EVENT_ACTION: &str = "DefaultServiceCIDRSync";
+
+impl DefaultServiceCidr {
+    async fn warn_event(&self, reason: &str, note: String) {
+        let reference = ObjectReference {
+            api_version: Some("networking.k8s.io/v1".to_owned()),
+            kind: Some("ServiceCIDR".to_owned()),
+            name: Some(DEFAULT_SERVICE_CIDR.to_owned()),
+            ..ObjectReference::default()
+        };
+        let event = Event {
+            type_: EventType::Warning,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: EVENT_ACTION.to_owned(),
+            secondary: None,
+        };
+        if let Err(err) = self.recorder.publish(&event, &reference).await {
+            warn!(reason, error = %err, "cannot publish event");
+        }
+    }
+
+    pub(super) async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        let mut report = PassReport::default();
+        if !self.served(&ctx.client).await? {
+            return Ok(report);
+        }
+        let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());
+        let object = format!("ServiceCIDR/{DEFAULT_SERVICE_CIDR}");
+        let desired = self.config.desired();
+        let mut current = self.cache.get(&api, DEFAULT_SERVICE_CIDR).await?;
+        match plan(current.as_ref(), &self.config.cidrs) {
+            Plan::Create => {
+                let message = format!(
+                    "default ServiceCIDR is missing; creating it with CIDRs {}",
+                    go_list(&desired)
+                );
+                if ctx.dry_run {
+                    report.push(drift(
+                        "servicecidr_missing",
+                        object,
+                        Action::Create,
+                        message,
+                        false,
+                    ));
+                    return Ok(report);
+                }
+                info!(cidrs = ?desired, "Creating default ServiceCIDR");
+                let new = ServiceCIDR {
+                    metadata: ObjectMeta {
+                        name: Some(DEFAULT_SERVICE_CIDR.to_owned()),
+                        ..ObjectMeta::default()
+                    },
+                    spec: Some(ServiceCIDRSpec {
+                        cidrs: Some(desired.clone()),
+                    }),
+                    status: None,
+                };
+                match api.create(&PostParams::default(), &new).await {
+                    Ok(created) => current = Some(created),
+                    Err(kube::Error::Api(status)) if status.code == 409 => {
+                        current = self.cache.get(&api, DEFAULT_SERVICE_CIDR).await?;
+                    }
+                    Err(err) => {
+                        self.warn_event(
+                            "KubernetesDefaultServiceCIDRError",
+                            "The default ServiceCIDR can not be created".to_owned(),
+                        )
+                        .await;
+                        return Err(err.into());
+                    }
+                }
+                report.push(drift(
+                    "servicecidr_missing",
+                    object.clone(),
+                    Action::Create,
+                    message,
+                    true,
+                ));
+            }
+            Plan::UpgradeToDualStack => {
+                let message = format!(
+                    "default ServiceCIDR is single-stack; upgrading it to dual-stack {}",
+                    go_list(&desired)
+                );
+                if ctx.dry_run {
+                    report.push(drift(
+                        "servicecidr_single_stack",
+                        object,
+                        Action::Update,
+                        message,
+                        false,
+                    ));
+                    return Ok(report);
+                }
+                let Some(mut upgraded) = current.clone() else {
+                    return Ok(report);
+                };
+                upgraded.spec = Some(ServiceCIDRSpec {
+                    cidrs: Some(desired.clone()),
+                });
+                match api
+                    .replace(DEFAULT_SERVICE_CIDR, &PostParams::default(), &upgraded)
+                    .await
+                {
+                    Ok(updated) => {
+                        current = Some(updated);
+                        report.push(drift(
+                            "servicecidr_single_stack",
+                            object.clone(),
+                            Action::Update,
+                            message,
+                            true,
+                        ));
+                    }
+                    Err(err) => {
+                        self.warn_event(
+                            "KubernetesDefaultServiceCIDRError",
+                            format!(
+                                "The default ServiceCIDR can not be upgraded from {} to dual stack {} : {err}",
+                                desired[0],
+                                go_list(&desired)
+                            ),
+                        )
+                        .await;
+                        return Err(err.into());
+                    }
+                }
+            }
+            _ => {}
+        }
+        self.sync_status(ctx, &api, current.as_ref(), &object, &mut report)
+            .await?;
+        Ok(report)
+    }
+
+    async fn sync_status(
+        &self,
+        ctx: &PassContext,
+        api: &Api<ServiceCIDR>,
+        current: Option<&ServiceCIDR>,
+        object: &str,
+        report: &mut PassReport,
+    ) -> Result<(), LoopError> {
+        let plan = plan(current, &self.config.cidrs);
+        let note = match &plan {
+            Plan::Inconsistent { actual } => format!(
+                "The default ServiceCIDR {} does not match the controller flag configurations {}",
+                go_list(actual),
+                go_list(&self.config.desired())
+            ),
+            Plan::NotReady { message, .. } => format!("Configuration matches, but {message}"),
+            _ => String::new(),
+        };
+        let condition = match &plan {
+            Plan::Inconsistent { .. } => Some(note.clone()),
+            Plan::NotReady { reason, .. } => Some(format!("{reason}: {note}")),
+            _ => None,
+        };
+        // A dry run (`check`) reports without touching what the running loop has reported.
+        let appeared = !ctx.dry_run && !self.reported.update(condition).is_empty();
+        match plan {
+            Plan::Inconsistent { .. } => {
+                if appeared {
+                    warn!(%note, "Inconsistent ServiceCIDR status");
+                    self.warn_event("KubernetesDefaultServiceCIDRInconsistent", note.clone())
+                        .await;
+                }
+                report.push(drift(
+                    "servicecidr_inconsistent",
+                    object,
+                    Action::Report,
+                    format!("KubernetesDefaultServiceCIDRInconsistent: {note}"),
+                    false,
+                ));
+            }
+            Plan::NotReady { reason, .. } => {
+                if appeared {
+                    self.warn_event(&reason, note.clone()).await;
+                }
+                report.push(drift(
+                    "servicecidr_not_ready",
+                    object,
+                    Action::Report,
+                    note,
+                    false,
+                ));
+            }
+            Plan::SetReady => {
+                let message =
+                    "default ServiceCIDR matches the configuration; setting Ready=True".to_owned();
+                if ctx.dry_run {
+                    report.push(drift(
+                        "servicecidr_not_ready",
+                        object,
+                        Action::Update,
+                        message,
+                        false,
+                    ));
+                    return Ok(());
+                }
+                // Upstream applies the condition without a reason; ServiceCIDR status conditions
+                // are not validated for one.
+                let status = serde_json::json!({
+                    "apiVersion": "networking.k8s.io/v1",
+                    "kind": "ServiceCIDR",
+                    "metadata": {"name": DEFAULT_SERVICE_CIDR},
+                    "status": {"conditions": [{
+                        "type": "Ready",
+                        "status": "True",
+                        "message": READY_MESSAGE,
+                        "lastTransitionTime": jiff::Timestamp::now().round(jiff::Unit::Second).map_err(|e| LoopError::Other(e.to_string()))?.to_string(),
+                    }]},
+                });
+                let params = PatchParams::apply(CONTROLLER_NAME).force();
+                if let Err(err) = api
+                    .patch_status(DEFAULT_SERVICE_CIDR, &params, &Patch::Apply(&status))
+                    .await
+                {
+                    self.warn_event(
+                        "KubernetesDefaultServiceCIDRError",
+                        "The default ServiceCIDR Status can not be set to Ready=True".to_owned(),
+                    )
+                    .await;
+                    return Err(err.into());
+                }
+                report.push(drift(
+                    "servicecidr_not_ready",
+                    object,
+                    Action::Update,
+                    message,
+                    true,
+                ));
+            }
+            Plan::Create | Plan::UpgradeToDualStack | Plan::Terminating | Plan::InSync => {}
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,148 @@
+//! Loop: the default ServiceCIDR `kubernetes`.
+//!
+//! Upstream (`pkg/controlplane/controller/defaultservicecidr`) makes sure the ServiceCIDR
+//! `kubernetes` exists with `spec.cidrs` = the API server's service range(s) in family order,
+//! upgrades it from single- to dual-stack when a secondary range is added and the primary
+//! matches, and sets `Ready=True` when it matches. A mismatch is reported once and never
+//! "fixed": reverting a range could strand allocated IPs, so it is never deleted or shrunk
+//! either. We keep all of that; the ClusterIP repair waits for this object.
+//!
+//! The files: `section.rs` (the configuration), `plan.rs` (what the object needs, pure, with the
+//! table of its cases), `apply.rs` (a pass: the writes of its plan); here the loop.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backon::Retryable;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use tracing::info;
+
+use crate::Trigger;
+use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
+use crate::findings::ReportOnce;
+use crate::section::ConfigError;
+use crate::service_range::DEFAULT_SERVICE_CIDR;
+use crate::watch_cache::{WatchCache, watch_trigger};
+
+mod apply;
+mod plan;
+mod section;
+
+pub use plan::{Plan, plan};
+pub use section::{Section, ServiceCidrConfig};
+
+/// The loop's name: in logs, `/readyz`, metrics and events.
+pub const NAME: &str = "service-cidr";
+
+/// Upstream's controller name: field manager of the status and reporting controller of events.
+pub const CONTROLLER_NAME: &str = "kubernetes-service-cidr-controller";
+
+/// Whether the API serves networking.k8s.io/v1 ServiceCIDRs; the answer is kept in `slot`.
+async fn served(client: &Client, slot: &Mutex<Option<bool>>) -> Result<bool, kube::Error> {
+    if let Some(served) = *slot.lock().unwrap_or_else(|p| p.into_inner()) {
+        return Ok(served);
+    }
+    let served = match client
+        .list_api_group_resources("networking.k8s.io/v1")
+        .await
+    {
+        Ok(list) => list.resources.iter().any(|r| r.name == "servicecidrs"),
+        Err(kube::Error::Api(status)) if status.code == 404 => false,
+        Err(err) => return Err(err),
+    };
+    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if slot.is_none() && !served {
+        info!(
+            "the API serves no networking.k8s.io/v1 ServiceCIDR; the service-cidr loop has nothing to do"
+        );
+    }
+    *slot = Some(served);
+    Ok(served)
+}
+
+/// The default ServiceCIDR loop (`service-cidr`).
+pub struct DefaultServiceCidr {
+    config: ServiceCidrConfig,
+    recorder: Recorder,
+    /// The reported condition (inconsistent or not ready), so each gets its event and log line
+    /// once when it appears, and again only if it clears and comes back.
+    reported: ReportOnce<String>,
+    /// Whether the API serves ServiceCIDRs, once discovery has answered.
+    served: Arc<Mutex<Option<bool>>>,
+    client: Client,
+    /// The default ServiceCIDR, kept by the watch that is also this loop's trigger.
+    cache: WatchCache<ServiceCIDR>,
+}
+
+impl DefaultServiceCidr {
+    pub fn new(client: Client, config: ServiceCidrConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let reporter = match &config.reporting_instance {
+            Some(instance) => Reporter {
+                controller: CONTROLLER_NAME.to_owned(),
+                instance: Some(instance.clone()),
+            },
+            None => Reporter::from(CONTROLLER_NAME),
+        };
+        Ok(Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            config,
+            reported: ReportOnce::new(),
+            served: Arc::new(Mutex::new(None)),
+            cache: WatchCache::new(
+                Api::all(client.clone()),
+                watcher::Config::default().fields(&format!("metadata.name={DEFAULT_SERVICE_CIDR}")),
+            ),
+            client,
+        })
+    }
+
+    async fn served(&self, client: &Client) -> Result<bool, LoopError> {
+        Ok(served(client, &self.served).await?)
+    }
+}
+
+impl Reconciler for DefaultServiceCidr {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn interval(&self) -> Duration {
+        self.config.interval
+    }
+
+    /// The watch of the default ServiceCIDR, once discovery says the API serves them (retried
+    /// with backoff until it answers); none where it does not.
+    fn triggers(&self) -> Vec<Trigger> {
+        let Some(events) = self.cache.take_events() else {
+            return Vec::new();
+        };
+        let (client, slot) = (self.client.clone(), self.served.clone());
+        let trigger = async move {
+            let discover = || served(&client, &slot);
+            match discover
+                .retry(crate::retry::backoff(
+                    Duration::from_millis(200),
+                    Duration::from_secs(30),
+                ))
+                .await
+            {
+                Ok(true) => watch_trigger(events),
+                Ok(false) | Err(_) => futures::stream::pending().boxed(),
+            }
+        };
+        vec![futures::stream::once(trigger).flatten().boxed()]
+    }
+
+    fn reconcile<'a>(
+        &'a self,
+        ctx: &'a PassContext,
+    ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        Box::pin(self.pass(ctx))
+    }
+}
