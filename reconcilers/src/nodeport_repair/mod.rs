@@ -17,7 +17,9 @@
 //! once when it appears (event, warning log, counter), not again on every pass while it
 //! persists; `check` lists every current problem.
 
+mod metrics;
 pub mod plan;
+mod section;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,27 +28,19 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
 use crate::findings::ReportOnce;
-use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
+use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
 use crate::service_cache::fresh_services;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_cache::store::{self, SharedStore, reflect};
+use crate::service_cache::store::{SharedStore, reflect};
+pub use metrics::NodePortMetrics;
 pub use plan::{Finding, PortRange, Problem};
-
-use crate::metrics::{loop_registry, registered};
-use crate::section::{
-    BuildContext, BuildError, ConfigError, LoopSection, ServiceName, Settings, duration_format,
-    validate_interval, validate_page_size,
-};
+pub use section::{NodePortRepairConfig, Section};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "nodeport-repair";
@@ -58,139 +52,6 @@ pub const EVENT_ACTION: &str = "PortAllocation";
 /// The event reason of a bitmap stored under another range (not upstream's: its repair always
 /// rebuilds under its own range).
 pub const RANGE_MISMATCH_REASON: &str = "NodePortRangeMismatch";
-
-#[derive(Clone, Debug)]
-pub struct NodePortRepairConfig {
-    /// Time between passes when no Service changes (upstream: 3 minutes).
-    pub interval: Duration,
-    pub range: PortRange,
-    /// This replica's identity, for the events' `reportingInstance`.
-    pub reporting_instance: Option<String>,
-    /// LIST page size of the Service cache, when this loop keeps it itself.
-    pub page_size: u32,
-    /// etcd mode: repair the bitmap at `<prefix>/ranges/servicenodeports` too.
-    pub etcd: Option<EtcdConfig>,
-    /// etcd mode: rebuild a bitmap stored under another range (or none) under `range`, instead
-    /// of reporting it and leaving it alone.
-    pub rebuild_bitmap_on_range_change: bool,
-    /// The `kubernetes` Service: a bitmap range mismatch is reported in an event about it.
-    pub kubernetes_service: ServiceName,
-}
-
-impl Default for NodePortRepairConfig {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(180),
-            range: PortRange::default(),
-            reporting_instance: None,
-            page_size: store::DEFAULT_PAGE_SIZE,
-            etcd: None,
-            rebuild_bitmap_on_range_change: false,
-            kubernetes_service: ServiceName {
-                namespace: "default".to_owned(),
-                name: "kubernetes".to_owned(),
-            },
-        }
-    }
-}
-
-/// `loops.nodePortRepair`: node ports held twice or outside `serviceNodePortRange`, and the
-/// legacy bitmap in etcd mode.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
-pub struct Section {
-    pub enabled: bool,
-    #[serde(with = "duration_format")]
-    pub interval: Duration,
-    /// Objects per LIST page when this loop lists Services itself: its own Service cache (when
-    /// the ClusterIP repair is off; otherwise it reads that loop's), and the fresh list that
-    /// confirms a leak in the etcd bitmap.
-    pub page_size: u32,
-    /// etcd mode: a bitmap stored under another range than `serviceNodePortRange` (or none) is
-    /// rebuilt under `serviceNodePortRange`, dropping the ports outside it. Off: it is reported
-    /// and left alone. For an operator who changed kube-apiserver's `--service-node-port-range`
-    /// and wants the bitmap moved before kube-apiserver's restart does it.
-    pub rebuild_bitmap_on_range_change: bool,
-}
-
-impl Default for Section {
-    fn default() -> Self {
-        let defaults = NodePortRepairConfig::default();
-        Section {
-            enabled: true,
-            interval: defaults.interval,
-            page_size: defaults.page_size,
-            rebuild_bitmap_on_range_change: defaults.rebuild_bitmap_on_range_change,
-        }
-    }
-}
-
-impl LoopSection for Section {
-    fn enabled(&self) -> bool {
-        self.enabled
-    }
-
-    fn validate(&self, path: &str, _settings: &Settings, errors: &mut Vec<ConfigError>) {
-        validate_interval(path, self.interval, errors);
-        validate_page_size(path, self.page_size, errors);
-    }
-
-    /// Reads the Service cache of a loop built before it ([`BuildContext::services`]), when there
-    /// is one.
-    fn build(
-        &self,
-        context: &mut BuildContext<'_>,
-    ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let range = &context.settings.node_port_range;
-        let config = NodePortRepairConfig {
-            interval: self.interval,
-            range: PortRange::new(*range.start(), *range.end())?,
-            reporting_instance: Some(context.settings.identity.clone()),
-            page_size: self.page_size,
-            etcd: context.settings.etcd.clone(),
-            rebuild_bitmap_on_range_change: self.rebuild_bitmap_on_range_change,
-            kubernetes_service: context.settings.kubernetes_service.clone(),
-        };
-        Ok(vec![Arc::new(NodePortRepair::new(
-            context.client.clone(),
-            config,
-            Some(context.services()),
-            context.registry,
-        ))])
-    }
-}
-
-/// Counters mirroring upstream's `apiserver_nodeport_repair_port_errors_total`, counted once
-/// per problem when it appears, and the problems present now.
-#[derive(Clone, Debug, Default)]
-pub struct NodePortMetrics {
-    /// `type` = duplicate | outOfRange | repair (set in the bitmap, or the bitmap rebuilt under
-    /// the configured range) | leak (released from it) | invalid (the stored bitmap cannot be
-    /// used) | rangeMismatch (the bitmap is stored under another range: left alone).
-    pub port_errors: Family<[(&'static str, &'static str); 1], Counter>,
-    /// `type` as above: problems present after the last complete pass.
-    pub current_problems: Family<[(&'static str, &'static str); 1], Gauge>,
-}
-
-impl NodePortMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let registry = loop_registry(registry, NAME);
-        Self {
-            port_errors: registered(
-                registry,
-                "port_errors",
-                "Number of node port problems found by the repair loop, counted when each appears, by type",
-                Family::default(),
-            ),
-            current_problems: registered(
-                registry,
-                "problems",
-                "Node port problems present after the last pass, by type",
-                Family::default(),
-            ),
-        }
-    }
-}
 
 /// The NodePort repair loop.
 pub struct NodePortRepair {
