@@ -21,13 +21,13 @@ use prometheus_client::registry::Registry;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use super::desired::{
-    EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
-    endpoints_drift, listed_members, other_writers, plan_slices, repaired_endpoints, slice_members,
-};
 use super::lease::{MemberLease, Sightings, member_selector, membership};
 use super::members::{MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
+use super::plan::{
+    EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
+    endpoints_drift, listed_members, other_writers, plan_slices, repaired_endpoints, slice_members,
+};
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, probed_elsewhere};
 use super::shutdown::ShutdownGate;
 use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, NAME, StaticAddress};
@@ -39,8 +39,8 @@ use crate::contract::{
 use crate::findings::ReportOnce;
 use crate::watch_cache::{WatchCache, watch_trigger};
 
-pub use super::endpoints_metrics::EndpointsMetrics;
-use super::endpoints_metrics::{ChangeLabel, KindLabel};
+pub use super::metrics::EndpointsMetrics;
+use super::metrics::{ChangeLabel, KindLabel};
 
 #[derive(Default)]
 struct State {

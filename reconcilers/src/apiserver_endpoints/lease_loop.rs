@@ -12,8 +12,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::desired::EndpointsTarget;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
+use super::plan::EndpointsTarget;
 use super::probe::{
     CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere,
 };
