@@ -48,7 +48,11 @@ pub struct EtcdClaim {
 impl EtcdClaim {
     /// Whether the two share a server and one prefix contains the other (equal included).
     pub fn overlaps(&self, other: &EtcdClaim) -> bool {
-        let within = |a: &str, b: &str| a == b || b.starts_with(&format!("{a}/"));
+        // Allocation-free: every sync compares every pair of claims.
+        let within = |a: &str, b: &str| {
+            b.strip_prefix(a)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        };
         self.servers.iter().any(|s| other.servers.contains(s))
             && (within(&self.prefix, &other.prefix) || within(&other.prefix, &self.prefix))
     }
