@@ -26,6 +26,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use reconcilers::lease::{self, Liveness};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -164,23 +165,11 @@ fn role(leader: bool) -> String {
     if leader { "leader" } else { "standby" }.to_owned()
 }
 
+/// The Lease's namespace, created if missing (a fresh cluster's `kube-system` exists; a
+/// namespace of the operator's choosing may not).
 async fn ensure_namespace(client: &kube::Client, name: &str) -> Result<(), kube::Error> {
-    use k8s_openapi::api::core::v1::Namespace;
-    use kube::api::{ObjectMeta, PostParams};
-    let api: kube::Api<Namespace> = kube::Api::all(client.clone());
-    if api.get_opt(name).await?.is_some() {
-        return Ok(());
-    }
-    let namespace = Namespace {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            ..ObjectMeta::default()
-        },
-        ..Namespace::default()
-    };
-    if reconcilers::ignore_already_exists(api.create(&PostParams::default(), &namespace).await)?
-        .is_some()
-    {
+    let namespaces = kube::Api::all(client.clone());
+    if lease::ensure_namespace(&namespaces, name).await? {
         info!(
             namespace = name,
             "created the leader-election Lease's namespace"
@@ -201,7 +190,7 @@ struct Election {
     known: bool,
     /// When the holder or renew time last changed, by this replica's clock: a standby takes
     /// over only after a whole lease duration without change.
-    changed_at: Instant,
+    liveness: Liveness<Instant>,
     /// When this replica's last successful write (as holder) was sent.
     renewed_at: Option<Instant>,
     leading: bool,
@@ -228,7 +217,7 @@ impl Election {
             renew_grace: settings.renew_grace,
             lease: None,
             known: false,
-            changed_at: now,
+            liveness: Liveness::new(now),
             renewed_at: None,
             leading: false,
         }
@@ -257,17 +246,7 @@ impl Election {
         {
             return;
         }
-        let record = |l: &Option<Lease>| {
-            l.as_ref().and_then(|l| l.spec.as_ref()).map(|s| {
-                (
-                    s.holder_identity.clone(),
-                    s.renew_time.as_ref().map(|t| t.0),
-                )
-            })
-        };
-        if !self.known || record(&lease) != record(&self.lease) {
-            self.changed_at = now;
-        }
+        self.liveness.observe(lease.as_ref(), now);
         self.lease = lease;
         self.known = true;
     }
@@ -293,14 +272,8 @@ impl Election {
             },
             None => Step::Acquire,
             Some(_) => {
-                let duration = lease
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.lease_duration_seconds)
-                    .and_then(|d| u64::try_from(d).ok())
-                    .filter(|d| *d > 0)
-                    .map_or(self.duration, Duration::from_secs);
-                let expires = self.changed_at + duration;
+                let duration = lease::duration(lease).unwrap_or(self.duration);
+                let expires = self.liveness.expires(duration);
                 if expires > now {
                     Step::Wait(expires)
                 } else {
@@ -327,11 +300,6 @@ impl Election {
         lease.metadata.managed_fields = None;
         lease
     }
-}
-
-/// Whether a write failed because someone else wrote first (or created it first).
-fn lost_race(err: &kube::Error) -> bool {
-    matches!(err, kube::Error::Api(status) if status.code == 409)
 }
 
 async fn elect(
@@ -453,7 +421,7 @@ async fn elect(
                     }
                     Err(err) => {
                         // Whoever wrote first leads; learn who (a read, only after a lost race).
-                        let raced = lost_race(&err);
+                        let raced = lease::is_conflict(&err);
                         if election.leading {
                             warn!(error = %err, "cannot renew the leader-election Lease; stepping down");
                         } else if !raced && !failing {

@@ -10,6 +10,7 @@ pub mod clusterip_repair;
 pub mod contract;
 pub mod findings;
 pub mod kubernetes_service;
+pub mod lease;
 pub mod legacy_alloc;
 pub mod metrics;
 pub mod names;

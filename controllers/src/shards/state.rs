@@ -9,6 +9,7 @@ use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ObjectMeta;
+use reconcilers::lease::{self, at_least};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -122,19 +123,6 @@ pub(super) struct Content {
     /// The [`FENCED_ANNOTATION`] in milliseconds.
     pub(super) fenced: Option<u64>,
     pub(super) acquired: Option<Timestamp>,
-}
-
-pub(super) fn version(value: Option<&str>) -> Option<u64> {
-    value.and_then(|v| v.parse().ok())
-}
-
-/// Whether resourceVersion `seen` is at least `wanted`. Opaque by contract, numbers in practice;
-/// if either is not, only equality proves it.
-pub(super) fn at_least(seen: Option<&str>, wanted: Option<&str>) -> bool {
-    match (version(seen), version(wanted)) {
-        (Some(seen), Some(wanted)) => seen >= wanted,
-        _ => seen.is_some() && seen == wanted,
-    }
 }
 
 impl State {
@@ -323,15 +311,8 @@ impl State {
             self.deleted(name);
             return;
         };
-        let record = (
-            Some(identity.to_owned()),
-            spec.and_then(|s| s.renew_time.as_ref()).map(|t| t.0),
-        );
-        let duration = spec
-            .and_then(|s| s.lease_duration_seconds)
-            .and_then(|d| u64::try_from(d).ok())
-            .filter(|d| *d > 0)
-            .map_or(self.duration, Duration::from_secs);
+        let record = lease::sign_of_life(lease);
+        let duration = lease::duration(lease).unwrap_or(self.duration);
         let annotation = |key: &str| {
             lease
                 .metadata

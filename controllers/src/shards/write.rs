@@ -4,17 +4,13 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use reconcilers::lease;
 use tracing::{debug, info};
 
 use super::state::{Content, State};
 
-pub(super) fn code(err: &kube::Error) -> Option<u16> {
-    match err {
-        kube::Error::Api(status) => Some(status.code),
-        _ => None,
-    }
-}
+pub(super) use reconcilers::lease::status_code as code;
 
 /// Creates or replaces this replica's Lease by compare-and-swap; reads only after a lost swap.
 pub(super) async fn write(
@@ -33,18 +29,8 @@ pub(super) async fn write(
                 Ok(lease) => return Ok(lease),
                 Err(err) if code(&err) == Some(409) => state.exists = Some(true),
                 Err(err) if code(&err) == Some(404) => {
-                    let namespace = Namespace {
-                        metadata: ObjectMeta {
-                            name: leases_namespace(leases),
-                            ..ObjectMeta::default()
-                        },
-                        ..Namespace::default()
-                    };
-                    if reconcilers::ignore_already_exists(
-                        namespaces.create(&params, &namespace).await,
-                    )?
-                    .is_some()
-                    {
+                    let name = leases_namespace(leases).unwrap_or_default();
+                    if lease::ensure_namespace(namespaces, &name).await? {
                         info!("created the replica Leases' namespace");
                     }
                     continue;

@@ -23,6 +23,7 @@ use crate::alloc::IpFamily;
 use crate::contract::{
     Action, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt, drift,
 };
+use crate::lease;
 
 use crate::metrics::{loop_registry, registered};
 
@@ -510,7 +511,7 @@ impl ApiserverLeaseLoop {
                     Ok(written) => written,
                     // Someone (kubectl, a restarted twin) wrote it since our read: renew on top
                     // of their version once, instead of waiting a whole backoff.
-                    Err(kube::Error::Api(s)) if s.code == 409 => {
+                    Err(err) if lease::is_conflict(&err) => {
                         let fresh = api.get(&name).await?;
                         api.replace(
                             &name,

@@ -1,0 +1,200 @@
+//! What every Lease protocol of this project shares: leader election
+//! (`bootstrap_controller::leader`), the tenant replicas (`bootstrap_controller::shards`), the
+//! apiservers' membership (the `apiserver-lease` loop) and the tenants'
+//! etcd-claim records (`bootstrap_controller::etcd_claims`).
+//!
+//! Every one of them writes by compare-and-swap: a create fails when the Lease exists, a replace
+//! carries the resourceVersion it read and fails when someone wrote since ([`is_conflict`]); the
+//! loser reads again rather than overwriting. Another holder's Lease is judged alive by when
+//! this observer saw it change ([`sign_of_life`], [`Liveness`]), by this observer's own clock,
+//! as client-go's leader election judges it by its `observedTime`: hosts' clocks need not agree.
+//! The membership Leases keep a wall-clock variant of the same rule
+//! (`apiserver_endpoints::lease::Sightings`), since their expiry is also shown to people.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ObjectMeta, PostParams};
+
+use crate::contract::ignore_already_exists;
+
+/// What changes when a holder renews: its identity and renew time. A change is a sign of life;
+/// anything else in the Lease (annotations, labels) is not.
+pub fn sign_of_life(lease: &Lease) -> (Option<String>, Option<Timestamp>) {
+    let spec = lease.spec.as_ref();
+    (
+        spec.and_then(|s| s.holder_identity.clone()),
+        spec.and_then(|s| s.renew_time.as_ref()).map(|t| t.0),
+    )
+}
+
+/// The Lease's own `leaseDurationSeconds`, when it says a positive one.
+pub fn duration(lease: &Lease) -> Option<Duration> {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.lease_duration_seconds)
+        .and_then(|d| u64::try_from(d).ok())
+        .filter(|d| *d > 0)
+        .map(Duration::from_secs)
+}
+
+/// A resourceVersion as a number. Opaque by contract, numbers in practice.
+pub fn version(value: Option<&str>) -> Option<u64> {
+    value.and_then(|v| v.parse().ok())
+}
+
+/// Whether resourceVersion `seen` is at least `wanted`; if either is not a number, only equality
+/// proves it.
+pub fn at_least(seen: Option<&str>, wanted: Option<&str>) -> bool {
+    match (version(seen), version(wanted)) {
+        (Some(seen), Some(wanted)) => seen >= wanted,
+        _ => seen.is_some() && seen == wanted,
+    }
+}
+
+/// The API's status code, when the error is the API's answer.
+pub fn status_code(err: &kube::Error) -> Option<u16> {
+    match err {
+        kube::Error::Api(status) => Some(status.code),
+        _ => None,
+    }
+}
+
+/// Whether a compare-and-swap write lost: someone else created the Lease first, or wrote it
+/// since it was read.
+pub fn is_conflict(err: &kube::Error) -> bool {
+    status_code(err) == Some(409)
+}
+
+/// Creates namespace `name` unless it exists; true when this call created it. Read first, so a
+/// namespace that exists needs no `create` right.
+pub async fn ensure_namespace(
+    namespaces: &Api<Namespace>,
+    name: &str,
+) -> Result<bool, kube::Error> {
+    if namespaces.get_opt(name).await?.is_some() {
+        return Ok(false);
+    }
+    let namespace = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        ..Namespace::default()
+    };
+    Ok(
+        ignore_already_exists(namespaces.create(&PostParams::default(), &namespace).await)?
+            .is_some(),
+    )
+}
+
+/// One Lease's liveness as this observer judges it: alive until a lease duration after it last
+/// saw a [`sign_of_life`] change, by this observer's clock (`std`'s or tokio's `Instant`, so
+/// tests can pause time).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Liveness<I = Instant> {
+    seen: Option<(Option<String>, Option<Timestamp>)>,
+    changed_at: I,
+}
+
+impl<I: Copy + std::ops::Add<Duration, Output = I>> Liveness<I> {
+    /// Nothing seen yet: a Lease first met counts from `now`.
+    pub fn new(now: I) -> Self {
+        Liveness {
+            seen: None,
+            changed_at: now,
+        }
+    }
+
+    /// Records the Lease as seen at `now` (`None`: it does not exist); true when that is a
+    /// change, which restarts its time.
+    pub fn observe(&mut self, lease: Option<&Lease>, now: I) -> bool {
+        // An absent Lease is neither holder nor renew time, so its creation is a change.
+        let seen = lease.map_or((None, None), sign_of_life);
+        let changed = self.seen.as_ref() != Some(&seen);
+        if changed {
+            self.changed_at = now;
+        }
+        self.seen = Some(seen);
+        changed
+    }
+
+    /// When this observer last saw it change.
+    pub fn changed_at(&self) -> I {
+        self.changed_at
+    }
+
+    /// When it expires if it does not change again.
+    pub fn expires(&self, duration: Duration) -> I {
+        self.changed_at + duration
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+
+    use super::*;
+
+    fn lease(holder: &str, renewed: i64, seconds: Option<i32>) -> Lease {
+        Lease {
+            metadata: ObjectMeta::default(),
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.to_owned()),
+                renew_time: Some(MicroTime(
+                    Timestamp::from_second(1_800_000_000 + renewed).expect("a time"),
+                )),
+                lease_duration_seconds: seconds,
+                ..LeaseSpec::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn only_a_new_holder_or_renew_time_restarts_the_time() {
+        let start = Instant::now();
+        let mut liveness = Liveness::new(start);
+        assert!(liveness.observe(Some(&lease("a", 0, Some(15))), start));
+        let later = start + Duration::from_secs(5);
+        let mut annotated = lease("a", 0, Some(15));
+        annotated.metadata.annotations = Some([("x".to_owned(), "y".to_owned())].into());
+        assert!(
+            !liveness.observe(Some(&annotated), later),
+            "annotations are no sign of life"
+        );
+        assert_eq!(
+            liveness.expires(Duration::from_secs(15)),
+            start + Duration::from_secs(15)
+        );
+        assert!(liveness.observe(Some(&lease("a", 1, Some(15))), later));
+        assert_eq!(liveness.changed_at(), later);
+        assert!(
+            liveness.observe(None, later + Duration::from_secs(1)),
+            "deleted"
+        );
+    }
+
+    #[test]
+    fn a_duration_is_the_leases_own_when_positive() {
+        assert_eq!(
+            duration(&lease("a", 0, Some(15))),
+            Some(Duration::from_secs(15))
+        );
+        assert_eq!(duration(&lease("a", 0, Some(0))), None);
+        assert_eq!(duration(&lease("a", 0, Some(-5))), None);
+        assert_eq!(duration(&lease("a", 0, None)), None);
+    }
+
+    #[test]
+    fn resource_versions_compare_as_numbers_else_only_equal() {
+        assert!(at_least(Some("10"), Some("9")));
+        assert!(!at_least(Some("9"), Some("10")));
+        assert!(at_least(Some("abc"), Some("abc")));
+        assert!(!at_least(Some("abc"), Some("abd")));
+        assert!(!at_least(None, Some("1")));
+    }
+}
