@@ -17,6 +17,7 @@
 //! once when it appears (event, warning log, counter), not again on every pass while it
 //! persists; `check` lists every current problem.
 
+mod apply;
 mod metrics;
 pub mod plan;
 mod section;
@@ -25,17 +26,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Recorder, Reporter};
 use prometheus_client::registry::Registry;
 use tracing::warn;
 
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
-use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
-use crate::service_cache::fresh_services;
+use crate::legacy_alloc::{LegacyBitmap, Subject};
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{SharedStore, reflect};
 pub use metrics::NodePortMetrics;
@@ -117,129 +116,6 @@ impl NodePortRepair {
             metrics: NodePortMetrics::register(registry),
             etcd,
         }
-    }
-
-    fn count(&self, error_type: &'static str) {
-        self.metrics
-            .port_errors
-            .get_or_create(&[("type", error_type)])
-            .inc();
-    }
-
-    /// etcd mode: repairs the bitmap against the ports in use; `PortNotAllocated` on the
-    /// Service of each port found missing.
-    async fn repair_bitmap(
-        &self,
-        ctx: &PassContext,
-        etcd: &LegacyBitmap,
-        scan: &plan::Scan,
-        report: &mut PassReport,
-    ) -> Result<(), LoopError> {
-        let owner = |offset: usize| {
-            scan.owners
-                .get(&offset)
-                .map(|holder| format!("Service/{}/{}", holder.namespace, holder.name))
-        };
-        let fresh_in_use = || -> BoxFuture<'static, Option<fixedbitset::FixedBitSet>> {
-            let (client, page_size, range) =
-                (ctx.client.clone(), self.config.page_size, self.config.range);
-            Box::pin(async move {
-                let services = fresh_services(&client, page_size).await?;
-                Some(plan::scan(&services, range).in_use)
-            })
-        };
-        let pass = etcd
-            .pass(&scan.in_use, &owner, ctx.dry_run, fresh_in_use)
-            .await
-            .map_err(|err| LoopError::Other(format!("NodePort bitmap in etcd: {err}")))?;
-        report.drift.extend(pass.drift);
-        let mut unpublished = None;
-        for finding in pass.new {
-            match finding {
-                BitmapFinding::NotAllocated(offset) => {
-                    self.count("repair");
-                    if !ctx.dry_run
-                        && let Some(holder) = scan.owners.get(&offset)
-                    {
-                        let note =
-                            format!("Port {} is not allocated; repairing", etcd.item(offset));
-                        // The bitmap is repaired either way; the event is best effort here.
-                        let _ = self.publish_about(holder, "PortNotAllocated", note).await;
-                    }
-                }
-                BitmapFinding::Released(_) => self.count("leak"),
-                BitmapFinding::RangeMismatch(ref stored) => {
-                    if !ctx.dry_run {
-                        let service = &self.config.kubernetes_service;
-                        let holder = plan::Holder {
-                            namespace: service.namespace.as_str().into(),
-                            name: service.name.as_str().into(),
-                            uid: "".into(),
-                        };
-                        let note = etcd.range_mismatch_note(stored);
-                        if let Err(err) = self
-                            .publish_about(&holder, RANGE_MISMATCH_REASON, note)
-                            .await
-                        {
-                            // Reported with its event or not at all: the next pass tries again.
-                            etcd.forget(&finding);
-                            unpublished.get_or_insert(err);
-                            continue;
-                        }
-                    }
-                    self.count("rangeMismatch");
-                }
-                // The bitmap rebuilt under the configured range (or its range filled in).
-                BitmapFinding::RangeRebuilt(_) => self.count("repair"),
-                BitmapFinding::Unusable(_) => self.count("invalid"),
-                BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
-            }
-        }
-        match unpublished {
-            Some(err) => Err(LoopError::Api(err)),
-            None => Ok(()),
-        }
-    }
-
-    async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
-        let holder = plan::Holder {
-            namespace: finding.namespace.clone(),
-            name: finding.name.clone(),
-            uid: finding.uid.clone(),
-        };
-        self.publish_about(
-            &holder,
-            finding.problem.reason(),
-            finding.note(self.config.range),
-        )
-        .await
-    }
-
-    async fn publish_about(
-        &self,
-        holder: &plan::Holder,
-        reason: &str,
-        note: String,
-    ) -> Result<(), kube::Error> {
-        let reference = ObjectReference {
-            api_version: Some("v1".to_owned()),
-            kind: Some("Service".to_owned()),
-            namespace: Some(holder.namespace.to_string()),
-            name: Some(holder.name.to_string()),
-            uid: Some(holder.uid.to_string()).filter(|uid| !uid.is_empty()),
-            ..ObjectReference::default()
-        };
-        let event = Event {
-            type_: EventType::Warning,
-            reason: reason.to_owned(),
-            note: Some(note),
-            action: EVENT_ACTION.to_owned(),
-            secondary: None,
-        };
-        self.recorder
-            .publish(&event, &reference)
-            .await
-            .inspect_err(|err| warn!(reason = event.reason, error = %err, "cannot publish event"))
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {

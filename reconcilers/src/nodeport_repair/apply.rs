@@ -1,0 +1,139 @@
+//! The repair's writes: the etcd bitmap repaired by compare-and-swap (ports in use set, leaks
+//! released once confirmed), and upstream's events about the findings. Services are never
+//! changed.
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, EventType};
+use tracing::warn;
+
+use super::plan::{self, Finding};
+use super::{EVENT_ACTION, NodePortRepair, RANGE_MISMATCH_REASON};
+use crate::contract::{LoopError, PassContext, PassReport};
+use crate::legacy_alloc::{BitmapFinding, LegacyBitmap};
+use crate::service_cache::fresh_services;
+
+impl NodePortRepair {
+    pub(super) fn count(&self, error_type: &'static str) {
+        self.metrics
+            .port_errors
+            .get_or_create(&[("type", error_type)])
+            .inc();
+    }
+
+    /// etcd mode: repairs the bitmap against the ports in use; `PortNotAllocated` on the
+    /// Service of each port found missing.
+    pub(super) async fn repair_bitmap(
+        &self,
+        ctx: &PassContext,
+        etcd: &LegacyBitmap,
+        scan: &plan::Scan,
+        report: &mut PassReport,
+    ) -> Result<(), LoopError> {
+        let owner = |offset: usize| {
+            scan.owners
+                .get(&offset)
+                .map(|holder| format!("Service/{}/{}", holder.namespace, holder.name))
+        };
+        let fresh_in_use = || -> BoxFuture<'static, Option<fixedbitset::FixedBitSet>> {
+            let (client, page_size, range) =
+                (ctx.client.clone(), self.config.page_size, self.config.range);
+            Box::pin(async move {
+                let services = fresh_services(&client, page_size).await?;
+                Some(plan::scan(&services, range).in_use)
+            })
+        };
+        let pass = etcd
+            .pass(&scan.in_use, &owner, ctx.dry_run, fresh_in_use)
+            .await
+            .map_err(|err| LoopError::Other(format!("NodePort bitmap in etcd: {err}")))?;
+        report.drift.extend(pass.drift);
+        let mut unpublished = None;
+        for finding in pass.new {
+            match finding {
+                BitmapFinding::NotAllocated(offset) => {
+                    self.count("repair");
+                    if !ctx.dry_run
+                        && let Some(holder) = scan.owners.get(&offset)
+                    {
+                        let note =
+                            format!("Port {} is not allocated; repairing", etcd.item(offset));
+                        // The bitmap is repaired either way; the event is best effort here.
+                        let _ = self.publish_about(holder, "PortNotAllocated", note).await;
+                    }
+                }
+                BitmapFinding::Released(_) => self.count("leak"),
+                BitmapFinding::RangeMismatch(ref stored) => {
+                    if !ctx.dry_run {
+                        let service = &self.config.kubernetes_service;
+                        let holder = plan::Holder {
+                            namespace: service.namespace.as_str().into(),
+                            name: service.name.as_str().into(),
+                            uid: "".into(),
+                        };
+                        let note = etcd.range_mismatch_note(stored);
+                        if let Err(err) = self
+                            .publish_about(&holder, RANGE_MISMATCH_REASON, note)
+                            .await
+                        {
+                            // Reported with its event or not at all: the next pass tries again.
+                            etcd.forget(&finding);
+                            unpublished.get_or_insert(err);
+                            continue;
+                        }
+                    }
+                    self.count("rangeMismatch");
+                }
+                // The bitmap rebuilt under the configured range (or its range filled in).
+                BitmapFinding::RangeRebuilt(_) => self.count("repair"),
+                BitmapFinding::Unusable(_) => self.count("invalid"),
+                BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
+            }
+        }
+        match unpublished {
+            Some(err) => Err(LoopError::Api(err)),
+            None => Ok(()),
+        }
+    }
+
+    pub(super) async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
+        let holder = plan::Holder {
+            namespace: finding.namespace.clone(),
+            name: finding.name.clone(),
+            uid: finding.uid.clone(),
+        };
+        self.publish_about(
+            &holder,
+            finding.problem.reason(),
+            finding.note(self.config.range),
+        )
+        .await
+    }
+
+    pub(super) async fn publish_about(
+        &self,
+        holder: &plan::Holder,
+        reason: &str,
+        note: String,
+    ) -> Result<(), kube::Error> {
+        let reference = ObjectReference {
+            api_version: Some("v1".to_owned()),
+            kind: Some("Service".to_owned()),
+            namespace: Some(holder.namespace.to_string()),
+            name: Some(holder.name.to_string()),
+            uid: Some(holder.uid.to_string()).filter(|uid| !uid.is_empty()),
+            ..ObjectReference::default()
+        };
+        let event = Event {
+            type_: EventType::Warning,
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: EVENT_ACTION.to_owned(),
+            secondary: None,
+        };
+        self.recorder
+            .publish(&event, &reference)
+            .await
+            .inspect_err(|err| warn!(reason = event.reason, error = %err, "cannot publish event"))
+    }
+}
