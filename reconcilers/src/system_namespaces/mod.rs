@@ -29,7 +29,7 @@ mod plan;
 mod section;
 
 pub use plan::{NamespaceNeed, assess};
-pub use section::{Config, DEFAULT_INTERVAL, NamespaceSpec, Section, UPSTREAM_NAMESPACES};
+pub use section::{DEFAULT_INTERVAL, NamespaceSpec, Section, UPSTREAM_NAMESPACES};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "system-namespaces";
@@ -38,7 +38,7 @@ pub const NAME: &str = "system-namespaces";
 const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub struct SystemNamespaces {
-    config: Config,
+    config: Section,
     api: Api<Namespace>,
     store: Store<Namespace>,
     /// Taken by the runner's single call to `triggers()`; the reflector inside feeds `store`.
@@ -49,7 +49,7 @@ pub struct SystemNamespaces {
 }
 
 impl SystemNamespaces {
-    pub fn new(client: Client, config: Config, registry: &mut Registry) -> Self {
+    pub fn new(client: Client, config: Section, registry: &mut Registry) -> Self {
         let api: Api<Namespace> = Api::all(client);
         let (store, writer) = reflector::store();
         let trigger = reflector::reflector(

@@ -43,25 +43,8 @@ impl NamespaceSpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Config {
-    pub namespaces: Vec<NamespaceSpec>,
-    pub interval: Duration,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            namespaces: UPSTREAM_NAMESPACES
-                .iter()
-                .map(|name| NamespaceSpec::named(*name))
-                .collect(),
-            interval: DEFAULT_INTERVAL,
-        }
-    }
-}
-
 /// `loops.systemNamespaces`: which namespaces must exist, how often to check besides the watch.
+/// The loop's one configuration type: the loop is built from the section itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct Section {
@@ -73,14 +56,13 @@ pub struct Section {
 
 impl Default for Section {
     fn default() -> Self {
-        let Config {
-            namespaces,
-            interval,
-        } = Config::default();
         Section {
             enabled: true,
-            interval,
-            namespaces,
+            interval: DEFAULT_INTERVAL,
+            namespaces: UPSTREAM_NAMESPACES
+                .iter()
+                .map(|name| NamespaceSpec::named(*name))
+                .collect(),
         }
     }
 }
@@ -151,13 +133,9 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let config = Config {
-            namespaces: self.namespaces.clone(),
-            interval: self.interval,
-        };
         Ok(vec![Arc::new(SystemNamespaces::new(
             context.client.clone(),
-            config,
+            self.clone(),
             context.registry,
         ))])
     }
@@ -169,7 +147,7 @@ mod tests {
 
     #[test]
     fn default_list_is_upstreams() {
-        let names: Vec<_> = Config::default()
+        let names: Vec<_> = Section::default()
             .namespaces
             .into_iter()
             .map(|spec| spec.name)
@@ -178,6 +156,6 @@ mod tests {
             names,
             ["kube-system", "kube-public", "kube-node-lease", "default"]
         );
-        assert_eq!(Config::default().interval, Duration::from_secs(60));
+        assert_eq!(Section::default().interval, Duration::from_secs(60));
     }
 }
