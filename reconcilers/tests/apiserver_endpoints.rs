@@ -76,6 +76,41 @@ async fn endpoints(sim: &Sim) -> Option<Endpoints> {
         .unwrap()
 }
 
+/// Rewrites `default/kubernetes` Endpoints as `change` makes it, as another writer would.
+async fn tamper_endpoints(sim: &Sim, change: impl FnOnce(&mut Endpoints)) {
+    let mut e = endpoints(sim).await.unwrap();
+    change(&mut e);
+    Api::<Endpoints>::namespaced(sim.client(), "default")
+        .replace("kubernetes", &PostParams::default(), &e)
+        .await
+        .unwrap();
+}
+
+/// The first port of the first subset of `e`, for tampering.
+fn first_port(e: &mut Endpoints) -> &mut i32 {
+    &mut e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port
+}
+
+/// The kinds of the drift `report` found, in its order.
+fn kinds(report: &reconcilers::PassReport) -> Vec<&'static str> {
+    report.drift.iter().map(|d| d.kind).collect()
+}
+
+/// The addresses the Endpoints list (which must exist).
+async fn listed_now(sim: &Sim) -> Vec<String> {
+    addresses(&endpoints(sim).await.unwrap())
+}
+
+/// The addresses listed after one pass of `instance`'s endpoints loop.
+async fn listed_after_pass(sim: &Sim, instance: &Instance) -> Vec<String> {
+    instance
+        .endpoints
+        .reconcile(&ctx(sim, false))
+        .await
+        .unwrap();
+    listed_now(sim).await
+}
+
 fn addresses(e: &Endpoints) -> Vec<String> {
     e.subsets
         .iter()
@@ -198,7 +233,7 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
         .reconcile(&ctx(&sim, false))
         .await
         .unwrap();
-    assert!(!addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.4".to_owned()));
+    assert!(!listed_now(&sim).await.contains(&"10.0.0.4".to_owned()));
 
     // Its apiserver becomes ready: it joins.
     late.ready.set(true);
@@ -208,7 +243,7 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
         .reconcile(&ctx(&sim, false))
         .await
         .unwrap();
-    assert!(addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.4".to_owned()));
+    assert!(listed_now(&sim).await.contains(&"10.0.0.4".to_owned()));
     assert_eq!(late.lease.metrics().ready(), 1);
 
     // Another one starts failing: below the threshold (3 in a row) its Lease is renewed; at
@@ -230,13 +265,8 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
         .unwrap();
     assert_eq!(report.drift[0].kind, "member_lease_not_ready");
     assert!(report.drift[0].applied);
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        listed_after_pass(&sim, &instances[0]).await,
         vec!["10.0.0.10", "10.0.0.2", "10.0.0.4"]
     );
     assert_eq!(
@@ -263,13 +293,8 @@ async fn expired_lease_removes_the_member_with_an_event() {
     stale["spec"]["renewTime"] = serde_json::json!("2020-01-01T00:00:00.000000Z");
     sim.backdoor().put(stale).unwrap();
 
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        listed_after_pass(&sim, &instances[0]).await,
         vec!["10.0.0.10", "10.0.0.2"]
     );
     assert_eq!(instances[0].endpoints.metrics().changes("expired"), 1);
@@ -320,16 +345,13 @@ async fn lease_expiry_without_any_write_wakes_the_leader() {
     let mut triggers = leader.endpoints.triggers();
     let expiry = triggers.pop().unwrap();
     leader.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.2"]
-    );
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.2"]);
     // Nobody renews 10.0.0.2 (its sidecar was SIGKILLed); the expiry trigger fires by itself.
     let fired = tokio::time::timeout(Duration::from_secs(20), expiry.into_future()).await;
     assert!(matches!(fired, Ok((Some(()), _))), "expiry trigger fired");
     leader.lease.reconcile(&ctx(&sim, false)).await.unwrap();
     leader.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.1"]);
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1"]);
 }
 
 #[tokio::test]
@@ -352,7 +374,7 @@ async fn deleting_every_lease_never_empties_the_endpoints() {
     assert_eq!(report.drift[0].kind, "no_members");
     assert!(!report.drift[0].applied);
     assert_eq!(writes(&sim), Vec::<String>::new());
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()).len(), 3);
+    assert_eq!(listed_now(&sim).await.len(), 3);
     assert_eq!(slice_addresses(&slices(&sim).await[0]).len(), 3);
 }
 
@@ -365,12 +387,7 @@ async fn every_drift_is_repaired_ports_included() {
     let slice_api = Api::<EndpointSlice>::namespaced(sim.client(), "default");
 
     // Endpoints port (upstream never repairs this, kubernetes/kubernetes#104252).
-    let mut e = endpoints(&sim).await.unwrap();
-    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 443;
-    ep_api
-        .replace("kubernetes", &PostParams::default(), &e)
-        .await
-        .unwrap();
+    tamper_endpoints(&sim, |e| *first_port(e) = 443).await;
     let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
     assert_eq!(report.drift.len(), 1, "{report:?}");
     assert_eq!(report.drift[0].kind, "endpoints_ports");
@@ -386,18 +403,18 @@ async fn every_drift_is_repaired_ports_included() {
     assert_eq!(leader.metrics().repairs("endpoints_ports"), 1);
 
     // An address swapped for a bogus one, and the skip-mirror label removed.
-    let mut e = endpoints(&sim).await.unwrap();
-    e.subsets.as_mut().unwrap()[0].addresses.as_mut().unwrap()[0].ip = "10.9.9.9".into();
-    e.metadata.labels = None;
-    ep_api
-        .replace("kubernetes", &PostParams::default(), &e)
-        .await
-        .unwrap();
+    tamper_endpoints(&sim, |e| {
+        e.subsets.as_mut().unwrap()[0].addresses.as_mut().unwrap()[0].ip = "10.9.9.9".into();
+        e.metadata.labels = None;
+    })
+    .await;
     let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
-    assert_eq!(kinds, vec!["endpoints_label", "endpoints_addresses"]);
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        kinds(&report),
+        vec!["endpoints_label", "endpoints_addresses"]
+    );
+    assert_eq!(
+        listed_now(&sim).await,
         vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
     );
     assert_eq!(leader.metrics().repairs("endpoints_addresses"), 1);
@@ -411,9 +428,8 @@ async fn every_drift_is_repaired_ports_included() {
         .await
         .unwrap();
     let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
     assert_eq!(
-        kinds,
+        kinds(&report),
         vec!["endpointslice_endpoints", "endpointslice_ports"]
     );
     let s = slice_api.get("kubernetes").await.unwrap();
@@ -443,8 +459,10 @@ async fn every_drift_is_repaired_ports_included() {
         .await
         .unwrap();
     let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
-    assert_eq!(kinds, vec!["endpointslice_missing", "endpointslice_stray"]);
+    assert_eq!(
+        kinds(&report),
+        vec!["endpointslice_missing", "endpointslice_stray"]
+    );
     let names: Vec<_> = slices(&sim)
         .await
         .iter()
@@ -459,7 +477,7 @@ async fn every_drift_is_repaired_ports_included() {
         .unwrap();
     let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
     assert_eq!(report.drift[0].kind, "endpoints_missing");
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()).len(), 3);
+    assert_eq!(listed_now(&sim).await.len(), 3);
     eventually("EndpointsRepaired event", || async {
         event_reasons(&sim).contains(&"EndpointsRepaired".to_owned())
     })
@@ -478,13 +496,7 @@ async fn every_drift_is_repaired_ports_included() {
 async fn dry_run_reports_and_writes_nothing() {
     let sim = sim().await;
     let instances = three_members(&sim).await;
-    let ep_api = Api::<Endpoints>::namespaced(sim.client(), "default");
-    let mut e = endpoints(&sim).await.unwrap();
-    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 443;
-    ep_api
-        .replace("kubernetes", &PostParams::default(), &e)
-        .await
-        .unwrap();
+    tamper_endpoints(&sim, |e| *first_port(e) = 443).await;
     Api::<EndpointSlice>::namespaced(sim.client(), "default")
         .delete("kubernetes", &Default::default())
         .await
@@ -505,8 +517,10 @@ async fn dry_run_reports_and_writes_nothing() {
         .reconcile(&ctx(&sim, true))
         .await
         .unwrap();
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
-    assert_eq!(kinds, vec!["endpoints_ports", "endpointslice_missing"]);
+    assert_eq!(
+        kinds(&report),
+        vec!["endpoints_ports", "endpointslice_missing"]
+    );
     assert!(report.drift.iter().all(|d| !d.applied));
     assert_eq!(writes(&sim), Vec::<String>::new());
     assert_eq!(endpoints(&sim).await.unwrap(), before);
@@ -547,7 +561,7 @@ async fn shutdown_with_a_ready_apiserver_keeps_the_lease_and_the_address() {
         3
     );
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        listed_now(&sim).await,
         vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
     );
 }
@@ -569,16 +583,11 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
         .await
         .unwrap();
     assert!(
-        addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.9".to_owned()),
+        listed_now(&sim).await.contains(&"10.0.0.9".to_owned()),
         "a non-leader never writes"
     );
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        listed_after_pass(&sim, &instances[0]).await,
         vec!["10.0.0.10", "10.0.0.2"]
     );
 
@@ -586,7 +595,7 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
     let leader = &instances[0];
     leader.lease.shutdown(&ctx(&sim, false)).await.unwrap();
     leader.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
     assert_eq!(slice_addresses(&slices(&sim).await[0]), vec!["10.0.0.2"]);
 
     // The last member, now leader, stops: the endpoints are emptied, as upstream does.
@@ -594,7 +603,7 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
     last.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
     last.lease.shutdown(&ctx(&sim, false)).await.unwrap();
     last.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert!(addresses(&endpoints(&sim).await.unwrap()).is_empty());
+    assert!(listed_now(&sim).await.is_empty());
     assert!(slices(&sim).await[0].endpoints.is_empty());
     assert!(
         sim.backdoor()
@@ -625,10 +634,7 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
     l.reconcile(&ctx(&sim, false)).await.unwrap();
     // One family, the Service's (no range and no Service here: the members' rule, IPv4 while
     // there is any): the IPv6 address is left out, with a Warning.
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.7"]
-    );
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.7"]);
     eventually("MemberWrongFamily event", || async {
         event_reasons(&sim).contains(&"MemberWrongFamily".to_owned())
     })
@@ -661,10 +667,7 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
     resolver.answer("lb.example.com", Err("SERVFAIL".into()));
     assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
     assert_eq!(writes(&sim), Vec::<String>::new());
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.7"]
-    );
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.7"]);
     eventually("StaticAddressResolutionFailed event", || async {
         event_reasons(&sim)
             .iter()
@@ -692,10 +695,7 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
         .unwrap();
     resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.3")]));
     l.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.3", "10.0.0.7"]
-    );
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.3", "10.0.0.7"]);
     let names: Vec<_> = slices(&sim)
         .await
         .iter()
@@ -722,20 +722,17 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
     for i in [&a, &b] {
         i.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
     }
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.2"]
-    );
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.2"]);
     c.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
-    let listed = addresses(&endpoints(&sim).await.unwrap());
+    let listed = listed_now(&sim).await;
     assert_eq!(listed.len(), 2);
     assert!(listed.contains(&"10.0.0.3".to_owned()));
     // Its apiserver still ready: a restart of the controller alone keeps the address.
     c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert!(addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.3".to_owned()));
+    assert!(listed_now(&sim).await.contains(&"10.0.0.3".to_owned()));
     let c = instance(&sim, &mk("10.0.0.3"), false);
     c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert!(!addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.3".to_owned()));
+    assert!(!listed_now(&sim).await.contains(&"10.0.0.3".to_owned()));
 }
 
 #[tokio::test]
@@ -750,12 +747,7 @@ async fn watches_trigger_on_corruption() {
             .unwrap()
             .unwrap();
     }
-    let mut e = endpoints(&sim).await.unwrap();
-    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 1;
-    Api::<Endpoints>::namespaced(sim.client(), "default")
-        .replace("kubernetes", &PostParams::default(), &e)
-        .await
-        .unwrap();
+    tamper_endpoints(&sim, |e| *first_port(e) = 1).await;
     let fired = tokio::time::timeout(Duration::from_secs(20), triggers.next()).await;
     assert!(matches!(fired, Ok(Some(()))));
     let lease_api = Api::<Lease>::namespaced(sim.client(), "kube-system");
@@ -911,7 +903,7 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     // While it does hold the leader Lease, it withdraws itself at once.
     sim.backdoor().put(leader_lease("test-10.0.0.1")).unwrap();
     old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
 }
 
 #[tokio::test]
@@ -992,7 +984,7 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
         &mut Registry::default(),
     );
     l.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.1"]);
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1"]);
     eventually("InvalidMemberAddress event", || async {
         event_reasons(&sim).contains(&"InvalidMemberAddress".to_owned())
     })
@@ -1028,5 +1020,5 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
         .reconcile(&ctx(&sim, false))
         .await
         .unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
 }
