@@ -41,21 +41,15 @@ use anyhow::{Context, Result, bail};
 use apiserver_sim::{
     FaultKind, FaultRule, Fleet, FleetConfig, RequestRecord, Sim, SimConfig, TENANT_LABEL, Verb,
 };
-use common::{ControllerProcess, controller_bin, percentile};
+use common::{ControllerProcess, controller_bin, percentile, rss_kib};
 
 const SYSTEM_NAMESPACES: [&str; 4] = ["default", "kube-system", "kube-public", "kube-node-lease"];
 
-/// Resources whose open watch streams are reported (those the loops can watch).
-const WATCHED: [&str; 8] = [
-    "namespaces",
-    "services",
-    "endpoints",
-    "endpointslices",
-    "leases",
-    "ipaddresses",
-    "servicecidrs",
-    "events",
-];
+/// Resources whose open watch streams are reported: those the loops can watch, and events.
+const WATCHED: [&str; 8] = {
+    let [a, b, c, d, e, f, g] = common::LOOP_WATCHED;
+    [a, b, c, d, e, f, g, "events"]
+};
 
 /// What a fleet must show before it counts as converged.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -146,16 +140,6 @@ struct Row {
     writes_per_min: Option<f64>,
     sockets: Option<usize>,
     heal: Vec<Duration>,
-}
-
-fn rss_kib(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kib| kib.parse().ok())
-        .context("no VmRSS")
 }
 
 /// The process's CPU time so far (user + system), from `/proc/<pid>/stat`.
