@@ -176,13 +176,32 @@ fn kubeconfig_yaml(url: &str, ca: &str, user: &str) -> String {
     )
 }
 
-/// Writes `pki`'s CA and its pair `a` to `ca.crt`, `client.crt` and `client.key` in `dir`;
-/// returns where the kubeconfig naming them goes.
-fn files_of_pair_a(dir: &Path, pki: &Pki) -> Result<PathBuf> {
+/// Writes `pki`'s CA and its pair `a` to `ca.crt`, `client.crt` and `client.key` in `dir`, and
+/// a kubeconfig for `url` naming each file as `named` gives it (relative or absolute); returns
+/// the kubeconfig's path.
+fn files_of_pair_a(
+    dir: &Path,
+    pki: &Pki,
+    url: &str,
+    named: impl Fn(&str) -> String,
+) -> Result<PathBuf> {
     std::fs::write(dir.join("ca.crt"), &pki.ca_pem)?;
     std::fs::write(dir.join("client.crt"), &pki.a.cert_pem)?;
     std::fs::write(dir.join("client.key"), &pki.a.key_pem)?;
-    Ok(dir.join("kubeconfig"))
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        kubeconfig_yaml(
+            url,
+            &format!("certificate-authority: {}", named("ca.crt")),
+            &format!(
+                "client-certificate: {}\n    client-key: {}",
+                named("client.crt"),
+                named("client.key")
+            ),
+        ),
+    )?;
+    Ok(kubeconfig)
 }
 
 fn b64(text: &str) -> String {
@@ -195,15 +214,7 @@ async fn a_client_certificate_replaced_on_disk_is_used_by_new_connections() -> R
     let (url, seen) = serve(&pki).await?;
     let dir = tempfile::tempdir()?;
     let file = |name: &str| -> PathBuf { dir.path().join(name) };
-    let kubeconfig = files_of_pair_a(dir.path(), &pki)?;
-    std::fs::write(
-        &kubeconfig,
-        kubeconfig_yaml(
-            &url,
-            "certificate-authority: ca.crt",
-            "client-certificate: client.crt\n    client-key: client.key",
-        ),
-    )?;
+    let kubeconfig = files_of_pair_a(dir.path(), &pki, &url, str::to_owned)?;
     let client = client_for(&kubeconfig).await?;
     until_presented(&client, &seen, "a").await?;
 
@@ -257,19 +268,9 @@ async fn a_broken_replacement_keeps_the_previous_certificate() -> Result<()> {
     let (url, seen) = serve(&pki).await?;
     let dir = tempfile::tempdir()?;
     let file = |name: &str| -> PathBuf { dir.path().join(name) };
-    let kubeconfig = files_of_pair_a(dir.path(), &pki)?;
-    std::fs::write(
-        &kubeconfig,
-        kubeconfig_yaml(
-            &url,
-            &format!("certificate-authority: {}", file("ca.crt").display()),
-            &format!(
-                "client-certificate: {}\n    client-key: {}",
-                file("client.crt").display(),
-                file("client.key").display()
-            ),
-        ),
-    )?;
+    let kubeconfig = files_of_pair_a(dir.path(), &pki, &url, |name| {
+        file(name).display().to_string()
+    })?;
     let client = client_for(&kubeconfig).await?;
     until_presented(&client, &seen, "a").await?;
     replace(
