@@ -58,6 +58,11 @@ async fn all_present(api: &Api<Namespace>) -> Result<Option<()>> {
     Ok(Some(()))
 }
 
+/// The Namespace API of `target`.
+async fn namespaces_of(target: &Target) -> Result<Api<Namespace>> {
+    Ok(Api::all(target.client().await?))
+}
+
 /// Waits until the four system namespaces exist and none is terminating.
 async fn four_present(api: &Api<Namespace>) -> Result<()> {
     eventually("the four system namespaces", CONVERGE, || all_present(api)).await
@@ -110,8 +115,7 @@ async fn create_system_namespaces(api: &Api<Namespace>) -> Result<()> {
 #[tokio::test]
 async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
     let target = Target::start().await?;
-    let client = target.client().await?;
-    let namespaces: Api<Namespace> = Api::all(client);
+    let namespaces = namespaces_of(&target).await?;
 
     let only = NamespacesOnly::new()?;
     let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&[]))?;
@@ -154,8 +158,7 @@ async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
 #[tokio::test]
 async fn dry_run_reports_but_does_not_heal_and_check_names_the_drift() -> Result<()> {
     let target = Target::start().await?;
-    let client = target.client().await?;
-    let namespaces: Api<Namespace> = Api::all(client);
+    let namespaces = namespaces_of(&target).await?;
     create_system_namespaces(&namespaces).await?;
     four_present(&namespaces).await?;
     // The one a real kube-apiserver lets us delete; kube-public on the simulator.
@@ -231,8 +234,7 @@ async fn survives_a_flaky_api_and_converges_once_it_recovers() -> Result<()> {
     let Some(sim) = target.sim("survives_a_flaky_api") else {
         return Ok(());
     };
-    let client = target.client().await?;
-    let namespaces: Api<Namespace> = Api::all(client);
+    let namespaces = namespaces_of(&target).await?;
 
     let only = NamespacesOnly::new()?;
     let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&[]))?;
