@@ -263,6 +263,19 @@ async fn wait_converged(
     Ok(Ok(which.iter().map(|&i| at[i]).collect()))
 }
 
+/// Ends a run: says whether the controller exited during it (with its last log lines), stops
+/// it, and shuts the fleet down.
+async fn stop(mut controller: ControllerProcess, fleet: Fleet) {
+    if !controller.is_running() {
+        println!(
+            "  the controller exited during the run:\n{}",
+            tail(&controller.log(), 20)
+        );
+    }
+    controller.terminate().ok();
+    fleet.shutdown().await;
+}
+
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
@@ -549,7 +562,7 @@ async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
     };
     let fleet = start_fleet(tenants).await?;
     let all: Vec<usize> = (0..tenants).collect();
-    let Some((mut controller, converged)) = converge(args, &fleet, &all).await? else {
+    let Some((controller, converged)) = converge(args, &fleet, &all).await? else {
         fleet.shutdown().await;
         return Ok(row);
     };
@@ -589,14 +602,7 @@ async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
         .await?
         .0;
     }
-    if !controller.is_running() {
-        println!(
-            "  the controller exited during the run:\n{}",
-            tail(&controller.log(), 20)
-        );
-    }
-    controller.terminate().ok();
-    fleet.shutdown().await;
+    stop(controller, fleet).await;
     Ok(row)
 }
 
@@ -682,7 +688,7 @@ async fn isolation_run(args: &Args, tenants: usize, bad: &[usize]) -> Result<Opt
         later.len()
     );
     let healthy: Vec<usize> = (0..tenants).filter(|i| !bad.contains(i)).collect();
-    let Some((mut controller, _)) = converge(args, &fleet, &healthy).await? else {
+    let Some((controller, _)) = converge(args, &fleet, &healthy).await? else {
         fleet.shutdown().await;
         return Ok(None);
     };
@@ -725,14 +731,7 @@ async fn isolation_run(args: &Args, tenants: usize, bad: &[usize]) -> Result<Opt
         rss_kib as f64 / 1024.0,
         sockets(pid)?
     );
-    if !controller.is_running() {
-        println!(
-            "  the controller exited during the run:\n{}",
-            tail(&controller.log(), 20)
-        );
-    }
-    controller.terminate().ok();
-    fleet.shutdown().await;
+    stop(controller, fleet).await;
     Ok(Some(IsolationRun {
         heal,
         cpu,
