@@ -96,6 +96,16 @@ fn kinds(report: &reconcilers::PassReport) -> Vec<&'static str> {
     report.drift.iter().map(|d| d.kind).collect()
 }
 
+/// One pass of `l`, which must not fail.
+async fn pass(l: &impl Reconciler, sim: &Sim) -> reconcilers::PassReport {
+    l.reconcile(&ctx(sim, false)).await.unwrap()
+}
+
+/// One dry-run pass of `l`, which must not fail.
+async fn dry_pass(l: &impl Reconciler, sim: &Sim) -> reconcilers::PassReport {
+    l.reconcile(&ctx(sim, true)).await.unwrap()
+}
+
 /// The addresses the Endpoints list (which must exist).
 async fn listed_now(sim: &Sim) -> Vec<String> {
     addresses(&endpoints(sim).await.unwrap())
@@ -103,11 +113,7 @@ async fn listed_now(sim: &Sim) -> Vec<String> {
 
 /// The addresses listed after one pass of `instance`'s endpoints loop.
 async fn listed_after_pass(sim: &Sim, instance: &Instance) -> Vec<String> {
-    instance
-        .endpoints
-        .reconcile(&ctx(sim, false))
-        .await
-        .unwrap();
+    pass(&instance.endpoints, sim).await;
     listed_now(sim).await
 }
 
@@ -212,11 +218,7 @@ async fn lease_members_are_written_sorted_to_endpoints_and_slice() {
 
     // At rest: another pass finds nothing and writes nothing.
     sim.clear_requests();
-    let report = instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    let report = pass(&instances[0].endpoints, &sim).await;
     assert!(report.is_clean(), "{report:?}");
     assert_eq!(writes(&sim), Vec::<String>::new());
 }
@@ -226,23 +228,15 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
     let sim = sim().await;
     let instances = three_members(&sim).await;
     let late = instance(&sim, &cfg("10.0.0.4"), false);
-    let report = late.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&late.lease, &sim).await;
     assert!(report.is_clean(), "nothing to withdraw: {report:?}");
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    pass(&instances[0].endpoints, &sim).await;
     assert!(!listed_now(&sim).await.contains(&"10.0.0.4".to_owned()));
 
     // Its apiserver becomes ready: it joins.
     late.ready.set(true);
-    late.lease.reconcile(&ctx(&sim, false)).await.unwrap();
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    pass(&late.lease, &sim).await;
+    pass(&instances[0].endpoints, &sim).await;
     assert!(listed_now(&sim).await.contains(&"10.0.0.4".to_owned()));
     assert_eq!(late.lease.metrics().ready(), 1);
 
@@ -250,19 +244,11 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
     // the third failure the Lease goes, then its address.
     instances[1].ready.set(false);
     for failure in 1..=2 {
-        let report = instances[1]
-            .lease
-            .reconcile(&ctx(&sim, false))
-            .await
-            .unwrap();
+        let report = pass(&instances[1].lease, &sim).await;
         assert!(report.is_clean(), "failure {failure} tolerated: {report:?}");
     }
     assert_eq!(instances[1].lease.metrics().ready(), 1);
-    let report = instances[1]
-        .lease
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    let report = pass(&instances[1].lease, &sim).await;
     assert_eq!(report.drift[0].kind, "member_lease_not_ready");
     assert!(report.drift[0].applied);
     assert_eq!(
@@ -305,7 +291,7 @@ async fn expired_lease_removes_the_member_with_an_event() {
 
     // Its sidecar restarts while its apiserver is still starting: nothing comes back.
     let restarted = instance(&sim, &cfg("10.0.0.9"), false);
-    let report = restarted.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&restarted.lease, &sim).await;
     assert_eq!(
         report.drift[0].kind, "member_lease_not_ready",
         "the stale Lease is removed at start"
@@ -335,22 +321,18 @@ async fn lease_expiry_without_any_write_wakes_the_leader() {
     short_cfg.interval = Duration::from_secs(1);
     let short_lived = instance(&sim, &short_cfg, true);
     drop(short);
-    leader.lease.reconcile(&ctx(&sim, false)).await.unwrap();
-    short_lived
-        .lease
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    pass(&leader.lease, &sim).await;
+    pass(&short_lived.lease, &sim).await;
     // Subscribe before the pass publishes the next deadline.
     let mut triggers = leader.endpoints.triggers();
     let expiry = triggers.pop().unwrap();
-    leader.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&leader.endpoints, &sim).await;
     assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.2"]);
     // Nobody renews 10.0.0.2 (its sidecar was SIGKILLed); the expiry trigger fires by itself.
     let fired = tokio::time::timeout(Duration::from_secs(20), expiry.into_future()).await;
     assert!(matches!(fired, Ok((Some(()), _))), "expiry trigger fired");
-    leader.lease.reconcile(&ctx(&sim, false)).await.unwrap();
-    leader.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&leader.lease, &sim).await;
+    pass(&leader.endpoints, &sim).await;
     assert_eq!(listed_now(&sim).await, vec!["10.0.0.1"]);
 }
 
@@ -365,11 +347,7 @@ async fn deleting_every_lease_never_empties_the_endpoints() {
             .unwrap();
     }
     sim.clear_requests();
-    let report = instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    let report = pass(&instances[0].endpoints, &sim).await;
     assert_eq!(report.drift.len(), 1);
     assert_eq!(report.drift[0].kind, "no_members");
     assert!(!report.drift[0].applied);
@@ -388,7 +366,7 @@ async fn every_drift_is_repaired_ports_included() {
 
     // Endpoints port (upstream never repairs this, kubernetes/kubernetes#104252).
     tamper_endpoints(&sim, |e| *first_port(e) = 443).await;
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(leader, &sim).await;
     assert_eq!(report.drift.len(), 1, "{report:?}");
     assert_eq!(report.drift[0].kind, "endpoints_ports");
     assert!(report.drift[0].applied);
@@ -408,7 +386,7 @@ async fn every_drift_is_repaired_ports_included() {
         e.metadata.labels = None;
     })
     .await;
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(leader, &sim).await;
     assert_eq!(
         kinds(&report),
         vec!["endpoints_label", "endpoints_addresses"]
@@ -427,7 +405,7 @@ async fn every_drift_is_repaired_ports_included() {
         .replace("kubernetes", &PostParams::default(), &s)
         .await
         .unwrap();
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(leader, &sim).await;
     assert_eq!(
         kinds(&report),
         vec!["endpointslice_endpoints", "endpointslice_ports"]
@@ -458,7 +436,7 @@ async fn every_drift_is_repaired_ports_included() {
         .create(&PostParams::default(), &stray)
         .await
         .unwrap();
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(leader, &sim).await;
     assert_eq!(
         kinds(&report),
         vec!["endpointslice_missing", "endpointslice_stray"]
@@ -475,7 +453,7 @@ async fn every_drift_is_repaired_ports_included() {
         .delete("kubernetes", &Default::default())
         .await
         .unwrap();
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(leader, &sim).await;
     assert_eq!(report.drift[0].kind, "endpoints_missing");
     assert_eq!(listed_now(&sim).await.len(), 3);
     eventually("EndpointsRepaired event", || async {
@@ -483,13 +461,7 @@ async fn every_drift_is_repaired_ports_included() {
     })
     .await;
 
-    assert!(
-        leader
-            .reconcile(&ctx(&sim, false))
-            .await
-            .unwrap()
-            .is_clean()
-    );
+    assert!(pass(leader, &sim).await.is_clean());
 }
 
 #[tokio::test]
@@ -506,17 +478,13 @@ async fn dry_run_reports_and_writes_nothing() {
     // A new, ready member whose sidecar runs in dry-run does not write its Lease either.
     let newcomer = instance(&sim, &cfg("10.0.0.5"), true);
     sim.clear_requests();
-    let report = newcomer.lease.reconcile(&ctx(&sim, true)).await.unwrap();
+    let report = dry_pass(&newcomer.lease, &sim).await;
     assert!(
         report.is_clean(),
         "its own Lease is a heartbeat, not drift: {report:?}"
     );
 
-    let report = instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, true))
-        .await
-        .unwrap();
+    let report = dry_pass(&instances[0].endpoints, &sim).await;
     assert_eq!(
         kinds(&report),
         vec!["endpoints_ports", "endpointslice_missing"]
@@ -600,7 +568,7 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
 
     // The last member, now leader, stops: the endpoints are emptied, as upstream does.
     let last = &instances[2];
-    last.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&last.endpoints, &sim).await;
     last.lease.shutdown(&ctx(&sim, false)).await.unwrap();
     last.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
     assert!(listed_now(&sim).await.is_empty());
@@ -631,7 +599,7 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
         &mut registry,
     );
     assert!(l.needs_leadership());
-    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&l, &sim).await;
     // One family, the Service's (no range and no Service here: the members' rule, IPv4 while
     // there is any): the IPv6 address is left out, with a Warning.
     assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.7"]);
@@ -662,10 +630,10 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
     // The name now resolves to nothing, then fails: the last good set stays, with one warning.
     resolver.answer("lb.example.com", Ok(vec![]));
     sim.clear_requests();
-    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&l, &sim).await;
     assert!(report.is_clean(), "{report:?}");
     resolver.answer("lb.example.com", Err("SERVFAIL".into()));
-    assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
+    assert!(pass(&l, &sim).await.is_clean());
     assert_eq!(writes(&sim), Vec::<String>::new());
     assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.7"]);
     eventually("StaticAddressResolutionFailed event", || async {
@@ -694,7 +662,7 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
         .await
         .unwrap();
     resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.3")]));
-    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&l, &sim).await;
     assert_eq!(listed_now(&sim).await, vec!["10.0.0.3", "10.0.0.7"]);
     let names: Vec<_> = slices(&sim)
         .await
@@ -720,10 +688,10 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
         "every apiserver adds itself, as upstream"
     );
     for i in [&a, &b] {
-        i.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+        pass(&i.endpoints, &sim).await;
     }
     assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.2"]);
-    c.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&c.endpoints, &sim).await;
     let listed = listed_now(&sim).await;
     assert_eq!(listed.len(), 2);
     assert!(listed.contains(&"10.0.0.3".to_owned()));
@@ -836,28 +804,16 @@ async fn readyz_probe_follows_the_apiserver() {
     let mut registry = Registry::default();
     let d = deps(&sim, Arc::new(by_client), Arc::new(FakeResolver::default()));
     let lease_loop = ApiserverLeaseLoop::new(&c, d, &mut registry).unwrap();
-    assert!(
-        lease_loop
-            .reconcile(&ctx(&sim, false))
-            .await
-            .unwrap()
-            .is_clean()
-    );
+    assert!(pass(&lease_loop, &sim).await.is_clean());
     sim.set_ready(true);
-    let report = lease_loop.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&lease_loop, &sim).await;
     assert_eq!(report.drift[0].kind, "member_lease_missing");
     sim.set_ready(false);
     // Withdrawn at the third failure in a row (the default readinessFailureThreshold).
     for _ in 1..=2 {
-        assert!(
-            lease_loop
-                .reconcile(&ctx(&sim, false))
-                .await
-                .unwrap()
-                .is_clean()
-        );
+        assert!(pass(&lease_loop, &sim).await.is_clean());
     }
-    let report = lease_loop.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&lease_loop, &sim).await;
     assert_eq!(report.drift[0].kind, "member_lease_not_ready");
     assert!(
         Api::<Lease>::namespaced(sim.client(), "kube-system")
@@ -885,12 +841,12 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     };
     let old = instance(&sim, &with_election("10.0.0.1"), true);
     let other = instance(&sim, &with_election("10.0.0.2"), true);
-    old.lease.reconcile(&ctx(&sim, false)).await.unwrap();
-    other.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&old.lease, &sim).await;
+    pass(&other.lease, &sim).await;
     // Its apiserver is stopping too, so a leader would withdraw.
     old.ready.set(false);
     // 10.0.0.1 led and ran a pass, then leadership moved to 10.0.0.2 before its SIGTERM.
-    old.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&old.endpoints, &sim).await;
     sim.backdoor().put(leader_lease("test-10.0.0.2")).unwrap();
     sim.clear_requests();
     old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
@@ -910,16 +866,9 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
 async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
     let sim = sim().await;
     let member = instance(&sim, &cfg("10.0.0.1"), true);
-    member.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&member.lease, &sim).await;
     sim.clear_requests();
-    assert!(
-        member
-            .lease
-            .reconcile(&ctx(&sim, false))
-            .await
-            .unwrap()
-            .is_clean()
-    );
+    assert!(pass(&member.lease, &sim).await.is_clean());
     assert_eq!(
         sim.request_count("get", "leases"),
         0,
@@ -934,7 +883,7 @@ async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
     api.replace("apiserver-10.0.0.1", &PostParams::default(), &edited)
         .await
         .unwrap();
-    member.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&member.lease, &sim).await;
     let lease = api.get("apiserver-10.0.0.1").await.unwrap();
     assert_eq!(
         lease
@@ -983,7 +932,7 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
         deps(&sim, Arc::new(Flag::new(true)), resolver),
         &mut Registry::default(),
     );
-    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&l, &sim).await;
     assert_eq!(listed_now(&sim).await, vec!["10.0.0.1"]);
     eventually("InvalidMemberAddress event", || async {
         event_reasons(&sim).contains(&"InvalidMemberAddress".to_owned())
@@ -992,11 +941,7 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
 
     // A hand-made membership Lease with a link-local address does not break lease mode either.
     let lease_member = instance(&sim, &cfg("10.0.0.2"), true);
-    lease_member
-        .lease
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    pass(&lease_member.lease, &sim).await;
     let mut bogus = sim
         .backdoor()
         .get(
@@ -1015,10 +960,6 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
         .unwrap()
         .remove("resourceVersion");
     sim.backdoor().put(bogus).unwrap();
-    lease_member
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    pass(&lease_member.endpoints, &sim).await;
     assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
 }
