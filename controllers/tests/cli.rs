@@ -1,33 +1,14 @@
 //! The binary's exit statuses and messages: invalid configuration exits 2 naming the field,
 //! before touching any cluster; `check` exits 1 on drift and 2 when the API is unreachable.
 
-use std::process::{Command, Output};
+use std::process::Command;
+
+use test_support::process::{clean_command, run};
 
 use apiserver_sim::{Sim, SimConfig};
 
 fn binary() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_bootstrap-controller"));
-    // Keep the developer's environment out of the test.
-    for (key, _) in std::env::vars() {
-        if key.starts_with("BOOTSTRAP_") || key == "KUBECONFIG" {
-            command.env_remove(key);
-        }
-    }
-    command.env("RUST_LOG", "error");
-    command
-}
-
-fn run(command: &mut Command) -> (i32, String, String) {
-    let Output {
-        status,
-        stdout,
-        stderr,
-    } = command.output().expect("binary runs");
-    (
-        status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&stdout).into_owned(),
-        String::from_utf8_lossy(&stderr).into_owned(),
-    )
+    clean_command(env!("CARGO_BIN_EXE_bootstrap-controller"))
 }
 
 fn write_config(dir: &tempfile::TempDir, yaml: &str) -> std::path::PathBuf {

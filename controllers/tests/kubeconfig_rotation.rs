@@ -168,6 +168,42 @@ async fn client_for(kubeconfig: &Path) -> Result<kube::Client> {
     )?)
 }
 
+/// A kubeconfig for the server at `url`: `ca` is its cluster's certificate-authority line,
+/// `user` its user's lines (each after the first indented by four spaces).
+fn kubeconfig_yaml(url: &str, ca: &str, user: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: c\n  cluster:\n    server: {url}\n    {ca}\nusers:\n- name: u\n  user:\n    {user}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\n"
+    )
+}
+
+/// Writes `pki`'s CA and its pair `a` to `ca.crt`, `client.crt` and `client.key` in `dir`, and
+/// a kubeconfig for `url` naming each file as `named` gives it (relative or absolute); returns
+/// the kubeconfig's path.
+fn files_of_pair_a(
+    dir: &Path,
+    pki: &Pki,
+    url: &str,
+    named: impl Fn(&str) -> String,
+) -> Result<PathBuf> {
+    std::fs::write(dir.join("ca.crt"), &pki.ca_pem)?;
+    std::fs::write(dir.join("client.crt"), &pki.a.cert_pem)?;
+    std::fs::write(dir.join("client.key"), &pki.a.key_pem)?;
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        kubeconfig_yaml(
+            url,
+            &format!("certificate-authority: {}", named("ca.crt")),
+            &format!(
+                "client-certificate: {}\n    client-key: {}",
+                named("client.crt"),
+                named("client.key")
+            ),
+        ),
+    )?;
+    Ok(kubeconfig)
+}
+
 fn b64(text: &str) -> String {
     base64::engine::general_purpose::STANDARD.encode(text)
 }
@@ -178,16 +214,7 @@ async fn a_client_certificate_replaced_on_disk_is_used_by_new_connections() -> R
     let (url, seen) = serve(&pki).await?;
     let dir = tempfile::tempdir()?;
     let file = |name: &str| -> PathBuf { dir.path().join(name) };
-    std::fs::write(file("ca.crt"), &pki.ca_pem)?;
-    std::fs::write(file("client.crt"), &pki.a.cert_pem)?;
-    std::fs::write(file("client.key"), &pki.a.key_pem)?;
-    let kubeconfig = file("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: c\n  cluster:\n    server: {url}\n    certificate-authority: ca.crt\nusers:\n- name: u\n  user:\n    client-certificate: client.crt\n    client-key: client.key\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\n"
-        ),
-    )?;
+    let kubeconfig = files_of_pair_a(dir.path(), &pki, &url, str::to_owned)?;
     let client = client_for(&kubeconfig).await?;
     until_presented(&client, &seen, "a").await?;
 
@@ -214,11 +241,14 @@ async fn a_kubeconfig_rewritten_with_embedded_certificates_is_read_again() -> Re
     let write = |pair: &Pair| -> Result<()> {
         replace(
             &kubeconfig,
-            &format!(
-                "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: c\n  cluster:\n    server: {url}\n    certificate-authority-data: {}\nusers:\n- name: u\n  user:\n    client-certificate-data: {}\n    client-key-data: {}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\n",
-                b64(&pki.ca_pem),
-                b64(&pair.cert_pem),
-                b64(&pair.key_pem)
+            &kubeconfig_yaml(
+                &url,
+                &format!("certificate-authority-data: {}", b64(&pki.ca_pem)),
+                &format!(
+                    "client-certificate-data: {}\n    client-key-data: {}",
+                    b64(&pair.cert_pem),
+                    b64(&pair.key_pem)
+                ),
             ),
         )
     };
@@ -238,19 +268,9 @@ async fn a_broken_replacement_keeps_the_previous_certificate() -> Result<()> {
     let (url, seen) = serve(&pki).await?;
     let dir = tempfile::tempdir()?;
     let file = |name: &str| -> PathBuf { dir.path().join(name) };
-    std::fs::write(file("ca.crt"), &pki.ca_pem)?;
-    std::fs::write(file("client.crt"), &pki.a.cert_pem)?;
-    std::fs::write(file("client.key"), &pki.a.key_pem)?;
-    let kubeconfig = file("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: c\n  cluster:\n    server: {url}\n    certificate-authority: {}\nusers:\n- name: u\n  user:\n    client-certificate: {}\n    client-key: {}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\n",
-            file("ca.crt").display(),
-            file("client.crt").display(),
-            file("client.key").display()
-        ),
-    )?;
+    let kubeconfig = files_of_pair_a(dir.path(), &pki, &url, |name| {
+        file(name).display().to_string()
+    })?;
     let client = client_for(&kubeconfig).await?;
     until_presented(&client, &seen, "a").await?;
     replace(

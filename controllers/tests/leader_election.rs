@@ -7,6 +7,7 @@ use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
 use bootstrap_controller::health::Health;
 use bootstrap_controller::leader::{self, LeaderMetrics, LeaderSettings};
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 fn settings(identity: &str) -> LeaderSettings {
@@ -17,6 +18,44 @@ fn settings(identity: &str) -> LeaderSettings {
         lease_duration: Duration::from_secs(2),
         renew_grace: Duration::from_secs(1),
     }
+}
+
+/// Candidate `identity` in the election against `sim`, reporting to `health`: whether it leads,
+/// its task, and the token that stops it.
+async fn candidate(
+    sim: &Sim,
+    identity: &str,
+    health: Health,
+) -> anyhow::Result<(watch::Receiver<bool>, JoinHandle<()>, CancellationToken)> {
+    let cancel = CancellationToken::new();
+    let (leads, task) = leader::spawn(
+        sim.new_client().await?.into(),
+        settings(identity),
+        LeaderMetrics::default(),
+        health,
+        cancel.clone(),
+    );
+    Ok((leads, task, cancel))
+}
+
+/// Faults cleared, the candidate leads again.
+async fn leads_again_once_the_api_answers(sim: &Sim, leads: &watch::Receiver<bool>) {
+    sim.faults().clear();
+    eventually("leads again once the API answers", leads, true).await;
+}
+
+/// Stops the candidate, waits for its task to end, and shuts the simulator down.
+async fn stop(sim: Sim, cancel: CancellationToken, task: JoinHandle<()>) -> anyhow::Result<()> {
+    cancel.cancel();
+    task.await?;
+    sim.shutdown().await;
+    Ok(())
+}
+
+/// Every request for Leases fails with `kind` until the faults are cleared.
+fn leases_fail(sim: &Sim, kind: FaultKind) {
+    sim.faults()
+        .inject(FaultRule::probability(None, Some("leases"), 1.0, kind));
 }
 
 async fn eventually(what: &str, receiver: &watch::Receiver<bool>, want: bool) {
@@ -30,24 +69,10 @@ async fn eventually(what: &str, receiver: &watch::Receiver<bool>, want: bool) {
 async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
     // No namespaces at all: the election must create kube-system for its Lease.
     let sim = Sim::start(SimConfig::default()).await?;
-    let cancel_a = CancellationToken::new();
-    let (a, task_a) = leader::spawn(
-        sim.new_client().await?.into(),
-        settings("a"),
-        LeaderMetrics::default(),
-        Health::default(),
-        cancel_a.clone(),
-    );
+    let (a, task_a, cancel_a) = candidate(&sim, "a", Health::default()).await?;
     eventually("a leads", &a, true).await;
 
-    let cancel_b = CancellationToken::new();
-    let (b, task_b) = leader::spawn(
-        sim.new_client().await?.into(),
-        settings("b"),
-        LeaderMetrics::default(),
-        Health::default(),
-        cancel_b.clone(),
-    );
+    let (b, task_b, cancel_b) = candidate(&sim, "b", Health::default()).await?;
     // Give b a few renew periods to (wrongly) take over.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(*a.borrow(), "a keeps leading while it renews");
@@ -58,24 +83,14 @@ async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
     assert!(!*a.borrow(), "a stepped down on shutdown");
     eventually("b takes over after a released", &b, true).await;
 
-    cancel_b.cancel();
-    task_b.await?;
-    sim.shutdown().await;
-    Ok(())
+    stop(sim, cancel_b, task_b).await
 }
 
 #[tokio::test]
 async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
-    let cancel = CancellationToken::new();
     let health = Health::default();
-    let (receiver, task) = leader::spawn(
-        sim.new_client().await?.into(),
-        settings("a"),
-        LeaderMetrics::default(),
-        health.clone(),
-        cancel.clone(),
-    );
+    let (receiver, task, cancel) = candidate(&sim, "a", health.clone()).await?;
     eventually("a leads", &receiver, true).await;
     assert_eq!(
         health.readiness().lines,
@@ -83,15 +98,13 @@ async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()
         "ready as leader"
     );
 
-    sim.faults().inject(FaultRule::probability(
-        None,
-        Some("leases"),
-        1.0,
+    leases_fail(
+        &sim,
         FaultKind::Error {
             code: 500,
             retry_after_seconds: None,
         },
-    ));
+    );
     eventually("steps down while renewals fail", &receiver, false).await;
     assert!(!task.is_finished(), "the election task must keep running");
     let readiness = health.readiness();
@@ -104,14 +117,10 @@ async fn steps_down_while_the_api_fails_and_returns_after() -> anyhow::Result<()
         "{readiness:?}"
     );
 
-    sim.faults().clear();
-    eventually("leads again once the API answers", &receiver, true).await;
+    leads_again_once_the_api_answers(&sim, &receiver).await;
     assert!(health.readiness().ready, "{:?}", health.readiness());
 
-    cancel.cancel();
-    task.await?;
-    sim.shutdown().await;
-    Ok(())
+    stop(sim, cancel, task).await
 }
 
 #[tokio::test]
@@ -134,12 +143,7 @@ async fn steps_down_when_the_api_hangs() -> anyhow::Result<()> {
     eventually("a leads", &receiver, true).await;
 
     // Lease requests hang far longer than the Lease lasts (2 s).
-    sim.faults().inject(FaultRule::probability(
-        None,
-        Some("leases"),
-        1.0,
-        FaultKind::Latency { millis: 60_000 },
-    ));
+    leases_fail(&sim, FaultKind::Latency { millis: 60_000 });
     eventually(
         "steps down instead of waiting on a hung renewal",
         &receiver,
@@ -148,39 +152,26 @@ async fn steps_down_when_the_api_hangs() -> anyhow::Result<()> {
     .await;
     assert!(!task.is_finished(), "the election task must keep running");
 
-    sim.faults().clear();
-    eventually("leads again once the API answers", &receiver, true).await;
-    cancel.cancel();
-    task.await?;
-    sim.shutdown().await;
-    Ok(())
+    leads_again_once_the_api_answers(&sim, &receiver).await;
+    stop(sim, cancel, task).await
 }
 
 #[tokio::test]
 async fn steps_down_before_the_lease_expires_while_renewals_are_retried() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
-    let cancel = CancellationToken::new();
-    let (receiver, task) = leader::spawn(
-        sim.new_client().await?.into(),
-        settings("a"),
-        LeaderMetrics::default(),
-        Health::default(),
-        cancel.clone(),
-    );
+    let (receiver, task, cancel) = candidate(&sim, "a", Health::default()).await?;
     eventually("a leads", &receiver, true).await;
 
     // kube's client retries 429 after Retry-After, up to 15 times: a renewal could take 15 s,
     // far past the 2 s Lease, while a standby takes over.
     let injected = Instant::now();
-    sim.faults().inject(FaultRule::probability(
-        None,
-        Some("leases"),
-        1.0,
+    leases_fail(
+        &sim,
         FaultKind::Error {
             code: 429,
             retry_after_seconds: Some(1),
         },
-    ));
+    );
     eventually("steps down", &receiver, false).await;
     let stepped_down_after = injected.elapsed();
     // At most one renewal period plus the Lease (2 s): well before the client's retries end.
@@ -189,10 +180,6 @@ async fn steps_down_before_the_lease_expires_while_renewals_are_retried() -> any
         "stepped down only after {stepped_down_after:?}"
     );
 
-    sim.faults().clear();
-    eventually("leads again once the API answers", &receiver, true).await;
-    cancel.cancel();
-    task.await?;
-    sim.shutdown().await;
-    Ok(())
+    leads_again_once_the_api_answers(&sim, &receiver).await;
+    stop(sim, cancel, task).await
 }

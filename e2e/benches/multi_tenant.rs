@@ -41,21 +41,15 @@ use anyhow::{Context, Result, bail};
 use apiserver_sim::{
     FaultKind, FaultRule, Fleet, FleetConfig, RequestRecord, Sim, SimConfig, TENANT_LABEL, Verb,
 };
-use common::{ControllerProcess, controller_bin, percentile};
+use common::{ControllerProcess, controller_bin, percentile, rss_kib};
 
 const SYSTEM_NAMESPACES: [&str; 4] = ["default", "kube-system", "kube-public", "kube-node-lease"];
 
-/// Resources whose open watch streams are reported (those the loops can watch).
-const WATCHED: [&str; 8] = [
-    "namespaces",
-    "services",
-    "endpoints",
-    "endpointslices",
-    "leases",
-    "ipaddresses",
-    "servicecidrs",
-    "events",
-];
+/// Resources whose open watch streams are reported: those the loops can watch, and events.
+const WATCHED: [&str; 8] = {
+    let [a, b, c, d, e, f, g] = common::LOOP_WATCHED;
+    [a, b, c, d, e, f, g, "events"]
+};
 
 /// What a fleet must show before it counts as converged.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -146,16 +140,6 @@ struct Row {
     writes_per_min: Option<f64>,
     sockets: Option<usize>,
     heal: Vec<Duration>,
-}
-
-fn rss_kib(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kib| kib.parse().ok())
-        .context("no VmRSS")
 }
 
 /// The process's CPU time so far (user + system), from `/proc/<pid>/stat`.
@@ -277,6 +261,19 @@ async fn wait_converged(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(Ok(which.iter().map(|&i| at[i]).collect()))
+}
+
+/// Ends a run: says whether the controller exited during it (with its last log lines), stops
+/// it, and shuts the fleet down.
+async fn stop(mut controller: ControllerProcess, fleet: Fleet) {
+    if !controller.is_running() {
+        println!(
+            "  the controller exited during the run:\n{}",
+            tail(&controller.log(), 20)
+        );
+    }
+    controller.terminate().ok();
+    fleet.shutdown().await;
 }
 
 fn tail(text: &str, lines: usize) -> String {
@@ -565,7 +562,7 @@ async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
     };
     let fleet = start_fleet(tenants).await?;
     let all: Vec<usize> = (0..tenants).collect();
-    let Some((mut controller, converged)) = converge(args, &fleet, &all).await? else {
+    let Some((controller, converged)) = converge(args, &fleet, &all).await? else {
         fleet.shutdown().await;
         return Ok(row);
     };
@@ -605,14 +602,7 @@ async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
         .await?
         .0;
     }
-    if !controller.is_running() {
-        println!(
-            "  the controller exited during the run:\n{}",
-            tail(&controller.log(), 20)
-        );
-    }
-    controller.terminate().ok();
-    fleet.shutdown().await;
+    stop(controller, fleet).await;
     Ok(row)
 }
 
@@ -698,7 +688,7 @@ async fn isolation_run(args: &Args, tenants: usize, bad: &[usize]) -> Result<Opt
         later.len()
     );
     let healthy: Vec<usize> = (0..tenants).filter(|i| !bad.contains(i)).collect();
-    let Some((mut controller, _)) = converge(args, &fleet, &healthy).await? else {
+    let Some((controller, _)) = converge(args, &fleet, &healthy).await? else {
         fleet.shutdown().await;
         return Ok(None);
     };
@@ -741,14 +731,7 @@ async fn isolation_run(args: &Args, tenants: usize, bad: &[usize]) -> Result<Opt
         rss_kib as f64 / 1024.0,
         sockets(pid)?
     );
-    if !controller.is_running() {
-        println!(
-            "  the controller exited during the run:\n{}",
-            tail(&controller.log(), 20)
-        );
-    }
-    controller.terminate().ok();
-    fleet.shutdown().await;
+    stop(controller, fleet).await;
     Ok(Some(IsolationRun {
         heal,
         cpu,

@@ -12,7 +12,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use common::{CONVERGE, ControllerProcess, SimProcess, eventually, summary};
+use common::{CONVERGE, ControllerProcess, SimProcess, eventually, rss_kib, summary};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
@@ -102,16 +102,6 @@ async fn wait_for_system_namespaces(api: &Api<Namespace>) -> Result<()> {
         Ok(Some(()))
     })
     .await
-}
-
-fn rss_kib(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kib| kib.parse().ok())
-        .context("no VmRSS")
 }
 
 /// Counts what the controller asks of the API over `secs` seconds in which nothing drifts.

@@ -75,25 +75,18 @@ async fn trial(args: &Args, stop: &Stop) -> Result<(Duration, Duration)> {
         format!("{}s", args.renew_grace),
     );
     let replica = |identity: &str| -> Result<ControllerProcess> {
-        ControllerProcess::start(
-            fleet.management().kubeconfig_path(),
-            &[
-                "--tenants-secret-selector",
-                "bootstrap-controller.io/tenant=true",
-                "--tenants-namespace",
-                "tenants",
-                "--service-cluster-ip-range",
-                "10.96.0.0/12",
-                "--leader-elect-lease-namespace",
-                "tenants",
-                "--leader-elect-lease-duration",
-                &lease,
-                "--leader-elect-renew-grace",
-                &grace,
-                "--leader-elect-identity",
-                identity,
-            ],
-        )
+        let mut flags = common::MANAGEMENT_ARGS.to_vec();
+        flags.extend([
+            "--leader-elect-lease-namespace",
+            "tenants",
+            "--leader-elect-lease-duration",
+            &lease,
+            "--leader-elect-renew-grace",
+            &grace,
+            "--leader-elect-identity",
+            identity,
+        ]);
+        ControllerProcess::start(fleet.management().kubeconfig_path(), &flags)
     };
     let mut leaving = replica("replica-a")?;
     let mut staying = replica("replica-b")?;
@@ -189,14 +182,10 @@ async fn secret_to_healed(trials: usize) -> Result<Vec<Duration>> {
     let mut controller = ControllerProcess::start(
         fleet.management().kubeconfig_path(),
         &[
-            "--tenants-secret-selector",
-            "bootstrap-controller.io/tenant=true",
-            "--tenants-namespace",
-            "tenants",
-            "--service-cluster-ip-range",
-            "10.96.0.0/12",
-            "--leader-elect=false",
-        ],
+            common::MANAGEMENT_ARGS.as_slice(),
+            &["--leader-elect=false"],
+        ]
+        .concat(),
     )?;
     controller.wait_ready().await?;
     let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> =

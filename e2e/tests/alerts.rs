@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use common::{ControllerProcess, Target, eventually, free_port};
+use common::{ControllerProcess, Target, eventually, free_port, node_port_service};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
@@ -186,18 +186,6 @@ fn dashboard_queries() -> Result<Vec<String>> {
         }
     }
     Ok(queries)
-}
-
-fn node_port_service(name: &str, node_port: i32) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
-        "spec": {
-            "type": "NodePort",
-            "ports": [{"port": 80, "protocol": "TCP", "nodePort": node_port}]
-        }
-    })
 }
 
 #[tokio::test]

@@ -17,7 +17,10 @@ use common::{
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::PostParams;
 use kube::{Api, Client};
+use reconcilers::apiserver_endpoints::lease::OwnLease;
 use test_support::readyz::FakeReadyz;
 
 /// One simulated control-plane node: its `/readyz` and its sidecar.
@@ -30,6 +33,13 @@ struct Member {
 }
 
 const LEASE_SELECTOR: &str = "bootstrap-controller.io/apiserver-endpoint=kubernetes";
+
+/// A JSON patch of the Endpoints' port to 443: drift the endpoints loop repairs.
+const ENDPOINTS_PORT_443: &str =
+    r#"[{"op":"replace","path":"/subsets/0/ports/0/port","value":443}]"#;
+
+/// The three members' addresses, as listed when all are live.
+const ALL_THREE: &[&str] = &["10.0.0.1", "10.0.0.2", "10.0.0.3"];
 
 impl Member {
     async fn new(dir: &std::path::Path, n: u8, ttl: &str) -> Result<Self> {
@@ -111,17 +121,7 @@ async fn endpoints_state(
     else {
         return Ok(None);
     };
-    let subsets = endpoints.subsets.unwrap_or_default();
-    let ips = subsets
-        .iter()
-        .flat_map(|s| s.addresses.iter().flatten())
-        .map(|a| a.ip.clone())
-        .collect();
-    let ports = subsets
-        .iter()
-        .flat_map(|s| s.ports.iter().flatten())
-        .map(|p| p.port)
-        .collect();
+    let (ips, ports) = common::endpoints_addresses_and_ports(endpoints);
     let Some(slice) = Api::<EndpointSlice>::namespaced(client.clone(), "default")
         .get_opt("kubernetes")
         .await?
@@ -175,6 +175,93 @@ fn kubectl_ok(kubeconfig: &std::path::Path, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// Corrupts `default/kubernetes` of `kind` with `kubectl patch` (`patch_type` is `--type=...`).
+fn patch_kubernetes(
+    kubeconfig: &std::path::Path,
+    kind: &str,
+    patch_type: &str,
+    patch: &str,
+) -> Result<()> {
+    kubectl_ok(
+        kubeconfig,
+        &[
+            "-n",
+            "default",
+            "patch",
+            kind,
+            "kubernetes",
+            patch_type,
+            "-p",
+            patch,
+        ],
+    )
+}
+
+/// A membership Lease written by hand, as the sidecar of `holder` at `address` would write it,
+/// renewed at `renewed`; returns the Lease's writer and the Lease written.
+async fn plant_member_lease(
+    client: &Client,
+    address: &str,
+    holder: &str,
+    ttl: Duration,
+    renewed: k8s_openapi::jiff::Timestamp,
+) -> Result<(OwnLease, Lease)> {
+    let member = OwnLease {
+        namespace: "kube-system".into(),
+        service_name: "kubernetes".into(),
+        address: address.parse()?,
+        port: 6443,
+        holder: holder.into(),
+        ttl,
+    };
+    let written = Api::<Lease>::namespaced(client.clone(), "kube-system")
+        .create(&PostParams::default(), &member.renewed(None, renewed))
+        .await?;
+    Ok((member, written))
+}
+
+/// How many Events in `default` have `reason` and a note holding every one of `words`.
+async fn events_noting(client: &Client, reason: &str, words: &[&str]) -> Result<usize> {
+    Ok(Api::<Event>::namespaced(client.clone(), "default")
+        .list(&Default::default())
+        .await?
+        .items
+        .iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.note
+                    .as_deref()
+                    .is_some_and(|n| words.iter().all(|w| n.contains(w)))
+        })
+        .count())
+}
+
+/// A seeded target and one member (`n`, advertising `address`, a 3 s Lease TTL) started and
+/// listed. Fields drop in the order the tests' locals did: the member first, the target last.
+struct OneMember {
+    member: Member,
+    _dir: tempfile::TempDir,
+    _leftovers: ControllerLeftovers,
+    client: Client,
+    target: Target,
+}
+
+async fn one_member_listed(n: u8, address: &str) -> Result<OneMember> {
+    let (target, client, leftovers) = seeded_and_cleaned_up().await?;
+    let dir = tempfile::tempdir()?;
+    let mut member = Member::new(dir.path(), n, "3s").await?;
+    member.address = address.into();
+    member.start(target.kubeconfig(), &[])?;
+    wait_members(&client, &[address], "the member listed").await?;
+    Ok(OneMember {
+        member,
+        _dir: dir,
+        _leftovers: leftovers,
+        client,
+        target,
+    })
+}
+
 /// A simulator (or the real cluster) holding the namespaces the loops write into; `extra` are
 /// further simulator flags.
 async fn seeded(extra: &[&str]) -> Result<Target> {
@@ -197,6 +284,15 @@ fn endpoints_config(range: Option<&str>, lines: &str) -> Result<ConfigFile> {
     ConfigFile::new(&format!(
         "{range}loops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n{lines}"
     ))
+}
+
+/// A seeded target, a client of it, and what deletes the controllers' leftovers from a real
+/// cluster when the test ends (bound in this order, the leftovers go before the target).
+async fn seeded_and_cleaned_up() -> Result<(Target, Client, ControllerLeftovers)> {
+    let target = seeded(&[]).await?;
+    let client = target.client().await?;
+    let leftovers = ControllerLeftovers::forget(&target)?;
+    Ok((target, client, leftovers))
 }
 
 /// A controller with `config`, advertising `address` as `identity`.
@@ -252,12 +348,7 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
         member.start(kubeconfig, &[])?;
         members.push(member);
     }
-    let took = wait_members(
-        &client,
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        "three members listed",
-    )
-    .await?;
+    let took = wait_members(&client, ALL_THREE, "three members listed").await?;
     println!("three members listed after {took:?}");
 
     // A quiet period: membership renewals continue, the endpoints are not rewritten.
@@ -322,104 +413,41 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
     // Restart: back.
     members[f2].start(kubeconfig, &[])?;
     members[f1].start(kubeconfig, &[])?;
-    wait_members(
-        &client,
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        "restarted members back",
-    )
-    .await?;
+    wait_members(&client, ALL_THREE, "restarted members back").await?;
 
     // An apiserver whose /readyz fails is removed, and added back once ready.
     members[f2].readyz.set(false);
     wait_members(&client, &remaining(&[f2]), "not-ready member removed").await?;
     members[f2].readyz.set(true);
-    wait_members(
-        &client,
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        "ready again",
-    )
-    .await?;
+    wait_members(&client, ALL_THREE, "ready again").await?;
 
     // Corruption with kubectl is repaired: Endpoints port, an address, the slice, the Service.
-    kubectl_ok(
+    patch_kubernetes(kubeconfig, "endpoints", "--type=json", ENDPOINTS_PORT_443)?;
+    wait_members(&client, ALL_THREE, "Endpoints port repaired").await?;
+    patch_kubernetes(
         kubeconfig,
-        &[
-            "-n",
-            "default",
-            "patch",
-            "endpoints",
-            "kubernetes",
-            "--type=json",
-            "-p",
-            r#"[{"op":"replace","path":"/subsets/0/ports/0/port","value":443}]"#,
-        ],
+        "endpoints",
+        "--type=json",
+        r#"[{"op":"replace","path":"/subsets/0/addresses/0/ip","value":"10.9.9.9"}]"#,
     )?;
-    wait_members(
-        &client,
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        "Endpoints port repaired",
-    )
-    .await?;
-    kubectl_ok(
+    wait_members(&client, ALL_THREE, "Endpoints address repaired").await?;
+    patch_kubernetes(
         kubeconfig,
-        &[
-            "-n",
-            "default",
-            "patch",
-            "endpoints",
-            "kubernetes",
-            "--type=json",
-            "-p",
-            r#"[{"op":"replace","path":"/subsets/0/addresses/0/ip","value":"10.9.9.9"}]"#,
-        ],
+        "endpointslice",
+        "--type=json",
+        r#"[{"op":"replace","path":"/ports/0/port","value":1}]"#,
     )?;
-    wait_members(
-        &client,
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        "Endpoints address repaired",
-    )
-    .await?;
-    kubectl_ok(
-        kubeconfig,
-        &[
-            "-n",
-            "default",
-            "patch",
-            "endpointslice",
-            "kubernetes",
-            "--type=json",
-            "-p",
-            r#"[{"op":"replace","path":"/ports/0/port","value":1}]"#,
-        ],
-    )?;
-    wait_members(
-        &client,
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        "EndpointSlice port repaired",
-    )
-    .await?;
+    wait_members(&client, ALL_THREE, "EndpointSlice port repaired").await?;
     kubectl_ok(
         kubeconfig,
         &["-n", "default", "delete", "endpointslice", "kubernetes"],
     )?;
-    wait_members(
-        &client,
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        "EndpointSlice recreated",
-    )
-    .await?;
-    kubectl_ok(
+    wait_members(&client, ALL_THREE, "EndpointSlice recreated").await?;
+    patch_kubernetes(
         kubeconfig,
-        &[
-            "-n",
-            "default",
-            "patch",
-            "service",
-            "kubernetes",
-            "--type=merge",
-            "-p",
-            r#"{"spec":{"type":"NodePort","ports":[{"name":"https","port":8443,"protocol":"TCP","targetPort":6443}]}}"#,
-        ],
+        "service",
+        "--type=merge",
+        r#"{"spec":{"type":"NodePort","ports":[{"name":"https","port":8443,"protocol":"TCP","targetPort":6443}]}}"#,
     )?;
     let services = Api::<Service>::namespaced(client.clone(), "default");
     eventually("Service repaired", CONVERGE, || async {
@@ -454,12 +482,7 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    wait_members(
-        &client,
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        "members back after Lease deletion",
-    )
-    .await?;
+    wait_members(&client, ALL_THREE, "members back after Lease deletion").await?;
 
     // The leader stops with its apiserver (readyz failing): it takes its own address out,
     // another replica takes over and repairs.
@@ -480,19 +503,7 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
         Ok(leader(&client).await?.filter(|id| *id != leader_id))
     })
     .await?;
-    kubectl_ok(
-        kubeconfig,
-        &[
-            "-n",
-            "default",
-            "patch",
-            "endpoints",
-            "kubernetes",
-            "--type=json",
-            "-p",
-            r#"[{"op":"replace","path":"/subsets/0/ports/0/port","value":443}]"#,
-        ],
-    )?;
+    patch_kubernetes(kubeconfig, "endpoints", "--type=json", ENDPOINTS_PORT_443)?;
     wait_members(
         &client,
         &remaining(&[leader_index]),
@@ -518,19 +529,7 @@ async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
     wait_members(&client, &["10.0.0.1"], "member listed").await?;
     member.sigkill()?;
 
-    kubectl_ok(
-        kubeconfig,
-        &[
-            "-n",
-            "default",
-            "patch",
-            "endpoints",
-            "kubernetes",
-            "--type=json",
-            "-p",
-            r#"[{"op":"replace","path":"/subsets/0/ports/0/port","value":443}]"#,
-        ],
-    )?;
+    patch_kubernetes(kubeconfig, "endpoints", "--type=json", ENDPOINTS_PORT_443)?;
 
     // `run --dry-run` reports and writes nothing.
     member.start(kubeconfig, &["--dry-run"])?;
@@ -640,12 +639,7 @@ async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones(
     let mut process = ControllerProcess::start(&sim.kubeconfig, &args)?;
     process.wait_ready().await?;
     // Its apiserver stops too: /readyz fails from now on.
-    sim.admin(
-        "PUT",
-        "/sim/ready",
-        Some(serde_json::json!({"ready": false})),
-    )
-    .await?;
+    sim.set_ready(false).await?;
     let status = process.terminate()?;
     let log = process.log();
     assert!(status.success(), "exit status {status}:\n{log}");
@@ -671,15 +665,10 @@ async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones(
 /// each renewal, it is listed once renewed and stays listed, with no expiry, while it renews.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Result<()> {
-    use k8s_openapi::api::events::v1::Event;
     use k8s_openapi::jiff::{SignedDuration, Timestamp};
-    use kube::api::PostParams;
-    use reconcilers::apiserver_endpoints::lease::OwnLease;
 
-    let target = seeded(&[]).await?;
+    let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
     let kubeconfig = target.kubeconfig();
-    let client = target.client().await?;
-    let _leftovers = ControllerLeftovers::forget(&target)?;
     let readyz = FakeReadyz::start().await?;
     let config = endpoints_config(
         Some("10.96.0.0/12"),
@@ -689,19 +678,16 @@ async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Resul
     wait_members(&client, &["192.0.2.31"], "the leader's own address").await?;
 
     // The skewed member's sidecar, by hand: renewed every second, 20 s in the past.
-    let skewed = OwnLease {
-        namespace: "kube-system".into(),
-        service_name: "kubernetes".into(),
-        address: "192.0.2.32".parse()?,
-        port: 6443,
-        holder: "member-32".into(),
-        ttl: Duration::from_secs(3),
-    };
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
     let behind = || Timestamp::now() - SignedDuration::from_secs(20);
-    let mut written = leases
-        .create(&PostParams::default(), &skewed.renewed(None, behind()))
-        .await?;
+    let (skewed, mut written) = plant_member_lease(
+        &client,
+        "192.0.2.32",
+        "member-32",
+        Duration::from_secs(3),
+        behind(),
+    )
+    .await?;
     let renewer = {
         let leases = leases.clone();
         let name = skewed.name();
@@ -738,16 +724,7 @@ async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Resul
         renewer.await
     );
     renewer.abort();
-    let expiries = Api::<Event>::namespaced(client.clone(), "default")
-        .list(&Default::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| {
-            e.reason.as_deref() == Some("MemberExpired")
-                && e.note.as_deref().is_some_and(|n| n.contains("192.0.2.32"))
-        })
-        .count();
+    let expiries = events_noting(&client, "MemberExpired", &["192.0.2.32"]).await?;
     assert_eq!(expiries, 0, "MemberExpired events for the skewed member");
     // It stops renewing: it expires 3 s after the last renewal the leader saw.
     wait_members(&client, &["192.0.2.31"], "the silent skewed member expired").await?;
@@ -758,15 +735,8 @@ async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Resul
 /// three in a row (the default `readinessFailureThreshold`) withdraw it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_readiness_probe_below_the_threshold_keeps_the_member() -> Result<()> {
-    let target = seeded(&[]).await?;
-    let kubeconfig = target.kubeconfig();
-    let client = target.client().await?;
-    let _leftovers = ControllerLeftovers::forget(&target)?;
-    let dir = tempfile::tempdir()?;
-    let mut member = Member::new(dir.path(), 41, "3s").await?;
-    member.address = "192.0.2.41".into();
-    member.start(kubeconfig, &[])?;
-    wait_members(&client, &["192.0.2.41"], "the member listed").await?;
+    let setup = one_member_listed(41, "192.0.2.41").await?;
+    let (client, member) = (&setup.client, &setup.member);
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
     let uid = |lease: Option<Lease>| lease.and_then(|l| l.metadata.uid);
     let first = uid(leases.get_opt("apiserver-192.0.2.41").await?).context("its Lease")?;
@@ -778,7 +748,7 @@ async fn a_failed_readiness_probe_below_the_threshold_keeps_the_member() -> Resu
         let until = Instant::now() + CONVERGE;
         while member.readyz.failing() > 0 || member.readyz.probes() < probes + failures + 2 {
             assert!(Instant::now() < until, "the probes did not come");
-            let (ips, _, slice_ips, _) = endpoints_state(&client).await?.context("endpoints")?;
+            let (ips, _, slice_ips, _) = endpoints_state(client).await?.context("endpoints")?;
             assert_eq!(
                 (ips, slice_ips),
                 (vec!["192.0.2.41".to_owned()], vec!["192.0.2.41".to_owned()]),
@@ -828,10 +798,6 @@ async fn a_failed_readiness_probe_below_the_threshold_keeps_the_member() -> Resu
 /// refuses to write its Lease, naming `advertiseAddress`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_endpoints_take_the_services_family() -> Result<()> {
-    use k8s_openapi::api::events::v1::Event;
-    use kube::api::PostParams;
-    use reconcilers::apiserver_endpoints::lease::OwnLease;
-
     let target = seeded(&["--service-cluster-ip-range", "2001:db8:96::/112"]).await?;
     // The real control plane here is IPv4.
     let Some(sim) = target.sim("the_endpoints_take_the_services_family") else {
@@ -877,34 +843,22 @@ async fn the_endpoints_take_the_services_family() -> Result<()> {
     );
 
     // A member of the other family (its sidecar configured with an IPv4 address): left out.
-    let v4 = OwnLease {
-        namespace: "kube-system".into(),
-        service_name: "kubernetes".into(),
-        address: "192.0.2.42".parse()?,
-        port: 6443,
-        holder: "member-v4".into(),
-        ttl: Duration::from_secs(3600),
-    };
-    Api::<Lease>::namespaced(client.clone(), "kube-system")
-        .create(
-            &PostParams::default(),
-            &v4.renewed(None, k8s_openapi::jiff::Timestamp::now()),
+    plant_member_lease(
+        &client,
+        "192.0.2.42",
+        "member-v4",
+        Duration::from_secs(3600),
+        k8s_openapi::jiff::Timestamp::now(),
+    )
+    .await?;
+    eventually("a MemberWrongFamily event", CONVERGE, || async {
+        let events = events_noting(
+            &client,
+            "MemberWrongFamily",
+            &["192.0.2.42", "advertiseAddress"],
         )
         .await?;
-    eventually("a MemberWrongFamily event", CONVERGE, || async {
-        let events = Api::<Event>::namespaced(client.clone(), "default")
-            .list(&Default::default())
-            .await?;
-        Ok(events
-            .items
-            .iter()
-            .any(|e| {
-                e.reason.as_deref() == Some("MemberWrongFamily")
-                    && e.note
-                        .as_deref()
-                        .is_some_and(|n| n.contains("192.0.2.42") && n.contains("advertiseAddress"))
-            })
-            .then_some(()))
+        Ok((events > 0).then_some(()))
     })
     .await?;
     v6_only("still only the IPv6 member").await?;
@@ -939,9 +893,7 @@ async fn the_endpoints_take_the_services_family() -> Result<()> {
 /// the member is still listed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
-    let target = seeded(&[]).await?;
-    let client = target.client().await?;
-    let _leftovers = ControllerLeftovers::forget(&target)?;
+    let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
     let readyz = FakeReadyz::start().await?;
     let elsewhere = readyz.url().replace("127.0.0.1", "0.0.0.0");
     let config = endpoints_config(
@@ -964,9 +916,7 @@ async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
 /// control plane's certificates) is quiet; one it lacks is reported once, with the metric.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_advertised_address_the_serving_certificate_lacks_is_reported() -> Result<()> {
-    let target = seeded(&[]).await?;
-    let client = target.client().await?;
-    let _leftovers = ControllerLeftovers::forget(&target)?;
+    let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
     // No readyzURL: the probe, and so the check, asks the kubeconfig's server over https.
     let config = endpoints_config(Some("10.96.0.0/12"), "")?;
     let start = |address: &str, identity: &str| {
@@ -1009,12 +959,9 @@ async fn an_advertised_address_the_serving_certificate_lacks_is_reported() -> Re
 /// before is neither written nor deleted, and reported once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<()> {
-    use kube::api::{DeleteParams, PostParams};
-    use reconcilers::apiserver_endpoints::lease::OwnLease;
+    use kube::api::DeleteParams;
 
-    let target = seeded(&[]).await?;
-    let client = target.client().await?;
-    let _leftovers = ControllerLeftovers::forget(&target)?;
+    let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
     // An Endpoints object from before (another writer, an earlier configuration).
     let endpoints: Api<Endpoints> = Api::namespaced(client.clone(), "default");
     if endpoints.get_opt("kubernetes").await?.is_some() {
@@ -1058,20 +1005,14 @@ async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<
     .await?;
 
     // Another member joins: the slice follows.
-    let other = OwnLease {
-        namespace: "kube-system".into(),
-        service_name: "kubernetes".into(),
-        address: "192.0.2.72".parse()?,
-        port: 6443,
-        holder: "member-72".into(),
-        ttl: Duration::from_secs(3600),
-    };
-    Api::<Lease>::namespaced(client.clone(), "kube-system")
-        .create(
-            &PostParams::default(),
-            &other.renewed(None, k8s_openapi::jiff::Timestamp::now()),
-        )
-        .await?;
+    plant_member_lease(
+        &client,
+        "192.0.2.72",
+        "member-72",
+        Duration::from_secs(3600),
+        k8s_openapi::jiff::Timestamp::now(),
+    )
+    .await?;
     eventually("the slice lists both", CONVERGE, || async {
         Ok(
             (slice_ips().await? == Some(vec!["192.0.2.71".to_owned(), "192.0.2.72".to_owned()]))
@@ -1098,10 +1039,8 @@ async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<
 /// live; once the other fails too, the address goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_address_stays_listed_while_any_of_its_apiservers_is_live() -> Result<()> {
-    let target = seeded(&[]).await?;
+    let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
     let kubeconfig = target.kubeconfig();
-    let client = target.client().await?;
-    let _leftovers = ControllerLeftovers::forget(&target)?;
     let dir = tempfile::tempdir()?;
     let mut a = Member::new(dir.path(), 81, "3s").await?;
     let mut b = Member::new(dir.path(), 82, "3s").await?;
@@ -1181,17 +1120,9 @@ async fn a_shared_address_stays_listed_while_any_of_its_apiservers_is_live() -> 
 /// reconciler or a syncer would): the repair names it by its field manager, once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_other_writer_of_a_repaired_object_is_named_once() -> Result<()> {
-    use k8s_openapi::api::events::v1::Event;
-
-    let target = seeded(&[]).await?;
+    let setup = one_member_listed(91, "192.0.2.91").await?;
+    let (target, client, member) = (&setup.target, &setup.client, &setup.member);
     let kubeconfig = target.kubeconfig();
-    let client = target.client().await?;
-    let _leftovers = ControllerLeftovers::forget(&target)?;
-    let dir = tempfile::tempdir()?;
-    let mut member = Member::new(dir.path(), 91, "3s").await?;
-    member.address = "192.0.2.91".into();
-    member.start(kubeconfig, &[])?;
-    wait_members(&client, &["192.0.2.91"], "the member listed").await?;
 
     let tamper = || async {
         match target.sim("the other writer, planted with its managedFields") {
@@ -1230,27 +1161,16 @@ async fn the_other_writer_of_a_repaired_object_is_named_once() -> Result<()> {
         }
         Ok::<_, anyhow::Error>(())
     };
-    let named = || async {
-        let events = Api::<Event>::namespaced(client.clone(), "default")
-            .list(&Default::default())
-            .await?;
-        Ok::<_, anyhow::Error>(
-            events
-                .items
-                .iter()
-                .filter(|e| {
-                    e.reason.as_deref() == Some("ConflictingWriter")
-                        && e.note.as_deref().is_some_and(|n| {
-                            n.contains("\"other-reconciler\"")
-                                && n.contains("Endpoints/default/kubernetes")
-                        })
-                })
-                .count(),
+    let named = || {
+        events_noting(
+            client,
+            "ConflictingWriter",
+            &["\"other-reconciler\"", "Endpoints/default/kubernetes"],
         )
     };
     for round in 1..=2 {
         tamper().await?;
-        wait_members(&client, &["192.0.2.91"], "the Endpoints repaired").await?;
+        wait_members(client, &["192.0.2.91"], "the Endpoints repaired").await?;
         eventually("the other writer named", CONVERGE, || async {
             Ok((named().await? >= 1).then_some(()))
         })

@@ -1,30 +1,12 @@
 //! `bootstrap-demo`: the one command a newcomer runs shows every loop repairing what it broke,
 //! and its `--help` is about the demo alone.
 
-use std::process::{Command, Output};
+use std::process::Command;
+
+use test_support::process::{clean_command, run};
 
 fn demo() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_bootstrap-demo"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("BOOTSTRAP_") || key == "KUBECONFIG" {
-            command.env_remove(key);
-        }
-    }
-    command.env("RUST_LOG", "error");
-    command
-}
-
-fn run(command: &mut Command) -> (i32, String, String) {
-    let Output {
-        status,
-        stdout,
-        stderr,
-    } = command.output().expect("the demo runs");
-    (
-        status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&stdout).into_owned(),
-        String::from_utf8_lossy(&stderr).into_owned(),
-    )
+    clean_command(env!("CARGO_BIN_EXE_bootstrap-demo"))
 }
 
 #[test]

@@ -64,18 +64,7 @@ async fn endpoint_view(api: &Api<Endpoints>) -> Result<Option<(Vec<String>, Vec<
     let Some(endpoints) = api.get_opt("kubernetes").await? else {
         return Ok(None);
     };
-    let subsets = endpoints.subsets.unwrap_or_default();
-    let addresses = subsets
-        .iter()
-        .flat_map(|s| s.addresses.iter().flatten())
-        .map(|a| a.ip.clone())
-        .collect();
-    let ports = subsets
-        .iter()
-        .flat_map(|s| s.ports.iter().flatten())
-        .map(|p| p.port)
-        .collect();
-    Ok(Some((addresses, ports)))
+    Ok(Some(common::endpoints_addresses_and_ports(endpoints)))
 }
 
 async fn slice_addresses(api: &Api<EndpointSlice>) -> Result<BTreeSet<String>> {
@@ -148,13 +137,7 @@ async fn an_instance_whose_apiserver_is_not_ready_is_never_added_and_leaves_when
         .trim_matches('"')
         .trim_end_matches('/')
         .to_string();
-    local
-        .admin(
-            "PUT",
-            "/sim/ready",
-            Some(serde_json::json!({"ready": false})),
-        )
-        .await?;
+    local.set_ready(false).await?;
 
     let config = endpoints_config("")?;
     let probed = endpoints_config(&format!("    readyzURL: {local_server}/readyz\n"))?;
@@ -175,21 +158,9 @@ async fn an_instance_whose_apiserver_is_not_ready_is_never_added_and_leaves_when
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    local
-        .admin(
-            "PUT",
-            "/sim/ready",
-            Some(serde_json::json!({"ready": true})),
-        )
-        .await?;
+    local.set_ready(true).await?;
     expect_members(&c.endpoints, &c.slices, &["192.0.2.1", "192.0.2.3"]).await?;
-    local
-        .admin(
-            "PUT",
-            "/sim/ready",
-            Some(serde_json::json!({"ready": false})),
-        )
-        .await?;
+    local.set_ready(false).await?;
     expect_members(&c.endpoints, &c.slices, &["192.0.2.1"]).await?;
     Ok(())
 }

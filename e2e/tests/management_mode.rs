@@ -29,14 +29,7 @@ async fn fleet(tenants: usize) -> Result<Fleet> {
 }
 
 fn management_args(extra: &[&'static str]) -> Vec<&'static str> {
-    let mut args = vec![
-        "--tenants-secret-selector",
-        "bootstrap-controller.io/tenant=true",
-        "--tenants-namespace",
-        "tenants",
-        "--service-cluster-ip-range",
-        "10.96.0.0/12",
-    ];
+    let mut args = common::MANAGEMENT_ARGS.to_vec();
     args.extend_from_slice(extra);
     args
 }
@@ -75,18 +68,10 @@ fn writes(tenant: &Sim) -> Vec<(String, String)> {
 }
 
 fn open_watches(tenant: &Sim) -> usize {
-    [
-        "namespaces",
-        "services",
-        "endpoints",
-        "endpointslices",
-        "leases",
-        "ipaddresses",
-        "servicecidrs",
-    ]
-    .iter()
-    .map(|resource| tenant.open_watches(resource))
-    .sum()
+    common::LOOP_WATCHED
+        .iter()
+        .map(|resource| tenant.open_watches(resource))
+        .sum()
 }
 
 fn secret_name(i: usize) -> String {

@@ -5,7 +5,9 @@
 mod common;
 
 use anyhow::{Result, ensure};
-use common::{CONVERGE, ConfigFile, ControllerProcess, Target, eventually, run_controller};
+use common::{
+    CONVERGE, ConfigFile, ControllerProcess, Target, eventually, node_port_service, run_controller,
+};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
@@ -26,18 +28,6 @@ fn controller_args(config: &ConfigFile) -> Vec<&str> {
         "10.96.0.0/12",
         "--leader-elect=false",
     ]
-}
-
-fn node_port_service(name: &str, node_port: i32) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
-        "spec": {
-            "type": "NodePort",
-            "ports": [{"port": 80, "protocol": "TCP", "nodePort": node_port}]
-        }
-    })
 }
 
 /// The NodePort repair's events, as (reason, regarded Service, note).

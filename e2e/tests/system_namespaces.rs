@@ -58,6 +58,37 @@ async fn all_present(api: &Api<Namespace>) -> Result<Option<()>> {
     Ok(Some(()))
 }
 
+/// The Namespace API of `target`.
+async fn namespaces_of(target: &Target) -> Result<Api<Namespace>> {
+    Ok(Api::all(target.client().await?))
+}
+
+/// Waits until the four system namespaces exist and none is terminating.
+async fn four_present(api: &Api<Namespace>) -> Result<()> {
+    eventually("the four system namespaces", CONVERGE, || all_present(api)).await
+}
+
+/// The system namespace a test deletes: a real kube-apiserver refuses to delete `default`,
+/// `kube-system` and `kube-public` (NamespaceLifecycle admission) but not `kube-node-lease`
+/// (kubernetes/kubernetes#105743); the simulator allows both, as an apiserver without that
+/// admission plugin or a restored etcd would, and there it is `kube-public`.
+fn deletable(target: &Target) -> &'static str {
+    match target {
+        Target::Sim(_) => "kube-public",
+        Target::Cluster { .. } => "kube-node-lease",
+    }
+}
+
+/// Waits until namespace `name` is live again under a uid other than `before`.
+async fn recreated(api: &Api<Namespace>, name: &str, before: Option<String>) -> Result<()> {
+    eventually(&format!("{name} recreated"), CONVERGE, || async {
+        let now = live_uid(api, name).await?;
+        Ok(now.filter(|uid| Some(uid) != before.as_ref()))
+    })
+    .await
+    .map(drop)
+}
+
 /// Returns the uid of a live (not terminating) namespace, if there is one.
 async fn live_uid(api: &Api<Namespace>, name: &str) -> Result<Option<String>> {
     Ok(api
@@ -84,32 +115,18 @@ async fn create_system_namespaces(api: &Api<Namespace>) -> Result<()> {
 #[tokio::test]
 async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
     let target = Target::start().await?;
-    let client = target.client().await?;
-    let namespaces: Api<Namespace> = Api::all(client);
+    let namespaces = namespaces_of(&target).await?;
 
     let only = NamespacesOnly::new()?;
     let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&[]))?;
     controller.wait_ready().await?;
-    eventually("the four system namespaces", CONVERGE, || {
-        all_present(&namespaces)
-    })
-    .await?;
+    four_present(&namespaces).await?;
 
-    // Deleted through the kube client. A real kube-apiserver refuses to delete `default`,
-    // `kube-system` and `kube-public` (NamespaceLifecycle admission), but not `kube-node-lease`
-    // (kubernetes/kubernetes#105743); the simulator allows both, as an apiserver without that
-    // admission plugin or a restored etcd would.
-    let victim = match target {
-        Target::Sim(_) => "kube-public",
-        Target::Cluster { .. } => "kube-node-lease",
-    };
+    // Deleted through the kube client (the one a real kube-apiserver lets us delete).
+    let victim = deletable(&target);
     let before = live_uid(&namespaces, victim).await?;
     namespaces.delete(victim, &DeleteParams::default()).await?;
-    eventually(&format!("{victim} recreated"), CONVERGE, || async {
-        let now = live_uid(&namespaces, victim).await?;
-        Ok(now.filter(|uid| Some(uid) != before.as_ref()))
-    })
-    .await?;
+    recreated(&namespaces, victim, before).await?;
 
     // Deleted by an independent client.
     let before = live_uid(&namespaces, "kube-node-lease").await?;
@@ -118,11 +135,7 @@ async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
         &["delete", "namespace", "kube-node-lease", "--wait=false"],
     )?;
     ensure!(out.status.success(), "kubectl delete failed: {out:?}");
-    eventually("kube-node-lease recreated", CONVERGE, || async {
-        let now = live_uid(&namespaces, "kube-node-lease").await?;
-        Ok(now.filter(|uid| Some(uid) != before.as_ref()))
-    })
-    .await?;
+    recreated(&namespaces, "kube-node-lease", before).await?;
 
     ensure!(
         controller.is_running(),
@@ -145,18 +158,11 @@ async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
 #[tokio::test]
 async fn dry_run_reports_but_does_not_heal_and_check_names_the_drift() -> Result<()> {
     let target = Target::start().await?;
-    let client = target.client().await?;
-    let namespaces: Api<Namespace> = Api::all(client);
+    let namespaces = namespaces_of(&target).await?;
     create_system_namespaces(&namespaces).await?;
-    eventually("the four system namespaces", CONVERGE, || {
-        all_present(&namespaces)
-    })
-    .await?;
-    // The one a real kube-apiserver lets us delete (see above); kube-public on the simulator.
-    let victim = match target {
-        Target::Sim(_) => "kube-public",
-        Target::Cluster { .. } => "kube-node-lease",
-    };
+    four_present(&namespaces).await?;
+    // The one a real kube-apiserver lets us delete; kube-public on the simulator.
+    let victim = deletable(&target);
 
     let kubeconfig = target.kubeconfig().to_string_lossy().into_owned();
     let only = NamespacesOnly::new()?;
@@ -228,16 +234,12 @@ async fn survives_a_flaky_api_and_converges_once_it_recovers() -> Result<()> {
     let Some(sim) = target.sim("survives_a_flaky_api") else {
         return Ok(());
     };
-    let client = target.client().await?;
-    let namespaces: Api<Namespace> = Api::all(client);
+    let namespaces = namespaces_of(&target).await?;
 
     let only = NamespacesOnly::new()?;
     let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&[]))?;
     controller.wait_ready().await?;
-    eventually("the four system namespaces", CONVERGE, || {
-        all_present(&namespaces)
-    })
-    .await?;
+    four_present(&namespaces).await?;
 
     sim.clear_requests().await?;
     sim.inject_random_failures(0.3).await?;

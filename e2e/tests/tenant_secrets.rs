@@ -55,6 +55,62 @@ async fn fleet(tenants: usize) -> Result<Fleet> {
     .await?)
 }
 
+/// A fleet of `tenants` whose own kubeconfig Secrets are deleted, so the test's are the only
+/// ones, and a client of its management cluster.
+async fn fleet_without_its_secrets(tenants: usize) -> Result<(Fleet, kube::Client)> {
+    let fleet = fleet(tenants).await?;
+    let management = fleet.management().client();
+    let (secrets, _) = secrets_and_events(&management);
+    for i in 0..tenants {
+        secrets
+            .delete(&Fleet::secret_name(i), &DeleteParams::default())
+            .await?;
+    }
+    Ok((fleet, management))
+}
+
+/// The tenants' Secrets and the Events about them, in the management cluster.
+fn secrets_and_events(management: &kube::Client) -> (Api<Secret>, Api<Event>) {
+    (
+        Api::namespaced(management.clone(), NAMESPACE),
+        Api::namespaced(management.clone(), NAMESPACE),
+    )
+}
+
+/// A kubeconfig for tenant `i` of `fleet` with a bearer token: the Secrets' usual content.
+fn token_kubeconfig(fleet: &Fleet, i: usize) -> Result<String> {
+    Ok(kubeconfig(&tenant_cluster(fleet, i)?, "    token: abc\n"))
+}
+
+/// Secret "zz-old" for tenant 0 with the fragment `old`, its tenant converged, then Secret
+/// "aa-young" for tenant 1 with the fragment `young`, created later: creation times have a
+/// resolution of one second, so "zz-old" is the older Secret though it sorts last by name.
+async fn old_then_young(
+    fleet: &Fleet,
+    secrets: &Api<Secret>,
+    old: &str,
+    young: &str,
+) -> Result<()> {
+    create_secret(
+        secrets,
+        "zz-old",
+        &token_kubeconfig(fleet, 0)?,
+        Some(old),
+        &[],
+    )
+    .await?;
+    wait_converged(fleet, 0).await?;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    create_secret(
+        secrets,
+        "aa-young",
+        &token_kubeconfig(fleet, 1)?,
+        Some(young),
+        &[],
+    )
+    .await
+}
+
 /// A kubeconfig with one cluster and one user, `cluster` and `user` being their YAML bodies
 /// (indented by four spaces).
 fn kubeconfig(cluster: &str, user: &str) -> String {
@@ -180,8 +236,7 @@ async fn wait_converged(fleet: &Fleet, i: usize) -> Result<()> {
 async fn hostile_kubeconfigs_and_fragments_are_refused_by_field_and_never_acted_on() -> Result<()> {
     let fleet = fleet(2).await?;
     let management = fleet.management().client();
-    let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
-    let events: Api<Event> = Api::namespaced(management.clone(), NAMESPACE);
+    let (secrets, events) = secrets_and_events(&management);
     let dir = tempfile::tempdir()?;
     let listener = Listener::start().await?;
     // A credential of the controller's own, as its service-account token would be.
@@ -365,16 +420,8 @@ async fn hostile_kubeconfigs_and_fragments_are_refused_by_field_and_never_acted_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allowed_credential_plugins_run_bounded_and_their_output_stays_private() -> Result<()> {
-    let fleet = fleet(4).await?;
-    let management = fleet.management().client();
-    let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
-    let events: Api<Event> = Api::namespaced(management.clone(), NAMESPACE);
-    // The fleet's own Secrets are replaced by the test's.
-    for i in 0..4 {
-        secrets
-            .delete(&Fleet::secret_name(i), &DeleteParams::default())
-            .await?;
-    }
+    let (fleet, management) = fleet_without_its_secrets(4).await?;
+    let (secrets, events) = secrets_and_events(&management);
     let dir = tempfile::tempdir()?;
     let credential = r#"{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential","status":{"token":"from-the-plugin"}}"#;
     let good = write_script(dir.path(), "good-plugin", &format!("echo '{credential}'"))?;
@@ -426,14 +473,7 @@ async fn allowed_credential_plugins_run_bounded_and_their_output_stays_private()
         &[],
     )
     .await?;
-    create_secret(
-        &secrets,
-        "token",
-        &kubeconfig(&tenant_cluster(&fleet, 2)?, "    token: abc\n"),
-        None,
-        &[],
-    )
-    .await?;
+    create_secret(&secrets, "token", &token_kubeconfig(&fleet, 2)?, None, &[]).await?;
     create_secret(
         &secrets,
         "leaky",
@@ -506,45 +546,25 @@ async fn allowed_credential_plugins_run_bounded_and_their_output_stays_private()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Result<()> {
-    let fleet = fleet(3).await?;
-    let management = fleet.management().client();
-    let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
-    let events: Api<Event> = Api::namespaced(management.clone(), NAMESPACE);
-    for i in 0..3 {
-        secrets
-            .delete(&Fleet::secret_name(i), &DeleteParams::default())
-            .await?;
-    }
+    let (fleet, management) = fleet_without_its_secrets(3).await?;
+    let (secrets, events) = secrets_and_events(&management);
     // Nothing listens there: only the claims matter here, not the repairs.
     let etcd = "https://127.0.0.1:9";
     let mut controller = start_controller(&fleet, &[])?;
     controller.wait_ready().await?;
     // "zz-old" is older; "aa-young" sorts first by name but came later.
-    create_secret(
+    old_then_young(
+        &fleet,
         &secrets,
-        "zz-old",
-        &kubeconfig(&tenant_cluster(&fleet, 0)?, "    token: abc\n"),
-        Some(&format!("etcdServers: {etcd}\netcdPrefix: /tenants/a\n")),
-        &[],
-    )
-    .await?;
-    wait_converged(&fleet, 0).await?;
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    create_secret(
-        &secrets,
-        "aa-young",
-        &kubeconfig(&tenant_cluster(&fleet, 1)?, "    token: abc\n"),
-        Some(&format!(
-            "etcdServers: [{etcd}/]\netcdPrefix: /tenants/a/b\n"
-        )),
-        &[],
+        &format!("etcdServers: {etcd}\netcdPrefix: /tenants/a\n"),
+        &format!("etcdServers: [{etcd}/]\netcdPrefix: /tenants/a/b\n"),
     )
     .await?;
     // Credentials go to TLS servers only.
     create_secret(
         &secrets,
         "plain-etcd",
-        &kubeconfig(&tenant_cluster(&fleet, 2)?, "    token: abc\n"),
+        &token_kubeconfig(&fleet, 2)?,
         Some("etcdServers: http://127.0.0.1:9\netcdPrefix: /tenants/c\n"),
         &[("etcd-client.crt", b"x"), ("etcd-client.key", b"y")],
     )
@@ -582,37 +602,18 @@ async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Resu
 /// and a restarted controller decides alike from the records.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_secret_edited_to_claim_a_running_tenants_etcd_keys_is_refused() -> Result<()> {
-    let fleet = fleet(2).await?;
-    let management = fleet.management().client();
-    let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
-    let events: Api<Event> = Api::namespaced(management.clone(), NAMESPACE);
+    let (fleet, management) = fleet_without_its_secrets(2).await?;
+    let (secrets, events) = secrets_and_events(&management);
     let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
-    for i in 0..2 {
-        secrets
-            .delete(&Fleet::secret_name(i), &DeleteParams::default())
-            .await?;
-    }
     // Nothing listens there: only the claims matter here, not the repairs.
     let etcd = "https://127.0.0.1:9";
     let mut controller = start_controller(&fleet, &["--leader-elect-lease-namespace", NAMESPACE])?;
     controller.wait_ready().await?;
-    create_secret(
+    old_then_young(
+        &fleet,
         &secrets,
-        "zz-old",
-        &kubeconfig(&tenant_cluster(&fleet, 0)?, "    token: abc\n"),
-        Some(&format!("etcdServers: {etcd}\netcdPrefix: /tenants/b\n")),
-        &[],
-    )
-    .await?;
-    wait_converged(&fleet, 0).await?;
-    // Creation times have a resolution of one second: "zz-old" is the older Secret.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    create_secret(
-        &secrets,
-        "aa-young",
-        &kubeconfig(&tenant_cluster(&fleet, 1)?, "    token: abc\n"),
-        Some(&format!("etcdServers: {etcd}\netcdPrefix: /tenants/a\n")),
-        &[],
+        &format!("etcdServers: {etcd}\netcdPrefix: /tenants/b\n"),
+        &format!("etcdServers: {etcd}\netcdPrefix: /tenants/a\n"),
     )
     .await?;
     wait_converged(&fleet, 1).await?;

@@ -76,6 +76,47 @@ async fn endpoints(sim: &Sim) -> Option<Endpoints> {
         .unwrap()
 }
 
+/// Rewrites `default/kubernetes` Endpoints as `change` makes it, as another writer would.
+async fn tamper_endpoints(sim: &Sim, change: impl FnOnce(&mut Endpoints)) {
+    let mut e = endpoints(sim).await.unwrap();
+    change(&mut e);
+    Api::<Endpoints>::namespaced(sim.client(), "default")
+        .replace("kubernetes", &PostParams::default(), &e)
+        .await
+        .unwrap();
+}
+
+/// The first port of the first subset of `e`, for tampering.
+fn first_port(e: &mut Endpoints) -> &mut i32 {
+    &mut e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port
+}
+
+/// The kinds of the drift `report` found, in its order.
+fn kinds(report: &reconcilers::PassReport) -> Vec<&'static str> {
+    report.drift.iter().map(|d| d.kind).collect()
+}
+
+/// One pass of `l`, which must not fail.
+async fn pass(l: &impl Reconciler, sim: &Sim) -> reconcilers::PassReport {
+    l.reconcile(&ctx(sim, false)).await.unwrap()
+}
+
+/// One dry-run pass of `l`, which must not fail.
+async fn dry_pass(l: &impl Reconciler, sim: &Sim) -> reconcilers::PassReport {
+    l.reconcile(&ctx(sim, true)).await.unwrap()
+}
+
+/// The addresses the Endpoints list (which must exist).
+async fn listed_now(sim: &Sim) -> Vec<String> {
+    addresses(&endpoints(sim).await.unwrap())
+}
+
+/// The addresses listed after one pass of `instance`'s endpoints loop.
+async fn listed_after_pass(sim: &Sim, instance: &Instance) -> Vec<String> {
+    pass(&instance.endpoints, sim).await;
+    listed_now(sim).await
+}
+
 fn addresses(e: &Endpoints) -> Vec<String> {
     e.subsets
         .iter()
@@ -177,11 +218,7 @@ async fn lease_members_are_written_sorted_to_endpoints_and_slice() {
 
     // At rest: another pass finds nothing and writes nothing.
     sim.clear_requests();
-    let report = instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    let report = pass(&instances[0].endpoints, &sim).await;
     assert!(report.is_clean(), "{report:?}");
     assert_eq!(writes(&sim), Vec::<String>::new());
 }
@@ -191,52 +228,31 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
     let sim = sim().await;
     let instances = three_members(&sim).await;
     let late = instance(&sim, &cfg("10.0.0.4"), false);
-    let report = late.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&late.lease, &sim).await;
     assert!(report.is_clean(), "nothing to withdraw: {report:?}");
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
-    assert!(!addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.4".to_owned()));
+    pass(&instances[0].endpoints, &sim).await;
+    assert!(!listed_now(&sim).await.contains(&"10.0.0.4".to_owned()));
 
     // Its apiserver becomes ready: it joins.
     late.ready.set(true);
-    late.lease.reconcile(&ctx(&sim, false)).await.unwrap();
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
-    assert!(addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.4".to_owned()));
+    pass(&late.lease, &sim).await;
+    pass(&instances[0].endpoints, &sim).await;
+    assert!(listed_now(&sim).await.contains(&"10.0.0.4".to_owned()));
     assert_eq!(late.lease.metrics().ready(), 1);
 
     // Another one starts failing: below the threshold (3 in a row) its Lease is renewed; at
     // the third failure the Lease goes, then its address.
     instances[1].ready.set(false);
     for failure in 1..=2 {
-        let report = instances[1]
-            .lease
-            .reconcile(&ctx(&sim, false))
-            .await
-            .unwrap();
+        let report = pass(&instances[1].lease, &sim).await;
         assert!(report.is_clean(), "failure {failure} tolerated: {report:?}");
     }
     assert_eq!(instances[1].lease.metrics().ready(), 1);
-    let report = instances[1]
-        .lease
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    let report = pass(&instances[1].lease, &sim).await;
     assert_eq!(report.drift[0].kind, "member_lease_not_ready");
     assert!(report.drift[0].applied);
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        listed_after_pass(&sim, &instances[0]).await,
         vec!["10.0.0.10", "10.0.0.2", "10.0.0.4"]
     );
     assert_eq!(
@@ -263,13 +279,8 @@ async fn expired_lease_removes_the_member_with_an_event() {
     stale["spec"]["renewTime"] = serde_json::json!("2020-01-01T00:00:00.000000Z");
     sim.backdoor().put(stale).unwrap();
 
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        listed_after_pass(&sim, &instances[0]).await,
         vec!["10.0.0.10", "10.0.0.2"]
     );
     assert_eq!(instances[0].endpoints.metrics().changes("expired"), 1);
@@ -280,7 +291,7 @@ async fn expired_lease_removes_the_member_with_an_event() {
 
     // Its sidecar restarts while its apiserver is still starting: nothing comes back.
     let restarted = instance(&sim, &cfg("10.0.0.9"), false);
-    let report = restarted.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&restarted.lease, &sim).await;
     assert_eq!(
         report.drift[0].kind, "member_lease_not_ready",
         "the stale Lease is removed at start"
@@ -310,26 +321,19 @@ async fn lease_expiry_without_any_write_wakes_the_leader() {
     short_cfg.interval = Duration::from_secs(1);
     let short_lived = instance(&sim, &short_cfg, true);
     drop(short);
-    leader.lease.reconcile(&ctx(&sim, false)).await.unwrap();
-    short_lived
-        .lease
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    pass(&leader.lease, &sim).await;
+    pass(&short_lived.lease, &sim).await;
     // Subscribe before the pass publishes the next deadline.
     let mut triggers = leader.endpoints.triggers();
     let expiry = triggers.pop().unwrap();
-    leader.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.2"]
-    );
+    pass(&leader.endpoints, &sim).await;
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.2"]);
     // Nobody renews 10.0.0.2 (its sidecar was SIGKILLed); the expiry trigger fires by itself.
     let fired = tokio::time::timeout(Duration::from_secs(20), expiry.into_future()).await;
     assert!(matches!(fired, Ok((Some(()), _))), "expiry trigger fired");
-    leader.lease.reconcile(&ctx(&sim, false)).await.unwrap();
-    leader.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.1"]);
+    pass(&leader.lease, &sim).await;
+    pass(&leader.endpoints, &sim).await;
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1"]);
 }
 
 #[tokio::test]
@@ -343,16 +347,12 @@ async fn deleting_every_lease_never_empties_the_endpoints() {
             .unwrap();
     }
     sim.clear_requests();
-    let report = instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    let report = pass(&instances[0].endpoints, &sim).await;
     assert_eq!(report.drift.len(), 1);
     assert_eq!(report.drift[0].kind, "no_members");
     assert!(!report.drift[0].applied);
     assert_eq!(writes(&sim), Vec::<String>::new());
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()).len(), 3);
+    assert_eq!(listed_now(&sim).await.len(), 3);
     assert_eq!(slice_addresses(&slices(&sim).await[0]).len(), 3);
 }
 
@@ -365,13 +365,8 @@ async fn every_drift_is_repaired_ports_included() {
     let slice_api = Api::<EndpointSlice>::namespaced(sim.client(), "default");
 
     // Endpoints port (upstream never repairs this, kubernetes/kubernetes#104252).
-    let mut e = endpoints(&sim).await.unwrap();
-    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 443;
-    ep_api
-        .replace("kubernetes", &PostParams::default(), &e)
-        .await
-        .unwrap();
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    tamper_endpoints(&sim, |e| *first_port(e) = 443).await;
+    let report = pass(leader, &sim).await;
     assert_eq!(report.drift.len(), 1, "{report:?}");
     assert_eq!(report.drift[0].kind, "endpoints_ports");
     assert!(report.drift[0].applied);
@@ -386,18 +381,18 @@ async fn every_drift_is_repaired_ports_included() {
     assert_eq!(leader.metrics().repairs("endpoints_ports"), 1);
 
     // An address swapped for a bogus one, and the skip-mirror label removed.
-    let mut e = endpoints(&sim).await.unwrap();
-    e.subsets.as_mut().unwrap()[0].addresses.as_mut().unwrap()[0].ip = "10.9.9.9".into();
-    e.metadata.labels = None;
-    ep_api
-        .replace("kubernetes", &PostParams::default(), &e)
-        .await
-        .unwrap();
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
-    assert_eq!(kinds, vec!["endpoints_label", "endpoints_addresses"]);
+    tamper_endpoints(&sim, |e| {
+        e.subsets.as_mut().unwrap()[0].addresses.as_mut().unwrap()[0].ip = "10.9.9.9".into();
+        e.metadata.labels = None;
+    })
+    .await;
+    let report = pass(leader, &sim).await;
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        kinds(&report),
+        vec!["endpoints_label", "endpoints_addresses"]
+    );
+    assert_eq!(
+        listed_now(&sim).await,
         vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
     );
     assert_eq!(leader.metrics().repairs("endpoints_addresses"), 1);
@@ -410,10 +405,9 @@ async fn every_drift_is_repaired_ports_included() {
         .replace("kubernetes", &PostParams::default(), &s)
         .await
         .unwrap();
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
+    let report = pass(leader, &sim).await;
     assert_eq!(
-        kinds,
+        kinds(&report),
         vec!["endpointslice_endpoints", "endpointslice_ports"]
     );
     let s = slice_api.get("kubernetes").await.unwrap();
@@ -442,9 +436,11 @@ async fn every_drift_is_repaired_ports_included() {
         .create(&PostParams::default(), &stray)
         .await
         .unwrap();
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
-    assert_eq!(kinds, vec!["endpointslice_missing", "endpointslice_stray"]);
+    let report = pass(leader, &sim).await;
+    assert_eq!(
+        kinds(&report),
+        vec!["endpointslice_missing", "endpointslice_stray"]
+    );
     let names: Vec<_> = slices(&sim)
         .await
         .iter()
@@ -457,34 +453,22 @@ async fn every_drift_is_repaired_ports_included() {
         .delete("kubernetes", &Default::default())
         .await
         .unwrap();
-    let report = leader.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(leader, &sim).await;
     assert_eq!(report.drift[0].kind, "endpoints_missing");
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()).len(), 3);
+    assert_eq!(listed_now(&sim).await.len(), 3);
     eventually("EndpointsRepaired event", || async {
         event_reasons(&sim).contains(&"EndpointsRepaired".to_owned())
     })
     .await;
 
-    assert!(
-        leader
-            .reconcile(&ctx(&sim, false))
-            .await
-            .unwrap()
-            .is_clean()
-    );
+    assert!(pass(leader, &sim).await.is_clean());
 }
 
 #[tokio::test]
 async fn dry_run_reports_and_writes_nothing() {
     let sim = sim().await;
     let instances = three_members(&sim).await;
-    let ep_api = Api::<Endpoints>::namespaced(sim.client(), "default");
-    let mut e = endpoints(&sim).await.unwrap();
-    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 443;
-    ep_api
-        .replace("kubernetes", &PostParams::default(), &e)
-        .await
-        .unwrap();
+    tamper_endpoints(&sim, |e| *first_port(e) = 443).await;
     Api::<EndpointSlice>::namespaced(sim.client(), "default")
         .delete("kubernetes", &Default::default())
         .await
@@ -494,19 +478,17 @@ async fn dry_run_reports_and_writes_nothing() {
     // A new, ready member whose sidecar runs in dry-run does not write its Lease either.
     let newcomer = instance(&sim, &cfg("10.0.0.5"), true);
     sim.clear_requests();
-    let report = newcomer.lease.reconcile(&ctx(&sim, true)).await.unwrap();
+    let report = dry_pass(&newcomer.lease, &sim).await;
     assert!(
         report.is_clean(),
         "its own Lease is a heartbeat, not drift: {report:?}"
     );
 
-    let report = instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, true))
-        .await
-        .unwrap();
-    let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
-    assert_eq!(kinds, vec!["endpoints_ports", "endpointslice_missing"]);
+    let report = dry_pass(&instances[0].endpoints, &sim).await;
+    assert_eq!(
+        kinds(&report),
+        vec!["endpoints_ports", "endpointslice_missing"]
+    );
     assert!(report.drift.iter().all(|d| !d.applied));
     assert_eq!(writes(&sim), Vec::<String>::new());
     assert_eq!(endpoints(&sim).await.unwrap(), before);
@@ -547,7 +529,7 @@ async fn shutdown_with_a_ready_apiserver_keeps_the_lease_and_the_address() {
         3
     );
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        listed_now(&sim).await,
         vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
     );
 }
@@ -569,16 +551,11 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
         .await
         .unwrap();
     assert!(
-        addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.9".to_owned()),
+        listed_now(&sim).await.contains(&"10.0.0.9".to_owned()),
         "a non-leader never writes"
     );
-    instances[0]
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
     assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
+        listed_after_pass(&sim, &instances[0]).await,
         vec!["10.0.0.10", "10.0.0.2"]
     );
 
@@ -586,15 +563,15 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
     let leader = &instances[0];
     leader.lease.shutdown(&ctx(&sim, false)).await.unwrap();
     leader.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
     assert_eq!(slice_addresses(&slices(&sim).await[0]), vec!["10.0.0.2"]);
 
     // The last member, now leader, stops: the endpoints are emptied, as upstream does.
     let last = &instances[2];
-    last.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&last.endpoints, &sim).await;
     last.lease.shutdown(&ctx(&sim, false)).await.unwrap();
     last.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert!(addresses(&endpoints(&sim).await.unwrap()).is_empty());
+    assert!(listed_now(&sim).await.is_empty());
     assert!(slices(&sim).await[0].endpoints.is_empty());
     assert!(
         sim.backdoor()
@@ -622,13 +599,10 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
         &mut registry,
     );
     assert!(l.needs_leadership());
-    l.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&l, &sim).await;
     // One family, the Service's (no range and no Service here: the members' rule, IPv4 while
     // there is any): the IPv6 address is left out, with a Warning.
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.7"]
-    );
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.7"]);
     eventually("MemberWrongFamily event", || async {
         event_reasons(&sim).contains(&"MemberWrongFamily".to_owned())
     })
@@ -656,15 +630,12 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
     // The name now resolves to nothing, then fails: the last good set stays, with one warning.
     resolver.answer("lb.example.com", Ok(vec![]));
     sim.clear_requests();
-    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&l, &sim).await;
     assert!(report.is_clean(), "{report:?}");
     resolver.answer("lb.example.com", Err("SERVFAIL".into()));
-    assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
+    assert!(pass(&l, &sim).await.is_clean());
     assert_eq!(writes(&sim), Vec::<String>::new());
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.7"]
-    );
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.7"]);
     eventually("StaticAddressResolutionFailed event", || async {
         event_reasons(&sim)
             .iter()
@@ -691,11 +662,8 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
         .await
         .unwrap();
     resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.3")]));
-    l.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.3", "10.0.0.7"]
-    );
+    pass(&l, &sim).await;
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.3", "10.0.0.7"]);
     let names: Vec<_> = slices(&sim)
         .await
         .iter()
@@ -720,22 +688,19 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
         "every apiserver adds itself, as upstream"
     );
     for i in [&a, &b] {
-        i.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+        pass(&i.endpoints, &sim).await;
     }
-    assert_eq!(
-        addresses(&endpoints(&sim).await.unwrap()),
-        vec!["10.0.0.1", "10.0.0.2"]
-    );
-    c.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
-    let listed = addresses(&endpoints(&sim).await.unwrap());
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.2"]);
+    pass(&c.endpoints, &sim).await;
+    let listed = listed_now(&sim).await;
     assert_eq!(listed.len(), 2);
     assert!(listed.contains(&"10.0.0.3".to_owned()));
     // Its apiserver still ready: a restart of the controller alone keeps the address.
     c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert!(addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.3".to_owned()));
+    assert!(listed_now(&sim).await.contains(&"10.0.0.3".to_owned()));
     let c = instance(&sim, &mk("10.0.0.3"), false);
     c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert!(!addresses(&endpoints(&sim).await.unwrap()).contains(&"10.0.0.3".to_owned()));
+    assert!(!listed_now(&sim).await.contains(&"10.0.0.3".to_owned()));
 }
 
 #[tokio::test]
@@ -750,12 +715,7 @@ async fn watches_trigger_on_corruption() {
             .unwrap()
             .unwrap();
     }
-    let mut e = endpoints(&sim).await.unwrap();
-    e.subsets.as_mut().unwrap()[0].ports.as_mut().unwrap()[0].port = 1;
-    Api::<Endpoints>::namespaced(sim.client(), "default")
-        .replace("kubernetes", &PostParams::default(), &e)
-        .await
-        .unwrap();
+    tamper_endpoints(&sim, |e| *first_port(e) = 1).await;
     let fired = tokio::time::timeout(Duration::from_secs(20), triggers.next()).await;
     assert!(matches!(fired, Ok(Some(()))));
     let lease_api = Api::<Lease>::namespaced(sim.client(), "kube-system");
@@ -844,28 +804,16 @@ async fn readyz_probe_follows_the_apiserver() {
     let mut registry = Registry::default();
     let d = deps(&sim, Arc::new(by_client), Arc::new(FakeResolver::default()));
     let lease_loop = ApiserverLeaseLoop::new(&c, d, &mut registry).unwrap();
-    assert!(
-        lease_loop
-            .reconcile(&ctx(&sim, false))
-            .await
-            .unwrap()
-            .is_clean()
-    );
+    assert!(pass(&lease_loop, &sim).await.is_clean());
     sim.set_ready(true);
-    let report = lease_loop.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&lease_loop, &sim).await;
     assert_eq!(report.drift[0].kind, "member_lease_missing");
     sim.set_ready(false);
     // Withdrawn at the third failure in a row (the default readinessFailureThreshold).
     for _ in 1..=2 {
-        assert!(
-            lease_loop
-                .reconcile(&ctx(&sim, false))
-                .await
-                .unwrap()
-                .is_clean()
-        );
+        assert!(pass(&lease_loop, &sim).await.is_clean());
     }
-    let report = lease_loop.reconcile(&ctx(&sim, false)).await.unwrap();
+    let report = pass(&lease_loop, &sim).await;
     assert_eq!(report.drift[0].kind, "member_lease_not_ready");
     assert!(
         Api::<Lease>::namespaced(sim.client(), "kube-system")
@@ -893,12 +841,12 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     };
     let old = instance(&sim, &with_election("10.0.0.1"), true);
     let other = instance(&sim, &with_election("10.0.0.2"), true);
-    old.lease.reconcile(&ctx(&sim, false)).await.unwrap();
-    other.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&old.lease, &sim).await;
+    pass(&other.lease, &sim).await;
     // Its apiserver is stopping too, so a leader would withdraw.
     old.ready.set(false);
     // 10.0.0.1 led and ran a pass, then leadership moved to 10.0.0.2 before its SIGTERM.
-    old.endpoints.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&old.endpoints, &sim).await;
     sim.backdoor().put(leader_lease("test-10.0.0.2")).unwrap();
     sim.clear_requests();
     old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
@@ -911,23 +859,16 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     // While it does hold the leader Lease, it withdraws itself at once.
     sim.backdoor().put(leader_lease("test-10.0.0.1")).unwrap();
     old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
 }
 
 #[tokio::test]
 async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
     let sim = sim().await;
     let member = instance(&sim, &cfg("10.0.0.1"), true);
-    member.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&member.lease, &sim).await;
     sim.clear_requests();
-    assert!(
-        member
-            .lease
-            .reconcile(&ctx(&sim, false))
-            .await
-            .unwrap()
-            .is_clean()
-    );
+    assert!(pass(&member.lease, &sim).await.is_clean());
     assert_eq!(
         sim.request_count("get", "leases"),
         0,
@@ -942,7 +883,7 @@ async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
     api.replace("apiserver-10.0.0.1", &PostParams::default(), &edited)
         .await
         .unwrap();
-    member.lease.reconcile(&ctx(&sim, false)).await.unwrap();
+    pass(&member.lease, &sim).await;
     let lease = api.get("apiserver-10.0.0.1").await.unwrap();
     assert_eq!(
         lease
@@ -991,8 +932,8 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
         deps(&sim, Arc::new(Flag::new(true)), resolver),
         &mut Registry::default(),
     );
-    l.reconcile(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.1"]);
+    pass(&l, &sim).await;
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1"]);
     eventually("InvalidMemberAddress event", || async {
         event_reasons(&sim).contains(&"InvalidMemberAddress".to_owned())
     })
@@ -1000,11 +941,7 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
 
     // A hand-made membership Lease with a link-local address does not break lease mode either.
     let lease_member = instance(&sim, &cfg("10.0.0.2"), true);
-    lease_member
-        .lease
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
+    pass(&lease_member.lease, &sim).await;
     let mut bogus = sim
         .backdoor()
         .get(
@@ -1023,10 +960,6 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
         .unwrap()
         .remove("resourceVersion");
     sim.backdoor().put(bogus).unwrap();
-    lease_member
-        .endpoints
-        .reconcile(&ctx(&sim, false))
-        .await
-        .unwrap();
-    assert_eq!(addresses(&endpoints(&sim).await.unwrap()), vec!["10.0.0.2"]);
+    pass(&lease_member.endpoints, &sim).await;
+    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
 }

@@ -21,7 +21,7 @@ use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
-use reconcilers::legacy_alloc::etcd::EtcdStore;
+use reconcilers::legacy_alloc::etcd::{EtcdStore, Stored};
 
 const KEY: &str = "/registry/ranges/serviceips";
 /// The simulator's default range; its legacy bitmap has 2^20 - 2 offsets.
@@ -193,23 +193,26 @@ fn ips_of(value: &[u8]) -> Vec<String> {
 }
 
 fn range_drift(report: &reconcilers::PassReport) -> Vec<&reconcilers::Drift> {
-    report
-        .drift
-        .iter()
-        .filter(|d| d.kind == "clusterip_bitmap_range_mismatch")
-        .collect()
+    common::drift_of_kind(report, "clusterip_bitmap_range_mismatch")
 }
 
-/// With the opt-in, a value stored without a range gets the configured one, its bits kept; once.
-#[tokio::test]
-async fn with_the_opt_in_an_empty_range_is_filled_in() {
+/// An old cluster holding the `web` Service, etcd holding what `stored` makes of web's IP, and
+/// the repair with `rebuildBitmapOnRangeChange`.
+struct OptedIn {
+    repair: Arc<ClusterIpRepair>,
+    web: String,
+    sim: Sim,
+    store: EtcdStore,
+    _etcd: Etcd,
+}
+
+async fn opted_in(stored: impl FnOnce(&str) -> Vec<u8>) -> OptedIn {
     let etcd = Etcd::start(None).await;
     let store = EtcdStore::new(etcd.config());
     let sim = old_sim().await;
     let web = web_ip(&sim).await;
-    let stored = RangeAllocation::new(String::new(), bitmap(&[&web, "10.96.0.20"]));
     store
-        .compare_and_swap(KEY, None, stored.encode())
+        .compare_and_swap(KEY, None, stored(&web))
         .await
         .unwrap();
     let repair = repair_with(
@@ -220,82 +223,76 @@ async fn with_the_opt_in_an_empty_range_is_filled_in() {
         &mut Registry::default(),
     )
     .await;
-    let report = pass(&sim, &repair).await;
-    let drift = range_drift(&report);
-    assert_eq!(drift.len(), 1, "{report:?}");
-    assert!(drift[0].applied);
-    let value = store.get(KEY).await.unwrap().unwrap();
-    let mut expected = vec![web, "10.96.0.20".to_owned()];
+    OptedIn {
+        repair,
+        web,
+        sim,
+        store,
+        _etcd: etcd,
+    }
+}
+
+impl OptedIn {
+    /// One pass: exactly one range finding, applied; returns it and the value stored after.
+    async fn range_repaired(&self) -> (reconcilers::Drift, Stored) {
+        let report = pass(&self.sim, &self.repair).await;
+        let drift = range_drift(&report);
+        assert_eq!(drift.len(), 1, "{report:?}");
+        assert!(drift[0].applied);
+        let drift = drift[0].clone();
+        (drift, self.store.get(KEY).await.unwrap().unwrap())
+    }
+
+    /// Another pass finds nothing and leaves `value` as it is.
+    async fn settled_at(&self, value: &Stored) {
+        let again = pass(&self.sim, &self.repair).await;
+        assert!(range_drift(&again).is_empty(), "{again:?}");
+        assert_eq!(&self.store.get(KEY).await.unwrap().unwrap(), value);
+    }
+}
+
+/// With the opt-in, a value stored without a range gets the configured one, its bits kept; once.
+#[tokio::test]
+async fn with_the_opt_in_an_empty_range_is_filled_in() {
+    let setup =
+        opted_in(|web| RangeAllocation::new(String::new(), bitmap(&[web, "10.96.0.20"])).encode())
+            .await;
+    let (_, value) = setup.range_repaired().await;
+    let mut expected = vec![setup.web.clone(), "10.96.0.20".to_owned()];
     expected.sort_by_key(|ip| offset(ip));
     assert_eq!(ips_of(&value.value), expected);
 
-    let again = pass(&sim, &repair).await;
-    assert!(range_drift(&again).is_empty(), "{again:?}");
-    assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
+    setup.settled_at(&value).await;
 }
 
 /// With the opt-in, the range grew from 10.96.0.0/24 to 10.96.0.0/12: every allocation is kept
 /// at its IP.
 #[tokio::test]
 async fn with_the_opt_in_a_grown_range_is_rebuilt_keeping_every_allocation() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = old_sim().await;
-    let web = web_ip(&sim).await;
-    let stored = value_under("10.96.0.0/24", &["10.96.0.10", "10.96.0.20"]);
-    store.compare_and_swap(KEY, None, stored).await.unwrap();
-    let repair = repair_with(
-        &sim,
-        &etcd,
-        RepairMode::Auto,
-        true,
-        &mut Registry::default(),
-    )
-    .await;
-    let report = pass(&sim, &repair).await;
-    let drift = range_drift(&report);
-    assert_eq!(drift.len(), 1, "{report:?}");
-    assert!(drift[0].applied && drift[0].message.contains("10.96.0.0/24"));
-    let value = store.get(KEY).await.unwrap().unwrap();
-    let mut expected = vec!["10.96.0.10".to_owned(), "10.96.0.20".to_owned(), web];
+    let setup = opted_in(|_| value_under("10.96.0.0/24", &["10.96.0.10", "10.96.0.20"])).await;
+    let (drift, value) = setup.range_repaired().await;
+    assert!(drift.message.contains("10.96.0.0/24"), "{drift:?}");
+    let mut expected = vec![
+        "10.96.0.10".to_owned(),
+        "10.96.0.20".to_owned(),
+        setup.web.clone(),
+    ];
     expected.sort_by_key(|ip| offset(ip));
     expected.dedup();
     assert_eq!(ips_of(&value.value), expected);
 
-    let again = pass(&sim, &repair).await;
-    assert!(range_drift(&again).is_empty(), "{again:?}");
-    assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
+    setup.settled_at(&value).await;
 }
 
 /// With the opt-in, the range shrank from 10.96.0.0/11 to 10.96.0.0/12: 10.112.0.5 falls
 /// outside and is dropped; a range that is no CIDR at all is reported and left alone.
 #[tokio::test]
 async fn with_the_opt_in_a_shrunk_range_drops_what_falls_outside() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = old_sim().await;
-    let web = web_ip(&sim).await;
-    let stored = value_under("10.96.0.0/11", &["10.96.0.10", "10.112.0.5"]);
-    store.compare_and_swap(KEY, None, stored).await.unwrap();
-    let repair = repair_with(
-        &sim,
-        &etcd,
-        RepairMode::Auto,
-        true,
-        &mut Registry::default(),
-    )
-    .await;
-    let report = pass(&sim, &repair).await;
-    let drift = range_drift(&report);
-    assert_eq!(drift.len(), 1, "{report:?}");
-    assert!(drift[0].applied);
-    assert!(
-        drift[0]
-            .message
-            .contains("1 allocations outside it dropped")
-    );
-    let value = store.get(KEY).await.unwrap().unwrap();
-    let mut expected = vec!["10.96.0.10".to_owned(), web];
+    let setup = opted_in(|_| value_under("10.96.0.0/11", &["10.96.0.10", "10.112.0.5"])).await;
+    let (repair, sim, store) = (&setup.repair, &setup.sim, &setup.store);
+    let (drift, value) = setup.range_repaired().await;
+    assert!(drift.message.contains("1 allocations outside it dropped"));
+    let mut expected = vec!["10.96.0.10".to_owned(), setup.web.clone()];
     expected.sort_by_key(|ip| offset(ip));
     expected.dedup();
     assert_eq!(ips_of(&value.value), expected);
@@ -308,7 +305,7 @@ async fn with_the_opt_in_a_shrunk_range_drops_what_falls_outside() {
             .unwrap()
     );
     let before = store.get(KEY).await.unwrap().unwrap();
-    let report = pass(&sim, &repair).await;
+    let report = pass(sim, repair).await;
     assert!(
         report
             .drift
@@ -320,12 +317,7 @@ async fn with_the_opt_in_a_shrunk_range_drops_what_falls_outside() {
 }
 
 fn ip_events(sim: &Sim, reason: &str) -> Vec<serde_json::Value> {
-    sim.backdoor()
-        .list("events.events.k8s.io")
-        .unwrap()
-        .into_iter()
-        .filter(|event| event["reason"] == reason)
-        .collect()
+    common::events_of(sim, reason)
 }
 
 /// `bootstrap_clusterip_repair_ip_errors_total{type}` in `registry`.

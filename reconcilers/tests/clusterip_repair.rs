@@ -533,51 +533,52 @@ async fn plant_every_case(sim: &Sim, client: &Client) -> Result<Planted> {
     })
 }
 
-/// Conditions the repair only reports (a duplicate, out-of-range or invalid cluster IP) get
-/// their event once, however many passes find them again.
-#[tokio::test]
-async fn report_only_findings_get_one_event_however_many_passes() -> Result<()> {
+/// A simulator with every upstream case planted, and the repair (a 60 s orphan grace) driven
+/// by its triggers. Fields drop in the order the tests' locals did.
+struct EveryCase {
+    _triggers: tokio::task::JoinHandle<()>,
+    registry: Registry,
+    repair: Arc<ClusterIpRepair>,
+    planted: Planted,
+    client: Client,
+    sim: Sim,
+}
+
+async fn every_case() -> Result<EveryCase> {
     let sim = start_sim().await?;
     let client = sim.client();
     let planted = plant_every_case(&sim, &client).await?;
-    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
-    let _triggers = drive_triggers(&repair);
-    pass_until(
-        &repair,
-        &client,
-        false,
-        "a pass with the planted drift",
-        |r| {
-            has_drift(
-                r,
-                "ipaddress_leaked",
-                &format!("IPAddress/{}", planted.leaked_ip),
-            )
-        },
-    )
-    .await?;
-    let event_writes = |sim: &Sim| {
-        sim.requests()
-            .iter()
-            .filter(|r| {
-                r.resource == "events" && matches!(r.verb.as_str(), "create" | "patch" | "update")
-            })
-            .count()
-    };
-    let before = event_writes(&sim);
-    for round in 0..10 {
-        let report = pass_until(&repair, &client, false, "another pass", |_| true).await?;
-        assert!(
-            has_drift(&report, "clusterip_out_of_range", "Service/shop/far"),
-            "round {round}: the finding is still reported to check: {report:#?}"
-        );
+    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let triggers = drive_triggers(&repair);
+    Ok(EveryCase {
+        _triggers: triggers,
+        registry,
+        repair,
+        planted,
+        client,
+        sim,
+    })
+}
+
+impl EveryCase {
+    /// Passes until one reports the planted leaked IPAddress: the planted drift is seen.
+    async fn pass_with_the_planted_drift(&self) -> Result<PassReport> {
+        let leaked = format!("IPAddress/{}", self.planted.leaked_ip);
+        pass_until(
+            &self.repair,
+            &self.client,
+            false,
+            "a pass with the planted drift",
+            |r| has_drift(r, "ipaddress_leaked", &leaked),
+        )
+        .await
     }
-    assert_eq!(
-        event_writes(&sim),
-        before,
-        "passes wrote events about unchanged findings"
-    );
-    let reasons = event_reasons_of(&client).await?;
+}
+
+/// Each report-only finding of the planted cases has exactly one event; `context` is added to
+/// the failure message.
+async fn one_event_per_report_only_finding(client: &Client, context: &str) -> Result<()> {
+    let reasons = event_reasons_of(client).await?;
     for reason in [
         "ClusterIPAlreadyAllocated",
         "ClusterIPOutOfRange",
@@ -586,19 +587,47 @@ async fn report_only_findings_get_one_event_however_many_passes() -> Result<()> 
         assert_eq!(
             reasons.iter().filter(|r| *r == reason).count(),
             1,
-            "{reason}: {reasons:?}"
+            "{reason}{context}: {reasons:?}"
         );
     }
     Ok(())
 }
 
+/// Conditions the repair only reports (a duplicate, out-of-range or invalid cluster IP) get
+/// their event once, however many passes find them again.
+#[tokio::test]
+async fn report_only_findings_get_one_event_however_many_passes() -> Result<()> {
+    let setup = every_case().await?;
+    let (repair, client, sim) = (&setup.repair, &setup.client, &setup.sim);
+    setup.pass_with_the_planted_drift().await?;
+    let event_writes = |sim: &Sim| {
+        sim.requests()
+            .iter()
+            .filter(|r| {
+                r.resource == "events" && matches!(r.verb.as_str(), "create" | "patch" | "update")
+            })
+            .count()
+    };
+    let before = event_writes(sim);
+    for round in 0..10 {
+        let report = pass_until(repair, client, false, "another pass", |_| true).await?;
+        assert!(
+            has_drift(&report, "clusterip_out_of_range", "Service/shop/far"),
+            "round {round}: the finding is still reported to check: {report:#?}"
+        );
+    }
+    assert_eq!(
+        event_writes(sim),
+        before,
+        "passes wrote events about unchanged findings"
+    );
+    one_event_per_report_only_finding(client, "").await
+}
+
 #[tokio::test]
 async fn a_finding_whose_event_is_refused_is_reported_on_a_later_pass() -> Result<()> {
-    let sim = start_sim().await?;
-    let client = sim.client();
-    plant_every_case(&sim, &client).await?;
-    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
-    let _triggers = drive_triggers(&repair);
+    let setup = every_case().await?;
+    let (repair, client, sim) = (&setup.repair, &setup.client, &setup.sim);
     // As when the namespace events go into is still being created: the first ten writes of an
     // event (more than one pass writes) are refused.
     sim.faults().inject(FaultRule::next(
@@ -610,21 +639,9 @@ async fn a_finding_whose_event_is_refused_is_reported_on_a_later_pass() -> Resul
             retry_after_seconds: None,
         },
     ));
-    pass_until(&repair, &client, false, "a pass that publishes", |_| true).await?;
-    let after = repair.reconcile(&ctx(&client, false)).await;
-    let reasons = event_reasons_of(&client).await?;
-    for reason in [
-        "ClusterIPAlreadyAllocated",
-        "ClusterIPOutOfRange",
-        "ClusterIPNotValid",
-    ] {
-        assert_eq!(
-            reasons.iter().filter(|r| *r == reason).count(),
-            1,
-            "{reason} (a pass after: {after:?}): {reasons:?}"
-        );
-    }
-    Ok(())
+    pass_until(repair, client, false, "a pass that publishes", |_| true).await?;
+    let after = repair.reconcile(&ctx(client, false)).await;
+    one_event_per_report_only_finding(client, &format!(" (a pass after: {after:?})")).await
 }
 
 async fn event_reasons_of(client: &Client) -> Result<Vec<String>> {
@@ -640,26 +657,15 @@ async fn event_reasons_of(client: &Client) -> Result<Vec<String>> {
 
 #[tokio::test]
 async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<()> {
-    let sim = start_sim().await?;
-    let client = sim.client();
-    let planted = plant_every_case(&sim, &client).await?;
-    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
-    let _triggers = drive_triggers(&repair);
+    let setup = every_case().await?;
+    let (repair, client, planted, registry) = (
+        &setup.repair,
+        &setup.client,
+        &setup.planted,
+        &setup.registry,
+    );
 
-    let report = pass_until(
-        &repair,
-        &client,
-        false,
-        "a pass with the planted drift",
-        |r| {
-            has_drift(
-                r,
-                "ipaddress_leaked",
-                &format!("IPAddress/{}", planted.leaked_ip),
-            )
-        },
-    )
-    .await?;
+    let report = setup.pass_with_the_planted_drift().await?;
     for (kind, object, applied) in [
         ("clusterip_not_allocated", "Service/shop/a", true),
         ("ipaddress_wrong_reference", "Service/shop/b", true),
@@ -688,7 +694,7 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
     );
 
     // The cluster is repaired.
-    let v6 = ip_address(&client, &planted.missing_v6)
+    let v6 = ip_address(client, &planted.missing_v6)
         .await?
         .context("a's IPv6 IPAddress recreated")?;
     assert_eq!(
@@ -709,7 +715,7 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
         Some("ipallocator.k8s.io")
     );
     for (ip, owner) in [(&planted.wrong_kind_ip, "b"), (&planted.dangling_ip, "c")] {
-        let object = ip_address(&client, ip)
+        let object = ip_address(client, ip)
             .await?
             .context("repaired IPAddress")?;
         assert_eq!(
@@ -717,7 +723,7 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
             ("".into(), "services".into(), "shop".into(), owner.into())
         );
     }
-    let d_ip = ip_address(&client, &planted.duplicate_ip)
+    let d_ip = ip_address(client, &planted.duplicate_ip)
         .await?
         .context("d's IPAddress")?;
     assert_eq!(
@@ -731,15 +737,15 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
         planted.wrong_parent_ip,
     ] {
         assert!(
-            ip_address(&client, gone).await?.is_none(),
+            ip_address(client, gone).await?.is_none(),
             "{gone} should be deleted"
         );
     }
     assert!(
-        ip_address(&client, planted.foreign_ip).await?.is_some(),
+        ip_address(client, planted.foreign_ip).await?.is_some(),
         "foreign IPAddress touched"
     );
-    let relabeled = ip_address(&client, &planted.relabel_ip)
+    let relabeled = ip_address(client, &planted.relabel_ip)
         .await?
         .context("relabelled")?;
     assert_eq!(
@@ -755,14 +761,14 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
     // The events, word for word.
     let ip6 = &planted.missing_v6;
     expect_event(
-        &client,
+        client,
         "ClusterIPNotAllocated",
         "a",
         &format!("Cluster IP [IPv6]: {ip6} is not allocated; repairing"),
     )
     .await?;
     expect_event(
-        &client,
+        client,
         "ClusterIPNotAllocated",
         "b",
         &format!(
@@ -772,7 +778,7 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
     )
     .await?;
     expect_event(
-        &client,
+        client,
         "ClusterIPNotAllocated",
         "c",
         &format!(
@@ -782,7 +788,7 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
     )
     .await?;
     expect_event(
-        &client,
+        client,
         "ClusterIPAlreadyAllocated",
         "d-copy",
         &format!(
@@ -792,41 +798,41 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
     )
     .await?;
     expect_event(
-        &client,
+        client,
         "ClusterIPOutOfRange",
         "far",
         "Cluster IP [IPv4]: 192.0.2.5 is not within any configured Service CIDR; please recreate service",
     )
     .await?;
     expect_event(
-        &client,
+        client,
         "ClusterIPNotValid",
         "bad",
         "Cluster IP 10.96.0.999 is not a valid IP; please recreate Service",
     )
     .await?;
     expect_event(
-        &client,
+        client,
         "IPAddressNotAllocated",
         planted.not_service_ip,
         "IPAddress 10.96.200.1 appears to have been modified, not referencing a Service &{example.io widgets shop w}: cleaning up",
     )
     .await?;
     expect_event(
-        &client,
+        client,
         "IPAddressNotAllocated",
         planted.leaked_ip,
         "IPAddress: 10.96.200.2 for Service shop/deleted-long-ago appears to have leaked: cleaning up",
     )
     .await?;
     expect_event(
-        &client,
+        client,
         "IPAddressWrongReference",
         planted.wrong_parent_ip,
         "IPAddress: 10.96.200.3 for Service shop/e has a wrong reference; cleaning up",
     )
     .await?;
-    let actions: Vec<_> = repair_events(&client, "ClusterIPNotValid")
+    let actions: Vec<_> = repair_events(client, "ClusterIPNotValid")
         .await?
         .iter()
         .map(|e| e.action.clone())
@@ -834,13 +840,13 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
     assert_eq!(actions, [Some("ClusterIPValidation".to_owned())]);
 
     // Only reported drift remains.
-    let again = pass_until(&repair, &client, false, "a settled pass", |r| {
+    let again = pass_until(repair, client, false, "a settled pass", |r| {
         r.drift.iter().all(|d| d.action == Action::Report)
     })
     .await?;
     assert_eq!(again.drift.len(), 3, "{again:#?}");
 
-    let metrics = metric_text(&registry);
+    let metrics = metric_text(registry);
     for line in [
         "clusterip_repair_ip_errors_total{type=\"leak\"}",
         "clusterip_repair_ip_errors_total{type=\"repair\"}",
@@ -855,16 +861,13 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
 
 #[tokio::test]
 async fn dry_run_reports_every_case_and_writes_nothing() -> Result<()> {
-    let sim = start_sim().await?;
-    let client = sim.client();
-    plant_every_case(&sim, &client).await?;
-    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
-    let _triggers = drive_triggers(&repair);
+    let setup = every_case().await?;
+    let (repair, client, sim) = (&setup.repair, &setup.client, &setup.sim);
     let before = sim.backdoor().list("ipaddresses.networking.k8s.io")?;
     sim.clear_requests();
     let report = pass_until(
-        &repair,
-        &client,
+        repair,
+        client,
         true,
         "a dry-run pass with every case",
         |r| r.drift.len() >= 10,

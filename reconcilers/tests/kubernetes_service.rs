@@ -38,6 +38,26 @@ async fn service(sim: &Sim) -> Option<Service> {
     api(sim).get_opt("kubernetes").await.unwrap()
 }
 
+/// The Service's clusterIP.
+async fn cluster_ip(sim: &Sim) -> Option<String> {
+    service(sim).await.unwrap().spec.unwrap().cluster_ip
+}
+
+/// Rewrites the Service as `change` makes it, as another writer would.
+async fn tamper_service(sim: &Sim, change: impl FnOnce(&mut Service)) {
+    let mut s = service(sim).await.unwrap();
+    change(&mut s);
+    api(sim)
+        .replace("kubernetes", &PostParams::default(), &s)
+        .await
+        .unwrap();
+}
+
+/// How many events of `reason` the simulator holds.
+fn events_of_reason(sim: &Sim, reason: &str) -> usize {
+    event_reasons(sim).iter().filter(|r| *r == reason).count()
+}
+
 #[tokio::test]
 async fn creates_the_service_with_the_first_ip_and_then_rests() {
     let sim = sim().await;
@@ -152,12 +172,10 @@ async fn repair_off_only_reports_like_upstream() {
         },
     );
     l.reconcile(&ctx(&sim, false)).await.unwrap();
-    let mut s = service(&sim).await.unwrap();
-    s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].port = 8443;
-    api(&sim)
-        .replace("kubernetes", &PostParams::default(), &s)
-        .await
-        .unwrap();
+    tamper_service(&sim, |s| {
+        s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].port = 8443
+    })
+    .await;
     sim.clear_requests();
     let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
     assert_eq!(report.drift.len(), 1);
@@ -177,12 +195,10 @@ async fn dry_run_writes_nothing() {
     assert!(service(&sim).await.is_none());
 
     l.reconcile(&ctx(&sim, false)).await.unwrap();
-    let mut s = service(&sim).await.unwrap();
-    s.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into());
-    api(&sim)
-        .replace("kubernetes", &PostParams::default(), &s)
-        .await
-        .unwrap();
+    tamper_service(&sim, |s| {
+        s.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into())
+    })
+    .await;
     sim.clear_requests();
     let report = l.reconcile(&ctx(&sim, true)).await.unwrap();
     assert_eq!(report.drift.len(), 1);
@@ -226,23 +242,10 @@ async fn cluster_ip_mismatch_is_reported_never_fixed_by_default() {
     assert_eq!(writes(&sim), Vec::<String>::new());
     assert_eq!(l.metrics().cluster_ip_mismatch(), 1);
     eventually("one ClusterIPMismatch warning", || async {
-        event_reasons(&sim)
-            .iter()
-            .filter(|r| *r == "ClusterIPMismatch")
-            .count()
-            == 1
+        events_of_reason(&sim, "ClusterIPMismatch") == 1
     })
     .await;
-    assert_eq!(
-        service(&sim)
-            .await
-            .unwrap()
-            .spec
-            .unwrap()
-            .cluster_ip
-            .as_deref(),
-        Some("10.96.0.50")
-    );
+    assert_eq!(cluster_ip(&sim).await.as_deref(), Some("10.96.0.50"));
 }
 
 #[tokio::test]
@@ -261,16 +264,7 @@ async fn cluster_ip_mismatch_recreated_only_with_opt_in() {
     assert!(!report.drift[0].applied, "dry-run never deletes");
     let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
     assert!(report.drift[0].applied, "{report:?}");
-    assert_eq!(
-        service(&sim)
-            .await
-            .unwrap()
-            .spec
-            .unwrap()
-            .cluster_ip
-            .as_deref(),
-        Some("10.96.0.1")
-    );
+    assert_eq!(cluster_ip(&sim).await.as_deref(), Some("10.96.0.1"));
     assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
 }
 

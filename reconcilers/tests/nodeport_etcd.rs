@@ -17,7 +17,7 @@ use futures::StreamExt;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
-use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
+use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey, Stored};
 use reconcilers::nodeport_repair::{NodePortRepair, NodePortRepairConfig, PortRange};
 use serde_json::json;
 
@@ -61,6 +61,13 @@ struct Harness {
 }
 
 impl Harness {
+    /// Another pass finds nothing and leaves the stored `value` as it is.
+    async fn settled_at(&self, sim: &Sim, store: &EtcdStore, value: &Stored) {
+        let second = self.pass(sim, false).await.unwrap();
+        assert!(second.drift.is_empty(), "{second:?}");
+        assert_eq!(&store.get(KEY).await.unwrap().unwrap(), value);
+    }
+
     async fn start(sim: &Sim, etcd: EtcdConfig, interval: Duration) -> Self {
         Self::start_with(sim, etcd, interval, false).await
     }
@@ -122,24 +129,30 @@ impl Harness {
     }
 }
 
+/// A real etcd, a client of it and the simulator, started for one test; bound in this order,
+/// they drop the simulator first and etcd last.
+async fn etcd_and_sim() -> (Etcd, EtcdStore, Sim) {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    (etcd, store, common::sim().await)
+}
+
+/// Writes the bitmap's first value: the key must not exist yet.
+async fn store_first(store: &EtcdStore, value: Vec<u8>) {
+    assert!(store.compare_and_swap(KEY, None, value).await.unwrap());
+}
+
 fn kinds(report: &reconcilers::PassReport) -> Vec<&'static str> {
     report.drift.iter().map(|drift| drift.kind).collect()
 }
 
 #[tokio::test]
 async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     put_service(&sim, "db", 30081);
     let stored = RangeAllocation::new(range().to_string(), bitmap(&[30081, 30500]));
-    assert!(
-        store
-            .compare_and_swap(KEY, None, stored.encode())
-            .await
-            .unwrap()
-    );
+    store_first(&store, stored.encode()).await;
 
     // Sightings count when an interval apart: 1 ms here, so each pass is one.
     let harness = Harness::start(&sim, etcd.config(), Duration::from_millis(1)).await;
@@ -179,17 +192,10 @@ async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() 
 /// reported (event, metric) and repaired again, not taken for the one already repaired.
 #[tokio::test]
 async fn a_bit_cleared_again_after_its_repair_is_counted_again() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     let stored = RangeAllocation::new(range().to_string(), bitmap(&[]));
-    assert!(
-        store
-            .compare_and_swap(KEY, None, stored.encode())
-            .await
-            .unwrap()
-    );
+    store_first(&store, stored.encode()).await;
     let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(60)).await;
     for round in 1..=2u64 {
         let report = harness.pass(&sim, false).await.unwrap();
@@ -232,9 +238,7 @@ async fn a_bit_cleared_again_after_its_repair_is_counted_again() {
 /// port no Service holds is released as usual.
 #[tokio::test]
 async fn a_leak_is_released_only_when_a_fresh_list_confirms_it() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     // The Service watch never starts: the cache holds the first list and nothing after it.
     sim.faults().inject(apiserver_sim::FaultRule::probability(
@@ -284,9 +288,7 @@ async fn a_leak_is_released_only_when_a_fresh_list_confirms_it() {
 
 #[tokio::test]
 async fn a_missing_key_is_created_only_if_absent() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
     harness.pass(&sim, false).await.unwrap();
@@ -306,9 +308,7 @@ async fn a_missing_key_is_created_only_if_absent() {
 
 #[tokio::test]
 async fn dry_run_reports_and_writes_nothing() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     let stored = RangeAllocation::new(range().to_string(), bitmap(&[]));
     store
@@ -339,20 +339,11 @@ fn value_under(stored: &str, ports: &[u16]) -> Vec<u8> {
 
 /// The events of `reason` the simulator holds.
 fn events(sim: &Sim, reason: &str) -> Vec<serde_json::Value> {
-    sim.backdoor()
-        .list("events.events.k8s.io")
-        .unwrap()
-        .into_iter()
-        .filter(|event| event["reason"] == reason)
-        .collect()
+    common::events_of(sim, reason)
 }
 
 fn range_mismatches(report: &reconcilers::PassReport) -> Vec<&reconcilers::Drift> {
-    report
-        .drift
-        .iter()
-        .filter(|drift| drift.kind == "nodeport_range_mismatch")
-        .collect()
+    common::drift_of_kind(report, "nodeport_range_mismatch")
 }
 
 /// A management cluster gives every tenant the default range, but this tenant's kube-apiserver
@@ -363,17 +354,10 @@ fn range_mismatches(report: &reconcilers::PassReport) -> Vec<&reconcilers::Drift
 /// and never written. Once the stored range is the configured one, the repair works as usual.
 #[tokio::test]
 async fn a_bitmap_under_another_range_is_reported_once_and_left_alone() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 20080);
     put_service(&sim, "db", 30081);
-    assert!(
-        store
-            .compare_and_swap(KEY, None, value_under("20000-22767", &[20080]))
-            .await
-            .unwrap()
-    );
+    store_first(&store, value_under("20000-22767", &[20080])).await;
     let before = store.get(KEY).await.unwrap().unwrap();
     // Sightings count when an interval apart: 1 ms here, so a leak would be released by the
     // third pass if the bitmap were read under the configured range.
@@ -469,17 +453,10 @@ async fn a_bitmap_under_another_range_is_reported_once_and_left_alone() {
 /// reported and left alone; kube-apiserver's own repair fills in its range.
 #[tokio::test]
 async fn an_empty_range_is_reported_and_left_alone() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     let stored = RangeAllocation::new(String::new(), bitmap(&[30080, 30500]));
-    assert!(
-        store
-            .compare_and_swap(KEY, None, stored.encode())
-            .await
-            .unwrap()
-    );
+    store_first(&store, stored.encode()).await;
     let before = store.get(KEY).await.unwrap().unwrap();
     let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
     for _ in 0..2 {
@@ -502,17 +479,10 @@ async fn an_empty_range_is_reported_and_left_alone() {
 /// once, reported once, counted once.
 #[tokio::test]
 async fn with_the_opt_in_an_empty_range_is_filled_in() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     let stored = RangeAllocation::new(String::new(), bitmap(&[30080, 30500]));
-    assert!(
-        store
-            .compare_and_swap(KEY, None, stored.encode())
-            .await
-            .unwrap()
-    );
+    store_first(&store, stored.encode()).await;
     let harness = Harness::start_with(&sim, etcd.config(), Duration::from_secs(180), true).await;
 
     let first = harness.pass(&sim, false).await.unwrap();
@@ -539,13 +509,11 @@ async fn with_the_opt_in_an_empty_range_is_filled_in() {
 /// suspect, as any), and the change is reported once.
 #[tokio::test]
 async fn with_the_opt_in_a_grown_range_is_rebuilt_keeping_every_allocation() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     put_service(&sim, "db", 32000);
     let stored = value_under("30000-30999", &[30080, 30500]);
-    assert!(store.compare_and_swap(KEY, None, stored).await.unwrap());
+    store_first(&store, stored).await;
     let harness = Harness::start_with(&sim, etcd.config(), Duration::from_secs(180), true).await;
 
     let first = harness.pass(&sim, false).await.unwrap();
@@ -566,9 +534,7 @@ async fn with_the_opt_in_a_grown_range_is_rebuilt_keeping_every_allocation() {
     assert_eq!(decoded.range, "30000-32767");
     assert_eq!(ports_of(&value.value), vec![30080, 30500, 32000]);
 
-    let second = harness.pass(&sim, false).await.unwrap();
-    assert!(second.drift.is_empty(), "{second:?}");
-    assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
+    harness.settled_at(&sim, &store, &value).await;
     // The range change once, and 32000 set once.
     assert_eq!(harness.errors("repair"), 2);
 }
@@ -578,12 +544,10 @@ async fn with_the_opt_in_a_grown_range_is_rebuilt_keeping_every_allocation() {
 /// after a fresh list of the Services.
 #[tokio::test]
 async fn with_the_opt_in_a_shrunk_range_drops_what_falls_outside() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     let stored = value_under("30000-40000", &[30080, 31000, 35000, 40000]);
-    assert!(store.compare_and_swap(KEY, None, stored).await.unwrap());
+    store_first(&store, stored).await;
     let harness = Harness::start_with(&sim, etcd.config(), Duration::from_secs(180), true).await;
 
     let lists = || {
@@ -637,17 +601,13 @@ async fn with_the_opt_in_a_shrunk_range_drops_what_falls_outside() {
     );
     assert_eq!(ports_of(&value.value), vec![30080, 31000]);
 
-    let second = harness.pass(&sim, false).await.unwrap();
-    assert!(second.drift.is_empty(), "{second:?}");
-    assert_eq!(store.get(KEY).await.unwrap().unwrap(), value);
+    harness.settled_at(&sim, &store, &value).await;
     assert_eq!(harness.errors("repair"), 1);
 }
 
 #[tokio::test]
 async fn an_unreadable_value_or_range_is_reported_and_left_alone() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     put_service(&sim, "web", 30080);
     let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
 
@@ -689,9 +649,7 @@ async fn an_unreadable_value_or_range_is_reported_and_left_alone() {
 /// because the repair writes only over the revision it read.
 #[tokio::test]
 async fn a_concurrent_writer_loses_no_allocation() {
-    let etcd = Etcd::start(None).await;
-    let store = EtcdStore::new(etcd.config());
-    let sim = common::sim().await;
+    let (etcd, store, sim) = etcd_and_sim().await;
     for (i, port) in (30100..30120).enumerate() {
         put_service(&sim, &format!("svc-{i}"), port);
     }

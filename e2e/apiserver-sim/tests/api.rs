@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::{api_err, create_ns, eventually, start};
+use common::{api_err, create_ns, eventually, in_new_namespace, says, start};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service};
 use kube::Api;
@@ -27,8 +27,7 @@ fn cm(name: &str, labels: &[(&str, &str)]) -> ConfigMap {
 async fn crud_roundtrip_and_metadata() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "app").await;
     let created = api
         .create(&PostParams::default(), &cm("one", &[]))
         .await
@@ -68,11 +67,7 @@ async fn crud_roundtrip_and_metadata() {
     stale.metadata.resource_version = Some(rv1.to_string());
     let e = api_err(api.replace("one", &PostParams::default(), &stale).await);
     assert_eq!((e.code, e.reason.as_str()), (409, "Conflict"));
-    assert!(
-        e.message.contains("the object has been modified"),
-        "{}",
-        e.message
-    );
+    says(&e, "the object has been modified");
 
     // PUT with the current resourceVersion works.
     let mut fresh = cm("one", &[("c", "d")]);
@@ -132,8 +127,7 @@ async fn generate_name_and_namespace_label() {
 async fn error_statuses() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "app").await;
     api.create(&PostParams::default(), &cm("dup", &[]))
         .await
         .unwrap();
@@ -153,11 +147,7 @@ async fn error_statuses() {
 
     let e = api_err(api.create(&PostParams::default(), &cm("", &[])).await);
     assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
-    assert!(
-        e.message.contains("name or generateName is required"),
-        "{}",
-        e.message
-    );
+    says(&e, "name or generateName is required");
 
     // Service without ports: missing required field.
     let svc_api: Api<Service> = Api::namespaced(client.clone(), "app");
@@ -165,11 +155,7 @@ async fn error_statuses() {
         serde_json::from_value(json!({"metadata": {"name": "noports"}, "spec": {}})).unwrap();
     let e = api_err(svc_api.create(&PostParams::default(), &svc).await);
     assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
-    assert!(
-        e.message.contains("spec.ports: Required value"),
-        "{}",
-        e.message
-    );
+    says(&e, "spec.ports: Required value");
 
     // Namespaced create in a missing namespace: 404 for the namespace.
     let missing: Api<ConfigMap> = Api::namespaced(client.clone(), "nowhere");
@@ -209,8 +195,7 @@ async fn error_statuses() {
 async fn namespace_termination_removes_contents() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "doomed").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "doomed");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "doomed").await;
     api.create(&PostParams::default(), &cm("a", &[]))
         .await
         .unwrap();
@@ -242,11 +227,7 @@ async fn namespace_termination_removes_contents() {
     // While terminating: creates are forbidden with 403.
     let e = api_err(api.create(&PostParams::default(), &cm("late", &[])).await);
     assert_eq!((e.code, e.reason.as_str()), (403, "Forbidden"));
-    assert!(
-        e.message.contains("because it is being terminated"),
-        "{}",
-        e.message
-    );
+    says(&e, "because it is being terminated");
 
     eventually("namespace gone", || async {
         matches!(ns_api.get("doomed").await, Err(kube::Error::Api(e)) if e.code == 404)
@@ -278,8 +259,7 @@ async fn namespace_termination_removes_contents() {
 async fn patch_types() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "app").await;
     api.create(&PostParams::default(), &cm("p", &[("keep", "1")]))
         .await
         .unwrap();
@@ -341,8 +321,7 @@ async fn patch_types() {
 async fn delete_preconditions() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "app").await;
     let c = api
         .create(&PostParams::default(), &cm("pre", &[]))
         .await
@@ -356,7 +335,7 @@ async fn delete_preconditions() {
     };
     let e = api_err(api.delete("pre", &stale).await);
     assert_eq!((e.code, e.reason.as_str()), (409, "Conflict"));
-    assert!(e.message.contains("Precondition failed"), "{}", e.message);
+    says(&e, "Precondition failed");
     let wrong_uid = DeleteParams {
         preconditions: Some(Preconditions {
             resource_version: None,
@@ -381,8 +360,7 @@ async fn delete_preconditions() {
 async fn finalizers_hold_deletion() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "app");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "app").await;
     let mut c = cm("fin", &[]);
     c.metadata.finalizers = Some(vec!["example.com/hold".into()]);
     api.create(&PostParams::default(), &c).await.unwrap();
@@ -530,8 +508,7 @@ async fn other_resources_roundtrip_typed() {
     use k8s_openapi::api::networking::v1::ServiceCIDR;
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "kube-system").await;
-    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    let leases: Api<Lease> = in_new_namespace(&client, "kube-system").await;
     let lease: Lease = serde_json::from_value(json!({
         "metadata": {"name": "leader"},
         "spec": {"holderIdentity": "me", "leaseDurationSeconds": 15}
@@ -668,6 +645,15 @@ async fn discovery_version_and_health() {
     sim.shutdown().await;
 }
 
+/// Sends each `(method, path, content type, body, status)` with `raw`: the status must be the
+/// one answered.
+async fn answers(client: &kube::Client, requests: &[(&str, &str, &str, &str, u16)]) {
+    for &(method, path, content_type, body, want) in requests {
+        let (code, msg) = raw(client, method, path, content_type, body).await;
+        assert_eq!(code, want, "{method} {path} {content_type} {body:?}: {msg}");
+    }
+}
+
 async fn raw(
     client: &kube::Client,
     method: &str,
@@ -694,137 +680,71 @@ async fn hostile_requests_get_clear_errors() {
     let client = sim.client();
     create_ns(&client, "h").await;
     let j = "application/json";
-    assert_eq!(
-        raw(&client, "GET", "/api/v1/namespaces?limit=abc", j, "")
-            .await
-            .0,
-        400
-    );
-    assert_eq!(
-        raw(
-            &client,
-            "GET",
-            "/api/v1/namespaces?labelSelector=a%20b%20c",
-            j,
-            ""
-        )
-        .await
-        .0,
-        400
-    );
-    assert_eq!(
-        raw(
-            &client,
-            "GET",
-            "/api/v1/namespaces?fieldSelector=nonsense",
-            j,
-            ""
-        )
-        .await
-        .0,
-        400
-    );
-    assert_eq!(
-        raw(&client, "GET", "/api/v1/namespaces?continue=%25%25", j, "")
-            .await
-            .0,
-        400
-    );
-    assert_eq!(
-        raw(
-            &client,
-            "POST",
-            "/api/v1/namespaces/h/configmaps",
-            j,
-            "{not json"
-        )
-        .await
-        .0,
-        400
-    );
-    assert_eq!(
-        raw(
-            &client,
-            "POST",
-            "/api/v1/namespaces/h/configmaps",
-            j,
-            "[1,2]"
-        )
-        .await
-        .0,
-        400
-    );
-    let (code, msg) = raw(
+    let configmaps = "/api/v1/namespaces/h/configmaps";
+    answers(
         &client,
-        "POST",
-        "/api/v1/namespaces/h/configmaps",
-        j,
-        r#"{"kind":"Secret","metadata":{"name":"x"}}"#,
+        &[
+            ("GET", "/api/v1/namespaces?limit=abc", j, "", 400),
+            (
+                "GET",
+                "/api/v1/namespaces?labelSelector=a%20b%20c",
+                j,
+                "",
+                400,
+            ),
+            (
+                "GET",
+                "/api/v1/namespaces?fieldSelector=nonsense",
+                j,
+                "",
+                400,
+            ),
+            ("GET", "/api/v1/namespaces?continue=%25%25", j, "", 400),
+            ("POST", configmaps, j, "{not json", 400),
+            ("POST", configmaps, j, "[1,2]", 400),
+            (
+                "POST",
+                configmaps,
+                j,
+                r#"{"kind":"Secret","metadata":{"name":"x"}}"#,
+                400,
+            ),
+            ("POST", configmaps, "application/yaml", "a: b", 415),
+            ("GET", "/api/v1/nothing", j, "", 404),
+            ("GET", "/apis/nope.io/v1", j, "", 404),
+            ("POST", "/api/v1/services", j, "{}", 405),
+            ("GET", "/api/v1/namespaces/h/configmaps/x/bogus", j, "", 404),
+        ],
     )
     .await;
-    assert_eq!(code, 400, "{msg}");
-    assert_eq!(
-        raw(
-            &client,
-            "POST",
-            "/api/v1/namespaces/h/configmaps",
-            "application/yaml",
-            "a: b"
-        )
-        .await
-        .0,
-        415
-    );
-    assert_eq!(raw(&client, "GET", "/api/v1/nothing", j, "").await.0, 404);
-    assert_eq!(raw(&client, "GET", "/apis/nope.io/v1", j, "").await.0, 404);
-    assert_eq!(
-        raw(&client, "POST", "/api/v1/services", j, "{}").await.0,
-        405
-    );
-    assert_eq!(
-        raw(
-            &client,
-            "GET",
-            "/api/v1/namespaces/h/configmaps/x/bogus",
-            j,
-            ""
-        )
-        .await
-        .0,
-        404
-    );
     raw(
         &client,
         "POST",
-        "/api/v1/namespaces/h/configmaps",
+        configmaps,
         j,
         r#"{"metadata":{"name":"p"}}"#,
     )
     .await;
-    assert_eq!(
-        raw(
-            &client,
-            "PATCH",
-            "/api/v1/namespaces/h/configmaps/p",
-            "text/plain",
-            "{}"
-        )
-        .await
-        .0,
-        415
-    );
-    assert_eq!(
-        raw(
-            &client,
-            "PATCH",
-            "/api/v1/namespaces/h/configmaps/p",
-            "application/merge-patch+json",
-            "[]"
-        )
-        .await
-        .0,
-        400
-    );
+    answers(
+        &client,
+        &[
+            (
+                "PATCH",
+                "/api/v1/namespaces/h/configmaps/p",
+                "text/plain",
+                "{}",
+                415,
+            ),
+            (
+                "PATCH",
+                "/api/v1/namespaces/h/configmaps/p",
+                "application/merge-patch+json",
+                "[]",
+                400,
+            ),
+        ],
+    )
+    .await;
     let (code, _) = raw(
         &client,
         "PATCH",
@@ -895,8 +815,7 @@ async fn hostile_requests_get_clear_errors() {
 async fn apply_conflicts_between_field_managers() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "kube-system").await;
-    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-system");
+    let leases: Api<Lease> = in_new_namespace(&client, "kube-system").await;
     let lease = |holder: &str| {
         Patch::Apply(json!({
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
@@ -904,21 +823,20 @@ async fn apply_conflicts_between_field_managers() {
             "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15}
         }))
     };
-    let created = leases
-        .patch("lock", &PatchParams::apply("candidate-a"), &lease("a"))
-        .await
-        .unwrap();
+    let apply = |holder: &str| {
+        let (leases, lease) = (leases.clone(), lease(holder));
+        let manager = format!("candidate-{holder}");
+        async move {
+            leases
+                .patch("lock", &PatchParams::apply(&manager), &lease)
+                .await
+        }
+    };
+    let created = apply("a").await.unwrap();
     assert_eq!(created.spec.unwrap().holder_identity.as_deref(), Some("a"));
     // The same manager may change its own fields; another manager may re-apply equal values.
-    leases
-        .patch("lock", &PatchParams::apply("candidate-a"), &lease("a"))
-        .await
-        .unwrap();
-    let e = api_err(
-        leases
-            .patch("lock", &PatchParams::apply("candidate-b"), &lease("b"))
-            .await,
-    );
+    apply("a").await.unwrap();
+    let e = api_err(apply("b").await);
     assert_eq!((e.code, e.reason.as_str()), (409, "Conflict"));
     assert!(
         e.message.contains("conflict with \"candidate-a\"")
@@ -946,16 +864,8 @@ async fn apply_conflicts_between_field_managers() {
         )
         .await
         .unwrap();
-    let e = api_err(
-        leases
-            .patch("lock", &PatchParams::apply("candidate-a"), &lease("a"))
-            .await,
-    );
-    assert!(
-        e.message.contains("conflict with \"candidate-b\""),
-        "{}",
-        e.message
-    );
+    let e = api_err(apply("a").await);
+    says(&e, "conflict with \"candidate-b\"");
     // A non-apply write moves ownership to its field manager.
     let pp = PatchParams {
         field_manager: Some("renewer".into()),
@@ -969,16 +879,8 @@ async fn apply_conflicts_between_field_managers() {
         )
         .await
         .unwrap();
-    let e = api_err(
-        leases
-            .patch("lock", &PatchParams::apply("candidate-b"), &lease("b"))
-            .await,
-    );
-    assert!(
-        e.message.contains("conflict with \"renewer\""),
-        "{}",
-        e.message
-    );
+    let e = api_err(apply("b").await);
+    says(&e, "conflict with \"renewer\"");
     // Apply without a field manager is rejected as upstream does.
     let req = hyper::Request::builder()
         .method("PATCH")
@@ -989,11 +891,7 @@ async fn apply_conflicts_between_field_managers() {
     match client.request_text(req).await {
         Err(kube::Error::Api(s)) => {
             assert_eq!(s.code, 422);
-            assert!(
-                s.message.contains("fieldManager: Required value"),
-                "{}",
-                s.message
-            );
+            says(&s, "fieldManager: Required value");
         }
         other => panic!("expected 422, got {other:?}"),
     }
@@ -1007,8 +905,7 @@ async fn endpoint_addresses_are_validated() {
     use k8s_openapi::api::discovery::v1::EndpointSlice;
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "default").await;
-    let eps: Api<Endpoints> = Api::namespaced(client.clone(), "default");
+    let eps: Api<Endpoints> = in_new_namespace(&client, "default").await;
     let ep = |ip: &str| -> Endpoints {
         serde_json::from_value(json!({
             "metadata": {"name": "kubernetes"},
@@ -1019,18 +916,10 @@ async fn endpoint_addresses_are_validated() {
     for bad in ["127.0.0.1", "169.254.1.1", "0.0.0.0", "::1", "not-an-ip"] {
         let e = api_err(eps.create(&PostParams::default(), &ep(bad)).await);
         assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"), "{bad}");
-        assert!(
-            e.message.contains("subsets[0].addresses[0].ip"),
-            "{}",
-            e.message
-        );
+        says(&e, "subsets[0].addresses[0].ip");
     }
     let e = api_err(eps.create(&PostParams::default(), &ep("127.0.0.1")).await);
-    assert!(
-        e.message.contains("may not be in the loopback range"),
-        "{}",
-        e.message
-    );
+    says(&e, "may not be in the loopback range");
     eps.create(&PostParams::default(), &ep("192.0.2.10"))
         .await
         .unwrap();
@@ -1050,21 +939,13 @@ async fn endpoint_addresses_are_validated() {
             .create(&PostParams::default(), &slice("a", "127.0.0.1"))
             .await,
     );
-    assert!(
-        e.message.contains("endpoints[0].addresses[0]"),
-        "{}",
-        e.message
-    );
+    says(&e, "endpoints[0].addresses[0]");
     let e = api_err(
         slices
             .create(&PostParams::default(), &slice("b", "2001:db8::1"))
             .await,
     );
-    assert!(
-        e.message.contains("must be a valid IPv4 address"),
-        "{}",
-        e.message
-    );
+    says(&e, "must be a valid IPv4 address");
     slices
         .create(&PostParams::default(), &slice("c", "192.0.2.10"))
         .await
@@ -1076,25 +957,24 @@ async fn endpoint_addresses_are_validated() {
 async fn labels_and_annotations_are_validated() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "l").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "l");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "l").await;
     let e = api_err(
         api.create(&PostParams::default(), &cm("a", &[("bad key!", "v")]))
             .await,
     );
     assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
-    assert!(e.message.contains("metadata.labels"), "{}", e.message);
+    says(&e, "metadata.labels");
     let e = api_err(
         api.create(&PostParams::default(), &cm("b", &[("k", "bad value!")]))
             .await,
     );
-    assert!(e.message.contains("a valid label must be"), "{}", e.message);
+    says(&e, "a valid label must be");
     let long = "x".repeat(64);
     let e = api_err(
         api.create(&PostParams::default(), &cm("c", &[("k", long.as_str())]))
             .await,
     );
-    assert!(e.message.contains("no more than 63"), "{}", e.message);
+    says(&e, "no more than 63");
     api.create(
         &PostParams::default(),
         &cm("ok", &[("app.kubernetes.io/name", "web"), ("empty", "")]),
@@ -1156,8 +1036,7 @@ async fn system_namespaces_can_be_protected_like_namespace_lifecycle() {
 async fn concurrent_updates_never_lose_a_write() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "c").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "c");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "c").await;
     let mut counter = cm("counter", &[]);
     counter.data = Some(BTreeMap::from([("n".to_string(), "0".to_string())]));
     api.create(&PostParams::default(), &counter).await.unwrap();
@@ -1204,8 +1083,7 @@ async fn events_are_shared_between_the_two_apis() {
     use kube::api::{WatchEvent, WatchParams};
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "default").await;
-    let v1: Api<EventV1> = Api::namespaced(client.clone(), "default");
+    let v1: Api<EventV1> = in_new_namespace(&client, "default").await;
     let core: Api<CoreEvent> = Api::namespaced(client.clone(), "default");
     let rv = sim.resource_version().to_string();
     let mut core_watch = core
@@ -1333,8 +1211,7 @@ async fn lists_are_streamed_in_small_chunks_without_a_length() {
     use http_body_util::BodyExt;
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "chunks").await;
-    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "chunks");
+    let cms: Api<ConfigMap> = in_new_namespace(&client, "chunks").await;
     for i in 0..40 {
         let cm = ConfigMap {
             metadata: kube::api::ObjectMeta {

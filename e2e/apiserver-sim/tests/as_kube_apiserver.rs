@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{api_err, create_ns, start};
+use common::{api_err, create_ns, in_new_namespace, start};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, Event as CoreEvent, Service};
 use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
@@ -351,8 +351,7 @@ async fn service_cidrs_are_immutable_but_may_become_dual_stack() {
 async fn service_and_endpoints_ports_are_checked_as_upstream() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "default").await;
-    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let services: Api<Service> = in_new_namespace(&client, "default").await;
     let endpoints: Api<Endpoints> = Api::namespaced(client, "default");
     let service: Service = serde_json::from_value(json!({
         "metadata": {"name": "ports"},
@@ -385,8 +384,7 @@ async fn service_and_endpoints_ports_are_checked_as_upstream() {
 async fn create_drops_the_status_the_client_sent() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "default").await;
-    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let services: Api<Service> = in_new_namespace(&client, "default").await;
     let service: Service = serde_json::from_value(json!({
         "metadata": {"name": "lb"},
         "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]},

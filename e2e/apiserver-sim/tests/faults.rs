@@ -6,10 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use apiserver_sim::{FaultKind, FaultRule, SimConfig, Trigger, Verb};
-use common::{api_err, client_without_retry, create_ns, fast_config, start, start_with};
+use common::{api_err, client_without_retry, fast_config, in_new_namespace, start, start_with};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
-use k8s_openapi::api::networking::v1::IPAddress;
 use kube::Api;
 use kube::api::{ListParams, PostParams, WatchEvent, WatchParams};
 use serde_json::json;
@@ -23,8 +22,7 @@ fn cm(name: &str) -> ConfigMap {
 async fn error_faults_parse_as_api_errors() {
     let sim = start().await;
     let client = client_without_retry(&sim, "fault-test/1").await;
-    create_ns(&client, "f").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "f");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "f").await;
     let cases = [
         (500, "InternalError"),
         (503, "ServiceUnavailable"),
@@ -195,8 +193,7 @@ async fn latency_and_dropped_connection() {
 async fn watch_faults() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "f").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "f");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "f").await;
     for i in 0..5 {
         api.create(&PostParams::default(), &cm(&format!("c{i}")))
             .await
@@ -269,8 +266,7 @@ async fn watch_faults() {
 async fn request_log_records_every_request() {
     let sim = start().await;
     let client = client_without_retry(&sim, "log-test/2").await;
-    create_ns(&client, "f").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "f");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "f").await;
     api.create(&PostParams::default(), &cm("one"))
         .await
         .unwrap();
@@ -302,8 +298,7 @@ async fn request_log_records_every_request() {
 async fn backdoor_builds_broken_state_visible_to_watchers() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "f").await;
-    let svcs: Api<Service> = Api::namespaced(client.clone(), "f");
+    let svcs: Api<Service> = in_new_namespace(&client, "f").await;
     let rv = sim.resource_version().to_string();
     let mut stream = svcs
         .watch(&WatchParams::default(), &rv)
@@ -332,13 +327,8 @@ async fn backdoor_builds_broken_state_visible_to_watchers() {
         }
         _ => panic!("expected ADDED"),
     }
-    let ips: Api<IPAddress> = Api::all(client.clone());
     assert!(
-        ips.list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .is_empty(),
+        common::ip_addresses(&client).await.is_empty(),
         "backdoor allocates nothing"
     );
 
@@ -419,8 +409,7 @@ async fn admin(
 async fn admin_http_api() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "f").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "f");
+    let api: Api<ConfigMap> = in_new_namespace(&client, "f").await;
 
     // Faults.
     let rules = admin(

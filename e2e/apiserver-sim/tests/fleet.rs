@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use apiserver_sim::{
     CLUSTER_NAME_LABEL, Fleet, FleetConfig, KUBECONFIG_SECRET_KEY, TENANT_LABEL, kubeconfig_secret,
 };
-use common::{api_err, create_ns, fast_config, start};
+use common::{api_err, fast_config, in_new_namespace, says, start};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -41,8 +41,7 @@ fn secret(name: &str, labels: &[(&str, &str)], value: &[u8]) -> Secret {
 async fn secrets_crud_selectors_and_watch() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "tenants").await;
-    let api: Api<Secret> = Api::namespaced(client.clone(), "tenants");
+    let api: Api<Secret> = in_new_namespace(&client, "tenants").await;
 
     let mut watch = api
         .watch(&WatchParams::default().labels("tier=a"), "0")
@@ -124,7 +123,7 @@ async fn secrets_crud_selectors_and_watch() {
     .unwrap();
     let e = api_err(api.create(&PostParams::default(), &bad).await);
     assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
-    assert!(e.message.contains("data[a/b]"), "{}", e.message);
+    says(&e, "data[a/b]");
     let status = raw_create(
         &sim,
         json!({"metadata": {"name": "bad"}, "data": {"k": "not base64!"}}),

@@ -8,13 +8,33 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use apiserver_sim::Sim;
-use common::{create_ns, eventually, start};
+use common::{create_ns, eventually, in_new_namespace, start};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
+
+/// `kubectl --kubeconfig <kubeconfig> <args>`, which must succeed; its stdout.
+async fn kubectl_with(
+    kubeconfig: &std::path::Path,
+    args: impl IntoIterator<Item = impl AsRef<std::ffi::OsStr>>,
+) -> String {
+    let out = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
 
 async fn kubectl(sim: &Sim, args: &[&str]) -> String {
     let out = tokio::time::timeout(
@@ -290,8 +310,7 @@ async fn kubectl_generators_create_through_protobuf() {
 async fn kubectl_watch_sees_another_clients_change() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "w").await;
-    let svcs: Api<Service> = Api::namespaced(client.clone(), "w");
+    let svcs: Api<Service> = in_new_namespace(&client, "w").await;
     let svc: Service = serde_json::from_value(json!({
         "metadata": {"name": "watched", "labels": {"stage": "one"}},
         "spec": {"ports": [{"port": 80}]}
@@ -379,24 +398,7 @@ async fn binary_serves_until_sigterm() {
         kubeconfig.exists(),
         "kubeconfig written before the log line"
     );
-    let run = |args: Vec<&'static str>| {
-        let kubeconfig = kubeconfig.clone();
-        async move {
-            let out = Command::new("kubectl")
-                .arg("--kubeconfig")
-                .arg(&kubeconfig)
-                .args(args)
-                .output()
-                .await
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            String::from_utf8_lossy(&out.stdout).into_owned()
-        }
-    };
+    let run = |args: Vec<&'static str>| kubectl_with(&kubeconfig, args);
     assert!(
         run(vec!["get", "ns", "default", "-o", "name"])
             .await
@@ -408,45 +410,25 @@ async fn binary_serves_until_sigterm() {
         "apiVersion: v1\nkind: Service\nmetadata:\n  name: np\n  namespace: default\nspec:\n  type: NodePort\n  ports:\n  - port: 80\n",
     )
     .unwrap();
-    let out = Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(["create", "--validate=false", "-f"])
-        .arg(&dir_path)
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ip = run(vec![
-        "get",
-        "svc",
-        "np",
-        "-n",
-        "default",
-        "-o",
-        "jsonpath={.spec.clusterIP}",
-    ])
+    kubectl_with(
+        &kubeconfig,
+        ["create", "--validate=false", "-f"]
+            .map(std::ffi::OsStr::new)
+            .into_iter()
+            .chain([dir_path.as_os_str()]),
+    )
     .await;
+    let np =
+        |jsonpath: &'static str| run(vec!["get", "svc", "np", "-n", "default", "-o", jsonpath]);
+    let ip = np("jsonpath={.spec.clusterIP}").await;
     assert!(
         ip.starts_with("10.0."),
         "ClusterIP from --service-cluster-ip-range: {ip}"
     );
-    let port: u16 = run(vec![
-        "get",
-        "svc",
-        "np",
-        "-n",
-        "default",
-        "-o",
-        "jsonpath={.spec.ports[0].nodePort}",
-    ])
-    .await
-    .parse()
-    .unwrap();
+    let port: u16 = np("jsonpath={.spec.ports[0].nodePort}")
+        .await
+        .parse()
+        .unwrap();
     assert!((31000..=31100).contains(&port), "{port}");
 
     let pid = child.id().unwrap().to_string();

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{api_err, create_ns, fast_config, start, start_with};
+use common::{api_err, create_ns, fast_config, says, start, start_with};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::Api;
@@ -14,6 +14,24 @@ fn svc(name: &str, spec: Value) -> Service {
     serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec})).unwrap()
 }
 
+/// The simulator's `app` namespace, created, and the Services in it.
+async fn services_in_app(client: &kube::Client) -> Api<Service> {
+    create_ns(client, "app").await;
+    Api::namespaced(client.clone(), "app")
+}
+
+/// Creates Service `name` with `spec`: the simulator must accept it.
+async fn create(api: &Api<Service>, name: &str, spec: Value) -> Service {
+    api.create(&PostParams::default(), &svc(name, spec))
+        .await
+        .unwrap()
+}
+
+/// Creates Service `name` with `spec`: the simulator must refuse it, as the API error returned.
+async fn refused(api: &Api<Service>, name: &str, spec: Value) -> kube::core::Status {
+    api_err(api.create(&PostParams::default(), &svc(name, spec)).await)
+}
+
 fn ports() -> Value {
     json!([{"name": "http", "port": 80}])
 }
@@ -22,17 +40,10 @@ fn ports() -> Value {
 async fn cluster_ip_allocation_and_release() {
     let sim = start().await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<Service> = Api::namespaced(client.clone(), "app");
+    let api = services_in_app(&client).await;
     let ips: Api<IPAddress> = Api::all(client.clone());
 
-    let s = api
-        .create(
-            &PostParams::default(),
-            &svc("auto", json!({"ports": ports()})),
-        )
-        .await
-        .unwrap();
+    let s = create(&api, "auto", json!({"ports": ports()})).await;
     let spec = s.spec.unwrap();
     let ip = spec.cluster_ip.clone().unwrap();
     let parsed: std::net::Ipv4Addr = ip.parse().unwrap();
@@ -68,61 +79,40 @@ async fn cluster_ip_allocation_and_release() {
     );
 
     // A requested IP is honoured; the same one again is rejected with 422.
-    let fixed = api
-        .create(
-            &PostParams::default(),
-            &svc(
-                "fixed",
-                json!({"clusterIP": "10.96.0.10", "ports": ports()}),
-            ),
-        )
-        .await
-        .unwrap();
+    let fixed = create(
+        &api,
+        "fixed",
+        json!({"clusterIP": "10.96.0.10", "ports": ports()}),
+    )
+    .await;
     assert_eq!(
         fixed.spec.unwrap().cluster_ip.as_deref(),
         Some("10.96.0.10")
     );
-    let e = api_err(
-        api.create(
-            &PostParams::default(),
-            &svc(
-                "clash",
-                json!({"clusterIP": "10.96.0.10", "ports": ports()}),
-            ),
-        )
-        .await,
-    );
+    let e = refused(
+        &api,
+        "clash",
+        json!({"clusterIP": "10.96.0.10", "ports": ports()}),
+    )
+    .await;
     assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
-    assert!(
-        e.message.contains("provided IP is already allocated"),
-        "{}",
-        e.message
-    );
-    let e = api_err(
-        api.create(
-            &PostParams::default(),
-            &svc(
-                "outside",
-                json!({"clusterIP": "192.0.2.1", "ports": ports()}),
-            ),
-        )
-        .await,
-    );
+    says(&e, "provided IP is already allocated");
+    let e = refused(
+        &api,
+        "outside",
+        json!({"clusterIP": "192.0.2.1", "ports": ports()}),
+    )
+    .await;
     assert_eq!(e.code, 422);
-    assert!(
-        e.message.contains("is not in the valid range"),
-        "{}",
-        e.message
-    );
+    says(&e, "is not in the valid range");
 
     // Headless.
-    let headless = api
-        .create(
-            &PostParams::default(),
-            &svc("headless", json!({"clusterIP": "None", "ports": ports()})),
-        )
-        .await
-        .unwrap();
+    let headless = create(
+        &api,
+        "headless",
+        json!({"clusterIP": "None", "ports": ports()}),
+    )
+    .await;
     assert_eq!(headless.spec.unwrap().cluster_ips.unwrap(), vec!["None"]);
 
     // clusterIP is immutable; omitting it in an update keeps it.
@@ -137,11 +127,7 @@ async fn cluster_ip_allocation_and_release() {
         .await,
     );
     assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
-    assert!(
-        e.message.contains("may not change once set"),
-        "{}",
-        e.message
-    );
+    says(&e, "may not change once set");
     let mut current = api.get("fixed").await.unwrap();
     if let Some(spec) = current.spec.as_mut() {
         spec.cluster_ip = None;
@@ -156,15 +142,12 @@ async fn cluster_ip_allocation_and_release() {
     // Delete releases: the IPAddress goes and the IP can be requested again.
     api.delete("fixed", &DeleteParams::default()).await.unwrap();
     assert_eq!(api_err(ips.get("10.96.0.10").await).code, 404);
-    api.create(
-        &PostParams::default(),
-        &svc(
-            "again",
-            json!({"clusterIP": "10.96.0.10", "ports": ports()}),
-        ),
+    create(
+        &api,
+        "again",
+        json!({"clusterIP": "10.96.0.10", "ports": ports()}),
     )
-    .await
-    .unwrap();
+    .await;
     assert_eq!(
         ips.list(
             &ListParams::default().labels("ipaddress.kubernetes.io/managed-by=ipallocator.k8s.io")
@@ -186,12 +169,8 @@ async fn node_port_allocation() {
     })
     .await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<Service> = Api::namespaced(client.clone(), "app");
-    let np = api
-        .create(&PostParams::default(), &svc("np", json!({"type": "NodePort", "ports": [{"name": "a", "port": 80}, {"name": "b", "port": 81}]})))
-        .await
-        .unwrap();
+    let api = services_in_app(&client).await;
+    let np = create(&api, "np", json!({"type": "NodePort", "ports": [{"name": "a", "port": 80}, {"name": "b", "port": 81}]})).await;
     let spec = np.spec.unwrap();
     let got: Vec<i32> = spec
         .ports
@@ -203,50 +182,29 @@ async fn node_port_allocation() {
     assert_ne!(got[0], got[1]);
     assert_eq!(spec.external_traffic_policy.as_deref(), Some("Cluster"));
 
-    let e = api_err(
-        api.create(
-            &PostParams::default(),
-            &svc(
-                "dup",
-                json!({"type": "NodePort", "ports": [{"port": 80, "nodePort": got[0]}]}),
-            ),
-        )
-        .await,
-    );
+    let e = refused(
+        &api,
+        "dup",
+        json!({"type": "NodePort", "ports": [{"port": 80, "nodePort": got[0]}]}),
+    )
+    .await;
     assert_eq!((e.code, e.reason.as_str()), (422, "Invalid"));
-    assert!(
-        e.message.contains("provided port is already allocated"),
-        "{}",
-        e.message
-    );
-    let e = api_err(
-        api.create(
-            &PostParams::default(),
-            &svc(
-                "range",
-                json!({"type": "NodePort", "ports": [{"port": 80, "nodePort": 31000}]}),
-            ),
-        )
-        .await,
-    );
-    assert!(
-        e.message
-            .contains("provided port is not in the valid range"),
-        "{}",
-        e.message
-    );
+    says(&e, "provided port is already allocated");
+    let e = refused(
+        &api,
+        "range",
+        json!({"type": "NodePort", "ports": [{"port": 80, "nodePort": 31000}]}),
+    )
+    .await;
+    says(&e, "provided port is not in the valid range");
 
     // LoadBalancer + Local gets a health-check port.
-    let lb = api
-        .create(
-            &PostParams::default(),
-            &svc(
-                "lb",
-                json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local", "ports": ports()}),
-            ),
-        )
-        .await
-        .unwrap();
+    let lb = create(
+        &api,
+        "lb",
+        json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local", "ports": ports()}),
+    )
+    .await;
     let lb_spec = lb.spec.unwrap();
     let hc = lb_spec.health_check_node_port.unwrap();
     assert!((30000..=30010).contains(&hc));
@@ -302,26 +260,12 @@ async fn allocation_can_be_switched_off() {
     })
     .await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<Service> = Api::namespaced(client.clone(), "app");
-    let s = api
-        .create(
-            &PostParams::default(),
-            &svc("plain", json!({"type": "NodePort", "ports": ports()})),
-        )
-        .await
-        .unwrap();
+    let api = services_in_app(&client).await;
+    let s = create(&api, "plain", json!({"type": "NodePort", "ports": ports()})).await;
     let spec = s.spec.unwrap();
     assert!(spec.cluster_ip.is_none());
     assert!(spec.ports.unwrap()[0].node_port.is_none());
-    let ips: Api<IPAddress> = Api::all(client.clone());
-    assert!(
-        ips.list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(common::ip_addresses(&client).await.is_empty());
     sim.shutdown().await;
 }
 
@@ -336,18 +280,13 @@ async fn dual_stack_ranges() {
     })
     .await;
     let client = sim.client();
-    create_ns(&client, "app").await;
-    let api: Api<Service> = Api::namespaced(client.clone(), "app");
-    let s = api
-        .create(
-            &PostParams::default(),
-            &svc(
-                "ds",
-                json!({"ipFamilyPolicy": "RequireDualStack", "ports": ports()}),
-            ),
-        )
-        .await
-        .unwrap();
+    let api = services_in_app(&client).await;
+    let s = create(
+        &api,
+        "ds",
+        json!({"ipFamilyPolicy": "RequireDualStack", "ports": ports()}),
+    )
+    .await;
     let spec = s.spec.unwrap();
     let ips = spec.cluster_ips.unwrap();
     assert_eq!(ips.len(), 2);

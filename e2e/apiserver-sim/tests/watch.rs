@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use apiserver_sim::{FaultKind, FaultRule, SimConfig, Verb};
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use common::{create_ns, eventually, fast_config, start, start_with};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -17,6 +17,35 @@ use serde_json::json;
 
 fn cm(name: &str) -> ConfigMap {
     serde_json::from_value(json!({"metadata": {"name": name}})).unwrap()
+}
+
+/// The simulator's `w` namespace, created, and the ConfigMaps in it.
+async fn configmaps_in_w(sim: &Sim) -> Api<ConfigMap> {
+    let client = sim.client();
+    create_ns(&client, "w").await;
+    Api::namespaced(client, "w")
+}
+
+/// kube-runtime's watcher on `api` with `config`, feeding a reflector's store; errors (410s) are
+/// left to the watcher, which recovers by itself on the next poll. Abort the task to stop it.
+fn reflect(
+    api: &Api<ConfigMap>,
+    config: watcher::Config,
+) -> (reflector::Store<ConfigMap>, tokio::task::JoinHandle<()>) {
+    let (reader, writer) = reflector::store::<ConfigMap>();
+    let stream = reflector(writer, watcher(api.clone(), config))
+        .touched_objects()
+        .boxed();
+    (reader, tokio::spawn(stream.for_each(|_| async {})))
+}
+
+/// Waits until the reflector's store holds `len` objects.
+async fn store_holds(reader: &reflector::Store<ConfigMap>, len: usize, what: &str) {
+    eventually(what, || {
+        let reader = reader.clone();
+        async move { reader.state().len() == len }
+    })
+    .await;
 }
 
 async fn next_event(
@@ -42,9 +71,7 @@ fn describe(ev: &WatchEvent<ConfigMap>) -> String {
 #[tokio::test]
 async fn resume_from_resource_version() {
     let sim = start().await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let api = configmaps_in_w(&sim).await;
     let first = api.create(&PostParams::default(), &cm("a")).await.unwrap();
     let rv = first.metadata.resource_version.clone().unwrap();
     api.create(&PostParams::default(), &cm("b")).await.unwrap();
@@ -76,9 +103,7 @@ async fn resume_from_resource_version() {
 #[tokio::test]
 async fn resource_version_zero_sends_current_state() {
     let sim = start().await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let api = configmaps_in_w(&sim).await;
     for n in ["a", "b"] {
         api.create(&PostParams::default(), &cm(n)).await.unwrap();
     }
@@ -99,9 +124,7 @@ async fn resource_version_zero_sends_current_state() {
 #[tokio::test]
 async fn bookmarks_and_timeout() {
     let sim = start().await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let api = configmaps_in_w(&sim).await;
     let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
     let rv = c.metadata.resource_version.unwrap();
     let mut stream = api
@@ -131,9 +154,7 @@ async fn bookmarks_and_timeout() {
 #[tokio::test]
 async fn label_selector_watch_turns_updates_into_add_and_delete() {
     let sim = start().await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let api = configmaps_in_w(&sim).await;
     let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
     let rv = c.metadata.resource_version.unwrap();
     let mut stream = api
@@ -174,9 +195,7 @@ async fn too_old_resource_version_is_gone() {
         ..fast_config()
     })
     .await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let api = configmaps_in_w(&sim).await;
     let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
     let old_rv = c.metadata.resource_version.unwrap();
     for i in 0..10 {
@@ -212,9 +231,7 @@ async fn too_old_resource_version_is_gone() {
 #[tokio::test]
 async fn watcher_relists_after_gone() {
     let sim = start().await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let api = configmaps_in_w(&sim).await;
     api.create(&PostParams::default(), &cm("before"))
         .await
         .unwrap();
@@ -225,13 +242,7 @@ async fn watcher_relists_after_gone() {
         1,
         FaultKind::WatchGone,
     ));
-    let (reader, writer) = reflector::store::<ConfigMap>();
-    let stream = reflector(writer, watcher(api.clone(), watcher::Config::default()))
-        .applied_objects()
-        .boxed();
-    let task = tokio::spawn(async move {
-        stream.for_each(|_| async {}).await;
-    });
+    let (reader, task) = reflect(&api, watcher::Config::default());
     eventually("relist after 410", || async {
         sim.request_count("list", "configmaps") >= 2
     })
@@ -243,11 +254,7 @@ async fn watcher_relists_after_gone() {
     api.create(&PostParams::default(), &cm("after"))
         .await
         .unwrap();
-    eventually("store converges", || {
-        let reader = reader.clone();
-        async move { reader.state().len() == 2 }
-    })
-    .await;
+    store_holds(&reader, 2, "store converges").await;
     task.abort();
     sim.shutdown().await;
 }
@@ -260,27 +267,15 @@ async fn watcher_converges_with_tiny_window() {
         ..fast_config()
     })
     .await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
-    let (reader, writer) = reflector::store::<ConfigMap>();
-    let watch_stream = reflector(writer, watcher(api.clone(), watcher::Config::default()))
-        .touched_objects()
-        .boxed();
-    let task = tokio::spawn(async move {
-        // Errors (410s) are expected; the watcher recovers by itself on the next poll.
-        watch_stream.for_each(|_| async {}).await;
-    });
+    let api = configmaps_in_w(&sim).await;
+    // Errors (410s) are expected; the watcher recovers by itself on the next poll.
+    let (reader, task) = reflect(&api, watcher::Config::default());
     for i in 0..30 {
         api.create(&PostParams::default(), &cm(&format!("c{i}")))
             .await
             .unwrap();
     }
-    eventually("store has all 30", || {
-        let reader = reader.clone();
-        async move { reader.state().len() == 30 }
-    })
-    .await;
+    store_holds(&reader, 30, "store has all 30").await;
     task.abort();
     sim.shutdown().await;
 }
@@ -288,9 +283,7 @@ async fn watcher_converges_with_tiny_window() {
 #[tokio::test]
 async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
     let sim = start().await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let api = configmaps_in_w(&sim).await;
     let rv = sim.resource_version().to_string();
     let stream = api.watch(&WatchParams::default(), &rv).await.unwrap();
     sim.close_watches();
@@ -299,11 +292,7 @@ async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
         .expect("stream ends after close_watches");
     assert!(rest.is_empty());
 
-    let (reader, writer) = reflector::store::<ConfigMap>();
-    let stream = reflector(writer, watcher(api.clone(), watcher::Config::default()))
-        .applied_objects()
-        .boxed();
-    let task = tokio::spawn(async move { stream.for_each(|_| async {}).await });
+    let (reader, task) = reflect(&api, watcher::Config::default());
     eventually("watching", || async {
         sim.request_count("watch", "configmaps") >= 2
     })
@@ -317,11 +306,7 @@ async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
     api.create(&PostParams::default(), &cm("after-close"))
         .await
         .unwrap();
-    eventually("store sees the new object", || {
-        let reader = reader.clone();
-        async move { reader.state().len() == 1 }
-    })
-    .await;
+    store_holds(&reader, 1, "store sees the new object").await;
     assert_eq!(
         sim.request_count("list", "configmaps"),
         lists,
@@ -333,11 +318,7 @@ async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
     api.create(&PostParams::default(), &cm("after-drop"))
         .await
         .unwrap();
-    eventually("store sees the object after reconnect", || {
-        let reader = reader.clone();
-        async move { reader.state().len() == 2 }
-    })
-    .await;
+    store_holds(&reader, 2, "store sees the object after reconnect").await;
     task.abort();
     sim.shutdown().await;
 }
@@ -346,20 +327,11 @@ async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
 #[tokio::test]
 async fn watcher_streaming_list() {
     let sim = start().await;
-    let client = sim.client();
-    create_ns(&client, "w").await;
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "w");
+    let api = configmaps_in_w(&sim).await;
     for n in ["a", "b", "c"] {
         api.create(&PostParams::default(), &cm(n)).await.unwrap();
     }
-    let (reader, writer) = reflector::store::<ConfigMap>();
-    let stream = reflector(
-        writer,
-        watcher(api.clone(), watcher::Config::default().streaming_lists()),
-    )
-    .applied_objects()
-    .boxed();
-    let task = tokio::spawn(async move { stream.for_each(|_| async {}).await });
+    let (reader, task) = reflect(&api, watcher::Config::default().streaming_lists());
     eventually("watch open", || async {
         sim.open_watches("configmaps") == 1
     })
@@ -373,11 +345,7 @@ async fn watcher_streaming_list() {
         "no LIST with streaming lists"
     );
     api.create(&PostParams::default(), &cm("d")).await.unwrap();
-    eventually("live event after the initial stream", || {
-        let reader = reader.clone();
-        async move { reader.state().len() == 4 }
-    })
-    .await;
+    store_holds(&reader, 4, "live event after the initial stream").await;
     task.abort();
     eventually("watch closed once the client is gone", || async {
         sim.open_watches("configmaps") == 0

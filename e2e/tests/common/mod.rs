@@ -243,6 +243,17 @@ impl SimProcess {
         self.admin("DELETE", "/sim/requests", None).await.map(drop)
     }
 
+    /// Makes the simulator's own `/readyz` pass or fail, as its apiserver starting or stopping.
+    pub async fn set_ready(&self, ready: bool) -> Result<()> {
+        self.admin(
+            "PUT",
+            "/sim/ready",
+            Some(serde_json::json!({ "ready": ready })),
+        )
+        .await
+        .map(drop)
+    }
+
     /// Calls the simulator's `/sim/...` admin API with the kubeconfig's credentials.
     pub async fn admin(
         &self,
@@ -600,3 +611,67 @@ pub async fn api_of(
         None => kube::Api::all_with(client.clone(), &resource),
     })
 }
+
+/// A NodePort Service in `default` asking for `node_port`, as the NodePort tests plant it.
+pub fn node_port_service(name: &str, node_port: i32) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+        "spec": {
+            "type": "NodePort",
+            "ports": [{"port": 80, "protocol": "TCP", "nodePort": node_port}]
+        }
+    })
+}
+
+/// The resident set size of process `pid` in KiB, from `/proc/<pid>/status`.
+pub fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse().ok())
+        .context("no VmRSS")
+}
+
+/// The addresses and ports an Endpoints object lists, over all its subsets.
+pub fn endpoints_addresses_and_ports(
+    endpoints: k8s_openapi::api::core::v1::Endpoints,
+) -> (Vec<String>, Vec<i32>) {
+    let subsets = endpoints.subsets.unwrap_or_default();
+    let addresses = subsets
+        .iter()
+        .flat_map(|s| s.addresses.iter().flatten())
+        .map(|a| a.ip.clone())
+        .collect();
+    let ports = subsets
+        .iter()
+        .flat_map(|s| s.ports.iter().flatten())
+        .map(|p| p.port)
+        .collect();
+    (addresses, ports)
+}
+
+/// The resources the loops watch in a tenant cluster.
+pub const LOOP_WATCHED: [&str; 7] = [
+    "namespaces",
+    "services",
+    "endpoints",
+    "endpointslices",
+    "leases",
+    "ipaddresses",
+    "servicecidrs",
+];
+
+/// The controller's flags for management mode as the tests' fleets set it up: tenants from the
+/// labelled Secrets in `tenants`, each with the default service range.
+pub const MANAGEMENT_ARGS: [&str; 6] = [
+    "--tenants-secret-selector",
+    "bootstrap-controller.io/tenant=true",
+    "--tenants-namespace",
+    "tenants",
+    "--service-cluster-ip-range",
+    "10.96.0.0/12",
+];

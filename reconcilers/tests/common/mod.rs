@@ -32,6 +32,28 @@ pub fn ctx(sim: &Sim, dry_run: bool) -> PassContext {
     }
 }
 
+/// The events of `reason` the simulator holds, read through its backdoor.
+pub fn events_of(sim: &Sim, reason: &str) -> Vec<serde_json::Value> {
+    sim.backdoor()
+        .list("events.events.k8s.io")
+        .unwrap()
+        .into_iter()
+        .filter(|event| event["reason"] == reason)
+        .collect()
+}
+
+/// The drift of `kind` in `report`.
+pub fn drift_of_kind<'a>(
+    report: &'a reconcilers::PassReport,
+    kind: &str,
+) -> Vec<&'a reconcilers::Drift> {
+    report
+        .drift
+        .iter()
+        .filter(|drift| drift.kind == kind)
+        .collect()
+}
+
 pub fn reporter() -> Reporter {
     Reporter {
         controller: "bootstrap-controller-test".into(),

@@ -54,6 +54,32 @@ pub fn api_err<T: std::fmt::Debug>(r: Result<T, kube::Error>) -> kube::core::Sta
     }
 }
 
+/// Creates namespace `namespace`; the API of `K` objects in it.
+pub async fn in_new_namespace<K>(client: &kube::Client, namespace: &str) -> Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    create_ns(client, namespace).await;
+    Api::namespaced(client.clone(), namespace)
+}
+
+/// Every IPAddress object the API lists.
+pub async fn ip_addresses(
+    client: &kube::Client,
+) -> Vec<k8s_openapi::api::networking::v1::IPAddress> {
+    Api::all(client.clone())
+        .list(&kube::api::ListParams::default())
+        .await
+        .unwrap()
+        .items
+}
+
+/// The API error's message must hold `words`; the message is shown when it does not.
+pub fn says(status: &kube::core::Status, words: &str) {
+    assert!(status.message.contains(words), "{}", status.message);
+}
+
 /// A client without kube's built-in retry of 429/503/504, so injected errors reach the caller,
 /// sending `user_agent` as its User-Agent.
 pub async fn client_without_retry(sim: &Sim, user_agent: &str) -> kube::Client {
