@@ -54,15 +54,33 @@ if [ -n "$cgroup" ]; then
   done
 fi
 pid=$(pid_of containerd containerd) && stop "$pid"
-# containerd's shims and anything else still in the node's mount namespace (only what up.sh
-# started can be there), then the namespace's holder.
-if [ -n "$holder" ]; then
-  mntns=$(readlink "/proc/$holder/ns/mnt")
+# containerd's shims and anything else still in the node's namespaces (only what up.sh started
+# can be there, by the namespaces' inodes), then the mount namespace's holder, then again.
+mapfile -t inodes < <(awk '$1 == "nsinode" { print $3 }' "$state")
+sweep() { # pids to spare
+  local proc pid ns inode
   for proc in /proc/[0-9]*; do
     pid=${proc#/proc/}
-    [ "$pid" = "$holder" ] && continue
-    [ "$(readlink "$proc/ns/mnt" 2>/dev/null)" = "$mntns" ] && kill -KILL "$pid" 2>/dev/null
+    case " $* " in *" $pid "*) continue ;; esac
+    for ns in mnt net; do
+      inode=$(readlink "$proc/ns/$ns" 2>/dev/null) || continue
+      for wanted in "${inodes[@]}"; do
+        if [ "$inode" = "$wanted" ]; then
+          kill -KILL "$pid" 2>/dev/null
+          continue 3
+        fi
+      done
+    done
   done
+}
+if [ "${#inodes[@]}" -gt 0 ]; then
+  sweep "$holder" $$
+  [ -n "$holder" ] && stop "$holder"
+  for _ in 1 2 3; do
+    sweep $$
+    sleep 0.2
+  done
+elif [ -n "$holder" ]; then
   stop "$holder"
 fi
 netns=$(awk '$1 == "netns" { print $2 }' "$state")

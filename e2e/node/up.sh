@@ -169,11 +169,15 @@ nsenter --net="/run/netns/$netns" unshare --mount --propagation private sh -c "
   exec sleep infinity" </dev/null >"$dir/holder.log" 2>&1 &
 holder=$!
 record pid holder "$holder"
+# The namespaces by inode: down.sh finds by them every process left in either (containerd's shims
+# among them), whatever became of their parents.
+record nsinode net "$(stat -L -c 'net:[%i]' "/run/netns/$netns")"
 for _ in $(seq 1 100); do
   [ -e "$dir/mounted" ] && break
   kill -0 "$holder" 2>/dev/null || { echo "up.sh: the mount namespace failed: $(cat "$dir/holder.log")" >&2; exit 1; }
   sleep 0.1
 done
+record nsinode mnt "$(readlink "/proc/$holder/ns/mnt")"
 # Runs a command on the node: its network and mount namespaces, kubeadm and the rest on PATH.
 on_node() {
   nsenter -t "$holder" --mount --net env PATH="$bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" "$@"
