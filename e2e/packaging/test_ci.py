@@ -13,7 +13,7 @@ import pytest
 from harness import ROOT
 
 CONTROL_PLANE = ROOT / "e2e" / "control-plane"
-SCRIPTS = sorted(CONTROL_PLANE.glob("*.sh"))
+SCRIPTS = sorted(CONTROL_PLANE.glob("*.sh")) + sorted((ROOT / "e2e" / "node").glob("*.sh"))
 
 
 def readme_test_command() -> str:

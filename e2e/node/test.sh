@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs the node's scenario tests (test_node.py): starts a node with up.sh (two apiservers, no
+# sidecar yet: the first test shows the API unreachable from a pod until the sidecar lists it,
+# and installs it as the README says), runs pytest against it, and removes it with down.sh
+# whatever happens. DIR is kept when a test fails (its logs), removed when all pass.
+#
+# Usage: e2e/node/test.sh [pytest options, e.g. -k killed]
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+if [ "$(id -u)" != 0 ]; then
+  echo "usage: e2e/node/test.sh [pytest options] (as root: the node needs namespaces and cgroups)" >&2
+  exit 2
+fi
+dir=$(mktemp -d -t node-e2e-XXXXXX)
+status=1
+finish() {
+  "$here/down.sh" "$dir" >/dev/null || true
+  if [ "$status" = 0 ]; then
+    rm -rf "$dir"
+  else
+    echo "test.sh: failed; the node's logs are in $dir" >&2
+  fi
+}
+trap finish EXIT
+
+"$here/up.sh" "$dir" --without-sidecar --apiservers 2
+# -p no:cacheprovider: nothing written into the repository.
+BOOTSTRAP_NODE_DIR=$dir python3 -m pytest -p no:cacheprovider -v -s "$here/test_node.py" "$@"
+status=0
