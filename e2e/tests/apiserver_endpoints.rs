@@ -615,6 +615,13 @@ async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones(
     let mut process = ControllerProcess::start(&sim.kubeconfig, &args)?;
     wait_members(&client, &["192.0.2.21"], "member listed").await?;
     process.wait_ready().await?;
+    let renewed = |lease: Option<Lease>| {
+        lease
+            .and_then(|l| l.spec)
+            .and_then(|s| s.renew_time)
+            .map(|t| t.0)
+    };
+    let before = renewed(leases.get_opt(LEASE).await?).context("renewed at start")?;
     sim.clear_requests().await?;
     let status = process.terminate()?;
     let log = process.log();
@@ -623,6 +630,17 @@ async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones(
         log.contains("keeping this instance's apiserver membership")
             && log.contains("the local apiserver stays ready"),
         "the decision is logged at info with its reason:\n{log}"
+    );
+    // Renewed once more on the way out: its TTL counts from the stop, so a sidecar whose new
+    // pod is slow to start does not see its address drop out meanwhile.
+    let after = renewed(leases.get_opt(LEASE).await?).context("the Lease is kept")?;
+    assert!(
+        after > before,
+        "renewed at stop: {before} -> {after}\n{log}"
+    );
+    assert!(
+        log.contains("renewed this instance's membership Lease on the way out"),
+        "{log}"
     );
     assert_eq!(
         writes(sim).await?,

@@ -539,6 +539,33 @@ impl ApiserverLeaseLoop {
         Ok(report)
     }
 
+    /// One last renewal of this instance's Lease (compare-and-swap on the version read), within
+    /// `bound`; a failure only means the Lease expires a little sooner, so it is logged, not
+    /// returned.
+    async fn renew_on_the_way_out(&self, api: &Api<Lease>, bound: Duration) {
+        let name = self.own.name();
+        let work = async {
+            let Some(existing) = api.get_opt(&name).await? else {
+                return Ok::<bool, kube::Error>(false);
+            };
+            let renewed = self.own.renewed(Some(&existing), Timestamp::now());
+            api.replace(&name, &PostParams::default(), &renewed).await?;
+            Ok(true)
+        };
+        match tokio::time::timeout(bound, work).await {
+            Ok(Ok(true)) => {
+                tracing::info!(lease = %self.own.object_ref(), "renewed this instance's membership Lease on the way out; it expires after its TTL unless this controller comes back")
+            }
+            Ok(Ok(false)) => {}
+            Ok(Err(err)) => {
+                tracing::warn!(lease = %self.own.object_ref(), error = %err, "could not renew the membership Lease on the way out; it expires after its TTL from the last renewal")
+            }
+            Err(_) => {
+                tracing::warn!(lease = %self.own.object_ref(), "renewing the membership Lease on the way out timed out after {bound:?}")
+            }
+        }
+    }
+
     fn remember(&self, written: Lease) {
         if let Ok(mut cached) = self.last_written.lock() {
             *cached = Some(written);
@@ -584,15 +611,26 @@ impl Reconciler for ApiserverLeaseLoop {
 
     /// When the local apiserver is stopping too (see [`ShutdownGate`]), withdraw at once: delete
     /// the Lease so the leader drops this address on the Lease watch, bounded by 2 x interval like
-    /// upstream's `RemoveEndpoints` on stop. Otherwise the Lease stays and expires on its TTL.
+    /// upstream's `RemoveEndpoints` on stop. Otherwise the Lease stays and expires on its TTL;
+    /// when the apiserver answered ready to the shutdown probes (only this controller stops: a
+    /// sidecar restarted or its static pod updated) it is renewed once more first, so the TTL
+    /// counts from the stop rather than from the last periodic renewal, and a kubelet slow to
+    /// start the new sidecar does not let the address drop out meanwhile.
     fn shutdown<'a>(&'a self, ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
         Box::pin(async move {
             self.metrics.ready.set(0);
-            if ctx.dry_run || !self.shutdown.decide().await.withdraw {
+            if ctx.dry_run {
                 return Ok(());
             }
+            let decision = self.shutdown.decide().await;
             let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
             let bound = self.interval * 2;
+            if !decision.withdraw {
+                if decision.apiserver_ready {
+                    self.renew_on_the_way_out(&api, bound).await;
+                }
+                return Ok(());
+            }
             let work = async {
                 match api.get_opt(&self.own.name()).await? {
                     Some(existing) => self.delete(&api, &existing).await.map(|_| ()),

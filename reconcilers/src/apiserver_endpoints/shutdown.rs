@@ -86,6 +86,9 @@ impl ShutdownProbing {
 pub struct ShutdownDecision {
     pub withdraw: bool,
     pub reason: String,
+    /// The local apiserver answered ready to every shutdown probe: only this controller stops
+    /// (a restart or update of the sidecar), so the Lease is renewed once more on the way out.
+    pub apiserver_ready: bool,
 }
 
 impl ShutdownDecision {
@@ -189,6 +192,7 @@ impl ShutdownGate {
         {
             return ShutdownDecision {
                 withdraw: false,
+                apiserver_ready: false,
                 reason: format!(
                     "another instance ({holder}) renews this address's membership Lease (a \
                      shared address): it stays listed while that instance is live"
@@ -199,12 +203,14 @@ impl ShutdownGate {
             OnShutdown::AlwaysWithdraw => {
                 return ShutdownDecision {
                     withdraw: true,
+                    apiserver_ready: false,
                     reason: "onShutdown is alwaysWithdraw".to_owned(),
                 };
             }
             OnShutdown::Keep => {
                 return ShutdownDecision {
                     withdraw: false,
+                    apiserver_ready: false,
                     reason: "onShutdown is keep; the membership Lease expires after its TTL"
                         .to_owned(),
                 };
@@ -224,12 +230,14 @@ impl ShutdownGate {
             if let Some(why) = failed {
                 return ShutdownDecision {
                     withdraw: true,
+                    apiserver_ready: false,
                     reason: format!("the local apiserver is stopping: {why}"),
                 };
             }
         }
         ShutdownDecision {
             withdraw: false,
+            apiserver_ready: true,
             reason: format!(
                 "the local apiserver stays ready ({} readiness probes passed over {:?}); the \
                  membership Lease is kept and expires after its TTL if this controller does not \
