@@ -1,4 +1,4 @@
-"""What only pods show (issue #41), on the real node e2e/node/up.sh starts: run by
+"""What only pods show, on the real node e2e/node/up.sh starts: run by
 e2e/node/test.sh with BOOTSTRAP_NODE_DIR naming that node's DIR (started with --without-sidecar
 and --apiservers 2). Not collected by `python3 -m pytest e2e/packaging`.
 

@@ -33,7 +33,7 @@
 # kube-proxy (iptables mode) too, instead of kubeadm's DaemonSet, whose image would need the
 # iptables tools.
 #
-# The machine's findings (issue #41): cgroup v1, so the kubelet has failCgroupV1: false and
+# This machine's findings: cgroup v1, so the kubelet has failCgroupV1: false and
 # cgroupDriver: cgroupfs (its pods under the cgroup /bcnode, which down.sh removes); the kernel
 # refuses to lower oom_score_adj, so containerd's CRI plugin has restrict_oom_score_adj = true.
 # The kubelet sets six kernel sysctls (vm.overcommit_memory, kernel.panic, ...) that are not per
