@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use reconcilers::lease;
 use tracing::{debug, warn};
 
 use super::{Manager, Spec};
@@ -149,10 +150,11 @@ fn report_record(
             debug!(record = %name, "etcd-claim record {what} done");
             return;
         }
-        Ok(Err(kube::Error::Api(status)))
-            if status.code == 409 || (status.code == 404 && what == "delete") =>
+        Ok(Err(err))
+            if lease::is_conflict(&err)
+                || (lease::status_code(&err) == Some(404) && what == "delete") =>
         {
-            debug!(record = %name, reason = %status.message, "etcd-claim record {what} raced another writer; tried again later");
+            debug!(record = %name, error = %err, "etcd-claim record {what} raced another writer; tried again later");
             return;
         }
         Ok(Err(err)) => err.to_string(),
