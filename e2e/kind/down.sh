@@ -1,4 +1,4 @@
 #!/usr/bin/env bash
-# Deletes the kind cluster ./up.sh made.
+# Deletes the kind cluster ./up.sh made (KIND: the kind binary, default kind on PATH).
 set -euo pipefail
-kind delete cluster --name "${CLUSTER:-bootstrap-controller}"
+"${KIND:-kind}" delete cluster --name "${CLUSTER:-bootstrap-controller}"

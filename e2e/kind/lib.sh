@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # The pieces of up.sh, as functions the packaging tests call one by one
-# (e2e/packaging/test_kind.py). Sourced; sets nothing on its own.
+# (e2e/packaging/test_kind.py), and the versions and ranges the kind scripts share. Sourced;
+# sets the constants below and nothing else.
 
 # The published image's name with the tag `kind`: fully qualified, so that docker and podman
 # store it under the same name and containerd in the node finds it as the manifests spell it
@@ -10,6 +11,10 @@
 KIND_IMAGE_REPOSITORY="ghcr.io/bootstrap-controller/bootstrap-controller"
 # shellcheck disable=SC2034 # used by up.sh and the tests
 KIND_IMAGE_TAG="kind"
+# The kind release test.sh builds (from its Go module) and build-node-image.sh reads kind's base
+# image from.
+# shellcheck disable=SC2034 # used by test.sh and build-node-image.sh
+KIND_VERSION="v0.33.0"
 
 log() { printf '\n== %s\n' "$*"; }
 
@@ -18,10 +23,17 @@ die() {
   exit 1
 }
 
-# The kind configuration: one control-plane node of NODE_IMAGE ($1), kube-apiserver started
-# with --endpoint-reconciler-type=none.
+# The cluster's pod and service ranges, in 198.18.0.0/15 (RFC 2544, benchmarking): kind's
+# defaults (10.244.0.0/16, 10.96.0.0/16) are private ranges a machine may route elsewhere.
+KIND_POD_SUBNET="${KIND_POD_SUBNET:-198.18.192.0/18}"
+KIND_SERVICE_SUBNET="${KIND_SERVICE_SUBNET:-198.18.160.0/20}"
+
+# The kind configuration: one control-plane node of NODE_IMAGE ($1), the ranges above,
+# kube-apiserver started with --endpoint-reconciler-type=none, and a kubelet that runs on a
+# cgroup v1 host too (from Kubernetes 1.35 it refuses to unless failCgroupV1 is false; the field
+# is ignored on cgroup v2).
 #
-# The patch names no apiVersion: kind applies a patch only to a document of the same kind and,
+# The patches name no apiVersion: kind applies a patch only to a document of the same kind and,
 # when the patch names one, the same apiVersion. Which kubeadm API kind generates depends on
 # kind's release as well as the node image (kind up to v0.31 writes v1beta3 for every image from
 # 1.23 on; from v0.32, v1beta4 for 1.36 and later), so a patch that names one is silently skipped
@@ -33,6 +45,9 @@ kind_config() {
   cat <<EOF
 kind: Cluster
 apiVersion: kind.x-k8s.io/v1alpha4
+networking:
+  podSubnet: ${KIND_POD_SUBNET}
+  serviceSubnet: ${KIND_SERVICE_SUBNET}
 nodes:
   - role: control-plane
     image: ${node_image}
@@ -42,6 +57,9 @@ kubeadmConfigPatches:
     apiServer:
       extraArgs:
         endpoint-reconciler-type: "none"
+  - |
+    kind: KubeletConfiguration
+    failCgroupV1: false
 EOF
 }
 
@@ -60,22 +78,6 @@ require_reconciler_off() {
   fi
 }
 
-# Waits for a pod ($1 namespace, $2 name) to exist, then to be Ready, $3 seconds in all. A static
-# pod's mirror pod appears only once the kubelet has seen the manifest, and `kubectl wait` fails
-# at once on a pod that does not exist yet.
-wait_for_pod() {
-  local namespace="$1" name="$2" timeout="$3" waited=0
-  until kubectl -n "${namespace}" get pod "${name}" >/dev/null 2>&1; do
-    if [ "${waited}" -ge "${timeout}" ]; then
-      die "pod ${namespace}/${name} did not appear within ${timeout}s"
-    fi
-    sleep 1
-    waited=$((waited + 1))
-  done
-  kubectl -n "${namespace}" wait --for=condition=Ready "pod/${name}" \
-    --timeout="$((timeout - waited > 1 ? timeout - waited : 1))s"
-}
-
 # The value of kube-apiserver's flag --$1 in the first command line on stdin (as
 # require_reconciler_off reads them); fails if the flag is absent.
 apiserver_flag() {
@@ -86,27 +88,4 @@ apiserver_flag() {
     die "kube-apiserver has no --$1"
   fi
   printf '%s\n' "${value}"
-}
-
-# The sidecar manifest on stdin with the image built here ($1), never pulled, and the service
-# range of the cluster's kube-apiserver ($2; kind's default is 10.96.0.0/16, the manifest's
-# kubeadm's 10.96.0.0/12).
-sidecar_manifest() {
-  local image="$1" range="$2"
-  sed -e "s#^\( *image: \).*#\1${image}#" \
-    -e 's#^\( *imagePullPolicy: \).*#\1Never#' \
-    -e "/name: BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE\$/{n;s#^\( *value: \).*#\1\"${range}\"#;}"
-}
-
-# Waits up to $2 seconds for the `kubernetes` endpoints to list the address $1.
-wait_for_endpoint() {
-  local address="$1" timeout="$2" waited=0
-  until kubectl get endpoints kubernetes -o jsonpath='{.subsets[*].addresses[*].ip}' |
-    grep -qw -- "${address}"; do
-    if [ "${waited}" -ge "${timeout}" ]; then
-      die "the kubernetes endpoints never listed ${address}"
-    fi
-    sleep 1
-    waited=$((waited + 1))
-  done
 }

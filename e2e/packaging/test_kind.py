@@ -1,8 +1,9 @@
-"""The kind script (e2e/kind/up.sh and the functions in lib.sh), every step short of kind itself:
-the whole script run with stand-ins for kind, kubectl, helm, cargo and the container engine
-that record each call (the order of the steps, what each is given), the kind configuration's
-kubeadm patch judged by kind's own patch rules for every kind release and node image the script
-supports, and the functions alone. kind needs a container engine, which CI lacks."""
+"""The kind script (e2e/kind/up.sh, the functions in lib.sh and the shared sidecar steps of
+e2e/steps/sidecar.sh), every step short of kind itself: the whole script run with stand-ins for
+kind, kubectl, helm, cargo, the container engine and e2e/steps/install-chart.sh that record each
+call (the order of the steps, what each is given), the kind configuration's kubeadm patch judged
+by kind's own patch rules for every kind release and node image the script supports, and the
+functions alone. kind itself runs in e2e/kind/test.sh, which needs root and podman."""
 
 from __future__ import annotations
 
@@ -29,12 +30,11 @@ call = {"cmd": name, "args": args}
 def out(text): sys.stdout.write(text)
 if name == "kind" and args[:2] == ["create", "cluster"]:
     shutil.copy(args[args.index("--config") + 1], os.path.join(state, "kind.yaml"))
-elif name == "kind" and args[:2] == ["get", "kubeconfig"]:
-    out("apiVersion: v1\nkind: Config\n")
+    open(args[args.index("--kubeconfig") + 1], "w").write("apiVersion: v1\nkind: Config\n")
 elif name in ("docker", "podman") and args[:1] == ["exec"]:
     call["stdin"] = sys.stdin.read()
-elif name in ("docker", "podman") and args[:1] == ["cp"]:
-    shutil.copy(args[1], os.path.join(state, "sidecar.yaml"))
+    if "-c" in args:  # the manifest, written into /etc/kubernetes/manifests
+        open(os.path.join(state, "sidecar.yaml"), "w").write(call["stdin"])
 elif name == "kubectl" and "component=kube-apiserver" in args:
     out(os.environ["FAKE_APISERVER_COMMAND"])
 elif name == "kubectl" and args[2:4] == ["get", "pod"]:
@@ -47,20 +47,20 @@ elif name == "kubectl" and args[2:4] == ["get", "pod"]:
             log.write(json.dumps({**call, "failed": True}) + "\n")
         sys.stderr.write('Error from server (NotFound): pods "%s" not found\n' % args[4])
         sys.exit(1)
-elif name == "kubectl" and args[:2] in (["get", "node"], ["get", "endpoints"]):
+elif name == "kubectl" and (args[:2] == ["get", "node"] or args[2:4] == ["get", "endpointslice"]):
     out(os.environ["FAKE_NODE_IP"])
 with open(os.path.join(state, "calls.jsonl"), "a") as log:
     log.write(json.dumps(call) + "\n")
 '''
 
-# kube-apiserver's command as kind starts it (its service subnet is 10.96.0.0/16).
+# kube-apiserver's command as kind starts it with lib.sh's configuration.
 APISERVER_WITH_FLAG = (
     '["kube-apiserver","--advertise-address=192.0.2.10","--endpoint-reconciler-type=none",'
-    '"--secure-port=6443","--service-cluster-ip-range=10.96.0.0/16"]\n'
+    '"--secure-port=6443","--service-cluster-ip-range=198.18.160.0/20"]\n'
 )
 APISERVER_WITHOUT_FLAG = (
     '["kube-apiserver","--advertise-address=192.0.2.10","--secure-port=6443",'
-    '"--service-cluster-ip-range=10.96.0.0/16"]\n'
+    '"--service-cluster-ip-range=198.18.160.0/20"]\n'
 )
 
 
@@ -70,7 +70,7 @@ def run_up(tmp: Path, engine: str, apiserver_command: str, mirror_delay: int = 2
     fake = bin_dir / "fake"
     fake.write_text(FAKE)
     fake.chmod(0o755)
-    for name in ("kind", "kubectl", "helm", "cargo", engine):
+    for name in ("kind", "kubectl", "helm", "cargo", "install-chart", engine):
         (bin_dir / name).symlink_to(fake)
     state = tmp / "state"
     state.mkdir()
@@ -82,6 +82,8 @@ def run_up(tmp: Path, engine: str, apiserver_command: str, mirror_delay: int = 2
         "FAKE_APISERVER_COMMAND": apiserver_command,
         "FAKE_MIRROR_DELAY": str(mirror_delay),
         "FAKE_NODE_IP": "192.0.2.10",
+        # e2e/steps/install-chart.sh (its own tests are its own): the call is what is checked.
+        "INSTALL_CHART": str(bin_dir / "install-chart"),
     }
     done = subprocess.run(["bash", str(KIND / "up.sh")], env=env, capture_output=True, text=True,
                           timeout=120)
@@ -109,16 +111,18 @@ def test_up_runs_each_step_in_an_order_that_can_pass():
     order = [
         index(calls, "kind", "create", "cluster"),
         index(calls, "kubectl", "component=kube-apiserver"),  # the flag checked
+        index(calls, "cargo", "build", "x86_64-unknown-linux-musl"),  # the static binary
         index(calls, "docker", "build"),
         index(calls, "kind", "load", "docker-image"),
         index(calls, "cargo", "test"),  # outside the cluster: needs no endpoints
         index(calls, "kubectl", "apply", "deploy/sidecar/rbac.yaml"),
-        index(calls, "docker", "exec"),  # setup-node.sh in the node
-        index(calls, "docker", "cp"),  # the static pod
+        index(calls, "docker", "exec", "bash"),  # setup-node.sh in the node
+        index(calls, "docker", "exec", "manifests/"),  # the static pod
         index(calls, "kubectl", "wait", "condition=Ready"),
-        index(calls, "kubectl", "get", "endpoints"),  # the sidecar lists the node
-        index(calls, "helm", "install"),  # only now can its pods reach the API
-        index(calls, "kubectl", "exec", "check"),
+        index(calls, "kubectl", "get", "endpointslice"),  # the sidecar lists the node
+        index(calls, "install-chart"),  # only now can its pods reach the API
+        index(calls, "kubectl", "delete", "namespace", "kube-node-lease"),
+        index(calls, "helm", "uninstall"),
     ]
     assert order == sorted(order), [calls[i] for i in order]
     # The mirror pod was looked up until it existed, then waited for.
@@ -126,23 +130,30 @@ def test_up_runs_each_step_in_an_order_that_can_pass():
     assert [c.get("failed", False) for c in lookups] == [True, True, False], lookups
     # What each step was given.
     image = "ghcr.io/bootstrap-controller/bootstrap-controller:kind"
-    assert calls[index(calls, "docker", "build")]["args"][-2:] == [image, "."]
+    build = calls[index(calls, "docker", "build")]["args"]
+    assert build[-2:] == [image, "."] and "BINARY_STAGE=prebuilt" in build, build
     assert calls[index(calls, "kind", "load")]["args"][2] == image
     container = sidecar["spec"]["containers"][0]
     assert container["image"] == image and container["imagePullPolicy"] == "Never"
     # The sidecar uses the cluster's service range, not the manifest's kubeadm default.
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE"] == "10.96.0.0/16"
-    setup = calls[index(calls, "docker", "exec")]
+    assert env["BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE"] == "198.18.160.0/20"
+    setup = calls[index(calls, "docker", "exec", "bash")]
     assert setup["stdin"] == (ROOT / "deploy" / "sidecar" / "setup-node.sh").read_text()
-    assert "KUBEADM_CONFIG=/kind/kubeadm.conf" in setup["args"]
-    helm = calls[index(calls, "helm", "install")]["args"]
-    assert "image.tag=kind" in helm and "image.pullPolicy=Never" in helm and "--wait" in helm
-    assert not any(a.startswith("image.repository") for a in helm), helm
-    check = calls[index(calls, "kubectl", "exec", "check")]["args"]
-    assert check[-2:] == ["/bootstrap-controller", "check"], check
+    for word in ("KUBEADM_CONFIG=/kind/kubeadm.conf", "DIR=/etc/kubernetes/bootstrap-controller",
+                 "SERVER=https://192.0.2.10:6443"):
+        assert word in setup["args"], setup["args"]
+    manifest = calls[index(calls, "docker", "exec", "manifests/")]["args"]
+    assert manifest[-1] == "bootstrap-controller", manifest  # /etc/kubernetes/manifests/$1.yaml
+    chart = calls[index(calls, "install-chart")]["args"]
+    assert chart == ["bc", "bootstrap-controller", image.rsplit(":", 1)[0], "kind", "--set",
+                     "config.leaderElection.leaseName=bootstrap-controller-chart"], chart
     patch = yaml.safe_load(kind_config["kubeadmConfigPatches"][0])
     assert patch["apiServer"]["extraArgs"] == {"endpoint-reconciler-type": "none"}
+    kubelet = yaml.safe_load(kind_config["kubeadmConfigPatches"][1])
+    assert kubelet == {"kind": "KubeletConfiguration", "failCgroupV1": False}
+    assert kind_config["networking"] == {"podSubnet": "198.18.192.0/18",
+                                         "serviceSubnet": "198.18.160.0/20"}
 
 
 def test_up_fails_when_kube_apiserver_lacks_the_flag():
@@ -152,7 +163,7 @@ def test_up_fails_when_kube_apiserver_lacks_the_flag():
         done, calls, _ = run_up(Path(tmp), "docker", APISERVER_WITHOUT_FLAG)
     assert done.returncode != 0
     assert "without --endpoint-reconciler-type=none" in done.stderr, done.stderr
-    assert not [c for c in calls if c["cmd"] in ("docker", "helm")], calls
+    assert not [c for c in calls if c["cmd"] in ("docker", "helm", "install-chart")], calls
 
 
 def test_up_with_podman_loads_the_same_fully_qualified_name():
@@ -292,20 +303,44 @@ def test_require_reconciler_off():
     assert done.returncode == 1 and "no kube-apiserver pod found" in done.stderr
 
 
-def test_wait_for_pod_gives_up_on_a_pod_that_never_appears():
+def steps(function_call: str, path_dir: Path | None = None, env: dict | None = None):
+    """A function of e2e/steps/sidecar.sh, sourced as its callers do."""
+    full = {**os.environ, **(env or {})}
+    if path_dir is not None:
+        full["PATH"] = f"{path_dir}:{full['PATH']}"
+    return subprocess.run(
+        ["bash", "-c", f'set -euo pipefail; . "{ROOT}/e2e/steps/sidecar.sh"; {function_call}'],
+        capture_output=True, text=True, env=full, timeout=60)
+
+
+def test_sidecar_wait_ready_gives_up_on_a_pod_that_never_appears():
     with workdir() as tmp:
         bin_dir = Path(tmp)
-        (bin_dir / "kubectl").write_text("#!/bin/sh\necho 'pods not found' >&2\nexit 1\n")
+        (bin_dir / "kubectl").write_text(
+            "#!/bin/sh\ncase \"$*\" in *wait*) echo 'pods not found' >&2; exit 1;; esac\n"
+            "echo 'pods not found' >&2\nexit 1\n")
         (bin_dir / "kubectl").chmod(0o755)
-        done = lib("wait_for_pod kube-system bootstrap-controller-cp 2", bin_dir)
+        done = steps("sidecar_wait_ready bootstrap-controller-cp", bin_dir,
+                     {"SIDECAR_TIMEOUT": "2"})
+    assert done.returncode == 1 and "pods not found" in done.stderr, done.stderr
+
+
+def test_sidecar_wait_listed_names_the_missing_address():
+    with workdir() as tmp:
+        bin_dir = Path(tmp)
+        (bin_dir / "kubectl").write_text("#!/bin/sh\nprintf '198.18.0.2'\n")
+        (bin_dir / "kubectl").chmod(0o755)
+        done = steps("sidecar_wait_listed 198.18.0.2", bin_dir, {"SIDECAR_TIMEOUT": "2"})
+        assert done.returncode == 0, done.stderr
+        done = steps("sidecar_wait_listed 198.18.0.2 198.18.0.3", bin_dir, {"SIDECAR_TIMEOUT": "2"})
     assert done.returncode == 1
-    assert "kube-system/bootstrap-controller-cp did not appear within 2s" in done.stderr
+    assert "lists '198.18.0.2', not all of 198.18.0.2 198.18.0.3" in done.stderr, done.stderr
 
 
 def test_sidecar_manifest_runs_the_local_image_without_pulling():
     manifest = (ROOT / "deploy" / "sidecar" / "bootstrap-controller.yaml").read_text()
-    out = lib('sidecar_manifest "example.org/bc:kind" "10.96.0.0/16,fd00:10:96::/112"',
-              stdin=manifest)
+    out = steps("sidecar_manifest", env={"SIDECAR_IMAGE": "example.org/bc:kind",
+                                         "SIDECAR_SERVICE_RANGE": "10.96.0.0/16,fd00:10:96::/112"})
     assert out.returncode == 0, out.stderr
     pod = yaml.safe_load(out.stdout)
     original = yaml.safe_load(manifest)
@@ -322,6 +357,18 @@ def test_sidecar_manifest_runs_the_local_image_without_pulling():
     assert pod == original  # nothing else changed
 
 
+def test_sidecar_manifest_without_an_image_changes_only_the_range():
+    """The real node runs the manifest's own image (imported into its containerd)."""
+    original = yaml.safe_load((ROOT / "deploy" / "sidecar" / "bootstrap-controller.yaml").read_text())
+    out = steps("sidecar_manifest", env={"SIDECAR_SERVICE_RANGE": "198.19.0.0/16"})
+    assert out.returncode == 0, out.stderr
+    pod = yaml.safe_load(out.stdout)
+    for e in original["spec"]["containers"][0]["env"]:
+        if e["name"] == "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE":
+            e["value"] = "198.19.0.0/16"
+    assert pod == original
+
+
 def test_apiserver_flag_reads_one_flag_of_the_command():
     command = '["kube-apiserver","--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/112",' \
               '"--secure-port=6443"]\n'
@@ -335,7 +382,8 @@ def test_kind_scripts_are_shellcheck_clean():
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is not on PATH (Debian: apt-get install shellcheck)"
     scripts = sorted(str(p.relative_to(ROOT)) for p in KIND.glob("*.sh"))
-    scripts += ["deploy/sidecar/setup-node.sh"]
+    scripts += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "e2e" / "steps").glob("*.sh"))
+    scripts += ["deploy/sidecar/setup-node.sh", "e2e/node/install-sidecar.sh"]
     assert "e2e/kind/lib.sh" in scripts and "e2e/kind/up.sh" in scripts
     done = subprocess.run([shellcheck, "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
