@@ -73,7 +73,8 @@ fi
 if [ "${SKIP_E2E:-0}" != 1 ]; then
   log "end-to-end tests against the cluster"
   cargo build --workspace --bins
-  BOOTSTRAP_E2E_KUBECONFIG="${KUBECONFIG_FILE}" cargo test -p e2e
+  # One test at a time, as the README says: they share the cluster's `kubernetes` endpoints.
+  BOOTSTRAP_E2E_KUBECONFIG="${KUBECONFIG_FILE}" cargo test -p e2e -- --test-threads=1
 fi
 
 log "sidecar (static pod beside kube-apiserver)"
