@@ -13,9 +13,10 @@
 #     build.sh tags, restrict_oom_score_adj = true (the kernel refuses to lower oom_score_adj),
 #     and a bridge network that containerd writes from the node's pod range (conf_template);
 #   - kubelet, kubeadm and kubectl in /usr/bin, /kind/version;
-#   - the control plane's images (build.sh's archives and a kube-proxy image made here around
-#     the kube-proxy binary and iptables), imported into containerd's k8s.io namespace when the
-#     node starts, before the kubelet (kind-preload-images.service).
+#   - the control plane's images (build.sh's archives, a kube-proxy image made here around
+#     the kube-proxy binary and iptables, and CoreDNS built from its module), imported into
+#     containerd's k8s.io namespace when the node starts, before the kubelet
+#     (kind-preload-images.service).
 # kind applies /kind/manifests/default-cni.yaml; here it is a ConfigMap that says where the pod
 # network comes from, as kindnet's image cannot be pulled either.
 #
@@ -60,7 +61,7 @@ mkdir -p "$cache"
 exec 9>"$cache/build-node-image.lock"
 flock 9
 
-# --- tools from their Go modules: kubectl at the cluster's version, crictl at kind's ---
+# --- from their Go modules: kubectl at the cluster's version, crictl at kind's, CoreDNS ---
 kubectl_bin="$cache/kubectl-$KUBERNETES_VERSION"
 if [ ! -x "$kubectl_bin" ]; then
   # k8s.io/kubernetes is built from e2e/node/k8s's go.mod (its replace lines), in a copy: kubectl
@@ -81,6 +82,14 @@ crictl_version=$(sed -n 's/^ARG CRICTL_VERSION="\(.*\)"$/\1/p' "$kind_src/images
 crictl_dir="$cache/crictl-$crictl_version"
 if [ ! -x "$crictl_dir/crictl" ]; then
   (cd "$cache" && CGO_ENABLED=0 GOBIN="$crictl_dir" go install "sigs.k8s.io/cri-tools/cmd/crictl@$crictl_version")
+fi
+
+# CoreDNS, which kubeadm deploys, at the version kubeadm names (no replace lines in its go.mod).
+kubeadm_images=$("$node_build/bin/kubeadm" config images list --kubernetes-version "$KUBERNETES_VERSION")
+coredns_image=$(echo "$kubeadm_images" | grep '/coredns:')
+coredns_dir="$cache/coredns-${coredns_image##*:}"
+if [ ! -x "$coredns_dir/coredns" ]; then
+  (cd "$cache" && CGO_ENABLED=0 GOBIN="$coredns_dir" go install "github.com/coredns/coredns@${coredns_image##*:}")
 fi
 
 # --- the Debian root, once per package list ---
@@ -195,18 +204,26 @@ for lib in $( (chroot "$rootfs" ldd /usr/sbin/xtables-legacy-multi
   cp -L "$rootfs$lib" "$proxy$lib"
 done
 install -D -m 0644 "$rootfs/etc/ld.so.cache" "$proxy/etc/ld.so.cache"
-proxy_image="registry.k8s.io/kube-proxy:$KUBERNETES_VERSION"
-proxy_build="localhost/bootstrap-controller/kind-node-build-kube-proxy:$tag"
-tar -C "$proxy" -c . | podman import --quiet - "$proxy_build" >/dev/null
-podman tag "$proxy_build" "$proxy_image"
-podman save --quiet --format docker-archive -o "$rootfs/kind/images/kube-proxy.tar" "$proxy_image"
-podman rmi --force "$proxy_image" "$proxy_build" >/dev/null
+# The directory $1 as the image $2 (podman import's --change arguments after it), saved as the
+# docker archive /kind/images/$3.tar; nothing is left in podman's storage.
+archive_image() {
+  local dir="$1" name="$2" file="$3" build="localhost/bootstrap-controller/kind-node-build-$3:$tag"
+  shift 3
+  tar -C "$dir" -c . | podman import --quiet "$@" - "$build" >/dev/null
+  podman tag "$build" "$name"
+  podman save --quiet --format docker-archive -o "$rootfs/kind/images/$file.tar" "$name"
+  podman rmi --force "$name" "$build" >/dev/null
+}
+archive_image "$proxy" "registry.k8s.io/kube-proxy:$KUBERNETES_VERSION" kube-proxy
+# CoreDNS FROM scratch, started as its own image is (kubeadm's Deployment gives only arguments).
+mkdir -p "$work/coredns"
+install -m 0755 "$coredns_dir/coredns" "$work/coredns/coredns"
+archive_image "$work/coredns" "$coredns_image" coredns --change 'ENTRYPOINT ["/coredns"]'
 
 # kubeadm names etcd by its own default tag for this Kubernetes version; build.sh tags the etcd
 # it built by etcd's version (the real node sets etcd.local.imageTag to it). The node tags the
 # same image under kubeadm's name too, so a kind configuration needs no etcd patch.
-kubeadm_etcd=$("$node_build/bin/kubeadm" config images list --kubernetes-version "$KUBERNETES_VERSION" |
-  grep '/etcd:')
+kubeadm_etcd=$(echo "$kubeadm_images" | grep '/etcd:')
 cat >"$rootfs/kind/bin/preload-images.sh" <<EOF
 #!/bin/sh
 # Imports the control plane's images into containerd's k8s.io namespace (no registry to pull
