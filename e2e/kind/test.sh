@@ -32,10 +32,18 @@ CLUSTER=bootstrap-controller
 export CLUSTER
 
 [ "$(id -u)" = 0 ] || die "test.sh must run as root (rootful podman, debootstrap)"
-for tool in podman runc go cargo debootstrap jq; do
-  command -v "$tool" >/dev/null 2>&1 ||
-    die "test.sh needs $tool (Debian: apt-get install podman runc debootstrap jq; Go 1.26; Rust)"
+for tool in go cargo; do
+  command -v "$tool" >/dev/null 2>&1 || die "test.sh needs $tool (Go 1.26, Rust)"
 done
+# What a fresh Debian lacks, installed as e2e/node/up.sh installs its own.
+missing=()
+for tool in podman runc debootstrap jq; do
+  command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
 started=$(date +%s)
 
 go_tool() { # binary, module@version, directory: go install into the directory once
