@@ -70,11 +70,17 @@ scratch_image() {
 }
 
 controller_image() {
-  local binary=target/x86_64-unknown-linux-musl/release/bootstrap-controller
+  local target=${CARGO_TARGET_DIR:-$root/target} context=$out/controller-context
   (cd "$root" && cargo build --release --locked --target x86_64-unknown-linux-musl -p bootstrap-controller)
   mkdir -p "$out/images"
-  (cd "$root" && bah bud --quiet --build-arg BINARY_STAGE=prebuilt --build-arg "STATIC_BINARY=$binary" \
-    -f Containerfile -t localhost/node-build-bootstrap-controller . >/dev/null)
+  # The binary alone is the build context: buildah reads the context confined to its directory,
+  # so a target directory elsewhere (a symlinked `target`, CARGO_TARGET_DIR) is out of its reach.
+  rm -rf "$context"
+  mkdir -p "$context"
+  cp "$target/x86_64-unknown-linux-musl/release/bootstrap-controller" "$context/"
+  bah bud --quiet --build-arg BINARY_STAGE=prebuilt --build-arg STATIC_BINARY=bootstrap-controller \
+    -f "$root/Containerfile" -t localhost/node-build-bootstrap-controller "$context" >/dev/null
+  rm -rf "$context"
   rm -f "$out/images/bootstrap-controller.tar"
   bah push --quiet localhost/node-build-bootstrap-controller \
     "docker-archive:$out/images/bootstrap-controller.tar:$controller_image"
