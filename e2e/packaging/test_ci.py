@@ -101,3 +101,5 @@ def test_go_modules_pin_what_build_sh_reads():
         assert pinned == staging, f"{module} replaced at {pinned}, not {staging}"
     etcd = (CONTROL_PLANE / "etcd" / "go.mod").read_text()
     assert re.search(r"^require go.etcd.io/etcd/server/v3 v3\.6\.\d+$", etcd, re.M), etcd
+    helm = (ROOT / "e2e" / "node" / "helm" / "go.mod").read_text()
+    assert re.search(r"^require helm.sh/helm/v4 v4\.\d+\.\d+$", helm, re.M), helm
