@@ -13,7 +13,9 @@ import pytest
 from harness import ROOT
 
 CONTROL_PLANE = ROOT / "e2e" / "control-plane"
-SCRIPTS = sorted(CONTROL_PLANE.glob("*.sh")) + sorted((ROOT / "e2e" / "node").glob("*.sh"))
+STEPS = ROOT / "e2e" / "steps"
+SCRIPTS = (sorted(CONTROL_PLANE.glob("*.sh")) + sorted((ROOT / "e2e" / "node").glob("*.sh"))
+           + sorted(STEPS.glob("*.sh")))
 
 
 def readme_commands() -> list[str]:
@@ -89,6 +91,16 @@ def test_control_plane_scripts_refuse_bad_usage_with_exit_2(script, args):
     assert "usage" in result.stderr.lower() or "must be" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("args", [[], ["release"], ["release", "namespace", "repository"],
+                                  ["release", "", "repository", "tag"]])
+def test_the_install_chart_step_refuses_bad_usage_with_exit_2(args):
+    # Refused before helm runs: HELM names a command that would fail differently.
+    result = subprocess.run([str(STEPS / "install-chart.sh"), *args], capture_output=True,
+                            text=True, timeout=30, env={"PATH": "/usr/bin:/bin", "HELM": "/bin/false"})
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "install-chart.sh RELEASE NAMESPACE IMAGE_REPOSITORY IMAGE_TAG" in result.stderr, result.stderr
+
+
 def test_go_modules_pin_what_build_sh_reads():
     k8s = (CONTROL_PLANE / "k8s" / "go.mod").read_text()
     version = re.search(r"^require k8s.io/kubernetes (v1\.\d+\.\d+)$", k8s, re.M)
@@ -101,3 +113,5 @@ def test_go_modules_pin_what_build_sh_reads():
         assert pinned == staging, f"{module} replaced at {pinned}, not {staging}"
     etcd = (CONTROL_PLANE / "etcd" / "go.mod").read_text()
     assert re.search(r"^require go.etcd.io/etcd/server/v3 v3\.6\.\d+$", etcd, re.M), etcd
+    helm = (ROOT / "e2e" / "node" / "helm" / "go.mod").read_text()
+    assert re.search(r"^require helm.sh/helm/v4 v4\.\d+\.\d+$", helm, re.M), helm
