@@ -23,7 +23,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::PostParams;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
-use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
+use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
 use reconcilers::service_cidr::{self, DefaultServiceCidr};
 use reconcilers::{Action, PassContext, PassReport, Reconciler};
 use serde_json::{Value, json};
@@ -81,19 +81,23 @@ fn drive_triggers(repair: &ClusterIpRepair) -> tokio::task::JoinHandle<()> {
 async fn repair_with(
     _sim: &Sim,
     client: &Client,
-    config: ClusterIpRepairConfig,
+    section: clusterip_repair::Section,
 ) -> Result<(Arc<ClusterIpRepair>, Registry)> {
     let mut registry = Registry::default();
-    let repair = ClusterIpRepair::new(client.clone(), config, &mut registry)?;
+    let settings = reconcilers::section::Settings {
+        service_ranges: ranges(),
+        ..common::settings(&[])
+    };
+    let repair = ClusterIpRepair::new(client.clone(), section, &settings, &mut registry);
     Ok((Arc::new(repair), registry))
 }
 
-fn config(grace: Duration) -> ClusterIpRepairConfig {
-    ClusterIpRepairConfig {
-        orphan_grace: grace,
+/// Auto mode with `grace` as `orphanGracePeriod` (below the file's minimum where a test waits).
+fn config(grace: Duration) -> clusterip_repair::Section {
+    clusterip_repair::Section {
+        orphan_grace_period: grace,
         mode: RepairMode::Auto,
-        service_ranges: ranges(),
-        ..ClusterIpRepairConfig::default()
+        ..clusterip_repair::Section::default()
     }
 }
 
@@ -1065,10 +1069,9 @@ async fn audit_mode_reports_legacy_reasons_without_writing() -> Result<()> {
     let (repair, registry) = repair_with(
         &sim,
         &client,
-        ClusterIpRepairConfig {
+        clusterip_repair::Section {
             mode: RepairMode::Audit,
-            service_ranges: ranges(),
-            ..ClusterIpRepairConfig::default()
+            ..clusterip_repair::Section::default()
         },
     )
     .await?;
@@ -1343,7 +1346,7 @@ async fn caches_are_synced_only_when_complete() -> Result<()> {
     let (repair, _registry) = repair_with(
         &sim,
         &client,
-        ClusterIpRepairConfig {
+        clusterip_repair::Section {
             page_size: 7,
             ..config(Duration::from_secs(60))
         },

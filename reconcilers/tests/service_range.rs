@@ -15,7 +15,7 @@ use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use prometheus_client::registry::Registry;
-use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
+use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
 use reconcilers::kubernetes_service::{self, KubernetesServiceLoop};
 use reconcilers::{LoopError, Reconciler};
 use serde_json::json;
@@ -64,13 +64,13 @@ fn service(ns: &str, name: &str, cluster_ip: &str) -> serde_json::Value {
 fn unconfigured_repair(sim: &Sim) -> ClusterIpRepair {
     ClusterIpRepair::new(
         sim.client(),
-        ClusterIpRepairConfig {
+        clusterip_repair::Section {
             mode: RepairMode::Audit,
-            ..ClusterIpRepairConfig::default()
+            ..clusterip_repair::Section::default()
         },
+        &common::settings(&[]),
         &mut Registry::default(),
     )
-    .unwrap()
 }
 
 /// Runs passes until the Service cache has synced (the watch feeds it in the background).
@@ -161,9 +161,10 @@ async fn without_a_service_cidr_the_repair_refuses_and_names_the_setting() -> Re
 
     let repair = ClusterIpRepair::new(
         sim.client(),
-        ClusterIpRepairConfig::default(),
+        clusterip_repair::Section::default(),
+        &common::settings(&[]),
         &mut Registry::default(),
-    )?;
+    );
     let _triggers = drive(repair.triggers());
     let refused = audit(&repair, &sim).await.unwrap_err();
     assert!(matches!(refused, LoopError::Invalid(_)), "{refused:?}");
