@@ -172,6 +172,52 @@ fn readme_lists_every_flag_with_its_default() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// Every top-level setting of the one list (`config::SETTINGS`) has a help text stating its
+/// default, and a row in CONFIG.md's flag table with its environment variable and file key; the
+/// table has no row for a flag the list lacks (`--config` aside, which names the file).
+#[test]
+fn config_md_has_a_row_for_every_setting_of_the_list() {
+    use bootstrap_controller::config::SETTINGS;
+    let doc = include_str!("../CONFIG.md");
+    let flags = clap_flags();
+    let mut rows = BTreeMap::new();
+    for row in table_after(doc, "## Flags") {
+        for name in flags_in(&row[0]) {
+            rows.insert(name, row.clone());
+        }
+    }
+    let mut problems = Vec::new();
+    for setting in SETTINGS {
+        let name = setting.flag;
+        if flags.get(name).is_none_or(|flag| flag.default.is_none()) {
+            problems.push(format!("{name}: no help text stating `[default: ...]`"));
+        }
+        let Some(row) = rows.remove(name) else {
+            problems.push(format!("{name} has no row in CONFIG.md's flag table"));
+            continue;
+        };
+        if row[1].trim_matches('`') != setting.env {
+            problems.push(format!(
+                "{name}: env {} in the list, {} in CONFIG.md",
+                setting.env, row[1]
+            ));
+        }
+        if row[2].split('`').nth(1) != Some(setting.file_key) {
+            problems.push(format!(
+                "{name}: file key {} in the list, {} in CONFIG.md",
+                setting.file_key, row[2]
+            ));
+        }
+    }
+    rows.remove("--config");
+    for name in rows.keys() {
+        problems.push(format!(
+            "CONFIG.md has a row for {name}, which the list lacks"
+        ));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 /// Every field of the configuration file CONFIG.md documents, as a dotted path.
 fn documented_file_fields() -> Vec<String> {
     let doc = include_str!("../CONFIG.md");
