@@ -28,7 +28,8 @@ mod tiny {
     pub const NAME: &str = "tiny";
 
     pub mod section {
-        //! `loops.tiny`: serde shape with defaults, validation naming each field, the build.
+        //! `loops.tiny`, the loop's one configuration type: serde shape with defaults, validation
+        //! naming each field, the build (the loop keeps the section and reads it as it is).
         use std::sync::Arc;
         use std::time::Duration;
 

@@ -14,8 +14,10 @@ use kube::Api;
 use kube::api::PostParams;
 use prometheus_client::registry::Registry;
 use reconcilers::apiserver_endpoints::{
-    ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, ReadinessProbe, ShutdownGate, SystemResolver,
+    ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, ReadinessProbe, Section, ShutdownGate,
+    SystemResolver,
 };
+use reconcilers::section::Settings;
 use reconcilers::{PassContext, Reconciler};
 
 use crate::DemoEnv;
@@ -101,18 +103,16 @@ async fn wait_for(
 }
 
 async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
-    let cfg = env
-        .config
-        .loops
-        .apiserver_endpoints
-        .loop_config(&env.config.settings());
-    if !env.config.loops.apiserver_endpoints.enabled || cfg.mode != EndpointsMode::Lease {
+    let section = &env.config.loops.apiserver_endpoints;
+    let settings = env.config.settings();
+    if !section.enabled || settings.endpoint_mode != EndpointsMode::Lease {
         return Ok("skipped: the endpoints loop is not in lease mode".to_owned());
     }
-    let name = cfg.target.service_name.clone();
-    let port = cfg.target.port;
-    let api: Api<Endpoints> = Api::namespaced(env.client.clone(), &cfg.target.namespace);
-    let limit = cfg.lease_ttl + cfg.interval * 2 + Duration::from_secs(10);
+    let target = Section::target(&settings);
+    let name = target.service_name.clone();
+    let port = target.port;
+    let api: Api<Endpoints> = Api::namespaced(env.client.clone(), &target.namespace);
+    let limit = section.lease_ttl + section.interval * 2 + Duration::from_secs(10);
     let ctx = PassContext {
         client: env.client.clone(),
         dry_run: false,
@@ -123,28 +123,34 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
         let ip: IpAddr = address
             .parse()
             .map_err(|err| format!("demo address {address}: {err}"))?;
-        let mut member_cfg = cfg.clone();
-        member_cfg.advertise_address = Some(ip);
-        member_cfg.identity = format!("demo-member-{}", index + 1);
+        let member_settings = Settings {
+            advertise_address: Some(ip),
+            identity: format!("demo-member-{}", index + 1),
+            ..settings.clone()
+        };
         let apiserver = Arc::new(DemoApiserver::default());
         let deps = EndpointsDeps {
             client: env.client.clone(),
-            shutdown: Arc::new(ShutdownGate::new(member_cfg.shutdown, apiserver.clone())),
+            shutdown: Arc::new(ShutdownGate::new(
+                section.shutdown_probing(),
+                apiserver.clone(),
+            )),
             readiness: apiserver.clone(),
             resolver: Arc::new(SystemResolver),
             reporter: kube::runtime::events::Reporter {
                 controller: "bootstrap-controller-demo".to_owned(),
-                instance: Some(member_cfg.identity.clone()),
+                instance: Some(member_settings.identity.clone()),
             },
             probed: None,
         };
-        let lease_loop = ApiserverLeaseLoop::new(&member_cfg, deps, &mut Registry::default())
-            .ok_or_else(|| "cannot build a demo member".to_owned())?;
+        let lease_loop =
+            ApiserverLeaseLoop::new(section, &member_settings, deps, &mut Registry::default())
+                .ok_or_else(|| "cannot build a demo member".to_owned())?;
         let lease_loop = Arc::new(lease_loop);
         let task = {
             let lease_loop = lease_loop.clone();
             let ctx = ctx.clone();
-            let interval = cfg.interval;
+            let interval = section.interval;
             tokio::spawn(async move {
                 loop {
                     if let Err(err) = lease_loop.reconcile(&ctx).await {
@@ -175,7 +181,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
     killed_task.abort();
     println!(
         "  killed {killed} (no goodbye: its Lease just stops being renewed; TTL {}s)",
-        cfg.lease_ttl.as_secs()
+        section.lease_ttl.as_secs()
     );
     let killed_gone = wait_for(
         &api,

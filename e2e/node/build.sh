@@ -8,6 +8,10 @@
 # kube-apiserver, kube-controller-manager, kube-scheduler. A second call with the same pins only
 # prints the directory.
 #
+# The helm CLI the chart's tests run (helm.sh/helm/v4, pinned in e2e/node/helm) is built once per
+# version into target/node/helm-<version>/ (beside the directory above), so that a new helm
+# rebuilds nothing else; versions.env names it as HELM.
+#
 # The bootstrap-controller image is built on every call (the binary changes with the tree): the
 # Containerfile's `prebuilt` stage around the musl static binary, as the README tells users,
 # tagged as deploy/sidecar/bootstrap-controller.yaml names it, into
@@ -33,6 +37,12 @@ if [ -z "$k8s_version" ] || [ "$k8s_version" != "$cp_k8s_version" ]; then
 fi
 
 out=${BOOTSTRAP_NODE_BUILD:-$root/target/node/kubernetes-$k8s_version-etcd-$etcd_version}
+helm_version=$(module_version "$here/helm/go.mod" helm.sh/helm/v4)
+if [ -z "$helm_version" ]; then
+  echo "build.sh: cannot read the helm version pinned in $here/helm/go.mod" >&2
+  exit 2
+fi
+helm_out=$(dirname "$out")/helm-$helm_version
 # kubeadm's names: the pause tag kubeadm defaults to for this version, etcd with its real
 # version (up.sh sets etcd.local.imageTag to it: kubeadm would otherwise name another etcd).
 pause_image=registry.k8s.io/pause:3.10.2
@@ -70,11 +80,17 @@ scratch_image() {
 }
 
 controller_image() {
-  local binary=target/x86_64-unknown-linux-musl/release/bootstrap-controller
+  local target=${CARGO_TARGET_DIR:-$root/target} context=$out/controller-context
   (cd "$root" && cargo build --release --locked --target x86_64-unknown-linux-musl -p bootstrap-controller)
   mkdir -p "$out/images"
-  (cd "$root" && bah bud --quiet --build-arg BINARY_STAGE=prebuilt --build-arg "STATIC_BINARY=$binary" \
-    -f Containerfile -t localhost/node-build-bootstrap-controller . >/dev/null)
+  # The binary alone is the build context: buildah reads the context confined to its directory,
+  # so a target directory elsewhere (a symlinked `target`, CARGO_TARGET_DIR) is out of its reach.
+  rm -rf "$context"
+  mkdir -p "$context"
+  cp "$target/x86_64-unknown-linux-musl/release/bootstrap-controller" "$context/"
+  bah bud --quiet --build-arg BINARY_STAGE=prebuilt --build-arg STATIC_BINARY=bootstrap-controller \
+    -f "$root/Containerfile" -t localhost/node-build-bootstrap-controller "$context" >/dev/null
+  rm -rf "$context"
   rm -f "$out/images/bootstrap-controller.tar"
   bah push --quiet localhost/node-build-bootstrap-controller \
     "docker-archive:$out/images/bootstrap-controller.tar:$controller_image"
@@ -120,6 +136,20 @@ if ! cached; then
   rm -rf "$out/images.cached"
   echo "build.sh: Kubernetes binaries and images built in $(($(date +%s) - started)) s into $out" >&2
 fi
+if [ ! -x "$helm_out/helm" ]; then
+  command -v go >/dev/null 2>&1 || { echo "build.sh: go is needed to build helm $helm_version" >&2; exit 2; }
+  started=$(date +%s)
+  echo "build.sh: building helm $helm_version (warm Go caches: seconds; cold: minutes)" >&2
+  rm -rf "$helm_out.partial"
+  mkdir -p "$helm_out.partial"
+  # As helm's own Makefile builds it: static, its version stamped, no symbol tables.
+  (cd "$here/helm" && CGO_ENABLED=0 go build -trimpath \
+    -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$helm_version -X helm.sh/helm/v4/internal/version.gitTreeState=clean" \
+    -o "$helm_out.partial/helm" helm.sh/helm/v4/cmd/helm)
+  rm -rf "$helm_out"
+  mv "$helm_out.partial" "$helm_out"
+  echo "build.sh: helm $helm_version built in $(($(date +%s) - started)) s into $helm_out" >&2
+fi
 started=$(date +%s)
 controller_image >&2
 echo "build.sh: bootstrap-controller image $controller_image built in $(($(date +%s) - started)) s" >&2
@@ -128,5 +158,6 @@ echo "build.sh: bootstrap-controller image $controller_image built in $(($(date 
   echo "ETCD_IMAGE_TAG=${etcd_version#v}-0"
   echo "PAUSE_IMAGE=$pause_image"
   echo "CONTROLLER_IMAGE=$controller_image"
+  echo "HELM=$helm_out/helm"
 } >"$out/versions.env"
 echo "$out"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs the node's scenario tests (test_node.py): starts a node with up.sh (two apiservers, no
-# sidecar yet: the first test shows the API unreachable from a pod until the sidecar lists it,
-# and installs it as the README says), runs pytest against it, and removes it with down.sh
-# whatever happens. DIR is kept when a test fails (its logs), removed when all pass.
+# Runs the node's scenario tests: starts a node with up.sh (two apiservers, no sidecar yet: the
+# first test shows the API unreachable from a pod until the sidecar lists it, and installs it as
+# the README says), runs pytest against it (test_node.py, the sidecar; then test_node_chart.py,
+# the Helm chart with build.sh's helm, beside the sidecar and in management mode with a tenant
+# control plane), and removes it with down.sh whatever happens. DIR is kept when a test fails
+# (its logs), removed when all pass.
 #
 # Usage: e2e/node/test.sh [pytest options, e.g. -k killed]
 set -euo pipefail
@@ -26,5 +28,6 @@ trap finish EXIT
 
 "$here/up.sh" "$dir" --without-sidecar --apiservers 2
 # -p no:cacheprovider: nothing written into the repository.
-BOOTSTRAP_NODE_DIR=$dir python3 -m pytest -p no:cacheprovider -v -s "$here/test_node.py" "$@"
+BOOTSTRAP_NODE_DIR=$dir python3 -m pytest -p no:cacheprovider -v -s "$here/test_node.py" \
+  "$here/test_node_chart.py" "$@"
 status=0

@@ -167,6 +167,11 @@ def wait_for(what: str, predicate, timeout: float = 300, interval: float = 0.5):
 
 @pytest.fixture(scope="module")
 def node() -> Node:
+    return open_node()
+
+
+def open_node() -> Node:
+    """The node test.sh started, named by BOOTSTRAP_NODE_DIR."""
     directory = os.environ.get("BOOTSTRAP_NODE_DIR")
     if not directory:
         pytest.fail("BOOTSTRAP_NODE_DIR must name the DIR of a node e2e/node/up.sh started (e2e/node/test.sh does)")
@@ -375,33 +380,45 @@ def test_check_inside_the_sidecar_pod_sees_no_drift(node):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_sidecar_rbac_is_enough_for_what_it_did(node):
-    # kube-apiserver's audit logs (Metadata level): every request of the sidecars' user. A
-    # restarted kube-apiserver answers for a moment before its RBAC caches are filled, and
-    # refuses then what it allows a moment later (seen here: the sidecar's watches and its
-    # leader Lease update, the instant the restarted apiserver listened); a rule missing from
-    # rbac.yaml refuses for good. So: every request refused must succeed later (same verb, same
-    # path), through either apiserver (one etcd, one RBAC; the refused leader Lease update may
-    # only succeed again through the other apiserver, from the other sidecar, once leadership
-    # moved there).
-    sidecars_installed(node)
+def audit_events(node: Node, username: str, logs: str = "audit*.log") -> list[dict]:
+    """Every completed request of `username` in the node's audit logs matching `logs` (both
+    apiservers' by default: one etcd, one RBAC), oldest first by the time it was received."""
     audit = node.dir / "var-log-kubernetes" / "audit"
     events = []
-    for path in sorted(audit.glob("audit*.log")):
+    for path in sorted(audit.glob(logs)):
         for line in path.read_text().splitlines():
             event = json.loads(line)
-            if (event.get("user", {}).get("username") == "system:bootstrap-controller"
-                    and event.get("stage") == "ResponseComplete"):
-                events.append((event["requestReceivedTimestamp"], path.name, event))
-    events.sort(key=lambda e: e[0])
-    requests, transient, refused = len(events), [], []
-    for i, (at, name, event) in enumerate(events):
+            if event.get("user", {}).get("username") == username and event.get("stage") == "ResponseComplete":
+                event["_log"] = path.name
+                events.append(event)
+    events.sort(key=lambda e: e["requestReceivedTimestamp"])
+    return events
+
+
+def refusals(events: list[dict]) -> tuple[list, list]:
+    """The requests refused (403) among `events`: (allowed later, refused for good). A
+    restarted kube-apiserver answers for a moment before its RBAC caches are filled, and refuses
+    then what it allows a moment later; a rule missing refuses for good. A refusal counts as
+    transient when the same verb on the same path succeeds later, through either apiserver."""
+    transient, refused = [], []
+    for i, event in enumerate(events):
         if event.get("responseStatus", {}).get("code") != 403:
             continue
         key = (event["verb"], event["requestURI"].split("?", 1)[0])
         later = any((e["verb"], e["requestURI"].split("?", 1)[0]) == key
-                    and e.get("responseStatus", {}).get("code", 0) < 400 for _, _, e in events[i + 1:])
-        (transient if later else refused).append((name, at, *key))
-    assert requests >= 100, f"only {requests} requests of system:bootstrap-controller in {audit}"
+                    and e.get("responseStatus", {}).get("code", 0) < 400 for e in events[i + 1:])
+        (transient if later else refused).append((event["_log"], event["requestReceivedTimestamp"], *key))
+    return transient, refused
+
+
+def test_the_sidecar_rbac_is_enough_for_what_it_did(node):
+    # kube-apiserver's audit logs (Metadata level): every request of the sidecars' user. Seen
+    # here as transient refusals: the sidecar's watches and its leader Lease update, the instant
+    # the restarted apiserver listened; the refused leader Lease update may only succeed again
+    # through the other apiserver, from the other sidecar, once leadership moved there.
+    sidecars_installed(node)
+    events = audit_events(node, "system:bootstrap-controller")
+    transient, refused = refusals(events)
+    assert len(events) >= 100, f"only {len(events)} requests of system:bootstrap-controller in the audit logs"
     assert not refused, refused
-    print(f"{requests} requests of system:bootstrap-controller; refused and allowed later: {transient}")
+    print(f"{len(events)} requests of system:bootstrap-controller; refused and allowed later: {transient}")

@@ -42,7 +42,7 @@
 # What it writes into DIR:
 #   admin.kubeconfig     kubeadm's admin.conf (group kubeadm:cluster-admins), for tests and people
 #   admin-2.kubeconfig   the same user through the second apiserver (--apiservers 2)
-#   env                  addresses and paths as shell variables (source it)
+#   env                  addresses and paths as shell variables (source it; HELM: build.sh's helm)
 #   state                what down.sh undoes: processes, netns, links, cgroup, sysctls, mount points
 #   etc-kubernetes/ ...  what the node sees at /etc/kubernetes and the other bind-mounted paths
 #   *.log                containerd's, the kubelet's and kube-proxy's output
@@ -419,6 +419,7 @@ SERVICE_CIDR=$service_cidr
 POD_CIDR=$pod_cidr
 KUBERNETES_SERVICE_IP=198.19.0.1
 CONTROLLER_IMAGE=$CONTROLLER_IMAGE
+HELM=$HELM
 MANIFESTS=$dir/etc-kubernetes/manifests
 AUDIT_LOG=$dir/var-log-kubernetes/audit/audit.log
 KUBECONFIG=$kubeconfig

@@ -1,6 +1,6 @@
-"""What CI runs is what the README says, and the real control plane's scripts are sound: CI runs
-the README's test command verbatim, and the harness scripts are shellcheck-clean and refuse bad
-usage with a usage message."""
+"""What CI runs is what the README says, and the real control plane's scripts are sound: CI ends
+with the README's one command (run-tests.sh), which ends with the README's test command verbatim,
+and the scripts are shellcheck-clean and refuse bad usage with a usage message."""
 
 from __future__ import annotations
 
@@ -13,36 +13,59 @@ import pytest
 from harness import ROOT
 
 CONTROL_PLANE = ROOT / "e2e" / "control-plane"
-SCRIPTS = sorted(CONTROL_PLANE.glob("*.sh")) + sorted((ROOT / "e2e" / "node").glob("*.sh"))
+STEPS = ROOT / "e2e" / "steps"
+SCRIPTS = (sorted(CONTROL_PLANE.glob("*.sh")) + sorted((ROOT / "e2e" / "node").glob("*.sh"))
+           + sorted(STEPS.glob("*.sh")))
 
 
-def readme_test_command() -> str:
+def readme_commands() -> list[str]:
+    """The sh blocks of README's 'Run the tests' section, in order."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Run the tests", 1)[1]
-    match = re.search(r"```sh\n(.+?)\n```", section, re.S)
-    assert match, "README's 'Run the tests' section has no sh block"
-    return match.group(1).strip()
+    section = readme.split("## Run the tests", 1)[1].split("\n## ", 1)[0]
+    blocks = [block.strip() for block in re.findall(r"```sh\n(.+?)\n```", section, re.S)]
+    assert blocks, "README's 'Run the tests' section has no sh block"
+    return blocks
 
 
-def test_ci_runs_the_readme_test_command_verbatim():
-    command = readme_test_command()
+def last_command(script) -> str:
+    lines = [line.strip() for line in script.read_text().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")][-1]
+
+
+def test_ci_ends_with_the_readme_one_command():
+    one_command = readme_commands()[0]
+    assert one_command == "./run-tests.sh", one_command
+    # The last command: a failure anywhere before it fails CI through set -e, its own through
+    # the script's status.
+    assert last_command(ROOT / ".ci" / "run") == one_command
+
+
+def test_the_one_command_ends_with_the_readme_test_command():
+    command = readme_commands()[1]
     assert "e2e/control-plane/test.sh" in command, command
-    ci = (ROOT / ".ci" / "run").read_text()
-    lines = [line.strip() for line in ci.splitlines()]
-    assert command in lines, f"{command!r} is not a line of .ci/run"
-    # set -e does not stop inside an && list: only as the last command does its failure fail CI.
-    commands = [line for line in lines if line and not line.startswith("#")]
-    assert commands[-1] == command, f".ci/run must end with the test command, not {commands[-1]!r}"
+    # set -e does not stop inside an && list: only as the last command does its failure fail.
+    assert last_command(ROOT / "run-tests.sh") == command
+    assert "e2e/node/test.sh" in (ROOT / "run-tests.sh").read_text()
+
+
+def test_the_one_command_refuses_bad_usage_with_exit_2():
+    result = subprocess.run(
+        [str(ROOT / "run-tests.sh"), "--no-such-flag"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "usage: ./run-tests.sh" in result.stderr, result.stderr
 
 
 def test_ci_builds_without_protoc():
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert "export PROTOC=/bin/false" in ci
-    for text in (ci, (ROOT / "README.md").read_text()):
+    for script in (ROOT / ".ci" / "run", ROOT / "run-tests.sh"):
+        assert "export PROTOC=/bin/false" in script.read_text(), script
+    for text in ((ROOT / ".ci" / "run").read_text(), (ROOT / "README.md").read_text()):
         assert "protobuf-compiler" not in text
 
 
-@pytest.mark.parametrize("script", SCRIPTS + [ROOT / ".ci" / "run"], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "script", SCRIPTS + [ROOT / ".ci" / "run", ROOT / "run-tests.sh"], ids=lambda p: p.name
+)
 def test_scripts_are_shellcheck_clean(script):
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is needed (apt-get install shellcheck)"
@@ -68,6 +91,16 @@ def test_control_plane_scripts_refuse_bad_usage_with_exit_2(script, args):
     assert "usage" in result.stderr.lower() or "must be" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("args", [[], ["release"], ["release", "namespace", "repository"],
+                                  ["release", "", "repository", "tag"]])
+def test_the_install_chart_step_refuses_bad_usage_with_exit_2(args):
+    # Refused before helm runs: HELM names a command that would fail differently.
+    result = subprocess.run([str(STEPS / "install-chart.sh"), *args], capture_output=True,
+                            text=True, timeout=30, env={"PATH": "/usr/bin:/bin", "HELM": "/bin/false"})
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "install-chart.sh RELEASE NAMESPACE IMAGE_REPOSITORY IMAGE_TAG" in result.stderr, result.stderr
+
+
 def test_go_modules_pin_what_build_sh_reads():
     k8s = (CONTROL_PLANE / "k8s" / "go.mod").read_text()
     version = re.search(r"^require k8s.io/kubernetes (v1\.\d+\.\d+)$", k8s, re.M)
@@ -80,3 +113,5 @@ def test_go_modules_pin_what_build_sh_reads():
         assert pinned == staging, f"{module} replaced at {pinned}, not {staging}"
     etcd = (CONTROL_PLANE / "etcd" / "go.mod").read_text()
     assert re.search(r"^require go.etcd.io/etcd/server/v3 v3\.6\.\d+$", etcd, re.M), etcd
+    helm = (ROOT / "e2e" / "node" / "helm" / "go.mod").read_text()
+    assert re.search(r"^require helm.sh/helm/v4 v4\.\d+\.\d+$", helm, re.M), helm

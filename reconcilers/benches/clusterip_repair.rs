@@ -22,7 +22,8 @@ use anyhow::{Context, Result, bail};
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use futures::StreamExt;
 use prometheus_client::registry::Registry;
-use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
+use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
+use reconcilers::section::{EndpointsMode, ServiceName, Settings};
 use reconcilers::{PassContext, Reconciler};
 use serde_json::json;
 
@@ -249,16 +250,32 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         other => bail!("unknown role {other}"),
     };
     let mut registry = Registry::default();
+    let settings = Settings {
+        service_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
+        node_port_range: 30000..=32767,
+        secure_port: 6443,
+        kubernetes_service_node_port: None,
+        advertise_address: None,
+        endpoint_mode: EndpointsMode::Lease,
+        apiserver_count: 1,
+        kubernetes_service: ServiceName {
+            namespace: "default".to_owned(),
+            name: "kubernetes".to_owned(),
+        },
+        identity: "bench".to_owned(),
+        leader_lease: None,
+        etcd: None,
+    };
     let repair = Arc::new(ClusterIpRepair::new(
         client.clone(),
-        ClusterIpRepairConfig {
+        clusterip_repair::Section {
             mode,
-            service_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
             page_size: page_size(),
-            ..ClusterIpRepairConfig::default()
+            ..clusterip_repair::Section::default()
         },
+        &settings,
         &mut registry,
-    )?);
+    ));
     let ctx = PassContext {
         client: client.clone(),
         dry_run: true,

@@ -130,6 +130,28 @@ impl Settings {
     }
 }
 
+/// Settings for the unit tests of the loops: no range configured, the controller's default
+/// ports and `kubernetes` Service, a fixed identity.
+#[cfg(test)]
+pub(crate) fn test_settings() -> Settings {
+    Settings {
+        service_ranges: Vec::new(),
+        node_port_range: 30000..=32767,
+        secure_port: 6443,
+        kubernetes_service_node_port: None,
+        advertise_address: None,
+        endpoint_mode: EndpointsMode::Lease,
+        apiserver_count: 1,
+        kubernetes_service: ServiceName {
+            namespace: "default".to_owned(),
+            name: "kubernetes".to_owned(),
+        },
+        identity: "test-replica".to_owned(),
+        leader_lease: None,
+        etcd: None,
+    }
+}
+
 /// What a loop is built with.
 pub struct BuildContext<'a> {
     pub client: kube::Client,

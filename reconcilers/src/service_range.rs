@@ -237,6 +237,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn two_ranges_of_one_family_or_a_tiny_range_are_refused() {
+        let message = validate_ranges(&[
+            "10.0.0.0/24".parse().unwrap(),
+            "10.1.0.0/24".parse().unwrap(),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(message.contains("two IPv4 ranges"), "{message}");
+        assert!(
+            validate_ranges(&["10.0.0.0/30".parse().unwrap()])
+                .unwrap_err()
+                .to_string()
+                .contains("fewer than 8")
+        );
+    }
+
+    #[test]
     fn a_service_cidrs_ranges_are_checked_as_configured_ones() {
         let ok = ranges_of(&["10.43.0.0/16".to_owned(), "fd00:43::/112".to_owned()]).unwrap();
         assert_eq!(ok.len(), 2);

@@ -18,15 +18,41 @@ use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::alloc::IpFamily;
 use reconcilers::apiserver_endpoints::{
-    ApiserverEndpointsConfig, ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps,
-    EndpointsMode, ReadinessProbe, Resolver, ShutdownGate, ShutdownProbing,
+    ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, ReadinessProbe,
+    Resolver, Section, ShutdownGate, ShutdownProbing,
 };
+use reconcilers::section::{LoopSection, Settings};
 
-fn cfg(address: &str) -> ApiserverEndpointsConfig {
-    ApiserverEndpointsConfig {
-        advertise_address: Some(ip(address)),
-        identity: format!("test-{address}"),
-        ..ApiserverEndpointsConfig::default()
+/// One instance's configuration: the loops' section and the settings they read.
+#[derive(Clone)]
+struct Cfg {
+    section: Section,
+    settings: Settings,
+}
+
+/// `lease` mode, advertising `address`, with an identity of its own.
+fn cfg(address: &str) -> Cfg {
+    Cfg {
+        section: Section::default(),
+        settings: Settings {
+            advertise_address: Some(ip(address)),
+            identity: format!("test-{address}"),
+            ..common::settings(&[])
+        },
+    }
+}
+
+/// `static` mode with `addresses`.
+fn static_cfg(addresses: &[&str]) -> Cfg {
+    Cfg {
+        section: Section {
+            static_addresses: addresses.iter().map(|a| (*a).to_owned()).collect(),
+            ..Section::default()
+        },
+        settings: Settings {
+            endpoint_mode: EndpointsMode::Static,
+            ..common::settings(&[])
+        },
     }
 }
 
@@ -57,15 +83,16 @@ struct Instance {
     endpoints: ApiserverEndpointsLoop,
 }
 
-fn instance(sim: &Sim, cfg: &ApiserverEndpointsConfig, ready: bool) -> Instance {
+fn instance(sim: &Sim, cfg: &Cfg, ready: bool) -> Instance {
     let flag = Arc::new(Flag::new(ready));
     let d = deps(sim, flag.clone(), Arc::new(FakeResolver::default()));
     let mut registry = Registry::default();
     Instance {
         ready: flag,
         shutdown: d.shutdown.clone(),
-        lease: ApiserverLeaseLoop::new(cfg, d.clone(), &mut registry).unwrap(),
-        endpoints: ApiserverEndpointsLoop::new(cfg, d, &mut registry),
+        lease: ApiserverLeaseLoop::new(&cfg.section, &cfg.settings, d.clone(), &mut registry)
+            .unwrap(),
+        endpoints: ApiserverEndpointsLoop::new(&cfg.section, &cfg.settings, d, &mut registry),
     }
 }
 
@@ -312,13 +339,13 @@ async fn expired_lease_removes_the_member_with_an_event() {
 async fn lease_expiry_without_any_write_wakes_the_leader() {
     let sim = sim().await;
     let mut c = cfg("10.0.0.1");
-    c.lease_ttl = Duration::from_secs(2);
-    c.interval = Duration::from_secs(1);
+    c.section.lease_ttl = Duration::from_secs(2);
+    c.section.interval = Duration::from_secs(1);
     let leader = instance(&sim, &c, true);
     let short = instance(&sim, &cfg("10.0.0.2"), true);
     let mut short_cfg = cfg("10.0.0.2");
-    short_cfg.lease_ttl = Duration::from_secs(2);
-    short_cfg.interval = Duration::from_secs(1);
+    short_cfg.section.lease_ttl = Duration::from_secs(2);
+    short_cfg.section.interval = Duration::from_secs(1);
     let short_lived = instance(&sim, &short_cfg, true);
     drop(short);
     pass(&leader.lease, &sim).await;
@@ -594,15 +621,15 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
     let sim = sim().await;
     let resolver = Arc::new(FakeResolver::default());
     resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.1"), ip("fd00::1")]));
-    let c = ApiserverEndpointsConfig {
-        mode: EndpointsMode::Static,
-        static_addresses: vec!["lb.example.com".into(), "10.0.0.7".into()],
-        ..ApiserverEndpointsConfig::default()
-    };
-    c.validate().unwrap();
+    let c = static_cfg(&["lb.example.com", "10.0.0.7"]);
+    let mut errors = Vec::new();
+    c.section
+        .validate("loops.apiserverEndpoints", &c.settings, &mut errors);
+    assert_eq!(errors, []);
     let mut registry = Registry::default();
     let l = ApiserverEndpointsLoop::new(
-        &c,
+        &c.section,
+        &c.settings,
         deps(&sim, Arc::new(Flag::new(true)), resolver.clone()),
         &mut registry,
     );
@@ -683,10 +710,11 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
 #[tokio::test]
 async fn master_count_adds_itself_on_every_instance_and_trims() {
     let sim = sim().await;
-    let mk = |a: &str| ApiserverEndpointsConfig {
-        mode: EndpointsMode::MasterCount,
-        apiserver_count: 2,
-        ..cfg(a)
+    let mk = |a: &str| {
+        let mut c = cfg(a);
+        c.settings.endpoint_mode = EndpointsMode::MasterCount;
+        c.settings.apiserver_count = 2;
+        c
     };
     let a = instance(&sim, &mk("10.0.0.1"), true);
     let b = instance(&sim, &mk("10.0.0.2"), true);
@@ -811,7 +839,7 @@ async fn readyz_probe_follows_the_apiserver() {
     let c = cfg("10.0.0.1");
     let mut registry = Registry::default();
     let d = deps(&sim, Arc::new(by_client), Arc::new(FakeResolver::default()));
-    let lease_loop = ApiserverLeaseLoop::new(&c, d, &mut registry).unwrap();
+    let lease_loop = ApiserverLeaseLoop::new(&c.section, &c.settings, d, &mut registry).unwrap();
     assert!(pass(&lease_loop, &sim).await.is_clean());
     sim.set_ready(true);
     let report = pass(&lease_loop, &sim).await;
@@ -835,9 +863,10 @@ async fn readyz_probe_follows_the_apiserver() {
 #[tokio::test]
 async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     let sim = sim().await;
-    let with_election = |a: &str| ApiserverEndpointsConfig {
-        leader_lease: Some(("kube-system".into(), "bootstrap-controller".into())),
-        ..cfg(a)
+    let with_election = |a: &str| {
+        let mut c = cfg(a);
+        c.settings.leader_lease = Some(("kube-system".into(), "bootstrap-controller".into()));
+        c
     };
     let leader_lease = |holder: &str| {
         serde_json::json!({
@@ -930,13 +959,10 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
     let resolver = Arc::new(FakeResolver::default());
     // /etc/hosts style answer: loopback next to a real address.
     resolver.answer("lb.example.com", Ok(vec![ip("127.0.0.1"), ip("10.0.0.1")]));
-    let c = ApiserverEndpointsConfig {
-        mode: EndpointsMode::Static,
-        static_addresses: vec!["lb.example.com".into()],
-        ..ApiserverEndpointsConfig::default()
-    };
+    let c = static_cfg(&["lb.example.com"]);
     let l = ApiserverEndpointsLoop::new(
-        &c,
+        &c.section,
+        &c.settings,
         deps(&sim, Arc::new(Flag::new(true)), resolver),
         &mut Registry::default(),
     );

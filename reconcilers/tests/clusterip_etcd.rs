@@ -19,9 +19,10 @@ use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
-use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
+use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
 use reconcilers::legacy_alloc::etcd::{EtcdStore, Stored};
+use reconcilers::section::Settings;
 
 const KEY: &str = "/registry/ranges/serviceips";
 /// The simulator's default range; its legacy bitmap has 2^20 - 2 offsets.
@@ -65,21 +66,21 @@ async fn repair_with(
     rebuild: bool,
     registry: &mut Registry,
 ) -> Arc<ClusterIpRepair> {
-    let repair = Arc::new(
-        ClusterIpRepair::new(
-            sim.client(),
-            ClusterIpRepairConfig {
-                mode,
-                service_ranges: vec![RANGE.parse().unwrap()],
-                interval: Duration::from_secs(180),
-                etcd: Some(etcd.config()),
-                rebuild_bitmap_on_range_change: rebuild,
-                ..ClusterIpRepairConfig::default()
-            },
-            registry,
-        )
-        .unwrap(),
-    );
+    let settings = Settings {
+        etcd: Some(etcd.config()),
+        ..common::settings(&[RANGE])
+    };
+    let repair = Arc::new(ClusterIpRepair::new(
+        sim.client(),
+        clusterip_repair::Section {
+            mode,
+            interval: Duration::from_secs(180),
+            rebuild_bitmap_on_range_change: rebuild,
+            ..clusterip_repair::Section::default()
+        },
+        &settings,
+        registry,
+    ));
     let mut triggers = futures::stream::select_all(repair.triggers());
     tokio::spawn(async move { while triggers.next().await.is_some() {} });
     repair

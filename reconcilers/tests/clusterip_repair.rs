@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,8 +23,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::PostParams;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
-use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
-use reconcilers::service_cidr::{DefaultServiceCidr, ServiceCidrConfig};
+use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
+use reconcilers::service_cidr::{self, DefaultServiceCidr};
 use reconcilers::{Action, PassContext, PassReport, Reconciler};
 use serde_json::{Value, json};
 
@@ -33,6 +35,16 @@ fn ranges() -> Vec<ipnet::IpNet> {
         "10.96.0.0/16".parse().unwrap(),
         "fd00:10:96::/108".parse().unwrap(),
     ]
+}
+
+/// The default ServiceCIDR loop with `ranges` as `serviceClusterIPRange`.
+fn service_cidr_loop(client: &Client, ranges: Vec<ipnet::IpNet>) -> Result<DefaultServiceCidr> {
+    let settings = reconcilers::section::Settings {
+        service_ranges: ranges,
+        ..common::settings(&[])
+    };
+    DefaultServiceCidr::new(client.clone(), service_cidr::Section::default(), &settings)
+        .context("a loop for the configured ranges")
 }
 
 async fn start_sim() -> Result<Sim> {
@@ -54,13 +66,7 @@ fn ctx(client: &Client, dry_run: bool) -> PassContext {
 
 /// Creates the default ServiceCIDR with the real loop, as a deployment would.
 async fn ensure_default_service_cidr(client: &Client) -> Result<()> {
-    let service_cidr = DefaultServiceCidr::new(
-        client.clone(),
-        ServiceCidrConfig {
-            cidrs: ranges(),
-            ..ServiceCidrConfig::default()
-        },
-    )?;
+    let service_cidr = service_cidr_loop(client, ranges())?;
     service_cidr.reconcile(&ctx(client, false)).await?;
     Ok(())
 }
@@ -75,19 +81,23 @@ fn drive_triggers(repair: &ClusterIpRepair) -> tokio::task::JoinHandle<()> {
 async fn repair_with(
     _sim: &Sim,
     client: &Client,
-    config: ClusterIpRepairConfig,
+    section: clusterip_repair::Section,
 ) -> Result<(Arc<ClusterIpRepair>, Registry)> {
     let mut registry = Registry::default();
-    let repair = ClusterIpRepair::new(client.clone(), config, &mut registry)?;
+    let settings = reconcilers::section::Settings {
+        service_ranges: ranges(),
+        ..common::settings(&[])
+    };
+    let repair = ClusterIpRepair::new(client.clone(), section, &settings, &mut registry);
     Ok((Arc::new(repair), registry))
 }
 
-fn config(grace: Duration) -> ClusterIpRepairConfig {
-    ClusterIpRepairConfig {
-        orphan_grace: grace,
+/// Auto mode with `grace` as `orphanGracePeriod` (below the file's minimum where a test waits).
+fn config(grace: Duration) -> clusterip_repair::Section {
+    clusterip_repair::Section {
+        orphan_grace_period: grace,
         mode: RepairMode::Auto,
-        service_ranges: ranges(),
-        ..ClusterIpRepairConfig::default()
+        ..clusterip_repair::Section::default()
     }
 }
 
@@ -264,13 +274,7 @@ async fn default_service_cidr_is_created_upgraded_and_reported() -> Result<()> {
     let client = sim.client();
     let api = Api::<ServiceCIDR>::all(client.clone());
     // Single-stack first, as a cluster that later gains a secondary range.
-    let single = DefaultServiceCidr::new(
-        client.clone(),
-        ServiceCidrConfig {
-            cidrs: ranges()[..1].to_vec(),
-            ..ServiceCidrConfig::default()
-        },
-    )?;
+    let single = service_cidr_loop(&client, ranges()[..1].to_vec())?;
     let report = single.reconcile(&ctx(&client, false)).await?;
     assert!(
         report
@@ -292,13 +296,7 @@ async fn default_service_cidr_is_created_upgraded_and_reported() -> Result<()> {
     );
     assert!(single.reconcile(&ctx(&client, false)).await?.is_clean());
 
-    let dual = DefaultServiceCidr::new(
-        client.clone(),
-        ServiceCidrConfig {
-            cidrs: ranges(),
-            ..ServiceCidrConfig::default()
-        },
-    )?;
+    let dual = service_cidr_loop(&client, ranges())?;
     let dry = dual.reconcile(&ctx(&client, true)).await?;
     assert!(
         dry.drift
@@ -324,13 +322,7 @@ async fn default_service_cidr_is_created_upgraded_and_reported() -> Result<()> {
 
     // A different configuration is reported (event once however many passes), never applied or
     // shrunk.
-    let other = DefaultServiceCidr::new(
-        client.clone(),
-        ServiceCidrConfig {
-            cidrs: vec!["10.100.0.0/16".parse()?],
-            ..ServiceCidrConfig::default()
-        },
-    )?;
+    let other = service_cidr_loop(&client, vec!["10.100.0.0/16".parse()?])?;
     for _ in 0..10 {
         let report = other.reconcile(&ctx(&client, false)).await?;
         assert!(
@@ -1077,10 +1069,9 @@ async fn audit_mode_reports_legacy_reasons_without_writing() -> Result<()> {
     let (repair, registry) = repair_with(
         &sim,
         &client,
-        ClusterIpRepairConfig {
+        clusterip_repair::Section {
             mode: RepairMode::Audit,
-            service_ranges: ranges(),
-            ..ClusterIpRepairConfig::default()
+            ..clusterip_repair::Section::default()
         },
     )
     .await?;
@@ -1355,7 +1346,7 @@ async fn caches_are_synced_only_when_complete() -> Result<()> {
     let (repair, _registry) = repair_with(
         &sim,
         &client,
-        ClusterIpRepairConfig {
+        clusterip_repair::Section {
             page_size: 7,
             ..config(Duration::from_secs(60))
         },

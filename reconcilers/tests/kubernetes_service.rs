@@ -6,28 +6,24 @@ mod common;
 use std::collections::BTreeMap;
 
 use apiserver_sim::Sim;
-use common::{ctx, event_reasons, eventually, reporter, sim, writes};
+use common::{ctx, event_reasons, eventually, sim, writes};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, PostParams};
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
-use reconcilers::kubernetes_service::{
-    KubernetesServiceConfig, KubernetesServiceLoop, RepairPolicy,
-};
+use reconcilers::kubernetes_service::{KubernetesServiceLoop, RepairPolicy, Section};
+use reconcilers::section::Settings;
 
 type Corruption = Box<dyn Fn(&mut Service)>;
 
-fn cfg() -> KubernetesServiceConfig {
-    KubernetesServiceConfig {
-        service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
-        ..KubernetesServiceConfig::default()
-    }
+/// `serviceClusterIPRange` 10.96.0.0/12, the other settings' defaults.
+fn settings() -> Settings {
+    common::settings(&["10.96.0.0/12"])
 }
 
-fn service_loop(sim: &Sim, cfg: KubernetesServiceConfig) -> KubernetesServiceLoop {
-    cfg.validate().unwrap();
-    KubernetesServiceLoop::new(cfg, sim.client(), reporter(), &mut Registry::default())
+fn service_loop(sim: &Sim, section: Section, settings: Settings) -> KubernetesServiceLoop {
+    KubernetesServiceLoop::new(section, &settings, sim.client(), &mut Registry::default())
 }
 
 fn api(sim: &Sim) -> Api<Service> {
@@ -61,7 +57,7 @@ fn events_of_reason(sim: &Sim, reason: &str) -> usize {
 #[tokio::test]
 async fn creates_the_service_with_the_first_ip_and_then_rests() {
     let sim = sim().await;
-    let l = service_loop(&sim, cfg());
+    let l = service_loop(&sim, Section::default(), settings());
     let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
     assert_eq!(report.drift.len(), 1);
     assert_eq!(report.drift[0].kind, "service_missing");
@@ -93,7 +89,7 @@ async fn creates_the_service_with_the_first_ip_and_then_rests() {
 #[tokio::test]
 async fn every_repairable_drift_is_repaired() {
     let sim = sim().await;
-    let l = service_loop(&sim, cfg());
+    let l = service_loop(&sim, Section::default(), settings());
     l.reconcile(&ctx(&sim, false)).await.unwrap();
 
     let corruptions: Vec<(&str, Corruption)> = vec![
@@ -166,10 +162,11 @@ async fn repair_off_only_reports_like_upstream() {
     let sim = sim().await;
     let l = service_loop(
         &sim,
-        KubernetesServiceConfig {
+        Section {
             repair: RepairPolicy::Off,
-            ..cfg()
+            ..Section::default()
         },
+        settings(),
     );
     l.reconcile(&ctx(&sim, false)).await.unwrap();
     tamper_service(&sim, |s| {
@@ -188,7 +185,7 @@ async fn repair_off_only_reports_like_upstream() {
 #[tokio::test]
 async fn dry_run_writes_nothing() {
     let sim = sim().await;
-    let l = service_loop(&sim, cfg());
+    let l = service_loop(&sim, Section::default(), settings());
     let report = l.reconcile(&ctx(&sim, true)).await.unwrap();
     assert_eq!(report.drift[0].kind, "service_missing");
     assert!(!report.drift[0].applied);
@@ -231,7 +228,7 @@ fn plant_wrong_ip(sim: &Sim) {
 async fn cluster_ip_mismatch_is_reported_never_fixed_by_default() {
     let sim = sim().await;
     plant_wrong_ip(&sim);
-    let l = service_loop(&sim, cfg());
+    let l = service_loop(&sim, Section::default(), settings());
     sim.clear_requests();
     for _ in 0..10 {
         let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
@@ -254,10 +251,11 @@ async fn cluster_ip_mismatch_recreated_only_with_opt_in() {
     plant_wrong_ip(&sim);
     let l = service_loop(
         &sim,
-        KubernetesServiceConfig {
+        Section {
             recreate_on_cluster_ip_mismatch: true,
-            ..cfg()
+            ..Section::default()
         },
+        settings(),
     );
     let report = l.reconcile(&ctx(&sim, true)).await.unwrap();
     assert_eq!(report.drift[0].action, reconcilers::Action::Delete);
@@ -280,15 +278,15 @@ async fn node_port_with_two_ranges_is_single_stack() {
     })
     .await
     .unwrap();
-    let c = KubernetesServiceConfig {
-        service_cidrs: vec![
+    let c = Settings {
+        service_ranges: vec![
             "10.96.0.0/12".parse().unwrap(),
             "fd00:10:96::/108".parse().unwrap(),
         ],
-        node_port: Some(30443),
-        ..cfg()
+        kubernetes_service_node_port: Some(30443),
+        ..settings()
     };
-    let l = service_loop(&sim, c);
+    let l = service_loop(&sim, Section::default(), c);
     l.reconcile(&ctx(&sim, false)).await.unwrap();
     let spec = service(&sim).await.unwrap().spec.unwrap();
     assert_eq!(spec.type_.as_deref(), Some("NodePort"));
@@ -315,9 +313,10 @@ async fn two_ranges_keep_the_service_single_stack_of_the_primary_family() {
     .unwrap();
     let dual = service_loop(
         &sim,
-        KubernetesServiceConfig {
-            service_cidrs: ranges.clone(),
-            ..cfg()
+        Section::default(),
+        Settings {
+            service_ranges: ranges.clone(),
+            ..settings()
         },
     );
     let report = dual.reconcile(&ctx(&sim, false)).await.unwrap();
@@ -341,9 +340,10 @@ async fn two_ranges_keep_the_service_single_stack_of_the_primary_family() {
         .unwrap();
     let v6_first = service_loop(
         &sim,
-        KubernetesServiceConfig {
-            service_cidrs: vec![ranges[1], ranges[0]],
-            ..cfg()
+        Section::default(),
+        Settings {
+            service_ranges: vec![ranges[1], ranges[0]],
+            ..settings()
         },
     );
     v6_first.reconcile(&ctx(&sim, false)).await.unwrap();
@@ -358,7 +358,7 @@ async fn two_ranges_keep_the_service_single_stack_of_the_primary_family() {
 #[tokio::test]
 async fn a_refused_repair_is_reported_once_and_not_counted_as_a_repair() {
     let sim = sim().await;
-    service_loop(&sim, cfg())
+    service_loop(&sim, Section::default(), settings())
         .reconcile(&ctx(&sim, false))
         .await
         .unwrap();
@@ -374,9 +374,10 @@ async fn a_refused_repair_is_reported_once_and_not_counted_as_a_repair() {
 
     let l = service_loop(
         &sim,
-        KubernetesServiceConfig {
-            node_port: Some(30443),
-            ..cfg()
+        Section::default(),
+        Settings {
+            kubernetes_service_node_port: Some(30443),
+            ..settings()
         },
     );
     for pass in 0..3 {
@@ -424,7 +425,7 @@ async fn a_refused_creation_is_reported_once() {
         .create(&PostParams::default(), &taker)
         .await
         .unwrap();
-    let l = service_loop(&sim, cfg());
+    let l = service_loop(&sim, Section::default(), settings());
     for _ in 0..3 {
         let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
         assert_eq!(report.drift.len(), 1, "{report:?}");

@@ -18,13 +18,23 @@ use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
 use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey, Stored};
-use reconcilers::nodeport_repair::{NodePortRepair, NodePortRepairConfig, PortRange};
+use reconcilers::nodeport_repair::{self, NodePortRepair, PortRange};
+use reconcilers::section::Settings;
 use serde_json::json;
 
 const KEY: &str = "/registry/ranges/servicenodeports";
 
 fn range() -> PortRange {
     PortRange::default()
+}
+
+/// `serviceNodePortRange` [`range`], in etcd mode with `etcd`.
+fn settings(etcd: EtcdConfig) -> Settings {
+    Settings {
+        node_port_range: range().base()..=range().last(),
+        etcd: Some(etcd),
+        ..common::settings(&[])
+    }
 }
 
 fn bitmap(ports: &[u16]) -> Vec<u8> {
@@ -75,20 +85,21 @@ impl Harness {
     /// `rebuild`: `rebuildBitmapOnRangeChange`.
     async fn start_with(sim: &Sim, etcd: EtcdConfig, interval: Duration, rebuild: bool) -> Self {
         let mut registry = Registry::default();
-        let repair = Arc::new(NodePortRepair::new(
-            sim.client(),
-            NodePortRepairConfig {
-                interval,
-                range: range(),
-                reporting_instance: None,
-                page_size: 500,
-                etcd: Some(etcd),
-                rebuild_bitmap_on_range_change: rebuild,
-                ..NodePortRepairConfig::default()
-            },
-            None,
-            &mut registry,
-        ));
+        let repair = Arc::new(
+            NodePortRepair::new(
+                sim.client(),
+                nodeport_repair::Section {
+                    interval,
+                    page_size: 500,
+                    rebuild_bitmap_on_range_change: rebuild,
+                    ..nodeport_repair::Section::default()
+                },
+                &settings(etcd),
+                None,
+                &mut registry,
+            )
+            .unwrap(),
+        );
         let mut triggers = repair.triggers();
         let cache = triggers.remove(0);
         let task = tokio::spawn(cache.for_each(|()| async {}));
@@ -779,17 +790,19 @@ async fn passes_at_rest_send_etcd_nothing() {
     let etcd = Etcd::start(None).await;
     let sim = common::sim().await;
     put_service(&sim, "web", 30080);
-    let repair = Arc::new(NodePortRepair::new(
-        sim.client(),
-        NodePortRepairConfig {
-            range: range(),
-            page_size: 500,
-            etcd: Some(etcd.config()),
-            ..NodePortRepairConfig::default()
-        },
-        None,
-        &mut Registry::default(),
-    ));
+    let repair = Arc::new(
+        NodePortRepair::new(
+            sim.client(),
+            nodeport_repair::Section {
+                page_size: 500,
+                ..nodeport_repair::Section::default()
+            },
+            &settings(etcd.config()),
+            None,
+            &mut Registry::default(),
+        )
+        .unwrap(),
+    );
     let mut triggers = futures::stream::select_all(repair.triggers());
     let (woken, mut wakes) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {

@@ -15,8 +15,8 @@ use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use prometheus_client::registry::Registry;
-use reconcilers::clusterip_repair::{ClusterIpRepair, ClusterIpRepairConfig, RepairMode};
-use reconcilers::kubernetes_service::{KubernetesServiceConfig, KubernetesServiceLoop};
+use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
+use reconcilers::kubernetes_service::{self, KubernetesServiceLoop};
 use reconcilers::{LoopError, Reconciler};
 use serde_json::json;
 
@@ -64,13 +64,13 @@ fn service(ns: &str, name: &str, cluster_ip: &str) -> serde_json::Value {
 fn unconfigured_repair(sim: &Sim) -> ClusterIpRepair {
     ClusterIpRepair::new(
         sim.client(),
-        ClusterIpRepairConfig {
+        clusterip_repair::Section {
             mode: RepairMode::Audit,
-            ..ClusterIpRepairConfig::default()
+            ..clusterip_repair::Section::default()
         },
+        &common::settings(&[]),
         &mut Registry::default(),
     )
-    .unwrap()
 }
 
 /// Runs passes until the Service cache has synced (the watch feeds it in the background).
@@ -124,9 +124,9 @@ async fn the_range_is_read_from_the_kubernetes_service_cidr() -> Result<()> {
     // The `kubernetes` Service loop, with no range either, creates the Service with the first IP
     // of the cluster's range.
     let service_loop = KubernetesServiceLoop::new(
-        KubernetesServiceConfig::default(),
+        kubernetes_service::Section::default(),
+        &common::settings(&[]),
         sim.client(),
-        common::reporter(),
         &mut Registry::default(),
     );
     service_loop.reconcile(&common::ctx(&sim, false)).await?;
@@ -161,9 +161,10 @@ async fn without_a_service_cidr_the_repair_refuses_and_names_the_setting() -> Re
 
     let repair = ClusterIpRepair::new(
         sim.client(),
-        ClusterIpRepairConfig::default(),
+        clusterip_repair::Section::default(),
+        &common::settings(&[]),
         &mut Registry::default(),
-    )?;
+    );
     let _triggers = drive(repair.triggers());
     let refused = audit(&repair, &sim).await.unwrap_err();
     assert!(matches!(refused, LoopError::Invalid(_)), "{refused:?}");
@@ -189,9 +190,9 @@ async fn without_a_service_cidr_the_repair_refuses_and_names_the_setting() -> Re
     // The `kubernetes` Service loop goes on: no range to judge the ClusterIP by, so none is
     // reported, and the rest of the Service is still kept.
     let service_loop = KubernetesServiceLoop::new(
-        KubernetesServiceConfig::default(),
+        kubernetes_service::Section::default(),
+        &common::settings(&[]),
         sim.client(),
-        common::reporter(),
         &mut Registry::default(),
     );
     let report = service_loop.reconcile(&common::ctx(&sim, false)).await?;

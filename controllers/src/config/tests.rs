@@ -58,11 +58,7 @@ fn kubernetes_service_and_endpoints_sections() {
     )
     .expect("a valid static configuration");
     assert_eq!(
-        config
-            .loops
-            .apiserver_endpoints
-            .loop_config(&config.settings())
-            .static_addresses,
+        config.loops.apiserver_endpoints.static_addresses,
         ["192.0.2.1", "lb.example.com"]
     );
 

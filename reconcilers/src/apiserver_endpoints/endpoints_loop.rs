@@ -7,7 +7,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use futures::future::BoxFuture;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, ObjectReference, Service};
@@ -22,6 +21,7 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use super::lease::{MemberLease, Sightings, member_selector, membership};
+use super::lease_trigger::lease_trigger;
 use super::members::{MemberSet, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
 use super::plan::{
@@ -30,13 +30,14 @@ use super::plan::{
 };
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, probed_elsewhere};
 use super::shutdown::ShutdownGate;
-use super::{ApiserverEndpointsConfig, EndpointsDeps, EndpointsMode, NAME, StaticAddress};
+use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
 use crate::alloc::IpFamily;
 use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt, drift,
     ignore_already_exists,
 };
 use crate::findings::ReportOnce;
+use crate::section::Settings;
 use crate::watch_cache::{WatchCache, watch_trigger};
 
 pub use super::metrics::EndpointsMetrics;
@@ -73,7 +74,14 @@ struct State {
 
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
 pub struct ApiserverEndpointsLoop {
-    cfg: ApiserverEndpointsConfig,
+    section: Section,
+    /// The top-level settings: the mode, `apiserverCount`, this replica's identity and the
+    /// leader-election Lease.
+    settings: Settings,
+    /// The Service the endpoints serve (from `settings`).
+    target: EndpointsTarget,
+    /// This instance's address: `advertiseAddress`, or the default route's.
+    advertise_address: Option<IpAddr>,
     client: kube::Client,
     readiness: Arc<dyn ReadinessProbe>,
     /// `master-count` mode: failed probes in a row that take this instance out.
@@ -114,12 +122,14 @@ struct Computed {
 }
 
 impl ApiserverEndpointsLoop {
+    /// The loop of a validated `section` with validated `settings`.
     pub fn new(
-        cfg: &ApiserverEndpointsConfig,
+        section: &Section,
+        settings: &Settings,
         deps: EndpointsDeps,
         registry: &mut Registry,
     ) -> Self {
-        let target = &cfg.target;
+        let target = &Section::target(settings);
         let endpoints = WatchCache::new(
             Api::namespaced(deps.client.clone(), &target.namespace),
             watcher::Config::default().fields(&format!("metadata.name={}", target.service_name)),
@@ -129,7 +139,7 @@ impl ApiserverEndpointsLoop {
             watcher::Config::default().labels(&slice_selector(target)),
         );
         let leases = WatchCache::new(
-            Api::namespaced(deps.client.clone(), &cfg.lease_namespace),
+            Api::namespaced(deps.client.clone(), &section.lease_namespace),
             watcher::Config::default().labels(&member_selector(&target.service_name)),
         );
         let service = WatchCache::new(
@@ -142,11 +152,14 @@ impl ApiserverEndpointsLoop {
             leases,
             service,
             lease_problems: ReportOnce::new(),
-            cfg: cfg.clone(),
+            section: section.clone(),
+            settings: settings.clone(),
+            target: target.clone(),
+            advertise_address: section.advertise_address(settings),
             reporter: deps.reporter,
             client: deps.client,
             readiness: deps.readiness,
-            failures: FailureThreshold::new(cfg.readiness_failure_threshold),
+            failures: FailureThreshold::new(section.readiness_failure_threshold),
             probed: std::sync::Mutex::new(deps.probed.clone()),
             shutdown: deps.shutdown,
             resolver: deps.resolver,
@@ -161,7 +174,7 @@ impl ApiserverEndpointsLoop {
     }
 
     fn target(&self) -> &EndpointsTarget {
-        &self.cfg.target
+        &self.target
     }
 
     fn endpoints_api(&self, ctx: &PassContext) -> Api<Endpoints> {
@@ -185,17 +198,17 @@ impl ApiserverEndpointsLoop {
             expired: BTreeSet::new(),
             warnings: Vec::new(),
         };
-        match self.cfg.mode {
+        match self.settings.endpoint_mode {
             EndpointsMode::Lease => {
                 let api: Api<MemberLease> =
-                    Api::namespaced(ctx.client.clone(), &self.cfg.lease_namespace);
+                    Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
                 // A failed list is an error, never an empty membership.
                 let leases = self.leases.list(&api).await?;
                 let now = Timestamp::now();
                 let judged = membership(
                     leases.iter().map(|lease| &lease.0),
                     now,
-                    self.cfg.lease_ttl,
+                    self.section.lease_ttl,
                     &mut state.sightings,
                 );
                 let problems = judged.problems.iter().map(ToString::to_string);
@@ -229,17 +242,17 @@ impl ApiserverEndpointsLoop {
                 self.next_expiry.set(wake);
             }
             EndpointsMode::Static => {
-                let entries = self.cfg.static_entries();
+                let entries = self.section.static_entries();
                 // All names at once, each bounded, so one slow resolver cannot stall the pass.
                 let lookups = entries.iter().filter_map(|entry| match entry {
                     StaticAddress::Name(name) => Some(async move {
-                        let answer =
-                            tokio::time::timeout(self.cfg.interval, self.resolver.resolve(name))
-                                .await
-                                .map_err(|_| {
-                                    format!("lookup timed out after {:?}", self.cfg.interval)
-                                })
-                                .and_then(|r| r.map_err(|e| e.to_string()));
+                        let answer = tokio::time::timeout(
+                            self.section.interval,
+                            self.resolver.resolve(name),
+                        )
+                        .await
+                        .map_err(|_| format!("lookup timed out after {:?}", self.section.interval))
+                        .and_then(|r| r.map_err(|e| e.to_string()));
                         (name.clone(), answer)
                     }),
                     StaticAddress::Ip(_) => None,
@@ -279,12 +292,12 @@ impl ApiserverEndpointsLoop {
                 let probed = self.probed.lock().ok().and_then(|mut p| p.take());
                 if let Some(probed) = probed
                     && let Some(host) = probed.host().await
-                    && let Some(why) = probed_elsewhere(&host, self.cfg.advertise_address)
+                    && let Some(why) = probed_elsewhere(&host, self.advertise_address)
                 {
                     tracing::warn!("{why}");
                 }
                 let listed = listed.clone();
-                let own = self.cfg.advertise_address;
+                let own = self.advertise_address;
                 // Shutting down counts as not ready.
                 let ready = !exclude_own
                     && self
@@ -293,9 +306,11 @@ impl ApiserverEndpointsLoop {
                         .result()
                         .is_ok();
                 computed.members = match (own, ready) {
-                    (Some(own), true) => {
-                        master_count_members(&listed, own, self.cfg.apiserver_count)
-                    }
+                    (Some(own), true) => master_count_members(
+                        &listed,
+                        own,
+                        usize::try_from(self.settings.apiserver_count).unwrap_or(usize::MAX),
+                    ),
                     (Some(own), false) => {
                         tracing::debug!(
                             "local apiserver not ready or shutting down; not adding this instance"
@@ -309,7 +324,7 @@ impl ApiserverEndpointsLoop {
             }
             EndpointsMode::None => {}
         }
-        if exclude_own && let Some(own) = self.cfg.advertise_address {
+        if exclude_own && let Some(own) = self.advertise_address {
             computed.members.remove(&own);
         }
         // One family, the Service's, as upstream (`pkg/controlplane/reconcilers` lists the
@@ -373,7 +388,7 @@ impl ApiserverEndpointsLoop {
         ctx: &PassContext,
         endpoints: Option<&Endpoints>,
     ) -> Result<MemberSet, LoopError> {
-        if self.cfg.write_endpoints {
+        if self.section.write_endpoints {
             return Ok(endpoints.map(listed_members).unwrap_or_default());
         }
         Ok(slice_members(
@@ -454,7 +469,7 @@ impl ApiserverEndpointsLoop {
         };
         let api = self.endpoints_api(ctx);
         let object = target.endpoints_ref();
-        let found = if self.cfg.write_endpoints {
+        let found = if self.section.write_endpoints {
             endpoints_drift(target, members, existing.as_ref())
         } else {
             Vec::new()
@@ -583,7 +598,7 @@ impl ApiserverEndpointsLoop {
             .endpoints
             .get(&self.endpoints_api(ctx), &target.service_name)
             .await?;
-        if !self.cfg.write_endpoints && existing.is_some() && !state.warned_endpoints_left {
+        if !self.section.write_endpoints && existing.is_some() && !state.warned_endpoints_left {
             state.warned_endpoints_left = true;
             tracing::warn!(
                 endpoints = %target.endpoints_ref(),
@@ -593,7 +608,7 @@ impl ApiserverEndpointsLoop {
                 target.service_name
             );
         }
-        let existing = existing.filter(|_| self.cfg.write_endpoints);
+        let existing = existing.filter(|_| self.section.write_endpoints);
         let listed = self.listed(ctx, existing.as_ref()).await?;
         let computed = self.compute(ctx, &mut state, &listed, false).await?;
         let members = computed.members;
@@ -623,7 +638,7 @@ impl ApiserverEndpointsLoop {
 
         // Who last wrote each object before this pass, when not this controller: named if this
         // pass has to repair it (two writers of one object fight).
-        let writers = if self.cfg.name_conflicting_writers {
+        let writers = if self.section.name_conflicting_writers {
             let slices = self.slices.list(&self.slices_api(ctx)).await?;
             other_writers(&target, existing.as_ref(), &slices)
         } else {
@@ -644,7 +659,7 @@ impl ApiserverEndpointsLoop {
             .map(|e| e.object_ref(&()))
             .unwrap_or_else(|| ObjectReference {
                 api_version: Some(
-                    if self.cfg.write_endpoints {
+                    if self.section.write_endpoints {
                         "v1"
                     } else {
                         "discovery.k8s.io/v1"
@@ -652,7 +667,7 @@ impl ApiserverEndpointsLoop {
                     .to_owned(),
                 ),
                 kind: Some(
-                    if self.cfg.write_endpoints {
+                    if self.section.write_endpoints {
                         "Endpoints"
                     } else {
                         "EndpointSlice"
@@ -804,11 +819,11 @@ impl ApiserverEndpointsLoop {
             .lock()
             .await
             .last_pass
-            .is_some_and(|at| at.elapsed() < self.cfg.interval * 2);
-        let writer = match self.cfg.mode {
+            .is_some_and(|at| at.elapsed() < self.section.interval * 2);
+        let writer = match self.settings.endpoint_mode {
             EndpointsMode::Lease => {
                 recently_leading
-                    && tokio::time::timeout(self.cfg.interval * 2, self.holds_leadership(ctx))
+                    && tokio::time::timeout(self.section.interval * 2, self.holds_leadership(ctx))
                         .await
                         .unwrap_or(false)
             }
@@ -822,11 +837,11 @@ impl ApiserverEndpointsLoop {
     /// empty result is written: this is the one case where upstream empties the endpoints too
     /// (the last member leaving).
     async fn withdraw(&self, ctx: &PassContext) -> Result<(), LoopError> {
-        let Some(own) = self.cfg.advertise_address else {
+        let Some(own) = self.advertise_address else {
             return Ok(());
         };
         let mut state = self.state.lock().await;
-        let existing = if self.cfg.write_endpoints {
+        let existing = if self.section.write_endpoints {
             self.endpoints_api(ctx)
                 .get_opt(&self.target().service_name)
                 .await?
@@ -856,14 +871,14 @@ impl ApiserverEndpointsLoop {
     /// Whether the leader-election Lease names this instance (true without leader election).
     /// Read live: the runner may have handed leadership over since our last pass.
     async fn holds_leadership(&self, ctx: &PassContext) -> bool {
-        let Some((namespace, name)) = &self.cfg.leader_lease else {
+        let Some((namespace, name)) = &self.settings.leader_lease else {
             return true;
         };
         let api: Api<Lease> = Api::namespaced(ctx.client.clone(), namespace);
         match api.get_opt(name).await {
             Ok(Some(lease)) => {
                 lease.spec.and_then(|s| s.holder_identity).as_deref()
-                    == Some(self.cfg.identity.as_str())
+                    == Some(self.settings.identity.as_str())
             }
             Ok(None) => false,
             Err(err) => {
@@ -880,11 +895,11 @@ impl Reconciler for ApiserverEndpointsLoop {
     }
 
     fn interval(&self) -> Duration {
-        self.cfg.interval
+        self.section.interval
     }
 
     fn needs_leadership(&self) -> bool {
-        self.cfg.mode != EndpointsMode::MasterCount
+        self.settings.endpoint_mode != EndpointsMode::MasterCount
     }
 
     fn triggers(&self) -> Vec<Trigger> {
@@ -896,11 +911,11 @@ impl Reconciler for ApiserverEndpointsLoop {
         .into_iter()
         .flatten()
         .collect();
-        if self.cfg.mode == EndpointsMode::Lease {
+        if self.settings.endpoint_mode == EndpointsMode::Lease {
             triggers.extend(
                 self.leases
                     .take_events()
-                    .map(|events| lease_trigger(events, self.cfg.lease_ttl)),
+                    .map(|events| lease_trigger(events, self.section.lease_ttl)),
             );
             triggers.push(self.next_expiry.trigger());
         }
@@ -921,7 +936,7 @@ impl Reconciler for ApiserverEndpointsLoop {
             if !self.withdraws(ctx).await {
                 return Ok(());
             }
-            let bound = self.cfg.interval * 2;
+            let bound = self.section.interval * 2;
             match tokio::time::timeout(bound, self.withdraw(ctx)).await {
                 Ok(result) => result,
                 Err(_) => Err(LoopError::Other(format!(
@@ -932,9 +947,6 @@ impl Reconciler for ApiserverEndpointsLoop {
     }
 }
 
-/// The Lease watch as a trigger, minus plain renewals: with N members a renewal arrives every
-/// interval/N, and each would cost the leader a pass that finds nothing. A Lease fires when it
-/// appears, goes, changes address, or is renewed after it had expired (a member coming back).
 /// Above this many members changing in one pass (per kind of change), one event says how many
 /// instead of one event each.
 const MEMBER_EVENTS_PER_PASS: usize = 5;
@@ -942,103 +954,4 @@ const MEMBER_EVENTS_PER_PASS: usize = 5;
 /// The label selector of the `kubernetes` Service's EndpointSlices.
 fn slice_selector(target: &EndpointsTarget) -> String {
     format!("{SERVICE_NAME_LABEL}={}", target.service_name)
-}
-
-fn lease_trigger<S>(stream: S, fallback_ttl: Duration) -> Trigger
-where
-    S: futures::Stream<Item = Result<watcher::Event<MemberLease>, watcher::Error>> + Send + 'static,
-{
-    use kube::runtime::WatchStreamExt;
-    let mut seen: BTreeMap<String, (IpAddr, Timestamp)> = BTreeMap::new();
-    stream
-        .default_backoff()
-        .filter_map(move |event| {
-            let fire = match event {
-                Ok(watcher::Event::Init) => {
-                    seen.clear();
-                    false
-                }
-                Ok(watcher::Event::InitApply(lease)) => {
-                    if let (Some(name), Ok(member)) = (
-                        lease.metadata.name.clone(),
-                        super::lease::observe(&lease, fallback_ttl),
-                    ) {
-                        seen.insert(name, (member.address, member.expires));
-                    }
-                    false
-                }
-                Ok(watcher::Event::InitDone) => true,
-                Ok(watcher::Event::Apply(lease)) => {
-                    let name = lease.metadata.name.clone().unwrap_or_default();
-                    match super::lease::observe(&lease, fallback_ttl) {
-                        Ok(member) => {
-                            let before = seen.insert(name, (member.address, member.expires));
-                            match before {
-                                Some((address, expires)) => {
-                                    address != member.address || expires <= Timestamp::now()
-                                }
-                                None => true,
-                            }
-                        }
-                        Err(_) => seen.remove(&name).is_some(),
-                    }
-                }
-                Ok(watcher::Event::Delete(lease)) => {
-                    seen.remove(&lease.metadata.name.clone().unwrap_or_default());
-                    true
-                }
-                Err(err) => {
-                    tracing::debug!(error = %err, "Lease watch failed; retrying with backoff");
-                    false
-                }
-            };
-            futures::future::ready(fire.then_some(()))
-        })
-        .boxed()
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-    use crate::apiserver_endpoints::lease::OwnLease;
-
-    fn lease(ip: &str, renewed: Timestamp) -> MemberLease {
-        MemberLease(
-            OwnLease {
-                namespace: "kube-system".into(),
-                service_name: "kubernetes".into(),
-                address: ip.parse().unwrap(),
-                port: 6443,
-                holder: "t".into(),
-                ttl: Duration::from_secs(15),
-            }
-            .renewed(None, renewed),
-        )
-    }
-
-    #[tokio::test]
-    async fn lease_trigger_ignores_plain_renewals() {
-        let now = Timestamp::now();
-        let long_ago = Timestamp::from_second(1_600_000_000).unwrap();
-        let events = vec![
-            Ok(watcher::Event::Init),
-            Ok(watcher::Event::InitApply(lease("10.0.0.1", now))),
-            Ok(watcher::Event::InitApply(lease("10.0.0.2", long_ago))),
-            Ok(watcher::Event::InitDone),
-            // 1: plain renewal -> nothing.
-            Ok(watcher::Event::Apply(lease("10.0.0.1", now))),
-            // 2: renewal of an expired member (it comes back) -> fires.
-            Ok(watcher::Event::Apply(lease("10.0.0.2", now))),
-            // 3: a new member -> fires.
-            Ok(watcher::Event::Apply(lease("10.0.0.3", now))),
-            // 4: a member goes -> fires.
-            Ok(watcher::Event::Delete(lease("10.0.0.1", now))),
-        ];
-        let fired: Vec<()> = lease_trigger(futures::stream::iter(events), Duration::from_secs(15))
-            .collect()
-            .await;
-        // InitDone + expired-renewed + new + deleted.
-        assert_eq!(fired.len(), 4);
-    }
 }

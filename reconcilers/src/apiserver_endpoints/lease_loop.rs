@@ -18,12 +18,13 @@ use super::probe::{
     CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere,
 };
 use super::shutdown::ShutdownGate;
-use super::{ApiserverEndpointsConfig, EndpointsDeps};
+use super::{EndpointsDeps, Section};
 use crate::alloc::IpFamily;
 use crate::contract::{
     Action, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt, drift,
 };
 use crate::lease;
+use crate::section::Settings;
 
 use crate::metrics::{loop_registry, registered};
 
@@ -120,38 +121,41 @@ pub struct ApiserverLeaseLoop {
 }
 
 impl ApiserverLeaseLoop {
-    /// `None` when `cfg` has no advertise address (validation rejects that in `lease` mode).
+    /// The loop of a validated `section` with validated `settings`; `None` when there is no
+    /// advertise address (validation rejects that in `lease` mode).
     pub fn new(
-        cfg: &ApiserverEndpointsConfig,
+        section: &Section,
+        settings: &Settings,
         deps: EndpointsDeps,
         registry: &mut Registry,
     ) -> Option<Self> {
-        let address = cfg.advertise_address?;
-        let holder = if cfg.identity.is_empty() {
+        let address = section.advertise_address(settings)?;
+        let holder = if settings.identity.is_empty() {
             address.to_string()
         } else {
-            cfg.identity.clone()
+            settings.identity.clone()
         };
+        let target = Section::target(settings);
         Some(Self {
-            target: cfg.target.clone(),
-            address_defaulted: cfg.advertise_address_defaulted,
+            address_defaulted: settings.advertise_address.is_none(),
             service_family: std::sync::OnceLock::new(),
-            keep_shared_address: cfg.keep_shared_address,
+            keep_shared_address: section.keep_shared_address,
             probed: deps.probed.clone(),
             probed_checked: std::sync::atomic::AtomicBool::new(false),
-            check_certificate: cfg.check_serving_certificate,
+            check_certificate: section.check_serving_certificate,
             certificate: Mutex::new((None, None)),
             own: OwnLease {
-                namespace: cfg.lease_namespace.clone(),
-                service_name: cfg.target.service_name.clone(),
+                namespace: section.lease_namespace.clone(),
+                service_name: target.service_name.clone(),
                 address,
-                port: cfg.target.port,
+                port: target.port,
                 holder,
-                ttl: cfg.lease_ttl,
+                ttl: section.lease_ttl,
             },
-            interval: cfg.interval,
+            target,
+            interval: section.interval,
             readiness: deps.readiness,
-            failures: FailureThreshold::new(cfg.readiness_failure_threshold),
+            failures: FailureThreshold::new(section.readiness_failure_threshold),
             recheck: WakeAt::default(),
             shutdown: deps.shutdown,
             metrics: LeaseMetrics::register(registry),

@@ -1,7 +1,7 @@
 //! The `kubernetes` Service's endpoints: who the apiservers are, and the Endpoints and
 //! EndpointSlices that list them.
 //!
-//! Two loops share one configuration:
+//! Two loops share one configuration, the section with the top-level settings:
 //! * [`ApiserverLeaseLoop`] (`apiserver-lease`, every instance, `lease` mode only): keeps this
 //!   instance's membership Lease while its apiserver's `/readyz` answers 200, deletes it when the
 //!   apiserver is not ready, and on shutdown when [`shutdown`] decides its apiserver is stopping
@@ -37,6 +37,7 @@
 pub mod endpoints_loop;
 pub mod lease;
 pub mod lease_loop;
+mod lease_trigger;
 pub mod members;
 mod metrics;
 pub mod modes;
@@ -58,10 +59,13 @@ pub use probe::{
     ApiserverReadyz, LazyUrlReadyz, NotReady, ProbedServer, ReadinessProbe, Resolver,
     SystemResolver, default_route_address,
 };
-pub use section::{ApiserverEndpointsConfig, Section, StaticAddress, StaticAddressError};
+pub use section::{
+    DEFAULT_INTERVAL, DEFAULT_LEASE_TTL, Section, StaticAddress, StaticAddressError,
+};
 pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate, ShutdownProbing};
 
 use crate::contract::Reconciler;
+use crate::section::Settings;
 pub use crate::section::{ConfigLoader, EndpointsMode};
 
 /// The endpoints loop's name: in logs, `/readyz`, metrics and events (the Lease loop's is
@@ -83,24 +87,28 @@ pub struct EndpointsDeps {
     pub probed: Option<ProbedServer>,
 }
 
-/// The loops for `cfg.mode`: `lease` gives the per-instance lease loop and the leader-only
-/// endpoints loop; `static` and `master-count` give the endpoints loop; `none` gives nothing.
-/// `cfg` must have passed [`ApiserverEndpointsConfig::validate`].
+/// The loops for `endpointReconcilerType`: `lease` gives the per-instance lease loop and the
+/// leader-only endpoints loop; `static` and `master-count` give the endpoints loop; `none` gives
+/// nothing. `section` and `settings` must have passed validation.
 pub fn build_loops(
-    cfg: &ApiserverEndpointsConfig,
+    section: &Section,
+    settings: &Settings,
     deps: EndpointsDeps,
     registry: &mut Registry,
 ) -> Vec<Box<dyn Reconciler>> {
     let mut loops: Vec<Box<dyn Reconciler>> = Vec::new();
-    if cfg.mode == EndpointsMode::None {
+    let mode = settings.endpoint_mode;
+    if mode == EndpointsMode::None {
         return loops;
     }
     deps.shutdown.register(registry);
-    if cfg.mode == EndpointsMode::Lease
-        && let Some(lease_loop) = ApiserverLeaseLoop::new(cfg, deps.clone(), registry)
+    if mode == EndpointsMode::Lease
+        && let Some(lease_loop) = ApiserverLeaseLoop::new(section, settings, deps.clone(), registry)
     {
         loops.push(Box::new(lease_loop));
     }
-    loops.push(Box::new(ApiserverEndpointsLoop::new(cfg, deps, registry)));
+    loops.push(Box::new(ApiserverEndpointsLoop::new(
+        section, settings, deps, registry,
+    )));
     loops
 }

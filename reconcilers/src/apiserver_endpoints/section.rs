@@ -1,6 +1,7 @@
-//! `loops.apiserverEndpoints`: the section of the configuration file, and the one configuration
-//! both endpoint loops are built from (with the top-level settings: the Service range,
-//! `securePort`, `advertiseAddress`, `endpointReconcilerType`).
+//! `loops.apiserverEndpoints`: the section of the configuration file, which is also the one
+//! configuration both endpoint loops read, with the top-level settings (the Service range,
+//! `securePort`, `advertiseAddress`, `endpointReconcilerType`, `apiserverCount`, this replica's
+//! identity and leader-election Lease).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -24,75 +25,14 @@ use crate::section::{
     format_duration, validate_interval,
 };
 
-/// Configuration of both endpoint loops.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ApiserverEndpointsConfig {
-    pub mode: EndpointsMode,
-    /// Service namespace/name, `--secure-port`, primary family.
-    pub target: EndpointsTarget,
-    /// This instance's apiserver address (`--advertise-address`). Required for `lease` and
-    /// `master-count`.
-    pub advertise_address: Option<IpAddr>,
-    /// `advertise_address` was taken from the default route, not configured (for messages).
-    pub advertise_address_defaulted: bool,
-    /// Pass interval of both loops (lease renewal, endpoints check, DNS re-resolution).
-    pub interval: Duration,
-    /// Namespace of the membership Leases.
-    pub lease_namespace: String,
-    /// How long a membership Lease stays valid without renewal.
-    pub lease_ttl: Duration,
-    /// `holderIdentity` of this instance's Lease (pod or host name).
-    pub identity: String,
-    /// `static` mode: IPs and/or DNS names.
-    pub static_addresses: Vec<String>,
-    /// `master-count` mode: `--apiserver-count`.
-    pub apiserver_count: usize,
-    /// The leader-election Lease (namespace, name) when leader election is on: at shutdown only
-    /// its holder (`identity`) withdraws its own address directly, so a replica that lost
-    /// leadership never writes next to the new leader.
-    pub leader_lease: Option<(String, String)>,
-    /// What a graceful stop does with this instance's membership (`lease` and `master-count`).
-    pub shutdown: ShutdownProbing,
-    /// Failed readiness probes in a row that withdraw this instance (`lease` and `master-count`).
-    pub readiness_failure_threshold: u32,
-    /// `lease` mode: check that the probed apiserver's serving certificate names the advertised
-    /// address.
-    pub check_serving_certificate: bool,
-    /// Write the `kubernetes` Endpoints as well as its EndpointSlice (`false`: slices only).
-    pub write_endpoints: bool,
-    /// Name the other writer of an object a pass repairs (event, log, metric).
-    pub name_conflicting_writers: bool,
-    /// `lease` mode: an address another instance also renews is left to Lease expiry, never
-    /// withdrawn by this one.
-    pub keep_shared_address: bool,
-}
-
-impl Default for ApiserverEndpointsConfig {
-    fn default() -> Self {
-        Self {
-            mode: EndpointsMode::Lease,
-            target: EndpointsTarget::default(),
-            advertise_address: None,
-            advertise_address_defaulted: false,
-            interval: Duration::from_secs(10),
-            lease_namespace: "kube-system".to_owned(),
-            lease_ttl: Duration::from_secs(15),
-            identity: String::new(),
-            static_addresses: Vec::new(),
-            apiserver_count: 1,
-            leader_lease: None,
-            shutdown: ShutdownProbing::default(),
-            readiness_failure_threshold: 3,
-            check_serving_certificate: true,
-            write_endpoints: true,
-            name_conflicting_writers: true,
-            keep_shared_address: true,
-        }
-    }
-}
+/// Upstream's interval of the endpoint reconcilers (10 s), for both loops.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
+/// Upstream's membership Lease TTL (`--endpoint-reconciler-type=lease`: 15 s).
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15);
 
 /// `loops.apiserverEndpoints`: the `kubernetes` Endpoints and EndpointSlices. The mode is
-/// `endpointReconcilerType`; the address `advertiseAddress`, the port `securePort`.
+/// `endpointReconcilerType`; the address `advertiseAddress`, the port `securePort`. The one
+/// configuration type of both loops: they are built from the section and the settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct Section {
@@ -143,22 +83,22 @@ pub struct Section {
 
 impl Default for Section {
     fn default() -> Self {
-        let defaults = ApiserverEndpointsConfig::default();
+        let shutdown = ShutdownProbing::default();
         Section {
             enabled: true,
-            interval: defaults.interval,
-            lease_namespace: defaults.lease_namespace,
-            lease_ttl: defaults.lease_ttl,
+            interval: DEFAULT_INTERVAL,
+            lease_namespace: "kube-system".to_owned(),
+            lease_ttl: DEFAULT_LEASE_TTL,
             readyz_url: String::new(),
             static_addresses: Vec::new(),
-            on_shutdown: defaults.shutdown.policy,
-            shutdown_probes: defaults.shutdown.probes,
-            shutdown_probe_window: defaults.shutdown.window,
-            readiness_failure_threshold: defaults.readiness_failure_threshold,
-            check_serving_certificate: defaults.check_serving_certificate,
-            write_endpoints: defaults.write_endpoints,
-            name_conflicting_writers: defaults.name_conflicting_writers,
-            keep_shared_address: defaults.keep_shared_address,
+            on_shutdown: shutdown.policy,
+            shutdown_probes: shutdown.probes,
+            shutdown_probe_window: shutdown.window,
+            readiness_failure_threshold: 3,
+            check_serving_certificate: true,
+            write_endpoints: true,
+            name_conflicting_writers: true,
+            keep_shared_address: true,
         }
     }
 }
@@ -172,40 +112,37 @@ impl Section {
             .or_else(|| default_route_address(primary_family(settings).unwrap_or(IpFamily::V4)))
     }
 
-    /// Both loops' configuration: this section with the mode, the `kubernetes` Service, the port
-    /// and the primary family from `settings`. Public so the demo and tests build members that
-    /// match the running controller.
-    pub fn loop_config(&self, settings: &Settings) -> ApiserverEndpointsConfig {
-        ApiserverEndpointsConfig {
-            mode: settings.endpoint_mode,
-            target: EndpointsTarget {
-                namespace: settings.kubernetes_service.namespace.clone(),
-                service_name: settings.kubernetes_service.name.clone(),
-                port: i32::from(settings.secure_port),
-                primary_family: primary_family(settings),
-            },
-            advertise_address: self.advertise_address(settings),
-            advertise_address_defaulted: settings.advertise_address.is_none(),
-            interval: self.interval,
-            lease_namespace: self.lease_namespace.clone(),
-            lease_ttl: self.lease_ttl,
-            identity: settings.identity.clone(),
-            static_addresses: self.static_addresses.clone(),
-            apiserver_count: usize::try_from(settings.apiserver_count).unwrap_or(usize::MAX),
-            leader_lease: settings.leader_lease.clone(),
-            shutdown: ShutdownProbing {
-                policy: self.on_shutdown,
-                probes: self.shutdown_probes,
-                window: self.shutdown_probe_window,
-            },
-            readiness_failure_threshold: self.readiness_failure_threshold,
-            check_serving_certificate: self.check_serving_certificate,
-            write_endpoints: self.write_endpoints,
-            name_conflicting_writers: self.name_conflicting_writers,
-            keep_shared_address: self.keep_shared_address,
+    /// The Service the endpoints serve, from `settings`: the `kubernetes` Service, `securePort`
+    /// and the primary range's family. Public so the demo and tests build members that match
+    /// the running controller.
+    pub fn target(settings: &Settings) -> EndpointsTarget {
+        EndpointsTarget {
+            namespace: settings.kubernetes_service.namespace.clone(),
+            service_name: settings.kubernetes_service.name.clone(),
+            port: i32::from(settings.secure_port),
+            primary_family: primary_family(settings),
         }
     }
 
+    /// What a graceful stop does with this instance's membership.
+    pub fn shutdown_probing(&self) -> ShutdownProbing {
+        ShutdownProbing {
+            policy: self.on_shutdown,
+            probes: self.shutdown_probes,
+            window: self.shutdown_probe_window,
+        }
+    }
+
+    /// `static` mode's entries (validation rejects any that does not parse).
+    pub fn static_entries(&self) -> Vec<StaticAddress> {
+        self.static_addresses
+            .iter()
+            .filter_map(|t| StaticAddress::parse(t).ok())
+            .collect()
+    }
+
+    /// Every check of the section; the settings it reads (`advertiseAddress`, `securePort`,
+    /// `apiserverCount`, the ranges) are checked where they are parsed.
     fn validate_fields(
         &self,
         path: &str,
@@ -348,24 +285,7 @@ impl LoopSection for Section {
     }
 
     fn validate(&self, path: &str, settings: &Settings, errors: &mut Vec<section::ConfigError>) {
-        let before = errors.len();
         self.validate_fields(path, settings, errors);
-        // The loops' own validation (e.g. a loopback advertiseAddress) catches what the field
-        // checks above do not; without this the loops would be skipped at start-up instead.
-        if self.enabled
-            && errors.len() == before
-            && let Err(err) = self.loop_config(settings).validate()
-        {
-            let field = match err.field.as_str() {
-                "advertiseAddress" | "securePort" | "apiserverCount" => err.field.clone(),
-                "lease.namespace" => format!("{path}.leaseNamespace"),
-                "lease.ttl" => format!("{path}.leaseTTL"),
-                "static.addresses" => format!("{path}.staticAddresses"),
-                "service" => "loops.kubernetesService.name".to_owned(),
-                other => format!("{path}.{other}"),
-            };
-            errors.push(section::ConfigError::new(field, err.message));
-        }
     }
 
     /// `apiserver-lease` on every replica and `apiserver-endpoints` on the leader (on every
@@ -374,15 +294,28 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let config = self.loop_config(context.settings);
-        config.validate()?;
-        if let Some(address) = config.advertise_address {
-            tracing::info!(%address, mode = config.mode.as_str(), "apiserver endpoints: this instance's address");
+        let settings = context.settings;
+        let mode = settings.endpoint_mode;
+        let address = self.advertise_address(settings);
+        if matches!(mode, EndpointsMode::Lease | EndpointsMode::MasterCount) && address.is_none() {
+            // Validation refuses this; reported, never a panic.
+            return Err(format!(
+                "advertiseAddress: not set and this host has no default route to take it from; \
+                 endpoint reconciler {} needs the apiserver's address",
+                mode.as_str()
+            )
+            .into());
+        }
+        if let Some(address) = address {
+            tracing::info!(%address, mode = mode.as_str(), "apiserver endpoints: this instance's address");
         }
         let readiness = self.readiness(context);
         let deps = EndpointsDeps {
             client: context.client.clone(),
-            shutdown: Arc::new(ShutdownGate::new(config.shutdown, readiness.clone())),
+            shutdown: Arc::new(ShutdownGate::new(
+                self.shutdown_probing(),
+                readiness.clone(),
+            )),
             readiness,
             resolver: Arc::new(SystemResolver),
             reporter: context.settings.reporter(),
@@ -392,7 +325,7 @@ impl LoopSection for Section {
                 load: context.load_kubeconfig.clone(),
             }),
         };
-        Ok(build_loops(&config, deps, context.registry)
+        Ok(build_loops(self, settings, deps, context.registry)
             .into_iter()
             .map(Arc::from)
             .collect())
@@ -441,157 +374,45 @@ impl StaticAddress {
     }
 }
 
-impl ApiserverEndpointsConfig {
-    /// Fields are named relative to the loop's section (`lease.ttl`) or as in the file's top
-    /// level (`advertiseAddress`); the section's validation maps them to YAML paths.
-    pub fn validate(&self) -> Result<(), section::ConfigError> {
-        let err = |field: &str, message: String| Err(section::ConfigError::new(field, message));
-        if self.mode == EndpointsMode::None {
-            return Ok(());
-        }
-        if !(1..=65535).contains(&self.target.port) {
-            return err(
-                "securePort",
-                format!("{} is not a port (1-65535)", self.target.port),
-            );
-        }
-        if self.interval.is_zero() {
-            return err("interval", "must be greater than zero".to_owned());
-        }
-        if self.target.service_name.is_empty() || self.target.namespace.is_empty() {
-            return err(
-                "service",
-                "namespace and name of the Service are required".to_owned(),
-            );
-        }
-        match self.mode {
-            EndpointsMode::Lease | EndpointsMode::MasterCount => {
-                let Some(address) = self.advertise_address else {
-                    return err(
-                        "advertiseAddress",
-                        format!(
-                            "required in {} mode: the IP this instance's apiserver serves on (its --advertise-address)",
-                            if self.mode == EndpointsMode::Lease {
-                                "lease"
-                            } else {
-                                "master-count"
-                            }
-                        ),
-                    );
-                };
-                if address.is_unspecified() || address.is_loopback() || address.is_multicast() {
-                    return err(
-                        "advertiseAddress",
-                        format!(
-                            "{address} cannot be reached by clients; give the apiserver's routable address"
-                        ),
-                    );
-                }
-                if let Some(primary) = self.target.primary_family
-                    && self.mode == EndpointsMode::MasterCount
-                    && IpFamily::of(address) != primary
-                {
-                    return err(
-                        "advertiseAddress",
-                        format!(
-                            "{address} is not of the primary family {primary} (upstream refuses this too)"
-                        ),
-                    );
-                }
-            }
-            EndpointsMode::Static | EndpointsMode::None => {}
-        }
-        match self.mode {
-            EndpointsMode::Lease => {
-                if self.lease_namespace.is_empty() {
-                    return err("lease.namespace", "must not be empty".to_owned());
-                }
-                if self.lease_ttl <= self.interval {
-                    return err(
-                        "lease.ttl",
-                        format!(
-                            "{:?} must be longer than interval {:?}, or members expire between renewals",
-                            self.lease_ttl, self.interval
-                        ),
-                    );
-                }
-                if self.lease_ttl.as_secs() < 1 {
-                    return err(
-                        "lease.ttl",
-                        "must be at least 1s (Lease durations are whole seconds)".to_owned(),
-                    );
-                }
-            }
-            EndpointsMode::Static => {
-                if self.static_addresses.is_empty() {
-                    return err(
-                        "static.addresses",
-                        "static mode needs at least one IP address or DNS name".to_owned(),
-                    );
-                }
-                for (i, text) in self.static_addresses.iter().enumerate() {
-                    if let Err(message) = StaticAddress::parse(text) {
-                        return err("static.addresses", format!("entry {i}: {message}"));
-                    }
-                }
-            }
-            EndpointsMode::MasterCount => {
-                if self.apiserver_count == 0 {
-                    return err(
-                        "apiserverCount",
-                        "--apiserver-count should be a positive number, but value '0' provided"
-                            .to_owned(),
-                    );
-                }
-            }
-            EndpointsMode::None => {}
-        }
-        Ok(())
-    }
-
-    pub fn static_entries(&self) -> Vec<StaticAddress> {
-        self.static_addresses
-            .iter()
-            .filter_map(|t| StaticAddress::parse(t).ok())
-            .collect()
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
-    fn lease_cfg() -> ApiserverEndpointsConfig {
-        ApiserverEndpointsConfig {
+    const PATH: &str = "loops.apiserverEndpoints";
+
+    /// `lease` mode with an advertised address.
+    fn settings() -> Settings {
+        Settings {
             advertise_address: Some("10.0.0.1".parse().unwrap()),
-            ..ApiserverEndpointsConfig::default()
+            ..crate::section::test_settings()
         }
     }
 
-    #[test]
-    fn defaults_need_an_advertise_address() {
-        let e = ApiserverEndpointsConfig::default().validate().unwrap_err();
-        assert_eq!(e.field, "advertiseAddress");
-        lease_cfg().validate().unwrap();
+    fn fields(section: &Section, settings: &Settings) -> Vec<String> {
+        let mut errors = Vec::new();
+        section.validate(PATH, settings, &mut errors);
+        errors.into_iter().map(|error| error.field).collect()
     }
 
     #[test]
-    fn loopback_advertise_address_is_rejected() {
-        let cfg = ApiserverEndpointsConfig {
-            advertise_address: Some("127.0.0.1".parse().unwrap()),
-            ..lease_cfg()
-        };
-        assert_eq!(cfg.validate().unwrap_err().field, "advertiseAddress");
+    fn the_defaults_with_an_address_are_valid() {
+        assert_eq!(
+            fields(&Section::default(), &settings()),
+            Vec::<String>::new()
+        );
     }
 
     #[test]
     fn ttl_must_exceed_interval() {
-        let cfg = ApiserverEndpointsConfig {
+        let section = Section {
             lease_ttl: Duration::from_secs(10),
-            ..lease_cfg()
+            ..Section::default()
         };
-        assert_eq!(cfg.validate().unwrap_err().field, "lease.ttl");
+        assert_eq!(
+            fields(&section, &settings()),
+            ["loops.apiserverEndpoints.leaseTTL"]
+        );
     }
 
     #[test]
@@ -616,37 +437,44 @@ mod tests {
                 .to_string()
                 .contains("no scheme")
         );
-        let cfg = ApiserverEndpointsConfig {
-            mode: EndpointsMode::Static,
+        let static_mode = Settings {
+            endpoint_mode: EndpointsMode::Static,
+            ..settings()
+        };
+        let section = Section {
             static_addresses: vec!["10.0.0.1".into(), "bad name".into()],
-            ..ApiserverEndpointsConfig::default()
+            ..Section::default()
         };
-        let e = cfg.validate().unwrap_err();
-        assert_eq!(e.field, "static.addresses");
-        assert!(e.message.starts_with("entry 1:"), "{e}");
-        let empty = ApiserverEndpointsConfig {
+        assert_eq!(
+            fields(&section, &static_mode),
+            ["loops.apiserverEndpoints.staticAddresses[1]"]
+        );
+        assert_eq!(
+            section.static_entries(),
+            [StaticAddress::Ip("10.0.0.1".parse().unwrap())]
+        );
+        let empty = Section {
             static_addresses: vec![],
-            ..cfg
+            ..section
         };
-        assert_eq!(empty.validate().unwrap_err().field, "static.addresses");
-    }
-
-    #[test]
-    fn master_count_needs_a_positive_count() {
-        let cfg = ApiserverEndpointsConfig {
-            mode: EndpointsMode::MasterCount,
-            apiserver_count: 0,
-            ..lease_cfg()
-        };
-        assert_eq!(cfg.validate().unwrap_err().field, "apiserverCount");
+        assert_eq!(
+            fields(&empty, &static_mode),
+            ["loops.apiserverEndpoints.staticAddresses"]
+        );
     }
 
     #[test]
     fn none_mode_needs_nothing() {
-        let cfg = ApiserverEndpointsConfig {
-            mode: EndpointsMode::None,
-            ..ApiserverEndpointsConfig::default()
+        let none = Settings {
+            endpoint_mode: EndpointsMode::None,
+            advertise_address: None,
+            ..settings()
         };
-        cfg.validate().unwrap();
+        let section = Section {
+            lease_ttl: Duration::from_secs(1),
+            shutdown_probes: 0,
+            ..Section::default()
+        };
+        assert_eq!(fields(&section, &none), Vec::<String>::new());
     }
 }

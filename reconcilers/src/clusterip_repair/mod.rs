@@ -27,7 +27,7 @@ pub mod plan;
 pub mod section;
 
 pub use metrics::RepairMetrics;
-pub use section::{ClusterIpRepairConfig, RepairMode, Section};
+pub use section::{DEFAULT_INTERVAL, DEFAULT_ORPHAN_GRACE_PERIOD, RepairMode, Section};
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -45,7 +45,7 @@ use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger};
-use crate::section::ConfigError;
+use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{SharedStore, Store, reflect};
 use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
@@ -62,6 +62,9 @@ pub const NAME: &str = "clusterip-repair";
 
 /// Reporting controller of the events, as upstream.
 pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
+
+/// When a delete is deferred, the loop looks again after this long.
+const DEFERRAL_RETRY: Duration = Duration::from_secs(10);
 
 /// Wakes the loop at a chosen time (orphans leaving their grace period, deferred deletes).
 #[derive(Debug, Default)]
@@ -110,19 +113,21 @@ impl Wakeup {
 /// from then on; where they are left alone, nothing watches them.
 struct LegacySlot {
     etcd: crate::legacy_alloc::etcd::EtcdConfig,
+    /// The `kubernetes` Service: a range mismatch is reported in an event about it.
+    kubernetes_service: ServiceName,
     bitmaps: Arc<std::sync::OnceLock<legacy::LegacyIpBitmaps>>,
     built: Arc<Notify>,
 }
 
 impl LegacySlot {
-    fn build(&self, config: &ClusterIpRepairConfig, ranges: Vec<IpNet>) {
+    fn build(&self, section: &Section, ranges: Vec<IpNet>) {
         self.bitmaps.get_or_init(|| {
             let settings = legacy::BitmapSettings {
                 etcd: &self.etcd,
-                interval: config.interval,
-                page_size: config.page_size,
-                rebuild_on_range_change: config.rebuild_bitmap_on_range_change,
-                kubernetes_service: &config.kubernetes_service,
+                interval: section.interval,
+                page_size: section.page_size,
+                rebuild_on_range_change: section.rebuild_bitmap_on_range_change,
+                kubernetes_service: &self.kubernetes_service,
             };
             legacy::LegacyIpBitmaps::new(&settings, &ranges)
         });
@@ -131,11 +136,11 @@ impl LegacySlot {
 
     async fn get_or_build(
         &self,
-        config: &ClusterIpRepairConfig,
+        section: &Section,
         ranges: &ServiceRanges,
     ) -> Result<&legacy::LegacyIpBitmaps, LoopError> {
         if self.bitmaps.get().is_none() {
-            self.build(config, ranges.resolve().await?);
+            self.build(section, ranges.resolve().await?);
         }
         self.bitmaps
             .get()
@@ -186,7 +191,7 @@ async fn discover(client: &Client) -> Result<Served, kube::Error> {
 /// The ClusterIP repair loop (`clusterip-repair`).
 pub struct ClusterIpRepair {
     client: Client,
-    config: ClusterIpRepairConfig,
+    section: Section,
     metrics: RepairMetrics,
     services: Arc<Store<ServiceRecord>>,
     /// The Service cache's feed, shared with the NodePort repair ([`Self::shared_services`]).
@@ -217,48 +222,49 @@ fn report_key(finding: &Finding) -> Option<ReportKey> {
 }
 
 impl ClusterIpRepair {
-    /// Builds the loop; registers its metrics in `registry` (give it the runtime's prefixed
-    /// registry). The client feeds the caches; passes use the client of their context.
+    /// Builds the loop of a validated `section` with validated `settings` (the service ranges,
+    /// the `kubernetes` Service, etcd mode, the identity events report); registers its metrics
+    /// in `registry` (give it the runtime's prefixed registry). The client feeds the caches;
+    /// passes use the client of their context.
     pub fn new(
         client: Client,
-        config: ClusterIpRepairConfig,
+        section: Section,
+        settings: &Settings,
         registry: &mut Registry,
-    ) -> Result<Self, ConfigError> {
-        Self::with_services(client, config, Arc::default(), registry)
+    ) -> Self {
+        Self::with_services(client, section, settings, Arc::default(), registry)
     }
 
     /// [`Self::new`] with a Service cache other loops may share (whichever subscribes first
     /// feeds it).
     pub fn with_services(
         client: Client,
-        config: ClusterIpRepairConfig,
+        section: Section,
+        settings: &Settings,
         shared_services: Arc<SharedStore<ServiceRecord>>,
         registry: &mut Registry,
-    ) -> Result<Self, ConfigError> {
-        config.validate()?;
-        let reporter = match &config.reporting_instance {
-            Some(instance) => Reporter {
-                controller: REPORTING_CONTROLLER.to_owned(),
-                instance: Some(instance.clone()),
-            },
-            None => Reporter::from(REPORTING_CONTROLLER),
+    ) -> Self {
+        let reporter = Reporter {
+            controller: REPORTING_CONTROLLER.to_owned(),
+            instance: Some(settings.identity.clone()),
         };
-        let legacy = config.etcd.as_ref().map(|etcd| LegacySlot {
+        let legacy = settings.etcd.as_ref().map(|etcd| LegacySlot {
             etcd: etcd.clone(),
+            kubernetes_service: settings.kubernetes_service.clone(),
             bitmaps: Arc::default(),
             built: Arc::default(),
         });
-        Ok(Self {
+        Self {
             legacy,
             ranges: ServiceRanges::new(
                 client.clone(),
-                config.service_ranges.clone(),
-                config.kubernetes_service.clone(),
+                settings.service_ranges.clone(),
+                settings.kubernetes_service.clone(),
             ),
             reported: crate::findings::ReportOnce::new(),
             recorder: Recorder::new(client.clone(), reporter),
             client,
-            config,
+            section,
             metrics: RepairMetrics::register(registry),
             services: shared_services.store().clone(),
             shared_services,
@@ -267,7 +273,7 @@ impl ClusterIpRepair {
             discovered: Mutex::new(None),
             legacy_skip_logged: std::sync::atomic::AtomicBool::new(false),
             wakeup: Arc::default(),
-        })
+        }
     }
 
     /// The Service cache this loop keeps, for other loops that read Services: the process then
@@ -282,7 +288,7 @@ impl ClusterIpRepair {
 
     /// Which repair runs: the configured mode, or discovery's answer.
     async fn served(&self, client: &Client) -> Result<Served, LoopError> {
-        match self.config.mode {
+        match self.section.mode {
             RepairMode::IpAddress => Ok(Served::IpAddressApi),
             RepairMode::Audit => Ok(Served::NoIpAddressApi),
             RepairMode::Auto => {
@@ -322,7 +328,7 @@ impl ClusterIpRepair {
     /// upstream repairs none there, and neither does this loop. Repairing it there would set
     /// bits nobody reads and send `ClusterIPNotAllocated` for every new Service.
     async fn keeps_legacy_bitmaps(&self, client: &Client) -> Result<bool, LoopError> {
-        let served = match self.config.mode {
+        let served = match self.section.mode {
             RepairMode::IpAddress => Served::IpAddressApi,
             RepairMode::Auto | RepairMode::Audit => self.discovered(client).await?,
         };
@@ -446,7 +452,7 @@ impl ClusterIpRepair {
                 ip_addresses.values(),
                 service_cidrs.values().chain(stand_in.as_ref()),
                 now,
-                self.config.orphan_grace,
+                self.section.orphan_grace_period,
             )
         };
         self.act(ctx, decision).await
@@ -459,18 +465,19 @@ impl ClusterIpRepair {
         &self,
         ctx: &PassContext,
     ) -> Result<ServiceCidrRecord, LoopError> {
-        if !ctx.dry_run || self.config.service_ranges.is_empty() {
-            return Err(LoopError::NotSynced(format!(
-                "waiting for the default ServiceCIDR {DEFAULT_SERVICE_CIDR:?} to exist"
-            )));
-        }
+        let configured = match self.ranges.configured() {
+            Some(configured) if ctx.dry_run => configured,
+            _ => {
+                return Err(LoopError::NotSynced(format!(
+                    "waiting for the default ServiceCIDR {DEFAULT_SERVICE_CIDR:?} to exist"
+                )));
+            }
+        };
         Ok(ServiceCidrRecord {
             name: DEFAULT_SERVICE_CIDR.into(),
             resource_version: 0,
-            cidrs: self.config.service_ranges.clone(),
-            raw_cidrs: self
-                .config
-                .service_ranges
+            cidrs: configured.to_vec(),
+            raw_cidrs: configured
                 .iter()
                 .map(|net| net.to_string().into_boxed_str())
                 .collect(),
@@ -542,7 +549,7 @@ impl ClusterIpRepair {
                 }
                 Outcome::Deferred(why) => {
                     self.wakeup
-                        .schedule(tokio::time::Instant::now() + self.config.deferral_retry);
+                        .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
                     report.push(drift_of(&finding, action, false, Some(why)));
                 }
                 Outcome::Failed => report.push(drift_of(
@@ -648,11 +655,11 @@ impl Reconciler for ClusterIpRepair {
     }
 
     fn interval(&self) -> Duration {
-        self.config.interval
+        self.section.interval
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        let (client, page_size) = (self.client.clone(), self.config.page_size);
+        let (client, page_size) = (self.client.clone(), self.section.page_size);
         let services = self
             .shared_services
             .subscribe(|store| reflect(client, page_size, store));
@@ -660,12 +667,12 @@ impl Reconciler for ClusterIpRepair {
         if let Some(legacy) = &self.legacy {
             triggers.push(legacy.triggers());
         }
-        if self.config.mode == RepairMode::Audit {
+        if self.section.mode == RepairMode::Audit {
             return triggers;
         }
         // IPAddress and ServiceCIDR caches only where the API serves them.
         let client = self.client.clone();
-        let mode = self.config.mode;
+        let mode = self.section.mode;
         let ip_store = self.ip_addresses.clone();
         let cidr_store = self.service_cidrs.clone();
         let gated = futures::stream::once(async move {
@@ -715,7 +722,7 @@ impl Reconciler for ClusterIpRepair {
             let legacy = match (&result, &self.legacy) {
                 (Ok(_), Some(slot)) => match self.keeps_legacy_bitmaps(&ctx.client).await {
                     Ok(false) => None,
-                    Ok(true) => match slot.get_or_build(&self.config, &self.ranges).await {
+                    Ok(true) => match slot.get_or_build(&self.section, &self.ranges).await {
                         Ok(bitmaps) => Some(bitmaps),
                         Err(err) => {
                             result = Err(err);
@@ -758,47 +765,6 @@ impl Reconciler for ClusterIpRepair {
 mod tests {
     use super::plan::ServiceOwner;
     use super::*;
-    use crate::service_range::validate_ranges;
-
-    #[test]
-    fn config_validation_names_the_field() {
-        let config = ClusterIpRepairConfig {
-            interval: Duration::ZERO,
-            ..ClusterIpRepairConfig::default()
-        };
-        assert!(
-            config
-                .validate()
-                .unwrap_err()
-                .to_string()
-                .starts_with("loops.clusterIPRepair.interval:")
-        );
-        let config = ClusterIpRepairConfig {
-            service_ranges: vec![
-                "10.0.0.0/24".parse().unwrap(),
-                "10.1.0.0/24".parse().unwrap(),
-            ],
-            ..ClusterIpRepairConfig::default()
-        };
-        let message = config.validate().unwrap_err().to_string();
-        assert!(
-            message.contains("serviceClusterIPRange") && message.contains("two IPv4 ranges"),
-            "{message}"
-        );
-        // No range: read from the cluster when a pass needs it.
-        let config = ClusterIpRepairConfig {
-            mode: RepairMode::Audit,
-            ..ClusterIpRepairConfig::default()
-        };
-        assert!(config.validate().is_ok());
-        assert!(
-            validate_ranges(&["10.0.0.0/30".parse().unwrap()])
-                .unwrap_err()
-                .to_string()
-                .contains("fewer than 8")
-        );
-        assert!(ClusterIpRepairConfig::default().validate().is_ok());
-    }
 
     #[test]
     fn new_ip_address_matches_upstream_shape() {

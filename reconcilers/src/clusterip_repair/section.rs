@@ -1,9 +1,9 @@
-//! The loop's file section, `loops.clusterIPRepair`, and the configuration it builds.
+//! The loop's file section, `loops.clusterIPRepair`, which is also the loop's configuration; the
+//! top-level settings give the service ranges, the `kubernetes` Service and etcd mode.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use super::ClusterIpRepair;
@@ -13,7 +13,6 @@ use crate::section::{
     validate_page_size,
 };
 use crate::service_cache::store;
-use crate::service_range::validate_ranges;
 
 /// Which repair to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -29,58 +28,16 @@ pub enum RepairMode {
     Audit,
 }
 
-/// Configuration of the ClusterIP repair loop (`loops.clusterIPRepair`).
-#[derive(Clone, Debug)]
-pub struct ClusterIpRepairConfig {
-    /// Full pass interval (upstream: 3 minutes).
-    pub interval: Duration,
-    /// How long an IPAddress whose Service is missing is left alone (upstream: 60 s), because
-    /// kube-apiserver writes the IPAddress before the Service.
-    pub orphan_grace: Duration,
-    pub mode: RepairMode,
-    /// The service ranges the API server is configured with (`--service-cluster-ip-range`), in
-    /// family order; empty: read from the `kubernetes` ServiceCIDR when needed
-    /// ([`crate::service_range`]). Needed by audit mode and etcd mode's bitmaps; IPAddress mode
-    /// judges against the ServiceCIDRs themselves.
-    pub service_ranges: Vec<IpNet>,
-    /// The `kubernetes` Service, whose ClusterIP the error names when the range is unknown.
-    pub kubernetes_service: section::ServiceName,
-    /// `reportingInstance` of the events; `None` uses the host name.
-    pub reporting_instance: Option<String>,
-    /// When a delete is deferred, look again after this long.
-    pub deferral_retry: Duration,
-    /// LIST page size of the caches' (re)lists.
-    pub page_size: u32,
-    /// etcd mode: also repair the legacy ClusterIP bitmaps of `service_ranges` in etcd, where
-    /// the cluster serves no IPAddress API.
-    pub etcd: Option<crate::legacy_alloc::etcd::EtcdConfig>,
-    /// etcd mode: rebuild a bitmap stored under another range (or none) under
-    /// `service_ranges`, instead of reporting it and leaving it alone.
-    pub rebuild_bitmap_on_range_change: bool,
-}
+/// Upstream's interval (the repair runs every 3 minutes).
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(180);
 
-impl Default for ClusterIpRepairConfig {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(180),
-            orphan_grace: Duration::from_secs(60),
-            mode: RepairMode::Auto,
-            service_ranges: Vec::new(),
-            kubernetes_service: section::ServiceName {
-                namespace: "default".to_owned(),
-                name: "kubernetes".to_owned(),
-            },
-            reporting_instance: None,
-            deferral_retry: Duration::from_secs(10),
-            page_size: store::DEFAULT_PAGE_SIZE,
-            etcd: None,
-            rebuild_bitmap_on_range_change: false,
-        }
-    }
-}
+/// Upstream's grace for an IPAddress whose Service is missing: kube-apiserver writes the
+/// IPAddress before the Service.
+pub const DEFAULT_ORPHAN_GRACE_PERIOD: Duration = Duration::from_secs(60);
 
 /// `loops.clusterIPRepair`: Services' cluster IPs against IPAddress objects (or audited against
-/// `serviceClusterIPRange`), and the legacy bitmaps in etcd mode.
+/// `serviceClusterIPRange`), and the legacy bitmaps in etcd mode. The loop's one configuration
+/// type: the loop is built from the section and the settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct Section {
@@ -105,14 +62,13 @@ pub struct Section {
 
 impl Default for Section {
     fn default() -> Self {
-        let defaults = ClusterIpRepairConfig::default();
         Section {
             enabled: true,
-            interval: defaults.interval,
-            mode: defaults.mode,
-            orphan_grace_period: defaults.orphan_grace,
-            page_size: defaults.page_size,
-            rebuild_bitmap_on_range_change: defaults.rebuild_bitmap_on_range_change,
+            interval: DEFAULT_INTERVAL,
+            mode: RepairMode::Auto,
+            orphan_grace_period: DEFAULT_ORPHAN_GRACE_PERIOD,
+            page_size: store::DEFAULT_PAGE_SIZE,
+            rebuild_bitmap_on_range_change: false,
         }
     }
 }
@@ -138,52 +94,49 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let config = ClusterIpRepairConfig {
-            interval: self.interval,
-            orphan_grace: self.orphan_grace_period,
-            mode: self.mode,
-            service_ranges: context.settings.service_ranges.clone(),
-            kubernetes_service: context.settings.kubernetes_service.clone(),
-            reporting_instance: Some(context.settings.identity.clone()),
-            page_size: self.page_size,
-            etcd: context.settings.etcd.clone(),
-            rebuild_bitmap_on_range_change: self.rebuild_bitmap_on_range_change,
-            ..ClusterIpRepairConfig::default()
-        };
         let services = context.services();
         let built = ClusterIpRepair::with_services(
             context.client.clone(),
-            config,
+            self.clone(),
+            context.settings,
             services,
             context.registry,
-        )?;
+        );
         Ok(vec![Arc::new(built)])
     }
 }
 
-impl ClusterIpRepairConfig {
-    /// Errors name the field's YAML path.
-    pub fn validate(&self) -> Result<(), section::ConfigError> {
-        let invalid = |field: &str, problem: &str| {
-            Err(section::ConfigError::new(
-                format!("loops.clusterIPRepair.{field}"),
-                problem,
-            ))
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_yaml_path() {
+        let path = "loops.clusterIPRepair";
+        let settings = crate::section::test_settings();
+        let mut errors = Vec::new();
+        Section::default().validate(path, &settings, &mut errors);
+        assert_eq!(errors, []);
+        let section = Section {
+            interval: Duration::ZERO,
+            orphan_grace_period: Duration::from_secs(4),
+            page_size: 0,
+            ..Section::default()
         };
-        if self.interval.is_zero() {
-            return invalid("interval", "must be greater than zero (upstream uses 3m)");
-        }
-        if self.page_size == 0 {
-            return invalid(
-                "pageSize",
-                &format!(
-                    "must be at least 1 (the default is {})",
-                    store::DEFAULT_PAGE_SIZE
-                ),
-            );
-        }
-        validate_ranges(&self.service_ranges)
-            .map_err(|err| section::ConfigError::new("serviceClusterIPRange", err))?;
-        Ok(())
+        section.validate(path, &settings, &mut errors);
+        let fields: Vec<_> = errors.iter().map(|error| error.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "loops.clusterIPRepair.interval",
+                "loops.clusterIPRepair.orphanGracePeriod",
+                "loops.clusterIPRepair.pageSize"
+            ]
+        );
+        assert!(
+            errors[0]
+                .to_string()
+                .starts_with("loops.clusterIPRepair.interval:")
+        );
     }
 }

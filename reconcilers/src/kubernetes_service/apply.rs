@@ -10,9 +10,9 @@ use kube::runtime::events::EventType;
 
 use super::metrics::KubernetesServiceMetrics;
 use super::plan::{Plan, ServiceDrift, desired_service};
-use super::section::KubernetesServiceConfig;
 use super::{KubernetesServiceLoop, Refusal};
 use crate::contract::{Action, LoopError, PassContext, PassReport, drift, ignore_already_exists};
+use crate::section::Settings;
 
 /// What a pass did: its report, and the write the API refused in it, if any.
 pub(super) struct Applied {
@@ -24,12 +24,13 @@ impl KubernetesServiceLoop {
     pub(super) async fn apply(
         &self,
         ctx: &PassContext,
-        cfg: &KubernetesServiceConfig,
+        settings: &Settings,
         plan: Plan,
     ) -> Result<Applied, LoopError> {
-        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &cfg.namespace);
+        let section = &self.section;
+        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &section.namespace);
         let mut report = PassReport::default();
-        let object = cfg.object_ref();
+        let object = section.object_ref();
         let refused = match plan {
             Plan::MissingUnknownRange(why) => {
                 report.push(drift(
@@ -52,8 +53,16 @@ impl KubernetesServiceLoop {
                 let refused = self
                     .repair(ctx, &api, &object, &existing, drift, repaired, &mut report)
                     .await?;
-                self.cluster_ip(ctx, &api, cfg, &existing, mismatch, recreate, &mut report)
-                    .await?;
+                self.cluster_ip(
+                    ctx,
+                    &api,
+                    settings,
+                    &existing,
+                    mismatch,
+                    recreate,
+                    &mut report,
+                )
+                .await?;
                 refused
             }
         };
@@ -194,13 +203,13 @@ impl KubernetesServiceLoop {
         &self,
         ctx: &PassContext,
         api: &Api<Service>,
-        cfg: &KubernetesServiceConfig,
+        settings: &Settings,
         existing: &Service,
         mismatch: Option<ServiceDrift>,
         recreate: bool,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        let object = cfg.object_ref();
+        let object = self.section.object_ref();
         self.metrics
             .cluster_ip_mismatch
             .set(i64::from(mismatch.is_some()));
@@ -215,7 +224,7 @@ impl KubernetesServiceLoop {
             let mut applied = false;
             if !ctx.dry_run {
                 api.delete(
-                    &cfg.name,
+                    &self.section.name,
                     &DeleteParams::default().preconditions(Preconditions {
                         uid: existing.metadata.uid.clone(),
                         resource_version: existing.metadata.resource_version.clone(),
@@ -223,7 +232,7 @@ impl KubernetesServiceLoop {
                 )
                 .await?;
                 // If the delete has not finished yet the create conflicts; the next pass creates.
-                let want = desired_service(cfg);
+                let want = desired_service(&self.section, settings);
                 match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
                     Ok(_) => applied = true,
                     Err(err) => {

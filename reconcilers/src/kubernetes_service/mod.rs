@@ -7,9 +7,9 @@
 //! default, also repairs ports, type, selector, session affinity and its two labels. `clusterIP` is
 //! immutable: a mismatch is only reported, unless the operator opted in to delete-and-recreate.
 //!
-//! The files: `section.rs` (the file's section and the loop's configuration), `plan.rs` (what a
-//! pass does, pure, with the table of its cases), `apply.rs` (the writes, events and metrics of
-//! a plan), `metrics.rs`; here the loop itself.
+//! The files: `section.rs` (the file's section, which is the loop's configuration), `plan.rs`
+//! (what a pass does, pure, with the table of its cases), `apply.rs` (the writes, events and
+//! metrics of a plan), `metrics.rs`; here the loop itself.
 //!
 //! With two service ranges the Service stays `SingleStack` of the primary range's family, as
 //! upstream keeps it: each apiserver advertises one address, so a second family's ClusterIP would
@@ -34,7 +34,7 @@ use prometheus_client::registry::Registry;
 
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::findings::ReportOnce;
-use crate::section::ServiceName;
+use crate::section::{ServiceName, Settings};
 use crate::service_range::{RangeError, ServiceRanges};
 use crate::watch_cache::{WatchCache, watch_trigger};
 
@@ -49,7 +49,7 @@ pub use plan::{
     COMPONENT_LABEL, PROVIDER_LABEL, Plan, ServiceDrift, desired_service, plan, repaired_service,
     service_drift,
 };
-pub use section::{KubernetesServiceConfig, RepairPolicy, Section, first_usable_ip};
+pub use section::{DEFAULT_INTERVAL, RepairPolicy, Section, cluster_ips, first_usable_ip};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "kubernetes-service";
@@ -63,7 +63,9 @@ struct Refusal {
 
 /// Creates and repairs the `kubernetes` Service. Leader-only.
 pub struct KubernetesServiceLoop {
-    cfg: KubernetesServiceConfig,
+    section: Section,
+    /// The top-level settings: `securePort`, `kubernetesServiceNodePort`, the configured range.
+    settings: Settings,
     client: kube::Client,
     /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
     /// one series and keeps the first note, which would hide who joined or what was repaired.
@@ -80,30 +82,32 @@ pub struct KubernetesServiceLoop {
 }
 
 impl KubernetesServiceLoop {
-    /// `cfg` must have passed [`KubernetesServiceConfig::validate`].
+    /// The loop of a validated `section`, with validated `settings` (events report as
+    /// [`Settings::reporter`]).
     pub fn new(
-        cfg: KubernetesServiceConfig,
+        section: Section,
+        settings: &Settings,
         client: kube::Client,
-        reporter: Reporter,
         registry: &mut Registry,
     ) -> Self {
         let cache = WatchCache::new(
-            Api::namespaced(client.clone(), &cfg.namespace),
-            watcher::Config::default().fields(&format!("metadata.name={}", cfg.name)),
+            Api::namespaced(client.clone(), &section.namespace),
+            watcher::Config::default().fields(&format!("metadata.name={}", section.name)),
         );
         let ranges = ServiceRanges::new(
             client.clone(),
-            cfg.service_cidrs.clone(),
+            settings.service_ranges.clone(),
             ServiceName {
-                namespace: cfg.namespace.clone(),
-                name: cfg.name.clone(),
+                namespace: section.namespace.clone(),
+                name: section.name.clone(),
             },
         );
         Self {
             ranges,
-            reporter,
+            reporter: settings.reporter(),
             client,
-            cfg,
+            section,
+            settings: settings.clone(),
             metrics: KubernetesServiceMetrics::register(registry),
             last_mismatch: Mutex::new(None),
             refusals: ReportOnce::new(),
@@ -138,7 +142,7 @@ impl KubernetesServiceLoop {
         let Applied { report, refused } = self.pass_writing(ctx).await?;
         for refusal in self.refusals.update(refused) {
             let create = refusal.kinds == ["service_missing"];
-            let object = self.cfg.object_ref();
+            let object = self.section.object_ref();
             tracing::warn!(
                 service = %object,
                 drift = %refusal.kinds.join(", "),
@@ -163,7 +167,7 @@ impl KubernetesServiceLoop {
                 )
             };
             self.publish(
-                &desired_service(&self.cfg),
+                &desired_service(&self.section, &self.settings),
                 EventType::Warning,
                 reason,
                 note,
@@ -180,25 +184,30 @@ impl KubernetesServiceLoop {
         // cluster does not tell it (before 1.33), the ClusterIP is neither chosen nor checked.
         let mut unknown_range: Option<String> = None;
         let discovered;
-        let cfg = match self.ranges.resolve().await {
+        let settings = match self.ranges.resolve().await {
             Ok(ranges) if self.ranges.configured().is_none() => {
-                discovered = KubernetesServiceConfig {
-                    service_cidrs: ranges,
-                    ..self.cfg.clone()
+                discovered = Settings {
+                    service_ranges: ranges,
+                    ..self.settings.clone()
                 };
                 &discovered
             }
-            Ok(_) => &self.cfg,
+            Ok(_) => &self.settings,
             Err(RangeError::Api(err)) => return Err(err.into()),
             Err(err) => {
                 unknown_range = Some(err.to_string());
-                &self.cfg
+                &self.settings
             }
         };
-        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &cfg.namespace);
-        let existing = self.cache.get(&api, &cfg.name).await?;
-        self.apply(ctx, cfg, plan(cfg, existing, unknown_range))
-            .await
+        let section = &self.section;
+        let api: Api<Service> = Api::namespaced(ctx.client.clone(), &section.namespace);
+        let existing = self.cache.get(&api, &section.name).await?;
+        self.apply(
+            ctx,
+            settings,
+            plan(section, settings, existing, unknown_range),
+        )
+        .await
     }
 }
 
@@ -208,7 +217,7 @@ impl Reconciler for KubernetesServiceLoop {
     }
 
     fn interval(&self) -> Duration {
-        self.cfg.interval
+        self.section.interval
     }
 
     fn triggers(&self) -> Vec<Trigger> {

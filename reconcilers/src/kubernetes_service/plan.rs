@@ -20,7 +20,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 
-use super::section::{KubernetesServiceConfig, RepairPolicy};
+use super::section::{RepairPolicy, Section, cluster_ips, ports, service_type};
+use crate::section::Settings;
 
 /// What one pass does about the Service.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,30 +42,32 @@ pub enum Plan {
     },
 }
 
-/// The plan for `existing` under `cfg`. `unknown_range` says why no Service range is known, if
-/// none is (the ClusterIP is then neither chosen nor judged).
+/// The plan for `existing` under `section` and `settings` (whose `service_ranges` are the ranges
+/// in effect: configured or read from the cluster). `unknown_range` says why no Service range is
+/// known, if none is (the ClusterIP is then neither chosen nor judged).
 pub fn plan(
-    cfg: &KubernetesServiceConfig,
+    section: &Section,
+    settings: &Settings,
     existing: Option<Service>,
     unknown_range: Option<String>,
 ) -> Plan {
     let Some(existing) = existing else {
         return match unknown_range {
             Some(why) => Plan::MissingUnknownRange(why),
-            None => Plan::Create(Box::new(desired_service(cfg))),
+            None => Plan::Create(Box::new(desired_service(section, settings))),
         };
     };
-    let (drift, immutable): (Vec<_>, Vec<_>) = service_drift(cfg, &existing)
+    let (drift, immutable): (Vec<_>, Vec<_>) = service_drift(section, settings, &existing)
         .into_iter()
         .partition(ServiceDrift::repairable);
-    let repaired = (!drift.is_empty() && cfg.repair == RepairPolicy::Repair)
-        .then(|| Box::new(repaired_service(cfg, &existing)));
+    let repaired = (!drift.is_empty() && section.repair == RepairPolicy::Repair)
+        .then(|| Box::new(repaired_service(section, settings, &existing)));
     Plan::Existing {
         existing: Box::new(existing),
         drift,
         repaired,
         mismatch: immutable.into_iter().next(),
-        recreate: cfg.recreate_on_cluster_ip_mismatch,
+        recreate: section.recreate_on_cluster_ip_mismatch,
     }
 }
 
@@ -72,11 +75,11 @@ pub const PROVIDER_LABEL: (&str, &str) = ("provider", "kubernetes");
 pub const COMPONENT_LABEL: (&str, &str) = ("component", "apiserver");
 
 /// The Service to create when none exists.
-pub fn desired_service(cfg: &KubernetesServiceConfig) -> Service {
+pub fn desired_service(section: &Section, settings: &Settings) -> Service {
     Service {
         metadata: ObjectMeta {
-            name: Some(cfg.name.clone()),
-            namespace: Some(cfg.namespace.clone()),
+            name: Some(section.name.clone()),
+            namespace: Some(section.namespace.clone()),
             labels: Some(BTreeMap::from([
                 (PROVIDER_LABEL.0.to_owned(), PROVIDER_LABEL.1.to_owned()),
                 (COMPONENT_LABEL.0.to_owned(), COMPONENT_LABEL.1.to_owned()),
@@ -84,13 +87,13 @@ pub fn desired_service(cfg: &KubernetesServiceConfig) -> Service {
             ..ObjectMeta::default()
         },
         spec: Some(ServiceSpec {
-            ports: Some(cfg.ports()),
+            ports: Some(ports(section, settings)),
             selector: None,
             // As upstream: clusterIP and SingleStack, clusterIPs and ipFamilies left to the API.
-            cluster_ip: cfg.cluster_ips().first().map(ToString::to_string),
+            cluster_ip: cluster_ips(settings).first().map(ToString::to_string),
             ip_family_policy: Some("SingleStack".to_owned()),
             session_affinity: Some("None".to_owned()),
-            type_: Some(cfg.service_type().to_owned()),
+            type_: Some(service_type(settings).to_owned()),
             ..ServiceSpec::default()
         }),
         status: None,
@@ -197,17 +200,21 @@ fn describe_port(port: &ServicePort) -> String {
 }
 
 /// Every difference between `existing` and the desired Service.
-pub fn service_drift(cfg: &KubernetesServiceConfig, existing: &Service) -> Vec<ServiceDrift> {
+pub fn service_drift(
+    section: &Section,
+    settings: &Settings,
+    existing: &Service,
+) -> Vec<ServiceDrift> {
     let mut drift = Vec::new();
     let spec = existing.spec.clone().unwrap_or_default();
 
     let found_ports = spec.ports.clone().unwrap_or_default();
-    if found_ports != cfg.ports() {
+    if found_ports != ports(section, settings) {
         drift.push(ServiceDrift::Ports { found: found_ports });
     }
     // The API defaults an unset type to ClusterIP.
     let found_type = spec.type_.clone().unwrap_or_else(|| "ClusterIP".to_owned());
-    if found_type != cfg.service_type() {
+    if found_type != service_type(settings) {
         drift.push(ServiceDrift::Type {
             found: spec.type_.clone(),
         });
@@ -236,7 +243,8 @@ pub fn service_drift(cfg: &KubernetesServiceConfig, existing: &Service) -> Vec<S
         }
     }
 
-    let want: Vec<String> = cfg.cluster_ips().iter().map(ToString::to_string).collect();
+    let want_ips = cluster_ips(settings);
+    let want: Vec<String> = want_ips.iter().map(ToString::to_string).collect();
     let found_ips: Vec<String> = match (&spec.cluster_ips, &spec.cluster_ip) {
         (Some(ips), _) if !ips.is_empty() => ips.clone(),
         (_, Some(ip)) => vec![ip.clone()],
@@ -244,8 +252,8 @@ pub fn service_drift(cfg: &KubernetesServiceConfig, existing: &Service) -> Vec<S
     };
     // Only the primary IP is judged: a Service made dual-stack by someone else has a secondary
     // IP that is not ours to judge.
-    let primary_ok = found_ips.first().and_then(|s| s.parse::<IpAddr>().ok())
-        == cfg.cluster_ips().first().copied();
+    let primary_ok =
+        found_ips.first().and_then(|s| s.parse::<IpAddr>().ok()) == want_ips.first().copied();
     // No range known (not configured, not told by the cluster): nothing to judge the IP by.
     if !want.is_empty() && !primary_ok {
         drift.push(ServiceDrift::ClusterIp {
@@ -258,7 +266,7 @@ pub fn service_drift(cfg: &KubernetesServiceConfig, existing: &Service) -> Vec<S
 
 /// `existing` with every repairable field set to the desired value; everything else (clusterIPs,
 /// ipFamilies, foreign labels and annotations, resourceVersion) kept.
-pub fn repaired_service(cfg: &KubernetesServiceConfig, existing: &Service) -> Service {
+pub fn repaired_service(section: &Section, settings: &Settings, existing: &Service) -> Service {
     let mut repaired = existing.clone();
     repaired.metadata.managed_fields = None;
     let labels = repaired.metadata.labels.get_or_insert_with(BTreeMap::new);
@@ -266,11 +274,11 @@ pub fn repaired_service(cfg: &KubernetesServiceConfig, existing: &Service) -> Se
         labels.insert(key.to_owned(), value.to_owned());
     }
     let spec = repaired.spec.get_or_insert_with(ServiceSpec::default);
-    spec.ports = Some(cfg.ports());
+    spec.ports = Some(ports(section, settings));
     spec.selector = None;
     spec.session_affinity = Some("None".to_owned());
     spec.session_affinity_config = None;
-    let want_type = cfg.service_type();
+    let want_type = service_type(settings);
     if spec.type_.as_deref().unwrap_or("ClusterIP") != want_type {
         spec.type_ = Some(want_type.to_owned());
         // Fields the API only allows on NodePort/LoadBalancer/ExternalName Services.
@@ -299,16 +307,21 @@ pub fn repaired_service(cfg: &KubernetesServiceConfig, existing: &Service) -> Se
 mod tests {
     use super::*;
 
-    fn cfg() -> KubernetesServiceConfig {
-        KubernetesServiceConfig {
-            service_cidrs: vec!["10.96.0.0/12".parse().unwrap()],
-            ..KubernetesServiceConfig::default()
+    /// One IPv4 range, the default ports, no node port.
+    fn settings() -> Settings {
+        Settings {
+            service_ranges: vec!["10.96.0.0/12".parse().unwrap()],
+            ..crate::section::test_settings()
         }
+    }
+
+    fn section() -> Section {
+        Section::default()
     }
 
     #[test]
     fn desired_service_matches_upstream_shape() {
-        let json = serde_json::to_value(desired_service(&cfg())).unwrap();
+        let json = serde_json::to_value(desired_service(&section(), &settings())).unwrap();
         assert_eq!(
             json,
             serde_json::json!({
@@ -332,18 +345,20 @@ mod tests {
 
     #[test]
     fn two_ranges_and_node_port_give_a_single_stack_node_port_service() {
-        let c = KubernetesServiceConfig {
-            service_cidrs: vec![
+        let settings = Settings {
+            service_ranges: vec![
                 "10.96.0.0/12".parse().unwrap(),
                 "fd00::/108".parse().unwrap(),
             ],
-            node_port: Some(30443),
-            port: 8443,
-            target_port: 6444,
-            ..KubernetesServiceConfig::default()
+            kubernetes_service_node_port: Some(30443),
+            secure_port: 6444,
+            ..settings()
         };
-        c.validate().unwrap();
-        let spec = desired_service(&c).spec.unwrap();
+        let section = Section {
+            port: 8443,
+            ..section()
+        };
+        let spec = desired_service(&section, &settings).spec.unwrap();
         assert_eq!(spec.ip_family_policy.as_deref(), Some("SingleStack"));
         assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.1"));
         assert_eq!(
@@ -356,34 +371,8 @@ mod tests {
         assert_eq!(port.target_port, Some(IntOrString::Int(6444)));
     }
 
-    #[test]
-    fn validation_names_fields() {
-        let mut c = cfg();
-        c.service_cidrs.push("10.0.0.0/24".parse().unwrap());
-        assert_eq!(c.validate().unwrap_err().field, "serviceClusterIPRange");
-        let c = KubernetesServiceConfig {
-            service_cidrs: vec!["10.0.0.0/30".parse().unwrap()],
-            ..cfg()
-        };
-        assert!(c.validate().unwrap_err().message.contains("fewer than 8"));
-        let c = KubernetesServiceConfig {
-            node_port: Some(0),
-            ..cfg()
-        };
-        assert_eq!(c.validate().unwrap_err().field, "nodePort");
-        let c = KubernetesServiceConfig {
-            target_port: 70000,
-            ..cfg()
-        };
-        assert_eq!(c.validate().unwrap_err().field, "securePort");
-        assert!(
-            KubernetesServiceConfig::default().validate().is_ok(),
-            "no range: read from the cluster's ServiceCIDR"
-        );
-    }
-
     fn existing() -> Service {
-        let mut s = desired_service(&cfg());
+        let mut s = desired_service(&section(), &settings());
         // What the API adds on create.
         s.metadata.resource_version = Some("5".into());
         s.metadata.uid = Some("u".into());
@@ -396,13 +385,13 @@ mod tests {
 
     #[test]
     fn freshly_created_service_has_no_drift() {
-        assert!(service_drift(&cfg(), &existing()).is_empty());
+        assert!(service_drift(&section(), &settings(), &existing()).is_empty());
         let mut unset = existing();
         unset.spec.as_mut().unwrap().type_ = None;
         unset.spec.as_mut().unwrap().session_affinity = None;
         unset.spec.as_mut().unwrap().selector = Some(BTreeMap::new());
         assert!(
-            service_drift(&cfg(), &unset).is_empty(),
+            service_drift(&section(), &settings(), &unset).is_empty(),
             "API defaults are not drift"
         );
     }
@@ -420,7 +409,7 @@ mod tests {
         spec.external_traffic_policy = Some("Cluster".into());
         spec.selector = Some(BTreeMap::from([("app".into(), "x".into())]));
         spec.session_affinity = Some("ClientIP".into());
-        let kinds: Vec<_> = service_drift(&cfg(), &s)
+        let kinds: Vec<_> = service_drift(&section(), &settings(), &s)
             .iter()
             .map(ServiceDrift::kind)
             .collect();
@@ -435,8 +424,8 @@ mod tests {
                 "service_labels"
             ]
         );
-        let repaired = repaired_service(&cfg(), &s);
-        assert!(service_drift(&cfg(), &repaired).is_empty());
+        let repaired = repaired_service(&section(), &settings(), &s);
+        assert!(service_drift(&section(), &settings(), &repaired).is_empty());
         assert_eq!(repaired.metadata.resource_version.as_deref(), Some("5"));
         assert_eq!(repaired.labels().get("team").map(String::as_str), Some("x"));
         let spec = repaired.spec.unwrap();
@@ -453,17 +442,17 @@ mod tests {
 
     #[test]
     fn switching_to_node_port_sets_the_node_port() {
-        let c = KubernetesServiceConfig {
-            node_port: Some(30443),
-            ..cfg()
+        let c = Settings {
+            kubernetes_service_node_port: Some(30443),
+            ..settings()
         };
-        let drift = service_drift(&c, &existing());
+        let drift = service_drift(&section(), &c, &existing());
         assert_eq!(
             drift.iter().map(ServiceDrift::kind).collect::<Vec<_>>(),
             vec!["service_ports", "service_type"]
         );
-        let repaired = repaired_service(&c, &existing());
-        assert!(service_drift(&c, &repaired).is_empty());
+        let repaired = repaired_service(&section(), &c, &existing());
+        assert!(service_drift(&section(), &c, &repaired).is_empty());
     }
 
     #[test]
@@ -471,14 +460,14 @@ mod tests {
         let mut s = existing();
         s.spec.as_mut().unwrap().cluster_ip = Some("10.96.0.10".into());
         s.spec.as_mut().unwrap().cluster_ips = Some(vec!["10.96.0.10".into()]);
-        let drift = service_drift(&cfg(), &s);
+        let drift = service_drift(&section(), &settings(), &s);
         assert_eq!(drift.len(), 1);
         assert!(!drift[0].repairable());
         assert_eq!(
             drift[0].to_string(),
             "clusterIPs are [10.96.0.10], want [10.96.0.1] (immutable)"
         );
-        let repaired = repaired_service(&cfg(), &s);
+        let repaired = repaired_service(&section(), &settings(), &s);
         assert_eq!(
             repaired.spec.unwrap().cluster_ip.as_deref(),
             Some("10.96.0.10")
@@ -487,32 +476,32 @@ mod tests {
 
     #[test]
     fn a_secondary_cluster_ip_is_not_ours_to_judge() {
-        let dual = KubernetesServiceConfig {
-            service_cidrs: vec![
+        let dual = Settings {
+            service_ranges: vec![
                 "10.96.0.0/12".parse().unwrap(),
                 "fd00::/108".parse().unwrap(),
             ],
-            ..cfg()
+            ..settings()
         };
         // Made dual-stack by someone else, with any secondary IP: only the primary is checked.
         let mut dual_by_hand = existing();
         dual_by_hand.spec.as_mut().unwrap().cluster_ips =
             Some(vec!["10.96.0.1".into(), "fd00::77".into()]);
-        assert!(service_drift(&dual, &dual_by_hand).is_empty());
+        assert!(service_drift(&section(), &dual, &dual_by_hand).is_empty());
     }
 
     #[test]
     fn a_single_stack_service_is_never_upgraded_to_dual_stack() {
-        let dual = KubernetesServiceConfig {
-            service_cidrs: vec![
+        let dual = Settings {
+            service_ranges: vec![
                 "10.96.0.0/12".parse().unwrap(),
                 "fd00::/108".parse().unwrap(),
             ],
-            ..cfg()
+            ..settings()
         };
         let single = existing();
-        assert!(service_drift(&dual, &single).is_empty());
-        let spec = repaired_service(&dual, &single).spec.unwrap();
+        assert!(service_drift(&section(), &dual, &single).is_empty());
+        let spec = repaired_service(&section(), &dual, &single).spec.unwrap();
         assert_eq!(spec.ip_family_policy.as_deref(), Some("SingleStack"));
         assert_eq!(spec.cluster_ips, Some(vec!["10.96.0.1".to_owned()]));
     }
@@ -522,14 +511,14 @@ mod tests {
     fn the_plan_has_one_case_per_row_of_the_table() {
         let why = "no serviceClusterIPRange and no kubernetes ServiceCIDR".to_owned();
         assert_eq!(
-            plan(&cfg(), None, Some(why.clone())),
+            plan(&section(), &settings(), None, Some(why.clone())),
             Plan::MissingUnknownRange(why)
         );
         assert_eq!(
-            plan(&cfg(), None, None),
-            Plan::Create(Box::new(desired_service(&cfg())))
+            plan(&section(), &settings(), None, None),
+            Plan::Create(Box::new(desired_service(&section(), &settings())))
         );
-        let as_desired = plan(&cfg(), Some(existing()), None);
+        let as_desired = plan(&section(), &settings(), Some(existing()), None);
         assert!(
             matches!(&as_desired, Plan::Existing { drift, repaired: None, mismatch: None, .. } if drift.is_empty()),
             "{as_desired:?}"
@@ -545,26 +534,33 @@ mod tests {
             mismatch,
             recreate,
             ..
-        } = plan(&cfg(), Some(drifted.clone()), None)
+        } = plan(&section(), &settings(), Some(drifted.clone()), None)
         else {
             panic!("an existing Service");
         };
         assert_eq!(drift.len(), 1, "{drift:?}");
-        assert_eq!(repaired, Some(Box::new(repaired_service(&cfg(), &drifted))));
+        assert_eq!(
+            repaired,
+            Some(Box::new(repaired_service(
+                &section(),
+                &settings(),
+                &drifted
+            )))
+        );
         assert!(matches!(mismatch, Some(ServiceDrift::ClusterIp { .. })));
         assert!(!recreate, "recreating is opted into, never the default");
 
-        let reporting = KubernetesServiceConfig {
+        let reporting = Section {
             repair: RepairPolicy::Off,
             recreate_on_cluster_ip_mismatch: true,
-            ..cfg()
+            ..section()
         };
         let Plan::Existing {
             drift,
             repaired,
             recreate,
             ..
-        } = plan(&reporting, Some(drifted), None)
+        } = plan(&reporting, &settings(), Some(drifted), None)
         else {
             panic!("an existing Service");
         };

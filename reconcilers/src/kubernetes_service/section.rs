@@ -1,6 +1,6 @@
-//! `loops.kubernetesService`: the section of the configuration file, and the loop's
-//! configuration made from it and the top-level settings (the Service range, `securePort`,
-//! `kubernetesServiceNodePort`).
+//! `loops.kubernetesService`: the section of the configuration file, which is also the loop's
+//! configuration; the top-level settings give the rest of the Service (the Service range,
+//! `securePort`, `kubernetesServiceNodePort`).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -17,7 +17,9 @@ use crate::names::validate_dns1123_label;
 use crate::section::{
     self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
 };
-use crate::service_range::validate_ranges;
+
+/// Upstream's interval (`kubernetesservice`: every 10 s).
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 
 /// What to do about drift of the repairable fields.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,44 +32,9 @@ pub enum RepairPolicy {
     Off,
 }
 
-/// Configuration of the `kubernetes-service` loop.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KubernetesServiceConfig {
-    pub namespace: String,
-    pub name: String,
-    /// The Service port (upstream hard-codes 443).
-    pub port: i32,
-    /// The apiservers' `--secure-port`: the Service's `targetPort`.
-    pub target_port: i32,
-    /// `--service-cluster-ip-range`: one CIDR, or two of different families (primary first).
-    pub service_cidrs: Vec<IpNet>,
-    /// `--kubernetes-service-node-port`: makes the Service a NodePort Service.
-    pub node_port: Option<i32>,
-    pub repair: RepairPolicy,
-    /// Delete and recreate the Service when its clusterIP is not the desired one. Destructive:
-    /// clients connected through the old IP break. Off unless explicitly enabled.
-    pub recreate_on_cluster_ip_mismatch: bool,
-    pub interval: Duration,
-}
-
-impl Default for KubernetesServiceConfig {
-    fn default() -> Self {
-        Self {
-            namespace: "default".to_owned(),
-            name: "kubernetes".to_owned(),
-            port: 443,
-            target_port: 6443,
-            service_cidrs: Vec::new(),
-            node_port: None,
-            repair: RepairPolicy::Repair,
-            recreate_on_cluster_ip_mismatch: false,
-            interval: Duration::from_secs(10),
-        }
-    }
-}
-
 /// `loops.kubernetesService`: the `default/kubernetes` Service. Its clusterIP, targetPort and
 /// node port come from `serviceClusterIPRange`, `securePort` and `kubernetesServiceNodePort`.
+/// The loop's one configuration type: the loop is built from the section and the settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct Section {
@@ -91,32 +58,14 @@ pub struct Section {
 
 impl Default for Section {
     fn default() -> Self {
-        let defaults = KubernetesServiceConfig::default();
         Section {
             enabled: true,
-            interval: defaults.interval,
-            namespace: defaults.namespace,
-            name: defaults.name,
+            interval: DEFAULT_INTERVAL,
+            namespace: "default".to_owned(),
+            name: "kubernetes".to_owned(),
             port: 443,
-            repair: defaults.repair,
-            recreate_on_cluster_ip_mismatch: defaults.recreate_on_cluster_ip_mismatch,
-        }
-    }
-}
-
-impl Section {
-    /// The loop's configuration: this section with the Service range, `securePort` and node port.
-    pub fn loop_config(&self, settings: &Settings) -> KubernetesServiceConfig {
-        KubernetesServiceConfig {
-            namespace: self.namespace.clone(),
-            name: self.name.clone(),
-            port: i32::from(self.port),
-            target_port: i32::from(settings.secure_port),
-            service_cidrs: settings.service_ranges.clone(),
-            node_port: settings.kubernetes_service_node_port.map(i32::from),
-            repair: self.repair,
-            recreate_on_cluster_ip_mismatch: self.recreate_on_cluster_ip_mismatch,
-            interval: self.interval,
+            repair: RepairPolicy::Repair,
+            recreate_on_cluster_ip_mismatch: false,
         }
     }
 }
@@ -152,83 +101,52 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let config = self.loop_config(context.settings);
-        config.validate()?;
         Ok(vec![Arc::new(KubernetesServiceLoop::new(
-            config,
+            self.clone(),
+            context.settings,
             context.client.clone(),
-            context.settings.reporter(),
             context.registry,
         ))])
     }
 }
 
-impl KubernetesServiceConfig {
-    /// Fields are named as in the file's top level or the loop's section (`port`, `nodePort`).
-    pub fn validate(&self) -> Result<(), section::ConfigError> {
-        let err = |field: &str, message: String| Err(section::ConfigError::new(field, message));
-        // None: read from the cluster's `kubernetes` ServiceCIDR.
-        if let Err(problem) = validate_ranges(&self.service_cidrs) {
-            return err("serviceClusterIPRange", problem.to_string());
-        }
-        if !(1..=65535).contains(&self.port) {
-            return err("port", format!("{} is not a port (1-65535)", self.port));
-        }
-        if !(1..=65535).contains(&self.target_port) {
-            return err(
-                "securePort",
-                format!("{} is not a port (1-65535)", self.target_port),
-            );
-        }
-        if let Some(node_port) = self.node_port
-            && !(1..=65535).contains(&node_port)
-        {
-            return err(
-                "nodePort",
-                format!(
-                    "{node_port} is not a port (1-65535); leave it unset for a ClusterIP Service"
-                ),
-            );
-        }
-        if self.interval.is_zero() {
-            return err("interval", "must be greater than zero".to_owned());
-        }
-        Ok(())
-    }
-
-    /// The desired cluster IP: the first usable address of the primary range (upstream's
-    /// `ServiceIP`), or none while no range is known. The secondary range gets none: the
-    /// Service is single-stack.
-    pub fn cluster_ips(&self) -> Vec<IpAddr> {
-        self.service_cidrs
-            .first()
-            .and_then(first_usable_ip)
-            .into_iter()
-            .collect()
-    }
-
+impl Section {
     pub fn object_ref(&self) -> String {
         format!("Service/{}/{}", self.namespace, self.name)
     }
+}
 
-    pub(super) fn service_type(&self) -> &'static str {
-        if self.node_port.is_some() {
-            "NodePort"
-        } else {
-            "ClusterIP"
-        }
-    }
+/// The desired cluster IP: the first usable address of the primary range (upstream's
+/// `ServiceIP`), or none while no range is known. The secondary range gets none: the Service is
+/// single-stack.
+pub fn cluster_ips(settings: &Settings) -> Vec<IpAddr> {
+    settings
+        .service_ranges
+        .first()
+        .and_then(first_usable_ip)
+        .into_iter()
+        .collect()
+}
 
-    pub(super) fn ports(&self) -> Vec<ServicePort> {
-        vec![ServicePort {
-            name: Some("https".to_owned()),
-            protocol: Some("TCP".to_owned()),
-            port: self.port,
-            target_port: Some(IntOrString::Int(self.target_port)),
-            node_port: self.node_port,
-            app_protocol: None,
-        }]
+/// `NodePort` with `kubernetesServiceNodePort`, else `ClusterIP`.
+pub(super) fn service_type(settings: &Settings) -> &'static str {
+    if settings.kubernetes_service_node_port.is_some() {
+        "NodePort"
+    } else {
+        "ClusterIP"
     }
+}
+
+/// The Service's one port: the section's port to `securePort`, on the node port if any.
+pub(super) fn ports(section: &Section, settings: &Settings) -> Vec<ServicePort> {
+    vec![ServicePort {
+        name: Some("https".to_owned()),
+        protocol: Some("TCP".to_owned()),
+        port: i32::from(section.port),
+        target_port: Some(IntOrString::Int(i32::from(settings.secure_port))),
+        node_port: settings.kubernetes_service_node_port.map(i32::from),
+        app_protocol: None,
+    }]
 }
 
 /// Upstream's `GetIndexedIP(range, 1)`: the network address plus one.
@@ -260,5 +178,30 @@ mod tests {
             Some("fd00:10::1".parse().unwrap())
         );
         assert_eq!(first_usable_ip(&"10.0.0.1/32".parse().unwrap()), None);
+    }
+
+    #[test]
+    fn errors_name_the_yaml_path() {
+        let path = "loops.kubernetesService";
+        let settings = crate::section::test_settings();
+        let mut errors = Vec::new();
+        Section::default().validate(path, &settings, &mut errors);
+        assert_eq!(errors, []);
+        let section = Section {
+            interval: Duration::ZERO,
+            name: "Kubernetes".to_owned(),
+            port: 0,
+            ..Section::default()
+        };
+        section.validate(path, &settings, &mut errors);
+        let fields: Vec<_> = errors.iter().map(|error| error.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "loops.kubernetesService.interval",
+                "loops.kubernetesService.name",
+                "loops.kubernetesService.port"
+            ]
+        );
     }
 }

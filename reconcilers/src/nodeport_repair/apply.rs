@@ -37,7 +37,7 @@ impl NodePortRepair {
         };
         let fresh_in_use = || -> BoxFuture<'static, Option<fixedbitset::FixedBitSet>> {
             let (client, page_size, range) =
-                (ctx.client.clone(), self.config.page_size, self.config.range);
+                (ctx.client.clone(), self.section.page_size, self.range);
             Box::pin(async move {
                 let services = fresh_services(&client, page_size).await?;
                 Some(plan::scan(&services, range).in_use)
@@ -65,7 +65,7 @@ impl NodePortRepair {
                 BitmapFinding::Released(_) => self.count("leak"),
                 BitmapFinding::RangeMismatch(ref stored) => {
                     if !ctx.dry_run {
-                        let service = &self.config.kubernetes_service;
+                        let service = &self.kubernetes_service;
                         let holder = plan::Holder {
                             namespace: service.namespace.as_str().into(),
                             name: service.name.as_str().into(),
@@ -102,12 +102,8 @@ impl NodePortRepair {
             name: finding.name.clone(),
             uid: finding.uid.clone(),
         };
-        self.publish_about(
-            &holder,
-            finding.problem.reason(),
-            finding.note(self.config.range),
-        )
-        .await
+        self.publish_about(&holder, finding.problem.reason(), finding.note(self.range))
+            .await
     }
 
     pub(super) async fn publish_about(

@@ -35,11 +35,12 @@ use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Tr
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
 use crate::legacy_alloc::{LegacyBitmap, Subject};
+use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{SharedStore, reflect};
 pub use metrics::NodePortMetrics;
-pub use plan::{Finding, PortRange, Problem};
-pub use section::{NodePortRepairConfig, Section};
+pub use plan::{EmptyRange, Finding, PortRange, Problem};
+pub use section::{DEFAULT_INTERVAL, Section};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "nodeport-repair";
@@ -55,7 +56,11 @@ pub const RANGE_MISMATCH_REASON: &str = "NodePortRangeMismatch";
 /// The NodePort repair loop.
 pub struct NodePortRepair {
     client: Client,
-    config: NodePortRepairConfig,
+    section: Section,
+    /// `serviceNodePortRange`.
+    range: PortRange,
+    /// The `kubernetes` Service: a bitmap range mismatch is reported in an event about it.
+    kubernetes_service: ServiceName,
     services: Arc<SharedStore<ServiceRecord>>,
     recorder: Recorder,
     reported: ReportOnce<Finding>,
@@ -64,20 +69,25 @@ pub struct NodePortRepair {
 }
 
 impl NodePortRepair {
-    /// Builds the loop. `services` is the Service cache another loop keeps (the ClusterIP
-    /// repair's), or `None` for one of its own.
+    /// Builds the loop of a validated `section` with validated `settings` (the node-port range,
+    /// etcd mode, the identity events report). `services` is the Service cache another loop keeps
+    /// (the ClusterIP repair's), or `None` for one of its own.
     pub fn new(
         client: Client,
-        config: NodePortRepairConfig,
+        section: Section,
+        settings: &Settings,
         services: Option<Arc<SharedStore<ServiceRecord>>>,
         registry: &mut Registry,
-    ) -> Self {
+    ) -> Result<Self, EmptyRange> {
         let reporter = Reporter {
             controller: REPORTING_CONTROLLER.to_owned(),
-            instance: config.reporting_instance.clone(),
+            instance: Some(settings.identity.clone()),
         };
-        let range = config.range;
-        let etcd = config.etcd.clone().map(|etcd| {
+        let range = PortRange::new(
+            *settings.node_port_range.start(),
+            *settings.node_port_range.end(),
+        )?;
+        let etcd = settings.etcd.clone().map(|etcd| {
             LegacyBitmap::new(
                 EtcdStore::new(etcd.clone()),
                 etcd.key(RangeKey::NodePorts),
@@ -103,19 +113,21 @@ impl NodePortRepair {
                         |port| range.offset(port),
                     ))
                 },
-                config.rebuild_bitmap_on_range_change,
-                config.interval,
+                section.rebuild_bitmap_on_range_change,
+                section.interval,
             )
         });
-        Self {
+        Ok(Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             services: services.unwrap_or_default(),
-            config,
+            section,
+            range,
+            kubernetes_service: settings.kubernetes_service.clone(),
             reported: ReportOnce::new(),
             metrics: NodePortMetrics::register(registry),
             etcd,
-        }
+        })
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
@@ -127,7 +139,7 @@ impl NodePortRepair {
                     "Service cache has not synced yet".to_owned(),
                 ));
             }
-            plan::scan(state.values(), self.config.range)
+            plan::scan(state.values(), self.range)
         };
 
         let new = self.reported.update(scan.findings.iter().cloned());
@@ -148,7 +160,7 @@ impl NodePortRepair {
                 port = finding.port,
                 reason = finding.problem.reason(),
                 "{}",
-                finding.note(self.config.range)
+                finding.note(self.range)
             );
         }
         for problem in [Problem::AlreadyAllocated, Problem::OutOfRange] {
@@ -169,7 +181,7 @@ impl NodePortRepair {
                 finding.problem.drift_kind(),
                 format!("Service/{}/{}", finding.namespace, finding.name),
                 Action::Report,
-                finding.note(self.config.range),
+                finding.note(self.range),
                 false,
             ));
         }
@@ -189,11 +201,11 @@ impl Reconciler for NodePortRepair {
     }
 
     fn interval(&self) -> Duration {
-        self.config.interval
+        self.section.interval
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        let (client, page_size) = (self.client.clone(), self.config.page_size);
+        let (client, page_size) = (self.client.clone(), self.section.page_size);
         let mut triggers = vec![
             self.services
                 .subscribe(|store| reflect(client, page_size, store)),

@@ -1,5 +1,5 @@
-//! `loops.nodePortRepair`: the section of the configuration file, and the loop's configuration
-//! made from it and the top-level settings (the node-port range, etcd).
+//! `loops.nodePortRepair`: the section of the configuration file, which is also the loop's
+//! configuration; the top-level settings give the node-port range and etcd mode.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,52 +7,19 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::NodePortRepair;
-use super::plan::PortRange;
 use crate::contract::Reconciler;
-use crate::legacy_alloc::etcd::EtcdConfig;
 use crate::section::{
-    BuildContext, BuildError, ConfigError, LoopSection, ServiceName, Settings, duration_format,
+    BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
     validate_interval, validate_page_size,
 };
 use crate::service_cache::store;
 
-#[derive(Clone, Debug)]
-pub struct NodePortRepairConfig {
-    /// Time between passes when no Service changes (upstream: 3 minutes).
-    pub interval: Duration,
-    pub range: PortRange,
-    /// This replica's identity, for the events' `reportingInstance`.
-    pub reporting_instance: Option<String>,
-    /// LIST page size of the Service cache, when this loop keeps it itself.
-    pub page_size: u32,
-    /// etcd mode: repair the bitmap at `<prefix>/ranges/servicenodeports` too.
-    pub etcd: Option<EtcdConfig>,
-    /// etcd mode: rebuild a bitmap stored under another range (or none) under `range`, instead
-    /// of reporting it and leaving it alone.
-    pub rebuild_bitmap_on_range_change: bool,
-    /// The `kubernetes` Service: a bitmap range mismatch is reported in an event about it.
-    pub kubernetes_service: ServiceName,
-}
-
-impl Default for NodePortRepairConfig {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(180),
-            range: PortRange::default(),
-            reporting_instance: None,
-            page_size: store::DEFAULT_PAGE_SIZE,
-            etcd: None,
-            rebuild_bitmap_on_range_change: false,
-            kubernetes_service: ServiceName {
-                namespace: "default".to_owned(),
-                name: "kubernetes".to_owned(),
-            },
-        }
-    }
-}
+/// Upstream's interval (the repair runs every 3 minutes).
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(180);
 
 /// `loops.nodePortRepair`: node ports held twice or outside `serviceNodePortRange`, and the
-/// legacy bitmap in etcd mode.
+/// legacy bitmap in etcd mode. The loop's one configuration type: the loop is built from the
+/// section and the settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct Section {
@@ -72,12 +39,11 @@ pub struct Section {
 
 impl Default for Section {
     fn default() -> Self {
-        let defaults = NodePortRepairConfig::default();
         Section {
             enabled: true,
-            interval: defaults.interval,
-            page_size: defaults.page_size,
-            rebuild_bitmap_on_range_change: defaults.rebuild_bitmap_on_range_change,
+            interval: DEFAULT_INTERVAL,
+            page_size: store::DEFAULT_PAGE_SIZE,
+            rebuild_bitmap_on_range_change: false,
         }
     }
 }
@@ -98,21 +64,42 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let range = &context.settings.node_port_range;
-        let config = NodePortRepairConfig {
-            interval: self.interval,
-            range: PortRange::new(*range.start(), *range.end())?,
-            reporting_instance: Some(context.settings.identity.clone()),
-            page_size: self.page_size,
-            etcd: context.settings.etcd.clone(),
-            rebuild_bitmap_on_range_change: self.rebuild_bitmap_on_range_change,
-            kubernetes_service: context.settings.kubernetes_service.clone(),
-        };
+        let services = context.services();
         Ok(vec![Arc::new(NodePortRepair::new(
             context.client.clone(),
-            config,
-            Some(context.services()),
+            self.clone(),
+            context.settings,
+            Some(services),
             context.registry,
-        ))])
+        )?)])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_yaml_path() {
+        let path = "loops.nodePortRepair";
+        let settings = crate::section::test_settings();
+        let mut errors = Vec::new();
+        Section::default().validate(path, &settings, &mut errors);
+        assert_eq!(errors, []);
+        let section = Section {
+            interval: Duration::ZERO,
+            page_size: 0,
+            ..Section::default()
+        };
+        section.validate(path, &settings, &mut errors);
+        let fields: Vec<_> = errors.iter().map(|error| error.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "loops.nodePortRepair.interval",
+                "loops.nodePortRepair.pageSize"
+            ]
+        );
+        assert_eq!(Section::default().interval, Duration::from_secs(180));
     }
 }

@@ -46,9 +46,9 @@ impl DefaultServiceCidr {
         }
         let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());
         let object = format!("ServiceCIDR/{DEFAULT_SERVICE_CIDR}");
-        let desired = self.config.desired();
+        let desired = self.desired();
         let mut current = self.cache.get(&api, DEFAULT_SERVICE_CIDR).await?;
-        match plan(current.as_ref(), &self.config.cidrs) {
+        match plan(current.as_ref(), &self.ranges) {
             Plan::Create => {
                 let message = format!(
                     "default ServiceCIDR is missing; creating it with CIDRs {}",
@@ -161,12 +161,12 @@ impl DefaultServiceCidr {
         object: &str,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        let plan = plan(current, &self.config.cidrs);
+        let plan = plan(current, &self.ranges);
         let note = match &plan {
             Plan::Inconsistent { actual } => format!(
                 "The default ServiceCIDR {} does not match the controller flag configurations {}",
                 go_list(actual),
-                go_list(&self.config.desired())
+                go_list(&self.desired())
             ),
             Plan::NotReady { message, .. } => format!("Configuration matches, but {message}"),
             _ => String::new(),

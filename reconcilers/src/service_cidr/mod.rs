@@ -16,6 +16,7 @@ use std::time::Duration;
 use backon::Retryable;
 use futures::StreamExt;
 use futures::future::BoxFuture;
+use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::watcher;
@@ -25,7 +26,7 @@ use tracing::info;
 use crate::Trigger;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
 use crate::findings::ReportOnce;
-use crate::section::ConfigError;
+use crate::section::Settings;
 use crate::service_range::DEFAULT_SERVICE_CIDR;
 use crate::watch_cache::{WatchCache, watch_trigger};
 
@@ -34,7 +35,7 @@ mod plan;
 mod section;
 
 pub use plan::{Plan, plan};
-pub use section::{Section, ServiceCidrConfig};
+pub use section::{DEFAULT_INTERVAL, Section};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "service-cidr";
@@ -67,7 +68,9 @@ async fn served(client: &Client, slot: &Mutex<Option<bool>>) -> Result<bool, kub
 
 /// The default ServiceCIDR loop (`service-cidr`).
 pub struct DefaultServiceCidr {
-    config: ServiceCidrConfig,
+    section: Section,
+    /// `serviceClusterIPRange`, primary first: what `spec.cidrs` must be.
+    ranges: Vec<IpNet>,
     recorder: Recorder,
     /// The reported condition (inconsistent or not ready), so each gets its event and log line
     /// once when it appears, and again only if it clears and comes back.
@@ -80,18 +83,20 @@ pub struct DefaultServiceCidr {
 }
 
 impl DefaultServiceCidr {
-    pub fn new(client: Client, config: ServiceCidrConfig) -> Result<Self, ConfigError> {
-        config.validate()?;
-        let reporter = match &config.reporting_instance {
-            Some(instance) => Reporter {
-                controller: CONTROLLER_NAME.to_owned(),
-                instance: Some(instance.clone()),
-            },
-            None => Reporter::from(CONTROLLER_NAME),
+    /// The loop of a validated `section`, with `settings.service_ranges` as the ServiceCIDR's
+    /// ranges; `None` when no range is configured (there is nothing to create or check then).
+    pub fn new(client: Client, section: Section, settings: &Settings) -> Option<Self> {
+        if settings.service_ranges.is_empty() {
+            return None;
+        }
+        let reporter = Reporter {
+            controller: CONTROLLER_NAME.to_owned(),
+            instance: Some(settings.identity.clone()),
         };
-        Ok(Self {
+        Some(Self {
             recorder: Recorder::new(client.clone(), reporter),
-            config,
+            section,
+            ranges: settings.service_ranges.clone(),
             reported: ReportOnce::new(),
             served: Arc::new(Mutex::new(None)),
             cache: WatchCache::new(
@@ -100,6 +105,11 @@ impl DefaultServiceCidr {
             ),
             client,
         })
+    }
+
+    /// The ranges as `spec.cidrs` writes them.
+    fn desired(&self) -> Vec<String> {
+        self.ranges.iter().map(ToString::to_string).collect()
     }
 
     async fn served(&self, client: &Client) -> Result<bool, LoopError> {
@@ -113,7 +123,7 @@ impl Reconciler for DefaultServiceCidr {
     }
 
     fn interval(&self) -> Duration {
-        self.config.interval
+        self.section.interval
     }
 
     /// The watch of the default ServiceCIDR, once discovery says the API serves them (retried

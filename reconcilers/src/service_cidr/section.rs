@@ -1,10 +1,9 @@
-//! `loops.serviceCIDR`: the section of the configuration file, and the loop's configuration made
-//! from it and the Service range.
+//! `loops.serviceCIDR`: the section of the configuration file, which is also the loop's
+//! configuration; the ranges are the shared `serviceClusterIPRange`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use tracing::info;
 
@@ -14,30 +13,12 @@ use crate::section::{
     BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
     validate_interval,
 };
-use crate::service_range::validate_ranges;
 
-/// Configuration of the default ServiceCIDR loop (`loops.serviceCIDR`).
-#[derive(Clone, Debug)]
-pub struct ServiceCidrConfig {
-    /// The API server's `--service-cluster-ip-range` value(s), primary first.
-    pub cidrs: Vec<IpNet>,
-    /// Upstream: 10 s.
-    pub interval: Duration,
-    /// `reportingInstance` of the events; `None` uses the host name.
-    pub reporting_instance: Option<String>,
-}
-
-impl Default for ServiceCidrConfig {
-    fn default() -> Self {
-        Self {
-            cidrs: Vec::new(),
-            interval: Duration::from_secs(10),
-            reporting_instance: None,
-        }
-    }
-}
+/// Upstream's interval (`defaultservicecidr`: every 10 s).
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 
 /// `loops.serviceCIDR`: the default ServiceCIDR `kubernetes`, from `serviceClusterIPRange`.
+/// The loop's one configuration type: the loop is built from the section and the settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct Section {
@@ -50,7 +31,7 @@ impl Default for Section {
     fn default() -> Self {
         Section {
             enabled: true,
-            interval: ServiceCidrConfig::default().interval,
+            interval: DEFAULT_INTERVAL,
         }
     }
 }
@@ -71,55 +52,17 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        if context.settings.service_ranges.is_empty() {
-            info!(
-                "loops.serviceCIDR not started: serviceClusterIPRange is not set, so there is no \
-                 range to create or check the ServiceCIDR \"kubernetes\" with (kube-apiserver \
-                 1.33+ creates it from its own --service-cluster-ip-range)"
-            );
-            return Ok(Vec::new());
+        match DefaultServiceCidr::new(context.client.clone(), self.clone(), context.settings) {
+            Some(built) => Ok(vec![Arc::new(built)]),
+            None => {
+                info!(
+                    "loops.serviceCIDR not started: serviceClusterIPRange is not set, so there is \
+                     no range to create or check the ServiceCIDR \"kubernetes\" with \
+                     (kube-apiserver 1.33+ creates it from its own --service-cluster-ip-range)"
+                );
+                Ok(Vec::new())
+            }
         }
-        let config = ServiceCidrConfig {
-            cidrs: context.settings.service_ranges.clone(),
-            interval: self.interval,
-            reporting_instance: Some(context.settings.identity.clone()),
-        };
-        Ok(vec![Arc::new(DefaultServiceCidr::new(
-            context.client.clone(),
-            config,
-        )?)])
-    }
-}
-
-impl ServiceCidrConfig {
-    /// Errors name the field's YAML path.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        const RANGE: &str = "serviceClusterIPRange";
-        if self.cidrs.is_empty() {
-            return Err(ConfigError::new(
-                RANGE,
-                "set the API server's --service-cluster-ip-range value(s), primary first (e.g. \
-                 [10.96.0.0/12])",
-            ));
-        }
-        validate_ranges(&self.cidrs).map_err(|err| ConfigError::new(RANGE, err))?;
-        if let Some(net) = self.cidrs.iter().find(|net| net.trunc() != **net) {
-            return Err(ConfigError::new(
-                RANGE,
-                format!("{net} has host bits set; write it as {}", net.trunc()),
-            ));
-        }
-        if self.interval.is_zero() {
-            return Err(ConfigError::new(
-                "loops.serviceCIDR.interval",
-                "must be greater than zero (upstream uses 10s)",
-            ));
-        }
-        Ok(())
-    }
-
-    pub(super) fn desired(&self) -> Vec<String> {
-        self.cidrs.iter().map(ToString::to_string).collect()
     }
 }
 
@@ -128,30 +71,28 @@ impl ServiceCidrConfig {
 mod tests {
     use super::*;
 
-    fn nets(list: &[&str]) -> Vec<IpNet> {
-        list.iter().map(|s| s.parse().unwrap()).collect()
-    }
-
     #[test]
-    fn config_errors_name_the_field() {
-        let err = ServiceCidrConfig::default().validate().unwrap_err();
-        assert_eq!(err.field, "serviceClusterIPRange");
-        assert!(err.to_string().starts_with("serviceClusterIPRange:"));
-        let host_bits = ServiceCidrConfig {
-            cidrs: nets(&["10.96.0.1/12"]),
-            ..ServiceCidrConfig::default()
+    fn errors_name_the_yaml_path() {
+        let mut errors = Vec::new();
+        let section = Section {
+            interval: Duration::ZERO,
+            ..Section::default()
         };
-        assert!(
-            host_bits
-                .validate()
-                .unwrap_err()
-                .message
-                .contains("10.96.0.0/12")
+        section.validate(
+            "loops.serviceCIDR",
+            &crate::section::test_settings(),
+            &mut errors,
         );
-        let ok = ServiceCidrConfig {
-            cidrs: nets(&["10.96.0.0/12", "fd00::/108"]),
-            ..ServiceCidrConfig::default()
-        };
-        assert!(ok.validate().is_ok());
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].field, "loops.serviceCIDR.interval");
+
+        errors.clear();
+        Section::default().validate(
+            "loops.serviceCIDR",
+            &crate::section::test_settings(),
+            &mut errors,
+        );
+        assert_eq!(errors, []);
+        assert_eq!(Section::default().interval, Duration::from_secs(10));
     }
 }
