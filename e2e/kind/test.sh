@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs e2e/kind/up.sh for real on a machine without a registry, then down.sh whatever happened;
 # exits non-zero if up.sh failed. Builds first what up.sh needs and nothing can pull, each cached
-# by version under target/: kind (its Go module, KIND_VERSION in lib.sh), helm (helm.sh/helm/v3,
-# HELM_VERSION below), and the node image with kubectl (build-node-image.sh, from
-# e2e/node/build.sh's binaries). The engine is podman, rootful.
+# by version under target/: kind (its Go module, KIND_VERSION in lib.sh), and the node image with
+# kubectl (build-node-image.sh, from e2e/node/build.sh's binaries); helm is the one
+# e2e/node/build.sh builds for the real node's chart tests. The engine is podman, rootful.
 #
 # What this machine needs for kind, set up here for the run only (podman's and the system's
 # configuration stay as they are); none of it is needed on a usual docker or podman host:
@@ -25,7 +25,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 # shellcheck source=e2e/kind/lib.sh
 . "$here/lib.sh"
-HELM_VERSION=v3.22.0
 NETWORK=bootstrap-controller-kind
 NETWORK_SUBNET=198.18.128.0/24
 CLUSTER=bootstrap-controller
@@ -54,9 +53,7 @@ go_tool() { # binary, module@version, directory: go install into the directory o
   fi
 }
 KIND="$root/target/kind/$KIND_VERSION/kind"
-HELM="$root/target/helm/$HELM_VERSION/helm"
 go_tool kind "sigs.k8s.io/kind@$KIND_VERSION" "$(dirname "$KIND")"
-go_tool helm "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" "$(dirname "$HELM")"
 node_build=$("$root/e2e/node/build.sh")
 NODE_IMAGE=$(NODE_BUILD="$node_build" "$here/build-node-image.sh")
 # shellcheck source=/dev/null
