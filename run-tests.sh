@@ -2,8 +2,8 @@
 # The whole suite on a fresh Debian 12 machine, in one command: installs what is missing (Debian
 # packages, Python packages, actionlint, the musl target), builds the real control plane and the
 # real node from their Go modules (cached in target/), runs the real node's scenarios
-# (e2e/node/test.sh), then the tests the README lists: cargo test, the packaging tests and the
-# end-to-end suite against a real control plane. `.ci/run` runs it after its lints.
+# (e2e/node/test.sh) and kind's (e2e/kind/test.sh), then the tests the README lists: cargo test,
+# the packaging tests and the end-to-end suite against a real control plane. `.ci/run` runs it after its lints.
 #
 # Needs: root (apt-get, and the node's namespaces and cgroups), the Rust toolchain (rustup) and
 # Go 1.26 or newer. Everything else it installs.
@@ -101,6 +101,12 @@ fi
 # pod) in namespaces of its own; installs containerd, runc and the CNI plugins where missing.
 stage "a real node (e2e/node/test.sh)"
 e2e/node/test.sh
+
+# kind as users try it (e2e/kind/up.sh: the sidecar, the chart, the end-to-end suite against the
+# cluster) with podman and a kind node image built here from the real node's binaries, nothing
+# pulled; installs podman, debootstrap and jq where missing.
+stage "kind (e2e/kind/test.sh)"
+e2e/kind/test.sh
 
 stage "tests (README: cargo test --workspace && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh)"
 # The last command: its status is the script's (set -e does not stop inside an && list).

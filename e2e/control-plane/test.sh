@@ -26,5 +26,6 @@ trap '"$here/down.sh" "$dir" >/dev/null || true' EXIT
 "$here/up.sh" "$dir"
 cd "$root"
 # One test at a time: they share the cluster's kubernetes Service, leader Lease and namespaces.
-BOOTSTRAP_E2E_KUBECONFIG="$dir/admin.kubeconfig" \
+# 192.0.2.1: a SAN of up.sh's serving certificate, which tests may advertise.
+BOOTSTRAP_E2E_KUBECONFIG="$dir/admin.kubeconfig" BOOTSTRAP_E2E_CERTIFICATE_ADDRESS=192.0.2.1 \
   cargo test -p e2e ${cargo_args[@]+"${cargo_args[@]}"} -- --test-threads=1 "$@"

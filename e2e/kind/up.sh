@@ -70,15 +70,19 @@ else
   "${KIND}" load image-archive "${WORK}/image.tar" --name "${CLUSTER}"
 fi
 
+# kubeadm's advertise address, in kube-apiserver's serving certificate.
+NODE_IP="$(kubectl get node "${NODE}" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')"
+[ -n "${NODE_IP}" ] || die "node ${NODE} has no InternalIP"
+
 if [ "${SKIP_E2E:-0}" != 1 ]; then
   log "end-to-end tests against the cluster"
   cargo build --workspace --bins
   # One test at a time, as the README says: they share the cluster's `kubernetes` endpoints.
-  BOOTSTRAP_E2E_KUBECONFIG="${KUBECONFIG_FILE}" cargo test -p e2e -- --test-threads=1
+  BOOTSTRAP_E2E_KUBECONFIG="${KUBECONFIG_FILE}" BOOTSTRAP_E2E_CERTIFICATE_ADDRESS="${NODE_IP}" \
+    cargo test -p e2e -- --test-threads=1
 fi
 
 log "sidecar (static pod beside kube-apiserver)"
-NODE_IP="$(kubectl get node "${NODE}" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')"
 sidecar_on_node() { "${ENGINE}" exec -i "${NODE}" "$@"; }
 SIDECAR_KUBEADM_CONFIG=/kind/kubeadm.conf
 SIDECAR_SERVICE_RANGE="${SERVICE_RANGE}"

@@ -45,7 +45,8 @@ def test_the_one_command_ends_with_the_readme_test_command():
     assert "e2e/control-plane/test.sh" in command, command
     # set -e does not stop inside an && list: only as the last command does its failure fail.
     assert last_command(ROOT / "run-tests.sh") == command
-    assert "e2e/node/test.sh" in (ROOT / "run-tests.sh").read_text()
+    script = (ROOT / "run-tests.sh").read_text()
+    assert "\ne2e/node/test.sh\n" in script and "\ne2e/kind/test.sh\n" in script, script
 
 
 def test_the_one_command_refuses_bad_usage_with_exit_2():

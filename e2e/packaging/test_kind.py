@@ -27,6 +27,8 @@ import json, os, shutil, sys
 name = os.path.basename(sys.argv[0]); args = sys.argv[1:]
 state = os.environ["FAKE_DIR"]
 call = {"cmd": name, "args": args}
+if name == "cargo":
+    call["env"] = {k: v for k, v in os.environ.items() if k.startswith("BOOTSTRAP_E2E_")}
 def out(text): sys.stdout.write(text)
 if name == "kind" and args[:2] == ["create", "cluster"]:
     shutil.copy(args[args.index("--config") + 1], os.path.join(state, "kind.yaml"))
@@ -133,6 +135,10 @@ def test_up_runs_each_step_in_an_order_that_can_pass():
     build = calls[index(calls, "docker", "build")]["args"]
     assert build[-2:] == [image, "."] and "BINARY_STAGE=prebuilt" in build, build
     assert calls[index(calls, "kind", "load")]["args"][2] == image
+    # The tests run against the cluster, advertising an address its certificate holds.
+    tests_env = calls[index(calls, "cargo", "test")]["env"]
+    assert tests_env["BOOTSTRAP_E2E_CERTIFICATE_ADDRESS"] == "192.0.2.10", tests_env
+    assert tests_env["BOOTSTRAP_E2E_KUBECONFIG"].endswith("kubeconfig"), tests_env
     container = sidecar["spec"]["containers"][0]
     assert container["image"] == image and container["imagePullPolicy"] == "Never"
     # The sidecar uses the cluster's service range, not the manifest's kubeadm default.

@@ -930,8 +930,8 @@ async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
 }
 
 /// The local apiserver's serving certificate is checked against the advertised address, as
-/// in-cluster clients check it: one it holds (192.0.2.1, a SAN of the simulator's and the real
-/// control plane's certificates) is quiet; one it lacks is reported once, with the metric.
+/// in-cluster clients check it: one it holds ([`Target::certificate_address`]) is quiet; one it
+/// lacks is reported once, with the metric.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_advertised_address_the_serving_certificate_lacks_is_reported() -> Result<()> {
     let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
@@ -951,8 +951,9 @@ async fn an_advertised_address_the_serving_certificate_lacks_is_reported() -> Re
     }
     const METRIC: &str = "bootstrap_apiserver_lease_serving_certificate_lacks_address";
 
-    let holds = start("192.0.2.1", "member-1")?;
-    wait_members(&client, &["192.0.2.1"], "the member listed").await?;
+    let held = target.certificate_address()?;
+    let holds = start(&held, "member-1")?;
+    wait_members(&client, &[held.as_str()], "the member listed").await?;
     assert_eq!(gauge(&holds).await?.as_deref(), Some("0"));
     assert!(!holds.log().contains(lacking), "{}", holds.log());
     drop(holds);

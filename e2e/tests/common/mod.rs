@@ -84,6 +84,21 @@ impl Target {
         client_from(self.kubeconfig()).await
     }
 
+    /// An address the target apiserver's serving certificate holds, for tests that advertise
+    /// one the probe's check must accept: 192.0.2.1 is a SAN of the simulator's certificate (and
+    /// of the real control plane's); a real cluster's is named by
+    /// `BOOTSTRAP_E2E_CERTIFICATE_ADDRESS` (on kind and kubeadm, the node's address).
+    pub fn certificate_address(&self) -> Result<String> {
+        match self {
+            Target::Sim(_) => Ok("192.0.2.1".to_owned()),
+            Target::Cluster { .. } => std::env::var("BOOTSTRAP_E2E_CERTIFICATE_ADDRESS").context(
+                "BOOTSTRAP_E2E_CERTIFICATE_ADDRESS is not set: against a real cluster, set it to \
+                 an IP address the apiserver's serving certificate holds (kubeadm and kind: the \
+                 control-plane node's InternalIP)",
+            ),
+        }
+    }
+
     /// The simulator, or `None` (after saying so) when the test runs against a real cluster: for
     /// the parts of a test that need its backdoor, fault injection or request log.
     pub fn sim(&self, test: &str) -> Option<&SimProcess> {
