@@ -110,6 +110,40 @@ fn the_base_layer_names_no_loop() {
     );
 }
 
+/// Every loop module has the files ARCHITECTURE.md names, so a reader who knows one loop knows
+/// where to look in the next: `mod.rs` (the loop), `section.rs` (its one configuration type),
+/// `plan.rs` (the pure decisions) and `apply.rs` (the writes), or, in a module holding several
+/// loops that share the section and plan, one `<name>_loop.rs` per loop in its place.
+#[test]
+fn every_loop_module_has_the_same_files() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../reconcilers/src");
+    let mut missing = Vec::new();
+    for looped in LOOPS {
+        let files: BTreeSet<String> = std::fs::read_dir(src.join(looped))
+            .unwrap_or_else(|err| panic!("reconcilers/src/{looped}: {err}"))
+            .map(|entry| {
+                entry
+                    .expect("entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        for file in ["mod.rs", "section.rs", "plan.rs"] {
+            if !files.contains(file) {
+                missing.push(format!("{looped}/{file}"));
+            }
+        }
+        let loops = files.iter().filter(|f| f.ends_with("_loop.rs")).count();
+        if !files.contains("apply.rs") && loops < 2 {
+            missing.push(format!(
+                "{looped}/apply.rs (or one <name>_loop.rs per loop)"
+            ));
+        }
+    }
+    assert!(missing.is_empty(), "loop modules lack: {missing:?}");
+}
+
 /// Code and docs cite upstream by its own files and functions, which a reader can open; section
 /// numbers of notes outside the repository point nowhere.
 #[test]
