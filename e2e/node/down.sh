@@ -97,6 +97,11 @@ awk '$1 == "link" { print $2 }' "$state" | while read -r link; do
 done
 if [ -n "$cgroup" ]; then
   for _ in $(seq 1 50); do
+    # containerd, until it stopped, may have started another container (a `runc init` that
+    # would keep its cgroup busy): killed here too.
+    pids=$(find /sys/fs/cgroup/*/"$cgroup" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u)
+    # shellcheck disable=SC2086 # one pid a word
+    [ -z "$pids" ] || kill -KILL $pids 2>/dev/null
     find /sys/fs/cgroup/*/"$cgroup" -depth -type d -exec rmdir {} \; 2>/dev/null
     ls -d /sys/fs/cgroup/*/"$cgroup" >/dev/null 2>&1 || break
     sleep 0.2
