@@ -1,44 +1,12 @@
 //! The `--config` file: its shape and its parser.
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
-use reconcilers::section::{ConfigError, EndpointsMode, duration_format};
+use reconcilers::section::ConfigError;
 use serde::Deserialize;
 
-use super::flags::LogFormat;
-use super::{ConfigErrors, LeaderElection, Loops};
-
-/// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field); the
-/// structured sections have no flags.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct FileConfig {
-    #[serde(rename = "serviceClusterIPRange")]
-    pub service_cluster_ip_range: Option<StringOrList>,
-    pub service_node_port_range: Option<String>,
-    pub advertise_address: Option<String>,
-    pub secure_port: Option<u32>,
-    pub kubernetes_service_node_port: Option<u32>,
-    pub endpoint_reconciler_type: Option<EndpointsMode>,
-    pub apiserver_count: Option<i64>,
-    pub kubeconfig: Option<PathBuf>,
-    pub etcd_servers: Option<StringOrList>,
-    #[serde(rename = "etcdCAFile")]
-    pub etcd_ca_file: Option<PathBuf>,
-    pub etcd_cert_file: Option<PathBuf>,
-    pub etcd_key_file: Option<PathBuf>,
-    pub etcd_prefix: Option<String>,
-    pub dry_run: Option<bool>,
-    pub timer_only: Option<bool>,
-    pub admin_addr: Option<String>,
-    pub log_format: Option<LogFormat>,
-    #[serde(default, with = "duration_format::option")]
-    pub shutdown_timeout: Option<Duration>,
-    pub leader_election: Option<LeaderElection>,
-    pub tenants: Option<TenantsFile>,
-    pub loops: Option<Loops>,
-}
+use super::ConfigErrors;
+use super::settings::FileConfig;
 
 /// The file's `tenants` section (management mode); the flags `--tenants-*` win over it.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -50,7 +18,8 @@ pub struct TenantsFile {
     pub credential_plugins: Option<StringOrList>,
 }
 
-/// `serviceClusterIPRange` may be written `"a,b"` (like the flag) or as a YAML list.
+/// `serviceClusterIPRange` (and the other lists) may be written `"a,b"` (like the flag) or as a
+/// YAML list.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(untagged)]
 pub enum StringOrList {
@@ -64,6 +33,13 @@ impl StringOrList {
             StringOrList::One(one) => one.clone(),
             StringOrList::List(list) => list.join(","),
         }
+    }
+}
+
+/// The file's list as the flag writes it.
+impl From<StringOrList> for String {
+    fn from(list: StringOrList) -> String {
+        list.joined()
     }
 }
 

@@ -10,10 +10,10 @@ use reconcilers::section::{
     ConfigError, EndpointsMode, ServiceName, Settings, format_duration, parse_duration,
 };
 
-use super::file::{FileConfig, StringOrList, TenantsFile, read_file};
-use super::flags::ConfigArgs;
+use super::file::{StringOrList, TenantsFile, read_file};
+use super::settings::{ConfigArgs, FileConfig, Given};
 use super::tenant::{DEFAULT_TENANTS_KUBECONFIG_KEY, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
-use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs, parse_u32};
+use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs};
 use super::{Config, ConfigErrors, Tenants};
 
 /// Where a value came from, so errors name the flag or the YAML field the user wrote.
@@ -25,16 +25,10 @@ pub(super) struct Source<T> {
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
 /// its key, the files are readable, and nothing but the servers turns etcd mode on.
 pub(super) fn merge_etcd(
-    args: &ConfigArgs,
-    file: &FileConfig,
+    given: Given,
     errors: &mut Vec<ConfigError>,
 ) -> reconcilers::legacy_alloc::etcd::EtcdConfig {
-    let servers_source = pick(
-        args.etcd_servers.clone(),
-        "--etcd-servers",
-        file.etcd_servers.as_ref().map(StringOrList::joined),
-        "etcdServers",
-    );
+    let servers_source = given.etcd_servers;
     let mut servers = Vec::new();
     if let Some(source) = &servers_source {
         for server in source
@@ -56,11 +50,8 @@ pub(super) fn merge_etcd(
             }
         }
     }
-    let mut path = |flag: Option<&PathBuf>,
-                    flag_name: &'static str,
-                    field: Option<&PathBuf>,
-                    field_name: &'static str| {
-        let source = pick(flag.cloned(), flag_name, field.cloned(), field_name)?;
+    let mut path = |source: Option<Source<PathBuf>>| {
+        let source = source?;
         if servers_source.is_none() {
             errors.push(ConfigError::new(
                 source.field,
@@ -74,24 +65,9 @@ pub(super) fn merge_etcd(
         }
         Some(source)
     };
-    let ca_file = path(
-        args.etcd_cafile.as_ref(),
-        "--etcd-cafile",
-        file.etcd_ca_file.as_ref(),
-        "etcdCAFile",
-    );
-    let cert_file = path(
-        args.etcd_certfile.as_ref(),
-        "--etcd-certfile",
-        file.etcd_cert_file.as_ref(),
-        "etcdCertFile",
-    );
-    let key_file = path(
-        args.etcd_keyfile.as_ref(),
-        "--etcd-keyfile",
-        file.etcd_key_file.as_ref(),
-        "etcdKeyFile",
-    );
+    let ca_file = path(given.etcd_cafile);
+    let cert_file = path(given.etcd_certfile);
+    let key_file = path(given.etcd_keyfile);
     match (&cert_file, &key_file) {
         (Some(cert), None) => errors.push(ConfigError::new(
             cert.field,
@@ -103,12 +79,7 @@ pub(super) fn merge_etcd(
         )),
         _ => {}
     }
-    let prefix = match pick(
-        args.etcd_prefix.clone(),
-        "--etcd-prefix",
-        file.etcd_prefix.clone(),
-        "etcdPrefix",
-    ) {
+    let prefix = match given.etcd_prefix {
         Some(source) if !source.value.starts_with('/') => {
             errors.push(ConfigError::new(
                 source.field,
@@ -148,9 +119,9 @@ pub(super) fn refuse_process_etcd(
         (args.etcd_keyfile.is_some(), "--etcd-keyfile"),
         (file.etcd_servers.is_some(), "etcdServers"),
         (file.etcd_prefix.is_some(), "etcdPrefix"),
-        (file.etcd_ca_file.is_some(), "etcdCAFile"),
-        (file.etcd_cert_file.is_some(), "etcdCertFile"),
-        (file.etcd_key_file.is_some(), "etcdKeyFile"),
+        (file.etcd_cafile.is_some(), "etcdCAFile"),
+        (file.etcd_certfile.is_some(), "etcdCertFile"),
+        (file.etcd_keyfile.is_some(), "etcdKeyFile"),
     ];
     for (_, field) in set.into_iter().filter(|(given, _)| *given) {
         errors.push(ConfigError::new(
@@ -235,39 +206,23 @@ impl Config {
     /// Merges flags over a parsed file over defaults, and validates the result.
     pub fn merge(args: &ConfigArgs, file: FileConfig) -> Result<Config, ConfigErrors> {
         let mut errors = Vec::new();
+        let mut given = Given::new(args, &file);
 
-        let service_cluster_ip_range = match pick(
-            args.service_cluster_ip_range.clone(),
-            "--service-cluster-ip-range",
-            file.service_cluster_ip_range
-                .as_ref()
-                .map(StringOrList::joined),
-            "serviceClusterIPRange",
-        ) {
+        let service_cluster_ip_range = match given.service_cluster_ip_range.take() {
             Some(source) => parse_service_cidrs(&source.value)
                 .map_err(|message| errors.push(ConfigError::new(source.field, message)))
                 .unwrap_or_default(),
             None => Vec::new(),
         };
 
-        let service_node_port_range = match pick(
-            args.service_node_port_range.clone(),
-            "--service-node-port-range",
-            file.service_node_port_range.clone(),
-            "serviceNodePortRange",
-        ) {
+        let service_node_port_range = match given.service_node_port_range.take() {
             Some(source) => parse_port_range(&source.value)
                 .map_err(|err| errors.push(ConfigError::new(source.field, err.to_string())))
                 .unwrap_or_default(),
             None => PortRange::default(),
         };
 
-        let advertise_address_source = pick(
-            args.advertise_address.clone(),
-            "--advertise-address",
-            file.advertise_address.clone(),
-            "advertiseAddress",
-        );
+        let advertise_address_source = given.advertise_address.take();
         let advertise_address = advertise_address_source.as_ref().and_then(|source| {
             let text = source.value.trim();
             match text.parse::<IpAddr>() {
@@ -295,12 +250,7 @@ impl Config {
             }
         });
 
-        let secure_port = match pick(
-            args.secure_port.as_deref().map(parse_u32),
-            "--secure-port",
-            file.secure_port.map(Ok),
-            "securePort",
-        ) {
+        let secure_port = match given.secure_port.take() {
             Some(source) => match source.value {
                 Ok(port @ 1..=65535) => u16::try_from(port).unwrap_or(6443),
                 Ok(port) => {
@@ -321,13 +271,7 @@ impl Config {
             None => 6443,
         };
 
-        let node_port_source = pick(
-            args.kubernetes_service_node_port.as_deref().map(parse_u32),
-            "--kubernetes-service-node-port",
-            file.kubernetes_service_node_port.map(Ok),
-            "kubernetesServiceNodePort",
-        );
-        let kubernetes_service_node_port = match node_port_source {
+        let kubernetes_service_node_port = match given.kubernetes_service_node_port.take() {
             Some(source) => match source.value {
                 Ok(0) => 0,
                 Ok(port) => match u16::try_from(port) {
@@ -358,19 +302,13 @@ impl Config {
             None => 0,
         };
 
-        let endpoint_reconciler_type = args
+        let endpoint_reconciler_type = given
             .endpoint_reconciler_type
-            .or(file.endpoint_reconciler_type)
+            .take()
+            .map(|source| source.value)
             .unwrap_or_default();
 
-        let apiserver_count = match pick(
-            args.apiserver_count
-                .as_deref()
-                .map(|text| text.trim().parse::<i64>().map_err(|_| text.to_owned())),
-            "--apiserver-count",
-            file.apiserver_count.map(Ok),
-            "apiserverCount",
-        ) {
+        let apiserver_count = match given.apiserver_count.take() {
             Some(source) => match source.value {
                 Ok(count) if count > 0 => u32::try_from(count).unwrap_or(u32::MAX),
                 Ok(count) => {
@@ -383,7 +321,7 @@ impl Config {
                     ));
                     1
                 }
-                Err(text) => {
+                Err(NotANumber(text)) => {
                     errors.push(ConfigError::new(
                         source.field,
                         format!("{text:?} is not a number (expected a positive count, e.g. 3)"),
@@ -415,12 +353,7 @@ impl Config {
             ));
         }
 
-        let admin_addr = match pick(
-            args.admin_addr.clone(),
-            "--admin-addr",
-            file.admin_addr.clone(),
-            "adminAddr",
-        ) {
+        let admin_addr = match given.admin_addr.take() {
             Some(source) => match source.value.trim().parse::<SocketAddr>() {
                 Ok(addr) => addr,
                 Err(_) => {
@@ -438,12 +371,7 @@ impl Config {
             None => default_admin_addr(),
         };
 
-        let shutdown_timeout = match pick(
-            args.shutdown_timeout.as_deref().map(parse_duration),
-            "--shutdown-timeout",
-            file.shutdown_timeout.map(Ok),
-            "shutdownTimeout",
-        ) {
+        let shutdown_timeout = match given.shutdown_timeout.take() {
             Some(source) => match source.value {
                 Ok(timeout) if !timeout.is_zero() => timeout,
                 Ok(_) => {
@@ -560,7 +488,15 @@ impl Config {
             }
         }
 
-        let etcd = merge_etcd(args, &file, &mut errors);
+        let kubeconfig = given.kubeconfig.take().map(|source| source.value);
+        let dry_run = given.dry_run.take().is_some_and(|source| source.value);
+        let timer_only = given.timer_only.take().is_some_and(|source| source.value);
+        let log_format = given
+            .log_format
+            .take()
+            .map(|source| source.value)
+            .unwrap_or_default();
+        let etcd = merge_etcd(given, &mut errors);
         let tenants = merge_tenants(args, file.tenants.as_ref(), &mut errors);
         if tenants.is_some() {
             refuse_process_etcd(args, &file, &mut errors);
@@ -574,17 +510,17 @@ impl Config {
             kubernetes_service_node_port,
             endpoint_reconciler_type,
             apiserver_count,
-            kubeconfig: args.kubeconfig.clone().or(file.kubeconfig.clone()),
+            kubeconfig,
             etcd_servers: etcd.servers,
             etcd_ca_file: etcd.ca_file,
             etcd_cert_file: etcd.cert_file,
             etcd_key_file: etcd.key_file,
             etcd_prefix: etcd.prefix,
             etcd_inline_tls: None,
-            dry_run: args.dry_run.or(file.dry_run).unwrap_or(false),
-            timer_only: args.timer_only.or(file.timer_only).unwrap_or(false),
+            dry_run,
+            timer_only,
             admin_addr,
-            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
+            log_format,
             shutdown_timeout,
             leader_election,
             tenants,

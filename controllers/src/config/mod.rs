@@ -7,21 +7,22 @@
 //! Each loop's section (`loops.<key>`) is owned by the loop's module in `reconcilers`
 //! ([`LoopSection`]); [`Loops`] is the list of them.
 //!
-//! By concern: `flags.rs` (the flags and their environment variables), `file.rs` (the file's
-//! shape and parser), `merge.rs` (flags over file over defaults, and validation), `tenant.rs`
+//! By concern: `settings.rs` (the one list of the top-level settings, from which the flags with
+//! their environment variables and the file's fields follow), `file.rs` (the file's parser and
+//! its sections' shapes), `merge.rs` (flags over file over defaults, and validation), `tenant.rs`
 //! (management mode, and a tenant's annotation fragment merged over the file), `values.rs` (value
 //! types and their parsers); this module holds the effective [`Config`], the list of loops and
 //! the error type.
 
 mod file;
-mod flags;
 mod merge;
+mod settings;
 mod tenant;
 mod values;
 
 pub use file::*;
-pub use flags::*;
 pub use merge::*;
+pub use settings::*;
 pub use tenant::*;
 pub use values::*;
 

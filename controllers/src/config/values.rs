@@ -51,6 +51,13 @@ pub(super) fn parse_u32(text: &str) -> Result<u32, NotANumber> {
         .map_err(|_| NotANumber(text.to_owned()))
 }
 
+/// `Err` holds the text that is no number, for the message.
+pub(super) fn parse_i64(text: &str) -> Result<i64, NotANumber> {
+    text.trim()
+        .parse::<i64>()
+        .map_err(|_| NotANumber(text.to_owned()))
+}
+
 /// A flag's text that is not a number.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NotANumber(pub String);
