@@ -1,47 +1,12 @@
-//! The `--config` file: its shape and its parser.
+//! The `--config` file's parser (its shape is [`FileConfig`], which follows from the settings
+//! list).
 
 use std::path::Path;
 
 use reconcilers::section::ConfigError;
-use serde::Deserialize;
 
 use super::ConfigErrors;
 use super::settings::FileConfig;
-
-/// The file's `tenants` section (management mode); the flags `--tenants-*` win over it.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct TenantsFile {
-    pub secret_selector: Option<String>,
-    pub namespace: Option<String>,
-    pub kubeconfig_key: Option<String>,
-    pub credential_plugins: Option<StringOrList>,
-}
-
-/// `serviceClusterIPRange` (and the other lists) may be written `"a,b"` (like the flag) or as a
-/// YAML list.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum StringOrList {
-    One(String),
-    List(Vec<String>),
-}
-
-impl StringOrList {
-    pub(super) fn joined(&self) -> String {
-        match self {
-            StringOrList::One(one) => one.clone(),
-            StringOrList::List(list) => list.join(","),
-        }
-    }
-}
-
-/// The file's list as the flag writes it.
-impl From<StringOrList> for String {
-    fn from(list: StringOrList) -> String {
-        list.joined()
-    }
-}
 
 /// Parses the YAML text of a configuration file. Errors name the field path.
 pub fn parse_file(text: &str) -> Result<FileConfig, ConfigError> {

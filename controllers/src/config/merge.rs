@@ -10,17 +10,11 @@ use reconcilers::section::{
     ConfigError, EndpointsMode, ServiceName, Settings, format_duration, parse_duration,
 };
 
-use super::file::{StringOrList, TenantsFile, read_file};
-use super::settings::{ConfigArgs, FileConfig, Given};
+use super::file::read_file;
+use super::settings::{ConfigArgs, FileConfig, Given, Source, TenantsFile, pick};
 use super::tenant::{DEFAULT_TENANTS_KUBECONFIG_KEY, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
-use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs};
+use super::values::{NotANumber, PortRange, StringOrList, parse_port_range, parse_service_cidrs};
 use super::{Config, ConfigErrors, Tenants};
-
-/// Where a value came from, so errors name the flag or the YAML field the user wrote.
-pub(super) struct Source<T> {
-    pub(super) value: T,
-    pub(super) field: &'static str,
-}
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
 /// its key, the files are readable, and nothing but the servers turns etcd mode on.
@@ -133,25 +127,6 @@ pub(super) fn refuse_process_etcd(
                 TENANT_ETCD_KEYS.ca, TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
             ),
         ));
-    }
-}
-
-pub(super) fn pick<T>(
-    flag: Option<T>,
-    flag_name: &'static str,
-    file: Option<T>,
-    file_field: &'static str,
-) -> Option<Source<T>> {
-    match (flag, file) {
-        (Some(value), _) => Some(Source {
-            value,
-            field: flag_name,
-        }),
-        (None, Some(value)) => Some(Source {
-            value,
-            field: file_field,
-        }),
-        (None, None) => None,
     }
 }
 

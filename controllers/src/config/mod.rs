@@ -7,12 +7,12 @@
 //! Each loop's section (`loops.<key>`) is owned by the loop's module in `reconcilers`
 //! ([`LoopSection`]); [`Loops`] is the list of them.
 //!
-//! By concern: `settings.rs` (the one list of the top-level settings, from which the flags with
-//! their environment variables and the file's fields follow), `file.rs` (the file's parser and
-//! its sections' shapes), `merge.rs` (flags over file over defaults, and validation), `tenant.rs`
-//! (management mode, and a tenant's annotation fragment merged over the file), `values.rs` (value
-//! types and their parsers); this module holds the effective [`Config`], the list of loops and
-//! the error type.
+//! By concern, each file using only those listed before it: `values.rs` (value types and their
+//! parsers), `settings.rs` (the one list of the top-level settings, from which the flags with
+//! their environment variables, the file's fields and the flag-over-file pick follow), `file.rs`
+//! (the file's parser), `tenant.rs` (management mode, and a tenant's annotation fragment merged
+//! over the file), `merge.rs` (flags over file over defaults, and validation); this module holds
+//! the effective [`Config`], the list of loops and the error type.
 
 mod file;
 mod merge;

@@ -32,9 +32,7 @@ use clap::ValueEnum;
 use reconcilers::section::{DurationError, EndpointsMode, duration_format, parse_duration};
 use serde::{Deserialize, Serialize};
 
-use super::file::{StringOrList, TenantsFile};
-use super::merge::{Source, pick};
-use super::values::{NotANumber, parse_i64, parse_u32};
+use super::values::{NotANumber, StringOrList, parse_i64, parse_u32};
 use super::{LeaderElection, Loops};
 
 /// One setting's names, as the docs name it.
@@ -45,6 +43,32 @@ pub struct Setting {
     pub env: &'static str,
     /// Its key in the file, dotted when it lives in a section: `leaderElection.leaseName`.
     pub file_key: &'static str,
+}
+
+/// Where a value came from, so errors name the flag or the YAML field the user wrote.
+pub(super) struct Source<T> {
+    pub(super) value: T,
+    pub(super) field: &'static str,
+}
+
+/// The flag's value if set, else the file's, with the name of the one it came from.
+pub(super) fn pick<T>(
+    flag: Option<T>,
+    flag_name: &'static str,
+    file: Option<T>,
+    file_field: &'static str,
+) -> Option<Source<T>> {
+    match (flag, file) {
+        (Some(value), _) => Some(Source {
+            value,
+            field: flag_name,
+        }),
+        (None, Some(value)) => Some(Source {
+            value,
+            field: file_field,
+        }),
+        (None, None) => None,
+    }
 }
 
 macro_rules! settings {
@@ -323,4 +347,14 @@ pub enum LogFormat {
     #[default]
     Text,
     Json,
+}
+
+/// The file's `tenants` section (management mode); the flags `--tenants-*` win over it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TenantsFile {
+    pub secret_selector: Option<String>,
+    pub namespace: Option<String>,
+    pub kubeconfig_key: Option<String>,
+    pub credential_plugins: Option<StringOrList>,
 }
