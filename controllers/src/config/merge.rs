@@ -263,7 +263,7 @@ impl Config {
                         0
                     }
                 },
-                Err(text) => {
+                Err(NotANumber(text)) => {
                     errors.push(ConfigError::new(
                         source.field,
                         format!(

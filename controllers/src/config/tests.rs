@@ -424,6 +424,39 @@ fn node_port_must_be_in_range() {
     assert_eq!(config.kubernetes_service_node_port, 30443);
 }
 
+/// A numeric flag's text that is no number is quoted as given, with the flag and the fix.
+#[test]
+fn a_numeric_flag_that_is_no_number_is_quoted_plainly() {
+    let cases = [
+        (
+            ConfigArgs {
+                secure_port: Some("z".to_owned()),
+                ..ConfigArgs::default()
+            },
+            "--secure-port: \"z\" is not a port number (expected 1-65535, e.g. 6443)",
+        ),
+        (
+            ConfigArgs {
+                kubernetes_service_node_port: Some("z".to_owned()),
+                ..ConfigArgs::default()
+            },
+            "--kubernetes-service-node-port: \"z\" is not a port number (use 0 for a ClusterIP \
+             Service, or a port inside 30000-32767)",
+        ),
+        (
+            ConfigArgs {
+                apiserver_count: Some("z".to_owned()),
+                ..ConfigArgs::default()
+            },
+            "--apiserver-count: \"z\" is not a number (expected a positive count, e.g. 3)",
+        ),
+    ];
+    for (args, message) in cases {
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.to_string(), message);
+    }
+}
+
 #[test]
 fn apiserver_count_and_advertise_address() {
     rejected("apiserverCount: 0\n", "apiserverCount", &[]);
