@@ -597,7 +597,8 @@ pub(super) fn merge_tenants(
         for source in [namespace, key, plugins].into_iter().flatten() {
             errors.push(ConfigError::new(
                 source.field,
-                "only means something in management mode: set --tenants-secret-selector                  (tenants.secretSelector) too, or leave it out",
+                "only means something in management mode: set --tenants-secret-selector \
+                 (tenants.secretSelector) too, or leave it out",
             ));
         }
         return None;
@@ -606,7 +607,8 @@ pub(super) fn merge_tenants(
     if selector_text.is_empty() {
         errors.push(ConfigError::new(
             selector.field,
-            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g.              cluster.x-k8s.io/cluster-name)",
+            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g. \
+             cluster.x-k8s.io/cluster-name)",
         ));
     } else if let Err(why) = validate_label_selector(&selector_text) {
         errors.push(ConfigError::new(
@@ -644,7 +646,8 @@ pub(super) fn merge_tenants(
                 errors.push(ConfigError::new(
                     source.field,
                     format!(
-                        "{:?} is not a Secret data key (letters, digits, '-', '_' and '.';                          e.g. value, admin.conf, kubeconfig, config)",
+                        "{:?} is not a Secret data key (letters, digits, '-', '_' and '.'; \
+                         e.g. value, admin.conf, kubeconfig, config)",
                         source.value
                     ),
                 ));
