@@ -7,14 +7,14 @@ use std::time::Duration;
 use reconcilers::alloc::IpFamily;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{
-    ConfigError, EndpointsMode, ServiceName, Settings, format_duration, parse_duration,
+    ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
 };
 
 use super::file::read_file;
-use super::settings::{ConfigArgs, FileConfig, Given, Source, TenantsFile, pick};
+use super::settings::{ConfigArgs, FileConfig, Given, Source};
 use super::tenant::{DEFAULT_TENANTS_KUBECONFIG_KEY, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
-use super::values::{NotANumber, PortRange, StringOrList, parse_port_range, parse_service_cidrs};
-use super::{Config, ConfigErrors, Tenants};
+use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs};
+use super::{Config, ConfigErrors, LeaderElection, Tenants};
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
 /// its key, the files are readable, and nothing but the servers turns etcd mode on.
@@ -364,104 +364,7 @@ impl Config {
             None => default_shutdown_timeout(),
         };
 
-        let mut leader_election = file.leader_election.clone().unwrap_or_default();
-        let file_has_leader_section = file.leader_election.is_some();
-        let le_field = |flag: &'static str, field: &'static str, from_flag: bool| {
-            if from_flag || !file_has_leader_section {
-                flag
-            } else {
-                field
-            }
-        };
-        if let Some(enabled) = args.leader_elect {
-            leader_election.enabled = enabled;
-        }
-        if let Some(name) = &args.leader_elect_lease_name {
-            leader_election.lease_name = name.clone();
-        }
-        if let Some(namespace) = &args.leader_elect_lease_namespace {
-            leader_election.lease_namespace = namespace.clone();
-        }
-        if let Some(identity) = &args.leader_elect_identity {
-            leader_election.identity = identity.clone();
-        }
-        let mut duration_from_flag = false;
-        if let Some(text) = &args.leader_elect_lease_duration {
-            duration_from_flag = true;
-            match parse_duration(text) {
-                Ok(duration) => leader_election.lease_duration = duration,
-                Err(err) => errors.push(ConfigError::new(
-                    "--leader-elect-lease-duration",
-                    err.to_string(),
-                )),
-            }
-        }
-        let mut grace_from_flag = false;
-        if let Some(text) = &args.leader_elect_renew_grace {
-            grace_from_flag = true;
-            match parse_duration(text) {
-                Ok(duration) => leader_election.renew_grace = duration,
-                Err(err) => errors.push(ConfigError::new(
-                    "--leader-elect-renew-grace",
-                    err.to_string(),
-                )),
-            }
-        }
-        if leader_election.enabled {
-            if let Err(why) = validate_dns1123_subdomain(&leader_election.lease_name) {
-                errors.push(ConfigError::new(
-                    le_field(
-                        "--leader-elect-lease-name",
-                        "leaderElection.leaseName",
-                        args.leader_elect_lease_name.is_some(),
-                    ),
-                    format!(
-                        "{:?} is not a valid Lease name: {why} (expected e.g. \
-                         bootstrap-controller)",
-                        leader_election.lease_name
-                    ),
-                ));
-            }
-            if let Err(why) = validate_dns1123_label(&leader_election.lease_namespace) {
-                errors.push(ConfigError::new(
-                    le_field(
-                        "--leader-elect-lease-namespace",
-                        "leaderElection.leaseNamespace",
-                        args.leader_elect_lease_namespace.is_some(),
-                    ),
-                    format!(
-                        "{:?} is not a valid namespace name: {why} (expected e.g. kube-system)",
-                        leader_election.lease_namespace
-                    ),
-                ));
-            }
-            // A Lease holds whole seconds (leaseDurationSeconds).
-            if leader_election.lease_duration.as_secs() < 2 {
-                errors.push(ConfigError::new(
-                    le_field(
-                        "--leader-elect-lease-duration",
-                        "leaderElection.leaseDuration",
-                        duration_from_flag,
-                    ),
-                    "must be at least 2s (e.g. 15s)",
-                ));
-            } else if leader_election.renew_grace.as_secs() < 1
-                || leader_election.renew_grace >= leader_election.lease_duration
-            {
-                errors.push(ConfigError::new(
-                    le_field(
-                        "--leader-elect-renew-grace",
-                        "leaderElection.renewGrace",
-                        grace_from_flag,
-                    ),
-                    format!(
-                        "must be at least 1s and shorter than the lease duration ({}) (e.g. 5s \
-                         with a 15s lease)",
-                        format_duration(leader_election.lease_duration)
-                    ),
-                ));
-            }
-        }
+        let leader_election = merge_leader_election(&mut given, &mut errors);
 
         let kubeconfig = given.kubeconfig.take().map(|source| source.value);
         let dry_run = given.dry_run.take().is_some_and(|source| source.value);
@@ -471,8 +374,8 @@ impl Config {
             .take()
             .map(|source| source.value)
             .unwrap_or_default();
+        let tenants = merge_tenants(&mut given, &mut errors);
         let etcd = merge_etcd(given, &mut errors);
-        let tenants = merge_tenants(args, file.tenants.as_ref(), &mut errors);
         if tenants.is_some() {
             refuse_process_etcd(args, &file, &mut errors);
         }
@@ -562,38 +465,120 @@ pub(super) fn default_shutdown_timeout() -> Duration {
     Duration::from_secs(30)
 }
 
+/// The `--leader-elect-*` settings over their defaults, validated when leader election is on.
+/// The defaults are valid, so an error names a setting that was given.
+pub(super) fn merge_leader_election(
+    given: &mut Given,
+    errors: &mut Vec<ConfigError>,
+) -> LeaderElection {
+    let defaults = LeaderElection::default();
+    let lease_name = given.leader_elect_lease_name.take();
+    let lease_namespace = given.leader_elect_lease_namespace.take();
+    // A duration that does not parse is reported here and left at its default, so the checks
+    // below do not report it again.
+    let mut duration = |source: Option<Source<Result<Duration, DurationError>>>| {
+        let source = source?;
+        match source.value {
+            Ok(value) => Some(Source {
+                value,
+                field: source.field,
+            }),
+            Err(err) => {
+                errors.push(ConfigError::new(source.field, err.to_string()));
+                None
+            }
+        }
+    };
+    let lease_duration = duration(given.leader_elect_lease_duration.take());
+    let renew_grace = duration(given.leader_elect_renew_grace.take());
+    let election = LeaderElection {
+        enabled: given
+            .leader_elect
+            .take()
+            .map_or(defaults.enabled, |source| source.value),
+        lease_name: lease_name
+            .as_ref()
+            .map_or(defaults.lease_name, |source| source.value.clone()),
+        lease_namespace: lease_namespace
+            .as_ref()
+            .map_or(defaults.lease_namespace, |source| source.value.clone()),
+        identity: given
+            .leader_elect_identity
+            .take()
+            .map_or(defaults.identity, |source| source.value),
+        lease_duration: lease_duration
+            .as_ref()
+            .map_or(defaults.lease_duration, |source| source.value),
+        renew_grace: renew_grace
+            .as_ref()
+            .map_or(defaults.renew_grace, |source| source.value),
+    };
+    if !election.enabled {
+        return election;
+    }
+    if let Some(source) = &lease_name
+        && let Err(why) = validate_dns1123_subdomain(&source.value)
+    {
+        errors.push(ConfigError::new(
+            source.field,
+            format!(
+                "{:?} is not a valid Lease name: {why} (expected e.g. bootstrap-controller)",
+                source.value
+            ),
+        ));
+    }
+    if let Some(source) = &lease_namespace
+        && let Err(why) = validate_dns1123_label(&source.value)
+    {
+        errors.push(ConfigError::new(
+            source.field,
+            format!(
+                "{:?} is not a valid namespace name: {why} (expected e.g. kube-system)",
+                source.value
+            ),
+        ));
+    }
+    // A Lease holds whole seconds (leaseDurationSeconds).
+    if let Some(source) = &lease_duration
+        && source.value.as_secs() < 2
+    {
+        errors.push(ConfigError::new(
+            source.field,
+            "must be at least 2s (e.g. 15s)",
+        ));
+    } else if election.renew_grace.as_secs() < 1 || election.renew_grace >= election.lease_duration
+    {
+        match (&renew_grace, &lease_duration) {
+            (Some(grace), _) => errors.push(ConfigError::new(
+                grace.field,
+                format!(
+                    "must be at least 1s and shorter than the lease duration ({}) (e.g. 5s with \
+                     a 15s lease)",
+                    format_duration(election.lease_duration)
+                ),
+            )),
+            // The default grace does not fit the given duration: the duration is what was set.
+            (None, Some(duration)) => errors.push(ConfigError::new(
+                duration.field,
+                format!(
+                    "must be longer than the renew grace ({}, its default) (e.g. 15s), or set \
+                     a shorter renew grace",
+                    format_duration(election.renew_grace)
+                ),
+            )),
+            (None, None) => {}
+        }
+    }
+    election
+}
+
 /// Management mode's settings: flags over the file's `tenants` section. `None` when no
 /// selector is set (the one cluster of `--kubeconfig`).
-pub(super) fn merge_tenants(
-    args: &ConfigArgs,
-    file: Option<&TenantsFile>,
-    errors: &mut Vec<ConfigError>,
-) -> Option<Tenants> {
-    let selector = pick(
-        args.tenants_secret_selector.clone(),
-        "--tenants-secret-selector",
-        file.and_then(|f| f.secret_selector.clone()),
-        "tenants.secretSelector",
-    );
-    let namespace = pick(
-        args.tenants_namespace.clone(),
-        "--tenants-namespace",
-        file.and_then(|f| f.namespace.clone()),
-        "tenants.namespace",
-    );
-    let key = pick(
-        args.tenants_kubeconfig_key.clone(),
-        "--tenants-kubeconfig-key",
-        file.and_then(|f| f.kubeconfig_key.clone()),
-        "tenants.kubeconfigKey",
-    );
-    let plugins = pick(
-        args.tenants_credential_plugins.clone(),
-        "--tenants-credential-plugins",
-        file.and_then(|f| f.credential_plugins.as_ref().map(StringOrList::joined)),
-        "tenants.credentialPlugins",
-    );
-    let Some(selector) = selector else {
+pub(super) fn merge_tenants(given: &mut Given, errors: &mut Vec<ConfigError>) -> Option<Tenants> {
+    let namespace = given.tenants_namespace.take();
+    let key = given.tenants_kubeconfig_key.take();
+    let plugins = given.tenants_credential_plugins.take();
+    let Some(selector) = given.tenants_secret_selector.take() else {
         for source in [namespace, key, plugins].into_iter().flatten() {
             errors.push(ConfigError::new(
                 source.field,

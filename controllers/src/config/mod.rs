@@ -112,8 +112,8 @@ pub struct Tenants {
 }
 
 /// Leader election among replicas of this controller.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct LeaderElection {
     pub enabled: bool,
     pub lease_name: String,

@@ -6,7 +6,8 @@
 //!
 //! - [`ConfigArgs`], the flags (`--config` first, then every setting in list order, which is
 //!   `--help`'s order);
-//! - [`FileConfig`], the file (every entry with a file type, plus the structured sections);
+//! - [`FileConfig`], the file (every entry with a file type, plus the structured sections, whose
+//!   shapes are written by hand below);
 //! - [`Given`], each setting as the user gave it: the flag's value if set, else the file's,
 //!   with the flag or the YAML key it came from, which `merge.rs` validates and defaults;
 //! - [`SETTINGS`], the names, which the docs' flag table is checked against.
@@ -21,7 +22,9 @@
 //!   `From`, as a YAML list of CIDRs into the flag's comma-separated text);
 //! - `file "key": T => Result<T, E> = parse` — the flag's text is parsed by `parse`, so that a
 //!   bad flag value is an error naming the flag, while the file's typed value is taken as is;
-//! - `file "section.key"` — the file's side lives in a structured section, merged by hand.
+//! - `file "section.key" in section.field` — the file's side is an optional field of a
+//!   structured section (its type converts into the flag's as above); `=> Result<T, E> = parse`
+//!   may follow, as for a top-level key.
 //!
 //! A file value read through a serde adapter names it last: `, with "duration_format::option"`.
 
@@ -32,8 +35,8 @@ use clap::ValueEnum;
 use reconcilers::section::{DurationError, EndpointsMode, duration_format, parse_duration};
 use serde::{Deserialize, Serialize};
 
+use super::Loops;
 use super::values::{NotANumber, StringOrList, parse_i64, parse_u32};
-use super::{LeaderElection, Loops};
 
 /// One setting's names, as the docs name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,7 +82,9 @@ macro_rules! settings {
         $(
             $(#[$attr:meta])*
             $field:ident: $flag_ty:ty = $flag:literal, $env:literal, $value_name:literal;
-            file $key:literal $(: $file_ty:ty $(=> $raw:ty = $parse:path)? $(, with $with:literal)?)?;
+            file $key:literal
+                $(in $in_section:ident . $in_field:ident $(=> $in_raw:ty = $in_parse:path)?)?
+                $(: $file_ty:ty $(=> $raw:ty = $parse:path)? $(, with $with:literal)?)?;
         )+
     ) => {
         /// Flags that configure the controller. Every flag has an environment variable
@@ -116,11 +121,14 @@ macro_rules! settings {
             )+
         }
 
-        /// Each top-level setting as given: the flag's value if set, else the file's, with
-        /// where it came from; `None` when neither sets it.
+        /// Each setting as given: the flag's value if set, else the file's (a top-level field or
+        /// a section's), with where it came from; `None` when neither sets it.
         pub(super) struct Given {
             $($(
                 pub(super) $field: Option<Source<settings!(@raw $flag_ty $(, $raw)?)>>,
+            )?)+
+            $($(
+                pub(super) $field: Option<Source<settings!(@raw $flag_ty $(, $in_raw)?)>>,
             )?)+
         }
 
@@ -134,6 +142,20 @@ macro_rules! settings {
                             settings!(@flag args.$field $(, $parse)?),
                             concat!("--", $flag),
                             settings!(@file file.$field.clone() $(, $raw)?),
+                            $key,
+                        ),
+                    )?)+
+                    $($(
+                        $field: pick(
+                            settings!(@flag args.$field $(, $in_parse)?),
+                            concat!("--", $flag),
+                            settings!(
+                                @file file
+                                    .$in_section
+                                    .as_ref()
+                                    .and_then(|section| section.$in_field.clone())
+                                $(, $in_raw)?
+                            ),
                             $key,
                         ),
                     )?)+
@@ -159,9 +181,10 @@ macro_rules! settings {
 }
 
 settings! {
-    // The file's structured sections, which have no top-level flags.
+    // The file's structured sections: their fields are no top-level keys, and the entries whose
+    // file side is one of them name it with `in`.
     sections {
-        leader_election: LeaderElection = "leaderElection",
+        leader_election: LeaderElectionFile = "leaderElection",
         tenants: TenantsFile = "tenants",
         loops: Loops = "loops",
     }
@@ -263,35 +286,37 @@ settings! {
     /// on the leader. `--leader-elect` alone means true. [default: true]
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     leader_elect: bool = "leader-elect", "BOOTSTRAP_LEADER_ELECT", "BOOL";
-        file "leaderElection.enabled";
+        file "leaderElection.enabled" in leader_election.enabled;
 
     /// Name of the leader-election Lease. [default: bootstrap-controller]
     leader_elect_lease_name: String = "leader-elect-lease-name",
         "BOOTSTRAP_LEADER_ELECT_LEASE_NAME", "NAME";
-        file "leaderElection.leaseName";
+        file "leaderElection.leaseName" in leader_election.lease_name;
 
     /// Namespace of the leader-election Lease. [default: kube-system]
     leader_elect_lease_namespace: String = "leader-elect-lease-namespace",
         "BOOTSTRAP_LEADER_ELECT_LEASE_NAMESPACE", "NAMESPACE";
-        file "leaderElection.leaseNamespace";
+        file "leaderElection.leaseNamespace" in leader_election.lease_namespace;
 
     /// This replica's identity in the leader-election Lease.
     /// [default: $POD_NAME, else the host name, plus a random suffix]
     leader_elect_identity: String = "leader-elect-identity",
         "BOOTSTRAP_LEADER_ELECT_IDENTITY", "ID";
-        file "leaderElection.identity";
+        file "leaderElection.identity" in leader_election.identity;
 
     /// How long a leader holds the Lease without renewing it (also the longest failover time),
     /// e.g. `15s`. [default: 15s]
     leader_elect_lease_duration: String = "leader-elect-lease-duration",
         "BOOTSTRAP_LEADER_ELECT_LEASE_DURATION", "DURATION";
-        file "leaderElection.leaseDuration";
+        file "leaderElection.leaseDuration" in leader_election.lease_duration
+            => Result<Duration, DurationError> = parse_duration;
 
     /// How long before the Lease expires the leader renews it, e.g. `5s`; must be shorter than
     /// the lease duration. [default: 5s]
     leader_elect_renew_grace: String = "leader-elect-renew-grace",
         "BOOTSTRAP_LEADER_ELECT_RENEW_GRACE", "DURATION";
-        file "leaderElection.renewGrace";
+        file "leaderElection.renewGrace" in leader_election.renew_grace
+            => Result<Duration, DurationError> = parse_duration;
 
     /// Upper bound for graceful shutdown (finish running passes, run each loop's shutdown hook),
     /// e.g. `30s`. [default: 30s]
@@ -305,25 +330,25 @@ settings! {
     /// [default: none]
     tenants_secret_selector: String = "tenants-secret-selector",
         "BOOTSTRAP_TENANTS_SECRET_SELECTOR", "SELECTOR";
-        file "tenants.secretSelector";
+        file "tenants.secretSelector" in tenants.secret_selector;
 
     /// Management mode: only Secrets in this namespace are tenants. [default: every namespace]
     tenants_namespace: String = "tenants-namespace", "BOOTSTRAP_TENANTS_NAMESPACE", "NAMESPACE";
-        file "tenants.namespace";
+        file "tenants.namespace" in tenants.namespace;
 
     /// Management mode: the Secret data key holding the tenant's kubeconfig: `value` (Cluster
     /// API), `admin.conf` (Kamaji), `kubeconfig` (HyperShift), `config` (vcluster).
     /// [default: value]
     tenants_kubeconfig_key: String = "tenants-kubeconfig-key",
         "BOOTSTRAP_TENANTS_KUBECONFIG_KEY", "KEY";
-        file "tenants.kubeconfigKey";
+        file "tenants.kubeconfigKey" in tenants.kubeconfig_key;
 
     /// Management mode: credential plugins (absolute paths, comma-separated) a tenant
     /// kubeconfig's `exec` may run, e.g. `/usr/local/bin/aws-iam-authenticator`. Any other exec
     /// entry is refused. [default: none]
     tenants_credential_plugins: String = "tenants-credential-plugins",
         "BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS", "PATHS";
-        file "tenants.credentialPlugins";
+        file "tenants.credentialPlugins" in tenants.credential_plugins;
 
 }
 
@@ -347,6 +372,20 @@ pub enum LogFormat {
     #[default]
     Text,
     Json,
+}
+
+/// The file's `leaderElection` section; the flags `--leader-elect-*` win over it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LeaderElectionFile {
+    pub enabled: Option<bool>,
+    pub lease_name: Option<String>,
+    pub lease_namespace: Option<String>,
+    pub identity: Option<String>,
+    #[serde(default, with = "duration_format::option")]
+    pub lease_duration: Option<Duration>,
+    #[serde(default, with = "duration_format::option")]
+    pub renew_grace: Option<Duration>,
 }
 
 /// The file's `tenants` section (management mode); the flags `--tenants-*` win over it.

@@ -820,6 +820,36 @@ fn leader_election_flags_override_file() {
     assert_eq!(error.field, "leaderElection.renewGrace");
 }
 
+/// A leader-election error names the setting that was given, the flag or the section's key,
+/// never one left at its default.
+#[test]
+fn leader_election_errors_name_what_was_given() {
+    rejected(
+        "leaderElection:\n  leaseName: Not_A_Name\n",
+        "leaderElection.leaseName",
+        &["not a valid Lease name"],
+    );
+    rejected(
+        "leaderElection:\n  leaseDuration: 3s\n",
+        "leaderElection.leaseDuration",
+        &["longer than the renew grace (5s, its default)"],
+    );
+    let args = ConfigArgs {
+        leader_elect_lease_duration: Some("3s".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--leader-elect-lease-duration");
+    let args = ConfigArgs {
+        leader_elect_renew_grace: Some("soon".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--leader-elect-renew-grace");
+    // With leader election off its settings are not checked.
+    from_yaml("leaderElection:\n  enabled: false\n  leaseName: Not_A_Name\n").unwrap();
+}
+
 #[test]
 fn printed_config_parses_back_to_the_same() {
     let config = from_yaml(
