@@ -98,40 +98,56 @@ fn normalise(text: &str) -> String {
         .to_lowercase()
 }
 
+/// The rows of the flag table after `heading` in `doc`, by the flags their first cell names.
+fn flag_rows(doc: &str, heading: &str) -> BTreeMap<String, Vec<String>> {
+    let mut rows = BTreeMap::new();
+    for row in table_after(doc, heading) {
+        for name in flags_in(&row[0]) {
+            rows.insert(name, row.clone());
+        }
+    }
+    rows
+}
+
+/// Checks a flag table (`default_column` holding the default) against `run`'s flags: every
+/// flag has a row stating the default its help states, and no row names a flag `run` lacks.
+fn flag_table_problems(doc: &str, heading: &str, what: &str, default_column: usize) -> Vec<String> {
+    let flags = clap_flags();
+    let mut rows = flag_rows(doc, heading);
+    let mut problems = Vec::new();
+    for (name, flag) in &flags {
+        let Some(row) = rows.remove(name) else {
+            problems.push(format!("{name} is missing from {what}"));
+            continue;
+        };
+        let help_default = flag.default.as_deref().map(normalise).unwrap_or_default();
+        let documented = normalise(&row[default_column]);
+        if help_default != documented {
+            problems.push(format!(
+                "{name}: default {help_default:?} in --help, {documented:?} in {what}"
+            ));
+        }
+    }
+    for name in rows.keys() {
+        problems.push(format!(
+            "{what} documents {name}, which `run` does not have"
+        ));
+    }
+    problems
+}
+
 #[test]
 fn config_md_documents_every_flag_with_its_env_and_default() {
     let doc = include_str!("../CONFIG.md");
-    let flags = clap_flags();
-    let mut documented = BTreeMap::new();
-    for row in table_after(doc, "## Flags") {
-        for name in flags_in(&row[0]) {
-            documented.insert(name, (row[1].trim_matches('`').to_owned(), row[3].clone()));
-        }
-    }
-    let mut problems = Vec::new();
-    for (name, flag) in &flags {
-        let Some((env, default)) = documented.get(name) else {
-            problems.push(format!("{name} is missing from CONFIG.md"));
-            continue;
-        };
-        if flag.env.as_deref() != Some(env.as_str()) {
+    let mut problems = flag_table_problems(doc, "## Flags", "CONFIG.md", 3);
+    let rows = flag_rows(doc, "## Flags");
+    for (name, flag) in clap_flags() {
+        let Some(row) = rows.get(&name) else { continue };
+        let env = row[1].trim_matches('`');
+        if flag.env.as_deref() != Some(env) {
             problems.push(format!(
                 "{name}: env {:?} in --help, {env} in CONFIG.md",
                 flag.env
-            ));
-        }
-        let help_default = flag.default.as_deref().map(normalise).unwrap_or_default();
-        if help_default != normalise(default) {
-            problems.push(format!(
-                "{name}: default {help_default:?} in --help, {:?} in CONFIG.md",
-                normalise(default)
-            ));
-        }
-    }
-    for name in documented.keys() {
-        if !flags.contains_key(name) {
-            problems.push(format!(
-                "CONFIG.md documents {name}, which `run` does not have"
             ));
         }
     }
@@ -141,33 +157,46 @@ fn config_md_documents_every_flag_with_its_env_and_default() {
 #[test]
 fn readme_lists_every_flag_with_its_default() {
     let doc = include_str!("../../README.md");
+    let problems = flag_table_problems(doc, "## Configuration", "README's flag table", 1);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Every top-level setting of the one list (`config::SETTINGS`) has a help text stating its
+/// default, and a row in CONFIG.md's flag table with its environment variable and file key; the
+/// table has no row for a flag the list lacks (`--config` aside, which names the file).
+#[test]
+fn config_md_has_a_row_for_every_setting_of_the_list() {
+    use bootstrap_controller::config::SETTINGS;
     let flags = clap_flags();
-    let mut documented = BTreeMap::new();
-    for row in table_after(doc, "## Configuration") {
-        for name in flags_in(&row[0]) {
-            documented.insert(name, row[1].clone());
-        }
-    }
+    let mut rows = flag_rows(include_str!("../CONFIG.md"), "## Flags");
     let mut problems = Vec::new();
-    for (name, flag) in &flags {
-        let Some(default) = documented.get(name) else {
-            problems.push(format!("{name} is missing from README's flag table"));
+    for setting in SETTINGS {
+        let name = setting.flag;
+        if flags.get(name).is_none_or(|flag| flag.default.is_none()) {
+            problems.push(format!("{name}: no help text stating `[default: ...]`"));
+        }
+        let Some(row) = rows.remove(name) else {
+            problems.push(format!("{name} has no row in CONFIG.md's flag table"));
             continue;
         };
-        let help_default = flag.default.as_deref().map(normalise).unwrap_or_default();
-        if help_default != normalise(default) {
+        if row[1].trim_matches('`') != setting.env {
             problems.push(format!(
-                "{name}: default {help_default:?} in --help, {:?} in README",
-                normalise(default)
+                "{name}: env {} in the list, {} in CONFIG.md",
+                setting.env, row[1]
+            ));
+        }
+        if row[2].split('`').nth(1) != Some(setting.file_key) {
+            problems.push(format!(
+                "{name}: file key {} in the list, {} in CONFIG.md",
+                setting.file_key, row[2]
             ));
         }
     }
-    for name in documented.keys() {
-        if !flags.contains_key(name) {
-            problems.push(format!(
-                "README documents {name}, which `run` does not have"
-            ));
-        }
+    rows.remove("--config");
+    for name in rows.keys() {
+        problems.push(format!(
+            "CONFIG.md has a row for {name}, which the list lacks"
+        ));
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

@@ -13,15 +13,17 @@ mod hostile;
 use std::collections::BTreeMap;
 
 use anyhow::{Result, ensure};
-use common::control_plane::{ControlPlane, skipped_under_shared_control_plane};
+use common::control_plane::{OwnControlPlane, own_control_plane};
 use common::{SimProcess, client_from};
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
 use kube::api::{DynamicObject, PostParams};
 use kube::{Api, Client};
 use serde_json::Value;
 
-/// One control plane at a time: each is three processes that want a core.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// A control plane of `test`'s own, one at a time; `None` under the shared control plane.
+async fn own(test: &str, apiservers: usize) -> Result<Option<OwnControlPlane>> {
+    own_control_plane("real_admission", test, apiservers).await
+}
 
 /// Creates `object` through the API: `None` when it went in, the refusal (code and message)
 /// otherwise.
@@ -93,14 +95,10 @@ fn judge(who: &str, outcomes: &BTreeMap<String, Option<(u16, String)>>) -> Vec<S
 #[tokio::test(flavor = "multi_thread")]
 async fn the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator_too() -> Result<()>
 {
-    if skipped_under_shared_control_plane(
-        "real_admission",
-        "the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator_too",
-    ) {
+    let test = "the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator_too";
+    let Some(cp) = own(test, 1).await? else {
         return Ok(());
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(1)?;
+    };
     let client = client_from(&cp.admin_kubeconfig(1)).await?;
     let real = outcomes(&client).await?;
     for (name, outcome) in &real {

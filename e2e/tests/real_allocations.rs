@@ -12,10 +12,11 @@
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use common::control_plane::{ControlPlane, skipped_under_shared_control_plane};
+use common::control_plane::{ControlPlane, OwnControlPlane, own_control_plane};
 use common::node_port_bitmap::NodePortBitmap;
 use common::{
     CONVERGE, ConfigFile, ControllerProcess, client_from, eventually, kubectl, run_controller,
@@ -23,8 +24,10 @@ use common::{
 use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 
-/// One control plane at a time: each is three processes that want a core.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// A control plane of `test`'s own, one at a time; `None` under the shared control plane.
+async fn own(test: &str, apiservers: usize) -> Result<Option<OwnControlPlane>> {
+    own_control_plane("real_allocations", test, apiservers).await
+}
 
 /// The NodePort repair's interval in these tests: sightings of a leak are this far apart.
 const INTERVAL: Duration = Duration::from_secs(2);
@@ -82,6 +85,38 @@ async fn counted(controller: &ControllerProcess, kind: &str, want: u64) -> Resul
     }
 }
 
+/// The admin's kubeconfig and the node port bitmap, once the admin created the Service `live`
+/// on node port 30100 (kube-apiserver's allocator sets its bit).
+fn live_service_on_30100(cp: &ControlPlane) -> Result<(PathBuf, NodePortBitmap)> {
+    let admin = cp.admin_kubeconfig(1);
+    let bitmap = NodePortBitmap::new(cp.etcd_url()?, cp.etcd_prefix()?);
+    succeeded(
+        &create_node_port_service(&admin, "live", 30100)?,
+        "creating live",
+    )?;
+    Ok((admin, bitmap))
+}
+
+/// The controller in etcd mode with `config` and no leader election, once ready.
+async fn etcd_mode_controller(
+    kubeconfig: &Path,
+    config: &ConfigFile,
+    etcd_url: &str,
+) -> Result<ControllerProcess> {
+    let mut controller = ControllerProcess::start(
+        kubeconfig,
+        &[
+            "--config",
+            &config.path,
+            "--etcd-servers",
+            etcd_url,
+            "--leader-elect=false",
+        ],
+    )?;
+    controller.wait_ready().await?;
+    Ok(controller)
+}
+
 /// The fresh LISTs of Services (no watch) the controller's user made, from the audit log.
 fn service_lists(cp: &ControlPlane, user: &str) -> Result<usize> {
     Ok(cp
@@ -102,23 +137,13 @@ fn service_lists(cp: &ControlPlane, user: &str) -> Result<usize> {
 /// port out.
 #[tokio::test(flavor = "multi_thread")]
 async fn node_port_bitmap_repaired_beside_the_real_allocator() -> Result<()> {
-    if skipped_under_shared_control_plane(
-        "real_allocations",
-        "node_port_bitmap_repaired_beside_the_real_allocator",
-    ) {
+    let test = "node_port_bitmap_repaired_beside_the_real_allocator";
+    let Some(cp) = own(test, 1).await? else {
         return Ok(());
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(1)?;
-    let admin = cp.admin_kubeconfig(1);
-    let bitmap = NodePortBitmap::new(cp.etcd_url()?, cp.etcd_prefix()?);
-    let services: Api<Service> = Api::namespaced(client_from(&admin).await?, "default");
-
+    };
     // The real allocator writes the bitmap.
-    succeeded(
-        &create_node_port_service(&admin, "live", 30100)?,
-        "creating live",
-    )?;
+    let (admin, bitmap) = live_service_on_30100(&cp)?;
+    let services: Api<Service> = Api::namespaced(client_from(&admin).await?, "default");
     ensure!(
         bitmap.contains(30100).await?,
         "kube-apiserver did not set 30100 in {}",
@@ -147,17 +172,7 @@ async fn node_port_bitmap_repaired_beside_the_real_allocator() -> Result<()> {
     let user = "bootstrap-controller";
     let kubeconfig = cp.user_kubeconfig(user, &["system:masters"], 1)?;
     let started = Instant::now();
-    let mut controller = ControllerProcess::start(
-        &kubeconfig,
-        &[
-            "--config",
-            &config.path,
-            "--etcd-servers",
-            cp.etcd_url()?,
-            "--leader-elect=false",
-        ],
-    )?;
-    controller.wait_ready().await?;
+    let mut controller = etcd_mode_controller(&kubeconfig, &config, cp.etcd_url()?).await?;
     eventually("30100 set at start", CONVERGE, || async {
         Ok(bitmap.contains(30100).await?.then_some(()))
     })
@@ -312,20 +327,11 @@ fn events_of(kubeconfig: &std::path::Path, reason: &str) -> Result<Vec<(String, 
 /// allocated.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_node_port_range_mismatch_is_reported_and_the_bitmap_left_alone() -> Result<()> {
-    if skipped_under_shared_control_plane(
-        "real_allocations",
-        "a_node_port_range_mismatch_is_reported_and_the_bitmap_left_alone",
-    ) {
+    let test = "a_node_port_range_mismatch_is_reported_and_the_bitmap_left_alone";
+    let Some(cp) = own(test, 1).await? else {
         return Ok(());
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(1)?;
-    let admin = cp.admin_kubeconfig(1);
-    let bitmap = NodePortBitmap::new(cp.etcd_url()?, cp.etcd_prefix()?);
-    succeeded(
-        &create_node_port_service(&admin, "live", 30100)?,
-        "creating live",
-    )?;
+    };
+    let (admin, bitmap) = live_service_on_30100(&cp)?;
     // `read` checks the stored range is kube-apiserver's 30000-32767.
     let (ports, _, revision) = bitmap.read().await?;
     ensure!(ports.contains(&30100), "kube-apiserver did not set 30100");
@@ -337,17 +343,7 @@ async fn a_node_port_range_mismatch_is_reported_and_the_bitmap_left_alone() -> R
     ))?;
     let kubeconfig = cp.user_kubeconfig("bootstrap-controller", &["system:masters"], 1)?;
     let etcd_url = cp.etcd_url()?;
-    let mut controller = ControllerProcess::start(
-        &kubeconfig,
-        &[
-            "--config",
-            &config.path,
-            "--etcd-servers",
-            etcd_url,
-            "--leader-elect=false",
-        ],
-    )?;
-    controller.wait_ready().await?;
+    let mut controller = etcd_mode_controller(&kubeconfig, &config, etcd_url).await?;
     // Three passes an interval apart, after the first: nothing written.
     let passes = successful_passes(&controller, "nodeport-repair").await?;
     eventually("three more passes", CONVERGE, || async {
@@ -481,14 +477,10 @@ async fn services_api(kubeconfig: &std::path::Path) -> Result<Api<Service>> {
 async fn the_legacy_cluster_ip_bitmap_of_an_upgraded_cluster_is_left_alone() -> Result<()> {
     use reconcilers::legacy_alloc::codec::RangeAllocation;
     use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
-    if skipped_under_shared_control_plane(
-        "real_allocations",
-        "the_legacy_cluster_ip_bitmap_of_an_upgraded_cluster_is_left_alone",
-    ) {
+    let test = "the_legacy_cluster_ip_bitmap_of_an_upgraded_cluster_is_left_alone";
+    let Some(cp) = own(test, 1).await? else {
         return Ok(());
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(1)?;
+    };
     let admin = cp.admin_kubeconfig(1);
     let etcd = EtcdConfig {
         servers: vec![cp.etcd_url()?.to_owned()],
@@ -518,17 +510,7 @@ async fn the_legacy_cluster_ip_bitmap_of_an_upgraded_cluster_is_left_alone() -> 
         INTERVAL.as_secs()
     ))?;
     let kubeconfig = cp.user_kubeconfig("bootstrap-controller", &["system:masters"], 1)?;
-    let mut controller = ControllerProcess::start(
-        &kubeconfig,
-        &[
-            "--config",
-            &config.path,
-            "--etcd-servers",
-            cp.etcd_url()?,
-            "--leader-elect=false",
-        ],
-    )?;
-    controller.wait_ready().await?;
+    let mut controller = etcd_mode_controller(&kubeconfig, &config, cp.etcd_url()?).await?;
     succeeded(
         &kubectl(
             &admin,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use common::control_plane::{
-    ControlPlane, describe, process_alive, skipped_under_shared_control_plane, writes,
+    ControlPlane, OwnControlPlane, describe, own_control_plane, process_alive, writes,
 };
 use common::{CONVERGE, ConfigFile, ControllerProcess, client_from, eventually};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -24,8 +24,10 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::DeleteParams;
 use kube::{Api, Client};
 
-/// One control plane at a time: each is three processes that want a core.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// A control plane of `test`'s own, one at a time; `None` under the shared control plane.
+async fn own(test: &str, apiservers: usize) -> Result<Option<OwnControlPlane>> {
+    own_control_plane("real_control_plane", test, apiservers).await
+}
 
 /// The addresses the Endpoints and the EndpointSlice list, in that order.
 async fn listed(client: &Client) -> Result<(BTreeSet<String>, BTreeSet<String>)> {
@@ -58,6 +60,15 @@ async fn wait_listed(client: &Client, want: &[&str], what: &str) -> Result<Durat
     })
     .await?;
     Ok(started.elapsed())
+}
+
+/// The cluster's service range, and the endpoints loop's Leases renewed every second with a
+/// 3s TTL, so that a stopped apiserver leaves the endpoints within seconds.
+fn fast_lease_config(cp: &ControlPlane) -> Result<ConfigFile> {
+    ConfigFile::new(&format!(
+        "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n",
+        cp.service_range()?
+    ))
 }
 
 /// One sidecar: a controller in `lease` mode whose kubeconfig names its own apiserver.
@@ -131,15 +142,11 @@ fn lease_deleters(cp: &ControlPlane, lease: &str) -> Result<Vec<String>> {
 /// apiserver's address out.
 #[tokio::test(flavor = "multi_thread")]
 async fn sidecars_beside_real_apiservers() -> Result<()> {
-    if skipped_under_shared_control_plane("real_control_plane", "sidecars_beside_real_apiservers") {
+    let test = "sidecars_beside_real_apiservers";
+    let Some(cp) = own(test, 3).await? else {
         return Ok(());
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(3)?;
-    let config = ConfigFile::new(&format!(
-        "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n",
-        cp.service_range()?
-    ))?;
+    };
+    let config = fast_lease_config(&cp)?;
     let client = client_from(&cp.admin_kubeconfig(1)).await?;
     let [a1, a2, a3] = [1, 2, 3].map(|n| cp.apiserver_address(n).map(str::to_owned));
     let (a1, a2, a3) = (a1?, a2?, a3?);
@@ -242,19 +249,12 @@ async fn sidecars_beside_real_apiservers() -> Result<()> {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_restart() -> Result<()>
 {
-    if skipped_under_shared_control_plane(
-        "real_control_plane",
-        "a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_restart",
-    ) {
-        return Ok(());
-    }
     const VIP: &str = "192.0.2.100";
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(2)?;
-    let config = ConfigFile::new(&format!(
-        "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n",
-        cp.service_range()?
-    ))?;
+    let test = "a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_restart";
+    let Some(cp) = own(test, 2).await? else {
+        return Ok(());
+    };
+    let config = fast_lease_config(&cp)?;
     let client = client_from(&cp.admin_kubeconfig(1)).await?;
     let behind_the_vip = |n: usize| sidecar_advertising(&cp, n, &config, VIP, "443");
     let mut first = behind_the_vip(1)?;
@@ -315,18 +315,11 @@ async fn a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_re
 /// this controller writes nothing but its Lease renewals, and no object flips between writers.
 #[tokio::test(flavor = "multi_thread")]
 async fn at_rest_beside_the_apiservers_own_loops() -> Result<()> {
-    if skipped_under_shared_control_plane(
-        "real_control_plane",
-        "at_rest_beside_the_apiservers_own_loops",
-    ) {
+    let test = "at_rest_beside_the_apiservers_own_loops";
+    let Some(cp) = own(test, 1).await? else {
         return Ok(());
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(1)?;
-    let config = ConfigFile::new(&format!(
-        "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n",
-        cp.service_range()?
-    ))?;
+    };
+    let config = fast_lease_config(&cp)?;
     let mut controller = sidecar(&cp, 1, &config)?;
     controller.wait_ready().await?;
     let client = client_from(&cp.admin_kubeconfig(1)).await?;
@@ -405,14 +398,10 @@ fn rest_window() -> Duration {
 /// `kube-system` and `kube-public`).
 #[tokio::test(flavor = "multi_thread")]
 async fn namespace_deletion_heals_through_the_real_namespace_controller() -> Result<()> {
-    if skipped_under_shared_control_plane(
-        "real_control_plane",
-        "namespace_deletion_heals_through_the_real_namespace_controller",
-    ) {
+    let test = "namespace_deletion_heals_through_the_real_namespace_controller";
+    let Some(cp) = own(test, 1).await? else {
         return Ok(());
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(1)?;
+    };
     let config = ConfigFile::new(&format!(
         "serviceClusterIPRange: {}\nendpointReconcilerType: none\nloops:\n  systemNamespaces:\n    namespaces:\n      - name: kube-system\n      - name: kube-public\n      - name: kube-node-lease\n      - name: default\n      - name: tenant-extra\n        labels: {{team: platform}}\n",
         cp.service_range()?
@@ -487,14 +476,10 @@ async fn active(namespaces: &Api<Namespace>, name: &str) -> Result<()> {
 /// The harness itself: up.sh's control plane answers, down.sh stops exactly what it started.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_harness_starts_and_stops_exactly_its_processes() -> Result<()> {
-    if skipped_under_shared_control_plane(
-        "real_control_plane",
-        "the_harness_starts_and_stops_exactly_its_processes",
-    ) {
+    let test = "the_harness_starts_and_stops_exactly_its_processes";
+    let Some(cp) = own(test, 2).await? else {
         return Ok(());
-    }
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cp = ControlPlane::start(2)?;
+    };
     let names = [
         "etcd",
         "kube-apiserver-1",

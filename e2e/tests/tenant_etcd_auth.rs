@@ -257,32 +257,11 @@ async fn a_tenant_aimed_at_another_tenants_etcd_prefix_gets_etcds_refusal_not_a_
     })
     .await?;
     let secrets: Api<Secret> = Api::namespaced(fleet.management().client(), NAMESPACE);
-    secrets
-        .create(
-            &PostParams::default(),
-            &tenant_secret(
-                &fleet,
-                0,
-                "tenant-a",
-                &pki,
-                "tenant-a",
-                &fragment(&etcd.url(), "/tenant-a"),
-            )?,
-        )
-        .await?;
-    secrets
-        .create(
-            &PostParams::default(),
-            &tenant_secret(
-                &fleet,
-                1,
-                "tenant-b",
-                &pki,
-                "tenant-b",
-                &fragment(&etcd.url(), "/tenant-b"),
-            )?,
-        )
-        .await?;
+    for (index, tenant) in ["tenant-a", "tenant-b"].into_iter().enumerate() {
+        let fragment = fragment(&etcd.url(), &format!("/{tenant}"));
+        let secret = tenant_secret(&fleet, index, tenant, &pki, tenant, &fragment)?;
+        secrets.create(&PostParams::default(), &secret).await?;
+    }
     let selector = format!("{TENANT_LABEL}=true");
     let mut controller = ControllerProcess::start(
         fleet.management().kubeconfig_path(),

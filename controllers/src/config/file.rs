@@ -1,71 +1,12 @@
-//! The `--config` file: its shape and its parser.
+//! The `--config` file's parser (its shape is [`FileConfig`], which follows from the settings
+//! list).
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
-use reconcilers::section::{ConfigError, EndpointsMode, duration_format};
-use serde::Deserialize;
+use reconcilers::section::ConfigError;
 
-use super::flags::LogFormat;
-use super::{ConfigErrors, LeaderElection, Loops};
-
-/// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field); the
-/// structured sections have no flags.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct FileConfig {
-    #[serde(rename = "serviceClusterIPRange")]
-    pub service_cluster_ip_range: Option<StringOrList>,
-    pub service_node_port_range: Option<String>,
-    pub advertise_address: Option<String>,
-    pub secure_port: Option<u32>,
-    pub kubernetes_service_node_port: Option<u32>,
-    pub endpoint_reconciler_type: Option<EndpointsMode>,
-    pub apiserver_count: Option<i64>,
-    pub kubeconfig: Option<PathBuf>,
-    pub etcd_servers: Option<StringOrList>,
-    #[serde(rename = "etcdCAFile")]
-    pub etcd_ca_file: Option<PathBuf>,
-    pub etcd_cert_file: Option<PathBuf>,
-    pub etcd_key_file: Option<PathBuf>,
-    pub etcd_prefix: Option<String>,
-    pub dry_run: Option<bool>,
-    pub timer_only: Option<bool>,
-    pub admin_addr: Option<String>,
-    pub log_format: Option<LogFormat>,
-    #[serde(default, with = "duration_format::option")]
-    pub shutdown_timeout: Option<Duration>,
-    pub leader_election: Option<LeaderElection>,
-    pub tenants: Option<TenantsFile>,
-    pub loops: Option<Loops>,
-}
-
-/// The file's `tenants` section (management mode); the flags `--tenants-*` win over it.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct TenantsFile {
-    pub secret_selector: Option<String>,
-    pub namespace: Option<String>,
-    pub kubeconfig_key: Option<String>,
-    pub credential_plugins: Option<StringOrList>,
-}
-
-/// `serviceClusterIPRange` may be written `"a,b"` (like the flag) or as a YAML list.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum StringOrList {
-    One(String),
-    List(Vec<String>),
-}
-
-impl StringOrList {
-    pub(super) fn joined(&self) -> String {
-        match self {
-            StringOrList::One(one) => one.clone(),
-            StringOrList::List(list) => list.join(","),
-        }
-    }
-}
+use super::ConfigErrors;
+use super::settings::FileConfig;
 
 /// Parses the YAML text of a configuration file. Errors name the field path.
 pub fn parse_file(text: &str) -> Result<FileConfig, ConfigError> {

@@ -7,34 +7,22 @@ use std::time::Duration;
 use reconcilers::alloc::IpFamily;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{
-    ConfigError, EndpointsMode, ServiceName, Settings, format_duration, parse_duration,
+    ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
 };
 
-use super::file::{FileConfig, StringOrList, TenantsFile, read_file};
-use super::flags::ConfigArgs;
+use super::file::read_file;
+use super::settings::{ConfigArgs, FileConfig, Given, Source};
 use super::tenant::{DEFAULT_TENANTS_KUBECONFIG_KEY, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
-use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs, parse_u32};
-use super::{Config, ConfigErrors, Tenants};
-
-/// Where a value came from, so errors name the flag or the YAML field the user wrote.
-pub(super) struct Source<T> {
-    pub(super) value: T,
-    pub(super) field: &'static str,
-}
+use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs};
+use super::{Config, ConfigErrors, LeaderElection, Tenants};
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
 /// its key, the files are readable, and nothing but the servers turns etcd mode on.
 pub(super) fn merge_etcd(
-    args: &ConfigArgs,
-    file: &FileConfig,
+    given: Given,
     errors: &mut Vec<ConfigError>,
 ) -> reconcilers::legacy_alloc::etcd::EtcdConfig {
-    let servers_source = pick(
-        args.etcd_servers.clone(),
-        "--etcd-servers",
-        file.etcd_servers.as_ref().map(StringOrList::joined),
-        "etcdServers",
-    );
+    let servers_source = given.etcd_servers;
     let mut servers = Vec::new();
     if let Some(source) = &servers_source {
         for server in source
@@ -56,11 +44,8 @@ pub(super) fn merge_etcd(
             }
         }
     }
-    let mut path = |flag: Option<&PathBuf>,
-                    flag_name: &'static str,
-                    field: Option<&PathBuf>,
-                    field_name: &'static str| {
-        let source = pick(flag.cloned(), flag_name, field.cloned(), field_name)?;
+    let mut path = |source: Option<Source<PathBuf>>| {
+        let source = source?;
         if servers_source.is_none() {
             errors.push(ConfigError::new(
                 source.field,
@@ -74,24 +59,9 @@ pub(super) fn merge_etcd(
         }
         Some(source)
     };
-    let ca_file = path(
-        args.etcd_cafile.as_ref(),
-        "--etcd-cafile",
-        file.etcd_ca_file.as_ref(),
-        "etcdCAFile",
-    );
-    let cert_file = path(
-        args.etcd_certfile.as_ref(),
-        "--etcd-certfile",
-        file.etcd_cert_file.as_ref(),
-        "etcdCertFile",
-    );
-    let key_file = path(
-        args.etcd_keyfile.as_ref(),
-        "--etcd-keyfile",
-        file.etcd_key_file.as_ref(),
-        "etcdKeyFile",
-    );
+    let ca_file = path(given.etcd_cafile);
+    let cert_file = path(given.etcd_certfile);
+    let key_file = path(given.etcd_keyfile);
     match (&cert_file, &key_file) {
         (Some(cert), None) => errors.push(ConfigError::new(
             cert.field,
@@ -103,12 +73,7 @@ pub(super) fn merge_etcd(
         )),
         _ => {}
     }
-    let prefix = match pick(
-        args.etcd_prefix.clone(),
-        "--etcd-prefix",
-        file.etcd_prefix.clone(),
-        "etcdPrefix",
-    ) {
+    let prefix = match given.etcd_prefix {
         Some(source) if !source.value.starts_with('/') => {
             errors.push(ConfigError::new(
                 source.field,
@@ -148,9 +113,9 @@ pub(super) fn refuse_process_etcd(
         (args.etcd_keyfile.is_some(), "--etcd-keyfile"),
         (file.etcd_servers.is_some(), "etcdServers"),
         (file.etcd_prefix.is_some(), "etcdPrefix"),
-        (file.etcd_ca_file.is_some(), "etcdCAFile"),
-        (file.etcd_cert_file.is_some(), "etcdCertFile"),
-        (file.etcd_key_file.is_some(), "etcdKeyFile"),
+        (file.etcd_cafile.is_some(), "etcdCAFile"),
+        (file.etcd_certfile.is_some(), "etcdCertFile"),
+        (file.etcd_keyfile.is_some(), "etcdKeyFile"),
     ];
     for (_, field) in set.into_iter().filter(|(given, _)| *given) {
         errors.push(ConfigError::new(
@@ -162,25 +127,6 @@ pub(super) fn refuse_process_etcd(
                 TENANT_ETCD_KEYS.ca, TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
             ),
         ));
-    }
-}
-
-pub(super) fn pick<T>(
-    flag: Option<T>,
-    flag_name: &'static str,
-    file: Option<T>,
-    file_field: &'static str,
-) -> Option<Source<T>> {
-    match (flag, file) {
-        (Some(value), _) => Some(Source {
-            value,
-            field: flag_name,
-        }),
-        (None, Some(value)) => Some(Source {
-            value,
-            field: file_field,
-        }),
-        (None, None) => None,
     }
 }
 
@@ -235,39 +181,23 @@ impl Config {
     /// Merges flags over a parsed file over defaults, and validates the result.
     pub fn merge(args: &ConfigArgs, file: FileConfig) -> Result<Config, ConfigErrors> {
         let mut errors = Vec::new();
+        let mut given = Given::new(args, &file);
 
-        let service_cluster_ip_range = match pick(
-            args.service_cluster_ip_range.clone(),
-            "--service-cluster-ip-range",
-            file.service_cluster_ip_range
-                .as_ref()
-                .map(StringOrList::joined),
-            "serviceClusterIPRange",
-        ) {
+        let service_cluster_ip_range = match given.service_cluster_ip_range.take() {
             Some(source) => parse_service_cidrs(&source.value)
                 .map_err(|message| errors.push(ConfigError::new(source.field, message)))
                 .unwrap_or_default(),
             None => Vec::new(),
         };
 
-        let service_node_port_range = match pick(
-            args.service_node_port_range.clone(),
-            "--service-node-port-range",
-            file.service_node_port_range.clone(),
-            "serviceNodePortRange",
-        ) {
+        let service_node_port_range = match given.service_node_port_range.take() {
             Some(source) => parse_port_range(&source.value)
                 .map_err(|err| errors.push(ConfigError::new(source.field, err.to_string())))
                 .unwrap_or_default(),
             None => PortRange::default(),
         };
 
-        let advertise_address_source = pick(
-            args.advertise_address.clone(),
-            "--advertise-address",
-            file.advertise_address.clone(),
-            "advertiseAddress",
-        );
+        let advertise_address_source = given.advertise_address.take();
         let advertise_address = advertise_address_source.as_ref().and_then(|source| {
             let text = source.value.trim();
             match text.parse::<IpAddr>() {
@@ -295,12 +225,7 @@ impl Config {
             }
         });
 
-        let secure_port = match pick(
-            args.secure_port.as_deref().map(parse_u32),
-            "--secure-port",
-            file.secure_port.map(Ok),
-            "securePort",
-        ) {
+        let secure_port = match given.secure_port.take() {
             Some(source) => match source.value {
                 Ok(port @ 1..=65535) => u16::try_from(port).unwrap_or(6443),
                 Ok(port) => {
@@ -321,13 +246,7 @@ impl Config {
             None => 6443,
         };
 
-        let node_port_source = pick(
-            args.kubernetes_service_node_port.as_deref().map(parse_u32),
-            "--kubernetes-service-node-port",
-            file.kubernetes_service_node_port.map(Ok),
-            "kubernetesServiceNodePort",
-        );
-        let kubernetes_service_node_port = match node_port_source {
+        let kubernetes_service_node_port = match given.kubernetes_service_node_port.take() {
             Some(source) => match source.value {
                 Ok(0) => 0,
                 Ok(port) => match u16::try_from(port) {
@@ -344,7 +263,7 @@ impl Config {
                         0
                     }
                 },
-                Err(text) => {
+                Err(NotANumber(text)) => {
                     errors.push(ConfigError::new(
                         source.field,
                         format!(
@@ -358,19 +277,13 @@ impl Config {
             None => 0,
         };
 
-        let endpoint_reconciler_type = args
+        let endpoint_reconciler_type = given
             .endpoint_reconciler_type
-            .or(file.endpoint_reconciler_type)
+            .take()
+            .map(|source| source.value)
             .unwrap_or_default();
 
-        let apiserver_count = match pick(
-            args.apiserver_count
-                .as_deref()
-                .map(|text| text.trim().parse::<i64>().map_err(|_| text.to_owned())),
-            "--apiserver-count",
-            file.apiserver_count.map(Ok),
-            "apiserverCount",
-        ) {
+        let apiserver_count = match given.apiserver_count.take() {
             Some(source) => match source.value {
                 Ok(count) if count > 0 => u32::try_from(count).unwrap_or(u32::MAX),
                 Ok(count) => {
@@ -383,7 +296,7 @@ impl Config {
                     ));
                     1
                 }
-                Err(text) => {
+                Err(NotANumber(text)) => {
                     errors.push(ConfigError::new(
                         source.field,
                         format!("{text:?} is not a number (expected a positive count, e.g. 3)"),
@@ -415,12 +328,7 @@ impl Config {
             ));
         }
 
-        let admin_addr = match pick(
-            args.admin_addr.clone(),
-            "--admin-addr",
-            file.admin_addr.clone(),
-            "adminAddr",
-        ) {
+        let admin_addr = match given.admin_addr.take() {
             Some(source) => match source.value.trim().parse::<SocketAddr>() {
                 Ok(addr) => addr,
                 Err(_) => {
@@ -438,12 +346,7 @@ impl Config {
             None => default_admin_addr(),
         };
 
-        let shutdown_timeout = match pick(
-            args.shutdown_timeout.as_deref().map(parse_duration),
-            "--shutdown-timeout",
-            file.shutdown_timeout.map(Ok),
-            "shutdownTimeout",
-        ) {
+        let shutdown_timeout = match given.shutdown_timeout.take() {
             Some(source) => match source.value {
                 Ok(timeout) if !timeout.is_zero() => timeout,
                 Ok(_) => {
@@ -461,107 +364,18 @@ impl Config {
             None => default_shutdown_timeout(),
         };
 
-        let mut leader_election = file.leader_election.clone().unwrap_or_default();
-        let file_has_leader_section = file.leader_election.is_some();
-        let le_field = |flag: &'static str, field: &'static str, from_flag: bool| {
-            if from_flag || !file_has_leader_section {
-                flag
-            } else {
-                field
-            }
-        };
-        if let Some(enabled) = args.leader_elect {
-            leader_election.enabled = enabled;
-        }
-        if let Some(name) = &args.leader_elect_lease_name {
-            leader_election.lease_name = name.clone();
-        }
-        if let Some(namespace) = &args.leader_elect_lease_namespace {
-            leader_election.lease_namespace = namespace.clone();
-        }
-        if let Some(identity) = &args.leader_elect_identity {
-            leader_election.identity = identity.clone();
-        }
-        let mut duration_from_flag = false;
-        if let Some(text) = &args.leader_elect_lease_duration {
-            duration_from_flag = true;
-            match parse_duration(text) {
-                Ok(duration) => leader_election.lease_duration = duration,
-                Err(err) => errors.push(ConfigError::new(
-                    "--leader-elect-lease-duration",
-                    err.to_string(),
-                )),
-            }
-        }
-        let mut grace_from_flag = false;
-        if let Some(text) = &args.leader_elect_renew_grace {
-            grace_from_flag = true;
-            match parse_duration(text) {
-                Ok(duration) => leader_election.renew_grace = duration,
-                Err(err) => errors.push(ConfigError::new(
-                    "--leader-elect-renew-grace",
-                    err.to_string(),
-                )),
-            }
-        }
-        if leader_election.enabled {
-            if let Err(why) = validate_dns1123_subdomain(&leader_election.lease_name) {
-                errors.push(ConfigError::new(
-                    le_field(
-                        "--leader-elect-lease-name",
-                        "leaderElection.leaseName",
-                        args.leader_elect_lease_name.is_some(),
-                    ),
-                    format!(
-                        "{:?} is not a valid Lease name: {why} (expected e.g. \
-                         bootstrap-controller)",
-                        leader_election.lease_name
-                    ),
-                ));
-            }
-            if let Err(why) = validate_dns1123_label(&leader_election.lease_namespace) {
-                errors.push(ConfigError::new(
-                    le_field(
-                        "--leader-elect-lease-namespace",
-                        "leaderElection.leaseNamespace",
-                        args.leader_elect_lease_namespace.is_some(),
-                    ),
-                    format!(
-                        "{:?} is not a valid namespace name: {why} (expected e.g. kube-system)",
-                        leader_election.lease_namespace
-                    ),
-                ));
-            }
-            // A Lease holds whole seconds (leaseDurationSeconds).
-            if leader_election.lease_duration.as_secs() < 2 {
-                errors.push(ConfigError::new(
-                    le_field(
-                        "--leader-elect-lease-duration",
-                        "leaderElection.leaseDuration",
-                        duration_from_flag,
-                    ),
-                    "must be at least 2s (e.g. 15s)",
-                ));
-            } else if leader_election.renew_grace.as_secs() < 1
-                || leader_election.renew_grace >= leader_election.lease_duration
-            {
-                errors.push(ConfigError::new(
-                    le_field(
-                        "--leader-elect-renew-grace",
-                        "leaderElection.renewGrace",
-                        grace_from_flag,
-                    ),
-                    format!(
-                        "must be at least 1s and shorter than the lease duration ({}) (e.g. 5s \
-                         with a 15s lease)",
-                        format_duration(leader_election.lease_duration)
-                    ),
-                ));
-            }
-        }
+        let leader_election = merge_leader_election(&mut given, &mut errors);
 
-        let etcd = merge_etcd(args, &file, &mut errors);
-        let tenants = merge_tenants(args, file.tenants.as_ref(), &mut errors);
+        let kubeconfig = given.kubeconfig.take().map(|source| source.value);
+        let dry_run = given.dry_run.take().is_some_and(|source| source.value);
+        let timer_only = given.timer_only.take().is_some_and(|source| source.value);
+        let log_format = given
+            .log_format
+            .take()
+            .map(|source| source.value)
+            .unwrap_or_default();
+        let tenants = merge_tenants(&mut given, &mut errors);
+        let etcd = merge_etcd(given, &mut errors);
         if tenants.is_some() {
             refuse_process_etcd(args, &file, &mut errors);
         }
@@ -574,17 +388,17 @@ impl Config {
             kubernetes_service_node_port,
             endpoint_reconciler_type,
             apiserver_count,
-            kubeconfig: args.kubeconfig.clone().or(file.kubeconfig.clone()),
+            kubeconfig,
             etcd_servers: etcd.servers,
             etcd_ca_file: etcd.ca_file,
             etcd_cert_file: etcd.cert_file,
             etcd_key_file: etcd.key_file,
             etcd_prefix: etcd.prefix,
             etcd_inline_tls: None,
-            dry_run: args.dry_run.or(file.dry_run).unwrap_or(false),
-            timer_only: args.timer_only.or(file.timer_only).unwrap_or(false),
+            dry_run,
+            timer_only,
             admin_addr,
-            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
+            log_format,
             shutdown_timeout,
             leader_election,
             tenants,
@@ -651,42 +465,125 @@ pub(super) fn default_shutdown_timeout() -> Duration {
     Duration::from_secs(30)
 }
 
+/// The `--leader-elect-*` settings over their defaults, validated when leader election is on.
+/// The defaults are valid, so an error names a setting that was given.
+pub(super) fn merge_leader_election(
+    given: &mut Given,
+    errors: &mut Vec<ConfigError>,
+) -> LeaderElection {
+    let defaults = LeaderElection::default();
+    let lease_name = given.leader_elect_lease_name.take();
+    let lease_namespace = given.leader_elect_lease_namespace.take();
+    // A duration that does not parse is reported here and left at its default, so the checks
+    // below do not report it again.
+    let mut duration = |source: Option<Source<Result<Duration, DurationError>>>| {
+        let source = source?;
+        match source.value {
+            Ok(value) => Some(Source {
+                value,
+                field: source.field,
+            }),
+            Err(err) => {
+                errors.push(ConfigError::new(source.field, err.to_string()));
+                None
+            }
+        }
+    };
+    let lease_duration = duration(given.leader_elect_lease_duration.take());
+    let renew_grace = duration(given.leader_elect_renew_grace.take());
+    let election = LeaderElection {
+        enabled: given
+            .leader_elect
+            .take()
+            .map_or(defaults.enabled, |source| source.value),
+        lease_name: lease_name
+            .as_ref()
+            .map_or(defaults.lease_name, |source| source.value.clone()),
+        lease_namespace: lease_namespace
+            .as_ref()
+            .map_or(defaults.lease_namespace, |source| source.value.clone()),
+        identity: given
+            .leader_elect_identity
+            .take()
+            .map_or(defaults.identity, |source| source.value),
+        lease_duration: lease_duration
+            .as_ref()
+            .map_or(defaults.lease_duration, |source| source.value),
+        renew_grace: renew_grace
+            .as_ref()
+            .map_or(defaults.renew_grace, |source| source.value),
+    };
+    if !election.enabled {
+        return election;
+    }
+    if let Some(source) = &lease_name
+        && let Err(why) = validate_dns1123_subdomain(&source.value)
+    {
+        errors.push(ConfigError::new(
+            source.field,
+            format!(
+                "{:?} is not a valid Lease name: {why} (expected e.g. bootstrap-controller)",
+                source.value
+            ),
+        ));
+    }
+    if let Some(source) = &lease_namespace
+        && let Err(why) = validate_dns1123_label(&source.value)
+    {
+        errors.push(ConfigError::new(
+            source.field,
+            format!(
+                "{:?} is not a valid namespace name: {why} (expected e.g. kube-system)",
+                source.value
+            ),
+        ));
+    }
+    // A Lease holds whole seconds (leaseDurationSeconds).
+    if let Some(source) = &lease_duration
+        && source.value.as_secs() < 2
+    {
+        errors.push(ConfigError::new(
+            source.field,
+            "must be at least 2s (e.g. 15s)",
+        ));
+    } else if election.renew_grace.as_secs() < 1 || election.renew_grace >= election.lease_duration
+    {
+        match (&renew_grace, &lease_duration) {
+            (Some(grace), _) => errors.push(ConfigError::new(
+                grace.field,
+                format!(
+                    "must be at least 1s and shorter than the lease duration ({}) (e.g. 5s with \
+                     a 15s lease)",
+                    format_duration(election.lease_duration)
+                ),
+            )),
+            // The default grace does not fit the given duration: the duration is what was set.
+            (None, Some(duration)) => errors.push(ConfigError::new(
+                duration.field,
+                format!(
+                    "must be longer than the renew grace ({}, its default) (e.g. 15s), or set \
+                     a shorter renew grace",
+                    format_duration(election.renew_grace)
+                ),
+            )),
+            (None, None) => {}
+        }
+    }
+    election
+}
+
 /// Management mode's settings: flags over the file's `tenants` section. `None` when no
 /// selector is set (the one cluster of `--kubeconfig`).
-pub(super) fn merge_tenants(
-    args: &ConfigArgs,
-    file: Option<&TenantsFile>,
-    errors: &mut Vec<ConfigError>,
-) -> Option<Tenants> {
-    let selector = pick(
-        args.tenants_secret_selector.clone(),
-        "--tenants-secret-selector",
-        file.and_then(|f| f.secret_selector.clone()),
-        "tenants.secretSelector",
-    );
-    let namespace = pick(
-        args.tenants_namespace.clone(),
-        "--tenants-namespace",
-        file.and_then(|f| f.namespace.clone()),
-        "tenants.namespace",
-    );
-    let key = pick(
-        args.tenants_kubeconfig_key.clone(),
-        "--tenants-kubeconfig-key",
-        file.and_then(|f| f.kubeconfig_key.clone()),
-        "tenants.kubeconfigKey",
-    );
-    let plugins = pick(
-        args.tenants_credential_plugins.clone(),
-        "--tenants-credential-plugins",
-        file.and_then(|f| f.credential_plugins.as_ref().map(StringOrList::joined)),
-        "tenants.credentialPlugins",
-    );
-    let Some(selector) = selector else {
+pub(super) fn merge_tenants(given: &mut Given, errors: &mut Vec<ConfigError>) -> Option<Tenants> {
+    let namespace = given.tenants_namespace.take();
+    let key = given.tenants_kubeconfig_key.take();
+    let plugins = given.tenants_credential_plugins.take();
+    let Some(selector) = given.tenants_secret_selector.take() else {
         for source in [namespace, key, plugins].into_iter().flatten() {
             errors.push(ConfigError::new(
                 source.field,
-                "only means something in management mode: set --tenants-secret-selector                  (tenants.secretSelector) too, or leave it out",
+                "only means something in management mode: set --tenants-secret-selector \
+                 (tenants.secretSelector) too, or leave it out",
             ));
         }
         return None;
@@ -695,7 +592,8 @@ pub(super) fn merge_tenants(
     if selector_text.is_empty() {
         errors.push(ConfigError::new(
             selector.field,
-            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g.              cluster.x-k8s.io/cluster-name)",
+            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g. \
+             cluster.x-k8s.io/cluster-name)",
         ));
     } else if let Err(why) = validate_label_selector(&selector_text) {
         errors.push(ConfigError::new(
@@ -733,7 +631,8 @@ pub(super) fn merge_tenants(
                 errors.push(ConfigError::new(
                     source.field,
                     format!(
-                        "{:?} is not a Secret data key (letters, digits, '-', '_' and '.';                          e.g. value, admin.conf, kubeconfig, config)",
+                        "{:?} is not a Secret data key (letters, digits, '-', '_' and '.'; \
+                         e.g. value, admin.conf, kubeconfig, config)",
                         source.value
                     ),
                 ));

@@ -7,21 +7,22 @@
 //! Each loop's section (`loops.<key>`) is owned by the loop's module in `reconcilers`
 //! ([`LoopSection`]); [`Loops`] is the list of them.
 //!
-//! By concern: `flags.rs` (the flags and their environment variables), `file.rs` (the file's
-//! shape and parser), `merge.rs` (flags over file over defaults, and validation), `tenant.rs`
-//! (management mode, and a tenant's annotation fragment merged over the file), `values.rs` (value
-//! types and their parsers); this module holds the effective [`Config`], the list of loops and
-//! the error type.
+//! By concern, each file using only those listed before it: `values.rs` (value types and their
+//! parsers), `settings.rs` (the one list of the top-level settings, from which the flags with
+//! their environment variables, the file's fields and the flag-over-file pick follow), `file.rs`
+//! (the file's parser), `tenant.rs` (management mode, and a tenant's annotation fragment merged
+//! over the file), `merge.rs` (flags over file over defaults, and validation); this module holds
+//! the effective [`Config`], the list of loops and the error type.
 
 mod file;
-mod flags;
 mod merge;
+mod settings;
 mod tenant;
 mod values;
 
 pub use file::*;
-pub use flags::*;
 pub use merge::*;
+pub use settings::*;
 pub use tenant::*;
 pub use values::*;
 
@@ -111,8 +112,8 @@ pub struct Tenants {
 }
 
 /// Leader election among replicas of this controller.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct LeaderElection {
     pub enabled: bool,
     pub lease_name: String,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use reconcilers::section::{ConfigError, EndpointsMode, format_duration, parse_duration};
 
 use super::file::parse_file;
-use super::flags::ConfigArgs;
+use super::settings::ConfigArgs;
 use super::{Config, ConfigErrors};
 
 /// The annotation on a tenant's Secret holding its YAML fragment of the configuration file.

@@ -17,6 +17,16 @@ fn single_error(result: Result<Config, ConfigErrors>) -> ConfigError {
     errors.into_iter().next().unwrap()
 }
 
+/// The one error `yaml` is rejected with, checked to name `field` and to say each of `says`.
+fn rejected(yaml: &str, field: &str, says: &[&str]) -> ConfigError {
+    let error = single_error(from_yaml(yaml));
+    assert_eq!(error.field, field, "{error}");
+    for words in says {
+        assert!(error.message.contains(words), "{error}");
+    }
+    error
+}
+
 #[test]
 fn kubernetes_service_and_endpoints_sections() {
     let config = from_yaml(
@@ -39,18 +49,23 @@ fn kubernetes_service_and_endpoints_sections() {
         Duration::from_secs(30)
     );
 
-    let error = single_error(from_yaml(
+    rejected(
         "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    leaseTTL: 10s\n",
-    ));
-    assert_eq!(error.field, "loops.apiserverEndpoints.leaseTTL");
+        "loops.apiserverEndpoints.leaseTTL",
+        &[],
+    );
 
-    let error = single_error(from_yaml(
+    rejected(
         "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    staticAddresses: [10.0.0.1, \"https://lb:6443\"]\n",
-    ));
-    assert_eq!(error.field, "loops.apiserverEndpoints.staticAddresses[1]");
+        "loops.apiserverEndpoints.staticAddresses[1]",
+        &[],
+    );
 
-    let error = single_error(from_yaml("endpointReconcilerType: static\n"));
-    assert_eq!(error.field, "loops.apiserverEndpoints.staticAddresses");
+    rejected(
+        "endpointReconcilerType: static\n",
+        "loops.apiserverEndpoints.staticAddresses",
+        &[],
+    );
 
     // A valid static list is accepted and reaches the loop's configuration.
     let config = from_yaml(
@@ -62,18 +77,19 @@ fn kubernetes_service_and_endpoints_sections() {
         ["192.0.2.1", "lb.example.com"]
     );
 
-    let error = single_error(from_yaml(
+    rejected(
         "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    readyzURL: localhost:6443\n",
-    ));
-    assert_eq!(error.field, "loops.apiserverEndpoints.readyzURL");
+        "loops.apiserverEndpoints.readyzURL",
+        &[],
+    );
 
-    let error = single_error(from_yaml(
+    rejected(
         "loops:\n  kubernetesService:\n    name: Kubernetes\n",
-    ));
-    assert_eq!(error.field, "loops.kubernetesService.name");
+        "loops.kubernetesService.name",
+        &[],
+    );
 
-    let error = single_error(from_yaml("advertiseAddress: 127.0.0.1\n"));
-    assert_eq!(error.field, "advertiseAddress");
+    rejected("advertiseAddress: 127.0.0.1\n", "advertiseAddress", &[]);
 }
 
 #[test]
@@ -136,8 +152,11 @@ fn defaults_match_upstream() {
 
 #[test]
 fn bad_cidr_names_field_and_fix() {
-    let error = single_error(from_yaml("serviceClusterIPRange: 10.0.0.0/33\n"));
-    assert_eq!(error.field, "serviceClusterIPRange");
+    let error = rejected(
+        "serviceClusterIPRange: 10.0.0.0/33\n",
+        "serviceClusterIPRange",
+        &[],
+    );
     assert_eq!(
         error.to_string(),
         "serviceClusterIPRange: \"10.0.0.0/33\" is not a valid CIDR (expected e.g. \
@@ -158,23 +177,27 @@ fn bad_cidr_from_flag_names_flag() {
 
 #[test]
 fn two_cidrs_of_one_family_rejected() {
-    let error = single_error(from_yaml(
+    rejected(
         "serviceClusterIPRange: 10.96.0.0/12,10.200.0.0/16\n",
-    ));
-    assert_eq!(error.field, "serviceClusterIPRange");
-    assert!(error.message.contains("two IPv4 ranges"), "{error}");
-    let error = single_error(from_yaml(
+        "serviceClusterIPRange",
+        &["two IPv4 ranges"],
+    );
+    rejected(
         "serviceClusterIPRange: [fd00::/108, fd01::/108]\n",
-    ));
-    assert!(error.message.contains("two IPv6 ranges"), "{error}");
+        "serviceClusterIPRange",
+        &["two IPv6 ranges"],
+    );
 }
 
 #[test]
 fn dual_stack_and_small_ranges() {
     let config = from_yaml("serviceClusterIPRange: [10.96.0.0/12, fd00:10:96::/108]\n").unwrap();
     assert_eq!(config.service_cluster_ip_range.len(), 2);
-    let error = single_error(from_yaml("serviceClusterIPRange: 10.0.0.0/30\n"));
-    assert!(error.message.contains("fewer than 8"), "{error}");
+    rejected(
+        "serviceClusterIPRange: 10.0.0.0/30\n",
+        "serviceClusterIPRange",
+        &["fewer than 8"],
+    );
     assert!(parse_service_cidrs("10.0.0.0/29").is_ok());
     assert!(
         parse_service_cidrs("10.0.0.1/24")
@@ -187,10 +210,11 @@ fn dual_stack_and_small_ranges() {
 
 #[test]
 fn inverted_port_range_rejected() {
-    let error = single_error(from_yaml("serviceNodePortRange: 32767-30000\n"));
-    assert_eq!(error.field, "serviceNodePortRange");
-    assert!(error.message.contains("inverted"), "{error}");
-    assert!(error.message.contains("e.g. 30000-32767"), "{error}");
+    rejected(
+        "serviceNodePortRange: 32767-30000\n",
+        "serviceNodePortRange",
+        &["inverted", "e.g. 30000-32767"],
+    );
     let args = ConfigArgs {
         service_node_port_range: Some("40000-30000".to_owned()),
         ..ConfigArgs::default()
@@ -204,11 +228,16 @@ fn inverted_port_range_rejected() {
 
 #[test]
 fn zero_interval_rejected() {
-    let error = single_error(from_yaml("loops:\n  systemNamespaces:\n    interval: 0s\n"));
-    assert_eq!(error.field, "loops.systemNamespaces.interval");
-    assert!(error.message.contains("greater than zero"), "{error}");
-    let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    interval: 0ms\n"));
-    assert_eq!(error.field, "loops.clusterIPRepair.interval");
+    rejected(
+        "loops:\n  systemNamespaces:\n    interval: 0s\n",
+        "loops.systemNamespaces.interval",
+        &["greater than zero"],
+    );
+    rejected(
+        "loops:\n  clusterIPRepair:\n    interval: 0ms\n",
+        "loops.clusterIPRepair.interval",
+        &[],
+    );
 }
 
 #[test]
@@ -228,11 +257,11 @@ fn cluster_ip_repair_mode_and_grace_period() {
         reconcilers::clusterip_repair::Section::default().mode,
         reconcilers::clusterip_repair::RepairMode::Auto
     );
-    let error = single_error(from_yaml(
+    rejected(
         "loops:\n  clusterIPRepair:\n    orphanGracePeriod: 1s\n",
-    ));
-    assert_eq!(error.field, "loops.clusterIPRepair.orphanGracePeriod");
-    assert!(error.message.contains("60s"), "{error}");
+        "loops.clusterIPRepair.orphanGracePeriod",
+        &["60s"],
+    );
     let error = single_error(from_yaml(
         "loops:\n  clusterIPRepair:\n    mode: sometimes\n",
     ));
@@ -247,8 +276,11 @@ fn node_port_repair_page_size() {
         config.loops.cluster_ip_repair.page_size, 500,
         "each repair has its own page size"
     );
-    let error = single_error(from_yaml("loops:\n  nodePortRepair:\n    pageSize: 0\n"));
-    assert_eq!(error.field, "loops.nodePortRepair.pageSize");
+    rejected(
+        "loops:\n  nodePortRepair:\n    pageSize: 0\n",
+        "loops.nodePortRepair.pageSize",
+        &[],
+    );
 }
 
 #[test]
@@ -259,33 +291,31 @@ fn cluster_ip_repair_page_size() {
     );
     let config = from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 500\n").expect("valid");
     assert_eq!(config.loops.cluster_ip_repair.page_size, 500);
-    let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    pageSize: 0\n"));
-    assert_eq!(error.field, "loops.clusterIPRepair.pageSize");
-    assert!(error.message.contains("at least 1"), "{error}");
+    rejected(
+        "loops:\n  clusterIPRepair:\n    pageSize: 0\n",
+        "loops.clusterIPRepair.pageSize",
+        &["at least 1"],
+    );
     let error = single_error(from_yaml("loops:\n  clusterIPRepair:\n    pageSize: -1\n"));
     assert!(error.field.starts_with("loops.clusterIPRepair"), "{error}");
 }
 
 #[test]
 fn unparsable_interval_names_path() {
-    let error = single_error(from_yaml(
+    rejected(
         "loops:\n  systemNamespaces:\n    interval: soon\n",
-    ));
-    assert_eq!(error.field, "loops.systemNamespaces.interval");
-    assert!(error.message.contains("e.g. 10s"), "{error}");
+        "loops.systemNamespaces.interval",
+        &["e.g. 10s"],
+    );
 }
 
 #[test]
 fn unknown_field_names_its_path() {
-    let error = single_error(from_yaml(
+    rejected(
         "loops:\n  systemNamespaces:\n    intervall: 1m\n",
-    ));
-    assert_eq!(error.field, "loops.systemNamespaces.intervall");
-    assert!(
-        error.message.contains("unknown field `intervall`"),
-        "{error}"
+        "loops.systemNamespaces.intervall",
+        &["unknown field `intervall`", "expected one of"],
     );
-    assert!(error.message.contains("expected one of"), "{error}");
     let error = single_error(from_yaml("servicClusterIPRange: 10.0.0.0/24\n"));
     assert!(
         error
@@ -293,31 +323,34 @@ fn unknown_field_names_its_path() {
             .contains("unknown field `servicClusterIPRange`"),
         "{error}"
     );
-    let error = single_error(from_yaml(
+    rejected(
         "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labls: {}\n",
-    ));
-    assert_eq!(error.field, "loops.systemNamespaces.namespaces[0].labls");
+        "loops.systemNamespaces.namespaces[0].labls",
+        &[],
+    );
 }
 
 #[test]
 fn invalid_namespace_name_rejected() {
-    let error = single_error(from_yaml(
+    rejected(
         "loops:\n  systemNamespaces:\n    namespaces:\n      - name: kube-system\n      - name: Kube_Public\n",
-    ));
-    assert_eq!(error.field, "loops.systemNamespaces.namespaces[1].name");
-    assert!(error.message.contains("DNS-1123"), "{error}");
-    let error = single_error(from_yaml(
+        "loops.systemNamespaces.namespaces[1].name",
+        &["DNS-1123"],
+    );
+    rejected(
         "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n      - name: a\n",
-    ));
-    assert!(error.message.contains("listed twice"), "{error}");
+        "loops.systemNamespaces.namespaces[1].name",
+        &["listed twice"],
+    );
 }
 
 #[test]
 fn invalid_labels_rejected() {
-    let error = single_error(from_yaml(
+    rejected(
         "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labels:\n          \"bad key!\": x\n",
-    ));
-    assert_eq!(error.field, "loops.systemNamespaces.namespaces[0].labels");
+        "loops.systemNamespaces.namespaces[0].labels",
+        &[],
+    );
     let ok = from_yaml(
         "loops:\n  systemNamespaces:\n    namespaces:\n      - name: a\n        labels:\n          example.com/team: core\n        annotations:\n          example.com/owner: \"Jane Doe <jane@example.com>\"\n",
     )
@@ -345,9 +378,11 @@ fn etcd_settings_are_validated_and_name_the_field() {
     assert_eq!(error.field, "--etcd-servers");
     assert!(error.message.contains("https://10.0.0.1:2379"), "{error}");
 
-    let error = single_error(from_yaml("etcdCAFile: /etc/kubernetes/pki/etcd/ca.crt\n"));
-    assert_eq!(error.field, "etcdCAFile");
-    assert!(error.message.contains("--etcd-servers"), "{error}");
+    rejected(
+        "etcdCAFile: /etc/kubernetes/pki/etcd/ca.crt\n",
+        "etcdCAFile",
+        &["--etcd-servers"],
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let cert = dir.path().join("client.crt");
@@ -371,34 +406,72 @@ fn etcd_settings_are_validated_and_name_the_field() {
     assert_eq!(error.field, "--etcd-keyfile");
     assert!(error.message.contains("missing.key"), "{error}");
 
-    let error = single_error(from_yaml(
+    rejected(
         "etcdServers: [\"http://127.0.0.1:2379\"]\netcdPrefix: registry\n",
-    ));
-    assert_eq!(error.field, "etcdPrefix");
+        "etcdPrefix",
+        &[],
+    );
 }
 
 #[test]
 fn node_port_must_be_in_range() {
-    let error = single_error(from_yaml("kubernetesServiceNodePort: 80\n"));
-    assert_eq!(error.field, "kubernetesServiceNodePort");
-    assert!(error.message.contains("30000-32767"), "{error}");
+    rejected(
+        "kubernetesServiceNodePort: 80\n",
+        "kubernetesServiceNodePort",
+        &["30000-32767"],
+    );
     let config = from_yaml("kubernetesServiceNodePort: 30443\n").unwrap();
     assert_eq!(config.kubernetes_service_node_port, 30443);
 }
 
+/// A numeric flag's text that is no number is quoted as given, with the flag and the fix.
+#[test]
+fn a_numeric_flag_that_is_no_number_is_quoted_plainly() {
+    let cases = [
+        (
+            ConfigArgs {
+                secure_port: Some("z".to_owned()),
+                ..ConfigArgs::default()
+            },
+            "--secure-port: \"z\" is not a port number (expected 1-65535, e.g. 6443)",
+        ),
+        (
+            ConfigArgs {
+                kubernetes_service_node_port: Some("z".to_owned()),
+                ..ConfigArgs::default()
+            },
+            "--kubernetes-service-node-port: \"z\" is not a port number (use 0 for a ClusterIP \
+             Service, or a port inside 30000-32767)",
+        ),
+        (
+            ConfigArgs {
+                apiserver_count: Some("z".to_owned()),
+                ..ConfigArgs::default()
+            },
+            "--apiserver-count: \"z\" is not a number (expected a positive count, e.g. 3)",
+        ),
+    ];
+    for (args, message) in cases {
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.to_string(), message);
+    }
+}
+
 #[test]
 fn apiserver_count_and_advertise_address() {
-    let error = single_error(from_yaml("apiserverCount: 0\n"));
-    assert_eq!(error.field, "apiserverCount");
-    let error = single_error(from_yaml(
+    rejected("apiserverCount: 0\n", "apiserverCount", &[]);
+    rejected(
         "serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\n",
-    ));
-    assert_eq!(error.field, "advertiseAddress");
-    assert!(error.message.contains("IPv6"), "{error}");
+        "advertiseAddress",
+        &["IPv6"],
+    );
     let config = from_yaml("advertiseAddress: fd00::1\nendpointReconcilerType: none\n").unwrap();
     assert_eq!(config.advertise_address, Some("fd00::1".parse().unwrap()));
-    let error = single_error(from_yaml("advertiseAddress: not-an-ip\n"));
-    assert!(error.message.contains("not an IP"), "{error}");
+    rejected(
+        "advertiseAddress: not-an-ip\n",
+        "advertiseAddress",
+        &["not an IP"],
+    );
 }
 
 #[test]
@@ -464,10 +537,11 @@ fn tenants_settings_from_flags_and_file_are_validated() {
         error.message.contains("--tenants-secret-selector"),
         "{error}"
     );
-    let error = single_error(from_yaml(
+    rejected(
         "tenants:\n  secretSelector: a=b\n  kubeconfigKey: \"admin conf\"\n",
-    ));
-    assert_eq!(error.field, "tenants.kubeconfigKey");
+        "tenants.kubeconfigKey",
+        &[],
+    );
 }
 
 fn tenant_base(file: &str) -> TenantBase {
@@ -585,10 +659,11 @@ fn management_mode_refuses_the_process_wide_etcd_settings() {
         "{}",
         errors[0]
     );
-    let error = single_error(from_yaml(
+    rejected(
         "tenants:\n  secretSelector: a=b\netcdServers: https://192.0.2.1:2379\n",
-    ));
-    assert_eq!(error.field, "etcdServers");
+        "etcdServers",
+        &[],
+    );
 }
 
 #[test]
@@ -743,6 +818,36 @@ fn leader_election_flags_override_file() {
             .and_then(|file| Config::merge(&ConfigArgs::default(), file)),
     );
     assert_eq!(error.field, "leaderElection.renewGrace");
+}
+
+/// A leader-election error names the setting that was given, the flag or the section's key,
+/// never one left at its default.
+#[test]
+fn leader_election_errors_name_what_was_given() {
+    rejected(
+        "leaderElection:\n  leaseName: Not_A_Name\n",
+        "leaderElection.leaseName",
+        &["not a valid Lease name"],
+    );
+    rejected(
+        "leaderElection:\n  leaseDuration: 3s\n",
+        "leaderElection.leaseDuration",
+        &["longer than the renew grace (5s, its default)"],
+    );
+    let args = ConfigArgs {
+        leader_elect_lease_duration: Some("3s".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--leader-elect-lease-duration");
+    let args = ConfigArgs {
+        leader_elect_renew_grace: Some("soon".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--leader-elect-renew-grace");
+    // With leader election off its settings are not checked.
+    from_yaml("leaderElection:\n  enabled: false\n  leaseName: Not_A_Name\n").unwrap();
 }
 
 #[test]

@@ -1,9 +1,9 @@
-//! Value types and their parsers: port ranges, service ranges, numbers.
+//! Value types and their parsers: port ranges, service ranges, numbers, lists.
 
 use std::fmt;
 
 use ipnet::IpNet;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Inclusive port range, written `BASE-LAST` like kube-apiserver's `--service-node-port-range`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,9 +51,41 @@ pub(super) fn parse_u32(text: &str) -> Result<u32, NotANumber> {
         .map_err(|_| NotANumber(text.to_owned()))
 }
 
+/// `Err` holds the text that is no number, for the message.
+pub(super) fn parse_i64(text: &str) -> Result<i64, NotANumber> {
+    text.trim()
+        .parse::<i64>()
+        .map_err(|_| NotANumber(text.to_owned()))
+}
+
 /// A flag's text that is not a number.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NotANumber(pub String);
+
+/// `serviceClusterIPRange` (and the other lists) may be written `"a,b"` (like the flag) or as a
+/// YAML list.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum StringOrList {
+    One(String),
+    List(Vec<String>),
+}
+
+impl StringOrList {
+    pub(super) fn joined(&self) -> String {
+        match self {
+            StringOrList::One(one) => one.clone(),
+            StringOrList::List(list) => list.join(","),
+        }
+    }
+}
+
+/// The file's list as the flag writes it.
+impl From<StringOrList> for String {
+    fn from(list: StringOrList) -> String {
+        list.joined()
+    }
+}
 
 /// A flag's or field's value that does not parse; the message says what was expected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

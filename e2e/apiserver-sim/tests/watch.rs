@@ -19,6 +19,22 @@ fn cm(name: &str) -> ConfigMap {
     serde_json::from_value(json!({"metadata": {"name": name}})).unwrap()
 }
 
+/// A simulator keeping only the last `window` events for watches, and its namespace `w`.
+async fn with_watch_window(window: usize) -> (Sim, Api<ConfigMap>) {
+    let sim = start_with(SimConfig {
+        watch_window: window,
+        ..fast_config()
+    })
+    .await;
+    let api = configmaps_in_w(&sim).await;
+    (sim, api)
+}
+
+/// Creates the ConfigMap `name` through `api`.
+async fn create(api: &Api<ConfigMap>, name: &str) -> ConfigMap {
+    api.create(&PostParams::default(), &cm(name)).await.unwrap()
+}
+
 /// The simulator's `w` namespace, created, and the ConfigMaps in it.
 async fn configmaps_in_w(sim: &Sim) -> Api<ConfigMap> {
     let client = sim.client();
@@ -72,9 +88,9 @@ fn describe(ev: &WatchEvent<ConfigMap>) -> String {
 async fn resume_from_resource_version() {
     let sim = start().await;
     let api = configmaps_in_w(&sim).await;
-    let first = api.create(&PostParams::default(), &cm("a")).await.unwrap();
+    let first = create(&api, "a").await;
     let rv = first.metadata.resource_version.clone().unwrap();
-    api.create(&PostParams::default(), &cm("b")).await.unwrap();
+    create(&api, "b").await;
     api.patch(
         "a",
         &PatchParams::default(),
@@ -95,7 +111,7 @@ async fn resume_from_resource_version() {
     }
     assert_eq!(seen, vec!["ADDED b", "MODIFIED a", "DELETED b"]);
     // Live events follow.
-    api.create(&PostParams::default(), &cm("c")).await.unwrap();
+    create(&api, "c").await;
     assert_eq!(describe(&next_event(&mut stream).await), "ADDED c");
     sim.shutdown().await;
 }
@@ -105,7 +121,7 @@ async fn resource_version_zero_sends_current_state() {
     let sim = start().await;
     let api = configmaps_in_w(&sim).await;
     for n in ["a", "b"] {
-        api.create(&PostParams::default(), &cm(n)).await.unwrap();
+        create(&api, n).await;
     }
     let mut stream = api
         .watch(&WatchParams::default(), "0")
@@ -125,7 +141,7 @@ async fn resource_version_zero_sends_current_state() {
 async fn bookmarks_and_timeout() {
     let sim = start().await;
     let api = configmaps_in_w(&sim).await;
-    let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
+    let c = create(&api, "a").await;
     let rv = c.metadata.resource_version.unwrap();
     let mut stream = api
         .watch(&WatchParams::default().timeout(2), &rv)
@@ -155,7 +171,7 @@ async fn bookmarks_and_timeout() {
 async fn label_selector_watch_turns_updates_into_add_and_delete() {
     let sim = start().await;
     let api = configmaps_in_w(&sim).await;
-    let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
+    let c = create(&api, "a").await;
     let rv = c.metadata.resource_version.unwrap();
     let mut stream = api
         .watch(&WatchParams::default().labels("app=web"), &rv)
@@ -190,13 +206,8 @@ async fn label_selector_watch_turns_updates_into_add_and_delete() {
 
 #[tokio::test]
 async fn too_old_resource_version_is_gone() {
-    let sim = start_with(SimConfig {
-        watch_window: 5,
-        ..fast_config()
-    })
-    .await;
-    let api = configmaps_in_w(&sim).await;
-    let c = api.create(&PostParams::default(), &cm("a")).await.unwrap();
+    let (sim, api) = with_watch_window(5).await;
+    let c = create(&api, "a").await;
     let old_rv = c.metadata.resource_version.unwrap();
     for i in 0..10 {
         api.patch(
@@ -232,9 +243,7 @@ async fn too_old_resource_version_is_gone() {
 async fn watcher_relists_after_gone() {
     let sim = start().await;
     let api = configmaps_in_w(&sim).await;
-    api.create(&PostParams::default(), &cm("before"))
-        .await
-        .unwrap();
+    create(&api, "before").await;
     // The watcher's first watch gets 410 Gone; it must relist and watch again.
     sim.faults().inject(FaultRule::next(
         Some(Verb::Watch),
@@ -251,9 +260,7 @@ async fn watcher_relists_after_gone() {
         sim.request_count("watch", "configmaps") >= 2
     })
     .await;
-    api.create(&PostParams::default(), &cm("after"))
-        .await
-        .unwrap();
+    create(&api, "after").await;
     store_holds(&reader, 2, "store converges").await;
     task.abort();
     sim.shutdown().await;
@@ -262,18 +269,11 @@ async fn watcher_relists_after_gone() {
 /// A small window makes live watches fall behind and get 410; the watcher still converges.
 #[tokio::test]
 async fn watcher_converges_with_tiny_window() {
-    let sim = start_with(SimConfig {
-        watch_window: 3,
-        ..fast_config()
-    })
-    .await;
-    let api = configmaps_in_w(&sim).await;
+    let (sim, api) = with_watch_window(3).await;
     // Errors (410s) are expected; the watcher recovers by itself on the next poll.
     let (reader, task) = reflect(&api, watcher::Config::default());
     for i in 0..30 {
-        api.create(&PostParams::default(), &cm(&format!("c{i}")))
-            .await
-            .unwrap();
+        create(&api, &format!("c{i}")).await;
     }
     store_holds(&reader, 30, "store has all 30").await;
     task.abort();
@@ -303,9 +303,7 @@ async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
         sim.request_count("watch", "configmaps") >= 3
     })
     .await;
-    api.create(&PostParams::default(), &cm("after-close"))
-        .await
-        .unwrap();
+    create(&api, "after-close").await;
     store_holds(&reader, 1, "store sees the new object").await;
     assert_eq!(
         sim.request_count("list", "configmaps"),
@@ -315,9 +313,7 @@ async fn close_watches_ends_streams_and_watcher_resumes_without_relist() {
 
     // Dropping connections: the next request reconnects transparently.
     sim.drop_connections();
-    api.create(&PostParams::default(), &cm("after-drop"))
-        .await
-        .unwrap();
+    create(&api, "after-drop").await;
     store_holds(&reader, 2, "store sees the object after reconnect").await;
     task.abort();
     sim.shutdown().await;
@@ -329,7 +325,7 @@ async fn watcher_streaming_list() {
     let sim = start().await;
     let api = configmaps_in_w(&sim).await;
     for n in ["a", "b", "c"] {
-        api.create(&PostParams::default(), &cm(n)).await.unwrap();
+        create(&api, n).await;
     }
     let (reader, task) = reflect(&api, watcher::Config::default().streaming_lists());
     eventually("watch open", || async {
@@ -344,7 +340,7 @@ async fn watcher_streaming_list() {
         0,
         "no LIST with streaming lists"
     );
-    api.create(&PostParams::default(), &cm("d")).await.unwrap();
+    create(&api, "d").await;
     store_holds(&reader, 4, "live event after the initial stream").await;
     task.abort();
     eventually("watch closed once the client is gone", || async {

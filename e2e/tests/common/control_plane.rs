@@ -254,8 +254,6 @@ impl Drop for ControlPlane {
     }
 }
 
-/// Whether `pid` runs: a zombie does not (up.sh's processes outlive it, so whoever inherits them
-/// may reap them late).
 /// Under `test.sh` (the suite against a shared control plane) the tests that start control planes
 /// of their own are not repeated: they run in the plain `cargo test --workspace`. `binary` is the
 /// test file's name, for the command that runs it.
@@ -270,6 +268,44 @@ pub fn skipped_under_shared_control_plane(binary: &str, test: &str) -> bool {
     false
 }
 
+/// One control plane at a time in a test file (a binary of its own, with its own copy of this
+/// lock): each is three processes that want a core.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A control plane of a test's own, holding the lock that keeps its test file's control planes
+/// one at a time; the control plane stops before the lock is released.
+pub struct OwnControlPlane {
+    cp: ControlPlane,
+    _one: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl std::ops::Deref for OwnControlPlane {
+    type Target = ControlPlane;
+    fn deref(&self) -> &ControlPlane {
+        &self.cp
+    }
+}
+
+/// Starts a control plane of `apiservers` for `test` of the test file `binary` once the file's
+/// other control planes have stopped; `None` under the shared control plane, where the test is
+/// skipped (see [`skipped_under_shared_control_plane`]).
+pub async fn own_control_plane(
+    binary: &str,
+    test: &str,
+    apiservers: usize,
+) -> Result<Option<OwnControlPlane>> {
+    if skipped_under_shared_control_plane(binary, test) {
+        return Ok(None);
+    }
+    let one = ONE_AT_A_TIME.lock().await;
+    Ok(Some(OwnControlPlane {
+        cp: ControlPlane::start(apiservers)?,
+        _one: one,
+    }))
+}
+
+/// Whether `pid` runs: a zombie does not (up.sh's processes outlive it, so whoever inherits them
+/// may reap them late).
 pub fn process_alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
         stat.rsplit_once(") ")

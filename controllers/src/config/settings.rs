@@ -1,0 +1,399 @@
+//! The top-level settings: the one list each of them is written in.
+//!
+//! An entry gives a setting's help text (its doc comment, ending with `[default: ...]`), its
+//! field, the flag's type, name, environment variable and value name, and its key in the
+//! `--config` file. From the list follow:
+//!
+//! - [`ConfigArgs`], the flags (`--config` first, then every setting in list order, which is
+//!   `--help`'s order);
+//! - [`FileConfig`], the file (every entry with a file type, plus the structured sections, whose
+//!   shapes are written by hand below);
+//! - [`Given`], each setting as the user gave it: the flag's value if set, else the file's,
+//!   with the flag or the YAML key it came from, which `merge.rs` validates and defaults;
+//! - [`SETTINGS`], the names, which the docs' flag table is checked against.
+//!
+//! Adding a setting: an entry here, a field of [`super::Config`], its validation in
+//! `Config::merge`, and its row in CONFIG.md's and README's flag tables (tests fail without
+//! them).
+//!
+//! An entry's file clause takes one of three forms:
+//!
+//! - `file "key": T` — the file's value has the flag's type (or converts into it with
+//!   `From`, as a YAML list of CIDRs into the flag's comma-separated text);
+//! - `file "key": T => Result<T, E> = parse` — the flag's text is parsed by `parse`, so that a
+//!   bad flag value is an error naming the flag, while the file's typed value is taken as is;
+//! - `file "section.key" in section.field` — the file's side is an optional field of a
+//!   structured section (its type converts into the flag's as above); `=> Result<T, E> = parse`
+//!   may follow, as for a top-level key.
+//!
+//! A file value read through a serde adapter names it last: `, with "duration_format::option"`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::ValueEnum;
+use reconcilers::section::{DurationError, EndpointsMode, duration_format, parse_duration};
+use serde::{Deserialize, Serialize};
+
+use super::Loops;
+use super::values::{NotANumber, StringOrList, parse_i64, parse_u32};
+
+/// One setting's names, as the docs name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Setting {
+    /// The flag, with its dashes: `--secure-port`.
+    pub flag: &'static str,
+    pub env: &'static str,
+    /// Its key in the file, dotted when it lives in a section: `leaderElection.leaseName`.
+    pub file_key: &'static str,
+}
+
+/// Where a value came from, so errors name the flag or the YAML field the user wrote.
+pub(super) struct Source<T> {
+    pub(super) value: T,
+    pub(super) field: &'static str,
+}
+
+/// The flag's value if set, else the file's, with the name of the one it came from.
+pub(super) fn pick<T>(
+    flag: Option<T>,
+    flag_name: &'static str,
+    file: Option<T>,
+    file_field: &'static str,
+) -> Option<Source<T>> {
+    match (flag, file) {
+        (Some(value), _) => Some(Source {
+            value,
+            field: flag_name,
+        }),
+        (None, Some(value)) => Some(Source {
+            value,
+            field: file_field,
+        }),
+        (None, None) => None,
+    }
+}
+
+macro_rules! settings {
+    (
+        sections {
+            $($section:ident: $section_ty:ty = $section_key:literal,)+
+        }
+        $(
+            $(#[$attr:meta])*
+            $field:ident: $flag_ty:ty = $flag:literal, $env:literal, $value_name:literal;
+            file $key:literal
+                $(in $in_section:ident . $in_field:ident $(=> $in_raw:ty = $in_parse:path)?)?
+                $(: $file_ty:ty $(=> $raw:ty = $parse:path)? $(, with $with:literal)?)?;
+        )+
+    ) => {
+        /// Flags that configure the controller. Every flag has an environment variable
+        /// (`BOOTSTRAP_<FLAG_IN_UPPER_SNAKE_CASE>`). Values left unset fall back to the
+        /// `--config` file, then to the defaults shown.
+        #[derive(Debug, Clone, Default, clap::Args)]
+        pub struct ConfigArgs {
+            /// YAML configuration file (loops, intervals, system namespaces, and every flag's
+            /// setting). Flags override the file; the file overrides the defaults. [default:
+            /// none]
+            #[arg(long, env = "BOOTSTRAP_CONFIG", value_name = "FILE", global = true)]
+            pub config: Option<PathBuf>,
+            $(
+                $(#[$attr])*
+                #[arg(long = $flag, env = $env, value_name = $value_name, global = true)]
+                pub $field: Option<$flag_ty>,
+            )+
+        }
+
+        /// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field);
+        /// the structured sections have no flags of their own but the `--leader-elect-*` and
+        /// `--tenants-*` ones.
+        #[derive(Debug, Clone, Default, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct FileConfig {
+            $($(
+                #[serde(rename = $key)]
+                $(#[serde(default, with = $with)])?
+                pub $field: Option<$file_ty>,
+            )?)+
+            $(
+                #[serde(rename = $section_key)]
+                pub $section: Option<$section_ty>,
+            )+
+        }
+
+        /// Each setting as given: the flag's value if set, else the file's (a top-level field or
+        /// a section's), with where it came from; `None` when neither sets it.
+        pub(super) struct Given {
+            $($(
+                pub(super) $field: Option<Source<settings!(@raw $flag_ty $(, $raw)?)>>,
+            )?)+
+            $($(
+                pub(super) $field: Option<Source<settings!(@raw $flag_ty $(, $in_raw)?)>>,
+            )?)+
+        }
+
+        impl Given {
+            // Some settings' values are `Copy`, and every one is cloned the same way.
+            #[allow(clippy::clone_on_copy, clippy::useless_conversion)]
+            pub(super) fn new(args: &ConfigArgs, file: &FileConfig) -> Given {
+                Given {
+                    $($(
+                        $field: pick(
+                            settings!(@flag args.$field $(, $parse)?),
+                            concat!("--", $flag),
+                            settings!(@file file.$field.clone() $(, $raw)?),
+                            $key,
+                        ),
+                    )?)+
+                    $($(
+                        $field: pick(
+                            settings!(@flag args.$field $(, $in_parse)?),
+                            concat!("--", $flag),
+                            settings!(
+                                @file file
+                                    .$in_section
+                                    .as_ref()
+                                    .and_then(|section| section.$in_field.clone())
+                                $(, $in_raw)?
+                            ),
+                            $key,
+                        ),
+                    )?)+
+                }
+            }
+        }
+
+        /// Every top-level setting's names, in `--help`'s order (`--config` aside).
+        pub const SETTINGS: &[Setting] = &[
+            $(Setting { flag: concat!("--", $flag), env: $env, file_key: $key },)+
+        ];
+    };
+
+    // The type a setting is given as: the flag's, or the parsed result.
+    (@raw $flag_ty:ty) => { $flag_ty };
+    (@raw $flag_ty:ty, $raw:ty) => { $raw };
+    // The flag's value in that type.
+    (@flag $value:expr) => { $value.clone() };
+    (@flag $value:expr, $parse:path) => { $value.as_deref().map($parse) };
+    // The file's value in that type.
+    (@file $value:expr) => { $value.map(Into::into) };
+    (@file $value:expr, $raw:ty) => { $value.map(Ok) };
+}
+
+settings! {
+    // The file's structured sections: their fields are no top-level keys, and the entries whose
+    // file side is one of them name it with `in`.
+    sections {
+        leader_election: LeaderElectionFile = "leaderElection",
+        tenants: TenantsFile = "tenants",
+        loops: Loops = "loops",
+    }
+
+    /// Service cluster IP range(s), as given to kube-apiserver: one CIDR, or two of different
+    /// families separated by a comma (primary first). Each must hold at least 8 addresses.
+    /// [default: none: read from the cluster's kubernetes ServiceCIDR (Kubernetes 1.33+); older
+    /// clusters need it set for the ClusterIP repair]
+    service_cluster_ip_range: String = "service-cluster-ip-range",
+        "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE", "CIDR[,CIDR]";
+        file "serviceClusterIPRange": StringOrList;
+
+    /// NodePort range, as given to kube-apiserver: `BASE-LAST`, both inclusive.
+    /// [default: 30000-32767]
+    service_node_port_range: String = "service-node-port-range",
+        "BOOTSTRAP_SERVICE_NODE_PORT_RANGE", "BASE-LAST";
+        file "serviceNodePortRange": String;
+
+    /// IP address this apiserver advertises to the cluster (its address in the `kubernetes`
+    /// endpoints). Its family must match the primary service range's unless the endpoint
+    /// reconciler is `none`. [default: the default-route address of the primary range's family,
+    /// as kube-apiserver]
+    advertise_address: String = "advertise-address", "BOOTSTRAP_ADVERTISE_ADDRESS", "IP";
+        file "advertiseAddress": String;
+
+    /// The apiserver's secure port: the endpoints' port and the `kubernetes` Service's
+    /// targetPort. [default: 6443]
+    secure_port: String = "secure-port", "BOOTSTRAP_SECURE_PORT", "PORT";
+        file "securePort": u32 => Result<u32, NotANumber> = parse_u32;
+
+    /// NodePort of the `kubernetes` Service; 0 keeps it of type ClusterIP. When set it must lie
+    /// inside --service-node-port-range. [default: 0]
+    kubernetes_service_node_port: String = "kubernetes-service-node-port",
+        "BOOTSTRAP_KUBERNETES_SERVICE_NODE_PORT", "PORT";
+        file "kubernetesServiceNodePort": u32 => Result<u32, NotANumber> = parse_u32;
+
+    /// How the `kubernetes` endpoints are maintained: `lease` (one Lease per apiserver),
+    /// `static` (addresses from the configuration file), `master-count` (upstream's deprecated
+    /// reconciler, with --apiserver-count) or `none` (the endpoints loop is off). [default: lease]
+    #[arg(value_parser = endpoint_reconciler_type_parser())]
+    endpoint_reconciler_type: EndpointsMode = "endpoint-reconciler-type",
+        "BOOTSTRAP_ENDPOINT_RECONCILER_TYPE", "TYPE";
+        file "endpointReconcilerType": EndpointsMode;
+
+    /// Number of apiservers, used only by `--endpoint-reconciler-type=master-count`; must be
+    /// positive. [default: 1]
+    apiserver_count: String = "apiserver-count", "BOOTSTRAP_APISERVER_COUNT", "N";
+        file "apiserverCount": i64 => Result<i64, NotANumber> = parse_i64;
+
+    /// Kubeconfig file. [default: `$KUBECONFIG`, then `~/.kube/config`, then the in-cluster
+    /// service account]
+    kubeconfig: PathBuf = "kubeconfig", "BOOTSTRAP_KUBECONFIG", "FILE";
+        file "kubeconfig": PathBuf;
+
+    /// The etcd of the apiserver, as its --etcd-servers: comma-separated URLs. Turns on etcd
+    /// mode: the NodePort repair also repairs the allocation bitmap kube-apiserver keeps there.
+    /// Without it the repairs work through the API only. [default: none]
+    etcd_servers: String = "etcd-servers", "BOOTSTRAP_ETCD_SERVERS", "URL[,URL]";
+        file "etcdServers": StringOrList;
+
+    /// CA bundle that verifies the etcd servers' certificates (as kube-apiserver's). [default:
+    /// none]
+    etcd_cafile: PathBuf = "etcd-cafile", "BOOTSTRAP_ETCD_CAFILE", "FILE";
+        file "etcdCAFile": PathBuf;
+
+    /// Client certificate for etcd (PEM); goes with --etcd-keyfile. [default: none]
+    etcd_certfile: PathBuf = "etcd-certfile", "BOOTSTRAP_ETCD_CERTFILE", "FILE";
+        file "etcdCertFile": PathBuf;
+
+    /// Client key for etcd (PEM); goes with --etcd-certfile. [default: none]
+    etcd_keyfile: PathBuf = "etcd-keyfile", "BOOTSTRAP_ETCD_KEYFILE", "FILE";
+        file "etcdKeyFile": PathBuf;
+
+    /// The apiserver's --etcd-prefix. [default: /registry]
+    etcd_prefix: String = "etcd-prefix", "BOOTSTRAP_ETCD_PREFIX", "PREFIX";
+        file "etcdPrefix": String;
+
+    /// Compute and report every write without making it (logs, metrics, `check`).
+    /// `--dry-run` alone means true. [default: false]
+    #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    dry_run: bool = "dry-run", "BOOTSTRAP_DRY_RUN", "BOOL";
+        file "dryRun": bool;
+
+    /// Ignore watch triggers: every loop runs only at start and on its interval, as upstream.
+    /// `--timer-only` alone means true. [default: false]
+    #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    timer_only: bool = "timer-only", "BOOTSTRAP_TIMER_ONLY", "BOOL";
+        file "timerOnly": bool;
+
+    /// Address of the admin HTTP server (/livez, /readyz, /metrics). [default: 0.0.0.0:8080]
+    admin_addr: String = "admin-addr", "BOOTSTRAP_ADMIN_ADDR", "ADDR:PORT";
+        file "adminAddr": String;
+
+    /// Log format; the level comes from RUST_LOG (default `info`). [default: text]
+    log_format: LogFormat = "log-format", "BOOTSTRAP_LOG_FORMAT", "FORMAT";
+        file "logFormat": LogFormat;
+
+    /// Elect a leader among replicas with a Lease; loops that write cluster-wide objects run only
+    /// on the leader. `--leader-elect` alone means true. [default: true]
+    #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    leader_elect: bool = "leader-elect", "BOOTSTRAP_LEADER_ELECT", "BOOL";
+        file "leaderElection.enabled" in leader_election.enabled;
+
+    /// Name of the leader-election Lease. [default: bootstrap-controller]
+    leader_elect_lease_name: String = "leader-elect-lease-name",
+        "BOOTSTRAP_LEADER_ELECT_LEASE_NAME", "NAME";
+        file "leaderElection.leaseName" in leader_election.lease_name;
+
+    /// Namespace of the leader-election Lease. [default: kube-system]
+    leader_elect_lease_namespace: String = "leader-elect-lease-namespace",
+        "BOOTSTRAP_LEADER_ELECT_LEASE_NAMESPACE", "NAMESPACE";
+        file "leaderElection.leaseNamespace" in leader_election.lease_namespace;
+
+    /// This replica's identity in the leader-election Lease.
+    /// [default: $POD_NAME, else the host name, plus a random suffix]
+    leader_elect_identity: String = "leader-elect-identity",
+        "BOOTSTRAP_LEADER_ELECT_IDENTITY", "ID";
+        file "leaderElection.identity" in leader_election.identity;
+
+    /// How long a leader holds the Lease without renewing it (also the longest failover time),
+    /// e.g. `15s`. [default: 15s]
+    leader_elect_lease_duration: String = "leader-elect-lease-duration",
+        "BOOTSTRAP_LEADER_ELECT_LEASE_DURATION", "DURATION";
+        file "leaderElection.leaseDuration" in leader_election.lease_duration
+            => Result<Duration, DurationError> = parse_duration;
+
+    /// How long before the Lease expires the leader renews it, e.g. `5s`; must be shorter than
+    /// the lease duration. [default: 5s]
+    leader_elect_renew_grace: String = "leader-elect-renew-grace",
+        "BOOTSTRAP_LEADER_ELECT_RENEW_GRACE", "DURATION";
+        file "leaderElection.renewGrace" in leader_election.renew_grace
+            => Result<Duration, DurationError> = parse_duration;
+
+    /// Upper bound for graceful shutdown (finish running passes, run each loop's shutdown hook),
+    /// e.g. `30s`. [default: 30s]
+    shutdown_timeout: String = "shutdown-timeout", "BOOTSTRAP_SHUTDOWN_TIMEOUT", "DURATION";
+        file "shutdownTimeout": Duration => Result<Duration, DurationError> = parse_duration,
+            with "duration_format::option";
+
+    /// Management mode: keep the bootstrap state of every tenant cluster whose kubeconfig is in
+    /// a Secret of this (management) cluster matching this label selector, e.g.
+    /// `cluster.x-k8s.io/cluster-name`; left out, the one cluster of --kubeconfig is kept.
+    /// [default: none]
+    tenants_secret_selector: String = "tenants-secret-selector",
+        "BOOTSTRAP_TENANTS_SECRET_SELECTOR", "SELECTOR";
+        file "tenants.secretSelector" in tenants.secret_selector;
+
+    /// Management mode: only Secrets in this namespace are tenants. [default: every namespace]
+    tenants_namespace: String = "tenants-namespace", "BOOTSTRAP_TENANTS_NAMESPACE", "NAMESPACE";
+        file "tenants.namespace" in tenants.namespace;
+
+    /// Management mode: the Secret data key holding the tenant's kubeconfig: `value` (Cluster
+    /// API), `admin.conf` (Kamaji), `kubeconfig` (HyperShift), `config` (vcluster).
+    /// [default: value]
+    tenants_kubeconfig_key: String = "tenants-kubeconfig-key",
+        "BOOTSTRAP_TENANTS_KUBECONFIG_KEY", "KEY";
+        file "tenants.kubeconfigKey" in tenants.kubeconfig_key;
+
+    /// Management mode: credential plugins (absolute paths, comma-separated) a tenant
+    /// kubeconfig's `exec` may run, e.g. `/usr/local/bin/aws-iam-authenticator`. Any other exec
+    /// entry is refused. [default: none]
+    tenants_credential_plugins: String = "tenants-credential-plugins",
+        "BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS", "PATHS";
+        file "tenants.credentialPlugins" in tenants.credential_plugins;
+
+}
+
+/// clap's parser of `--endpoint-reconciler-type`, listing the modes in `--help`.
+fn endpoint_reconciler_type_parser() -> impl clap::builder::TypedValueParser<Value = EndpointsMode>
+{
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(EndpointsMode::ALL.map(EndpointsMode::as_str)).try_map(
+        |name| {
+            EndpointsMode::from_name(&name).ok_or_else(|| {
+                // PossibleValuesParser lets only the listed names through.
+                format!("{name:?} is not an endpoint reconciler type")
+            })
+        },
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// The file's `leaderElection` section; the flags `--leader-elect-*` win over it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LeaderElectionFile {
+    pub enabled: Option<bool>,
+    pub lease_name: Option<String>,
+    pub lease_namespace: Option<String>,
+    pub identity: Option<String>,
+    #[serde(default, with = "duration_format::option")]
+    pub lease_duration: Option<Duration>,
+    #[serde(default, with = "duration_format::option")]
+    pub renew_grace: Option<Duration>,
+}
+
+/// The file's `tenants` section (management mode); the flags `--tenants-*` win over it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TenantsFile {
+    pub secret_selector: Option<String>,
+    pub namespace: Option<String>,
+    pub kubeconfig_key: Option<String>,
+    pub credential_plugins: Option<StringOrList>,
+}
