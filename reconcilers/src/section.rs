@@ -130,25 +130,37 @@ impl Settings {
     }
 }
 
-/// Settings for the unit tests of the loops: no range configured, the controller's default
-/// ports and `kubernetes` Service, a fixed identity.
+/// kube-apiserver's defaults, which the controller's empty configuration gives too (its tests
+/// compare the two): no range configured (read from the cluster), node ports 30000-32767,
+/// `securePort` 6443, no node port for `kubernetes`, no advertise address, `lease` endpoints, one
+/// apiserver, `default/kubernetes`; no identity, leader Lease or etcd, which belong to a replica.
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            service_ranges: Vec::new(),
+            node_port_range: 30000..=32767,
+            secure_port: 6443,
+            kubernetes_service_node_port: None,
+            advertise_address: None,
+            endpoint_mode: EndpointsMode::Lease,
+            apiserver_count: 1,
+            kubernetes_service: ServiceName {
+                namespace: "default".to_owned(),
+                name: "kubernetes".to_owned(),
+            },
+            identity: String::new(),
+            leader_lease: None,
+            etcd: None,
+        }
+    }
+}
+
+/// Settings for the unit tests of the loops: the defaults and a fixed identity.
 #[cfg(test)]
 pub(crate) fn test_settings() -> Settings {
     Settings {
-        service_ranges: Vec::new(),
-        node_port_range: 30000..=32767,
-        secure_port: 6443,
-        kubernetes_service_node_port: None,
-        advertise_address: None,
-        endpoint_mode: EndpointsMode::Lease,
-        apiserver_count: 1,
-        kubernetes_service: ServiceName {
-            namespace: "default".to_owned(),
-            name: "kubernetes".to_owned(),
-        },
         identity: "test-replica".to_owned(),
-        leader_lease: None,
-        etcd: None,
+        ..Settings::default()
     }
 }
 

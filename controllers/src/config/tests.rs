@@ -141,6 +141,16 @@ fn defaults_match_upstream() {
         "no range is assumed: it is read from the cluster"
     );
     assert!(config.settings().service_ranges.is_empty());
+    // The loops' own defaults agree: only what belongs to a replica differs.
+    let settings = config.settings();
+    assert_eq!(
+        settings,
+        reconcilers::section::Settings {
+            identity: settings.identity.clone(),
+            leader_lease: settings.leader_lease.clone(),
+            ..Default::default()
+        }
+    );
     let printed = config.to_yaml().unwrap();
     assert!(!printed.contains("serviceClusterIPRange"), "{printed}");
     let set = from_yaml("serviceClusterIPRange: 10.96.0.0/12\n").unwrap();

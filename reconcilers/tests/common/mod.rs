@@ -15,7 +15,7 @@ use futures::future::BoxFuture;
 use kube::runtime::events::Reporter;
 use reconcilers::PassContext;
 use reconcilers::apiserver_endpoints::{NotReady, ReadinessProbe, Resolver};
-use reconcilers::section::{EndpointsMode, ServiceName, Settings};
+use reconcilers::section::Settings;
 
 pub async fn sim() -> Sim {
     Sim::start(SimConfig {
@@ -68,19 +68,8 @@ pub fn reporter() -> Reporter {
 pub fn settings(ranges: &[&str]) -> Settings {
     Settings {
         service_ranges: ranges.iter().map(|range| range.parse().unwrap()).collect(),
-        node_port_range: 30000..=32767,
-        secure_port: 6443,
-        kubernetes_service_node_port: None,
-        advertise_address: None,
-        endpoint_mode: EndpointsMode::Lease,
-        apiserver_count: 1,
-        kubernetes_service: ServiceName {
-            namespace: "default".to_owned(),
-            name: "kubernetes".to_owned(),
-        },
         identity: "test-replica".to_owned(),
-        leader_lease: None,
-        etcd: None,
+        ..Settings::default()
     }
 }
 
