@@ -70,7 +70,7 @@ fn start_member(kubeconfig: &Path, config: &Path, n: usize) -> Result<Controller
             "--config",
             &config.display().to_string(),
             "--advertise-address",
-            &format!("10.0.0.{n}"),
+            &format!("192.0.2.{n}"),
             "--leader-elect-identity",
             &format!("member-{n}"),
         ],
@@ -175,13 +175,13 @@ async fn main() -> Result<()> {
         members.push(Some(start_member(&sim.kubeconfig, &configs[n - 1], n)?));
     }
     for n in 1..=3 {
-        wait_listed(&endpoints, &format!("10.0.0.{n}"), true).await?;
+        wait_listed(&endpoints, &format!("192.0.2.{n}"), true).await?;
     }
     let leader_id = eventually("a leader", CONVERGE, || async { leader(&client).await }).await?;
     let victim = (1..=3)
         .find(|n| format!("member-{n}") != leader_id)
         .context("a follower")?;
-    let victim_address = format!("10.0.0.{victim}");
+    let victim_address = format!("192.0.2.{victim}");
     let config = &configs[victim - 1];
 
     let mut kills = Vec::new();

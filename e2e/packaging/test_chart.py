@@ -40,7 +40,7 @@ CASES = {
         "rbac": {"create": False},
         "config": {
             "endpointReconcilerType": "static",
-            "loops": {"apiserverEndpoints": {"staticAddresses": ["10.0.0.10"]}},
+            "loops": {"apiserverEndpoints": {"staticAddresses": ["192.0.2.10"]}},
         },
     },
     "etcd": {

@@ -101,7 +101,7 @@ def test_check_in_the_image_against_a_simulator_outside(image):
                  "-v", f"{tmp}:/config:ro", container, "--", "/bootstrap-controller", "check",
                  "--kubeconfig", "/config/sim-kubeconfig",
                  "--service-cluster-ip-range", "10.96.0.0/12",
-                 "--advertise-address", "10.0.0.1"],
+                 "--advertise-address", "192.0.2.1"],
                 capture_output=True, text=True, timeout=120,
             )
         finally:

@@ -206,7 +206,7 @@ impl Config {
                         source.field,
                         format!(
                             "{text:?} cannot be advertised to the cluster (use the apiserver's \
-                             routable address, e.g. 192.168.1.10)"
+                             routable address, e.g. 192.0.2.10)"
                         ),
                     ));
                     None
@@ -216,8 +216,8 @@ impl Config {
                     errors.push(ConfigError::new(
                         source.field,
                         format!(
-                            "{text:?} is not an IP address (expected e.g. 192.168.1.10 or \
-                             fd00::10)"
+                            "{text:?} is not an IP address (expected e.g. 192.0.2.10 or \
+                             2001:db8::10)"
                         ),
                     ));
                     None
