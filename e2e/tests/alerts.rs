@@ -205,11 +205,12 @@ async fn scenario() -> Result<()> {
     let services: Api<Service> = Api::namespaced(client.clone(), "default");
     let slices: Api<EndpointSlice> = Api::namespaced(client, "default");
 
+    let range = target.service_range().await?;
     let mut controller = ControllerProcess::start(
         target.kubeconfig(),
         &[
             "--service-cluster-ip-range",
-            "10.96.0.0/12",
+            &range,
             "--advertise-address",
             "192.0.2.10",
         ],
@@ -261,6 +262,8 @@ async fn scenario() -> Result<()> {
     ] {
         sim.admin("PUT", "/sim/backdoor", Some(service)).await?;
     }
+    // A cluster IP outside every service range (TEST-NET).
+    const OUTSIDE: &str = "192.0.2.5";
     sim.admin(
         "PUT",
         "/sim/backdoor",
@@ -268,7 +271,7 @@ async fn scenario() -> Result<()> {
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": {"name": "outside", "namespace": "default", "uid": "uid-outside"},
-            "spec": {"clusterIP": "10.200.0.5", "clusterIPs": ["10.200.0.5"],
+            "spec": {"clusterIP": OUTSIDE, "clusterIPs": [OUTSIDE],
                      "ports": [{"port": 80, "protocol": "TCP"}]}
         })),
     )

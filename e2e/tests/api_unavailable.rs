@@ -30,8 +30,9 @@ async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
     let mut controller = ControllerProcess::start(
         &kubeconfig,
         &[
+            // The range of the simulator that appears later.
             "--service-cluster-ip-range",
-            "10.96.0.0/12",
+            common::SIM_SERVICE_RANGE,
             "--advertise-address",
             "192.0.2.1",
             "--leader-elect=false",
@@ -135,7 +136,7 @@ async fn a_new_cluster_is_set_up_without_a_warning() -> Result<()> {
         &sim.kubeconfig,
         &[
             "--service-cluster-ip-range",
-            "10.96.0.0/12",
+            &sim.service_range,
             "--advertise-address",
             "192.0.2.1",
         ],

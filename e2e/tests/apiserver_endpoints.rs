@@ -38,22 +38,25 @@ const LEASE_SELECTOR: &str = "bootstrap-controller.io/apiserver-endpoint=kuberne
 const ENDPOINTS_PORT_443: &str =
     r#"[{"op":"replace","path":"/subsets/0/ports/0/port","value":443}]"#;
 
-/// The three members' addresses, as listed when all are live.
-const ALL_THREE: &[&str] = &["10.0.0.1", "10.0.0.2", "10.0.0.3"];
+/// The three members' addresses, as listed when all are live (see [`Member::new`]).
+const ALL_THREE: &[&str] = &["192.0.2.11", "192.0.2.12", "192.0.2.13"];
 
 impl Member {
-    async fn new(dir: &std::path::Path, n: u8, ttl: &str) -> Result<Self> {
+    /// Member `n`, advertising 192.0.2.(10 + n): TEST-NET addresses nobody serves on, clear of
+    /// 192.0.2.1 (a SAN of the simulator's serving certificate, and the real control plane's
+    /// own apiserver's address). `range` is the target's service range.
+    async fn new(dir: &std::path::Path, n: u8, ttl: &str, range: &str) -> Result<Self> {
         let readyz = FakeReadyz::start().await?;
         let config = dir.join(format!("member-{n}.yaml"));
         std::fs::write(
             &config,
             format!(
-                "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: {ttl}\n    readyzURL: {}\n",
+                "serviceClusterIPRange: {range}\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: {ttl}\n    readyzURL: {}\n",
                 readyz.url()
             ),
         )?;
         Ok(Member {
-            address: format!("10.0.0.{n}"),
+            address: format!("192.0.2.{}", 10 + u16::from(n)),
             identity: format!("member-{n}"),
             readyz,
             config,
@@ -249,7 +252,8 @@ struct OneMember {
 async fn one_member_listed(n: u8, address: &str) -> Result<OneMember> {
     let (target, client, leftovers) = seeded_and_cleaned_up().await?;
     let dir = tempfile::tempdir()?;
-    let mut member = Member::new(dir.path(), n, "3s").await?;
+    let range = target.service_range().await?;
+    let mut member = Member::new(dir.path(), n, "3s", &range).await?;
     member.address = address.into();
     member.start(target.kubeconfig(), &[])?;
     wait_members(&client, &[address], "the member listed").await?;
@@ -342,9 +346,10 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
     let dir = tempfile::tempdir()?;
+    let range = target.service_range().await?;
     let mut members = Vec::new();
     for n in 1..=3 {
-        let mut member = Member::new(dir.path(), n, "3s").await?;
+        let mut member = Member::new(dir.path(), n, "3s", &range).await?;
         member.start(kubeconfig, &[])?;
         members.push(member);
     }
@@ -428,7 +433,7 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
         kubeconfig,
         "endpoints",
         "--type=json",
-        r#"[{"op":"replace","path":"/subsets/0/addresses/0/ip","value":"10.9.9.9"}]"#,
+        r#"[{"op":"replace","path":"/subsets/0/addresses/0/ip","value":"192.0.2.199"}]"#,
     )?;
     wait_members(&client, ALL_THREE, "Endpoints address repaired").await?;
     patch_kubernetes(
@@ -524,9 +529,10 @@ async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
     let _leftovers = ControllerLeftovers::forget(&target)?;
     let dir = tempfile::tempdir()?;
     // A long TTL keeps the member listed after its sidecar is killed.
-    let mut member = Member::new(dir.path(), 1, "5m").await?;
+    let range = target.service_range().await?;
+    let mut member = Member::new(dir.path(), 1, "5m", &range).await?;
     member.start(kubeconfig, &[])?;
-    wait_members(&client, &["10.0.0.1"], "member listed").await?;
+    wait_members(&client, &[member.address.as_str()], "member listed").await?;
     member.sigkill()?;
 
     patch_kubernetes(kubeconfig, "endpoints", "--type=json", ENDPOINTS_PORT_443)?;
@@ -564,7 +570,7 @@ async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
         "--config",
         &config,
         "--advertise-address",
-        "10.0.0.1",
+        &member.address,
     ])?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
@@ -598,7 +604,10 @@ async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones(
     let config = dir.path().join("config.yaml");
     std::fs::write(
         &config,
-        "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: 30s\n    leaseTTL: 5m\n",
+        format!(
+            "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 30s\n    leaseTTL: 5m\n",
+            sim.service_range
+        ),
     )?;
     let config = config.display().to_string();
     let args = [
@@ -689,7 +698,7 @@ async fn a_member_whose_clock_runs_behind_is_listed_and_does_not_flap() -> Resul
     let kubeconfig = target.kubeconfig();
     let readyz = FakeReadyz::start().await?;
     let config = endpoints_config(
-        Some("10.96.0.0/12"),
+        Some(&target.service_range().await?),
         &format!("    readyzURL: {}\n", readyz.url()),
     )?;
     let _leader = start_member(kubeconfig, &config, "192.0.2.31", "member-31")?;
@@ -915,7 +924,7 @@ async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
     let readyz = FakeReadyz::start().await?;
     let elsewhere = readyz.url().replace("127.0.0.1", "0.0.0.0");
     let config = endpoints_config(
-        Some("10.96.0.0/12"),
+        Some(&target.service_range().await?),
         &format!("    readyzURL: {elsewhere}\n"),
     )?;
     let member = start_member(target.kubeconfig(), &config, "192.0.2.51", "member-51")?;
@@ -936,7 +945,7 @@ async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
 async fn an_advertised_address_the_serving_certificate_lacks_is_reported() -> Result<()> {
     let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
     // No readyzURL: the probe, and so the check, asks the kubeconfig's server over https.
-    let config = endpoints_config(Some("10.96.0.0/12"), "")?;
+    let config = endpoints_config(Some(&target.service_range().await?), "")?;
     let start = |address: &str, identity: &str| {
         start_member(target.kubeconfig(), &config, address, identity)
     };
@@ -997,7 +1006,7 @@ async fn slices_only_keeps_the_slice_and_leaves_the_endpoints_alone() -> Result<
 
     let readyz = FakeReadyz::start().await?;
     let config = endpoints_config(
-        Some("10.96.0.0/12"),
+        Some(&target.service_range().await?),
         &format!(
             "    writeEndpoints: false\n    readyzURL: {}\n",
             readyz.url()
@@ -1061,8 +1070,9 @@ async fn a_shared_address_stays_listed_while_any_of_its_apiservers_is_live() -> 
     let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
     let kubeconfig = target.kubeconfig();
     let dir = tempfile::tempdir()?;
-    let mut a = Member::new(dir.path(), 81, "3s").await?;
-    let mut b = Member::new(dir.path(), 82, "3s").await?;
+    let range = target.service_range().await?;
+    let mut a = Member::new(dir.path(), 81, "3s", &range).await?;
+    let mut b = Member::new(dir.path(), 82, "3s", &range).await?;
     for member in [&mut a, &mut b] {
         member.address = "192.0.2.80".into();
         member.start(kubeconfig, &[])?;

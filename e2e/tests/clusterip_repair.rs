@@ -7,33 +7,36 @@ mod common;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use common::{CONVERGE, ConfigFile, ControllerProcess, Target, eventually, run_controller};
+use common::{
+    CONVERGE, ConfigFile, ControllerProcess, Target, eventually, run_controller, service_ip,
+};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
 
-const RANGE: &str = "10.96.0.0/12";
-
 /// Loops under test only, with a short orphan grace period so a leak is collected within the test.
 const REPAIR_ONLY: &str = "loops:\n  kubernetesService: {enabled: false}\n  \
     apiserverEndpoints: {enabled: false}\n  clusterIPRepair: {orphanGracePeriod: 5s}\n";
 
-fn controller_args(config: &ConfigFile) -> Vec<&str> {
+/// The controller's flags, with the target's service `range`.
+fn controller_args<'a>(config: &'a ConfigFile, range: &'a str) -> Vec<&'a str> {
     vec![
         "--config",
         config.path.as_str(),
         "--service-cluster-ip-range",
-        RANGE,
+        range,
         "--leader-elect=false",
     ]
 }
 
 /// The Service whose IPAddress is lost; a name of its own, since a real cluster is shared.
 const WEB: &str = "clusterip-repair-web";
-/// The leaked IPAddress, whose Service never existed.
-const LEAKED: &str = "10.96.200.200";
+/// The offset in the target's service range of the leaked IPAddress, whose Service never
+/// existed: in the band kept for static addresses, which the Service's dynamic allocation
+/// leaves alone (see [`service_ip`]).
+const LEAKED: u32 = 200;
 
 /// An event of upstream's repair controller with `reason` about the object with `uid` (this
 /// run's object: a shared cluster keeps the events of earlier runs for an hour).
@@ -53,16 +56,20 @@ async fn events_with(events: &Api<Event>, reason: &str, uid: &str) -> Result<Opt
         }))
 }
 
-/// Deletes the Service and the leaked IPAddress (earlier runs' on a shared cluster, or this
+/// Deletes the Service and the `leaked` IPAddress (earlier runs' on a shared cluster, or this
 /// run's when it ends) and waits until both are gone.
-async fn remove_test_objects(services: &Api<Service>, addresses: &Api<IPAddress>) -> Result<()> {
+async fn remove_test_objects(
+    services: &Api<Service>,
+    addresses: &Api<IPAddress>,
+    leaked: &str,
+) -> Result<()> {
     for deleted in [
         services
             .delete(WEB, &DeleteParams::default())
             .await
             .map(drop),
         addresses
-            .delete(LEAKED, &DeleteParams::default())
+            .delete(leaked, &DeleteParams::default())
             .await
             .map(drop),
     ] {
@@ -74,7 +81,7 @@ async fn remove_test_objects(services: &Api<Service>, addresses: &Api<IPAddress>
     }
     eventually("the test's objects gone", CONVERGE, || async {
         let gone =
-            services.get_opt(WEB).await?.is_none() && addresses.get_opt(LEAKED).await?.is_none();
+            services.get_opt(WEB).await?.is_none() && addresses.get_opt(leaked).await?.is_none();
         Ok(gone.then_some(()))
     })
     .await
@@ -101,10 +108,13 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
     let events: Api<Event> = Api::all(client);
     let config = ConfigFile::new(REPAIR_ONLY)?;
     let kubeconfig = target.kubeconfig().to_string_lossy().into_owned();
-    remove_test_objects(&services, &addresses).await?;
+    let range = target.service_range().await?;
+    let leaked = service_ip(&range, LEAKED)?;
+    remove_test_objects(&services, &addresses, &leaked).await?;
 
     // A healthy start: system namespaces and the default ServiceCIDR exist.
-    let mut controller = ControllerProcess::start(target.kubeconfig(), &controller_args(&config))?;
+    let mut controller =
+        ControllerProcess::start(target.kubeconfig(), &controller_args(&config, &range))?;
     controller.wait_ready().await?;
     controller.terminate()?;
 
@@ -124,7 +134,7 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
         "apiVersion": "networking.k8s.io/v1",
         "kind": "IPAddress",
         "metadata": {
-            "name": LEAKED,
+            "name": leaked,
             "labels": {
                 "ipaddress.kubernetes.io/ip-family": "IPv4",
                 "ipaddress.kubernetes.io/managed-by": "ipallocator.k8s.io"
@@ -154,7 +164,7 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
         }
     };
     let leaked_uid = addresses
-        .get(LEAKED)
+        .get(&leaked)
         .await?
         .metadata
         .uid
@@ -164,7 +174,7 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
     // through the API. A real apiserver's own repair loop recreates it on its resync (every 3
     // minutes): if that falls between the deletion and the end of `check`, `check` rightly finds
     // less, and the attempt is made again.
-    let mut check_args = controller_args(&config);
+    let mut check_args = controller_args(&config, &range);
     check_args.extend(["check", "--kubeconfig", kubeconfig.as_str()]);
     for attempt in 1.. {
         addresses.delete(&ip, &DeleteParams::default()).await?;
@@ -200,7 +210,7 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
             "check does not report both findings:\n{stdout}"
         );
         ensure!(
-            addresses.get_opt(LEAKED).await?.is_some(),
+            addresses.get_opt(&leaked).await?.is_some(),
             "check wrote to the cluster"
         );
         break;
@@ -208,7 +218,8 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
 
     // `run`: the missing IPAddress is recreated for its Service, the leak deleted, each with
     // upstream's event reason and reporting controller.
-    let mut controller = ControllerProcess::start(target.kubeconfig(), &controller_args(&config))?;
+    let mut controller =
+        ControllerProcess::start(target.kubeconfig(), &controller_args(&config, &range))?;
     let repaired = eventually("the lost IPAddress recreated", CONVERGE, || async {
         Ok(addresses.get_opt(&ip).await?)
     })
@@ -230,7 +241,7 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
     })
     .await?;
     eventually("the leaked IPAddress deleted", CONVERGE, || async {
-        Ok(addresses.get_opt(LEAKED).await?.is_none().then_some(()))
+        Ok(addresses.get_opt(&leaked).await?.is_none().then_some(()))
     })
     .await?;
     eventually("IPAddressNotAllocated event", CONVERGE, || {
@@ -248,6 +259,6 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
         controller.log()
     );
     controller.terminate()?;
-    remove_test_objects(&services, &addresses).await?;
+    remove_test_objects(&services, &addresses, &leaked).await?;
     Ok(())
 }

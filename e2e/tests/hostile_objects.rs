@@ -16,8 +16,10 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use common::{CONVERGE, ControllerProcess, Target, eventually};
-use hostile::{ADVERTISED, accepted_by_a_real_apiserver, hostile, service};
+use common::{CONVERGE, ControllerProcess, Target, eventually, service_ip};
+use hostile::{
+    ADVERTISED, accepted_by_a_real_apiserver, hostile, refused_by_a_real_apiserver, service,
+};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
 use k8s_openapi::api::events::v1::Event;
@@ -102,9 +104,11 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
         Target::Sim(sim) => Some(sim),
         Target::Cluster { .. } => None,
     };
+    let range = target.service_range().await?;
+    let web_ip = service_ip(&range, 40)?;
     let web = service(
         "web",
-        json!({"clusterIP": "10.96.0.40", "clusterIPs": ["10.96.0.40"], "ports": [{"port": 80}]}),
+        json!({"clusterIP": web_ip, "clusterIPs": [web_ip], "ports": [{"port": 80}]}),
     );
     let addresses: Api<IPAddress> = Api::all(client.clone());
     let namespaces: Api<Namespace> = Api::all(client.clone());
@@ -119,7 +123,7 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
         .collect();
     match sim {
         Some(sim) => {
-            for object in hostile() {
+            for object in hostile(&range)? {
                 let name = object["metadata"]["name"].clone();
                 sim.admin("PUT", "/sim/backdoor", Some(object))
                     .await
@@ -127,12 +131,13 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
             }
             // A healthy Service whose IPAddress is lost: the repair must still recreate it.
             let web = sim.admin("PUT", "/sim/backdoor", Some(web)).await?;
-            ensure!(web.contains("10.96.0.40"), "{web}");
+            ensure!(web.contains(&web_ip), "{web}");
         }
         None => {
-            for object in hostile()
+            let refused = refused_by_a_real_apiserver(&range)?;
+            for object in hostile(&range)?
                 .into_iter()
-                .filter(accepted_by_a_real_apiserver)
+                .filter(|object| accepted_by_a_real_apiserver(&refused, object))
                 .filter(|o| o["kind"] != "Namespace")
             {
                 put(client, &object).await?;
@@ -151,9 +156,7 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
             // A healthy Service whose IPAddress is lost (kube-apiserver's own IPAddress repair
             // races the controller for it here).
             put(client, &web).await?;
-            addresses
-                .delete("10.96.0.40", &DeleteParams::default())
-                .await?;
+            addresses.delete(&web_ip, &DeleteParams::default()).await?;
         }
     }
 
@@ -161,7 +164,7 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
         target.kubeconfig(),
         &[
             "--service-cluster-ip-range",
-            "10.96.0.0/12",
+            &range,
             "--advertise-address",
             ADVERTISED,
             "--leader-elect=false",
@@ -170,7 +173,7 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
     controller.wait_ready().await?;
 
     eventually("web's lost IPAddress recreated", CONVERGE, || async {
-        Ok(addresses.get_opt("10.96.0.40").await?)
+        Ok(addresses.get_opt(&web_ip).await?)
     })
     .await?;
     let endpoints: Api<Endpoints> = Api::namespaced(client.clone(), "default");
@@ -262,13 +265,14 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
     if sim.is_none() {
         return Ok(());
     }
+    let unparented = service_ip(&range, hostile::UNPARENTED)?;
     // The objects only the simulator's backdoor can make (a real apiserver refuses them) are
     // each reported (upstream's events for the ClusterIP repair's findings).
     for (reason, regarding) in [
         ("ClusterIPNotValid", "bad-ip"),
         ("ClusterIPNotValid", "junk-ips"),
         ("IPAddressWrongReference", "foo"),
-        ("IPAddressNotAllocated", "10.96.0.77"),
+        ("IPAddressNotAllocated", unparented.as_str()),
     ] {
         ensure!(
             events

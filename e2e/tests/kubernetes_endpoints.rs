@@ -22,8 +22,6 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 use kube::api::ListParams;
 
-const RANGE: &str = "10.96.0.0/12";
-
 /// Short intervals so membership changes show within seconds; repair loops off (not under test).
 fn endpoints_config(extra: &str) -> Result<ConfigFile> {
     ConfigFile::new(&format!(
@@ -35,7 +33,7 @@ fn endpoints_config(extra: &str) -> Result<ConfigFile> {
 
 /// One controller standing in for the sidecar of the apiserver at `address`.
 fn member(
-    kubeconfig: &std::path::Path,
+    cluster: &Cluster,
     config: &ConfigFile,
     address: &str,
     extra: &[&str],
@@ -45,7 +43,7 @@ fn member(
         "--config",
         config.path.as_str(),
         "--service-cluster-ip-range",
-        RANGE,
+        cluster.range.as_str(),
         "--advertise-address",
         address,
         "--leader-elect-identity",
@@ -56,7 +54,7 @@ fn member(
         "1s",
     ];
     args.extend_from_slice(extra);
-    ControllerProcess::start(kubeconfig, &args)
+    ControllerProcess::start(&cluster.kubeconfig, &args)
 }
 
 /// Addresses and ports of `default/kubernetes` Endpoints, if it exists.
@@ -97,6 +95,8 @@ async fn expect_members(
 
 struct Cluster {
     kubeconfig: std::path::PathBuf,
+    /// The target's service range.
+    range: String,
     endpoints: Api<Endpoints>,
     slices: Api<EndpointSlice>,
     leases: Api<Lease>,
@@ -113,6 +113,7 @@ async fn cluster() -> Result<Cluster> {
     let client = target.client().await?;
     Ok(Cluster {
         kubeconfig: target.kubeconfig().to_path_buf(),
+        range: target.service_range().await?,
         endpoints: Api::namespaced(client.clone(), "default"),
         slices: Api::namespaced(client.clone(), "default"),
         leases: Api::namespaced(client, "kube-system"),
@@ -142,9 +143,8 @@ async fn an_instance_whose_apiserver_is_not_ready_is_never_added_and_leaves_when
     let config = endpoints_config("")?;
     let probed = endpoints_config(&format!("    readyzURL: {local_server}/readyz\n"))?;
 
-    let kubeconfig = c.kubeconfig.clone();
-    let _a = member(&kubeconfig, &config, "192.0.2.1", &[])?;
-    let _b = member(&kubeconfig, &probed, "192.0.2.3", &[])?;
+    let _a = member(&c, &config, "192.0.2.1", &[])?;
+    let _b = member(&c, &probed, "192.0.2.3", &[])?;
     expect_members(&c.endpoints, &c.slices, &["192.0.2.1"]).await?;
     // Several renewal intervals in which 192.0.2.3 must never appear.
     let until = Instant::now() + Duration::from_secs(4);
@@ -180,9 +180,9 @@ async fn leader_handover_never_has_two_writers_and_a_quiet_minute_has_no_endpoin
     let config = endpoints_config("")?;
     let kubeconfig = c.kubeconfig.clone();
     let mut replicas = [
-        member(&kubeconfig, &config, "192.0.2.1", &[])?,
-        member(&kubeconfig, &config, "192.0.2.2", &[])?,
-        member(&kubeconfig, &config, "192.0.2.3", &[])?,
+        member(&c, &config, "192.0.2.1", &[])?,
+        member(&c, &config, "192.0.2.2", &[])?,
+        member(&c, &config, "192.0.2.3", &[])?,
     ];
     expect_members(
         &c.endpoints,
@@ -329,7 +329,7 @@ async fn static_name_that_stops_resolving_keeps_the_last_good_set() -> Result<()
             "--config",
             config.path.as_str(),
             "--service-cluster-ip-range",
-            RANGE,
+            c.range.as_str(),
             "--leader-elect=false",
         ],
     )?

@@ -17,15 +17,15 @@ use kube::api::{ListParams, Patch, PatchParams};
 const NODEPORT_ONLY: &str =
     "loops:\n  kubernetesService: {enabled: false}\n  apiserverEndpoints: {enabled: false}\n";
 
-fn controller_args(config: &ConfigFile) -> Vec<&str> {
+fn controller_args<'a>(config: &'a ConfigFile, range: &'a str) -> Vec<&'a str> {
     vec![
         "--config",
         config.path.as_str(),
         "--service-node-port-range",
         "30000-32767",
-        // The simulator's range: the ClusterIP repair beside this loop has nothing to say.
+        // The target's range: the ClusterIP repair beside this loop has nothing to say.
         "--service-cluster-ip-range",
-        "10.96.0.0/12",
+        range,
         "--leader-elect=false",
     ]
 }
@@ -75,8 +75,10 @@ async fn duplicates_and_out_of_range_ports_are_reported_once_and_by_check() -> R
     let services: Api<Service> = Api::namespaced(client, "default");
     let config = ConfigFile::new(NODEPORT_ONLY)?;
     let kubeconfig = target.kubeconfig().to_string_lossy().into_owned();
+    let range = target.service_range().await?;
 
-    let mut controller = ControllerProcess::start(target.kubeconfig(), &controller_args(&config))?;
+    let mut controller =
+        ControllerProcess::start(target.kubeconfig(), &controller_args(&config, &range))?;
     controller.wait_ready().await?;
 
     for service in [
@@ -165,7 +167,7 @@ async fn duplicates_and_out_of_range_ports_are_reported_once_and_by_check() -> R
     controller.terminate()?;
 
     // `check`: exit 1, both problems named with their Services.
-    let mut check_args = controller_args(&config);
+    let mut check_args = controller_args(&config, &range);
     check_args.extend(["check", "--kubeconfig", kubeconfig.as_str()]);
     let check = run_controller(&check_args)?;
     let stdout = String::from_utf8_lossy(&check.stdout);

@@ -37,7 +37,7 @@ async fn three_replicas_at_rest_read_nothing_after_start_up() -> Result<()> {
                 "--config",
                 config.path.as_str(),
                 "--service-cluster-ip-range",
-                "10.96.0.0/12",
+                &sim.service_range,
                 "--advertise-address",
                 &address,
                 "--leader-elect-lease-duration",

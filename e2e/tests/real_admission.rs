@@ -42,9 +42,10 @@ async fn create(client: &Client, object: &Value) -> Result<Option<(u16, String)>
     }
 }
 
-/// Every hostile object created through `client`'s API. The Terminating namespace is created
-/// under a fresh name (`kube-node-lease` exists on a real cluster).
-async fn outcomes(client: &Client) -> Result<BTreeMap<String, Option<(u16, String)>>> {
+/// Every hostile object, its addresses in `range` (the cluster's service range), created through
+/// `client`'s API. The Terminating namespace is created under a fresh name (`kube-node-lease`
+/// exists on a real cluster).
+async fn outcomes(client: &Client, range: &str) -> Result<BTreeMap<String, Option<(u16, String)>>> {
     let namespaces: Api<Namespace> = Api::all(client.clone());
     for name in ["default", "kube-system"] {
         let ns = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
@@ -52,7 +53,7 @@ async fn outcomes(client: &Client) -> Result<BTreeMap<String, Option<(u16, Strin
         let _ = namespaces.create(&PostParams::default(), &ns).await;
     }
     let mut out = BTreeMap::new();
-    for mut object in hostile::hostile() {
+    for mut object in hostile::hostile(range)? {
         if object["kind"] == "Namespace" {
             object["metadata"]["name"] = "hostile-terminating".into();
         }
@@ -61,14 +62,17 @@ async fn outcomes(client: &Client) -> Result<BTreeMap<String, Option<(u16, Strin
     Ok(out)
 }
 
-/// The outcomes against the pinned list: exactly the listed objects refused, each with its code
-/// and words.
-fn judge(who: &str, outcomes: &BTreeMap<String, Option<(u16, String)>>) -> Vec<String> {
+/// The outcomes against the pinned list (with the addresses of `range`): exactly the listed
+/// objects refused, each with its code and words.
+fn judge(
+    who: &str,
+    range: &str,
+    outcomes: &BTreeMap<String, Option<(u16, String)>>,
+) -> Result<Vec<String>> {
+    let refused = hostile::refused_by_a_real_apiserver(range)?;
     let mut problems = Vec::new();
     for (name, outcome) in outcomes {
-        let pinned = hostile::REFUSED_BY_A_REAL_APISERVER
-            .iter()
-            .find(|(refused, _, _)| refused == name);
+        let pinned = refused.iter().find(|(refused, _, _)| refused == name);
         match (pinned, outcome) {
             (None, None) => {}
             (None, Some(refusal)) => problems.push(format!(
@@ -84,7 +88,7 @@ fn judge(who: &str, outcomes: &BTreeMap<String, Option<(u16, String)>>) -> Vec<S
             }
         }
     }
-    problems
+    Ok(problems)
 }
 
 /// The hostile objects created through a real kube-apiserver's API: the pinned ones are refused
@@ -100,7 +104,8 @@ async fn the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator
         return Ok(());
     };
     let client = client_from(&cp.admin_kubeconfig(1)).await?;
-    let real = outcomes(&client).await?;
+    let range = common::service_range_of(&client).await?;
+    let real = outcomes(&client, &range).await?;
     for (name, outcome) in &real {
         match outcome {
             None => println!("real kube-apiserver took {name}"),
@@ -109,7 +114,7 @@ async fn the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator
             }
         }
     }
-    let mut problems = judge("the real apiserver", &real);
+    let mut problems = judge("the real apiserver", &range, &real)?;
 
     // How the real apiserver stores what it takes: unknown fields dropped; a deletionTimestamp
     // in a create ignored (the namespace is Active, its finalizer kept: only a delete makes it
@@ -146,8 +151,8 @@ async fn the_real_apiserver_refuses_the_pinned_hostile_objects_and_the_simulator
     drop(cp);
 
     let sim = SimProcess::start(&[]).await?;
-    let simulated = outcomes(&client_from(&sim.kubeconfig).await?).await?;
-    problems.extend(judge("the simulator", &simulated));
+    let simulated = outcomes(&client_from(&sim.kubeconfig).await?, &sim.service_range).await?;
+    problems.extend(judge("the simulator", &sim.service_range, &simulated)?);
     ensure!(problems.is_empty(), "{}", problems.join("\n"));
     Ok(())
 }

@@ -13,15 +13,17 @@ use kube::api::DeleteParams;
 
 const SYSTEM: [&str; 4] = ["kube-system", "kube-public", "kube-node-lease", "default"];
 
-/// Only the loop under test, one replica (no leader election to wait for), and the simulator's
+/// Only the loop under test, one replica (no leader election to wait for), and the target's
 /// service range, as a real deployment would match its apiserver's.
 struct NamespacesOnly {
     _dir: tempfile::TempDir,
     config: String,
+    /// The target's service range.
+    range: String,
 }
 
 impl NamespacesOnly {
-    fn new() -> Result<Self> {
+    async fn new(target: &Target) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("config.yaml");
         std::fs::write(
@@ -31,6 +33,7 @@ impl NamespacesOnly {
         )?;
         Ok(Self {
             config: path.to_string_lossy().into_owned(),
+            range: target.service_range().await?,
             _dir: dir,
         })
     }
@@ -41,7 +44,7 @@ impl NamespacesOnly {
             self.config.as_str(),
             "--leader-elect=false",
             "--service-cluster-ip-range",
-            "10.96.0.0/12",
+            self.range.as_str(),
         ];
         args.extend_from_slice(extra);
         args
@@ -117,7 +120,7 @@ async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
     let target = Target::start().await?;
     let namespaces = namespaces_of(&target).await?;
 
-    let only = NamespacesOnly::new()?;
+    let only = NamespacesOnly::new(&target).await?;
     let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&[]))?;
     controller.wait_ready().await?;
     four_present(&namespaces).await?;
@@ -165,7 +168,7 @@ async fn dry_run_reports_but_does_not_heal_and_check_names_the_drift() -> Result
     let victim = deletable(&target);
 
     let kubeconfig = target.kubeconfig().to_string_lossy().into_owned();
-    let only = NamespacesOnly::new()?;
+    let only = NamespacesOnly::new(&target).await?;
     let check = only.args(&["check", "--kubeconfig", &kubeconfig]);
     let clean = run_controller(&check)?;
     ensure!(
@@ -236,7 +239,7 @@ async fn survives_a_flaky_api_and_converges_once_it_recovers() -> Result<()> {
     };
     let namespaces = namespaces_of(&target).await?;
 
-    let only = NamespacesOnly::new()?;
+    let only = NamespacesOnly::new(&target).await?;
     let mut controller = ControllerProcess::start(target.kubeconfig(), &only.args(&[]))?;
     controller.wait_ready().await?;
     four_present(&namespaces).await?;

@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{ConfigFile, ControllerProcess, SimProcess, run_controller};
+use super::{ConfigFile, ControllerProcess, SimProcess, run_controller, service_ip};
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
@@ -18,6 +18,12 @@ loops:
   clusterIPRepair: {interval: 2s, orphanGracePeriod: 5s}
   nodePortRepair: {interval: 2s}
 ";
+
+/// Offsets in the simulator's service range (see [`service_ip`]): Service web's cluster IP, in
+/// the middle of the five addresses whose IPAddresses the breakage deletes; and where the orphan
+/// IPAddresses it plants start.
+const WEB: u32 = 22;
+const ORPHANS: u32 = 250 * 256;
 
 /// Leader-only objects: a write of one of these by two replicas in the same second means two
 /// writers.
@@ -45,12 +51,12 @@ impl Rng {
     }
 }
 
-fn replica_args(config: &ConfigFile, n: usize) -> Vec<String> {
+fn replica_args(sim: &SimProcess, config: &ConfigFile, n: usize) -> Vec<String> {
     [
         "--config",
         config.path.as_str(),
         "--service-cluster-ip-range",
-        "10.96.0.0/12",
+        sim.service_range.as_str(),
         "--advertise-address",
         &format!("10.0.0.{n}"),
         "--leader-elect-lease-duration",
@@ -66,7 +72,7 @@ fn replica_args(config: &ConfigFile, n: usize) -> Vec<String> {
 }
 
 fn start(sim: &SimProcess, config: &ConfigFile, n: usize) -> Result<ControllerProcess> {
-    let args = replica_args(config, n);
+    let args = replica_args(sim, config, n);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     ControllerProcess::start(&sim.kubeconfig, &args)
 }
@@ -157,7 +163,7 @@ async fn break_something(
             "deleted the kubernetes EndpointSlice".to_owned()
         }
         4 => {
-            let ip = format!("10.96.0.{}", 20 + rng.below(5));
+            let ip = service_ip(&sim.service_range, WEB - 2 + rng.below(5) as u32)?;
             backdoor_delete(sim, &format!("ipaddresses/{ip}")).await?;
             format!("deleted Service web's IPAddress {ip} (if it was the one)")
         }
@@ -176,7 +182,7 @@ async fn break_something(
             format!("created Service {name} holding node port 31000 too")
         }
         _ => {
-            let ip = format!("10.96.250.{}", orphans.len() + 1);
+            let ip = service_ip(&sim.service_range, ORPHANS + orphans.len() as u32 + 1)?;
             backdoor_put(
                 sim,
                 json!({
@@ -264,16 +270,16 @@ pub async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
         replica.wait_ready().await?;
     }
     // A Service with a cluster IP in the range the breakage deletes from.
+    let web_ip = &service_ip(&sim.service_range, WEB)?;
     sim.admin(
         "PUT",
         "/sim/backdoor",
         Some(json!({"apiVersion": "v1", "kind": "Service",
                     "metadata": {"name": "web", "namespace": "default", "uid": "uid-web"},
-                    "spec": {"clusterIP": "10.96.0.22", "clusterIPs": ["10.96.0.22"],
+                    "spec": {"clusterIP": web_ip, "clusterIPs": [web_ip],
                              "ports": [{"port": 80}]}})),
     )
     .await?;
-    let web_ip = "10.96.0.22";
     let mut orphans = Vec::new();
     // Services sharing a node port: reported, never changed; removed before `check`, as a
     // person would after the report.
@@ -420,7 +426,7 @@ pub async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
         "--config",
         config.path.as_str(),
         "--service-cluster-ip-range",
-        "10.96.0.0/12",
+        &sim.service_range,
         "--advertise-address",
         "10.0.0.1",
     ])?;

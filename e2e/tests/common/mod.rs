@@ -8,7 +8,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::future::Future;
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -17,10 +17,12 @@ pub mod chaos;
 pub mod control_plane;
 pub mod node_port_bitmap;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use apiserver_sim::RequestRecord;
-use kube::Client;
+use ipnet::IpNet;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client};
 
 /// The real binaries, from the same target directory as the running test: `cargo test
 /// --workspace` builds them because their own packages have integration tests.
@@ -99,6 +101,15 @@ impl Target {
         }
     }
 
+    /// The target's service range as `--service-cluster-ip-range` takes it: the simulator's (see
+    /// [`SimProcess::service_range`]), or a real cluster's ServiceCIDR `kubernetes`.
+    pub async fn service_range(&self) -> Result<String> {
+        match self {
+            Target::Sim(sim) => Ok(sim.service_range.clone()),
+            Target::Cluster { .. } => service_range_of(&self.client().await?).await,
+        }
+    }
+
     /// The simulator, or `None` (after saying so) when the test runs against a real cluster: for
     /// the parts of a test that need its backdoor, fault injection or request log.
     pub fn sim(&self, test: &str) -> Option<&SimProcess> {
@@ -174,10 +185,60 @@ pub async fn client_from(kubeconfig: &Path) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
+/// The service range of a cluster, from its ServiceCIDR `kubernetes` (which kube-apiserver 1.33+
+/// creates from its `--service-cluster-ip-range`): its CIDRs, comma-joined.
+pub async fn service_range_of(client: &Client) -> Result<String> {
+    let cidr = Api::<ServiceCIDR>::all(client.clone())
+        .get_opt("kubernetes")
+        .await
+        .context("reading the ServiceCIDR kubernetes (networking.k8s.io/v1)")?
+        .context(
+            "the cluster has no ServiceCIDR kubernetes (networking.k8s.io/v1): the tests take \
+             the service range from it, which kube-apiserver 1.33+ creates from its \
+             --service-cluster-ip-range",
+        )?;
+    let cidrs = cidr.spec.and_then(|spec| spec.cidrs).unwrap_or_default();
+    ensure!(
+        !cidrs.is_empty(),
+        "the ServiceCIDR kubernetes lists no CIDRs"
+    );
+    Ok(cidrs.join(","))
+}
+
+/// Address `n` of a service range (of its first CIDR if it has two, the primary family's): what
+/// the tests plant and ask for in whatever range the target has. In a range of /20 or larger,
+/// offsets up to 255 are in the band kube-apiserver keeps for static addresses (the lowest 256),
+/// which it hands out dynamically only once the rest is full: there a test's address does not
+/// meet a Service's allocated one.
+pub fn service_ip(range: &str, n: u32) -> Result<String> {
+    let first = range.split(',').next().unwrap_or_default().trim();
+    let net: IpNet = first
+        .parse()
+        .with_context(|| format!("service range {range:?}"))?;
+    let ip = match net {
+        IpNet::V4(v4) => u32::from(v4.network())
+            .checked_add(n)
+            .map(|ip| IpAddr::from(std::net::Ipv4Addr::from(ip))),
+        IpNet::V6(v6) => u128::from(v6.network())
+            .checked_add(u128::from(n))
+            .map(|ip| IpAddr::from(std::net::Ipv6Addr::from(ip))),
+    };
+    match ip {
+        Some(ip) if net.contains(&ip) => Ok(ip.to_string()),
+        _ => bail!("the service range {range} has no address {n}"),
+    }
+}
+
+/// apiserver-sim's service range unless a test starts it with `--service-cluster-ip-range`
+/// (kubeadm's default).
+pub const SIM_SERVICE_RANGE: &str = "10.96.0.0/12";
+
 /// A running `apiserver-sim` process; killed on drop.
 pub struct SimProcess {
     child: Child,
     pub kubeconfig: PathBuf,
+    /// Its `--service-cluster-ip-range`: [`SIM_SERVICE_RANGE`] unless started with another.
+    pub service_range: String,
     dir: tempfile::TempDir,
 }
 
@@ -199,9 +260,16 @@ impl SimProcess {
             .stderr(log)
             .spawn()
             .context("starting apiserver-sim")?;
+        let service_range = extra
+            .iter()
+            .position(|arg| *arg == "--service-cluster-ip-range")
+            .and_then(|i| extra.get(i + 1))
+            .map_or(SIM_SERVICE_RANGE, |range| *range)
+            .to_owned();
         let mut sim = SimProcess {
             child,
             kubeconfig,
+            service_range,
             dir,
         };
         let deadline = Instant::now() + CONVERGE;
@@ -681,12 +749,12 @@ pub const LOOP_WATCHED: [&str; 7] = [
 ];
 
 /// The controller's flags for management mode as the tests' fleets set it up: tenants from the
-/// labelled Secrets in `tenants`, each with the default service range.
+/// labelled Secrets in `tenants`, each with the simulator's default service range.
 pub const MANAGEMENT_ARGS: [&str; 6] = [
     "--tenants-secret-selector",
     "bootstrap-controller.io/tenant=true",
     "--tenants-namespace",
     "tenants",
     "--service-cluster-ip-range",
-    "10.96.0.0/12",
+    SIM_SERVICE_RANGE,
 ];

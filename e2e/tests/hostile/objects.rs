@@ -2,7 +2,17 @@
 //! an etcd restore or a buggy client could leave them), shared with `real_admission.rs`, which
 //! pins which of them a real kube-apiserver refuses through its API.
 
+use anyhow::Result;
 use serde_json::{Value, json};
+
+use crate::common::service_ip;
+
+/// The addresses of the target's service range the hostile objects hold, by offset (see
+/// [`service_ip`]): the Service with junk among its cluster IPs, the one with a newer
+/// apiserver's fields, and the IPAddress without a parent.
+const JUNK_IPS: u32 = 50;
+const FUTURE: u32 = 60;
+pub const UNPARENTED: u32 = 77;
 
 pub fn managed(name: &str, parent: Value) -> Value {
     json!({
@@ -31,15 +41,18 @@ pub fn service(name: &str, spec: Value) -> Value {
 /// The address the controller advertises in these tests.
 pub const ADVERTISED: &str = "192.0.2.1";
 
-/// The hostile objects, each with what a loop must not do about it.
-pub fn hostile() -> Vec<Value> {
+/// The hostile objects, their cluster IPs and IPAddresses in `range` (the target's service
+/// range), each with what a loop must not do about it.
+pub fn hostile(range: &str) -> Result<Vec<Value>> {
+    let junk_ip = service_ip(range, JUNK_IPS)?;
+    let future_ip = service_ip(range, FUTURE)?;
     let mut ten_thousand = Vec::new();
     for i in 0..10_000u32 {
         ten_thousand.push(
             json!({"ip": format!("10.{}.{}.{}", 100 + i / 65_536, (i / 256) % 256, i % 256)}),
         );
     }
-    vec![
+    Ok(vec![
         // ClusterIP repair: unparseable cluster IPs are reported, never allocated or freed.
         service(
             "bad-ip",
@@ -48,14 +61,14 @@ pub fn hostile() -> Vec<Value> {
         ),
         service(
             "junk-ips",
-            json!({"clusterIP": "10.96.0.50",
-                                   "clusterIPs": ["10.96.0.50", "zzz", "::1::"],
+            json!({"clusterIP": junk_ip,
+                                   "clusterIPs": [junk_ip, "zzz", "::1::"],
                                    "ports": [{"port": 80}]}),
         ),
         // Fields from a newer apiserver, at every level.
         service(
             "future",
-            json!({"clusterIP": "10.96.0.60", "clusterIPs": ["10.96.0.60"],
+            json!({"clusterIP": future_ip, "clusterIPs": [future_ip],
                                  "ports": [{"port": 80, "futurePortField": true}],
                                  "futureSpecField": {"nested": [1, 2, 3]}}),
         ),
@@ -65,8 +78,8 @@ pub fn hostile() -> Vec<Value> {
             json!({"parentRef": {"group": "", "resource": "services",
                                             "namespace": "default", "name": "bad-ip"}}),
         ),
-        managed("10.96.0.77", json!({})),
-        // A ServiceCIDR whose CIDR cannot parse.
+        managed(&service_ip(range, UNPARENTED)?, json!({})),
+        // A ServiceCIDR whose CIDR cannot parse (a prefix no IPv4 address has).
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
                "metadata": {"name": "broken"}, "spec": {"cidrs": ["10.0.0.0/33"]}}),
         // Membership Leases with nonsense: a holder address that is no IP; a renewal at the last
@@ -98,45 +111,55 @@ pub fn hostile() -> Vec<Value> {
                             "finalizers": ["example.com/stuck"]},
                "spec": {"finalizers": ["kubernetes"]},
                "status": {"phase": "Terminating"}}),
-    ]
+    ])
 }
 
-/// The hostile objects kube-apiserver (1.37) refuses when created through its API, each with
-/// its status code and a part of its message; `real_admission.rs` pins this list.
-pub const REFUSED_BY_A_REAL_APISERVER: &[(&str, u16, &str)] = &[
-    (
-        "IPAddress 10.96.0.77",
-        422,
-        "spec.parentRef: Required value",
-    ),
-    (
-        "IPAddress foo",
-        422,
-        r#"metadata.name: Invalid value: "foo": must be a valid IP address"#,
-    ),
-    (
-        "Lease everlasting",
-        422,
-        "spec.leaseDurationSeconds: Invalid value: -5: must be greater than 0",
-    ),
-    (
-        "Service bad-ip",
-        422,
-        r#"spec.clusterIPs[0]: Invalid value: "not-an-ip": must be a valid IP address"#,
-    ),
-    (
-        "Service junk-ips",
-        422,
-        r#"spec.clusterIPs: Invalid value: ["10.96.0.50","zzz","::1::"]: may only hold up to 2 values"#,
-    ),
-    (
-        "ServiceCIDR broken",
-        422,
-        r#"spec.cidrs[0]: Invalid value: "10.0.0.0/33": must be a valid CIDR value"#,
-    ),
-];
+/// A hostile object kube-apiserver refuses: `Kind name` (as [`name_of`] names it), the status
+/// code and a part of the message.
+pub type Refusal = (String, u16, String);
 
-/// `Kind name` of a hostile object, as [`REFUSED_BY_A_REAL_APISERVER`] names it.
+/// The hostile objects of [`hostile`] with `range` that kube-apiserver (1.37) refuses when
+/// created through its API; `real_admission.rs` pins this list.
+pub fn refused_by_a_real_apiserver(range: &str) -> Result<Vec<Refusal>> {
+    let junk_ip = service_ip(range, JUNK_IPS)?;
+    Ok(vec![
+        (
+            format!("IPAddress {}", service_ip(range, UNPARENTED)?),
+            422,
+            "spec.parentRef: Required value".to_owned(),
+        ),
+        (
+            "IPAddress foo".to_owned(),
+            422,
+            r#"metadata.name: Invalid value: "foo": must be a valid IP address"#.to_owned(),
+        ),
+        (
+            "Lease everlasting".to_owned(),
+            422,
+            "spec.leaseDurationSeconds: Invalid value: -5: must be greater than 0".to_owned(),
+        ),
+        (
+            "Service bad-ip".to_owned(),
+            422,
+            r#"spec.clusterIPs[0]: Invalid value: "not-an-ip": must be a valid IP address"#
+                .to_owned(),
+        ),
+        (
+            "Service junk-ips".to_owned(),
+            422,
+            format!(
+                r#"spec.clusterIPs: Invalid value: ["{junk_ip}","zzz","::1::"]: may only hold up to 2 values"#
+            ),
+        ),
+        (
+            "ServiceCIDR broken".to_owned(),
+            422,
+            r#"spec.cidrs[0]: Invalid value: "10.0.0.0/33": must be a valid CIDR value"#.to_owned(),
+        ),
+    ])
+}
+
+/// `Kind name` of a hostile object, as [`refused_by_a_real_apiserver`] names it.
 pub fn name_of(object: &Value) -> String {
     format!(
         "{} {}",
@@ -145,11 +168,10 @@ pub fn name_of(object: &Value) -> String {
     )
 }
 
-/// Whether a real kube-apiserver takes `object` through its API (the Terminating namespace it
-/// takes, but as an Active one: a client cannot set deletionTimestamp).
-pub fn accepted_by_a_real_apiserver(object: &Value) -> bool {
+/// Whether a real kube-apiserver takes `object` through its API, `refused` being
+/// [`refused_by_a_real_apiserver`] (the Terminating namespace it takes, but as an Active one: a
+/// client cannot set deletionTimestamp).
+pub fn accepted_by_a_real_apiserver(refused: &[Refusal], object: &Value) -> bool {
     let name = name_of(object);
-    !REFUSED_BY_A_REAL_APISERVER
-        .iter()
-        .any(|(refused, _, _)| *refused == name)
+    !refused.iter().any(|(refused, _, _)| *refused == name)
 }
