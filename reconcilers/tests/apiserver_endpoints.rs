@@ -169,7 +169,7 @@ fn slice_addresses(s: &EndpointSlice) -> Vec<String> {
 }
 
 async fn three_members(sim: &Sim) -> Vec<Instance> {
-    let instances: Vec<Instance> = ["10.0.0.10", "10.0.0.9", "10.0.0.2"]
+    let instances: Vec<Instance> = ["192.0.2.10", "192.0.2.9", "192.0.2.2"]
         .iter()
         .map(|a| instance(sim, &cfg(a), true))
         .collect();
@@ -198,7 +198,7 @@ async fn lease_members_are_written_sorted_to_endpoints_and_slice() {
     let instances = three_members(&sim).await;
 
     let e = endpoints(&sim).await.unwrap();
-    assert_eq!(addresses(&e), vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]);
+    assert_eq!(addresses(&e), vec!["192.0.2.10", "192.0.2.2", "192.0.2.9"]);
     let subset = &e.subsets.as_ref().unwrap()[0];
     let port = &subset.ports.as_ref().unwrap()[0];
     assert_eq!(
@@ -220,7 +220,7 @@ async fn lease_members_are_written_sorted_to_endpoints_and_slice() {
     assert_eq!(all[0].address_type, "IPv4");
     assert_eq!(
         slice_addresses(&all[0]),
-        vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
+        vec!["192.0.2.10", "192.0.2.2", "192.0.2.9"]
     );
     assert!(
         all[0]
@@ -254,17 +254,17 @@ async fn lease_members_are_written_sorted_to_endpoints_and_slice() {
 async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
     let sim = sim().await;
     let instances = three_members(&sim).await;
-    let late = instance(&sim, &cfg("10.0.0.4"), false);
+    let late = instance(&sim, &cfg("192.0.2.4"), false);
     let report = pass(&late.lease, &sim).await;
     assert!(report.is_clean(), "nothing to withdraw: {report:?}");
     pass(&instances[0].endpoints, &sim).await;
-    assert!(!listed_now(&sim).await.contains(&"10.0.0.4".to_owned()));
+    assert!(!listed_now(&sim).await.contains(&"192.0.2.4".to_owned()));
 
     // Its apiserver becomes ready: it joins.
     late.ready.set(true);
     pass(&late.lease, &sim).await;
     pass(&instances[0].endpoints, &sim).await;
-    assert!(listed_now(&sim).await.contains(&"10.0.0.4".to_owned()));
+    assert!(listed_now(&sim).await.contains(&"192.0.2.4".to_owned()));
     assert_eq!(late.lease.metrics().ready(), 1);
 
     // Another one starts failing: below the threshold (3 in a row) its Lease is renewed; at
@@ -280,11 +280,11 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
     assert!(report.drift[0].applied);
     assert_eq!(
         listed_after_pass(&sim, &instances[0]).await,
-        vec!["10.0.0.10", "10.0.0.2", "10.0.0.4"]
+        vec!["192.0.2.10", "192.0.2.2", "192.0.2.4"]
     );
     assert_eq!(
         slice_addresses(&slices(&sim).await[0]),
-        vec!["10.0.0.10", "10.0.0.2", "10.0.0.4"]
+        vec!["192.0.2.10", "192.0.2.2", "192.0.2.4"]
     );
     assert_eq!(instances[0].endpoints.metrics().changes("left"), 1);
 }
@@ -293,13 +293,13 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
 async fn expired_lease_removes_the_member_with_an_event() {
     let sim = sim().await;
     let instances = three_members(&sim).await;
-    // 10.0.0.9 crashed: its Lease was last renewed long ago.
+    // 192.0.2.9 crashed: its Lease was last renewed long ago.
     let mut stale = sim
         .backdoor()
         .get(
             "leases.coordination.k8s.io",
             "kube-system",
-            "apiserver-10.0.0.9",
+            "apiserver-192.0.2.9",
         )
         .unwrap()
         .unwrap();
@@ -308,7 +308,7 @@ async fn expired_lease_removes_the_member_with_an_event() {
 
     assert_eq!(
         listed_after_pass(&sim, &instances[0]).await,
-        vec!["10.0.0.10", "10.0.0.2"]
+        vec!["192.0.2.10", "192.0.2.2"]
     );
     assert_eq!(instances[0].endpoints.metrics().changes("expired"), 1);
     eventually("MemberExpired event", || async {
@@ -317,7 +317,7 @@ async fn expired_lease_removes_the_member_with_an_event() {
     .await;
 
     // Its sidecar restarts while its apiserver is still starting: nothing comes back.
-    let restarted = instance(&sim, &cfg("10.0.0.9"), false);
+    let restarted = instance(&sim, &cfg("192.0.2.9"), false);
     let report = pass(&restarted.lease, &sim).await;
     assert_eq!(
         report.drift[0].kind, "member_lease_not_ready",
@@ -328,7 +328,7 @@ async fn expired_lease_removes_the_member_with_an_event() {
             .get(
                 "leases.coordination.k8s.io",
                 "kube-system",
-                "apiserver-10.0.0.9"
+                "apiserver-192.0.2.9"
             )
             .unwrap()
             .is_none()
@@ -338,12 +338,12 @@ async fn expired_lease_removes_the_member_with_an_event() {
 #[tokio::test]
 async fn lease_expiry_without_any_write_wakes_the_leader() {
     let sim = sim().await;
-    let mut c = cfg("10.0.0.1");
+    let mut c = cfg("192.0.2.1");
     c.section.lease_ttl = Duration::from_secs(2);
     c.section.interval = Duration::from_secs(1);
     let leader = instance(&sim, &c, true);
-    let short = instance(&sim, &cfg("10.0.0.2"), true);
-    let mut short_cfg = cfg("10.0.0.2");
+    let short = instance(&sim, &cfg("192.0.2.2"), true);
+    let mut short_cfg = cfg("192.0.2.2");
     short_cfg.section.lease_ttl = Duration::from_secs(2);
     short_cfg.section.interval = Duration::from_secs(1);
     let short_lived = instance(&sim, &short_cfg, true);
@@ -354,13 +354,13 @@ async fn lease_expiry_without_any_write_wakes_the_leader() {
     let mut triggers = leader.endpoints.triggers();
     let expiry = triggers.pop().unwrap();
     pass(&leader.endpoints, &sim).await;
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.2"]);
-    // Nobody renews 10.0.0.2 (its sidecar was SIGKILLed); the expiry trigger fires by itself.
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.1", "192.0.2.2"]);
+    // Nobody renews 192.0.2.2 (its sidecar was SIGKILLed); the expiry trigger fires by itself.
     let fired = tokio::time::timeout(Duration::from_secs(20), expiry.into_future()).await;
     assert!(matches!(fired, Ok((Some(()), _))), "expiry trigger fired");
     pass(&leader.lease, &sim).await;
     pass(&leader.endpoints, &sim).await;
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.1"]);
 }
 
 #[tokio::test]
@@ -409,7 +409,7 @@ async fn every_drift_is_repaired_ports_included() {
 
     // An address swapped for a bogus one, and the skip-mirror label removed.
     tamper_endpoints(&sim, |e| {
-        e.subsets.as_mut().unwrap()[0].addresses.as_mut().unwrap()[0].ip = "10.9.9.9".into();
+        e.subsets.as_mut().unwrap()[0].addresses.as_mut().unwrap()[0].ip = "198.51.100.9".into();
         e.metadata.labels = None;
     })
     .await;
@@ -420,7 +420,7 @@ async fn every_drift_is_repaired_ports_included() {
     );
     assert_eq!(
         listed_now(&sim).await,
-        vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
+        vec!["192.0.2.10", "192.0.2.2", "192.0.2.9"]
     );
     assert_eq!(leader.metrics().repairs("endpoints_addresses"), 1);
 
@@ -503,7 +503,7 @@ async fn dry_run_reports_and_writes_nothing() {
     let before = endpoints(&sim).await.unwrap();
 
     // A new, ready member whose sidecar runs in dry-run does not write its Lease either.
-    let newcomer = instance(&sim, &cfg("10.0.0.5"), true);
+    let newcomer = instance(&sim, &cfg("192.0.2.5"), true);
     sim.clear_requests();
     let report = dry_pass(&newcomer.lease, &sim).await;
     assert!(
@@ -551,8 +551,8 @@ async fn shutdown_with_a_ready_apiserver_keeps_the_lease_and_the_address() {
     assert_eq!(
         writes(&sim),
         vec![
-            "update leases kube-system/apiserver-10.0.0.9",
-            "update leases kube-system/apiserver-10.0.0.10",
+            "update leases kube-system/apiserver-192.0.2.9",
+            "update leases kube-system/apiserver-192.0.2.10",
         ],
         "each Lease renewed once on the way out; nothing withdrawn"
     );
@@ -565,7 +565,7 @@ async fn shutdown_with_a_ready_apiserver_keeps_the_lease_and_the_address() {
     );
     assert_eq!(
         listed_now(&sim).await,
-        vec!["10.0.0.10", "10.0.0.2", "10.0.0.9"]
+        vec!["192.0.2.10", "192.0.2.2", "192.0.2.9"]
     );
 }
 
@@ -586,20 +586,20 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
         .await
         .unwrap();
     assert!(
-        listed_now(&sim).await.contains(&"10.0.0.9".to_owned()),
+        listed_now(&sim).await.contains(&"192.0.2.9".to_owned()),
         "a non-leader never writes"
     );
     assert_eq!(
         listed_after_pass(&sim, &instances[0]).await,
-        vec!["10.0.0.10", "10.0.0.2"]
+        vec!["192.0.2.10", "192.0.2.2"]
     );
 
     // The leader stopping takes its own address out itself.
     let leader = &instances[0];
     leader.lease.shutdown(&ctx(&sim, false)).await.unwrap();
     leader.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
-    assert_eq!(slice_addresses(&slices(&sim).await[0]), vec!["10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.2"]);
+    assert_eq!(slice_addresses(&slices(&sim).await[0]), vec!["192.0.2.2"]);
 
     // The last member, now leader, stops: the endpoints are emptied, as upstream does.
     let last = &instances[2];
@@ -620,8 +620,8 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
 async fn static_names_keep_the_last_good_set_of_the_services_family() {
     let sim = sim().await;
     let resolver = Arc::new(FakeResolver::default());
-    resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.1"), ip("fd00::1")]));
-    let c = static_cfg(&["lb.example.com", "10.0.0.7"]);
+    resolver.answer("lb.example.com", Ok(vec![ip("192.0.2.1"), ip("fd00::1")]));
+    let c = static_cfg(&["lb.example.com", "192.0.2.7"]);
     let mut errors = Vec::new();
     c.section
         .validate("loops.apiserverEndpoints", &c.settings, &mut errors);
@@ -637,7 +637,7 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
     pass(&l, &sim).await;
     // One family, the Service's (no range and no Service here: the members' rule, IPv4 while
     // there is any): the IPv6 address is left out, with a Warning.
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.7"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.1", "192.0.2.7"]);
     eventually("MemberWrongFamily event", || async {
         event_reasons(&sim).contains(&"MemberWrongFamily".to_owned())
     })
@@ -658,7 +658,7 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
         vec![(
             "kubernetes".into(),
             "IPv4".into(),
-            vec!["10.0.0.1".into(), "10.0.0.7".into()]
+            vec!["192.0.2.1".into(), "192.0.2.7".into()]
         )]
     );
 
@@ -670,7 +670,7 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
     resolver.answer("lb.example.com", Err("SERVFAIL".into()));
     assert!(pass(&l, &sim).await.is_clean());
     assert_eq!(writes(&sim), Vec::<String>::new());
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.7"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.1", "192.0.2.7"]);
     eventually("StaticAddressResolutionFailed event", || async {
         event_reasons(&sim)
             .iter()
@@ -696,9 +696,9 @@ async fn static_names_keep_the_last_good_set_of_the_services_family() {
         .create(&Default::default(), &stray)
         .await
         .unwrap();
-    resolver.answer("lb.example.com", Ok(vec![ip("10.0.0.3")]));
+    resolver.answer("lb.example.com", Ok(vec![ip("192.0.2.3")]));
     pass(&l, &sim).await;
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.3", "10.0.0.7"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.3", "192.0.2.7"]);
     let names: Vec<_> = slices(&sim)
         .await
         .iter()
@@ -716,9 +716,9 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
         c.settings.apiserver_count = 2;
         c
     };
-    let a = instance(&sim, &mk("10.0.0.1"), true);
-    let b = instance(&sim, &mk("10.0.0.2"), true);
-    let c = instance(&sim, &mk("10.0.0.3"), true);
+    let a = instance(&sim, &mk("192.0.2.1"), true);
+    let b = instance(&sim, &mk("192.0.2.2"), true);
+    let c = instance(&sim, &mk("192.0.2.3"), true);
     assert!(
         !a.endpoints.needs_leadership(),
         "every apiserver adds itself, as upstream"
@@ -726,17 +726,17 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
     for i in [&a, &b] {
         pass(&i.endpoints, &sim).await;
     }
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1", "10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.1", "192.0.2.2"]);
     pass(&c.endpoints, &sim).await;
     let listed = listed_now(&sim).await;
     assert_eq!(listed.len(), 2);
-    assert!(listed.contains(&"10.0.0.3".to_owned()));
+    assert!(listed.contains(&"192.0.2.3".to_owned()));
     // Its apiserver still ready: a restart of the controller alone keeps the address.
     c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert!(listed_now(&sim).await.contains(&"10.0.0.3".to_owned()));
-    let c = instance(&sim, &mk("10.0.0.3"), false);
+    assert!(listed_now(&sim).await.contains(&"192.0.2.3".to_owned()));
+    let c = instance(&sim, &mk("192.0.2.3"), false);
     c.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert!(!listed_now(&sim).await.contains(&"10.0.0.3".to_owned()));
+    assert!(!listed_now(&sim).await.contains(&"192.0.2.3".to_owned()));
 }
 
 #[tokio::test]
@@ -756,7 +756,7 @@ async fn watches_trigger_on_corruption() {
     assert!(matches!(fired, Ok(Some(()))));
     let lease_api = Api::<Lease>::namespaced(sim.client(), "kube-system");
     lease_api
-        .delete("apiserver-10.0.0.2", &Default::default())
+        .delete("apiserver-192.0.2.2", &Default::default())
         .await
         .unwrap();
     let fired = tokio::time::timeout(Duration::from_secs(20), triggers.next()).await;
@@ -836,7 +836,7 @@ async fn readyz_probe_follows_the_apiserver() {
     assert!(lazy.check().await.is_err());
 
     // The lease loop with the real probe withdraws and rejoins with the apiserver.
-    let c = cfg("10.0.0.1");
+    let c = cfg("192.0.2.1");
     let mut registry = Registry::default();
     let d = deps(&sim, Arc::new(by_client), Arc::new(FakeResolver::default()));
     let lease_loop = ApiserverLeaseLoop::new(&c.section, &c.settings, d, &mut registry).unwrap();
@@ -853,7 +853,7 @@ async fn readyz_probe_follows_the_apiserver() {
     assert_eq!(report.drift[0].kind, "member_lease_not_ready");
     assert!(
         Api::<Lease>::namespaced(sim.client(), "kube-system")
-            .get_opt("apiserver-10.0.0.1")
+            .get_opt("apiserver-192.0.2.1")
             .await
             .unwrap()
             .is_none()
@@ -876,15 +876,15 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
             "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15}
         })
     };
-    let old = instance(&sim, &with_election("10.0.0.1"), true);
-    let other = instance(&sim, &with_election("10.0.0.2"), true);
+    let old = instance(&sim, &with_election("192.0.2.1"), true);
+    let other = instance(&sim, &with_election("192.0.2.2"), true);
     pass(&old.lease, &sim).await;
     pass(&other.lease, &sim).await;
     // Its apiserver is stopping too, so a leader would withdraw.
     old.ready.set(false);
-    // 10.0.0.1 led and ran a pass, then leadership moved to 10.0.0.2 before its SIGTERM.
+    // 192.0.2.1 led and ran a pass, then leadership moved to 192.0.2.2 before its SIGTERM.
     pass(&old.endpoints, &sim).await;
-    sim.backdoor().put(leader_lease("test-10.0.0.2")).unwrap();
+    sim.backdoor().put(leader_lease("test-192.0.2.2")).unwrap();
     sim.clear_requests();
     old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
     assert_eq!(
@@ -894,15 +894,15 @@ async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     );
 
     // While it does hold the leader Lease, it withdraws itself at once.
-    sim.backdoor().put(leader_lease("test-10.0.0.1")).unwrap();
+    sim.backdoor().put(leader_lease("test-192.0.2.1")).unwrap();
     old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.2"]);
 }
 
 #[tokio::test]
 async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
     let sim = sim().await;
-    let member = instance(&sim, &cfg("10.0.0.1"), true);
+    let member = instance(&sim, &cfg("192.0.2.1"), true);
     pass(&member.lease, &sim).await;
     sim.clear_requests();
     assert!(pass(&member.lease, &sim).await.is_clean());
@@ -915,13 +915,13 @@ async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
 
     // Someone strips the member label: the next renewal conflicts, re-reads, and restores it.
     let api = Api::<Lease>::namespaced(sim.client(), "kube-system");
-    let mut edited = api.get("apiserver-10.0.0.1").await.unwrap();
+    let mut edited = api.get("apiserver-192.0.2.1").await.unwrap();
     edited.metadata.labels = None;
-    api.replace("apiserver-10.0.0.1", &PostParams::default(), &edited)
+    api.replace("apiserver-192.0.2.1", &PostParams::default(), &edited)
         .await
         .unwrap();
     pass(&member.lease, &sim).await;
-    let lease = api.get("apiserver-10.0.0.1").await.unwrap();
+    let lease = api.get("apiserver-192.0.2.1").await.unwrap();
     assert_eq!(
         lease
             .metadata
@@ -937,18 +937,18 @@ async fn renewal_is_one_write_and_a_hand_edited_lease_is_reclaimed() {
         .delete(
             "leases.coordination.k8s.io",
             "kube-system",
-            "apiserver-10.0.0.1",
+            "apiserver-192.0.2.1",
         )
         .unwrap();
     sim.backdoor()
         .put(serde_json::json!({
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
-            "metadata": {"name": "apiserver-10.0.0.1", "namespace": "kube-system"},
+            "metadata": {"name": "apiserver-192.0.2.1", "namespace": "kube-system"},
             "spec": {"holderIdentity": "someone-else"}
         }))
         .unwrap();
-    let fresh = instance(&sim, &cfg("10.0.0.1"), true);
+    let fresh = instance(&sim, &cfg("192.0.2.1"), true);
     let err = fresh.lease.reconcile(&ctx(&sim, false)).await.unwrap_err();
     assert!(err.to_string().contains("refusing to overwrite"), "{err}");
 }
@@ -958,7 +958,7 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
     let sim = sim().await;
     let resolver = Arc::new(FakeResolver::default());
     // /etc/hosts style answer: loopback next to a real address.
-    resolver.answer("lb.example.com", Ok(vec![ip("127.0.0.1"), ip("10.0.0.1")]));
+    resolver.answer("lb.example.com", Ok(vec![ip("127.0.0.1"), ip("192.0.2.1")]));
     let c = static_cfg(&["lb.example.com"]);
     let l = ApiserverEndpointsLoop::new(
         &c.section,
@@ -967,21 +967,21 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
         &mut Registry::default(),
     );
     pass(&l, &sim).await;
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.1"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.1"]);
     eventually("InvalidMemberAddress event", || async {
         event_reasons(&sim).contains(&"InvalidMemberAddress".to_owned())
     })
     .await;
 
     // A hand-made membership Lease with a link-local address does not break lease mode either.
-    let lease_member = instance(&sim, &cfg("10.0.0.2"), true);
+    let lease_member = instance(&sim, &cfg("192.0.2.2"), true);
     pass(&lease_member.lease, &sim).await;
     let mut bogus = sim
         .backdoor()
         .get(
             "leases.coordination.k8s.io",
             "kube-system",
-            "apiserver-10.0.0.2",
+            "apiserver-192.0.2.2",
         )
         .unwrap()
         .unwrap();
@@ -995,5 +995,5 @@ async fn members_the_api_would_reject_are_left_out_not_fatal() {
         .remove("resourceVersion");
     sim.backdoor().put(bogus).unwrap();
     pass(&lease_member.endpoints, &sim).await;
-    assert_eq!(listed_now(&sim).await, vec!["10.0.0.2"]);
+    assert_eq!(listed_now(&sim).await, vec!["192.0.2.2"]);
 }

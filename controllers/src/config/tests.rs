@@ -30,7 +30,7 @@ fn rejected(yaml: &str, field: &str, says: &[&str]) -> ConfigError {
 #[test]
 fn kubernetes_service_and_endpoints_sections() {
     let config = from_yaml(
-        "advertiseAddress: 10.0.0.1\nloops:\n  kubernetesService:\n    port: 8443\n    repair: off\n    recreateOnClusterIPMismatch: true\n  apiserverEndpoints:\n    leaseTTL: 30s\n    readyzURL: https://127.0.0.1:6443/readyz\n",
+        "advertiseAddress: 192.0.2.1\nloops:\n  kubernetesService:\n    port: 8443\n    repair: off\n    recreateOnClusterIPMismatch: true\n  apiserverEndpoints:\n    leaseTTL: 30s\n    readyzURL: https://127.0.0.1:6443/readyz\n",
     )
     .unwrap();
     assert_eq!(config.loops.kubernetes_service.port, 8443);
@@ -50,13 +50,13 @@ fn kubernetes_service_and_endpoints_sections() {
     );
 
     rejected(
-        "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    leaseTTL: 10s\n",
+        "advertiseAddress: 192.0.2.1\nloops:\n  apiserverEndpoints:\n    leaseTTL: 10s\n",
         "loops.apiserverEndpoints.leaseTTL",
         &[],
     );
 
     rejected(
-        "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    staticAddresses: [10.0.0.1, \"https://lb:6443\"]\n",
+        "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    staticAddresses: [192.0.2.1, \"https://lb:6443\"]\n",
         "loops.apiserverEndpoints.staticAddresses[1]",
         &[],
     );
@@ -78,7 +78,7 @@ fn kubernetes_service_and_endpoints_sections() {
     );
 
     rejected(
-        "advertiseAddress: 10.0.0.1\nloops:\n  apiserverEndpoints:\n    readyzURL: localhost:6443\n",
+        "advertiseAddress: 192.0.2.1\nloops:\n  apiserverEndpoints:\n    readyzURL: localhost:6443\n",
         "loops.apiserverEndpoints.readyzURL",
         &[],
     );
@@ -375,17 +375,18 @@ fn invalid_labels_rejected() {
 fn etcd_settings_are_validated_and_name_the_field() {
     assert!(from_yaml("{}").unwrap().etcd().is_none());
 
-    let config = from_yaml("etcdServers: https://10.0.0.1:2379,http://10.0.0.2:2379\n").unwrap();
+    let config = from_yaml("etcdServers: https://192.0.2.1:2379,http://192.0.2.2:2379\n").unwrap();
     let etcd = config.etcd().unwrap();
     assert_eq!(etcd.servers.len(), 2);
     assert_eq!(etcd.prefix, "/registry");
 
     let args = ConfigArgs {
-        etcd_servers: Some("10.0.0.1:2379".to_owned()),
+        etcd_servers: Some("192.0.2.1:2379".to_owned()),
         ..ConfigArgs::default()
     };
     let error = single_error(Config::merge(&args, FileConfig::default()));
     assert_eq!(error.field, "--etcd-servers");
+    // The message names an example URL.
     assert!(error.message.contains("https://10.0.0.1:2379"), "{error}");
 
     rejected(
@@ -863,7 +864,7 @@ fn leader_election_errors_name_what_was_given() {
 #[test]
 fn printed_config_parses_back_to_the_same() {
     let config = from_yaml(
-        "serviceClusterIPRange: 10.96.0.0/12,fd00::/108\nadvertiseAddress: 10.1.2.3\nloops:\n  systemNamespaces:\n    interval: 1m30s\n    namespaces:\n      - name: extra\n        labels:\n          team: core\n",
+        "serviceClusterIPRange: 10.96.0.0/12,fd00::/108\nadvertiseAddress: 192.0.2.3\nloops:\n  systemNamespaces:\n    interval: 1m30s\n    namespaces:\n      - name: extra\n        labels:\n          team: core\n",
     )
     .unwrap();
     let yaml = config.to_yaml().unwrap();

@@ -300,21 +300,21 @@ mod tests {
 
     #[test]
     fn sloppy_parsing_matches_kubernetes() {
-        assert_eq!(parse_ip_sloppy("10.0.0.1"), Some(ip("10.0.0.1")));
-        assert_eq!(parse_ip_sloppy("010.000.000.012"), Some(ip("10.0.0.12")));
-        assert_eq!(parse_ip_sloppy("::ffff:10.0.0.1"), Some(ip("10.0.0.1")));
+        assert_eq!(parse_ip_sloppy("192.0.2.1"), Some(ip("192.0.2.1")));
+        assert_eq!(parse_ip_sloppy("192.000.002.012"), Some(ip("192.0.2.12")));
+        assert_eq!(parse_ip_sloppy("::ffff:192.0.2.1"), Some(ip("192.0.2.1")));
         assert_eq!(parse_ip_sloppy("fd00::1"), Some(ip("fd00::1")));
-        assert_eq!(parse_ip_sloppy("10.0.0.256"), None);
-        assert_eq!(parse_ip_sloppy("10.0.0"), None);
-        assert_eq!(parse_ip_sloppy("10.0.0.1.2"), None);
-        assert_eq!(parse_ip_sloppy("10.0.0.0001"), None);
+        assert_eq!(parse_ip_sloppy("192.0.2.256"), None);
+        assert_eq!(parse_ip_sloppy("192.0.2"), None);
+        assert_eq!(parse_ip_sloppy("192.0.2.1.2"), None);
+        assert_eq!(parse_ip_sloppy("192.0.2.0001"), None);
         assert_eq!(parse_ip_sloppy("not-an-ip"), None);
         assert_eq!(parse_ip_sloppy(""), None);
     }
 
     #[test]
     fn family_strings_are_kubernetes_spellings() {
-        assert_eq!(IpFamily::of(ip("10.0.0.1")).to_string(), "IPv4");
+        assert_eq!(IpFamily::of(ip("192.0.2.1")).to_string(), "IPv4");
         assert_eq!(IpFamily::of(ip("fd00::1")).as_str(), "IPv6");
     }
 }

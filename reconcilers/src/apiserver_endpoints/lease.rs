@@ -361,7 +361,7 @@ mod tests {
     #[test]
     fn a_lease_renewed_far_in_the_future_is_a_problem_not_an_everlasting_member() {
         let now = Timestamp::now();
-        let mut lease = own("10.0.0.9").renewed(None, now);
+        let mut lease = own("192.0.2.9").renewed(None, now);
         let spec = lease.spec.as_mut().unwrap();
         spec.renew_time = Some(MicroTime("9000-01-01T00:00:00Z".parse().unwrap()));
         spec.lease_duration_seconds = Some(-5);
@@ -378,7 +378,7 @@ mod tests {
         ));
         // A writer's clock ahead of the reader's is no problem: met for the first time, it
         // counts as renewed now.
-        let skewed = own("10.0.0.8").renewed(None, now + SignedDuration::from_secs(60));
+        let skewed = own("192.0.2.8").renewed(None, now + SignedDuration::from_secs(60));
         let judged = membership(
             &[skewed],
             now,
@@ -406,18 +406,18 @@ mod tests {
 
     #[test]
     fn names_are_dns_subdomains() {
-        assert_eq!(own("10.0.0.1").name(), "apiserver-10.0.0.1");
+        assert_eq!(own("192.0.2.1").name(), "apiserver-192.0.2.1");
         assert_eq!(own("fd00::1").name(), "apiserver-fd00--1");
     }
 
     #[test]
     fn renewed_lease_carries_address_port_and_ttl() {
-        let lease = own("10.0.0.1").renewed(None, at(0));
+        let lease = own("192.0.2.1").renewed(None, at(0));
         let json = serde_json::to_value(&lease).unwrap();
         assert_eq!(json["metadata"]["labels"][MEMBER_LABEL], "kubernetes");
         assert_eq!(
             json["metadata"]["annotations"][ADDRESS_ANNOTATION],
-            "10.0.0.1"
+            "192.0.2.1"
         );
         assert_eq!(json["metadata"]["annotations"][PORT_ANNOTATION], "6443");
         assert_eq!(json["spec"]["leaseDurationSeconds"], 15);
@@ -429,9 +429,9 @@ mod tests {
 
     #[test]
     fn renewal_keeps_acquire_time_and_metadata() {
-        let mut first = own("10.0.0.1").renewed(None, at(0));
+        let mut first = own("192.0.2.1").renewed(None, at(0));
         first.metadata.resource_version = Some("9".into());
-        let second = own("10.0.0.1").renewed(Some(&first), at(10));
+        let second = own("192.0.2.1").renewed(Some(&first), at(10));
         assert_eq!(second.metadata.resource_version.as_deref(), Some("9"));
         let spec = second.spec.unwrap();
         assert_eq!(spec.acquire_time, Some(MicroTime(at(0))));
@@ -440,16 +440,16 @@ mod tests {
 
     #[test]
     fn membership_drops_expired_and_broken_leases() {
-        let live = own("10.0.0.1").renewed(None, at(0));
-        let dead = own("10.0.0.2").renewed(None, at(-20));
-        let mut garbage = own("10.0.0.3").renewed(None, at(0));
+        let live = own("192.0.2.1").renewed(None, at(0));
+        let dead = own("192.0.2.2").renewed(None, at(-20));
+        let mut garbage = own("192.0.2.3").renewed(None, at(0));
         garbage
             .metadata
             .annotations
             .as_mut()
             .unwrap()
             .insert(ADDRESS_ANNOTATION.into(), "nope".into());
-        let mut deleting = own("10.0.0.4").renewed(None, at(0));
+        let mut deleting = own("192.0.2.4").renewed(None, at(0));
         deleting.metadata.deletion_timestamp =
             Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)));
         let m = membership(
@@ -458,16 +458,16 @@ mod tests {
             Duration::from_secs(15),
             &mut Sightings::default(),
         );
-        assert_eq!(m.members.sorted_strings(), vec!["10.0.0.1"]);
+        assert_eq!(m.members.sorted_strings(), vec!["192.0.2.1"]);
         assert_eq!(m.expired.len(), 1);
-        assert_eq!(m.expired[0].address.to_string(), "10.0.0.2");
+        assert_eq!(m.expired[0].address.to_string(), "192.0.2.2");
         assert_eq!(m.problems.len(), 1);
         assert!(m.problems[0].to_string().contains("nope"));
     }
 
     #[test]
     fn expiry_is_exclusive_at_the_deadline() {
-        let lease = own("10.0.0.1").renewed(None, at(0));
+        let lease = own("192.0.2.1").renewed(None, at(0));
         assert_eq!(
             membership(
                 std::slice::from_ref(&lease),
@@ -494,7 +494,7 @@ mod tests {
 
     #[test]
     fn missing_duration_uses_fallback_and_missing_renew_is_a_problem() {
-        let mut lease = own("10.0.0.1").renewed(None, at(0));
+        let mut lease = own("192.0.2.1").renewed(None, at(0));
         lease.spec.as_mut().unwrap().lease_duration_seconds = None;
         assert_eq!(
             observe(&lease, Duration::from_secs(30)).unwrap().expires,
@@ -513,13 +513,13 @@ mod tests {
     fn a_renewal_past_the_last_readable_time_is_a_problem_not_a_failed_list() {
         let list = serde_json::json!([{
             "metadata": {"name": "far", "namespace": "kube-system",
-                         "annotations": {ADDRESS_ANNOTATION: "10.0.0.9"}},
-            "spec": {"holderIdentity": "10.0.0.9:6443", "renewTime": "9999-12-31T23:59:59.000000Z",
+                         "annotations": {ADDRESS_ANNOTATION: "192.0.2.9"}},
+            "spec": {"holderIdentity": "192.0.2.9:6443", "renewTime": "9999-12-31T23:59:59.000000Z",
                      "leaseDurationSeconds": 15},
         }, {
             "metadata": {"name": "near", "namespace": "kube-system",
-                         "annotations": {ADDRESS_ANNOTATION: "10.0.0.8"}},
-            "spec": {"holderIdentity": "10.0.0.8:6443", "renewTime": "2026-11-25T08:00:00.000000Z",
+                         "annotations": {ADDRESS_ANNOTATION: "192.0.2.8"}},
+            "spec": {"holderIdentity": "192.0.2.8:6443", "renewTime": "2026-11-25T08:00:00.000000Z",
                      "leaseDurationSeconds": 15},
         }]);
         assert!(
@@ -564,7 +564,7 @@ mod tests {
         let mut listed = Vec::new();
         for second in 0..120 {
             let renewed_at = second - second % 10;
-            let lease = own("10.0.0.7").renewed(None, at(renewed_at - skew));
+            let lease = own("192.0.2.7").renewed(None, at(renewed_at - skew));
             let judged = membership(&[lease], at(second), Duration::ZERO, &mut sightings);
             listed.push(!judged.members.is_empty());
         }
@@ -587,13 +587,13 @@ mod tests {
     fn a_member_seen_renewed_expires_a_duration_after_the_last_renewal_seen() {
         let mut sightings = Sightings::default();
         // Its clock is a minute behind: by its renewTime it expired long ago.
-        let first = own("10.0.0.7").renewed(None, at(-60));
+        let first = own("192.0.2.7").renewed(None, at(-60));
         let judged = membership(&[first], at(0), Duration::ZERO, &mut sightings);
         assert!(
             judged.members.is_empty(),
             "not yet seen renewed: judged by renewTime"
         );
-        let second = own("10.0.0.7").renewed(None, at(-50));
+        let second = own("192.0.2.7").renewed(None, at(-50));
         let judged = membership(
             std::slice::from_ref(&second),
             at(10),

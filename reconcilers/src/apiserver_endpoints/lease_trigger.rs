@@ -94,17 +94,17 @@ mod tests {
         let long_ago = Timestamp::from_second(1_600_000_000).unwrap();
         let events = vec![
             Ok(watcher::Event::Init),
-            Ok(watcher::Event::InitApply(lease("10.0.0.1", now))),
-            Ok(watcher::Event::InitApply(lease("10.0.0.2", long_ago))),
+            Ok(watcher::Event::InitApply(lease("192.0.2.1", now))),
+            Ok(watcher::Event::InitApply(lease("192.0.2.2", long_ago))),
             Ok(watcher::Event::InitDone),
             // 1: plain renewal -> nothing.
-            Ok(watcher::Event::Apply(lease("10.0.0.1", now))),
+            Ok(watcher::Event::Apply(lease("192.0.2.1", now))),
             // 2: renewal of an expired member (it comes back) -> fires.
-            Ok(watcher::Event::Apply(lease("10.0.0.2", now))),
+            Ok(watcher::Event::Apply(lease("192.0.2.2", now))),
             // 3: a new member -> fires.
-            Ok(watcher::Event::Apply(lease("10.0.0.3", now))),
+            Ok(watcher::Event::Apply(lease("192.0.2.3", now))),
             // 4: a member goes -> fires.
-            Ok(watcher::Event::Delete(lease("10.0.0.1", now))),
+            Ok(watcher::Event::Delete(lease("192.0.2.1", now))),
         ];
         let fired: Vec<()> = lease_trigger(futures::stream::iter(events), Duration::from_secs(15))
             .collect()

@@ -170,18 +170,18 @@ mod tests {
 
     #[test]
     fn sorted_like_upstream_by_string_not_numerically() {
-        let set: MemberSet = [ip("10.0.0.9"), ip("10.0.0.10"), ip("10.0.0.1")]
+        let set: MemberSet = [ip("192.0.2.9"), ip("192.0.2.10"), ip("192.0.2.1")]
             .into_iter()
             .collect();
         assert_eq!(
             set.sorted_strings(),
-            vec!["10.0.0.1", "10.0.0.10", "10.0.0.9"]
+            vec!["192.0.2.1", "192.0.2.10", "192.0.2.9"]
         );
     }
 
     #[test]
     fn families_are_split_and_counted() {
-        let set: MemberSet = [ip("fd00::2"), ip("10.0.0.1"), ip("fd00::1")]
+        let set: MemberSet = [ip("fd00::2"), ip("192.0.2.1"), ip("fd00::1")]
             .into_iter()
             .collect();
         assert_eq!(set.count(IpFamily::V4), 1);
@@ -190,27 +190,27 @@ mod tests {
             set.sorted_strings_of(IpFamily::V6),
             vec!["fd00::1", "fd00::2"]
         );
-        assert_eq!(set.sorted_strings_of(IpFamily::V4), vec!["10.0.0.1"]);
+        assert_eq!(set.sorted_strings_of(IpFamily::V4), vec!["192.0.2.1"]);
         assert!(set.has_family(IpFamily::V6));
     }
 
     #[test]
     fn mapped_ipv6_counts_as_the_ipv4_member() {
         let mut set = MemberSet::new();
-        assert!(set.insert(ip("10.0.0.1")));
-        assert!(!set.insert(ip("::ffff:10.0.0.1")));
+        assert!(set.insert(ip("192.0.2.1")));
+        assert!(!set.insert(ip("::ffff:192.0.2.1")));
         assert_eq!(set.len(), 1);
-        assert_eq!(parse_ip(" ::ffff:10.0.0.2 "), Some(ip("10.0.0.2")));
+        assert_eq!(parse_ip(" ::ffff:192.0.2.2 "), Some(ip("192.0.2.2")));
         assert_eq!(parse_ip("not-an-ip"), None);
     }
 
     #[test]
     fn changes_report_joined_and_left() {
-        let before: MemberSet = [ip("10.0.0.1"), ip("10.0.0.2")].into_iter().collect();
-        let after: MemberSet = [ip("10.0.0.2"), ip("10.0.0.3")].into_iter().collect();
+        let before: MemberSet = [ip("192.0.2.1"), ip("192.0.2.2")].into_iter().collect();
+        let after: MemberSet = [ip("192.0.2.2"), ip("192.0.2.3")].into_iter().collect();
         let change = before.changes_to(&after);
-        assert_eq!(change.joined, vec![ip("10.0.0.3")]);
-        assert_eq!(change.left, vec![ip("10.0.0.1")]);
+        assert_eq!(change.joined, vec![ip("192.0.2.3")]);
+        assert_eq!(change.left, vec![ip("192.0.2.1")]);
         assert!(before.changes_to(&before).is_empty());
     }
 
@@ -228,6 +228,7 @@ mod tests {
         ] {
             assert!(endpoint_ip_problem(&ip(bad)).is_some(), "{bad}");
         }
+        // Private, unique-local, documentation and public addresses are all valid members.
         for good in ["10.0.0.1", "192.0.2.1", "fd00::1", "2001:db8::1", "8.8.8.8"] {
             assert_eq!(endpoint_ip_problem(&ip(good)), None, "{good}");
         }

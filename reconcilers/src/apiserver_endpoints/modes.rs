@@ -105,58 +105,58 @@ mod tests {
 
     #[test]
     fn master_count_adds_own_within_count() {
-        let m = master_count_members(&set(&["10.0.0.1"]), ip("10.0.0.2"), 3);
-        assert_eq!(m, set(&["10.0.0.1", "10.0.0.2"]));
+        let m = master_count_members(&set(&["192.0.2.1"]), ip("192.0.2.2"), 3);
+        assert_eq!(m, set(&["192.0.2.1", "192.0.2.2"]));
     }
 
     #[test]
     fn master_count_drops_the_ones_after_own_wrapping() {
-        let listed = set(&["10.0.0.1", "10.0.0.2", "10.0.0.4"]);
+        let listed = set(&["192.0.2.1", "192.0.2.2", "192.0.2.4"]);
         // Sorted: .1 .2 .3(own) .4 -> keep own and the two before it.
         assert_eq!(
-            master_count_members(&listed, ip("10.0.0.3"), 3),
-            set(&["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+            master_count_members(&listed, ip("192.0.2.3"), 3),
+            set(&["192.0.2.1", "192.0.2.2", "192.0.2.3"])
         );
         // Own first: the ones before it wrap to the end.
-        let listed = set(&["10.0.0.2", "10.0.0.3", "10.0.0.4"]);
+        let listed = set(&["192.0.2.2", "192.0.2.3", "192.0.2.4"]);
         assert_eq!(
-            master_count_members(&listed, ip("10.0.0.1"), 2),
-            set(&["10.0.0.1", "10.0.0.4"])
+            master_count_members(&listed, ip("192.0.2.1"), 2),
+            set(&["192.0.2.1", "192.0.2.4"])
         );
         assert_eq!(
-            master_count_members(&listed, ip("10.0.0.1"), 1),
-            set(&["10.0.0.1"])
+            master_count_members(&listed, ip("192.0.2.1"), 1),
+            set(&["192.0.2.1"])
         );
     }
 
     #[test]
     fn static_keeps_last_good_set_on_failure_and_empty_answer() {
         let entries = vec![
-            StaticAddress::Ip(ip("10.0.0.9")),
+            StaticAddress::Ip(ip("192.0.2.9")),
             StaticAddress::Name("lb.example.com".into()),
         ];
         let mut last_good = BTreeMap::new();
         let ok = BTreeMap::from([(
             "lb.example.com".to_owned(),
-            Ok(vec![ip("10.0.0.1"), ip("fd00::1")]),
+            Ok(vec![ip("192.0.2.1"), ip("fd00::1")]),
         )]);
         let (m, _) = static_members(&entries, &ok, &mut last_good);
-        assert_eq!(m, set(&["10.0.0.1", "10.0.0.9", "fd00::1"]));
+        assert_eq!(m, set(&["192.0.2.1", "192.0.2.9", "fd00::1"]));
 
         let empty = BTreeMap::from([("lb.example.com".to_owned(), Ok(vec![]))]);
         let (m, outcomes) = static_members(&entries, &empty, &mut last_good);
-        assert_eq!(m, set(&["10.0.0.1", "10.0.0.9", "fd00::1"]));
+        assert_eq!(m, set(&["192.0.2.1", "192.0.2.9", "fd00::1"]));
         assert!(
             matches!(&outcomes[1].1, EntryOutcome::Failed { reason, .. } if reason.contains("no addresses"))
         );
 
         let failed = BTreeMap::from([("lb.example.com".to_owned(), Err("SERVFAIL".to_owned()))]);
         let (m, _) = static_members(&entries, &failed, &mut last_good);
-        assert_eq!(m, set(&["10.0.0.1", "10.0.0.9", "fd00::1"]));
+        assert_eq!(m, set(&["192.0.2.1", "192.0.2.9", "fd00::1"]));
 
-        let moved = BTreeMap::from([("lb.example.com".to_owned(), Ok(vec![ip("10.0.0.2")]))]);
+        let moved = BTreeMap::from([("lb.example.com".to_owned(), Ok(vec![ip("192.0.2.2")]))]);
         let (m, _) = static_members(&entries, &moved, &mut last_good);
-        assert_eq!(m, set(&["10.0.0.2", "10.0.0.9"]));
+        assert_eq!(m, set(&["192.0.2.2", "192.0.2.9"]));
     }
 
     #[test]

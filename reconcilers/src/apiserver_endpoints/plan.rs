@@ -615,7 +615,7 @@ mod tests {
 
     #[test]
     fn desired_endpoints_match_upstream_shape() {
-        let endpoints = desired_endpoints(&target(), &members(&["10.0.0.9", "10.0.0.10"]));
+        let endpoints = desired_endpoints(&target(), &members(&["192.0.2.9", "192.0.2.10"]));
         let json = serde_json::to_value(&endpoints).unwrap();
         assert_eq!(
             json,
@@ -628,7 +628,7 @@ mod tests {
                     "labels": {"endpointslice.kubernetes.io/skip-mirror": "true"}
                 },
                 "subsets": [{
-                    "addresses": [{"ip": "10.0.0.10"}, {"ip": "10.0.0.9"}],
+                    "addresses": [{"ip": "192.0.2.10"}, {"ip": "192.0.2.9"}],
                     "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]
                 }]
             })
@@ -647,7 +647,7 @@ mod tests {
 
     #[test]
     fn desired_endpoints_have_no_drift() {
-        let m = members(&["10.0.0.1", "10.0.0.2"]);
+        let m = members(&["192.0.2.1", "192.0.2.2"]);
         let endpoints = desired_endpoints(&target(), &m);
         assert!(endpoints_drift(&target(), &m, Some(&endpoints)).is_empty());
     }
@@ -655,14 +655,14 @@ mod tests {
     #[test]
     fn missing_endpoints_is_drift() {
         assert_eq!(
-            endpoints_drift(&target(), &members(&["10.0.0.1"]), None),
+            endpoints_drift(&target(), &members(&["192.0.2.1"]), None),
             vec![EndpointsDrift::Missing]
         );
     }
 
     #[test]
     fn address_order_is_not_drift() {
-        let m = members(&["10.0.0.1", "10.0.0.2"]);
+        let m = members(&["192.0.2.1", "192.0.2.2"]);
         let mut endpoints = desired_endpoints(&target(), &m);
         endpoints.subsets.as_mut().unwrap()[0]
             .addresses
@@ -724,7 +724,7 @@ mod tests {
 
     #[test]
     fn port_drift_is_detected_and_repaired() {
-        let m = members(&["10.0.0.1"]);
+        let m = members(&["192.0.2.1"]);
         let mut endpoints = desired_endpoints(&target(), &m);
         endpoints.metadata.resource_version = Some("42".into());
         endpoints.subsets.as_mut().unwrap()[0]
@@ -743,10 +743,10 @@ mod tests {
 
     #[test]
     fn wrong_missing_duplicate_and_garbage_addresses_are_drift() {
-        let m = members(&["10.0.0.1", "10.0.0.2"]);
+        let m = members(&["192.0.2.1", "192.0.2.2"]);
         let mut endpoints = desired_endpoints(&target(), &m);
         endpoints.subsets.as_mut().unwrap()[0].addresses = Some(
-            ["10.0.0.1", "10.0.0.1", "10.9.9.9", "bogus"]
+            ["192.0.2.1", "192.0.2.1", "198.51.100.9", "bogus"]
                 .iter()
                 .map(|ip| EndpointAddress {
                     ip: (*ip).to_owned(),
@@ -758,15 +758,15 @@ mod tests {
         assert_eq!(
             drift,
             vec![EndpointsDrift::Addresses {
-                unexpected: vec!["10.0.0.1".into(), "10.9.9.9".into(), "bogus".into()],
-                missing: vec!["10.0.0.2".into()],
+                unexpected: vec!["192.0.2.1".into(), "198.51.100.9".into(), "bogus".into()],
+                missing: vec!["192.0.2.2".into()],
             }]
         );
     }
 
     #[test]
     fn label_subsets_and_not_ready_drift() {
-        let m = members(&["10.0.0.1"]);
+        let m = members(&["192.0.2.1"]);
         let mut endpoints = desired_endpoints(&target(), &m);
         endpoints.metadata.labels = Some(BTreeMap::from([
             (SKIP_MIRROR_LABEL.to_owned(), "false".to_owned()),
@@ -775,7 +775,7 @@ mod tests {
         let mut second = endpoints.subsets.as_ref().unwrap()[0].clone();
         second.addresses = None;
         second.not_ready_addresses = Some(vec![EndpointAddress {
-            ip: "10.0.0.7".into(),
+            ip: "192.0.2.7".into(),
             ..EndpointAddress::default()
         }]);
         endpoints.subsets.as_mut().unwrap().push(second);
@@ -807,13 +807,13 @@ mod tests {
 
     #[test]
     fn empty_members_only_flag_listed_addresses() {
-        let m = members(&["10.0.0.1"]);
+        let m = members(&["192.0.2.1"]);
         let endpoints = desired_endpoints(&target(), &m);
         let drift = endpoints_drift(&target(), &MemberSet::new(), Some(&endpoints));
         assert_eq!(
             drift,
             vec![EndpointsDrift::Addresses {
-                unexpected: vec!["10.0.0.1".into()],
+                unexpected: vec!["192.0.2.1".into()],
                 missing: vec![],
             }]
         );
@@ -823,13 +823,13 @@ mod tests {
 
     #[test]
     fn listed_members_reads_ready_addresses() {
-        let m = members(&["10.0.0.1", "fd00::1"]);
+        let m = members(&["192.0.2.1", "fd00::1"]);
         assert_eq!(listed_members(&desired_endpoints(&target(), &m)), m);
     }
 
     #[test]
     fn single_stack_slice_matches_upstream_shape() {
-        let slices = desired_slices(&target(), &members(&["10.0.0.2", "10.0.0.1"]));
+        let slices = desired_slices(&target(), &members(&["192.0.2.2", "192.0.2.1"]));
         assert_eq!(slices.len(), 1);
         let json = serde_json::to_value(&slices[0]).unwrap();
         assert_eq!(
@@ -844,8 +844,8 @@ mod tests {
                 },
                 "addressType": "IPv4",
                 "endpoints": [
-                    {"addresses": ["10.0.0.1"], "conditions": {"ready": true}},
-                    {"addresses": ["10.0.0.2"], "conditions": {"ready": true}}
+                    {"addresses": ["192.0.2.1"], "conditions": {"ready": true}},
+                    {"addresses": ["192.0.2.2"], "conditions": {"ready": true}}
                 ],
                 "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]
             })
@@ -854,7 +854,7 @@ mod tests {
 
     #[test]
     fn dual_stack_gets_a_second_slice_named_by_family() {
-        let m = members(&["10.0.0.1", "fd00::1"]);
+        let m = members(&["192.0.2.1", "fd00::1"]);
         let slices = desired_slices(&target(), &m);
         let names: Vec<_> = slices
             .iter()
@@ -886,7 +886,7 @@ mod tests {
 
     #[test]
     fn plan_creates_missing_and_is_quiet_when_equal() {
-        let m = members(&["10.0.0.1", "fd00::1"]);
+        let m = members(&["192.0.2.1", "fd00::1"]);
         let plan = plan_slices(&target(), &m, &[]);
         assert_eq!(plan.len(), 2);
         assert!(
@@ -899,7 +899,7 @@ mod tests {
 
     #[test]
     fn plan_repairs_ports_endpoints_and_labels_keeping_metadata() {
-        let m = members(&["10.0.0.1"]);
+        let m = members(&["192.0.2.1"]);
         let mut have = desired_slices(&target(), &m).remove(0);
         have.metadata.resource_version = Some("7".into());
         have.ports.as_mut().unwrap()[0].port = Some(1);
@@ -938,8 +938,8 @@ mod tests {
 
     #[test]
     fn plan_recreates_on_address_type_change_and_deletes_strays() {
-        let m = members(&["10.0.0.1"]);
-        let dual = desired_slices(&target(), &members(&["fd00::1", "10.0.0.1"]));
+        let m = members(&["192.0.2.1"]);
+        let dual = desired_slices(&target(), &members(&["fd00::1", "192.0.2.1"]));
         let mut wrong_family = desired_slices(&target(), &m).remove(0);
         wrong_family.address_type = "IPv6".into();
         let mut unrelated = dual[1].clone();

@@ -384,7 +384,7 @@ mod tests {
     /// `lease` mode with an advertised address.
     fn settings() -> Settings {
         Settings {
-            advertise_address: Some("10.0.0.1".parse().unwrap()),
+            advertise_address: Some("192.0.2.1".parse().unwrap()),
             ..crate::section::test_settings()
         }
     }
@@ -418,8 +418,8 @@ mod tests {
     #[test]
     fn static_entries_are_ips_or_names() {
         assert_eq!(
-            StaticAddress::parse("10.0.0.1"),
-            Ok(StaticAddress::Ip("10.0.0.1".parse().unwrap()))
+            StaticAddress::parse("192.0.2.1"),
+            Ok(StaticAddress::Ip("192.0.2.1".parse().unwrap()))
         );
         assert_eq!(
             StaticAddress::parse("LB.example.com."),
@@ -442,7 +442,7 @@ mod tests {
             ..settings()
         };
         let section = Section {
-            static_addresses: vec!["10.0.0.1".into(), "bad name".into()],
+            static_addresses: vec!["192.0.2.1".into(), "bad name".into()],
             ..Section::default()
         };
         assert_eq!(
@@ -451,7 +451,7 @@ mod tests {
         );
         assert_eq!(
             section.static_entries(),
-            [StaticAddress::Ip("10.0.0.1".parse().unwrap())]
+            [StaticAddress::Ip("192.0.2.1".parse().unwrap())]
         );
         let empty = Section {
             static_addresses: vec![],

@@ -487,7 +487,7 @@ mod tests {
             }
         }
         let mut record = ip_address(
-            r#"{"metadata":{"name":"10.0.0.5","labels":{"ipaddress.kubernetes.io/managed-by":"ipallocator.k8s.io","ipaddress.kubernetes.io/ip-family":"IPv4"}}}"#,
+            r#"{"metadata":{"name":"192.0.2.5","labels":{"ipaddress.kubernetes.io/managed-by":"ipallocator.k8s.io","ipaddress.kubernetes.io/ip-family":"IPv4"}}}"#,
         );
         assert!(record.labels_as_allocated(IpFamily::V4));
         assert!(!record.labels_as_allocated(IpFamily::V6));
@@ -510,12 +510,12 @@ mod tests {
     #[test]
     fn ip_names_render_back_exactly() {
         for text in [
-            "10.0.0.1",
+            "192.0.2.1",
             "fd00::1",
             "FD00::1",
             "fd00:0:0:0:0:0:0:1",
-            "::ffff:10.0.0.1",
-            "010.0.0.1",
+            "::ffff:192.0.2.1",
+            "192.0.2.01",
             "not-an-ip",
         ] {
             assert_eq!(IpName::new(text).to_string(), text);
@@ -526,12 +526,12 @@ mod tests {
             IpName::new("FD00::1").ip(),
             Some("fd00::1".parse().unwrap())
         );
-        assert_eq!(IpName::new("010.0.0.1").ip(), None);
+        assert_eq!(IpName::new("192.0.2.01").ip(), None);
     }
 
     #[test]
     fn decodes_ipaddress_labels_and_times() {
-        let json = r#"{"metadata":{"name":"10.0.0.5","uid":"u","resourceVersion":"7",
+        let json = r#"{"metadata":{"name":"192.0.2.5","uid":"u","resourceVersion":"7",
             "creationTimestamp":"2026-01-02T03:04:05Z",
             "labels":{"ipaddress.kubernetes.io/managed-by":"ipallocator.k8s.io","ipaddress.kubernetes.io/ip-family":"IPv4","x":"y"}},
             "spec":{"parentRef":{"resource":"services","namespace":"d","name":"s"}}}"#;
@@ -548,7 +548,7 @@ mod tests {
     /// An IPAddress without a parentRef (or without its fields) is a record, not a failed list.
     #[test]
     fn ipaddress_without_a_parent_is_projected() {
-        let bare = ip_address(r#"{"metadata":{"name":"10.0.0.6"},"spec":{}}"#);
+        let bare = ip_address(r#"{"metadata":{"name":"192.0.2.6"},"spec":{}}"#);
         assert_eq!(bare.parent, None);
         let empty = ip_address(r#"{"metadata":{"name":"foo"},"spec":{"parentRef":{}}}"#);
         let parent = empty.parent.unwrap();

@@ -356,14 +356,14 @@ mod tests {
     fn decodes_a_dual_stack_service() {
         let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web","namespace":"shop",
             "uid":"u1","resourceVersion":"42","managedFields":[{"manager":"x"}]},
-            "spec":{"clusterIP":"10.0.0.5","clusterIPs":["10.0.0.5","fd00::5"],"ports":[{"port":80}]}}"#;
+            "spec":{"clusterIP":"192.0.2.5","clusterIPs":["192.0.2.5","fd00::5"],"ports":[{"port":80}]}}"#;
         let svc = service(json);
         assert_eq!(&*svc.namespace, "shop");
         assert_eq!(&*svc.name, "web");
         assert_eq!(svc.resource_version, 42);
         assert_eq!(svc.cluster_ips.len(), 2);
         assert!(svc.lists_ip("fd00::5".parse().unwrap()));
-        assert!(!svc.lists_ip("10.0.0.6".parse().unwrap()));
+        assert!(!svc.lists_ip("192.0.2.6".parse().unwrap()));
     }
 
     #[test]
@@ -375,11 +375,12 @@ mod tests {
         let external =
             service(r#"{"metadata":{"name":"e","namespace":"d"},"spec":{"type":"ExternalName"}}"#);
         assert!(external.cluster_ips.is_empty());
-        let old =
-            service(r#"{"metadata":{"name":"o","namespace":"d"},"spec":{"clusterIP":"10.0.0.9"}}"#);
+        let old = service(
+            r#"{"metadata":{"name":"o","namespace":"d"},"spec":{"clusterIP":"192.0.2.9"}}"#,
+        );
         assert_eq!(
             old.cluster_ips[0],
-            ClusterIp::Ip("10.0.0.9".parse().unwrap())
+            ClusterIp::Ip("192.0.2.9".parse().unwrap())
         );
     }
 
@@ -396,7 +397,7 @@ mod tests {
             "6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f",
             "6F2C1D5E-8B7A-4C3D-9E1F-0A2B3C4D5E6F",
             "6f2c1d5e8b7a4c3d9e1f0a2b3c4d5e6f",
-            "uid-10.0.0.5",
+            "uid-192.0.2.5",
         ] {
             assert_eq!(Token::new(text).to_string(), text);
         }

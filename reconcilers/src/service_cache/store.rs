@@ -312,23 +312,23 @@ mod tests {
         let mut state = store.write();
         assert!(!state.synced);
         assert!(!state.apply(watcher::Event::Init));
-        assert!(!state.apply(watcher::Event::InitApply(service("a", "10.0.0.1"))));
-        assert!(!state.apply(watcher::Event::InitApply(service("b", "10.0.0.2"))));
+        assert!(!state.apply(watcher::Event::InitApply(service("a", "192.0.2.1"))));
+        assert!(!state.apply(watcher::Event::InitApply(service("b", "192.0.2.2"))));
         assert!(!state.synced, "a list in progress");
         assert!(state.apply(watcher::Event::InitDone));
         assert!(state.synced);
-        assert!(state.apply(watcher::Event::Apply(service("c", "10.0.0.3"))));
-        assert!(state.apply(watcher::Event::Delete(service("a", "10.0.0.1"))));
+        assert!(state.apply(watcher::Event::Apply(service("c", "192.0.2.3"))));
+        assert!(state.apply(watcher::Event::Delete(service("a", "192.0.2.1"))));
         assert_eq!(names(&state), ["b", "c"]);
 
         // A relist that fails half-way (the watcher starts over with Init) and one that
         // completes without "b".
         state.apply(watcher::Event::Init);
-        state.apply(watcher::Event::InitApply(service("c", "10.0.0.3")));
+        state.apply(watcher::Event::InitApply(service("c", "192.0.2.3")));
         assert!(!state.synced);
         state.apply(watcher::Event::Init);
-        state.apply(watcher::Event::InitApply(service("c", "10.0.0.9")));
-        state.apply(watcher::Event::InitApply(service("d", "10.0.0.4")));
+        state.apply(watcher::Event::InitApply(service("c", "192.0.2.9")));
+        state.apply(watcher::Event::InitApply(service("d", "192.0.2.4")));
         assert!(!state.synced);
         state.apply(watcher::Event::InitDone);
         assert!(state.synced);
@@ -337,7 +337,7 @@ mod tests {
             state
                 .get(&("d".into(), "c".into()))
                 .unwrap()
-                .lists_ip("10.0.0.9".parse().unwrap())
+                .lists_ip("192.0.2.9".parse().unwrap())
         );
     }
 }
