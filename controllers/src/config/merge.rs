@@ -39,7 +39,7 @@ pub(super) fn merge_etcd(
             } else {
                 errors.push(ConfigError::new(
                     source.field,
-                    format!("{server:?} is not an etcd URL (expected e.g. https://10.0.0.1:2379)"),
+                    format!("{server:?} is not an etcd URL (expected e.g. https://192.0.2.1:2379)"),
                 ));
             }
         }

@@ -387,7 +387,7 @@ fn etcd_settings_are_validated_and_name_the_field() {
     let error = single_error(Config::merge(&args, FileConfig::default()));
     assert_eq!(error.field, "--etcd-servers");
     // The message names an example URL.
-    assert!(error.message.contains("https://10.0.0.1:2379"), "{error}");
+    assert!(error.message.contains("https://192.0.2.1:2379"), "{error}");
 
     rejected(
         "etcdCAFile: /etc/kubernetes/pki/etcd/ca.crt\n",

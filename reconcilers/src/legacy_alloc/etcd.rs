@@ -41,7 +41,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How to reach etcd: kube-apiserver's `--etcd-*` flags.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdConfig {
-    /// `--etcd-servers`: URLs such as `https://10.0.0.1:2379`.
+    /// `--etcd-servers`: URLs such as `https://192.0.2.1:2379`.
     pub servers: Vec<String>,
     /// `--etcd-cafile`: verifies the servers' certificates (TLS only when set).
     pub ca_file: Option<PathBuf>,
