@@ -113,6 +113,20 @@ fn endpoint_ips(endpoints: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The ready addresses of an EndpointSlice, sorted.
+fn slice_ips(slice: &Value) -> Vec<String> {
+    let mut ips: Vec<String> = slice["endpoints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["conditions"]["ready"] != json!(false))
+        .flat_map(|e| e["addresses"].as_array().into_iter().flatten())
+        .filter_map(|a| a.as_str().map(str::to_owned))
+        .collect();
+    ips.sort();
+    ips
+}
+
 async fn inject_faults(sim: &SimProcess) -> Result<()> {
     let rule = |fault: Value, p: f64| json!({"fault": fault, "trigger": {"probability": p}});
     for body in [
@@ -233,11 +247,14 @@ async fn converged(
     if ips != members {
         return Ok(Some(format!("Endpoints list {ips:?}")));
     }
-    if backdoor_get(sim, "endpointslices/default/kubernetes")
-        .await?
-        .is_none()
-    {
+    // The slice is written on its own: converged only when it too lists every member (`check`
+    // compares both).
+    let Some(slice) = backdoor_get(sim, "endpointslices/default/kubernetes").await? else {
         return Ok(Some("EndpointSlice missing".into()));
+    };
+    let slice_ips = slice_ips(&slice);
+    if slice_ips != members {
+        return Ok(Some(format!("EndpointSlice lists {slice_ips:?}")));
     }
     if backdoor_get(sim, &format!("ipaddresses/{web_ip}"))
         .await?
