@@ -23,7 +23,7 @@ use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use futures::StreamExt;
 use prometheus_client::registry::Registry;
 use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
-use reconcilers::section::{EndpointsMode, ServiceName, Settings};
+use reconcilers::section::Settings;
 use reconcilers::{PassContext, Reconciler};
 use serde_json::json;
 
@@ -252,19 +252,8 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
     let mut registry = Registry::default();
     let settings = Settings {
         service_ranges: vec!["10.96.0.0/12".parse()?, "fd00:10:96::/108".parse()?],
-        node_port_range: 30000..=32767,
-        secure_port: 6443,
-        kubernetes_service_node_port: None,
-        advertise_address: None,
-        endpoint_mode: EndpointsMode::Lease,
-        apiserver_count: 1,
-        kubernetes_service: ServiceName {
-            namespace: "default".to_owned(),
-            name: "kubernetes".to_owned(),
-        },
         identity: "bench".to_owned(),
-        leader_lease: None,
-        etcd: None,
+        ..Settings::default()
     };
     let repair = Arc::new(ClusterIpRepair::new(
         client.clone(),

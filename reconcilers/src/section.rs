@@ -164,6 +164,18 @@ pub(crate) fn test_settings() -> Settings {
     }
 }
 
+/// The fields `bad` is refused on, under `path`, after checking that the section's defaults
+/// pass: the shape of every section's validation test.
+#[cfg(test)]
+pub(crate) fn refused_fields<S: LoopSection + Default>(path: &str, bad: &S) -> Vec<String> {
+    let settings = test_settings();
+    let mut errors = Vec::new();
+    S::default().validate(path, &settings, &mut errors);
+    assert_eq!(errors, [], "the defaults of {path} are valid");
+    bad.validate(path, &settings, &mut errors);
+    errors.into_iter().map(|error| error.field).collect()
+}
+
 /// What a loop is built with.
 pub struct BuildContext<'a> {
     pub client: kube::Client,

@@ -112,26 +112,25 @@ mod tests {
 
     #[test]
     fn errors_name_the_yaml_path() {
-        let path = "loops.clusterIPRepair";
-        let settings = crate::section::test_settings();
-        let mut errors = Vec::new();
-        Section::default().validate(path, &settings, &mut errors);
-        assert_eq!(errors, []);
         let section = Section {
             interval: Duration::ZERO,
             orphan_grace_period: Duration::from_secs(4),
             page_size: 0,
             ..Section::default()
         };
-        section.validate(path, &settings, &mut errors);
-        let fields: Vec<_> = errors.iter().map(|error| error.field.as_str()).collect();
         assert_eq!(
-            fields,
+            crate::section::refused_fields("loops.clusterIPRepair", &section),
             [
                 "loops.clusterIPRepair.interval",
                 "loops.clusterIPRepair.orphanGracePeriod",
                 "loops.clusterIPRepair.pageSize"
             ]
+        );
+        let mut errors = Vec::new();
+        section.validate(
+            "loops.clusterIPRepair",
+            &crate::section::test_settings(),
+            &mut errors,
         );
         assert!(
             errors[0]

@@ -182,21 +182,14 @@ mod tests {
 
     #[test]
     fn errors_name_the_yaml_path() {
-        let path = "loops.kubernetesService";
-        let settings = crate::section::test_settings();
-        let mut errors = Vec::new();
-        Section::default().validate(path, &settings, &mut errors);
-        assert_eq!(errors, []);
         let section = Section {
             interval: Duration::ZERO,
             name: "Kubernetes".to_owned(),
             port: 0,
             ..Section::default()
         };
-        section.validate(path, &settings, &mut errors);
-        let fields: Vec<_> = errors.iter().map(|error| error.field.as_str()).collect();
         assert_eq!(
-            fields,
+            crate::section::refused_fields("loops.kubernetesService", &section),
             [
                 "loops.kubernetesService.interval",
                 "loops.kubernetesService.name",

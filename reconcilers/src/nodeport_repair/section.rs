@@ -81,20 +81,13 @@ mod tests {
 
     #[test]
     fn errors_name_the_yaml_path() {
-        let path = "loops.nodePortRepair";
-        let settings = crate::section::test_settings();
-        let mut errors = Vec::new();
-        Section::default().validate(path, &settings, &mut errors);
-        assert_eq!(errors, []);
         let section = Section {
             interval: Duration::ZERO,
             page_size: 0,
             ..Section::default()
         };
-        section.validate(path, &settings, &mut errors);
-        let fields: Vec<_> = errors.iter().map(|error| error.field.as_str()).collect();
         assert_eq!(
-            fields,
+            crate::section::refused_fields("loops.nodePortRepair", &section),
             [
                 "loops.nodePortRepair.interval",
                 "loops.nodePortRepair.pageSize"
