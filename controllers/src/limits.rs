@@ -57,6 +57,12 @@ pub struct Limits {
     pub first_pause: Duration,
     /// The longest pause, however often the server breaks its bounds.
     pub max_pause: Duration,
+    /// The most pages one LIST may take (a server whose `continue` token never ends would
+    /// otherwise be asked for pages for ever); each page is bounded by `max_response_bytes`.
+    pub max_list_pages: u32,
+    /// The most events one watch response may stream (a server that streams changes without
+    /// end costs the CPU every tenant shares); the watch then starts again after the pause.
+    pub max_watch_events: u64,
 }
 
 impl Limits {
@@ -76,6 +82,12 @@ impl Limits {
         // against the 60 s a healthy tenant's loops take to notice a change they missed.
         first_pause: Duration::from_secs(30),
         max_pause: Duration::from_secs(300),
+        // 5,000,000 objects at the default 500 a page: more than any cache budget lets a
+        // cluster hold, so only a list that never ends reaches it.
+        max_list_pages: 10_000,
+        // kube-runtime's watcher ends a watch after about five minutes; a million events in
+        // one is over 3,000 a second, far beyond a healthy control plane's Service churn.
+        max_watch_events: 1_000_000,
     };
 
     /// The pause after a breach that follows `earlier` breaches without a completed response.
@@ -101,12 +113,30 @@ pub struct LimitLayer {
     client: Arc<ClientState>,
 }
 
+impl LimitLayer {
+    /// A bound broken outside the layer (the cluster's caches over their budget): the client
+    /// pauses as for a bound of its own; returns the pause.
+    pub fn breach(&self, cause: LimitError) -> Duration {
+        self.client.breached(&self.limits, &cause);
+        self.client
+            .pause()
+            .until
+            .map_or(self.limits.first_pause, |until| {
+                until.saturating_duration_since(Instant::now())
+            })
+    }
+}
+
 /// What one client's requests share.
 #[derive(Debug, Default)]
 struct ClientState {
     /// The bytes its responses hold.
     in_flight: AtomicUsize,
     pause: Mutex<Pause>,
+    /// The pages of the LIST under way, by path: a request without a `continue` token starts
+    /// a list, one with a token continues the last list of its path. Paths are the client's
+    /// own requests, so the map stays small whatever the server does.
+    list_pages: Mutex<std::collections::HashMap<String, u32>>,
 }
 
 #[derive(Debug, Default)]
@@ -144,6 +174,24 @@ impl ClientState {
     fn completed(&self) {
         self.pause().breaches = 0;
     }
+
+    /// Counts a LIST page of `path`; the error when the list has taken too many.
+    fn list_page(&self, path: &str, continued: bool, limits: &Limits) -> Result<(), LimitError> {
+        let mut lists = self
+            .list_pages
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let pages = lists.entry(path.to_owned()).or_insert(0);
+        *pages = if continued {
+            pages.saturating_add(1)
+        } else {
+            1
+        };
+        if *pages > limits.max_list_pages {
+            return Err(LimitError::TooManyPages(limits.max_list_pages));
+        }
+        Ok(())
+    }
 }
 
 /// Why a response was cut off.
@@ -162,6 +210,13 @@ pub enum LimitError {
          cluster)"
     )]
     TooMuchAtOnce(usize),
+    #[error("a list took more than {0} pages (the limit for one list)")]
+    TooManyPages(u32),
+    #[error("a watch streamed more than {0} events (the limit for one watch)")]
+    TooManyEvents(u64),
+    /// The cluster's caches would have gone over their budget ([`reconcilers::budget`]).
+    #[error("{0}")]
+    OverBudget(String),
     #[error(
         "not asking the API server anything for {} s more, after it broke a bound: {cause}",
         remaining.as_secs().max(1)
@@ -216,6 +271,16 @@ where
             return Box::pin(async move { Err(paused.into()) });
         }
         let watch = is_watch(request.uri());
+        if !watch && request.method() == http::Method::GET {
+            let continued = request
+                .uri()
+                .query()
+                .is_some_and(|query| query.split('&').any(|pair| pair.starts_with("continue=")));
+            if let Err(err) = client.list_page(request.uri().path(), continued, &limits) {
+                client.breached(&limits, &err);
+                return Box::pin(async move { Err(err.into()) });
+            }
+        }
         let deadline = now + limits.answer_timeout;
         let answer = self.inner.call(request);
         Box::pin(async move {
@@ -269,6 +334,8 @@ enum Bound {
     Lines {
         max: usize,
         since_newline: usize,
+        events: u64,
+        max_events: u64,
     },
 }
 
@@ -284,6 +351,8 @@ impl<B> BoundedBody<B> {
             Bound::Lines {
                 max: limits.max_watch_line_bytes,
                 since_newline: 0,
+                events: 0,
+                max_events: limits.max_watch_events,
             }
         } else {
             Bound::Whole {
@@ -343,7 +412,12 @@ impl Bound {
                     return Err(LimitError::TooLarge(*max));
                 }
             }
-            Bound::Lines { max, since_newline } => {
+            Bound::Lines {
+                max,
+                since_newline,
+                events,
+                max_events,
+            } => {
                 let mut segments = data.split(|byte| *byte == b'\n');
                 // The first segment continues the line before this chunk.
                 let first = segments.next().map_or(0, <[u8]>::len);
@@ -351,6 +425,10 @@ impl Bound {
                 for segment in segments {
                     if line > *max {
                         return Err(LimitError::LineTooLong(*max));
+                    }
+                    *events = events.saturating_add(1);
+                    if *events > *max_events {
+                        return Err(LimitError::TooManyEvents(*max_events));
                     }
                     line = segment.len();
                 }
@@ -452,6 +530,8 @@ mod tests {
         chunk_cost: 0,
         first_pause: Duration::from_secs(30),
         max_pause: Duration::from_secs(100),
+        max_list_pages: 3,
+        max_watch_events: 4,
     };
 
     type Chunks =

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::apiserver_endpoints::ConfigLoader;
-use reconcilers::section::BuildContext;
+use reconcilers::budget::CacheBudget;
+use reconcilers::section::{BuildContext, Settings};
 use tracing::{info, warn};
 
 use crate::config::Config;
@@ -22,7 +23,8 @@ pub fn build_loops(
     client: &kube::Client,
     registry: &mut Registry,
 ) -> Vec<Arc<dyn Reconciler>> {
-    build_cluster_loops(config, client, kubeconfig_loader(config), registry)
+    let budget = CacheBudget::default();
+    build_cluster_loops(config, client, kubeconfig_loader(config), &budget, registry)
 }
 
 /// Reads `--kubeconfig` again when a loop needs the configuration (the apiserver probe).
@@ -39,16 +41,18 @@ pub fn kubeconfig_loader(config: &Config) -> ConfigLoader {
 }
 
 /// The runtime of one cluster: its loops, their runner and the runner's metrics in `registry`.
-/// The single-cluster mode makes one; management mode one per tenant.
+/// The single-cluster mode makes one (with an unlimited cache budget); management mode one per
+/// tenant, each within its own budget.
 pub fn build_runner(
     config: &Config,
     client: &kube::Client,
     load_kubeconfig: ConfigLoader,
+    budget: &CacheBudget,
     registry: &mut Registry,
 ) -> Runner {
     let metrics = RunnerMetrics::register(registry);
     crate::metrics::register_etcd_mode(registry, !config.etcd_servers.is_empty());
-    let loops = build_cluster_loops(config, client, load_kubeconfig, registry);
+    let loops = build_cluster_loops(config, client, load_kubeconfig, budget, registry);
     Runner::new(loops, client.clone(), runner_options(config), metrics)
 }
 
@@ -68,9 +72,13 @@ pub fn build_cluster_loops(
     config: &Config,
     client: &kube::Client,
     load_kubeconfig: ConfigLoader,
+    budget: &CacheBudget,
     registry: &mut Registry,
 ) -> Vec<Arc<dyn Reconciler>> {
-    let settings = config.settings();
+    let settings = Settings {
+        cache_budget: budget.clone(),
+        ..config.settings()
+    };
     let mut context = BuildContext::new(client.clone(), registry, &settings, load_kubeconfig);
     let mut loops = Vec::new();
     for (key, section) in config.loops.sections() {

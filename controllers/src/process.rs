@@ -19,6 +19,7 @@ use crate::runner::Runner;
 use crate::shards::{ShardSettings, Shards};
 use crate::tenant_kubeconfig::CredentialPolicy;
 use crate::tenants::{self, Directory, Ownership, TenantMetrics, TenantSettings};
+use reconcilers::budget::CacheBudget;
 
 /// What `run` and the demo (`bootstrap-demo`) share: everything after the client exists.
 pub struct Controller {
@@ -90,8 +91,13 @@ impl Controller {
                 Mode::Management(Box::new((tenants.clone(), base)))
             }
             _ => {
-                let runner =
-                    build_runner(config, &client, kubeconfig_loader(config), &mut registry);
+                let runner = build_runner(
+                    config,
+                    &client,
+                    kubeconfig_loader(config),
+                    &CacheBudget::default(),
+                    &mut registry,
+                );
                 info!(
                     loops = ?runner.loop_names(),
                     dry_run = config.dry_run,
@@ -184,6 +190,7 @@ impl Controller {
                             .then(|| std::env::current_exe().ok())
                             .flatten(),
                     },
+                    cache_budgets: tenants.clone(),
                     claims_namespace: config.leader_election.lease_namespace.clone(),
                     claims_group: config.leader_election.lease_name.clone(),
                 };

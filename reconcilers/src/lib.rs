@@ -6,6 +6,7 @@
 
 pub mod alloc;
 pub mod apiserver_endpoints;
+pub mod budget;
 pub mod clusterip_repair;
 pub mod contract;
 pub mod findings;

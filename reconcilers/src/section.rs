@@ -14,6 +14,7 @@ use futures::future::BoxFuture;
 use ipnet::IpNet;
 use prometheus_client::registry::Registry;
 
+use crate::budget::CacheBudget;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
 use crate::service_cache::record::ServiceRecord;
@@ -63,6 +64,9 @@ pub struct Settings {
     pub leader_lease: Option<(String, String)>,
     /// etcd mode, when `etcdServers` is set.
     pub etcd: Option<EtcdConfig>,
+    /// What the cluster's caches may hold together (unlimited for the cluster of
+    /// `--kubeconfig`; a tenant's own in management mode).
+    pub cache_budget: CacheBudget,
 }
 
 /// `--endpoint-reconciler-type`.
@@ -151,6 +155,7 @@ impl Default for Settings {
             identity: String::new(),
             leader_lease: None,
             etcd: None,
+            cache_budget: CacheBudget::default(),
         }
     }
 }
@@ -208,7 +213,10 @@ impl<'a> BuildContext<'a> {
     /// lists and watches Services once whichever of those loops are enabled and in whatever
     /// order they are built. The first loop to subscribe to it feeds it.
     pub fn services(&mut self) -> Arc<SharedStore<ServiceRecord>> {
-        self.services.get_or_insert_with(Arc::default).clone()
+        let budget = &self.settings.cache_budget;
+        self.services
+            .get_or_insert_with(|| Arc::new(SharedStore::within(budget.clone())))
+            .clone()
     }
 }
 

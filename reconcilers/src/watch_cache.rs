@@ -16,11 +16,12 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use kube::api::ListParams;
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 
 use crate::Trigger;
+use crate::budget::{self, CacheBudget, CacheError, CacheEvent};
 
 /// A cache of one watch's objects; clones share it.
 #[derive(Clone)]
@@ -37,38 +38,60 @@ where
 }
 
 /// The event stream that fills a [`WatchCache`]: a loop turns it into its trigger.
-pub type WatchEvents<K> =
-    futures::stream::BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
+pub type WatchEvents<K> = futures::stream::BoxStream<'static, CacheEvent<K>>;
 
 impl<K> WatchCache<K>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + Hash + Clone,
 {
-    /// A cache of what `config` selects. Nothing is cached until [`Self::take_events`]'s stream is
-    /// polled.
-    pub fn new(api: Api<K>, config: watcher::Config) -> Self {
+    /// A cache of what `config` selects, within `budget`. Nothing is cached until
+    /// [`Self::take_events`]'s stream is polled.
+    pub fn new(api: Api<K>, config: watcher::Config, budget: &CacheBudget) -> Self
+    where
+        K: serde::Serialize,
+    {
         let selection = ListParams {
             label_selector: config.label_selector.clone(),
             field_selector: config.field_selector.clone(),
             ..ListParams::default()
         };
-        let (store, writer) = reflector::store();
+        let (store, mut writer) = reflector::store();
         let current = Arc::new(AtomicBool::new(false));
         let flag = current.clone();
         let (mut listed, mut relisting) = (false, false);
-        let events = watcher(api, config)
-            .reflect(writer)
+        let mut failure = crate::findings::RepeatedFailure::default();
+        let kind = K::kind(&K::DynamicType::default()).into_owned();
+        let events = budget::watch(api, config, budget, budget::json_weight::<K>)
             .inspect(move |event| {
                 match event {
-                    // A relist is under way: changes may be missing until it completes.
-                    Ok(watcher::Event::Init) => relisting = true,
-                    Ok(watcher::Event::InitApply(_)) => {}
-                    Ok(watcher::Event::InitDone) => (listed, relisting) = (true, false),
-                    // A resumed watch starts from the last resourceVersion seen, so its events
-                    // after a failure complete the cache again.
-                    Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {}
-                    Err(_) => {
+                    Ok(event) => {
+                        writer.apply_watcher_event(event);
+                        match event {
+                            // A relist is under way: changes may be missing until it completes.
+                            watcher::Event::Init => relisting = true,
+                            watcher::Event::InitDone => {
+                                (listed, relisting) = (true, false);
+                                failure.succeeded();
+                            }
+                            // A resumed watch starts from the last resourceVersion seen, so its
+                            // events after a failure complete the cache again.
+                            _ => {}
+                        }
+                    }
+                    Err(err @ (CacheError::OverBudget(_) | CacheError::Lost { .. })) => {
+                        if matches!(err, CacheError::OverBudget(_)) {
+                            // An empty list empties the store: what it held goes back.
+                            writer.apply_watcher_event(&watcher::Event::Init);
+                            writer.apply_watcher_event(&watcher::Event::InitDone);
+                        }
+                        // Not current until a new list completes.
+                        listed = false;
+                        if failure.is_new(err) {
+                            tracing::warn!(%kind, error = %err, "the cache is not current until a list completes");
+                        }
+                    }
+                    Err(CacheError::Watch(_)) => {
                         flag.store(false, Ordering::Release);
                         return;
                     }
@@ -137,21 +160,22 @@ where
     }
 }
 
-/// A watch as a trigger: one item per change (and one per completed relist), errors logged and
-/// retried with the watcher's default backoff.
+/// A watch as a trigger: one item per change (and one per completed relist); failures are
+/// retried by the watch itself.
 pub fn watch_trigger<K, S>(stream: S) -> Trigger
 where
     K: Send + 'static,
-    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    S: futures::Stream<Item = CacheEvent<K>> + Send + 'static,
 {
     stream
-        .default_backoff()
         .filter_map(|event| async move {
             match event {
                 Ok(
                     watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
                 ) => Some(()),
                 Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => None,
+                // The cache emptied or lost an event: a pass then reads the API instead.
+                Err(CacheError::OverBudget(_) | CacheError::Lost { .. }) => Some(()),
                 Err(err) => {
                     tracing::debug!(error = %err, "watch failed; retrying with backoff");
                     None

@@ -12,6 +12,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
+use reconcilers::budget::{BudgetLimits, CacheBudget, CacheError};
 use reconcilers::watch_cache::WatchCache;
 
 fn config_map(name: &str, value: &str) -> ConfigMap {
@@ -36,7 +37,11 @@ async fn reads_come_from_the_cache_only_while_it_is_proven_current() {
     api.create(&PostParams::default(), &config_map("a", "1"))
         .await
         .unwrap();
-    let cache = WatchCache::new(api.clone(), watcher::Config::default().labels("app=x"));
+    let cache = WatchCache::new(
+        api.clone(),
+        watcher::Config::default().labels("app=x"),
+        &CacheBudget::default(),
+    );
 
     // Not watching yet: the API answers.
     sim.clear_requests();
@@ -109,4 +114,139 @@ async fn reads_come_from_the_cache_only_while_it_is_proven_current() {
         cache.current().is_some_and(|store| store.len() == 3)
     })
     .await;
+}
+
+/// Polls a cache's event stream in the background, sending each event's outcome.
+fn drive<K: Send + 'static>(
+    mut events: futures::stream::BoxStream<'static, Result<watcher::Event<K>, CacheError>>,
+) -> tokio::sync::mpsc::UnboundedReceiver<Result<(), String>> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            let _ = tx.send(event.map(|_| ()).map_err(|err| match err {
+                CacheError::OverBudget(_) => format!("over budget: {err}"),
+                CacheError::Lost { .. } => format!("lost: {err}"),
+                CacheError::Watch(_) => format!("watch: {err}"),
+            }));
+        }
+    });
+    rx
+}
+
+/// A watch event the client cannot decode (here a ConfigMap whose data holds a number, as a
+/// restored etcd or a newer apiserver could serve) is never dropped silently: the cache stops
+/// being current (reads go to the API, which fail on the same object) until a list has the
+/// object again, and the loss is reported on the stream.
+#[tokio::test]
+async fn an_event_that_cannot_be_decoded_makes_the_cache_list_again() {
+    let sim = sim().await;
+    let api: Api<ConfigMap> = Api::namespaced(sim.client(), "default");
+    api.create(&PostParams::default(), &config_map("a", "1"))
+        .await
+        .unwrap();
+    let cache = WatchCache::new(
+        api.clone(),
+        watcher::Config::default().labels("app=x"),
+        &CacheBudget::default(),
+    );
+    let mut events = drive(cache.take_events().unwrap());
+    eventually("the cache lists", || async { cache.current().is_some() }).await;
+
+    let undecodable = serde_json::json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "a", "namespace": "default", "labels": {"app": "x"}},
+        "data": {"v": 5}
+    });
+    sim.backdoor().put(undecodable).unwrap();
+    let lost = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match events.recv().await {
+                Some(Err(message)) if message.starts_with("lost") => return message,
+                Some(_) => {}
+                None => panic!("the stream ended"),
+            }
+        }
+    })
+    .await
+    .expect("the lost event reported");
+    assert!(lost.contains("ConfigMap"), "{lost}");
+    assert!(
+        cache.current().is_none(),
+        "a cache that lost an event is not current"
+    );
+    assert!(
+        cache.get(&api, "a").await.is_err(),
+        "the API read fails on the same object: no decision on a stale copy"
+    );
+
+    // The object becomes readable again: the next list has it, and the cache is current.
+    sim.backdoor()
+        .put(serde_json::to_value(config_map("a", "2")).unwrap())
+        .unwrap();
+    eventually("current again, with the new value", || async {
+        cache.current().is_some()
+            && cache
+                .get(&api, "a")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|c| c.data)
+                .is_some_and(|data| data["v"] == "2")
+    })
+    .await;
+}
+
+/// A cache that would go over its cluster's budget drops what it holds, gives it back to the
+/// budget and says so; its reads go to the API meanwhile.
+#[tokio::test]
+async fn a_cache_over_its_budget_drops_its_contents_and_says_so() {
+    let sim = sim().await;
+    let api: Api<ConfigMap> = Api::namespaced(sim.client(), "default");
+    for name in ["a", "b"] {
+        api.create(&PostParams::default(), &config_map(name, "1"))
+            .await
+            .unwrap();
+    }
+    let budget = CacheBudget::new(
+        BudgetLimits {
+            max_objects: 3,
+            max_bytes: usize::MAX / 2,
+        },
+        "--test-budget",
+        &mut prometheus_client::registry::Registry::default(),
+    );
+    let cache = WatchCache::new(
+        api.clone(),
+        watcher::Config::default().labels("app=x"),
+        &budget,
+    );
+    let mut events = drive(cache.take_events().unwrap());
+    eventually("the cache lists", || async { cache.current().is_some() }).await;
+    assert_eq!(budget.held().0, 2);
+
+    for name in ["c", "d"] {
+        api.create(&PostParams::default(), &config_map(name, "1"))
+            .await
+            .unwrap();
+    }
+    let breach = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match events.recv().await {
+                Some(Err(message)) if message.starts_with("over budget") => return message,
+                Some(_) => {}
+                None => panic!("the stream ended"),
+            }
+        }
+    })
+    .await
+    .expect("the breach reported");
+    assert!(breach.contains("3 objects"), "{breach}");
+    assert!(breach.contains("--test-budget"), "{breach}");
+    assert!(cache.current().is_none());
+    assert_eq!(budget.held(), (0, 0), "what the cache held is given back");
+    assert_eq!(
+        cache.list(&api).await.unwrap().len(),
+        4,
+        "reads go to the API while the cache is emptied"
+    );
 }

@@ -158,6 +158,10 @@ system-cluster-critical
 - name: BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS
   value: {{ join "," .Values.tenants.credentialPlugins | quote }}
 {{- end }}
+- name: BOOTSTRAP_TENANTS_CACHE_MAX_OBJECTS
+  value: {{ .Values.tenants.cacheMaxObjects | int64 | quote }}
+- name: BOOTSTRAP_TENANTS_CACHE_MAX_MIB
+  value: {{ .Values.tenants.cacheMaxMiB | int64 | quote }}
 {{- end }}
 {{- if .Values.etcd.servers }}
 - name: BOOTSTRAP_ETCD_SERVERS

@@ -1,5 +1,6 @@
 //! Merging flags over the file over the defaults, and validating the result.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,10 +12,13 @@ use reconcilers::section::{
 };
 
 use super::file::read_file;
-use super::settings::{ConfigArgs, FileConfig, Given, Source};
+use super::settings::{ConfigArgs, FileConfig, Given, Source, TenantBudgetFile};
 use super::tenant::{DEFAULT_TENANTS_KUBECONFIG_KEY, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
 use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs};
-use super::{Config, ConfigErrors, LeaderElection, Tenants};
+use super::{
+    Config, ConfigErrors, DEFAULT_TENANTS_CACHE_MAX_MIB, DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
+    LeaderElection, TenantBudget, Tenants,
+};
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
 /// its key, the files are readable, and nothing but the servers turns etcd mode on.
@@ -166,6 +170,7 @@ impl Config {
                 )
             }),
             etcd: self.etcd(),
+            cache_budget: reconcilers::budget::CacheBudget::default(),
         }
     }
 
@@ -374,7 +379,8 @@ impl Config {
             .take()
             .map(|source| source.value)
             .unwrap_or_default();
-        let tenants = merge_tenants(&mut given, &mut errors);
+        let budgets = file.tenants.as_ref().and_then(|t| t.cache_budgets.as_ref());
+        let tenants = merge_tenants(&mut given, budgets, &mut errors);
         let etcd = merge_etcd(given, &mut errors);
         if tenants.is_some() {
             refuse_process_etcd(args, &file, &mut errors);
@@ -574,20 +580,89 @@ pub(super) fn merge_leader_election(
 
 /// Management mode's settings: flags over the file's `tenants` section. `None` when no
 /// selector is set (the one cluster of `--kubeconfig`).
-pub(super) fn merge_tenants(given: &mut Given, errors: &mut Vec<ConfigError>) -> Option<Tenants> {
+pub(super) fn merge_tenants(
+    given: &mut Given,
+    budgets: Option<&BTreeMap<String, TenantBudgetFile>>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<Tenants> {
     let namespace = given.tenants_namespace.take();
     let key = given.tenants_kubeconfig_key.take();
     let plugins = given.tenants_credential_plugins.take();
+    let max_objects = given.tenants_cache_max_objects.take();
+    let max_mib = given.tenants_cache_max_mib.take();
     let Some(selector) = given.tenants_secret_selector.take() else {
-        for source in [namespace, key, plugins].into_iter().flatten() {
+        let fields = [namespace, key, plugins]
+            .into_iter()
+            .flatten()
+            .map(|source| source.field)
+            .chain(
+                [max_objects, max_mib]
+                    .into_iter()
+                    .flatten()
+                    .map(|s| s.field),
+            )
+            .chain(budgets.map(|_| "tenants.cacheBudgets"));
+        for field in fields {
             errors.push(ConfigError::new(
-                source.field,
+                field,
                 "only means something in management mode: set --tenants-secret-selector \
                  (tenants.secretSelector) too, or leave it out",
             ));
         }
         return None;
     };
+    let mut positive = |source: Option<Source<Result<u32, NotANumber>>>, default: u32, example| {
+        let Some(source) = source else {
+            return default;
+        };
+        match source.value {
+            Ok(value @ 1..) => value,
+            Ok(_) | Err(_) => {
+                let text = match source.value {
+                    Ok(value) => value.to_string(),
+                    Err(NotANumber(text)) => format!("{text:?}"),
+                };
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!("{text} is not a positive whole number (e.g. {example})"),
+                ));
+                default
+            }
+        }
+    };
+    let cache_max_objects = positive(max_objects, DEFAULT_TENANTS_CACHE_MAX_OBJECTS, "50000");
+    let cache_max_mib = positive(max_mib, DEFAULT_TENANTS_CACHE_MAX_MIB, "32");
+    let mut cache_budgets = BTreeMap::new();
+    for (key, budget) in budgets.into_iter().flatten() {
+        let field = format!("tenants.cacheBudgets.{key}");
+        let valid_key = key.split_once('/').is_some_and(|(namespace, name)| {
+            validate_dns1123_label(namespace).is_ok() && validate_dns1123_subdomain(name).is_ok()
+        });
+        if !valid_key {
+            errors.push(ConfigError::new(
+                field.clone(),
+                "is not a tenant: the key is its Secret's namespace/name (e.g. tenants/team-a)",
+            ));
+        }
+        for (given, name) in [
+            (budget.max_objects, "maxObjects"),
+            (budget.max_mib, "maxMiB"),
+        ] {
+            if given == Some(0) {
+                errors.push(ConfigError::new(
+                    format!("{field}.{name}"),
+                    "must be positive (leave it out for the process's budget)",
+                ));
+            }
+        }
+        cache_budgets.insert(
+            key.clone(),
+            TenantBudget {
+                max_objects: budget.max_objects.unwrap_or(cache_max_objects),
+                max_mib: budget.max_mib.unwrap_or(cache_max_mib),
+            },
+        );
+    }
     let selector_text = selector.value.trim().to_owned();
     if selector_text.is_empty() {
         errors.push(ConfigError::new(
@@ -678,6 +753,9 @@ pub(super) fn merge_tenants(given: &mut Given, errors: &mut Vec<ConfigError>) ->
         namespace,
         kubeconfig_key,
         credential_plugins,
+        cache_max_objects,
+        cache_max_mib,
+        cache_budgets,
     })
 }
 

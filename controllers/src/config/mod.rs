@@ -26,6 +26,7 @@ pub use settings::*;
 pub use tenant::*;
 pub use values::*;
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -109,6 +110,43 @@ pub struct Tenants {
     pub kubeconfig_key: String,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub credential_plugins: Vec<PathBuf>,
+    /// What one tenant's caches may hold.
+    pub cache_max_objects: u32,
+    #[serde(rename = "cacheMaxMiB")]
+    pub cache_max_mib: u32,
+    /// The operator's budgets for single tenants, by `namespace/name`.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub cache_budgets: BTreeMap<String, TenantBudget>,
+}
+
+/// A budget the operator set for one tenant (`tenants.cacheBudgets`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TenantBudget {
+    pub max_objects: u32,
+    #[serde(rename = "maxMiB")]
+    pub max_mib: u32,
+}
+
+/// The default `--tenants-cache-max-objects`: see CONFIG.md for how it was sized.
+pub const DEFAULT_TENANTS_CACHE_MAX_OBJECTS: u32 = 50_000;
+/// The default `--tenants-cache-max-mib`.
+pub const DEFAULT_TENANTS_CACHE_MAX_MIB: u32 = 32;
+
+impl Tenants {
+    /// The cache budget of the tenant of Secret `key` (`namespace/name`).
+    pub fn cache_limits(&self, key: &str) -> reconcilers::budget::BudgetLimits {
+        let (objects, mib) = match self.cache_budgets.get(key) {
+            Some(budget) => (budget.max_objects, budget.max_mib),
+            None => (self.cache_max_objects, self.cache_max_mib),
+        };
+        reconcilers::budget::BudgetLimits {
+            max_objects: usize::try_from(objects).unwrap_or(usize::MAX),
+            max_bytes: usize::try_from(mib)
+                .unwrap_or(usize::MAX)
+                .saturating_mul(1024 * 1024),
+        }
+    }
 }
 
 /// Leader election among replicas of this controller.

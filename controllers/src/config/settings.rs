@@ -350,6 +350,20 @@ settings! {
         "BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS", "PATHS";
         file "tenants.credentialPlugins" in tenants.credential_plugins;
 
+    /// Management mode: the most objects one tenant's caches may hold together (its Services,
+    /// IPAddresses, namespaces, ...). A tenant whose API would make them hold more is emptied
+    /// and paused, alone; `tenants.cacheBudgets` raises it for one tenant. [default: 50000]
+    tenants_cache_max_objects: String = "tenants-cache-max-objects",
+        "BOOTSTRAP_TENANTS_CACHE_MAX_OBJECTS", "N";
+        file "tenants.cacheMaxObjects" in tenants.cache_max_objects
+            => Result<u32, NotANumber> = parse_u32;
+
+    /// Management mode: the most MiB one tenant's caches may hold together (estimated: a whole
+    /// object by its JSON size). Over it, as over --tenants-cache-max-objects. [default: 32]
+    tenants_cache_max_mib: String = "tenants-cache-max-mib", "BOOTSTRAP_TENANTS_CACHE_MAX_MIB",
+        "MIB";
+        file "tenants.cacheMaxMiB" in tenants.cache_max_mib => Result<u32, NotANumber> = parse_u32;
+
 }
 
 /// clap's parser of `--endpoint-reconciler-type`, listing the modes in `--help`.
@@ -396,4 +410,19 @@ pub struct TenantsFile {
     pub namespace: Option<String>,
     pub kubeconfig_key: Option<String>,
     pub credential_plugins: Option<StringOrList>,
+    pub cache_max_objects: Option<u32>,
+    #[serde(rename = "cacheMaxMiB")]
+    pub cache_max_mib: Option<u32>,
+    /// Budgets the operator raises (or lowers) for single tenants, by `namespace/name` of their
+    /// Secret; a tenant's own annotation cannot.
+    pub cache_budgets: Option<std::collections::BTreeMap<String, TenantBudgetFile>>,
+}
+
+/// One tenant's cache budget in `tenants.cacheBudgets`; what is left out is the process's.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TenantBudgetFile {
+    pub max_objects: Option<u32>,
+    #[serde(rename = "maxMiB")]
+    pub max_mib: Option<u32>,
 }

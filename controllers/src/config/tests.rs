@@ -507,6 +507,9 @@ fn tenants_settings_from_flags_and_file_are_validated() {
             namespace: Some("capi".to_owned()),
             kubeconfig_key: "value".to_owned(),
             credential_plugins: Vec::new(),
+            cache_max_objects: super::DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
+            cache_max_mib: super::DEFAULT_TENANTS_CACHE_MAX_MIB,
+            cache_budgets: Default::default(),
         })
     );
     assert_eq!(from_yaml("{}\n").unwrap().tenants, None);

@@ -5,7 +5,7 @@ use reconcilers::legacy_alloc::etcd::InlineTls;
 
 use super::{Spec, TenantSettings};
 use crate::config::{Config, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
-use crate::limits::Limits;
+use crate::limits::{LimitLayer, Limits};
 use crate::tenant_kubeconfig;
 
 /// What loading a tenant's Secret gives: everything its runtime is built from.
@@ -13,6 +13,8 @@ pub(super) struct Loaded {
     pub(super) config: Config,
     pub(super) kube_config: kube::Config,
     pub(super) client: kube::Client,
+    /// The bounds of the client's responses; the cache budget pauses the client through it.
+    pub(super) limits: LimitLayer,
 }
 
 /// Reads a tenant's Secret into what its runtime is built from: the configuration (fragment
@@ -38,11 +40,12 @@ pub(super) async fn load(
         .await
         .map_err(|err| err.to_string())?;
     config.etcd_inline_tls = etcd_tls(key, spec, &config)?;
+    let limits = Limits::TENANT.for_one_client();
     let client = {
         let kube_config = kube_config.clone();
+        let limits = limits.clone();
         tokio::task::spawn_blocking(move || {
-            ClientBuilder::try_from(kube_config)
-                .map(|builder| builder.with_layer(&Limits::TENANT.for_one_client()).build())
+            ClientBuilder::try_from(kube_config).map(|builder| builder.with_layer(&limits).build())
         })
         .await
         .map_err(|err| format!("{source}: cannot build a client: {err}"))?
@@ -52,6 +55,7 @@ pub(super) async fn load(
         config,
         kube_config,
         client,
+        limits,
     })
 }
 

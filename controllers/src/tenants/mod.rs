@@ -44,6 +44,7 @@ use crate::health::{CheckState, Health};
 use crate::metrics::METRICS_PREFIX;
 use crate::shards::{Leadership, View};
 use crate::tenant_kubeconfig::{self, CredentialPolicy};
+use reconcilers::budget::CacheBudget;
 
 mod directory;
 mod load;
@@ -65,6 +66,10 @@ pub const LOAD_TIMEOUT: Duration =
 /// Name of the readiness check that the Secrets of the management cluster are known.
 pub const READYZ_CHECK: &str = "tenant-secrets";
 
+/// Name of a tenant's readiness check that its caches are within their budget; present once
+/// they went over it.
+pub const BUDGET_CHECK: &str = "cache-budget";
+
 /// Where the tenants are and how each is configured.
 #[derive(Clone, Debug)]
 pub struct TenantSettings {
@@ -76,6 +81,8 @@ pub struct TenantSettings {
     pub identity: String,
     /// What a tenant kubeconfig may use beyond inline material.
     pub credentials: CredentialPolicy,
+    /// The tenants' cache budgets: the process's, and the operator's for single tenants.
+    pub cache_budgets: crate::config::Tenants,
     /// Where the etcd-claim records are kept ([`crate::etcd_claims`]): the controller's own
     /// namespace, and the replicas' group (the Lease name) their names start with.
     pub claims_namespace: String,
@@ -588,11 +595,7 @@ impl Manager {
     fn refuse(&self, key: &str, spec: &Spec, reason: &str) {
         warn!(tenant = %key, "{reason}");
         self.metrics.config_errors.inc();
-        let mut secret = Secret::default();
-        secret.metadata.namespace = Some(spec.namespace.clone());
-        secret.metadata.name = Some(spec.name.clone());
-        secret.metadata.uid = Some(spec.uid.clone()).filter(|uid| !uid.is_empty());
-        let reference = secret.object_ref(&());
+        let reference = secret_ref(spec);
         let event = Event {
             type_: EventType::Warning,
             reason: "TenantConfigInvalid".to_owned(),
@@ -608,6 +611,53 @@ impl Manager {
         });
     }
 
+    /// What happens when a tenant's caches would go over their budget: its client pauses as for
+    /// a broken bound (every request fails at once until the pause ends, so its loops neither
+    /// read nor write on what they no longer hold), `/readyz` says so, and the Secret gets one
+    /// Warning event per runtime (a breach repeats after each pause while the tenant is too
+    /// large; the event would only repeat too).
+    fn over_budget(
+        &self,
+        key: &str,
+        spec: &Spec,
+        limits: crate::limits::LimitLayer,
+        health: Health,
+    ) -> reconcilers::budget::BreachHook {
+        let reported = std::sync::atomic::AtomicBool::new(false);
+        let (client, reporter) = (self.client.clone(), self.reporter.clone());
+        let reference = secret_ref(spec);
+        let key = key.to_owned();
+        Arc::new(move |breach: &reconcilers::budget::Breach| {
+            let message = breach.to_string();
+            let pause = limits.breach(crate::limits::LimitError::OverBudget(message.clone()));
+            health.set_check(
+                BUDGET_CHECK,
+                CheckState::Failing(format!(
+                    "over its cache budget, paused (the last pause {} s): {message}",
+                    pause.as_secs()
+                )),
+            );
+            if !reported.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                warn!(tenant = %key, pause_s = pause.as_secs(), "{message}; the tenant is paused");
+                let event = Event {
+                    type_: EventType::Warning,
+                    reason: "TenantOverBudget".to_owned(),
+                    note: Some(truncate(&message, 1000)),
+                    action: "CacheTenant".to_owned(),
+                    secondary: None,
+                };
+                let recorder = Recorder::new(client.clone(), reporter.clone());
+                let reference = reference.clone();
+                tokio::spawn(async move {
+                    if let Err(err) = recorder.publish(&event, &reference).await {
+                        debug!(error = %err, "cannot publish the TenantOverBudget event");
+                    }
+                });
+            }
+            pause
+        })
+    }
+
     /// Starts one tenant's runtime from what its load gave. Nothing here reaches the tenant's
     /// API, so a tenant that is down costs no time here; its loops retry on their own.
     fn start(&self, key: &str, spec: &Spec, loaded: Loaded) -> Running {
@@ -615,6 +665,7 @@ impl Manager {
             config,
             kube_config,
             client,
+            limits,
         } = loaded;
         let mut registry = Registry::with_prefix_and_labels(
             METRICS_PREFIX,
@@ -631,8 +682,18 @@ impl Manager {
                 Box::pin(async move { Ok(kube_config) })
             })
         };
-        let runner = crate::loops::build_runner(&config, &client, load_kubeconfig, &mut registry);
+        let budget = CacheBudget::new(
+            self.settings.cache_budgets.cache_limits(key),
+            format!(
+                "--tenants-cache-max-objects / --tenants-cache-max-mib, or for this tenant \
+                 tenants.cacheBudgets.{key:?} in the configuration file"
+            ),
+            &mut registry,
+        );
+        let runner =
+            crate::loops::build_runner(&config, &client, load_kubeconfig, &budget, &mut registry);
         let health = runner.health();
+        budget.on_breach(self.over_budget(key, spec, limits, health.clone()));
         let cancel = CancellationToken::new();
         let (leading, leadership) = self.leadership.grant();
         let task = tokio::spawn(
@@ -680,6 +741,15 @@ impl Manager {
             .inc_by(u64::try_from(count).unwrap_or(u64::MAX));
         info!(tenants = ?keys, reason, took = ?started.elapsed(), "tenants stopped");
     }
+}
+
+/// The reference of a tenant's Secret, for its events.
+fn secret_ref(spec: &Spec) -> k8s_openapi::api::core::v1::ObjectReference {
+    let mut secret = Secret::default();
+    secret.metadata.namespace = Some(spec.namespace.clone());
+    secret.metadata.name = Some(spec.name.clone());
+    secret.metadata.uid = Some(spec.uid.clone()).filter(|uid| !uid.is_empty());
+    secret.object_ref(&())
 }
 
 /// Event notes are limited to 1 KiB by the API.

@@ -133,18 +133,22 @@ impl ApiserverEndpointsLoop {
         let endpoints = WatchCache::new(
             Api::namespaced(deps.client.clone(), &target.namespace),
             watcher::Config::default().fields(&format!("metadata.name={}", target.service_name)),
+            &settings.cache_budget,
         );
         let slices = WatchCache::new(
             Api::namespaced(deps.client.clone(), &target.namespace),
             watcher::Config::default().labels(&slice_selector(target)),
+            &settings.cache_budget,
         );
         let leases = WatchCache::new(
             Api::namespaced(deps.client.clone(), &section.lease_namespace),
             watcher::Config::default().labels(&member_selector(&target.service_name)),
+            &settings.cache_budget,
         );
         let service = WatchCache::new(
             Api::namespaced(deps.client.clone(), &target.namespace),
             watcher::Config::default().fields(&format!("metadata.name={}", target.service_name)),
+            &settings.cache_budget,
         );
         Self {
             endpoints,

@@ -305,6 +305,13 @@ impl std::ops::Deref for MemberLease {
     }
 }
 
+/// Serialized as the Lease it is (its cache weighs objects by their JSON size).
+impl serde::Serialize for MemberLease {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
+    }
+}
+
 impl<'de> serde::Deserialize<'de> for MemberLease {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         use serde::de::Error;

@@ -10,6 +10,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::runtime::watcher;
 
 use super::lease::MemberLease;
+use crate::budget::{CacheError, CacheEvent};
 use crate::contract::Trigger;
 
 /// The Lease watch as a trigger, minus plain renewals: with N members a renewal arrives every
@@ -17,12 +18,10 @@ use crate::contract::Trigger;
 /// appears, goes, changes address, or is renewed after it had expired (a member coming back).
 pub(super) fn lease_trigger<S>(stream: S, fallback_ttl: Duration) -> Trigger
 where
-    S: futures::Stream<Item = Result<watcher::Event<MemberLease>, watcher::Error>> + Send + 'static,
+    S: futures::Stream<Item = CacheEvent<MemberLease>> + Send + 'static,
 {
-    use kube::runtime::WatchStreamExt;
     let mut seen: BTreeMap<String, (IpAddr, Timestamp)> = BTreeMap::new();
     stream
-        .default_backoff()
         .filter_map(move |event| {
             let fire = match event {
                 Ok(watcher::Event::Init) => {
@@ -56,6 +55,11 @@ where
                 }
                 Ok(watcher::Event::Delete(lease)) => {
                     seen.remove(&lease.metadata.name.clone().unwrap_or_default());
+                    true
+                }
+                // The cache emptied or lost an event: the pass reads the API instead.
+                Err(CacheError::OverBudget(_) | CacheError::Lost { .. }) => {
+                    seen.clear();
                     true
                 }
                 Err(err) => {
@@ -93,19 +97,20 @@ mod tests {
         let now = Timestamp::now();
         let long_ago = Timestamp::from_second(1_600_000_000).unwrap();
         let events = vec![
-            Ok(watcher::Event::Init),
-            Ok(watcher::Event::InitApply(lease("192.0.2.1", now))),
-            Ok(watcher::Event::InitApply(lease("192.0.2.2", long_ago))),
-            Ok(watcher::Event::InitDone),
+            watcher::Event::Init,
+            watcher::Event::InitApply(lease("192.0.2.1", now)),
+            watcher::Event::InitApply(lease("192.0.2.2", long_ago)),
+            watcher::Event::InitDone,
             // 1: plain renewal -> nothing.
-            Ok(watcher::Event::Apply(lease("192.0.2.1", now))),
+            watcher::Event::Apply(lease("192.0.2.1", now)),
             // 2: renewal of an expired member (it comes back) -> fires.
-            Ok(watcher::Event::Apply(lease("192.0.2.2", now))),
+            watcher::Event::Apply(lease("192.0.2.2", now)),
             // 3: a new member -> fires.
-            Ok(watcher::Event::Apply(lease("192.0.2.3", now))),
+            watcher::Event::Apply(lease("192.0.2.3", now)),
             // 4: a member goes -> fires.
-            Ok(watcher::Event::Delete(lease("192.0.2.1", now))),
+            watcher::Event::Delete(lease("192.0.2.1", now)),
         ];
+        let events = events.into_iter().map(Ok::<_, CacheError>);
         let fired: Vec<()> = lease_trigger(futures::stream::iter(events), Duration::from_secs(15))
             .collect()
             .await;

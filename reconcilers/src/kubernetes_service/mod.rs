@@ -93,6 +93,7 @@ impl KubernetesServiceLoop {
         let cache = WatchCache::new(
             Api::namespaced(client.clone(), &section.namespace),
             watcher::Config::default().fields(&format!("metadata.name={}", section.name)),
+            &settings.cache_budget,
         );
         let ranges = ServiceRanges::new(
             client.clone(),

@@ -15,12 +15,12 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, ListParams};
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, watcher};
+use kube::runtime::watcher;
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
 use super::record::{Name, ServiceRecord};
+use crate::budget::{self, CacheBudget, CacheError};
 
 /// A record kept in a [`Store`]: the projection of one API object.
 pub trait Cached: Clone + Debug + Send + Sync + 'static {
@@ -122,27 +122,41 @@ impl<T: Cached> StoreState<T> {
             }
         }
     }
+
+    /// Drops everything (the cache went over its budget): not synced until a list completes.
+    fn drop_all(&mut self) {
+        self.objects = HashMap::new();
+        self.synced = false;
+    }
 }
 
 /// A cache shared between its [`reflect`] stream (the writer) and the passes (readers).
 #[derive(Debug)]
 pub struct Store<T: Cached> {
     state: RwLock<StoreState<T>>,
+    /// What the cluster's caches may hold; [`reflect`] keeps this one within it.
+    budget: CacheBudget,
 }
 
 impl<T: Cached> Default for Store<T> {
     fn default() -> Self {
+        Self::within(CacheBudget::default())
+    }
+}
+
+impl<T: Cached> Store<T> {
+    /// An empty store whose contents count against `budget`.
+    pub fn within(budget: CacheBudget) -> Self {
         Self {
             state: RwLock::new(StoreState {
                 objects: HashMap::new(),
                 generation: 0,
                 synced: false,
             }),
+            budget,
         }
     }
-}
 
-impl<T: Cached> Store<T> {
     /// Read access for one synchronous decision. Never hold it across an `.await`.
     pub fn read(&self) -> RwLockReadGuard<'_, StoreState<T>> {
         // A writer that panicked left a consistent map (every mutation is a single insert,
@@ -184,15 +198,20 @@ pub struct SharedStore<T: Cached> {
 
 impl<T: Cached> Default for SharedStore<T> {
     fn default() -> Self {
-        Self {
-            store: Arc::default(),
-            changes: tokio::sync::watch::Sender::new(0),
-            fed: std::sync::atomic::AtomicBool::new(false),
-        }
+        Self::within(CacheBudget::default())
     }
 }
 
 impl<T: Cached> SharedStore<T> {
+    /// An empty shared store whose contents count against `budget`.
+    pub fn within(budget: CacheBudget) -> Self {
+        Self {
+            store: Arc::new(Store::within(budget)),
+            changes: tokio::sync::watch::Sender::new(0),
+            fed: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
     pub fn store(&self) -> &Arc<Store<T>> {
         &self.store
     }
@@ -224,7 +243,8 @@ impl<T: Cached> SharedStore<T> {
 pub const DEFAULT_PAGE_SIZE: u32 = 500;
 
 /// Keeps `store` by a kube-runtime watcher of every `T::Object` (retrying with its default
-/// backoff); yields after each change that completes a list or follows it.
+/// backoff) within the store's budget; yields after each change that completes a list or
+/// follows it.
 pub fn reflect<T: Cached>(
     client: kube::Client,
     page_size: u32,
@@ -233,8 +253,7 @@ pub fn reflect<T: Cached>(
     let api: Api<T::Object> = Api::all(client);
     let config = watcher::Config::default().page_size(page_size);
     let mut failure = crate::findings::RepeatedFailure::default();
-    watcher(api, config)
-        .default_backoff()
+    budget::watch(api, config, &store.budget, record_weight::<T>)
         .filter_map(move |event| {
             let kind = <T::Object as kube::Resource>::kind(&());
             let changed = match event {
@@ -244,6 +263,17 @@ pub fn reflect<T: Cached>(
                         failure.succeeded();
                     }
                     changed
+                }
+                Err(err @ (CacheError::OverBudget(_) | CacheError::Lost { .. })) => {
+                    match &err {
+                        CacheError::OverBudget(_) => store.write().drop_all(),
+                        _ => store.write().synced = false,
+                    }
+                    // Reported once until a list completes again.
+                    if failure.is_new(&err) {
+                        warn!(%kind, error = %err, "the cache is not current until a list completes");
+                    }
+                    true
                 }
                 Err(err) if store.is_synced() => {
                     debug!(%kind, error = %err, "watch failed; resuming");
@@ -263,6 +293,15 @@ pub fn reflect<T: Cached>(
             futures::future::ready(changed.then_some(()))
         })
         .boxed()
+}
+
+/// What one record costs its cache: the record, its key and the map's bookkeeping, plus the
+/// names it holds.
+fn record_weight<T: Cached>(object: &T::Object) -> usize {
+    let meta = kube::Resource::meta(object);
+    let names =
+        meta.name.as_ref().map_or(0, String::len) + meta.namespace.as_ref().map_or(0, String::len);
+    2 * std::mem::size_of::<(T::Key, (T, u32))>() + names
 }
 
 /// Lists every `T::Object` now, page by page, as records: a read as fresh as the API's, for

@@ -102,6 +102,7 @@ impl DefaultServiceCidr {
             cache: WatchCache::new(
                 Api::all(client.clone()),
                 watcher::Config::default().fields(&format!("metadata.name={DEFAULT_SERVICE_CIDR}")),
+                &settings.cache_budget,
             ),
             client,
         })

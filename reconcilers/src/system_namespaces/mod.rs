@@ -10,19 +10,20 @@
 //! the table of its cases), `apply.rs` (the writes); here the loop: the namespace cache and a
 //! pass over the declared namespaces.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
-use futures::StreamExt;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Namespace;
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use crate::budget::CacheBudget;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::metrics::{loop_registry, registered};
+use crate::watch_cache::{WatchCache, watch_trigger};
 
 mod apply;
 mod plan;
@@ -34,53 +35,25 @@ pub use section::{DEFAULT_INTERVAL, NamespaceSpec, Section, UPSTREAM_NAMESPACES}
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "system-namespaces";
 
-/// How long a pass waits for the namespace cache's first list before giving up and retrying.
-const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(10);
-
 pub struct SystemNamespaces {
     config: Section,
     api: Api<Namespace>,
-    store: Store<Namespace>,
-    /// Taken by the runner's single call to `triggers()`; the reflector inside feeds `store`.
-    trigger: std::sync::Mutex<Option<Trigger>>,
+    /// Every namespace, kept by a watch that is also the loop's trigger.
+    cache: WatchCache<Namespace>,
     missing: Gauge,
     /// Namespaces reported stuck terminating: warned about once when each gets stuck.
     stuck: crate::findings::ReportOnce<String>,
 }
 
 impl SystemNamespaces {
-    pub fn new(client: Client, config: Section, registry: &mut Registry) -> Self {
+    pub fn new(
+        client: Client,
+        config: Section,
+        budget: &CacheBudget,
+        registry: &mut Registry,
+    ) -> Self {
         let api: Api<Namespace> = Api::all(client);
-        let (store, writer) = reflector::store();
-        let trigger = reflector::reflector(
-            writer,
-            watcher(api.clone(), watcher::Config::default()).default_backoff(),
-        )
-        .filter_map({
-            let mut failure = crate::findings::RepeatedFailure::default();
-            move |event| {
-                let woken = match event {
-                    Ok(event) => {
-                        // Init starts every attempt to list, the failing ones too.
-                        if !matches!(event, watcher::Event::Init) {
-                            failure.succeeded();
-                        }
-                        Some(())
-                    }
-                    Err(err) if failure.is_new(&err) => {
-                        tracing::warn!(error = %err, "namespace watch failed; retrying with backoff (the same failure again is logged at debug level)");
-                        None
-                    }
-                    Err(err) => {
-                        tracing::debug!(error = %err, "namespace watch failed again");
-                        None
-                    }
-                };
-                futures::future::ready(woken)
-            }
-        })
-        .boxed();
-
+        let cache = WatchCache::new(api.clone(), watcher::Config::default(), budget);
         let missing = registered(
             loop_registry(registry, NAME),
             "missing",
@@ -90,25 +63,28 @@ impl SystemNamespaces {
         Self {
             config,
             api,
-            store,
-            trigger: std::sync::Mutex::new(Some(trigger)),
+            cache,
             missing,
             stuck: crate::findings::ReportOnce::new(),
         }
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        tokio::time::timeout(CACHE_SYNC_TIMEOUT, self.store.wait_until_ready())
+        // From the cache while it is current, else one LIST: never a decision on a guess.
+        let namespaces: HashMap<String, Namespace> = self
+            .cache
+            .list(&self.api)
             .await
-            .map_err(|_| LoopError::NotSynced("namespace cache has not listed yet".into()))?
-            .map_err(|_| LoopError::NotSynced("namespace watch stopped".into()))?;
-
+            .map_err(LoopError::Api)?
+            .into_iter()
+            .filter_map(|namespace| Some((namespace.metadata.name.clone()?, namespace)))
+            .collect();
         let mut report = PassReport::default();
         let mut first_error = None;
         let mut still_missing = 0;
         for spec in &self.config.namespaces {
-            let existing = self.store.get(&ObjectRef::new(&spec.name));
-            let need = assess(spec, existing.as_deref());
+            let existing = namespaces.get(&spec.name);
+            let need = assess(spec, existing);
             match self.apply(ctx, spec, need).await {
                 Ok(Some(found)) => {
                     if found.action == Action::Create && !found.applied {
@@ -158,10 +134,11 @@ impl Reconciler for SystemNamespaces {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        match self.trigger.lock() {
-            Ok(mut slot) => slot.take().into_iter().collect(),
-            Err(poisoned) => poisoned.into_inner().take().into_iter().collect(),
-        }
+        self.cache
+            .take_events()
+            .map(watch_trigger)
+            .into_iter()
+            .collect()
     }
 
     fn reconcile<'a>(

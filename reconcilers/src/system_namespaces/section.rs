@@ -136,6 +136,7 @@ impl LoopSection for Section {
         Ok(vec![Arc::new(SystemNamespaces::new(
             context.client.clone(),
             self.clone(),
+            &context.settings.cache_budget,
             context.registry,
         ))])
     }

@@ -1,0 +1,614 @@
+//! What one cluster's caches may hold, and the watch that keeps a cache within it.
+//!
+//! Every cache of a cluster (the Services the repairs share, the namespaces, the `kubernetes`
+//! endpoints, ...) is fed by [`watch`]: kube-runtime's watcher with its default backoff, plus
+//! two things it does not do.
+//!
+//! - **A budget.** A cluster's caches together hold at most [`BudgetLimits`] objects and
+//!   bytes. A tenant API that lists or streams objects without end (or a tenant far larger than
+//!   its budget) would otherwise grow the one process every tenant shares until it is killed.
+//!   The cache whose event would go over the budget drops everything it holds, says so
+//!   ([`CacheError::OverBudget`]), and its watch starts again only after a pause that the
+//!   budget's owner decides (management mode pauses the tenant's whole client, see
+//!   `controllers/src/limits.rs`). Bytes are estimated: a whole object's JSON size, a projected
+//!   record's own size.
+//! - **No silent loss.** kube-runtime's watcher drops a watch event it cannot decode and goes on
+//!   watching, so a cache would miss that object's update or delete for good and loops would
+//!   decide on an object that is gone. Here such an event ends the watch: the cache is not
+//!   current ([`CacheError::Lost`]) until a new list has it again, retried with backoff.
+//!
+//! The cluster of `--kubeconfig` has an unlimited budget: its caches are not counted.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::hash::{BuildHasher, Hash};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, watcher};
+use kube::{Api, Resource};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde::de::DeserializeOwned;
+
+/// The most a cluster's caches may hold together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BudgetLimits {
+    pub max_objects: usize,
+    pub max_bytes: usize,
+}
+
+impl BudgetLimits {
+    pub const UNLIMITED: BudgetLimits = BudgetLimits {
+        max_objects: usize::MAX,
+        max_bytes: usize::MAX,
+    };
+}
+
+/// A cache that would have gone over its cluster's budget.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the caches would hold more than {limit} {unit} (at {resource}); the budget is {hint}")]
+pub struct Breach {
+    /// The kind whose cache went over, e.g. `Service`.
+    pub resource: String,
+    /// `objects` or `bytes`.
+    pub unit: &'static str,
+    pub limit: usize,
+    /// Where the limit is set, for the operator: the setting that raises it.
+    pub hint: String,
+}
+
+/// Decides the pause after a breach (and reports it); returns how long the cache waits before
+/// it lists again.
+pub type BreachHook = Arc<dyn Fn(&Breach) -> Duration + Send + Sync>;
+
+/// The pause when nothing else decides it.
+const DEFAULT_PAUSE: Duration = Duration::from_secs(30);
+
+/// One cluster's budget, shared by its caches; clones share it.
+#[derive(Clone)]
+pub struct CacheBudget(Arc<Shared>);
+
+struct Shared {
+    limits: BudgetLimits,
+    /// Named in every [`Breach`]: the setting that raises the limits.
+    hint: String,
+    objects: AtomicUsize,
+    bytes: AtomicUsize,
+    hook: Mutex<Option<BreachHook>>,
+    metrics: CacheMetrics,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResourceLabels {
+    resource: String,
+}
+
+#[derive(Clone, Default)]
+struct CacheMetrics {
+    objects: Gauge,
+    bytes: Gauge,
+    over_budget: Family<ResourceLabels, Counter>,
+    lost: Family<ResourceLabels, Counter>,
+}
+
+impl Default for CacheBudget {
+    /// Unlimited and unregistered: for tests and one-off passes.
+    fn default() -> Self {
+        Self::unregistered(BudgetLimits::UNLIMITED, String::new())
+    }
+}
+
+impl PartialEq for CacheBudget {
+    /// Two budgets are equal when their limits are (what a configuration compares).
+    fn eq(&self, other: &Self) -> bool {
+        self.0.limits == other.0.limits
+    }
+}
+
+impl Debug for CacheBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheBudget")
+            .field("limits", &self.0.limits)
+            .field("objects", &self.0.objects.load(Ordering::Relaxed))
+            .field("bytes", &self.0.bytes.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl CacheBudget {
+    /// A budget with its metrics in `registry` (`cache_objects`, `cache_bytes`,
+    /// `cache_over_budget_total`, `cache_events_lost_total`). `hint` names the setting that
+    /// raises `limits`.
+    pub fn new(limits: BudgetLimits, hint: impl Into<String>, registry: &mut Registry) -> Self {
+        let budget = Self::unregistered(limits, hint.into());
+        let metrics = &budget.0.metrics;
+        registry.register(
+            "cache_objects",
+            "Objects the caches of this cluster hold (counted where a budget applies)",
+            metrics.objects.clone(),
+        );
+        registry.register(
+            "cache_bytes",
+            "Estimated bytes the caches of this cluster hold (counted where a budget applies)",
+            metrics.bytes.clone(),
+        );
+        registry.register(
+            "cache_over_budget",
+            "Caches emptied because they would have gone over the cluster's cache budget",
+            metrics.over_budget.clone(),
+        );
+        registry.register(
+            "cache_events_lost",
+            "Watch events that could not be decoded; each makes its cache list again",
+            metrics.lost.clone(),
+        );
+        budget
+    }
+
+    fn unregistered(limits: BudgetLimits, hint: String) -> Self {
+        CacheBudget(Arc::new(Shared {
+            limits,
+            hint,
+            objects: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            hook: Mutex::new(None),
+            metrics: CacheMetrics::default(),
+        }))
+    }
+
+    pub fn limits(&self) -> BudgetLimits {
+        self.0.limits
+    }
+
+    /// What the caches hold now: objects and estimated bytes.
+    pub fn held(&self) -> (usize, usize) {
+        (
+            self.0.objects.load(Ordering::Acquire),
+            self.0.bytes.load(Ordering::Acquire),
+        )
+    }
+
+    fn is_limited(&self) -> bool {
+        self.0.limits != BudgetLimits::UNLIMITED
+    }
+
+    /// Who decides the pause after a breach (and reports it).
+    pub fn on_breach(&self, hook: BreachHook) {
+        *self.0.hook.lock().unwrap_or_else(PoisonError::into_inner) = Some(hook);
+    }
+
+    fn breached(&self, breach: &Breach) -> Duration {
+        self.0
+            .metrics
+            .over_budget
+            .get_or_create(&ResourceLabels {
+                resource: breach.resource.clone(),
+            })
+            .inc();
+        let hook = self
+            .0
+            .hook
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        hook.map_or(DEFAULT_PAUSE, |hook| hook(breach))
+    }
+
+    fn lost(&self, resource: &str) {
+        self.0
+            .metrics
+            .lost
+            .get_or_create(&ResourceLabels {
+                resource: resource.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts `objects` and `bytes` more (or fewer); the breach when the totals go over.
+    fn charge(&self, objects: isize, bytes: isize, resource: &str) -> Result<(), Breach> {
+        let add = |counter: &AtomicUsize, delta: isize| {
+            if delta >= 0 {
+                counter.fetch_add(delta.unsigned_abs(), Ordering::AcqRel) + delta.unsigned_abs()
+            } else {
+                counter.fetch_sub(delta.unsigned_abs(), Ordering::AcqRel) - delta.unsigned_abs()
+            }
+        };
+        let objects_now = add(&self.0.objects, objects);
+        let bytes_now = add(&self.0.bytes, bytes);
+        self.0
+            .metrics
+            .objects
+            .set(i64::try_from(objects_now).unwrap_or(i64::MAX));
+        self.0
+            .metrics
+            .bytes
+            .set(i64::try_from(bytes_now).unwrap_or(i64::MAX));
+        let limits = self.0.limits;
+        let over = if objects > 0 && objects_now > limits.max_objects {
+            Some(("objects", limits.max_objects))
+        } else if bytes > 0 && bytes_now > limits.max_bytes {
+            Some(("bytes", limits.max_bytes))
+        } else {
+            None
+        };
+        match over {
+            Some((unit, limit)) => Err(Breach {
+                resource: resource.to_owned(),
+                unit,
+                limit,
+                hint: self.0.hint.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What one cache holds, as its budget counts it: each object's key (a hash of namespace and
+/// name) and weight, for the objects listed and, during a relist, those of the list under way
+/// (a cache holds both until the list completes).
+struct Account {
+    budget: CacheBudget,
+    resource: String,
+    held: HashMap<u64, usize>,
+    listing: Option<HashMap<u64, usize>>,
+    objects: usize,
+    bytes: usize,
+}
+
+impl Account {
+    fn new(budget: CacheBudget, resource: String) -> Self {
+        Account {
+            budget,
+            resource,
+            held: HashMap::new(),
+            listing: None,
+            objects: 0,
+            bytes: 0,
+        }
+    }
+
+    fn key<K: Resource>(object: &K) -> u64 {
+        let meta = object.meta();
+        foldhash::quality::FixedState::with_seed(0)
+            .hash_one((meta.namespace.as_deref(), meta.name.as_deref()))
+    }
+
+    /// Counts `event`; the breach when the cluster's caches go over their budget with it.
+    fn apply<K: Resource>(
+        &mut self,
+        event: &watcher::Event<K>,
+        weight: impl Fn(&K) -> usize,
+    ) -> Result<(), Breach> {
+        let insert = |map: &mut HashMap<u64, usize>, object: &K| {
+            let size = weight(object);
+            map.insert(Self::key(object), size)
+        };
+        match event {
+            watcher::Event::Init => self.listing = Some(HashMap::new()),
+            watcher::Event::InitApply(object) => {
+                let map = self.listing.get_or_insert_with(HashMap::new);
+                insert(map, object);
+            }
+            watcher::Event::InitDone => {
+                if let Some(listed) = self.listing.take() {
+                    self.held = listed;
+                }
+            }
+            watcher::Event::Apply(object) => {
+                insert(&mut self.held, object);
+            }
+            watcher::Event::Delete(object) => {
+                self.held.remove(&Self::key(object));
+            }
+        }
+        let maps = || self.held.iter().chain(self.listing.iter().flatten());
+        let objects = self.held.len() + self.listing.as_ref().map_or(0, HashMap::len);
+        let bytes = maps().map(|(_, size)| size).sum::<usize>();
+        self.recharge(objects, bytes)
+    }
+
+    fn recharge(&mut self, objects: usize, bytes: usize) -> Result<(), Breach> {
+        let delta = |now: usize, before: usize| {
+            isize::try_from(now).unwrap_or(isize::MAX) - isize::try_from(before).unwrap_or(0)
+        };
+        let result = self.budget.charge(
+            delta(objects, self.objects),
+            delta(bytes, self.bytes),
+            &self.resource,
+        );
+        (self.objects, self.bytes) = (objects, bytes);
+        result
+    }
+
+    /// Gives back everything: the cache has dropped its contents.
+    fn release(&mut self) {
+        self.held = HashMap::new();
+        self.listing = None;
+        // Releasing never breaches.
+        let _ = self.recharge(0, 0);
+    }
+}
+
+impl Drop for Account {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Why a cache's watch yielded no event.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// The watch failed; kube-runtime's watcher retries it with backoff.
+    #[error(transparent)]
+    Watch(#[from] watcher::Error),
+    /// The cache dropped its contents: they would have gone over the cluster's budget. It lists
+    /// again after a pause.
+    #[error("{0}; the cache was emptied and lists again after a pause")]
+    OverBudget(Breach),
+    /// An event could not be decoded and was lost: the cache is not current until a new list
+    /// has the object again.
+    #[error("a watch event of {resource} could not be decoded; the cache lists again")]
+    Lost {
+        resource: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// What a cache's watch yields.
+pub type CacheEvent<K> = Result<watcher::Event<K>, CacheError>;
+
+/// The longest wait before listing again after an event that could not be decoded.
+const MAX_LOST_DELAY: Duration = Duration::from_secs(60);
+
+struct WatchState<K: Resource + Clone + Debug + Send + 'static> {
+    api: Api<K>,
+    config: watcher::Config,
+    inner: Option<BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>>,
+    account: Option<Account>,
+    budget: CacheBudget,
+    weight: fn(&K) -> usize,
+    /// How long to wait before the next watcher starts.
+    delay: Duration,
+    /// Lost events since the last complete list (for the backoff).
+    lost: u32,
+}
+
+/// The watch that feeds one cache: kube-runtime's watcher (default backoff) within `budget`,
+/// each object weighing `weight(object)` bytes, ending (and starting again) on an event it
+/// cannot decode. A cache applies each `Ok` event; on [`CacheError::OverBudget`] it drops its
+/// contents and on [`CacheError::Lost`] it is not current until the next `InitDone`.
+pub fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    budget: &CacheBudget,
+    weight: fn(&K) -> usize,
+) -> BoxStream<'static, CacheEvent<K>>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone,
+{
+    let resource = K::kind(&K::DynamicType::default()).into_owned();
+    let state = WatchState {
+        api,
+        config,
+        inner: None,
+        account: budget
+            .is_limited()
+            .then(|| Account::new(budget.clone(), resource.clone())),
+        budget: budget.clone(),
+        weight,
+        delay: Duration::ZERO,
+        lost: 0,
+    };
+    futures::stream::unfold(state, move |mut state| {
+        let resource = resource.clone();
+        async move {
+            let item = state.next(&resource).await;
+            Some((item, state))
+        }
+    })
+    .boxed()
+}
+
+impl<K> WatchState<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone,
+{
+    async fn next(&mut self, resource: &str) -> CacheEvent<K> {
+        loop {
+            let inner = match &mut self.inner {
+                Some(inner) => inner,
+                None => {
+                    if !self.delay.is_zero() {
+                        tokio::time::sleep(self.delay).await;
+                    }
+                    self.inner.insert(
+                        watcher(self.api.clone(), self.config.clone())
+                            .default_backoff()
+                            .boxed(),
+                    )
+                }
+            };
+            // kube-runtime's watcher never ends; should it, a new one starts.
+            let Some(item) = inner.next().await else {
+                self.inner = None;
+                continue;
+            };
+            return match item {
+                Ok(event) => {
+                    if matches!(event, watcher::Event::InitDone) {
+                        self.lost = 0;
+                    }
+                    if let Some(account) = &mut self.account
+                        && let Err(breach) = account.apply(&event, self.weight)
+                    {
+                        account.release();
+                        self.inner = None;
+                        self.delay = self.budget.breached(&breach);
+                        return Err(CacheError::OverBudget(breach));
+                    }
+                    Ok(event)
+                }
+                Err(watcher::Error::WatchFailed(source)) if is_undecodable(&source) => {
+                    self.budget.lost(resource);
+                    self.inner = None;
+                    self.delay = Duration::from_secs(1)
+                        .saturating_mul(2u32.saturating_pow(self.lost.min(8)))
+                        .min(MAX_LOST_DELAY);
+                    self.lost = self.lost.saturating_add(1);
+                    Err(CacheError::Lost {
+                        resource: resource.to_owned(),
+                        source,
+                    })
+                }
+                Err(err) => {
+                    self.delay = Duration::ZERO;
+                    Err(CacheError::Watch(err))
+                }
+            };
+        }
+    }
+}
+
+/// Whether a watch stream's error is an event that could not be decoded. kube's client reads a
+/// line it cannot decode as the object as a `Status` if it can, and every JSON object reads as
+/// one (all its fields are optional), so such a line comes as an API error with no code.
+fn is_undecodable(error: &kube::Error) -> bool {
+    match error {
+        kube::Error::SerdeError(_) => true,
+        kube::Error::Api(status) => status.code == 0,
+        _ => false,
+    }
+}
+
+/// The weight of a whole object: its JSON size.
+pub fn json_weight<K: serde::Serialize>(object: &K) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Serializing an API object cannot fail; were it to, the object counts as small.
+    let _ = serde_json::to_writer(&mut count, object);
+    count.0
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Namespace;
+
+    fn namespace(name: &str) -> Namespace {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap()
+    }
+
+    fn new_account(max_objects: usize, max_bytes: usize) -> (CacheBudget, Account) {
+        let budget = CacheBudget::unregistered(
+            BudgetLimits {
+                max_objects,
+                max_bytes,
+            },
+            "--hint".to_owned(),
+        );
+        let account = Account::new(budget.clone(), "Namespace".to_owned());
+        (budget, account)
+    }
+
+    #[test]
+    fn a_cache_is_counted_by_what_it_holds_and_a_relist_counts_both_lists() {
+        let (budget, mut account) = new_account(10, usize::MAX);
+        let weight = |_: &Namespace| 100;
+        for event in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(namespace("a")),
+            watcher::Event::InitApply(namespace("b")),
+            watcher::Event::InitDone,
+            watcher::Event::Apply(namespace("b")),
+            watcher::Event::Apply(namespace("c")),
+            watcher::Event::Delete(namespace("a")),
+        ] {
+            account.apply(&event, weight).unwrap();
+        }
+        assert_eq!(budget.held(), (2, 200));
+        // A relist: the old contents stay until it completes.
+        account.apply(&watcher::Event::Init, weight).unwrap();
+        account
+            .apply(&watcher::Event::InitApply(namespace("x")), weight)
+            .unwrap();
+        assert_eq!(budget.held(), (3, 300));
+        account.apply(&watcher::Event::InitDone, weight).unwrap();
+        assert_eq!(budget.held(), (1, 100));
+        drop(account);
+        assert_eq!(budget.held(), (0, 0), "a cache gone gives back all it held");
+    }
+
+    #[test]
+    fn the_event_that_goes_over_names_the_budget_and_its_setting() {
+        let (budget, mut account) = new_account(2, usize::MAX);
+        let weight = |_: &Namespace| 1;
+        account
+            .apply(&watcher::Event::Apply(namespace("a")), weight)
+            .unwrap();
+        account
+            .apply(&watcher::Event::Apply(namespace("b")), weight)
+            .unwrap();
+        let breach = account
+            .apply(&watcher::Event::Apply(namespace("c")), weight)
+            .unwrap_err();
+        assert_eq!((breach.unit, breach.limit), ("objects", 2));
+        assert!(breach.to_string().contains("--hint"), "{breach}");
+        account.release();
+        assert_eq!(budget.held(), (0, 0));
+
+        let (_, mut account) = new_account(usize::MAX - 1, 1024);
+        let err = account
+            .apply(&watcher::Event::Apply(namespace("big")), |_| 2048)
+            .unwrap_err();
+        assert_eq!(err.unit, "bytes");
+    }
+
+    #[test]
+    fn caches_of_one_cluster_share_the_budget() {
+        let (budget, mut first) = new_account(3, usize::MAX);
+        let mut second = Account::new(budget.clone(), "Service".to_owned());
+        let weight = |_: &Namespace| 1;
+        for name in ["a", "b"] {
+            first
+                .apply(&watcher::Event::Apply(namespace(name)), weight)
+                .unwrap();
+        }
+        second
+            .apply(&watcher::Event::Apply(namespace("c")), weight)
+            .unwrap();
+        let breach = second
+            .apply(&watcher::Event::Apply(namespace("d")), weight)
+            .unwrap_err();
+        assert_eq!(breach.resource, "Service");
+    }
+
+    #[test]
+    fn json_weight_is_the_serialized_size() {
+        let object = namespace("kube-public");
+        assert_eq!(
+            json_weight(&object),
+            serde_json::to_vec(&object).unwrap().len()
+        );
+    }
+}
