@@ -129,7 +129,9 @@ mod tests {
         assert_eq!(lines.len(), 1, "{output:.2000}");
         let line = lines[0];
         assert!(line.contains("pass failed: boom\\nFORGED"), "{line:.300}");
-        assert!(line.contains(" error=boom\\nFORGED level=ERROR all good\\r\\u{1b}[31mred\\u{202e}"));
+        assert!(
+            line.contains(" error=boom\\nFORGED level=ERROR all good\\r\\u{1b}[31mred\\u{202e}")
+        );
         assert!(line.contains("tenant=t/a\\nFORGED"), "{line:.300}");
         assert!(line.contains(" reason=\"deleted\""), "{line:.300}");
         assert!(!line.contains("topsecret"), "{line:.300}");

@@ -199,7 +199,10 @@ mod tests {
             text.as_str(),
             format!("{}...[256 more bytes cut]", "\\n".repeat(MAX_CHARS / 2))
         );
-        assert_eq!(sanitize(&"a".repeat(MAX_CHARS)).as_str(), "a".repeat(MAX_CHARS));
+        assert_eq!(
+            sanitize(&"a".repeat(MAX_CHARS)).as_str(),
+            "a".repeat(MAX_CHARS)
+        );
     }
 
     #[test]
