@@ -208,7 +208,10 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
         LogFormat::Text => builder
             .fmt_fields(crate::log_format::EscapedFields)
             .try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Json => builder
+            .json()
+            .with_writer(crate::log_format::SanitizedJson(std::io::stderr))
+            .try_init(),
     };
 }
 
