@@ -35,7 +35,7 @@ const MAX_LINE: usize = 16 * 1024;
 /// The Status message of every answer of the hostile API.
 fn hostile_message() -> String {
     format!(
-        "injected\n{FORGED} msg=\"all tenants healthy\"\r\n\x1b[31mred\x1b[0m\u{202e}gnp.exe \
+        "injected\n{FORGED} msg=\"all tenants healthy\"\r\n\x1b[31mred\x1b[0m\u{9b}1m\u{202e}gnp.exe \
          https://{USER}:{PASSWORD}@192.0.2.7/ {}",
         "A".repeat(1024 * 1024)
     )
@@ -182,9 +182,17 @@ fn judge(what: &str, text: &str) -> Result<()> {
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tenant_text_reaches_logs_readyz_and_events_escaped_capped_and_without_userinfo()
--> Result<()> {
+/// The three tenants' Secrets in a management cluster, the hostile API, and the controller
+/// (run with `extra` flags) keeping them.
+struct Scenario {
+    /// Held until the test ends: the management cluster.
+    fleet: Fleet,
+    api: HostileApi,
+    events: Api<Event>,
+    controller: ControllerProcess,
+}
+
+async fn scenario(extra: &[&str]) -> Result<Scenario> {
     let fleet = Fleet::start(FleetConfig::default()).await?;
     let management = fleet.management().client();
     let secrets: Api<Secret> = Api::namespaced(management.clone(), NAMESPACE);
@@ -232,16 +240,46 @@ async fn tenant_text_reaches_logs_readyz_and_events_escaped_capped_and_without_u
     )
     .await?;
 
-    let args = [
+    let selector = format!("{TENANT_LABEL}=true");
+    let mut args = vec![
         "--tenants-secret-selector",
-        &format!("{TENANT_LABEL}=true"),
+        &selector,
         "--tenants-namespace",
         NAMESPACE,
         "--service-cluster-ip-range",
         "10.96.0.0/12",
         "--leader-elect=false",
     ];
+    args.extend(extra);
     let controller = ControllerProcess::start(fleet.management().kubeconfig_path(), &args)?;
+    Ok(Scenario {
+        fleet,
+        api,
+        events,
+        controller,
+    })
+}
+
+/// The notes of every event in the tenants' namespace.
+async fn notes(events: &Api<Event>) -> Result<Vec<String>> {
+    Ok(events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|event| event.note)
+        .collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_text_reaches_logs_readyz_and_events_escaped_capped_and_without_userinfo()
+-> Result<()> {
+    let Scenario {
+        fleet: _fleet,
+        api,
+        events,
+        controller,
+    } = scenario(&[]).await?;
 
     // Every tenant has been reported: the hostile Status in /readyz, the refusal in its event
     // and the log, the server URL in the log.
@@ -284,17 +322,10 @@ async fn tenant_text_reaches_logs_readyz_and_events_escaped_capped_and_without_u
         "nothing asked the hostile API"
     );
     let (_, metrics) = controller.admin_get("/metrics").await?;
-    let notes: Vec<String> = events
-        .list(&Default::default())
-        .await?
-        .items
-        .into_iter()
-        .filter_map(|event| event.note)
-        .collect();
     judge("the log", &log)?;
     judge("/readyz?verbose", &readyz)?;
     judge("/metrics", &metrics)?;
-    for note in &notes {
+    for note in &notes(&events).await? {
         judge("an event note", note)?;
         ensure!(note.len() <= 1024, "an event note of {} bytes", note.len());
     }
@@ -326,6 +357,45 @@ async fn tenant_text_reaches_logs_readyz_and_events_escaped_capped_and_without_u
             "500 InternalError: injected\\n{FORGED} msg=\"all tenants healthy\"\\r\\n\\u{{1b}}[31mred"
         )) && readyz.contains("more bytes cut]"),
         "/readyz quotes the Status message escaped and cut: {readyz:.2000}"
+    );
+    Ok(())
+}
+
+/// The JSON log format holds the same, each line still one JSON object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_text_reaches_json_logs_escaped_capped_and_without_userinfo() -> Result<()> {
+    let Scenario {
+        fleet: _fleet,
+        api,
+        controller,
+        ..
+    } = scenario(&["--log-format", "json"]).await?;
+    let log = eventually("the log's lines about every tenant", CONVERGE, || async {
+        let log = controller.log();
+        Ok((log.contains("tenant started")
+            && log.contains("tenants/userinfo-kubeconfig")
+            && log.contains("500 InternalError: injected")
+            && log.contains("insecure-skip-tls-verify"))
+        .then_some(log))
+    })
+    .await?;
+    ensure!(
+        api.answered.load(Ordering::SeqCst) > 0,
+        "nothing asked the hostile API"
+    );
+    judge("the JSON log", &log)?;
+    for line in log.lines() {
+        let event: serde_json::Value = serde_json::from_str(line)
+            .map_err(|err| anyhow::anyhow!("not a JSON line ({err}): {line:.300}"))?;
+        let text = event.to_string();
+        ensure!(
+            !text.contains(['\u{9b}', '\u{202e}']),
+            "a C1 or bidi character in {text:.300}"
+        );
+    }
+    ensure!(
+        log.contains("https://***@127.0.0.1:"),
+        "the log names the server without its userinfo"
     );
     Ok(())
 }
