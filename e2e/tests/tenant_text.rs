@@ -29,7 +29,7 @@ const FORGED: &str = "FORGED level=ERROR";
 const PASSWORD: &str = "topsecret42";
 const USER: &str = "leakyuser";
 /// No line of the log or `/readyz?verbose` is longer: a field of a log line is capped at 4096
-/// bytes and a piece of tenant text at 512, where the Status messages are a megabyte.
+/// bytes and a piece of tenant text at 960, where the Status messages are a megabyte.
 const MAX_LINE: usize = 16 * 1024;
 
 /// The Status message of every answer of the hostile API.

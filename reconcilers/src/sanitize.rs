@@ -18,11 +18,12 @@
 
 use std::fmt;
 
-/// The most bytes of one piece of outside text that are reported (escapes included): enough
-/// for the messages composed around such text, within what an event note holds (1 KiB) with
-/// the marker, and short enough that a hostile server cannot fill logs or `/readyz` with it.
-/// Counted in bytes, not characters, so that no text of any script makes a note too long.
-pub const MAX_BYTES: usize = 512;
+/// The most bytes of one piece of outside text that are reported (escapes included): the most
+/// that fits an event note (1 KiB) with the marker (under 40 bytes), as the messages composed
+/// around such text need (a refused credential plugin's failure quotes its whole command line),
+/// and short enough that a hostile server cannot fill logs or `/readyz` with it. Counted in
+/// bytes, not characters, so that no text of any script makes a note too long.
+pub const MAX_BYTES: usize = 960;
 
 /// What replaces a URL's userinfo.
 const REDACTED: &str = "***";
@@ -203,7 +204,11 @@ mod tests {
         let text = sanitize(&"\n".repeat(MAX_BYTES));
         assert_eq!(
             text.as_str(),
-            format!("{}...[256 more bytes cut]", "\\n".repeat(MAX_BYTES / 2))
+            format!(
+                "{}...[{} more bytes cut]",
+                "\\n".repeat(MAX_BYTES / 2),
+                MAX_BYTES / 2
+            )
         );
         assert_eq!(
             sanitize(&"a".repeat(MAX_BYTES)).as_str(),
