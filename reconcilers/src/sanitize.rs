@@ -111,8 +111,9 @@ fn needs_escape(c: char) -> bool {
 
 /// `text` with the userinfo of every URL in it (`scheme://user:password@host`) replaced by
 /// [`REDACTED`]. An authority ends where RFC 3986 says it must (`/`, `?`, `#`) or at a
-/// character no URL holds (whitespace, a control, `"<>\^`{|}`), so a password with any other
-/// character is still taken whole; the last `@` before that end ends the userinfo.
+/// character no URL holds (whitespace, a control, `"`, `<`, `>`, `\`, `^`, a backquote, `{`,
+/// `|`, `}`), so a password with any other character is still taken whole; the last `@` before
+/// that end ends the userinfo.
 fn without_userinfo(text: &str) -> std::borrow::Cow<'_, str> {
     if !text.contains("://") {
         return std::borrow::Cow::Borrowed(text);
