@@ -205,8 +205,13 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
         .with_writer(std::io::stderr);
     // A second initialisation (tests, the demo) keeps the first subscriber.
     let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder
+            .fmt_fields(crate::log_format::EscapedFields)
+            .try_init(),
+        LogFormat::Json => builder
+            .json()
+            .with_writer(crate::log_format::SanitizedJson(std::io::stderr))
+            .try_init(),
     };
 }
 

@@ -10,6 +10,7 @@ pub mod health;
 pub mod kubeconfig;
 pub mod leader;
 pub mod limits;
+pub mod log_format;
 pub mod loops;
 pub mod metrics;
 pub mod process;

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use backon::BackoffBuilder;
 use futures::{FutureExt, StreamExt};
 use rand::Rng;
+use reconcilers::sanitize::Sanitized;
 use reconcilers::{LoopError, PassContext, PassReport, Reconciler, Trigger};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -357,7 +358,9 @@ impl LoopTask {
                         .next()
                         .unwrap_or(interval)
                         .min(interval);
-                    let message = reason.to_string();
+                    // What an API says in its errors is outside text: in management mode, a
+                    // tenant's API server writes it.
+                    let message = Sanitized::of(&reason).into_string();
                     let before = self.health.status(name).unwrap_or_default();
                     match failure_log(
                         &reason,
@@ -378,7 +381,7 @@ impl LoopTask {
                     self.health.update(name, |status| {
                         status.passes += 1;
                         status.consecutive_failures += 1;
-                        status.last_error = Some(reason.to_string());
+                        status.last_error = Some(message);
                     });
                     delay
                 }
@@ -498,7 +501,7 @@ impl LoopTask {
         };
         match result {
             Ok(Ok(())) => info!(took = ?started.elapsed(), "loop stopped"),
-            Ok(Err(err)) => warn!(error = %err, "shutdown hook failed"),
+            Ok(Err(err)) => warn!(error = %Sanitized::of(&err), "shutdown hook failed"),
             Err(panic) => error!(panic = panic_message(&*panic), "shutdown hook panicked"),
         }
     }
@@ -643,7 +646,7 @@ async fn run_pass(
             for drift in report.drift.iter().filter(|drift| drift.applied) {
                 metrics.drift(name, drift.kind, true);
                 // Loops log their own repairs.
-                debug!(object = %drift.object, kind = drift.kind, action = %drift.action, "repaired: {}", drift.message);
+                debug!(object = %Sanitized::new(&drift.object), kind = drift.kind, action = %drift.action, "repaired: {}", Sanitized::new(&drift.message));
             }
             let mut unrepaired = BTreeMap::<&str, i64>::new();
             for drift in report.drift.iter().filter(|drift| !drift.applied) {
@@ -657,7 +660,7 @@ async fn run_pass(
                 .map(|drift| (drift.kind, drift.object.clone(), drift.message.clone()));
             for (kind, object, message) in unapplied.update(undone) {
                 metrics.drift(name, kind, false);
-                info!(%object, kind, dry_run = ctx.dry_run, "drift: {message}");
+                info!(object = %Sanitized::new(&object), kind, dry_run = ctx.dry_run, "drift: {}", Sanitized::new(&message));
             }
             debug!(?took, drift = report.drift.len(), "pass succeeded");
             Ok(report)
@@ -671,7 +674,7 @@ async fn run_pass(
             metrics.pass(name, "panic", took);
             metrics.panic(name);
             metrics.error(name, "panic");
-            let message = panic_message(&*panic);
+            let message = Sanitized::new(&panic_message(&*panic)).into_string();
             error!(panic = %message, "pass panicked; the loop will retry");
             Err(PassError::Panicked(message))
         }
@@ -819,6 +822,9 @@ mod tests {
         /// Succeeds with drift it only reports.
         ReportDrift,
         Fail,
+        /// Fails with an error a hostile API server wrote: a forged line, an ESC sequence, a
+        /// URL's password, a megabyte.
+        FailHostile,
         /// Fails in a way retrying cannot fix.
         Invalid,
         Panic,
@@ -941,6 +947,10 @@ mod tests {
                         }],
                     }),
                     Step::Fail => Err(LoopError::Other("scripted failure".to_owned())),
+                    Step::FailHostile => Err(LoopError::Other(format!(
+                        "ApiError: boom\nFORGED level=ERROR all good\x1b[31m https://u:topsecret@h/ {}",
+                        "x".repeat(1024 * 1024)
+                    ))),
                     Step::Invalid => Err(LoopError::Invalid("scripted invalid state".to_owned())),
                     Step::Panic => panic!("scripted panic"),
                     Step::Block => {
@@ -1025,6 +1035,34 @@ mod tests {
             ),
             "{text}"
         );
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn a_hostile_error_reaches_readyz_escaped_capped_and_without_its_password() {
+        let fake = Arc::new(Fake::new("a").script(&[Step::FailHostile, Step::Block]));
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("a failed pass", || {
+            harness
+                .health
+                .status("a")
+                .is_some_and(|status| status.consecutive_failures == 1)
+        })
+        .await;
+        let lines = harness.health.readiness().lines;
+        let [line] = lines.as_slice() else {
+            panic!("{lines:?}")
+        };
+        assert!(
+            line.starts_with("[-]a failed: no successful pass yet: ApiError: boom\\nFORGED"),
+            "{line:.200}"
+        );
+        assert!(line.contains("\\u{1b}[31m https://***@h/"), "{line:.200}");
+        assert!(!line.chars().any(char::is_control), "{line:.200}");
+        assert!(!line.contains("topsecret"), "{line:.200}");
+        assert!(line.ends_with("more bytes cut]"), "{line:.200}");
+        assert!(line.len() < 1100, "{}", line.len());
+        fake.release.notify_one();
         stop(harness).await;
     }
 

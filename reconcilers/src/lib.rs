@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod names;
 pub mod nodeport_repair;
 pub mod retry;
+pub mod sanitize;
 pub mod section;
 pub mod service_cache;
 pub mod service_cidr;

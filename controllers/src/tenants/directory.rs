@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::registry::Registry;
+use reconcilers::sanitize::Sanitized;
 
 use crate::health::Health;
 
@@ -17,7 +18,7 @@ pub(super) enum Entry {
     /// Its Secret is being read (kubeconfig, configuration, client) in a task of its own.
     Starting,
     /// Its Secret cannot start a runtime; the reason names what to fix.
-    Invalid(String),
+    Invalid(Sanitized),
     /// Owned here, waiting for the replicas to agree on who owns what (a hand-over).
     Waiting,
     /// Another replica owns it.
@@ -77,7 +78,10 @@ impl Directory {
                 Entry::Starting => format!("[+]tenant {key} ok (starting)"),
                 Entry::Invalid(reason) => format!("[-]tenant {key} not started: {reason}"),
                 Entry::Waiting => format!("[+]tenant {key} ok (waiting for the hand-over)"),
-                Entry::Elsewhere(owner) => format!("[+]tenant {key} ok (run by replica {owner})"),
+                Entry::Elsewhere(owner) => format!(
+                    "[+]tenant {key} ok (run by replica {})",
+                    Sanitized::new(&owner)
+                ),
             })
             .collect()
     }

@@ -33,6 +33,7 @@ use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use prometheus_client::registry::Registry;
+use reconcilers::sanitize::Sanitized;
 use tokio::sync::watch;
 use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -218,7 +219,7 @@ pub fn spawn(
 }
 
 /// What a load task ends with: the tenant, the Secret version it read, and the outcome.
-type LoadOutcome = (String, Spec, Result<Loaded, String>);
+type LoadOutcome = (String, Spec, Result<Loaded, Sanitized>);
 
 /// A load under way.
 struct Loading {
@@ -241,9 +242,9 @@ struct Manager {
     loads: JoinSet<LoadOutcome>,
     loading: HashMap<String, Loading>,
     /// Loads finished, waiting for the next sync to start their runtime.
-    loaded: HashMap<String, (Spec, Result<Loaded, String>)>,
+    loaded: HashMap<String, (Spec, Result<Loaded, Sanitized>)>,
     /// Secrets that could not start a runtime, with why; reported once per version.
-    invalid: HashMap<String, (Spec, String)>,
+    invalid: HashMap<String, (Spec, Sanitized)>,
     /// Each Secret's etcd keys, read from its fragment once per version.
     claims: HashMap<String, (Spec, Option<EtcdClaim>)>,
     /// The etcd-claim records by Secret uid, once listed completely.
@@ -254,7 +255,7 @@ struct Manager {
     record_errors: Arc<Mutex<Option<String>>>,
     /// Tenants refused because their etcd keys overlap an older tenant's, reported once per
     /// version and reason.
-    conflicts: HashMap<String, (Spec, String)>,
+    conflicts: HashMap<String, (Spec, Sanitized)>,
     /// The last view acknowledged.
     acked: Option<u64>,
     leadership: Leadership,
@@ -320,7 +321,7 @@ impl Manager {
                             }
                         }
                         Err(err) => {
-                            let message = err.to_string();
+                            let message = Sanitized::of(&err).into_string();
                             if last_error.as_deref() != Some(message.as_str()) {
                                 warn!(error = %message, "cannot watch the tenant Secrets; retrying (running tenants go on)");
                             }
@@ -369,7 +370,7 @@ impl Manager {
                             }
                         }
                         Err(err) => {
-                            let message = err.to_string();
+                            let message = Sanitized::of(&err).into_string();
                             if records_error.as_deref() != Some(message.as_str()) {
                                 warn!(
                                     error = %message,
@@ -425,7 +426,10 @@ impl Manager {
                     warn!(tenant = %key, error = %err, "loading a tenant failed abnormally");
                     self.loaded.insert(
                         key,
-                        (loading.spec, Err("loading it failed abnormally".to_owned())),
+                        (
+                            loading.spec,
+                            Err(Sanitized::new("loading it failed abnormally")),
+                        ),
                     );
                 }
             }
@@ -501,12 +505,14 @@ impl Manager {
                 continue;
             }
             if let Some(reason) = conflicts.get(key) {
+                // It names etcd prefixes and servers the tenants' annotations wrote.
+                let reason = Sanitized::new(reason);
                 if self.conflicts.get(key) != Some(&(spec.clone(), reason.clone())) {
-                    self.refuse(key, spec, reason);
+                    self.refuse(key, spec, &reason);
                     self.conflicts
                         .insert(key.clone(), (spec.clone(), reason.clone()));
                 }
-                entries.insert(key.clone(), Entry::Invalid(reason.clone()));
+                entries.insert(key.clone(), Entry::Invalid(reason));
                 continue;
             }
             if !view.settled || decision.undecided.contains(key) {
@@ -562,18 +568,20 @@ impl Manager {
         let (task_key, task_spec) = (key.to_owned(), spec.clone());
         let abort = self.loads.spawn(
             async move {
+                // Every reason quotes what the Secret's writer wrote (names, values, the
+                // kubeconfig parser's view of it), so it is sanitized once, here.
                 let result = match tokio::time::timeout(
                     LOAD_TIMEOUT,
                     load(&settings, &task_key, &task_spec),
                 )
                 .await
                 {
-                    Ok(result) => result,
-                    Err(_) => Err(format!(
+                    Ok(result) => result.map_err(|reason| Sanitized::new(&reason)),
+                    Err(_) => Err(Sanitized::of(format_args!(
                         "loading its kubeconfig and configuration took more than {} s (a \
                          credential plugin that does not answer?)",
                         LOAD_TIMEOUT.as_secs()
-                    )),
+                    ))),
                 };
                 (task_key, task_spec, result)
             }
@@ -592,14 +600,15 @@ impl Manager {
     /// A Secret that cannot start its tenant: a log line, the counter, and a Warning event on
     /// the Secret (published in a task of its own: the management API's latency is not the
     /// manager's).
-    fn refuse(&self, key: &str, spec: &Spec, reason: &str) {
+    fn refuse(&self, key: &str, spec: &Spec, reason: &Sanitized) {
         warn!(tenant = %key, "{reason}");
         self.metrics.config_errors.inc();
         let reference = secret_ref(spec);
         let event = Event {
             type_: EventType::Warning,
             reason: "TenantConfigInvalid".to_owned(),
-            note: Some(truncate(reason, 1000)),
+            // A sanitized reason fits a note (at most 1 KiB).
+            note: Some(reason.to_string()),
             action: "StartTenant".to_owned(),
             secondary: None,
         };
@@ -642,7 +651,8 @@ impl Manager {
                 let event = Event {
                     type_: EventType::Warning,
                     reason: "TenantOverBudget".to_owned(),
-                    note: Some(truncate(&message, 1000)),
+                    // The breach names tenant objects' kinds: sanitized, it fits a note.
+                    note: Some(reconcilers::sanitize::sanitize(&message).into_string()),
                     action: "CacheTenant".to_owned(),
                     secondary: None,
                 };
@@ -671,7 +681,7 @@ impl Manager {
             METRICS_PREFIX,
             [(
                 std::borrow::Cow::Borrowed("tenant"),
-                std::borrow::Cow::Owned(key.to_owned()),
+                std::borrow::Cow::Owned(Sanitized::new(key).into_string()),
             )]
             .into_iter(),
         );
@@ -701,7 +711,7 @@ impl Manager {
                 .run(leadership, cancel.clone())
                 .instrument(info_span!("tenant", tenant = %key)),
         );
-        info!(tenant = %key, server = %kube_config.cluster_url, "tenant started");
+        info!(tenant = %key, server = %Sanitized::of(&kube_config.cluster_url), "tenant started");
         self.metrics.starts.inc();
         Running {
             spec: spec.clone(),
@@ -750,16 +760,4 @@ fn secret_ref(spec: &Spec) -> k8s_openapi::api::core::v1::ObjectReference {
     secret.metadata.name = Some(spec.name.clone());
     secret.metadata.uid = Some(spec.uid.clone()).filter(|uid| !uid.is_empty());
     secret.object_ref(&())
-}
-
-/// Event notes are limited to 1 KiB by the API.
-fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max.saturating_sub(3);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}...", &text[..end])
 }

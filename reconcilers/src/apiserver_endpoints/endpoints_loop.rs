@@ -445,7 +445,7 @@ impl ApiserverEndpointsLoop {
         let event = Event {
             type_,
             reason: reason.to_owned(),
-            note: Some(note),
+            note: Some(crate::sanitize::sanitize(&note).into()),
             action: "Reconcile".to_owned(),
             secondary: None,
         };

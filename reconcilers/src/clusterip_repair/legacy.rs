@@ -264,7 +264,7 @@ async fn publish(
     let event = Event {
         type_: EventType::Warning,
         reason: reason.to_owned(),
-        note: Some(note),
+        note: Some(crate::sanitize::sanitize(&note).into()),
         action: "ClusterIPAllocation".to_owned(),
         secondary: None,
     };

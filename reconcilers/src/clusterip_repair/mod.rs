@@ -635,7 +635,7 @@ impl ClusterIpRepair {
                 &Event {
                     type_: EventType::Warning,
                     reason: event.reason.to_owned(),
-                    note: Some(event.note.clone()),
+                    note: Some(crate::sanitize::sanitize(&event.note).into()),
                     action: event.action.to_owned(),
                     secondary: None,
                 },

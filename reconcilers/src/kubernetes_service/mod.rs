@@ -125,7 +125,7 @@ impl KubernetesServiceLoop {
         let event = Event {
             type_,
             reason: reason.to_owned(),
-            note: Some(note),
+            note: Some(crate::sanitize::sanitize(&note).into()),
             action: "Reconcile".to_owned(),
             secondary: None,
         };

@@ -123,7 +123,7 @@ impl NodePortRepair {
         let event = Event {
             type_: EventType::Warning,
             reason: reason.to_owned(),
-            note: Some(note),
+            note: Some(crate::sanitize::sanitize(&note).into()),
             action: EVENT_ACTION.to_owned(),
             secondary: None,
         };
