@@ -13,14 +13,13 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, ListParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, watcher};
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-use super::record::{Name, ServiceRecord};
+use super::record::{Name, ServiceObject, ServiceRecord};
 
 /// A record kept in a [`Store`]: the projection of one API object.
 pub trait Cached: Clone + Debug + Send + Sync + 'static {
@@ -38,9 +37,9 @@ pub trait Cached: Clone + Debug + Send + Sync + 'static {
 }
 
 impl Cached for ServiceRecord {
-    type Object = Service;
+    type Object = ServiceObject;
     type Key = (Name, Name);
-    fn project(object: &Service) -> Self {
+    fn project(object: &ServiceObject) -> Self {
         ServiceRecord::from(object)
     }
     fn cache_key(&self) -> Self::Key {
@@ -290,7 +289,7 @@ pub async fn list_fresh<T: Cached>(
 mod tests {
     use super::*;
 
-    fn service(name: &str, ip: &str) -> Service {
+    fn service(name: &str, ip: &str) -> ServiceObject {
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": name, "namespace": "d"},
             "spec": {"clusterIP": ip, "clusterIPs": [ip]},
