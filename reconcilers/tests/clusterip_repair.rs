@@ -997,8 +997,11 @@ async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate()
     Ok(())
 }
 
+/// A Service the cache cannot know about, whose IPAddress looks leaked to it: the live read
+/// before the delete finds it listing the IP, so the IPAddress stays, and the false finding is
+/// neither reported (no drift, no event) nor counted; only the deferral is.
 #[tokio::test]
-async fn stale_service_cache_defers_deletes() -> Result<()> {
+async fn stale_service_cache_neither_deletes_nor_reports() -> Result<()> {
     let sim = start_sim().await?;
     let client = sim.client();
     ensure_default_service_cidr(&client).await?;
@@ -1020,7 +1023,6 @@ async fn stale_service_cache_defers_deletes() -> Result<()> {
     })
     .await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    // A Service the cache cannot know about, with an IPAddress that looks leaked to it.
     let fresh = create_service(&client, "shop", "unseen", Some("10.96.10.10"), false).await?;
     assert_eq!(cluster_ips(&fresh), ["10.96.10.10"]);
     sim.backdoor().put(ip_address_json(
@@ -1030,27 +1032,202 @@ async fn stale_service_cache_defers_deletes() -> Result<()> {
         "IPv4",
         LONG_AGO,
     ))?;
-    let report = pass_until(&repair, &client, false, "a deferred delete", |r| {
-        r.drift
-            .iter()
-            .any(|d| d.object == "IPAddress/10.96.10.10" && d.message.contains("deferred"))
-    })
+    let report = pass_until(
+        &repair,
+        &client,
+        false,
+        "the live read of the Service",
+        |_| live_reads(&sim, "shop", "unseen") > 0,
+    )
     .await?;
     assert!(
         report
             .drift
             .iter()
-            .all(|d| !(d.object == "IPAddress/10.96.10.10" && d.applied))
+            .all(|d| d.object != "IPAddress/10.96.10.10"),
+        "a disproved finding was reported: {report:#?}"
     );
     assert!(
         ip_address(&client, "10.96.10.10").await?.is_some(),
         "a live Service's IPAddress was deleted"
     );
+    assert!(
+        repair_events(&client, "IPAddressNotAllocated")
+            .await?
+            .is_empty()
+    );
     let metrics = metric_text(&registry);
+    assert!(
+        !metrics.contains("clusterip_repair_ip_errors_total{type=\"leak\"}"),
+        "{metrics}"
+    );
     assert!(
         metrics.contains("clusterip_repair_deferred_deletes_total{reason=\"stale_cache\"}"),
         "{metrics}"
     );
+    Ok(())
+}
+
+/// GETs of the Service `namespace/name` the simulator answered: the repair's live reads.
+fn live_reads(sim: &Sim, namespace: &str, name: &str) -> usize {
+    sim.requests()
+        .iter()
+        .filter(|r| {
+            r.verb == "get"
+                && r.resource == "services"
+                && r.namespace == namespace
+                && r.name == name
+        })
+        .count()
+}
+
+/// Whether the repair's Service cache holds `namespace/name`.
+fn cached(repair: &ClusterIpRepair, namespace: &str, name: &str) -> bool {
+    use reconcilers::service_cache::record::Name;
+    repair
+        .shared_services()
+        .store()
+        .read()
+        .contains_key(&(Name::new(namespace), Name::new(name)))
+}
+
+/// A Service deleted without the cache hearing of it (its DELETED event lost, as when the watch
+/// cannot decode the object) and its IPAddress released by kube-apiserver: the cache still
+/// shows the Service, the IPAddress cache does not show its IP, and the create the repair
+/// would make is checked live first. The Service is gone, so no IPAddress is created, and
+/// nothing is reported or counted.
+#[tokio::test]
+async fn a_service_deleted_behind_the_caches_back_gets_no_ipaddress() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    create_service(&client, "shop", "gone", Some("10.96.20.20"), false).await?;
+    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a clean pass", |r| r.is_clean()).await?;
+    assert!(cached(&repair, "shop", "gone"));
+
+    sim.backdoor().delete_unseen("services", "shop", "gone")?;
+    sim.backdoor()
+        .delete("ipaddresses.networking.k8s.io", "", "10.96.20.20")?;
+    assert!(
+        cached(&repair, "shop", "gone"),
+        "the cache heard of the delete after all; the test proves nothing"
+    );
+    let report = pass_until(
+        &repair,
+        &client,
+        false,
+        "the live read, or the IPAddress created",
+        |_| live_reads(&sim, "shop", "gone") > 0 || sim_has_ip(&sim, "10.96.20.20"),
+    )
+    .await?;
+    assert!(
+        !sim_has_ip(&sim, "10.96.20.20"),
+        "an IPAddress was created for a Service that is gone"
+    );
+    assert!(
+        report.drift.iter().all(|d| d.object != "Service/shop/gone"),
+        "a disproved finding was reported: {report:#?}"
+    );
+    assert!(
+        repair_events(&client, "ClusterIPNotAllocated")
+            .await?
+            .is_empty()
+    );
+    let metrics = metric_text(&registry);
+    assert!(
+        !metrics.contains("clusterip_repair_ip_errors_total{type=\"repair\"}"),
+        "{metrics}"
+    );
+    // Another pass, the cache still behind: still nothing.
+    let again = pass_until(&repair, &client, false, "another pass", |_| true).await?;
+    assert!(again.is_clean(), "{again:#?}");
+    assert!(!sim_has_ip(&sim, "10.96.20.20"));
+    Ok(())
+}
+
+fn sim_has_ip(sim: &Sim, ip: &str) -> bool {
+    sim.backdoor()
+        .get("ipaddresses.networking.k8s.io", "", ip)
+        .unwrap()
+        .is_some()
+}
+
+/// What the conformance test "should complete a service status lifecycle" does: a status
+/// condition without `lastTransitionTime`, which kube-apiserver stores and serves as `null`,
+/// then the Service deleted. The cache hears of both (k8s-openapi's Service could not decode
+/// either event, and the cache kept the deleted Service), and the released IP's IPAddress is
+/// not created again.
+#[tokio::test]
+async fn a_service_with_a_null_condition_time_is_followed_to_its_delete() -> Result<()> {
+    use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams};
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    create_service(&client, "shop", "lifecycle", Some("10.96.30.30"), false).await?;
+    pass_until(
+        &repair,
+        &client,
+        false,
+        "a clean pass with the Service",
+        |r| r.is_clean() && cached(&repair, "shop", "lifecycle"),
+    )
+    .await?;
+
+    // Untyped: k8s-openapi's Service cannot decode the answers.
+    let services: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), "shop", &ApiResource::erase::<Service>(&()));
+    let patched = services
+        .patch_status(
+            "lifecycle",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"conditions": [{
+                "type": "StatusUpdate", "status": "True", "lastTransitionTime": null,
+                "reason": "E2E", "message": "Set from e2e test",
+            }]}})),
+        )
+        .await?;
+    let stored = sim
+        .backdoor()
+        .get("services", "shop", "lifecycle")?
+        .unwrap();
+    assert_eq!(
+        stored["status"]["conditions"][0]["lastTransitionTime"],
+        Value::Null,
+        "the simulator stores the condition as given: {stored}"
+    );
+    let version: u64 = patched.metadata.resource_version.unwrap().parse()?;
+    let seen_version = || {
+        use reconcilers::service_cache::record::Name;
+        repair
+            .shared_services()
+            .store()
+            .read()
+            .get(&(Name::new("shop"), Name::new("lifecycle")))
+            .map(|record| record.resource_version)
+    };
+    common::eventually("the cache to see the status update", || {
+        std::future::ready(seen_version() == Some(version))
+    })
+    .await;
+
+    services
+        .delete("lifecycle", &DeleteParams::default())
+        .await?;
+    assert!(
+        !sim_has_ip(&sim, "10.96.30.30"),
+        "the delete released the IP"
+    );
+    common::eventually("the cache to see the delete", || {
+        std::future::ready(!cached(&repair, "shop", "lifecycle"))
+    })
+    .await;
+    let settled = pass_until(&repair, &client, false, "a clean pass", |r| r.is_clean()).await?;
+    assert!(settled.is_clean());
+    assert!(!sim_has_ip(&sim, "10.96.30.30"));
     Ok(())
 }
 
