@@ -8,6 +8,7 @@ pub mod alloc;
 pub mod apiserver_endpoints;
 pub mod clusterip_repair;
 pub mod contract;
+pub mod events;
 pub mod findings;
 pub mod kubernetes_service;
 pub mod lease;

@@ -1231,6 +1231,60 @@ async fn a_service_with_a_null_condition_time_is_followed_to_its_delete() -> Res
     Ok(())
 }
 
+/// A finding about a Service in a namespace being deleted: its event is refused ("because it
+/// is being terminated") and dropped, once; the finding counts as reported, and passes go on
+/// without retrying the event.
+#[tokio::test]
+async fn an_event_into_a_terminating_namespace_is_dropped_not_retried() -> Result<()> {
+    let sim = Sim::start(SimConfig {
+        service_cluster_ip_ranges: ranges(),
+        seed_namespaces: vec!["default".into(), "doomed".into()],
+        // The namespace stays terminating for the whole test, its Service with it.
+        namespace_finalize_delay: Duration::from_secs(3600),
+        ..SimConfig::default()
+    })
+    .await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    sim.backdoor()
+        .put(backdoor_service("doomed", "far", &["192.0.2.10"]))?;
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .delete("doomed", &Default::default())
+        .await?;
+    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    let event_writes = |sim: &Sim| {
+        sim.requests()
+            .iter()
+            .filter(|r| r.resource == "events" && r.namespace == "doomed")
+            .map(|r| r.status)
+            .collect::<Vec<_>>()
+    };
+    pass_until(
+        &repair,
+        &client,
+        false,
+        "a pass reporting the finding",
+        |r| has_drift(r, "clusterip_out_of_range", "Service/doomed/far"),
+    )
+    .await?;
+    assert_eq!(event_writes(&sim), [403], "one refused event write");
+    for round in 0..5 {
+        let report = repair.reconcile(&ctx(&client, false)).await?;
+        assert!(
+            has_drift(&report, "clusterip_out_of_range", "Service/doomed/far"),
+            "round {round}: {report:#?}"
+        );
+    }
+    assert_eq!(event_writes(&sim), [403], "the refused event was retried");
+    let metrics = metric_text(&registry);
+    assert!(
+        metrics.contains("clusterip_repair_ip_errors_total{type=\"outOfRange\"} 1"),
+        "{metrics}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn audit_mode_reports_legacy_reasons_without_writing() -> Result<()> {
     let sim = start_sim().await?;

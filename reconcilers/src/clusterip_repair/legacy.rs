@@ -287,8 +287,7 @@ async fn publish(
         action: "ClusterIPAllocation".to_owned(),
         secondary: None,
     };
-    recorder
-        .publish(&event, &reference)
+    crate::events::publish(recorder, &event, &reference)
         .await
         .inspect_err(|err| warn!(reason, error = %err, "cannot publish event"))
 }

@@ -653,25 +653,25 @@ impl ClusterIpRepair {
     }
 
     /// Publishes the finding's event. A failure is the caller's to retry: the finding must not
-    /// be marked reported without its event (the namespace it goes into may not exist yet).
+    /// be marked reported without its event (the namespace it goes into may not exist yet). An
+    /// event into a namespace being deleted is dropped instead ([`crate::events`]).
     async fn publish(&self, finding: &Finding) -> Result<(), LoopError> {
         let Some(event) = &finding.event else {
             return Ok(());
         };
         let reference = object_reference(&finding.regarding);
-        let result = self
-            .recorder
-            .publish(
-                &Event {
-                    type_: EventType::Warning,
-                    reason: event.reason.to_owned(),
-                    note: Some(event.note.clone()),
-                    action: event.action.to_owned(),
-                    secondary: None,
-                },
-                &reference,
-            )
-            .await;
+        let result = crate::events::publish(
+            &self.recorder,
+            &Event {
+                type_: EventType::Warning,
+                reason: event.reason.to_owned(),
+                note: Some(event.note.clone()),
+                action: event.action.to_owned(),
+                secondary: None,
+            },
+            &reference,
+        )
+        .await;
         result.map_err(|err| {
             warn!(reason = event.reason, error = %err, "cannot publish event; retrying");
             LoopError::Api(err)

@@ -199,8 +199,7 @@ impl NodePortRepair {
             action: EVENT_ACTION.to_owned(),
             secondary: None,
         };
-        self.recorder
-            .publish(&event, &reference)
+        crate::events::publish(&self.recorder, &event, &reference)
             .await
             .inspect_err(|err| warn!(reason = event.reason, error = %err, "cannot publish event"))
     }
