@@ -7,10 +7,12 @@
 //! every interval, and [`plan`] says what is wrong with the exact upstream events.
 //!
 //! Safety beyond upstream: nothing is decided from an unsynced cache; every delete is
-//! preconditioned on the IPAddress's uid and resourceVersion; and before a delete the parent
-//! Service is read live, and the delete happens only if the live state agrees (otherwise it is
-//! deferred and counted). IPAddresses managed by anyone but `ipallocator.k8s.io` are never
-//! written.
+//! preconditioned on the IPAddress's uid and resourceVersion; and before any write or report the
+//! Service it rests on is read live (`apply::verify`): a create needs the Service to exist as
+//! the object the cache saw and to list the IP, a delete needs the parent to be gone or not to
+//! list it, a report needs its Service. A finding the live read disproves (the cache was behind)
+//! is neither written, reported nor counted; a deferred delete is counted as such. IPAddresses
+//! managed by anyone but `ipallocator.k8s.io` are never written.
 //!
 //! Where the API serves no IPAddress (older clusters, generic control planes; found by
 //! discovery), the loop audits instead: it rebuilds each configured range's allocation from all

@@ -15,7 +15,9 @@
 //! `serviceNodePortRange` is reported (a Warning event on the `kubernetes` Service naming both
 //! ranges) and left alone, unless `rebuildBitmapOnRangeChange` is set. Each problem is reported
 //! once when it appears (event, warning log, counter), not again on every pass while it
-//! persists; `check` lists every current problem.
+//! persists; `check` lists every current problem. A problem, and a bit about to be set, is first
+//! confirmed by a live read of the Services it rests on: one the cache shows but that is gone
+//! (a lost delete) is neither reported nor written for.
 
 mod apply;
 mod metrics;
