@@ -1285,6 +1285,59 @@ async fn an_event_into_a_terminating_namespace_is_dropped_not_retried() -> Resul
     Ok(())
 }
 
+/// Audit mode: a Service deleted behind the cache's back and another given its IP. The cache
+/// shows both, the later as a duplicate of the first; the live read finds the first gone, so
+/// nothing is reported or counted.
+#[tokio::test]
+async fn a_duplicate_of_a_service_gone_behind_the_caches_back_is_not_reported() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    sim.backdoor()
+        .put(backdoor_service("shop", "a", &["10.96.40.40"]))?;
+    let (repair, registry) = repair_with(
+        &sim,
+        &client,
+        clusterip_repair::Section {
+            mode: RepairMode::Audit,
+            ..clusterip_repair::Section::default()
+        },
+    )
+    .await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a clean audit pass", |r| {
+        r.is_clean()
+    })
+    .await?;
+    assert!(cached(&repair, "shop", "a"));
+    sim.clear_requests();
+    sim.backdoor().delete_unseen("services", "shop", "a")?;
+    sim.backdoor()
+        .put(backdoor_service("shop", "b", &["10.96.40.40"]))?;
+    let report = pass_until(
+        &repair,
+        &client,
+        false,
+        "the live read of the gone Service, or the duplicate reported",
+        |r| live_reads(&sim, "shop", "a") > 0 || !r.is_clean(),
+    )
+    .await?;
+    assert!(
+        report.is_clean(),
+        "a disproved finding was reported: {report:#?}"
+    );
+    assert!(
+        repair_events(&client, "ClusterIPAlreadyAllocated")
+            .await?
+            .is_empty()
+    );
+    let metrics = metric_text(&registry);
+    assert!(
+        !metrics.contains("clusterip_repair_ip_errors_total{type=\"duplicate\"}"),
+        "{metrics}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn audit_mode_reports_legacy_reasons_without_writing() -> Result<()> {
     let sim = start_sim().await?;

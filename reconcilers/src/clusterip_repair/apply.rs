@@ -73,7 +73,22 @@ pub(super) async fn verify(client: &Client, finding: &Finding) -> Verdict {
                 namespace,
                 name,
                 uid,
-            } => confirm(client, namespace, name, uid, |_| true).await,
+            } => {
+                let Some(other) = &finding.shared_with else {
+                    return confirm(client, namespace, name, uid, |_| true).await;
+                };
+                // A duplicate needs both Services still holding the IP.
+                let ip = other.ip;
+                let verdict = confirm(client, namespace, name, uid, |svc| svc.lists_ip(ip)).await;
+                if !matches!(verdict, Verdict::Confirmed) {
+                    return verdict;
+                }
+                let other_uid = other.uid.to_string();
+                confirm(client, &other.namespace, &other.name, &other_uid, |svc| {
+                    svc.lists_ip(ip)
+                })
+                .await
+            }
             Regarding::IpAddress { .. } => Verdict::Confirmed,
         },
         Repair::Create { ip, owner } => {
