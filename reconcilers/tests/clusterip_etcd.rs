@@ -457,3 +457,60 @@ async fn create_default_service_cidr(sim: &Sim) {
         .await
         .unwrap();
 }
+
+/// A Service deleted without the cache hearing of it, its IP released from the bitmap by
+/// kube-apiserver: the bit the cache says is missing is checked live first, and as the
+/// Service is gone it is neither set nor reported.
+#[tokio::test]
+async fn a_bit_is_not_set_for_a_service_gone_behind_the_caches_back() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = old_sim().await;
+    let ip = web_ip(&sim).await;
+    let stored = RangeAllocation::new(RANGE.to_owned(), bitmap(&[&ip]));
+    assert!(
+        store
+            .compare_and_swap(KEY, None, stored.encode())
+            .await
+            .unwrap()
+    );
+    let repair = repair(&sim, &etcd).await;
+    assert!(pass(&sim, &repair).await.drift.is_empty());
+    sim.clear_requests();
+    sim.backdoor()
+        .delete_unseen("services", "default", "web")
+        .unwrap();
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let cleared = RangeAllocation::new(RANGE.to_owned(), bitmap(&[]));
+    assert!(
+        store
+            .compare_and_swap(KEY, Some(value.mod_revision), cleared.encode())
+            .await
+            .unwrap()
+    );
+    let live_read = || {
+        sim.requests()
+            .iter()
+            .any(|r| r.verb == "get" && r.resource == "services" && r.name == "web")
+    };
+    let set_again = || async {
+        let value = store.get(KEY).await.unwrap().unwrap();
+        let decoded = RangeAllocation::decode(&value.value).unwrap();
+        bitmap_from_bytes(&decoded.data, SIZE).contains(offset(&ip))
+    };
+    common::eventually(
+        "the live read of the gone Service, or its IP set again",
+        || async {
+            let _ = repair.reconcile(&common::ctx(&sim, false)).await;
+            live_read() || set_again().await
+        },
+    )
+    .await;
+    let report = pass(&sim, &repair).await;
+    assert!(report.drift.is_empty(), "{report:?}");
+    assert!(
+        !set_again().await,
+        "an IP was set for a Service that is gone"
+    );
+    assert!(common::events_of(&sim, "ClusterIPNotAllocated").is_empty());
+}

@@ -997,8 +997,11 @@ async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate()
     Ok(())
 }
 
+/// A Service the cache cannot know about, whose IPAddress looks leaked to it: the live read
+/// before the delete finds it listing the IP, so the IPAddress stays, and the false finding is
+/// neither reported (no drift, no event) nor counted; only the deferral is.
 #[tokio::test]
-async fn stale_service_cache_defers_deletes() -> Result<()> {
+async fn stale_service_cache_neither_deletes_nor_reports() -> Result<()> {
     let sim = start_sim().await?;
     let client = sim.client();
     ensure_default_service_cidr(&client).await?;
@@ -1020,7 +1023,6 @@ async fn stale_service_cache_defers_deletes() -> Result<()> {
     })
     .await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    // A Service the cache cannot know about, with an IPAddress that looks leaked to it.
     let fresh = create_service(&client, "shop", "unseen", Some("10.96.10.10"), false).await?;
     assert_eq!(cluster_ips(&fresh), ["10.96.10.10"]);
     sim.backdoor().put(ip_address_json(
@@ -1030,25 +1032,307 @@ async fn stale_service_cache_defers_deletes() -> Result<()> {
         "IPv4",
         LONG_AGO,
     ))?;
-    let report = pass_until(&repair, &client, false, "a deferred delete", |r| {
-        r.drift
-            .iter()
-            .any(|d| d.object == "IPAddress/10.96.10.10" && d.message.contains("deferred"))
-    })
+    let report = pass_until(
+        &repair,
+        &client,
+        false,
+        "the live read of the Service",
+        |_| live_reads(&sim, "shop", "unseen") > 0,
+    )
     .await?;
     assert!(
         report
             .drift
             .iter()
-            .all(|d| !(d.object == "IPAddress/10.96.10.10" && d.applied))
+            .all(|d| d.object != "IPAddress/10.96.10.10"),
+        "a disproved finding was reported: {report:#?}"
     );
     assert!(
         ip_address(&client, "10.96.10.10").await?.is_some(),
         "a live Service's IPAddress was deleted"
     );
+    assert!(
+        repair_events(&client, "IPAddressNotAllocated")
+            .await?
+            .is_empty()
+    );
     let metrics = metric_text(&registry);
     assert!(
+        !metrics.contains("clusterip_repair_ip_errors_total{type=\"leak\"}"),
+        "{metrics}"
+    );
+    assert!(
         metrics.contains("clusterip_repair_deferred_deletes_total{reason=\"stale_cache\"}"),
+        "{metrics}"
+    );
+    Ok(())
+}
+
+/// GETs of the Service `namespace/name` the simulator answered: the repair's live reads.
+fn live_reads(sim: &Sim, namespace: &str, name: &str) -> usize {
+    sim.requests()
+        .iter()
+        .filter(|r| {
+            r.verb == "get"
+                && r.resource == "services"
+                && r.namespace == namespace
+                && r.name == name
+        })
+        .count()
+}
+
+/// Whether the repair's Service cache holds `namespace/name`.
+fn cached(repair: &ClusterIpRepair, namespace: &str, name: &str) -> bool {
+    use reconcilers::service_cache::record::Name;
+    repair
+        .shared_services()
+        .store()
+        .read()
+        .contains_key(&(Name::new(namespace), Name::new(name)))
+}
+
+/// A Service deleted without the cache hearing of it (its DELETED event lost, as when the watch
+/// cannot decode the object) and its IPAddress released by kube-apiserver: the cache still
+/// shows the Service, the IPAddress cache does not show its IP, and the create the repair
+/// would make is checked live first. The Service is gone, so no IPAddress is created, and
+/// nothing is reported or counted.
+#[tokio::test]
+async fn a_service_deleted_behind_the_caches_back_gets_no_ipaddress() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    create_service(&client, "shop", "gone", Some("10.96.20.20"), false).await?;
+    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a clean pass", |r| r.is_clean()).await?;
+    assert!(cached(&repair, "shop", "gone"));
+
+    sim.backdoor().delete_unseen("services", "shop", "gone")?;
+    sim.backdoor()
+        .delete("ipaddresses.networking.k8s.io", "", "10.96.20.20")?;
+    assert!(
+        cached(&repair, "shop", "gone"),
+        "the cache heard of the delete after all; the test proves nothing"
+    );
+    let report = pass_until(
+        &repair,
+        &client,
+        false,
+        "the live read, or the IPAddress created",
+        |_| live_reads(&sim, "shop", "gone") > 0 || sim_has_ip(&sim, "10.96.20.20"),
+    )
+    .await?;
+    assert!(
+        !sim_has_ip(&sim, "10.96.20.20"),
+        "an IPAddress was created for a Service that is gone"
+    );
+    assert!(
+        report.drift.iter().all(|d| d.object != "Service/shop/gone"),
+        "a disproved finding was reported: {report:#?}"
+    );
+    assert!(
+        repair_events(&client, "ClusterIPNotAllocated")
+            .await?
+            .is_empty()
+    );
+    let metrics = metric_text(&registry);
+    assert!(
+        !metrics.contains("clusterip_repair_ip_errors_total{type=\"repair\"}"),
+        "{metrics}"
+    );
+    // Another pass, the cache still behind: still nothing.
+    let again = pass_until(&repair, &client, false, "another pass", |_| true).await?;
+    assert!(again.is_clean(), "{again:#?}");
+    assert!(!sim_has_ip(&sim, "10.96.20.20"));
+    Ok(())
+}
+
+fn sim_has_ip(sim: &Sim, ip: &str) -> bool {
+    sim.backdoor()
+        .get("ipaddresses.networking.k8s.io", "", ip)
+        .unwrap()
+        .is_some()
+}
+
+/// What the conformance test "should complete a service status lifecycle" does: a status
+/// condition without `lastTransitionTime`, which kube-apiserver stores and serves as `null`,
+/// then the Service deleted. The cache hears of both (k8s-openapi's Service could not decode
+/// either event, and the cache kept the deleted Service), and the released IP's IPAddress is
+/// not created again.
+#[tokio::test]
+async fn a_service_with_a_null_condition_time_is_followed_to_its_delete() -> Result<()> {
+    use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams};
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    create_service(&client, "shop", "lifecycle", Some("10.96.30.30"), false).await?;
+    pass_until(
+        &repair,
+        &client,
+        false,
+        "a clean pass with the Service",
+        |r| r.is_clean() && cached(&repair, "shop", "lifecycle"),
+    )
+    .await?;
+
+    // Untyped: k8s-openapi's Service cannot decode the answers.
+    let services: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), "shop", &ApiResource::erase::<Service>(&()));
+    let patched = services
+        .patch_status(
+            "lifecycle",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"conditions": [{
+                "type": "StatusUpdate", "status": "True", "lastTransitionTime": null,
+                "reason": "E2E", "message": "Set from e2e test",
+            }]}})),
+        )
+        .await?;
+    let stored = sim
+        .backdoor()
+        .get("services", "shop", "lifecycle")?
+        .unwrap();
+    assert_eq!(
+        stored["status"]["conditions"][0]["lastTransitionTime"],
+        Value::Null,
+        "the simulator stores the condition as given: {stored}"
+    );
+    let version: u64 = patched.metadata.resource_version.unwrap().parse()?;
+    let seen_version = || {
+        use reconcilers::service_cache::record::Name;
+        repair
+            .shared_services()
+            .store()
+            .read()
+            .get(&(Name::new("shop"), Name::new("lifecycle")))
+            .map(|record| record.resource_version)
+    };
+    common::eventually("the cache to see the status update", || {
+        std::future::ready(seen_version() == Some(version))
+    })
+    .await;
+
+    services
+        .delete("lifecycle", &DeleteParams::default())
+        .await?;
+    assert!(
+        !sim_has_ip(&sim, "10.96.30.30"),
+        "the delete released the IP"
+    );
+    common::eventually("the cache to see the delete", || {
+        std::future::ready(!cached(&repair, "shop", "lifecycle"))
+    })
+    .await;
+    let settled = pass_until(&repair, &client, false, "a clean pass", |r| r.is_clean()).await?;
+    assert!(settled.is_clean());
+    assert!(!sim_has_ip(&sim, "10.96.30.30"));
+    Ok(())
+}
+
+/// A finding about a Service in a namespace being deleted: its event is refused ("because it
+/// is being terminated") and dropped, once; the finding counts as reported, and passes go on
+/// without retrying the event.
+#[tokio::test]
+async fn an_event_into_a_terminating_namespace_is_dropped_not_retried() -> Result<()> {
+    let sim = Sim::start(SimConfig {
+        service_cluster_ip_ranges: ranges(),
+        seed_namespaces: vec!["default".into(), "doomed".into()],
+        // The namespace stays terminating for the whole test, its Service with it.
+        namespace_finalize_delay: Duration::from_secs(3600),
+        ..SimConfig::default()
+    })
+    .await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    sim.backdoor()
+        .put(backdoor_service("doomed", "far", &["192.0.2.10"]))?;
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .delete("doomed", &Default::default())
+        .await?;
+    let (repair, registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    let event_writes = |sim: &Sim| {
+        sim.requests()
+            .iter()
+            .filter(|r| r.resource == "events" && r.namespace == "doomed")
+            .map(|r| r.status)
+            .collect::<Vec<_>>()
+    };
+    pass_until(
+        &repair,
+        &client,
+        false,
+        "a pass reporting the finding",
+        |r| has_drift(r, "clusterip_out_of_range", "Service/doomed/far"),
+    )
+    .await?;
+    assert_eq!(event_writes(&sim), [403], "one refused event write");
+    for round in 0..5 {
+        let report = repair.reconcile(&ctx(&client, false)).await?;
+        assert!(
+            has_drift(&report, "clusterip_out_of_range", "Service/doomed/far"),
+            "round {round}: {report:#?}"
+        );
+    }
+    assert_eq!(event_writes(&sim), [403], "the refused event was retried");
+    let metrics = metric_text(&registry);
+    assert!(
+        metrics.contains("clusterip_repair_ip_errors_total{type=\"outOfRange\"} 1"),
+        "{metrics}"
+    );
+    Ok(())
+}
+
+/// Audit mode: a Service deleted behind the cache's back and another given its IP. The cache
+/// shows both, the later as a duplicate of the first; the live read finds the first gone, so
+/// nothing is reported or counted.
+#[tokio::test]
+async fn a_duplicate_of_a_service_gone_behind_the_caches_back_is_not_reported() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    sim.backdoor()
+        .put(backdoor_service("shop", "a", &["10.96.40.40"]))?;
+    let (repair, registry) = repair_with(
+        &sim,
+        &client,
+        clusterip_repair::Section {
+            mode: RepairMode::Audit,
+            ..clusterip_repair::Section::default()
+        },
+    )
+    .await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a clean audit pass", |r| {
+        r.is_clean()
+    })
+    .await?;
+    assert!(cached(&repair, "shop", "a"));
+    sim.clear_requests();
+    sim.backdoor().delete_unseen("services", "shop", "a")?;
+    sim.backdoor()
+        .put(backdoor_service("shop", "b", &["10.96.40.40"]))?;
+    let report = pass_until(
+        &repair,
+        &client,
+        false,
+        "the live read of the gone Service, or the duplicate reported",
+        |r| live_reads(&sim, "shop", "a") > 0 || !r.is_clean(),
+    )
+    .await?;
+    assert!(
+        report.is_clean(),
+        "a disproved finding was reported: {report:#?}"
+    );
+    assert!(
+        repair_events(&client, "ClusterIPAlreadyAllocated")
+            .await?
+            .is_empty()
+    );
+    let metrics = metric_text(&registry);
+    assert!(
+        !metrics.contains("clusterip_repair_ip_errors_total{type=\"duplicate\"}"),
         "{metrics}"
     );
     Ok(())

@@ -840,3 +840,99 @@ async fn passes_at_rest_send_etcd_nothing() {
     store.get(KEY).await.unwrap();
     assert!(etcd.kv_requests().await > before);
 }
+
+/// GETs of the Service `default/name` the simulator answered: the repair's live reads.
+fn live_reads(sim: &Sim, name: &str) -> usize {
+    sim.requests()
+        .iter()
+        .filter(|r| {
+            r.verb == "get"
+                && r.resource == "services"
+                && r.namespace == "default"
+                && r.name == name
+        })
+        .count()
+}
+
+/// Passes until `done` holds after one (a pass may fail while the simulator answers).
+async fn passes_until(harness: &Harness, sim: &Sim, what: &str, done: impl Fn() -> bool) {
+    common::eventually(what, || async {
+        let _ = harness.pass(sim, false).await;
+        done()
+    })
+    .await;
+}
+
+/// A Service deleted without the cache hearing of it (its DELETED event lost) and another
+/// given its node port: the cache shows both, and the later one as a duplicate. The live read
+/// finds the first gone, so nothing is reported (no event, no counter, no drift).
+#[tokio::test]
+async fn a_port_duplicated_with_a_service_gone_behind_the_caches_back_is_not_reported() {
+    let (etcd, _store, sim) = etcd_and_sim().await;
+    put_service(&sim, "a", 30080);
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(60)).await;
+    harness.pass(&sim, false).await.unwrap();
+    sim.clear_requests();
+    sim.backdoor()
+        .delete_unseen("services", "default", "a")
+        .unwrap();
+    put_service(&sim, "b", 30080);
+    passes_until(
+        &harness,
+        &sim,
+        "the live read of the gone Service, or its duplicate reported",
+        || live_reads(&sim, "a") > 0 || !events(&sim, "PortAlreadyAllocated").is_empty(),
+    )
+    .await;
+    assert!(
+        events(&sim, "PortAlreadyAllocated").is_empty(),
+        "a duplicate of a Service that is gone was reported"
+    );
+    let report = harness.pass(&sim, false).await.unwrap();
+    assert!(
+        !kinds(&report).contains(&"nodeport_duplicate"),
+        "{report:?}"
+    );
+    assert_eq!(harness.errors("duplicate"), 0);
+}
+
+/// A bit missing from the bitmap for a Service the cache still shows but that is gone: the live
+/// read finds it gone, and the bit is neither set nor reported.
+#[tokio::test]
+async fn a_bit_is_not_set_for_a_service_gone_behind_the_caches_back() {
+    let (etcd, store, sim) = etcd_and_sim().await;
+    put_service(&sim, "a", 30081);
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(60)).await;
+    harness.pass(&sim, false).await.unwrap();
+    let value = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(ports_of(&value.value), vec![30081]);
+    assert_eq!(harness.errors("repair"), 1);
+    sim.clear_requests();
+    sim.backdoor()
+        .delete_unseen("services", "default", "a")
+        .unwrap();
+    // kube-apiserver released the port with the Service.
+    let cleared = RangeAllocation::new(range().to_string(), bitmap(&[]));
+    assert!(
+        store
+            .compare_and_swap(KEY, Some(value.mod_revision), cleared.encode())
+            .await
+            .unwrap()
+    );
+    passes_until(
+        &harness,
+        &sim,
+        "the live read of the gone Service, or its port set again",
+        || live_reads(&sim, "a") > 0 || harness.errors("repair") > 1,
+    )
+    .await;
+    let report = harness.pass(&sim, false).await.unwrap();
+    assert!(report.drift.is_empty(), "{report:?}");
+    assert_eq!(
+        ports_of(&store.get(KEY).await.unwrap().unwrap().value),
+        Vec::<u16>::new(),
+        "a port was set for a Service that is gone"
+    );
+    assert_eq!(harness.errors("repair"), 1);
+    assert_eq!(events(&sim, "PortNotAllocated").len(), 1);
+}

@@ -468,6 +468,23 @@ impl Backdoor<'_> {
         }
     }
 
+    /// Deletes an object without a DELETED event: every watch misses the delete, as a client's
+    /// watch does when it cannot decode the object, and a cache fed by it keeps the object until
+    /// it lists again. Nothing released, nothing cascaded. Returns the deleted object, or `None`
+    /// if it did not exist.
+    pub fn delete_unseen(
+        &self,
+        resource: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Value>, SimError> {
+        let idx = resource_index(resource)?;
+        self.shared
+            .backdoor_delete_unseen(convert::storage_idx(idx), namespace, name)
+            .map(|b| to_value(&b).map(|v| convert::from_storage(idx, v)))
+            .transpose()
+    }
+
     /// Reads an object (events.k8s.io Events are shown in that API's form).
     pub fn get(
         &self,

@@ -1029,6 +1029,14 @@ impl Shared {
         Ok(out)
     }
 
+    /// Deletes an object no watch hears of ([`State::remove_unlogged`]).
+    pub fn backdoor_delete_unseen(&self, res: ResIdx, ns: &str, name: &str) -> Option<Bytes> {
+        let mut st = self.lock();
+        let out = st.remove_unlogged(res, ns, name);
+        self.publish(&st);
+        out
+    }
+
     /// Creates namespaces at startup (`SimConfig::seed_namespaces`).
     /// Creates the ServiceCIDR `kubernetes` from the service ranges, as kube-apiserver 1.33+
     /// does at start (its default ServiceCIDR controller); an existing one is kept.

@@ -173,6 +173,15 @@ impl State {
         }
     }
 
+    /// Removes an object without logging its DELETED: what a watcher sees when it lost that
+    /// event (a client that could not decode the object drops it, and its cache keeps the object
+    /// until it lists again). The resourceVersion advances as the delete's would.
+    pub fn remove_unlogged(&mut self, res: ResIdx, ns: &str, name: &str) -> Option<Bytes> {
+        let prev = self.objects[res].remove(&(ns.to_string(), name.to_string()))?;
+        self.rv += 1;
+        Some(prev.json)
+    }
+
     /// Removes an object, logs DELETED (carrying the deletion's resourceVersion, as etcd does),
     /// and returns the removed object's bytes at that version.
     pub fn commit_delete(

@@ -349,3 +349,45 @@ async fn watcher_streaming_list() {
     .await;
     sim.shutdown().await;
 }
+
+/// `Backdoor::delete_unseen`: the object is gone (GET, LIST) but no watch hears of it; the
+/// next change is the next event, and a watch resumed from before it still does not see it.
+#[tokio::test]
+async fn a_delete_unseen_sends_no_event() {
+    let sim = start().await;
+    let api = configmaps_in_w(&sim).await;
+    let first = create(&api, "a").await;
+    let rv = first.metadata.resource_version.clone().unwrap();
+    let mut live = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    sim.backdoor()
+        .delete_unseen("configmaps", "w", "a")
+        .unwrap()
+        .expect("it existed");
+    assert!(api.get_opt("a").await.unwrap().is_none());
+    assert!(
+        api.list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    create(&api, "b").await;
+    assert_eq!(describe(&next_event(&mut live).await), "ADDED b");
+    let mut resumed = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    assert_eq!(describe(&next_event(&mut resumed).await), "ADDED b");
+    assert!(
+        sim.backdoor()
+            .delete_unseen("configmaps", "w", "a")
+            .unwrap()
+            .is_none()
+    );
+    sim.shutdown().await;
+}

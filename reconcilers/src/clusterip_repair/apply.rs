@@ -1,11 +1,11 @@
 //! The loop's writes and the live reads that guard them: IPAddresses created and deleted by
-//! compare-and-swap, each delete confirmed against the Service read live; events' references
-//! and the drift each finding is reported as.
+//! compare-and-swap, each write and each report confirmed against the Service read live;
+//! events' references and the drift each finding is reported as.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{DeleteParams, PostParams, Preconditions};
@@ -15,45 +15,100 @@ use super::model::{self, IPALLOCATOR_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY}
 use super::plan::{DeleteGround, Finding, Regarding, Repair, ServiceOwner};
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError};
+use crate::service_cache::live::{self, Liveness};
+use crate::service_cache::record::{ServiceRecord, Token};
 
 pub(super) enum Outcome {
     Done,
     DryRun,
     /// Nothing to do after all (the cache was behind); not reported.
     Skip,
-    Deferred(String),
     Failed,
 }
 
+/// What a live read says of the ground a finding stands on.
 pub(super) enum Verdict {
     Confirmed,
+    /// The cache was behind: the finding is false, and neither reported nor acted on.
     Contradicted(String),
+    /// The live read failed: nothing is known.
     Unknown(String),
 }
 
-pub(super) async fn live_service(
+fn unknown(namespace: &str, name: &str, err: &kube::Error) -> Verdict {
+    Verdict::Unknown(format!("cannot read Service {namespace}/{name}: {err}"))
+}
+
+/// Reads the Service a finding is about live: the finding stands only if it exists as the same
+/// object (`uid`) and `holds` still holds of it.
+async fn confirm(
     client: &Client,
     namespace: &str,
     name: &str,
-) -> Result<Option<Service>, kube::Error> {
-    Api::<Service>::namespaced(client.clone(), namespace)
-        .get_opt(name)
-        .await
+    uid: &str,
+    holds: impl Fn(&ServiceRecord) -> bool,
+) -> Verdict {
+    match live::confirm(client, namespace, name, &Token::new(uid), holds).await {
+        Ok(Liveness::Holds) => Verdict::Confirmed,
+        Ok(Liveness::Disproved(why)) => Verdict::Contradicted(why),
+        Err(err) => unknown(namespace, name, &err),
+    }
 }
 
-pub(super) fn service_lists(service: &Service, ip: IpAddr) -> bool {
-    let spec = service.spec.as_ref();
-    let listed = spec
-        .and_then(|s| s.cluster_ips.as_ref())
-        .into_iter()
-        .flatten()
-        .chain(spec.and_then(|s| s.cluster_ip.as_ref()));
-    listed
-        .filter_map(|text| crate::alloc::parse_ip_sloppy(text))
-        .any(|listed| listed == ip)
+/// Checks a finding against the API before it is reported or acted on, as upstream's
+/// `repairip.go` does with its informer and a live read: every write for a Service (a create,
+/// the create of a recreate) and every report about one needs the Service to exist as the
+/// object the cache saw and still list the IP; every delete needs the Service the IPAddress
+/// names to be gone or not to list it.
+pub(super) async fn verify(client: &Client, finding: &Finding) -> Verdict {
+    let owner_uid = match &finding.regarding {
+        Regarding::Service { uid, .. } => &**uid,
+        Regarding::IpAddress { .. } => "",
+    };
+    match &finding.repair {
+        Repair::None => match &finding.regarding {
+            // A report rests on the Service as the cache held it; one that is gone (or another
+            // object now) has nothing to report.
+            Regarding::Service {
+                namespace,
+                name,
+                uid,
+            } => {
+                let Some(other) = &finding.shared_with else {
+                    return confirm(client, namespace, name, uid, |_| true).await;
+                };
+                // A duplicate needs both Services still holding the IP.
+                let ip = other.ip;
+                let verdict = confirm(client, namespace, name, uid, |svc| svc.lists_ip(ip)).await;
+                if !matches!(verdict, Verdict::Confirmed) {
+                    return verdict;
+                }
+                let other_uid = other.uid.to_string();
+                confirm(client, &other.namespace, &other.name, &other_uid, |svc| {
+                    svc.lists_ip(ip)
+                })
+                .await
+            }
+            Regarding::IpAddress { .. } => Verdict::Confirmed,
+        },
+        Repair::Create { ip, owner } => {
+            let ip = *ip;
+            confirm(client, &owner.namespace, &owner.name, owner_uid, |svc| {
+                svc.lists_ip(ip)
+            })
+            .await
+        }
+        Repair::Recreate {
+            ip,
+            owner,
+            dangling_parent,
+            ..
+        } => verify_recreate(client, *ip, owner, owner_uid, dangling_parent.as_ref()).await,
+        Repair::Delete { name, ground, .. } => verify_delete(client, name, ground).await,
+    }
 }
 
-pub(super) async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Verdict {
+async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Verdict {
     let (namespace, parent) = match ground {
         DeleteGround::NotAService => return Verdict::Confirmed,
         DeleteGround::ParentGone { namespace, name }
@@ -63,50 +118,40 @@ pub(super) async fn verify_delete(client: &Client, name: &str, ground: &DeleteGr
         // No Service can list a name that is no IP.
         return Verdict::Confirmed;
     };
-    match live_service(client, namespace, parent).await {
+    match live::read(client, namespace, parent).await {
         Ok(None) => Verdict::Confirmed,
-        Ok(Some(service)) if !service_lists(&service, ip) => Verdict::Confirmed,
+        Ok(Some(service)) if !service.lists_ip(ip) => Verdict::Confirmed,
         Ok(Some(_)) => Verdict::Contradicted(format!(
             "Service {namespace}/{parent} exists and lists {ip}, but the Service cache did not show it"
         )),
-        Err(err) => Verdict::Unknown(format!("cannot read Service {namespace}/{parent}: {err}")),
+        Err(err) => unknown(namespace, parent, &err),
     }
 }
 
-pub(super) async fn verify_recreate(
+async fn verify_recreate(
     client: &Client,
     ip: IpAddr,
     owner: &ServiceOwner,
+    owner_uid: &str,
     dangling_parent: Option<&ServiceOwner>,
 ) -> Verdict {
-    match live_service(client, &owner.namespace, &owner.name).await {
-        Ok(Some(service)) if service_lists(&service, ip) => {}
-        Ok(_) => {
-            return Verdict::Contradicted(format!(
-                "Service {}/{} no longer lists {ip}",
-                owner.namespace, owner.name
-            ));
-        }
-        Err(err) => {
-            return Verdict::Unknown(format!(
-                "cannot read Service {}/{}: {err}",
-                owner.namespace, owner.name
-            ));
-        }
+    let verdict = confirm(client, &owner.namespace, &owner.name, owner_uid, |svc| {
+        svc.lists_ip(ip)
+    })
+    .await;
+    if !matches!(verdict, Verdict::Confirmed) {
+        return verdict;
     }
     let Some(parent) = dangling_parent else {
         return Verdict::Confirmed;
     };
-    match live_service(client, &parent.namespace, &parent.name).await {
-        Ok(Some(service)) if service_lists(&service, ip) => Verdict::Contradicted(format!(
+    match live::read(client, &parent.namespace, &parent.name).await {
+        Ok(Some(service)) if service.lists_ip(ip) => Verdict::Contradicted(format!(
             "Service {}/{} exists and lists {ip}, but the Service cache did not show it",
             parent.namespace, parent.name
         )),
         Ok(_) => Verdict::Confirmed,
-        Err(err) => Verdict::Unknown(format!(
-            "cannot read Service {}/{}: {err}",
-            parent.namespace, parent.name
-        )),
+        Err(err) => unknown(&parent.namespace, &parent.name, &err),
     }
 }
 

@@ -134,8 +134,27 @@ impl LegacyIpBitmaps {
                     Some(self::in_use(services.iter(), &range, bitmap_size(&range)).0)
                 })
             };
+            let owner_of = |offset: usize| {
+                owners.get(&offset).map(|(namespace, name, uid)| {
+                    (namespace.into(), name.into(), uid.as_str().into())
+                })
+            };
+            let holds = |service: &ServiceRecord, offset: usize| {
+                range
+                    .address_at(offset as u128 + 1)
+                    .is_some_and(|ip| service.lists_ip(ip))
+            };
+            let confirm = |offsets| {
+                crate::legacy_alloc::confirm_live(
+                    &ctx.client,
+                    offsets,
+                    &owner_of,
+                    &holds,
+                    fresh_in_use,
+                )
+            };
             let pass = bitmap
-                .pass(&in_use, &owner, ctx.dry_run, fresh_in_use)
+                .pass(&in_use, &owner, ctx.dry_run, fresh_in_use, confirm)
                 .await
                 .map_err(|err| LoopError::Other(format!("ClusterIP bitmap in etcd: {err}")))?;
             report.drift.extend(pass.drift);
@@ -268,8 +287,7 @@ async fn publish(
         action: "ClusterIPAllocation".to_owned(),
         secondary: None,
     };
-    recorder
-        .publish(&event, &reference)
+    crate::events::publish(recorder, &event, &reference)
         .await
         .inspect_err(|err| warn!(reason, error = %err, "cannot publish event"))
 }

@@ -7,10 +7,12 @@
 //! every interval, and [`plan`] says what is wrong with the exact upstream events.
 //!
 //! Safety beyond upstream: nothing is decided from an unsynced cache; every delete is
-//! preconditioned on the IPAddress's uid and resourceVersion; and before a delete the parent
-//! Service is read live, and the delete happens only if the live state agrees (otherwise it is
-//! deferred and counted). IPAddresses managed by anyone but `ipallocator.k8s.io` are never
-//! written.
+//! preconditioned on the IPAddress's uid and resourceVersion; and before any write or report the
+//! Service it rests on is read live (`apply::verify`): a create needs the Service to exist as
+//! the object the cache saw and to list the IP, a delete needs the parent to be gone or not to
+//! list it, a report needs its Service. A finding the live read disproves (the cache was behind)
+//! is neither written, reported nor counted; a deferred delete is counted as such. IPAddresses
+//! managed by anyone but `ipallocator.k8s.io` are never written.
 //!
 //! Where the API serves no IPAddress (older clusters, generic control planes; found by
 //! discovery), the loop audits instead: it rebuilds each configured range's allocation from all
@@ -52,7 +54,6 @@ use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
 pub use apply::new_ip_address;
 use apply::{
     Outcome, Verdict, action_of, create_ip_address, delete_ip_address, drift_of, object_reference,
-    verify_delete, verify_recreate,
 };
 use model::{IpAddressRecord, ServiceCidrRecord};
 use plan::{AuditDecision, Decision, Finding, Repair};
@@ -388,6 +389,21 @@ impl ClusterIpRepair {
         for finding in findings {
             let key = report_key(&finding);
             if key.as_ref().is_none_or(|key| appeared.contains(key)) {
+                match apply::verify(&ctx.client, &finding).await {
+                    Verdict::Confirmed => {}
+                    Verdict::Contradicted(why) => {
+                        self.disproved(&finding, &why);
+                        continue;
+                    }
+                    Verdict::Unknown(why) => {
+                        if let Some(key) = &key {
+                            self.reported.forget(key);
+                        }
+                        info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; reported when a pass can");
+                        report.push(drift_of(&finding, Action::Report, false, None));
+                        continue;
+                    }
+                }
                 if !ctx.dry_run
                     && let Err(err) = self.publish(&finding).await
                 {
@@ -506,6 +522,36 @@ impl ClusterIpRepair {
                 report.push(drift_of(&finding, Action::Report, false, None));
                 continue;
             }
+            let action = action_of(&finding.repair);
+            match apply::verify(&ctx.client, &finding).await {
+                Verdict::Confirmed => {}
+                Verdict::Contradicted(why) => {
+                    self.disproved(&finding, &why);
+                    continue;
+                }
+                Verdict::Unknown(why) => {
+                    // Looked at again soon; a report waits for a pass that can confirm it.
+                    self.wakeup
+                        .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
+                    if let Some(key) = &report_only {
+                        self.reported.forget(key);
+                    }
+                    if finding.repair.deletes() {
+                        self.metrics
+                            .deferred_deletes
+                            .get_or_create(&[("reason", "verify_failed")])
+                            .inc();
+                    }
+                    info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; deferred");
+                    report.push(drift_of(
+                        &finding,
+                        action,
+                        false,
+                        Some(format!("deferred: {why}")),
+                    ));
+                    continue;
+                }
+            }
             if report_only.is_none() {
                 self.count(&finding);
             }
@@ -521,7 +567,6 @@ impl ClusterIpRepair {
                     }
                 }
             };
-            let action = action_of(&finding.repair);
             match outcome {
                 Outcome::Skip => continue,
                 Outcome::Done => match self.publish(&finding).await {
@@ -547,11 +592,6 @@ impl ClusterIpRepair {
                     }
                     report.push(drift_of(&finding, action, false, None));
                 }
-                Outcome::Deferred(why) => {
-                    self.wakeup
-                        .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
-                    report.push(drift_of(&finding, action, false, Some(why)));
-                }
                 Outcome::Failed => report.push(drift_of(
                     &finding,
                     action,
@@ -566,11 +606,10 @@ impl ClusterIpRepair {
         }
     }
 
-    /// Carries out one repair. Deletes (and the delete of a recreate) happen only when a live
-    /// read of the Services involved agrees with the cache: a watch may be behind.
+    /// Carries out one repair of a finding [`apply::verify`] confirmed. The deletes are
+    /// preconditioned on the IPAddress the decision saw; the creates fail if it exists.
     async fn repair(&self, ctx: &PassContext, finding: &Finding) -> Result<Outcome, LoopError> {
-        let client = &ctx.client;
-        let ip_api: Api<IPAddress> = Api::all(client.clone());
+        let ip_api: Api<IPAddress> = Api::all(ctx.client.clone());
         match &finding.repair {
             Repair::None => Ok(Outcome::Done),
             Repair::Create { ip, owner } => create_ip_address(&ip_api, *ip, owner).await,
@@ -578,26 +617,14 @@ impl ClusterIpRepair {
                 ip,
                 owner,
                 existing,
-                dangling_parent,
+                ..
             } => {
-                let verdict = verify_recreate(client, *ip, owner, dangling_parent.as_ref()).await;
-                if let Some(outcome) = self.deferral(verdict) {
-                    return Ok(outcome);
-                }
                 if !delete_ip_address(&ip_api, &ip.to_string(), existing).await? {
                     return Ok(Outcome::Skip);
                 }
                 create_ip_address(&ip_api, *ip, owner).await
             }
-            Repair::Delete {
-                name,
-                existing,
-                ground,
-            } => {
-                let verdict = verify_delete(client, name, ground).await;
-                if let Some(outcome) = self.deferral(verdict) {
-                    return Ok(outcome);
-                }
+            Repair::Delete { name, existing, .. } => {
                 if delete_ip_address(&ip_api, name, existing).await? {
                     Ok(Outcome::Done)
                 } else {
@@ -607,41 +634,46 @@ impl ClusterIpRepair {
         }
     }
 
-    /// `None` when the live check confirmed the delete; otherwise the deferral outcome.
-    fn deferral(&self, verdict: Verdict) -> Option<Outcome> {
-        let (reason, why) = match verdict {
-            Verdict::Confirmed => return None,
-            Verdict::Contradicted(why) => ("stale_cache", why),
-            Verdict::Unknown(why) => ("verify_failed", why),
-        };
-        self.metrics
-            .deferred_deletes
-            .get_or_create(&[("reason", reason)])
-            .inc();
-        info!(reason, %why, "IPAddress delete deferred");
-        Some(Outcome::Deferred(format!("delete deferred: {why}")))
+    /// A finding a live read disproved: the cache was behind (a Service deleted, replaced or
+    /// changed since it last heard). Nothing is written, reported or counted for it; the pass
+    /// after the cache caught up decides again. Only the deferred deletes are counted, as the
+    /// sign of a cache that disagrees with the API.
+    fn disproved(&self, finding: &Finding, why: &str) {
+        if let Some(key) = report_key(finding) {
+            // Not reported: should it persist, the next pass checks it again.
+            self.reported.forget(&key);
+        }
+        if finding.repair.deletes() {
+            self.metrics
+                .deferred_deletes
+                .get_or_create(&[("reason", "stale_cache")])
+                .inc();
+        }
+        self.wakeup
+            .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
+        debug!(object = %finding.regarding.object(), kind = finding.kind, %why, "finding disproved by a live read of the Service; the cache is behind");
     }
 
     /// Publishes the finding's event. A failure is the caller's to retry: the finding must not
-    /// be marked reported without its event (the namespace it goes into may not exist yet).
+    /// be marked reported without its event (the namespace it goes into may not exist yet). An
+    /// event into a namespace being deleted is dropped instead ([`crate::events`]).
     async fn publish(&self, finding: &Finding) -> Result<(), LoopError> {
         let Some(event) = &finding.event else {
             return Ok(());
         };
         let reference = object_reference(&finding.regarding);
-        let result = self
-            .recorder
-            .publish(
-                &Event {
-                    type_: EventType::Warning,
-                    reason: event.reason.to_owned(),
-                    note: Some(crate::sanitize::sanitize(&event.note).into()),
-                    action: event.action.to_owned(),
-                    secondary: None,
-                },
-                &reference,
-            )
-            .await;
+        let result = crate::events::publish(
+            &self.recorder,
+            &Event {
+                type_: EventType::Warning,
+                reason: event.reason.to_owned(),
+                note: Some(crate::sanitize::sanitize(&event.note).into()),
+                action: event.action.to_owned(),
+                secondary: None,
+            },
+            &reference,
+        )
+        .await;
         result.map_err(|err| {
             warn!(reason = event.reason, error = %err, "cannot publish event; retrying");
             LoopError::Api(err)

@@ -5,12 +5,11 @@
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
 use crate::alloc::IpFamily;
-use crate::service_cache::record::{Name, Token, version_of};
+use crate::service_cache::record::{LeanMeta, Name, Token, null_as_default, version_of};
 use crate::service_cache::store::Cached;
 
 /// Label naming the controller that manages an IPAddress.
@@ -287,11 +286,13 @@ fn renders_as(ip: IpAddr, text: &str) -> bool {
 
 /// An IPAddress as the cache receives it: k8s-openapi's type requires `spec.parentRef` and its
 /// fields, and one object without them (the API validates them, a broken or hostile store may
-/// not) would fail every list of the collection; this one takes any spec.
-#[derive(Clone, Debug, Deserialize)]
+/// not) would fail every list of the collection; this one takes any spec, `null` read as unset
+/// and unknown fields ignored, as [`crate::service_cache::record::ServiceObject`] does.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
 pub struct IpAddressObject {
-    pub metadata: ObjectMeta,
-    #[serde(default)]
+    pub metadata: LeanMeta,
+    #[serde(deserialize_with = "null_as_default")]
     pub spec: IpAddressObjectSpec,
 }
 
@@ -304,10 +305,55 @@ pub struct IpAddressObjectSpec {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(default)]
 pub struct IpAddressParent {
+    #[serde(deserialize_with = "null_as_default")]
     pub group: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub resource: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub namespace: String,
+    #[serde(deserialize_with = "null_as_default")]
     pub name: String,
+}
+
+/// A ServiceCIDR as the cache receives it: `spec.cidrs` and the metadata the record holds,
+/// decoded as leniently as [`IpAddressObject`].
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ServiceCidrObject {
+    pub metadata: LeanMeta,
+    #[serde(deserialize_with = "null_as_default")]
+    pub spec: ServiceCidrObjectSpec,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ServiceCidrObjectSpec {
+    #[serde(deserialize_with = "null_as_default")]
+    pub cidrs: Vec<Option<String>>,
+}
+
+impl kube::Resource for ServiceCidrObject {
+    type DynamicType = ();
+    type Scope = kube::core::ClusterResourceScope;
+
+    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+        "ServiceCIDR".into()
+    }
+    fn group(_: &()) -> std::borrow::Cow<'_, str> {
+        "networking.k8s.io".into()
+    }
+    fn version(_: &()) -> std::borrow::Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+        "servicecidrs".into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata.meta
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata.meta
+    }
 }
 
 impl kube::Resource for IpAddressObject {
@@ -327,16 +373,16 @@ impl kube::Resource for IpAddressObject {
         "ipaddresses".into()
     }
     fn meta(&self) -> &ObjectMeta {
-        &self.metadata
+        &self.metadata.meta
     }
     fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
+        &mut self.metadata.meta
     }
 }
 
 impl From<&IpAddressObject> for IpAddressRecord {
     fn from(object: &IpAddressObject) -> Self {
-        let meta = &object.metadata;
+        let meta = &object.metadata.meta;
         let label = |key: &str| meta.labels.as_ref()?.get(key).map(String::as_str);
         Self {
             name: IpName::new(meta.name.as_deref().unwrap_or("")),
@@ -352,24 +398,21 @@ impl From<&IpAddressObject> for IpAddressRecord {
                 )
             }),
             created: meta.creation_timestamp.as_ref().map(|time| time.0),
-            deleting: meta.deletion_timestamp.is_some(),
+            deleting: object.metadata.deleting,
         }
     }
 }
 
-impl From<&ServiceCIDR> for ServiceCidrRecord {
-    fn from(cidr: &ServiceCIDR) -> Self {
-        let raw: &[String] = cidr
-            .spec
-            .as_ref()
-            .and_then(|spec| spec.cidrs.as_deref())
-            .unwrap_or_default();
+impl From<&ServiceCidrObject> for ServiceCidrRecord {
+    fn from(cidr: &ServiceCidrObject) -> Self {
+        let meta = &cidr.metadata.meta;
+        let raw = cidr.spec.cidrs.iter().flatten();
         Self {
-            name: cidr.metadata.name.as_deref().unwrap_or("").into(),
-            resource_version: version_of(&cidr.metadata),
-            cidrs: raw.iter().filter_map(|text| text.parse().ok()).collect(),
-            raw_cidrs: raw.iter().map(|text| text.as_str().into()).collect(),
-            deleting: cidr.metadata.deletion_timestamp.is_some(),
+            name: meta.name.as_deref().unwrap_or("").into(),
+            resource_version: version_of(meta),
+            cidrs: raw.clone().filter_map(|text| text.parse().ok()).collect(),
+            raw_cidrs: raw.map(|text| text.as_str().into()).collect(),
+            deleting: cidr.metadata.deleting,
         }
     }
 }
@@ -387,9 +430,9 @@ impl Cached for IpAddressRecord {
 }
 
 impl Cached for ServiceCidrRecord {
-    type Object = ServiceCIDR;
+    type Object = ServiceCidrObject;
     type Key = Box<str>;
-    fn project(object: &ServiceCIDR) -> Self {
+    fn project(object: &ServiceCidrObject) -> Self {
         ServiceCidrRecord::from(object)
     }
     fn cache_key(&self) -> Self::Key {
@@ -401,11 +444,10 @@ impl Cached for ServiceCidrRecord {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::service_cache::record::ServiceRecord;
-    use k8s_openapi::api::core::v1::Service;
+    use crate::service_cache::record::{ServiceObject, ServiceRecord};
 
     fn service(json: &str) -> ServiceRecord {
-        ServiceRecord::from(&serde_json::from_str::<Service>(json).unwrap())
+        ServiceRecord::from(&serde_json::from_str::<ServiceObject>(json).unwrap())
     }
 
     fn ip_address(json: &str) -> IpAddressRecord {
@@ -423,7 +465,7 @@ mod tests {
         assert!(!ip.name.to_string().is_empty());
         assert!(ip.parent.is_some());
         let cidr = ServiceCidrRecord::from(
-            &serde_json::from_str::<ServiceCIDR>(
+            &serde_json::from_str::<ServiceCidrObject>(
                 &std::fs::read_to_string(format!(
                     "{FIXTURES}/networking.k8s.io.v1.ServiceCIDR.json"
                 ))
@@ -554,5 +596,67 @@ mod tests {
         let parent = empty.parent.unwrap();
         assert!(!parent.is_service());
         assert_eq!(empty.name.ip(), None);
+    }
+
+    /// The fixtures' YAML encodings decode to the same records as their JSON.
+    #[test]
+    fn yaml_fixtures_decode_as_the_json_does() {
+        let read = |name: &str| std::fs::read_to_string(format!("{FIXTURES}/{name}")).unwrap();
+        let ip = |text: &IpAddressObject| IpAddressRecord::from(text);
+        let json: IpAddressObject =
+            serde_json::from_str(&read("networking.k8s.io.v1.IPAddress.json")).unwrap();
+        let yaml: IpAddressObject =
+            serde_saphyr::from_str(&read("networking.k8s.io.v1.IPAddress.yaml")).unwrap();
+        assert_eq!(ip(&json), ip(&yaml));
+        assert!(ip(&json).deleting);
+        let json: ServiceCidrObject =
+            serde_json::from_str(&read("networking.k8s.io.v1.ServiceCIDR.json")).unwrap();
+        let yaml: ServiceCidrObject =
+            serde_saphyr::from_str(&read("networking.k8s.io.v1.ServiceCIDR.yaml")).unwrap();
+        assert_eq!(
+            ServiceCidrRecord::from(&json),
+            ServiceCidrRecord::from(&yaml)
+        );
+    }
+
+    /// Nulls, missing and unknown fields in IPAddresses and ServiceCIDRs decode.
+    #[test]
+    fn nulls_missing_and_unknown_fields_decode() {
+        for json in [
+            r#"{}"#,
+            r#"{"metadata":null,"spec":null}"#,
+            r#"{"metadata":{"name":"192.0.2.8","labels":null,"managedFields":[{"time":null}]},
+               "spec":{"parentRef":null}}"#,
+        ] {
+            let record = ip_address(json);
+            assert_eq!((record.parent, record.deleting), (None, false), "{json}");
+        }
+        let record = ip_address(
+            r#"{"metadata":{"name":"192.0.2.8","creationTimestamp":null,"futureMeta":{}},
+                "spec":{"parentRef":{"group":null,"resource":"services","namespace":"d",
+                    "name":"s","futureRef":1},"futureSpec":[]},"status":{"x":null}}"#,
+        );
+        assert!(record.parent.unwrap().is_service());
+        assert_eq!(record.created, None);
+        for json in [
+            r#"{}"#,
+            r#"{"metadata":null,"spec":null,"status":null}"#,
+            r#"{"metadata":{"name":"kubernetes"},"spec":{"cidrs":null},
+               "status":{"conditions":[{"type":"Ready","lastTransitionTime":null}]}}"#,
+        ] {
+            let cidr: ServiceCidrObject = serde_json::from_str(json).unwrap();
+            assert!(
+                ServiceCidrRecord::from(&cidr).raw_cidrs.is_empty(),
+                "{json}"
+            );
+        }
+        let cidr: ServiceCidrObject = serde_json::from_str(
+            r#"{"metadata":{"name":"kubernetes","deletionTimestamp":"2026-01-01T00:00:00Z"},
+                "spec":{"cidrs":[null,"192.0.2.0/24"],"futureSpec":1}}"#,
+        )
+        .unwrap();
+        let cidr = ServiceCidrRecord::from(&cidr);
+        assert_eq!(cidr.cidrs, ["192.0.2.0/24".parse::<IpNet>().unwrap()]);
+        assert!(cidr.deleting);
     }
 }

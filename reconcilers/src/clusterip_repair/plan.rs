@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
 use super::model::{IpAddressRecord, ObjectVersion, ParentRef, ServiceCidrRecord};
-use crate::service_cache::record::{ClusterIp, Name, ServiceRecord};
+use crate::service_cache::record::{ClusterIp, Name, ServiceRecord, Token};
 
 /// Hash maps over IPs and names. foldhash is several times faster than SipHash here; names come
 /// from whoever may create Services, and foldhash's per-process random seed is what keeps them
@@ -136,6 +136,29 @@ pub struct Finding {
     /// `type` label of `clusterip_repair_ip_errors_total`, as upstream's legacy metric names them.
     pub error_type: Option<&'static str>,
     pub repair: Repair,
+    /// For a cluster IP held twice: the other Service holding it (the first in etcd key
+    /// order), which a live read must find holding it too before the finding is reported.
+    pub shared_with: Option<SharedWith>,
+}
+
+/// The other Service holding a duplicated cluster IP, as the cache showed it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedWith {
+    pub ip: IpAddr,
+    pub namespace: Name,
+    pub name: Name,
+    pub uid: Token,
+}
+
+impl SharedWith {
+    fn of(ip: IpAddr, other: &ServiceRecord) -> Self {
+        Self {
+            ip,
+            namespace: other.namespace.clone(),
+            name: other.name.clone(),
+            uid: other.uid.clone(),
+        }
+    }
 }
 
 impl Finding {
@@ -340,6 +363,7 @@ fn sync_service_ip<'a>(
             }),
             error_type: Some("invalid"),
             repair: Repair::None,
+            shared_with: None,
         });
         return;
     };
@@ -357,10 +381,11 @@ fn sync_service_ip<'a>(
             }),
             error_type: Some("outOfRange"),
             repair: Repair::None,
+            shared_with: None,
         });
         return;
     }
-    let duplicate = |phase: &mut ServicePhase| {
+    let duplicate = |phase: &mut ServicePhase, other: Option<&ServiceRecord>| {
         phase.findings.push(Finding {
             kind: "clusterip_already_allocated",
             regarding: regarding(),
@@ -373,11 +398,12 @@ fn sync_service_ip<'a>(
             }),
             error_type: Some("duplicate"),
             repair: Repair::None,
+            shared_with: other.map(|other| SharedWith::of(ip, other)),
         });
     };
     if let Some(&first) = claims.get(&ip) {
         if first != this {
-            duplicate(phase);
+            duplicate(phase, index.services_by_key.get(first.0, first.1));
         }
         return;
     }
@@ -394,6 +420,7 @@ fn sync_service_ip<'a>(
             }),
             error_type: Some("repair"),
             repair: Repair::Create { ip, owner: owner() },
+            shared_with: None,
         });
         return;
     };
@@ -415,6 +442,7 @@ fn sync_service_ip<'a>(
                 event: None,
                 error_type: None,
                 repair: Repair::None,
+                shared_with: None,
             });
         } else {
             held_elsewhere(svc, ip, existing, index, phase);
@@ -440,6 +468,7 @@ fn sync_service_ip<'a>(
             existing: existing_version(),
             dangling_parent,
         },
+        shared_with: None,
     };
 
     match parent {
@@ -458,7 +487,7 @@ fn sync_service_ip<'a>(
                     Some(referenced) if referenced.lists_ip(ip) => {
                         // Upstream goes on to the label check and may hand the IPAddress to
                         // this Service; the owner's own sync repairs labels without that churn.
-                        duplicate(phase);
+                        duplicate(phase, Some(referenced));
                         return;
                     }
                     // The IPAddress phase deletes it; the next pass recreates it for us.
@@ -492,6 +521,7 @@ fn sync_service_ip<'a>(
                 existing: existing_version(),
                 dangling_parent: None,
             },
+            shared_with: None,
         });
     }
 }
@@ -507,9 +537,13 @@ fn held_elsewhere(
     phase: &mut ServicePhase,
 ) {
     let family = IpFamily::of(ip);
+    let mut shared_with = None;
     let holder = match existing.parent.as_ref() {
         Some(p) if p.is_service() => match index.services_by_key.get(&p.namespace, &p.name) {
-            Some(other) if other.lists_ip(ip) => None,
+            Some(other) if other.lists_ip(ip) => {
+                shared_with = Some(SharedWith::of(ip, other));
+                None
+            }
             Some(_) => Some(format!(
                 "Service {}/{}, which does not list it",
                 p.namespace, p.name
@@ -557,6 +591,7 @@ fn held_elsewhere(
         }),
         error_type: Some("duplicate"),
         repair: Repair::None,
+        shared_with,
     });
 }
 
@@ -609,6 +644,7 @@ fn sync_ip_address(
                     existing: existing(),
                     ground: DeleteGround::NotAService,
                 },
+                shared_with: None,
             });
             return;
         }
@@ -645,6 +681,7 @@ fn sync_ip_address(
                             name: parent.name.clone(),
                         },
                     },
+                    shared_with: None,
                 }),
             }
         }
@@ -673,6 +710,7 @@ fn sync_ip_address(
                             name: svc.name.clone(),
                         },
                     },
+                    shared_with: None,
                 });
             }
         }
@@ -717,7 +755,7 @@ pub fn decide_audit_mode<'a>(
         .map(RangeAllocator::new)
         .collect();
     let mut findings = Vec::new();
-    for svc in services {
+    for &svc in &services {
         for raw in svc.cluster_ips.iter() {
             let report = |kind, reason, action, note: String, error_type| Finding {
                 kind,
@@ -729,6 +767,7 @@ pub fn decide_audit_mode<'a>(
                 }),
                 error_type: Some(error_type),
                 repair: Repair::None,
+                shared_with: None,
             };
             let Some(ip) = raw.ip() else {
                 findings.push(report(
@@ -758,15 +797,25 @@ pub fn decide_audit_mode<'a>(
             };
             match allocator.allocate(ip) {
                 Ok(()) => {}
-                Err(AllocError::Allocated) => findings.push(report(
-                    "clusterip_already_allocated",
-                    "ClusterIPAlreadyAllocated",
-                    ACTION_CLUSTERIP_ALLOCATION,
-                    format!(
-                        "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
-                    ),
-                    "duplicate",
-                )),
+                Err(AllocError::Allocated) => {
+                    // The Service that allocated it: the first in key order listing it
+                    // (duplicates are rare; no map of every IP's holder is kept for them).
+                    let first = services.iter().find(|other| other.lists_ip(ip));
+                    findings.push(Finding {
+                        shared_with: first
+                            .filter(|first| first.key_cmp(svc).is_ne())
+                            .map(|first| SharedWith::of(ip, first)),
+                        ..report(
+                            "clusterip_already_allocated",
+                            "ClusterIPAlreadyAllocated",
+                            ACTION_CLUSTERIP_ALLOCATION,
+                            format!(
+                                "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
+                            ),
+                            "duplicate",
+                        )
+                    })
+                }
                 Err(AllocError::NotInRange) => findings.push(report(
                     "clusterip_out_of_range",
                     "ClusterIPOutOfRange",
@@ -1493,6 +1542,55 @@ mod tests {
             ServiceRange::new("10.0.0.0/24".parse().unwrap()),
             ServiceRange::new("fd00::/64".parse().unwrap()),
         ]
+    }
+
+    /// A duplicate names the Service holding the IP first (by key), which the live read before
+    /// the report checks too; an IP listed twice by one Service names no other.
+    #[test]
+    fn a_duplicate_names_the_first_holder() {
+        let services = [
+            svc("d", "b", &["10.0.0.5"]),
+            svc("d", "a", &["10.0.0.5"]),
+            svc("d", "c", &["10.0.0.6", "10.0.0.6"]),
+        ];
+        let ips = [owned("10.0.0.5", "d", "a"), owned("10.0.0.6", "d", "c")];
+        let ipaddress_mode = decide(&services, &ips).findings;
+        let audit = decide_audit_mode(&services, &configured()).findings;
+        for findings in [ipaddress_mode, audit] {
+            let duplicates: Vec<_> = findings
+                .iter()
+                .filter(|f| f.kind == "clusterip_already_allocated")
+                .map(|f| {
+                    let other = f.shared_with.as_ref().map(|other| {
+                        (
+                            other.ip.to_string(),
+                            other.namespace.to_string(),
+                            other.name.to_string(),
+                            other.uid.to_string(),
+                        )
+                    });
+                    (f.regarding.object(), other)
+                })
+                .collect();
+            assert!(
+                duplicates.contains(&(
+                    "Service/d/b".to_owned(),
+                    Some((
+                        "10.0.0.5".to_owned(),
+                        "d".to_owned(),
+                        "a".to_owned(),
+                        "uid-d-a".to_owned()
+                    ))
+                )),
+                "{duplicates:?}"
+            );
+            assert!(
+                duplicates
+                    .iter()
+                    .all(|(object, other)| object != "Service/d/c" || other.is_none()),
+                "{duplicates:?}"
+            );
+        }
     }
 
     #[test]

@@ -18,6 +18,8 @@ pub mod codec;
 pub mod etcd;
 pub mod repair;
 
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -28,6 +30,8 @@ use tracing::{debug, warn};
 
 use crate::contract::{Action, Drift, drift};
 use crate::findings::ReportOnce;
+use crate::service_cache::live::{self, Liveness};
+use crate::service_cache::record::{Name, ServiceRecord, Token};
 use codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
 use etcd::{EtcdError, EtcdStore, KeyCache};
 use repair::{LeakTracker, plan};
@@ -50,6 +54,67 @@ pub struct Subject {
     /// The opt-in that rebuilds a bitmap stored under another range:
     /// `"loops.nodePortRepair.rebuildBitmapOnRangeChange"`.
     pub rebuild_setting: &'static str,
+}
+
+/// Why a pass over a key failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error(transparent)]
+    Etcd(#[from] EtcdError),
+    /// The Services holding bits about to be set could not be read live: nothing was written.
+    #[error("cannot confirm the Services holding {noun}s missing from {key}: {why}")]
+    Unconfirmed {
+        noun: &'static str,
+        key: String,
+        why: String,
+    },
+}
+
+/// Up to this many bits missing from a bitmap are confirmed by a GET of each one's Service;
+/// more (a key just created, a bitmap rebuilt) by one fresh list of the Services.
+const CONFIRM_BY_GET: usize = 32;
+
+/// The `confirm` of [`LegacyBitmap::pass`], for the repairs: the bits in `offsets` that no Service
+/// holds when read live. Each bit's Service by the cache (`owner`: namespace, name, uid) is read
+/// and must be the same object still holding it (`holds`); where one is not, or there are many
+/// bits, a fresh list of the Services (`fresh_in_use`) decides, as it also sees a second holder
+/// the cache put behind a gone one.
+pub async fn confirm_live(
+    client: &kube::Client,
+    offsets: Vec<usize>,
+    owner: impl Fn(usize) -> Option<(Name, Name, Token)>,
+    holds: impl Fn(&ServiceRecord, usize) -> bool,
+    fresh_in_use: impl FnOnce() -> BoxFuture<'static, Option<FixedBitSet>>,
+) -> Result<HashSet<usize>, String> {
+    let mut suspects = Vec::new();
+    if offsets.len() > CONFIRM_BY_GET {
+        suspects = offsets;
+    } else {
+        for offset in offsets {
+            let Some((namespace, name, uid)) = owner(offset) else {
+                suspects.push(offset);
+                continue;
+            };
+            let liveness = live::confirm(client, &namespace, &name, &uid, |service| {
+                holds(service, offset)
+            })
+            .await
+            .map_err(|err| format!("cannot read Service {namespace}/{name}: {err}"))?;
+            if liveness != Liveness::Holds {
+                suspects.push(offset);
+            }
+        }
+    }
+    if suspects.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let fresh = fresh_in_use()
+        .await
+        .ok_or_else(|| "cannot list the Services".to_owned())?;
+    Ok(suspects
+        .into_iter()
+        .filter(|offset| !fresh.contains(*offset))
+        .collect())
 }
 
 /// A finding about a stored bitmap, reported once while it lasts.
@@ -198,14 +263,22 @@ impl LegacyBitmap {
     /// One pass: `in_use` holds the offsets the Services hold (of this key's size), `owner`
     /// names the Service holding an offset, `fresh_in_use` lists the Services afresh and gives
     /// the offsets they hold, `None` if the list failed (called only when a leak is due for
-    /// release).
-    pub async fn pass(
+    /// release). `confirm` reads the Services holding the given offsets live and returns the
+    /// offsets none of them holds any more (its error: no read could tell); it is asked about
+    /// every bit about to be set, as a bit set for a Service that is gone would hold its port or
+    /// IP until three sightings release it, and such a bit is neither set nor reported.
+    pub async fn pass<C, F>(
         &self,
         in_use: &FixedBitSet,
         owner: &(dyn Fn(usize) -> Option<String> + Sync),
         dry_run: bool,
         fresh_in_use: impl FnOnce() -> BoxFuture<'static, Option<FixedBitSet>>,
-    ) -> Result<BitmapPass, EtcdError> {
+        confirm: C,
+    ) -> Result<BitmapPass, PassError>
+    where
+        C: Fn(Vec<usize>) -> F,
+        F: Future<Output = Result<HashSet<usize>, String>>,
+    {
         let object = format!("etcd{}", self.key);
         let kind = |suffix: &str| -> &'static str {
             match (self.subject.kind_prefix, suffix) {
@@ -224,6 +297,9 @@ impl LegacyBitmap {
         let mut fresh_in_use = Some(fresh_in_use);
         // The offsets a fresh list of the Services holds, once one was made in this pass.
         let mut fresh: Option<FixedBitSet> = None;
+        // Bits missing from the stored bitmap, judged by `confirm`: whether no live Service
+        // holds them after all. Kept across the attempts of a compare-and-swap.
+        let mut judged: HashMap<usize, bool> = HashMap::new();
         for _ in 0..WRITE_ATTEMPTS {
             let stored = match self.cache.get() {
                 Some(stored) => stored,
@@ -357,6 +433,43 @@ impl LegacyBitmap {
                 }
             }
 
+            let unjudged: Vec<usize> = plan
+                .not_allocated
+                .iter()
+                .copied()
+                .filter(|offset| !judged.contains_key(offset))
+                .collect();
+            if !unjudged.is_empty() {
+                let gone =
+                    confirm(unjudged.clone())
+                        .await
+                        .map_err(|why| PassError::Unconfirmed {
+                            noun: self.subject.noun,
+                            key: self.key.clone(),
+                            why,
+                        })?;
+                for offset in unjudged {
+                    judged.insert(offset, gone.contains(&offset));
+                }
+            }
+            let repair::Plan {
+                not_allocated,
+                bitmap,
+                ..
+            } = &mut plan;
+            not_allocated.retain(|offset| {
+                let gone = judged.get(offset).copied().unwrap_or(false);
+                if gone {
+                    debug!(
+                        key = self.key,
+                        item = self.item(*offset),
+                        "not set: no Service holds it when read live (the Service cache is behind)"
+                    );
+                    bitmap.set(*offset, false);
+                }
+                !gone
+            });
+
             let write = value.is_none() || range_change.is_some() || plan.changes(&stored_bits);
             let applied = write && !dry_run;
             if applied {
@@ -482,7 +595,8 @@ impl LegacyBitmap {
         Err(EtcdError::Conflicts {
             key: self.key.clone(),
             attempts: WRITE_ATTEMPTS,
-        })
+        }
+        .into())
     }
 
     /// Logs the findings that are new; returns them.

@@ -7,11 +7,13 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType};
 use tracing::warn;
 
-use super::plan::{self, Finding};
+use super::plan::{self, Finding, Problem};
 use super::{EVENT_ACTION, NodePortRepair, RANGE_MISMATCH_REASON};
 use crate::contract::{LoopError, PassContext, PassReport};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap};
 use crate::service_cache::fresh_services;
+use crate::service_cache::live::{self, Liveness};
+use crate::service_cache::record::ServiceRecord;
 
 impl NodePortRepair {
     pub(super) fn count(&self, error_type: &'static str) {
@@ -43,8 +45,26 @@ impl NodePortRepair {
                 Some(plan::scan(&services, range).in_use)
             })
         };
+        let owner_of = |offset: usize| {
+            scan.owners.get(&offset).map(|holder| {
+                (
+                    holder.namespace.clone(),
+                    holder.name.clone(),
+                    holder.uid.clone(),
+                )
+            })
+        };
+        let base = i32::from(self.range.base());
+        let holds = |service: &ServiceRecord, offset: usize| {
+            i32::try_from(offset).is_ok_and(|offset| {
+                plan::collect_service_node_ports(service).contains(&(base + offset))
+            })
+        };
+        let confirm = |offsets| {
+            crate::legacy_alloc::confirm_live(&ctx.client, offsets, &owner_of, &holds, fresh_in_use)
+        };
         let pass = etcd
-            .pass(&scan.in_use, &owner, ctx.dry_run, fresh_in_use)
+            .pass(&scan.in_use, &owner, ctx.dry_run, fresh_in_use, confirm)
             .await
             .map_err(|err| LoopError::Other(format!("NodePort bitmap in etcd: {err}")))?;
         report.drift.extend(pass.drift);
@@ -96,6 +116,58 @@ impl NodePortRepair {
         }
     }
 
+    /// Reads the Services a new finding rests on live, as the cache may be behind: the
+    /// Service it is about must exist as the object the cache saw and hold the port; for a port
+    /// held twice, so must the Service holding it first (a Service deleted without the cache
+    /// hearing of it would make its successor on the port a duplicate).
+    pub(super) async fn verify(
+        &self,
+        ctx: &PassContext,
+        finding: &Finding,
+        scan: &plan::Scan,
+    ) -> Result<Liveness, kube::Error> {
+        let port = finding.port;
+        let held = |service: &ServiceRecord| {
+            plan::collect_service_node_ports(service)
+                .iter()
+                .filter(|held| **held == port)
+                .count()
+        };
+        let first = match finding.problem {
+            Problem::OutOfRange => None,
+            Problem::AlreadyAllocated => self
+                .range
+                .offset(port)
+                .and_then(|offset| scan.owners.get(&offset)),
+        };
+        let itself = first.is_some_and(|first| {
+            (&first.namespace, &first.name) == (&finding.namespace, &finding.name)
+        });
+        // A Service holding the port twice is its own duplicate: both holds must be there.
+        let needed = if itself { 2 } else { 1 };
+        let liveness = live::confirm(
+            &ctx.client,
+            &finding.namespace,
+            &finding.name,
+            &finding.uid,
+            |service| held(service) >= needed,
+        )
+        .await?;
+        match first {
+            Some(first) if liveness == Liveness::Holds && !itself => {
+                live::confirm(
+                    &ctx.client,
+                    &first.namespace,
+                    &first.name,
+                    &first.uid,
+                    |service| held(service) >= 1,
+                )
+                .await
+            }
+            _ => Ok(liveness),
+        }
+    }
+
     pub(super) async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
         let holder = plan::Holder {
             namespace: finding.namespace.clone(),
@@ -127,8 +199,7 @@ impl NodePortRepair {
             action: EVENT_ACTION.to_owned(),
             secondary: None,
         };
-        self.recorder
-            .publish(&event, &reference)
+        crate::events::publish(&self.recorder, &event, &reference)
             .await
             .inspect_err(|err| warn!(reason = event.reason, error = %err, "cannot publish event"))
     }

@@ -15,7 +15,9 @@
 //! `serviceNodePortRange` is reported (a Warning event on the `kubernetes` Service naming both
 //! ranges) and left alone, unless `rebuildBitmapOnRangeChange` is set. Each problem is reported
 //! once when it appears (event, warning log, counter), not again on every pass while it
-//! persists; `check` lists every current problem.
+//! persists; `check` lists every current problem. A problem, and a bit about to be set, is first
+//! confirmed by a live read of the Services it rests on: one the cache shows but that is gone
+//! (a lost delete) is neither reported nor written for.
 
 mod apply;
 mod metrics;
@@ -29,13 +31,14 @@ use futures::future::BoxFuture;
 use kube::Client;
 use kube::runtime::events::{Recorder, Reporter};
 use prometheus_client::registry::Registry;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
 use crate::legacy_alloc::{LegacyBitmap, Subject};
 use crate::section::{ServiceName, Settings};
+use crate::service_cache::live::Liveness;
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{SharedStore, reflect};
 pub use metrics::NodePortMetrics;
@@ -144,7 +147,31 @@ impl NodePortRepair {
 
         let new = self.reported.update(scan.findings.iter().cloned());
         let mut unpublished = None;
+        // Findings a live read of their Services disproved (the cache was behind): neither
+        // reported nor counted, and looked at again while the cache shows them.
+        let mut disproved = std::collections::HashSet::new();
         for finding in &new {
+            match self.verify(ctx, finding, &scan).await {
+                Ok(Liveness::Holds) => {}
+                Ok(Liveness::Disproved(why)) => {
+                    debug!(
+                        service = %format_args!("{}/{}", finding.namespace, finding.name),
+                        port = finding.port,
+                        reason = finding.problem.reason(),
+                        %why,
+                        "finding disproved by a live read; the Service cache is behind"
+                    );
+                    self.reported.forget(finding);
+                    disproved.insert(finding);
+                    continue;
+                }
+                Err(err) => {
+                    // Reported by a later pass that can read the Services.
+                    self.reported.forget(finding);
+                    unpublished.get_or_insert(err);
+                    continue;
+                }
+            }
             if !ctx.dry_run
                 && let Err(err) = self.publish(finding).await
             {
@@ -167,7 +194,7 @@ impl NodePortRepair {
             let present = scan
                 .findings
                 .iter()
-                .filter(|finding| finding.problem == problem)
+                .filter(|finding| finding.problem == problem && !disproved.contains(finding))
                 .count();
             self.metrics
                 .current_problems
@@ -176,7 +203,7 @@ impl NodePortRepair {
         }
 
         let mut report = PassReport::default();
-        for finding in &scan.findings {
+        for finding in scan.findings.iter().filter(|f| !disproved.contains(f)) {
             report.push(drift(
                 finding.problem.drift_kind(),
                 format!("Service/{}/{}", finding.namespace, finding.name),

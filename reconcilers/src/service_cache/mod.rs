@@ -4,6 +4,7 @@
 //! watch of Services per process: both get the cache from
 //! [`crate::section::BuildContext::services`], and the first to subscribe feeds it.
 
+pub mod live;
 pub mod record;
 pub mod store;
 

@@ -1,11 +1,19 @@
 //! The compact record of a Service the repairs keep: each Service the cache receives is projected
 //! to the fields the ClusterIP and NodePort repairs read and dropped (at 100,000 Services the full
 //! objects would take hundreds of megabytes: managedFields, annotations, status).
+//!
+//! The objects are decoded into lean types of their own ([`ServiceObject`], [`LeanMeta`]) that
+//! read only those fields and take any shape kube-apiserver serves: nulls where k8s-openapi wants
+//! a value (a status condition written without `lastTransitionTime` is stored and served with
+//! `null`), missing optional fields, fields a newer API adds. One object the decoder refused
+//! would fail the watch's event about it (a delete lost, a deleted Service kept for ever) or a
+//! whole LIST.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use serde::{Deserialize, Deserializer};
 
 use crate::alloc::parse_ip_sloppy;
 
@@ -271,26 +279,169 @@ pub(crate) fn version_of(meta: &ObjectMeta) -> u64 {
         .unwrap_or(0)
 }
 
-impl From<&Service> for ServiceRecord {
-    fn from(service: &Service) -> Self {
-        let meta = &service.metadata;
-        let spec = service.spec.as_ref();
-        let cluster_ip = spec.and_then(|spec| spec.cluster_ip.as_deref());
+/// Decodes a field whose `null` means its default, as Go's decoder reads it into the zero value.
+pub(crate) fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// `metadata` as the repairs read it: the identity `kube::Resource` and the watcher need (name,
+/// namespace, uid, resourceVersion) in an [`ObjectMeta`], with the labels and the two times; the
+/// rest (managedFields, ownerReferences, annotations) is skipped unread. A time that does not
+/// parse is left out (a missing creation time counts as old, as upstream's repair takes it);
+/// `deleting` says whether any `deletionTimestamp` was given.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LeanMeta {
+    pub meta: ObjectMeta,
+    pub deleting: bool,
+}
+
+impl<'de> Deserialize<'de> for LeanMeta {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Default, Deserialize)]
+        #[serde(default, rename_all = "camelCase")]
+        struct Wire {
+            name: Option<String>,
+            namespace: Option<String>,
+            uid: Option<String>,
+            resource_version: Option<String>,
+            creation_timestamp: Option<String>,
+            deletion_timestamp: Option<String>,
+            #[serde(deserialize_with = "labels_without_nulls")]
+            labels: BTreeMap<String, String>,
+        }
+        let wire = Option::<Wire>::deserialize(deserializer)?.unwrap_or_default();
+        let time = |text: Option<&String>| Some(Time(text?.parse().ok()?));
+        let labels = wire.labels;
+        Ok(Self {
+            deleting: wire.deletion_timestamp.is_some(),
+            meta: ObjectMeta {
+                creation_timestamp: time(wire.creation_timestamp.as_ref()),
+                deletion_timestamp: time(wire.deletion_timestamp.as_ref()),
+                labels: (!labels.is_empty()).then_some(labels),
+                name: wire.name,
+                namespace: wire.namespace,
+                uid: wire.uid,
+                resource_version: wire.resource_version,
+                ..ObjectMeta::default()
+            },
+        })
+    }
+}
+
+/// `metadata.labels`, a `null` map or value read as absent, straight into the map `ObjectMeta`
+/// holds (no second map per object: 130,000 IPAddresses in a LIST at scale).
+fn labels_without_nulls<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<BTreeMap<String, String>, D::Error> {
+    struct Labels;
+    impl<'de> serde::de::Visitor<'de> for Labels {
+        type Value = BTreeMap<String, String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a map of label values, or null")
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(BTreeMap::new())
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(BTreeMap::new())
+        }
+        fn visit_some<D: Deserializer<'de>>(self, inner: D) -> Result<Self::Value, D::Error> {
+            inner.deserialize_map(self)
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut labels = BTreeMap::new();
+            while let Some((key, value)) = map.next_entry::<String, Option<String>>()? {
+                if let Some(value) = value {
+                    labels.insert(key, value);
+                }
+            }
+            Ok(labels)
+        }
+    }
+    deserializer.deserialize_option(Labels)
+}
+
+/// A core/v1 Service as the Service cache and the repairs' live reads decode it: the fields
+/// [`ServiceRecord`] holds, every one optional, `null` read as unset, anything else ignored
+/// (`status` above all, where kube-apiserver keeps conditions as their writer gave them).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ServiceObject {
+    pub metadata: LeanMeta,
+    #[serde(deserialize_with = "null_as_default")]
+    pub spec: ServiceObjectSpec,
+}
+
+/// The parts of `spec` a [`ServiceRecord`] holds.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct ServiceObjectSpec {
+    #[serde(rename = "clusterIP")]
+    pub cluster_ip: Option<String>,
+    #[serde(rename = "clusterIPs", deserialize_with = "null_as_default")]
+    pub cluster_ips: Vec<Option<String>>,
+    #[serde(deserialize_with = "null_as_default")]
+    pub ports: Vec<Option<ServiceObjectPort>>,
+    pub health_check_node_port: Option<i32>,
+}
+
+/// The parts of `spec.ports[]` the NodePort repair counts.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct ServiceObjectPort {
+    pub node_port: Option<i32>,
+    pub protocol: Option<String>,
+}
+
+impl kube::Resource for ServiceObject {
+    type DynamicType = ();
+    type Scope = kube::core::NamespaceResourceScope;
+
+    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+        "Service".into()
+    }
+    fn group(_: &()) -> std::borrow::Cow<'_, str> {
+        "".into()
+    }
+    fn version(_: &()) -> std::borrow::Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+        "services".into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata.meta
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata.meta
+    }
+}
+
+impl From<&ServiceObject> for ServiceRecord {
+    fn from(service: &ServiceObject) -> Self {
+        let meta = &service.metadata.meta;
+        let spec = &service.spec;
+        let cluster_ip = spec.cluster_ip.as_deref();
         // upstream's IsServiceIPSet: a Service without a cluster IP, or a headless one, has no
         // IPs to repair whatever clusterIPs says.
         let has_ip = cluster_ip.is_some_and(|ip| !ip.is_empty() && ip != "None");
-        let listed = spec
-            .and_then(|spec| spec.cluster_ips.as_deref())
-            .filter(|ips| !ips.is_empty());
-        let cluster_ips = match (has_ip, listed) {
+        let listed = spec.cluster_ips.iter().flatten();
+        let cluster_ips = match (has_ip, spec.cluster_ips.iter().any(Option::is_some)) {
             (false, _) => ClusterIps::new(),
-            (true, Some(ips)) => ips.iter().map(|ip| ClusterIp::parse(ip)).collect(),
-            (true, None) => cluster_ip.map(ClusterIp::parse).into_iter().collect(),
+            (true, true) => listed.map(|ip| ClusterIp::parse(ip)).collect(),
+            (true, false) => cluster_ip.map(ClusterIp::parse).into_iter().collect(),
         };
         let node_ports = spec
-            .and_then(|spec| spec.ports.as_deref())
-            .unwrap_or_default()
+            .ports
             .iter()
+            .flatten()
             .filter_map(|port| {
                 let node_port = port.node_port.filter(|port| *port != 0)?;
                 Some((
@@ -306,9 +457,7 @@ impl From<&Service> for ServiceRecord {
             resource_version: version_of(meta),
             cluster_ips,
             node_ports,
-            health_check_node_port: spec
-                .and_then(|spec| spec.health_check_node_port)
-                .unwrap_or(0),
+            health_check_node_port: spec.health_check_node_port.unwrap_or(0),
             created: meta.creation_timestamp.as_ref().map(|time| time.0),
         }
     }
@@ -320,7 +469,7 @@ mod tests {
     use super::*;
 
     fn service(json: &str) -> ServiceRecord {
-        ServiceRecord::from(&serde_json::from_str::<Service>(json).unwrap())
+        ServiceRecord::from(&serde_json::from_str::<ServiceObject>(json).unwrap())
     }
 
     /// The order of `<namespace>/<name>` as bytes, for every pair of a few names chosen around
@@ -408,5 +557,140 @@ mod tests {
             Token::Uuid(_)
         ));
         assert!(matches!(Token::new("007"), Token::Text(_)));
+    }
+
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/k8s-api");
+
+    fn fixture(name: &str) -> String {
+        std::fs::read_to_string(format!("{FIXTURES}/{name}")).unwrap()
+    }
+
+    /// Upstream's round-trip fixture, every field of the type set, in both encodings a client
+    /// may read: the record holds what it says.
+    #[test]
+    fn decodes_the_upstream_fixture_as_json_and_yaml() {
+        let json: ServiceObject = serde_json::from_str(&fixture("core.v1.Service.json")).unwrap();
+        let yaml: ServiceObject = serde_saphyr::from_str(&fixture("core.v1.Service.yaml")).unwrap();
+        for object in [json, yaml] {
+            let svc = ServiceRecord::from(&object);
+            assert_eq!(
+                (&*svc.namespace, &*svc.name),
+                ("namespaceValue", "nameValue")
+            );
+            assert_eq!(svc.uid.to_string(), "uidValue");
+            assert_eq!(svc.resource_version, 0, "not a number");
+            assert_eq!(
+                svc.cluster_ips.as_slice(),
+                [ClusterIp::Invalid("clusterIPsValue".into())]
+            );
+            assert_eq!(&*svc.node_ports, [(5, Protocol::Other)]);
+            assert_eq!(svc.health_check_node_port, 12);
+            assert_eq!(svc.created.unwrap().to_string(), "2008-01-01T01:01:01Z");
+            assert!(object.metadata.deleting);
+            assert_eq!(
+                object.metadata.meta.labels.unwrap()["labelsKey"],
+                "labelsValue"
+            );
+        }
+    }
+
+    /// What kube-apiserver serves after a client set a Service status condition without
+    /// `lastTransitionTime` (the conformance test "should complete a service status
+    /// lifecycle" does): it stores and serves `null`. k8s-openapi's Service refuses the object,
+    /// which cost the watch that Service's update and delete events; the lean object reads it.
+    const NULL_TRANSITION_TIME: &str = r#"{
+        "kind": "Service", "apiVersion": "v1",
+        "metadata": {"name": "test-service-lifecycle", "namespace": "services-5151",
+            "uid": "6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f", "resourceVersion": "48213",
+            "creationTimestamp": "2026-11-28T10:00:00Z", "labels": {"test-service-static": "true"},
+            "managedFields": [{"manager": "e2e.test", "operation": "Update", "apiVersion": "v1",
+                "time": "2026-11-28T10:00:01Z", "fieldsType": "FieldsV1", "fieldsV1": {},
+                "subresource": "status"}]},
+        "spec": {"ports": [{"name": "http", "protocol": "TCP", "port": 80, "targetPort": 80}],
+            "clusterIP": "192.0.2.15", "clusterIPs": ["192.0.2.15"], "type": "ClusterIP",
+            "sessionAffinity": "None", "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack",
+            "internalTrafficPolicy": "Cluster"},
+        "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.250"}]},
+            "conditions": [{"type": "StatusUpdate", "status": "True", "lastTransitionTime": null,
+                "reason": "E2E", "message": "Set from e2e test"}]}
+    }"#;
+
+    #[test]
+    fn a_condition_without_transition_time_fails_k8s_openapi_but_not_the_lean_object() {
+        let refused =
+            serde_json::from_str::<k8s_openapi::api::core::v1::Service>(NULL_TRANSITION_TIME)
+                .unwrap_err();
+        assert!(refused.to_string().contains("null"), "{refused}");
+        let svc = service(NULL_TRANSITION_TIME);
+        assert_eq!(&*svc.name, "test-service-lifecycle");
+        assert_eq!(svc.resource_version, 48213);
+        assert!(svc.lists_ip("192.0.2.15".parse().unwrap()));
+        assert!(matches!(svc.uid, Token::Uuid(_)));
+    }
+
+    /// Shapes a real apiserver may serve (nulls for anything optional, fields missing, fields
+    /// this code does not know) and a few no validation would let through: each decodes.
+    #[test]
+    fn nulls_missing_and_unknown_fields_decode() {
+        let empty = service("{}");
+        assert_eq!(
+            (
+                empty.name.as_str(),
+                empty.uid.to_string(),
+                empty.cluster_ips.len()
+            ),
+            ("", String::new(), 0)
+        );
+        for json in [
+            r#"{"metadata":null,"spec":null,"status":null}"#,
+            r#"{"metadata":{"name":null,"namespace":null,"uid":null,"resourceVersion":null,
+                "creationTimestamp":null,"deletionTimestamp":null,"labels":null,
+                "annotations":null,"ownerReferences":null,"managedFields":null},
+               "spec":{"clusterIP":null,"clusterIPs":null,"ports":null,
+                "healthCheckNodePort":null,"type":null,"selector":null}}"#,
+            r#"{"metadata":{"ownerReferences":[{}],"managedFields":[{"time":null}],
+                "labels":{"a":null}},"spec":{"ports":[null,{"nodePort":null,"protocol":null}]},
+               "status":{"conditions":[{"lastTransitionTime":null}],"loadBalancer":null}}"#,
+        ] {
+            let svc = service(json);
+            assert!(
+                svc.cluster_ips.is_empty() && svc.node_ports.is_empty(),
+                "{json}"
+            );
+            assert_eq!(
+                (svc.created, svc.health_check_node_port),
+                (None, 0),
+                "{json}"
+            );
+        }
+        let odd = serde_json::from_str::<ServiceObject>(
+            r#"{"apiVersion":"v1","kind":"Service","futureField":{"x":[1,2]},
+                "metadata":{"name":"odd","namespace":"d","creationTimestamp":"yesterday",
+                    "deletionTimestamp":"soon","labels":{"kept":"yes","dropped":null},
+                    "futureMeta":1},
+                "spec":{"clusterIP":"192.0.2.7","clusterIPs":[null,"192.0.2.7"],
+                    "ports":[{"port":80,"nodePort":30080,"protocol":"UDP","futurePort":true}],
+                    "healthCheckNodePort":30081,"futureSpec":"x"}}"#,
+        )
+        .unwrap();
+        assert!(
+            odd.metadata.deleting,
+            "any deletionTimestamp means deleting"
+        );
+        assert_eq!(
+            odd.metadata
+                .meta
+                .labels
+                .as_ref()
+                .unwrap()
+                .keys()
+                .collect::<Vec<_>>(),
+            ["kept"]
+        );
+        let svc = ServiceRecord::from(&odd);
+        assert_eq!(svc.created, None, "an unreadable time counts as none");
+        assert!(svc.lists_ip("192.0.2.7".parse().unwrap()));
+        assert_eq!(&*svc.node_ports, [(30080, Protocol::Udp)]);
+        assert_eq!(svc.health_check_node_port, 30081);
     }
 }

@@ -13,13 +13,12 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, ListParams};
 use kube::runtime::watcher;
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-use super::record::{Name, ServiceRecord};
+use super::record::{Name, ServiceObject, ServiceRecord};
 use crate::budget::{self, CacheBudget, CacheError};
 
 /// A record kept in a [`Store`]: the projection of one API object.
@@ -38,9 +37,9 @@ pub trait Cached: Clone + Debug + Send + Sync + 'static {
 }
 
 impl Cached for ServiceRecord {
-    type Object = Service;
+    type Object = ServiceObject;
     type Key = (Name, Name);
-    fn project(object: &Service) -> Self {
+    fn project(object: &ServiceObject) -> Self {
         ServiceRecord::from(object)
     }
     fn cache_key(&self) -> Self::Key {
@@ -329,7 +328,7 @@ pub async fn list_fresh<T: Cached>(
 mod tests {
     use super::*;
 
-    fn service(name: &str, ip: &str) -> Service {
+    fn service(name: &str, ip: &str) -> ServiceObject {
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": name, "namespace": "d"},
             "spec": {"clusterIP": ip, "clusterIPs": [ip]},

@@ -34,7 +34,7 @@ impl DefaultServiceCidr {
             action: EVENT_ACTION.to_owned(),
             secondary: None,
         };
-        if let Err(err) = self.recorder.publish(&event, &reference).await {
+        if let Err(err) = crate::events::publish(&self.recorder, &event, &reference).await {
             warn!(reason, error = %err, "cannot publish event");
         }
     }

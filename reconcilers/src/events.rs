@@ -1,0 +1,103 @@
+//! Publishing an event, and the refusal that means it can never be written.
+//!
+//! An event lives in the namespace of the object it is about. kube-apiserver's
+//! NamespaceLifecycle admission (`plugin/pkg/admission/namespace/lifecycle/admission.go`) refuses
+//! every create in a namespace that is being deleted (403 "unable to create new content in
+//! namespace X because it is being terminated", cause `NamespaceTerminating`) or that does not
+//! exist (404 `namespaces "X" not found`). Neither passes: the namespace only goes on towards
+//! its end, and its objects with it. Such an event is dropped with one line, never retried.
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::core::Status;
+use kube::runtime::events::{Event, Recorder};
+use tracing::info;
+
+/// Publishes `event` about `reference`; an event whose namespace is being deleted or is gone is
+/// dropped (logged at info) and counts as published. Other failures are the caller's.
+pub async fn publish(
+    recorder: &Recorder,
+    event: &Event,
+    reference: &ObjectReference,
+) -> Result<(), kube::Error> {
+    match recorder.publish(event, reference).await {
+        Err(kube::Error::Api(status)) if namespace_is_ending(&status) => {
+            info!(
+                namespace = reference.namespace.as_deref().unwrap_or("default"),
+                reason = event.reason,
+                object = reference.name.as_deref().unwrap_or(""),
+                "event dropped: its namespace is being deleted or is gone ({})",
+                status.message
+            );
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// Whether `status` is the API refusing a create because its namespace is being deleted or does
+/// not exist (not a 404 about the object itself, such as an event series whose event expired).
+pub fn namespace_is_ending(status: &Status) -> bool {
+    let details = status.details.as_ref();
+    match status.code {
+        403 => {
+            status.message.contains("because it is being terminated")
+                || details.is_some_and(|details| {
+                    details
+                        .causes
+                        .iter()
+                        .any(|cause| cause.reason == "NamespaceTerminating")
+                })
+        }
+        404 => {
+            details.is_some_and(|details| details.kind == "namespaces" && details.group.is_empty())
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn status(json: serde_json::Value) -> Status {
+        serde_json::from_value(json).unwrap()
+    }
+
+    /// kube-apiserver's answers, as its NamespaceLifecycle admission writes them, and the
+    /// refusals that look alike and are not about the namespace.
+    #[test]
+    fn only_a_namespace_being_deleted_or_gone_is_the_end() {
+        let terminating = status(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403,
+            "reason": "Forbidden",
+            "message": "events.events.k8s.io \"web.1\" is forbidden: unable to create new content in namespace services-5151 because it is being terminated",
+            "details": {"name": "web.1", "group": "events.k8s.io", "kind": "events",
+                "causes": [{"reason": "NamespaceTerminating",
+                    "message": "namespace services-5151 is being terminated",
+                    "field": "metadata.namespace"}]},
+        }));
+        let gone = status(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404,
+            "reason": "NotFound", "message": "namespaces \"services-5151\" not found",
+            "details": {"name": "services-5151", "kind": "namespaces"},
+        }));
+        assert!(namespace_is_ending(&terminating));
+        assert!(namespace_is_ending(&gone));
+        let rbac = status(serde_json::json!({
+            "code": 403, "reason": "Forbidden",
+            "message": "events.events.k8s.io is forbidden: User \"x\" cannot create resource \"events\"",
+            "details": {"group": "events.k8s.io", "kind": "events"},
+        }));
+        let event_gone = status(serde_json::json!({
+            "code": 404, "reason": "NotFound", "message": "events.events.k8s.io \"web.1\" not found",
+            "details": {"name": "web.1", "group": "events.k8s.io", "kind": "events"},
+        }));
+        let bare = status(
+            serde_json::json!({"code": 404, "message": "the server could not find the requested resource"}),
+        );
+        for refusal in [rbac, event_gone, bare] {
+            assert!(!namespace_is_ending(&refusal), "{refusal:?}");
+        }
+    }
+}
