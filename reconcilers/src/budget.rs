@@ -69,6 +69,9 @@ pub struct Breach {
 /// it lists again.
 pub type BreachHook = Arc<dyn Fn(&Breach) -> Duration + Send + Sync>;
 
+/// Told when a cache that went over its budget has listed within it again.
+pub type RecoveryHook = Arc<dyn Fn() + Send + Sync>;
+
 /// The pause when nothing else decides it.
 const DEFAULT_PAUSE: Duration = Duration::from_secs(30);
 
@@ -83,6 +86,7 @@ struct Shared {
     objects: AtomicUsize,
     bytes: AtomicUsize,
     hook: Mutex<Option<BreachHook>>,
+    recovery: Mutex<Option<RecoveryHook>>,
     metrics: CacheMetrics,
 }
 
@@ -160,6 +164,7 @@ impl CacheBudget {
             objects: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
             hook: Mutex::new(None),
+            recovery: Mutex::new(None),
             metrics: CacheMetrics::default(),
         }))
     }
@@ -183,6 +188,23 @@ impl CacheBudget {
     /// Who decides the pause after a breach (and reports it).
     pub fn on_breach(&self, hook: BreachHook) {
         *self.0.hook.lock().unwrap_or_else(PoisonError::into_inner) = Some(hook);
+    }
+
+    /// Who is told when a cache that went over the budget has listed within it again.
+    pub fn on_recovery(&self, hook: RecoveryHook) {
+        *self.0.recovery.lock().unwrap_or_else(PoisonError::into_inner) = Some(hook);
+    }
+
+    fn recovered(&self) {
+        let hook = self
+            .0
+            .recovery
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(hook) = hook {
+            hook();
+        }
     }
 
     fn breached(&self, breach: &Breach) -> Duration {
@@ -380,6 +402,8 @@ struct WatchState<K: Resource + Clone + Debug + Send + 'static> {
     delay: Duration,
     /// Lost events since the last complete list (for the backoff).
     lost: u32,
+    /// Whether this cache went over the budget and has not listed within it since.
+    over: bool,
 }
 
 /// The watch that feeds one cache: kube-runtime's watcher (default backoff) within `budget`,
@@ -408,6 +432,7 @@ where
         weight,
         delay: Duration::ZERO,
         lost: 0,
+        over: false,
     };
     futures::stream::unfold(state, move |mut state| {
         let resource = resource.clone();
@@ -454,8 +479,13 @@ where
                     {
                         account.release();
                         self.inner = None;
+                        self.over = true;
                         self.delay = self.budget.breached(&breach);
                         return Err(CacheError::OverBudget(breach));
+                    }
+                    if self.over && matches!(event, watcher::Event::InitDone) {
+                        self.over = false;
+                        self.budget.recovered();
                     }
                     Ok(event)
                 }

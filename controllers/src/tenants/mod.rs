@@ -704,6 +704,15 @@ impl Manager {
             crate::loops::build_runner(&config, &client, load_kubeconfig, &budget, &mut registry);
         let health = runner.health();
         budget.on_breach(self.over_budget(key, spec, limits, health.clone()));
+        budget.on_recovery({
+            let health = health.clone();
+            Arc::new(move || {
+                health.set_check(
+                    BUDGET_CHECK,
+                    CheckState::Passing("its caches listed within their budget again".to_owned()),
+                );
+            })
+        });
         let cancel = CancellationToken::new();
         let (leading, leadership) = self.leadership.grant();
         let task = tokio::spawn(
