@@ -9,7 +9,7 @@ use std::sync::Arc;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::apiserver_endpoints::ConfigLoader;
-use reconcilers::budget::CacheBudget;
+use reconcilers::budget::{BudgetLimits, CacheBudget};
 use reconcilers::section::{BuildContext, Settings};
 use tracing::{info, warn};
 
@@ -23,7 +23,7 @@ pub fn build_loops(
     client: &kube::Client,
     registry: &mut Registry,
 ) -> Vec<Arc<dyn Reconciler>> {
-    let budget = CacheBudget::default();
+    let budget = CacheBudget::new(BudgetLimits::UNLIMITED, "", registry);
     build_cluster_loops(config, client, kubeconfig_loader(config), &budget, registry)
 }
 

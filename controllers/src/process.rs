@@ -19,7 +19,7 @@ use crate::runner::Runner;
 use crate::shards::{ShardSettings, Shards};
 use crate::tenant_kubeconfig::CredentialPolicy;
 use crate::tenants::{self, Directory, Ownership, TenantMetrics, TenantSettings};
-use reconcilers::budget::CacheBudget;
+use reconcilers::budget::{BudgetLimits, CacheBudget};
 
 /// What `run` and the demo (`bootstrap-demo`) share: everything after the client exists.
 pub struct Controller {
@@ -91,11 +91,13 @@ impl Controller {
                 Mode::Management(Box::new((tenants.clone(), base)))
             }
             _ => {
+                // The cluster of --kubeconfig is the operator's own: its caches are not limited.
+                let budget = CacheBudget::new(BudgetLimits::UNLIMITED, "", &mut registry);
                 let runner = build_runner(
                     config,
                     &client,
                     kubeconfig_loader(config),
-                    &CacheBudget::default(),
+                    &budget,
                     &mut registry,
                 );
                 info!(

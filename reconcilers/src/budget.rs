@@ -128,32 +128,35 @@ impl Debug for CacheBudget {
 }
 
 impl CacheBudget {
-    /// A budget with its metrics in `registry` (`cache_objects`, `cache_bytes`,
-    /// `cache_over_budget_total`, `cache_events_lost_total`). `hint` names the setting that
-    /// raises `limits`.
+    /// A budget with its metrics in `registry` (`cache_events_lost_total`, and where it is
+    /// limited `cache_objects`, `cache_bytes`, `cache_over_budget_total`). `hint` names the
+    /// setting that raises `limits`.
     pub fn new(limits: BudgetLimits, hint: impl Into<String>, registry: &mut Registry) -> Self {
         let budget = Self::unregistered(limits, hint.into());
         let metrics = &budget.0.metrics;
-        registry.register(
-            "cache_objects",
-            "Objects the caches of this cluster hold (counted where a budget applies)",
-            metrics.objects.clone(),
-        );
-        registry.register(
-            "cache_bytes",
-            "Estimated bytes the caches of this cluster hold (counted where a budget applies)",
-            metrics.bytes.clone(),
-        );
-        registry.register(
-            "cache_over_budget",
-            "Caches emptied because they would have gone over the cluster's cache budget",
-            metrics.over_budget.clone(),
-        );
         registry.register(
             "cache_events_lost",
             "Watch events that could not be decoded; each makes its cache list again",
             metrics.lost.clone(),
         );
+        // An unlimited budget counts nothing: no figures that would only ever read zero.
+        if budget.is_limited() {
+            registry.register(
+                "cache_objects",
+                "Objects the caches of this cluster hold",
+                metrics.objects.clone(),
+            );
+            registry.register(
+                "cache_bytes",
+                "Estimated bytes the caches of this cluster hold",
+                metrics.bytes.clone(),
+            );
+            registry.register(
+                "cache_over_budget",
+                "Caches emptied because they would have gone over the cluster's cache budget",
+                metrics.over_budget.clone(),
+            );
+        }
         budget
     }
 
@@ -192,7 +195,11 @@ impl CacheBudget {
 
     /// Who is told when a cache that went over the budget has listed within it again.
     pub fn on_recovery(&self, hook: RecoveryHook) {
-        *self.0.recovery.lock().unwrap_or_else(PoisonError::into_inner) = Some(hook);
+        *self
+            .0
+            .recovery
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(hook);
     }
 
     fn recovered(&self) {
@@ -279,10 +286,31 @@ impl CacheBudget {
 struct Account {
     budget: CacheBudget,
     resource: String,
-    held: HashMap<u64, usize>,
-    listing: Option<HashMap<u64, usize>>,
+    held: Tally,
+    listing: Option<Tally>,
+    /// What the budget was last charged for this cache.
     objects: usize,
     bytes: usize,
+}
+
+/// Objects by key with their weights, and the weights' sum, kept as they change (an event
+/// costs the same whatever the cache holds).
+#[derive(Default)]
+struct Tally {
+    weights: HashMap<u64, usize>,
+    bytes: usize,
+}
+
+impl Tally {
+    fn insert(&mut self, key: u64, weight: usize) {
+        let before = self.weights.insert(key, weight).unwrap_or(0);
+        self.bytes = self.bytes.saturating_sub(before).saturating_add(weight);
+    }
+
+    fn remove(&mut self, key: u64) {
+        let before = self.weights.remove(&key).unwrap_or(0);
+        self.bytes = self.bytes.saturating_sub(before);
+    }
 }
 
 impl Account {
@@ -290,7 +318,7 @@ impl Account {
         Account {
             budget,
             resource,
-            held: HashMap::new(),
+            held: Tally::default(),
             listing: None,
             objects: 0,
             bytes: 0,
@@ -309,32 +337,28 @@ impl Account {
         event: &watcher::Event<K>,
         weight: impl Fn(&K) -> usize,
     ) -> Result<(), Breach> {
-        let insert = |map: &mut HashMap<u64, usize>, object: &K| {
-            let size = weight(object);
-            map.insert(Self::key(object), size)
-        };
         match event {
-            watcher::Event::Init => self.listing = Some(HashMap::new()),
-            watcher::Event::InitApply(object) => {
-                let map = self.listing.get_or_insert_with(HashMap::new);
-                insert(map, object);
-            }
+            watcher::Event::Init => self.listing = Some(Tally::default()),
+            watcher::Event::InitApply(object) => self
+                .listing
+                .get_or_insert_with(Tally::default)
+                .insert(Self::key(object), weight(object)),
             watcher::Event::InitDone => {
                 if let Some(listed) = self.listing.take() {
                     self.held = listed;
                 }
             }
-            watcher::Event::Apply(object) => {
-                insert(&mut self.held, object);
-            }
-            watcher::Event::Delete(object) => {
-                self.held.remove(&Self::key(object));
-            }
+            watcher::Event::Apply(object) => self.held.insert(Self::key(object), weight(object)),
+            watcher::Event::Delete(object) => self.held.remove(Self::key(object)),
         }
-        let maps = || self.held.iter().chain(self.listing.iter().flatten());
-        let objects = self.held.len() + self.listing.as_ref().map_or(0, HashMap::len);
-        let bytes = maps().map(|(_, size)| size).sum::<usize>();
-        self.recharge(objects, bytes)
+        let (listing_objects, listing_bytes) = self
+            .listing
+            .as_ref()
+            .map_or((0, 0), |tally| (tally.weights.len(), tally.bytes));
+        self.recharge(
+            self.held.weights.len() + listing_objects,
+            self.held.bytes + listing_bytes,
+        )
     }
 
     fn recharge(&mut self, objects: usize, bytes: usize) -> Result<(), Breach> {
@@ -352,7 +376,7 @@ impl Account {
 
     /// Gives back everything: the cache has dropped its contents.
     fn release(&mut self) {
-        self.held = HashMap::new();
+        self.held = Tally::default();
         self.listing = None;
         // Releasing never breaches.
         let _ = self.recharge(0, 0);
