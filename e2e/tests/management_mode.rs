@@ -451,6 +451,18 @@ async fn tenants_whose_objects_never_end_are_paused_at_their_cache_budget() -> R
             .contains(&secret_name(0)),
         "the healthy tenant was reported over budget"
     );
+    // The flood is no longer read: every Service watch of the flooding tenant ends once its
+    // cache goes over the budget (a breach pauses the tenant for 30 s at least, doubling).
+    let flooding = fleet.tenant(1).context("tenant")?;
+    eventually(
+        "the flooding tenant's Service watches closed",
+        CONVERGE,
+        || async {
+            sample()?;
+            Ok((flooding.open_watches("services") == 0).then_some(()))
+        },
+    )
+    .await?;
     let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
     for secret in &hostile {
         let line = readyz
