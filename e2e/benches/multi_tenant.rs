@@ -26,7 +26,9 @@
 //! turning bad once the healthy ones have converged (answering every API request 503; delaying
 //! every request 2 s; dropping every connection; answering every watch 410 Expired, so each
 //! re-watch is a re-list; accepting requests and never answering; answering lists with an
-//! endless body; sending a 10 MiB watch event). Both runs delete namespaces only in the same healthy tenants,
+//! endless body; sending a 10 MiB watch event; answering lists with small pages whose `continue`
+//! token never ends, its watches expiring; streaming new objects on every watch for ever). Both
+//! runs delete namespaces only in the same healthy tenants,
 //! `--heal-trials` times, and print heal p50/p99, the controller's CPU time in the heal window
 //! and the ratio of the two runs.
 
@@ -607,7 +609,7 @@ async fn run_size(args: &Args, tenants: usize) -> Result<Row> {
 }
 
 /// The ways a bad tenant misbehaves, one after the other over the bad tenants.
-const BAD_KINDS: [&str; 7] = [
+const BAD_KINDS: [&str; 9] = [
     "503",
     "latency 2 s",
     "drop connection",
@@ -615,6 +617,8 @@ const BAD_KINDS: [&str; 7] = [
     "never answers",
     "endless list",
     "10 MiB watch event",
+    "endless pages",
+    "endless new objects",
 ];
 
 fn make_bad(sim: &Sim, kind: &str) {
@@ -639,6 +643,12 @@ fn make_bad(sim: &Sim, kind: &str) {
             // Every watch expires, so the caches list again, into the endless answer.
             every(Some(Verb::Watch), FaultKind::WatchGone);
         }
+        "endless pages" => {
+            every(Some(Verb::List), FaultKind::EndlessPages);
+            // As for the endless list: every list a cache makes again never ends either.
+            every(Some(Verb::Watch), FaultKind::WatchGone);
+        }
+        "endless new objects" => every(Some(Verb::Watch), FaultKind::EndlessNewObjects),
         _ => every(
             Some(Verb::Watch),
             FaultKind::HugeWatchEvent {

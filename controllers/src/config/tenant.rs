@@ -212,6 +212,8 @@ impl TenantBase {
             tenants_namespace: None,
             tenants_kubeconfig_key: None,
             tenants_credential_plugins: None,
+            tenants_cache_max_objects: None,
+            tenants_cache_max_mib: None,
             kubeconfig: None,
             ..args.clone()
         };

@@ -571,6 +571,27 @@ fn tenant_base(file: &str) -> TenantBase {
 }
 
 #[test]
+fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
+    let args = ConfigArgs {
+        tenants_secret_selector: Some("a=b".to_owned()),
+        tenants_cache_max_objects: Some("2000".to_owned()),
+        tenants_cache_max_mib: Some("8".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let process = Config::merge(&args, FileConfig::default()).unwrap();
+    assert_eq!(
+        process
+            .tenants
+            .map(|t| (t.cache_max_objects, t.cache_max_mib)),
+        Some((2000, 8))
+    );
+    // A tenant is one cluster: the flags would otherwise refuse every tenant as if they were
+    // given without a selector.
+    let tenant = TenantBase::load(&args).unwrap().tenant(None).unwrap();
+    assert_eq!(tenant.tenants, None);
+}
+
+#[test]
 fn a_tenant_fragment_merges_over_the_file_and_is_validated_as_the_file() {
     let base = tenant_base(
         "serviceClusterIPRange: 10.96.0.0/12\ntenants:\n  secretSelector: a=b\nloops:\n  systemNamespaces:\n    interval: 5s\n",

@@ -39,7 +39,8 @@ impl Verb {
 /// JSON shape (externally tagged by `type`), e.g. `{"type":"error","code":429,"retryAfterSeconds":1}`,
 /// `{"type":"latency","millis":200}`, `{"type":"cutWatchAfterEvents","events":3}`,
 /// `{"type":"cutWatchAfter","millis":500}`, `{"type":"watchGone"}`, `{"type":"dropConnection"}`,
-/// `{"type":"hang"}`, `{"type":"endlessResponse"}`, `{"type":"hugeWatchEvent","bytes":10485760}`.
+/// `{"type":"hang"}`, `{"type":"endlessResponse"}`, `{"type":"hugeWatchEvent","bytes":10485760}`,
+/// `{"type":"endlessPages"}`, `{"type":"endlessNewObjects"}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "camelCase")]
 pub enum FaultKind {
@@ -67,6 +68,14 @@ pub enum FaultKind {
     EndlessResponse,
     /// Answer a watch with one event line of this many bytes (a hostile or broken server).
     HugeWatchEvent { bytes: u64 },
+    /// Answer a LIST with a valid page of new objects of the listed resource (a few, each with
+    /// a name never sent before) whose `continue` token is never empty, on every continued
+    /// request too: a list that never completes although each page is well formed and small.
+    EndlessPages,
+    /// Answer a watch with ADDED events of new, valid objects of the watched resource (each
+    /// with a name never sent before), streamed without end as fast as they are read: a cluster
+    /// whose objects grow without bound although each event is well formed and small.
+    EndlessNewObjects,
 }
 
 impl FaultKind {
@@ -77,7 +86,12 @@ impl FaultKind {
                 | FaultKind::CutWatchAfter { .. }
                 | FaultKind::WatchGone
                 | FaultKind::HugeWatchEvent { .. }
+                | FaultKind::EndlessNewObjects
         )
+    }
+
+    fn list_only(&self) -> bool {
+        matches!(self, FaultKind::EndlessPages)
     }
 }
 
@@ -194,6 +208,7 @@ impl Faults {
         rules.retain_mut(|r| {
             if !r.matches(verb, plural, qualified, user_agent)
                 || (r.fault.watch_only() && verb != Verb::Watch)
+                || (r.fault.list_only() && verb != Verb::List)
             {
                 return true;
             }

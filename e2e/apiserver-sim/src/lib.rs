@@ -21,6 +21,7 @@ mod errors;
 mod events;
 mod faults;
 mod fleet;
+mod flood;
 mod meta;
 mod ops;
 pub mod protobuf;

@@ -518,6 +518,15 @@ async fn route(
                 std::future::pending::<()>().await;
             }
             FaultKind::EndlessResponse => return Ok(endless_list()),
+            FaultKind::EndlessPages => {
+                let flood = crate::flood::Flood::new(
+                    target.res,
+                    target.ns.as_deref(),
+                    &ctx.shared.alloc.ranges,
+                    ctx.shared.current_rv(),
+                );
+                return Ok(list_response("application/json", flood.page(query)));
+            }
             other => watch_faults.push(other),
         }
     }
@@ -1271,12 +1280,14 @@ fn watch(
     let mut cut_after: Option<Duration> = None;
     let mut gone = false;
     let mut huge_event: Option<u64> = None;
+    let mut endless_new = false;
     for f in faults {
         match f {
             FaultKind::CutWatchAfterEvents { events } => cut_after_events = Some(events),
             FaultKind::CutWatchAfter { millis } => cut_after = Some(Duration::from_millis(millis)),
             FaultKind::WatchGone => gone = true,
             FaultKind::HugeWatchEvent { bytes } => huge_event = Some(bytes),
+            FaultKind::EndlessNewObjects => endless_new = true,
             _ => {}
         }
     }
@@ -1308,6 +1319,8 @@ fn watch(
         }
     };
     rv_rx.mark_changed();
+    let flood = endless_new
+        .then(|| crate::flood::Flood::new(api_res, ns.as_deref(), &shared.alloc.ranges, last));
     let guard = WatchGuard::new(Arc::clone(&ctx.open_watches), api_res);
     tokio::spawn(async move {
         let _guard = guard;
@@ -1317,6 +1330,10 @@ fn watch(
         }
         if let Some(bytes) = huge_event {
             send_huge_event(&tx, bytes).await;
+            return;
+        }
+        if let Some(flood) = flood {
+            flood.stream(tx, cancel).await;
             return;
         }
         let mut sent: u64 = 0;

@@ -491,3 +491,80 @@ async fn admin_http_api() {
     );
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn flooding_faults_serve_valid_new_objects_without_end() {
+    let sim = start().await;
+    let client = client_without_retry(&sim, "flood-test/1").await;
+    let api: Api<Service> = Api::namespaced(client, "team");
+    let every = |verb: Verb, fault: FaultKind| {
+        FaultRule::probability(Some(verb), Some("services"), 1.0, fault)
+    };
+
+    // Each page is small and valid, and every continue request gets another page, with new
+    // names and a token again.
+    sim.faults()
+        .inject(every(Verb::List, FaultKind::EndlessPages));
+    let mut names = std::collections::BTreeSet::new();
+    let mut params = ListParams::default().limit(5);
+    for _ in 0..20 {
+        let page = api.list(&params).await.unwrap();
+        assert!((1..=5).contains(&page.items.len()), "{}", page.items.len());
+        for service in &page.items {
+            assert_eq!(service.metadata.namespace.as_deref(), Some("team"));
+            assert!(service.spec.as_ref().unwrap().cluster_ip.is_some());
+            assert!(names.insert(service.metadata.name.clone().unwrap()));
+        }
+        let token = page.metadata.continue_.clone().unwrap_or_default();
+        assert!(!token.is_empty());
+        params = params.continue_token(&token);
+    }
+    // List-only: a watch is served as usual (nothing to stream in an empty namespace).
+    let rv = sim.resource_version().to_string();
+    let quiet = tokio::time::timeout(
+        Duration::from_millis(300),
+        api.watch(&WatchParams::default().disable_bookmarks(), &rv)
+            .await
+            .unwrap()
+            .boxed()
+            .next(),
+    )
+    .await;
+    assert!(quiet.is_err(), "{quiet:?}");
+    sim.faults().clear();
+
+    // A watch streams ADDED events of new Services, each with a clusterIP of the range.
+    sim.faults()
+        .inject(every(Verb::Watch, FaultKind::EndlessNewObjects));
+    let range: ipnet::IpNet = "10.96.0.0/12".parse().unwrap();
+    let mut stream = api
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    let mut seen = std::collections::BTreeSet::new();
+    while seen.len() < 5_000 {
+        match stream.next().await.unwrap().unwrap() {
+            WatchEvent::Added(service) => {
+                let ip: std::net::IpAddr = service
+                    .spec
+                    .and_then(|spec| spec.cluster_ip)
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert!(range.contains(&ip), "{ip}");
+                assert!(seen.insert(service.metadata.name.unwrap()));
+            }
+            other => panic!("expected ADDED, got {other:?}"),
+        }
+    }
+    // Watch-only: a list is served as usual.
+    assert!(
+        api.list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    sim.shutdown().await;
+}
