@@ -10,7 +10,8 @@
 //!   The cache whose event would go over the budget drops everything it holds, says so
 //!   ([`CacheError::OverBudget`]), and its watch starts again only after a pause that the
 //!   budget's owner decides (management mode pauses the tenant's whole client, see
-//!   `controllers/src/limits.rs`). Bytes are estimated: a whole object's JSON size, a projected
+//!   `controllers/src/limits.rs`), and every other cache of the cluster drops its contents too.
+//!   Bytes are estimated: a whole decoded object about five times its JSON size, a projected
 //!   record's own size.
 //! - **No silent loss.** kube-runtime's watcher drops a watch event it cannot decode and goes on
 //!   watching, so a cache would miss that object's update or delete for good and loops would
@@ -87,6 +88,9 @@ struct Shared {
     bytes: AtomicUsize,
     hook: Mutex<Option<BreachHook>>,
     recovery: Mutex<Option<RecoveryHook>>,
+    /// The last breach and the end of its pause: every cache of the cluster drops what it holds
+    /// and stops watching until then, not only the one that went over.
+    pause: tokio::sync::watch::Sender<Option<(tokio::time::Instant, Breach)>>,
     metrics: CacheMetrics,
 }
 
@@ -168,6 +172,7 @@ impl CacheBudget {
             bytes: AtomicUsize::new(0),
             hook: Mutex::new(None),
             recovery: Mutex::new(None),
+            pause: tokio::sync::watch::Sender::new(None),
             metrics: CacheMetrics::default(),
         }))
     }
@@ -228,7 +233,11 @@ impl CacheBudget {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        hook.map_or(DEFAULT_PAUSE, |hook| hook(breach))
+        let pause = hook.map_or(DEFAULT_PAUSE, |hook| hook(breach));
+        self.0
+            .pause
+            .send_replace(Some((tokio::time::Instant::now() + pause, breach.clone())));
+        pause
     }
 
     fn lost(&self, resource: &str) {
@@ -428,6 +437,8 @@ struct WatchState<K: Resource + Clone + Debug + Send + 'static> {
     lost: u32,
     /// Whether this cache went over the budget and has not listed within it since.
     over: bool,
+    /// The cluster's pauses (another cache's breach empties this one too).
+    pauses: tokio::sync::watch::Receiver<Option<(tokio::time::Instant, Breach)>>,
 }
 
 /// The watch that feeds one cache: kube-runtime's watcher (default backoff) within `budget`,
@@ -457,6 +468,7 @@ where
         delay: Duration::ZERO,
         lost: 0,
         over: false,
+        pauses: budget.0.pause.subscribe(),
     };
     futures::stream::unfold(state, move |mut state| {
         let resource = resource.clone();
@@ -488,8 +500,28 @@ where
                     )
                 }
             };
+            let limited = self.account.is_some();
+            let item = tokio::select! {
+                biased;
+                Ok(()) = self.pauses.changed(), if limited => {
+                    let pause = self.pauses.borrow_and_update().clone();
+                    match pause {
+                        Some((until, breach)) if until > tokio::time::Instant::now() => {
+                            if let Some(account) = &mut self.account {
+                                account.release();
+                            }
+                            self.inner = None;
+                            self.over = true;
+                            self.delay = until - tokio::time::Instant::now();
+                            return Err(CacheError::OverBudget(breach));
+                        }
+                        _ => continue,
+                    }
+                }
+                item = inner.next() => item,
+            };
             // kube-runtime's watcher never ends; should it, a new one starts.
-            let Some(item) = inner.next().await else {
+            let Some(item) = item else {
                 self.inner = None;
                 continue;
             };
@@ -505,6 +537,8 @@ where
                         self.inner = None;
                         self.over = true;
                         self.delay = self.budget.breached(&breach);
+                        // This cache's own pause: not a second breach to react to.
+                        self.pauses.borrow_and_update();
                         return Err(CacheError::OverBudget(breach));
                     }
                     if self.over && matches!(event, watcher::Event::InitDone) {
@@ -545,8 +579,16 @@ fn is_undecodable(error: &kube::Error) -> bool {
     }
 }
 
-/// The weight of a whole object: its JSON size.
-pub fn json_weight<K: serde::Serialize>(object: &K) -> usize {
+/// The weight of a whole decoded object: five times its JSON size, plus its cache entry. A
+/// decoded k8s-openapi object takes about that much (a 500-byte Service 2.6 KiB; `cargo bench
+/// -p bootstrap-reconcilers --bench cache_weight`): every optional field is a slot, every
+/// string its own allocation.
+pub fn object_weight<K: serde::Serialize>(object: &K) -> usize {
+    5 * json_size(object) + 200
+}
+
+/// An object's JSON size, without writing it anywhere.
+fn json_size<K: serde::Serialize>(object: &K) -> usize {
     struct Count(usize);
     impl std::io::Write for Count {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -658,11 +700,10 @@ mod tests {
     }
 
     #[test]
-    fn json_weight_is_the_serialized_size() {
+    fn a_whole_object_weighs_five_times_its_json() {
         let object = namespace("kube-public");
-        assert_eq!(
-            json_weight(&object),
-            serde_json::to_vec(&object).unwrap().len()
-        );
+        let json = serde_json::to_vec(&object).unwrap().len();
+        assert_eq!(json_size(&object), json);
+        assert_eq!(object_weight(&object), 5 * json + 200);
     }
 }

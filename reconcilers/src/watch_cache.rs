@@ -62,7 +62,7 @@ where
         let (mut listed, mut relisting) = (false, false);
         let mut failure = crate::findings::RepeatedFailure::default();
         let kind = K::kind(&K::DynamicType::default()).into_owned();
-        let events = budget::watch(api, config, budget, budget::json_weight::<K>)
+        let events = budget::watch(api, config, budget, budget::object_weight::<K>)
             .inspect(move |event| {
                 match event {
                     Ok(event) => {
