@@ -94,6 +94,7 @@ pub(super) fn merge_etcd(
         key_file: key_file.map(|source| source.value),
         prefix,
         inline_tls: None,
+        pin: None,
     }
 }
 
@@ -140,6 +141,7 @@ impl Config {
             key_file: self.etcd_key_file.clone(),
             prefix: self.etcd_prefix.clone(),
             inline_tls: self.etcd_inline_tls.clone(),
+            pin: self.etcd_pin.clone(),
         })
     }
 
@@ -395,6 +397,7 @@ impl Config {
             etcd_key_file: etcd.key_file,
             etcd_prefix: etcd.prefix,
             etcd_inline_tls: None,
+            etcd_pin: None,
             dry_run,
             timer_only,
             admin_addr,
@@ -578,8 +581,12 @@ pub(super) fn merge_tenants(given: &mut Given, errors: &mut Vec<ConfigError>) ->
     let namespace = given.tenants_namespace.take();
     let key = given.tenants_kubeconfig_key.take();
     let plugins = given.tenants_credential_plugins.take();
+    let etcd_allowed = given.tenants_etcd_allowed_cidrs.take();
     let Some(selector) = given.tenants_secret_selector.take() else {
-        for source in [namespace, key, plugins].into_iter().flatten() {
+        for source in [namespace, key, plugins, etcd_allowed]
+            .into_iter()
+            .flatten()
+        {
             errors.push(ConfigError::new(
                 source.field,
                 "only means something in management mode: set --tenants-secret-selector \
@@ -673,11 +680,36 @@ pub(super) fn merge_tenants(given: &mut Given, errors: &mut Vec<ConfigError>) ->
             }
         }
     }
+    let mut etcd_allowed_cidrs = Vec::new();
+    if let Some(source) = etcd_allowed {
+        for text in source
+            .value
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+        {
+            match text.parse::<ipnet::IpNet>() {
+                Ok(net) if net.trunc() == net => etcd_allowed_cidrs.push(net),
+                Ok(net) => errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{text} has host bits set: write the network, {}",
+                        net.trunc()
+                    ),
+                )),
+                Err(_) => errors.push(ConfigError::new(
+                    source.field,
+                    format!("{text:?} is not a CIDR (e.g. 10.0.16.0/20 or fd00:10::/64)"),
+                )),
+            }
+        }
+    }
     Some(Tenants {
         secret_selector: selector_text,
         namespace,
         kubeconfig_key,
         credential_plugins,
+        etcd_allowed_cidrs,
     })
 }
 

@@ -86,6 +86,9 @@ pub struct Config {
     /// not used then.
     #[serde(skip)]
     pub etcd_inline_tls: Option<reconcilers::legacy_alloc::etcd::InlineTls>,
+    /// A tenant's etcd addresses and cluster, as checked before it started (management mode).
+    #[serde(skip)]
+    pub etcd_pin: Option<reconcilers::legacy_alloc::etcd::EtcdPin>,
     pub dry_run: bool,
     pub timer_only: bool,
     pub admin_addr: SocketAddr,
@@ -109,6 +112,12 @@ pub struct Tenants {
     pub kubeconfig_key: String,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub credential_plugins: Vec<PathBuf>,
+    #[serde(
+        rename = "etcdAllowedCIDRs",
+        serialize_with = "ser_cidrs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub etcd_allowed_cidrs: Vec<IpNet>,
 }
 
 /// Leader election among replicas of this controller.

@@ -350,6 +350,14 @@ settings! {
         "BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS", "PATHS";
         file "tenants.credentialPlugins" in tenants.credential_plugins;
 
+    /// Management mode: the networks (CIDRs, comma-separated) a tenant's etcd may be in, e.g.
+    /// `10.0.16.0/20`. A tenant's etcdServers must name addresses, or host names resolving only
+    /// to addresses, inside them; without any, etcdServers in a tenant's annotation is refused.
+    /// [default: none]
+    tenants_etcd_allowed_cidrs: String = "tenants-etcd-allowed-cidrs",
+        "BOOTSTRAP_TENANTS_ETCD_ALLOWED_CIDRS", "CIDR[,CIDR]";
+        file "tenants.etcdAllowedCIDRs" in tenants.etcd_allowed_cidrs;
+
 }
 
 /// clap's parser of `--endpoint-reconciler-type`, listing the modes in `--help`.
@@ -396,4 +404,6 @@ pub struct TenantsFile {
     pub namespace: Option<String>,
     pub kubeconfig_key: Option<String>,
     pub credential_plugins: Option<StringOrList>,
+    #[serde(rename = "etcdAllowedCIDRs")]
+    pub etcd_allowed_cidrs: Option<StringOrList>,
 }
