@@ -158,6 +158,10 @@ system-cluster-critical
 - name: BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS
   value: {{ join "," .Values.tenants.credentialPlugins | quote }}
 {{- end }}
+{{- if .Values.tenants.etcdAllowedCIDRs }}
+- name: BOOTSTRAP_TENANTS_ETCD_ALLOWED_CIDRS
+  value: {{ join "," .Values.tenants.etcdAllowedCIDRs | quote }}
+{{- end }}
 {{- end }}
 {{- if .Values.etcd.servers }}
 - name: BOOTSTRAP_ETCD_SERVERS
