@@ -329,9 +329,14 @@ impl TenantBase {
             .iter()
             .filter_map(|server| {
                 let why = tenant_etcd_url(server).err()?;
+                // Userinfo may hold a password: the message names the host only.
+                let shown = match server.rsplit_once('@') {
+                    Some((_, host)) => format!("(userinfo)@{host}"),
+                    None => server.clone(),
+                };
                 Some(ConfigError::new(
                     field("etcdServers"),
-                    format!("{server:?} {why}"),
+                    format!("{shown:?} {why}"),
                 ))
             })
             .collect();

@@ -216,7 +216,7 @@ async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked,
 }
 
 /// The addresses of each server: its IP, or every address its host name resolves to now, each
-/// inside one of `allowed` (an IPv4-mapped IPv6 address counts as the IPv4 address it maps).
+/// inside one of `allowed`.
 /// One address outside refuses the server: a name that resolves partly elsewhere is not one
 /// the operator allowed.
 pub(super) async fn checked_addresses(
@@ -227,13 +227,18 @@ pub(super) async fn checked_addresses(
     let mut all = Vec::with_capacity(servers.len());
     for server in servers {
         let (_, host, port) = tenant_etcd_url(server).map_err(|why| format!("{field}: {why}"))?;
-        let mut addresses: Vec<SocketAddr> = match host.parse::<IpAddr>() {
+        let resolved: Vec<SocketAddr> = match host.parse::<IpAddr>() {
             Ok(ip) => vec![SocketAddr::new(ip, port)],
             Err(_) => tokio::net::lookup_host((host.as_str(), port))
                 .await
                 .map_err(|err| format!("{field}: {server:?}: cannot resolve {host:?}: {err}"))?
                 .collect(),
         };
+        // An IPv4-mapped IPv6 address is the IPv4 address it maps: checked and reached as such.
+        let mut addresses: Vec<SocketAddr> = resolved
+            .into_iter()
+            .map(|address| SocketAddr::new(address.ip().to_canonical(), address.port()))
+            .collect();
         addresses.sort();
         addresses.dedup();
         if addresses.is_empty() {
@@ -263,7 +268,6 @@ pub(super) async fn checked_addresses(
 }
 
 fn allowed_address(ip: IpAddr, allowed: &[IpNet]) -> bool {
-    let ip = ip.to_canonical();
     allowed.iter().any(|net| net.contains(&ip))
 }
 
