@@ -57,6 +57,9 @@ pub const CLAIM_GRACE: Duration = Duration::from_secs(10 * 60);
 /// The etcd keys a tenant writes: the etcd (its cluster ID) and the prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdClaim {
+    /// etcd's cluster ID; 0 (which etcd never reports) in a record written before records
+    /// carried it: such a record names no etcd and holds nothing, and its tenant, once
+    /// running, writes its claim over it.
     pub cluster: u64,
     pub prefix: String,
 }
@@ -74,7 +77,9 @@ fn prefixes_overlap(a: &str, b: &str) -> bool {
 impl EtcdClaim {
     /// Whether the two are on one etcd and one prefix contains the other (equal included).
     pub fn overlaps(&self, other: &EtcdClaim) -> bool {
-        self.cluster == other.cluster && prefixes_overlap(&self.prefix, &other.prefix)
+        self.cluster != 0
+            && self.cluster == other.cluster
+            && prefixes_overlap(&self.prefix, &other.prefix)
     }
 }
 
@@ -147,7 +152,10 @@ pub fn parse(group: &str, lease: &Lease) -> Option<Record> {
         return None;
     }
     let annotations = lease.metadata.annotations.as_ref()?;
-    let cluster = u64::from_str_radix(annotations.get(CLUSTER_ANNOTATION)?, 16).ok()?;
+    let cluster = match annotations.get(CLUSTER_ANNOTATION) {
+        Some(id) => u64::from_str_radix(id, 16).ok()?,
+        None => 0,
+    };
     let tenant = annotations.get(TENANT_ANNOTATION)?.clone();
     Some(Record {
         name,
@@ -367,12 +375,18 @@ mod tests {
         let mut unannotated = lease.clone();
         unannotated.metadata.annotations = None;
         assert_eq!(parse("bc", &unannotated), None);
-        // A record of the URL-keyed kind, with no cluster ID, claims nothing.
+        // A record written without a cluster ID is one (so its tenant can write over it), but
+        // names no etcd: it holds nothing, and no Secret still makes its claim.
         let mut no_cluster = lease;
         if let Some(annotations) = no_cluster.metadata.annotations.as_mut() {
             annotations.remove(CLUSTER_ANNOTATION);
         }
-        assert_eq!(parse("bc", &no_cluster), None);
+        let legacy = parse("bc", &no_cluster).expect("a record");
+        assert_eq!(legacy.claim.cluster, 0);
+        assert!(!legacy.claim.overlaps(&legacy.claim));
+        let candidates = [candidate("t/x", 1, "/tenants/a")];
+        assert!(!still_claimed(&legacy, &candidates));
+        assert_eq!(conflicts(&candidates, Some(&[legacy])), Decision::default());
     }
 
     #[test]

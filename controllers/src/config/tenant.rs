@@ -418,9 +418,10 @@ pub fn tenant_etcd_url(server: &str) -> Result<(String, String, u16), String> {
 }
 
 /// The etcd servers and prefix a tenant's fragment sets (`None` without `etcdServers`, or if it
-/// does not parse: loading the tenant reports that), normalised for comparison with other
-/// tenants': servers lower-cased without a trailing `/`. A prefix that is not a plain key path
-/// claims nothing (the tenant is refused for it when it loads).
+/// does not parse: loading the tenant reports that), servers lower-cased without a trailing
+/// `/`: whether a Secret claims etcd keys, and under which prefix, before its etcd is asked
+/// which etcd it is. A prefix that is not a plain key path claims nothing (the tenant is
+/// refused for it when it loads).
 pub fn fragment_etcd(fragment: &str) -> Option<(Vec<String>, String)> {
     let tree = yaml_tree(fragment).ok()?;
     let servers: Vec<String> = match tree.get("etcdServers")? {
