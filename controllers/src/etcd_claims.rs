@@ -34,7 +34,7 @@
 //! compare-and-swap.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -211,6 +211,34 @@ pub fn still_claimed(record: &Record, candidates: &[Candidate<'_>]) -> bool {
                 Claimed::Asking { .. } | Claimed::Unknown => true,
             }
     })
+}
+
+/// The records no Secret makes any more, in two lists: those first seen so now (`unclaimed`
+/// holds when each record was first seen so, and is kept up to date here), and those seen so
+/// for [`CLAIM_GRACE`] or longer, to delete. A record claimed again is forgotten in `unclaimed`,
+/// so its grace starts afresh if it is given up again.
+pub fn unclaimed<'r>(
+    records: &'r [Record],
+    candidates: &[Candidate<'_>],
+    unclaimed: &mut HashMap<String, Instant>,
+    now: Instant,
+) -> (Vec<&'r Record>, Vec<&'r Record>) {
+    let (mut newly, mut expired) = (Vec::new(), Vec::new());
+    for record in records {
+        if still_claimed(record, candidates) {
+            unclaimed.remove(&record.name);
+            continue;
+        }
+        let since = *unclaimed.entry(record.name.clone()).or_insert_with(|| {
+            newly.push(record);
+            now
+        });
+        if now.saturating_duration_since(since) >= CLAIM_GRACE {
+            expired.push(record);
+        }
+    }
+    unclaimed.retain(|name, _| records.iter().any(|record| &record.name == name));
+    (newly, expired)
 }
 
 /// Which candidates are refused because another keeps the keys they claim (see the module's
@@ -502,6 +530,42 @@ mod tests {
                 .refused
                 .contains_key("t/refused")
         );
+    }
+
+    #[test]
+    fn a_record_no_secret_makes_is_deleted_only_after_the_grace() {
+        let records = [
+            recorded("u-1", "t/gone", "/tenants/a", 1),
+            recorded("u-2", "t/here", "/tenants/b", 1),
+        ];
+        let here = [candidate("t/here", 1, "/tenants/b")];
+        let mut seen = HashMap::from([("bc-etcd-claim-u-forgotten".to_owned(), Instant::now())]);
+        let start = Instant::now();
+        let (newly, expired) = unclaimed(&records, &here, &mut seen, start);
+        assert_eq!(newly, vec![&records[0]]);
+        assert!(expired.is_empty());
+        assert_eq!(seen.keys().collect::<Vec<_>>(), vec!["bc-etcd-claim-u-1"]);
+        let almost = start + CLAIM_GRACE - Duration::from_secs(1);
+        assert_eq!(
+            unclaimed(&records, &here, &mut seen, almost),
+            (vec![], vec![])
+        );
+        let (newly, expired) = unclaimed(&records, &here, &mut seen, start + CLAIM_GRACE);
+        assert!(newly.is_empty());
+        assert_eq!(expired, vec![&records[0]]);
+        // Its Secret back before the end: its grace starts afresh when it is given up again.
+        let back = [
+            candidate("t/here", 1, "/tenants/b"),
+            candidate("t/gone", 9, "/tenants/a"),
+        ];
+        assert_eq!(
+            unclaimed(&records, &back, &mut seen, almost),
+            (vec![], vec![])
+        );
+        assert!(seen.is_empty());
+        let later = start + CLAIM_GRACE * 2;
+        let (newly, expired) = unclaimed(&records, &here, &mut seen, later);
+        assert_eq!((newly.len(), expired.len()), (1, 0));
     }
 
     #[test]

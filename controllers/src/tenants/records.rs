@@ -85,26 +85,21 @@ impl Manager {
             writes.push((name, lease));
         }
         let candidates = candidates(&self.etcds, secrets);
-        let mut deletions = Vec::new();
-        for (name, record) in records {
-            if etcd_claims::still_claimed(record, &candidates) {
-                self.unclaimed.remove(name);
-                continue;
-            }
-            let since = *self.unclaimed.entry(name.clone()).or_insert_with(|| {
-                info!(
-                    record = %name,
-                    tenant = %record.tenant,
-                    "no tenant Secret makes this etcd claim any more; it holds its keys for {} s, then it is deleted",
-                    CLAIM_GRACE.as_secs()
-                );
-                now
-            });
-            if now.duration_since(since) >= CLAIM_GRACE {
-                deletions.push((name.clone(), record.resource_version.clone()));
-            }
+        let listed: Vec<Record> = records.values().cloned().collect();
+        let (newly, expired) =
+            etcd_claims::unclaimed(&listed, &candidates, &mut self.unclaimed, now);
+        for record in newly {
+            info!(
+                record = %record.name,
+                tenant = %record.tenant,
+                "no tenant Secret makes this etcd claim any more; it holds its keys for {} s, then it is deleted",
+                CLAIM_GRACE.as_secs()
+            );
         }
-        self.unclaimed.retain(|name, _| records.contains_key(name));
+        let deletions: Vec<(String, Option<String>)> = expired
+            .into_iter()
+            .map(|record| (record.name.clone(), record.resource_version.clone()))
+            .collect();
         for (name, lease) in writes {
             if self.recording.insert(name.clone(), now).is_some() {
                 continue;
