@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use apiserver_sim::{Fleet, FleetConfig, TENANT_LABEL, kubeconfig_secret};
+use apiserver_sim::{
+    FaultKind, FaultRule, Fleet, FleetConfig, TENANT_LABEL, Verb, kubeconfig_secret,
+};
 use common::{CONVERGE, ControllerProcess, eventually, free_port};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
@@ -826,6 +828,74 @@ async fn one_etcd_is_one_etcd_however_its_url_is_written() -> Result<()> {
         "the first tenant's bitmap was rewritten: {now:?}"
     );
     ensure!(!converged(&fleet, 1), "a refused tenant was written");
+    Ok(())
+}
+
+/// A claim record whose write failed is written again on the manager's own timer, with no
+/// event of the Secrets or the records to wake it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_claim_record_write_is_tried_again_on_a_timer() -> Result<()> {
+    let etcd = PlainEtcd::start().await?;
+    let (fleet, management) = fleet_without_its_secrets(1).await?;
+    let (secrets, _) = secrets_and_events(&management);
+    let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
+    let mut controller = start_controller(
+        &fleet,
+        &[
+            "--tenants-etcd-allowed-cidrs",
+            LOOPBACK,
+            "--leader-elect-lease-namespace",
+            NAMESPACE,
+        ],
+    )?;
+    controller.wait_ready().await?;
+    fleet.management().faults().inject(FaultRule::next(
+        Some(Verb::Create),
+        Some("leases.coordination.k8s.io"),
+        1,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    create_secret(
+        &secrets,
+        "recorded",
+        &token_kubeconfig(&fleet, 0)?,
+        Some(&format!(
+            "etcdServers: {}\netcdPrefix: /tenants/a\n",
+            etcd.url()
+        )),
+        &[],
+    )
+    .await?;
+    wait_converged(&fleet, 0).await?;
+    let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
+    // The first write fails; the next comes after the retry delay (30 s), on the timer.
+    eventually("the claim recorded", Duration::from_secs(90), || async {
+        Ok((records.list(&selector).await?.items.len() == 1).then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "{:?}",
+            fleet
+                .management()
+                .requests()
+                .into_iter()
+                .filter(|r| r.resource == "leases")
+                .map(|r| format!("{} {} {} {}", r.time, r.verb, r.name, r.status))
+                .collect::<Vec<_>>()
+        ) + "\n"
+            + &controller.log()
+    })?;
+    ensure!(
+        controller
+            .log()
+            .contains("cannot write an etcd-claim record"),
+        "the first write did not fail:\n{}",
+        controller.log()
+    );
     Ok(())
 }
 

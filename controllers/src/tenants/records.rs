@@ -101,9 +101,11 @@ impl Manager {
             .map(|record| (record.name.clone(), record.resource_version.clone()))
             .collect();
         for (name, lease) in writes {
-            if self.recording.insert(name.clone(), now).is_some() {
+            // Under way or failed lately: its time is kept, not renewed, so that it comes due.
+            if self.recording.contains_key(&name) {
                 continue;
             }
+            self.recording.insert(name.clone(), now);
             let (api, errors) = (api.clone(), self.record_errors.clone());
             tokio::spawn(async move {
                 let params = PostParams {
@@ -124,9 +126,11 @@ impl Manager {
             });
         }
         for (name, version) in deletions {
-            if self.recording.insert(name.clone(), now).is_some() {
+            // Under way or failed lately: its time is kept, not renewed, so that it comes due.
+            if self.recording.contains_key(&name) {
                 continue;
             }
+            self.recording.insert(name.clone(), now);
             let (api, errors) = (api.clone(), self.record_errors.clone());
             tokio::spawn(async move {
                 let params = DeleteParams {
