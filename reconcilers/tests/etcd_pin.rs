@@ -85,3 +85,34 @@ async fn a_pinned_client_reaches_only_its_addresses_and_its_cluster() {
             .is_none()
     );
 }
+
+/// A server that accepts and never answers: the check of a pinned connection times out, and
+/// the call fails (rather than waiting on itself) and may be made again.
+#[tokio::test]
+async fn a_pinned_connection_whose_check_gets_no_answer_fails_the_call() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = silent.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let one = Etcd::start(None).await;
+    let mut config = one.config();
+    config.pin = Some(EtcdPin {
+        addresses: vec![vec![at]],
+        cluster_id: Some(1),
+    });
+    let store = EtcdStore::new(config);
+    for _ in 0..2 {
+        let refused = store.get("/k").await;
+        assert!(
+            matches!(
+                refused,
+                Err(EtcdError::Status { .. } | EtcdError::Connect(_))
+            ),
+            "{refused:?}"
+        );
+    }
+}

@@ -333,7 +333,15 @@ impl EtcdStore {
         }
         let connection = self.connect(generation).await?;
         if let Some(expected) = self.config.pin.as_ref().and_then(|pin| pin.cluster_id) {
-            let found = self.cluster_id_of(&connection).await?;
+            // The slot is held: a failure here is returned as it is, the connection not kept.
+            let found =
+                self.read_cluster_id(&connection)
+                    .await
+                    .map_err(|status| EtcdError::Status {
+                        server: connection.server.clone(),
+                        code: status.code(),
+                        message: status.message().to_owned(),
+                    })?;
             if found != expected {
                 return Err(EtcdError::OtherCluster {
                     server: connection.server,
@@ -351,29 +359,27 @@ impl EtcdStore {
     /// credentials may read): what tells one etcd from another, however its URL is spelled.
     pub async fn cluster_id(&self) -> Result<u64, EtcdError> {
         let connection = self.connection().await?;
-        self.cluster_id_of(&connection).await
+        match self.read_cluster_id(&connection).await {
+            Ok(id) => Ok(id),
+            Err(status) => Err(self.failed(&connection, status).await),
+        }
     }
 
-    async fn cluster_id_of(&self, connection: &Connection) -> Result<u64, EtcdError> {
+    async fn read_cluster_id(&self, connection: &Connection) -> Result<u64, tonic::Status> {
         let request = RangeRequest {
             key: self.config.key(RangeKey::NodePorts).into_bytes(),
             count_only: true,
             ..Default::default()
         };
-        let response = match KvClient::new(connection.channel.clone())
+        let response = KvClient::new(connection.channel.clone())
             .range(request)
-            .await
-        {
-            Ok(response) => response.into_inner(),
-            Err(status) => return Err(self.failed(connection, status).await),
-        };
+            .await?
+            .into_inner();
         match response.header.map(|header| header.cluster_id) {
             Some(id) if id != 0 => Ok(id),
-            _ => Err(EtcdError::Status {
-                server: connection.server.clone(),
-                code: tonic::Code::Unknown,
-                message: "the answer carries no cluster ID (not an etcd v3 server?)".to_owned(),
-            }),
+            _ => Err(tonic::Status::unknown(
+                "the answer carries no cluster ID (not an etcd v3 server?)",
+            )),
         }
     }
 
