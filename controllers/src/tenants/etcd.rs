@@ -10,6 +10,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use ipnet::IpNet;
 use reconcilers::legacy_alloc::etcd::{EtcdPin, EtcdStore};
 use tracing::{Instrument, debug, info_span};
@@ -128,16 +129,24 @@ impl Manager {
             let task_key = key.clone();
             self.asks.spawn(
                 async move {
-                    let result =
-                        match tokio::time::timeout(ASK_TIMEOUT, ask(&settings, &task_key, &spec))
-                            .await
-                        {
-                            Ok(result) => result,
-                            Err(_) => Err(format!(
-                                "{TENANT_CONFIG_ANNOTATION}: etcdServers: no answer within {} s",
-                                ASK_TIMEOUT.as_secs()
-                            )),
-                        };
+                    // A panic ends as a failure of this Secret's ask, which is tried again,
+                    // rather than as a claim asked about for ever.
+                    let asking = std::panic::AssertUnwindSafe(tokio::time::timeout(
+                        ASK_TIMEOUT,
+                        ask(&settings, &task_key, &spec),
+                    ))
+                    .catch_unwind();
+                    let result = match asking.await {
+                        Ok(Ok(result)) => result,
+                        Ok(Err(_)) => Err(format!(
+                            "{TENANT_CONFIG_ANNOTATION}: etcdServers: no answer within {} s",
+                            ASK_TIMEOUT.as_secs()
+                        )),
+                        Err(_) => Err(format!(
+                            "{TENANT_CONFIG_ANNOTATION}: etcdServers: asking the etcd failed \
+                             abnormally"
+                        )),
+                    };
                     (task_key, spec, result)
                 }
                 .instrument(info_span!("tenant", tenant = %key)),
@@ -147,9 +156,8 @@ impl Manager {
 
     /// An ask ended: keep its answer if it is about the Secret version still known.
     pub(super) fn asked(&mut self, done: Result<AskOutcome, tokio::task::JoinError>) {
+        // Asks catch their panics; only an abort (at shutdown) ends one otherwise.
         let Ok((key, spec, result)) = done else {
-            // Only a panic ends an ask otherwise; the Secret is asked about again when it
-            // changes, and its tenant waits meanwhile.
             return;
         };
         let Some((known, state)) = self.etcds.get_mut(&key) else {
