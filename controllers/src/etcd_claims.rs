@@ -272,7 +272,8 @@ pub fn conflicts(candidates: &[Candidate<'_>], records: Option<&[Record]>) -> De
             _ => None,
         })
         .collect();
-    let mut unrecorded: Vec<(&Candidate<'_>, &EtcdClaim)> = Vec::new();
+    // With whether it waits for a claim being asked about.
+    let mut unrecorded: Vec<(&Candidate<'_>, &EtcdClaim, bool)> = Vec::new();
     for candidate in candidates {
         let claim = match &candidate.claim {
             Claimed::Known(claim) => claim,
@@ -298,27 +299,31 @@ pub fn conflicts(candidates: &[Candidate<'_>], records: Option<&[Record]>) -> De
         if held {
             continue;
         }
-        if asking
+        let waits = asking
             .iter()
-            .any(|(key, prefix)| *key != candidate.key && prefixes_overlap(prefix, &claim.prefix))
-        {
-            undecided.push(candidate.key.to_owned());
-            continue;
-        }
-        unrecorded.push((candidate, claim));
+            .any(|(key, prefix)| *key != candidate.key && prefixes_overlap(prefix, &claim.prefix));
+        unrecorded.push((candidate, claim, waits));
     }
-    // Claims never recorded: the older Secret first, then the first by name.
-    unrecorded.sort_by(|(a, _), (b, _)| (a.created, a.key).cmp(&(b.created, b.key)));
-    let mut kept: Vec<(&Candidate<'_>, &EtcdClaim)> = Vec::new();
-    for (candidate, claim) in unrecorded {
-        match kept.iter().find(|(_, k)| claim.overlaps(k)) {
-            Some((keeper, kept_claim)) => {
+    // Claims never recorded: the older Secret first, then the first by name. One that waits
+    // still comes in its turn: a younger claim it overlaps waits with it, since which of the
+    // two keeps the keys depends on it.
+    unrecorded.sort_by(|(a, ..), (b, ..)| (a.created, a.key).cmp(&(b.created, b.key)));
+    let mut kept: Vec<(&Candidate<'_>, &EtcdClaim, bool)> = Vec::new();
+    for (candidate, claim, waits) in unrecorded {
+        match kept.iter().find(|(_, k, _)| claim.overlaps(k)) {
+            Some((_, _, true)) => undecided.push(candidate.key.to_owned()),
+            Some((keeper, kept_claim, false)) => {
                 refused.insert(
                     candidate.key.to_owned(),
                     refusal(claim, keeper.key, kept_claim, None),
                 );
             }
-            None => kept.push((candidate, claim)),
+            None => {
+                if waits {
+                    undecided.push(candidate.key.to_owned());
+                }
+                kept.push((candidate, claim, waits));
+            }
         }
     }
     Decision { refused, undecided }
@@ -570,19 +575,24 @@ mod tests {
 
     #[test]
     fn a_claim_whose_etcd_is_being_asked_holds_up_the_prefixes_it_may_overlap() {
-        let mut asking = candidate("t/asking", 1, "/tenants/a");
-        asking.claim = Claimed::Asking {
-            prefix: "/tenants/a".to_owned(),
+        let asking = |key, prefix: &str| Candidate {
+            claim: Claimed::Asking {
+                prefix: prefix.to_owned(),
+            },
+            ..candidate(key, 1, prefix)
         };
         let mut unknown = candidate("t/unknown", 0, "/tenants/c");
         unknown.claim = Claimed::Unknown;
-        let records = [recorded("u-r", "t/recorded", "/tenants/a/r", 1)];
+        let records = [recorded("u-r", "t/recorded", "/tenants/q", 1)];
         let candidates = [
-            asking,
+            asking("t/asking", "/tenants/a/b/c"),
+            asking("t/asking-q", "/tenants/q/z"),
             unknown,
             candidate("t/new", 2, "/tenants/a/b"),
+            // Younger than t/new, which it overlaps, but not t/asking: it waits with t/new.
+            candidate("t/newer", 3, "/tenants/a/b/x"),
+            candidate("t/recorded", 4, "/tenants/q"),
             candidate("t/apart", 3, "/tenants/b"),
-            candidate("t/recorded", 4, "/tenants/a/r"),
             candidate("t/c", 5, "/tenants/c"),
         ];
         let decision = conflicts(&candidates, Some(&records));
@@ -590,7 +600,11 @@ mod tests {
         undecided.sort();
         // The recorded claim keeps its keys whatever the one being asked turns out to be; an
         // etcd that does not answer holds up nothing.
-        assert_eq!(undecided, vec!["t/asking", "t/new"], "{decision:?}");
+        assert_eq!(
+            undecided,
+            vec!["t/asking", "t/asking-q", "t/new", "t/newer"],
+            "{decision:?}"
+        );
         assert!(decision.refused.is_empty(), "{decision:?}");
     }
 
