@@ -12,7 +12,9 @@
 //! [`crate::tenant_kubeconfig`] (inline material only), its fragment within floors
 //! ([`TenantBase::tenant`]), its etcd credentials from its own data keys; loading happens in a
 //! task of its own under [`LOAD_TIMEOUT`], so a huge Secret or a hung credential plugin costs
-//! that tenant only, never the manager.
+//! that tenant only, never the manager. A Secret naming an etcd waits until that etcd, reached
+//! only inside the networks the operator allows, has said which etcd it is (`etcd.rs`) and the
+//! claim on its keys is decided (`records.rs`); its loops then reach that etcd only.
 //!
 //! Replicas share the tenants through [`crate::shards`]: a tenant starts only on the replica
 //! that owns it in a settled view, and a replica stops the tenants it lost before it
