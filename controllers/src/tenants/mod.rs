@@ -528,8 +528,15 @@ impl Manager {
                 entries.insert(key.clone(), Entry::Invalid(reason.clone()));
                 continue;
             }
-            if !view.settled || decision.undecided.contains(key) {
-                entries.insert(key.clone(), Entry::Waiting);
+            if !view.settled {
+                entries.insert(key.clone(), Entry::Waiting("the hand-over"));
+                continue;
+            }
+            if decision.undecided.contains(key) {
+                entries.insert(
+                    key.clone(),
+                    Entry::Waiting("its etcd's answer and the decision on its etcd keys"),
+                );
                 continue;
             }
             match self.loaded.remove(key) {
