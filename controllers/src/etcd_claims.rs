@@ -57,9 +57,9 @@ pub const CLAIM_GRACE: Duration = Duration::from_secs(10 * 60);
 /// The etcd keys a tenant writes: the etcd (its cluster ID) and the prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdClaim {
-    /// etcd's cluster ID; 0 (which etcd never reports) in a record written before records
-    /// carried it: such a record names no etcd and holds nothing, and its tenant, once
-    /// running, writes its claim over it.
+    /// etcd's cluster ID; 0 (which etcd never reports) in a record that carries none: such a
+    /// record names no etcd and holds nothing, and its tenant, once running, writes its claim
+    /// over it.
     pub cluster: u64,
     pub prefix: String,
 }
@@ -408,8 +408,8 @@ mod tests {
         let mut unannotated = lease.clone();
         unannotated.metadata.annotations = None;
         assert_eq!(parse("bc", &unannotated), None);
-        // A record written without a cluster ID is one (so its tenant can write over it), but
-        // names no etcd: it holds nothing, and no Secret still makes its claim.
+        // A record without a cluster ID is one (so its tenant can write over it), but names no
+        // etcd: it holds nothing, and no Secret still makes its claim.
         let mut no_cluster = lease;
         if let Some(annotations) = no_cluster.metadata.annotations.as_mut() {
             annotations.remove(CLUSTER_ANNOTATION);
