@@ -131,9 +131,15 @@ pub async fn execute(cli: Cli) -> ExitCode {
         },
         Command::Run => match Config::load(&cli.config) {
             Ok(config) if config.tenants.is_some() => {
+                let allowed = config
+                    .tenants
+                    .as_ref()
+                    .map(|tenants| tenants.etcd_allowed_cidrs.clone())
+                    .unwrap_or_default();
                 // Every tenant's configuration starts from the file: one the tenants cannot
                 // use is refused now, not once per tenant.
                 match TenantBase::load(&cli.config).and_then(|base| {
+                    let base = base.allowing_etcd_in(allowed);
                     base.tenant(None)?;
                     Ok(base)
                 }) {

@@ -155,6 +155,7 @@ impl DemoEtcd {
             key_file: None,
             prefix: "/registry".to_owned(),
             inline_tls: None,
+            pin: None,
         }
     }
 }

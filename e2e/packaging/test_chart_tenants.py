@@ -199,9 +199,15 @@ def test_lease_namespace_defaults_to_the_releases_and_the_configuration_says_so(
     ("single", {"BOOTSTRAP_TENANTS_SECRET_SELECTOR": "example.com/tenant",
                 "BOOTSTRAP_TENANTS_NAMESPACE": "tenants",
                 "BOOTSTRAP_TENANTS_KUBECONFIG_KEY": "config"}),
+    ("etcd-networks", {"BOOTSTRAP_TENANTS_SECRET_SELECTOR": SELECTOR,
+                       "BOOTSTRAP_TENANTS_NAMESPACE": "capi-clusters",
+                       "BOOTSTRAP_TENANTS_KUBECONFIG_KEY": "value",
+                       "BOOTSTRAP_TENANTS_ETCD_ALLOWED_CIDRS": "10.0.16.0/20,fd00:10::/64"}),
 ])
 def test_settings_reach_the_container_as_the_binarys_environment(case, env):
-    args, rendered = container_args(objects(CASES[case]))
+    values = CASES.get(case) or {"tenants": {
+        **CASES["capi"]["tenants"], "etcdAllowedCIDRs": ["10.0.16.0/20", "fd00:10::/64"]}}
+    args, rendered = container_args(objects(values))
     assert args == ["run"]
     tenants = {k: v for k, v in rendered.items() if k.startswith("BOOTSTRAP_TENANTS_")}
     assert tenants == env
@@ -248,6 +254,8 @@ def test_etcd_servers_are_refused_in_management_mode():
     ({"kubeconfigKey": ""}, "kubeconfigKey"),
     ({"kubeconfigKey": "a/b"}, "kubeconfigKey"),
     ({"secretSelector": ["a", "b"]}, "secretSelector"),
+    ({"etcdAllowedCIDRs": "10.0.0.0/8"}, "etcdAllowedCIDRs"),
+    ({"etcdAllowedCIDRs": ["etcd.example.com"]}, "etcdAllowedCIDRs"),
 ])
 def test_schema_rejects_unknown_keys_and_wrong_types(tenants, complaint):
     with pytest.raises(helm.HelmValuesError) as err:

@@ -454,6 +454,7 @@ async fn stored_range(cp: &ControlPlane, key: &str) -> Result<(String, i64)> {
         key_file: None,
         prefix: cp.etcd_prefix()?.to_owned(),
         inline_tls: None,
+        pin: None,
     });
     let stored = store
         .get(key)
@@ -489,6 +490,7 @@ async fn the_legacy_cluster_ip_bitmap_of_an_upgraded_cluster_is_left_alone() -> 
         key_file: None,
         prefix: cp.etcd_prefix()?.to_owned(),
         inline_tls: None,
+        pin: None,
     };
     let key = etcd.key(RangeKey::ServiceIps);
     let store = EtcdStore::new(etcd);

@@ -133,6 +133,7 @@ async fn a_secret_writer_cannot_take_the_controllers_token_run_read_or_reach_ano
     }
     let management = ControlPlane::start(1)?;
     let etcd_url = management.etcd_url()?.to_owned();
+    let etcd_network = management.etcd_network()?;
     let tenant = ControlPlane::start_on_etcd(1, &etcd_url, "/tenant-a", &[])?;
     let admin = management.admin_kubeconfig(1);
     let work = tempfile::tempdir()?;
@@ -217,6 +218,8 @@ async fn a_secret_writer_cannot_take_the_controllers_token_run_read_or_reach_ano
             "--tenants-namespace",
             TENANTS_NAMESPACE,
             "--leader-elect=false",
+            "--tenants-etcd-allowed-cidrs",
+            &etcd_network,
             // The chart's configuration file says so: the Leases in the release's namespace.
             "--leader-elect-lease-namespace",
             "bootstrap",

@@ -274,6 +274,7 @@ async fn management_mode_keeps_real_tenants_on_one_etcd_apart() -> Result<()> {
     }
 
     let controller_started = Instant::now();
+    let etcd_network = management.etcd_network()?;
     let mut controller = ControllerProcess::start(
         &management.admin_kubeconfig(1),
         &[
@@ -282,6 +283,8 @@ async fn management_mode_keeps_real_tenants_on_one_etcd_apart() -> Result<()> {
             "--tenants-namespace",
             TENANTS_NAMESPACE,
             "--leader-elect=false",
+            "--tenants-etcd-allowed-cidrs",
+            &etcd_network,
         ],
     )?;
     controller.wait_ready().await?;

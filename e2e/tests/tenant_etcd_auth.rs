@@ -3,8 +3,8 @@
 //! `/tenant-b`; each tenant's user (its client certificate's CN) may read and write only its
 //! prefix. The controller runs in management mode against simulated tenant clusters whose
 //! Secrets carry the etcd client certificates in their data keys. A Secret aimed at the other
-//! tenant's prefix (with a server spelled so that the controller's own overlap check cannot tell
-//! it is the same etcd) gets etcd's refusal, never a write.
+//! tenant's prefix (with the server spelled another way) gets etcd's refusal already when its
+//! etcd is asked who it is, and never writes.
 
 mod common;
 
@@ -273,6 +273,9 @@ async fn a_tenant_aimed_at_another_tenants_etcd_prefix_gets_etcds_refusal_not_a_
             "--service-cluster-ip-range",
             "10.96.0.0/12",
             "--leader-elect=false",
+            // localhost may resolve to ::1 as well.
+            "--tenants-etcd-allowed-cidrs",
+            "127.0.0.0/8,::1/128",
         ],
     )?;
     controller.wait_ready().await?;

@@ -98,6 +98,7 @@ pub(super) fn merge_etcd(
         key_file: key_file.map(|source| source.value),
         prefix,
         inline_tls: None,
+        pin: None,
     }
 }
 
@@ -144,6 +145,7 @@ impl Config {
             key_file: self.etcd_key_file.clone(),
             prefix: self.etcd_prefix.clone(),
             inline_tls: self.etcd_inline_tls.clone(),
+            pin: self.etcd_pin.clone(),
         })
     }
 
@@ -401,6 +403,7 @@ impl Config {
             etcd_key_file: etcd.key_file,
             etcd_prefix: etcd.prefix,
             etcd_inline_tls: None,
+            etcd_pin: None,
             dry_run,
             timer_only,
             admin_addr,
@@ -590,8 +593,9 @@ pub(super) fn merge_tenants(
     let plugins = given.tenants_credential_plugins.take();
     let max_objects = given.tenants_cache_max_objects.take();
     let max_mib = given.tenants_cache_max_mib.take();
+    let etcd_allowed = given.tenants_etcd_allowed_cidrs.take();
     let Some(selector) = given.tenants_secret_selector.take() else {
-        let fields = [namespace, key, plugins]
+        let fields = [namespace, key, plugins, etcd_allowed]
             .into_iter()
             .flatten()
             .map(|source| source.field)
@@ -748,6 +752,30 @@ pub(super) fn merge_tenants(
             }
         }
     }
+    let mut etcd_allowed_cidrs = Vec::new();
+    if let Some(source) = etcd_allowed {
+        for text in source
+            .value
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+        {
+            match text.parse::<ipnet::IpNet>() {
+                Ok(net) if net.trunc() == net => etcd_allowed_cidrs.push(net),
+                Ok(net) => errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{text} has host bits set: write the network, {}",
+                        net.trunc()
+                    ),
+                )),
+                Err(_) => errors.push(ConfigError::new(
+                    source.field,
+                    format!("{text:?} is not a CIDR (e.g. 10.0.16.0/20 or fd00:10::/64)"),
+                )),
+            }
+        }
+    }
     Some(Tenants {
         secret_selector: selector_text,
         namespace,
@@ -756,6 +784,7 @@ pub(super) fn merge_tenants(
         cache_max_objects,
         cache_max_mib,
         cache_budgets,
+        etcd_allowed_cidrs,
     })
 }
 

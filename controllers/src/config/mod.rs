@@ -87,6 +87,9 @@ pub struct Config {
     /// not used then.
     #[serde(skip)]
     pub etcd_inline_tls: Option<reconcilers::legacy_alloc::etcd::InlineTls>,
+    /// A tenant's etcd addresses and cluster, as checked before it started (management mode).
+    #[serde(skip)]
+    pub etcd_pin: Option<reconcilers::legacy_alloc::etcd::EtcdPin>,
     pub dry_run: bool,
     pub timer_only: bool,
     pub admin_addr: SocketAddr,
@@ -117,6 +120,12 @@ pub struct Tenants {
     /// The operator's budgets for single tenants, by `namespace/name`.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub cache_budgets: BTreeMap<String, TenantBudget>,
+    #[serde(
+        rename = "etcdAllowedCIDRs",
+        serialize_with = "ser_cidrs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub etcd_allowed_cidrs: Vec<IpNet>,
 }
 
 /// A budget the operator set for one tenant (`tenants.cacheBudgets`).

@@ -359,10 +359,19 @@ settings! {
             => Result<u32, NotANumber> = parse_u32;
 
     /// Management mode: the most MiB one tenant's caches may hold together (estimated: a whole
-    /// object by its JSON size). Over it, as over --tenants-cache-max-objects. [default: 32]
+    /// decoded object about five times its JSON size). Over it, as over
+    /// --tenants-cache-max-objects. [default: 32]
     tenants_cache_max_mib: String = "tenants-cache-max-mib", "BOOTSTRAP_TENANTS_CACHE_MAX_MIB",
         "MIB";
         file "tenants.cacheMaxMiB" in tenants.cache_max_mib => Result<u32, NotANumber> = parse_u32;
+
+    /// Management mode: the networks (CIDRs, comma-separated) a tenant's etcd may be in, e.g.
+    /// `10.0.16.0/20`. A tenant's etcdServers must name addresses, or host names resolving only
+    /// to addresses, inside them; without any, etcdServers in a tenant's annotation is refused.
+    /// [default: none]
+    tenants_etcd_allowed_cidrs: String = "tenants-etcd-allowed-cidrs",
+        "BOOTSTRAP_TENANTS_ETCD_ALLOWED_CIDRS", "CIDR[,CIDR]";
+        file "tenants.etcdAllowedCIDRs" in tenants.etcd_allowed_cidrs;
 
 }
 
@@ -416,6 +425,8 @@ pub struct TenantsFile {
     /// Budgets the operator raises (or lowers) for single tenants, by `namespace/name` of their
     /// Secret; a tenant's own annotation cannot.
     pub cache_budgets: Option<std::collections::BTreeMap<String, TenantBudgetFile>>,
+    #[serde(rename = "etcdAllowedCIDRs")]
+    pub etcd_allowed_cidrs: Option<StringOrList>,
 }
 
 /// One tenant's cache budget in `tenants.cacheBudgets`; what is left out is the process's.

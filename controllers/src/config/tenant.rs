@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use ipnet::IpNet;
 use reconcilers::section::{ConfigError, EndpointsMode, format_duration, parse_duration};
 
 use super::file::parse_file;
@@ -192,6 +193,8 @@ const RESOURCE_KEYS: [&str; 38] = [
 pub struct TenantBase {
     args: ConfigArgs,
     file: serde_json::Value,
+    /// `--tenants-etcd-allowed-cidrs`: where a tenant's etcd may be; none, no tenant etcd.
+    etcd_allowed: Vec<IpNet>,
 }
 
 impl TenantBase {
@@ -214,10 +217,25 @@ impl TenantBase {
             tenants_credential_plugins: None,
             tenants_cache_max_objects: None,
             tenants_cache_max_mib: None,
+            tenants_etcd_allowed_cidrs: None,
             kubeconfig: None,
             ..args.clone()
         };
-        Ok(TenantBase { args, file })
+        Ok(TenantBase {
+            args,
+            file,
+            etcd_allowed: Vec::new(),
+        })
+    }
+
+    /// The networks a tenant's etcd may be in (`--tenants-etcd-allowed-cidrs`).
+    pub fn allowing_etcd_in(mut self, networks: Vec<IpNet>) -> TenantBase {
+        self.etcd_allowed = networks;
+        self
+    }
+
+    pub fn etcd_allowed(&self) -> &[IpNet] {
+        &self.etcd_allowed
     }
 
     /// One tenant's configuration: `fragment` (the Secret's annotation, if any) over the file,
@@ -300,6 +318,33 @@ impl TenantBase {
                     .collect(),
             )
         })?;
+        if !config.etcd_servers.is_empty() && self.etcd_allowed.is_empty() {
+            return Err(ConfigErrors(vec![ConfigError::new(
+                field("etcdServers"),
+                "is not allowed: the operator has not set --tenants-etcd-allowed-cidrs \
+                 (tenants.etcdAllowedCIDRs), the networks a tenant's etcd may be in; set it, or \
+                 remove etcdServers from the annotation",
+            )]));
+        }
+        let refused: Vec<ConfigError> = config
+            .etcd_servers
+            .iter()
+            .filter_map(|server| {
+                let why = tenant_etcd_url(server).err()?;
+                // Userinfo may hold a password: the message names the host only.
+                let shown = match server.rsplit_once('@') {
+                    Some((_, host)) => format!("(userinfo)@{host}"),
+                    None => server.clone(),
+                };
+                Some(ConfigError::new(
+                    field("etcdServers"),
+                    format!("{shown:?} {why}"),
+                ))
+            })
+            .collect();
+        if !refused.is_empty() {
+            return Err(ConfigErrors(refused));
+        }
         if !config.etcd_servers.is_empty()
             && let Err(why) = validate_tenant_etcd_prefix(&config.etcd_prefix)
         {
@@ -323,10 +368,62 @@ impl TenantBase {
     }
 }
 
+/// A tenant's etcd server URL, parsed: its scheme, host (brackets removed) and port (the
+/// scheme's default when left out). Only `http(s)://host[:port]` with nothing after the
+/// authority but an optional `/`: userinfo, a path, a query or a fragment would be sent nowhere
+/// and mean nothing to etcd, yet make one etcd look like another.
+pub fn tenant_etcd_url(server: &str) -> Result<(String, String, u16), String> {
+    let example = "write scheme://host:port only, e.g. https://192.0.2.10:2379";
+    if server.contains('@') {
+        return Err(format!(
+            "has userinfo (user@), which etcd is never sent: {example}"
+        ));
+    }
+    if server.contains('?') {
+        return Err(format!(
+            "has a query (?...), which etcd is never sent: {example}"
+        ));
+    }
+    if server.contains('#') {
+        return Err(format!(
+            "has a fragment (#...), which etcd is never sent: {example}"
+        ));
+    }
+    let uri: http::Uri = server
+        .parse()
+        .map_err(|_| format!("is not a URL: {example}"))?;
+    let scheme = match uri.scheme_str() {
+        Some(scheme @ ("http" | "https")) => scheme.to_owned(),
+        _ => return Err(format!("is not http:// or https://: {example}")),
+    };
+    if !matches!(uri.path(), "" | "/") {
+        return Err(format!(
+            "has a path ({}), which etcd is never sent: {example}",
+            uri.path()
+        ));
+    }
+    let host = uri
+        .host()
+        .filter(|host| !host.is_empty())
+        .ok_or_else(|| format!("names no host: {example}"))?;
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let port = match uri.port_u16() {
+        Some(port) => port,
+        None if uri.port().is_some() => return Err(format!("has no valid port: {example}")),
+        None if scheme == "https" => 443,
+        None => 80,
+    };
+    Ok((scheme, host, port))
+}
+
 /// The etcd servers and prefix a tenant's fragment sets (`None` without `etcdServers`, or if it
-/// does not parse: loading the tenant reports that), normalised for comparison with other
-/// tenants': servers lower-cased without a trailing `/`. A prefix that is not a plain key path
-/// claims nothing (the tenant is refused for it when it loads).
+/// does not parse: loading the tenant reports that), servers lower-cased without a trailing
+/// `/`: whether a Secret claims etcd keys, and under which prefix, before its etcd is asked
+/// which etcd it is. A prefix that is not a plain key path claims nothing (the tenant is
+/// refused for it when it loads).
 pub fn fragment_etcd(fragment: &str) -> Option<(Vec<String>, String)> {
     let tree = yaml_tree(fragment).ok()?;
     let servers: Vec<String> = match tree.get("etcdServers")? {

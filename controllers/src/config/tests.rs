@@ -510,6 +510,7 @@ fn tenants_settings_from_flags_and_file_are_validated() {
             cache_max_objects: super::DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
             cache_max_mib: super::DEFAULT_TENANTS_CACHE_MAX_MIB,
             cache_budgets: Default::default(),
+            etcd_allowed_cidrs: Vec::new(),
         })
     );
     assert_eq!(from_yaml("{}\n").unwrap().tenants, None);
@@ -750,7 +751,8 @@ fn a_fragment_names_no_file_and_stays_above_the_floors() {
 
 #[test]
 fn a_tenant_etcd_prefix_is_a_plain_key_path() {
-    let base = tenant_base("tenants:\n  secretSelector: a=b\n");
+    let base = tenant_base("tenants:\n  secretSelector: a=b\n")
+        .allowing_etcd_in(vec!["192.0.2.0/24".parse().unwrap()]);
     let tenant = base
         .tenant(Some(
             "etcdServers: https://192.0.2.1:2379\netcdPrefix: /tenants/a\n",
@@ -933,4 +935,61 @@ fn dns1123() {
     assert!(validate_dns1123_label(&"a".repeat(64)).is_err());
     assert!(validate_dns1123_subdomain("a.b-c").is_ok());
     assert!(validate_dns1123_subdomain("a..b").is_err());
+}
+
+#[test]
+fn tenant_etcd_servers_need_the_operators_networks_and_plain_urls() {
+    let fragment = "etcdServers: https://192.0.2.1:2379\netcdPrefix: /tenants/a\n";
+    // Without allowed networks no tenant names an etcd, and the message names the setting.
+    let base = tenant_base("tenants:\n  secretSelector: a=b\n");
+    let error = single_error(base.tenant(Some(fragment)));
+    assert_eq!(error.field, "bootstrap-controller.io/config: etcdServers");
+    assert!(
+        error.message.contains("--tenants-etcd-allowed-cidrs"),
+        "{error}"
+    );
+    let base = base.allowing_etcd_in(vec!["192.0.2.0/24".parse().unwrap()]);
+    assert!(base.tenant(Some(fragment)).is_ok());
+    for (server, named) in [
+        ("https://user:pw@192.0.2.1:2379", "userinfo"),
+        ("https://192.0.2.1:2379/v3/kv", "path"),
+        ("https://192.0.2.1:2379?a=b", "query"),
+        ("https://192.0.2.1:2379#x", "fragment"),
+    ] {
+        let error = single_error(base.tenant(Some(&format!(
+            "etcdServers: \"{server}\"\netcdPrefix: /tenants/a\n"
+        ))));
+        assert_eq!(
+            error.field, "bootstrap-controller.io/config: etcdServers",
+            "{server}: {error}"
+        );
+        assert!(error.message.contains(named), "{server}: {error}");
+    }
+    // The setting itself: flags or the file, networks only, management mode only.
+    let config = from_yaml(
+        "tenants:\n  secretSelector: a=b\n  etcdAllowedCIDRs: [10.0.16.0/20, fd00:10::/64]\n",
+    )
+    .unwrap();
+    assert_eq!(
+        config.tenants.unwrap().etcd_allowed_cidrs,
+        vec![
+            "10.0.16.0/20".parse::<IpNet>().unwrap(),
+            "fd00:10::/64".parse().unwrap()
+        ]
+    );
+    for bad in ["10.0.16.1/20", "10.0.16.0/33", "example.com"] {
+        let args = ConfigArgs {
+            tenants_secret_selector: Some("a=b".to_owned()),
+            tenants_etcd_allowed_cidrs: Some(bad.to_owned()),
+            ..ConfigArgs::default()
+        };
+        let error = single_error(Config::merge(&args, FileConfig::default()));
+        assert_eq!(error.field, "--tenants-etcd-allowed-cidrs", "{bad}");
+    }
+    let args = ConfigArgs {
+        tenants_etcd_allowed_cidrs: Some("10.0.0.0/8".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--tenants-etcd-allowed-cidrs");
 }

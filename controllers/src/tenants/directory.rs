@@ -19,8 +19,9 @@ pub(super) enum Entry {
     Starting,
     /// Its Secret cannot start a runtime; the reason names what to fix.
     Invalid(Sanitized),
-    /// Owned here, waiting for the replicas to agree on who owns what (a hand-over).
-    Waiting,
+    /// Owned here, waiting: for the replicas to agree on who owns what (a hand-over), or for
+    /// its etcd's answer and the decision on its etcd keys. Says which.
+    Waiting(&'static str),
     /// Another replica owns it.
     Elsewhere(String),
 }
@@ -31,7 +32,7 @@ impl Entry {
             Entry::Running { .. } => "running",
             Entry::Starting => "starting",
             Entry::Invalid(_) => "invalid",
-            Entry::Waiting => "waiting",
+            Entry::Waiting(_) => "waiting",
             Entry::Elsewhere(_) => "elsewhere",
         }
     }
@@ -77,7 +78,7 @@ impl Directory {
                 }
                 Entry::Starting => format!("[+]tenant {key} ok (starting)"),
                 Entry::Invalid(reason) => format!("[-]tenant {key} not started: {reason}"),
-                Entry::Waiting => format!("[+]tenant {key} ok (waiting for the hand-over)"),
+                Entry::Waiting(what) => format!("[+]tenant {key} ok (waiting for {what})"),
                 Entry::Elsewhere(owner) => format!(
                     "[+]tenant {key} ok (run by replica {})",
                     Sanitized::new(&owner)

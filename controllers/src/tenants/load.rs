@@ -1,7 +1,7 @@
 //! Reading a tenant's Secret into what its runtime is built from.
 
 use kube::client::ClientBuilder;
-use reconcilers::legacy_alloc::etcd::InlineTls;
+use reconcilers::legacy_alloc::etcd::{EtcdPin, InlineTls};
 
 use super::{Spec, TenantSettings};
 use crate::config::{Config, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
@@ -24,6 +24,7 @@ pub(super) async fn load(
     settings: &TenantSettings,
     key: &str,
     spec: &Spec,
+    etcd_pin: Option<EtcdPin>,
 ) -> Result<Loaded, String> {
     let mut config = settings
         .base
@@ -40,6 +41,13 @@ pub(super) async fn load(
         .await
         .map_err(|err| err.to_string())?;
     config.etcd_inline_tls = etcd_tls(key, spec, &config)?;
+    // A tenant's etcd loops start only with the etcd its claim was decided for.
+    if !config.etcd_servers.is_empty() && etcd_pin.is_none() {
+        return Err(format!(
+            "{TENANT_CONFIG_ANNOTATION}: etcdServers: the etcd has not answered yet"
+        ));
+    }
+    config.etcd_pin = etcd_pin;
     let limits = Limits::TENANT.for_one_client();
     let client = {
         let kube_config = kube_config.clone();
@@ -62,7 +70,11 @@ pub(super) async fn load(
 /// The tenant's etcd client certificate from its Secret's data keys, checked against its
 /// `etcdServers`: credentials go to TLS servers only, a certificate comes with its key, and
 /// credentials without servers are a mistake worth saying.
-fn etcd_tls(key: &str, spec: &Spec, config: &Config) -> Result<Option<InlineTls>, String> {
+pub(super) fn etcd_tls(
+    key: &str,
+    spec: &Spec,
+    config: &Config,
+) -> Result<Option<InlineTls>, String> {
     let [ca, cert, client_key] = spec.etcd.clone();
     let names = [
         TENANT_ETCD_KEYS.ca,

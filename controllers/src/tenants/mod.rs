@@ -12,7 +12,9 @@
 //! [`crate::tenant_kubeconfig`] (inline material only), its fragment within floors
 //! ([`TenantBase::tenant`]), its etcd credentials from its own data keys; loading happens in a
 //! task of its own under [`LOAD_TIMEOUT`], so a huge Secret or a hung credential plugin costs
-//! that tenant only, never the manager.
+//! that tenant only, never the manager. A Secret naming an etcd waits until that etcd, reached
+//! only inside the networks the operator allows, has said which etcd it is (`etcd.rs`) and the
+//! claim on its keys is decided (`records.rs`); its loops then reach that etcd only.
 //!
 //! Replicas share the tenants through [`crate::shards`]: a tenant starts only on the replica
 //! that owns it in a settled view, and a replica stops the tenants it lost before it
@@ -33,6 +35,7 @@ use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use prometheus_client::registry::Registry;
+use reconcilers::legacy_alloc::etcd::EtcdPin;
 use reconcilers::sanitize::Sanitized;
 use tokio::sync::watch;
 use tokio::task::{AbortHandle, JoinHandle, JoinSet};
@@ -40,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::config::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
-use crate::etcd_claims::{self, EtcdClaim, RECORD_LABEL, Record};
+use crate::etcd_claims::{self, RECORD_LABEL, Record};
 use crate::health::{CheckState, Health};
 use crate::metrics::METRICS_PREFIX;
 use crate::shards::{Leadership, View};
@@ -48,12 +51,14 @@ use crate::tenant_kubeconfig::{self, CredentialPolicy};
 use reconcilers::budget::CacheBudget;
 
 mod directory;
+mod etcd;
 mod load;
 mod metrics;
 mod records;
 
 pub use directory::Directory;
 use directory::Entry;
+use etcd::{AskOutcome, EtcdState};
 use load::{Loaded, load};
 pub use metrics::TenantMetrics;
 use metrics::{ReasonLabels, STATES, StateLabels};
@@ -63,6 +68,10 @@ use metrics::{ReasonLabels, STATES, StateLabels};
 /// credential plugin may take up to its own deadline, which this covers.
 pub const LOAD_TIMEOUT: Duration =
     Duration::from_secs(tenant_kubeconfig::PLUGIN_TIMEOUT.as_secs() + 10);
+
+/// How often the manager syncs without an event: retries of record writes and of etcds that
+/// did not answer, and the end of claims' grace, are seen at least this often.
+const TIMER: Duration = Duration::from_secs(5);
 
 /// Name of the readiness check that the Secrets of the management cluster are known.
 pub const READYZ_CHECK: &str = "tenant-secrets";
@@ -203,8 +212,10 @@ pub fn spawn(
         loading: HashMap::new(),
         loaded: HashMap::new(),
         invalid: HashMap::new(),
-        claims: HashMap::new(),
+        etcds: HashMap::new(),
+        asks: JoinSet::new(),
         records: None,
+        unclaimed: HashMap::new(),
         recording: HashMap::new(),
         record_errors: Arc::new(Mutex::new(None)),
         conflicts: HashMap::new(),
@@ -245,16 +256,20 @@ struct Manager {
     loaded: HashMap<String, (Spec, Result<Loaded, Sanitized>)>,
     /// Secrets that could not start a runtime, with why; reported once per version.
     invalid: HashMap<String, (Spec, Sanitized)>,
-    /// Each Secret's etcd keys, read from its fragment once per version.
-    claims: HashMap<String, (Spec, Option<EtcdClaim>)>,
-    /// The etcd-claim records by Secret uid, once listed completely.
+    /// What is known of each Secret's etcd, asked once per version (again while it fails).
+    etcds: HashMap<String, (Spec, EtcdState)>,
+    /// The etcds being asked, each in a task of its own (never awaited by the manager).
+    asks: JoinSet<AskOutcome>,
+    /// The etcd-claim records by name, once listed completely.
     records: Option<BTreeMap<String, Record>>,
+    /// Records no Secret makes any more, by name, with when this replica first saw them so.
+    unclaimed: HashMap<String, Instant>,
     /// Records being written or deleted, by name, with when: retried after [`RECORD_RETRY`].
     recording: HashMap<String, Instant>,
     /// The last error writing a record, logged once.
     record_errors: Arc<Mutex<Option<String>>>,
-    /// Tenants refused because their etcd keys overlap an older tenant's, reported once per
-    /// version and reason.
+    /// Tenants refused for their etcd (keys another tenant keeps, or an etcd that could not be
+    /// asked), reported once per version and reason.
     conflicts: HashMap<String, (Spec, Sanitized)>,
     /// The last view acknowledged.
     acked: Option<u64>,
@@ -283,6 +298,10 @@ impl Manager {
         let mut relist: Option<BTreeMap<String, Spec>> = None;
         let mut last_error: Option<String> = None;
         let mut views_open = true;
+        // Failed record writes and etcds that did not answer are tried again on this timer,
+        // not only when an event comes.
+        let mut timer = tokio::time::interval(TIMER);
+        timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 () = cancel.cancelled() => break,
@@ -339,10 +358,10 @@ impl Manager {
                     match event {
                         Ok(watcher::Event::Init) => records_relist = Some(BTreeMap::new()),
                         Ok(watcher::Event::InitApply(lease)) => {
-                            if let (Some(next), Some((uid, record))) =
+                            if let (Some(next), Some(record)) =
                                 (records_relist.as_mut(), etcd_claims::parse(&group, &lease))
                             {
-                                next.insert(uid, record);
+                                next.insert(record.name.clone(), record);
                             }
                         }
                         Ok(watcher::Event::InitDone) => {
@@ -353,20 +372,17 @@ impl Manager {
                             records_error = None;
                         }
                         Ok(watcher::Event::Apply(lease)) => {
-                            if let (Some(known), Some((uid, record))) =
+                            if let (Some(known), Some(record)) =
                                 (self.records.as_mut(), etcd_claims::parse(&group, &lease))
                             {
-                                known.insert(uid, record);
+                                known.insert(record.name.clone(), record);
                             }
                         }
                         Ok(watcher::Event::Delete(lease)) => {
-                            if let (Some(known), Some(uid)) = (
-                                self.records.as_mut(),
-                                lease.metadata.name.as_deref().and_then(|name| {
-                                    etcd_claims::uid_of(&group, name)
-                                }),
-                            ) {
-                                known.remove(uid);
+                            if let (Some(known), Some(name)) =
+                                (self.records.as_mut(), lease.metadata.name.as_deref())
+                            {
+                                known.remove(name);
                             }
                         }
                         Err(err) => {
@@ -390,6 +406,10 @@ impl Manager {
                 Some(done) = self.loads.join_next_with_id(), if !self.loads.is_empty() => {
                     self.finished(done);
                 }
+                Some(done) = self.asks.join_next(), if !self.asks.is_empty() => {
+                    self.asked(done);
+                }
+                _ = timer.tick() => {}
             }
             if let Some(secrets) = &secrets {
                 let view = views.borrow().clone();
@@ -397,6 +417,7 @@ impl Manager {
             }
         }
         self.loads.abort_all();
+        self.asks.abort_all();
         let all: Vec<String> = self.running.keys().cloned().collect();
         self.stop(all, "shutdown").await;
         self.directory.replace(BTreeMap::new());
@@ -504,7 +525,12 @@ impl Manager {
                 entries.insert(key.clone(), Entry::Invalid(reason.clone()));
                 continue;
             }
-            if let Some(reason) = conflicts.get(key) {
+            let failure = self
+                .etcds
+                .get(key)
+                .and_then(|(_, state)| state.failure())
+                .map(str::to_owned);
+            if let Some(reason) = conflicts.get(key).or(failure.as_ref()) {
                 // It names etcd prefixes and servers the tenants' annotations wrote.
                 let reason = Sanitized::new(reason);
                 if self.conflicts.get(key) != Some(&(spec.clone(), reason.clone())) {
@@ -515,8 +541,15 @@ impl Manager {
                 entries.insert(key.clone(), Entry::Invalid(reason));
                 continue;
             }
-            if !view.settled || decision.undecided.contains(key) {
-                entries.insert(key.clone(), Entry::Waiting);
+            if !view.settled {
+                entries.insert(key.clone(), Entry::Waiting("the hand-over"));
+                continue;
+            }
+            if decision.undecided.contains(key) {
+                entries.insert(
+                    key.clone(),
+                    Entry::Waiting("its etcd's answer and the decision on its etcd keys"),
+                );
                 continue;
             }
             match self.loaded.remove(key) {
@@ -538,7 +571,11 @@ impl Manager {
                 }
                 None => {
                     if !self.loading.contains_key(key) {
-                        self.load(key, spec);
+                        let pin = match self.etcds.get(key) {
+                            Some((_, EtcdState::Known(asked))) => Some(asked.pin.clone()),
+                            _ => None,
+                        };
+                        self.load(key, spec, pin);
                     }
                     entries.insert(key.clone(), Entry::Starting);
                 }
@@ -559,11 +596,11 @@ impl Manager {
                 .set(counts.get(state).copied().unwrap_or(0));
         }
         self.directory.replace(entries);
-        self.keep_records();
+        self.keep_records(secrets);
     }
 
     /// Starts loading a tenant's Secret in a task of its own, bounded by [`LOAD_TIMEOUT`].
-    fn load(&mut self, key: &str, spec: &Spec) {
+    fn load(&mut self, key: &str, spec: &Spec, etcd_pin: Option<EtcdPin>) {
         let settings = self.settings.clone();
         let (task_key, task_spec) = (key.to_owned(), spec.clone());
         let abort = self.loads.spawn(
@@ -572,7 +609,7 @@ impl Manager {
                 // kubeconfig parser's view of it), so it is sanitized once, here.
                 let result = match tokio::time::timeout(
                     LOAD_TIMEOUT,
-                    load(&settings, &task_key, &task_spec),
+                    load(&settings, &task_key, &task_spec, etcd_pin),
                 )
                 .await
                 {

@@ -1,21 +1,40 @@
 //! The etcd-claim records ([`crate::etcd_claims`]) as the manager keeps them: which tenants are
 //! refused, or wait, for their etcd keys, and the records of the tenants running here.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use reconcilers::lease;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
+use super::etcd::EtcdState;
 use super::{Manager, Spec};
-use crate::etcd_claims::{self, Candidate, EtcdClaim};
+use crate::etcd_claims::{self, CLAIM_GRACE, Candidate, Record};
 
 /// How long a record write or deletion may take, and how soon one that failed is tried again.
 pub(super) const RECORD_TIMEOUT: Duration = Duration::from_secs(10);
 pub(super) const RECORD_RETRY: Duration = Duration::from_secs(30);
+
+/// Every Secret that claims etcd keys, with what is known of its claim.
+fn candidates<'a>(
+    etcds: &'a HashMap<String, (Spec, EtcdState)>,
+    secrets: &'a BTreeMap<String, Spec>,
+) -> Vec<Candidate<'a>> {
+    secrets
+        .iter()
+        .filter_map(|(key, spec)| {
+            let (_, state) = etcds.get(key)?;
+            Some(Candidate {
+                key,
+                created: spec.created,
+                claim: state.claimed()?,
+            })
+        })
+        .collect()
+}
 
 impl Manager {
     /// Which tenants are refused, or wait, because their etcd keys overlap another's
@@ -25,39 +44,19 @@ impl Manager {
         &mut self,
         secrets: &BTreeMap<String, Spec>,
     ) -> etcd_claims::Decision {
-        self.claims
-            .retain(|key, (spec, _)| secrets.get(key) == Some(spec));
-        for (key, spec) in secrets {
-            if !self.claims.contains_key(key) {
-                let claim = spec
-                    .fragment
-                    .as_deref()
-                    .and_then(crate::config::fragment_etcd)
-                    .map(|(servers, prefix)| EtcdClaim { servers, prefix });
-                self.claims.insert(key.clone(), (spec.clone(), claim));
-            }
-        }
-        let candidates: Vec<Candidate<'_>> = self
-            .claims
-            .iter()
-            .filter_map(|(key, (spec, claim))| {
-                Some(Candidate {
-                    key,
-                    uid: &spec.uid,
-                    created: spec.created,
-                    claim: claim.clone()?,
-                })
-            })
-            .collect();
-        etcd_claims::conflicts(&candidates, self.records.as_ref())
+        self.ask_etcds(secrets);
+        let records: Option<Vec<Record>> =
+            self.records.as_ref().map(|r| r.values().cloned().collect());
+        etcd_claims::conflicts(&candidates(&self.etcds, secrets), records.as_deref())
     }
 
     /// Keeps the etcd-claim records: the claim of every tenant running here recorded as it is
-    /// now, and the records that no Secret makes any more deleted. Each write runs in a task
-    /// of its own, bounded by [`RECORD_TIMEOUT`]; one that fails is tried again after
-    /// [`RECORD_RETRY`]. Deletions carry the record's resourceVersion, so a record rewritten
-    /// meanwhile (by another replica) stays.
-    pub(super) fn keep_records(&mut self) {
+    /// now, and the records that no Secret makes any more deleted once [`CLAIM_GRACE`] has
+    /// passed since this replica first saw them so. Each write runs in a task of its own,
+    /// bounded by [`RECORD_TIMEOUT`]; one that fails is tried again after [`RECORD_RETRY`]
+    /// (the manager syncs on a timer too). Deletions carry the record's resourceVersion, so a
+    /// record rewritten meanwhile (by another replica) stays.
+    pub(super) fn keep_records(&mut self, secrets: &BTreeMap<String, Spec>) {
         let Some(records) = &self.records else {
             return;
         };
@@ -68,34 +67,45 @@ impl Manager {
         let api: Api<Lease> = Api::namespaced(self.client.clone(), &self.settings.claims_namespace);
         let mut writes = Vec::new();
         for (key, running) in &self.running {
-            let Some((_, Some(claim))) = self.claims.get(key) else {
+            let Some((_, EtcdState::Known(asked))) = self.etcds.get(key) else {
                 continue;
             };
             let uid = &running.spec.uid;
-            let existing = records.get(uid);
-            if uid.is_empty() || existing.is_some_and(|record| &record.claim == claim) {
+            let recorded = records
+                .values()
+                .any(|record| &record.tenant == key && record.claim == asked.claim);
+            if uid.is_empty() || recorded {
                 continue;
             }
-            let version = existing.and_then(|record| record.resource_version.clone());
-            let lease = etcd_claims::record(group, uid, key, claim, version);
-            writes.push((etcd_claims::record_name(group, uid), lease));
+            let name = etcd_claims::record_name(group, uid);
+            let version = records
+                .get(&name)
+                .and_then(|record| record.resource_version.clone());
+            let lease = etcd_claims::record(group, uid, key, &asked.claim, &asked.servers, version);
+            writes.push((name, lease));
         }
-        let claimed: HashSet<&str> = self
-            .claims
-            .values()
-            .filter(|(_, claim)| claim.is_some())
-            .map(|(spec, _)| spec.uid.as_str())
+        let candidates = candidates(&self.etcds, secrets);
+        let listed: Vec<Record> = records.values().cloned().collect();
+        let (newly, expired) =
+            etcd_claims::unclaimed(&listed, &candidates, &mut self.unclaimed, now);
+        for record in newly {
+            info!(
+                record = %record.name,
+                tenant = %record.tenant,
+                "no tenant Secret makes this etcd claim any more; it holds its keys for {} s, then it is deleted",
+                CLAIM_GRACE.as_secs()
+            );
+        }
+        let deletions: Vec<(String, Option<String>)> = expired
+            .into_iter()
+            .map(|record| (record.name.clone(), record.resource_version.clone()))
             .collect();
-        let mut deletions = Vec::new();
-        for (uid, record) in records {
-            if !claimed.contains(uid.as_str()) {
-                deletions.push((record.name.clone(), record.resource_version.clone()));
-            }
-        }
         for (name, lease) in writes {
-            if self.recording.insert(name.clone(), now).is_some() {
+            // Under way or failed lately: its time is kept, not renewed, so that it comes due.
+            if self.recording.contains_key(&name) {
                 continue;
             }
+            self.recording.insert(name.clone(), now);
             let (api, errors) = (api.clone(), self.record_errors.clone());
             tokio::spawn(async move {
                 let params = PostParams {
@@ -116,9 +126,11 @@ impl Manager {
             });
         }
         for (name, version) in deletions {
-            if self.recording.insert(name.clone(), now).is_some() {
+            // Under way or failed lately: its time is kept, not renewed, so that it comes due.
+            if self.recording.contains_key(&name) {
                 continue;
             }
+            self.recording.insert(name.clone(), now);
             let (api, errors) = (api.clone(), self.record_errors.clone());
             tokio::spawn(async move {
                 let params = DeleteParams {

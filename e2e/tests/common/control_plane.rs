@@ -144,6 +144,20 @@ impl ControlPlane {
         self.var("ETCD_URL")
     }
 
+    /// The network of the etcd's address, for `--tenants-etcd-allowed-cidrs` (a host name:
+    /// loopback, where up.sh's etcd listens).
+    pub fn etcd_network(&self) -> Result<String> {
+        let uri: http::Uri = self.etcd_url()?.parse()?;
+        let host = uri.host().context("the etcd URL names no host")?;
+        Ok(
+            match host.trim_matches(['[', ']']).parse::<std::net::IpAddr>() {
+                Ok(std::net::IpAddr::V4(ip)) => format!("{ip}/32"),
+                Ok(std::net::IpAddr::V6(ip)) => format!("{ip}/128"),
+                Err(_) => "127.0.0.0/8,::1/128".to_owned(),
+            },
+        )
+    }
+
     /// The apiservers' `--etcd-prefix` (`/registry` unless given).
     pub fn etcd_prefix(&self) -> Result<&str> {
         self.var("ETCD_PREFIX")

@@ -25,6 +25,7 @@ impl NodePortBitmap {
             key_file: None,
             prefix: prefix.to_owned(),
             inline_tls: None,
+            pin: None,
         };
         let key = config.key(RangeKey::NodePorts);
         Self {

@@ -4,6 +4,7 @@
 //! The client connects lazily and every call returns an error rather than failing the process:
 //! etcd briefly unavailable makes a pass fail, and the runner retries it with backoff.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -53,6 +54,23 @@ pub struct EtcdConfig {
     /// TLS material held in memory instead of files (a tenant's, from its Secret); when set,
     /// the files are not used.
     pub inline_tls: Option<InlineTls>,
+    /// Where a tenant's etcd may be reached and which etcd it is: set, the client connects
+    /// only to these addresses and accepts only answers of this cluster.
+    pub pin: Option<EtcdPin>,
+}
+
+/// A tenant's etcd as checked before its loops start. Its servers' host names were resolved
+/// once and every address checked against the networks the operator allows, so the client
+/// connects to those addresses and never resolves the names again (a name that resolves
+/// elsewhere later reaches nothing new). The cluster ID is the one etcd reported when the
+/// tenant's claim was decided: an answer from another cluster (another etcd behind the same
+/// address) is refused, so a claim decided for one etcd never writes to another.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdPin {
+    /// The addresses of each of `servers`, in the same order.
+    pub addresses: Vec<Vec<SocketAddr>>,
+    /// The cluster ID every answer must carry; `None` while it is being learned.
+    pub cluster_id: Option<u64>,
 }
 
 /// etcd TLS material in PEM, as a tenant's Secret carries it.
@@ -136,6 +154,15 @@ pub enum EtcdError {
     },
     #[error("etcd key {key} changed under every write ({attempts} compare-and-swap conflicts)")]
     Conflicts { key: String, attempts: usize },
+    #[error(
+        "etcd {server} answered as cluster {found:016x}, not as cluster {expected:016x}, the \
+         etcd this tenant's keys were claimed on: nothing is read or written there"
+    )]
+    OtherCluster {
+        server: String,
+        expected: u64,
+        found: u64,
+    },
 }
 
 /// A stored value and the revision it was last written at.
@@ -305,8 +332,82 @@ impl EtcdStore {
             }
         }
         let connection = self.connect(generation).await?;
+        if let Some(expected) = self.config.pin.as_ref().and_then(|pin| pin.cluster_id) {
+            // The slot is held: a failure here is returned as it is, the connection not kept.
+            let found =
+                self.read_cluster_id(&connection)
+                    .await
+                    .map_err(|status| EtcdError::Status {
+                        server: connection.server.clone(),
+                        code: status.code(),
+                        message: status.message().to_owned(),
+                    })?;
+            if found != expected {
+                return Err(EtcdError::OtherCluster {
+                    server: connection.server,
+                    expected,
+                    found,
+                });
+            }
+        }
         *slot = Some(connection.clone());
         Ok(connection)
+    }
+
+    /// The ID of the etcd cluster the servers belong to, as it reports it in the header of a
+    /// count-only read of this configuration's node-port key (a key every tenant's
+    /// credentials may read): what tells one etcd from another, however its URL is spelled.
+    pub async fn cluster_id(&self) -> Result<u64, EtcdError> {
+        let connection = self.connection().await?;
+        match self.read_cluster_id(&connection).await {
+            Ok(id) => Ok(id),
+            Err(status) => Err(self.failed(&connection, status).await),
+        }
+    }
+
+    async fn read_cluster_id(&self, connection: &Connection) -> Result<u64, tonic::Status> {
+        let request = RangeRequest {
+            key: self.config.key(RangeKey::NodePorts).into_bytes(),
+            count_only: true,
+            ..Default::default()
+        };
+        let response = KvClient::new(connection.channel.clone())
+            .range(request)
+            .await?
+            .into_inner();
+        match response.header.map(|header| header.cluster_id) {
+            Some(id) if id != 0 => Ok(id),
+            _ => Err(tonic::Status::unknown(
+                "the answer carries no cluster ID (not an etcd v3 server?)",
+            )),
+        }
+    }
+
+    /// Refuses an answer of another cluster than the pinned one, dropping its connection.
+    async fn same_cluster(
+        &self,
+        connection: &Connection,
+        header: Option<&pb::etcdserverpb::ResponseHeader>,
+    ) -> Result<(), EtcdError> {
+        let Some(expected) = self.config.pin.as_ref().and_then(|pin| pin.cluster_id) else {
+            return Ok(());
+        };
+        let found = header.map_or(0, |header| header.cluster_id);
+        if found == expected {
+            return Ok(());
+        }
+        let mut slot = self.connection.lock().await;
+        if slot
+            .as_ref()
+            .is_some_and(|current| current.generation == connection.generation)
+        {
+            *slot = None;
+        }
+        Err(EtcdError::OtherCluster {
+            server: connection.server.clone(),
+            expected,
+            found,
+        })
     }
 
     /// Connects to the first server that accepts.
@@ -315,7 +416,7 @@ impl EtcdStore {
         let files = self.stamps().unwrap_or_default();
         let tls = self.tls()?;
         let mut failures = Vec::new();
-        for server in &self.config.servers {
+        for (index, server) in self.config.servers.iter().enumerate() {
             let endpoint = Endpoint::from_shared(server.clone())
                 .map_err(|err| EtcdError::Connect(format!("{server}: {}", chain(&err))))?
                 .connect_timeout(CONNECT_TIMEOUT)
@@ -329,7 +430,16 @@ impl EtcdStore {
                     })?,
                 None => endpoint,
             };
-            match endpoint.connect().await {
+            let connected = match &self.config.pin {
+                Some(pin) => {
+                    let addresses = pin.addresses.get(index).cloned().unwrap_or_default();
+                    endpoint
+                        .connect_with_connector(PinnedConnector(Arc::new(addresses)))
+                        .await
+                }
+                None => endpoint.connect().await,
+            };
+            match connected {
                 Ok(channel) => {
                     debug!(server, "connected to etcd");
                     return Ok(Connection {
@@ -428,6 +538,8 @@ impl EtcdStore {
             Ok(response) => response.into_inner(),
             Err(status) => return Err(self.failed(&connection, status).await),
         };
+        self.same_cluster(&connection, response.header.as_ref())
+            .await?;
         let revision = response.header.map_or(0, |header| header.revision);
         let stored = response.kvs.into_iter().next().map(|kv| Stored {
             value: kv.value,
@@ -490,10 +602,14 @@ impl EtcdStore {
             }],
             failure: Vec::new(),
         };
+        // A pinned connection's cluster was checked when it was made; the answer is checked
+        // too, so a channel that reconnected underneath to another etcd goes no further.
         let response = match KvClient::new(connection.channel.clone()).txn(request).await {
             Ok(response) => response.into_inner(),
             Err(status) => return Err(self.failed(&connection, status).await),
         };
+        self.same_cluster(&connection, response.header.as_ref())
+            .await?;
         Ok(response
             .succeeded
             .then(|| response.header.map_or(0, |header| header.revision)))
@@ -603,7 +719,10 @@ impl EtcdStore {
         };
         // etcd confirms the watch (`created`) before any event.
         match watch.next().await {
-            Some(Ok(response)) if response.created && !response.canceled => {}
+            Some(Ok(response)) if response.created && !response.canceled => {
+                self.same_cluster(&connection, response.header.as_ref())
+                    .await?;
+            }
             Some(Ok(response)) => {
                 return Err(EtcdError::WatchCanceled {
                     server: connection.server,
@@ -623,6 +742,39 @@ impl EtcdStore {
         }
         cache.watched(true, Some(stored));
         Ok(watch)
+    }
+}
+
+/// Connects to the addresses a tenant's etcd server was checked at, in order, whatever the
+/// URL's host name resolves to now; TLS (when configured) still verifies the URL's host name.
+#[derive(Clone)]
+struct PinnedConnector(Arc<Vec<SocketAddr>>);
+
+impl tonic::codegen::Service<http::Uri> for PinnedConnector {
+    type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
+    type Error = std::io::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Uri) -> Self::Future {
+        let addresses = self.0.clone();
+        Box::pin(async move {
+            if addresses.is_empty() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrNotAvailable,
+                    "no checked address to connect to",
+                ));
+            }
+            let stream = tokio::net::TcpStream::connect(addresses.as_slice()).await?;
+            stream.set_nodelay(true)?;
+            Ok(hyper_util::rt::TokioIo::new(stream))
+        })
     }
 }
 
@@ -656,6 +808,7 @@ mod tests {
             key_file: None,
             prefix: "/registry".to_owned(),
             inline_tls: None,
+            pin: None,
         };
         assert_eq!(
             config.key(RangeKey::NodePorts),

@@ -150,6 +150,7 @@ impl Etcd {
             key_file: self.tls.as_ref().map(|pki| pki.path("client.key")),
             prefix: "/registry".to_owned(),
             inline_tls: None,
+            pin: None,
         }
     }
 }

@@ -1,0 +1,118 @@
+//! A tenant's etcd client is pinned to what was checked before its tenant started: the
+//! addresses (never the URL's host resolved again) and the cluster ID (an answer of another
+//! etcd refused, writes included). Against two real etcds.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+
+use common::etcd::Etcd;
+use reconcilers::legacy_alloc::etcd::{EtcdError, EtcdPin, EtcdStore};
+
+fn address(etcd: &Etcd) -> SocketAddr {
+    let url = etcd.url();
+    url.trim_start_matches("http://").parse().unwrap()
+}
+
+#[tokio::test]
+async fn a_pinned_client_reaches_only_its_addresses_and_its_cluster() {
+    let one = Etcd::start(None).await;
+    let other = Etcd::start(None).await;
+    let one_id = EtcdStore::new(one.config()).cluster_id().await.unwrap();
+    let other_id = EtcdStore::new(other.config()).cluster_id().await.unwrap();
+    assert_ne!(one_id, other_id, "two etcds, two cluster IDs");
+    // Another spelling of one's address answers with one's cluster ID.
+    let mut spelled = one.config();
+    spelled.servers = vec![one.url().replace("127.0.0.1", "localhost")];
+    spelled.pin = Some(EtcdPin {
+        addresses: vec![vec![address(&one)]],
+        cluster_id: None,
+    });
+    assert_eq!(EtcdStore::new(spelled).cluster_id().await.unwrap(), one_id);
+
+    // The URL names the other etcd; the pinned addresses are one's: one is reached.
+    let mut config = other.config();
+    config.pin = Some(EtcdPin {
+        addresses: vec![vec![address(&one)]],
+        cluster_id: Some(one_id),
+    });
+    let store = EtcdStore::new(config);
+    assert!(
+        store
+            .compare_and_swap("/k", None, b"v".to_vec())
+            .await
+            .unwrap()
+    );
+    assert!(
+        EtcdStore::new(one.config())
+            .get("/k")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        EtcdStore::new(other.config())
+            .get("/k")
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // Pinned to one's cluster but at the other's address: nothing is read or written.
+    let mut config = one.config();
+    config.pin = Some(EtcdPin {
+        addresses: vec![vec![address(&other)]],
+        cluster_id: Some(one_id),
+    });
+    let store = EtcdStore::new(config);
+    let refused = store.get("/k").await;
+    assert!(
+        matches!(refused, Err(EtcdError::OtherCluster { found, .. }) if found == other_id),
+        "{refused:?}"
+    );
+    let refused = store.compare_and_swap("/w", None, b"v".to_vec()).await;
+    assert!(
+        matches!(refused, Err(EtcdError::OtherCluster { .. })),
+        "{refused:?}"
+    );
+    assert!(
+        EtcdStore::new(other.config())
+            .get("/w")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// A server that accepts and never answers: the check of a pinned connection times out, and
+/// the call fails (rather than waiting on itself) and may be made again.
+#[tokio::test]
+async fn a_pinned_connection_whose_check_gets_no_answer_fails_the_call() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = silent.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let one = Etcd::start(None).await;
+    let mut config = one.config();
+    config.pin = Some(EtcdPin {
+        addresses: vec![vec![at]],
+        cluster_id: Some(1),
+    });
+    let store = EtcdStore::new(config);
+    for _ in 0..2 {
+        let refused = store.get("/k").await;
+        assert!(
+            matches!(
+                refused,
+                Err(EtcdError::Status { .. } | EtcdError::Connect(_))
+            ),
+            "{refused:?}"
+        );
+    }
+}
