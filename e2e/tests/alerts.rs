@@ -198,7 +198,7 @@ async fn alerts_fire_in_a_real_prometheus_and_resolve_when_the_drift_is_removed(
 async fn scenario() -> Result<()> {
     let target = Target::start().await?;
     // A real kube-apiserver refuses the drift this test needs.
-    let Some(sim) = target.sim("alerts: drift written by the backdoor") else {
+    let Some(sim) = target.sim("the whole test: drift written by the backdoor") else {
         return Ok(());
     };
     let client = target.client().await?;
