@@ -74,7 +74,9 @@ fi
 NODE_IP="$(kubectl get node "${NODE}" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')"
 [ -n "${NODE_IP}" ] || die "node ${NODE} has no InternalIP"
 
-if [ "${SKIP_E2E:-0}" != 1 ]; then
+if [ "${SKIP_E2E:-0}" = 1 ]; then
+  log "SKIP_E2E=1: the end-to-end tests (cargo test -p e2e) do not run against the cluster"
+else
   log "end-to-end tests against the cluster"
   cargo build --workspace --bins
   # One test at a time, as the README says: they share the cluster's `kubernetes` endpoints.
