@@ -181,7 +181,10 @@ async fn steps_down_before_the_lease_expires_while_renewals_are_retried() -> any
         .iter()
         .filter(|r| r.resource == "leases" && r.verb != "watch" && r.status == 429)
         .count();
-    assert!(refused > 0, "no Lease request was refused: the fault never reached it");
+    assert!(
+        refused > 0,
+        "no Lease request was refused: the fault never reached it"
+    );
     assert!(
         refused < 15,
         "stepped down only after {refused} refused Lease requests"
