@@ -181,6 +181,7 @@ async fn steps_down_before_the_lease_expires_while_renewals_are_retried() -> any
         .iter()
         .filter(|r| r.resource == "leases" && r.verb != "watch" && r.status == 429)
         .count();
+    println!("stepped down after {refused} refused Lease requests");
     assert!(
         refused > 0,
         "no Lease request was refused: the fault never reached it"
