@@ -676,8 +676,9 @@ pub async fn run(seed: u64, secs: u64, count: usize) -> Result<()> {
         "no watch was answered 410 Gone: the once-only rule was never spent"
     );
     // The kills and the partition are what the run is about: one that did neither tested less
-    // than it says. Kills fall between 3 s and 6 s before the end.
-    if secs > 9 {
+    // than it says. Kills fall between 3 s in and 6 s before the end: a run of 12 s or more
+    // has a window of rounds long enough for one.
+    if secs >= 12 {
         ensure!(kills > 0, "no replica was killed in {secs} s");
     }
     ensure!(

@@ -96,13 +96,12 @@ fn record(kind: &str, text: &str) -> String {
 }
 
 /// Says that the running test (or the part of it named in `reason`) is skipped: on stdout
-/// through its handle (libtest captures `println!` of a passing test, not the handle) and on
-/// stderr, and in the file `BOOTSTRAP_E2E_SKIP_LOG` names.
+/// through its handle (libtest captures `println!` of a passing test, not the handle), and in
+/// the file `BOOTSTRAP_E2E_SKIP_LOG` names.
 pub fn skip(reason: &str) {
     use std::io::Write;
     let line = record("SKIPPED", reason);
     let _ = writeln!(std::io::stdout().lock(), "{line}");
-    eprintln!("{line}");
 }
 
 /// Generous: these machines have two cores and run several test binaries at once.
