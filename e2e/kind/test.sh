@@ -18,7 +18,8 @@
 #   - a podman network of its own in 198.18.128.0/24 (KIND_EXPERIMENTAL_PODMAN_NETWORK), as
 #     kind's would get one of podman's 10.89.x.0/24 ranges.
 #
-# Usage: e2e/kind/test.sh      (as root). Environment: SKIP_E2E=1 (passed to up.sh).
+# Usage: e2e/kind/test.sh      (as root). Environment: SKIP_E2E=1 (passed to up.sh, which says
+# that it skips the end-to-end tests; so does this script, first and last).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -31,6 +32,9 @@ CLUSTER=bootstrap-controller
 export CLUSTER
 
 [ "$(id -u)" = 0 ] || die "test.sh must run as root (rootful podman, debootstrap)"
+if [ "${SKIP_E2E:-0}" = 1 ]; then
+  log "SKIP_E2E=1: the end-to-end tests will not run against the kind cluster"
+fi
 for tool in go cargo; do
   command -v "$tool" >/dev/null 2>&1 || die "test.sh needs $tool (Go 1.26, Rust)"
 done
@@ -98,3 +102,6 @@ up_started=$(date +%s)
 PATH="$work/bin:$PATH" ENGINE=podman KIND="$KIND" HELM="$HELM" NODE_IMAGE="$NODE_IMAGE" \
   KIND_EXPERIMENTAL_PROVIDER=podman KIND_EXPERIMENTAL_PODMAN_NETWORK="$NETWORK" "$here/up.sh"
 log "up.sh passed in $(($(date +%s) - up_started)) s; $(($(date +%s) - started)) s in all"
+if [ "${SKIP_E2E:-0}" = 1 ]; then
+  log "SKIP_E2E=1: the end-to-end tests were skipped; only the sidecar and the chart were tried"
+fi

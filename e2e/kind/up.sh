@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates a kind cluster and tries bootstrap-controller on it the ways users run it:
-#   1. the end-to-end tests (cargo test -p e2e) against the cluster, from outside it;
+#   1. the end-to-end tests (cargo test -p e2e) against the cluster, from outside it, what they
+#      skip there listed and compared with e2e/control-plane/expected-skips.txt;
 #   2. the sidecar: a static pod beside kube-apiserver, keeping the `kubernetes` endpoints,
 #      installed by the steps the real node runs too (e2e/steps/sidecar.sh);
 #   3. the Helm chart (Deployment mode) by e2e/steps/install-chart.sh, which checks it with the
@@ -26,6 +27,8 @@ cd "$(dirname "$0")/../.."
 . e2e/kind/lib.sh
 # shellcheck source=e2e/steps/sidecar.sh
 . e2e/steps/sidecar.sh
+# shellcheck source=e2e/control-plane/skips.sh
+. e2e/control-plane/skips.sh
 
 CLUSTER="${CLUSTER:-bootstrap-controller}"
 NODE_IMAGE="${NODE_IMAGE:-kindest/node:v1.33.1}"
@@ -74,12 +77,22 @@ fi
 NODE_IP="$(kubectl get node "${NODE}" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')"
 [ -n "${NODE_IP}" ] || die "node ${NODE} has no InternalIP"
 
-if [ "${SKIP_E2E:-0}" != 1 ]; then
+if [ "${SKIP_E2E:-0}" = 1 ]; then
+  log "SKIP_E2E=1: the end-to-end tests (cargo test -p e2e) do not run against the cluster"
+else
   log "end-to-end tests against the cluster"
   cargo build --workspace --bins
   # One test at a time, as the README says: they share the cluster's `kubernetes` endpoints.
+  # What they skip is recorded and compared with the list the real control plane's run keeps
+  # (e2e/control-plane/skips.sh): the skips depend on a cluster being given, not on which.
+  : >"${WORK}/e2e-skips"
   BOOTSTRAP_E2E_KUBECONFIG="${KUBECONFIG_FILE}" BOOTSTRAP_E2E_CERTIFICATE_ADDRESS="${NODE_IP}" \
-    cargo test -p e2e -- --test-threads=1
+    BOOTSTRAP_E2E_SKIP_LOG="${WORK}/e2e-skips" \
+    cargo test --color never -p e2e -- --test-threads=1 2>&1 | tee "${WORK}/e2e-output"
+  IS_ROOT=false
+  if [ "$(id -u)" = 0 ]; then IS_ROOT=true; fi
+  skips_report "${WORK}/e2e-skips" "${WORK}/e2e-output" e2e/control-plane/expected-skips.txt \
+    "${IS_ROOT}" || die "the end-to-end tests did not check against kind what they are expected to"
 fi
 
 log "sidecar (static pod beside kube-apiserver)"

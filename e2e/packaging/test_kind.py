@@ -30,6 +30,24 @@ call = {"cmd": name, "args": args}
 if name == "cargo":
     call["env"] = {k: v for k, v in os.environ.items() if k.startswith("BOOTSTRAP_E2E_")}
 def out(text): sys.stdout.write(text)
+if name == "cargo" and args[:1] == ["test"]:
+    # The suite as it runs against a cluster: what expected-skips.txt lists, recorded where
+    # BOOTSTRAP_E2E_SKIP_LOG says, one test file run against the cluster, and FAKE_EXTRA_SKIP.
+    with open(os.environ["BOOTSTRAP_E2E_SKIP_LOG"], "a") as record:
+        for line in open(os.environ["FAKE_EXPECTED_SKIPS"]).read().splitlines():
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("unless-root "):
+                if os.geteuid() == 0:
+                    continue
+                line = line[len("unless-root "):]
+            if line.startswith("NOCLUSTER "):
+                out("     Running tests/%s.rs (target/debug/deps/x)\n" % line.split()[1])
+            else:
+                record.write(line + "\n")
+        out("     Running tests/system_namespaces.rs (target/debug/deps/x)\n")
+        record.write("CLUSTER system_namespaces::t: runs against the given cluster\n")
+        record.write(os.environ.get("FAKE_EXTRA_SKIP", ""))
 if name == "kind" and args[:2] == ["create", "cluster"]:
     shutil.copy(args[args.index("--config") + 1], os.path.join(state, "kind.yaml"))
     open(args[args.index("--kubeconfig") + 1], "w").write("apiVersion: v1\nkind: Config\n")
@@ -66,7 +84,8 @@ APISERVER_WITHOUT_FLAG = (
 )
 
 
-def run_up(tmp: Path, engine: str, apiserver_command: str, mirror_delay: int = 2):
+def run_up(tmp: Path, engine: str, apiserver_command: str, mirror_delay: int = 2,
+           extra_env: dict | None = None):
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "fake"
@@ -86,6 +105,8 @@ def run_up(tmp: Path, engine: str, apiserver_command: str, mirror_delay: int = 2
         "FAKE_NODE_IP": "192.0.2.10",
         # e2e/steps/install-chart.sh (its own tests are its own): the call is what is checked.
         "INSTALL_CHART": str(bin_dir / "install-chart"),
+        "FAKE_EXPECTED_SKIPS": str(ROOT / "e2e" / "control-plane" / "expected-skips.txt"),
+        **(extra_env or {}),
     }
     done = subprocess.run(["bash", str(KIND / "up.sh")], env=env, capture_output=True, text=True,
                           timeout=120)
@@ -160,6 +181,30 @@ def test_up_runs_each_step_in_an_order_that_can_pass():
     assert kubelet == {"kind": "KubeletConfiguration", "failCgroupV1": False}
     assert kind_config["networking"] == {"podSubnet": "198.18.192.0/18",
                                          "serviceSubnet": "198.18.160.0/20"}
+
+
+def test_up_lists_what_the_suite_skipped_and_fails_on_a_skip_not_expected():
+    """The suite's skips against kind are printed and compared with the real control plane's
+    list; one more fails the script before the sidecar, and SKIP_E2E=1 says that it skips."""
+    with workdir() as tmp:
+        done, calls, _ = run_up(Path(tmp), "docker", APISERVER_WITH_FLAG)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "  SKIPPED nodeport_repair::" in done.stdout, done.stdout
+    assert "expected-skips.txt expects" in done.stdout, done.stdout
+    tests_env = calls[index(calls, "cargo", "test")]["env"]
+    assert "BOOTSTRAP_E2E_SKIP_LOG" in tests_env, tests_env
+    with workdir() as tmp:
+        done, calls, _ = run_up(Path(tmp), "docker", APISERVER_WITH_FLAG, extra_env={
+            "FAKE_EXTRA_SKIP": "SKIPPED system_namespaces::t: a skip nobody expects\n"})
+    assert done.returncode != 0, done.stdout
+    assert "  + SKIPPED system_namespaces::t: a skip nobody expects" in done.stdout, done.stdout
+    assert not [c for c in calls if c["cmd"] in ("helm", "install-chart")], calls
+    with workdir() as tmp:
+        done, calls, _ = run_up(Path(tmp), "docker", APISERVER_WITH_FLAG,
+                                extra_env={"SKIP_E2E": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SKIP_E2E=1: the end-to-end tests (cargo test -p e2e) do not run" in done.stdout
+    assert not [c for c in calls if c["cmd"] == "cargo" and c["args"][:1] == ["test"]], calls
 
 
 def test_up_fails_when_kube_apiserver_lacks_the_flag():

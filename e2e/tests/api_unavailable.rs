@@ -90,6 +90,19 @@ async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
         .filter(|line| line.contains(" WARN ") || line.contains(" ERROR "))
         .collect();
     let listed = complaints.join("\n");
+    // Once is the point, and none is not once: the outage must be reported.
+    ensure!(
+        !complaints.is_empty(),
+        "the outage was never warned about:\n{log}"
+    );
+    // And it happened: the controller's requests met dropped connections.
+    let dropped = sim
+        .requests()
+        .await?
+        .iter()
+        .filter(|r| r.user_agent.starts_with("bootstrap-controller/") && r.status == 0)
+        .count();
+    ensure!(dropped > 0, "no request of the controller was dropped");
     ensure!(
         !listed.contains("kube_client"),
         "kube's per-request error lines are not the controller's report:\n{listed}"

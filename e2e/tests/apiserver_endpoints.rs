@@ -341,7 +341,7 @@ async fn writes(sim: &SimProcess) -> Result<Vec<String>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
     let target = seeded(&[]).await?;
-    let sim = target.sim("three_apiservers_join_leave_crash_and_heal: its request-log checks");
+    let sim = target.sim("its request-log checks (writes at rest, Lease deletions)");
     let kubeconfig = target.kubeconfig();
     let client = target.client().await?;
     let _leftovers = ControllerLeftovers::forget(&target)?;
@@ -521,8 +521,7 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
 #[tokio::test]
 async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
     let target = seeded(&[]).await?;
-    let sim = target
-        .sim("dry_run_and_check_report_instead_of_repairing: no writes, from the request log");
+    let sim = target.sim("no writes, judged from the request log");
     let kubeconfig = target.kubeconfig();
     let client = target.client().await?;
     // Also deletes, when the test ends, the Lease its killed member leaves for 5 minutes.
@@ -594,9 +593,9 @@ async fn dry_run_and_check_report_instead_of_repairing() -> Result<()> {
 #[tokio::test]
 async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones() -> Result<()> {
     let target = seeded(&[]).await?;
-    let Some(sim) =
-        target.sim("sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones")
-    else {
+    let Some(sim) = target.sim(
+        "the whole test: the local apiserver's /readyz switched and writes from the request log",
+    ) else {
         return Ok(());
     };
     let client = target.client().await?;
@@ -827,7 +826,9 @@ async fn a_failed_readiness_probe_below_the_threshold_keeps_the_member() -> Resu
 async fn the_endpoints_take_the_services_family() -> Result<()> {
     let target = seeded(&["--service-cluster-ip-range", "2001:db8:96::/112"]).await?;
     // The real control plane here is IPv4.
-    let Some(sim) = target.sim("the_endpoints_take_the_services_family") else {
+    let Some(sim) =
+        target.sim("the whole test: an IPv6 service range (the real control plane's is IPv4)")
+    else {
         return Ok(());
     };
     let client = target.client().await?;
@@ -1154,7 +1155,7 @@ async fn the_other_writer_of_a_repaired_object_is_named_once() -> Result<()> {
     let kubeconfig = target.kubeconfig();
 
     let tamper = || async {
-        match target.sim("the other writer, planted with its managedFields") {
+        match target.as_sim() {
             // The simulator keeps no managedFields of its own: the backdoor plants them as
             // kube-apiserver would record a write by `other-reconciler`.
             Some(sim) => {

@@ -195,6 +195,19 @@ async fn check_reports_and_run_repairs_ipaddress_corruption_with_upstream_events
                 matches!(target, Target::Cluster { .. }) && attempt < 3,
                 "the deleted IPAddress came back during check (managers {managers:?}):\n{stdout}"
             );
+            // Only the apiserver's own allocator may have made it again: its repair labels what
+            // it creates as its own.
+            let managed_by = recreated
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|labels| labels.get("ipaddress.kubernetes.io/managed-by"))
+                .cloned();
+            ensure!(
+                managed_by.as_deref() == Some("ipallocator.k8s.io"),
+                "the deleted IPAddress came back during check, managed by {managed_by:?} \
+                 (managers {managers:?}), not by the apiserver's allocator:\n{stdout}"
+            );
             eprintln!(
                 "attempt {attempt}: the apiserver's own repair ({managers:?}) recreated {ip} \
                  meanwhile; again"

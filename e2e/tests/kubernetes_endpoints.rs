@@ -194,7 +194,7 @@ async fn leader_handover_never_has_two_writers_and_a_quiet_minute_has_no_endpoin
     // repairs below are what is checked.
     let sim = c
         .target
-        .sim("leader handover: writers and a quiet minute judged from the request log");
+        .sim("the writers in order and a quiet minute, judged from the request log");
     if let Some(sim) = sim {
         sim.clear_requests().await?;
     }

@@ -324,6 +324,9 @@ async fn hostile_tenant_apis_are_cut_off_and_cost_only_themselves() -> Result<()
     ));
     // The endless tenant's watches expire (410), so that its caches list again, into the
     // fault; both close their open watches, so that the controller watches again.
+    let watches =
+        |sim: &apiserver_sim::Sim| sim.requests().iter().filter(|r| r.verb == "watch").count();
+    let watches_before_gone = watches(endless);
     endless.faults().inject(FaultRule::probability(
         Some(apiserver_sim::Verb::Watch),
         None,
@@ -347,6 +350,11 @@ async fn hostile_tenant_apis_are_cut_off_and_cost_only_themselves() -> Result<()
         let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
         anyhow::bail!("{err}; the controller's warnings:\n{}", warnings.join("\n"));
     }
+    // Every watch after the rule was answered 410: at least one came.
+    ensure!(
+        watches(endless) > watches_before_gone,
+        "no watch reached the endless tenant after its 410 rule: none was answered 410"
+    );
     // Let the bad tenants go on retrying for a while, then measure.
     let zero = fleet.tenant(0).context("tenant")?;
     for _ in 0..5 {

@@ -67,7 +67,8 @@ async fn passes(controller: &ControllerProcess) -> Result<u64> {
 async fn duplicates_and_out_of_range_ports_are_reported_once_and_by_check() -> Result<()> {
     let target = Target::start().await?;
     // A real kube-apiserver refuses both shapes, so only the backdoor can make them.
-    let Some(sim) = target.sim("nodeport duplicates written by backdoor") else {
+    let Some(sim) = target.sim("the whole test: node port duplicates written by the backdoor")
+    else {
         return Ok(());
     };
     let client = target.client().await?;

@@ -77,14 +77,15 @@ async fn three_replicas_at_rest_read_nothing_after_start_up() -> Result<()> {
         writes.iter().all(|(_, what)| what == "update leases"),
         "writes other than Lease renewals: {writes:?}"
     );
-    // Every replica renews its membership Lease; nobody is silent (the window holds ~10 passes).
+    // Every replica renews its membership Lease; nobody is silent. Counted, not timed: at least
+    // twice each (one renewal could be the last of start-up), however slow the machine.
     for replica in 1..=3 {
         let renewals = at_rest
             .per_replica
             .get(&(replica, "update leases".to_owned()))
             .copied()
             .unwrap_or_default();
-        ensure!(renewals >= 5, "replica {replica} renewed {renewals} times");
+        ensure!(renewals >= 2, "replica {replica} renewed {renewals} times");
     }
     Ok(())
 }

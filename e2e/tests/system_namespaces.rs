@@ -234,7 +234,7 @@ async fn dry_run_reports_but_does_not_heal_and_check_names_the_drift() -> Result
 #[tokio::test]
 async fn survives_a_flaky_api_and_converges_once_it_recovers() -> Result<()> {
     let target = Target::start().await?;
-    let Some(sim) = target.sim("survives_a_flaky_api") else {
+    let Some(sim) = target.sim("the whole test: injected failures") else {
         return Ok(());
     };
     let namespaces = namespaces_of(&target).await?;

@@ -273,10 +273,10 @@ impl Drop for ControlPlane {
 /// test file's name, for the command that runs it.
 pub fn skipped_under_shared_control_plane(binary: &str, test: &str) -> bool {
     if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_some() {
-        eprintln!(
-            "SKIPPED {test}: starts control planes of its own; `cargo test -p e2e --test \
-             {binary}` without BOOTSTRAP_E2E_KUBECONFIG runs it"
-        );
+        super::skip(&format!(
+            "starts control planes of its own; `cargo test -p e2e --test {binary} {test}` \
+             without BOOTSTRAP_E2E_KUBECONFIG runs it"
+        ));
         return true;
     }
     false

@@ -3,7 +3,9 @@
 //!
 //! Set `BOOTSTRAP_E2E_KUBECONFIG` to run the same tests against a real cluster (one at a time:
 //! they share it); the parts that need the simulator's backdoor, fault injection or request log
-//! say that they are skipped there (`Target::sim`).
+//! are skipped there (`Target::sim`), each through [`skip`], which says so where a passing test's
+//! output is not hidden and appends it to the file `BOOTSTRAP_E2E_SKIP_LOG` names
+//! (`e2e/control-plane/test.sh` compares that list with the one it expects).
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -51,6 +53,57 @@ pub fn sim_bin() -> PathBuf {
     binary("apiserver-sim")
 }
 
+/// The environment variable naming the file every skip (and every test run against a given
+/// cluster, see [`Target::start_with`]) is appended to, one line each.
+pub const SKIP_LOG: &str = "BOOTSTRAP_E2E_SKIP_LOG";
+
+/// `<test file>::<test>` of the running test: the file from the test binary's name
+/// (`<file>-<hash>`), the test from its thread's name (libtest runs each test on a thread named
+/// after it, and `#[tokio::test]` polls the test's body on that thread).
+pub fn test_id() -> String {
+    let binary = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_default();
+    let binary = binary
+        .rsplit_once('-')
+        .map_or(binary.as_str(), |(name, _)| name)
+        .to_owned();
+    let thread = std::thread::current();
+    format!("{binary}::{}", thread.name().unwrap_or("unnamed"))
+}
+
+/// One line (`kind test: text`) of the run's record, appended to the file `BOOTSTRAP_E2E_SKIP_LOG`
+/// names, if any. A record that cannot be written fails the test: a skip nobody counts is what
+/// the record is there to prevent.
+fn record(kind: &str, text: &str) -> String {
+    use std::io::Write;
+    let line = format!("{kind} {}: {}", test_id(), text.replace('\n', " "));
+    if let Some(path) = std::env::var_os(SKIP_LOG) {
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut file| writeln!(file, "{line}"));
+        if let Err(err) = written {
+            panic!(
+                "appending to {SKIP_LOG} ({}): {err}",
+                Path::new(&path).display()
+            );
+        }
+    }
+    line
+}
+
+/// Says that the running test (or the part of it named in `reason`) is skipped: on stdout
+/// through its handle (libtest captures `println!` of a passing test, not the handle), and in
+/// the file `BOOTSTRAP_E2E_SKIP_LOG` names.
+pub fn skip(reason: &str) {
+    use std::io::Write;
+    let line = record("SKIPPED", reason);
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
+}
+
 /// Generous: these machines have two cores and run several test binaries at once.
 pub const CONVERGE: Duration = Duration::from_secs(30);
 
@@ -68,9 +121,14 @@ impl Target {
     /// `sim_args` are extra `apiserver-sim` flags; ignored against a real cluster.
     pub async fn start_with(sim_args: &[&str]) -> Result<Self> {
         match std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG") {
-            Some(path) => Ok(Target::Cluster {
-                kubeconfig: PathBuf::from(path),
-            }),
+            Some(path) => {
+                // Counted by e2e/control-plane/test.sh: a test file none of whose tests ran
+                // against the cluster it was given is listed.
+                record("CLUSTER", "runs against the given cluster");
+                Ok(Target::Cluster {
+                    kubeconfig: PathBuf::from(path),
+                })
+            }
             None => Ok(Target::Sim(SimProcess::start(sim_args).await?)),
         }
     }
@@ -110,18 +168,25 @@ impl Target {
         }
     }
 
-    /// The simulator, or `None` (after saying so) when the test runs against a real cluster: for
-    /// the parts of a test that need its backdoor, fault injection or request log.
-    pub fn sim(&self, test: &str) -> Option<&SimProcess> {
+    /// The simulator, or `None` (after a [`skip`] naming `what` is skipped) when the test runs
+    /// against a real cluster: for the parts of a test that need its backdoor, fault injection
+    /// or request log.
+    pub fn sim(&self, what: &str) -> Option<&SimProcess> {
+        let sim = self.as_sim();
+        if sim.is_none() {
+            skip(&format!(
+                "{what}: needs the simulator's backdoor, faults or request log (real cluster)"
+            ));
+        }
+        sim
+    }
+
+    /// The simulator, or `None` against a real cluster, where the caller does the same by other
+    /// means (nothing is skipped).
+    pub fn as_sim(&self) -> Option<&SimProcess> {
         match self {
             Target::Sim(sim) => Some(sim),
-            Target::Cluster { .. } => {
-                eprintln!(
-                    "SKIPPED {test}: needs the simulator's backdoor, faults or request log \
-                     (real cluster)"
-                );
-                None
-            }
+            Target::Cluster { .. } => None,
         }
     }
 }
@@ -386,7 +451,8 @@ impl ControllerProcess {
 
     /// Starts the controller in a private mount namespace whose `/etc/hosts` is `hosts`, so a
     /// test controls what names resolve to for this process alone by rewriting that file in
-    /// place. Needs root or unprivileged user namespaces; `None` (after saying so) otherwise.
+    /// place. Needs root (`unshare -m`): without it, `None` after a [`skip`]; as root under CI
+    /// (`CI=true`), where the test must run, an error.
     pub fn start_with_hosts(
         kubeconfig: &Path,
         hosts: &Path,
@@ -397,10 +463,17 @@ impl ControllerProcess {
             .arg(hosts)
             .output();
         if !matches!(&probe, Ok(out) if out.status.success()) {
-            eprintln!(
-                "SKIPPED: cannot bind-mount a private /etc/hosts (needs root for `unshare -m`): \
-                 {probe:?}"
-            );
+            let detail = match &probe {
+                Ok(out) => String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+                Err(err) => err.to_string(),
+            };
+            if is_root() && std::env::var("CI").is_ok_and(|ci| ci == "true") {
+                bail!(
+                    "as root under CI, `unshare -m` must bind-mount a private /etc/hosts: {detail}"
+                );
+            }
+            eprintln!("unshare -m: {detail}");
+            skip("cannot bind-mount a private /etc/hosts (`unshare -m` needs root)");
             return Ok(None);
         }
         let mut command = Command::new("unshare");
@@ -514,6 +587,17 @@ impl Drop for ControllerProcess {
             eprintln!("---- controller log ----\n{}", self.log());
         }
     }
+}
+
+/// Whether this process runs as root (effective uid 0), from `/proc/self/status`.
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            == Some("0")
+    })
 }
 
 /// Minimal GET over a plain TCP connection (the admin port and Prometheus are plain HTTP), as

@@ -1,0 +1,58 @@
+# shellcheck shell=bash
+# What a run of the end-to-end suite against a given cluster did not check there, sourced by
+# test.sh: the tests (or parts of tests) that skipped, each with its reason, from the record the
+# tests append to (BOOTSTRAP_E2E_SKIP_LOG; tests/common/mod.rs, `skip` and `Target::start_with`),
+# and the test files that ran nothing against the cluster (no `CLUSTER` line in the record), from
+# cargo's `Running tests/<file>.rs` lines. Compared with expected-skips.txt, so that a test that
+# starts skipping, or stops, changes the list in the repository or fails the run. Tested with
+# stand-in records by e2e/packaging/test_control_plane_skips.py.
+
+# skips_found RECORD CARGO_OUTPUT: one line each, sorted: `SKIPPED <file>::<test>: <reason>` and
+# `NOCLUSTER <file>`.
+skips_found() {
+  local record=$1 output=$2
+  {
+    grep '^SKIPPED ' "$record" || true
+    LC_ALL=C comm -23 \
+      <(sed -n 's|^ *Running tests/\([A-Za-z0-9_-]*\)\.rs (.*|\1|p' "$output" | LC_ALL=C sort -u) \
+      <(sed -n 's|^CLUSTER \([A-Za-z0-9_-]*\)::.*|\1|p' "$record" | LC_ALL=C sort -u) |
+      sed 's/^/NOCLUSTER /'
+  } | LC_ALL=C sort -u
+}
+
+# skips_expected EXPECTED ROOT: the lines of EXPECTED but comments and blank lines, sorted; a line
+# `unless-root <line>` counts only when ROOT is not `true` (a skip that only root avoids).
+skips_expected() {
+  local file=$1 root=$2 line
+  while IFS= read -r line || [ -n "$line" ]; do
+    case $line in
+      '' | '#'*) ;;
+      'unless-root '*) [ "$root" = true ] || printf '%s\n' "${line#unless-root }" ;;
+      *) printf '%s\n' "$line" ;;
+    esac
+  done <"$file" | LC_ALL=C sort -u
+}
+
+# skips_report RECORD CARGO_OUTPUT EXPECTED ROOT: prints what the run skipped and why and the test
+# files that ran nothing against the cluster; returns 1 (after the difference) when that is not
+# the EXPECTED list, and when the record shows no test ran against the cluster at all.
+skips_report() {
+  local record=$1 output=$2 expected_file=$3 root=$4 found expected
+  found=$(skips_found "$record" "$output")
+  expected=$(skips_expected "$expected_file" "$root")
+  echo "not checked against the cluster (skipped, with why; test files that ran nothing there):"
+  if [ -n "$found" ]; then printf '%s\n' "$found" | sed 's/^/  /'; else echo "  nothing"; fi
+  local verdict=0
+  if [ "$found" != "$expected" ]; then
+    echo "this differs from ${expected_file} (- expected but not found, + found but not expected):"
+    diff <(printf '%s\n' "$expected") <(printf '%s\n' "$found") | sed -n 's/^</  -/p; s/^>/  +/p'
+    verdict=1
+  else
+    echo "as ${expected_file} expects"
+  fi
+  if ! grep -q '^CLUSTER ' "$record"; then
+    echo "no test ran against the cluster: the suite checked nothing there"
+    verdict=1
+  fi
+  return "$verdict"
+}

@@ -1,0 +1,220 @@
+"""What e2e/control-plane/test.sh reports after the suite ran against a real control plane: the
+tests it skipped and why and the test files that ran nothing against the cluster (skips.sh), and
+its verdict against expected-skips.txt. The functions run on stand-in records and cargo output;
+test.sh itself runs, copied beside stand-ins for up.sh, down.sh and cargo, with the record the
+stand-in cargo writes where BOOTSTRAP_E2E_SKIP_LOG says; expected-skips.txt is checked against
+the test files it names."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from harness import ROOT
+
+CONTROL_PLANE = ROOT / "e2e" / "control-plane"
+SKIPS = CONTROL_PLANE / "skips.sh"
+EXPECTED = CONTROL_PLANE / "expected-skips.txt"
+
+RECORD = """\
+CLUSTER alpha::one: runs against the given cluster
+SKIPPED alpha::two: the whole test: needs the simulator
+CLUSTER alpha::two: runs against the given cluster
+SKIPPED gamma::four: starts control planes of its own
+"""
+OUTPUT = """\
+   Compiling e2e v0.1.0 (/src/e2e)
+     Running tests/alpha.rs (target/debug/deps/alpha-0123456789abcdef)
+test one ... ok
+     Running tests/gamma.rs (/abs/target/debug/deps/gamma-0123456789abcdef)
+SKIPPED gamma::four: starts control planes of its own
+     Running unittests src/lib.rs (target/debug/deps/e2e-0123456789abcdef)
+"""
+EXPECTED_TEXT = """\
+# a comment
+
+SKIPPED alpha::two: the whole test: needs the simulator
+SKIPPED gamma::four: starts control planes of its own
+NOCLUSTER gamma
+unless-root SKIPPED alpha::three: needs root
+"""
+
+
+def report(tmp: Path, record: str, output: str, expected: str, root: str):
+    (tmp / "record").write_text(record)
+    (tmp / "output").write_text(output)
+    (tmp / "expected").write_text(expected)
+    return subprocess.run(
+        ["bash", "-c", f'set -euo pipefail; . "{SKIPS}"; skips_report "$@"', "skips",
+         str(tmp / "record"), str(tmp / "output"), str(tmp / "expected"), root],
+        capture_output=True, text=True, timeout=60)
+
+
+def test_the_list_as_expected_passes_and_is_printed(tmp_path: Path):
+    done = report(tmp_path, RECORD, OUTPUT, EXPECTED_TEXT, "true")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "  SKIPPED alpha::two: the whole test: needs the simulator\n" in done.stdout
+    assert "  SKIPPED gamma::four: starts control planes of its own\n" in done.stdout
+    # alpha ran against the cluster; gamma did not; the lib's unit tests are no test file.
+    assert "  NOCLUSTER gamma\n" in done.stdout
+    assert "NOCLUSTER alpha" not in done.stdout and "NOCLUSTER e2e" not in done.stdout
+    assert "as " in done.stdout.splitlines()[-1]
+
+
+def test_a_new_skip_fails_and_is_named(tmp_path: Path):
+    record = RECORD + "SKIPPED alpha::one: cannot bind-mount a private /etc/hosts\n"
+    done = report(tmp_path, record, OUTPUT, EXPECTED_TEXT, "true")
+    assert done.returncode == 1, done.stdout
+    assert "  + SKIPPED alpha::one: cannot bind-mount a private /etc/hosts" in done.stdout
+
+
+def test_a_skip_that_stopped_fails_and_is_named(tmp_path: Path):
+    record = RECORD.replace("SKIPPED alpha::two: the whole test: needs the simulator\n", "")
+    done = report(tmp_path, record, OUTPUT, EXPECTED_TEXT, "true")
+    assert done.returncode == 1, done.stdout
+    assert "  - SKIPPED alpha::two: the whole test: needs the simulator" in done.stdout
+
+
+def test_a_changed_reason_fails(tmp_path: Path):
+    record = RECORD.replace("needs the simulator", "needs the simulator's request log")
+    done = report(tmp_path, record, OUTPUT, EXPECTED_TEXT, "true")
+    assert done.returncode == 1, done.stdout
+
+
+def test_a_test_file_that_stopped_running_against_the_cluster_fails(tmp_path: Path):
+    record = "".join(line + "\n" for line in RECORD.splitlines() if "alpha::one" not in line
+                     and not line.startswith("CLUSTER alpha::two"))
+    done = report(tmp_path, record, OUTPUT, EXPECTED_TEXT, "true")
+    assert done.returncode == 1, done.stdout
+    assert "  + NOCLUSTER alpha" in done.stdout
+
+
+def test_the_skip_only_root_avoids_is_expected_of_other_users_alone(tmp_path: Path):
+    done = report(tmp_path, RECORD, OUTPUT, EXPECTED_TEXT, "false")
+    assert done.returncode == 1, done.stdout
+    assert "  - SKIPPED alpha::three: needs root" in done.stdout
+    record = RECORD + "SKIPPED alpha::three: needs root\n"
+    assert report(tmp_path, record, OUTPUT, EXPECTED_TEXT, "false").returncode == 0
+    assert report(tmp_path, record, OUTPUT, EXPECTED_TEXT, "true").returncode == 1
+
+
+def test_a_run_where_nothing_ran_against_the_cluster_fails(tmp_path: Path):
+    record = "".join(line + "\n" for line in RECORD.splitlines() if line.startswith("SKIPPED"))
+    expected = EXPECTED_TEXT + "NOCLUSTER alpha\n"
+    done = report(tmp_path, record, OUTPUT, expected, "true")
+    assert done.returncode == 1, done.stdout
+    assert "no test ran against the cluster" in done.stdout
+
+
+# A stand-in cargo: writes what the suite's tests would record where BOOTSTRAP_E2E_SKIP_LOG says,
+# prints cargo's `Running` lines, and exits with FAKE_CARGO_STATUS; its arguments go to a file.
+FAKE_CARGO = r'''#!/usr/bin/env bash
+set -euo pipefail
+printf '%s\n' "$@" >"$FAKE_DIR/cargo-args"
+env | grep '^BOOTSTRAP_E2E_' | sort >"$FAKE_DIR/cargo-env"
+cat "$FAKE_DIR/record" >>"$BOOTSTRAP_E2E_SKIP_LOG"
+cat "$FAKE_DIR/output"
+exit "${FAKE_CARGO_STATUS:-0}"
+'''
+
+
+def run_test_sh(tmp: Path, record: str, *args: str, cargo_status: int = 0):
+    """test.sh as CI runs it, from a copy of e2e/control-plane beside stand-ins for up.sh and
+    down.sh (the control plane) and on a PATH with the stand-in cargo."""
+    copy = tmp / "repo" / "e2e" / "control-plane"
+    copy.mkdir(parents=True)
+    for name in ("test.sh", "skips.sh"):
+        shutil.copy(CONTROL_PLANE / name, copy / name)
+    (copy / "expected-skips.txt").write_text(EXPECTED_TEXT)
+    for name in ("up.sh", "down.sh"):
+        (copy / name).write_text(f'#!/usr/bin/env bash\necho "{name} $*" >>"$FAKE_DIR/calls"\n')
+        (copy / name).chmod(0o755)
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cargo").write_text(FAKE_CARGO)
+    (bin_dir / "cargo").chmod(0o755)
+    state = tmp / "state"
+    state.mkdir()
+    (state / "record").write_text(record)
+    (state / "output").write_text(OUTPUT)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(state),
+           "FAKE_CARGO_STATUS": str(cargo_status), "TMPDIR": str(tmp)}
+    done = subprocess.run([str(copy / "test.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+    return done, state
+
+
+def as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def test_test_sh_records_the_skips_and_compares_the_whole_suite(tmp_path: Path):
+    # The skip only root avoids, as this user would see it.
+    record = RECORD + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
+    done, state = run_test_sh(tmp_path, record)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "  SKIPPED gamma::four: starts control planes of its own\n" in done.stdout
+    args = (state / "cargo-args").read_text().splitlines()
+    assert args[:5] == ["test", "--color", "never", "-p", "e2e"], args
+    assert args[-2:] == ["--", "--test-threads=1"], args
+    env = (state / "cargo-env").read_text()
+    assert "BOOTSTRAP_E2E_SKIP_LOG=" in env and "BOOTSTRAP_E2E_KUBECONFIG=" in env, env
+    calls = (state / "calls").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["up.sh", "down.sh"], calls
+    # The record and cargo's output are removed (the control plane's directory stays, with its
+    # logs, as down.sh leaves it).
+    left = list(tmp_path.glob("control-plane-e2e-skips-*")) + list(
+        tmp_path.glob("control-plane-e2e-output-*"))
+    assert not left, left
+
+
+def test_test_sh_fails_on_an_unexpected_skip_even_when_every_test_passed(tmp_path: Path):
+    record = RECORD + "SKIPPED alpha::one: a new reason\n"
+    done, _ = run_test_sh(tmp_path, record)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "  + SKIPPED alpha::one: a new reason" in done.stdout
+
+
+def test_test_sh_keeps_the_suites_failure(tmp_path: Path):
+    record = RECORD + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
+    done, _ = run_test_sh(tmp_path, record, cargo_status=101)
+    assert done.returncode == 101, done.stdout + done.stderr
+    assert "  SKIPPED alpha::two: the whole test: needs the simulator\n" in done.stdout
+
+
+def test_test_sh_lists_but_does_not_compare_a_part_of_the_suite(tmp_path: Path):
+    done, state = run_test_sh(tmp_path, "CLUSTER alpha::one: x\n", "--test", "alpha")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not compared" in done.stdout
+    args = (state / "cargo-args").read_text().splitlines()
+    assert args[5:7] == ["--test", "alpha"], args
+
+
+def test_the_expected_list_names_real_tests_and_test_files():
+    tests = ROOT / "e2e" / "tests"
+    lines = [line for line in EXPECTED.read_text().splitlines()
+             if line and not line.startswith("#")]
+    assert lines, "expected-skips.txt is empty"
+    for line in lines:
+        line = line.removeprefix("unless-root ")
+        kind, _, rest = line.partition(" ")
+        if kind == "NOCLUSTER":
+            source = (tests / f"{rest}.rs").read_text()
+            # A file listed as running nothing against the cluster never asks for it.
+            assert "Target::start" not in source, line
+            continue
+        assert kind == "SKIPPED", line
+        name, _, reason = rest.partition(": ")
+        assert reason, line
+        file, _, test = name.partition("::")
+        source = (tests / f"{file}.rs").read_text()
+        assert re.search(rf"\bfn {re.escape(test)}\(", source), line
+    # Every test file either asks for the cluster or is listed as running nothing against it.
+    listed = {line.split()[-1] for line in lines if line.startswith("NOCLUSTER ")}
+    for source in sorted(tests.glob("*.rs")):
+        asks = re.search(r"Target::start|\bseeded\(|\bcluster\(\)|one_member_listed\(",
+                         source.read_text())
+        assert bool(asks) != (source.stem in listed), source.stem
