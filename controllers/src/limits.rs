@@ -636,6 +636,53 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_watch_streams_at_most_its_events() {
+        // SMALL allows 4 events a watch.
+        let fine = read(bounded(&["a\nb\n", "c\nd\n"], true)).await;
+        assert_eq!(fine.unwrap(), b"a\nb\nc\nd\n");
+        let err = read(bounded(&["a\nb\n", "c\nd\ne\n"], true))
+            .await
+            .unwrap_err();
+        assert_eq!(err, LimitError::TooManyEvents(4).to_string());
+    }
+
+    #[tokio::test]
+    async fn a_list_takes_at_most_its_pages_and_a_new_list_starts_the_count_again() {
+        let server = tower::service_fn(|_: Request<()>| {
+            futures::future::ready(Ok::<_, BoxError>(Response::new(chunks(&["{}"]))))
+        });
+        let mut limited = SMALL.for_one_client().layer(server);
+        let mut get = async |uri: &str| -> Result<(), String> {
+            let request = Request::get(uri).body(()).map_err(|e| e.to_string())?;
+            let response = limited.call(request).await.map_err(|e| e.to_string())?;
+            response
+                .into_body()
+                .collect()
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        // SMALL allows 3 pages a list: the first page and two continuations.
+        for _ in 0..2 {
+            get("/api/v1/services?limit=500").await.unwrap();
+            get("/api/v1/services?limit=500&continue=a").await.unwrap();
+            get("/api/v1/services?limit=500&continue=b").await.unwrap();
+        }
+        // Another collection's list is counted on its own.
+        get("/api/v1/namespaces?limit=500").await.unwrap();
+        let err = get("/api/v1/services?limit=500&continue=c")
+            .await
+            .unwrap_err();
+        assert_eq!(err, LimitError::TooManyPages(3).to_string());
+        // The breach pauses the client, as any other.
+        let refused = get("/api/v1/namespaces?limit=500").await.unwrap_err();
+        assert!(
+            refused.starts_with("not asking the API server anything"),
+            "{refused}"
+        );
+    }
+
+    #[tokio::test]
     async fn one_clients_responses_share_a_budget_given_back_when_they_are_dropped() {
         let client = Arc::new(ClientState::default());
         let in_flight = &client.in_flight;
