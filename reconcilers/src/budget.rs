@@ -512,7 +512,8 @@ where
                             }
                             self.inner = None;
                             self.over = true;
-                            self.delay = until - tokio::time::Instant::now();
+                            self.delay =
+                                until.saturating_duration_since(tokio::time::Instant::now());
                             return Err(CacheError::OverBudget(breach));
                         }
                         _ => continue,
