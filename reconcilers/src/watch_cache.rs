@@ -7,6 +7,10 @@
 //! triggers (a one-off pass in a test), it reads the API as before. Writes made from a cached
 //! object carry its resourceVersion, so a cache that lags by a moment costs a conflict and a
 //! retry, never a lost update.
+//!
+//! The cache decodes what a Go client decodes ([`Lenient`]): a `null` where k8s-openapi wants a
+//! value (kube-apiserver stores a status condition's `lastTransitionTime: null` as given) reads
+//! as the field left out, so one such object never costs the watch its events.
 
 use std::fmt::Debug;
 use std::hash::Hash;
@@ -29,7 +33,7 @@ pub struct WatchCache<K: Resource + 'static>
 where
     K::DynamicType: Eq + Hash + Clone,
 {
-    store: Store<K>,
+    store: Store<Lenient<K>>,
     current: Arc<AtomicBool>,
     /// The watch's selectors, for reads while the cache is not current.
     selection: ListParams,
@@ -62,7 +66,7 @@ where
         let (mut listed, mut relisting) = (false, false);
         let mut failure = crate::findings::RepeatedFailure::default();
         let kind = K::kind(&K::DynamicType::default()).into_owned();
-        let events = budget::watch(api, config, budget, budget::object_weight::<K>)
+        let events = budget::watch(lenient(&api), config, budget, budget::object_weight)
             .inspect(move |event| {
                 match event {
                     Ok(event) => {
@@ -98,6 +102,7 @@ where
                 }
                 flag.store(listed && !relisting, Ordering::Release);
             })
+            .map(|event| event.map(unwrap_event))
             .boxed();
         Self {
             store,
@@ -117,7 +122,7 @@ where
     }
 
     /// The cached objects, if the cache is proven current.
-    pub fn current(&self) -> Option<&Store<K>> {
+    pub fn current(&self) -> Option<&Store<Lenient<K>>> {
         self.current.load(Ordering::Acquire).then_some(&self.store)
     }
 }
@@ -135,13 +140,14 @@ where
                     Some(namespace) => ObjectRef::new(name).within(namespace),
                     None => ObjectRef::new(name),
                 };
-                Ok(store.get(&key).map(|object| K::clone(&object)))
+                Ok(store.get(&key).map(|object| K::clone(&object.0)))
             }
-            None => Ok(api
+            None => Ok(lenient(api)
                 .list(&self.selection)
                 .await?
                 .items
                 .into_iter()
+                .map(|object| object.0)
                 .find(|object| object.meta().name.as_deref() == Some(name))),
         }
     }
@@ -153,9 +159,15 @@ where
             Some(store) => Ok(store
                 .state()
                 .iter()
-                .map(|object| K::clone(object))
+                .map(|object| K::clone(&object.0))
                 .collect()),
-            None => Ok(api.list(&self.selection).await?.items),
+            None => Ok(lenient(api)
+                .list(&self.selection)
+                .await?
+                .items
+                .into_iter()
+                .map(|object| object.0)
+                .collect()),
         }
     }
 }
@@ -183,4 +195,128 @@ where
             }
         })
         .boxed()
+}
+
+/// An object decoded as a Go client decodes it: `null` anywhere in an object reads as the field
+/// left out (k8s-openapi refuses a `null` where it wants a value; Go's decoder takes the zero
+/// value), and a condition's `lastTransitionTime`, which k8s-openapi requires, as Go's zero time
+/// when it is left out. Unknown fields are ignored, as k8s-openapi does anyway.
+#[derive(Clone, Debug)]
+pub struct Lenient<K>(pub K);
+
+impl<K: Resource> Resource for Lenient<K> {
+    type DynamicType = K::DynamicType;
+    // Its API is made with `Api::all_with` / `Api::namespaced_with` from the typed one's.
+    type Scope = kube::core::DynamicResourceScope;
+
+    fn kind(dt: &Self::DynamicType) -> std::borrow::Cow<'_, str> {
+        K::kind(dt)
+    }
+    fn group(dt: &Self::DynamicType) -> std::borrow::Cow<'_, str> {
+        K::group(dt)
+    }
+    fn version(dt: &Self::DynamicType) -> std::borrow::Cow<'_, str> {
+        K::version(dt)
+    }
+    fn plural(dt: &Self::DynamicType) -> std::borrow::Cow<'_, str> {
+        K::plural(dt)
+    }
+    fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        self.0.meta()
+    }
+    fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        self.0.meta_mut()
+    }
+}
+
+impl<'de, K: DeserializeOwned> serde::Deserialize<'de> for Lenient<K> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let mut value = serde_json::Value::deserialize(deserializer)?;
+        drop_nulls(&mut value);
+        serde_json::from_value(value)
+            .map(Lenient)
+            .map_err(D::Error::custom)
+    }
+}
+
+impl<K: serde::Serialize> serde::Serialize for Lenient<K> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(serializer)
+    }
+}
+
+/// Go's zero `metav1.Time`, which it marshals as `null`.
+const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
+
+/// Removes every `null` member of every object in `value`; gives each condition without a
+/// `lastTransitionTime` Go's zero time.
+fn drop_nulls(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(members) => {
+            members.retain(|_, member| !member.is_null());
+            members.values_mut().for_each(drop_nulls);
+            if let Some(serde_json::Value::Array(conditions)) = members.get_mut("conditions") {
+                for condition in conditions.iter_mut().filter_map(|c| c.as_object_mut()) {
+                    condition
+                        .entry("lastTransitionTime")
+                        .or_insert_with(|| GO_ZERO_TIME.into());
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(drop_nulls),
+        _ => {}
+    }
+}
+
+/// The API of `api`'s objects, decoded leniently.
+fn lenient<K>(api: &Api<K>) -> Api<Lenient<K>>
+where
+    K: Resource + Clone,
+    K::DynamicType: Default,
+{
+    let dynamic = K::DynamicType::default();
+    let client = kube::Client::from(api.clone());
+    match api.namespace() {
+        Some(namespace) => Api::namespaced_with(client, namespace, &dynamic),
+        None => Api::all_with(client, &dynamic),
+    }
+}
+
+fn unwrap_event<K>(event: watcher::Event<Lenient<K>>) -> watcher::Event<K> {
+    match event {
+        watcher::Event::Apply(object) => watcher::Event::Apply(object.0),
+        watcher::Event::Delete(object) => watcher::Event::Delete(object.0),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(object) => watcher::Event::InitApply(object.0),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Service;
+
+    /// kube-apiserver stores a status condition without `lastTransitionTime` as `null`;
+    /// k8s-openapi refuses it, the cache reads it.
+    #[test]
+    fn a_null_where_k8s_openapi_wants_a_value_reads_as_left_out() {
+        let served = serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "kubernetes", "namespace": "default", "labels": null},
+            "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 443, "name": null}]},
+            "status": {"conditions": [{
+                "type": "StatusPatched", "status": "True", "reason": "E2E", "message": "m",
+                "lastTransitionTime": null,
+            }]},
+            "fieldFromANewerVersion": {"x": 1},
+        });
+        assert!(serde_json::from_value::<Service>(served.clone()).is_err());
+        let read: Lenient<Service> = serde_json::from_value(served).unwrap();
+        let condition = &read.0.status.unwrap().conditions.unwrap()[0];
+        assert_eq!(condition.type_, "StatusPatched");
+        assert_eq!(read.0.spec.unwrap().ports.unwrap()[0].port, 443);
+    }
 }
