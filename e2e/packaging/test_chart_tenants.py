@@ -210,7 +210,9 @@ def test_settings_reach_the_container_as_the_binarys_environment(case, env):
     args, rendered = container_args(objects(values))
     assert args == ["run"]
     tenants = {k: v for k, v in rendered.items() if k.startswith("BOOTSTRAP_TENANTS_")}
-    assert tenants == env
+    # The cache budget is always given in management mode, at the chart's defaults here.
+    assert tenants == {**env, "BOOTSTRAP_TENANTS_CACHE_MAX_OBJECTS": "50000",
+                       "BOOTSTRAP_TENANTS_CACHE_MAX_MIB": "32"}
 
 
 def test_disabled_renders_as_before():
