@@ -69,6 +69,8 @@ fn start_member(kubeconfig: &Path, config: &Path, n: usize) -> Result<Controller
         &[
             "--config",
             &config.display().to_string(),
+            "--endpoint-reconciler-type",
+            "lease",
             "--advertise-address",
             &format!("192.0.2.{n}"),
             "--leader-elect-identity",

@@ -257,7 +257,7 @@ def exercise(cp: ControlPlane, config: dict, etcd_mode: bool, log) -> None:
     """Breaks what each enabled loop keeps, waiting for each repair."""
     k = cp.kubectl
     loops = config.get("loops") or {}
-    mode = config.get("endpointReconcilerType", "lease")
+    mode = config.get("endpointReconcilerType", "none")
 
     def uid(*args):
         obj = cp.get(*args)
@@ -401,7 +401,7 @@ def run_case(cp: ControlPlane, name: str, rbac: list[dict], config: dict, args: 
     env = {**env, "BOOTSTRAP_CONFIG": str(config_file), "BOOTSTRAP_KUBECONFIG": str(kubeconfig),
            "BOOTSTRAP_SHUTDOWN_TIMEOUT": "10s"}
     controller = Controller(args, env, tmp, name)
-    lease_mode = config.get("endpointReconcilerType", "lease") == "lease"
+    lease_mode = config.get("endpointReconcilerType", "none") == "lease"
 
     def log(what, seconds):
         timings.setdefault(name, []).append(f"{what} {seconds:.1f} s")
