@@ -69,8 +69,6 @@ fn start_member(kubeconfig: &Path, config: &Path, n: usize) -> Result<Controller
         &[
             "--config",
             &config.display().to_string(),
-            "--endpoint-reconciler-type",
-            "lease",
             "--advertise-address",
             &format!("192.0.2.{n}"),
             "--leader-elect-identity",
@@ -161,7 +159,7 @@ async fn main() -> Result<()> {
         std::fs::write(
             &config,
             format!(
-                "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: {}\n    leaseTTL: {}\n    readyzURL: {url}\n",
+                "serviceClusterIPRange: 10.96.0.0/12\nendpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    interval: {}\n    leaseTTL: {}\n    readyzURL: {url}\n",
                 args.interval, args.ttl
             ),
         )?;

@@ -605,7 +605,7 @@ async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones(
     std::fs::write(
         &config,
         format!(
-            "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 30s\n    leaseTTL: 5m\n",
+            "serviceClusterIPRange: {}\nendpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    interval: 30s\n    leaseTTL: 5m\n",
             sim.service_range
         ),
     )?;
