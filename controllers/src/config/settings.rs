@@ -264,8 +264,9 @@ settings! {
     etcd_prefix: String = "etcd-prefix", "BOOTSTRAP_ETCD_PREFIX", "PREFIX";
         file "etcdPrefix": String;
 
-    /// Compute and report every write without making it (logs, metrics, `check`).
-    /// `--dry-run` alone means true. [default: false]
+    /// Compute and report every write without making it (logs, metrics, `check`). A dry run
+    /// holds no Lease (it joins no leader election) and runs every loop's dry passes, so it
+    /// never keeps a real replica from leading. `--dry-run` alone means true. [default: false]
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     dry_run: bool = "dry-run", "BOOTSTRAP_DRY_RUN", "BOOL";
         file "dryRun": bool;
