@@ -128,8 +128,8 @@ fn leases(sim: &Sim) -> anyhow::Result<Vec<String>> {
 /// neither the leader-election Lease nor a membership Lease; a real replica started after it
 /// leads at once and repairs a deleted namespace.
 #[tokio::test]
-async fn a_dry_run_holds_no_lease_and_never_keeps_a_real_replica_from_leading()
--> anyhow::Result<()> {
+async fn a_dry_run_holds_no_lease_and_never_keeps_a_real_replica_from_leading() -> anyhow::Result<()>
+{
     let sim = Sim::start(SimConfig {
         namespace_finalize_delay: Duration::from_millis(50),
         ..SimConfig::default()
@@ -164,7 +164,10 @@ async fn a_dry_run_holds_no_lease_and_never_keeps_a_real_replica_from_leading()
         dry.health.readiness().ready
     })
     .await;
-    assert!(!exists(&namespaces, "kube-public").await, "a dry run creates nothing");
+    assert!(
+        !exists(&namespaces, "kube-public").await,
+        "a dry run creates nothing"
+    );
     assert_eq!(lease_writes(&sim), Vec::<String>::new(), "no Lease written");
     assert_eq!(leases(&sim)?, Vec::<String>::new());
 

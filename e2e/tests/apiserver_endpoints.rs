@@ -1307,7 +1307,11 @@ async fn with_no_mode_named_run_and_check_leave_the_endpoints_alone() -> Result<
     );
     controller.terminate()?;
 
-    let out = run_controller(&["check", "--kubeconfig", &sim.kubeconfig.display().to_string()])?;
+    let out = run_controller(&[
+        "check",
+        "--kubeconfig",
+        &sim.kubeconfig.display().to_string(),
+    ])?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         out.status.code(),

@@ -416,10 +416,7 @@ async fn a_bitmap_under_another_range_is_reported_once_and_left_alone() {
     assert_eq!(reported.len(), 1, "{reported:?}");
     let event = &reported[0];
     assert_eq!(event["type"], "Warning");
-    assert_eq!(
-        event["reportingController"],
-        "portallocator-repair-controller"
-    );
+    assert_eq!(event["reportingController"], "bootstrap-controller");
     assert_eq!(event["regarding"]["kind"], "Service");
     assert_eq!(event["regarding"]["namespace"], "default");
     assert_eq!(event["regarding"]["name"], "kubernetes");

@@ -480,9 +480,15 @@ fn apiserver_count_and_advertise_address() {
         "advertiseAddress",
         &["IPv6"],
     );
-    for mode in ["none\n", "none\nserviceClusterIPRange: 10.96.0.0/12\n", "master-count\n"] {
-        let config =
-            from_yaml(&format!("advertiseAddress: fd00::1\nendpointReconcilerType: {mode}")).unwrap();
+    for mode in [
+        "none\n",
+        "none\nserviceClusterIPRange: 10.96.0.0/12\n",
+        "master-count\n",
+    ] {
+        let config = from_yaml(&format!(
+            "advertiseAddress: fd00::1\nendpointReconcilerType: {mode}"
+        ))
+        .unwrap();
         assert_eq!(config.advertise_address, Some("fd00::1".parse().unwrap()));
     }
     // Named by no one, no endpoints are written, so the address's family does not matter.
