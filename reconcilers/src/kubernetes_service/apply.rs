@@ -94,7 +94,6 @@ impl KubernetesServiceLoop {
             };
             applied = created.is_some();
             if let Some(created) = &created {
-                tracing::info!(service = %object, "created the kubernetes Service");
                 KubernetesServiceMetrics::count(&self.metrics.repairs, &["service_missing"]);
                 self.publish(
                     created,
@@ -181,17 +180,20 @@ impl KubernetesServiceLoop {
                 (true, false, None) => format!("{d}; would repair"),
                 (false, _, _) => format!("{d}; not repaired (repair policy is off)"),
             };
-            report.push(drift(
-                d.kind(),
-                object.to_owned(),
-                if repair {
-                    Action::Update
-                } else {
-                    Action::Report
-                },
-                message,
-                applied,
-            ));
+            report.push(
+                drift(
+                    d.kind(),
+                    object.to_owned(),
+                    if repair {
+                        Action::Update
+                    } else {
+                        Action::Report
+                    },
+                    message,
+                    applied,
+                )
+                .changed(d.to_string(), "as kube-apiserver creates it"),
+            );
         }
         Ok(refused)
     }

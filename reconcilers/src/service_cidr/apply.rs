@@ -8,7 +8,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType};
-use tracing::{info, warn};
+use tracing::warn;
 
 use super::plan::{Plan, go_list, plan};
 use super::{CONTROLLER_NAME, DefaultServiceCidr};
@@ -64,7 +64,6 @@ impl DefaultServiceCidr {
                     ));
                     return Ok(report);
                 }
-                info!(cidrs = ?desired, "Creating default ServiceCIDR");
                 let new = ServiceCIDR {
                     metadata: ObjectMeta {
                         name: Some(DEFAULT_SERVICE_CIDR.to_owned()),

@@ -67,13 +67,16 @@ impl SystemNamespaces {
                         .await;
                     }
                 }
-                Ok(Some(drift(
-                    "namespace_missing",
-                    object,
-                    Action::Create,
-                    format!("required system namespace {} does not exist", spec.name),
-                    !ctx.dry_run,
-                )))
+                Ok(Some(
+                    drift(
+                        "namespace_missing",
+                        object,
+                        Action::Create,
+                        format!("required system namespace {} does not exist", spec.name),
+                        !ctx.dry_run,
+                    )
+                    .changed("absent", "created"),
+                ))
             }
             NamespaceNeed::SetMetadata {
                 labels,
@@ -112,13 +115,21 @@ impl SystemNamespaces {
                     )
                     .await;
                 }
-                Ok(Some(drift(
-                    "namespace_metadata",
-                    object,
-                    Action::Update,
-                    message,
-                    !ctx.dry_run,
-                )))
+                let declared: Vec<String> = labels
+                    .iter()
+                    .chain(annotations.iter())
+                    .map(|(key, value)| format!("{key}={value}"))
+                    .collect();
+                Ok(Some(
+                    drift(
+                        "namespace_metadata",
+                        object,
+                        Action::Update,
+                        message.clone(),
+                        !ctx.dry_run,
+                    )
+                    .changed(message, declared.join(", ")),
+                ))
             }
         }
     }
