@@ -21,6 +21,15 @@ const EVENT_ACTION: &str = "DefaultServiceCIDRSync";
 
 impl DefaultServiceCidr {
     async fn warn_event(&self, reason: &str, note: String) {
+        self.event(EventType::Warning, reason, note).await;
+    }
+
+    /// Every repair is an event too (upstream's controller only logs these).
+    async fn repair_event(&self, reason: &str, note: &str) {
+        self.event(EventType::Normal, reason, note.to_owned()).await;
+    }
+
+    async fn event(&self, type_: EventType, reason: &str, note: String) {
         let reference = ObjectReference {
             api_version: Some("networking.k8s.io/v1".to_owned()),
             kind: Some("ServiceCIDR".to_owned()),
@@ -28,7 +37,7 @@ impl DefaultServiceCidr {
             ..ObjectReference::default()
         };
         let event = Event {
-            type_: EventType::Warning,
+            type_,
             reason: reason.to_owned(),
             note: Some(crate::sanitize::sanitize(&note).into()),
             action: EVENT_ACTION.to_owned(),
@@ -88,6 +97,8 @@ impl DefaultServiceCidr {
                         return Err(err.into());
                     }
                 }
+                self.repair_event("DefaultServiceCIDRCreated", &message)
+                    .await;
                 report.push(drift(
                     "servicecidr_missing",
                     object.clone(),
@@ -123,6 +134,8 @@ impl DefaultServiceCidr {
                 {
                     Ok(updated) => {
                         current = Some(updated);
+                        self.repair_event("DefaultServiceCIDRUpgraded", &message)
+                            .await;
                         report.push(drift(
                             "servicecidr_single_stack",
                             object.clone(),
@@ -242,6 +255,7 @@ impl DefaultServiceCidr {
                     .await;
                     return Err(err.into());
                 }
+                self.repair_event("DefaultServiceCIDRReady", &message).await;
                 report.push(drift(
                     "servicecidr_not_ready",
                     object,
