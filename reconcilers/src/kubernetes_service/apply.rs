@@ -104,20 +104,23 @@ impl KubernetesServiceLoop {
                 .await;
             }
         }
-        report.push(drift(
-            "service_missing",
-            object.to_owned(),
-            Action::Create,
-            match (&refused, applied) {
-                (Some(refusal), _) => format!(
-                    "the Service does not exist; the API refused to create it: {}",
-                    refusal.message
-                ),
-                (None, true) => "the Service does not exist; created it".to_owned(),
-                (None, false) => "the Service does not exist; would create it".to_owned(),
-            },
-            applied,
-        ));
+        report.push(
+            drift(
+                "service_missing",
+                object.to_owned(),
+                Action::Create,
+                match (&refused, applied) {
+                    (Some(refusal), _) => format!(
+                        "the Service does not exist; the API refused to create it: {}",
+                        refusal.message
+                    ),
+                    (None, true) => "the Service does not exist; created it".to_owned(),
+                    (None, false) => "the Service does not exist; would create it".to_owned(),
+                },
+                applied,
+            )
+            .changed("absent", "created as kube-apiserver creates it"),
+        );
         Ok(refused)
     }
 

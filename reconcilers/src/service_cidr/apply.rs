@@ -99,13 +99,16 @@ impl DefaultServiceCidr {
                 }
                 self.repair_event("DefaultServiceCIDRCreated", &message)
                     .await;
-                report.push(drift(
-                    "servicecidr_missing",
-                    object.clone(),
-                    Action::Create,
-                    message,
-                    true,
-                ));
+                report.push(
+                    drift(
+                        "servicecidr_missing",
+                        object.clone(),
+                        Action::Create,
+                        message,
+                        true,
+                    )
+                    .changed("absent", format!("CIDRs {}", go_list(&desired))),
+                );
             }
             Plan::UpgradeToDualStack => {
                 let message = format!(
