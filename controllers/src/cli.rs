@@ -513,6 +513,7 @@ mod tests {
                     action: Action::Create,
                     message: "namespace kube-public is missing".to_owned(),
                     applied: false,
+                    change: None,
                 }],
             }),
         };

@@ -80,6 +80,16 @@ pub fn always_leader(metrics: &LeaderMetrics) -> watch::Receiver<bool> {
     receiver
 }
 
+/// Leadership of a dry run: its passes write nothing, so they need no leader to keep two
+/// writers apart, and it joins no election. Taking the Lease would make the real replicas wait
+/// for a process that repairs nothing, so it runs every loop's dry passes ungated and reports
+/// that it does not lead.
+pub fn dry_run(metrics: &LeaderMetrics) -> watch::Receiver<bool> {
+    metrics.is_leader.set(0);
+    let (_sender, receiver) = watch::channel(true);
+    receiver
+}
+
 /// A client for the election whose requests time out, so a hung API cannot keep this replica
 /// believing it leads after its Lease expired: renewals start a renew grace before expiry, and
 /// connecting plus answering must fit in it.

@@ -151,7 +151,9 @@ impl Controller {
                 let metrics = TenantMetrics::register(&mut registry);
                 let identity = config.leader_identity();
                 let shards_cancel = CancellationToken::new();
-                let (ownership, shards) = if config.leader_election.enabled {
+                // A dry run holds no replica Lease: it would count as a replica the real ones
+                // hand tenants to, which it would then only observe.
+                let (ownership, shards) = if config.leader_election.enabled && !config.dry_run {
                     let shards = Shards::spawn(
                         client.clone(),
                         ShardSettings {
@@ -195,6 +197,7 @@ impl Controller {
                     cache_budgets: tenants.clone(),
                     claims_namespace: config.leader_election.lease_namespace.clone(),
                     claims_group: config.leader_election.lease_name.clone(),
+                    dry_run: config.dry_run,
                 };
                 let manager = tenants::spawn(
                     client.clone(),
@@ -261,7 +264,15 @@ impl Controller {
     ) -> Result<tokio::task::JoinHandle<()>, StartError> {
         // Leadership outlives the runner, so passes running at shutdown may finish as leader.
         let leader_cancel = CancellationToken::new();
-        let (leader, leader_task) = if config.leader_election.enabled {
+        let (leader, leader_task) = if config.dry_run {
+            if config.leader_election.enabled {
+                info!(
+                    "dry run: not joining the leader election (a dry run holds no Lease and \
+                     never keeps a real replica from leading); every loop runs its dry passes"
+                );
+            }
+            (leader::dry_run(&leader_metrics), None)
+        } else if config.leader_election.enabled {
             let election_client = leader::election_client(
                 kube_config,
                 config.kubeconfig.as_deref(),

@@ -643,10 +643,19 @@ async fn run_pass(
         Ok(Ok(report)) => {
             metrics.pass(name, "success", took);
             metrics.success(name);
+            // One line per repair, in one shape whatever the loop.
             for drift in report.drift.iter().filter(|drift| drift.applied) {
                 metrics.drift(name, drift.kind, true);
-                // Loops log their own repairs.
-                debug!(object = %Sanitized::new(&drift.object), kind = drift.kind, action = %drift.action, "repaired: {}", Sanitized::new(&drift.message));
+                let change = drift.change();
+                info!(
+                    "loop" = name,
+                    object = %Sanitized::new(&drift.object),
+                    kind = drift.kind,
+                    action = %drift.action,
+                    was = %Sanitized::new(&change.was),
+                    became = %Sanitized::new(&change.became),
+                    "repaired"
+                );
             }
             let mut unrepaired = BTreeMap::<&str, i64>::new();
             for drift in report.drift.iter().filter(|drift| !drift.applied) {
@@ -935,6 +944,7 @@ mod tests {
                             action: Action::Create,
                             message: "created".to_owned(),
                             applied: true,
+                            change: None,
                         }],
                     }),
                     Step::ReportDrift => Ok(PassReport {
@@ -944,6 +954,7 @@ mod tests {
                             action: Action::Report,
                             message: "clusterIP is not the first IP of the range".to_owned(),
                             applied: false,
+                            change: None,
                         }],
                     }),
                     Step::Fail => Err(LoopError::Other("scripted failure".to_owned())),
@@ -1581,5 +1592,59 @@ mod tests {
         );
         assert_eq!(invalid.started.load(Ordering::SeqCst), 1, "not retried");
         assert!(started.elapsed() < Duration::from_secs(60));
+    }
+
+    /// What a subscriber writes, for tests that read the log.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Every repair is one info line of one shape: the loop, the object, what it was and what it
+    /// became; drift left undone is no repair line.
+    #[tokio::test]
+    async fn each_repair_is_one_info_line_naming_loop_object_was_and_became() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let fake = Fake::new("a").script(&[Step::SucceedWithDrift, Step::ReportDrift]);
+        let metrics = RunnerMetrics::register(&mut new_registry());
+        let ctx = PassContext {
+            client: offline_client(),
+            dry_run: false,
+        };
+        let unapplied = reconcilers::findings::ReportOnce::new();
+        for _ in 0..2 {
+            run_pass(&fake, &ctx, &metrics, &unapplied).await.unwrap();
+        }
+        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let repairs: Vec<&str> = log
+            .lines()
+            .filter(|line| line.contains("repaired"))
+            .collect();
+        assert_eq!(repairs.len(), 1, "{log}");
+        for field in [
+            " INFO ",
+            "loop=\"a\"",
+            "object=Namespace/kube-public",
+            "kind=\"namespace_missing\"",
+            "was=created",
+            "became=created",
+        ] {
+            assert!(repairs[0].contains(field), "{field} in {}", repairs[0]);
+        }
     }
 }

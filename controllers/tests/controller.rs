@@ -95,3 +95,110 @@ async fn repairs_and_survives_a_failing_api() -> anyhow::Result<()> {
     sim.shutdown().await;
     Ok(())
 }
+
+/// Lease writes in the simulator's request log (creations, updates, patches, deletions).
+fn lease_writes(sim: &Sim) -> Vec<String> {
+    sim.requests()
+        .into_iter()
+        .filter(|r| r.resource == "leases")
+        .filter(|r| matches!(r.verb.as_str(), "create" | "update" | "patch" | "delete"))
+        .map(|r| format!("{} {}/{}", r.verb, r.namespace, r.name))
+        .collect()
+}
+
+/// The Leases stored, as `namespace/name holder`.
+fn leases(sim: &Sim) -> anyhow::Result<Vec<String>> {
+    Ok(sim
+        .backdoor()
+        .list("leases")?
+        .iter()
+        .map(|lease| {
+            format!(
+                "{}/{} {}",
+                lease["metadata"]["namespace"].as_str().unwrap_or_default(),
+                lease["metadata"]["name"].as_str().unwrap_or_default(),
+                lease["spec"]["holderIdentity"].as_str().unwrap_or_default()
+            )
+        })
+        .collect())
+}
+
+/// A dry run holds no Lease of any kind: started first, with leader election on (the default)
+/// and the endpoints in `lease` mode, it runs its loops' dry passes without leading and writes
+/// neither the leader-election Lease nor a membership Lease; a real replica started after it
+/// leads at once and repairs a deleted namespace.
+#[tokio::test]
+async fn a_dry_run_holds_no_lease_and_never_keeps_a_real_replica_from_leading() -> anyhow::Result<()>
+{
+    let sim = Sim::start(SimConfig {
+        namespace_finalize_delay: Duration::from_millis(50),
+        ..SimConfig::default()
+    })
+    .await?;
+    let kube_config = kubeconfig::load(Some(sim.kubeconfig_path())).await?;
+    let namespaces: Api<Namespace> = Api::all(sim.client());
+
+    let dry_args = ConfigArgs {
+        admin_addr: Some("127.0.0.1:0".to_owned()),
+        dry_run: Some(true),
+        leader_elect_identity: Some("dry-run".to_owned()),
+        leader_elect_lease_duration: Some("2s".to_owned()),
+        leader_elect_renew_grace: Some("1s".to_owned()),
+        endpoint_reconciler_type: Some(bootstrap_controller::config::EndpointsMode::Lease),
+        advertise_address: Some("192.0.2.1".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let mut dry_config = Config::merge(&dry_args, FileConfig::default())?;
+    dry_config.loops.service_cidr.enabled = false;
+    dry_config.loops.cluster_ip_repair.enabled = false;
+    dry_config.loops.node_port_repair.enabled = false;
+    let dry = Controller::start(
+        &dry_config,
+        &kube_config,
+        kube::Client::try_from(kube_config.clone())?,
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
+    // Ready means every loop, the leader-only ones included, had a (dry) pass.
+    eventually("the dry run's passes", || async {
+        dry.health.readiness().ready
+    })
+    .await;
+    assert!(
+        !exists(&namespaces, "kube-public").await,
+        "a dry run creates nothing"
+    );
+    assert_eq!(lease_writes(&sim), Vec::<String>::new(), "no Lease written");
+    assert_eq!(leases(&sim)?, Vec::<String>::new());
+
+    let mut real_config = config()?;
+    real_config.leader_election.identity = "real".to_owned();
+    let real = Controller::start(
+        &real_config,
+        &kube_config,
+        kube::Client::try_from(kube_config.clone())?,
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
+    eventually("the real replica leads and creates kube-public", || async {
+        exists(&namespaces, "kube-public").await
+    })
+    .await;
+    sim.backdoor().delete("namespaces", "", "kube-public")?;
+    eventually("kube-public back", || async {
+        exists(&namespaces, "kube-public").await
+    })
+    .await;
+    assert_eq!(
+        leases(&sim)?,
+        ["kube-system/bootstrap-controller real"],
+        "the real replica holds the only Lease"
+    );
+
+    for controller in [real, dry] {
+        controller.cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(30), controller.wait()).await?;
+    }
+    sim.shutdown().await;
+    Ok(())
+}

@@ -309,10 +309,13 @@ async fn config_md_documents_every_metric() {
     use bootstrap_controller::leader::LeaderMetrics;
     use bootstrap_controller::metrics::{RunnerMetrics, new_registry};
 
-    // With a range: without one the service-cidr loop is not built.
+    // With a range (without one the service-cidr loop is not built) and an endpoints mode
+    // (without one the endpoints loops are not).
     let config = Config::load(&ConfigArgs {
         leader_elect: Some(true),
         service_cluster_ip_range: Some("10.96.0.0/12".to_owned()),
+        endpoint_reconciler_type: Some(bootstrap_controller::config::EndpointsMode::Lease),
+        advertise_address: Some("192.0.2.10".to_owned()),
         ..ConfigArgs::default()
     })
     .expect("the default configuration is valid");

@@ -159,7 +159,7 @@ async fn main() -> Result<()> {
         std::fs::write(
             &config,
             format!(
-                "serviceClusterIPRange: 10.96.0.0/12\nloops:\n  apiserverEndpoints:\n    interval: {}\n    leaseTTL: {}\n    readyzURL: {url}\n",
+                "serviceClusterIPRange: 10.96.0.0/12\nendpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    interval: {}\n    leaseTTL: {}\n    readyzURL: {url}\n",
                 args.interval, args.ttl
             ),
         )?;

@@ -41,6 +41,8 @@ async fn main() -> Result<()> {
             &[
                 "--service-cluster-ip-range",
                 "10.96.0.0/12",
+                "--endpoint-reconciler-type",
+                "lease",
                 "--advertise-address",
                 &address,
             ],

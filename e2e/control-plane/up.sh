@@ -233,7 +233,7 @@ cat <<EOF
 A control plane runs in $dir: etcd $etcd_url$([ "$etcd_started" = true ] || echo ' (shared, not started here)') prefix $etcd_prefix, $apiservers kube-apiserver(s) ($(sed -n 's/^APISERVER_\([0-9]\)_URL=/\1: /p' "$dir/env" | paste -sd' ')), kube-controller-manager.
   export KUBECONFIG=$dir/admin.kubeconfig
   kubectl get namespaces
-  bootstrap-controller run --kubeconfig $dir/admin.kubeconfig --advertise-address 192.0.2.1 --secure-port ${ports[2]}
+  bootstrap-controller run --kubeconfig $dir/admin.kubeconfig --endpoint-reconciler-type lease --advertise-address 192.0.2.1 --secure-port ${ports[2]}
   $here/kubeconfig.sh $dir NAME [--group GROUP]   # a kubeconfig for another user (RBAC tests)
 Stop it with: $here/down.sh $dir
 EOF

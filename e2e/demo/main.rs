@@ -24,7 +24,7 @@ use kube::runtime::watcher;
 use bootstrap_controller::cli::{
     EXIT_CONFIG, EXIT_DRIFT_OR_FAILURE, EXIT_OK, cancel_on_signals, init_logging,
 };
-use bootstrap_controller::config::{Config, ConfigArgs};
+use bootstrap_controller::config::{Config, ConfigArgs, EndpointsMode};
 use bootstrap_controller::process::Controller;
 use clap::Parser;
 use reconcilers::system_namespaces::NamespaceSpec;
@@ -118,6 +118,11 @@ async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
     // One replica, a throwaway admin port, and a namespace with a label to break.
     config.leader_election.enabled = false;
     config.admin_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    // The demo's controller stands in for the sidecar of the simulated apiserver, so it names
+    // lease mode, as a sidecar's manifest does, unless the file chose another.
+    if config.endpoint_reconciler_type.is_none() {
+        config.endpoint_reconciler_type = Some(EndpointsMode::Lease);
+    }
     // Membership at demo speed: a killed member goes after seconds, not upstream's 15 s.
     config.loops.apiserver_endpoints.interval = Duration::from_secs(1);
     config.loops.apiserver_endpoints.lease_ttl = Duration::from_secs(3);

@@ -106,7 +106,7 @@ def test_check_in_the_image_against_a_simulator_outside(image):
             )
         finally:
             sim.stop()
-    # A fresh simulator has drift to report (missing namespaces, Service, endpoints): exit 1,
+    # A fresh simulator has drift to report (missing namespaces, the Service): exit 1,
     # naming it; 2 would mean it could not reach the API or read its configuration.
     assert done.returncode == 1, done.stdout + done.stderr
     assert "kube-public" in done.stdout, done.stdout

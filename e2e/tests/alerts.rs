@@ -211,6 +211,8 @@ async fn scenario() -> Result<()> {
         &[
             "--service-cluster-ip-range",
             &range,
+            "--endpoint-reconciler-type",
+            "lease",
             "--advertise-address",
             "192.0.2.10",
         ],

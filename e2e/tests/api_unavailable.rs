@@ -33,6 +33,8 @@ async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
             // The range of the simulator that appears later.
             "--service-cluster-ip-range",
             common::SIM_SERVICE_RANGE,
+            "--endpoint-reconciler-type",
+            "lease",
             "--advertise-address",
             "192.0.2.1",
             "--leader-elect=false",
@@ -150,6 +152,8 @@ async fn a_new_cluster_is_set_up_without_a_warning() -> Result<()> {
         &[
             "--service-cluster-ip-range",
             &sim.service_range,
+            "--endpoint-reconciler-type",
+            "lease",
             "--advertise-address",
             "192.0.2.1",
         ],

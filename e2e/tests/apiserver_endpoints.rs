@@ -51,7 +51,7 @@ impl Member {
         std::fs::write(
             &config,
             format!(
-                "serviceClusterIPRange: {range}\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: {ttl}\n    readyzURL: {}\n",
+                "serviceClusterIPRange: {range}\nendpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: {ttl}\n    readyzURL: {}\n",
                 readyz.url()
             ),
         )?;
@@ -279,14 +279,14 @@ async fn seeded(extra: &[&str]) -> Result<Target> {
     Target::start_with(&args).await
 }
 
-/// The endpoints tests' configuration: `serviceClusterIPRange` (unless `None`), a 1 s interval,
+/// The endpoints tests' configuration: `serviceClusterIPRange` (unless `None`), `lease` mode, a 1 s interval,
 /// a 3 s Lease TTL and `lines` more under `loops.apiserverEndpoints` (each ending in a newline).
 fn endpoints_config(range: Option<&str>, lines: &str) -> Result<ConfigFile> {
     let range = range
         .map(|range| format!("serviceClusterIPRange: {range}\n"))
         .unwrap_or_default();
     ConfigFile::new(&format!(
-        "{range}loops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n{lines}"
+        "{range}endpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n{lines}"
     ))
 }
 
@@ -604,7 +604,7 @@ async fn sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones(
     std::fs::write(
         &config,
         format!(
-            "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 30s\n    leaseTTL: 5m\n",
+            "serviceClusterIPRange: {}\nendpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    interval: 30s\n    leaseTTL: 5m\n",
             sim.service_range
         ),
     )?;
@@ -1215,6 +1215,119 @@ async fn the_other_writer_of_a_repaired_object_is_named_once() -> Result<()> {
             .count(),
         1,
         "{log}"
+    );
+    Ok(())
+}
+
+/// With no endpoints mode named (flag, variable, file key), `run` leaves the `kubernetes`
+/// Endpoints alone: no endpoints loop (none in `/readyz`), no membership Lease, no write to the
+/// Endpoints or its slice, and one info line naming the flag to set; `check` reports nothing
+/// about members and finds a healthy cluster clean. Against the simulator only: the test plants
+/// a `kubernetes` Endpoints a real cluster's clients depend on.
+#[tokio::test]
+async fn with_no_mode_named_run_and_check_leave_the_endpoints_alone() -> Result<()> {
+    let sim = SimProcess::start(&[
+        "--seed-namespace",
+        "default",
+        "--seed-namespace",
+        "kube-system",
+    ])
+    .await?;
+    let client = common::client_from(&sim.kubeconfig).await?;
+    let endpoints: Api<Endpoints> = Api::namespaced(client.clone(), "default");
+    // What another writer (kube-apiserver's own reconciler, an operator) keeps there.
+    let planted: Endpoints = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kubernetes", "namespace": "default"},
+        "subsets": [{
+            "addresses": [{"ip": "192.0.2.50"}],
+            "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]
+        }]
+    }))?;
+    let planted = endpoints.create(&PostParams::default(), &planted).await?;
+    sim.clear_requests().await?;
+
+    let mut controller = ControllerProcess::start(&sim.kubeconfig, &[])?;
+    controller.wait_ready().await?;
+    // Every loop this replica runs has had a successful pass once `/readyz` has no failing
+    // line and the leader's namespaces loop created kube-public.
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    let readyz = eventually("every loop passed once", CONVERGE, || async {
+        let (status, body) = controller.admin_get("/readyz?verbose").await?;
+        let created = namespaces.get_opt("kube-public").await?.is_some();
+        Ok((status == 200 && created && !body.contains("[-]")).then_some(body))
+    })
+    .await?;
+    assert!(
+        !readyz.contains("apiserver-"),
+        "no endpoints loop is built:\n{readyz}"
+    );
+    assert!(
+        readyz.contains("[+]system-namespaces ok"),
+        "the other loops run:\n{readyz}"
+    );
+    let kept = endpoints.get("kubernetes").await?;
+    assert_eq!(
+        common::endpoints_addresses_and_ports(kept.clone()),
+        (vec!["192.0.2.50".to_owned()], vec![6443]),
+        "the planted endpoints are kept"
+    );
+    assert_eq!(
+        kept.metadata.resource_version, planted.metadata.resource_version,
+        "never written"
+    );
+    let endpoint_writes: Vec<String> = writes(&sim)
+        .await?
+        .into_iter()
+        .filter(|write| !write.contains(" services "))
+        .collect();
+    assert_eq!(endpoint_writes, Vec::<String>::new(), "no endpoints write");
+    let leases: Vec<String> = Api::<Lease>::all(client.clone())
+        .list(&Default::default())
+        .await?
+        .into_iter()
+        .map(|lease| {
+            let namespace = lease.metadata.namespace.unwrap_or_default();
+            format!("{namespace}/{}", lease.metadata.name.unwrap_or_default())
+        })
+        .collect();
+    assert_eq!(
+        leases,
+        ["kube-system/bootstrap-controller"],
+        "the leader's Lease and no membership Lease"
+    );
+    let log = controller.log();
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("no endpoint reconciler type is named"))
+        .collect();
+    assert_eq!(said.len(), 1, "said once:\n{log}");
+    assert!(
+        said[0].contains("INFO") && said[0].contains("--endpoint-reconciler-type"),
+        "at info, naming the flag: {}",
+        said[0]
+    );
+    controller.terminate()?;
+
+    let out = run_controller(&[
+        "check",
+        "--kubeconfig",
+        &sim.kubeconfig.display().to_string(),
+    ])?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "check with nothing named is clean; stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !stdout.contains("no_members") && !stdout.contains("apiserver-"),
+        "nothing about members:\n{stdout}"
+    );
+    assert_eq!(
+        endpoints.get("kubernetes").await?.metadata.resource_version,
+        planted.metadata.resource_version,
+        "check wrote nothing"
     );
     Ok(())
 }

@@ -48,7 +48,7 @@ async fn events_with(events: &Api<Event>, reason: &str, uid: &str) -> Result<Opt
         .into_iter()
         .find(|e| {
             e.reason.as_deref() == Some(reason)
-                && e.reporting_controller.as_deref() == Some("ipallocator-repair-controller")
+                && e.reporting_controller.as_deref() == Some("bootstrap-controller")
                 && e.regarding
                     .as_ref()
                     .and_then(|r| r.uid.as_deref())

@@ -165,6 +165,8 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
         &[
             "--service-cluster-ip-range",
             &range,
+            "--endpoint-reconciler-type",
+            "lease",
             "--advertise-address",
             ADVERTISED,
             "--leader-elect=false",

@@ -22,10 +22,10 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 use kube::api::ListParams;
 
-/// Short intervals so membership changes show within seconds; repair loops off (not under test).
+/// `lease` mode with short intervals so membership changes show within seconds; repair loops off (not under test).
 fn endpoints_config(extra: &str) -> Result<ConfigFile> {
     ConfigFile::new(&format!(
-        "loops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n{extra}  \
+        "endpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    interval: 1s\n    leaseTTL: 3s\n{extra}  \
          kubernetesService:\n    interval: 2s\n  serviceCIDR: {{enabled: false}}\n  \
          clusterIPRepair: {{enabled: false}}\n"
     ))

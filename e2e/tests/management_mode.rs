@@ -632,3 +632,80 @@ async fn replicas_share_the_tenants_and_never_write_one_from_two() -> Result<()>
     ensure!(second.is_running(), "{}", second.log());
     Ok(())
 }
+
+/// A dry run in management mode holds no Lease (no replica Lease, no etcd-claim record): it runs
+/// every tenant's dry passes itself, writing nothing anywhere, and a real replica started after
+/// it runs every tenant, none of them handed to the dry run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_holds_no_replica_lease_and_takes_no_tenant_from_a_real_replica() -> Result<()> {
+    const TENANTS: usize = 3;
+    let fleet = fleet(TENANTS).await?;
+    let all: Vec<usize> = (0..TENANTS).collect();
+    let sharing = [
+        "--leader-elect-lease-namespace",
+        "tenants",
+        "--leader-elect-lease-duration",
+        "3s",
+        "--leader-elect-renew-grace",
+        "1s",
+    ];
+    let running = |body: &str| {
+        body.lines()
+            .filter(|line| line.starts_with("[+]tenant ") && line.ends_with(" ok"))
+            .count()
+    };
+    let mut dry = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(
+            &[
+                &sharing[..],
+                &["--leader-elect-identity", "dry-run", "--dry-run"],
+            ]
+            .concat(),
+        ),
+    )?;
+    dry.wait_ready().await?;
+    eventually("the dry run passes every tenant", CONVERGE, || async {
+        let (_, body) = dry.admin_get("/readyz?verbose").await?;
+        Ok((running(&body) == TENANTS).then_some(()))
+    })
+    .await
+    .with_context(|| dry.log())?;
+    let lease_writes: Vec<String> = fleet
+        .management()
+        .requests()
+        .into_iter()
+        .filter(|r| r.resource == "leases")
+        .filter(|r| matches!(r.verb.as_str(), "create" | "update" | "patch" | "delete"))
+        .map(|r| format!("{} {}/{}", r.verb, r.namespace, r.name))
+        .collect();
+    ensure!(
+        lease_writes.is_empty(),
+        "the dry run wrote Leases: {lease_writes:?}"
+    );
+    for i in &all {
+        let tenant = fleet.tenant(*i).context("tenant")?;
+        ensure!(
+            writes(tenant).is_empty(),
+            "the dry run wrote to tenant {i}: {:?}",
+            writes(tenant)
+        );
+    }
+
+    let mut real = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&[&sharing[..], &["--leader-elect-identity", "real"]].concat()),
+    )?;
+    real.wait_ready().await?;
+    wait_converged(&fleet, &all).await?;
+    eventually("the real replica runs every tenant", CONVERGE, || async {
+        let (_, body) = real.admin_get("/readyz?verbose").await?;
+        Ok((running(&body) == TENANTS).then_some(()))
+    })
+    .await
+    .with_context(|| real.log())?;
+    ensure!(dry.is_running(), "{}", dry.log());
+    real.terminate()?;
+    dry.terminate()?;
+    Ok(())
+}

@@ -37,7 +37,8 @@ async fn port_events(events: &Api<Event>) -> Result<Vec<(String, String, String)
         .await?
         .items
         .into_iter()
-        .filter(|e| e.reporting_controller.as_deref() == Some("portallocator-repair-controller"))
+        .filter(|e| e.reporting_controller.as_deref() == Some("bootstrap-controller"))
+        .filter(|e| e.action.as_deref() == Some("PortAllocation"))
         .map(|e| {
             (
                 e.reason.unwrap_or_default(),

@@ -15,6 +15,7 @@ use common::{ConfigFile, ControllerProcess, RequestsAtRest, SimProcess};
 
 /// Every loop on, every interval short: a timer pass that reads would show many times over.
 const CONFIG: &str = "\
+endpointReconcilerType: lease
 loops:
   systemNamespaces: {interval: 2s}
   kubernetesService: {interval: 2s}

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Result, ensure};
 use common::{CONVERGE, ControllerProcess, Target, eventually, kubectl, run_controller};
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::DeleteParams;
 
@@ -139,6 +140,24 @@ async fn creates_system_namespaces_and_heals_deletions() -> Result<()> {
     )?;
     ensure!(out.status.success(), "kubectl delete failed: {out:?}");
     recreated(&namespaces, "kube-node-lease", before).await?;
+
+    // Every repair has its event, from this controller, on the namespace it made.
+    let uid = live_uid(&namespaces, "kube-node-lease").await?;
+    let events: Api<Event> = Api::namespaced(target.client().await?, "default");
+    eventually("the repair's event", CONVERGE, || async {
+        let found = events
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("SystemNamespaceCreated")
+                    && e.reporting_controller.as_deref() == Some("bootstrap-controller")
+                    && e.regarding.as_ref().and_then(|r| r.uid.clone()) == uid
+            });
+        Ok(found.then_some(()))
+    })
+    .await?;
 
     ensure!(
         controller.is_running(),

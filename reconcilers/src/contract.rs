@@ -113,6 +113,42 @@ pub struct Drift {
     pub message: String,
     /// Whether the write was made in this pass (false in dry-run and for [`Action::Report`]).
     pub applied: bool,
+    /// What the object was and what the repair made it, when the loop can say it more exactly
+    /// than [`Drift::change`] does from the message and the action.
+    pub change: Option<Change>,
+}
+
+/// An object before and after a repair, as the repair's log line shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Change {
+    pub was: String,
+    pub became: String,
+}
+
+impl Drift {
+    /// The same drift, saying what the object was and what the repair made it.
+    pub fn changed(mut self, was: impl Into<String>, became: impl Into<String>) -> Self {
+        self.change = Some(Change {
+            was: was.into(),
+            became: became.into(),
+        });
+        self
+    }
+
+    /// What the object was and became: the loop's own words, else the message (what was wrong)
+    /// and the action (what was done about it).
+    pub fn change(&self) -> Change {
+        self.change.clone().unwrap_or_else(|| Change {
+            was: self.message.clone(),
+            became: match self.action {
+                Action::Create => "created",
+                Action::Update => "repaired",
+                Action::Delete => "deleted",
+                Action::Report => "left as it is",
+            }
+            .to_owned(),
+        })
+    }
 }
 
 impl fmt::Display for Drift {
@@ -259,6 +295,7 @@ pub fn drift(
         action,
         message: message.into(),
         applied,
+        change: None,
     }
 }
 

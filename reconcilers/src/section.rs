@@ -52,7 +52,8 @@ pub struct Settings {
     pub kubernetes_service_node_port: Option<u16>,
     /// `advertiseAddress` as configured (loops that need one fall back to the default route).
     pub advertise_address: Option<IpAddr>,
-    /// `endpointReconcilerType`.
+    /// `endpointReconcilerType`; `None` when the operator named no mode, so the endpoints are
+    /// left alone.
     pub endpoint_mode: EndpointsMode,
     /// `apiserverCount`.
     pub apiserver_count: u32,
@@ -70,11 +71,10 @@ pub struct Settings {
 }
 
 /// `--endpoint-reconciler-type`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum EndpointsMode {
-    /// Membership from per-instance Leases (default).
-    #[default]
+    /// Membership from per-instance Leases.
     Lease,
     /// Addresses from configuration: IPs and DNS names, re-resolved every interval.
     Static,
@@ -134,10 +134,12 @@ impl Settings {
     }
 }
 
-/// kube-apiserver's defaults, which the controller's empty configuration gives too (its tests
-/// compare the two): no range configured (read from the cluster), node ports 30000-32767,
-/// `securePort` 6443, no node port for `kubernetes`, no advertise address, `lease` endpoints, one
-/// apiserver, `default/kubernetes`; no identity, leader Lease or etcd, which belong to a replica.
+/// The controller's empty configuration, which its tests compare with this: kube-apiserver's
+/// defaults (no range configured: read from the cluster; node ports 30000-32767, `securePort`
+/// 6443, no node port for `kubernetes`, no advertise address, one apiserver,
+/// `default/kubernetes`) except the endpoints, which are left alone (`none`) until the operator
+/// names a mode: a process started with nothing chosen must not rewrite them with its host's
+/// address. No identity, leader Lease or etcd, which belong to a replica.
 impl Default for Settings {
     fn default() -> Self {
         Settings {
@@ -146,7 +148,7 @@ impl Default for Settings {
             secure_port: 6443,
             kubernetes_service_node_port: None,
             advertise_address: None,
-            endpoint_mode: EndpointsMode::Lease,
+            endpoint_mode: EndpointsMode::None,
             apiserver_count: 1,
             kubernetes_service: ServiceName {
                 namespace: "default".to_owned(),

@@ -37,6 +37,7 @@ fn cfg(address: &str) -> Cfg {
         settings: Settings {
             advertise_address: Some(ip(address)),
             identity: format!("test-{address}"),
+            endpoint_mode: EndpointsMode::Lease,
             ..common::settings(&[])
         },
     }

@@ -262,6 +262,12 @@ async fn with_the_opt_in_an_empty_range_is_filled_in() {
     let mut expected = vec![setup.web.clone(), "10.96.0.20".to_owned()];
     expected.sort_by_key(|ip| offset(ip));
     assert_eq!(ips_of(&value.value), expected);
+    assert!(
+        common::event_reasons(&setup.sim)
+            .iter()
+            .any(|reason| reason == "ClusterIPBitmapRebuilt"),
+        "every repair has its event"
+    );
 
     setup.settled_at(&value).await;
 }

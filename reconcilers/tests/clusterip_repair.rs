@@ -229,7 +229,7 @@ async fn repair_events(client: &Client, reason: &str) -> Result<Vec<Event>> {
         .items
         .into_iter()
         .filter(|e| e.reason.as_deref() == Some(reason))
-        .filter(|e| e.reporting_controller.as_deref() == Some("ipallocator-repair-controller"))
+        .filter(|e| e.reporting_controller.as_deref() == Some("bootstrap-controller"))
         .collect())
 }
 
@@ -359,7 +359,7 @@ async fn default_service_cidr_is_created_upgraded_and_reported() -> Result<()> {
     );
     assert_eq!(
         inconsistent[0].reporting_controller.as_deref(),
-        Some("kubernetes-service-cidr-controller")
+        Some("bootstrap-controller")
     );
 
     // Cleared (the object replaced by one matching `other`) and back: reported again, once.

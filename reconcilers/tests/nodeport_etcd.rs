@@ -189,13 +189,20 @@ async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() 
     let value = store.get(KEY).await.unwrap().unwrap();
     assert_eq!(ports_of(&value.value), vec![30080, 30081]);
 
-    // One PortNotAllocated event, on the Service holding the port.
+    // One PortNotAllocated event, on the Service holding the port, and one for the release.
     assert_eq!(
         common::event_reasons(&sim)
             .iter()
             .filter(|reason| *reason == "PortNotAllocated")
             .count(),
         1
+    );
+    let released = events(&sim, "PortReleased");
+    assert_eq!(released.len(), 1, "{:?}", common::event_reasons(&sim));
+    assert_eq!(released[0]["reportingController"], "bootstrap-controller");
+    assert!(
+        released[0]["note"].as_str().unwrap().contains("30500"),
+        "{released:?}"
     );
 }
 
@@ -416,10 +423,7 @@ async fn a_bitmap_under_another_range_is_reported_once_and_left_alone() {
     assert_eq!(reported.len(), 1, "{reported:?}");
     let event = &reported[0];
     assert_eq!(event["type"], "Warning");
-    assert_eq!(
-        event["reportingController"],
-        "portallocator-repair-controller"
-    );
+    assert_eq!(event["reportingController"], "bootstrap-controller");
     assert_eq!(event["regarding"]["kind"], "Service");
     assert_eq!(event["regarding"]["namespace"], "default");
     assert_eq!(event["regarding"]["name"], "kubernetes");
@@ -513,6 +517,11 @@ async fn with_the_opt_in_an_empty_range_is_filled_in() {
     );
     assert_eq!(harness.errors("repair"), 1);
     assert!(events(&sim, "NodePortRangeMismatch").is_empty());
+    assert_eq!(
+        events(&sim, "NodePortBitmapRebuilt").len(),
+        1,
+        "every repair has its event"
+    );
 }
 
 /// With the opt-in, the apiserver's range grew from 30000-30999 to 30000-32767: the bitmap is

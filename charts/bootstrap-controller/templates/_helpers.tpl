@@ -48,9 +48,10 @@ Leases. */}}
 {{- end -}}
 {{- end }}
 
-{{/* The endpoint reconciler type in effect (the binary's default is `lease`). */}}
+{{/* The endpoint reconciler type in effect: left unset, the binary builds no endpoints loop and
+leaves the endpoints alone, as with `none`. */}}
 {{- define "bootstrap-controller.endpointMode" -}}
-{{- default "lease" .Values.config.endpointReconcilerType -}}
+{{- default "none" .Values.config.endpointReconcilerType -}}
 {{- end }}
 
 {{/* The namespace of the membership Leases (`lease` mode): the one configured, else the

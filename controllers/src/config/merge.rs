@@ -149,6 +149,11 @@ impl Config {
         })
     }
 
+    /// The endpoints' mode the loops follow: the one named, else `none`.
+    pub fn endpoint_mode(&self) -> EndpointsMode {
+        self.endpoint_reconciler_type.unwrap_or(EndpointsMode::None)
+    }
+
     /// What the loops read outside their own sections.
     pub fn settings(&self) -> Settings {
         Settings {
@@ -158,7 +163,7 @@ impl Config {
             kubernetes_service_node_port: (self.kubernetes_service_node_port != 0)
                 .then_some(self.kubernetes_service_node_port),
             advertise_address: self.advertise_address,
-            endpoint_mode: self.endpoint_reconciler_type,
+            endpoint_mode: self.endpoint_mode(),
             apiserver_count: self.apiserver_count,
             kubernetes_service: ServiceName {
                 namespace: self.loops.kubernetes_service.namespace.clone(),
@@ -287,8 +292,7 @@ impl Config {
         let endpoint_reconciler_type = given
             .endpoint_reconciler_type
             .take()
-            .map(|source| source.value)
-            .unwrap_or_default();
+            .map(|source| source.value);
 
         let apiserver_count = match given.apiserver_count.take() {
             Some(source) => match source.value {
@@ -320,7 +324,7 @@ impl Config {
             advertise_address,
             service_cluster_ip_range.first(),
             advertise_address_source.as_ref(),
-        ) && endpoint_reconciler_type != EndpointsMode::None
+        ) && endpoint_reconciler_type.is_some_and(|mode| mode != EndpointsMode::None)
             && address.is_ipv4() != primary.addr().is_ipv4()
         {
             errors.push(ConfigError::new(

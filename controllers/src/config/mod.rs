@@ -69,7 +69,10 @@ pub struct Config {
     pub advertise_address: Option<IpAddr>,
     pub secure_port: u16,
     pub kubernetes_service_node_port: u16,
-    pub endpoint_reconciler_type: EndpointsMode,
+    /// `None` when no flag, variable or file key names a mode: the endpoints loop is then not
+    /// built, so a process started with nothing chosen never rewrites the cluster's endpoints.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint_reconciler_type: Option<EndpointsMode>,
     pub apiserver_count: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<PathBuf>,

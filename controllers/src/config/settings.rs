@@ -205,7 +205,7 @@ settings! {
 
     /// IP address this apiserver advertises to the cluster (its address in the `kubernetes`
     /// endpoints). Its family must match the primary service range's unless the endpoint
-    /// reconciler is `none`. [default: the default-route address of the primary range's family,
+    /// reconciler is `none` or unset. [default: the default-route address of the primary range's family,
     /// as kube-apiserver]
     advertise_address: String = "advertise-address", "BOOTSTRAP_ADVERTISE_ADDRESS", "IP";
         file "advertiseAddress": String;
@@ -221,9 +221,11 @@ settings! {
         "BOOTSTRAP_KUBERNETES_SERVICE_NODE_PORT", "PORT";
         file "kubernetesServiceNodePort": u32 => Result<u32, NotANumber> = parse_u32;
 
-    /// How the `kubernetes` endpoints are maintained: `lease` (one Lease per apiserver),
-    /// `static` (addresses from the configuration file), `master-count` (upstream's deprecated
-    /// reconciler, with --apiserver-count) or `none` (the endpoints loop is off). [default: lease]
+    /// How the `kubernetes` endpoints are maintained: `lease` (one Lease per apiserver: a
+    /// sidecar beside each kube-apiserver), `static` (addresses from the configuration file),
+    /// `master-count` (upstream's deprecated reconciler, with --apiserver-count) or `none`.
+    /// Unset, the endpoints loop is off: nothing is written unless a mode is named.
+    /// [default: unset (the endpoints loop is off)]
     #[arg(value_parser = endpoint_reconciler_type_parser())]
     endpoint_reconciler_type: EndpointsMode = "endpoint-reconciler-type",
         "BOOTSTRAP_ENDPOINT_RECONCILER_TYPE", "TYPE";
@@ -262,8 +264,9 @@ settings! {
     etcd_prefix: String = "etcd-prefix", "BOOTSTRAP_ETCD_PREFIX", "PREFIX";
         file "etcdPrefix": String;
 
-    /// Compute and report every write without making it (logs, metrics, `check`).
-    /// `--dry-run` alone means true. [default: false]
+    /// Compute and report every write without making it (logs, metrics, `check`). A dry run
+    /// holds no Lease (it joins no leader election) and runs every loop's dry passes, so it
+    /// never keeps a real replica from leading. `--dry-run` alone means true. [default: false]
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     dry_run: bool = "dry-run", "BOOTSTRAP_DRY_RUN", "BOOL";
         file "dryRun": bool;

@@ -353,7 +353,7 @@ impl TenantBase {
                 format!("{:?} {why}", config.etcd_prefix),
             )]));
         }
-        match config.endpoint_reconciler_type {
+        match config.endpoint_mode() {
             EndpointsMode::Static | EndpointsMode::None => Ok(config),
             other => Err(ConfigErrors(vec![ConfigError::new(
                 field("endpointReconcilerType"),

@@ -50,7 +50,7 @@ fn kubernetes_service_and_endpoints_sections() {
     );
 
     rejected(
-        "advertiseAddress: 192.0.2.1\nloops:\n  apiserverEndpoints:\n    leaseTTL: 10s\n",
+        "advertiseAddress: 192.0.2.1\nendpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    leaseTTL: 10s\n",
         "loops.apiserverEndpoints.leaseTTL",
         &[],
     );
@@ -78,7 +78,7 @@ fn kubernetes_service_and_endpoints_sections() {
     );
 
     rejected(
-        "advertiseAddress: 192.0.2.1\nloops:\n  apiserverEndpoints:\n    readyzURL: localhost:6443\n",
+        "advertiseAddress: 192.0.2.1\nendpointReconcilerType: lease\nloops:\n  apiserverEndpoints:\n    readyzURL: localhost:6443\n",
         "loops.apiserverEndpoints.readyzURL",
         &[],
     );
@@ -103,7 +103,11 @@ fn defaults_match_upstream() {
         }
     );
     assert_eq!(config.secure_port, 6443);
-    assert_eq!(config.endpoint_reconciler_type, EndpointsMode::Lease);
+    assert_eq!(
+        config.endpoint_reconciler_type, None,
+        "no mode is assumed: the endpoints are left alone until one is named"
+    );
+    assert_eq!(config.settings().endpoint_mode, EndpointsMode::None);
     assert_eq!(config.admin_addr, "0.0.0.0:8080".parse().unwrap());
     assert_eq!(
         config.loops.system_namespaces.interval,
@@ -472,12 +476,24 @@ fn a_numeric_flag_that_is_no_number_is_quoted_plainly() {
 fn apiserver_count_and_advertise_address() {
     rejected("apiserverCount: 0\n", "apiserverCount", &[]);
     rejected(
-        "serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\n",
+        "serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\nendpointReconcilerType: lease\n",
         "advertiseAddress",
         &["IPv6"],
     );
-    let config = from_yaml("advertiseAddress: fd00::1\nendpointReconcilerType: none\n").unwrap();
-    assert_eq!(config.advertise_address, Some("fd00::1".parse().unwrap()));
+    for mode in [
+        "none\n",
+        "none\nserviceClusterIPRange: 10.96.0.0/12\n",
+        "master-count\n",
+    ] {
+        let config = from_yaml(&format!(
+            "advertiseAddress: fd00::1\nendpointReconcilerType: {mode}"
+        ))
+        .unwrap();
+        assert_eq!(config.advertise_address, Some("fd00::1".parse().unwrap()));
+    }
+    // Named by no one, no endpoints are written, so the address's family does not matter.
+    let unnamed = from_yaml("serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\n");
+    assert_eq!(unnamed.unwrap().endpoint_reconciler_type, None);
     rejected(
         "advertiseAddress: not-an-ip\n",
         "advertiseAddress",
@@ -598,7 +614,7 @@ fn a_tenant_fragment_merges_over_the_file_and_is_validated_as_the_file() {
         "serviceClusterIPRange: 10.96.0.0/12\ntenants:\n  secretSelector: a=b\nloops:\n  systemNamespaces:\n    interval: 5s\n",
     );
     let defaults = base.tenant(None).unwrap();
-    assert_eq!(defaults.endpoint_reconciler_type, EndpointsMode::None);
+    assert_eq!(defaults.endpoint_reconciler_type, Some(EndpointsMode::None));
     assert_eq!(defaults.tenants, None, "a tenant is one cluster");
     assert_eq!(
         defaults.service_cluster_ip_range,

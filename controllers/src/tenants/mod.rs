@@ -97,6 +97,8 @@ pub struct TenantSettings {
     /// namespace, and the replicas' group (the Lease name) their names start with.
     pub claims_namespace: String,
     pub claims_group: String,
+    /// A dry run writes no etcd-claim record: it holds no Lease of any kind.
+    pub dry_run: bool,
 }
 
 /// What the runtime of a tenant is made from: any change restarts the tenant.
@@ -596,7 +598,9 @@ impl Manager {
                 .set(counts.get(state).copied().unwrap_or(0));
         }
         self.directory.replace(entries);
-        self.keep_records(secrets);
+        if !self.settings.dry_run {
+            self.keep_records(secrets);
+        }
     }
 
     /// Starts loading a tenant's Secret in a task of its own, bounded by [`LOAD_TIMEOUT`].

@@ -11,6 +11,7 @@ use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
 
 const CONFIG: &str = "\
+endpointReconcilerType: lease
 loops:
   systemNamespaces: {interval: 2s}
   kubernetesService: {interval: 2s}

@@ -496,24 +496,29 @@ impl ApiserverEndpointsLoop {
                         .await?,
                     ),
                 };
-                tracing::info!(endpoints = %object, members = %members, "wrote the kubernetes Endpoints");
             }
             for d in &found {
-                report.push(drift(
-                    d.kind(),
-                    object.clone(),
-                    if existing.is_none() {
-                        Action::Create
-                    } else {
-                        Action::Update
-                    },
-                    format!(
-                        "{}; {}",
+                report.push(
+                    drift(
+                        d.kind(),
+                        object.clone(),
+                        if existing.is_none() {
+                            Action::Create
+                        } else {
+                            Action::Update
+                        },
+                        format!(
+                            "{}; {}",
+                            d.describe(target),
+                            if applied { "repaired" } else { "would repair" }
+                        ),
+                        applied,
+                    )
+                    .changed(
                         d.describe(target),
-                        if applied { "repaired" } else { "would repair" }
+                        format!("members {members}, port {}", target.port),
                     ),
-                    applied,
-                ));
+                );
             }
         }
 
@@ -575,7 +580,6 @@ impl ApiserverEndpointsLoop {
                     }
                     SliceWrite::Delete { name } => delete(name.clone()).await?,
                 }
-                tracing::info!(slice = %slice_ref, ?action, "wrote a kubernetes EndpointSlice");
             }
             for (kind, message) in change.drift {
                 report.push(drift(

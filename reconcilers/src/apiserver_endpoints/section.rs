@@ -296,6 +296,9 @@ impl LoopSection for Section {
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
         let settings = context.settings;
         let mode = settings.endpoint_mode;
+        if mode == EndpointsMode::None {
+            return Ok(Vec::new());
+        }
         let address = self.advertise_address(settings);
         if matches!(mode, EndpointsMode::Lease | EndpointsMode::MasterCount) && address.is_none() {
             // Validation refuses this; reported, never a panic.
@@ -385,6 +388,7 @@ mod tests {
     fn settings() -> Settings {
         Settings {
             advertise_address: Some("192.0.2.1".parse().unwrap()),
+            endpoint_mode: EndpointsMode::Lease,
             ..crate::section::test_settings()
         }
     }

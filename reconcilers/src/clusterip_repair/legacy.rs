@@ -184,7 +184,20 @@ impl LegacyIpBitmaps {
                             .await;
                         }
                     }
-                    BitmapFinding::Released(_) => count("leak"),
+                    BitmapFinding::Released(offset) => {
+                        count("leak");
+                        if !ctx.dry_run {
+                            let service = &self.kubernetes_service;
+                            let note = format!(
+                                "Cluster IP {} appeared to have leaked (no Service holds it); \
+                                 released it from the allocation bitmap",
+                                bitmap.item(offset)
+                            );
+                            let regarding = (service.namespace.as_str(), service.name.as_str(), "");
+                            // Released either way; the event is best effort here.
+                            let _ = publish(recorder, regarding, "ClusterIPReleased", note).await;
+                        }
+                    }
                     BitmapFinding::RangeMismatch(ref stored) => {
                         if !ctx.dry_run {
                             let service = &self.kubernetes_service;
@@ -203,7 +216,19 @@ impl LegacyIpBitmaps {
                         count("rangeMismatch");
                     }
                     // The bitmap rebuilt under the configured range (or its range filled in).
-                    BitmapFinding::RangeRebuilt(_) => count("repair"),
+                    BitmapFinding::RangeRebuilt(ref stored) => {
+                        count("repair");
+                        if !ctx.dry_run {
+                            let service = &self.kubernetes_service;
+                            let note = format!(
+                                "rebuilt the ClusterIP allocation bitmap under the configured \
+                                 range (stored under {stored:?})"
+                            );
+                            let regarding = (service.namespace.as_str(), service.name.as_str(), "");
+                            let _ =
+                                publish(recorder, regarding, "ClusterIPBitmapRebuilt", note).await;
+                        }
+                    }
                     BitmapFinding::Unusable(_) => count("invalid"),
                     BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
                 }

@@ -39,7 +39,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
@@ -60,9 +60,6 @@ use plan::{AuditDecision, Decision, Finding, Repair};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "clusterip-repair";
-
-/// Reporting controller of the events, as upstream.
-pub const REPORTING_CONTROLLER: &str = "ipallocator-repair-controller";
 
 /// When a delete is deferred, the loop looks again after this long.
 const DEFERRAL_RETRY: Duration = Duration::from_secs(10);
@@ -245,10 +242,9 @@ impl ClusterIpRepair {
         shared_services: Arc<SharedStore<ServiceRecord>>,
         registry: &mut Registry,
     ) -> Self {
-        let reporter = Reporter {
-            controller: REPORTING_CONTROLLER.to_owned(),
-            instance: Some(settings.identity.clone()),
-        };
+        // Events name this controller (upstream's reasons, not its reporting controller), so
+        // nobody mistakes them for kube-apiserver's own repair.
+        let reporter = settings.reporter();
         let legacy = settings.etcd.as_ref().map(|etcd| LegacySlot {
             etcd: etcd.clone(),
             kubernetes_service: settings.kubernetes_service.clone(),

@@ -94,7 +94,6 @@ impl KubernetesServiceLoop {
             };
             applied = created.is_some();
             if let Some(created) = &created {
-                tracing::info!(service = %object, "created the kubernetes Service");
                 KubernetesServiceMetrics::count(&self.metrics.repairs, &["service_missing"]);
                 self.publish(
                     created,
@@ -105,20 +104,23 @@ impl KubernetesServiceLoop {
                 .await;
             }
         }
-        report.push(drift(
-            "service_missing",
-            object.to_owned(),
-            Action::Create,
-            match (&refused, applied) {
-                (Some(refusal), _) => format!(
-                    "the Service does not exist; the API refused to create it: {}",
-                    refusal.message
-                ),
-                (None, true) => "the Service does not exist; created it".to_owned(),
-                (None, false) => "the Service does not exist; would create it".to_owned(),
-            },
-            applied,
-        ));
+        report.push(
+            drift(
+                "service_missing",
+                object.to_owned(),
+                Action::Create,
+                match (&refused, applied) {
+                    (Some(refusal), _) => format!(
+                        "the Service does not exist; the API refused to create it: {}",
+                        refusal.message
+                    ),
+                    (None, true) => "the Service does not exist; created it".to_owned(),
+                    (None, false) => "the Service does not exist; would create it".to_owned(),
+                },
+                applied,
+            )
+            .changed("absent", "created as kube-apiserver creates it"),
+        );
         Ok(refused)
     }
 
@@ -181,17 +183,20 @@ impl KubernetesServiceLoop {
                 (true, false, None) => format!("{d}; would repair"),
                 (false, _, _) => format!("{d}; not repaired (repair policy is off)"),
             };
-            report.push(drift(
-                d.kind(),
-                object.to_owned(),
-                if repair {
-                    Action::Update
-                } else {
-                    Action::Report
-                },
-                message,
-                applied,
-            ));
+            report.push(
+                drift(
+                    d.kind(),
+                    object.to_owned(),
+                    if repair {
+                        Action::Update
+                    } else {
+                        Action::Report
+                    },
+                    message,
+                    applied,
+                )
+                .changed(d.to_string(), "as kube-apiserver creates it"),
+            );
         }
         Ok(refused)
     }

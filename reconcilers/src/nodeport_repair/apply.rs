@@ -82,15 +82,23 @@ impl NodePortRepair {
                         let _ = self.publish_about(holder, "PortNotAllocated", note).await;
                     }
                 }
-                BitmapFinding::Released(_) => self.count("leak"),
+                BitmapFinding::Released(offset) => {
+                    self.count("leak");
+                    if !ctx.dry_run {
+                        let note = format!(
+                            "Port {} appeared to have leaked (no Service holds it); released it \
+                             from the allocation bitmap",
+                            etcd.item(offset)
+                        );
+                        // Released either way; the event is best effort here.
+                        let _ = self
+                            .publish_about(&self.kubernetes_service_holder(), "PortReleased", note)
+                            .await;
+                    }
+                }
                 BitmapFinding::RangeMismatch(ref stored) => {
                     if !ctx.dry_run {
-                        let service = &self.kubernetes_service;
-                        let holder = plan::Holder {
-                            namespace: service.namespace.as_str().into(),
-                            name: service.name.as_str().into(),
-                            uid: "".into(),
-                        };
+                        let holder = self.kubernetes_service_holder();
                         let note = etcd.range_mismatch_note(stored);
                         if let Err(err) = self
                             .publish_about(&holder, RANGE_MISMATCH_REASON, note)
@@ -105,7 +113,22 @@ impl NodePortRepair {
                     self.count("rangeMismatch");
                 }
                 // The bitmap rebuilt under the configured range (or its range filled in).
-                BitmapFinding::RangeRebuilt(_) => self.count("repair"),
+                BitmapFinding::RangeRebuilt(ref stored) => {
+                    self.count("repair");
+                    if !ctx.dry_run {
+                        let note = format!(
+                            "rebuilt the NodePort allocation bitmap under {} (stored under {:?})",
+                            self.range, stored
+                        );
+                        let _ = self
+                            .publish_about(
+                                &self.kubernetes_service_holder(),
+                                "NodePortBitmapRebuilt",
+                                note,
+                            )
+                            .await;
+                    }
+                }
                 BitmapFinding::Unusable(_) => self.count("invalid"),
                 BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
             }
@@ -176,6 +199,16 @@ impl NodePortRepair {
         };
         self.publish_about(&holder, finding.problem.reason(), finding.note(self.range))
             .await
+    }
+
+    /// The `kubernetes` Service: what the bitmap's own events are about.
+    fn kubernetes_service_holder(&self) -> plan::Holder {
+        let service = &self.kubernetes_service;
+        plan::Holder {
+            namespace: service.namespace.as_str().into(),
+            name: service.name.as_str().into(),
+            uid: "".into(),
+        }
     }
 
     pub(super) async fn publish_about(

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kube::Client;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Recorder;
 use prometheus_client::registry::Registry;
 use tracing::{debug, warn};
 
@@ -48,8 +48,6 @@ pub use section::{DEFAULT_INTERVAL, Section};
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "nodeport-repair";
 
-/// Upstream's event source for this repair.
-pub const REPORTING_CONTROLLER: &str = "portallocator-repair-controller";
 /// Upstream's event action.
 pub const EVENT_ACTION: &str = "PortAllocation";
 /// The event reason of a bitmap stored under another range (not upstream's: its repair always
@@ -82,10 +80,9 @@ impl NodePortRepair {
         services: Option<Arc<SharedStore<ServiceRecord>>>,
         registry: &mut Registry,
     ) -> Result<Self, EmptyRange> {
-        let reporter = Reporter {
-            controller: REPORTING_CONTROLLER.to_owned(),
-            instance: Some(settings.identity.clone()),
-        };
+        // Events name this controller (upstream's reasons, not its reporting controller), so
+        // nobody mistakes them for kube-apiserver's own repair.
+        let reporter = settings.reporter();
         let range = PortRange::new(
             *settings.node_port_range.start(),
             *settings.node_port_range.end(),

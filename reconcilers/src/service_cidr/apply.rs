@@ -8,7 +8,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType};
-use tracing::{info, warn};
+use tracing::warn;
 
 use super::plan::{Plan, go_list, plan};
 use super::{CONTROLLER_NAME, DefaultServiceCidr};
@@ -21,6 +21,15 @@ const EVENT_ACTION: &str = "DefaultServiceCIDRSync";
 
 impl DefaultServiceCidr {
     async fn warn_event(&self, reason: &str, note: String) {
+        self.event(EventType::Warning, reason, note).await;
+    }
+
+    /// Every repair is an event too (upstream's controller only logs these).
+    async fn repair_event(&self, reason: &str, note: &str) {
+        self.event(EventType::Normal, reason, note.to_owned()).await;
+    }
+
+    async fn event(&self, type_: EventType, reason: &str, note: String) {
         let reference = ObjectReference {
             api_version: Some("networking.k8s.io/v1".to_owned()),
             kind: Some("ServiceCIDR".to_owned()),
@@ -28,7 +37,7 @@ impl DefaultServiceCidr {
             ..ObjectReference::default()
         };
         let event = Event {
-            type_: EventType::Warning,
+            type_,
             reason: reason.to_owned(),
             note: Some(crate::sanitize::sanitize(&note).into()),
             action: EVENT_ACTION.to_owned(),
@@ -64,7 +73,6 @@ impl DefaultServiceCidr {
                     ));
                     return Ok(report);
                 }
-                info!(cidrs = ?desired, "Creating default ServiceCIDR");
                 let new = ServiceCIDR {
                     metadata: ObjectMeta {
                         name: Some(DEFAULT_SERVICE_CIDR.to_owned()),
@@ -89,13 +97,18 @@ impl DefaultServiceCidr {
                         return Err(err.into());
                     }
                 }
-                report.push(drift(
-                    "servicecidr_missing",
-                    object.clone(),
-                    Action::Create,
-                    message,
-                    true,
-                ));
+                self.repair_event("DefaultServiceCIDRCreated", &message)
+                    .await;
+                report.push(
+                    drift(
+                        "servicecidr_missing",
+                        object.clone(),
+                        Action::Create,
+                        message,
+                        true,
+                    )
+                    .changed("absent", format!("CIDRs {}", go_list(&desired))),
+                );
             }
             Plan::UpgradeToDualStack => {
                 let message = format!(
@@ -124,6 +137,8 @@ impl DefaultServiceCidr {
                 {
                     Ok(updated) => {
                         current = Some(updated);
+                        self.repair_event("DefaultServiceCIDRUpgraded", &message)
+                            .await;
                         report.push(drift(
                             "servicecidr_single_stack",
                             object.clone(),
@@ -243,6 +258,7 @@ impl DefaultServiceCidr {
                     .await;
                     return Err(err.into());
                 }
+                self.repair_event("DefaultServiceCIDRReady", &message).await;
                 report.push(drift(
                     "servicecidr_not_ready",
                     object,

@@ -18,7 +18,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Recorder;
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use tracing::info;
@@ -40,7 +40,8 @@ pub use section::{DEFAULT_INTERVAL, Section};
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "service-cidr";
 
-/// Upstream's controller name: field manager of the status and reporting controller of events.
+/// Upstream's controller name: field manager of the status it writes, as upstream's controller
+/// does (events name this controller, `bootstrap-controller`).
 pub const CONTROLLER_NAME: &str = "kubernetes-service-cidr-controller";
 
 /// Whether the API serves networking.k8s.io/v1 ServiceCIDRs; the answer is kept in `slot`.
@@ -89,10 +90,7 @@ impl DefaultServiceCidr {
         if settings.service_ranges.is_empty() {
             return None;
         }
-        let reporter = Reporter {
-            controller: CONTROLLER_NAME.to_owned(),
-            instance: Some(settings.identity.clone()),
-        };
+        let reporter = settings.reporter();
         Some(Self {
             recorder: Recorder::new(client.clone(), reporter),
             section,

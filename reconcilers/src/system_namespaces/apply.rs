@@ -1,7 +1,10 @@
 //! The writes of a namespace's need, each made unless the pass is a dry run, and the drift each
 //! is reported as. Namespaces are created and patched, never deleted or renamed.
 
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Resource;
 use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder};
 
 use super::SystemNamespaces;
 use super::plan::{NamespaceNeed, desired_namespace};
@@ -54,17 +57,26 @@ impl SystemNamespaces {
                             .create(&PostParams::default(), &desired_namespace(spec))
                             .await,
                     )?;
-                    if created.is_some() {
-                        tracing::info!(namespace = %spec.name, "created missing system namespace");
+                    if let Some(created) = created {
+                        self.publish(
+                            &created,
+                            "SystemNamespaceCreated",
+                            "Create",
+                            format!("created missing system namespace {}", spec.name),
+                        )
+                        .await;
                     }
                 }
-                Ok(Some(drift(
-                    "namespace_missing",
-                    object,
-                    Action::Create,
-                    format!("required system namespace {} does not exist", spec.name),
-                    !ctx.dry_run,
-                )))
+                Ok(Some(
+                    drift(
+                        "namespace_missing",
+                        object,
+                        Action::Create,
+                        format!("required system namespace {} does not exist", spec.name),
+                        !ctx.dry_run,
+                    )
+                    .changed("absent", "created"),
+                ))
             }
             NamespaceNeed::SetMetadata {
                 labels,
@@ -84,7 +96,8 @@ impl SystemNamespaces {
                     let patch = serde_json::json!({
                         "metadata": { "labels": labels, "annotations": annotations }
                     });
-                    self.api
+                    let patched = self
+                        .api
                         .patch(
                             &spec.name,
                             &PatchParams {
@@ -94,16 +107,49 @@ impl SystemNamespaces {
                             &Patch::Merge(&patch),
                         )
                         .await?;
-                    tracing::info!(namespace = %spec.name, keys = %keys.join(","), "restored declared namespace metadata");
+                    self.publish(
+                        &patched,
+                        "SystemNamespaceMetadataRestored",
+                        "Update",
+                        format!("restored declared labels/annotations: {}", keys.join(", ")),
+                    )
+                    .await;
                 }
-                Ok(Some(drift(
-                    "namespace_metadata",
-                    object,
-                    Action::Update,
-                    message,
-                    !ctx.dry_run,
-                )))
+                let declared: Vec<String> = labels
+                    .iter()
+                    .chain(annotations.iter())
+                    .map(|(key, value)| format!("{key}={value}"))
+                    .collect();
+                Ok(Some(
+                    drift(
+                        "namespace_metadata",
+                        object,
+                        Action::Update,
+                        message.clone(),
+                        !ctx.dry_run,
+                    )
+                    .changed(message, declared.join(", ")),
+                ))
             }
+        }
+    }
+}
+
+impl SystemNamespaces {
+    /// An event on a repaired namespace (in `default`, where events about cluster-scoped objects
+    /// go). A refused event is logged, never a failed pass: the namespace is repaired.
+    async fn publish(&self, namespace: &Namespace, reason: &str, action: &str, note: String) {
+        let event = Event {
+            type_: EventType::Normal,
+            reason: reason.to_owned(),
+            note: Some(crate::sanitize::sanitize(&note).into()),
+            action: action.to_owned(),
+            secondary: None,
+        };
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        let reference = namespace.object_ref(&());
+        if let Err(err) = crate::events::publish(&recorder, &event, &reference).await {
+            tracing::warn!(error = %crate::sanitize::Sanitized::new(&err.to_string()), reason, "could not publish the event of a namespace repair");
         }
     }
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Namespace;
+use kube::runtime::events::Reporter;
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use prometheus_client::metrics::gauge::Gauge;
@@ -43,6 +44,9 @@ pub struct SystemNamespaces {
     missing: Gauge,
     /// Namespaces reported stuck terminating: warned about once when each gets stuck.
     stuck: crate::findings::ReportOnce<String>,
+    client: Client,
+    /// Who the repairs' events come from.
+    reporter: Reporter,
 }
 
 impl SystemNamespaces {
@@ -50,9 +54,10 @@ impl SystemNamespaces {
         client: Client,
         config: Section,
         budget: &CacheBudget,
+        reporter: Reporter,
         registry: &mut Registry,
     ) -> Self {
-        let api: Api<Namespace> = Api::all(client);
+        let api: Api<Namespace> = Api::all(client.clone());
         let cache = WatchCache::new(api.clone(), watcher::Config::default(), budget);
         let missing = registered(
             loop_registry(registry, NAME),
@@ -66,6 +71,8 @@ impl SystemNamespaces {
             cache,
             missing,
             stuck: crate::findings::ReportOnce::new(),
+            client,
+            reporter,
         }
     }
 

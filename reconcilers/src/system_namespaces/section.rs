@@ -137,6 +137,7 @@ impl LoopSection for Section {
             context.client.clone(),
             self.clone(),
             &context.settings.cache_budget,
+            context.settings.reporter(),
             context.registry,
         ))])
     }
