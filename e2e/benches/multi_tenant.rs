@@ -947,16 +947,32 @@ async fn large_tenant(args: &Args, services: usize) -> Result<()> {
             }
             // The ClusterIP repair keeps every Service and IPAddress: wait until its caches
             // hold them all, as /metrics says.
-            let (_, metrics) = controller.admin_get("/metrics").await?;
-            let held = metrics
-                .lines()
-                .find(|l| {
-                    l.starts_with("bootstrap_cache_objects{") && l.contains(&Fleet::secret_name(0))
-                })
-                .and_then(|l| l.split_whitespace().last())
-                .unwrap_or("?")
-                .to_owned();
-            println!("  the large tenant's caches hold {held} objects");
+            let held = || async {
+                let (_, metrics) = controller.admin_get("/metrics").await.ok()?;
+                metrics
+                    .lines()
+                    .find(|l| {
+                        l.starts_with("bootstrap_cache_objects{")
+                            && l.contains(&Fleet::secret_name(0))
+                    })
+                    .and_then(|l| l.split_whitespace().last())
+                    .and_then(|v| v.parse::<f64>().ok())
+            };
+            let deadline = Instant::now() + args.converge_timeout;
+            let mut objects = 0.0;
+            while Instant::now() < deadline {
+                objects = held().await.unwrap_or(0.0);
+                if objects >= (2 * services) as f64 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            println!(
+                "  the large tenant's caches hold {objects} objects {:.2?} after the start, RSS \
+                 {:.1} MiB",
+                started.elapsed(),
+                rss_kib(pid)? as f64 / 1024.0
+            );
             let (heal, _, _) = heal_window(
                 &fleet,
                 pid,
