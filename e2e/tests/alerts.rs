@@ -335,12 +335,15 @@ async fn scenario() -> Result<()> {
     named.extend(metric_names(&rules));
     ensure!(named.len() >= 20, "too few names found: {named:?}");
     // The tenant manager's own metrics exist only in management mode (`--tenants-secret-selector`,
-    // `TenantMetrics::register` in controllers/src/tenants/metrics.rs); this controller runs one cluster.
+    // `TenantMetrics::register` in controllers/src/tenants/metrics.rs), and so do a tenant's
+    // cache budget breaches (only a tenant's budget is limited, reconcilers/src/budget.rs); this
+    // controller runs one cluster.
     for management_only in [
         "bootstrap_tenants",
         "bootstrap_tenant_config_errors_total",
         "bootstrap_tenant_starts_total",
         "bootstrap_tenant_stops_total",
+        "bootstrap_cache_over_budget_total",
     ] {
         ensure!(
             named.remove(management_only),
