@@ -199,25 +199,37 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
     // repair has reported each of them (its events are checked below).
     tokio::time::sleep(Duration::from_secs(3)).await;
     if sim.is_some() {
+        // Each finding is confirmed by a live read before it is reported, one after the other:
+        // wait for every one, not for the first of each reason.
+        let unparented = service_ip(&range, hostile::UNPARENTED)?;
+        let expected = [
+            ("ClusterIPNotValid", "bad-ip"),
+            ("ClusterIPNotValid", "junk-ips"),
+            ("IPAddressWrongReference", "foo"),
+            ("IPAddressNotAllocated", unparented.as_str()),
+        ];
         eventually(
             "the ClusterIP repair's findings reported",
             CONVERGE,
             || async {
-                let reasons: BTreeSet<String> = events
+                let reported: BTreeSet<(String, String)> = events
                     .list(&Default::default())
                     .await?
                     .items
                     .into_iter()
-                    .filter_map(|e| e.reason)
+                    .map(|e| {
+                        (
+                            e.reason.unwrap_or_default(),
+                            e.regarding.and_then(|r| r.name).unwrap_or_default(),
+                        )
+                    })
                     .collect();
-                Ok([
-                    "ClusterIPNotValid",
-                    "IPAddressWrongReference",
-                    "IPAddressNotAllocated",
-                ]
-                .iter()
-                .all(|reason| reasons.contains(*reason))
-                .then_some(()))
+                Ok(expected
+                    .iter()
+                    .all(|(reason, name)| {
+                        reported.contains(&((*reason).to_owned(), (*name).to_owned()))
+                    })
+                    .then_some(()))
             },
         )
         .await?;
