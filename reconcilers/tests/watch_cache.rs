@@ -133,6 +133,25 @@ fn drive<K: Send + 'static>(
     rx
 }
 
+/// The first error on a cache's stream whose message starts with `prefix`.
+async fn first_error(
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<Result<(), String>>,
+    prefix: &str,
+) -> String {
+    let wait = async {
+        loop {
+            match events.recv().await {
+                Some(Err(message)) if message.starts_with(prefix) => return message,
+                Some(_) => {}
+                None => panic!("the stream ended"),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), wait)
+        .await
+        .unwrap_or_else(|_| panic!("no {prefix:?} error on the stream"))
+}
+
 /// A watch event the client cannot decode (here a ConfigMap whose data holds a number, as a
 /// restored etcd or a newer apiserver could serve) is never dropped silently: the cache stops
 /// being current (reads go to the API, which fail on the same object) until a list has the
@@ -158,17 +177,7 @@ async fn an_event_that_cannot_be_decoded_makes_the_cache_list_again() {
         "data": {"v": 5}
     });
     sim.backdoor().put(undecodable).unwrap();
-    let lost = tokio::time::timeout(Duration::from_secs(60), async {
-        loop {
-            match events.recv().await {
-                Some(Err(message)) if message.starts_with("lost") => return message,
-                Some(_) => {}
-                None => panic!("the stream ended"),
-            }
-        }
-    })
-    .await
-    .expect("the lost event reported");
+    let lost = first_error(&mut events, "lost").await;
     assert!(lost.contains("ConfigMap"), "{lost}");
     assert!(
         cache.current().is_none(),
@@ -229,17 +238,7 @@ async fn a_cache_over_its_budget_drops_its_contents_and_says_so() {
             .await
             .unwrap();
     }
-    let breach = tokio::time::timeout(Duration::from_secs(60), async {
-        loop {
-            match events.recv().await {
-                Some(Err(message)) if message.starts_with("over budget") => return message,
-                Some(_) => {}
-                None => panic!("the stream ended"),
-            }
-        }
-    })
-    .await
-    .expect("the breach reported");
+    let breach = first_error(&mut events, "over budget").await;
     assert!(breach.contains("3 objects"), "{breach}");
     assert!(breach.contains("--test-budget"), "{breach}");
     assert!(cache.current().is_none());
