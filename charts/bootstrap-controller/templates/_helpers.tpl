@@ -189,6 +189,7 @@ system-cluster-critical
 
 {{/* Combinations the schema cannot refuse. */}}
 {{- define "bootstrap-controller.validate" -}}
+{{- include "bootstrap-controller.validateConfig" . -}}
 {{- $le := default dict .Values.config.leaderElection -}}
 {{- if and (gt (int .Values.replicaCount) 1) (eq (toString $le.enabled) "false") -}}
 {{- fail (printf "replicaCount is %d with config.leaderElection.enabled=false: every replica would write the same objects. Set replicaCount=1, or turn leader election on." (int .Values.replicaCount)) -}}

@@ -1,0 +1,138 @@
+{{/*
+The checks of the binary's `config validate` that the values schema cannot express, so that
+`helm install` refuses what would crash-loop the pods. Each message names the value as
+`config.<key>` and says what fits. e2e/packaging/invalid_configs.yaml lists every refusal; its
+test runs each row through this chart and through the binary.
+*/}}
+
+{{/* A Go duration ("1m30s", "500ms") in milliseconds; the schema has checked its shape. */}}
+{{- define "bootstrap-controller.durationMs" -}}
+{{- $units := dict "ns" 0.000001 "us" 0.001 "µs" 0.001 "ms" 1.0 "s" 1000.0 "m" 60000.0 "h" 3600000.0 -}}
+{{- $total := 0.0 -}}
+{{- range regexFindAll "[0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|m|h)" (toString .) -1 -}}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" . -}}
+{{- $unit := trimPrefix $number . -}}
+{{- $total = addf $total (mulf (float64 $number) (get $units $unit)) -}}
+{{- end -}}
+{{- $total -}}
+{{- end }}
+
+{{/* What is wrong with one service range (empty when nothing is), as the binary words it. */}}
+{{- define "bootstrap-controller.cidrProblem" -}}
+{{- $cidr := trim (toString .) -}}
+{{- if regexMatch "^[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}/[0-9]{1,3}$" $cidr -}}
+{{- $parts := regexSplit "[./]" $cidr -1 -}}
+{{- $prefix := int (index $parts 4) -}}
+{{- $address := 0 -}}
+{{- $octetTooLarge := false -}}
+{{- range $i := until 4 -}}
+{{- $octet := int (index $parts $i) -}}
+{{- if gt $octet 255 -}}{{- $octetTooLarge = true -}}{{- end -}}
+{{- $address = add (mul $address 256) $octet -}}
+{{- end -}}
+{{- if or $octetTooLarge (gt $prefix 32) -}}
+"{{ $cidr }}" is not a valid CIDR (expected e.g. 10.96.0.0/12 or fd00:10:96::/108)
+{{- else if gt $prefix 29 -}}
+{{ $cidr }} holds fewer than 8 addresses (use a larger range, e.g. /29 or shorter)
+{{- else -}}
+{{- $block := 1 -}}
+{{- range until (sub 32 $prefix | int) -}}{{- $block = mul $block 2 -}}{{- end -}}
+{{- if ne (mod $address $block) 0 -}}
+"{{ $cidr }}" has host bits set (the network address of a /{{ $prefix }} is a multiple of {{ $block }} addresses)
+{{- end -}}
+{{- end -}}
+{{- else if regexMatch "^([0-9a-fA-F]{0,4}:){2,7}[0-9a-fA-F]{0,4}/[0-9]{1,3}$" $cidr -}}
+{{- $prefix := int (regexFind "[0-9]+$" $cidr) -}}
+{{- if gt $prefix 128 -}}
+"{{ $cidr }}" is not a valid CIDR (expected e.g. 10.96.0.0/12 or fd00:10:96::/108)
+{{- else if gt $prefix 125 -}}
+{{ $cidr }} holds fewer than 8 addresses (use a larger range, e.g. /125 or shorter)
+{{- end -}}
+{{- else -}}
+"{{ $cidr }}" is not a valid CIDR (expected e.g. 10.96.0.0/12 or fd00:10:96::/108)
+{{- end -}}
+{{- end }}
+
+{{- define "bootstrap-controller.validateConfig" -}}
+{{- $config := .Values.config -}}
+{{- $loops := default dict $config.loops -}}
+{{- $endpoints := default dict $loops.apiserverEndpoints -}}
+{{- $mode := include "bootstrap-controller.endpointMode" . -}}
+
+{{- $ranges := list -}}
+{{- if $config.serviceClusterIPRange -}}
+{{- if kindIs "slice" $config.serviceClusterIPRange -}}
+{{- $ranges = $config.serviceClusterIPRange -}}
+{{- else -}}
+{{- $ranges = splitList "," (toString $config.serviceClusterIPRange) -}}
+{{- end -}}
+{{- if gt (len $ranges) 2 -}}
+{{- fail (printf "config.serviceClusterIPRange: lists %d ranges; at most two are allowed, one IPv4 and one IPv6 (e.g. 10.96.0.0/12,fd00:10:96::/108)" (len $ranges)) -}}
+{{- end -}}
+{{- range $ranges -}}
+{{- $problem := include "bootstrap-controller.cidrProblem" . -}}
+{{- if $problem -}}
+{{- fail (printf "config.serviceClusterIPRange: %s" $problem) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq (len $ranges) 2) (eq (contains ":" (index $ranges 0)) (contains ":" (index $ranges 1))) -}}
+{{- fail (printf "config.serviceClusterIPRange: lists two ranges of one family (%s and %s); a dual-stack range needs one IPv4 and one IPv6 CIDR (e.g. 10.96.0.0/12,fd00:10:96::/108)" (trim (index $ranges 0)) (trim (index $ranges 1))) -}}
+{{- end -}}
+{{- end -}}
+
+{{- $portRange := toString (default "30000-32767" $config.serviceNodePortRange) -}}
+{{- $ports := splitList "-" $portRange -}}
+{{- $base := int (index $ports 0) -}}
+{{- $last := int (index $ports 1) -}}
+{{- if or (lt $base 1) (gt $last 65535) -}}
+{{- fail (printf "config.serviceNodePortRange: %q is not a port range of ports 1-65535 (expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)" $portRange) -}}
+{{- end -}}
+{{- if gt $base $last -}}
+{{- fail (printf "config.serviceNodePortRange: %q is inverted: %d is above %d (expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)" $portRange $base $last) -}}
+{{- end -}}
+{{- $nodePort := int (default 0 $config.kubernetesServiceNodePort) -}}
+{{- if and (ne $nodePort 0) (or (lt $nodePort $base) (gt $nodePort $last)) -}}
+{{- fail (printf "config.kubernetesServiceNodePort: %d is outside the node port range %s (use 0 for a ClusterIP Service, or a port inside config.serviceNodePortRange)" $nodePort $portRange) -}}
+{{- end -}}
+
+{{- if and (eq $mode "static") (not $endpoints.staticAddresses) -}}
+{{- fail "config.loops.apiserverEndpoints.staticAddresses: endpointReconcilerType static needs at least one IP address or DNS name (the apiservers' or their load balancer's)" -}}
+{{- end -}}
+{{- if and $config.advertiseAddress $ranges (ne $mode "none") -}}
+{{- $primary := trim (index $ranges 0) -}}
+{{- if ne (contains ":" (toString $config.advertiseAddress)) (contains ":" $primary) -}}
+{{- fail (printf "config.advertiseAddress: %s is not of the family of the primary service range %s (advertise an address of the primary range's family, or list the other family's range first)" $config.advertiseAddress $primary) -}}
+{{- end -}}
+{{- end -}}
+
+{{- range $name := list "systemNamespaces" "kubernetesService" "apiserverEndpoints" "serviceCIDR" "clusterIPRepair" "nodePortRepair" -}}
+{{- $loop := default dict (get $loops $name) -}}
+{{- if and (hasKey $loop "interval") (eq (float64 (include "bootstrap-controller.durationMs" $loop.interval)) 0.0) -}}
+{{- fail (printf "config.loops.%s.interval: must be greater than zero (e.g. 10s or 1m)" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- $repair := default dict $loops.clusterIPRepair -}}
+{{- if and (hasKey $repair "orphanGracePeriod") (lt (float64 (include "bootstrap-controller.durationMs" $repair.orphanGracePeriod)) 5000.0) -}}
+{{- fail "config.loops.clusterIPRepair.orphanGracePeriod: must be at least 5s (upstream uses 60s; shorter risks deleting the IPAddress of a Service that is still being created)" -}}
+{{- end -}}
+{{- if and (hasKey $config "shutdownTimeout") (eq (float64 (include "bootstrap-controller.durationMs" $config.shutdownTimeout)) 0.0) -}}
+{{- fail "config.shutdownTimeout: must be greater than zero (e.g. 30s)" -}}
+{{- end -}}
+{{- $election := default dict $config.leaderElection -}}
+{{- $lease := float64 (include "bootstrap-controller.durationMs" (default "15s" $election.leaseDuration)) -}}
+{{- if lt $lease 2000.0 -}}
+{{- fail "config.leaderElection.leaseDuration: must be at least 2s (e.g. 15s)" -}}
+{{- end -}}
+{{- $grace := float64 (include "bootstrap-controller.durationMs" (default "5s" $election.renewGrace)) -}}
+{{- if or (lt $grace 1000.0) (ge $grace $lease) -}}
+{{- fail (printf "config.leaderElection.renewGrace: must be at least 1s and shorter than the lease duration (%s) (e.g. 5s with a 15s lease)" (default "15s" $election.leaseDuration)) -}}
+{{- end -}}
+
+{{- with $config.adminAddr -}}
+{{- $admin := toString . -}}
+{{- $port := int (regexFind "[0-9]+$" $admin) -}}
+{{- if or (not (regexMatch "^([0-9]{1,3}(\\.[0-9]{1,3}){3}|\\[[0-9a-fA-F:.]+\\]):[0-9]{1,5}$" $admin)) (gt $port 65535) -}}
+{{- fail (printf "config.adminAddr: %q is not an address:port (expected e.g. 0.0.0.0:8080 or [::]:8080)" $admin) -}}
+{{- end -}}
+{{- end -}}
+{{- end }}

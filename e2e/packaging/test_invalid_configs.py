@@ -1,0 +1,84 @@
+"""One table of invalid configurations (invalid_configs.yaml), run through both the binary's
+`config validate` and the chart: whatever the binary refuses, `helm install` refuses too, before
+any pod crash-loops, and both name the same field."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import yaml
+
+from harness import CHART, binary, render
+
+HERE = Path(__file__).resolve().parent
+ROWS = yaml.safe_load((HERE / "invalid_configs.yaml").read_text())
+
+
+def names_field(message: str, field: str) -> bool:
+    """The schema names a path with slashes (/config/loops/...), the binary and the chart's
+    templates with dots: either spelling counts."""
+    return field in message or field in message.replace("/", ".")
+
+
+def chart_refusal(values: dict) -> str | None:
+    """What `helm install` prints when it refuses these values, or None when it renders them:
+    the schema first, then the templates' own checks."""
+    try:
+        helm.Chart.load(CHART).validate_schema(values)
+        render(values)
+    except helm.HelmError as err:
+        return str(err)
+    return None
+
+
+def test_the_table_is_well_formed():
+    assert len(ROWS) >= 20
+    names = [row["name"] for row in ROWS]
+    assert len(names) == len(set(names)), "row names repeat"
+    for row in ROWS:
+        assert set(row) == {"name", "field", "config"}, row
+        assert isinstance(row["config"], dict) and row["config"], row
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["name"] for row in ROWS])
+def test_the_binary_refuses(row, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(row["config"]))
+    done = subprocess.run(
+        [str(binary("bootstrap-controller")), "config", "validate", "--config", str(config)],
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert names_field(done.stderr, row["field"]), done.stderr
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["name"] for row in ROWS])
+def test_the_chart_refuses(row):
+    refusal = chart_refusal({"config": row["config"]})
+    assert refusal is not None, f"the chart renders {row['config']}, which the binary refuses"
+    assert names_field(refusal, "config." + row["field"]), refusal
+
+
+def test_valid_neighbours_render():
+    """The checks are not blanket refusals: the same fields with valid values render."""
+    for config in [
+        {"serviceClusterIPRange": "10.96.0.0/12"},
+        {"serviceClusterIPRange": "fd00:10:96::/108"},
+        {"serviceClusterIPRange": "fd00::/125"},
+        {"serviceClusterIPRange": "10.96.0.0/29,fd00:10:96::/108"},
+        {"serviceNodePortRange": "1-65535"},
+        {"kubernetesServiceNodePort": 30443},
+        {"serviceNodePortRange": "20000-22767", "kubernetesServiceNodePort": 20000},
+        {"endpointReconcilerType": "static",
+         "loops": {"apiserverEndpoints": {"staticAddresses": ["192.0.2.10"]}}},
+        {"advertiseAddress": "192.0.2.10", "serviceClusterIPRange": "10.96.0.0/12"},
+        {"advertiseAddress": "2001:db8::1", "serviceClusterIPRange": "fd00::/108,10.96.0.0/12"},
+        {"leaderElection": {"leaseDuration": "1m", "renewGrace": "59s"}},
+        {"leaderElection": {"leaseDuration": "1h", "renewGrace": "1m30s"}},
+        {"loops": {"clusterIPRepair": {"orphanGracePeriod": "5s"}}},
+        {"loops": {"systemNamespaces": {"interval": "500ms"}}},
+        {"adminAddr": "[::]:8080"},
+    ]:
+        assert chart_refusal({"config": config}) is None, config
