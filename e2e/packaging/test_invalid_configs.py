@@ -82,3 +82,52 @@ def test_valid_neighbours_render():
         {"adminAddr": "[::]:8080"},
     ]:
         assert chart_refusal({"config": config}) is None, config
+
+
+def schema_properties(node: dict, path: str = ""):
+    for key, sub in node.get("properties", {}).items():
+        here = f"{path}.{key}" if path else key
+        yield here, sub
+        yield from schema_properties(sub, here)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from schema_properties(node[key], path + "[]")
+
+
+def test_every_value_in_the_schema_is_described():
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    undescribed = [path for path, sub in schema_properties(schema)
+                   if not str(sub.get("description", "")).strip()]
+    assert undescribed == [], f"values without a description in values.schema.json: {undescribed}"
+
+
+MISPLACED = yaml.safe_load("""
+serviceMonitor: {value: {enabled: true}, lives: metrics.serviceMonitor}
+prometheusRule: {value: {enabled: true}, lives: metrics.prometheusRule}
+securePort: {value: 443, lives: config.securePort}
+serviceClusterIPRange: {value: 10.96.0.0/12, lives: config.serviceClusterIPRange}
+endpointReconcilerType: {value: static, lives: config.endpointReconcilerType}
+dryRun: {value: true, lives: config.dryRun}
+""")
+
+
+@pytest.mark.parametrize("key", sorted(MISPLACED))
+def test_keys_of_other_charts_are_refused_saying_where_they_live(key):
+    refusal = chart_refusal({key: MISPLACED[key]["value"]})
+    assert refusal is not None, key
+    assert f"it lives at {MISPLACED[key]['lives']}" in refusal, refusal
+
+
+def test_conventional_keys_are_where_users_look():
+    """What users of well-known charts set first is at the place they look for it."""
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    top = schema["properties"]
+    for key in ("podAnnotations", "podLabels", "resources", "nodeSelector", "tolerations",
+                "affinity", "imagePullSecrets", "serviceAccount", "priorityClassName"):
+        assert "type" in top[key], f"{key} is not a value at the top"
+    assert "enabled" in top["metrics"]["properties"]["serviceMonitor"]["properties"]
+    assert "securePort" in top["config"]["properties"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    # The setting that decides the `kubernetes` Service's targetPort is written out, not left
+    # to a default a managed cluster may not share.
+    assert "securePort" in values["config"], "values.yaml does not show config.securePort"

@@ -54,6 +54,14 @@ test runs each row through this chart and through the binary.
 {{- end }}
 
 {{- define "bootstrap-controller.validateConfig" -}}
+{{- /* Keys users of other charts look for at the top, refused with where they live here (the
+schema lets them through to this check, which can say so). */ -}}
+{{- $misplaced := dict "serviceMonitor" "metrics.serviceMonitor" "prometheusRule" "metrics.prometheusRule" "dashboard" "metrics.dashboard" "service" "metrics.service" "securePort" "config.securePort" "serviceClusterIPRange" "config.serviceClusterIPRange" "serviceNodePortRange" "config.serviceNodePortRange" "endpointReconcilerType" "config.endpointReconcilerType" "advertiseAddress" "config.advertiseAddress" "leaderElection" "config.leaderElection" "dryRun" "config.dryRun" "loops" "config.loops" "kubeconfig" "targetKubeconfig" -}}
+{{- range $key, $place := $misplaced -}}
+{{- if hasKey $.Values $key -}}
+{{- fail (printf "%s is not a value at the top of this chart: it lives at %s. Move it there (e.g. --set %s=...)." $key $place $place) -}}
+{{- end -}}
+{{- end -}}
 {{- $config := .Values.config -}}
 {{- $loops := default dict $config.loops -}}
 {{- $endpoints := default dict $loops.apiserverEndpoints -}}
