@@ -281,9 +281,8 @@ def test_notes_point_at_the_tenants_and_the_replicas_leases():
 
 
 def readme_fragment() -> str:
-    """The annotation of the top-level README's per-tenant example."""
-    readme = (CHART.parents[1] / "README.md").read_text()
-    section = readme.split("## Many control planes: management mode", 1)[1].split("\n## ", 1)[0]
+    """The annotation of the management-mode guide's per-tenant example."""
+    section = (CHART.parents[1] / "docs" / "management-mode.md").read_text()
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", section, re.S)
                  if "bootstrap-controller.io/config" in b)
     return yaml.safe_load(block)["metadata"]["annotations"]["bootstrap-controller.io/config"]
@@ -294,7 +293,7 @@ def readme_fragment() -> str:
 def test_rendered_settings_run_the_tenants_within_the_rendered_rbac(scope):
     """The Deployment's environment runs the binary in management mode against the simulator's
     management cluster, through a proxy recording each request as the authorizer sees it: the
-    tenants' loops do their work in the tenant clusters, the README's annotation example takes
+    tenants' loops do their work in the tenant clusters, the guide's annotation example takes
     effect on its tenant, a bad annotation is reported on its Secret, and every request made to
     the management cluster is one the rendered RBAC grants (none of the loops' requests reach
     it)."""
@@ -333,7 +332,7 @@ def test_rendered_settings_run_the_tenants_within_the_rendered_rbac(scope):
                     wait(lambda: subprocess.run(
                         [*tenant, "get", "service", "kubernetes", "-n", "default"],
                         capture_output=True).returncode == 0)
-                # The README's fragment on tenant-1's Secret: its extra system namespace, with
+                # The management-mode guide's fragment on tenant-1's Secret: its extra system namespace, with
                 # its label, appears there (a changed Secret restarts the tenant's loops).
                 sim.kubectl("annotate", "secret", "-n", "tenants", "tenant-1-kubeconfig",
                             f"bootstrap-controller.io/config={readme_fragment()}")
@@ -376,11 +375,10 @@ def test_rendered_settings_run_the_tenants_within_the_rendered_rbac(scope):
 
 
 def test_readme_examples_are_what_the_chart_and_the_file_accept():
-    """The top-level README's values example renders, and its annotation fragment is a valid
+    """The management-mode guide's values example renders, and its annotation fragment is a valid
     piece of the configuration file (the chart's `config` schema mirrors the binary's loops)
     without any of the process-wide keys a fragment may not hold."""
-    readme = (CHART.parents[1] / "README.md").read_text()
-    section = readme.split("## Many control planes: management mode", 1)[1].split("\n## ", 1)[0]
+    section = (CHART.parents[1] / "docs" / "management-mode.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
     values = yaml.safe_load(next(b for b in blocks if b.startswith("# tenants.yaml")))
     helm.Chart.load(CHART).validate_schema(values)

@@ -157,7 +157,7 @@ fn code_and_docs_cite_no_section_numbers() {
         root.join("charts"),
         root.join("deploy"),
     ];
-    for file in ["README.md", "ARCHITECTURE.md", "BENCHMARKS.md"] {
+    for file in ["README.md", "TESTING.md", "ARCHITECTURE.md", "BENCHMARKS.md"] {
         roots.push(root.join(file));
     }
     let mut citing = Vec::new();
@@ -186,6 +186,7 @@ fn the_docs_name_only_paths_that_exist() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut docs = vec![
         root.join("README.md"),
+        root.join("TESTING.md"),
         root.join("ARCHITECTURE.md"),
         root.join("BENCHMARKS.md"),
         root.join("controllers/CONFIG.md"),

@@ -13,7 +13,7 @@
 //! - [`SETTINGS`], the names, which the docs' flag table is checked against.
 //!
 //! Adding a setting: an entry here, a field of [`super::Config`], its validation in
-//! `Config::merge`, and its row in CONFIG.md's and README's flag tables (tests fail without
+//! `Config::merge`, and its row in CONFIG.md's flag table (tests fail without
 //! them).
 //!
 //! An entry's file clause takes one of three forms:

@@ -8,7 +8,7 @@
 //! registry labelled `tenant`, so a tenant that is down, slow or hostile only occupies its own
 //! tasks and connections.
 //!
-//! A tenant Secret is untrusted input (see README, "Security model"): its kubeconfig is read by
+//! A tenant Secret is untrusted input (see docs/security.md): its kubeconfig is read by
 //! [`crate::tenant_kubeconfig`] (inline material only), its fragment within floors
 //! ([`TenantBase::tenant`]), its etcd credentials from its own data keys; loading happens in a
 //! task of its own under [`LOAD_TIMEOUT`], so a huge Secret or a hung credential plugin costs
