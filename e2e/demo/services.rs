@@ -54,8 +54,15 @@ pub fn kubernetes_service_port<'a>(env: &'a DemoEnv<'a>) -> BoxFuture<'a, Result
             .await
             .map_err(|err| format!("cannot read Service {}: {err}", section.name))?;
         let wanted = port_of(&before);
+        // Only the port changes: the targetPort stays what the Service has.
+        let target_port = before
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.ports.as_ref())
+            .and_then(|ports| ports.first())
+            .and_then(|port| port.target_port.clone());
         let patch = serde_json::json!({"spec": {"ports": [
-            {"name": "https", "port": 8443, "protocol": "TCP", "targetPort": env.config.secure_port}
+            {"name": "https", "port": 8443, "protocol": "TCP", "targetPort": target_port}
         ]}});
         api.patch(
             &section.name,

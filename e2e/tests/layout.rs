@@ -157,7 +157,12 @@ fn code_and_docs_cite_no_section_numbers() {
         root.join("charts"),
         root.join("deploy"),
     ];
-    for file in ["README.md", "TESTING.md", "ARCHITECTURE.md", "BENCHMARKS.md"] {
+    for file in [
+        "README.md",
+        "TESTING.md",
+        "ARCHITECTURE.md",
+        "BENCHMARKS.md",
+    ] {
         roots.push(root.join(file));
     }
     let mut citing = Vec::new();

@@ -46,8 +46,11 @@ pub struct Settings {
     pub service_ranges: Vec<IpNet>,
     /// `serviceNodePortRange`.
     pub node_port_range: RangeInclusive<u16>,
-    /// `securePort`: the `kubernetes` Service's targetPort and the endpoints' port.
-    pub secure_port: u16,
+    /// `securePort`: the `kubernetes` Service's targetPort and the endpoints' port. `None` when
+    /// the operator set none: the endpoints then use kube-apiserver's default (6443), and the
+    /// Service keeps the targetPort it has (443 on many managed control planes), so that a
+    /// default never rewrites it.
+    pub secure_port: Option<u16>,
     /// `kubernetesServiceNodePort`, when not 0.
     pub kubernetes_service_node_port: Option<u16>,
     /// `advertiseAddress` as configured (loops that need one fall back to the default route).
@@ -132,11 +135,19 @@ impl Settings {
             instance: Some(self.identity.clone()),
         }
     }
+
+    /// The endpoints' port: `securePort`, else kube-apiserver's default.
+    pub fn endpoints_port(&self) -> u16 {
+        self.secure_port.unwrap_or(DEFAULT_SECURE_PORT)
+    }
 }
 
+/// kube-apiserver's default `--secure-port`.
+pub const DEFAULT_SECURE_PORT: u16 = 6443;
+
 /// The controller's empty configuration, which its tests compare with this: kube-apiserver's
-/// defaults (no range configured: read from the cluster; node ports 30000-32767, `securePort`
-/// 6443, no node port for `kubernetes`, no advertise address, one apiserver,
+/// defaults (no range configured: read from the cluster; node ports 30000-32767, no `securePort`
+/// (the endpoints on 6443, the Service's targetPort kept), no node port for `kubernetes`, no advertise address, one apiserver,
 /// `default/kubernetes`) except the endpoints, which are left alone (`none`) until the operator
 /// names a mode: a process started with nothing chosen must not rewrite them with its host's
 /// address. No identity, leader Lease or etcd, which belong to a replica.
@@ -145,7 +156,7 @@ impl Default for Settings {
         Settings {
             service_ranges: Vec::new(),
             node_port_range: 30000..=32767,
-            secure_port: 6443,
+            secure_port: None,
             kubernetes_service_node_port: None,
             advertise_address: None,
             endpoint_mode: EndpointsMode::None,

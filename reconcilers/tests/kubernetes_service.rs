@@ -95,10 +95,8 @@ async fn every_repairable_drift_is_repaired() {
     let corruptions: Vec<(&str, Corruption)> = vec![
         (
             "service_ports",
-            Box::new(|s| {
-                s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].target_port =
-                    Some(IntOrString::Int(1))
-            }),
+            // The port: the targetPort is repaired only when securePort is set.
+            Box::new(|s| s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].port = 8443),
         ),
         (
             "service_type",

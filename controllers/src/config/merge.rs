@@ -239,23 +239,23 @@ impl Config {
 
         let secure_port = match given.secure_port.take() {
             Some(source) => match source.value {
-                Ok(port @ 1..=65535) => u16::try_from(port).unwrap_or(6443),
+                Ok(port @ 1..=65535) => u16::try_from(port).ok(),
                 Ok(port) => {
                     errors.push(ConfigError::new(
                         source.field,
                         format!("{port} is not a valid port (expected 1-65535, e.g. 6443)"),
                     ));
-                    6443
+                    None
                 }
                 Err(NotANumber(text)) => {
                     errors.push(ConfigError::new(
                         source.field,
                         format!("{text:?} is not a port number (expected 1-65535, e.g. 6443)"),
                     ));
-                    6443
+                    None
                 }
             },
-            None => 6443,
+            None => None,
         };
 
         let kubernetes_service_node_port = match given.kubernetes_service_node_port.take() {

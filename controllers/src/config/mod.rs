@@ -67,7 +67,10 @@ pub struct Config {
     pub service_node_port_range: PortRange,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise_address: Option<IpAddr>,
-    pub secure_port: u16,
+    /// `None` when not configured: the endpoints use 6443 and the `kubernetes` Service keeps
+    /// its targetPort.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secure_port: Option<u16>,
     pub kubernetes_service_node_port: u16,
     /// `None` when no flag, variable or file key names a mode: the endpoints loop is then not
     /// built, so a process started with nothing chosen never rewrites the cluster's endpoints.

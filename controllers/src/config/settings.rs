@@ -211,7 +211,9 @@ settings! {
         file "advertiseAddress": String;
 
     /// The apiserver's secure port: the endpoints' port and the `kubernetes` Service's
-    /// targetPort. [default: 6443]
+    /// targetPort. Unset, the endpoints use 6443 and the Service keeps the targetPort it has (so
+    /// a managed cluster's 443 is never rewritten). [default: unset: endpoints on 6443, the
+    /// Service's targetPort kept]
     secure_port: String = "secure-port", "BOOTSTRAP_SECURE_PORT", "PORT";
         file "securePort": u32 => Result<u32, NotANumber> = parse_u32;
 

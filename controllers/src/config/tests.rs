@@ -102,7 +102,7 @@ fn defaults_match_upstream() {
             last: 32767
         }
     );
-    assert_eq!(config.secure_port, 6443);
+    assert_eq!(config.secure_port, None);
     assert_eq!(
         config.endpoint_reconciler_type, None,
         "no mode is assumed: the endpoints are left alone until one is named"
@@ -831,7 +831,7 @@ fn flags_override_file_override_defaults() {
         ..ConfigArgs::default()
     };
     let config = Config::merge(&args, file).unwrap();
-    assert_eq!(config.secure_port, 9443, "flag wins over file");
+    assert_eq!(config.secure_port, Some(9443), "flag wins over file");
     assert!(!config.dry_run, "flag wins over file");
     assert_eq!(
         config.service_node_port_range,

@@ -119,7 +119,7 @@ impl Section {
         EndpointsTarget {
             namespace: settings.kubernetes_service.namespace.clone(),
             service_name: settings.kubernetes_service.name.clone(),
-            port: i32::from(settings.secure_port),
+            port: i32::from(settings.endpoints_port()),
             primary_family: primary_family(settings),
         }
     }

@@ -87,7 +87,7 @@ pub fn desired_service(section: &Section, settings: &Settings) -> Service {
             ..ObjectMeta::default()
         },
         spec: Some(ServiceSpec {
-            ports: Some(ports(section, settings)),
+            ports: Some(ports(section, settings, None)),
             selector: None,
             // As upstream: clusterIP and SingleStack, clusterIPs and ipFamilies left to the API.
             cluster_ip: cluster_ips(settings).first().map(ToString::to_string),
@@ -209,7 +209,7 @@ pub fn service_drift(
     let spec = existing.spec.clone().unwrap_or_default();
 
     let found_ports = spec.ports.clone().unwrap_or_default();
-    if found_ports != ports(section, settings) {
+    if found_ports != ports(section, settings, Some(existing)) {
         drift.push(ServiceDrift::Ports { found: found_ports });
     }
     // The API defaults an unset type to ClusterIP.
@@ -274,7 +274,7 @@ pub fn repaired_service(section: &Section, settings: &Settings, existing: &Servi
         labels.insert(key.to_owned(), value.to_owned());
     }
     let spec = repaired.spec.get_or_insert_with(ServiceSpec::default);
-    spec.ports = Some(ports(section, settings));
+    spec.ports = Some(ports(section, settings, Some(existing)));
     spec.selector = None;
     spec.session_affinity = Some("None".to_owned());
     spec.session_affinity_config = None;
@@ -351,7 +351,7 @@ mod tests {
                 "fd00::/108".parse().unwrap(),
             ],
             kubernetes_service_node_port: Some(30443),
-            secure_port: 6444,
+            secure_port: Some(6444),
             ..settings()
         };
         let section = Section {
@@ -409,7 +409,12 @@ mod tests {
         spec.external_traffic_policy = Some("Cluster".into());
         spec.selector = Some(BTreeMap::from([("app".into(), "x".into())]));
         spec.session_affinity = Some("ClientIP".into());
-        let kinds: Vec<_> = service_drift(&section(), &settings(), &s)
+        // A configured securePort is repaired; without one the targetPort is kept (below).
+        let settings = Settings {
+            secure_port: Some(6443),
+            ..settings()
+        };
+        let kinds: Vec<_> = service_drift(&section(), &settings, &s)
             .iter()
             .map(ServiceDrift::kind)
             .collect();
@@ -424,8 +429,12 @@ mod tests {
                 "service_labels"
             ]
         );
-        let repaired = repaired_service(&section(), &settings(), &s);
-        assert!(service_drift(&section(), &settings(), &repaired).is_empty());
+        let repaired = repaired_service(&section(), &settings, &s);
+        assert!(service_drift(&section(), &settings, &repaired).is_empty());
+        assert_eq!(
+            repaired.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].target_port,
+            Some(IntOrString::Int(6443))
+        );
         assert_eq!(repaired.metadata.resource_version.as_deref(), Some("5"));
         assert_eq!(repaired.labels().get("team").map(String::as_str), Some("x"));
         let spec = repaired.spec.unwrap();
@@ -437,6 +446,30 @@ mod tests {
             spec.cluster_ips,
             Some(vec!["10.96.0.1".to_owned()]),
             "clusterIPs untouched"
+        );
+    }
+
+    #[test]
+    fn without_a_secure_port_the_services_target_port_is_kept() {
+        // A managed control plane's Service targets 443; a default must not rewrite it to 6443.
+        let mut s = existing();
+        s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].target_port =
+            Some(IntOrString::Int(443));
+        assert_eq!(settings().secure_port, None);
+        assert!(service_drift(&section(), &settings(), &s).is_empty());
+        // The port itself is still repaired, keeping the targetPort.
+        s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].port = 8443;
+        let repaired = repaired_service(&section(), &settings(), &s);
+        let port = &repaired.spec.unwrap().ports.unwrap()[0];
+        assert_eq!(
+            (port.port, port.target_port.clone()),
+            (443, Some(IntOrString::Int(443)))
+        );
+        // Created, it gets kube-apiserver's default.
+        let created = desired_service(&section(), &settings()).spec.unwrap();
+        assert_eq!(
+            created.ports.unwrap()[0].target_port,
+            Some(IntOrString::Int(6443))
         );
     }
 

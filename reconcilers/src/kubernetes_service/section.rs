@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::ServicePort;
+use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::{Deserialize, Serialize};
 
@@ -15,7 +15,8 @@ use super::KubernetesServiceLoop;
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
 use crate::section::{
-    self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
+    self, BuildContext, BuildError, DEFAULT_SECURE_PORT, LoopSection, Settings, duration_format,
+    validate_interval,
 };
 
 /// Upstream's interval (`kubernetesservice`: every 10 s).
@@ -137,13 +138,28 @@ pub(super) fn service_type(settings: &Settings) -> &'static str {
     }
 }
 
-/// The Service's one port: the section's port to `securePort`, on the node port if any.
-pub(super) fn ports(section: &Section, settings: &Settings) -> Vec<ServicePort> {
+/// The Service's one port: the section's port to `securePort`, on the node port if any. Without
+/// a configured `securePort` the targetPort is the one `existing` has (kube-apiserver's default
+/// 6443 on a Service being created), so that no default rewrites what the cluster chose.
+pub(super) fn ports(
+    section: &Section,
+    settings: &Settings,
+    existing: Option<&Service>,
+) -> Vec<ServicePort> {
+    let kept = existing
+        .and_then(|service| service.spec.as_ref())
+        .and_then(|spec| spec.ports.as_ref())
+        .and_then(|ports| ports.first())
+        .and_then(|port| port.target_port.clone());
+    let target_port = match settings.secure_port {
+        Some(port) => IntOrString::Int(i32::from(port)),
+        None => kept.unwrap_or(IntOrString::Int(i32::from(DEFAULT_SECURE_PORT))),
+    };
     vec![ServicePort {
         name: Some("https".to_owned()),
         protocol: Some("TCP".to_owned()),
         port: i32::from(section.port),
-        target_port: Some(IntOrString::Int(i32::from(settings.secure_port))),
+        target_port: Some(target_port),
         node_port: settings.kubernetes_service_node_port.map(i32::from),
         app_protocol: None,
     }]
