@@ -18,6 +18,7 @@ use kube::{Api, Client};
 use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::LoopError;
 use crate::section::ServiceName;
+use crate::watch_cache::Lenient;
 
 /// Name of the ServiceCIDR kube-apiserver creates from its `--service-cluster-ip-range`
 /// (upstream's ClusterIP repair waits for it before its first pass).
@@ -157,10 +158,12 @@ impl ServiceRanges {
             return Ok(Found::NotServed(self.hint().await?));
         }
         // A LIST of the one object: the loops' RBAC lists and watches ServiceCIDRs, never gets.
-        let api: Api<ServiceCIDR> = Api::all(self.client.clone());
+        // Decoded as a Go client would, so that a null or a newer version's field never hides
+        // the range.
+        let api: Api<Lenient<ServiceCIDR>> = Api::all_with(self.client.clone(), &());
         let params = kube::api::ListParams::default()
             .fields(&format!("metadata.name={DEFAULT_SERVICE_CIDR}"));
-        let Some(object) = api.list(&params).await?.items.into_iter().next() else {
+        let Some(Lenient(object)) = api.list(&params).await?.items.into_iter().next() else {
             return Err(RangeError::NotYet);
         };
         let cidrs = object.spec.and_then(|spec| spec.cidrs).unwrap_or_default();
@@ -169,11 +172,12 @@ impl ServiceRanges {
 
     /// What the `kubernetes` Service's ClusterIP says about the range, for the error.
     async fn hint(&self) -> Result<String, kube::Error> {
-        let api: Api<Service> = Api::namespaced(self.client.clone(), &self.service.namespace);
+        let api: Api<Lenient<Service>> =
+            Api::namespaced_with(self.client.clone(), &self.service.namespace, &());
         let ip = api
             .get_opt(&self.service.name)
             .await?
-            .and_then(|service| service.spec)
+            .and_then(|Lenient(service)| service.spec)
             .and_then(|spec| spec.cluster_ip)
             .and_then(|ip| crate::alloc::parse_ip_sloppy(&ip));
         Ok(match ip {

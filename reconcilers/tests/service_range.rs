@@ -233,3 +233,39 @@ async fn without_a_service_cidr_the_repair_refuses_and_names_the_setting() -> Re
     );
     Ok(())
 }
+
+/// The `kubernetes` ServiceCIDR as kube-apiserver stores it may hold what k8s-openapi refuses (a
+/// condition whose `lastTransitionTime` is `null`) and fields of newer versions: the range is
+/// still read, as a Go client reads it.
+#[tokio::test]
+async fn a_service_cidr_with_nulls_and_unknown_fields_still_gives_the_range() -> Result<()> {
+    let sim = cluster(true).await?;
+    let stored = json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "ServiceCIDR",
+        "metadata": {"name": "kubernetes", "labels": null},
+        "spec": {"cidrs": [RANGE], "fieldFromANewerVersion": {"x": 1}},
+        "status": {"conditions": [{
+            "type": "Ready", "status": "True", "reason": "", "message": "",
+            "lastTransitionTime": null,
+        }]},
+    });
+    assert!(serde_json::from_value::<ServiceCIDR>(stored.clone()).is_err());
+    sim.backdoor().put(stored)?;
+
+    let service_loop = KubernetesServiceLoop::new(
+        kubernetes_service::Section::default(),
+        &common::settings(&[]),
+        sim.client(),
+        &mut Registry::default(),
+    );
+    service_loop.reconcile(&common::ctx(&sim, false)).await?;
+    let created = Api::<Service>::namespaced(sim.client(), "default")
+        .get("kubernetes")
+        .await?;
+    assert_eq!(
+        created.spec.unwrap().cluster_ip.as_deref(),
+        Some("192.0.2.1")
+    );
+    Ok(())
+}
