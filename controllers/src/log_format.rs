@@ -273,4 +273,78 @@ mod tests {
         assert!(!line.chars().any(char::is_control), "{line:.300}");
         assert!(line.len() < 3 * (MAX_FIELD_BYTES + 64), "{}", line.len());
     }
+
+    /// Fails on a JSON object that holds one key twice anywhere (serde_json's `Value` keeps the
+    /// last, which is how a loop's name got lost behind the span's own name).
+    fn assert_no_repeated_key(line: &str) {
+        use serde::Deserialize;
+        use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
+        struct Checked;
+        impl<'de> Visitor<'de> for Checked {
+            type Value = ();
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("JSON")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+                let mut seen = std::collections::BTreeSet::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(serde::de::Error::custom(format!("key {key:?} repeated")));
+                    }
+                    map.next_value::<Checked>()?;
+                }
+                Ok(())
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+                while seq.next_element::<Checked>()?.is_some() {}
+                Ok(())
+            }
+            fn visit_str<E>(self, _: &str) -> Result<(), E> {
+                Ok(())
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+                Ok(())
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+                Ok(())
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+                Ok(())
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+                Ok(())
+            }
+            fn visit_unit<E>(self) -> Result<(), E> {
+                Ok(())
+            }
+        }
+        impl<'de> serde::Deserialize<'de> for Checked {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                d.deserialize_any(Checked).map(|()| Checked)
+            }
+        }
+        let mut de = serde_json::Deserializer::from_str(line);
+        if let Err(err) = Checked::deserialize(&mut de) {
+            panic!("{err} in {line}");
+        }
+    }
+
+    #[test]
+    fn json_lines_name_the_loop_and_tenant_without_repeated_keys() {
+        let json = logged_json(|| {
+            let tenant = tracing::info_span!("tenant", tenant = %"ns/a");
+            let _tenant = tenant.enter();
+            let span = tracing::info_span!("loop", r#loop = "system-namespaces");
+            let _entered = span.enter();
+            tracing::info!(name = "kube-public", "repaired");
+        });
+        let line = json.lines().next().unwrap();
+        assert_no_repeated_key(line);
+        let value: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(value["span"]["loop"], "system-namespaces", "{line}");
+        assert_eq!(value["spans"][0]["tenant"], "ns/a", "{line}");
+        // The check itself can fail.
+        let caught = std::panic::catch_unwind(|| assert_no_repeated_key(r#"{"a":{"b":1,"b":2}}"#));
+        assert!(caught.is_err());
+    }
 }

@@ -143,7 +143,7 @@ impl Runner {
                 triggered_at,
                 cancel: cancel.clone(),
             };
-            loop_tasks.spawn(task.run().instrument(info_span!("loop", name)));
+            loop_tasks.spawn(task.run().instrument(info_span!("loop", r#loop = name)));
         }
 
         cancel.cancelled().await;
@@ -228,7 +228,7 @@ fn spawn_triggers(
                     );
                 }
             }
-            .instrument(info_span!("trigger", name)),
+            .instrument(info_span!("trigger", r#loop = name)),
         );
     }
     (receiver, triggered_at)
@@ -748,7 +748,7 @@ pub async fn check_once(
                 tokio::time::sleep(delay).await;
             }
         }
-        .instrument(info_span!("check", name))
+        .instrument(info_span!("check", r#loop = name))
     });
     let results = futures::future::join_all(checks).await;
     cancel.cancel();
