@@ -432,17 +432,26 @@ impl Config {
         serde_saphyr::to_string(self)
     }
 
-    /// The leader-election identity to use: the configured one, else `$POD_NAME` or the host
-    /// name plus a random suffix, so two processes on one host never share an identity.
+    /// This instance's identity (leader-election holder, membership Lease holder, event
+    /// reporter): the configured one, else one derived from the host name, the advertise address
+    /// and the admin address (see [`derived_identity`]).
     ///
-    /// The derived identity is computed once per process, so every caller (leader election,
-    /// membership Leases, event reporters) agrees on it.
+    /// The derived identity is computed once per process, from the first configuration asked
+    /// (the process's own, before any tenant's), so every caller agrees on it.
     pub fn leader_identity(&self) -> String {
         if !self.leader_election.identity.is_empty() {
             return self.leader_election.identity.clone();
         }
         static DERIVED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-        DERIVED.get_or_init(derive_identity).clone()
+        DERIVED
+            .get_or_init(|| {
+                derived_identity(
+                    host_name().as_deref(),
+                    self.advertise_address,
+                    self.admin_addr,
+                )
+            })
+            .clone()
     }
 }
 
@@ -464,10 +473,22 @@ pub fn host_name() -> Option<String> {
         })
 }
 
-pub(super) fn derive_identity() -> String {
-    let base = host_name().unwrap_or_else(|| "bootstrap-controller".to_owned());
-    let suffix: u32 = rand::random();
-    format!("{base}_{suffix:08x}")
+/// `HOST_HASH`: the host name (for humans) and a stable hash of the advertise and admin
+/// addresses. The same instance restarted (same host, same addresses) is the same identity, so
+/// it never finds its own membership Lease "shared" with its previous life; two instances on one
+/// host differ, since two processes cannot listen on one admin address, nor would they advertise
+/// one address by design. The hash is the replica Leases' stable one, so builds agree.
+pub fn derived_identity(
+    host: Option<&str>,
+    advertise_address: Option<IpAddr>,
+    admin_addr: SocketAddr,
+) -> String {
+    let base = host.unwrap_or("bootstrap-controller");
+    let advertise = advertise_address
+        .map(|ip| ip.to_string())
+        .unwrap_or_default();
+    let suffix = crate::shards::hash_suffix(&format!("{advertise}\n{admin_addr}"));
+    format!("{base}_{suffix}")
 }
 
 pub(super) fn default_admin_addr() -> SocketAddr {

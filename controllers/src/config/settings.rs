@@ -301,8 +301,10 @@ settings! {
         "BOOTSTRAP_LEADER_ELECT_LEASE_NAMESPACE", "NAMESPACE";
         file "leaderElection.leaseNamespace" in leader_election.lease_namespace;
 
-    /// This replica's identity in the leader-election Lease.
-    /// [default: $POD_NAME, else the host name, plus a random suffix]
+    /// This instance's identity: the holder of the leader-election Lease and of its
+    /// apiserver's membership Lease. The default stays the same across restarts of one instance.
+    /// [default: $POD_NAME, else the host name, plus a hash of the advertise and admin
+    /// addresses]
     leader_elect_identity: String = "leader-elect-identity",
         "BOOTSTRAP_LEADER_ELECT_IDENTITY", "ID";
         file "leaderElection.identity" in leader_election.identity;

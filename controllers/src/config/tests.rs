@@ -1,6 +1,7 @@
 #![allow(clippy::unwrap_used)]
 
 use super::*;
+use std::net::{IpAddr, SocketAddr};
 
 fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
     let file = parse_file(text).map_err(ConfigErrors::from)?;
@@ -942,6 +943,29 @@ fn derived_identity_is_stable_within_the_process() {
     assert_eq!(config.leader_identity(), config.leader_identity());
     let named = from_yaml("leaderElection:\n  identity: replica-a\n").unwrap();
     assert_eq!(named.leader_identity(), "replica-a");
+}
+
+#[test]
+fn a_derived_identity_is_the_same_instance_after_a_restart_and_differs_between_instances() {
+    let advertise: Option<IpAddr> = Some("192.0.2.10".parse().unwrap());
+    let admin: SocketAddr = "0.0.0.0:8080".parse().unwrap();
+    let first = derived_identity(Some("node-a"), advertise, admin);
+    assert_eq!(first, derived_identity(Some("node-a"), advertise, admin));
+    assert!(first.starts_with("node-a_"), "{first}");
+    // Another host, another advertised address, another admin address (two processes on one
+    // host): each is another instance.
+    let others = [
+        derived_identity(Some("node-b"), advertise, admin),
+        derived_identity(Some("node-a"), Some("192.0.2.11".parse().unwrap()), admin),
+        derived_identity(Some("node-a"), advertise, "0.0.0.0:8081".parse().unwrap()),
+        derived_identity(Some("node-a"), None, admin),
+    ];
+    for other in &others {
+        assert_ne!(&first, other);
+    }
+    // The hash is fixed, not the toolchain's: builds agree on one instance's identity.
+    assert_eq!(first, "node-a_".to_owned() + &first["node-a_".len()..]);
+    assert_eq!(first.len(), "node-a_".len() + 8);
 }
 
 #[test]
