@@ -301,20 +301,32 @@ async fn run(config: Config, tenant_base: Option<TenantBase>) -> ExitCode {
 #[derive(Debug, thiserror::Error)]
 enum ApiWaitError {
     #[error("{0}")]
-    Api(kube::Error),
+    Api(String),
     #[error("timed out")]
     TimedOut,
 }
 
-/// Retries `GET /version` until it answers or `timeout` passes; returns the last error.
+/// Retries `GET /version` until it answers or `timeout` passes; returns the last error an
+/// answer or a connection gave (an attempt cut by the deadline says less than the one before).
 async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), ApiWaitError> {
     use backon::Retryable;
     let deadline = tokio::time::Instant::now() + timeout;
+    let last = std::sync::Mutex::new(None::<kube::Error>);
     let attempt = || async {
         match tokio::time::timeout_at(deadline, client.apiserver_version()).await {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(err)) => Err(ApiWaitError::Api(err)),
-            Err(_) => Err(ApiWaitError::TimedOut),
+            Ok(Err(err)) => {
+                let said = ApiWaitError::Api(crate::client::describe(&err));
+                if let Ok(mut last) = last.lock() {
+                    *last = Some(err);
+                }
+                Err(said)
+            }
+            Err(_) => Err(last
+                .lock()
+                .ok()
+                .and_then(|last| last.as_ref().map(crate::client::describe))
+                .map_or(ApiWaitError::TimedOut, ApiWaitError::Api)),
         }
     };
     attempt

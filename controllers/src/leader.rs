@@ -371,7 +371,10 @@ async fn elect(
         let delay = delays.next().unwrap_or(settings.renew_grace);
         health.set_check(
             READYZ_CHECK,
-            CheckState::Failing(format!("cannot reach the API to join the election: {err}")),
+            CheckState::Failing(format!(
+                "cannot reach the API to join the election: {}",
+                crate::client::describe(&err)
+            )),
         );
         if failure.is_new(&err) {
             warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying (the same failure again is logged at debug level)");
@@ -487,7 +490,7 @@ async fn elect(
                             failing = true;
                             health.set_check(
                                 READYZ_CHECK,
-                                CheckState::Failing(format!("cannot renew or observe the Lease: {err}")),
+                                CheckState::Failing(format!("cannot renew or observe the Lease: {}", crate::client::describe(&err))),
                             );
                             retry_at = Some(Instant::now() + delays.next().unwrap_or(settings.renew_grace));
                         }

@@ -227,6 +227,66 @@ async fn check_reports_drift_with_exit_1_and_unreachable_api_with_exit_2() -> an
     Ok(())
 }
 
+/// A refused connection names the server and the cause, through kube's own client stack (a
+/// token) and this project's (a client certificate, see `client.rs`), not hyper's
+/// `client error (Connect)`.
+#[test]
+fn a_refused_connection_names_the_server_and_the_cause() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let server = format!("https://127.0.0.1:{port}");
+    let (cert, key) = {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["client".to_owned()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("certificate");
+        (cert.pem(), key.serialize_pem())
+    };
+    let b64 = |text: &str| {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(text)
+    };
+    let users = [
+        "{token: x}".to_owned(),
+        format!(
+            "{{client-certificate-data: {}, client-key-data: {}}}",
+            b64(&cert),
+            b64(&key)
+        ),
+    ];
+    for user in users {
+        let path = dir.path().join("kubeconfig");
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {{server: \"{server}\", \
+                 certificate-authority-data: {}}}\nusers:\n- name: u\n  user: {user}\n\
+                 contexts:\n- name: x\n  context: {{cluster: c, user: u}}\ncurrent-context: x\n",
+                b64(&cert)
+            ),
+        )
+        .expect("write");
+        let (code, _, stderr) =
+            run(binary()
+                .arg("--kubeconfig")
+                .arg(&path)
+                .args(["check", "--timeout", "1s"]));
+        assert_eq!(code, 2, "{user}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "cannot connect to {server}: Connection refused (os error 111)"
+            )),
+            "{user}: {stderr}"
+        );
+        assert!(!stderr.contains("client error (Connect)"), "{stderr}");
+    }
+}
+
 #[tokio::test]
 async fn run_exits_1_naming_the_admin_address_when_it_is_taken() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
