@@ -32,7 +32,12 @@ pub const EXIT_CONFIG: u8 = 2;
 /// Configuration: flags (each also an environment variable, BOOTSTRAP_<FLAG>), then the --config
 /// YAML file, then defaults.
 #[derive(Debug, Parser)]
-#[command(name = "bootstrap-controller", version, about, long_about)]
+#[command(
+    name = "bootstrap-controller",
+    version = crate::build_info::LONG_VERSION,
+    about,
+    long_about
+)]
 pub struct Cli {
     #[command(flatten)]
     pub config: ConfigArgs,

@@ -153,6 +153,48 @@ fn config_print_shows_the_effective_configuration() {
     assert!(stderr.contains("--config"), "{stderr}");
 }
 
+/// `--version` names the version, the commit and the build date (`build.rs`): the commit this
+/// checkout is at when git can tell, else `unknown`.
+#[test]
+fn version_names_the_version_the_commit_and_the_build_date() {
+    let (code, stdout, stderr) = run(binary().arg("--version"));
+    assert_eq!(code, 0, "{stderr}");
+    let rest = stdout
+        .strip_prefix(&format!(
+            "bootstrap-controller {} (commit ",
+            env!("CARGO_PKG_VERSION")
+        ))
+        .unwrap_or_else(|| panic!("{stdout:?}"));
+    let (commit, rest) = rest.split_once(", built ").expect("the build date");
+    let date = rest.strip_suffix(")\n").expect("one line");
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 12 && commit.chars().all(|c| c.is_ascii_hexdigit())),
+        "{commit:?}"
+    );
+    // RFC 3339 in UTC to the second: 2026-01-02T03:04:05Z.
+    let shape = date.len() == 20
+        && date.char_indices().all(|(at, c)| match at {
+            4 | 7 => c == '-',
+            10 => c == 'T',
+            13 | 16 => c == ':',
+            19 => c == 'Z',
+            _ => c.is_ascii_digit(),
+        });
+    assert!(date == "unknown" || shape, "{date:?}");
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned());
+    if let Some(head) = head {
+        assert_eq!(commit, head, "built from this checkout");
+        assert!(shape, "a commit has a date: {date:?}");
+    }
+}
+
 #[test]
 fn unusable_kubeconfig_exits_2() {
     let dir = tempfile::tempdir().expect("tempdir");
