@@ -113,7 +113,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
                      BOOTSTRAP_CONFIG); none was given",
                 )]));
             };
-            match Config::load(&cli.config) {
+            match load_config(&cli.config) {
                 Ok(_) => {
                     println!("{}: configuration is valid", file.display());
                     ExitCode::from(EXIT_OK)
@@ -121,7 +121,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
                 Err(errors) => config_error(&errors),
             }
         }
-        Command::Config(ConfigCommand::Print) => match Config::load(&cli.config) {
+        Command::Config(ConfigCommand::Print) => match load_config(&cli.config) {
             Ok(config) => match config.to_yaml() {
                 Ok(yaml) => {
                     print!("{yaml}");
@@ -134,7 +134,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
             },
             Err(errors) => config_error(&errors),
         },
-        Command::Run => match Config::load(&cli.config) {
+        Command::Run => match load_config(&cli.config) {
             Ok(config) if config.tenants.is_some() => {
                 let allowed = config
                     .tenants
@@ -171,7 +171,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
                     )]));
                 }
             };
-            match Config::load(&cli.config) {
+            match load_config(&cli.config) {
                 Ok(config) if config.tenants.is_some() => {
                     config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
                         "--tenants-secret-selector",
@@ -182,6 +182,24 @@ pub async fn execute(cli: Cli) -> ExitCode {
                 Ok(config) => check(config, timeout, output).await,
                 Err(errors) => config_error(&errors),
             }
+        }
+    }
+}
+
+/// [`Config::load`], with the environment checked too: a variable with the settings' prefix
+/// that names no setting is an error when it is near one (surely meant), a warning otherwise.
+fn load_config(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
+    let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
+    let (mut errors, warnings) = crate::config::unknown_variables(names);
+    for warning in warnings {
+        eprintln!("warning: {warning}");
+    }
+    match Config::load(args) {
+        Ok(config) if errors.is_empty() => Ok(config),
+        Ok(_) => Err(ConfigErrors(errors)),
+        Err(more) => {
+            errors.extend(more.0);
+            Err(ConfigErrors(errors))
         }
     }
 }
@@ -508,8 +526,8 @@ mod tests {
         ])
         .unwrap();
         assert!(matches!(cli.command, Command::Run));
-        assert_eq!(cli.config.dry_run, Some(true));
-        assert_eq!(cli.config.leader_elect, Some(false));
+        assert_eq!(cli.config.dry_run.as_deref(), Some("true"));
+        assert_eq!(cli.config.leader_elect.as_deref(), Some("false"));
         let config = Config::load(&cli.config).unwrap();
         assert!(config.dry_run);
         assert!(!config.leader_election.enabled);

@@ -82,6 +82,36 @@ fn invalid_configurations_exit_2_naming_the_field() {
     }
 }
 
+/// `config validate` and `run` report every problem of a file in one go, each on the line of
+/// the key the user wrote.
+#[test]
+fn every_problem_of_a_file_is_reported_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = write_config(
+        &dir,
+        "loops:\n  systemNamespaces:\n    intervall: 1m\ndryrun: true\nsecurePort: 0\n\
+         leaderElection:\n  enabled: true\n    leaseName: x\n",
+    );
+    for command in [&["config", "validate"][..], &["run"][..]] {
+        let (code, _, stderr) = run(binary()
+            .arg("--config")
+            .arg(&path)
+            .args(["--kubeconfig", "/nonexistent/kubeconfig"])
+            .args(command));
+        assert_eq!(code, 2, "{command:?}: {stderr}");
+        for said in [
+            "4 problems",
+            "loops.systemNamespaces.intervall: line 3: unknown field `intervall`: did you mean \
+             `interval`?",
+            "dryrun: line 4: unknown field `dryrun`: did you mean `dryRun`?",
+            "leaderElection.leaseName: line 8: `leaseName` is indented deeper than `enabled`",
+            "securePort: line 5: 0 is not a valid port",
+        ] {
+            assert!(stderr.contains(said), "{command:?}: {said:?} in {stderr}");
+        }
+    }
+}
+
 #[test]
 fn invalid_flag_and_env_values_exit_2_naming_the_flag() {
     let (code, _, stderr) =
@@ -89,12 +119,51 @@ fn invalid_flag_and_env_values_exit_2_naming_the_flag() {
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--service-cluster-ip-range"), "{stderr}");
 
+    // A value from the environment is blamed on the variable the user set, not on a flag never
+    // typed.
     let (code, _, stderr) = run(binary()
         .env("BOOTSTRAP_SERVICE_NODE_PORT_RANGE", "40000-30000")
         .args(["config", "print"]));
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("--service-node-port-range"), "{stderr}");
-    assert!(stderr.contains("inverted"), "{stderr}");
+    assert!(
+        stderr.contains("BOOTSTRAP_SERVICE_NODE_PORT_RANGE: \"40000-30000\" is inverted"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("--service-node-port-range"), "{stderr}");
+    let (code, _, stderr) = run(binary()
+        .env("BOOTSTRAP_DRY_RUN", "1")
+        .args(["config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("BOOTSTRAP_DRY_RUN: \"1\" is not a boolean (expected true or false)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("--dry-run"), "{stderr}");
+    let (code, _, stderr) = run(binary().args(["--dry-run=1", "config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--dry-run: \"1\" is not a boolean"),
+        "{stderr}"
+    );
+
+    // A mistyped variable is an error naming the one meant, with the others.
+    let (code, _, stderr) = run(binary()
+        .env("BOOTSTRAP_ADVERTISE_ADRESS", "192.0.2.10")
+        .env("BOOTSTRAP_SECURE_PORT", "0")
+        .args(["config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains(
+            "BOOTSTRAP_ADVERTISE_ADRESS: is no setting's variable: did you mean \
+             BOOTSTRAP_ADVERTISE_ADDRESS?"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("BOOTSTRAP_SECURE_PORT: 0 is not a valid port"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("2 problems"), "{stderr}");
 
     let (code, _, stderr) = run(binary().args([
         "--tenants-secret-selector",

@@ -312,7 +312,7 @@ async fn config_md_documents_every_metric() {
     // With a range (without one the service-cidr loop is not built) and an endpoints mode
     // (without one the endpoints loops are not).
     let config = Config::load(&ConfigArgs {
-        leader_elect: Some(true),
+        leader_elect: Some("true".to_owned()),
         service_cluster_ip_range: Some("10.96.0.0/12".to_owned()),
         endpoint_reconciler_type: Some(bootstrap_controller::config::EndpointsMode::Lease),
         advertise_address: Some("192.0.2.10".to_owned()),
