@@ -147,6 +147,7 @@ fn explain(lines: &[&str], current: &str, failure: Failure) -> (ConfigError, Opt
         return (error, Some(at));
     }
     if error.field == "(file)"
+        && error.message.contains("did not find expected key")
         && let Some(at) = line
         && let Some(message) = misaligned(lines, at)
     {

@@ -1105,6 +1105,11 @@ fn a_misaligned_key_is_blamed_on_its_own_line() {
             .starts_with("line 4: `namespaces` is indented 3 spaces"),
         "{error}"
     );
+    // Another syntax error on an indented line is not taken for a misalignment.
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    interval: 1m: x\n",
+    ));
+    assert!(!error.message.contains("is indented"), "{error}");
     // At its parent's indentation: the parent is empty, and the key, unknown there, may belong
     // under it.
     let errors = from_yaml("loops:\n  systemNamespaces:\n  interval: 1m\n")
