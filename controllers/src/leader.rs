@@ -518,7 +518,9 @@ async fn elect(
                     election.renewed_at = None;
                     publish(&sender, &metrics, &health, false);
                     health.set_check(READYZ_CHECK, CheckState::Passing(role(false)));
-                } else if !failing && election.known {
+                } else if !failing && election.known && election.holder().is_some() {
+                    // A Lease without a holder is about to be taken: not yet a standby, nor a
+                    // leader, until this replica's write answers.
                     health.set_check(READYZ_CHECK, CheckState::Passing(role(election.leading)));
                 }
             }
