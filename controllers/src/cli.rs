@@ -186,6 +186,38 @@ pub async fn execute(cli: Cli) -> ExitCode {
     }
 }
 
+/// The message for clap's error about a value it parses itself (`--log-format`,
+/// `--endpoint-reconciler-type`), naming the environment variable when the value came from
+/// there, not from a flag `argv` never held; `None` for any other error.
+pub fn env_value_error(
+    err: &clap::Error,
+    argv: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if err.kind() != ErrorKind::InvalidValue {
+        return None;
+    }
+    let Some(ContextValue::String(arg)) = err.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let flag = arg.split(['[', ' ', '=']).next()?;
+    let setting = crate::config::SETTINGS
+        .iter()
+        .find(|setting| setting.flag == flag)?;
+    std::env::var_os(setting.env)?;
+    let typed = argv.into_iter().any(|given| {
+        let given = given.to_string_lossy();
+        given == flag || given.starts_with(&format!("{flag}="))
+    });
+    (!typed).then(|| {
+        err.render().to_string().replacen(
+            &format!("'{arg}'"),
+            &format!("{} (the variable of {flag})", setting.env),
+            1,
+        )
+    })
+}
+
 /// [`Config::load`], with the environment checked too: a variable with the settings' prefix
 /// that names no setting is an error when it is near one (surely meant), a warning otherwise.
 fn load_config(args: &ConfigArgs) -> Result<Config, ConfigErrors> {

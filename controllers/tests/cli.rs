@@ -139,6 +139,28 @@ fn invalid_flag_and_env_values_exit_2_naming_the_flag() {
         "{stderr}"
     );
     assert!(!stderr.contains("--dry-run"), "{stderr}");
+    // Values clap parses itself (a choice of names) too; a typed flag stays the flag.
+    let (code, _, stderr) = run(binary()
+        .env("BOOTSTRAP_LOG_FORMAT", "xml")
+        .args(["config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains(
+            "invalid value 'xml' for BOOTSTRAP_LOG_FORMAT (the variable of --log-format)"
+        ),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run(binary().env("BOOTSTRAP_LOG_FORMAT", "json").args([
+        "--log-format",
+        "xml",
+        "config",
+        "print",
+    ]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("invalid value 'xml' for '--log-format <FORMAT>'"),
+        "{stderr}"
+    );
     let (code, _, stderr) = run(binary().args(["--dry-run=1", "config", "print"]));
     assert_eq!(code, 2, "{stderr}");
     assert!(
