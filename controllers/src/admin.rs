@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
-use crate::metrics::{OPENMETRICS_CONTENT_TYPE, encode, encode_merged};
+use crate::metrics::{OPENMETRICS_CONTENT_TYPE, encode_merged};
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -83,10 +83,12 @@ async fn readyz(State(state): State<AdminState>) -> Response {
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {
-    let encoded = match &state.tenants {
-        Some(tenants) => encode_merged(&state.registry, &tenants.registries()),
-        None => encode(&state.registry),
-    };
+    // The process's own metrics (memory, CPU, build) beside the runtime's and the tenants'.
+    let mut more = vec![crate::metrics::process_registry()];
+    if let Some(tenants) = &state.tenants {
+        more.extend(tenants.registries());
+    }
+    let encoded = encode_merged(&state.registry, &more);
     match encoded {
         Ok(text) => ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], text).into_response(),
         Err(_) => (

@@ -32,7 +32,12 @@ pub const EXIT_CONFIG: u8 = 2;
 /// Configuration: flags (each also an environment variable, BOOTSTRAP_<FLAG>), then the --config
 /// YAML file, then defaults.
 #[derive(Debug, Parser)]
-#[command(name = "bootstrap-controller", version, about, long_about)]
+#[command(
+    name = "bootstrap-controller",
+    version = crate::build_info::LONG_VERSION,
+    about,
+    long_about
+)]
 pub struct Cli {
     #[command(flatten)]
     pub config: ConfigArgs,
@@ -108,7 +113,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
                      BOOTSTRAP_CONFIG); none was given",
                 )]));
             };
-            match Config::load(&cli.config) {
+            match load_config(&cli.config) {
                 Ok(_) => {
                     println!("{}: configuration is valid", file.display());
                     ExitCode::from(EXIT_OK)
@@ -116,7 +121,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
                 Err(errors) => config_error(&errors),
             }
         }
-        Command::Config(ConfigCommand::Print) => match Config::load(&cli.config) {
+        Command::Config(ConfigCommand::Print) => match load_config(&cli.config) {
             Ok(config) => match config.to_yaml() {
                 Ok(yaml) => {
                     print!("{yaml}");
@@ -129,7 +134,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
             },
             Err(errors) => config_error(&errors),
         },
-        Command::Run => match Config::load(&cli.config) {
+        Command::Run => match load_config(&cli.config) {
             Ok(config) if config.tenants.is_some() => {
                 let allowed = config
                     .tenants
@@ -166,7 +171,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
                     )]));
                 }
             };
-            match Config::load(&cli.config) {
+            match load_config(&cli.config) {
                 Ok(config) if config.tenants.is_some() => {
                     config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
                         "--tenants-secret-selector",
@@ -177,6 +182,56 @@ pub async fn execute(cli: Cli) -> ExitCode {
                 Ok(config) => check(config, timeout, output).await,
                 Err(errors) => config_error(&errors),
             }
+        }
+    }
+}
+
+/// The message for clap's error about a value it parses itself (`--log-format`,
+/// `--endpoint-reconciler-type`), naming the environment variable when the value came from
+/// there, not from a flag `argv` never held; `None` for any other error.
+pub fn env_value_error(
+    err: &clap::Error,
+    argv: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if err.kind() != ErrorKind::InvalidValue {
+        return None;
+    }
+    let Some(ContextValue::String(arg)) = err.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let flag = arg.split(['[', ' ', '=']).next()?;
+    let setting = crate::config::SETTINGS
+        .iter()
+        .find(|setting| setting.flag == flag)?;
+    std::env::var_os(setting.env)?;
+    let typed = argv.into_iter().any(|given| {
+        let given = given.to_string_lossy();
+        given == flag || given.starts_with(&format!("{flag}="))
+    });
+    (!typed).then(|| {
+        err.render().to_string().replacen(
+            &format!("'{arg}'"),
+            &format!("{} (the variable of {flag})", setting.env),
+            1,
+        )
+    })
+}
+
+/// [`Config::load`], with the environment checked too: a variable with the settings' prefix
+/// that names no setting is an error when it is near one (surely meant), a warning otherwise.
+fn load_config(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
+    let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
+    let (mut errors, warnings) = crate::config::unknown_variables(names);
+    for warning in warnings {
+        eprintln!("warning: {warning}");
+    }
+    match Config::load(args) {
+        Ok(config) if errors.is_empty() => Ok(config),
+        Ok(_) => Err(ConfigErrors(errors)),
+        Err(more) => {
+            errors.extend(more.0);
+            Err(ConfigErrors(errors))
         }
     }
 }
@@ -301,20 +356,32 @@ async fn run(config: Config, tenant_base: Option<TenantBase>) -> ExitCode {
 #[derive(Debug, thiserror::Error)]
 enum ApiWaitError {
     #[error("{0}")]
-    Api(kube::Error),
+    Api(String),
     #[error("timed out")]
     TimedOut,
 }
 
-/// Retries `GET /version` until it answers or `timeout` passes; returns the last error.
+/// Retries `GET /version` until it answers or `timeout` passes; returns the last error an
+/// answer or a connection gave (an attempt cut by the deadline says less than the one before).
 async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), ApiWaitError> {
     use backon::Retryable;
     let deadline = tokio::time::Instant::now() + timeout;
+    let last = std::sync::Mutex::new(None::<kube::Error>);
     let attempt = || async {
         match tokio::time::timeout_at(deadline, client.apiserver_version()).await {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(err)) => Err(ApiWaitError::Api(err)),
-            Err(_) => Err(ApiWaitError::TimedOut),
+            Ok(Err(err)) => {
+                let said = ApiWaitError::Api(crate::client::describe(&err));
+                if let Ok(mut last) = last.lock() {
+                    *last = Some(err);
+                }
+                Err(said)
+            }
+            Err(_) => Err(last
+                .lock()
+                .ok()
+                .and_then(|last| last.as_ref().map(crate::client::describe))
+                .map_or(ApiWaitError::TimedOut, ApiWaitError::Api)),
         }
     };
     attempt
@@ -491,8 +558,8 @@ mod tests {
         ])
         .unwrap();
         assert!(matches!(cli.command, Command::Run));
-        assert_eq!(cli.config.dry_run, Some(true));
-        assert_eq!(cli.config.leader_elect, Some(false));
+        assert_eq!(cli.config.dry_run.as_deref(), Some("true"));
+        assert_eq!(cli.config.leader_elect.as_deref(), Some("false"));
         let config = Config::load(&cli.config).unwrap();
         assert!(config.dry_run);
         assert!(!config.leader_election.enabled);

@@ -74,7 +74,12 @@ pub fn build_checking(
         && (config.auth_info.client_certificate.is_some()
             || config.auth_info.client_certificate_data.is_some());
     if !rotatable {
-        return kube::Client::try_from(config.clone());
+        let server = server_name(&config.cluster_url);
+        return kube::client::ClientBuilder::try_from(config.clone()).map(|builder| {
+            builder
+                .with_layer(&naming_connection_errors(server))
+                .build()
+        });
     }
     let source = Source {
         explicit: kubeconfig.map(Path::to_path_buf),
@@ -423,7 +428,86 @@ fn client_with(config: &kube::Config, rotating: Arc<Rotating>) -> kube::Result<k
         )
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
+        .layer(naming_connection_errors(server_name(&config.cluster_url)))
         .map_err(BoxError::from)
         .service(client);
     Ok(kube::Client::new(service, config.default_namespace.clone()))
+}
+
+/// A request that did not reach the server, its server named and its causes spelled out.
+/// hyper's own error reads `client error (Connect)`: what happened (refused, timed out, a
+/// certificate refused) is only in its `source()` chain, which kube's error and a log line do
+/// not show.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct TransportError {
+    message: String,
+    #[source]
+    source: BoxError,
+}
+
+/// `scheme://host:port` of the cluster URL: what a connection is made to.
+pub fn server_name(url: &http::Uri) -> String {
+    match (url.scheme_str(), url.authority()) {
+        (Some(scheme), Some(authority)) => format!("{scheme}://{authority}"),
+        _ => url.to_string(),
+    }
+}
+
+/// The layer that turns the HTTP client's transport errors into [`TransportError`]s naming
+/// `server`; other errors (kube's own, the API's answers) pass as they are.
+pub fn naming_connection_errors(
+    server: String,
+) -> tower::util::MapErrLayer<impl Fn(BoxError) -> BoxError + Clone> {
+    tower::util::MapErrLayer::new(move |err: BoxError| explain(err, &server))
+}
+
+fn explain(err: BoxError, server: &str) -> BoxError {
+    let Some(transport) = err.downcast_ref::<hyper_util::client::legacy::Error>() else {
+        return err;
+    };
+    let message = if transport.is_connect() {
+        format!("cannot connect to {server}: {}", root_cause(&*err))
+    } else {
+        format!("request to {server} failed: {}", error_chain(&*err))
+    };
+    Box::new(TransportError {
+        message,
+        source: err,
+    })
+}
+
+/// The last error of `err`'s `source()` chain: the cause itself (`Connection refused (os error
+/// 111)`), not the layers that passed it on.
+pub fn root_cause(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut current = err;
+    while let Some(source) = current.source() {
+        current = source;
+    }
+    current.to_string()
+}
+
+/// Every message of `err`'s `source()` chain, joined by `: `; one already said by the error
+/// before it (many errors repeat their source's) is left out.
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut current = err.source();
+    while let Some(source) = current {
+        let message = source.to_string();
+        if !message.is_empty() && !text.contains(&message) {
+            text.push_str(": ");
+            text.push_str(&message);
+        }
+        current = source.source();
+    }
+    text
+}
+
+/// An API error as a person reads it: kube's `ServiceError: ` prefix left out of a transport
+/// failure, which [`TransportError`] already explains, and every other error with its causes.
+pub fn describe(err: &kube::Error) -> String {
+    match err {
+        kube::Error::Service(inner) if inner.is::<TransportError>() => inner.to_string(),
+        other => error_chain(other),
+    }
 }

@@ -203,8 +203,18 @@ struct Election {
     liveness: Liveness<Instant>,
     /// When this replica's last successful write (as holder) was sent.
     renewed_at: Option<Instant>,
+    /// The renew times (in the Lease's microseconds) of this process's last writes, sent or
+    /// answered: a Lease naming this identity is this process's only with one of them. The
+    /// identity is stable across restarts, so a Lease naming it may be a previous life's (or a
+    /// duplicate's, given the same identity by mistake), which is taken over only as any other
+    /// holder's: after a whole duration without change.
+    written: std::collections::VecDeque<i64>,
     leading: bool,
 }
+
+/// How many of this process's renew times [`Election::written`] keeps: a write whose answer was
+/// lost (a timeout) may still have landed, and the next ones are sent before it is seen.
+const WRITTEN_KEPT: usize = 4;
 
 /// The election's next write.
 #[derive(Debug, PartialEq, Eq)]
@@ -229,7 +239,31 @@ impl Election {
             known: false,
             liveness: Liveness::new(now),
             renewed_at: None,
+            written: std::collections::VecDeque::new(),
             leading: false,
+        }
+    }
+
+    /// Whether the Lease names this identity with a renewal this process wrote.
+    fn holds(&self) -> bool {
+        let renewed = self
+            .lease
+            .as_ref()
+            .and_then(|l| l.spec.as_ref())
+            .and_then(|s| s.renew_time.as_ref())
+            .map(|t| t.0.as_microsecond());
+        self.holder() == Some(self.identity.as_str())
+            && renewed.is_some_and(|at| self.written.contains(&at))
+    }
+
+    /// Notes a write about to be sent, so its answer (or its echo in the watch) is known as this
+    /// process's.
+    fn sending(&mut self, lease: &Lease) {
+        if let Some(at) = lease.spec.as_ref().and_then(|s| s.renew_time.as_ref()) {
+            if self.written.len() == WRITTEN_KEPT {
+                self.written.pop_front();
+            }
+            self.written.push_back(at.0.as_microsecond());
         }
     }
 
@@ -269,7 +303,7 @@ impl Election {
             return Step::Create;
         };
         match self.holder() {
-            Some(holder) if holder == self.identity => match self.renewed_at {
+            Some(_) if self.holds() => match self.renewed_at {
                 Some(at) if self.leading => {
                     let due = at + self.duration.saturating_sub(self.renew_grace);
                     if due > now {
@@ -293,9 +327,11 @@ impl Election {
         }
     }
 
-    /// The Lease to write for `step`: this replica as holder, renewed now.
+    /// The Lease to write for `step`: this replica as holder, renewed now (in whole
+    /// microseconds, as the API stores it, so the answer is recognised as this write).
     fn desired(&self, step: &Step) -> Lease {
-        let now = MicroTime(Timestamp::now());
+        let now = Timestamp::now();
+        let now = MicroTime(Timestamp::from_microsecond(now.as_microsecond()).unwrap_or(now));
         let mut lease = self.lease.clone().unwrap_or_default();
         let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
         if *step != Step::Renew || spec.acquire_time.is_none() {
@@ -335,7 +371,10 @@ async fn elect(
         let delay = delays.next().unwrap_or(settings.renew_grace);
         health.set_check(
             READYZ_CHECK,
-            CheckState::Failing(format!("cannot reach the API to join the election: {err}")),
+            CheckState::Failing(format!(
+                "cannot reach the API to join the election: {}",
+                crate::client::describe(&err)
+            )),
         );
         if failure.is_new(&err) {
             warn!(error = %err, retry_in = ?delay, namespace = %settings.lease_namespace, "cannot ensure the leader-election Lease's namespace exists; retrying (the same failure again is logged at debug level)");
@@ -384,6 +423,7 @@ async fn elect(
                 }
                 let sent = Instant::now();
                 let desired = election.desired(&step);
+                election.sending(&desired);
                 let params = PostParams::default();
                 let write = async {
                     match step {
@@ -450,7 +490,7 @@ async fn elect(
                             failing = true;
                             health.set_check(
                                 READYZ_CHECK,
-                                CheckState::Failing(format!("cannot renew or observe the Lease: {err}")),
+                                CheckState::Failing(format!("cannot renew or observe the Lease: {}", crate::client::describe(&err))),
                             );
                             retry_at = Some(Instant::now() + delays.next().unwrap_or(settings.renew_grace));
                         }
@@ -472,13 +512,15 @@ async fn elect(
                     }
                     None => break,
                 }
-                if election.leading && election.holder() != Some(settings.identity.as_str()) {
+                if election.leading && !election.holds() {
                     warn!(holder = ?election.holder(), "another replica holds the leader-election Lease; stepping down");
                     election.leading = false;
                     election.renewed_at = None;
                     publish(&sender, &metrics, &health, false);
                     health.set_check(READYZ_CHECK, CheckState::Passing(role(false)));
-                } else if !failing && election.known {
+                } else if !failing && election.known && election.holder().is_some() {
+                    // A Lease without a holder is about to be taken: not yet a standby, nor a
+                    // leader, until this replica's write answers.
                     health.set_check(READYZ_CHECK, CheckState::Passing(role(election.leading)));
                 }
             }
@@ -593,9 +635,12 @@ mod tests {
     async fn the_leader_renews_a_grace_before_expiry_and_takes_back_its_own_lease() {
         let t0 = Instant::now();
         let mut e = Election::new(&settings(), t0);
-        // Restarted while the Lease still names it: renew at once.
-        e.observe(Some(lease(Some("me"), 7)), t0);
-        assert_eq!(e.next_step(t0), Step::Renew);
+        e.observe(None, t0);
+        let created = e.desired(&Step::Create);
+        e.sending(&created);
+        let mut answer = created.clone();
+        answer.metadata.resource_version = Some("7".into());
+        e.observe(Some(answer), t0);
         e.leading = true;
         e.renewed_at = Some(t0);
         assert_eq!(e.next_step(t0), Step::Wait(t0 + Duration::from_secs(10)));
@@ -603,5 +648,42 @@ mod tests {
         let renewal = e.desired(&Step::Renew);
         assert_eq!(renewal.metadata.resource_version.as_deref(), Some("7"));
         assert_eq!(renewal.spec.unwrap().lease_transitions, None);
+        // A renewal that failed (its answer lost) leaves this process's own write in place: it
+        // is taken back at once.
+        e.leading = false;
+        e.renewed_at = None;
+        assert_eq!(e.next_step(t0), Step::Renew);
+    }
+
+    /// The identity is stable across restarts: a Lease naming it that this process did not
+    /// write is a previous life's (or a duplicate's), which may still be leading. It is taken
+    /// over only as another holder's would be, after a whole duration without change.
+    #[tokio::test]
+    async fn a_lease_naming_this_identity_from_another_process_is_not_taken_at_once() {
+        let t0 = Instant::now();
+        let mut e = Election::new(&settings(), t0);
+        e.observe(Some(lease(Some("me"), 7)), t0);
+        assert!(!e.holds());
+        assert_eq!(e.next_step(t0), Step::Wait(t0 + Duration::from_secs(15)));
+        // Still renewed by the other process: the deadline moves.
+        let t1 = t0 + Duration::from_secs(5);
+        e.observe(Some(lease(Some("me"), 8)), t1);
+        assert_eq!(e.next_step(t1), Step::Wait(t1 + Duration::from_secs(15)));
+        let later = t1 + Duration::from_secs(15);
+        assert_eq!(e.next_step(later), Step::Acquire);
+        let taken = e.desired(&Step::Acquire);
+        assert_eq!(
+            taken.spec.as_ref().unwrap().lease_transitions,
+            Some(1),
+            "a takeover, counted as one"
+        );
+        e.sending(&taken);
+        e.observe(Some(taken), later);
+        assert!(e.holds());
+
+        // A duplicate under the same identity writes over it: not this process's renewal any
+        // more, so a leader would step down rather than renew over it.
+        e.observe(Some(lease(Some("me"), 1_000)), later);
+        assert!(!e.holds());
     }
 }

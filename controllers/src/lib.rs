@@ -2,6 +2,7 @@
 //! server, metrics, leader election and the binary's subcommands.
 
 pub mod admin;
+pub mod build_info;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -2,10 +2,23 @@
 
 use std::process::ExitCode;
 
-use bootstrap_controller::cli::{Cli, execute};
-use clap::Parser;
+use bootstrap_controller::cli::{Cli, EXIT_CONFIG, env_value_error, execute};
+use clap::{CommandFactory, FromArgMatches};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    execute(Cli::parse()).await
+    let matches = match Cli::command().try_get_matches() {
+        Ok(matches) => matches,
+        Err(err) => match env_value_error(&err, std::env::args_os()) {
+            Some(message) => {
+                eprint!("{message}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+            None => err.exit(),
+        },
+    };
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|err| err.exit());
+    // Errors then name the variable a value came from, not its flag.
+    cli.config.note_sources(&matches);
+    execute(cli).await
 }

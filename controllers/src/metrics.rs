@@ -334,6 +334,189 @@ pub fn encode_merged(main: &Registry, more: &[Arc<Registry>]) -> Result<String, 
     Ok(out)
 }
 
+/// The process's own metrics, outside the `bootstrap_` prefix where Prometheus' conventions
+/// name them (`process_*`), and `bootstrap_build_info`: one registry for the whole process (not
+/// a tenant's), which `/metrics` serves beside the main one.
+pub fn process_registry() -> Arc<Registry> {
+    static REGISTRY: std::sync::OnceLock<Arc<Registry>> = std::sync::OnceLock::new();
+    REGISTRY
+        .get_or_init(|| {
+            let mut registry = Registry::default();
+            let build_info = Family::<BuildLabels, Gauge>::default();
+            build_info
+                .get_or_create(&BuildLabels {
+                    version: crate::build_info::VERSION.to_owned(),
+                    commit: crate::build_info::COMMIT.to_owned(),
+                })
+                .set(1);
+            registry.register(
+                "bootstrap_build_info",
+                "Always 1; its labels name the version and the commit of this build",
+                build_info,
+            );
+            registry.register_collector(Box::new(ProcessCollector));
+            Arc::new(registry)
+        })
+        .clone()
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: String,
+    pub commit: String,
+}
+
+/// The kernel's clock tick for the times in `/proc/<pid>/stat`: `USER_HZ`, 100 on every
+/// architecture this runs on (Prometheus' own procfs reader assumes the same), so no `sysconf`.
+const USER_HZ: f64 = 100.0;
+
+/// Reads `/proc/self` at every scrape: resident memory, CPU time, descriptors, start time.
+#[derive(Debug)]
+struct ProcessCollector;
+
+impl prometheus_client::collector::Collector for ProcessCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let read = |path: &str| std::fs::read_to_string(path).ok();
+        let open_fds = std::fs::read_dir("/proc/self/fd")
+            .ok()
+            .map(|entries| entries.count());
+        let sample = ProcessSample::parse(
+            read("/proc/self/stat").as_deref(),
+            read("/proc/self/status").as_deref(),
+            read("/proc/self/limits").as_deref(),
+            read("/proc/stat").as_deref(),
+            open_fds,
+        );
+        if let Some(seconds) = sample.cpu_seconds {
+            let metric = ConstCounter::new(seconds);
+            metric.encode(encoder.encode_descriptor(
+                "process_cpu_seconds",
+                "Total user and system CPU time spent in seconds",
+                None,
+                metric.metric_type(),
+            )?)?;
+        }
+        let gauges = [
+            (
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes",
+                sample.resident_bytes,
+            ),
+            (
+                "process_virtual_memory_bytes",
+                "Virtual memory size in bytes",
+                sample.virtual_bytes,
+            ),
+            (
+                "process_open_fds",
+                "Number of open file descriptors",
+                sample.open_fds,
+            ),
+            (
+                "process_max_fds",
+                "Maximum number of open file descriptors",
+                sample.max_fds,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            if let Some(value) = value {
+                let metric = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+                metric.encode(encoder.encode_descriptor(
+                    name,
+                    help,
+                    None,
+                    metric.metric_type(),
+                )?)?;
+            }
+        }
+        if let Some(start) = sample.start_time_seconds {
+            let metric = ConstGauge::new(start);
+            metric.encode(encoder.encode_descriptor(
+                "process_start_time_seconds",
+                "Start time of the process since unix epoch in seconds",
+                None,
+                metric.metric_type(),
+            )?)?;
+        }
+        Ok(())
+    }
+}
+
+/// What `/proc` says of the process; a value the kernel did not give is left out of the
+/// scrape rather than reported as 0.
+#[derive(Debug, Default, PartialEq)]
+struct ProcessSample {
+    cpu_seconds: Option<f64>,
+    resident_bytes: Option<u64>,
+    virtual_bytes: Option<u64>,
+    open_fds: Option<u64>,
+    max_fds: Option<u64>,
+    start_time_seconds: Option<f64>,
+}
+
+impl ProcessSample {
+    /// From the texts of `/proc/self/stat`, `/proc/self/status`, `/proc/self/limits` and
+    /// `/proc/stat`, and the number of entries of `/proc/self/fd`.
+    fn parse(
+        stat: Option<&str>,
+        status: Option<&str>,
+        limits: Option<&str>,
+        system_stat: Option<&str>,
+        open_fds: Option<usize>,
+    ) -> ProcessSample {
+        // The fields after the command name, which is in parentheses and may hold anything:
+        // field 3 (state) is the first.
+        let fields: Vec<&str> = stat
+            .and_then(|stat| stat.rsplit_once(')'))
+            .map(|(_, rest)| rest.split_whitespace().collect())
+            .unwrap_or_default();
+        let field = |number: usize| -> Option<u64> { fields.get(number - 3)?.parse().ok() };
+        let cpu_seconds = match (field(14), field(15)) {
+            (Some(user), Some(system)) => Some((user + system) as f64 / USER_HZ),
+            _ => None,
+        };
+        let boot_time = system_stat.and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("btime "))
+                .and_then(|value| value.trim().parse::<u64>().ok())
+        });
+        let start_time_seconds = match (boot_time, field(22)) {
+            (Some(boot), Some(ticks)) => Some(boot as f64 + ticks as f64 / USER_HZ),
+            _ => None,
+        };
+        let status_kib = |key: &str| {
+            status.and_then(|text| {
+                text.lines()
+                    .find_map(|line| line.strip_prefix(key))
+                    .and_then(|rest| rest.trim().strip_suffix("kB"))
+                    .and_then(|kib| kib.trim().parse::<u64>().ok())
+                    .map(|kib| kib.saturating_mul(1024))
+            })
+        };
+        // `Max open files  <soft>  <hard>  files`: the soft limit is the one enforced.
+        let max_fds = limits.and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("Max open files"))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|soft| soft.parse::<u64>().ok())
+        });
+        ProcessSample {
+            cpu_seconds,
+            resident_bytes: status_kib("VmRSS:"),
+            virtual_bytes: status_kib("VmSize:"),
+            open_fds: open_fds.and_then(|count| u64::try_from(count).ok()),
+            max_fds,
+            start_time_seconds,
+        }
+    }
+}
+
 /// The content type of [`encode`]'s output.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -342,6 +525,77 @@ pub const OPENMETRICS_CONTENT_TYPE: &str =
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn process_metrics_parse_procs_texts() {
+        let stat = "4242 (a (strange) name) S 1 4242 4242 0 -1 4194560 1000 0 0 0 \
+                    250 50 0 0 20 0 9 0 12345 104857600 2560 18446744073709551615";
+        let status = "Name:\tbootstrap\nVmSize:\t  102400 kB\nVmRSS:\t    10240 kB\n";
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\n\
+                      Max cpu time              unlimited            unlimited            seconds\n\
+                      Max open files            1024                 524288               files\n";
+        let system = "cpu  1 2 3\nbtime 1700000000\nprocesses 5\n";
+        let sample = ProcessSample::parse(
+            Some(stat),
+            Some(status),
+            Some(limits),
+            Some(system),
+            Some(7),
+        );
+        assert_eq!(
+            sample,
+            ProcessSample {
+                cpu_seconds: Some(3.0),
+                resident_bytes: Some(10240 * 1024),
+                virtual_bytes: Some(102_400 * 1024),
+                open_fds: Some(7),
+                max_fds: Some(1024),
+                start_time_seconds: Some(1_700_000_123.45),
+            }
+        );
+        // Nothing readable: nothing reported, rather than zeros.
+        assert_eq!(
+            ProcessSample::parse(None, None, None, None, None),
+            ProcessSample::default()
+        );
+    }
+
+    /// The scrape of this very process: every conventional name, with values it can have.
+    #[test]
+    fn process_metrics_are_this_processs() {
+        let text = encode_merged(&new_registry(), &[process_registry()]).unwrap();
+        let value = |name: &str| -> f64 {
+            text.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+                .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
+                .parse()
+                .unwrap()
+        };
+        let resident = value("process_resident_memory_bytes");
+        assert!(resident > 1024.0 * 1024.0, "{resident}");
+        assert!(value("process_virtual_memory_bytes") >= resident);
+        assert!(value("process_cpu_seconds_total") >= 0.0);
+        let open = value("process_open_fds");
+        let max = value("process_max_fds");
+        assert!(open >= 3.0 && open <= max, "{open} of {max}");
+        let start = value("process_start_time_seconds");
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        assert!(start > 1.6e9 && start <= now + 1.0, "{start} vs {now}");
+        let build = format!(
+            "bootstrap_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+            crate::build_info::VERSION,
+            crate::build_info::COMMIT
+        );
+        assert!(text.contains(&build), "{build} missing in\n{text}");
+        assert!(
+            text.contains("# TYPE process_cpu_seconds counter"),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
 
     #[test]
     fn merged_registries_give_each_family_once_with_every_tenants_samples() {

@@ -82,6 +82,36 @@ fn invalid_configurations_exit_2_naming_the_field() {
     }
 }
 
+/// `config validate` and `run` report every problem of a file in one go, each on the line of
+/// the key the user wrote.
+#[test]
+fn every_problem_of_a_file_is_reported_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = write_config(
+        &dir,
+        "loops:\n  systemNamespaces:\n    intervall: 1m\ndryrun: true\nsecurePort: 0\n\
+         leaderElection:\n  enabled: true\n    leaseName: x\n",
+    );
+    for command in [&["config", "validate"][..], &["run"][..]] {
+        let (code, _, stderr) = run(binary()
+            .arg("--config")
+            .arg(&path)
+            .args(["--kubeconfig", "/nonexistent/kubeconfig"])
+            .args(command));
+        assert_eq!(code, 2, "{command:?}: {stderr}");
+        for said in [
+            "4 problems",
+            "loops.systemNamespaces.intervall: line 3: unknown field `intervall`: did you mean \
+             `interval`?",
+            "dryrun: line 4: unknown field `dryrun`: did you mean `dryRun`?",
+            "leaderElection.leaseName: line 8: `leaseName` is indented deeper than `enabled`",
+            "securePort: line 5: 0 is not a valid port",
+        ] {
+            assert!(stderr.contains(said), "{command:?}: {said:?} in {stderr}");
+        }
+    }
+}
+
 #[test]
 fn invalid_flag_and_env_values_exit_2_naming_the_flag() {
     let (code, _, stderr) =
@@ -89,12 +119,73 @@ fn invalid_flag_and_env_values_exit_2_naming_the_flag() {
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--service-cluster-ip-range"), "{stderr}");
 
+    // A value from the environment is blamed on the variable the user set, not on a flag never
+    // typed.
     let (code, _, stderr) = run(binary()
         .env("BOOTSTRAP_SERVICE_NODE_PORT_RANGE", "40000-30000")
         .args(["config", "print"]));
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("--service-node-port-range"), "{stderr}");
-    assert!(stderr.contains("inverted"), "{stderr}");
+    assert!(
+        stderr.contains("BOOTSTRAP_SERVICE_NODE_PORT_RANGE: \"40000-30000\" is inverted"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("--service-node-port-range"), "{stderr}");
+    let (code, _, stderr) = run(binary()
+        .env("BOOTSTRAP_DRY_RUN", "1")
+        .args(["config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("BOOTSTRAP_DRY_RUN: \"1\" is not a boolean (expected true or false)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("--dry-run"), "{stderr}");
+    // Values clap parses itself (a choice of names) too; a typed flag stays the flag.
+    let (code, _, stderr) = run(binary()
+        .env("BOOTSTRAP_LOG_FORMAT", "xml")
+        .args(["config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains(
+            "invalid value 'xml' for BOOTSTRAP_LOG_FORMAT (the variable of --log-format)"
+        ),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run(binary().env("BOOTSTRAP_LOG_FORMAT", "json").args([
+        "--log-format",
+        "xml",
+        "config",
+        "print",
+    ]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("invalid value 'xml' for '--log-format <FORMAT>'"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run(binary().args(["--dry-run=1", "config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--dry-run: \"1\" is not a boolean"),
+        "{stderr}"
+    );
+
+    // A mistyped variable is an error naming the one meant, with the others.
+    let (code, _, stderr) = run(binary()
+        .env("BOOTSTRAP_ADVERTISE_ADRESS", "192.0.2.10")
+        .env("BOOTSTRAP_SECURE_PORT", "0")
+        .args(["config", "print"]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains(
+            "BOOTSTRAP_ADVERTISE_ADRESS: is no setting's variable: did you mean \
+             BOOTSTRAP_ADVERTISE_ADDRESS?"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("BOOTSTRAP_SECURE_PORT: 0 is not a valid port"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("2 problems"), "{stderr}");
 
     let (code, _, stderr) = run(binary().args([
         "--tenants-secret-selector",
@@ -151,6 +242,48 @@ fn config_print_shows_the_effective_configuration() {
         .args(["config", "validate"]));
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--config"), "{stderr}");
+}
+
+/// `--version` names the version, the commit and the build date (`build.rs`): the commit this
+/// checkout is at when git can tell, else `unknown`.
+#[test]
+fn version_names_the_version_the_commit_and_the_build_date() {
+    let (code, stdout, stderr) = run(binary().arg("--version"));
+    assert_eq!(code, 0, "{stderr}");
+    let rest = stdout
+        .strip_prefix(&format!(
+            "bootstrap-controller {} (commit ",
+            env!("CARGO_PKG_VERSION")
+        ))
+        .unwrap_or_else(|| panic!("{stdout:?}"));
+    let (commit, rest) = rest.split_once(", built ").expect("the build date");
+    let date = rest.strip_suffix(")\n").expect("one line");
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 12 && commit.chars().all(|c| c.is_ascii_hexdigit())),
+        "{commit:?}"
+    );
+    // RFC 3339 in UTC to the second: 2026-01-02T03:04:05Z.
+    let shape = date.len() == 20
+        && date.char_indices().all(|(at, c)| match at {
+            4 | 7 => c == '-',
+            10 => c == 'T',
+            13 | 16 => c == ':',
+            19 => c == 'Z',
+            _ => c.is_ascii_digit(),
+        });
+    assert!(date == "unknown" || shape, "{date:?}");
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned());
+    if let Some(head) = head {
+        assert_eq!(commit, head, "built from this checkout");
+        assert!(shape, "a commit has a date: {date:?}");
+    }
 }
 
 #[test]
@@ -225,6 +358,66 @@ async fn check_reports_drift_with_exit_1_and_unreachable_api_with_exit_2() -> an
     assert_eq!(code, 2, "{stdout}{stderr}");
     assert!(stderr.contains("cannot reach the API server"), "{stderr}");
     Ok(())
+}
+
+/// A refused connection names the server and the cause, through kube's own client stack (a
+/// token) and this project's (a client certificate, see `client.rs`), not hyper's
+/// `client error (Connect)`.
+#[test]
+fn a_refused_connection_names_the_server_and_the_cause() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let server = format!("https://127.0.0.1:{port}");
+    let (cert, key) = {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["client".to_owned()])
+            .expect("params")
+            .self_signed(&key)
+            .expect("certificate");
+        (cert.pem(), key.serialize_pem())
+    };
+    let b64 = |text: &str| {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(text)
+    };
+    let users = [
+        "{token: x}".to_owned(),
+        format!(
+            "{{client-certificate-data: {}, client-key-data: {}}}",
+            b64(&cert),
+            b64(&key)
+        ),
+    ];
+    for user in users {
+        let path = dir.path().join("kubeconfig");
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {{server: \"{server}\", \
+                 certificate-authority-data: {}}}\nusers:\n- name: u\n  user: {user}\n\
+                 contexts:\n- name: x\n  context: {{cluster: c, user: u}}\ncurrent-context: x\n",
+                b64(&cert)
+            ),
+        )
+        .expect("write");
+        let (code, _, stderr) =
+            run(binary()
+                .arg("--kubeconfig")
+                .arg(&path)
+                .args(["check", "--timeout", "1s"]));
+        assert_eq!(code, 2, "{user}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "cannot connect to {server}: Connection refused (os error 111)"
+            )),
+            "{user}: {stderr}"
+        );
+        assert!(!stderr.contains("client error (Connect)"), "{stderr}");
+    }
 }
 
 #[tokio::test]

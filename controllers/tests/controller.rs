@@ -140,7 +140,7 @@ async fn a_dry_run_holds_no_lease_and_never_keeps_a_real_replica_from_leading() 
 
     let dry_args = ConfigArgs {
         admin_addr: Some("127.0.0.1:0".to_owned()),
-        dry_run: Some(true),
+        dry_run: Some("true".to_owned()),
         leader_elect_identity: Some("dry-run".to_owned()),
         leader_elect_lease_duration: Some("2s".to_owned()),
         leader_elect_renew_grace: Some("1s".to_owned()),

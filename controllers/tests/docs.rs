@@ -357,7 +357,7 @@ async fn config_md_documents_every_metric() {
     // With a range (without one the service-cidr loop is not built) and an endpoints mode
     // (without one the endpoints loops are not).
     let config = Config::load(&ConfigArgs {
-        leader_elect: Some(true),
+        leader_elect: Some("true".to_owned()),
         service_cluster_ip_range: Some("10.96.0.0/12".to_owned()),
         endpoint_reconciler_type: Some(bootstrap_controller::config::EndpointsMode::Lease),
         advertise_address: Some("192.0.2.10".to_owned()),
@@ -406,5 +406,53 @@ async fn config_md_documents_every_metric() {
     assert!(
         documented.iter().all(|name| name.starts_with("bootstrap_")),
         "{documented:?}"
+    );
+}
+
+/// Every metric of the process registry (the conventional `process_*` ones and the build's) has
+/// a row in CONFIG.md: `bootstrap_build_info` in the main table, the others in the process table.
+#[test]
+fn config_md_documents_the_process_metrics() {
+    let text = bootstrap_controller::metrics::encode_merged(
+        &bootstrap_controller::metrics::new_registry(),
+        &[bootstrap_controller::metrics::process_registry()],
+    )
+    .expect("encodes");
+    let registered: std::collections::BTreeSet<String> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .map(|rest| {
+            let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+            if kind == "counter" {
+                format!("{name}_total")
+            } else {
+                name.to_owned()
+            }
+        })
+        .collect();
+    for name in [
+        "bootstrap_build_info",
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+    ] {
+        assert!(registered.contains(name), "{name} not exported: {text}");
+    }
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/CONFIG.md"))
+        .expect("CONFIG.md");
+    let documented: std::collections::BTreeSet<String> = [
+        "## Metrics (prefix `bootstrap_`)",
+        "### Process metrics (no prefix)",
+    ]
+    .iter()
+    .flat_map(|heading| table_after(&doc, heading))
+    .filter_map(|row| row.first().map(|cell| cell.trim_matches('`').to_owned()))
+    .collect();
+    let undocumented: Vec<_> = registered.difference(&documented).collect();
+    assert!(
+        undocumented.is_empty(),
+        "exported but not in CONFIG.md: {undocumented:?}"
     );
 }

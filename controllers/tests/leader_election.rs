@@ -194,3 +194,34 @@ async fn steps_down_before_the_lease_expires_while_renewals_are_retried() -> any
     leads_again_once_the_api_answers(&sim, &receiver).await;
     stop(sim, cancel, task).await
 }
+
+/// The identity is stable across restarts, so a candidate may find the Lease under its own
+/// identity, written by another process: its previous life, or a duplicate given the same
+/// identity. It does not lead on that: a live duplicate goes on leading alone, and a dead one's
+/// Lease is taken once it has gone unrenewed for its duration.
+#[tokio::test]
+async fn the_same_identity_in_another_process_is_not_taken_for_this_one() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    let (first, task_first, _cancel_first) = candidate(&sim, "node-a", Health::default()).await?;
+    eventually("the first process leads", &first, true).await;
+
+    let (second, task_second, cancel_second) = candidate(&sim, "node-a", Health::default()).await?;
+    // Give the second a few renew periods to (wrongly) take the Lease as its own.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(*first.borrow(), "the first keeps leading while it renews");
+    assert!(
+        !*second.borrow(),
+        "a Lease under this identity that this process did not write is another's"
+    );
+
+    // The first dies without releasing the Lease, as a killed container does.
+    task_first.abort();
+    assert!(task_first.await.is_err_and(|err| err.is_cancelled()));
+    eventually(
+        "the second takes the Lease once it has gone unrenewed",
+        &second,
+        true,
+    )
+    .await;
+    stop(sim, cancel_second, task_second).await
+}

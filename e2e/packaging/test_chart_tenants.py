@@ -465,8 +465,8 @@ def test_rendered_replicas_share_the_tenants_within_the_rendered_rbac():
 
                 def shared():
                     # Both replicas run tenants, each tenant on exactly one. (Rendezvous hashing
-                    # of 16 tenants over two identities with random suffixes leaves one replica
-                    # without any once in 32,768 runs.)
+                    # of 16 tenants over two identities, each suffixed with a hash of its random
+                    # admin port, leaves one replica without any once in 32,768 runs.)
                     a, b = (running_tenants(r) for r in replicas)
                     return a and b and not a & b and a | b == tenants
 

@@ -224,12 +224,13 @@ def test_every_dashboard_query_parses(tmp_path):
 # exist in single-cluster mode only; bootstrap_tenant* in management mode only). Every other
 # bootstrap_ metric is a loop's or a runtime's, labelled tenant="<namespace>/<name>" in
 # management mode.
-PROCESS_METRICS = re.compile(r"^(up|bootstrap_leader\w*|bootstrap_tenant\w*)$")
+PROCESS_METRICS = re.compile(
+    r"^(up|bootstrap_leader\w*|bootstrap_tenant\w*|bootstrap_build_info|process_\w+)$")
 
 
 def selectors(expr: str) -> list[tuple[str, str]]:
     """(metric, matchers) of every `metric{...}` in `expr`."""
-    return re.findall(r"\b(up|bootstrap_\w+)\{([^}]*)\}", expr)
+    return re.findall(r"\b(up|bootstrap_\w+|process_\w+)\{([^}]*)\}", expr)
 
 
 def label_lists(expr: str) -> list[list[str]]:

@@ -51,6 +51,10 @@ async fn waits_for_an_absent_api_and_survives_losing_it() -> Result<()> {
     let (status, why) = controller.admin_get("/readyz?verbose").await?;
     ensure!(status != 200, "ready without an API: {why}");
     ensure!(why.contains("no successful pass yet"), "{why}");
+    // The failure names the server and the cause, not hyper's `client error (Connect)`.
+    let refused = format!("cannot connect to http://{address}: Connection refused");
+    ensure!(why.contains(&refused), "{why}");
+    ensure!(!why.contains("client error (Connect)"), "{why}");
 
     // The API appears: every loop converges.
     let sim = SimProcess::start(&["--plain-http", "--listen", &address]).await?;

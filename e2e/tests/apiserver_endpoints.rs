@@ -1331,3 +1331,68 @@ async fn with_no_mode_named_run_and_check_leave_the_endpoints_alone() -> Result<
     );
     Ok(())
 }
+
+/// A sidecar restarted on its host with its addresses (no identity given) is the same
+/// instance: it renews its previous life's membership Lease, still live, without calling the
+/// address shared. A second instance advertising that address from another admin address is
+/// another instance, and the warning is given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sidecar_is_not_taken_for_another_instance_sharing_its_address() -> Result<()> {
+    const SHARED: &str = "the address is shared";
+    let (target, client, _leftovers) = seeded_and_cleaned_up().await?;
+    let kubeconfig = target.kubeconfig();
+    let dir = tempfile::tempdir()?;
+    let range = target.service_range().await?;
+    // A TTL the restart fits in: the previous life's Lease is live when the new one reads it.
+    let member = Member::new(dir.path(), 86, "60s", &range).await?;
+    let config = member.config.display().to_string();
+    let args = [
+        "--config",
+        config.as_str(),
+        "--advertise-address",
+        member.address.as_str(),
+        "--leader-elect-lease-duration",
+        "4s",
+        "--leader-elect-renew-grace",
+        "1s",
+    ];
+    let leases = Api::<Lease>::namespaced(client.clone(), "kube-system");
+    let name = format!("apiserver-{}", member.address);
+    let written = || async {
+        Ok::<_, anyhow::Error>(
+            leases
+                .get_opt(&name)
+                .await?
+                .and_then(|lease| lease.spec)
+                .and_then(|spec| Some((spec.holder_identity?, spec.renew_time?.0))),
+        )
+    };
+
+    let mut first = ControllerProcess::start(kubeconfig, &args)?;
+    let (holder, renewed) = eventually("the first life's Lease", CONVERGE, written).await?;
+    // Killed: nothing withdraws or releases the Lease, as when a container is restarted.
+    first.kill()?;
+    let mut again = ControllerProcess::start_at(first.admin, kubeconfig, &args)?;
+    let renewed_again = eventually(
+        "the restarted sidecar renews the Lease",
+        CONVERGE,
+        || async { Ok(written().await?.filter(|(_, at)| *at != renewed)) },
+    )
+    .await?;
+    assert_eq!(
+        renewed_again.0, holder,
+        "the restarted sidecar holds the Lease under its previous identity"
+    );
+    let log = again.log();
+    assert!(!log.contains(SHARED), "a restart taken for sharing:\n{log}");
+    assert!(again.is_running(), "{log}");
+
+    let other = ControllerProcess::start(kubeconfig, &args)?;
+    eventually(
+        "another instance at the same address warns that it is shared",
+        CONVERGE,
+        || async { Ok(other.log().contains(SHARED).then_some(())) },
+    )
+    .await?;
+    Ok(())
+}

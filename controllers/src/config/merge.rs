@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use reconcilers::alloc::IpFamily;
@@ -11,10 +11,10 @@ use reconcilers::section::{
     ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
 };
 
-use super::file::read_file;
+use super::file::{locate, parse_file_all, read_text};
 use super::settings::{ConfigArgs, FileConfig, Given, Source, TenantBudgetFile};
 use super::tenant::{DEFAULT_TENANTS_KUBECONFIG_KEY, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS};
-use super::values::{NotANumber, PortRange, parse_port_range, parse_service_cidrs};
+use super::values::{NotABool, NotANumber, PortRange, parse_port_range, parse_service_cidrs};
 use super::{
     Config, ConfigErrors, DEFAULT_TENANTS_CACHE_MAX_MIB, DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
     LeaderElection, TenantBudget, Tenants,
@@ -183,11 +183,60 @@ impl Config {
 
     /// Reads `--config` (if any), merges it with the flags and the defaults, and validates.
     pub fn load(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
-        let file = match &args.config {
-            Some(path) => read_file(path)?,
-            None => FileConfig::default(),
+        match &args.config {
+            Some(path) => Config::load_text(args, &read_text(path)?, Some(path)),
+            None => Config::merge(args, FileConfig::default()),
+        }
+    }
+
+    /// [`Config::load`] of `text` as the `--config` file (`path`, named in messages): every
+    /// problem of the file and of the merged settings at once, each of the file's with the line
+    /// of its key. A setting left out of the file because its value is wrong is not reported
+    /// again by the checks that follow.
+    pub fn load_text(
+        args: &ConfigArgs,
+        text: &str,
+        path: Option<&Path>,
+    ) -> Result<Config, ConfigErrors> {
+        let (file, mut errors) = parse_file_all(text);
+        if let Some(path) = path {
+            for error in &mut errors {
+                error.message = format!("{} (in {})", error.message, path.display());
+            }
+        }
+        let reported: Vec<String> = errors.iter().map(|error| error.field.clone()).collect();
+        let merged = file.map(|file| Config::merge(args, file));
+        let config = match merged {
+            Some(Ok(config)) => Some(config),
+            Some(Err(more)) => {
+                for mut error in more.0 {
+                    let covered = reported.iter().any(|field| {
+                        error
+                            .field
+                            .strip_prefix(field.as_str())
+                            .is_some_and(|rest| {
+                                rest.is_empty() || rest.starts_with('.') || rest.starts_with('[')
+                            })
+                    });
+                    if covered {
+                        continue;
+                    }
+                    let from_file = !error.field.starts_with('-')
+                        && !error.field.starts_with(super::ENV_PREFIX)
+                        && !error.message.starts_with("line ");
+                    if from_file && let Some(line) = locate(text, &error.field) {
+                        error.message = format!("line {line}: {}", error.message);
+                    }
+                    errors.push(error);
+                }
+                None
+            }
+            None => None,
         };
-        Config::merge(args, file)
+        match config {
+            Some(config) if errors.is_empty() => Ok(config),
+            _ => Err(ConfigErrors(errors)),
+        }
     }
 
     /// Merges flags over a parsed file over defaults, and validates the result.
@@ -378,8 +427,21 @@ impl Config {
         let leader_election = merge_leader_election(&mut given, &mut errors);
 
         let kubeconfig = given.kubeconfig.take().map(|source| source.value);
-        let dry_run = given.dry_run.take().is_some_and(|source| source.value);
-        let timer_only = given.timer_only.take().is_some_and(|source| source.value);
+        let mut boolean = |source: Option<Source<Result<bool, NotABool>>>| match source {
+            Some(Source {
+                value: Ok(value), ..
+            }) => value,
+            Some(Source {
+                value: Err(err),
+                field,
+            }) => {
+                errors.push(ConfigError::new(field, err));
+                false
+            }
+            None => false,
+        };
+        let dry_run = boolean(given.dry_run.take());
+        let timer_only = boolean(given.timer_only.take());
         let log_format = given
             .log_format
             .take()
@@ -432,17 +494,26 @@ impl Config {
         serde_saphyr::to_string(self)
     }
 
-    /// The leader-election identity to use: the configured one, else `$POD_NAME` or the host
-    /// name plus a random suffix, so two processes on one host never share an identity.
+    /// This instance's identity (leader-election holder, membership Lease holder, event
+    /// reporter): the configured one, else one derived from the host name, the advertise address
+    /// and the admin address (see [`derived_identity`]).
     ///
-    /// The derived identity is computed once per process, so every caller (leader election,
-    /// membership Leases, event reporters) agrees on it.
+    /// The derived identity is computed once per process, from the first configuration asked
+    /// (the process's own, before any tenant's), so every caller agrees on it.
     pub fn leader_identity(&self) -> String {
         if !self.leader_election.identity.is_empty() {
             return self.leader_election.identity.clone();
         }
         static DERIVED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-        DERIVED.get_or_init(derive_identity).clone()
+        DERIVED
+            .get_or_init(|| {
+                derived_identity(
+                    host_name().as_deref(),
+                    self.advertise_address,
+                    self.admin_addr,
+                )
+            })
+            .clone()
     }
 }
 
@@ -464,10 +535,22 @@ pub fn host_name() -> Option<String> {
         })
 }
 
-pub(super) fn derive_identity() -> String {
-    let base = host_name().unwrap_or_else(|| "bootstrap-controller".to_owned());
-    let suffix: u32 = rand::random();
-    format!("{base}_{suffix:08x}")
+/// `HOST_HASH`: the host name (for humans) and a stable hash of the advertise and admin
+/// addresses. The same instance restarted (same host, same addresses) is the same identity, so
+/// it never finds its own membership Lease "shared" with its previous life; two instances on one
+/// host differ, since two processes cannot listen on one admin address, nor would they advertise
+/// one address by design. The hash is the replica Leases' stable one, so builds agree.
+pub fn derived_identity(
+    host: Option<&str>,
+    advertise_address: Option<IpAddr>,
+    admin_addr: SocketAddr,
+) -> String {
+    let base = host.unwrap_or("bootstrap-controller");
+    let advertise = advertise_address
+        .map(|ip| ip.to_string())
+        .unwrap_or_default();
+    let suffix = crate::shards::hash_suffix(&format!("{advertise}\n{admin_addr}"));
+    format!("{base}_{suffix}")
 }
 
 pub(super) fn default_admin_addr() -> SocketAddr {
@@ -504,11 +587,21 @@ pub(super) fn merge_leader_election(
     };
     let lease_duration = duration(given.leader_elect_lease_duration.take());
     let renew_grace = duration(given.leader_elect_renew_grace.take());
+    let enabled = match given.leader_elect.take() {
+        Some(Source {
+            value: Ok(value), ..
+        }) => value,
+        Some(Source {
+            value: Err(err),
+            field,
+        }) => {
+            errors.push(ConfigError::new(field, err));
+            defaults.enabled
+        }
+        None => defaults.enabled,
+    };
     let election = LeaderElection {
-        enabled: given
-            .leader_elect
-            .take()
-            .map_or(defaults.enabled, |source| source.value),
+        enabled,
         lease_name: lease_name
             .as_ref()
             .map_or(defaults.lease_name, |source| source.value.clone()),

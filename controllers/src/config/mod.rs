@@ -9,20 +9,23 @@
 //!
 //! By concern, each file using only those listed before it: `values.rs` (value types and their
 //! parsers), `settings.rs` (the one list of the top-level settings, from which the flags with
-//! their environment variables, the file's fields and the flag-over-file pick follow), `file.rs`
-//! (the file's parser), `tenant.rs` (management mode, and a tenant's annotation fragment merged
+//! their environment variables, the file's fields and the flag-over-file pick follow),
+//! `suggest.rs` (near misses of mistyped keys and variables), `file.rs` (the file's parser, which
+//! reports every problem of a file with its line), `tenant.rs` (management mode, and a tenant's annotation fragment merged
 //! over the file), `merge.rs` (flags over file over defaults, and validation); this module holds
 //! the effective [`Config`], the list of loops and the error type.
 
 mod file;
 mod merge;
 mod settings;
+mod suggest;
 mod tenant;
 mod values;
 
 pub use file::*;
 pub use merge::*;
 pub use settings::*;
+pub use suggest::*;
 pub use tenant::*;
 pub use values::*;
 

@@ -36,7 +36,7 @@ use reconcilers::section::{DurationError, EndpointsMode, duration_format, parse_
 use serde::{Deserialize, Serialize};
 
 use super::Loops;
-use super::values::{NotANumber, StringOrList, parse_i64, parse_u32};
+use super::values::{NotABool, NotANumber, StringOrList, parse_bool, parse_i64, parse_u32};
 
 /// One setting's names, as the docs name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,13 +48,15 @@ pub struct Setting {
     pub file_key: &'static str,
 }
 
-/// Where a value came from, so errors name the flag or the YAML field the user wrote.
+/// Where a value came from, so errors name the flag, the environment variable or the YAML field
+/// the user wrote.
 pub(super) struct Source<T> {
     pub(super) value: T,
     pub(super) field: &'static str,
 }
 
-/// The flag's value if set, else the file's, with the name of the one it came from.
+/// The flag's value if set (`flag_name` is the flag, or its variable when the value came from
+/// the environment), else the file's, with the name of the one it came from.
 pub(super) fn pick<T>(
     flag: Option<T>,
     flag_name: &'static str,
@@ -102,6 +104,29 @@ macro_rules! settings {
                 #[arg(long = $flag, env = $env, value_name = $value_name, global = true)]
                 pub $field: Option<$flag_ty>,
             )+
+            /// The variables (`BOOTSTRAP_...`) the values above were read from, so an error
+            /// names the variable the user set rather than a flag never typed.
+            #[arg(skip)]
+            pub from_env: std::collections::BTreeSet<&'static str>,
+        }
+
+        impl ConfigArgs {
+            /// Notes which settings `matches` took from their environment variable.
+            pub fn note_sources(&mut self, matches: &clap::ArgMatches) {
+                $(
+                    if matches.value_source(stringify!($field))
+                        == Some(clap::parser::ValueSource::EnvVariable)
+                    {
+                        self.from_env.insert($env);
+                    }
+                )+
+            }
+
+            /// The name to blame for a setting's value: its variable when it came from the
+            /// environment, else its flag.
+            fn source_name(&self, flag: &'static str, env: &'static str) -> &'static str {
+                if self.from_env.contains(env) { env } else { flag }
+            }
         }
 
         /// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field);
@@ -140,7 +165,7 @@ macro_rules! settings {
                     $($(
                         $field: pick(
                             settings!(@flag args.$field $(, $parse)?),
-                            concat!("--", $flag),
+                            args.source_name(concat!("--", $flag), $env),
                             settings!(@file file.$field.clone() $(, $raw)?),
                             $key,
                         ),
@@ -148,7 +173,7 @@ macro_rules! settings {
                     $($(
                         $field: pick(
                             settings!(@flag args.$field $(, $in_parse)?),
-                            concat!("--", $flag),
+                            args.source_name(concat!("--", $flag), $env),
                             settings!(
                                 @file file
                                     .$in_section
@@ -270,14 +295,14 @@ settings! {
     /// holds no Lease (it joins no leader election) and runs every loop's dry passes, so it
     /// never keeps a real replica from leading. `--dry-run` alone means true. [default: false]
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    dry_run: bool = "dry-run", "BOOTSTRAP_DRY_RUN", "BOOL";
-        file "dryRun": bool;
+    dry_run: String = "dry-run", "BOOTSTRAP_DRY_RUN", "BOOL";
+        file "dryRun": bool => Result<bool, NotABool> = parse_bool;
 
     /// Ignore watch triggers: every loop runs only at start and on its interval, as upstream.
     /// `--timer-only` alone means true. [default: false]
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    timer_only: bool = "timer-only", "BOOTSTRAP_TIMER_ONLY", "BOOL";
-        file "timerOnly": bool;
+    timer_only: String = "timer-only", "BOOTSTRAP_TIMER_ONLY", "BOOL";
+        file "timerOnly": bool => Result<bool, NotABool> = parse_bool;
 
     /// Address of the admin HTTP server (/livez, /readyz, /metrics). [default: 0.0.0.0:8080]
     admin_addr: String = "admin-addr", "BOOTSTRAP_ADMIN_ADDR", "ADDR:PORT";
@@ -290,8 +315,9 @@ settings! {
     /// Elect a leader among replicas with a Lease; loops that write cluster-wide objects run only
     /// on the leader. `--leader-elect` alone means true. [default: true]
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    leader_elect: bool = "leader-elect", "BOOTSTRAP_LEADER_ELECT", "BOOL";
-        file "leaderElection.enabled" in leader_election.enabled;
+    leader_elect: String = "leader-elect", "BOOTSTRAP_LEADER_ELECT", "BOOL";
+        file "leaderElection.enabled" in leader_election.enabled
+            => Result<bool, NotABool> = parse_bool;
 
     /// Name of the leader-election Lease. [default: bootstrap-controller]
     leader_elect_lease_name: String = "leader-elect-lease-name",
@@ -303,8 +329,10 @@ settings! {
         "BOOTSTRAP_LEADER_ELECT_LEASE_NAMESPACE", "NAMESPACE";
         file "leaderElection.leaseNamespace" in leader_election.lease_namespace;
 
-    /// This replica's identity in the leader-election Lease.
-    /// [default: $POD_NAME, else the host name, plus a random suffix]
+    /// This instance's identity: the holder of the leader-election Lease and of its
+    /// apiserver's membership Lease. The default stays the same across restarts of one instance.
+    /// [default: $POD_NAME, else the host name, plus a hash of the advertise and admin
+    /// addresses]
     leader_elect_identity: String = "leader-elect-identity",
         "BOOTSTRAP_LEADER_ELECT_IDENTITY", "ID";
         file "leaderElection.identity" in leader_election.identity;

@@ -1,10 +1,10 @@
 #![allow(clippy::unwrap_used)]
 
 use super::*;
+use std::net::{IpAddr, SocketAddr};
 
 fn from_yaml(text: &str) -> Result<Config, ConfigErrors> {
-    let file = parse_file(text).map_err(ConfigErrors::from)?;
-    Config::merge(&ConfigArgs::default(), file)
+    Config::load_text(&ConfigArgs::default(), text, None)
 }
 
 fn single_error(result: Result<Config, ConfigErrors>) -> ConfigError {
@@ -173,7 +173,7 @@ fn bad_cidr_names_field_and_fix() {
     );
     assert_eq!(
         error.to_string(),
-        "serviceClusterIPRange: \"10.0.0.0/33\" is not a valid CIDR (expected e.g. \
+        "serviceClusterIPRange: line 1: \"10.0.0.0/33\" is not a valid CIDR (expected e.g. \
          10.96.0.0/12 or fd00:10:96::/108)"
     );
 }
@@ -325,10 +325,20 @@ fn unparsable_interval_names_path() {
 
 #[test]
 fn unknown_field_names_its_path() {
+    // A near miss names the field meant; without one, every field is listed.
     rejected(
         "loops:\n  systemNamespaces:\n    intervall: 1m\n",
         "loops.systemNamespaces.intervall",
-        &["unknown field `intervall`", "expected one of"],
+        &[
+            "line 3: ",
+            "unknown field `intervall`",
+            "did you mean `interval`?",
+        ],
+    );
+    rejected(
+        "loops:\n  systemNamespaces:\n    cadence: 1m\n",
+        "loops.systemNamespaces.cadence",
+        &["unknown field `cadence`", "expected one of"],
     );
     let error = single_error(from_yaml("servicClusterIPRange: 10.0.0.0/24\n"));
     assert!(
@@ -827,7 +837,7 @@ fn flags_override_file_override_defaults() {
     .unwrap();
     let args = ConfigArgs {
         secure_port: Some("9443".to_owned()),
-        dry_run: Some(false),
+        dry_run: Some("false".to_owned()),
         ..ConfigArgs::default()
     };
     let config = Config::merge(&args, file).unwrap();
@@ -858,7 +868,7 @@ fn flags_override_file_override_defaults() {
 fn leader_election_flags_override_file() {
     let file = parse_file("leaderElection:\n  enabled: true\n  leaseName: from-file\n").unwrap();
     let args = ConfigArgs {
-        leader_elect: Some(false),
+        leader_elect: Some("false".to_owned()),
         ..ConfigArgs::default()
     };
     let config = Config::merge(&args, file).unwrap();
@@ -945,6 +955,29 @@ fn derived_identity_is_stable_within_the_process() {
 }
 
 #[test]
+fn a_derived_identity_is_the_same_instance_after_a_restart_and_differs_between_instances() {
+    let advertise: Option<IpAddr> = Some("192.0.2.10".parse().unwrap());
+    let admin: SocketAddr = "0.0.0.0:8080".parse().unwrap();
+    let first = derived_identity(Some("node-a"), advertise, admin);
+    assert_eq!(first, derived_identity(Some("node-a"), advertise, admin));
+    assert!(first.starts_with("node-a_"), "{first}");
+    // Another host, another advertised address, another admin address (two processes on one
+    // host): each is another instance.
+    let others = [
+        derived_identity(Some("node-b"), advertise, admin),
+        derived_identity(Some("node-a"), Some("192.0.2.11".parse().unwrap()), admin),
+        derived_identity(Some("node-a"), advertise, "0.0.0.0:8081".parse().unwrap()),
+        derived_identity(Some("node-a"), None, admin),
+    ];
+    for other in &others {
+        assert_ne!(&first, other);
+    }
+    // The hash is fixed, not the toolchain's: builds agree on one instance's identity.
+    assert_eq!(first, "node-a_".to_owned() + &first["node-a_".len()..]);
+    assert_eq!(first.len(), "node-a_".len() + 8);
+}
+
+#[test]
 fn dns1123() {
     assert!(validate_dns1123_label("kube-system").is_ok());
     assert!(validate_dns1123_label("-a").is_err());
@@ -1008,4 +1041,140 @@ fn tenant_etcd_servers_need_the_operators_networks_and_plain_urls() {
     };
     let error = single_error(Config::merge(&args, FileConfig::default()));
     assert_eq!(error.field, "--tenants-etcd-allowed-cidrs");
+}
+
+#[test]
+fn every_problem_of_a_file_is_reported_at_once_each_on_its_line() {
+    let yaml = "\
+loops:
+  systemNamespaces:
+    intervall: 1m
+dryrun: true
+DryRun: false
+securePort: abc
+serviceNodePortRange: 2-1
+leaderElection:
+  enabled: true
+    leaseName: x
+";
+    let errors = from_yaml(yaml).unwrap_err().0;
+    let said: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    let expect = [
+        (
+            "loops.systemNamespaces.intervall",
+            "line 3: unknown field `intervall`: did you mean `interval`?",
+        ),
+        (
+            "dryrun",
+            "line 4: unknown field `dryrun`: did you mean `dryRun`?",
+        ),
+        (
+            "DryRun",
+            "line 5: unknown field `DryRun`: did you mean `dryRun`?",
+        ),
+        ("securePort", "line 6 column 13: invalid u32"),
+        // Blamed on the misplaced key's own line, not on the key whose value it continues.
+        (
+            "leaderElection.leaseName",
+            "line 10: `leaseName` is indented deeper than `enabled` (line 9)",
+        ),
+        // The merged settings' checks follow, on the lines of their keys.
+        ("serviceNodePortRange", "line 7: \"2-1\" is inverted"),
+    ];
+    assert_eq!(errors.len(), expect.len(), "{said:#?}");
+    for ((field, message), error) in expect.iter().zip(&errors) {
+        assert_eq!(error.field, *field, "{said:#?}");
+        assert!(error.message.starts_with(message), "{said:#?}");
+    }
+    // Taking out the only key of a section leaves the section empty, which is not reported.
+    assert!(
+        !said.iter().any(|e| e.contains("expected mapping")),
+        "{said:#?}"
+    );
+}
+
+#[test]
+fn a_misaligned_key_is_blamed_on_its_own_line() {
+    // Between two indentations: no key of YAML's.
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    interval: 1m\n   namespaces: []\n",
+    ));
+    assert!(
+        error
+            .message
+            .starts_with("line 4: `namespaces` is indented 3 spaces"),
+        "{error}"
+    );
+    // Another syntax error on an indented line is not taken for a misalignment.
+    let error = single_error(from_yaml(
+        "loops:\n  systemNamespaces:\n    interval: 1m: x\n",
+    ));
+    assert!(!error.message.contains("is indented"), "{error}");
+    // At its parent's indentation: the parent is empty, and the key, unknown there, may belong
+    // under it.
+    let errors = from_yaml("loops:\n  systemNamespaces:\n  interval: 1m\n")
+        .unwrap_err()
+        .0;
+    let said = ConfigErrors(errors.clone()).to_string();
+    assert_eq!(errors.len(), 2, "{said}");
+    assert_eq!(errors[1].field, "loops.interval", "{said}");
+    assert!(
+        errors[1].message.starts_with("line 3: ")
+            || errors[1].message.starts_with("line 3 column 3: "),
+        "{said}"
+    );
+    assert!(
+        errors[1]
+            .message
+            .contains("if it belongs to `systemNamespaces` on line 2"),
+        "{said}"
+    );
+}
+
+#[test]
+fn keys_are_located_by_their_path() {
+    let yaml = "\
+# comment
+loops:
+  systemNamespaces:
+    namespaces:
+      - name: a
+        labels: {}
+      -   name: b.c
+  apiserverEndpoints:
+    staticAddresses: [192.0.2.1]
+tenants:
+  cacheBudgets:
+    team/a.b:
+      maxMiB: 3
+";
+    let at = |path: &str| locate(yaml, path);
+    assert_eq!(at("loops"), Some(2));
+    assert_eq!(at("loops.systemNamespaces.namespaces[0].labels"), Some(6));
+    assert_eq!(at("loops.systemNamespaces.namespaces[1].name"), Some(7));
+    assert_eq!(at("loops.apiserverEndpoints.staticAddresses[1]"), Some(9));
+    assert_eq!(at("tenants.cacheBudgets.team/a.b.maxMiB"), Some(13));
+    assert_eq!(at("--secure-port"), None);
+}
+
+#[test]
+fn a_value_from_the_environment_is_blamed_on_its_variable() {
+    let mut args = ConfigArgs {
+        dry_run: Some("1".to_owned()),
+        secure_port: Some("x".to_owned()),
+        ..ConfigArgs::default()
+    };
+    args.from_env.insert("BOOTSTRAP_DRY_RUN");
+    let errors = Config::merge(&args, FileConfig::default()).unwrap_err().0;
+    let said: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert!(
+        said.contains(
+            &"BOOTSTRAP_DRY_RUN: \"1\" is not a boolean (expected true or false)".to_owned()
+        ),
+        "{said:?}"
+    );
+    assert!(
+        said.iter().any(|e| e.starts_with("--secure-port: ")),
+        "the flag, typed as a flag: {said:?}"
+    );
 }

@@ -58,6 +58,27 @@ pub(super) fn parse_i64(text: &str) -> Result<i64, NotANumber> {
         .map_err(|_| NotANumber(text.to_owned()))
 }
 
+/// Parses a boolean flag or variable: `true` or `false`, as clap's own parser took them. Parsed
+/// here rather than by clap so that a bad value is reported with the others, naming the variable
+/// when it came from the environment.
+pub(super) fn parse_bool(text: &str) -> Result<bool, NotABool> {
+    match text.trim() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(NotABool(text.to_owned())),
+    }
+}
+
+/// A flag's text that is not `true` or `false`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotABool(pub String);
+
+impl std::fmt::Display for NotABool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} is not a boolean (expected true or false)", self.0)
+    }
+}
+
 /// A flag's text that is not a number.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NotANumber(pub String);

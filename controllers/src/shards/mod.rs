@@ -64,6 +64,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use state::State;
+pub(crate) use view::hash_suffix;
 pub use view::{Leadership, View, group_label, lease_name};
 use write::{WriteError, clean_up, code, write};
 

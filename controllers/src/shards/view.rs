@@ -162,7 +162,7 @@ pub(super) fn fenced_view_id(identity: &str, fence: u64) -> u64 {
     hasher.finish()
 }
 
-pub(super) fn hash_suffix(text: &str) -> String {
+pub(crate) fn hash_suffix(text: &str) -> String {
     let mut hasher = StableHasher::new();
     hasher.write_str(text);
     format!("{:08x}", hasher.finish() >> 32)

@@ -53,7 +53,13 @@ pub(super) async fn load(
         let kube_config = kube_config.clone();
         let limits = limits.clone();
         tokio::task::spawn_blocking(move || {
-            ClientBuilder::try_from(kube_config).map(|builder| builder.with_layer(&limits).build())
+            let server = crate::client::server_name(&kube_config.cluster_url);
+            ClientBuilder::try_from(kube_config).map(|builder| {
+                builder
+                    .with_layer(&crate::client::naming_connection_errors(server))
+                    .with_layer(&limits)
+                    .build()
+            })
         })
         .await
         .map_err(|err| format!("{source}: cannot build a client: {err}"))?

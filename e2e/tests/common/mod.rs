@@ -444,6 +444,11 @@ impl ControllerProcess {
         Self::spawn(Command::new(controller_bin()), kubeconfig, extra)
     }
 
+    /// [`Self::start`] on a given admin address: the same instance started again.
+    pub fn start_at(admin: SocketAddr, kubeconfig: &Path, extra: &[&str]) -> Result<Self> {
+        Self::spawn_at(Command::new(controller_bin()), admin, kubeconfig, extra)
+    }
+
     /// [`Self::start`] with another build of the controller (a benchmark comparing two).
     pub fn start_binary(binary: &Path, kubeconfig: &Path, extra: &[&str]) -> Result<Self> {
         Self::spawn(Command::new(binary), kubeconfig, extra)
@@ -489,9 +494,17 @@ impl ControllerProcess {
         Self::spawn(command, kubeconfig, extra).map(Some)
     }
 
-    fn spawn(mut command: Command, kubeconfig: &Path, extra: &[&str]) -> Result<Self> {
+    fn spawn(command: Command, kubeconfig: &Path, extra: &[&str]) -> Result<Self> {
+        Self::spawn_at(command, free_port()?, kubeconfig, extra)
+    }
+
+    fn spawn_at(
+        mut command: Command,
+        admin: SocketAddr,
+        kubeconfig: &Path,
+        extra: &[&str],
+    ) -> Result<Self> {
         let dir = tempfile::tempdir()?;
-        let admin = free_port()?;
         let log = std::fs::File::create(dir.path().join("controller.log"))?;
         let child = command
             .arg("run")
