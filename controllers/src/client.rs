@@ -6,24 +6,30 @@
 //! The loops' caches hold the client, so it must stay the same value: instead of rebuilding it,
 //! its TLS configuration resolves the client certificate and verifies the server through a
 //! [`Rotating`] that a background task refreshes when the kubeconfig file or the files it names
-//! change (checked every [`CHECK_EVERY`]). Connections made after a refresh present the new
-//! certificate; open ones (watches) keep the one they were made with until they end, as with
-//! client-go.
+//! change (checked every [`CHECK_EVERY`]). A refresh closes the connections made before it, as
+//! client-go's certificate rotation does (`transport/cert_rotation.go`): the next requests, and
+//! the watches that restart, connect again with the new certificate.
 //!
-//! Used when the kubeconfig authenticates with a client certificate (`client-certificate`/
-//! `client-key` files or their `-data`), over HTTPS, without a proxy or an exec plugin's
-//! certificate. Everything else goes through kube's own builder: bearer token files and exec
-//! credentials are refreshed by kube itself, and the in-cluster CA too.
+//! Every HTTPS client offers HTTP/2 by ALPN, so against kube-apiserver every list, watch and
+//! write of one client shares one connection, as client-go's do (over HTTP/1.1 each open watch
+//! holds a connection of its own). Through a proxy, or over plain HTTP, kube's own builder is
+//! used. Bearer token files and exec credentials are refreshed by kube's auth layer, the
+//! in-cluster CA by kube's TLS configuration.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock, Weak};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
+
+use futures::task::AtomicWaker;
 
 use hyper_rustls::{FixedServerNameResolver, HttpsConnectorBuilder};
 use hyper_timeout::TimeoutConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kube::client::ConfigExt;
 use kube::client::retry::RetryPolicy;
 use rustls::client::ResolvesClientCert;
@@ -36,7 +42,7 @@ use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use secrecy::ExposeSecret;
 use tower::retry::RetryLayer;
-use tower::{BoxError, ServiceBuilder};
+use tower::{BoxError, ServiceBuilder, ServiceExt};
 use tracing::{info, warn};
 
 /// How often the kubeconfig and the certificate files it names are checked for a change (one
@@ -67,15 +73,15 @@ pub fn build_checking(
     kubeconfig: Option<&Path>,
     check_every: Duration,
 ) -> kube::Result<kube::Client> {
-    let rotatable = config.cluster_url.scheme_str() == Some("https")
-        && config.proxy_url.is_none()
+    let https = config.cluster_url.scheme_str() == Some("https") && config.proxy_url.is_none();
+    let rotatable = https
         && !config.accept_invalid_certs
         && config.auth_info.exec.is_none()
         && (config.auth_info.client_certificate.is_some()
             || config.auth_info.client_certificate_data.is_some());
     if !rotatable {
         let server = server_name(&config.cluster_url);
-        return kube::client::ClientBuilder::try_from(config.clone()).map(|builder| {
+        return builder(config).map(|builder| {
             builder
                 .with_layer(&naming_connection_errors(server))
                 .build()
@@ -88,9 +94,11 @@ pub fn build_checking(
             .or_else(inferred_kubeconfig),
     };
     let material = Material::read(config).map_err(|err| tls_error(err.to_string()))?;
+    let retirement = Retirement::default();
     let rotating = Arc::new(Rotating {
         provider: material.provider.clone(),
         current: RwLock::new(material),
+        retirement: retirement.clone(),
     });
     let stamps = source.stamps(config);
     tokio::spawn(refresh(
@@ -99,7 +107,7 @@ pub fn build_checking(
         stamps,
         check_every,
     ));
-    client_with(config, rotating)
+    client_with(config, rotating_tls(rotating)?, retirement).map(kube::client::ClientBuilder::build)
 }
 
 fn tls_error(message: String) -> kube::Error {
@@ -209,10 +217,11 @@ async fn refresh(
                 if let Ok(mut current) = rotating.current.write() {
                     *current = material;
                 }
+                rotating.retirement.retire();
                 failing = None;
                 info!(
                     changed = %files.join(", "),
-                    "re-read the kubeconfig's client certificate, key and CA; new connections use them"
+                    "re-read the kubeconfig's client certificate, key and CA; the connections made before are closed, new ones use them"
                 );
             }
             // A half-written file (a rotation in progress) reads as broken: keep the last good
@@ -311,6 +320,7 @@ fn pem_bytes(data: Option<&str>, file: Option<&str>) -> Result<Option<Vec<u8>>, 
 struct Rotating {
     provider: Arc<CryptoProvider>,
     current: RwLock<Material>,
+    retirement: Retirement,
 }
 
 impl fmt::Debug for Rotating {
@@ -389,9 +399,8 @@ impl ServerCertVerifier for Rotating {
     }
 }
 
-/// kube's client stack (`ClientBuilder::try_from`) with a TLS configuration of our own: the
-/// same timeouts, base URI, credentials, headers and retry of server errors.
-fn client_with(config: &kube::Config, rotating: Arc<Rotating>) -> kube::Result<kube::Client> {
+/// The TLS configuration of a client whose certificate follows `rotating`.
+fn rotating_tls(rotating: Arc<Rotating>) -> kube::Result<rustls::ClientConfig> {
     let mut tls = rustls::ClientConfig::builder_with_provider(rotating.provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|err| tls_error(err.to_string()))?
@@ -399,9 +408,20 @@ fn client_with(config: &kube::Config, rotating: Arc<Rotating>) -> kube::Result<k
         .with_custom_certificate_verifier(rotating.clone())
         .with_client_cert_resolver(rotating);
     // A resumed session carries the certificate of the handshake it resumes, so a new
-    // connection would go on presenting the old certificate. Connections are pooled and long
-    // lived (watches), so a full handshake each costs little.
+    // connection would go on presenting the old certificate. Connections are long lived
+    // (watches, one h2 connection), so a full handshake each costs little.
     tls.resumption = rustls::client::Resumption::disabled();
+    Ok(tls)
+}
+
+/// kube's client stack (`ClientBuilder::try_from`) with a TLS configuration of our own and
+/// HTTP/2 offered: the same timeouts, base URI, credentials, headers and retry of server errors.
+/// Connections made before `retired` last moved are closed.
+fn client_with(
+    config: &kube::Config,
+    tls: rustls::ClientConfig,
+    retired: Retirement,
+) -> kube::Result<kube::client::ClientBuilder<Stack>> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     let mut https = HttpsConnectorBuilder::new()
@@ -412,13 +432,31 @@ fn client_with(config: &kube::Config, rotating: Arc<Rotating>) -> kube::Result<k
             .map_err(|err| tls_error(format!("tls-server-name {name:?}: {err}")))?;
         https = https.with_server_name_resolver(FixedServerNameResolver::new(name));
     }
-    let mut connector = TimeoutConnector::new(https.enable_http1().wrap_connector(http));
+    // ALPN offers h2 and http/1.1: kube-apiserver picks h2, and then every list, watch and
+    // write of this client shares one connection, as client-go's do; a server without h2 (or
+    // plain http) gets HTTP/1.1.
+    let mut connector = TimeoutConnector::new(https.enable_all_versions().wrap_connector(http));
     connector.set_connect_timeout(config.connect_timeout);
     connector.set_read_timeout(config.read_timeout);
     connector.set_write_timeout(config.write_timeout);
     connector.set_reset_reader_on_write(config.reset_reader_on_write);
     let client: hyper_util::client::legacy::Client<_, kube::client::Body> =
-        hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            // A dead h2 connection (a silent network partition) is found by pings, as
+            // client-go's ReadIdleTimeout (30 s) and PingTimeout (15 s) find it, rather than
+            // by a watch that never ends.
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .http2_keep_alive_timeout(Duration::from_secs(15))
+            .http2_keep_alive_while_idle(true)
+            // Over HTTP/1.1 each open watch holds a connection anyway; of the ones a finished
+            // request leaves, keep one, and not for long.
+            .pool_max_idle_per_host(1)
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(Retiring {
+                inner: connector,
+                retired,
+            });
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(
@@ -430,8 +468,41 @@ fn client_with(config: &kube::Config, rotating: Arc<Rotating>) -> kube::Result<k
         .layer(config.extra_headers_layer()?)
         .layer(naming_connection_errors(server_name(&config.cluster_url)))
         .map_err(BoxError::from)
-        .service(client);
-    Ok(kube::Client::new(service, config.default_namespace.clone()))
+        .service(client)
+        .map_response(|response| {
+            response.map(|body| {
+                Box::new(http_body_util::BodyExt::map_err(body, BoxError::from))
+                    as Box<kube::client::DynBody>
+            })
+        })
+        .boxed();
+    Ok(kube::client::ClientBuilder::new(
+        service,
+        config.default_namespace.clone(),
+    ))
+}
+
+/// kube's client service, boxed as kube's own builder boxes it, so that callers add layers
+/// to either stack alike.
+pub type Stack = tower::util::BoxService<
+    http::Request<kube::client::Body>,
+    http::Response<Box<kube::client::DynBody>>,
+    BoxError,
+>;
+
+/// The builder of a client for `config` without certificate files to follow (a tenant's
+/// kubeconfig, read from its Secret): over HTTPS without a proxy, HTTP/2 offered as in
+/// [`build`]; otherwise kube's own stack, whose connection errors the caller names with
+/// [`naming_connection_errors`] (ours already does).
+pub fn builder(config: &kube::Config) -> kube::Result<kube::client::ClientBuilder<Stack>> {
+    if config.cluster_url.scheme_str() == Some("https") && config.proxy_url.is_none() {
+        return client_with(
+            config,
+            config.rustls_client_config()?,
+            Retirement::default(),
+        );
+    }
+    kube::client::ClientBuilder::try_from(config.clone())
 }
 
 /// A request that did not reach the server, its server named and its causes spelled out.
@@ -509,5 +580,141 @@ pub fn describe(err: &kube::Error) -> String {
     match err {
         kube::Error::Service(inner) if inner.is::<TransportError>() => inner.to_string(),
         other => error_chain(other),
+    }
+}
+
+/// Closes the connections made before the last [`Retirement::retire`]: each connection notes
+/// the generation it was made in, and every connection alive is woken when it moves, so that an
+/// idle one (an h2 connection between requests) closes at once rather than at its next use.
+#[derive(Clone, Default)]
+struct Retirement(Arc<RetirementState>);
+
+#[derive(Default)]
+struct RetirementState {
+    generation: AtomicU64,
+    alive: Mutex<Vec<Weak<AtomicWaker>>>,
+}
+
+impl Retirement {
+    fn retire(&self) {
+        self.0.generation.fetch_add(1, Ordering::SeqCst);
+        if let Ok(mut alive) = self.0.alive.lock() {
+            alive.retain(|waker| match waker.upgrade() {
+                Some(waker) => {
+                    waker.wake();
+                    true
+                }
+                None => false,
+            });
+        }
+    }
+
+    fn register(&self) -> (u64, Arc<AtomicWaker>) {
+        let waker = Arc::new(AtomicWaker::new());
+        if let Ok(mut alive) = self.0.alive.lock() {
+            alive.retain(|waker| waker.strong_count() > 0);
+            alive.push(Arc::downgrade(&waker));
+        }
+        (self.0.generation.load(Ordering::SeqCst), waker)
+    }
+
+    fn retired(&self, made: u64) -> bool {
+        self.0.generation.load(Ordering::SeqCst) != made
+    }
+}
+
+/// A connector whose connections close once retired.
+#[derive(Clone)]
+struct Retiring<C> {
+    inner: C,
+    retired: Retirement,
+}
+
+impl<C> tower::Service<http::Uri> for Retiring<C>
+where
+    C: tower::Service<http::Uri>,
+    C::Future: Send + 'static,
+{
+    type Response = RetiringStream<C::Response>;
+    type Error = C::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connecting = self.inner.call(uri);
+        let retired = self.retired.clone();
+        Box::pin(async move {
+            let inner = connecting.await?;
+            let (made, waker) = retired.register();
+            Ok(RetiringStream {
+                inner,
+                made,
+                waker,
+                retired,
+            })
+        })
+    }
+}
+
+struct RetiringStream<T> {
+    inner: T,
+    made: u64,
+    waker: Arc<AtomicWaker>,
+    retired: Retirement,
+}
+
+impl<T> RetiringStream<T> {
+    fn check(&self, cx: &Context<'_>) -> std::io::Result<()> {
+        self.waker.register(cx.waker());
+        if self.retired.retired(self.made) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "closed: the client certificate was renewed",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl<T: hyper::rt::Read + Unpin> hyper::rt::Read for RetiringStream<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        this.check(cx)?;
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for RetiringStream<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        this.check(cx)?;
+        Pin::new(&mut this.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl<T: hyper_util::client::legacy::connect::Connection>
+    hyper_util::client::legacy::connect::Connection for RetiringStream<T>
+{
+    fn connected(&self) -> hyper_util::client::legacy::connect::Connected {
+        self.inner.connected()
     }
 }

@@ -76,6 +76,14 @@ fn pki() -> Result<Pki> {
 /// Serves `/version` over TLS, requiring a client certificate signed by the CA; records which
 /// of `a`/`b` each connection presented.
 async fn serve(pki: &Pki) -> Result<(String, Arc<Mutex<Vec<&'static str>>>)> {
+    serve_with(pki, false).await
+}
+
+/// [`serve`], keeping each connection open for more requests when `keep_alive`.
+async fn serve_with(
+    pki: &Pki,
+    keep_alive: bool,
+) -> Result<(String, Arc<Mutex<Vec<&'static str>>>)> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
     roots.add(CertificateDer::from(pki.ca_der.clone()))?;
@@ -109,21 +117,28 @@ async fn serve(pki: &Pki) -> Result<(String, Arc<Mutex<Vec<&'static str>>>)> {
                 _ => "other",
             };
             record.lock().unwrap().push(who);
-            let mut request = Vec::new();
-            let mut buf = [0u8; 4096];
-            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
-                match tls.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => request.extend_from_slice(&buf[..n]),
+            tokio::spawn(async move {
+                loop {
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tls.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let body = r#"{"major":"1","minor":"33","gitVersion":"v1.33.0","gitCommit":"x","gitTreeState":"clean","buildDate":"2025-01-01T00:00:00Z","goVersion":"go","compiler":"gc","platform":"linux/amd64"}"#;
+                    let connection = if keep_alive { "keep-alive" } else { "close" };
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: {connection}\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if tls.write_all(response.as_bytes()).await.is_err() || !keep_alive {
+                        let _ = tls.shutdown().await;
+                        return;
+                    }
                 }
-            }
-            let body = r#"{"major":"1","minor":"33","gitVersion":"v1.33.0","gitCommit":"x","gitTreeState":"clean","buildDate":"2025-01-01T00:00:00Z","goVersion":"go","compiler":"gc","platform":"linux/amd64"}"#;
-            let response = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = tls.write_all(response.as_bytes()).await;
-            let _ = tls.shutdown().await;
+            });
         }
     });
     Ok((url, seen))
@@ -228,6 +243,33 @@ async fn a_client_certificate_replaced_on_disk_is_used_by_new_connections() -> R
         seen[first_b..].iter().all(|w| *w == "b"),
         "after the switch every new connection presents the new certificate: {seen:?}"
     );
+    Ok(())
+}
+
+/// A connection kept open (an h2 connection carries every request for as long as it lives) is
+/// closed when the certificate is renewed, as client-go closes them: the next request connects
+/// again and presents the new certificate.
+#[tokio::test]
+async fn a_renewed_certificate_closes_the_connections_made_before() -> Result<()> {
+    let pki = pki()?;
+    let (url, seen) = serve_with(&pki, true).await?;
+    let dir = tempfile::tempdir()?;
+    let file = |name: &str| -> PathBuf { dir.path().join(name) };
+    let kubeconfig = files_of_pair_a(dir.path(), &pki, &url, str::to_owned)?;
+    let client = client_for(&kubeconfig).await?;
+    for _ in 0..3 {
+        client.apiserver_version().await?;
+    }
+    assert_eq!(
+        seen.lock().unwrap().clone(),
+        ["a"],
+        "one connection, kept open"
+    );
+
+    replace(&file("client.key"), &pki.b.key_pem)?;
+    replace(&file("client.crt"), &pki.b.cert_pem)?;
+    until_presented(&client, &seen, "b").await?;
+    assert_eq!(seen.lock().unwrap().clone(), ["a", "b"]);
     Ok(())
 }
 

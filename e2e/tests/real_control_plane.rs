@@ -326,6 +326,18 @@ async fn at_rest_beside_the_apiservers_own_loops() -> Result<()> {
     wait_listed(&client, &[cp.apiserver_address(1)?], "the apiserver listed").await?;
     // Converged: the first passes have written what they write on a new cluster.
     tokio::time::sleep(Duration::from_secs(5)).await;
+    // Every loop watches now, and its Lease and probe go on: over h2 all of it shares one
+    // connection to the apiserver.
+    let pid = controller
+        .pid()
+        .ok_or_else(|| anyhow::anyhow!("the controller has exited"))?;
+    let port: u16 = cp.apiserver_port(1)?.parse()?;
+    let connections = established_to(pid, port)?;
+    println!("real control plane at rest: {connections} TCP connection(s) to the apiserver");
+    ensure!(
+        connections == 1,
+        "{connections} connections from the controller to its apiserver; one (HTTP/2) expected"
+    );
     let before = cp.audit_events(1)?.len();
     let window = rest_window();
     tokio::time::sleep(window).await;
@@ -382,6 +394,45 @@ async fn at_rest_beside_the_apiservers_own_loops() -> Result<()> {
     );
     ensure!(controller.is_running());
     Ok(())
+}
+
+/// The established TCP connections of process `pid` to `port` (on any address), from /proc: its
+/// socket inodes, matched in its network namespace's tcp tables.
+fn established_to(pid: u32, port: u16) -> Result<usize> {
+    let mut inodes = BTreeSet::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let Ok(target) = std::fs::read_link(entry?.path()) else {
+            continue;
+        };
+        if let Some(inode) = target
+            .to_string_lossy()
+            .strip_prefix("socket:[")
+            .and_then(|rest| rest.strip_suffix(']'))
+        {
+            inodes.insert(inode.to_owned());
+        }
+    }
+    let mut count = 0;
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}"))?;
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(remote), Some(state), Some(inode)) =
+                (fields.get(2), fields.get(3), fields.get(9))
+            else {
+                continue;
+            };
+            let remote_port = remote
+                .rsplit(':')
+                .next()
+                .and_then(|hex| u16::from_str_radix(hex, 16).ok());
+            // 01: ESTABLISHED.
+            if *state == "01" && remote_port == Some(port) && inodes.contains(*inode) {
+                count += 1;
+            }
+        }
+    }
+    Ok(count)
 }
 
 /// How long the at-rest test watches: 120 s, or `BOOTSTRAP_E2E_REST_SECONDS`.

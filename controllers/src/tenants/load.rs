@@ -1,6 +1,5 @@
 //! Reading a tenant's Secret into what its runtime is built from.
 
-use kube::client::ClientBuilder;
 use reconcilers::legacy_alloc::etcd::{EtcdPin, InlineTls};
 
 use super::{Spec, TenantSettings};
@@ -54,7 +53,7 @@ pub(super) async fn load(
         let limits = limits.clone();
         tokio::task::spawn_blocking(move || {
             let server = crate::client::server_name(&kube_config.cluster_url);
-            ClientBuilder::try_from(kube_config).map(|builder| {
+            crate::client::builder(&kube_config).map(|builder| {
                 builder
                     .with_layer(&crate::client::naming_connection_errors(server))
                     .with_layer(&limits)

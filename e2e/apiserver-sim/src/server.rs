@@ -1553,7 +1553,9 @@ pub async fn serve(
             let cancel = Ctx::current(&ctx.conn_epoch);
             let svc_ctx = Arc::clone(&ctx);
             let svc = hyper::service::service_fn(move |req| handle(Arc::clone(&svc_ctx), req));
-            let builder = hyper::server::conn::http1::Builder::new();
+            // HTTP/1.1 or h2, whichever the client speaks (over TLS, what ALPN chose).
+            let builder =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
             match tls {
                 Some(acceptor) => {
                     let tls_stream = tokio::select! {

@@ -80,9 +80,9 @@ pub fn generate(listen: &SocketAddr) -> Result<Pki, SimError> {
     // serves a client that prefers AES-GCM with AES-128-GCM, where rustls by default would
     // follow the client to AES-256-GCM, a third more AES rounds on every byte of a LIST.
     config.ignore_client_order = true;
-    // HTTP/1.1 only: every client in scope speaks it, and a dropped connection then affects
-    // exactly one request.
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    // As kube-apiserver: h2 for the clients that offer it (one connection carries all of a
+    // client's requests), HTTP/1.1 for the others.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Pki {
         ca_pem: ca_cert.pem(),
         server_config: Arc::new(config),
