@@ -701,8 +701,8 @@ pub fn reconciler_advice(flags: &ApiserverFlags, manifest: &Path) -> String {
     let _ = writeln!(
         out,
         "warning: kube-apiserver runs with --endpoint-reconciler-type={kind}{}: its own \
-         reconciler rewrites the `kubernetes` endpoints from its master leases and undoes the \
-         sidecar's readiness gating. Set it to none.",
+         reconciler keeps rewriting the `kubernetes` endpoints and undoes the sidecar's \
+         readiness gating. Set it to none.",
         if given { "" } else { " (its default)" }
     );
     out.push_str(
