@@ -1,4 +1,5 @@
-//! The binary's command line: `run`, `check`, `config validate`, `config print`.
+//! The binary's command line: `run`, `check`, `config validate`, `config print`, `sidecar
+//! manifest`.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -75,6 +76,9 @@ pub enum Command {
     /// Validate or print the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Install as a sidecar: generate its static pod manifest for this control-plane node.
+    #[command(subcommand)]
+    Sidecar(SidecarCommand),
     /// Runs a credential plugin the operator allowed for tenant kubeconfigs, on behalf of the
     /// controller's client: bounded in time and output, its stderr discarded.
     #[command(name = "credential-plugin", hide = true)]
@@ -95,6 +99,25 @@ pub enum ConfigCommand {
     Print,
 }
 
+#[derive(Debug, Subcommand)]
+pub enum SidecarCommand {
+    /// Print the sidecar's static pod manifest (deploy/sidecar/bootstrap-controller.yaml) for
+    /// this node, with the values of kube-apiserver's flags read from its static pod manifest:
+    /// --service-cluster-ip-range, --service-node-port-range, --secure-port,
+    /// --advertise-address (and with --etcd its etcd client flags), kube-apiserver's defaults
+    /// for those it does not set. Reads no cluster and none of the controller's settings.
+    ///
+    /// stderr says what was read and whether kube-apiserver runs with
+    /// --endpoint-reconciler-type=none, as the sidecar needs; if not, how to set it (kubeadm's
+    /// apiServer.extraArgs, or the static pod manifest's command). Exit status: 0 printed, 2
+    /// the manifest could not be read or a value is invalid (the message names the flag or
+    /// field and the fix).
+    #[command(
+        after_help = "Example, as root on each control-plane node:\n  bootstrap-controller sidecar manifest -o /etc/kubernetes/manifests/bootstrap-controller.yaml"
+    )]
+    Manifest(crate::sidecar::ManifestArgs),
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum OutputFormat {
     Text,
@@ -105,6 +128,28 @@ pub enum OutputFormat {
 pub async fn execute(cli: Cli) -> ExitCode {
     match cli.command {
         Command::CredentialPlugin { command } => tenant_kubeconfig::run_plugin(&command).await,
+        Command::Sidecar(SidecarCommand::Manifest(args)) => {
+            // The controller's settings are accepted by every subcommand's parser; this one
+            // takes its values from kube-apiserver's manifest, and ignoring a flag given here
+            // would hide that it does nothing.
+            let given = cli.config.given_flags();
+            if !given.is_empty() {
+                return config_error(&ConfigErrors(
+                    given
+                        .into_iter()
+                        .map(|flag| {
+                            ConfigError::new(
+                                flag,
+                                "is a setting of the controller, which `sidecar manifest` does \
+                                 not read (it takes kube-apiserver's values from its manifest): \
+                                 remove it, or unset its BOOTSTRAP_ environment variable",
+                            )
+                        })
+                        .collect(),
+                ));
+            }
+            sidecar_manifest(&args)
+        }
         Command::Config(ConfigCommand::Validate) => {
             let Some(file) = cli.config.config.clone() else {
                 return config_error(&ConfigErrors(vec![ConfigError::new(
@@ -234,6 +279,28 @@ fn load_config(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
             Err(ConfigErrors(errors))
         }
     }
+}
+
+fn sidecar_manifest(args: &crate::sidecar::ManifestArgs) -> ExitCode {
+    let (manifest, notes) = match crate::sidecar::run_manifest(args) {
+        Ok(generated) => generated,
+        Err(err) => {
+            eprintln!("error: {err}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    match &args.output {
+        Some(path) => {
+            if let Err(err) = crate::sidecar::write_atomically(path, &manifest) {
+                eprintln!("error: {err}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+            eprintln!("wrote {}", path.display());
+        }
+        None => print!("{manifest}"),
+    }
+    eprint!("{notes}");
+    ExitCode::from(EXIT_OK)
 }
 
 fn config_error(errors: &ConfigErrors) -> ExitCode {

@@ -17,5 +17,6 @@ pub mod metrics;
 pub mod process;
 pub mod runner;
 pub mod shards;
+pub mod sidecar;
 pub mod tenant_kubeconfig;
 pub mod tenants;

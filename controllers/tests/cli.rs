@@ -439,3 +439,145 @@ async fn run_exits_1_naming_the_admin_address_when_it_is_taken() -> anyhow::Resu
     sim.shutdown().await;
     Ok(())
 }
+
+/// kube-apiserver's manifest as kubeadm v1.37.2 writes it, and the example it gives.
+const KUBEADM_APISERVER: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../testdata/kubeadm/kube-apiserver.yaml"
+);
+const SIDECAR_EXAMPLE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../deploy/sidecar/bootstrap-controller.yaml"
+);
+
+#[test]
+fn sidecar_manifest_from_kubeadms_apiserver_is_the_documented_example() {
+    let example = std::fs::read_to_string(SIDECAR_EXAMPLE).expect("read the example");
+    let (code, stdout, stderr) = run(binary().args([
+        "sidecar",
+        "manifest",
+        "--kube-apiserver-manifest",
+        KUBEADM_APISERVER,
+    ]));
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, example);
+    assert!(
+        stderr.contains("service range 10.96.0.0/12, node ports 30000-32767 (kube-apiserver's default), secure port 6443, advertise address 192.0.2.1"),
+        "{stderr}"
+    );
+    // kubeadm's default leaves kube-apiserver's reconciler on: stderr says how to turn it off.
+    assert!(
+        stderr.contains("warning: kube-apiserver runs with --endpoint-reconciler-type=lease"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(
+            "    extraArgs:\n      - name: endpoint-reconciler-type\n        value: none"
+        ),
+        "{stderr}"
+    );
+
+    // On stdin (as from the image, which cannot read the root-only file), with another image
+    // and the reconciler already off.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let apiserver = std::fs::read_to_string(KUBEADM_APISERVER)
+        .expect("read the fixture")
+        .replace(
+            "--service-cluster-ip-range=10.96.0.0/12",
+            "--service-cluster-ip-range=198.19.0.0/16\n    - --endpoint-reconciler-type=none",
+        );
+    let input = dir.path().join("kube-apiserver.yaml");
+    std::fs::write(&input, &apiserver).expect("write");
+    let output = dir.path().join("bootstrap-controller.yaml");
+    let (code, stdout, stderr) = run(binary()
+        .args([
+            "sidecar",
+            "manifest",
+            "--kube-apiserver-manifest",
+            "-",
+            "--image",
+            "localhost/bc:test",
+            "--image-pull-policy",
+            "never",
+            "-o",
+        ])
+        .arg(&output)
+        .stdin(std::fs::File::open(&input).expect("open")));
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "");
+    assert!(
+        stderr.contains("runs with --endpoint-reconciler-type=none") && !stderr.contains("warning"),
+        "{stderr}"
+    );
+    let written = std::fs::read_to_string(&output).expect("the written manifest");
+    let expected = example
+        .replace("10.96.0.0/12", "198.19.0.0/16")
+        .replace(
+            "image: ghcr.io/bootstrap-controller/bootstrap-controller:0.1.0",
+            "image: localhost/bc:test",
+        )
+        .replace("imagePullPolicy: IfNotPresent", "imagePullPolicy: Never");
+    assert_eq!(written, expected);
+}
+
+#[test]
+fn sidecar_manifest_refusals_exit_2_naming_the_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let apiserver = std::fs::read_to_string(KUBEADM_APISERVER).expect("read the fixture");
+    let cases = [
+        (
+            apiserver.replace("10.96.0.0/12", "10.96.0.0/33"),
+            "error: --service-cluster-ip-range: kube-apiserver's value \"10.96.0.0/33\"",
+        ),
+        (
+            apiserver.replace("    name: kube-apiserver\n", "    name: apiserver\n"),
+            "error: spec.containers: no container named \"kube-apiserver\"",
+        ),
+        (
+            "#".repeat(1024 * 1024 + 1),
+            "error: --kube-apiserver-manifest: ",
+        ),
+    ];
+    for (text, message) in cases {
+        let input = dir.path().join("kube-apiserver.yaml");
+        std::fs::write(&input, &text).expect("write");
+        let output = dir.path().join("out.yaml");
+        let (code, stdout, stderr) = run(binary()
+            .args(["sidecar", "manifest", "--kube-apiserver-manifest"])
+            .arg(&input)
+            .arg("-o")
+            .arg(&output));
+        assert_eq!(code, 2, "{stderr}");
+        assert_eq!(stdout, "");
+        assert!(stderr.starts_with(message), "{stderr}");
+        // Nothing is written on a refusal.
+        assert!(!output.exists());
+    }
+    // The controller's own settings would be silently ignored here: refused instead.
+    let (code, stdout, stderr) = run(binary().args([
+        "sidecar",
+        "manifest",
+        "--kube-apiserver-manifest",
+        KUBEADM_APISERVER,
+        "--service-cluster-ip-range=192.0.2.0/24",
+    ]));
+    assert_eq!(code, 2, "{stderr}");
+    assert_eq!(stdout, "");
+    assert!(
+        stderr.contains("--service-cluster-ip-range: is a setting of the controller, which `sidecar manifest` does not read"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run(binary()
+        .args([
+            "sidecar",
+            "manifest",
+            "--kube-apiserver-manifest",
+            KUBEADM_APISERVER,
+        ])
+        .env("BOOTSTRAP_SECURE_PORT", "8443"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--secure-port: is a setting of the controller"),
+        "{stderr}"
+    );
+}

@@ -78,14 +78,3 @@ require_reconciler_off() {
   fi
 }
 
-# The value of kube-apiserver's flag --$1 in the first command line on stdin (as
-# require_reconciler_off reads them); fails if the flag is absent.
-apiserver_flag() {
-  local value
-  value="$(head -n 1 | sed -e 's/^\[//' -e 's/\]$//' -e 's/","/\n/g' | tr -d '"' |
-    sed -n "s#^--$1=##p" | head -n 1)"
-  if [ -z "${value}" ]; then
-    die "kube-apiserver has no --$1"
-  fi
-  printf '%s\n' "${value}"
-}

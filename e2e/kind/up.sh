@@ -61,7 +61,6 @@ for _ in $(seq 30); do
   sleep 1
 done
 printf '%s\n' "${APISERVER_COMMANDS}" | require_reconciler_off
-SERVICE_RANGE="$(printf '%s\n' "${APISERVER_COMMANDS}" | apiserver_flag service-cluster-ip-range)"
 
 log "image ${IMAGE}"
 cargo build --release --locked --target x86_64-unknown-linux-musl -p bootstrap-controller
@@ -98,10 +97,10 @@ fi
 log "sidecar (static pod beside kube-apiserver)"
 sidecar_on_node() { "${ENGINE}" exec -i "${NODE}" "$@"; }
 SIDECAR_KUBEADM_CONFIG=/kind/kubeadm.conf
-SIDECAR_SERVICE_RANGE="${SERVICE_RANGE}"
 SIDECAR_IMAGE="${IMAGE}"
 sidecar_rbac
-sidecar_install bootstrap-controller /etc/kubernetes/bootstrap-controller "${NODE_IP}"
+sidecar_install bootstrap-controller /etc/kubernetes/bootstrap-controller "${NODE_IP}" \
+  /etc/kubernetes/manifests/kube-apiserver.yaml
 sidecar_wait_ready "bootstrap-controller-${NODE}"
 sidecar_wait_listed "${NODE_IP}"
 log "the sidecar keeps the kubernetes endpoints: ${NODE_IP}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import ROOT, workdir
+from harness import ROOT, binary, workdir
 
 KIND = ROOT / "e2e" / "kind"
 
@@ -55,6 +55,8 @@ elif name in ("docker", "podman") and args[:1] == ["exec"]:
     call["stdin"] = sys.stdin.read()
     if "-c" in args:  # the manifest, written into /etc/kubernetes/manifests
         open(os.path.join(state, "sidecar.yaml"), "w").write(call["stdin"])
+    elif args[-2:] == ["cat", "/etc/kubernetes/manifests/kube-apiserver.yaml"]:
+        out(open(os.environ["FAKE_APISERVER_MANIFEST"]).read())
 elif name == "kubectl" and "component=kube-apiserver" in args:
     out(os.environ["FAKE_APISERVER_COMMAND"])
 elif name == "kubectl" and args[2:4] == ["get", "pod"]:
@@ -82,6 +84,18 @@ APISERVER_WITHOUT_FLAG = (
     '["kube-apiserver","--advertise-address=192.0.2.10","--secure-port=6443",'
     '"--service-cluster-ip-range=198.18.160.0/20"]\n'
 )
+SIDECAR_EXAMPLE = (ROOT / "deploy" / "sidecar" / "bootstrap-controller.yaml").read_text()
+# kubeadm's kube-apiserver manifest (advertise address 192.0.2.1, services 10.96.0.0/12).
+KUBEADM_APISERVER = (ROOT / "testdata" / "kubeadm" / "kube-apiserver.yaml").read_text()
+
+
+def node_apiserver(service_range: str = "198.18.160.0/20") -> str:
+    """kube-apiserver's manifest on kind's node: kubeadm's, with the node's address, the
+    cluster's service range and kind_config's patch applied."""
+    return KUBEADM_APISERVER.replace("192.0.2.1", "192.0.2.10").replace(
+        "    - --service-cluster-ip-range=10.96.0.0/12\n",
+        f"    - --service-cluster-ip-range={service_range}\n"
+        "    - --endpoint-reconciler-type=none\n")
 
 
 def run_up(tmp: Path, engine: str, apiserver_command: str, mirror_delay: int = 2,
@@ -95,8 +109,11 @@ def run_up(tmp: Path, engine: str, apiserver_command: str, mirror_delay: int = 2
         (bin_dir / name).symlink_to(fake)
     state = tmp / "state"
     state.mkdir()
+    (tmp / "kube-apiserver.yaml").write_text(node_apiserver())
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SIDECAR_BINARY": str(binary("bootstrap-controller")),
+        "FAKE_APISERVER_MANIFEST": str(tmp / "kube-apiserver.yaml"),
         "HOME": str(tmp),
         "ENGINE": engine,
         "FAKE_DIR": str(state),
@@ -130,7 +147,8 @@ def test_up_runs_each_step_in_an_order_that_can_pass():
         done, calls, state = run_up(Path(tmp), "docker", APISERVER_WITH_FLAG)
         assert done.returncode == 0, done.stdout + done.stderr
         kind_config = yaml.safe_load((state / "kind.yaml").read_text())
-        sidecar = yaml.safe_load((state / "sidecar.yaml").read_text())
+        sidecar_text = (state / "sidecar.yaml").read_text()
+        sidecar = yaml.safe_load(sidecar_text)
     order = [
         index(calls, "kind", "create", "cluster"),
         index(calls, "kubectl", "component=kube-apiserver"),  # the flag checked
@@ -140,7 +158,8 @@ def test_up_runs_each_step_in_an_order_that_can_pass():
         index(calls, "cargo", "test"),  # outside the cluster: needs no endpoints
         index(calls, "kubectl", "apply", "deploy/sidecar/rbac.yaml"),
         index(calls, "docker", "exec", "bash"),  # setup-node.sh in the node
-        index(calls, "docker", "exec", "manifests/"),  # the static pod
+        index(calls, "docker", "exec", "manifests/kube-apiserver.yaml"),  # read, for the binary
+        index(calls, "docker", "exec", "manifests/$1.yaml"),  # the static pod
         index(calls, "kubectl", "wait", "condition=Ready"),
         index(calls, "kubectl", "get", "endpointslice"),  # the sidecar lists the node
         index(calls, "install-chart"),  # only now can its pods reach the API
@@ -162,15 +181,20 @@ def test_up_runs_each_step_in_an_order_that_can_pass():
     assert tests_env["BOOTSTRAP_E2E_KUBECONFIG"].endswith("kubeconfig"), tests_env
     container = sidecar["spec"]["containers"][0]
     assert container["image"] == image and container["imagePullPolicy"] == "Never"
-    # The sidecar uses the cluster's service range, not the manifest's kubeadm default.
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE"] == "198.18.160.0/20"
+    # Generated from the node's kube-apiserver manifest: its range and address; nothing else
+    # differs from the example but the image.
+    assert sidecar_text == SIDECAR_EXAMPLE.replace(
+        'value: "10.96.0.0/12"', 'value: "198.18.160.0/20"').replace(
+        'value: "192.0.2.1"', 'value: "192.0.2.10"').replace(
+        "image: ghcr.io/bootstrap-controller/bootstrap-controller:0.1.0", f"image: {image}").replace(
+        "imagePullPolicy: IfNotPresent", "imagePullPolicy: Never")
+    assert "runs with --endpoint-reconciler-type=none" in done.stderr, done.stderr
     setup = calls[index(calls, "docker", "exec", "bash")]
     assert setup["stdin"] == (ROOT / "deploy" / "sidecar" / "setup-node.sh").read_text()
     for word in ("KUBEADM_CONFIG=/kind/kubeadm.conf", "DIR=/etc/kubernetes/bootstrap-controller",
                  "SERVER=https://192.0.2.10:6443"):
         assert word in setup["args"], setup["args"]
-    manifest = calls[index(calls, "docker", "exec", "manifests/")]["args"]
+    manifest = calls[index(calls, "docker", "exec", "manifests/$1.yaml")]["args"]
     assert manifest[-1] == "bootstrap-controller", manifest  # /etc/kubernetes/manifests/$1.yaml
     chart = calls[index(calls, "install-chart")]["args"]
     assert chart == ["bc", "bootstrap-controller", image.rsplit(":", 1)[0], "kind", "--set",
@@ -388,45 +412,47 @@ def test_sidecar_wait_listed_names_the_missing_address():
     assert "lists '198.18.0.2', not all of 198.18.0.2 198.18.0.3" in done.stderr, done.stderr
 
 
+def manifest_step(apiserver: str, env: dict) -> subprocess.CompletedProcess:
+    """sidecar_manifest with the node's kube-apiserver manifest `apiserver`, read through a
+    sidecar_on_node that cats a local copy."""
+    with workdir() as tmp:
+        path = Path(tmp) / "kube-apiserver.yaml"
+        path.write_text(apiserver)
+        on_node = ('sidecar_on_node() { [ "$1 $2" = '
+                   '"cat /etc/kubernetes/manifests/kube-apiserver.yaml" ] && '
+                   f'cat "{path}"; }}')
+        return steps(f"{on_node}; sidecar_manifest /etc/kubernetes/manifests/kube-apiserver.yaml",
+                     env={"SIDECAR_BINARY": str(binary("bootstrap-controller")), **env})
+
+
 def test_sidecar_manifest_runs_the_local_image_without_pulling():
-    manifest = (ROOT / "deploy" / "sidecar" / "bootstrap-controller.yaml").read_text()
-    out = steps("sidecar_manifest", env={"SIDECAR_IMAGE": "example.org/bc:kind",
-                                         "SIDECAR_SERVICE_RANGE": "10.96.0.0/16,fd00:10:96::/112"})
+    out = manifest_step(node_apiserver("10.96.0.0/16,fd00:10:96::/112"),
+                        {"SIDECAR_IMAGE": "example.org/bc:kind"})
     assert out.returncode == 0, out.stderr
-    pod = yaml.safe_load(out.stdout)
-    original = yaml.safe_load(manifest)
-    container = pod["spec"]["containers"][0]
-    assert container["image"] == "example.org/bc:kind"
-    assert container["imagePullPolicy"] == "Never"
-    ranges = [e for e in container["env"] if e["name"] == "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE"]
-    assert ranges == [{"name": "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE",
-                       "value": "10.96.0.0/16,fd00:10:96::/112"}]
-    ranges[0]["value"] = next(e["value"] for e in original["spec"]["containers"][0]["env"]
-                              if e["name"] == "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE")
-    container.update(image=original["spec"]["containers"][0]["image"],
-                     imagePullPolicy=original["spec"]["containers"][0]["imagePullPolicy"])
-    assert pod == original  # nothing else changed
+    assert out.stdout == SIDECAR_EXAMPLE.replace(
+        'value: "10.96.0.0/12"', 'value: "10.96.0.0/16,fd00:10:96::/112"').replace(
+        'value: "192.0.2.1"', 'value: "192.0.2.10"').replace(
+        "image: ghcr.io/bootstrap-controller/bootstrap-controller:0.1.0",
+        "image: example.org/bc:kind").replace(
+        "imagePullPolicy: IfNotPresent", "imagePullPolicy: Never")
 
 
-def test_sidecar_manifest_without_an_image_changes_only_the_range():
+def test_sidecar_manifest_without_an_image_changes_only_what_kube_apiserver_sets():
     """The real node runs the manifest's own image (imported into its containerd)."""
-    original = yaml.safe_load((ROOT / "deploy" / "sidecar" / "bootstrap-controller.yaml").read_text())
-    out = steps("sidecar_manifest", env={"SIDECAR_SERVICE_RANGE": "198.19.0.0/16"})
+    out = manifest_step(node_apiserver(), {})
     assert out.returncode == 0, out.stderr
-    pod = yaml.safe_load(out.stdout)
-    for e in original["spec"]["containers"][0]["env"]:
-        if e["name"] == "BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE":
-            e["value"] = "198.19.0.0/16"
-    assert pod == original
+    assert out.stdout == SIDECAR_EXAMPLE.replace(
+        'value: "10.96.0.0/12"', 'value: "198.18.160.0/20"').replace(
+        'value: "192.0.2.1"', 'value: "192.0.2.10"')
 
 
-def test_apiserver_flag_reads_one_flag_of_the_command():
-    command = '["kube-apiserver","--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/112",' \
-              '"--secure-port=6443"]\n'
-    done = lib("apiserver_flag service-cluster-ip-range", stdin=command)
-    assert done.stdout == "10.96.0.0/16,fd00:10:96::/112\n", done.stderr
-    done = lib("apiserver_flag service-cluster-ip-range", stdin='["kube-apiserver"]\n')
-    assert done.returncode == 1 and "has no --service-cluster-ip-range" in done.stderr
+def test_sidecar_manifest_fails_on_a_manifest_the_binary_refuses_or_no_binary():
+    out = manifest_step(KUBEADM_APISERVER.replace("name: kube-apiserver\n", "name: other\n"), {})
+    assert out.returncode == 1 and out.stdout == "", out.stdout
+    assert "error: spec.containers: no container named \"kube-apiserver\"" in out.stderr, out.stderr
+    assert "no manifest generated from the node's" in out.stderr, out.stderr
+    out = manifest_step(node_apiserver(), {"SIDECAR_BINARY": "/nonexistent/bootstrap-controller"})
+    assert out.returncode == 1 and "/nonexistent/bootstrap-controller is missing" in out.stderr
 
 
 def test_kind_scripts_are_shellcheck_clean():

@@ -1,18 +1,20 @@
 # shellcheck shell=bash
 # Installing the bootstrap-controller sidecar on a kubeadm control-plane node as the README and
 # deploy/sidecar/ tell users: `kubectl apply -f rbac.yaml`; on the node, as root,
-# deploy/sidecar/setup-node.sh; the manifest beside kube-apiserver's with the cluster's service
-# range; then the pod Ready and its apiserver in the `kubernetes` EndpointSlice. One
-# implementation for every node the tests install it on: the real node (e2e/node/install-sidecar.sh)
-# and kind's (e2e/kind/up.sh). Sourced; sets nothing on its own.
+# deploy/sidecar/setup-node.sh; the manifest that `bootstrap-controller sidecar manifest`
+# generates from the node's own kube-apiserver manifest, beside it; then the pod Ready and its
+# apiserver in the `kubernetes` EndpointSlice. One implementation for every node the tests
+# install it on: the real node (e2e/node/install-sidecar.sh) and kind's (e2e/kind/up.sh).
+# Sourced; sets nothing on its own.
 #
 # The caller sets KUBECONFIG and defines how to reach its node:
 #   sidecar_on_node COMMAND...   runs COMMAND as root on the node (its mount namespace, where
 #                                /etc/kubernetes is kubeadm's), stdin passed through
 # and sets:
 #   SIDECAR_KUBEADM_CONFIG       the node's kubeadm configuration file (setup-node.sh's KUBEADM_CONFIG)
-#   SIDECAR_SERVICE_RANGE        the cluster's service range (kube-apiserver's
-#                                --service-cluster-ip-range; the manifest has kubeadm's 10.96.0.0/12)
+#   SIDECAR_BINARY               optional: the bootstrap-controller binary run here to generate the
+#                                manifest (default: the static build the image is made from,
+#                                target/x86_64-unknown-linux-musl/release/bootstrap-controller)
 #   SIDECAR_IMAGE                optional: an image to run instead of the manifest's, never pulled
 #                                (imagePullPolicy: Never), for an image loaded into the node
 #   SIDECAR_TIMEOUT              optional: seconds each wait below lasts at most (default 120)
@@ -29,34 +31,39 @@ sidecar_rbac() {
   kubectl apply -f "${SIDECAR_ROOT}/deploy/sidecar/rbac.yaml" >/dev/null
 }
 
-# deploy/sidecar/bootstrap-controller.yaml on stdout with the service range
-# SIDECAR_SERVICE_RANGE, the image SIDECAR_IMAGE if set, then the sed expressions given as
-# arguments (`-e EXPRESSION` pairs). Fails if the range's line was not found: a sidecar with
-# the wrong range would repair Services it must leave alone.
+SIDECAR_BINARY="${SIDECAR_BINARY:-${CARGO_TARGET_DIR:-${SIDECAR_ROOT}/target}/x86_64-unknown-linux-musl/release/bootstrap-controller}"
+
+# The sidecar's manifest on stdout, as `bootstrap-controller sidecar manifest` generates it from
+# the node's kube-apiserver manifest $1 (read on the node, the binary run here), with the image
+# SIDECAR_IMAGE if set, then the sed expressions given after $1 (`-e EXPRESSION` pairs). What the
+# binary says of kube-apiserver's flags goes to stderr.
 sidecar_manifest() {
-  local manifest image_expressions=()
+  local apiserver="$1" manifest image_args=()
+  shift
+  [ -x "${SIDECAR_BINARY}" ] || sidecar_die "${SIDECAR_BINARY} is missing: cargo build --release --locked --target x86_64-unknown-linux-musl -p bootstrap-controller, or set SIDECAR_BINARY"
   if [ -n "${SIDECAR_IMAGE:-}" ]; then
-    image_expressions=(-e "s#^\( *image: \).*#\1${SIDECAR_IMAGE}#"
-      -e 's#^\( *imagePullPolicy: \).*#\1Never#')
+    image_args=(--image "${SIDECAR_IMAGE}" --image-pull-policy never)
   fi
-  manifest="$(sed -e "/name: BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE\$/{n;s#^\( *value: \).*#\1\"${SIDECAR_SERVICE_RANGE}\"#;}" \
-    "${image_expressions[@]}" "$@" "${SIDECAR_ROOT}/deploy/sidecar/bootstrap-controller.yaml")"
-  if ! printf '%s\n' "${manifest}" | grep -q "value: \"${SIDECAR_SERVICE_RANGE}\""; then
-    sidecar_die "the manifest's service range was not found to set it to ${SIDECAR_SERVICE_RANGE}"
+  manifest="$(sidecar_on_node cat "${apiserver}" </dev/null |
+    "${SIDECAR_BINARY}" sidecar manifest --kube-apiserver-manifest - "${image_args[@]}")" ||
+    sidecar_die "no manifest generated from the node's ${apiserver}"
+  if [ $# -gt 0 ]; then
+    manifest="$(printf '%s\n' "${manifest}" | sed "$@")"
   fi
   printf '%s\n' "${manifest}"
 }
 
 # One sidecar: setup-node.sh on the node with DIR ($2) and SERVER https://$3:6443 (the
-# apiserver this sidecar stands beside), then the manifest (sed expressions: the arguments after
-# $3) as /etc/kubernetes/manifests/$1.yaml, written beside it and renamed in: the kubelet never
-# reads half a file.
+# apiserver this sidecar stands beside), then the manifest generated from that apiserver's
+# manifest on the node ($4; sed expressions: the arguments after it) as
+# /etc/kubernetes/manifests/$1.yaml, written beside it and renamed in: the kubelet never reads
+# half a file.
 sidecar_install() {
-  local name="$1" dir="$2" address="$3" manifest
-  shift 3
+  local name="$1" dir="$2" address="$3" apiserver="$4" manifest
+  shift 4
   sidecar_on_node env DIR="${dir}" KUBEADM_CONFIG="${SIDECAR_KUBEADM_CONFIG}" \
     SERVER="https://${address}:6443" bash -s <"${SIDECAR_ROOT}/deploy/sidecar/setup-node.sh" >/dev/null
-  manifest="$(sidecar_manifest "$@")"
+  manifest="$(sidecar_manifest "${apiserver}" "$@")"
   # shellcheck disable=SC2016 # expanded by the node's shell, with $1 the name
   printf '%s\n' "${manifest}" | sidecar_on_node sh -c \
     'cat >"/etc/kubernetes/.$1.yaml" && mv "/etc/kubernetes/.$1.yaml" "/etc/kubernetes/manifests/$1.yaml"' \

@@ -129,6 +129,22 @@ macro_rules! settings {
             }
         }
 
+        impl ConfigArgs {
+            /// The flags given (on the command line or as their environment variables).
+            pub fn given_flags(&self) -> Vec<&'static str> {
+                let mut given = Vec::new();
+                if self.config.is_some() {
+                    given.push("--config");
+                }
+                $(
+                    if self.$field.is_some() {
+                        given.push(concat!("--", $flag));
+                    }
+                )+
+                given
+            }
+        }
+
         /// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field);
         /// the structured sections have no flags of their own but the `--leader-elect-*` and
         /// `--tenants-*` ones.
