@@ -926,6 +926,11 @@ async fn one_writer_at_a_time_through_a_leader_handover() -> Result<()> {
         }
     };
     heal("before the handover").await?;
+    let runs = writer_runs(&cp, 2, &["sidecar-1", "sidecar-2"])?;
+    ensure!(
+        runs.len() == 1 && runs[0].0 == "sidecar-1",
+        "only the leader, sidecar-1, should have written before the handover: {runs:?}"
+    );
 
     first.kill()?;
     eventually("sidecar-2 to lead", CONVERGE, || async {
