@@ -172,8 +172,8 @@ def namespace_creators(node: Node, name: str, since: str, logs: str = "audit*.lo
 
 
 def managers(namespace: dict) -> set[str]:
-    """The field managers of an object: `bootstrap-controller` for ours, `kube-apiserver` for the
-    apiserver's own loops."""
+    """The field managers of an object read with `--show-managed-fields` (kubectl leaves them out
+    otherwise): `bootstrap-controller` for ours, `kube-apiserver` for the apiserver's own loops."""
     return {entry.get("manager") for entry in namespace["metadata"].get("managedFields", [])}
 
 
@@ -240,7 +240,7 @@ def test_helm_install_wait_runs_ready_pods_one_leader_and_a_clean_check(node, re
         node.kubectl("delete", "namespace", "kube-node-lease", "--wait=false")
 
         def back():
-            ns = get_json(node, "namespace", "kube-node-lease")
+            ns = get_json(node, "namespace", "kube-node-lease", "--show-managed-fields")
             return ns and ns["metadata"]["uid"] != before and ns["status"]["phase"] == "Active" and ns
         recreated = wait_for("kube-node-lease back", back, timeout=BACK_WITHIN)
         creators = namespace_creators(node, "kube-node-lease", since)
@@ -594,7 +594,8 @@ def test_management_mode_from_the_chart_keeps_a_tenant_control_plane(node, tmp_p
     tenant_kubectl(node, "delete", "namespace", "kube-node-lease", "--wait=false")
 
     def back():
-        result = tenant_kubectl(node, "get", "namespace", "kube-node-lease", "-o", "json", check=False)
+        result = tenant_kubectl(node, "get", "namespace", "kube-node-lease", "-o", "json", "--show-managed-fields",
+                                check=False)
         if result.returncode != 0:
             return None
         ns = json.loads(result.stdout)
