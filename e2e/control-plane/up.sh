@@ -12,10 +12,13 @@
 # --authorization-mode=RBAC, service-account keys, and an audit log at Metadata level
 # (DIR/audit-N.log, one JSON event a line) that tests read to see who did what. Apiserver N binds
 # 127.0.0.1 on its own port and advertises 192.0.2.N (TEST-NET-1: Endpoints refuse loopback
-# addresses, and nothing needs to reach the advertised one). Every port is a free loopback port
-# picked at start, so several control planes run side by side on one host. On SIGTERM an
-# apiserver fails /readyz at once and serves on for --shutdown-delay-duration=3s, as
-# load-balanced control planes run it, so that its sidecar can withdraw it through it.
+# addresses, and nothing needs to reach the advertised one), or 2001:db8::N (the IPv6
+# documentation prefix) when the primary service range is IPv6, as a single-stack IPv6 cluster's
+# apiserver advertises an address of its services' family; the serving certificate holds both.
+# Every port is a free loopback port picked at start, so several control planes run side by side
+# on one host. On SIGTERM an apiserver fails /readyz at once and serves on for
+# --shutdown-delay-duration=3s, as load-balanced control planes run it, so that its sidecar can
+# withdraw it through it.
 #
 # --etcd-url URL (http://HOST:PORT) uses an etcd that is already running, e.g. another control
 # plane's (its ETCD_URL in its env), instead of starting one: several control planes then share
@@ -107,7 +110,11 @@ openssl_quiet() { openssl "$@" 2>/dev/null; }
 openssl_quiet req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 365 \
   -subj "/CN=bootstrap-controller-test-ca"
 sans="DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,IP:127.0.0.1"
-for n in $(seq 1 "$apiservers"); do sans="$sans,IP:192.0.2.$n"; done
+for n in $(seq 1 "$apiservers"); do sans="$sans,IP:192.0.2.$n,IP:2001:db8::$n"; done
+case "${service_range%%,*}" in # the primary range's family
+  *:*) advertise_prefix=2001:db8:: ;;
+  *) advertise_prefix=192.0.2. ;;
+esac
 openssl_quiet req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj "/CN=kube-apiserver"
 openssl_quiet x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
   -out apiserver.crt -extfile <(printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth\n' "$sans")
@@ -189,7 +196,7 @@ for n in $(seq 1 "$apiservers"); do
   port=${ports[$((n + 1))]}
   start "kube-apiserver-$n" "$bin/kube-apiserver" \
     --etcd-servers "$etcd_url" --etcd-prefix "$etcd_prefix" \
-    --bind-address 127.0.0.1 --secure-port "$port" --advertise-address "192.0.2.$n" \
+    --bind-address 127.0.0.1 --secure-port "$port" --advertise-address "$advertise_prefix$n" \
     --cert-dir "$dir/apiserver-$n" \
     --tls-cert-file "$dir/apiserver.crt" --tls-private-key-file "$dir/apiserver.key" \
     --client-ca-file "$dir/ca.crt" \
@@ -204,7 +211,7 @@ for n in $(seq 1 "$apiservers"); do
     --profiling=false
   {
     echo "APISERVER_${n}_URL=https://127.0.0.1:$port"
-    echo "APISERVER_${n}_ADDRESS=192.0.2.$n"
+    echo "APISERVER_${n}_ADDRESS=$advertise_prefix$n"
     echo "APISERVER_${n}_PORT=$port"
   } >> "$dir/env"
 done
@@ -233,7 +240,7 @@ cat <<EOF
 A control plane runs in $dir: etcd $etcd_url$([ "$etcd_started" = true ] || echo ' (shared, not started here)') prefix $etcd_prefix, $apiservers kube-apiserver(s) ($(sed -n 's/^APISERVER_\([0-9]\)_URL=/\1: /p' "$dir/env" | paste -sd' ')), kube-controller-manager.
   export KUBECONFIG=$dir/admin.kubeconfig
   kubectl get namespaces
-  bootstrap-controller run --kubeconfig $dir/admin.kubeconfig --endpoint-reconciler-type lease --advertise-address 192.0.2.1 --secure-port ${ports[2]}
+  bootstrap-controller run --kubeconfig $dir/admin.kubeconfig --endpoint-reconciler-type lease --advertise-address ${advertise_prefix}1 --secure-port ${ports[2]}
   $here/kubeconfig.sh $dir NAME [--group GROUP]   # a kubeconfig for another user (RBAC tests)
 Stop it with: $here/down.sh $dir
 EOF

@@ -48,6 +48,12 @@ LEASE_ARGS = ["--set", f"config.leaderElection.leaseName={LEASE}"]
 KEPT = "bc-chart-kept"
 KEPT_LABEL = "e2e.bootstrap-controller.io/kept"
 WRITES = {"create", "update", "patch", "delete", "deletecollection"}
+SIDECAR_USER = "system:bootstrap-controller"
+# How long a deleted namespace may take to come back, finalization included: a bound on
+# correctness, not on speed. kube-apiserver recreates kube-node-lease itself once a minute, so a
+# wait of a minute or more could be met by its in-tree loop alone; well under it, with the
+# successful create read from the audit log and the repair counter moved, the repair is ours.
+BACK_WITHIN = 30
 
 MANAGEMENT_RELEASE = "bc-mgmt"
 MANAGEMENT_NAMESPACE = "bc-mgmt"
@@ -148,6 +154,43 @@ def assert_one_writer_at_a_time(runs: list[tuple[str, int]]) -> None:
     assert not again, f"writes interleaved between writers ({again} wrote, stopped, wrote again): {runs}"
 
 
+def namespace_creators(node: Node, name: str, since: str, logs: str = "audit*.log") -> list[str]:
+    """The users whose create of namespace `name` succeeded (201) at or after `since`, from the
+    audit logs matching `logs`, oldest first."""
+    audit = node.dir / "var-log-kubernetes" / "audit"
+    creates = []
+    for path in sorted(audit.glob(logs)):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if (event.get("stage") == "ResponseComplete" and event["verb"] == "create"
+                    and event.get("objectRef", {}).get("resource") == "namespaces"
+                    and event.get("objectRef", {}).get("name") == name
+                    and event.get("responseStatus", {}).get("code") == 201
+                    and event["requestReceivedTimestamp"] >= since):
+                creates.append((event["requestReceivedTimestamp"], event["user"]["username"]))
+    return [user for _, user in sorted(creates)]
+
+
+def managers(namespace: dict) -> set[str]:
+    """The field managers of an object read with `--show-managed-fields` (kubectl leaves them out
+    otherwise): `bootstrap-controller` for ours, `kube-apiserver` for the apiserver's own loops."""
+    return {entry.get("manager") for entry in namespace["metadata"].get("managedFields", [])}
+
+
+def namespace_repairs(node: Node, release: str, namespace: str) -> int:
+    """The system-namespaces loop's repairs of missing namespaces, summed over the release's pods
+    (and tenants), from their /metrics read on the node (pods are not routed to from the host):
+    the repair counter, which a dry run or a refused create leaves alone."""
+    total = 0
+    for pod in release_pods(node, release, namespace):
+        result = node.on_node("curl", "-s", "--max-time", "3", f"http://{pod['status']['podIP']}:8080/metrics")
+        for line in result.stdout.splitlines():
+            if (line.startswith("bootstrap_loop_drift_repaired_total{") and 'loop="system-namespaces"' in line
+                    and 'kind="namespace_missing"' in line):
+                total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
 def audit_now() -> str:
     """An audit timestamp for now (the node shares the host's clock)."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + ".000000Z"
@@ -187,7 +230,9 @@ def test_helm_install_wait_runs_ready_pods_one_leader_and_a_clean_check(node, re
     assert sidecar_holder and sidecar_holder.startswith(node.name), sidecar_holder
 
     # A deleted system namespace comes back. The sidecars' leader repairs it too: both send a
-    # create at once and one gets 409. Each round counts whether the chart's leader sent one.
+    # create at once and one gets 409. Each round counts whether the chart's leader sent one, and
+    # checks that the create that succeeded was ours (the chart's or the sidecars'), not
+    # kube-apiserver's own loop's.
     chart_creates = []
     for round_ in range(5):
         before = get_json(node, "namespace", "kube-node-lease")["metadata"]["uid"]
@@ -195,9 +240,14 @@ def test_helm_install_wait_runs_ready_pods_one_leader_and_a_clean_check(node, re
         node.kubectl("delete", "namespace", "kube-node-lease", "--wait=false")
 
         def back():
-            ns = get_json(node, "namespace", "kube-node-lease")
+            ns = get_json(node, "namespace", "kube-node-lease", "--show-managed-fields")
             return ns and ns["metadata"]["uid"] != before and ns["status"]["phase"] == "Active" and ns
-        wait_for("kube-node-lease back", back, timeout=120)
+        recreated = wait_for("kube-node-lease back", back, timeout=BACK_WITHIN)
+        creators = namespace_creators(node, "kube-node-lease", since)
+        assert len(creators) == 1 and creators[0] in (SERVICE_ACCOUNT, SIDECAR_USER), \
+            f"kube-node-lease should be recreated once, by the chart or the sidecars: created by {creators}"
+        assert "bootstrap-controller" in managers(recreated) and "kube-apiserver" not in managers(recreated), \
+            managers(recreated)
         created = [e for e in writes(audit_events(node, SERVICE_ACCOUNT), since)
                    if e["verb"] == "create" and e["objectRef"].get("resource") == "namespaces"
                    and e["objectRef"].get("name") == "kube-node-lease"]
@@ -535,18 +585,28 @@ def test_management_mode_from_the_chart_keeps_a_tenant_control_plane(node, tmp_p
     listed = wait_for("the tenant's kubernetes endpoints listing its apiserver", endpoints, timeout=120)
     assert listed[2] == [6443], listed
 
-    # A deleted namespace of the tenant comes back: nothing but the chart's release repairs the
-    # tenant (no sidecar there).
+    # A deleted namespace of the tenant comes back, made by the management release: the tenant's
+    # audit log names its identity for the one create that succeeded (not the tenant apiserver's
+    # own loop), the new namespace carries its field manager, and its repair counter moved.
     before = json.loads(tenant_kubectl(node, "get", "namespace", "kube-node-lease", "-o", "json").stdout)["metadata"]["uid"]
+    repairs = namespace_repairs(node, MANAGEMENT_RELEASE, MANAGEMENT_NAMESPACE)
+    deleted_at = audit_now()
     tenant_kubectl(node, "delete", "namespace", "kube-node-lease", "--wait=false")
 
     def back():
-        result = tenant_kubectl(node, "get", "namespace", "kube-node-lease", "-o", "json", check=False)
+        result = tenant_kubectl(node, "get", "namespace", "kube-node-lease", "-o", "json", "--show-managed-fields",
+                                check=False)
         if result.returncode != 0:
             return None
         ns = json.loads(result.stdout)
-        return ns["metadata"]["uid"] != before and ns["status"]["phase"] == "Active"
-    wait_for("the tenant's kube-node-lease back", back, timeout=120)
+        return ns["metadata"]["uid"] != before and ns["status"]["phase"] == "Active" and ns
+    recreated = wait_for("the tenant's kube-node-lease back", back, timeout=BACK_WITHIN)
+    creators = namespace_creators(node, "kube-node-lease", deleted_at, "tenant-audit.log")
+    assert creators == [TENANT_USER], f"the tenant's kube-node-lease should be recreated once, by {TENANT_USER}: {creators}"
+    assert "bootstrap-controller" in managers(recreated) and "kube-apiserver" not in managers(recreated), \
+        managers(recreated)
+    wait_for("the tenant's repair counted", lambda: namespace_repairs(node, MANAGEMENT_RELEASE, MANAGEMENT_NAMESPACE) > repairs,
+             timeout=BACK_WITHIN)
 
     # What /readyz?verbose says about the tenant, from inside the node (pods are not routed to
     # from the host).

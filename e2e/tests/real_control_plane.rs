@@ -13,15 +13,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use common::control_plane::{
-    ControlPlane, OwnControlPlane, describe, own_control_plane, process_alive, writes,
+    ControlPlane, OwnControlPlane, describe, own_control_plane, own_control_plane_with,
+    process_alive, user, writes,
 };
-use common::{CONVERGE, ConfigFile, ControllerProcess, client_from, eventually};
+use common::{CONVERGE, ConfigFile, ControllerProcess, client_from, eventually, managers};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Endpoints, Namespace};
+use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::DeleteParams;
+use k8s_openapi::api::networking::v1::IPAddress;
+use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client};
 
 /// A control plane of `test`'s own, one at a time; `None` under the shared control plane.
@@ -312,7 +314,9 @@ async fn a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_re
 
 /// Beside kube-apiserver's own bootstrap loops (system namespaces, the `kubernetes` Service, the
 /// default ServiceCIDR, IPAddress repair) for two minutes with every loop on: once converged,
-/// this controller writes nothing but its Lease renewals, and no object flips between writers.
+/// this controller writes nothing but its Lease renewals, no object flips between writers, and
+/// counted from the audit log, the controller sends no request at all but its Lease renewals,
+/// the `/readyz` probes that gate them, and its watches (which stay open): no GET, no LIST.
 #[tokio::test(flavor = "multi_thread")]
 async fn at_rest_beside_the_apiservers_own_loops() -> Result<()> {
     let test = "at_rest_beside_the_apiservers_own_loops";
@@ -392,6 +396,20 @@ async fn at_rest_beside_the_apiservers_own_loops() -> Result<()> {
         lease_writes > 0,
         "no Lease renewal seen: was the controller running?"
     );
+    let at_rest = AtRest::of(during, "sidecar-1");
+    println!(
+        "real control plane at rest, {} s: requests by the controller: {} to its Leases, {} /readyz probes, {} watches resumed, {} others",
+        window.as_secs(),
+        at_rest.leases,
+        at_rest.readyz,
+        at_rest.resumed_watches,
+        at_rest.others.len()
+    );
+    ensure!(
+        at_rest.others.is_empty(),
+        "requests at rest other than Lease renewals, /readyz probes and watches staying open:\n{}",
+        at_rest.others.join("\n")
+    );
     ensure!(controller.is_running());
     Ok(())
 }
@@ -435,6 +453,54 @@ fn established_to(pid: u32, port: u16) -> Result<usize> {
     Ok(count)
 }
 
+/// What a controller at rest asked its apiserver, counted from the audit events of a window.
+struct AtRest {
+    /// Requests to Leases in kube-system: leader election and apiserver membership renewals.
+    leases: usize,
+    /// `GET /readyz`: each membership renewal is gated on its own apiserver being ready.
+    readyz: usize,
+    /// Watches re-established from their resourceVersion (a watch the apiserver ended): they
+    /// carry only changes, of which there are none at rest.
+    resumed_watches: usize,
+    /// Everything else (reads of objects, lists, writes other than Leases, watches started
+    /// afresh), each described: none is expected at rest.
+    others: Vec<String>,
+}
+
+impl AtRest {
+    fn of(events: &[serde_json::Value], username: &str) -> Self {
+        let mut at_rest = AtRest {
+            leases: 0,
+            readyz: 0,
+            resumed_watches: 0,
+            others: Vec::new(),
+        };
+        for event in events.iter().filter(|event| user(event) == username) {
+            let uri = event["requestURI"].as_str().unwrap_or_default();
+            if event["objectRef"]["resource"] == "leases"
+                && event["objectRef"]["namespace"] == "kube-system"
+            {
+                at_rest.leases += 1;
+            } else if event["verb"] == "get" && (uri == "/readyz" || uri.starts_with("/readyz?")) {
+                at_rest.readyz += 1;
+            } else if event["verb"] == "watch"
+                && event["stage"] == "ResponseStarted"
+                && uri.contains("resourceVersion=")
+                && !uri.contains("resourceVersion=0&")
+                && !uri.ends_with("resourceVersion=0")
+                && !uri.contains("sendInitialEvents=true")
+            {
+                at_rest.resumed_watches += 1;
+            } else if event["verb"] == "watch" && event["stage"] == "ResponseComplete" {
+                // The end of a watch opened before the window: counted when it is resumed.
+            } else {
+                at_rest.others.push(format!("{} ({uri})", describe(event)));
+            }
+        }
+        at_rest
+    }
+}
+
 /// How long the at-rest test watches: 120 s, or `BOOTSTRAP_E2E_REST_SECONDS`.
 fn rest_window() -> Duration {
     let seconds = std::env::var("BOOTSTRAP_E2E_REST_SECONDS")
@@ -446,7 +512,8 @@ fn rest_window() -> Duration {
 
 /// A deleted `kube-node-lease` and a deleted declared extra namespace come back after the real
 /// namespace controller finalizes them (the real apiserver refuses to delete `default`,
-/// `kube-system` and `kube-public`).
+/// `kube-system` and `kube-public`), recreated by this controller: the audit log names its user
+/// for the one create that succeeded, and its repair counter moved.
 #[tokio::test(flavor = "multi_thread")]
 async fn namespace_deletion_heals_through_the_real_namespace_controller() -> Result<()> {
     let test = "namespace_deletion_heals_through_the_real_namespace_controller";
@@ -457,10 +524,12 @@ async fn namespace_deletion_heals_through_the_real_namespace_controller() -> Res
         "serviceClusterIPRange: {}\nendpointReconcilerType: none\nloops:\n  systemNamespaces:\n    namespaces:\n      - name: kube-system\n      - name: kube-public\n      - name: kube-node-lease\n      - name: default\n      - name: tenant-extra\n        labels: {{team: platform}}\n",
         cp.service_range()?
     ))?;
-    let kubeconfig = cp.admin_kubeconfig(1);
+    // A user of its own, so that the audit log tells its requests from the test's.
+    let keeper = "namespace-keeper";
+    let kubeconfig = cp.user_kubeconfig(keeper, &["system:masters"], 1)?;
     let mut controller = ControllerProcess::start(&kubeconfig, &["--config", &config.path])?;
     controller.wait_ready().await?;
-    let client = client_from(&kubeconfig).await?;
+    let client = client_from(&cp.admin_kubeconfig(1)).await?;
     let namespaces = Api::<Namespace>::all(client.clone());
     for name in ["kube-node-lease", "tenant-extra"] {
         active(&namespaces, name).await?;
@@ -469,6 +538,10 @@ async fn namespace_deletion_heals_through_the_real_namespace_controller() -> Res
     let mut delete_to_back = Vec::new();
     for round in 0..3 {
         for name in ["kube-node-lease", "tenant-extra"] {
+            let repaired = controller
+                .repaired("system-namespaces", "namespace_missing")
+                .await?;
+            let seen = cp.audit_events(1)?.len();
             let deleted = Instant::now();
             namespaces.delete(name, &DeleteParams::default()).await?;
             // Gone: the namespace controller emptied and finalized it.
@@ -489,6 +562,31 @@ async fn namespace_deletion_heals_through_the_real_namespace_controller() -> Res
             active(&namespaces, name).await?;
             gone_to_back.push(gone.elapsed());
             delete_to_back.push(deleted.elapsed());
+            let creators: Vec<String> = cp.audit_events(1)?[seen..]
+                .iter()
+                .filter(|event| {
+                    event["verb"] == "create"
+                        && event["objectRef"]["resource"] == "namespaces"
+                        && event["objectRef"]["name"] == name
+                        && event["responseStatus"]["code"] == 201
+                })
+                .map(|event| event["user"]["username"].as_str().unwrap_or("?").to_owned())
+                .collect();
+            ensure!(
+                creators == [keeper],
+                "{name} (round {round}) should be recreated once, by {keeper}: created by {creators:?}"
+            );
+            eventually(
+                &format!("the repair of {name} counted (round {round})"),
+                CONVERGE,
+                || async {
+                    let now = controller
+                        .repaired("system-namespaces", "namespace_missing")
+                        .await?;
+                    Ok((now > repaired).then_some(()))
+                },
+            )
+            .await?;
         }
     }
     let ns = namespaces.get("tenant-extra").await?;
@@ -513,6 +611,9 @@ async fn namespace_deletion_heals_through_the_real_namespace_controller() -> Res
     Ok(())
 }
 
+/// Waits for `name` to be live and Active. The wait is [`CONVERGE`], 30 s: a bound on correctness
+/// as well as patience, since kube-apiserver's own system-namespaces loop recreates
+/// `kube-node-lease` once a minute; the audit log's creator is what tells the two apart.
 async fn active(namespaces: &Api<Namespace>, name: &str) -> Result<()> {
     eventually(&format!("{name} active"), CONVERGE, || async {
         Ok(namespaces.get_opt(name).await?.and_then(|ns| {
@@ -563,5 +664,341 @@ async fn the_harness_starts_and_stops_exactly_its_processes() -> Result<()> {
     for pid in pids {
         ensure!(!process_alive(pid), "process {pid} survived down.sh");
     }
+    Ok(())
+}
+
+/// An IPv6 service range (the documentation prefix), as a single-stack IPv6 cluster has it.
+const IPV6_RANGE: &str = "2001:db8:96::/112";
+
+/// A real control plane whose only service range is IPv6, its apiserver advertising an IPv6
+/// address: the `kubernetes` Service is single-stack IPv6 on the range's first address, the
+/// Endpoints and the EndpointSlice (address type IPv6) list the advertised address, written by
+/// this controller, and a Service's lost IPAddress is recreated by this controller's ClusterIP
+/// repair with the IPv6 family label.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ipv6_service_range_on_a_real_control_plane() -> Result<()> {
+    let test = "an_ipv6_service_range_on_a_real_control_plane";
+    let Some(cp) = own_control_plane_with(
+        "real_control_plane",
+        test,
+        1,
+        &["--service-cluster-ip-range", IPV6_RANGE],
+    )
+    .await?
+    else {
+        return Ok(());
+    };
+    let address = cp.apiserver_address(1)?.to_owned();
+    ensure!(
+        address.parse::<std::net::Ipv6Addr>().is_ok(),
+        "up.sh should advertise an IPv6 address beside an IPv6 service range, not {address}"
+    );
+    let config = fast_lease_config(&cp)?;
+    let mut controller = sidecar(&cp, 1, &config)?;
+    controller.wait_ready().await?;
+    let client = client_from(&cp.admin_kubeconfig(1)).await?;
+    wait_listed(&client, &[&address], "the IPv6 apiserver listed").await?;
+
+    let service = Api::<Service>::namespaced(client.clone(), "default")
+        .get("kubernetes")
+        .await?;
+    let spec = service.spec.context("the kubernetes Service has no spec")?;
+    ensure!(
+        spec.cluster_ip.as_deref() == Some("2001:db8:96::1")
+            && spec.ip_families.as_deref() == Some(&["IPv6".to_owned()][..])
+            && spec.ip_family_policy.as_deref() == Some("SingleStack"),
+        "the kubernetes Service should be single-stack IPv6 on the range's first address: {:?} {:?} {:?}",
+        spec.cluster_ip,
+        spec.ip_families,
+        spec.ip_family_policy
+    );
+    let slice = Api::<EndpointSlice>::namespaced(client.clone(), "default")
+        .get("kubernetes")
+        .await?;
+    ensure!(
+        slice.address_type == "IPv6",
+        "the kubernetes EndpointSlice's addressType is {}, not IPv6",
+        slice.address_type
+    );
+    let endpoints = Api::<Endpoints>::namespaced(client.clone(), "default")
+        .get("kubernetes")
+        .await?;
+    for (what, meta) in [
+        ("Endpoints", &endpoints.metadata),
+        ("EndpointSlice", &slice.metadata),
+    ] {
+        let managers = managers(meta);
+        ensure!(
+            managers.iter().any(|m| m == "bootstrap-controller"),
+            "the kubernetes {what} was not written by this controller: {managers:?}"
+        );
+    }
+
+    // A Service's IPAddress lost: kube-apiserver's own repair recreates it only on its 3-minute
+    // resync, so the IPAddress back within seconds, under this controller's field manager, is
+    // this controller's repair, and its counter says so.
+    let services = Api::<Service>::namespaced(client.clone(), "default");
+    let web: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "ipv6-web"},
+        "spec": {"ports": [{"port": 80}]}
+    }))?;
+    let web = services.create(&PostParams::default(), &web).await?;
+    let ip = web
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .context("the apiserver allocated no clusterIP")?;
+    let in_range: ipnet::Ipv6Net = IPV6_RANGE.parse()?;
+    ensure!(
+        ip.parse::<std::net::Ipv6Addr>()
+            .is_ok_and(|ip| in_range.contains(&ip)),
+        "the Service's clusterIP {ip} is not of {IPV6_RANGE}"
+    );
+    let addresses = Api::<IPAddress>::all(client.clone());
+    let lost = addresses.get(&ip).await?.metadata.uid;
+    let repaired = controller
+        .repaired("clusterip-repair", "clusterip_not_allocated")
+        .await?;
+    addresses.delete(&ip, &DeleteParams::default()).await?;
+    let back = eventually("the lost IPv6 IPAddress recreated", CONVERGE, || async {
+        Ok(addresses
+            .get_opt(&ip)
+            .await?
+            .filter(|address| address.metadata.uid != lost))
+    })
+    .await?;
+    let managers = managers(&back.metadata);
+    ensure!(
+        managers.iter().any(|m| m == "bootstrap-controller"),
+        "{ip} came back, but not written by this controller: {managers:?}"
+    );
+    let family = back
+        .metadata
+        .labels
+        .unwrap_or_default()
+        .get("ipaddress.kubernetes.io/ip-family")
+        .cloned();
+    ensure!(
+        family.as_deref() == Some("IPv6"),
+        "the recreated IPAddress's family label is {family:?}"
+    );
+    let parent = back.spec.map(|s| s.parent_ref).context("no spec")?;
+    ensure!(
+        parent.resource == "services" && parent.name == "ipv6-web",
+        "wrong parentRef: {parent:?}"
+    );
+    eventually("the repair counted", CONVERGE, || async {
+        let now = controller
+            .repaired("clusterip-repair", "clusterip_not_allocated")
+            .await?;
+        Ok((now > repaired).then_some(()))
+    })
+    .await?;
+    ensure!(controller.is_running());
+    Ok(())
+}
+
+/// The membership Lease of the apiserver advertising `address`.
+fn membership_lease(address: &str) -> String {
+    format!("apiserver-{}", address.replace(':', "-"))
+}
+
+/// A leading sidecar beside its ready real apiserver, sent SIGTERM, does what the simulator test
+/// (`apiserver_endpoints.rs`, `sigterm_keeps_a_ready_apiservers_address_and_withdraws_a_stopping_ones`)
+/// asserts: it renews its membership Lease on the way out (a later `renewTime`, the update in the
+/// audit log after the signal) and keeps its address listed; and it releases the leader Lease
+/// (no holder), so a successor need not wait for it to expire. A long interval and TTL keep the
+/// loops' regular passes out of the way: what is seen after the signal is the shutdown's.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_renews_the_membership_lease_and_releases_the_leader_lease() -> Result<()> {
+    let test = "sigterm_renews_the_membership_lease_and_releases_the_leader_lease";
+    let Some(cp) = own(test, 1).await? else {
+        return Ok(());
+    };
+    let config = ConfigFile::new(&format!(
+        "serviceClusterIPRange: {}\nloops:\n  apiserverEndpoints:\n    interval: 30s\n    leaseTTL: 5m\n",
+        cp.service_range()?
+    ))?;
+    let address = cp.apiserver_address(1)?.to_owned();
+    let mut controller = sidecar(&cp, 1, &config)?;
+    controller.wait_ready().await?;
+    let client = client_from(&cp.admin_kubeconfig(1)).await?;
+    eventually("sidecar-1 to lead", CONVERGE, || async {
+        Ok((leader(&client).await?.as_deref() == Some("sidecar-1")).then_some(()))
+    })
+    .await?;
+    wait_listed(&client, &[&address], "the apiserver listed").await?;
+    let leases = Api::<Lease>::namespaced(client.clone(), "kube-system");
+    let lease = membership_lease(&address);
+    let renewed = |lease: Option<Lease>| {
+        lease
+            .and_then(|l| l.spec)
+            .and_then(|s| s.renew_time)
+            .map(|t| t.0)
+    };
+    let before = renewed(leases.get_opt(&lease).await?).context("renewed at start")?;
+    let seen = cp.audit_events(1)?.len();
+    let status = controller.terminate()?;
+    let log = controller.log();
+    ensure!(status.success(), "exit status {status}:\n{log}");
+
+    let after = renewed(leases.get_opt(&lease).await?).context("the Lease is kept")?;
+    ensure!(
+        after > before,
+        "renewed at stop: {before} -> {after}\n{log}"
+    );
+    ensure!(
+        log.contains("renewed this instance's membership Lease on the way out"),
+        "{log}"
+    );
+    let since = &cp.audit_events(1)?[seen..];
+    let written = |name: &str| {
+        writes(since)
+            .into_iter()
+            .filter(|event| {
+                user(event) == "sidecar-1"
+                    && event["objectRef"]["resource"] == "leases"
+                    && event["objectRef"]["name"] == name
+                    && event["responseStatus"]["code"] == 200
+            })
+            .count()
+    };
+    ensure!(
+        written(&lease) >= 1,
+        "no renewal of {lease} by sidecar-1 in the audit log after SIGTERM"
+    );
+    let holder = leader(&client).await?;
+    ensure!(
+        holder.is_none() && written("bootstrap-controller") >= 1,
+        "the leader Lease should be released on the way out (holder {holder:?})\n{log}"
+    );
+    ensure!(
+        writes(since)
+            .into_iter()
+            .all(|event| user(event) != "sidecar-1" || event["objectRef"]["resource"] == "leases"),
+        "wrote more than its Leases on the way out:\n{}",
+        writes(since)
+            .into_iter()
+            .filter(|event| user(event) == "sidecar-1")
+            .map(describe)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    wait_listed(&client, &[&address], "the address kept").await?;
+    Ok(())
+}
+
+/// The writes of the replicas `users` to the objects only the leader writes, oldest first, as
+/// runs of one writer: `[(user, writes in a row)]`.
+fn writer_runs(
+    cp: &ControlPlane,
+    apiservers: usize,
+    users: &[&str],
+) -> Result<Vec<(String, usize)>> {
+    let mut events = Vec::new();
+    for n in 1..=apiservers {
+        events.extend(cp.audit_events(n)?);
+    }
+    let mut leader_writes: Vec<(String, String)> = writes(&events)
+        .into_iter()
+        .filter(|event| users.contains(&user(event)))
+        .filter(|event| {
+            matches!(
+                event["objectRef"]["resource"].as_str(),
+                Some("endpoints" | "endpointslices" | "namespaces" | "services")
+            )
+        })
+        .map(|event| {
+            (
+                event["requestReceivedTimestamp"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                user(event).to_owned(),
+            )
+        })
+        .collect();
+    leader_writes.sort();
+    let mut runs: Vec<(String, usize)> = Vec::new();
+    for (_, writer) in leader_writes {
+        match runs.last_mut() {
+            Some((last, count)) if *last == writer => *count += 1,
+            _ => runs.push((writer, 1)),
+        }
+    }
+    Ok(runs)
+}
+
+/// Two replicas against one real control plane, each the sidecar of its own apiserver: the leader
+/// is killed (SIGKILL, no release), the other takes over, and the audit logs show the writes to
+/// the `kubernetes` Endpoints, EndpointSlice and Service and to namespaces coming from one
+/// replica and then the other, never interleaved, each having written (a namespace deleted
+/// before and after the handover gives each something to repair; the killed sidecar's address
+/// leaving gives the new leader an endpoints write).
+#[tokio::test(flavor = "multi_thread")]
+async fn one_writer_at_a_time_through_a_leader_handover() -> Result<()> {
+    let test = "one_writer_at_a_time_through_a_leader_handover";
+    let Some(cp) = own(test, 2).await? else {
+        return Ok(());
+    };
+    let config = fast_lease_config(&cp)?;
+    let client = client_from(&cp.admin_kubeconfig(1)).await?;
+    let (a1, a2) = (
+        cp.apiserver_address(1)?.to_owned(),
+        cp.apiserver_address(2)?.to_owned(),
+    );
+    let mut first = sidecar(&cp, 1, &config)?;
+    first.wait_ready().await?;
+    eventually("sidecar-1 to lead", CONVERGE, || async {
+        Ok((leader(&client).await?.as_deref() == Some("sidecar-1")).then_some(()))
+    })
+    .await?;
+    let mut second = sidecar(&cp, 2, &config)?;
+    second.wait_ready().await?;
+    wait_listed(&client, &[&a1, &a2], "both apiservers listed").await?;
+    let namespaces = Api::<Namespace>::all(client.clone());
+    let heal = |round: &'static str| {
+        let namespaces = namespaces.clone();
+        async move {
+            let before = namespaces.get("kube-node-lease").await?.metadata.uid;
+            namespaces
+                .delete("kube-node-lease", &DeleteParams::default())
+                .await?;
+            eventually(
+                &format!("kube-node-lease back ({round})"),
+                CONVERGE,
+                || async {
+                    Ok(namespaces.get_opt("kube-node-lease").await?.filter(|ns| {
+                        ns.metadata.uid != before && ns.metadata.deletion_timestamp.is_none()
+                    }))
+                },
+            )
+            .await
+            .map(drop)
+        }
+    };
+    heal("before the handover").await?;
+    let runs = writer_runs(&cp, 2, &["sidecar-1", "sidecar-2"])?;
+    ensure!(
+        runs.len() == 1 && runs[0].0 == "sidecar-1",
+        "only the leader, sidecar-1, should have written before the handover: {runs:?}"
+    );
+
+    first.kill()?;
+    eventually("sidecar-2 to lead", CONVERGE, || async {
+        Ok((leader(&client).await?.as_deref() == Some("sidecar-2")).then_some(()))
+    })
+    .await?;
+    wait_listed(&client, &[&a2], "the killed sidecar's apiserver removed").await?;
+    heal("after the handover").await?;
+    ensure!(second.is_running(), "sidecar 2 stopped:\n{}", second.log());
+
+    let runs = writer_runs(&cp, 2, &["sidecar-1", "sidecar-2"])?;
+    println!("real control plane: writes to the leader's objects by replica, in order: {runs:?}");
+    let writers: Vec<&str> = runs.iter().map(|(writer, _)| writer.as_str()).collect();
+    ensure!(
+        writers == ["sidecar-1", "sidecar-2"],
+        "the leader's objects should be written by sidecar-1, then by sidecar-2 alone, never \
+         both in turn: {runs:?}"
+    );
     Ok(())
 }

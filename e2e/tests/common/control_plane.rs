@@ -308,12 +308,22 @@ pub async fn own_control_plane(
     test: &str,
     apiservers: usize,
 ) -> Result<Option<OwnControlPlane>> {
+    own_control_plane_with(binary, test, apiservers, &[]).await
+}
+
+/// [`own_control_plane`] with more `up.sh` arguments (`extra`), e.g. another service range.
+pub async fn own_control_plane_with(
+    binary: &str,
+    test: &str,
+    apiservers: usize,
+    extra: &[&str],
+) -> Result<Option<OwnControlPlane>> {
     if skipped_under_shared_control_plane(binary, test) {
         return Ok(None);
     }
     let one = ONE_AT_A_TIME.lock().await;
     Ok(Some(OwnControlPlane {
-        cp: ControlPlane::start(apiservers)?,
+        cp: ControlPlane::start_with(apiservers, extra)?,
         _one: one,
     }))
 }
@@ -367,6 +377,11 @@ pub fn describe(event: &Value) -> String {
         object["name"].as_str().unwrap_or(""),
         event["responseStatus"]["code"]
     )
+}
+
+/// Who made the request an audit event records.
+pub fn user(event: &Value) -> &str {
+    event["user"]["username"].as_str().unwrap_or("?")
 }
 
 /// The writes (create, update, patch, delete) among `events`.

@@ -559,6 +559,15 @@ impl ControllerProcess {
         }
     }
 
+    /// What this controller's `bootstrap_loop_drift_repaired_total` says `loop_name` repaired of
+    /// `kind` (every series of that loop and kind summed: one per tenant in management mode).
+    /// The repair counter, not `drift_found`: a dry run or a refused write moves only the latter.
+    pub async fn repaired(&self, loop_name: &str, kind: &str) -> Result<u64> {
+        let (code, text) = self.admin_get("/metrics").await?;
+        ensure!(code == 200, "/metrics answered {code}");
+        Ok(drift_repaired(&text, loop_name, kind))
+    }
+
     /// SIGKILL: no shutdown hook runs, as when a node dies.
     pub fn kill(&mut self) -> Result<()> {
         let mut child = self.child.take().context("already stopped")?;
@@ -600,6 +609,33 @@ impl Drop for ControllerProcess {
             eprintln!("---- controller log ----\n{}", self.log());
         }
     }
+}
+
+/// The sum of the `bootstrap_loop_drift_repaired_total` series of `loop_name` and `kind` in an
+/// OpenMetrics text.
+pub fn drift_repaired(metrics: &str, loop_name: &str, kind: &str) -> u64 {
+    let (want_loop, want_kind) = (format!("loop=\"{loop_name}\""), format!("kind=\"{kind}\""));
+    metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("bootstrap_loop_drift_repaired_total{"))
+        .filter_map(|rest| rest.split_once("} "))
+        .filter(|(labels, _)| {
+            let labels: Vec<&str> = labels.split(',').collect();
+            labels.contains(&want_loop.as_str()) && labels.contains(&want_kind.as_str())
+        })
+        .filter_map(|(_, value)| value.trim().parse::<f64>().ok())
+        .map(|value| value as u64)
+        .sum()
+}
+
+/// The field managers of an object's `managedFields`: who wrote it, as the apiserver recorded it
+/// (`bootstrap-controller` for this controller; `kube-apiserver` for the apiserver's own loops).
+pub fn managers(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Vec<String> {
+    meta.managed_fields
+        .iter()
+        .flatten()
+        .filter_map(|entry| entry.manager.clone())
+        .collect()
 }
 
 /// Whether this process runs as root (effective uid 0), from `/proc/self/status`.
