@@ -110,6 +110,14 @@ log "Helm chart (Deployment mode)"
 "${INSTALL_CHART}" bc "${NAMESPACE}" "${KIND_IMAGE_REPOSITORY}" "${KIND_IMAGE_TAG}" \
   --set config.leaderElection.leaseName=bootstrap-controller-chart
 kubectl delete namespace kube-node-lease --wait=false
-kubectl wait --for=jsonpath='{.status.phase}'=Active namespace/kube-node-lease --timeout=60s
+# Back within 30 s, under kube-apiserver's own one-minute loop, and made by this controller: its
+# field manager on the new namespace (a namespace coming back alone proves nothing).
+kubectl wait --for=jsonpath='{.status.phase}'=Active namespace/kube-node-lease --timeout=30s
+managers=$(kubectl get namespace kube-node-lease --show-managed-fields \
+  -o jsonpath='{.metadata.managedFields[*].manager}')
+case " ${managers} " in
+  *" bootstrap-controller "*) log "kube-node-lease recreated by bootstrap-controller" ;;
+  *) die "kube-node-lease came back, but not by bootstrap-controller (managers: ${managers})" ;;
+esac
 "${HELM}" uninstall bc --namespace "${NAMESPACE}" --wait
 log "done: the sidecar still runs; ./down.sh deletes the cluster"

@@ -71,6 +71,8 @@ elif name == "kubectl" and args[2:4] == ["get", "pod"]:
         sys.exit(1)
 elif name == "kubectl" and (args[:2] == ["get", "node"] or args[2:4] == ["get", "endpointslice"]):
     out(os.environ["FAKE_NODE_IP"])
+elif name == "kubectl" and "--show-managed-fields" in args:
+    out(os.environ.get("FAKE_NAMESPACE_MANAGERS", "kube-apiserver bootstrap-controller"))
 with open(os.path.join(state, "calls.jsonl"), "a") as log:
     log.write(json.dumps(call) + "\n")
 '''
@@ -239,6 +241,17 @@ def test_up_fails_when_kube_apiserver_lacks_the_flag():
     assert done.returncode != 0
     assert "without --endpoint-reconciler-type=none" in done.stderr, done.stderr
     assert not [c for c in calls if c["cmd"] in ("docker", "helm", "install-chart")], calls
+
+
+def test_up_fails_when_someone_else_recreated_kube_node_lease():
+    """kube-apiserver recreates the namespace itself within a minute: a namespace back that
+    this controller did not make fails the run."""
+    with workdir() as tmp:
+        done, calls, _ = run_up(Path(tmp), "docker", APISERVER_WITH_FLAG,
+                                extra_env={"FAKE_NAMESPACE_MANAGERS": "kube-apiserver"})
+    assert done.returncode != 0
+    assert "not by bootstrap-controller (managers: kube-apiserver)" in done.stderr, done.stderr
+    assert not [c for c in calls if c["cmd"] == "helm" and "uninstall" in c["args"]], calls
 
 
 def test_up_with_podman_loads_the_same_fully_qualified_name():
