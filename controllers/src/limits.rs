@@ -14,6 +14,12 @@
 //!   ends a silent one after the server-side timeout plus a margin), but each of its lines (one
 //!   event) holds at most `max_watch_line_bytes`.
 //!
+//! The clients of all tenants may share a [`ResponsePool`]: the most bytes all their responses
+//! hold at once, whatever the number of tenants. A response whose growth would take the pool
+//! over its total fails as over a bound of its own, unless its client holds no more than the
+//! pool's floor: a tenant reading small responses is never failed by what others read, so the
+//! pool is over by at most the floor per client.
+//!
 //! A request over a bound fails with an error naming the bound; the loop's pass fails and is
 //! retried with backoff, as for any API error. A server that broke a bound is then not asked
 //! anything for a pause (`first_pause`, doubling with each further breach up to `max_pause`,
@@ -34,6 +40,8 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio::time::{Instant, Sleep};
 use tower::{Layer, Service};
 
@@ -104,6 +112,78 @@ impl Limits {
             client: Arc::default(),
         }
     }
+
+    /// The layer for one client whose bytes in flight count in `pool` too.
+    pub fn for_one_client_in(self, pool: &ResponsePool) -> LimitLayer {
+        LimitLayer {
+            limits: self,
+            client: Arc::new(ClientState {
+                pool: Some(pool.clone()),
+                ..ClientState::default()
+            }),
+        }
+    }
+}
+
+/// The most bytes the responses of many clients hold at once; clones share it.
+#[derive(Clone, Debug)]
+pub struct ResponsePool(Arc<PoolState>);
+
+#[derive(Debug)]
+struct PoolState {
+    max_bytes: usize,
+    /// What a client may hold however full the pool is.
+    floor: usize,
+    bytes: AtomicUsize,
+    gauge: Gauge,
+}
+
+impl ResponsePool {
+    /// All tenants' responses: 32 MiB, of which each client may hold 1 MiB whatever the others
+    /// hold (a LIST page of 500 typical Services is well under it). Four tenants can read a
+    /// response of the largest size one may have (8 MiB) at once; a flood of hostile tenants
+    /// costs no more than the 32 MiB (and the floors), whatever their number.
+    pub const TENANTS_MAX_BYTES: usize = 32 * 1024 * 1024;
+    pub const TENANTS_FLOOR: usize = 1024 * 1024;
+
+    /// A pool of `max_bytes`, of which each client may hold `floor` whatever the others hold;
+    /// its metric `response_pool_bytes` goes to `registry`.
+    pub fn new(max_bytes: usize, floor: usize, registry: &mut Registry) -> Self {
+        let pool = ResponsePool(Arc::new(PoolState {
+            max_bytes,
+            floor,
+            bytes: AtomicUsize::new(0),
+            gauge: Gauge::default(),
+        }));
+        registry.register(
+            "response_pool_bytes",
+            "Bytes the responses of every tenant's client hold at once (bodies being read, watch \
+             events not yet complete)",
+            pool.0.gauge.clone(),
+        );
+        pool
+    }
+
+    /// The bytes every client's responses hold now.
+    pub fn held(&self) -> usize {
+        self.0.bytes.load(Ordering::Acquire)
+    }
+
+    /// Moves the pool's count from `before` to `after` bytes; the total now.
+    fn take(&self, before: usize, after: usize) -> usize {
+        let total = move_count(&self.0.bytes, before, after);
+        self.0.gauge.set(i64::try_from(total).unwrap_or(i64::MAX));
+        total
+    }
+}
+
+/// Moves `counter` by `after - before`; the count now.
+fn move_count(counter: &AtomicUsize, before: usize, after: usize) -> usize {
+    if after >= before {
+        counter.fetch_add(after - before, Ordering::AcqRel) + (after - before)
+    } else {
+        counter.fetch_sub(before - after, Ordering::AcqRel) - (before - after)
+    }
 }
 
 /// [`Limits`] as a tower layer, with the state of the client it is part of.
@@ -132,6 +212,8 @@ impl LimitLayer {
 struct ClientState {
     /// The bytes its responses hold.
     in_flight: AtomicUsize,
+    /// Where those bytes count too, with other clients'.
+    pool: Option<ResponsePool>,
     pause: Mutex<Pause>,
     /// The pages of the LIST under way, by path: a request without a `continue` token starts
     /// a list, one with a token continues the last list of its path. Paths are the client's
@@ -210,6 +292,11 @@ pub enum LimitError {
          cluster)"
     )]
     TooMuchAtOnce(usize),
+    #[error(
+        "the responses being read from every tenant at once exceeded {0} bytes (the limit for \
+         the process)"
+    )]
+    PoolExhausted(usize),
     #[error("a list took more than {0} pages (the limit for one list)")]
     TooManyPages(u32),
     #[error("a watch streamed more than {0} events (the limit for one watch)")]
@@ -319,7 +406,8 @@ pub struct BoundedBody<B> {
 
 impl<B> Drop for BoundedBody<B> {
     fn drop(&mut self) {
-        self.client.in_flight.fetch_sub(self.held, Ordering::AcqRel);
+        // Giving back is never over a bound.
+        let _ = self.hold(0);
     }
 }
 
@@ -380,18 +468,27 @@ impl<B> BoundedBody<B> {
         Poll::Ready(Some(Err(err.into())))
     }
 
-    /// Moves this body's share of the client's bytes in flight to `held` (what it holds now:
-    /// all it read, or a watch's unfinished event); the error when the client's total is over.
+    /// Moves this body's share of the client's bytes in flight (and of the pool's) to `held`
+    /// (what it holds now: all it read, or a watch's unfinished event); the error when the
+    /// client's total is over, or the pool's while the client holds more than its floor.
     fn hold(&mut self, held: usize) -> Result<(), LimitError> {
-        let in_flight = &self.client.in_flight;
-        let total = if held >= self.held {
-            in_flight.fetch_add(held - self.held, Ordering::AcqRel) + (held - self.held)
-        } else {
-            in_flight.fetch_sub(self.held - held, Ordering::AcqRel) - (self.held - held)
-        };
+        let total = move_count(&self.client.in_flight, self.held, held);
+        let pooled = self
+            .client
+            .pool
+            .as_ref()
+            .map(|pool| (pool, pool.take(self.held, held)));
+        let growing = held > self.held;
         self.held = held;
         if total > self.limits.max_in_flight_bytes {
             return Err(LimitError::TooMuchAtOnce(self.limits.max_in_flight_bytes));
+        }
+        if growing
+            && let Some((pool, pool_total)) = pooled
+            && pool_total > pool.0.max_bytes
+            && total > pool.0.floor
+        {
+            return Err(LimitError::PoolExhausted(pool.0.max_bytes));
         }
         Ok(())
     }
@@ -711,6 +808,37 @@ mod tests {
         ));
         assert_eq!(watch.await.unwrap().len(), 20);
         assert_eq!(in_flight.load(Ordering::Acquire), 0);
+    }
+
+    #[tokio::test]
+    async fn clients_share_the_pool_and_the_one_that_grows_past_it_fails_above_its_floor() {
+        let pool = ResponsePool::new(12, 4, &mut Registry::default());
+        let client = || {
+            Arc::new(ClientState {
+                pool: Some(pool.clone()),
+                ..ClientState::default()
+            })
+        };
+        let (first, second, third) = (client(), client(), client());
+        let mut large = bounded_in(&["12345678"], false, &first);
+        large.frame().await.unwrap().unwrap();
+        assert_eq!(pool.held(), 8);
+        // Within its floor (4) a client reads even with the pool over its total (12).
+        let mut small = bounded_in(&["1234", "5"], false, &second);
+        small.frame().await.unwrap().unwrap();
+        let mut other = bounded_in(&["1234"], false, &third);
+        other.frame().await.unwrap().unwrap();
+        assert_eq!(pool.held(), 16);
+        // The one that grows past its floor with the pool over fails, naming the pool.
+        let err = small.frame().await.unwrap().unwrap_err();
+        assert_eq!(err.to_string(), LimitError::PoolExhausted(12).to_string());
+        drop(small);
+        drop(other);
+        drop(large);
+        assert_eq!(pool.held(), 0, "dropped bodies give back their bytes");
+        // The failure paused that client alone.
+        assert!(second.paused(Instant::now()).is_some());
+        assert!(first.paused(Instant::now()).is_none());
     }
 
     #[tokio::test]

@@ -29,7 +29,7 @@ pub fn build_loops(
     client: &kube::Client,
     registry: &mut Registry,
 ) -> Vec<Arc<dyn Reconciler>> {
-    let budget = CacheBudget::new(BudgetLimits::UNLIMITED, "", registry);
+    let budget = CacheBudget::new(BudgetLimits::UNLIMITED, "", None, registry);
     build_cluster_loops(config, client, kubeconfig_loader(config), &budget, registry)
 }
 

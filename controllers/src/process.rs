@@ -92,7 +92,7 @@ impl Controller {
             }
             _ => {
                 // The cluster of --kubeconfig is the operator's own: its caches are not limited.
-                let budget = CacheBudget::new(BudgetLimits::UNLIMITED, "", &mut registry);
+                let budget = CacheBudget::new(BudgetLimits::UNLIMITED, "", None, &mut registry);
                 let runner = build_runner(
                     config,
                     &client,
@@ -149,6 +149,20 @@ impl Controller {
                 let (tenants, base) = *management;
                 let directory = Directory::default();
                 let metrics = TenantMetrics::register(&mut registry);
+                let pools = tenants::Pools {
+                    caches: reconcilers::budget::CachePool::new(
+                        tenants.cache_total_bytes(),
+                        crate::config::TENANT_CACHE_FLOOR_BYTES,
+                        "--tenants-cache-total-mib (tenants.cacheTotalMiB in the configuration \
+                         file)",
+                        &mut registry,
+                    ),
+                    responses: crate::limits::ResponsePool::new(
+                        crate::limits::ResponsePool::TENANTS_MAX_BYTES,
+                        crate::limits::ResponsePool::TENANTS_FLOOR,
+                        &mut registry,
+                    ),
+                };
                 let identity = config.leader_identity();
                 let shards_cancel = CancellationToken::new();
                 // A dry run holds no replica Lease: it would count as a replica the real ones
@@ -195,6 +209,7 @@ impl Controller {
                             .flatten(),
                     },
                     cache_budgets: tenants.clone(),
+                    pools,
                     claims_namespace: config.leader_election.lease_namespace.clone(),
                     claims_group: config.leader_election.lease_name.clone(),
                     dry_run: config.dry_run,

@@ -539,6 +539,168 @@ async fn tenants_whose_objects_never_end_are_paused_at_their_cache_budget() -> R
     Ok(())
 }
 
+/// The controller's resident memory (MiB), sampled every 100 ms until the sampler is dropped.
+struct RssSampler {
+    samples: std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RssSampler {
+    fn start(controller: &ControllerProcess) -> Result<RssSampler> {
+        let pid = controller.pid().context("controller pid")?;
+        let samples = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = samples.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let status = std::fs::read_to_string(format!("/proc/{pid}/status"));
+                let kib = status.ok().and_then(|status| {
+                    status
+                        .lines()
+                        .find_map(|line| line.strip_prefix("VmRSS:"))
+                        .and_then(|rest| rest.split_whitespace().next())
+                        .and_then(|kib| kib.parse::<u64>().ok())
+                });
+                if let Some(kib) = kib {
+                    sink.lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(kib / 1024);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        Ok(RssSampler { samples, task })
+    }
+
+    fn max(&self) -> u64 {
+        self.samples().into_iter().max().unwrap_or(0)
+    }
+
+    fn samples(&self) -> Vec<u64> {
+        self.samples
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl Drop for RssSampler {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Many hostile tenants flooding at once (half listing pages without end, half streaming new
+/// Services without end) cost the controller no more than the total of every tenant's caches:
+/// each tenant's budget alone would let twelve of them hold 12 × 32 MiB (estimated), more than
+/// the chart's 256 MiB memory limit. The tenants that take the total over are paused with a
+/// `TenantOverBudget` event naming `--tenants-cache-total-mib`, the process's resident memory
+/// stays under 256 MiB throughout, and the healthy tenant goes on healing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_hostile_tenants_together_stay_within_the_total_of_every_tenants_caches() -> Result<()>
+{
+    const HOSTILE: usize = 12;
+    // The chart's memory limit (values.yaml, resources.limits.memory).
+    const LIMIT_MIB: u64 = 256;
+    let fleet = fleet(HOSTILE + 1).await?;
+    let services = |verb, fault| FaultRule::probability(Some(verb), Some("services"), 1.0, fault);
+    for i in 1..=HOSTILE {
+        let rule = if i % 2 == 0 {
+            services(Verb::List, FaultKind::EndlessPages)
+        } else {
+            services(Verb::Watch, FaultKind::EndlessNewObjects)
+        };
+        fleet.tenant(i).context("tenant")?.faults().inject(rule);
+    }
+    // Each tenant's own budget far larger than its share of the total, as an operator may
+    // set it: the total alone bounds the process.
+    let mut controller = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&[
+            "--leader-elect=false",
+            "--tenants-cache-max-objects",
+            "1000000",
+            "--tenants-cache-max-mib",
+            "64",
+        ]),
+    )?;
+    let sampler = RssSampler::start(&controller)?;
+    controller.wait_ready().await?;
+    wait_converged(&fleet, &[0]).await?;
+
+    // Hostile tenants are paused by the total (some may be paused first by a bound of their
+    // own: 10,000 pages a list).
+    let events: Api<Event> = Api::namespaced(fleet.management().client(), "tenants");
+    let paused = eventually(
+        "a hostile tenant paused by the total",
+        CONVERGE * 4,
+        || async {
+            let max = sampler.max();
+            ensure!(max < LIMIT_MIB, "the controller grew to {max} MiB");
+            let by_total = events
+                .list(&Default::default())
+                .await?
+                .items
+                .into_iter()
+                .filter(|e| e.reason.as_deref() == Some("TenantOverBudget"))
+                .filter_map(|e| e.note)
+                .any(|note| note.contains("--tenants-cache-total-mib"));
+            Ok(by_total.then_some(()))
+        },
+    )
+    .await;
+    if let Err(err) = paused {
+        let log = controller.log();
+        let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+        anyhow::bail!(
+            "{err}; the controller's RSS (MiB), one sample in ten: {:?}; its warnings:\n{}",
+            sampler.samples().iter().step_by(10).collect::<Vec<_>>(),
+            warnings.join("\n")
+        );
+    }
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    ensure!(
+        metrics
+            .lines()
+            .any(|line| line.starts_with("bootstrap_cache_pool_bytes ")),
+        "no bootstrap_cache_pool_bytes in\n{metrics}"
+    );
+
+    // The healthy tenant heals while the hostile ones come back from their first pause (30 s)
+    // and flood again.
+    let zero = fleet.tenant(0).context("tenant")?;
+    for _ in 0..40 {
+        zero.backdoor().delete("namespaces", "", "kube-public")?;
+        wait_converged(&fleet, &[0]).await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let samples = sampler.samples();
+    drop(sampler);
+    let max = samples.iter().copied().max().unwrap_or(0);
+    println!(
+        "controller RSS while {HOSTILE} hostile tenants flood: {} samples, at most {max} MiB, \
+         one in ten: {:?}",
+        samples.len(),
+        samples.iter().step_by(10).collect::<Vec<_>>()
+    );
+    ensure!(
+        samples.len() > 100 && max < LIMIT_MIB,
+        "the controller grew to {max} MiB"
+    );
+    let paused = over_budget_secrets(&events).await?;
+    println!("TenantOverBudget on {} Secrets: {paused:?}", paused.len());
+    ensure!(
+        !paused.contains(&secret_name(0)),
+        "the healthy tenant was reported over budget"
+    );
+    ensure!(controller.is_running(), "{}", controller.log());
+    ensure!(
+        !controller.log().contains("panicked"),
+        "{}",
+        controller.log()
+    );
+    Ok(())
+}
+
 /// The writers of one tenant, in time order, collapsed into runs: `[A, B]` is a hand-over,
 /// `[A, B, A]` two writers at once (a replica writing after another took over).
 fn writer_runs(writes: &[(String, String)]) -> Vec<String> {

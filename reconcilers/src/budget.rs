@@ -18,6 +18,12 @@
 //!   decide on an object that is gone. Here such an event ends the watch: the cache is not
 //!   current ([`CacheError::Lost`]) until a new list has it again, retried with backoff.
 //!
+//! - **A pool.** The budgets of many clusters may share a [`CachePool`]: the most bytes all of
+//!   their caches hold together, whatever the number of clusters. A cache whose event would take
+//!   the pool over its total breaches as over its own budget (the cluster that grows is the one
+//!   paused), unless its cluster holds no more than the pool's floor: a small cluster is never
+//!   paused by what large ones hold, so the pool is over by at most the floor per cluster.
+//!
 //! The cluster of `--kubeconfig` has an unlimited budget: its caches are not counted.
 
 use std::collections::HashMap;
@@ -53,9 +59,13 @@ impl BudgetLimits {
     };
 }
 
-/// A cache that would have gone over its cluster's budget.
+/// A cache that would have gone over its cluster's budget, or its budget's pool.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("the caches would hold more than {limit} {unit} (at {resource}); the budget is {hint}")]
+#[error(
+    "{} would hold more than {limit} {unit} (at {resource}); the {} is {hint}",
+    if *pooled { "the caches of every cluster together" } else { "the caches" },
+    if *pooled { "total" } else { "budget" }
+)]
 pub struct Breach {
     /// The kind whose cache went over, e.g. `Service`.
     pub resource: String,
@@ -64,6 +74,111 @@ pub struct Breach {
     pub limit: usize,
     /// Where the limit is set, for the operator: the setting that raises it.
     pub hint: String,
+    /// Whether the limit is the pool's (every cluster's caches together), not the cluster's.
+    pub pooled: bool,
+}
+
+/// The most bytes the caches of many clusters hold together; clones share it.
+#[derive(Clone)]
+pub struct CachePool(Arc<PoolShared>);
+
+struct PoolShared {
+    max_bytes: usize,
+    /// What a cluster may hold however full the pool is.
+    floor: usize,
+    /// Named in every pool [`Breach`]: the setting that raises the total.
+    hint: String,
+    bytes: AtomicUsize,
+    gauge: Gauge,
+    breaches: Counter,
+}
+
+impl Debug for CachePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachePool")
+            .field("max_bytes", &self.0.max_bytes)
+            .field("floor", &self.0.floor)
+            .field("bytes", &self.0.bytes.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl PartialEq for CachePool {
+    /// Two pools are equal when their limits are (what a configuration compares).
+    fn eq(&self, other: &Self) -> bool {
+        (self.0.max_bytes, self.0.floor) == (other.0.max_bytes, other.0.floor)
+    }
+}
+
+impl Eq for CachePool {}
+
+impl CachePool {
+    /// A pool of `max_bytes`, of which each cluster may hold `floor` whatever the others hold;
+    /// `hint` names the setting that raises `max_bytes`. Its metrics (`cache_pool_bytes`,
+    /// `cache_pool_limit_bytes`, `cache_pool_over_total`) go to `registry`.
+    pub fn new(
+        max_bytes: usize,
+        floor: usize,
+        hint: impl Into<String>,
+        registry: &mut Registry,
+    ) -> Self {
+        let pool = Self::unregistered(max_bytes, floor, hint.into());
+        registry.register(
+            "cache_pool_bytes",
+            "Estimated bytes the caches of every tenant hold together",
+            pool.0.gauge.clone(),
+        );
+        let limit = Gauge::<i64>::default();
+        limit.set(i64::try_from(max_bytes).unwrap_or(i64::MAX));
+        registry.register(
+            "cache_pool_limit_bytes",
+            "The most bytes the caches of every tenant hold together (--tenants-cache-total-mib)",
+            limit,
+        );
+        registry.register(
+            "cache_pool_over",
+            "Tenants paused because their caches' growth would have taken every tenant's caches \
+             together over their total",
+            pool.0.breaches.clone(),
+        );
+        pool
+    }
+
+    fn unregistered(max_bytes: usize, floor: usize, hint: String) -> Self {
+        CachePool(Arc::new(PoolShared {
+            max_bytes,
+            floor,
+            hint,
+            bytes: AtomicUsize::new(0),
+            gauge: Gauge::default(),
+            breaches: Counter::default(),
+        }))
+    }
+
+    /// The estimated bytes every cluster's caches hold now.
+    pub fn held(&self) -> usize {
+        self.0.bytes.load(Ordering::Acquire)
+    }
+
+    pub fn max_bytes(&self) -> usize {
+        self.0.max_bytes
+    }
+
+    /// Counts `delta` bytes more (or fewer); the total now.
+    fn add(&self, delta: isize) -> usize {
+        let now = add_signed(&self.0.bytes, delta);
+        self.0.gauge.set(i64::try_from(now).unwrap_or(i64::MAX));
+        now
+    }
+}
+
+/// Adds `delta` to `counter`; the sum.
+fn add_signed(counter: &AtomicUsize, delta: isize) -> usize {
+    if delta >= 0 {
+        counter.fetch_add(delta.unsigned_abs(), Ordering::AcqRel) + delta.unsigned_abs()
+    } else {
+        counter.fetch_sub(delta.unsigned_abs(), Ordering::AcqRel) - delta.unsigned_abs()
+    }
 }
 
 /// Decides the pause after a breach (and reports it); returns how long the cache waits before
@@ -82,6 +197,8 @@ pub struct CacheBudget(Arc<Shared>);
 
 struct Shared {
     limits: BudgetLimits,
+    /// What this budget's bytes are counted in too, with other clusters' budgets.
+    pool: Option<CachePool>,
     /// Named in every [`Breach`]: the setting that raises the limits.
     hint: String,
     objects: AtomicUsize,
@@ -110,7 +227,7 @@ struct CacheMetrics {
 impl Default for CacheBudget {
     /// Unlimited and unregistered: for tests and one-off passes.
     fn default() -> Self {
-        Self::unregistered(BudgetLimits::UNLIMITED, String::new())
+        Self::unregistered(BudgetLimits::UNLIMITED, String::new(), None)
     }
 }
 
@@ -134,9 +251,14 @@ impl Debug for CacheBudget {
 impl CacheBudget {
     /// A budget with its metrics in `registry` (`cache_events_lost_total`, and where it is
     /// limited `cache_objects`, `cache_bytes`, `cache_over_budget_total`). `hint` names the
-    /// setting that raises `limits`.
-    pub fn new(limits: BudgetLimits, hint: impl Into<String>, registry: &mut Registry) -> Self {
-        let budget = Self::unregistered(limits, hint.into());
+    /// setting that raises `limits`. With a `pool`, its bytes count in the pool's total too.
+    pub fn new(
+        limits: BudgetLimits,
+        hint: impl Into<String>,
+        pool: Option<CachePool>,
+        registry: &mut Registry,
+    ) -> Self {
+        let budget = Self::unregistered(limits, hint.into(), pool);
         let metrics = &budget.0.metrics;
         registry.register(
             "cache_events_lost",
@@ -164,9 +286,10 @@ impl CacheBudget {
         budget
     }
 
-    fn unregistered(limits: BudgetLimits, hint: String) -> Self {
+    fn unregistered(limits: BudgetLimits, hint: String, pool: Option<CachePool>) -> Self {
         CacheBudget(Arc::new(Shared {
             limits,
+            pool,
             hint,
             objects: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
@@ -190,7 +313,7 @@ impl CacheBudget {
     }
 
     fn is_limited(&self) -> bool {
-        self.0.limits != BudgetLimits::UNLIMITED
+        self.0.limits != BudgetLimits::UNLIMITED || self.0.pool.is_some()
     }
 
     /// Who decides the pause after a breach (and reports it).
@@ -227,6 +350,11 @@ impl CacheBudget {
                 resource: breach.resource.clone(),
             })
             .inc();
+        if breach.pooled
+            && let Some(pool) = &self.0.pool
+        {
+            pool.0.breaches.inc();
+        }
         let hook = self
             .0
             .hook
@@ -250,17 +378,12 @@ impl CacheBudget {
             .inc();
     }
 
-    /// Counts `objects` and `bytes` more (or fewer); the breach when the totals go over.
+    /// Counts `objects` and `bytes` more (or fewer); the breach when the totals go over, the
+    /// budget's or (for a cluster holding more than the pool's floor) the pool's.
     fn charge(&self, objects: isize, bytes: isize, resource: &str) -> Result<(), Breach> {
-        let add = |counter: &AtomicUsize, delta: isize| {
-            if delta >= 0 {
-                counter.fetch_add(delta.unsigned_abs(), Ordering::AcqRel) + delta.unsigned_abs()
-            } else {
-                counter.fetch_sub(delta.unsigned_abs(), Ordering::AcqRel) - delta.unsigned_abs()
-            }
-        };
-        let objects_now = add(&self.0.objects, objects);
-        let bytes_now = add(&self.0.bytes, bytes);
+        let objects_now = add_signed(&self.0.objects, objects);
+        let bytes_now = add_signed(&self.0.bytes, bytes);
+        let pool_now = self.0.pool.as_ref().map(|pool| (pool, pool.add(bytes)));
         self.0
             .metrics
             .objects
@@ -270,22 +393,27 @@ impl CacheBudget {
             .bytes
             .set(i64::try_from(bytes_now).unwrap_or(i64::MAX));
         let limits = self.0.limits;
-        let over = if objects > 0 && objects_now > limits.max_objects {
-            Some(("objects", limits.max_objects))
-        } else if bytes > 0 && bytes_now > limits.max_bytes {
-            Some(("bytes", limits.max_bytes))
-        } else {
-            None
+        let breach = |unit, limit, hint: &str, pooled| Breach {
+            resource: resource.to_owned(),
+            unit,
+            limit,
+            hint: hint.to_owned(),
+            pooled,
         };
-        match over {
-            Some((unit, limit)) => Err(Breach {
-                resource: resource.to_owned(),
-                unit,
-                limit,
-                hint: self.0.hint.clone(),
-            }),
-            None => Ok(()),
+        if objects > 0 && objects_now > limits.max_objects {
+            return Err(breach("objects", limits.max_objects, &self.0.hint, false));
         }
+        if bytes > 0 && bytes_now > limits.max_bytes {
+            return Err(breach("bytes", limits.max_bytes, &self.0.hint, false));
+        }
+        if bytes > 0
+            && let Some((pool, pool_now)) = pool_now
+            && pool_now > pool.0.max_bytes
+            && bytes_now > pool.0.floor
+        {
+            return Err(breach("bytes", pool.0.max_bytes, &pool.0.hint, true));
+        }
+        Ok(())
     }
 }
 
@@ -623,6 +751,7 @@ mod tests {
                 max_bytes,
             },
             "--hint".to_owned(),
+            None,
         );
         let account = Account::new(budget.clone(), "Namespace".to_owned());
         (budget, account)
@@ -698,6 +827,55 @@ mod tests {
             .apply(&watcher::Event::Apply(namespace("d")), weight)
             .unwrap_err();
         assert_eq!(breach.resource, "Service");
+    }
+
+    #[test]
+    fn the_cluster_that_takes_the_pool_over_its_total_breaches_naming_the_total() {
+        let pool = CachePool::unregistered(1000, 100, "--total".to_owned());
+        let cluster = |pool: &CachePool| {
+            let budget = CacheBudget::unregistered(
+                BudgetLimits {
+                    max_objects: usize::MAX,
+                    max_bytes: 800,
+                },
+                "--own".to_owned(),
+                Some(pool.clone()),
+            );
+            let account = Account::new(budget.clone(), "Service".to_owned());
+            (budget, account)
+        };
+        let (large, mut large_account) = cluster(&pool);
+        let (small, mut small_account) = cluster(&pool);
+        let (grower, mut grower_account) = cluster(&pool);
+        let weight = |_: &Namespace| 50;
+        let fill = |account: &mut Account, names: std::ops::Range<usize>| {
+            names
+                .map(|n| account.apply(&watcher::Event::Apply(namespace(&n.to_string())), weight))
+                .collect::<Result<Vec<()>, Breach>>()
+        };
+        // 700 bytes, within its own 800.
+        fill(&mut large_account, 0..14).unwrap();
+        fill(&mut grower_account, 0..6).unwrap();
+        assert_eq!(pool.held(), 1000);
+        // Over the total, but within the floor: a small cluster is never paused by the others.
+        fill(&mut small_account, 0..2).unwrap();
+        assert_eq!((small.held().1, pool.held()), (100, 1100));
+        // Over the total and the floor: the cluster that grows breaches, naming the total.
+        let breach = fill(&mut grower_account, 6..7).unwrap_err();
+        assert!(breach.pooled);
+        assert_eq!((breach.unit, breach.limit), ("bytes", 1000));
+        let text = breach.to_string();
+        assert!(
+            text.contains("every cluster") && text.contains("--total"),
+            "{text}"
+        );
+        grower_account.release();
+        assert_eq!((grower.held().1, pool.held()), (0, 800));
+        // Its own budget comes first, named as such.
+        let own = fill(&mut large_account, 14..17).unwrap_err();
+        assert!(!own.pooled && own.to_string().contains("--own"), "{own}");
+        drop(large_account);
+        assert_eq!((large.held().1, pool.held()), (0, 100));
     }
 
     #[test]

@@ -222,6 +222,7 @@ async fn a_cache_over_its_budget_drops_its_contents_and_says_so() {
             max_bytes: usize::MAX / 2,
         },
         "--test-budget",
+        None,
         &mut prometheus_client::registry::Registry::default(),
     );
     let cache = WatchCache::new(

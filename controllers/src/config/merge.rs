@@ -17,7 +17,7 @@ use super::tenant::{DEFAULT_TENANTS_KUBECONFIG_KEY, TENANT_CONFIG_ANNOTATION, TE
 use super::values::{NotABool, NotANumber, PortRange, parse_port_range, parse_service_cidrs};
 use super::{
     Config, ConfigErrors, DEFAULT_TENANTS_CACHE_MAX_MIB, DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
-    LeaderElection, TenantBudget, Tenants,
+    DEFAULT_TENANTS_CACHE_TOTAL_MIB, LeaderElection, TenantBudget, Tenants,
 };
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
@@ -690,6 +690,7 @@ pub(super) fn merge_tenants(
     let plugins = given.tenants_credential_plugins.take();
     let max_objects = given.tenants_cache_max_objects.take();
     let max_mib = given.tenants_cache_max_mib.take();
+    let total_mib = given.tenants_cache_total_mib.take();
     let etcd_allowed = given.tenants_etcd_allowed_cidrs.take();
     let Some(selector) = given.tenants_secret_selector.take() else {
         let fields = [namespace, key, plugins, etcd_allowed]
@@ -697,7 +698,7 @@ pub(super) fn merge_tenants(
             .flatten()
             .map(|source| source.field)
             .chain(
-                [max_objects, max_mib]
+                [max_objects, max_mib, total_mib]
                     .into_iter()
                     .flatten()
                     .map(|s| s.field),
@@ -733,6 +734,7 @@ pub(super) fn merge_tenants(
     };
     let cache_max_objects = positive(max_objects, DEFAULT_TENANTS_CACHE_MAX_OBJECTS, "50000");
     let cache_max_mib = positive(max_mib, DEFAULT_TENANTS_CACHE_MAX_MIB, "32");
+    let cache_total_mib = positive(total_mib, DEFAULT_TENANTS_CACHE_TOTAL_MIB, "96");
     let mut cache_budgets = BTreeMap::new();
     for (key, budget) in budgets.into_iter().flatten() {
         let field = format!("tenants.cacheBudgets.{key}");
@@ -880,6 +882,7 @@ pub(super) fn merge_tenants(
         credential_plugins,
         cache_max_objects,
         cache_max_mib,
+        cache_total_mib,
         cache_budgets,
         etcd_allowed_cidrs,
     })

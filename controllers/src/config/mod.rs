@@ -126,6 +126,9 @@ pub struct Tenants {
     pub cache_max_objects: u32,
     #[serde(rename = "cacheMaxMiB")]
     pub cache_max_mib: u32,
+    /// What every tenant's caches may hold together.
+    #[serde(rename = "cacheTotalMiB")]
+    pub cache_total_mib: u32,
     /// The operator's budgets for single tenants, by `namespace/name`.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub cache_budgets: BTreeMap<String, TenantBudget>,
@@ -150,6 +153,10 @@ pub struct TenantBudget {
 pub const DEFAULT_TENANTS_CACHE_MAX_OBJECTS: u32 = 50_000;
 /// The default `--tenants-cache-max-mib`.
 pub const DEFAULT_TENANTS_CACHE_MAX_MIB: u32 = 32;
+/// The default `--tenants-cache-total-mib`: see CONFIG.md for how it was sized.
+pub const DEFAULT_TENANTS_CACHE_TOTAL_MIB: u32 = 96;
+/// What one tenant's caches may hold whatever the others hold (the pool's floor).
+pub const TENANT_CACHE_FLOOR_BYTES: usize = 1024 * 1024;
 
 impl Tenants {
     /// The cache budget of the tenant of Secret `key` (`namespace/name`).
@@ -164,6 +171,13 @@ impl Tenants {
                 .unwrap_or(usize::MAX)
                 .saturating_mul(1024 * 1024),
         }
+    }
+
+    /// What every tenant's caches may hold together, in bytes.
+    pub fn cache_total_bytes(&self) -> usize {
+        usize::try_from(self.cache_total_mib)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(1024 * 1024)
     }
 }
 

@@ -414,6 +414,15 @@ settings! {
         "MIB";
         file "tenants.cacheMaxMiB" in tenants.cache_max_mib => Result<u32, NotANumber> = parse_u32;
 
+    /// Management mode: the most MiB every tenant's caches may hold together (estimated, as
+    /// --tenants-cache-max-mib), however many tenants there are. A tenant whose caches would
+    /// take the total over it, holding more than 1 MiB itself, is emptied and paused, alone.
+    /// [default: 96]
+    tenants_cache_total_mib: String = "tenants-cache-total-mib",
+        "BOOTSTRAP_TENANTS_CACHE_TOTAL_MIB", "MIB";
+        file "tenants.cacheTotalMiB" in tenants.cache_total_mib
+            => Result<u32, NotANumber> = parse_u32;
+
     /// Management mode: the networks (CIDRs, comma-separated) a tenant's etcd may be in, e.g.
     /// `10.0.16.0/20`. A tenant's etcdServers must name addresses, or host names resolving only
     /// to addresses, inside them; without any, etcdServers in a tenant's annotation is refused.
@@ -471,6 +480,8 @@ pub struct TenantsFile {
     pub cache_max_objects: Option<u32>,
     #[serde(rename = "cacheMaxMiB")]
     pub cache_max_mib: Option<u32>,
+    #[serde(rename = "cacheTotalMiB")]
+    pub cache_total_mib: Option<u32>,
     /// Budgets the operator raises (or lowers) for single tenants, by `namespace/name` of their
     /// Secret; a tenant's own annotation cannot.
     pub cache_budgets: Option<std::collections::BTreeMap<String, TenantBudgetFile>>,

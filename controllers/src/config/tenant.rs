@@ -217,6 +217,7 @@ impl TenantBase {
             tenants_credential_plugins: None,
             tenants_cache_max_objects: None,
             tenants_cache_max_mib: None,
+            tenants_cache_total_mib: None,
             tenants_etcd_allowed_cidrs: None,
             kubeconfig: None,
             ..args.clone()

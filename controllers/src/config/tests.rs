@@ -535,6 +535,7 @@ fn tenants_settings_from_flags_and_file_are_validated() {
             credential_plugins: Vec::new(),
             cache_max_objects: super::DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
             cache_max_mib: super::DEFAULT_TENANTS_CACHE_MAX_MIB,
+            cache_total_mib: super::DEFAULT_TENANTS_CACHE_TOTAL_MIB,
             cache_budgets: Default::default(),
             etcd_allowed_cidrs: Vec::new(),
         })
@@ -603,14 +604,15 @@ fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
         tenants_secret_selector: Some("a=b".to_owned()),
         tenants_cache_max_objects: Some("2000".to_owned()),
         tenants_cache_max_mib: Some("8".to_owned()),
+        tenants_cache_total_mib: Some("40".to_owned()),
         ..ConfigArgs::default()
     };
     let process = Config::merge(&args, FileConfig::default()).unwrap();
     assert_eq!(
         process
             .tenants
-            .map(|t| (t.cache_max_objects, t.cache_max_mib)),
-        Some((2000, 8))
+            .map(|t| (t.cache_max_objects, t.cache_max_mib, t.cache_total_mib)),
+        Some((2000, 8, 40))
     );
     // A tenant is one cluster: the flags would otherwise refuse every tenant as if they were
     // given without a selector.

@@ -47,7 +47,7 @@ pub(super) async fn load(
         ));
     }
     config.etcd_pin = etcd_pin;
-    let limits = Limits::TENANT.for_one_client();
+    let limits = Limits::TENANT.for_one_client_in(&settings.pools.responses);
     let client = {
         let kube_config = kube_config.clone();
         let limits = limits.clone();

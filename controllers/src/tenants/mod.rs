@@ -93,12 +93,22 @@ pub struct TenantSettings {
     pub credentials: CredentialPolicy,
     /// The tenants' cache budgets: the process's, and the operator's for single tenants.
     pub cache_budgets: crate::config::Tenants,
+    /// What all tenants share.
+    pub pools: Pools,
     /// Where the etcd-claim records are kept ([`crate::etcd_claims`]): the controller's own
     /// namespace, and the replicas' group (the Lease name) their names start with.
     pub claims_namespace: String,
     pub claims_group: String,
     /// A dry run writes no etcd-claim record: it holds no Lease of any kind.
     pub dry_run: bool,
+}
+
+/// What every tenant takes from, so that many hostile tenants together cost no more than one
+/// total: their caches' bytes, and their responses' bytes in flight.
+#[derive(Clone, Debug)]
+pub struct Pools {
+    pub caches: reconcilers::budget::CachePool,
+    pub responses: crate::limits::ResponsePool,
 }
 
 /// What the runtime of a tenant is made from: any change restarts the tenant.
@@ -739,6 +749,7 @@ impl Manager {
                 "--tenants-cache-max-objects / --tenants-cache-max-mib, or for this tenant \
                  tenants.cacheBudgets.{key:?} in the configuration file"
             ),
+            Some(self.settings.pools.caches.clone()),
             &mut registry,
         );
         let runner =
