@@ -10,7 +10,8 @@
 #
 # Usage: e2e/control-plane/build.sh [--kubernetes 1.NN]
 #   prints the directory holding the three binaries; --kubernetes (or BOOTSTRAP_KUBERNETES_VERSION)
-#   picks a pinned minor other than the default (k8s/go.mod's); --list prints the pinned minors
+#   picks a pinned minor other than the default (k8s/go.mod's); --list prints the pinned minors;
+#   --dir prints the directory without building (whether it holds the binaries or not)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -37,10 +38,12 @@ pinned_minors() { # the minors pinned here, oldest first, one a line
 }
 
 wanted=${BOOTSTRAP_KUBERNETES_VERSION:-}
+print_dir=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --kubernetes) wanted=${2:?--kubernetes needs a minor, e.g. 1.30}; shift 2 ;;
     --list) pinned_minors; exit 0 ;;
+    --dir) print_dir=true; shift ;;
     -h|--help) usage ;;
     *) echo "build.sh: unknown argument $1" >&2; usage ;;
   esac
@@ -72,7 +75,7 @@ if [ -z "$k8s_version" ] || [ -z "$etcd_version" ]; then
 fi
 
 out=${BOOTSTRAP_CONTROL_PLANE_BIN:-$root/target/control-plane/kubernetes-$k8s_version-etcd-$etcd_version}
-if [ -x "$out/kube-apiserver" ] && [ -x "$out/kube-controller-manager" ] && [ -x "$out/etcd" ]; then
+if [ "$print_dir" = true ] || { [ -x "$out/kube-apiserver" ] && [ -x "$out/kube-controller-manager" ] && [ -x "$out/etcd" ]; }; then
   echo "$out"
   exit 0
 fi
