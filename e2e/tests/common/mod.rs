@@ -275,32 +275,32 @@ pub async fn client_from(kubeconfig: &Path) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
-/// The environment variable naming a real cluster's service range where it serves no ServiceCIDR
-/// (kube-apiserver before 1.33, or with `MultiCIDRServiceAllocator` off): nothing in the API
-/// tells it there. `e2e/control-plane/test.sh` sets it from up.sh's `--service-cluster-ip-range`.
+/// The environment variable naming a real cluster's service range where it has no ServiceCIDR
+/// `kubernetes` (kube-apiserver before 1.33 serves none; with `MultiCIDRServiceAllocator` off it
+/// serves the API but makes none): nothing in the API tells it there. `e2e/control-plane/test.sh` sets it from up.sh's `--service-cluster-ip-range`.
 pub const SERVICE_RANGE: &str = "BOOTSTRAP_E2E_SERVICE_RANGE";
 
 /// The service range of a cluster, from its ServiceCIDR `kubernetes` (which kube-apiserver 1.33+
 /// creates from its `--service-cluster-ip-range`): its CIDRs, comma-joined; from
-/// `BOOTSTRAP_E2E_SERVICE_RANGE` where the cluster does not serve ServiceCIDR.
+/// `BOOTSTRAP_E2E_SERVICE_RANGE` where the cluster has none.
 pub async fn service_range_of(client: &Client) -> Result<String> {
-    if !serves(client, "networking.k8s.io/v1", "servicecidrs").await? {
+    let cidr = if serves(client, "networking.k8s.io/v1", "servicecidrs").await? {
+        Api::<ServiceCIDR>::all(client.clone())
+            .get_opt("kubernetes")
+            .await
+            .context("reading the ServiceCIDR kubernetes (networking.k8s.io/v1)")?
+    } else {
+        None
+    };
+    let Some(cidr) = cidr else {
         return std::env::var(SERVICE_RANGE).with_context(|| {
             format!(
-                "the cluster does not serve networking.k8s.io/v1 ServiceCIDR, which would give \
-                 its service range: set {SERVICE_RANGE} to its --service-cluster-ip-range"
+                "the cluster has no ServiceCIDR kubernetes (networking.k8s.io/v1), which \
+                 kube-apiserver 1.33+ creates from its --service-cluster-ip-range unless \
+                 MultiCIDRServiceAllocator is off: set {SERVICE_RANGE} to that range"
             )
         });
-    }
-    let cidr = Api::<ServiceCIDR>::all(client.clone())
-        .get_opt("kubernetes")
-        .await
-        .context("reading the ServiceCIDR kubernetes (networking.k8s.io/v1)")?
-        .context(
-            "the cluster has no ServiceCIDR kubernetes (networking.k8s.io/v1): the tests take \
-             the service range from it, which kube-apiserver 1.33+ creates from its \
-             --service-cluster-ip-range",
-        )?;
+    };
     let cidrs = cidr.spec.and_then(|spec| spec.cidrs).unwrap_or_default();
     ensure!(
         !cidrs.is_empty(),
