@@ -20,26 +20,32 @@ skips_found() {
   } | LC_ALL=C sort -u
 }
 
-# skips_expected EXPECTED ROOT: the lines of EXPECTED but comments and blank lines, sorted; a line
-# `unless-root <line>` counts only when ROOT is not `true` (a skip that only root avoids).
+# skips_expected EXPECTED ROOT [CONDITIONS]: the lines of EXPECTED but comments and blank lines,
+# sorted; a line `unless-root <line>` counts only when ROOT is not `true` (a skip that only root
+# avoids), a line `without-ipaddress-api <line>` only when CONDITIONS (words) has
+# `without-ipaddress-api` (the cluster does not serve networking.k8s.io/v1 IPAddress).
 skips_expected() {
-  local file=$1 root=$2 line
+  local file=$1 root=$2 conditions=" ${3:-} " line
   while IFS= read -r line || [ -n "$line" ]; do
     case $line in
       '' | '#'*) ;;
       'unless-root '*) [ "$root" = true ] || printf '%s\n' "${line#unless-root }" ;;
+      'without-ipaddress-api '*)
+        case $conditions in
+          *' without-ipaddress-api '*) printf '%s\n' "${line#without-ipaddress-api }" ;;
+        esac ;;
       *) printf '%s\n' "$line" ;;
     esac
   done <"$file" | LC_ALL=C sort -u
 }
 
-# skips_report RECORD CARGO_OUTPUT EXPECTED ROOT: prints what the run skipped and why and the test
+# skips_report RECORD CARGO_OUTPUT EXPECTED ROOT [CONDITIONS]: prints what the run skipped and why and the test
 # files that ran nothing against the cluster; returns 1 (after the difference) when that is not
 # the EXPECTED list, and when the record shows no test ran against the cluster at all.
 skips_report() {
-  local record=$1 output=$2 expected_file=$3 root=$4 found expected
+  local record=$1 output=$2 expected_file=$3 root=$4 conditions=${5:-} found expected
   found=$(skips_found "$record" "$output")
-  expected=$(skips_expected "$expected_file" "$root")
+  expected=$(skips_expected "$expected_file" "$root" "$conditions")
   echo "not checked against the cluster (skipped, with why; test files that ran nothing there):"
   if [ -n "$found" ]; then printf '%s\n' "$found" | sed 's/^/  /'; else echo "  nothing"; fi
   local verdict=0

@@ -5,7 +5,8 @@
 #
 # Usage: e2e/control-plane/up.sh DIR [--apiservers N] [--bin BINDIR]
 #                                    [--service-cluster-ip-range CIDR] [--etcd-prefix PREFIX]
-#                                    [--etcd-url URL]
+#                                    [--etcd-url URL] [--apiserver-flag FLAG]...
+#                                    [--controller-manager-flag FLAG]...
 #
 # kube-apiserver runs as kubeadm runs it, with envtest-like test settings:
 # --endpoint-reconciler-type=none (the controller under test owns the kubernetes endpoints),
@@ -19,6 +20,11 @@
 # on one host. On SIGTERM an apiserver fails /readyz at once and serves on for
 # --shutdown-delay-duration=3s, as load-balanced control planes run it, so that its sidecar can
 # withdraw it through it.
+#
+# --apiserver-flag and --controller-manager-flag add one flag each (FLAG=VALUE, one word) after
+# the ones above, so a later one wins: e.g. --apiserver-flag --emulated-version=1.34,
+# --apiserver-flag --feature-gates=MultiCIDRServiceAllocator=false, or
+# --controller-manager-flag '--controllers=*,-endpoints-controller'.
 #
 # --etcd-url URL (http://HOST:PORT) uses an etcd that is already running, e.g. another control
 # plane's (its ETCD_URL in its env), instead of starting one: several control planes then share
@@ -50,6 +56,8 @@ bin=
 service_range=${BOOTSTRAP_CONTROL_PLANE_SERVICE_RANGE:-10.96.0.0/12}
 etcd_prefix=/registry
 etcd_url=
+apiserver_flags=()
+controller_manager_flags=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --apiservers) apiservers=${2:?--apiservers needs a number}; shift 2 ;;
@@ -57,6 +65,8 @@ while [ $# -gt 0 ]; do
     --service-cluster-ip-range) service_range=${2:?--service-cluster-ip-range needs a CIDR}; shift 2 ;;
     --etcd-prefix) etcd_prefix=${2:?--etcd-prefix needs a prefix}; shift 2 ;;
     --etcd-url) etcd_url=${2:?--etcd-url needs a URL}; shift 2 ;;
+    --apiserver-flag) apiserver_flags+=("${2:?--apiserver-flag needs a flag}"); shift 2 ;;
+    --controller-manager-flag) controller_manager_flags+=("${2:?--controller-manager-flag needs a flag}"); shift 2 ;;
     -h|--help) usage ;;
     *) echo "up.sh: unknown argument $1" >&2; usage ;;
   esac
@@ -65,6 +75,12 @@ case "$apiservers" in
   [1-9]) ;;
   *) echo "up.sh: --apiservers must be 1 to 9, not $apiservers" >&2; exit 2 ;;
 esac
+for flag in ${apiserver_flags[@]+"${apiserver_flags[@]}"} ${controller_manager_flags[@]+"${controller_manager_flags[@]}"}; do
+  case "$flag" in
+    --?*) ;;
+    *) echo "up.sh: --apiserver-flag and --controller-manager-flag take a flag such as --emulated-version=1.34, not '$flag'" >&2; exit 2 ;;
+  esac
+done
 case "$etcd_url" in
   ''|http://?*) ;;
   *) echo "up.sh: --etcd-url must be http://HOST:PORT (no TLS), not $etcd_url" >&2; exit 2 ;;
@@ -208,7 +224,7 @@ for n in $(seq 1 "$apiservers"); do
     --audit-log-path "$dir/audit-$n.log" --audit-policy-file "$dir/audit-policy.yaml" \
     --audit-log-mode blocking \
     --shutdown-delay-duration 3s \
-    --profiling=false
+    --profiling=false ${apiserver_flags[@]+"${apiserver_flags[@]}"}
   {
     echo "APISERVER_${n}_URL=https://127.0.0.1:$port"
     echo "APISERVER_${n}_ADDRESS=$advertise_prefix$n"
@@ -233,7 +249,8 @@ start kube-controller-manager "$bin/kube-controller-manager" \
   --controllers namespace,garbagecollector \
   --use-service-account-credentials \
   --root-ca-file "$dir/ca.crt" \
-  --leader-elect=false --secure-port 0 --profiling=false
+  --leader-elect=false --secure-port 0 --profiling=false \
+  ${controller_manager_flags[@]+"${controller_manager_flags[@]}"}
 
 trap - EXIT
 cat <<EOF

@@ -14,8 +14,8 @@ from harness import ROOT
 
 CONTROL_PLANE = ROOT / "e2e" / "control-plane"
 STEPS = ROOT / "e2e" / "steps"
-SCRIPTS = (sorted(CONTROL_PLANE.glob("*.sh")) + sorted((ROOT / "e2e" / "node").glob("*.sh"))
-           + sorted(STEPS.glob("*.sh")))
+SCRIPTS = (sorted(CONTROL_PLANE.glob("*.sh")) + sorted(CONTROL_PLANE.glob("k8s/*.sh"))
+           + sorted((ROOT / "e2e" / "node").glob("*.sh")) + sorted(STEPS.glob("*.sh")))
 
 
 def readme_commands() -> list[str]:
@@ -82,6 +82,9 @@ def test_scripts_are_shellcheck_clean(script):
         ("up.sh", ["/tmp/unused", "--no-such-flag"]),
         ("down.sh", []),
         ("kubeconfig.sh", []),
+        ("build.sh", ["--no-such-flag"]),
+        ("all-versions.sh", ["--help"]),
+        ("k8s/pin.sh", []),
     ],
 )
 def test_control_plane_scripts_refuse_bad_usage_with_exit_2(script, args):
@@ -90,6 +93,27 @@ def test_control_plane_scripts_refuse_bad_usage_with_exit_2(script, args):
     )
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     assert "usage" in result.stderr.lower() or "must be" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "script,args,says",
+    [
+        ("build.sh", ["--kubernetes", "2.0"], "--kubernetes takes a minor such as 1.30, not '2.0'"),
+        ("build.sh", ["--kubernetes", "1.29"], "Kubernetes 1.29 is not pinned here (pinned: 1.30"),
+        ("test.sh", ["--kubernetes", "1.29"], "Kubernetes 1.29 is not pinned here"),
+        ("up.sh", ["/tmp/unused", "--apiserver-flag", "emulated-version=1.34"],
+         "take a flag such as --emulated-version=1.34, not 'emulated-version=1.34'"),
+        ("k8s/pin.sh", ["1.30"], "VERSION must look like v1.30.14, not 1.30"),
+        ("k8s/pin.sh", ["v1.30.14", "k8s.io/api=v0.31.0"],
+         "k8s.io/api=v0.31.0 is not MODULE=v0.30.PATCH"),
+    ],
+)
+def test_a_version_or_flag_of_the_wrong_form_is_refused_with_exit_2(script, args, says):
+    result = subprocess.run(
+        [str(CONTROL_PLANE / script), *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert says in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("args", [[], ["release"], ["release", "namespace", "repository"],

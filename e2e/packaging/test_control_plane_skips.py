@@ -40,16 +40,18 @@ SKIPPED alpha::two: the whole test: needs the simulator
 SKIPPED gamma::four: starts control planes of its own
 NOCLUSTER gamma
 unless-root SKIPPED alpha::three: needs root
+without-ipaddress-api SKIPPED alpha::one: the whole test: needs networking.k8s.io/v1 ipaddresses
 """
 
 
-def report(tmp: Path, record: str, output: str, expected: str, root: str):
+def report(tmp: Path, record: str, output: str, expected: str, root: str, *conditions: str):
     (tmp / "record").write_text(record)
     (tmp / "output").write_text(output)
     (tmp / "expected").write_text(expected)
     return subprocess.run(
         ["bash", "-c", f'set -euo pipefail; . "{SKIPS}"; skips_report "$@"', "skips",
-         str(tmp / "record"), str(tmp / "output"), str(tmp / "expected"), root],
+         str(tmp / "record"), str(tmp / "output"), str(tmp / "expected"), root,
+         " ".join(conditions)],
         capture_output=True, text=True, timeout=60)
 
 
@@ -101,6 +103,19 @@ def test_the_skip_only_root_avoids_is_expected_of_other_users_alone(tmp_path: Pa
     assert report(tmp_path, record, OUTPUT, EXPECTED_TEXT, "true").returncode == 1
 
 
+def test_a_skip_for_an_api_not_served_is_expected_only_where_it_is_not(tmp_path: Path):
+    skipped = RECORD + "SKIPPED alpha::one: the whole test: needs networking.k8s.io/v1 ipaddresses\n"
+    done = report(tmp_path, skipped, OUTPUT, EXPECTED_TEXT, "true", "without-ipaddress-api")
+    assert done.returncode == 0, done.stdout
+    # Where the API is served the same skip is a new one, and its absence elsewhere is fine.
+    done = report(tmp_path, skipped, OUTPUT, EXPECTED_TEXT, "true")
+    assert done.returncode == 1, done.stdout
+    assert "  + SKIPPED alpha::one: the whole test: needs networking.k8s.io/v1 ipaddresses" in done.stdout
+    done = report(tmp_path, RECORD, OUTPUT, EXPECTED_TEXT, "true", "without-ipaddress-api")
+    assert done.returncode == 1, done.stdout
+    assert "  - SKIPPED alpha::one: the whole test: needs networking.k8s.io/v1 ipaddresses" in done.stdout
+
+
 def test_a_run_where_nothing_ran_against_the_cluster_fails(tmp_path: Path):
     record = "".join(line + "\n" for line in RECORD.splitlines() if line.startswith("SKIPPED"))
     expected = EXPECTED_TEXT + "NOCLUSTER alpha\n"
@@ -121,25 +136,44 @@ exit "${FAKE_CARGO_STATUS:-0}"
 '''
 
 
-def run_test_sh(tmp: Path, record: str, *args: str, cargo_status: int = 0):
-    """test.sh as CI runs it, from a copy of e2e/control-plane beside stand-ins for up.sh and
-    down.sh (the control plane) and on a PATH with the stand-in cargo."""
+# Stand-ins for the control plane: build.sh names a directory whose kube-apiserver only says its
+# version, up.sh writes the env file test.sh reads, curl answers discovery from $FAKE_DIR/discovery.
+STAND_INS = {
+    "build.sh": 'echo "build.sh $*" >>"$FAKE_DIR/calls"\necho "$FAKE_DIR/bin"\n',
+    "up.sh": 'echo "up.sh $*" >>"$FAKE_DIR/calls"\n'
+             'printf "APISERVER_1_URL=https://127.0.0.1:1\\nSERVICE_CLUSTER_IP_RANGE=10.96.0.0/12\\n"'
+             ' >"$1/env"\n',
+    "down.sh": 'echo "down.sh $*" >>"$FAKE_DIR/calls"\n',
+}
+FAKE_CURL = '#!/usr/bin/env bash\ncat "$FAKE_DIR/discovery"\n'
+SERVES_IPADDRESSES = '{"kind": "APIResourceList", "resources": [{"name": "ipaddresses"}]}'
+
+
+def run_test_sh(tmp: Path, record: str, *args: str, cargo_status: int = 0,
+                discovery: str = SERVES_IPADDRESSES, output: str = OUTPUT):
+    """test.sh as CI runs it, from a copy of e2e/control-plane beside stand-ins for build.sh,
+    up.sh and down.sh (the control plane) and on a PATH with the stand-in cargo and curl."""
     copy = tmp / "repo" / "e2e" / "control-plane"
     copy.mkdir(parents=True)
     for name in ("test.sh", "skips.sh"):
         shutil.copy(CONTROL_PLANE / name, copy / name)
     (copy / "expected-skips.txt").write_text(EXPECTED_TEXT)
-    for name in ("up.sh", "down.sh"):
-        (copy / name).write_text(f'#!/usr/bin/env bash\necho "{name} $*" >>"$FAKE_DIR/calls"\n')
+    for name, body in STAND_INS.items():
+        (copy / name).write_text(f"#!/usr/bin/env bash\n{body}")
         (copy / name).chmod(0o755)
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    (bin_dir / "cargo").write_text(FAKE_CARGO)
-    (bin_dir / "cargo").chmod(0o755)
+    for name, body in (("cargo", FAKE_CARGO), ("curl", FAKE_CURL)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
     state = tmp / "state"
     state.mkdir()
+    (state / "bin").mkdir()
+    (state / "bin" / "kube-apiserver").write_text("#!/bin/sh\necho Kubernetes v1.99.0\n")
+    (state / "bin" / "kube-apiserver").chmod(0o755)
+    (state / "discovery").write_text(discovery)
     (state / "record").write_text(record)
-    (state / "output").write_text(OUTPUT)
+    (state / "output").write_text(output)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(state),
            "FAKE_CARGO_STATUS": str(cargo_status), "TMPDIR": str(tmp)}
     done = subprocess.run([str(copy / "test.sh"), *args], env=env, capture_output=True,
@@ -162,8 +196,10 @@ def test_test_sh_records_the_skips_and_compares_the_whole_suite(tmp_path: Path):
     assert args[-2:] == ["--", "--test-threads=1"], args
     env = (state / "cargo-env").read_text()
     assert "BOOTSTRAP_E2E_SKIP_LOG=" in env and "BOOTSTRAP_E2E_KUBECONFIG=" in env, env
+    assert "BOOTSTRAP_E2E_SERVICE_RANGE=10.96.0.0/12" in env, env
     calls = (state / "calls").read_text().splitlines()
-    assert [c.split()[0] for c in calls] == ["up.sh", "down.sh"], calls
+    assert [c.split()[0] for c in calls] == ["build.sh", "up.sh", "down.sh"], calls
+    assert calls[1].endswith(f"--bin {state}/bin"), calls
     # The record and cargo's output are removed (the control plane's directory stays, with its
     # logs, as down.sh leaves it).
     left = list(tmp_path.glob("control-plane-e2e-skips-*")) + list(
@@ -185,12 +221,47 @@ def test_test_sh_keeps_the_suites_failure(tmp_path: Path):
     assert "  SKIPPED alpha::two: the whole test: needs the simulator\n" in done.stdout
 
 
+def test_test_sh_takes_the_version_and_flags_and_asks_discovery_for_the_ipaddress_api(
+        tmp_path: Path):
+    record = (RECORD + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
+              + "SKIPPED alpha::one: the whole test: needs networking.k8s.io/v1 ipaddresses\n")
+    done, state = run_test_sh(tmp_path, record, "--kubernetes", "1.30", "--apiserver-flag",
+                              "--emulated-version=1.29", "--controller-manager-flag",
+                              "--controllers=*", discovery='{"resources": []}')
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Kubernetes v1.99.0 (--apiserver-flag --emulated-version=1.29" in done.stdout
+    assert "without-ipaddress-api" in done.stdout
+    calls = (state / "calls").read_text().splitlines()
+    assert calls[0] == "build.sh --kubernetes 1.30", calls
+    assert calls[1].endswith(" --apiserver-flag --emulated-version=1.29 "
+                             "--controller-manager-flag --controllers=*"), calls
+    # Where discovery lists the API, the same skip is unexpected.
+    done, _ = run_test_sh(tmp_path / "served", record, "--kubernetes", "1.30")
+    assert done.returncode == 1, done.stdout + done.stderr
+
+
 def test_test_sh_lists_but_does_not_compare_a_part_of_the_suite(tmp_path: Path):
-    done, state = run_test_sh(tmp_path, "CLUSTER alpha::one: x\n", "--test", "alpha")
+    done, state = run_test_sh(tmp_path, "CLUSTER alpha::one: x\n", "--test", "alpha", "--",
+                              "one")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not compared" in done.stdout
     args = (state / "cargo-args").read_text().splitlines()
     assert args[5:7] == ["--test", "alpha"], args
+    assert args[-1] == "one", args
+
+
+def test_test_sh_compares_whole_test_files_with_their_lines_alone(tmp_path: Path):
+    # alpha's lines: its skip of `two`, and (not as root) of `three`; gamma's are not expected.
+    record = ("CLUSTER alpha::one: x\nSKIPPED alpha::two: the whole test: needs the simulator\n"
+              + ("" if as_root() else "SKIPPED alpha::three: needs root\n"))
+    alpha_only = "".join(line + "\n" for line in OUTPUT.splitlines()[:3])
+    done, _ = run_test_sh(tmp_path, record, "--test", "alpha", output=alpha_only)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "test files alpha ran: compared with their lines" in done.stdout
+    done, _ = run_test_sh(tmp_path / "missing", "CLUSTER alpha::one: x\n", "--test", "alpha",
+                          output=alpha_only)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "  - SKIPPED alpha::two: the whole test: needs the simulator" in done.stdout
 
 
 def test_the_expected_list_names_real_tests_and_test_files():
@@ -199,7 +270,7 @@ def test_the_expected_list_names_real_tests_and_test_files():
              if line and not line.startswith("#")]
     assert lines, "expected-skips.txt is empty"
     for line in lines:
-        line = line.removeprefix("unless-root ")
+        line = line.removeprefix("unless-root ").removeprefix("without-ipaddress-api ")
         kind, _, rest = line.partition(" ")
         if kind == "NOCLUSTER":
             source = (tests / f"{rest}.rs").read_text()

@@ -9,6 +9,10 @@
 //! keys in the shared etcd: each tenant is kept through its own API, and the NodePort repair of
 //! each keeps its bitmap under its own prefix without touching the others'. Timings are printed,
 //! not asserted (2-core machines).
+//!
+//! Tenant B runs the oldest supported Kubernetes (1.30: no IPAddress or ServiceCIDR API, the
+//! legacy allocator) where its binaries are built, so one controller keeps the oldest and the
+//! newest minors at once; elsewhere it runs the newest too, and says so as a skip.
 
 mod common;
 
@@ -18,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 use common::control_plane::{
-    ControlPlane, self_contained_kubeconfig, skipped_under_shared_control_plane,
+    ControlPlane, built_binaries_of, self_contained_kubeconfig, skipped_under_shared_control_plane,
 };
 use common::node_port_bitmap::NodePortBitmap;
 use common::{CONVERGE, ControllerProcess, client_from, eventually, kubectl};
@@ -42,7 +46,12 @@ struct TenantSpec {
     /// A system namespace declared in this tenant's fragment only.
     own_namespace: &'static str,
     node_port: u16,
+    /// Runs the oldest supported minor where its binaries are built.
+    oldest: bool,
 }
+
+/// The oldest supported minor (README: Kubernetes versions).
+const OLDEST: &str = "1.30";
 
 const TENANTS: [TenantSpec; 2] = [
     TenantSpec {
@@ -52,6 +61,7 @@ const TENANTS: [TenantSpec; 2] = [
         kubernetes_ip: "10.96.0.1",
         own_namespace: "platform-a",
         node_port: 30100,
+        oldest: false,
     },
     TenantSpec {
         name: "tenant-b",
@@ -60,6 +70,7 @@ const TENANTS: [TenantSpec; 2] = [
         kubernetes_ip: "10.112.0.1",
         own_namespace: "platform-b",
         node_port: 30200,
+        oldest: true,
     },
 ];
 
@@ -187,14 +198,42 @@ async fn management_mode_keeps_real_tenants_on_one_etcd_apart() -> Result<()> {
     // store in it under their own prefixes.
     let management = ControlPlane::start(1)?;
     let etcd_url = management.etcd_url()?.to_owned();
+    let oldest = built_binaries_of(OLDEST)?;
+    if oldest.is_none() {
+        common::skip(&format!(
+            "tenant-b on Kubernetes {OLDEST}: its binaries are not built \
+             (e2e/control-plane/build.sh --kubernetes {OLDEST}); it runs the newest"
+        ));
+    }
     let mut tenants = Vec::new();
     for tenant in &TENANTS {
+        let mut args = vec!["--service-cluster-ip-range", tenant.range];
+        if let (true, Some(bin)) = (tenant.oldest, &oldest) {
+            // A later --bin wins in up.sh.
+            args.extend(["--bin", bin.to_str().context("binaries' path")?]);
+        }
         tenants.push(ControlPlane::start_on_etcd(
             1,
             &etcd_url,
             tenant.prefix,
-            &["--service-cluster-ip-range", tenant.range],
+            &args,
         )?);
+    }
+    for (tenant, cp) in TENANTS.iter().zip(&tenants) {
+        let client = client_from(&cp.admin_kubeconfig(1)).await?;
+        let info = client.apiserver_version().await?;
+        println!(
+            "real tenants: {} runs Kubernetes {}",
+            tenant.name, info.git_version
+        );
+        if tenant.oldest && oldest.is_some() {
+            ensure!(
+                info.minor == OLDEST.trim_start_matches("1."),
+                "{} runs {}, not {OLDEST}",
+                tenant.name,
+                info.git_version
+            );
+        }
     }
     println!(
         "real tenants: management and two tenant control planes on one etcd up in {:.1} s",

@@ -52,6 +52,18 @@ pub fn binaries() -> Result<PathBuf> {
     .map_err(anyhow::Error::msg)
 }
 
+/// The directory holding another pinned minor's binaries (`build.sh --kubernetes MINOR`), if
+/// they are built there: building one takes minutes, so tests use it only where it already is
+/// (`./run-tests.sh` builds the oldest before the workspace's tests).
+pub fn built_binaries_of(minor: &str) -> Result<Option<PathBuf>> {
+    let out = run_script(
+        "build.sh",
+        &["--kubernetes".as_ref(), minor.as_ref(), "--dir".as_ref()],
+    )?;
+    let dir = PathBuf::from(out.lines().last().unwrap_or_default());
+    Ok(dir.join("kube-apiserver").exists().then_some(dir))
+}
+
 /// One running control plane; `down.sh` stops it on drop (its directory, with the logs and audit
 /// logs, is printed when a test fails while holding it).
 pub struct ControlPlane {

@@ -168,6 +168,31 @@ impl Target {
         }
     }
 
+    /// Whether the target serves `resource` in `group_version` (the simulator serves every API
+    /// the tests use); where it does not, [`skip`]s `what`, naming the API and the Kubernetes
+    /// minor that serves it by default (`since`).
+    pub async fn serves(
+        &self,
+        what: &str,
+        group_version: &str,
+        resource: &str,
+        since: &str,
+    ) -> Result<bool> {
+        let served = match self {
+            Target::Sim(_) => true,
+            Target::Cluster { .. } => {
+                serves(&self.client().await?, group_version, resource).await?
+            }
+        };
+        if !served {
+            skip(&format!(
+                "{what}: needs {group_version} {resource}, served from Kubernetes {since} (not \
+                 served by this cluster)"
+            ));
+        }
+        Ok(served)
+    }
+
     /// The simulator, or `None` (after a [`skip`] naming `what` is skipped) when the test runs
     /// against a real cluster: for the parts of a test that need its backdoor, fault injection
     /// or request log.
@@ -250,24 +275,49 @@ pub async fn client_from(kubeconfig: &Path) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
+/// The environment variable naming a real cluster's service range where it has no ServiceCIDR
+/// `kubernetes` (kube-apiserver before 1.33 serves none; with `MultiCIDRServiceAllocator` off it
+/// serves the API but makes none): nothing in the API tells it there. `e2e/control-plane/test.sh` sets it from up.sh's `--service-cluster-ip-range`.
+pub const SERVICE_RANGE: &str = "BOOTSTRAP_E2E_SERVICE_RANGE";
+
 /// The service range of a cluster, from its ServiceCIDR `kubernetes` (which kube-apiserver 1.33+
-/// creates from its `--service-cluster-ip-range`): its CIDRs, comma-joined.
+/// creates from its `--service-cluster-ip-range`): its CIDRs, comma-joined; from
+/// `BOOTSTRAP_E2E_SERVICE_RANGE` where the cluster has none.
 pub async fn service_range_of(client: &Client) -> Result<String> {
-    let cidr = Api::<ServiceCIDR>::all(client.clone())
-        .get_opt("kubernetes")
-        .await
-        .context("reading the ServiceCIDR kubernetes (networking.k8s.io/v1)")?
-        .context(
-            "the cluster has no ServiceCIDR kubernetes (networking.k8s.io/v1): the tests take \
-             the service range from it, which kube-apiserver 1.33+ creates from its \
-             --service-cluster-ip-range",
-        )?;
+    let cidr = if serves(client, "networking.k8s.io/v1", "servicecidrs").await? {
+        Api::<ServiceCIDR>::all(client.clone())
+            .get_opt("kubernetes")
+            .await
+            .context("reading the ServiceCIDR kubernetes (networking.k8s.io/v1)")?
+    } else {
+        None
+    };
+    let Some(cidr) = cidr else {
+        return std::env::var(SERVICE_RANGE).with_context(|| {
+            format!(
+                "the cluster has no ServiceCIDR kubernetes (networking.k8s.io/v1), which \
+                 kube-apiserver 1.33+ creates from its --service-cluster-ip-range unless \
+                 MultiCIDRServiceAllocator is off: set {SERVICE_RANGE} to that range"
+            )
+        });
+    };
     let cidrs = cidr.spec.and_then(|spec| spec.cidrs).unwrap_or_default();
     ensure!(
         !cidrs.is_empty(),
         "the ServiceCIDR kubernetes lists no CIDRs"
     );
     Ok(cidrs.join(","))
+}
+
+/// Whether the cluster serves `resource` (plural) in `group_version`, from its discovery: what
+/// a cluster serves depends on its version, its emulated version and its feature gates, so
+/// nothing but discovery says it.
+pub async fn serves(client: &Client, group_version: &str, resource: &str) -> Result<bool> {
+    match client.list_api_group_resources(group_version).await {
+        Ok(list) => Ok(list.resources.iter().any(|r| r.name == resource)),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+        Err(err) => Err(err).with_context(|| format!("discovery of {group_version}")),
+    }
 }
 
 /// Address `n` of a service range (of its first CIDR if it has two, the primary family's): what

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs the end-to-end suite (test.sh) on every Kubernetes minor build.sh pins, one after the
+# other (each built first, cached per version), and ends with one markdown table row per minor:
+# kube-apiserver's version, the verdict, the tests passed and the skips test.sh listed, and the
+# minutes the build and the suite took. ./run-tests.sh --all-versions runs it; BENCHMARKS.md keeps
+# the last table. Fails when any minor's suite failed (after running them all).
+#
+# Usage: e2e/control-plane/all-versions.sh [MINOR...]   default: every pinned minor (build.sh --list)
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+case "${1-}" in -h|--help) sed -n '/^# Usage:/p' "$0" | sed 's/^# //' >&2; exit 2 ;; esac
+if [ $# -gt 0 ]; then minors=("$@"); else mapfile -t minors < <("$here/build.sh" --list); fi
+logs=$(mktemp -d -t all-versions-XXXXXX)
+rows=()
+verdict=0
+for minor in "${minors[@]}"; do
+  echo "== Kubernetes $minor ($(date -u +%H:%M:%S))"
+  started=$(date +%s)
+  if ! bin=$("$here/build.sh" --kubernetes "$minor"); then
+    rows+=("| $minor | - | build failed | - | - | - |")
+    verdict=1
+    continue
+  fi
+  built=$(date +%s)
+  status=0
+  "$here/test.sh" --kubernetes "$minor" 2>&1 | tee "$logs/$minor.log" || status=$?
+  finished=$(date +%s)
+  passed=$(awk '/^test result: / { sum += $4 } END { print sum + 0 }' "$logs/$minor.log")
+  skipped=$(sed -n '/^not checked against the cluster/,/^[^ ]/p' "$logs/$minor.log" | grep -c '^  SKIPPED ' || true)
+  result=pass
+  [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
+  rows+=("| $minor | $("$bin/kube-apiserver" --version | sed 's/^Kubernetes //') | $result | ${passed:-0} | $skipped | $(((built - started + 30) / 60)) + $(((finished - built + 30) / 60)) |")
+done
+echo
+echo "$(date -u +%Y-%m-%d), commit $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown); logs in $logs"
+echo
+echo "| minor | kube-apiserver | suite | tests passed | skipped | minutes (build + suite) |"
+echo "| --- | --- | --- | --- | --- | --- |"
+printf '%s\n' "${rows[@]}"
+exit "$verdict"
