@@ -335,6 +335,8 @@ RBAC_VALUES = {
         # The simulator's service range, set as on a cluster that names it.
         "serviceClusterIPRange": "10.96.0.0/12",
         "endpointReconcilerType": "lease",
+        # The chart takes `lease` only with an address every replica stands for.
+        "advertiseAddress": "192.0.2.1",
         "loops": {
             "systemNamespaces": {
                 "namespaces": [
@@ -585,6 +587,7 @@ SIDECAR_EQUIVALENT = {
     # The sidecar sets the apiserver's range (BOOTSTRAP_SERVICE_CLUSTER_IP_RANGE), so it keeps
     # the default ServiceCIDR.
     "config": {"endpointReconcilerType": "lease", "serviceClusterIPRange": "10.96.0.0/12",
+               "advertiseAddress": "192.0.2.1",
                "loops": {"apiserverEndpoints": {"leaseNamespace": "bootstrap-controller"}}},
 }
 

@@ -133,3 +133,14 @@ def test_conventional_keys_are_where_users_look():
     config = values.split("\nconfig:\n", 1)[1].split("\n\n", 1)[0]
     assert "securePort" in config, "values.yaml does not show config.securePort"
     assert "securePort" not in yaml.safe_load(values)["config"]
+
+
+def test_lease_mode_in_the_deployment_needs_an_address_every_replica_stands_for():
+    """`lease` is the sidecar's mode: in the chart's Deployment each pod would advertise its own
+    address (the binary accepts it: a pod has a default route), so the chart refuses it unless
+    the address is given."""
+    refusal = chart_refusal({"config": {"endpointReconcilerType": "lease"}})
+    assert refusal is not None and "config.endpointReconcilerType" in refusal, refusal
+    assert "static" in refusal and "sidecar" in refusal, refusal
+    assert chart_refusal({"config": {"endpointReconcilerType": "lease",
+                                     "advertiseAddress": "192.0.2.1"}}) is None

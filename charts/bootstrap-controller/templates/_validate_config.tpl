@@ -103,6 +103,9 @@ schema lets them through to this check, which can say so). */ -}}
 {{- fail (printf "config.kubernetesServiceNodePort: %d is outside the node port range %s (use 0 for a ClusterIP Service, or a port inside config.serviceNodePortRange)" $nodePort $portRange) -}}
 {{- end -}}
 
+{{- if and (eq $mode "lease") (not $config.advertiseAddress) -}}
+{{- fail "config.endpointReconcilerType: lease in the chart's Deployment would list each pod's own address in the `kubernetes` endpoints, and every in-cluster client would dial the controller. Use static with the apiservers' (or their load balancer's) addresses in config.loops.apiserverEndpoints.staticAddresses, or the sidecar beside each kube-apiserver (README, Install); set config.advertiseAddress only for an address every replica stands for (a VIP in front of the apiservers)." -}}
+{{- end -}}
 {{- if and (eq $mode "static") (not $endpoints.staticAddresses) -}}
 {{- fail "config.loops.apiserverEndpoints.staticAddresses: endpointReconcilerType static needs at least one IP address or DNS name (the apiservers' or their load balancer's)" -}}
 {{- end -}}
