@@ -17,8 +17,9 @@
 //! The clients of all tenants may share a [`ResponsePool`]: the most bytes all their responses
 //! hold at once, whatever the number of tenants. A response whose growth would take the pool
 //! over its total fails as over a bound of its own, unless its client holds no more than the
-//! pool's floor: a tenant reading small responses is never failed by what others read, so the
-//! pool is over by at most the floor per client.
+//! pool's floor: a tenant reading small responses is never failed by what others read. The
+//! floor is at most a fair share of the total (the total over the number of clients), so the
+//! pool holds at most twice its total however many clients there are.
 //!
 //! A request over a bound fails with an error naming the bound; the loop's pass fails and is
 //! retried with backoff, as for any API error. A server that broke a bound is then not asked
@@ -117,10 +118,7 @@ impl Limits {
     pub fn for_one_client_in(self, pool: &ResponsePool) -> LimitLayer {
         LimitLayer {
             limits: self,
-            client: Arc::new(ClientState {
-                pool: Some(pool.clone()),
-                ..ClientState::default()
-            }),
+            client: Arc::new(ClientState::in_pool(pool)),
         }
     }
 }
@@ -132,8 +130,10 @@ pub struct ResponsePool(Arc<PoolState>);
 #[derive(Debug)]
 struct PoolState {
     max_bytes: usize,
-    /// What a client may hold however full the pool is.
+    /// What a client may hold however full the pool is, at most its fair share.
     floor: usize,
+    /// The clients counting in the pool: the fair share is the total over their number.
+    members: AtomicUsize,
     bytes: AtomicUsize,
     gauge: Gauge,
 }
@@ -142,7 +142,8 @@ impl ResponsePool {
     /// All tenants' responses: 32 MiB, of which each client may hold 1 MiB whatever the others
     /// hold (a LIST page of 500 typical Services is well under it). Four tenants can read a
     /// response of the largest size one may have (8 MiB) at once; a flood of hostile tenants
-    /// costs no more than the 32 MiB (and the floors), whatever their number.
+    /// costs no more than twice the 32 MiB (each client's floor shrinks to its fair share when
+    /// the clients are many), whatever their number.
     pub const TENANTS_MAX_BYTES: usize = 32 * 1024 * 1024;
     pub const TENANTS_FLOOR: usize = 1024 * 1024;
 
@@ -152,6 +153,7 @@ impl ResponsePool {
         let pool = ResponsePool(Arc::new(PoolState {
             max_bytes,
             floor,
+            members: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
             gauge: Gauge::default(),
         }));
@@ -162,6 +164,13 @@ impl ResponsePool {
             pool.0.gauge.clone(),
         );
         pool
+    }
+
+    /// What one client may hold however full the pool is: the floor, or a fair share of the
+    /// total when that is less, so that any number of clients hold at most twice the total.
+    fn floor(&self) -> usize {
+        let members = self.0.members.load(Ordering::Acquire).max(1);
+        self.0.floor.min(self.0.max_bytes / members)
     }
 
     /// The bytes every client's responses hold now.
@@ -229,7 +238,27 @@ struct Pause {
     cause: Option<LimitError>,
 }
 
+impl Drop for ClientState {
+    /// A client gone no longer takes a share of its pool.
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            pool.0.members.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
 impl ClientState {
+    /// A client whose bytes count in `pool` too, taking a share of it while it lives.
+    fn in_pool(pool: &ResponsePool) -> Self {
+        pool.0.members.fetch_add(1, Ordering::AcqRel);
+        ClientState {
+            in_flight: AtomicUsize::default(),
+            pool: Some(pool.clone()),
+            pause: Mutex::default(),
+            list_pages: Mutex::default(),
+        }
+    }
+
     fn pause(&self) -> std::sync::MutexGuard<'_, Pause> {
         // A panic while holding the lock leaves a consistent `Pause` (plain field writes).
         self.pause.lock().unwrap_or_else(PoisonError::into_inner)
@@ -486,7 +515,7 @@ impl<B> BoundedBody<B> {
         if growing
             && let Some((pool, pool_total)) = pooled
             && pool_total > pool.0.max_bytes
-            && total > pool.0.floor
+            && total > pool.floor()
         {
             return Err(LimitError::PoolExhausted(pool.0.max_bytes));
         }
@@ -810,15 +839,36 @@ mod tests {
         assert_eq!(in_flight.load(Ordering::Acquire), 0);
     }
 
+    /// Many clients: the floor shrinks to a fair share, so their number cannot take the pool
+    /// past twice its total.
+    #[tokio::test]
+    async fn with_many_clients_the_floor_is_a_fair_share_of_the_pool() {
+        let pool = ResponsePool::new(12, 4, &mut Registry::default());
+        let clients: Vec<_> = (0..6)
+            .map(|_| Arc::new(ClientState::in_pool(&pool)))
+            .collect();
+        assert_eq!(pool.floor(), 2);
+        let mut bodies = Vec::new();
+        for client in &clients[..4] {
+            let mut body = bounded_in(&["123"], false, client);
+            body.frame().await.unwrap().unwrap();
+            bodies.push(body);
+        }
+        assert_eq!(pool.held(), 12);
+        // Within the 4-byte floor of a pool of few clients, but over its fair share of 2.
+        let mut over = bounded_in(&["123"], false, &clients[4]);
+        let err = over.frame().await.unwrap().unwrap_err();
+        assert_eq!(err.to_string(), LimitError::PoolExhausted(12).to_string());
+        drop(over);
+        drop(clients);
+        drop(bodies);
+        assert_eq!(pool.floor(), 4, "clients gone give back their shares");
+    }
+
     #[tokio::test]
     async fn clients_share_the_pool_and_the_one_that_grows_past_it_fails_above_its_floor() {
         let pool = ResponsePool::new(12, 4, &mut Registry::default());
-        let client = || {
-            Arc::new(ClientState {
-                pool: Some(pool.clone()),
-                ..ClientState::default()
-            })
-        };
+        let client = || Arc::new(ClientState::in_pool(&pool));
         let (first, second, third) = (client(), client(), client());
         let mut large = bounded_in(&["12345678"], false, &first);
         large.frame().await.unwrap().unwrap();

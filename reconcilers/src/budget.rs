@@ -22,7 +22,9 @@
 //!   their caches hold together, whatever the number of clusters. A cache whose event would take
 //!   the pool over its total breaches as over its own budget (the cluster that grows is the one
 //!   paused), unless its cluster holds no more than the pool's floor: a small cluster is never
-//!   paused by what large ones hold, so the pool is over by at most the floor per cluster.
+//!   paused by what large ones hold. The floor is at most a fair share of the total (the total
+//!   over the number of clusters), so however many clusters there are, those within their floor
+//!   hold no more than the total together: the pool holds at most twice its total.
 //!
 //! The cluster of `--kubeconfig` has an unlimited budget: its caches are not counted.
 
@@ -84,8 +86,10 @@ pub struct CachePool(Arc<PoolShared>);
 
 struct PoolShared {
     max_bytes: usize,
-    /// What a cluster may hold however full the pool is.
+    /// What a cluster may hold however full the pool is, at most its fair share.
     floor: usize,
+    /// The budgets counting in the pool: the fair share is the total over their number.
+    members: AtomicUsize,
     /// Named in every pool [`Breach`]: the setting that raises the total.
     hint: String,
     bytes: AtomicUsize,
@@ -148,11 +152,19 @@ impl CachePool {
         CachePool(Arc::new(PoolShared {
             max_bytes,
             floor,
+            members: AtomicUsize::new(0),
             hint,
             bytes: AtomicUsize::new(0),
             gauge: Gauge::default(),
             breaches: Counter::default(),
         }))
+    }
+
+    /// What one cluster may hold however full the pool is: the floor, or a fair share of the
+    /// total when that is less, so that any number of clusters within it stay within the total.
+    fn floor(&self) -> usize {
+        let members = self.0.members.load(Ordering::Acquire).max(1);
+        self.0.floor.min(self.0.max_bytes / members)
     }
 
     /// The estimated bytes every cluster's caches hold now.
@@ -287,6 +299,9 @@ impl CacheBudget {
     }
 
     fn unregistered(limits: BudgetLimits, hint: String, pool: Option<CachePool>) -> Self {
+        if let Some(pool) = &pool {
+            pool.0.members.fetch_add(1, Ordering::AcqRel);
+        }
         CacheBudget(Arc::new(Shared {
             limits,
             pool,
@@ -409,7 +424,7 @@ impl CacheBudget {
         if bytes > 0
             && let Some((pool, pool_now)) = pool_now
             && pool_now > pool.0.max_bytes
-            && bytes_now > pool.0.floor
+            && bytes_now > pool.floor()
         {
             return Err(breach("bytes", pool.0.max_bytes, &pool.0.hint, true));
         }
@@ -517,6 +532,15 @@ impl Account {
         self.listing = None;
         // Releasing never breaches.
         let _ = self.recharge(0, 0);
+    }
+}
+
+impl Drop for Shared {
+    /// A cluster gone no longer takes a share of its pool.
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            pool.0.members.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -827,6 +851,47 @@ mod tests {
             .apply(&watcher::Event::Apply(namespace("d")), weight)
             .unwrap_err();
         assert_eq!(breach.resource, "Service");
+    }
+
+    /// However many clusters there are, the pool holds at most twice its total: the floor
+    /// shrinks to a fair share when the clusters are many.
+    #[test]
+    fn any_number_of_small_clusters_stays_within_the_total() {
+        let pool = CachePool::unregistered(1000, 100, "--total".to_owned());
+        let clusters: Vec<_> = (0..40)
+            .map(|_| {
+                let budget = CacheBudget::unregistered(
+                    BudgetLimits {
+                        max_objects: usize::MAX,
+                        max_bytes: 800,
+                    },
+                    "--own".to_owned(),
+                    Some(pool.clone()),
+                );
+                Account::new(budget, "Service".to_owned())
+            })
+            .collect();
+        // 40 clusters: a fair share is 25 bytes, below the 100-byte floor.
+        assert_eq!(pool.floor(), 25);
+        let weight = |_: &Namespace| 25;
+        let mut breaches = 0;
+        let mut kept = Vec::new();
+        for (n, mut account) in clusters.into_iter().enumerate() {
+            // Each tries to hold 75 bytes, within the floor of a pool of few clusters; one that
+            // breaches empties its caches, as a paused tenant's are.
+            let breached = (0..3).any(|name| {
+                let event = watcher::Event::Apply(namespace(&format!("{n}-{name}")));
+                account.apply(&event, weight).is_err()
+            });
+            if breached {
+                breaches += 1;
+                account.release();
+            }
+            kept.push(account);
+        }
+        // With the 100-byte floor for every cluster, 40 clusters would hold 3,000 bytes.
+        assert!(pool.held() <= 2 * 1000, "{} bytes held", pool.held());
+        assert!(breaches > 0);
     }
 
     #[test]
