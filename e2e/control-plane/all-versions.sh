@@ -2,8 +2,11 @@
 # Runs the end-to-end suite (test.sh) on every Kubernetes minor build.sh pins, one after the
 # other (each built first, cached per version), and ends with one markdown table row per minor:
 # kube-apiserver's version, the verdict, the tests passed and the skips test.sh listed, and the
-# minutes the build and the suite took. ./run-tests.sh --all-versions runs it; BENCHMARKS.md keeps
-# the last table. Fails when any minor's suite failed (after running them all).
+# minutes the build and the suite took; then, on the newest, the suite once more with
+# kube-controller-manager's Endpoints and EndpointSlice-mirroring controllers off, as upstream's
+# deprecation job runs it (the `kubernetes` Endpoints and EndpointSlice must stay right without
+# them). ./run-tests.sh --all-versions runs it; BENCHMARKS.md keeps the last table. Fails when
+# any run failed (after running them all).
 #
 # Usage: e2e/control-plane/all-versions.sh [MINOR...]   default: every pinned minor (build.sh --list)
 set -euo pipefail
@@ -32,6 +35,21 @@ for minor in "${minors[@]}"; do
   [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
   rows+=("| $minor | $("$bin/kube-apiserver" --version | sed 's/^Kubernetes //') | $result | ${passed:-0} | $skipped | $(((built - started + 30) / 60)) + $(((finished - built + 30) / 60)) |")
 done
+if [ $# -eq 0 ]; then
+  newest=${minors[${#minors[@]}-1]}
+  echo "== Kubernetes $newest without the Endpoints controllers ($(date -u +%H:%M:%S))"
+  started=$(date +%s)
+  status=0
+  "$here/test.sh" --kubernetes "$newest" --controller-manager-flag \
+    '--controllers=*,-endpoints-controller,-endpointslice-mirroring-controller' 2>&1 \
+    | tee "$logs/$newest-no-endpoints-controllers.log" || status=$?
+  finished=$(date +%s)
+  passed=$(awk '/^test result: / { sum += $4 } END { print sum + 0 }' "$logs/$newest-no-endpoints-controllers.log")
+  skipped=$(sed -n '/^not checked against the cluster/,/^[^ ]/p' "$logs/$newest-no-endpoints-controllers.log" | grep -c '^  SKIPPED ' || true)
+  result=pass
+  [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
+  rows+=("| $newest, without the Endpoints controllers | - | $result | ${passed:-0} | $skipped | 0 + $(((finished - started + 30) / 60)) |")
+fi
 echo
 echo "$(date -u +%Y-%m-%d), commit $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown); logs in $logs"
 echo
