@@ -325,3 +325,114 @@ async fn hostile_objects(target: &Target, client: &Client) -> Result<()> {
     );
     Ok(())
 }
+
+/// A Service's status condition without `lastTransitionTime`, as upstream's conformance test
+/// patches one (`test/e2e/network/service.go`): kube-apiserver stores and serves it as `null`,
+/// which k8s-openapi refuses. The Service caches read it as a Go client does: no event is lost,
+/// `/readyz` stays 200, and the ClusterIP repair still recreates that Service's lost IPAddress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_condition_without_its_time_is_read_as_a_go_client_reads_it() -> Result<()> {
+    let target = Target::start().await?;
+    let client = target.client().await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let outcome = status_condition_without_time(&target, &client).await;
+    if let Target::Cluster { .. } = target {
+        let _ = services
+            .delete("status-patched", &DeleteParams::default())
+            .await;
+    }
+    outcome
+}
+
+async fn status_condition_without_time(target: &Target, client: &Client) -> Result<()> {
+    let range = target.service_range().await?;
+    let ip_api = target
+        .serves(
+            "the lost IPAddress of the Service with the odd status",
+            "networking.k8s.io/v1",
+            "ipaddresses",
+            "1.33",
+        )
+        .await?;
+    let ip = service_ip(&range, 41)?;
+    let condition = json!({
+        "type": "StatusPatched", "status": "True", "reason": "E2E",
+        "message": "Set from e2e test",
+    });
+    let mut object = service(
+        "status-patched",
+        json!({"clusterIP": ip, "clusterIPs": [ip], "ports": [{"port": 80}]}),
+    );
+    match target {
+        // As kube-apiserver serves it: the time null.
+        Target::Sim(sim) => {
+            let mut served = condition.clone();
+            served["lastTransitionTime"] = Value::Null;
+            object["status"] = json!({"conditions": [served]});
+            sim.admin("PUT", "/sim/backdoor", Some(object)).await?;
+        }
+        Target::Cluster { .. } => {
+            if let Some(metadata) = object["metadata"].as_object_mut() {
+                metadata.remove("uid");
+            }
+            let services: Api<Service> = Api::namespaced(client.clone(), "default");
+            let created: DynamicObject = serde_json::from_value(object)?;
+            let dynamic = common::api_of(client, &serde_json::to_value(&created)?).await?;
+            dynamic.create(&PostParams::default(), &created).await?;
+            // The answer holds the null k8s-openapi refuses, so a typed patch may fail to
+            // decode it; only the API's refusal counts.
+            let patched = services
+                .patch_status(
+                    "status-patched",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"status": {"conditions": [condition]}})),
+                )
+                .await;
+            if let Err(kube::Error::Api(status)) = &patched {
+                anyhow::bail!("the status patch was refused: {status:?}");
+            }
+        }
+    }
+
+    let mut controller = ControllerProcess::start(
+        target.kubeconfig(),
+        &["--service-cluster-ip-range", &range, "--leader-elect=false"],
+    )?;
+    controller.wait_ready().await?;
+    if ip_api {
+        let addresses: Api<IPAddress> = Api::all(client.clone());
+        eventually("the Service's IPAddress", CONVERGE, || async {
+            Ok(addresses.get_opt(&ip).await?)
+        })
+        .await?;
+        addresses.delete(&ip, &DeleteParams::default()).await?;
+        eventually(
+            "the Service's lost IPAddress recreated",
+            CONVERGE,
+            || async {
+                Ok(addresses
+                    .get_opt(&ip)
+                    .await?
+                    .filter(|address| address.metadata.deletion_timestamp.is_none()))
+            },
+        )
+        .await?;
+    }
+    let (status, body) = controller.admin_get("/metrics").await?;
+    ensure!(status == 200, "/metrics: {status}");
+    let lost: Vec<&str> = body
+        .lines()
+        .filter(|line| line.starts_with("bootstrap_cache_events_lost_total"))
+        .filter(|line| !line.trim_end().ends_with(" 0"))
+        .collect();
+    ensure!(lost.is_empty(), "events lost: {lost:?}");
+    let (ready, verbose) = controller.admin_get("/readyz?verbose").await?;
+    ensure!(ready == 200, "/readyz {ready}:\n{verbose}");
+    ensure!(controller.is_running(), "{}", controller.log());
+    ensure!(
+        !controller.log().contains("could not be decoded"),
+        "{}",
+        controller.log()
+    );
+    Ok(())
+}
