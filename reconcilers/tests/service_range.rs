@@ -86,6 +86,22 @@ async fn audit(repair: &ClusterIpRepair, sim: &Sim) -> Result<reconcilers::PassR
     repair.reconcile(&common::ctx(sim, false)).await
 }
 
+/// The cluster IP the `kubernetes` Service loop, with no range configured, gives the Service it
+/// creates.
+async fn kubernetes_service_ip(sim: &Sim) -> Result<Option<String>> {
+    let service_loop = KubernetesServiceLoop::new(
+        kubernetes_service::Section::default(),
+        &common::settings(&[]),
+        sim.client(),
+        &mut Registry::default(),
+    );
+    service_loop.reconcile(&common::ctx(sim, false)).await?;
+    let created = Api::<Service>::namespaced(sim.client(), "default")
+        .get("kubernetes")
+        .await?;
+    Ok(created.spec.and_then(|spec| spec.cluster_ip))
+}
+
 fn drive(triggers: Vec<reconcilers::Trigger>) -> tokio::task::JoinHandle<()> {
     use futures::StreamExt;
     let mut triggers = futures::stream::select_all(triggers);
@@ -123,18 +139,8 @@ async fn the_range_is_read_from_the_kubernetes_service_cidr() -> Result<()> {
 
     // The `kubernetes` Service loop, with no range either, creates the Service with the first IP
     // of the cluster's range.
-    let service_loop = KubernetesServiceLoop::new(
-        kubernetes_service::Section::default(),
-        &common::settings(&[]),
-        sim.client(),
-        &mut Registry::default(),
-    );
-    service_loop.reconcile(&common::ctx(&sim, false)).await?;
-    let created = Api::<Service>::namespaced(sim.client(), "default")
-        .get("kubernetes")
-        .await?;
     assert_eq!(
-        created.spec.unwrap().cluster_ip.as_deref(),
+        kubernetes_service_ip(&sim).await?.as_deref(),
         Some("192.0.2.1")
     );
 
@@ -253,18 +259,8 @@ async fn a_service_cidr_with_nulls_and_unknown_fields_still_gives_the_range() ->
     assert!(serde_json::from_value::<ServiceCIDR>(stored.clone()).is_err());
     sim.backdoor().put(stored)?;
 
-    let service_loop = KubernetesServiceLoop::new(
-        kubernetes_service::Section::default(),
-        &common::settings(&[]),
-        sim.client(),
-        &mut Registry::default(),
-    );
-    service_loop.reconcile(&common::ctx(&sim, false)).await?;
-    let created = Api::<Service>::namespaced(sim.client(), "default")
-        .get("kubernetes")
-        .await?;
     assert_eq!(
-        created.spec.unwrap().cluster_ip.as_deref(),
+        kubernetes_service_ip(&sim).await?.as_deref(),
         Some("192.0.2.1")
     );
     Ok(())
