@@ -198,6 +198,18 @@ fn continuation_key<'a>(lines: &[&'a str], at: usize) -> Option<(&'a str, usize)
     plain.then_some((key, offset + 1))
 }
 
+/// The last line before line `at` (1-based) that is neither blank nor a comment, with its
+/// offset.
+fn line_before<'a>(lines: &[&'a str], at: usize) -> Option<(usize, &'a str)> {
+    lines
+        .iter()
+        .enumerate()
+        .take(at.checked_sub(1)?)
+        .rev()
+        .find(|(_, line)| !line.trim().is_empty() && !line.trim_start().starts_with('#'))
+        .map(|(offset, line)| (offset, *line))
+}
+
 /// When line `at` (1-based) holds a key whose indentation is none of the enclosing keys' nor
 /// their children's (YAML's "did not find expected key"), what to say about it.
 fn misaligned(lines: &[&str], at: usize) -> Option<String> {
@@ -207,12 +219,7 @@ fn misaligned(lines: &[&str], at: usize) -> Option<String> {
         return None;
     }
     let indent = indentation(here);
-    let (offset, before) = lines
-        .iter()
-        .enumerate()
-        .take(at - 1)
-        .rev()
-        .find(|(_, line)| !line.trim().is_empty() && !line.trim_start().starts_with('#'))?;
+    let (offset, before) = line_before(lines, at)?;
     let other = before.trim_start().split_once(':')?.0.trim();
     let other_indent = indentation(before);
     (indent != other_indent).then(|| {
@@ -228,12 +235,7 @@ fn misaligned(lines: &[&str], at: usize) -> Option<String> {
 /// with nothing under it, which it may have been meant to be under.
 fn dedented_from<'a>(lines: &[&'a str], at: usize) -> Option<(&'a str, usize)> {
     let here = lines.get(at.checked_sub(1)?)?;
-    let (offset, before) = lines
-        .iter()
-        .enumerate()
-        .take(at - 1)
-        .rev()
-        .find(|(_, line)| !line.trim().is_empty() && !line.trim_start().starts_with('#'))?;
+    let (offset, before) = line_before(lines, at)?;
     let (key, value) = before.trim_start().split_once(':')?;
     (indentation(before) == indentation(here) && value.trim().is_empty())
         .then_some((key.trim(), offset + 1))

@@ -427,21 +427,8 @@ impl Config {
         let leader_election = merge_leader_election(&mut given, &mut errors);
 
         let kubeconfig = given.kubeconfig.take().map(|source| source.value);
-        let mut boolean = |source: Option<Source<Result<bool, NotABool>>>| match source {
-            Some(Source {
-                value: Ok(value), ..
-            }) => value,
-            Some(Source {
-                value: Err(err),
-                field,
-            }) => {
-                errors.push(ConfigError::new(field, err));
-                false
-            }
-            None => false,
-        };
-        let dry_run = boolean(given.dry_run.take());
-        let timer_only = boolean(given.timer_only.take());
+        let dry_run = boolean(given.dry_run.take(), false, &mut errors);
+        let timer_only = boolean(given.timer_only.take(), false, &mut errors);
         let log_format = given
             .log_format
             .take()
@@ -587,19 +574,7 @@ pub(super) fn merge_leader_election(
     };
     let lease_duration = duration(given.leader_elect_lease_duration.take());
     let renew_grace = duration(given.leader_elect_renew_grace.take());
-    let enabled = match given.leader_elect.take() {
-        Some(Source {
-            value: Ok(value), ..
-        }) => value,
-        Some(Source {
-            value: Err(err),
-            field,
-        }) => {
-            errors.push(ConfigError::new(field, err));
-            defaults.enabled
-        }
-        None => defaults.enabled,
-    };
+    let enabled = boolean(given.leader_elect.take(), defaults.enabled, errors);
     let election = LeaderElection {
         enabled,
         lease_name: lease_name
@@ -986,4 +961,26 @@ pub(super) fn validate_label_selector(selector: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A boolean setting: its value, or `default` when it was not given or (with its error noted)
+/// is not a boolean.
+fn boolean(
+    source: Option<Source<Result<bool, NotABool>>>,
+    default: bool,
+    errors: &mut Vec<ConfigError>,
+) -> bool {
+    match source {
+        Some(Source {
+            value: Ok(value), ..
+        }) => value,
+        Some(Source {
+            value: Err(err),
+            field,
+        }) => {
+            errors.push(ConfigError::new(field, err));
+            default
+        }
+        None => default,
+    }
 }
