@@ -107,7 +107,13 @@ pub fn build_checking(
         stamps,
         check_every,
     ));
-    client_with(config, rotating_tls(rotating)?, retirement).map(kube::client::ClientBuilder::build)
+    client_with(
+        config,
+        config.auth_layer()?,
+        rotating_tls(rotating)?,
+        retirement,
+    )
+    .map(kube::client::ClientBuilder::build)
 }
 
 fn tls_error(message: String) -> kube::Error {
@@ -419,6 +425,7 @@ fn rotating_tls(rotating: Arc<Rotating>) -> kube::Result<rustls::ClientConfig> {
 /// Connections made before `retired` last moved are closed.
 fn client_with(
     config: &kube::Config,
+    auth: Option<kube::client::middleware::AuthLayer>,
     tls: rustls::ClientConfig,
     retired: Retirement,
 ) -> kube::Result<kube::client::ClientBuilder<Stack>> {
@@ -464,7 +471,7 @@ fn client_with(
                 .default_retry
                 .then(|| RetryLayer::new(RetryPolicy::server_retry())),
         )
-        .option_layer(config.auth_layer()?)
+        .option_layer(auth)
         .layer(config.extra_headers_layer()?)
         .layer(naming_connection_errors(server_name(&config.cluster_url)))
         .map_err(BoxError::from)
@@ -496,8 +503,13 @@ pub type Stack = tower::util::BoxService<
 /// [`naming_connection_errors`] (ours already does).
 pub fn builder(config: &kube::Config) -> kube::Result<kube::client::ClientBuilder<Stack>> {
     if config.cluster_url.scheme_str() == Some("https") && config.proxy_url.is_none() {
+        // The credentials before the TLS configuration, as kube's own builder: an exec plugin
+        // that fails fails the build once, where reading the TLS configuration first would run
+        // it (and wait out its deadline) again.
+        let auth = config.auth_layer()?;
         return client_with(
             config,
+            auth,
             config.rustls_client_config()?,
             Retirement::default(),
         );
