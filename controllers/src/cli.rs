@@ -158,6 +158,7 @@ pub async fn execute(cli: Cli) -> ExitCode {
                      BOOTSTRAP_CONFIG); none was given",
                 )]));
             };
+            print_variable_warnings();
             match load_config(&cli.config) {
                 Ok(_) => {
                     println!("{}: configuration is valid", file.display());
@@ -166,19 +167,22 @@ pub async fn execute(cli: Cli) -> ExitCode {
                 Err(errors) => config_error(&errors),
             }
         }
-        Command::Config(ConfigCommand::Print) => match load_config(&cli.config) {
-            Ok(config) => match config.to_yaml() {
-                Ok(yaml) => {
-                    print!("{yaml}");
-                    ExitCode::from(EXIT_OK)
-                }
-                Err(err) => {
-                    eprintln!("error: cannot print the configuration: {err}");
-                    ExitCode::from(EXIT_DRIFT_OR_FAILURE)
-                }
-            },
-            Err(errors) => config_error(&errors),
-        },
+        Command::Config(ConfigCommand::Print) => {
+            print_variable_warnings();
+            match load_config(&cli.config) {
+                Ok(config) => match config.to_yaml() {
+                    Ok(yaml) => {
+                        print!("{yaml}");
+                        ExitCode::from(EXIT_OK)
+                    }
+                    Err(err) => {
+                        eprintln!("error: cannot print the configuration: {err}");
+                        ExitCode::from(EXIT_DRIFT_OR_FAILURE)
+                    }
+                },
+                Err(errors) => config_error(&errors),
+            }
+        }
         Command::Run => match load_config(&cli.config) {
             Ok(config) if config.tenants.is_some() => {
                 let allowed = config
@@ -264,13 +268,11 @@ pub fn env_value_error(
 }
 
 /// [`Config::load`], with the environment checked too: a variable with the settings' prefix
-/// that names no setting is an error when it is near one (surely meant), a warning otherwise.
+/// that names no setting is an error when it is near one (surely meant), a warning otherwise
+/// ([`variable_warnings`], which the caller reports in its own output format).
 fn load_config(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
     let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
-    let (mut errors, warnings) = crate::config::unknown_variables(names);
-    for warning in warnings {
-        eprintln!("warning: {warning}");
-    }
+    let (mut errors, _warnings) = crate::config::unknown_variables(names);
     match Config::load(args) {
         Ok(config) if errors.is_empty() => Ok(config),
         Ok(_) => Err(ConfigErrors(errors)),
@@ -278,6 +280,20 @@ fn load_config(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
             errors.extend(more.0);
             Err(ConfigErrors(errors))
         }
+    }
+}
+
+/// The variables with the settings' prefix that name no setting and are near none: ignored,
+/// and said so once at start, as a log line where there is a log (so that a JSON log stays
+/// one JSON object a line), else on stderr.
+fn variable_warnings() -> Vec<String> {
+    let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
+    crate::config::unknown_variables(names).1
+}
+
+fn print_variable_warnings() {
+    for warning in variable_warnings() {
+        eprintln!("warning: {warning}");
     }
 }
 
@@ -380,6 +396,9 @@ async fn wait_for_signal() {
 
 async fn run(config: Config, tenant_base: Option<TenantBase>) -> ExitCode {
     init_logging(config.log_format, "info");
+    for warning in variable_warnings() {
+        warn!("{warning}");
+    }
     let kube_config = match kubeconfig::load(config.kubeconfig.as_deref()).await {
         Ok(kube_config) => kube_config,
         Err(message) => {
@@ -462,6 +481,9 @@ async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), Ap
 
 async fn check(config: Config, timeout: Duration, output: OutputFormat) -> ExitCode {
     init_logging(config.log_format, "warn");
+    for warning in variable_warnings() {
+        warn!("{warning}");
+    }
     let fail = |message: String| {
         eprintln!("error: {message}");
         ExitCode::from(EXIT_CONFIG)
