@@ -556,6 +556,14 @@ impl ControllerProcess {
     ) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let log = std::fs::File::create(dir.path().join("controller.log"))?;
+        // The suite's own settings (BOOTSTRAP_E2E_*, BOOTSTRAP_CHAOS_*) are not the
+        // controller's: passed on, it would warn that they name no setting.
+        for (name, _) in std::env::vars_os() {
+            let text = name.to_string_lossy();
+            if text.starts_with("BOOTSTRAP_E2E_") || text.starts_with("BOOTSTRAP_CHAOS_") {
+                command.env_remove(&name);
+            }
+        }
         let child = command
             .arg("run")
             .arg("--kubeconfig")
