@@ -55,9 +55,8 @@ struct State {
     /// When this instance last ran a pass: a pass only runs on the leader, so this tells shutdown
     /// whether it is (recently) the writer.
     last_pass: Option<Instant>,
-    /// Consecutive passes that found no member. The first is normal at start (this instance's
-    /// Lease may not be written yet), so the warning waits for the second.
-    empty_passes: u32,
+    /// Since when the passes have found no member, and whether that was warned about.
+    empty: EmptyStreak,
     /// Members already warned about for advertising another port than the endpoints carry.
     warned_ports: BTreeSet<(IpAddr, i32)>,
     /// Members already warned about for an address the API server rejects.
@@ -70,6 +69,29 @@ struct State {
     named_writers: BTreeSet<(String, String)>,
     /// When each membership Lease was seen renewed (expiry on this clock).
     sightings: Sightings,
+}
+
+/// A run of passes that found no member. At start that is normal for a moment (this instance's
+/// Lease may not be written yet, its namespace may not exist yet, and watch events can run two
+/// passes within a second), so the warning waits until the run has lasted a whole lease period:
+/// by then every live member has renewed its Lease at least once.
+#[derive(Debug, Default)]
+struct EmptyStreak {
+    since: Option<Instant>,
+    warned: bool,
+}
+
+impl EmptyStreak {
+    /// Records a pass without members at `now`; true exactly once per run, when it has lasted
+    /// `grace`.
+    fn observe(&mut self, now: Instant, grace: Duration) -> bool {
+        let since = *self.since.get_or_insert(now);
+        if self.warned || now.saturating_duration_since(since) < grace {
+            return false;
+        }
+        self.warned = true;
+        true
+    }
 }
 
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
@@ -626,23 +648,29 @@ impl ApiserverEndpointsLoop {
             // Upstream refuses too (`doReconcile` in `pkg/controlplane/reconcilers/lease.go`): an
             // empty list would cut every in-cluster client off. Only the last member's own shutdown
             // may empty it.
-            state.empty_passes = state.empty_passes.saturating_add(1);
-            if state.empty_passes == 2 {
+            if state.empty.observe(Instant::now(), self.section.lease_ttl) {
                 tracing::warn!(
                     endpoints = %target.endpoints_ref(),
-                    "no live apiserver members; refusing to erase all endpoints of the kubernetes Service"
+                    waited = ?self.section.lease_ttl,
+                    "no live apiserver members for a whole lease period; refusing to erase all \
+                     endpoints of the kubernetes Service"
                 );
             }
+            let message = if previous.is_empty() {
+                "no live apiserver members yet; nothing to write until one renews its Lease"
+            } else {
+                "no live apiserver members; refusing to erase all endpoints (kept as they are)"
+            };
             report.push(drift(
                 "no_members",
                 target.endpoints_ref(),
                 Action::Report,
-                "no live apiserver members; refusing to erase all endpoints (kept as they are)",
+                message,
                 false,
             ));
             return Ok(report);
         }
-        state.empty_passes = 0;
+        state.empty = EmptyStreak::default();
 
         // Who last wrote each object before this pass, when not this controller: named if this
         // pass has to repair it (two writers of one object fight).
@@ -962,4 +990,33 @@ const MEMBER_EVENTS_PER_PASS: usize = 5;
 /// The label selector of the `kubernetes` Service's EndpointSlices.
 fn slice_selector(target: &EndpointsTarget) -> String {
     format!("{SERVICE_NAME_LABEL}={}", target.service_name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_member_list_is_warned_about_once_after_a_whole_lease_period() {
+        let grace = Duration::from_secs(15);
+        let start = Instant::now();
+        let mut streak = EmptyStreak::default();
+        // Two passes within a second at start: no warning.
+        assert!(!streak.observe(start, grace));
+        assert!(!streak.observe(start + Duration::from_millis(240), grace));
+        assert!(!streak.observe(start + Duration::from_secs(14), grace));
+        assert!(
+            streak.observe(start + grace, grace),
+            "warned once the period is over"
+        );
+        assert!(
+            !streak.observe(start + Duration::from_secs(30), grace),
+            "and only once"
+        );
+        // A member came back; a new run waits a whole period again.
+        let mut streak = EmptyStreak::default();
+        let later = start + Duration::from_secs(60);
+        assert!(!streak.observe(later, grace));
+        assert!(streak.observe(later + Duration::from_secs(16), grace));
+    }
 }
