@@ -39,6 +39,29 @@ skips_expected() {
   done <"$file" | LC_ALL=C sort -u
 }
 
+# skips_expected_of EXPECTED FILE...: the lines of EXPECTED about those test files (their
+# conditions kept), for a run of named test files rather than the whole suite.
+skips_expected_of() {
+  local expected=$1
+  shift
+  awk -v files=" $* " '{
+    line = $0
+    sub(/^(unless-root|without-ipaddress-api) /, "", line)
+    split(line, words, /[ :]/)
+    if (index(files, " " words[2] " ")) print
+  }' "$expected"
+}
+
+# cluster_facing_tests EXPECTED TESTS_DIR: the test files (names, one a line) that run something
+# against the cluster they are given: every file in TESTS_DIR but those EXPECTED lists as
+# `NOCLUSTER` (they start simulators or control planes of their own, whatever the cluster).
+cluster_facing_tests() {
+  local expected=$1 dir=$2
+  LC_ALL=C comm -23 \
+    <(for f in "$dir"/*.rs; do basename "$f" .rs; done | LC_ALL=C sort -u) \
+    <(sed -n 's/^\(unless-root \)\{0,1\}NOCLUSTER \([A-Za-z0-9_-]*\)$/\2/p' "$expected" | LC_ALL=C sort -u)
+}
+
 # skips_report RECORD CARGO_OUTPUT EXPECTED ROOT [CONDITIONS]: prints what the run skipped and why and the test
 # files that ran nothing against the cluster; returns 1 (after the difference) when that is not
 # the EXPECTED list, and when the record shows no test ran against the cluster at all.

@@ -88,12 +88,7 @@ if [ "$whole_suite" = true ]; then
   expected=$here/expected-skips.txt
   if [ "${#files[@]}" -gt 0 ]; then
     expected=$(mktemp -t control-plane-e2e-expected-XXXXXX)
-    awk -v files=" ${files[*]} " '{
-      line = $0
-      sub(/^(unless-root|without-ipaddress-api) /, "", line)
-      split(line, words, /[ :]/)
-      if (index(files, " " words[2] " ")) print
-    }' "$here/expected-skips.txt" >"$expected"
+    skips_expected_of "$here/expected-skips.txt" "${files[@]}" >"$expected"
     echo "test files ${files[*]} ran: compared with their lines of expected-skips.txt"
   fi
   skips_report "$record" "$output" "$expected" "$is_root" "$conditions" || status=1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates a kind cluster and tries bootstrap-controller on it the ways users run it:
-#   1. the end-to-end tests (cargo test -p e2e) against the cluster, from outside it, what they
-#      skip there listed and compared with e2e/control-plane/expected-skips.txt;
+#   1. the end-to-end test files that run against a given cluster (cargo test -p e2e --test ...),
+#      from outside it, what they skip there listed and compared with their lines of
+#      e2e/control-plane/expected-skips.txt;
 #   2. the sidecar: a static pod beside kube-apiserver, keeping the `kubernetes` endpoints,
 #      installed by the steps the real node runs too (e2e/steps/sidecar.sh);
 #   3. the Helm chart (Deployment mode) by e2e/steps/install-chart.sh, which checks it with the
@@ -81,16 +82,23 @@ if [ "${SKIP_E2E:-0}" = 1 ]; then
 else
   log "end-to-end tests against the cluster"
   cargo build --workspace --bins
-  # One test at a time, as the README says: they share the cluster's `kubernetes` endpoints.
-  # What they skip is recorded and compared with the list the real control plane's run keeps
+  # The test files that run against the cluster they are given: the others start simulators or
+  # control planes of their own and are run by `cargo test --workspace` anyway. One test at a
+  # time, as the README says: they share the cluster's `kubernetes` endpoints. What they skip is
+  # recorded and compared with those files' lines of the list the real control plane's run keeps
   # (e2e/control-plane/skips.sh): the skips depend on a cluster being given, not on which.
+  mapfile -t E2E_FILES < <(cluster_facing_tests e2e/control-plane/expected-skips.txt e2e/tests)
+  [ "${#E2E_FILES[@]}" -gt 0 ] || die "no test file in e2e/tests runs against a given cluster"
+  E2E_ARGS=()
+  for f in "${E2E_FILES[@]}"; do E2E_ARGS+=(--test "$f"); done
+  skips_expected_of e2e/control-plane/expected-skips.txt "${E2E_FILES[@]}" >"${WORK}/expected-skips.txt"
   : >"${WORK}/e2e-skips"
   BOOTSTRAP_E2E_KUBECONFIG="${KUBECONFIG_FILE}" BOOTSTRAP_E2E_CERTIFICATE_ADDRESS="${NODE_IP}" \
     BOOTSTRAP_E2E_SKIP_LOG="${WORK}/e2e-skips" \
-    cargo test --color never -p e2e -- --test-threads=1 2>&1 | tee "${WORK}/e2e-output"
+    cargo test --color never -p e2e "${E2E_ARGS[@]}" -- --test-threads=1 2>&1 | tee "${WORK}/e2e-output"
   IS_ROOT=false
   if [ "$(id -u)" = 0 ]; then IS_ROOT=true; fi
-  skips_report "${WORK}/e2e-skips" "${WORK}/e2e-output" e2e/control-plane/expected-skips.txt \
+  skips_report "${WORK}/e2e-skips" "${WORK}/e2e-output" "${WORK}/expected-skips.txt" \
     "${IS_ROOT}" || die "the end-to-end tests did not check against kind what they are expected to"
 fi
 
