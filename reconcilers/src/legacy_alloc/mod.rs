@@ -139,6 +139,15 @@ pub struct BitmapPass {
     pub new: Vec<BitmapFinding>,
 }
 
+/// A stored value as a pass reads it: its bits on the configured range's offsets, and the range
+/// it was stored under with the number of allocations that move drops, when that differs.
+struct Stored {
+    value: Option<RangeAllocation>,
+    mod_revision: Option<i64>,
+    bits: FixedBitSet,
+    range_change: Option<(String, usize)>,
+}
+
 /// Moves bitmap bytes stored under the given range onto the configured range's offsets.
 pub type Rebase = dyn Fn(&str, &[u8]) -> Option<FixedBitSet> + Send + Sync;
 
@@ -279,21 +288,6 @@ impl LegacyBitmap {
         C: Fn(Vec<usize>) -> F,
         F: Future<Output = Result<HashSet<usize>, String>>,
     {
-        let object = format!("etcd{}", self.key);
-        let kind = |suffix: &str| -> &'static str {
-            match (self.subject.kind_prefix, suffix) {
-                ("nodeport", "not_allocated") => "nodeport_not_allocated",
-                ("nodeport", "leaked") => "nodeport_leaked",
-                ("nodeport", "leak_held") => "nodeport_leak_held",
-                ("nodeport", "range_mismatch") => "nodeport_range_mismatch",
-                ("nodeport", _) => "nodeport_bitmap_unusable",
-                (_, "not_allocated") => "clusterip_bitmap_not_allocated",
-                (_, "leaked") => "clusterip_bitmap_leaked",
-                (_, "leak_held") => "clusterip_bitmap_leak_held",
-                (_, "range_mismatch") => "clusterip_bitmap_range_mismatch",
-                _ => "clusterip_bitmap_unusable",
-            }
-        };
         let mut fresh_in_use = Some(fresh_in_use);
         // The offsets a fresh list of the Services holds, once one was made in this pass.
         let mut fresh: Option<FixedBitSet> = None;
@@ -305,87 +299,19 @@ impl LegacyBitmap {
                 Some(stored) => stored,
                 None => self.store.get(&self.key).await?,
             };
-            let (value, mod_revision) = match stored {
-                None if !self.create_if_missing => return Ok(BitmapPass::default()),
-                None => (None, None),
-                Some(stored) => match RangeAllocation::decode(&stored.value) {
-                    Ok(value) => (Some(value), Some(stored.mod_revision)),
-                    Err(err) => {
-                        let message = format!("{err}; nothing is written to it");
-                        let new = self.report(vec![BitmapFinding::Unusable(message.clone())]);
-                        let drift = vec![drift(
-                            kind("unusable"),
-                            object,
-                            Action::Report,
-                            message,
-                            false,
-                        )];
-                        return Ok(BitmapPass { drift, new });
-                    }
-                },
-            };
-            // The range the value was stored under, when it is not the configured one: empty
-            // (never initialized), or another range (kube-apiserver's flag differs from this
-            // process's configuration, or was changed).
-            let moved_from = value
-                .as_ref()
-                .map(|value| value.range.clone())
-                .filter(|range| *range != self.range);
-            let stored_bits = match (&value, &moved_from) {
-                (None, _) => FixedBitSet::with_capacity(self.size),
-                (Some(value), Some(from)) if !from.is_empty() => {
-                    match (self.rebase)(from, &value.data) {
-                        Some(bits) => bits,
-                        None => {
-                            let message = format!(
-                                "the stored range {from:?} cannot be read; nothing is written to it"
-                            );
-                            let new = self.report(vec![BitmapFinding::Unusable(message.clone())]);
-                            let drift = vec![drift(
-                                kind("unusable"),
-                                object,
-                                Action::Report,
-                                message,
-                                false,
-                            )];
-                            return Ok(BitmapPass { drift, new });
-                        }
-                    }
-                }
-                (Some(value), _) => bitmap_from_bytes(&value.data, self.size),
-            };
-            if let Some(from) = &moved_from
-                && !self.rebuild_on_range_change
-            {
-                // Which range is kube-apiserver's cannot be told from here: report, write
-                // nothing. Leak sightings made under the other range mean nothing any more.
-                *self.leaks.lock().unwrap_or_else(|p| p.into_inner()) = LeakTracker::default();
-                let new = self.report(vec![BitmapFinding::RangeMismatch(from.clone())]);
-                let drift = vec![drift(
-                    kind("range_mismatch"),
-                    object,
-                    Action::Report,
-                    self.range_mismatch_note(from),
-                    false,
-                )];
-                return Ok(BitmapPass { drift, new });
+            if stored.is_none() && !self.create_if_missing {
+                return Ok(BitmapPass::default());
             }
-            let range_change = moved_from.as_ref().map(|from| {
-                let kept = stored_bits.count_ones(..);
-                let stored = value.as_ref().map_or(kept, |value| {
-                    value
-                        .data
-                        .iter()
-                        .map(|byte| byte.count_ones() as usize)
-                        .sum()
-                });
-                (from.clone(), stored.saturating_sub(kept))
-            });
-
+            let stored = match self.read(stored) {
+                Ok(stored) => stored,
+                Err(report_only) => return Ok(report_only),
+            };
             // Moving to another range drops what falls outside it: only on a fresh complete
             // list of the Services, never on the cache alone. Its Services are the ones in use.
-            if let Some((from, dropped)) =
-                range_change.as_ref().filter(|(from, _)| !from.is_empty())
+            if let Some((from, dropped)) = stored
+                .range_change
+                .as_ref()
+                .filter(|(from, _)| !from.is_empty())
                 && fresh.is_none()
             {
                 fresh = match fresh_in_use.take() {
@@ -393,19 +319,14 @@ impl LegacyBitmap {
                     None => None,
                 };
                 if fresh.is_none() {
-                    let message = format!(
-                        "the stored range {from:?} is not the configured {}: the bitmap is to be rebuilt under {} ({dropped} allocations outside it dropped; {}), once a fresh list of the Services succeeds",
-                        self.range, self.range, self.subject.rebuild_setting
-                    );
-                    let new = self.report(vec![BitmapFinding::RangeMismatch(from.clone())]);
-                    let drift = vec![drift(
-                        kind("range_mismatch"),
-                        object,
-                        Action::Report,
-                        message,
-                        false,
-                    )];
-                    return Ok(BitmapPass { drift, new });
+                    return Ok(self.report_only(
+                        "range_mismatch",
+                        BitmapFinding::RangeMismatch(from.clone()),
+                        format!(
+                            "the stored range {from:?} is not the configured {}: the bitmap is to be rebuilt under {} ({dropped} allocations outside it dropped; {}), once a fresh list of the Services succeeds",
+                            self.range, self.range, self.subject.rebuild_setting
+                        ),
+                    ));
                 }
             }
             let in_use = fresh.as_ref().unwrap_or(in_use);
@@ -413,7 +334,7 @@ impl LegacyBitmap {
             let mut plan = {
                 let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
                 plan(
-                    &stored_bits,
+                    &stored.bits,
                     in_use,
                     &mut leaks,
                     false,
@@ -432,171 +353,303 @@ impl LegacyBitmap {
                     plan.release_held(&mut leaks, fresh);
                 }
             }
+            self.drop_gone(&mut plan, &mut judged, &confirm).await?;
 
-            let unjudged: Vec<usize> = plan
-                .not_allocated
-                .iter()
-                .copied()
-                .filter(|offset| !judged.contains_key(offset))
-                .collect();
-            if !unjudged.is_empty() {
-                let gone =
-                    confirm(unjudged.clone())
-                        .await
-                        .map_err(|why| PassError::Unconfirmed {
-                            noun: self.subject.noun,
-                            key: self.key.clone(),
-                            why,
-                        })?;
-                for offset in unjudged {
-                    judged.insert(offset, gone.contains(&offset));
-                }
-            }
-            let repair::Plan {
-                not_allocated,
-                bitmap,
-                ..
-            } = &mut plan;
-            not_allocated.retain(|offset| {
-                let gone = judged.get(offset).copied().unwrap_or(false);
-                if gone {
-                    debug!(
-                        key = self.key,
-                        item = self.item(*offset),
-                        "not set: no Service holds it when read live (the Service cache is behind)"
-                    );
-                    bitmap.set(*offset, false);
-                }
-                !gone
-            });
-
-            let write = value.is_none() || range_change.is_some() || plan.changes(&stored_bits);
+            let write = stored.value.is_none()
+                || stored.range_change.is_some()
+                || plan.changes(&stored.bits);
             let applied = write && !dry_run;
-            if applied {
-                let bytes = bitmap_to_bytes(&plan.bitmap);
-                let new_value = match &value {
-                    Some(value) => value.with_range_and_data(self.range.clone(), bytes),
-                    None => RangeAllocation::new(self.range.clone(), bytes),
-                };
-                let encoded = new_value.encode();
-                match self
-                    .store
-                    .compare_and_swap_revision(&self.key, mod_revision, encoded.clone())
-                    .await?
-                {
-                    Some(revision) => self.cache.wrote(encoded, revision),
-                    None => {
-                        debug!(
-                            key = self.key,
-                            "the etcd key changed while the repair wrote it; reading it again"
-                        );
-                        self.cache.forget();
-                        continue;
-                    }
-                }
+            if applied && !self.write(&stored, &plan).await? {
+                debug!(
+                    key = self.key,
+                    "the etcd key changed while the repair wrote it; reading it again"
+                );
+                self.cache.forget();
+                continue;
             }
-
-            let noun = self.subject.noun;
-            let mut drifts = Vec::new();
-            for &offset in &plan.not_allocated {
-                drifts.push(drift(
-                    kind("not_allocated"),
-                    owner(offset).unwrap_or_else(|| object.clone()),
-                    Action::Update,
-                    format!(
-                        "the {noun} {} is in use but not allocated in {}; repairing",
-                        self.item(offset),
-                        self.key
-                    ),
-                    applied,
-                ));
-            }
-            for &offset in &plan.released {
-                drifts.push(drift(
-                    kind("leaked"),
-                    object.clone(),
-                    Action::Update,
-                    format!(
-                        "the {noun} {} appears to have leaked: cleaning up",
-                        self.item(offset)
-                    ),
-                    applied,
-                ));
-            }
-            for &offset in &plan.held {
-                drifts.push(drift(
-                    kind("leak_held"),
-                    object.clone(),
-                    Action::Report,
-                    format!("the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: kept until one does", self.item(offset)),
-                    false,
-                ));
-            }
-            let mut findings: Vec<BitmapFinding> = Vec::new();
-            if let Some((from, dropped)) = &range_change {
-                let message = if from.is_empty() {
-                    format!(
-                        "the stored value has no range: {} is filled in ({})",
-                        self.range, self.subject.rebuild_setting
-                    )
-                } else {
-                    format!(
-                        "the stored range {from:?} is not the configured {}: the bitmap is rebuilt under {} ({dropped} allocations outside it dropped; {})",
-                        self.range, self.range, self.subject.rebuild_setting
-                    )
-                };
-                drifts.push(drift(
-                    kind("range_mismatch"),
-                    object.clone(),
-                    Action::Update,
-                    message,
-                    applied,
-                ));
-                findings.push(if applied {
-                    BitmapFinding::RangeRebuilt(from.clone())
-                } else {
-                    BitmapFinding::RangeMismatch(from.clone())
-                });
-            }
-            findings.extend(
-                plan.not_allocated
-                    .iter()
-                    .map(|&o| BitmapFinding::NotAllocated(o)),
-            );
-            findings.extend(
-                plan.flagged
-                    .iter()
-                    .map(|&o| BitmapFinding::MayHaveLeaked(o)),
-            );
-            findings.extend(plan.released.iter().map(|&o| BitmapFinding::Released(o)));
-            findings.extend(plan.held.iter().map(|&o| BitmapFinding::ReleaseHeld(o)));
-            let repaired: Vec<BitmapFinding> = findings
-                .iter()
-                .filter(|finding| {
-                    matches!(
-                        finding,
-                        BitmapFinding::NotAllocated(_)
-                            | BitmapFinding::Released(_)
-                            | BitmapFinding::RangeRebuilt(_)
-                    )
-                })
-                .cloned()
-                .collect();
-            let new = self.report(findings);
-            if applied {
-                // Written: what was repaired is gone, so if it comes back (the bit cleared again
-                // before a pass saw it set) that is a new occurrence, reported and counted again.
-                for finding in &repaired {
-                    self.reported.forget(finding);
-                }
-            }
-            return Ok(BitmapPass { drift: drifts, new });
+            return Ok(self.outcome(&plan, stored.range_change, applied, owner));
         }
         Err(EtcdError::Conflicts {
             key: self.key.clone(),
             attempts: WRITE_ATTEMPTS,
         }
         .into())
+    }
+
+    /// The drift kind of this key's subject for a finding (`leaked`: `nodeport_leaked`).
+    fn kind(&self, suffix: &str) -> &'static str {
+        match (self.subject.kind_prefix, suffix) {
+            ("nodeport", "not_allocated") => "nodeport_not_allocated",
+            ("nodeport", "leaked") => "nodeport_leaked",
+            ("nodeport", "leak_held") => "nodeport_leak_held",
+            ("nodeport", "range_mismatch") => "nodeport_range_mismatch",
+            ("nodeport", _) => "nodeport_bitmap_unusable",
+            (_, "not_allocated") => "clusterip_bitmap_not_allocated",
+            (_, "leaked") => "clusterip_bitmap_leaked",
+            (_, "leak_held") => "clusterip_bitmap_leak_held",
+            (_, "range_mismatch") => "clusterip_bitmap_range_mismatch",
+            _ => "clusterip_bitmap_unusable",
+        }
+    }
+
+    fn object(&self) -> String {
+        format!("etcd{}", self.key)
+    }
+
+    /// A pass that writes nothing and reports one finding about the key.
+    fn report_only(&self, suffix: &str, finding: BitmapFinding, message: String) -> BitmapPass {
+        let new = self.report(vec![finding]);
+        let drift = vec![drift(
+            self.kind(suffix),
+            self.object(),
+            Action::Report,
+            message,
+            false,
+        )];
+        BitmapPass { drift, new }
+    }
+
+    /// The stored value decoded and its bits moved onto the configured range; `Err` is the whole
+    /// pass when the value cannot be used, or lies under another range this pass may not leave.
+    fn read(&self, stored: Option<etcd::Stored>) -> Result<Stored, BitmapPass> {
+        let unusable = |message: String| {
+            self.report_only(
+                "unusable",
+                BitmapFinding::Unusable(message.clone()),
+                message,
+            )
+        };
+        let (value, mod_revision) = match stored {
+            None => (None, None),
+            Some(stored) => match RangeAllocation::decode(&stored.value) {
+                Ok(value) => (Some(value), Some(stored.mod_revision)),
+                Err(err) => return Err(unusable(format!("{err}; nothing is written to it"))),
+            },
+        };
+        // The range the value was stored under, when it is not the configured one: empty
+        // (never initialized), or another range (kube-apiserver's flag differs from this
+        // process's configuration, or was changed).
+        let moved_from = value
+            .as_ref()
+            .map(|value| value.range.clone())
+            .filter(|range| *range != self.range);
+        let bits = match (&value, &moved_from) {
+            (None, _) => FixedBitSet::with_capacity(self.size),
+            (Some(value), Some(from)) if !from.is_empty() => (self.rebase)(from, &value.data)
+                .ok_or_else(|| {
+                    unusable(format!(
+                        "the stored range {from:?} cannot be read; nothing is written to it"
+                    ))
+                })?,
+            (Some(value), _) => bitmap_from_bytes(&value.data, self.size),
+        };
+        if let Some(from) = &moved_from
+            && !self.rebuild_on_range_change
+        {
+            // Which range is kube-apiserver's cannot be told from here: report, write
+            // nothing. Leak sightings made under the other range mean nothing any more.
+            *self.leaks.lock().unwrap_or_else(|p| p.into_inner()) = LeakTracker::default();
+            return Err(self.report_only(
+                "range_mismatch",
+                BitmapFinding::RangeMismatch(from.clone()),
+                self.range_mismatch_note(from),
+            ));
+        }
+        let range_change = moved_from.map(|from| {
+            let kept = bits.count_ones(..);
+            let stored = value.as_ref().map_or(kept, |value| {
+                value
+                    .data
+                    .iter()
+                    .map(|byte| byte.count_ones() as usize)
+                    .sum()
+            });
+            (from, stored.saturating_sub(kept))
+        });
+        Ok(Stored {
+            value,
+            mod_revision,
+            bits,
+            range_change,
+        })
+    }
+
+    /// Asks `confirm` about the bits the plan would set that were not judged yet, and takes out
+    /// of the plan those no live Service holds (the Service cache is behind).
+    async fn drop_gone<C, F>(
+        &self,
+        plan: &mut repair::Plan,
+        judged: &mut HashMap<usize, bool>,
+        confirm: &C,
+    ) -> Result<(), PassError>
+    where
+        C: Fn(Vec<usize>) -> F,
+        F: Future<Output = Result<HashSet<usize>, String>>,
+    {
+        let unjudged: Vec<usize> = plan
+            .not_allocated
+            .iter()
+            .copied()
+            .filter(|offset| !judged.contains_key(offset))
+            .collect();
+        if !unjudged.is_empty() {
+            let gone = confirm(unjudged.clone())
+                .await
+                .map_err(|why| PassError::Unconfirmed {
+                    noun: self.subject.noun,
+                    key: self.key.clone(),
+                    why,
+                })?;
+            for offset in unjudged {
+                judged.insert(offset, gone.contains(&offset));
+            }
+        }
+        let repair::Plan {
+            not_allocated,
+            bitmap,
+            ..
+        } = plan;
+        not_allocated.retain(|offset| {
+            let gone = judged.get(offset).copied().unwrap_or(false);
+            if gone {
+                debug!(
+                    key = self.key,
+                    item = self.item(*offset),
+                    "not set: no Service holds it when read live (the Service cache is behind)"
+                );
+                bitmap.set(*offset, false);
+            }
+            !gone
+        });
+        Ok(())
+    }
+
+    /// Writes the plan's bitmap by compare-and-swap on the revision read; false when the key
+    /// changed in between.
+    async fn write(&self, stored: &Stored, plan: &repair::Plan) -> Result<bool, PassError> {
+        let bytes = bitmap_to_bytes(&plan.bitmap);
+        let new_value = match &stored.value {
+            Some(value) => value.with_range_and_data(self.range.clone(), bytes),
+            None => RangeAllocation::new(self.range.clone(), bytes),
+        };
+        let encoded = new_value.encode();
+        match self
+            .store
+            .compare_and_swap_revision(&self.key, stored.mod_revision, encoded.clone())
+            .await?
+        {
+            Some(revision) => {
+                self.cache.wrote(encoded, revision);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The drifts and the new findings of a pass that planned (and, when `applied`, wrote) `plan`.
+    fn outcome(
+        &self,
+        plan: &repair::Plan,
+        range_change: Option<(String, usize)>,
+        applied: bool,
+        owner: &(dyn Fn(usize) -> Option<String> + Sync),
+    ) -> BitmapPass {
+        let noun = self.subject.noun;
+        let object = self.object();
+        let mut drifts = Vec::new();
+        for &offset in &plan.not_allocated {
+            drifts.push(drift(
+                self.kind("not_allocated"),
+                owner(offset).unwrap_or_else(|| object.clone()),
+                Action::Update,
+                format!(
+                    "the {noun} {} is in use but not allocated in {}; repairing",
+                    self.item(offset),
+                    self.key
+                ),
+                applied,
+            ));
+        }
+        for &offset in &plan.released {
+            drifts.push(drift(
+                self.kind("leaked"),
+                object.clone(),
+                Action::Update,
+                format!(
+                    "the {noun} {} appears to have leaked: cleaning up",
+                    self.item(offset)
+                ),
+                applied,
+            ));
+        }
+        for &offset in &plan.held {
+            drifts.push(drift(
+                self.kind("leak_held"),
+                object.clone(),
+                Action::Report,
+                format!("the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: kept until one does", self.item(offset)),
+                false,
+            ));
+        }
+        let mut findings: Vec<BitmapFinding> = Vec::new();
+        if let Some((from, dropped)) = &range_change {
+            let message = if from.is_empty() {
+                format!(
+                    "the stored value has no range: {} is filled in ({})",
+                    self.range, self.subject.rebuild_setting
+                )
+            } else {
+                format!(
+                    "the stored range {from:?} is not the configured {}: the bitmap is rebuilt under {} ({dropped} allocations outside it dropped; {})",
+                    self.range, self.range, self.subject.rebuild_setting
+                )
+            };
+            drifts.push(drift(
+                self.kind("range_mismatch"),
+                object,
+                Action::Update,
+                message,
+                applied,
+            ));
+            findings.push(if applied {
+                BitmapFinding::RangeRebuilt(from.clone())
+            } else {
+                BitmapFinding::RangeMismatch(from.clone())
+            });
+        }
+        findings.extend(
+            plan.not_allocated
+                .iter()
+                .map(|&o| BitmapFinding::NotAllocated(o)),
+        );
+        findings.extend(
+            plan.flagged
+                .iter()
+                .map(|&o| BitmapFinding::MayHaveLeaked(o)),
+        );
+        findings.extend(plan.released.iter().map(|&o| BitmapFinding::Released(o)));
+        findings.extend(plan.held.iter().map(|&o| BitmapFinding::ReleaseHeld(o)));
+        let repaired: Vec<BitmapFinding> = findings
+            .iter()
+            .filter(|finding| {
+                matches!(
+                    finding,
+                    BitmapFinding::NotAllocated(_)
+                        | BitmapFinding::Released(_)
+                        | BitmapFinding::RangeRebuilt(_)
+                )
+            })
+            .cloned()
+            .collect();
+        let new = self.report(findings);
+        if applied {
+            // Written: what was repaired is gone, so if it comes back (the bit cleared again
+            // before a pass saw it set) that is a new occurrence, reported and counted again.
+            for finding in &repaired {
+                self.reported.forget(finding);
+            }
+        }
+        BitmapPass { drift: drifts, new }
     }
 
     /// Logs the findings that are new; returns them.
