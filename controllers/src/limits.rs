@@ -132,7 +132,7 @@ pub struct ResponsePool(Arc<PoolState>);
 #[derive(Debug)]
 struct PoolState {
     max_bytes: usize,
-    /// What a client may hold however full the pool is, at most its fair share.
+    /// What a client may hold however full the pool is, at most half its fair share.
     floor: usize,
     /// The clients counting in the pool: the fair share is the total over their number.
     members: AtomicUsize,

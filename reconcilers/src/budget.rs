@@ -90,7 +90,7 @@ pub struct CachePool(Arc<PoolShared>);
 
 struct PoolShared {
     max_bytes: usize,
-    /// What a cluster may hold however full the pool is, at most its fair share.
+    /// What a cluster may hold however full the pool is, at most half its fair share.
     floor: usize,
     /// The budgets counting in the pool: the fair share is the total over their number.
     members: AtomicUsize,
