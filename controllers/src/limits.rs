@@ -328,7 +328,7 @@ pub enum LimitError {
     TooMuchAtOnce(usize),
     #[error(
         "the responses being read from every tenant at once exceeded {0} bytes (the limit for \
-         the process)"
+         the process, less the floor kept for every tenant)"
     )]
     PoolExhausted(usize),
     #[error("a list took more than {0} pages (the limit for one list)")]
@@ -521,7 +521,7 @@ impl<B> BoundedBody<B> {
         if growing && let Some((pool, pool_total)) = pooled {
             let (floor, above_floors) = pool.bounds();
             if pool_total > above_floors && total > floor {
-                return Err(LimitError::PoolExhausted(pool.0.max_bytes));
+                return Err(LimitError::PoolExhausted(above_floors));
             }
         }
         Ok(())
@@ -863,7 +863,7 @@ mod tests {
         // Within the 4-byte floor of a pool of few clients, but over its share of 2.
         let mut over = bounded_in(&["123"], false, &clients[4]);
         let err = over.frame().await.unwrap().unwrap_err();
-        assert_eq!(err.to_string(), LimitError::PoolExhausted(24).to_string());
+        assert_eq!(err.to_string(), LimitError::PoolExhausted(12).to_string());
         drop(over);
         // The clients within their floor still read, and the pool stays within its total.
         for client in &clients[4..] {
@@ -897,7 +897,7 @@ mod tests {
         assert_eq!(pool.held(), 16);
         // The one that grows past its floor with the pool over fails, naming the pool.
         let err = small.frame().await.unwrap().unwrap_err();
-        assert_eq!(err.to_string(), LimitError::PoolExhausted(24).to_string());
+        assert_eq!(err.to_string(), LimitError::PoolExhausted(12).to_string());
         drop(small);
         drop(other);
         drop(large);

@@ -345,7 +345,8 @@ async fn hostile_tenant_apis_are_cut_off_and_cost_only_themselves() -> Result<()
             })
         };
         // Whichever grows past it first is cut by the pool every tenant's responses share.
-        let pool = "exceeded 33554432 bytes (the limit for the process)";
+        // What it names is the pool's total less the floors kept for every tenant.
+        let pool = "bytes (the limit for the process, less the floor kept for every tenant)";
         // The endless list is cut by the bound of one response or, with several lists at
         // once, by the bound of one cluster; the huge event by the bound of one event.
         let endless = cut(

@@ -68,8 +68,9 @@ impl BudgetLimits {
 /// A cache that would have gone over its cluster's budget, or its budget's pool.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "{} would hold more than {limit} {unit} (at {resource}); the {} is {hint}",
+    "{} would hold more than {limit} {unit}{} (at {resource}); the {} is {hint}",
     if *pooled { "the caches of every cluster together" } else { "the caches" },
+    if *pooled { ", the total less the floor kept for every cluster" } else { "" },
     if *pooled { "total" } else { "budget" }
 )]
 pub struct Breach {
@@ -77,6 +78,7 @@ pub struct Breach {
     pub resource: String,
     /// `objects` or `bytes`.
     pub unit: &'static str,
+    /// The budget's limit, or for the pool its total less the floor kept for every cluster.
     pub limit: usize,
     /// Where the limit is set, for the operator: the setting that raises it.
     pub hint: String,
@@ -447,7 +449,7 @@ impl CacheBudget {
         {
             let (floor, above_floors) = pool.bounds();
             if pool_now > above_floors && bytes_now > floor {
-                return Err(breach("bytes", pool.0.max_bytes, &pool.0.hint, true));
+                return Err(breach("bytes", above_floors, &pool.0.hint, true));
             }
         }
         Ok(())
@@ -995,10 +997,11 @@ mod tests {
         // grows breaches, naming the total.
         let breach = fill(&mut grower_account, 2..3, 50).unwrap_err();
         assert!(breach.pooled);
-        assert_eq!((breach.unit, breach.limit), ("bytes", 1000));
+        assert_eq!((breach.unit, breach.limit), ("bytes", 700));
         let text = breach.to_string();
         assert!(
-            text.contains("every cluster") && text.contains("--total"),
+            text.contains("more than 700 bytes, the total less the floor kept for every cluster")
+                && text.contains("--total"),
             "{text}"
         );
         grower_account.release();
