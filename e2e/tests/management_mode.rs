@@ -735,13 +735,14 @@ fn chart_memory_limit_mib() -> Result<u64> {
     Ok(mib.parse()?)
 }
 
-/// The worst case of the defaults in management mode, whatever the tenants' APIs send: every
-/// tenant's caches hold at most `--tenants-cache-total-mib` (estimated, and the estimate is at
-/// least what a cache takes: BENCHMARKS.md, "What one object costs a cache"), their responses
-/// in flight at most the response pool, however many of them flood; beside these the process
-/// costs what a fleet of healthy tenants costs (BENCHMARKS.md, "Fleet sizes": 63.5 MiB at 100
-/// tenants). Fails when a default changes so that this no longer fits the chart's limit with
-/// a fifth of it left for the allocator's slack.
+/// The worst case of the defaults in management mode: every tenant's caches hold at most
+/// `--tenants-cache-total-mib` (estimated, and the estimate is at least what a cache takes:
+/// BENCHMARKS.md, "What one object costs a cache"), their responses being read at most the
+/// response pool, however many of them flood; beside these the process costs what a fleet of
+/// healthy tenants costs (BENCHMARKS.md, "Fleet sizes": 63.5 MiB at 100 tenants), and what the
+/// tenants' servers send ahead of the reader, which no pool counts (controllers/CONFIG.md,
+/// "Tenant cache budgets"). Fails when a default changes so that the counted part no longer
+/// fits the chart's limit with a fifth of it left for the rest.
 #[test]
 fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
     use bootstrap_controller::config::{DEFAULT_TENANTS_CACHE_TOTAL_MIB, TENANT_CACHE_FLOOR_BYTES};
