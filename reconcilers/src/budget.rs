@@ -28,7 +28,9 @@
 //!   floor is at most half a fair share (the total over twice the number of clusters), so
 //!   however many clusters there are, at least half the total is left to those above their
 //!   floor. For a given set of clusters the pool so holds at most its total, beside the events
-//!   being counted when they breach (each is counted, then dropped with its cache).
+//!   being counted when they breach (each is counted, then dropped with its cache). A cluster
+//!   added later has its floor kept from then on, but what the others hold is not taken back:
+//!   until they shrink, the pool may hold up to the later clusters' floors more.
 //!
 //! The cluster of `--kubeconfig` has an unlimited budget: its caches are not counted.
 
