@@ -16,10 +16,12 @@
 //!
 //! The clients of all tenants may share a [`ResponsePool`]: the most bytes all their responses
 //! hold at once, whatever the number of tenants. A response whose growth would take the pool
-//! over its total fails as over a bound of its own, unless its client holds no more than the
-//! pool's floor: a tenant reading small responses is never failed by what others read. The
-//! floor is at most a fair share of the total (the total over the number of clients), so the
-//! pool holds at most twice its total however many clients there are.
+//! over what it may hold fails as over a bound of its own, unless its client holds no more than
+//! the pool's floor: a tenant reading small responses is never failed by what others read. As
+//! for the caches' pool (`reconcilers::budget::pool_bounds`), every client's floor is kept out
+//! of what the clients above theirs may take, and the floor is at most half a fair share, so
+//! for a given set of clients the pool holds at most its total (beside the chunk that breaches)
+//! however many there are.
 //!
 //! A request over a bound fails with an error naming the bound; the loop's pass fails and is
 //! retried with backoff, as for any API error. A server that broke a bound is then not asked
@@ -130,7 +132,7 @@ pub struct ResponsePool(Arc<PoolState>);
 #[derive(Debug)]
 struct PoolState {
     max_bytes: usize,
-    /// What a client may hold however full the pool is, at most its fair share.
+    /// What a client may hold however full the pool is, at most half its fair share.
     floor: usize,
     /// The clients counting in the pool: the fair share is the total over their number.
     members: AtomicUsize,
@@ -140,10 +142,10 @@ struct PoolState {
 
 impl ResponsePool {
     /// All tenants' responses: 32 MiB, of which each client may hold 1 MiB whatever the others
-    /// hold (a LIST page of 500 typical Services is well under it). Four tenants can read a
-    /// response of the largest size one may have (8 MiB) at once; a flood of hostile tenants
-    /// costs no more than twice the 32 MiB (each client's floor shrinks to its fair share when
-    /// the clients are many), whatever their number.
+    /// hold (a LIST page of 500 typical Services is well under it), shrinking to half its fair
+    /// share when the clients are more than 16. A few tenants can read a response of the
+    /// largest size one may have (8 MiB) at once; a flood of hostile tenants costs no more than
+    /// the 32 MiB, whatever their number.
     pub const TENANTS_MAX_BYTES: usize = 32 * 1024 * 1024;
     pub const TENANTS_FLOOR: usize = 1024 * 1024;
 
@@ -166,11 +168,14 @@ impl ResponsePool {
         pool
     }
 
-    /// What one client may hold however full the pool is: the floor, or a fair share of the
-    /// total when that is less, so that any number of clients hold at most twice the total.
-    fn floor(&self) -> usize {
-        let members = self.0.members.load(Ordering::Acquire).max(1);
-        self.0.floor.min(self.0.max_bytes / members)
+    /// What one client may hold however full the pool is, and what the clients above it may
+    /// take the pool to (`reconcilers::budget::pool_bounds`).
+    fn bounds(&self) -> (usize, usize) {
+        reconcilers::budget::pool_bounds(
+            self.0.max_bytes,
+            self.0.floor,
+            self.0.members.load(Ordering::Acquire),
+        )
     }
 
     /// The bytes every client's responses hold now.
@@ -323,7 +328,7 @@ pub enum LimitError {
     TooMuchAtOnce(usize),
     #[error(
         "the responses being read from every tenant at once exceeded {0} bytes (the limit for \
-         the process)"
+         the process, less the floor kept for every tenant)"
     )]
     PoolExhausted(usize),
     #[error("a list took more than {0} pages (the limit for one list)")]
@@ -499,7 +504,8 @@ impl<B> BoundedBody<B> {
 
     /// Moves this body's share of the client's bytes in flight (and of the pool's) to `held`
     /// (what it holds now: all it read, or a watch's unfinished event); the error when the
-    /// client's total is over, or the pool's while the client holds more than its floor.
+    /// client's total is over, or the pool's (its total less the floors kept for every client)
+    /// while the client holds more than its floor.
     fn hold(&mut self, held: usize) -> Result<(), LimitError> {
         let total = move_count(&self.client.in_flight, self.held, held);
         let pooled = self
@@ -512,12 +518,11 @@ impl<B> BoundedBody<B> {
         if total > self.limits.max_in_flight_bytes {
             return Err(LimitError::TooMuchAtOnce(self.limits.max_in_flight_bytes));
         }
-        if growing
-            && let Some((pool, pool_total)) = pooled
-            && pool_total > pool.0.max_bytes
-            && total > pool.floor()
-        {
-            return Err(LimitError::PoolExhausted(pool.0.max_bytes));
+        if growing && let Some((pool, pool_total)) = pooled {
+            let (floor, above_floors) = pool.bounds();
+            if pool_total > above_floors && total > floor {
+                return Err(LimitError::PoolExhausted(above_floors));
+            }
         }
         Ok(())
     }
@@ -839,15 +844,15 @@ mod tests {
         assert_eq!(in_flight.load(Ordering::Acquire), 0);
     }
 
-    /// Many clients: the floor shrinks to a fair share, so their number cannot take the pool
-    /// past twice its total.
+    /// Many clients: the floor shrinks to half a fair share, and the floors are kept out of what
+    /// the clients above them may take, so their number cannot take the pool past its total.
     #[tokio::test]
-    async fn with_many_clients_the_floor_is_a_fair_share_of_the_pool() {
-        let pool = ResponsePool::new(12, 4, &mut Registry::default());
+    async fn with_many_clients_the_floor_is_half_a_fair_share_of_the_pool() {
+        let pool = ResponsePool::new(24, 4, &mut Registry::default());
         let clients: Vec<_> = (0..6)
             .map(|_| Arc::new(ClientState::in_pool(&pool)))
             .collect();
-        assert_eq!(pool.floor(), 2);
+        assert_eq!(pool.bounds(), (2, 12));
         let mut bodies = Vec::new();
         for client in &clients[..4] {
             let mut body = bounded_in(&["123"], false, client);
@@ -855,25 +860,36 @@ mod tests {
             bodies.push(body);
         }
         assert_eq!(pool.held(), 12);
-        // Within the 4-byte floor of a pool of few clients, but over its fair share of 2.
+        // Within the 4-byte floor of a pool of few clients, but over its share of 2.
         let mut over = bounded_in(&["123"], false, &clients[4]);
         let err = over.frame().await.unwrap().unwrap_err();
         assert_eq!(err.to_string(), LimitError::PoolExhausted(12).to_string());
         drop(over);
+        // The clients within their floor still read, and the pool stays within its total.
+        for client in &clients[4..] {
+            let mut body = bounded_in(&["1", "1"], false, client);
+            body.frame().await.unwrap().unwrap();
+            body.frame().await.unwrap().unwrap();
+            bodies.push(body);
+        }
+        assert_eq!(pool.held(), 16);
         drop(clients);
         drop(bodies);
-        assert_eq!(pool.floor(), 4, "clients gone give back their shares");
+        assert_eq!(pool.bounds().0, 4, "clients gone give back their shares");
+        assert_eq!(pool.held(), 0);
     }
 
     #[tokio::test]
     async fn clients_share_the_pool_and_the_one_that_grows_past_it_fails_above_its_floor() {
-        let pool = ResponsePool::new(12, 4, &mut Registry::default());
+        // Three clients with a floor of 4 each: those above it may fill the pool to 12.
+        let pool = ResponsePool::new(24, 4, &mut Registry::default());
         let client = || Arc::new(ClientState::in_pool(&pool));
         let (first, second, third) = (client(), client(), client());
+        assert_eq!(pool.bounds(), (4, 12));
         let mut large = bounded_in(&["12345678"], false, &first);
         large.frame().await.unwrap().unwrap();
         assert_eq!(pool.held(), 8);
-        // Within its floor (4) a client reads even with the pool over its total (12).
+        // Within its floor (4) a client reads even with the pool over what the others may take.
         let mut small = bounded_in(&["1234", "5"], false, &second);
         small.frame().await.unwrap().unwrap();
         let mut other = bounded_in(&["1234"], false, &third);

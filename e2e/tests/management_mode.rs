@@ -345,7 +345,8 @@ async fn hostile_tenant_apis_are_cut_off_and_cost_only_themselves() -> Result<()
             })
         };
         // Whichever grows past it first is cut by the pool every tenant's responses share.
-        let pool = "exceeded 33554432 bytes (the limit for the process)";
+        // What it names is the pool's total less the floors kept for every tenant.
+        let pool = "bytes (the limit for the process, less the floor kept for every tenant)";
         // The endless list is cut by the bound of one response or, with several lists at
         // once, by the bound of one cluster; the huge event by the bound of one event.
         let endless = cut(
@@ -617,8 +618,7 @@ impl Drop for RssSampler {
 async fn many_hostile_tenants_together_stay_within_the_total_of_every_tenants_caches() -> Result<()>
 {
     const HOSTILE: usize = 12;
-    // The chart's memory limit (values.yaml, resources.limits.memory).
-    const LIMIT_MIB: u64 = 256;
+    let limit_mib = chart_memory_limit_mib()?;
     let fleet = fleet(HOSTILE + 1).await?;
     let services = |verb, fault| FaultRule::probability(Some(verb), Some("services"), 1.0, fault);
     for i in 1..=HOSTILE {
@@ -653,7 +653,7 @@ async fn many_hostile_tenants_together_stay_within_the_total_of_every_tenants_ca
         CONVERGE * 4,
         || async {
             let max = sampler.max();
-            ensure!(max < LIMIT_MIB, "the controller grew to {max} MiB");
+            ensure!(max < limit_mib, "the controller grew to {max} MiB");
             let by_total = events
                 .list(&Default::default())
                 .await?
@@ -701,7 +701,7 @@ async fn many_hostile_tenants_together_stay_within_the_total_of_every_tenants_ca
         samples.iter().step_by(10).collect::<Vec<_>>()
     );
     ensure!(
-        samples.len() > 100 && max < LIMIT_MIB,
+        samples.len() > 100 && max < limit_mib,
         "the controller grew to {max} MiB"
     );
     let paused = over_budget_secrets(&events).await?;
@@ -710,6 +710,185 @@ async fn many_hostile_tenants_together_stay_within_the_total_of_every_tenants_ca
         !paused.contains(&secret_name(0)),
         "the healthy tenant was reported over budget"
     );
+    ensure!(controller.is_running(), "{}", controller.log());
+    ensure!(
+        !controller.log().contains("panicked"),
+        "{}",
+        controller.log()
+    );
+    Ok(())
+}
+
+/// The chart's memory limit (values.yaml, `resources.limits.memory`), in MiB.
+fn chart_memory_limit_mib() -> Result<u64> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../charts/bootstrap-controller/values.yaml");
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    let values: serde_json::Value = serde_saphyr::from_str(&text)?;
+    let limit = values
+        .pointer("/resources/limits/memory")
+        .and_then(serde_json::Value::as_str)
+        .context("values.yaml has no resources.limits.memory")?;
+    let mib = limit
+        .strip_suffix("Mi")
+        .with_context(|| format!("resources.limits.memory {limit:?} is not in Mi"))?;
+    Ok(mib.parse()?)
+}
+
+/// The worst case of the defaults in management mode: every tenant's caches hold at most
+/// `--tenants-cache-total-mib` (estimated, and the estimate is at least what a cache takes:
+/// BENCHMARKS.md, "What one object costs a cache"), their responses being read at most the
+/// response pool, however many of them flood; beside these the process costs what a fleet of
+/// healthy tenants costs (BENCHMARKS.md, "Fleet sizes": 63.5 MiB at 100 tenants), and what the
+/// tenants' servers send ahead of the reader, which no pool counts (controllers/CONFIG.md,
+/// "Tenant cache budgets"). Fails when a default changes so that the counted part no longer
+/// fits the chart's limit with a fifth of it left for the rest.
+#[test]
+fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
+    use bootstrap_controller::config::{DEFAULT_TENANTS_CACHE_TOTAL_MIB, TENANT_CACHE_FLOOR_BYTES};
+    use bootstrap_controller::limits::ResponsePool;
+    use reconcilers::budget::pool_bounds;
+    const MIB: usize = 1024 * 1024;
+    const FLEET_OF_100_MIB: f64 = 63.5;
+    let caches = usize::try_from(DEFAULT_TENANTS_CACHE_TOTAL_MIB)? * MIB;
+    let pools = [
+        (caches, TENANT_CACHE_FLOOR_BYTES),
+        (ResponsePool::TENANTS_MAX_BYTES, ResponsePool::TENANTS_FLOOR),
+    ];
+    // However many tenants, the floors kept for them and what the others may take add up to
+    // the pool's total: no more.
+    for (total, floor) in pools {
+        for tenants in (1..=2_000).chain([10_000, 100_000, 1_000_000]) {
+            let (floor, above_floors) = pool_bounds(total, floor, tenants);
+            assert_eq!(above_floors + tenants * floor, total, "{tenants} tenants");
+            assert!(above_floors >= total / 2, "{tenants} tenants");
+        }
+    }
+    let pooled_mib = (caches + ResponsePool::TENANTS_MAX_BYTES) / MIB;
+    assert_eq!(pooled_mib, 128, "the pools' worst case with the defaults");
+    let limit = chart_memory_limit_mib()? as f64;
+    let worst = pooled_mib as f64 + FLEET_OF_100_MIB;
+    ensure!(
+        worst <= 0.8 * limit,
+        "100 tenants may take the controller to {worst} MiB, more than four fifths of the \
+         chart's {limit} MiB memory limit"
+    );
+    Ok(())
+}
+
+/// The case the pools' floors are for, pushed to where it costs the most: many tenants whose
+/// caches hold nearly their floor (so the total may never pause them) beside many flooding
+/// ones (half listing pages without end, half streaming new Services without end), each
+/// tenant's own budget too large to matter. The flooding tenants are paused by the total, the
+/// tenants near their floor never are, every tenant's caches together stay within the total
+/// (`bootstrap_cache_pool_bytes`, scraped), the process's resident memory stays within the
+/// chart's limit, and the healthy tenant goes on healing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_near_their_floor_beside_flooding_ones_stay_within_the_charts_memory_limit()
+-> Result<()> {
+    const FLOODING: usize = 16;
+    const NEAR_FLOOR: usize = 24;
+    // Each with an annotation of 700 bytes: about 950 bytes of JSON, counted 5 times over plus
+    // 200, about 4.9 KB a namespace; 160 of them about 0.75 MiB, under the 1 MiB floor.
+    const NAMESPACES: usize = 160;
+    const TOTAL_MIB: u64 = bootstrap_controller::config::DEFAULT_TENANTS_CACHE_TOTAL_MIB as u64;
+    let limit_mib = chart_memory_limit_mib()?;
+    let fleet = fleet(1 + FLOODING + NEAR_FLOOR).await?;
+    let services = |verb, fault| FaultRule::probability(Some(verb), Some("services"), 1.0, fault);
+    for i in 1..=FLOODING {
+        let rule = if i % 2 == 0 {
+            services(Verb::List, FaultKind::EndlessPages)
+        } else {
+            services(Verb::Watch, FaultKind::EndlessNewObjects)
+        };
+        fleet.tenant(i).context("tenant")?.faults().inject(rule);
+    }
+    let near_floor: Vec<usize> = (FLOODING + 1..=FLOODING + NEAR_FLOOR).collect();
+    let padding = "x".repeat(700);
+    for &i in &near_floor {
+        let tenant = fleet.tenant(i).context("tenant")?;
+        for n in 0..NAMESPACES {
+            tenant.backdoor().put(json!({
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": format!("team-{n}"), "annotations": {"padding": padding}},
+            }))?;
+        }
+    }
+    let mut controller = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&[
+            "--leader-elect=false",
+            "--tenants-cache-max-objects",
+            "1000000",
+            "--tenants-cache-max-mib",
+            "64",
+        ]),
+    )?;
+    let sampler = RssSampler::start(&controller)?;
+    controller.wait_ready().await?;
+    let healthy: Vec<usize> = std::iter::once(0).chain(near_floor.clone()).collect();
+    wait_converged(&fleet, &healthy).await?;
+
+    let pool_bytes = async || -> Result<u64> {
+        let (_, metrics) = controller.admin_get("/metrics").await?;
+        let value = metrics
+            .lines()
+            .find_map(|line| line.strip_prefix("bootstrap_cache_pool_bytes "))
+            .with_context(|| format!("no bootstrap_cache_pool_bytes in\n{metrics}"))?;
+        Ok(value.trim().parse()?)
+    };
+    let mut pool_most = 0;
+    let events: Api<Event> = Api::namespaced(fleet.management().client(), "tenants");
+    let mut paused = BTreeSet::new();
+    let zero = fleet.tenant(0).context("tenant")?;
+    // The healthy tenant heals while the flooding ones fill the total, are paused, and (after
+    // 30 s) flood again.
+    for _ in 0..25 {
+        zero.backdoor().delete("namespaces", "", "kube-public")?;
+        wait_converged(&fleet, &[0]).await?;
+        pool_most = pool_most.max(pool_bytes().await?);
+        paused = over_budget_secrets(&events).await?;
+        let max = sampler.max();
+        ensure!(max < limit_mib, "the controller grew to {max} MiB");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let samples = sampler.samples();
+    drop(sampler);
+    let max = samples.iter().copied().max().unwrap_or(0);
+    println!(
+        "controller RSS with {FLOODING} flooding tenants and {NEAR_FLOOR} near their floor: {} \
+         samples, at most {max} MiB, one in ten: {:?}; every tenant's caches at most {:.1} MiB \
+         (scraped); TenantOverBudget on {} Secrets: {paused:?}",
+        samples.len(),
+        samples.iter().step_by(10).collect::<Vec<_>>(),
+        pool_most as f64 / 1024.0 / 1024.0,
+        paused.len(),
+    );
+    ensure!(
+        samples.len() > 100 && max < limit_mib,
+        "the controller grew to {max} MiB"
+    );
+    // The total, and a MiB for the events counted when they breach (each is then dropped).
+    ensure!(
+        pool_most <= (TOTAL_MIB + 1) * 1024 * 1024,
+        "every tenant's caches held {pool_most} bytes, over the {TOTAL_MIB} MiB total"
+    );
+    ensure!(
+        pool_most > TOTAL_MIB * 1024 * 1024 / 4,
+        "the flooding tenants never filled the total ({pool_most} bytes)"
+    );
+    let flooding: BTreeSet<String> = (1..=FLOODING).map(secret_name).collect();
+    ensure!(
+        paused.iter().any(|name| flooding.contains(name)),
+        "no flooding tenant was paused: {paused:?}"
+    );
+    for i in std::iter::once(0).chain(near_floor) {
+        ensure!(
+            !paused.contains(&secret_name(i)),
+            "tenant {i}, within its floor, was reported over budget"
+        );
+    }
     ensure!(controller.is_running(), "{}", controller.log());
     ensure!(
         !controller.log().contains("panicked"),

@@ -22,9 +22,15 @@
 //!   their caches hold together, whatever the number of clusters. A cache whose event would take
 //!   the pool over its total breaches as over its own budget (the cluster that grows is the one
 //!   paused), unless its cluster holds no more than the pool's floor: a small cluster is never
-//!   paused by what large ones hold. The floor is at most a fair share of the total (the total
-//!   over the number of clusters), so however many clusters there are, those within their floor
-//!   hold no more than the total together: the pool holds at most twice its total.
+//!   paused by what large ones hold. Every cluster's floor is kept for it: a cluster above its
+//!   floor may grow only while the pool holds at most the total less every cluster's floor, so
+//!   the clusters within their floors can fill them without taking the pool over its total. The
+//!   floor is at most half a fair share (the total over twice the number of clusters), so
+//!   however many clusters there are, at least half the total is left to those above their
+//!   floor. For a given set of clusters the pool so holds at most its total, beside the events
+//!   being counted when they breach (each is counted, then dropped with its cache). A cluster
+//!   added later has its floor kept from then on, but what the others hold is not taken back:
+//!   until they shrink, the pool may hold up to the later clusters' floors more.
 //!
 //! The cluster of `--kubeconfig` has an unlimited budget: its caches are not counted.
 
@@ -64,8 +70,9 @@ impl BudgetLimits {
 /// A cache that would have gone over its cluster's budget, or its budget's pool.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "{} would hold more than {limit} {unit} (at {resource}); the {} is {hint}",
+    "{} would hold more than {limit} {unit}{} (at {resource}); the {} is {hint}",
     if *pooled { "the caches of every cluster together" } else { "the caches" },
+    if *pooled { ", the total less the floor kept for every cluster" } else { "" },
     if *pooled { "total" } else { "budget" }
 )]
 pub struct Breach {
@@ -73,6 +80,7 @@ pub struct Breach {
     pub resource: String,
     /// `objects` or `bytes`.
     pub unit: &'static str,
+    /// The budget's limit, or for the pool its total less the floor kept for every cluster.
     pub limit: usize,
     /// Where the limit is set, for the operator: the setting that raises it.
     pub hint: String,
@@ -86,7 +94,7 @@ pub struct CachePool(Arc<PoolShared>);
 
 struct PoolShared {
     max_bytes: usize,
-    /// What a cluster may hold however full the pool is, at most its fair share.
+    /// What a cluster may hold however full the pool is, at most half its fair share.
     floor: usize,
     /// The budgets counting in the pool: the fair share is the total over their number.
     members: AtomicUsize,
@@ -160,11 +168,14 @@ impl CachePool {
         }))
     }
 
-    /// What one cluster may hold however full the pool is: the floor, or a fair share of the
-    /// total when that is less, so that any number of clusters within it stay within the total.
-    fn floor(&self) -> usize {
-        let members = self.0.members.load(Ordering::Acquire).max(1);
-        self.0.floor.min(self.0.max_bytes / members)
+    /// What one cluster may hold however full the pool is, and what the clusters above it may
+    /// take the pool to: see [`pool_bounds`].
+    fn bounds(&self) -> (usize, usize) {
+        pool_bounds(
+            self.0.max_bytes,
+            self.0.floor,
+            self.0.members.load(Ordering::Acquire),
+        )
     }
 
     /// The estimated bytes every cluster's caches hold now.
@@ -182,6 +193,19 @@ impl CachePool {
         self.0.gauge.set(i64::try_from(now).unwrap_or(i64::MAX));
         now
     }
+}
+
+/// For a pool of `total` bytes shared by `members`: what one member may hold however full the
+/// pool is (`floor`, or half a fair share of the total when that is less), and the most the pool
+/// may hold when a member above that grows (the total less every member's floor). The members
+/// within their floors hold at most the floors' sum, which is kept out of what the others may
+/// take, so all together hold at most `total`; the floors' sum is at most half the total, so the
+/// members above their floor always have the other half. The response pool of the controllers'
+/// tenant clients shares this rule.
+pub fn pool_bounds(total: usize, floor: usize, members: usize) -> (usize, usize) {
+    let members = members.max(1);
+    let floor = floor.min(total / members.saturating_mul(2));
+    (floor, total - members * floor)
 }
 
 /// Adds `delta` to `counter`; the sum.
@@ -394,7 +418,8 @@ impl CacheBudget {
     }
 
     /// Counts `objects` and `bytes` more (or fewer); the breach when the totals go over, the
-    /// budget's or (for a cluster holding more than the pool's floor) the pool's.
+    /// budget's or (for a cluster holding more than the pool's floor) the pool's: the total
+    /// less the floors kept for every cluster.
     fn charge(&self, objects: isize, bytes: isize, resource: &str) -> Result<(), Breach> {
         let objects_now = add_signed(&self.0.objects, objects);
         let bytes_now = add_signed(&self.0.bytes, bytes);
@@ -423,10 +448,11 @@ impl CacheBudget {
         }
         if bytes > 0
             && let Some((pool, pool_now)) = pool_now
-            && pool_now > pool.0.max_bytes
-            && bytes_now > pool.floor()
         {
-            return Err(breach("bytes", pool.0.max_bytes, &pool.0.hint, true));
+            let (floor, above_floors) = pool.bounds();
+            if pool_now > above_floors && bytes_now > floor {
+                return Err(breach("bytes", above_floors, &pool.0.hint, true));
+            }
         }
         Ok(())
     }
@@ -853,91 +879,137 @@ mod tests {
         assert_eq!(breach.resource, "Service");
     }
 
-    /// However many clusters there are, the pool holds at most twice its total: the floor
-    /// shrinks to a fair share when the clusters are many.
+    fn pooled_account(pool: &CachePool, max_bytes: usize) -> (CacheBudget, Account) {
+        let budget = CacheBudget::unregistered(
+            BudgetLimits {
+                max_objects: usize::MAX,
+                max_bytes,
+            },
+            "--own".to_owned(),
+            Some(pool.clone()),
+        );
+        let account = Account::new(budget.clone(), "Service".to_owned());
+        (budget, account)
+    }
+
     #[test]
-    fn any_number_of_small_clusters_stays_within_the_total() {
-        let pool = CachePool::unregistered(1000, 100, "--total".to_owned());
-        let clusters: Vec<_> = (0..40)
-            .map(|_| {
-                let budget = CacheBudget::unregistered(
-                    BudgetLimits {
-                        max_objects: usize::MAX,
-                        max_bytes: 800,
-                    },
-                    "--own".to_owned(),
-                    Some(pool.clone()),
-                );
-                Account::new(budget, "Service".to_owned())
-            })
-            .collect();
-        // 40 clusters: a fair share is 25 bytes, below the 100-byte floor.
-        assert_eq!(pool.floor(), 25);
-        let weight = |_: &Namespace| 25;
-        let mut breaches = 0;
-        let mut kept = Vec::new();
-        for (n, mut account) in clusters.into_iter().enumerate() {
-            // Each tries to hold 75 bytes, within the floor of a pool of few clusters; one that
-            // breaches empties its caches, as a paused tenant's are.
-            let breached = (0..3).any(|name| {
-                let event = watcher::Event::Apply(namespace(&format!("{n}-{name}")));
-                account.apply(&event, weight).is_err()
-            });
-            if breached {
-                breaches += 1;
-                account.release();
-            }
-            kept.push(account);
+    fn the_floors_are_kept_out_of_what_the_clusters_above_them_may_take() {
+        // Few clusters: the floor as given, the rest of the total for those above it.
+        assert_eq!(pool_bounds(1000, 100, 3), (100, 700));
+        // Many: half a fair share each, so the floors take at most half the total.
+        assert_eq!(pool_bounds(1000, 100, 40), (12, 520));
+        assert_eq!(pool_bounds(1000, 100, 5000), (0, 1000));
+        // No members yet counts as one.
+        assert_eq!(pool_bounds(1000, 100, 0), (100, 900));
+        for members in [1, 2, 5, 10, 48, 49, 96, 97, 300, 1000, 100_000] {
+            let (floor, above) = pool_bounds(96 << 20, 1 << 20, members);
+            assert!(members * floor <= (96 << 20) / 2, "{members}");
+            assert_eq!(above + members * floor, 96 << 20, "{members}");
         }
-        // With the 100-byte floor for every cluster, 40 clusters would hold 3,000 bytes.
-        assert!(pool.held() <= 2 * 1000, "{} bytes held", pool.held());
-        assert!(breaches > 0);
+    }
+
+    /// However many clusters there are, and however many of them grow without end, the pool
+    /// holds at most its total (beside the one event that breaches), and the clusters that stay
+    /// within their floor are never paused.
+    #[test]
+    fn any_number_of_clusters_growing_without_end_stays_within_the_total() {
+        const TOTAL: usize = 10_000;
+        const EVENT: usize = 10;
+        for clusters in [3, 10, 40, 100, 400] {
+            for hostile_share in [1, 2, 4] {
+                let pool = CachePool::unregistered(TOTAL, 1_000, "--total".to_owned());
+                let accounts: Vec<_> = (0..clusters)
+                    .map(|_| pooled_account(&pool, usize::MAX).1)
+                    .collect();
+                let floor = pool.bounds().0;
+                let hostile = (clusters / hostile_share).max(1);
+                let (mut hostile, mut small): (Vec<_>, Vec<_>) = accounts
+                    .into_iter()
+                    .enumerate()
+                    .partition(|(n, _)| *n < hostile);
+                let mut most = 0;
+                let mut breaches = 0;
+                // The hostile clusters grow until each has breached once (and been emptied,
+                // as a paused tenant's caches are), then grow again to just short of a breach
+                // and stay; the small ones then fill their floors.
+                for round in 0..2 {
+                    for (n, account) in &mut hostile {
+                        for event in 0.. {
+                            let name = format!("{n}-{round}-{event}");
+                            let applied =
+                                account.apply(&watcher::Event::Apply(namespace(&name)), |_| EVENT);
+                            most = most.max(pool.held());
+                            if applied.is_err() {
+                                breaches += 1;
+                                if round == 0 {
+                                    account.release();
+                                } else {
+                                    // Holding as much as it can, short of the breach.
+                                    let event = watcher::Event::Delete(namespace(&name));
+                                    account.apply(&event, |_| EVENT).unwrap();
+                                }
+                                break;
+                            }
+                        }
+                    }
+                }
+                for (n, account) in &mut small {
+                    for event in 0..floor / EVENT {
+                        let name = format!("{n}-{event}");
+                        account
+                            .apply(&watcher::Event::Apply(namespace(&name)), |_| EVENT)
+                            .unwrap_or_else(|breach| {
+                                panic!("a cluster within its floor of {floor} bytes: {breach}")
+                            });
+                        most = most.max(pool.held());
+                    }
+                }
+                let case = format!("{clusters} clusters, 1 in {hostile_share} hostile");
+                assert!(breaches >= hostile.len(), "{case}: {breaches} breaches");
+                // The one event of the last breach is still counted: the cache drops it.
+                assert!(most <= TOTAL + EVENT, "{case}: {most} bytes held");
+                assert!(most > TOTAL / 2, "{case}: the pool was not filled ({most})");
+            }
+        }
     }
 
     #[test]
     fn the_cluster_that_takes_the_pool_over_its_total_breaches_naming_the_total() {
+        // Three clusters with a floor of 100 each: those above it may fill the pool to 700.
         let pool = CachePool::unregistered(1000, 100, "--total".to_owned());
-        let cluster = |pool: &CachePool| {
-            let budget = CacheBudget::unregistered(
-                BudgetLimits {
-                    max_objects: usize::MAX,
-                    max_bytes: 800,
-                },
-                "--own".to_owned(),
-                Some(pool.clone()),
-            );
-            let account = Account::new(budget.clone(), "Service".to_owned());
-            (budget, account)
-        };
-        let (large, mut large_account) = cluster(&pool);
-        let (small, mut small_account) = cluster(&pool);
-        let (grower, mut grower_account) = cluster(&pool);
-        let weight = |_: &Namespace| 50;
-        let fill = |account: &mut Account, names: std::ops::Range<usize>| {
+        let (large, mut large_account) = pooled_account(&pool, 800);
+        let (small, mut small_account) = pooled_account(&pool, 800);
+        let (grower, mut grower_account) = pooled_account(&pool, 800);
+        let fill = |account: &mut Account, names: std::ops::Range<usize>, weight: usize| {
             names
-                .map(|n| account.apply(&watcher::Event::Apply(namespace(&n.to_string())), weight))
+                .map(|n| {
+                    let event = watcher::Event::Apply(namespace(&n.to_string()));
+                    account.apply(&event, |_| weight)
+                })
                 .collect::<Result<Vec<()>, Breach>>()
         };
-        // 700 bytes, within its own 800.
-        fill(&mut large_account, 0..14).unwrap();
-        fill(&mut grower_account, 0..6).unwrap();
-        assert_eq!(pool.held(), 1000);
-        // Over the total, but within the floor: a small cluster is never paused by the others.
-        fill(&mut small_account, 0..2).unwrap();
-        assert_eq!((small.held().1, pool.held()), (100, 1100));
-        // Over the total and the floor: the cluster that grows breaches, naming the total.
-        let breach = fill(&mut grower_account, 6..7).unwrap_err();
+        fill(&mut large_account, 0..10, 50).unwrap();
+        fill(&mut grower_account, 0..2, 50).unwrap();
+        assert_eq!(pool.held(), 600);
+        // Over what the others may take, but within the floor kept for it: a small cluster is
+        // never paused by the others.
+        fill(&mut small_account, 0..2, 50).unwrap();
+        assert_eq!((small.held().1, pool.held()), (100, 700));
+        // Above its floor with the pool over the total less the floors: the cluster that
+        // grows breaches, naming the total.
+        let breach = fill(&mut grower_account, 2..3, 50).unwrap_err();
         assert!(breach.pooled);
-        assert_eq!((breach.unit, breach.limit), ("bytes", 1000));
+        assert_eq!((breach.unit, breach.limit), ("bytes", 700));
         let text = breach.to_string();
         assert!(
-            text.contains("every cluster") && text.contains("--total"),
+            text.contains("more than 700 bytes, the total less the floor kept for every cluster")
+                && text.contains("--total"),
             "{text}"
         );
         grower_account.release();
-        assert_eq!((grower.held().1, pool.held()), (0, 800));
+        assert_eq!((grower.held().1, pool.held()), (0, 600));
         // Its own budget comes first, named as such.
-        let own = fill(&mut large_account, 14..17).unwrap_err();
+        let own = fill(&mut large_account, 10..11, 400).unwrap_err();
         assert!(!own.pooled && own.to_string().contains("--own"), "{own}");
         drop(large_account);
         assert_eq!((large.held().1, pool.held()), (0, 100));
