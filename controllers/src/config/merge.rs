@@ -259,114 +259,27 @@ impl Config {
         };
 
         let advertise_address_source = given.advertise_address.take();
-        let advertise_address = advertise_address_source.as_ref().and_then(|source| {
-            let text = source.value.trim();
-            match text.parse::<IpAddr>() {
-                Ok(ip) if ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        format!(
-                            "{text:?} cannot be advertised to the cluster (use the apiserver's \
-                             routable address, e.g. 192.0.2.10)"
-                        ),
-                    ));
-                    None
-                }
-                Ok(ip) => Some(ip),
-                Err(_) => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        format!(
-                            "{text:?} is not an IP address (expected e.g. 192.0.2.10 or \
-                             2001:db8::10)"
-                        ),
-                    ));
-                    None
-                }
-            }
-        });
-
-        let secure_port = match given.secure_port.take() {
-            Some(source) => match source.value {
-                Ok(port @ 1..=65535) => u16::try_from(port).ok(),
-                Ok(port) => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        format!("{port} is not a valid port (expected 1-65535, e.g. 6443)"),
-                    ));
-                    None
-                }
-                Err(NotANumber(text)) => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        format!("{text:?} is not a port number (expected 1-65535, e.g. 6443)"),
-                    ));
-                    None
-                }
-            },
-            None => None,
-        };
-
-        let kubernetes_service_node_port = match given.kubernetes_service_node_port.take() {
-            Some(source) => match source.value {
-                Ok(0) => 0,
-                Ok(port) => match u16::try_from(port) {
-                    Ok(port) if service_node_port_range.contains(port) => port,
-                    _ => {
-                        errors.push(ConfigError::new(
-                            source.field,
-                            format!(
-                                "{port} is outside the node port range {service_node_port_range} \
-                                 (use 0 for a ClusterIP Service, or a port inside \
-                                 --service-node-port-range)"
-                            ),
-                        ));
-                        0
-                    }
-                },
-                Err(NotANumber(text)) => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        format!(
-                            "{text:?} is not a port number (use 0 for a ClusterIP Service, or a \
-                             port inside {service_node_port_range})"
-                        ),
-                    ));
-                    0
-                }
-            },
-            None => 0,
-        };
-
+        let advertise_address = advertise_address_source
+            .as_ref()
+            .and_then(|source| advertise_address(source, &mut errors));
+        let secure_port = given
+            .secure_port
+            .take()
+            .and_then(|source| secure_port(source, &mut errors));
+        let kubernetes_service_node_port = given
+            .kubernetes_service_node_port
+            .take()
+            .map_or(0, |source| {
+                kubernetes_service_node_port(source, service_node_port_range, &mut errors)
+            });
         let endpoint_reconciler_type = given
             .endpoint_reconciler_type
             .take()
             .map(|source| source.value);
-
-        let apiserver_count = match given.apiserver_count.take() {
-            Some(source) => match source.value {
-                Ok(count) if count > 0 => u32::try_from(count).unwrap_or(u32::MAX),
-                Ok(count) => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        format!(
-                            "should be a positive number, but {count} was given (e.g. 3 for \
-                             three apiservers)"
-                        ),
-                    ));
-                    1
-                }
-                Err(NotANumber(text)) => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        format!("{text:?} is not a number (expected a positive count, e.g. 3)"),
-                    ));
-                    1
-                }
-            },
-            None => 1,
-        };
-
+        let apiserver_count = given
+            .apiserver_count
+            .take()
+            .map_or(1, |source| apiserver_count(source, &mut errors));
         // The public address must be reachable over the primary service family (upstream's
         // validatePublicIPServiceClusterIPRangeIPFamilies), unless no endpoints are written.
         if let (Some(address), Some(primary), Some(source)) = (
@@ -387,42 +300,16 @@ impl Config {
                 ),
             ));
         }
-
-        let admin_addr = match given.admin_addr.take() {
-            Some(source) => match source.value.trim().parse::<SocketAddr>() {
-                Ok(addr) => addr,
-                Err(_) => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        format!(
-                            "{:?} is not an address:port (expected e.g. 0.0.0.0:8080 or \
-                             [::]:8080)",
-                            source.value
-                        ),
-                    ));
-                    default_admin_addr()
-                }
-            },
-            None => default_admin_addr(),
-        };
-
-        let shutdown_timeout = match given.shutdown_timeout.take() {
-            Some(source) => match source.value {
-                Ok(timeout) if !timeout.is_zero() => timeout,
-                Ok(_) => {
-                    errors.push(ConfigError::new(
-                        source.field,
-                        "must be greater than zero (e.g. 30s)",
-                    ));
-                    default_shutdown_timeout()
-                }
-                Err(err) => {
-                    errors.push(ConfigError::new(source.field, err.to_string()));
-                    default_shutdown_timeout()
-                }
-            },
-            None => default_shutdown_timeout(),
-        };
+        let admin_addr = given
+            .admin_addr
+            .take()
+            .map_or_else(default_admin_addr, |source| admin_addr(source, &mut errors));
+        let shutdown_timeout = given
+            .shutdown_timeout
+            .take()
+            .map_or_else(default_shutdown_timeout, |source| {
+                shutdown_timeout(source, &mut errors)
+            });
 
         let leader_election = merge_leader_election(&mut given, &mut errors);
 
@@ -983,4 +870,106 @@ fn boolean(
         }
         None => default,
     }
+}
+
+/// `advertiseAddress`: an address the cluster can reach.
+fn advertise_address(source: &Source<String>, errors: &mut Vec<ConfigError>) -> Option<IpAddr> {
+    let text = source.value.trim();
+    let message = match text.parse::<IpAddr>() {
+        Ok(ip) if ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() => format!(
+            "{text:?} cannot be advertised to the cluster (use the apiserver's routable \
+             address, e.g. 192.0.2.10)"
+        ),
+        Ok(ip) => return Some(ip),
+        Err(_) => {
+            format!("{text:?} is not an IP address (expected e.g. 192.0.2.10 or 2001:db8::10)")
+        }
+    };
+    errors.push(ConfigError::new(source.field, message));
+    None
+}
+
+/// `securePort`: 1-65535.
+fn secure_port(
+    source: Source<Result<u32, NotANumber>>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<u16> {
+    let message = match source.value {
+        Ok(port @ 1..=65535) => return u16::try_from(port).ok(),
+        Ok(port) => format!("{port} is not a valid port (expected 1-65535, e.g. 6443)"),
+        Err(NotANumber(text)) => {
+            format!("{text:?} is not a port number (expected 1-65535, e.g. 6443)")
+        }
+    };
+    errors.push(ConfigError::new(source.field, message));
+    None
+}
+
+/// `kubernetesServiceNodePort`: 0 (a ClusterIP Service) or a port inside the node port range.
+fn kubernetes_service_node_port(
+    source: Source<Result<u32, NotANumber>>,
+    range: PortRange,
+    errors: &mut Vec<ConfigError>,
+) -> u16 {
+    let message = match source.value {
+        Ok(0) => return 0,
+        Ok(port) => match u16::try_from(port) {
+            Ok(port) if range.contains(port) => return port,
+            _ => format!(
+                "{port} is outside the node port range {range} (use 0 for a ClusterIP Service, \
+                 or a port inside --service-node-port-range)"
+            ),
+        },
+        Err(NotANumber(text)) => format!(
+            "{text:?} is not a port number (use 0 for a ClusterIP Service, or a port inside \
+             {range})"
+        ),
+    };
+    errors.push(ConfigError::new(source.field, message));
+    0
+}
+
+/// `apiserverCount`: a positive count.
+fn apiserver_count(source: Source<Result<i64, NotANumber>>, errors: &mut Vec<ConfigError>) -> u32 {
+    let message = match source.value {
+        Ok(count) if count > 0 => return u32::try_from(count).unwrap_or(u32::MAX),
+        Ok(count) => format!(
+            "should be a positive number, but {count} was given (e.g. 3 for three apiservers)"
+        ),
+        Err(NotANumber(text)) => {
+            format!("{text:?} is not a number (expected a positive count, e.g. 3)")
+        }
+    };
+    errors.push(ConfigError::new(source.field, message));
+    1
+}
+
+/// `adminAddr`: an address and port to listen on.
+fn admin_addr(source: Source<String>, errors: &mut Vec<ConfigError>) -> SocketAddr {
+    source.value.trim().parse().unwrap_or_else(|_| {
+        errors.push(ConfigError::new(
+            source.field,
+            format!(
+                "{:?} is not an address:port (expected e.g. 0.0.0.0:8080 or [::]:8080)",
+                source.value
+            ),
+        ));
+        default_admin_addr()
+    })
+}
+
+/// `shutdownTimeout`: a duration above zero.
+fn shutdown_timeout(
+    source: Source<Result<Duration, DurationError>>,
+    errors: &mut Vec<ConfigError>,
+) -> Duration {
+    match source.value {
+        Ok(timeout) if !timeout.is_zero() => return timeout,
+        Ok(_) => errors.push(ConfigError::new(
+            source.field,
+            "must be greater than zero (e.g. 30s)",
+        )),
+        Err(err) => errors.push(ConfigError::new(source.field, err.to_string())),
+    }
+    default_shutdown_timeout()
 }
