@@ -575,75 +575,16 @@ pub(super) fn merge_tenants(
         }
         return None;
     };
-    let mut positive = |source: Option<Source<Result<u32, NotANumber>>>, default: u32, example| {
-        let Some(source) = source else {
-            return default;
-        };
-        match source.value {
-            Ok(value @ 1..) => value,
-            Ok(_) | Err(_) => {
-                let text = match source.value {
-                    Ok(value) => value.to_string(),
-                    Err(NotANumber(text)) => format!("{text:?}"),
-                };
-                errors.push(ConfigError::new(
-                    source.field,
-                    format!("{text} is not a positive whole number (e.g. {example})"),
-                ));
-                default
-            }
-        }
-    };
-    let cache_max_objects = positive(max_objects, DEFAULT_TENANTS_CACHE_MAX_OBJECTS, "50000");
-    let cache_max_mib = positive(max_mib, DEFAULT_TENANTS_CACHE_MAX_MIB, "32");
-    let cache_total_mib = positive(total_mib, DEFAULT_TENANTS_CACHE_TOTAL_MIB, "96");
-    let mut cache_budgets = BTreeMap::new();
-    for (key, budget) in budgets.into_iter().flatten() {
-        let field = format!("tenants.cacheBudgets.{key}");
-        let valid_key = key.split_once('/').is_some_and(|(namespace, name)| {
-            validate_dns1123_label(namespace).is_ok() && validate_dns1123_subdomain(name).is_ok()
-        });
-        if !valid_key {
-            errors.push(ConfigError::new(
-                field.clone(),
-                "is not a tenant: the key is its Secret's namespace/name (e.g. tenants/team-a)",
-            ));
-        }
-        for (given, name) in [
-            (budget.max_objects, "maxObjects"),
-            (budget.max_mib, "maxMiB"),
-        ] {
-            if given == Some(0) {
-                errors.push(ConfigError::new(
-                    format!("{field}.{name}"),
-                    "must be positive (leave it out for the process's budget)",
-                ));
-            }
-        }
-        cache_budgets.insert(
-            key.clone(),
-            TenantBudget {
-                max_objects: budget.max_objects.unwrap_or(cache_max_objects),
-                max_mib: budget.max_mib.unwrap_or(cache_max_mib),
-            },
-        );
-    }
-    let selector_text = selector.value.trim().to_owned();
-    if selector_text.is_empty() {
-        errors.push(ConfigError::new(
-            selector.field,
-            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g. \
-             cluster.x-k8s.io/cluster-name)",
-        ));
-    } else if let Err(why) = validate_label_selector(&selector_text) {
-        errors.push(ConfigError::new(
-            selector.field,
-            format!(
-                "{selector_text:?} is not a label selector: {why} (e.g. \
-                 cluster.x-k8s.io/cluster-name, or team=a,tier!=dev)"
-            ),
-        ));
-    }
+    let cache_max_objects = positive(
+        max_objects,
+        DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
+        "50000",
+        errors,
+    );
+    let cache_max_mib = positive(max_mib, DEFAULT_TENANTS_CACHE_MAX_MIB, "32", errors);
+    let cache_total_mib = positive(total_mib, DEFAULT_TENANTS_CACHE_TOTAL_MIB, "96", errors);
+    let cache_budgets = cache_budgets(budgets, cache_max_objects, cache_max_mib, errors);
+    let selector_text = secret_selector(selector, errors);
     let namespace = namespace.and_then(|source| {
         match reconcilers::names::validate_dns1123_label(&source.value) {
             Ok(()) => Some(source.value),
@@ -659,84 +600,14 @@ pub(super) fn merge_tenants(
             }
         }
     });
-    let kubeconfig_key = match key {
-        Some(source) => {
-            let valid = !source.value.is_empty()
-                && source.value.len() <= 253
-                && source
-                    .value
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-            if !valid {
-                errors.push(ConfigError::new(
-                    source.field,
-                    format!(
-                        "{:?} is not a Secret data key (letters, digits, '-', '_' and '.'; \
-                         e.g. value, admin.conf, kubeconfig, config)",
-                        source.value
-                    ),
-                ));
-            }
-            source.value
-        }
-        None => DEFAULT_TENANTS_KUBECONFIG_KEY.to_owned(),
-    };
-    let mut credential_plugins = Vec::new();
-    if let Some(source) = plugins {
-        for path in source
-            .value
-            .split(',')
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-        {
-            let directory = path.ends_with('/');
-            let path = PathBuf::from(path);
-            let plain = !directory
-                && path.components().all(|c| {
-                    matches!(
-                        c,
-                        std::path::Component::RootDir | std::path::Component::Normal(_)
-                    )
-                });
-            if !path.is_absolute() || !plain || path.file_name().is_none() {
-                errors.push(ConfigError::new(
-                    source.field,
-                    format!(
-                        "{} is not an absolute path to a program (e.g. \
-                         /usr/local/bin/aws-iam-authenticator): a plugin is allowed by the path \
-                         that runs, never looked up in PATH",
-                        path.display()
-                    ),
-                ));
-            } else if !credential_plugins.contains(&path) {
-                credential_plugins.push(path);
-            }
-        }
-    }
-    let mut etcd_allowed_cidrs = Vec::new();
-    if let Some(source) = etcd_allowed {
-        for text in source
-            .value
-            .split(',')
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-        {
-            match text.parse::<ipnet::IpNet>() {
-                Ok(net) if net.trunc() == net => etcd_allowed_cidrs.push(net),
-                Ok(net) => errors.push(ConfigError::new(
-                    source.field,
-                    format!(
-                        "{text} has host bits set: write the network, {}",
-                        net.trunc()
-                    ),
-                )),
-                Err(_) => errors.push(ConfigError::new(
-                    source.field,
-                    format!("{text:?} is not a CIDR (e.g. 10.0.16.0/20 or fd00:10::/64)"),
-                )),
-            }
-        }
-    }
+    let kubeconfig_key = key.map_or_else(
+        || DEFAULT_TENANTS_KUBECONFIG_KEY.to_owned(),
+        |source| kubeconfig_key(source, errors),
+    );
+    let credential_plugins =
+        plugins.map_or_else(Vec::new, |source| credential_plugins(source, errors));
+    let etcd_allowed_cidrs =
+        etcd_allowed.map_or_else(Vec::new, |source| etcd_allowed_cidrs(source, errors));
     Some(Tenants {
         secret_selector: selector_text,
         namespace,
@@ -870,6 +741,174 @@ fn boolean(
         }
         None => default,
     }
+}
+
+/// A positive whole number, or `default` when not given.
+fn positive(
+    source: Option<Source<Result<u32, NotANumber>>>,
+    default: u32,
+    example: &str,
+    errors: &mut Vec<ConfigError>,
+) -> u32 {
+    let Some(source) = source else {
+        return default;
+    };
+    let text = match source.value {
+        Ok(value @ 1..) => return value,
+        Ok(value) => value.to_string(),
+        Err(NotANumber(text)) => format!("{text:?}"),
+    };
+    errors.push(ConfigError::new(
+        source.field,
+        format!("{text} is not a positive whole number (e.g. {example})"),
+    ));
+    default
+}
+
+/// `tenants.cacheBudgets`: the operator's raise per tenant, keyed by its Secret's namespace/name;
+/// what a budget leaves out is the process's.
+fn cache_budgets(
+    budgets: Option<&BTreeMap<String, TenantBudgetFile>>,
+    max_objects: u32,
+    max_mib: u32,
+    errors: &mut Vec<ConfigError>,
+) -> BTreeMap<String, TenantBudget> {
+    let mut cache_budgets = BTreeMap::new();
+    for (key, budget) in budgets.into_iter().flatten() {
+        let field = format!("tenants.cacheBudgets.{key}");
+        let valid_key = key.split_once('/').is_some_and(|(namespace, name)| {
+            validate_dns1123_label(namespace).is_ok() && validate_dns1123_subdomain(name).is_ok()
+        });
+        if !valid_key {
+            errors.push(ConfigError::new(
+                field.clone(),
+                "is not a tenant: the key is its Secret's namespace/name (e.g. tenants/team-a)",
+            ));
+        }
+        for (given, name) in [
+            (budget.max_objects, "maxObjects"),
+            (budget.max_mib, "maxMiB"),
+        ] {
+            if given == Some(0) {
+                errors.push(ConfigError::new(
+                    format!("{field}.{name}"),
+                    "must be positive (leave it out for the process's budget)",
+                ));
+            }
+        }
+        cache_budgets.insert(
+            key.clone(),
+            TenantBudget {
+                max_objects: budget.max_objects.unwrap_or(max_objects),
+                max_mib: budget.max_mib.unwrap_or(max_mib),
+            },
+        );
+    }
+    cache_budgets
+}
+
+/// `tenants.secretSelector`: a label selector, trimmed.
+fn secret_selector(selector: Source<String>, errors: &mut Vec<ConfigError>) -> String {
+    let selector_text = selector.value.trim().to_owned();
+    if selector_text.is_empty() {
+        errors.push(ConfigError::new(
+            selector.field,
+            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g. \
+             cluster.x-k8s.io/cluster-name)",
+        ));
+    } else if let Err(why) = validate_label_selector(&selector_text) {
+        errors.push(ConfigError::new(
+            selector.field,
+            format!(
+                "{selector_text:?} is not a label selector: {why} (e.g. \
+                 cluster.x-k8s.io/cluster-name, or team=a,tier!=dev)"
+            ),
+        ));
+    }
+    selector_text
+}
+
+/// `tenants.kubeconfigKey`: a Secret data key.
+fn kubeconfig_key(source: Source<String>, errors: &mut Vec<ConfigError>) -> String {
+    let valid = !source.value.is_empty()
+        && source.value.len() <= 253
+        && source
+            .value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !valid {
+        errors.push(ConfigError::new(
+            source.field,
+            format!(
+                "{:?} is not a Secret data key (letters, digits, '-', '_' and '.'; \
+                 e.g. value, admin.conf, kubeconfig, config)",
+                source.value
+            ),
+        ));
+    }
+    source.value
+}
+
+/// `tenants.credentialPlugins`: absolute paths of the programs a tenant kubeconfig may run.
+fn credential_plugins(source: Source<String>, errors: &mut Vec<ConfigError>) -> Vec<PathBuf> {
+    let mut credential_plugins = Vec::new();
+    for path in source
+        .value
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
+        let directory = path.ends_with('/');
+        let path = PathBuf::from(path);
+        let plain = !directory
+            && path.components().all(|c| {
+                matches!(
+                    c,
+                    std::path::Component::RootDir | std::path::Component::Normal(_)
+                )
+            });
+        if !path.is_absolute() || !plain || path.file_name().is_none() {
+            errors.push(ConfigError::new(
+                source.field,
+                format!(
+                    "{} is not an absolute path to a program (e.g. \
+                     /usr/local/bin/aws-iam-authenticator): a plugin is allowed by the path \
+                     that runs, never looked up in PATH",
+                    path.display()
+                ),
+            ));
+        } else if !credential_plugins.contains(&path) {
+            credential_plugins.push(path);
+        }
+    }
+    credential_plugins
+}
+
+/// `tenants.etcdAllowedCIDRs`: the networks a tenant's etcd may be in.
+fn etcd_allowed_cidrs(source: Source<String>, errors: &mut Vec<ConfigError>) -> Vec<ipnet::IpNet> {
+    let mut etcd_allowed_cidrs = Vec::new();
+    for text in source
+        .value
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
+        match text.parse::<ipnet::IpNet>() {
+            Ok(net) if net.trunc() == net => etcd_allowed_cidrs.push(net),
+            Ok(net) => errors.push(ConfigError::new(
+                source.field,
+                format!(
+                    "{text} has host bits set: write the network, {}",
+                    net.trunc()
+                ),
+            )),
+            Err(_) => errors.push(ConfigError::new(
+                source.field,
+                format!("{text:?} is not a CIDR (e.g. 10.0.16.0/20 or fd00:10::/64)"),
+            )),
+        }
+    }
+    etcd_allowed_cidrs
 }
 
 /// `advertiseAddress`: an address the cluster can reach.
