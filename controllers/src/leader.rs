@@ -356,18 +356,72 @@ async fn elect(
     sender: watch::Sender<bool>,
     cancel: CancellationToken,
 ) {
-    let backoff = || {
-        reconcilers::retry::backoff(
-            Duration::from_millis(500),
-            settings.renew_grace.max(Duration::from_secs(1)),
-        )
-        .build()
+    if !join(&clients.write, &settings, &health, &cancel).await {
+        return;
+    }
+    let mut watch = watcher(
+        Api::<Lease>::namespaced(clients.watch.clone(), &settings.lease_namespace),
+        watcher::Config::default().fields(&format!("metadata.name={}", settings.lease_name)),
+    )
+    .default_backoff()
+    .boxed();
+    let mut elector = Elector {
+        leases: Api::namespaced(clients.write.clone(), &settings.lease_namespace),
+        election: Election::new(&settings, Instant::now()),
+        delays: backoff(&settings),
+        settings,
+        metrics,
+        health,
+        sender,
+        listing: None,
+        failing: false,
+        retry_at: None,
     };
-    // On a fresh control plane the Lease's namespace (kube-system) may not exist yet, and the
-    // loop that creates it runs only on the leader.
-    let mut delays = backoff();
+    loop {
+        let step = elector.election.next_step(Instant::now());
+        let wake = match (&step, elector.retry_at) {
+            (_, Some(at)) => Some(at),
+            (Step::Wait(at), None) => Some(*at),
+            (Step::Observe, None) => None,
+            _ => Some(Instant::now()),
+        };
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break,
+            _ = sleep_until(wake) => {
+                elector.retry_at = None;
+                if !matches!(step, Step::Wait(_) | Step::Observe) {
+                    elector.take_step(step).await;
+                }
+            }
+            event = watch.next() => match event {
+                Some(event) => elector.on_event(event),
+                None => break,
+            },
+        }
+    }
+    elector.step_down_on_exit().await;
+}
+
+fn backoff(settings: &LeaderSettings) -> backon::ExponentialBackoff {
+    reconcilers::retry::backoff(
+        Duration::from_millis(500),
+        settings.renew_grace.max(Duration::from_secs(1)),
+    )
+    .build()
+}
+
+/// Waits until the Lease's namespace exists (on a fresh control plane kube-system may not yet,
+/// and the loop that creates it runs only on the leader); false when cancelled first.
+async fn join(
+    client: &kube::Client,
+    settings: &LeaderSettings,
+    health: &Health,
+    cancel: &CancellationToken,
+) -> bool {
+    let mut delays = backoff(settings);
     let mut failure = reconcilers::findings::RepeatedFailure::default();
-    while let Err(err) = ensure_namespace(&clients.write, &settings.lease_namespace).await {
+    while let Err(err) = ensure_namespace(client, &settings.lease_namespace).await {
         let delay = delays.next().unwrap_or(settings.renew_grace);
         health.set_check(
             READYZ_CHECK,
@@ -382,7 +436,7 @@ async fn elect(
             debug!(error = %err, retry_in = ?delay, "cannot ensure the leader-election Lease's namespace exists, again");
         }
         tokio::select! {
-            _ = cancel.cancelled() => return,
+            _ = cancel.cancelled() => return false,
             _ = tokio::time::sleep(delay) => {}
         }
     }
@@ -391,155 +445,177 @@ async fn elect(
         READYZ_CHECK,
         CheckState::Failing("joined; waiting to learn which replica leads".to_owned()),
     );
+    true
+}
 
-    let leases: Api<Lease> = Api::namespaced(clients.write.clone(), &settings.lease_namespace);
-    let mut watch = watcher(
-        Api::<Lease>::namespaced(clients.watch.clone(), &settings.lease_namespace),
-        watcher::Config::default().fields(&format!("metadata.name={}", settings.lease_name)),
-    )
-    .default_backoff()
-    .boxed();
-    let mut election = Election::new(&settings, Instant::now());
-    // Filled by a listing watch; turned into the known state at its end.
-    let mut listing: Option<Option<Lease>> = None;
-    let mut failing = false;
-    let mut delays = backoff();
-    let mut retry_at: Option<Instant> = None;
-    loop {
-        let step = election.next_step(Instant::now());
-        let wake = match (&step, retry_at) {
-            (_, Some(at)) => Some(at),
-            (Step::Wait(at), None) => Some(*at),
-            (Step::Observe, None) => None,
-            _ => Some(Instant::now()),
-        };
-        tokio::select! {
-            biased;
-            _ = cancel.cancelled() => break,
-            _ = sleep_until(wake) => {
-                retry_at = None;
-                if matches!(step, Step::Wait(_) | Step::Observe) {
-                    continue;
+/// One replica's part in the election: what it knows of the Lease, and what it tells the
+/// loops, the metrics and `/readyz`.
+struct Elector {
+    settings: LeaderSettings,
+    metrics: LeaderMetrics,
+    health: Health,
+    sender: watch::Sender<bool>,
+    leases: Api<Lease>,
+    election: Election,
+    /// Filled by a listing watch; turned into the known state at its end.
+    listing: Option<Option<Lease>>,
+    /// Whether the last write failed for another reason than a lost race.
+    failing: bool,
+    delays: backon::ExponentialBackoff,
+    retry_at: Option<Instant>,
+}
+
+impl Elector {
+    /// Creates or renews the Lease as `step` says, and learns from the answer.
+    async fn take_step(&mut self, step: Step) {
+        let sent = Instant::now();
+        let desired = self.election.desired(&step);
+        self.election.sending(&desired);
+        let params = PostParams::default();
+        let settings = &self.settings;
+        let leases = &self.leases;
+        let write = async {
+            match step {
+                Step::Create => {
+                    let mut desired = desired;
+                    desired.metadata = ObjectMeta {
+                        name: Some(settings.lease_name.clone()),
+                        namespace: Some(settings.lease_namespace.clone()),
+                        ..ObjectMeta::default()
+                    };
+                    leases.create(&params, &desired).await
                 }
-                let sent = Instant::now();
-                let desired = election.desired(&step);
-                election.sending(&desired);
-                let params = PostParams::default();
-                let write = async {
-                    match step {
-                        Step::Create => {
-                            let mut desired = desired;
-                            desired.metadata = ObjectMeta {
-                                name: Some(settings.lease_name.clone()),
-                                namespace: Some(settings.lease_namespace.clone()),
-                                ..ObjectMeta::default()
-                            };
-                            leases.create(&params, &desired).await
-                        }
-                        _ => leases.replace(&settings.lease_name, &params, &desired).await,
-                    }
-                };
-                // A leader's authority ends before its Lease could expire on a standby's clock,
-                // whatever the renewal is doing: kube's client retries 429 and 503 answers after
-                // their Retry-After, which could outlast the Lease.
-                let authority_ends = election
-                    .renewed_at
-                    .filter(|_| election.leading)
-                    .map(|at| at + leadership_span(&settings));
-                let written = match authority_ends {
-                    Some(deadline) => tokio::time::timeout_at(deadline, write)
+                _ => {
+                    leases
+                        .replace(&settings.lease_name, &params, &desired)
                         .await
-                        .unwrap_or_else(|_| {
-                            Err(kube::Error::Service(
-                                "the renewal did not succeed before the Lease could expire".into(),
-                            ))
-                        }),
-                    None => write.await,
-                };
-                match written {
-                    Ok(lease) => {
-                        election.observe(Some(lease), sent);
-                        election.renewed_at = Some(sent);
-                        election.leading = true;
-                        if failing {
-                            info!("leader election reaches the API again");
-                        }
-                        failing = false;
-                        delays = backoff();
-                        publish(&sender, &metrics, &health, true);
-                        health.set_check(READYZ_CHECK, CheckState::Passing(role(true)));
-                    }
-                    Err(err) => {
-                        // Whoever wrote first leads; learn who (a read, only after a lost race).
-                        let raced = lease::is_conflict(&err);
-                        if election.leading {
-                            warn!(error = %err, "cannot renew the leader-election Lease; stepping down");
-                        } else if !raced && !failing {
-                            warn!(error = %err, "leader election cannot reach the API; retrying");
-                        }
-                        election.leading = false;
-                        election.renewed_at = None;
-                        publish(&sender, &metrics, &health, false);
-                        if raced {
-                            match leases.get_opt(&settings.lease_name).await {
-                                Ok(lease) => election.observe(lease, Instant::now()),
-                                Err(err) => debug!(error = %err, "cannot read the Lease after a lost race"),
-                            }
-                            health.set_check(READYZ_CHECK, CheckState::Passing(role(false)));
-                        } else {
-                            failing = true;
-                            health.set_check(
-                                READYZ_CHECK,
-                                CheckState::Failing(format!("cannot renew or observe the Lease: {}", crate::client::describe(&err))),
-                            );
-                            retry_at = Some(Instant::now() + delays.next().unwrap_or(settings.renew_grace));
-                        }
-                    }
                 }
             }
-            event = watch.next() => {
-                let now = Instant::now();
-                match event {
-                    Some(Ok(watcher::Event::Init)) => listing = Some(None),
-                    Some(Ok(watcher::Event::InitApply(lease))) => listing = Some(Some(lease)),
-                    Some(Ok(watcher::Event::InitDone)) => {
-                        election.observe(listing.take().flatten(), now);
-                    }
-                    Some(Ok(watcher::Event::Apply(lease))) => election.observe(Some(lease), now),
-                    Some(Ok(watcher::Event::Delete(_))) => election.observe(None, now),
-                    Some(Err(err)) => {
-                        debug!(error = %err, "leader-election Lease watch failed; retrying with backoff");
-                    }
-                    None => break,
-                }
-                if election.leading && !election.holds() {
-                    warn!(holder = ?election.holder(), "another replica holds the leader-election Lease; stepping down");
-                    election.leading = false;
-                    election.renewed_at = None;
-                    publish(&sender, &metrics, &health, false);
-                    health.set_check(READYZ_CHECK, CheckState::Passing(role(false)));
-                } else if !failing && election.known && election.holder().is_some() {
-                    // A Lease without a holder is about to be taken: not yet a standby, nor a
-                    // leader, until this replica's write answers.
-                    health.set_check(READYZ_CHECK, CheckState::Passing(role(election.leading)));
-                }
-            }
+        };
+        // A leader's authority ends before its Lease could expire on a standby's clock,
+        // whatever the renewal is doing: kube's client retries 429 and 503 answers after
+        // their Retry-After, which could outlast the Lease.
+        let authority_ends = self
+            .election
+            .renewed_at
+            .filter(|_| self.election.leading)
+            .map(|at| at + leadership_span(settings));
+        let written = match authority_ends {
+            Some(deadline) => tokio::time::timeout_at(deadline, write)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(kube::Error::Service(
+                        "the renewal did not succeed before the Lease could expire".into(),
+                    ))
+                }),
+            None => write.await,
+        };
+        match written {
+            Ok(lease) => self.written(lease, sent),
+            Err(err) => self.refused(err).await,
         }
     }
 
-    let was_leading = election.leading;
-    publish(&sender, &metrics, &health, false);
-    if was_leading {
-        // Hand over at once: a Lease without a holder is free to take.
-        let mut released = election.desired(&Step::Renew);
+    fn written(&mut self, lease: Lease, sent: Instant) {
+        self.election.observe(Some(lease), sent);
+        self.election.renewed_at = Some(sent);
+        self.election.leading = true;
+        if self.failing {
+            info!("leader election reaches the API again");
+        }
+        self.failing = false;
+        self.delays = backoff(&self.settings);
+        self.publish(true);
+        self.health
+            .set_check(READYZ_CHECK, CheckState::Passing(role(true)));
+    }
+
+    async fn refused(&mut self, err: kube::Error) {
+        // Whoever wrote first leads; learn who (a read, only after a lost race).
+        let raced = lease::is_conflict(&err);
+        if self.election.leading {
+            warn!(error = %err, "cannot renew the leader-election Lease; stepping down");
+        } else if !raced && !self.failing {
+            warn!(error = %err, "leader election cannot reach the API; retrying");
+        }
+        self.election.leading = false;
+        self.election.renewed_at = None;
+        self.publish(false);
+        if raced {
+            match self.leases.get_opt(&self.settings.lease_name).await {
+                Ok(lease) => self.election.observe(lease, Instant::now()),
+                Err(err) => debug!(error = %err, "cannot read the Lease after a lost race"),
+            }
+            self.health
+                .set_check(READYZ_CHECK, CheckState::Passing(role(false)));
+        } else {
+            self.failing = true;
+            self.health.set_check(
+                READYZ_CHECK,
+                CheckState::Failing(format!(
+                    "cannot renew or observe the Lease: {}",
+                    crate::client::describe(&err)
+                )),
+            );
+            let delay = self.delays.next().unwrap_or(self.settings.renew_grace);
+            self.retry_at = Some(Instant::now() + delay);
+        }
+    }
+
+    fn on_event(&mut self, event: Result<watcher::Event<Lease>, watcher::Error>) {
+        let now = Instant::now();
+        match event {
+            Ok(watcher::Event::Init) => self.listing = Some(None),
+            Ok(watcher::Event::InitApply(lease)) => self.listing = Some(Some(lease)),
+            Ok(watcher::Event::InitDone) => {
+                self.election.observe(self.listing.take().flatten(), now);
+            }
+            Ok(watcher::Event::Apply(lease)) => self.election.observe(Some(lease), now),
+            Ok(watcher::Event::Delete(_)) => self.election.observe(None, now),
+            Err(err) => {
+                debug!(error = %err, "leader-election Lease watch failed; retrying with backoff");
+            }
+        }
+        if self.election.leading && !self.election.holds() {
+            warn!(holder = ?self.election.holder(), "another replica holds the leader-election Lease; stepping down");
+            self.election.leading = false;
+            self.election.renewed_at = None;
+            self.publish(false);
+            self.health
+                .set_check(READYZ_CHECK, CheckState::Passing(role(false)));
+        } else if !self.failing && self.election.known && self.election.holder().is_some() {
+            // A Lease without a holder is about to be taken: not yet a standby, nor a
+            // leader, until this replica's write answers.
+            self.health.set_check(
+                READYZ_CHECK,
+                CheckState::Passing(role(self.election.leading)),
+            );
+        }
+    }
+
+    fn publish(&self, leader: bool) {
+        publish(&self.sender, &self.metrics, &self.health, leader);
+    }
+
+    /// On the way out: no longer the leader, and a leader hands the Lease over at once (a
+    /// Lease without a holder is free to take).
+    async fn step_down_on_exit(self) {
+        let was_leading = self.election.leading;
+        self.publish(false);
+        if !was_leading {
+            return;
+        }
+        let mut released = self.election.desired(&Step::Renew);
         if let Some(spec) = released.spec.as_mut() {
             spec.holder_identity = None;
             spec.lease_duration_seconds = Some(1);
         }
         let params = PostParams::default();
-        let release = leases.replace(&settings.lease_name, &params, &released);
-        match tokio::time::timeout(settings.renew_grace.max(Duration::from_secs(1)), release).await
-        {
+        let release = self
+            .leases
+            .replace(&self.settings.lease_name, &params, &released);
+        let grace = self.settings.renew_grace.max(Duration::from_secs(1));
+        match tokio::time::timeout(grace, release).await {
             Ok(Ok(_)) => info!("released the leader-election Lease"),
             Ok(Err(err)) => {
                 warn!(error = %err, "could not release the Lease; it expires on its own")
