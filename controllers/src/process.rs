@@ -147,94 +147,15 @@ impl Controller {
             }
             Mode::Management(management) => {
                 let (tenants, base) = *management;
-                let directory = Directory::default();
-                let metrics = TenantMetrics::register(&mut registry);
-                let pools = tenants::Pools {
-                    caches: reconcilers::budget::CachePool::new(
-                        tenants.cache_total_bytes(),
-                        crate::config::TENANT_CACHE_FLOOR_BYTES,
-                        "--tenants-cache-total-mib (tenants.cacheTotalMiB in the configuration \
-                         file)",
-                        &mut registry,
-                    ),
-                    responses: crate::limits::ResponsePool::new(
-                        crate::limits::ResponsePool::TENANTS_MAX_BYTES,
-                        crate::limits::ResponsePool::TENANTS_FLOOR,
-                        &mut registry,
-                    ),
-                };
-                let identity = config.leader_identity();
-                let shards_cancel = CancellationToken::new();
-                // A dry run holds no replica Lease: it would count as a replica the real ones
-                // hand tenants to, which it would then only observe.
-                let (ownership, shards) = if config.leader_election.enabled && !config.dry_run {
-                    let shards = Shards::spawn(
-                        client.clone(),
-                        ShardSettings {
-                            namespace: config.leader_election.lease_namespace.clone(),
-                            group: config.leader_election.lease_name.clone(),
-                            identity: identity.clone(),
-                            lease_duration: config.leader_election.lease_duration,
-                            renew_grace: config.leader_election.renew_grace,
-                        },
-                        shards_cancel.clone(),
-                    );
-                    let views = shards.views.clone();
-                    let leadership = shards.leadership();
-                    let shards = Arc::new(shards);
-                    let acks = shards.clone();
-                    (
-                        Ownership {
-                            views,
-                            ack: Box::new(move |id| acks.ack(id)),
-                            leadership,
-                        },
-                        Some(shards),
-                    )
-                } else {
-                    (Ownership::single(&identity), None)
-                };
-                let settings = TenantSettings {
-                    selector: tenants.secret_selector.clone(),
-                    namespace: tenants.namespace.clone(),
-                    kubeconfig_key: tenants.kubeconfig_key.clone(),
+                let (work, directory) = Controller::spawn_management(
+                    config,
+                    &client,
+                    tenants,
                     base,
-                    identity,
-                    credentials: CredentialPolicy {
-                        plugins: tenants.credential_plugins.clone(),
-                        // Allowed plugins run under this program's credential-plugin
-                        // subcommand; without its path none can run.
-                        runner: (!tenants.credential_plugins.is_empty())
-                            .then(|| std::env::current_exe().ok())
-                            .flatten(),
-                    },
-                    cache_budgets: tenants.clone(),
-                    pools,
-                    claims_namespace: config.leader_election.lease_namespace.clone(),
-                    claims_group: config.leader_election.lease_name.clone(),
-                    dry_run: config.dry_run,
-                };
-                let manager = tenants::spawn(
-                    client.clone(),
-                    settings,
-                    ownership,
+                    &mut registry,
                     health.clone(),
-                    metrics,
-                    directory.clone(),
                     cancel.clone(),
                 );
-                let work = tokio::spawn(async move {
-                    if let Err(err) = manager.await {
-                        error!(error = %err, "the tenant manager failed");
-                    }
-                    // Every tenant has stopped: withdraw from the replicas so the others
-                    // take the tenants at once (the manager, gone now, held the other
-                    // handle).
-                    shards_cancel.cancel();
-                    if let Some(shards) = shards.and_then(Arc::into_inner) {
-                        shards.stopped().await;
-                    }
-                });
                 (work, Some(directory))
             }
         };
@@ -265,6 +186,108 @@ impl Controller {
             health,
             task,
         })
+    }
+
+    /// Management mode's work: the replicas' shards (when leader election is on) and the tenant
+    /// manager, with the pools every tenant's caches and responses share.
+    fn spawn_management(
+        config: &Config,
+        client: &kube::Client,
+        tenants: crate::config::Tenants,
+        base: TenantBase,
+        registry: &mut prometheus_client::registry::Registry,
+        health: Health,
+        cancel: CancellationToken,
+    ) -> (tokio::task::JoinHandle<()>, Directory) {
+        let directory = Directory::default();
+        let metrics = TenantMetrics::register(registry);
+        let pools = tenants::Pools {
+            caches: reconcilers::budget::CachePool::new(
+                tenants.cache_total_bytes(),
+                crate::config::TENANT_CACHE_FLOOR_BYTES,
+                "--tenants-cache-total-mib (tenants.cacheTotalMiB in the configuration \
+                 file)",
+                registry,
+            ),
+            responses: crate::limits::ResponsePool::new(
+                crate::limits::ResponsePool::TENANTS_MAX_BYTES,
+                crate::limits::ResponsePool::TENANTS_FLOOR,
+                registry,
+            ),
+        };
+        let identity = config.leader_identity();
+        let shards_cancel = CancellationToken::new();
+        // A dry run holds no replica Lease: it would count as a replica the real ones
+        // hand tenants to, which it would then only observe.
+        let (ownership, shards) = if config.leader_election.enabled && !config.dry_run {
+            let shards = Shards::spawn(
+                client.clone(),
+                ShardSettings {
+                    namespace: config.leader_election.lease_namespace.clone(),
+                    group: config.leader_election.lease_name.clone(),
+                    identity: identity.clone(),
+                    lease_duration: config.leader_election.lease_duration,
+                    renew_grace: config.leader_election.renew_grace,
+                },
+                shards_cancel.clone(),
+            );
+            let views = shards.views.clone();
+            let leadership = shards.leadership();
+            let shards = Arc::new(shards);
+            let acks = shards.clone();
+            (
+                Ownership {
+                    views,
+                    ack: Box::new(move |id| acks.ack(id)),
+                    leadership,
+                },
+                Some(shards),
+            )
+        } else {
+            (Ownership::single(&identity), None)
+        };
+        let settings = TenantSettings {
+            selector: tenants.secret_selector.clone(),
+            namespace: tenants.namespace.clone(),
+            kubeconfig_key: tenants.kubeconfig_key.clone(),
+            base,
+            identity,
+            credentials: CredentialPolicy {
+                plugins: tenants.credential_plugins.clone(),
+                // Allowed plugins run under this program's credential-plugin
+                // subcommand; without its path none can run.
+                runner: (!tenants.credential_plugins.is_empty())
+                    .then(|| std::env::current_exe().ok())
+                    .flatten(),
+            },
+            cache_budgets: tenants.clone(),
+            pools,
+            claims_namespace: config.leader_election.lease_namespace.clone(),
+            claims_group: config.leader_election.lease_name.clone(),
+            dry_run: config.dry_run,
+        };
+        let manager = tenants::spawn(
+            client.clone(),
+            settings,
+            ownership,
+            health,
+            metrics,
+            directory.clone(),
+            cancel,
+        );
+        let work = tokio::spawn(async move {
+            if let Err(err) = manager.await {
+                error!(error = %err, "the tenant manager failed");
+            }
+            // Every tenant has stopped: withdraw from the replicas so the others
+            // take the tenants at once (the manager, gone now, held the other
+            // handle).
+            shards_cancel.cancel();
+            if let Some(shards) = shards.and_then(Arc::into_inner) {
+                shards.stopped().await;
+            }
+        });
+        (work, directory)
     }
 
     /// The single-cluster mode's work: leader election (if on) and the runner.
