@@ -22,7 +22,7 @@ use tokio::time::Instant;
 
 use super::lease::{MemberLease, Sightings, member_selector, membership};
 use super::lease_trigger::lease_trigger;
-use super::members::{MemberSet, endpoint_ip_problem};
+use super::members::{MemberSet, MembershipChange, endpoint_ip_problem};
 use super::modes::{EntryOutcome, master_count_members, static_members};
 use super::plan::{
     EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
@@ -691,7 +691,22 @@ impl ApiserverEndpointsLoop {
         state.previous = Some(members.clone());
         drop(state);
 
-        let reference = written
+        let reference = self.reference(written);
+        for (reason, note) in computed.warnings {
+            self.publish(&reference, EventType::Warning, &reason, note)
+                .await;
+        }
+        self.announce(&reference, &change, &computed.expired).await;
+        self.report_repairs(&reference, &report, &change, &writers)
+            .await;
+        Ok(report)
+    }
+
+    /// What events are about: the Endpoints as written or found, else (slices only, or none
+    /// found) the object this loop keeps.
+    fn reference(&self, written: Option<Endpoints>) -> ObjectReference {
+        let target = self.target();
+        written
             .map(|e| e.object_ref(&()))
             .unwrap_or_else(|| ObjectReference {
                 api_version: Some(
@@ -713,15 +728,21 @@ impl ApiserverEndpointsLoop {
                 name: Some(target.service_name.clone()),
                 namespace: Some(target.namespace.clone()),
                 ..ObjectReference::default()
-            });
-        for (reason, note) in computed.warnings {
-            self.publish(&reference, EventType::Warning, &reason, note)
-                .await;
-        }
+            })
+    }
+
+    /// Counts and announces the members that joined, expired or left, one event each (or one
+    /// for many).
+    async fn announce(
+        &self,
+        reference: &ObjectReference,
+        change: &MembershipChange,
+        expired_leases: &BTreeSet<IpAddr>,
+    ) {
         let (expired, left): (Vec<IpAddr>, Vec<IpAddr>) = change
             .left
             .iter()
-            .partition(|ip| computed.expired.contains(*ip));
+            .partition(|ip| expired_leases.contains(*ip));
         let groups = [
             (
                 "joined",
@@ -753,7 +774,7 @@ impl ApiserverEndpointsLoop {
                 for ip in &members {
                     tracing::info!(member = %ip, change = label, "apiserver {what}");
                     self.publish(
-                        &reference,
+                        reference,
                         EventType::Normal,
                         reason,
                         format!("apiserver {ip} {what}"),
@@ -773,11 +794,21 @@ impl ApiserverEndpointsLoop {
                     members.len() - shown.len()
                 );
                 tracing::info!(change = label, count = members.len(), "{note}");
-                self.publish(&reference, EventType::Normal, reason, note)
+                self.publish(reference, EventType::Normal, reason, note)
                     .await;
             }
         }
+    }
 
+    /// Counts the repairs this pass made (writes no membership change explains), says them in one
+    /// event, and names, once each, another writer of an object it had to repair.
+    async fn report_repairs(
+        &self,
+        reference: &ObjectReference,
+        report: &PassReport,
+        change: &MembershipChange,
+        writers: &BTreeMap<String, String>,
+    ) {
         // Writes explained by a membership change are not repairs.
         let membership_kinds = [
             "endpoints_addresses",
@@ -811,7 +842,7 @@ impl ApiserverEndpointsLoop {
             tracing::warn!(repairs = %note, "repaired the kubernetes endpoints");
             let mut note = note;
             note.truncate(1000);
-            self.publish(&reference, EventType::Normal, "EndpointsRepaired", note)
+            self.publish(reference, EventType::Normal, "EndpointsRepaired", note)
                 .await;
             let named: Vec<(String, String)> = repairs
                 .iter()
@@ -840,11 +871,10 @@ impl ApiserverEndpointsLoop {
                 );
                 tracing::warn!(%object, %manager, "{why}");
                 self.metrics.conflicting_writers.inc();
-                self.publish(&reference, EventType::Warning, "ConflictingWriter", why)
+                self.publish(reference, EventType::Warning, "ConflictingWriter", why)
                     .await;
             }
         }
-        Ok(report)
     }
 
     /// Whether this instance is the writer and its address is to be withdrawn: the decision of
