@@ -225,134 +225,163 @@ impl ApiserverEndpointsLoop {
             warnings: Vec::new(),
         };
         match self.settings.endpoint_mode {
-            EndpointsMode::Lease => {
-                let api: Api<MemberLease> =
-                    Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
-                // A failed list is an error, never an empty membership.
-                let leases = self.leases.list(&api).await?;
-                let now = Timestamp::now();
-                let judged = membership(
-                    leases.iter().map(|lease| &lease.0),
-                    now,
-                    self.section.lease_ttl,
-                    &mut state.sightings,
-                );
-                let problems = judged.problems.iter().map(ToString::to_string);
-                for problem in self.lease_problems.update(problems) {
-                    tracing::warn!(%problem, "ignoring a membership Lease");
-                }
-                // One port for all members (the Endpoints have one subset): a member whose
-                // sidecar says otherwise is misconfigured, and clients would miss it.
-                for member in &judged.live {
-                    if let Some(port) = member.port.filter(|p| *p != self.target().port)
-                        && state.warned_ports.insert((member.address, port))
-                    {
-                        tracing::warn!(
-                            member = %member.address,
-                            advertised_port = port,
-                            endpoints_port = self.target().port,
-                            "a member advertises another secure port than the endpoints carry; \
-                             give every instance the same securePort"
-                        );
-                    }
-                }
-                computed.expired = judged.expired.iter().map(|m| m.address).collect();
-                let next = judged.live.iter().map(|m| m.expires).min();
-                computed.members = judged.members;
-                let wake = next.and_then(|t| {
-                    let left = now.duration_until(t);
-                    Duration::try_from(left)
-                        .ok()
-                        .map(|d| Instant::now() + d + Duration::from_millis(50))
-                });
-                self.next_expiry.set(wake);
-            }
-            EndpointsMode::Static => {
-                let entries = self.section.static_entries();
-                // All names at once, each bounded, so one slow resolver cannot stall the pass.
-                let lookups = entries.iter().filter_map(|entry| match entry {
-                    StaticAddress::Name(name) => Some(async move {
-                        let answer = tokio::time::timeout(
-                            self.section.interval,
-                            self.resolver.resolve(name),
-                        )
-                        .await
-                        .map_err(|_| format!("lookup timed out after {:?}", self.section.interval))
-                        .and_then(|r| r.map_err(|e| e.to_string()));
-                        (name.clone(), answer)
-                    }),
-                    StaticAddress::Ip(_) => None,
-                });
-                let answers: BTreeMap<_, _> = futures::future::join_all(lookups)
-                    .await
-                    .into_iter()
-                    .collect();
-                let (members, outcomes) = static_members(&entries, &answers, &mut state.last_good);
-                for (name, outcome) in outcomes {
-                    match outcome {
-                        EntryOutcome::Failed { reason, kept } => {
-                            if state.failing.insert(name.clone()) {
-                                let kept_text = kept
-                                    .iter()
-                                    .map(ToString::to_string)
-                                    .collect::<Vec<_>>()
-                                    .join(", ");
-                                tracing::warn!(%name, %reason, kept = %kept_text, "static address lookup failed; keeping the last good set");
-                                computed.warnings.push((
-                                    "StaticAddressResolutionFailed".to_owned(),
-                                    format!("resolving {name} failed ({reason}); keeping its last good addresses [{kept_text}]"),
-                                ));
-                            }
-                        }
-                        EntryOutcome::Resolved(_) => {
-                            if state.failing.remove(&name) {
-                                tracing::info!(%name, "static address resolves again");
-                            }
-                        }
-                        EntryOutcome::Ip => {}
-                    }
-                }
-                computed.members = members;
-            }
+            EndpointsMode::Lease => self.lease_mode_members(ctx, state, &mut computed).await?,
+            EndpointsMode::Static => self.static_mode_members(state, &mut computed).await,
             EndpointsMode::MasterCount => {
-                let probed = self.probed.lock().ok().and_then(|mut p| p.take());
-                if let Some(probed) = probed
-                    && let Some(host) = probed.host().await
-                    && let Some(why) = probed_elsewhere(&host, self.advertise_address)
-                {
-                    tracing::warn!("{why}");
-                }
-                let listed = listed.clone();
-                let own = self.advertise_address;
-                // Shutting down counts as not ready.
-                let ready = !exclude_own
-                    && self
-                        .failures
-                        .judge(self.readiness.check().await)
-                        .result()
-                        .is_ok();
-                computed.members = match (own, ready) {
-                    (Some(own), true) => master_count_members(
-                        &listed,
-                        own,
-                        usize::try_from(self.settings.apiserver_count).unwrap_or(usize::MAX),
-                    ),
-                    (Some(own), false) => {
-                        tracing::debug!(
-                            "local apiserver not ready or shutting down; not adding this instance"
-                        );
-                        let mut without = listed;
-                        without.remove(&own);
-                        without
-                    }
-                    (None, _) => listed,
-                };
+                computed.members = self.master_count_mode_members(listed, exclude_own).await;
             }
             EndpointsMode::None => {}
         }
         if exclude_own && let Some(own) = self.advertise_address {
             computed.members.remove(&own);
         }
+        self.leave_out_unusable(ctx, state, &mut computed).await?;
+        Ok(computed)
+    }
+
+    /// `lease` mode: the members whose Lease is live, and when the next one runs out.
+    async fn lease_mode_members(
+        &self,
+        ctx: &PassContext,
+        state: &mut State,
+        computed: &mut Computed,
+    ) -> Result<(), LoopError> {
+        let api: Api<MemberLease> =
+            Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
+        // A failed list is an error, never an empty membership.
+        let leases = self.leases.list(&api).await?;
+        let now = Timestamp::now();
+        let judged = membership(
+            leases.iter().map(|lease| &lease.0),
+            now,
+            self.section.lease_ttl,
+            &mut state.sightings,
+        );
+        let problems = judged.problems.iter().map(ToString::to_string);
+        for problem in self.lease_problems.update(problems) {
+            tracing::warn!(%problem, "ignoring a membership Lease");
+        }
+        // One port for all members (the Endpoints have one subset): a member whose
+        // sidecar says otherwise is misconfigured, and clients would miss it.
+        for member in &judged.live {
+            if let Some(port) = member.port.filter(|p| *p != self.target().port)
+                && state.warned_ports.insert((member.address, port))
+            {
+                tracing::warn!(
+                    member = %member.address,
+                    advertised_port = port,
+                    endpoints_port = self.target().port,
+                    "a member advertises another secure port than the endpoints carry; \
+                     give every instance the same securePort"
+                );
+            }
+        }
+        computed.expired = judged.expired.iter().map(|m| m.address).collect();
+        let next = judged.live.iter().map(|m| m.expires).min();
+        computed.members = judged.members;
+        let wake = next.and_then(|t| {
+            let left = now.duration_until(t);
+            Duration::try_from(left)
+                .ok()
+                .map(|d| Instant::now() + d + Duration::from_millis(50))
+        });
+        self.next_expiry.set(wake);
+        Ok(())
+    }
+
+    /// `static` mode: the configured addresses, names resolved (a name that stops resolving
+    /// keeps its last good addresses).
+    async fn static_mode_members(&self, state: &mut State, computed: &mut Computed) {
+        let entries = self.section.static_entries();
+        // All names at once, each bounded, so one slow resolver cannot stall the pass.
+        let lookups = entries.iter().filter_map(|entry| match entry {
+            StaticAddress::Name(name) => Some(async move {
+                let answer =
+                    tokio::time::timeout(self.section.interval, self.resolver.resolve(name))
+                        .await
+                        .map_err(|_| format!("lookup timed out after {:?}", self.section.interval))
+                        .and_then(|r| r.map_err(|e| e.to_string()));
+                (name.clone(), answer)
+            }),
+            StaticAddress::Ip(_) => None,
+        });
+        let answers: BTreeMap<_, _> = futures::future::join_all(lookups)
+            .await
+            .into_iter()
+            .collect();
+        let (members, outcomes) = static_members(&entries, &answers, &mut state.last_good);
+        for (name, outcome) in outcomes {
+            match outcome {
+                EntryOutcome::Failed { reason, kept } => {
+                    if state.failing.insert(name.clone()) {
+                        let kept_text = kept
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ");
+                        tracing::warn!(%name, %reason, kept = %kept_text, "static address lookup failed; keeping the last good set");
+                        computed.warnings.push((
+                            "StaticAddressResolutionFailed".to_owned(),
+                            format!("resolving {name} failed ({reason}); keeping its last good addresses [{kept_text}]"),
+                        ));
+                    }
+                }
+                EntryOutcome::Resolved(_) => {
+                    if state.failing.remove(&name) {
+                        tracing::info!(%name, "static address resolves again");
+                    }
+                }
+                EntryOutcome::Ip => {}
+            }
+        }
+        computed.members = members;
+    }
+
+    /// `master-count` mode: upstream's rule over the listed members and this instance's
+    /// readiness.
+    async fn master_count_mode_members(&self, listed: &MemberSet, exclude_own: bool) -> MemberSet {
+        let probed = self.probed.lock().ok().and_then(|mut p| p.take());
+        if let Some(probed) = probed
+            && let Some(host) = probed.host().await
+            && let Some(why) = probed_elsewhere(&host, self.advertise_address)
+        {
+            tracing::warn!("{why}");
+        }
+        let listed = listed.clone();
+        let own = self.advertise_address;
+        // Shutting down counts as not ready.
+        let ready = !exclude_own
+            && self
+                .failures
+                .judge(self.readiness.check().await)
+                .result()
+                .is_ok();
+        match (own, ready) {
+            (Some(own), true) => master_count_members(
+                &listed,
+                own,
+                usize::try_from(self.settings.apiserver_count).unwrap_or(usize::MAX),
+            ),
+            (Some(own), false) => {
+                tracing::debug!(
+                    "local apiserver not ready or shutting down; not adding this instance"
+                );
+                let mut without = listed;
+                without.remove(&own);
+                without
+            }
+            (None, _) => listed,
+        }
+    }
+
+    /// Leaves out the members of the other family than the Service's and the addresses the API
+    /// server would reject, each warned about once.
+    async fn leave_out_unusable(
+        &self,
+        ctx: &PassContext,
+        state: &mut State,
+        computed: &mut Computed,
+    ) -> Result<(), LoopError> {
         // One family, the Service's, as upstream (`pkg/controlplane/reconcilers` lists the
         // addresses of the apiservers, which share the Service's family): clients of an IPv6
         // Service cannot use IPv4 endpoints. A member of the other family is a misconfigured
@@ -405,7 +434,7 @@ impl ApiserverEndpointsLoop {
                 ));
             }
         }
-        Ok(computed)
+        Ok(())
     }
 
     /// Who the endpoints list now: the Endpoints' addresses, or with slices only, the slices'.
