@@ -16,7 +16,9 @@ mod common;
 use std::collections::BTreeSet;
 
 use anyhow::{Context, Result, ensure};
-use common::{CONVERGE, ConfigFile, ControllerProcess, Target, eventually, service_ip};
+use common::{
+    CONVERGE, ConfigFile, ControllerLeftovers, ControllerProcess, Target, eventually, service_ip,
+};
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
@@ -440,6 +442,25 @@ fn leases() -> Result<Vec<(Value, String)>> {
         .collect())
 }
 
+/// The leader-election Lease held by another client, expired: every field of the fixture, an
+/// optional one `null` and fields no version has.
+fn leader_lease() -> Value {
+    let mut lease = json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "bootstrap-controller", "namespace": "kube-system",
+                     "labels": {"labelsKey": "labelsValue"},
+                     "annotations": {"annotationsKey": "annotationsValue"}},
+        "spec": {
+            "holderIdentity": "shapes-holder", "leaseDurationSeconds": 2,
+            "acquireTime": "2003-01-01T01:01:01.000003Z",
+            "renewTime": "2004-01-01T01:01:01.000004Z", "leaseTransitions": 5,
+            "strategy": "OldestEmulationVersion", "preferredHolder": null,
+        },
+    });
+    with_unknown_fields(&mut lease);
+    lease
+}
+
 /// The declared namespace in each shape, each without its declared label.
 fn namespace_shapes() -> Result<Vec<Value>> {
     let full = json!({
@@ -506,25 +527,29 @@ fn ip_address(ip: &str, service: &str, shape: &str) -> Result<Value> {
     Ok(full)
 }
 
-/// Changes the conditions of the ServiceCIDR `kubernetes` with `change`. Read as JSON: a
+/// Changes the conditions of the ServiceCIDR `name` with `change`. Read as JSON: a
 /// condition without its time is served `null`, which k8s-openapi refuses.
-async fn patch_conditions(client: &Client, change: impl FnOnce(&mut Vec<Value>)) -> Result<()> {
+async fn patch_conditions(
+    client: &Client,
+    name: &str,
+    change: impl FnOnce(&mut Vec<Value>),
+) -> Result<()> {
     let cidr = json!({"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
-                      "metadata": {"name": "kubernetes"}});
+                      "metadata": {"name": name}});
     let api = common::api_of(client, &cidr).await?;
-    let current = api.get("kubernetes").await?;
+    let current = api.get(name).await?;
     let mut conditions: Vec<Value> = current.data["status"]["conditions"]
         .as_array()
         .cloned()
         .unwrap_or_default();
     change(&mut conditions);
     api.patch_status(
-        "kubernetes",
+        name,
         &PatchParams::default(),
         &Patch::Merge(json!({"status": {"conditions": conditions}})),
     )
     .await
-    .context("the kubernetes ServiceCIDR's status")?;
+    .with_context(|| format!("the status of ServiceCIDR {name}"))?;
     Ok(())
 }
 
@@ -547,7 +572,7 @@ async fn clean_up(client: &Client) -> Result<()> {
     let services: Api<Service> = Api::namespaced(client.clone(), "default");
     kubernetes_service_conditions(client, Value::Null).await?;
     // Without the ServiceCIDR API (before 1.33) there is none to clean.
-    let _ = patch_conditions(client, |conditions| {
+    let _ = patch_conditions(client, "kubernetes", |conditions| {
         conditions.retain(|c| c["type"] != NO_TIME_CONDITION["type"]);
     })
     .await;
@@ -580,10 +605,15 @@ async fn clean_up(client: &Client) -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_cached_kind_in_every_stored_shape_reaches_its_cache() -> Result<()> {
     let target = Target::start().await?;
+    // Earlier tests' Leases would list their addresses and hold the leadership.
+    let _leftovers = ControllerLeftovers::forget(&target)?;
     let client = target.client().await?;
     let outcome = cached_shapes(&target, &client).await;
     if let Target::Cluster { .. } = target {
-        clean_up(&client).await.context("cleaning up")?;
+        let cleaned = clean_up(&client).await.context("cleaning up");
+        // The test's own failure first: a failed clean-up may follow from it.
+        outcome?;
+        return cleaned;
     }
     outcome
 }
@@ -628,6 +658,21 @@ async fn cached_shapes(target: &Target, client: &Client) -> Result<()> {
     let config = ConfigFile::new(&format!(
         "loops:\n  systemNamespaces:\n    namespaces:\n      - name: kube-system\n      - name: kube-public\n      - name: kube-node-lease\n      - name: default\n      - name: {DECLARED}\n        labels: {{shapes: declared}}\n"
     ))?;
+    // Lease: the leader-election Lease as another client left it; the controller takes it over
+    // once it has seen it expire.
+    // A new simulator has no kube-system yet.
+    let kube_system = serde_json::from_value(json!({"metadata": {"name": "kube-system"}}))?;
+    match Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &kube_system)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        Err(err) => return Err(err.into()),
+    }
+    put(client, &leader_lease())
+        .await
+        .context("the leader Lease")?;
     let mut controller = ControllerProcess::start(
         target.kubeconfig(),
         &[
@@ -639,10 +684,20 @@ async fn cached_shapes(target: &Target, client: &Client) -> Result<()> {
             "lease",
             "--advertise-address",
             ADVERTISED,
-            "--leader-elect=false",
         ],
     )?;
     controller.wait_ready().await?;
+    let lease_api: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), "kube-system");
+    eventually("the leader Lease taken over", CONVERGE, || async {
+        let holder = lease_api
+            .get("bootstrap-controller")
+            .await?
+            .spec
+            .and_then(|spec| spec.holder_identity);
+        Ok(holder.filter(|h| h != "shapes-holder").map(|_| ()))
+    })
+    .await?;
     let alone: BTreeSet<String> = [ADVERTISED.to_owned()].into();
     eventually("the advertised address listed", CONVERGE, || async {
         listed_exactly(client, &alone).await
@@ -652,9 +707,13 @@ async fn cached_shapes(target: &Target, client: &Client) -> Result<()> {
     // The `kubernetes` Service and ServiceCIDR, which the loops watch by name, with a condition
     // without its time (removed again by `clean_up`); the repairs below need both caches.
     let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    eventually("the kubernetes Service", CONVERGE, || async {
+        Ok(services.get_opt("kubernetes").await?)
+    })
+    .await?;
     kubernetes_service_conditions(client, json!([NO_TIME_CONDITION.clone()])).await?;
     if ip_api {
-        patch_conditions(client, |conditions| {
+        patch_conditions(client, "kubernetes", |conditions| {
             conditions.push(NO_TIME_CONDITION.clone())
         })
         .await?;
@@ -693,8 +752,6 @@ async fn cached_shapes(target: &Target, client: &Client) -> Result<()> {
         )
         .await?;
     }
-    let lease_api: Api<k8s_openapi::api::coordination::v1::Lease> =
-        Api::namespaced(client.clone(), "kube-system");
     for address in ["192.0.2.77", "192.0.2.78", "192.0.2.79", "192.0.2.80"] {
         lease_api
             .delete(&format!("apiserver-{address}"), &DeleteParams::default())
@@ -726,7 +783,18 @@ async fn cached_shapes(target: &Target, client: &Client) -> Result<()> {
 
     // Service, ServiceCIDR and IPAddress: each Service's IPAddress, lost, is made again.
     if ip_api {
-        put(client, &service_cidr()?).await.context("ServiceCIDR")?;
+        // Its conditions added to any the cluster has set (kube-controller-manager's `Ready`).
+        let mut cidr = service_cidr()?;
+        let status = cidr
+            .as_object_mut()
+            .and_then(|object| object.remove("status"))
+            .context("status")?;
+        put(client, &cidr).await.context("ServiceCIDR")?;
+        let added = status["conditions"].as_array().cloned().unwrap_or_default();
+        patch_conditions(client, "shapes-extra", |conditions| {
+            conditions.extend(added)
+        })
+        .await?;
     }
     let addresses: Api<IPAddress> = Api::all(client.clone());
     let mut addressed = Vec::new();
@@ -738,7 +806,12 @@ async fn cached_shapes(target: &Target, client: &Client) -> Result<()> {
             .as_str()
             .context("name")?
             .to_owned();
-        put(client, &object).await.context(name.clone())?;
+        // kube-apiserver's allocator takes an address in the new ServiceCIDR once its
+        // informer has it.
+        eventually(&format!("{name} created"), CONVERGE, || async {
+            put(client, &object).await.map(Some)
+        })
+        .await?;
         let ip = match ip {
             Some(ip) => Some(ip),
             None => services
