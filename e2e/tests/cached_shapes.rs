@@ -3,9 +3,12 @@
 //! fixture sets (`tests/fixtures/k8s-api-testdata`, with values a real apiserver takes), with
 //! only the required fields, with optional fields `null`, and with fields no version of the API
 //! has. After each write a repair that needs the cached object must happen, and at the end every
-//! loop is ready, no watch event was lost and nothing was reported as undecodable.
+//! loop is ready, no watch event was lost and nothing was reported as undecodable. The
+//! leader-election Lease is written once, as another client left it, for the controller to take
+//! over.
 //!
-//! kube-apiserver stores a `null` optional field as left out and prunes unknown fields of
+//! kube-apiserver stores a `null` optional field as left out (but the `null`s it serves itself:
+//! a condition's time left out, an EndpointSlice without endpoints) and prunes unknown fields of
 //! built-in kinds (accepting the write with a warning), so against a real cluster
 //! (`e2e/control-plane/test.sh --test cached_shapes`) those two shapes reach the caches as the
 //! apiserver serves them; the simulator stores and serves them as written, so it alone feeds
