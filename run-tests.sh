@@ -127,8 +127,8 @@ e2e/kind/test.sh
 stage "the oldest supported Kubernetes (e2e/control-plane/test.sh --kubernetes 1.30)"
 cargo build --workspace --bins
 e2e/control-plane/test.sh --kubernetes 1.30 --test alerts --test apiserver_endpoints \
-  --test clusterip_repair --test hostile_objects --test kubernetes_endpoints \
-  --test nodeport_repair --test system_namespaces
+  --test cached_shapes --test clusterip_repair --test hostile_objects \
+  --test kubernetes_endpoints --test no_fight --test nodeport_repair --test system_namespaces
 
 stage "tests (README: cargo test --workspace && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh)"
 # The last command: its status is the script's (set -e does not stop inside an && list).

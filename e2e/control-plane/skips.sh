@@ -23,7 +23,9 @@ skips_found() {
 # skips_expected EXPECTED ROOT [CONDITIONS]: the lines of EXPECTED but comments and blank lines,
 # sorted; a line `unless-root <line>` counts only when ROOT is not `true` (a skip that only root
 # avoids), a line `without-ipaddress-api <line>` only when CONDITIONS (words) has
-# `without-ipaddress-api` (the cluster does not serve networking.k8s.io/v1 IPAddress).
+# `without-ipaddress-api` (the cluster does not serve networking.k8s.io/v1 IPAddress), and a line
+# `without-audit-log <line>` only when it has `without-audit-log` (no audit log of up.sh's beside
+# the kubeconfig: kind's run).
 skips_expected() {
   local file=$1 root=$2 conditions=" ${3:-} " line
   while IFS= read -r line || [ -n "$line" ]; do
@@ -33,6 +35,10 @@ skips_expected() {
       'without-ipaddress-api '*)
         case $conditions in
           *' without-ipaddress-api '*) printf '%s\n' "${line#without-ipaddress-api }" ;;
+        esac ;;
+      'without-audit-log '*)
+        case $conditions in
+          *' without-audit-log '*) printf '%s\n' "${line#without-audit-log }" ;;
         esac ;;
       *) printf '%s\n' "$line" ;;
     esac
@@ -46,7 +52,7 @@ skips_expected_of() {
   shift
   awk -v files=" $* " '{
     line = $0
-    sub(/^(unless-root|without-ipaddress-api) /, "", line)
+    sub(/^(unless-root|without-ipaddress-api|without-audit-log) /, "", line)
     split(line, words, /[ :]/)
     if (index(files, " " words[2] " ")) print
   }' "$expected"

@@ -98,8 +98,9 @@ else
     cargo test --color never -p e2e "${E2E_ARGS[@]}" -- --test-threads=1 2>&1 | tee "${WORK}/e2e-output"
   IS_ROOT=false
   if [ "$(id -u)" = 0 ]; then IS_ROOT=true; fi
+  # No audit log of up.sh's beside kind's kubeconfig: the tests that read one skip.
   skips_report "${WORK}/e2e-skips" "${WORK}/e2e-output" "${WORK}/expected-skips.txt" \
-    "${IS_ROOT}" || die "the end-to-end tests did not check against kind what they are expected to"
+    "${IS_ROOT}" without-audit-log || die "the end-to-end tests did not check against kind what they are expected to"
 fi
 
 log "sidecar (static pod beside kube-apiserver)"

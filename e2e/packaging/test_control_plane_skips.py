@@ -41,6 +41,7 @@ SKIPPED gamma::four: starts control planes of its own
 NOCLUSTER gamma
 unless-root SKIPPED alpha::three: needs root
 without-ipaddress-api SKIPPED alpha::one: the whole test: needs networking.k8s.io/v1 ipaddresses
+without-audit-log SKIPPED gamma::five: the whole test: needs the audit log
 """
 
 
@@ -114,6 +115,19 @@ def test_a_skip_for_an_api_not_served_is_expected_only_where_it_is_not(tmp_path:
     done = report(tmp_path, RECORD, OUTPUT, EXPECTED_TEXT, "true", "without-ipaddress-api")
     assert done.returncode == 1, done.stdout
     assert "  - SKIPPED alpha::one: the whole test: needs networking.k8s.io/v1 ipaddresses" in done.stdout
+
+
+def test_a_skip_for_a_missing_audit_log_is_expected_only_where_there_is_none(tmp_path: Path):
+    skipped = RECORD + "SKIPPED gamma::five: the whole test: needs the audit log\n"
+    done = report(tmp_path, skipped, OUTPUT, EXPECTED_TEXT, "true", "without-audit-log")
+    assert done.returncode == 0, done.stdout
+    done = report(tmp_path, skipped, OUTPUT, EXPECTED_TEXT, "true")
+    assert done.returncode == 1, done.stdout
+    assert "  + SKIPPED gamma::five: the whole test: needs the audit log" in done.stdout
+    done = report(tmp_path, RECORD, OUTPUT, EXPECTED_TEXT, "true",
+                  "without-ipaddress-api", "without-audit-log")
+    assert done.returncode == 1, done.stdout
+    assert "  - SKIPPED gamma::five: the whole test: needs the audit log" in done.stdout
 
 
 def test_a_run_where_nothing_ran_against_the_cluster_fails(tmp_path: Path):
@@ -270,7 +284,8 @@ def test_the_expected_list_names_real_tests_and_test_files():
              if line and not line.startswith("#")]
     assert lines, "expected-skips.txt is empty"
     for line in lines:
-        line = line.removeprefix("unless-root ").removeprefix("without-ipaddress-api ")
+        line = (line.removeprefix("unless-root ").removeprefix("without-ipaddress-api ")
+                .removeprefix("without-audit-log "))
         kind, _, rest = line.partition(" ")
         if kind == "NOCLUSTER":
             source = (tests / f"{rest}.rs").read_text()
