@@ -287,6 +287,21 @@ impl ClientState {
         pause.cause = Some(cause.clone());
     }
 
+    /// A connection closed for a flood: one breach, however many of its requests report it.
+    /// The first starts the pause; the others, failing with the same cause while it lasts,
+    /// would otherwise double it once each.
+    fn flooded(&self, limits: &Limits, cause: &LimitError) {
+        {
+            let pause = self.pause();
+            if pause.until.is_some_and(|until| until > Instant::now())
+                && pause.cause.as_ref() == Some(cause)
+            {
+                return;
+            }
+        }
+        self.breached(limits, cause);
+    }
+
     fn completed(&self) {
         self.pause().breaches = 0;
     }
@@ -420,7 +435,7 @@ where
                     // The other requests on a connection that a flood closed end with it.
                     return Err(match flooded(err.as_ref()) {
                         Some(flood) => {
-                            client.breached(&limits, &flood);
+                            client.flooded(&limits, &flood);
                             flood.into()
                         }
                         None => err,
@@ -668,7 +683,11 @@ where
             Poll::Ready(Some(Err(err))) => {
                 let err: BoxError = err.into();
                 match flooded(err.as_ref()) {
-                    Some(flood) => this.fail(flood),
+                    Some(flood) => {
+                        this.failed = true;
+                        this.client.flooded(&this.limits, &flood);
+                        Poll::Ready(Some(Err(flood.into())))
+                    }
                     None => Poll::Ready(Some(Err(err))),
                 }
             }
@@ -1049,5 +1068,20 @@ mod tests {
         assert_eq!(calls.load(Ordering::Acquire), 3);
         // A completed response starts the count of breaches again.
         assert_eq!(limited.client.pause().breaches, 0);
+    }
+
+    #[test]
+    fn a_flooded_connection_is_one_breach_however_many_requests_report_it() {
+        let client = ClientState::default();
+        let flood = LimitError::Flooded("connection error detected: Enhance your calm".into());
+        client.flooded(&SMALL, &flood);
+        client.flooded(&SMALL, &flood);
+        assert_eq!(client.pause().breaches, 1);
+        assert!(client.paused(Instant::now()).is_some());
+        // Another bound broken in the pause counts, and a flood after it counts again.
+        client.breached(&SMALL, &LimitError::TooLarge(10));
+        assert_eq!(client.pause().breaches, 2);
+        client.flooded(&SMALL, &flood);
+        assert_eq!(client.pause().breaches, 3);
     }
 }
