@@ -442,9 +442,9 @@ impl ReadAhead {
     /// before anything is read, and fill about 400 KiB of each HTTP/1.1 connection's buffer: a
     /// hostile tenant API holding a stream open and writing as fast as it can would hold that
     /// much of the process beside what the pools count, for each tenant. 512 KiB of connection
-    /// window (256 KiB for one stream) still lets a LIST page of 8 MiB (the largest a response
-    /// may be) arrive within 32 windows, and keeps two streams of a connection from waiting on
-    /// each other; 64 KiB of buffer is far beyond any header block kube-apiserver sends. h2
+    /// window (256 KiB for one stream, so that one response cannot take it all) still lets a
+    /// LIST page of 8 MiB (the largest a response may be) arrive within 32 stream windows; 64
+    /// KiB of buffer is far beyond any header block kube-apiserver sends. h2
     /// also bounds what small frames cost beyond their payload by half the connection window
     /// (256 KiB here); a server that spends it is cut off as over a bound of
     /// [`crate::limits::Limits`].

@@ -13,6 +13,7 @@ use anyhow::{Context, Result, ensure};
 use bootstrap_controller::client::{ReadAhead, builder_reading_ahead};
 use bootstrap_controller::limits::Limits;
 use bytes::Bytes;
+use futures::StreamExt;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -24,6 +25,11 @@ const CHUNK: usize = 16 * 1024;
 /// Serves HTTP/2 over TLS on loopback; every answer a body of `chunk`-byte frames without end.
 /// Returns the URL, the server's certificate (DER) and the bytes the server was let write.
 async fn serve_endless(chunk: usize) -> Result<(String, Vec<u8>, Arc<AtomicUsize>)> {
+    serve(chunk, usize::MAX).await
+}
+
+/// [`serve_endless`], every body ending after `frames` frames.
+async fn serve(chunk: usize, frames: usize) -> Result<(String, Vec<u8>, Arc<AtomicUsize>)> {
     let key = KeyPair::generate()?;
     let mut params = CertificateParams::new(vec!["localhost".to_owned()])?;
     params
@@ -58,7 +64,8 @@ async fn serve_endless(chunk: usize) -> Result<(String, Vec<u8>, Arc<AtomicUsize
                     let frames = futures::stream::repeat_with(move || {
                         counter.fetch_add(chunk, Ordering::AcqRel);
                         Ok::<_, Infallible>(Frame::data(Bytes::from(vec![b'x'; chunk])))
-                    });
+                    })
+                    .take(frames);
                     async move { Ok::<_, Infallible>(http::Response::new(StreamBody::new(frames))) }
                 });
                 let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
@@ -91,6 +98,13 @@ async fn written_ahead(read_ahead: Option<ReadAhead>, streams: usize) -> Result<
         ensure!(response.status() == http::StatusCode::OK, "{response:?}");
         held.push(response);
     }
+    let last = settled(&written).await?;
+    drop(held);
+    Ok(last)
+}
+
+/// The count of `written` once it stops growing.
+async fn settled(written: &AtomicUsize) -> Result<usize> {
     let mut last = usize::MAX;
     let mut unchanged = 0;
     // Settled once five looks 100 ms apart see the same count (the loopback server writes a
@@ -108,7 +122,6 @@ async fn written_ahead(read_ahead: Option<ReadAhead>, streams: usize) -> Result<
         unchanged == 5,
         "the server never stopped writing ({last} bytes)"
     );
-    drop(held);
     Ok(last)
 }
 
@@ -191,5 +204,56 @@ async fn a_flood_of_tiny_frames_is_a_broken_bound_and_pauses_the_tenant() -> Res
         again.contains("not asking the API server anything") && again.contains("flooded"),
         "the client is not paused for the flood: {again}"
     );
+    Ok(())
+}
+
+/// The tenant windows cost legitimate traffic nothing. A LIST page near the bound of one
+/// response, in the 2 KiB pieces Go's server writes, arrives whole through the tenant's
+/// bounds. And frames of 200 bytes (a watch's smallest events, bookmarks aside) filling every
+/// window while nothing reads them never spend h2's budget for small frames: each spends 56
+/// bytes of it, and the 512 KiB connection window holds at most 2,621 of them, 146,776 bytes
+/// against a budget of 262,144 (half the window). Any frame of 171 bytes or more is so safe
+/// however slow the reader.
+#[tokio::test]
+async fn legitimate_traffic_fits_the_tenant_windows() -> Result<()> {
+    const PIECE: usize = 2048;
+    const PAGE: usize = 7 * 1024 * 1024;
+    let (url, ca, _) = serve(PIECE, PAGE / PIECE).await?;
+    let client = builder_reading_ahead(&config(&url, ca)?, Some(ReadAhead::TENANT))?
+        .with_layer(&Limits::TENANT.for_one_client())
+        .build();
+    let response = client.send(get("/api/v1/services")?).await?;
+    ensure!(response.status() == http::StatusCode::OK, "{response:?}");
+    let page = response.into_body().collect().await?.to_bytes();
+    ensure!(
+        page.len() == PAGE,
+        "the page arrived with {} bytes",
+        page.len()
+    );
+
+    const EVENT: usize = 200;
+    let (url, ca, written) = serve_endless(EVENT).await?;
+    let client = builder_reading_ahead(&config(&url, ca)?, Some(ReadAhead::TENANT))?
+        .with_layer(&Limits::TENANT.for_one_client())
+        .build();
+    let mut watches = Vec::new();
+    for watch in 0..4 {
+        let path = format!("/api/v1/s{watch}?watch=true");
+        let response = client.send(get(&path)?).await?;
+        ensure!(response.status() == http::StatusCode::OK, "{response:?}");
+        watches.push(response.into_body());
+    }
+    let ahead = settled(&written).await?;
+    let window = usize::try_from(ReadAhead::TENANT.h2_connection_window)?;
+    ensure!(
+        ahead >= window - 4 * EVENT,
+        "the server filled only {ahead} bytes of the {window}-byte window: the test shows \
+         nothing of a full one"
+    );
+    // h2 never closed the connection for a flood: the client would be paused, and a further
+    // request would fail at once naming the flood.
+    let response = client.send(get("/api/v1/namespaces")?).await?;
+    ensure!(response.status() == http::StatusCode::OK, "{response:?}");
+    drop(watches);
     Ok(())
 }
