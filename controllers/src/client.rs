@@ -107,11 +107,15 @@ pub fn build_checking(
         stamps,
         check_every,
     ));
+    // The process's own cluster keeps hyper's windows: it is one connection, not one per
+    // tenant, and the cluster it reaches is the one the process runs on and trusts; its large
+    // LISTs (every Service, every Node) arrive in fewer round trips.
     client_with(
         config,
         config.auth_layer()?,
         rotating_tls(rotating)?,
         retirement,
+        None,
     )
     .map(kube::client::ClientBuilder::build)
 }
@@ -420,14 +424,47 @@ fn rotating_tls(rotating: Arc<Rotating>) -> kube::Result<rustls::ClientConfig> {
     Ok(tls)
 }
 
+/// What a server may send on one connection ahead of what the client has read: bytes the
+/// connection holds that no reader has taken yet, so that no bound of
+/// [`crate::limits::Limits`] or pool counts them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadAhead {
+    /// HTTP/2's flow-control window for the whole connection: the most it holds unread.
+    pub h2_connection_window: u32,
+    /// HTTP/2's flow-control window for each stream (a response) of the connection.
+    pub h2_stream_window: u32,
+    /// HTTP/1.1's read buffer, for each connection.
+    pub h1_buffer: usize,
+}
+
+impl ReadAhead {
+    /// hyper's defaults let a server send 5 MiB on an HTTP/2 connection (2 MiB on one stream)
+    /// before anything is read, and fill about 400 KiB of each HTTP/1.1 connection's buffer: a
+    /// hostile tenant API holding a stream open and writing as fast as it can would hold that
+    /// much of the process beside what the pools count, for each tenant. 512 KiB of connection
+    /// window (256 KiB for one stream, so that one response cannot take it all) still lets a
+    /// LIST page of 8 MiB (the largest a response may be) arrive within 32 stream windows; 64
+    /// KiB of buffer is far beyond any header block kube-apiserver sends. h2
+    /// also bounds what small frames cost beyond their payload by half the connection window
+    /// (256 KiB here); a server that spends it is cut off as over a bound of
+    /// [`crate::limits::Limits`].
+    pub const TENANT: ReadAhead = ReadAhead {
+        h2_connection_window: 512 * 1024,
+        h2_stream_window: 256 * 1024,
+        h1_buffer: 64 * 1024,
+    };
+}
+
 /// kube's client stack (`ClientBuilder::try_from`) with a TLS configuration of our own and
 /// HTTP/2 offered: the same timeouts, base URI, credentials, headers and retry of server errors.
-/// Connections made before `retired` last moved are closed.
+/// Connections made before `retired` last moved are closed. Without `read_ahead`, hyper's
+/// windows and buffers.
 fn client_with(
     config: &kube::Config,
     auth: Option<kube::client::middleware::AuthLayer>,
     tls: rustls::ClientConfig,
     retired: Retirement,
+    read_ahead: Option<ReadAhead>,
 ) -> kube::Result<kube::client::ClientBuilder<Stack>> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
@@ -447,23 +484,30 @@ fn client_with(
     connector.set_read_timeout(config.read_timeout);
     connector.set_write_timeout(config.write_timeout);
     connector.set_reset_reader_on_write(config.reset_reader_on_write);
+    let mut client = hyper_util::client::legacy::Client::builder(TokioExecutor::new());
+    client
+        .timer(TokioTimer::new())
+        // A dead h2 connection (a silent network partition) is found by pings, as
+        // client-go's ReadIdleTimeout (30 s) and PingTimeout (15 s) find it, rather than
+        // by a watch that never ends.
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .http2_keep_alive_timeout(Duration::from_secs(15))
+        .http2_keep_alive_while_idle(true)
+        // Over HTTP/1.1 each open watch holds a connection anyway; of the ones a finished
+        // request leaves, keep one, and not for long.
+        .pool_max_idle_per_host(1)
+        .pool_idle_timeout(Duration::from_secs(30));
+    if let Some(read_ahead) = read_ahead {
+        client
+            .http2_initial_connection_window_size(read_ahead.h2_connection_window)
+            .http2_initial_stream_window_size(read_ahead.h2_stream_window)
+            .http1_max_buf_size(read_ahead.h1_buffer);
+    }
     let client: hyper_util::client::legacy::Client<_, kube::client::Body> =
-        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            // A dead h2 connection (a silent network partition) is found by pings, as
-            // client-go's ReadIdleTimeout (30 s) and PingTimeout (15 s) find it, rather than
-            // by a watch that never ends.
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .http2_keep_alive_timeout(Duration::from_secs(15))
-            .http2_keep_alive_while_idle(true)
-            // Over HTTP/1.1 each open watch holds a connection anyway; of the ones a finished
-            // request leaves, keep one, and not for long.
-            .pool_max_idle_per_host(1)
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build(Retiring {
-                inner: connector,
-                retired,
-            });
+        client.build(Retiring {
+            inner: connector,
+            retired,
+        });
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(
@@ -502,6 +546,15 @@ pub type Stack = tower::util::BoxService<
 /// [`build`]; otherwise kube's own stack, whose connection errors the caller names with
 /// [`naming_connection_errors`] (ours already does).
 pub fn builder(config: &kube::Config) -> kube::Result<kube::client::ClientBuilder<Stack>> {
+    builder_reading_ahead(config, None)
+}
+
+/// [`builder`], its connections holding at most `read_ahead` of what a server sent before it
+/// is read (over HTTPS without a proxy; kube's own stack keeps hyper's defaults).
+pub fn builder_reading_ahead(
+    config: &kube::Config,
+    read_ahead: Option<ReadAhead>,
+) -> kube::Result<kube::client::ClientBuilder<Stack>> {
     if config.cluster_url.scheme_str() == Some("https") && config.proxy_url.is_none() {
         // The credentials before the TLS configuration, as kube's own builder: an exec plugin
         // that fails fails the build once, where reading the TLS configuration first would run
@@ -512,6 +565,7 @@ pub fn builder(config: &kube::Config) -> kube::Result<kube::client::ClientBuilde
             auth,
             config.rustls_client_config()?,
             Retirement::default(),
+            read_ahead,
         );
     }
     kube::client::ClientBuilder::try_from(config.clone())

@@ -287,6 +287,21 @@ impl ClientState {
         pause.cause = Some(cause.clone());
     }
 
+    /// A connection closed for a flood: one breach, however many of its requests report it.
+    /// The first starts the pause; the others, failing with the same cause while it lasts,
+    /// would otherwise double it once each.
+    fn flooded(&self, limits: &Limits, cause: &LimitError) {
+        {
+            let pause = self.pause();
+            if pause.until.is_some_and(|until| until > Instant::now())
+                && pause.cause.as_ref() == Some(cause)
+            {
+                return;
+            }
+        }
+        self.breached(limits, cause);
+    }
+
     fn completed(&self) {
         self.pause().breaches = 0;
     }
@@ -335,6 +350,14 @@ pub enum LimitError {
     TooManyPages(u32),
     #[error("a watch streamed more than {0} events (the limit for one watch)")]
     TooManyEvents(u64),
+    /// The server sent what h2's flood protection closes a connection for: small DATA
+    /// frames (or resets) beyond what it keeps for a reader that has not read them yet.
+    /// Carries h2's own words (`too_many_data_frames`, ...).
+    #[error(
+        "the API server flooded its HTTP/2 connection, which was closed ({0}): more small \
+         frames or resets than the client holds for its reader (the limit for one connection)"
+    )]
+    Flooded(String),
     /// The cluster's caches would have gone over their budget ([`reconcilers::budget`]).
     #[error("{0}")]
     OverBudget(String),
@@ -406,7 +429,18 @@ where
         let answer = self.inner.call(request);
         Box::pin(async move {
             let response = match tokio::time::timeout_at(deadline, answer).await {
-                Ok(response) => response.map_err(Into::into)?,
+                Ok(Ok(response)) => response,
+                Ok(Err(err)) => {
+                    let err: BoxError = err.into();
+                    // The other requests on a connection that a flood closed end with it.
+                    return Err(match flooded(err.as_ref()) {
+                        Some(flood) => {
+                            client.flooded(&limits, &flood);
+                            flood.into()
+                        }
+                        None => err,
+                    });
+                }
                 Err(_) => {
                     let err = LimitError::NoAnswer(limits.answer_timeout);
                     client.breached(&limits, &err);
@@ -416,6 +450,29 @@ where
             Ok(response.map(|body| BoundedBody::new(body, limits, watch, deadline, client)))
         })
     }
+}
+
+/// The bound `err` reports broken, if h2 closed the connection for a flood. h2 bounds what a
+/// connection's frames cost beyond their payload (`Counts::record_data_frame` in h2's
+/// `proto/streams/counts.rs`: each unread DATA frame under 256 bytes spends the difference
+/// from a budget of half the connection window) and the resets a peer provokes, and ends the
+/// connection with a GOAWAY of its own, `ENHANCE_YOUR_CALM`, when one is spent. However large
+/// the window, a server writing tiny frames faster than they are read spends it: that is the
+/// server breaking a bound, to be paused for as any other, not a transport error to retry at
+/// once.
+fn flooded(err: &(dyn std::error::Error + 'static)) -> Option<LimitError> {
+    let mut cause = Some(err);
+    while let Some(err) = cause {
+        if let Some(h2) = err.downcast_ref::<h2::Error>()
+            && h2.is_go_away()
+            && h2.is_library()
+            && h2.reason() == Some(h2::Reason::ENHANCE_YOUR_CALM)
+        {
+            return Some(LimitError::Flooded(h2.to_string()));
+        }
+        cause = err.source();
+    }
+    None
 }
 
 /// `?watch=true` (or `1`): kube's watch requests.
@@ -623,7 +680,17 @@ where
                 }
                 Poll::Ready(None)
             }
-            Poll::Ready(Some(Err(err))) => Poll::Ready(Some(Err(err.into()))),
+            Poll::Ready(Some(Err(err))) => {
+                let err: BoxError = err.into();
+                match flooded(err.as_ref()) {
+                    Some(flood) => {
+                        this.failed = true;
+                        this.client.flooded(&this.limits, &flood);
+                        Poll::Ready(Some(Err(flood.into())))
+                    }
+                    None => Poll::Ready(Some(Err(err))),
+                }
+            }
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     let counted = this.bound.count(data);
@@ -1001,5 +1068,20 @@ mod tests {
         assert_eq!(calls.load(Ordering::Acquire), 3);
         // A completed response starts the count of breaches again.
         assert_eq!(limited.client.pause().breaches, 0);
+    }
+
+    #[test]
+    fn a_flooded_connection_is_one_breach_however_many_requests_report_it() {
+        let client = ClientState::default();
+        let flood = LimitError::Flooded("connection error detected: Enhance your calm".into());
+        client.flooded(&SMALL, &flood);
+        client.flooded(&SMALL, &flood);
+        assert_eq!(client.pause().breaches, 1);
+        assert!(client.paused(Instant::now()).is_some());
+        // Another bound broken in the pause counts, and a flood after it counts again.
+        client.breached(&SMALL, &LimitError::TooLarge(10));
+        assert_eq!(client.pause().breaches, 2);
+        client.flooded(&SMALL, &flood);
+        assert_eq!(client.pause().breaches, 3);
     }
 }

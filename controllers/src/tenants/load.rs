@@ -53,7 +53,8 @@ pub(super) async fn load(
         let limits = limits.clone();
         tokio::task::spawn_blocking(move || {
             let server = crate::client::server_name(&kube_config.cluster_url);
-            crate::client::builder(&kube_config).map(|builder| {
+            let read_ahead = Some(crate::client::ReadAhead::TENANT);
+            crate::client::builder_reading_ahead(&kube_config, read_ahead).map(|builder| {
                 builder
                     .with_layer(&crate::client::naming_connection_errors(server))
                     .with_layer(&limits)
