@@ -208,6 +208,16 @@ pub struct LimitLayer {
 }
 
 impl LimitLayer {
+    /// `hook` is told when the client's server starts breaking bounds (the first breach, or
+    /// the first after a longest pause without one).
+    pub fn on_breach(&self, hook: BreachNotice) {
+        self.client
+            .notice
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .hook = Some(hook);
+    }
+
     /// A bound broken outside the layer (the cluster's caches over their budget): the client
     /// pauses as for a bound of its own; returns the pause.
     pub fn breach(&self, cause: LimitError) -> Duration {
@@ -233,6 +243,28 @@ struct ClientState {
     /// a list, one with a token continues the last list of its path. Paths are the client's
     /// own requests, so the map stays small whatever the server does.
     list_pages: Mutex<std::collections::HashMap<String, u32>>,
+    /// Who is told when the server breaks a bound, and when it was last told.
+    notice: Mutex<Notice>,
+}
+
+/// Called with the cause and the pause when a client's server breaks a bound: once when it
+/// starts to, not on every breach while it goes on (see [`LimitLayer::on_breach`]).
+pub type BreachNotice = Arc<dyn Fn(&LimitError, Duration) + Send + Sync>;
+
+#[derive(Default)]
+struct Notice {
+    hook: Option<BreachNotice>,
+    /// The last breach, while breaches follow each other within the longest pause of each.
+    last: Option<Instant>,
+}
+
+impl std::fmt::Debug for Notice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Notice")
+            .field("hook", &self.hook.is_some())
+            .field("last", &self.last)
+            .finish()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -261,6 +293,7 @@ impl ClientState {
             pool: Some(pool.clone()),
             pause: Mutex::default(),
             list_pages: Mutex::default(),
+            notice: Mutex::default(),
         }
     }
 
@@ -281,10 +314,32 @@ impl ClientState {
 
     /// A bound broken: the next pause starts now.
     fn breached(&self, limits: &Limits, cause: &LimitError) {
-        let mut pause = self.pause();
-        pause.until = Some(Instant::now() + limits.pause_after(pause.breaches));
-        pause.breaches = pause.breaches.saturating_add(1);
-        pause.cause = Some(cause.clone());
+        self.breached_at(limits, cause, Instant::now());
+    }
+
+    fn breached_at(&self, limits: &Limits, cause: &LimitError, now: Instant) {
+        let length = {
+            let mut pause = self.pause();
+            let length = limits.pause_after(pause.breaches);
+            pause.until = Some(now + length);
+            pause.breaches = pause.breaches.saturating_add(1);
+            pause.cause = Some(cause.clone());
+            length
+        };
+        // Told once while the server goes on breaking bounds: a breach within the longest pause
+        // of the last one is the same misbehaviour (a server that breaks one bound with a list
+        // and answers the other requests well would otherwise be told of every pause).
+        let hook = {
+            let mut notice = self.notice.lock().unwrap_or_else(PoisonError::into_inner);
+            let new = notice
+                .last
+                .is_none_or(|last| now.saturating_duration_since(last) > limits.max_pause);
+            notice.last = Some(now);
+            notice.hook.clone().filter(|_| new)
+        };
+        if let Some(hook) = hook {
+            hook(cause, length);
+        }
     }
 
     /// A connection closed for a flood: one breach, however many of its requests report it.
@@ -1083,5 +1138,26 @@ mod tests {
         assert_eq!(client.pause().breaches, 2);
         client.flooded(&SMALL, &flood);
         assert_eq!(client.pause().breaches, 3);
+    }
+
+    #[test]
+    fn a_server_breaking_bounds_is_told_once_until_it_stops_for_a_longest_pause() {
+        let layer = SMALL.for_one_client();
+        let told = Arc::new(Mutex::new(Vec::new()));
+        let seen = told.clone();
+        layer.on_breach(Arc::new(move |cause, pause| {
+            seen.lock().unwrap().push((cause.to_string(), pause));
+        }));
+        let start = Instant::now();
+        let at = |secs| start + Duration::from_secs(secs);
+        let client = &layer.client;
+        client.breached_at(&SMALL, &LimitError::TooManyPages(3), at(0));
+        client.breached_at(&SMALL, &LimitError::TooManyPages(3), at(40));
+        client.breached_at(&SMALL, &LimitError::TooLarge(10), at(130));
+        assert_eq!(told.lock().unwrap().len(), 1, "one notice while it goes on");
+        assert_eq!(told.lock().unwrap()[0].1, SMALL.first_pause);
+        // Longer than the longest pause without a breach: a new occurrence.
+        client.breached_at(&SMALL, &LimitError::TooManyPages(3), at(231));
+        assert_eq!(told.lock().unwrap().len(), 2);
     }
 }

@@ -719,6 +719,42 @@ impl Manager {
         })
     }
 
+    /// What the tenant's client does when the tenant's API breaks a bound of
+    /// [`crate::limits::Limits`] (a response, a list, a watch or a connection beyond its bound,
+    /// or the pool every tenant's responses share): besides the log line and the pause, one
+    /// Warning event on its Secret when it starts to, so that whoever owns the Secret sees why
+    /// its cluster is not kept. A cache budget's breach has its own event.
+    fn api_over_limit(&self, key: &str, spec: &Spec) -> crate::limits::BreachNotice {
+        let (client, reporter) = (self.client.clone(), self.reporter.clone());
+        let reference = secret_ref(spec);
+        let key = key.to_owned();
+        Arc::new(move |cause: &crate::limits::LimitError, pause: Duration| {
+            if matches!(cause, crate::limits::LimitError::OverBudget(_)) {
+                return;
+            }
+            let message = format!(
+                "the tenant's API server broke a bound: {cause}; nothing is asked of it for {} s \
+                 (longer each time it does again)",
+                pause.as_secs()
+            );
+            warn!(tenant = %key, "{message}");
+            let event = Event {
+                type_: EventType::Warning,
+                reason: "TenantAPIOverLimit".to_owned(),
+                note: Some(reconcilers::sanitize::sanitize(&message).into_string()),
+                action: "ReadTenant".to_owned(),
+                secondary: None,
+            };
+            let recorder = Recorder::new(client.clone(), reporter.clone());
+            let reference = reference.clone();
+            tokio::spawn(async move {
+                if let Err(err) = recorder.publish(&event, &reference).await {
+                    debug!(error = %err, "cannot publish the TenantAPIOverLimit event");
+                }
+            });
+        })
+    }
+
     /// Starts one tenant's runtime from what its load gave. Nothing here reaches the tenant's
     /// API, so a tenant that is down costs no time here; its loops retry on their own.
     fn start(&self, key: &str, spec: &Spec, loaded: Loaded) -> Running {
@@ -755,6 +791,7 @@ impl Manager {
         let runner =
             crate::loops::build_runner(&config, &client, load_kubeconfig, &budget, &mut registry);
         let health = runner.health();
+        limits.on_breach(self.api_over_limit(key, spec));
         budget.on_breach(self.over_budget(key, spec, limits, health.clone()));
         budget.on_recovery({
             let health = health.clone();
