@@ -334,6 +334,51 @@ pub fn decide_ipaddress_mode<'a>(
     decision
 }
 
+/// The Service's cluster IP, if it is one and lies in a configured range; else `None`, and the
+/// finding upstream's `syncService` reports for it is pushed.
+fn valid_service_ip(
+    svc: &ServiceRecord,
+    raw: &ClusterIp,
+    ranges: &[ServiceRange],
+    phase: &mut ServicePhase,
+) -> Option<IpAddr> {
+    let Some(ip) = raw.ip() else {
+        // Upstream prints the parsed value (always `<nil>`); the written value is what helps.
+        phase.findings.push(Finding {
+            kind: "clusterip_not_valid",
+            regarding: Regarding::service(svc),
+            event: Some(EventSpec {
+                reason: "ClusterIPNotValid",
+                action: ACTION_CLUSTERIP_VALIDATION,
+                note: format!("Cluster IP {raw} is not a valid IP; please recreate Service"),
+            }),
+            error_type: Some("invalid"),
+            repair: Repair::None,
+            shared_with: None,
+        });
+        return None;
+    };
+    let family = IpFamily::of(ip);
+    if !ranges.iter().any(|range| range.holds_service_ip(ip)) {
+        phase.findings.push(Finding {
+            kind: "clusterip_out_of_range",
+            regarding: Regarding::service(svc),
+            event: Some(EventSpec {
+                reason: "ClusterIPOutOfRange",
+                action: ACTION_CLUSTERIP_ALLOCATION,
+                note: format!(
+                    "Cluster IP [{family}]: {ip} is not within any configured Service CIDR; please recreate service"
+                ),
+            }),
+            error_type: Some("outOfRange"),
+            repair: Repair::None,
+            shared_with: None,
+        });
+        return None;
+    }
+    Some(ip)
+}
+
 /// Upstream's `syncService` for one cluster IP; `at` is where `index.ip_addresses` holds the
 /// IPAddress of that IP, looked up by the caller.
 fn sync_service_ip<'a>(
@@ -351,59 +396,17 @@ fn sync_service_ip<'a>(
         name: svc.name.clone(),
     };
     let this = (&*svc.namespace, &*svc.name);
-    let Some(ip) = raw.ip() else {
-        // Upstream prints the parsed value (always `<nil>`); the written value is what helps.
-        phase.findings.push(Finding {
-            kind: "clusterip_not_valid",
-            regarding: regarding(),
-            event: Some(EventSpec {
-                reason: "ClusterIPNotValid",
-                action: ACTION_CLUSTERIP_VALIDATION,
-                note: format!("Cluster IP {raw} is not a valid IP; please recreate Service"),
-            }),
-            error_type: Some("invalid"),
-            repair: Repair::None,
-            shared_with: None,
-        });
+    let Some(ip) = valid_service_ip(svc, raw, ranges, phase) else {
         return;
     };
     let family = IpFamily::of(ip);
-    if !ranges.iter().any(|range| range.holds_service_ip(ip)) {
-        phase.findings.push(Finding {
-            kind: "clusterip_out_of_range",
-            regarding: regarding(),
-            event: Some(EventSpec {
-                reason: "ClusterIPOutOfRange",
-                action: ACTION_CLUSTERIP_ALLOCATION,
-                note: format!(
-                    "Cluster IP [{family}]: {ip} is not within any configured Service CIDR; please recreate service"
-                ),
-            }),
-            error_type: Some("outOfRange"),
-            repair: Repair::None,
-            shared_with: None,
-        });
-        return;
-    }
-    let duplicate = |phase: &mut ServicePhase, other: Option<&ServiceRecord>| {
-        phase.findings.push(Finding {
-            kind: "clusterip_already_allocated",
-            regarding: regarding(),
-            event: Some(EventSpec {
-                reason: "ClusterIPAlreadyAllocated",
-                action: ACTION_CLUSTERIP_ALLOCATION,
-                note: format!(
-                    "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
-                ),
-            }),
-            error_type: Some("duplicate"),
-            repair: Repair::None,
-            shared_with: other.map(|other| SharedWith::of(ip, other)),
-        });
-    };
     if let Some(&first) = claims.get(&ip) {
         if first != this {
-            duplicate(phase, index.services_by_key.get(first.0, first.1));
+            phase.findings.push(already_allocated(
+                svc,
+                ip,
+                index.services_by_key.get(first.0, first.1),
+            ));
         }
         return;
     }
@@ -424,6 +427,26 @@ fn sync_service_ip<'a>(
         });
         return;
     };
+    sync_allocated_ip(svc, ip, at, index, claims, phase);
+}
+
+/// The rest of upstream's `syncService` for a cluster IP that has an IPAddress (at `at` in
+/// `index.ip_addresses`): its manager, its parent reference and its labels.
+fn sync_allocated_ip<'a>(
+    svc: &'a ServiceRecord,
+    ip: IpAddr,
+    at: u32,
+    index: &Index<'_, '_>,
+    claims: &mut Claims<'a>,
+    phase: &mut ServicePhase,
+) {
+    let regarding = || Regarding::service(svc);
+    let owner = || ServiceOwner {
+        namespace: svc.namespace.clone(),
+        name: svc.name.clone(),
+    };
+    let this = (&*svc.namespace, &*svc.name);
+    let family = IpFamily::of(ip);
     let existing = index.ip_addresses[at as usize];
     let existing_version = || ObjectVersion {
         uid: existing.uid.to_string().into(),
@@ -487,7 +510,9 @@ fn sync_service_ip<'a>(
                     Some(referenced) if referenced.lists_ip(ip) => {
                         // Upstream goes on to the label check and may hand the IPAddress to
                         // this Service; the owner's own sync repairs labels without that churn.
-                        duplicate(phase, Some(referenced));
+                        phase
+                            .findings
+                            .push(already_allocated(svc, ip, Some(referenced)));
                         return;
                     }
                     // The IPAddress phase deletes it; the next pass recreates it for us.
@@ -523,6 +548,25 @@ fn sync_service_ip<'a>(
             },
             shared_with: None,
         });
+    }
+}
+
+/// The finding for a cluster IP another Service (`other`, when the cache has it) holds too.
+fn already_allocated(svc: &ServiceRecord, ip: IpAddr, other: Option<&ServiceRecord>) -> Finding {
+    let family = IpFamily::of(ip);
+    Finding {
+        kind: "clusterip_already_allocated",
+        regarding: Regarding::service(svc),
+        event: Some(EventSpec {
+            reason: "ClusterIPAlreadyAllocated",
+            action: ACTION_CLUSTERIP_ALLOCATION,
+            note: format!(
+                "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
+            ),
+        }),
+        error_type: Some("duplicate"),
+        repair: Repair::None,
+        shared_with: other.map(|other| SharedWith::of(ip, other)),
     }
 }
 
