@@ -378,9 +378,6 @@ impl ApiserverLeaseLoop {
         self.check_serving_certificate().await;
         self.check_family(ctx).await?;
         let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
-        let name = self.own.name();
-        let object = self.own.object_ref();
-        let mut report = PassReport::default();
 
         let verdict = self.failures.judge(self.readiness.check().await);
         self.note_tolerated(&verdict);
@@ -390,98 +387,143 @@ impl ApiserverLeaseLoop {
         if ready.is_ok()
             && !ctx.dry_run
             && let Some(cached) = cached
+            && let Some(report) = self.renew_from_cache(&api, &cached).await?
         {
-            let now = Timestamp::now();
-            let was_live = observe(&cached, self.own.ttl).is_ok_and(|m| m.expires > now);
-            match api
-                .replace(
-                    &name,
-                    &PostParams::default(),
-                    &self.own.renewed(Some(&cached), now),
-                )
-                .await
-            {
-                Ok(written) => {
-                    self.remember(written);
-                    self.metrics.renewals.inc();
-                    self.metrics.ready.set(1);
-                    if !was_live {
-                        report.push(drift(
-                            "member_lease_expired",
-                            object,
-                            Action::Update,
-                            "this instance's membership Lease had expired; renewed it",
-                            true,
-                        ));
-                    }
-                    return Ok(report);
-                }
-                // Changed or deleted by someone else since our write: read it and start over.
-                Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => {}
-                Err(err) => return Err(err.into()),
-            }
+            return Ok(report);
         }
-        let existing = api.get_opt(&name).await?;
-        // Ours: it carries the member label, or (label removed by hand) our address annotation;
-        // renewing restores the label. Anything else with this name is someone else's object.
+        let existing = api.get_opt(&self.own.name()).await?;
         if let Some(existing) = &existing {
-            let labelled = existing
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(MEMBER_LABEL))
-                == Some(&self.own.service_name);
-            let our_address = existing
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(super::lease::ADDRESS_ANNOTATION))
-                .and_then(|a| super::members::parse_ip(a))
-                == Some(self.own.address);
-            if !labelled && !our_address {
-                return Err(LoopError::Invalid(format!(
-                    "{object} exists but is not a membership Lease (no label {MEMBER_LABEL}={} and \
-                     no {} annotation for {}); refusing to overwrite it: delete or rename it",
-                    self.own.service_name,
-                    super::lease::ADDRESS_ANNOTATION,
-                    self.own.address
-                )));
-            }
+            self.check_ours(existing)?;
         }
 
         // The Lease is this instance's own heartbeat, not cluster state that drifts: in dry-run
         // (and so in `check`, typically run from a workstation that is no member) what would be
         // written is logged, not reported, or every check would fail on the checker's own Lease.
         self.note_other_holder(existing.as_ref());
-        if let Err(reason) = ready {
-            self.metrics.ready.set(0);
-            if let Some(holder) = self.shutdown.shared_with() {
-                // A shared address: the other instance's apiserver still serves at it.
-                tracing::debug!(lease = %object, %holder, %reason, "not withdrawing a shared address while another instance renews it");
-                return Ok(report);
-            }
-            if ctx.dry_run {
-                if existing.is_some() {
-                    tracing::info!(lease = %object, %reason, "dry-run: would delete this instance's membership Lease (apiserver not ready)");
+        match ready {
+            Err(reason) => self.withdraw(ctx, &api, existing, &reason).await,
+            Ok(()) => self.write_own(ctx, &api, existing).await,
+        }
+    }
+
+    /// Renews the Lease on top of this instance's last write of it, without reading it first;
+    /// `None` when it changed or went since (then it is read and the pass starts over).
+    async fn renew_from_cache(
+        &self,
+        api: &Api<Lease>,
+        cached: &Lease,
+    ) -> Result<Option<PassReport>, LoopError> {
+        let now = Timestamp::now();
+        let was_live = observe(cached, self.own.ttl).is_ok_and(|m| m.expires > now);
+        let renewed = self.own.renewed(Some(cached), now);
+        match api
+            .replace(&self.own.name(), &PostParams::default(), &renewed)
+            .await
+        {
+            Ok(written) => {
+                self.remember(written);
+                self.metrics.renewals.inc();
+                self.metrics.ready.set(1);
+                let mut report = PassReport::default();
+                if !was_live {
+                    report.push(self.expired_drift());
                 }
-                return Ok(report);
+                Ok(Some(report))
             }
-            if let Some(existing) = existing {
-                let applied = self.delete(&api, &existing).await?;
-                report.push(drift(
-                    "member_lease_not_ready",
-                    object,
-                    Action::Delete,
-                    format!(
-                        "the local apiserver is not ready ({reason}); {} this instance's membership Lease",
-                        if applied { "deleted" } else { "would delete" }
-                    ),
-                    applied,
-                ));
+            // Changed or deleted by someone else since our write: read it and start over.
+            Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => Ok(None),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    fn expired_drift(&self) -> crate::Drift {
+        drift(
+            "member_lease_expired",
+            self.own.object_ref(),
+            Action::Update,
+            "this instance's membership Lease had expired; renewed it",
+            true,
+        )
+    }
+
+    /// Ours: it carries the member label, or (label removed by hand) our address annotation;
+    /// renewing restores the label. Anything else with this name is someone else's object.
+    fn check_ours(&self, existing: &Lease) -> Result<(), LoopError> {
+        let labelled = existing
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(MEMBER_LABEL))
+            == Some(&self.own.service_name);
+        let our_address = existing
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(super::lease::ADDRESS_ANNOTATION))
+            .and_then(|a| super::members::parse_ip(a))
+            == Some(self.own.address);
+        if labelled || our_address {
+            return Ok(());
+        }
+        Err(LoopError::Invalid(format!(
+            "{} exists but is not a membership Lease (no label {MEMBER_LABEL}={} and no {} \
+             annotation for {}); refusing to overwrite it: delete or rename it",
+            self.own.object_ref(),
+            self.own.service_name,
+            super::lease::ADDRESS_ANNOTATION,
+            self.own.address
+        )))
+    }
+
+    /// The local apiserver is not ready: this instance's Lease goes, unless another instance
+    /// renews the same address.
+    async fn withdraw(
+        &self,
+        ctx: &PassContext,
+        api: &Api<Lease>,
+        existing: Option<Lease>,
+        reason: &super::probe::NotReady,
+    ) -> Result<PassReport, LoopError> {
+        let object = self.own.object_ref();
+        let mut report = PassReport::default();
+        self.metrics.ready.set(0);
+        if let Some(holder) = self.shutdown.shared_with() {
+            // A shared address: the other instance's apiserver still serves at it.
+            tracing::debug!(lease = %object, %holder, %reason, "not withdrawing a shared address while another instance renews it");
+            return Ok(report);
+        }
+        if ctx.dry_run {
+            if existing.is_some() {
+                tracing::info!(lease = %object, %reason, "dry-run: would delete this instance's membership Lease (apiserver not ready)");
             }
             return Ok(report);
         }
+        if let Some(existing) = existing {
+            let applied = self.delete(api, &existing).await?;
+            report.push(drift(
+                "member_lease_not_ready",
+                object,
+                Action::Delete,
+                format!(
+                    "the local apiserver is not ready ({reason}); {} this instance's membership Lease",
+                    if applied { "deleted" } else { "would delete" }
+                ),
+                applied,
+            ));
+        }
+        Ok(report)
+    }
 
+    /// The local apiserver is ready: this instance's Lease is created or renewed.
+    async fn write_own(
+        &self,
+        ctx: &PassContext,
+        api: &Api<Lease>,
+        existing: Option<Lease>,
+    ) -> Result<PassReport, LoopError> {
+        let object = self.own.object_ref();
+        let name = self.own.name();
+        let mut report = PassReport::default();
         let now = Timestamp::now();
         let live = existing
             .as_ref()
@@ -493,7 +535,6 @@ impl ApiserverLeaseLoop {
             }
             return Ok(report);
         }
-
         match &existing {
             None => {
                 let written = api
@@ -528,13 +569,7 @@ impl ApiserverLeaseLoop {
                 };
                 self.remember(written);
                 if !live {
-                    report.push(drift(
-                        "member_lease_expired",
-                        object,
-                        Action::Update,
-                        "this instance's membership Lease had expired; renewed it",
-                        true,
-                    ));
+                    report.push(self.expired_drift());
                 }
             }
         }
