@@ -285,33 +285,7 @@ impl LoopTask {
                 .take();
             heal_since = heal_since.or(triggered_at);
 
-            let pass_timeout = pass_timeout(interval);
-            let metrics = self.metrics.clone();
-            let pass = async {
-                match tokio::time::timeout(
-                    pass_timeout,
-                    run_pass(&*self.reconciler, &self.ctx, &self.metrics, &unapplied),
-                )
-                .await
-                {
-                    Ok(outcome) => outcome,
-                    Err(_) => {
-                        metrics.pass(name, "failure", pass_timeout);
-                        metrics.error(name, "timeout");
-                        Err(PassError::TimedOut(pass_timeout))
-                    }
-                }
-            };
-            let outcome = if gated {
-                tokio::select! {
-                    outcome = pass => Some(outcome),
-                    _ = lost_leadership(&mut self.leader) => None,
-                }
-            } else {
-                Some(pass.await)
-            };
-
-            let wait = match outcome {
+            let wait = match self.pass(interval, gated, &unapplied).await {
                 None => {
                     warn!("lost leadership during a pass; abandoned it");
                     heal_since = None;
@@ -336,20 +310,7 @@ impl LoopTask {
                     } else {
                         fight_streak = 0;
                     }
-                    let failures_before = self
-                        .health
-                        .status(name)
-                        .map_or(0, |status| status.consecutive_failures);
-                    if failures_before > 0 {
-                        info!(failed_passes = failures_before, "pass succeeded again");
-                    }
-                    self.health.update(name, |status| {
-                        status.succeeded = true;
-                        status.passes += 1;
-                        status.consecutive_failures = 0;
-                        status.last_error = None;
-                    });
-                    self.metrics.set_ready(name, true);
+                    self.succeeded();
                     with_jitter(interval, self.options.jitter)
                 }
                 Some(Err(reason)) => {
@@ -358,31 +319,7 @@ impl LoopTask {
                         .next()
                         .unwrap_or(interval)
                         .min(interval);
-                    // What an API says in its errors is outside text: in management mode, a
-                    // tenant's API server writes it.
-                    let message = Sanitized::of(&reason).into_string();
-                    let before = self.health.status(name).unwrap_or_default();
-                    match failure_log(
-                        &reason,
-                        &message,
-                        before.last_error.as_deref(),
-                        before.consecutive_failures,
-                    ) {
-                        FailureLog::Warn => {
-                            warn!(error = %message, retry_in = ?delay, "pass failed; retrying with backoff (the same failure again is logged at debug level)")
-                        }
-                        FailureLog::NotYet(why) => {
-                            info!(retry_in = ?delay, "pass deferred: {why}")
-                        }
-                        FailureLog::Again => {
-                            debug!(error = %message, retry_in = ?delay, "pass failed again")
-                        }
-                    }
-                    self.health.update(name, |status| {
-                        status.passes += 1;
-                        status.consecutive_failures += 1;
-                        status.last_error = Some(message);
-                    });
+                    self.failed(&reason, delay);
                     delay
                 }
             };
@@ -420,6 +357,93 @@ impl LoopTask {
         }
 
         self.shutdown().await;
+    }
+
+    /// One pass within its timeout; `None` when leadership was lost during it (a loop that
+    /// needs it).
+    async fn pass(
+        &mut self,
+        interval: Duration,
+        gated: bool,
+        unapplied: &reconcilers::findings::ReportOnce<(&'static str, String, String)>,
+    ) -> Option<Result<PassReport, PassError>> {
+        let name = self.reconciler.name();
+        let pass_timeout = pass_timeout(interval);
+        let metrics = self.metrics.clone();
+        let pass = async {
+            match tokio::time::timeout(
+                pass_timeout,
+                run_pass(&*self.reconciler, &self.ctx, &self.metrics, unapplied),
+            )
+            .await
+            {
+                Ok(outcome) => outcome,
+                Err(_) => {
+                    metrics.pass(name, "failure", pass_timeout);
+                    metrics.error(name, "timeout");
+                    Err(PassError::TimedOut(pass_timeout))
+                }
+            }
+        };
+        if gated {
+            tokio::select! {
+                outcome = pass => Some(outcome),
+                _ = lost_leadership(&mut self.leader) => None,
+            }
+        } else {
+            Some(pass.await)
+        }
+    }
+
+    /// A pass succeeded: `/readyz` and the metrics say so, and a loop that was failing says it
+    /// works again.
+    fn succeeded(&self) {
+        let name = self.reconciler.name();
+        let failures_before = self
+            .health
+            .status(name)
+            .map_or(0, |status| status.consecutive_failures);
+        if failures_before > 0 {
+            info!(failed_passes = failures_before, "pass succeeded again");
+        }
+        self.health.update(name, |status| {
+            status.succeeded = true;
+            status.passes += 1;
+            status.consecutive_failures = 0;
+            status.last_error = None;
+        });
+        self.metrics.set_ready(name, true);
+    }
+
+    /// A pass failed and the next is in `delay`: said once when the failure is new (or at info
+    /// while it is normal for a moment after start), and recorded for `/readyz`.
+    fn failed(&self, reason: &PassError, delay: Duration) {
+        let name = self.reconciler.name();
+        // What an API says in its errors is outside text: in management mode, a tenant's API
+        // server writes it.
+        let message = Sanitized::of(reason).into_string();
+        let before = self.health.status(name).unwrap_or_default();
+        match failure_log(
+            reason,
+            &message,
+            before.last_error.as_deref(),
+            before.consecutive_failures,
+        ) {
+            FailureLog::Warn => {
+                warn!(error = %message, retry_in = ?delay, "pass failed; retrying with backoff (the same failure again is logged at debug level)")
+            }
+            FailureLog::NotYet(why) => {
+                info!(retry_in = ?delay, "pass deferred: {why}")
+            }
+            FailureLog::Again => {
+                debug!(error = %message, retry_in = ?delay, "pass failed again")
+            }
+        }
+        self.health.update(name, |status| {
+            status.passes += 1;
+            status.consecutive_failures += 1;
+            status.last_error = Some(message);
+        });
     }
 
     /// Returns false if cancelled while waiting.
