@@ -2,14 +2,21 @@
 //! fragment of the file, untrusted) merged over the file, with the keys and floors a fragment may
 //! not cross.
 
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use ipnet::IpNet;
+use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{ConfigError, EndpointsMode, format_duration, parse_duration};
 
 use super::file::parse_file;
-use super::settings::ConfigArgs;
-use super::{Config, ConfigErrors};
+use super::settings::{ConfigArgs, Given, Source, TenantBudgetFile};
+use super::values::NotANumber;
+use super::{
+    Config, ConfigErrors, DEFAULT_TENANTS_CACHE_MAX_MIB, DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
+    DEFAULT_TENANTS_CACHE_TOTAL_MIB, TenantBudget, Tenants,
+};
 
 /// The annotation on a tenant's Secret holding its YAML fragment of the configuration file.
 pub const TENANT_CONFIG_ANNOTATION: &str = "bootstrap-controller.io/config";
@@ -483,3 +490,352 @@ pub(super) fn deep_merge(base: &mut serde_json::Value, over: serde_json::Value) 
 
 /// The Secret data key Cluster API's `<cluster>-kubeconfig` Secrets use.
 pub const DEFAULT_TENANTS_KUBECONFIG_KEY: &str = "value";
+
+/// Management mode's settings: flags over the file's `tenants` section. `None` when no
+/// selector is set (the one cluster of `--kubeconfig`).
+pub(super) fn merge_tenants(
+    given: &mut Given,
+    budgets: Option<&BTreeMap<String, TenantBudgetFile>>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<Tenants> {
+    let namespace = given.tenants_namespace.take();
+    let key = given.tenants_kubeconfig_key.take();
+    let plugins = given.tenants_credential_plugins.take();
+    let max_objects = given.tenants_cache_max_objects.take();
+    let max_mib = given.tenants_cache_max_mib.take();
+    let total_mib = given.tenants_cache_total_mib.take();
+    let etcd_allowed = given.tenants_etcd_allowed_cidrs.take();
+    let Some(selector) = given.tenants_secret_selector.take() else {
+        let fields = [namespace, key, plugins, etcd_allowed]
+            .into_iter()
+            .flatten()
+            .map(|source| source.field)
+            .chain(
+                [max_objects, max_mib, total_mib]
+                    .into_iter()
+                    .flatten()
+                    .map(|s| s.field),
+            )
+            .chain(budgets.map(|_| "tenants.cacheBudgets"));
+        for field in fields {
+            errors.push(ConfigError::new(
+                field,
+                "only means something in management mode: set --tenants-secret-selector \
+                 (tenants.secretSelector) too, or leave it out",
+            ));
+        }
+        return None;
+    };
+    let cache_max_objects = positive(
+        max_objects,
+        DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
+        "50000",
+        errors,
+    );
+    let cache_max_mib = positive(max_mib, DEFAULT_TENANTS_CACHE_MAX_MIB, "32", errors);
+    let cache_total_mib = positive(total_mib, DEFAULT_TENANTS_CACHE_TOTAL_MIB, "96", errors);
+    let cache_budgets = cache_budgets(budgets, cache_max_objects, cache_max_mib, errors);
+    let selector_text = secret_selector(selector, errors);
+    let namespace = namespace.and_then(|source| {
+        match reconcilers::names::validate_dns1123_label(&source.value) {
+            Ok(()) => Some(source.value),
+            Err(why) => {
+                errors.push(ConfigError::new(
+                    source.field,
+                    format!(
+                        "{:?} is not a valid namespace name: {why} (e.g. tenants)",
+                        source.value
+                    ),
+                ));
+                None
+            }
+        }
+    });
+    let kubeconfig_key = key.map_or_else(
+        || DEFAULT_TENANTS_KUBECONFIG_KEY.to_owned(),
+        |source| kubeconfig_key(source, errors),
+    );
+    let credential_plugins =
+        plugins.map_or_else(Vec::new, |source| credential_plugins(source, errors));
+    let etcd_allowed_cidrs =
+        etcd_allowed.map_or_else(Vec::new, |source| etcd_allowed_cidrs(source, errors));
+    Some(Tenants {
+        secret_selector: selector_text,
+        namespace,
+        kubeconfig_key,
+        credential_plugins,
+        cache_max_objects,
+        cache_max_mib,
+        cache_total_mib,
+        cache_budgets,
+        etcd_allowed_cidrs,
+    })
+}
+
+/// Checks a label selector as `kubectl get -l` writes it (`k`, `!k`, `k=v`, `k==v`, `k!=v`,
+/// `k in (a,b)`, `k notin (a,b)`, joined by commas), so a typo is a configuration error at
+/// start rather than a refused list later.
+pub(super) fn validate_label_selector(selector: &str) -> Result<(), String> {
+    fn key(text: &str) -> Result<(), String> {
+        let text = text.trim();
+        let (prefix, name) = match text.split_once('/') {
+            Some((prefix, name)) => (Some(prefix), name),
+            None => (None, text),
+        };
+        if let Some(prefix) = prefix {
+            reconcilers::names::validate_dns1123_subdomain(prefix)
+                .map_err(|why| format!("label key {text:?}: prefix: {why}"))?;
+        }
+        value(name).and_then(|()| {
+            if name.is_empty() {
+                Err(format!("label key {text:?} has no name"))
+            } else {
+                Ok(())
+            }
+        })
+    }
+    fn value(text: &str) -> Result<(), String> {
+        let text = text.trim();
+        let valid = text.len() <= 63
+            && text
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && text
+                .chars()
+                .next()
+                .is_none_or(|c| c.is_ascii_alphanumeric())
+            && text
+                .chars()
+                .last()
+                .is_none_or(|c| c.is_ascii_alphanumeric());
+        if valid {
+            Ok(())
+        } else {
+            Err(format!(
+                "{text:?} is not a label name or value (at most 63 letters, digits, '-', '_' or \
+                 '.', starting and ending with a letter or digit)"
+            ))
+        }
+    }
+    // Commas separate requirements except inside a set's parentheses.
+    let mut requirements = Vec::new();
+    let (mut depth, mut start) = (0_i32, 0);
+    for (at, c) in selector.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                requirements.push(&selector[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+        if depth < 0 {
+            return Err("unbalanced parentheses".to_owned());
+        }
+    }
+    if depth != 0 {
+        return Err("unbalanced parentheses".to_owned());
+    }
+    requirements.push(&selector[start..]);
+    for requirement in requirements {
+        let requirement = requirement.trim();
+        if requirement.is_empty() {
+            return Err("an empty requirement (two commas in a row?)".to_owned());
+        }
+        if let Some(rest) = requirement.strip_prefix('!') {
+            key(rest)?;
+        } else if let Some((k, v)) = requirement
+            .split_once("!=")
+            .or_else(|| requirement.split_once("=="))
+            .or_else(|| requirement.split_once('='))
+        {
+            key(k)?;
+            value(v)?;
+        } else if let Some((k, set)) = requirement
+            .split_once(" notin ")
+            .or_else(|| requirement.split_once(" in "))
+        {
+            key(k)?;
+            let set = set.trim();
+            let inner = set
+                .strip_prefix('(')
+                .and_then(|set| set.strip_suffix(')'))
+                .ok_or_else(|| format!("{set:?}: a set is written (a,b)"))?;
+            for item in inner.split(',') {
+                value(item)?;
+            }
+        } else {
+            key(requirement)?;
+        }
+    }
+    Ok(())
+}
+
+/// A positive whole number, or `default` when not given.
+fn positive(
+    source: Option<Source<Result<u32, NotANumber>>>,
+    default: u32,
+    example: &str,
+    errors: &mut Vec<ConfigError>,
+) -> u32 {
+    let Some(source) = source else {
+        return default;
+    };
+    let text = match source.value {
+        Ok(value @ 1..) => return value,
+        Ok(value) => value.to_string(),
+        Err(NotANumber(text)) => format!("{text:?}"),
+    };
+    errors.push(ConfigError::new(
+        source.field,
+        format!("{text} is not a positive whole number (e.g. {example})"),
+    ));
+    default
+}
+
+/// `tenants.cacheBudgets`: the operator's raise per tenant, keyed by its Secret's namespace/name;
+/// what a budget leaves out is the process's.
+fn cache_budgets(
+    budgets: Option<&BTreeMap<String, TenantBudgetFile>>,
+    max_objects: u32,
+    max_mib: u32,
+    errors: &mut Vec<ConfigError>,
+) -> BTreeMap<String, TenantBudget> {
+    let mut cache_budgets = BTreeMap::new();
+    for (key, budget) in budgets.into_iter().flatten() {
+        let field = format!("tenants.cacheBudgets.{key}");
+        let valid_key = key.split_once('/').is_some_and(|(namespace, name)| {
+            validate_dns1123_label(namespace).is_ok() && validate_dns1123_subdomain(name).is_ok()
+        });
+        if !valid_key {
+            errors.push(ConfigError::new(
+                field.clone(),
+                "is not a tenant: the key is its Secret's namespace/name (e.g. tenants/team-a)",
+            ));
+        }
+        for (given, name) in [
+            (budget.max_objects, "maxObjects"),
+            (budget.max_mib, "maxMiB"),
+        ] {
+            if given == Some(0) {
+                errors.push(ConfigError::new(
+                    format!("{field}.{name}"),
+                    "must be positive (leave it out for the process's budget)",
+                ));
+            }
+        }
+        cache_budgets.insert(
+            key.clone(),
+            TenantBudget {
+                max_objects: budget.max_objects.unwrap_or(max_objects),
+                max_mib: budget.max_mib.unwrap_or(max_mib),
+            },
+        );
+    }
+    cache_budgets
+}
+
+/// `tenants.secretSelector`: a label selector, trimmed.
+fn secret_selector(selector: Source<String>, errors: &mut Vec<ConfigError>) -> String {
+    let selector_text = selector.value.trim().to_owned();
+    if selector_text.is_empty() {
+        errors.push(ConfigError::new(
+            selector.field,
+            "must not be empty: a label selector every tenant kubeconfig Secret matches (e.g. \
+             cluster.x-k8s.io/cluster-name)",
+        ));
+    } else if let Err(why) = validate_label_selector(&selector_text) {
+        errors.push(ConfigError::new(
+            selector.field,
+            format!(
+                "{selector_text:?} is not a label selector: {why} (e.g. \
+                 cluster.x-k8s.io/cluster-name, or team=a,tier!=dev)"
+            ),
+        ));
+    }
+    selector_text
+}
+
+/// `tenants.kubeconfigKey`: a Secret data key.
+fn kubeconfig_key(source: Source<String>, errors: &mut Vec<ConfigError>) -> String {
+    let valid = !source.value.is_empty()
+        && source.value.len() <= 253
+        && source
+            .value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !valid {
+        errors.push(ConfigError::new(
+            source.field,
+            format!(
+                "{:?} is not a Secret data key (letters, digits, '-', '_' and '.'; \
+                 e.g. value, admin.conf, kubeconfig, config)",
+                source.value
+            ),
+        ));
+    }
+    source.value
+}
+
+/// `tenants.credentialPlugins`: absolute paths of the programs a tenant kubeconfig may run.
+fn credential_plugins(source: Source<String>, errors: &mut Vec<ConfigError>) -> Vec<PathBuf> {
+    let mut credential_plugins = Vec::new();
+    for path in source
+        .value
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
+        let directory = path.ends_with('/');
+        let path = PathBuf::from(path);
+        let plain = !directory
+            && path.components().all(|c| {
+                matches!(
+                    c,
+                    std::path::Component::RootDir | std::path::Component::Normal(_)
+                )
+            });
+        if !path.is_absolute() || !plain || path.file_name().is_none() {
+            errors.push(ConfigError::new(
+                source.field,
+                format!(
+                    "{} is not an absolute path to a program (e.g. \
+                     /usr/local/bin/aws-iam-authenticator): a plugin is allowed by the path \
+                     that runs, never looked up in PATH",
+                    path.display()
+                ),
+            ));
+        } else if !credential_plugins.contains(&path) {
+            credential_plugins.push(path);
+        }
+    }
+    credential_plugins
+}
+
+/// `tenants.etcdAllowedCIDRs`: the networks a tenant's etcd may be in.
+fn etcd_allowed_cidrs(source: Source<String>, errors: &mut Vec<ConfigError>) -> Vec<ipnet::IpNet> {
+    let mut etcd_allowed_cidrs = Vec::new();
+    for text in source
+        .value
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
+        match text.parse::<ipnet::IpNet>() {
+            Ok(net) if net.trunc() == net => etcd_allowed_cidrs.push(net),
+            Ok(net) => errors.push(ConfigError::new(
+                source.field,
+                format!(
+                    "{text} has host bits set: write the network, {}",
+                    net.trunc()
+                ),
+            )),
+            Err(_) => errors.push(ConfigError::new(
+                source.field,
+                format!("{text:?} is not a CIDR (e.g. 10.0.16.0/20 or fd00:10::/64)"),
+            )),
+        }
+    }
+    etcd_allowed_cidrs
+}

@@ -22,8 +22,8 @@ use tokio::time::Instant;
 
 use super::lease::{MemberLease, Sightings, member_selector, membership};
 use super::lease_trigger::lease_trigger;
-use super::members::{MemberSet, MembershipChange, endpoint_ip_problem};
-use super::modes::{EntryOutcome, master_count_members, static_members};
+use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
+use super::modes::{master_count_members, note_static_outcomes, static_members};
 use super::plan::{
     EndpointsTarget, SERVICE_NAME_LABEL, SliceWrite, desired_endpoints, desired_slices,
     endpoints_drift, listed_members, other_writers, plan_slices, repaired_endpoints, slice_members,
@@ -69,29 +69,6 @@ struct State {
     named_writers: BTreeSet<(String, String)>,
     /// When each membership Lease was seen renewed (expiry on this clock).
     sightings: Sightings,
-}
-
-/// A run of passes that found no member. At start that is normal for a moment (this instance's
-/// Lease may not be written yet, its namespace may not exist yet, and watch events can run two
-/// passes within a second), so the warning waits until the run has lasted a whole lease period:
-/// by then every live member has renewed its Lease at least once.
-#[derive(Debug, Default)]
-struct EmptyStreak {
-    since: Option<Instant>,
-    warned: bool,
-}
-
-impl EmptyStreak {
-    /// Records a pass without members at `now`; true exactly once per run, when it has lasted
-    /// `grace`.
-    fn observe(&mut self, now: Instant, grace: Duration) -> bool {
-        let since = *self.since.get_or_insert(now);
-        if self.warned || now.saturating_duration_since(since) < grace {
-            return false;
-        }
-        self.warned = true;
-        true
-    }
 }
 
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
@@ -310,30 +287,9 @@ impl ApiserverEndpointsLoop {
             .into_iter()
             .collect();
         let (members, outcomes) = static_members(&entries, &answers, &mut state.last_good);
-        for (name, outcome) in outcomes {
-            match outcome {
-                EntryOutcome::Failed { reason, kept } => {
-                    if state.failing.insert(name.clone()) {
-                        let kept_text = kept
-                            .iter()
-                            .map(ToString::to_string)
-                            .collect::<Vec<_>>()
-                            .join(", ");
-                        tracing::warn!(%name, %reason, kept = %kept_text, "static address lookup failed; keeping the last good set");
-                        computed.warnings.push((
-                            "StaticAddressResolutionFailed".to_owned(),
-                            format!("resolving {name} failed ({reason}); keeping its last good addresses [{kept_text}]"),
-                        ));
-                    }
-                }
-                EntryOutcome::Resolved(_) => {
-                    if state.failing.remove(&name) {
-                        tracing::info!(%name, "static address resolves again");
-                    }
-                }
-                EntryOutcome::Ip => {}
-            }
-        }
+        computed
+            .warnings
+            .extend(note_static_outcomes(outcomes, &mut state.failing));
         computed.members = members;
     }
 
@@ -735,25 +691,16 @@ impl ApiserverEndpointsLoop {
     /// found) the object this loop keeps.
     fn reference(&self, written: Option<Endpoints>) -> ObjectReference {
         let target = self.target();
+        let (api_version, kind) = if self.section.write_endpoints {
+            ("v1", "Endpoints")
+        } else {
+            ("discovery.k8s.io/v1", "EndpointSlice")
+        };
         written
             .map(|e| e.object_ref(&()))
             .unwrap_or_else(|| ObjectReference {
-                api_version: Some(
-                    if self.section.write_endpoints {
-                        "v1"
-                    } else {
-                        "discovery.k8s.io/v1"
-                    }
-                    .to_owned(),
-                ),
-                kind: Some(
-                    if self.section.write_endpoints {
-                        "Endpoints"
-                    } else {
-                        "EndpointSlice"
-                    }
-                    .to_owned(),
-                ),
+                api_version: Some(api_version.to_owned()),
+                kind: Some(kind.to_owned()),
                 name: Some(target.service_name.clone()),
                 namespace: Some(target.namespace.clone()),
                 ..ObjectReference::default()
@@ -1049,33 +996,4 @@ const MEMBER_EVENTS_PER_PASS: usize = 5;
 /// The label selector of the `kubernetes` Service's EndpointSlices.
 fn slice_selector(target: &EndpointsTarget) -> String {
     format!("{SERVICE_NAME_LABEL}={}", target.service_name)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_empty_member_list_is_warned_about_once_after_a_whole_lease_period() {
-        let grace = Duration::from_secs(15);
-        let start = Instant::now();
-        let mut streak = EmptyStreak::default();
-        // Two passes within a second at start: no warning.
-        assert!(!streak.observe(start, grace));
-        assert!(!streak.observe(start + Duration::from_millis(240), grace));
-        assert!(!streak.observe(start + Duration::from_secs(14), grace));
-        assert!(
-            streak.observe(start + grace, grace),
-            "warned once the period is over"
-        );
-        assert!(
-            !streak.observe(start + Duration::from_secs(30), grace),
-            "and only once"
-        );
-        // A member came back; a new run waits a whole period again.
-        let mut streak = EmptyStreak::default();
-        let later = start + Duration::from_secs(60);
-        assert!(!streak.observe(later, grace));
-        assert!(streak.observe(later + Duration::from_secs(16), grace));
-    }
 }

@@ -6,6 +6,9 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::net::IpAddr;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::alloc::IpFamily;
 
@@ -159,6 +162,29 @@ pub fn parse_ip(text: &str) -> Option<IpAddr> {
     text.trim().parse::<IpAddr>().ok().map(canonical)
 }
 
+/// A run of passes that found no member. At start that is normal for a moment (this instance's
+/// Lease may not be written yet, its namespace may not exist yet, and watch events can run two
+/// passes within a second), so the warning waits until the run has lasted a whole lease period:
+/// by then every live member has renewed its Lease at least once.
+#[derive(Debug, Default)]
+pub struct EmptyStreak {
+    since: Option<Instant>,
+    warned: bool,
+}
+
+impl EmptyStreak {
+    /// Records a pass without members at `now`; true exactly once per run, when it has lasted
+    /// `grace`.
+    pub fn observe(&mut self, now: Instant, grace: Duration) -> bool {
+        let since = *self.since.get_or_insert(now);
+        if self.warned || now.saturating_duration_since(since) < grace {
+            return false;
+        }
+        self.warned = true;
+        true
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -232,5 +258,29 @@ mod tests {
         for good in ["10.0.0.1", "192.0.2.1", "fd00::1", "2001:db8::1", "8.8.8.8"] {
             assert_eq!(endpoint_ip_problem(&ip(good)), None, "{good}");
         }
+    }
+
+    #[test]
+    fn an_empty_member_list_is_warned_about_once_after_a_whole_lease_period() {
+        let grace = Duration::from_secs(15);
+        let start = Instant::now();
+        let mut streak = EmptyStreak::default();
+        // Two passes within a second at start: no warning.
+        assert!(!streak.observe(start, grace));
+        assert!(!streak.observe(start + Duration::from_millis(240), grace));
+        assert!(!streak.observe(start + Duration::from_secs(14), grace));
+        assert!(
+            streak.observe(start + grace, grace),
+            "warned once the period is over"
+        );
+        assert!(
+            !streak.observe(start + Duration::from_secs(30), grace),
+            "and only once"
+        );
+        // A member came back; a new run waits a whole period again.
+        let mut streak = EmptyStreak::default();
+        let later = start + Duration::from_secs(60);
+        assert!(!streak.observe(later, grace));
+        assert!(streak.observe(later + Duration::from_secs(16), grace));
     }
 }

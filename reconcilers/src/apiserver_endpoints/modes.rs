@@ -90,6 +90,40 @@ pub fn static_members(
     (members, outcomes)
 }
 
+/// What a `static` pass says about its names: a lookup that fails is warned about once (its last
+/// good addresses kept, a Warning event to publish returned), and said again when it resolves.
+pub fn note_static_outcomes(
+    outcomes: Vec<(String, EntryOutcome)>,
+    failing: &mut std::collections::BTreeSet<String>,
+) -> Vec<(String, String)> {
+    let mut warnings = Vec::new();
+    for (name, outcome) in outcomes {
+        match outcome {
+            EntryOutcome::Failed { reason, kept } => {
+                if failing.insert(name.clone()) {
+                    let kept_text = kept
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    tracing::warn!(%name, %reason, kept = %kept_text, "static address lookup failed; keeping the last good set");
+                    warnings.push((
+                        "StaticAddressResolutionFailed".to_owned(),
+                        format!("resolving {name} failed ({reason}); keeping its last good addresses [{kept_text}]"),
+                    ));
+                }
+            }
+            EntryOutcome::Resolved(_) => {
+                if failing.remove(&name) {
+                    tracing::info!(%name, "static address resolves again");
+                }
+            }
+            EntryOutcome::Ip => {}
+        }
+    }
+    warnings
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
