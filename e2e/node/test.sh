@@ -4,7 +4,7 @@
 # the README says), runs pytest against it (test_node.py, the sidecar; then test_node_chart.py,
 # the Helm chart with build.sh's helm, beside the sidecar and in management mode with a tenant
 # control plane), and removes it with down.sh whatever happens. DIR is kept when a test fails
-# (its logs), removed when all pass.
+# (its logs), removed when all pass. A scenario that skips fails the run: nothing is expected to.
 #
 # Usage: e2e/node/test.sh [pytest options, e.g. -k killed]
 set -euo pipefail
@@ -27,7 +27,15 @@ finish() {
 trap finish EXIT
 
 "$here/up.sh" "$dir" --without-sidecar --apiservers 2
-# -p no:cacheprovider: nothing written into the repository.
-BOOTSTRAP_NODE_DIR=$dir python3 -m pytest -p no:cacheprovider -v -s "$here/test_node.py" \
-  "$here/test_node_chart.py" "$@"
+# -p no:cacheprovider: nothing written into the repository. -rs: a skipped test is listed with
+# its reason.
+BOOTSTRAP_NODE_DIR=$dir python3 -m pytest -p no:cacheprovider -v -s -rs "$here/test_node.py" \
+  "$here/test_node_chart.py" "$@" 2>&1 | tee "$dir/pytest-output"
+# The node is given, so every scenario runs against it: one that skipped checked nothing there,
+# and the run says so and fails.
+if grep -Eq '^=+ .*[0-9]+ skipped' "$dir/pytest-output"; then
+  echo "test.sh: a scenario skipped on the node (listed above with its reason); none is expected to" >&2
+  exit 1
+fi
+echo "test.sh: not checked against the node: nothing (no scenario skipped)"
 status=0
