@@ -390,11 +390,6 @@ fn sync_service_ip<'a>(
     claims: &mut Claims<'a>,
     phase: &mut ServicePhase,
 ) {
-    let regarding = || Regarding::service(svc);
-    let owner = || ServiceOwner {
-        namespace: svc.namespace.clone(),
-        name: svc.name.clone(),
-    };
     let this = (&*svc.namespace, &*svc.name);
     let Some(ip) = valid_service_ip(svc, raw, ranges, phase) else {
         return;
@@ -415,14 +410,20 @@ fn sync_service_ip<'a>(
         claims.insert(ip, this);
         phase.findings.push(Finding {
             kind: "clusterip_not_allocated",
-            regarding: regarding(),
+            regarding: Regarding::service(svc),
             event: Some(EventSpec {
                 reason: "ClusterIPNotAllocated",
                 action: ACTION_CLUSTERIP_ALLOCATION,
                 note: format!("Cluster IP [{family}]: {ip} is not allocated; repairing"),
             }),
             error_type: Some("repair"),
-            repair: Repair::Create { ip, owner: owner() },
+            repair: Repair::Create {
+                ip,
+                owner: ServiceOwner {
+                    namespace: svc.namespace.clone(),
+                    name: svc.name.clone(),
+                },
+            },
             shared_with: None,
         });
         return;
