@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Runs the end-to-end suite (e2e/tests) against a real control plane: builds the binaries
 # (cached), starts one kube-apiserver with up.sh, runs `cargo test -p e2e` with
-# BOOTSTRAP_E2E_KUBECONFIG pointing at it, and stops it with down.sh whatever happens. Cases that
-# need the simulator's backdoor or fault injection are skipped there, and so are the tests that
-# start control planes of their own (tests/real_*.rs; they run in the plain `cargo test`). Each
-# skip is recorded (BOOTSTRAP_E2E_SKIP_LOG); the run ends with the list of what was skipped and
-# why and of the test files that ran nothing against the cluster, and fails when that list is not
-# expected-skips.txt (compared when the whole suite runs, or whole test files with `--test NAME`
-# and no other option: then with their lines of it). Its
+# BOOTSTRAP_E2E_KUBECONFIG pointing at it, and stops it with down.sh whatever happens. With no
+# test named, it runs the test files that run against a given cluster: every file but those
+# expected-skips.txt lists as NOCLUSTER, which start simulators or control planes of their own
+# whatever the cluster and run in the plain `cargo test --workspace` (a packaging test checks that
+# none of them asks for the cluster). Cases that need the simulator's backdoor or fault injection
+# are skipped there. Each skip is recorded (BOOTSTRAP_E2E_SKIP_LOG); the run ends with the list of
+# what was skipped and why and of the test files that ran nothing against the cluster, and fails
+# when that list is not those files' lines of expected-skips.txt (compared when the suite runs
+# with no test named, or whole test files with `--test NAME` and no other option). Its
 # `without-ipaddress-api` lines count when the cluster does not serve networking.k8s.io/v1
 # IPAddress (kube-apiserver before 1.33, or with MultiCIDRServiceAllocator off), asked of the
 # cluster's discovery, as the tests ask it.
@@ -39,8 +41,8 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
 done
 if [ $# -gt 0 ]; then shift; fi
 
-# The whole suite, or whole test files (`--test NAME`...): what they skipped is compared with
-# the expected list (for named files, its lines of those files).
+# No test named, or whole test files (`--test NAME`...): what they skipped is compared with
+# those files' lines of the expected list.
 whole_suite=false
 files=()
 if [ $# -eq 0 ]; then
@@ -56,6 +58,14 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 # shellcheck source=e2e/control-plane/skips.sh
 . "$here/skips.sh"
+if [ "$whole_suite" = true ] && [ "${#files[@]}" -eq 0 ]; then
+  mapfile -t files < <(cluster_facing_tests "$here/expected-skips.txt" "$root/e2e/tests")
+  if [ "${#files[@]}" -eq 0 ]; then
+    echo "test.sh: no test file in e2e/tests runs against a given cluster" >&2
+    exit 1
+  fi
+  for f in "${files[@]}"; do cargo_args+=(--test "$f"); done
+fi
 dir=$(mktemp -d -t control-plane-e2e-XXXXXX)
 record=$(mktemp -t control-plane-e2e-skips-XXXXXX)
 output=$(mktemp -t control-plane-e2e-output-XXXXXX)
@@ -85,14 +95,11 @@ BOOTSTRAP_E2E_KUBECONFIG="$dir/admin.kubeconfig" BOOTSTRAP_E2E_CERTIFICATE_ADDRE
 if [ "$whole_suite" = true ]; then
   is_root=false
   if [ "$(id -u)" = 0 ]; then is_root=true; fi
-  expected=$here/expected-skips.txt
-  if [ "${#files[@]}" -gt 0 ]; then
-    expected=$(mktemp -t control-plane-e2e-expected-XXXXXX)
-    skips_expected_of "$here/expected-skips.txt" "${files[@]}" >"$expected"
-    echo "test files ${files[*]} ran: compared with their lines of expected-skips.txt"
-  fi
+  expected=$(mktemp -t control-plane-e2e-expected-XXXXXX)
+  skips_expected_of "$here/expected-skips.txt" "${files[@]}" >"$expected"
+  echo "test files ${files[*]} ran: compared with their lines of expected-skips.txt"
   skips_report "$record" "$output" "$expected" "$is_root" "$conditions" || status=1
-  [ "${#files[@]}" -eq 0 ] || rm -f "$expected"
+  rm -f "$expected"
 else
   echo "a part of the suite ran: what it skipped is listed, not compared with expected-skips.txt"
   skips_found "$record" "$output" | sed 's/^/  /'

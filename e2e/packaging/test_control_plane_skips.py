@@ -1,9 +1,9 @@
 """What e2e/control-plane/test.sh reports after the suite ran against a real control plane: the
 tests it skipped and why and the test files that ran nothing against the cluster (skips.sh), and
 its verdict against expected-skips.txt. The functions run on stand-in records and cargo output;
-test.sh itself runs, copied beside stand-ins for up.sh, down.sh and cargo, with the record the
-stand-in cargo writes where BOOTSTRAP_E2E_SKIP_LOG says; expected-skips.txt is checked against
-the test files it names."""
+test.sh itself runs, copied beside stand-ins for up.sh, down.sh, cargo and the test files, with
+the record the stand-in cargo writes where BOOTSTRAP_E2E_SKIP_LOG says; expected-skips.txt is
+checked against the test files it names."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ test one ... ok
 SKIPPED gamma::four: starts control planes of its own
      Running unittests src/lib.rs (target/debug/deps/e2e-0123456789abcdef)
 """
+# What alpha alone records and prints: test.sh runs the files that run against a given cluster
+# (gamma is listed as NOCLUSTER).
+RECORD_ALPHA = "".join(line + "\n" for line in RECORD.splitlines() if "gamma" not in line)
+OUTPUT_ALPHA = "".join(line + "\n" for line in OUTPUT.splitlines()[:3])
 EXPECTED_TEXT = """\
 # a comment
 
@@ -164,13 +168,17 @@ SERVES_IPADDRESSES = '{"kind": "APIResourceList", "resources": [{"name": "ipaddr
 
 
 def run_test_sh(tmp: Path, record: str, *args: str, cargo_status: int = 0,
-                discovery: str = SERVES_IPADDRESSES, output: str = OUTPUT):
+                discovery: str = SERVES_IPADDRESSES, output: str = OUTPUT_ALPHA):
     """test.sh as CI runs it, from a copy of e2e/control-plane beside stand-ins for build.sh,
     up.sh and down.sh (the control plane) and on a PATH with the stand-in cargo and curl."""
     copy = tmp / "repo" / "e2e" / "control-plane"
     copy.mkdir(parents=True)
     for name in ("test.sh", "skips.sh"):
         shutil.copy(CONTROL_PLANE / name, copy / name)
+    tests = tmp / "repo" / "e2e" / "tests"
+    tests.mkdir()
+    for name in ("alpha", "gamma"):
+        (tests / f"{name}.rs").write_text("")
     (copy / "expected-skips.txt").write_text(EXPECTED_TEXT)
     for name, body in STAND_INS.items():
         (copy / name).write_text(f"#!/usr/bin/env bash\n{body}")
@@ -201,12 +209,15 @@ def as_root() -> bool:
 
 def test_test_sh_records_the_skips_and_compares_the_whole_suite(tmp_path: Path):
     # The skip only root avoids, as this user would see it.
-    record = RECORD + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
+    record = RECORD_ALPHA + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
     done, state = run_test_sh(tmp_path, record)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "  SKIPPED gamma::four: starts control planes of its own\n" in done.stdout
+    assert "  SKIPPED alpha::two: the whole test: needs the simulator\n" in done.stdout
+    assert "test files alpha ran: compared with their lines" in done.stdout
     args = (state / "cargo-args").read_text().splitlines()
     assert args[:5] == ["test", "--color", "never", "-p", "e2e"], args
+    # The file that runs nothing against a given cluster is not run again.
+    assert args[5:7] == ["--test", "alpha"] and "gamma" not in args, args
     assert args[-2:] == ["--", "--test-threads=1"], args
     env = (state / "cargo-env").read_text()
     assert "BOOTSTRAP_E2E_SKIP_LOG=" in env and "BOOTSTRAP_E2E_KUBECONFIG=" in env, env
@@ -222,14 +233,14 @@ def test_test_sh_records_the_skips_and_compares_the_whole_suite(tmp_path: Path):
 
 
 def test_test_sh_fails_on_an_unexpected_skip_even_when_every_test_passed(tmp_path: Path):
-    record = RECORD + "SKIPPED alpha::one: a new reason\n"
+    record = RECORD_ALPHA + "SKIPPED alpha::one: a new reason\n"
     done, _ = run_test_sh(tmp_path, record)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "  + SKIPPED alpha::one: a new reason" in done.stdout
 
 
 def test_test_sh_keeps_the_suites_failure(tmp_path: Path):
-    record = RECORD + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
+    record = RECORD_ALPHA + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
     done, _ = run_test_sh(tmp_path, record, cargo_status=101)
     assert done.returncode == 101, done.stdout + done.stderr
     assert "  SKIPPED alpha::two: the whole test: needs the simulator\n" in done.stdout
@@ -237,7 +248,7 @@ def test_test_sh_keeps_the_suites_failure(tmp_path: Path):
 
 def test_test_sh_takes_the_version_and_flags_and_asks_discovery_for_the_ipaddress_api(
         tmp_path: Path):
-    record = (RECORD + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
+    record = (RECORD_ALPHA + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
               + "SKIPPED alpha::one: the whole test: needs networking.k8s.io/v1 ipaddresses\n")
     done, state = run_test_sh(tmp_path, record, "--kubernetes", "1.30", "--apiserver-flag",
                               "--emulated-version=1.29", "--controller-manager-flag",
@@ -268,12 +279,10 @@ def test_test_sh_compares_whole_test_files_with_their_lines_alone(tmp_path: Path
     # alpha's lines: its skip of `two`, and (not as root) of `three`; gamma's are not expected.
     record = ("CLUSTER alpha::one: x\nSKIPPED alpha::two: the whole test: needs the simulator\n"
               + ("" if as_root() else "SKIPPED alpha::three: needs root\n"))
-    alpha_only = "".join(line + "\n" for line in OUTPUT.splitlines()[:3])
-    done, _ = run_test_sh(tmp_path, record, "--test", "alpha", output=alpha_only)
+    done, _ = run_test_sh(tmp_path, record, "--test", "alpha")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "test files alpha ran: compared with their lines" in done.stdout
-    done, _ = run_test_sh(tmp_path / "missing", "CLUSTER alpha::one: x\n", "--test", "alpha",
-                          output=alpha_only)
+    done, _ = run_test_sh(tmp_path / "missing", "CLUSTER alpha::one: x\n", "--test", "alpha")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "  - SKIPPED alpha::two: the whole test: needs the simulator" in done.stdout
 
