@@ -121,14 +121,12 @@ stage "kind (e2e/kind/test.sh)"
 e2e/kind/test.sh
 
 # The oldest supported minor: its own build (about 4 min of compile on a fresh machine, then
-# cached) and every test file that runs against the cluster it is given (the others start
-# simulators or control planes of their own, whatever the version), compared with their lines of
-# expected-skips.txt. The whole suite on every minor: --all-versions.
+# cached) and, as test.sh runs by default, every test file that runs against the cluster it is
+# given (the others start simulators or control planes of their own, whatever the version),
+# compared with their lines of expected-skips.txt. Every minor: --all-versions.
 stage "the oldest supported Kubernetes (e2e/control-plane/test.sh --kubernetes 1.30)"
 cargo build --workspace --bins
-e2e/control-plane/test.sh --kubernetes 1.30 --test alerts --test apiserver_endpoints \
-  --test cached_shapes --test clusterip_repair --test hostile_objects \
-  --test kubernetes_endpoints --test no_fight --test nodeport_repair --test system_namespaces
+e2e/control-plane/test.sh --kubernetes 1.30
 
 stage "tests (README: cargo test --workspace && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh)"
 # The last command: its status is the script's (set -e does not stop inside an && list).

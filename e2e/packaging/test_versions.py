@@ -84,17 +84,12 @@ def test_run_tests_runs_the_suite_on_the_oldest_and_all_versions_on_every_minor(
 
 
 def test_the_oldest_minors_run_covers_every_test_file_that_runs_against_the_cluster():
+    # test.sh with no test named runs every file but the NOCLUSTER ones (the stand-in run in
+    # test_control_plane_skips.py checks that); naming files here would let a new one go unrun.
     script = (ROOT / "run-tests.sh").read_text()
     oldest, _ = supported()
-    continued = r"(?: \\\n)?"
-    match = re.search(rf"e2e/control-plane/test\.sh --kubernetes 1\.{oldest}"
-                      rf"({continued}(?: *--test \w+{continued})+)", script)
-    assert match, "run-tests.sh names no test files for the oldest minor"
-    named = re.findall(r"--test (\w+)", match.group(1))
-    expected = (CONTROL_PLANE / "expected-skips.txt").read_text()
-    nocluster = set(re.findall(r"^NOCLUSTER (\w+)$", expected, re.M))
-    files = {p.stem for p in (ROOT / "e2e" / "tests").glob("*.rs")}
-    assert sorted(named) == sorted(files - nocluster), named
+    runs = re.findall(rf"^e2e/control-plane/test\.sh --kubernetes 1\.{oldest}(.*)$", script, re.M)
+    assert runs == [""], f"run-tests.sh runs the oldest minor as {runs!r}, not with test.sh's default"
 
 
 def test_each_pinned_minor_replaces_its_staging_modules_within_that_minor():
