@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 use clap::{Args, ValueEnum};
 use serde::Deserialize;
 
-use crate::config::{format_cidrs, parse_port_range, parse_service_cidrs};
+use crate::config::{format_cidrs, parse_service_cidrs};
+use reconcilers::alloc::PortRange;
 
 /// The sidecar's static pod, with kubeadm's defaults: the template of [`generate`].
 pub const TEMPLATE: &str = include_str!("../../deploy/sidecar/bootstrap-controller.yaml");
@@ -416,26 +417,17 @@ pub fn values(flags: &ApiserverFlags, etcd: bool) -> Result<Values, SidecarError
 /// kube-apiserver's port range forms (utilnet.PortRange.Set: `BASE-LAST`, `BASE+OFFSET`, or
 /// one port) as the `BASE-LAST` the controller takes.
 fn node_port_range(text: &str) -> Result<String, SidecarError> {
-    let invalid = |why: String| {
-        SidecarError::new(
-            "--service-node-port-range",
-            format!("kube-apiserver's value {text:?}: {why}; fix it in kube-apiserver's manifest"),
-        )
-    };
-    let as_range = match text.split_once('+') {
-        Some((base, offset)) => {
-            let parse = |part: &str| part.trim().parse::<u32>().ok();
-            match (parse(base), parse(offset)) {
-                (Some(base), Some(offset)) => format!("{base}-{}", base.saturating_add(offset)),
-                _ => return Err(invalid("expected BASE-LAST or BASE+OFFSET".to_owned())),
-            }
-        }
-        None if !text.contains('-') => format!("{0}-{0}", text.trim()),
-        None => text.to_owned(),
-    };
-    parse_port_range(&as_range)
+    PortRange::parse_any_form(text)
         .map(|range| range.to_string())
-        .map_err(|err| invalid(err.to_string()))
+        .map_err(|err| {
+            SidecarError::new(
+                "--service-node-port-range",
+                format!(
+                    "kube-apiserver's value: {err} (or BASE+OFFSET, or one port); fix it in \
+                     kube-apiserver's manifest"
+                ),
+            )
+        })
 }
 
 fn etcd_values(flags: &ApiserverFlags) -> Result<EtcdValues, SidecarError> {

@@ -159,8 +159,8 @@ async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
     }
     let sim_config = SimConfig {
         service_cluster_ip_ranges: config.service_cluster_ip_range.clone(),
-        service_node_port_range: config.service_node_port_range.base
-            ..=config.service_node_port_range.last,
+        service_node_port_range: config.service_node_port_range.base()
+            ..=config.service_node_port_range.last(),
         ..SimConfig::default()
     };
     println!("Starting the API simulator (an in-memory Kubernetes API server)...");

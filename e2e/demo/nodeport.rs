@@ -186,8 +186,8 @@ async fn repair_bitmap(env: &DemoEnv<'_>) -> Result<String, String> {
     let key = etcd.key(RangeKey::NodePorts);
     let store = EtcdStore::new(etcd);
     let range = &env.config.service_node_port_range;
-    let size = usize::from(range.last - range.base) + 1;
-    let offset = usize::from(30080 - range.base);
+    let size = usize::from(range.last() - range.base()) + 1;
+    let offset = usize::from(30080 - range.base());
     let holds_30080 = |value: &[u8]| {
         RangeAllocation::decode(value)
             .map(|decoded| bitmap_from_bytes(&decoded.data, size).contains(offset))

@@ -6,8 +6,8 @@
 
 use std::time::{Duration, Instant};
 
+use reconcilers::alloc::PortRange;
 use reconcilers::findings::ReportOnce;
-use reconcilers::nodeport_repair::PortRange;
 use reconcilers::nodeport_repair::plan::scan;
 use reconcilers::service_cache::record::{ClusterIp, Protocol, ServiceRecord, Token};
 

@@ -6,7 +6,6 @@
 //! the flags that mirror kube-apiserver's).
 
 use std::net::IpAddr;
-use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +13,7 @@ use futures::future::BoxFuture;
 use ipnet::IpNet;
 use prometheus_client::registry::Registry;
 
+use crate::alloc::PortRange;
 use crate::budget::CacheBudget;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
@@ -45,7 +45,7 @@ pub struct Settings {
     /// `serviceClusterIPRange`, primary first.
     pub service_ranges: Vec<IpNet>,
     /// `serviceNodePortRange`.
-    pub node_port_range: RangeInclusive<u16>,
+    pub node_port_range: PortRange,
     /// `securePort`: the `kubernetes` Service's targetPort and the endpoints' port. `None` when
     /// the operator set none: the endpoints then use kube-apiserver's default (6443), and the
     /// Service keeps the targetPort it has (443 on many managed control planes), so that a
@@ -155,7 +155,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             service_ranges: Vec::new(),
-            node_port_range: 30000..=32767,
+            node_port_range: PortRange::default(),
             secure_port: None,
             kubernetes_service_node_port: None,
             advertise_address: None,

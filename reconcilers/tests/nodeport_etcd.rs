@@ -16,9 +16,10 @@ use fixedbitset::FixedBitSet;
 use futures::StreamExt;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
+use reconcilers::alloc::PortRange;
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
 use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey, Stored};
-use reconcilers::nodeport_repair::{self, NodePortRepair, PortRange};
+use reconcilers::nodeport_repair::{self, NodePortRepair};
 use reconcilers::section::Settings;
 use serde_json::json;
 
@@ -31,7 +32,7 @@ fn range() -> PortRange {
 /// `serviceNodePortRange` [`range`], in etcd mode with `etcd`.
 fn settings(etcd: EtcdConfig) -> Settings {
     Settings {
-        node_port_range: range().base()..=range().last(),
+        node_port_range: range(),
         etcd: Some(etcd),
         ..common::settings(&[])
     }
@@ -85,21 +86,18 @@ impl Harness {
     /// `rebuild`: `rebuildBitmapOnRangeChange`.
     async fn start_with(sim: &Sim, etcd: EtcdConfig, interval: Duration, rebuild: bool) -> Self {
         let mut registry = Registry::default();
-        let repair = Arc::new(
-            NodePortRepair::new(
-                sim.client(),
-                nodeport_repair::Section {
-                    interval,
-                    page_size: 500,
-                    rebuild_bitmap_on_range_change: rebuild,
-                    ..nodeport_repair::Section::default()
-                },
-                &settings(etcd),
-                None,
-                &mut registry,
-            )
-            .unwrap(),
-        );
+        let repair = Arc::new(NodePortRepair::new(
+            sim.client(),
+            nodeport_repair::Section {
+                interval,
+                page_size: 500,
+                rebuild_bitmap_on_range_change: rebuild,
+                ..nodeport_repair::Section::default()
+            },
+            &settings(etcd),
+            None,
+            &mut registry,
+        ));
         let mut triggers = repair.triggers();
         let cache = triggers.remove(0);
         let task = tokio::spawn(cache.for_each(|()| async {}));
@@ -799,19 +797,16 @@ async fn passes_at_rest_send_etcd_nothing() {
     let etcd = Etcd::start(None).await;
     let sim = common::sim().await;
     put_service(&sim, "web", 30080);
-    let repair = Arc::new(
-        NodePortRepair::new(
-            sim.client(),
-            nodeport_repair::Section {
-                page_size: 500,
-                ..nodeport_repair::Section::default()
-            },
-            &settings(etcd.config()),
-            None,
-            &mut Registry::default(),
-        )
-        .unwrap(),
-    );
+    let repair = Arc::new(NodePortRepair::new(
+        sim.client(),
+        nodeport_repair::Section {
+            page_size: 500,
+            ..nodeport_repair::Section::default()
+        },
+        &settings(etcd.config()),
+        None,
+        &mut Registry::default(),
+    ));
     let mut triggers = futures::stream::select_all(repair.triggers());
     let (woken, mut wakes) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {

@@ -4,7 +4,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use reconcilers::alloc::IpFamily;
+use reconcilers::alloc::{IpFamily, PortRange};
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{
     ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
@@ -13,7 +13,7 @@ use reconcilers::section::{
 use super::file::{locate, parse_file_all, read_text};
 use super::settings::{ConfigArgs, FileConfig, Given, Source};
 use super::tenant::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, merge_tenants};
-use super::values::{NotABool, NotANumber, PortRange, parse_port_range, parse_service_cidrs};
+use super::values::{NotABool, NotANumber, parse_service_cidrs};
 use super::{Config, ConfigErrors, LeaderElection};
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
@@ -154,7 +154,7 @@ impl Config {
     pub fn settings(&self) -> Settings {
         Settings {
             service_ranges: self.service_cluster_ip_range.clone(),
-            node_port_range: self.service_node_port_range.base..=self.service_node_port_range.last,
+            node_port_range: self.service_node_port_range,
             secure_port: self.secure_port,
             kubernetes_service_node_port: (self.kubernetes_service_node_port != 0)
                 .then_some(self.kubernetes_service_node_port),
@@ -248,7 +248,7 @@ impl Config {
         };
 
         let service_node_port_range = match given.service_node_port_range.take() {
-            Some(source) => parse_port_range(&source.value)
+            Some(source) => (source.value.parse::<PortRange>())
                 .map_err(|err| errors.push(ConfigError::new(source.field, err.to_string())))
                 .unwrap_or_default(),
             None => PortRange::default(),

@@ -36,6 +36,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ipnet::IpNet;
+use reconcilers::alloc::PortRange;
 use serde::{Deserialize, Serialize};
 
 pub use reconcilers::names::{

@@ -1,48 +1,8 @@
-//! Value types and their parsers: port ranges, service ranges, numbers, lists.
-
-use std::fmt;
+//! Value types and their parsers: service ranges, numbers, lists (the node port range is
+//! [`reconcilers::alloc::PortRange`]).
 
 use ipnet::IpNet;
-use serde::{Deserialize, Serialize};
-
-/// Inclusive port range, written `BASE-LAST` like kube-apiserver's `--service-node-port-range`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PortRange {
-    pub base: u16,
-    pub last: u16,
-}
-
-impl PortRange {
-    pub fn contains(&self, port: u16) -> bool {
-        (self.base..=self.last).contains(&port)
-    }
-
-    /// Number of ports in the range.
-    pub fn size(&self) -> u32 {
-        u32::from(self.last) - u32::from(self.base) + 1
-    }
-}
-
-impl Default for PortRange {
-    fn default() -> Self {
-        PortRange {
-            base: 30000,
-            last: 32767,
-        }
-    }
-}
-
-impl fmt::Display for PortRange {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.base, self.last)
-    }
-}
-
-impl Serialize for PortRange {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(self)
-    }
-}
+use serde::Deserialize;
 
 /// `Err` holds the text that is no number, for the message.
 pub(super) fn parse_u32(text: &str) -> Result<u32, NotANumber> {
@@ -111,12 +71,6 @@ impl From<StringOrList> for String {
 /// A flag's or field's value that does not parse; the message says what was expected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ValueError {
-    #[error("{0:?} is not a port range {PORT_RANGE_HINT}")]
-    NotAPortRange(String),
-    #[error("{text:?} is inverted: {base} is above {last} {PORT_RANGE_HINT}")]
-    InvertedPortRange { text: String, base: u16, last: u16 },
-    #[error("{0:?} is not a port range of ports 1-65535 {PORT_RANGE_HINT}")]
-    PortsOutOfRange(String),
     #[error(
         "is empty (expected one CIDR such as 10.96.0.0/12, or two of different families such as 10.96.0.0/12,fd00:10:96::/108)"
     )]
@@ -130,8 +84,6 @@ pub enum ValueError {
     #[error("{0}")]
     Ranges(String),
 }
-
-pub(super) const PORT_RANGE_HINT: &str = "(expected BASE-LAST with BASE <= LAST, e.g. 30000-32767)";
 
 /// Parses `--service-cluster-ip-range`: one CIDR, or two of different families, each holding at
 /// least 8 addresses (kube-apiserver's rules, checked by
@@ -157,23 +109,6 @@ pub fn parse_service_cidrs(text: &str) -> Result<Vec<IpNet>, ValueError> {
     reconcilers::service_range::validate_ranges(&cidrs)
         .map_err(|problem| ValueError::Ranges(problem.to_string()))?;
     Ok(cidrs)
-}
-
-/// Parses `BASE-LAST` (inclusive), e.g. `30000-32767`.
-pub fn parse_port_range(text: &str) -> Result<PortRange, ValueError> {
-    let Some((base, last)) = text.trim().split_once('-') else {
-        return Err(ValueError::NotAPortRange(text.to_owned()));
-    };
-    let parse = |part: &str| part.trim().parse::<u16>().ok().filter(|port| *port > 0);
-    match (parse(base), parse(last)) {
-        (Some(base), Some(last)) if base <= last => Ok(PortRange { base, last }),
-        (Some(base), Some(last)) => Err(ValueError::InvertedPortRange {
-            text: text.to_owned(),
-            base,
-            last,
-        }),
-        _ => Err(ValueError::PortsOutOfRange(text.to_owned())),
-    }
 }
 
 /// `a,b`, as the flag takes it.

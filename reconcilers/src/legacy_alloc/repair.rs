@@ -144,22 +144,6 @@ pub fn rebase<T>(
     bits
 }
 
-/// A node port range as kube-apiserver stores it (`"30000-32767"`; Go's `ParsePortRange` also
-/// reads `"30000+2767"` and a single port): its first and last port.
-pub fn parse_port_range(text: &str) -> Option<(u16, u16)> {
-    let text = text.trim();
-    let (base, last) = if let Some((base, last)) = text.split_once('-') {
-        (base.trim().parse().ok()?, last.trim().parse().ok()?)
-    } else if let Some((base, extra)) = text.split_once('+') {
-        let base: u16 = base.trim().parse().ok()?;
-        (base, base.checked_add(extra.trim().parse().ok()?)?)
-    } else {
-        let port = text.parse().ok()?;
-        (port, port)
-    };
-    (base <= last).then_some((base, last))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,16 +346,5 @@ mod tests {
             shrunk.ones().map(|o| o + 100).collect::<Vec<_>>(),
             vec![111, 150]
         );
-    }
-
-    #[test]
-    fn port_ranges_parse_as_go_does() {
-        assert_eq!(parse_port_range("30000-32767"), Some((30000, 32767)));
-        assert_eq!(parse_port_range("30000+2767"), Some((30000, 32767)));
-        assert_eq!(parse_port_range("30000"), Some((30000, 30000)));
-        assert_eq!(parse_port_range("32767-30000"), None);
-        assert_eq!(parse_port_range("10.0.0.0/24"), None);
-        assert_eq!(parse_port_range(""), None);
-        assert_eq!(parse_port_range("65535+1"), None);
     }
 }

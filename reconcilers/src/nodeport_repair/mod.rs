@@ -33,6 +33,7 @@ use kube::runtime::events::Recorder;
 use prometheus_client::registry::Registry;
 use tracing::{debug, warn};
 
+use crate::alloc::PortRange;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
@@ -42,7 +43,7 @@ use crate::service_cache::live::Liveness;
 use crate::service_cache::record::ServiceRecord;
 use crate::service_cache::store::{SharedStore, reflect};
 pub use metrics::NodePortMetrics;
-pub use plan::{EmptyRange, Finding, PortRange, Problem};
+pub use plan::{Finding, Problem};
 pub use section::{DEFAULT_INTERVAL, Section};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
@@ -79,14 +80,11 @@ impl NodePortRepair {
         settings: &Settings,
         services: Option<Arc<SharedStore<ServiceRecord>>>,
         registry: &mut Registry,
-    ) -> Result<Self, EmptyRange> {
+    ) -> Self {
         // Events name this controller (upstream's reasons, not its reporting controller), so
         // nobody mistakes them for kube-apiserver's own repair.
         let reporter = settings.reporter();
-        let range = PortRange::new(
-            *settings.node_port_range.start(),
-            *settings.node_port_range.end(),
-        )?;
+        let range = settings.node_port_range;
         let etcd = settings.etcd.clone().map(|etcd| {
             LegacyBitmap::new(
                 EtcdStore::new(etcd.clone()),
@@ -103,13 +101,12 @@ impl NodePortRepair {
                 },
                 move |offset| (usize::from(range.base()) + offset).to_string(),
                 move |stored: &str, data: &[u8]| {
-                    let (base, last) = crate::legacy_alloc::repair::parse_port_range(stored)?;
-                    let from = PortRange::new(base, last).ok()?;
+                    let from = PortRange::parse_any_form(stored).ok()?;
                     let bits = crate::legacy_alloc::codec::bitmap_from_bytes(data, from.size());
                     Some(crate::legacy_alloc::repair::rebase(
                         &bits,
                         range.size(),
-                        |offset| i32::try_from(usize::from(base) + offset).ok(),
+                        |offset| i32::try_from(usize::from(from.base()) + offset).ok(),
                         |port| range.offset(port),
                     ))
                 },
@@ -117,7 +114,7 @@ impl NodePortRepair {
                 section.interval,
             )
         });
-        Ok(Self {
+        Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             services: services.unwrap_or_default(),
@@ -127,7 +124,7 @@ impl NodePortRepair {
             reported: ReportOnce::new(),
             metrics: NodePortMetrics::register(registry),
             etcd,
-        })
+        }
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {

@@ -3,73 +3,12 @@
 //! (`pkg/registry/core/service/portallocator/controller/repair.go`). Pure: no I/O.
 
 use std::collections::HashMap;
-use std::fmt;
 
 use fixedbitset::FixedBitSet;
 use smallvec::SmallVec;
 
+use crate::alloc::PortRange;
 use crate::service_cache::record::{Name, Protocol, ServiceRecord, Token};
-
-/// kube-apiserver's `--service-node-port-range`: `base` to `last`, both inclusive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PortRange {
-    base: u16,
-    last: u16,
-}
-
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("node port range {base}-{last} is empty: the first port must not be above the last")]
-pub struct EmptyRange {
-    base: u16,
-    last: u16,
-}
-
-impl PortRange {
-    pub fn new(base: u16, last: u16) -> Result<Self, EmptyRange> {
-        if base > last {
-            return Err(EmptyRange { base, last });
-        }
-        Ok(Self { base, last })
-    }
-
-    pub fn base(&self) -> u16 {
-        self.base
-    }
-
-    pub fn last(&self) -> u16 {
-        self.last
-    }
-
-    /// Number of ports in the range.
-    pub fn size(&self) -> usize {
-        usize::from(self.last - self.base) + 1
-    }
-
-    /// The port's place in the range, if it lies inside.
-    pub fn offset(&self, port: i32) -> Option<usize> {
-        let port = u16::try_from(port).ok()?;
-        (self.base..=self.last)
-            .contains(&port)
-            .then(|| usize::from(port - self.base))
-    }
-}
-
-impl Default for PortRange {
-    /// kube-apiserver's default.
-    fn default() -> Self {
-        Self {
-            base: 30000,
-            last: 32767,
-        }
-    }
-}
-
-/// As upstream's `net.PortRange.String()`, which the events quote.
-impl fmt::Display for PortRange {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.base, self.last)
-    }
-}
 
 /// The node ports one Service holds, as upstream collects them: each non-zero `nodePort`
 /// whatever the Service's type; the same port with the same protocol twice counts twice (a
@@ -420,16 +359,5 @@ mod tests {
         let scan = scan(&services, PortRange::default());
         assert_eq!(scan.findings.len(), 1);
         assert_eq!(scan.findings[0].problem, Problem::AlreadyAllocated);
-    }
-
-    #[test]
-    fn ranges_are_checked_and_displayed_as_upstream() {
-        assert!(PortRange::new(32767, 30000).is_err());
-        let range = PortRange::new(1, 65535).unwrap();
-        assert_eq!(range.size(), 65535);
-        assert_eq!(range.offset(0), None);
-        assert_eq!(range.offset(65535), Some(65534));
-        assert_eq!(range.offset(65536), None);
-        assert_eq!(PortRange::default().to_string(), "30000-32767");
     }
 }

@@ -71,7 +71,7 @@ impl LoopSection for Section {
             context.settings,
             Some(services),
             context.registry,
-        )?)])
+        ))])
     }
 }
 
