@@ -11,10 +11,6 @@ use super::plan::{NamespaceNeed, desired_namespace};
 use super::section::NamespaceSpec;
 use crate::contract::{Action, Drift, PassContext, drift, ignore_already_exists};
 
-/// A namespace terminating this long is stuck (kube-apiserver's namespace controller empties one
-/// in seconds): reported, since nothing here may touch it.
-const STUCK_TERMINATING: std::time::Duration = std::time::Duration::from_secs(300);
-
 const FIELD_MANAGER: &str = "bootstrap-controller";
 
 impl SystemNamespaces {
@@ -27,29 +23,17 @@ impl SystemNamespaces {
         let object = format!("Namespace/{}", spec.name);
         match need {
             NamespaceNeed::Nothing => Ok(None),
-            NamespaceNeed::Terminating { since, finalizers } => {
-                let stuck_for = since
-                    .and_then(|since| {
-                        std::time::Duration::try_from(jiff::Timestamp::now() - since).ok()
-                    })
-                    .filter(|age| *age >= STUCK_TERMINATING);
-                let Some(stuck_for) = stuck_for else {
-                    tracing::debug!(namespace = %spec.name, "namespace is terminating; will recreate once it is gone");
-                    return Ok(None);
-                };
-                Ok(Some(drift(
-                    "namespace_stuck_terminating",
-                    object,
-                    Action::Report,
-                    format!(
-                        "required system namespace {} has been terminating for {}s, waiting for finalizers [{}]; it is left alone and recreated once it is gone (remove what holds it, or its finalizer)",
-                        spec.name,
-                        stuck_for.as_secs(),
-                        finalizers.join(", ")
-                    ),
-                    false,
-                )))
+            NamespaceNeed::Terminating => {
+                tracing::debug!(namespace = %spec.name, "namespace is terminating; will recreate once it is gone");
+                Ok(None)
             }
+            NamespaceNeed::StuckTerminating { .. } => Ok(Some(drift(
+                "namespace_stuck_terminating",
+                object,
+                Action::Report,
+                need.stuck_note(&spec.name).unwrap_or_default(),
+                false,
+            ))),
             NamespaceNeed::Create => {
                 if !ctx.dry_run {
                     let created = ignore_already_exists(

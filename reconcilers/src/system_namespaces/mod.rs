@@ -89,9 +89,14 @@ impl SystemNamespaces {
         let mut report = PassReport::default();
         let mut first_error = None;
         let mut still_missing = 0;
+        let mut stuck = std::collections::BTreeMap::new();
+        let now = jiff::Timestamp::now();
         for spec in &self.config.namespaces {
             let existing = namespaces.get(&spec.name);
-            let need = assess(spec, existing);
+            let need = assess(spec, existing, now);
+            if let Some(note) = need.stuck_note(&spec.name) {
+                stuck.insert(format!("Namespace/{}", spec.name), note);
+            }
             match self.apply(ctx, spec, need).await {
                 Ok(Some(found)) => {
                     if found.action == Action::Create && !found.applied {
@@ -110,18 +115,8 @@ impl SystemNamespaces {
         }
         self.missing
             .set(i64::try_from(still_missing).unwrap_or(i64::MAX));
-        let stuck = report
-            .drift
-            .iter()
-            .filter(|found| found.kind == "namespace_stuck_terminating");
-        let messages: std::collections::BTreeMap<&str, &str> = stuck
-            .map(|found| (found.object.as_str(), found.message.as_str()))
-            .collect();
-        for object in self
-            .stuck
-            .update(messages.keys().map(|object| (*object).to_owned()))
-        {
-            tracing::warn!(%object, "{}", messages.get(object.as_str()).copied().unwrap_or_default());
+        for object in self.stuck.update(stuck.keys().cloned()) {
+            tracing::warn!(%object, "{}", stuck.get(&object).map(String::as_str).unwrap_or_default());
         }
         match first_error {
             // Every namespace was tried; the runner retries the pass with backoff.

@@ -1,26 +1,35 @@
-//! What each declared namespace needs, judged from the namespace cache alone: no I/O, no clock.
+//! What each declared namespace needs, judged from the namespace cache and the time the pass
+//! gives: no I/O.
 //!
 //! | the namespace | the need |
 //! | --- | --- |
 //! | absent | [`NamespaceNeed::Create`] it with its declared labels and annotations |
-//! | being deleted | [`NamespaceNeed::Terminating`]: left alone (upstream counts it as present), recreated once gone; reported if stuck |
+//! | being deleted | [`NamespaceNeed::Terminating`]: left alone (upstream counts it as present), recreated once gone |
+//! | being deleted for [`STUCK_TERMINATING`] or longer | [`NamespaceNeed::StuckTerminating`]: left alone too, and reported |
 //! | a declared label or annotation missing or different | [`NamespaceNeed::SetMetadata`]: a merge patch of those keys only |
 //! | as declared (other keys are not ours) | [`NamespaceNeed::Nothing`] |
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::ObjectMeta;
 
 use super::section::NamespaceSpec;
 
-/// What one declared namespace needs, judged from the cache alone (pure, so it is unit-tested).
+/// A namespace terminating this long is stuck (kube-apiserver's namespace controller empties one
+/// in seconds): reported, since nothing here may touch it.
+pub const STUCK_TERMINATING: Duration = Duration::from_secs(300);
+
+/// What one declared namespace needs (pure, so it is unit-tested).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NamespaceNeed {
     Nothing,
     /// Present but being deleted: upstream counts it as present; it is recreated once gone.
-    Terminating {
-        since: Option<jiff::Timestamp>,
+    Terminating,
+    /// Being deleted for [`STUCK_TERMINATING`] or longer: left alone, and reported.
+    StuckTerminating {
+        stuck_for: Duration,
         /// What it waits for: `metadata.finalizers` and `spec.finalizers`.
         finalizers: Vec<String>,
     },
@@ -32,11 +41,21 @@ pub enum NamespaceNeed {
     },
 }
 
-pub fn assess(spec: &NamespaceSpec, existing: Option<&Namespace>) -> NamespaceNeed {
+pub fn assess(
+    spec: &NamespaceSpec,
+    existing: Option<&Namespace>,
+    now: jiff::Timestamp,
+) -> NamespaceNeed {
     let Some(existing) = existing else {
         return NamespaceNeed::Create;
     };
     if let Some(since) = &existing.metadata.deletion_timestamp {
+        let stuck_for = Duration::try_from(now - since.0)
+            .ok()
+            .filter(|age| *age >= STUCK_TERMINATING);
+        let Some(stuck_for) = stuck_for else {
+            return NamespaceNeed::Terminating;
+        };
         let finalizers = existing
             .metadata
             .finalizers
@@ -52,8 +71,8 @@ pub fn assess(spec: &NamespaceSpec, existing: Option<&Namespace>) -> NamespaceNe
             )
             .cloned()
             .collect();
-        return NamespaceNeed::Terminating {
-            since: Some(since.0),
+        return NamespaceNeed::StuckTerminating {
+            stuck_for,
             finalizers,
         };
     }
@@ -66,6 +85,26 @@ pub fn assess(spec: &NamespaceSpec, existing: Option<&Namespace>) -> NamespaceNe
             labels,
             annotations,
         }
+    }
+}
+
+impl NamespaceNeed {
+    /// What a stuck namespace is reported with, in the log and the pass's report.
+    pub fn stuck_note(&self, name: &str) -> Option<String> {
+        let NamespaceNeed::StuckTerminating {
+            stuck_for,
+            finalizers,
+        } = self
+        else {
+            return None;
+        };
+        Some(format!(
+            "required system namespace {name} has been terminating for {}s, waiting for \
+             finalizers [{}]; it is left alone and recreated once it is gone (remove what holds \
+             it, or its finalizer)",
+            stuck_for.as_secs(),
+            finalizers.join(", ")
+        ))
     }
 }
 
@@ -94,6 +133,7 @@ pub fn desired_namespace(spec: &NamespaceSpec) -> Namespace {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -125,7 +165,7 @@ mod tests {
     #[test]
     fn missing_namespace_is_created() {
         assert_eq!(
-            assess(&NamespaceSpec::named("kube-public"), None),
+            assess(&NamespaceSpec::named("kube-public"), None, now()),
             NamespaceNeed::Create
         );
     }
@@ -137,23 +177,39 @@ mod tests {
             &[("kubernetes.io/metadata.name", "kube-public")],
         );
         assert_eq!(
-            assess(&NamespaceSpec::named("kube-public"), Some(&existing)),
+            assess(&NamespaceSpec::named("kube-public"), Some(&existing), now()),
             NamespaceNeed::Nothing
         );
     }
 
+    fn now() -> jiff::Timestamp {
+        jiff::Timestamp::from_second(1_800_000_000).unwrap()
+    }
+
     #[test]
-    fn terminating_namespace_counts_as_present() {
+    fn terminating_namespace_counts_as_present_and_is_reported_once_stuck() {
         let mut existing = namespace("kube-public", &[]);
-        existing.metadata.deletion_timestamp = Some(Time(jiff::Timestamp::UNIX_EPOCH));
         let spec = spec_with_label("kube-public", "team", "platform");
         existing.metadata.finalizers = Some(vec!["example.com/hold".into()]);
+        let since = |ago: u64| Some(Time(now() - Duration::from_secs(ago)));
+        existing.metadata.deletion_timestamp = since(299);
         assert_eq!(
-            assess(&spec, Some(&existing)),
-            NamespaceNeed::Terminating {
-                since: Some(jiff::Timestamp::UNIX_EPOCH),
+            assess(&spec, Some(&existing), now()),
+            NamespaceNeed::Terminating
+        );
+        existing.metadata.deletion_timestamp = since(300);
+        assert_eq!(
+            assess(&spec, Some(&existing), now()),
+            NamespaceNeed::StuckTerminating {
+                stuck_for: STUCK_TERMINATING,
                 finalizers: vec!["example.com/hold".into()],
             }
+        );
+        // A deletion time ahead of this clock is not stuck.
+        existing.metadata.deletion_timestamp = Some(Time(now() + Duration::from_secs(600)));
+        assert_eq!(
+            assess(&spec, Some(&existing), now()),
+            NamespaceNeed::Terminating
         );
     }
 
@@ -173,7 +229,7 @@ mod tests {
             &[("tier", "user"), ("kept", "same"), ("other", "x")],
         );
         assert_eq!(
-            assess(&spec, Some(&existing)),
+            assess(&spec, Some(&existing), now()),
             NamespaceNeed::SetMetadata {
                 labels: BTreeMap::from([
                     ("team".into(), "platform".into()),
