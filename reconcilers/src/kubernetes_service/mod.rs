@@ -49,7 +49,7 @@ pub use plan::{
     COMPONENT_LABEL, PROVIDER_LABEL, Plan, ServiceDrift, desired_service, plan, repaired_service,
     service_drift,
 };
-pub use section::{DEFAULT_INTERVAL, RepairPolicy, Section, cluster_ips, first_usable_ip};
+pub use section::{DEFAULT_INTERVAL, RepairPolicy, Section, cluster_ips};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "kubernetes-service";

@@ -6,12 +6,12 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::{Deserialize, Serialize};
 
 use super::KubernetesServiceLoop;
+use crate::alloc::ServiceRange;
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
 use crate::section::{
@@ -124,7 +124,7 @@ pub fn cluster_ips(settings: &Settings) -> Vec<IpAddr> {
     settings
         .service_ranges
         .first()
-        .and_then(first_usable_ip)
+        .and_then(|net| ServiceRange::new(*net).first_usable())
         .into_iter()
         .collect()
 }
@@ -165,36 +165,10 @@ pub(super) fn ports(
     }]
 }
 
-/// Upstream's `GetIndexedIP(range, 1)`: the network address plus one.
-pub fn first_usable_ip(cidr: &IpNet) -> Option<IpAddr> {
-    match cidr.network() {
-        IpAddr::V4(net) => u32::from(net).checked_add(1).map(|n| IpAddr::V4(n.into())),
-        IpAddr::V6(net) => u128::from(net).checked_add(1).map(|n| IpAddr::V6(n.into())),
-    }
-    .filter(|ip| cidr.contains(ip))
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn first_usable_ip_is_network_plus_one() {
-        assert_eq!(
-            first_usable_ip(&"10.96.0.0/12".parse().unwrap()),
-            Some("10.96.0.1".parse().unwrap())
-        );
-        assert_eq!(
-            first_usable_ip(&"10.96.3.7/12".parse().unwrap()),
-            Some("10.96.0.1".parse().unwrap())
-        );
-        assert_eq!(
-            first_usable_ip(&"fd00:10::/108".parse().unwrap()),
-            Some("fd00:10::1".parse().unwrap())
-        );
-        assert_eq!(first_usable_ip(&"10.0.0.1/32".parse().unwrap()), None);
-    }
 
     #[test]
     fn errors_name_the_yaml_path() {
