@@ -1,7 +1,9 @@
-//! Desired `kubernetes` Endpoints and EndpointSlices, and the drift between them and the cluster.
+//! What a pass of the endpoints loop does ([`plan`]): the members, from what the pass read and
+//! what it remembers, and the writes that bring the `kubernetes` Endpoints and EndpointSlices to
+//! them; then the desired objects and the drift between them and the cluster.
 //!
-//! Pure functions: no client, no clock. The loop fetches the objects, calls these, and writes what
-//! they say. Shapes follow upstream's `EndpointsAdapter`
+//! Pure: no client, no clock (the time is given). The loop reads a [`Snapshot`], plans, and
+//! `apply.rs` writes what the plan says. Shapes follow upstream's `EndpointsAdapter`
 //! (`pkg/controlplane/reconcilers/endpointsadapter.go`): the Endpoints carries the `skip-mirror`
 //! label and one subset; each slice carries `kubernetes.io/service-name`, `conditions.ready: true`
 //! and the same port.
@@ -14,15 +16,21 @@
 //! as the newest upstream adapter does.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::{EndpointAddress, EndpointPort, EndpointSubset, Endpoints};
 use k8s_openapi::api::discovery::v1::{
     Endpoint, EndpointConditions, EndpointPort as SlicePort, EndpointSlice,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
 
-use super::members::{MemberSet, parse_ip};
+use super::Section;
+use super::lease::{MemberLease, Sightings, membership};
+use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem, parse_ip};
+use super::modes::{master_count_members, note_static_outcomes, static_members};
 use crate::alloc::IpFamily;
+use crate::section::Settings;
 
 /// Makes the EndpointSliceMirroring controller ignore the Endpoints (we write the slices).
 pub const SKIP_MIRROR_LABEL: &str = "endpointslice.kubernetes.io/skip-mirror";
@@ -30,6 +38,362 @@ pub const SKIP_MIRROR_LABEL: &str = "endpointslice.kubernetes.io/skip-mirror";
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// The port name upstream uses for the apiserver endpoint.
 pub const PORT_NAME: &str = "https";
+
+/// What a pass of the endpoints loop reads before it decides anything.
+pub struct Snapshot {
+    /// The Endpoints as found (`None` with slices only: it is not kept then).
+    pub endpoints: Option<Endpoints>,
+    /// Slices only, and an Endpoints object is still there.
+    pub endpoints_left: bool,
+    /// The slices carrying the service-name label.
+    pub slices: Vec<EndpointSlice>,
+    /// The slice named like the Service when the label selector misses it: its label removed by
+    /// hand makes it invisible to the selector, yet it is the one to repair, not to create.
+    pub unlabelled: Option<EndpointSlice>,
+    pub sources: Sources,
+    /// The Service's IP family and where it was learnt, while known.
+    pub service_family: Option<(IpFamily, String)>,
+    /// This instance's address: `advertiseAddress`, or the default route's.
+    pub own: Option<IpAddr>,
+    /// A graceful stop taking this instance out: its address is left out, and an empty member
+    /// set is written (the one case where upstream empties the endpoints too).
+    pub withdrawing: bool,
+}
+
+/// Where the members come from, by `endpointReconcilerType`.
+pub enum Sources {
+    Leases(Vec<MemberLease>),
+    /// Each `static` name's answer.
+    Static(BTreeMap<String, Result<Vec<IpAddr>, String>>),
+    /// Whether the local apiserver counts as ready (never while shutting down).
+    MasterCount {
+        ready: bool,
+    },
+    None,
+}
+
+/// What the plan carries from one pass to the next.
+#[derive(Default)]
+pub struct Memory {
+    /// The member set as of the last write (the listed one before the first), to tell membership
+    /// changes from hand edits.
+    pub previous: Option<MemberSet>,
+    /// `static` mode: last non-empty answer per name.
+    last_good: BTreeMap<String, Vec<IpAddr>>,
+    /// `static` mode: names whose last lookup failed (warned once per failure streak).
+    failing: BTreeSet<String>,
+    /// Since when the passes have found no member, and whether that was warned about.
+    empty: EmptyStreak,
+    /// Members already warned about for advertising another port than the endpoints carry.
+    warned_ports: BTreeSet<(IpAddr, i32)>,
+    /// Members already warned about for an address the API server rejects.
+    warned_invalid: BTreeSet<IpAddr>,
+    /// Members already warned about for an address of the other family than the Service's.
+    warned_family: BTreeSet<IpAddr>,
+    /// Slices only: whether a leftover Endpoints object was reported.
+    warned_endpoints_left: bool,
+    /// When each membership Lease was seen renewed (expiry on this clock).
+    sightings: Sightings,
+}
+
+/// What a pass does.
+pub struct Plan {
+    /// The members, of the Service's family only.
+    pub members: MemberSet,
+    /// The target with the Service's family as its primary one.
+    pub target: EndpointsTarget,
+    pub writes: Vec<Write>,
+    pub findings: Vec<Finding>,
+    /// Every unusable membership Lease of this pass (the loop logs each once while it stays).
+    pub lease_problems: Vec<String>,
+    /// Who joined and left since the previous pass.
+    pub change: MembershipChange,
+    /// Addresses whose Lease ran out (events say "expired" rather than "left").
+    pub expired: BTreeSet<IpAddr>,
+    /// Earliest expiry among live membership Leases.
+    pub next_expiry: Option<Timestamp>,
+    /// Who last wrote each object before this pass, when not this controller.
+    pub writers: BTreeMap<String, String>,
+    /// No member: nothing is written, for this reason.
+    pub refused: Option<&'static str>,
+}
+
+/// One write of the Endpoints or of a slice, with the drift that justifies it.
+pub enum Write {
+    Endpoints {
+        /// Created when the Endpoints does not exist, else replaced (keeping its metadata).
+        object: Endpoints,
+        create: bool,
+        drift: Vec<EndpointsDrift>,
+    },
+    /// A slice write; a deletion is conditional on the uid found.
+    Slice {
+        change: SliceChange,
+        uid: Option<String>,
+    },
+}
+
+/// What a pass found beside its writes: each logged, some also a Warning event.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Finding {
+    /// A member whose sidecar advertises another port than the endpoints carry (logged once).
+    OtherPort { member: IpAddr, port: i32 },
+    /// Slices only, and an Endpoints object is left over (logged once).
+    EndpointsLeft,
+    /// No member for a whole lease period (logged once per run).
+    NoMembersForLong,
+    /// A member of the other family than the Service's, left out.
+    WrongFamily { member: IpAddr, note: String },
+    /// A member the API server would reject as an endpoint address, left out.
+    Rejected { member: IpAddr, why: &'static str },
+    /// A `static` name's lookup failed (logged where it is judged).
+    StaticLookupFailed { note: String },
+}
+
+impl Finding {
+    /// The Warning event the finding publishes, if any: `(reason, note)`.
+    pub fn event(&self) -> Option<(&'static str, String)> {
+        match self {
+            Finding::WrongFamily { note, .. } => Some(("MemberWrongFamily", note.clone())),
+            Finding::Rejected { member, why } => {
+                Some(("InvalidMemberAddress", format!("left out {member}: {why}")))
+            }
+            Finding::StaticLookupFailed { note } => {
+                Some(("StaticAddressResolutionFailed", note.clone()))
+            }
+            Finding::OtherPort { .. } | Finding::EndpointsLeft | Finding::NoMembersForLong => None,
+        }
+    }
+}
+
+/// The pass's decision, from what it read, what it remembers and the time: the members, the
+/// writes that bring the Endpoints and slices to them, and what to say about it.
+///
+/// | case                                   | writes                        | says                    |
+/// |----------------------------------------|-------------------------------|-------------------------|
+/// | members found                          | each object's drift repaired  | joins, leaves, repairs  |
+/// | no member (not withdrawing)            | none: kept as they are        | `no_members`, warned after a lease period |
+/// | withdrawing                            | the members without this one, even none | nothing      |
+/// | a member of the other family, or one the API rejects | left out            | a Warning, once         |
+pub fn plan(
+    snapshot: &Snapshot,
+    memory: &mut Memory,
+    section: &Section,
+    settings: &Settings,
+    now: Timestamp,
+) -> Plan {
+    let target = Section::target(settings);
+    let listed = listed(section, snapshot.endpoints.as_ref(), &snapshot.slices);
+    let mut plan = Plan {
+        members: MemberSet::new(),
+        target: target.clone(),
+        writes: Vec::new(),
+        findings: Vec::new(),
+        lease_problems: Vec::new(),
+        change: MembershipChange::default(),
+        expired: BTreeSet::new(),
+        next_expiry: None,
+        writers: BTreeMap::new(),
+        refused: None,
+    };
+    if snapshot.endpoints_left && !std::mem::replace(&mut memory.warned_endpoints_left, true) {
+        plan.findings.push(Finding::EndpointsLeft);
+    }
+    plan.members = match &snapshot.sources {
+        Sources::Leases(leases) => lease_members(&mut plan, memory, section, &target, leases, now),
+        Sources::Static(answers) => {
+            let entries = section.static_entries();
+            let (members, outcomes) = static_members(&entries, answers, &mut memory.last_good);
+            let notes = note_static_outcomes(outcomes, &mut memory.failing);
+            plan.findings
+                .extend((notes.into_iter()).map(|(_, note)| Finding::StaticLookupFailed { note }));
+            members
+        }
+        Sources::MasterCount { ready } => match (snapshot.own, ready) {
+            (Some(own), true) => master_count_members(
+                &listed,
+                own,
+                usize::try_from(settings.apiserver_count).unwrap_or(usize::MAX),
+            ),
+            (Some(own), false) => {
+                let mut without = listed.clone();
+                without.remove(&own);
+                without
+            }
+            (None, _) => listed.clone(),
+        },
+        Sources::None => MemberSet::new(),
+    };
+    if snapshot.withdrawing
+        && let Some(own) = snapshot.own
+    {
+        plan.members.remove(&own);
+    }
+    let family = leave_out_unusable(&mut plan, memory, snapshot.service_family.as_ref());
+    plan.target.primary_family = Some(family);
+    if !snapshot.withdrawing {
+        let previous = memory.previous.get_or_insert(listed);
+        if plan.members.is_empty() {
+            // Upstream refuses too (`doReconcile` in `pkg/controlplane/reconcilers/lease.go`): an
+            // empty list would cut every in-cluster client off. Only the last member's own
+            // shutdown may empty it.
+            plan.refused = Some(if previous.is_empty() {
+                "no live apiserver members yet; nothing to write until one renews its Lease"
+            } else {
+                "no live apiserver members; refusing to erase all endpoints (kept as they are)"
+            });
+            if memory.empty.observe(now, section.lease_ttl) {
+                plan.findings.push(Finding::NoMembersForLong);
+            }
+            return plan;
+        }
+        plan.change = previous.changes_to(&plan.members);
+        memory.empty = EmptyStreak::default();
+        if section.name_conflicting_writers {
+            plan.writers = other_writers(&target, snapshot.endpoints.as_ref(), &snapshot.slices);
+        }
+    }
+    plan.writes = writes(
+        &plan.target,
+        &plan.members,
+        snapshot,
+        section.write_endpoints,
+    );
+    plan
+}
+
+/// `lease` mode: the members whose Lease is live, the expired ones, when the next one runs out,
+/// and what is wrong with the others.
+fn lease_members(
+    plan: &mut Plan,
+    memory: &mut Memory,
+    section: &Section,
+    target: &EndpointsTarget,
+    leases: &[MemberLease],
+    now: Timestamp,
+) -> MemberSet {
+    let judged = membership(
+        leases.iter().map(|lease| &lease.0),
+        now,
+        section.lease_ttl,
+        &mut memory.sightings,
+    );
+    plan.lease_problems = judged.problems.iter().map(ToString::to_string).collect();
+    // One port for all members (the Endpoints have one subset): a member whose sidecar says
+    // otherwise is misconfigured, and clients would miss it.
+    for member in &judged.live {
+        if let Some(port) = member.port.filter(|p| *p != target.port)
+            && memory.warned_ports.insert((member.address, port))
+        {
+            plan.findings.push(Finding::OtherPort {
+                member: member.address,
+                port,
+            });
+        }
+    }
+    plan.expired = judged.expired.iter().map(|m| m.address).collect();
+    plan.next_expiry = judged.live.iter().map(|m| m.expires).min();
+    judged.members
+}
+
+/// Leaves out the members of the other family than the Service's and the addresses the API
+/// server would reject, each warned about once; gives the Service's family.
+fn leave_out_unusable(
+    plan: &mut Plan,
+    memory: &mut Memory,
+    service_family: Option<&(IpFamily, String)>,
+) -> IpFamily {
+    // One family, the Service's, as upstream (`pkg/controlplane/reconcilers` lists the addresses
+    // of the apiservers, which share the Service's family): clients of an IPv6 Service cannot
+    // use IPv4 endpoints. A member of the other family is a misconfigured sidecar, left out and
+    // reported once.
+    let (family, source) = match service_family {
+        Some((family, source)) => (*family, source.as_str()),
+        None => (
+            plan.target.primary_family(&plan.members),
+            "its members (no serviceClusterIPRange, and the Service does not exist yet)",
+        ),
+    };
+    let other: Vec<IpAddr> = (plan.members.iter())
+        .filter(|ip| IpFamily::of(**ip) != family)
+        .copied()
+        .collect();
+    for member in other {
+        plan.members.remove(&member);
+        if memory.warned_family.insert(member) {
+            let note = format!(
+                "left out {member}: an {} address, but the {} Service is {} (from {source}); set \
+                 that apiserver's advertiseAddress (--advertise-address) to its {} address",
+                IpFamily::of(member).as_str(),
+                plan.target.service_name,
+                family.as_str(),
+                family.as_str()
+            );
+            plan.findings.push(Finding::WrongFamily { member, note });
+        }
+    }
+    memory
+        .warned_family
+        .retain(|ip| IpFamily::of(*ip) != family);
+    let rejected: Vec<(IpAddr, &'static str)> = (plan.members.iter())
+        .filter_map(|ip| endpoint_ip_problem(ip).map(|why| (*ip, why)))
+        .collect();
+    for (member, why) in rejected {
+        plan.members.remove(&member);
+        if memory.warned_invalid.insert(member) {
+            plan.findings.push(Finding::Rejected { member, why });
+        }
+    }
+    family
+}
+
+/// Who the endpoints list now: the Endpoints' addresses, or with slices only, the slices'.
+pub fn listed(
+    section: &Section,
+    endpoints: Option<&Endpoints>,
+    slices: &[EndpointSlice],
+) -> MemberSet {
+    if section.write_endpoints {
+        return endpoints.map(listed_members).unwrap_or_default();
+    }
+    slice_members(slices)
+}
+
+/// The writes that bring the Endpoints (when written) and the slices to `members`.
+fn writes(
+    target: &EndpointsTarget,
+    members: &MemberSet,
+    snapshot: &Snapshot,
+    write_endpoints: bool,
+) -> Vec<Write> {
+    let mut writes = Vec::new();
+    let existing = snapshot.endpoints.as_ref();
+    let drift = if write_endpoints {
+        endpoints_drift(target, members, existing)
+    } else {
+        Vec::new()
+    };
+    if !drift.is_empty() {
+        writes.push(Write::Endpoints {
+            object: existing.map_or_else(
+                || desired_endpoints(target, members),
+                |existing| repaired_endpoints(target, members, existing),
+            ),
+            create: existing.is_none(),
+            drift,
+        });
+    }
+    let slices: Vec<EndpointSlice> = (snapshot.slices.iter().chain(&snapshot.unlabelled))
+        .cloned()
+        .collect();
+    for change in plan_slices(target, members, &slices) {
+        let uid = (slices.iter())
+            .find(|s| s.metadata.name.as_deref() == Some(change.name.as_str()))
+            .and_then(|s| s.metadata.uid.clone());
+        writes.push(Write::Slice { change, uid });
+    }
+    writes
+}
 
 /// Which objects to write and with which port.
 #[derive(Clone, Debug, PartialEq, Eq)]
