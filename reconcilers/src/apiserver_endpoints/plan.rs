@@ -97,6 +97,7 @@ pub struct Memory {
 }
 
 /// What a pass does.
+#[derive(Default)]
 pub struct Plan {
     /// The members, of the Service's family only.
     pub members: MemberSet,
@@ -185,16 +186,8 @@ pub fn plan(
     let target = Section::target(settings);
     let listed = listed(section, snapshot.endpoints.as_ref(), &snapshot.slices);
     let mut plan = Plan {
-        members: MemberSet::new(),
         target: target.clone(),
-        writes: Vec::new(),
-        findings: Vec::new(),
-        lease_problems: Vec::new(),
-        change: MembershipChange::default(),
-        expired: BTreeSet::new(),
-        next_expiry: None,
-        writers: BTreeMap::new(),
-        refused: None,
+        ..Plan::default()
     };
     if snapshot.endpoints_left && !std::mem::replace(&mut memory.warned_endpoints_left, true) {
         plan.findings.push(Finding::EndpointsLeft);
@@ -819,122 +812,36 @@ pub fn plan_slices(
     existing: &[EndpointSlice],
 ) -> Vec<SliceChange> {
     let desired = desired_slices(target, members);
-    let mut changes = Vec::new();
-    let by_name = |name: &str| {
-        existing
-            .iter()
-            .find(|slice| slice.metadata.name.as_deref() == Some(name))
-    };
-
-    for want in &desired {
-        let name = want.metadata.name.clone().unwrap_or_default();
-        let Some(have) = by_name(&name) else {
-            changes.push(SliceChange {
-                name: name.clone(),
-                write: SliceWrite::Create(want.clone()),
-                drift: vec![(
-                    "endpointslice_missing",
-                    format!("EndpointSlice {name} does not exist"),
-                )],
-            });
-            continue;
-        };
-        if have.address_type != want.address_type {
-            changes.push(SliceChange {
-                name: name.clone(),
-                write: SliceWrite::Recreate(want.clone()),
-                drift: vec![(
-                    "endpointslice_address_type",
-                    format!(
-                        "addressType is {}, want {} (immutable: recreating)",
-                        have.address_type, want.address_type
-                    ),
-                )],
-            });
-            continue;
-        }
-        let mut drift = Vec::new();
-        if have.endpoints != want.endpoints {
-            drift.push((
-                "endpointslice_endpoints",
-                format!(
-                    "endpoints are [{}], want [{}] all ready",
-                    describe_endpoints(&have.endpoints),
-                    describe_endpoints(&want.endpoints)
-                ),
-            ));
-        }
-        if have.ports != want.ports {
-            drift.push((
-                "endpointslice_ports",
-                format!(
-                    "ports are [{}], want [https/TCP:{}]",
-                    have.ports
-                        .iter()
-                        .flatten()
-                        .map(|p| format!(
-                            "{}/{}:{}",
-                            p.name.as_deref().unwrap_or(""),
-                            p.protocol.as_deref().unwrap_or(""),
-                            p.port.map_or("-".to_owned(), |n| n.to_string())
-                        ))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    target.port
-                ),
-            ));
-        }
-        let label = have
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|labels| labels.get(SERVICE_NAME_LABEL));
-        if label != Some(&target.service_name) {
-            drift.push((
-                "endpointslice_labels",
-                format!(
-                    "label {SERVICE_NAME_LABEL} is {}, want {:?}",
-                    label.map_or("missing".to_owned(), |v| format!("{v:?}")),
-                    target.service_name
-                ),
-            ));
-        }
-        if !drift.is_empty() {
-            let mut repaired = have.clone();
-            repaired.metadata.managed_fields = None;
-            repaired
-                .metadata
-                .labels
-                .get_or_insert_with(BTreeMap::new)
-                .insert(SERVICE_NAME_LABEL.to_owned(), target.service_name.clone());
-            repaired.endpoints = want.endpoints.clone();
-            repaired.ports = want.ports.clone();
-            changes.push(SliceChange {
-                name,
-                write: SliceWrite::Update(repaired),
-                drift,
-            });
-        }
-    }
-
-    let wanted: BTreeSet<String> = desired
+    let named = |name: &str| (existing.iter()).find(|s| s.metadata.name.as_deref() == Some(name));
+    let mut changes: Vec<SliceChange> = (desired.iter())
+        .filter_map(|want| {
+            let name = want.metadata.name.clone().unwrap_or_default();
+            match named(&name) {
+                Some(have) => slice_repair(target, name, want, have),
+                None => Some(SliceChange {
+                    drift: vec![(
+                        "endpointslice_missing",
+                        format!("EndpointSlice {name} does not exist"),
+                    )],
+                    name,
+                    write: SliceWrite::Create(want.clone()),
+                }),
+            }
+        })
+        .collect();
+    let wanted: BTreeSet<&str> = desired
         .iter()
-        .filter_map(|slice| slice.metadata.name.clone())
+        .filter_map(|s| s.metadata.name.as_deref())
         .collect();
     for have in existing {
         let Some(name) = have.metadata.name.clone() else {
             continue;
         };
-        let labelled = have
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|labels| labels.get(SERVICE_NAME_LABEL))
-            == Some(&target.service_name);
-        if labelled && !wanted.contains(&name) && have.metadata.deletion_timestamp.is_none() {
+        if service_label(have) == Some(&target.service_name)
+            && !wanted.contains(name.as_str())
+            && have.metadata.deletion_timestamp.is_none()
+        {
             changes.push(SliceChange {
-                name: name.clone(),
-                write: SliceWrite::Delete { name: name.clone() },
                 drift: vec![(
                     "endpointslice_stray",
                     format!(
@@ -942,10 +849,85 @@ pub fn plan_slices(
                         have.address_type, target.service_name
                     ),
                 )],
+                write: SliceWrite::Delete { name: name.clone() },
+                name,
             });
         }
     }
     changes
+}
+
+fn service_label(slice: &EndpointSlice) -> Option<&String> {
+    (slice.metadata.labels.as_ref()).and_then(|labels| labels.get(SERVICE_NAME_LABEL))
+}
+
+/// The write that brings existing slice `have` to `want`, if they differ: recreated when its
+/// `addressType` (immutable) is another, else updated keeping its metadata.
+fn slice_repair(
+    target: &EndpointsTarget,
+    name: String,
+    want: &EndpointSlice,
+    have: &EndpointSlice,
+) -> Option<SliceChange> {
+    if have.address_type != want.address_type {
+        let message = format!(
+            "addressType is {}, want {} (immutable: recreating)",
+            have.address_type, want.address_type
+        );
+        return Some(SliceChange {
+            name,
+            write: SliceWrite::Recreate(want.clone()),
+            drift: vec![("endpointslice_address_type", message)],
+        });
+    }
+    let mut drift = Vec::new();
+    if have.endpoints != want.endpoints {
+        let (have, want) = (&have.endpoints, &want.endpoints);
+        let message = format!(
+            "endpoints are [{}], want [{}] all ready",
+            describe_endpoints(have),
+            describe_endpoints(want)
+        );
+        drift.push(("endpointslice_endpoints", message));
+    }
+    if have.ports != want.ports {
+        let found: Vec<String> = (have.ports.iter().flatten())
+            .map(|p| {
+                let port = p.port.map_or("-".to_owned(), |n| n.to_string());
+                let (name, protocol) = (p.name.as_deref(), p.protocol.as_deref());
+                format!("{}/{}:{port}", name.unwrap_or(""), protocol.unwrap_or(""))
+            })
+            .collect();
+        let message = format!(
+            "ports are [{}], want [https/TCP:{}]",
+            found.join(", "),
+            target.port
+        );
+        drift.push(("endpointslice_ports", message));
+    }
+    let label = service_label(have);
+    if label != Some(&target.service_name) {
+        let found = label.map_or("missing".to_owned(), |v| format!("{v:?}"));
+        let message = format!(
+            "label {SERVICE_NAME_LABEL} is {found}, want {:?}",
+            target.service_name
+        );
+        drift.push(("endpointslice_labels", message));
+    }
+    if drift.is_empty() {
+        return None;
+    }
+    let mut repaired = have.clone();
+    repaired.metadata.managed_fields = None;
+    (repaired.metadata.labels.get_or_insert_with(BTreeMap::new))
+        .insert(SERVICE_NAME_LABEL.to_owned(), target.service_name.clone());
+    repaired.endpoints = want.endpoints.clone();
+    repaired.ports = want.ports.clone();
+    Some(SliceChange {
+        name,
+        write: SliceWrite::Update(repaired),
+        drift,
+    })
 }
 
 fn describe_endpoints(endpoints: &[Endpoint]) -> String {
