@@ -12,7 +12,8 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use super::ApiserverEndpointsLoop;
 use super::members::MembershipChange;
 use super::metrics::{ChangeLabel, KindLabel};
-use super::plan::{Finding, Plan, SliceWrite, Write};
+use super::objects::SliceWrite;
+use super::plan::{Finding, Plan, Write};
 use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, drift, ignore_already_exists,
 };
@@ -31,16 +32,6 @@ const MEMBERSHIP_KINDS: [&str; 7] = [
     "endpoints_subsets",
     "endpoints_missing",
 ];
-
-/// The events a pass that wrote publishes, decided while the loop's state is held.
-pub(super) struct Notes {
-    /// Warnings of the plan's findings: `(reason, note)`.
-    pub(super) warnings: Vec<(&'static str, String)>,
-    /// The repairs (applied writes no membership change explains), in report order.
-    pub(super) repairs: Vec<Drift>,
-    /// Other writers of a repaired object, not named before: `(object, manager)`.
-    pub(super) writers: Vec<(String, String)>,
-}
 
 impl ApiserverEndpointsLoop {
     /// Performs the plan's writes, unless the pass is a dry run; returns the Endpoints as
@@ -100,55 +91,35 @@ impl ApiserverEndpointsLoop {
         Ok(None)
     }
 
-    /// The events and metrics of a pass that wrote, decided from its plan and report; the
-    /// other writers named are remembered in `named` so each is named once.
-    pub(super) fn notes(
-        &self,
-        plan: &Plan,
-        report: &PassReport,
-        named: &mut BTreeSet<(String, String)>,
-    ) -> Notes {
-        let repairs: Vec<Drift> = (report.drift.iter())
-            .filter(|d| d.applied)
-            .filter(|d| plan.change.is_empty() || !MEMBERSHIP_KINDS.contains(&d.kind))
-            .cloned()
-            .collect();
-        let writers: BTreeSet<(String, String)> = (repairs.iter())
-            .filter_map(|d| Some((d.object.clone(), plan.writers.get(&d.object)?.clone())))
-            .collect();
-        Notes {
-            warnings: plan.findings.iter().filter_map(Finding::event).collect(),
-            writers: (writers.into_iter())
-                .filter(|pair| named.insert(pair.clone()))
-                .collect(),
-            repairs,
-        }
-    }
-
-    /// Publishes the pass's events: the findings' warnings, who joined, expired or left, the
-    /// repairs, and other writers of a repaired object.
+    /// Publishes what a pass that wrote says, with its metrics: the findings' warnings, who
+    /// joined, expired or left, the repairs (writes no membership change explains) in one event,
+    /// and, once each, another writer of an object it had to repair.
     pub(super) async fn publish_notes(
         &self,
         reference: &ObjectReference,
         plan: &Plan,
-        notes: Notes,
+        report: &PassReport,
     ) {
-        for (reason, note) in notes.warnings {
+        for (reason, note) in plan.findings.iter().filter_map(Finding::event) {
             self.publish(reference, EventType::Warning, reason, note)
                 .await;
         }
         self.announce(reference, &plan.change, &plan.expired).await;
-        if notes.repairs.is_empty() {
+        let repairs: Vec<&Drift> = (report.drift.iter())
+            .filter(|d| d.applied)
+            .filter(|d| plan.change.is_empty() || !MEMBERSHIP_KINDS.contains(&d.kind))
+            .collect();
+        if repairs.is_empty() {
             return;
         }
-        for d in &notes.repairs {
+        for d in &repairs {
             let kind = d.kind.to_owned();
             self.metrics
                 .repairs
                 .get_or_create(&KindLabel { kind })
                 .inc();
         }
-        let note = (notes.repairs.iter())
+        let note = (repairs.iter())
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join("; ");
@@ -157,7 +128,15 @@ impl ApiserverEndpointsLoop {
         note.truncate(1000);
         self.publish(reference, EventType::Normal, "EndpointsRepaired", note)
             .await;
-        for (object, manager) in notes.writers {
+        let writers: BTreeSet<(String, String)> = (repairs.iter())
+            .filter_map(|d| Some((d.object.clone(), plan.writers.get(&d.object)?.clone())))
+            .filter(|pair| {
+                self.named_writers
+                    .lock()
+                    .is_ok_and(|mut named| named.insert(pair.clone()))
+            })
+            .collect();
+        for (object, manager) in writers {
             let why = format!(
                 "{object} was last written by {manager:?} (its field manager), not by this \
                  controller: two writers keep the kubernetes endpoints and undo each other. \

@@ -22,9 +22,8 @@ use tokio::time::Instant;
 
 use super::lease::{MemberLease, member_selector};
 use super::lease_trigger::lease_trigger;
-use super::plan::{
-    EndpointsTarget, Finding, Memory, Plan, SERVICE_NAME_LABEL, Snapshot, Sources, listed, plan,
-};
+use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL};
+use super::plan::{Finding, Memory, Plan, Snapshot, Sources, joined, listed, plan};
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, probed_elsewhere};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
@@ -45,8 +44,6 @@ struct State {
     /// When this instance last ran a pass: a pass only runs on the leader, so this tells shutdown
     /// whether it is (recently) the writer.
     last_pass: Option<Instant>,
-    /// Other writers already named, by object.
-    named_writers: BTreeSet<(String, String)>,
 }
 
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
@@ -84,6 +81,8 @@ pub struct ApiserverEndpointsLoop {
     service: WatchCache<Service>,
     /// Unusable membership Leases, logged once each while they stay.
     lease_problems: ReportOnce<String>,
+    /// Other writers already named, by object.
+    pub(super) named_writers: std::sync::Mutex<BTreeSet<(String, String)>>,
 }
 
 impl ApiserverEndpointsLoop {
@@ -95,31 +94,26 @@ impl ApiserverEndpointsLoop {
         registry: &mut Registry,
     ) -> Self {
         let target = &Section::target(settings);
-        let endpoints = WatchCache::new(
-            Api::namespaced(deps.client.clone(), &target.namespace),
-            watcher::Config::default().fields(&format!("metadata.name={}", target.service_name)),
-            &settings.cache_budget,
-        );
-        let slices = WatchCache::new(
-            Api::namespaced(deps.client.clone(), &target.namespace),
-            watcher::Config::default().labels(&slice_selector(target)),
-            &settings.cache_budget,
-        );
-        let leases = WatchCache::new(
-            Api::namespaced(deps.client.clone(), &section.lease_namespace),
-            watcher::Config::default().labels(&member_selector(&target.service_name)),
-            &settings.cache_budget,
-        );
-        let service = WatchCache::new(
-            Api::namespaced(deps.client.clone(), &target.namespace),
-            watcher::Config::default().fields(&format!("metadata.name={}", target.service_name)),
-            &settings.cache_budget,
-        );
+        let (budget, here) = (&settings.cache_budget, &target.namespace);
+        let client = &deps.client;
+        let named =
+            || watcher::Config::default().fields(&format!("metadata.name={}", target.service_name));
+        let slices = format!("{SERVICE_NAME_LABEL}={}", target.service_name);
+        let leases = member_selector(&target.service_name);
         Self {
-            endpoints,
-            slices,
-            leases,
-            service,
+            endpoints: WatchCache::new(Api::namespaced(client.clone(), here), named(), budget),
+            slices: WatchCache::new(
+                Api::namespaced(client.clone(), here),
+                watcher::Config::default().labels(&slices),
+                budget,
+            ),
+            leases: WatchCache::new(
+                Api::namespaced(client.clone(), &section.lease_namespace),
+                watcher::Config::default().labels(&leases),
+                budget,
+            ),
+            service: WatchCache::new(Api::namespaced(client.clone(), here), named(), budget),
+            named_writers: std::sync::Mutex::default(),
             lease_problems: ReportOnce::new(),
             section: section.clone(),
             settings: settings.clone(),
@@ -306,7 +300,15 @@ impl ApiserverEndpointsLoop {
                     reason = why,
                     "leaving out a member the API server would reject as an endpoint address"
                 ),
-                Finding::StaticLookupFailed { .. } => {}
+                Finding::StaticLookupFailed { name, reason, kept } => tracing::warn!(
+                    %name,
+                    %reason,
+                    kept = %joined(kept),
+                    "static address lookup failed; keeping the last good set"
+                ),
+                Finding::StaticResolves { name } => {
+                    tracing::info!(%name, "static address resolves again");
+                }
             }
         }
         if self.settings.endpoint_mode == EndpointsMode::Lease {
@@ -346,9 +348,8 @@ impl ApiserverEndpointsLoop {
         }
         self.metrics.set_members(&plan.members);
         state.memory.previous = Some(plan.members.clone());
-        let notes = self.notes(&plan, &report, &mut state.named_writers);
         drop(state);
-        self.publish_notes(&self.reference(written), &plan, notes)
+        self.publish_notes(&self.reference(written), &plan, &report)
             .await;
         Ok(report)
     }
@@ -500,9 +501,4 @@ impl Reconciler for ApiserverEndpointsLoop {
             }
         })
     }
-}
-
-/// The label selector of the `kubernetes` Service's EndpointSlices.
-fn slice_selector(target: &EndpointsTarget) -> String {
-    format!("{SERVICE_NAME_LABEL}={}", target.service_name)
 }

@@ -13,7 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
-use super::plan::EndpointsTarget;
+use super::objects::EndpointsTarget;
 use super::probe::{
     CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere,
 };

@@ -88,12 +88,18 @@ impl MemberSet {
     }
 }
 
+impl Extend<IpAddr> for MemberSet {
+    fn extend<T: IntoIterator<Item = IpAddr>>(&mut self, iter: T) {
+        for ip in iter {
+            self.insert(ip);
+        }
+    }
+}
+
 impl FromIterator<IpAddr> for MemberSet {
     fn from_iter<T: IntoIterator<Item = IpAddr>>(iter: T) -> Self {
         let mut set = MemberSet::new();
-        for ip in iter {
-            set.insert(ip);
-        }
+        set.extend(iter);
         set
     }
 }

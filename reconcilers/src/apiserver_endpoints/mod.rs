@@ -13,7 +13,7 @@
 //! The configuration is `section.rs`. A pass of the endpoints loop reads its objects and the
 //! members' sources into a [`plan::Snapshot`], decides in [`plan`] (pure: the members, the writes
 //! and the findings) and writes in `apply.rs`, whose outcome the report, metrics and events are
-//! built from. Pure logic also lives in [`members`], [`modes`] and [`lease`]; [`probe`] holds the
+//! built from. Pure logic also lives in [`members`] and [`lease`]; [`probe`] holds the
 //! readiness and DNS traits.
 //!
 //! Objects, as a user sees them:
@@ -44,7 +44,7 @@ pub mod lease_loop;
 mod lease_trigger;
 pub mod members;
 mod metrics;
-pub mod modes;
+pub mod objects;
 pub mod plan;
 pub mod probe;
 mod section;
@@ -58,7 +58,7 @@ use prometheus_client::registry::Registry;
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
 pub use members::MemberSet;
-pub use plan::EndpointsTarget;
+pub use objects::EndpointsTarget;
 pub use probe::{
     ApiserverReadyz, LazyUrlReadyz, NotReady, ProbedServer, ReadinessProbe, Resolver,
     SystemResolver, default_route_address,

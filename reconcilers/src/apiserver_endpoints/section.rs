@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::members;
-use super::plan::EndpointsTarget;
+use super::objects::EndpointsTarget;
 use super::probe::{
     ApiserverReadyz, LazyUrlReadyz, ProbedServer, ReadinessProbe, SystemResolver,
     default_route_address,
