@@ -35,7 +35,8 @@ const MEMBERSHIP_KINDS: [&str; 7] = [
 
 impl ApiserverEndpointsLoop {
     /// Performs the plan's writes, unless the pass is a dry run; returns the Endpoints as
-    /// written or found (what events are about) and one report line per drift.
+    /// written or found (what events are about) and one report line per drift (or why nothing
+    /// is written).
     pub(super) async fn apply(
         &self,
         ctx: &PassContext,
@@ -45,6 +46,10 @@ impl ApiserverEndpointsLoop {
         let applied = !ctx.dry_run;
         let mut current = found;
         let mut report = PassReport::default();
+        if let Some(message) = plan.refused {
+            let object = self.target.endpoints_ref();
+            report.push(drift("no_members", object, Action::Report, message, false));
+        }
         for write in &plan.writes {
             if applied {
                 current = self.write(ctx, write).await?.or(current);

@@ -22,15 +22,13 @@ use tokio::time::Instant;
 
 use super::lease::{MemberLease, member_selector};
 use super::lease_trigger::lease_trigger;
-use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL};
+use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
 use super::plan::{Finding, Memory, Plan, Snapshot, Sources, joined, listed, plan};
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, probed_elsewhere};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
 use crate::alloc::IpFamily;
-use crate::contract::{
-    Action, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt, drift,
-};
+use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt};
 use crate::findings::ReportOnce;
 use crate::section::Settings;
 use crate::watch_cache::{WatchCache, watch_trigger};
@@ -166,13 +164,15 @@ impl ApiserverEndpointsLoop {
         })
     }
 
-    /// Where the members come from (the membership Leases, the `static` names' answers, this
-    /// instance's readiness) and the Service's family.
-    async fn read_sources(
+    /// The snapshot completed with where the members come from (the membership Leases, the
+    /// `static` names' answers, this instance's readiness) and the Service's family; its plan,
+    /// said.
+    async fn decide(
         &self,
         ctx: &PassContext,
-        snapshot: &mut Snapshot,
-    ) -> Result<(), LoopError> {
+        memory: &mut Memory,
+        mut snapshot: Snapshot,
+    ) -> Result<(Snapshot, Plan), LoopError> {
         snapshot.sources = match self.settings.endpoint_mode {
             EndpointsMode::Lease => {
                 let api = Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
@@ -186,7 +186,15 @@ impl ApiserverEndpointsLoop {
             EndpointsMode::None => Sources::None,
         };
         snapshot.service_family = self.service_family(ctx).await?;
-        Ok(())
+        let plan = plan(
+            &snapshot,
+            memory,
+            &self.section,
+            &self.settings,
+            Timestamp::now(),
+        );
+        self.say(&plan);
+        Ok((snapshot, plan))
     }
 
     /// `static` mode: each name's answer, all names at once, each bounded, so one slow resolver
@@ -242,24 +250,8 @@ impl ApiserverEndpointsLoop {
             return Ok(Some((family, "serviceClusterIPRange".to_owned())));
         }
         let api: Api<Service> = Api::namespaced(ctx.client.clone(), &self.target.namespace);
-        let Some(service) = self.service.get(&api, &self.target.service_name).await? else {
-            return Ok(None);
-        };
-        let spec = service.spec.unwrap_or_default();
-        let by_families = (spec.ip_families.as_ref())
-            .and_then(|families| families.first())
-            .and_then(|family| match family.as_str() {
-                "IPv4" => Some(IpFamily::V4),
-                "IPv6" => Some(IpFamily::V6),
-                _ => None,
-            });
-        let by_ip = (spec.cluster_ip.as_deref())
-            .and_then(super::members::parse_ip)
-            .map(IpFamily::of);
-        Ok(by_families.or(by_ip).map(|family| {
-            let ip = spec.cluster_ip.unwrap_or_default();
-            (family, format!("its clusterIP {ip}"))
-        }))
+        let service = self.service.get(&api, &self.target.service_name).await?;
+        Ok(service.as_ref().and_then(service_family))
     }
 
     /// What the plan found, said: its logs, the unusable Leases once each, and when the next
@@ -326,24 +318,10 @@ impl ApiserverEndpointsLoop {
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
         let mut state = self.state.lock().await;
         state.last_pass = Some(Instant::now());
-        let mut snapshot = self.read_objects(ctx, false).await?;
-        self.read_sources(ctx, &mut snapshot).await?;
-        let plan = plan(
-            &snapshot,
-            &mut state.memory,
-            &self.section,
-            &self.settings,
-            Timestamp::now(),
-        );
-        self.say(&plan);
-        if let Some(message) = plan.refused {
-            let mut report = PassReport::default();
-            let object = self.target.endpoints_ref();
-            report.push(drift("no_members", object, Action::Report, message, false));
-            return Ok(report);
-        }
+        let snapshot = self.read_objects(ctx, false).await?;
+        let (snapshot, plan) = self.decide(ctx, &mut state.memory, snapshot).await?;
         let (written, report) = self.apply(ctx, &plan, snapshot.endpoints).await?;
-        if ctx.dry_run {
+        if ctx.dry_run || plan.refused.is_some() {
             return Ok(report);
         }
         self.metrics.set_members(&plan.members);
@@ -403,20 +381,12 @@ impl ApiserverEndpointsLoop {
             return Ok(());
         };
         let mut state = self.state.lock().await;
-        let mut snapshot = self.read_objects(ctx, true).await?;
+        let snapshot = self.read_objects(ctx, true).await?;
         let listed = listed(&self.section, snapshot.endpoints.as_ref(), &snapshot.slices);
         if !listed.contains(&own) {
             return Ok(());
         }
-        self.read_sources(ctx, &mut snapshot).await?;
-        let plan = plan(
-            &snapshot,
-            &mut state.memory,
-            &self.section,
-            &self.settings,
-            Timestamp::now(),
-        );
-        self.say(&plan);
+        let (_, plan) = self.decide(ctx, &mut state.memory, snapshot).await?;
         self.apply(ctx, &plan, None).await?;
         self.metrics.set_members(&plan.members);
         state.memory.previous = Some(plan.members.clone());

@@ -13,7 +13,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{EndpointAddress, EndpointPort, EndpointSubset, Endpoints};
+use k8s_openapi::api::core::v1::{
+    EndpointAddress, EndpointPort, EndpointSubset, Endpoints, Service,
+};
 use k8s_openapi::api::discovery::v1::{
     Endpoint, EndpointConditions, EndpointPort as SlicePort, EndpointSlice,
 };
@@ -326,6 +328,23 @@ pub fn listed_members(existing: &Endpoints) -> MemberSet {
         .flat_map(|subset| subset.addresses.iter().flatten())
         .filter_map(|address| parse_ip(&address.ip))
         .collect()
+}
+
+/// The `kubernetes` Service's IP family, and where it was learnt: its first `ipFamilies`, else
+/// its clusterIP's; `None` when it says neither.
+pub fn service_family(service: &Service) -> Option<(IpFamily, String)> {
+    let spec = service.spec.as_ref()?;
+    let by_families = (spec.ip_families.as_ref())
+        .and_then(|families| families.first())
+        .and_then(|family| match family.as_str() {
+            "IPv4" => Some(IpFamily::V4),
+            "IPv6" => Some(IpFamily::V6),
+            _ => None,
+        });
+    let ip = spec.cluster_ip.as_deref().unwrap_or_default();
+    let by_ip = parse_ip(ip).map(IpFamily::of);
+    let family = by_families.or(by_ip)?;
+    Some((family, format!("its clusterIP {ip}")))
 }
 
 /// The field manager kube-apiserver records for this controller's writes: the product of its
