@@ -12,7 +12,7 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use super::ApiserverEndpointsLoop;
 use super::members::MembershipChange;
 use super::metrics::{ChangeLabel, KindLabel};
-use super::objects::SliceWrite;
+use super::objects::{SliceChange, SliceWrite};
 use super::plan::{Finding, Plan, Write};
 use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, drift, ignore_already_exists,
@@ -79,7 +79,7 @@ impl ApiserverEndpointsLoop {
                 let name = &self.target.service_name;
                 return Ok(Some(api.replace(name, &params, object).await?));
             }
-            Write::Slice { change, uid } => match &change.write {
+            Write::Slice(change) => match &change.write {
                 SliceWrite::Create(slice) => {
                     ignore_already_exists(slices.create(&params, slice).await)?;
                 }
@@ -87,10 +87,10 @@ impl ApiserverEndpointsLoop {
                     slices.replace(&change.name, &params, slice).await?;
                 }
                 SliceWrite::Recreate(slice) => {
-                    delete(&slices, &change.name, uid.clone()).await?;
+                    delete(&slices, change).await?;
                     ignore_already_exists(slices.create(&params, slice).await)?;
                 }
-                SliceWrite::Delete { name } => delete(&slices, name, uid.clone()).await?,
+                SliceWrite::Delete => delete(&slices, change).await?,
             },
         }
         Ok(None)
@@ -241,17 +241,13 @@ impl ApiserverEndpointsLoop {
     }
 }
 
-/// Deletes slice `name` if it still is the one planned on (`uid`); gone already is done.
-async fn delete(
-    slices: &Api<EndpointSlice>,
-    name: &str,
-    uid: Option<String>,
-) -> Result<(), kube::Error> {
+/// Deletes the changed slice if it still is the one planned on (its uid); gone already is done.
+async fn delete(slices: &Api<EndpointSlice>, change: &SliceChange) -> Result<(), kube::Error> {
     let params = DeleteParams::default().preconditions(Preconditions {
-        uid,
+        uid: change.uid.clone(),
         resource_version: None,
     });
-    match slices.delete(name, &params).await {
+    match slices.delete(&change.name, &params).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
         Err(err) => Err(err),
@@ -282,11 +278,11 @@ fn report_lines(plan: &Plan, write: &Write, applied: bool) -> Vec<Drift> {
                 })
                 .collect()
         }
-        Write::Slice { change, .. } => {
+        Write::Slice(change) => {
             let action = match &change.write {
                 SliceWrite::Create(_) => Action::Create,
                 SliceWrite::Update(_) | SliceWrite::Recreate(_) => Action::Update,
-                SliceWrite::Delete { .. } => Action::Delete,
+                SliceWrite::Delete => Action::Delete,
             };
             let object = target.slice_ref(&change.name);
             (change.drift.iter())

@@ -449,9 +449,7 @@ pub enum SliceWrite {
     Update(EndpointSlice),
     /// `addressType` is immutable: delete, then create.
     Recreate(EndpointSlice),
-    Delete {
-        name: String,
-    },
+    Delete,
 }
 
 /// One slice write and the drift that justifies it.
@@ -459,6 +457,8 @@ pub enum SliceWrite {
 pub struct SliceChange {
     pub name: String,
     pub write: SliceWrite,
+    /// The uid of the slice found: a deletion is conditional on it.
+    pub uid: Option<String>,
     /// `(metric kind, human message)` for every difference found on this slice.
     pub drift: Vec<(&'static str, String)>,
 }
@@ -485,6 +485,7 @@ pub fn plan_slices(
                     )],
                     name,
                     write: SliceWrite::Create(want.clone()),
+                    uid: None,
                 }),
             }
         })
@@ -509,8 +510,9 @@ pub fn plan_slices(
                         have.address_type, target.service_name
                     ),
                 )],
-                write: SliceWrite::Delete { name: name.clone() },
+                write: SliceWrite::Delete,
                 name,
+                uid: have.metadata.uid.clone(),
             });
         }
     }
@@ -538,6 +540,7 @@ fn slice_repair(
             name,
             write: SliceWrite::Recreate(want.clone()),
             drift: vec![("endpointslice_address_type", message)],
+            uid: have.metadata.uid.clone(),
         });
     }
     let mut drift = Vec::new();
@@ -587,6 +590,7 @@ fn slice_repair(
         name,
         write: SliceWrite::Update(repaired),
         drift,
+        uid: have.metadata.uid.clone(),
     })
 }
 
@@ -958,12 +962,8 @@ mod tests {
         let plan = plan_slices(&target(), &m, &existing);
         assert_eq!(plan.len(), 2, "{plan:?}");
         assert!(matches!(plan[0].write, SliceWrite::Recreate(ref s) if s.address_type == "IPv4"));
-        assert_eq!(
-            plan[1].write,
-            SliceWrite::Delete {
-                name: "kubernetes-ipv6".into()
-            }
-        );
+        assert_eq!(plan[1].write, SliceWrite::Delete);
+        assert_eq!(plan[1].name, "kubernetes-ipv6");
         assert_eq!(plan[1].drift[0].0, "endpointslice_stray");
     }
 

@@ -110,11 +110,7 @@ pub enum Write {
         create: bool,
         drift: Vec<EndpointsDrift>,
     },
-    /// A slice write; a deletion is conditional on the uid found.
-    Slice {
-        change: SliceChange,
-        uid: Option<String>,
-    },
+    Slice(SliceChange),
 }
 
 /// What a pass found beside its writes: each logged, some also a Warning event.
@@ -446,12 +442,11 @@ fn writes(
     let slices: Vec<EndpointSlice> = (snapshot.slices.iter().chain(&snapshot.unlabelled))
         .cloned()
         .collect();
-    for change in plan_slices(target, members, &slices) {
-        let uid = (slices.iter())
-            .find(|s| s.metadata.name.as_deref() == Some(change.name.as_str()))
-            .and_then(|s| s.metadata.uid.clone());
-        writes.push(Write::Slice { change, uid });
-    }
+    writes.extend(
+        plan_slices(target, members, &slices)
+            .into_iter()
+            .map(Write::Slice),
+    );
     writes
 }
 
