@@ -271,10 +271,10 @@ fn report_lines(plan: &Plan, write: &Write, applied: bool) -> Vec<Drift> {
             };
             let wanted = format!("members {}, port {}", plan.members, target.port);
             (found.iter())
-                .map(|d| {
-                    let message = format!("{}; {done}", d.describe(target));
-                    drift(d.kind(), target.endpoints_ref(), action, message, applied)
-                        .changed(d.describe(target), wanted.clone())
+                .map(|(kind, message)| {
+                    let object = target.endpoints_ref();
+                    drift(kind, object, action, format!("{message}; {done}"), applied)
+                        .changed(message.clone(), wanted.clone())
                 })
                 .collect()
         }

@@ -138,84 +138,8 @@ pub fn desired_endpoints(target: &EndpointsTarget, members: &MemberSet) -> Endpo
     }
 }
 
-/// One way the Endpoints object differs from the desired one.
-#[derive(Clone, Debug, PartialEq)]
-pub enum EndpointsDrift {
-    Missing,
-    SkipMirrorLabel {
-        found: Option<String>,
-    },
-    /// Not exactly one subset (upstream's `formatCorrect`).
-    SubsetCount {
-        found: usize,
-    },
-    Addresses {
-        /// Listed but not members (also unparsable entries and duplicates).
-        unexpected: Vec<String>,
-        /// Members not listed.
-        missing: Vec<String>,
-    },
-    NotReadyAddresses {
-        found: usize,
-    },
-    Ports {
-        found: Vec<EndpointPort>,
-    },
-}
-
-impl EndpointsDrift {
-    /// Stable metric label.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            EndpointsDrift::Missing => "endpoints_missing",
-            EndpointsDrift::SkipMirrorLabel { .. } => "endpoints_label",
-            EndpointsDrift::SubsetCount { .. } => "endpoints_subsets",
-            EndpointsDrift::Addresses { .. } => "endpoints_addresses",
-            EndpointsDrift::NotReadyAddresses { .. } => "endpoints_not_ready_addresses",
-            EndpointsDrift::Ports { .. } => "endpoints_ports",
-        }
-    }
-
-    pub fn describe(&self, target: &EndpointsTarget) -> String {
-        match self {
-            EndpointsDrift::Missing => "the Endpoints object does not exist".to_owned(),
-            EndpointsDrift::SkipMirrorLabel { found } => format!(
-                "label {SKIP_MIRROR_LABEL} is {}, want \"true\"",
-                found
-                    .as_deref()
-                    .map_or("missing".to_owned(), |v| format!("{v:?}"))
-            ),
-            EndpointsDrift::SubsetCount { found } => {
-                format!("{found} subsets, want exactly one")
-            }
-            EndpointsDrift::Addresses {
-                unexpected,
-                missing,
-            } => {
-                let mut parts = Vec::new();
-                if !unexpected.is_empty() {
-                    parts.push(format!("unexpected addresses [{}]", unexpected.join(", ")));
-                }
-                if !missing.is_empty() {
-                    parts.push(format!("missing members [{}]", missing.join(", ")));
-                }
-                parts.join("; ")
-            }
-            EndpointsDrift::NotReadyAddresses { found } => {
-                format!("{found} notReadyAddresses, want none")
-            }
-            EndpointsDrift::Ports { found } => format!(
-                "ports are [{}], want [https/TCP:{}]",
-                found
-                    .iter()
-                    .map(describe_port)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                target.port
-            ),
-        }
-    }
-}
+/// One difference found on an object: `(metric kind, human message)`.
+pub type DriftLine = (&'static str, String);
 
 fn describe_port(port: &EndpointPort) -> String {
     format!(
@@ -232,70 +156,70 @@ pub fn endpoints_drift(
     target: &EndpointsTarget,
     members: &MemberSet,
     existing: Option<&Endpoints>,
-) -> Vec<EndpointsDrift> {
+) -> Vec<DriftLine> {
     let Some(existing) = existing else {
-        return vec![EndpointsDrift::Missing];
+        return vec![(
+            "endpoints_missing",
+            "the Endpoints object does not exist".to_owned(),
+        )];
     };
     let mut drift = Vec::new();
-
-    let label = existing
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get(SKIP_MIRROR_LABEL));
+    let label =
+        (existing.metadata.labels.as_ref()).and_then(|labels| labels.get(SKIP_MIRROR_LABEL));
     if label.map(String::as_str) != Some("true") {
-        drift.push(EndpointsDrift::SkipMirrorLabel {
-            found: label.cloned(),
-        });
+        let found = label.map_or("missing".to_owned(), |v| format!("{v:?}"));
+        let message = format!("label {SKIP_MIRROR_LABEL} is {found}, want \"true\"");
+        drift.push(("endpoints_label", message));
     }
-
     let subsets = existing.subsets.as_deref().unwrap_or_default();
-    let listed: Vec<&str> = subsets
-        .iter()
-        .flat_map(|subset| subset.addresses.iter().flatten())
-        .map(|address| address.ip.as_str())
-        .collect();
-    let not_ready: usize = subsets
-        .iter()
-        .map(|subset| subset.not_ready_addresses.as_ref().map_or(0, Vec::len))
-        .sum();
-
     if !members.is_empty() && subsets.len() != 1 {
-        drift.push(EndpointsDrift::SubsetCount {
-            found: subsets.len(),
-        });
+        let message = format!("{} subsets, want exactly one", subsets.len());
+        drift.push(("endpoints_subsets", message));
     }
-
+    let listed = (subsets.iter())
+        .flat_map(|subset| subset.addresses.iter().flatten())
+        .map(|address| address.ip.as_str());
     let mut seen = BTreeSet::new();
     let mut unexpected = Vec::new();
-    for text in &listed {
+    for text in listed {
         match parse_ip(text) {
             Some(ip) if members.contains(&ip) && seen.insert(ip) => {}
-            _ => unexpected.push((*text).to_owned()),
+            _ => unexpected.push(text.to_owned()),
         }
     }
-    let missing: Vec<String> = members
-        .iter()
+    let missing: Vec<String> = (members.iter())
         .filter(|ip| !seen.contains(*ip))
         .map(ToString::to_string)
         .collect();
-    if !unexpected.is_empty() || !missing.is_empty() {
-        drift.push(EndpointsDrift::Addresses {
-            unexpected,
-            missing,
-        });
+    let mut parts = Vec::new();
+    if !unexpected.is_empty() {
+        parts.push(format!("unexpected addresses [{}]", unexpected.join(", ")));
     }
-
+    if !missing.is_empty() {
+        parts.push(format!("missing members [{}]", missing.join(", ")));
+    }
+    if !parts.is_empty() {
+        drift.push(("endpoints_addresses", parts.join("; ")));
+    }
+    let not_ready: usize = (subsets.iter())
+        .map(|subset| subset.not_ready_addresses.as_ref().map_or(0, Vec::len))
+        .sum();
     if not_ready > 0 {
-        drift.push(EndpointsDrift::NotReadyAddresses { found: not_ready });
+        let message = format!("{not_ready} notReadyAddresses, want none");
+        drift.push(("endpoints_not_ready_addresses", message));
     }
-
     // Ports only matter while there is a subset to carry them; upstream never repairs them on the
     // periodic path (kubernetes/kubernetes#104252), we do.
     if !members.is_empty() && subsets.len() == 1 {
         let found = subsets[0].ports.clone().unwrap_or_default();
         if found != target.endpoint_ports() {
-            drift.push(EndpointsDrift::Ports { found });
+            let found: Vec<String> = found.iter().map(describe_port).collect();
+            let message = format!(
+                "ports are [{}], want [https/TCP:{}]",
+                found.join(", "),
+                target.port
+            );
+            drift.push(("endpoints_ports", message));
         }
     }
     drift
@@ -459,8 +383,8 @@ pub struct SliceChange {
     pub write: SliceWrite,
     /// The uid of the slice found: a deletion is conditional on it.
     pub uid: Option<String>,
-    /// `(metric kind, human message)` for every difference found on this slice.
-    pub drift: Vec<(&'static str, String)>,
+    /// Every difference found on this slice.
+    pub drift: Vec<DriftLine>,
 }
 
 /// Compare the desired slices with `existing` (every slice carrying the service-name label, plus
@@ -666,7 +590,10 @@ mod tests {
     fn missing_endpoints_is_drift() {
         assert_eq!(
             endpoints_drift(&target(), &members(&["192.0.2.1"]), None),
-            vec![EndpointsDrift::Missing]
+            vec![(
+                "endpoints_missing",
+                "the Endpoints object does not exist".to_owned()
+            )]
         );
     }
 
@@ -723,7 +650,7 @@ mod tests {
         ] {
             let drift = endpoints_drift(&target(), &m, Some(&listed));
             assert_eq!(
-                drift.iter().map(EndpointsDrift::kind).collect::<Vec<_>>(),
+                drift.iter().map(|d| d.0).collect::<Vec<_>>(),
                 ["endpoints_ports"],
                 "{case}"
             );
@@ -744,8 +671,8 @@ mod tests {
             .port = 443;
         let drift = endpoints_drift(&target(), &m, Some(&endpoints));
         assert_eq!(drift.len(), 1);
-        assert_eq!(drift[0].kind(), "endpoints_ports");
-        assert!(drift[0].describe(&target()).contains("https/TCP:443"));
+        assert_eq!(drift[0].0, "endpoints_ports");
+        assert!(drift[0].1.contains("https/TCP:443"), "{drift:?}");
         let repaired = repaired_endpoints(&target(), &m, &endpoints);
         assert_eq!(repaired.metadata.resource_version.as_deref(), Some("42"));
         assert!(endpoints_drift(&target(), &m, Some(&repaired)).is_empty());
@@ -767,10 +694,12 @@ mod tests {
         let drift = endpoints_drift(&target(), &m, Some(&endpoints));
         assert_eq!(
             drift,
-            vec![EndpointsDrift::Addresses {
-                unexpected: vec!["192.0.2.1".into(), "198.51.100.9".into(), "bogus".into()],
-                missing: vec!["192.0.2.2".into()],
-            }]
+            vec![(
+                "endpoints_addresses",
+                "unexpected addresses [192.0.2.1, 198.51.100.9, bogus]; missing members \
+                 [192.0.2.2]"
+                    .to_owned()
+            )]
         );
     }
 
@@ -791,7 +720,7 @@ mod tests {
         endpoints.subsets.as_mut().unwrap().push(second);
         let kinds: Vec<_> = endpoints_drift(&target(), &m, Some(&endpoints))
             .iter()
-            .map(EndpointsDrift::kind)
+            .map(|d| d.0)
             .collect();
         assert_eq!(
             kinds,
@@ -822,10 +751,10 @@ mod tests {
         let drift = endpoints_drift(&target(), &MemberSet::new(), Some(&endpoints));
         assert_eq!(
             drift,
-            vec![EndpointsDrift::Addresses {
-                unexpected: vec!["192.0.2.1".into()],
-                missing: vec![],
-            }]
+            vec![(
+                "endpoints_addresses",
+                "unexpected addresses [192.0.2.1]".to_owned()
+            )]
         );
         let emptied = repaired_endpoints(&target(), &MemberSet::new(), &endpoints);
         assert!(endpoints_drift(&target(), &MemberSet::new(), Some(&emptied)).is_empty());

@@ -15,8 +15,8 @@ use k8s_openapi::jiff::Timestamp;
 use super::lease::{MemberLease, Sightings, membership};
 use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
 use super::objects::{
-    EndpointsDrift, EndpointsTarget, SliceChange, desired_endpoints, endpoints_drift,
-    listed_members, other_writers, plan_slices, repaired_endpoints, slice_members,
+    DriftLine, EndpointsTarget, SliceChange, desired_endpoints, endpoints_drift, listed_members,
+    other_writers, plan_slices, repaired_endpoints, slice_members,
 };
 use super::{Section, StaticAddress};
 use crate::alloc::IpFamily;
@@ -108,7 +108,7 @@ pub enum Write {
         /// Created when the Endpoints does not exist, else replaced (keeping its metadata).
         object: Endpoints,
         create: bool,
-        drift: Vec<EndpointsDrift>,
+        drift: Vec<DriftLine>,
     },
     Slice(SliceChange),
 }
