@@ -4,6 +4,15 @@
 //!
 //! Pure: no client, no clock (the time is given). The loop reads a [`Snapshot`], plans, and
 //! `apply.rs` writes what the plan says.
+//!
+//! | the pass finds | the plan |
+//! | --- | --- |
+//! | members | writes repairing each object's drift; says who joined, left or expired, and the repairs |
+//! | no member (not withdrawing) | no write: the endpoints stay as they are (`no_members`); warned after a lease period |
+//! | a graceful stop withdrawing this instance | writes the members without it, even none |
+//! | a member of the other family, or one the API would reject | leaves it out; a Warning, once |
+//! | an unreadable membership Lease, or a member on another port | a warning, once |
+//! | a `static` name that does not resolve | keeps its last good addresses; a Warning, once per run |
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -161,13 +170,6 @@ impl Finding {
 
 /// The pass's decision, from what it read, what it remembers and the time: the members, the
 /// writes that bring the Endpoints and slices to them, and what to say about it.
-///
-/// | case                                   | writes                        | says                    |
-/// |----------------------------------------|-------------------------------|-------------------------|
-/// | members found                          | each object's drift repaired  | joins, leaves, repairs  |
-/// | no member (not withdrawing)            | none: kept as they are        | `no_members`, warned after a lease period |
-/// | withdrawing                            | the members without this one, even none | nothing      |
-/// | a member of the other family, or one the API rejects | left out            | a Warning, once         |
 pub fn plan(
     snapshot: &Snapshot,
     memory: &mut Memory,
