@@ -109,7 +109,7 @@ mod tests {
         let product = super::USER_AGENT_PRODUCT.split('/').next();
         assert_eq!(
             product,
-            Some(reconcilers::apiserver_endpoints::plan::FIELD_MANAGER)
+            Some(reconcilers::apiserver_endpoints::objects::FIELD_MANAGER)
         );
     }
 }

@@ -112,8 +112,8 @@ fn the_base_layer_names_no_loop() {
 
 /// Every loop module has the files ARCHITECTURE.md names, so a reader who knows one loop knows
 /// where to look in the next: `mod.rs` (the loop), `section.rs` (its one configuration type),
-/// `plan.rs` (the pure decisions) and `apply.rs` (the writes), or, in a module holding several
-/// loops that share the section and plan, one `<name>_loop.rs` per loop in its place.
+/// `plan.rs` (the pure decisions) and `apply.rs` (the writes); a module holding several loops
+/// that share the section has one `<name>_loop.rs` per loop, never just one.
 #[test]
 fn every_loop_module_has_the_same_files() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../reconcilers/src");
@@ -129,15 +129,14 @@ fn every_loop_module_has_the_same_files() {
                     .into_owned()
             })
             .collect();
-        for file in ["mod.rs", "section.rs", "plan.rs"] {
+        for file in ["mod.rs", "section.rs", "plan.rs", "apply.rs"] {
             if !files.contains(file) {
                 missing.push(format!("{looped}/{file}"));
             }
         }
-        let loops = files.iter().filter(|f| f.ends_with("_loop.rs")).count();
-        if !files.contains("apply.rs") && loops < 2 {
+        if files.iter().filter(|f| f.ends_with("_loop.rs")).count() == 1 {
             missing.push(format!(
-                "{looped}/apply.rs (or one <name>_loop.rs per loop)"
+                "{looped}/<name>_loop.rs for each of its loops (or its one loop in mod.rs)"
             ));
         }
     }

@@ -8,8 +8,8 @@
 //! loser reads again rather than overwriting. Another holder's Lease is judged alive by when
 //! this observer saw it change ([`sign_of_life`], [`Liveness`]), by this observer's own clock,
 //! as client-go's leader election judges it by its `observedTime`: hosts' clocks need not agree.
-//! The membership Leases keep a wall-clock variant of the same rule
-//! (`apiserver_endpoints::lease::Sightings`), since their expiry is also shown to people.
+//! The membership Leases are judged by the same rule on the wall clock, since their expiry is
+//! also shown to people.
 
 use std::time::{Duration, Instant};
 
@@ -93,7 +93,7 @@ pub async fn ensure_namespace(
 
 /// One Lease's liveness as this observer judges it: alive until a lease duration after it last
 /// saw a [`sign_of_life`] change, by this observer's clock (`std`'s or tokio's `Instant`, so
-/// tests can pause time).
+/// tests can pause time, or the wall clock's `Timestamp`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Liveness<I = Instant> {
     seen: Option<(Option<String>, Option<Timestamp>)>,
@@ -109,6 +109,15 @@ impl<I: Copy + std::ops::Add<Duration, Output = I>> Liveness<I> {
         }
     }
 
+    /// `lease` as seen, unchanged since `at`: a Lease first met that is to be judged by its own
+    /// times rather than counted from now.
+    pub fn seen(lease: &Lease, at: I) -> Self {
+        Liveness {
+            seen: Some(sign_of_life(lease)),
+            changed_at: at,
+        }
+    }
+
     /// Records the Lease as seen at `now` (`None`: it does not exist); true when that is a
     /// change, which restarts its time.
     pub fn observe(&mut self, lease: Option<&Lease>, now: I) -> bool {
@@ -120,6 +129,11 @@ impl<I: Copy + std::ops::Add<Duration, Output = I>> Liveness<I> {
         }
         self.seen = Some(seen);
         changed
+    }
+
+    /// The renew time last seen.
+    pub fn renewed(&self) -> Option<Timestamp> {
+        self.seen.as_ref().and_then(|(_, renewed)| *renewed)
     }
 
     /// When this observer last saw it change.

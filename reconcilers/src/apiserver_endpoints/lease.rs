@@ -13,6 +13,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use super::members::{MemberSet, parse_ip};
+use crate::lease::Liveness;
 
 /// Selects every membership Lease; the value is the Service the member serves.
 pub const MEMBER_LABEL: &str = "bootstrap-controller.io/apiserver-endpoint";
@@ -206,50 +207,38 @@ pub struct LeaseMembership {
 /// object (an etcd restore, a hand edit).
 const FAR_FUTURE: SignedDuration = SignedDuration::from_hours(24);
 
-/// When this reader saw each Lease renewed. A member's expiry is judged on the reader's own
-/// clock from the moment it saw the renewal, as client-go's leader election does (its
-/// `observedTime`), so a control-plane host whose clock is off is neither flapping nor missing:
-/// comparing the writer's `renewTime` with the reader's clock would make a host 5 s behind
-/// expire and rejoin every interval, and one a whole TTL behind never be listed. A Lease met for
-/// the first time (every Lease on a new leader's first pass), or renewed back in time, is judged
-/// by its `renewTime`: live, it counts as renewed now (so a member a few seconds behind does not
-/// expire before its next renewal); expired, it waits for a renewal to be seen (so a long-dead
-/// member is not listed).
-#[derive(Clone, Debug, Default)]
-pub struct Sightings {
-    by_lease: BTreeMap<String, Sighting>,
-}
+/// Each Lease's [`Liveness`], the rule every Lease protocol of this project judges by: a
+/// member expires a lease duration after this reader saw its Lease change, by the reader's own
+/// clock, as client-go's leader election does (its `observedTime`), so a control-plane host whose
+/// clock is off is neither flapping nor missing: comparing the writer's `renewTime` with the
+/// reader's clock would make a host 5 s behind expire and rejoin every interval, and one a whole
+/// TTL behind never be listed. A Lease met for the first time (every Lease on a new leader's
+/// first pass), or renewed back in time, is judged by its `renewTime`: live, it counts as renewed now (so a member a few
+/// seconds behind does not expire before its next renewal); expired, it waits for a change to be
+/// seen (so a long-dead member is not listed). Wall-clock times, since expiries are also shown.
+pub type Sightings = BTreeMap<String, Liveness<Timestamp>>;
 
-#[derive(Clone, Debug)]
-struct Sighting {
-    renewed: Timestamp,
-    /// When the reader saw `renewed` (see [`Sightings`]); `None` for an expired Lease not yet
-    /// seen renewed.
-    seen: Option<Timestamp>,
-}
-
-impl Sightings {
-    /// Records `member`'s renewal as seen at `now` if it is new, and gives its expiry.
-    fn expiry(&mut self, member: &ObservedMember, now: Timestamp) -> Timestamp {
-        let met_now = (member.expires > now).then_some(now);
-        let seen = match self.by_lease.get(&member.lease_name) {
-            Some(sighting) if sighting.renewed == member.renewed => sighting.seen,
-            Some(sighting) if member.renewed > sighting.renewed => Some(now),
-            // Back in time (a clock stepped back, a hand edit): as if met for the first time.
-            Some(_) | None => met_now,
-        };
-        self.by_lease.insert(
-            member.lease_name.clone(),
-            Sighting {
-                renewed: member.renewed,
-                seen,
-            },
-        );
-        match seen {
-            Some(seen) => seen.checked_add(member.duration).unwrap_or(seen),
-            None => member.expires,
-        }
+/// Records `lease` as seen at `now` and gives its expiry (see [`Sightings`]).
+fn expiry(
+    sightings: &mut Sightings,
+    lease: &Lease,
+    member: &ObservedMember,
+    now: Timestamp,
+) -> Timestamp {
+    let name = &member.lease_name;
+    // Renewed back in time (a clock stepped back, a hand edit): met afresh.
+    if (sightings.get(name)).is_some_and(|seen| seen.renewed() > Some(member.renewed)) {
+        sightings.remove(name);
     }
+    let liveness = sightings
+        .entry(name.clone())
+        .or_insert_with(|| match member.expires > now {
+            true => Liveness::new(now),
+            false => Liveness::seen(lease, member.renewed),
+        });
+    liveness.observe(Some(lease), now);
+    let changed = liveness.changed_at();
+    changed.checked_add(member.duration).unwrap_or(changed)
 }
 
 /// Judge every Lease (expiry as [`Sightings`] says). Leases being deleted are not members.
@@ -274,7 +263,7 @@ pub fn membership<'a>(
             }
             Ok(mut member) => {
                 present.insert(member.lease_name.clone());
-                member.expires = sightings.expiry(&member, now);
+                member.expires = expiry(sightings, lease, &member, now);
                 if member.expires > now {
                     out.members.insert(member.address);
                     out.live.push(member);
@@ -285,7 +274,7 @@ pub fn membership<'a>(
             Err(problem) => out.problems.push(problem),
         }
     }
-    sightings.by_lease.retain(|name, _| present.contains(name));
+    sightings.retain(|name, _| present.contains(name));
     out.expired.retain(|m| !out.members.contains(&m.address));
     out
 }
@@ -588,6 +577,21 @@ mod tests {
                 "clock {skew} s behind"
             );
         }
+    }
+
+    #[test]
+    fn a_renewal_back_in_time_is_judged_by_its_renew_time_as_if_met_afresh() {
+        let mut sightings = Sightings::default();
+        let first = own("192.0.2.7").renewed(None, at(0));
+        membership(&[first], at(0), Duration::ZERO, &mut sightings);
+        // Its host's clock stepped back 3 s: still live by its renewTime, so counted from now.
+        let back = own("192.0.2.7").renewed(None, at(-3));
+        let judged = membership(&[back], at(10), Duration::ZERO, &mut sightings);
+        assert_eq!(judged.live[0].expires, at(25));
+        // Set back a minute (an old copy restored): expired by its renewTime, so not listed.
+        let restored = own("192.0.2.7").renewed(None, at(-60));
+        let judged = membership(&[restored], at(11), Duration::ZERO, &mut sightings);
+        assert!(judged.members.is_empty());
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use prometheus_client::metrics::counter::Counter;
@@ -13,7 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
-use super::plan::EndpointsTarget;
+use super::objects::{EndpointsTarget, service_family};
 use super::probe::{
     CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere,
 };
@@ -94,7 +95,7 @@ pub struct ApiserverLeaseLoop {
     target: EndpointsTarget,
     address_defaulted: bool,
     /// The Service's IP family once learnt from the cluster (no range configured).
-    service_family: std::sync::OnceLock<IpFamily>,
+    service_family: std::sync::OnceLock<(IpFamily, String)>,
     /// Whether an address another instance renews is left to Lease expiry.
     keep_shared_address: bool,
     /// The server the readiness probe asks: checked at the first pass to be this instance's
@@ -222,23 +223,15 @@ impl ApiserverLeaseLoop {
     async fn check_family(&self, ctx: &PassContext) -> Result<(), LoopError> {
         let (family, source) = match (self.target.primary_family, self.service_family.get()) {
             (Some(family), _) => (family, "serviceClusterIPRange".to_owned()),
-            (None, Some(family)) => (*family, "its clusterIP".to_owned()),
+            (None, Some(known)) => known.clone(),
             (None, None) => {
-                let api: Api<k8s_openapi::api::core::v1::Service> =
-                    Api::namespaced(ctx.client.clone(), &self.target.namespace);
-                let Some(service) = api.get_opt(&self.target.service_name).await? else {
+                let api: Api<Service> = Api::namespaced(ctx.client.clone(), &self.target.namespace);
+                let service = api.get_opt(&self.target.service_name).await?;
+                let Some(known) = service.as_ref().and_then(service_family) else {
                     return Ok(());
                 };
-                let ip = service.spec.and_then(|spec| spec.cluster_ip);
-                let Some(family) = ip
-                    .as_deref()
-                    .and_then(super::members::parse_ip)
-                    .map(IpFamily::of)
-                else {
-                    return Ok(());
-                };
-                let _ = self.service_family.set(family);
-                (family, format!("its clusterIP {}", ip.unwrap_or_default()))
+                let _ = self.service_family.set(known.clone());
+                known
             }
         };
         let own = IpFamily::of(self.own.address);

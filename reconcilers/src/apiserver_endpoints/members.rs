@@ -8,7 +8,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use tokio::time::Instant;
+use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::IpFamily;
 
@@ -88,12 +88,18 @@ impl MemberSet {
     }
 }
 
+impl Extend<IpAddr> for MemberSet {
+    fn extend<T: IntoIterator<Item = IpAddr>>(&mut self, iter: T) {
+        for ip in iter {
+            self.insert(ip);
+        }
+    }
+}
+
 impl FromIterator<IpAddr> for MemberSet {
     fn from_iter<T: IntoIterator<Item = IpAddr>>(iter: T) -> Self {
         let mut set = MemberSet::new();
-        for ip in iter {
-            set.insert(ip);
-        }
+        set.extend(iter);
         set
     }
 }
@@ -168,16 +174,18 @@ pub fn parse_ip(text: &str) -> Option<IpAddr> {
 /// by then every live member has renewed its Lease at least once.
 #[derive(Debug, Default)]
 pub struct EmptyStreak {
-    since: Option<Instant>,
+    since: Option<Timestamp>,
     warned: bool,
 }
 
 impl EmptyStreak {
     /// Records a pass without members at `now`; true exactly once per run, when it has lasted
     /// `grace`.
-    pub fn observe(&mut self, now: Instant, grace: Duration) -> bool {
+    pub fn observe(&mut self, now: Timestamp, grace: Duration) -> bool {
         let since = *self.since.get_or_insert(now);
-        if self.warned || now.saturating_duration_since(since) < grace {
+        // A clock stepped back counts as no time passed.
+        let lasted = Duration::try_from(now.duration_since(since)).unwrap_or_default();
+        if self.warned || lasted < grace {
             return false;
         }
         self.warned = true;
@@ -263,7 +271,7 @@ mod tests {
     #[test]
     fn an_empty_member_list_is_warned_about_once_after_a_whole_lease_period() {
         let grace = Duration::from_secs(15);
-        let start = Instant::now();
+        let start = Timestamp::UNIX_EPOCH;
         let mut streak = EmptyStreak::default();
         // Two passes within a second at start: no warning.
         assert!(!streak.observe(start, grace));

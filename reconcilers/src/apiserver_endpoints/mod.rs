@@ -10,8 +10,11 @@
 //!   `master-count` mode, as upstream): computes the member set and writes the Endpoints and
 //!   EndpointSlices from it.
 //!
-//! The configuration is `section.rs`; pure logic lives in [`members`], [`plan`] (the objects
-//! wanted from the members) and [`lease`]; [`probe`] holds the readiness and DNS traits.
+//! The configuration is `section.rs`. A pass of the endpoints loop reads its objects and the
+//! members' sources into a [`plan::Snapshot`], decides in [`plan`] (pure: the members, the writes
+//! and the findings) and writes in `apply.rs`, whose outcome the report, metrics and events are
+//! built from. Pure logic also lives in [`members`] and [`lease`]; [`probe`] holds the
+//! readiness and DNS traits.
 //!
 //! Objects, as a user sees them:
 //! * Membership Leases `<leaseNamespace>/apiserver-<address>` (IPv6 colons as dashes), label
@@ -34,13 +37,14 @@
 //! through the kubeconfig's server); reading the leader-election Lease (already granted to the
 //! election).
 
+mod apply;
 pub mod endpoints_loop;
 pub mod lease;
 pub mod lease_loop;
 mod lease_trigger;
 pub mod members;
 mod metrics;
-pub mod modes;
+pub mod objects;
 pub mod plan;
 pub mod probe;
 mod section;
@@ -54,7 +58,7 @@ use prometheus_client::registry::Registry;
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
 pub use members::MemberSet;
-pub use plan::EndpointsTarget;
+pub use objects::EndpointsTarget;
 pub use probe::{
     ApiserverReadyz, LazyUrlReadyz, NotReady, ProbedServer, ReadinessProbe, Resolver,
     SystemResolver, default_route_address,

@@ -1,996 +1,553 @@
-//! Desired `kubernetes` Endpoints and EndpointSlices, and the drift between them and the cluster.
+//! What a pass of the endpoints loop does ([`plan`]): the members, from what the pass read and
+//! what it remembers, and the writes that bring the `kubernetes` Endpoints and EndpointSlices to
+//! them (the objects themselves are `objects.rs`'s).
 //!
-//! Pure functions: no client, no clock. The loop fetches the objects, calls these, and writes what
-//! they say. Shapes follow upstream's `EndpointsAdapter`
-//! (`pkg/controlplane/reconcilers/endpointsadapter.go`): the Endpoints carries the `skip-mirror`
-//! label and one subset; each slice carries `kubernetes.io/service-name`, `conditions.ready: true`
-//! and the same port.
+//! Pure: no client, no clock (the time is given). The loop reads a [`Snapshot`], plans, and
+//! `apply.rs` writes what the plan says.
 //!
-//! One family, the Service's: the loop gives these functions members of that family only and
-//! the family as `primary_family`, so there is one slice, named like the Service (`kubernetes`),
-//! exactly as upstream names its only slice. Given members of both families (tests, a caller
-//! that does not filter), the other family's slice would be `<service>-<family>`, e.g.
-//! `kubernetes-ipv6`. Any other slice carrying the service-name label is stray and is deleted,
-//! as the newest upstream adapter does.
+//! | the pass finds | the plan |
+//! | --- | --- |
+//! | members | writes repairing each object's drift; says who joined, left or expired, and the repairs |
+//! | no member (not withdrawing) | no write: the endpoints stay as they are (`no_members`); warned after a lease period |
+//! | a graceful stop withdrawing this instance | writes the members without it, even none |
+//! | a member of the other family, or one the API would reject | leaves it out; a Warning, once |
+//! | an unreadable membership Lease, or a member on another port | a warning, once |
+//! | a `static` name that does not resolve | keeps its last good addresses; a Warning, once per run |
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{EndpointAddress, EndpointPort, EndpointSubset, Endpoints};
-use k8s_openapi::api::discovery::v1::{
-    Endpoint, EndpointConditions, EndpointPort as SlicePort, EndpointSlice,
+use k8s_openapi::api::core::v1::Endpoints;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::jiff::Timestamp;
+
+use super::lease::{MemberLease, Sightings, membership};
+use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
+use super::objects::{
+    DriftLine, EndpointsTarget, SliceChange, desired_endpoints, endpoints_drift, listed_members,
+    other_writers, plan_slices, repaired_endpoints, slice_members,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-
-use super::members::{MemberSet, parse_ip};
+use super::{Section, StaticAddress};
 use crate::alloc::IpFamily;
+use crate::section::Settings;
 
-/// Makes the EndpointSliceMirroring controller ignore the Endpoints (we write the slices).
-pub const SKIP_MIRROR_LABEL: &str = "endpointslice.kubernetes.io/skip-mirror";
-/// Ties an EndpointSlice to its Service.
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
-/// The port name upstream uses for the apiserver endpoint.
-pub const PORT_NAME: &str = "https";
-
-/// Which objects to write and with which port.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EndpointsTarget {
-    pub namespace: String,
-    pub service_name: String,
-    /// The apiservers' `--secure-port`.
-    pub port: i32,
-    /// The family of the primary service CIDR. `None`: IPv4 unless every member is IPv6 (upstream's
-    /// `addressType` rule).
-    pub primary_family: Option<IpFamily>,
+/// What a pass of the endpoints loop reads before it decides anything.
+pub struct Snapshot {
+    /// The Endpoints as found (`None` with slices only: it is not kept then).
+    pub endpoints: Option<Endpoints>,
+    /// Slices only, and an Endpoints object is still there.
+    pub endpoints_left: bool,
+    /// The slices carrying the service-name label.
+    pub slices: Vec<EndpointSlice>,
+    /// The slice named like the Service when the label selector misses it: its label removed by
+    /// hand makes it invisible to the selector, yet it is the one to repair, not to create.
+    pub unlabelled: Option<EndpointSlice>,
+    pub sources: Sources,
+    /// The Service's IP family and where it was learnt, while known.
+    pub service_family: Option<(IpFamily, String)>,
+    /// This instance's address: `advertiseAddress`, or the default route's.
+    pub own: Option<IpAddr>,
+    /// A graceful stop taking this instance out: its address is left out, and an empty member
+    /// set is written (the one case where upstream empties the endpoints too).
+    pub withdrawing: bool,
 }
 
-impl Default for EndpointsTarget {
-    fn default() -> Self {
-        Self {
-            namespace: "default".to_owned(),
-            service_name: "kubernetes".to_owned(),
-            port: 6443,
-            primary_family: None,
-        }
-    }
+/// Where the members come from, by `endpointReconcilerType`.
+pub enum Sources {
+    Leases(Vec<MemberLease>),
+    /// Each `static` name's answer.
+    Static(BTreeMap<String, Result<Vec<IpAddr>, String>>),
+    /// Whether the local apiserver counts as ready (never while shutting down).
+    MasterCount {
+        ready: bool,
+    },
+    None,
 }
 
-impl EndpointsTarget {
-    pub fn primary_family(&self, members: &MemberSet) -> IpFamily {
-        self.primary_family.unwrap_or_else(|| {
-            if members.has_family(IpFamily::V4) || members.is_empty() {
-                IpFamily::V4
-            } else {
-                IpFamily::V6
-            }
-        })
-    }
-
-    /// Name of the slice that holds `family`'s addresses.
-    pub fn slice_name(&self, family: IpFamily, primary: IpFamily) -> String {
-        if family == primary {
-            self.service_name.clone()
-        } else {
-            format!("{}-{}", self.service_name, family.short())
-        }
-    }
-
-    pub fn endpoints_ref(&self) -> String {
-        format!("Endpoints/{}/{}", self.namespace, self.service_name)
-    }
-
-    pub fn slice_ref(&self, name: &str) -> String {
-        format!("EndpointSlice/{}/{}", self.namespace, name)
-    }
-
-    fn endpoint_ports(&self) -> Vec<EndpointPort> {
-        vec![EndpointPort {
-            name: Some(PORT_NAME.to_owned()),
-            port: self.port,
-            protocol: Some("TCP".to_owned()),
-            app_protocol: None,
-        }]
-    }
-
-    fn slice_ports(&self) -> Vec<SlicePort> {
-        vec![SlicePort {
-            name: Some(PORT_NAME.to_owned()),
-            port: Some(self.port),
-            protocol: Some("TCP".to_owned()),
-            app_protocol: None,
-        }]
-    }
-
-    fn desired_subsets(&self, members: &MemberSet) -> Option<Vec<EndpointSubset>> {
-        if members.is_empty() {
-            // Upstream's RepackSubsets drops an empty subset, leaving none.
-            return None;
-        }
-        Some(vec![EndpointSubset {
-            addresses: Some(
-                members
-                    .sorted_strings()
-                    .into_iter()
-                    .map(|ip| EndpointAddress {
-                        ip,
-                        ..EndpointAddress::default()
-                    })
-                    .collect(),
-            ),
-            not_ready_addresses: None,
-            ports: Some(self.endpoint_ports()),
-        }])
-    }
+/// What the plan carries from one pass to the next.
+#[derive(Default)]
+pub struct Memory {
+    /// The member set as of the last write (the listed one before the first), to tell membership
+    /// changes from hand edits.
+    pub previous: Option<MemberSet>,
+    /// `static` mode: last non-empty answer per name.
+    last_good: BTreeMap<String, Vec<IpAddr>>,
+    /// `static` mode: names whose last lookup failed (warned once per failure streak).
+    failing: BTreeSet<String>,
+    /// Since when the passes have found no member, and whether that was warned about.
+    empty: EmptyStreak,
+    /// Members already warned about for advertising another port than the endpoints carry.
+    warned_ports: BTreeSet<(IpAddr, i32)>,
+    /// Members already warned about for an address the API server rejects.
+    warned_invalid: BTreeSet<IpAddr>,
+    /// Members already warned about for an address of the other family than the Service's.
+    warned_family: BTreeSet<IpAddr>,
+    /// Slices only: whether a leftover Endpoints object was reported.
+    warned_endpoints_left: bool,
+    /// When each membership Lease was seen renewed (expiry on this clock).
+    sightings: Sightings,
 }
 
-/// A brand-new Endpoints object for `members`.
-pub fn desired_endpoints(target: &EndpointsTarget, members: &MemberSet) -> Endpoints {
+/// What a pass does.
+#[derive(Default)]
+pub struct Plan {
+    /// The members, of the Service's family only.
+    pub members: MemberSet,
+    /// The target with the Service's family as its primary one.
+    pub target: EndpointsTarget,
+    pub writes: Vec<Write>,
+    pub findings: Vec<Finding>,
+    /// Every unusable membership Lease of this pass (the loop logs each once while it stays).
+    pub lease_problems: Vec<String>,
+    /// Who joined and left since the previous pass.
+    pub change: MembershipChange,
+    /// Addresses whose Lease ran out (events say "expired" rather than "left").
+    pub expired: BTreeSet<IpAddr>,
+    /// Earliest expiry among live membership Leases.
+    pub next_expiry: Option<Timestamp>,
+    /// Who last wrote each object before this pass, when not this controller.
+    pub writers: BTreeMap<String, String>,
+    /// No member: nothing is written, for this reason.
+    pub refused: Option<&'static str>,
+}
+
+/// One write of the Endpoints or of a slice, with the drift that justifies it.
+pub enum Write {
     Endpoints {
-        metadata: ObjectMeta {
-            name: Some(target.service_name.clone()),
-            namespace: Some(target.namespace.clone()),
-            labels: Some(BTreeMap::from([(
-                SKIP_MIRROR_LABEL.to_owned(),
-                "true".to_owned(),
-            )])),
-            ..ObjectMeta::default()
-        },
-        subsets: target.desired_subsets(members),
-    }
+        /// Created when the Endpoints does not exist, else replaced (keeping its metadata).
+        object: Endpoints,
+        create: bool,
+        drift: Vec<DriftLine>,
+    },
+    Slice(SliceChange),
 }
 
-/// One way the Endpoints object differs from the desired one.
+/// What a pass found beside its writes: each logged, some also a Warning event.
 #[derive(Clone, Debug, PartialEq)]
-pub enum EndpointsDrift {
-    Missing,
-    SkipMirrorLabel {
-        found: Option<String>,
-    },
-    /// Not exactly one subset (upstream's `formatCorrect`).
-    SubsetCount {
-        found: usize,
-    },
-    Addresses {
-        /// Listed but not members (also unparsable entries and duplicates).
-        unexpected: Vec<String>,
-        /// Members not listed.
-        missing: Vec<String>,
-    },
-    NotReadyAddresses {
-        found: usize,
-    },
-    Ports {
-        found: Vec<EndpointPort>,
-    },
-}
-
-impl EndpointsDrift {
-    /// Stable metric label.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            EndpointsDrift::Missing => "endpoints_missing",
-            EndpointsDrift::SkipMirrorLabel { .. } => "endpoints_label",
-            EndpointsDrift::SubsetCount { .. } => "endpoints_subsets",
-            EndpointsDrift::Addresses { .. } => "endpoints_addresses",
-            EndpointsDrift::NotReadyAddresses { .. } => "endpoints_not_ready_addresses",
-            EndpointsDrift::Ports { .. } => "endpoints_ports",
-        }
-    }
-
-    pub fn describe(&self, target: &EndpointsTarget) -> String {
-        match self {
-            EndpointsDrift::Missing => "the Endpoints object does not exist".to_owned(),
-            EndpointsDrift::SkipMirrorLabel { found } => format!(
-                "label {SKIP_MIRROR_LABEL} is {}, want \"true\"",
-                found
-                    .as_deref()
-                    .map_or("missing".to_owned(), |v| format!("{v:?}"))
-            ),
-            EndpointsDrift::SubsetCount { found } => {
-                format!("{found} subsets, want exactly one")
-            }
-            EndpointsDrift::Addresses {
-                unexpected,
-                missing,
-            } => {
-                let mut parts = Vec::new();
-                if !unexpected.is_empty() {
-                    parts.push(format!("unexpected addresses [{}]", unexpected.join(", ")));
-                }
-                if !missing.is_empty() {
-                    parts.push(format!("missing members [{}]", missing.join(", ")));
-                }
-                parts.join("; ")
-            }
-            EndpointsDrift::NotReadyAddresses { found } => {
-                format!("{found} notReadyAddresses, want none")
-            }
-            EndpointsDrift::Ports { found } => format!(
-                "ports are [{}], want [https/TCP:{}]",
-                found
-                    .iter()
-                    .map(describe_port)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                target.port
-            ),
-        }
-    }
-}
-
-fn describe_port(port: &EndpointPort) -> String {
-    format!(
-        "{}/{}:{}",
-        port.name.as_deref().unwrap_or(""),
-        port.protocol.as_deref().unwrap_or(""),
-        port.port
-    )
-}
-
-/// Every difference between `existing` and the desired Endpoints. Address order is not drift
-/// (upstream's `ipsCorrect` is order-insensitive), but we always write sorted.
-pub fn endpoints_drift(
-    target: &EndpointsTarget,
-    members: &MemberSet,
-    existing: Option<&Endpoints>,
-) -> Vec<EndpointsDrift> {
-    let Some(existing) = existing else {
-        return vec![EndpointsDrift::Missing];
-    };
-    let mut drift = Vec::new();
-
-    let label = existing
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get(SKIP_MIRROR_LABEL));
-    if label.map(String::as_str) != Some("true") {
-        drift.push(EndpointsDrift::SkipMirrorLabel {
-            found: label.cloned(),
-        });
-    }
-
-    let subsets = existing.subsets.as_deref().unwrap_or_default();
-    let listed: Vec<&str> = subsets
-        .iter()
-        .flat_map(|subset| subset.addresses.iter().flatten())
-        .map(|address| address.ip.as_str())
-        .collect();
-    let not_ready: usize = subsets
-        .iter()
-        .map(|subset| subset.not_ready_addresses.as_ref().map_or(0, Vec::len))
-        .sum();
-
-    if !members.is_empty() && subsets.len() != 1 {
-        drift.push(EndpointsDrift::SubsetCount {
-            found: subsets.len(),
-        });
-    }
-
-    let mut seen = BTreeSet::new();
-    let mut unexpected = Vec::new();
-    for text in &listed {
-        match parse_ip(text) {
-            Some(ip) if members.contains(&ip) && seen.insert(ip) => {}
-            _ => unexpected.push((*text).to_owned()),
-        }
-    }
-    let missing: Vec<String> = members
-        .iter()
-        .filter(|ip| !seen.contains(*ip))
-        .map(ToString::to_string)
-        .collect();
-    if !unexpected.is_empty() || !missing.is_empty() {
-        drift.push(EndpointsDrift::Addresses {
-            unexpected,
-            missing,
-        });
-    }
-
-    if not_ready > 0 {
-        drift.push(EndpointsDrift::NotReadyAddresses { found: not_ready });
-    }
-
-    // Ports only matter while there is a subset to carry them; upstream never repairs them on the
-    // periodic path (kubernetes/kubernetes#104252), we do.
-    if !members.is_empty() && subsets.len() == 1 {
-        let found = subsets[0].ports.clone().unwrap_or_default();
-        if found != target.endpoint_ports() {
-            drift.push(EndpointsDrift::Ports { found });
-        }
-    }
-    drift
-}
-
-/// `existing` rewritten to the desired state, keeping its metadata (resourceVersion for optimistic
-/// concurrency, other people's labels and annotations).
-pub fn repaired_endpoints(
-    target: &EndpointsTarget,
-    members: &MemberSet,
-    existing: &Endpoints,
-) -> Endpoints {
-    let mut repaired = existing.clone();
-    repaired
-        .metadata
-        .labels
-        .get_or_insert_with(BTreeMap::new)
-        .insert(SKIP_MIRROR_LABEL.to_owned(), "true".to_owned());
-    repaired.metadata.managed_fields = None;
-    repaired.subsets = target.desired_subsets(members);
-    repaired
-}
-
-/// The addresses an Endpoints object lists (ready ones, all subsets), as members.
-pub fn listed_members(existing: &Endpoints) -> MemberSet {
-    existing
-        .subsets
-        .iter()
-        .flatten()
-        .flat_map(|subset| subset.addresses.iter().flatten())
-        .filter_map(|address| parse_ip(&address.ip))
-        .collect()
-}
-
-/// The field manager kube-apiserver records for this controller's writes: the product of its
-/// User-Agent (`bootstrap-controller/<version> (...)`), as kube-apiserver names an update
-/// without `fieldManager`.
-pub const FIELD_MANAGER: &str = "bootstrap-controller";
-
-/// Who last wrote `meta`'s object, if that was not this controller: the manager of its newest
-/// `managedFields` entry (kube-apiserver's own reconciler is `kube-apiserver`, kubectl
-/// `kubectl-edit`, `kubectl-patch`, ...). Entries without a time count as oldest.
-pub fn other_writer(meta: &ObjectMeta) -> Option<String> {
-    let newest = meta
-        .managed_fields
-        .iter()
-        .flatten()
-        .max_by_key(|entry| entry.time.as_ref().map(|t| t.0))?;
-    let manager = newest.manager.as_deref().filter(|m| !m.is_empty())?;
-    (manager != FIELD_MANAGER && !manager.starts_with(&format!("{FIELD_MANAGER}-")))
-        .then(|| manager.chars().take(128).collect())
-}
-
-/// The other writers ([`other_writer`]) of the Endpoints and the slices, by object reference.
-pub fn other_writers(
-    target: &EndpointsTarget,
-    endpoints: Option<&Endpoints>,
-    slices: &[EndpointSlice],
-) -> BTreeMap<String, String> {
-    let mut writers = BTreeMap::new();
-    if let Some(manager) = endpoints.and_then(|e| other_writer(&e.metadata)) {
-        writers.insert(target.endpoints_ref(), manager);
-    }
-    for slice in slices {
-        if let (Some(name), Some(manager)) = (
-            slice.metadata.name.as_deref(),
-            other_writer(&slice.metadata),
-        ) {
-            writers.insert(target.slice_ref(name), manager);
-        }
-    }
-    writers
-}
-
-/// The addresses the slices list as ready (all slices given, every family).
-pub fn slice_members(slices: &[EndpointSlice]) -> MemberSet {
-    slices
-        .iter()
-        .flat_map(|slice| slice.endpoints.iter())
-        .filter(|endpoint| endpoint.conditions.as_ref().and_then(|c| c.ready) != Some(false))
-        .flat_map(|endpoint| endpoint.addresses.iter())
-        .filter_map(|address| parse_ip(address))
-        .collect()
-}
-
-/// The desired slices, primary family first.
-pub fn desired_slices(target: &EndpointsTarget, members: &MemberSet) -> Vec<EndpointSlice> {
-    let primary = target.primary_family(members);
-    let mut slices = vec![slice_for(target, members, primary, primary)];
-    if members.has_family(primary.other()) {
-        slices.push(slice_for(target, members, primary.other(), primary));
-    }
-    slices
-}
-
-fn slice_for(
-    target: &EndpointsTarget,
-    members: &MemberSet,
-    family: IpFamily,
-    primary: IpFamily,
-) -> EndpointSlice {
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some(target.slice_name(family, primary)),
-            namespace: Some(target.namespace.clone()),
-            labels: Some(BTreeMap::from([(
-                SERVICE_NAME_LABEL.to_owned(),
-                target.service_name.clone(),
-            )])),
-            ..ObjectMeta::default()
-        },
-        address_type: family.as_str().to_owned(),
-        endpoints: members
-            .sorted_strings_of(family)
-            .into_iter()
-            .map(|ip| Endpoint {
-                addresses: vec![ip],
-                conditions: Some(EndpointConditions {
-                    ready: Some(true),
-                    ..EndpointConditions::default()
-                }),
-                ..Endpoint::default()
-            })
-            .collect(),
-        ports: Some(target.slice_ports()),
-    }
-}
-
-/// What to do to one slice.
-#[derive(Clone, Debug, PartialEq)]
-pub enum SliceWrite {
-    Create(EndpointSlice),
-    /// Replace, keeping the existing metadata (resourceVersion, foreign labels).
-    Update(EndpointSlice),
-    /// `addressType` is immutable: delete, then create.
-    Recreate(EndpointSlice),
-    Delete {
+pub enum Finding {
+    /// A member whose sidecar advertises another port than the endpoints carry (logged once).
+    OtherPort { member: IpAddr, port: i32 },
+    /// Slices only, and an Endpoints object is left over (logged once).
+    EndpointsLeft,
+    /// No member for a whole lease period (logged once per run).
+    NoMembersForLong,
+    /// A member of the other family than the Service's, left out.
+    WrongFamily { member: IpAddr, note: String },
+    /// A member the API server would reject as an endpoint address, left out.
+    Rejected { member: IpAddr, why: &'static str },
+    /// A `static` name's lookup failed or found nothing; its last good addresses are kept.
+    StaticLookupFailed {
         name: String,
+        reason: String,
+        kept: Vec<IpAddr>,
     },
+    /// A `static` name whose lookup failed resolves again (logged).
+    StaticResolves { name: String },
 }
 
-/// One slice write and the drift that justifies it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SliceChange {
-    pub name: String,
-    pub write: SliceWrite,
-    /// `(metric kind, human message)` for every difference found on this slice.
-    pub drift: Vec<(&'static str, String)>,
+impl Finding {
+    /// The Warning event the finding publishes, if any: `(reason, note)`.
+    pub fn event(&self) -> Option<(&'static str, String)> {
+        match self {
+            Finding::WrongFamily { note, .. } => Some(("MemberWrongFamily", note.clone())),
+            Finding::Rejected { member, why } => {
+                Some(("InvalidMemberAddress", format!("left out {member}: {why}")))
+            }
+            Finding::StaticLookupFailed { name, reason, kept } => Some((
+                "StaticAddressResolutionFailed",
+                format!(
+                    "resolving {name} failed ({reason}); keeping its last good addresses [{}]",
+                    joined(kept)
+                ),
+            )),
+            Finding::OtherPort { .. }
+            | Finding::EndpointsLeft
+            | Finding::NoMembersForLong
+            | Finding::StaticResolves { .. } => None,
+        }
+    }
 }
 
-/// Compare the desired slices with `existing` (every slice carrying the service-name label, plus
-/// any slice with a desired name) and plan the writes. Deletions come last so consumers never see
-/// a moment with fewer slices than needed.
-pub fn plan_slices(
-    target: &EndpointsTarget,
-    members: &MemberSet,
-    existing: &[EndpointSlice],
-) -> Vec<SliceChange> {
-    let desired = desired_slices(target, members);
-    let mut changes = Vec::new();
-    let by_name = |name: &str| {
-        existing
-            .iter()
-            .find(|slice| slice.metadata.name.as_deref() == Some(name))
+/// The pass's decision, from what it read, what it remembers and the time: the members, the
+/// writes that bring the Endpoints and slices to them, and what to say about it.
+pub fn plan(
+    snapshot: &Snapshot,
+    memory: &mut Memory,
+    section: &Section,
+    settings: &Settings,
+    now: Timestamp,
+) -> Plan {
+    let target = Section::target(settings);
+    let listed = listed(section, snapshot.endpoints.as_ref(), &snapshot.slices);
+    let mut plan = Plan {
+        target: target.clone(),
+        ..Plan::default()
     };
-
-    for want in &desired {
-        let name = want.metadata.name.clone().unwrap_or_default();
-        let Some(have) = by_name(&name) else {
-            changes.push(SliceChange {
-                name: name.clone(),
-                write: SliceWrite::Create(want.clone()),
-                drift: vec![(
-                    "endpointslice_missing",
-                    format!("EndpointSlice {name} does not exist"),
-                )],
+    if snapshot.endpoints_left && !std::mem::replace(&mut memory.warned_endpoints_left, true) {
+        plan.findings.push(Finding::EndpointsLeft);
+    }
+    plan.members = match &snapshot.sources {
+        Sources::Leases(leases) => lease_members(&mut plan, memory, section, &target, leases, now),
+        Sources::Static(answers) => {
+            let entries = section.static_entries();
+            static_members(&entries, answers, memory, &mut plan.findings)
+        }
+        Sources::MasterCount { ready } => match (snapshot.own, ready) {
+            (Some(own), true) => master_count_members(
+                &listed,
+                own,
+                usize::try_from(settings.apiserver_count).unwrap_or(usize::MAX),
+            ),
+            (Some(own), false) => {
+                let mut without = listed.clone();
+                without.remove(&own);
+                without
+            }
+            (None, _) => listed.clone(),
+        },
+        Sources::None => MemberSet::new(),
+    };
+    if snapshot.withdrawing
+        && let Some(own) = snapshot.own
+    {
+        plan.members.remove(&own);
+    }
+    let family = leave_out_unusable(&mut plan, memory, snapshot.service_family.as_ref());
+    plan.target.primary_family = Some(family);
+    if !snapshot.withdrawing {
+        let previous = memory.previous.get_or_insert(listed);
+        if plan.members.is_empty() {
+            // Upstream refuses too (`doReconcile` in `pkg/controlplane/reconcilers/lease.go`): an
+            // empty list would cut every in-cluster client off. Only the last member's own
+            // shutdown may empty it.
+            plan.refused = Some(if previous.is_empty() {
+                "no live apiserver members yet; nothing to write until one renews its Lease"
+            } else {
+                "no live apiserver members; refusing to erase all endpoints (kept as they are)"
             });
-            continue;
-        };
-        if have.address_type != want.address_type {
-            changes.push(SliceChange {
-                name: name.clone(),
-                write: SliceWrite::Recreate(want.clone()),
-                drift: vec![(
-                    "endpointslice_address_type",
-                    format!(
-                        "addressType is {}, want {} (immutable: recreating)",
-                        have.address_type, want.address_type
-                    ),
-                )],
-            });
-            continue;
+            if memory.empty.observe(now, section.lease_ttl) {
+                plan.findings.push(Finding::NoMembersForLong);
+            }
+            return plan;
         }
-        let mut drift = Vec::new();
-        if have.endpoints != want.endpoints {
-            drift.push((
-                "endpointslice_endpoints",
-                format!(
-                    "endpoints are [{}], want [{}] all ready",
-                    describe_endpoints(&have.endpoints),
-                    describe_endpoints(&want.endpoints)
-                ),
-            ));
-        }
-        if have.ports != want.ports {
-            drift.push((
-                "endpointslice_ports",
-                format!(
-                    "ports are [{}], want [https/TCP:{}]",
-                    have.ports
-                        .iter()
-                        .flatten()
-                        .map(|p| format!(
-                            "{}/{}:{}",
-                            p.name.as_deref().unwrap_or(""),
-                            p.protocol.as_deref().unwrap_or(""),
-                            p.port.map_or("-".to_owned(), |n| n.to_string())
-                        ))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    target.port
-                ),
-            ));
-        }
-        let label = have
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|labels| labels.get(SERVICE_NAME_LABEL));
-        if label != Some(&target.service_name) {
-            drift.push((
-                "endpointslice_labels",
-                format!(
-                    "label {SERVICE_NAME_LABEL} is {}, want {:?}",
-                    label.map_or("missing".to_owned(), |v| format!("{v:?}")),
-                    target.service_name
-                ),
-            ));
-        }
-        if !drift.is_empty() {
-            let mut repaired = have.clone();
-            repaired.metadata.managed_fields = None;
-            repaired
-                .metadata
-                .labels
-                .get_or_insert_with(BTreeMap::new)
-                .insert(SERVICE_NAME_LABEL.to_owned(), target.service_name.clone());
-            repaired.endpoints = want.endpoints.clone();
-            repaired.ports = want.ports.clone();
-            changes.push(SliceChange {
-                name,
-                write: SliceWrite::Update(repaired),
-                drift,
-            });
+        plan.change = previous.changes_to(&plan.members);
+        memory.empty = EmptyStreak::default();
+        if section.name_conflicting_writers {
+            plan.writers = other_writers(&target, snapshot.endpoints.as_ref(), &snapshot.slices);
         }
     }
-
-    let wanted: BTreeSet<String> = desired
-        .iter()
-        .filter_map(|slice| slice.metadata.name.clone())
-        .collect();
-    for have in existing {
-        let Some(name) = have.metadata.name.clone() else {
-            continue;
-        };
-        let labelled = have
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|labels| labels.get(SERVICE_NAME_LABEL))
-            == Some(&target.service_name);
-        if labelled && !wanted.contains(&name) && have.metadata.deletion_timestamp.is_none() {
-            changes.push(SliceChange {
-                name: name.clone(),
-                write: SliceWrite::Delete { name: name.clone() },
-                drift: vec![(
-                    "endpointslice_stray",
-                    format!(
-                        "stray {} EndpointSlice {name} for Service {} (not written from the member set)",
-                        have.address_type, target.service_name
-                    ),
-                )],
-            });
-        }
-    }
-    changes
+    plan.writes = writes(
+        &plan.target,
+        &plan.members,
+        snapshot,
+        section.write_endpoints,
+    );
+    plan
 }
 
-fn describe_endpoints(endpoints: &[Endpoint]) -> String {
-    endpoints
-        .iter()
-        .map(|endpoint| {
-            let ready = endpoint
-                .conditions
-                .as_ref()
-                .and_then(|c| c.ready)
-                .map_or("?", |r| if r { "ready" } else { "not-ready" });
-            format!("{} {ready}", endpoint.addresses.join("+"))
-        })
+/// `lease` mode: the members whose Lease is live, the expired ones, when the next one runs out,
+/// and what is wrong with the others.
+fn lease_members(
+    plan: &mut Plan,
+    memory: &mut Memory,
+    section: &Section,
+    target: &EndpointsTarget,
+    leases: &[MemberLease],
+    now: Timestamp,
+) -> MemberSet {
+    let judged = membership(
+        leases.iter().map(|lease| &lease.0),
+        now,
+        section.lease_ttl,
+        &mut memory.sightings,
+    );
+    plan.lease_problems = judged.problems.iter().map(ToString::to_string).collect();
+    // One port for all members (the Endpoints have one subset): a member whose sidecar says
+    // otherwise is misconfigured, and clients would miss it.
+    for member in &judged.live {
+        if let Some(port) = member.port.filter(|p| *p != target.port)
+            && memory.warned_ports.insert((member.address, port))
+        {
+            plan.findings.push(Finding::OtherPort {
+                member: member.address,
+                port,
+            });
+        }
+    }
+    plan.expired = judged.expired.iter().map(|m| m.address).collect();
+    plan.next_expiry = judged.live.iter().map(|m| m.expires).min();
+    judged.members
+}
+
+/// `static` mode: the configured addresses, names resolved. A name whose lookup fails or finds
+/// nothing (absent from `answers`: not resolved) keeps its last good addresses, and is warned
+/// about once per run of failures.
+fn static_members(
+    entries: &[StaticAddress],
+    answers: &BTreeMap<String, Result<Vec<IpAddr>, String>>,
+    memory: &mut Memory,
+    findings: &mut Vec<Finding>,
+) -> MemberSet {
+    let mut members = MemberSet::new();
+    for entry in entries {
+        let name = match entry {
+            StaticAddress::Ip(ip) => {
+                members.insert(*ip);
+                continue;
+            }
+            StaticAddress::Name(name) => name,
+        };
+        let answer = match answers.get(name) {
+            Some(Ok(ips)) if ips.is_empty() => Err("resolved to no addresses".to_owned()),
+            Some(answer) => answer.clone(),
+            None => Err("not resolved".to_owned()),
+        };
+        match answer {
+            Ok(ips) => {
+                members.extend(ips.iter().copied());
+                memory.last_good.insert(name.clone(), ips);
+                if memory.failing.remove(name) {
+                    findings.push(Finding::StaticResolves { name: name.clone() });
+                }
+            }
+            Err(reason) => {
+                let kept = memory.last_good.get(name).cloned().unwrap_or_default();
+                members.extend(kept.iter().copied());
+                if memory.failing.insert(name.clone()) {
+                    let name = name.clone();
+                    findings.push(Finding::StaticLookupFailed { name, reason, kept });
+                }
+            }
+        }
+    }
+    members
+}
+
+/// Upstream's `master-count` rule (`ReconcileEndpoints` in
+/// `pkg/controlplane/reconcilers/instancecount.go`): our own address is always listed; when there
+/// are more than `count` addresses, the ones following ours in (string) order are dropped, wrapping
+/// around. Unlike upstream's loop, which can drop its own address when the removal wraps, ours is
+/// always kept.
+pub fn master_count_members(listed: &MemberSet, own: IpAddr, count: usize) -> MemberSet {
+    let mut all = listed.clone();
+    all.insert(own);
+    if all.len() <= count.max(1) {
+        return all;
+    }
+    let order = all.sorted_strings();
+    let own_text = own.to_string();
+    let start = order.iter().position(|s| *s == own_text).unwrap_or(0);
+    // Keep ours and the ones *before* it (cyclically), i.e. drop the ones right after it.
+    let keep = count.max(1);
+    let n = order.len();
+    (0..keep)
+        .map(|back| &order[(start + n - back) % n])
+        .filter_map(|s| s.parse().ok())
+        .collect()
+}
+
+/// Addresses as a list for humans: `192.0.2.1, 192.0.2.2`.
+pub fn joined(ips: &[IpAddr]) -> String {
+    ips.iter()
+        .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Leaves out the members of the other family than the Service's and the addresses the API
+/// server would reject, each warned about once; gives the Service's family.
+fn leave_out_unusable(
+    plan: &mut Plan,
+    memory: &mut Memory,
+    service_family: Option<&(IpFamily, String)>,
+) -> IpFamily {
+    // One family, the Service's, as upstream (`pkg/controlplane/reconcilers` lists the addresses
+    // of the apiservers, which share the Service's family): clients of an IPv6 Service cannot
+    // use IPv4 endpoints. A member of the other family is a misconfigured sidecar, left out and
+    // reported once.
+    let (family, source) = match service_family {
+        Some((family, source)) => (*family, source.as_str()),
+        None => (
+            plan.target.primary_family(&plan.members),
+            "its members (no serviceClusterIPRange, and the Service does not exist yet)",
+        ),
+    };
+    let other: Vec<IpAddr> = (plan.members.iter())
+        .filter(|ip| IpFamily::of(**ip) != family)
+        .copied()
+        .collect();
+    for member in other {
+        plan.members.remove(&member);
+        if memory.warned_family.insert(member) {
+            let note = format!(
+                "left out {member}: an {} address, but the {} Service is {} (from {source}); set \
+                 that apiserver's advertiseAddress (--advertise-address) to its {} address",
+                IpFamily::of(member).as_str(),
+                plan.target.service_name,
+                family.as_str(),
+                family.as_str()
+            );
+            plan.findings.push(Finding::WrongFamily { member, note });
+        }
+    }
+    memory
+        .warned_family
+        .retain(|ip| IpFamily::of(*ip) != family);
+    let rejected: Vec<(IpAddr, &'static str)> = (plan.members.iter())
+        .filter_map(|ip| endpoint_ip_problem(ip).map(|why| (*ip, why)))
+        .collect();
+    for (member, why) in rejected {
+        plan.members.remove(&member);
+        if memory.warned_invalid.insert(member) {
+            plan.findings.push(Finding::Rejected { member, why });
+        }
+    }
+    family
+}
+
+/// Who the endpoints list now: the Endpoints' addresses, or with slices only, the slices'.
+pub fn listed(
+    section: &Section,
+    endpoints: Option<&Endpoints>,
+    slices: &[EndpointSlice],
+) -> MemberSet {
+    if section.write_endpoints {
+        return endpoints.map(listed_members).unwrap_or_default();
+    }
+    slice_members(slices)
+}
+
+/// The writes that bring the Endpoints (when written) and the slices to `members`.
+fn writes(
+    target: &EndpointsTarget,
+    members: &MemberSet,
+    snapshot: &Snapshot,
+    write_endpoints: bool,
+) -> Vec<Write> {
+    let mut writes = Vec::new();
+    let existing = snapshot.endpoints.as_ref();
+    let drift = if write_endpoints {
+        endpoints_drift(target, members, existing)
+    } else {
+        Vec::new()
+    };
+    if !drift.is_empty() {
+        writes.push(Write::Endpoints {
+            object: existing.map_or_else(
+                || desired_endpoints(target, members),
+                |existing| repaired_endpoints(target, members, existing),
+            ),
+            create: existing.is_none(),
+            drift,
+        });
+    }
+    let slices: Vec<EndpointSlice> = (snapshot.slices.iter().chain(&snapshot.unlabelled))
+        .cloned()
+        .collect();
+    writes.extend(
+        plan_slices(target, members, &slices)
+            .into_iter()
+            .map(Write::Slice),
+    );
+    writes
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use std::net::IpAddr;
 
-    fn members(ips: &[&str]) -> MemberSet {
-        ips.iter().map(|s| s.parse::<IpAddr>().unwrap()).collect()
-    }
-
-    fn target() -> EndpointsTarget {
-        EndpointsTarget::default()
+    #[test]
+    fn master_count_adds_own_within_count() {
+        let m = master_count_members(&set(&["192.0.2.1"]), ip("192.0.2.2"), 3);
+        assert_eq!(m, set(&["192.0.2.1", "192.0.2.2"]));
     }
 
     #[test]
-    fn desired_endpoints_match_upstream_shape() {
-        let endpoints = desired_endpoints(&target(), &members(&["192.0.2.9", "192.0.2.10"]));
-        let json = serde_json::to_value(&endpoints).unwrap();
+    fn master_count_drops_the_ones_after_own_wrapping() {
+        let listed = set(&["192.0.2.1", "192.0.2.2", "192.0.2.4"]);
+        // Sorted: .1 .2 .3(own) .4 -> keep own and the two before it.
         assert_eq!(
-            json,
-            serde_json::json!({
-                "apiVersion": "v1",
-                "kind": "Endpoints",
-                "metadata": {
-                    "name": "kubernetes",
-                    "namespace": "default",
-                    "labels": {"endpointslice.kubernetes.io/skip-mirror": "true"}
-                },
-                "subsets": [{
-                    "addresses": [{"ip": "192.0.2.10"}, {"ip": "192.0.2.9"}],
-                    "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]
-                }]
-            })
+            master_count_members(&listed, ip("192.0.2.3"), 3),
+            set(&["192.0.2.1", "192.0.2.2", "192.0.2.3"])
         );
-    }
-
-    #[test]
-    fn empty_member_set_has_no_subsets() {
-        let endpoints = desired_endpoints(&target(), &MemberSet::new());
-        assert_eq!(endpoints.subsets, None);
-        let slices = desired_slices(&target(), &MemberSet::new());
-        assert_eq!(slices.len(), 1);
-        assert!(slices[0].endpoints.is_empty());
-        assert_eq!(slices[0].address_type, "IPv4");
-    }
-
-    #[test]
-    fn desired_endpoints_have_no_drift() {
-        let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let endpoints = desired_endpoints(&target(), &m);
-        assert!(endpoints_drift(&target(), &m, Some(&endpoints)).is_empty());
-    }
-
-    #[test]
-    fn missing_endpoints_is_drift() {
+        // Own first: the ones before it wrap to the end.
+        let listed = set(&["192.0.2.2", "192.0.2.3", "192.0.2.4"]);
         assert_eq!(
-            endpoints_drift(&target(), &members(&["192.0.2.1"]), None),
-            vec![EndpointsDrift::Missing]
+            master_count_members(&listed, ip("192.0.2.1"), 2),
+            set(&["192.0.2.1", "192.0.2.4"])
+        );
+        assert_eq!(
+            master_count_members(&listed, ip("192.0.2.1"), 1),
+            set(&["192.0.2.1"])
         );
     }
 
-    #[test]
-    fn address_order_is_not_drift() {
-        let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
-        endpoints.subsets.as_mut().unwrap()[0]
-            .addresses
-            .as_mut()
-            .unwrap()
-            .reverse();
-        assert!(endpoints_drift(&target(), &m, Some(&endpoints)).is_empty());
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
     }
 
-    /// An Endpoints for 1.2.3.4 listing `ports` as (name, port), as upstream's lease_test.go
-    /// builds them.
-    fn listing_ports(ports: &[(&str, i32)]) -> Endpoints {
-        let mut endpoints = desired_endpoints(&target(), &members(&["1.2.3.4"]));
-        endpoints.subsets.as_mut().unwrap()[0].ports = Some(
-            ports
-                .iter()
-                .map(|(name, port)| EndpointPort {
-                    name: Some((*name).to_owned()),
-                    port: *port,
-                    protocol: Some("TCP".to_owned()),
-                    app_protocol: None,
-                })
-                .collect(),
-        );
-        endpoints
+    fn set(ips: &[&str]) -> MemberSet {
+        ips.iter().map(|s| ip(s)).collect()
     }
 
-    /// upstream lease_test.go's "existing endpoints extra service ports satisfy", "...missing
-    /// port" and "...missing port no update". Upstream's apiserver may serve several ports; ours
-    /// serves the one `https` port, so "extra" is a port besides it. The listed ports must equal
-    /// the wanted ones, as upstream's `checkEndpointSubsetFormatWithLease` requires when it
-    /// reconciles ports. Upstream's periodic pass does not reconcile ports ("...no update"): it
-    /// leaves a wrong port until the apiserver restarts (kubernetes/kubernetes#104252). Ours
-    /// repairs them on every pass, so that case is drift repaired here.
     #[test]
-    fn endpoint_ports_must_equal_the_wanted_ones_as_upstreams_lease_reconciler_checks() {
-        let m = members(&["1.2.3.4"]);
-        let wanted = || listing_ports(&[("https", 6443)]);
-        // "satisfy": exactly the wanted ports, nothing to write.
-        assert_eq!(endpoints_drift(&target(), &m, Some(&wanted())), vec![]);
-        for (case, listed) in [
-            ("missing port", listing_ports(&[("foo", 8080)])),
-            ("missing port no update", listing_ports(&[])),
-            (
-                "extra port",
-                listing_ports(&[("https", 6443), ("bar", 1000)]),
-            ),
-        ] {
-            let drift = endpoints_drift(&target(), &m, Some(&listed));
-            assert_eq!(
-                drift.iter().map(EndpointsDrift::kind).collect::<Vec<_>>(),
-                ["endpoints_ports"],
-                "{case}"
+    fn static_keeps_last_good_set_on_failure_and_empty_answer() {
+        let entries = vec![
+            StaticAddress::Ip(ip("192.0.2.9")),
+            StaticAddress::Name("lb.example.com".into()),
+        ];
+        let mut memory = Memory::default();
+        let mut pass = |answer: Option<Result<Vec<IpAddr>, String>>| {
+            let answers = answer.map(|a| ("lb.example.com".to_owned(), a));
+            let mut findings = Vec::new();
+            let members = static_members(
+                &entries,
+                &answers.into_iter().collect(),
+                &mut memory,
+                &mut findings,
             );
-            let repaired = repaired_endpoints(&target(), &m, &listed);
-            assert_eq!(repaired.subsets, wanted().subsets, "{case}");
-        }
-    }
-
-    #[test]
-    fn port_drift_is_detected_and_repaired() {
-        let m = members(&["192.0.2.1"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
-        endpoints.metadata.resource_version = Some("42".into());
-        endpoints.subsets.as_mut().unwrap()[0]
-            .ports
-            .as_mut()
-            .unwrap()[0]
-            .port = 443;
-        let drift = endpoints_drift(&target(), &m, Some(&endpoints));
-        assert_eq!(drift.len(), 1);
-        assert_eq!(drift[0].kind(), "endpoints_ports");
-        assert!(drift[0].describe(&target()).contains("https/TCP:443"));
-        let repaired = repaired_endpoints(&target(), &m, &endpoints);
-        assert_eq!(repaired.metadata.resource_version.as_deref(), Some("42"));
-        assert!(endpoints_drift(&target(), &m, Some(&repaired)).is_empty());
-    }
-
-    #[test]
-    fn wrong_missing_duplicate_and_garbage_addresses_are_drift() {
-        let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
-        endpoints.subsets.as_mut().unwrap()[0].addresses = Some(
-            ["192.0.2.1", "192.0.2.1", "198.51.100.9", "bogus"]
-                .iter()
-                .map(|ip| EndpointAddress {
-                    ip: (*ip).to_owned(),
-                    ..EndpointAddress::default()
-                })
-                .collect(),
-        );
-        let drift = endpoints_drift(&target(), &m, Some(&endpoints));
-        assert_eq!(
-            drift,
-            vec![EndpointsDrift::Addresses {
-                unexpected: vec!["192.0.2.1".into(), "198.51.100.9".into(), "bogus".into()],
-                missing: vec!["192.0.2.2".into()],
-            }]
-        );
-    }
-
-    #[test]
-    fn label_subsets_and_not_ready_drift() {
-        let m = members(&["192.0.2.1"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
-        endpoints.metadata.labels = Some(BTreeMap::from([
-            (SKIP_MIRROR_LABEL.to_owned(), "false".to_owned()),
-            ("team".to_owned(), "x".to_owned()),
-        ]));
-        let mut second = endpoints.subsets.as_ref().unwrap()[0].clone();
-        second.addresses = None;
-        second.not_ready_addresses = Some(vec![EndpointAddress {
-            ip: "192.0.2.7".into(),
-            ..EndpointAddress::default()
-        }]);
-        endpoints.subsets.as_mut().unwrap().push(second);
-        let kinds: Vec<_> = endpoints_drift(&target(), &m, Some(&endpoints))
-            .iter()
-            .map(EndpointsDrift::kind)
-            .collect();
-        assert_eq!(
-            kinds,
-            vec![
-                "endpoints_label",
-                "endpoints_subsets",
-                "endpoints_not_ready_addresses"
-            ]
-        );
-        let repaired = repaired_endpoints(&target(), &m, &endpoints);
-        assert!(endpoints_drift(&target(), &m, Some(&repaired)).is_empty());
-        assert_eq!(
-            repaired
-                .metadata
-                .labels
-                .unwrap()
-                .get("team")
-                .map(String::as_str),
-            Some("x"),
-            "foreign labels are kept"
-        );
-    }
-
-    #[test]
-    fn empty_members_only_flag_listed_addresses() {
-        let m = members(&["192.0.2.1"]);
-        let endpoints = desired_endpoints(&target(), &m);
-        let drift = endpoints_drift(&target(), &MemberSet::new(), Some(&endpoints));
-        assert_eq!(
-            drift,
-            vec![EndpointsDrift::Addresses {
-                unexpected: vec!["192.0.2.1".into()],
-                missing: vec![],
-            }]
-        );
-        let emptied = repaired_endpoints(&target(), &MemberSet::new(), &endpoints);
-        assert!(endpoints_drift(&target(), &MemberSet::new(), Some(&emptied)).is_empty());
-    }
-
-    #[test]
-    fn listed_members_reads_ready_addresses() {
-        let m = members(&["192.0.2.1", "fd00::1"]);
-        assert_eq!(listed_members(&desired_endpoints(&target(), &m)), m);
-    }
-
-    #[test]
-    fn single_stack_slice_matches_upstream_shape() {
-        let slices = desired_slices(&target(), &members(&["192.0.2.2", "192.0.2.1"]));
-        assert_eq!(slices.len(), 1);
-        let json = serde_json::to_value(&slices[0]).unwrap();
-        assert_eq!(
-            json,
-            serde_json::json!({
-                "apiVersion": "discovery.k8s.io/v1",
-                "kind": "EndpointSlice",
-                "metadata": {
-                    "name": "kubernetes",
-                    "namespace": "default",
-                    "labels": {"kubernetes.io/service-name": "kubernetes"}
-                },
-                "addressType": "IPv4",
-                "endpoints": [
-                    {"addresses": ["192.0.2.1"], "conditions": {"ready": true}},
-                    {"addresses": ["192.0.2.2"], "conditions": {"ready": true}}
-                ],
-                "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}]
-            })
-        );
-    }
-
-    #[test]
-    fn dual_stack_gets_a_second_slice_named_by_family() {
-        let m = members(&["192.0.2.1", "fd00::1"]);
-        let slices = desired_slices(&target(), &m);
-        let names: Vec<_> = slices
-            .iter()
-            .map(|s| (s.metadata.name.clone().unwrap(), s.address_type.clone()))
-            .collect();
-        assert_eq!(
-            names,
-            vec![
-                ("kubernetes".to_owned(), "IPv4".to_owned()),
-                ("kubernetes-ipv6".to_owned(), "IPv6".to_owned())
-            ]
-        );
-        let v6_primary = EndpointsTarget {
-            primary_family: Some(IpFamily::V6),
-            ..target()
+            (members, findings)
         };
-        let slices = desired_slices(&v6_primary, &m);
-        assert_eq!(slices[0].address_type, "IPv6");
-        assert_eq!(slices[1].metadata.name.as_deref(), Some("kubernetes-ipv4"));
-    }
+        let (m, findings) = pass(Some(Ok(vec![ip("192.0.2.1"), ip("fd00::1")])));
+        assert_eq!(m, set(&["192.0.2.1", "192.0.2.9", "fd00::1"]));
+        assert_eq!(findings, vec![]);
 
-    #[test]
-    fn ipv6_only_members_default_to_ipv6_primary() {
-        let slices = desired_slices(&target(), &members(&["fd00::1"]));
-        assert_eq!(slices.len(), 1);
-        assert_eq!(slices[0].metadata.name.as_deref(), Some("kubernetes"));
-        assert_eq!(slices[0].address_type, "IPv6");
-    }
-
-    #[test]
-    fn plan_creates_missing_and_is_quiet_when_equal() {
-        let m = members(&["192.0.2.1", "fd00::1"]);
-        let plan = plan_slices(&target(), &m, &[]);
-        assert_eq!(plan.len(), 2);
+        let (m, findings) = pass(Some(Ok(vec![])));
+        assert_eq!(m, set(&["192.0.2.1", "192.0.2.9", "fd00::1"]));
         assert!(
-            plan.iter()
-                .all(|c| matches!(c.write, SliceWrite::Create(_)))
+            matches!(&findings[..], [Finding::StaticLookupFailed { reason, kept, .. }]
+                if reason.contains("no addresses") && kept.len() == 2),
+            "{findings:?}"
         );
-        let existing = desired_slices(&target(), &m);
-        assert!(plan_slices(&target(), &m, &existing).is_empty());
+
+        let (m, findings) = pass(Some(Err("SERVFAIL".to_owned())));
+        assert_eq!(m, set(&["192.0.2.1", "192.0.2.9", "fd00::1"]));
+        assert_eq!(findings, vec![], "warned once per run of failures");
+
+        let (m, findings) = pass(Some(Ok(vec![ip("192.0.2.2")])));
+        assert_eq!(m, set(&["192.0.2.2", "192.0.2.9"]));
+        assert_eq!(
+            findings,
+            vec![Finding::StaticResolves {
+                name: "lb.example.com".to_owned()
+            }]
+        );
     }
 
     #[test]
-    fn plan_repairs_ports_endpoints_and_labels_keeping_metadata() {
-        let m = members(&["192.0.2.1"]);
-        let mut have = desired_slices(&target(), &m).remove(0);
-        have.metadata.resource_version = Some("7".into());
-        have.ports.as_mut().unwrap()[0].port = Some(1);
-        have.endpoints[0].conditions = Some(EndpointConditions {
-            ready: Some(false),
-            ..EndpointConditions::default()
-        });
-        have.metadata.labels = Some(BTreeMap::from([("other".into(), "x".into())]));
-        let plan = plan_slices(&target(), &m, std::slice::from_ref(&have));
-        assert_eq!(plan.len(), 1);
-        let kinds: Vec<_> = plan[0].drift.iter().map(|(k, _)| *k).collect();
-        assert_eq!(
-            kinds,
-            vec![
-                "endpointslice_endpoints",
-                "endpointslice_ports",
-                "endpointslice_labels"
-            ]
+    fn static_name_never_resolved_contributes_nothing() {
+        let entries = vec![StaticAddress::Name("lb.example.com".into())];
+        let mut findings = Vec::new();
+        let m = static_members(
+            &entries,
+            &BTreeMap::new(),
+            &mut Memory::default(),
+            &mut findings,
         );
-        let SliceWrite::Update(repaired) = &plan[0].write else {
-            panic!("expected an update, got {:?}", plan[0].write);
-        };
-        assert_eq!(repaired.metadata.resource_version.as_deref(), Some("7"));
-        assert_eq!(
-            repaired
-                .metadata
-                .labels
-                .as_ref()
-                .unwrap()
-                .get("other")
-                .map(String::as_str),
-            Some("x")
+        assert!(m.is_empty());
+        assert!(
+            matches!(&findings[..], [Finding::StaticLookupFailed { kept, .. }] if kept.is_empty())
         );
-        assert!(plan_slices(&target(), &m, std::slice::from_ref(repaired)).is_empty());
-    }
-
-    #[test]
-    fn plan_recreates_on_address_type_change_and_deletes_strays() {
-        let m = members(&["192.0.2.1"]);
-        let dual = desired_slices(&target(), &members(&["fd00::1", "192.0.2.1"]));
-        let mut wrong_family = desired_slices(&target(), &m).remove(0);
-        wrong_family.address_type = "IPv6".into();
-        let mut unrelated = dual[1].clone();
-        unrelated.metadata.name = Some("someone-else".into());
-        unrelated.metadata.labels = Some(BTreeMap::from([(
-            SERVICE_NAME_LABEL.to_owned(),
-            "other-service".to_owned(),
-        )]));
-        let existing = vec![wrong_family, dual[1].clone(), unrelated];
-        let plan = plan_slices(&target(), &m, &existing);
-        assert_eq!(plan.len(), 2, "{plan:?}");
-        assert!(matches!(plan[0].write, SliceWrite::Recreate(ref s) if s.address_type == "IPv4"));
-        assert_eq!(
-            plan[1].write,
-            SliceWrite::Delete {
-                name: "kubernetes-ipv6".into()
-            }
-        );
-        assert_eq!(plan[1].drift[0].0, "endpointslice_stray");
-    }
-
-    #[test]
-    fn the_other_writer_is_the_newest_manager_if_not_this_controller() {
-        let meta = |entries: &[(&str, i64)]| ObjectMeta {
-            managed_fields: Some(
-                entries
-                    .iter()
-                    .map(|(manager, at)| {
-                        k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry {
-                            manager: Some((*manager).to_owned()),
-                            operation: Some("Update".to_owned()),
-                            time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                                k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + at)
-                                    .unwrap(),
-                            )),
-                            ..Default::default()
-                        }
-                    })
-                    .collect(),
-            ),
-            ..ObjectMeta::default()
-        };
-        assert_eq!(
-            other_writer(&meta(&[(FIELD_MANAGER, 1), ("kube-apiserver", 2)])).as_deref(),
-            Some("kube-apiserver")
-        );
-        assert_eq!(
-            other_writer(&meta(&[("kube-apiserver", 1), (FIELD_MANAGER, 2)])),
-            None
-        );
-        assert_eq!(other_writer(&meta(&[])), None);
-        assert_eq!(other_writer(&ObjectMeta::default()), None);
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::members;
-use super::plan::EndpointsTarget;
+use super::objects::EndpointsTarget;
 use super::probe::{
     ApiserverReadyz, LazyUrlReadyz, ProbedServer, ReadinessProbe, SystemResolver,
     default_route_address,
@@ -181,52 +181,8 @@ impl Section {
                 ));
             }
         }
-        if probes && !self.readyz_url.is_empty() {
-            let url = self.readyz_url.as_str();
-            let full = url.starts_with("http://") || url.starts_with("https://");
-            if !full && !url.starts_with('/') {
-                errors.push(section::ConfigError::new(
-                    format!("{path}.readyzURL"),
-                    format!(
-                        "{url:?} is neither a path (/readyz) nor an http(s) URL \
-                         (https://127.0.0.1:6443/readyz)"
-                    ),
-                ));
-            }
-        }
-        if probes && !(1..=MAX_SHUTDOWN_PROBES).contains(&self.shutdown_probes) {
-            errors.push(section::ConfigError::new(
-                format!("{path}.shutdownProbes"),
-                format!(
-                    "{} is not between 1 and {MAX_SHUTDOWN_PROBES} (default 3: enough to see a \
-                     stopping apiserver fail its readiness, few enough to stop quickly)",
-                    self.shutdown_probes
-                ),
-            ));
-        }
-        if probes
-            && !(1..=MAX_READINESS_FAILURE_THRESHOLD).contains(&self.readiness_failure_threshold)
-        {
-            errors.push(section::ConfigError::new(
-                format!("{path}.readinessFailureThreshold"),
-                format!(
-                    "{} is not between 1 and {MAX_READINESS_FAILURE_THRESHOLD} (default 3: one \
-                     slow /readyz never withdraws a member, one that keeps failing goes within \
-                     seconds; 1 withdraws on the first failure)",
-                    self.readiness_failure_threshold
-                ),
-            ));
-        }
-        if probes && self.shutdown_probe_window > MAX_SHUTDOWN_PROBE_WINDOW {
-            errors.push(section::ConfigError::new(
-                format!("{path}.shutdownProbeWindow"),
-                format!(
-                    "{} is longer than {}: the probes must end well inside the pod's \
-                     termination grace period and shutdownTimeout (default 2s)",
-                    format_duration(self.shutdown_probe_window),
-                    format_duration(MAX_SHUTDOWN_PROBE_WINDOW)
-                ),
-            ));
+        if probes {
+            self.validate_probing(path, errors);
         }
         if mode == EndpointsMode::Static {
             if self.static_addresses.is_empty() {
@@ -243,6 +199,55 @@ impl Section {
                     ));
                 }
             }
+        }
+    }
+
+    /// The checks of the readiness probing (`lease` and `master-count` modes).
+    fn validate_probing(&self, path: &str, errors: &mut Vec<section::ConfigError>) {
+        if !self.readyz_url.is_empty() {
+            let url = self.readyz_url.as_str();
+            let full = url.starts_with("http://") || url.starts_with("https://");
+            if !full && !url.starts_with('/') {
+                errors.push(section::ConfigError::new(
+                    format!("{path}.readyzURL"),
+                    format!(
+                        "{url:?} is neither a path (/readyz) nor an http(s) URL \
+                         (https://127.0.0.1:6443/readyz)"
+                    ),
+                ));
+            }
+        }
+        if !(1..=MAX_SHUTDOWN_PROBES).contains(&self.shutdown_probes) {
+            errors.push(section::ConfigError::new(
+                format!("{path}.shutdownProbes"),
+                format!(
+                    "{} is not between 1 and {MAX_SHUTDOWN_PROBES} (default 3: enough to see a \
+                     stopping apiserver fail its readiness, few enough to stop quickly)",
+                    self.shutdown_probes
+                ),
+            ));
+        }
+        if !(1..=MAX_READINESS_FAILURE_THRESHOLD).contains(&self.readiness_failure_threshold) {
+            errors.push(section::ConfigError::new(
+                format!("{path}.readinessFailureThreshold"),
+                format!(
+                    "{} is not between 1 and {MAX_READINESS_FAILURE_THRESHOLD} (default 3: one \
+                     slow /readyz never withdraws a member, one that keeps failing goes within \
+                     seconds; 1 withdraws on the first failure)",
+                    self.readiness_failure_threshold
+                ),
+            ));
+        }
+        if self.shutdown_probe_window > MAX_SHUTDOWN_PROBE_WINDOW {
+            errors.push(section::ConfigError::new(
+                format!("{path}.shutdownProbeWindow"),
+                format!(
+                    "{} is longer than {}: the probes must end well inside the pod's \
+                     termination grace period and shutdownTimeout (default 2s)",
+                    format_duration(self.shutdown_probe_window),
+                    format_duration(MAX_SHUTDOWN_PROBE_WINDOW)
+                ),
+            ));
         }
     }
 
