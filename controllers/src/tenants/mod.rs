@@ -52,6 +52,7 @@ use reconcilers::budget::CacheBudget;
 
 mod directory;
 mod etcd;
+mod listed;
 mod load;
 mod metrics;
 mod records;
@@ -59,6 +60,7 @@ mod records;
 pub use directory::Directory;
 use directory::Entry;
 use etcd::{AskOutcome, EtcdState};
+use listed::{Listed, Seen};
 use load::{Loaded, load};
 pub use metrics::TenantMetrics;
 use metrics::{ReasonLabels, STATES, StateLabels};
@@ -226,7 +228,7 @@ pub fn spawn(
         invalid: HashMap::new(),
         etcds: HashMap::new(),
         asks: JoinSet::new(),
-        records: None,
+        records: Listed::default(),
         unclaimed: HashMap::new(),
         recording: HashMap::new(),
         record_errors: Arc::new(Mutex::new(None)),
@@ -273,7 +275,7 @@ struct Manager {
     /// The etcds being asked, each in a task of its own (never awaited by the manager).
     asks: JoinSet<AskOutcome>,
     /// The etcd-claim records by name, once listed completely.
-    records: Option<BTreeMap<String, Record>>,
+    records: Listed<Record>,
     /// Records no Secret makes any more, by name, with when this replica first saw them so.
     unclaimed: HashMap<String, Instant>,
     /// Records being written or deleted, by name, with when: retried after [`RECORD_RETRY`].
@@ -303,12 +305,8 @@ impl Manager {
         let mut record_events = watcher(records_api, records_config)
             .default_backoff()
             .boxed();
-        let mut records_relist: Option<BTreeMap<String, Record>> = None;
-        let mut records_error: Option<String> = None;
-        // Only complete lists are acted on: a re-list builds the next set aside.
-        let mut secrets: Option<BTreeMap<String, Spec>> = None;
-        let mut relist: Option<BTreeMap<String, Spec>> = None;
-        let mut last_error: Option<String> = None;
+        // Only complete lists are acted on.
+        let mut secrets = Listed::<Spec>::default();
         let mut views_open = true;
         // Failed record writes and etcds that did not answer are tried again on this timer,
         // not only when an event comes.
@@ -319,96 +317,11 @@ impl Manager {
                 () = cancel.cancelled() => break,
                 event = events.next() => {
                     let Some(event) = event else { break };
-                    let key = self.settings.kubeconfig_key.clone();
-                    match event {
-                        Ok(watcher::Event::Init) => relist = Some(BTreeMap::new()),
-                        Ok(watcher::Event::InitApply(secret)) => {
-                            if let (Some(next), Some((name, spec))) =
-                                (relist.as_mut(), Spec::of(&secret, &key))
-                            {
-                                next.insert(name, spec);
-                            }
-                        }
-                        Ok(watcher::Event::InitDone) => {
-                            if let Some(next) = relist.take() {
-                                info!(tenants = next.len(), "tenant Secrets listed");
-                                secrets = Some(next);
-                            }
-                            last_error = None;
-                            self.health.set_check(READYZ_CHECK, CheckState::Passing(String::new()));
-                        }
-                        Ok(watcher::Event::Apply(secret)) => {
-                            if let (Some(known), Some((name, spec))) =
-                                (secrets.as_mut(), Spec::of(&secret, &key))
-                            {
-                                known.insert(name, spec);
-                            }
-                        }
-                        Ok(watcher::Event::Delete(secret)) => {
-                            if let (Some(known), Some((name, _))) =
-                                (secrets.as_mut(), Spec::of(&secret, &key))
-                            {
-                                known.remove(&name);
-                            }
-                        }
-                        Err(err) => {
-                            let message = Sanitized::of(&err).into_string();
-                            if last_error.as_deref() != Some(message.as_str()) {
-                                warn!(error = %message, "cannot watch the tenant Secrets; retrying (running tenants go on)");
-                            }
-                            self.health.set_check(
-                                READYZ_CHECK,
-                                CheckState::Failing(format!("cannot watch the tenant Secrets: {message}")),
-                            );
-                            last_error = Some(message);
-                        }
-                    }
+                    self.secret_seen(&mut secrets, event);
                 }
                 event = record_events.next() => {
                     let Some(event) = event else { break };
-                    let group = self.settings.claims_group.clone();
-                    match event {
-                        Ok(watcher::Event::Init) => records_relist = Some(BTreeMap::new()),
-                        Ok(watcher::Event::InitApply(lease)) => {
-                            if let (Some(next), Some(record)) =
-                                (records_relist.as_mut(), etcd_claims::parse(&group, &lease))
-                            {
-                                next.insert(record.name.clone(), record);
-                            }
-                        }
-                        Ok(watcher::Event::InitDone) => {
-                            if let Some(next) = records_relist.take() {
-                                debug!(records = next.len(), "etcd-claim records listed");
-                                self.records = Some(next);
-                            }
-                            records_error = None;
-                        }
-                        Ok(watcher::Event::Apply(lease)) => {
-                            if let (Some(known), Some(record)) =
-                                (self.records.as_mut(), etcd_claims::parse(&group, &lease))
-                            {
-                                known.insert(record.name.clone(), record);
-                            }
-                        }
-                        Ok(watcher::Event::Delete(lease)) => {
-                            if let (Some(known), Some(name)) =
-                                (self.records.as_mut(), lease.metadata.name.as_deref())
-                            {
-                                known.remove(name);
-                            }
-                        }
-                        Err(err) => {
-                            let message = Sanitized::of(&err).into_string();
-                            if records_error.as_deref() != Some(message.as_str()) {
-                                warn!(
-                                    error = %message,
-                                    namespace = %self.settings.claims_namespace,
-                                    "cannot watch the etcd-claim records (Leases labelled {RECORD_LABEL}); tenants whose etcd keys overlap wait for them"
-                                );
-                            }
-                            records_error = Some(message);
-                        }
-                    }
+                    self.record_seen(event);
                 }
                 changed = views.changed(), if views_open => {
                     if changed.is_err() {
@@ -423,7 +336,7 @@ impl Manager {
                 }
                 _ = timer.tick() => {}
             }
-            if let Some(secrets) = &secrets {
+            if let Some(secrets) = &secrets.complete {
                 let view = views.borrow().clone();
                 self.sync(secrets, &view, ack.as_ref()).await;
             }
@@ -433,6 +346,56 @@ impl Manager {
         let all: Vec<String> = self.running.keys().cloned().collect();
         self.stop(all, "shutdown").await;
         self.directory.replace(BTreeMap::new());
+    }
+
+    /// A tenant Secret watched: listed, changed, or the watch failed (the running tenants go on).
+    fn secret_seen(
+        &mut self,
+        secrets: &mut Listed<Spec>,
+        event: Result<watcher::Event<Secret>, watcher::Error>,
+    ) {
+        let key = self.settings.kubeconfig_key.clone();
+        let seen = secrets.apply(
+            event,
+            |secret| Spec::of(secret, &key),
+            |secret| Spec::of(secret, &key).map(|(name, _)| name),
+        );
+        match seen {
+            Seen::Listed(tenants) => {
+                info!(tenants, "tenant Secrets listed");
+                self.health
+                    .set_check(READYZ_CHECK, CheckState::Passing(String::new()));
+            }
+            Seen::Failed { message, new } => {
+                if new {
+                    warn!(error = %message, "cannot watch the tenant Secrets; retrying (running tenants go on)");
+                }
+                self.health.set_check(
+                    READYZ_CHECK,
+                    CheckState::Failing(format!("cannot watch the tenant Secrets: {message}")),
+                );
+            }
+            Seen::Changed => {}
+        }
+    }
+
+    /// An etcd-claim record watched.
+    fn record_seen(&mut self, event: Result<watcher::Event<Lease>, watcher::Error>) {
+        let group = self.settings.claims_group.clone();
+        let seen = self.records.apply(
+            event,
+            |lease| etcd_claims::parse(&group, lease).map(|record| (record.name.clone(), record)),
+            |lease| lease.metadata.name.clone(),
+        );
+        match seen {
+            Seen::Listed(records) => debug!(records, "etcd-claim records listed"),
+            Seen::Failed { message, new: true } => warn!(
+                error = %message,
+                namespace = %self.settings.claims_namespace,
+                "cannot watch the etcd-claim records (Leases labelled {RECORD_LABEL}); tenants whose etcd keys overlap wait for them"
+            ),
+            Seen::Failed { .. } | Seen::Changed => {}
+        }
     }
 
     /// A load ended: keep its result for the next sync, if it is still the load wanted.

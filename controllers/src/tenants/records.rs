@@ -45,8 +45,11 @@ impl Manager {
         secrets: &BTreeMap<String, Spec>,
     ) -> etcd_claims::Decision {
         self.ask_etcds(secrets);
-        let records: Option<Vec<Record>> =
-            self.records.as_ref().map(|r| r.values().cloned().collect());
+        let records: Option<Vec<Record>> = self
+            .records
+            .complete
+            .as_ref()
+            .map(|r| r.values().cloned().collect());
         etcd_claims::conflicts(&candidates(&self.etcds, secrets), records.as_deref())
     }
 
@@ -57,7 +60,7 @@ impl Manager {
     /// (the manager syncs on a timer too). Deletions carry the record's resourceVersion, so a
     /// record rewritten meanwhile (by another replica) stays.
     pub(super) fn keep_records(&mut self, secrets: &BTreeMap<String, Spec>) {
-        let Some(records) = &self.records else {
+        let Some(records) = &self.records.complete else {
             return;
         };
         let now = Instant::now();
