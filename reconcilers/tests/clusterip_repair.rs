@@ -676,6 +676,9 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
             .find(|d| d.kind == kind && d.object == object)
             .with_context(|| format!("no {kind} drift for {object} in {report:#?}"))?;
         assert_eq!(drift.applied, applied, "{drift:?}");
+        // A repair's log line says what the IPAddress was and became in the loop's own words;
+        // a finding only reported has no change to tell.
+        assert_eq!(drift.change.is_some(), applied, "{drift:?}");
     }
     assert!(
         !report
