@@ -314,7 +314,19 @@ async fn default_service_cidr_is_created_upgraded_and_reported() -> Result<()> {
         1,
         "dry-run wrote"
     );
-    dual.reconcile(&ctx(&client, false)).await?;
+    let upgraded = dual.reconcile(&ctx(&client, false)).await?;
+    let upgrade = upgraded
+        .drift
+        .iter()
+        .find(|d| d.kind == "servicecidr_single_stack" && d.applied)
+        .with_context(|| format!("no upgrade in {upgraded:#?}"))?;
+    assert_eq!(
+        upgrade.change(),
+        reconcilers::Change {
+            was: "CIDRs [10.96.0.0/16]".into(),
+            became: "CIDRs [10.96.0.0/16 fd00:10:96::/108]".into(),
+        }
+    );
     assert_eq!(
         api.get("kubernetes").await?.spec.unwrap().cidrs.unwrap(),
         ["10.96.0.0/16", "fd00:10:96::/108"]

@@ -588,17 +588,24 @@ impl ApiserverEndpointsLoop {
                     SliceWrite::Delete { name } => delete(name.clone()).await?,
                 }
             }
+            let became = match &change.write {
+                SliceWrite::Delete { .. } => "deleted".to_owned(),
+                _ => format!("members {members}, port {}", target.port),
+            };
             for (kind, message) in change.drift {
-                report.push(drift(
-                    kind,
-                    slice_ref.clone(),
-                    action,
-                    format!(
-                        "{message}; {}",
-                        if applied { "repaired" } else { "would repair" }
-                    ),
-                    applied,
-                ));
+                report.push(
+                    drift(
+                        kind,
+                        slice_ref.clone(),
+                        action,
+                        format!(
+                            "{message}; {}",
+                            if applied { "repaired" } else { "would repair" }
+                        ),
+                        applied,
+                    )
+                    .changed(message, became.clone()),
+                );
             }
         }
         Ok(current)
