@@ -49,3 +49,20 @@ def test_ports_and_probe_paths_agree():
     assert f"port-forward deploy/bc-bootstrap-controller {values['adminPort']}" in RUNBOOKS
     assert f"127.0.0.1:{sidecar_port}" in RUNBOOKS
     assert f"default `0.0.0.0:{values['adminPort']}`" in README
+
+
+def test_config_md_and_the_chart_notes_agree_with_the_readme():
+    """CONFIG.md's admin address default is the README's and the chart's admin port; the notes
+    printed after `helm install` name the release's namespace and port, never a literal one."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    config_md = (ROOT / "controllers" / "CONFIG.md").read_text()
+    row = re.search(r"^\| `--admin-addr ADDR:PORT` \|.*$", config_md, re.M)
+    assert row, "CONFIG.md's --admin-addr row"
+    default = f"`0.0.0.0:{values['adminPort']}`"
+    assert default in row.group(0), row.group(0)
+    assert f"default {default}" in README
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    literal_namespaces = re.findall(r"kubectl (?:[^\n]*? )?-n (?!\{\{)(\S+)", notes)
+    assert literal_namespaces == [], literal_namespaces
+    assert re.findall(r"localhost:(?!\{\{)\S*", notes) == []
+    assert "port-forward deploy/{{ include \"bootstrap-controller.fullname\" . }} {{ .Values.adminPort }}" in notes

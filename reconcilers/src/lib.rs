@@ -27,5 +27,6 @@ pub mod system_namespaces;
 pub mod watch_cache;
 
 pub use contract::{
-    Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, ignore_already_exists,
+    Action, Change, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger,
+    ignore_already_exists,
 };

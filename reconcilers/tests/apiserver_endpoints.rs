@@ -177,6 +177,9 @@ async fn three_members(sim: &Sim) -> Vec<Instance> {
     for i in &instances {
         let report = i.lease.reconcile(&ctx(sim, false)).await.unwrap();
         assert_eq!(report.drift[0].kind, "member_lease_missing");
+        let change = report.drift[0].change();
+        assert_eq!(change.was, "absent");
+        assert!(change.became.starts_with("listing 192.0.2."), "{change:?}");
     }
     let report = instances[0]
         .endpoints
@@ -279,6 +282,14 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
     let report = pass(&instances[1].lease, &sim).await;
     assert_eq!(report.drift[0].kind, "member_lease_not_ready");
     assert!(report.drift[0].applied);
+    assert!(
+        report.drift[0]
+            .change()
+            .was
+            .starts_with("listing 192.0.2.9 (its apiserver not ready"),
+        "{report:?}"
+    );
+    assert_eq!(report.drift[0].change().became, "deleted");
     assert_eq!(
         listed_after_pass(&sim, &instances[0]).await,
         vec!["192.0.2.10", "192.0.2.2", "192.0.2.4"]
@@ -469,6 +480,15 @@ async fn every_drift_is_repaired_ports_included() {
         kinds(&report),
         vec!["endpointslice_missing", "endpointslice_stray"]
     );
+    assert_eq!(
+        report.drift[0].change().was,
+        "EndpointSlice kubernetes does not exist"
+    );
+    assert!(
+        report.drift[0].change().became.starts_with("members "),
+        "{report:?}"
+    );
+    assert_eq!(report.drift[1].change().became, "deleted", "{report:?}");
     let names: Vec<_> = slices(&sim)
         .await
         .iter()

@@ -145,6 +145,13 @@ async fn ips_in_use_are_set_and_leaks_flagged_with_upstreams_event() {
     let kinds: Vec<_> = report.drift.iter().map(|d| d.kind).collect();
     assert_eq!(kinds, vec!["clusterip_bitmap_not_allocated"], "{report:?}");
     assert_eq!(report.drift[0].object, "Service/default/web");
+    assert_eq!(
+        report.drift[0].change(),
+        reconcilers::Change {
+            was: format!("cluster IP {ip} free in {KEY}"),
+            became: format!("cluster IP {ip} allocated in {KEY}"),
+        }
+    );
 
     let value = store.get(KEY).await.unwrap().unwrap();
     let decoded = RangeAllocation::decode(&value.value).unwrap();

@@ -314,7 +314,19 @@ async fn default_service_cidr_is_created_upgraded_and_reported() -> Result<()> {
         1,
         "dry-run wrote"
     );
-    dual.reconcile(&ctx(&client, false)).await?;
+    let upgraded = dual.reconcile(&ctx(&client, false)).await?;
+    let upgrade = upgraded
+        .drift
+        .iter()
+        .find(|d| d.kind == "servicecidr_single_stack" && d.applied)
+        .with_context(|| format!("no upgrade in {upgraded:#?}"))?;
+    assert_eq!(
+        upgrade.change(),
+        reconcilers::Change {
+            was: "CIDRs [10.96.0.0/16]".into(),
+            became: "CIDRs [10.96.0.0/16 fd00:10:96::/108]".into(),
+        }
+    );
     assert_eq!(
         api.get("kubernetes").await?.spec.unwrap().cidrs.unwrap(),
         ["10.96.0.0/16", "fd00:10:96::/108"]
@@ -676,6 +688,9 @@ async fn every_upstream_case_is_repaired_or_reported_with_its_event() -> Result<
             .find(|d| d.kind == kind && d.object == object)
             .with_context(|| format!("no {kind} drift for {object} in {report:#?}"))?;
         assert_eq!(drift.applied, applied, "{drift:?}");
+        // A repair's log line says what the IPAddress was and became in the loop's own words;
+        // a finding only reported has no change to tell.
+        assert_eq!(drift.change.is_some(), applied, "{drift:?}");
     }
     assert!(
         !report

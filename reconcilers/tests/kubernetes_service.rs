@@ -260,6 +260,13 @@ async fn cluster_ip_mismatch_recreated_only_with_opt_in() {
     assert!(!report.drift[0].applied, "dry-run never deletes");
     let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
     assert!(report.drift[0].applied, "{report:?}");
+    assert_eq!(
+        report.drift[0].change(),
+        reconcilers::Change {
+            was: "clusterIPs [10.96.0.50]".into(),
+            became: "recreated to get clusterIPs [10.96.0.1]".into(),
+        }
+    );
     assert_eq!(cluster_ip(&sim).await.as_deref(), Some("10.96.0.1"));
     assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
 }

@@ -169,6 +169,13 @@ async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() 
     assert_eq!(kinds(&first), vec!["nodeport_not_allocated"]);
     assert!(first.drift[0].applied);
     assert_eq!(first.drift[0].object, "Service/default/web");
+    assert_eq!(
+        first.drift[0].change(),
+        reconcilers::Change {
+            was: format!("node port 30080 free in {KEY}"),
+            became: format!("node port 30080 allocated in {KEY}"),
+        }
+    );
     let value = store.get(KEY).await.unwrap().unwrap();
     assert_eq!(ports_of(&value.value), vec![30080, 30081, 30500]);
 
@@ -184,6 +191,13 @@ async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() 
     tokio::time::sleep(Duration::from_millis(5)).await;
     let third = harness.pass(&sim, false).await.unwrap();
     assert_eq!(kinds(&third), vec!["nodeport_leaked"]);
+    assert_eq!(
+        third.drift[0].change(),
+        reconcilers::Change {
+            was: format!("node port 30500 allocated in {KEY}, held by no Service"),
+            became: format!("node port 30500 free in {KEY}"),
+        }
+    );
     let value = store.get(KEY).await.unwrap().unwrap();
     assert_eq!(ports_of(&value.value), vec![30080, 30081]);
 
@@ -501,6 +515,10 @@ async fn with_the_opt_in_an_empty_range_is_filled_in() {
     let first = harness.pass(&sim, false).await.unwrap();
     assert_eq!(kinds(&first), vec!["nodeport_range_mismatch"], "{first:?}");
     assert!(first.drift[0].applied);
+    assert_eq!(
+        first.drift[0].change().was,
+        format!("{KEY} stored without a range")
+    );
     let value = store.get(KEY).await.unwrap().unwrap();
     let decoded = RangeAllocation::decode(&value.value).unwrap();
     assert_eq!(decoded.range, "30000-32767");
@@ -541,6 +559,15 @@ async fn with_the_opt_in_a_grown_range_is_rebuilt_keeping_every_allocation() {
         "{first:?}"
     );
     assert!(first.drift.iter().all(|drift| drift.applied));
+    assert_eq!(
+        first.drift[1].change(),
+        reconcilers::Change {
+            was: format!("{KEY} stored under the range 30000-30999"),
+            became: format!(
+                "{KEY} stored under the range 30000-32767 (0 allocations outside it dropped)"
+            ),
+        }
+    );
     assert!(first.drift[1].message.contains("30000-30999"));
     assert!(
         first.drift[1]

@@ -41,6 +41,18 @@ async fn a_missing_default_service_cidr_is_created_with_an_event_for_each_repair
         kinds.contains(&("servicecidr_not_ready", true)),
         "{kinds:?}"
     );
+    let ready = report
+        .drift
+        .iter()
+        .find(|d| d.kind == "servicecidr_not_ready")
+        .map(|d| d.change());
+    assert_eq!(
+        ready,
+        Some(reconcilers::Change {
+            was: "no Ready condition".into(),
+            became: "condition Ready=True".into(),
+        })
+    );
     assert_eq!(common::events_of(&sim, "DefaultServiceCIDRReady").len(), 1);
     Ok(())
 }

@@ -285,10 +285,15 @@ fn report_lines(plan: &Plan, write: &Write, applied: bool) -> Vec<Drift> {
                 SliceWrite::Delete => Action::Delete,
             };
             let object = target.slice_ref(&change.name);
+            let became = match &change.write {
+                SliceWrite::Delete => "deleted".to_owned(),
+                _ => format!("members {}, port {}", plan.members, target.port),
+            };
             (change.drift.iter())
                 .map(|(kind, message)| {
-                    let message = format!("{message}; {done}");
-                    drift(kind, object.clone(), action, message, applied)
+                    let line = format!("{message}; {done}");
+                    drift(kind, object.clone(), action, line, applied)
+                        .changed(message.clone(), became.clone())
                 })
                 .collect()
         }

@@ -437,6 +437,10 @@ impl ApiserverLeaseLoop {
             "this instance's membership Lease had expired; renewed it",
             true,
         )
+        .changed(
+            format!("expired, for {}", self.own.address),
+            format!("renewed for {}", self.own.address),
+        )
     }
 
     /// Ours: it carries the member label, or (label removed by hand) our address annotation;
@@ -493,16 +497,22 @@ impl ApiserverLeaseLoop {
         }
         if let Some(existing) = existing {
             let applied = self.delete(api, &existing).await?;
-            report.push(drift(
-                "member_lease_not_ready",
-                object,
-                Action::Delete,
-                format!(
-                    "the local apiserver is not ready ({reason}); {} this instance's membership Lease",
-                    if applied { "deleted" } else { "would delete" }
+            report.push(
+                drift(
+                    "member_lease_not_ready",
+                    object,
+                    Action::Delete,
+                    format!(
+                        "the local apiserver is not ready ({reason}); {} this instance's membership Lease",
+                        if applied { "deleted" } else { "would delete" }
+                    ),
+                    applied,
+                )
+                .changed(
+                    format!("listing {} (its apiserver not ready: {reason})", self.own.address),
+                    "deleted",
                 ),
-                applied,
-            ));
+            );
         }
         Ok(report)
     }
@@ -535,13 +545,16 @@ impl ApiserverLeaseLoop {
                     .await?;
                 self.remember(written);
                 tracing::info!(lease = %object, "created this instance's membership Lease");
-                report.push(drift(
-                    "member_lease_missing",
-                    object,
-                    Action::Create,
-                    "the local apiserver is ready; created this instance's membership Lease",
-                    true,
-                ));
+                report.push(
+                    drift(
+                        "member_lease_missing",
+                        object,
+                        Action::Create,
+                        "the local apiserver is ready; created this instance's membership Lease",
+                        true,
+                    )
+                    .changed("absent", format!("listing {}", self.own.address)),
+                );
             }
             Some(existing) => {
                 let renewed = self.own.renewed(Some(existing), now);

@@ -263,11 +263,15 @@ pub(super) fn drift_of(
         message.push_str(&note);
         message.push(')');
     }
-    crate::contract::drift(
+    let drift = crate::contract::drift(
         finding.kind,
         finding.regarding.object(),
         action,
         message,
         applied,
-    )
+    );
+    match finding.change() {
+        Some(change) if action != Action::Report => drift.changed(change.was, change.became),
+        _ => drift,
+    }
 }

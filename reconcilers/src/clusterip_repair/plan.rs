@@ -11,7 +11,10 @@ use std::time::Duration;
 
 use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
 
-use super::model::{IpAddressRecord, ObjectVersion, ParentRef, ServiceCidrRecord};
+use super::model::{
+    IPALLOCATOR_MANAGER, IpAddressRecord, IpLabels, ObjectVersion, ParentRef, ServiceCidrRecord,
+};
+use crate::contract::Change;
 use crate::service_cache::record::{ClusterIp, Name, ServiceRecord, Token};
 
 /// Hash maps over IPs and names. foldhash is several times faster than SipHash here; names come
@@ -110,13 +113,58 @@ pub enum Repair {
         existing: ObjectVersion,
         /// The Service whose absence made the reference dangling, if that was the reason.
         dangling_parent: Option<ServiceOwner>,
+        /// The existing IPAddress in words (its parent and labels), for the repair's log line.
+        was: Box<str>,
     },
     /// Delete the IPAddress named `name` (if still at `existing`).
     Delete {
         name: Box<str>,
         existing: ObjectVersion,
         ground: DeleteGround,
+        /// The IPAddress in words (its parent), for the repair's log line.
+        was: Box<str>,
     },
+}
+
+/// An IPAddress for `owner` as the allocator writes it, in the words of a repair's log line.
+fn as_allocated(ip: IpAddr, owner: &ServiceOwner) -> String {
+    format!(
+        "IPAddress {ip} for Service {}/{}, labels ip-family={} managed-by={IPALLOCATOR_MANAGER}",
+        owner.namespace,
+        owner.name,
+        IpFamily::of(ip).as_str()
+    )
+}
+
+/// An IPAddress's parent reference in words: `for Service ns/name`, `for pods ns/name`, or
+/// `with no parent`.
+fn parent_words(parent: Option<&ParentRef>) -> String {
+    match parent {
+        Some(p) => format!("for {}", parent_name(p)),
+        None => "with no parent".to_owned(),
+    }
+}
+
+/// A parent reference as `Service ns/name`, `resource.group ns/name` or `resource name`.
+fn parent_name(p: &ParentRef) -> String {
+    let kind = match p.group() {
+        "" if p.is_service() => "Service".to_owned(),
+        "" => p.resource().to_owned(),
+        group => format!("{}.{group}", p.resource()),
+    };
+    match &*p.namespace {
+        "" => format!("{kind} {}", p.name),
+        namespace => format!("{kind} {namespace}/{}", p.name),
+    }
+}
+
+/// An IPAddress's two labels in words, `unset` where one is missing.
+fn label_words(labels: &IpLabels) -> String {
+    format!(
+        "labels ip-family={} managed-by={}",
+        labels.family().unwrap_or("unset"),
+        labels.managed_by().unwrap_or("unset")
+    )
 }
 
 impl Repair {
@@ -162,6 +210,20 @@ impl SharedWith {
 }
 
 impl Finding {
+    /// What the repair changes, in the words of its log line: the IPAddress before and after.
+    /// `None` for a finding only reported.
+    pub fn change(&self) -> Option<Change> {
+        let (was, became) = match &self.repair {
+            Repair::None => return None,
+            Repair::Create { ip, owner } => {
+                (format!("no IPAddress {ip}"), as_allocated(*ip, owner))
+            }
+            Repair::Recreate { ip, owner, was, .. } => (was.to_string(), as_allocated(*ip, owner)),
+            Repair::Delete { was, .. } => (was.to_string(), "deleted".to_owned()),
+        };
+        Some(Change { was, became })
+    }
+
     /// A sentence for the drift report.
     pub fn summary(&self) -> String {
         match (&self.event, &self.repair) {
@@ -490,6 +552,14 @@ fn sync_allocated_ip<'a>(
             ip,
             owner: owner(),
             existing: existing_version(),
+            was: match &dangling_parent {
+                Some(gone) => format!(
+                    "IPAddress {ip} for Service {}/{}, which does not exist",
+                    gone.namespace, gone.name
+                ),
+                None => format!("IPAddress {ip} {}", parent_words(parent)),
+            }
+            .into(),
             dangling_parent,
         },
         shared_with: None,
@@ -546,6 +616,12 @@ fn sync_allocated_ip<'a>(
                 owner: owner(),
                 existing: existing_version(),
                 dangling_parent: None,
+                was: format!(
+                    "IPAddress {ip} {}, {}",
+                    parent_words(parent),
+                    label_words(&existing.labels)
+                )
+                .into(),
             },
             shared_with: None,
         });
@@ -598,16 +674,7 @@ fn held_elsewhere(
                 p.namespace, p.name
             )),
         },
-        Some(p) => {
-            let kind = match p.group() {
-                "" => p.resource().to_owned(),
-                group => format!("{}.{group}", p.resource()),
-            };
-            Some(match &*p.namespace {
-                "" => format!("{kind} {}", p.name),
-                namespace => format!("{kind} {namespace}/{}", p.name),
-            })
-        }
+        Some(p) => Some(parent_name(p)),
         None => Some("no parent".to_owned()),
     };
     let note = match holder {
@@ -688,6 +755,7 @@ fn sync_ip_address(
                     name: ip.name.to_string().into(),
                     existing: existing(),
                     ground: DeleteGround::NotAService,
+                    was: format!("IPAddress {} {}", ip.name, parent_words(other)).into(),
                 },
                 shared_with: None,
             });
@@ -721,6 +789,11 @@ fn sync_ip_address(
                     repair: Repair::Delete {
                         name: ip.name.to_string().into(),
                         existing: existing(),
+                        was: format!(
+                            "IPAddress {} for Service {}/{}, which does not exist",
+                            ip.name, parent.namespace, parent.name
+                        )
+                        .into(),
                         ground: DeleteGround::ParentGone {
                             namespace: parent.namespace.clone(),
                             name: parent.name.clone(),
@@ -750,6 +823,11 @@ fn sync_ip_address(
                     repair: Repair::Delete {
                         name: ip.name.to_string().into(),
                         existing: existing(),
+                        was: format!(
+                            "IPAddress {} for Service {}/{}, which does not list it",
+                            ip.name, svc.namespace, svc.name
+                        )
+                        .into(),
                         ground: DeleteGround::ParentDoesNotList {
                             namespace: svc.namespace.clone(),
                             name: svc.name.clone(),
@@ -1573,6 +1651,100 @@ mod tests {
         let mut ip = ipaddr("10.0.0.7", Some(("", "services", "d", "gone")), 3600);
         ip.deleting = true;
         assert!(decide(&[], &[ip]).findings.is_empty());
+    }
+
+    /// Every repair says, for its log line, what the IPAddress was and what it became; a
+    /// finding only reported has no change.
+    #[test]
+    fn each_repair_says_what_the_ipaddress_was_and_became() {
+        let mut relabeled = owned("fd00::5", "d", "b");
+        relabeled.labels.set_family(Some("IPv4"));
+        let services = [
+            svc("d", "a", &["10.0.0.5", "10.0.0.9"]),
+            svc("d", "b", &["10.0.0.6", "fd00::5"]),
+            svc("d", "c", &["10.0.0.7"]),
+            svc("d", "e", &["10.0.0.12"]),
+            svc("d", "f", &["10.1.0.1"]),
+        ];
+        let ips = [
+            ipaddr("10.0.0.6", Some(("x.io", "things", "d", "t")), 3600),
+            owned("10.0.0.7", "d", "gone"),
+            relabeled,
+            owned("10.0.0.9", "d", "a"),
+            ipaddr("10.0.0.10", None, 3600),
+            owned("10.0.0.11", "d", "long-gone"),
+            owned("10.0.0.12", "d", "e"),
+            owned("10.0.0.13", "d", "e"),
+        ];
+        let decision = decide(&services, &ips);
+        let changes: Vec<_> = decision
+            .findings
+            .iter()
+            .map(|f| {
+                let change = f.change();
+                (
+                    f.kind,
+                    change.as_ref().map(|c| c.was.clone()),
+                    change.map(|c| c.became),
+                )
+            })
+            .collect();
+        let allocated = |ip: &str, owner: &str, family: &str| {
+            Some(format!(
+                "IPAddress {ip} for Service {owner}, labels ip-family={family} \
+                 managed-by=ipallocator.k8s.io"
+            ))
+        };
+        let deleted = Some("deleted".to_owned());
+        let expected = [
+            (
+                "clusterip_not_allocated",
+                Some("no IPAddress 10.0.0.5".to_owned()),
+                allocated("10.0.0.5", "d/a", "IPv4"),
+            ),
+            (
+                "ipaddress_wrong_reference",
+                Some("IPAddress 10.0.0.6 for things.x.io d/t".to_owned()),
+                allocated("10.0.0.6", "d/b", "IPv4"),
+            ),
+            (
+                "ipaddress_wrong_labels",
+                Some(
+                    "IPAddress fd00::5 for Service d/b, labels ip-family=IPv4 \
+                     managed-by=ipallocator.k8s.io"
+                        .to_owned(),
+                ),
+                allocated("fd00::5", "d/b", "IPv6"),
+            ),
+            (
+                "ipaddress_wrong_reference",
+                Some("IPAddress 10.0.0.7 for Service d/gone, which does not exist".to_owned()),
+                allocated("10.0.0.7", "d/c", "IPv4"),
+            ),
+            ("clusterip_out_of_range", None, None),
+            (
+                "ipaddress_not_a_service",
+                Some("IPAddress 10.0.0.10 with no parent".to_owned()),
+                deleted.clone(),
+            ),
+            (
+                "ipaddress_leaked",
+                Some(
+                    "IPAddress 10.0.0.11 for Service d/long-gone, which does not exist".to_owned(),
+                ),
+                deleted.clone(),
+            ),
+            (
+                "ipaddress_wrong_parent",
+                Some("IPAddress 10.0.0.13 for Service d/e, which does not list it".to_owned()),
+                deleted,
+            ),
+        ];
+        let mut got = changes.clone();
+        let mut want = expected.to_vec();
+        got.sort();
+        want.sort();
+        assert_eq!(got, want, "{changes:#?}");
     }
 
     #[test]

@@ -255,20 +255,30 @@ impl KubernetesServiceLoop {
                 )
                 .await;
             }
-            report.push(drift(
-                mismatch.kind(),
-                object,
-                Action::Delete,
-                format!(
-                    "{mismatch}; {} (recreateOnClusterIPMismatch)",
-                    if applied {
-                        "deleted and recreated the Service"
-                    } else {
-                        "would delete and recreate the Service"
-                    }
+            let (was, became) = match &mismatch {
+                ServiceDrift::ClusterIp { found, want } => (
+                    format!("clusterIPs [{}]", found.join(", ")),
+                    format!("recreated to get clusterIPs [{}]", want.join(", ")),
                 ),
-                applied,
-            ));
+                other => (other.to_string(), "recreated".to_owned()),
+            };
+            report.push(
+                drift(
+                    mismatch.kind(),
+                    object,
+                    Action::Delete,
+                    format!(
+                        "{mismatch}; {} (recreateOnClusterIPMismatch)",
+                        if applied {
+                            "deleted and recreated the Service"
+                        } else {
+                            "would delete and recreate the Service"
+                        }
+                    ),
+                    applied,
+                )
+                .changed(was, became),
+            );
             return Ok(());
         }
 

@@ -558,29 +558,45 @@ impl LegacyBitmap {
         let object = self.object();
         let mut drifts = Vec::new();
         for &offset in &plan.not_allocated {
-            drifts.push(drift(
-                self.kind("not_allocated"),
-                owner(offset).unwrap_or_else(|| object.clone()),
-                Action::Update,
-                format!(
-                    "the {noun} {} is in use but not allocated in {}; repairing",
-                    self.item(offset),
-                    self.key
+            drifts.push(
+                drift(
+                    self.kind("not_allocated"),
+                    owner(offset).unwrap_or_else(|| object.clone()),
+                    Action::Update,
+                    format!(
+                        "the {noun} {} is in use but not allocated in {}; repairing",
+                        self.item(offset),
+                        self.key
+                    ),
+                    applied,
+                )
+                .changed(
+                    format!("{noun} {} free in {}", self.item(offset), self.key),
+                    format!("{noun} {} allocated in {}", self.item(offset), self.key),
                 ),
-                applied,
-            ));
+            );
         }
         for &offset in &plan.released {
-            drifts.push(drift(
-                self.kind("leaked"),
-                object.clone(),
-                Action::Update,
-                format!(
-                    "the {noun} {} appears to have leaked: cleaning up",
-                    self.item(offset)
+            drifts.push(
+                drift(
+                    self.kind("leaked"),
+                    object.clone(),
+                    Action::Update,
+                    format!(
+                        "the {noun} {} appears to have leaked: cleaning up",
+                        self.item(offset)
+                    ),
+                    applied,
+                )
+                .changed(
+                    format!(
+                        "{noun} {} allocated in {}, held by no Service",
+                        self.item(offset),
+                        self.key
+                    ),
+                    format!("{noun} {} free in {}", self.item(offset), self.key),
                 ),
-                applied,
-            ));
+            );
         }
         for &offset in &plan.held {
             drifts.push(drift(
@@ -604,13 +620,26 @@ impl LegacyBitmap {
                     self.range, self.range, self.subject.rebuild_setting
                 )
             };
-            drifts.push(drift(
-                self.kind("range_mismatch"),
-                object,
-                Action::Update,
-                message,
-                applied,
-            ));
+            let was = match from.as_str() {
+                "" => format!("{} stored without a range", self.key),
+                from => format!("{} stored under the range {from}", self.key),
+            };
+            drifts.push(
+                drift(
+                    self.kind("range_mismatch"),
+                    object,
+                    Action::Update,
+                    message,
+                    applied,
+                )
+                .changed(
+                    was,
+                    format!(
+                        "{} stored under the range {} ({dropped} allocations outside it dropped)",
+                        self.key, self.range
+                    ),
+                ),
+            );
             findings.push(if applied {
                 BitmapFinding::RangeRebuilt(from.clone())
             } else {

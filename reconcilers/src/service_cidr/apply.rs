@@ -10,7 +10,7 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType};
 use tracing::warn;
 
-use super::plan::{Plan, go_list, plan};
+use super::plan::{Plan, go_list, plan, ready_words};
 use super::{CONTROLLER_NAME, DefaultServiceCidr};
 use crate::contract::{Action, LoopError, PassContext, PassReport, drift};
 use crate::service_range::DEFAULT_SERVICE_CIDR;
@@ -128,6 +128,11 @@ impl DefaultServiceCidr {
                 let Some(mut upgraded) = current.clone() else {
                     return Ok(report);
                 };
+                let was = upgraded
+                    .spec
+                    .as_ref()
+                    .and_then(|spec| spec.cidrs.clone())
+                    .unwrap_or_default();
                 upgraded.spec = Some(ServiceCIDRSpec {
                     cidrs: Some(desired.clone()),
                 });
@@ -139,13 +144,19 @@ impl DefaultServiceCidr {
                         current = Some(updated);
                         self.repair_event("DefaultServiceCIDRUpgraded", &message)
                             .await;
-                        report.push(drift(
-                            "servicecidr_single_stack",
-                            object.clone(),
-                            Action::Update,
-                            message,
-                            true,
-                        ));
+                        report.push(
+                            drift(
+                                "servicecidr_single_stack",
+                                object.clone(),
+                                Action::Update,
+                                message,
+                                true,
+                            )
+                            .changed(
+                                format!("CIDRs {}", go_list(&was)),
+                                format!("CIDRs {}", go_list(&desired)),
+                            ),
+                        );
                     }
                     Err(err) => {
                         self.warn_event(
@@ -259,13 +270,16 @@ impl DefaultServiceCidr {
                     return Err(err.into());
                 }
                 self.repair_event("DefaultServiceCIDRReady", &message).await;
-                report.push(drift(
-                    "servicecidr_not_ready",
-                    object,
-                    Action::Update,
-                    message,
-                    true,
-                ));
+                report.push(
+                    drift(
+                        "servicecidr_not_ready",
+                        object,
+                        Action::Update,
+                        message,
+                        true,
+                    )
+                    .changed(ready_words(current), "condition Ready=True"),
+                );
             }
             Plan::Create | Plan::UpgradeToDualStack | Plan::Terminating | Plan::InSync => {}
         }

@@ -78,6 +78,18 @@ pub fn plan(current: Option<&ServiceCIDR>, desired: &[IpNet]) -> Plan {
     }
 }
 
+/// The Ready condition of `current` in words, as a repair's log line says what it was.
+pub(super) fn ready_words(current: Option<&ServiceCIDR>) -> String {
+    let ready = current
+        .and_then(|cidr| cidr.status.as_ref())
+        .and_then(|status| status.conditions.as_ref())
+        .and_then(|conditions| conditions.iter().find(|c| c.type_ == "Ready"));
+    match ready {
+        Some(c) => format!("condition Ready={}", c.status),
+        None => "no Ready condition".to_owned(),
+    }
+}
+
 /// Go's `%v` of a `[]string`.
 pub(super) fn go_list(items: &[String]) -> String {
     format!("[{}]", items.join(" "))

@@ -36,6 +36,9 @@ pub use section::{DEFAULT_INTERVAL, NamespaceSpec, Section, UPSTREAM_NAMESPACES}
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "system-namespaces";
 
+/// Where events about cluster-scoped objects, namespaces among them, are written.
+const EVENTS_NAMESPACE: &str = "default";
+
 pub struct SystemNamespaces {
     config: Section,
     api: Api<Namespace>,
@@ -86,12 +89,17 @@ impl SystemNamespaces {
             .into_iter()
             .filter_map(|namespace| Some((namespace.metadata.name.clone()?, namespace)))
             .collect();
-        let mut report = PassReport::default();
+        let mut found_by_spec = Vec::with_capacity(self.config.namespaces.len());
         let mut first_error = None;
         let mut still_missing = 0;
         let mut stuck = std::collections::BTreeMap::new();
         let now = jiff::Timestamp::now();
-        for spec in &self.config.namespaces {
+        // `default` first: the events of the other namespaces' repairs are written into it, so
+        // on a cluster that lacks it they would otherwise be lost.
+        let mut order: Vec<usize> = (0..self.config.namespaces.len()).collect();
+        order.sort_by_key(|&at| self.config.namespaces[at].name != EVENTS_NAMESPACE);
+        for at in order {
+            let spec = &self.config.namespaces[at];
             let existing = namespaces.get(&spec.name);
             let need = assess(spec, existing, now);
             if let Some(note) = need.stuck_note(&spec.name) {
@@ -102,7 +110,7 @@ impl SystemNamespaces {
                     if found.action == Action::Create && !found.applied {
                         still_missing += 1;
                     }
-                    report.push(found);
+                    found_by_spec.push((at, found));
                 }
                 Ok(None) => {}
                 Err(err) => {
@@ -112,6 +120,12 @@ impl SystemNamespaces {
                     first_error.get_or_insert(err);
                 }
             }
+        }
+        // Reported in the configured order, whatever order the writes took.
+        found_by_spec.sort_by_key(|(at, _)| *at);
+        let mut report = PassReport::default();
+        for (_, found) in found_by_spec {
+            report.push(found);
         }
         self.missing
             .set(i64::try_from(still_missing).unwrap_or(i64::MAX));

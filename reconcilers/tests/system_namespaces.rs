@@ -1,0 +1,58 @@
+//! The system-namespaces loop against the simulator: every namespace it creates gets its
+//! event, even on a cluster that lacks `default`, where those events are written.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use anyhow::Result;
+use apiserver_sim::{Sim, SimConfig};
+use prometheus_client::registry::Registry;
+use reconcilers::Reconciler;
+use reconcilers::budget::CacheBudget;
+use reconcilers::system_namespaces::{Section, SystemNamespaces};
+
+#[tokio::test]
+async fn each_created_namespace_has_its_event_even_when_default_was_missing() -> Result<()> {
+    let sim = Sim::start(SimConfig {
+        seed_namespaces: vec!["kube-system".into()],
+        ..SimConfig::default()
+    })
+    .await?;
+    let repair = SystemNamespaces::new(
+        sim.client(),
+        Section::default(),
+        &CacheBudget::default(),
+        common::reporter(),
+        &mut Registry::default(),
+    );
+
+    let report = repair.reconcile(&common::ctx(&sim, false)).await?;
+    let created: Vec<(&str, bool)> = report
+        .drift
+        .iter()
+        .map(|d| (d.object.as_str(), d.applied))
+        .collect();
+    // Reported in the configured order, though `default` was written first.
+    assert_eq!(
+        created,
+        [
+            ("Namespace/kube-public", true),
+            ("Namespace/kube-node-lease", true),
+            ("Namespace/default", true),
+        ]
+    );
+    let mut regarding: Vec<String> = common::events_of(&sim, "SystemNamespaceCreated")
+        .iter()
+        .map(|event| {
+            assert_eq!(
+                event["reportingController"],
+                common::reporter().controller.as_str()
+            );
+            event["regarding"]["name"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    regarding.sort();
+    assert_eq!(regarding, ["default", "kube-node-lease", "kube-public"]);
+    Ok(())
+}
