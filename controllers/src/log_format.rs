@@ -135,7 +135,8 @@ fn sanitized_json(bytes: &[u8]) -> Vec<u8> {
         let text = line.strip_suffix(b"\n").unwrap_or(line);
         match serde_json::from_slice::<serde_json::Value>(text) {
             Ok(mut value) => {
-                if sanitize_strings(&mut value) {
+                let lifted = lift_span_fields(&mut value);
+                if sanitize_strings(&mut value) | lifted {
                     if serde_json::to_writer(&mut out, &value).is_err() {
                         out.extend_from_slice(b"{}");
                     }
@@ -152,6 +153,31 @@ fn sanitized_json(bytes: &[u8]) -> Vec<u8> {
         out.push(b'\n');
     }
     out
+}
+
+/// The span fields a reader filters on, lifted to the line's top level: a loop's lines and a
+/// tenant's are found by `.loop` and `.tenant`, wherever tracing nested the span that names them.
+const LIFTED_SPAN_FIELDS: [&str; 2] = ["loop", "tenant"];
+
+/// Copies [`LIFTED_SPAN_FIELDS`] from the innermost span that has each to the top level, where
+/// tracing writes no key of those names; whether any was copied.
+fn lift_span_fields(value: &mut serde_json::Value) -> bool {
+    let Some(line) = value.as_object_mut() else {
+        return false;
+    };
+    let mut lifted = false;
+    for key in LIFTED_SPAN_FIELDS {
+        let found = (line.get("spans").and_then(serde_json::Value::as_array))
+            .and_then(|spans| spans.iter().rev().find_map(|span| span.get(key)))
+            .cloned();
+        if let Some(found) = found
+            && !line.contains_key(key)
+        {
+            line.insert(key.to_owned(), found);
+            lifted = true;
+        }
+    }
+    lifted
 }
 
 /// Sanitizes every string in `value`; whether any changed.
@@ -343,6 +369,9 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(line).unwrap();
         assert_eq!(value["span"]["loop"], "system-namespaces", "{line}");
         assert_eq!(value["spans"][0]["tenant"], "ns/a", "{line}");
+        // And at the top level, where a reader filters on them.
+        assert_eq!(value["loop"], "system-namespaces", "{line}");
+        assert_eq!(value["tenant"], "ns/a", "{line}");
         // The check itself can fail.
         let caught = std::panic::catch_unwind(|| assert_no_repeated_key(r#"{"a":{"b":1,"b":2}}"#));
         assert!(caught.is_err());
