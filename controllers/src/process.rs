@@ -29,10 +29,14 @@ pub struct Controller {
     task: tokio::task::JoinHandle<()>,
 }
 
-/// What one process keeps: one cluster, or every tenant of a management cluster.
-enum Mode {
-    Single(Box<Runner>),
-    Management(Box<(crate::config::Tenants, TenantBase)>),
+/// The admin server's listener, bound before anything else starts.
+async fn bind_admin(config: &Config) -> Result<tokio::net::TcpListener, StartError> {
+    tokio::net::TcpListener::bind(config.admin_addr)
+        .await
+        .map_err(|source| StartError::AdminAddress {
+            addr: config.admin_addr,
+            source,
+        })
 }
 
 /// Why the controller could not start.
@@ -50,121 +54,116 @@ pub enum StartError {
 }
 
 impl Controller {
-    /// Builds the loops, starts leader election, the admin server and the runner.
+    /// One cluster, the process's own: its loops gated by leader election, and the admin server.
     pub async fn start(
         config: &Config,
         kube_config: &kube::Config,
         client: kube::Client,
     ) -> Result<Controller, StartError> {
-        Controller::start_mode(config, kube_config, client, None).await
+        let cancel = CancellationToken::new();
+        let mut registry = new_registry();
+        // The cluster of --kubeconfig is the operator's own: its caches are not limited.
+        let budget = CacheBudget::new(BudgetLimits::UNLIMITED, "", None, &mut registry);
+        let runner = build_runner(
+            config,
+            &client,
+            kubeconfig_loader(config),
+            &budget,
+            &mut registry,
+        );
+        info!(
+            loops = ?runner.loop_names(),
+            dry_run = config.dry_run,
+            timer_only = config.timer_only,
+            leader_election = config.leader_election.enabled,
+            server = %kube_config.cluster_url,
+            "starting"
+        );
+        if config.service_cluster_ip_range.is_empty() {
+            info!(
+                "--service-cluster-ip-range is not set: the loops read the range from the \
+                 cluster's ServiceCIDR \"kubernetes\" (Kubernetes 1.33+), and the \
+                 service-cidr loop, which would create that object from it, does not run"
+            );
+        }
+        // Bind before joining the election: failing here must not leave a Lease behind.
+        let listener = bind_admin(config).await?;
+        let health = runner.health();
+        let leader_metrics = LeaderMetrics::register(&mut registry);
+        let work = Controller::spawn_single(
+            config,
+            kube_config,
+            &client,
+            runner,
+            leader_metrics,
+            health.clone(),
+            cancel.clone(),
+        )?;
+        Ok(Controller::serve(
+            config, listener, registry, health, None, work, cancel,
+        ))
     }
 
     /// Management mode: one runtime per tenant Secret, shared between replicas (see
-    /// [`crate::tenants`]); `base` is what every tenant's configuration is made from.
+    /// [`crate::tenants`]); `base` is what every tenant's configuration is made from. Without
+    /// `config.tenants` there is no tenant to keep, and the process keeps its own cluster.
     pub async fn start_management(
         config: &Config,
         kube_config: &kube::Config,
         client: kube::Client,
         base: TenantBase,
     ) -> Result<Controller, StartError> {
-        Controller::start_mode(config, kube_config, client, Some(base)).await
-    }
-
-    async fn start_mode(
-        config: &Config,
-        kube_config: &kube::Config,
-        client: kube::Client,
-        tenant_base: Option<TenantBase>,
-    ) -> Result<Controller, StartError> {
+        let Some(tenants) = config.tenants.clone() else {
+            return Controller::start(config, kube_config, client).await;
+        };
+        info!(
+            selector = %tenants.secret_selector,
+            namespace = tenants.namespace.as_deref().unwrap_or("(all)"),
+            kubeconfig_key = %tenants.kubeconfig_key,
+            sharing = config.leader_election.enabled,
+            server = %kube_config.cluster_url,
+            "starting in management mode: one runtime per tenant Secret"
+        );
         let cancel = CancellationToken::new();
         let mut registry = new_registry();
-        let mode = match (&config.tenants, tenant_base) {
-            (Some(tenants), Some(base)) => {
-                info!(
-                    selector = %tenants.secret_selector,
-                    namespace = tenants.namespace.as_deref().unwrap_or("(all)"),
-                    kubeconfig_key = %tenants.kubeconfig_key,
-                    sharing = config.leader_election.enabled,
-                    server = %kube_config.cluster_url,
-                    "starting in management mode: one runtime per tenant Secret"
-                );
-                Mode::Management(Box::new((tenants.clone(), base)))
-            }
-            _ => {
-                // The cluster of --kubeconfig is the operator's own: its caches are not limited.
-                let budget = CacheBudget::new(BudgetLimits::UNLIMITED, "", None, &mut registry);
-                let runner = build_runner(
-                    config,
-                    &client,
-                    kubeconfig_loader(config),
-                    &budget,
-                    &mut registry,
-                );
-                info!(
-                    loops = ?runner.loop_names(),
-                    dry_run = config.dry_run,
-                    timer_only = config.timer_only,
-                    leader_election = config.leader_election.enabled,
-                    server = %kube_config.cluster_url,
-                    "starting"
-                );
-                if config.service_cluster_ip_range.is_empty() {
-                    info!(
-                        "--service-cluster-ip-range is not set: the loops read the range from the \
-                         cluster's ServiceCIDR \"kubernetes\" (Kubernetes 1.33+), and the \
-                         service-cidr loop, which would create that object from it, does not run"
-                    );
-                }
-                Mode::Single(Box::new(runner))
-            }
-        };
-        // Bind before joining the election: failing here must not leave a Lease behind.
-        let listener = tokio::net::TcpListener::bind(config.admin_addr)
-            .await
-            .map_err(|source| StartError::AdminAddress {
-                addr: config.admin_addr,
-                source,
-            })?;
-        let health = match &mode {
-            Mode::Single(runner) => runner.health(),
-            Mode::Management(..) => Health::default(),
-        };
+        let listener = bind_admin(config).await?;
+        let health = Health::default();
+        let (work, directory) = Controller::spawn_management(
+            config,
+            &client,
+            tenants,
+            base,
+            &mut registry,
+            health.clone(),
+            cancel.clone(),
+        );
+        Ok(Controller::serve(
+            config,
+            listener,
+            registry,
+            health,
+            Some(directory),
+            work,
+            cancel,
+        ))
+    }
+
+    /// The admin server on `listener` beside `work`, stopped once `work` has ended.
+    fn serve(
+        config: &Config,
+        listener: tokio::net::TcpListener,
+        registry: prometheus_client::registry::Registry,
+        health: Health,
+        tenants: Option<Directory>,
+        work: tokio::task::JoinHandle<()>,
+        cancel: CancellationToken,
+    ) -> Controller {
         let admin_addr = listener.local_addr().unwrap_or(config.admin_addr);
-
-        let (work, directory): (tokio::task::JoinHandle<()>, Option<Directory>) = match mode {
-            Mode::Single(runner) => {
-                let leader_metrics = LeaderMetrics::register(&mut registry);
-                let work = Controller::spawn_single(
-                    config,
-                    kube_config,
-                    &client,
-                    *runner,
-                    leader_metrics,
-                    health.clone(),
-                    cancel.clone(),
-                )?;
-                (work, None)
-            }
-            Mode::Management(management) => {
-                let (tenants, base) = *management;
-                let (work, directory) = Controller::spawn_management(
-                    config,
-                    &client,
-                    tenants,
-                    base,
-                    &mut registry,
-                    health.clone(),
-                    cancel.clone(),
-                );
-                (work, Some(directory))
-            }
-        };
-
         info!(%admin_addr, "admin server listening (/livez, /readyz, /metrics)");
         let admin_state = AdminState {
             health: health.clone(),
             registry: Arc::new(registry),
-            tenants: directory,
+            tenants,
             shutting_down: cancel.clone(),
         };
         let admin_stop = CancellationToken::new();
@@ -180,12 +179,12 @@ impl Controller {
                 Ok(Ok(Ok(()))) | Err(_) => {}
             }
         });
-        Ok(Controller {
+        Controller {
             cancel,
             admin_addr,
             health,
             task,
-        })
+        }
     }
 
     /// Management mode's work: the replicas' shards (when leader election is on) and the tenant
