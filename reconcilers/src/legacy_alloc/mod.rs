@@ -554,92 +554,10 @@ impl LegacyBitmap {
         applied: bool,
         owner: &(dyn Fn(usize) -> Option<String> + Sync),
     ) -> BitmapPass {
-        let noun = self.subject.noun;
-        let object = self.object();
-        let mut drifts = Vec::new();
-        for &offset in &plan.not_allocated {
-            drifts.push(
-                drift(
-                    self.kind("not_allocated"),
-                    owner(offset).unwrap_or_else(|| object.clone()),
-                    Action::Update,
-                    format!(
-                        "the {noun} {} is in use but not allocated in {}; repairing",
-                        self.item(offset),
-                        self.key
-                    ),
-                    applied,
-                )
-                .changed(
-                    format!("{noun} {} free in {}", self.item(offset), self.key),
-                    format!("{noun} {} allocated in {}", self.item(offset), self.key),
-                ),
-            );
-        }
-        for &offset in &plan.released {
-            drifts.push(
-                drift(
-                    self.kind("leaked"),
-                    object.clone(),
-                    Action::Update,
-                    format!(
-                        "the {noun} {} appears to have leaked: cleaning up",
-                        self.item(offset)
-                    ),
-                    applied,
-                )
-                .changed(
-                    format!(
-                        "{noun} {} allocated in {}, held by no Service",
-                        self.item(offset),
-                        self.key
-                    ),
-                    format!("{noun} {} free in {}", self.item(offset), self.key),
-                ),
-            );
-        }
-        for &offset in &plan.held {
-            drifts.push(drift(
-                self.kind("leak_held"),
-                object.clone(),
-                Action::Report,
-                format!("the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: kept until one does", self.item(offset)),
-                false,
-            ));
-        }
+        let mut drifts = self.bit_drifts(plan, applied, owner);
         let mut findings: Vec<BitmapFinding> = Vec::new();
         if let Some((from, dropped)) = &range_change {
-            let message = if from.is_empty() {
-                format!(
-                    "the stored value has no range: {} is filled in ({})",
-                    self.range, self.subject.rebuild_setting
-                )
-            } else {
-                format!(
-                    "the stored range {from:?} is not the configured {}: the bitmap is rebuilt under {} ({dropped} allocations outside it dropped; {})",
-                    self.range, self.range, self.subject.rebuild_setting
-                )
-            };
-            let was = match from.as_str() {
-                "" => format!("{} stored without a range", self.key),
-                from => format!("{} stored under the range {from}", self.key),
-            };
-            drifts.push(
-                drift(
-                    self.kind("range_mismatch"),
-                    object,
-                    Action::Update,
-                    message,
-                    applied,
-                )
-                .changed(
-                    was,
-                    format!(
-                        "{} stored under the range {} ({dropped} allocations outside it dropped)",
-                        self.key, self.range
-                    ),
-                ),
-            );
+            drifts.push(self.range_drift(from, *dropped, applied));
             findings.push(if applied {
                 BitmapFinding::RangeRebuilt(from.clone())
             } else {
@@ -679,6 +597,90 @@ impl LegacyBitmap {
             }
         }
         BitmapPass { drift: drifts, new }
+    }
+
+    /// One drift per bit the plan sets, clears, or keeps though it looks leaked.
+    fn bit_drifts(
+        &self,
+        plan: &repair::Plan,
+        applied: bool,
+        owner: &(dyn Fn(usize) -> Option<String> + Sync),
+    ) -> Vec<Drift> {
+        let (noun, key, object) = (self.subject.noun, &self.key, self.object());
+        let state = |offset, state: &str| format!("{noun} {} {state} in {key}", self.item(offset));
+        let allocate = plan.not_allocated.iter().map(|&offset| {
+            drift(
+                self.kind("not_allocated"),
+                owner(offset).unwrap_or_else(|| object.clone()),
+                Action::Update,
+                format!(
+                    "the {noun} {} is in use but not allocated in {key}; repairing",
+                    self.item(offset)
+                ),
+                applied,
+            )
+            .changed(state(offset, "free"), state(offset, "allocated"))
+        });
+        let release = plan.released.iter().map(|&offset| {
+            drift(
+                self.kind("leaked"),
+                object.clone(),
+                Action::Update,
+                format!(
+                    "the {noun} {} appears to have leaked: cleaning up",
+                    self.item(offset)
+                ),
+                applied,
+            )
+            .changed(
+                format!("{}, held by no Service", state(offset, "allocated")),
+                state(offset, "free"),
+            )
+        });
+        let hold = plan.held.iter().map(|&offset| {
+            drift(
+                self.kind("leak_held"),
+                object.clone(),
+                Action::Report,
+                format!("the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: kept until one does", self.item(offset)),
+                false,
+            )
+        });
+        allocate.chain(release).chain(hold).collect()
+    }
+
+    /// The drift of a bitmap stored under another range (`from`, empty for none) than the
+    /// configured one, rebuilt under it (`dropped` allocations outside it lost).
+    fn range_drift(&self, from: &str, dropped: usize, applied: bool) -> Drift {
+        let message = if from.is_empty() {
+            format!(
+                "the stored value has no range: {} is filled in ({})",
+                self.range, self.subject.rebuild_setting
+            )
+        } else {
+            format!(
+                "the stored range {from:?} is not the configured {}: the bitmap is rebuilt under {} ({dropped} allocations outside it dropped; {})",
+                self.range, self.range, self.subject.rebuild_setting
+            )
+        };
+        let was = match from {
+            "" => format!("{} stored without a range", self.key),
+            from => format!("{} stored under the range {from}", self.key),
+        };
+        drift(
+            self.kind("range_mismatch"),
+            self.object(),
+            Action::Update,
+            message,
+            applied,
+        )
+        .changed(
+            was,
+            format!(
+                "{} stored under the range {} ({dropped} allocations outside it dropped)",
+                self.key, self.range
+            ),
+        )
     }
 
     /// Logs the findings that are new; returns them.
