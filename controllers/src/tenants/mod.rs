@@ -172,6 +172,15 @@ struct Running {
     registry: Arc<Registry>,
 }
 
+impl Running {
+    fn entry(&self) -> Entry {
+        Entry::Running {
+            health: self.health.clone(),
+            registry: self.registry.clone(),
+        }
+    }
+}
+
 /// How tenants are shared with other replicas: the views to follow, how to acknowledge one, and
 /// where each runtime's leadership comes from (a fenced replica takes it from every runtime at
 /// once, even while this manager is stuck).
@@ -442,7 +451,30 @@ impl Manager {
         ack: &(dyn Fn(u64) + Send + Sync),
     ) {
         let decision = self.etcd_conflicts(secrets);
-        let conflicts = decision.refused;
+        self.stop_unwanted(secrets, view, &decision.refused).await;
+        if self.acked != Some(view.id) {
+            ack(view.id);
+            self.acked = Some(view.id);
+        }
+        self.forget_unwanted(secrets, view);
+        let entries: BTreeMap<String, Entry> = secrets
+            .iter()
+            .map(|(key, spec)| (key.clone(), self.entry(key, spec, view, &decision)))
+            .collect();
+        self.publish(view, entries);
+        if !self.settings.dry_run {
+            self.keep_records(secrets);
+        }
+    }
+
+    /// Stops the running tenants whose Secret is deleted or changed, that another replica owns
+    /// now, or that are refused for their etcd keys.
+    async fn stop_unwanted(
+        &mut self,
+        secrets: &BTreeMap<String, Spec>,
+        view: &View,
+        refused_keys: &HashMap<String, String>,
+    ) {
         let mut deleted = Vec::new();
         let mut changed = Vec::new();
         let mut moved = Vec::new();
@@ -452,7 +484,7 @@ impl Manager {
                 None => deleted.push(key.clone()),
                 Some(spec) if *spec != running.spec => changed.push(key.clone()),
                 Some(_) if !view.owns(key) => moved.push(key.clone()),
-                Some(_) if conflicts.contains_key(key) => refused.push(key.clone()),
+                Some(_) if refused_keys.contains_key(key) => refused.push(key.clone()),
                 Some(_) => {}
             }
         }
@@ -460,11 +492,11 @@ impl Manager {
         self.stop(changed, "changed").await;
         self.stop(moved, "moved").await;
         self.stop(refused, "refused").await;
-        if self.acked != Some(view.id) {
-            ack(view.id);
-            self.acked = Some(view.id);
-        }
-        // Loads of what is no longer wanted here end now; they never touched the tenant.
+    }
+
+    /// Drops what is known of Secrets no longer wanted here; their loads end now (they never
+    /// touched the tenant).
+    fn forget_unwanted(&mut self, secrets: &BTreeMap<String, Spec>, view: &View) {
         let wanted = |key: &str, spec: &Spec| secrets.get(key) == Some(spec) && view.owns(key);
         self.loading.retain(|key, loading| {
             let keep = wanted(key, &loading.spec);
@@ -478,84 +510,74 @@ impl Manager {
             .retain(|key, (spec, _)| secrets.get(key) == Some(spec));
         self.conflicts
             .retain(|key, (spec, _)| secrets.get(key) == Some(spec));
+    }
 
-        let mut entries = BTreeMap::new();
-        for (key, spec) in secrets {
-            if let Some(running) = self.running.get(key) {
-                entries.insert(
-                    key.clone(),
-                    Entry::Running {
-                        health: running.health.clone(),
-                        registry: running.registry.clone(),
-                    },
-                );
-                continue;
+    /// Where one tenant stands, starting, loading or refusing it when this replica owns it.
+    fn entry(
+        &mut self,
+        key: &str,
+        spec: &Spec,
+        view: &View,
+        decision: &etcd_claims::Decision,
+    ) -> Entry {
+        if let Some(running) = self.running.get(key) {
+            return running.entry();
+        }
+        if !view.owns(key) {
+            return Entry::Elsewhere(view.owner(key).unwrap_or("none").to_owned());
+        }
+        if let Some((_, reason)) = self.invalid.get(key) {
+            return Entry::Invalid(reason.clone());
+        }
+        let failure = self
+            .etcds
+            .get(key)
+            .and_then(|(_, state)| state.failure())
+            .map(str::to_owned);
+        if let Some(reason) = decision.refused.get(key).or(failure.as_ref()) {
+            // It names etcd prefixes and servers the tenants' annotations wrote.
+            let reason = Sanitized::new(reason);
+            if self.conflicts.get(key) != Some(&(spec.clone(), reason.clone())) {
+                self.refuse(key, spec, &reason);
+                self.conflicts
+                    .insert(key.to_owned(), (spec.clone(), reason.clone()));
             }
-            if !view.owns(key) {
-                let owner = view.owner(key).unwrap_or("none").to_owned();
-                entries.insert(key.clone(), Entry::Elsewhere(owner));
-                continue;
+            return Entry::Invalid(reason);
+        }
+        if !view.settled {
+            return Entry::Waiting("the hand-over");
+        }
+        if decision.undecided.iter().any(|undecided| undecided == key) {
+            return Entry::Waiting("its etcd's answer and the decision on its etcd keys");
+        }
+        match self.loaded.remove(key) {
+            Some((_, Ok(loaded))) => {
+                let running = self.start(key, spec, loaded);
+                let entry = running.entry();
+                self.running.insert(key.to_owned(), running);
+                entry
             }
-            if let Some((_, reason)) = self.invalid.get(key) {
-                entries.insert(key.clone(), Entry::Invalid(reason.clone()));
-                continue;
+            Some((_, Err(reason))) => {
+                self.refuse(key, spec, &reason);
+                self.invalid
+                    .insert(key.to_owned(), (spec.clone(), reason.clone()));
+                Entry::Invalid(reason)
             }
-            let failure = self
-                .etcds
-                .get(key)
-                .and_then(|(_, state)| state.failure())
-                .map(str::to_owned);
-            if let Some(reason) = conflicts.get(key).or(failure.as_ref()) {
-                // It names etcd prefixes and servers the tenants' annotations wrote.
-                let reason = Sanitized::new(reason);
-                if self.conflicts.get(key) != Some(&(spec.clone(), reason.clone())) {
-                    self.refuse(key, spec, &reason);
-                    self.conflicts
-                        .insert(key.clone(), (spec.clone(), reason.clone()));
+            None => {
+                if !self.loading.contains_key(key) {
+                    let pin = match self.etcds.get(key) {
+                        Some((_, EtcdState::Known(asked))) => Some(asked.pin.clone()),
+                        _ => None,
+                    };
+                    self.load(key, spec, pin);
                 }
-                entries.insert(key.clone(), Entry::Invalid(reason));
-                continue;
-            }
-            if !view.settled {
-                entries.insert(key.clone(), Entry::Waiting("the hand-over"));
-                continue;
-            }
-            if decision.undecided.contains(key) {
-                entries.insert(
-                    key.clone(),
-                    Entry::Waiting("its etcd's answer and the decision on its etcd keys"),
-                );
-                continue;
-            }
-            match self.loaded.remove(key) {
-                Some((_, Ok(loaded))) => {
-                    let running = self.start(key, spec, loaded);
-                    entries.insert(
-                        key.clone(),
-                        Entry::Running {
-                            health: running.health.clone(),
-                            registry: running.registry.clone(),
-                        },
-                    );
-                    self.running.insert(key.clone(), running);
-                }
-                Some((_, Err(reason))) => {
-                    self.refuse(key, spec, &reason);
-                    entries.insert(key.clone(), Entry::Invalid(reason.clone()));
-                    self.invalid.insert(key.clone(), (spec.clone(), reason));
-                }
-                None => {
-                    if !self.loading.contains_key(key) {
-                        let pin = match self.etcds.get(key) {
-                            Some((_, EtcdState::Known(asked))) => Some(asked.pin.clone()),
-                            _ => None,
-                        };
-                        self.load(key, spec, pin);
-                    }
-                    entries.insert(key.clone(), Entry::Starting);
-                }
+                Entry::Starting
             }
         }
+    }
+
+    /// The tenants' states, to the metrics and to the admin server's directory.
+    fn publish(&self, view: &View, entries: BTreeMap<String, Entry>) {
         self.metrics
             .replicas
             .set(i64::try_from(view.members.len()).unwrap_or(i64::MAX));
@@ -571,9 +593,6 @@ impl Manager {
                 .set(counts.get(state).copied().unwrap_or(0));
         }
         self.directory.replace(entries);
-        if !self.settings.dry_run {
-            self.keep_records(secrets);
-        }
     }
 
     /// Starts loading a tenant's Secret in a task of its own, bounded by [`LOAD_TIMEOUT`].
