@@ -19,6 +19,16 @@ const READY_MESSAGE: &str = "Kubernetes default Service CIDR is ready";
 /// events.k8s.io/v1 needs an action; upstream's core/v1 events have none.
 const EVENT_ACTION: &str = "DefaultServiceCIDRSync";
 
+/// What a write leaves for the status step.
+enum Written {
+    /// Nothing more this pass: a dry run, or no object to upgrade.
+    Stop,
+    /// The object as the write left it.
+    Now(Box<Option<ServiceCIDR>>),
+    /// No write was needed.
+    Unchanged,
+}
+
 impl DefaultServiceCidr {
     async fn warn_event(&self, reason: &str, note: String) {
         self.event(EventType::Warning, reason, note).await;
@@ -55,128 +65,150 @@ impl DefaultServiceCidr {
         }
         let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());
         let object = format!("ServiceCIDR/{DEFAULT_SERVICE_CIDR}");
-        let desired = self.desired();
         let mut current = self.cache.get(&api, DEFAULT_SERVICE_CIDR).await?;
-        match plan(current.as_ref(), &self.ranges) {
-            Plan::Create => {
-                let message = format!(
-                    "default ServiceCIDR is missing; creating it with CIDRs {}",
-                    go_list(&desired)
-                );
-                if ctx.dry_run {
-                    report.push(drift(
-                        "servicecidr_missing",
-                        object,
-                        Action::Create,
-                        message,
-                        false,
-                    ));
-                    return Ok(report);
-                }
-                let new = ServiceCIDR {
-                    metadata: ObjectMeta {
-                        name: Some(DEFAULT_SERVICE_CIDR.to_owned()),
-                        ..ObjectMeta::default()
-                    },
-                    spec: Some(ServiceCIDRSpec {
-                        cidrs: Some(desired.clone()),
-                    }),
-                    status: None,
-                };
-                match api.create(&PostParams::default(), &new).await {
-                    Ok(created) => current = Some(created),
-                    Err(kube::Error::Api(status)) if status.code == 409 => {
-                        current = self.cache.get(&api, DEFAULT_SERVICE_CIDR).await?;
-                    }
-                    Err(err) => {
-                        self.warn_event(
-                            "KubernetesDefaultServiceCIDRError",
-                            "The default ServiceCIDR can not be created".to_owned(),
-                        )
-                        .await;
-                        return Err(err.into());
-                    }
-                }
-                self.repair_event("DefaultServiceCIDRCreated", &message)
-                    .await;
-                report.push(
-                    drift(
-                        "servicecidr_missing",
-                        object.clone(),
-                        Action::Create,
-                        message,
-                        true,
-                    )
-                    .changed("absent", format!("CIDRs {}", go_list(&desired))),
-                );
-            }
+        let written = match plan(current.as_ref(), &self.ranges) {
+            Plan::Create => self.create(ctx, &api, &object, &mut report).await?,
             Plan::UpgradeToDualStack => {
-                let message = format!(
-                    "default ServiceCIDR is single-stack; upgrading it to dual-stack {}",
-                    go_list(&desired)
-                );
-                if ctx.dry_run {
-                    report.push(drift(
-                        "servicecidr_single_stack",
-                        object,
-                        Action::Update,
-                        message,
-                        false,
-                    ));
-                    return Ok(report);
-                }
-                let Some(mut upgraded) = current.clone() else {
-                    return Ok(report);
-                };
-                let was = upgraded
-                    .spec
-                    .as_ref()
-                    .and_then(|spec| spec.cidrs.clone())
-                    .unwrap_or_default();
-                upgraded.spec = Some(ServiceCIDRSpec {
-                    cidrs: Some(desired.clone()),
-                });
-                match api
-                    .replace(DEFAULT_SERVICE_CIDR, &PostParams::default(), &upgraded)
-                    .await
-                {
-                    Ok(updated) => {
-                        current = Some(updated);
-                        self.repair_event("DefaultServiceCIDRUpgraded", &message)
-                            .await;
-                        report.push(
-                            drift(
-                                "servicecidr_single_stack",
-                                object.clone(),
-                                Action::Update,
-                                message,
-                                true,
-                            )
-                            .changed(
-                                format!("CIDRs {}", go_list(&was)),
-                                format!("CIDRs {}", go_list(&desired)),
-                            ),
-                        );
-                    }
-                    Err(err) => {
-                        self.warn_event(
-                            "KubernetesDefaultServiceCIDRError",
-                            format!(
-                                "The default ServiceCIDR can not be upgraded from {} to dual stack {} : {err}",
-                                desired[0],
-                                go_list(&desired)
-                            ),
-                        )
-                        .await;
-                        return Err(err.into());
-                    }
-                }
+                (self.upgrade(ctx, &api, current.as_ref(), &object, &mut report)).await?
             }
-            _ => {}
+            _ => Written::Unchanged,
+        };
+        match written {
+            Written::Stop => return Ok(report),
+            Written::Now(now) => current = *now,
+            Written::Unchanged => {}
         }
         self.sync_status(ctx, &api, current.as_ref(), &object, &mut report)
             .await?;
         Ok(report)
+    }
+
+    /// Creates the default ServiceCIDR with the configured ranges.
+    async fn create(
+        &self,
+        ctx: &PassContext,
+        api: &Api<ServiceCIDR>,
+        object: &str,
+        report: &mut PassReport,
+    ) -> Result<Written, LoopError> {
+        let desired = self.desired();
+        let message = format!(
+            "default ServiceCIDR is missing; creating it with CIDRs {}",
+            go_list(&desired)
+        );
+        if ctx.dry_run {
+            report.push(drift(
+                "servicecidr_missing",
+                object,
+                Action::Create,
+                message,
+                false,
+            ));
+            return Ok(Written::Stop);
+        }
+        let new = ServiceCIDR {
+            metadata: ObjectMeta {
+                name: Some(DEFAULT_SERVICE_CIDR.to_owned()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(ServiceCIDRSpec {
+                cidrs: Some(desired.clone()),
+            }),
+            status: None,
+        };
+        let current = match api.create(&PostParams::default(), &new).await {
+            Ok(created) => Some(created),
+            Err(kube::Error::Api(status)) if status.code == 409 => {
+                self.cache.get(api, DEFAULT_SERVICE_CIDR).await?
+            }
+            Err(err) => {
+                self.warn_event(
+                    "KubernetesDefaultServiceCIDRError",
+                    "The default ServiceCIDR can not be created".to_owned(),
+                )
+                .await;
+                return Err(err.into());
+            }
+        };
+        self.repair_event("DefaultServiceCIDRCreated", &message)
+            .await;
+        report.push(
+            drift("servicecidr_missing", object, Action::Create, message, true)
+                .changed("absent", format!("CIDRs {}", go_list(&desired))),
+        );
+        Ok(Written::Now(Box::new(current)))
+    }
+
+    /// Upgrades a single-stack default ServiceCIDR to the configured dual-stack ranges.
+    async fn upgrade(
+        &self,
+        ctx: &PassContext,
+        api: &Api<ServiceCIDR>,
+        current: Option<&ServiceCIDR>,
+        object: &str,
+        report: &mut PassReport,
+    ) -> Result<Written, LoopError> {
+        let desired = self.desired();
+        let message = format!(
+            "default ServiceCIDR is single-stack; upgrading it to dual-stack {}",
+            go_list(&desired)
+        );
+        if ctx.dry_run {
+            report.push(drift(
+                "servicecidr_single_stack",
+                object,
+                Action::Update,
+                message,
+                false,
+            ));
+            return Ok(Written::Stop);
+        }
+        let Some(mut upgraded) = current.cloned() else {
+            return Ok(Written::Stop);
+        };
+        let was = upgraded
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.cidrs.clone())
+            .unwrap_or_default();
+        upgraded.spec = Some(ServiceCIDRSpec {
+            cidrs: Some(desired.clone()),
+        });
+        match api
+            .replace(DEFAULT_SERVICE_CIDR, &PostParams::default(), &upgraded)
+            .await
+        {
+            Ok(updated) => {
+                self.repair_event("DefaultServiceCIDRUpgraded", &message)
+                    .await;
+                report.push(
+                    drift(
+                        "servicecidr_single_stack",
+                        object,
+                        Action::Update,
+                        message,
+                        true,
+                    )
+                    .changed(
+                        format!("CIDRs {}", go_list(&was)),
+                        format!("CIDRs {}", go_list(&desired)),
+                    ),
+                );
+                Ok(Written::Now(Box::new(Some(updated))))
+            }
+            Err(err) => {
+                self.warn_event(
+                    "KubernetesDefaultServiceCIDRError",
+                    format!(
+                        "The default ServiceCIDR can not be upgraded from {} to dual stack {} : {err}",
+                        desired.first().map_or("", String::as_str),
+                        go_list(&desired)
+                    ),
+                )
+                .await;
+                Err(err.into())
+            }
+        }
     }
 
     async fn sync_status(
