@@ -307,27 +307,8 @@ async fn follow(
             biased;
             _ = cancel.cancelled() => break,
             event = watch.next() => {
-                let now = Instant::now();
-                match event {
-                    Some(Ok(watcher::Event::Init)) => listing = Some(Vec::new()),
-                    Some(Ok(watcher::Event::InitApply(lease))) => {
-                        listing.get_or_insert_with(Vec::new).push(lease);
-                    }
-                    Some(Ok(watcher::Event::InitDone)) => {
-                        state.relisted(&listing.take().unwrap_or_default(), now);
-                        watch_failure.succeeded();
-                    }
-                    Some(Ok(watcher::Event::Apply(lease))) => state.observe(&lease, now),
-                    Some(Ok(watcher::Event::Delete(lease))) => state.forget(&lease),
-                    Some(Err(err)) => {
-                        if watch_failure.is_new(&err) {
-                            warn!(error = %err, "the replica Lease watch failed; retrying with backoff");
-                        } else {
-                            debug!(error = %err, "the replica Lease watch failed again");
-                        }
-                    }
-                    None => break,
-                }
+                let Some(event) = event else { break };
+                watched(&mut state, &mut listing, &mut watch_failure, event);
             }
             changed = acks.changed(), if acks_open => {
                 // Closed: the Shards handle is gone; renewals go on with the last acknowledgement.
@@ -348,23 +329,9 @@ async fn follow(
                     continue;
                 }
                 retry_at = None;
-                // The write may not outlast this replica's authority: kube's client retries 429
-                // and 503 answers after their Retry-After, which could outlast the Lease.
-                let deadline = match state.renewed_at {
-                    Some(at) if state.fence.is_none() => at + state.fence_span,
-                    _ => now + state.duration,
-                };
-                let content = state.content(ack);
-                let sent = Instant::now();
-                let result = tokio::time::timeout_at(
-                    deadline,
-                    write(&leases, &namespaces, &mut state, &content),
-                )
-                .await
-                .unwrap_or_else(|_| Err(WriteError::TimedOut(deadline - sent)));
+                let result = renew(&leases, &namespaces, &mut state, ack).await;
                 match result {
-                    Ok(lease) => {
-                        state.wrote(lease, content, sent);
+                    Ok(()) => {
                         write_failure.succeeded();
                         delays = backoff();
                     }
@@ -389,6 +356,58 @@ async fn follow(
     );
     info!("left the replica group");
     state.left()
+}
+
+/// One event of the replica Lease watch: a relist is taken whole once it is complete.
+fn watched(
+    state: &mut State,
+    listing: &mut Option<Vec<Lease>>,
+    failure: &mut reconcilers::findings::RepeatedFailure,
+    event: Result<watcher::Event<Lease>, watcher::Error>,
+) {
+    let now = Instant::now();
+    match event {
+        Ok(watcher::Event::Init) => *listing = Some(Vec::new()),
+        Ok(watcher::Event::InitApply(lease)) => {
+            listing.get_or_insert_with(Vec::new).push(lease);
+        }
+        Ok(watcher::Event::InitDone) => {
+            state.relisted(&listing.take().unwrap_or_default(), now);
+            failure.succeeded();
+        }
+        Ok(watcher::Event::Apply(lease)) => state.observe(&lease, now),
+        Ok(watcher::Event::Delete(lease)) => state.forget(&lease),
+        Err(err) => {
+            if failure.is_new(&err) {
+                warn!(error = %err, "the replica Lease watch failed; retrying with backoff");
+            } else {
+                debug!(error = %err, "the replica Lease watch failed again");
+            }
+        }
+    }
+}
+
+/// Writes this replica's Lease (with the view acknowledged, `ack`), within its authority.
+async fn renew(
+    leases: &Api<Lease>,
+    namespaces: &Api<Namespace>,
+    state: &mut State,
+    ack: Option<u64>,
+) -> Result<(), WriteError> {
+    let now = Instant::now();
+    // The write may not outlast this replica's authority: kube's client retries 429 and 503
+    // answers after their Retry-After, which could outlast the Lease.
+    let deadline = match state.renewed_at {
+        Some(at) if state.fence.is_none() => at + state.fence_span,
+        _ => now + state.duration,
+    };
+    let content = state.content(ack);
+    let sent = Instant::now();
+    let lease = tokio::time::timeout_at(deadline, write(leases, namespaces, state, &content))
+        .await
+        .unwrap_or_else(|_| Err(WriteError::TimedOut(deadline - sent)))?;
+    state.wrote(lease, content, sent);
+    Ok(())
 }
 
 #[cfg(test)]
