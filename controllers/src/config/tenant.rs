@@ -251,56 +251,29 @@ impl TenantBase {
     /// here: this process is not one of the tenant's apiservers, so it cannot hold a membership
     /// Lease for one; `static` (the tenant's load-balancer address) or `none` are the choices.
     pub fn tenant(&self, fragment: Option<&str>) -> Result<Config, ConfigErrors> {
-        let field = |path: &str| format!("{TENANT_CONFIG_ANNOTATION}: {path}");
         let fragment = match fragment {
-            Some(text) => {
-                yaml_tree(text).map_err(|message| ConfigError::new(field("(fragment)"), message))?
-            }
+            Some(text) => tenant_fragment(text)?,
             None => serde_json::Value::Null,
         };
-        match &fragment {
-            serde_json::Value::Null => {}
-            serde_json::Value::Object(map) => {
-                let mut refused: Vec<ConfigError> = map
-                    .keys()
-                    .filter(|key| PROCESS_WIDE_KEYS.contains(&key.as_str()))
-                    .map(|key| {
-                        ConfigError::new(
-                            field(key),
-                            "is set for the whole process (flags or the --config file), not per \
-                             tenant: remove it from the annotation",
-                        )
-                    })
-                    .collect();
-                refused.extend(
-                    map.keys()
-                        .filter(|key| FRAGMENT_FILE_KEYS.contains(&key.as_str()))
-                        .map(|key| {
-                            ConfigError::new(
-                                field(key),
-                                format!(
-                                    "names a file, which a tenant may not: put the etcd client \
-                                     certificate in the Secret's data keys {}, {} and {}",
-                                    TENANT_ETCD_KEYS.ca,
-                                    TENANT_ETCD_KEYS.cert,
-                                    TENANT_ETCD_KEYS.key
-                                ),
-                            )
-                        }),
-                );
-                refused.extend(below_floors(&fragment));
-                if !refused.is_empty() {
-                    return Err(ConfigErrors(refused));
-                }
-            }
-            _ => {
-                return Err(ConfigErrors(vec![ConfigError::new(
-                    field("(fragment)"),
-                    "must be a YAML mapping of configuration file keys (e.g. \
-                     serviceClusterIPRange: 10.96.0.0/12)",
-                )]));
-            }
+        let config = self.merged(fragment)?;
+        self.check_tenant_etcd(&config)?;
+        match config.endpoint_mode() {
+            EndpointsMode::Static | EndpointsMode::None => Ok(config),
+            other => Err(ConfigErrors(vec![ConfigError::new(
+                tenant_field("endpointReconcilerType"),
+                format!(
+                    "{:?} makes this process one of the tenant's apiservers, which it is not: \
+                     use static (with the tenant's load-balancer address under \
+                     loops.apiserverEndpoints) or none",
+                    other.as_str()
+                ),
+            )])),
         }
+    }
+
+    /// The fragment over the file, over the defaults (`none` endpoints), with the flags
+    /// winning; the settings of the whole process are not the fragment's to set.
+    fn merged(&self, fragment: serde_json::Value) -> Result<Config, ConfigErrors> {
         let mut merged = serde_json::json!({"endpointReconcilerType": "none"});
         deep_merge(&mut merged, self.file.clone());
         deep_merge(&mut merged, fragment);
@@ -310,25 +283,33 @@ impl TenantBase {
             }
         }
         let text = serde_saphyr::to_string(&merged).map_err(|err| {
-            ConfigError::new(field("(fragment)"), format!("cannot be merged: {err}"))
+            ConfigError::new(
+                tenant_field("(fragment)"),
+                format!("cannot be merged: {err}"),
+            )
         })?;
-        let file =
-            parse_file(&text).map_err(|err| ConfigError::new(field(&err.field), err.message))?;
-        let config = Config::merge(&self.args, file).map_err(|errors| {
+        let file = parse_file(&text)
+            .map_err(|err| ConfigError::new(tenant_field(&err.field), err.message))?;
+        Config::merge(&self.args, file).map_err(|errors| {
             ConfigErrors(
                 errors
                     .0
                     .into_iter()
                     .map(|err| match err.field.starts_with("--") {
                         true => err,
-                        false => ConfigError::new(field(&err.field), err.message),
+                        false => ConfigError::new(tenant_field(&err.field), err.message),
                     })
                     .collect(),
             )
-        })?;
+        })
+    }
+
+    /// A tenant's etcd: only where the operator allows one, at a URL of the plain form, under a
+    /// prefix of its own.
+    fn check_tenant_etcd(&self, config: &Config) -> Result<(), ConfigErrors> {
         if !config.etcd_servers.is_empty() && self.etcd_allowed.is_empty() {
             return Err(ConfigErrors(vec![ConfigError::new(
-                field("etcdServers"),
+                tenant_field("etcdServers"),
                 "is not allowed: the operator has not set --tenants-etcd-allowed-cidrs \
                  (tenants.etcdAllowedCIDRs), the networks a tenant's etcd may be in; set it, or \
                  remove etcdServers from the annotation",
@@ -345,7 +326,7 @@ impl TenantBase {
                     None => server.clone(),
                 };
                 Some(ConfigError::new(
-                    field("etcdServers"),
+                    tenant_field("etcdServers"),
                     format!("{shown:?} {why}"),
                 ))
             })
@@ -357,23 +338,65 @@ impl TenantBase {
             && let Err(why) = validate_tenant_etcd_prefix(&config.etcd_prefix)
         {
             return Err(ConfigErrors(vec![ConfigError::new(
-                field("etcdPrefix"),
+                tenant_field("etcdPrefix"),
                 format!("{:?} {why}", config.etcd_prefix),
             )]));
         }
-        match config.endpoint_mode() {
-            EndpointsMode::Static | EndpointsMode::None => Ok(config),
-            other => Err(ConfigErrors(vec![ConfigError::new(
-                field("endpointReconcilerType"),
-                format!(
-                    "{:?} makes this process one of the tenant's apiservers, which it is not: \
-                     use static (with the tenant's load-balancer address under \
-                     loops.apiserverEndpoints) or none",
-                    other.as_str()
-                ),
-            )])),
-        }
+        Ok(())
     }
+}
+
+/// A field of a tenant's configuration, as its errors name it: under the Secret's annotation.
+fn tenant_field(path: &str) -> String {
+    format!("{TENANT_CONFIG_ANNOTATION}: {path}")
+}
+
+/// The tenant Secret's annotation, parsed: a mapping of file keys, without the keys a tenant
+/// may not set (the whole process's, files) or values below their floors.
+fn tenant_fragment(text: &str) -> Result<serde_json::Value, ConfigErrors> {
+    let field = tenant_field;
+    let fragment =
+        yaml_tree(text).map_err(|message| ConfigError::new(field("(fragment)"), message))?;
+    let serde_json::Value::Object(map) = &fragment else {
+        if fragment.is_null() {
+            return Ok(fragment);
+        }
+        return Err(ConfigErrors(vec![ConfigError::new(
+            field("(fragment)"),
+            "must be a YAML mapping of configuration file keys (e.g. \
+             serviceClusterIPRange: 10.96.0.0/12)",
+        )]));
+    };
+    let mut refused: Vec<ConfigError> = map
+        .keys()
+        .filter(|key| PROCESS_WIDE_KEYS.contains(&key.as_str()))
+        .map(|key| {
+            ConfigError::new(
+                field(key),
+                "is set for the whole process (flags or the --config file), not per \
+                 tenant: remove it from the annotation",
+            )
+        })
+        .collect();
+    refused.extend(
+        map.keys()
+            .filter(|key| FRAGMENT_FILE_KEYS.contains(&key.as_str()))
+            .map(|key| {
+                ConfigError::new(
+                    field(key),
+                    format!(
+                        "names a file, which a tenant may not: put the etcd client \
+                         certificate in the Secret's data keys {}, {} and {}",
+                        TENANT_ETCD_KEYS.ca, TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
+                    ),
+                )
+            }),
+    );
+    refused.extend(below_floors(&fragment));
+    if !refused.is_empty() {
+        return Err(ConfigErrors(refused));
+    }
+    Ok(fragment)
 }
 
 /// A tenant's etcd server URL, parsed: its scheme, host (brackets removed) and port (the
