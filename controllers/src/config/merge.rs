@@ -240,19 +240,16 @@ impl Config {
         let mut errors = Vec::new();
         let mut given = Given::new(args, &file);
 
-        let service_cluster_ip_range = match given.service_cluster_ip_range.take() {
-            Some(source) => parse_service_cidrs(&source.value)
-                .map_err(|message| errors.push(ConfigError::new(source.field, message)))
-                .unwrap_or_default(),
-            None => Vec::new(),
-        };
-
-        let service_node_port_range = match given.service_node_port_range.take() {
-            Some(source) => (source.value.parse::<PortRange>())
-                .map_err(|err| errors.push(ConfigError::new(source.field, err.to_string())))
-                .unwrap_or_default(),
-            None => PortRange::default(),
-        };
+        let service_cluster_ip_range = given
+            .service_cluster_ip_range
+            .take()
+            .and_then(|source| parsed(source, parse_service_cidrs, &mut errors))
+            .unwrap_or_default();
+        let service_node_port_range = given
+            .service_node_port_range
+            .take()
+            .and_then(|source| parsed(source, |text| text.parse::<PortRange>(), &mut errors))
+            .unwrap_or_default();
 
         let advertise_address_source = given.advertise_address.take();
         let advertise_address = advertise_address_source
@@ -276,25 +273,13 @@ impl Config {
             .apiserver_count
             .take()
             .map_or(1, |source| apiserver_count(source, &mut errors));
-        // The public address must be reachable over the primary service family (upstream's
-        // validatePublicIPServiceClusterIPRangeIPFamilies), unless no endpoints are written.
         if let (Some(address), Some(primary), Some(source)) = (
             advertise_address,
             service_cluster_ip_range.first(),
             advertise_address_source.as_ref(),
         ) && endpoint_reconciler_type.is_some_and(|mode| mode != EndpointsMode::None)
-            && address.is_ipv4() != primary.addr().is_ipv4()
         {
-            errors.push(ConfigError::new(
-                source.field,
-                format!(
-                    "{address} is {} but the primary service range {primary} is {} (advertise \
-                     an address of the primary range's family, or list the other family's range \
-                     first)",
-                    IpFamily::of(address),
-                    IpFamily::of_net(primary)
-                ),
-            ));
+            check_advertise_family(address, primary, source.field, &mut errors);
         }
         let admin_addr = given
             .admin_addr
@@ -589,6 +574,39 @@ fn secure_port(
     };
     errors.push(ConfigError::new(source.field, message));
     None
+}
+
+/// A value parsed by `parse`, or `None` after its error, naming where it came from.
+fn parsed<T, E: std::fmt::Display>(
+    source: Source<String>,
+    parse: impl FnOnce(&str) -> Result<T, E>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<T> {
+    parse(&source.value)
+        .map_err(|err| errors.push(ConfigError::new(source.field, err.to_string())))
+        .ok()
+}
+
+/// The public address must be reachable over the primary service family (upstream's
+/// validatePublicIPServiceClusterIPRangeIPFamilies), unless no endpoints are written.
+fn check_advertise_family(
+    address: std::net::IpAddr,
+    primary: &ipnet::IpNet,
+    field: &'static str,
+    errors: &mut Vec<ConfigError>,
+) {
+    if address.is_ipv4() == primary.addr().is_ipv4() {
+        return;
+    }
+    errors.push(ConfigError::new(
+        field,
+        format!(
+            "{address} is {} but the primary service range {primary} is {} (advertise an \
+             address of the primary range's family, or list the other family's range first)",
+            IpFamily::of(address),
+            IpFamily::of_net(primary)
+        ),
+    ));
 }
 
 /// `kubernetesServiceNodePort`: 0 (a ClusterIP Service) or a port inside the node port range.
