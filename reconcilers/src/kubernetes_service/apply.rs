@@ -11,7 +11,9 @@ use kube::runtime::events::EventType;
 use super::metrics::KubernetesServiceMetrics;
 use super::plan::{Plan, ServiceDrift, desired_service};
 use super::{KubernetesServiceLoop, Refusal};
-use crate::contract::{Action, LoopError, PassContext, PassReport, drift, ignore_already_exists};
+use crate::contract::{
+    Action, Drift, LoopError, PassContext, PassReport, drift, ignore_already_exists,
+};
 use crate::section::Settings;
 
 /// What a pass did: its report, and the write the API refused in it, if any.
@@ -226,59 +228,10 @@ impl KubernetesServiceLoop {
         };
 
         if recreate {
-            let mut applied = false;
-            if !ctx.dry_run {
-                api.delete(
-                    &self.section.name,
-                    &DeleteParams::default().preconditions(Preconditions {
-                        uid: existing.metadata.uid.clone(),
-                        resource_version: existing.metadata.resource_version.clone(),
-                    }),
-                )
+            let drift = self
+                .recreate(ctx, api, settings, existing, &mismatch)
                 .await?;
-                // If the delete has not finished yet the create conflicts; the next pass creates.
-                let want = desired_service(&self.section, settings);
-                match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
-                    Ok(_) => applied = true,
-                    Err(err) => {
-                        tracing::warn!(error = %err, "recreating the kubernetes Service failed; retrying next pass")
-                    }
-                }
-                KubernetesServiceMetrics::count(&self.metrics.repairs, &["service_cluster_ip"]);
-                self.publish(
-                    existing,
-                    EventType::Warning,
-                    "KubernetesServiceRecreated",
-                    format!(
-                        "{mismatch}; deleted and recreated the Service (recreateOnClusterIPMismatch)"
-                    ),
-                )
-                .await;
-            }
-            let (was, became) = match &mismatch {
-                ServiceDrift::ClusterIp { found, want } => (
-                    format!("clusterIPs [{}]", found.join(", ")),
-                    format!("recreated to get clusterIPs [{}]", want.join(", ")),
-                ),
-                other => (other.to_string(), "recreated".to_owned()),
-            };
-            report.push(
-                drift(
-                    mismatch.kind(),
-                    object,
-                    Action::Delete,
-                    format!(
-                        "{mismatch}; {} (recreateOnClusterIPMismatch)",
-                        if applied {
-                            "deleted and recreated the Service"
-                        } else {
-                            "would delete and recreate the Service"
-                        }
-                    ),
-                    applied,
-                )
-                .changed(was, became),
-            );
+            report.push(drift);
             return Ok(());
         }
 
@@ -315,5 +268,68 @@ impl KubernetesServiceLoop {
             false,
         ));
         Ok(())
+    }
+
+    /// The Service deleted, by its uid and resourceVersion, and created anew to get the desired
+    /// clusterIP (`recreateOnClusterIPMismatch`); the drift it is reported as.
+    async fn recreate(
+        &self,
+        ctx: &PassContext,
+        api: &Api<Service>,
+        settings: &Settings,
+        existing: &Service,
+        mismatch: &ServiceDrift,
+    ) -> Result<Drift, LoopError> {
+        let mut applied = false;
+        if !ctx.dry_run {
+            api.delete(
+                &self.section.name,
+                &DeleteParams::default().preconditions(Preconditions {
+                    uid: existing.metadata.uid.clone(),
+                    resource_version: existing.metadata.resource_version.clone(),
+                }),
+            )
+            .await?;
+            // If the delete has not finished yet the create conflicts; the next pass creates.
+            let want = desired_service(&self.section, settings);
+            match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
+                Ok(_) => applied = true,
+                Err(err) => {
+                    tracing::warn!(error = %err, "recreating the kubernetes Service failed; retrying next pass")
+                }
+            }
+            KubernetesServiceMetrics::count(&self.metrics.repairs, &["service_cluster_ip"]);
+            self.publish(
+                existing,
+                EventType::Warning,
+                "KubernetesServiceRecreated",
+                format!(
+                    "{mismatch}; deleted and recreated the Service (recreateOnClusterIPMismatch)"
+                ),
+            )
+            .await;
+        }
+        let (was, became) = match mismatch {
+            ServiceDrift::ClusterIp { found, want } => (
+                format!("clusterIPs [{}]", found.join(", ")),
+                format!("recreated to get clusterIPs [{}]", want.join(", ")),
+            ),
+            other => (other.to_string(), "recreated".to_owned()),
+        };
+        Ok(drift(
+            mismatch.kind(),
+            self.section.object_ref(),
+            Action::Delete,
+            format!(
+                "{mismatch}; {} (recreateOnClusterIPMismatch)",
+                if applied {
+                    "deleted and recreated the Service"
+                } else {
+                    "would delete and recreate the Service"
+                }
+            ),
+            applied,
+        )
+        .changed(was, became))
     }
 }
