@@ -1,6 +1,6 @@
 //! What one Service costs a cache, measured, against what the cache budget counts for it
-//! (`reconcilers::budget`): a whole decoded object (the `WatchCache`s) and a projected record
-//! (the repairs' Service cache). Resident memory before and after decoding 50,000 Services of
+//! (`reconcilers::budget`): a whole decoded object (a `WatchCache` of whole objects) and a
+//! projected record (the repairs' Service cache). Resident memory before and after decoding 50,000 Services of
 //! about 500 bytes of JSON each.
 //!
 //! `cargo bench -p bootstrap-reconcilers --bench cache_weight`

@@ -31,7 +31,7 @@ fn page_size() -> u32 {
     std::env::var("BENCH_PAGE_SIZE")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(reconcilers::service_cache::store::DEFAULT_PAGE_SIZE)
+        .unwrap_or(reconcilers::watch_cache::DEFAULT_PAGE_SIZE)
 }
 
 fn passes() -> usize {

@@ -18,7 +18,7 @@ use crate::budget::CacheBudget;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_cache::store::SharedStore;
+use crate::watch_cache::WatchCache;
 
 /// One invalid value: the field (flag or YAML path) and what is wrong with it, with the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -203,7 +203,7 @@ pub struct BuildContext<'a> {
     /// Loads the kubeconfig again (a readiness probe of a full URL uses its CA and credentials).
     pub load_kubeconfig: ConfigLoader,
     /// The Service cache, made by the first loop that asks ([`BuildContext::services`]).
-    services: Option<Arc<SharedStore<ServiceRecord>>>,
+    services: Option<WatchCache<ServiceRecord>>,
 }
 
 impl<'a> BuildContext<'a> {
@@ -224,11 +224,12 @@ impl<'a> BuildContext<'a> {
 
     /// The Service cache every loop of this cluster that reads Services shares, so the process
     /// lists and watches Services once whichever of those loops are enabled and in whatever
-    /// order they are built. The first loop to subscribe to it feeds it.
-    pub fn services(&mut self) -> Arc<SharedStore<ServiceRecord>> {
-        let budget = &self.settings.cache_budget;
+    /// order they are built, listed in pages of the first one's `page_size`. The first loop to
+    /// subscribe to it feeds it.
+    pub fn services(&mut self, page_size: u32) -> WatchCache<ServiceRecord> {
+        let (client, budget) = (&self.client, &self.settings.cache_budget);
         self.services
-            .get_or_insert_with(|| Arc::new(SharedStore::within(budget.clone())))
+            .get_or_insert_with(|| WatchCache::every(client.clone(), page_size, budget))
             .clone()
     }
 }
@@ -267,7 +268,7 @@ pub fn validate_page_size(path: &str, page_size: u32, errors: &mut Vec<ConfigErr
             format!("{path}.pageSize"),
             format!(
                 "must be at least 1 (the default is {})",
-                crate::service_cache::store::DEFAULT_PAGE_SIZE
+                crate::watch_cache::DEFAULT_PAGE_SIZE
             ),
         ));
     }

@@ -1,179 +1,290 @@
-//! Objects a loop reads on every pass, kept current by a watch, so a pass at rest reads the cache
-//! and sends nothing.
+//! The one watch cache: a kube-runtime watcher ([`budget::watch`]) kept in a store of what the
+//! loops read, either each object whole ([`Lenient`]) or projected to a compact record as it
+//! arrives ([`Cached`]; at 100,000 Services the records take a fraction of the memory the
+//! objects would). One stream keeps the store, reports its failures and is the trigger of the
+//! loops that read it, so a pass at rest reads the cache and sends nothing.
 //!
-//! The watch that feeds the cache is the loop's trigger: the runner polls it continuously, so the
-//! cache stays current between passes. A pass uses the cache only while it is proven current (the
-//! watch has listed and not failed since); otherwise, and when the loop is driven without its
-//! triggers (a one-off pass in a test), it reads the API as before. Writes made from a cached
-//! object carry its resourceVersion, so a cache that lags by a moment costs a conflict and a
-//! retry, never a lost update.
+//! A (re)list is written into the store as its objects come, so while it runs the cache is *not
+//! synced* and passes refuse to decide on it; it is synced again when the watcher says the list
+//! is complete, and the objects the list did not return are dropped then. A failed or partial
+//! list, an event lost or a cache over its budget therefore never leads to a decision. Writes
+//! made from a cached object carry its resourceVersion, so a cache that lags by a moment costs a
+//! conflict and a retry, never a lost update.
 //!
-//! The cache decodes what a Go client decodes ([`Lenient`]): a `null` where k8s-openapi wants a
-//! value (kube-apiserver stores a status condition's `lastTransitionTime: null` as given) reads
-//! as the field left out, so one such object never costs the watch its events.
+//! Several loops may share one cache (the ClusterIP and NodePort repairs both read Services):
+//! the first to [`WatchCache::subscribe`] drives the watch, the others are woken after each change
+//! it applied, so the process lists and watches a collection once.
+//!
+//! A whole object is decoded as a Go client decodes it ([`Lenient`]): a `null` where k8s-openapi
+//! wants a value (kube-apiserver stores a status condition's `lastTransitionTime: null` as given)
+//! reads as the field left out, so one such object never costs the watch its events.
 
+use std::collections::HashMap;
 use std::fmt::Debug;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard};
 
 use futures::StreamExt;
+use futures::stream::BoxStream;
 use kube::api::ListParams;
-use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
+use tracing::{debug, warn};
 
 use crate::Trigger;
 use crate::budget::{self, CacheBudget, CacheError, CacheEvent};
 
-/// A cache of one watch's objects; clones share it.
-#[derive(Clone)]
-pub struct WatchCache<K: Resource + 'static>
-where
-    K::DynamicType: Eq + Hash + Clone,
-{
-    store: Store<Lenient<K>>,
-    current: Arc<AtomicBool>,
-    /// The watch's selectors, for reads while the cache is not current.
-    selection: ListParams,
-    /// Handed once to the loop's trigger, which the runner polls.
-    events: Arc<Mutex<Option<WatchEvents<K>>>>,
+/// What a [`WatchCache`] keeps of each object: the object itself ([`Lenient`]) or a record
+/// projected from it.
+pub trait Cached: Clone + Debug + Send + Sync + 'static {
+    /// The API object the record is projected from.
+    type Object: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + 'static;
+    /// Unique key within the collection.
+    type Key: Hash + Eq + Debug + Send + Sync + 'static;
+    fn project(object: &Self::Object) -> Self;
+    fn key(&self) -> Self::Key;
+    /// What one object costs its cache's budget: by default the record, its key and the map's
+    /// bookkeeping, plus the names it holds.
+    fn weight(object: &Self::Object) -> usize {
+        let meta = object.meta();
+        let names = meta.name.as_ref().map_or(0, String::len)
+            + meta.namespace.as_ref().map_or(0, String::len);
+        2 * std::mem::size_of::<(Self::Key, (Self, u32))>() + names
+    }
 }
 
-/// The event stream that fills a [`WatchCache`]: a loop turns it into its trigger.
-pub type WatchEvents<K> = futures::stream::BoxStream<'static, CacheEvent<K>>;
+/// The cached collection and whether it is complete.
+#[derive(Debug)]
+pub struct StoreState<T: Cached> {
+    /// Each object with the list generation that last saw it (for dropping what a relist did
+    /// not return).
+    objects: HashMap<T::Key, (T, u32)>,
+    generation: u32,
+    /// Whether the contents are one complete list plus the watch events after it; false during
+    /// a (re)list and after an event was lost or the budget breached.
+    pub synced: bool,
+    /// The watch failed and has delivered nothing since: it resumes from the last
+    /// resourceVersion seen, so nothing is missed, but until it delivers again the cache is not
+    /// proven current ([`WatchCache::current`]).
+    interrupted: bool,
+}
 
-impl<K> WatchCache<K>
-where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    K::DynamicType: Default + Eq + Hash + Clone,
-{
-    /// A cache of what `config` selects, within `budget`. Nothing is cached until
-    /// [`Self::take_events`]'s stream is polled.
-    pub fn new(api: Api<K>, config: watcher::Config, budget: &CacheBudget) -> Self
+impl<T: Cached> Default for StoreState<T> {
+    fn default() -> Self {
+        Self {
+            objects: HashMap::new(),
+            generation: 0,
+            synced: false,
+            interrupted: false,
+        }
+    }
+}
+
+impl<T: Cached> StoreState<T> {
+    pub fn values(&self) -> impl Iterator<Item = &T> + Clone {
+        self.objects.values().map(|(value, _)| value)
+    }
+
+    pub fn get<Q>(&self, key: &Q) -> Option<&T>
     where
-        K: serde::Serialize,
+        T::Key: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
     {
+        self.objects.get(key).map(|(value, _)| value)
+    }
+
+    pub fn contains_key<Q>(&self, key: &Q) -> bool
+    where
+        T::Key: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.objects.contains_key(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.objects.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.objects.is_empty()
+    }
+
+    /// Applies one watcher event; says whether readers should look again.
+    fn apply(&mut self, event: &watcher::Event<T::Object>) -> bool {
+        match event {
+            watcher::Event::Init => {
+                self.synced = false;
+                self.generation = self.generation.wrapping_add(1);
+                false
+            }
+            watcher::Event::InitApply(object) => {
+                let record = T::project(object);
+                self.objects.insert(record.key(), (record, self.generation));
+                false
+            }
+            watcher::Event::InitDone => {
+                let generation = self.generation;
+                self.objects.retain(|_, (_, seen)| *seen == generation);
+                self.objects.shrink_to_fit();
+                self.synced = true;
+                true
+            }
+            watcher::Event::Apply(object) => {
+                let record = T::project(object);
+                self.objects.insert(record.key(), (record, self.generation));
+                true
+            }
+            watcher::Event::Delete(object) => {
+                self.objects.remove(&T::project(object).key());
+                true
+            }
+        }
+    }
+}
+
+/// The event stream that fills a [`WatchCache`], each event after the cache applied it.
+pub type WatchEvents<K> = BoxStream<'static, CacheEvent<K>>;
+
+/// LIST page size of the caches of every object of a kind: client-go's.
+pub const DEFAULT_PAGE_SIZE: u32 = 500;
+
+/// A cache of one watch's objects, kept as `T`; clones share it.
+#[derive(Clone)]
+pub struct WatchCache<T: Cached> {
+    state: Arc<RwLock<StoreState<T>>>,
+    /// The watch's selectors, for reads while the cache is not synced.
+    selection: ListParams,
+    /// Handed once to the loop that drives the watch.
+    events: Arc<Mutex<Option<WatchEvents<T::Object>>>>,
+    /// Counts the changes the watch applied; subscribers other than the first wait on it.
+    changes: tokio::sync::watch::Sender<u64>,
+}
+
+impl<T: Cached> WatchCache<T> {
+    /// A cache of what `config` selects, within `budget`. Nothing is cached until the stream of
+    /// [`Self::take_events`] or [`Self::subscribe`] is polled.
+    pub fn new(api: Api<T::Object>, config: watcher::Config, budget: &CacheBudget) -> Self {
         let selection = ListParams {
             label_selector: config.label_selector.clone(),
             field_selector: config.field_selector.clone(),
             ..ListParams::default()
         };
-        let (store, mut writer) = reflector::store();
-        let current = Arc::new(AtomicBool::new(false));
-        let flag = current.clone();
-        let (mut listed, mut relisting) = (false, false);
-        let mut failure = crate::findings::RepeatedFailure::default();
-        let kind = K::kind(&K::DynamicType::default()).into_owned();
-        let events = budget::watch(lenient(&api), config, budget, budget::object_weight)
-            .inspect(move |event| {
-                match event {
-                    Ok(event) => {
-                        writer.apply_watcher_event(event);
-                        match event {
-                            // A relist is under way: changes may be missing until it completes.
-                            watcher::Event::Init => relisting = true,
-                            watcher::Event::InitDone => {
-                                (listed, relisting) = (true, false);
-                                failure.succeeded();
-                            }
-                            // A resumed watch starts from the last resourceVersion seen, so its
-                            // events after a failure complete the cache again.
-                            _ => {}
-                        }
-                    }
-                    Err(err @ (CacheError::OverBudget(_) | CacheError::Lost { .. })) => {
-                        if matches!(err, CacheError::OverBudget(_)) {
-                            // An empty list empties the store: what it held goes back.
-                            writer.apply_watcher_event(&watcher::Event::Init);
-                            writer.apply_watcher_event(&watcher::Event::InitDone);
-                        }
-                        // Not current until a new list completes.
-                        listed = false;
-                        if failure.is_new(err) {
-                            tracing::warn!(%kind, error = %err, "the cache is not current until a list completes");
-                        }
-                    }
-                    Err(CacheError::Watch(_)) => {
-                        flag.store(false, Ordering::Release);
-                        return;
-                    }
-                }
-                flag.store(listed && !relisting, Ordering::Release);
-            })
-            .map(|event| event.map(unwrap_event))
-            .boxed();
+        let state = Arc::new(RwLock::new(StoreState::default()));
+        let changes = tokio::sync::watch::Sender::new(0);
+        let events = keep(
+            budget::watch(api, config, budget, T::weight),
+            state.clone(),
+            changes.clone(),
+        );
         Self {
-            store,
-            current,
+            state,
             selection,
             events: Arc::new(Mutex::new(Some(events))),
+            changes,
         }
     }
 
-    /// The stream that fills the cache, for the loop to make its trigger of; `None` after the
-    /// first call.
-    pub fn take_events(&self) -> Option<WatchEvents<K>> {
+    /// A cache of every object of the kind, listed in pages of `page_size`.
+    pub fn every(client: kube::Client, page_size: u32, budget: &CacheBudget) -> Self {
+        let config = watcher::Config::default().page_size(page_size);
+        Self::new(Api::all(client), config, budget)
+    }
+
+    /// The stream that fills the cache, for the loop that drives it; `None` after the first
+    /// call (or [`Self::subscribe`]).
+    pub fn take_events(&self) -> Option<WatchEvents<T::Object>> {
         self.events
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner)
             .take()
     }
 
-    /// The cached objects, if the cache is proven current.
-    pub fn current(&self) -> Option<&Store<Lenient<K>>> {
-        self.current.load(Ordering::Acquire).then_some(&self.store)
+    /// A trigger for one loop reading the cache: the first one's drives the watch
+    /// ([`watch_trigger`]); the others' yield after each change it applied.
+    pub fn subscribe(&self) -> Trigger {
+        if let Some(events) = self.take_events() {
+            return watch_trigger(events);
+        }
+        let mut changes = self.changes.subscribe();
+        changes.mark_unchanged();
+        futures::stream::unfold(changes, |mut changes| async move {
+            changes.changed().await.ok()?;
+            Some(((), changes))
+        })
+        .boxed()
+    }
+
+    /// Read access for one synchronous decision. Never hold it across an `.await`.
+    pub fn read(&self) -> RwLockReadGuard<'_, StoreState<T>> {
+        // A writer that panicked left a consistent map (every mutation is a single insert,
+        // remove or retain), so reading on is safe.
+        self.state.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The cached collection, if it is synced and its watch has not failed since it last
+    /// delivered.
+    pub fn current(&self) -> Option<RwLockReadGuard<'_, StoreState<T>>> {
+        Some(self.read()).filter(|state| state.synced && !state.interrupted)
     }
 }
 
-impl<K> WatchCache<K>
-where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-{
-    /// The named object among those the watch selects: from the cache when it is current, else
-    /// from a LIST with the watch's selectors (no permission beyond the watch's).
-    pub async fn get(&self, api: &Api<K>, name: &str) -> Result<Option<K>, kube::Error> {
-        match self.current() {
-            Some(store) => {
-                let key = match api.namespace() {
-                    Some(namespace) => ObjectRef::new(name).within(namespace),
-                    None => ObjectRef::new(name),
-                };
-                Ok(store.get(&key).map(|object| K::clone(&object.0)))
+/// Applies each event of `events` to `state` and reports the failures, each streak once: an
+/// event lost or the budget breached (not synced until a list completes), a list that keeps
+/// failing. Counts each change a reader should see in `changes`.
+fn keep<T: Cached>(
+    events: WatchEvents<T::Object>,
+    state: Arc<RwLock<StoreState<T>>>,
+    changes: tokio::sync::watch::Sender<u64>,
+) -> WatchEvents<T::Object> {
+    let kind = <T::Object as Resource>::kind(&()).into_owned();
+    let mut failure = crate::findings::RepeatedFailure::default();
+    events
+        .inspect(move |event| {
+            let mut state = state.write().unwrap_or_else(PoisonError::into_inner);
+            state.interrupted = matches!(event, Err(CacheError::Watch(_)));
+            let changed = match event {
+                Ok(event) => {
+                    if matches!(event, watcher::Event::InitDone) {
+                        failure.succeeded();
+                    }
+                    state.apply(event)
+                }
+                Err(err @ (CacheError::OverBudget(_) | CacheError::Lost { .. })) => {
+                    if matches!(err, CacheError::OverBudget(_)) {
+                        // What it held went back to the budget.
+                        state.objects = HashMap::new();
+                    }
+                    state.synced = false;
+                    if failure.is_new(err) {
+                        warn!(%kind, error = %err, "the cache is not current until a list completes");
+                    }
+                    true
+                }
+                // A resumed watch starts from the last resourceVersion seen: nothing is missed.
+                Err(err) if state.synced => {
+                    debug!(%kind, error = %err, "watch failed; resuming");
+                    false
+                }
+                Err(err) => {
+                    // An outage fails every retry the same way: warned once per kind of failure.
+                    if failure.is_new(err) {
+                        warn!(%kind, error = %err, "list failed; the cache stays unsynced until a list completes");
+                    } else {
+                        debug!(%kind, error = %err, "list failed again");
+                    }
+                    false
+                }
+            };
+            if changed {
+                changes.send_modify(|count| *count = count.wrapping_add(1));
             }
-            None => Ok(lenient(api)
-                .list(&self.selection)
-                .await?
-                .items
-                .into_iter()
-                .map(|object| object.0)
-                .find(|object| object.meta().name.as_deref() == Some(name))),
-        }
-    }
-
-    /// Every object the watch selects: from the cache when it is current, else from a LIST with
-    /// the watch's selectors. A failed list is an error, never an empty answer.
-    pub async fn list(&self, api: &Api<K>) -> Result<Vec<K>, kube::Error> {
-        match self.current() {
-            Some(store) => Ok(store
-                .state()
-                .iter()
-                .map(|object| K::clone(&object.0))
-                .collect()),
-            None => Ok(lenient(api)
-                .list(&self.selection)
-                .await?
-                .items
-                .into_iter()
-                .map(|object| object.0)
-                .collect()),
-        }
-    }
+        })
+        .boxed()
 }
 
-/// A watch as a trigger: one item per change (and one per completed relist); failures are
-/// retried by the watch itself.
+/// A watch as a trigger: one item per change (and one per completed relist, lost event or
+/// breach, after which a pass reads the API instead); failures are retried by the watch itself.
 pub fn watch_trigger<K, S>(stream: S) -> Trigger
 where
     K: Send + 'static,
@@ -186,15 +297,84 @@ where
                     watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
                 ) => Some(()),
                 Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => None,
-                // The cache emptied or lost an event: a pass then reads the API instead.
                 Err(CacheError::OverBudget(_) | CacheError::Lost { .. }) => Some(()),
-                Err(err) => {
-                    tracing::debug!(error = %err, "watch failed; retrying with backoff");
-                    None
-                }
+                Err(_) => None,
             }
         })
         .boxed()
+}
+
+impl<K> Cached for Lenient<K>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + serde::Serialize
+        + Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    type Object = Lenient<K>;
+    /// Namespace (none for a cluster-scoped object) and name.
+    type Key = (Option<String>, String);
+    fn project(object: &Self) -> Self {
+        object.clone()
+    }
+    fn key(&self) -> Self::Key {
+        let meta = self.0.meta();
+        (
+            meta.namespace.clone(),
+            meta.name.clone().unwrap_or_default(),
+        )
+    }
+    fn weight(object: &Self) -> usize {
+        budget::object_weight(object)
+    }
+}
+
+impl<K> WatchCache<Lenient<K>>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + serde::Serialize
+        + Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    /// A cache of the whole objects of `api` that `config` selects, decoded leniently.
+    pub fn of(api: &Api<K>, config: watcher::Config, budget: &CacheBudget) -> Self {
+        Self::new(lenient(api), config, budget)
+    }
+
+    /// The named object among those the watch selects: from the cache when it is synced, else
+    /// from a LIST with the watch's selectors (no permission beyond the watch's).
+    pub async fn get(&self, api: &Api<K>, name: &str) -> Result<Option<K>, kube::Error> {
+        if let Some(state) = self.current() {
+            let key = (api.namespace().map(str::to_owned), name.to_owned());
+            return Ok(state.get(&key).map(|object| object.0.clone()));
+        }
+        Ok(self
+            .list_live(api)
+            .await?
+            .find(|object| object.meta().name.as_deref() == Some(name)))
+    }
+
+    /// Every object the watch selects: from the cache when it is synced, else from a LIST with
+    /// the watch's selectors. A failed list is an error, never an empty answer.
+    pub async fn list(&self, api: &Api<K>) -> Result<Vec<K>, kube::Error> {
+        if let Some(state) = self.current() {
+            return Ok(state.values().map(|object| object.0.clone()).collect());
+        }
+        Ok(self.list_live(api).await?.collect())
+    }
+
+    async fn list_live(&self, api: &Api<K>) -> Result<impl Iterator<Item = K>, kube::Error> {
+        let listed = lenient(api).list(&self.selection).await?;
+        Ok(listed.items.into_iter().map(|object| object.0))
+    }
 }
 
 /// An object decoded as a Go client decodes it: `null` anywhere in an object reads as the field
@@ -283,20 +463,11 @@ where
     }
 }
 
-fn unwrap_event<K>(event: watcher::Event<Lenient<K>>) -> watcher::Event<K> {
-    match event {
-        watcher::Event::Apply(object) => watcher::Event::Apply(object.0),
-        watcher::Event::Delete(object) => watcher::Event::Delete(object.0),
-        watcher::Event::Init => watcher::Event::Init,
-        watcher::Event::InitApply(object) => watcher::Event::InitApply(object.0),
-        watcher::Event::InitDone => watcher::Event::InitDone,
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::service_cache::record::ServiceRecord;
     use k8s_openapi::api::core::v1::Service;
 
     /// kube-apiserver stores a status condition without `lastTransitionTime` as `null`;
@@ -318,5 +489,55 @@ mod tests {
         let condition = &read.0.status.unwrap().conditions.unwrap()[0];
         assert_eq!(condition.type_, "StatusPatched");
         assert_eq!(read.0.spec.unwrap().ports.unwrap()[0].port, 443);
+    }
+
+    fn service(name: &str, ip: &str) -> crate::service_cache::record::ServiceObject {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "d"},
+            "spec": {"clusterIP": ip, "clusterIPs": [ip]},
+        }))
+        .unwrap()
+    }
+
+    fn names(state: &StoreState<ServiceRecord>) -> Vec<String> {
+        let mut names: Vec<String> = state.values().map(|s| s.name.to_string()).collect();
+        names.sort();
+        names
+    }
+
+    /// A relist is not synced until it is complete, and then holds exactly what it listed plus
+    /// the events after it; a relist that never completes never looks synced.
+    #[test]
+    fn a_relist_replaces_the_contents_only_when_complete() {
+        let mut state = StoreState::<ServiceRecord>::default();
+        assert!(!state.synced);
+        assert!(!state.apply(&watcher::Event::Init));
+        assert!(!state.apply(&watcher::Event::InitApply(service("a", "192.0.2.1"))));
+        assert!(!state.apply(&watcher::Event::InitApply(service("b", "192.0.2.2"))));
+        assert!(!state.synced, "a list in progress");
+        assert!(state.apply(&watcher::Event::InitDone));
+        assert!(state.synced);
+        assert!(state.apply(&watcher::Event::Apply(service("c", "192.0.2.3"))));
+        assert!(state.apply(&watcher::Event::Delete(service("a", "192.0.2.1"))));
+        assert_eq!(names(&state), ["b", "c"]);
+
+        // A relist that fails half-way (the watcher starts over with Init) and one that
+        // completes without "b".
+        state.apply(&watcher::Event::Init);
+        state.apply(&watcher::Event::InitApply(service("c", "192.0.2.3")));
+        assert!(!state.synced);
+        state.apply(&watcher::Event::Init);
+        state.apply(&watcher::Event::InitApply(service("c", "192.0.2.9")));
+        state.apply(&watcher::Event::InitApply(service("d", "192.0.2.4")));
+        assert!(!state.synced);
+        state.apply(&watcher::Event::InitDone);
+        assert!(state.synced);
+        assert_eq!(names(&state), ["c", "d"]);
+        assert!(
+            state
+                .get(&("d".into(), "c".into()))
+                .unwrap()
+                .lists_ip("192.0.2.9".parse().unwrap())
+        );
     }
 }

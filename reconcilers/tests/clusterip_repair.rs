@@ -1101,7 +1101,6 @@ fn cached(repair: &ClusterIpRepair, namespace: &str, name: &str) -> bool {
     use reconcilers::service_cache::record::Name;
     repair
         .shared_services()
-        .store()
         .read()
         .contains_key(&(Name::new(namespace), Name::new(name)))
 }
@@ -1219,7 +1218,6 @@ async fn a_service_with_a_null_condition_time_is_followed_to_its_delete() -> Res
         use reconcilers::service_cache::record::Name;
         repair
             .shared_services()
-            .store()
             .read()
             .get(&(Name::new("shop"), Name::new("lifecycle")))
             .map(|record| record.resource_version)
@@ -1657,7 +1655,7 @@ async fn caches_are_synced_only_when_complete() -> Result<()> {
     let mut unsynced_passes = 0;
     loop {
         {
-            let state = services.store().read();
+            let state = services.read();
             if state.synced {
                 assert_eq!(state.len(), expected, "a synced cache holds every Service");
                 break;
@@ -1666,7 +1664,7 @@ async fn caches_are_synced_only_when_complete() -> Result<()> {
         match repair.reconcile(&ctx(&client, false)).await {
             Err(LoopError::NotSynced(_)) => unsynced_passes += 1,
             Err(err) => bail!("a pass before the caches synced: {err}"),
-            Ok(report) => assert!(services.store().is_synced(), "{report:?}"),
+            Ok(report) => assert!(services.read().synced, "{report:?}"),
         }
         if tokio::time::Instant::now() > deadline {
             bail!("the Service cache never synced");

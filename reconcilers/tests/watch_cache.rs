@@ -37,8 +37,8 @@ async fn reads_come_from_the_cache_only_while_it_is_proven_current() {
     api.create(&PostParams::default(), &config_map("a", "1"))
         .await
         .unwrap();
-    let cache = WatchCache::new(
-        api.clone(),
+    let cache = WatchCache::of(
+        &api,
         watcher::Config::default().labels("app=x"),
         &CacheBudget::default(),
     );
@@ -163,8 +163,8 @@ async fn an_event_that_cannot_be_decoded_makes_the_cache_list_again() {
     api.create(&PostParams::default(), &config_map("a", "1"))
         .await
         .unwrap();
-    let cache = WatchCache::new(
-        api.clone(),
+    let cache = WatchCache::of(
+        &api,
         watcher::Config::default().labels("app=x"),
         &CacheBudget::default(),
     );
@@ -225,11 +225,7 @@ async fn a_cache_over_its_budget_drops_its_contents_and_says_so() {
         None,
         &mut prometheus_client::registry::Registry::default(),
     );
-    let cache = WatchCache::new(
-        api.clone(),
-        watcher::Config::default().labels("app=x"),
-        &budget,
-    );
+    let cache = WatchCache::of(&api, watcher::Config::default().labels("app=x"), &budget);
     let mut events = drive(cache.take_events().unwrap());
     eventually("the cache lists", || async { cache.current().is_some() }).await;
     assert_eq!(budget.held().0, 2);

@@ -31,7 +31,7 @@ use crate::alloc::IpFamily;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt};
 use crate::findings::ReportOnce;
 use crate::section::Settings;
-use crate::watch_cache::{WatchCache, watch_trigger};
+use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
 
 pub use super::metrics::EndpointsMetrics;
 
@@ -72,11 +72,11 @@ pub struct ApiserverEndpointsLoop {
     /// at TTL, not at TTL + interval.
     next_expiry: WakeAt,
     /// The objects each pass reads, kept by the watches that are also this loop's triggers.
-    endpoints: WatchCache<Endpoints>,
-    slices: WatchCache<EndpointSlice>,
-    leases: WatchCache<MemberLease>,
+    endpoints: WatchCache<Lenient<Endpoints>>,
+    slices: WatchCache<Lenient<EndpointSlice>>,
+    leases: WatchCache<Lenient<MemberLease>>,
     /// The Service the endpoints serve: its IP family is theirs.
-    service: WatchCache<Service>,
+    service: WatchCache<Lenient<Service>>,
     /// Unusable membership Leases, logged once each while they stay.
     lease_problems: ReportOnce<String>,
     /// Other writers already named, by object.
@@ -99,18 +99,18 @@ impl ApiserverEndpointsLoop {
         let slices = format!("{SERVICE_NAME_LABEL}={}", target.service_name);
         let leases = member_selector(&target.service_name);
         Self {
-            endpoints: WatchCache::new(Api::namespaced(client.clone(), here), named(), budget),
-            slices: WatchCache::new(
-                Api::namespaced(client.clone(), here),
+            endpoints: WatchCache::of(&Api::namespaced(client.clone(), here), named(), budget),
+            slices: WatchCache::of(
+                &Api::namespaced(client.clone(), here),
                 watcher::Config::default().labels(&slices),
                 budget,
             ),
-            leases: WatchCache::new(
-                Api::namespaced(client.clone(), &section.lease_namespace),
+            leases: WatchCache::of(
+                &Api::namespaced(client.clone(), &section.lease_namespace),
                 watcher::Config::default().labels(&leases),
                 budget,
             ),
-            service: WatchCache::new(Api::namespaced(client.clone(), here), named(), budget),
+            service: WatchCache::of(&Api::namespaced(client.clone(), here), named(), budget),
             named_writers: std::sync::Mutex::default(),
             lease_problems: ReportOnce::new(),
             section: section.clone(),

@@ -12,13 +12,14 @@ use kube::runtime::watcher;
 use super::lease::MemberLease;
 use crate::budget::{CacheError, CacheEvent};
 use crate::contract::Trigger;
+use crate::watch_cache::Lenient;
 
 /// The Lease watch as a trigger, minus plain renewals: with N members a renewal arrives every
 /// interval/N, and each would cost the leader a pass that finds nothing. A Lease fires when it
 /// appears, goes, changes address, or is renewed after it had expired (a member coming back).
 pub(super) fn lease_trigger<S>(stream: S, fallback_ttl: Duration) -> Trigger
 where
-    S: futures::Stream<Item = CacheEvent<MemberLease>> + Send + 'static,
+    S: futures::Stream<Item = CacheEvent<Lenient<MemberLease>>> + Send + 'static,
 {
     let mut seen: BTreeMap<String, (IpAddr, Timestamp)> = BTreeMap::new();
     stream
@@ -28,7 +29,7 @@ where
                     seen.clear();
                     false
                 }
-                Ok(watcher::Event::InitApply(lease)) => {
+                Ok(watcher::Event::InitApply(Lenient(lease))) => {
                     if let (Some(name), Ok(member)) = (
                         lease.metadata.name.clone(),
                         super::lease::observe(&lease, fallback_ttl),
@@ -38,7 +39,7 @@ where
                     false
                 }
                 Ok(watcher::Event::InitDone) => true,
-                Ok(watcher::Event::Apply(lease)) => {
+                Ok(watcher::Event::Apply(Lenient(lease))) => {
                     let name = lease.metadata.name.clone().unwrap_or_default();
                     match super::lease::observe(&lease, fallback_ttl) {
                         Ok(member) => {
@@ -53,7 +54,7 @@ where
                         Err(_) => seen.remove(&name).is_some(),
                     }
                 }
-                Ok(watcher::Event::Delete(lease)) => {
+                Ok(watcher::Event::Delete(Lenient(lease))) => {
                     seen.remove(&lease.metadata.name.clone().unwrap_or_default());
                     true
                 }
@@ -78,8 +79,8 @@ mod tests {
     use super::*;
     use crate::apiserver_endpoints::lease::OwnLease;
 
-    fn lease(ip: &str, renewed: Timestamp) -> MemberLease {
-        MemberLease(
+    fn lease(ip: &str, renewed: Timestamp) -> Lenient<MemberLease> {
+        Lenient(MemberLease(
             OwnLease {
                 namespace: "kube-system".into(),
                 service_name: "kubernetes".into(),
@@ -89,7 +90,7 @@ mod tests {
                 ttl: Duration::from_secs(15),
             }
             .renewed(None, renewed),
-        )
+        ))
     }
 
     #[tokio::test]

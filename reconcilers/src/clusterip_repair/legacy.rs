@@ -22,7 +22,7 @@ use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
 use crate::section::ServiceName;
 use crate::service_cache::record::{ClusterIp, ServiceRecord};
-use crate::service_cache::store::Store;
+use crate::watch_cache::WatchCache;
 
 /// The bitmaps of the configured ranges, primary first.
 pub(super) struct LegacyIpBitmaps {
@@ -109,7 +109,7 @@ impl LegacyIpBitmaps {
     pub(super) async fn pass(
         &self,
         ctx: &PassContext,
-        services: &std::sync::Arc<Store<ServiceRecord>>,
+        services: &WatchCache<ServiceRecord>,
         recorder: &Recorder,
         count: &(dyn Fn(&'static str) + Sync),
         report: &mut PassReport,

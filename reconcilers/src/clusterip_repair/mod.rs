@@ -49,8 +49,8 @@ use crate::alloc::ServiceRange;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::ServiceRecord;
-use crate::service_cache::store::{SharedStore, Store, reflect};
 use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
+use crate::watch_cache::WatchCache;
 pub use apply::new_ip_address;
 use apply::{
     Outcome, Verdict, action_of, create_ip_address, delete_ip_address, drift_of, object_reference,
@@ -191,11 +191,10 @@ pub struct ClusterIpRepair {
     client: Client,
     section: Section,
     metrics: RepairMetrics,
-    services: Arc<Store<ServiceRecord>>,
-    /// The Service cache's feed, shared with the NodePort repair ([`Self::shared_services`]).
-    shared_services: Arc<SharedStore<ServiceRecord>>,
-    ip_addresses: Arc<Store<IpAddressRecord>>,
-    service_cidrs: Arc<Store<ServiceCidrRecord>>,
+    /// Shared with the NodePort repair ([`Self::shared_services`]).
+    services: WatchCache<ServiceRecord>,
+    ip_addresses: WatchCache<IpAddressRecord>,
+    service_cidrs: WatchCache<ServiceCidrRecord>,
     /// What discovery found, once it answered.
     discovered: Mutex<Option<Served>>,
     /// Whether the legacy bitmaps left alone were logged.
@@ -230,7 +229,8 @@ impl ClusterIpRepair {
         settings: &Settings,
         registry: &mut Registry,
     ) -> Self {
-        Self::with_services(client, section, settings, Arc::default(), registry)
+        let services = WatchCache::every(client.clone(), section.page_size, &settings.cache_budget);
+        Self::with_services(client, section, settings, services, registry)
     }
 
     /// [`Self::new`] with a Service cache other loops may share (whichever subscribes first
@@ -239,12 +239,13 @@ impl ClusterIpRepair {
         client: Client,
         section: Section,
         settings: &Settings,
-        shared_services: Arc<SharedStore<ServiceRecord>>,
+        services: WatchCache<ServiceRecord>,
         registry: &mut Registry,
     ) -> Self {
         // Events name this controller (upstream's reasons, not its reporting controller), so
         // nobody mistakes them for kube-apiserver's own repair.
         let reporter = settings.reporter();
+        let budget = &settings.cache_budget;
         let legacy = settings.etcd.as_ref().map(|etcd| LegacySlot {
             etcd: etcd.clone(),
             kubernetes_service: settings.kubernetes_service.clone(),
@@ -260,13 +261,12 @@ impl ClusterIpRepair {
             ),
             reported: crate::findings::ReportOnce::new(),
             recorder: Recorder::new(client.clone(), reporter),
+            ip_addresses: WatchCache::every(client.clone(), section.page_size, budget),
+            service_cidrs: WatchCache::every(client.clone(), section.page_size, budget),
             client,
             section,
             metrics: RepairMetrics::register(registry),
-            services: shared_services.store().clone(),
-            shared_services,
-            ip_addresses: Arc::new(Store::within(settings.cache_budget.clone())),
-            service_cidrs: Arc::new(Store::within(settings.cache_budget.clone())),
+            services,
             discovered: Mutex::new(None),
             legacy_skip_logged: std::sync::atomic::AtomicBool::new(false),
             wakeup: Arc::default(),
@@ -275,8 +275,8 @@ impl ClusterIpRepair {
 
     /// The Service cache this loop keeps, for other loops that read Services: the process then
     /// watches Services once.
-    pub fn shared_services(&self) -> Arc<SharedStore<ServiceRecord>> {
-        self.shared_services.clone()
+    pub fn shared_services(&self) -> WatchCache<ServiceRecord> {
+        self.services.clone()
     }
 
     pub fn metrics(&self) -> &RepairMetrics {
@@ -687,11 +687,7 @@ impl Reconciler for ClusterIpRepair {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        let (client, page_size) = (self.client.clone(), self.section.page_size);
-        let services = self
-            .shared_services
-            .subscribe(|store| reflect(client, page_size, store));
-        let mut triggers = vec![services, self.wakeup.clone().stream()];
+        let mut triggers = vec![self.services.subscribe(), self.wakeup.clone().stream()];
         if let Some(legacy) = &self.legacy {
             triggers.push(legacy.triggers());
         }
@@ -701,8 +697,10 @@ impl Reconciler for ClusterIpRepair {
         // IPAddress and ServiceCIDR caches only where the API serves them.
         let client = self.client.clone();
         let mode = self.section.mode;
-        let ip_store = self.ip_addresses.clone();
-        let cidr_store = self.service_cidrs.clone();
+        let caches = futures::stream::select(
+            self.ip_addresses.subscribe(),
+            self.service_cidrs.subscribe(),
+        );
         let gated = futures::stream::once(async move {
             let served = if mode == RepairMode::IpAddress {
                 Served::IpAddressApi
@@ -727,11 +725,7 @@ impl Reconciler for ClusterIpRepair {
                 discovered.unwrap_or(Served::NoIpAddressApi)
             };
             match served {
-                Served::IpAddressApi => futures::stream::select(
-                    reflect(client.clone(), page_size, ip_store),
-                    reflect(client, page_size, cidr_store),
-                )
-                .boxed(),
+                Served::IpAddressApi => caches.boxed(),
                 Served::NoIpAddressApi => futures::stream::pending().boxed(),
             }
         })

@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use crate::alloc::IpFamily;
 use crate::service_cache::record::{LeanMeta, Name, Token, null_as_default, version_of};
-use crate::service_cache::store::Cached;
+use crate::watch_cache::Cached;
 
 /// Label naming the controller that manages an IPAddress.
 pub const LABEL_MANAGED_BY: &str = "ipaddress.kubernetes.io/managed-by";
@@ -424,7 +424,7 @@ impl Cached for IpAddressRecord {
     fn project(object: &IpAddressObject) -> Self {
         IpAddressRecord::from(object)
     }
-    fn cache_key(&self) -> Self::Key {
+    fn key(&self) -> Self::Key {
         self.name.clone()
     }
 }
@@ -435,7 +435,7 @@ impl Cached for ServiceCidrRecord {
     fn project(object: &ServiceCidrObject) -> Self {
         ServiceCidrRecord::from(object)
     }
-    fn cache_key(&self) -> Self::Key {
+    fn key(&self) -> Self::Key {
         self.name.clone()
     }
 }

@@ -12,7 +12,7 @@ use crate::section::{
     self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
     validate_page_size,
 };
-use crate::service_cache::store;
+use crate::watch_cache;
 
 /// Which repair to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,7 +67,7 @@ impl Default for Section {
             interval: DEFAULT_INTERVAL,
             mode: RepairMode::Auto,
             orphan_grace_period: DEFAULT_ORPHAN_GRACE_PERIOD,
-            page_size: store::DEFAULT_PAGE_SIZE,
+            page_size: watch_cache::DEFAULT_PAGE_SIZE,
             rebuild_bitmap_on_range_change: false,
         }
     }
@@ -94,7 +94,7 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let services = context.services();
+        let services = context.services(self.page_size);
         let built = ClusterIpRepair::with_services(
             context.client.clone(),
             self.clone(),

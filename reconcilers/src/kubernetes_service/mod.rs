@@ -36,7 +36,7 @@ use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::findings::ReportOnce;
 use crate::section::{ServiceName, Settings};
 use crate::service_range::{RangeError, ServiceRanges};
-use crate::watch_cache::{WatchCache, watch_trigger};
+use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
 
 mod apply;
 mod metrics;
@@ -76,7 +76,7 @@ pub struct KubernetesServiceLoop {
     /// Writes the API refused, reported once each while the refusal lasts.
     refusals: ReportOnce<Refusal>,
     /// The Service, kept by the watch that is also this loop's trigger.
-    cache: WatchCache<Service>,
+    cache: WatchCache<Lenient<Service>>,
     /// `serviceClusterIPRange`, or the `kubernetes` ServiceCIDR's ranges when it is not set.
     ranges: ServiceRanges,
 }
@@ -90,8 +90,8 @@ impl KubernetesServiceLoop {
         client: kube::Client,
         registry: &mut Registry,
     ) -> Self {
-        let cache = WatchCache::new(
-            Api::namespaced(client.clone(), &section.namespace),
+        let cache = WatchCache::of(
+            &Api::namespaced(client.clone(), &section.namespace),
             watcher::Config::default().fields(&format!("metadata.name={}", section.name)),
             &settings.cache_budget,
         );

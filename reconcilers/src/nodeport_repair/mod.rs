@@ -24,7 +24,6 @@ mod metrics;
 pub mod plan;
 mod section;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -41,7 +40,7 @@ use crate::legacy_alloc::{LegacyBitmap, Subject};
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::live::Liveness;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_cache::store::{SharedStore, reflect};
+use crate::watch_cache::WatchCache;
 pub use metrics::NodePortMetrics;
 pub use plan::{Finding, Problem};
 pub use section::{DEFAULT_INTERVAL, Section};
@@ -57,13 +56,12 @@ pub const RANGE_MISMATCH_REASON: &str = "NodePortRangeMismatch";
 
 /// The NodePort repair loop.
 pub struct NodePortRepair {
-    client: Client,
     section: Section,
     /// `serviceNodePortRange`.
     range: PortRange,
     /// The `kubernetes` Service: a bitmap range mismatch is reported in an event about it.
     kubernetes_service: ServiceName,
-    services: Arc<SharedStore<ServiceRecord>>,
+    services: WatchCache<ServiceRecord>,
     recorder: Recorder,
     reported: ReportOnce<Finding>,
     metrics: NodePortMetrics,
@@ -78,7 +76,7 @@ impl NodePortRepair {
         client: Client,
         section: Section,
         settings: &Settings,
-        services: Option<Arc<SharedStore<ServiceRecord>>>,
+        services: Option<WatchCache<ServiceRecord>>,
         registry: &mut Registry,
     ) -> Self {
         // Events name this controller (upstream's reasons, not its reporting controller), so
@@ -116,8 +114,9 @@ impl NodePortRepair {
         });
         Self {
             recorder: Recorder::new(client.clone(), reporter),
-            client,
-            services: services.unwrap_or_default(),
+            services: services.unwrap_or_else(|| {
+                WatchCache::every(client.clone(), section.page_size, &settings.cache_budget)
+            }),
             section,
             range,
             kubernetes_service: settings.kubernetes_service.clone(),
@@ -128,9 +127,8 @@ impl NodePortRepair {
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        let store = self.services.store();
         let scan = {
-            let state = store.read();
+            let state = self.services.read();
             if !state.synced {
                 return Err(LoopError::NotSynced(
                     "Service cache has not synced yet".to_owned(),
@@ -226,11 +224,7 @@ impl Reconciler for NodePortRepair {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        let (client, page_size) = (self.client.clone(), self.section.page_size);
-        let mut triggers = vec![
-            self.services
-                .subscribe(|store| reflect(client, page_size, store)),
-        ];
+        let mut triggers = vec![self.services.subscribe()];
         if let Some(etcd) = &self.etcd {
             triggers.push(etcd.watch());
         }

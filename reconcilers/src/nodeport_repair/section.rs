@@ -12,7 +12,7 @@ use crate::section::{
     BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
     validate_interval, validate_page_size,
 };
-use crate::service_cache::store;
+use crate::watch_cache;
 
 /// Upstream's interval (the repair runs every 3 minutes).
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(180);
@@ -42,7 +42,7 @@ impl Default for Section {
         Section {
             enabled: true,
             interval: DEFAULT_INTERVAL,
-            page_size: store::DEFAULT_PAGE_SIZE,
+            page_size: watch_cache::DEFAULT_PAGE_SIZE,
             rebuild_bitmap_on_range_change: false,
         }
     }
@@ -64,7 +64,7 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let services = context.services();
+        let services = context.services(self.page_size);
         Ok(vec![Arc::new(NodePortRepair::new(
             context.client.clone(),
             self.clone(),

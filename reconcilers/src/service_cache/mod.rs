@@ -1,25 +1,36 @@
 //! The Service cache the ClusterIP and NodePort repairs share: every Service, projected to a
-//! compact record ([`record`]) as the watch delivers it, kept by the projecting reflector of
-//! [`store`] (which also keeps the ClusterIP repair's IPAddress and ServiceCIDR caches). One
-//! watch of Services per process: both get the cache from
-//! [`crate::section::BuildContext::services`], and the first to subscribe feeds it.
+//! compact record ([`record`]) as the watch delivers it, kept by a
+//! [`WatchCache`](crate::watch_cache::WatchCache). One watch of Services per process: both get the cache from [`crate::section::BuildContext::services`], and
+//! the first to subscribe feeds it.
 
 pub mod live;
 pub mod record;
-pub mod store;
 
 use kube::Client;
+use kube::api::{Api, ListParams};
 use tracing::warn;
 
-use record::ServiceRecord;
+use record::{ServiceObject, ServiceRecord};
 
-/// Every Service, listed now; `None` (logged) when the list fails.
+/// Every Service, listed now page by page: a read as fresh as the API's, for a decision no cache
+/// may take alone (releasing a leaked bit of a bitmap in etcd). `None` (logged) when any page
+/// fails.
 pub async fn fresh_services(client: &Client, page_size: u32) -> Option<Vec<ServiceRecord>> {
-    match store::list_fresh::<ServiceRecord>(client, page_size).await {
-        Ok(services) => Some(services),
-        Err(err) => {
-            warn!(error = %err, "cannot list the Services to confirm a leak; it stays held");
-            None
+    let api: Api<ServiceObject> = Api::all(client.clone());
+    let mut services = Vec::new();
+    let mut params = ListParams::default().limit(page_size);
+    loop {
+        let page = match api.list(&params).await {
+            Ok(page) => page,
+            Err(err) => {
+                warn!(error = %err, "cannot list the Services to confirm a leak; it stays held");
+                return None;
+            }
+        };
+        services.extend(page.items.iter().map(ServiceRecord::from));
+        match page.metadata.continue_ {
+            Some(token) if !token.is_empty() => params = params.continue_token(&token),
+            _ => return Some(services),
         }
     }
 }

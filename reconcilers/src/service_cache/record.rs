@@ -463,6 +463,17 @@ impl From<&ServiceObject> for ServiceRecord {
     }
 }
 
+impl crate::watch_cache::Cached for ServiceRecord {
+    type Object = ServiceObject;
+    type Key = (Name, Name);
+    fn project(object: &ServiceObject) -> Self {
+        ServiceRecord::from(object)
+    }
+    fn key(&self) -> Self::Key {
+        (self.namespace.clone(), self.name.clone())
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

@@ -28,7 +28,7 @@ use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
 use crate::findings::ReportOnce;
 use crate::section::Settings;
 use crate::service_range::DEFAULT_SERVICE_CIDR;
-use crate::watch_cache::{WatchCache, watch_trigger};
+use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
 
 mod apply;
 mod plan;
@@ -80,7 +80,7 @@ pub struct DefaultServiceCidr {
     served: Arc<Mutex<Option<bool>>>,
     client: Client,
     /// The default ServiceCIDR, kept by the watch that is also this loop's trigger.
-    cache: WatchCache<ServiceCIDR>,
+    cache: WatchCache<Lenient<ServiceCIDR>>,
 }
 
 impl DefaultServiceCidr {
@@ -97,8 +97,8 @@ impl DefaultServiceCidr {
             ranges: settings.service_ranges.clone(),
             reported: ReportOnce::new(),
             served: Arc::new(Mutex::new(None)),
-            cache: WatchCache::new(
-                Api::all(client.clone()),
+            cache: WatchCache::of(
+                &Api::all(client.clone()),
                 watcher::Config::default().fields(&format!("metadata.name={DEFAULT_SERVICE_CIDR}")),
                 &settings.cache_budget,
             ),

@@ -24,7 +24,7 @@ use prometheus_client::registry::Registry;
 use crate::budget::CacheBudget;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::metrics::{loop_registry, registered};
-use crate::watch_cache::{WatchCache, watch_trigger};
+use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
 
 mod apply;
 mod plan;
@@ -43,7 +43,7 @@ pub struct SystemNamespaces {
     config: Section,
     api: Api<Namespace>,
     /// Every namespace, kept by a watch that is also the loop's trigger.
-    cache: WatchCache<Namespace>,
+    cache: WatchCache<Lenient<Namespace>>,
     missing: Gauge,
     /// Namespaces reported stuck terminating: warned about once when each gets stuck.
     stuck: crate::findings::ReportOnce<String>,
@@ -61,7 +61,7 @@ impl SystemNamespaces {
         registry: &mut Registry,
     ) -> Self {
         let api: Api<Namespace> = Api::all(client.clone());
-        let cache = WatchCache::new(api.clone(), watcher::Config::default(), budget);
+        let cache = WatchCache::of(&api, watcher::Config::default(), budget);
         let missing = registered(
             loop_registry(registry, NAME),
             "missing",
