@@ -68,8 +68,20 @@ impl NodePortRepair {
             .await
             .map_err(|err| LoopError::Other(format!("NodePort bitmap in etcd: {err}")))?;
         report.drift.extend(pass.drift);
+        self.report_findings(ctx, etcd, scan, pass.new).await
+    }
+
+    /// The new findings of a bitmap pass: counted, and each repair's event published (a range
+    /// mismatch is reported with its event or not at all: the next pass tries again).
+    async fn report_findings(
+        &self,
+        ctx: &PassContext,
+        etcd: &LegacyBitmap,
+        scan: &plan::Scan,
+        new: Vec<BitmapFinding>,
+    ) -> Result<(), LoopError> {
         let mut unpublished = None;
-        for finding in pass.new {
+        for finding in new {
             match finding {
                 BitmapFinding::NotAllocated(offset) => {
                     self.count("repair");
