@@ -158,86 +158,103 @@ impl LegacyIpBitmaps {
                 .await
                 .map_err(|err| LoopError::Other(format!("ClusterIP bitmap in etcd: {err}")))?;
             report.drift.extend(pass.drift);
-            let mut unpublished = None;
-            for finding in pass.new {
-                match finding {
-                    BitmapFinding::NotAllocated(offset) => {
-                        count("repair");
-                        if !ctx.dry_run
-                            && let Some((namespace, name, uid)) = owners.get(&offset)
-                        {
-                            let family = match range.family() {
-                                IpFamily::V4 => "IPv4",
-                                IpFamily::V6 => "IPv6",
-                            };
-                            let note = format!(
-                                "Cluster IP [{family}]:{} is not allocated; repairing",
-                                bitmap.item(offset)
-                            );
-                            // The bitmap is repaired either way; the event is best effort here.
-                            let _ = publish(
-                                recorder,
-                                (namespace.as_str(), name.as_str(), uid.as_str()),
-                                "ClusterIPNotAllocated",
-                                note,
-                            )
-                            .await;
-                        }
-                    }
-                    BitmapFinding::Released(offset) => {
-                        count("leak");
-                        if !ctx.dry_run {
-                            let service = &self.kubernetes_service;
-                            let note = format!(
-                                "Cluster IP {} appeared to have leaked (no Service holds it); \
-                                 released it from the allocation bitmap",
-                                bitmap.item(offset)
-                            );
-                            let regarding = (service.namespace.as_str(), service.name.as_str(), "");
-                            // Released either way; the event is best effort here.
-                            let _ = publish(recorder, regarding, "ClusterIPReleased", note).await;
-                        }
-                    }
-                    BitmapFinding::RangeMismatch(ref stored) => {
-                        if !ctx.dry_run {
-                            let service = &self.kubernetes_service;
-                            let note = bitmap.range_mismatch_note(stored);
-                            let regarding = (service.namespace.as_str(), service.name.as_str(), "");
-                            if let Err(err) =
-                                publish(recorder, regarding, RANGE_MISMATCH_REASON, note).await
-                            {
-                                // Reported with its event or not at all: the next pass tries
-                                // again.
-                                bitmap.forget(&finding);
-                                unpublished.get_or_insert(err);
-                                continue;
-                            }
-                        }
-                        count("rangeMismatch");
-                    }
-                    // The bitmap rebuilt under the configured range (or its range filled in).
-                    BitmapFinding::RangeRebuilt(ref stored) => {
-                        count("repair");
-                        if !ctx.dry_run {
-                            let service = &self.kubernetes_service;
-                            let note = format!(
-                                "rebuilt the ClusterIP allocation bitmap under the configured \
-                                 range (stored under {stored:?})"
-                            );
-                            let regarding = (service.namespace.as_str(), service.name.as_str(), "");
-                            let _ =
-                                publish(recorder, regarding, "ClusterIPBitmapRebuilt", note).await;
-                        }
-                    }
-                    BitmapFinding::Unusable(_) => count("invalid"),
-                    BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
-                }
-            }
-            if let Some(err) = unpublished {
-                return Err(LoopError::Api(err));
-            }
+            self.report_findings(ctx, bitmap, range, &owners, recorder, count, pass.new)
+                .await?;
         }
         Ok(())
+    }
+
+    /// The new findings of one bitmap's pass: counted, and each repair's event published (a
+    /// range mismatch is reported with its event or not at all: the next pass tries again).
+    #[allow(clippy::too_many_arguments)]
+    async fn report_findings(
+        &self,
+        ctx: &PassContext,
+        bitmap: &LegacyBitmap,
+        range: &ServiceRange,
+        owners: &HashMap<usize, (String, String, String)>,
+        recorder: &Recorder,
+        count: &(dyn Fn(&'static str) + Sync),
+        new: Vec<BitmapFinding>,
+    ) -> Result<(), LoopError> {
+        let mut unpublished = None;
+        for finding in new {
+            match finding {
+                BitmapFinding::NotAllocated(offset) => {
+                    count("repair");
+                    if !ctx.dry_run
+                        && let Some((namespace, name, uid)) = owners.get(&offset)
+                    {
+                        let family = match range.family() {
+                            IpFamily::V4 => "IPv4",
+                            IpFamily::V6 => "IPv6",
+                        };
+                        let note = format!(
+                            "Cluster IP [{family}]:{} is not allocated; repairing",
+                            bitmap.item(offset)
+                        );
+                        // The bitmap is repaired either way; the event is best effort here.
+                        let _ = publish(
+                            recorder,
+                            (namespace.as_str(), name.as_str(), uid.as_str()),
+                            "ClusterIPNotAllocated",
+                            note,
+                        )
+                        .await;
+                    }
+                }
+                BitmapFinding::Released(offset) => {
+                    count("leak");
+                    if !ctx.dry_run {
+                        let service = &self.kubernetes_service;
+                        let note = format!(
+                            "Cluster IP {} appeared to have leaked (no Service holds it); \
+                             released it from the allocation bitmap",
+                            bitmap.item(offset)
+                        );
+                        let regarding = (service.namespace.as_str(), service.name.as_str(), "");
+                        // Released either way; the event is best effort here.
+                        let _ = publish(recorder, regarding, "ClusterIPReleased", note).await;
+                    }
+                }
+                BitmapFinding::RangeMismatch(ref stored) => {
+                    if !ctx.dry_run {
+                        let service = &self.kubernetes_service;
+                        let note = bitmap.range_mismatch_note(stored);
+                        let regarding = (service.namespace.as_str(), service.name.as_str(), "");
+                        if let Err(err) =
+                            publish(recorder, regarding, RANGE_MISMATCH_REASON, note).await
+                        {
+                            // Reported with its event or not at all: the next pass tries
+                            // again.
+                            bitmap.forget(&finding);
+                            unpublished.get_or_insert(err);
+                            continue;
+                        }
+                    }
+                    count("rangeMismatch");
+                }
+                // The bitmap rebuilt under the configured range (or its range filled in).
+                BitmapFinding::RangeRebuilt(ref stored) => {
+                    count("repair");
+                    if !ctx.dry_run {
+                        let service = &self.kubernetes_service;
+                        let note = format!(
+                            "rebuilt the ClusterIP allocation bitmap under the configured \
+                             range (stored under {stored:?})"
+                        );
+                        let regarding = (service.namespace.as_str(), service.name.as_str(), "");
+                        let _ = publish(recorder, regarding, "ClusterIPBitmapRebuilt", note).await;
+                    }
+                }
+                BitmapFinding::Unusable(_) => count("invalid"),
+                BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
+            }
+        }
+        match unpublished {
+            Some(err) => Err(LoopError::Api(err)),
+            None => Ok(()),
+        }
     }
 }
 
