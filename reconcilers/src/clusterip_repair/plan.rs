@@ -88,6 +88,25 @@ pub struct ServiceOwner {
     pub name: Name,
 }
 
+impl ServiceOwner {
+    fn of(svc: &ServiceRecord) -> Self {
+        Self {
+            namespace: svc.namespace.clone(),
+            name: svc.name.clone(),
+        }
+    }
+}
+
+impl ObjectVersion {
+    /// The version a delete of `existing` is conditional on.
+    fn of(existing: &IpAddressRecord) -> Self {
+        Self {
+            uid: existing.uid.to_string().into(),
+            resource_version: existing.resource_version.to_string().into(),
+        }
+    }
+}
+
 /// Why deleting an IPAddress is right; re-checked against the live API before the delete.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeleteGround {
@@ -481,10 +500,7 @@ fn sync_service_ip<'a>(
             error_type: Some("repair"),
             repair: Repair::Create {
                 ip,
-                owner: ServiceOwner {
-                    namespace: svc.namespace.clone(),
-                    name: svc.name.clone(),
-                },
+                owner: ServiceOwner::of(svc),
             },
             shared_with: None,
         });
@@ -503,18 +519,9 @@ fn sync_allocated_ip<'a>(
     claims: &mut Claims<'a>,
     phase: &mut ServicePhase,
 ) {
-    let regarding = || Regarding::service(svc);
-    let owner = || ServiceOwner {
-        namespace: svc.namespace.clone(),
-        name: svc.name.clone(),
-    };
     let this = (&*svc.namespace, &*svc.name);
     let family = IpFamily::of(ip);
     let existing = index.ip_addresses[at as usize];
-    let existing_version = || ObjectVersion {
-        uid: existing.uid.to_string().into(),
-        resource_version: existing.resource_version.to_string().into(),
-    };
     let parent = existing.parent.as_ref();
     let parent_is_this =
         parent.is_some_and(|p| p.is_service() && (&*p.namespace, &*p.name) == this);
@@ -524,7 +531,7 @@ fn sync_allocated_ip<'a>(
         if parent_is_this {
             phase.findings.push(Finding {
                 kind: "ipaddress_foreign_manager",
-                regarding: regarding(),
+                regarding: Regarding::service(svc),
                 event: None,
                 error_type: None,
                 repair: Repair::None,
@@ -536,34 +543,7 @@ fn sync_allocated_ip<'a>(
         return;
     }
 
-    let wrong_reference = |dangling_parent: Option<ServiceOwner>| Finding {
-        kind: "ipaddress_wrong_reference",
-        regarding: regarding(),
-        event: Some(EventSpec {
-            reason: "ClusterIPNotAllocated",
-            action: ACTION_CLUSTERIP_ALLOCATION,
-            note: format!(
-                "the ClusterIP [{family}]: {ip} for Service {}/{} has a wrong reference; repairing",
-                svc.namespace, svc.name
-            ),
-        }),
-        error_type: Some("repair"),
-        repair: Repair::Recreate {
-            ip,
-            owner: owner(),
-            existing: existing_version(),
-            was: match &dangling_parent {
-                Some(gone) => format!(
-                    "IPAddress {ip} for Service {}/{}, which does not exist",
-                    gone.namespace, gone.name
-                ),
-                None => format!("IPAddress {ip} {}", parent_words(parent)),
-            }
-            .into(),
-            dangling_parent,
-        },
-        shared_with: None,
-    };
+    let wrong_reference = |dangling| wrong_reference(svc, ip, existing, dangling);
 
     match parent {
         Some(p) if p.is_service() => {
@@ -606,25 +586,70 @@ fn sync_allocated_ip<'a>(
         phase.matched.push(at);
     } else if !labels_right {
         phase.rewritten.push(at);
-        phase.findings.push(Finding {
-            kind: "ipaddress_wrong_labels",
-            regarding: regarding(),
-            event: None,
-            error_type: None,
-            repair: Repair::Recreate {
-                ip,
-                owner: owner(),
-                existing: existing_version(),
-                dangling_parent: None,
-                was: format!(
-                    "IPAddress {ip} {}, {}",
-                    parent_words(parent),
-                    label_words(&existing.labels)
-                )
-                .into(),
-            },
-            shared_with: None,
-        });
+        phase.findings.push(wrong_labels(svc, ip, existing));
+    }
+}
+
+/// The IPAddress of `svc`'s cluster IP `ip` (`existing`) references another object, or a
+/// Service that does not exist (`dangling_parent`): recreated for `svc`.
+fn wrong_reference(
+    svc: &ServiceRecord,
+    ip: IpAddr,
+    existing: &IpAddressRecord,
+    dangling_parent: Option<ServiceOwner>,
+) -> Finding {
+    let family = IpFamily::of(ip);
+    Finding {
+        kind: "ipaddress_wrong_reference",
+        regarding: Regarding::service(svc),
+        event: Some(EventSpec {
+            reason: "ClusterIPNotAllocated",
+            action: ACTION_CLUSTERIP_ALLOCATION,
+            note: format!(
+                "the ClusterIP [{family}]: {ip} for Service {}/{} has a wrong reference; repairing",
+                svc.namespace, svc.name
+            ),
+        }),
+        error_type: Some("repair"),
+        repair: Repair::Recreate {
+            ip,
+            owner: ServiceOwner::of(svc),
+            existing: ObjectVersion::of(existing),
+            was: match &dangling_parent {
+                Some(gone) => format!(
+                    "IPAddress {ip} for Service {}/{}, which does not exist",
+                    gone.namespace, gone.name
+                ),
+                None => format!("IPAddress {ip} {}", parent_words(existing.parent.as_ref())),
+            }
+            .into(),
+            dangling_parent,
+        },
+        shared_with: None,
+    }
+}
+
+/// The IPAddress of `svc`'s cluster IP `ip` (`existing`) lacks the labels upstream's allocator
+/// gives it: recreated with them.
+fn wrong_labels(svc: &ServiceRecord, ip: IpAddr, existing: &IpAddressRecord) -> Finding {
+    Finding {
+        kind: "ipaddress_wrong_labels",
+        regarding: Regarding::service(svc),
+        event: None,
+        error_type: None,
+        repair: Repair::Recreate {
+            ip,
+            owner: ServiceOwner::of(svc),
+            existing: ObjectVersion::of(existing),
+            dangling_parent: None,
+            was: format!(
+                "IPAddress {ip} {}, {}",
+                parent_words(existing.parent.as_ref()),
+                label_words(&existing.labels)
+            )
+            .into(),
+        },
+        shared_with: None,
     }
 }
 
