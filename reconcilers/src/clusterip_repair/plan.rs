@@ -756,34 +756,21 @@ fn sync_ip_address(
     if !ip.managed_by_ipallocator() || ip.deleting {
         return;
     }
-    let existing = || ObjectVersion {
-        uid: ip.uid.to_string().into(),
-        resource_version: ip.resource_version.to_string().into(),
-    };
     let parent = match ip.parent.as_ref() {
         Some(parent) if parent.is_service() => parent,
         other => {
-            decision.findings.push(Finding {
-                kind: "ipaddress_not_a_service",
-                regarding: Regarding::ip_address(ip),
-                event: Some(EventSpec {
-                    reason: "IPAddressNotAllocated",
-                    action: ACTION_IPADDRESS_ALLOCATION,
-                    note: format!(
-                        "IPAddress {} appears to have been modified, not referencing a Service {}: cleaning up",
-                        ip.name,
-                        go_parent_ref(other)
-                    ),
-                }),
-                error_type: Some("leak"),
-                repair: Repair::Delete {
-                    name: ip.name.to_string().into(),
-                    existing: existing(),
-                    ground: DeleteGround::NotAService,
-                    was: format!("IPAddress {} {}", ip.name, parent_words(other)).into(),
-                },
-                shared_with: None,
-            });
+            decision.findings.push(clean_up(
+                ip,
+                "ipaddress_not_a_service",
+                "IPAddressNotAllocated",
+                format!(
+                    "IPAddress {} appears to have been modified, not referencing a Service {}: cleaning up",
+                    ip.name,
+                    go_parent_ref(other)
+                ),
+                format!("IPAddress {} {}", ip.name, parent_words(other)),
+                DeleteGround::NotAService,
+            ));
             return;
         }
     };
@@ -799,33 +786,23 @@ fn sync_ip_address(
                 Some(at) if at >= now => {
                     decision.recheck_by(at);
                 }
-                _ => decision.findings.push(Finding {
-                    kind: "ipaddress_leaked",
-                    regarding: Regarding::ip_address(ip),
-                    event: Some(EventSpec {
-                        reason: "IPAddressNotAllocated",
-                        action: ACTION_IPADDRESS_ALLOCATION,
-                        note: format!(
-                            "IPAddress: {} for Service {}/{} appears to have leaked: cleaning up",
-                            ip.name, parent.namespace, parent.name
-                        ),
-                    }),
-                    error_type: Some("leak"),
-                    repair: Repair::Delete {
-                        name: ip.name.to_string().into(),
-                        existing: existing(),
-                        was: format!(
-                            "IPAddress {} for Service {}/{}, which does not exist",
-                            ip.name, parent.namespace, parent.name
-                        )
-                        .into(),
-                        ground: DeleteGround::ParentGone {
-                            namespace: parent.namespace.clone(),
-                            name: parent.name.clone(),
-                        },
+                _ => decision.findings.push(clean_up(
+                    ip,
+                    "ipaddress_leaked",
+                    "IPAddressNotAllocated",
+                    format!(
+                        "IPAddress: {} for Service {}/{} appears to have leaked: cleaning up",
+                        ip.name, parent.namespace, parent.name
+                    ),
+                    format!(
+                        "IPAddress {} for Service {}/{}, which does not exist",
+                        ip.name, parent.namespace, parent.name
+                    ),
+                    DeleteGround::ParentGone {
+                        namespace: parent.namespace.clone(),
+                        name: parent.name.clone(),
                     },
-                    shared_with: None,
-                }),
+                )),
             }
         }
         Some(svc) => {
@@ -833,35 +810,54 @@ fn sync_ip_address(
             if !listed && let Some(at) = written_ahead_of_its_service(ip, svc, now) {
                 decision.recheck_by(at);
             } else if !listed {
-                decision.findings.push(Finding {
-                    kind: "ipaddress_wrong_parent",
-                    regarding: Regarding::ip_address(ip),
-                    event: Some(EventSpec {
-                        reason: "IPAddressWrongReference",
-                        action: ACTION_IPADDRESS_ALLOCATION,
-                        note: format!(
-                            "IPAddress: {} for Service {}/{} has a wrong reference; cleaning up",
-                            ip.name, svc.namespace, svc.name
-                        ),
-                    }),
-                    error_type: Some("leak"),
-                    repair: Repair::Delete {
-                        name: ip.name.to_string().into(),
-                        existing: existing(),
-                        was: format!(
-                            "IPAddress {} for Service {}/{}, which does not list it",
-                            ip.name, svc.namespace, svc.name
-                        )
-                        .into(),
-                        ground: DeleteGround::ParentDoesNotList {
-                            namespace: svc.namespace.clone(),
-                            name: svc.name.clone(),
-                        },
+                decision.findings.push(clean_up(
+                    ip,
+                    "ipaddress_wrong_parent",
+                    "IPAddressWrongReference",
+                    format!(
+                        "IPAddress: {} for Service {}/{} has a wrong reference; cleaning up",
+                        ip.name, svc.namespace, svc.name
+                    ),
+                    format!(
+                        "IPAddress {} for Service {}/{}, which does not list it",
+                        ip.name, svc.namespace, svc.name
+                    ),
+                    DeleteGround::ParentDoesNotList {
+                        namespace: svc.namespace.clone(),
+                        name: svc.name.clone(),
                     },
-                    shared_with: None,
-                });
+                ));
             }
         }
+    }
+}
+
+/// An IPAddress deleted as a leak, on `ground`, with upstream's event (`reason`, `note`); `was`
+/// says what it was.
+fn clean_up(
+    ip: &IpAddressRecord,
+    kind: &'static str,
+    reason: &'static str,
+    note: String,
+    was: String,
+    ground: DeleteGround,
+) -> Finding {
+    Finding {
+        kind,
+        regarding: Regarding::ip_address(ip),
+        event: Some(EventSpec {
+            reason,
+            action: ACTION_IPADDRESS_ALLOCATION,
+            note,
+        }),
+        error_type: Some("leak"),
+        repair: Repair::Delete {
+            name: ip.name.to_string().into(),
+            existing: ObjectVersion::of(ip),
+            was: was.into(),
+            ground,
+        },
+        shared_with: None,
     }
 }
 
