@@ -150,88 +150,102 @@ pub async fn execute(cli: Cli) -> ExitCode {
             }
             sidecar_manifest(&args)
         }
-        Command::Config(ConfigCommand::Validate) => {
-            let Some(file) = cli.config.config.clone() else {
-                return config_error(&ConfigErrors(vec![ConfigError::new(
-                    "--config",
-                    "config validate checks the file given with --config FILE (or \
-                     BOOTSTRAP_CONFIG); none was given",
-                )]));
-            };
-            print_variable_warnings();
-            match load_config(&cli.config) {
-                Ok(_) => {
-                    println!("{}: configuration is valid", file.display());
-                    ExitCode::from(EXIT_OK)
-                }
-                Err(errors) => config_error(&errors),
-            }
+        Command::Config(ConfigCommand::Validate) => config_validate(&cli.config),
+        Command::Config(ConfigCommand::Print) => config_print(&cli.config),
+        Command::Run => run_command(&cli.config).await,
+        Command::Check { timeout, output } => check_command(&cli.config, &timeout, output).await,
+    }
+}
+
+/// `config validate`: every error of the file given with `--config`, or that it is valid.
+fn config_validate(args: &ConfigArgs) -> ExitCode {
+    let Some(file) = args.config.clone() else {
+        return config_error(&ConfigErrors(vec![ConfigError::new(
+            "--config",
+            "config validate checks the file given with --config FILE (or \
+             BOOTSTRAP_CONFIG); none was given",
+        )]));
+    };
+    print_variable_warnings();
+    match load_config(args) {
+        Ok(_) => {
+            println!("{}: configuration is valid", file.display());
+            ExitCode::from(EXIT_OK)
         }
-        Command::Config(ConfigCommand::Print) => {
-            print_variable_warnings();
-            match load_config(&cli.config) {
-                Ok(config) => match config.to_yaml() {
-                    Ok(yaml) => {
-                        print!("{yaml}");
-                        ExitCode::from(EXIT_OK)
-                    }
-                    Err(err) => {
-                        eprintln!("error: cannot print the configuration: {err}");
-                        ExitCode::from(EXIT_DRIFT_OR_FAILURE)
-                    }
-                },
-                Err(errors) => config_error(&errors),
+        Err(errors) => config_error(&errors),
+    }
+}
+
+/// `config print`: the effective configuration as YAML.
+fn config_print(args: &ConfigArgs) -> ExitCode {
+    print_variable_warnings();
+    match load_config(args) {
+        Ok(config) => match config.to_yaml() {
+            Ok(yaml) => {
+                print!("{yaml}");
+                ExitCode::from(EXIT_OK)
             }
-        }
-        Command::Run => match load_config(&cli.config) {
-            Ok(config) if config.tenants.is_some() => {
-                let allowed = config
-                    .tenants
-                    .as_ref()
-                    .map(|tenants| tenants.etcd_allowed_cidrs.clone())
-                    .unwrap_or_default();
-                // Every tenant's configuration starts from the file: one the tenants cannot
-                // use is refused now, not once per tenant.
-                match TenantBase::load(&cli.config).and_then(|base| {
-                    let base = base.allowing_etcd_in(allowed);
-                    base.tenant(None)?;
-                    Ok(base)
-                }) {
-                    Ok(base) => run(config, Some(base)).await,
-                    Err(errors) => config_error(&errors),
-                }
+            Err(err) => {
+                eprintln!("error: cannot print the configuration: {err}");
+                ExitCode::from(EXIT_DRIFT_OR_FAILURE)
             }
-            Ok(config) => run(config, None).await,
-            Err(errors) => config_error(&errors),
         },
-        Command::Check { timeout, output } => {
-            let timeout = match parse_duration(&timeout) {
-                Ok(timeout) if !timeout.is_zero() => timeout,
-                Ok(_) => {
-                    return config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
-                        "--timeout",
-                        "must be greater than zero (e.g. 30s)",
-                    )]));
-                }
-                Err(err) => {
-                    return config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
-                        "--timeout",
-                        err.to_string(),
-                    )]));
-                }
-            };
-            match load_config(&cli.config) {
-                Ok(config) if config.tenants.is_some() => {
-                    config_error(&ConfigErrors(vec![crate::config::ConfigError::new(
-                        "--tenants-secret-selector",
-                        "check works on one cluster: point --kubeconfig at one tenant's \
-                         kubeconfig and leave the tenants settings out",
-                    )]))
-                }
-                Ok(config) => check(config, timeout, output).await,
+        Err(errors) => config_error(&errors),
+    }
+}
+
+/// `run`: one cluster, or (with the tenants settings) management mode.
+async fn run_command(args: &ConfigArgs) -> ExitCode {
+    match load_config(args) {
+        Ok(config) if config.tenants.is_some() => {
+            let allowed = config
+                .tenants
+                .as_ref()
+                .map(|tenants| tenants.etcd_allowed_cidrs.clone())
+                .unwrap_or_default();
+            // Every tenant's configuration starts from the file: one the tenants cannot
+            // use is refused now, not once per tenant.
+            match TenantBase::load(args).and_then(|base| {
+                let base = base.allowing_etcd_in(allowed);
+                base.tenant(None)?;
+                Ok(base)
+            }) {
+                Ok(base) => run(config, Some(base)).await,
                 Err(errors) => config_error(&errors),
             }
         }
+        Ok(config) => run(config, None).await,
+        Err(errors) => config_error(&errors),
+    }
+}
+
+/// `check`: one dry-run pass of every loop against one cluster.
+async fn check_command(args: &ConfigArgs, timeout: &str, output: OutputFormat) -> ExitCode {
+    let timeout = match parse_duration(timeout) {
+        Ok(timeout) if !timeout.is_zero() => timeout,
+        Ok(_) => {
+            return config_error(&ConfigErrors(vec![ConfigError::new(
+                "--timeout",
+                "must be greater than zero (e.g. 30s)",
+            )]));
+        }
+        Err(err) => {
+            return config_error(&ConfigErrors(vec![ConfigError::new(
+                "--timeout",
+                err.to_string(),
+            )]));
+        }
+    };
+    match load_config(args) {
+        Ok(config) if config.tenants.is_some() => {
+            config_error(&ConfigErrors(vec![ConfigError::new(
+                "--tenants-secret-selector",
+                "check works on one cluster: point --kubeconfig at one tenant's kubeconfig and \
+                 leave the tenants settings out",
+            )]))
+        }
+        Ok(config) => check(config, timeout, output).await,
+        Err(errors) => config_error(&errors),
     }
 }
 
