@@ -869,14 +869,17 @@ pub const UNLISTED_GRACE: jiff::SignedDuration = jiff::SignedDuration::from_secs
 
 /// When an IPAddress its Service does not list turns deletable, if it is still in
 /// [`UNLISTED_GRACE`]: only one created after its Service can be waiting for the Service's
-/// update; one older than its Service was left behind by a Service of the same name.
+/// update; one older than its Service was left behind by a Service of the same name. Creation
+/// times have whole seconds, so one of the same second as its Service may be the newer (a
+/// Service created as ExternalName and at once changed to ClusterIP): it waits too, as waiting
+/// costs a few seconds and deleting it would free an IP about to be in use.
 fn written_ahead_of_its_service(
     ip: &IpAddressRecord,
     svc: &ServiceRecord,
     now: jiff::Timestamp,
 ) -> Option<jiff::Timestamp> {
     let (ip_created, svc_created) = (ip.created?, svc.created?);
-    if ip_created <= svc_created {
+    if ip_created < svc_created {
         return None;
     }
     let at = ip_created.checked_add(UNLISTED_GRACE).ok()?;
@@ -1566,6 +1569,12 @@ mod tests {
         assert_eq!(in_grace.next_recheck, Some(at(7)));
         // "...not in grace period": at t+10 the Service has had its time to list it.
         assert_eq!(reasons(&decide_at(at(2), at(10))), wrong_reference);
+        // Written in the Service's own second (an ExternalName Service changed to ClusterIP
+        // at once): it may be the newer, so it waits as well.
+        let same_second = decide_at(at(1), at(1));
+        assert_eq!(same_second.findings, []);
+        assert_eq!(same_second.next_recheck, Some(at(6)));
+        assert_eq!(reasons(&decide_at(at(1), at(7))), wrong_reference);
     }
 
     #[test]
