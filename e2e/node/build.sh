@@ -209,8 +209,9 @@ conformance() {
     mv "$coredns_out.partial" "$coredns_out"
   fi
 
-  # agnhost as upstream's image has it (test/images/agnhost/Dockerfile: alpine, its busybox sh,
-  # and the tools the tests run in it: bash, curl, netcat-openbsd's nc, iproute2's ip and ss).
+  # agnhost as upstream's image has it (test/images/agnhost/Dockerfile: alpine's busybox and the
+  # tools the tests run in it: bash, curl, netcat-openbsd's nc, iproute2's ip and ss). Its sh is
+  # bash: Debian's busybox ash runs its own applets before PATH's, and the tests need nc -v.
   install -D -m 0755 "$conformance_out/bin.partial/agnhost" "$work/agnhost/agnhost"
   ln -s agnhost "$work/agnhost/agnhost-2"
   mkdir -p "$work/agnhost/uploads"
@@ -218,6 +219,7 @@ conformance() {
   install -D -m 0755 /bin/nc.openbsd "$work/agnhost/usr/bin/nc"
   copy_with_libraries "$work/agnhost" /bin/nc.openbsd
   rm -f "$work/agnhost/bin/nc.openbsd"
+  ln -s bash "$work/agnhost/bin/sh"
   busybox_root "$work/agnhost"
   root_image agnhost "$work/agnhost" "$agnhost_image" '["/agnhost"]' '["pause"]'
   # busybox as upstream's (the busybox image: its applets, sh by default).
