@@ -128,8 +128,7 @@ conformance_cached() {
 
 # The tag manifest.go gives image $1 (configs[$1] = Config{list.PromoterE2eRegistry, "name", "tag"}).
 e2e_image() {
-  local manifest tag
-  manifest=$(cd "$here/conformance" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/utils/image/manifest.go
+  local manifest="$k8s_dir/test/utils/image/manifest.go" tag
   tag=$(sed -n "s/^\tconfigs\[$1\] = Config{list.PromoterE2eRegistry, \"\([a-z0-9-]*\)\", \"\([^\"]*\)\"}\$/\1:\2/p" "$manifest")
   if [ -z "$tag" ]; then
     echo "build.sh: no configs[$1] on the promoter registry in $manifest" >&2
@@ -181,7 +180,7 @@ root_image() {
 }
 
 conformance() {
-  local started agnhost_image busybox_image tool work
+  local started agnhost_image busybox_image tool work k8s_dir
   conformance_cached && return 0
   busybox=/bin/busybox
   for tool in "$busybox" /bin/bash /usr/bin/curl /bin/nc.openbsd /usr/sbin/ip /usr/bin/ss; do
@@ -191,9 +190,7 @@ conformance() {
     fi
   done
   started=$(date +%s)
-  echo "build.sh: building e2e.test, kubectl, agnhost $k8s_version, CoreDNS ${coredns_image##*:} and the conformance tests' images (warm Go caches: about 8 minutes; cold: more)" >&2
-  agnhost_image=$(e2e_image Agnhost)
-  busybox_image=$(e2e_image BusyBox)
+  echo "build.sh: building e2e.test, kubectl, agnhost $k8s_version, CoreDNS ${coredns_image##*:} and the conformance tests' images (warm Go caches: under a minute; cold: see BENCHMARKS.md)" >&2
   work=$conformance_out/work
   rm -rf "$conformance_out/bin.partial" "$conformance_out/images.partial" "$work"
   mkdir -p "$conformance_out/bin.partial" "$conformance_out/images.partial" "$work"
@@ -201,6 +198,10 @@ conformance() {
     -o "$conformance_out/bin.partial/e2e.test" k8s.io/kubernetes/test/e2e)
   (cd "$here/conformance" && CGO_ENABLED=0 go build -ldflags "$version_flags" \
     -o "$conformance_out/bin.partial/" k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/test/images/agnhost)
+  # k8s.io/kubernetes's source, which the module cache holds once the builds above downloaded it.
+  k8s_dir=$(cd "$here/conformance" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)
+  agnhost_image=$(e2e_image Agnhost)
+  busybox_image=$(e2e_image BusyBox)
   if [ ! -x "$coredns_out/coredns" ]; then
     rm -rf "$coredns_out.partial"
     (cd "$(dirname "$out")" && CGO_ENABLED=0 GOBIN="$coredns_out.partial" \
@@ -214,6 +215,9 @@ conformance() {
   # bash: Debian's busybox ash runs its own applets before PATH's, and the tests need nc -v.
   install -D -m 0755 "$conformance_out/bin.partial/agnhost" "$work/agnhost/agnhost"
   ln -s agnhost "$work/agnhost/agnhost-2"
+  # porter's TLS ports serve this pair, at / as the Dockerfile adds it.
+  install -m 0644 "$k8s_dir/test/images/agnhost/porter/localhost.crt" \
+    "$k8s_dir/test/images/agnhost/porter/localhost.key" "$work/agnhost/"
   mkdir -p "$work/agnhost/uploads"
   copy_with_libraries "$work/agnhost" /bin/bash /usr/bin/curl /usr/sbin/ip /usr/bin/ss
   install -D -m 0755 /bin/nc.openbsd "$work/agnhost/usr/bin/nc"

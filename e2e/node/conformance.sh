@@ -140,7 +140,8 @@ nsenter --net="/run/netns/$NETNS" "$E2E_TEST" --kubeconfig="$KUBECONFIG" --kubec
   --provider=skeleton --report-dir="$out" --dump-logs-on-failure=false \
   --ginkgo.focus="$focus" --ginkgo.skip="$skip" --ginkgo.no-color --ginkgo.timeout=1h \
   >"$out/e2e.log" 2>&1 || status=$?
-grep -E '^(Ran [0-9]+ of|FAIL!|SUCCESS!|  \[FAIL\])' "$out/e2e.log" >&2 || true
+# -a: the suite's progress line holds non-ASCII bullets.
+grep -a -E '^(Ran [0-9]+ of|FAIL!|SUCCESS!)' "$out/e2e.log" >&2 || true
 say "e2e.test exited with $status"
 
 # --- what passed, against conformance.focus ---
