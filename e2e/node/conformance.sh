@@ -103,14 +103,15 @@ for sidecar in "${sidecars[@]}"; do
   # The config is read at start: a changed annotation makes the kubelet restart the static pod.
   hash=$(sha256sum "$config" | cut -c1-16)
   if grep -q '^  annotations:$' "$manifest"; then
-    echo "conformance.sh: $manifest has annotations already; not changed" >&2
-    exit 1
+    # The pod's annotations (the scenarios before may have added some): one more under them.
+    sed "s/^  annotations:$/&\n    e2e.bootstrap-controller.io\/config: \"$hash\"/" "$manifest" >"$MANIFESTS/.$sidecar.yaml"
+  else
+    sed "s/^metadata:$/&\n  annotations:\n    e2e.bootstrap-controller.io\/config: \"$hash\"/" "$manifest" >"$MANIFESTS/.$sidecar.yaml"
   fi
-  sed "s/^metadata:$/metadata:\n  annotations:\n    bootstrap-controller.test\/config: \"$hash\"/" "$manifest" >"$MANIFESTS/.$sidecar.yaml"
   mv "$MANIFESTS/.$sidecar.yaml" "$manifest"
   pod=$sidecar-$NODE_NAME
   for _ in $(seq 1 120); do
-    [ "$(kubectl -n kube-system get pod "$pod" -o jsonpath='{.metadata.annotations.bootstrap-controller\.test/config}' 2>/dev/null)" = "$hash" ] && break
+    [ "$(kubectl -n kube-system get pod "$pod" -o jsonpath='{.metadata.annotations.e2e\.bootstrap-controller\.io/config}' 2>/dev/null)" = "$hash" ] && break
     sleep 1
   done
   kubectl -n kube-system wait --for=condition=Ready "pod/$pod" --timeout=120s >/dev/null
