@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole suite on a fresh Debian 12 machine, in one command: installs what is missing (Debian
 # packages, Python packages, actionlint, the musl target), builds the real control plane and the
-# real node from their Go modules (cached in target/), runs the real node's scenarios
-# (e2e/node/test.sh) and kind's (e2e/kind/test.sh), then the tests the README lists: cargo test,
-# the packaging tests and the end-to-end suite against a real control plane. `.ci/run` runs it after its lints.
+# real node from their Go modules (cached in target/), runs the real node's scenarios and
+# upstream's conformance tests on it (e2e/node/test.sh) and kind's (e2e/kind/test.sh), then the
+# tests the README lists: cargo test, the packaging tests and the end-to-end suite against a real
+# control plane. `.ci/run` runs it after its lints.
 #
 # Needs: root (apt-get, and the node's namespaces and cgroups), the Rust toolchain (rustup) and
 # Go 1.26 or newer. Everything else it installs.
@@ -111,6 +112,8 @@ fi
 
 # A one-node cluster (kubeadm's layout, containerd, kubelet, kube-proxy, the sidecar as a static
 # pod) in namespaces of its own; installs containerd, runc and the CNI plugins where missing.
+# After its scenarios, upstream's conformance tests of Services, Endpoints, EndpointSlices and
+# ServiceCIDRs run on it (e2e/node/conformance.sh), judged by the audit log as well.
 stage "a real node (e2e/node/test.sh)"
 e2e/node/test.sh
 

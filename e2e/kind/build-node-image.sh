@@ -14,7 +14,7 @@
 #     and a bridge network that containerd writes from the node's pod range (conf_template);
 #   - kubelet, kubeadm and kubectl in /usr/bin, /kind/version;
 #   - the control plane's images (build.sh's archives, a kube-proxy image made here around
-#     the kube-proxy binary and iptables, and CoreDNS built from its module), imported into
+#     the kube-proxy binary and iptables, and CoreDNS as e2e/node/build.sh built it), imported into
 #     containerd's k8s.io namespace when the node starts, before the kubelet
 #     (kind-preload-images.service).
 # kind applies /kind/manifests/default-cni.yaml; here it is a ConfigMap that says where the pod
@@ -23,7 +23,7 @@
 # Cached: the Debian root under target/kind/debian-bookworm-<packages hash>/, the image by a hash
 # of this script and the versions it packs; a second call prints the name.
 #
-# Needs: root, podman, debootstrap, go (for kubectl and crictl), jq.
+# Needs: root, podman, debootstrap, go (for crictl), jq.
 # Usage: e2e/kind/build-node-image.sh          prints the image name
 # Environment: NODE_BUILD, the directory e2e/node/build.sh prints (default: run it).
 set -euo pipefail
@@ -61,21 +61,10 @@ mkdir -p "$cache"
 exec 9>"$cache/build-node-image.lock"
 flock 9
 
-# --- from their Go modules: kubectl at the cluster's version, crictl at kind's, CoreDNS ---
-kubectl_bin="$cache/kubectl-$KUBERNETES_VERSION"
-if [ ! -x "$kubectl_bin" ]; then
-  # k8s.io/kubernetes is built from e2e/node/k8s's go.mod (its replace lines), in a copy: kubectl
-  # needs modules the node's binaries do not, and that go.mod stays as it is.
-  mod="$(mktemp -d)"
-  cp "$root/e2e/node/k8s/go.mod" "$root/e2e/node/k8s/go.sum" "$mod/"
-  sed -i 's#^module .*#module kind-node-kubectl#' "$mod/go.mod"
-  minor=${KUBERNETES_VERSION#v1.}
-  (cd "$mod" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -o "$kubectl_bin.partial" \
-    -ldflags "-X k8s.io/component-base/version.gitVersion=$KUBERNETES_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor%%.*}" \
-    k8s.io/kubernetes/cmd/kubectl)
-  mv "$kubectl_bin.partial" "$kubectl_bin"
-  rm -rf "$mod"
-fi
+# --- kubectl and CoreDNS as the real node's build made them (its conformance tests run both:
+# e2e/node/build.sh, versions.env), crictl at kind's version from its Go module ---
+kubectl_bin="${KUBECTL:-}"
+[ -x "$kubectl_bin" ] || die "no kubectl at '$kubectl_bin' (KUBECTL in $node_build/versions.env): run e2e/node/build.sh"
 # crictl (kind's tools use it in the node) at the version kind's base image builds.
 crictl_version=$(sed -n 's/^ARG CRICTL_VERSION="\(.*\)"$/\1/p' "$kind_src/images/base/Dockerfile")
 [ -n "$crictl_version" ] || die "no CRICTL_VERSION in kind $KIND_VERSION's images/base/Dockerfile"
@@ -84,12 +73,11 @@ if [ ! -x "$crictl_dir/crictl" ]; then
   (cd "$cache" && CGO_ENABLED=0 GOBIN="$crictl_dir" go install "sigs.k8s.io/cri-tools/cmd/crictl@$crictl_version")
 fi
 
-# CoreDNS, which kubeadm deploys, at the version kubeadm names (no replace lines in its go.mod).
+# CoreDNS, which kubeadm deploys, at the version kubeadm names.
 kubeadm_images=$("$node_build/bin/kubeadm" config images list --kubernetes-version "$KUBERNETES_VERSION")
 coredns_image=$(echo "$kubeadm_images" | grep '/coredns:')
-coredns_dir="$cache/coredns-${coredns_image##*:}"
-if [ ! -x "$coredns_dir/coredns" ]; then
-  (cd "$cache" && CGO_ENABLED=0 GOBIN="$coredns_dir" go install "github.com/coredns/coredns@${coredns_image##*:}")
+if [ "$coredns_image" != "${COREDNS_IMAGE:-}" ] || [ ! -x "${COREDNS:-}" ]; then
+  die "kubeadm names $coredns_image; $node_build/versions.env has '${COREDNS_IMAGE:-}' at '${COREDNS:-}': run e2e/node/build.sh"
 fi
 
 # --- the Debian root, once per package list ---
@@ -217,7 +205,7 @@ archive_image() {
 archive_image "$proxy" "registry.k8s.io/kube-proxy:$KUBERNETES_VERSION" kube-proxy
 # CoreDNS FROM scratch, started as its own image is (kubeadm's Deployment gives only arguments).
 mkdir -p "$work/coredns"
-install -m 0755 "$coredns_dir/coredns" "$work/coredns/coredns"
+install -m 0755 "$COREDNS" "$work/coredns/coredns"
 archive_image "$work/coredns" "$coredns_image" coredns --change 'ENTRYPOINT ["/coredns"]'
 
 # kubeadm names etcd by its own default tag for this Kubernetes version; build.sh tags the etcd

@@ -12,6 +12,12 @@
 # version into target/node/helm-<version>/ (beside the directory above), so that a new helm
 # rebuilds nothing else; versions.env names it as HELM.
 #
+# What upstream's conformance tests need (e2e/node/conformance.sh) goes into $out/conformance/:
+# bin/ holds e2e.test and kubectl at the same version (from the module e2e/node/conformance),
+# images/ the archives of agnhost, busybox and CoreDNS under the names the tests and kubeadm give
+# them; CoreDNS itself is built once per version into target/node/coredns-<version>/.
+# versions.env names them (E2E_TEST, KUBECTL, CONFORMANCE_IMAGES, COREDNS, COREDNS_IMAGE).
+#
 # The bootstrap-controller image is built on every call (the binary changes with the tree): the
 # Containerfile's `prebuilt` stage around the musl static binary, as the README tells users,
 # tagged as deploy/sidecar/bootstrap-controller.yaml names it, into
@@ -43,6 +49,10 @@ if [ -z "$helm_version" ]; then
   exit 2
 fi
 helm_out=$(dirname "$out")/helm-$helm_version
+# The version the binaries report is stamped at link time, as e2e/control-plane/build.sh does.
+minor=${k8s_version#v1.}
+minor=${minor%%.*}
+version_flags="-X k8s.io/component-base/version.gitVersion=$k8s_version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 # kubeadm's names: the pause tag kubeadm defaults to for this version, etcd with its real
 # version (up.sh sets etcd.local.imageTag to it: kubeadm would otherwise name another etcd).
 pause_image=registry.k8s.io/pause:3.10.2
@@ -66,16 +76,17 @@ bah() {
 }
 
 # FROM scratch image $2 around the static binary $3 at /usr/local/bin (kubeadm's manifests
-# run the command by name), saved as the docker archive $out/images.partial/$1.tar.
+# run the command by name), saved as the docker archive $1.tar in $4 (default
+# $out/images.partial).
 scratch_image() {
-  local name="$1" tag="$2" binary="$3" ctr
+  local name="$1" tag="$2" binary="$3" archives="${4:-$out/images.partial}" ctr
   ctr=$(bah from scratch)
   bah copy "$ctr" "$binary" "/usr/local/bin/$(basename "$binary")" >/dev/null
   bah config --env PATH=/usr/local/bin:/usr/bin:/bin --entrypoint "[\"/usr/local/bin/$(basename "$binary")\"]" "$ctr"
   bah commit --quiet "$ctr" "localhost/node-build-$name" >/dev/null
   bah rm "$ctr" >/dev/null
-  rm -f "$out/images.partial/$name.tar"
-  bah push --quiet "localhost/node-build-$name" "docker-archive:$out/images.partial/$name.tar:$tag"
+  rm -f "$archives/$name.tar"
+  bah push --quiet "localhost/node-build-$name" "docker-archive:$archives/$name.tar:$tag"
   bah rmi "localhost/node-build-$name" >/dev/null
 }
 
@@ -97,6 +108,135 @@ controller_image() {
   bah rmi localhost/node-build-bootstrap-controller >/dev/null
 }
 
+# Upstream's conformance tests (e2e/node/conformance.sh): e2e.test and kubectl from the module
+# e2e/node/conformance (k8s.io/kubernetes at the same version, with the test-only modules its
+# e2e suite needs), and the images those tests run, FROM scratch under the names
+# test/utils/image/manifest.go gives them (nothing is pulled): agnhost and busybox, and the
+# cluster DNS (CoreDNS at the version kubeadm names, built from its module, which needs no
+# replace lines; kind's node image takes the same binary and kubectl from versions.env).
+conformance_out=$out/conformance
+
+conformance_cached() {
+  local f
+  for f in e2e.test kubectl; do
+    [ -x "$conformance_out/bin/$f" ] || return 1
+  done
+  for f in agnhost busybox coredns; do
+    [ -s "$conformance_out/images/$f.tar" ] || return 1
+  done
+}
+
+# The tag manifest.go gives image $1 (configs[$1] = Config{list.PromoterE2eRegistry, "name", "tag"}).
+e2e_image() {
+  local manifest="$k8s_dir/test/utils/image/manifest.go" tag
+  tag=$(sed -n "s/^\tconfigs\[$1\] = Config{list.PromoterE2eRegistry, \"\([a-z0-9-]*\)\", \"\([^\"]*\)\"}\$/\1:\2/p" "$manifest")
+  if [ -z "$tag" ]; then
+    echo "build.sh: no configs[$1] on the promoter registry in $manifest" >&2
+    return 1
+  fi
+  echo "registry.k8s.io/e2e-test-images/$tag"
+}
+
+# Copies the host's executables $2... into the root $1 at the same paths, with the shared
+# libraries and loader ldd names for them.
+copy_with_libraries() {
+  local rootfs="$1" path lib
+  shift
+  for path in "$@"; do
+    install -D -m 0755 "$path" "$rootfs$path"
+    for lib in $(ldd "$path" | grep -o '/[^ ]*'); do
+      [ -e "$rootfs$lib" ] || install -D -m 0755 "$lib" "$rootfs$lib"
+    done
+  done
+}
+
+# busybox's applets as links in $1/bin, except names the root has already.
+busybox_root() {
+  local rootfs="$1" applet
+  install -D -m 0755 "$busybox" "$rootfs/bin/busybox"
+  for applet in $("$busybox" --list); do
+    [ -e "$rootfs/bin/$applet" ] || [ -e "$rootfs/usr/bin/$applet" ] || ln -s busybox "$rootfs/bin/$applet"
+  done
+  mkdir -p "$rootfs/etc" "$rootfs/tmp" "$rootfs/root"
+  chmod 1777 "$rootfs/tmp"
+  printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$rootfs/etc/passwd"
+  printf 'root:x:0:\nnobody:x:65534:\n' >"$rootfs/etc/group"
+  printf 'hosts: files dns\n' >"$rootfs/etc/nsswitch.conf"
+}
+
+# The root $2 as image $3 (entrypoint $4, command $5, as JSON), saved as $1.tar in the images.
+root_image() {
+  local name="$1" rootfs="$2" tag="$3" entrypoint="$4" cmd="$5" ctr
+  tar -C "$rootfs" -cf "$rootfs.tar" .
+  ctr=$(bah from scratch)
+  bah add "$ctr" "$rootfs.tar" / >/dev/null
+  bah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --entrypoint "$entrypoint" --cmd "$cmd" "$ctr"
+  bah commit --quiet "$ctr" "localhost/node-build-$name" >/dev/null
+  bah rm "$ctr" >/dev/null
+  rm -f "$rootfs.tar" "$conformance_out/images.partial/$name.tar"
+  bah push --quiet "localhost/node-build-$name" "docker-archive:$conformance_out/images.partial/$name.tar:$tag"
+  bah rmi "localhost/node-build-$name" >/dev/null
+}
+
+conformance() {
+  local started agnhost_image busybox_image tool work k8s_dir
+  conformance_cached && return 0
+  busybox=/bin/busybox
+  for tool in "$busybox" /bin/bash /usr/bin/curl /bin/nc.openbsd /usr/sbin/ip /usr/bin/ss; do
+    if [ ! -x "$tool" ]; then
+      echo "build.sh: the conformance tests' images take $tool from this machine (Debian: apt-get install busybox-static bash curl netcat-openbsd iproute2)" >&2
+      return 2
+    fi
+  done
+  started=$(date +%s)
+  echo "build.sh: building e2e.test, kubectl, agnhost $k8s_version, CoreDNS ${coredns_image##*:} and the conformance tests' images (warm Go caches: under a minute; cold: see BENCHMARKS.md)" >&2
+  work=$conformance_out/work
+  rm -rf "$conformance_out/bin.partial" "$conformance_out/images.partial" "$work"
+  mkdir -p "$conformance_out/bin.partial" "$conformance_out/images.partial" "$work"
+  (cd "$here/conformance" && CGO_ENABLED=0 go test -c -vet=off -ldflags "$version_flags" \
+    -o "$conformance_out/bin.partial/e2e.test" k8s.io/kubernetes/test/e2e)
+  (cd "$here/conformance" && CGO_ENABLED=0 go build -ldflags "$version_flags" \
+    -o "$conformance_out/bin.partial/" k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/test/images/agnhost)
+  # k8s.io/kubernetes's source, which the module cache holds once the builds above downloaded it.
+  k8s_dir=$(cd "$here/conformance" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)
+  agnhost_image=$(e2e_image Agnhost)
+  busybox_image=$(e2e_image BusyBox)
+  if [ ! -x "$coredns_out/coredns" ]; then
+    rm -rf "$coredns_out.partial"
+    (cd "$(dirname "$out")" && CGO_ENABLED=0 GOBIN="$coredns_out.partial" \
+      go install "github.com/coredns/coredns@${coredns_image##*:}")
+    rm -rf "$coredns_out"
+    mv "$coredns_out.partial" "$coredns_out"
+  fi
+
+  # agnhost as upstream's image has it (test/images/agnhost/Dockerfile: alpine's busybox and the
+  # tools the tests run in it: bash, curl, netcat-openbsd's nc, iproute2's ip and ss). Its sh is
+  # bash: Debian's busybox ash runs its own applets before PATH's, and the tests need nc -v.
+  install -D -m 0755 "$conformance_out/bin.partial/agnhost" "$work/agnhost/agnhost"
+  ln -s agnhost "$work/agnhost/agnhost-2"
+  # porter's TLS ports serve this pair, at / as the Dockerfile adds it.
+  install -m 0644 "$k8s_dir/test/images/agnhost/porter/localhost.crt" \
+    "$k8s_dir/test/images/agnhost/porter/localhost.key" "$work/agnhost/"
+  mkdir -p "$work/agnhost/uploads"
+  copy_with_libraries "$work/agnhost" /bin/bash /usr/bin/curl /usr/sbin/ip /usr/bin/ss
+  install -D -m 0755 /bin/nc.openbsd "$work/agnhost/usr/bin/nc"
+  copy_with_libraries "$work/agnhost" /bin/nc.openbsd
+  rm -f "$work/agnhost/bin/nc.openbsd"
+  ln -s bash "$work/agnhost/bin/sh"
+  busybox_root "$work/agnhost"
+  root_image agnhost "$work/agnhost" "$agnhost_image" '["/agnhost"]' '["pause"]'
+  # busybox as upstream's (the busybox image: its applets, sh by default).
+  busybox_root "$work/busybox"
+  root_image busybox "$work/busybox" "$busybox_image" '[]' '["sh"]'
+  scratch_image coredns "$coredns_image" "$coredns_out/coredns" "$conformance_out/images.partial"
+
+  rm -rf "$work" "${conformance_out:?}/bin" "$conformance_out/images"
+  mv "$conformance_out/bin.partial" "$conformance_out/bin"
+  mv "$conformance_out/images.partial" "$conformance_out/images"
+  echo "build.sh: conformance binaries and images built in $(($(date +%s) - started)) s into $conformance_out" >&2
+}
+
 mkdir -p "$(dirname "$out")"
 # Tests may call this at once: one builds, the others wait and find the result.
 exec 9>"$out.lock"
@@ -114,10 +254,6 @@ if ! cached; then
   rm -rf "$out/bin.partial" "$out/images.partial"
   mkdir -p "$out/bin.partial" "$out/images.partial"
   export CGO_ENABLED=0
-  # The version the binaries report is stamped at link time, as e2e/control-plane/build.sh does.
-  minor=${k8s_version#v1.}
-  minor=${minor%%.*}
-  version_flags="-X k8s.io/component-base/version.gitVersion=$k8s_version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
   (cd "$here/k8s" && go build -ldflags "$version_flags" -o "$out/bin.partial/" \
     k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy k8s.io/kubernetes/cmd/kubeadm \
     k8s.io/kubernetes/cmd/kube-scheduler)
@@ -150,6 +286,10 @@ if [ ! -x "$helm_out/helm" ]; then
   mv "$helm_out.partial" "$helm_out"
   echo "build.sh: helm $helm_version built in $(($(date +%s) - started)) s into $helm_out" >&2
 fi
+# kubeadm names the CoreDNS it deploys for this version.
+coredns_image=$("$out/bin/kubeadm" config images list --kubernetes-version "$k8s_version" | grep '/coredns:')
+coredns_out=$(dirname "$out")/coredns-${coredns_image##*:}
+conformance >&2
 started=$(date +%s)
 controller_image >&2
 echo "build.sh: bootstrap-controller image $controller_image built in $(($(date +%s) - started)) s" >&2
@@ -159,5 +299,10 @@ echo "build.sh: bootstrap-controller image $controller_image built in $(($(date 
   echo "PAUSE_IMAGE=$pause_image"
   echo "CONTROLLER_IMAGE=$controller_image"
   echo "HELM=$helm_out/helm"
+  echo "E2E_TEST=$conformance_out/bin/e2e.test"
+  echo "KUBECTL=$conformance_out/bin/kubectl"
+  echo "CONFORMANCE_IMAGES=$conformance_out/images"
+  echo "COREDNS=$coredns_out/coredns"
+  echo "COREDNS_IMAGE=$coredns_image"
 } >"$out/versions.env"
 echo "$out"

@@ -3,10 +3,14 @@
 # first test shows the API unreachable from a pod until the sidecar lists it, and installs it as
 # the README says), runs pytest against it (test_node.py, the sidecar; then test_node_chart.py,
 # the Helm chart with build.sh's helm, beside the sidecar and in management mode with a tenant
-# control plane), and removes it with down.sh whatever happens. DIR is kept when a test fails
-# (its logs), removed when all pass. A scenario that skips fails the run: nothing is expected to.
+# control plane), then upstream's conformance tests against the same node and the sidecar
+# pytest leaves (conformance.sh: the specs of conformance.focus, then the audit logs read for the
+# controller's writes to the tests' objects), and removes it with down.sh whatever happens. DIR is
+# kept when a test fails (its logs), removed when all pass. A scenario that skips fails the run:
+# nothing is expected to.
 #
 # Usage: e2e/node/test.sh [pytest options, e.g. -k killed]
+# NODE_CONFORMANCE=0 leaves the conformance tests out (and says so), e.g. beside -k.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -37,5 +41,10 @@ if grep -Eq '^=+ .*[0-9]+ skipped' "$dir/pytest-output"; then
   echo "test.sh: a scenario skipped on the node (listed above with its reason); none is expected to" >&2
   exit 1
 fi
-echo "test.sh: not checked against the node: nothing (no scenario skipped)"
+if [ "${NODE_CONFORMANCE:-1}" = 0 ]; then
+  echo "test.sh: not checked against the node: upstream's conformance tests (NODE_CONFORMANCE=0)"
+else
+  "$here/conformance.sh" "$dir"
+  echo "test.sh: not checked against the node: nothing (no scenario skipped, the conformance tests ran)"
+fi
 status=0

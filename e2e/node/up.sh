@@ -101,6 +101,9 @@ need openssl || missing+=(openssl)
 need curl || missing+=(curl)
 need ip || missing+=(iproute2)
 [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+# The conformance tests' images (build.sh) take their shell tools from these.
+[ -x /bin/busybox ] || missing+=(busybox-static)
+[ -x /bin/nc.openbsd ] || missing+=(netcat-openbsd)
 if [ "${#missing[@]}" -gt 0 ]; then
   apt-get update -qq
   # containerd's package would start its service where systemd runs; the node runs its own.
