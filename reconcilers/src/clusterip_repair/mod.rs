@@ -22,6 +22,7 @@
 //! ([`ClusterIpRepair::keeps_legacy_bitmaps`] says why).
 
 mod apply;
+pub mod audit;
 mod legacy;
 pub mod metrics;
 pub mod model;
@@ -55,8 +56,9 @@ pub use apply::new_ip_address;
 use apply::{
     Outcome, Verdict, action_of, create_ip_address, delete_ip_address, drift_of, object_reference,
 };
+use audit::AuditDecision;
 use model::{IpAddressRecord, ServiceCidrRecord};
-use plan::{AuditDecision, Decision, Finding, Repair};
+use plan::{Decision, Finding, Repair};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "clusterip-repair";
@@ -373,7 +375,7 @@ impl ClusterIpRepair {
                     "Service cache has not synced yet".to_owned(),
                 ));
             }
-            plan::decide_audit_mode(state.values(), &ranges)
+            audit::decide_audit_mode(state.values(), &ranges)
         };
         let AuditDecision { findings, usage } = audit;
         for range in &usage {
