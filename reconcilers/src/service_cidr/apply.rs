@@ -263,58 +263,71 @@ impl DefaultServiceCidr {
                     false,
                 ));
             }
-            Plan::SetReady => {
-                let message =
-                    "default ServiceCIDR matches the configuration; setting Ready=True".to_owned();
-                if ctx.dry_run {
-                    report.push(drift(
-                        "servicecidr_not_ready",
-                        object,
-                        Action::Update,
-                        message,
-                        false,
-                    ));
-                    return Ok(());
-                }
-                // Upstream applies the condition without a reason; ServiceCIDR status conditions
-                // are not validated for one.
-                let status = serde_json::json!({
-                    "apiVersion": "networking.k8s.io/v1",
-                    "kind": "ServiceCIDR",
-                    "metadata": {"name": DEFAULT_SERVICE_CIDR},
-                    "status": {"conditions": [{
-                        "type": "Ready",
-                        "status": "True",
-                        "message": READY_MESSAGE,
-                        "lastTransitionTime": jiff::Timestamp::now().round(jiff::Unit::Second).map_err(|e| LoopError::Other(e.to_string()))?.to_string(),
-                    }]},
-                });
-                let params = PatchParams::apply(CONTROLLER_NAME).force();
-                if let Err(err) = api
-                    .patch_status(DEFAULT_SERVICE_CIDR, &params, &Patch::Apply(&status))
-                    .await
-                {
-                    self.warn_event(
-                        "KubernetesDefaultServiceCIDRError",
-                        "The default ServiceCIDR Status can not be set to Ready=True".to_owned(),
-                    )
-                    .await;
-                    return Err(err.into());
-                }
-                self.repair_event("DefaultServiceCIDRReady", &message).await;
-                report.push(
-                    drift(
-                        "servicecidr_not_ready",
-                        object,
-                        Action::Update,
-                        message,
-                        true,
-                    )
-                    .changed(ready_words(current), "condition Ready=True"),
-                );
-            }
+            Plan::SetReady => self.set_ready(ctx, api, current, object, report).await?,
             Plan::Create | Plan::UpgradeToDualStack | Plan::Terminating | Plan::InSync => {}
         }
+        Ok(())
+    }
+
+    /// Sets the `Ready=True` condition, as upstream applies it (server-side apply, no reason:
+    /// ServiceCIDR status conditions are not validated for one).
+    async fn set_ready(
+        &self,
+        ctx: &PassContext,
+        api: &Api<ServiceCIDR>,
+        current: Option<&ServiceCIDR>,
+        object: &str,
+        report: &mut PassReport,
+    ) -> Result<(), LoopError> {
+        let message =
+            "default ServiceCIDR matches the configuration; setting Ready=True".to_owned();
+        if ctx.dry_run {
+            report.push(drift(
+                "servicecidr_not_ready",
+                object,
+                Action::Update,
+                message,
+                false,
+            ));
+            return Ok(());
+        }
+        let now = jiff::Timestamp::now()
+            .round(jiff::Unit::Second)
+            .map_err(|e| LoopError::Other(e.to_string()))?;
+        let status = serde_json::json!({
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "ServiceCIDR",
+            "metadata": {"name": DEFAULT_SERVICE_CIDR},
+            "status": {"conditions": [{
+                "type": "Ready",
+                "status": "True",
+                "message": READY_MESSAGE,
+                "lastTransitionTime": now.to_string(),
+            }]},
+        });
+        let params = PatchParams::apply(CONTROLLER_NAME).force();
+        if let Err(err) = api
+            .patch_status(DEFAULT_SERVICE_CIDR, &params, &Patch::Apply(&status))
+            .await
+        {
+            self.warn_event(
+                "KubernetesDefaultServiceCIDRError",
+                "The default ServiceCIDR Status can not be set to Ready=True".to_owned(),
+            )
+            .await;
+            return Err(err.into());
+        }
+        self.repair_event("DefaultServiceCIDRReady", &message).await;
+        report.push(
+            drift(
+                "servicecidr_not_ready",
+                object,
+                Action::Update,
+                message,
+                true,
+            )
+            .changed(ready_words(current), "condition Ready=True"),
+        );
         Ok(())
     }
 }
