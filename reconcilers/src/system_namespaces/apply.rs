@@ -1,6 +1,8 @@
 //! The writes of a namespace's need, each made unless the pass is a dry run, and the drift each
 //! is reported as. Namespaces are created and patched, never deleted or renamed.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Resource;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -66,56 +68,69 @@ impl SystemNamespaces {
                 labels,
                 annotations,
             } => {
-                let keys: Vec<&str> = labels
-                    .keys()
-                    .map(|k| k.as_str())
-                    .chain(annotations.keys().map(|k| k.as_str()))
-                    .collect();
-                let message = format!(
-                    "declared labels/annotations missing or different: {}",
-                    keys.join(", ")
-                );
-                if !ctx.dry_run {
-                    // A merge patch touches only the declared keys, leaving everyone else's alone.
-                    let patch = serde_json::json!({
-                        "metadata": { "labels": labels, "annotations": annotations }
-                    });
-                    let patched = self
-                        .api
-                        .patch(
-                            &spec.name,
-                            &PatchParams {
-                                field_manager: Some(FIELD_MANAGER.into()),
-                                ..PatchParams::default()
-                            },
-                            &Patch::Merge(&patch),
-                        )
-                        .await?;
-                    self.publish(
-                        &patched,
-                        "SystemNamespaceMetadataRestored",
-                        "Update",
-                        format!("restored declared labels/annotations: {}", keys.join(", ")),
-                    )
-                    .await;
-                }
-                let declared: Vec<String> = labels
-                    .iter()
-                    .chain(annotations.iter())
-                    .map(|(key, value)| format!("{key}={value}"))
-                    .collect();
-                Ok(Some(
-                    drift(
-                        "namespace_metadata",
-                        object,
-                        Action::Update,
-                        message.clone(),
-                        !ctx.dry_run,
-                    )
-                    .changed(message, declared.join(", ")),
-                ))
+                self.set_metadata(ctx, spec, object, labels, annotations)
+                    .await
             }
         }
+    }
+
+    /// Merge-patches the declared labels and annotations that are missing or different.
+    async fn set_metadata(
+        &self,
+        ctx: &PassContext,
+        spec: &NamespaceSpec,
+        object: String,
+        labels: BTreeMap<String, String>,
+        annotations: BTreeMap<String, String>,
+    ) -> Result<Option<Drift>, kube::Error> {
+        let keys: Vec<&str> = labels
+            .keys()
+            .map(|k| k.as_str())
+            .chain(annotations.keys().map(|k| k.as_str()))
+            .collect();
+        let message = format!(
+            "declared labels/annotations missing or different: {}",
+            keys.join(", ")
+        );
+        if !ctx.dry_run {
+            // A merge patch touches only the declared keys, leaving everyone else's alone.
+            let patch = serde_json::json!({
+                "metadata": { "labels": labels, "annotations": annotations }
+            });
+            let patched = self
+                .api
+                .patch(
+                    &spec.name,
+                    &PatchParams {
+                        field_manager: Some(FIELD_MANAGER.into()),
+                        ..PatchParams::default()
+                    },
+                    &Patch::Merge(&patch),
+                )
+                .await?;
+            self.publish(
+                &patched,
+                "SystemNamespaceMetadataRestored",
+                "Update",
+                format!("restored declared labels/annotations: {}", keys.join(", ")),
+            )
+            .await;
+        }
+        let declared: Vec<String> = labels
+            .iter()
+            .chain(annotations.iter())
+            .map(|(key, value)| format!("{key}={value}"))
+            .collect();
+        Ok(Some(
+            drift(
+                "namespace_metadata",
+                object,
+                Action::Update,
+                message.clone(),
+                !ctx.dry_run,
+            )
+            .changed(message, declared.join(", ")),
+        ))
     }
 }
 
