@@ -186,6 +186,14 @@ pub fn check(kubeconfig: &Kubeconfig, policy: &CredentialPolicy) -> Vec<Refusal>
             reason: reason.to_owned(),
         });
     };
+    check_clusters(kubeconfig, &mut refuse);
+    check_users(kubeconfig, policy, &mut refuse);
+    refusals
+}
+
+/// The clusters' refused fields: a server reached without TLS, a CA from a file, verification
+/// off, a proxy.
+fn check_clusters(kubeconfig: &Kubeconfig, refuse: &mut dyn FnMut(String, &str)) {
     for named in &kubeconfig.clusters {
         let Some(cluster) = &named.cluster else {
             continue;
@@ -224,6 +232,15 @@ pub fn check(kubeconfig: &Kubeconfig, policy: &CredentialPolicy) -> Vec<Refusal>
             );
         }
     }
+}
+
+/// The users' refused fields: credentials from files, auth providers, plugins the operator
+/// does not allow or that a tenant would steer.
+fn check_users(
+    kubeconfig: &Kubeconfig,
+    policy: &CredentialPolicy,
+    refuse: &mut dyn FnMut(String, &str),
+) {
     for named in &kubeconfig.auth_infos {
         let Some(user) = &named.auth_info else {
             continue;
@@ -281,7 +298,6 @@ pub fn check(kubeconfig: &Kubeconfig, policy: &CredentialPolicy) -> Vec<Refusal>
             }
         }
     }
-    refusals
 }
 
 /// Makes kube run each (allowed) plugin through [`PLUGIN_SUBCOMMAND`]: the allowed path, never
