@@ -47,7 +47,7 @@ use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
-use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::ServiceRecord;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
@@ -528,25 +528,7 @@ impl ClusterIpRepair {
                     continue;
                 }
                 Verdict::Unknown(why) => {
-                    // Looked at again soon; a report waits for a pass that can confirm it.
-                    self.wakeup
-                        .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
-                    if let Some(key) = &report_only {
-                        self.reported.forget(key);
-                    }
-                    if finding.repair.deletes() {
-                        self.metrics
-                            .deferred_deletes
-                            .get_or_create(&[("reason", "verify_failed")])
-                            .inc();
-                    }
-                    info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; deferred");
-                    report.push(drift_of(
-                        &finding,
-                        action,
-                        false,
-                        Some(format!("deferred: {why}")),
-                    ));
+                    report.push(self.deferred(&finding, report_only.as_ref(), &why));
                     continue;
                 }
             }
@@ -602,6 +584,34 @@ impl ClusterIpRepair {
             Some(err) => Err(err),
             None => Ok(report),
         }
+    }
+
+    /// A finding the live read could not confirm: looked at again soon, and a report waits for
+    /// a pass that can confirm it.
+    fn deferred(
+        &self,
+        finding: &Finding,
+        report_only: Option<&ReportKey>,
+        why: &str,
+    ) -> crate::Drift {
+        self.wakeup
+            .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
+        if let Some(key) = report_only {
+            self.reported.forget(key);
+        }
+        if finding.repair.deletes() {
+            self.metrics
+                .deferred_deletes
+                .get_or_create(&[("reason", "verify_failed")])
+                .inc();
+        }
+        info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; deferred");
+        drift_of(
+            finding,
+            action_of(&finding.repair),
+            false,
+            Some(format!("deferred: {why}")),
+        )
     }
 
     /// Carries out one repair of a finding [`apply::verify`] confirmed. The deletes are
