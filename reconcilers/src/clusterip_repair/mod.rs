@@ -588,12 +588,7 @@ impl ClusterIpRepair {
 
     /// A finding the live read could not confirm: looked at again soon, and a report waits for
     /// a pass that can confirm it.
-    fn deferred(
-        &self,
-        finding: &Finding,
-        report_only: Option<&ReportKey>,
-        why: &str,
-    ) -> crate::Drift {
+    fn deferred(&self, finding: &Finding, report_only: Option<&ReportKey>, why: &str) -> Drift {
         self.wakeup
             .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
         if let Some(key) = report_only {
