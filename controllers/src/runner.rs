@@ -254,6 +254,22 @@ enum Wake {
     Cancelled,
 }
 
+/// The fight streak after a successful pass: one more when a triggered pass repaired drift
+/// again, else none; warned about once, when it reaches [`FIGHT_STREAK_THRESHOLD`].
+fn fight_streak_after(streak: u32, triggered_repair: bool) -> u32 {
+    if !triggered_repair {
+        return 0;
+    }
+    let streak = streak.saturating_add(1);
+    if streak == FIGHT_STREAK_THRESHOLD {
+        warn!(
+            passes = streak,
+            "every triggered pass repairs drift again; another controller may be undoing these writes; slowing down triggered passes"
+        );
+    }
+    streak
+}
+
 impl LoopTask {
     async fn run(mut self) {
         let name = self.reconciler.name();
@@ -299,17 +315,7 @@ impl LoopTask {
                     {
                         self.metrics.heal(name, since.elapsed());
                     }
-                    if woken_by_trigger && repaired {
-                        fight_streak = fight_streak.saturating_add(1);
-                        if fight_streak == FIGHT_STREAK_THRESHOLD {
-                            warn!(
-                                passes = fight_streak,
-                                "every triggered pass repairs drift again; another controller may be undoing these writes; slowing down triggered passes"
-                            );
-                        }
-                    } else {
-                        fight_streak = 0;
-                    }
+                    fight_streak = fight_streak_after(fight_streak, woken_by_trigger && repaired);
                     self.succeeded();
                     with_jitter(interval, self.options.jitter)
                 }
