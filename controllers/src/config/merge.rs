@@ -462,10 +462,25 @@ pub(super) fn merge_leader_election(
             .as_ref()
             .map_or(defaults.renew_grace, |source| source.value),
     };
-    if !election.enabled {
-        return election;
+    if election.enabled {
+        check_lease_names(lease_name.as_ref(), lease_namespace.as_ref(), errors);
+        check_lease_durations(
+            &election,
+            lease_duration.as_ref(),
+            renew_grace.as_ref(),
+            errors,
+        );
     }
-    if let Some(source) = &lease_name
+    election
+}
+
+/// The Lease's name and namespace, as the API takes them.
+fn check_lease_names(
+    lease_name: Option<&Source<String>>,
+    lease_namespace: Option<&Source<String>>,
+    errors: &mut Vec<ConfigError>,
+) {
+    if let Some(source) = lease_name
         && let Err(why) = validate_dns1123_subdomain(&source.value)
     {
         errors.push(ConfigError::new(
@@ -476,7 +491,7 @@ pub(super) fn merge_leader_election(
             ),
         ));
     }
-    if let Some(source) = &lease_namespace
+    if let Some(source) = lease_namespace
         && let Err(why) = validate_dns1123_label(&source.value)
     {
         errors.push(ConfigError::new(
@@ -487,8 +502,17 @@ pub(super) fn merge_leader_election(
             ),
         ));
     }
+}
+
+/// The lease duration and the renew grace, together: a grace shorter than the duration.
+fn check_lease_durations(
+    election: &LeaderElection,
+    lease_duration: Option<&Source<Duration>>,
+    renew_grace: Option<&Source<Duration>>,
+    errors: &mut Vec<ConfigError>,
+) {
     // A Lease holds whole seconds (leaseDurationSeconds).
-    if let Some(source) = &lease_duration
+    if let Some(source) = lease_duration
         && source.value.as_secs() < 2
     {
         errors.push(ConfigError::new(
@@ -497,7 +521,7 @@ pub(super) fn merge_leader_election(
         ));
     } else if election.renew_grace.as_secs() < 1 || election.renew_grace >= election.lease_duration
     {
-        match (&renew_grace, &lease_duration) {
+        match (renew_grace, lease_duration) {
             (Some(grace), _) => errors.push(ConfigError::new(
                 grace.field,
                 format!(
@@ -518,7 +542,6 @@ pub(super) fn merge_leader_election(
             (None, None) => {}
         }
     }
-    election
 }
 
 /// A boolean setting: its value, or `default` when it was not given or (with its error noted)
