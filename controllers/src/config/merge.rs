@@ -273,13 +273,12 @@ impl Config {
             .apiserver_count
             .take()
             .map_or(1, |source| apiserver_count(source, &mut errors));
-        if let (Some(address), Some(primary), Some(source)) = (
-            advertise_address,
-            service_cluster_ip_range.first(),
-            advertise_address_source.as_ref(),
-        ) && endpoint_reconciler_type.is_some_and(|mode| mode != EndpointsMode::None)
-        {
-            check_advertise_family(address, primary, source.field, &mut errors);
+        if endpoint_reconciler_type.is_some_and(|mode| mode != EndpointsMode::None) {
+            check_advertise_family(
+                advertise_address_source.as_ref().zip(advertise_address),
+                service_cluster_ip_range.first(),
+                &mut errors,
+            );
         }
         let admin_addr = given
             .admin_addr
@@ -304,6 +303,7 @@ impl Config {
             .unwrap_or_default();
         let budgets = file.tenants.as_ref().and_then(|t| t.cache_budgets.as_ref());
         let tenants = merge_tenants(&mut given, budgets, &mut errors);
+        // In management mode etcd is each tenant's, never the process's.
         let etcd = merge_etcd(given, &mut errors);
         if tenants.is_some() {
             refuse_process_etcd(args, &file, &mut errors);
@@ -610,19 +610,21 @@ fn parsed<T, E: std::fmt::Display>(
         .ok()
 }
 
-/// The public address must be reachable over the primary service family (upstream's
-/// validatePublicIPServiceClusterIPRangeIPFamilies), unless no endpoints are written.
+/// The public address (as given, and parsed) must be reachable over the primary service family
+/// (upstream's validatePublicIPServiceClusterIPRangeIPFamilies), where endpoints are written.
 fn check_advertise_family(
-    address: std::net::IpAddr,
-    primary: &ipnet::IpNet,
-    field: &'static str,
+    address: Option<(&Source<String>, std::net::IpAddr)>,
+    primary: Option<&ipnet::IpNet>,
     errors: &mut Vec<ConfigError>,
 ) {
+    let (Some((source, address)), Some(primary)) = (address, primary) else {
+        return;
+    };
     if address.is_ipv4() == primary.addr().is_ipv4() {
         return;
     }
     errors.push(ConfigError::new(
-        field,
+        source.field,
         format!(
             "{address} is {} but the primary service range {primary} is {} (advertise an \
              address of the primary range's family, or list the other family's range first)",
