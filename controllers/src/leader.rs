@@ -175,19 +175,6 @@ fn role(leader: bool) -> String {
     if leader { "leader" } else { "standby" }.to_owned()
 }
 
-/// The Lease's namespace, created if missing (a fresh cluster's `kube-system` exists; a
-/// namespace of the operator's choosing may not).
-async fn ensure_namespace(client: &kube::Client, name: &str) -> Result<(), kube::Error> {
-    let namespaces = kube::Api::all(client.clone());
-    if lease::ensure_namespace(&namespaces, name).await? {
-        info!(
-            namespace = name,
-            "created the leader-election Lease's namespace"
-        );
-    }
-    Ok(())
-}
-
 /// What the election knows of the Lease, and what it does next.
 #[derive(Debug)]
 struct Election {
@@ -421,7 +408,13 @@ async fn join(
 ) -> bool {
     let mut delays = backoff(settings);
     let mut failure = reconcilers::findings::RepeatedFailure::default();
-    while let Err(err) = ensure_namespace(client, &settings.lease_namespace).await {
+    // A fresh cluster's `kube-system` exists; a namespace of the operator's choosing may not.
+    let namespaces = lease::LeaseNamespaces::new(
+        client.clone(),
+        reconcilers::events::reporter(&settings.identity),
+        "leader-election",
+    );
+    while let Err(err) = namespaces.ensure(&settings.lease_namespace).await {
         let delay = delays.next().unwrap_or(settings.renew_grace);
         health.set_check(
             READYZ_CHECK,

@@ -9,8 +9,17 @@
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::core::Status;
-use kube::runtime::events::{Event, Recorder};
+use kube::runtime::events::{Event, Recorder, Reporter};
 use tracing::info;
+
+/// Who this process's events say they come from: the controller, and this replica (its
+/// `reportingController` is never one of kube-apiserver's own).
+pub fn reporter(identity: &str) -> Reporter {
+    Reporter {
+        controller: "bootstrap-controller".to_owned(),
+        instance: Some(identity.to_owned()),
+    }
+}
 
 /// Publishes `event` about `reference`; an event whose namespace is being deleted or is gone is
 /// dropped (logged at info) and counts as published. Other failures are the caller's.

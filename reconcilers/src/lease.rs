@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::jiff::Timestamp;
+use kube::Resource;
 use kube::api::{Api, ObjectMeta, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 
 use crate::contract::ignore_already_exists;
 
@@ -69,26 +71,74 @@ pub fn is_conflict(err: &kube::Error) -> bool {
     status_code(err) == Some(409)
 }
 
-/// Creates namespace `name` unless it exists; true when this call created it. Read first, so a
+/// Creates the namespace of one of this process's own Leases (leader election, the replica
+/// group) when the cluster lacks it. The Lease writes themselves are this process's bookkeeping;
+/// a namespace it creates is a change to the cluster, so it is reported as every repair is: one
+/// `repaired` line in the runner's shape and one event on the namespace. Read first, so a
 /// namespace that exists needs no `create` right.
-pub async fn ensure_namespace(
-    namespaces: &Api<Namespace>,
-    name: &str,
-) -> Result<bool, kube::Error> {
-    if namespaces.get_opt(name).await?.is_some() {
-        return Ok(false);
+#[derive(Clone)]
+pub struct LeaseNamespaces {
+    api: Api<Namespace>,
+    client: kube::Client,
+    reporter: Reporter,
+    /// The part of the process whose Lease needs it, named in the line's `loop` field.
+    by: &'static str,
+}
+
+impl LeaseNamespaces {
+    pub fn new(client: kube::Client, reporter: Reporter, by: &'static str) -> Self {
+        LeaseNamespaces {
+            api: Api::all(client.clone()),
+            client,
+            reporter,
+            by,
+        }
     }
-    let namespace = Namespace {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            ..ObjectMeta::default()
-        },
-        ..Namespace::default()
-    };
-    Ok(
-        ignore_already_exists(namespaces.create(&PostParams::default(), &namespace).await)?
-            .is_some(),
-    )
+
+    /// Namespace `name`, created unless it exists; true when this call created it.
+    pub async fn ensure(&self, name: &str) -> Result<bool, kube::Error> {
+        if self.api.get_opt(name).await?.is_some() {
+            return Ok(false);
+        }
+        let namespace = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                ..ObjectMeta::default()
+            },
+            ..Namespace::default()
+        };
+        let Some(created) =
+            ignore_already_exists(self.api.create(&PostParams::default(), &namespace).await)?
+        else {
+            return Ok(false);
+        };
+        tracing::info!(
+            "loop" = self.by,
+            object = name,
+            kind = "namespace_missing",
+            action = "create",
+            was = "absent",
+            became = "created",
+            "repaired"
+        );
+        let event = Event {
+            type_: EventType::Normal,
+            reason: "LeaseNamespaceCreated".to_owned(),
+            note: Some(format!(
+                "created missing namespace {name} for the {} Lease",
+                self.by
+            )),
+            action: "Create".to_owned(),
+            secondary: None,
+        };
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        if let Err(err) =
+            crate::events::publish(&recorder, &event, &created.object_ref(&())).await
+        {
+            tracing::warn!(error = %crate::sanitize::Sanitized::new(&err.to_string()), namespace = name, "could not publish the event of a namespace created for a Lease");
+        }
+        Ok(true)
+    }
 }
 
 /// One Lease's liveness as this observer judges it: alive until a lease duration after it last

@@ -56,3 +56,30 @@ async fn each_created_namespace_has_its_event_even_when_default_was_missing() ->
     assert_eq!(regarding, ["default", "kube-node-lease", "kube-public"]);
     Ok(())
 }
+
+/// A namespace this process creates for its own Lease is a repair like any other: it gets an
+/// event from this controller; one that exists is only read.
+#[tokio::test]
+async fn a_namespace_created_for_a_lease_has_its_event() -> Result<()> {
+    let sim = Sim::start(SimConfig {
+        seed_namespaces: vec!["default".into(), "kube-system".into()],
+        ..SimConfig::default()
+    })
+    .await?;
+    let namespaces = reconcilers::lease::LeaseNamespaces::new(
+        sim.client(),
+        reconcilers::events::reporter("replica-a"),
+        "leader-election",
+    );
+
+    assert!(namespaces.ensure("bootstrap").await?);
+    assert!(!namespaces.ensure("bootstrap").await?);
+    assert!(!namespaces.ensure("kube-system").await?);
+
+    let events = common::events_of(&sim, "LeaseNamespaceCreated");
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["regarding"]["name"], "bootstrap");
+    assert_eq!(events[0]["reportingController"], "bootstrap-controller");
+    assert_eq!(events[0]["reportingInstance"], "replica-a");
+    Ok(())
+}

@@ -54,7 +54,6 @@ use std::time::Duration;
 use backon::BackoffBuilder;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
@@ -279,7 +278,11 @@ async fn follow(
         leadership,
     } = following;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &settings.namespace);
-    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let namespaces = reconcilers::lease::LeaseNamespaces::new(
+        client.clone(),
+        reconcilers::events::reporter(&settings.identity),
+        "replica-group",
+    );
     let mut watch = watcher(
         leases.clone(),
         watcher::Config::default().labels(&format!("{REPLICA_LABEL}={}", state.group_label)),
@@ -390,7 +393,7 @@ fn watched(
 /// Writes this replica's Lease (with the view acknowledged, `ack`), within its authority.
 async fn renew(
     leases: &Api<Lease>,
-    namespaces: &Api<Namespace>,
+    namespaces: &reconcilers::lease::LeaseNamespaces,
     state: &mut State,
     ack: Option<u64>,
 ) -> Result<(), WriteError> {

@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use reconcilers::lease;
 use tracing::{debug, info};
@@ -15,7 +14,7 @@ pub(super) use reconcilers::lease::status_code as code;
 /// Creates or replaces this replica's Lease by compare-and-swap; reads only after a lost swap.
 pub(super) async fn write(
     leases: &Api<Lease>,
-    namespaces: &Api<Namespace>,
+    namespaces: &lease::LeaseNamespaces,
     state: &mut State,
     content: &Content,
 ) -> Result<Lease, WriteError> {
@@ -30,9 +29,7 @@ pub(super) async fn write(
                 Err(err) if code(&err) == Some(409) => state.exists = Some(true),
                 Err(err) if code(&err) == Some(404) => {
                     let name = leases_namespace(leases).unwrap_or_default();
-                    if lease::ensure_namespace(namespaces, &name).await? {
-                        info!("created the replica Leases' namespace");
-                    }
+                    namespaces.ensure(&name).await?;
                     continue;
                 }
                 Err(err) => return Err(err.into()),
