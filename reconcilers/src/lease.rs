@@ -132,8 +132,7 @@ impl LeaseNamespaces {
             secondary: None,
         };
         let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
-        if let Err(err) =
-            crate::events::publish(&recorder, &event, &created.object_ref(&())).await
+        if let Err(err) = crate::events::publish(&recorder, &event, &created.object_ref(&())).await
         {
             tracing::warn!(error = %crate::sanitize::Sanitized::new(&err.to_string()), namespace = name, "could not publish the event of a namespace created for a Lease");
         }
