@@ -9,8 +9,8 @@
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::core::Status;
-use kube::runtime::events::{Event, Recorder, Reporter};
-use tracing::info;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use tracing::{info, warn};
 
 /// Who this process's events say they come from: the controller, and this replica (its
 /// `reportingController` is never one of kube-apiserver's own).
@@ -18,6 +18,48 @@ pub fn reporter(identity: &str) -> Reporter {
     Reporter {
         controller: "bootstrap-controller".to_owned(),
         instance: Some(identity.to_owned()),
+    }
+}
+
+/// Publishes an event about `reference` whose note is `note` sanitized (it may carry text from
+/// the cluster). A failure is logged here and returned, for the callers whose finding must not
+/// count as reported without its event; the others ignore it.
+pub async fn emit(
+    recorder: &Recorder,
+    reference: &ObjectReference,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: &str,
+) -> Result<(), kube::Error> {
+    let event = Event {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(crate::sanitize::sanitize(note).into()),
+        action: action.to_owned(),
+        secondary: None,
+    };
+    publish(recorder, &event, reference)
+        .await
+        .inspect_err(|err| {
+            warn!(
+                reason,
+                object = reference.name.as_deref().unwrap_or(""),
+                error = %crate::sanitize::Sanitized::new(&err.to_string()),
+                "cannot publish event"
+            )
+        })
+}
+
+/// A reference to the Service `namespace/name` (with its uid when known), for its events.
+pub fn service_reference(namespace: &str, name: &str, uid: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".to_owned()),
+        kind: Some("Service".to_owned()),
+        namespace: Some(namespace.to_owned()),
+        name: Some(name.to_owned()),
+        uid: Some(uid.to_owned()).filter(|uid| !uid.is_empty()),
+        ..ObjectReference::default()
     }
 }
 

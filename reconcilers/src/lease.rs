@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::{Api, ObjectMeta, PostParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Recorder, Reporter};
 
 use crate::contract::ignore_already_exists;
 
@@ -121,21 +121,17 @@ impl LeaseNamespaces {
             became = "created",
             "repaired"
         );
-        let event = Event {
-            type_: EventType::Normal,
-            reason: "LeaseNamespaceCreated".to_owned(),
-            note: Some(format!(
-                "created missing namespace {name} for the {} Lease",
-                self.by
-            )),
-            action: "Create".to_owned(),
-            secondary: None,
-        };
         let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
-        if let Err(err) = crate::events::publish(&recorder, &event, &created.object_ref(&())).await
-        {
-            tracing::warn!(error = %crate::sanitize::Sanitized::new(&err.to_string()), namespace = name, "could not publish the event of a namespace created for a Lease");
-        }
+        // Logged there; the namespace stands without its event.
+        let _ = crate::events::emit(
+            &recorder,
+            &created.object_ref(&()),
+            EventType::Normal,
+            "LeaseNamespaceCreated",
+            "Create",
+            &format!("created missing namespace {name} for the {} Lease", self.by),
+        )
+        .await;
         Ok(true)
     }
 }

@@ -12,9 +12,7 @@ use std::net::IpAddr;
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, EventType, Recorder};
-use tracing::warn;
+use kube::runtime::events::{EventType, Recorder};
 
 use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
@@ -314,24 +312,16 @@ async fn publish(
     reason: &str,
     note: String,
 ) -> Result<(), kube::Error> {
-    let reference = ObjectReference {
-        api_version: Some("v1".to_owned()),
-        kind: Some("Service".to_owned()),
-        namespace: Some(namespace.to_owned()),
-        name: Some(name.to_owned()),
-        uid: Some(uid.to_owned()).filter(|uid| !uid.is_empty()),
-        ..ObjectReference::default()
-    };
-    let event = Event {
-        type_: EventType::Warning,
-        reason: reason.to_owned(),
-        note: Some(crate::sanitize::sanitize(&note).into()),
-        action: "ClusterIPAllocation".to_owned(),
-        secondary: None,
-    };
-    crate::events::publish(recorder, &event, &reference)
-        .await
-        .inspect_err(|err| warn!(reason, error = %err, "cannot publish event"))
+    let reference = crate::events::service_reference(namespace, name, uid);
+    crate::events::emit(
+        recorder,
+        &reference,
+        EventType::Warning,
+        reason,
+        "ClusterIPAllocation",
+        &note,
+    )
+    .await
 }
 
 #[cfg(test)]

@@ -40,7 +40,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{EventType, Recorder};
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
@@ -665,22 +665,16 @@ impl ClusterIpRepair {
             return Ok(());
         };
         let reference = object_reference(&finding.regarding);
-        let result = crate::events::publish(
+        crate::events::emit(
             &self.recorder,
-            &Event {
-                type_: EventType::Warning,
-                reason: event.reason.to_owned(),
-                note: Some(crate::sanitize::sanitize(&event.note).into()),
-                action: event.action.to_owned(),
-                secondary: None,
-            },
             &reference,
+            EventType::Warning,
+            event.reason,
+            event.action,
+            &event.note,
         )
-        .await;
-        result.map_err(|err| {
-            warn!(reason = event.reason, error = %err, "cannot publish event; retrying");
-            LoopError::Api(err)
-        })
+        .await
+        .map_err(LoopError::Api)
     }
 }
 

@@ -28,7 +28,7 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Service;
 use kube::Resource;
 use kube::api::Api;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use prometheus_client::registry::Registry;
 
@@ -121,20 +121,17 @@ impl KubernetesServiceLoop {
     }
 
     async fn publish(&self, service: &Service, type_: EventType, reason: &str, note: String) {
-        let reference = service.object_ref(&());
-        let event = Event {
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        // Logged there; the repair stands without its event.
+        let _ = crate::events::emit(
+            &recorder,
+            &service.object_ref(&()),
             type_,
-            reason: reason.to_owned(),
-            note: Some(crate::sanitize::sanitize(&note).into()),
-            action: "Reconcile".to_owned(),
-            secondary: None,
-        };
-        if let Err(err) = Recorder::new(self.client.clone(), self.reporter.clone())
-            .publish(&event, &reference)
-            .await
-        {
-            tracing::warn!(error = %err, reason, "could not publish event on the kubernetes Service");
-        }
+            reason,
+            "Reconcile",
+            &note,
+        )
+        .await;
     }
 
     /// One pass, then the write the API refused in it (if any) reported once: a refusal stays

@@ -3,9 +3,7 @@
 //! changed.
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, EventType};
-use tracing::warn;
+use kube::runtime::events::EventType;
 
 use super::plan::{self, Finding, Problem};
 use super::{EVENT_ACTION, NodePortRepair, RANGE_MISMATCH_REASON};
@@ -229,23 +227,16 @@ impl NodePortRepair {
         reason: &str,
         note: String,
     ) -> Result<(), kube::Error> {
-        let reference = ObjectReference {
-            api_version: Some("v1".to_owned()),
-            kind: Some("Service".to_owned()),
-            namespace: Some(holder.namespace.to_string()),
-            name: Some(holder.name.to_string()),
-            uid: Some(holder.uid.to_string()).filter(|uid| !uid.is_empty()),
-            ..ObjectReference::default()
-        };
-        let event = Event {
-            type_: EventType::Warning,
-            reason: reason.to_owned(),
-            note: Some(crate::sanitize::sanitize(&note).into()),
-            action: EVENT_ACTION.to_owned(),
-            secondary: None,
-        };
-        crate::events::publish(&self.recorder, &event, &reference)
-            .await
-            .inspect_err(|err| warn!(reason = event.reason, error = %err, "cannot publish event"))
+        let uid = holder.uid.to_string();
+        let reference = crate::events::service_reference(&holder.namespace, &holder.name, &uid);
+        crate::events::emit(
+            &self.recorder,
+            &reference,
+            EventType::Warning,
+            reason,
+            EVENT_ACTION,
+            &note,
+        )
+        .await
     }
 }

@@ -7,7 +7,7 @@ use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use tracing::warn;
 
 use super::plan::{Plan, go_list, plan, ready_words};
@@ -46,16 +46,16 @@ impl DefaultServiceCidr {
             name: Some(DEFAULT_SERVICE_CIDR.to_owned()),
             ..ObjectReference::default()
         };
-        let event = Event {
+        // Logged there; the repair stands without its event.
+        let _ = crate::events::emit(
+            &self.recorder,
+            &reference,
             type_,
-            reason: reason.to_owned(),
-            note: Some(crate::sanitize::sanitize(&note).into()),
-            action: EVENT_ACTION.to_owned(),
-            secondary: None,
-        };
-        if let Err(err) = crate::events::publish(&self.recorder, &event, &reference).await {
-            warn!(reason, error = %err, "cannot publish event");
-        }
+            reason,
+            EVENT_ACTION,
+            &note,
+        )
+        .await;
     }
 
     pub(super) async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {

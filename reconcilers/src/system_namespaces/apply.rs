@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Resource;
 use kube::api::{Patch, PatchParams, PostParams};
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{EventType, Recorder};
 
 use super::SystemNamespaces;
 use super::plan::{NamespaceNeed, desired_namespace};
@@ -138,17 +138,16 @@ impl SystemNamespaces {
     /// An event on a repaired namespace (in `default`, where events about cluster-scoped objects
     /// go). A refused event is logged, never a failed pass: the namespace is repaired.
     async fn publish(&self, namespace: &Namespace, reason: &str, action: &str, note: String) {
-        let event = Event {
-            type_: EventType::Normal,
-            reason: reason.to_owned(),
-            note: Some(crate::sanitize::sanitize(&note).into()),
-            action: action.to_owned(),
-            secondary: None,
-        };
         let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
         let reference = namespace.object_ref(&());
-        if let Err(err) = crate::events::publish(&recorder, &event, &reference).await {
-            tracing::warn!(error = %crate::sanitize::Sanitized::new(&err.to_string()), reason, "could not publish the event of a namespace repair");
-        }
+        let _ = crate::events::emit(
+            &recorder,
+            &reference,
+            EventType::Normal,
+            reason,
+            action,
+            &note,
+        )
+        .await;
     }
 }
