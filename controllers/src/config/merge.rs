@@ -251,10 +251,8 @@ impl Config {
             .and_then(|source| parsed(source, |text| text.parse::<PortRange>(), &mut errors))
             .unwrap_or_default();
 
-        let advertise_address_source = given.advertise_address.take();
-        let advertise_address = advertise_address_source
-            .as_ref()
-            .and_then(|source| advertise_address(source, &mut errors));
+        let (advertise_address, endpoint_reconciler_type, apiserver_count) =
+            merge_endpoints(&mut given, service_cluster_ip_range.first(), &mut errors);
         let secure_port = given
             .secure_port
             .take()
@@ -265,21 +263,6 @@ impl Config {
             .map_or(0, |source| {
                 kubernetes_service_node_port(source, service_node_port_range, &mut errors)
             });
-        let endpoint_reconciler_type = given
-            .endpoint_reconciler_type
-            .take()
-            .map(|source| source.value);
-        let apiserver_count = given
-            .apiserver_count
-            .take()
-            .map_or(1, |source| apiserver_count(source, &mut errors));
-        if endpoint_reconciler_type.is_some_and(|mode| mode != EndpointsMode::None) {
-            check_advertise_family(
-                advertise_address_source.as_ref().zip(advertise_address),
-                service_cluster_ip_range.first(),
-                &mut errors,
-            );
-        }
         let admin_addr = given
             .admin_addr
             .take()
@@ -597,6 +580,32 @@ fn secure_port(
     };
     errors.push(ConfigError::new(source.field, message));
     None
+}
+
+/// The settings of the `kubernetes` endpoints outside `loops.apiserverEndpoints`: the advertise
+/// address, the mode and `apiserverCount`, with the address's family checked against the primary
+/// service range where endpoints are written.
+fn merge_endpoints(
+    given: &mut Given,
+    primary_range: Option<&ipnet::IpNet>,
+    errors: &mut Vec<ConfigError>,
+) -> (Option<IpAddr>, Option<EndpointsMode>, u32) {
+    let address_source = given.advertise_address.take();
+    let address = address_source
+        .as_ref()
+        .and_then(|source| advertise_address(source, errors));
+    let mode = given
+        .endpoint_reconciler_type
+        .take()
+        .map(|source| source.value);
+    let count = given
+        .apiserver_count
+        .take()
+        .map_or(1, |source| apiserver_count(source, errors));
+    if mode.is_some_and(|mode| mode != EndpointsMode::None) {
+        check_advertise_family(address_source.as_ref().zip(address), primary_range, errors);
+    }
+    (address, mode, count)
 }
 
 /// A value parsed by `parse`, or `None` after its error, naming where it came from.
