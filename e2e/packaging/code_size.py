@@ -67,8 +67,8 @@ PATH_HOPS: list[tuple[str, str]] = [
     ("controllers/src/loops.rs", "fn build_cluster_loops"),
     ("reconcilers/src/section.rs", "struct BuildContext"),
     ("reconcilers/src/system_namespaces/section.rs", "Section::build"),
-    ("reconcilers/src/system_namespaces/mod.rs", "struct SystemNamespaces"),
-    ("reconcilers/src/system_namespaces/mod.rs", "SystemNamespaces::new"),
+    ("reconcilers/src/system_namespaces/mod.rs", "struct SystemNamespacesLoop"),
+    ("reconcilers/src/system_namespaces/mod.rs", "SystemNamespacesLoop::new"),
     ("controllers/src/runner.rs", "Runner::new"),
     ("controllers/src/process.rs", "Controller::spawn_single"),
     ("controllers/src/runner.rs", "Runner::run"),
@@ -76,10 +76,10 @@ PATH_HOPS: list[tuple[str, str]] = [
     ("controllers/src/runner.rs", "LoopTask::pass"),
     ("controllers/src/runner.rs", "fn run_pass"),
     ("controllers/src/runner.rs", "fn invoke"),
-    ("reconcilers/src/system_namespaces/mod.rs", "SystemNamespaces::reconcile"),
-    ("reconcilers/src/system_namespaces/mod.rs", "SystemNamespaces::pass"),
+    ("reconcilers/src/system_namespaces/mod.rs", "SystemNamespacesLoop::reconcile"),
+    ("reconcilers/src/system_namespaces/mod.rs", "SystemNamespacesLoop::pass"),
     ("reconcilers/src/system_namespaces/plan.rs", "fn assess"),
-    ("reconcilers/src/system_namespaces/apply.rs", "SystemNamespaces::apply"),
+    ("reconcilers/src/system_namespaces/apply.rs", "SystemNamespacesLoop::apply"),
 ]
 
 CODE, STRING, COMMENT = 0, 1, 2

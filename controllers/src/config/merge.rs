@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use reconcilers::alloc::{IpFamily, PortRange};
+use reconcilers::legacy_alloc::etcd::EtcdConfig;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{
     ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
@@ -18,10 +19,7 @@ use super::{Config, ConfigErrors, LeaderElection};
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
 /// its key, the files are readable, and nothing but the servers turns etcd mode on.
-pub(super) fn merge_etcd(
-    given: Given,
-    errors: &mut Vec<ConfigError>,
-) -> reconcilers::legacy_alloc::etcd::EtcdConfig {
+pub(super) fn merge_etcd(given: Given, errors: &mut Vec<ConfigError>) -> EtcdConfig {
     let servers_source = given.etcd_servers;
     let mut servers = Vec::new();
     if let Some(source) = &servers_source {
@@ -87,7 +85,7 @@ pub(super) fn merge_etcd(
         Some(source) => source.value,
         None => "/registry".to_owned(),
     };
-    reconcilers::legacy_alloc::etcd::EtcdConfig {
+    EtcdConfig {
         servers,
         ca_file: ca_file.map(|source| source.value),
         cert_file: cert_file.map(|source| source.value),
@@ -133,16 +131,8 @@ pub(super) fn refuse_process_etcd(
 
 impl Config {
     /// etcd mode's settings, when `--etcd-servers` is set.
-    pub fn etcd(&self) -> Option<reconcilers::legacy_alloc::etcd::EtcdConfig> {
-        (!self.etcd_servers.is_empty()).then(|| reconcilers::legacy_alloc::etcd::EtcdConfig {
-            servers: self.etcd_servers.clone(),
-            ca_file: self.etcd_ca_file.clone(),
-            cert_file: self.etcd_cert_file.clone(),
-            key_file: self.etcd_key_file.clone(),
-            prefix: self.etcd_prefix.clone(),
-            inline_tls: self.etcd_inline_tls.clone(),
-            pin: self.etcd_pin.clone(),
-        })
+    pub fn etcd(&self) -> Option<EtcdConfig> {
+        (!self.etcd.servers.is_empty()).then(|| self.etcd.clone())
     }
 
     /// The endpoints' mode the loops follow: the one named, else `none`.
@@ -301,13 +291,7 @@ impl Config {
             endpoint_reconciler_type,
             apiserver_count,
             kubeconfig,
-            etcd_servers: etcd.servers,
-            etcd_ca_file: etcd.ca_file,
-            etcd_cert_file: etcd.cert_file,
-            etcd_key_file: etcd.key_file,
-            etcd_prefix: etcd.prefix,
-            etcd_inline_tls: None,
-            etcd_pin: None,
+            etcd,
             dry_run,
             timer_only,
             admin_addr,
