@@ -33,20 +33,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::config::LeaderElection;
 use crate::health::{CheckState, Health};
 
 /// Name of the leader-election check in `/readyz`.
 pub const READYZ_CHECK: &str = "leader-election";
-
-/// Where the Lease lives and how this replica holds it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeaderSettings {
-    pub lease_name: String,
-    pub lease_namespace: String,
-    pub identity: String,
-    pub lease_duration: Duration,
-    pub renew_grace: Duration,
-}
 
 /// Leadership metrics: whether this replica leads, and how often that changed.
 #[derive(Clone, Default)]
@@ -125,14 +116,15 @@ impl From<kube::Client> for ElectionClients {
 }
 
 /// Starts the election. The task runs until `cancel` fires, then releases the Lease (bounded by
-/// the renew grace) so another replica can take over at once.
+/// the renew grace) so another replica can take over at once. `settings.identity` is the
+/// holder this replica writes: the caller resolves it (`Config::leader_identity`), never empty.
 ///
 /// `health` gets a `leader-election` readiness check: failing until the replica has joined the
 /// election and while it cannot reach the API, so a replica that cannot reach the API is never a
 /// "ready standby".
 pub fn spawn(
     clients: ElectionClients,
-    settings: LeaderSettings,
+    settings: LeaderElection,
     metrics: LeaderMetrics,
     health: Health,
     cancel: CancellationToken,
@@ -217,7 +209,7 @@ enum Step {
 }
 
 impl Election {
-    fn new(settings: &LeaderSettings, now: Instant) -> Self {
+    fn new(settings: &LeaderElection, now: Instant) -> Self {
         Self {
             identity: settings.identity.clone(),
             duration: settings.lease_duration,
@@ -337,7 +329,7 @@ impl Election {
 
 async fn elect(
     clients: ElectionClients,
-    settings: LeaderSettings,
+    settings: LeaderElection,
     metrics: LeaderMetrics,
     health: Health,
     sender: watch::Sender<bool>,
@@ -390,7 +382,7 @@ async fn elect(
     elector.step_down_on_exit().await;
 }
 
-fn backoff(settings: &LeaderSettings) -> backon::ExponentialBackoff {
+fn backoff(settings: &LeaderElection) -> backon::ExponentialBackoff {
     reconcilers::retry::backoff(
         Duration::from_millis(500),
         settings.renew_grace.max(Duration::from_secs(1)),
@@ -402,7 +394,7 @@ fn backoff(settings: &LeaderSettings) -> backon::ExponentialBackoff {
 /// and the loop that creates it runs only on the leader); false when cancelled first.
 async fn join(
     client: &kube::Client,
-    settings: &LeaderSettings,
+    settings: &LeaderElection,
     health: &Health,
     cancel: &CancellationToken,
 ) -> bool {
@@ -444,7 +436,7 @@ async fn join(
 /// One replica's part in the election: what it knows of the Lease, and what it tells the
 /// loops, the metrics and `/readyz`.
 struct Elector {
-    settings: LeaderSettings,
+    settings: LeaderElection,
     metrics: LeaderMetrics,
     health: Health,
     sender: watch::Sender<bool>,
@@ -621,7 +613,7 @@ impl Elector {
 /// How long after its last successful renewal was sent a leader may go on leading: the lease
 /// duration less half the renew grace, a margin for the standbys' clocks (which count the
 /// duration from when they saw the renewal, later) running a little fast.
-fn leadership_span(settings: &LeaderSettings) -> Duration {
+fn leadership_span(settings: &LeaderElection) -> Duration {
     settings
         .lease_duration
         .saturating_sub(settings.renew_grace / 2)
@@ -639,8 +631,9 @@ async fn sleep_until(at: Option<Instant>) {
 mod tests {
     use super::*;
 
-    fn settings() -> LeaderSettings {
-        LeaderSettings {
+    fn settings() -> LeaderElection {
+        LeaderElection {
+            enabled: true,
             lease_name: "l".into(),
             lease_namespace: "kube-system".into(),
             identity: "me".into(),

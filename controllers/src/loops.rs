@@ -57,7 +57,7 @@ pub fn build_runner(
     registry: &mut Registry,
 ) -> Runner {
     let metrics = RunnerMetrics::register(registry);
-    crate::metrics::register_etcd_mode(registry, !config.etcd_servers.is_empty());
+    crate::metrics::register_etcd_mode(registry, !config.etcd.servers.is_empty());
     let loops = build_cluster_loops(config, client, load_kubeconfig, budget, registry);
     Runner::new(loops, client.clone(), runner_options(config), metrics)
 }

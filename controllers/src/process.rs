@@ -10,9 +10,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::admin::{self, AdminState};
-use crate::config::{Config, TenantBase};
+use crate::config::{Config, LeaderElection, TenantBase};
 use crate::health::Health;
-use crate::leader::{self, LeaderMetrics, LeaderSettings};
+use crate::leader::{self, LeaderMetrics};
 use crate::loops::{build_runner, kubeconfig_loader};
 use crate::metrics::new_registry;
 use crate::runner::Runner;
@@ -316,12 +316,10 @@ impl Controller {
                 config.leader_election.renew_grace,
             )
             .map_err(StartError::ElectionClient)?;
-            let settings = LeaderSettings {
-                lease_name: config.leader_election.lease_name.clone(),
-                lease_namespace: config.leader_election.lease_namespace.clone(),
+            // The election's holder is the identity every loop reports, derived when not set.
+            let settings = LeaderElection {
                 identity: config.leader_identity(),
-                lease_duration: config.leader_election.lease_duration,
-                renew_grace: config.leader_election.renew_grace,
+                ..config.leader_election.clone()
             };
             let clients = leader::ElectionClients {
                 watch: client.clone(),

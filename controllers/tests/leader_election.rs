@@ -4,14 +4,16 @@
 use std::time::Duration;
 
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
+use bootstrap_controller::config::LeaderElection;
 use bootstrap_controller::health::Health;
-use bootstrap_controller::leader::{self, LeaderMetrics, LeaderSettings};
+use bootstrap_controller::leader::{self, LeaderMetrics};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-fn settings(identity: &str) -> LeaderSettings {
-    LeaderSettings {
+fn settings(identity: &str) -> LeaderElection {
+    LeaderElection {
+        enabled: true,
         lease_name: "bootstrap-controller".to_owned(),
         lease_namespace: "kube-system".to_owned(),
         identity: identity.to_owned(),

@@ -148,7 +148,7 @@ async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
     };
     if let Some(etcd) = &etcd {
         println!("Started etcd for etcd mode ({}), found on PATH", etcd.url);
-        config.etcd_servers = vec![etcd.url.clone()];
+        config.etcd.servers = vec![etcd.url.clone()];
     }
 
     // The simulator plays a kube-apiserver started with a range; with none configured the demo

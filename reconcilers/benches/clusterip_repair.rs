@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use futures::StreamExt;
 use prometheus_client::registry::Registry;
-use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
+use reconcilers::clusterip_repair::{self, ClusterIpRepairLoop, RepairMode};
 use reconcilers::section::Settings;
 use reconcilers::{PassContext, Reconciler};
 use serde_json::json;
@@ -255,7 +255,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         identity: "bench".to_owned(),
         ..Settings::default()
     };
-    let repair = Arc::new(ClusterIpRepair::new(
+    let repair = Arc::new(ClusterIpRepairLoop::new(
         client.clone(),
         clusterip_repair::Section {
             mode,

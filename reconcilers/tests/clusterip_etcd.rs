@@ -19,7 +19,7 @@ use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
-use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
+use reconcilers::clusterip_repair::{self, ClusterIpRepairLoop, RepairMode};
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
 use reconcilers::legacy_alloc::etcd::{EtcdStore, Stored};
 use reconcilers::section::Settings;
@@ -54,7 +54,7 @@ async fn old_sim() -> Sim {
     .unwrap()
 }
 
-async fn repair(sim: &Sim, etcd: &Etcd) -> Arc<ClusterIpRepair> {
+async fn repair(sim: &Sim, etcd: &Etcd) -> Arc<ClusterIpRepairLoop> {
     repair_with(sim, etcd, RepairMode::Auto, false, &mut Registry::default()).await
 }
 
@@ -65,12 +65,12 @@ async fn repair_with(
     mode: RepairMode,
     rebuild: bool,
     registry: &mut Registry,
-) -> Arc<ClusterIpRepair> {
+) -> Arc<ClusterIpRepairLoop> {
     let settings = Settings {
         etcd: Some(etcd.config()),
         ..common::settings(&[RANGE])
     };
-    let repair = Arc::new(ClusterIpRepair::new(
+    let repair = Arc::new(ClusterIpRepairLoop::new(
         sim.client(),
         clusterip_repair::Section {
             mode,
@@ -86,7 +86,7 @@ async fn repair_with(
     repair
 }
 
-async fn pass(sim: &Sim, repair: &ClusterIpRepair) -> reconcilers::PassReport {
+async fn pass(sim: &Sim, repair: &ClusterIpRepairLoop) -> reconcilers::PassReport {
     for _ in 0..100 {
         match repair.reconcile(&common::ctx(sim, false)).await {
             Err(reconcilers::LoopError::NotSynced(_)) => {
@@ -207,7 +207,7 @@ fn range_drift(report: &reconcilers::PassReport) -> Vec<&reconcilers::Drift> {
 /// An old cluster holding the `web` Service, etcd holding what `stored` makes of web's IP, and
 /// the repair with `rebuildBitmapOnRangeChange`.
 struct OptedIn {
-    repair: Arc<ClusterIpRepair>,
+    repair: Arc<ClusterIpRepairLoop>,
     web: String,
     sim: Sim,
     store: EtcdStore,

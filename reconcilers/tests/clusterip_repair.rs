@@ -23,8 +23,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::PostParams;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
-use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
-use reconcilers::service_cidr::{self, DefaultServiceCidr};
+use reconcilers::clusterip_repair::{self, ClusterIpRepairLoop, RepairMode};
+use reconcilers::service_cidr::{self, ServiceCidrLoop};
 use reconcilers::{Action, PassContext, PassReport, Reconciler};
 use serde_json::{Value, json};
 
@@ -38,12 +38,12 @@ fn ranges() -> Vec<ipnet::IpNet> {
 }
 
 /// The default ServiceCIDR loop with `ranges` as `serviceClusterIPRange`.
-fn service_cidr_loop(client: &Client, ranges: Vec<ipnet::IpNet>) -> Result<DefaultServiceCidr> {
+fn service_cidr_loop(client: &Client, ranges: Vec<ipnet::IpNet>) -> Result<ServiceCidrLoop> {
     let settings = reconcilers::section::Settings {
         service_ranges: ranges,
         ..common::settings(&[])
     };
-    DefaultServiceCidr::new(client.clone(), service_cidr::Section::default(), &settings)
+    ServiceCidrLoop::new(client.clone(), service_cidr::Section::default(), &settings)
         .context("a loop for the configured ranges")
 }
 
@@ -72,7 +72,7 @@ async fn ensure_default_service_cidr(client: &Client) -> Result<()> {
 }
 
 /// Polls the loop's trigger streams in the background, as the runner does.
-fn drive_triggers(repair: &ClusterIpRepair) -> tokio::task::JoinHandle<()> {
+fn drive_triggers(repair: &ClusterIpRepairLoop) -> tokio::task::JoinHandle<()> {
     let mut triggers = futures::stream::select_all(repair.triggers());
     tokio::spawn(async move { while triggers.next().await.is_some() {} })
 }
@@ -82,13 +82,13 @@ async fn repair_with(
     _sim: &Sim,
     client: &Client,
     section: clusterip_repair::Section,
-) -> Result<(Arc<ClusterIpRepair>, Registry)> {
+) -> Result<(Arc<ClusterIpRepairLoop>, Registry)> {
     let mut registry = Registry::default();
     let settings = reconcilers::section::Settings {
         service_ranges: ranges(),
         ..common::settings(&[])
     };
-    let repair = ClusterIpRepair::new(client.clone(), section, &settings, &mut registry);
+    let repair = ClusterIpRepairLoop::new(client.clone(), section, &settings, &mut registry);
     Ok((Arc::new(repair), registry))
 }
 
@@ -103,7 +103,7 @@ fn config(grace: Duration) -> clusterip_repair::Section {
 
 /// Runs passes until one succeeds and `done` holds for its report.
 async fn pass_until(
-    repair: &ClusterIpRepair,
+    repair: &ClusterIpRepairLoop,
     client: &Client,
     dry_run: bool,
     what: &str,
@@ -542,7 +542,7 @@ async fn plant_every_case(sim: &Sim, client: &Client) -> Result<Planted> {
 struct EveryCase {
     _triggers: tokio::task::JoinHandle<()>,
     registry: Registry,
-    repair: Arc<ClusterIpRepair>,
+    repair: Arc<ClusterIpRepairLoop>,
     planted: Planted,
     client: Client,
     sim: Sim,
@@ -1097,7 +1097,7 @@ fn live_reads(sim: &Sim, namespace: &str, name: &str) -> usize {
 }
 
 /// Whether the repair's Service cache holds `namespace/name`.
-fn cached(repair: &ClusterIpRepair, namespace: &str, name: &str) -> bool {
+fn cached(repair: &ClusterIpRepairLoop, namespace: &str, name: &str) -> bool {
     use reconcilers::service_cache::record::Name;
     repair
         .shared_services()

@@ -19,7 +19,7 @@ use reconcilers::Reconciler;
 use reconcilers::alloc::PortRange;
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
 use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey, Stored};
-use reconcilers::nodeport_repair::{self, NodePortRepair};
+use reconcilers::nodeport_repair::{self, NodePortRepairLoop};
 use reconcilers::section::Settings;
 use serde_json::json;
 
@@ -66,7 +66,7 @@ fn put_service(sim: &Sim, name: &str, node_port: i32) {
 
 /// A NodePort repair in etcd mode whose Service cache is fed in the background.
 struct Harness {
-    repair: Arc<NodePortRepair>,
+    repair: Arc<NodePortRepairLoop>,
     registry: Registry,
     _cache: tokio::task::JoinHandle<()>,
 }
@@ -86,7 +86,7 @@ impl Harness {
     /// `rebuild`: `rebuildBitmapOnRangeChange`.
     async fn start_with(sim: &Sim, etcd: EtcdConfig, interval: Duration, rebuild: bool) -> Self {
         let mut registry = Registry::default();
-        let repair = Arc::new(NodePortRepair::new(
+        let repair = Arc::new(NodePortRepairLoop::new(
             sim.client(),
             nodeport_repair::Section {
                 interval,
@@ -824,7 +824,7 @@ async fn passes_at_rest_send_etcd_nothing() {
     let etcd = Etcd::start(None).await;
     let sim = common::sim().await;
     put_service(&sim, "web", 30080);
-    let repair = Arc::new(NodePortRepair::new(
+    let repair = Arc::new(NodePortRepairLoop::new(
         sim.client(),
         nodeport_repair::Section {
             page_size: 500,

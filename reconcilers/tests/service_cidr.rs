@@ -8,7 +8,7 @@ mod common;
 use anyhow::Result;
 use apiserver_sim::{Sim, SimConfig};
 use reconcilers::Reconciler;
-use reconcilers::service_cidr::{DefaultServiceCidr, Section};
+use reconcilers::service_cidr::{Section, ServiceCidrLoop};
 
 #[tokio::test]
 async fn a_missing_default_service_cidr_is_created_with_an_event_for_each_repair() -> Result<()> {
@@ -18,7 +18,7 @@ async fn a_missing_default_service_cidr_is_created_with_an_event_for_each_repair
     })
     .await?;
     let settings = common::settings(&["10.96.0.0/12"]);
-    let repair = DefaultServiceCidr::new(sim.client(), Section::default(), &settings).unwrap();
+    let repair = ServiceCidrLoop::new(sim.client(), Section::default(), &settings).unwrap();
 
     let dry = repair.reconcile(&common::ctx(&sim, true)).await?;
     assert_eq!(dry.drift[0].kind, "servicecidr_missing");

@@ -15,7 +15,7 @@ use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use prometheus_client::registry::Registry;
-use reconcilers::clusterip_repair::{self, ClusterIpRepair, RepairMode};
+use reconcilers::clusterip_repair::{self, ClusterIpRepairLoop, RepairMode};
 use reconcilers::kubernetes_service::{self, KubernetesServiceLoop};
 use reconcilers::{LoopError, Reconciler};
 use serde_json::json;
@@ -61,8 +61,8 @@ fn service(ns: &str, name: &str, cluster_ip: &str) -> serde_json::Value {
     })
 }
 
-fn unconfigured_repair(sim: &Sim) -> ClusterIpRepair {
-    ClusterIpRepair::new(
+fn unconfigured_repair(sim: &Sim) -> ClusterIpRepairLoop {
+    ClusterIpRepairLoop::new(
         sim.client(),
         clusterip_repair::Section {
             mode: RepairMode::Audit,
@@ -74,7 +74,10 @@ fn unconfigured_repair(sim: &Sim) -> ClusterIpRepair {
 }
 
 /// Runs passes until the Service cache has synced (the watch feeds it in the background).
-async fn audit(repair: &ClusterIpRepair, sim: &Sim) -> Result<reconcilers::PassReport, LoopError> {
+async fn audit(
+    repair: &ClusterIpRepairLoop,
+    sim: &Sim,
+) -> Result<reconcilers::PassReport, LoopError> {
     for _ in 0..150 {
         match repair.reconcile(&common::ctx(sim, false)).await {
             Err(LoopError::NotSynced(_)) => {
@@ -165,7 +168,7 @@ async fn without_a_service_cidr_the_repair_refuses_and_names_the_setting() -> Re
         .put(service("default", "kubernetes", "192.0.2.1"))?;
     sim.backdoor().put(service("shop", "web", "192.0.2.10"))?;
 
-    let repair = ClusterIpRepair::new(
+    let repair = ClusterIpRepairLoop::new(
         sim.client(),
         clusterip_repair::Section::default(),
         &common::settings(&[]),

@@ -10,7 +10,7 @@ use apiserver_sim::{Sim, SimConfig};
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::budget::CacheBudget;
-use reconcilers::system_namespaces::{Section, SystemNamespaces};
+use reconcilers::system_namespaces::{Section, SystemNamespacesLoop};
 
 #[tokio::test]
 async fn each_created_namespace_has_its_event_even_when_default_was_missing() -> Result<()> {
@@ -19,7 +19,7 @@ async fn each_created_namespace_has_its_event_even_when_default_was_missing() ->
         ..SimConfig::default()
     })
     .await?;
-    let repair = SystemNamespaces::new(
+    let repair = SystemNamespacesLoop::new(
         sim.client(),
         Section::default(),
         &CacheBudget::default(),

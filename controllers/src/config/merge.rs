@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use reconcilers::alloc::{IpFamily, PortRange};
+use reconcilers::legacy_alloc::etcd::EtcdConfig;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{
     ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
@@ -18,10 +19,7 @@ use super::{Config, ConfigErrors, LeaderElection};
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
 /// its key, the files are readable, and nothing but the servers turns etcd mode on.
-pub(super) fn merge_etcd(
-    given: Given,
-    errors: &mut Vec<ConfigError>,
-) -> reconcilers::legacy_alloc::etcd::EtcdConfig {
+pub(super) fn merge_etcd(given: Given, errors: &mut Vec<ConfigError>) -> EtcdConfig {
     let servers_source = given.etcd_servers;
     let mut servers = Vec::new();
     if let Some(source) = &servers_source {
@@ -87,7 +85,7 @@ pub(super) fn merge_etcd(
         Some(source) => source.value,
         None => "/registry".to_owned(),
     };
-    reconcilers::legacy_alloc::etcd::EtcdConfig {
+    EtcdConfig {
         servers,
         ca_file: ca_file.map(|source| source.value),
         cert_file: cert_file.map(|source| source.value),
@@ -133,16 +131,8 @@ pub(super) fn refuse_process_etcd(
 
 impl Config {
     /// etcd mode's settings, when `--etcd-servers` is set.
-    pub fn etcd(&self) -> Option<reconcilers::legacy_alloc::etcd::EtcdConfig> {
-        (!self.etcd_servers.is_empty()).then(|| reconcilers::legacy_alloc::etcd::EtcdConfig {
-            servers: self.etcd_servers.clone(),
-            ca_file: self.etcd_ca_file.clone(),
-            cert_file: self.etcd_cert_file.clone(),
-            key_file: self.etcd_key_file.clone(),
-            prefix: self.etcd_prefix.clone(),
-            inline_tls: self.etcd_inline_tls.clone(),
-            pin: self.etcd_pin.clone(),
-        })
+    pub fn etcd(&self) -> Option<EtcdConfig> {
+        (!self.etcd.servers.is_empty()).then(|| self.etcd.clone())
     }
 
     /// The endpoints' mode the loops follow: the one named, else `none`.
@@ -251,10 +241,8 @@ impl Config {
             .and_then(|source| parsed(source, |text| text.parse::<PortRange>(), &mut errors))
             .unwrap_or_default();
 
-        let advertise_address_source = given.advertise_address.take();
-        let advertise_address = advertise_address_source
-            .as_ref()
-            .and_then(|source| advertise_address(source, &mut errors));
+        let (advertise_address, endpoint_reconciler_type, apiserver_count) =
+            merge_endpoints(&mut given, service_cluster_ip_range.first(), &mut errors);
         let secure_port = given
             .secure_port
             .take()
@@ -265,21 +253,6 @@ impl Config {
             .map_or(0, |source| {
                 kubernetes_service_node_port(source, service_node_port_range, &mut errors)
             });
-        let endpoint_reconciler_type = given
-            .endpoint_reconciler_type
-            .take()
-            .map(|source| source.value);
-        let apiserver_count = given
-            .apiserver_count
-            .take()
-            .map_or(1, |source| apiserver_count(source, &mut errors));
-        if endpoint_reconciler_type.is_some_and(|mode| mode != EndpointsMode::None) {
-            check_advertise_family(
-                advertise_address_source.as_ref().zip(advertise_address),
-                service_cluster_ip_range.first(),
-                &mut errors,
-            );
-        }
         let admin_addr = given
             .admin_addr
             .take()
@@ -318,13 +291,7 @@ impl Config {
             endpoint_reconciler_type,
             apiserver_count,
             kubeconfig,
-            etcd_servers: etcd.servers,
-            etcd_ca_file: etcd.ca_file,
-            etcd_cert_file: etcd.cert_file,
-            etcd_key_file: etcd.key_file,
-            etcd_prefix: etcd.prefix,
-            etcd_inline_tls: None,
-            etcd_pin: None,
+            etcd,
             dry_run,
             timer_only,
             admin_addr,
@@ -597,6 +564,32 @@ fn secure_port(
     };
     errors.push(ConfigError::new(source.field, message));
     None
+}
+
+/// The settings of the `kubernetes` endpoints outside `loops.apiserverEndpoints`: the advertise
+/// address, the mode and `apiserverCount`, with the address's family checked against the primary
+/// service range where endpoints are written.
+fn merge_endpoints(
+    given: &mut Given,
+    primary_range: Option<&ipnet::IpNet>,
+    errors: &mut Vec<ConfigError>,
+) -> (Option<IpAddr>, Option<EndpointsMode>, u32) {
+    let address_source = given.advertise_address.take();
+    let address = address_source
+        .as_ref()
+        .and_then(|source| advertise_address(source, errors));
+    let mode = given
+        .endpoint_reconciler_type
+        .take()
+        .map(|source| source.value);
+    let count = given
+        .apiserver_count
+        .take()
+        .map_or(1, |source| apiserver_count(source, errors));
+    if mode.is_some_and(|mode| mode != EndpointsMode::None) {
+        check_advertise_family(address_source.as_ref().zip(address), primary_range, errors);
+    }
+    (address, mode, count)
 }
 
 /// A value parsed by `parse`, or `None` after its error, naming where it came from.

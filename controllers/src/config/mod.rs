@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use reconcilers::alloc::PortRange;
+use reconcilers::legacy_alloc::etcd::EtcdConfig;
 use serde::{Deserialize, Serialize};
 
 pub use reconcilers::names::{
@@ -83,23 +84,10 @@ pub struct Config {
     pub apiserver_count: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<PathBuf>,
-    #[serde(rename = "etcdServers", skip_serializing_if = "Vec::is_empty")]
-    pub etcd_servers: Vec<String>,
-    #[serde(rename = "etcdCAFile", skip_serializing_if = "Option::is_none")]
-    pub etcd_ca_file: Option<PathBuf>,
-    #[serde(rename = "etcdCertFile", skip_serializing_if = "Option::is_none")]
-    pub etcd_cert_file: Option<PathBuf>,
-    #[serde(rename = "etcdKeyFile", skip_serializing_if = "Option::is_none")]
-    pub etcd_key_file: Option<PathBuf>,
-    #[serde(rename = "etcdPrefix")]
-    pub etcd_prefix: String,
-    /// A tenant's etcd client certificate, from its Secret (management mode); the files are
-    /// not used then.
-    #[serde(skip)]
-    pub etcd_inline_tls: Option<reconcilers::legacy_alloc::etcd::InlineTls>,
-    /// A tenant's etcd addresses and cluster, as checked before it started (management mode).
-    #[serde(skip)]
-    pub etcd_pin: Option<reconcilers::legacy_alloc::etcd::EtcdPin>,
+    /// The `--etcd-*` settings; a tenant's also hold its client certificate, from its Secret,
+    /// and its etcd's addresses and cluster as checked before it started (management mode).
+    #[serde(flatten)]
+    pub etcd: EtcdConfig,
     pub dry_run: bool,
     pub timer_only: bool,
     pub admin_addr: SocketAddr,

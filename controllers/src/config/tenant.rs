@@ -307,7 +307,7 @@ impl TenantBase {
     /// A tenant's etcd: only where the operator allows one, at a URL of the plain form, under a
     /// prefix of its own.
     fn check_tenant_etcd(&self, config: &Config) -> Result<(), ConfigErrors> {
-        if !config.etcd_servers.is_empty() && self.etcd_allowed.is_empty() {
+        if !config.etcd.servers.is_empty() && self.etcd_allowed.is_empty() {
             return Err(ConfigErrors(vec![ConfigError::new(
                 tenant_field("etcdServers"),
                 "is not allowed: the operator has not set --tenants-etcd-allowed-cidrs \
@@ -316,7 +316,8 @@ impl TenantBase {
             )]));
         }
         let refused: Vec<ConfigError> = config
-            .etcd_servers
+            .etcd
+            .servers
             .iter()
             .filter_map(|server| {
                 let why = tenant_etcd_url(server).err()?;
@@ -334,12 +335,12 @@ impl TenantBase {
         if !refused.is_empty() {
             return Err(ConfigErrors(refused));
         }
-        if !config.etcd_servers.is_empty()
-            && let Err(why) = validate_tenant_etcd_prefix(&config.etcd_prefix)
+        if !config.etcd.servers.is_empty()
+            && let Err(why) = validate_tenant_etcd_prefix(&config.etcd.prefix)
         {
             return Err(ConfigErrors(vec![ConfigError::new(
                 tenant_field("etcdPrefix"),
-                format!("{:?} {why}", config.etcd_prefix),
+                format!("{:?} {why}", config.etcd.prefix),
             )]));
         }
         Ok(())

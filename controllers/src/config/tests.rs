@@ -777,7 +777,7 @@ fn a_tenant_etcd_prefix_is_a_plain_key_path() {
             "etcdServers: https://192.0.2.1:2379\netcdPrefix: /tenants/a\n",
         ))
         .unwrap();
-    assert_eq!(tenant.etcd_prefix, "/tenants/a");
+    assert_eq!(tenant.etcd.prefix, "/tenants/a");
     for prefix in ["registry", "/a//b", "/a/../b", "/a/", "/a b", "/"] {
         let error = single_error(base.tenant(Some(&format!(
             "etcdServers: https://192.0.2.1:2379\netcdPrefix: \"{prefix}\"\n"

@@ -196,13 +196,13 @@ async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked,
         .base
         .tenant(spec.fragment.as_deref())
         .map_err(|errors| format!("configuration: {errors}"))?;
-    config.etcd_inline_tls = etcd_tls(key, spec, &config)?;
-    let addresses = checked_addresses(&config.etcd_servers, settings.base.etcd_allowed()).await?;
+    config.etcd.inline_tls = etcd_tls(key, spec, &config)?;
+    let addresses = checked_addresses(&config.etcd.servers, settings.base.etcd_allowed()).await?;
     let pin = EtcdPin {
         addresses,
         cluster_id: None,
     };
-    config.etcd_pin = Some(pin.clone());
+    config.etcd.pin = Some(pin.clone());
     let etcd = config
         .etcd()
         .ok_or_else(|| format!("{TENANT_CONFIG_ANNOTATION}: etcdServers is empty"))?;
@@ -213,13 +213,13 @@ async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked,
     Ok(Asked {
         claim: EtcdClaim {
             cluster,
-            prefix: config.etcd_prefix.clone(),
+            prefix: config.etcd.prefix.clone(),
         },
         pin: EtcdPin {
             cluster_id: Some(cluster),
             ..pin
         },
-        servers: config.etcd_servers,
+        servers: config.etcd.servers,
     })
 }
 

@@ -1,7 +1,7 @@
 //! etcd mode: the ClusterIP allocation bitmaps kube-apiserver keeps in etcd
 //! (`<prefix>/ranges/serviceips` for the primary range, `secondaryserviceips` for the other
 //! family), repaired against the Service cache as upstream's legacy `ipallocator` repair does,
-//! on clusters that allocate with them (the loop decides which: [`super::ClusterIpRepair`]).
+//! on clusters that allocate with them (the loop decides which: [`super::ClusterIpRepairLoop`]).
 //! A key that does not exist is left missing. A key stored under another range than
 //! `serviceClusterIPRange` is reported (a Warning event on the `kubernetes` Service naming both
 //! ranges) and left alone, unless `rebuildBitmapOnRangeChange` is set.

@@ -19,7 +19,7 @@
 //! Services and reports duplicates, out-of-range and invalid IPs with the legacy repair's
 //! reasons, without writing. In etcd mode it also repairs the legacy bitmaps there ([`legacy`]),
 //! and only there: where the IPAddress API is served they are left alone
-//! ([`ClusterIpRepair::keeps_legacy_bitmaps`] says why).
+//! ([`ClusterIpRepairLoop::keeps_legacy_bitmaps`] says why).
 
 mod apply;
 pub mod audit;
@@ -189,7 +189,7 @@ async fn discover(client: &Client) -> Result<Served, kube::Error> {
 }
 
 /// The ClusterIP repair loop (`clusterip-repair`).
-pub struct ClusterIpRepair {
+pub struct ClusterIpRepairLoop {
     client: Client,
     section: Section,
     metrics: RepairMetrics,
@@ -220,7 +220,7 @@ fn report_key(finding: &Finding) -> Option<ReportKey> {
         .then(|| (finding.kind, finding.regarding.object(), finding.summary()))
 }
 
-impl ClusterIpRepair {
+impl ClusterIpRepairLoop {
     /// Builds the loop of a validated `section` with validated `settings` (the service ranges,
     /// the `kubernetes` Service, etcd mode, the identity events report); registers its metrics
     /// in `registry` (give it the runtime's prefixed registry). The client feeds the caches;
@@ -678,7 +678,7 @@ impl ClusterIpRepair {
     }
 }
 
-impl Reconciler for ClusterIpRepair {
+impl Reconciler for ClusterIpRepairLoop {
     fn name(&self) -> &'static str {
         NAME
     }

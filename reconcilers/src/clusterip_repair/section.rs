@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::ClusterIpRepair;
+use super::ClusterIpRepairLoop;
 use crate::contract::Reconciler;
 use crate::section::{
     self, BuildContext, BuildError, LoopSection, Settings, duration_format, validate_interval,
@@ -95,7 +95,7 @@ impl LoopSection for Section {
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
         let services = context.services(self.page_size);
-        let built = ClusterIpRepair::with_services(
+        let built = ClusterIpRepairLoop::with_services(
             context.client.clone(),
             self.clone(),
             context.settings,

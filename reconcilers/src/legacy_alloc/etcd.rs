@@ -39,23 +39,31 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time allowed for one request (for a watch: until etcd answers it).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How to reach etcd: kube-apiserver's `--etcd-*` flags.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// How to reach etcd: kube-apiserver's `--etcd-*` flags. Serialises as the configuration
+/// file's keys (`config print`); with no servers, etcd mode is off.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct EtcdConfig {
     /// `--etcd-servers`: URLs such as `https://192.0.2.1:2379`.
+    #[serde(rename = "etcdServers", skip_serializing_if = "Vec::is_empty")]
     pub servers: Vec<String>,
     /// `--etcd-cafile`: verifies the servers' certificates (TLS only when set).
+    #[serde(rename = "etcdCAFile", skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
     /// `--etcd-certfile` and `--etcd-keyfile`: the client certificate, both or neither.
+    #[serde(rename = "etcdCertFile", skip_serializing_if = "Option::is_none")]
     pub cert_file: Option<PathBuf>,
+    #[serde(rename = "etcdKeyFile", skip_serializing_if = "Option::is_none")]
     pub key_file: Option<PathBuf>,
     /// `--etcd-prefix` (default `/registry`).
+    #[serde(rename = "etcdPrefix")]
     pub prefix: String,
     /// TLS material held in memory instead of files (a tenant's, from its Secret); when set,
     /// the files are not used.
+    #[serde(skip)]
     pub inline_tls: Option<InlineTls>,
     /// Where a tenant's etcd may be reached and which etcd it is: set, the client connects
     /// only to these addresses and accepts only answers of this cluster.
+    #[serde(skip)]
     pub pin: Option<EtcdPin>,
 }
 

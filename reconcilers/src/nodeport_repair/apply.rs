@@ -6,14 +6,14 @@ use futures::future::BoxFuture;
 use kube::runtime::events::EventType;
 
 use super::plan::{self, Finding, Problem};
-use super::{EVENT_ACTION, NodePortRepair, RANGE_MISMATCH_REASON};
+use super::{EVENT_ACTION, NodePortRepairLoop, RANGE_MISMATCH_REASON};
 use crate::contract::{LoopError, PassContext, PassReport};
 use crate::legacy_alloc::{BitmapFinding, LegacyBitmap};
 use crate::service_cache::fresh_services;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::ServiceRecord;
 
-impl NodePortRepair {
+impl NodePortRepairLoop {
     pub(super) fn count(&self, error_type: &'static str) {
         self.metrics
             .port_errors

@@ -55,7 +55,7 @@ pub const EVENT_ACTION: &str = "PortAllocation";
 pub const RANGE_MISMATCH_REASON: &str = "NodePortRangeMismatch";
 
 /// The NodePort repair loop.
-pub struct NodePortRepair {
+pub struct NodePortRepairLoop {
     section: Section,
     /// `serviceNodePortRange`.
     range: PortRange,
@@ -68,7 +68,7 @@ pub struct NodePortRepair {
     etcd: Option<LegacyBitmap>,
 }
 
-impl NodePortRepair {
+impl NodePortRepairLoop {
     /// Builds the loop of a validated `section` with validated `settings` (the node-port range,
     /// etcd mode, the identity events report). `services` is the Service cache another loop keeps
     /// (the ClusterIP repair's), or `None` for one of its own.
@@ -214,7 +214,7 @@ impl NodePortRepair {
     }
 }
 
-impl Reconciler for NodePortRepair {
+impl Reconciler for NodePortRepairLoop {
     fn name(&self) -> &'static str {
         NAME
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::NodePortRepair;
+use super::NodePortRepairLoop;
 use crate::contract::Reconciler;
 use crate::section::{
     BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
@@ -65,7 +65,7 @@ impl LoopSection for Section {
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
         let services = context.services(self.page_size);
-        Ok(vec![Arc::new(NodePortRepair::new(
+        Ok(vec![Arc::new(NodePortRepairLoop::new(
             context.client.clone(),
             self.clone(),
             context.settings,

@@ -11,7 +11,7 @@ use kube::runtime::events::EventType;
 use tracing::warn;
 
 use super::plan::{Plan, go_list, plan, ready_words};
-use super::{CONTROLLER_NAME, DefaultServiceCidr};
+use super::{CONTROLLER_NAME, ServiceCidrLoop};
 use crate::contract::{Action, LoopError, PassContext, PassReport, drift};
 use crate::service_range::DEFAULT_SERVICE_CIDR;
 
@@ -29,7 +29,7 @@ enum Written {
     Unchanged,
 }
 
-impl DefaultServiceCidr {
+impl ServiceCidrLoop {
     async fn warn_event(&self, reason: &str, note: String) {
         self.event(EventType::Warning, reason, note).await;
     }

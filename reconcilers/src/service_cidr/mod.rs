@@ -68,7 +68,7 @@ async fn served(client: &Client, slot: &Mutex<Option<bool>>) -> Result<bool, kub
 }
 
 /// The default ServiceCIDR loop (`service-cidr`).
-pub struct DefaultServiceCidr {
+pub struct ServiceCidrLoop {
     section: Section,
     /// `serviceClusterIPRange`, primary first: what `spec.cidrs` must be.
     ranges: Vec<IpNet>,
@@ -83,7 +83,7 @@ pub struct DefaultServiceCidr {
     cache: WatchCache<Lenient<ServiceCIDR>>,
 }
 
-impl DefaultServiceCidr {
+impl ServiceCidrLoop {
     /// The loop of a validated `section`, with `settings.service_ranges` as the ServiceCIDR's
     /// ranges; `None` when no range is configured (there is nothing to create or check then).
     pub fn new(client: Client, section: Section, settings: &Settings) -> Option<Self> {
@@ -116,7 +116,7 @@ impl DefaultServiceCidr {
     }
 }
 
-impl Reconciler for DefaultServiceCidr {
+impl Reconciler for ServiceCidrLoop {
     fn name(&self) -> &'static str {
         NAME
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tracing::info;
 
-use super::DefaultServiceCidr;
+use super::ServiceCidrLoop;
 use crate::contract::Reconciler;
 use crate::section::{
     BuildContext, BuildError, ConfigError, LoopSection, Settings, duration_format,
@@ -52,7 +52,7 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        match DefaultServiceCidr::new(context.client.clone(), self.clone(), context.settings) {
+        match ServiceCidrLoop::new(context.client.clone(), self.clone(), context.settings) {
             Some(built) => Ok(vec![Arc::new(built)]),
             None => {
                 info!(

@@ -8,14 +8,14 @@ use kube::Resource;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{EventType, Recorder};
 
-use super::SystemNamespaces;
+use super::SystemNamespacesLoop;
 use super::plan::{NamespaceNeed, desired_namespace};
 use super::section::NamespaceSpec;
 use crate::contract::{Action, Drift, PassContext, drift, ignore_already_exists};
 
 const FIELD_MANAGER: &str = "bootstrap-controller";
 
-impl SystemNamespaces {
+impl SystemNamespacesLoop {
     pub(super) async fn apply(
         &self,
         ctx: &PassContext,
@@ -134,7 +134,7 @@ impl SystemNamespaces {
     }
 }
 
-impl SystemNamespaces {
+impl SystemNamespacesLoop {
     /// An event on a repaired namespace (in `default`, where events about cluster-scoped objects
     /// go). A refused event is logged, never a failed pass: the namespace is repaired.
     async fn publish(&self, namespace: &Namespace, reason: &str, action: &str, note: String) {

@@ -39,7 +39,7 @@ pub const NAME: &str = "system-namespaces";
 /// Where events about cluster-scoped objects, namespaces among them, are written.
 const EVENTS_NAMESPACE: &str = "default";
 
-pub struct SystemNamespaces {
+pub struct SystemNamespacesLoop {
     config: Section,
     api: Api<Namespace>,
     /// Every namespace, kept by a watch that is also the loop's trigger.
@@ -52,7 +52,7 @@ pub struct SystemNamespaces {
     reporter: Reporter,
 }
 
-impl SystemNamespaces {
+impl SystemNamespacesLoop {
     pub fn new(
         client: Client,
         config: Section,
@@ -140,7 +140,7 @@ impl SystemNamespaces {
     }
 }
 
-impl Reconciler for SystemNamespaces {
+impl Reconciler for SystemNamespacesLoop {
     fn name(&self) -> &'static str {
         NAME
     }

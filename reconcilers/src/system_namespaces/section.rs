@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::SystemNamespaces;
+use super::SystemNamespacesLoop;
 use crate::contract::Reconciler;
 use crate::names::{validate_dns1123_label, validate_label_value, validate_qualified_name};
 use crate::section::{
@@ -133,7 +133,7 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        Ok(vec![Arc::new(SystemNamespaces::new(
+        Ok(vec![Arc::new(SystemNamespacesLoop::new(
             context.client.clone(),
             self.clone(),
             &context.settings.cache_budget,
