@@ -77,6 +77,17 @@ fn peak_rss_mib() -> f64 {
     kib / 1024.0
 }
 
+fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN);
+    kib / 1024.0
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     if values.is_empty() {
         return f64::NAN;
@@ -229,6 +240,9 @@ async fn parent(sizes: &[usize], roles: &[String]) -> Result<()> {
                 num("peak_rss_mib"),
                 result["drift"],
             );
+            if let Some(memory) = result["memory"].as_str() {
+                println!("{:>8} # {memory}", "");
+            }
         }
         sim.shutdown().await;
     }
@@ -293,6 +307,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         }
     }
     let sync_ms = ms(started.elapsed());
+    let (rss_synced, peak_synced) = (rss_mib(), peak_rss_mib());
     let mut times = Vec::new();
     let mut drift = 0;
     for _ in 0..passes() {
@@ -302,6 +317,8 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         times.push(ms(started.elapsed()));
         drift = report.drift.len();
     }
+    let (services, ip_addresses) = repair.cache_bytes();
+    let mib = |bytes: usize| bytes as f64 / (1024.0 * 1024.0);
     println!(
         "{}",
         json!({
@@ -310,6 +327,16 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             "pass_ms": median(times),
             "peak_rss_mib": peak_rss_mib(),
             "drift": drift,
+            "memory": format!(
+                "after the sync and first pass {rss_synced:.1} MiB resident (peak {peak_synced:.1}), \
+                 after the passes {:.1}; the Service cache {:.1} MiB ({} B a record), the \
+                 IPAddress cache {:.1} MiB ({} B a record)",
+                rss_mib(),
+                mib(services),
+                std::mem::size_of::<reconcilers::service_cache::record::ServiceRecord>(),
+                mib(ip_addresses),
+                std::mem::size_of::<reconcilers::clusterip_repair::model::IpAddressRecord>(),
+            ),
         })
     );
     Ok(())

@@ -130,6 +130,16 @@ impl<T: Cached> StoreState<T> {
         self.entries.is_empty()
     }
 
+    /// The bytes the cache's vector and table take (not text a record keeps on the heap).
+    pub fn allocated_bytes(&self) -> usize {
+        // hashbrown fills 7/8 of its power-of-two slots.
+        let slots = match self.index.capacity() {
+            0 => 0,
+            capacity => (capacity.saturating_mul(8) / 7).next_power_of_two(),
+        };
+        self.entries.capacity() * std::mem::size_of::<Entry<T>>() + slots * INDEX_SLOT
+    }
+
     /// Where `entries` holds the object of `key`. A key and what it borrows as hash alike (the
     /// contract of `Borrow`), so one hash finds both.
     fn position<Q>(&self, key: &Q) -> Option<usize>
