@@ -56,11 +56,24 @@ pub trait Cached: Clone + Debug + Send + Sync + 'static {
 
 /// One cached object: the record, its key's hash (so the index never recomputes keys when it
 /// grows) and the list generation that last saw it (for dropping what a relist did not return).
+/// Half a hash is kept: with the generation it fills the 8 bytes a whole one would take alone.
 #[derive(Debug)]
 struct Entry<T> {
     value: T,
-    hash: u64,
+    hash: u32,
     generation: u32,
+}
+
+impl<T> Entry<T> {
+    /// The kept half in both halves of the hash the index reads: hashbrown takes a slot from the
+    /// low bits and a tag from the top ones, and both vary.
+    fn hash(&self) -> u64 {
+        spread(self.hash)
+    }
+}
+
+fn spread(half: u32) -> u64 {
+    (u64::from(half) << 32) | u64::from(half)
 }
 
 /// What one position costs the index: the position and hashbrown's control byte.
@@ -140,6 +153,11 @@ impl<T: Cached> StoreState<T> {
         self.entries.capacity() * std::mem::size_of::<Entry<T>>() + slots * INDEX_SLOT
     }
 
+    /// The half of a key's hash an [`Entry`] keeps.
+    fn half_hash<Q: Hash + ?Sized>(&self, key: &Q) -> u32 {
+        (self.hasher.hash_one(key) >> 32) as u32
+    }
+
     /// Where `entries` holds the object of `key`. A key and what it borrows as hash alike (the
     /// contract of `Borrow`), so one hash finds both.
     fn position<Q>(&self, key: &Q) -> Option<usize>
@@ -148,10 +166,10 @@ impl<T: Cached> StoreState<T> {
         Q: Hash + Eq + ?Sized,
     {
         use std::borrow::Borrow;
-        let hash = self.hasher.hash_one(key);
+        let hash = self.half_hash(key);
         let entries = &self.entries;
         self.index
-            .find(hash, |&at| {
+            .find(spread(hash), |&at| {
                 entries[at].hash == hash && entries[at].value.key().borrow() == key
             })
             .copied()
@@ -160,19 +178,19 @@ impl<T: Cached> StoreState<T> {
     /// Adds `value`, or replaces the object of the same key.
     fn upsert(&mut self, value: T) {
         let key = value.key();
-        let hash = self.hasher.hash_one(&key);
+        let hash = self.half_hash(&key);
         let entry = Entry {
             value,
             hash,
             generation: self.generation,
         };
         let Self { entries, index, .. } = self;
-        match index.find(hash, |&at| {
+        match index.find(spread(hash), |&at| {
             entries[at].hash == hash && entries[at].value.key() == key
         }) {
             Some(&at) => entries[at] = entry,
             None => {
-                index.insert_unique(hash, entries.len(), |&at| entries[at].hash);
+                index.insert_unique(spread(hash), entries.len(), |&at| entries[at].hash());
                 entries.push(entry);
             }
         }
@@ -180,9 +198,9 @@ impl<T: Cached> StoreState<T> {
 
     /// Drops the object of `key`, if held: the last entry moves into its place.
     fn remove(&mut self, key: &T::Key) {
-        let hash = self.hasher.hash_one(key);
+        let hash = self.half_hash(key);
         let Self { entries, index, .. } = self;
-        let Ok(found) = index.find_entry(hash, |&at| {
+        let Ok(found) = index.find_entry(spread(hash), |&at| {
             entries[at].hash == hash && entries[at].value.key() == *key
         }) else {
             return;
@@ -191,7 +209,7 @@ impl<T: Cached> StoreState<T> {
         entries.swap_remove(at);
         if let Some(moved) = entries.get(at) {
             let last = entries.len();
-            if let Some(slot) = index.find_mut(moved.hash, |&held| held == last) {
+            if let Some(slot) = index.find_mut(moved.hash(), |&held| held == last) {
                 *slot = at;
             }
         }
@@ -207,12 +225,12 @@ impl<T: Cached> StoreState<T> {
             let entries = &self.entries;
             for (at, entry) in entries.iter().enumerate() {
                 self.index
-                    .insert_unique(entry.hash, at, |&at| entries[at].hash);
+                    .insert_unique(entry.hash(), at, |&at| entries[at].hash());
             }
         }
         self.entries.shrink_to_fit();
         let entries = &self.entries;
-        self.index.shrink_to_fit(|&at| entries[at].hash);
+        self.index.shrink_to_fit(|&at| entries[at].hash());
     }
 
     /// Drops everything, giving the memory back.
