@@ -67,6 +67,6 @@ fn main() {
     );
     println!(
         "  projected record (ServiceRecord, in a Vec): {record} bytes each resident; the budget \
-         counts a record twice its map entry plus its names"
+         counts twice its cache entry and index slot plus its names"
     );
 }

@@ -19,8 +19,8 @@
 //! wants a value (kube-apiserver stores a status condition's `lastTransitionTime: null` as given)
 //! reads as the field left out, so one such object never costs the watch its events.
 
-use std::collections::HashMap;
 use std::fmt::Debug;
+use std::hash::BuildHasher;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard};
 
@@ -44,22 +44,53 @@ pub trait Cached: Clone + Debug + Send + Sync + 'static {
     type Key: Hash + Eq + Debug + Send + Sync + 'static;
     fn project(object: &Self::Object) -> Self;
     fn key(&self) -> Self::Key;
-    /// What one object costs its cache's budget: by default the record, its key and the map's
-    /// bookkeeping, plus the names it holds.
+    /// What one object costs its cache's budget: by default its entry and its slot in the
+    /// index, twice (a vector and a table grow by doubling), plus the names it holds.
     fn weight(object: &Self::Object) -> usize {
         let meta = object.meta();
         let names = meta.name.as_ref().map_or(0, String::len)
             + meta.namespace.as_ref().map_or(0, String::len);
-        2 * std::mem::size_of::<(Self::Key, (Self, u32))>() + names
+        2 * (std::mem::size_of::<Entry<Self>>() + INDEX_SLOT) + names
     }
 }
 
+/// One cached object: the record, its key's hash (so the index never recomputes keys when it
+/// grows) and the list generation that last saw it (for dropping what a relist did not return).
+/// Half a hash is kept: with the generation it fills the 8 bytes a whole one would take alone.
+#[derive(Debug)]
+struct Entry<T> {
+    value: T,
+    hash: u32,
+    generation: u32,
+}
+
+impl<T> Entry<T> {
+    /// The kept half in both halves of the hash the index reads: hashbrown takes a slot from the
+    /// low bits and a tag from the top ones, and both vary.
+    fn hash(&self) -> u64 {
+        spread(self.hash)
+    }
+}
+
+fn spread(half: u32) -> u64 {
+    (u64::from(half) << 32) | u64::from(half)
+}
+
+/// What one position costs the index: the position and hashbrown's control byte.
+const INDEX_SLOT: usize = std::mem::size_of::<usize>() + 1;
+
 /// The cached collection and whether it is complete.
+///
+/// The records sit side by side in one vector and a hash table of positions finds them by key:
+/// a table of whole records would keep up to half its slots empty (a million Services take a
+/// table of two million slots) and each record's key next to it, so a slot of a few bytes per
+/// empty place and no copy of the key is what keeps a cache of a million Services small.
 #[derive(Debug)]
 pub struct StoreState<T: Cached> {
-    /// Each object with the list generation that last saw it (for dropping what a relist did
-    /// not return).
-    objects: HashMap<T::Key, (T, u32)>,
+    entries: Vec<Entry<T>>,
+    /// Positions in `entries`, by the hash of their key.
+    index: hashbrown::HashTable<usize>,
+    hasher: foldhash::quality::RandomState,
     generation: u32,
     /// Whether the contents are one complete list plus the watch events after it; false during
     /// a (re)list and after an event was lost or the budget breached.
@@ -73,7 +104,9 @@ pub struct StoreState<T: Cached> {
 impl<T: Cached> Default for StoreState<T> {
     fn default() -> Self {
         Self {
-            objects: HashMap::new(),
+            entries: Vec::new(),
+            index: hashbrown::HashTable::new(),
+            hasher: foldhash::quality::RandomState::default(),
             generation: 0,
             synced: false,
             interrupted: false,
@@ -83,7 +116,7 @@ impl<T: Cached> Default for StoreState<T> {
 
 impl<T: Cached> StoreState<T> {
     pub fn values(&self) -> impl Iterator<Item = &T> + Clone {
-        self.objects.values().map(|(value, _)| value)
+        self.entries.iter().map(|entry| &entry.value)
     }
 
     pub fn get<Q>(&self, key: &Q) -> Option<&T>
@@ -91,7 +124,7 @@ impl<T: Cached> StoreState<T> {
         T::Key: std::borrow::Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.objects.get(key).map(|(value, _)| value)
+        self.position(key).map(|at| &self.entries[at].value)
     }
 
     pub fn contains_key<Q>(&self, key: &Q) -> bool
@@ -99,15 +132,111 @@ impl<T: Cached> StoreState<T> {
         T::Key: std::borrow::Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.objects.contains_key(key)
+        self.position(key).is_some()
     }
 
     pub fn len(&self) -> usize {
-        self.objects.len()
+        self.entries.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.objects.is_empty()
+        self.entries.is_empty()
+    }
+
+    /// The bytes the cache's vector and table take (not text a record keeps on the heap).
+    pub fn allocated_bytes(&self) -> usize {
+        // hashbrown fills 7/8 of its power-of-two slots.
+        let slots = match self.index.capacity() {
+            0 => 0,
+            capacity => (capacity.saturating_mul(8) / 7).next_power_of_two(),
+        };
+        self.entries.capacity() * std::mem::size_of::<Entry<T>>() + slots * INDEX_SLOT
+    }
+
+    /// The half of a key's hash an [`Entry`] keeps.
+    fn half_hash<Q: Hash + ?Sized>(&self, key: &Q) -> u32 {
+        (self.hasher.hash_one(key) >> 32) as u32
+    }
+
+    /// Where `entries` holds the object of `key`. A key and what it borrows as hash alike (the
+    /// contract of `Borrow`), so one hash finds both.
+    fn position<Q>(&self, key: &Q) -> Option<usize>
+    where
+        T::Key: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        use std::borrow::Borrow;
+        let hash = self.half_hash(key);
+        let entries = &self.entries;
+        self.index
+            .find(spread(hash), |&at| {
+                entries[at].hash == hash && entries[at].value.key().borrow() == key
+            })
+            .copied()
+    }
+
+    /// Adds `value`, or replaces the object of the same key.
+    fn upsert(&mut self, value: T) {
+        let key = value.key();
+        let hash = self.half_hash(&key);
+        let entry = Entry {
+            value,
+            hash,
+            generation: self.generation,
+        };
+        let Self { entries, index, .. } = self;
+        match index.find(spread(hash), |&at| {
+            entries[at].hash == hash && entries[at].value.key() == key
+        }) {
+            Some(&at) => entries[at] = entry,
+            None => {
+                index.insert_unique(spread(hash), entries.len(), |&at| entries[at].hash());
+                entries.push(entry);
+            }
+        }
+    }
+
+    /// Drops the object of `key`, if held: the last entry moves into its place.
+    fn remove(&mut self, key: &T::Key) {
+        let hash = self.half_hash(key);
+        let Self { entries, index, .. } = self;
+        let Ok(found) = index.find_entry(spread(hash), |&at| {
+            entries[at].hash == hash && entries[at].value.key() == *key
+        }) else {
+            return;
+        };
+        let (at, _) = found.remove();
+        entries.swap_remove(at);
+        if let Some(moved) = entries.get(at) {
+            let last = entries.len();
+            if let Some(slot) = index.find_mut(moved.hash(), |&held| held == last) {
+                *slot = at;
+            }
+        }
+    }
+
+    /// Keeps the objects the current list generation saw, packed tight: a relist is complete.
+    fn keep_listed(&mut self) {
+        let generation = self.generation;
+        let before = self.entries.len();
+        self.entries.retain(|entry| entry.generation == generation);
+        if self.entries.len() != before {
+            self.index.clear();
+            let entries = &self.entries;
+            for (at, entry) in entries.iter().enumerate() {
+                self.index
+                    .insert_unique(entry.hash(), at, |&at| entries[at].hash());
+            }
+        }
+        self.entries.shrink_to_fit();
+        let entries = &self.entries;
+        self.index.shrink_to_fit(|&at| entries[at].hash());
+    }
+
+    /// Drops everything, giving the memory back.
+    fn clear(&mut self) {
+        self.entries = Vec::new();
+        self.index = hashbrown::HashTable::new();
     }
 
     /// Applies one watcher event; says whether readers should look again.
@@ -119,24 +248,20 @@ impl<T: Cached> StoreState<T> {
                 false
             }
             watcher::Event::InitApply(object) => {
-                let record = T::project(object);
-                self.objects.insert(record.key(), (record, self.generation));
+                self.upsert(T::project(object));
                 false
             }
             watcher::Event::InitDone => {
-                let generation = self.generation;
-                self.objects.retain(|_, (_, seen)| *seen == generation);
-                self.objects.shrink_to_fit();
+                self.keep_listed();
                 self.synced = true;
                 true
             }
             watcher::Event::Apply(object) => {
-                let record = T::project(object);
-                self.objects.insert(record.key(), (record, self.generation));
+                self.upsert(T::project(object));
                 true
             }
             watcher::Event::Delete(object) => {
-                self.objects.remove(&T::project(object).key());
+                self.remove(&T::project(object).key());
                 true
             }
         }
@@ -253,7 +378,7 @@ fn keep<T: Cached>(
                 Err(err @ (CacheError::OverBudget(_) | CacheError::Lost { .. })) => {
                     if matches!(err, CacheError::OverBudget(_)) {
                         // What it held went back to the budget.
-                        state.objects = HashMap::new();
+                        state.clear();
                     }
                     state.synced = false;
                     if failure.is_new(err) {
@@ -467,7 +592,7 @@ where
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::service_cache::record::ServiceRecord;
+    use crate::service_cache::record::{Name, ServiceRecord};
     use k8s_openapi::api::core::v1::Service;
 
     /// kube-apiserver stores a status condition without `lastTransitionTime` as `null`;
@@ -503,6 +628,43 @@ mod tests {
         let mut names: Vec<String> = state.values().map(|s| s.name.to_string()).collect();
         names.sort();
         names
+    }
+
+    /// A delete moves the last record into the place it frees, and a relist packs what it kept:
+    /// every record stays found by its key, none found after its delete.
+    #[test]
+    fn every_record_stays_found_by_its_key_after_deletes_and_relists() {
+        let name = |i: usize| format!("s{i}");
+        let ip = |i: usize| format!("192.0.2.{i}");
+        let mut state = StoreState::<ServiceRecord>::default();
+        state.apply(&watcher::Event::Init);
+        for i in 0..60 {
+            state.apply(&watcher::Event::InitApply(service(&name(i), &ip(i))));
+        }
+        state.apply(&watcher::Event::InitDone);
+        for i in (0..60).step_by(3) {
+            state.apply(&watcher::Event::Delete(service(&name(i), &ip(i))));
+        }
+        // A relist without the multiples of 5.
+        state.apply(&watcher::Event::Init);
+        for i in (0..60usize).filter(|i| !i.is_multiple_of(5)) {
+            state.apply(&watcher::Event::InitApply(service(&name(i), &ip(i))));
+        }
+        state.apply(&watcher::Event::InitDone);
+        for i in (0..60).step_by(7) {
+            state.apply(&watcher::Event::Delete(service(&name(i), &ip(i))));
+        }
+        let kept = |i: usize| !i.is_multiple_of(5) && !i.is_multiple_of(7);
+        for i in 0..60 {
+            let key = (Name::from("d"), Name::from(name(i).as_str()));
+            let found = state.get(&key);
+            assert_eq!(found.is_some(), kept(i), "{}", name(i));
+            if let Some(svc) = found {
+                assert!(svc.lists_ip(ip(i).parse().unwrap()), "{svc:?}");
+            }
+        }
+        assert_eq!(state.len(), (0..60).filter(|&i| kept(i)).count());
+        assert_eq!(state.values().count(), state.len());
     }
 
     /// A relist is not synced until it is complete, and then holds exactly what it listed plus

@@ -281,6 +281,15 @@ impl ClusterIpRepairLoop {
         self.services.clone()
     }
 
+    /// The bytes the Service and IPAddress caches take
+    /// ([`StoreState::allocated_bytes`](crate::watch_cache::StoreState::allocated_bytes)).
+    pub fn cache_bytes(&self) -> (usize, usize) {
+        (
+            self.services.read().allocated_bytes(),
+            self.ip_addresses.read().allocated_bytes(),
+        )
+    }
+
     pub fn metrics(&self) -> &RepairMetrics {
         &self.metrics
     }

@@ -6,6 +6,7 @@
 //! IPAddress.
 
 use std::cell::OnceCell;
+use std::hash::BuildHasher;
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -298,29 +299,58 @@ impl<'a> ServicesByKey<'_, 'a> {
     }
 }
 
-/// The position of the IPAddress each IP names (those whose name is no IP are not in it).
-struct IpIndex(FastMap<IpAddr, u32>);
+/// The position of the IPAddress each IP names (those whose name is no IP are not in it; of two
+/// names of one IP, the later). The table holds only positions, found by the hash of the IP their
+/// record names: a map of IPs to positions would take 24 bytes a slot, and a million-Service
+/// cluster two million slots, every pass.
+struct IpIndex<'i, 'a> {
+    ip_addresses: &'i [&'a IpAddressRecord],
+    positions: hashbrown::HashTable<u32>,
+    hasher: foldhash::fast::RandomState,
+}
 
-impl IpIndex {
-    fn of(ip_addresses: &[&IpAddressRecord]) -> Self {
-        let mut map = fast_map(ip_addresses.len());
+impl<'i, 'a> IpIndex<'i, 'a> {
+    fn of(ip_addresses: &'i [&'a IpAddressRecord]) -> Self {
+        let mut index = IpIndex {
+            ip_addresses,
+            positions: hashbrown::HashTable::with_capacity(ip_addresses.len()),
+            hasher: foldhash::fast::RandomState::default(),
+        };
+        let names = |at: u32| ip_addresses[at as usize].name.ip();
         for (at, ip) in ip_addresses.iter().enumerate() {
-            if let (Some(addr), Ok(at)) = (ip.name.ip(), u32::try_from(at)) {
-                map.insert(addr, at);
+            let (Some(addr), Ok(at)) = (ip.name.ip(), u32::try_from(at)) else {
+                continue;
+            };
+            let hash = index.hasher.hash_one(addr);
+            let hasher = &index.hasher;
+            match index.positions.entry(
+                hash,
+                |&held| names(held) == Some(addr),
+                |&held| names(held).map_or(0, |ip| hasher.hash_one(ip)),
+            ) {
+                hashbrown::hash_table::Entry::Occupied(mut held) => *held.get_mut() = at,
+                hashbrown::hash_table::Entry::Vacant(slot) => {
+                    slot.insert(at);
+                }
             }
         }
-        IpIndex(map)
+        index
     }
 
     fn get(&self, ip: IpAddr) -> Option<u32> {
-        self.0.get(&ip).copied()
+        let ip_addresses = self.ip_addresses;
+        self.positions
+            .find(self.hasher.hash_one(ip), |&at| {
+                ip_addresses[at as usize].name.ip() == Some(ip)
+            })
+            .copied()
     }
 }
 
 /// The lookups a pass makes, built once per pass.
 struct Index<'i, 'a> {
     ip_addresses: &'i [&'a IpAddressRecord],
-    ips_by_addr: &'i IpIndex,
+    ips_by_addr: &'i IpIndex<'i, 'a>,
     services_by_key: &'i ServicesByKey<'i, 'a>,
 }
 
@@ -347,8 +377,39 @@ struct ServicePhase {
 }
 
 /// Which Service first claimed each IP during the Service phase (a later claimant is a
-/// duplicate).
-type Claims<'a> = FastMap<IpAddr, (&'a str, &'a str)>;
+/// duplicate): by the position of the IP's IPAddress, or, for the few IPs without one, by IP.
+/// A map of every IP to its claimant would take 56 bytes a slot, two million slots at a million
+/// Services.
+struct Claims<'a> {
+    by_ip_address: Vec<Option<&'a ServiceRecord>>,
+    unallocated: FastMap<IpAddr, &'a ServiceRecord>,
+}
+
+impl<'a> Claims<'a> {
+    fn new(ip_addresses: usize) -> Self {
+        Claims {
+            by_ip_address: vec![None; ip_addresses],
+            unallocated: fast_map(0),
+        }
+    }
+
+    /// The Service that claimed `ip`, whose IPAddress is at `at` (if any).
+    fn get(&self, ip: IpAddr, at: Option<u32>) -> Option<&'a ServiceRecord> {
+        match at {
+            Some(at) => self.by_ip_address[at as usize],
+            None => self.unallocated.get(&ip).copied(),
+        }
+    }
+
+    fn insert(&mut self, ip: IpAddr, at: Option<u32>, svc: &'a ServiceRecord) {
+        match at {
+            Some(at) => self.by_ip_address[at as usize] = Some(svc),
+            None => {
+                self.unallocated.insert(ip, svc);
+            }
+        }
+    }
+}
 
 /// Decides a pass of the IPAddress-mode repair from a snapshot.
 ///
@@ -379,7 +440,7 @@ pub fn decide_ipaddress_mode<'a>(
         services_by_key: &services_by_key,
     };
     let mut phase = ServicePhase::default();
-    let mut claims = fast_map(ip_addresses.len());
+    let mut claims = Claims::new(ip_addresses.len());
     for svc in &services {
         for cluster_ip in svc.cluster_ips.iter() {
             let at = cluster_ip.ip().and_then(|ip| index.ips_by_addr.get(ip));
@@ -476,19 +537,15 @@ fn sync_service_ip<'a>(
         return;
     };
     let family = IpFamily::of(ip);
-    if let Some(&first) = claims.get(&ip) {
-        if first != this {
-            phase.findings.push(already_allocated(
-                svc,
-                ip,
-                index.services_by_key.get(first.0, first.1),
-            ));
+    if let Some(first) = claims.get(ip, at) {
+        if (&*first.namespace, &*first.name) != this {
+            phase.findings.push(already_allocated(svc, ip, Some(first)));
         }
         return;
     }
 
     let Some(at) = at else {
-        claims.insert(ip, this);
+        claims.insert(ip, None, svc);
         phase.findings.push(Finding {
             kind: "clusterip_not_allocated",
             regarding: Regarding::service(svc),
@@ -550,7 +607,7 @@ fn sync_allocated_ip<'a>(
             if !parent_is_this {
                 match index.services_by_key.get(&p.namespace, &p.name) {
                     None => {
-                        claims.insert(ip, this);
+                        claims.insert(ip, Some(at), svc);
                         phase.rewritten.push(at);
                         phase.findings.push(wrong_reference(Some(ServiceOwner {
                             namespace: p.namespace.clone(),
@@ -572,14 +629,14 @@ fn sync_allocated_ip<'a>(
             }
         }
         _ => {
-            claims.insert(ip, this);
+            claims.insert(ip, Some(at), svc);
             phase.rewritten.push(at);
             phase.findings.push(wrong_reference(None));
             return;
         }
     }
 
-    claims.insert(ip, this);
+    claims.insert(ip, Some(at), svc);
     let labels_right = existing.labels_as_allocated(family);
     if labels_right && parent_is_this {
         // The claiming Service is the parent: the IPAddress phase would find the same.
