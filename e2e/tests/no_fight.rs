@@ -1,10 +1,11 @@
 //! End to end, on the real control plane only (`e2e/control-plane/test.sh --test no_fight`):
-//! beside kube-apiserver's own loops that still run where the controller runs too (the IPAddress
-//! repair, the system namespaces, the default ServiceCIDR, the `kubernetes` Service), the two
-//! never undo each other. The objects both keep are damaged a few times, and every write to them
-//! is read from the apiserver's audit log: after each damage, the writes by the controller and
-//! by kube-apiserver to one object must not go back and forth (controller, then apiserver, then
-//! controller again, or the other way round).
+//! beside upstream's own loops that still run where the controller runs too (kube-apiserver's
+//! IPAddress repair, system namespaces, default ServiceCIDR and `kubernetes` Service loops, and
+//! kube-controller-manager's service-CIDRs controller, which keeps the ServiceCIDRs' Ready
+//! condition too), they never undo each other. The objects both keep are damaged a few times,
+//! and every write to them is read from the apiserver's audit log: after each damage, the writes
+//! by the controller and by upstream's loops to one object must not go back and forth
+//! (controller, then upstream, then controller again, or the other way round).
 //!
 //! None of upstream's repair intervals has a flag (`pkg/controlplane/instance.go`:
 //! `repairLoopInterval` 3m, `DefaultEndpointReconcilerInterval` 10s; the system namespaces loop
@@ -46,12 +47,14 @@ fn window(ip_api: bool) -> Duration {
     }
 }
 
-/// Who wrote: the controller (its user agent), kube-apiserver's own loops (`system:apiserver`),
-/// or anyone else (the test's damage, kube-controller-manager's namespace finalization).
+/// Who wrote: the controller (its user agent), upstream's own loops (kube-apiserver's, as
+/// `system:apiserver`; kube-controller-manager's, as `system:kube-controller-manager`), or anyone
+/// else (the test's damage). kube-controller-manager's writes to a namespace finish the test's
+/// deletion of it (the namespace controller's finalization): they are part of the damage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Writer {
     Controller,
-    Apiserver,
+    Upstream,
     Other,
 }
 
@@ -61,8 +64,11 @@ fn writer(event: &Value) -> Writer {
         .is_some_and(|agent| agent.starts_with("bootstrap-controller/"))
     {
         Writer::Controller
-    } else if event["user"]["username"] == "system:apiserver" {
-        Writer::Apiserver
+    } else if event["user"]["username"] == "system:apiserver"
+        || (event["user"]["username"] == "system:kube-controller-manager"
+            && event["objectRef"]["resource"] != "namespaces")
+    {
+        Writer::Upstream
     } else {
         Writer::Other
     }
@@ -103,7 +109,7 @@ fn writes_by_object(events: &[Value]) -> BTreeMap<String, Vec<(Writer, String)>>
 }
 
 /// The objects written back and forth: after a write by anyone else (a damage), the
-/// controller's and kube-apiserver's writes alternate more than once (A, B, A).
+/// controller's and upstream's writes alternate more than once (A, B, A).
 fn fights(by_object: &BTreeMap<String, Vec<(Writer, String)>>) -> Vec<String> {
     let mut found = Vec::new();
     for (object, writes) in by_object {
@@ -142,8 +148,18 @@ fn alternating_writers_are_a_fight_and_a_race_is_not() {
         theirs.clone(),
     ];
     assert!(fights(&writes_by_object(&race)).is_empty());
-    let fight = [ours.clone(), theirs, ours];
+    let fight = [ours.clone(), theirs, ours.clone()];
     assert_eq!(fights(&writes_by_object(&fight)).len(), 1);
+    // kube-controller-manager keeps ServiceCIDRs too; its namespace writes finish a deletion.
+    let controller_manager = event(
+        "kube-controller-manager/v1.37.2",
+        "system:kube-controller-manager",
+    );
+    let fight = [ours.clone(), controller_manager.clone(), ours.clone()];
+    assert_eq!(fights(&writes_by_object(&fight)).len(), 1);
+    let mut finalize = controller_manager;
+    finalize["objectRef"] = json!({"resource": "namespaces", "name": "kube-node-lease"});
+    assert_eq!(writer(&finalize), Writer::Other);
 }
 
 /// The audit log of the control plane `kubeconfig` belongs to (`up.sh` writes both in one
@@ -165,7 +181,7 @@ fn audit_events(log: &std::path::Path) -> Result<Vec<Value>> {
 async fn the_controller_and_kube_apiservers_own_repairs_never_undo_each_other() -> Result<()> {
     if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_none() {
         skip(
-            "the whole test: needs kube-apiserver's own repair loops and its audit log; \
+            "the whole test: needs upstream's own repair loops and the audit log; \
              `e2e/control-plane/test.sh --test no_fight` runs it",
         );
         return Ok(());
@@ -248,7 +264,7 @@ async fn no_fight(target: &Target, client: &Client, log: &std::path::Path) -> Re
             .count()
     };
     println!(
-        "no fight, {} s beside kube-apiserver's loops ({} of the IPAddress repair's resyncs at least): {} writes to shared objects by the controller, {} by kube-apiserver, {} by others (the damages)",
+        "no fight, {} s beside upstream's loops ({} of the IPAddress repair's resyncs at least): {} writes to shared objects by the controller, {} by upstream's loops, {} by others (the damages)",
         started.elapsed().as_secs(),
         if ip_api {
             started.elapsed().as_secs() / IPADDRESS_RESYNC.as_secs()
@@ -256,15 +272,15 @@ async fn no_fight(target: &Target, client: &Client, log: &std::path::Path) -> Re
             0
         },
         count(Writer::Controller),
-        count(Writer::Apiserver),
+        count(Writer::Upstream),
         count(Writer::Other),
     );
     for (object, writes) in &by_object {
         let by = |who: Writer| writes.iter().filter(|(w, _)| *w == who).count();
         println!(
-            "  {object}: controller {}, kube-apiserver {}, others {}",
+            "  {object}: controller {}, upstream {}, others {}",
             by(Writer::Controller),
-            by(Writer::Apiserver),
+            by(Writer::Upstream),
             by(Writer::Other)
         );
     }
@@ -284,7 +300,7 @@ async fn no_fight(target: &Target, client: &Client, log: &std::path::Path) -> Re
         "no write by the controller at all: was it running?"
     );
     ensure!(
-        count(Writer::Controller) + count(Writer::Apiserver) > 0,
+        count(Writer::Controller) + count(Writer::Upstream) > 0,
         "nobody answered the damages"
     );
     damaged?;
@@ -341,9 +357,10 @@ async fn damage(client: &Client, ip: &str, ip_api: bool, spacing: Duration) -> R
     Ok(())
 }
 
-/// kube-apiserver's own loops ran beside the controller: with the controller stopped, the
-/// default ServiceCIDR's Ready condition, removed, is set again by kube-apiserver (its loop
-/// runs every 10 s), as the audit log shows.
+/// Upstream's own loops ran beside the controller: with the controller stopped, the default
+/// ServiceCIDR's Ready condition, removed, is set again by kube-apiserver (its loop runs every
+/// 10 s) or kube-controller-manager (its service-CIDRs controller answers the change), whichever
+/// comes first, as the audit log shows.
 async fn apiservers_loop_runs(client: &Client, log: &std::path::Path) -> Result<()> {
     let before = audit_events(log)?.len();
     let cidr = common::api_of(
@@ -359,13 +376,13 @@ async fn apiservers_loop_runs(client: &Client, log: &std::path::Path) -> Result<
     )
     .await?;
     eventually(
-        "kube-apiserver's Ready=True on the default ServiceCIDR",
+        "upstream's Ready=True on the default ServiceCIDR",
         CONVERGE,
         || async {
             let events = audit_events(log)?;
             Ok(writes_by_object(&events[before..])
                 .get("servicecidrs /kubernetes")
-                .is_some_and(|writes| writes.iter().any(|(w, _)| *w == Writer::Apiserver))
+                .is_some_and(|writes| writes.iter().any(|(w, _)| *w == Writer::Upstream))
                 .then_some(()))
         },
     )
