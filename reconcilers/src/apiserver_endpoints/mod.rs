@@ -66,7 +66,7 @@ pub use probe::{
 pub use section::{
     DEFAULT_INTERVAL, DEFAULT_LEASE_TTL, Section, StaticAddress, StaticAddressError,
 };
-pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate, ShutdownProbing};
+pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate};
 
 use crate::contract::Reconciler;
 use crate::section::Settings;
