@@ -21,8 +21,6 @@ pub const MEMBER_LABEL: &str = "bootstrap-controller.io/apiserver-endpoint";
 pub const ADDRESS_ANNOTATION: &str = "bootstrap-controller.io/advertise-address";
 /// The member's `--secure-port`.
 pub const PORT_ANNOTATION: &str = "bootstrap-controller.io/secure-port";
-/// Lease names are `apiserver-<address>`, so a restarted instance finds the Lease a crash left.
-pub const LEASE_NAME_PREFIX: &str = "apiserver-";
 
 /// Everything that identifies this instance's membership Lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,16 +35,14 @@ pub struct OwnLease {
 }
 
 impl OwnLease {
+    /// `apiserver-<address>`, so a restarted instance finds the Lease a crash left; IPv6 colons
+    /// become dashes (`fd00::1` -> `fd00--1`): Lease names are DNS subdomains.
     pub fn name(&self) -> String {
-        lease_name(&self.address)
+        format!("apiserver-{}", self.address.to_string().replace(':', "-"))
     }
 
     pub fn object_ref(&self) -> String {
         format!("Lease/{}/{}", self.namespace, self.name())
-    }
-
-    pub fn selector(&self) -> String {
-        member_selector(&self.service_name)
     }
 
     /// The Lease as it should be after a renewal at `now`. `existing` keeps its metadata
@@ -80,18 +76,6 @@ impl OwnLease {
     }
 }
 
-pub fn lease_name(address: &IpAddr) -> String {
-    // Lease names are DNS subdomains: IPv6 colons become dashes (`fd00::1` -> `fd00--1`).
-    format!(
-        "{LEASE_NAME_PREFIX}{}",
-        address.to_string().replace(':', "-")
-    )
-}
-
-pub fn member_selector(service_name: &str) -> String {
-    format!("{MEMBER_LABEL}={service_name}")
-}
-
 /// Whole seconds, at least one: the API's `leaseDurationSeconds` is an integer.
 pub fn ttl_seconds(ttl: Duration) -> i32 {
     i32::try_from(ttl.as_secs().max(1)).unwrap_or(i32::MAX)
@@ -110,51 +94,9 @@ pub struct ObservedMember {
     pub expires: Timestamp,
 }
 
-/// Why a Lease carrying the member label is not a member.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LeaseProblem {
-    /// The address annotation is missing or not an IP: someone else's object, or corrupted.
-    BadAddress {
-        lease_name: String,
-        found: Option<String>,
-    },
-    /// Never renewed (no `renewTime`).
-    NeverRenewed { lease_name: String },
-    /// Renewed more than a day ahead of the reader's clock: no clock is that far off, so the
-    /// object is corrupted (an etcd restore, a hand edit).
-    RenewedInTheFuture {
-        lease_name: String,
-        renewed: Timestamp,
-    },
-}
-
-impl std::fmt::Display for LeaseProblem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LeaseProblem::BadAddress { lease_name, found } => write!(
-                f,
-                "Lease {lease_name} has {} annotation {ADDRESS_ANNOTATION}; ignoring it",
-                found
-                    .as_deref()
-                    .map_or("no".to_owned(), |v| format!("a non-IP ({v:?})"))
-            ),
-            LeaseProblem::NeverRenewed { lease_name } => {
-                write!(f, "Lease {lease_name} has no renewTime; ignoring it")
-            }
-            LeaseProblem::RenewedInTheFuture {
-                lease_name,
-                renewed,
-            } => write!(
-                f,
-                "Lease {lease_name} says it was renewed at {renewed}, more than a day ahead of \
-                 this clock; ignoring it"
-            ),
-        }
-    }
-}
-
-/// Read one Lease. `fallback_ttl` applies when `leaseDurationSeconds` is missing.
-pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, LeaseProblem> {
+/// Read one Lease. `fallback_ttl` applies when `leaseDurationSeconds` is missing. The error
+/// says why a Lease carrying the member label is not a member.
+pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, String> {
     let lease_name = lease.metadata.name.clone().unwrap_or_default();
     let found = lease
         .metadata
@@ -163,7 +105,10 @@ pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, 
         .and_then(|a| a.get(ADDRESS_ANNOTATION))
         .cloned();
     let Some(address) = found.as_deref().and_then(parse_ip) else {
-        return Err(LeaseProblem::BadAddress { lease_name, found });
+        let found = found.map_or("no".to_owned(), |v| format!("a non-IP ({v:?})"));
+        return Err(format!(
+            "Lease {lease_name} has {found} annotation {ADDRESS_ANNOTATION}; ignoring it"
+        ));
     };
     let port = lease
         .metadata
@@ -173,7 +118,7 @@ pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, 
         .and_then(|p| p.trim().parse::<i32>().ok());
     let spec = lease.spec.clone().unwrap_or_default();
     let Some(MicroTime(renewed)) = spec.renew_time else {
-        return Err(LeaseProblem::NeverRenewed { lease_name });
+        return Err(format!("Lease {lease_name} has no renewTime; ignoring it"));
     };
     let seconds = spec
         .lease_duration_seconds
@@ -200,7 +145,8 @@ pub struct LeaseMembership {
     pub live: Vec<ObservedMember>,
     /// Leases whose time ran out (their address is not a member unless another live Lease has it).
     pub expired: Vec<ObservedMember>,
-    pub problems: Vec<LeaseProblem>,
+    /// Why each unusable Lease is not a member.
+    pub problems: Vec<String>,
 }
 
 /// A renewal further ahead of the reader's clock than this is no clock's error but a corrupted
@@ -256,10 +202,11 @@ pub fn membership<'a>(
         }
         match observe(lease, fallback_ttl) {
             Ok(member) if member.renewed > now.checked_add(FAR_FUTURE).unwrap_or(now) => {
-                out.problems.push(LeaseProblem::RenewedInTheFuture {
-                    lease_name: member.lease_name,
-                    renewed: member.renewed,
-                });
+                out.problems.push(format!(
+                    "Lease {} says it was renewed at {}, more than a day ahead of this clock; \
+                     ignoring it",
+                    member.lease_name, member.renewed
+                ));
             }
             Ok(mut member) => {
                 present.insert(member.lease_name.clone());
@@ -368,10 +315,11 @@ mod tests {
             &mut Sightings::default(),
         );
         assert!(judged.members.is_empty());
-        assert!(matches!(
-            judged.problems.as_slice(),
-            [LeaseProblem::RenewedInTheFuture { .. }]
-        ));
+        assert!(
+            matches!(judged.problems.as_slice(), [p] if p.contains("more than a day ahead")),
+            "{:?}",
+            judged.problems
+        );
         // A writer's clock ahead of the reader's is no problem: met for the first time, it
         // counts as renewed now.
         let skewed = own("192.0.2.8").renewed(None, now + SignedDuration::from_secs(60));
@@ -499,7 +447,7 @@ mod tests {
         lease.spec.as_mut().unwrap().renew_time = None;
         assert!(matches!(
             observe(&lease, Duration::from_secs(30)),
-            Err(LeaseProblem::NeverRenewed { .. })
+            Err(problem) if problem.contains("no renewTime")
         ));
     }
 
@@ -542,10 +490,7 @@ mod tests {
             &mut Sightings::default(),
         );
         assert!(
-            matches!(
-                judged.problems.as_slice(),
-                [LeaseProblem::RenewedInTheFuture { .. }]
-            ),
+            matches!(judged.problems.as_slice(), [p] if p.contains("more than a day ahead")),
             "{:?}",
             judged.problems
         );

@@ -261,7 +261,7 @@ fn lease_members(
         section.lease_ttl,
         &mut memory.sightings,
     );
-    plan.lease_problems = judged.problems.iter().map(ToString::to_string).collect();
+    plan.lease_problems = judged.problems;
     // One port for all members (the Endpoints have one subset): a member whose sidecar says
     // otherwise is misconfigured, and clients would miss it.
     for member in &judged.live {
