@@ -11,8 +11,7 @@ use kube::runtime::events::{Event, EventType, Recorder};
 
 use super::ApiserverEndpointsLoop;
 use super::members::MembershipChange;
-use super::metrics::{ChangeLabel, KindLabel};
-use super::objects::{SliceChange, SliceWrite};
+use super::objects::SliceWrite;
 use super::plan::{Finding, Plan, Write};
 use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, drift, ignore_already_exists,
@@ -87,10 +86,12 @@ impl ApiserverEndpointsLoop {
                     slices.replace(&change.name, &params, slice).await?;
                 }
                 SliceWrite::Recreate(slice) => {
-                    delete(&slices, change).await?;
+                    delete_if_uid(&slices, &change.name, change.uid.clone()).await?;
                     ignore_already_exists(slices.create(&params, slice).await)?;
                 }
-                SliceWrite::Delete => delete(&slices, change).await?,
+                SliceWrite::Delete => {
+                    delete_if_uid(&slices, &change.name, change.uid.clone()).await?;
+                }
             },
         }
         Ok(None)
@@ -118,11 +119,8 @@ impl ApiserverEndpointsLoop {
             return;
         }
         for d in &repairs {
-            let kind = d.kind.to_owned();
-            self.metrics
-                .repairs
-                .get_or_create(&KindLabel { kind })
-                .inc();
+            let kind = [("kind", d.kind.to_owned())];
+            self.metrics.repairs.get_or_create(&kind).inc();
         }
         let note = (repairs.iter())
             .map(ToString::to_string)
@@ -184,14 +182,9 @@ impl ApiserverEndpointsLoop {
             if members.is_empty() {
                 continue;
             }
-            let change = ChangeLabel {
-                change: label.into(),
-            };
             let count = members.len();
-            self.metrics
-                .changes
-                .get_or_create(&change)
-                .inc_by(count as u64);
+            let change = [("change", label.to_owned())];
+            self.metrics.changes.get_or_create(&change).inc_by(count as u64);
             // One event per member, unless a pass changes many at once (a corrupted Endpoints
             // replaced, a first pass over a stale list): then one event says how many.
             if count <= MEMBER_EVENTS_PER_PASS {
@@ -241,15 +234,22 @@ impl ApiserverEndpointsLoop {
     }
 }
 
-/// Deletes the changed slice if it still is the one planned on (its uid); gone already is done.
-async fn delete(slices: &Api<EndpointSlice>, change: &SliceChange) -> Result<(), kube::Error> {
+/// Deletes `name` if it still is the object planned on (`uid`); gone already is done (false).
+pub(super) async fn delete_if_uid<K>(
+    api: &Api<K>,
+    name: &str,
+    uid: Option<String>,
+) -> Result<bool, kube::Error>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     let params = DeleteParams::default().preconditions(Preconditions {
-        uid: change.uid.clone(),
+        uid,
         resource_version: None,
     });
-    match slices.delete(&change.name, &params).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+    match api.delete(name, &params).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
         Err(err) => Err(err),
     }
 }

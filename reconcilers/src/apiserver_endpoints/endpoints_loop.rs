@@ -20,7 +20,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use super::lease::{MemberLease, member_selector};
+use super::lease::{MEMBER_LABEL, MemberLease};
 use super::lease_trigger::lease_trigger;
 use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
 use super::plan::{Finding, Memory, Plan, Snapshot, Sources, joined, listed, plan};
@@ -97,7 +97,7 @@ impl ApiserverEndpointsLoop {
         let named =
             || watcher::Config::default().fields(&format!("metadata.name={}", target.service_name));
         let slices = format!("{SERVICE_NAME_LABEL}={}", target.service_name);
-        let leases = member_selector(&target.service_name);
+        let leases = format!("{MEMBER_LABEL}={}", target.service_name);
         Self {
             endpoints: WatchCache::of(&Api::namespaced(client.clone(), here), named(), budget),
             slices: WatchCache::of(

@@ -8,11 +8,12 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, PostParams};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use super::apply::delete_if_uid;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
 use super::objects::{EndpointsTarget, service_family};
 use super::probe::{
@@ -79,13 +80,6 @@ impl LeaseMetrics {
         self.ready.get()
     }
 
-    pub fn renewals(&self) -> u64 {
-        self.renewals.get()
-    }
-
-    pub fn certificate_lacks_address(&self) -> i64 {
-        self.certificate_lacks_address.get()
-    }
 }
 
 /// Keeps this instance's membership Lease while its apiserver is ready.
@@ -164,10 +158,6 @@ impl ApiserverLeaseLoop {
             warned_shared: std::sync::atomic::AtomicBool::new(false),
             last_written: Mutex::new(None),
         })
-    }
-
-    pub fn own_lease(&self) -> &OwnLease {
-        &self.own
     }
 
     pub fn metrics(&self) -> &LeaseMetrics {
@@ -406,13 +396,8 @@ impl ApiserverLeaseLoop {
         api: &Api<Lease>,
         cached: &Lease,
     ) -> Result<Option<PassReport>, LoopError> {
-        let now = Timestamp::now();
-        let was_live = observe(cached, self.own.ttl).is_ok_and(|m| m.expires > now);
-        let renewed = self.own.renewed(Some(cached), now);
-        match api
-            .replace(&self.own.name(), &PostParams::default(), &renewed)
-            .await
-        {
+        let was_live = observe(cached, self.own.ttl).is_ok_and(|m| m.expires > Timestamp::now());
+        match self.put(api, Some(cached)).await {
             Ok(written) => {
                 self.remember(written);
                 self.metrics.renewals.inc();
@@ -525,7 +510,6 @@ impl ApiserverLeaseLoop {
         existing: Option<Lease>,
     ) -> Result<PassReport, LoopError> {
         let object = self.own.object_ref();
-        let name = self.own.name();
         let mut report = PassReport::default();
         let now = Timestamp::now();
         let live = existing
@@ -557,19 +541,12 @@ impl ApiserverLeaseLoop {
                 );
             }
             Some(existing) => {
-                let renewed = self.own.renewed(Some(existing), now);
-                let written = match api.replace(&name, &PostParams::default(), &renewed).await {
+                let written = match self.put(api, Some(existing)).await {
                     Ok(written) => written,
                     // Someone (kubectl, a restarted twin) wrote it since our read: renew on top
                     // of their version once, instead of waiting a whole backoff.
                     Err(err) if lease::is_conflict(&err) => {
-                        let fresh = api.get(&name).await?;
-                        api.replace(
-                            &name,
-                            &PostParams::default(),
-                            &self.own.renewed(Some(&fresh), Timestamp::now()),
-                        )
-                        .await?
+                        self.put(api, Some(&api.get(&self.own.name()).await?)).await?
                     }
                     Err(err) => return Err(err.into()),
                 };
@@ -588,13 +565,11 @@ impl ApiserverLeaseLoop {
     /// `bound`; a failure only means the Lease expires a little sooner, so it is logged, not
     /// returned.
     async fn renew_on_the_way_out(&self, api: &Api<Lease>, bound: Duration) {
-        let name = self.own.name();
         let work = async {
-            let Some(existing) = api.get_opt(&name).await? else {
+            let Some(existing) = api.get_opt(&self.own.name()).await? else {
                 return Ok::<bool, kube::Error>(false);
             };
-            let renewed = self.own.renewed(Some(&existing), Timestamp::now());
-            api.replace(&name, &PostParams::default(), &renewed).await?;
+            self.put(api, Some(&existing)).await?;
             Ok(true)
         };
         match tokio::time::timeout(bound, work).await {
@@ -611,6 +586,14 @@ impl ApiserverLeaseLoop {
         }
     }
 
+    /// This instance's Lease renewed now, on top of `base`, whose resourceVersion guards against
+    /// anyone else's write since.
+    async fn put(&self, api: &Api<Lease>, base: Option<&Lease>) -> Result<Lease, kube::Error> {
+        let renewed = self.own.renewed(base, Timestamp::now());
+        api.replace(&self.own.name(), &PostParams::default(), &renewed)
+            .await
+    }
+
     fn remember(&self, written: Lease) {
         if let Ok(mut cached) = self.last_written.lock() {
             *cached = Some(written);
@@ -618,15 +601,8 @@ impl ApiserverLeaseLoop {
     }
 
     async fn delete(&self, api: &Api<Lease>, existing: &Lease) -> Result<bool, LoopError> {
-        let params = DeleteParams::default().preconditions(Preconditions {
-            uid: existing.metadata.uid.clone(),
-            resource_version: None,
-        });
-        match api.delete(&self.own.name(), &params).await {
-            Ok(_) => Ok(true),
-            Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
-            Err(err) => Err(err.into()),
-        }
+        let uid = existing.metadata.uid.clone();
+        Ok(delete_if_uid(api, &self.own.name(), uid).await?)
     }
 }
 
