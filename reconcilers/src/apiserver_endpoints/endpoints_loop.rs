@@ -24,7 +24,7 @@ use super::lease::{MEMBER_LABEL, MemberLease};
 use super::lease_trigger::lease_trigger;
 use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
 use super::plan::{Finding, Memory, Plan, Snapshot, Sources, joined, listed, plan};
-use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, probed_elsewhere};
+use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
 use crate::alloc::IpFamily;
@@ -222,11 +222,8 @@ impl ApiserverEndpointsLoop {
     /// as not ready).
     async fn ready(&self, withdrawing: bool) -> bool {
         let probed = self.probed.lock().ok().and_then(|mut p| p.take());
-        if let Some(probed) = probed
-            && let Some(host) = probed.host().await
-            && let Some(why) = probed_elsewhere(&host, self.advertise_address)
-        {
-            tracing::warn!("{why}");
+        if let Some(probed) = probed {
+            probed.warn_if_elsewhere(self.advertise_address).await;
         }
         let ready = !withdrawing
             && (self.failures)

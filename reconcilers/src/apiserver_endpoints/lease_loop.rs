@@ -16,9 +16,7 @@ use prometheus_client::registry::Registry;
 use super::apply::delete_if_uid;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
 use super::objects::{EndpointsTarget, service_family};
-use super::probe::{
-    CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere,
-};
+use super::probe::{CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, Section};
 use crate::alloc::IpFamily;
@@ -79,7 +77,6 @@ impl LeaseMetrics {
     pub fn ready(&self) -> i64 {
         self.ready.get()
     }
-
 }
 
 /// Keeps this instance's membership Lease while its apiserver is ready.
@@ -250,24 +247,6 @@ impl ApiserverLeaseLoop {
         )))
     }
 
-    /// Warns once if the readiness probe asks another server than this instance's apiserver.
-    async fn check_probed_server(&self) {
-        let Some(probed) = &self.probed else {
-            return;
-        };
-        if self
-            .probed_checked
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            return;
-        }
-        if let Some(host) = probed.host().await
-            && let Some(why) = probed_elsewhere(&host, Some(self.own.address))
-        {
-            tracing::warn!(address = %self.own.address, "{why}");
-        }
-    }
-
     /// Whether the local apiserver's serving certificate is valid for the advertised address,
     /// at the first pass and every [`CERTIFICATE_RECHECK`]: in-cluster clients reach it at that
     /// address through the `kubernetes` Service and check it. Reported once when it starts
@@ -357,7 +336,13 @@ impl ApiserverLeaseLoop {
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        self.check_probed_server().await;
+        if let Some(probed) = &self.probed
+            && !self
+                .probed_checked
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            probed.warn_if_elsewhere(Some(self.own.address)).await;
+        }
         self.check_serving_certificate().await;
         self.check_family(ctx).await?;
         let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
@@ -546,7 +531,8 @@ impl ApiserverLeaseLoop {
                     // Someone (kubectl, a restarted twin) wrote it since our read: renew on top
                     // of their version once, instead of waiting a whole backoff.
                     Err(err) if lease::is_conflict(&err) => {
-                        self.put(api, Some(&api.get(&self.own.name()).await?)).await?
+                        self.put(api, Some(&api.get(&self.own.name()).await?))
+                            .await?
                     }
                     Err(err) => return Err(err.into()),
                 };

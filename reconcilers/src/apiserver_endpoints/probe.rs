@@ -136,17 +136,30 @@ pub struct ProbedServer {
 }
 
 impl ProbedServer {
-    /// The host (name or IP) the probe connects to; `None` when it cannot be told.
-    pub async fn host(&self) -> Option<String> {
-        let uri: http::Uri = match &self.url {
-            Some(url) => url.parse().ok()?,
-            None => (self.load)().await.ok()?.cluster_url,
+    /// The kubeconfig and the URL the probe asks.
+    async fn target(&self) -> Result<(kube::Config, http::Uri), String> {
+        let config = (self.load)()
+            .await
+            .map_err(|err| format!("cannot load the kubeconfig: {err}"))?;
+        let uri = match &self.url {
+            Some(url) => url.parse().map_err(|err| format!("readyzURL: {err}"))?,
+            None => config.cluster_url.clone(),
         };
-        uri.host().map(|host| {
-            host.trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned()
-        })
+        Ok((config, uri))
+    }
+
+    /// Warns if the probe asks another server than this instance's apiserver
+    /// ([`probed_elsewhere`]); a host that cannot be told is not warned about.
+    pub async fn warn_if_elsewhere(&self, advertised: Option<IpAddr>) {
+        let Ok((_, uri)) = self.target().await else {
+            return;
+        };
+        if let Some(why) = uri
+            .host()
+            .and_then(|host| probed_elsewhere(host, advertised))
+        {
+            tracing::warn!("{why}");
+        }
     }
 }
 
@@ -168,16 +181,9 @@ impl ProbedServer {
     /// with the kubeconfig's CA and `address` as the name to verify. Nothing is sent after it.
     pub async fn certificate_holds(&self, address: IpAddr, timeout: Duration) -> CertificateCheck {
         let cannot = |why: String| CertificateCheck::CannotTell(why);
-        let config = match (self.load)().await {
-            Ok(config) => config,
-            Err(err) => return cannot(format!("cannot load the kubeconfig: {err}")),
-        };
-        let uri: http::Uri = match &self.url {
-            Some(url) => match url.parse() {
-                Ok(uri) => uri,
-                Err(err) => return cannot(format!("readyzURL: {err}")),
-            },
-            None => config.cluster_url.clone(),
+        let (config, uri) = match self.target().await {
+            Ok(target) => target,
+            Err(why) => return cannot(why),
         };
         if uri.scheme_str() != Some("https") {
             return cannot(format!("{uri} is not https"));
@@ -244,6 +250,7 @@ impl ProbedServer {
 /// server (a load balancer in the kubeconfig, another node) answers for whichever apiserver it
 /// reaches, so a dead local apiserver would stay listed.
 pub fn probed_elsewhere(host: &str, advertised: Option<IpAddr>) -> Option<String> {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
     if host.eq_ignore_ascii_case("localhost") {
         return None;
     }
