@@ -184,7 +184,10 @@ impl ApiserverEndpointsLoop {
             }
             let count = members.len();
             let change = [("change", label.to_owned())];
-            self.metrics.changes.get_or_create(&change).inc_by(count as u64);
+            self.metrics
+                .changes
+                .get_or_create(&change)
+                .inc_by(count as u64);
             // One event per member, unless a pass changes many at once (a corrupted Endpoints
             // replaced, a first pass over a stale list): then one event says how many.
             if count <= MEMBER_EVENTS_PER_PASS {

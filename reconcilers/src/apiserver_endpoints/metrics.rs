@@ -54,11 +54,15 @@ impl EndpointsMetrics {
     }
 
     pub fn changes(&self, change: &str) -> u64 {
-        self.changes.get_or_create(&[("change", change.to_owned())]).get()
+        self.changes
+            .get_or_create(&[("change", change.to_owned())])
+            .get()
     }
 
     pub fn repairs(&self, kind: &str) -> u64 {
-        self.repairs.get_or_create(&[("kind", kind.to_owned())]).get()
+        self.repairs
+            .get_or_create(&[("kind", kind.to_owned())])
+            .get()
     }
 
     pub(super) fn set_members(&self, members: &MemberSet) {

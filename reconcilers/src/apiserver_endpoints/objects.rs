@@ -99,43 +99,41 @@ impl EndpointsTarget {
             app_protocol: None,
         }]
     }
-
-    fn desired_subsets(&self, members: &MemberSet) -> Option<Vec<EndpointSubset>> {
-        if members.is_empty() {
-            // Upstream's RepackSubsets drops an empty subset, leaving none.
-            return None;
-        }
-        Some(vec![EndpointSubset {
-            addresses: Some(
-                members
-                    .sorted_strings()
-                    .into_iter()
-                    .map(|ip| EndpointAddress {
-                        ip,
-                        ..EndpointAddress::default()
-                    })
-                    .collect(),
-            ),
-            not_ready_addresses: None,
-            ports: Some(self.endpoint_ports()),
-        }])
-    }
 }
 
-/// A brand-new Endpoints object for `members`.
-pub fn desired_endpoints(target: &EndpointsTarget, members: &MemberSet) -> Endpoints {
-    Endpoints {
+/// The Endpoints for `members`: `existing` rewritten, keeping its metadata (resourceVersion for
+/// optimistic concurrency, other people's labels and annotations), or a new one.
+pub fn desired_endpoints(
+    target: &EndpointsTarget,
+    members: &MemberSet,
+    existing: Option<&Endpoints>,
+) -> Endpoints {
+    let mut endpoints = existing.cloned().unwrap_or_else(|| Endpoints {
         metadata: ObjectMeta {
             name: Some(target.service_name.clone()),
             namespace: Some(target.namespace.clone()),
-            labels: Some(BTreeMap::from([(
-                SKIP_MIRROR_LABEL.to_owned(),
-                "true".to_owned(),
-            )])),
             ..ObjectMeta::default()
         },
-        subsets: target.desired_subsets(members),
-    }
+        subsets: None,
+    });
+    endpoints.metadata.managed_fields = None;
+    (endpoints.metadata.labels.get_or_insert_with(BTreeMap::new))
+        .insert(SKIP_MIRROR_LABEL.to_owned(), "true".to_owned());
+    // Upstream's RepackSubsets drops an empty subset, leaving none.
+    endpoints.subsets = (!members.is_empty()).then(|| {
+        let addresses = (members.sorted_strings().into_iter())
+            .map(|ip| EndpointAddress {
+                ip,
+                ..EndpointAddress::default()
+            })
+            .collect();
+        vec![EndpointSubset {
+            addresses: Some(addresses),
+            not_ready_addresses: None,
+            ports: Some(target.endpoint_ports()),
+        }]
+    });
+    endpoints
 }
 
 /// One difference found on an object: `(metric kind, human message)`.
@@ -223,24 +221,6 @@ pub fn endpoints_drift(
         }
     }
     drift
-}
-
-/// `existing` rewritten to the desired state, keeping its metadata (resourceVersion for optimistic
-/// concurrency, other people's labels and annotations).
-pub fn repaired_endpoints(
-    target: &EndpointsTarget,
-    members: &MemberSet,
-    existing: &Endpoints,
-) -> Endpoints {
-    let mut repaired = existing.clone();
-    repaired
-        .metadata
-        .labels
-        .get_or_insert_with(BTreeMap::new)
-        .insert(SKIP_MIRROR_LABEL.to_owned(), "true".to_owned());
-    repaired.metadata.managed_fields = None;
-    repaired.subsets = target.desired_subsets(members);
-    repaired
 }
 
 /// The addresses an Endpoints object lists (ready ones, all subsets), as members.
@@ -549,7 +529,7 @@ mod tests {
 
     #[test]
     fn desired_endpoints_match_upstream_shape() {
-        let endpoints = desired_endpoints(&target(), &members(&["192.0.2.9", "192.0.2.10"]));
+        let endpoints = desired_endpoints(&target(), &members(&["192.0.2.9", "192.0.2.10"]), None);
         let json = serde_json::to_value(&endpoints).unwrap();
         assert_eq!(
             json,
@@ -571,7 +551,7 @@ mod tests {
 
     #[test]
     fn empty_member_set_has_no_subsets() {
-        let endpoints = desired_endpoints(&target(), &MemberSet::new());
+        let endpoints = desired_endpoints(&target(), &MemberSet::new(), None);
         assert_eq!(endpoints.subsets, None);
         let slices = desired_slices(&target(), &MemberSet::new());
         assert_eq!(slices.len(), 1);
@@ -582,7 +562,7 @@ mod tests {
     #[test]
     fn desired_endpoints_have_no_drift() {
         let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let endpoints = desired_endpoints(&target(), &m);
+        let endpoints = desired_endpoints(&target(), &m, None);
         assert!(endpoints_drift(&target(), &m, Some(&endpoints)).is_empty());
     }
 
@@ -600,7 +580,7 @@ mod tests {
     #[test]
     fn address_order_is_not_drift() {
         let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
+        let mut endpoints = desired_endpoints(&target(), &m, None);
         endpoints.subsets.as_mut().unwrap()[0]
             .addresses
             .as_mut()
@@ -612,7 +592,7 @@ mod tests {
     /// An Endpoints for 1.2.3.4 listing `ports` as (name, port), as upstream's lease_test.go
     /// builds them.
     fn listing_ports(ports: &[(&str, i32)]) -> Endpoints {
-        let mut endpoints = desired_endpoints(&target(), &members(&["1.2.3.4"]));
+        let mut endpoints = desired_endpoints(&target(), &members(&["1.2.3.4"]), None);
         endpoints.subsets.as_mut().unwrap()[0].ports = Some(
             ports
                 .iter()
@@ -654,7 +634,7 @@ mod tests {
                 ["endpoints_ports"],
                 "{case}"
             );
-            let repaired = repaired_endpoints(&target(), &m, &listed);
+            let repaired = desired_endpoints(&target(), &m, Some(&listed));
             assert_eq!(repaired.subsets, wanted().subsets, "{case}");
         }
     }
@@ -662,7 +642,7 @@ mod tests {
     #[test]
     fn port_drift_is_detected_and_repaired() {
         let m = members(&["192.0.2.1"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
+        let mut endpoints = desired_endpoints(&target(), &m, None);
         endpoints.metadata.resource_version = Some("42".into());
         endpoints.subsets.as_mut().unwrap()[0]
             .ports
@@ -673,7 +653,7 @@ mod tests {
         assert_eq!(drift.len(), 1);
         assert_eq!(drift[0].0, "endpoints_ports");
         assert!(drift[0].1.contains("https/TCP:443"), "{drift:?}");
-        let repaired = repaired_endpoints(&target(), &m, &endpoints);
+        let repaired = desired_endpoints(&target(), &m, Some(&endpoints));
         assert_eq!(repaired.metadata.resource_version.as_deref(), Some("42"));
         assert!(endpoints_drift(&target(), &m, Some(&repaired)).is_empty());
     }
@@ -681,7 +661,7 @@ mod tests {
     #[test]
     fn wrong_missing_duplicate_and_garbage_addresses_are_drift() {
         let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
+        let mut endpoints = desired_endpoints(&target(), &m, None);
         endpoints.subsets.as_mut().unwrap()[0].addresses = Some(
             ["192.0.2.1", "192.0.2.1", "198.51.100.9", "bogus"]
                 .iter()
@@ -706,7 +686,7 @@ mod tests {
     #[test]
     fn label_subsets_and_not_ready_drift() {
         let m = members(&["192.0.2.1"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
+        let mut endpoints = desired_endpoints(&target(), &m, None);
         endpoints.metadata.labels = Some(BTreeMap::from([
             (SKIP_MIRROR_LABEL.to_owned(), "false".to_owned()),
             ("team".to_owned(), "x".to_owned()),
@@ -730,7 +710,7 @@ mod tests {
                 "endpoints_not_ready_addresses"
             ]
         );
-        let repaired = repaired_endpoints(&target(), &m, &endpoints);
+        let repaired = desired_endpoints(&target(), &m, Some(&endpoints));
         assert!(endpoints_drift(&target(), &m, Some(&repaired)).is_empty());
         assert_eq!(
             repaired
@@ -747,7 +727,7 @@ mod tests {
     #[test]
     fn empty_members_only_flag_listed_addresses() {
         let m = members(&["192.0.2.1"]);
-        let endpoints = desired_endpoints(&target(), &m);
+        let endpoints = desired_endpoints(&target(), &m, None);
         let drift = endpoints_drift(&target(), &MemberSet::new(), Some(&endpoints));
         assert_eq!(
             drift,
@@ -756,14 +736,14 @@ mod tests {
                 "unexpected addresses [192.0.2.1]".to_owned()
             )]
         );
-        let emptied = repaired_endpoints(&target(), &MemberSet::new(), &endpoints);
+        let emptied = desired_endpoints(&target(), &MemberSet::new(), Some(&endpoints));
         assert!(endpoints_drift(&target(), &MemberSet::new(), Some(&emptied)).is_empty());
     }
 
     #[test]
     fn listed_members_reads_ready_addresses() {
         let m = members(&["192.0.2.1", "fd00::1"]);
-        assert_eq!(listed_members(&desired_endpoints(&target(), &m)), m);
+        assert_eq!(listed_members(&desired_endpoints(&target(), &m, None)), m);
     }
 
     #[test]

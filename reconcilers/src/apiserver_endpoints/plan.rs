@@ -25,7 +25,7 @@ use super::lease::{MemberLease, Sightings, membership};
 use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
 use super::objects::{
     DriftLine, EndpointsTarget, SliceChange, desired_endpoints, endpoints_drift, listed_members,
-    other_writers, plan_slices, repaired_endpoints, slice_members,
+    other_writers, plan_slices, slice_members,
 };
 use super::{Section, StaticAddress};
 use crate::alloc::IpFamily;
@@ -433,10 +433,7 @@ fn writes(
     };
     if !drift.is_empty() {
         writes.push(Write::Endpoints {
-            object: existing.map_or_else(
-                || desired_endpoints(target, members),
-                |existing| repaired_endpoints(target, members, existing),
-            ),
+            object: desired_endpoints(target, members, existing),
             create: existing.is_none(),
             drift,
         });
