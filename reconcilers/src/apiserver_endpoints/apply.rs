@@ -12,7 +12,7 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use super::ApiserverEndpointsLoop;
 use super::members::MembershipChange;
 use super::objects::SliceWrite;
-use super::plan::{Finding, Plan, Write};
+use super::plan::{Plan, Write};
 use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, drift, ignore_already_exists,
 };
@@ -106,9 +106,12 @@ impl ApiserverEndpointsLoop {
         plan: &Plan,
         report: &PassReport,
     ) {
-        for (reason, note) in plan.findings.iter().filter_map(Finding::event) {
-            self.publish(reference, EventType::Warning, reason, note)
-                .await;
+        for finding in &plan.findings {
+            if let Some(reason) = finding.reason() {
+                let note = finding.note(&self.target);
+                self.publish(reference, EventType::Warning, reason, note)
+                    .await;
+            }
         }
         self.announce(reference, &plan.change, &plan.expired).await;
         let repairs: Vec<&Drift> = (report.drift.iter())

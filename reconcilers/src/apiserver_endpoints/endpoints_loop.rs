@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use super::lease::{MEMBER_LABEL, MemberLease};
 use super::lease_trigger::lease_trigger;
 use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
-use super::plan::{Finding, Memory, Plan, Snapshot, Sources, joined, listed, plan};
+use super::plan::{Finding, Memory, Plan, Snapshot, Sources, listed, plan};
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
@@ -260,44 +260,11 @@ impl ApiserverEndpointsLoop {
         {
             tracing::warn!(%problem, "ignoring a membership Lease");
         }
-        let target = &self.target;
         for finding in &plan.findings {
+            let note = finding.note(&self.target);
             match finding {
-                Finding::OtherPort { member, port } => tracing::warn!(
-                    %member,
-                    advertised_port = port,
-                    endpoints_port = target.port,
-                    "a member advertises another secure port than the endpoints carry; \
-                     give every instance the same securePort"
-                ),
-                Finding::EndpointsLeft => tracing::warn!(
-                    endpoints = %target.endpoints_ref(),
-                    "writeEndpoints is false: this Endpoints object is no longer kept up to date; \
-                     delete it once nothing reads it (kubectl -n {} delete endpoints {})",
-                    target.namespace,
-                    target.service_name
-                ),
-                Finding::NoMembersForLong => tracing::warn!(
-                    endpoints = %target.endpoints_ref(),
-                    waited = ?self.section.lease_ttl,
-                    "no live apiserver members for a whole lease period; refusing to erase all \
-                     endpoints of the kubernetes Service"
-                ),
-                Finding::WrongFamily { member, note } => tracing::warn!(%member, "{note}"),
-                Finding::Rejected { member, why } => tracing::warn!(
-                    %member,
-                    reason = why,
-                    "leaving out a member the API server would reject as an endpoint address"
-                ),
-                Finding::StaticLookupFailed { name, reason, kept } => tracing::warn!(
-                    %name,
-                    %reason,
-                    kept = %joined(kept),
-                    "static address lookup failed; keeping the last good set"
-                ),
-                Finding::StaticResolves { name } => {
-                    tracing::info!(%name, "static address resolves again");
-                }
+                Finding::StaticResolves { .. } => tracing::info!("{note}"),
+                _ => tracing::warn!("{note}"),
             }
         }
         if self.settings.endpoint_mode == EndpointsMode::Lease {

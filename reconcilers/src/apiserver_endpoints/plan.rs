@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Endpoints;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -130,7 +131,7 @@ pub enum Finding {
     /// Slices only, and an Endpoints object is left over (logged once).
     EndpointsLeft,
     /// No member for a whole lease period (logged once per run).
-    NoMembersForLong,
+    NoMembersForLong { waited: Duration },
     /// A member of the other family than the Service's, left out.
     WrongFamily { member: IpAddr, note: String },
     /// A member the API server would reject as an endpoint address, left out.
@@ -146,24 +147,41 @@ pub enum Finding {
 }
 
 impl Finding {
-    /// The Warning event the finding publishes, if any: `(reason, note)`.
-    pub fn event(&self) -> Option<(&'static str, String)> {
+    /// The Warning event's reason, for the findings published as events.
+    pub fn reason(&self) -> Option<&'static str> {
         match self {
-            Finding::WrongFamily { note, .. } => Some(("MemberWrongFamily", note.clone())),
-            Finding::Rejected { member, why } => {
-                Some(("InvalidMemberAddress", format!("left out {member}: {why}")))
-            }
-            Finding::StaticLookupFailed { name, reason, kept } => Some((
-                "StaticAddressResolutionFailed",
-                format!(
-                    "resolving {name} failed ({reason}); keeping its last good addresses [{}]",
-                    joined(kept)
-                ),
-            )),
-            Finding::OtherPort { .. }
-            | Finding::EndpointsLeft
-            | Finding::NoMembersForLong
-            | Finding::StaticResolves { .. } => None,
+            Finding::WrongFamily { .. } => Some("MemberWrongFamily"),
+            Finding::Rejected { .. } => Some("InvalidMemberAddress"),
+            Finding::StaticLookupFailed { .. } => Some("StaticAddressResolutionFailed"),
+            _ => None,
+        }
+    }
+
+    /// What the finding says, in the log and in its event.
+    pub fn note(&self, target: &EndpointsTarget) -> String {
+        let (namespace, service) = (&target.namespace, &target.service_name);
+        match self {
+            Finding::OtherPort { member, port } => format!(
+                "member {member} advertises secure port {port}, but the endpoints carry {}; give \
+                 every instance the same securePort",
+                target.port
+            ),
+            Finding::EndpointsLeft => format!(
+                "writeEndpoints is false: {} is no longer kept up to date; delete it once \
+                 nothing reads it (kubectl -n {namespace} delete endpoints {service})",
+                target.endpoints_ref()
+            ),
+            Finding::NoMembersForLong { waited } => format!(
+                "no live apiserver members for a whole lease period ({waited:?}); refusing to \
+                 erase all endpoints of the {service} Service"
+            ),
+            Finding::WrongFamily { note, .. } => note.clone(),
+            Finding::Rejected { member, why } => format!("left out {member}: {why}"),
+            Finding::StaticLookupFailed { name, reason, kept } => format!(
+                "resolving {name} failed ({reason}); keeping its last good addresses [{}]",
+                joined(kept)
+            ),
+            Finding::StaticResolves { name } => format!("static address {name} resolves again"),
         }
     }
 }
@@ -226,7 +244,9 @@ pub fn plan(
                 "no live apiserver members; refusing to erase all endpoints (kept as they are)"
             });
             if memory.empty.observe(now, section.lease_ttl) {
-                plan.findings.push(Finding::NoMembersForLong);
+                plan.findings.push(Finding::NoMembersForLong {
+                    waited: section.lease_ttl,
+                });
             }
             return plan;
         }
