@@ -279,10 +279,20 @@ impl ApiserverEndpointsLoop {
     }
 
     /// A pass: read, plan, write; then, unless a dry run, the members' metric and the events.
-    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+    /// `withdrawing`: a graceful stop taking this instance's address out at once (the caller
+    /// checked [`Self::withdraws`]), read live, written even when that leaves no member (the one
+    /// case where upstream empties the endpoints too), and only while it is listed.
+    async fn pass(&self, ctx: &PassContext, withdrawing: bool) -> Result<PassReport, LoopError> {
         let mut state = self.state.lock().await;
-        state.last_pass = Some(Instant::now());
-        let snapshot = self.read_objects(ctx, false).await?;
+        if !withdrawing {
+            state.last_pass = Some(Instant::now());
+        }
+        let snapshot = self.read_objects(ctx, withdrawing).await?;
+        let listed = || listed(&self.section, snapshot.endpoints.as_ref(), &snapshot.slices);
+        let own = self.advertise_address;
+        if withdrawing && !own.is_some_and(|own| listed().contains(&own)) {
+            return Ok(PassReport::default());
+        }
         let (snapshot, plan) = self.decide(ctx, &mut state.memory, snapshot).await?;
         let (written, report) = self.apply(ctx, &plan, snapshot.endpoints).await?;
         if ctx.dry_run || plan.refused.is_some() {
@@ -291,8 +301,11 @@ impl ApiserverEndpointsLoop {
         self.metrics.set_members(&plan.members);
         state.memory.previous = Some(plan.members.clone());
         drop(state);
-        self.publish_notes(&self.reference(written), &plan, &report)
-            .await;
+        if let Some(own) = own.filter(|_| withdrawing) {
+            tracing::info!(member = %own, remaining = %plan.members, "withdrew this instance from the kubernetes endpoints");
+        } else {
+            (self.publish_notes(&self.reference(written), &plan, &report)).await;
+        }
         Ok(report)
     }
 
@@ -335,27 +348,6 @@ impl ApiserverEndpointsLoop {
             EndpointsMode::Static | EndpointsMode::None => false,
         };
         writer && !ctx.dry_run && self.shutdown.decide().await.withdraw
-    }
-
-    /// Take this instance's address out at once (the caller checked [`Self::withdraws`]). An
-    /// empty result is written: this is the one case where upstream empties the endpoints too
-    /// (the last member leaving).
-    async fn withdraw(&self, ctx: &PassContext) -> Result<(), LoopError> {
-        let Some(own) = self.advertise_address else {
-            return Ok(());
-        };
-        let mut state = self.state.lock().await;
-        let snapshot = self.read_objects(ctx, true).await?;
-        let listed = listed(&self.section, snapshot.endpoints.as_ref(), &snapshot.slices);
-        if !listed.contains(&own) {
-            return Ok(());
-        }
-        let (_, plan) = self.decide(ctx, &mut state.memory, snapshot).await?;
-        self.apply(ctx, &plan, None).await?;
-        self.metrics.set_members(&plan.members);
-        state.memory.previous = Some(plan.members.clone());
-        tracing::info!(member = %own, remaining = %plan.members, "withdrew this instance from the kubernetes endpoints");
-        Ok(())
     }
 
     /// Whether the leader-election Lease names this instance (true without leader election).
@@ -416,7 +408,7 @@ impl Reconciler for ApiserverEndpointsLoop {
         &'a self,
         ctx: &'a PassContext,
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
-        Box::pin(self.pass(ctx))
+        Box::pin(self.pass(ctx, false))
     }
 
     fn shutdown<'a>(&'a self, ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
@@ -427,8 +419,8 @@ impl Reconciler for ApiserverEndpointsLoop {
                 return Ok(());
             }
             let bound = self.section.interval * 2;
-            match tokio::time::timeout(bound, self.withdraw(ctx)).await {
-                Ok(result) => result,
+            match tokio::time::timeout(bound, self.pass(ctx, true)).await {
+                Ok(result) => result.map(|_| ()),
                 Err(_) => Err(LoopError::Other(format!(
                     "removing this instance from the kubernetes endpoints timed out after {bound:?}"
                 ))),

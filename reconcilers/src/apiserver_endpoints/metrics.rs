@@ -53,6 +53,11 @@ impl EndpointsMetrics {
         }
     }
 
+    pub fn members(&self, family: IpFamily) -> i64 {
+        let label = [("family", family.as_str().to_owned())];
+        self.members.get_or_create(&label).get()
+    }
+
     pub fn changes(&self, change: &str) -> u64 {
         self.changes
             .get_or_create(&[("change", change.to_owned())])
