@@ -345,25 +345,27 @@ fn slice_for(
     }
 }
 
-/// What to do to one slice.
+/// What to do to the Endpoints or to one slice. A replacement keeps the existing metadata
+/// (resourceVersion, foreign labels).
 #[derive(Clone, Debug, PartialEq)]
-pub enum SliceWrite {
-    Create(EndpointSlice),
-    /// Replace, keeping the existing metadata (resourceVersion, foreign labels).
-    Update(EndpointSlice),
+pub enum Op {
+    CreateEndpoints(Endpoints),
+    ReplaceEndpoints(Endpoints),
+    CreateSlice(EndpointSlice),
+    UpdateSlice(EndpointSlice),
     /// `addressType` is immutable: delete, then create.
-    Recreate(EndpointSlice),
-    Delete,
+    RecreateSlice(EndpointSlice),
+    DeleteSlice,
 }
 
-/// One slice write and the drift that justifies it.
+/// One write and the drift that justifies it.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SliceChange {
+pub struct Write {
     pub name: String,
-    pub write: SliceWrite,
+    pub op: Op,
     /// The uid of the slice found: a deletion is conditional on it.
     pub uid: Option<String>,
-    /// Every difference found on this slice.
+    /// Every difference found on this object.
     pub drift: Vec<DriftLine>,
 }
 
@@ -374,21 +376,21 @@ pub fn plan_slices(
     target: &EndpointsTarget,
     members: &MemberSet,
     existing: &[EndpointSlice],
-) -> Vec<SliceChange> {
+) -> Vec<Write> {
     let desired = desired_slices(target, members);
     let named = |name: &str| (existing.iter()).find(|s| s.metadata.name.as_deref() == Some(name));
-    let mut changes: Vec<SliceChange> = (desired.iter())
+    let mut changes: Vec<Write> = (desired.iter())
         .filter_map(|want| {
             let name = want.metadata.name.clone().unwrap_or_default();
             match named(&name) {
                 Some(have) => slice_repair(target, name, want, have),
-                None => Some(SliceChange {
+                None => Some(Write {
                     drift: vec![(
                         "endpointslice_missing",
                         format!("EndpointSlice {name} does not exist"),
                     )],
                     name,
-                    write: SliceWrite::Create(want.clone()),
+                    op: Op::CreateSlice(want.clone()),
                     uid: None,
                 }),
             }
@@ -406,7 +408,7 @@ pub fn plan_slices(
             && !wanted.contains(name.as_str())
             && have.metadata.deletion_timestamp.is_none()
         {
-            changes.push(SliceChange {
+            changes.push(Write {
                 drift: vec![(
                     "endpointslice_stray",
                     format!(
@@ -414,7 +416,7 @@ pub fn plan_slices(
                         have.address_type, target.service_name
                     ),
                 )],
-                write: SliceWrite::Delete,
+                op: Op::DeleteSlice,
                 name,
                 uid: have.metadata.uid.clone(),
             });
@@ -434,15 +436,15 @@ fn slice_repair(
     name: String,
     want: &EndpointSlice,
     have: &EndpointSlice,
-) -> Option<SliceChange> {
+) -> Option<Write> {
     if have.address_type != want.address_type {
         let message = format!(
             "addressType is {}, want {} (immutable: recreating)",
             have.address_type, want.address_type
         );
-        return Some(SliceChange {
+        return Some(Write {
             name,
-            write: SliceWrite::Recreate(want.clone()),
+            op: Op::RecreateSlice(want.clone()),
             drift: vec![("endpointslice_address_type", message)],
             uid: have.metadata.uid.clone(),
         });
@@ -490,9 +492,9 @@ fn slice_repair(
         .insert(SERVICE_NAME_LABEL.to_owned(), target.service_name.clone());
     repaired.endpoints = want.endpoints.clone();
     repaired.ports = want.ports.clone();
-    Some(SliceChange {
+    Some(Write {
         name,
-        write: SliceWrite::Update(repaired),
+        op: Op::UpdateSlice(repaired),
         drift,
         uid: have.metadata.uid.clone(),
     })
@@ -808,10 +810,7 @@ mod tests {
         let m = members(&["192.0.2.1", "fd00::1"]);
         let plan = plan_slices(&target(), &m, &[]);
         assert_eq!(plan.len(), 2);
-        assert!(
-            plan.iter()
-                .all(|c| matches!(c.write, SliceWrite::Create(_)))
-        );
+        assert!(plan.iter().all(|c| matches!(c.op, Op::CreateSlice(_))));
         let existing = desired_slices(&target(), &m);
         assert!(plan_slices(&target(), &m, &existing).is_empty());
     }
@@ -838,8 +837,8 @@ mod tests {
                 "endpointslice_labels"
             ]
         );
-        let SliceWrite::Update(repaired) = &plan[0].write else {
-            panic!("expected an update, got {:?}", plan[0].write);
+        let Op::UpdateSlice(repaired) = &plan[0].op else {
+            panic!("expected an update, got {:?}", plan[0].op);
         };
         assert_eq!(repaired.metadata.resource_version.as_deref(), Some("7"));
         assert_eq!(
@@ -870,8 +869,8 @@ mod tests {
         let existing = vec![wrong_family, dual[1].clone(), unrelated];
         let plan = plan_slices(&target(), &m, &existing);
         assert_eq!(plan.len(), 2, "{plan:?}");
-        assert!(matches!(plan[0].write, SliceWrite::Recreate(ref s) if s.address_type == "IPv4"));
-        assert_eq!(plan[1].write, SliceWrite::Delete);
+        assert!(matches!(plan[0].op, Op::RecreateSlice(ref s) if s.address_type == "IPv4"));
+        assert_eq!(plan[1].op, Op::DeleteSlice);
         assert_eq!(plan[1].name, "kubernetes-ipv6");
         assert_eq!(plan[1].drift[0].0, "endpointslice_stray");
     }

@@ -25,8 +25,8 @@ use k8s_openapi::jiff::Timestamp;
 use super::lease::{MemberLease, Sightings, membership};
 use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
 use super::objects::{
-    DriftLine, EndpointsTarget, SliceChange, desired_endpoints, endpoints_drift, listed_members,
-    other_writers, plan_slices, slice_members,
+    EndpointsTarget, Op, Write, desired_endpoints, endpoints_drift, listed_members, other_writers,
+    plan_slices, slice_members,
 };
 use super::{Section, StaticAddress};
 use crate::alloc::IpFamily;
@@ -110,17 +110,6 @@ pub struct Plan {
     pub writers: BTreeMap<String, String>,
     /// No member: nothing is written, for this reason.
     pub refused: Option<&'static str>,
-}
-
-/// One write of the Endpoints or of a slice, with the drift that justifies it.
-pub enum Write {
-    Endpoints {
-        /// Created when the Endpoints does not exist, else replaced (keeping its metadata).
-        object: Endpoints,
-        create: bool,
-        drift: Vec<DriftLine>,
-    },
-    Slice(SliceChange),
 }
 
 /// What a pass found beside its writes: each logged, some also a Warning event.
@@ -452,20 +441,21 @@ fn writes(
         Vec::new()
     };
     if !drift.is_empty() {
-        writes.push(Write::Endpoints {
-            object: desired_endpoints(target, members, existing),
-            create: existing.is_none(),
+        let object = desired_endpoints(target, members, existing);
+        writes.push(Write {
+            name: target.service_name.clone(),
+            op: match existing {
+                None => Op::CreateEndpoints(object),
+                Some(_) => Op::ReplaceEndpoints(object),
+            },
+            uid: None,
             drift,
         });
     }
     let slices: Vec<EndpointSlice> = (snapshot.slices.iter().chain(&snapshot.unlabelled))
         .cloned()
         .collect();
-    writes.extend(
-        plan_slices(target, members, &slices)
-            .into_iter()
-            .map(Write::Slice),
-    );
+    writes.extend(plan_slices(target, members, &slices));
     writes
 }
 
