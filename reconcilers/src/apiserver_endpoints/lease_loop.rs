@@ -16,7 +16,7 @@ use prometheus_client::registry::Registry;
 use super::apply::delete_if_uid;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
 use super::objects::{EndpointsTarget, service_family};
-use super::probe::{CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict};
+use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Verdict};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, Section};
 use crate::alloc::IpFamily;
@@ -94,8 +94,9 @@ pub struct ApiserverLeaseLoop {
     probed: Option<ProbedServer>,
     probed_checked: std::sync::atomic::AtomicBool,
     check_certificate: bool,
-    /// When the certificate is next checked, and whether it lacked the address at the last check.
-    certificate: Mutex<(Option<tokio::time::Instant>, Option<bool>)>,
+    /// When the certificate is next checked (whether it lacked the address at the last check is
+    /// the metric's value).
+    next_certificate_check: Mutex<Option<tokio::time::Instant>>,
     interval: Duration,
     readiness: Arc<dyn ReadinessProbe>,
     /// Failed probes in a row that withdraw this instance.
@@ -135,7 +136,7 @@ impl ApiserverLeaseLoop {
             probed: deps.probed.clone(),
             probed_checked: std::sync::atomic::AtomicBool::new(false),
             check_certificate: section.check_serving_certificate,
-            certificate: Mutex::new((None, None)),
+            next_certificate_check: Mutex::new(None),
             own: OwnLease {
                 namespace: section.lease_namespace.clone(),
                 service_name: target.service_name.clone(),
@@ -256,45 +257,37 @@ impl ApiserverLeaseLoop {
             return;
         };
         let now = tokio::time::Instant::now();
-        let lacked = match self.certificate.lock() {
-            Ok(mut state) => {
-                if state.0.is_some_and(|next| next > now) {
-                    return;
-                }
-                state.0 = Some(now + CERTIFICATE_RECHECK);
-                state.1
+        match self.next_certificate_check.lock() {
+            Ok(mut next) if next.is_none_or(|next| next <= now) => {
+                *next = Some(now + CERTIFICATE_RECHECK);
             }
-            Err(_) => return,
-        };
+            _ => return,
+        }
         let address = self.own.address;
         let lacks = match probed
             .certificate_holds(address, Duration::from_secs(3))
             .await
         {
-            CertificateCheck::Holds => false,
-            CertificateCheck::Lacks => true,
-            CertificateCheck::CannotTell(why) => {
+            Ok(holds) => !holds,
+            Err(why) => {
                 tracing::debug!(%address, %why, "cannot check the local apiserver's serving certificate");
                 return;
             }
         };
-        self.metrics.certificate_lacks_address.set(i64::from(lacks));
+        let lacked = self.metrics.certificate_lacks_address.set(i64::from(lacks)) == 1;
         match (lacked, lacks) {
-            (Some(true), true) | (Some(false) | None, false) => {}
-            (_, true) => tracing::warn!(
+            (false, true) => tracing::warn!(
                 %address,
                 "the local apiserver's serving certificate is not valid for this instance's \
                  advertiseAddress {address}: in-cluster clients reach it there through the \
                  kubernetes Service and fail TLS; add {address} to the certificate's IP SANs \
                  (kubeadm: apiServer.certSANs) or advertise an address it holds"
             ),
-            (Some(true), false) => tracing::info!(
+            (true, false) => tracing::info!(
                 %address,
                 "the local apiserver's serving certificate is valid for advertiseAddress again"
             ),
-        }
-        if let Ok(mut state) = self.certificate.lock() {
-            state.1 = Some(lacks);
+            _ => {}
         }
     }
 

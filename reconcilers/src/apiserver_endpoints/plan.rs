@@ -167,8 +167,8 @@ impl Finding {
             Finding::WrongFamily { note, .. } => note.clone(),
             Finding::Rejected { member, why } => format!("left out {member}: {why}"),
             Finding::StaticLookupFailed { name, reason, kept } => format!(
-                "resolving {name} failed ({reason}); keeping its last good addresses [{}]",
-                joined(kept)
+                "resolving {name} failed ({reason}); keeping its last good addresses {}",
+                kept.iter().copied().collect::<MemberSet>()
             ),
             Finding::StaticResolves { name } => format!("static address {name} resolves again"),
         }
@@ -353,14 +353,6 @@ pub fn master_count_members(listed: &MemberSet, own: IpAddr, count: usize) -> Me
         .map(|back| &order[(start + n - back) % n])
         .filter_map(|s| s.parse().ok())
         .collect()
-}
-
-/// Addresses as a list for humans: `192.0.2.1, 192.0.2.2`.
-pub fn joined(ips: &[IpAddr]) -> String {
-    ips.iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// Leaves out the members of the other family than the Service's and the addresses the API

@@ -11,7 +11,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
@@ -19,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
 use super::Section;
+use super::metrics::Label;
 use super::probe::ReadinessProbe;
 use crate::metrics::{loop_registry, registered};
 
@@ -63,11 +63,6 @@ impl ShutdownDecision {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DecisionLabel {
-    decision: String,
-}
-
 /// Makes the decision once per process, shared by the loops that withdraw (the membership Lease
 /// and the leader's endpoints): both hooks run at once on SIGTERM and must agree.
 pub struct ShutdownGate {
@@ -78,7 +73,7 @@ pub struct ShutdownGate {
     window: Duration,
     readiness: Arc<dyn ReadinessProbe>,
     decided: OnceCell<ShutdownDecision>,
-    decisions: Family<DecisionLabel, Counter>,
+    decisions: Family<Label, Counter>,
     /// Another instance seen renewing this address's membership Lease (see
     /// [`ShutdownGate::note_shared`]).
     shared: std::sync::Mutex<Option<String>>,
@@ -128,9 +123,7 @@ impl ShutdownGate {
     /// How many stops ended with `decision` (`kept` or `withdrew`).
     pub fn count(&self, decision: &str) -> u64 {
         self.decisions
-            .get_or_create(&DecisionLabel {
-                decision: decision.to_owned(),
-            })
+            .get_or_create(&[("decision", decision.to_owned())])
             .get()
     }
 
@@ -147,9 +140,7 @@ impl ShutdownGate {
                     if decision.withdraw { "withdrawing" } else { "keeping" }
                 );
                 self.decisions
-                    .get_or_create(&DecisionLabel {
-                        decision: decision.label().to_owned(),
-                    })
+                    .get_or_create(&[("decision", decision.label().to_owned())])
                     .inc();
                 decision
             })
