@@ -134,8 +134,10 @@ impl ApiserverEndpointsLoop {
         &self.metrics
     }
 
-    /// What a pass reads: the Endpoints (from the cache, or `live` from the API) and the slices.
-    async fn read_objects(&self, ctx: &PassContext, live: bool) -> Result<Snapshot, LoopError> {
+    /// What a pass reads: the Endpoints (from the cache, or `live` from the API), the slices,
+    /// where the members come from (the membership Leases, the `static` names' answers, this
+    /// instance's readiness) and the Service's family.
+    async fn read(&self, ctx: &PassContext, live: bool) -> Result<Snapshot, LoopError> {
         let target = &self.target;
         let endpoints: Api<Endpoints> = Api::namespaced(ctx.client.clone(), &target.namespace);
         let slices: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), &target.namespace);
@@ -152,28 +154,7 @@ impl ApiserverEndpointsLoop {
             true => None,
             false => slices.get_opt(&target.service_name).await?,
         };
-        Ok(Snapshot {
-            endpoints_left: !self.section.write_endpoints && found.is_some(),
-            endpoints: found.filter(|_| self.section.write_endpoints),
-            slices: listed,
-            unlabelled,
-            sources: Sources::None,
-            service_family: None,
-            own: self.advertise_address,
-            withdrawing: live,
-        })
-    }
-
-    /// The snapshot completed with where the members come from (the membership Leases, the
-    /// `static` names' answers, this instance's readiness) and the Service's family; its plan,
-    /// said.
-    async fn decide(
-        &self,
-        ctx: &PassContext,
-        memory: &mut Memory,
-        mut snapshot: Snapshot,
-    ) -> Result<(Snapshot, Plan), LoopError> {
-        snapshot.sources = match self.settings.endpoint_mode {
+        let sources = match self.settings.endpoint_mode {
             EndpointsMode::Lease => {
                 let api = Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
                 // A failed list is an error, never an empty membership.
@@ -181,20 +162,20 @@ impl ApiserverEndpointsLoop {
             }
             EndpointsMode::Static => Sources::Static(self.resolve_static().await),
             EndpointsMode::MasterCount => Sources::MasterCount {
-                ready: self.ready(snapshot.withdrawing).await,
+                ready: self.ready(live).await,
             },
             EndpointsMode::None => Sources::None,
         };
-        snapshot.service_family = self.service_family(ctx).await?;
-        let plan = plan(
-            &snapshot,
-            memory,
-            &self.section,
-            &self.settings,
-            Timestamp::now(),
-        );
-        self.say(&plan);
-        Ok((snapshot, plan))
+        Ok(Snapshot {
+            endpoints_left: !self.section.write_endpoints && found.is_some(),
+            endpoints: found.filter(|_| self.section.write_endpoints),
+            slices: listed,
+            unlabelled,
+            sources,
+            service_family: self.service_family(ctx).await?,
+            own: self.advertise_address,
+            withdrawing: live,
+        })
     }
 
     /// `static` mode: each name's answer, all names at once, each bounded, so one slow resolver
@@ -287,13 +268,21 @@ impl ApiserverEndpointsLoop {
         if !withdrawing {
             state.last_pass = Some(Instant::now());
         }
-        let snapshot = self.read_objects(ctx, withdrawing).await?;
+        let snapshot = self.read(ctx, withdrawing).await?;
         let listed = || listed(&self.section, snapshot.endpoints.as_ref(), &snapshot.slices);
         let own = self.advertise_address;
         if withdrawing && !own.is_some_and(|own| listed().contains(&own)) {
             return Ok(PassReport::default());
         }
-        let (snapshot, plan) = self.decide(ctx, &mut state.memory, snapshot).await?;
+        let now = Timestamp::now();
+        let plan = plan(
+            &snapshot,
+            &mut state.memory,
+            &self.section,
+            &self.settings,
+            now,
+        );
+        self.say(&plan);
         let (written, report) = self.apply(ctx, &plan, snapshot.endpoints).await?;
         if ctx.dry_run || plan.refused.is_some() {
             return Ok(report);
