@@ -348,9 +348,13 @@ impl ApiserverLeaseLoop {
         if ready.is_ok()
             && !ctx.dry_run
             && let Some(cached) = cached
-            && let Some(report) = self.renew_from_cache(&api, &cached).await?
         {
-            return Ok(report);
+            match self.renew(&api, &cached).await {
+                Ok(report) => return Ok(report),
+                // Changed or deleted by someone else since our write: read it and start over.
+                Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => {}
+                Err(err) => return Err(err.into()),
+            }
         }
         let existing = api.get_opt(&self.own.name()).await?;
         if let Some(existing) = &existing {
@@ -367,29 +371,24 @@ impl ApiserverLeaseLoop {
         }
     }
 
-    /// Renews the Lease on top of this instance's last write of it, without reading it first;
-    /// `None` when it changed or went since (then it is read and the pass starts over).
-    async fn renew_from_cache(
-        &self,
-        api: &Api<Lease>,
-        cached: &Lease,
-    ) -> Result<Option<PassReport>, LoopError> {
-        let was_live = observe(cached, self.own.ttl).is_ok_and(|m| m.expires > Timestamp::now());
-        match self.put(api, Some(cached)).await {
-            Ok(written) => {
-                self.remember(written);
-                self.metrics.renewals.inc();
-                self.metrics.ready.set(1);
-                let mut report = PassReport::default();
-                if !was_live {
-                    report.push(self.expired_drift());
-                }
-                Ok(Some(report))
-            }
-            // Changed or deleted by someone else since our write: read it and start over.
-            Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => Ok(None),
-            Err(err) => Err(err.into()),
+    /// Renews this instance's Lease on top of `base` (this instance's last write of it, or the
+    /// Lease as read), whose resourceVersion guards against anyone else's write since.
+    async fn renew(&self, api: &Api<Lease>, base: &Lease) -> Result<PassReport, kube::Error> {
+        let live = self.live(Some(base));
+        let renewed = self.own.renewed(Some(base), Timestamp::now());
+        let params = PostParams::default();
+        self.written(api.replace(&self.own.name(), &params, &renewed).await?);
+        let mut report = PassReport::default();
+        if !live {
+            report.push(self.expired_drift());
         }
+        Ok(report)
+    }
+
+    /// Whether `lease` is this instance's, live by its own `renewTime`.
+    fn live(&self, lease: Option<&Lease>) -> bool {
+        (lease.and_then(|l| observe(l, self.own.ttl).ok()))
+            .is_some_and(|m| m.expires > Timestamp::now() && m.address == self.own.address)
     }
 
     fn expired_drift(&self) -> crate::Drift {
@@ -489,54 +488,35 @@ impl ApiserverLeaseLoop {
     ) -> Result<PassReport, LoopError> {
         let object = self.own.object_ref();
         let mut report = PassReport::default();
-        let now = Timestamp::now();
-        let live = existing
-            .as_ref()
-            .and_then(|l| observe(l, self.own.ttl).ok())
-            .is_some_and(|m| m.expires > now && m.address == self.own.address);
         if ctx.dry_run {
-            if !live {
+            if !self.live(existing.as_ref()) {
                 tracing::info!(lease = %object, "dry-run: would write this instance's membership Lease (apiserver ready)");
             }
             return Ok(report);
         }
-        match &existing {
-            None => {
-                let written = api
-                    .create(&PostParams::default(), &self.own.renewed(None, now))
-                    .await?;
-                self.remember(written);
-                tracing::info!(lease = %object, "created this instance's membership Lease");
-                report.push(
-                    drift(
-                        "member_lease_missing",
-                        object,
-                        Action::Create,
-                        "the local apiserver is ready; created this instance's membership Lease",
-                        true,
-                    )
-                    .changed("absent", format!("listing {}", self.own.address)),
-                );
-            }
-            Some(existing) => {
-                let written = match self.put(api, Some(existing)).await {
-                    Ok(written) => written,
-                    // Someone (kubectl, a restarted twin) wrote it since our read: renew on top
-                    // of their version once, instead of waiting a whole backoff.
-                    Err(err) if lease::is_conflict(&err) => {
-                        self.put(api, Some(&api.get(&self.own.name()).await?))
-                            .await?
-                    }
-                    Err(err) => return Err(err.into()),
-                };
-                self.remember(written);
-                if !live {
-                    report.push(self.expired_drift());
+        if let Some(existing) = existing {
+            return match self.renew(api, &existing).await {
+                // Someone (kubectl, a restarted twin) wrote it since our read: renew on top of
+                // their version once, instead of waiting a whole backoff.
+                Err(err) if lease::is_conflict(&err) => {
+                    Ok(self.renew(api, &api.get(&self.own.name()).await?).await?)
                 }
-            }
+                result => Ok(result?),
+            };
         }
-        self.metrics.renewals.inc();
-        self.metrics.ready.set(1);
+        let created = self.own.renewed(None, Timestamp::now());
+        self.written(api.create(&PostParams::default(), &created).await?);
+        tracing::info!(lease = %object, "created this instance's membership Lease");
+        report.push(
+            drift(
+                "member_lease_missing",
+                object,
+                Action::Create,
+                "the local apiserver is ready; created this instance's membership Lease",
+                true,
+            )
+            .changed("absent", format!("listing {}", self.own.address)),
+        );
         Ok(report)
     }
 
@@ -548,7 +528,9 @@ impl ApiserverLeaseLoop {
             let Some(existing) = api.get_opt(&self.own.name()).await? else {
                 return Ok::<bool, kube::Error>(false);
             };
-            self.put(api, Some(&existing)).await?;
+            let renewed = self.own.renewed(Some(&existing), Timestamp::now());
+            api.replace(&self.own.name(), &PostParams::default(), &renewed)
+                .await?;
             Ok(true)
         };
         match tokio::time::timeout(bound, work).await {
@@ -565,18 +547,13 @@ impl ApiserverLeaseLoop {
         }
     }
 
-    /// This instance's Lease renewed now, on top of `base`, whose resourceVersion guards against
-    /// anyone else's write since.
-    async fn put(&self, api: &Api<Lease>, base: Option<&Lease>) -> Result<Lease, kube::Error> {
-        let renewed = self.own.renewed(base, Timestamp::now());
-        api.replace(&self.own.name(), &PostParams::default(), &renewed)
-            .await
-    }
-
-    fn remember(&self, written: Lease) {
+    /// This instance's Lease as just written: the next renewal goes on top of it.
+    fn written(&self, lease: Lease) {
         if let Ok(mut cached) = self.last_written.lock() {
-            *cached = Some(written);
+            *cached = Some(lease);
         }
+        self.metrics.renewals.inc();
+        self.metrics.ready.set(1);
     }
 
     async fn delete(&self, api: &Api<Lease>, existing: &Lease) -> Result<bool, LoopError> {
