@@ -20,8 +20,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use super::lease::{MEMBER_LABEL, MemberLease};
-use super::lease_trigger::lease_trigger;
+use super::lease::{MEMBER_LABEL, MemberLease, lease_trigger};
 use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
 use super::plan::{Finding, Memory, Plan, Snapshot, Sources, listed, plan};
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver};

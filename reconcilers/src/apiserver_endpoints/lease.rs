@@ -1,5 +1,6 @@
 //! Membership Leases: one `coordination.k8s.io/v1` Lease per apiserver, written by the sidecar next
-//! to it while its `/readyz` answers 200. Pure: building, parsing and judging expiry.
+//! to it while its `/readyz` answers 200. Pure: building, parsing and judging expiry, and which
+//! changes of them wake the endpoints loop.
 //!
 //! Upstream keeps this in TTL'd etcd keys (`/registry/masterleases/<ip>`) nobody outside can see.
 //! Leases are API-visible, so stale members can be inspected and deleted with `kubectl`.
@@ -8,12 +9,17 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::runtime::watcher;
 
 use super::members::{MemberSet, parse_ip};
+use crate::budget::{CacheError, CacheEvent};
+use crate::contract::Trigger;
 use crate::lease::Liveness;
+use crate::watch_cache::Lenient;
 
 /// Selects every membership Lease; the value is the Service the member serves.
 pub const MEMBER_LABEL: &str = "bootstrap-controller.io/apiserver-endpoint";
@@ -294,6 +300,64 @@ impl kube::Resource for MemberLease {
     fn meta_mut(&mut self) -> &mut ObjectMeta {
         &mut self.0.metadata
     }
+}
+
+/// The Lease watch as a trigger, minus plain renewals: with N members a renewal arrives every
+/// interval/N, and each would cost the leader a pass that finds nothing. A Lease fires when it
+/// appears, goes, changes address, or is renewed after it had expired (a member coming back).
+pub fn lease_trigger<S>(stream: S, fallback_ttl: Duration) -> Trigger
+where
+    S: futures::Stream<Item = CacheEvent<Lenient<MemberLease>>> + Send + 'static,
+{
+    let mut seen: BTreeMap<String, (IpAddr, Timestamp)> = BTreeMap::new();
+    stream
+        .filter_map(move |event| {
+            let fire = match event {
+                Ok(watcher::Event::Init) => {
+                    seen.clear();
+                    false
+                }
+                Ok(watcher::Event::InitApply(Lenient(lease))) => {
+                    if let (Some(name), Ok(member)) =
+                        (lease.metadata.name.clone(), observe(&lease, fallback_ttl))
+                    {
+                        seen.insert(name, (member.address, member.expires));
+                    }
+                    false
+                }
+                Ok(watcher::Event::InitDone) => true,
+                Ok(watcher::Event::Apply(Lenient(lease))) => {
+                    let name = lease.metadata.name.clone().unwrap_or_default();
+                    match observe(&lease, fallback_ttl) {
+                        Ok(member) => {
+                            let before = seen.insert(name, (member.address, member.expires));
+                            match before {
+                                Some((address, expires)) => {
+                                    address != member.address || expires <= Timestamp::now()
+                                }
+                                None => true,
+                            }
+                        }
+                        Err(_) => seen.remove(&name).is_some(),
+                    }
+                }
+                Ok(watcher::Event::Delete(Lenient(lease))) => {
+                    seen.remove(&lease.metadata.name.clone().unwrap_or_default());
+                    true
+                }
+                // The cache emptied or lost an event: the pass reads the API instead.
+                Err(CacheError::OverBudget(_) | CacheError::Lost { .. }) => {
+                    seen.clear();
+                    true
+                }
+                Err(err) => {
+                    tracing::debug!(error = %err, "Lease watch failed; retrying with backoff");
+                    false
+                }
+            };
+            futures::future::ready(fire.then_some(()))
+        })
+        .boxed()
 }
 
 #[cfg(test)]
@@ -582,5 +646,32 @@ mod tests {
             &mut sightings,
         );
         assert!(judged.members.is_empty());
+    }
+
+    #[tokio::test]
+    async fn lease_trigger_ignores_plain_renewals() {
+        let lease = |ip: &str, renewed| Lenient(MemberLease(own(ip).renewed(None, renewed)));
+        let now = Timestamp::now();
+        let long_ago = Timestamp::from_second(1_600_000_000).unwrap();
+        let events = vec![
+            watcher::Event::Init,
+            watcher::Event::InitApply(lease("192.0.2.1", now)),
+            watcher::Event::InitApply(lease("192.0.2.2", long_ago)),
+            watcher::Event::InitDone,
+            // 1: plain renewal -> nothing.
+            watcher::Event::Apply(lease("192.0.2.1", now)),
+            // 2: renewal of an expired member (it comes back) -> fires.
+            watcher::Event::Apply(lease("192.0.2.2", now)),
+            // 3: a new member -> fires.
+            watcher::Event::Apply(lease("192.0.2.3", now)),
+            // 4: a member goes -> fires.
+            watcher::Event::Delete(lease("192.0.2.1", now)),
+        ];
+        let events = events.into_iter().map(Ok::<_, CacheError>);
+        let fired: Vec<()> = lease_trigger(futures::stream::iter(events), Duration::from_secs(15))
+            .collect()
+            .await;
+        // InitDone + expired-renewed + new + deleted.
+        assert_eq!(fired.len(), 4);
     }
 }

@@ -41,7 +41,6 @@ mod apply;
 pub mod endpoints_loop;
 pub mod lease;
 pub mod lease_loop;
-mod lease_trigger;
 pub mod members;
 mod metrics;
 pub mod objects;
