@@ -156,9 +156,9 @@ impl Finding {
                 target.port
             ),
             Finding::EndpointsLeft => format!(
-                "writeEndpoints is false: {} is no longer kept up to date; delete it once \
-                 nothing reads it (kubectl -n {namespace} delete endpoints {service})",
-                target.endpoints_ref()
+                "writeEndpoints is false: this Endpoints object is no longer kept up to date; \
+                 delete it once nothing reads it (kubectl -n {namespace} delete endpoints \
+                 {service})"
             ),
             Finding::NoMembersForLong { waited } => format!(
                 "no live apiserver members for a whole lease period ({waited:?}); refusing to \
