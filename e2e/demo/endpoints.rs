@@ -131,10 +131,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
         let apiserver = Arc::new(DemoApiserver::default());
         let deps = EndpointsDeps {
             client: env.client.clone(),
-            shutdown: Arc::new(ShutdownGate::new(
-                section.shutdown_probing(),
-                apiserver.clone(),
-            )),
+            shutdown: Arc::new(ShutdownGate::new(section, apiserver.clone())),
             readiness: apiserver.clone(),
             resolver: Arc::new(SystemResolver),
             reporter: kube::runtime::events::Reporter {

@@ -19,7 +19,7 @@ use reconcilers::Reconciler;
 use reconcilers::alloc::IpFamily;
 use reconcilers::apiserver_endpoints::{
     ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, ReadinessProbe,
-    Resolver, Section, ShutdownGate, ShutdownProbing,
+    Resolver, Section, ShutdownGate,
 };
 use reconcilers::section::{LoopSection, Settings};
 
@@ -63,13 +63,13 @@ fn deps(
     resolver: Arc<dyn Resolver>,
 ) -> EndpointsDeps {
     // The shutdown probing's window is short here: what it decides is tested, not how long.
-    let probing = ShutdownProbing {
-        window: Duration::from_millis(20),
-        ..ShutdownProbing::default()
+    let probing = Section {
+        shutdown_probe_window: Duration::from_millis(20),
+        ..Section::default()
     };
     EndpointsDeps {
         client: sim.client(),
-        shutdown: Arc::new(ShutdownGate::new(probing, readiness.clone())),
+        shutdown: Arc::new(ShutdownGate::new(&probing, readiness.clone())),
         readiness,
         resolver,
         reporter: reporter(),

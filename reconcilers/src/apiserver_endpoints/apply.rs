@@ -11,9 +11,8 @@ use kube::runtime::events::{Event, EventType, Recorder};
 
 use super::ApiserverEndpointsLoop;
 use super::members::MembershipChange;
-use super::metrics::{ChangeLabel, KindLabel};
-use super::objects::{SliceChange, SliceWrite};
-use super::plan::{Finding, Plan, Write};
+use super::objects::{Op, Write};
+use super::plan::Plan;
 use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, drift, ignore_already_exists,
 };
@@ -68,30 +67,31 @@ impl ApiserverEndpointsLoop {
         write: &Write,
     ) -> Result<Option<Endpoints>, LoopError> {
         let namespace = &self.target.namespace;
+        let endpoints: Api<Endpoints> = Api::namespaced(ctx.client.clone(), namespace);
         let slices: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), namespace);
-        let params = PostParams::default();
-        match write {
-            Write::Endpoints { object, create, .. } => {
-                let api: Api<Endpoints> = Api::namespaced(ctx.client.clone(), namespace);
-                if *create {
-                    return Ok(ignore_already_exists(api.create(&params, object).await)?);
-                }
-                let name = &self.target.service_name;
-                return Ok(Some(api.replace(name, &params, object).await?));
+        let (params, name, uid) = (PostParams::default(), &write.name, write.uid.clone());
+        match &write.op {
+            Op::CreateEndpoints(object) => {
+                return Ok(ignore_already_exists(
+                    endpoints.create(&params, object).await,
+                )?);
             }
-            Write::Slice(change) => match &change.write {
-                SliceWrite::Create(slice) => {
-                    ignore_already_exists(slices.create(&params, slice).await)?;
-                }
-                SliceWrite::Update(slice) => {
-                    slices.replace(&change.name, &params, slice).await?;
-                }
-                SliceWrite::Recreate(slice) => {
-                    delete(&slices, change).await?;
-                    ignore_already_exists(slices.create(&params, slice).await)?;
-                }
-                SliceWrite::Delete => delete(&slices, change).await?,
-            },
+            Op::ReplaceEndpoints(object) => {
+                return Ok(Some(endpoints.replace(name, &params, object).await?));
+            }
+            Op::CreateSlice(slice) => {
+                ignore_already_exists(slices.create(&params, slice).await)?;
+            }
+            Op::UpdateSlice(slice) => {
+                slices.replace(name, &params, slice).await?;
+            }
+            Op::RecreateSlice(slice) => {
+                delete_if_uid(&slices, name, uid).await?;
+                ignore_already_exists(slices.create(&params, slice).await)?;
+            }
+            Op::DeleteSlice => {
+                delete_if_uid(&slices, name, uid).await?;
+            }
         }
         Ok(None)
     }
@@ -105,9 +105,12 @@ impl ApiserverEndpointsLoop {
         plan: &Plan,
         report: &PassReport,
     ) {
-        for (reason, note) in plan.findings.iter().filter_map(Finding::event) {
-            self.publish(reference, EventType::Warning, reason, note)
-                .await;
+        for finding in &plan.findings {
+            if let Some(reason) = finding.reason() {
+                let note = finding.note(&self.target);
+                self.publish(reference, EventType::Warning, reason, note)
+                    .await;
+            }
         }
         self.announce(reference, &plan.change, &plan.expired).await;
         let repairs: Vec<&Drift> = (report.drift.iter())
@@ -118,11 +121,8 @@ impl ApiserverEndpointsLoop {
             return;
         }
         for d in &repairs {
-            let kind = d.kind.to_owned();
-            self.metrics
-                .repairs
-                .get_or_create(&KindLabel { kind })
-                .inc();
+            let kind = [("kind", d.kind.to_owned())];
+            self.metrics.repairs.get_or_create(&kind).inc();
         }
         let note = (repairs.iter())
             .map(ToString::to_string)
@@ -184,10 +184,8 @@ impl ApiserverEndpointsLoop {
             if members.is_empty() {
                 continue;
             }
-            let change = ChangeLabel {
-                change: label.into(),
-            };
             let count = members.len();
+            let change = [("change", label.to_owned())];
             self.metrics
                 .changes
                 .get_or_create(&change)
@@ -241,15 +239,22 @@ impl ApiserverEndpointsLoop {
     }
 }
 
-/// Deletes the changed slice if it still is the one planned on (its uid); gone already is done.
-async fn delete(slices: &Api<EndpointSlice>, change: &SliceChange) -> Result<(), kube::Error> {
+/// Deletes `name` if it still is the object planned on (`uid`); gone already is done (false).
+pub(super) async fn delete_if_uid<K>(
+    api: &Api<K>,
+    name: &str,
+    uid: Option<String>,
+) -> Result<bool, kube::Error>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     let params = DeleteParams::default().preconditions(Preconditions {
-        uid: change.uid.clone(),
+        uid,
         resource_version: None,
     });
-    match slices.delete(&change.name, &params).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+    match api.delete(name, &params).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
         Err(err) => Err(err),
     }
 }
@@ -258,44 +263,23 @@ async fn delete(slices: &Api<EndpointSlice>, change: &SliceChange) -> Result<(),
 fn report_lines(plan: &Plan, write: &Write, applied: bool) -> Vec<Drift> {
     let done = if applied { "repaired" } else { "would repair" };
     let target = &plan.target;
-    match write {
-        Write::Endpoints {
-            create,
-            drift: found,
-            ..
-        } => {
-            let action = if *create {
-                Action::Create
-            } else {
-                Action::Update
-            };
-            let wanted = format!("members {}, port {}", plan.members, target.port);
-            (found.iter())
-                .map(|(kind, message)| {
-                    let object = target.endpoints_ref();
-                    drift(kind, object, action, format!("{message}; {done}"), applied)
-                        .changed(message.clone(), wanted.clone())
-                })
-                .collect()
-        }
-        Write::Slice(change) => {
-            let action = match &change.write {
-                SliceWrite::Create(_) => Action::Create,
-                SliceWrite::Update(_) | SliceWrite::Recreate(_) => Action::Update,
-                SliceWrite::Delete => Action::Delete,
-            };
-            let object = target.slice_ref(&change.name);
-            let became = match &change.write {
-                SliceWrite::Delete => "deleted".to_owned(),
-                _ => format!("members {}, port {}", plan.members, target.port),
-            };
-            (change.drift.iter())
-                .map(|(kind, message)| {
-                    let line = format!("{message}; {done}");
-                    drift(kind, object.clone(), action, line, applied)
-                        .changed(message.clone(), became.clone())
-                })
-                .collect()
-        }
-    }
+    let slice = || target.slice_ref(&write.name);
+    let (action, object) = match &write.op {
+        Op::CreateEndpoints(_) => (Action::Create, target.endpoints_ref()),
+        Op::ReplaceEndpoints(_) => (Action::Update, target.endpoints_ref()),
+        Op::CreateSlice(_) => (Action::Create, slice()),
+        Op::UpdateSlice(_) | Op::RecreateSlice(_) => (Action::Update, slice()),
+        Op::DeleteSlice => (Action::Delete, slice()),
+    };
+    let became = match &write.op {
+        Op::DeleteSlice => "deleted".to_owned(),
+        _ => format!("members {}, port {}", plan.members, target.port),
+    };
+    (write.drift.iter())
+        .map(|(kind, message)| {
+            let line = format!("{message}; {done}");
+            drift(kind, object.clone(), action, line, applied)
+                .changed(message.clone(), became.clone())
+        })
+        .collect()
 }

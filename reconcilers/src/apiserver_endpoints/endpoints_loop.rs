@@ -20,11 +20,10 @@ use prometheus_client::registry::Registry;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use super::lease::{MemberLease, member_selector};
-use super::lease_trigger::lease_trigger;
+use super::lease::{MEMBER_LABEL, MemberLease, lease_trigger};
 use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
-use super::plan::{Finding, Memory, Plan, Snapshot, Sources, joined, listed, plan};
-use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, probed_elsewhere};
+use super::plan::{Finding, Memory, Plan, Snapshot, Sources, listed, plan};
+use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
 use crate::alloc::IpFamily;
@@ -97,7 +96,7 @@ impl ApiserverEndpointsLoop {
         let named =
             || watcher::Config::default().fields(&format!("metadata.name={}", target.service_name));
         let slices = format!("{SERVICE_NAME_LABEL}={}", target.service_name);
-        let leases = member_selector(&target.service_name);
+        let leases = format!("{MEMBER_LABEL}={}", target.service_name);
         Self {
             endpoints: WatchCache::of(&Api::namespaced(client.clone(), here), named(), budget),
             slices: WatchCache::of(
@@ -134,8 +133,10 @@ impl ApiserverEndpointsLoop {
         &self.metrics
     }
 
-    /// What a pass reads: the Endpoints (from the cache, or `live` from the API) and the slices.
-    async fn read_objects(&self, ctx: &PassContext, live: bool) -> Result<Snapshot, LoopError> {
+    /// What a pass reads: the Endpoints (from the cache, or `live` from the API), the slices,
+    /// where the members come from (the membership Leases, the `static` names' answers, this
+    /// instance's readiness) and the Service's family.
+    async fn read(&self, ctx: &PassContext, live: bool) -> Result<Snapshot, LoopError> {
         let target = &self.target;
         let endpoints: Api<Endpoints> = Api::namespaced(ctx.client.clone(), &target.namespace);
         let slices: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), &target.namespace);
@@ -152,28 +153,7 @@ impl ApiserverEndpointsLoop {
             true => None,
             false => slices.get_opt(&target.service_name).await?,
         };
-        Ok(Snapshot {
-            endpoints_left: !self.section.write_endpoints && found.is_some(),
-            endpoints: found.filter(|_| self.section.write_endpoints),
-            slices: listed,
-            unlabelled,
-            sources: Sources::None,
-            service_family: None,
-            own: self.advertise_address,
-            withdrawing: live,
-        })
-    }
-
-    /// The snapshot completed with where the members come from (the membership Leases, the
-    /// `static` names' answers, this instance's readiness) and the Service's family; its plan,
-    /// said.
-    async fn decide(
-        &self,
-        ctx: &PassContext,
-        memory: &mut Memory,
-        mut snapshot: Snapshot,
-    ) -> Result<(Snapshot, Plan), LoopError> {
-        snapshot.sources = match self.settings.endpoint_mode {
+        let sources = match self.settings.endpoint_mode {
             EndpointsMode::Lease => {
                 let api = Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
                 // A failed list is an error, never an empty membership.
@@ -181,20 +161,20 @@ impl ApiserverEndpointsLoop {
             }
             EndpointsMode::Static => Sources::Static(self.resolve_static().await),
             EndpointsMode::MasterCount => Sources::MasterCount {
-                ready: self.ready(snapshot.withdrawing).await,
+                ready: self.ready(live).await,
             },
             EndpointsMode::None => Sources::None,
         };
-        snapshot.service_family = self.service_family(ctx).await?;
-        let plan = plan(
-            &snapshot,
-            memory,
-            &self.section,
-            &self.settings,
-            Timestamp::now(),
-        );
-        self.say(&plan);
-        Ok((snapshot, plan))
+        Ok(Snapshot {
+            endpoints_left: !self.section.write_endpoints && found.is_some(),
+            endpoints: found.filter(|_| self.section.write_endpoints),
+            slices: listed,
+            unlabelled,
+            sources,
+            service_family: self.service_family(ctx).await?,
+            own: self.advertise_address,
+            withdrawing: live,
+        })
     }
 
     /// `static` mode: each name's answer, all names at once, each bounded, so one slow resolver
@@ -222,11 +202,8 @@ impl ApiserverEndpointsLoop {
     /// as not ready).
     async fn ready(&self, withdrawing: bool) -> bool {
         let probed = self.probed.lock().ok().and_then(|mut p| p.take());
-        if let Some(probed) = probed
-            && let Some(host) = probed.host().await
-            && let Some(why) = probed_elsewhere(&host, self.advertise_address)
-        {
-            tracing::warn!("{why}");
+        if let Some(probed) = probed {
+            probed.warn_if_elsewhere(self.advertise_address).await;
         }
         let ready = !withdrawing
             && (self.failures)
@@ -263,44 +240,11 @@ impl ApiserverEndpointsLoop {
         {
             tracing::warn!(%problem, "ignoring a membership Lease");
         }
-        let target = &self.target;
         for finding in &plan.findings {
+            let note = finding.note(&self.target);
             match finding {
-                Finding::OtherPort { member, port } => tracing::warn!(
-                    %member,
-                    advertised_port = port,
-                    endpoints_port = target.port,
-                    "a member advertises another secure port than the endpoints carry; \
-                     give every instance the same securePort"
-                ),
-                Finding::EndpointsLeft => tracing::warn!(
-                    endpoints = %target.endpoints_ref(),
-                    "writeEndpoints is false: this Endpoints object is no longer kept up to date; \
-                     delete it once nothing reads it (kubectl -n {} delete endpoints {})",
-                    target.namespace,
-                    target.service_name
-                ),
-                Finding::NoMembersForLong => tracing::warn!(
-                    endpoints = %target.endpoints_ref(),
-                    waited = ?self.section.lease_ttl,
-                    "no live apiserver members for a whole lease period; refusing to erase all \
-                     endpoints of the kubernetes Service"
-                ),
-                Finding::WrongFamily { member, note } => tracing::warn!(%member, "{note}"),
-                Finding::Rejected { member, why } => tracing::warn!(
-                    %member,
-                    reason = why,
-                    "leaving out a member the API server would reject as an endpoint address"
-                ),
-                Finding::StaticLookupFailed { name, reason, kept } => tracing::warn!(
-                    %name,
-                    %reason,
-                    kept = %joined(kept),
-                    "static address lookup failed; keeping the last good set"
-                ),
-                Finding::StaticResolves { name } => {
-                    tracing::info!(%name, "static address resolves again");
-                }
+                Finding::StaticResolves { .. } => tracing::info!("{note}"),
+                _ => tracing::warn!("{note}"),
             }
         }
         if self.settings.endpoint_mode == EndpointsMode::Lease {
@@ -315,11 +259,29 @@ impl ApiserverEndpointsLoop {
     }
 
     /// A pass: read, plan, write; then, unless a dry run, the members' metric and the events.
-    async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+    /// `withdrawing`: a graceful stop taking this instance's address out at once (the caller
+    /// checked [`Self::withdraws`]), read live, written even when that leaves no member (the one
+    /// case where upstream empties the endpoints too), and only while it is listed.
+    async fn pass(&self, ctx: &PassContext, withdrawing: bool) -> Result<PassReport, LoopError> {
         let mut state = self.state.lock().await;
-        state.last_pass = Some(Instant::now());
-        let snapshot = self.read_objects(ctx, false).await?;
-        let (snapshot, plan) = self.decide(ctx, &mut state.memory, snapshot).await?;
+        if !withdrawing {
+            state.last_pass = Some(Instant::now());
+        }
+        let snapshot = self.read(ctx, withdrawing).await?;
+        let listed = || listed(&self.section, snapshot.endpoints.as_ref(), &snapshot.slices);
+        let own = self.advertise_address;
+        if withdrawing && !own.is_some_and(|own| listed().contains(&own)) {
+            return Ok(PassReport::default());
+        }
+        let now = Timestamp::now();
+        let plan = plan(
+            &snapshot,
+            &mut state.memory,
+            &self.section,
+            &self.settings,
+            now,
+        );
+        self.say(&plan);
         let (written, report) = self.apply(ctx, &plan, snapshot.endpoints).await?;
         if ctx.dry_run || plan.refused.is_some() {
             return Ok(report);
@@ -327,8 +289,11 @@ impl ApiserverEndpointsLoop {
         self.metrics.set_members(&plan.members);
         state.memory.previous = Some(plan.members.clone());
         drop(state);
-        self.publish_notes(&self.reference(written), &plan, &report)
-            .await;
+        if let Some(own) = own.filter(|_| withdrawing) {
+            tracing::info!(member = %own, remaining = %plan.members, "withdrew this instance from the kubernetes endpoints");
+        } else {
+            (self.publish_notes(&self.reference(written), &plan, &report)).await;
+        }
         Ok(report)
     }
 
@@ -371,27 +336,6 @@ impl ApiserverEndpointsLoop {
             EndpointsMode::Static | EndpointsMode::None => false,
         };
         writer && !ctx.dry_run && self.shutdown.decide().await.withdraw
-    }
-
-    /// Take this instance's address out at once (the caller checked [`Self::withdraws`]). An
-    /// empty result is written: this is the one case where upstream empties the endpoints too
-    /// (the last member leaving).
-    async fn withdraw(&self, ctx: &PassContext) -> Result<(), LoopError> {
-        let Some(own) = self.advertise_address else {
-            return Ok(());
-        };
-        let mut state = self.state.lock().await;
-        let snapshot = self.read_objects(ctx, true).await?;
-        let listed = listed(&self.section, snapshot.endpoints.as_ref(), &snapshot.slices);
-        if !listed.contains(&own) {
-            return Ok(());
-        }
-        let (_, plan) = self.decide(ctx, &mut state.memory, snapshot).await?;
-        self.apply(ctx, &plan, None).await?;
-        self.metrics.set_members(&plan.members);
-        state.memory.previous = Some(plan.members.clone());
-        tracing::info!(member = %own, remaining = %plan.members, "withdrew this instance from the kubernetes endpoints");
-        Ok(())
     }
 
     /// Whether the leader-election Lease names this instance (true without leader election).
@@ -452,7 +396,7 @@ impl Reconciler for ApiserverEndpointsLoop {
         &'a self,
         ctx: &'a PassContext,
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
-        Box::pin(self.pass(ctx))
+        Box::pin(self.pass(ctx, false))
     }
 
     fn shutdown<'a>(&'a self, ctx: &'a PassContext) -> BoxFuture<'a, Result<(), LoopError>> {
@@ -463,8 +407,8 @@ impl Reconciler for ApiserverEndpointsLoop {
                 return Ok(());
             }
             let bound = self.section.interval * 2;
-            match tokio::time::timeout(bound, self.withdraw(ctx)).await {
-                Ok(result) => result,
+            match tokio::time::timeout(bound, self.pass(ctx, true)).await {
+                Ok(result) => result.map(|_| ()),
                 Err(_) => Err(LoopError::Other(format!(
                     "removing this instance from the kubernetes endpoints timed out after {bound:?}"
                 ))),

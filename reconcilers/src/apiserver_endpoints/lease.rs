@@ -1,5 +1,6 @@
 //! Membership Leases: one `coordination.k8s.io/v1` Lease per apiserver, written by the sidecar next
-//! to it while its `/readyz` answers 200. Pure: building, parsing and judging expiry.
+//! to it while its `/readyz` answers 200. Pure: building, parsing and judging expiry, and which
+//! changes of them wake the endpoints loop.
 //!
 //! Upstream keeps this in TTL'd etcd keys (`/registry/masterleases/<ip>`) nobody outside can see.
 //! Leases are API-visible, so stale members can be inspected and deleted with `kubectl`.
@@ -8,12 +9,17 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::runtime::watcher;
 
 use super::members::{MemberSet, parse_ip};
+use crate::budget::{CacheError, CacheEvent};
+use crate::contract::Trigger;
 use crate::lease::Liveness;
+use crate::watch_cache::Lenient;
 
 /// Selects every membership Lease; the value is the Service the member serves.
 pub const MEMBER_LABEL: &str = "bootstrap-controller.io/apiserver-endpoint";
@@ -21,8 +27,6 @@ pub const MEMBER_LABEL: &str = "bootstrap-controller.io/apiserver-endpoint";
 pub const ADDRESS_ANNOTATION: &str = "bootstrap-controller.io/advertise-address";
 /// The member's `--secure-port`.
 pub const PORT_ANNOTATION: &str = "bootstrap-controller.io/secure-port";
-/// Lease names are `apiserver-<address>`, so a restarted instance finds the Lease a crash left.
-pub const LEASE_NAME_PREFIX: &str = "apiserver-";
 
 /// Everything that identifies this instance's membership Lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,16 +41,14 @@ pub struct OwnLease {
 }
 
 impl OwnLease {
+    /// `apiserver-<address>`, so a restarted instance finds the Lease a crash left; IPv6 colons
+    /// become dashes (`fd00::1` -> `fd00--1`): Lease names are DNS subdomains.
     pub fn name(&self) -> String {
-        lease_name(&self.address)
+        format!("apiserver-{}", self.address.to_string().replace(':', "-"))
     }
 
     pub fn object_ref(&self) -> String {
         format!("Lease/{}/{}", self.namespace, self.name())
-    }
-
-    pub fn selector(&self) -> String {
-        member_selector(&self.service_name)
     }
 
     /// The Lease as it should be after a renewal at `now`. `existing` keeps its metadata
@@ -80,18 +82,6 @@ impl OwnLease {
     }
 }
 
-pub fn lease_name(address: &IpAddr) -> String {
-    // Lease names are DNS subdomains: IPv6 colons become dashes (`fd00::1` -> `fd00--1`).
-    format!(
-        "{LEASE_NAME_PREFIX}{}",
-        address.to_string().replace(':', "-")
-    )
-}
-
-pub fn member_selector(service_name: &str) -> String {
-    format!("{MEMBER_LABEL}={service_name}")
-}
-
 /// Whole seconds, at least one: the API's `leaseDurationSeconds` is an integer.
 pub fn ttl_seconds(ttl: Duration) -> i32 {
     i32::try_from(ttl.as_secs().max(1)).unwrap_or(i32::MAX)
@@ -110,51 +100,9 @@ pub struct ObservedMember {
     pub expires: Timestamp,
 }
 
-/// Why a Lease carrying the member label is not a member.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LeaseProblem {
-    /// The address annotation is missing or not an IP: someone else's object, or corrupted.
-    BadAddress {
-        lease_name: String,
-        found: Option<String>,
-    },
-    /// Never renewed (no `renewTime`).
-    NeverRenewed { lease_name: String },
-    /// Renewed more than a day ahead of the reader's clock: no clock is that far off, so the
-    /// object is corrupted (an etcd restore, a hand edit).
-    RenewedInTheFuture {
-        lease_name: String,
-        renewed: Timestamp,
-    },
-}
-
-impl std::fmt::Display for LeaseProblem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LeaseProblem::BadAddress { lease_name, found } => write!(
-                f,
-                "Lease {lease_name} has {} annotation {ADDRESS_ANNOTATION}; ignoring it",
-                found
-                    .as_deref()
-                    .map_or("no".to_owned(), |v| format!("a non-IP ({v:?})"))
-            ),
-            LeaseProblem::NeverRenewed { lease_name } => {
-                write!(f, "Lease {lease_name} has no renewTime; ignoring it")
-            }
-            LeaseProblem::RenewedInTheFuture {
-                lease_name,
-                renewed,
-            } => write!(
-                f,
-                "Lease {lease_name} says it was renewed at {renewed}, more than a day ahead of \
-                 this clock; ignoring it"
-            ),
-        }
-    }
-}
-
-/// Read one Lease. `fallback_ttl` applies when `leaseDurationSeconds` is missing.
-pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, LeaseProblem> {
+/// Read one Lease. `fallback_ttl` applies when `leaseDurationSeconds` is missing. The error
+/// says why a Lease carrying the member label is not a member.
+pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, String> {
     let lease_name = lease.metadata.name.clone().unwrap_or_default();
     let found = lease
         .metadata
@@ -163,7 +111,10 @@ pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, 
         .and_then(|a| a.get(ADDRESS_ANNOTATION))
         .cloned();
     let Some(address) = found.as_deref().and_then(parse_ip) else {
-        return Err(LeaseProblem::BadAddress { lease_name, found });
+        let found = found.map_or("no".to_owned(), |v| format!("a non-IP ({v:?})"));
+        return Err(format!(
+            "Lease {lease_name} has {found} annotation {ADDRESS_ANNOTATION}; ignoring it"
+        ));
     };
     let port = lease
         .metadata
@@ -173,7 +124,7 @@ pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, 
         .and_then(|p| p.trim().parse::<i32>().ok());
     let spec = lease.spec.clone().unwrap_or_default();
     let Some(MicroTime(renewed)) = spec.renew_time else {
-        return Err(LeaseProblem::NeverRenewed { lease_name });
+        return Err(format!("Lease {lease_name} has no renewTime; ignoring it"));
     };
     let seconds = spec
         .lease_duration_seconds
@@ -200,7 +151,8 @@ pub struct LeaseMembership {
     pub live: Vec<ObservedMember>,
     /// Leases whose time ran out (their address is not a member unless another live Lease has it).
     pub expired: Vec<ObservedMember>,
-    pub problems: Vec<LeaseProblem>,
+    /// Why each unusable Lease is not a member.
+    pub problems: Vec<String>,
 }
 
 /// A renewal further ahead of the reader's clock than this is no clock's error but a corrupted
@@ -256,10 +208,11 @@ pub fn membership<'a>(
         }
         match observe(lease, fallback_ttl) {
             Ok(member) if member.renewed > now.checked_add(FAR_FUTURE).unwrap_or(now) => {
-                out.problems.push(LeaseProblem::RenewedInTheFuture {
-                    lease_name: member.lease_name,
-                    renewed: member.renewed,
-                });
+                out.problems.push(format!(
+                    "Lease {} says it was renewed at {}, more than a day ahead of this clock; \
+                     ignoring it",
+                    member.lease_name, member.renewed
+                ));
             }
             Ok(mut member) => {
                 present.insert(member.lease_name.clone());
@@ -349,6 +302,64 @@ impl kube::Resource for MemberLease {
     }
 }
 
+/// The Lease watch as a trigger, minus plain renewals: with N members a renewal arrives every
+/// interval/N, and each would cost the leader a pass that finds nothing. A Lease fires when it
+/// appears, goes, changes address, or is renewed after it had expired (a member coming back).
+pub fn lease_trigger<S>(stream: S, fallback_ttl: Duration) -> Trigger
+where
+    S: futures::Stream<Item = CacheEvent<Lenient<MemberLease>>> + Send + 'static,
+{
+    let mut seen: BTreeMap<String, (IpAddr, Timestamp)> = BTreeMap::new();
+    stream
+        .filter_map(move |event| {
+            let fire = match event {
+                Ok(watcher::Event::Init) => {
+                    seen.clear();
+                    false
+                }
+                Ok(watcher::Event::InitApply(Lenient(lease))) => {
+                    if let (Some(name), Ok(member)) =
+                        (lease.metadata.name.clone(), observe(&lease, fallback_ttl))
+                    {
+                        seen.insert(name, (member.address, member.expires));
+                    }
+                    false
+                }
+                Ok(watcher::Event::InitDone) => true,
+                Ok(watcher::Event::Apply(Lenient(lease))) => {
+                    let name = lease.metadata.name.clone().unwrap_or_default();
+                    match observe(&lease, fallback_ttl) {
+                        Ok(member) => {
+                            let before = seen.insert(name, (member.address, member.expires));
+                            match before {
+                                Some((address, expires)) => {
+                                    address != member.address || expires <= Timestamp::now()
+                                }
+                                None => true,
+                            }
+                        }
+                        Err(_) => seen.remove(&name).is_some(),
+                    }
+                }
+                Ok(watcher::Event::Delete(Lenient(lease))) => {
+                    seen.remove(&lease.metadata.name.clone().unwrap_or_default());
+                    true
+                }
+                // The cache emptied or lost an event: the pass reads the API instead.
+                Err(CacheError::OverBudget(_) | CacheError::Lost { .. }) => {
+                    seen.clear();
+                    true
+                }
+                Err(err) => {
+                    tracing::debug!(error = %err, "Lease watch failed; retrying with backoff");
+                    false
+                }
+            };
+            futures::future::ready(fire.then_some(()))
+        })
+        .boxed()
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -368,10 +379,11 @@ mod tests {
             &mut Sightings::default(),
         );
         assert!(judged.members.is_empty());
-        assert!(matches!(
-            judged.problems.as_slice(),
-            [LeaseProblem::RenewedInTheFuture { .. }]
-        ));
+        assert!(
+            matches!(judged.problems.as_slice(), [p] if p.contains("more than a day ahead")),
+            "{:?}",
+            judged.problems
+        );
         // A writer's clock ahead of the reader's is no problem: met for the first time, it
         // counts as renewed now.
         let skewed = own("192.0.2.8").renewed(None, now + SignedDuration::from_secs(60));
@@ -499,7 +511,7 @@ mod tests {
         lease.spec.as_mut().unwrap().renew_time = None;
         assert!(matches!(
             observe(&lease, Duration::from_secs(30)),
-            Err(LeaseProblem::NeverRenewed { .. })
+            Err(problem) if problem.contains("no renewTime")
         ));
     }
 
@@ -542,10 +554,7 @@ mod tests {
             &mut Sightings::default(),
         );
         assert!(
-            matches!(
-                judged.problems.as_slice(),
-                [LeaseProblem::RenewedInTheFuture { .. }]
-            ),
+            matches!(judged.problems.as_slice(), [p] if p.contains("more than a day ahead")),
             "{:?}",
             judged.problems
         );
@@ -637,5 +646,32 @@ mod tests {
             &mut sightings,
         );
         assert!(judged.members.is_empty());
+    }
+
+    #[tokio::test]
+    async fn lease_trigger_ignores_plain_renewals() {
+        let lease = |ip: &str, renewed| Lenient(MemberLease(own(ip).renewed(None, renewed)));
+        let now = Timestamp::now();
+        let long_ago = Timestamp::from_second(1_600_000_000).unwrap();
+        let events = vec![
+            watcher::Event::Init,
+            watcher::Event::InitApply(lease("192.0.2.1", now)),
+            watcher::Event::InitApply(lease("192.0.2.2", long_ago)),
+            watcher::Event::InitDone,
+            // 1: plain renewal -> nothing.
+            watcher::Event::Apply(lease("192.0.2.1", now)),
+            // 2: renewal of an expired member (it comes back) -> fires.
+            watcher::Event::Apply(lease("192.0.2.2", now)),
+            // 3: a new member -> fires.
+            watcher::Event::Apply(lease("192.0.2.3", now)),
+            // 4: a member goes -> fires.
+            watcher::Event::Delete(lease("192.0.2.1", now)),
+        ];
+        let events = events.into_iter().map(Ok::<_, CacheError>);
+        let fired: Vec<()> = lease_trigger(futures::stream::iter(events), Duration::from_secs(15))
+            .collect()
+            .await;
+        // InitDone + expired-renewed + new + deleted.
+        assert_eq!(fired.len(), 4);
     }
 }

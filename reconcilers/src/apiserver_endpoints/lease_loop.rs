@@ -8,16 +8,15 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, PostParams};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use super::apply::delete_if_uid;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
 use super::objects::{EndpointsTarget, service_family};
-use super::probe::{
-    CertificateCheck, FailureThreshold, ProbedServer, ReadinessProbe, Verdict, probed_elsewhere,
-};
+use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Verdict};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, Section};
 use crate::alloc::IpFamily;
@@ -78,14 +77,6 @@ impl LeaseMetrics {
     pub fn ready(&self) -> i64 {
         self.ready.get()
     }
-
-    pub fn renewals(&self) -> u64 {
-        self.renewals.get()
-    }
-
-    pub fn certificate_lacks_address(&self) -> i64 {
-        self.certificate_lacks_address.get()
-    }
 }
 
 /// Keeps this instance's membership Lease while its apiserver is ready.
@@ -103,8 +94,9 @@ pub struct ApiserverLeaseLoop {
     probed: Option<ProbedServer>,
     probed_checked: std::sync::atomic::AtomicBool,
     check_certificate: bool,
-    /// When the certificate is next checked, and whether it lacked the address at the last check.
-    certificate: Mutex<(Option<tokio::time::Instant>, Option<bool>)>,
+    /// When the certificate is next checked (whether it lacked the address at the last check is
+    /// the metric's value).
+    next_certificate_check: Mutex<Option<tokio::time::Instant>>,
     interval: Duration,
     readiness: Arc<dyn ReadinessProbe>,
     /// Failed probes in a row that withdraw this instance.
@@ -144,7 +136,7 @@ impl ApiserverLeaseLoop {
             probed: deps.probed.clone(),
             probed_checked: std::sync::atomic::AtomicBool::new(false),
             check_certificate: section.check_serving_certificate,
-            certificate: Mutex::new((None, None)),
+            next_certificate_check: Mutex::new(None),
             own: OwnLease {
                 namespace: section.lease_namespace.clone(),
                 service_name: target.service_name.clone(),
@@ -164,10 +156,6 @@ impl ApiserverLeaseLoop {
             warned_shared: std::sync::atomic::AtomicBool::new(false),
             last_written: Mutex::new(None),
         })
-    }
-
-    pub fn own_lease(&self) -> &OwnLease {
-        &self.own
     }
 
     pub fn metrics(&self) -> &LeaseMetrics {
@@ -260,24 +248,6 @@ impl ApiserverLeaseLoop {
         )))
     }
 
-    /// Warns once if the readiness probe asks another server than this instance's apiserver.
-    async fn check_probed_server(&self) {
-        let Some(probed) = &self.probed else {
-            return;
-        };
-        if self
-            .probed_checked
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            return;
-        }
-        if let Some(host) = probed.host().await
-            && let Some(why) = probed_elsewhere(&host, Some(self.own.address))
-        {
-            tracing::warn!(address = %self.own.address, "{why}");
-        }
-    }
-
     /// Whether the local apiserver's serving certificate is valid for the advertised address,
     /// at the first pass and every [`CERTIFICATE_RECHECK`]: in-cluster clients reach it at that
     /// address through the `kubernetes` Service and check it. Reported once when it starts
@@ -287,45 +257,37 @@ impl ApiserverLeaseLoop {
             return;
         };
         let now = tokio::time::Instant::now();
-        let lacked = match self.certificate.lock() {
-            Ok(mut state) => {
-                if state.0.is_some_and(|next| next > now) {
-                    return;
-                }
-                state.0 = Some(now + CERTIFICATE_RECHECK);
-                state.1
+        match self.next_certificate_check.lock() {
+            Ok(mut next) if next.is_none_or(|next| next <= now) => {
+                *next = Some(now + CERTIFICATE_RECHECK);
             }
-            Err(_) => return,
-        };
+            _ => return,
+        }
         let address = self.own.address;
         let lacks = match probed
             .certificate_holds(address, Duration::from_secs(3))
             .await
         {
-            CertificateCheck::Holds => false,
-            CertificateCheck::Lacks => true,
-            CertificateCheck::CannotTell(why) => {
+            Ok(holds) => !holds,
+            Err(why) => {
                 tracing::debug!(%address, %why, "cannot check the local apiserver's serving certificate");
                 return;
             }
         };
-        self.metrics.certificate_lacks_address.set(i64::from(lacks));
+        let lacked = self.metrics.certificate_lacks_address.set(i64::from(lacks)) == 1;
         match (lacked, lacks) {
-            (Some(true), true) | (Some(false) | None, false) => {}
-            (_, true) => tracing::warn!(
+            (false, true) => tracing::warn!(
                 %address,
                 "the local apiserver's serving certificate is not valid for this instance's \
                  advertiseAddress {address}: in-cluster clients reach it there through the \
                  kubernetes Service and fail TLS; add {address} to the certificate's IP SANs \
                  (kubeadm: apiServer.certSANs) or advertise an address it holds"
             ),
-            (Some(true), false) => tracing::info!(
+            (true, false) => tracing::info!(
                 %address,
                 "the local apiserver's serving certificate is valid for advertiseAddress again"
             ),
-        }
-        if let Ok(mut state) = self.certificate.lock() {
-            state.1 = Some(lacks);
+            _ => {}
         }
     }
 
@@ -367,7 +329,13 @@ impl ApiserverLeaseLoop {
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        self.check_probed_server().await;
+        if let Some(probed) = &self.probed
+            && !self
+                .probed_checked
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            probed.warn_if_elsewhere(Some(self.own.address)).await;
+        }
         self.check_serving_certificate().await;
         self.check_family(ctx).await?;
         let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &self.own.namespace);
@@ -380,9 +348,13 @@ impl ApiserverLeaseLoop {
         if ready.is_ok()
             && !ctx.dry_run
             && let Some(cached) = cached
-            && let Some(report) = self.renew_from_cache(&api, &cached).await?
         {
-            return Ok(report);
+            match self.renew(&api, &cached).await {
+                Ok(report) => return Ok(report),
+                // Changed or deleted by someone else since our write: read it and start over.
+                Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => {}
+                Err(err) => return Err(err.into()),
+            }
         }
         let existing = api.get_opt(&self.own.name()).await?;
         if let Some(existing) = &existing {
@@ -399,34 +371,24 @@ impl ApiserverLeaseLoop {
         }
     }
 
-    /// Renews the Lease on top of this instance's last write of it, without reading it first;
-    /// `None` when it changed or went since (then it is read and the pass starts over).
-    async fn renew_from_cache(
-        &self,
-        api: &Api<Lease>,
-        cached: &Lease,
-    ) -> Result<Option<PassReport>, LoopError> {
-        let now = Timestamp::now();
-        let was_live = observe(cached, self.own.ttl).is_ok_and(|m| m.expires > now);
-        let renewed = self.own.renewed(Some(cached), now);
-        match api
-            .replace(&self.own.name(), &PostParams::default(), &renewed)
-            .await
-        {
-            Ok(written) => {
-                self.remember(written);
-                self.metrics.renewals.inc();
-                self.metrics.ready.set(1);
-                let mut report = PassReport::default();
-                if !was_live {
-                    report.push(self.expired_drift());
-                }
-                Ok(Some(report))
-            }
-            // Changed or deleted by someone else since our write: read it and start over.
-            Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => Ok(None),
-            Err(err) => Err(err.into()),
+    /// Renews this instance's Lease on top of `base` (this instance's last write of it, or the
+    /// Lease as read), whose resourceVersion guards against anyone else's write since.
+    async fn renew(&self, api: &Api<Lease>, base: &Lease) -> Result<PassReport, kube::Error> {
+        let live = self.live(Some(base));
+        let renewed = self.own.renewed(Some(base), Timestamp::now());
+        let params = PostParams::default();
+        self.written(api.replace(&self.own.name(), &params, &renewed).await?);
+        let mut report = PassReport::default();
+        if !live {
+            report.push(self.expired_drift());
         }
+        Ok(report)
+    }
+
+    /// Whether `lease` is this instance's, live by its own `renewTime`.
+    fn live(&self, lease: Option<&Lease>) -> bool {
+        (lease.and_then(|l| observe(l, self.own.ttl).ok()))
+            .is_some_and(|m| m.expires > Timestamp::now() && m.address == self.own.address)
     }
 
     fn expired_drift(&self) -> crate::Drift {
@@ -525,62 +487,36 @@ impl ApiserverLeaseLoop {
         existing: Option<Lease>,
     ) -> Result<PassReport, LoopError> {
         let object = self.own.object_ref();
-        let name = self.own.name();
         let mut report = PassReport::default();
-        let now = Timestamp::now();
-        let live = existing
-            .as_ref()
-            .and_then(|l| observe(l, self.own.ttl).ok())
-            .is_some_and(|m| m.expires > now && m.address == self.own.address);
         if ctx.dry_run {
-            if !live {
+            if !self.live(existing.as_ref()) {
                 tracing::info!(lease = %object, "dry-run: would write this instance's membership Lease (apiserver ready)");
             }
             return Ok(report);
         }
-        match &existing {
-            None => {
-                let written = api
-                    .create(&PostParams::default(), &self.own.renewed(None, now))
-                    .await?;
-                self.remember(written);
-                tracing::info!(lease = %object, "created this instance's membership Lease");
-                report.push(
-                    drift(
-                        "member_lease_missing",
-                        object,
-                        Action::Create,
-                        "the local apiserver is ready; created this instance's membership Lease",
-                        true,
-                    )
-                    .changed("absent", format!("listing {}", self.own.address)),
-                );
-            }
-            Some(existing) => {
-                let renewed = self.own.renewed(Some(existing), now);
-                let written = match api.replace(&name, &PostParams::default(), &renewed).await {
-                    Ok(written) => written,
-                    // Someone (kubectl, a restarted twin) wrote it since our read: renew on top
-                    // of their version once, instead of waiting a whole backoff.
-                    Err(err) if lease::is_conflict(&err) => {
-                        let fresh = api.get(&name).await?;
-                        api.replace(
-                            &name,
-                            &PostParams::default(),
-                            &self.own.renewed(Some(&fresh), Timestamp::now()),
-                        )
-                        .await?
-                    }
-                    Err(err) => return Err(err.into()),
-                };
-                self.remember(written);
-                if !live {
-                    report.push(self.expired_drift());
+        if let Some(existing) = existing {
+            return match self.renew(api, &existing).await {
+                // Someone (kubectl, a restarted twin) wrote it since our read: renew on top of
+                // their version once, instead of waiting a whole backoff.
+                Err(err) if lease::is_conflict(&err) => {
+                    Ok(self.renew(api, &api.get(&self.own.name()).await?).await?)
                 }
-            }
+                result => Ok(result?),
+            };
         }
-        self.metrics.renewals.inc();
-        self.metrics.ready.set(1);
+        let created = self.own.renewed(None, Timestamp::now());
+        self.written(api.create(&PostParams::default(), &created).await?);
+        tracing::info!(lease = %object, "created this instance's membership Lease");
+        report.push(
+            drift(
+                "member_lease_missing",
+                object,
+                Action::Create,
+                "the local apiserver is ready; created this instance's membership Lease",
+                true,
+            )
+            .changed("absent", format!("listing {}", self.own.address)),
+        );
         Ok(report)
     }
 
@@ -588,13 +524,13 @@ impl ApiserverLeaseLoop {
     /// `bound`; a failure only means the Lease expires a little sooner, so it is logged, not
     /// returned.
     async fn renew_on_the_way_out(&self, api: &Api<Lease>, bound: Duration) {
-        let name = self.own.name();
         let work = async {
-            let Some(existing) = api.get_opt(&name).await? else {
+            let Some(existing) = api.get_opt(&self.own.name()).await? else {
                 return Ok::<bool, kube::Error>(false);
             };
             let renewed = self.own.renewed(Some(&existing), Timestamp::now());
-            api.replace(&name, &PostParams::default(), &renewed).await?;
+            api.replace(&self.own.name(), &PostParams::default(), &renewed)
+                .await?;
             Ok(true)
         };
         match tokio::time::timeout(bound, work).await {
@@ -611,22 +547,18 @@ impl ApiserverLeaseLoop {
         }
     }
 
-    fn remember(&self, written: Lease) {
+    /// This instance's Lease as just written: the next renewal goes on top of it.
+    fn written(&self, lease: Lease) {
         if let Ok(mut cached) = self.last_written.lock() {
-            *cached = Some(written);
+            *cached = Some(lease);
         }
+        self.metrics.renewals.inc();
+        self.metrics.ready.set(1);
     }
 
     async fn delete(&self, api: &Api<Lease>, existing: &Lease) -> Result<bool, LoopError> {
-        let params = DeleteParams::default().preconditions(Preconditions {
-            uid: existing.metadata.uid.clone(),
-            resource_version: None,
-        });
-        match api.delete(&self.own.name(), &params).await {
-            Ok(_) => Ok(true),
-            Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
-            Err(err) => Err(err.into()),
-        }
+        let uid = existing.metadata.uid.clone();
+        Ok(delete_if_uid(api, &self.own.name(), uid).await?)
     }
 }
 

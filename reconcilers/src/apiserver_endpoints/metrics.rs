@@ -1,6 +1,5 @@
 //! The `apiserver-endpoints` loop's metrics.
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -11,27 +10,15 @@ use super::members::MemberSet;
 use crate::alloc::IpFamily;
 use crate::metrics::{loop_registry, registered};
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(super) struct FamilyLabel {
-    pub(super) family: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(super) struct ChangeLabel {
-    pub(super) change: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(super) struct KindLabel {
-    pub(super) kind: String,
-}
+/// One label, e.g. `("kind", "endpoints_ports")`.
+pub(super) type Label = [(&'static str, String); 1];
 
 /// Metric handles of the `apiserver-endpoints` loop.
 #[derive(Clone, Default)]
 pub struct EndpointsMetrics {
-    members: Family<FamilyLabel, Gauge>,
-    pub(super) changes: Family<ChangeLabel, Counter>,
-    pub(super) repairs: Family<KindLabel, Counter>,
+    members: Family<Label, Gauge>,
+    pub(super) changes: Family<Label, Counter>,
+    pub(super) repairs: Family<Label, Counter>,
     pub(super) conflicting_writers: Counter,
 }
 
@@ -66,42 +53,28 @@ impl EndpointsMetrics {
         }
     }
 
-    pub fn conflicting_writers(&self) -> u64 {
-        self.conflicting_writers.get()
-    }
-
     pub fn members(&self, family: IpFamily) -> i64 {
-        self.members
-            .get_or_create(&FamilyLabel {
-                family: family.as_str().to_owned(),
-            })
-            .get()
+        let label = [("family", family.as_str().to_owned())];
+        self.members.get_or_create(&label).get()
     }
 
     pub fn changes(&self, change: &str) -> u64 {
         self.changes
-            .get_or_create(&ChangeLabel {
-                change: change.to_owned(),
-            })
+            .get_or_create(&[("change", change.to_owned())])
             .get()
     }
 
     pub fn repairs(&self, kind: &str) -> u64 {
         self.repairs
-            .get_or_create(&KindLabel {
-                kind: kind.to_owned(),
-            })
+            .get_or_create(&[("kind", kind.to_owned())])
             .get()
     }
 
     pub(super) fn set_members(&self, members: &MemberSet) {
         for family in [IpFamily::V4, IpFamily::V6] {
             let count = i64::try_from(members.count(family)).unwrap_or(i64::MAX);
-            self.members
-                .get_or_create(&FamilyLabel {
-                    family: family.as_str().to_owned(),
-                })
-                .set(count);
+            let label = [("family", family.as_str().to_owned())];
+            self.members.get_or_create(&label).set(count);
         }
     }
 }

@@ -41,7 +41,6 @@ mod apply;
 pub mod endpoints_loop;
 pub mod lease;
 pub mod lease_loop;
-mod lease_trigger;
 pub mod members;
 mod metrics;
 pub mod objects;
@@ -66,7 +65,7 @@ pub use probe::{
 pub use section::{
     DEFAULT_INTERVAL, DEFAULT_LEASE_TTL, Section, StaticAddress, StaticAddressError,
 };
-pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate, ShutdownProbing};
+pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate};
 
 use crate::contract::Reconciler;
 use crate::section::Settings;

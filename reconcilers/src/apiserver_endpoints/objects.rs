@@ -99,43 +99,41 @@ impl EndpointsTarget {
             app_protocol: None,
         }]
     }
-
-    fn desired_subsets(&self, members: &MemberSet) -> Option<Vec<EndpointSubset>> {
-        if members.is_empty() {
-            // Upstream's RepackSubsets drops an empty subset, leaving none.
-            return None;
-        }
-        Some(vec![EndpointSubset {
-            addresses: Some(
-                members
-                    .sorted_strings()
-                    .into_iter()
-                    .map(|ip| EndpointAddress {
-                        ip,
-                        ..EndpointAddress::default()
-                    })
-                    .collect(),
-            ),
-            not_ready_addresses: None,
-            ports: Some(self.endpoint_ports()),
-        }])
-    }
 }
 
-/// A brand-new Endpoints object for `members`.
-pub fn desired_endpoints(target: &EndpointsTarget, members: &MemberSet) -> Endpoints {
-    Endpoints {
+/// The Endpoints for `members`: `existing` rewritten, keeping its metadata (resourceVersion for
+/// optimistic concurrency, other people's labels and annotations), or a new one.
+pub fn desired_endpoints(
+    target: &EndpointsTarget,
+    members: &MemberSet,
+    existing: Option<&Endpoints>,
+) -> Endpoints {
+    let mut endpoints = existing.cloned().unwrap_or_else(|| Endpoints {
         metadata: ObjectMeta {
             name: Some(target.service_name.clone()),
             namespace: Some(target.namespace.clone()),
-            labels: Some(BTreeMap::from([(
-                SKIP_MIRROR_LABEL.to_owned(),
-                "true".to_owned(),
-            )])),
             ..ObjectMeta::default()
         },
-        subsets: target.desired_subsets(members),
-    }
+        subsets: None,
+    });
+    endpoints.metadata.managed_fields = None;
+    (endpoints.metadata.labels.get_or_insert_with(BTreeMap::new))
+        .insert(SKIP_MIRROR_LABEL.to_owned(), "true".to_owned());
+    // Upstream's RepackSubsets drops an empty subset, leaving none.
+    endpoints.subsets = (!members.is_empty()).then(|| {
+        let addresses = (members.sorted_strings().into_iter())
+            .map(|ip| EndpointAddress {
+                ip,
+                ..EndpointAddress::default()
+            })
+            .collect();
+        vec![EndpointSubset {
+            addresses: Some(addresses),
+            not_ready_addresses: None,
+            ports: Some(target.endpoint_ports()),
+        }]
+    });
+    endpoints
 }
 
 /// One difference found on an object: `(metric kind, human message)`.
@@ -223,24 +221,6 @@ pub fn endpoints_drift(
         }
     }
     drift
-}
-
-/// `existing` rewritten to the desired state, keeping its metadata (resourceVersion for optimistic
-/// concurrency, other people's labels and annotations).
-pub fn repaired_endpoints(
-    target: &EndpointsTarget,
-    members: &MemberSet,
-    existing: &Endpoints,
-) -> Endpoints {
-    let mut repaired = existing.clone();
-    repaired
-        .metadata
-        .labels
-        .get_or_insert_with(BTreeMap::new)
-        .insert(SKIP_MIRROR_LABEL.to_owned(), "true".to_owned());
-    repaired.metadata.managed_fields = None;
-    repaired.subsets = target.desired_subsets(members);
-    repaired
 }
 
 /// The addresses an Endpoints object lists (ready ones, all subsets), as members.
@@ -365,25 +345,27 @@ fn slice_for(
     }
 }
 
-/// What to do to one slice.
+/// What to do to the Endpoints or to one slice. A replacement keeps the existing metadata
+/// (resourceVersion, foreign labels).
 #[derive(Clone, Debug, PartialEq)]
-pub enum SliceWrite {
-    Create(EndpointSlice),
-    /// Replace, keeping the existing metadata (resourceVersion, foreign labels).
-    Update(EndpointSlice),
+pub enum Op {
+    CreateEndpoints(Endpoints),
+    ReplaceEndpoints(Endpoints),
+    CreateSlice(EndpointSlice),
+    UpdateSlice(EndpointSlice),
     /// `addressType` is immutable: delete, then create.
-    Recreate(EndpointSlice),
-    Delete,
+    RecreateSlice(EndpointSlice),
+    DeleteSlice,
 }
 
-/// One slice write and the drift that justifies it.
+/// One write and the drift that justifies it.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SliceChange {
+pub struct Write {
     pub name: String,
-    pub write: SliceWrite,
+    pub op: Op,
     /// The uid of the slice found: a deletion is conditional on it.
     pub uid: Option<String>,
-    /// Every difference found on this slice.
+    /// Every difference found on this object.
     pub drift: Vec<DriftLine>,
 }
 
@@ -394,21 +376,21 @@ pub fn plan_slices(
     target: &EndpointsTarget,
     members: &MemberSet,
     existing: &[EndpointSlice],
-) -> Vec<SliceChange> {
+) -> Vec<Write> {
     let desired = desired_slices(target, members);
     let named = |name: &str| (existing.iter()).find(|s| s.metadata.name.as_deref() == Some(name));
-    let mut changes: Vec<SliceChange> = (desired.iter())
+    let mut changes: Vec<Write> = (desired.iter())
         .filter_map(|want| {
             let name = want.metadata.name.clone().unwrap_or_default();
             match named(&name) {
                 Some(have) => slice_repair(target, name, want, have),
-                None => Some(SliceChange {
+                None => Some(Write {
                     drift: vec![(
                         "endpointslice_missing",
                         format!("EndpointSlice {name} does not exist"),
                     )],
                     name,
-                    write: SliceWrite::Create(want.clone()),
+                    op: Op::CreateSlice(want.clone()),
                     uid: None,
                 }),
             }
@@ -426,7 +408,7 @@ pub fn plan_slices(
             && !wanted.contains(name.as_str())
             && have.metadata.deletion_timestamp.is_none()
         {
-            changes.push(SliceChange {
+            changes.push(Write {
                 drift: vec![(
                     "endpointslice_stray",
                     format!(
@@ -434,7 +416,7 @@ pub fn plan_slices(
                         have.address_type, target.service_name
                     ),
                 )],
-                write: SliceWrite::Delete,
+                op: Op::DeleteSlice,
                 name,
                 uid: have.metadata.uid.clone(),
             });
@@ -454,15 +436,15 @@ fn slice_repair(
     name: String,
     want: &EndpointSlice,
     have: &EndpointSlice,
-) -> Option<SliceChange> {
+) -> Option<Write> {
     if have.address_type != want.address_type {
         let message = format!(
             "addressType is {}, want {} (immutable: recreating)",
             have.address_type, want.address_type
         );
-        return Some(SliceChange {
+        return Some(Write {
             name,
-            write: SliceWrite::Recreate(want.clone()),
+            op: Op::RecreateSlice(want.clone()),
             drift: vec![("endpointslice_address_type", message)],
             uid: have.metadata.uid.clone(),
         });
@@ -510,9 +492,9 @@ fn slice_repair(
         .insert(SERVICE_NAME_LABEL.to_owned(), target.service_name.clone());
     repaired.endpoints = want.endpoints.clone();
     repaired.ports = want.ports.clone();
-    Some(SliceChange {
+    Some(Write {
         name,
-        write: SliceWrite::Update(repaired),
+        op: Op::UpdateSlice(repaired),
         drift,
         uid: have.metadata.uid.clone(),
     })
@@ -549,7 +531,7 @@ mod tests {
 
     #[test]
     fn desired_endpoints_match_upstream_shape() {
-        let endpoints = desired_endpoints(&target(), &members(&["192.0.2.9", "192.0.2.10"]));
+        let endpoints = desired_endpoints(&target(), &members(&["192.0.2.9", "192.0.2.10"]), None);
         let json = serde_json::to_value(&endpoints).unwrap();
         assert_eq!(
             json,
@@ -571,7 +553,7 @@ mod tests {
 
     #[test]
     fn empty_member_set_has_no_subsets() {
-        let endpoints = desired_endpoints(&target(), &MemberSet::new());
+        let endpoints = desired_endpoints(&target(), &MemberSet::new(), None);
         assert_eq!(endpoints.subsets, None);
         let slices = desired_slices(&target(), &MemberSet::new());
         assert_eq!(slices.len(), 1);
@@ -582,7 +564,7 @@ mod tests {
     #[test]
     fn desired_endpoints_have_no_drift() {
         let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let endpoints = desired_endpoints(&target(), &m);
+        let endpoints = desired_endpoints(&target(), &m, None);
         assert!(endpoints_drift(&target(), &m, Some(&endpoints)).is_empty());
     }
 
@@ -600,7 +582,7 @@ mod tests {
     #[test]
     fn address_order_is_not_drift() {
         let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
+        let mut endpoints = desired_endpoints(&target(), &m, None);
         endpoints.subsets.as_mut().unwrap()[0]
             .addresses
             .as_mut()
@@ -612,7 +594,7 @@ mod tests {
     /// An Endpoints for 1.2.3.4 listing `ports` as (name, port), as upstream's lease_test.go
     /// builds them.
     fn listing_ports(ports: &[(&str, i32)]) -> Endpoints {
-        let mut endpoints = desired_endpoints(&target(), &members(&["1.2.3.4"]));
+        let mut endpoints = desired_endpoints(&target(), &members(&["1.2.3.4"]), None);
         endpoints.subsets.as_mut().unwrap()[0].ports = Some(
             ports
                 .iter()
@@ -654,7 +636,7 @@ mod tests {
                 ["endpoints_ports"],
                 "{case}"
             );
-            let repaired = repaired_endpoints(&target(), &m, &listed);
+            let repaired = desired_endpoints(&target(), &m, Some(&listed));
             assert_eq!(repaired.subsets, wanted().subsets, "{case}");
         }
     }
@@ -662,7 +644,7 @@ mod tests {
     #[test]
     fn port_drift_is_detected_and_repaired() {
         let m = members(&["192.0.2.1"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
+        let mut endpoints = desired_endpoints(&target(), &m, None);
         endpoints.metadata.resource_version = Some("42".into());
         endpoints.subsets.as_mut().unwrap()[0]
             .ports
@@ -673,7 +655,7 @@ mod tests {
         assert_eq!(drift.len(), 1);
         assert_eq!(drift[0].0, "endpoints_ports");
         assert!(drift[0].1.contains("https/TCP:443"), "{drift:?}");
-        let repaired = repaired_endpoints(&target(), &m, &endpoints);
+        let repaired = desired_endpoints(&target(), &m, Some(&endpoints));
         assert_eq!(repaired.metadata.resource_version.as_deref(), Some("42"));
         assert!(endpoints_drift(&target(), &m, Some(&repaired)).is_empty());
     }
@@ -681,7 +663,7 @@ mod tests {
     #[test]
     fn wrong_missing_duplicate_and_garbage_addresses_are_drift() {
         let m = members(&["192.0.2.1", "192.0.2.2"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
+        let mut endpoints = desired_endpoints(&target(), &m, None);
         endpoints.subsets.as_mut().unwrap()[0].addresses = Some(
             ["192.0.2.1", "192.0.2.1", "198.51.100.9", "bogus"]
                 .iter()
@@ -706,7 +688,7 @@ mod tests {
     #[test]
     fn label_subsets_and_not_ready_drift() {
         let m = members(&["192.0.2.1"]);
-        let mut endpoints = desired_endpoints(&target(), &m);
+        let mut endpoints = desired_endpoints(&target(), &m, None);
         endpoints.metadata.labels = Some(BTreeMap::from([
             (SKIP_MIRROR_LABEL.to_owned(), "false".to_owned()),
             ("team".to_owned(), "x".to_owned()),
@@ -730,7 +712,7 @@ mod tests {
                 "endpoints_not_ready_addresses"
             ]
         );
-        let repaired = repaired_endpoints(&target(), &m, &endpoints);
+        let repaired = desired_endpoints(&target(), &m, Some(&endpoints));
         assert!(endpoints_drift(&target(), &m, Some(&repaired)).is_empty());
         assert_eq!(
             repaired
@@ -747,7 +729,7 @@ mod tests {
     #[test]
     fn empty_members_only_flag_listed_addresses() {
         let m = members(&["192.0.2.1"]);
-        let endpoints = desired_endpoints(&target(), &m);
+        let endpoints = desired_endpoints(&target(), &m, None);
         let drift = endpoints_drift(&target(), &MemberSet::new(), Some(&endpoints));
         assert_eq!(
             drift,
@@ -756,14 +738,14 @@ mod tests {
                 "unexpected addresses [192.0.2.1]".to_owned()
             )]
         );
-        let emptied = repaired_endpoints(&target(), &MemberSet::new(), &endpoints);
+        let emptied = desired_endpoints(&target(), &MemberSet::new(), Some(&endpoints));
         assert!(endpoints_drift(&target(), &MemberSet::new(), Some(&emptied)).is_empty());
     }
 
     #[test]
     fn listed_members_reads_ready_addresses() {
         let m = members(&["192.0.2.1", "fd00::1"]);
-        assert_eq!(listed_members(&desired_endpoints(&target(), &m)), m);
+        assert_eq!(listed_members(&desired_endpoints(&target(), &m, None)), m);
     }
 
     #[test]
@@ -828,10 +810,7 @@ mod tests {
         let m = members(&["192.0.2.1", "fd00::1"]);
         let plan = plan_slices(&target(), &m, &[]);
         assert_eq!(plan.len(), 2);
-        assert!(
-            plan.iter()
-                .all(|c| matches!(c.write, SliceWrite::Create(_)))
-        );
+        assert!(plan.iter().all(|c| matches!(c.op, Op::CreateSlice(_))));
         let existing = desired_slices(&target(), &m);
         assert!(plan_slices(&target(), &m, &existing).is_empty());
     }
@@ -858,8 +837,8 @@ mod tests {
                 "endpointslice_labels"
             ]
         );
-        let SliceWrite::Update(repaired) = &plan[0].write else {
-            panic!("expected an update, got {:?}", plan[0].write);
+        let Op::UpdateSlice(repaired) = &plan[0].op else {
+            panic!("expected an update, got {:?}", plan[0].op);
         };
         assert_eq!(repaired.metadata.resource_version.as_deref(), Some("7"));
         assert_eq!(
@@ -890,8 +869,8 @@ mod tests {
         let existing = vec![wrong_family, dual[1].clone(), unrelated];
         let plan = plan_slices(&target(), &m, &existing);
         assert_eq!(plan.len(), 2, "{plan:?}");
-        assert!(matches!(plan[0].write, SliceWrite::Recreate(ref s) if s.address_type == "IPv4"));
-        assert_eq!(plan[1].write, SliceWrite::Delete);
+        assert!(matches!(plan[0].op, Op::RecreateSlice(ref s) if s.address_type == "IPv4"));
+        assert_eq!(plan[1].op, Op::DeleteSlice);
         assert_eq!(plan[1].name, "kubernetes-ipv6");
         assert_eq!(plan[1].drift[0].0, "endpointslice_stray");
     }

@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Endpoints;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -24,8 +25,8 @@ use k8s_openapi::jiff::Timestamp;
 use super::lease::{MemberLease, Sightings, membership};
 use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
 use super::objects::{
-    DriftLine, EndpointsTarget, SliceChange, desired_endpoints, endpoints_drift, listed_members,
-    other_writers, plan_slices, repaired_endpoints, slice_members,
+    EndpointsTarget, Op, Write, desired_endpoints, endpoints_drift, listed_members, other_writers,
+    plan_slices, slice_members,
 };
 use super::{Section, StaticAddress};
 use crate::alloc::IpFamily;
@@ -111,17 +112,6 @@ pub struct Plan {
     pub refused: Option<&'static str>,
 }
 
-/// One write of the Endpoints or of a slice, with the drift that justifies it.
-pub enum Write {
-    Endpoints {
-        /// Created when the Endpoints does not exist, else replaced (keeping its metadata).
-        object: Endpoints,
-        create: bool,
-        drift: Vec<DriftLine>,
-    },
-    Slice(SliceChange),
-}
-
 /// What a pass found beside its writes: each logged, some also a Warning event.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Finding {
@@ -130,7 +120,7 @@ pub enum Finding {
     /// Slices only, and an Endpoints object is left over (logged once).
     EndpointsLeft,
     /// No member for a whole lease period (logged once per run).
-    NoMembersForLong,
+    NoMembersForLong { waited: Duration },
     /// A member of the other family than the Service's, left out.
     WrongFamily { member: IpAddr, note: String },
     /// A member the API server would reject as an endpoint address, left out.
@@ -146,24 +136,41 @@ pub enum Finding {
 }
 
 impl Finding {
-    /// The Warning event the finding publishes, if any: `(reason, note)`.
-    pub fn event(&self) -> Option<(&'static str, String)> {
+    /// The Warning event's reason, for the findings published as events.
+    pub fn reason(&self) -> Option<&'static str> {
         match self {
-            Finding::WrongFamily { note, .. } => Some(("MemberWrongFamily", note.clone())),
-            Finding::Rejected { member, why } => {
-                Some(("InvalidMemberAddress", format!("left out {member}: {why}")))
-            }
-            Finding::StaticLookupFailed { name, reason, kept } => Some((
-                "StaticAddressResolutionFailed",
-                format!(
-                    "resolving {name} failed ({reason}); keeping its last good addresses [{}]",
-                    joined(kept)
-                ),
-            )),
-            Finding::OtherPort { .. }
-            | Finding::EndpointsLeft
-            | Finding::NoMembersForLong
-            | Finding::StaticResolves { .. } => None,
+            Finding::WrongFamily { .. } => Some("MemberWrongFamily"),
+            Finding::Rejected { .. } => Some("InvalidMemberAddress"),
+            Finding::StaticLookupFailed { .. } => Some("StaticAddressResolutionFailed"),
+            _ => None,
+        }
+    }
+
+    /// What the finding says, in the log and in its event.
+    pub fn note(&self, target: &EndpointsTarget) -> String {
+        let (namespace, service) = (&target.namespace, &target.service_name);
+        match self {
+            Finding::OtherPort { member, port } => format!(
+                "member {member} advertises secure port {port}, but the endpoints carry {}; give \
+                 every instance the same securePort",
+                target.port
+            ),
+            Finding::EndpointsLeft => format!(
+                "writeEndpoints is false: this Endpoints object is no longer kept up to date; \
+                 delete it once nothing reads it (kubectl -n {namespace} delete endpoints \
+                 {service})"
+            ),
+            Finding::NoMembersForLong { waited } => format!(
+                "no live apiserver members for a whole lease period ({waited:?}); refusing to \
+                 erase all endpoints of the {service} Service"
+            ),
+            Finding::WrongFamily { note, .. } => note.clone(),
+            Finding::Rejected { member, why } => format!("left out {member}: {why}"),
+            Finding::StaticLookupFailed { name, reason, kept } => format!(
+                "resolving {name} failed ({reason}); keeping its last good addresses {}",
+                kept.iter().copied().collect::<MemberSet>()
+            ),
+            Finding::StaticResolves { name } => format!("static address {name} resolves again"),
         }
     }
 }
@@ -226,7 +233,9 @@ pub fn plan(
                 "no live apiserver members; refusing to erase all endpoints (kept as they are)"
             });
             if memory.empty.observe(now, section.lease_ttl) {
-                plan.findings.push(Finding::NoMembersForLong);
+                plan.findings.push(Finding::NoMembersForLong {
+                    waited: section.lease_ttl,
+                });
             }
             return plan;
         }
@@ -261,7 +270,7 @@ fn lease_members(
         section.lease_ttl,
         &mut memory.sightings,
     );
-    plan.lease_problems = judged.problems.iter().map(ToString::to_string).collect();
+    plan.lease_problems = judged.problems;
     // One port for all members (the Endpoints have one subset): a member whose sidecar says
     // otherwise is misconfigured, and clients would miss it.
     for member in &judged.live {
@@ -346,14 +355,6 @@ pub fn master_count_members(listed: &MemberSet, own: IpAddr, count: usize) -> Me
         .collect()
 }
 
-/// Addresses as a list for humans: `192.0.2.1, 192.0.2.2`.
-pub fn joined(ips: &[IpAddr]) -> String {
-    ips.iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 /// Leaves out the members of the other family than the Service's and the addresses the API
 /// server would reject, each warned about once; gives the Service's family.
 fn leave_out_unusable(
@@ -432,23 +433,21 @@ fn writes(
         Vec::new()
     };
     if !drift.is_empty() {
-        writes.push(Write::Endpoints {
-            object: existing.map_or_else(
-                || desired_endpoints(target, members),
-                |existing| repaired_endpoints(target, members, existing),
-            ),
-            create: existing.is_none(),
+        let object = desired_endpoints(target, members, existing);
+        writes.push(Write {
+            name: target.service_name.clone(),
+            op: match existing {
+                None => Op::CreateEndpoints(object),
+                Some(_) => Op::ReplaceEndpoints(object),
+            },
+            uid: None,
             drift,
         });
     }
     let slices: Vec<EndpointSlice> = (snapshot.slices.iter().chain(&snapshot.unlabelled))
         .cloned()
         .collect();
-    writes.extend(
-        plan_slices(target, members, &slices)
-            .into_iter()
-            .map(Write::Slice),
-    );
+    writes.extend(plan_slices(target, members, &slices));
     writes
 }
 

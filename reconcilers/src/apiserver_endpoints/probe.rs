@@ -41,15 +41,6 @@ pub struct ApiserverReadyz {
     timeout: Duration,
 }
 
-/// A readiness URL that cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum ReadyzUrlError {
-    #[error("readyzURL {url:?} is not a URL: {reason}; use e.g. https://127.0.0.1:6443/readyz")]
-    Parse { url: String, reason: String },
-    #[error("readyzURL {url:?}: could not build a client for it: {reason}")]
-    Client { url: String, reason: String },
-}
-
 impl ApiserverReadyz {
     /// Probe `path` (e.g. `/readyz`) on the server `client` talks to.
     pub fn new(client: kube::Client, path: impl Into<String>, timeout: Duration) -> Self {
@@ -62,14 +53,11 @@ impl ApiserverReadyz {
 
     /// Probe a full URL, reusing `base`'s TLS trust and credentials (the kubeconfig's), so a sidecar
     /// can probe `https://127.0.0.1:6443/readyz` while writing through a load balancer.
-    pub fn for_url(
-        base: &kube::Config,
-        url: &str,
-        timeout: Duration,
-    ) -> Result<Self, ReadyzUrlError> {
-        let parse_err = |reason: String| ReadyzUrlError::Parse {
-            url: url.to_owned(),
-            reason,
+    pub fn for_url(base: &kube::Config, url: &str, timeout: Duration) -> Result<Self, NotReady> {
+        let parse_err = |reason: String| {
+            NotReady::Setup(format!(
+                "readyzURL {url:?} is not a URL: {reason}; use e.g. https://127.0.0.1:6443/readyz"
+            ))
         };
         let uri: http::Uri = url
             .parse()
@@ -88,9 +76,10 @@ impl ApiserverReadyz {
             .to_owned();
         let mut config = base.clone();
         config.cluster_url = server;
-        let client = kube::Client::try_from(config).map_err(|e| ReadyzUrlError::Client {
-            url: url.to_owned(),
-            reason: e.to_string(),
+        let client = kube::Client::try_from(config).map_err(|e| {
+            NotReady::Setup(format!(
+                "readyzURL {url:?}: could not build a client for it: {e}"
+            ))
         })?;
         Ok(Self::new(client, path, timeout))
     }
@@ -136,73 +125,70 @@ pub struct ProbedServer {
 }
 
 impl ProbedServer {
-    /// The host (name or IP) the probe connects to; `None` when it cannot be told.
-    pub async fn host(&self) -> Option<String> {
-        let uri: http::Uri = match &self.url {
-            Some(url) => url.parse().ok()?,
-            None => (self.load)().await.ok()?.cluster_url,
+    /// The kubeconfig and the URL the probe asks.
+    async fn target(&self) -> Result<(kube::Config, http::Uri), String> {
+        let config = (self.load)()
+            .await
+            .map_err(|err| format!("cannot load the kubeconfig: {err}"))?;
+        let uri = match &self.url {
+            Some(url) => url.parse().map_err(|err| format!("readyzURL: {err}"))?,
+            None => config.cluster_url.clone(),
         };
-        uri.host().map(|host| {
-            host.trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned()
-        })
+        Ok((config, uri))
     }
-}
 
-/// What the apiserver's serving certificate says about an address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CertificateCheck {
-    /// Valid for it, as in-cluster clients check it (chain to the kubeconfig's CA, IP SAN).
-    Holds,
-    /// Chains to the CA but does not name the address.
-    Lacks,
-    /// The check could not be made (why): no CA in the kubeconfig, a plain-HTTP probe, the
-    /// server unreachable, another TLS failure.
-    CannotTell(String),
+    /// Warns if the probe asks another server than this instance's apiserver
+    /// ([`probed_elsewhere`]); a host that cannot be told is not warned about.
+    pub async fn warn_if_elsewhere(&self, advertised: Option<IpAddr>) {
+        let Ok((_, uri)) = self.target().await else {
+            return;
+        };
+        if let Some(why) = uri
+            .host()
+            .and_then(|host| probed_elsewhere(host, advertised))
+        {
+            tracing::warn!("{why}");
+        }
+    }
 }
 
 impl ProbedServer {
     /// Whether the probed server's certificate is valid for `address`, as a client of the
     /// `kubernetes` Service reaching the apiserver at `address` would check it: a TLS handshake
     /// with the kubeconfig's CA and `address` as the name to verify. Nothing is sent after it.
-    pub async fn certificate_holds(&self, address: IpAddr, timeout: Duration) -> CertificateCheck {
-        let cannot = |why: String| CertificateCheck::CannotTell(why);
-        let config = match (self.load)().await {
-            Ok(config) => config,
-            Err(err) => return cannot(format!("cannot load the kubeconfig: {err}")),
-        };
-        let uri: http::Uri = match &self.url {
-            Some(url) => match url.parse() {
-                Ok(uri) => uri,
-                Err(err) => return cannot(format!("readyzURL: {err}")),
-            },
-            None => config.cluster_url.clone(),
-        };
+    /// `Ok(false)`: it chains to the CA but does not name the address; an error says why the
+    /// check could not be made (no CA in the kubeconfig, a plain-HTTP probe, the server
+    /// unreachable, another TLS failure).
+    pub async fn certificate_holds(
+        &self,
+        address: IpAddr,
+        timeout: Duration,
+    ) -> Result<bool, String> {
+        let (config, uri) = self.target().await?;
         if uri.scheme_str() != Some("https") {
-            return cannot(format!("{uri} is not https"));
+            return Err(format!("{uri} is not https"));
         }
         let Some(host) = uri
             .host()
             .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
         else {
-            return cannot(format!("{uri} has no host"));
+            return Err(format!("{uri} has no host"));
         };
         let mut roots = rustls::RootCertStore::empty();
         for der in config.root_cert.iter().flatten() {
             if let Err(err) = roots.add(rustls::pki_types::CertificateDer::from(der.clone())) {
-                return cannot(format!("the kubeconfig's certificate-authority: {err}"));
+                return Err(format!("the kubeconfig's certificate-authority: {err}"));
             }
         }
         if roots.is_empty() {
-            return cannot("the kubeconfig has no certificate-authority data".to_owned());
+            return Err("the kubeconfig has no certificate-authority data".to_owned());
         }
         let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
         let tls = match rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
         {
             Ok(builder) => builder.with_root_certificates(roots).with_no_client_auth(),
-            Err(err) => return cannot(err.to_string()),
+            Err(err) => return Err(err.to_string()),
         };
         let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls));
         let port = uri.port_u16().unwrap_or(443);
@@ -212,10 +198,10 @@ impl ProbedServer {
             connector.connect(name, tcp).await
         };
         match tokio::time::timeout(timeout, handshake).await {
-            Err(_) => cannot(format!(
+            Err(_) => Err(format!(
                 "no TLS handshake with {host}:{port} within {timeout:?}"
             )),
-            Ok(Ok(_)) => CertificateCheck::Holds,
+            Ok(Ok(_)) => Ok(true),
             Ok(Err(err)) => {
                 let not_for_name = err
                     .get_ref()
@@ -230,9 +216,9 @@ impl ProbedServer {
                         )
                     });
                 if not_for_name {
-                    CertificateCheck::Lacks
+                    Ok(false)
                 } else {
-                    cannot(format!("TLS handshake with {host}:{port}: {err}"))
+                    Err(format!("TLS handshake with {host}:{port}: {err}"))
                 }
             }
         }
@@ -244,6 +230,7 @@ impl ProbedServer {
 /// server (a load balancer in the kubeconfig, another node) answers for whichever apiserver it
 /// reaches, so a dead local apiserver would stay listed.
 pub fn probed_elsewhere(host: &str, advertised: Option<IpAddr>) -> Option<String> {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
     if host.eq_ignore_ascii_case("localhost") {
         return None;
     }
@@ -392,8 +379,7 @@ impl LazyUrlReadyz {
         let base = (self.load)()
             .await
             .map_err(|e| NotReady::Setup(e.to_string()))?;
-        let probe = ApiserverReadyz::for_url(&base, &self.url, self.timeout)
-            .map_err(|e| NotReady::Setup(e.to_string()))?;
+        let probe = ApiserverReadyz::for_url(&base, &self.url, self.timeout)?;
         *built = Some(probe.clone());
         Ok(probe)
     }

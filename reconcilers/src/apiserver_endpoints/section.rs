@@ -15,7 +15,7 @@ use super::probe::{
     ApiserverReadyz, LazyUrlReadyz, ProbedServer, ReadinessProbe, SystemResolver,
     default_route_address,
 };
-use super::shutdown::{OnShutdown, ShutdownGate, ShutdownProbing};
+use super::shutdown::{OnShutdown, ShutdownGate};
 use super::{EndpointsDeps, build_loops};
 use crate::alloc::IpFamily;
 use crate::contract::Reconciler;
@@ -83,7 +83,6 @@ pub struct Section {
 
 impl Default for Section {
     fn default() -> Self {
-        let shutdown = ShutdownProbing::default();
         Section {
             enabled: true,
             interval: DEFAULT_INTERVAL,
@@ -91,9 +90,9 @@ impl Default for Section {
             lease_ttl: DEFAULT_LEASE_TTL,
             readyz_url: String::new(),
             static_addresses: Vec::new(),
-            on_shutdown: shutdown.policy,
-            shutdown_probes: shutdown.probes,
-            shutdown_probe_window: shutdown.window,
+            on_shutdown: OnShutdown::default(),
+            shutdown_probes: 3,
+            shutdown_probe_window: Duration::from_secs(2),
             readiness_failure_threshold: 3,
             check_serving_certificate: true,
             write_endpoints: true,
@@ -121,15 +120,6 @@ impl Section {
             service_name: settings.kubernetes_service.name.clone(),
             port: i32::from(settings.endpoints_port()),
             primary_family: primary_family(settings),
-        }
-    }
-
-    /// What a graceful stop does with this instance's membership.
-    pub fn shutdown_probing(&self) -> ShutdownProbing {
-        ShutdownProbing {
-            policy: self.on_shutdown,
-            probes: self.shutdown_probes,
-            window: self.shutdown_probe_window,
         }
     }
 
@@ -320,10 +310,7 @@ impl LoopSection for Section {
         let readiness = self.readiness(context);
         let deps = EndpointsDeps {
             client: context.client.clone(),
-            shutdown: Arc::new(ShutdownGate::new(
-                self.shutdown_probing(),
-                readiness.clone(),
-            )),
+            shutdown: Arc::new(ShutdownGate::new(self, readiness.clone())),
             readiness,
             resolver: Arc::new(SystemResolver),
             reporter: context.settings.reporter(),

@@ -11,13 +11,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
+use super::Section;
+use super::metrics::Label;
 use super::probe::ReadinessProbe;
 use crate::metrics::{loop_registry, registered};
 
@@ -45,42 +46,6 @@ impl OnShutdown {
     }
 }
 
-/// How the readiness is probed at shutdown.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ShutdownProbing {
-    pub policy: OnShutdown,
-    /// How many probes; every one must pass for the membership to be kept.
-    pub probes: u32,
-    /// The time from the first probe to the last.
-    pub window: Duration,
-}
-
-impl Default for ShutdownProbing {
-    fn default() -> Self {
-        Self {
-            policy: OnShutdown::default(),
-            probes: 3,
-            window: Duration::from_secs(2),
-        }
-    }
-}
-
-impl ShutdownProbing {
-    /// The pause between two probes.
-    pub fn spacing(&self) -> Duration {
-        match self.probes {
-            0 | 1 => Duration::ZERO,
-            n => self.window / (n - 1),
-        }
-    }
-
-    /// How long one probe may take before it counts as failed: an apiserver that does not answer
-    /// within this at shutdown is treated as going away.
-    pub fn probe_timeout(&self) -> Duration {
-        self.spacing().max(Duration::from_secs(1))
-    }
-}
-
 /// The decision, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShutdownDecision {
@@ -98,27 +63,29 @@ impl ShutdownDecision {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DecisionLabel {
-    decision: String,
-}
-
 /// Makes the decision once per process, shared by the loops that withdraw (the membership Lease
 /// and the leader's endpoints): both hooks run at once on SIGTERM and must agree.
 pub struct ShutdownGate {
-    probing: ShutdownProbing,
+    policy: OnShutdown,
+    /// How many probes; every one must pass for the membership to be kept.
+    probes: u32,
+    /// The time from the first probe to the last.
+    window: Duration,
     readiness: Arc<dyn ReadinessProbe>,
     decided: OnceCell<ShutdownDecision>,
-    decisions: Family<DecisionLabel, Counter>,
+    decisions: Family<Label, Counter>,
     /// Another instance seen renewing this address's membership Lease (see
     /// [`ShutdownGate::note_shared`]).
     shared: std::sync::Mutex<Option<String>>,
 }
 
 impl ShutdownGate {
-    pub fn new(probing: ShutdownProbing, readiness: Arc<dyn ReadinessProbe>) -> Self {
+    /// The gate of `section`'s `onShutdown`, `shutdownProbes` and `shutdownProbeWindow`.
+    pub fn new(section: &Section, readiness: Arc<dyn ReadinessProbe>) -> Self {
         Self {
-            probing,
+            policy: section.on_shutdown,
+            probes: section.shutdown_probes.max(1),
+            window: section.shutdown_probe_window,
             readiness,
             decided: OnceCell::new(),
             decisions: Family::default(),
@@ -156,9 +123,7 @@ impl ShutdownGate {
     /// How many stops ended with `decision` (`kept` or `withdrew`).
     pub fn count(&self, decision: &str) -> u64 {
         self.decisions
-            .get_or_create(&DecisionLabel {
-                decision: decision.to_owned(),
-            })
+            .get_or_create(&[("decision", decision.to_owned())])
             .get()
     }
 
@@ -169,15 +134,13 @@ impl ShutdownGate {
                 let decision = self.probe().await;
                 tracing::info!(
                     decision = %decision.label(),
-                    policy = %self.probing.policy.as_str(),
+                    policy = %self.policy.as_str(),
                     reason = %decision.reason,
                     "shutdown: {} this instance's apiserver membership",
                     if decision.withdraw { "withdrawing" } else { "keeping" }
                 );
                 self.decisions
-                    .get_or_create(&DecisionLabel {
-                        decision: decision.label().to_owned(),
-                    })
+                    .get_or_create(&[("decision", decision.label().to_owned())])
                     .inc();
                 decision
             })
@@ -185,9 +148,18 @@ impl ShutdownGate {
             .clone()
     }
 
+    /// The pause between two probes.
+    fn spacing(&self) -> Duration {
+        self.window.checked_div(self.probes - 1).unwrap_or_default()
+    }
+
+    /// An apiserver that does not answer within this at shutdown is treated as going away.
+    fn probe_timeout(&self) -> Duration {
+        self.spacing().max(Duration::from_secs(1))
+    }
+
     async fn probe(&self) -> ShutdownDecision {
-        let probing = self.probing;
-        if probing.policy != OnShutdown::Keep
+        if self.policy != OnShutdown::Keep
             && let Some(holder) = self.shared_with()
         {
             return ShutdownDecision {
@@ -199,7 +171,7 @@ impl ShutdownGate {
                 ),
             };
         }
-        match probing.policy {
+        match self.policy {
             OnShutdown::AlwaysWithdraw => {
                 return ShutdownDecision {
                     withdraw: true,
@@ -217,10 +189,10 @@ impl ShutdownGate {
             }
             OnShutdown::WithdrawIfApiserverStopping => {}
         }
-        let timeout = probing.probe_timeout();
-        for n in 0..probing.probes.max(1) {
+        let timeout = self.probe_timeout();
+        for n in 0..self.probes {
             if n > 0 {
-                tokio::time::sleep(probing.spacing()).await;
+                tokio::time::sleep(self.spacing()).await;
             }
             let failed = match tokio::time::timeout(timeout, self.readiness.check()).await {
                 Ok(Ok(())) => None,
@@ -242,8 +214,7 @@ impl ShutdownGate {
                 "the local apiserver stays ready ({} readiness probes passed over {:?}); the \
                  membership Lease is kept and expires after its TTL if this controller does not \
                  come back",
-                probing.probes.max(1),
-                probing.window
+                self.probes, self.window
             ),
         }
     }
@@ -293,12 +264,13 @@ mod tests {
     }
 
     fn gate(policy: OnShutdown, probe: Arc<Scripted>) -> ShutdownGate {
-        let probing = ShutdownProbing {
-            policy,
-            probes: 3,
-            window: Duration::from_millis(20),
+        let section = Section {
+            on_shutdown: policy,
+            shutdown_probes: 3,
+            shutdown_probe_window: Duration::from_millis(20),
+            ..Section::default()
         };
-        ShutdownGate::new(probing, probe)
+        ShutdownGate::new(&section, probe)
     }
 
     #[tokio::test]
@@ -348,13 +320,14 @@ mod tests {
 
     #[test]
     fn probes_are_spread_over_the_window() {
-        let probing = ShutdownProbing::default();
-        assert_eq!(probing.spacing(), Duration::from_secs(1));
-        assert_eq!(probing.probe_timeout(), Duration::from_secs(1));
-        let one = ShutdownProbing {
-            probes: 1,
-            ..probing
+        let probe = || Scripted::new(&[]);
+        let default = ShutdownGate::new(&Section::default(), probe());
+        assert_eq!(default.spacing(), Duration::from_secs(1));
+        assert_eq!(default.probe_timeout(), Duration::from_secs(1));
+        let one = Section {
+            shutdown_probes: 1,
+            ..Section::default()
         };
-        assert_eq!(one.spacing(), Duration::ZERO);
+        assert_eq!(ShutdownGate::new(&one, probe()).spacing(), Duration::ZERO);
     }
 }
