@@ -48,9 +48,11 @@ fn window(ip_api: bool) -> Duration {
 }
 
 /// Who wrote: the controller (its user agent), upstream's own loops (kube-apiserver's, as
-/// `system:apiserver`; kube-controller-manager's, as `system:kube-controller-manager`), or anyone
-/// else (the test's damage). kube-controller-manager's writes to a namespace finish the test's
-/// deletion of it (the namespace controller's finalization): they are part of the damage.
+/// `system:apiserver`; kube-controller-manager's, as `system:kube-controller-manager` or, with
+/// `--use-service-account-credentials` as up.sh and kubeadm run it, as each controller's service
+/// account in `kube-system`), or anyone else (the test's damage). kube-controller-manager's
+/// writes to a namespace finish the test's deletion of it (the namespace controller's
+/// finalization): they are part of the damage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Writer {
     Controller,
@@ -59,13 +61,15 @@ enum Writer {
 }
 
 fn writer(event: &Value) -> Writer {
+    let user = event["user"]["username"].as_str().unwrap_or_default();
     if event["userAgent"]
         .as_str()
         .is_some_and(|agent| agent.starts_with("bootstrap-controller/"))
     {
         Writer::Controller
-    } else if event["user"]["username"] == "system:apiserver"
-        || (event["user"]["username"] == "system:kube-controller-manager"
+    } else if user == "system:apiserver"
+        || ((user == "system:kube-controller-manager"
+            || user.starts_with("system:serviceaccount:kube-system:"))
             && event["objectRef"]["resource"] != "namespaces")
     {
         Writer::Upstream
@@ -157,6 +161,11 @@ fn alternating_writers_are_a_fight_and_a_race_is_not() {
     );
     let fight = [ours.clone(), controller_manager.clone(), ours.clone()];
     assert_eq!(fights(&writes_by_object(&fight)).len(), 1);
+    let service_cidrs_controller = event(
+        "kube-controller-manager/v1.37.2",
+        "system:serviceaccount:kube-system:service-cidrs-controller",
+    );
+    assert_eq!(writer(&service_cidrs_controller), Writer::Upstream);
     let mut finalize = controller_manager;
     finalize["objectRef"] = json!({"resource": "namespaces", "name": "kube-node-lease"});
     assert_eq!(writer(&finalize), Writer::Other);
