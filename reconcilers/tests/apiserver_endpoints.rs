@@ -299,6 +299,25 @@ async fn not_ready_instance_is_never_added_and_is_removed_when_it_fails() {
         vec!["192.0.2.10", "192.0.2.2", "192.0.2.4"]
     );
     assert_eq!(instances[0].endpoints.metrics().changes("left"), 1);
+    // Each write to a membership Lease is a repair with its event on that Lease.
+    let regarding = |reason: &str| -> Vec<String> {
+        let mut names: Vec<String> = common::events_of(&sim, reason)
+            .iter()
+            .map(|event| event["regarding"]["name"].as_str().unwrap().to_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(
+        regarding("MemberLeaseCreated"),
+        [
+            "apiserver-192.0.2.10",
+            "apiserver-192.0.2.2",
+            "apiserver-192.0.2.4",
+            "apiserver-192.0.2.9"
+        ]
+    );
+    assert_eq!(regarding("MemberLeaseWithdrawn"), ["apiserver-192.0.2.9"]);
 }
 
 #[tokio::test]

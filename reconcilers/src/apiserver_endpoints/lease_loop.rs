@@ -9,6 +9,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
+use kube::runtime::events::EventType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -111,6 +112,8 @@ pub struct ApiserverLeaseLoop {
     /// The Lease as this instance last wrote it: a renewal is then one PUT on top of it (its
     /// resourceVersion guards against anyone else's write), not a GET and a PUT.
     last_written: Mutex<Option<Lease>>,
+    /// Who this loop's events say they come from.
+    reporter: kube::runtime::events::Reporter,
 }
 
 impl ApiserverLeaseLoop {
@@ -155,6 +158,7 @@ impl ApiserverLeaseLoop {
             last_ready: Mutex::new(None),
             warned_shared: std::sync::atomic::AtomicBool::new(false),
             last_written: Mutex::new(None),
+            reporter: deps.reporter,
         })
     }
 
@@ -391,6 +395,36 @@ impl ApiserverLeaseLoop {
             .is_some_and(|m| m.expires > Timestamp::now() && m.address == self.own.address)
     }
 
+    /// One event on this instance's membership Lease for each write of the pass, as every
+    /// repair has; a refused event is logged, the write stands.
+    async fn publish(&self, ctx: &PassContext, report: &PassReport) {
+        let recorder =
+            kube::runtime::events::Recorder::new(ctx.client.clone(), self.reporter.clone());
+        let reference = k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("coordination.k8s.io/v1".to_owned()),
+            kind: Some("Lease".to_owned()),
+            namespace: Some(self.own.namespace.clone()),
+            name: Some(self.own.name()),
+            ..Default::default()
+        };
+        for drift in report.drift.iter().filter(|drift| drift.applied) {
+            let (type_, reason) = match drift.kind {
+                "member_lease_missing" => (EventType::Normal, "MemberLeaseCreated"),
+                "member_lease_expired" => (EventType::Normal, "MemberLeaseRenewed"),
+                _ => (EventType::Warning, "MemberLeaseWithdrawn"),
+            };
+            let _ = crate::events::emit(
+                &recorder,
+                &reference,
+                type_,
+                reason,
+                "Reconcile",
+                &drift.message,
+            )
+            .await;
+        }
+    }
+
     fn expired_drift(&self) -> crate::Drift {
         drift(
             "member_lease_expired",
@@ -583,7 +617,11 @@ impl Reconciler for ApiserverLeaseLoop {
         &'a self,
         ctx: &'a PassContext,
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
-        Box::pin(self.pass(ctx))
+        Box::pin(async move {
+            let report = self.pass(ctx).await?;
+            self.publish(ctx, &report).await;
+            Ok(report)
+        })
     }
 
     /// When the local apiserver is stopping too (see [`ShutdownGate`]), withdraw at once: delete

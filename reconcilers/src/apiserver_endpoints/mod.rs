@@ -28,12 +28,15 @@
 //!   `<ns>/<service>` for the primary family and `<ns>/<service>-ipv6` (or `-ipv4`) for the other
 //!   family while it has members; both labelled `kubernetes.io/service-name=<service>`.
 //! * Events (events.k8s.io/v1) on the Endpoints: `MemberJoined`, `MemberLeft`, `MemberExpired`,
-//!   `EndpointsRepaired`, `StaticAddressResolutionFailed` and `InvalidMemberAddress` (Warning).
+//!   `EndpointsRepaired`, `StaticAddressResolutionFailed` and `InvalidMemberAddress` (Warning);
+//!   on this instance's membership Lease, one for each write the `apiserver-lease` loop makes:
+//!   `MemberLeaseCreated`, `MemberLeaseRenewed` (after it had expired) and `MemberLeaseWithdrawn`
+//!   (Warning: its apiserver is not ready).
 //!
 //! RBAC the loops need: `coordination.k8s.io` `leases` get/list/watch/create/update/delete in the
 //! Lease namespace; `endpoints` get/list/watch/create/update and `discovery.k8s.io`
 //! `endpointslices` get/list/watch/create/update/delete in the Service namespace;
-//! `events.k8s.io` `events` create/patch there; the non-resource URL `/readyz` get (when probed
+//! `events.k8s.io` `events` create/patch there and in the Lease namespace; the non-resource URL `/readyz` get (when probed
 //! through the kubeconfig's server); reading the leader-election Lease (already granted to the
 //! election).
 
