@@ -86,6 +86,9 @@ cd "$root"
 # kubernetes Service, leader Lease and namespaces.
 # 192.0.2.1: a SAN of up.sh's serving certificate, which tests may advertise. cargo's output is
 # kept (without colour) for its `Running tests/<file>.rs` lines.
+# The tests run the built binaries; `cargo test -p e2e` does not build them, so a stale one
+# would be what passed.
+cargo build --color never -p bootstrap-controller -p apiserver-sim --bins
 status=0
 BOOTSTRAP_E2E_KUBECONFIG="$dir/admin.kubeconfig" BOOTSTRAP_E2E_CERTIFICATE_ADDRESS=192.0.2.1 \
   BOOTSTRAP_E2E_SERVICE_RANGE="$SERVICE_CLUSTER_IP_RANGE" \
