@@ -5,8 +5,9 @@
 # minutes the build and the suite took; then, on the newest, the suite once more with
 # kube-controller-manager's Endpoints and EndpointSlice-mirroring controllers off, as upstream's
 # deprecation job runs it (the `kubernetes` Endpoints and EndpointSlice must stay right without
-# them). ./run-tests.sh --all-versions runs it; BENCHMARKS.md keeps the last table. Fails when
-# any run failed (after running them all).
+# them), and once more emulating the minor three before it (--emulated-version).
+# ./run-tests.sh --all-versions runs it; BENCHMARKS.md keeps the last table. Fails when any run
+# failed (after running them all).
 #
 # Usage: e2e/control-plane/all-versions.sh [MINOR...]   default: every pinned minor (build.sh --list)
 set -euo pipefail
@@ -49,6 +50,20 @@ if [ $# -eq 0 ]; then
   result=pass
   [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
   rows+=("| $newest, without the Endpoints controllers | - | $result | ${passed:-0} | $skipped | 0 + $(((finished - started + 30) / 60)) |")
+  # A binary emulating an older minor serves that minor's APIs: features must come from
+  # discovery, not from /version. Three minors back is as far as kube-apiserver emulates.
+  emulated="1.$((${newest#1.} - 3))"
+  echo "== Kubernetes $newest emulating $emulated ($(date -u +%H:%M:%S))"
+  started=$(date +%s)
+  status=0
+  "$here/test.sh" --kubernetes "$newest" --apiserver-flag "--emulated-version=$emulated" 2>&1 \
+    | tee "$logs/$newest-emulating-$emulated.log" || status=$?
+  finished=$(date +%s)
+  passed=$(awk '/^test result: / { sum += $4 } END { print sum + 0 }' "$logs/$newest-emulating-$emulated.log")
+  skipped=$(sed -n '/^not checked against the cluster/,/^[^ ]/p' "$logs/$newest-emulating-$emulated.log" | grep -c '^  SKIPPED ' || true)
+  result=pass
+  [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
+  rows+=("| $newest emulating $emulated | - | $result | ${passed:-0} | $skipped | 0 + $(((finished - started + 30) / 60)) |")
 fi
 echo
 echo "$(date -u +%Y-%m-%d), commit $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown); logs in $logs"
