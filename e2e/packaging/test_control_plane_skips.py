@@ -142,10 +142,12 @@ def test_a_run_where_nothing_ran_against_the_cluster_fails(tmp_path: Path):
     assert "no test ran against the cluster" in done.stdout
 
 
-# A stand-in cargo: writes what the suite's tests would record where BOOTSTRAP_E2E_SKIP_LOG says,
-# prints cargo's `Running` lines, and exits with FAKE_CARGO_STATUS; its arguments go to a file.
+# A stand-in cargo: `cargo build` is only noted in the calls; `cargo test` writes what the suite's
+# tests would record where BOOTSTRAP_E2E_SKIP_LOG says, prints cargo's `Running` lines, and exits
+# with FAKE_CARGO_STATUS; its arguments go to a file.
 FAKE_CARGO = r'''#!/usr/bin/env bash
 set -euo pipefail
+if [ "$1" = build ]; then echo "cargo $*" >>"$FAKE_DIR/calls"; exit 0; fi
 printf '%s\n' "$@" >"$FAKE_DIR/cargo-args"
 env | grep '^BOOTSTRAP_E2E_' | sort >"$FAKE_DIR/cargo-env"
 cat "$FAKE_DIR/record" >>"$BOOTSTRAP_E2E_SKIP_LOG"
@@ -223,8 +225,10 @@ def test_test_sh_records_the_skips_and_compares_the_whole_suite(tmp_path: Path):
     assert "BOOTSTRAP_E2E_SKIP_LOG=" in env and "BOOTSTRAP_E2E_KUBECONFIG=" in env, env
     assert "BOOTSTRAP_E2E_SERVICE_RANGE=10.96.0.0/12" in env, env
     calls = (state / "calls").read_text().splitlines()
-    assert [c.split()[0] for c in calls] == ["build.sh", "up.sh", "down.sh"], calls
+    # The binaries the tests run are built first: `cargo test -p e2e` does not build them.
+    assert [c.split()[0] for c in calls] == ["build.sh", "up.sh", "cargo", "down.sh"], calls
     assert calls[1].endswith(f"--bin {state}/bin"), calls
+    assert calls[2] == "cargo build --color never -p bootstrap-controller -p apiserver-sim --bins", calls
     # The record and cargo's output are removed (the control plane's directory stays, with its
     # logs, as down.sh leaves it).
     left = list(tmp_path.glob("control-plane-e2e-skips-*")) + list(
