@@ -36,34 +36,28 @@ for minor in "${minors[@]}"; do
   [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
   rows+=("| $minor | $("$bin/kube-apiserver" --version | sed 's/^Kubernetes //') | $result | ${passed:-0} | $skipped | $(((built - started + 30) / 60)) + $(((finished - built + 30) / 60)) |")
 done
+# The newest minor once more, test.sh given the flags after LABEL and LOG: one more table row.
+variant() {
+  local label=$1 log=$2 started finished status=0 passed skipped result=pass
+  shift 2
+  echo "== Kubernetes $label ($(date -u +%H:%M:%S))"
+  started=$(date +%s)
+  "$here/test.sh" --kubernetes "$newest" "$@" 2>&1 | tee "$logs/$log" || status=$?
+  finished=$(date +%s)
+  passed=$(awk '/^test result: / { sum += $4 } END { print sum + 0 }' "$logs/$log")
+  skipped=$(sed -n '/^not checked against the cluster/,/^[^ ]/p' "$logs/$log" | grep -c '^  SKIPPED ' || true)
+  [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
+  rows+=("| $label | - | $result | ${passed:-0} | $skipped | 0 + $(((finished - started + 30) / 60)) |")
+}
 if [ $# -eq 0 ]; then
   newest=${minors[${#minors[@]}-1]}
-  echo "== Kubernetes $newest without the Endpoints controllers ($(date -u +%H:%M:%S))"
-  started=$(date +%s)
-  status=0
-  "$here/test.sh" --kubernetes "$newest" --controller-manager-flag \
-    '--controllers=*,-endpoints-controller,-endpointslice-mirroring-controller' 2>&1 \
-    | tee "$logs/$newest-no-endpoints-controllers.log" || status=$?
-  finished=$(date +%s)
-  passed=$(awk '/^test result: / { sum += $4 } END { print sum + 0 }' "$logs/$newest-no-endpoints-controllers.log")
-  skipped=$(sed -n '/^not checked against the cluster/,/^[^ ]/p' "$logs/$newest-no-endpoints-controllers.log" | grep -c '^  SKIPPED ' || true)
-  result=pass
-  [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
-  rows+=("| $newest, without the Endpoints controllers | - | $result | ${passed:-0} | $skipped | 0 + $(((finished - started + 30) / 60)) |")
+  variant "$newest, without the Endpoints controllers" "$newest-no-endpoints-controllers.log" \
+    --controller-manager-flag '--controllers=*,-endpoints-controller,-endpointslice-mirroring-controller'
   # A binary emulating an older minor serves that minor's APIs: features must come from
   # discovery, not from /version. Three minors back is as far as kube-apiserver emulates.
   emulated="1.$((${newest#1.} - 3))"
-  echo "== Kubernetes $newest emulating $emulated ($(date -u +%H:%M:%S))"
-  started=$(date +%s)
-  status=0
-  "$here/test.sh" --kubernetes "$newest" --apiserver-flag "--emulated-version=$emulated" 2>&1 \
-    | tee "$logs/$newest-emulating-$emulated.log" || status=$?
-  finished=$(date +%s)
-  passed=$(awk '/^test result: / { sum += $4 } END { print sum + 0 }' "$logs/$newest-emulating-$emulated.log")
-  skipped=$(sed -n '/^not checked against the cluster/,/^[^ ]/p' "$logs/$newest-emulating-$emulated.log" | grep -c '^  SKIPPED ' || true)
-  result=pass
-  [ "$status" -eq 0 ] || { result="fail ($status)"; verdict=1; }
-  rows+=("| $newest emulating $emulated | - | $result | ${passed:-0} | $skipped | 0 + $(((finished - started + 30) / 60)) |")
+  variant "$newest emulating $emulated" "$newest-emulating-$emulated.log" \
+    --apiserver-flag "--emulated-version=$emulated"
 fi
 echo
 echo "$(date -u +%Y-%m-%d), commit $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown); logs in $logs"
