@@ -224,14 +224,7 @@ pub(super) fn object_reference(regarding: &Regarding) -> ObjectReference {
             namespace,
             name,
             uid,
-        } => ObjectReference {
-            api_version: Some("v1".to_owned()),
-            kind: Some("Service".to_owned()),
-            namespace: Some(namespace.to_string()),
-            name: Some(name.to_string()),
-            uid: Some(uid.to_string()).filter(|uid| !uid.is_empty()),
-            ..ObjectReference::default()
-        },
+        } => crate::events::service_reference(namespace.as_ref(), name.as_ref(), uid.as_ref()),
         Regarding::IpAddress { name, uid } => ObjectReference {
             api_version: Some("networking.k8s.io/v1".to_owned()),
             kind: Some("IPAddress".to_owned()),
