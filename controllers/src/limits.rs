@@ -18,7 +18,7 @@
 //! hold at once, whatever the number of tenants. A response whose growth would take the pool
 //! over what it may hold fails as over a bound of its own, unless its client holds no more than
 //! the pool's floor: a tenant reading small responses is never failed by what others read. As
-//! for the caches' pool (`reconcilers::budget::pool_bounds`), every client's floor is kept out
+//! for the caches' pool (both are a [`BytePool`]), every client's floor is kept out
 //! of what the clients above theirs may take, and the floor is at most half a fair share, so
 //! for a given set of clients the pool holds at most its total (beside the chunk that breaches)
 //! however many there are.
@@ -34,7 +34,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -43,8 +43,8 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use reconcilers::budget::{BytePool, move_count};
 use tokio::time::{Instant, Sleep};
 use tower::{Layer, Service};
 
@@ -127,17 +127,14 @@ impl Limits {
 
 /// The most bytes the responses of many clients hold at once; clones share it.
 #[derive(Clone, Debug)]
-pub struct ResponsePool(Arc<PoolState>);
+pub struct ResponsePool(Arc<BytePool>);
 
-#[derive(Debug)]
-struct PoolState {
-    max_bytes: usize,
-    /// What a client may hold however full the pool is, at most half its fair share.
-    floor: usize,
-    /// The clients counting in the pool: the fair share is the total over their number.
-    members: AtomicUsize,
-    bytes: AtomicUsize,
-    gauge: Gauge,
+impl std::ops::Deref for ResponsePool {
+    type Target = BytePool;
+
+    fn deref(&self) -> &BytePool {
+        &self.0
+    }
 }
 
 impl ResponsePool {
@@ -152,51 +149,14 @@ impl ResponsePool {
     /// A pool of `max_bytes`, of which each client may hold `floor` whatever the others hold;
     /// its metric `response_pool_bytes` goes to `registry`.
     pub fn new(max_bytes: usize, floor: usize, registry: &mut Registry) -> Self {
-        let pool = ResponsePool(Arc::new(PoolState {
-            max_bytes,
-            floor,
-            members: AtomicUsize::new(0),
-            bytes: AtomicUsize::new(0),
-            gauge: Gauge::default(),
-        }));
+        let pool = ResponsePool(Arc::new(BytePool::new(max_bytes, floor)));
         registry.register(
             "response_pool_bytes",
             "Bytes the responses of every tenant's client hold at once (bodies being read, watch \
              events not yet complete)",
-            pool.0.gauge.clone(),
+            pool.gauge(),
         );
         pool
-    }
-
-    /// What one client may hold however full the pool is, and what the clients above it may
-    /// take the pool to (`reconcilers::budget::pool_bounds`).
-    fn bounds(&self) -> (usize, usize) {
-        reconcilers::budget::pool_bounds(
-            self.0.max_bytes,
-            self.0.floor,
-            self.0.members.load(Ordering::Acquire),
-        )
-    }
-
-    /// The bytes every client's responses hold now.
-    pub fn held(&self) -> usize {
-        self.0.bytes.load(Ordering::Acquire)
-    }
-
-    /// Moves the pool's count from `before` to `after` bytes; the total now.
-    fn take(&self, before: usize, after: usize) -> usize {
-        let total = move_count(&self.0.bytes, before, after);
-        self.0.gauge.set(i64::try_from(total).unwrap_or(i64::MAX));
-        total
-    }
-}
-
-/// Moves `counter` by `after - before`; the count now.
-fn move_count(counter: &AtomicUsize, before: usize, after: usize) -> usize {
-    if after >= before {
-        counter.fetch_add(after - before, Ordering::AcqRel) + (after - before)
-    } else {
-        counter.fetch_sub(before - after, Ordering::AcqRel) - (before - after)
     }
 }
 
@@ -279,7 +239,7 @@ impl Drop for ClientState {
     /// A client gone no longer takes a share of its pool.
     fn drop(&mut self) {
         if let Some(pool) = &self.pool {
-            pool.0.members.fetch_sub(1, Ordering::AcqRel);
+            pool.leave();
         }
     }
 }
@@ -287,7 +247,7 @@ impl Drop for ClientState {
 impl ClientState {
     /// A client whose bytes count in `pool` too, taking a share of it while it lives.
     fn in_pool(pool: &ResponsePool) -> Self {
-        pool.0.members.fetch_add(1, Ordering::AcqRel);
+        pool.join();
         ClientState {
             in_flight: AtomicUsize::default(),
             pool: Some(pool.clone()),
@@ -620,21 +580,13 @@ impl<B> BoundedBody<B> {
     /// while the client holds more than its floor.
     fn hold(&mut self, held: usize) -> Result<(), LimitError> {
         let total = move_count(&self.client.in_flight, self.held, held);
-        let pooled = self
-            .client
-            .pool
-            .as_ref()
-            .map(|pool| (pool, pool.take(self.held, held)));
-        let growing = held > self.held;
+        let pooled = (self.client.pool.as_ref()).map(|pool| pool.moved(self.held, held, total));
         self.held = held;
         if total > self.limits.max_in_flight_bytes {
             return Err(LimitError::TooMuchAtOnce(self.limits.max_in_flight_bytes));
         }
-        if growing && let Some((pool, pool_total)) = pooled {
-            let (floor, above_floors) = pool.bounds();
-            if pool_total > above_floors && total > floor {
-                return Err(LimitError::PoolExhausted(above_floors));
-            }
+        if let Some(Err(above_floors)) = pooled {
+            return Err(LimitError::PoolExhausted(above_floors));
         }
         Ok(())
     }
@@ -771,6 +723,8 @@ where
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::sync::atomic::Ordering;
+
     use http_body_util::{BodyExt, StreamBody};
 
     use super::*;

@@ -89,36 +89,29 @@ pub struct Breach {
 }
 
 /// The most bytes the caches of many clusters hold together; clones share it.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct CachePool(Arc<PoolShared>);
 
+#[derive(Debug)]
 struct PoolShared {
-    max_bytes: usize,
-    /// What a cluster may hold however full the pool is, at most half its fair share.
-    floor: usize,
-    /// The budgets counting in the pool: the fair share is the total over their number.
-    members: AtomicUsize,
+    bytes: BytePool,
     /// Named in every pool [`Breach`]: the setting that raises the total.
     hint: String,
-    bytes: AtomicUsize,
-    gauge: Gauge,
     breaches: Counter,
 }
 
-impl Debug for CachePool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CachePool")
-            .field("max_bytes", &self.0.max_bytes)
-            .field("floor", &self.0.floor)
-            .field("bytes", &self.0.bytes.load(Ordering::Relaxed))
-            .finish()
+impl std::ops::Deref for CachePool {
+    type Target = BytePool;
+
+    fn deref(&self) -> &BytePool {
+        &self.0.bytes
     }
 }
 
 impl PartialEq for CachePool {
     /// Two pools are equal when their limits are (what a configuration compares).
     fn eq(&self, other: &Self) -> bool {
-        (self.0.max_bytes, self.0.floor) == (other.0.max_bytes, other.0.floor)
+        self.limits() == other.limits()
     }
 }
 
@@ -138,7 +131,7 @@ impl CachePool {
         registry.register(
             "cache_pool_bytes",
             "Estimated bytes the caches of every tenant hold together",
-            pool.0.gauge.clone(),
+            pool.gauge(),
         );
         let limit = Gauge::<i64>::default();
         limit.set(i64::try_from(max_bytes).unwrap_or(i64::MAX));
@@ -158,40 +151,83 @@ impl CachePool {
 
     fn unregistered(max_bytes: usize, floor: usize, hint: String) -> Self {
         CachePool(Arc::new(PoolShared {
-            max_bytes,
-            floor,
-            members: AtomicUsize::new(0),
+            bytes: BytePool::new(max_bytes, floor),
             hint,
-            bytes: AtomicUsize::new(0),
-            gauge: Gauge::default(),
             breaches: Counter::default(),
         }))
     }
+}
 
-    /// What one cluster may hold however full the pool is, and what the clusters above it may
+/// The bytes that many members hold together (every tenant's caches, every tenant client's
+/// responses): at most `max_bytes`, of which each member may hold `floor` whatever the others
+/// hold (see [`pool_bounds`]).
+#[derive(Debug)]
+pub struct BytePool {
+    max_bytes: usize,
+    /// What a member may hold however full the pool is, at most half its fair share.
+    floor: usize,
+    /// The members counting in the pool: the fair share is the total over their number.
+    members: AtomicUsize,
+    bytes: AtomicUsize,
+    gauge: Gauge,
+}
+
+impl BytePool {
+    pub fn new(max_bytes: usize, floor: usize) -> Self {
+        BytePool {
+            max_bytes,
+            floor,
+            members: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            gauge: Gauge::default(),
+        }
+    }
+
+    /// The gauge of the bytes held, for a registry.
+    pub fn gauge(&self) -> Gauge {
+        self.gauge.clone()
+    }
+
+    /// `max_bytes` and `floor`, as given.
+    pub fn limits(&self) -> (usize, usize) {
+        (self.max_bytes, self.floor)
+    }
+
+    /// One more member takes a share of the pool, until it [`leave`](Self::leave)s.
+    pub fn join(&self) {
+        self.members.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn leave(&self) {
+        self.members.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// What one member may hold however full the pool is, and what the members above it may
     /// take the pool to: see [`pool_bounds`].
-    fn bounds(&self) -> (usize, usize) {
+    pub fn bounds(&self) -> (usize, usize) {
         pool_bounds(
-            self.0.max_bytes,
-            self.0.floor,
-            self.0.members.load(Ordering::Acquire),
+            self.max_bytes,
+            self.floor,
+            self.members.load(Ordering::Acquire),
         )
     }
 
-    /// The estimated bytes every cluster's caches hold now.
+    /// The bytes every member holds now.
     pub fn held(&self) -> usize {
-        self.0.bytes.load(Ordering::Acquire)
+        self.bytes.load(Ordering::Acquire)
     }
 
-    pub fn max_bytes(&self) -> usize {
-        self.0.max_bytes
-    }
-
-    /// Counts `delta` bytes more (or fewer); the total now.
-    fn add(&self, delta: isize) -> usize {
-        let now = add_signed(&self.0.bytes, delta);
-        self.0.gauge.set(i64::try_from(now).unwrap_or(i64::MAX));
-        now
+    /// Moves a member's count from `before` to `after` bytes, the member holding `member_now`
+    /// in all; when it grew above its floor with the pool over what the members above their
+    /// floors may take, that limit.
+    pub fn moved(&self, before: usize, after: usize, member_now: usize) -> Result<(), usize> {
+        let now = move_count(&self.bytes, before, after);
+        self.gauge.set(i64::try_from(now).unwrap_or(i64::MAX));
+        let (floor, above_floors) = self.bounds();
+        if after > before && now > above_floors && member_now > floor {
+            return Err(above_floors);
+        }
+        Ok(())
     }
 }
 
@@ -200,20 +236,19 @@ impl CachePool {
 /// may hold when a member above that grows (the total less every member's floor). The members
 /// within their floors hold at most the floors' sum, which is kept out of what the others may
 /// take, so all together hold at most `total`; the floors' sum is at most half the total, so the
-/// members above their floor always have the other half. The response pool of the controllers'
-/// tenant clients shares this rule.
+/// members above their floor always have the other half.
 pub fn pool_bounds(total: usize, floor: usize, members: usize) -> (usize, usize) {
     let members = members.max(1);
     let floor = floor.min(total / members.saturating_mul(2));
     (floor, total - members * floor)
 }
 
-/// Adds `delta` to `counter`; the sum.
-fn add_signed(counter: &AtomicUsize, delta: isize) -> usize {
-    if delta >= 0 {
-        counter.fetch_add(delta.unsigned_abs(), Ordering::AcqRel) + delta.unsigned_abs()
+/// Moves `counter` by `after - before`; the count now.
+pub fn move_count(counter: &AtomicUsize, before: usize, after: usize) -> usize {
+    if after >= before {
+        counter.fetch_add(after - before, Ordering::AcqRel) + (after - before)
     } else {
-        counter.fetch_sub(delta.unsigned_abs(), Ordering::AcqRel) - delta.unsigned_abs()
+        counter.fetch_sub(before - after, Ordering::AcqRel) - (before - after)
     }
 }
 
@@ -324,7 +359,7 @@ impl CacheBudget {
 
     fn unregistered(limits: BudgetLimits, hint: String, pool: Option<CachePool>) -> Self {
         if let Some(pool) = &pool {
-            pool.0.members.fetch_add(1, Ordering::AcqRel);
+            pool.join();
         }
         CacheBudget(Arc::new(Shared {
             limits,
@@ -417,13 +452,19 @@ impl CacheBudget {
             .inc();
     }
 
-    /// Counts `objects` and `bytes` more (or fewer); the breach when the totals go over, the
-    /// budget's or (for a cluster holding more than the pool's floor) the pool's: the total
-    /// less the floors kept for every cluster.
-    fn charge(&self, objects: isize, bytes: isize, resource: &str) -> Result<(), Breach> {
-        let objects_now = add_signed(&self.0.objects, objects);
-        let bytes_now = add_signed(&self.0.bytes, bytes);
-        let pool_now = self.0.pool.as_ref().map(|pool| (pool, pool.add(bytes)));
+    /// Moves one cache's count from `before` to `after` (objects, bytes); the breach when the
+    /// totals go over, the budget's or (for a cluster holding more than the pool's floor) the
+    /// pool's: the total less the floors kept for every cluster.
+    fn charge(
+        &self,
+        before: (usize, usize),
+        after: (usize, usize),
+        resource: &str,
+    ) -> Result<(), Breach> {
+        let objects_now = move_count(&self.0.objects, before.0, after.0);
+        let bytes_now = move_count(&self.0.bytes, before.1, after.1);
+        let pooled =
+            (self.0.pool.as_ref()).map(|pool| (pool, pool.moved(before.1, after.1, bytes_now)));
         self.0
             .metrics
             .objects
@@ -440,19 +481,14 @@ impl CacheBudget {
             hint: hint.to_owned(),
             pooled,
         };
-        if objects > 0 && objects_now > limits.max_objects {
+        if after.0 > before.0 && objects_now > limits.max_objects {
             return Err(breach("objects", limits.max_objects, &self.0.hint, false));
         }
-        if bytes > 0 && bytes_now > limits.max_bytes {
+        if after.1 > before.1 && bytes_now > limits.max_bytes {
             return Err(breach("bytes", limits.max_bytes, &self.0.hint, false));
         }
-        if bytes > 0
-            && let Some((pool, pool_now)) = pool_now
-        {
-            let (floor, above_floors) = pool.bounds();
-            if pool_now > above_floors && bytes_now > floor {
-                return Err(breach("bytes", above_floors, &pool.0.hint, true));
-            }
+        if let Some((pool, Err(above_floors))) = pooled {
+            return Err(breach("bytes", above_floors, &pool.0.hint, true));
         }
         Ok(())
     }
@@ -540,14 +576,8 @@ impl Account {
     }
 
     fn recharge(&mut self, objects: usize, bytes: usize) -> Result<(), Breach> {
-        let delta = |now: usize, before: usize| {
-            isize::try_from(now).unwrap_or(isize::MAX) - isize::try_from(before).unwrap_or(0)
-        };
-        let result = self.budget.charge(
-            delta(objects, self.objects),
-            delta(bytes, self.bytes),
-            &self.resource,
-        );
+        let result =
+            (self.budget).charge((self.objects, self.bytes), (objects, bytes), &self.resource);
         (self.objects, self.bytes) = (objects, bytes);
         result
     }
@@ -565,7 +595,7 @@ impl Drop for Shared {
     /// A cluster gone no longer takes a share of its pool.
     fn drop(&mut self) {
         if let Some(pool) = &self.pool {
-            pool.0.members.fetch_sub(1, Ordering::AcqRel);
+            pool.leave();
         }
     }
 }
