@@ -5,11 +5,12 @@
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
 use crate::alloc::IpFamily;
-use crate::service_cache::record::{LeanMeta, Name, Token, null_as_default, version_of};
+use crate::service_cache::record::{
+    LeanMeta, Name, Token, lean_resource, null_as_default, version_of,
+};
 use crate::watch_cache::Cached;
 
 /// Label naming the controller that manages an IPAddress.
@@ -332,53 +333,11 @@ pub struct ServiceCidrObjectSpec {
     pub cidrs: Vec<Option<String>>,
 }
 
-impl kube::Resource for ServiceCidrObject {
-    type DynamicType = ();
-    type Scope = kube::core::ClusterResourceScope;
-
-    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
-        "ServiceCIDR".into()
-    }
-    fn group(_: &()) -> std::borrow::Cow<'_, str> {
-        "networking.k8s.io".into()
-    }
-    fn version(_: &()) -> std::borrow::Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
-        "servicecidrs".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata.meta
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata.meta
-    }
-}
-
-impl kube::Resource for IpAddressObject {
-    type DynamicType = ();
-    type Scope = kube::core::ClusterResourceScope;
-
-    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
-        "IPAddress".into()
-    }
-    fn group(_: &()) -> std::borrow::Cow<'_, str> {
-        "networking.k8s.io".into()
-    }
-    fn version(_: &()) -> std::borrow::Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
-        "ipaddresses".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata.meta
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata.meta
-    }
-}
+lean_resource!(
+    ServiceCidrObject,
+    k8s_openapi::api::networking::v1::ServiceCIDR
+);
+lean_resource!(IpAddressObject, k8s_openapi::api::networking::v1::IPAddress);
 
 impl From<&IpAddressObject> for IpAddressRecord {
     fn from(object: &IpAddressObject) -> Self {

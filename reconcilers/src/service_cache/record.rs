@@ -400,29 +400,40 @@ pub struct ServiceObjectPort {
     pub protocol: Option<String>,
 }
 
-impl kube::Resource for ServiceObject {
-    type DynamicType = ();
-    type Scope = kube::core::NamespaceResourceScope;
+/// `kube::Resource` for a lean type decoding objects of the API type `$api` (its `metadata` a
+/// [`LeanMeta`]): kind, group, version, plural and scope are `$api`'s own.
+macro_rules! lean_resource {
+    ($lean:ty, $api:ty) => {
+        impl kube::Resource for $lean {
+            type DynamicType = ();
+            type Scope = <$api as k8s_openapi::Resource>::Scope;
 
-    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
-        "Service".into()
-    }
-    fn group(_: &()) -> std::borrow::Cow<'_, str> {
-        "".into()
-    }
-    fn version(_: &()) -> std::borrow::Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
-        "services".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata.meta
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata.meta
-    }
+            fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+                <$api as k8s_openapi::Resource>::KIND.into()
+            }
+            fn group(_: &()) -> std::borrow::Cow<'_, str> {
+                <$api as k8s_openapi::Resource>::GROUP.into()
+            }
+            fn version(_: &()) -> std::borrow::Cow<'_, str> {
+                <$api as k8s_openapi::Resource>::VERSION.into()
+            }
+            fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+                <$api as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
+            }
+            fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &self.metadata.meta
+            }
+            fn meta_mut(
+                &mut self,
+            ) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &mut self.metadata.meta
+            }
+        }
+    };
 }
+pub(crate) use lean_resource;
+
+lean_resource!(ServiceObject, k8s_openapi::api::core::v1::Service);
 
 impl From<&ServiceObject> for ServiceRecord {
     fn from(service: &ServiceObject) -> Self {
