@@ -2,7 +2,10 @@
 //! bitmap `Repair` (`pkg/registry/core/service/ipallocator/controller/repair.go`), rebuilt from
 //! the Services alone. Pure: no I/O. It can only report: the allocation state lives in etcd.
 
-use crate::alloc::{AllocError, IpFamily, RangeAllocator, ServiceRange};
+use std::collections::HashSet;
+use std::net::IpAddr;
+
+use crate::alloc::{IpFamily, ServiceRange};
 use crate::service_cache::record::ServiceRecord;
 
 use super::plan::{
@@ -20,10 +23,10 @@ pub fn decide_audit_mode<'a>(
     let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
     // Upstream's LIST order, etcd key order: the later of two holders gets the event.
     services.sort_unstable_by(|a, b| a.key_cmp(b));
-    let mut allocators: Vec<RangeAllocator> = configured
+    // Each configured range with the cluster IPs allocated in it so far.
+    let mut allocated: Vec<(ServiceRange, HashSet<IpAddr>)> = configured
         .iter()
-        .copied()
-        .map(RangeAllocator::new)
+        .map(|range| (*range, HashSet::new()))
         .collect();
     let mut findings = Vec::new();
     for &svc in &services {
@@ -51,9 +54,9 @@ pub fn decide_audit_mode<'a>(
                 continue;
             };
             let family = IpFamily::of(ip);
-            let Some(allocator) = allocators
+            let Some((range, taken)) = allocated
                 .iter_mut()
-                .find(|alloc| alloc.range().family() == family)
+                .find(|(range, _)| range.family() == family)
             else {
                 findings.push(report(
                     "clusterip_not_valid",
@@ -66,48 +69,45 @@ pub fn decide_audit_mode<'a>(
                 ));
                 continue;
             };
-            match allocator.allocate(ip) {
-                Ok(()) => {}
-                Err(AllocError::Allocated) => {
-                    // The Service that allocated it: the first in key order listing it
-                    // (duplicates are rare; no map of every IP's holder is kept for them).
-                    let first = services.iter().find(|other| other.lists_ip(ip));
-                    findings.push(Finding {
-                        shared_with: first
-                            .filter(|first| first.key_cmp(svc).is_ne())
-                            .map(|first| SharedWith::of(ip, first)),
-                        ..report(
-                            "clusterip_already_allocated",
-                            "ClusterIPAlreadyAllocated",
-                            ACTION_CLUSTERIP_ALLOCATION,
-                            format!(
-                                "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
-                            ),
-                            "duplicate",
-                        )
-                    })
-                }
-                Err(AllocError::NotInRange) => findings.push(report(
+            if !range.holds_service_ip(ip) {
+                findings.push(report(
                     "clusterip_out_of_range",
                     "ClusterIPOutOfRange",
                     ACTION_CLUSTERIP_ALLOCATION,
                     format!(
-                        "Cluster IP [{family}]:{ip} is not within the service CIDR {}; please recreate service",
-                        allocator.range()
+                        "Cluster IP [{family}]:{ip} is not within the service CIDR {range}; please recreate service"
                     ),
                     "outOfRange",
-                )),
+                ));
+            } else if !taken.insert(ip) {
+                // The Service that allocated it: the first in key order listing it
+                // (duplicates are rare; no map of every IP's holder is kept for them).
+                let first = services.iter().find(|other| other.lists_ip(ip));
+                findings.push(Finding {
+                    shared_with: first
+                        .filter(|first| first.key_cmp(svc).is_ne())
+                        .map(|first| SharedWith::of(ip, first)),
+                    ..report(
+                        "clusterip_already_allocated",
+                        "ClusterIPAlreadyAllocated",
+                        ACTION_CLUSTERIP_ALLOCATION,
+                        format!(
+                            "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
+                        ),
+                        "duplicate",
+                    )
+                });
             }
         }
     }
     AuditDecision {
         findings,
-        usage: allocators
+        usage: allocated
             .iter()
-            .map(|alloc| RangeUsage {
-                range: *alloc.range(),
-                allocated: alloc.allocated(),
-                free: alloc.free(),
+            .map(|(range, taken)| RangeUsage {
+                range: *range,
+                allocated: taken.len() as u128,
+                free: range.usable_size() - taken.len() as u128,
             })
             .collect(),
     }
@@ -126,4 +126,82 @@ pub struct RangeUsage {
     pub range: ServiceRange,
     pub allocated: u128,
     pub free: u128,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::service_cache::record::{ClusterIp, Token};
+
+    /// One Service per address, named by its order, so the first holder of each is known.
+    fn decided(cidr: &str, ips: &[&str]) -> AuditDecision {
+        let services: Vec<ServiceRecord> = (ips.iter().enumerate())
+            .map(|(n, ip)| ServiceRecord {
+                namespace: "default".into(),
+                name: format!("s{n:02}").as_str().into(),
+                uid: Token::new(&format!("u{n}")),
+                resource_version: 1,
+                cluster_ips: [ClusterIp::parse(ip)].into_iter().collect(),
+                node_ports: Default::default(),
+                health_check_node_port: 0,
+                created: None,
+            })
+            .collect();
+        decide_audit_mode(&services, &[ServiceRange::new(cidr.parse().unwrap())])
+    }
+
+    fn kinds(decision: &AuditDecision) -> Vec<&'static str> {
+        decision
+            .findings
+            .iter()
+            .map(|finding| finding.kind)
+            .collect()
+    }
+
+    #[test]
+    fn allocates_each_usable_address_once() {
+        let usable: Vec<String> = (1..=6).map(|last| format!("10.0.0.{last}")).collect();
+        let mut ips: Vec<&str> = usable.iter().map(String::as_str).collect();
+        let full = decided("10.0.0.0/29", &ips);
+        assert!(full.findings.is_empty(), "{:?}", full.findings);
+        assert_eq!((full.usage[0].allocated, full.usage[0].free), (6, 0));
+        // Network and broadcast addresses and what lies outside are out of range.
+        ips.extend(["10.0.0.3", "10.0.0.0", "10.0.0.7", "10.0.0.8"]);
+        let decision = decided("10.0.0.0/29", &ips);
+        assert_eq!(
+            kinds(&decision),
+            [
+                "clusterip_already_allocated",
+                "clusterip_out_of_range",
+                "clusterip_out_of_range",
+                "clusterip_out_of_range",
+            ]
+        );
+        assert_eq!(
+            (decision.usage[0].allocated, decision.usage[0].free),
+            (6, 0)
+        );
+    }
+
+    #[test]
+    fn huge_ipv6_ranges_accept_any_address() {
+        let decision = decided(
+            "fd00::/64",
+            &["fd00::ffff:ffff:ffff:fffe", "fd00::1", "fd00::1"],
+        );
+        assert_eq!(
+            kinds(&decision),
+            ["clusterip_already_allocated"],
+            "a duplicate is found in a huge range too"
+        );
+        assert_eq!(decision.usage[0].allocated, 2);
+    }
+
+    #[test]
+    fn a_large_ipv4_range_ends_before_its_broadcast_address() {
+        let decision = decided("10.96.0.0/12", &["10.111.255.254", "10.111.255.255"]);
+        assert_eq!(kinds(&decision), ["clusterip_out_of_range"]);
+        assert_eq!(decision.usage[0].allocated, 1);
+    }
 }
