@@ -12,12 +12,13 @@ use std::net::IpAddr;
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
-use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::events::Recorder;
 
-use crate::alloc::{IpFamily, ServiceRange};
+use super::plan::ACTION_CLUSTERIP_ALLOCATION;
+use crate::alloc::ServiceRange;
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
-use crate::legacy_alloc::{BitmapFinding, LegacyBitmap, Subject};
+use crate::legacy_alloc::{Holder, LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
 use crate::service_cache::record::{ClusterIp, ServiceRecord};
 use crate::watch_cache::WatchCache;
@@ -30,10 +31,6 @@ pub(super) struct LegacyIpBitmaps {
     /// The `kubernetes` Service: a range mismatch is reported in an event about it.
     kubernetes_service: ServiceName,
 }
-
-/// The event reason of a bitmap stored under another range (not upstream's: its repair always
-/// rebuilds under its own range).
-pub(super) const RANGE_MISMATCH_REASON: &str = "ClusterIPRangeMismatch";
 
 /// How the bitmaps are built.
 pub(super) struct BitmapSettings<'a> {
@@ -66,6 +63,11 @@ impl LegacyIpBitmaps {
                         range_setting: "serviceClusterIPRange",
                         apiserver_flag: "--service-cluster-ip-range",
                         rebuild_setting: "loops.clusterIPRepair.rebuildBitmapOnRangeChange",
+                        item_noun: "Cluster IP",
+                        family: Some(range.family()),
+                        event_action: ACTION_CLUSTERIP_ALLOCATION,
+                        item_reason: "ClusterIP",
+                        bitmap_name: "ClusterIP",
                     },
                     move |offset| {
                         range
@@ -112,18 +114,21 @@ impl LegacyIpBitmaps {
         count: &(dyn Fn(&'static str) + Sync),
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
+        let outlet = Outlet {
+            recorder,
+            kubernetes_service: (
+                &self.kubernetes_service.namespace,
+                &self.kubernetes_service.name,
+            ),
+            count,
+        };
         for (bitmap, range) in &self.bitmaps {
-            let (in_use, owners) = {
+            let (in_use, holders) = {
                 let state = services.read();
                 if !state.synced {
                     return Ok(());
                 }
                 in_use(state.values(), range, bitmap_size(range))
-            };
-            let owner = |offset: usize| {
-                owners
-                    .get(&offset)
-                    .map(|(namespace, name, _)| format!("Service/{namespace}/{name}"))
             };
             let fresh_in_use = || -> BoxFuture<'static, Option<FixedBitSet>> {
                 let (client, page_size, range) = (ctx.client.clone(), self.page_size, *range);
@@ -132,127 +137,22 @@ impl LegacyIpBitmaps {
                     Some(self::in_use(services.iter(), &range, bitmap_size(&range)).0)
                 })
             };
-            let owner_of = |offset: usize| {
-                owners.get(&offset).map(|(namespace, name, uid)| {
-                    (namespace.into(), name.into(), uid.as_str().into())
-                })
-            };
             let holds = |service: &ServiceRecord, offset: usize| {
                 range
                     .address_at(offset as u128 + 1)
                     .is_some_and(|ip| service.lists_ip(ip))
             };
-            let confirm = |offsets| {
-                crate::legacy_alloc::confirm_live(
-                    &ctx.client,
-                    offsets,
-                    &owner_of,
-                    &holds,
-                    fresh_in_use,
-                )
-            };
-            let pass = bitmap
-                .pass(&in_use, &owner, ctx.dry_run, fresh_in_use, confirm)
-                .await
-                .map_err(|err| LoopError::Other(format!("ClusterIP bitmap in etcd: {err}")))?;
-            report.drift.extend(pass.drift);
-            self.report_findings(ctx, bitmap, range, &owners, recorder, count, pass.new)
-                .await?;
+            (bitmap.repair(
+                ctx,
+                (&in_use, &holders),
+                holds,
+                &fresh_in_use,
+                &outlet,
+                report,
+            ))
+            .await?;
         }
         Ok(())
-    }
-
-    /// The new findings of one bitmap's pass: counted, and each repair's event published (a
-    /// range mismatch is reported with its event or not at all: the next pass tries again).
-    #[allow(clippy::too_many_arguments)]
-    async fn report_findings(
-        &self,
-        ctx: &PassContext,
-        bitmap: &LegacyBitmap,
-        range: &ServiceRange,
-        owners: &HashMap<usize, (String, String, String)>,
-        recorder: &Recorder,
-        count: &(dyn Fn(&'static str) + Sync),
-        new: Vec<BitmapFinding>,
-    ) -> Result<(), LoopError> {
-        let mut unpublished = None;
-        for finding in new {
-            match finding {
-                BitmapFinding::NotAllocated(offset) => {
-                    count("repair");
-                    if !ctx.dry_run
-                        && let Some((namespace, name, uid)) = owners.get(&offset)
-                    {
-                        let family = match range.family() {
-                            IpFamily::V4 => "IPv4",
-                            IpFamily::V6 => "IPv6",
-                        };
-                        let note = format!(
-                            "Cluster IP [{family}]:{} is not allocated; repairing",
-                            bitmap.item(offset)
-                        );
-                        // The bitmap is repaired either way; the event is best effort here.
-                        let _ = publish(
-                            recorder,
-                            (namespace.as_str(), name.as_str(), uid.as_str()),
-                            "ClusterIPNotAllocated",
-                            note,
-                        )
-                        .await;
-                    }
-                }
-                BitmapFinding::Released(offset) => {
-                    count("leak");
-                    if !ctx.dry_run {
-                        let service = &self.kubernetes_service;
-                        let note = format!(
-                            "Cluster IP {} appeared to have leaked (no Service holds it); \
-                             released it from the allocation bitmap",
-                            bitmap.item(offset)
-                        );
-                        let regarding = (service.namespace.as_str(), service.name.as_str(), "");
-                        // Released either way; the event is best effort here.
-                        let _ = publish(recorder, regarding, "ClusterIPReleased", note).await;
-                    }
-                }
-                BitmapFinding::RangeMismatch(ref stored) => {
-                    if !ctx.dry_run {
-                        let service = &self.kubernetes_service;
-                        let note = bitmap.range_mismatch_note(stored);
-                        let regarding = (service.namespace.as_str(), service.name.as_str(), "");
-                        if let Err(err) =
-                            publish(recorder, regarding, RANGE_MISMATCH_REASON, note).await
-                        {
-                            // Reported with its event or not at all: the next pass tries
-                            // again.
-                            bitmap.forget(&finding);
-                            unpublished.get_or_insert(err);
-                            continue;
-                        }
-                    }
-                    count("rangeMismatch");
-                }
-                // The bitmap rebuilt under the configured range (or its range filled in).
-                BitmapFinding::RangeRebuilt(ref stored) => {
-                    count("repair");
-                    if !ctx.dry_run {
-                        let service = &self.kubernetes_service;
-                        let note = format!(
-                            "rebuilt the ClusterIP allocation bitmap under the configured \
-                             range (stored under {stored:?})"
-                        );
-                        let regarding = (service.namespace.as_str(), service.name.as_str(), "");
-                        let _ = publish(recorder, regarding, "ClusterIPBitmapRebuilt", note).await;
-                    }
-                }
-                BitmapFinding::Unusable(_) => count("invalid"),
-                BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
-            }
-        }
-        match unpublished {
-            Some(err) => Err(LoopError::Api(err)),
-            None => Ok(()),
-        }
     }
 }
 
@@ -267,7 +167,7 @@ fn in_use<'a>(
     services: impl Iterator<Item = &'a ServiceRecord>,
     range: &ServiceRange,
     size: usize,
-) -> (FixedBitSet, HashMap<usize, (String, String, String)>) {
+) -> (FixedBitSet, HashMap<usize, Holder>) {
     let mut bits = FixedBitSet::with_capacity(size);
     let mut first: HashMap<usize, &ServiceRecord> = HashMap::new();
     for service in services {
@@ -288,12 +188,12 @@ fn in_use<'a>(
     let owners = first
         .into_iter()
         .map(|(offset, service)| {
-            let owner = (
-                service.namespace.to_string(),
-                service.name.to_string(),
-                service.uid.to_string(),
-            );
-            (offset, owner)
+            let holder = Holder {
+                namespace: service.namespace.clone(),
+                name: service.name.clone(),
+                uid: service.uid.clone(),
+            };
+            (offset, holder)
         })
         .collect();
     (bits, owners)
@@ -303,25 +203,6 @@ fn offset(range: &ServiceRange, ip: IpAddr, size: usize) -> Option<usize> {
     let from_network = range.offset_of(ip)?;
     let offset = usize::try_from(from_network.checked_sub(1)?).ok()?;
     (offset < size).then_some(offset)
-}
-
-/// A Warning event about the Service `(namespace, name, uid)` (an empty uid: not known).
-async fn publish(
-    recorder: &Recorder,
-    (namespace, name, uid): (&str, &str, &str),
-    reason: &str,
-    note: String,
-) -> Result<(), kube::Error> {
-    let reference = crate::events::service_reference(namespace, name, uid);
-    crate::events::emit(
-        recorder,
-        &reference,
-        EventType::Warning,
-        reason,
-        "ClusterIPAllocation",
-        &note,
-    )
-    .await
 }
 
 #[cfg(test)]
@@ -362,7 +243,7 @@ mod tests {
         ];
         let (bits, owners) = in_use(services.iter(), &v4, size);
         assert_eq!(bits.ones().collect::<Vec<_>>(), vec![0, 9, 253]);
-        assert_eq!(owners[&9].1, "dual");
+        assert_eq!(owners[&9].name.as_str(), "dual");
 
         let v6 = ServiceRange::new("fd00::/64".parse().unwrap());
         let size = bitmap_size(&v6);
@@ -383,7 +264,10 @@ mod tests {
         second.namespace = "a-b".into();
         for order in [[&first, &second], [&second, &first]] {
             let (_, owners) = in_use(order.into_iter(), &range, bitmap_size(&range));
-            assert_eq!((owners[&9].0.as_str(), owners[&9].1.as_str()), ("a-b", "x"));
+            assert_eq!(
+                (owners[&9].namespace.as_str(), owners[&9].name.as_str()),
+                ("a-b", "x")
+            );
         }
     }
 

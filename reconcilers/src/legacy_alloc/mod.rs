@@ -26,9 +26,11 @@ use std::time::{Duration, Instant};
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
+use kube::runtime::events::{EventType, Recorder};
 use tracing::{debug, warn};
 
-use crate::contract::{Action, Drift, drift};
+use crate::alloc::IpFamily;
+use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, drift};
 use crate::findings::ReportOnce;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::{Name, ServiceRecord, Token};
@@ -54,6 +56,34 @@ pub struct Subject {
     /// The opt-in that rebuilds a bitmap stored under another range:
     /// `"loops.nodePortRepair.rebuildBitmapOnRangeChange"`.
     pub rebuild_setting: &'static str,
+    /// A bit's item in upstream's event notes: `"Port"`, `"Cluster IP"`.
+    pub item_noun: &'static str,
+    /// The IP family a cluster IP's "not allocated" note names (`Cluster IP [IPv4]:…`).
+    pub family: Option<IpFamily>,
+    /// upstream's event action: `"PortAllocation"`, `"ClusterIPAllocation"`.
+    pub event_action: &'static str,
+    /// The reasons of the events about one bit start with this (`PortNotAllocated`,
+    /// `PortReleased`), those about the bitmap with `bitmap_name` (`NodePortRangeMismatch`,
+    /// `NodePortBitmapRebuilt`, neither upstream's: its repair always rebuilds under its own
+    /// range): `"Port"` and `"NodePort"`, `"ClusterIP"` and `"ClusterIP"`.
+    pub item_reason: &'static str,
+    pub bitmap_name: &'static str,
+}
+
+/// A Service that holds a bit: the first in etcd key order, as upstream's repair meets them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Holder {
+    pub namespace: Name,
+    pub name: Name,
+    pub uid: Token,
+}
+
+/// Where a repair's findings about its bitmap go: its error counter (by the metric's `type`)
+/// and its events, those about the bitmap itself on the `kubernetes` Service (namespace, name).
+pub struct Outlet<'a> {
+    pub recorder: &'a Recorder,
+    pub kubernetes_service: (&'a str, &'a str),
+    pub count: &'a (dyn Fn(&'static str) + Sync),
 }
 
 /// Why a pass over a key failed.
@@ -82,7 +112,7 @@ const CONFIRM_BY_GET: usize = 32;
 pub async fn confirm_live(
     client: &kube::Client,
     offsets: Vec<usize>,
-    owner: impl Fn(usize) -> Option<(Name, Name, Token)>,
+    holders: &HashMap<usize, Holder>,
     holds: impl Fn(&ServiceRecord, usize) -> bool,
     fresh_in_use: impl FnOnce() -> BoxFuture<'static, Option<FixedBitSet>>,
 ) -> Result<HashSet<usize>, String> {
@@ -91,11 +121,16 @@ pub async fn confirm_live(
         suspects = offsets;
     } else {
         for offset in offsets {
-            let Some((namespace, name, uid)) = owner(offset) else {
+            let Some(Holder {
+                namespace,
+                name,
+                uid,
+            }) = holders.get(&offset)
+            else {
                 suspects.push(offset);
                 continue;
             };
-            let liveness = live::confirm(client, &namespace, &name, &uid, |service| {
+            let liveness = live::confirm(client, namespace, name, uid, |service| {
                 holds(service, offset)
             })
             .await
@@ -260,6 +295,137 @@ impl LegacyBitmap {
                  {rebuild_setting}: true to rebuild it from here (allocations outside {configured} \
                  are dropped)"
             )
+        }
+    }
+
+    /// A repair loop's pass over the key: [`pass`](Self::pass) against the bits the Services
+    /// hold (`in_use`, each one's first holder in `holders`), `holds` telling whether a Service
+    /// read live still holds a bit and `fresh_in_use` listing the Services afresh; the drift
+    /// goes into `report`, the new findings to `outlet`.
+    pub async fn repair(
+        &self,
+        ctx: &PassContext,
+        (in_use, holders): (&FixedBitSet, &HashMap<usize, Holder>),
+        holds: impl Fn(&ServiceRecord, usize) -> bool,
+        fresh_in_use: &(dyn Fn() -> BoxFuture<'static, Option<FixedBitSet>> + Sync),
+        outlet: &Outlet<'_>,
+        report: &mut PassReport,
+    ) -> Result<(), LoopError> {
+        let owner = |offset: usize| {
+            (holders.get(&offset))
+                .map(|holder| format!("Service/{}/{}", holder.namespace, holder.name))
+        };
+        let confirm = |offsets| confirm_live(&ctx.client, offsets, holders, &holds, fresh_in_use);
+        let pass = self
+            .pass(in_use, &owner, ctx.dry_run, fresh_in_use, confirm)
+            .await
+            .map_err(|err| {
+                LoopError::Other(format!(
+                    "{} bitmap in etcd: {err}",
+                    self.subject.bitmap_name
+                ))
+            })?;
+        report.drift.extend(pass.drift);
+        self.tell(ctx.dry_run, holders, outlet, pass.new).await
+    }
+
+    /// The new findings of a pass: counted, and each one's event published. A range mismatch is
+    /// reported with its event or not at all (the next pass tries again); the others' events
+    /// are best effort, as the bitmap is repaired either way.
+    async fn tell(
+        &self,
+        dry_run: bool,
+        holders: &HashMap<usize, Holder>,
+        outlet: &Outlet<'_>,
+        new: Vec<BitmapFinding>,
+    ) -> Result<(), LoopError> {
+        let Subject {
+            item_noun,
+            item_reason,
+            bitmap_name,
+            ..
+        } = self.subject;
+        let kubernetes = Holder {
+            namespace: outlet.kubernetes_service.0.into(),
+            name: outlet.kubernetes_service.1.into(),
+            uid: Token::new(""),
+        };
+        let count = outlet.count;
+        let mut unpublished = None;
+        for finding in new {
+            let (about, reason, note) = match &finding {
+                BitmapFinding::NotAllocated(offset) => {
+                    count("repair");
+                    let Some(holder) = holders.get(offset) else {
+                        continue;
+                    };
+                    let item = match self.subject.family {
+                        Some(family) => format!("[{family}]:{}", self.item(*offset)),
+                        None => self.item(*offset),
+                    };
+                    let note = format!("{item_noun} {item} is not allocated; repairing");
+                    (holder, format!("{item_reason}NotAllocated"), note)
+                }
+                BitmapFinding::Released(offset) => {
+                    count("leak");
+                    let note = format!(
+                        "{item_noun} {} appeared to have leaked (no Service holds it); released \
+                         it from the allocation bitmap",
+                        self.item(*offset)
+                    );
+                    (&kubernetes, format!("{item_reason}Released"), note)
+                }
+                BitmapFinding::RangeMismatch(stored) => {
+                    let note = self.range_mismatch_note(stored);
+                    (&kubernetes, format!("{bitmap_name}RangeMismatch"), note)
+                }
+                // The bitmap rebuilt under the configured range (or its range filled in).
+                BitmapFinding::RangeRebuilt(stored) => {
+                    count("repair");
+                    let note = format!(
+                        "rebuilt the {bitmap_name} allocation bitmap under {} (stored under \
+                         {stored:?})",
+                        self.range
+                    );
+                    (&kubernetes, format!("{bitmap_name}BitmapRebuilt"), note)
+                }
+                BitmapFinding::Unusable(_) => {
+                    count("invalid");
+                    continue;
+                }
+                BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => continue,
+            };
+            let published = match dry_run {
+                true => Ok(()),
+                false => {
+                    let uid = about.uid.to_string();
+                    let reference =
+                        crate::events::service_reference(&about.namespace, &about.name, &uid);
+                    let action = self.subject.event_action;
+                    (crate::events::emit(
+                        outlet.recorder,
+                        &reference,
+                        EventType::Warning,
+                        &reason,
+                        action,
+                        &note,
+                    ))
+                    .await
+                }
+            };
+            if matches!(finding, BitmapFinding::RangeMismatch(_)) {
+                match published {
+                    Ok(()) => count("rangeMismatch"),
+                    Err(err) => {
+                        self.forget(&finding);
+                        unpublished.get_or_insert(err);
+                    }
+                }
+            }
+        }
+        match unpublished {
+            Some(err) => Err(LoopError::Api(err)),
+            None => Ok(()),
         }
     }
 

@@ -6,9 +6,9 @@ use futures::future::BoxFuture;
 use kube::runtime::events::EventType;
 
 use super::plan::{self, Finding, Problem};
-use super::{EVENT_ACTION, NodePortRepairLoop, RANGE_MISMATCH_REASON};
+use super::{EVENT_ACTION, NodePortRepairLoop};
 use crate::contract::{LoopError, PassContext, PassReport};
-use crate::legacy_alloc::{BitmapFinding, LegacyBitmap};
+use crate::legacy_alloc::{LegacyBitmap, Outlet};
 use crate::service_cache::fresh_services;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::ServiceRecord;
@@ -30,11 +30,6 @@ impl NodePortRepairLoop {
         scan: &plan::Scan,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        let owner = |offset: usize| {
-            scan.owners
-                .get(&offset)
-                .map(|holder| format!("Service/{}/{}", holder.namespace, holder.name))
-        };
         let fresh_in_use = || -> BoxFuture<'static, Option<fixedbitset::FixedBitSet>> {
             let (client, page_size, range) =
                 (ctx.client.clone(), self.section.page_size, self.range);
@@ -43,110 +38,23 @@ impl NodePortRepairLoop {
                 Some(plan::scan(&services, range).in_use)
             })
         };
-        let owner_of = |offset: usize| {
-            scan.owners.get(&offset).map(|holder| {
-                (
-                    holder.namespace.clone(),
-                    holder.name.clone(),
-                    holder.uid.clone(),
-                )
-            })
-        };
         let base = i32::from(self.range.base());
         let holds = |service: &ServiceRecord, offset: usize| {
             i32::try_from(offset).is_ok_and(|offset| {
                 plan::collect_service_node_ports(service).contains(&(base + offset))
             })
         };
-        let confirm = |offsets| {
-            crate::legacy_alloc::confirm_live(&ctx.client, offsets, &owner_of, &holds, fresh_in_use)
+        let count = |error_type| self.count(error_type);
+        let outlet = Outlet {
+            recorder: &self.recorder,
+            kubernetes_service: (
+                &self.kubernetes_service.namespace,
+                &self.kubernetes_service.name,
+            ),
+            count: &count,
         };
-        let pass = etcd
-            .pass(&scan.in_use, &owner, ctx.dry_run, fresh_in_use, confirm)
-            .await
-            .map_err(|err| LoopError::Other(format!("NodePort bitmap in etcd: {err}")))?;
-        report.drift.extend(pass.drift);
-        self.report_findings(ctx, etcd, scan, pass.new).await
-    }
-
-    /// The new findings of a bitmap pass: counted, and each repair's event published (a range
-    /// mismatch is reported with its event or not at all: the next pass tries again).
-    async fn report_findings(
-        &self,
-        ctx: &PassContext,
-        etcd: &LegacyBitmap,
-        scan: &plan::Scan,
-        new: Vec<BitmapFinding>,
-    ) -> Result<(), LoopError> {
-        let mut unpublished = None;
-        for finding in new {
-            match finding {
-                BitmapFinding::NotAllocated(offset) => {
-                    self.count("repair");
-                    if !ctx.dry_run
-                        && let Some(holder) = scan.owners.get(&offset)
-                    {
-                        let note =
-                            format!("Port {} is not allocated; repairing", etcd.item(offset));
-                        // The bitmap is repaired either way; the event is best effort here.
-                        let _ = self.publish_about(holder, "PortNotAllocated", note).await;
-                    }
-                }
-                BitmapFinding::Released(offset) => {
-                    self.count("leak");
-                    if !ctx.dry_run {
-                        let note = format!(
-                            "Port {} appeared to have leaked (no Service holds it); released it \
-                             from the allocation bitmap",
-                            etcd.item(offset)
-                        );
-                        // Released either way; the event is best effort here.
-                        let _ = self
-                            .publish_about(&self.kubernetes_service_holder(), "PortReleased", note)
-                            .await;
-                    }
-                }
-                BitmapFinding::RangeMismatch(ref stored) => {
-                    if !ctx.dry_run {
-                        let holder = self.kubernetes_service_holder();
-                        let note = etcd.range_mismatch_note(stored);
-                        if let Err(err) = self
-                            .publish_about(&holder, RANGE_MISMATCH_REASON, note)
-                            .await
-                        {
-                            // Reported with its event or not at all: the next pass tries again.
-                            etcd.forget(&finding);
-                            unpublished.get_or_insert(err);
-                            continue;
-                        }
-                    }
-                    self.count("rangeMismatch");
-                }
-                // The bitmap rebuilt under the configured range (or its range filled in).
-                BitmapFinding::RangeRebuilt(ref stored) => {
-                    self.count("repair");
-                    if !ctx.dry_run {
-                        let note = format!(
-                            "rebuilt the NodePort allocation bitmap under {} (stored under {:?})",
-                            self.range, stored
-                        );
-                        let _ = self
-                            .publish_about(
-                                &self.kubernetes_service_holder(),
-                                "NodePortBitmapRebuilt",
-                                note,
-                            )
-                            .await;
-                    }
-                }
-                BitmapFinding::Unusable(_) => self.count("invalid"),
-                BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => {}
-            }
-        }
-        match unpublished {
-            Some(err) => Err(LoopError::Api(err)),
-            None => Ok(()),
-        }
+        let holders = (&scan.in_use, &scan.owners);
+        (etcd.repair(ctx, holders, holds, &fresh_in_use, &outlet, report)).await
     }
 
     /// Reads the Services a new finding rests on live, as the cache may be behind: the
@@ -209,16 +117,6 @@ impl NodePortRepairLoop {
         };
         self.publish_about(&holder, finding.problem.reason(), finding.note(self.range))
             .await
-    }
-
-    /// The `kubernetes` Service: what the bitmap's own events are about.
-    fn kubernetes_service_holder(&self) -> plan::Holder {
-        let service = &self.kubernetes_service;
-        plan::Holder {
-            namespace: service.namespace.as_str().into(),
-            name: service.name.as_str().into(),
-            uid: "".into(),
-        }
     }
 
     pub(super) async fn publish_about(

@@ -50,9 +50,6 @@ pub const NAME: &str = "nodeport-repair";
 
 /// Upstream's event action.
 pub const EVENT_ACTION: &str = "PortAllocation";
-/// The event reason of a bitmap stored under another range (not upstream's: its repair always
-/// rebuilds under its own range).
-pub const RANGE_MISMATCH_REASON: &str = "NodePortRangeMismatch";
 
 /// The NodePort repair loop.
 pub struct NodePortRepairLoop {
@@ -96,6 +93,11 @@ impl NodePortRepairLoop {
                     range_setting: "serviceNodePortRange",
                     apiserver_flag: "--service-node-port-range",
                     rebuild_setting: "loops.nodePortRepair.rebuildBitmapOnRangeChange",
+                    item_noun: "Port",
+                    family: None,
+                    event_action: EVENT_ACTION,
+                    item_reason: "Port",
+                    bitmap_name: "NodePort",
                 },
                 move |offset| (usize::from(range.base()) + offset).to_string(),
                 move |stored: &str, data: &[u8]| {

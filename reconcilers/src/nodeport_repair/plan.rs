@@ -116,13 +116,7 @@ pub struct Scan {
     pub owners: HashMap<usize, Holder>,
 }
 
-/// A Service that holds a node port.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Holder {
-    pub namespace: Name,
-    pub name: Name,
-    pub uid: Token,
-}
+pub use crate::legacy_alloc::Holder;
 
 /// Allocates every Service's node ports into an empty bitmap of `range`, in etcd key order, as
 /// upstream's repair rebuilds its allocator: the first Service to hold a port owns it, every
