@@ -41,15 +41,11 @@ pub async fn load(path: Option<&Path>) -> Result<kube::Config, KubeconfigError> 
     )
 }
 
-/// [`load`]'s last step for a tenant's configuration (see [`crate::tenant_kubeconfig`]).
-pub(crate) fn finish_tenant(
-    config: kube::Config,
-    source_name: &str,
-) -> Result<kube::Config, String> {
-    finish(config, source_name.to_owned()).map_err(|err| err.to_string())
-}
-
-fn finish(mut config: kube::Config, source_name: String) -> Result<kube::Config, KubeconfigError> {
+/// [`load`]'s last step, for a tenant's configuration too (see [`crate::tenant_kubeconfig`]).
+pub(crate) fn finish(
+    mut config: kube::Config,
+    source_name: String,
+) -> Result<kube::Config, KubeconfigError> {
     // A CA bundle without one PEM certificate trusts nothing: every TLS handshake would fail
     // and the loops would retry for ever, so it is a configuration error.
     if config.root_cert.as_ref().is_some_and(Vec::is_empty) {

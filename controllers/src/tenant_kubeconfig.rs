@@ -158,10 +158,10 @@ pub async fn read(
             source_name: source_name.to_owned(),
             cause: err.to_string(),
         })?;
-    crate::kubeconfig::finish_tenant(config, source_name).map_err(|cause| {
+    crate::kubeconfig::finish(config, source_name.to_owned()).map_err(|err| {
         TenantKubeconfigError::Unusable {
             source_name: source_name.to_owned(),
-            cause,
+            cause: err.to_string(),
         }
     })
 }

@@ -109,31 +109,17 @@ impl NodePortRepairLoop {
         }
     }
 
+    /// The finding's event, on the Service it is about.
     pub(super) async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
-        let holder = plan::Holder {
-            namespace: finding.namespace.clone(),
-            name: finding.name.clone(),
-            uid: finding.uid.clone(),
-        };
-        self.publish_about(&holder, finding.problem.reason(), finding.note(self.range))
-            .await
-    }
-
-    pub(super) async fn publish_about(
-        &self,
-        holder: &plan::Holder,
-        reason: &str,
-        note: String,
-    ) -> Result<(), kube::Error> {
-        let uid = holder.uid.to_string();
-        let reference = crate::events::service_reference(&holder.namespace, &holder.name, &uid);
+        let uid = finding.uid.to_string();
+        let reference = crate::events::service_reference(&finding.namespace, &finding.name, &uid);
         crate::events::emit(
             &self.recorder,
             &reference,
             EventType::Warning,
-            reason,
+            finding.problem.reason(),
             EVENT_ACTION,
-            &note,
+            &finding.note(self.range),
         )
         .await
     }
