@@ -145,16 +145,7 @@ impl ServiceRanges {
     }
 
     async fn read(&self) -> Result<Found, RangeError> {
-        let served = match self
-            .client
-            .list_api_group_resources("networking.k8s.io/v1")
-            .await
-        {
-            Ok(list) => list.resources.iter().any(|r| r.name == "servicecidrs"),
-            Err(kube::Error::Api(status)) if status.code == 404 => false,
-            Err(err) => return Err(err.into()),
-        };
-        if !served {
+        if !networking_v1_serves(&self.client, &["servicecidrs"]).await? {
             return Ok(Found::NotServed(self.hint().await?));
         }
         // A LIST of the one object: the loops' RBAC lists and watches ServiceCIDRs, never gets.
@@ -189,6 +180,24 @@ impl ServiceRanges {
             ),
             None => String::new(),
         })
+    }
+}
+
+/// Whether discovery says the API serves every one of `resources` (plural names) in
+/// networking.k8s.io/v1; a cluster without the group version serves none.
+pub async fn networking_v1_serves(
+    client: &Client,
+    resources: &[&str],
+) -> Result<bool, kube::Error> {
+    match client
+        .list_api_group_resources("networking.k8s.io/v1")
+        .await
+    {
+        Ok(list) => Ok(resources
+            .iter()
+            .all(|name| list.resources.iter().any(|r| r.name == *name))),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+        Err(err) => Err(err),
     }
 }
 

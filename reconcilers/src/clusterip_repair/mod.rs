@@ -50,7 +50,7 @@ use crate::alloc::ServiceRange;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::ServiceRecord;
-use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
+use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges, networking_v1_serves};
 use crate::watch_cache::WatchCache;
 pub use apply::new_ip_address;
 use apply::{
@@ -171,21 +171,12 @@ enum Served {
 }
 
 async fn discover(client: &Client) -> Result<Served, kube::Error> {
-    match client
-        .list_api_group_resources("networking.k8s.io/v1")
-        .await
-    {
-        Ok(list) => {
-            let serves = |name: &str| list.resources.iter().any(|r| r.name == name);
-            Ok(if serves("ipaddresses") && serves("servicecidrs") {
-                Served::IpAddressApi
-            } else {
-                Served::NoIpAddressApi
-            })
-        }
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(Served::NoIpAddressApi),
-        Err(err) => Err(err),
-    }
+    let serves = networking_v1_serves(client, &["ipaddresses", "servicecidrs"]).await?;
+    Ok(if serves {
+        Served::IpAddressApi
+    } else {
+        Served::NoIpAddressApi
+    })
 }
 
 /// The ClusterIP repair loop (`clusterip-repair`).

@@ -27,7 +27,7 @@ use crate::Trigger;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
 use crate::findings::ReportOnce;
 use crate::section::Settings;
-use crate::service_range::DEFAULT_SERVICE_CIDR;
+use crate::service_range::{DEFAULT_SERVICE_CIDR, networking_v1_serves};
 use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
 
 mod apply;
@@ -49,14 +49,7 @@ async fn served(client: &Client, slot: &Mutex<Option<bool>>) -> Result<bool, kub
     if let Some(served) = *slot.lock().unwrap_or_else(|p| p.into_inner()) {
         return Ok(served);
     }
-    let served = match client
-        .list_api_group_resources("networking.k8s.io/v1")
-        .await
-    {
-        Ok(list) => list.resources.iter().any(|r| r.name == "servicecidrs"),
-        Err(kube::Error::Api(status)) if status.code == 404 => false,
-        Err(err) => return Err(err),
-    };
+    let served = networking_v1_serves(client, &["servicecidrs"]).await?;
     let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
     if slot.is_none() && !served {
         info!(
