@@ -636,21 +636,31 @@ impl Manager {
     fn refuse(&self, key: &str, spec: &Spec, reason: &Sanitized) {
         warn!(tenant = %key, "{reason}");
         self.metrics.config_errors.inc();
+        // A sanitized reason fits a note (at most 1 KiB).
+        self.secret_events(spec)("TenantConfigInvalid", "StartTenant", reason.to_string());
+    }
+
+    /// Publishes a Warning event (reason, action, note) on the tenant's Secret, in a task of its
+    /// own: the management API's latency is not the caller's, and a failure is only logged.
+    fn secret_events(&self, spec: &Spec) -> impl Fn(&'static str, &'static str, String) + use<> {
+        let (client, reporter) = (self.client.clone(), self.reporter.clone());
         let reference = secret_ref(spec);
-        let event = Event {
-            type_: EventType::Warning,
-            reason: "TenantConfigInvalid".to_owned(),
-            // A sanitized reason fits a note (at most 1 KiB).
-            note: Some(reason.to_string()),
-            action: "StartTenant".to_owned(),
-            secondary: None,
-        };
-        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
-        tokio::spawn(async move {
-            if let Err(err) = recorder.publish(&event, &reference).await {
-                debug!(error = %err, "cannot publish the TenantConfigInvalid event");
-            }
-        });
+        move |reason, action, note| {
+            let event = Event {
+                type_: EventType::Warning,
+                reason: reason.to_owned(),
+                note: Some(note),
+                action: action.to_owned(),
+                secondary: None,
+            };
+            let recorder = Recorder::new(client.clone(), reporter.clone());
+            let reference = reference.clone();
+            tokio::spawn(async move {
+                if let Err(err) = recorder.publish(&event, &reference).await {
+                    debug!(error = %err, "cannot publish the {reason} event");
+                }
+            });
+        }
     }
 
     /// What happens when a tenant's caches would go over their budget: its client pauses as for
@@ -666,8 +676,7 @@ impl Manager {
         health: Health,
     ) -> reconcilers::budget::BreachHook {
         let reported = std::sync::atomic::AtomicBool::new(false);
-        let (client, reporter) = (self.client.clone(), self.reporter.clone());
-        let reference = secret_ref(spec);
+        let warn_on_secret = self.secret_events(spec);
         let key = key.to_owned();
         Arc::new(move |breach: &reconcilers::budget::Breach| {
             let message = breach.to_string();
@@ -681,21 +690,9 @@ impl Manager {
             );
             if !reported.swap(true, std::sync::atomic::Ordering::AcqRel) {
                 warn!(tenant = %key, pause_s = pause.as_secs(), "{message}; the tenant is paused");
-                let event = Event {
-                    type_: EventType::Warning,
-                    reason: "TenantOverBudget".to_owned(),
-                    // The breach names tenant objects' kinds: sanitized, it fits a note.
-                    note: Some(reconcilers::sanitize::sanitize(&message).into_string()),
-                    action: "CacheTenant".to_owned(),
-                    secondary: None,
-                };
-                let recorder = Recorder::new(client.clone(), reporter.clone());
-                let reference = reference.clone();
-                tokio::spawn(async move {
-                    if let Err(err) = recorder.publish(&event, &reference).await {
-                        debug!(error = %err, "cannot publish the TenantOverBudget event");
-                    }
-                });
+                // The breach names tenant objects' kinds: sanitized, it fits a note.
+                let note = reconcilers::sanitize::sanitize(&message).into_string();
+                warn_on_secret("TenantOverBudget", "CacheTenant", note);
             }
             pause
         })
@@ -707,8 +704,7 @@ impl Manager {
     /// Warning event on its Secret when it starts to, so that whoever owns the Secret sees why
     /// its cluster is not kept. A cache budget's breach has its own event.
     fn api_over_limit(&self, key: &str, spec: &Spec) -> crate::limits::BreachNotice {
-        let (client, reporter) = (self.client.clone(), self.reporter.clone());
-        let reference = secret_ref(spec);
+        let warn_on_secret = self.secret_events(spec);
         let key = key.to_owned();
         Arc::new(move |cause: &crate::limits::LimitError, pause: Duration| {
             if matches!(cause, crate::limits::LimitError::OverBudget(_)) {
@@ -720,20 +716,8 @@ impl Manager {
                 pause.as_secs()
             );
             warn!(tenant = %key, "{message}");
-            let event = Event {
-                type_: EventType::Warning,
-                reason: "TenantAPIOverLimit".to_owned(),
-                note: Some(reconcilers::sanitize::sanitize(&message).into_string()),
-                action: "ReadTenant".to_owned(),
-                secondary: None,
-            };
-            let recorder = Recorder::new(client.clone(), reporter.clone());
-            let reference = reference.clone();
-            tokio::spawn(async move {
-                if let Err(err) = recorder.publish(&event, &reference).await {
-                    debug!(error = %err, "cannot publish the TenantAPIOverLimit event");
-                }
-            });
+            let note = reconcilers::sanitize::sanitize(&message).into_string();
+            warn_on_secret("TenantAPIOverLimit", "ReadTenant", note);
         })
     }
 
