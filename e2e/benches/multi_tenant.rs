@@ -266,6 +266,9 @@ async fn wait_converged(
     let namespaces_only = wait_for == WaitFor::Namespaces;
     let mut pending: Vec<usize> = which.to_vec();
     let mut at = vec![Duration::ZERO; fleet.tenants().len()];
+    // A tenant is looked at again only once its resourceVersion moved: most rounds, most pending
+    // tenants have not changed since the last.
+    let mut looked_at = vec![None; fleet.tenants().len()];
     while !pending.is_empty() {
         if !controller.is_running() {
             bail!("the controller exited:\n{}", tail(&controller.log(), 40));
@@ -275,7 +278,13 @@ async fn wait_converged(
         }
         let round = Instant::now();
         pending.retain(|&i| {
-            let done = converged(&fleet.tenants()[i], namespaces_only);
+            let sim = &fleet.tenants()[i];
+            let version = Some(sim.resource_version());
+            if looked_at[i] == version {
+                return true;
+            }
+            looked_at[i] = version;
+            let done = converged(sim, namespaces_only);
             if done {
                 at[i] = started.elapsed();
             }
@@ -285,7 +294,7 @@ async fn wait_converged(
             u64::try_from(round.elapsed().as_nanos()).unwrap_or(u64::MAX),
             std::sync::atomic::Ordering::Relaxed,
         );
-        // A round over 10,000 pending tenants takes tens of milliseconds here: polling every
+        // A round over 10,000 pending tenants can take tens of milliseconds here: polling every
         // 20 ms would take this process a core from the simulators the controller is waiting
         // for. Polling takes at most a fifth of the time instead, the instants a little coarser.
         tokio::time::sleep(Duration::from_millis(20).max(round.elapsed() * 4)).await;
