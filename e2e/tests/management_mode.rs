@@ -271,6 +271,59 @@ async fn a_tenant_that_refuses_everything_does_not_hold_up_the_others() -> Resul
     Ok(())
 }
 
+/// Tenants behind one shared TLS listener (the simulator fleet's `shared_listener`), each
+/// kubeconfig naming its own `tls-server-name`: the controller reaches each tenant's own cluster
+/// by that name (each converges through its own writes) and over HTTP/2 (every tenant's watch
+/// streams on one connection: the process holds fewer sockets than there are watches).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_behind_one_listener_are_reached_by_their_server_name_over_http2() -> Result<()> {
+    const TENANTS: usize = 3;
+    let fleet = Fleet::start(FleetConfig {
+        tenants: TENANTS,
+        shared_listener: true,
+        ..FleetConfig::default()
+    })
+    .await?;
+    let shared = fleet.shared_addr().context("the shared listener")?;
+    let mut controller = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&["--leader-elect=false"]),
+    )?;
+    controller.wait_ready().await?;
+    wait_converged(&fleet, &[0, 1, 2]).await?;
+    for (i, tenant) in fleet.tenants().iter().enumerate() {
+        ensure!(tenant.addr() == shared, "tenant {i} at {}", tenant.addr());
+        ensure!(
+            !writes(tenant).is_empty(),
+            "tenant {i}: none of the controller's writes reached its own cluster"
+        );
+    }
+    eventually("every tenant's caches watching", CONVERGE, || async {
+        Ok(fleet
+            .tenants()
+            .iter()
+            .all(|t| open_watches(t) >= 6)
+            .then_some(()))
+    })
+    .await?;
+    let watches: usize = fleet.tenants().iter().map(open_watches).sum();
+    let pid = controller.pid().context("the controller's pid")?;
+    let sockets = std::fs::read_dir(format!("/proc/{pid}/fd"))?
+        .filter_map(|entry| entry.ok())
+        .filter(|entry| {
+            std::fs::read_link(entry.path())
+                .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"))
+        })
+        .count();
+    ensure!(
+        sockets < watches,
+        "{sockets} sockets for {watches} watch streams over {TENANTS} tenants: not one HTTP/2 \
+         connection a tenant"
+    );
+    ensure!(controller.is_running(), "{}", controller.log());
+    Ok(())
+}
+
 /// The controller's resident memory, from `/proc`.
 fn rss_mib(controller: &ControllerProcess) -> Result<u64> {
     let pid = controller.pid().context("controller pid")?;
