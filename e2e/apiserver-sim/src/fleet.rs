@@ -1,9 +1,12 @@
 //! Many simulated clusters in one process: a management cluster that holds, for each tenant
 //! cluster, a kubeconfig Secret shaped like Cluster API's `<cluster>-kubeconfig`.
 //!
-//! Each tenant is a full [`Sim`] with its own listener, store, request log and faults; what they
-//! share is one CA and serving certificate (it names no port), so a tenant costs no key
-//! generation and no TLS configuration of its own.
+//! Each tenant is a full [`Sim`] with its own store, request log and faults; what they share is
+//! one CA and serving certificate (it names no port), so a tenant costs no key generation and no
+//! TLS configuration of its own. By default each tenant has a listener of its own; with
+//! [`FleetConfig::shared_listener`] they are all behind one TLS listener, each told apart by the
+//! server name (SNI) its kubeconfig's `tls-server-name` makes clients send, so a tenant costs
+//! this process no descriptor at rest beyond the connections made to it.
 
 use std::path::PathBuf;
 
@@ -11,7 +14,7 @@ use base64::Engine;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::{Value, json};
 
-use crate::{Sim, SimConfig, SimError, tls};
+use crate::{Serving, Sim, SimConfig, SimError, server, tls};
 
 /// Label every tenant kubeconfig Secret carries, value `"true"`
 /// (`--tenants-secret-selector bootstrap-controller.io/tenant=true`).
@@ -32,9 +35,14 @@ pub struct FleetConfig {
     pub tenants: usize,
     /// The management cluster. [`FleetConfig::namespace`] is added to its seed namespaces.
     pub management: SimConfig,
-    /// Every tenant cluster. `listen` must have port 0 when there are several tenants;
-    /// `kubeconfig_path` is ignored (each tenant's goes to [`FleetConfig::kubeconfig_dir`]).
+    /// Every tenant cluster. `listen` must have port 0 when there are several tenants, each with
+    /// a listener of its own; `kubeconfig_path` is ignored (each tenant's goes to
+    /// [`FleetConfig::kubeconfig_dir`]).
     pub tenant: SimConfig,
+    /// Serve every tenant behind one TLS listener on `tenant.listen`, tenant `i` as
+    /// `tenant-<i>.apiserver-sim.test` (its kubeconfig's `tls-server-name`), instead of one
+    /// listener a tenant. Needs TLS (not `tenant.plain_http`). Default `false`.
+    pub shared_listener: bool,
     /// Namespace of the tenant Secrets in the management cluster. Default `tenants`.
     pub namespace: String,
     /// Where `tenant-<i>.kubeconfig` files are written. `None` (default): a temporary directory
@@ -54,6 +62,7 @@ impl Default for FleetConfig {
             namespace: "tenants".into(),
             kubeconfig_dir: None,
             write_secrets: true,
+            shared_listener: false,
         }
     }
 }
@@ -63,7 +72,43 @@ pub struct Fleet {
     management: Sim,
     tenants: Vec<Sim>,
     namespace: String,
+    shared_listener: Option<SharedListener>,
     _tempdir: Option<tempfile::TempDir>,
+}
+
+/// The one TLS listener of a fleet's tenants ([`FleetConfig::shared_listener`]).
+pub(crate) struct SharedListener {
+    pub(crate) addr: std::net::SocketAddr,
+    pub(crate) pki: tls::Pki,
+    pub(crate) routes: server::Routes,
+    cancel: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SharedListener {
+    async fn bind(listen: std::net::SocketAddr, pki: tls::Pki) -> Result<Self, SimError> {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| SimError::Bind(listen, e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| SimError::Bind(listen, e))?;
+        let routes = server::Routes::default();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(server::serve_shared(
+            listener,
+            std::sync::Arc::clone(&pki.server_config),
+            std::sync::Arc::clone(&routes),
+            cancel.clone(),
+        ));
+        Ok(Self {
+            addr,
+            pki,
+            routes,
+            cancel,
+            task,
+        })
+    }
 }
 
 /// A Cluster API style kubeconfig Secret for `cluster` in `namespace`: name
@@ -89,6 +134,12 @@ pub fn kubeconfig_secret(namespace: &str, cluster: &str, kubeconfig: &str) -> Va
     })
 }
 
+impl Drop for SharedListener {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
 impl Fleet {
     /// Starts the management cluster and `config.tenants` tenant clusters, and (unless
     /// `write_secrets` is off) stores one kubeconfig Secret per tenant in the management
@@ -101,8 +152,16 @@ impl Fleet {
             namespace,
             kubeconfig_dir,
             write_secrets,
+            shared_listener,
         } = config;
-        if tenants > 1 && tenant.listen.port() != 0 {
+        if shared_listener && tenant.plain_http {
+            return Err(SimError::Config(
+                "fleet: a shared listener tells tenants apart by TLS server name, so it needs \
+                 TLS: turn off plain_http or shared_listener"
+                    .into(),
+            ));
+        }
+        if !shared_listener && tenants > 1 && tenant.listen.port() != 0 {
             return Err(SimError::Config(format!(
                 "fleet: tenant listen address {} names a port, but {tenants} tenants cannot share it",
                 tenant.listen
@@ -130,24 +189,66 @@ impl Fleet {
             Some(tls::generate(&tenant.listen)?)
         };
         let management = Sim::start(management).await?;
-        let tenants: Vec<Sim> = futures::stream::iter(0..tenants)
+        let shared = match (shared_listener, &pki) {
+            (true, Some(pki)) => Some(SharedListener::bind(tenant.listen, pki.clone()).await?),
+            _ => None,
+        };
+        let started: Result<Vec<Sim>, SimError> = futures::stream::iter(0..tenants)
             .map(|i| {
                 let config = SimConfig {
                     kubeconfig_path: Some(dir.join(format!("{}.kubeconfig", Self::tenant_name(i)))),
                     ..tenant.clone()
                 };
-                let pki = pki.as_ref();
-                async move { Sim::start_with_pki(config, pki).await }
+                let serving = match &shared {
+                    Some(shared) => Serving::Behind(shared, Self::server_name(i)),
+                    None => Serving::Own(pki.as_ref()),
+                };
+                Sim::start_on(config, serving)
             })
             .buffered(START_CONCURRENCY)
             .try_collect()
-            .await?;
+            .await;
         let fleet = Fleet {
             management,
-            tenants,
+            tenants: Vec::new(),
             namespace,
+            shared_listener: shared,
             _tempdir: tempdir,
         };
+        let fleet = match started {
+            Ok(tenants) => Fleet { tenants, ..fleet },
+            Err(e) => {
+                fleet.shutdown().await;
+                return Err(e);
+            }
+        };
+        // Behind the shared listener no tenant was asked anything yet: one request to the first
+        // and one to the last, each on a connection closed after it, show that the listener
+        // answers and tells them apart.
+        if fleet.shared_listener.is_some() {
+            let mut answered = Ok(());
+            for sim in [fleet.tenants.first(), fleet.tenants.last()]
+                .into_iter()
+                .flatten()
+            {
+                answered = match sim.new_client().await {
+                    Ok(client) => client
+                        .apiserver_version()
+                        .await
+                        .map(drop)
+                        .map_err(|e| SimError::Client(format!("GET /version failed: {e}"))),
+                    Err(e) => Err(e),
+                };
+                sim.clear_requests();
+                if answered.is_err() {
+                    break;
+                }
+            }
+            if let Err(e) = answered {
+                fleet.shutdown().await;
+                return Err(e);
+            }
+        }
         if write_secrets {
             for i in 0..fleet.tenants.len() {
                 if let Some(secret) = fleet.tenant_secret(i) {
@@ -161,6 +262,17 @@ impl Fleet {
     /// `tenant-<i>`: the tenant's cluster name (its Secret's [`CLUSTER_NAME_LABEL`]).
     pub fn tenant_name(i: usize) -> String {
         format!("tenant-{i}")
+    }
+
+    /// `tenant-<i>.apiserver-sim.test`: tenant `i`'s server name behind a shared listener.
+    pub fn server_name(i: usize) -> String {
+        format!("{}.{}", Self::tenant_name(i), tls::FLEET_DOMAIN)
+    }
+
+    /// The shared listener's address ([`FleetConfig::shared_listener`]), `None` when each
+    /// tenant has a listener of its own.
+    pub fn shared_addr(&self) -> Option<std::net::SocketAddr> {
+        self.shared_listener.as_ref().map(|s| s.addr)
     }
 
     /// `tenant-<i>-kubeconfig`: the name of tenant `i`'s Secret.
@@ -203,6 +315,10 @@ impl Fleet {
     /// Stops every cluster and waits for their servers.
     pub async fn shutdown(self) {
         futures::future::join_all(self.tenants.into_iter().map(Sim::shutdown)).await;
+        if let Some(mut shared) = self.shared_listener {
+            shared.cancel.cancel();
+            let _ = (&mut shared.task).await;
+        }
         self.management.shutdown().await;
     }
 }
@@ -213,6 +329,7 @@ impl std::fmt::Debug for Fleet {
             .field("management", &self.management)
             .field("tenants", &self.tenants.len())
             .field("namespace", &self.namespace)
+            .field("shared_addr", &self.shared_addr())
             .finish_non_exhaustive()
     }
 }

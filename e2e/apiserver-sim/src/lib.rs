@@ -145,6 +145,8 @@ pub struct Sim {
     addr: SocketAddr,
     kubeconfig: PathBuf,
     ca_pem: Option<String>,
+    /// `tls-server-name` of the kubeconfig: set behind a shared listener.
+    server_name: Option<String>,
     client: kube::Client,
     task: Option<JoinHandle<()>>,
     _tempdir: Option<tempfile::TempDir>,
@@ -159,6 +161,10 @@ impl Sim {
     /// [`Sim::start`] serving with `pki` when given (a fleet's tenants share one) instead of
     /// generating a CA and certificate of its own. Ignored with `plain_http`.
     async fn start_with_pki(config: SimConfig, pki: Option<&tls::Pki>) -> Result<Sim, SimError> {
+        Self::start_on(config, Serving::Own(pki)).await
+    }
+
+    async fn start_on(config: SimConfig, serving: Serving<'_>) -> Result<Sim, SimError> {
         let mut families = Vec::new();
         for r in &config.service_cluster_ip_ranges {
             let fam = r.addr().is_ipv4();
@@ -176,12 +182,18 @@ impl Sim {
                 config.service_node_port_range
             )));
         }
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .map_err(|e| SimError::Bind(config.listen, e))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| SimError::Bind(config.listen, e))?;
+        let (listener, addr) = match &serving {
+            Serving::Own(_) => {
+                let listener = tokio::net::TcpListener::bind(config.listen)
+                    .await
+                    .map_err(|e| SimError::Bind(config.listen, e))?;
+                let addr = listener
+                    .local_addr()
+                    .map_err(|e| SimError::Bind(config.listen, e))?;
+                (Some(listener), addr)
+            }
+            Serving::Behind(behind, _) => (None, behind.addr),
+        };
         let host = if addr.ip().is_unspecified() {
             "127.0.0.1".to_string()
         } else if addr.is_ipv6() {
@@ -190,14 +202,20 @@ impl Sim {
             addr.ip().to_string()
         };
         let address = format!("{host}:{}", addr.port());
-        let (pki, base_url) = if config.plain_http {
-            (None, format!("http://{address}"))
-        } else {
-            let pki = match pki {
-                Some(p) => p.clone(),
-                None => tls::generate(&addr)?,
-            };
-            (Some(pki), format!("https://{address}"))
+        let (pki, base_url, server_name) = match &serving {
+            Serving::Own(_) if config.plain_http => (None, format!("http://{address}"), None),
+            Serving::Own(pki) => {
+                let pki = match pki {
+                    Some(p) => (*p).clone(),
+                    None => tls::generate(&addr)?,
+                };
+                (Some(pki), format!("https://{address}"), None)
+            }
+            Serving::Behind(behind, name) => (
+                Some(behind.pki.clone()),
+                format!("https://{address}"),
+                Some(name.clone()),
+            ),
         };
         let (kubeconfig, tempdir) = match &config.kubeconfig_path {
             Some(p) => (p.clone(), None),
@@ -242,12 +260,37 @@ impl Sim {
                 .map_err(|e| SimError::Config(format!("seed_namespaces: {ns:?}: {}", e.message)))?;
         }
         let ctx = Arc::new(Ctx::new(Arc::clone(&shared), address));
-        let acceptor = pki
-            .as_ref()
-            .map(|p| tokio_rustls::TlsAcceptor::from(Arc::clone(&p.server_config)));
-        let task = tokio::spawn(server::serve(listener, acceptor, Arc::clone(&ctx)));
+        let task = match (listener, &serving) {
+            (Some(listener), _) => {
+                let acceptor = pki
+                    .as_ref()
+                    .map(|p| tokio_rustls::TlsAcceptor::from(Arc::clone(&p.server_config)));
+                Some(tokio::spawn(server::serve(
+                    listener,
+                    acceptor,
+                    Arc::clone(&ctx),
+                )))
+            }
+            (None, Serving::Behind(behind, name)) => {
+                let mut routes = behind.routes.write().unwrap_or_else(|e| e.into_inner());
+                if routes.contains_key(name) {
+                    return Err(SimError::Config(format!(
+                        "server name {name:?} is taken behind {}",
+                        behind.addr
+                    )));
+                }
+                routes.insert(name.clone(), Arc::clone(&ctx));
+                None
+            }
+            (None, Serving::Own(_)) => None,
+        };
         let ca_pem = pki.map(|p| p.ca_pem);
-        tls::write_kubeconfig(&kubeconfig, &base_url, ca_pem.as_deref())?;
+        tls::write_kubeconfig(
+            &kubeconfig,
+            &base_url,
+            ca_pem.as_deref(),
+            server_name.as_deref(),
+        )?;
         let client = match client_from_kubeconfig(&kubeconfig).await {
             Ok(c) => c,
             Err(e) => {
@@ -255,7 +298,11 @@ impl Sim {
                 return Err(e);
             }
         };
-        if let Err(e) = client.apiserver_version().await {
+        // Behind a shared listener the fleet checks the listener once: a request here would
+        // leave this client a pooled connection (two descriptors of this process) per tenant.
+        if matches!(serving, Serving::Own(_))
+            && let Err(e) = client.apiserver_version().await
+        {
             ctx.cancel.cancel();
             return Err(SimError::Client(format!("GET /version failed: {e}")));
         }
@@ -267,8 +314,9 @@ impl Sim {
             addr,
             kubeconfig,
             ca_pem,
+            server_name,
             client,
-            task: Some(task),
+            task,
             _tempdir: tempdir,
         })
     }
@@ -297,15 +345,26 @@ impl Sim {
     /// The kubeconfig's text: self-contained (server URL, the CA inline, the token the
     /// simulator accepts), what a Cluster API `<cluster>-kubeconfig` Secret holds.
     pub fn kubeconfig_yaml(&self) -> String {
-        tls::kubeconfig_text(&self.base_url, self.ca_pem.as_deref())
+        tls::kubeconfig_text(
+            &self.base_url,
+            self.ca_pem.as_deref(),
+            self.server_name.as_deref(),
+        )
     }
 
-    /// `https://127.0.0.1:PORT` (or `http://` with `plain_http`).
+    /// The server name (SNI) that reaches this simulator behind a fleet's shared listener (its
+    /// kubeconfig's `tls-server-name`); `None` for a simulator with a listener of its own.
+    pub fn server_name(&self) -> Option<&str> {
+        self.server_name.as_deref()
+    }
+
+    /// `https://127.0.0.1:PORT` (or `http://` with `plain_http`). Behind a fleet's shared
+    /// listener, that listener's.
     pub fn base_url(&self) -> &str {
         &self.base_url
     }
 
-    /// The bound socket address.
+    /// The bound socket address (behind a fleet's shared listener, that listener's).
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -387,6 +446,14 @@ impl Sim {
             let _ = task.await;
         }
     }
+}
+
+/// Where a [`Sim`] takes its connections.
+enum Serving<'a> {
+    /// A listener of its own, on `SimConfig::listen`, with this CA and certificate (else its own).
+    Own(Option<&'a tls::Pki>),
+    /// A fleet's shared TLS listener, as the connections whose ClientHello names this server.
+    Behind(&'a fleet::SharedListener, String),
 }
 
 impl std::fmt::Debug for Sim {

@@ -197,6 +197,7 @@ async fn main() -> anyhow::Result<()> {
             namespace: args.tenants_namespace.clone(),
             kubeconfig_dir: args.tenants_kubeconfig_dir.clone(),
             write_secrets: true,
+            shared_listener: false,
         })
         .await?;
         for (i, t) in fleet.tenants().iter().enumerate() {

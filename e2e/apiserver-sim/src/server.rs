@@ -1551,11 +1551,6 @@ pub async fn serve(
         let tls = tls.clone();
         tokio::spawn(async move {
             let cancel = Ctx::current(&ctx.conn_epoch);
-            let svc_ctx = Arc::clone(&ctx);
-            let svc = hyper::service::service_fn(move |req| handle(Arc::clone(&svc_ctx), req));
-            // HTTP/1.1 or h2, whichever the client speaks (over TLS, what ALPN chose).
-            let builder =
-                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
             match tls {
                 Some(acceptor) => {
                     let tls_stream = tokio::select! {
@@ -1568,21 +1563,97 @@ pub async fn serve(
                             }
                         },
                     };
-                    let conn =
-                        builder.serve_connection(hyper_util::rt::TokioIo::new(tls_stream), svc);
-                    tokio::select! {
-                        _ = cancel.cancelled() => {}
-                        r = conn => if let Err(e) = r { tracing::debug!(error = %e, "connection ended") },
-                    }
+                    serve_connection(tls_stream, ctx, cancel).await;
                 }
-                None => {
-                    let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-                    tokio::select! {
-                        _ = cancel.cancelled() => {}
-                        r = conn => if let Err(e) = r { tracing::debug!(error = %e, "connection ended") },
-                    }
-                }
+                None => serve_connection(stream, ctx, cancel).await,
             }
+        });
+    }
+}
+
+/// Serves one accepted (and, over TLS, handshaken) connection with `ctx` until it ends or
+/// `cancel` fires.
+async fn serve_connection<S>(stream: S, ctx: Arc<Ctx>, cancel: CancellationToken)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| handle(Arc::clone(&ctx), req));
+    // HTTP/1.1 or h2, whichever the client speaks (over TLS, what ALPN chose).
+    let builder =
+        hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+    tokio::select! {
+        _ = cancel.cancelled() => {}
+        r = conn => if let Err(e) = r { tracing::debug!(error = %e, "connection ended") },
+    }
+}
+
+/// The simulators behind one shared TLS listener, by the server name (SNI) their clients send.
+pub type Routes = Arc<std::sync::RwLock<HashMap<String, Arc<Ctx>>>>;
+
+/// One TLS listener for many simulators: each connection goes to the simulator its ClientHello
+/// names (SNI); a connection naming none, or one that is unknown or stopped, is closed before
+/// the handshake completes. Ends when `cancel` fires.
+pub async fn serve_shared(
+    listener: tokio::net::TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    routes: Routes,
+    cancel: CancellationToken,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = cancel.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let routes = Arc::clone(&routes);
+        let config = Arc::clone(&config);
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            let acceptor =
+                tokio_rustls::LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream);
+            let start = tokio::select! {
+                _ = cancel.cancelled() => return,
+                s = acceptor => match s {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "TLS ClientHello unreadable");
+                        return;
+                    }
+                },
+            };
+            let name = start.client_hello().server_name().map(str::to_owned);
+            let ctx = name.as_deref().and_then(|n| {
+                routes
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(n)
+                    .cloned()
+            });
+            let Some(ctx) = ctx.filter(|c| !c.cancel.is_cancelled()) else {
+                tracing::debug!(server_name = ?name, "no simulator by that server name");
+                return;
+            };
+            let conn_cancel = Ctx::current(&ctx.conn_epoch);
+            let tls_stream = tokio::select! {
+                _ = conn_cancel.cancelled() => return,
+                s = start.into_stream(config) => match s {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                        return;
+                    }
+                },
+            };
+            serve_connection(tls_stream, ctx, conn_cancel).await;
         });
     }
 }

@@ -41,9 +41,14 @@ pub fn generate(listen: &SocketAddr) -> Result<Pki, SimError> {
     let issuer = Issuer::new(ca_params, ca_key);
 
     let server_key = KeyPair::generate().map_err(tls_err)?;
-    let mut params =
-        CertificateParams::new(vec!["localhost".to_string(), "kubernetes".to_string()])
-            .map_err(tls_err)?;
+    let mut params = CertificateParams::new(vec![
+        "localhost".to_string(),
+        "kubernetes".to_string(),
+        // The tenants of a fleet behind one shared listener, each told apart by its own name
+        // under this domain (the SNI its clients send, from the kubeconfig's tls-server-name).
+        format!("*.{FLEET_DOMAIN}"),
+    ])
+    .map_err(tls_err)?;
     params
         .subject_alt_names
         .push(SanType::IpAddress("127.0.0.1".parse().map_err(tls_err)?));
@@ -116,27 +121,39 @@ fn go_like_provider() -> rustls::crypto::CryptoProvider {
     provider
 }
 
+/// The domain under which the tenants of a fleet behind one shared listener have their server
+/// names (`tenant-0.apiserver-sim.test`; `.test` is reserved for testing by RFC 2606).
+pub const FLEET_DOMAIN: &str = "apiserver-sim.test";
+
 /// The bearer token written into the kubeconfig (the simulator accepts any credentials).
 pub const TOKEN: &str = "apiserver-sim-token";
 
 /// A self-contained kubeconfig for `server` (an `https://` or `http://` URL): the CA inline, the
-/// simulator's token.
-pub fn kubeconfig_text(server: &str, ca_pem: Option<&str>) -> String {
-    let cluster = match ca_pem {
+/// simulator's token, and `tls-server-name` when given (a tenant behind a shared listener).
+pub fn kubeconfig_text(server: &str, ca_pem: Option<&str>, server_name: Option<&str>) -> String {
+    let mut cluster = match ca_pem {
         Some(pem) => format!(
             "    server: {server}\n    certificate-authority-data: {}\n",
             base64::engine::general_purpose::STANDARD.encode(pem)
         ),
         None => format!("    server: {server}\n"),
     };
+    if let Some(name) = server_name {
+        cluster.push_str(&format!("    tls-server-name: {name}\n"));
+    }
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: apiserver-sim\n  cluster:\n{cluster}users:\n- name: apiserver-sim\n  user:\n    token: {TOKEN}\ncontexts:\n- name: apiserver-sim\n  context:\n    cluster: apiserver-sim\n    user: apiserver-sim\n    namespace: default\ncurrent-context: apiserver-sim\npreferences: {{}}\n"
     )
 }
 
 /// Writes [`kubeconfig_text`] to `path`.
-pub fn write_kubeconfig(path: &Path, server: &str, ca_pem: Option<&str>) -> Result<(), SimError> {
-    let text = kubeconfig_text(server, ca_pem);
+pub fn write_kubeconfig(
+    path: &Path,
+    server: &str,
+    ca_pem: Option<&str>,
+    server_name: Option<&str>,
+) -> Result<(), SimError> {
+    let text = kubeconfig_text(server, ca_pem, server_name);
     // Write-then-rename so a reader polling for the file never sees half of it.
     let tmp = path.with_extension("tmp-apiserver-sim");
     std::fs::write(&tmp, text).map_err(|e| SimError::Kubeconfig(path.to_path_buf(), e))?;

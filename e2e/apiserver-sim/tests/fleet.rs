@@ -250,6 +250,123 @@ async fn fleet_secrets_reach_their_tenants() {
     fleet.shutdown().await;
 }
 
+/// A TLS handshake with the shared listener offering h2, as the controller does, naming
+/// `server_name` (SNI): the ALPN protocol agreed, or the handshake's error.
+async fn handshake(fleet: &Fleet, server_name: &str) -> Result<Option<Vec<u8>>, std::io::Error> {
+    use rustls::pki_types::pem::PemObject;
+    let ca = fleet.tenants()[0].ca_pem().unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from_pem_slice(ca.as_bytes()).unwrap())
+        .unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(fleet.shared_addr().unwrap())
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_string()).unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await?;
+    Ok(tls.get_ref().1.alpn_protocol().map(<[u8]>::to_vec))
+}
+
+#[tokio::test]
+async fn fleet_behind_one_listener_tells_tenants_apart_by_server_name() {
+    let fleet = Fleet::start(FleetConfig {
+        tenants: 3,
+        management: fast_config(),
+        tenant: fast_config(),
+        shared_listener: true,
+        ..FleetConfig::default()
+    })
+    .await
+    .unwrap();
+    let shared = fleet.shared_addr().unwrap();
+    assert!(shared.ip().is_loopback(), "{shared}");
+    assert_ne!(fleet.management().addr(), shared);
+    for (i, t) in fleet.tenants().iter().enumerate() {
+        assert_eq!(t.addr(), shared);
+        assert_eq!(t.server_name(), Some(Fleet::server_name(i).as_str()));
+        assert!(
+            t.requests().is_empty(),
+            "the start-up check leaves no request in the log: {:?}",
+            t.requests()
+        );
+    }
+    assert_eq!(Fleet::server_name(2), "tenant-2.apiserver-sim.test");
+
+    // Each Secret alone reaches its own tenant through the one listener, TLS verified against
+    // its inline CA for the server name it names.
+    let api: Api<Secret> = Api::namespaced(fleet.management().client(), "tenants");
+    for i in 0..3 {
+        let s = api.get(&Fleet::secret_name(i)).await.unwrap();
+        let text = String::from_utf8(s.data.unwrap()[KUBECONFIG_SECRET_KEY].0.clone()).unwrap();
+        assert!(
+            text.contains(&format!("tls-server-name: tenant-{i}.apiserver-sim.test\n")),
+            "{text}"
+        );
+        let kc = kube::config::Kubeconfig::from_yaml(&text).unwrap();
+        let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .unwrap();
+        assert_eq!(cfg.cluster_url.port_u16(), Some(shared.port()));
+        let ns: Api<Namespace> = Api::all(kube::Client::try_from(cfg).unwrap());
+        ns.create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": format!("only-in-{i}")}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    for (i, t) in fleet.tenants().iter().enumerate() {
+        let nss: Vec<String> = t
+            .backdoor()
+            .list("namespaces")
+            .unwrap()
+            .iter()
+            .map(|n| n["metadata"]["name"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(nss, [format!("only-in-{i}")]);
+        assert_eq!(t.request_count("create", "namespaces"), 1);
+    }
+
+    // A client offering h2 (the controller's) gets it behind the shared listener too.
+    assert_eq!(
+        handshake(&fleet, &Fleet::server_name(1)).await.unwrap(),
+        Some(b"h2".to_vec())
+    );
+    // A name no tenant has, or an address instead of a name (no SNI), gets no handshake.
+    assert!(
+        handshake(&fleet, "tenant-3.apiserver-sim.test")
+            .await
+            .is_err()
+    );
+    assert!(handshake(&fleet, "127.0.0.1").await.is_err());
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn fleet_refuses_a_shared_listener_without_tls() {
+    let mut tenant = fast_config();
+    tenant.plain_http = true;
+    let e = Fleet::start(FleetConfig {
+        tenants: 2,
+        tenant,
+        shared_listener: true,
+        ..FleetConfig::default()
+    })
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("needs TLS"), "{e}");
+}
+
 #[tokio::test]
 async fn fleet_refuses_a_fixed_tenant_port_for_several_tenants() {
     let mut tenant = fast_config();
