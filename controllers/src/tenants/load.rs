@@ -81,7 +81,10 @@ pub(super) fn etcd_tls(
     spec: &Spec,
     config: &Config,
 ) -> Result<Option<InlineTls>, String> {
-    let [ca, cert, client_key] = spec.etcd.clone();
+    let [ca, cert, client_key] = spec
+        .etcd
+        .clone()
+        .map(|data| data.map(|bytes| bytes.to_vec()));
     let names = [
         TENANT_ETCD_KEYS.ca,
         TENANT_ETCD_KEYS.cert,
