@@ -113,10 +113,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
     let port = target.port;
     let api: Api<Endpoints> = Api::namespaced(env.client.clone(), &target.namespace);
     let limit = section.lease_ttl + section.interval * 2 + Duration::from_secs(10);
-    let ctx = PassContext {
-        client: env.client.clone(),
-        dry_run: false,
-    };
+    let ctx = PassContext::leading(env.client.clone(), false);
 
     let mut members = Vec::new();
     for (index, address) in EXTRA_MEMBERS.iter().enumerate() {

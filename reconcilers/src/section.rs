@@ -64,8 +64,6 @@ pub struct Settings {
     pub kubernetes_service: ServiceName,
     /// This replica: events' `reportingInstance`, membership Lease holder.
     pub identity: String,
-    /// The leader-election Lease (namespace, name) when leader election is on.
-    pub leader_lease: Option<(String, String)>,
     /// etcd mode, when `etcdServers` is set.
     pub etcd: Option<EtcdConfig>,
     /// What the cluster's caches may hold together (unlimited for the cluster of
@@ -150,7 +148,7 @@ pub const DEFAULT_SECURE_PORT: u16 = 6443;
 /// (the endpoints on 6443, the Service's targetPort kept), no node port for `kubernetes`, no advertise address, one apiserver,
 /// `default/kubernetes`) except the endpoints, which are left alone (`none`) until the operator
 /// names a mode: a process started with nothing chosen must not rewrite them with its host's
-/// address. No identity, leader Lease or etcd, which belong to a replica.
+/// address. No identity or etcd, which belong to a replica.
 impl Default for Settings {
     fn default() -> Self {
         Settings {
@@ -166,7 +164,6 @@ impl Default for Settings {
                 name: "kubernetes".to_owned(),
             },
             identity: String::new(),
-            leader_lease: None,
             etcd: None,
             cache_budget: CacheBudget::default(),
         }

@@ -156,12 +156,6 @@ impl Config {
                 name: self.loops.kubernetes_service.name.clone(),
             },
             identity: self.leader_identity(),
-            leader_lease: self.leader_election.enabled.then(|| {
-                (
-                    self.leader_election.lease_namespace.clone(),
-                    self.leader_election.lease_name.clone(),
-                )
-            }),
             etcd: self.etcd(),
             cache_budget: reconcilers::budget::CacheBudget::default(),
         }

@@ -145,7 +145,6 @@ fn defaults_match_upstream() {
         settings,
         reconcilers::section::Settings {
             identity: settings.identity.clone(),
-            leader_lease: settings.leader_lease.clone(),
             ..Default::default()
         }
     );

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
@@ -46,8 +45,7 @@ struct State {
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
 pub struct ApiserverEndpointsLoop {
     section: Section,
-    /// The top-level settings: the mode, `apiserverCount`, this replica's identity and the
-    /// leader-election Lease.
+    /// The top-level settings: the mode and `apiserverCount`.
     settings: Settings,
     /// The Service the endpoints serve (from `settings`).
     pub(super) target: EndpointsTarget,
@@ -326,36 +324,12 @@ impl ApiserverEndpointsLoop {
             .last_pass
             .is_some_and(|at| at.elapsed() < self.section.interval * 2);
         let writer = match self.settings.endpoint_mode {
-            EndpointsMode::Lease => {
-                recently_leading
-                    && tokio::time::timeout(self.section.interval * 2, self.holds_leadership(ctx))
-                        .await
-                        .unwrap_or(false)
-            }
+            // The runner's election may have handed leadership over since the last pass.
+            EndpointsMode::Lease => recently_leading && ctx.leads(),
             EndpointsMode::MasterCount => true,
             EndpointsMode::Static | EndpointsMode::None => false,
         };
         writer && !ctx.dry_run && self.shutdown.decide().await.withdraw
-    }
-
-    /// Whether the leader-election Lease names this instance (true without leader election).
-    /// Read live: the runner may have handed leadership over since our last pass.
-    async fn holds_leadership(&self, ctx: &PassContext) -> bool {
-        let Some((namespace, name)) = &self.settings.leader_lease else {
-            return true;
-        };
-        let api: Api<Lease> = Api::namespaced(ctx.client.clone(), namespace);
-        match api.get_opt(name).await {
-            Ok(Some(lease)) => {
-                lease.spec.and_then(|s| s.holder_identity).as_deref()
-                    == Some(self.settings.identity.as_str())
-            }
-            Ok(None) => false,
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot read the leader Lease at shutdown; leaving the withdrawal to the next leader");
-                false
-            }
-        }
     }
 }
 
