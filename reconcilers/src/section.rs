@@ -5,7 +5,6 @@
 //! (`bootstrap_controller::config::Loops`) and the settings every loop may read ([`Settings`]:
 //! the flags that mirror kube-apiserver's).
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +13,7 @@ use ipnet::IpNet;
 use prometheus_client::registry::Registry;
 
 use crate::alloc::PortRange;
+use crate::apiserver_endpoints::EndpointsSettings;
 use crate::budget::CacheBudget;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
@@ -38,76 +38,67 @@ impl ConfigError {
     }
 }
 
-/// The settings outside `loops` that loops read: kube-apiserver's flags, this replica's identity
-/// and etcd mode. Validated before any section sees them.
-#[derive(Debug, Clone, PartialEq)]
+/// The settings outside `loops` that loops read: kube-apiserver's flags, held once in the
+/// effective configuration (its top-level keys, which this serialises to), and what belongs to
+/// this replica and its cluster. Validated before any section sees them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Settings {
-    /// `serviceClusterIPRange`, primary first.
+    /// `serviceClusterIPRange`, primary first. Empty when not set: no range is assumed
+    /// (kube-apiserver's 10.0.0.0/24 is not kubeadm's, k3s' or a managed cluster's); the loops
+    /// read it from the `kubernetes` ServiceCIDR.
+    #[serde(
+        rename = "serviceClusterIPRange",
+        serialize_with = "serialize_cidrs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     pub service_ranges: Vec<IpNet>,
     /// `serviceNodePortRange`.
+    #[serde(rename = "serviceNodePortRange")]
     pub node_port_range: PortRange,
     /// `securePort`: the `kubernetes` Service's targetPort and the endpoints' port. `None` when
     /// the operator set none: the endpoints then use kube-apiserver's default (6443), and the
     /// Service keeps the targetPort it has (443 on many managed control planes), so that a
     /// default never rewrites it.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub secure_port: Option<u16>,
-    /// `kubernetesServiceNodePort`, when not 0.
+    /// `kubernetesServiceNodePort`, when not 0 (written as 0 when `None`).
+    #[serde(serialize_with = "serialize_node_port")]
     pub kubernetes_service_node_port: Option<u16>,
-    /// `advertiseAddress` as configured (loops that need one fall back to the default route).
-    pub advertise_address: Option<IpAddr>,
-    /// `endpointReconcilerType`; `None` when the operator named no mode, so the endpoints are
-    /// left alone.
-    pub endpoint_mode: EndpointsMode,
-    /// `apiserverCount`.
-    pub apiserver_count: u32,
+    /// `advertiseAddress`, `endpointReconcilerType` and `apiserverCount`.
+    #[serde(flatten)]
+    pub endpoints: EndpointsSettings,
+    /// The `--etcd-*` settings (etcd mode when `etcdServers` is set); a tenant's also hold its
+    /// client certificate, from its Secret, and its etcd's addresses and cluster as checked
+    /// before it started (management mode).
+    #[serde(flatten)]
+    pub etcd: EtcdConfig,
     /// The `kubernetes` Service (`loops.kubernetesService`): its endpoints carry the same name.
+    #[serde(skip)]
     pub kubernetes_service: ServiceName,
     /// This replica: events' `reportingInstance`, membership Lease holder.
+    #[serde(skip)]
     pub identity: String,
-    /// etcd mode, when `etcdServers` is set.
-    pub etcd: Option<EtcdConfig>,
     /// What the cluster's caches may hold together (unlimited for the cluster of
     /// `--kubeconfig`; a tenant's own in management mode).
+    #[serde(skip)]
     pub cache_budget: CacheBudget,
 }
 
-/// `--endpoint-reconciler-type`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EndpointsMode {
-    /// Membership from per-instance Leases.
-    Lease,
-    /// Addresses from configuration: IPs and DNS names, re-resolved every interval.
-    Static,
-    /// Upstream's deprecated `master-count`: every instance adds itself and trims to the count.
-    MasterCount,
-    /// Leave the endpoints alone.
-    None,
+/// `a,b`, as the flag takes them.
+fn serialize_cidrs<S: serde::Serializer>(
+    cidrs: &[IpNet],
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let text: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
+    serializer.serialize_str(&text.join(","))
 }
 
-impl EndpointsMode {
-    /// The name `--endpoint-reconciler-type` takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EndpointsMode::Lease => "lease",
-            EndpointsMode::Static => "static",
-            EndpointsMode::MasterCount => "master-count",
-            EndpointsMode::None => "none",
-        }
-    }
-
-    /// Every mode, in the order `--help` lists them.
-    pub const ALL: [EndpointsMode; 4] = [
-        EndpointsMode::Lease,
-        EndpointsMode::Static,
-        EndpointsMode::MasterCount,
-        EndpointsMode::None,
-    ];
-
-    /// The mode `--endpoint-reconciler-type` names, if any.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
-    }
+fn serialize_node_port<S: serde::Serializer>(
+    port: &Option<u16>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_u16(port.unwrap_or(0))
 }
 
 /// Builds the kube configuration (the kubeconfig's) that the endpoints loop's readiness probe of
@@ -138,6 +129,11 @@ impl Settings {
     pub fn endpoints_port(&self) -> u16 {
         self.secure_port.unwrap_or(DEFAULT_SECURE_PORT)
     }
+
+    /// etcd mode's settings, when `etcdServers` is set.
+    pub fn etcd(&self) -> Option<&EtcdConfig> {
+        (!self.etcd.servers.is_empty()).then_some(&self.etcd)
+    }
 }
 
 /// kube-apiserver's default `--secure-port`.
@@ -156,15 +152,21 @@ impl Default for Settings {
             node_port_range: PortRange::default(),
             secure_port: None,
             kubernetes_service_node_port: None,
-            advertise_address: None,
-            endpoint_mode: EndpointsMode::None,
-            apiserver_count: 1,
+            endpoints: EndpointsSettings::default(),
             kubernetes_service: ServiceName {
                 namespace: "default".to_owned(),
                 name: "kubernetes".to_owned(),
             },
             identity: String::new(),
-            etcd: None,
+            etcd: EtcdConfig {
+                servers: Vec::new(),
+                ca_file: None,
+                cert_file: None,
+                key_file: None,
+                prefix: "/registry".to_owned(),
+                inline_tls: None,
+                pin: None,
+            },
             cache_budget: CacheBudget::default(),
         }
     }
