@@ -87,7 +87,7 @@ pub fn build_cluster_loops(
     };
     let mut context = BuildContext::new(client.clone(), registry, &settings, load_kubeconfig);
     let mut loops = Vec::new();
-    if config.settings.endpoints.endpoint_reconciler_type.is_none()
+    if config.settings.endpoint_reconciler_type.is_none()
         && config.loops.apiserver_endpoints.enabled
     {
         info!("{ENDPOINTS_UNNAMED}");

@@ -105,7 +105,7 @@ async fn wait_for(
 async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
     let section = &env.config.loops.apiserver_endpoints;
     let settings = &env.config.settings;
-    if !section.enabled || settings.endpoints.mode() != EndpointsMode::Lease {
+    if !section.enabled || settings.endpoint_mode() != EndpointsMode::Lease {
         return Ok("skipped: the endpoints loop is not in lease mode".to_owned());
     }
     let target = Section::target(settings);
@@ -124,7 +124,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
             identity: format!("demo-member-{}", index + 1),
             ..settings.clone()
         };
-        member_settings.endpoints.advertise_address = Some(ip);
+        member_settings.advertise_address = Some(ip);
         let apiserver = Arc::new(DemoApiserver::default());
         let deps = EndpointsDeps {
             client: env.client.clone(),

@@ -5,6 +5,7 @@
 //! (`bootstrap_controller::config::Loops`) and the settings every loop may read ([`Settings`]:
 //! the flags that mirror kube-apiserver's).
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +14,6 @@ use ipnet::IpNet;
 use prometheus_client::registry::Registry;
 
 use crate::alloc::PortRange;
-use crate::apiserver_endpoints::EndpointsSettings;
 use crate::budget::CacheBudget;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
@@ -56,6 +56,9 @@ pub struct Settings {
     /// `serviceNodePortRange`.
     #[serde(rename = "serviceNodePortRange")]
     pub node_port_range: PortRange,
+    /// `advertiseAddress` as configured (loops that need one fall back to the default route).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_address: Option<IpAddr>,
     /// `securePort`: the `kubernetes` Service's targetPort and the endpoints' port. `None` when
     /// the operator set none: the endpoints then use kube-apiserver's default (6443), and the
     /// Service keeps the targetPort it has (443 on many managed control planes), so that a
@@ -65,9 +68,13 @@ pub struct Settings {
     /// `kubernetesServiceNodePort`, when not 0 (written as 0 when `None`).
     #[serde(serialize_with = "serialize_node_port")]
     pub kubernetes_service_node_port: Option<u16>,
-    /// `advertiseAddress`, `endpointReconcilerType` and `apiserverCount`.
-    #[serde(flatten)]
-    pub endpoints: EndpointsSettings,
+    /// `endpointReconcilerType`; `None` when no flag, variable or file key names a mode: the
+    /// endpoints loop is then not built, so a process started with nothing chosen never rewrites
+    /// the cluster's endpoints.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint_reconciler_type: Option<EndpointsMode>,
+    /// `apiserverCount`.
+    pub apiserver_count: u32,
     /// The `--etcd-*` settings (etcd mode when `etcdServers` is set); a tenant's also hold its
     /// client certificate, from its Secret, and its etcd's addresses and cluster as checked
     /// before it started (management mode).
@@ -101,6 +108,45 @@ fn serialize_node_port<S: serde::Serializer>(
     serializer.serialize_u16(port.unwrap_or(0))
 }
 
+/// `--endpoint-reconciler-type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndpointsMode {
+    /// Membership from per-instance Leases.
+    Lease,
+    /// Addresses from configuration: IPs and DNS names, re-resolved every interval.
+    Static,
+    /// Upstream's deprecated `master-count`: every instance adds itself and trims to the count.
+    MasterCount,
+    /// Leave the endpoints alone.
+    None,
+}
+
+impl EndpointsMode {
+    /// The name `--endpoint-reconciler-type` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointsMode::Lease => "lease",
+            EndpointsMode::Static => "static",
+            EndpointsMode::MasterCount => "master-count",
+            EndpointsMode::None => "none",
+        }
+    }
+
+    /// Every mode, in the order `--help` lists them.
+    pub const ALL: [EndpointsMode; 4] = [
+        EndpointsMode::Lease,
+        EndpointsMode::Static,
+        EndpointsMode::MasterCount,
+        EndpointsMode::None,
+    ];
+
+    /// The mode `--endpoint-reconciler-type` names, if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
+    }
+}
+
 /// Builds the kube configuration (the kubeconfig's) that the endpoints loop's readiness probe of
 /// a full URL starts from.
 pub type ConfigLoader = Arc<
@@ -130,6 +176,11 @@ impl Settings {
         self.secure_port.unwrap_or(DEFAULT_SECURE_PORT)
     }
 
+    /// The endpoints' mode the loops follow: the one named, else `none`.
+    pub fn endpoint_mode(&self) -> EndpointsMode {
+        self.endpoint_reconciler_type.unwrap_or(EndpointsMode::None)
+    }
+
     /// etcd mode's settings, when `etcdServers` is set.
     pub fn etcd(&self) -> Option<&EtcdConfig> {
         (!self.etcd.servers.is_empty()).then_some(&self.etcd)
@@ -152,7 +203,9 @@ impl Default for Settings {
             node_port_range: PortRange::default(),
             secure_port: None,
             kubernetes_service_node_port: None,
-            endpoints: EndpointsSettings::default(),
+            advertise_address: None,
+            endpoint_reconciler_type: None,
+            apiserver_count: 1,
             kubernetes_service: ServiceName {
                 namespace: "default".to_owned(),
                 name: "kubernetes".to_owned(),

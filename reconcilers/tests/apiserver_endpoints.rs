@@ -17,8 +17,8 @@ use kube::api::{Api, PostParams};
 use prometheus_client::registry::Registry;
 use reconcilers::alloc::IpFamily;
 use reconcilers::apiserver_endpoints::{
-    ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, EndpointsSettings,
-    ReadinessProbe, Resolver, Section, ShutdownGate,
+    ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, ReadinessProbe,
+    Resolver, Section, ShutdownGate,
 };
 use reconcilers::section::{LoopSection, Settings};
 use reconcilers::{PassContext, Reconciler};
@@ -35,11 +35,8 @@ fn cfg(address: &str) -> Cfg {
     Cfg {
         section: Section::default(),
         settings: Settings {
-            endpoints: EndpointsSettings {
-                advertise_address: Some(ip(address)),
-                endpoint_reconciler_type: Some(EndpointsMode::Lease),
-                apiserver_count: 1,
-            },
+            advertise_address: Some(ip(address)),
+            endpoint_reconciler_type: Some(EndpointsMode::Lease),
             identity: format!("test-{address}"),
             ..common::settings(&[])
         },
@@ -54,10 +51,7 @@ fn static_cfg(addresses: &[&str]) -> Cfg {
             ..Section::default()
         },
         settings: Settings {
-            endpoints: EndpointsSettings {
-                endpoint_reconciler_type: Some(EndpointsMode::Static),
-                ..EndpointsSettings::default()
-            },
+            endpoint_reconciler_type: Some(EndpointsMode::Static),
             ..common::settings(&[])
         },
     }
@@ -758,8 +752,8 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
     let sim = sim().await;
     let mk = |a: &str| {
         let mut c = cfg(a);
-        c.settings.endpoints.endpoint_reconciler_type = Some(EndpointsMode::MasterCount);
-        c.settings.endpoints.apiserver_count = 2;
+        c.settings.endpoint_reconciler_type = Some(EndpointsMode::MasterCount);
+        c.settings.apiserver_count = 2;
         c
     };
     let a = instance(&sim, &mk("192.0.2.1"), true);

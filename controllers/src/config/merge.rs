@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use reconcilers::alloc::{IpFamily, PortRange};
-use reconcilers::apiserver_endpoints::{EndpointsMode, EndpointsSettings};
 use reconcilers::legacy_alloc::etcd::EtcdConfig;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
-use reconcilers::section::{ConfigError, DurationError, ServiceName, Settings, format_duration};
+use reconcilers::section::{
+    ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
+};
 
 use super::file::{locate, parse_file_all, read_text};
 use super::settings::{ConfigArgs, FileConfig, Given, Source};
@@ -203,7 +204,8 @@ impl Config {
             .and_then(|source| parsed(source, |text| text.parse::<PortRange>(), &mut errors))
             .unwrap_or_default();
 
-        let endpoints = merge_endpoints(&mut given, service_cluster_ip_range.first(), &mut errors);
+        let (advertise_address, endpoint_reconciler_type, apiserver_count) =
+            merge_endpoints(&mut given, service_cluster_ip_range.first(), &mut errors);
         let secure_port = given
             .secure_port
             .take()
@@ -249,9 +251,11 @@ impl Config {
             settings: Settings {
                 service_ranges: service_cluster_ip_range,
                 node_port_range: service_node_port_range,
+                advertise_address,
                 secure_port,
                 kubernetes_service_node_port,
-                endpoints,
+                endpoint_reconciler_type,
+                apiserver_count,
                 etcd,
                 kubernetes_service: ServiceName {
                     namespace: loops.kubernetes_service.namespace.clone(),
@@ -301,7 +305,7 @@ impl Config {
             .get_or_init(|| {
                 derived_identity(
                     host_name().as_deref(),
-                    self.settings.endpoints.advertise_address,
+                    self.settings.advertise_address,
                     self.admin_addr,
                 )
             })
@@ -543,7 +547,7 @@ fn merge_endpoints(
     given: &mut Given,
     primary_range: Option<&ipnet::IpNet>,
     errors: &mut Vec<ConfigError>,
-) -> EndpointsSettings {
+) -> (Option<IpAddr>, Option<EndpointsMode>, u32) {
     let address_source = given.advertise_address.take();
     let address = address_source
         .as_ref()
@@ -559,11 +563,7 @@ fn merge_endpoints(
     if mode.is_some_and(|mode| mode != EndpointsMode::None) {
         check_advertise_family(address_source.as_ref().zip(address), primary_range, errors);
     }
-    EndpointsSettings {
-        advertise_address: address,
-        endpoint_reconciler_type: mode,
-        apiserver_count: count,
-    }
+    (address, mode, count)
 }
 
 /// A value parsed by `parse`, or `None` after its error, naming where it came from.

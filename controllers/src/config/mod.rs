@@ -38,12 +38,11 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-pub use reconcilers::apiserver_endpoints::{EndpointsMode, EndpointsSettings};
 pub use reconcilers::names::{
     NameError, validate_dns1123_label, validate_dns1123_subdomain, validate_qualified_name,
 };
 pub use reconcilers::section::{
-    ConfigError, DurationError, LoopSection, ServiceName, Settings, duration_format,
+    ConfigError, DurationError, EndpointsMode, LoopSection, ServiceName, Settings, duration_format,
     format_duration, parse_duration,
 };
 

@@ -32,8 +32,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::ValueEnum;
-use reconcilers::apiserver_endpoints::EndpointsMode;
-use reconcilers::section::{DurationError, duration_format, parse_duration};
+use reconcilers::section::{DurationError, EndpointsMode, duration_format, parse_duration};
 use serde::{Deserialize, Serialize};
 
 use super::Loops;

@@ -101,10 +101,10 @@ fn defaults_match_upstream() {
     );
     assert_eq!(config.settings.secure_port, None);
     assert_eq!(
-        config.settings.endpoints.endpoint_reconciler_type, None,
+        config.settings.endpoint_reconciler_type, None,
         "no mode is assumed: the endpoints are left alone until one is named"
     );
-    assert_eq!(config.settings.endpoints.mode(), EndpointsMode::None);
+    assert_eq!(config.settings.endpoint_mode(), EndpointsMode::None);
     assert_eq!(config.admin_addr, "0.0.0.0:8080".parse().unwrap());
     assert_eq!(
         config.loops.system_namespaces.interval,
@@ -491,16 +491,13 @@ fn apiserver_count_and_advertise_address() {
         ))
         .unwrap();
         assert_eq!(
-            config.settings.endpoints.advertise_address,
+            config.settings.advertise_address,
             Some("fd00::1".parse().unwrap())
         );
     }
     // Named by no one, no endpoints are written, so the address's family does not matter.
     let unnamed = from_yaml("serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\n");
-    assert_eq!(
-        unnamed.unwrap().settings.endpoints.endpoint_reconciler_type,
-        None
-    );
+    assert_eq!(unnamed.unwrap().settings.endpoint_reconciler_type, None);
     rejected(
         "advertiseAddress: not-an-ip\n",
         "advertiseAddress",
@@ -624,7 +621,7 @@ fn a_tenant_fragment_merges_over_the_file_and_is_validated_as_the_file() {
     );
     let defaults = base.tenant(None).unwrap();
     assert_eq!(
-        defaults.settings.endpoints.endpoint_reconciler_type,
+        defaults.settings.endpoint_reconciler_type,
         Some(EndpointsMode::None)
     );
     assert_eq!(defaults.tenants, None, "a tenant is one cluster");
@@ -864,7 +861,7 @@ fn flags_override_file_override_defaults() {
         Duration::from_secs(10)
     );
     assert_eq!(config.loops.system_namespaces.namespaces.len(), 4);
-    assert_eq!(config.settings.endpoints.apiserver_count, 1);
+    assert_eq!(config.settings.apiserver_count, 1);
 }
 
 #[test]

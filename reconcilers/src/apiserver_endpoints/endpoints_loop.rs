@@ -151,7 +151,7 @@ impl ApiserverEndpointsLoop {
             true => None,
             false => slices.get_opt(&target.service_name).await?,
         };
-        let sources = match self.settings.endpoints.mode() {
+        let sources = match self.settings.endpoint_mode() {
             EndpointsMode::Lease => {
                 let api = Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
                 // A failed list is an error, never an empty membership.
@@ -245,7 +245,7 @@ impl ApiserverEndpointsLoop {
                 _ => tracing::warn!("{note}"),
             }
         }
-        if self.settings.endpoints.mode() == EndpointsMode::Lease {
+        if self.settings.endpoint_mode() == EndpointsMode::Lease {
             let wake = plan.next_expiry.and_then(|t| {
                 let left = Timestamp::now().duration_until(t);
                 Duration::try_from(left)
@@ -323,7 +323,7 @@ impl ApiserverEndpointsLoop {
             .await
             .last_pass
             .is_some_and(|at| at.elapsed() < self.section.interval * 2);
-        let writer = match self.settings.endpoints.mode() {
+        let writer = match self.settings.endpoint_mode() {
             // The runner's election may have handed leadership over since the last pass.
             EndpointsMode::Lease => recently_leading && ctx.leads(),
             EndpointsMode::MasterCount => true,
@@ -343,7 +343,7 @@ impl Reconciler for ApiserverEndpointsLoop {
     }
 
     fn needs_leadership(&self) -> bool {
-        self.settings.endpoints.mode() != EndpointsMode::MasterCount
+        self.settings.endpoint_mode() != EndpointsMode::MasterCount
     }
 
     fn triggers(&self) -> Vec<Trigger> {
@@ -355,7 +355,7 @@ impl Reconciler for ApiserverEndpointsLoop {
         .into_iter()
         .flatten()
         .collect();
-        if self.settings.endpoints.mode() == EndpointsMode::Lease {
+        if self.settings.endpoint_mode() == EndpointsMode::Lease {
             triggers.extend(
                 self.leases
                     .take_events()

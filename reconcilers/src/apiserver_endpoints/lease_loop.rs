@@ -133,7 +133,7 @@ impl ApiserverLeaseLoop {
         };
         let target = Section::target(settings);
         Some(Self {
-            address_defaulted: settings.endpoints.advertise_address.is_none(),
+            address_defaulted: settings.advertise_address.is_none(),
             service_family: std::sync::OnceLock::new(),
             keep_shared_address: section.keep_shared_address,
             probed: deps.probed.clone(),

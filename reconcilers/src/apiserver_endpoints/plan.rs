@@ -203,7 +203,7 @@ pub fn plan(
             (Some(own), true) => master_count_members(
                 &listed,
                 own,
-                usize::try_from(settings.endpoints.apiserver_count).unwrap_or(usize::MAX),
+                usize::try_from(settings.apiserver_count).unwrap_or(usize::MAX),
             ),
             (Some(own), false) => {
                 let mut without = listed.clone();

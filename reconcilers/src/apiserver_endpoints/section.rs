@@ -1,7 +1,7 @@
 //! `loops.apiserverEndpoints`: the section of the configuration file, which is also the one
 //! configuration both endpoint loops read, with the top-level settings (the Service range,
-//! `securePort`, this replica's identity, and the endpoints' own top-level keys,
-//! [`EndpointsSettings`]).
+//! `securePort`, `advertiseAddress`, `endpointReconcilerType`, `apiserverCount` and this
+//! replica's identity).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -21,82 +21,9 @@ use crate::alloc::IpFamily;
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
 use crate::section::{
-    self, BuildContext, BuildError, LoopSection, Settings, duration_format, format_duration,
-    validate_interval,
+    self, BuildContext, BuildError, EndpointsMode, LoopSection, Settings, duration_format,
+    format_duration, validate_interval,
 };
-
-/// The endpoints' top-level keys (kube-apiserver's flags): part of [`Settings`], validated where
-/// the flags and the file are merged, since an error names the flag or the key given.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct EndpointsSettings {
-    /// `advertiseAddress` as configured (loops that need one fall back to the default route).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub advertise_address: Option<IpAddr>,
-    /// `endpointReconcilerType`; `None` when no flag, variable or file key names a mode: the
-    /// endpoints loop is then not built, so a process started with nothing chosen never rewrites
-    /// the cluster's endpoints.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub endpoint_reconciler_type: Option<EndpointsMode>,
-    /// `apiserverCount`.
-    pub apiserver_count: u32,
-}
-
-impl Default for EndpointsSettings {
-    fn default() -> Self {
-        EndpointsSettings {
-            advertise_address: None,
-            endpoint_reconciler_type: None,
-            apiserver_count: 1,
-        }
-    }
-}
-
-impl EndpointsSettings {
-    /// The mode the loops follow: the one named, else `none`.
-    pub fn mode(&self) -> EndpointsMode {
-        self.endpoint_reconciler_type.unwrap_or(EndpointsMode::None)
-    }
-}
-
-/// `--endpoint-reconciler-type`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EndpointsMode {
-    /// Membership from per-instance Leases.
-    Lease,
-    /// Addresses from configuration: IPs and DNS names, re-resolved every interval.
-    Static,
-    /// Upstream's deprecated `master-count`: every instance adds itself and trims to the count.
-    MasterCount,
-    /// Leave the endpoints alone.
-    None,
-}
-
-impl EndpointsMode {
-    /// The name `--endpoint-reconciler-type` takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EndpointsMode::Lease => "lease",
-            EndpointsMode::Static => "static",
-            EndpointsMode::MasterCount => "master-count",
-            EndpointsMode::None => "none",
-        }
-    }
-
-    /// Every mode, in the order `--help` lists them.
-    pub const ALL: [EndpointsMode; 4] = [
-        EndpointsMode::Lease,
-        EndpointsMode::Static,
-        EndpointsMode::MasterCount,
-        EndpointsMode::None,
-    ];
-
-    /// The mode `--endpoint-reconciler-type` names, if any.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
-    }
-}
 
 /// Upstream's interval of the endpoint reconcilers (10 s), for both loops.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -180,7 +107,6 @@ impl Section {
     /// kube-apiserver does when `--advertise-address` is unset).
     pub fn advertise_address(&self, settings: &Settings) -> Option<IpAddr> {
         settings
-            .endpoints
             .advertise_address
             .or_else(|| default_route_address(primary_family(settings).unwrap_or(IpFamily::V4)))
     }
@@ -214,7 +140,7 @@ impl Section {
         errors: &mut Vec<section::ConfigError>,
     ) {
         validate_interval(path, self.interval, errors);
-        let mode = settings.endpoints.mode();
+        let mode = settings.endpoint_mode();
         let probes = matches!(mode, EndpointsMode::Lease | EndpointsMode::MasterCount);
         if self.enabled && probes && self.advertise_address(settings).is_none() {
             errors.push(section::ConfigError::new(
@@ -364,7 +290,7 @@ impl LoopSection for Section {
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
         let settings = context.settings;
-        let mode = settings.endpoints.mode();
+        let mode = settings.endpoint_mode();
         if mode == EndpointsMode::None {
             return Ok(Vec::new());
         }
@@ -453,11 +379,8 @@ mod tests {
     /// `lease` mode with an advertised address.
     fn settings() -> Settings {
         Settings {
-            endpoints: EndpointsSettings {
-                advertise_address: Some("192.0.2.1".parse().unwrap()),
-                endpoint_reconciler_type: Some(EndpointsMode::Lease),
-                apiserver_count: 1,
-            },
+            advertise_address: Some("192.0.2.1".parse().unwrap()),
+            endpoint_reconciler_type: Some(EndpointsMode::Lease),
             ..crate::section::test_settings()
         }
     }
@@ -510,8 +433,10 @@ mod tests {
                 .to_string()
                 .contains("no scheme")
         );
-        let mut static_mode = settings();
-        static_mode.endpoints.endpoint_reconciler_type = Some(EndpointsMode::Static);
+        let static_mode = Settings {
+            endpoint_reconciler_type: Some(EndpointsMode::Static),
+            ..settings()
+        };
         let section = Section {
             static_addresses: vec!["192.0.2.1".into(), "bad name".into()],
             ..Section::default()
@@ -536,10 +461,10 @@ mod tests {
 
     #[test]
     fn none_mode_needs_nothing() {
-        let mut none = settings();
-        none.endpoints = EndpointsSettings {
+        let none = Settings {
             endpoint_reconciler_type: Some(EndpointsMode::None),
-            ..EndpointsSettings::default()
+            advertise_address: None,
+            ..settings()
         };
         let section = Section {
             lease_ttl: Duration::from_secs(1),
