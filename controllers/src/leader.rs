@@ -117,7 +117,7 @@ impl From<kube::Client> for ElectionClients {
 
 /// Starts the election. The task runs until `cancel` fires, then releases the Lease (bounded by
 /// the renew grace) so another replica can take over at once. `settings.identity` is the
-/// holder this replica writes: the caller resolves it (`Config::leader_identity`), never empty.
+/// holder this replica writes: the effective configuration's, never empty.
 ///
 /// `health` gets a `leader-election` readiness check: failing until the replica has joined the
 /// election and while it cannot reach the API, so a replica that cannot reach the API is never a

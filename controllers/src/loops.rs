@@ -57,7 +57,7 @@ pub fn build_runner(
     registry: &mut Registry,
 ) -> Runner {
     let metrics = RunnerMetrics::register(registry);
-    crate::metrics::register_etcd_mode(registry, !config.etcd.servers.is_empty());
+    crate::metrics::register_etcd_mode(registry, !config.settings.etcd.servers.is_empty());
     let loops = build_cluster_loops(config, client, load_kubeconfig, budget, registry);
     Runner::new(loops, client.clone(), runner_options(config), metrics)
 }
@@ -83,11 +83,13 @@ pub fn build_cluster_loops(
 ) -> Vec<Arc<dyn Reconciler>> {
     let settings = Settings {
         cache_budget: budget.clone(),
-        ..config.settings()
+        ..config.settings.clone()
     };
     let mut context = BuildContext::new(client.clone(), registry, &settings, load_kubeconfig);
     let mut loops = Vec::new();
-    if config.endpoint_reconciler_type.is_none() && config.loops.apiserver_endpoints.enabled {
+    if config.settings.endpoint_reconciler_type.is_none()
+        && config.loops.apiserver_endpoints.enabled
+    {
         info!("{ENDPOINTS_UNNAMED}");
     }
     for (key, section) in config.loops.sections() {

@@ -79,7 +79,7 @@ impl Controller {
             server = %kube_config.cluster_url,
             "starting"
         );
-        if config.service_cluster_ip_range.is_empty() {
+        if config.settings.service_ranges.is_empty() {
             info!(
                 "--service-cluster-ip-range is not set: the loops read the range from the \
                  cluster's ServiceCIDR \"kubernetes\" (Kubernetes 1.33+), and the \
@@ -214,7 +214,7 @@ impl Controller {
                 registry,
             ),
         };
-        let identity = config.leader_identity();
+        let identity = config.settings.identity.clone();
         let shards_cancel = CancellationToken::new();
         // A dry run holds no replica Lease: it would count as a replica the real ones
         // hand tenants to, which it would then only observe.
@@ -318,7 +318,7 @@ impl Controller {
             .map_err(StartError::ElectionClient)?;
             // The election's holder is the identity every loop reports, derived when not set.
             let settings = LeaderElection {
-                identity: config.leader_identity(),
+                identity: config.settings.identity.clone(),
                 ..config.leader_election.clone()
             };
             let clients = leader::ElectionClients {

@@ -119,6 +119,7 @@ impl Runner {
         let ctx = PassContext {
             client,
             dry_run: options.dry_run,
+            leader: leader.clone(),
         };
         let trigger_cancel = cancel.child_token();
         let mut trigger_tasks = JoinSet::new();
@@ -741,10 +742,7 @@ pub async fn check_once(
     metrics: &RunnerMetrics,
     timeout: Duration,
 ) -> Vec<CheckResult> {
-    let ctx = PassContext {
-        client,
-        dry_run: true,
-    };
+    let ctx = PassContext::leading(client, true);
     let cancel = CancellationToken::new();
     let mut trigger_tasks = JoinSet::new();
     let deadline = tokio::time::Instant::now() + timeout;
@@ -1652,10 +1650,7 @@ mod tests {
         let _guard = tracing::subscriber::set_default(subscriber);
         let fake = Fake::new("a").script(&[Step::SucceedWithDrift, Step::ReportDrift]);
         let metrics = RunnerMetrics::register(&mut new_registry());
-        let ctx = PassContext {
-            client: offline_client(),
-            dry_run: false,
-        };
+        let ctx = PassContext::leading(offline_client(), false);
         let unapplied = reconcilers::findings::ReportOnce::new();
         for _ in 0..2 {
             run_pass(&fake, &ctx, &metrics, &unapplied).await.unwrap();

@@ -229,7 +229,7 @@ mod tiny {
 async fn a_loop_added_as_the_architecture_says_is_validated_built_and_run() -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
     let config = Config::merge(&ConfigArgs::default(), FileConfig::default())?;
-    let settings = config.settings();
+    let settings = config.settings;
 
     // Validation names the field under the section's path.
     let bad = tiny::section::Section {

@@ -172,7 +172,7 @@ async fn a_dry_run_holds_no_lease_and_never_keeps_a_real_replica_from_leading() 
     assert_eq!(leases(&sim)?, Vec::<String>::new());
 
     let mut real_config = config()?;
-    real_config.leader_election.identity = "real".to_owned();
+    real_config.settings.identity = "real".to_owned();
     let real = Controller::start(
         &real_config,
         &kube_config,

@@ -104,30 +104,27 @@ async fn wait_for(
 
 async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
     let section = &env.config.loops.apiserver_endpoints;
-    let settings = env.config.settings();
-    if !section.enabled || settings.endpoint_mode != EndpointsMode::Lease {
+    let settings = &env.config.settings;
+    if !section.enabled || settings.endpoint_mode() != EndpointsMode::Lease {
         return Ok("skipped: the endpoints loop is not in lease mode".to_owned());
     }
-    let target = Section::target(&settings);
+    let target = Section::target(settings);
     let name = target.service_name.clone();
     let port = target.port;
     let api: Api<Endpoints> = Api::namespaced(env.client.clone(), &target.namespace);
     let limit = section.lease_ttl + section.interval * 2 + Duration::from_secs(10);
-    let ctx = PassContext {
-        client: env.client.clone(),
-        dry_run: false,
-    };
+    let ctx = PassContext::leading(env.client.clone(), false);
 
     let mut members = Vec::new();
     for (index, address) in EXTRA_MEMBERS.iter().enumerate() {
         let ip: IpAddr = address
             .parse()
             .map_err(|err| format!("demo address {address}: {err}"))?;
-        let member_settings = Settings {
-            advertise_address: Some(ip),
+        let mut member_settings = Settings {
             identity: format!("demo-member-{}", index + 1),
             ..settings.clone()
         };
+        member_settings.advertise_address = Some(ip);
         let apiserver = Arc::new(DemoApiserver::default());
         let deps = EndpointsDeps {
             client: env.client.clone(),

@@ -120,8 +120,8 @@ async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
     config.admin_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
     // The demo's controller stands in for the sidecar of the simulated apiserver, so it names
     // lease mode, as a sidecar's manifest does, unless the file chose another.
-    if config.endpoint_reconciler_type.is_none() {
-        config.endpoint_reconciler_type = Some(EndpointsMode::Lease);
+    if config.settings.endpoint_reconciler_type.is_none() {
+        config.settings.endpoint_reconciler_type = Some(EndpointsMode::Lease);
     }
     // Membership at demo speed: a killed member goes after seconds, not upstream's 15 s.
     config.loops.apiserver_endpoints.interval = Duration::from_secs(1);
@@ -141,26 +141,26 @@ async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
     }
 
     // etcd mode when an etcd is at hand: the NodePort repair then also repairs its bitmap.
-    let etcd = if config.etcd().is_none() {
+    let etcd = if config.settings.etcd().is_none() {
         nodeport::DemoEtcd::start().await
     } else {
         None
     };
     if let Some(etcd) = &etcd {
         println!("Started etcd for etcd mode ({}), found on PATH", etcd.url);
-        config.etcd.servers = vec![etcd.url.clone()];
+        config.settings.etcd.servers = vec![etcd.url.clone()];
     }
 
     // The simulator plays a kube-apiserver started with a range; with none configured the demo
     // gives the controller kubeadm's, as an operator would (the simulator creates no
     // ServiceCIDR for the controller to read it from).
-    if config.service_cluster_ip_range.is_empty() {
-        config.service_cluster_ip_range = "10.96.0.0/12".parse().into_iter().collect();
+    if config.settings.service_ranges.is_empty() {
+        config.settings.service_ranges = "10.96.0.0/12".parse().into_iter().collect();
     }
     let sim_config = SimConfig {
-        service_cluster_ip_ranges: config.service_cluster_ip_range.clone(),
-        service_node_port_range: config.service_node_port_range.base()
-            ..=config.service_node_port_range.last(),
+        service_cluster_ip_ranges: config.settings.service_ranges.clone(),
+        service_node_port_range: config.settings.node_port_range.base()
+            ..=config.settings.node_port_range.last(),
         ..SimConfig::default()
     };
     println!("Starting the API simulator (an in-memory Kubernetes API server)...");

@@ -38,7 +38,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
     }
     println!(
         "  wrote Services demo-np-first and demo-np-second (both nodePort 30080) and demo-np-outside (nodePort 40000, outside {})",
-        env.config.service_node_port_range
+        env.config.settings.node_port_range
     );
     let events: Api<Event> = Api::all(env.client.clone());
     let wanted = [
@@ -177,15 +177,15 @@ pub fn etcd_bitmap<'a>(env: &'a DemoEnv<'a>) -> BoxFuture<'a, Result<String, Str
 async fn repair_bitmap(env: &DemoEnv<'_>) -> Result<String, String> {
     use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
     use reconcilers::legacy_alloc::etcd::{EtcdStore, RangeKey};
-    let Some(etcd) = env.config.etcd() else {
+    let Some(etcd) = env.config.settings.etcd() else {
         return Ok("skipped: no etcd on PATH (Debian: apt-get install etcd-server)".to_owned());
     };
     if !env.config.loops.node_port_repair.enabled {
         return Ok("skipped: the nodeport-repair loop is disabled".to_owned());
     }
     let key = etcd.key(RangeKey::NodePorts);
-    let store = EtcdStore::new(etcd);
-    let range = &env.config.service_node_port_range;
+    let store = EtcdStore::new(etcd.clone());
+    let range = &env.config.settings.node_port_range;
     let size = usize::from(range.last() - range.base()) + 1;
     let offset = usize::from(30080 - range.base());
     let holds_30080 = |value: &[u8]| {

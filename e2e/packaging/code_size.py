@@ -56,7 +56,6 @@ PATH_HOPS: list[tuple[str, str]] = [
     ("controllers/src/config/mod.rs", "struct Config"),
     ("controllers/src/config/mod.rs", "macro loop_list"),
     ("controllers/src/config/mod.rs", "Loops::validate"),
-    ("controllers/src/config/merge.rs", "Config::settings"),
     ("reconcilers/src/section.rs", "struct Settings"),
     ("reconcilers/src/section.rs", "trait LoopSection"),
     ("reconcilers/src/system_namespaces/section.rs", "struct Section"),

@@ -294,6 +294,12 @@ def allows(grant: Grant, request: tuple) -> bool:
     )
 
 
+# The election reads its Lease only after losing a race for it (`refused` in
+# controllers/src/leader.rs), which a run without a rival writer never does: a grant that the
+# runs here cannot see used.
+RACE_ONLY = ("kube-system", "coordination.k8s.io", "leases", "get", ("bootstrap-controller",))
+
+
 def least_privilege_problems(grants: list[Grant], used: set[tuple]) -> list[str]:
     """What the grants allow beyond the requests made, or fail to allow: an ungranted request,
     a grant never used, and a cluster-wide grant of a namespaced resource whose every use was
@@ -496,7 +502,9 @@ def test_rbac_grants_exactly_what_the_controller_uses():
         finally:
             proxy.stop()
             sim.stop()
-    problems = least_privilege_problems(grants, used)
+    assert RACE_ONLY in grants, grants
+    problems = [p for p in least_privilege_problems(grants, used)
+                if p != f"granted but never used: {RACE_ONLY}"]
     assert not problems, "\n".join(problems)
 
 

@@ -281,10 +281,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
         &settings,
         &mut registry,
     ));
-    let ctx = PassContext {
-        client: client.clone(),
-        dry_run: true,
-    };
+    let ctx = PassContext::leading(client.clone(), true);
     let mut triggers = futures::stream::select_all(repair.triggers());
     tokio::spawn(async move { while triggers.next().await.is_some() {} });
     if role == "ipaddress-relist" {

@@ -72,6 +72,28 @@ pub struct PassContext {
     pub client: kube::Client,
     /// Compute and report the writes, but do not make them.
     pub dry_run: bool,
+    /// Whether this replica leads, as the runner's leader election says now (true without an
+    /// election). A leader-only loop runs its passes only while it leads; its shutdown hook runs
+    /// whatever the election says, so it reads this to know whether it is still the writer.
+    pub leader: tokio::sync::watch::Receiver<bool>,
+}
+
+impl PassContext {
+    /// The context of a replica that always leads (no leader election).
+    pub fn leading(client: kube::Client, dry_run: bool) -> Self {
+        // The sender goes: the value stays readable, and never changes.
+        let (_, leader) = tokio::sync::watch::channel(true);
+        PassContext {
+            client,
+            dry_run,
+            leader,
+        }
+    }
+
+    /// Whether this replica leads now.
+    pub fn leads(&self) -> bool {
+        *self.leader.borrow()
+    }
 }
 
 /// What a pass did or would do about one piece of drift.

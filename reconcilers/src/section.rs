@@ -38,39 +38,74 @@ impl ConfigError {
     }
 }
 
-/// The settings outside `loops` that loops read: kube-apiserver's flags, this replica's identity
-/// and etcd mode. Validated before any section sees them.
-#[derive(Debug, Clone, PartialEq)]
+/// The settings outside `loops` that loops read: kube-apiserver's flags, held once in the
+/// effective configuration (its top-level keys, which this serialises to), and what belongs to
+/// this replica and its cluster. Validated before any section sees them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Settings {
-    /// `serviceClusterIPRange`, primary first.
+    /// `serviceClusterIPRange`, primary first. Empty when not set: no range is assumed
+    /// (kube-apiserver's 10.0.0.0/24 is not kubeadm's, k3s' or a managed cluster's); the loops
+    /// read it from the `kubernetes` ServiceCIDR.
+    #[serde(
+        rename = "serviceClusterIPRange",
+        serialize_with = "serialize_cidrs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     pub service_ranges: Vec<IpNet>,
     /// `serviceNodePortRange`.
+    #[serde(rename = "serviceNodePortRange")]
     pub node_port_range: PortRange,
+    /// `advertiseAddress` as configured (loops that need one fall back to the default route).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_address: Option<IpAddr>,
     /// `securePort`: the `kubernetes` Service's targetPort and the endpoints' port. `None` when
     /// the operator set none: the endpoints then use kube-apiserver's default (6443), and the
     /// Service keeps the targetPort it has (443 on many managed control planes), so that a
     /// default never rewrites it.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub secure_port: Option<u16>,
-    /// `kubernetesServiceNodePort`, when not 0.
+    /// `kubernetesServiceNodePort`, when not 0 (written as 0 when `None`).
+    #[serde(serialize_with = "serialize_node_port")]
     pub kubernetes_service_node_port: Option<u16>,
-    /// `advertiseAddress` as configured (loops that need one fall back to the default route).
-    pub advertise_address: Option<IpAddr>,
-    /// `endpointReconcilerType`; `None` when the operator named no mode, so the endpoints are
-    /// left alone.
-    pub endpoint_mode: EndpointsMode,
+    /// `endpointReconcilerType`; `None` when no flag, variable or file key names a mode: the
+    /// endpoints loop is then not built, so a process started with nothing chosen never rewrites
+    /// the cluster's endpoints.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint_reconciler_type: Option<EndpointsMode>,
     /// `apiserverCount`.
     pub apiserver_count: u32,
+    /// The `--etcd-*` settings (etcd mode when `etcdServers` is set); a tenant's also hold its
+    /// client certificate, from its Secret, and its etcd's addresses and cluster as checked
+    /// before it started (management mode).
+    #[serde(flatten)]
+    pub etcd: EtcdConfig,
     /// The `kubernetes` Service (`loops.kubernetesService`): its endpoints carry the same name.
+    #[serde(skip)]
     pub kubernetes_service: ServiceName,
     /// This replica: events' `reportingInstance`, membership Lease holder.
+    #[serde(skip)]
     pub identity: String,
-    /// The leader-election Lease (namespace, name) when leader election is on.
-    pub leader_lease: Option<(String, String)>,
-    /// etcd mode, when `etcdServers` is set.
-    pub etcd: Option<EtcdConfig>,
     /// What the cluster's caches may hold together (unlimited for the cluster of
     /// `--kubeconfig`; a tenant's own in management mode).
+    #[serde(skip)]
     pub cache_budget: CacheBudget,
+}
+
+/// `a,b`, as the flag takes them.
+fn serialize_cidrs<S: serde::Serializer>(
+    cidrs: &[IpNet],
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let text: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
+    serializer.serialize_str(&text.join(","))
+}
+
+fn serialize_node_port<S: serde::Serializer>(
+    port: &Option<u16>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_u16(port.unwrap_or(0))
 }
 
 /// `--endpoint-reconciler-type`.
@@ -140,6 +175,16 @@ impl Settings {
     pub fn endpoints_port(&self) -> u16 {
         self.secure_port.unwrap_or(DEFAULT_SECURE_PORT)
     }
+
+    /// The endpoints' mode the loops follow: the one named, else `none`.
+    pub fn endpoint_mode(&self) -> EndpointsMode {
+        self.endpoint_reconciler_type.unwrap_or(EndpointsMode::None)
+    }
+
+    /// etcd mode's settings, when `etcdServers` is set.
+    pub fn etcd(&self) -> Option<&EtcdConfig> {
+        (!self.etcd.servers.is_empty()).then_some(&self.etcd)
+    }
 }
 
 /// kube-apiserver's default `--secure-port`.
@@ -150,7 +195,7 @@ pub const DEFAULT_SECURE_PORT: u16 = 6443;
 /// (the endpoints on 6443, the Service's targetPort kept), no node port for `kubernetes`, no advertise address, one apiserver,
 /// `default/kubernetes`) except the endpoints, which are left alone (`none`) until the operator
 /// names a mode: a process started with nothing chosen must not rewrite them with its host's
-/// address. No identity, leader Lease or etcd, which belong to a replica.
+/// address. No identity or etcd, which belong to a replica.
 impl Default for Settings {
     fn default() -> Self {
         Settings {
@@ -159,15 +204,22 @@ impl Default for Settings {
             secure_port: None,
             kubernetes_service_node_port: None,
             advertise_address: None,
-            endpoint_mode: EndpointsMode::None,
+            endpoint_reconciler_type: None,
             apiserver_count: 1,
             kubernetes_service: ServiceName {
                 namespace: "default".to_owned(),
                 name: "kubernetes".to_owned(),
             },
             identity: String::new(),
-            leader_lease: None,
-            etcd: None,
+            etcd: EtcdConfig {
+                servers: Vec::new(),
+                ca_file: None,
+                cert_file: None,
+                key_file: None,
+                prefix: "/registry".to_owned(),
+                inline_tls: None,
+                pin: None,
+            },
             cache_budget: CacheBudget::default(),
         }
     }

@@ -15,13 +15,13 @@ use k8s_openapi::api::core::v1::Endpoints;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, PostParams};
 use prometheus_client::registry::Registry;
-use reconcilers::Reconciler;
 use reconcilers::alloc::IpFamily;
 use reconcilers::apiserver_endpoints::{
     ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps, EndpointsMode, ReadinessProbe,
     Resolver, Section, ShutdownGate,
 };
 use reconcilers::section::{LoopSection, Settings};
+use reconcilers::{PassContext, Reconciler};
 
 /// One instance's configuration: the loops' section and the settings they read.
 #[derive(Clone)]
@@ -36,8 +36,8 @@ fn cfg(address: &str) -> Cfg {
         section: Section::default(),
         settings: Settings {
             advertise_address: Some(ip(address)),
+            endpoint_reconciler_type: Some(EndpointsMode::Lease),
             identity: format!("test-{address}"),
-            endpoint_mode: EndpointsMode::Lease,
             ..common::settings(&[])
         },
     }
@@ -51,7 +51,7 @@ fn static_cfg(addresses: &[&str]) -> Cfg {
             ..Section::default()
         },
         settings: Settings {
-            endpoint_mode: EndpointsMode::Static,
+            endpoint_reconciler_type: Some(EndpointsMode::Static),
             ..common::settings(&[])
         },
     }
@@ -752,7 +752,7 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
     let sim = sim().await;
     let mk = |a: &str| {
         let mut c = cfg(a);
-        c.settings.endpoint_mode = EndpointsMode::MasterCount;
+        c.settings.endpoint_reconciler_type = Some(EndpointsMode::MasterCount);
         c.settings.apiserver_count = 2;
         c
     };
@@ -903,39 +903,30 @@ async fn readyz_probe_follows_the_apiserver() {
 #[tokio::test]
 async fn only_the_current_leader_withdraws_itself_at_shutdown() {
     let sim = sim().await;
-    let with_election = |a: &str| {
-        let mut c = cfg(a);
-        c.settings.leader_lease = Some(("kube-system".into(), "bootstrap-controller".into()));
-        c
-    };
-    let leader_lease = |holder: &str| {
-        serde_json::json!({
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {"name": "bootstrap-controller", "namespace": "kube-system"},
-            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15}
-        })
-    };
-    let old = instance(&sim, &with_election("192.0.2.1"), true);
-    let other = instance(&sim, &with_election("192.0.2.2"), true);
+    let old = instance(&sim, &cfg("192.0.2.1"), true);
+    let other = instance(&sim, &cfg("192.0.2.2"), true);
     pass(&old.lease, &sim).await;
     pass(&other.lease, &sim).await;
     // Its apiserver is stopping too, so a leader would withdraw.
     old.ready.set(false);
-    // 192.0.2.1 led and ran a pass, then leadership moved to 192.0.2.2 before its SIGTERM.
+    // 192.0.2.1 led and ran a pass, then the election handed leadership over before its SIGTERM.
     pass(&old.endpoints, &sim).await;
-    sim.backdoor().put(leader_lease("test-192.0.2.2")).unwrap();
+    let (election, leader) = tokio::sync::watch::channel(false);
+    let deposed = PassContext {
+        leader,
+        ..ctx(&sim, false)
+    };
     sim.clear_requests();
-    old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+    old.endpoints.shutdown(&deposed).await.unwrap();
     assert_eq!(
         writes(&sim),
         Vec::<String>::new(),
         "a deposed leader never writes"
     );
 
-    // While it does hold the leader Lease, it withdraws itself at once.
-    sim.backdoor().put(leader_lease("test-192.0.2.1")).unwrap();
-    old.endpoints.shutdown(&ctx(&sim, false)).await.unwrap();
+    // While the election says it leads, it withdraws itself at once.
+    election.send(true).unwrap();
+    old.endpoints.shutdown(&deposed).await.unwrap();
     assert_eq!(listed_now(&sim).await, vec!["192.0.2.2"]);
 }
 

@@ -67,7 +67,7 @@ async fn repair_with(
     registry: &mut Registry,
 ) -> Arc<ClusterIpRepairLoop> {
     let settings = Settings {
-        etcd: Some(etcd.config()),
+        etcd: etcd.config(),
         ..common::settings(&[RANGE])
     };
     let repair = Arc::new(ClusterIpRepairLoop::new(

@@ -58,10 +58,7 @@ async fn start_sim() -> Result<Sim> {
 }
 
 fn ctx(client: &Client, dry_run: bool) -> PassContext {
-    PassContext {
-        client: client.clone(),
-        dry_run,
-    }
+    PassContext::leading(client.clone(), dry_run)
 }
 
 /// Creates the default ServiceCIDR with the real loop, as a deployment would.

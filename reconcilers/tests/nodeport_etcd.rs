@@ -33,7 +33,7 @@ fn range() -> PortRange {
 fn settings(etcd: EtcdConfig) -> Settings {
     Settings {
         node_port_range: range(),
-        etcd: Some(etcd),
+        etcd,
         ..common::settings(&[])
     }
 }

@@ -130,43 +130,6 @@ pub(super) fn refuse_process_etcd(
 }
 
 impl Config {
-    /// etcd mode's settings, when `--etcd-servers` is set.
-    pub fn etcd(&self) -> Option<EtcdConfig> {
-        (!self.etcd.servers.is_empty()).then(|| self.etcd.clone())
-    }
-
-    /// The endpoints' mode the loops follow: the one named, else `none`.
-    pub fn endpoint_mode(&self) -> EndpointsMode {
-        self.endpoint_reconciler_type.unwrap_or(EndpointsMode::None)
-    }
-
-    /// What the loops read outside their own sections.
-    pub fn settings(&self) -> Settings {
-        Settings {
-            service_ranges: self.service_cluster_ip_range.clone(),
-            node_port_range: self.service_node_port_range,
-            secure_port: self.secure_port,
-            kubernetes_service_node_port: (self.kubernetes_service_node_port != 0)
-                .then_some(self.kubernetes_service_node_port),
-            advertise_address: self.advertise_address,
-            endpoint_mode: self.endpoint_mode(),
-            apiserver_count: self.apiserver_count,
-            kubernetes_service: ServiceName {
-                namespace: self.loops.kubernetes_service.namespace.clone(),
-                name: self.loops.kubernetes_service.name.clone(),
-            },
-            identity: self.leader_identity(),
-            leader_lease: self.leader_election.enabled.then(|| {
-                (
-                    self.leader_election.lease_namespace.clone(),
-                    self.leader_election.lease_name.clone(),
-                )
-            }),
-            etcd: self.etcd(),
-            cache_budget: reconcilers::budget::CacheBudget::default(),
-        }
-    }
-
     /// Reads `--config` (if any), merges it with the flags and the defaults, and validates.
     pub fn load(args: &ConfigArgs) -> Result<Config, ConfigErrors> {
         match &args.config {
@@ -247,12 +210,13 @@ impl Config {
             .secure_port
             .take()
             .and_then(|source| secure_port(source, &mut errors));
-        let kubernetes_service_node_port = given
-            .kubernetes_service_node_port
-            .take()
-            .map_or(0, |source| {
-                kubernetes_service_node_port(source, service_node_port_range, &mut errors)
-            });
+        let kubernetes_service_node_port =
+            given
+                .kubernetes_service_node_port
+                .take()
+                .and_then(|source| {
+                    kubernetes_service_node_port(source, service_node_port_range, &mut errors)
+                });
         let admin_addr = given
             .admin_addr
             .take()
@@ -282,16 +246,25 @@ impl Config {
             refuse_process_etcd(args, &file, &mut errors);
         }
 
-        let config = Config {
-            service_cluster_ip_range,
-            service_node_port_range,
-            advertise_address,
-            secure_port,
-            kubernetes_service_node_port,
-            endpoint_reconciler_type,
-            apiserver_count,
+        let loops = file.loops.clone().unwrap_or_default();
+        let mut config = Config {
+            settings: Settings {
+                service_ranges: service_cluster_ip_range,
+                node_port_range: service_node_port_range,
+                advertise_address,
+                secure_port,
+                kubernetes_service_node_port,
+                endpoint_reconciler_type,
+                apiserver_count,
+                etcd,
+                kubernetes_service: ServiceName {
+                    namespace: loops.kubernetes_service.namespace.clone(),
+                    name: loops.kubernetes_service.name.clone(),
+                },
+                identity: String::new(),
+                cache_budget: reconcilers::budget::CacheBudget::default(),
+            },
             kubeconfig,
-            etcd,
             dry_run,
             timer_only,
             admin_addr,
@@ -299,10 +272,11 @@ impl Config {
             shutdown_timeout,
             leader_election,
             tenants,
-            loops: file.loops.clone().unwrap_or_default(),
+            loops,
         };
+        config.settings.identity = config.identity();
         // Sections validate against the settings of the effective configuration.
-        config.loops.validate(&config.settings(), &mut errors);
+        config.loops.validate(&config.settings, &mut errors);
 
         if errors.is_empty() {
             Ok(config)
@@ -320,9 +294,9 @@ impl Config {
     /// reporter): the configured one, else one derived from the host name, the advertise address
     /// and the admin address (see [`derived_identity`]).
     ///
-    /// The derived identity is computed once per process, from the first configuration asked
-    /// (the process's own, before any tenant's), so every caller agrees on it.
-    pub fn leader_identity(&self) -> String {
+    /// The derived identity is computed once per process, from the first configuration merged
+    /// (the process's own, before any tenant's), so every configuration agrees on it.
+    fn identity(&self) -> String {
         if !self.leader_election.identity.is_empty() {
             return self.leader_election.identity.clone();
         }
@@ -331,7 +305,7 @@ impl Config {
             .get_or_init(|| {
                 derived_identity(
                     host_name().as_deref(),
-                    self.advertise_address,
+                    self.settings.advertise_address,
                     self.admin_addr,
                 )
             })
@@ -627,16 +601,17 @@ fn check_advertise_family(
     ));
 }
 
-/// `kubernetesServiceNodePort`: 0 (a ClusterIP Service) or a port inside the node port range.
+/// `kubernetesServiceNodePort`: 0 (a ClusterIP Service: `None`) or a port inside the node port
+/// range.
 fn kubernetes_service_node_port(
     source: Source<Result<u32, NotANumber>>,
     range: PortRange,
     errors: &mut Vec<ConfigError>,
-) -> u16 {
+) -> Option<u16> {
     let message = match source.value {
-        Ok(0) => return 0,
+        Ok(0) => return None,
         Ok(port) => match u16::try_from(port) {
-            Ok(port) if range.contains(port) => return port,
+            Ok(port) if range.contains(port) => return Some(port),
             _ => format!(
                 "{port} is outside the node port range {range} (use 0 for a ClusterIP Service, \
                  or a port inside --service-node-port-range)"
@@ -648,7 +623,7 @@ fn kubernetes_service_node_port(
         ),
     };
     errors.push(ConfigError::new(source.field, message));
-    0
+    None
 }
 
 /// `apiserverCount`: a positive count.

@@ -31,13 +31,11 @@ pub use values::*;
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use reconcilers::alloc::PortRange;
-use reconcilers::legacy_alloc::etcd::EtcdConfig;
 use serde::{Deserialize, Serialize};
 
 pub use reconcilers::names::{
@@ -61,33 +59,13 @@ pub const ENV_PREFIX: &str = "BOOTSTRAP_";
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Config {
-    /// Empty when not set: no range is assumed (kube-apiserver's 10.0.0.0/24 is not kubeadm's,
-    /// k3s' or a managed cluster's); the loops read it from the `kubernetes` ServiceCIDR.
-    #[serde(
-        rename = "serviceClusterIPRange",
-        serialize_with = "ser_cidrs",
-        skip_serializing_if = "Vec::is_empty"
-    )]
-    pub service_cluster_ip_range: Vec<IpNet>,
-    pub service_node_port_range: PortRange,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub advertise_address: Option<IpAddr>,
-    /// `None` when not configured: the endpoints use 6443 and the `kubernetes` Service keeps
-    /// its targetPort.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub secure_port: Option<u16>,
-    pub kubernetes_service_node_port: u16,
-    /// `None` when no flag, variable or file key names a mode: the endpoints loop is then not
-    /// built, so a process started with nothing chosen never rewrites the cluster's endpoints.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub endpoint_reconciler_type: Option<EndpointsMode>,
-    pub apiserver_count: u32,
+    /// kube-apiserver's flags the loops read (the service ranges, ports, the endpoints' mode,
+    /// etcd), this replica's identity and its cluster's cache budget: the one value every
+    /// loop's section is validated against and built with.
+    #[serde(flatten)]
+    pub settings: Settings,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<PathBuf>,
-    /// The `--etcd-*` settings; a tenant's also hold its client certificate, from its Secret,
-    /// and its etcd's addresses and cluster as checked before it started (management mode).
-    #[serde(flatten)]
-    pub etcd: EtcdConfig,
     pub dry_run: bool,
     pub timer_only: bool,
     pub admin_addr: SocketAddr,

@@ -7,8 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ipnet::IpNet;
+use reconcilers::apiserver_endpoints::EndpointsMode;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
-use reconcilers::section::{ConfigError, EndpointsMode, format_duration, parse_duration};
+use reconcilers::section::{ConfigError, format_duration, parse_duration};
 
 use super::file::parse_file;
 use super::settings::{ConfigArgs, Given, Source, TenantBudgetFile};
@@ -257,7 +258,7 @@ impl TenantBase {
         };
         let config = self.merged(fragment)?;
         self.check_tenant_etcd(&config)?;
-        match config.endpoint_mode() {
+        match config.settings.endpoint_mode() {
             EndpointsMode::Static | EndpointsMode::None => Ok(config),
             other => Err(ConfigErrors(vec![ConfigError::new(
                 tenant_field("endpointReconcilerType"),
@@ -307,7 +308,7 @@ impl TenantBase {
     /// A tenant's etcd: only where the operator allows one, at a URL of the plain form, under a
     /// prefix of its own.
     fn check_tenant_etcd(&self, config: &Config) -> Result<(), ConfigErrors> {
-        if !config.etcd.servers.is_empty() && self.etcd_allowed.is_empty() {
+        if !config.settings.etcd.servers.is_empty() && self.etcd_allowed.is_empty() {
             return Err(ConfigErrors(vec![ConfigError::new(
                 tenant_field("etcdServers"),
                 "is not allowed: the operator has not set --tenants-etcd-allowed-cidrs \
@@ -316,6 +317,7 @@ impl TenantBase {
             )]));
         }
         let refused: Vec<ConfigError> = config
+            .settings
             .etcd
             .servers
             .iter()
@@ -335,12 +337,12 @@ impl TenantBase {
         if !refused.is_empty() {
             return Err(ConfigErrors(refused));
         }
-        if !config.etcd.servers.is_empty()
-            && let Err(why) = validate_tenant_etcd_prefix(&config.etcd.prefix)
+        if !config.settings.etcd.servers.is_empty()
+            && let Err(why) = validate_tenant_etcd_prefix(&config.settings.etcd.prefix)
         {
             return Err(ConfigErrors(vec![ConfigError::new(
                 tenant_field("etcdPrefix"),
-                format!("{:?} {why}", config.etcd.prefix),
+                format!("{:?} {why}", config.settings.etcd.prefix),
             )]));
         }
         Ok(())

@@ -95,13 +95,16 @@ fn kubernetes_service_and_endpoints_sections() {
 #[test]
 fn defaults_match_upstream() {
     let config = Config::merge(&ConfigArgs::default(), FileConfig::default()).unwrap();
-    assert_eq!(config.service_node_port_range, PortRange::default());
-    assert_eq!(config.secure_port, None);
     assert_eq!(
-        config.endpoint_reconciler_type, None,
+        config.settings.node_port_range,
+        reconcilers::alloc::PortRange::default()
+    );
+    assert_eq!(config.settings.secure_port, None);
+    assert_eq!(
+        config.settings.endpoint_reconciler_type, None,
         "no mode is assumed: the endpoints are left alone until one is named"
     );
-    assert_eq!(config.settings().endpoint_mode, EndpointsMode::None);
+    assert_eq!(config.settings.endpoint_mode(), EndpointsMode::None);
     assert_eq!(config.admin_addr, "0.0.0.0:8080".parse().unwrap());
     assert_eq!(
         config.loops.system_namespaces.interval,
@@ -134,18 +137,15 @@ fn defaults_match_upstream() {
     assert!(config.leader_election.enabled);
     assert!(!config.dry_run);
     assert_eq!(
-        config.service_cluster_ip_range,
+        config.settings.service_ranges,
         [],
         "no range is assumed: it is read from the cluster"
     );
-    assert!(config.settings().service_ranges.is_empty());
     // The loops' own defaults agree: only what belongs to a replica differs.
-    let settings = config.settings();
     assert_eq!(
-        settings,
+        config.settings,
         reconcilers::section::Settings {
-            identity: settings.identity.clone(),
-            leader_lease: settings.leader_lease.clone(),
+            identity: config.settings.identity.clone(),
             ..Default::default()
         }
     );
@@ -153,7 +153,7 @@ fn defaults_match_upstream() {
     assert!(!printed.contains("serviceClusterIPRange"), "{printed}");
     let set = from_yaml("serviceClusterIPRange: 10.96.0.0/12\n").unwrap();
     assert_eq!(
-        set.service_cluster_ip_range,
+        set.settings.service_ranges,
         ["10.96.0.0/12".parse().unwrap()]
     );
 }
@@ -200,7 +200,7 @@ fn two_cidrs_of_one_family_rejected() {
 #[test]
 fn dual_stack_and_small_ranges() {
     let config = from_yaml("serviceClusterIPRange: [10.96.0.0/12, fd00:10:96::/108]\n").unwrap();
-    assert_eq!(config.service_cluster_ip_range.len(), 2);
+    assert_eq!(config.settings.service_ranges.len(), 2);
     rejected(
         "serviceClusterIPRange: 10.0.0.0/30\n",
         "serviceClusterIPRange",
@@ -378,10 +378,10 @@ fn invalid_labels_rejected() {
 
 #[test]
 fn etcd_settings_are_validated_and_name_the_field() {
-    assert!(from_yaml("{}").unwrap().etcd().is_none());
+    assert!(from_yaml("{}").unwrap().settings.etcd().is_none());
 
     let config = from_yaml("etcdServers: https://192.0.2.1:2379,http://192.0.2.2:2379\n").unwrap();
-    let etcd = config.etcd().unwrap();
+    let etcd = config.settings.etcd().unwrap();
     assert_eq!(etcd.servers.len(), 2);
     assert_eq!(etcd.prefix, "/registry");
 
@@ -437,7 +437,7 @@ fn node_port_must_be_in_range() {
         &["30000-32767"],
     );
     let config = from_yaml("kubernetesServiceNodePort: 30443\n").unwrap();
-    assert_eq!(config.kubernetes_service_node_port, 30443);
+    assert_eq!(config.settings.kubernetes_service_node_port, Some(30443));
 }
 
 /// A numeric flag's text that is no number is quoted as given, with the flag and the fix.
@@ -490,11 +490,14 @@ fn apiserver_count_and_advertise_address() {
             "advertiseAddress: fd00::1\nendpointReconcilerType: {mode}"
         ))
         .unwrap();
-        assert_eq!(config.advertise_address, Some("fd00::1".parse().unwrap()));
+        assert_eq!(
+            config.settings.advertise_address,
+            Some("fd00::1".parse().unwrap())
+        );
     }
     // Named by no one, no endpoints are written, so the address's family does not matter.
     let unnamed = from_yaml("serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\n");
-    assert_eq!(unnamed.unwrap().endpoint_reconciler_type, None);
+    assert_eq!(unnamed.unwrap().settings.endpoint_reconciler_type, None);
     rejected(
         "advertiseAddress: not-an-ip\n",
         "advertiseAddress",
@@ -617,10 +620,13 @@ fn a_tenant_fragment_merges_over_the_file_and_is_validated_as_the_file() {
         "serviceClusterIPRange: 10.96.0.0/12\ntenants:\n  secretSelector: a=b\nloops:\n  systemNamespaces:\n    interval: 5s\n",
     );
     let defaults = base.tenant(None).unwrap();
-    assert_eq!(defaults.endpoint_reconciler_type, Some(EndpointsMode::None));
+    assert_eq!(
+        defaults.settings.endpoint_reconciler_type,
+        Some(EndpointsMode::None)
+    );
     assert_eq!(defaults.tenants, None, "a tenant is one cluster");
     assert_eq!(
-        defaults.service_cluster_ip_range,
+        defaults.settings.service_ranges,
         vec!["10.96.0.0/12".parse::<IpNet>().unwrap()]
     );
     let tenant = base
@@ -629,7 +635,7 @@ fn a_tenant_fragment_merges_over_the_file_and_is_validated_as_the_file() {
         ))
         .unwrap();
     assert_eq!(
-        tenant.service_cluster_ip_range,
+        tenant.settings.service_ranges,
         vec!["10.100.0.0/16".parse::<IpNet>().unwrap()]
     );
     assert!(!tenant.loops.node_port_repair.enabled);
@@ -777,7 +783,7 @@ fn a_tenant_etcd_prefix_is_a_plain_key_path() {
             "etcdServers: https://192.0.2.1:2379\netcdPrefix: /tenants/a\n",
         ))
         .unwrap();
-    assert_eq!(tenant.etcd.prefix, "/tenants/a");
+    assert_eq!(tenant.settings.etcd.prefix, "/tenants/a");
     for prefix in ["registry", "/a//b", "/a/../b", "/a/", "/a b", "/"] {
         let error = single_error(base.tenant(Some(&format!(
             "etcdServers: https://192.0.2.1:2379\netcdPrefix: \"{prefix}\"\n"
@@ -834,11 +840,15 @@ fn flags_override_file_override_defaults() {
         ..ConfigArgs::default()
     };
     let config = Config::merge(&args, file).unwrap();
-    assert_eq!(config.secure_port, Some(9443), "flag wins over file");
+    assert_eq!(
+        config.settings.secure_port,
+        Some(9443),
+        "flag wins over file"
+    );
     assert!(!config.dry_run, "flag wins over file");
     assert_eq!(
-        config.service_node_port_range,
-        PortRange::new(20000, 20999).unwrap()
+        config.settings.node_port_range,
+        reconcilers::alloc::PortRange::new(20000, 20999).unwrap()
     );
     assert_eq!(config.admin_addr, "127.0.0.1:9000".parse().unwrap());
     assert_eq!(
@@ -851,7 +861,7 @@ fn flags_override_file_override_defaults() {
         Duration::from_secs(10)
     );
     assert_eq!(config.loops.system_namespaces.namespaces.len(), 4);
-    assert_eq!(config.apiserver_count, 1);
+    assert_eq!(config.settings.apiserver_count, 1);
 }
 
 #[test]
@@ -939,9 +949,11 @@ fn durations_round_trip() {
 #[test]
 fn derived_identity_is_stable_within_the_process() {
     let config = Config::merge(&ConfigArgs::default(), FileConfig::default()).unwrap();
-    assert_eq!(config.leader_identity(), config.leader_identity());
+    let again = Config::merge(&ConfigArgs::default(), FileConfig::default()).unwrap();
+    assert!(!config.settings.identity.is_empty());
+    assert_eq!(config.settings.identity, again.settings.identity);
     let named = from_yaml("leaderElection:\n  identity: replica-a\n").unwrap();
-    assert_eq!(named.leader_identity(), "replica-a");
+    assert_eq!(named.settings.identity, "replica-a");
 }
 
 #[test]

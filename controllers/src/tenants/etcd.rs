@@ -196,15 +196,18 @@ async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked,
         .base
         .tenant(spec.fragment.as_deref())
         .map_err(|errors| format!("configuration: {errors}"))?;
-    config.etcd.inline_tls = etcd_tls(key, spec, &config)?;
-    let addresses = checked_addresses(&config.etcd.servers, settings.base.etcd_allowed()).await?;
+    config.settings.etcd.inline_tls = etcd_tls(key, spec, &config)?;
+    let addresses =
+        checked_addresses(&config.settings.etcd.servers, settings.base.etcd_allowed()).await?;
     let pin = EtcdPin {
         addresses,
         cluster_id: None,
     };
-    config.etcd.pin = Some(pin.clone());
+    config.settings.etcd.pin = Some(pin.clone());
     let etcd = config
+        .settings
         .etcd()
+        .cloned()
         .ok_or_else(|| format!("{TENANT_CONFIG_ANNOTATION}: etcdServers is empty"))?;
     let cluster = EtcdStore::new(etcd)
         .cluster_id()
@@ -213,13 +216,13 @@ async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked,
     Ok(Asked {
         claim: EtcdClaim {
             cluster,
-            prefix: config.etcd.prefix.clone(),
+            prefix: config.settings.etcd.prefix.clone(),
         },
         pin: EtcdPin {
             cluster_id: Some(cluster),
             ..pin
         },
-        servers: config.etcd.servers,
+        servers: config.settings.etcd.servers,
     })
 }
 

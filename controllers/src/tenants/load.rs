@@ -39,14 +39,14 @@ pub(super) async fn load(
     let kube_config = tenant_kubeconfig::read(bytes, &source, &settings.credentials)
         .await
         .map_err(|err| err.to_string())?;
-    config.etcd.inline_tls = etcd_tls(key, spec, &config)?;
+    config.settings.etcd.inline_tls = etcd_tls(key, spec, &config)?;
     // A tenant's etcd loops start only with the etcd its claim was decided for.
-    if !config.etcd.servers.is_empty() && etcd_pin.is_none() {
+    if !config.settings.etcd.servers.is_empty() && etcd_pin.is_none() {
         return Err(format!(
             "{TENANT_CONFIG_ANNOTATION}: etcdServers: the etcd has not answered yet"
         ));
     }
-    config.etcd.pin = etcd_pin;
+    config.settings.etcd.pin = etcd_pin;
     let limits = Limits::TENANT.for_one_client_in(&settings.pools.responses);
     let client = {
         let kube_config = kube_config.clone();
@@ -96,7 +96,7 @@ pub(super) fn etcd_tls(
         .zip(names)
         .filter_map(|(data, name)| data.as_ref().map(|_| name))
         .collect();
-    if config.etcd.servers.is_empty() {
+    if config.settings.etcd.servers.is_empty() {
         if given.is_empty() {
             return Ok(None);
         }
@@ -114,6 +114,7 @@ pub(super) fn etcd_tls(
     }
     if !given.is_empty()
         && let Some(plain) = config
+            .settings
             .etcd
             .servers
             .iter()

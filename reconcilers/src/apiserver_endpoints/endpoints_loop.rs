@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
@@ -46,8 +45,7 @@ struct State {
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
 pub struct ApiserverEndpointsLoop {
     section: Section,
-    /// The top-level settings: the mode, `apiserverCount`, this replica's identity and the
-    /// leader-election Lease.
+    /// The top-level settings: the mode and `apiserverCount`.
     settings: Settings,
     /// The Service the endpoints serve (from `settings`).
     pub(super) target: EndpointsTarget,
@@ -153,7 +151,7 @@ impl ApiserverEndpointsLoop {
             true => None,
             false => slices.get_opt(&target.service_name).await?,
         };
-        let sources = match self.settings.endpoint_mode {
+        let sources = match self.settings.endpoint_mode() {
             EndpointsMode::Lease => {
                 let api = Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
                 // A failed list is an error, never an empty membership.
@@ -247,7 +245,7 @@ impl ApiserverEndpointsLoop {
                 _ => tracing::warn!("{note}"),
             }
         }
-        if self.settings.endpoint_mode == EndpointsMode::Lease {
+        if self.settings.endpoint_mode() == EndpointsMode::Lease {
             let wake = plan.next_expiry.and_then(|t| {
                 let left = Timestamp::now().duration_until(t);
                 Duration::try_from(left)
@@ -325,37 +323,13 @@ impl ApiserverEndpointsLoop {
             .await
             .last_pass
             .is_some_and(|at| at.elapsed() < self.section.interval * 2);
-        let writer = match self.settings.endpoint_mode {
-            EndpointsMode::Lease => {
-                recently_leading
-                    && tokio::time::timeout(self.section.interval * 2, self.holds_leadership(ctx))
-                        .await
-                        .unwrap_or(false)
-            }
+        let writer = match self.settings.endpoint_mode() {
+            // The runner's election may have handed leadership over since the last pass.
+            EndpointsMode::Lease => recently_leading && ctx.leads(),
             EndpointsMode::MasterCount => true,
             EndpointsMode::Static | EndpointsMode::None => false,
         };
         writer && !ctx.dry_run && self.shutdown.decide().await.withdraw
-    }
-
-    /// Whether the leader-election Lease names this instance (true without leader election).
-    /// Read live: the runner may have handed leadership over since our last pass.
-    async fn holds_leadership(&self, ctx: &PassContext) -> bool {
-        let Some((namespace, name)) = &self.settings.leader_lease else {
-            return true;
-        };
-        let api: Api<Lease> = Api::namespaced(ctx.client.clone(), namespace);
-        match api.get_opt(name).await {
-            Ok(Some(lease)) => {
-                lease.spec.and_then(|s| s.holder_identity).as_deref()
-                    == Some(self.settings.identity.as_str())
-            }
-            Ok(None) => false,
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot read the leader Lease at shutdown; leaving the withdrawal to the next leader");
-                false
-            }
-        }
     }
 }
 
@@ -369,7 +343,7 @@ impl Reconciler for ApiserverEndpointsLoop {
     }
 
     fn needs_leadership(&self) -> bool {
-        self.settings.endpoint_mode != EndpointsMode::MasterCount
+        self.settings.endpoint_mode() != EndpointsMode::MasterCount
     }
 
     fn triggers(&self) -> Vec<Trigger> {
@@ -381,7 +355,7 @@ impl Reconciler for ApiserverEndpointsLoop {
         .into_iter()
         .flatten()
         .collect();
-        if self.settings.endpoint_mode == EndpointsMode::Lease {
+        if self.settings.endpoint_mode() == EndpointsMode::Lease {
             triggers.extend(
                 self.leases
                     .take_events()

@@ -37,8 +37,8 @@
 //! Lease namespace; `endpoints` get/list/watch/create/update and `discovery.k8s.io`
 //! `endpointslices` get/list/watch/create/update/delete in the Service namespace;
 //! `events.k8s.io` `events` create/patch there and in the Lease namespace; the non-resource URL `/readyz` get (when probed
-//! through the kubeconfig's server); reading the leader-election Lease (already granted to the
-//! election).
+//! through the kubeconfig's server). Whether this instance leads comes from the runner
+//! ([`crate::contract::PassContext::leader`]), not from the leader-election Lease.
 
 mod apply;
 pub mod endpoints_loop;
@@ -103,7 +103,7 @@ pub fn build_loops(
     registry: &mut Registry,
 ) -> Vec<Box<dyn Reconciler>> {
     let mut loops: Vec<Box<dyn Reconciler>> = Vec::new();
-    let mode = settings.endpoint_mode;
+    let mode = settings.endpoint_mode();
     if mode == EndpointsMode::None {
         return loops;
     }

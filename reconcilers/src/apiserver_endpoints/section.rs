@@ -1,7 +1,7 @@
 //! `loops.apiserverEndpoints`: the section of the configuration file, which is also the one
 //! configuration both endpoint loops read, with the top-level settings (the Service range,
-//! `securePort`, `advertiseAddress`, `endpointReconcilerType`, `apiserverCount`, this replica's
-//! identity and leader-election Lease).
+//! `securePort`, `advertiseAddress`, `endpointReconcilerType`, `apiserverCount` and this
+//! replica's identity).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -140,7 +140,7 @@ impl Section {
         errors: &mut Vec<section::ConfigError>,
     ) {
         validate_interval(path, self.interval, errors);
-        let mode = settings.endpoint_mode;
+        let mode = settings.endpoint_mode();
         let probes = matches!(mode, EndpointsMode::Lease | EndpointsMode::MasterCount);
         if self.enabled && probes && self.advertise_address(settings).is_none() {
             errors.push(section::ConfigError::new(
@@ -290,7 +290,7 @@ impl LoopSection for Section {
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
         let settings = context.settings;
-        let mode = settings.endpoint_mode;
+        let mode = settings.endpoint_mode();
         if mode == EndpointsMode::None {
             return Ok(Vec::new());
         }
@@ -380,7 +380,7 @@ mod tests {
     fn settings() -> Settings {
         Settings {
             advertise_address: Some("192.0.2.1".parse().unwrap()),
-            endpoint_mode: EndpointsMode::Lease,
+            endpoint_reconciler_type: Some(EndpointsMode::Lease),
             ..crate::section::test_settings()
         }
     }
@@ -434,7 +434,7 @@ mod tests {
                 .contains("no scheme")
         );
         let static_mode = Settings {
-            endpoint_mode: EndpointsMode::Static,
+            endpoint_reconciler_type: Some(EndpointsMode::Static),
             ..settings()
         };
         let section = Section {
@@ -462,7 +462,7 @@ mod tests {
     #[test]
     fn none_mode_needs_nothing() {
         let none = Settings {
-            endpoint_mode: EndpointsMode::None,
+            endpoint_reconciler_type: Some(EndpointsMode::None),
             advertise_address: None,
             ..settings()
         };

@@ -239,7 +239,7 @@ impl ClusterIpRepairLoop {
         // nobody mistakes them for kube-apiserver's own repair.
         let reporter = settings.reporter();
         let budget = &settings.cache_budget;
-        let legacy = settings.etcd.as_ref().map(|etcd| LegacySlot {
+        let legacy = settings.etcd().map(|etcd| LegacySlot {
             etcd: etcd.clone(),
             kubernetes_service: settings.kubernetes_service.clone(),
             bitmaps: Arc::default(),

@@ -80,7 +80,7 @@ impl NodePortRepairLoop {
         // nobody mistakes them for kube-apiserver's own repair.
         let reporter = settings.reporter();
         let range = settings.node_port_range;
-        let etcd = settings.etcd.clone().map(|etcd| {
+        let etcd = settings.etcd().map(|etcd| {
             LegacyBitmap::new(
                 EtcdStore::new(etcd.clone()),
                 etcd.key(RangeKey::NodePorts),

@@ -27,10 +27,7 @@ pub async fn sim() -> Sim {
 }
 
 pub fn ctx(sim: &Sim, dry_run: bool) -> PassContext {
-    PassContext {
-        client: sim.client(),
-        dry_run,
-    }
+    PassContext::leading(sim.client(), dry_run)
 }
 
 /// The events of `reason` the simulator holds, read through its backdoor.
