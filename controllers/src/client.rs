@@ -519,6 +519,7 @@ fn client_with(
         .layer(config.extra_headers_layer()?)
         .layer(naming_connection_errors(server_name(&config.cluster_url)))
         .map_err(BoxError::from)
+        .map_future(one_connection_first(&config.cluster_url))
         .service(client)
         .map_response(|response| {
             response.map(|body| {
@@ -568,6 +569,43 @@ pub fn builder_reading_ahead(
         return client_with(config, auth, tls, Retirement::default(), read_ahead);
     }
     kube::client::ClientBuilder::try_from(config.clone())
+}
+
+/// Holds a new client's requests back until its first one is answered, then lets them all go.
+///
+/// Every loop of a cluster starts at once, and hyper learns that a server speaks HTTP/2 only
+/// once a connection has negotiated it: each request sent before that dials a connection of
+/// its own, so a client would open one a loop (and a process starting 10,000 tenants, tens of
+/// thousands) before settling on the one it keeps. Sent one at a time until the first answer,
+/// the others find that connection in hyper's pool. A failed request lets the next one try;
+/// a server without HTTP/2 still gets its connections, once the first request has gone
+/// through. hyper's response futures send nothing until polled, so holding the future back
+/// holds the request back.
+fn one_connection_first<F, T, E>(
+    cluster_url: &http::Uri,
+) -> impl Fn(F) -> futures::future::BoxFuture<'static, Result<T, E>> + Clone + use<F, T, E>
+where
+    F: std::future::Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+{
+    // A plain-http cluster (tests, a local proxy) gets no gate: h2 is negotiated by TLS only.
+    let gated = cluster_url.scheme_str() == Some("https");
+    let gate = Arc::new(tokio::sync::Semaphore::new(1));
+    move |response: F| {
+        let gate = gate.clone();
+        Box::pin(async move {
+            // Closed once a request was answered: every request goes at once from then on.
+            let _turn = match gated {
+                true => gate.acquire().await.ok(),
+                false => None,
+            };
+            let answer = response.await;
+            if answer.is_ok() {
+                gate.close();
+            }
+            answer
+        })
+    }
 }
 
 /// A request that did not reach the server, its server named and its causes spelled out.

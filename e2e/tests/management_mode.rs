@@ -285,6 +285,10 @@ async fn tenants_behind_one_listener_are_reached_by_their_server_name_over_http2
     })
     .await?;
     let shared = fleet.shared_addr().context("the shared listener")?;
+    // The fleet's own check of its listener connects to some tenants before the controller.
+    let before: Vec<usize> = (fleet.tenants().iter())
+        .map(|t| t.connections_served())
+        .collect();
     let mut controller = ControllerProcess::start(
         fleet.management().kubeconfig_path(),
         &management_args(&["--leader-elect=false"]),
@@ -306,6 +310,15 @@ async fn tenants_behind_one_listener_are_reached_by_their_server_name_over_http2
             .then_some(()))
     })
     .await?;
+    // Every loop of a tenant starts at once: their requests wait for the first answer, so
+    // the client dials one connection, not one a loop.
+    for (i, tenant) in fleet.tenants().iter().enumerate() {
+        let dialled = tenant.connections_served() - before[i];
+        ensure!(
+            dialled == 1,
+            "tenant {i}: the controller dialled {dialled} connections to it, not one"
+        );
+    }
     let watches: usize = fleet.tenants().iter().map(open_watches).sum();
     let pid = controller.pid().context("the controller's pid")?;
     let sockets = std::fs::read_dir(format!("/proc/{pid}/fd"))?

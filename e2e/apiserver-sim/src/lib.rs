@@ -425,6 +425,14 @@ impl Sim {
         self.ctx.drop_connections();
     }
 
+    /// How many connections this simulator has served since it started (over TLS, those
+    /// whose handshake completed): what a client dialled, however many it kept.
+    pub fn connections_served(&self) -> usize {
+        self.ctx
+            .connections
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// How many watch streams on `resource` (a plural or `plural.group`) are open right now.
     /// Lets a test wait until the code under test is watching before it changes something.
     /// Unknown resources count 0.

@@ -52,6 +52,8 @@ pub struct Ctx {
     pub conn_epoch: std::sync::Mutex<CancellationToken>,
     /// Open watch streams per resource (index into RESOURCES).
     pub open_watches: Arc<Vec<std::sync::atomic::AtomicUsize>>,
+    /// Connections served since the start (over TLS: those whose handshake completed).
+    pub connections: std::sync::atomic::AtomicUsize,
 }
 
 /// Counts a watch stream as open for as long as it lives.
@@ -88,6 +90,7 @@ impl Ctx {
                     .map(|_| std::sync::atomic::AtomicUsize::new(0))
                     .collect(),
             ),
+            connections: std::sync::atomic::AtomicUsize::new(0),
             cancel,
         }
     }
@@ -1577,6 +1580,8 @@ async fn serve_connection<S>(stream: S, ctx: Arc<Ctx>, cancel: CancellationToken
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    ctx.connections
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let svc = hyper::service::service_fn(move |req| handle(Arc::clone(&ctx), req));
     // HTTP/1.1 or h2, whichever the client speaks (over TLS, what ALPN chose).
     let builder =
