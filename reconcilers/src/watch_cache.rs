@@ -22,7 +22,7 @@
 use std::fmt::Debug;
 use std::hash::BuildHasher;
 use std::hash::Hash;
-use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard};
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -51,6 +51,11 @@ pub trait Cached: Clone + Debug + Send + Sync + 'static {
         let names = meta.name.as_ref().map_or(0, String::len)
             + meta.namespace.as_ref().map_or(0, String::len);
         2 * (std::mem::size_of::<Entry<Self>>() + INDEX_SLOT) + names
+    }
+    /// The object's resourceVersion, where the record keeps it as a number ([`Whole`] compares
+    /// it with the object it keeps).
+    fn resource_version(&self) -> Option<u64> {
+        None
     }
 }
 
@@ -284,12 +289,25 @@ pub struct WatchCache<T: Cached> {
     events: Arc<Mutex<Option<WatchEvents<T::Object>>>>,
     /// Counts the changes the watch applied; subscribers other than the first wait on it.
     changes: tokio::sync::watch::Sender<u64>,
+    /// The LIST page size of a cache of every object of the kind ([`Self::every_unsized`]), set
+    /// by the first loop that names one and read when the watch starts.
+    page_size: Arc<OnceLock<u32>>,
 }
 
 impl<T: Cached> WatchCache<T> {
     /// A cache of what `config` selects, within `budget`. Nothing is cached until the stream of
     /// [`Self::take_events`] or [`Self::subscribe`] is polled.
     pub fn new(api: Api<T::Object>, config: watcher::Config, budget: &CacheBudget) -> Self {
+        let page_size = Arc::new(OnceLock::new());
+        let watch = budget::watch(api, config.clone(), budget, T::weight);
+        Self::with_watch(watch, &config, page_size)
+    }
+
+    fn with_watch(
+        watch: WatchEvents<T::Object>,
+        config: &watcher::Config,
+        page_size: Arc<OnceLock<u32>>,
+    ) -> Self {
         let selection = ListParams {
             label_selector: config.label_selector.clone(),
             field_selector: config.field_selector.clone(),
@@ -297,23 +315,43 @@ impl<T: Cached> WatchCache<T> {
         };
         let state = Arc::new(RwLock::new(StoreState::default()));
         let changes = tokio::sync::watch::Sender::new(0);
-        let events = keep(
-            budget::watch(api, config, budget, T::weight),
-            state.clone(),
-            changes.clone(),
-        );
+        let events = keep(watch, state.clone(), changes.clone());
         Self {
             state,
             selection,
             events: Arc::new(Mutex::new(Some(events))),
             changes,
+            page_size,
         }
     }
 
     /// A cache of every object of the kind, listed in pages of `page_size`.
     pub fn every(client: kube::Client, page_size: u32, budget: &CacheBudget) -> Self {
-        let config = watcher::Config::default().page_size(page_size);
-        Self::new(Api::all(client), config, budget)
+        let cache = Self::every_unsized(client, budget);
+        cache.size_pages(page_size);
+        cache
+    }
+
+    /// A cache of every object of the kind, listed in pages of the size the first
+    /// [`Self::size_pages`] names before the watch starts ([`DEFAULT_PAGE_SIZE`] if none does):
+    /// a loop that shares the cache without a page size of its own leaves it to those that have
+    /// one, whatever the order they are built in.
+    pub fn every_unsized(client: kube::Client, budget: &CacheBudget) -> Self {
+        let page_size = Arc::new(OnceLock::new());
+        let (size, budget) = (page_size.clone(), budget.clone());
+        let watch = futures::stream::once(async move {
+            let size = *size.get_or_init(|| DEFAULT_PAGE_SIZE);
+            let config = watcher::Config::default().page_size(size);
+            budget::watch(Api::all(client), config, &budget, T::weight)
+        })
+        .flatten()
+        .boxed();
+        Self::with_watch(watch, &watcher::Config::default(), page_size)
+    }
+
+    /// Lists in pages of `page_size` unless a size was named already (or the watch started).
+    pub fn size_pages(&self, page_size: u32) {
+        let _ = self.page_size.set(page_size);
     }
 
     /// The stream that fills the cache, for the loop that drives it; `None` after the first
@@ -499,6 +537,83 @@ where
     async fn list_live(&self, api: &Api<K>) -> Result<impl Iterator<Item = K>, kube::Error> {
         let listed = lenient(api).list(&self.selection).await?;
         Ok(listed.items.into_iter().map(|object| object.0))
+    }
+}
+
+/// One object of a cache of records, kept whole for the loop that writes it: read again (a LIST
+/// of its name, so no permission beyond the watch's) only when the record cache is not current
+/// or holds a resourceVersion other than the kept one's. The loop shares the record cache's
+/// watch, and a pass at rest reads the kept object and sends nothing.
+#[derive(Debug)]
+pub struct Whole<K> {
+    held: Mutex<Option<K>>,
+}
+
+impl<K> Default for Whole<K> {
+    fn default() -> Self {
+        Self {
+            held: Mutex::new(None),
+        }
+    }
+}
+
+impl<K> Whole<K>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + serde::Serialize
+        + Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    /// The object `name` of `api`, which `cache` holds under `key`: none when the current cache
+    /// holds no such key.
+    pub async fn get<T: Cached>(
+        &self,
+        cache: &WatchCache<T>,
+        key: &T::Key,
+        api: &Api<K>,
+        name: &str,
+    ) -> Result<Option<K>, kube::Error> {
+        if let Some(kept) = self.kept(cache, key) {
+            return Ok(kept);
+        }
+        let selection = ListParams::default().fields(&format!("metadata.name={name}"));
+        let found = lenient(api)
+            .list(&selection)
+            .await?
+            .items
+            .into_iter()
+            .map(|object| object.0)
+            .find(|object| object.meta().name.as_deref() == Some(name));
+        *self.lock() = found.clone();
+        Ok(found)
+    }
+
+    /// What the current cache says without a request: `Some(None)` for an object it does not
+    /// hold, the kept object when the cache holds its resourceVersion.
+    fn kept<T: Cached>(&self, cache: &WatchCache<T>, key: &T::Key) -> Option<Option<K>> {
+        let state = cache.current()?;
+        let Some(record) = state.get(key) else {
+            *self.lock() = None;
+            return Some(None);
+        };
+        let version = record.resource_version()?;
+        let held = self.lock();
+        let kept = held.as_ref()?;
+        let kept_version = kept
+            .meta()
+            .resource_version
+            .as_deref()?
+            .parse::<u64>()
+            .ok()?;
+        (kept_version == version).then(|| Some(kept.clone()))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<K>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

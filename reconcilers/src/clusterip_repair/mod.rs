@@ -231,17 +231,25 @@ impl ClusterIpRepairLoop {
         settings: &Settings,
         registry: &mut Registry,
     ) -> Self {
-        let services = WatchCache::every(client.clone(), section.page_size, &settings.cache_budget);
-        Self::with_services(client, section, settings, services, registry)
+        let budget = &settings.cache_budget;
+        let services = WatchCache::every(client.clone(), section.page_size, budget);
+        let service_cidrs = WatchCache::every(client.clone(), section.page_size, budget);
+        Self::with_shared(
+            client,
+            section,
+            settings,
+            (services, service_cidrs),
+            registry,
+        )
     }
 
-    /// [`Self::new`] with a Service cache other loops may share (whichever subscribes first
-    /// feeds it).
-    pub fn with_services(
+    /// [`Self::new`] with the Service and ServiceCIDR caches other loops may share (whichever
+    /// subscribes first feeds each).
+    pub fn with_shared(
         client: Client,
         section: Section,
         settings: &Settings,
-        services: WatchCache<ServiceRecord>,
+        (services, service_cidrs): (WatchCache<ServiceRecord>, WatchCache<ServiceCidrRecord>),
         registry: &mut Registry,
     ) -> Self {
         // Events name this controller (upstream's reasons, not its reporting controller), so
@@ -264,7 +272,7 @@ impl ClusterIpRepairLoop {
             reported: crate::findings::ReportOnce::new(),
             recorder: Recorder::new(client.clone(), reporter),
             ip_addresses: WatchCache::every(client.clone(), section.page_size, budget),
-            service_cidrs: WatchCache::every(client.clone(), section.page_size, budget),
+            service_cidrs,
             client,
             section,
             metrics: RepairMetrics::register(registry),
