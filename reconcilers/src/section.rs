@@ -228,8 +228,9 @@ impl<'a> BuildContext<'a> {
 
     /// The Service cache every loop of this cluster that reads Services shares, so the process
     /// lists and watches Services once whichever of those loops are enabled and in whatever
-    /// order they are built, listed in pages of the first `page_size` named (`None`: this loop
-    /// names none). The first loop to subscribe to it feeds it.
+    /// order they are built. A loop that reads every Service names its `page_size` (the first
+    /// named is the cache's); one that reads a single Service passes `None` and names it
+    /// ([`WatchCache::read_one`]). The first loop to subscribe to it feeds it.
     pub fn services(&mut self, page_size: impl Into<Option<u32>>) -> WatchCache<ServiceRecord> {
         shared(
             &mut self.services,
@@ -261,10 +262,10 @@ fn shared<T: crate::watch_cache::Cached>(
     settings: &Settings,
     page_size: Option<u32>,
 ) -> WatchCache<T> {
-    let cache = slot
-        .get_or_insert_with(|| WatchCache::every_unsized(client.clone(), &settings.cache_budget));
+    let cache =
+        slot.get_or_insert_with(|| WatchCache::shared(client.clone(), &settings.cache_budget));
     if let Some(page_size) = page_size {
-        cache.size_pages(page_size);
+        cache.read_every(page_size);
     }
     cache.clone()
 }

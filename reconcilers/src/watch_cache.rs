@@ -289,24 +289,64 @@ pub struct WatchCache<T: Cached> {
     events: Arc<Mutex<Option<WatchEvents<T::Object>>>>,
     /// Counts the changes the watch applied; subscribers other than the first wait on it.
     changes: tokio::sync::watch::Sender<u64>,
-    /// The LIST page size of a cache of every object of the kind ([`Self::every_unsized`]), set
-    /// by the first loop that names one and read when the watch starts.
-    page_size: Arc<OnceLock<u32>>,
+    /// What a cache shared by several loops ([`Self::shared`]) watches, settled when its watch
+    /// starts.
+    scope: Arc<Scope<T::Object>>,
+}
+
+/// What the loops sharing a cache read: every object of the kind (in pages of the first size
+/// named), or only the one object they name, so that a cache no loop reads whole does not hold
+/// (nor weigh on the budget with) every object of the kind.
+struct Scope<K> {
+    page_size: OnceLock<u32>,
+    /// A loop reads every object.
+    every: std::sync::atomic::AtomicBool,
+    named: Mutex<Named<K>>,
+}
+
+enum Named<K> {
+    Nothing,
+    /// The API (namespace) and name of the one object named.
+    One(Box<Api<K>>, String),
+    /// Loops named different objects: the cache keeps every object.
+    Several,
+}
+
+impl<K> Default for Scope<K> {
+    fn default() -> Self {
+        Self {
+            page_size: OnceLock::new(),
+            every: std::sync::atomic::AtomicBool::new(false),
+            named: Mutex::new(Named::Nothing),
+        }
+    }
+}
+
+impl<K: Resource + Clone> Scope<K> {
+    /// The one object to watch, unless a loop reads every object (or none is named).
+    fn one(&self) -> Option<(Api<K>, String)> {
+        if self.every.load(std::sync::atomic::Ordering::SeqCst) {
+            return None;
+        }
+        match &*self.named.lock().unwrap_or_else(PoisonError::into_inner) {
+            Named::One(api, name) => Some((Api::clone(api), name.clone())),
+            Named::Nothing | Named::Several => None,
+        }
+    }
 }
 
 impl<T: Cached> WatchCache<T> {
     /// A cache of what `config` selects, within `budget`. Nothing is cached until the stream of
     /// [`Self::take_events`] or [`Self::subscribe`] is polled.
     pub fn new(api: Api<T::Object>, config: watcher::Config, budget: &CacheBudget) -> Self {
-        let page_size = Arc::new(OnceLock::new());
         let watch = budget::watch(api, config.clone(), budget, T::weight);
-        Self::with_watch(watch, &config, page_size)
+        Self::with_watch(watch, &config, Arc::default())
     }
 
     fn with_watch(
         watch: WatchEvents<T::Object>,
         config: &watcher::Config,
-        page_size: Arc<OnceLock<u32>>,
+        scope: Arc<Scope<T::Object>>,
     ) -> Self {
         let selection = ListParams {
             label_selector: config.label_selector.clone(),
@@ -321,37 +361,68 @@ impl<T: Cached> WatchCache<T> {
             selection,
             events: Arc::new(Mutex::new(Some(events))),
             changes,
-            page_size,
+            scope,
         }
     }
 
     /// A cache of every object of the kind, listed in pages of `page_size`.
     pub fn every(client: kube::Client, page_size: u32, budget: &CacheBudget) -> Self {
-        let cache = Self::every_unsized(client, budget);
-        cache.size_pages(page_size);
+        let cache = Self::shared(client, budget);
+        cache.read_every(page_size);
         cache
     }
 
-    /// A cache of every object of the kind, listed in pages of the size the first
-    /// [`Self::size_pages`] names before the watch starts ([`DEFAULT_PAGE_SIZE`] if none does):
-    /// a loop that shares the cache without a page size of its own leaves it to those that have
-    /// one, whatever the order they are built in.
-    pub fn every_unsized(client: kube::Client, budget: &CacheBudget) -> Self {
-        let page_size = Arc::new(OnceLock::new());
-        let (size, budget) = (page_size.clone(), budget.clone());
+    /// A cache several loops share, whatever the order they are built in: it watches every
+    /// object of the kind when one of them reads every object ([`Self::read_every`], listed in
+    /// pages of the first size named), else the one object they name ([`Self::read_one`]).
+    /// Settled when the watch starts.
+    pub fn shared(client: kube::Client, budget: &CacheBudget) -> Self {
+        let scope: Arc<Scope<T::Object>> = Arc::default();
+        let (settled, budget) = (scope.clone(), budget.clone());
         let watch = futures::stream::once(async move {
-            let size = *size.get_or_init(|| DEFAULT_PAGE_SIZE);
-            let config = watcher::Config::default().page_size(size);
-            budget::watch(Api::all(client), config, &budget, T::weight)
+            let size = *settled.page_size.get_or_init(|| DEFAULT_PAGE_SIZE);
+            match settled.one() {
+                Some((api, name)) => {
+                    let config =
+                        watcher::Config::default().fields(&format!("metadata.name={name}"));
+                    budget::watch(api, config, &budget, T::weight)
+                }
+                None => {
+                    let config = watcher::Config::default().page_size(size);
+                    budget::watch(Api::all(client), config, &budget, T::weight)
+                }
+            }
         })
         .flatten()
         .boxed();
-        Self::with_watch(watch, &watcher::Config::default(), page_size)
+        Self::with_watch(watch, &watcher::Config::default(), scope)
     }
 
-    /// Lists in pages of `page_size` unless a size was named already (or the watch started).
-    pub fn size_pages(&self, page_size: u32) {
-        let _ = self.page_size.set(page_size);
+    /// A loop reads every object, listing in pages of `page_size` unless a size was named
+    /// already (or the watch started).
+    pub fn read_every(&self, page_size: u32) {
+        let _ = self.scope.page_size.set(page_size);
+        self.scope
+            .every
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A loop reads only the object `name` of `api` (its namespace, for a namespaced kind).
+    pub fn read_one(&self, api: Api<T::Object>, name: &str) {
+        let mut named = self
+            .scope
+            .named
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *named = match &*named {
+            Named::Nothing => Named::One(Box::new(api), name.to_owned()),
+            Named::One(held, held_name)
+                if held_name == name && held.namespace() == api.namespace() =>
+            {
+                Named::One(Box::new(api), name.to_owned())
+            }
+            Named::One(..) | Named::Several => Named::Several,
+        };
     }
 
     /// The stream that fills the cache, for the loop that drives it; `None` after the first

@@ -24,38 +24,65 @@ fn reads(sim: &apiserver_sim::Sim) -> usize {
         .count()
 }
 
-#[tokio::test]
-async fn the_loops_of_a_cluster_watch_each_resource_once_and_read_nothing_at_rest() {
-    let sim = common::sim().await;
+type Woken = Arc<std::sync::atomic::AtomicUsize>;
+
+/// The loops of `sections` built through one context, their triggers polled as the runner polls
+/// them, each counting its loop's wake-ups.
+fn started(
+    sim: &apiserver_sim::Sim,
+    sections: &[&dyn LoopSection],
+) -> Vec<(Arc<dyn Reconciler>, Woken)> {
     let settings = common::settings(&["10.96.0.0/12"]);
     let mut registry = Registry::default();
     let loader: reconcilers::apiserver_endpoints::ConfigLoader =
         Arc::new(|| Box::pin(async { Err("no kubeconfig in this test".into()) }));
     let mut context = BuildContext::new(sim.client(), &mut registry, &settings, loader);
-    let sections: [&dyn LoopSection; 4] = [
-        &reconcilers::kubernetes_service::Section::default(),
-        &reconcilers::service_cidr::Section::default(),
-        &reconcilers::clusterip_repair::Section::default(),
-        &reconcilers::nodeport_repair::Section::default(),
-    ];
     let loops: Vec<Arc<dyn Reconciler>> = sections
         .iter()
         .flat_map(|section| section.build(&mut context).unwrap())
         .collect();
-    assert_eq!(loops.len(), 4);
+    assert_eq!(loops.len(), sections.len());
+    loops
+        .into_iter()
+        .map(|built| {
+            let count = Woken::default();
+            for trigger in built.triggers() {
+                let count = count.clone();
+                tokio::spawn(trigger.for_each(move |()| {
+                    count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    async {}
+                }));
+            }
+            (built, count)
+        })
+        .collect()
+}
 
-    // Each loop's triggers, polled as the runner polls them; counts each loop's wake-ups.
-    let woken: Vec<Arc<std::sync::atomic::AtomicUsize>> =
-        loops.iter().map(|_| Arc::default()).collect();
-    for (built, count) in loops.iter().zip(&woken) {
-        for trigger in built.triggers() {
-            let count = count.clone();
-            tokio::spawn(trigger.for_each(move |()| {
-                count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                async {}
-            }));
-        }
-    }
+/// The namespaces the Service watches were sent to ("" for every namespace).
+fn service_watches(sim: &apiserver_sim::Sim) -> Vec<String> {
+    let mut namespaces: Vec<String> = sim
+        .requests()
+        .into_iter()
+        .filter(|r| r.resource == "services" && r.verb == "watch")
+        .map(|r| r.namespace)
+        .collect();
+    namespaces.dedup();
+    namespaces
+}
+
+#[tokio::test]
+async fn the_loops_of_a_cluster_watch_each_resource_once_and_read_nothing_at_rest() {
+    let sim = common::sim().await;
+    let started = started(
+        &sim,
+        &[
+            &reconcilers::kubernetes_service::Section::default(),
+            &reconcilers::service_cidr::Section::default(),
+            &reconcilers::clusterip_repair::Section::default(),
+            &reconcilers::nodeport_repair::Section::default(),
+        ],
+    );
+    let (loops, woken): (Vec<_>, Vec<_>) = started.into_iter().unzip();
     let ctx = common::ctx(&sim, false);
     common::eventually("every watch open", || async {
         ["services", "servicecidrs", "ipaddresses"]
@@ -76,6 +103,11 @@ async fn the_loops_of_a_cluster_watch_each_resource_once_and_read_nothing_at_res
     for resource in ["services", "servicecidrs", "ipaddresses"] {
         assert_eq!(sim.open_watches(resource), 1, "{resource}");
     }
+    assert_eq!(
+        service_watches(&sim),
+        [""],
+        "the repairs read every Service"
+    );
 
     let before = reads(&sim);
     for built in &loops {
@@ -104,4 +136,42 @@ async fn the_loops_of_a_cluster_watch_each_resource_once_and_read_nothing_at_res
         service.spec.unwrap().ports.unwrap()[0].port == 443
     })
     .await;
+}
+
+/// Without the repairs no loop reads every Service or ServiceCIDR: the shared caches watch only
+/// the `kubernetes` Service and the default ServiceCIDR, as the two loops' own watches would.
+#[tokio::test]
+async fn without_the_repairs_the_shared_caches_watch_only_the_objects_the_loops_write() {
+    let sim = common::sim().await;
+    let started = started(
+        &sim,
+        &[
+            &reconcilers::kubernetes_service::Section::default(),
+            &reconcilers::service_cidr::Section::default(),
+        ],
+    );
+    let ctx = common::ctx(&sim, false);
+    common::eventually("both watches open", || async {
+        sim.open_watches("services") == 1 && sim.open_watches("servicecidrs") == 1
+    })
+    .await;
+    common::eventually("converged", || async {
+        let mut quiet = true;
+        for (built, _) in &started {
+            let report = built.reconcile(&ctx).await;
+            quiet &= report.is_ok_and(|report| report.drift.iter().all(|d| !d.applied));
+        }
+        quiet
+    })
+    .await;
+    assert_eq!(
+        service_watches(&sim),
+        ["default"],
+        "only the kubernetes Service's namespace"
+    );
+    let before = reads(&sim);
+    for (built, _) in &started {
+        built.reconcile(&ctx).await.unwrap();
+    }
+    assert_eq!(reads(&sim), before, "a pass at rest reads the caches only");
 }

@@ -93,7 +93,7 @@ impl KubernetesServiceLoop {
         client: kube::Client,
         registry: &mut Registry,
     ) -> Self {
-        let services = WatchCache::every_unsized(client.clone(), &settings.cache_budget);
+        let services = WatchCache::shared(client.clone(), &settings.cache_budget);
         Self::with_services(section, settings, client, services, registry)
     }
 
@@ -106,6 +106,10 @@ impl KubernetesServiceLoop {
         services: WatchCache<ServiceRecord>,
         registry: &mut Registry,
     ) -> Self {
+        services.read_one(
+            Api::namespaced(client.clone(), &section.namespace),
+            &section.name,
+        );
         let ranges = ServiceRanges::new(
             client.clone(),
             settings.service_ranges.clone(),

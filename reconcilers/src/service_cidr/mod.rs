@@ -90,7 +90,7 @@ impl ServiceCidrLoop {
     /// The loop of a validated `section`, with `settings.service_ranges` as the ServiceCIDR's
     /// ranges; `None` when no range is configured (there is nothing to create or check then).
     pub fn new(client: Client, section: Section, settings: &Settings) -> Option<Self> {
-        let cidrs = WatchCache::every_unsized(client.clone(), &settings.cache_budget);
+        let cidrs = WatchCache::shared(client.clone(), &settings.cache_budget);
         Self::with_cidrs(client, section, settings, cidrs)
     }
 
@@ -105,6 +105,7 @@ impl ServiceCidrLoop {
         if settings.service_ranges.is_empty() {
             return None;
         }
+        cidrs.read_one(kube::Api::all(client.clone()), DEFAULT_SERVICE_CIDR);
         let reporter = settings.reporter();
         Some(Self {
             recorder: Recorder::new(client.clone(), reporter),
