@@ -15,6 +15,7 @@ use prometheus_client::registry::Registry;
 
 use crate::alloc::PortRange;
 use crate::budget::CacheBudget;
+use crate::clusterip_repair::model::ServiceCidrRecord;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
 use crate::service_cache::record::ServiceRecord;
@@ -256,6 +257,8 @@ pub struct BuildContext<'a> {
     pub load_kubeconfig: ConfigLoader,
     /// The Service cache, made by the first loop that asks ([`BuildContext::services`]).
     services: Option<WatchCache<ServiceRecord>>,
+    /// The ServiceCIDR cache, likewise ([`BuildContext::service_cidrs`]).
+    service_cidrs: Option<WatchCache<ServiceCidrRecord>>,
 }
 
 impl<'a> BuildContext<'a> {
@@ -271,19 +274,52 @@ impl<'a> BuildContext<'a> {
             settings,
             load_kubeconfig,
             services: None,
+            service_cidrs: None,
         }
     }
 
     /// The Service cache every loop of this cluster that reads Services shares, so the process
     /// lists and watches Services once whichever of those loops are enabled and in whatever
-    /// order they are built, listed in pages of the first one's `page_size`. The first loop to
-    /// subscribe to it feeds it.
-    pub fn services(&mut self, page_size: u32) -> WatchCache<ServiceRecord> {
-        let (client, budget) = (&self.client, &self.settings.cache_budget);
-        self.services
-            .get_or_insert_with(|| WatchCache::every(client.clone(), page_size, budget))
-            .clone()
+    /// order they are built. A loop that reads every Service names its `page_size` (the first
+    /// named is the cache's); one that reads a single Service passes `None` and names it
+    /// ([`WatchCache::read_one`]). The first loop to subscribe to it feeds it.
+    pub fn services(&mut self, page_size: impl Into<Option<u32>>) -> WatchCache<ServiceRecord> {
+        shared(
+            &mut self.services,
+            &self.client,
+            self.settings,
+            page_size.into(),
+        )
     }
+
+    /// The ServiceCIDR cache every loop of this cluster that reads ServiceCIDRs shares, as
+    /// [`Self::services`].
+    pub fn service_cidrs(
+        &mut self,
+        page_size: impl Into<Option<u32>>,
+    ) -> WatchCache<ServiceCidrRecord> {
+        shared(
+            &mut self.service_cidrs,
+            &self.client,
+            self.settings,
+            page_size.into(),
+        )
+    }
+}
+
+/// The cache in `slot`, made on first use.
+fn shared<T: crate::watch_cache::Cached>(
+    slot: &mut Option<WatchCache<T>>,
+    client: &kube::Client,
+    settings: &Settings,
+    page_size: Option<u32>,
+) -> WatchCache<T> {
+    let cache =
+        slot.get_or_insert_with(|| WatchCache::shared(client.clone(), &settings.cache_budget));
+    if let Some(page_size) = page_size {
+        cache.read_every(page_size);
+    }
+    cache.clone()
 }
 
 /// Why a loop was not built. Unreachable after validation; reported, never a panic.

@@ -22,7 +22,7 @@
 use std::fmt::Debug;
 use std::hash::BuildHasher;
 use std::hash::Hash;
-use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard};
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -51,6 +51,11 @@ pub trait Cached: Clone + Debug + Send + Sync + 'static {
         let names = meta.name.as_ref().map_or(0, String::len)
             + meta.namespace.as_ref().map_or(0, String::len);
         2 * (std::mem::size_of::<Entry<Self>>() + INDEX_SLOT) + names
+    }
+    /// The object's resourceVersion, where the record keeps it as a number ([`Whole`] compares
+    /// it with the object it keeps).
+    fn resource_version(&self) -> Option<u64> {
+        None
     }
 }
 
@@ -284,12 +289,65 @@ pub struct WatchCache<T: Cached> {
     events: Arc<Mutex<Option<WatchEvents<T::Object>>>>,
     /// Counts the changes the watch applied; subscribers other than the first wait on it.
     changes: tokio::sync::watch::Sender<u64>,
+    /// What a cache shared by several loops ([`Self::shared`]) watches, settled when its watch
+    /// starts.
+    scope: Arc<Scope<T::Object>>,
+}
+
+/// What the loops sharing a cache read: every object of the kind (in pages of the first size
+/// named), or only the one object they name, so that a cache no loop reads whole does not hold
+/// (nor weigh on the budget with) every object of the kind.
+struct Scope<K> {
+    page_size: OnceLock<u32>,
+    /// A loop reads every object.
+    every: std::sync::atomic::AtomicBool,
+    named: Mutex<Named<K>>,
+}
+
+enum Named<K> {
+    Nothing,
+    /// The API (namespace) and name of the one object named.
+    One(Box<Api<K>>, String),
+    /// Loops named different objects: the cache keeps every object.
+    Several,
+}
+
+impl<K> Default for Scope<K> {
+    fn default() -> Self {
+        Self {
+            page_size: OnceLock::new(),
+            every: std::sync::atomic::AtomicBool::new(false),
+            named: Mutex::new(Named::Nothing),
+        }
+    }
+}
+
+impl<K: Resource + Clone> Scope<K> {
+    /// The one object to watch, unless a loop reads every object (or none is named).
+    fn one(&self) -> Option<(Api<K>, String)> {
+        if self.every.load(std::sync::atomic::Ordering::SeqCst) {
+            return None;
+        }
+        match &*self.named.lock().unwrap_or_else(PoisonError::into_inner) {
+            Named::One(api, name) => Some((Api::clone(api), name.clone())),
+            Named::Nothing | Named::Several => None,
+        }
+    }
 }
 
 impl<T: Cached> WatchCache<T> {
     /// A cache of what `config` selects, within `budget`. Nothing is cached until the stream of
     /// [`Self::take_events`] or [`Self::subscribe`] is polled.
     pub fn new(api: Api<T::Object>, config: watcher::Config, budget: &CacheBudget) -> Self {
+        let watch = budget::watch(api, config.clone(), budget, T::weight);
+        Self::with_watch(watch, &config, Arc::default())
+    }
+
+    fn with_watch(
+        watch: WatchEvents<T::Object>,
+        config: &watcher::Config,
+        scope: Arc<Scope<T::Object>>,
+    ) -> Self {
         let selection = ListParams {
             label_selector: config.label_selector.clone(),
             field_selector: config.field_selector.clone(),
@@ -297,23 +355,74 @@ impl<T: Cached> WatchCache<T> {
         };
         let state = Arc::new(RwLock::new(StoreState::default()));
         let changes = tokio::sync::watch::Sender::new(0);
-        let events = keep(
-            budget::watch(api, config, budget, T::weight),
-            state.clone(),
-            changes.clone(),
-        );
+        let events = keep(watch, state.clone(), changes.clone());
         Self {
             state,
             selection,
             events: Arc::new(Mutex::new(Some(events))),
             changes,
+            scope,
         }
     }
 
     /// A cache of every object of the kind, listed in pages of `page_size`.
     pub fn every(client: kube::Client, page_size: u32, budget: &CacheBudget) -> Self {
-        let config = watcher::Config::default().page_size(page_size);
-        Self::new(Api::all(client), config, budget)
+        let cache = Self::shared(client, budget);
+        cache.read_every(page_size);
+        cache
+    }
+
+    /// A cache several loops share, whatever the order they are built in: it watches every
+    /// object of the kind when one of them reads every object ([`Self::read_every`], listed in
+    /// pages of the first size named), else the one object they name ([`Self::read_one`]).
+    /// Settled when the watch starts.
+    pub fn shared(client: kube::Client, budget: &CacheBudget) -> Self {
+        let scope: Arc<Scope<T::Object>> = Arc::default();
+        let (settled, budget) = (scope.clone(), budget.clone());
+        let watch = futures::stream::once(async move {
+            let size = *settled.page_size.get_or_init(|| DEFAULT_PAGE_SIZE);
+            match settled.one() {
+                Some((api, name)) => {
+                    let config =
+                        watcher::Config::default().fields(&format!("metadata.name={name}"));
+                    budget::watch(api, config, &budget, T::weight)
+                }
+                None => {
+                    let config = watcher::Config::default().page_size(size);
+                    budget::watch(Api::all(client), config, &budget, T::weight)
+                }
+            }
+        })
+        .flatten()
+        .boxed();
+        Self::with_watch(watch, &watcher::Config::default(), scope)
+    }
+
+    /// A loop reads every object, listing in pages of `page_size` unless a size was named
+    /// already (or the watch started).
+    pub fn read_every(&self, page_size: u32) {
+        let _ = self.scope.page_size.set(page_size);
+        self.scope
+            .every
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A loop reads only the object `name` of `api` (its namespace, for a namespaced kind).
+    pub fn read_one(&self, api: Api<T::Object>, name: &str) {
+        let mut named = self
+            .scope
+            .named
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *named = match &*named {
+            Named::Nothing => Named::One(Box::new(api), name.to_owned()),
+            Named::One(held, held_name)
+                if held_name == name && held.namespace() == api.namespace() =>
+            {
+                Named::One(Box::new(api), name.to_owned())
+            }
+            Named::One(..) | Named::Several => Named::Several,
+        };
     }
 
     /// The stream that fills the cache, for the loop that drives it; `None` after the first
@@ -499,6 +608,83 @@ where
     async fn list_live(&self, api: &Api<K>) -> Result<impl Iterator<Item = K>, kube::Error> {
         let listed = lenient(api).list(&self.selection).await?;
         Ok(listed.items.into_iter().map(|object| object.0))
+    }
+}
+
+/// One object of a cache of records, kept whole for the loop that writes it: read again (a LIST
+/// of its name, so no permission beyond the watch's) only when the record cache is not current
+/// or holds a resourceVersion other than the kept one's. The loop shares the record cache's
+/// watch, and a pass at rest reads the kept object and sends nothing.
+#[derive(Debug)]
+pub struct Whole<K> {
+    held: Mutex<Option<K>>,
+}
+
+impl<K> Default for Whole<K> {
+    fn default() -> Self {
+        Self {
+            held: Mutex::new(None),
+        }
+    }
+}
+
+impl<K> Whole<K>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + serde::Serialize
+        + Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    /// The object `name` of `api`, which `cache` holds under `key`: none when the current cache
+    /// holds no such key.
+    pub async fn get<T: Cached>(
+        &self,
+        cache: &WatchCache<T>,
+        key: &T::Key,
+        api: &Api<K>,
+        name: &str,
+    ) -> Result<Option<K>, kube::Error> {
+        if let Some(kept) = self.kept(cache, key) {
+            return Ok(kept);
+        }
+        let selection = ListParams::default().fields(&format!("metadata.name={name}"));
+        let found = lenient(api)
+            .list(&selection)
+            .await?
+            .items
+            .into_iter()
+            .map(|object| object.0)
+            .find(|object| object.meta().name.as_deref() == Some(name));
+        *self.lock() = found.clone();
+        Ok(found)
+    }
+
+    /// What the current cache says without a request: `Some(None)` for an object it does not
+    /// hold, the kept object when the cache holds its resourceVersion.
+    fn kept<T: Cached>(&self, cache: &WatchCache<T>, key: &T::Key) -> Option<Option<K>> {
+        let state = cache.current()?;
+        let Some(record) = state.get(key) else {
+            *self.lock() = None;
+            return Some(None);
+        };
+        let version = record.resource_version()?;
+        let held = self.lock();
+        let kept = held.as_ref()?;
+        let kept_version = kept
+            .meta()
+            .resource_version
+            .as_deref()?
+            .parse::<u64>()
+            .ok()?;
+        (kept_version == version).then(|| Some(kept.clone()))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<K>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

@@ -222,17 +222,25 @@ impl ClusterIpRepairLoop {
         settings: &Settings,
         registry: &mut Registry,
     ) -> Self {
-        let services = WatchCache::every(client.clone(), section.page_size, &settings.cache_budget);
-        Self::with_services(client, section, settings, services, registry)
+        let budget = &settings.cache_budget;
+        let services = WatchCache::every(client.clone(), section.page_size, budget);
+        let service_cidrs = WatchCache::every(client.clone(), section.page_size, budget);
+        Self::with_shared(
+            client,
+            section,
+            settings,
+            (services, service_cidrs),
+            registry,
+        )
     }
 
-    /// [`Self::new`] with a Service cache other loops may share (whichever subscribes first
-    /// feeds it).
-    pub fn with_services(
+    /// [`Self::new`] with the Service and ServiceCIDR caches other loops may share (whichever
+    /// subscribes first feeds each).
+    pub fn with_shared(
         client: Client,
         section: Section,
         settings: &Settings,
-        services: WatchCache<ServiceRecord>,
+        (services, service_cidrs): (WatchCache<ServiceRecord>, WatchCache<ServiceCidrRecord>),
         registry: &mut Registry,
     ) -> Self {
         // Events name this controller (upstream's reasons, not its reporting controller), so
@@ -255,7 +263,7 @@ impl ClusterIpRepairLoop {
             reported: crate::findings::ReportOnce::new(),
             recorder: Recorder::new(client.clone(), reporter),
             ip_addresses: WatchCache::every(client.clone(), section.page_size, budget),
-            service_cidrs: WatchCache::every(client.clone(), section.page_size, budget),
+            service_cidrs,
             client,
             section,
             metrics: RepairMetrics::register(registry),
@@ -510,7 +518,25 @@ impl ClusterIpRepairLoop {
         let mut report = PassReport::default();
         let mut first_error: Option<LoopError> = None;
         let appeared = self.appeared(&decision.findings);
-        for finding in decision.findings {
+        let mut findings = decision.findings.into_iter();
+        while let Some(finding) = findings.next() {
+            // A cache emptied during the pass (its tenant paused over budget, a relist begun)
+            // no longer holds what the findings were decided on: the rest wait for a pass on
+            // synced caches, rather than each being checked live, deferred and kept in the
+            // report against a client that may be failing every request. Those that appeared
+            // in this pass are reported by that pass.
+            if let Some(what) = self.unsynced() {
+                for rest in std::iter::once(finding).chain(findings) {
+                    if let Some(key) = report_key(&rest)
+                        && appeared.contains(&key)
+                    {
+                        self.reported.forget(&key);
+                    }
+                }
+                return Err(LoopError::NotSynced(format!(
+                    "{what} cache stopped being synced during the pass"
+                )));
+            }
             let report_only = report_key(&finding);
             if report_only
                 .as_ref()
@@ -584,6 +610,17 @@ impl ClusterIpRepairLoop {
             Some(err) => Err(err),
             None => Ok(report),
         }
+    }
+
+    /// The first cache an IPAddress-mode pass decides on that is not synced, if any.
+    fn unsynced(&self) -> Option<&'static str> {
+        [
+            (self.services.read().synced, "Service"),
+            (self.ip_addresses.read().synced, "IPAddress"),
+            (self.service_cidrs.read().synced, "ServiceCIDR"),
+        ]
+        .into_iter()
+        .find_map(|(synced, what)| (!synced).then_some(what))
     }
 
     /// A finding the live read could not confirm: looked at again soon, and a report waits for

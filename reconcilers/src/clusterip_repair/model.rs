@@ -397,6 +397,9 @@ impl Cached for ServiceCidrRecord {
     fn key(&self) -> Self::Key {
         self.name.clone()
     }
+    fn resource_version(&self) -> Option<u64> {
+        (self.resource_version != 0).then_some(self.resource_version)
+    }
 }
 
 #[cfg(test)]

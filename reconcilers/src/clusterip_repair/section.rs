@@ -95,11 +95,12 @@ impl LoopSection for Section {
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
         let services = context.services(self.page_size);
-        let built = ClusterIpRepairLoop::with_services(
+        let service_cidrs = context.service_cidrs(self.page_size);
+        let built = ClusterIpRepairLoop::with_shared(
             context.client.clone(),
             self.clone(),
             context.settings,
-            services,
+            (services, service_cidrs),
             context.registry,
         );
         Ok(vec![Arc::new(built)])

@@ -29,14 +29,14 @@ use k8s_openapi::api::core::v1::Service;
 use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{EventType, Recorder, Reporter};
-use kube::runtime::watcher;
 use prometheus_client::registry::Registry;
 
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::findings::ReportOnce;
 use crate::section::{ServiceName, Settings};
+use crate::service_cache::record::{Name, ServiceRecord};
 use crate::service_range::{RangeError, ServiceRanges};
-use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
+use crate::watch_cache::{WatchCache, Whole};
 
 mod apply;
 mod metrics;
@@ -75,8 +75,11 @@ pub struct KubernetesServiceLoop {
     last_mismatch: Mutex<Option<ServiceDrift>>,
     /// Writes the API refused, reported once each while the refusal lasts.
     refusals: ReportOnce<Refusal>,
-    /// The Service, kept by the watch that is also this loop's trigger.
-    cache: WatchCache<Lenient<Service>>,
+    /// Every Service as a record, kept by the watch of Services the cluster's loops share (its
+    /// changes trigger this loop), and the `kubernetes` Service whole, read again when its
+    /// record's resourceVersion changes.
+    services: WatchCache<ServiceRecord>,
+    service: Whole<Service>,
     /// `serviceClusterIPRange`, or the `kubernetes` ServiceCIDR's ranges when it is not set.
     ranges: ServiceRanges,
 }
@@ -90,10 +93,22 @@ impl KubernetesServiceLoop {
         client: kube::Client,
         registry: &mut Registry,
     ) -> Self {
-        let cache = WatchCache::of(
-            &Api::namespaced(client.clone(), &section.namespace),
-            watcher::Config::default().fields(&format!("metadata.name={}", section.name)),
-            &settings.cache_budget,
+        let services = WatchCache::shared(client.clone(), &settings.cache_budget);
+        Self::with_services(section, settings, client, services, registry)
+    }
+
+    /// [`Self::new`] with the Service cache the cluster's loops share (whichever subscribes
+    /// first feeds it).
+    pub fn with_services(
+        section: Section,
+        settings: &Settings,
+        client: kube::Client,
+        services: WatchCache<ServiceRecord>,
+        registry: &mut Registry,
+    ) -> Self {
+        services.read_one(
+            Api::namespaced(client.clone(), &section.namespace),
+            &section.name,
         );
         let ranges = ServiceRanges::new(
             client.clone(),
@@ -112,7 +127,8 @@ impl KubernetesServiceLoop {
             metrics: KubernetesServiceMetrics::register(registry),
             last_mismatch: Mutex::new(None),
             refusals: ReportOnce::new(),
-            cache,
+            services,
+            service: Whole::default(),
         }
     }
 
@@ -199,7 +215,13 @@ impl KubernetesServiceLoop {
         };
         let section = &self.section;
         let api: Api<Service> = Api::namespaced(ctx.client.clone(), &section.namespace);
-        let existing = self.cache.get(&api, &section.name).await?;
+        let key = (
+            Name::from(section.namespace.as_str()),
+            Name::from(section.name.as_str()),
+        );
+        let existing = (self.service)
+            .get(&self.services, &key, &api, &section.name)
+            .await?;
         self.apply(
             ctx,
             settings,
@@ -219,11 +241,7 @@ impl Reconciler for KubernetesServiceLoop {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        self.cache
-            .take_events()
-            .map(watch_trigger)
-            .into_iter()
-            .collect()
+        vec![self.services.subscribe()]
     }
 
     fn reconcile<'a>(

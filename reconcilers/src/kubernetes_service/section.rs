@@ -102,10 +102,12 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        Ok(vec![Arc::new(KubernetesServiceLoop::new(
+        let services = context.services(None);
+        Ok(vec![Arc::new(KubernetesServiceLoop::with_services(
             self.clone(),
             context.settings,
             context.client.clone(),
+            services,
             context.registry,
         ))])
     }

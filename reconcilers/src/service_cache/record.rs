@@ -483,6 +483,9 @@ impl crate::watch_cache::Cached for ServiceRecord {
     fn key(&self) -> Self::Key {
         (self.namespace.clone(), self.name.clone())
     }
+    fn resource_version(&self) -> Option<u64> {
+        (self.resource_version != 0).then_some(self.resource_version)
+    }
 }
 
 #[cfg(test)]

@@ -65,7 +65,7 @@ impl ServiceCidrLoop {
         }
         let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());
         let object = format!("ServiceCIDR/{DEFAULT_SERVICE_CIDR}");
-        let mut current = self.cache.get(&api, DEFAULT_SERVICE_CIDR).await?;
+        let mut current = self.current(&api).await?;
         let written = match plan(current.as_ref(), &self.ranges) {
             Plan::Create => self.create(ctx, &api, &object, &mut report).await?,
             Plan::UpgradeToDualStack => {
@@ -118,9 +118,7 @@ impl ServiceCidrLoop {
         };
         let current = match api.create(&PostParams::default(), &new).await {
             Ok(created) => Some(created),
-            Err(kube::Error::Api(status)) if status.code == 409 => {
-                self.cache.get(api, DEFAULT_SERVICE_CIDR).await?
-            }
+            Err(kube::Error::Api(status)) if status.code == 409 => self.current(api).await?,
             Err(err) => {
                 self.warn_event(
                     "KubernetesDefaultServiceCIDRError",

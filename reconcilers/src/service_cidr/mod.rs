@@ -18,17 +18,17 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
+use kube::Client;
 use kube::runtime::events::Recorder;
-use kube::runtime::watcher;
-use kube::{Api, Client};
 use tracing::info;
 
 use crate::Trigger;
+use crate::clusterip_repair::model::ServiceCidrRecord;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
 use crate::findings::ReportOnce;
 use crate::section::Settings;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, networking_v1_serves};
-use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
+use crate::watch_cache::{WatchCache, Whole};
 
 mod apply;
 mod plan;
@@ -72,17 +72,33 @@ pub struct ServiceCidrLoop {
     /// Whether the API serves ServiceCIDRs, once discovery has answered.
     served: Arc<Mutex<Option<bool>>>,
     client: Client,
-    /// The default ServiceCIDR, kept by the watch that is also this loop's trigger.
-    cache: WatchCache<Lenient<ServiceCIDR>>,
+    /// Every ServiceCIDR as a record, kept by the watch of ServiceCIDRs the cluster's loops
+    /// share (its changes trigger this loop), and the default one whole, read again when its
+    /// record's resourceVersion changes.
+    cidrs: WatchCache<ServiceCidrRecord>,
+    cidr: Whole<ServiceCIDR>,
 }
 
 impl ServiceCidrLoop {
     /// The loop of a validated `section`, with `settings.service_ranges` as the ServiceCIDR's
     /// ranges; `None` when no range is configured (there is nothing to create or check then).
     pub fn new(client: Client, section: Section, settings: &Settings) -> Option<Self> {
+        let cidrs = WatchCache::shared(client.clone(), &settings.cache_budget);
+        Self::with_cidrs(client, section, settings, cidrs)
+    }
+
+    /// [`Self::new`] with the ServiceCIDR cache the cluster's loops share (whichever subscribes
+    /// first feeds it).
+    pub fn with_cidrs(
+        client: Client,
+        section: Section,
+        settings: &Settings,
+        cidrs: WatchCache<ServiceCidrRecord>,
+    ) -> Option<Self> {
         if settings.service_ranges.is_empty() {
             return None;
         }
+        cidrs.read_one(kube::Api::all(client.clone()), DEFAULT_SERVICE_CIDR);
         let reporter = settings.reporter();
         Some(Self {
             recorder: Recorder::new(client.clone(), reporter),
@@ -90,11 +106,8 @@ impl ServiceCidrLoop {
             ranges: settings.service_ranges.clone(),
             reported: ReportOnce::new(),
             served: Arc::new(Mutex::new(None)),
-            cache: WatchCache::of(
-                &Api::all(client.clone()),
-                watcher::Config::default().fields(&format!("metadata.name={DEFAULT_SERVICE_CIDR}")),
-                &settings.cache_budget,
-            ),
+            cidrs,
+            cidr: Whole::default(),
             client,
         })
     }
@@ -102,6 +115,18 @@ impl ServiceCidrLoop {
     /// The ranges as `spec.cidrs` writes them.
     fn desired(&self) -> Vec<String> {
         self.ranges.iter().map(ToString::to_string).collect()
+    }
+
+    /// The default ServiceCIDR: the kept one while the cache holds its resourceVersion.
+    async fn current(
+        &self,
+        api: &kube::Api<ServiceCIDR>,
+    ) -> Result<Option<ServiceCIDR>, LoopError> {
+        let key: Box<str> = DEFAULT_SERVICE_CIDR.into();
+        Ok(self
+            .cidr
+            .get(&self.cidrs, &key, api, DEFAULT_SERVICE_CIDR)
+            .await?)
     }
 
     async fn served(&self, client: &Client) -> Result<bool, LoopError> {
@@ -118,12 +143,10 @@ impl Reconciler for ServiceCidrLoop {
         self.section.interval
     }
 
-    /// The watch of the default ServiceCIDR, once discovery says the API serves them (retried
-    /// with backoff until it answers); none where it does not.
+    /// The watch of ServiceCIDRs, once discovery says the API serves them (retried with backoff
+    /// until it answers); none where it does not.
     fn triggers(&self) -> Vec<Trigger> {
-        let Some(events) = self.cache.take_events() else {
-            return Vec::new();
-        };
+        let changes = self.cidrs.subscribe();
         let (client, slot) = (self.client.clone(), self.served.clone());
         let trigger = async move {
             let discover = || served(&client, &slot);
@@ -134,7 +157,7 @@ impl Reconciler for ServiceCidrLoop {
                 ))
                 .await
             {
-                Ok(true) => watch_trigger(events),
+                Ok(true) => changes,
                 Ok(false) | Err(_) => futures::stream::pending().boxed(),
             }
         };

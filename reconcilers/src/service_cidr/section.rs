@@ -52,7 +52,13 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        match ServiceCidrLoop::new(context.client.clone(), self.clone(), context.settings) {
+        let cidrs = context.service_cidrs(None);
+        match ServiceCidrLoop::with_cidrs(
+            context.client.clone(),
+            self.clone(),
+            context.settings,
+            cidrs,
+        ) {
             Some(built) => Ok(vec![Arc::new(built)]),
             None => {
                 info!(
