@@ -526,13 +526,7 @@ impl ClusterIpRepairLoop {
             // report against a client that may be failing every request. Those that appeared
             // in this pass are reported by that pass.
             if let Some(what) = self.unsynced() {
-                for rest in std::iter::once(finding).chain(findings) {
-                    if let Some(key) = report_key(&rest)
-                        && appeared.contains(&key)
-                    {
-                        self.reported.forget(&key);
-                    }
-                }
+                self.forget_appeared(std::iter::once(finding).chain(findings), &appeared);
                 return Err(LoopError::NotSynced(format!(
                     "{what} cache stopped being synced during the pass"
                 )));
@@ -609,6 +603,20 @@ impl ClusterIpRepairLoop {
         match first_error {
             Some(err) => Err(err),
             None => Ok(report),
+        }
+    }
+
+    /// Forgets the findings of `rest` that appeared in this pass, so that the next pass, which
+    /// acts on them, reports them.
+    fn forget_appeared(
+        &self,
+        rest: impl Iterator<Item = Finding>,
+        appeared: &std::collections::HashSet<ReportKey>,
+    ) {
+        for key in rest.filter_map(|finding| report_key(&finding)) {
+            if appeared.contains(&key) {
+                self.reported.forget(&key);
+            }
         }
     }
 
