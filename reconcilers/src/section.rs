@@ -15,9 +15,9 @@ use prometheus_client::registry::Registry;
 
 use crate::alloc::PortRange;
 use crate::budget::CacheBudget;
-use crate::clusterip_repair::model::ServiceCidrRecord;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
+use crate::service_cache::record::ServiceCidrRecord;
 use crate::service_cache::record::ServiceRecord;
 use crate::watch_cache::WatchCache;
 

@@ -4,12 +4,12 @@
 
 use std::net::IpAddr;
 
-use ipnet::IpNet;
 use serde::Deserialize;
 
 use crate::alloc::IpFamily;
-use crate::service_cache::record::{
-    LeanMeta, Name, Token, lean_resource, null_as_default, version_of,
+use crate::service_cache::record::{LeanMeta, Name, Token, lean_resource, null_as_default};
+pub use crate::service_cache::record::{
+    ServiceCidrObject, ServiceCidrObjectSpec, ServiceCidrRecord,
 };
 use crate::watch_cache::Cached;
 
@@ -190,18 +190,6 @@ impl IpAddressRecord {
     }
 }
 
-/// The parts of a ServiceCIDR the repair needs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ServiceCidrRecord {
-    pub name: Box<str>,
-    pub resource_version: u64,
-    /// Parsed `spec.cidrs`; entries that do not parse are dropped (the API validates them).
-    pub cidrs: Vec<IpNet>,
-    /// `spec.cidrs` as written, for comparisons with the configuration.
-    pub raw_cidrs: Vec<Box<str>>,
-    pub deleting: bool,
-}
-
 /// Object identity for preconditioned writes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ObjectVersion {
@@ -316,27 +304,6 @@ pub struct IpAddressParent {
     pub name: String,
 }
 
-/// A ServiceCIDR as the cache receives it: `spec.cidrs` and the metadata the record holds,
-/// decoded as leniently as [`IpAddressObject`].
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct ServiceCidrObject {
-    pub metadata: LeanMeta,
-    #[serde(deserialize_with = "null_as_default")]
-    pub spec: ServiceCidrObjectSpec,
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct ServiceCidrObjectSpec {
-    #[serde(deserialize_with = "null_as_default")]
-    pub cidrs: Vec<Option<String>>,
-}
-
-lean_resource!(
-    ServiceCidrObject,
-    k8s_openapi::api::networking::v1::ServiceCIDR
-);
 lean_resource!(IpAddressObject, k8s_openapi::api::networking::v1::IPAddress);
 
 impl From<&IpAddressObject> for IpAddressRecord {
@@ -362,20 +329,6 @@ impl From<&IpAddressObject> for IpAddressRecord {
     }
 }
 
-impl From<&ServiceCidrObject> for ServiceCidrRecord {
-    fn from(cidr: &ServiceCidrObject) -> Self {
-        let meta = &cidr.metadata.meta;
-        let raw = cidr.spec.cidrs.iter().flatten();
-        Self {
-            name: meta.name.as_deref().unwrap_or("").into(),
-            resource_version: version_of(meta),
-            cidrs: raw.clone().filter_map(|text| text.parse().ok()).collect(),
-            raw_cidrs: raw.map(|text| text.as_str().into()).collect(),
-            deleting: cidr.metadata.deleting,
-        }
-    }
-}
-
 impl Cached for IpAddressRecord {
     type Object = IpAddressObject;
     /// The name, which is the IP: no allocation for the usual (canonical) names.
@@ -385,20 +338,6 @@ impl Cached for IpAddressRecord {
     }
     fn key(&self) -> Self::Key {
         self.name.clone()
-    }
-}
-
-impl Cached for ServiceCidrRecord {
-    type Object = ServiceCidrObject;
-    type Key = Box<str>;
-    fn project(object: &ServiceCidrObject) -> Self {
-        ServiceCidrRecord::from(object)
-    }
-    fn key(&self) -> Self::Key {
-        self.name.clone()
-    }
-    fn resource_version(&self) -> Option<u64> {
-        (self.resource_version != 0).then_some(self.resource_version)
     }
 }
 
@@ -618,7 +557,10 @@ mod tests {
         )
         .unwrap();
         let cidr = ServiceCidrRecord::from(&cidr);
-        assert_eq!(cidr.cidrs, ["192.0.2.0/24".parse::<IpNet>().unwrap()]);
+        assert_eq!(
+            cidr.cidrs,
+            ["192.0.2.0/24".parse::<ipnet::IpNet>().unwrap()]
+        );
         assert!(cidr.deleting);
     }
 }

@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use ipnet::IpNet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use serde::{Deserialize, Deserializer};
 
@@ -482,6 +483,68 @@ impl crate::watch_cache::Cached for ServiceRecord {
     }
     fn key(&self) -> Self::Key {
         (self.namespace.clone(), self.name.clone())
+    }
+    fn resource_version(&self) -> Option<u64> {
+        (self.resource_version != 0).then_some(self.resource_version)
+    }
+}
+
+/// The parts of a ServiceCIDR its loops need (the ClusterIP repair, the service-cidr loop).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceCidrRecord {
+    pub name: Box<str>,
+    pub resource_version: u64,
+    /// Parsed `spec.cidrs`; entries that do not parse are dropped (the API validates them).
+    pub cidrs: Vec<IpNet>,
+    /// `spec.cidrs` as written, for comparisons with the configuration.
+    pub raw_cidrs: Vec<Box<str>>,
+    pub deleting: bool,
+}
+
+/// A ServiceCIDR as the cache receives it: `spec.cidrs` and the metadata the record holds,
+/// decoded as leniently as a Service.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ServiceCidrObject {
+    pub metadata: LeanMeta,
+    #[serde(deserialize_with = "null_as_default")]
+    pub spec: ServiceCidrObjectSpec,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ServiceCidrObjectSpec {
+    #[serde(deserialize_with = "null_as_default")]
+    pub cidrs: Vec<Option<String>>,
+}
+
+lean_resource!(
+    ServiceCidrObject,
+    k8s_openapi::api::networking::v1::ServiceCIDR
+);
+
+impl From<&ServiceCidrObject> for ServiceCidrRecord {
+    fn from(cidr: &ServiceCidrObject) -> Self {
+        let meta = &cidr.metadata.meta;
+        let raw = cidr.spec.cidrs.iter().flatten();
+        Self {
+            name: meta.name.as_deref().unwrap_or("").into(),
+            resource_version: version_of(meta),
+            cidrs: raw.clone().filter_map(|text| text.parse().ok()).collect(),
+            raw_cidrs: raw.map(|text| text.as_str().into()).collect(),
+            deleting: cidr.metadata.deleting,
+        }
+    }
+}
+
+impl crate::watch_cache::Cached for ServiceCidrRecord {
+    type Object = ServiceCidrObject;
+    type Key = Box<str>;
+    fn project(object: &ServiceCidrObject) -> Self {
+        ServiceCidrRecord::from(object)
+    }
+    fn key(&self) -> Self::Key {
+        self.name.clone()
     }
     fn resource_version(&self) -> Option<u64> {
         (self.resource_version != 0).then_some(self.resource_version)
