@@ -20,6 +20,7 @@ use serde::Deserialize;
 
 use crate::config::{format_cidrs, parse_service_cidrs};
 use reconcilers::alloc::PortRange;
+use reconcilers::legacy_alloc::etcd::DEFAULT_PREFIX as DEFAULT_ETCD_PREFIX;
 
 /// The sidecar's static pod, with kubeadm's defaults: the template of [`generate`].
 pub const TEMPLATE: &str = include_str!("../../deploy/sidecar/bootstrap-controller.yaml");
@@ -40,12 +41,10 @@ pub const DEFAULT_IMAGE: &str = concat!(
 
 // kube-apiserver's defaults for the flags read (DefaultServiceNodePortRange in
 // pkg/kubeapiserver/options/options.go, the secure serving port and the endpoint reconciler in
-// pkg/controlplane/apiserver/options), and the etcd prefix of
-// staging/src/k8s.io/apiserver/pkg/server/options/etcd.go.
+// pkg/controlplane/apiserver/options).
 const DEFAULT_NODE_PORT_RANGE: &str = "30000-32767";
 const DEFAULT_SECURE_PORT: u16 = 6443;
 const DEFAULT_RECONCILER: &str = "lease";
-const DEFAULT_ETCD_PREFIX: &str = "/registry";
 
 // What the etcd template names for kubeadm's local etcd.
 const TEMPLATE_ETCD_CAFILE: &str = "/etc/kubernetes/pki/etcd/ca.crt";

@@ -150,12 +150,7 @@ impl DemoEtcd {
     fn config(&self) -> reconcilers::legacy_alloc::etcd::EtcdConfig {
         reconcilers::legacy_alloc::etcd::EtcdConfig {
             servers: vec![self.url.clone()],
-            ca_file: None,
-            cert_file: None,
-            key_file: None,
-            prefix: "/registry".to_owned(),
-            inline_tls: None,
-            pin: None,
+            ..Default::default()
         }
     }
 }

@@ -449,12 +449,8 @@ async fn stored_range(cp: &ControlPlane, key: &str) -> Result<(String, i64)> {
     use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore};
     let store = EtcdStore::new(EtcdConfig {
         servers: vec![cp.etcd_url()?.to_owned()],
-        ca_file: None,
-        cert_file: None,
-        key_file: None,
         prefix: cp.etcd_prefix()?.to_owned(),
-        inline_tls: None,
-        pin: None,
+        ..EtcdConfig::default()
     });
     let stored = store
         .get(key)
@@ -485,12 +481,8 @@ async fn the_legacy_cluster_ip_bitmap_of_an_upgraded_cluster_is_left_alone() -> 
     let admin = cp.admin_kubeconfig(1);
     let etcd = EtcdConfig {
         servers: vec![cp.etcd_url()?.to_owned()],
-        ca_file: None,
-        cert_file: None,
-        key_file: None,
         prefix: cp.etcd_prefix()?.to_owned(),
-        inline_tls: None,
-        pin: None,
+        ..EtcdConfig::default()
     };
     let key = etcd.key(RangeKey::ServiceIps);
     let store = EtcdStore::new(etcd);

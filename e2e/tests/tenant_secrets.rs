@@ -77,12 +77,7 @@ impl PlainEtcd {
         use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore};
         let store = EtcdStore::new(EtcdConfig {
             servers: vec![self.url()],
-            ca_file: None,
-            cert_file: None,
-            key_file: None,
-            prefix: "/registry".to_owned(),
-            inline_tls: None,
-            pin: None,
+            ..EtcdConfig::default()
         });
         Ok(store.get(key).await?)
     }

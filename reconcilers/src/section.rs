@@ -212,15 +212,7 @@ impl Default for Settings {
                 name: "kubernetes".to_owned(),
             },
             identity: String::new(),
-            etcd: EtcdConfig {
-                servers: Vec::new(),
-                ca_file: None,
-                cert_file: None,
-                key_file: None,
-                prefix: "/registry".to_owned(),
-                inline_tls: None,
-                pin: None,
-            },
+            etcd: EtcdConfig::default(),
             cache_budget: CacheBudget::default(),
         }
     }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use reconcilers::alloc::{IpFamily, PortRange};
-use reconcilers::legacy_alloc::etcd::EtcdConfig;
+use reconcilers::legacy_alloc::etcd::{DEFAULT_PREFIX, EtcdConfig};
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{
     ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
@@ -76,14 +76,14 @@ pub(super) fn merge_etcd(given: Given, errors: &mut Vec<ConfigError>) -> EtcdCon
             errors.push(ConfigError::new(
                 source.field,
                 format!(
-                    "{:?} must start with / (kube-apiserver's default is /registry)",
+                    "{:?} must start with / (kube-apiserver's default is {DEFAULT_PREFIX})",
                     source.value
                 ),
             ));
             source.value
         }
         Some(source) => source.value,
-        None => "/registry".to_owned(),
+        None => DEFAULT_PREFIX.to_owned(),
     };
     EtcdConfig {
         servers,

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use reconcilers::apiserver_endpoints::EndpointsMode;
+use reconcilers::legacy_alloc::etcd::DEFAULT_PREFIX;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{ConfigError, format_duration, parse_duration};
 
@@ -479,7 +480,7 @@ pub fn fragment_etcd(fragment: &str) -> Option<(Vec<String>, String)> {
     let prefix = tree
         .get("etcdPrefix")
         .and_then(serde_json::Value::as_str)
-        .unwrap_or("/registry")
+        .unwrap_or(DEFAULT_PREFIX)
         .to_owned();
     validate_tenant_etcd_prefix(&prefix).ok()?;
     Some((servers, prefix))

@@ -20,12 +20,8 @@ impl NodePortBitmap {
     pub fn new(etcd_url: &str, prefix: &str) -> Self {
         let config = EtcdConfig {
             servers: vec![etcd_url.to_owned()],
-            ca_file: None,
-            cert_file: None,
-            key_file: None,
             prefix: prefix.to_owned(),
-            inline_tls: None,
-            pin: None,
+            ..EtcdConfig::default()
         };
         let key = config.key(RangeKey::NodePorts);
         Self {

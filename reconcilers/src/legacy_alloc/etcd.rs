@@ -39,6 +39,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time allowed for one request (for a watch: until etcd answers it).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// kube-apiserver's `--etcd-prefix` default (`DefaultEtcdPathPrefix` in
+/// staging/src/k8s.io/apiserver/pkg/server/options/etcd.go).
+pub const DEFAULT_PREFIX: &str = "/registry";
+
 /// How to reach etcd: kube-apiserver's `--etcd-*` flags. Serialises as the configuration
 /// file's keys (`config print`); with no servers, etcd mode is off.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -101,6 +105,21 @@ impl std::fmt::Debug for InlineTls {
             .field("cert", &self.cert.as_ref().map(Vec::len))
             .field("key", &self.key.as_ref().map(|_| "(redacted)"))
             .finish()
+    }
+}
+
+/// etcd mode off: no servers, kube-apiserver's default prefix.
+impl Default for EtcdConfig {
+    fn default() -> Self {
+        Self {
+            servers: Vec::new(),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            inline_tls: None,
+            pin: None,
+        }
     }
 }
 
@@ -811,12 +830,7 @@ mod tests {
     fn keys_are_kube_apiservers() {
         let mut config = EtcdConfig {
             servers: vec!["http://127.0.0.1:2379".to_owned()],
-            ca_file: None,
-            cert_file: None,
-            key_file: None,
-            prefix: "/registry".to_owned(),
-            inline_tls: None,
-            pin: None,
+            ..EtcdConfig::default()
         };
         assert_eq!(
             config.key(RangeKey::NodePorts),

@@ -148,9 +148,7 @@ impl Etcd {
             ca_file: self.tls.as_ref().map(|pki| pki.path("ca.crt")),
             cert_file: self.tls.as_ref().map(|pki| pki.path("client.crt")),
             key_file: self.tls.as_ref().map(|pki| pki.path("client.key")),
-            prefix: "/registry".to_owned(),
-            inline_tls: None,
-            pin: None,
+            ..EtcdConfig::default()
         }
     }
 }
