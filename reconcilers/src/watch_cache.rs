@@ -538,8 +538,21 @@ where
         .boxed()
 }
 
-impl<K> Cached for Lenient<K>
-where
+/// A typed object kept whole ([`Lenient`], [`Whole`]): what its typed `Api`, its lenient
+/// decoding and a cache shared across tasks need.
+pub trait WholeObject:
+    Resource<DynamicType = ()>
+    + Clone
+    + DeserializeOwned
+    + serde::Serialize
+    + Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> WholeObject for K where
     K: Resource<DynamicType = ()>
         + Clone
         + DeserializeOwned
@@ -547,8 +560,11 @@ where
         + Debug
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+impl<K: WholeObject> Cached for Lenient<K> {
     type Object = Lenient<K>;
     /// Namespace (none for a cluster-scoped object) and name.
     type Key = (Option<String>, String);
@@ -567,17 +583,7 @@ where
     }
 }
 
-impl<K> WatchCache<Lenient<K>>
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + serde::Serialize
-        + Debug
-        + Send
-        + Sync
-        + 'static,
-{
+impl<K: WholeObject> WatchCache<Lenient<K>> {
     /// A cache of the whole objects of `api` that `config` selects, decoded leniently.
     pub fn of(api: &Api<K>, config: watcher::Config, budget: &CacheBudget) -> Self {
         Self::new(lenient(api), config, budget)
@@ -628,17 +634,7 @@ impl<K> Default for Whole<K> {
     }
 }
 
-impl<K> Whole<K>
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + serde::Serialize
-        + Debug
-        + Send
-        + Sync
-        + 'static,
-{
+impl<K: WholeObject> Whole<K> {
     /// The object `name` of `api`, which `cache` holds under `key`: none when the current cache
     /// holds no such key.
     pub async fn get<T: Cached>(
