@@ -1683,3 +1683,109 @@ async fn caches_are_synced_only_when_complete() -> Result<()> {
     sim.shutdown().await;
     Ok(())
 }
+
+/// A pass whose Service cache is emptied while it acts (its tenant paused over budget, a relist
+/// begun) stops before the next finding: nothing more is checked live or written, and the pass
+/// is `NotSynced`. The next pass on synced caches acts on the findings.
+#[tokio::test]
+async fn a_cache_emptied_mid_pass_stops_the_pass_before_the_next_finding() -> Result<()> {
+    use reconcilers::LoopError;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let sim = Arc::new(start_sim().await?);
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let orphans = ["10.96.202.1", "10.96.202.2"];
+    for (ip, parent) in orphans.iter().zip(["gone-a", "gone-b"]) {
+        sim.backdoor().put(ip_address_json(
+            ip,
+            service_ref("shop", parent),
+            Some("ipallocator.k8s.io"),
+            "IPv4",
+            LONG_AGO,
+        ))?;
+    }
+    let section = clusterip_repair::Section {
+        mode: RepairMode::IpAddress,
+        ..config(Duration::from_secs(60))
+    };
+    let (repair, _registry) = repair_with(&sim, &client, section).await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, true, "both orphans found", |report| {
+        orphans.iter().all(|ip| {
+            report
+                .drift
+                .iter()
+                .any(|d| d.object == format!("IPAddress/{ip}"))
+        })
+    })
+    .await?;
+
+    // The pass's client: its first live read of a Service empties the Service cache (a relist
+    // that cannot complete), waits until the cache says so, and fails; the others go through.
+    let services = repair.shared_services();
+    let service_reads = Arc::new(AtomicUsize::new(0));
+    let pass_client = {
+        let (sim, reads) = (sim.clone(), service_reads.clone());
+        let service = tower::service_fn(move |request: http::Request<kube::client::Body>| {
+            let (sim, reads, services) = (sim.clone(), reads.clone(), services.clone());
+            async move {
+                if !request.uri().path().contains("/services/")
+                    || reads.fetch_add(1, Ordering::SeqCst) > 0
+                {
+                    return sim.client().send(request).await;
+                }
+                let error = FaultKind::Error {
+                    code: 500,
+                    retry_after_seconds: None,
+                };
+                for (verb, fault) in [(Verb::Watch, FaultKind::WatchGone), (Verb::List, error)] {
+                    sim.faults().inject(FaultRule::probability(
+                        Some(verb),
+                        Some("services"),
+                        1.0,
+                        fault,
+                    ));
+                }
+                sim.close_watches();
+                let deadline = tokio::time::Instant::now() + DEADLINE;
+                while services.read().synced {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "the Service cache never began a relist"
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Ok(http::Response::builder()
+                    .status(500)
+                    .body(kube::client::Body::from(b"{}".to_vec()))
+                    .unwrap())
+            }
+        });
+        Client::new(service, "default")
+    };
+    let result = repair.reconcile(&ctx(&pass_client, false)).await;
+    assert!(
+        matches!(result, Err(LoopError::NotSynced(_))),
+        "the pass stops when a cache it decided on is emptied: {result:?}"
+    );
+    assert_eq!(
+        service_reads.load(Ordering::SeqCst),
+        1,
+        "the finding after the cache was emptied is not checked live"
+    );
+    assert_eq!(sim.request_count("delete", "ipaddresses"), 0);
+    for ip in orphans {
+        assert!(ip_address(&client, ip).await?.is_some(), "{ip} is kept");
+    }
+
+    sim.faults().clear();
+    pass_until(&repair, &client, false, "both orphans deleted", |report| {
+        report.drift.iter().filter(|d| d.applied).count() == orphans.len()
+    })
+    .await?;
+    for ip in orphans {
+        assert!(ip_address(&client, ip).await?.is_none(), "{ip} is deleted");
+    }
+    Ok(())
+}
