@@ -8,6 +8,7 @@
 //! its end, and its objects with it. Such an event is dropped with one line, never retried.
 
 use k8s_openapi::api::core::v1::ObjectReference;
+use kube::Client;
 use kube::core::Status;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::{info, warn};
@@ -24,8 +25,14 @@ pub fn reporter(identity: &str) -> Reporter {
 /// Publishes an event about `reference` whose note is `note` sanitized (it may carry text from
 /// the cluster). A failure is logged here and returned, for the callers whose finding must not
 /// count as reported without its event; the others ignore it.
+///
+/// Each event gets a Recorder of its own, dropped once it is published: kube's Recorder keeps
+/// every event it published (evicted only by a later publish, six minutes on) and folds one with
+/// the same reason about the same object into the first one's series, keeping the first note,
+/// which would hide what a repeat or a second finding says.
 pub async fn emit(
-    recorder: &Recorder,
+    client: &Client,
+    reporter: &Reporter,
     reference: &ObjectReference,
     type_: EventType,
     reason: &str,
@@ -39,7 +46,8 @@ pub async fn emit(
         action: action.to_owned(),
         secondary: None,
     };
-    publish(recorder, &event, reference)
+    let recorder = Recorder::new(client.clone(), reporter.clone());
+    publish(&recorder, &event, reference)
         .await
         .inspect_err(|err| {
             warn!(

@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::{Api, ObjectMeta, PostParams};
-use kube::runtime::events::{EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Reporter};
 
 use crate::contract::ignore_already_exists;
 
@@ -121,10 +121,10 @@ impl LeaseNamespaces {
             became = "created",
             "repaired"
         );
-        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
         // Logged there; the namespace stands without its event.
         let _ = crate::events::emit(
-            &recorder,
+            &self.client,
+            &self.reporter,
             &created.object_ref(&()),
             EventType::Normal,
             "LeaseNamespaceCreated",

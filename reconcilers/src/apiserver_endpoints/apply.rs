@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::{Endpoints, ObjectReference};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::EventType;
 
 use super::ApiserverEndpointsLoop;
 use super::members::MembershipChange;
@@ -223,19 +223,17 @@ impl ApiserverEndpointsLoop {
         reason: &str,
         note: String,
     ) {
-        let event = Event {
+        // Logged there; the repair stands without its event.
+        let _ = crate::events::emit(
+            &self.client,
+            &self.reporter,
+            reference,
             type_,
-            reason: reason.to_owned(),
-            note: Some(crate::sanitize::sanitize(&note).into()),
-            action: "Reconcile".to_owned(),
-            secondary: None,
-        };
-        if let Err(err) = Recorder::new(self.client.clone(), self.reporter.clone())
-            .publish(&event, reference)
-            .await
-        {
-            tracing::warn!(error = %err, reason, "could not publish event on the kubernetes Endpoints");
-        }
+            reason,
+            "Reconcile",
+            &note,
+        )
+        .await;
     }
 }
 

@@ -60,8 +60,8 @@ pub struct ApiserverEndpointsLoop {
     probed: std::sync::Mutex<Option<ProbedServer>>,
     shutdown: Arc<ShutdownGate>,
     resolver: Arc<dyn Resolver>,
-    /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
-    /// one series and keeps the first note, which would hide who joined or what was repaired.
+    /// Who its events say they come from ([`crate::events::emit`] says why each gets a Recorder
+    /// of its own).
     pub(super) reporter: Reporter,
     pub(super) metrics: EndpointsMetrics,
     state: Mutex<State>,

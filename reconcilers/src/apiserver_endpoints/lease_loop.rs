@@ -398,8 +398,6 @@ impl ApiserverLeaseLoop {
     /// One event on this instance's membership Lease for each write of the pass, as every
     /// repair has; a refused event is logged, the write stands.
     async fn publish(&self, ctx: &PassContext, report: &PassReport) {
-        let recorder =
-            kube::runtime::events::Recorder::new(ctx.client.clone(), self.reporter.clone());
         let reference = k8s_openapi::api::core::v1::ObjectReference {
             api_version: Some("coordination.k8s.io/v1".to_owned()),
             kind: Some("Lease".to_owned()),
@@ -414,7 +412,8 @@ impl ApiserverLeaseLoop {
                 _ => (EventType::Warning, "MemberLeaseWithdrawn"),
             };
             let _ = crate::events::emit(
-                &recorder,
+                &ctx.client,
+                &self.reporter,
                 &reference,
                 type_,
                 reason,

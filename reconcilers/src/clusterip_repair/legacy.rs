@@ -12,7 +12,7 @@ use std::net::IpAddr;
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
-use kube::runtime::events::Recorder;
+use kube::runtime::events::Reporter;
 
 use super::plan::ACTION_CLUSTERIP_ALLOCATION;
 use crate::alloc::ServiceRange;
@@ -110,12 +110,13 @@ impl LegacyIpBitmaps {
         &self,
         ctx: &PassContext,
         services: &WatchCache<ServiceRecord>,
-        recorder: &Recorder,
+        (client, reporter): (&kube::Client, &Reporter),
         count: &(dyn Fn(&'static str) + Sync),
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
         let outlet = Outlet {
-            recorder,
+            client,
+            reporter,
             kubernetes_service: (
                 &self.kubernetes_service.namespace,
                 &self.kubernetes_service.name,

@@ -40,7 +40,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::events::{EventType, Reporter};
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
@@ -192,7 +192,7 @@ pub struct ClusterIpRepairLoop {
     discovered: Mutex<Option<Served>>,
     /// Whether the legacy bitmaps left alone were logged.
     legacy_skip_logged: std::sync::atomic::AtomicBool,
-    recorder: Recorder,
+    reporter: Reporter,
     wakeup: Arc<Wakeup>,
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
     legacy: Option<LegacySlot>,
@@ -261,7 +261,7 @@ impl ClusterIpRepairLoop {
                 settings.kubernetes_service.clone(),
             ),
             reported: crate::findings::ReportOnce::new(),
-            recorder: Recorder::new(client.clone(), reporter),
+            reporter,
             ip_addresses: WatchCache::every(client.clone(), section.page_size, budget),
             service_cidrs,
             client,
@@ -711,7 +711,8 @@ impl ClusterIpRepairLoop {
         };
         let reference = object_reference(&finding.regarding);
         crate::events::emit(
-            &self.recorder,
+            &self.client,
+            &self.reporter,
             &reference,
             EventType::Warning,
             event.reason,
@@ -812,7 +813,13 @@ impl Reconciler for ClusterIpRepairLoop {
                         .inc();
                 };
                 if let Err(err) = legacy
-                    .pass(ctx, &self.services, &self.recorder, &count, report)
+                    .pass(
+                        ctx,
+                        &self.services,
+                        (&self.client, &self.reporter),
+                        &count,
+                        report,
+                    )
                     .await
                 {
                     result = Err(err);

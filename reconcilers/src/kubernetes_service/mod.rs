@@ -28,7 +28,7 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Service;
 use kube::Resource;
 use kube::api::Api;
-use kube::runtime::events::{EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Reporter};
 use prometheus_client::registry::Registry;
 
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger};
@@ -67,8 +67,8 @@ pub struct KubernetesServiceLoop {
     /// The top-level settings: `securePort`, `kubernetesServiceNodePort`, the configured range.
     settings: Settings,
     client: kube::Client,
-    /// Events get a fresh recorder each: kube's Recorder folds events with the same reason into
-    /// one series and keeps the first note, which would hide who joined or what was repaired.
+    /// Who its events say they come from ([`crate::events::emit`] says why each gets a Recorder
+    /// of its own).
     reporter: Reporter,
     metrics: KubernetesServiceMetrics,
     /// The last clusterIP mismatch warned about, so the warning event is not repeated every pass.
@@ -137,10 +137,10 @@ impl KubernetesServiceLoop {
     }
 
     async fn publish(&self, service: &Service, type_: EventType, reason: &str, note: String) {
-        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
         // Logged there; the repair stands without its event.
         let _ = crate::events::emit(
-            &recorder,
+            &self.client,
+            &self.reporter,
             &service.object_ref(&()),
             type_,
             reason,

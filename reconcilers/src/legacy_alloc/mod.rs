@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::events::{EventType, Reporter};
 use tracing::{debug, warn};
 
 use crate::alloc::IpFamily;
@@ -81,7 +81,8 @@ pub struct Holder {
 /// Where a repair's findings about its bitmap go: its error counter (by the metric's `type`)
 /// and its events, those about the bitmap itself on the `kubernetes` Service (namespace, name).
 pub struct Outlet<'a> {
-    pub recorder: &'a Recorder,
+    pub client: &'a kube::Client,
+    pub reporter: &'a Reporter,
     pub kubernetes_service: (&'a str, &'a str),
     pub count: &'a (dyn Fn(&'static str) + Sync),
 }
@@ -403,7 +404,8 @@ impl LegacyBitmap {
                         crate::events::service_reference(&about.namespace, &about.name, &uid);
                     let action = self.subject.event_action;
                     (crate::events::emit(
-                        outlet.recorder,
+                        outlet.client,
+                        outlet.reporter,
                         &reference,
                         EventType::Warning,
                         &reason,

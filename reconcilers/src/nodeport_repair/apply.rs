@@ -46,7 +46,8 @@ impl NodePortRepairLoop {
         };
         let count = |error_type| self.count(error_type);
         let outlet = Outlet {
-            recorder: &self.recorder,
+            client: &self.client,
+            reporter: &self.reporter,
             kubernetes_service: (
                 &self.kubernetes_service.namespace,
                 &self.kubernetes_service.name,
@@ -114,7 +115,8 @@ impl NodePortRepairLoop {
         let uid = finding.uid.to_string();
         let reference = crate::events::service_reference(&finding.namespace, &finding.name, &uid);
         crate::events::emit(
-            &self.recorder,
+            &self.client,
+            &self.reporter,
             &reference,
             EventType::Warning,
             finding.problem.reason(),

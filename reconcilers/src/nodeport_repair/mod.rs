@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kube::Client;
-use kube::runtime::events::Recorder;
+use kube::runtime::events::Reporter;
 use prometheus_client::registry::Registry;
 use tracing::{debug, warn};
 
@@ -59,7 +59,8 @@ pub struct NodePortRepairLoop {
     /// The `kubernetes` Service: a bitmap range mismatch is reported in an event about it.
     kubernetes_service: ServiceName,
     services: WatchCache<ServiceRecord>,
-    recorder: Recorder,
+    client: Client,
+    reporter: Reporter,
     reported: ReportOnce<Finding>,
     metrics: NodePortMetrics,
     etcd: Option<LegacyBitmap>,
@@ -115,10 +116,11 @@ impl NodePortRepairLoop {
             )
         });
         Self {
-            recorder: Recorder::new(client.clone(), reporter),
+            reporter,
             services: services.unwrap_or_else(|| {
                 WatchCache::every(client.clone(), section.page_size, &settings.cache_budget)
             }),
+            client,
             section,
             range,
             kubernetes_service: settings.kubernetes_service.clone(),

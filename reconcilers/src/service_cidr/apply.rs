@@ -48,7 +48,8 @@ impl ServiceCidrLoop {
         };
         // Logged there; the repair stands without its event.
         let _ = crate::events::emit(
-            &self.recorder,
+            &self.client,
+            &self.reporter,
             &reference,
             type_,
             reason,

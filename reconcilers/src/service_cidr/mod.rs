@@ -19,7 +19,7 @@ use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::Client;
-use kube::runtime::events::Recorder;
+use kube::runtime::events::Reporter;
 use tracing::info;
 
 use crate::Trigger;
@@ -65,7 +65,7 @@ pub struct ServiceCidrLoop {
     section: Section,
     /// `serviceClusterIPRange`, primary first: what `spec.cidrs` must be.
     ranges: Vec<IpNet>,
-    recorder: Recorder,
+    reporter: Reporter,
     /// The reported condition (inconsistent or not ready), so each gets its event and log line
     /// once when it appears, and again only if it clears and comes back.
     reported: ReportOnce<String>,
@@ -99,9 +99,8 @@ impl ServiceCidrLoop {
             return None;
         }
         cidrs.read_one(kube::Api::all(client.clone()), DEFAULT_SERVICE_CIDR);
-        let reporter = settings.reporter();
         Some(Self {
-            recorder: Recorder::new(client.clone(), reporter),
+            reporter: settings.reporter(),
             section,
             ranges: settings.service_ranges.clone(),
             reported: ReportOnce::new(),

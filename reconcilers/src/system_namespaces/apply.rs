@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Resource;
 use kube::api::{Patch, PatchParams, PostParams};
-use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::events::EventType;
 
 use super::SystemNamespacesLoop;
 use super::plan::{NamespaceNeed, desired_namespace};
@@ -138,10 +138,10 @@ impl SystemNamespacesLoop {
     /// An event on a repaired namespace (in `default`, where events about cluster-scoped objects
     /// go). A refused event is logged, never a failed pass: the namespace is repaired.
     async fn publish(&self, namespace: &Namespace, reason: &str, action: &str, note: String) {
-        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
         let reference = namespace.object_ref(&());
         let _ = crate::events::emit(
-            &recorder,
+            &self.client,
+            &self.reporter,
             &reference,
             EventType::Normal,
             reason,
