@@ -12,11 +12,11 @@ use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::{Api, Client};
 
 use super::model::{self, IPALLOCATOR_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
-use super::plan::{DeleteGround, Finding, Regarding, Repair, ServiceOwner};
+use super::plan::{DeleteGround, Finding, Regarding, Repair, ServiceRef};
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError};
 use crate::service_cache::live::{self, Liveness};
-use crate::service_cache::record::{ServiceRecord, Token};
+use crate::service_cache::record::ServiceRecord;
 
 pub(super) enum Outcome {
     Done,
@@ -43,12 +43,15 @@ fn unknown(namespace: &str, name: &str, err: &kube::Error) -> Verdict {
 /// object (`uid`) and `holds` still holds of it.
 async fn confirm(
     client: &Client,
-    namespace: &str,
-    name: &str,
-    uid: &str,
+    service: &ServiceRef,
     holds: impl Fn(&ServiceRecord) -> bool,
 ) -> Verdict {
-    match live::confirm(client, namespace, name, &Token::new(uid), holds).await {
+    let ServiceRef {
+        namespace,
+        name,
+        uid,
+    } = service;
+    match live::confirm(client, namespace, name, uid, holds).await {
         Ok(Liveness::Holds) => Verdict::Confirmed,
         Ok(Liveness::Disproved(why)) => Verdict::Contradicted(why),
         Err(err) => unknown(namespace, name, &err),
@@ -61,58 +64,46 @@ async fn confirm(
 /// object the cache saw and still list the IP; every delete needs the Service the IPAddress
 /// names to be gone or not to list it.
 pub(super) async fn verify(client: &Client, finding: &Finding) -> Verdict {
-    let owner_uid = match &finding.regarding {
-        Regarding::Service { uid, .. } => &**uid,
-        Regarding::IpAddress { .. } => "",
-    };
     match &finding.repair {
         Repair::None => match &finding.regarding {
             // A report rests on the Service as the cache held it; one that is gone (or another
             // object now) has nothing to report.
-            Regarding::Service {
-                namespace,
-                name,
-                uid,
-            } => {
+            Regarding::Service(service) => {
                 let Some(other) = &finding.shared_with else {
-                    return confirm(client, namespace, name, uid, |_| true).await;
+                    return confirm(client, service, |_| true).await;
                 };
                 // A duplicate needs both Services still holding the IP.
                 let ip = other.ip;
-                let verdict = confirm(client, namespace, name, uid, |svc| svc.lists_ip(ip)).await;
+                let verdict = confirm(client, service, |svc| svc.lists_ip(ip)).await;
                 if !matches!(verdict, Verdict::Confirmed) {
                     return verdict;
                 }
-                let other_uid = other.uid.to_string();
-                confirm(client, &other.namespace, &other.name, &other_uid, |svc| {
-                    svc.lists_ip(ip)
-                })
-                .await
+                confirm(client, &other.service, |svc| svc.lists_ip(ip)).await
             }
             Regarding::IpAddress { .. } => Verdict::Confirmed,
         },
         Repair::Create { ip, owner } => {
             let ip = *ip;
-            confirm(client, &owner.namespace, &owner.name, owner_uid, |svc| {
-                svc.lists_ip(ip)
-            })
-            .await
+            confirm(client, owner, |svc| svc.lists_ip(ip)).await
         }
         Repair::Recreate {
             ip,
             owner,
             dangling_parent,
             ..
-        } => verify_recreate(client, *ip, owner, owner_uid, dangling_parent.as_ref()).await,
+        } => verify_recreate(client, *ip, owner, dangling_parent.as_ref()).await,
         Repair::Delete { name, ground, .. } => verify_delete(client, name, ground).await,
     }
 }
 
 async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Verdict {
-    let (namespace, parent) = match ground {
+    let ServiceRef {
+        namespace,
+        name: parent,
+        ..
+    } = match ground {
         DeleteGround::NotAService => return Verdict::Confirmed,
-        DeleteGround::ParentGone { namespace, name }
-        | DeleteGround::ParentDoesNotList { namespace, name } => (namespace, name),
+        DeleteGround::ParentGone(parent) | DeleteGround::ParentDoesNotList(parent) => parent,
     };
     let Ok(ip) = name.parse::<IpAddr>() else {
         // No Service can list a name that is no IP.
@@ -131,14 +122,10 @@ async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Ve
 async fn verify_recreate(
     client: &Client,
     ip: IpAddr,
-    owner: &ServiceOwner,
-    owner_uid: &str,
-    dangling_parent: Option<&ServiceOwner>,
+    owner: &ServiceRef,
+    dangling_parent: Option<&ServiceRef>,
 ) -> Verdict {
-    let verdict = confirm(client, &owner.namespace, &owner.name, owner_uid, |svc| {
-        svc.lists_ip(ip)
-    })
-    .await;
+    let verdict = confirm(client, owner, |svc| svc.lists_ip(ip)).await;
     if !matches!(verdict, Verdict::Confirmed) {
         return verdict;
     }
@@ -162,7 +149,7 @@ async fn verify_recreate(
 pub(super) async fn create_ip_address(
     ip_api: &Api<IPAddress>,
     ip: IpAddr,
-    owner: &ServiceOwner,
+    owner: &ServiceRef,
 ) -> Result<Outcome, LoopError> {
     match ip_api
         .create(&PostParams::default(), &new_ip_address(ip, owner))
@@ -194,7 +181,7 @@ pub(super) async fn delete_ip_address(
 }
 
 /// The IPAddress upstream's allocator writes for `ip` of `owner` (`newIPAddress`).
-pub fn new_ip_address(ip: IpAddr, owner: &ServiceOwner) -> IPAddress {
+pub fn new_ip_address(ip: IpAddr, owner: &ServiceRef) -> IPAddress {
     IPAddress {
         metadata: ObjectMeta {
             name: Some(ip.to_string()),
@@ -220,11 +207,11 @@ pub fn new_ip_address(ip: IpAddr, owner: &ServiceOwner) -> IPAddress {
 
 pub(super) fn object_reference(regarding: &Regarding) -> ObjectReference {
     match regarding {
-        Regarding::Service {
-            namespace,
-            name,
-            uid,
-        } => crate::events::service_reference(namespace.as_ref(), name.as_ref(), uid.as_ref()),
+        Regarding::Service(service) => crate::events::service_reference(
+            &service.namespace,
+            &service.name,
+            &service.uid.to_string(),
+        ),
         Regarding::IpAddress { name, uid } => ObjectReference {
             api_version: Some("networking.k8s.io/v1".to_owned()),
             kind: Some("IPAddress".to_owned()),

@@ -838,14 +838,15 @@ impl Reconciler for ClusterIpRepairLoop {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::plan::ServiceOwner;
+    use super::plan::ServiceRef;
     use super::*;
 
     #[test]
     fn new_ip_address_matches_upstream_shape() {
-        let owner = ServiceOwner {
+        let owner = ServiceRef {
             namespace: "d".into(),
             name: "s".into(),
+            uid: "".into(),
         };
         let object =
             serde_json::to_value(new_ip_address("fd00::5".parse().unwrap(), &owner)).unwrap();

@@ -36,24 +36,13 @@ pub const ACTION_IPADDRESS_ALLOCATION: &str = "IPAddressAllocation";
 /// The object an event is about.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Regarding {
-    Service {
-        namespace: Name,
-        name: Name,
-        uid: Box<str>,
-    },
-    IpAddress {
-        name: Box<str>,
-        uid: Box<str>,
-    },
+    Service(ServiceRef),
+    IpAddress { name: Box<str>, uid: Box<str> },
 }
 
 impl Regarding {
     pub(super) fn service(svc: &ServiceRecord) -> Self {
-        Regarding::Service {
-            namespace: svc.namespace.clone(),
-            name: svc.name.clone(),
-            uid: svc.uid.to_string().into(),
-        }
+        Regarding::Service(ServiceRef::of(svc))
     }
 
     fn ip_address(ip: &IpAddressRecord) -> Self {
@@ -66,9 +55,9 @@ impl Regarding {
     /// `Kind/namespace/name` or `Kind/name`, as the contract's `Drift::object` wants.
     pub fn object(&self) -> String {
         match self {
-            Regarding::Service {
-                namespace, name, ..
-            } => format!("Service/{namespace}/{name}"),
+            Regarding::Service(service) => {
+                format!("Service/{}/{}", service.namespace, service.name)
+            }
             Regarding::IpAddress { name, .. } => format!("IPAddress/{name}"),
         }
     }
@@ -82,18 +71,31 @@ pub struct EventSpec {
     pub note: String,
 }
 
-/// The Service an IPAddress is (re)created for.
+/// A Service a finding names: the one an event is about, an IPAddress is (re)created for, an
+/// IPAddress's parent, the other holder of a duplicated IP. Its uid is the object's the cache
+/// saw, or empty where the finding rests on the name alone (a parent the cache does not hold):
+/// a live read then accepts whichever Service has the name.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ServiceOwner {
+pub struct ServiceRef {
     pub namespace: Name,
     pub name: Name,
+    pub uid: Token,
 }
 
-impl ServiceOwner {
-    fn of(svc: &ServiceRecord) -> Self {
+impl ServiceRef {
+    pub(super) fn of(svc: &ServiceRecord) -> Self {
         Self {
             namespace: svc.namespace.clone(),
             name: svc.name.clone(),
+            uid: svc.uid.clone(),
+        }
+    }
+
+    fn named(namespace: &Name, name: &Name) -> Self {
+        Self {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            uid: Token::new(""),
         }
     }
 }
@@ -114,9 +116,9 @@ pub enum DeleteGround {
     /// `spec.parentRef` does not name a Service: true whatever the Services are.
     NotAService,
     /// The parent Service does not exist.
-    ParentGone { namespace: Name, name: Name },
+    ParentGone(ServiceRef),
     /// The parent Service exists but does not list the IP.
-    ParentDoesNotList { namespace: Name, name: Name },
+    ParentDoesNotList(ServiceRef),
 }
 
 /// The write a finding calls for.
@@ -125,14 +127,14 @@ pub enum Repair {
     /// Only report (upstream only reports, or the object is not ours).
     None,
     /// Create the missing IPAddress `ip` for `owner`.
-    Create { ip: IpAddr, owner: ServiceOwner },
+    Create { ip: IpAddr, owner: ServiceRef },
     /// Delete the existing IPAddress (if still at `existing`) and create it again for `owner`.
     Recreate {
         ip: IpAddr,
-        owner: ServiceOwner,
+        owner: ServiceRef,
         existing: ObjectVersion,
         /// The Service whose absence made the reference dangling, if that was the reason.
-        dangling_parent: Option<ServiceOwner>,
+        dangling_parent: Option<ServiceRef>,
         /// The existing IPAddress in words (its parent and labels), for the repair's log line.
         was: Box<str>,
     },
@@ -147,7 +149,7 @@ pub enum Repair {
 }
 
 /// An IPAddress for `owner` as the allocator writes it, in the words of a repair's log line.
-fn as_allocated(ip: IpAddr, owner: &ServiceOwner) -> String {
+fn as_allocated(ip: IpAddr, owner: &ServiceRef) -> String {
     format!(
         "IPAddress {ip} for Service {}/{}, labels ip-family={} managed-by={IPALLOCATOR_MANAGER}",
         owner.namespace,
@@ -213,18 +215,14 @@ pub struct Finding {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedWith {
     pub ip: IpAddr,
-    pub namespace: Name,
-    pub name: Name,
-    pub uid: Token,
+    pub service: ServiceRef,
 }
 
 impl SharedWith {
     pub(super) fn of(ip: IpAddr, other: &ServiceRecord) -> Self {
         Self {
             ip,
-            namespace: other.namespace.clone(),
-            name: other.name.clone(),
-            uid: other.uid.clone(),
+            service: ServiceRef::of(other),
         }
     }
 }
@@ -557,7 +555,7 @@ fn sync_service_ip<'a>(
             error_type: Some("repair"),
             repair: Repair::Create {
                 ip,
-                owner: ServiceOwner::of(svc),
+                owner: ServiceRef::of(svc),
             },
             shared_with: None,
         });
@@ -609,10 +607,10 @@ fn sync_allocated_ip<'a>(
                     None => {
                         claims.insert(ip, Some(at), svc);
                         phase.rewritten.push(at);
-                        phase.findings.push(wrong_reference(Some(ServiceOwner {
-                            namespace: p.namespace.clone(),
-                            name: p.name.clone(),
-                        })));
+                        phase.findings.push(wrong_reference(Some(ServiceRef::named(
+                            &p.namespace,
+                            &p.name,
+                        ))));
                         return;
                     }
                     Some(referenced) if referenced.lists_ip(ip) => {
@@ -653,7 +651,7 @@ fn wrong_reference(
     svc: &ServiceRecord,
     ip: IpAddr,
     existing: &IpAddressRecord,
-    dangling_parent: Option<ServiceOwner>,
+    dangling_parent: Option<ServiceRef>,
 ) -> Finding {
     let family = IpFamily::of(ip);
     Finding {
@@ -670,7 +668,7 @@ fn wrong_reference(
         error_type: Some("repair"),
         repair: Repair::Recreate {
             ip,
-            owner: ServiceOwner::of(svc),
+            owner: ServiceRef::of(svc),
             existing: ObjectVersion::of(existing),
             was: match &dangling_parent {
                 Some(gone) => format!(
@@ -696,7 +694,7 @@ fn wrong_labels(svc: &ServiceRecord, ip: IpAddr, existing: &IpAddressRecord) -> 
         error_type: None,
         repair: Repair::Recreate {
             ip,
-            owner: ServiceOwner::of(svc),
+            owner: ServiceRef::of(svc),
             existing: ObjectVersion::of(existing),
             dangling_parent: None,
             was: format!(
@@ -855,10 +853,7 @@ fn sync_ip_address(
                         "IPAddress {} for Service {}/{}, which does not exist",
                         ip.name, parent.namespace, parent.name
                     ),
-                    DeleteGround::ParentGone {
-                        namespace: parent.namespace.clone(),
-                        name: parent.name.clone(),
-                    },
+                    DeleteGround::ParentGone(ServiceRef::named(&parent.namespace, &parent.name)),
                 )),
             }
         }
@@ -879,10 +874,7 @@ fn sync_ip_address(
                         "IPAddress {} for Service {}/{}, which does not list it",
                         ip.name, svc.namespace, svc.name
                     ),
-                    DeleteGround::ParentDoesNotList {
-                        namespace: svc.namespace.clone(),
-                        name: svc.name.clone(),
-                    },
+                    DeleteGround::ParentDoesNotList(ServiceRef::named(&svc.namespace, &svc.name)),
                 ));
             }
         }
@@ -1081,9 +1073,10 @@ mod tests {
             decision.findings[0].repair,
             Repair::Create {
                 ip: "fd00::5".parse().unwrap(),
-                owner: ServiceOwner {
+                owner: ServiceRef {
                     namespace: "d".into(),
-                    name: "a".into()
+                    name: "a".into(),
+                    uid: "uid-d-a".into(),
                 }
             }
         );
@@ -1751,9 +1744,9 @@ mod tests {
                     let other = f.shared_with.as_ref().map(|other| {
                         (
                             other.ip.to_string(),
-                            other.namespace.to_string(),
-                            other.name.to_string(),
-                            other.uid.to_string(),
+                            other.service.namespace.to_string(),
+                            other.service.name.to_string(),
+                            other.service.uid.to_string(),
                         )
                     });
                     (f.regarding.object(), other)
