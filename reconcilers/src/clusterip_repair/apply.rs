@@ -12,11 +12,12 @@ use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::{Api, Client};
 
 use super::model::{self, IPALLOCATOR_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
-use super::plan::{DeleteGround, Finding, Regarding, Repair, ServiceRef};
+use super::plan::{DeleteGround, Finding, Regarding, Repair};
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError};
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::ServiceRecord;
+use crate::service_cache::record::ServiceRef;
 
 pub(super) enum Outcome {
     Done,

@@ -18,9 +18,9 @@ use super::plan::ACTION_CLUSTERIP_ALLOCATION;
 use crate::alloc::ServiceRange;
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
-use crate::legacy_alloc::{Holder, LegacyBitmap, Outlet, Subject};
+use crate::legacy_alloc::{LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
-use crate::service_cache::record::{ClusterIp, ServiceRecord};
+use crate::service_cache::record::{ClusterIp, ServiceRecord, ServiceRef};
 use crate::watch_cache::WatchCache;
 
 /// The bitmaps of the configured ranges, primary first.
@@ -168,7 +168,7 @@ fn in_use<'a>(
     services: impl Iterator<Item = &'a ServiceRecord>,
     range: &ServiceRange,
     size: usize,
-) -> (FixedBitSet, HashMap<usize, Holder>) {
+) -> (FixedBitSet, HashMap<usize, ServiceRef>) {
     let mut bits = FixedBitSet::with_capacity(size);
     let mut first: HashMap<usize, &ServiceRecord> = HashMap::new();
     for service in services {
@@ -188,14 +188,7 @@ fn in_use<'a>(
     }
     let owners = first
         .into_iter()
-        .map(|(offset, service)| {
-            let holder = Holder {
-                namespace: service.namespace.clone(),
-                name: service.name.clone(),
-                uid: service.uid.clone(),
-            };
-            (offset, holder)
-        })
+        .map(|(offset, service)| (offset, ServiceRef::of(service)))
         .collect();
     (bits, owners)
 }

@@ -838,8 +838,8 @@ impl Reconciler for ClusterIpRepairLoop {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::plan::ServiceRef;
     use super::*;
+    use crate::service_cache::record::ServiceRef;
 
     #[test]
     fn new_ip_address_matches_upstream_shape() {

@@ -16,7 +16,7 @@ use super::model::{
     IPALLOCATOR_MANAGER, IpAddressRecord, IpLabels, ObjectVersion, ParentRef, ServiceCidrRecord,
 };
 use crate::contract::Change;
-use crate::service_cache::record::{ClusterIp, Name, ServiceRecord, Token};
+use crate::service_cache::record::{ClusterIp, ServiceRecord, ServiceRef};
 
 /// Hash maps over IPs and names. foldhash is several times faster than SipHash here; names come
 /// from whoever may create Services, and foldhash's per-process random seed is what keeps them
@@ -69,35 +69,6 @@ pub struct EventSpec {
     pub reason: &'static str,
     pub action: &'static str,
     pub note: String,
-}
-
-/// A Service a finding names: the one an event is about, an IPAddress is (re)created for, an
-/// IPAddress's parent, the other holder of a duplicated IP. Its uid is the object's the cache
-/// saw, or empty where the finding rests on the name alone (a parent the cache does not hold):
-/// a live read then accepts whichever Service has the name.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ServiceRef {
-    pub namespace: Name,
-    pub name: Name,
-    pub uid: Token,
-}
-
-impl ServiceRef {
-    pub(super) fn of(svc: &ServiceRecord) -> Self {
-        Self {
-            namespace: svc.namespace.clone(),
-            name: svc.name.clone(),
-            uid: svc.uid.clone(),
-        }
-    }
-
-    fn named(namespace: &Name, name: &Name) -> Self {
-        Self {
-            namespace: namespace.clone(),
-            name: name.clone(),
-            uid: Token::new(""),
-        }
-    }
 }
 
 impl ObjectVersion {

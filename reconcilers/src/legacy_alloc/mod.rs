@@ -33,7 +33,7 @@ use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, drift};
 use crate::findings::ReportOnce;
 use crate::service_cache::live::{self, Liveness};
-use crate::service_cache::record::{Name, ServiceRecord, Token};
+use crate::service_cache::record::{ServiceRecord, ServiceRef};
 use codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
 use etcd::{EtcdError, EtcdStore, KeyCache};
 use repair::{LeakTracker, plan};
@@ -68,14 +68,6 @@ pub struct Subject {
     /// range): `"Port"` and `"NodePort"`, `"ClusterIP"` and `"ClusterIP"`.
     pub item_reason: &'static str,
     pub bitmap_name: &'static str,
-}
-
-/// A Service that holds a bit: the first in etcd key order, as upstream's repair meets them.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Holder {
-    pub namespace: Name,
-    pub name: Name,
-    pub uid: Token,
 }
 
 /// Where a repair's findings about its bitmap go: its error counter (by the metric's `type`)
@@ -113,7 +105,7 @@ const CONFIRM_BY_GET: usize = 32;
 pub async fn confirm_live(
     client: &kube::Client,
     offsets: Vec<usize>,
-    holders: &HashMap<usize, Holder>,
+    holders: &HashMap<usize, ServiceRef>,
     holds: impl Fn(&ServiceRecord, usize) -> bool,
     fresh_in_use: impl FnOnce() -> BoxFuture<'static, Option<FixedBitSet>>,
 ) -> Result<HashSet<usize>, String> {
@@ -122,7 +114,7 @@ pub async fn confirm_live(
         suspects = offsets;
     } else {
         for offset in offsets {
-            let Some(Holder {
+            let Some(ServiceRef {
                 namespace,
                 name,
                 uid,
@@ -306,7 +298,7 @@ impl LegacyBitmap {
     pub async fn repair(
         &self,
         ctx: &PassContext,
-        (in_use, holders): (&FixedBitSet, &HashMap<usize, Holder>),
+        (in_use, holders): (&FixedBitSet, &HashMap<usize, ServiceRef>),
         holds: impl Fn(&ServiceRecord, usize) -> bool,
         fresh_in_use: &(dyn Fn() -> BoxFuture<'static, Option<FixedBitSet>> + Sync),
         outlet: &Outlet<'_>,
@@ -336,7 +328,7 @@ impl LegacyBitmap {
     async fn tell(
         &self,
         dry_run: bool,
-        holders: &HashMap<usize, Holder>,
+        holders: &HashMap<usize, ServiceRef>,
         outlet: &Outlet<'_>,
         new: Vec<BitmapFinding>,
     ) -> Result<(), LoopError> {
@@ -346,11 +338,8 @@ impl LegacyBitmap {
             bitmap_name,
             ..
         } = self.subject;
-        let kubernetes = Holder {
-            namespace: outlet.kubernetes_service.0.into(),
-            name: outlet.kubernetes_service.1.into(),
-            uid: Token::new(""),
-        };
+        let kubernetes =
+            ServiceRef::named(outlet.kubernetes_service.0, outlet.kubernetes_service.1);
         let count = outlet.count;
         let mut unpublished = None;
         for finding in new {

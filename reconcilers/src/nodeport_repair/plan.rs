@@ -8,7 +8,7 @@ use fixedbitset::FixedBitSet;
 use smallvec::SmallVec;
 
 use crate::alloc::PortRange;
-use crate::service_cache::record::{Name, Protocol, ServiceRecord, Token};
+use crate::service_cache::record::{Name, Protocol, ServiceRecord, ServiceRef, Token};
 
 /// The node ports one Service holds, as upstream collects them: each non-zero `nodePort`
 /// whatever the Service's type; the same port with the same protocol twice counts twice (a
@@ -113,10 +113,8 @@ pub struct Scan {
     /// allocation bitmap as it should be.
     pub in_use: FixedBitSet,
     /// The Service that holds each offset of `in_use` (the first in etcd key order).
-    pub owners: HashMap<usize, Holder>,
+    pub owners: HashMap<usize, ServiceRef>,
 }
-
-pub use crate::legacy_alloc::Holder;
 
 /// Allocates every Service's node ports into an empty bitmap of `range`, in etcd key order, as
 /// upstream's repair rebuilds its allocator: the first Service to hold a port owns it, every
@@ -139,14 +137,7 @@ pub fn scan<'a>(services: impl IntoIterator<Item = &'a ServiceRecord>, range: Po
                 None => Problem::OutOfRange,
                 Some(offset) if in_use.put(offset) => Problem::AlreadyAllocated,
                 Some(offset) => {
-                    owners.insert(
-                        offset,
-                        Holder {
-                            namespace: service.namespace.clone(),
-                            name: service.name.clone(),
-                            uid: service.uid.clone(),
-                        },
-                    );
+                    owners.insert(offset, ServiceRef::of(service));
                     continue;
                 }
             };

@@ -23,6 +23,36 @@ use crate::alloc::parse_ip_sloppy;
 /// the text inside the record that costs no extra cache miss.
 pub type Name = compact_str::CompactString;
 
+/// A Service as a repair names it: the one an event is about, an IPAddress is (re)created for,
+/// an IPAddress's parent, the first holder of a bit or of a duplicated IP. Its uid is the
+/// object's the cache saw, or empty where only the name is known (a parent the cache does not
+/// hold, the `kubernetes` Service as configured): a live read then accepts whichever Service
+/// has the name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceRef {
+    pub namespace: Name,
+    pub name: Name,
+    pub uid: Token,
+}
+
+impl ServiceRef {
+    pub fn of(svc: &ServiceRecord) -> Self {
+        Self {
+            namespace: svc.namespace.clone(),
+            name: svc.name.clone(),
+            uid: svc.uid.clone(),
+        }
+    }
+
+    pub fn named(namespace: &str, name: &str) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+            uid: Token::new(""),
+        }
+    }
+}
+
 /// The parts of a Service the repair needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceRecord {
