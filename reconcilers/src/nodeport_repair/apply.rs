@@ -11,7 +11,7 @@ use crate::contract::{LoopError, PassContext, PassReport};
 use crate::legacy_alloc::{LegacyBitmap, Outlet};
 use crate::service_cache::fresh_services;
 use crate::service_cache::live::{self, Liveness};
-use crate::service_cache::record::ServiceRecord;
+use crate::service_cache::record::{ServiceRecord, ServiceRef};
 
 impl NodePortRepairLoop {
     pub(super) fn count(&self, error_type: &'static str) {
@@ -83,15 +83,15 @@ impl NodePortRepairLoop {
                 .and_then(|offset| scan.owners.get(&offset)),
         };
         let itself = first.is_some_and(|first| {
-            (&first.namespace, &first.name) == (&finding.namespace, &finding.name)
+            (&first.namespace, &first.name) == (&finding.service.namespace, &finding.service.name)
         });
         // A Service holding the port twice is its own duplicate: both holds must be there.
         let needed = if itself { 2 } else { 1 };
         let liveness = live::confirm(
             &ctx.client,
-            &finding.namespace,
-            &finding.name,
-            &finding.uid,
+            &finding.service.namespace,
+            &finding.service.name,
+            &finding.service.uid,
             |service| held(service) >= needed,
         )
         .await?;
@@ -112,8 +112,12 @@ impl NodePortRepairLoop {
 
     /// The finding's event, on the Service it is about.
     pub(super) async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
-        let uid = finding.uid.to_string();
-        let reference = crate::events::service_reference(&finding.namespace, &finding.name, &uid);
+        let ServiceRef {
+            namespace,
+            name,
+            uid,
+        } = &finding.service;
+        let reference = crate::events::service_reference(namespace, name, &uid.to_string());
         crate::events::emit(
             &self.client,
             &self.reporter,

@@ -151,7 +151,7 @@ impl NodePortRepairLoop {
                 Ok(Liveness::Holds) => {}
                 Ok(Liveness::Disproved(why)) => {
                     debug!(
-                        service = %format_args!("{}/{}", finding.namespace, finding.name),
+                        service = %format_args!("{}/{}", finding.service.namespace, finding.service.name),
                         port = finding.port,
                         reason = finding.problem.reason(),
                         %why,
@@ -179,7 +179,7 @@ impl NodePortRepairLoop {
             }
             self.count(finding.problem.error_type());
             warn!(
-                service = %format_args!("{}/{}", finding.namespace, finding.name),
+                service = %format_args!("{}/{}", finding.service.namespace, finding.service.name),
                 port = finding.port,
                 reason = finding.problem.reason(),
                 "{}",
@@ -202,7 +202,10 @@ impl NodePortRepairLoop {
         for finding in scan.findings.iter().filter(|f| !disproved.contains(f)) {
             report.push(drift(
                 finding.problem.drift_kind(),
-                format!("Service/{}/{}", finding.namespace, finding.name),
+                format!(
+                    "Service/{}/{}",
+                    finding.service.namespace, finding.service.name
+                ),
                 Action::Report,
                 finding.note(self.range),
                 false,

@@ -8,7 +8,7 @@ use fixedbitset::FixedBitSet;
 use smallvec::SmallVec;
 
 use crate::alloc::PortRange;
-use crate::service_cache::record::{Name, Protocol, ServiceRecord, ServiceRef, Token};
+use crate::service_cache::record::{Protocol, ServiceRecord, ServiceRef};
 
 /// The node ports one Service holds, as upstream collects them: each non-zero `nodePort`
 /// whatever the Service's type; the same port with the same protocol twice counts twice (a
@@ -82,9 +82,7 @@ impl Problem {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Finding {
     pub problem: Problem,
-    pub namespace: Name,
-    pub name: Name,
-    pub uid: Token,
+    pub service: ServiceRef,
     pub port: i32,
 }
 
@@ -143,9 +141,7 @@ pub fn scan<'a>(services: impl IntoIterator<Item = &'a ServiceRecord>, range: Po
             };
             findings.push(Finding {
                 problem,
-                namespace: service.namespace.clone(),
-                name: service.name.clone(),
-                uid: service.uid.clone(),
+                service: ServiceRef::of(service),
                 port,
             });
         }
@@ -162,6 +158,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use crate::service_cache::record::Token;
 
     fn service(
         namespace: &str,
@@ -256,7 +253,10 @@ mod tests {
         assert_eq!(scan.findings.len(), 1);
         let finding = &scan.findings[0];
         assert_eq!(
-            (finding.namespace.as_str(), finding.name.as_str()),
+            (
+                finding.service.namespace.as_str(),
+                finding.service.name.as_str()
+            ),
             ("b", "web")
         );
         assert_eq!(finding.problem, Problem::AlreadyAllocated);
@@ -283,7 +283,13 @@ mod tests {
             let got: Vec<_> = scan
                 .findings
                 .iter()
-                .map(|f| (f.namespace.as_str(), f.name.as_str(), f.problem))
+                .map(|f| {
+                    (
+                        f.service.namespace.as_str(),
+                        f.service.name.as_str(),
+                        f.problem,
+                    )
+                })
                 .collect();
             assert_eq!(got, [("a", "z", Problem::AlreadyAllocated)]);
             assert_eq!(scan.owners[&80].namespace.as_str(), "a-b");
@@ -313,7 +319,7 @@ mod tests {
         let got: Vec<_> = scan
             .findings
             .iter()
-            .map(|f| (f.name.as_str(), f.port, f.problem))
+            .map(|f| (f.service.name.as_str(), f.port, f.problem))
             .collect();
         assert_eq!(
             got,
