@@ -13,6 +13,8 @@ use kube::core::Status;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::{info, warn};
 
+use crate::service_cache::record::ServiceRef;
+
 /// Who this process's events say they come from: the controller, and this replica (its
 /// `reportingController` is never one of kube-apiserver's own).
 pub fn reporter(identity: &str) -> Reporter {
@@ -47,49 +49,39 @@ pub async fn emit(
         secondary: None,
     };
     let recorder = Recorder::new(client.clone(), reporter.clone());
-    publish(&recorder, &event, reference)
-        .await
-        .inspect_err(|err| {
-            warn!(
-                reason,
-                object = reference.name.as_deref().unwrap_or(""),
-                error = %crate::sanitize::Sanitized::new(&err.to_string()),
-                "cannot publish event"
-            )
-        })
-}
-
-/// A reference to the Service `namespace/name` (with its uid when known), for its events.
-pub fn service_reference(namespace: &str, name: &str, uid: &str) -> ObjectReference {
-    ObjectReference {
-        api_version: Some("v1".to_owned()),
-        kind: Some("Service".to_owned()),
-        namespace: Some(namespace.to_owned()),
-        name: Some(name.to_owned()),
-        uid: Some(uid.to_owned()).filter(|uid| !uid.is_empty()),
-        ..ObjectReference::default()
-    }
-}
-
-/// Publishes `event` about `reference`; an event whose namespace is being deleted or is gone is
-/// dropped (logged at info) and counts as published. Other failures are the caller's.
-pub async fn publish(
-    recorder: &Recorder,
-    event: &Event,
-    reference: &ObjectReference,
-) -> Result<(), kube::Error> {
-    match recorder.publish(event, reference).await {
+    match recorder.publish(&event, reference).await {
+        // An event whose namespace is being deleted or is gone is dropped: it counts as
+        // published.
         Err(kube::Error::Api(status)) if namespace_is_ending(&status) => {
             info!(
                 namespace = reference.namespace.as_deref().unwrap_or("default"),
-                reason = event.reason,
+                reason,
                 object = reference.name.as_deref().unwrap_or(""),
                 "event dropped: its namespace is being deleted or is gone ({})",
                 status.message
             );
             Ok(())
         }
-        other => other,
+        other => other.inspect_err(|err| {
+            warn!(
+                reason,
+                object = reference.name.as_deref().unwrap_or(""),
+                error = %crate::sanitize::Sanitized::new(&err.to_string()),
+                "cannot publish event"
+            )
+        }),
+    }
+}
+
+/// A reference to `service` (with its uid when known), for its events.
+pub fn service_reference(service: &ServiceRef) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".to_owned()),
+        kind: Some("Service".to_owned()),
+        namespace: Some(service.namespace.to_string()),
+        name: Some(service.name.to_string()),
+        uid: Some(service.uid.to_string()).filter(|uid| !uid.is_empty()),
+        ..ObjectReference::default()
     }
 }
 

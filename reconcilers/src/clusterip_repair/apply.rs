@@ -208,11 +208,7 @@ pub fn new_ip_address(ip: IpAddr, owner: &ServiceRef) -> IPAddress {
 
 pub(super) fn object_reference(regarding: &Regarding) -> ObjectReference {
     match regarding {
-        Regarding::Service(service) => crate::events::service_reference(
-            &service.namespace,
-            &service.name,
-            &service.uid.to_string(),
-        ),
+        Regarding::Service(service) => crate::events::service_reference(service),
         Regarding::IpAddress { name, uid } => ObjectReference {
             api_version: Some("networking.k8s.io/v1".to_owned()),
             kind: Some("IPAddress".to_owned()),

@@ -388,9 +388,7 @@ impl LegacyBitmap {
             let published = match dry_run {
                 true => Ok(()),
                 false => {
-                    let uid = about.uid.to_string();
-                    let reference =
-                        crate::events::service_reference(&about.namespace, &about.name, &uid);
+                    let reference = crate::events::service_reference(about);
                     let action = self.subject.event_action;
                     (crate::events::emit(
                         outlet.client,

@@ -11,7 +11,7 @@ use crate::contract::{LoopError, PassContext, PassReport};
 use crate::legacy_alloc::{LegacyBitmap, Outlet};
 use crate::service_cache::fresh_services;
 use crate::service_cache::live::{self, Liveness};
-use crate::service_cache::record::{ServiceRecord, ServiceRef};
+use crate::service_cache::record::ServiceRecord;
 
 impl NodePortRepairLoop {
     pub(super) fn count(&self, error_type: &'static str) {
@@ -112,12 +112,7 @@ impl NodePortRepairLoop {
 
     /// The finding's event, on the Service it is about.
     pub(super) async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
-        let ServiceRef {
-            namespace,
-            name,
-            uid,
-        } = &finding.service;
-        let reference = crate::events::service_reference(namespace, name, &uid.to_string());
+        let reference = crate::events::service_reference(&finding.service);
         crate::events::emit(
             &self.client,
             &self.reporter,
