@@ -13,6 +13,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use reconcilers::metrics::{MetricRegistry, TenantRegistry};
 
 /// Prefix of every metric this binary exposes.
 pub const METRICS_PREFIX: &str = "bootstrap";
@@ -60,6 +61,23 @@ fn heal_duration_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 18))
 }
 
+/// What `/metrics` serves of one tenant: `metrics` (its runtime's, registered while it was
+/// built) under the prefix and, first on each sample, the label `tenant="<namespace>/<name>"`.
+/// The tenant's label is kept once here, the metrics' names and help texts once for the
+/// process (see [`TenantRegistry`]); the single-cluster mode registers in the main registry.
+pub fn tenant_registry(tenant: String, metrics: TenantRegistry) -> Registry {
+    let mut registry = Registry::with_prefix_and_labels(
+        METRICS_PREFIX,
+        [(
+            std::borrow::Cow::Borrowed("tenant"),
+            std::borrow::Cow::Owned(tenant),
+        )]
+        .into_iter(),
+    );
+    registry.register_collector(Box::new(metrics.into_collector()));
+    registry
+}
+
 /// Handles to the runtime's per-loop metrics. Cheap to clone.
 #[derive(Clone)]
 pub struct RunnerMetrics {
@@ -81,7 +99,7 @@ pub struct RunnerMetrics {
 }
 
 impl RunnerMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
+    pub fn register(registry: &mut dyn MetricRegistry) -> Self {
         let metrics = RunnerMetrics {
             passes: Family::default(),
             pass_duration: Family::new_with_constructor(pass_duration_histogram),
@@ -276,7 +294,7 @@ fn loop_labels(name: &str) -> LoopLabels {
 }
 
 /// `bootstrap_etcd_mode`: whether the allocation bitmaps in etcd are repaired too.
-pub fn register_etcd_mode(registry: &mut Registry, on: bool) {
+pub fn register_etcd_mode(registry: &mut dyn MetricRegistry, on: bool) {
     let gauge: Gauge = Gauge::default();
     gauge.set(i64::from(on));
     registry.register(
@@ -604,17 +622,10 @@ mod tests {
         let tenants: Vec<Arc<Registry>> = ["tenants/a", "tenants/b"]
             .into_iter()
             .map(|tenant| {
-                let mut registry = Registry::with_prefix_and_labels(
-                    METRICS_PREFIX,
-                    [(
-                        std::borrow::Cow::Borrowed("tenant"),
-                        std::borrow::Cow::Owned(tenant.to_owned()),
-                    )]
-                    .into_iter(),
-                );
+                let mut registry = TenantRegistry::new();
                 let metrics = RunnerMetrics::register(&mut registry);
                 metrics.pass("system-namespaces", "success", Duration::from_millis(3));
-                Arc::new(registry)
+                Arc::new(tenant_registry(tenant.to_owned(), registry))
             })
             .collect();
         let text = encode_merged(&main, &tenants).unwrap();
@@ -646,6 +657,127 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    /// A tenant's runtime registered the way management mode registers it: the runner's
+    /// metrics, a limited cache budget's and a loop's (in its sub-registry), with samples.
+    fn tenant_metrics(registry: &mut dyn MetricRegistry, passes: u32) {
+        use reconcilers::budget::{BudgetLimits, CacheBudget};
+        let limits = BudgetLimits {
+            max_objects: 10,
+            max_bytes: 1000,
+        };
+        drop(CacheBudget::new(limits, "", None, registry));
+        let metrics = RunnerMetrics::register(registry);
+        register_etcd_mode(registry, false);
+        let loop_metrics = reconcilers::nodeport_repair::NodePortMetrics::register(registry);
+        metrics.init_loop("nodeport-repair", Duration::from_secs(60), true);
+        for _ in 0..passes {
+            metrics.pass("nodeport-repair", "success", Duration::from_millis(3));
+            metrics.heal("nodeport-repair", Duration::from_millis(20));
+            metrics.drift("nodeport-repair", "leak", true);
+        }
+        loop_metrics
+            .port_errors
+            .get_or_create(&[("type", "leak")])
+            .inc_by(u64::from(passes));
+    }
+
+    /// What a tenant's shared descriptors expose is what a registry of its own labelled `tenant`
+    /// exposes: names, HELP/TYPE/UNIT lines, samples with the tenant label first.
+    #[test]
+    fn a_tenants_registry_exposes_what_a_labelled_registry_of_its_own_does() {
+        let mut own = Registry::with_prefix_and_labels(
+            METRICS_PREFIX,
+            [(
+                std::borrow::Cow::Borrowed("tenant"),
+                std::borrow::Cow::Borrowed("tenants/a"),
+            )]
+            .into_iter(),
+        );
+        tenant_metrics(&mut own, 2);
+        let mut shared = TenantRegistry::new();
+        tenant_metrics(&mut shared, 2);
+        let shared = tenant_registry("tenants/a".to_owned(), shared);
+        let expected = encode(&own).unwrap();
+        assert!(
+            expected.contains(
+                "bootstrap_nodeport_repair_port_errors_total{tenant=\"tenants/a\",type=\"leak\"} 2"
+            ),
+            "{expected}"
+        );
+        assert!(
+            expected.contains("# UNIT bootstrap_loop_heal_duration_seconds seconds"),
+            "{expected}"
+        );
+        let shared = encode(&shared).unwrap();
+        // The families in the same order with the same descriptors; the series of a family come
+        // in its hash map's order, which differs from one map to the next.
+        let descriptors = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|line| line.starts_with('#'))
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(descriptors(&shared), descriptors(&expected));
+        let sorted = |text: &str| -> Vec<String> {
+            let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+            lines.sort();
+            lines
+        };
+        assert_eq!(sorted(&shared), sorted(&expected));
+    }
+
+    /// Two tenants' samples stay apart under one HELP/TYPE, and a stopped tenant (its registry
+    /// dropped from what `/metrics` merges) leaves no sample behind.
+    #[test]
+    fn tenants_samples_stay_apart_and_a_removed_tenants_are_gone() {
+        let mut main = new_registry();
+        drop(RunnerMetrics::register(&mut main));
+        let tenant = |name: &str, passes: u32| {
+            let mut registry = TenantRegistry::new();
+            tenant_metrics(&mut registry, passes);
+            Arc::new(tenant_registry(name.to_owned(), registry))
+        };
+        let a = tenant("tenants/a", 1);
+        let b = tenant("tenants/b", 3);
+        let text = encode_merged(&main, &[a.clone(), b.clone()]).unwrap();
+        for (tenant, passes) in [("tenants/a", 1), ("tenants/b", 3)] {
+            for sample in [
+                format!(
+                    "bootstrap_loop_passes_total{{tenant=\"{tenant}\",loop=\"nodeport-repair\",result=\"success\"}} {passes}"
+                ),
+                format!(
+                    "bootstrap_nodeport_repair_port_errors_total{{tenant=\"{tenant}\",type=\"leak\"}} {passes}"
+                ),
+                format!(
+                    "bootstrap_loop_heal_duration_seconds_count{{tenant=\"{tenant}\",loop=\"nodeport-repair\"}} {passes}"
+                ),
+            ] {
+                assert!(text.contains(&sample), "missing {sample} in\n{text}");
+            }
+        }
+        for family in [
+            "# TYPE bootstrap_loop_passes counter",
+            "# HELP bootstrap_nodeport_repair_port_errors Number of node port problems found by the repair loop, counted when each appears, by type.",
+            "# TYPE bootstrap_cache_bytes gauge",
+        ] {
+            assert_eq!(
+                text.lines().filter(|l| *l == family).count(),
+                1,
+                "{family} in\n{text}"
+            );
+        }
+
+        drop(a);
+        let text = encode_merged(&main, &[b]).unwrap();
+        assert!(!text.contains("tenants/a"), "{text}");
+        assert!(
+            text.contains(
+                "bootstrap_nodeport_repair_port_errors_total{tenant=\"tenants/b\",type=\"leak\"} 3"
+            ),
+            "{text}"
+        );
     }
 
     #[test]
