@@ -25,26 +25,26 @@ pub fn new_registry() -> Registry {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LoopLabels {
-    pub r#loop: String,
+    pub r#loop: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PassLabels {
-    pub r#loop: String,
+    pub r#loop: &'static str,
     /// `success`, `failure` or `panic`.
-    pub result: String,
+    pub result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DriftLabels {
-    pub r#loop: String,
-    pub kind: String,
+    pub r#loop: &'static str,
+    pub kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
-    pub r#loop: String,
-    pub category: String,
+    pub r#loop: &'static str,
+    pub category: &'static str,
 }
 
 type HistogramFamily = Family<LoopLabels, Histogram, fn() -> Histogram>;
@@ -92,7 +92,7 @@ pub struct RunnerMetrics {
     drift_unrepaired: Family<DriftLabels, Gauge>,
     /// The kinds each loop's `drift_unrepaired` was last set for, so a kind that cleared is set
     /// back to zero (a family cannot be listed).
-    unrepaired_kinds: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>>,
+    unrepaired_kinds: Arc<Mutex<BTreeMap<&'static str, BTreeSet<&'static str>>>>,
     heal_duration: HistogramFamily,
     interval: Family<LoopLabels, FloatGauge>,
     active: Family<LoopLabels, Gauge>,
@@ -181,11 +181,11 @@ impl RunnerMetrics {
         metrics
     }
 
-    pub fn pass(&self, name: &str, result: &str, duration: Duration) {
+    pub fn pass(&self, name: &'static str, result: &'static str, duration: Duration) {
         self.passes
             .get_or_create(&PassLabels {
-                r#loop: name.to_owned(),
-                result: result.to_owned(),
+                r#loop: name,
+                result,
             })
             .inc();
         self.pass_duration
@@ -193,7 +193,7 @@ impl RunnerMetrics {
             .observe(duration.as_secs_f64());
     }
 
-    pub fn success(&self, name: &str) {
+    pub fn success(&self, name: &'static str) {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
@@ -201,69 +201,61 @@ impl RunnerMetrics {
         self.last_success.get_or_create(&loop_labels(name)).set(now);
     }
 
-    pub fn drift(&self, name: &str, kind: &str, applied: bool) {
-        let labels = DriftLabels {
-            r#loop: name.to_owned(),
-            kind: kind.to_owned(),
-        };
+    pub fn drift(&self, name: &'static str, kind: &'static str, applied: bool) {
+        let labels = DriftLabels { r#loop: name, kind };
         self.drift_found.get_or_create(&labels).inc();
         if applied {
             self.drift_repaired.get_or_create(&labels).inc();
         }
     }
 
-    pub fn error(&self, name: &str, category: &str) {
+    pub fn error(&self, name: &'static str, category: &'static str) {
         self.errors
             .get_or_create(&ErrorLabels {
-                r#loop: name.to_owned(),
-                category: category.to_owned(),
+                r#loop: name,
+                category,
             })
             .inc();
     }
 
-    pub fn panic(&self, name: &str) {
+    pub fn panic(&self, name: &'static str) {
         self.panics.get_or_create(&loop_labels(name)).inc();
     }
 
-    pub fn set_ready(&self, name: &str, ready: bool) {
+    pub fn set_ready(&self, name: &'static str, ready: bool) {
         self.ready
             .get_or_create(&loop_labels(name))
             .set(i64::from(ready));
     }
 
     /// Sets the drift a pass left undone, by kind; kinds of earlier passes that are gone go to 0.
-    pub fn set_unrepaired(&self, name: &str, counts: &BTreeMap<&str, i64>) {
+    pub fn set_unrepaired(&self, name: &'static str, counts: &BTreeMap<&'static str, i64>) {
         let mut kinds = self
             .unrepaired_kinds
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
-        let known = kinds.entry(name.to_owned()).or_default();
-        for kind in counts.keys() {
-            known.insert((*kind).to_owned());
-        }
+        let known = kinds.entry(name).or_default();
+        known.extend(counts.keys().copied());
         for kind in known.iter() {
-            let count = counts.get(kind.as_str()).copied().unwrap_or(0);
+            let count = counts.get(kind).copied().unwrap_or(0);
             self.drift_unrepaired
-                .get_or_create(&DriftLabels {
-                    r#loop: name.to_owned(),
-                    kind: kind.clone(),
-                })
+                .get_or_create(&DriftLabels { r#loop: name, kind })
                 .set(count);
         }
     }
 
     /// A replica that stops running a loop (lost leadership) no longer vouches for its drift.
-    pub fn clear_unrepaired(&self, name: &str) {
+    pub fn clear_unrepaired(&self, name: &'static str) {
         self.set_unrepaired(name, &BTreeMap::new());
     }
 
-    pub fn heal(&self, name: &str, took: Duration) {
+    pub fn heal(&self, name: &'static str, took: Duration) {
         self.heal_duration
             .get_or_create(&loop_labels(name))
             .observe(took.as_secs_f64());
     }
 
-    pub fn set_active(&self, name: &str, active: bool) {
+    pub fn set_active(&self, name: &'static str, active: bool) {
         self.active
             .get_or_create(&loop_labels(name))
             .set(i64::from(active));
@@ -271,15 +263,15 @@ impl RunnerMetrics {
 
     /// Makes every series of a loop visible at zero before its first pass, so dashboards and
     /// alerts see the loop exists.
-    pub fn init_loop(&self, name: &str, interval: Duration, active: bool) {
+    pub fn init_loop(&self, name: &'static str, interval: Duration, active: bool) {
         self.interval
             .get_or_create(&loop_labels(name))
             .set(interval.as_secs_f64());
         self.set_active(name, active);
         for result in ["success", "failure", "panic"] {
             drop(self.passes.get_or_create(&PassLabels {
-                r#loop: name.to_owned(),
-                result: result.to_owned(),
+                r#loop: name,
+                result,
             }));
         }
         drop(self.panics.get_or_create(&loop_labels(name)));
@@ -287,10 +279,8 @@ impl RunnerMetrics {
     }
 }
 
-fn loop_labels(name: &str) -> LoopLabels {
-    LoopLabels {
-        r#loop: name.to_owned(),
-    }
+fn loop_labels(name: &'static str) -> LoopLabels {
+    LoopLabels { r#loop: name }
 }
 
 /// `bootstrap_etcd_mode`: whether the allocation bitmaps in etcd are repaired too.
