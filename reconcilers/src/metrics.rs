@@ -155,13 +155,16 @@ impl Hash for SharedDescriptor {
     }
 }
 
+/// A metric handle and what it is called.
+type Registered = (Arc<SharedDescriptor>, Box<dyn Metric>);
+
 /// A tenant's metrics while its runtime is built: each a handle beside a shared descriptor.
 /// [`TenantRegistry::into_collector`] makes what its `/metrics` registry serves.
 #[derive(Debug, Default)]
 pub struct TenantRegistry {
     /// Prepended to every name registered here: empty, or the sub-registry's prefix and `_`.
     prefix: String,
-    metrics: Vec<(Arc<SharedDescriptor>, Box<dyn Metric>)>,
+    metrics: Vec<Registered>,
     subs: Vec<TenantRegistry>,
 }
 
@@ -178,7 +181,7 @@ impl TenantRegistry {
         TenantCollector(metrics.into_boxed_slice())
     }
 
-    fn flatten_into(self, out: &mut Vec<(Arc<SharedDescriptor>, Box<dyn Metric>)>) {
+    fn flatten_into(self, out: &mut Vec<Registered>) {
         out.extend(self.metrics);
         for sub in self.subs {
             sub.flatten_into(out);
@@ -210,7 +213,7 @@ impl MetricRegistry for TenantRegistry {
 
 /// A tenant's metrics, for the [`Registry`] that carries its prefix and `tenant` label.
 #[derive(Debug)]
-pub struct TenantCollector(Box<[(Arc<SharedDescriptor>, Box<dyn Metric>)]>);
+pub struct TenantCollector(Box<[Registered]>);
 
 impl Collector for TenantCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
