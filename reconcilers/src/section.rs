@@ -250,7 +250,8 @@ pub(crate) fn refused_fields<S: LoopSection + Default>(path: &str, bad: &S) -> V
 /// What a loop is built with.
 pub struct BuildContext<'a> {
     pub client: kube::Client,
-    /// The process's registry; each loop registers under its own name.
+    /// The cluster's metrics registry (the process's, or a tenant's); each loop registers under
+    /// its own name.
     pub registry: &'a mut dyn MetricRegistry,
     pub settings: &'a Settings,
     /// Loads the kubeconfig again (a readiness probe of a full URL uses its CA and credentials).
