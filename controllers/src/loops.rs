@@ -10,6 +10,7 @@ use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::apiserver_endpoints::ConfigLoader;
 use reconcilers::budget::{BudgetLimits, CacheBudget};
+use reconcilers::metrics::MetricRegistry;
 use reconcilers::section::{BuildContext, Settings};
 use tracing::{info, warn};
 
@@ -54,7 +55,7 @@ pub fn build_runner(
     client: &kube::Client,
     load_kubeconfig: ConfigLoader,
     budget: &CacheBudget,
-    registry: &mut Registry,
+    registry: &mut dyn MetricRegistry,
 ) -> Runner {
     let metrics = RunnerMetrics::register(registry);
     crate::metrics::register_etcd_mode(registry, !config.settings.etcd.servers.is_empty());
@@ -79,7 +80,7 @@ pub fn build_cluster_loops(
     client: &kube::Client,
     load_kubeconfig: ConfigLoader,
     budget: &CacheBudget,
-    registry: &mut Registry,
+    registry: &mut dyn MetricRegistry,
 ) -> Vec<Arc<dyn Reconciler>> {
     let settings = Settings {
         cache_budget: budget.clone(),

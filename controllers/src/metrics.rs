@@ -13,6 +13,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use reconcilers::metrics::{MetricRegistry, TenantRegistry};
 
 /// Prefix of every metric this binary exposes.
 pub const METRICS_PREFIX: &str = "bootstrap";
@@ -24,26 +25,26 @@ pub fn new_registry() -> Registry {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LoopLabels {
-    pub r#loop: String,
+    pub r#loop: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PassLabels {
-    pub r#loop: String,
+    pub r#loop: &'static str,
     /// `success`, `failure` or `panic`.
-    pub result: String,
+    pub result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DriftLabels {
-    pub r#loop: String,
-    pub kind: String,
+    pub r#loop: &'static str,
+    pub kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
-    pub r#loop: String,
-    pub category: String,
+    pub r#loop: &'static str,
+    pub category: &'static str,
 }
 
 type HistogramFamily = Family<LoopLabels, Histogram, fn() -> Histogram>;
@@ -60,6 +61,23 @@ fn heal_duration_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 18))
 }
 
+/// What `/metrics` serves of one tenant: `metrics` (its runtime's, registered while it was
+/// built) under the prefix and, first on each sample, the label `tenant="<namespace>/<name>"`.
+/// The tenant's label is kept once here, the metrics' names and help texts once for the
+/// process (see [`TenantRegistry`]); the single-cluster mode registers in the main registry.
+pub fn tenant_registry(tenant: String, metrics: TenantRegistry) -> Registry {
+    let mut registry = Registry::with_prefix_and_labels(
+        METRICS_PREFIX,
+        [(
+            std::borrow::Cow::Borrowed("tenant"),
+            std::borrow::Cow::Owned(tenant),
+        )]
+        .into_iter(),
+    );
+    registry.register_collector(Box::new(metrics.into_collector()));
+    registry
+}
+
 /// Handles to the runtime's per-loop metrics. Cheap to clone.
 #[derive(Clone)]
 pub struct RunnerMetrics {
@@ -74,14 +92,14 @@ pub struct RunnerMetrics {
     drift_unrepaired: Family<DriftLabels, Gauge>,
     /// The kinds each loop's `drift_unrepaired` was last set for, so a kind that cleared is set
     /// back to zero (a family cannot be listed).
-    unrepaired_kinds: Arc<Mutex<BTreeMap<String, BTreeSet<String>>>>,
+    unrepaired_kinds: Arc<Mutex<BTreeMap<&'static str, BTreeSet<&'static str>>>>,
     heal_duration: HistogramFamily,
     interval: Family<LoopLabels, FloatGauge>,
     active: Family<LoopLabels, Gauge>,
 }
 
 impl RunnerMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
+    pub fn register(registry: &mut dyn MetricRegistry) -> Self {
         let metrics = RunnerMetrics {
             passes: Family::default(),
             pass_duration: Family::new_with_constructor(pass_duration_histogram),
@@ -163,11 +181,11 @@ impl RunnerMetrics {
         metrics
     }
 
-    pub fn pass(&self, name: &str, result: &str, duration: Duration) {
+    pub fn pass(&self, name: &'static str, result: &'static str, duration: Duration) {
         self.passes
             .get_or_create(&PassLabels {
-                r#loop: name.to_owned(),
-                result: result.to_owned(),
+                r#loop: name,
+                result,
             })
             .inc();
         self.pass_duration
@@ -175,7 +193,7 @@ impl RunnerMetrics {
             .observe(duration.as_secs_f64());
     }
 
-    pub fn success(&self, name: &str) {
+    pub fn success(&self, name: &'static str) {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
@@ -183,69 +201,61 @@ impl RunnerMetrics {
         self.last_success.get_or_create(&loop_labels(name)).set(now);
     }
 
-    pub fn drift(&self, name: &str, kind: &str, applied: bool) {
-        let labels = DriftLabels {
-            r#loop: name.to_owned(),
-            kind: kind.to_owned(),
-        };
+    pub fn drift(&self, name: &'static str, kind: &'static str, applied: bool) {
+        let labels = DriftLabels { r#loop: name, kind };
         self.drift_found.get_or_create(&labels).inc();
         if applied {
             self.drift_repaired.get_or_create(&labels).inc();
         }
     }
 
-    pub fn error(&self, name: &str, category: &str) {
+    pub fn error(&self, name: &'static str, category: &'static str) {
         self.errors
             .get_or_create(&ErrorLabels {
-                r#loop: name.to_owned(),
-                category: category.to_owned(),
+                r#loop: name,
+                category,
             })
             .inc();
     }
 
-    pub fn panic(&self, name: &str) {
+    pub fn panic(&self, name: &'static str) {
         self.panics.get_or_create(&loop_labels(name)).inc();
     }
 
-    pub fn set_ready(&self, name: &str, ready: bool) {
+    pub fn set_ready(&self, name: &'static str, ready: bool) {
         self.ready
             .get_or_create(&loop_labels(name))
             .set(i64::from(ready));
     }
 
     /// Sets the drift a pass left undone, by kind; kinds of earlier passes that are gone go to 0.
-    pub fn set_unrepaired(&self, name: &str, counts: &BTreeMap<&str, i64>) {
+    pub fn set_unrepaired(&self, name: &'static str, counts: &BTreeMap<&'static str, i64>) {
         let mut kinds = self
             .unrepaired_kinds
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
-        let known = kinds.entry(name.to_owned()).or_default();
-        for kind in counts.keys() {
-            known.insert((*kind).to_owned());
-        }
+        let known = kinds.entry(name).or_default();
+        known.extend(counts.keys().copied());
         for kind in known.iter() {
-            let count = counts.get(kind.as_str()).copied().unwrap_or(0);
+            let count = counts.get(kind).copied().unwrap_or(0);
             self.drift_unrepaired
-                .get_or_create(&DriftLabels {
-                    r#loop: name.to_owned(),
-                    kind: kind.clone(),
-                })
+                .get_or_create(&DriftLabels { r#loop: name, kind })
                 .set(count);
         }
     }
 
     /// A replica that stops running a loop (lost leadership) no longer vouches for its drift.
-    pub fn clear_unrepaired(&self, name: &str) {
+    pub fn clear_unrepaired(&self, name: &'static str) {
         self.set_unrepaired(name, &BTreeMap::new());
     }
 
-    pub fn heal(&self, name: &str, took: Duration) {
+    pub fn heal(&self, name: &'static str, took: Duration) {
         self.heal_duration
             .get_or_create(&loop_labels(name))
             .observe(took.as_secs_f64());
     }
 
-    pub fn set_active(&self, name: &str, active: bool) {
+    pub fn set_active(&self, name: &'static str, active: bool) {
         self.active
             .get_or_create(&loop_labels(name))
             .set(i64::from(active));
@@ -253,15 +263,15 @@ impl RunnerMetrics {
 
     /// Makes every series of a loop visible at zero before its first pass, so dashboards and
     /// alerts see the loop exists.
-    pub fn init_loop(&self, name: &str, interval: Duration, active: bool) {
+    pub fn init_loop(&self, name: &'static str, interval: Duration, active: bool) {
         self.interval
             .get_or_create(&loop_labels(name))
             .set(interval.as_secs_f64());
         self.set_active(name, active);
         for result in ["success", "failure", "panic"] {
             drop(self.passes.get_or_create(&PassLabels {
-                r#loop: name.to_owned(),
-                result: result.to_owned(),
+                r#loop: name,
+                result,
             }));
         }
         drop(self.panics.get_or_create(&loop_labels(name)));
@@ -269,14 +279,12 @@ impl RunnerMetrics {
     }
 }
 
-fn loop_labels(name: &str) -> LoopLabels {
-    LoopLabels {
-        r#loop: name.to_owned(),
-    }
+fn loop_labels(name: &'static str) -> LoopLabels {
+    LoopLabels { r#loop: name }
 }
 
 /// `bootstrap_etcd_mode`: whether the allocation bitmaps in etcd are repaired too.
-pub fn register_etcd_mode(registry: &mut Registry, on: bool) {
+pub fn register_etcd_mode(registry: &mut dyn MetricRegistry, on: bool) {
     let gauge: Gauge = Gauge::default();
     gauge.set(i64::from(on));
     registry.register(
@@ -604,17 +612,10 @@ mod tests {
         let tenants: Vec<Arc<Registry>> = ["tenants/a", "tenants/b"]
             .into_iter()
             .map(|tenant| {
-                let mut registry = Registry::with_prefix_and_labels(
-                    METRICS_PREFIX,
-                    [(
-                        std::borrow::Cow::Borrowed("tenant"),
-                        std::borrow::Cow::Owned(tenant.to_owned()),
-                    )]
-                    .into_iter(),
-                );
+                let mut registry = TenantRegistry::new();
                 let metrics = RunnerMetrics::register(&mut registry);
                 metrics.pass("system-namespaces", "success", Duration::from_millis(3));
-                Arc::new(registry)
+                Arc::new(tenant_registry(tenant.to_owned(), registry))
             })
             .collect();
         let text = encode_merged(&main, &tenants).unwrap();
@@ -646,6 +647,127 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    /// A tenant's runtime registered the way management mode registers it: the runner's
+    /// metrics, a limited cache budget's and a loop's (in its sub-registry), with samples.
+    fn tenant_metrics(registry: &mut dyn MetricRegistry, passes: u32) {
+        use reconcilers::budget::{BudgetLimits, CacheBudget};
+        let limits = BudgetLimits {
+            max_objects: 10,
+            max_bytes: 1000,
+        };
+        drop(CacheBudget::new(limits, "", None, registry));
+        let metrics = RunnerMetrics::register(registry);
+        register_etcd_mode(registry, false);
+        let loop_metrics = reconcilers::nodeport_repair::NodePortMetrics::register(registry);
+        metrics.init_loop("nodeport-repair", Duration::from_secs(60), true);
+        for _ in 0..passes {
+            metrics.pass("nodeport-repair", "success", Duration::from_millis(3));
+            metrics.heal("nodeport-repair", Duration::from_millis(20));
+            metrics.drift("nodeport-repair", "leak", true);
+        }
+        loop_metrics
+            .port_errors
+            .get_or_create(&[("type", "leak")])
+            .inc_by(u64::from(passes));
+    }
+
+    /// What a tenant's shared descriptors expose is what a registry of its own labelled `tenant`
+    /// exposes: names, HELP/TYPE/UNIT lines, samples with the tenant label first.
+    #[test]
+    fn a_tenants_registry_exposes_what_a_labelled_registry_of_its_own_does() {
+        let mut own = Registry::with_prefix_and_labels(
+            METRICS_PREFIX,
+            [(
+                std::borrow::Cow::Borrowed("tenant"),
+                std::borrow::Cow::Borrowed("tenants/a"),
+            )]
+            .into_iter(),
+        );
+        tenant_metrics(&mut own, 2);
+        let mut shared = TenantRegistry::new();
+        tenant_metrics(&mut shared, 2);
+        let shared = tenant_registry("tenants/a".to_owned(), shared);
+        let expected = encode(&own).unwrap();
+        assert!(
+            expected.contains(
+                "bootstrap_nodeport_repair_port_errors_total{tenant=\"tenants/a\",type=\"leak\"} 2"
+            ),
+            "{expected}"
+        );
+        assert!(
+            expected.contains("# UNIT bootstrap_loop_heal_duration_seconds seconds"),
+            "{expected}"
+        );
+        let shared = encode(&shared).unwrap();
+        // The families in the same order with the same descriptors; the series of a family come
+        // in its hash map's order, which differs from one map to the next.
+        let descriptors = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|line| line.starts_with('#'))
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(descriptors(&shared), descriptors(&expected));
+        let sorted = |text: &str| -> Vec<String> {
+            let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+            lines.sort();
+            lines
+        };
+        assert_eq!(sorted(&shared), sorted(&expected));
+    }
+
+    /// Two tenants' samples stay apart under one HELP/TYPE, and a stopped tenant (its registry
+    /// dropped from what `/metrics` merges) leaves no sample behind.
+    #[test]
+    fn tenants_samples_stay_apart_and_a_removed_tenants_are_gone() {
+        let mut main = new_registry();
+        drop(RunnerMetrics::register(&mut main));
+        let tenant = |name: &str, passes: u32| {
+            let mut registry = TenantRegistry::new();
+            tenant_metrics(&mut registry, passes);
+            Arc::new(tenant_registry(name.to_owned(), registry))
+        };
+        let a = tenant("tenants/a", 1);
+        let b = tenant("tenants/b", 3);
+        let text = encode_merged(&main, &[a.clone(), b.clone()]).unwrap();
+        for (tenant, passes) in [("tenants/a", 1), ("tenants/b", 3)] {
+            for sample in [
+                format!(
+                    "bootstrap_loop_passes_total{{tenant=\"{tenant}\",loop=\"nodeport-repair\",result=\"success\"}} {passes}"
+                ),
+                format!(
+                    "bootstrap_nodeport_repair_port_errors_total{{tenant=\"{tenant}\",type=\"leak\"}} {passes}"
+                ),
+                format!(
+                    "bootstrap_loop_heal_duration_seconds_count{{tenant=\"{tenant}\",loop=\"nodeport-repair\"}} {passes}"
+                ),
+            ] {
+                assert!(text.contains(&sample), "missing {sample} in\n{text}");
+            }
+        }
+        for family in [
+            "# TYPE bootstrap_loop_passes counter",
+            "# HELP bootstrap_nodeport_repair_port_errors Number of node port problems found by the repair loop, counted when each appears, by type.",
+            "# TYPE bootstrap_cache_bytes gauge",
+        ] {
+            assert_eq!(
+                text.lines().filter(|l| *l == family).count(),
+                1,
+                "{family} in\n{text}"
+            );
+        }
+
+        drop(a);
+        let text = encode_merged(&main, &[b]).unwrap();
+        assert!(!text.contains("tenants/a"), "{text}");
+        assert!(
+            text.contains(
+                "bootstrap_nodeport_repair_port_errors_total{tenant=\"tenants/b\",type=\"leak\"} 3"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

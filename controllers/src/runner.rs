@@ -688,7 +688,7 @@ async fn run_pass(
                     "repaired"
                 );
             }
-            let mut unrepaired = BTreeMap::<&str, i64>::new();
+            let mut unrepaired = BTreeMap::<&'static str, i64>::new();
             for drift in report.drift.iter().filter(|drift| !drift.applied) {
                 *unrepaired.entry(drift.kind).or_default() += 1;
             }

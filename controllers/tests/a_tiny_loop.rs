@@ -154,8 +154,7 @@ mod tiny {
 
     pub mod metrics {
         use prometheus_client::metrics::counter::Counter;
-        use prometheus_client::registry::Registry;
-        use reconcilers::metrics::{loop_registry, registered};
+        use reconcilers::metrics::{MetricRegistry, loop_registry, registered};
 
         #[derive(Clone, Default)]
         pub struct TinyMetrics {
@@ -163,7 +162,7 @@ mod tiny {
         }
 
         impl TinyMetrics {
-            pub fn register(registry: &mut Registry) -> Self {
+            pub fn register(registry: &mut dyn MetricRegistry) -> Self {
                 TinyMetrics {
                     creations: registered(
                         loop_registry(registry, super::NAME),
@@ -181,8 +180,8 @@ mod tiny {
     use futures::future::BoxFuture;
     use k8s_openapi::api::coordination::v1::Lease;
     use kube::Api;
-    use prometheus_client::registry::Registry;
     use reconcilers::contract::{LoopError, PassContext, PassReport, Reconciler};
+    use reconcilers::metrics::MetricRegistry;
 
     use metrics::TinyMetrics;
     use section::Section;
@@ -193,7 +192,7 @@ mod tiny {
     }
 
     impl TinyLoop {
-        fn new(section: Section, _client: kube::Client, registry: &mut Registry) -> Self {
+        fn new(section: Section, _client: kube::Client, registry: &mut dyn MetricRegistry) -> Self {
             TinyLoop {
                 section,
                 metrics: TinyMetrics::register(registry),

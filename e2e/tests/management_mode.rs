@@ -199,6 +199,17 @@ async fn tenants_start_restart_and_stop_with_their_secrets() -> Result<()> {
         .map(|r| format!("{} {} {}", r.verb, r.resource, r.name))
         .collect();
     ensure!(sent.is_empty(), "requests to a deleted tenant: {sent:?}");
+    // Its samples left `/metrics` with it; the others' stay, each under its own tenant.
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    let deleted = format!("tenant=\"tenants/{}\"", secret_name(1));
+    ensure!(!metrics.contains(&deleted), "{deleted} still in\n{metrics}");
+    for kept in [0, 2] {
+        let sample = format!(
+            "bootstrap_loop_passes_total{{tenant=\"tenants/{}\",loop=\"system-namespaces\",result=\"success\"}}",
+            secret_name(kept)
+        );
+        ensure!(metrics.contains(&sample), "missing {sample} in\n{metrics}");
+    }
 
     // Rotated: tenant 0's Secret now reaches tenant 1's cluster; the runtime restarts against
     // it (kube-public comes back there) and leaves tenant 0's cluster.

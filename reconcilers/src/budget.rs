@@ -53,6 +53,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
 
+use crate::metrics::MetricRegistry;
+
 /// The most a cluster's caches may hold together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BudgetLimits {
@@ -327,7 +329,7 @@ impl CacheBudget {
         limits: BudgetLimits,
         hint: impl Into<String>,
         pool: Option<CachePool>,
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Self {
         let budget = Self::unregistered(limits, hint.into(), pool);
         let metrics = &budget.0.metrics;

@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use ipnet::IpNet;
-use prometheus_client::registry::Registry;
 
 use crate::alloc::PortRange;
 use crate::budget::CacheBudget;
 use crate::contract::Reconciler;
 use crate::legacy_alloc::etcd::EtcdConfig;
+use crate::metrics::MetricRegistry;
 use crate::service_cache::record::ServiceCidrRecord;
 use crate::service_cache::record::ServiceRecord;
 use crate::watch_cache::WatchCache;
@@ -242,8 +242,9 @@ pub(crate) fn refused_fields<S: LoopSection + Default>(path: &str, bad: &S) -> V
 /// What a loop is built with.
 pub struct BuildContext<'a> {
     pub client: kube::Client,
-    /// The process's registry; each loop registers under its own name.
-    pub registry: &'a mut Registry,
+    /// The cluster's metrics registry (the process's, or a tenant's); each loop registers under
+    /// its own name.
+    pub registry: &'a mut dyn MetricRegistry,
     pub settings: &'a Settings,
     /// Loads the kubeconfig again (a readiness probe of a full URL uses its CA and credentials).
     pub load_kubeconfig: ConfigLoader,
@@ -256,7 +257,7 @@ pub struct BuildContext<'a> {
 impl<'a> BuildContext<'a> {
     pub fn new(
         client: kube::Client,
-        registry: &'a mut Registry,
+        registry: &'a mut dyn MetricRegistry,
         settings: &'a Settings,
         load_kubeconfig: ConfigLoader,
     ) -> Self {

@@ -36,6 +36,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use prometheus_client::registry::Registry;
 use reconcilers::legacy_alloc::etcd::EtcdPin;
+use reconcilers::metrics::TenantRegistry;
 use reconcilers::sanitize::Sanitized;
 use tokio::sync::watch;
 use tokio::task::{AbortHandle, JoinHandle, JoinSet};
@@ -45,7 +46,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::config::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
 use crate::etcd_claims::{self, RECORD_LABEL, Record};
 use crate::health::{CheckState, Health};
-use crate::metrics::METRICS_PREFIX;
+use crate::metrics::tenant_registry;
 use crate::shards::{Leadership, View};
 use crate::tenant_kubeconfig::{self, CredentialPolicy};
 use reconcilers::budget::CacheBudget;
@@ -750,14 +751,7 @@ impl Manager {
             client,
             limits,
         } = loaded;
-        let mut registry = Registry::with_prefix_and_labels(
-            METRICS_PREFIX,
-            [(
-                std::borrow::Cow::Borrowed("tenant"),
-                std::borrow::Cow::Owned(Sanitized::new(key).into_string()),
-            )]
-            .into_iter(),
-        );
+        let mut metrics = TenantRegistry::new();
         let load_kubeconfig: reconcilers::apiserver_endpoints::ConfigLoader = {
             let kube_config = kube_config.clone();
             Arc::new(move || {
@@ -772,10 +766,10 @@ impl Manager {
                  tenants.cacheBudgets.{key:?} in the configuration file"
             ),
             Some(self.settings.pools.caches.clone()),
-            &mut registry,
+            &mut metrics,
         );
         let runner =
-            crate::loops::build_runner(&config, &client, load_kubeconfig, &budget, &mut registry);
+            crate::loops::build_runner(&config, &client, load_kubeconfig, &budget, &mut metrics);
         let health = runner.health();
         limits.on_breach(self.api_over_limit(key, spec));
         budget.on_breach(self.over_budget(key, spec, limits, health.clone()));
@@ -803,7 +797,7 @@ impl Manager {
             cancel,
             task,
             health,
-            registry: Arc::new(registry),
+            registry: Arc::new(tenant_registry(Sanitized::new(key).into_string(), metrics)),
         }
     }
 

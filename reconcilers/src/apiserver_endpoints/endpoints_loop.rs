@@ -15,7 +15,6 @@ use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::Reporter;
 use kube::runtime::watcher;
-use prometheus_client::registry::Registry;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
@@ -28,6 +27,7 @@ use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
 use crate::alloc::IpFamily;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt};
 use crate::findings::ReportOnce;
+use crate::metrics::MetricRegistry;
 use crate::section::Settings;
 use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
 
@@ -86,7 +86,7 @@ impl ApiserverEndpointsLoop {
         section: &Section,
         settings: &Settings,
         deps: EndpointsDeps,
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Self {
         let target = &Section::target(settings);
         let (budget, here) = (&settings.cache_budget, &target.namespace);

@@ -12,7 +12,6 @@ use kube::api::{Api, PostParams};
 use kube::runtime::events::EventType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 use super::apply::delete_if_uid;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
@@ -27,7 +26,7 @@ use crate::contract::{
 use crate::lease;
 use crate::section::Settings;
 
-use crate::metrics::{loop_registry, registered};
+use crate::metrics::{MetricRegistry, loop_registry, registered};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "apiserver-lease";
@@ -50,7 +49,7 @@ pub struct LeaseMetrics {
 }
 
 impl LeaseMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
+    pub fn register(registry: &mut dyn MetricRegistry) -> Self {
         let registry = loop_registry(registry, NAME);
         Self {
             ready: registered(
@@ -123,7 +122,7 @@ impl ApiserverLeaseLoop {
         section: &Section,
         settings: &Settings,
         deps: EndpointsDeps,
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Option<Self> {
         let address = section.advertise_address(settings)?;
         let holder = if settings.identity.is_empty() {

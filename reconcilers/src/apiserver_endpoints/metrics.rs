@@ -3,12 +3,11 @@
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 use super::NAME;
 use super::members::MemberSet;
 use crate::alloc::IpFamily;
-use crate::metrics::{loop_registry, registered};
+use crate::metrics::{MetricRegistry, loop_registry, registered};
 
 /// One label, e.g. `("kind", "endpoints_ports")`.
 pub(super) type Label = [(&'static str, String); 1];
@@ -23,7 +22,7 @@ pub struct EndpointsMetrics {
 }
 
 impl EndpointsMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
+    pub fn register(registry: &mut dyn MetricRegistry) -> Self {
         let registry = loop_registry(registry, NAME);
         Self {
             members: registered(

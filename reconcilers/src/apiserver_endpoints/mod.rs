@@ -55,7 +55,6 @@ pub mod shutdown;
 use std::sync::Arc;
 
 use kube::runtime::events::Reporter;
-use prometheus_client::registry::Registry;
 
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
@@ -71,6 +70,7 @@ pub use section::{
 pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate};
 
 use crate::contract::Reconciler;
+use crate::metrics::MetricRegistry;
 use crate::section::Settings;
 pub use crate::section::{ConfigLoader, EndpointsMode};
 
@@ -100,7 +100,7 @@ pub fn build_loops(
     section: &Section,
     settings: &Settings,
     deps: EndpointsDeps,
-    registry: &mut Registry,
+    registry: &mut dyn MetricRegistry,
 ) -> Vec<Box<dyn Reconciler>> {
     let mut loops: Vec<Box<dyn Reconciler>> = Vec::new();
     let mode = settings.endpoint_mode();

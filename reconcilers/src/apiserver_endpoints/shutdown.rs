@@ -13,14 +13,13 @@ use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
 use super::Section;
 use super::metrics::Label;
 use super::probe::ReadinessProbe;
-use crate::metrics::{loop_registry, registered};
+use crate::metrics::{MetricRegistry, loop_registry, registered};
 
 /// `loops.apiserverEndpoints.onShutdown`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,7 +109,7 @@ impl ShutdownGate {
     }
 
     /// Registers `bootstrap_apiserver_endpoints_shutdown_total{decision}`.
-    pub fn register(&self, registry: &mut Registry) {
+    pub fn register(&self, registry: &mut dyn MetricRegistry) {
         registered(
             loop_registry(registry, super::NAME),
             "shutdown",

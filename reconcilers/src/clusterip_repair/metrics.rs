@@ -2,10 +2,9 @@
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
 
 use super::NAME;
-use crate::metrics::{loop_registry, registered};
+use crate::metrics::{MetricRegistry, loop_registry, registered};
 
 /// Counters mirroring upstream's `apiserver_clusterip_repair_*`, plus the deferrals.
 #[derive(Clone, Debug, Default)]
@@ -18,7 +17,7 @@ pub struct RepairMetrics {
 }
 
 impl RepairMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
+    pub fn register(registry: &mut dyn MetricRegistry) -> Self {
         let registry = loop_registry(registry, NAME);
         Self {
             ip_errors: registered(

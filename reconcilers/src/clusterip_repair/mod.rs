@@ -42,12 +42,12 @@ use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::runtime::events::{EventType, Reporter};
 use kube::{Api, Client};
-use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::ServiceRecord;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges, networking_v1_serves};
@@ -220,7 +220,7 @@ impl ClusterIpRepairLoop {
         client: Client,
         section: Section,
         settings: &Settings,
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Self {
         let budget = &settings.cache_budget;
         let services = WatchCache::every(client.clone(), section.page_size, budget);
@@ -241,7 +241,7 @@ impl ClusterIpRepairLoop {
         section: Section,
         settings: &Settings,
         (services, service_cidrs): (WatchCache<ServiceRecord>, WatchCache<ServiceCidrRecord>),
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Self {
         // Events name this controller (upstream's reasons, not its reporting controller), so
         // nobody mistakes them for kube-apiserver's own repair.

@@ -29,10 +29,10 @@ use k8s_openapi::api::core::v1::Service;
 use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{EventType, Reporter};
-use prometheus_client::registry::Registry;
 
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::findings::ReportOnce;
+use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::{Name, ServiceRecord};
 use crate::service_range::{RangeError, ServiceRanges};
@@ -91,7 +91,7 @@ impl KubernetesServiceLoop {
         section: Section,
         settings: &Settings,
         client: kube::Client,
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Self {
         let services = WatchCache::shared(client.clone(), &settings.cache_budget);
         Self::with_services(section, settings, client, services, registry)
@@ -104,7 +104,7 @@ impl KubernetesServiceLoop {
         settings: &Settings,
         client: kube::Client,
         services: WatchCache<ServiceRecord>,
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Self {
         services.read_one(
             Api::namespaced(client.clone(), &section.namespace),

@@ -3,10 +3,9 @@
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 use super::NAME;
-use crate::metrics::{loop_registry, registered};
+use crate::metrics::{MetricRegistry, loop_registry, registered};
 
 /// Counters mirroring upstream's `apiserver_nodeport_repair_port_errors_total`, counted once
 /// per problem when it appears, and the problems present now.
@@ -21,7 +20,7 @@ pub struct NodePortMetrics {
 }
 
 impl NodePortMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
+    pub fn register(registry: &mut dyn MetricRegistry) -> Self {
         let registry = loop_registry(registry, NAME);
         Self {
             port_errors: registered(

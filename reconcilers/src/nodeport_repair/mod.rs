@@ -29,7 +29,6 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use kube::Client;
 use kube::runtime::events::Reporter;
-use prometheus_client::registry::Registry;
 use tracing::{debug, warn};
 
 use crate::alloc::PortRange;
@@ -37,6 +36,7 @@ use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Tr
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
 use crate::legacy_alloc::{LegacyBitmap, Subject};
+use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::live::Liveness;
 use crate::service_cache::record::ServiceRecord;
@@ -75,7 +75,7 @@ impl NodePortRepairLoop {
         section: Section,
         settings: &Settings,
         services: Option<WatchCache<ServiceRecord>>,
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Self {
         // Events name this controller (upstream's reasons, not its reporting controller), so
         // nobody mistakes them for kube-apiserver's own repair.

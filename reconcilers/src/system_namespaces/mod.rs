@@ -19,11 +19,10 @@ use kube::runtime::events::Reporter;
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 use crate::budget::CacheBudget;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger};
-use crate::metrics::{loop_registry, registered};
+use crate::metrics::{MetricRegistry, loop_registry, registered};
 use crate::watch_cache::{Lenient, WatchCache, watch_trigger};
 
 mod apply;
@@ -58,7 +57,7 @@ impl SystemNamespacesLoop {
         config: Section,
         budget: &CacheBudget,
         reporter: Reporter,
-        registry: &mut Registry,
+        registry: &mut dyn MetricRegistry,
     ) -> Self {
         let api: Api<Namespace> = Api::all(client.clone());
         let cache = WatchCache::of(&api, watcher::Config::default(), budget);
