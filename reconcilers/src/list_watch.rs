@@ -35,7 +35,7 @@ use http_body_util::BodyExt;
 use kube::api::{ListParams, VersionMatch, WatchEvent, WatchParams};
 use kube::client::Body;
 use kube::core::Status;
-use kube::runtime::watcher::{self, Event, InitialListStrategy, ListSemantic};
+use kube::runtime::watcher::{self, Event, ListSemantic};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
@@ -318,9 +318,8 @@ fn list_params(config: &watcher::Config) -> ListParams {
 }
 
 /// `config`'s watch parameters, as kube-runtime's `Config::to_watch_params` sets them for a
-/// watch after a list.
+/// watch after a list (its `initial_list_strategy` is not read: the list is always paged).
 fn watch_params(config: &watcher::Config) -> WatchParams {
-    debug_assert!(config.initial_list_strategy == InitialListStrategy::ListWatch);
     WatchParams {
         label_selector: config.label_selector.clone(),
         field_selector: config.field_selector.clone(),
