@@ -22,7 +22,8 @@
 //! (kube's client drops a truncated line silently and reports any other as an API error of code
 //! 0). Every error is followed by a pause before the next request, as kube-runtime's
 //! `DefaultBackoff` pauses (800 ms doubling to 30 s, jittered, from the start again after an
-//! event or two minutes without an error). The initial list is always a paged LIST:
+//! event or two minutes without an error), and so is a watch that ended without sending a line
+//! (kube-runtime's watcher would watch again at once, however often the server does that). The initial list is always a paged LIST:
 //! kube-runtime's `StreamingList` strategy is not used by any cache.
 
 use std::time::Duration;
@@ -116,6 +117,8 @@ enum Phase<K> {
         resource_version: String,
         body: Body,
         lines: LineSplitter,
+        /// Whether the watch has sent a line (an event or a bookmark).
+        heard: bool,
     },
 }
 
@@ -127,11 +130,11 @@ where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
     async fn next(&mut self) -> Result<Event<K>, ListWatchError> {
-        if let Some(at) = self.resume_at {
-            tokio::time::sleep_until(at).await;
-            self.resume_at = None;
-        }
         loop {
+            if let Some(at) = self.resume_at {
+                tokio::time::sleep_until(at).await;
+                self.resume_at = None;
+            }
             let Some(item) = self.step().await else {
                 continue;
             };
@@ -210,6 +213,7 @@ where
                             resource_version: std::mem::take(resource_version),
                             body,
                             lines: LineSplitter::new(MAX_LINE_BYTES),
+                            heard: false,
                         };
                         None
                     }
@@ -226,6 +230,7 @@ where
                 resource_version,
                 body,
                 lines,
+                heard,
             } => {
                 let idle = idle_timeout(&self.config);
                 let line = match idle {
@@ -240,6 +245,12 @@ where
                 let line = match line {
                     Ok(Some(line)) => line,
                     Ok(None) => {
+                        // A server that ends every watch at once, sending nothing, would
+                        // otherwise be asked again and again without a pause.
+                        if !*heard {
+                            let now = tokio::time::Instant::now();
+                            self.resume_at = Some(now + self.backoff.next(now));
+                        }
                         self.phase = Phase::Listed {
                             resource_version: std::mem::take(resource_version),
                         };
@@ -261,6 +272,7 @@ where
                     }
                 };
                 drop(line);
+                *heard = true;
                 match event {
                     WatchEvent::Added(object) | WatchEvent::Modified(object) => {
                         applied(&mut self.phase, object, Event::Apply)

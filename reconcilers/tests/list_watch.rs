@@ -331,3 +331,26 @@ async fn a_field_selector_names_the_one_object() {
     api.delete("b", &DeleteParams::default()).await.unwrap();
     driven.expect(&["delete b"]).await;
 }
+
+#[tokio::test]
+async fn a_server_that_ends_every_watch_at_once_is_watched_again_only_after_a_pause() {
+    let sim = sim().await;
+    let api: Api<ConfigMap> = Api::namespaced(sim.client(), "default");
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::Watch),
+        Some("configmaps"),
+        1.0,
+        FaultKind::CutWatchAfter { millis: 0 },
+    ));
+    let mut driven = Driven::start(&api, watcher::Config::default());
+    driven.expect(&["init", "init-done"]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Pauses from 800 ms doubling: at most four watches in 3 s however fast the machine is;
+    // without them, as many as the machine can send.
+    let watches = sim.request_count("watch", "configmaps");
+    assert!((1..=4).contains(&watches), "{watches} watches in 3 s");
+    sim.faults().clear();
+    create(&api, "a", true).await;
+    driven.expect(&["apply a"]).await;
+    assert_eq!(lists(&sim), 1, "an empty watch is no reason to list again");
+}
