@@ -10,7 +10,7 @@
 //! - every request's answer (status and headers) must arrive within `answer_timeout`;
 //! - a non-watch response's body must be complete within `answer_timeout` of the request and
 //!   hold at most `max_response_bytes`;
-//! - a watch response may stream for as long as the server keeps it open (kube-runtime's watcher
+//! - a watch response may stream for as long as the server keeps it open (the caches' list+watch
 //!   ends a silent one after the server-side timeout plus a margin), but each of its lines (one
 //!   event) holds at most `max_watch_line_bytes`.
 //!
@@ -78,25 +78,26 @@ pub struct Limits {
 
 impl Limits {
     /// kube-apiserver refuses request bodies over 3 MiB, so no object, and no watch event (one
-    /// object and a few bytes around it), comes near 4 MiB. A LIST page of the objects the loops
+    /// object and a few bytes around it), comes near 4 MiB: the caches' watch reader bounds its
+    /// lines at the same size (`reconcilers::list_watch::MAX_LINE_BYTES`). A LIST page of the objects the loops
     /// read (500 per page by default, `loops.*.pageSize`) is well under 1 MiB for typical
     /// Services and far smaller for the other kinds; 8 MiB leaves room for pages of unusually
     /// large objects. A healthy apiserver answers within seconds.
     pub const TENANT: Limits = Limits {
         answer_timeout: Duration::from_secs(60),
         max_response_bytes: 8 * 1024 * 1024,
-        max_watch_line_bytes: 4 * 1024 * 1024,
+        max_watch_line_bytes: reconcilers::list_watch::MAX_LINE_BYTES,
         max_in_flight_bytes: 24 * 1024 * 1024,
         // A `Bytes` handle and its share of the buffer bookkeeping, rounded up.
         chunk_cost: 64,
-        // Long against the watches' backoff (kube-runtime's default reaches 30 s), short
+        // Long against the watches' backoff (it reaches 30 s, as kube-runtime's default), short
         // against the 60 s a healthy tenant's loops take to notice a change they missed.
         first_pause: Duration::from_secs(30),
         max_pause: Duration::from_secs(300),
         // 5,000,000 objects at the default 500 a page: more than any cache budget lets a
         // cluster hold, so only a list that never ends reaches it.
         max_list_pages: 10_000,
-        // kube-runtime's watcher ends a watch after about five minutes; a million events in
+        // A watch asks the server to end it after about five minutes; a million events in
         // one is over 3,000 a second, far beyond a healthy control plane's Service churn.
         max_watch_events: 1_000_000,
     };

@@ -1,8 +1,9 @@
 //! What one cluster's caches may hold, and the watch that keeps a cache within it.
 //!
 //! Every cache of a cluster (the Services the repairs share, the namespaces, the `kubernetes`
-//! endpoints, ...) is fed by [`watch`]: kube-runtime's watcher with its default backoff, plus
-//! two things it does not do.
+//! endpoints, ...) is fed by [`watch`]: the list+watch of [`crate::list_watch`] (kube-runtime's
+//! watcher and its default backoff, with a body reader that holds nothing between events), plus
+//! the things below.
 //!
 //! - **A budget.** A cluster's caches together hold at most [`BudgetLimits`] objects and
 //!   bytes. A tenant API that lists or streams objects without end (or a tenant far larger than
@@ -13,9 +14,9 @@
 //!   `controllers/src/limits.rs`), and every other cache of the cluster drops its contents too.
 //!   Bytes are estimated: a whole decoded object about five times its JSON size, a projected
 //!   record's own size.
-//! - **No silent loss.** kube-runtime's watcher drops a watch event it cannot decode and goes on
-//!   watching, so a cache would miss that object's update or delete for good and loops would
-//!   decide on an object that is gone. Here such an event ends the watch: the cache is not
+//! - **No silent loss.** A watch event that cannot be decoded would, were it dropped and the
+//!   watch gone on, leave a cache without that object's update or delete for good, and loops
+//!   would decide on an object that is gone. Here such an event ends the watch: the cache is not
 //!   current ([`CacheError::Lost`]) until a new list has it again, retried with backoff.
 //!
 //! - **A pool.** The budgets of many clusters may share a [`CachePool`]: the most bytes all of
@@ -43,8 +44,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Resource};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -53,6 +53,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
 
+use crate::list_watch::{ListWatchError, list_watch};
 use crate::metrics::MetricRegistry;
 
 /// The most a cluster's caches may hold together.
@@ -611,9 +612,9 @@ impl Drop for Account {
 /// Why a cache's watch yielded no event.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    /// The watch failed; kube-runtime's watcher retries it with backoff.
+    /// The list or the watch failed; it is retried with backoff.
     #[error(transparent)]
-    Watch(#[from] watcher::Error),
+    Watch(ListWatchError),
     /// The cache dropped its contents: they would have gone over the cluster's budget. It lists
     /// again after a pause.
     #[error("{0}; the cache was emptied and lists again after a pause")]
@@ -624,7 +625,7 @@ pub enum CacheError {
     Lost {
         resource: String,
         #[source]
-        source: kube::Error,
+        source: serde_json::Error,
     },
 }
 
@@ -637,7 +638,7 @@ const MAX_LOST_DELAY: Duration = Duration::from_secs(60);
 struct WatchState<K: Resource + Clone + Debug + Send + 'static> {
     api: Api<K>,
     config: watcher::Config,
-    inner: Option<BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>>,
+    inner: Option<BoxStream<'static, Result<watcher::Event<K>, ListWatchError>>>,
     account: Option<Account>,
     budget: CacheBudget,
     weight: fn(&K) -> usize,
@@ -651,7 +652,7 @@ struct WatchState<K: Resource + Clone + Debug + Send + 'static> {
     pauses: tokio::sync::watch::Receiver<Option<(tokio::time::Instant, Breach)>>,
 }
 
-/// The watch that feeds one cache: kube-runtime's watcher (default backoff) within `budget`,
+/// The watch that feeds one cache: [`list_watch`] (with its backoff) within `budget`,
 /// each object weighing `weight(object)` bytes, ending (and starting again) on an event it
 /// cannot decode. A cache applies each `Ok` event; on [`CacheError::OverBudget`] it drops its
 /// contents and on [`CacheError::Lost`] it is not current until the next `InitDone`.
@@ -703,11 +704,8 @@ where
                     if !self.delay.is_zero() {
                         tokio::time::sleep(self.delay).await;
                     }
-                    self.inner.insert(
-                        watcher(self.api.clone(), self.config.clone())
-                            .default_backoff()
-                            .boxed(),
-                    )
+                    self.inner
+                        .insert(list_watch(self.api.clone(), self.config.clone()))
                 }
             };
             let limited = self.account.is_some();
@@ -731,7 +729,7 @@ where
                 }
                 item = inner.next() => item,
             };
-            // kube-runtime's watcher never ends; should it, a new one starts.
+            // A list+watch never ends; should it, a new one starts.
             let Some(item) = item else {
                 self.inner = None;
                 continue;
@@ -758,7 +756,7 @@ where
                     }
                     Ok(event)
                 }
-                Err(watcher::Error::WatchFailed(source)) if is_undecodable(&source) => {
+                Err(ListWatchError::Undecodable(source)) => {
                     self.budget.lost(resource);
                     self.inner = None;
                     self.delay = Duration::from_secs(1)
@@ -776,17 +774,6 @@ where
                 }
             };
         }
-    }
-}
-
-/// Whether a watch stream's error is an event that could not be decoded. kube's client reads a
-/// line it cannot decode as the object as a `Status` if it can, and every JSON object reads as
-/// one (all its fields are optional), so such a line comes as an API error with no code.
-fn is_undecodable(error: &kube::Error) -> bool {
-    match error {
-        kube::Error::SerdeError(_) => true,
-        kube::Error::Api(status) => status.code == 0,
-        _ => false,
     }
 }
 

@@ -14,6 +14,7 @@ pub mod findings;
 pub mod kubernetes_service;
 pub mod lease;
 pub mod legacy_alloc;
+pub mod list_watch;
 pub mod metrics;
 pub mod names;
 pub mod nodeport_repair;

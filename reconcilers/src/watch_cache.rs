@@ -1,11 +1,11 @@
-//! The one watch cache: a kube-runtime watcher ([`budget::watch`]) kept in a store of what the
+//! The one watch cache: a list+watch ([`budget::watch`]) kept in a store of what the
 //! loops read, either each object whole ([`Lenient`]) or projected to a compact record as it
 //! arrives ([`Cached`]; at 100,000 Services the records take a fraction of the memory the
 //! objects would). One stream keeps the store, reports its failures and is the trigger of the
 //! loops that read it, so a pass at rest reads the cache and sends nothing.
 //!
 //! A (re)list is written into the store as its objects come, so while it runs the cache is *not
-//! synced* and passes refuse to decide on it; it is synced again when the watcher says the list
+//! synced* and passes refuse to decide on it; it is synced again when the watch says the list
 //! is complete, and the objects the list did not return are dropped then. A failed or partial
 //! list, an event lost or a cache over its budget therefore never leads to a decision. Writes
 //! made from a cached object carry its resourceVersion, so a cache that lags by a moment costs a
