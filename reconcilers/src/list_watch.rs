@@ -174,121 +174,139 @@ where
                     self.phase = Phase::Listed { resource_version };
                     return Some(Ok(Event::InitDone));
                 }
-                let mut params = list_params(&self.config);
-                params.continue_token = continue_token.clone();
-                // Boxed: the list's future is large and lives only while the list is read.
-                match Box::pin(self.api.list(&params)).await {
-                    Ok(list) => {
-                        let resource_version =
-                            list.metadata.resource_version.filter(|v| !v.is_empty());
-                        let continue_token = list.metadata.continue_.filter(|c| !c.is_empty());
-                        if resource_version.is_none() && continue_token.is_none() {
-                            self.phase = Phase::Empty;
-                            return Some(Err(watcher::Error::NoResourceVersion.into()));
-                        }
-                        self.phase = Phase::Page {
-                            continue_token,
-                            objects: list.items.into_iter(),
-                            resource_version,
-                        };
-                        None
-                    }
-                    Err(err) => {
-                        self.phase = Phase::Empty;
-                        Some(Err(watcher::Error::InitialListFailed(err).into()))
-                    }
-                }
+                let continue_token = continue_token.clone();
+                self.list_page(continue_token).await
             }
             Phase::Listed { resource_version } => {
-                let started = Box::pin(start_watch(
-                    &self.client,
-                    self.api.resource_url(),
-                    &watch_params(&self.config),
-                    resource_version,
-                ))
-                .await;
-                match started {
-                    Ok(body) => {
-                        self.phase = Phase::Watching {
-                            resource_version: std::mem::take(resource_version),
-                            body,
-                            lines: LineSplitter::new(MAX_LINE_BYTES),
-                            heard: false,
-                        };
-                        None
-                    }
-                    Err(err) => {
-                        // The version is gone: watching from it again would fail again.
-                        if matches!(&err, kube::Error::Api(status) if status.code == 410) {
-                            self.phase = Phase::Empty;
-                        }
-                        Some(Err(watcher::Error::WatchStartFailed(err).into()))
-                    }
-                }
+                let resource_version = resource_version.clone();
+                self.start(resource_version).await
             }
-            Phase::Watching {
-                resource_version,
-                body,
-                lines,
-                heard,
-            } => {
-                let idle = idle_timeout(&self.config);
-                let line = match idle {
-                    Some(idle) => tokio::time::timeout(idle, next_line(body, lines))
-                        .await
-                        .unwrap_or_else(|_| {
-                            tracing::debug!(?idle, "watch idle; resuming it");
-                            Ok(None)
-                        }),
-                    None => next_line(body, lines).await,
-                };
-                let line = match line {
-                    Ok(Some(line)) => line,
-                    Ok(None) => {
-                        // A server that ends every watch at once, sending nothing, would
-                        // otherwise be asked again and again without a pause.
-                        if !*heard {
-                            let now = tokio::time::Instant::now();
-                            self.resume_at = Some(now + self.backoff.next(now));
-                        }
-                        self.phase = Phase::Listed {
-                            resource_version: std::mem::take(resource_version),
-                        };
-                        return None;
-                    }
-                    Err(err) => {
-                        self.phase = Phase::Listed {
-                            resource_version: std::mem::take(resource_version),
-                        };
-                        return Some(Err(err));
-                    }
-                };
-                let event = match serde_json::from_slice::<WatchEvent<K>>(&line) {
-                    Ok(event) => event,
-                    Err(err) => {
-                        // What came after it is not known to follow from the versions seen.
-                        self.phase = Phase::Empty;
-                        return Some(Err(ListWatchError::Undecodable(err)));
-                    }
-                };
-                drop(line);
-                *heard = true;
-                match event {
-                    WatchEvent::Added(object) | WatchEvent::Modified(object) => {
-                        applied(&mut self.phase, object, Event::Apply)
-                    }
-                    WatchEvent::Deleted(object) => applied(&mut self.phase, object, Event::Delete),
-                    WatchEvent::Bookmark(bookmark) => {
-                        *resource_version = bookmark.metadata.resource_version;
-                        None
-                    }
-                    WatchEvent::Error(status) => {
-                        if status.code == 410 {
-                            self.phase = Phase::Empty;
-                        }
-                        Some(Err(watcher::Error::WatchError(status).into()))
-                    }
+            Phase::Watching { .. } => self.read_watch().await,
+        }
+    }
+
+    /// Lists the page after `continue_token` (the first without one).
+    async fn list_page(&mut self, continue_token: Option<String>) -> Step<K> {
+        let mut params = list_params(&self.config);
+        params.continue_token = continue_token;
+        // Boxed: the list's future is large and lives only while the list is read.
+        match Box::pin(self.api.list(&params)).await {
+            Ok(list) => {
+                let resource_version = list.metadata.resource_version.filter(|v| !v.is_empty());
+                let continue_token = list.metadata.continue_.filter(|c| !c.is_empty());
+                if resource_version.is_none() && continue_token.is_none() {
+                    self.phase = Phase::Empty;
+                    return Some(Err(watcher::Error::NoResourceVersion.into()));
                 }
+                self.phase = Phase::Page {
+                    continue_token,
+                    objects: list.items.into_iter(),
+                    resource_version,
+                };
+                None
+            }
+            Err(err) => {
+                self.phase = Phase::Empty;
+                Some(Err(watcher::Error::InitialListFailed(err).into()))
+            }
+        }
+    }
+
+    /// Opens a watch from `resource_version`.
+    async fn start(&mut self, resource_version: String) -> Step<K> {
+        let started = Box::pin(start_watch(
+            &self.client,
+            self.api.resource_url(),
+            &watch_params(&self.config),
+            &resource_version,
+        ))
+        .await;
+        match started {
+            Ok(body) => {
+                self.phase = Phase::Watching {
+                    resource_version,
+                    body,
+                    lines: LineSplitter::new(MAX_LINE_BYTES),
+                    heard: false,
+                };
+                None
+            }
+            Err(err) => {
+                // The version is gone: watching from it again would fail again.
+                if matches!(&err, kube::Error::Api(status) if status.code == 410) {
+                    self.phase = Phase::Empty;
+                }
+                Some(Err(watcher::Error::WatchStartFailed(err).into()))
+            }
+        }
+    }
+
+    /// Reads the open watch's next line: an event, a bookmark, or its end.
+    async fn read_watch(&mut self) -> Step<K> {
+        let Phase::Watching {
+            resource_version,
+            body,
+            lines,
+            heard,
+        } = &mut self.phase
+        else {
+            return None;
+        };
+        let idle = idle_timeout(&self.config);
+        let line = match idle {
+            Some(idle) => tokio::time::timeout(idle, next_line(body, lines))
+                .await
+                .unwrap_or_else(|_| {
+                    tracing::debug!(?idle, "watch idle; resuming it");
+                    Ok(None)
+                }),
+            None => next_line(body, lines).await,
+        };
+        let line = match line {
+            Ok(Some(line)) => line,
+            Ok(None) => {
+                // A server that ends every watch at once, sending nothing, would
+                // otherwise be asked again and again without a pause.
+                if !*heard {
+                    let now = tokio::time::Instant::now();
+                    self.resume_at = Some(now + self.backoff.next(now));
+                }
+                self.phase = Phase::Listed {
+                    resource_version: std::mem::take(resource_version),
+                };
+                return None;
+            }
+            Err(err) => {
+                self.phase = Phase::Listed {
+                    resource_version: std::mem::take(resource_version),
+                };
+                return Some(Err(err));
+            }
+        };
+        let event = match serde_json::from_slice::<WatchEvent<K>>(&line) {
+            Ok(event) => event,
+            Err(err) => {
+                // What came after it is not known to follow from the versions seen.
+                self.phase = Phase::Empty;
+                return Some(Err(ListWatchError::Undecodable(err)));
+            }
+        };
+        drop(line);
+        *heard = true;
+        match event {
+            WatchEvent::Added(object) | WatchEvent::Modified(object) => {
+                applied(&mut self.phase, object, Event::Apply)
+            }
+            WatchEvent::Deleted(object) => applied(&mut self.phase, object, Event::Delete),
+            WatchEvent::Bookmark(bookmark) => {
+                *resource_version = bookmark.metadata.resource_version;
+                None
+            }
+            WatchEvent::Error(status) => {
+                if status.code == 410 {
+                    self.phase = Phase::Empty;
+                }
+                Some(Err(watcher::Error::WatchError(status).into()))
             }
         }
     }
