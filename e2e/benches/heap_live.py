@@ -42,7 +42,8 @@ KINDS = [
     ("HTTP/2 connection (h2 codec buffers, hyper's dispatch channel, stream slabs)",
      r"^h2::|hyper::proto::h2|hyper::client::conn::http2|_\$LT\$h2\.\."),
     ("TLS connection (rustls buffers, keys)", r"rustls"),
-    ("watch streams (kube-runtime watcher futures)", r"reconcilers::budget"),
+    ("watch streams (the list+watch's state, its boxed futures)",
+     r"reconcilers::budget|reconcilers::list_watch"),
     ("tasks (spawned futures)", r"RawTask::new"),
 ]
 
