@@ -468,6 +468,10 @@ fn client_with(
 ) -> kube::Result<kube::client::ClientBuilder<Stack>> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
+    // HTTP/2 writes a request as several frames (HEADERS, then DATA): with Nagle's algorithm the
+    // second waits for the server to acknowledge the first, which Linux delays by up to 40 ms.
+    // Go's net package, and so client-go, turns Nagle off on every connection too.
+    http.set_nodelay(true);
     let mut https = HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http();
