@@ -25,16 +25,28 @@ pub fn reporter(identity: &str) -> Reporter {
 }
 
 /// Publishes an event about `reference` whose note is `note` sanitized (it may carry text from
-/// the cluster). A failure is logged here and returned, for the callers whose finding must not
-/// count as reported without its event; the others ignore it.
-///
-/// Each event gets a Recorder of its own, dropped once it is published: kube's Recorder keeps
-/// every event it published (evicted only by a later publish, six minutes on) and folds one with
-/// the same reason about the same object into the first one's series, keeping the first note,
-/// which would hide what a repeat or a second finding says.
+/// the cluster), through a Recorder made for it and dropped once it is published. A failure is
+/// logged here and returned, for the callers whose finding must not count as reported without its
+/// event; the others ignore it.
 pub async fn emit(
     client: &Client,
     reporter: &Reporter,
+    reference: &ObjectReference,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: &str,
+) -> Result<(), kube::Error> {
+    let recorder = Recorder::new(client.clone(), reporter.clone());
+    emit_in(&recorder, reference, type_, reason, action, note).await
+}
+
+/// [`emit`] through `recorder`, which a repair keeps for its loop's life: kube's Recorder keeps
+/// what it published (until a later publish, six minutes on), so a finding that clears and comes
+/// back within that time is counted into its first event's series, as client-go's recorder
+/// counts the repeats of upstream's repairs, rather than made a second Event.
+pub async fn emit_in(
+    recorder: &Recorder,
     reference: &ObjectReference,
     type_: EventType,
     reason: &str,
@@ -48,7 +60,6 @@ pub async fn emit(
         action: action.to_owned(),
         secondary: None,
     };
-    let recorder = Recorder::new(client.clone(), reporter.clone());
     match recorder.publish(&event, reference).await {
         // An event whose namespace is being deleted or is gone is dropped: it counts as
         // published.

@@ -372,7 +372,7 @@ async fn default_service_cidr_is_created_upgraded_and_reported() -> Result<()> {
     );
 
     // Cleared (the object replaced by one matching `other`) and back: reported again, once.
-    // Occurrences are counted, a series' as many as it says.
+    // kube's Recorder folds a repeat into the first event's series, so occurrences are counted.
     let inconsistent_events = || async {
         let events = Api::<Event>::all(client.clone())
             .list(&Default::default())

@@ -12,7 +12,7 @@ use std::net::IpAddr;
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
-use kube::runtime::events::Reporter;
+use kube::runtime::events::Recorder;
 
 use super::plan::ACTION_CLUSTERIP_ALLOCATION;
 use crate::alloc::ServiceRange;
@@ -110,13 +110,12 @@ impl LegacyIpBitmaps {
         &self,
         ctx: &PassContext,
         services: &WatchCache<ServiceRecord>,
-        (client, reporter): (&kube::Client, &Reporter),
+        recorder: &Recorder,
         count: &(dyn Fn(&'static str) + Sync),
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
         let outlet = Outlet {
-            client,
-            reporter,
+            recorder,
             kubernetes_service: (
                 &self.kubernetes_service.namespace,
                 &self.kubernetes_service.name,

@@ -40,7 +40,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::runtime::events::{EventType, Reporter};
+use kube::runtime::events::{EventType, Recorder};
 use kube::{Api, Client};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
@@ -192,7 +192,9 @@ pub struct ClusterIpRepairLoop {
     discovered: Mutex<Option<Served>>,
     /// Whether the legacy bitmaps left alone were logged.
     legacy_skip_logged: std::sync::atomic::AtomicBool,
-    reporter: Reporter,
+    /// Kept for the loop's life, so a finding that clears and comes back is counted into its
+    /// first event's series ([`crate::events::emit_in`]).
+    recorder: Recorder,
     wakeup: Arc<Wakeup>,
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
     legacy: Option<LegacySlot>,
@@ -261,7 +263,7 @@ impl ClusterIpRepairLoop {
                 settings.kubernetes_service.clone(),
             ),
             reported: crate::findings::ReportOnce::new(),
-            reporter,
+            recorder: Recorder::new(client.clone(), reporter),
             ip_addresses: WatchCache::every(client.clone(), section.page_size, budget),
             service_cidrs,
             client,
@@ -710,9 +712,8 @@ impl ClusterIpRepairLoop {
             return Ok(());
         };
         let reference = object_reference(&finding.regarding);
-        crate::events::emit(
-            &self.client,
-            &self.reporter,
+        crate::events::emit_in(
+            &self.recorder,
             &reference,
             EventType::Warning,
             event.reason,
@@ -813,13 +814,7 @@ impl Reconciler for ClusterIpRepairLoop {
                         .inc();
                 };
                 if let Err(err) = legacy
-                    .pass(
-                        ctx,
-                        &self.services,
-                        (&self.client, &self.reporter),
-                        &count,
-                        report,
-                    )
+                    .pass(ctx, &self.services, &self.recorder, &count, report)
                     .await
                 {
                     result = Err(err);

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use kube::runtime::events::{EventType, Reporter};
+use kube::runtime::events::{EventType, Recorder};
 use tracing::{debug, warn};
 
 use crate::alloc::IpFamily;
@@ -73,8 +73,8 @@ pub struct Subject {
 /// Where a repair's findings about its bitmap go: its error counter (by the metric's `type`)
 /// and its events, those about the bitmap itself on the `kubernetes` Service (namespace, name).
 pub struct Outlet<'a> {
-    pub client: &'a kube::Client,
-    pub reporter: &'a Reporter,
+    /// The loop's own, kept for its life ([`crate::events::emit_in`]).
+    pub recorder: &'a Recorder,
     pub kubernetes_service: (&'a str, &'a str),
     pub count: &'a (dyn Fn(&'static str) + Sync),
 }
@@ -390,9 +390,8 @@ impl LegacyBitmap {
                 false => {
                     let reference = crate::events::service_reference(about);
                     let action = self.subject.event_action;
-                    (crate::events::emit(
-                        outlet.client,
-                        outlet.reporter,
+                    (crate::events::emit_in(
+                        outlet.recorder,
                         &reference,
                         EventType::Warning,
                         &reason,

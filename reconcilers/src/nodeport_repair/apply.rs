@@ -46,8 +46,7 @@ impl NodePortRepairLoop {
         };
         let count = |error_type| self.count(error_type);
         let outlet = Outlet {
-            client: &self.client,
-            reporter: &self.reporter,
+            recorder: &self.recorder,
             kubernetes_service: (
                 &self.kubernetes_service.namespace,
                 &self.kubernetes_service.name,
@@ -113,9 +112,8 @@ impl NodePortRepairLoop {
     /// The finding's event, on the Service it is about.
     pub(super) async fn publish(&self, finding: &Finding) -> Result<(), kube::Error> {
         let reference = crate::events::service_reference(&finding.service);
-        crate::events::emit(
-            &self.client,
-            &self.reporter,
+        crate::events::emit_in(
+            &self.recorder,
             &reference,
             EventType::Warning,
             finding.problem.reason(),

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kube::Client;
-use kube::runtime::events::Reporter;
+use kube::runtime::events::Recorder;
 use tracing::{debug, warn};
 
 use crate::alloc::PortRange;
@@ -59,8 +59,9 @@ pub struct NodePortRepairLoop {
     /// The `kubernetes` Service: a bitmap range mismatch is reported in an event about it.
     kubernetes_service: ServiceName,
     services: WatchCache<ServiceRecord>,
-    client: Client,
-    reporter: Reporter,
+    /// Kept for the loop's life, so a duplicate that clears and comes back is counted into its
+    /// first event's series ([`crate::events::emit_in`]).
+    recorder: Recorder,
     reported: ReportOnce<Finding>,
     metrics: NodePortMetrics,
     etcd: Option<LegacyBitmap>,
@@ -116,11 +117,10 @@ impl NodePortRepairLoop {
             )
         });
         Self {
-            reporter,
+            recorder: Recorder::new(client.clone(), reporter),
             services: services.unwrap_or_else(|| {
                 WatchCache::every(client.clone(), section.page_size, &settings.cache_budget)
             }),
-            client,
             section,
             range,
             kubernetes_service: settings.kubernetes_service.clone(),

@@ -47,9 +47,8 @@ impl ServiceCidrLoop {
             ..ObjectReference::default()
         };
         // Logged there; the repair stands without its event.
-        let _ = crate::events::emit(
-            &self.client,
-            &self.reporter,
+        let _ = crate::events::emit_in(
+            &self.recorder,
             &reference,
             type_,
             reason,

@@ -19,7 +19,7 @@ use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::Client;
-use kube::runtime::events::Reporter;
+use kube::runtime::events::Recorder;
 use tracing::info;
 
 use crate::Trigger;
@@ -65,7 +65,9 @@ pub struct ServiceCidrLoop {
     section: Section,
     /// `serviceClusterIPRange`, primary first: what `spec.cidrs` must be.
     ranges: Vec<IpNet>,
-    reporter: Reporter,
+    /// Kept for the loop's life, so a condition that clears and comes back is counted into its
+    /// first event's series ([`crate::events::emit_in`]).
+    recorder: Recorder,
     /// The reported condition (inconsistent or not ready), so each gets its event and log line
     /// once when it appears, and again only if it clears and comes back.
     reported: ReportOnce<String>,
@@ -100,7 +102,7 @@ impl ServiceCidrLoop {
         }
         cidrs.read_one(kube::Api::all(client.clone()), DEFAULT_SERVICE_CIDR);
         Some(Self {
-            reporter: settings.reporter(),
+            recorder: Recorder::new(client.clone(), settings.reporter()),
             section,
             ranges: settings.service_ranges.clone(),
             reported: ReportOnce::new(),
