@@ -380,13 +380,20 @@ def test_check_inside_the_sidecar_pod_sees_no_drift(node):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def complete_lines(path: Path) -> list[str]:
+    """The whole lines of a log kube-apiserver appends to while this reads: a last line without
+    its newline is still being written and is left for the next read."""
+    text = path.read_text()
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
 def audit_events(node: Node, username: str, logs: str = "audit*.log") -> list[dict]:
     """Every completed request of `username` in the node's audit logs matching `logs` (both
     apiservers' by default: one etcd, one RBAC), oldest first by the time it was received."""
     audit = node.dir / "var-log-kubernetes" / "audit"
     events = []
     for path in sorted(audit.glob(logs)):
-        for line in path.read_text().splitlines():
+        for line in complete_lines(path):
             event = json.loads(line)
             if event.get("user", {}).get("username") == username and event.get("stage") == "ResponseComplete":
                 event["_log"] = path.name

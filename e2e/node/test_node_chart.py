@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_node import (Node, audit_events, container, open_node, refusals, sidecars_installed,
-                       wait_for)
+from test_node import (Node, audit_events, complete_lines, container, open_node, refusals,
+                       sidecars_installed, wait_for)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -166,7 +166,7 @@ def namespace_creators(node: Node, name: str, since: str, logs: str = "audit*.lo
     audit = node.dir / "var-log-kubernetes" / "audit"
     creates = []
     for path in sorted(audit.glob(logs)):
-        for line in path.read_text().splitlines():
+        for line in complete_lines(path):
             event = json.loads(line)
             if (event.get("stage") == "ResponseComplete" and event["verb"] == "create"
                     and event.get("objectRef", {}).get("resource") == "namespaces"

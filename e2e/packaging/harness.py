@@ -23,6 +23,13 @@ CHART = ROOT / "charts" / "bootstrap-controller"
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
 
 
+def complete_lines(path: Path) -> list[str]:
+    """The whole lines of a log kube-apiserver appends to while this reads: a last line without
+    its newline is still being written and is left for the next read."""
+    text = path.read_text()
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
 def binary(name: str) -> Path:
     path = TARGET / name
     if not path.exists():

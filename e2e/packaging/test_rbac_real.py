@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import ROOT, Controller, container_args, objects
+from harness import ROOT, Controller, complete_lines, container_args, objects
 from test_chart import CASES, RACE_ONLY, RBAC_VALUES, allows, granted
 
 UP = ROOT / "e2e" / "control-plane" / "up.sh"
@@ -107,7 +107,7 @@ class ControlPlane:
         events = []
         for n in range(1, int(self.env["APISERVERS"]) + 1):
             path = self.dir / f"audit-{n}.log"
-            for line in path.read_text().splitlines() if path.exists() else []:
+            for line in complete_lines(path) if path.exists() else []:
                 event = json.loads(line)
                 if event.get("user", {}).get("username") == user:
                     events.append(event)

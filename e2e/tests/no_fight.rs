@@ -180,7 +180,10 @@ fn audit_log(kubeconfig: &std::path::Path) -> Option<PathBuf> {
 
 fn audit_events(log: &std::path::Path) -> Result<Vec<Value>> {
     let text = std::fs::read_to_string(log).with_context(|| format!("{}", log.display()))?;
-    text.lines()
+    // kube-apiserver appends while this reads: a last line without its newline is not whole yet.
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete
+        .lines()
         .filter(|line| !line.trim().is_empty())
         .map(|line| serde_json::from_str(line).context("audit line"))
         .collect()
