@@ -125,10 +125,10 @@ impl Runner {
         let mut trigger_tasks = JoinSet::new();
         let mut loop_tasks = JoinSet::new();
         for reconciler in loops {
-            let name = reconciler.name();
+            let span = info_span!("loop", r#loop = reconciler.name());
             let (triggers, triggered_at) = spawn_triggers(
                 &mut trigger_tasks,
-                name,
+                span.clone(),
                 reconciler.triggers(),
                 options.timer_only,
                 trigger_cancel.clone(),
@@ -144,7 +144,7 @@ impl Runner {
                 triggered_at,
                 cancel: cancel.clone(),
             };
-            loop_tasks.spawn(task.run().instrument(info_span!("loop", r#loop = name)));
+            loop_tasks.spawn(task.run().instrument(span));
         }
 
         cancel.cancelled().await;
@@ -180,58 +180,82 @@ impl Runner {
 /// When the first trigger item not yet covered by a pass arrived (the start of a heal).
 type TriggeredAt = Arc<Mutex<Option<Instant>>>;
 
-/// Spawns one task per trigger stream; returns the receiver that counts trigger items, and when
-/// the first item since the loop last took it arrived.
+/// What one of a loop's trigger streams did.
+enum Fired {
+    Item,
+    Ended(usize),
+    Panicked(usize, String),
+}
+
+/// Spawns one task that polls every trigger stream of a loop, inside the loop's `span`; returns
+/// the receiver that counts trigger items, and when the first item since the loop last took it
+/// arrived. One task a loop rather than one a stream: a tenant keeps a task and its state for
+/// each, at rest.
 fn spawn_triggers(
     tasks: &mut JoinSet<()>,
-    name: &'static str,
+    span: tracing::Span,
     triggers: Vec<Trigger>,
     timer_only: bool,
     cancel: CancellationToken,
 ) -> (watch::Receiver<u64>, TriggeredAt) {
     let (sender, receiver) = watch::channel(0u64);
-    let sender = Arc::new(sender);
     let triggered_at = TriggeredAt::default();
-    for (index, mut stream) in triggers.into_iter().enumerate() {
-        let sender = sender.clone();
-        let triggered_at = triggered_at.clone();
-        let cancel = cancel.clone();
-        let poll = async move {
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => return,
-                    item = stream.next() => match item {
-                        Some(()) => {
-                            if !timer_only {
-                                triggered_at
-                                    .lock()
-                                    .unwrap_or_else(|poison| poison.into_inner())
-                                    .get_or_insert_with(Instant::now);
-                                sender.send_modify(|generation| *generation = generation.wrapping_add(1));
-                            }
-                        }
-                        None => {
-                            warn!(trigger = index, "trigger stream ended; the loop keeps running on its interval");
-                            return;
-                        }
-                    },
+    if triggers.is_empty() {
+        return (receiver, triggered_at);
+    }
+    let count = triggers.len();
+    let streams = triggers.into_iter().enumerate().map(|(index, stream)| {
+        AssertUnwindSafe(stream)
+            .catch_unwind()
+            .map(move |item| match item {
+                Ok(()) => Fired::Item,
+                Err(panic) => Fired::Panicked(index, panic_message(&*panic)),
+            })
+            .chain(futures::stream::iter([Fired::Ended(index)]))
+    });
+    let mut fired = futures::stream::select_all(streams);
+    let taken = triggered_at.clone();
+    let poll = async move {
+        // A stream that panicked ends right after; its end is not reported a second time.
+        let mut panicked = vec![false; count];
+        loop {
+            let item = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return,
+                item = fired.next() => item,
+            };
+            match item {
+                Some(Fired::Item) => {
+                    if !timer_only {
+                        taken
+                            .lock()
+                            .unwrap_or_else(|poison| poison.into_inner())
+                            .get_or_insert_with(Instant::now);
+                        sender.send_modify(|generation| *generation = generation.wrapping_add(1));
+                    }
                 }
-            }
-        };
-        tasks.spawn(
-            async move {
-                if let Err(panic) = AssertUnwindSafe(poll).catch_unwind().await {
+                Some(Fired::Ended(index)) => {
+                    if !panicked.get(index).copied().unwrap_or(false) {
+                        warn!(
+                            trigger = index,
+                            "trigger stream ended; the loop keeps running on its interval"
+                        );
+                    }
+                }
+                Some(Fired::Panicked(index, panic)) => {
+                    if let Some(flag) = panicked.get_mut(index) {
+                        *flag = true;
+                    }
                     error!(
                         trigger = index,
-                        panic = panic_message(&*panic),
-                        "trigger stream panicked; the loop keeps running on its interval"
+                        panic, "trigger stream panicked; the loop keeps running on its interval"
                     );
                 }
+                None => return,
             }
-            .instrument(info_span!("trigger", r#loop = name)),
-        );
-    }
+        }
+    };
+    tasks.spawn(poll.instrument(span));
     (receiver, triggered_at)
 }
 
@@ -302,7 +326,9 @@ impl LoopTask {
                 .take();
             heal_since = heal_since.or(triggered_at);
 
-            let wait = match self.pass(interval, gated, &unapplied).await {
+            // Boxed, as the shutdown below: a loop spends its life waiting, and its task keeps
+            // the size of its largest state, a pass's (about 1.5 KiB a loop, six loops a tenant).
+            let wait = match Box::pin(self.pass(interval, gated, &unapplied)).await {
                 None => {
                     warn!("lost leadership during a pass; abandoned it");
                     heal_since = None;
@@ -363,7 +389,7 @@ impl LoopTask {
             }
         }
 
-        self.shutdown().await;
+        Box::pin(self.shutdown()).await;
     }
 
     /// One pass within its timeout; `None` when leadership was lost during it (a loop that
@@ -747,9 +773,10 @@ pub async fn check_once(
     let mut trigger_tasks = JoinSet::new();
     let deadline = tokio::time::Instant::now() + timeout;
     let checks = loops.iter().map(|reconciler| {
+        let span = info_span!("check", r#loop = reconciler.name());
         let _triggers = spawn_triggers(
             &mut trigger_tasks,
-            reconciler.name(),
+            span.clone(),
             reconciler.triggers(),
             true,
             cancel.clone(),
@@ -776,7 +803,7 @@ pub async fn check_once(
                 tokio::time::sleep(delay).await;
             }
         }
-        .instrument(info_span!("check", r#loop = name))
+        .instrument(span)
     });
     let results = futures::future::join_all(checks).await;
     cancel.cancel();
@@ -1252,6 +1279,30 @@ mod tests {
         eventually("first pass", || fake.finished.load(Ordering::SeqCst) == 1).await;
         trigger.send(()).unwrap();
         eventually("triggered pass", || {
+            fake.finished.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        stop(harness).await;
+    }
+
+    #[tokio::test]
+    async fn a_trigger_that_panics_or_ends_leaves_the_loops_other_triggers_working() {
+        let (fake, trigger, _polled) = Fake::new("a").with_trigger();
+        let (armed_tx, armed_rx) = tokio::sync::oneshot::channel::<()>();
+        let panicking = futures::stream::once(async move {
+            let _ = armed_rx.await;
+            panic!("a trigger stream's own bug");
+        })
+        .boxed();
+        let ended = futures::stream::empty().boxed();
+        fake.triggers.lock().unwrap().extend([panicking, ended]);
+        let fake = Arc::new(fake);
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("first pass", || fake.finished.load(Ordering::SeqCst) == 1).await;
+        armed_tx.send(()).unwrap();
+        tokio::task::yield_now().await;
+        trigger.send(()).unwrap();
+        eventually("triggered pass after the others failed", || {
             fake.finished.load(Ordering::SeqCst) == 2
         })
         .await;
