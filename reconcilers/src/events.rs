@@ -7,6 +7,9 @@
 //! exist (404 `namespaces "X" not found`). Neither passes: the namespace only goes on towards
 //! its end, and its objects with it. Such an event is dropped with one line, never retried.
 
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
 use kube::core::Status;
@@ -38,14 +41,122 @@ pub async fn emit(
     note: &str,
 ) -> Result<(), kube::Error> {
     let recorder = Recorder::new(client.clone(), reporter.clone());
-    emit_in(&recorder, reference, type_, reason, action, note).await
+    publish(&recorder, reference, type_, reason, action, note).await
 }
 
-/// [`emit`] through `recorder`, which a repair keeps for its loop's life: kube's Recorder keeps
-/// what it published (until a later publish, six minutes on), so a finding that clears and comes
-/// back within that time is counted into its first event's series, as client-go's recorder
-/// counts the repeats of upstream's repairs, rather than made a second Event.
+/// [`emit`] through `recorder`, which a repair keeps for its loop's life, so a finding that
+/// clears and comes back is counted into its first event's series.
 pub async fn emit_in(
+    recorder: &SeriesRecorder,
+    reference: &ObjectReference,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: &str,
+) -> Result<(), kube::Error> {
+    let (recorder, _) = recorder.current(Instant::now());
+    publish(&recorder, reference, type_, reason, action, note).await
+}
+
+/// The most events a [`SeriesRecorder`] publishes through one kube Recorder before it starts a
+/// fresh one. kube's Recorder keeps every event it published until a later publish six minutes
+/// on, with no bound on their number, and what a repair reports comes from the cluster; a fresh
+/// Recorder lets the kept ones go. A finding seen again after that is a new Event rather than
+/// the next count of its series. Upstream's recorder (client-go's `EventCorrelator`) bounds its
+/// cache the same way, with an LRU of 4,096 for the whole process.
+pub const MAX_KEPT_EVENTS: u32 = 256;
+
+/// How long a kept event may still take a repeat into its series: kube's Recorder's own TTL
+/// (`CACHE_TTL` in kube-runtime's `events.rs`).
+pub const SERIES_TTL: Duration = Duration::from_secs(6 * 60);
+
+/// A Recorder kept for a loop's life, so its events form series as client-go's recorder makes
+/// them for upstream's repairs, with what it keeps bounded: at most [`MAX_KEPT_EVENTS`], and
+/// none once [`SERIES_TTL`] has passed without an event ([`SeriesRecorder::forget_idle`]; kube's
+/// Recorder lets its events go only when it publishes, so a loop at rest would keep them for
+/// good).
+pub struct SeriesRecorder {
+    client: Client,
+    reporter: Reporter,
+    kept: Mutex<Kept>,
+}
+
+#[derive(Default)]
+struct Kept {
+    /// None until the first event, and again once it went idle.
+    recorder: Option<Recorder>,
+    /// Events published through `recorder`.
+    published: u32,
+    /// When the last one was.
+    last: Option<Instant>,
+    /// How many Recorders came before `recorder`.
+    generation: u64,
+}
+
+impl SeriesRecorder {
+    pub fn new(client: Client, reporter: Reporter) -> Self {
+        SeriesRecorder {
+            client,
+            reporter,
+            kept: Mutex::default(),
+        }
+    }
+
+    fn kept(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.kept
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// The Recorder the event published at `now` goes through, and its generation (how many
+    /// came before it).
+    fn current(&self, now: Instant) -> (Recorder, u64) {
+        let mut kept = self.kept();
+        let full = kept.published >= MAX_KEPT_EVENTS;
+        if full {
+            kept.generation = kept.generation.wrapping_add(1);
+        }
+        let recorder = match kept.recorder.take() {
+            Some(recorder) if !full => recorder,
+            _ => {
+                kept.published = 0;
+                Recorder::new(self.client.clone(), self.reporter.clone())
+            }
+        };
+        kept.published += 1;
+        kept.last = Some(now);
+        kept.recorder = Some(recorder.clone());
+        (recorder, kept.generation)
+    }
+
+    /// Lets the kept events go once none was published for [`SERIES_TTL`]: none of them could
+    /// take a repeat into its series any more. The loops call it at each pass.
+    pub fn forget_idle(&self) {
+        self.forget_idle_at(Instant::now());
+    }
+
+    fn forget_idle_at(&self, now: Instant) {
+        let mut kept = self.kept();
+        if kept
+            .last
+            .is_some_and(|last| now.saturating_duration_since(last) >= SERIES_TTL)
+        {
+            if kept.recorder.take().is_some() {
+                kept.generation = kept.generation.wrapping_add(1);
+            }
+            kept.published = 0;
+            kept.last = None;
+        }
+    }
+
+    /// Whether a Recorder, and what it keeps, is held now.
+    #[cfg(test)]
+    fn holds_events(&self) -> bool {
+        self.kept().recorder.is_some()
+    }
+}
+
+async fn publish(
     recorder: &Recorder,
     reference: &ObjectReference,
     type_: EventType,
@@ -121,6 +232,62 @@ pub fn namespace_is_ending(status: &Status) -> bool {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// A client that is never called: making a kube Recorder sends nothing.
+    fn idle_client() -> Client {
+        let service = tower::service_fn(|_request: http::Request<kube::client::Body>| async {
+            Err::<http::Response<kube::client::Body>, std::io::Error>(std::io::Error::other(
+                "not called",
+            ))
+        });
+        Client::new(service, "default")
+    }
+
+    #[tokio::test]
+    async fn a_series_recorder_starts_afresh_after_its_bound() {
+        let recorder = SeriesRecorder::new(idle_client(), reporter("a"));
+        let now = Instant::now();
+        for _ in 0..MAX_KEPT_EVENTS {
+            assert_eq!(recorder.current(now).1, 0);
+        }
+        assert_eq!(
+            recorder.current(now).1,
+            1,
+            "the Recorder after the bound is a fresh one"
+        );
+        for _ in 1..MAX_KEPT_EVENTS {
+            assert_eq!(recorder.current(now).1, 1);
+        }
+        assert_eq!(recorder.current(now).1, 2);
+    }
+
+    #[tokio::test]
+    async fn a_series_recorder_lets_its_events_go_once_idle_for_the_series_ttl() {
+        let recorder = SeriesRecorder::new(idle_client(), reporter("a"));
+        let start = Instant::now();
+        let at = |seconds: u64| start + Duration::from_secs(seconds);
+        let ttl = SERIES_TTL.as_secs();
+        assert!(
+            !recorder.holds_events(),
+            "nothing is kept before the first event"
+        );
+        recorder.current(at(0));
+        recorder.forget_idle_at(at(ttl - 1));
+        assert!(
+            recorder.holds_events(),
+            "a repeat may still join the series"
+        );
+        recorder.current(at(ttl - 1));
+        recorder.forget_idle_at(at(ttl));
+        assert!(recorder.holds_events(), "the TTL runs from the last event");
+        recorder.forget_idle_at(at(2 * ttl - 1));
+        assert!(!recorder.holds_events());
+        assert_eq!(
+            recorder.current(at(2 * ttl)).1,
+            1,
+            "the next event starts a fresh Recorder"
+        );
+    }
 
     fn status(json: serde_json::Value) -> Status {
         serde_json::from_value(json).unwrap()

@@ -12,11 +12,11 @@ use std::net::IpAddr;
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
-use kube::runtime::events::Recorder;
 
 use super::plan::ACTION_CLUSTERIP_ALLOCATION;
 use crate::alloc::ServiceRange;
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
+use crate::events::SeriesRecorder;
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
@@ -110,7 +110,7 @@ impl LegacyIpBitmaps {
         &self,
         ctx: &PassContext,
         services: &WatchCache<ServiceRecord>,
-        recorder: &Recorder,
+        recorder: &SeriesRecorder,
         count: &(dyn Fn(&'static str) + Sync),
         report: &mut PassReport,
     ) -> Result<(), LoopError> {

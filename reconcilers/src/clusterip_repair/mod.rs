@@ -40,13 +40,14 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::IPAddress;
-use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::events::EventType;
 use kube::{Api, Client};
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::ServiceRecord;
@@ -194,7 +195,7 @@ pub struct ClusterIpRepairLoop {
     legacy_skip_logged: std::sync::atomic::AtomicBool,
     /// Kept for the loop's life, so a finding that clears and comes back is counted into its
     /// first event's series ([`crate::events::emit_in`]).
-    recorder: Recorder,
+    recorder: SeriesRecorder,
     wakeup: Arc<Wakeup>,
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
     legacy: Option<LegacySlot>,
@@ -263,7 +264,7 @@ impl ClusterIpRepairLoop {
                 settings.kubernetes_service.clone(),
             ),
             reported: crate::findings::ReportOnce::new(),
-            recorder: Recorder::new(client.clone(), reporter),
+            recorder: SeriesRecorder::new(client.clone(), reporter),
             ip_addresses: WatchCache::every(client.clone(), section.page_size, budget),
             service_cidrs,
             client,
@@ -787,6 +788,7 @@ impl Reconciler for ClusterIpRepairLoop {
         &'a self,
         ctx: &'a PassContext,
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        self.recorder.forget_idle();
         Box::pin(async move {
             let mut result = self.pass(ctx).await;
             let legacy = match (&result, &self.legacy) {

@@ -26,11 +26,12 @@ use std::time::{Duration, Instant};
 use fixedbitset::FixedBitSet;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::events::EventType;
 use tracing::{debug, warn};
 
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, drift};
+use crate::events::SeriesRecorder;
 use crate::findings::ReportOnce;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::{ServiceRecord, ServiceRef};
@@ -74,7 +75,7 @@ pub struct Subject {
 /// and its events, those about the bitmap itself on the `kubernetes` Service (namespace, name).
 pub struct Outlet<'a> {
     /// The loop's own, kept for its life ([`crate::events::emit_in`]).
-    pub recorder: &'a Recorder,
+    pub recorder: &'a SeriesRecorder,
     pub kubernetes_service: (&'a str, &'a str),
     pub count: &'a (dyn Fn(&'static str) + Sync),
 }

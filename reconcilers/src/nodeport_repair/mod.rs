@@ -28,11 +28,11 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kube::Client;
-use kube::runtime::events::Recorder;
 use tracing::{debug, warn};
 
 use crate::alloc::PortRange;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
+use crate::events::SeriesRecorder;
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
 use crate::legacy_alloc::{LegacyBitmap, Subject};
@@ -61,7 +61,7 @@ pub struct NodePortRepairLoop {
     services: WatchCache<ServiceRecord>,
     /// Kept for the loop's life, so a duplicate that clears and comes back is counted into its
     /// first event's series ([`crate::events::emit_in`]).
-    recorder: Recorder,
+    recorder: SeriesRecorder,
     reported: ReportOnce<Finding>,
     metrics: NodePortMetrics,
     etcd: Option<LegacyBitmap>,
@@ -117,7 +117,7 @@ impl NodePortRepairLoop {
             )
         });
         Self {
-            recorder: Recorder::new(client.clone(), reporter),
+            recorder: SeriesRecorder::new(client.clone(), reporter),
             services: services.unwrap_or_else(|| {
                 WatchCache::every(client.clone(), section.page_size, &settings.cache_budget)
             }),
@@ -131,6 +131,7 @@ impl NodePortRepairLoop {
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
+        self.recorder.forget_idle();
         let scan = {
             let state = self.services.read();
             if !state.synced {

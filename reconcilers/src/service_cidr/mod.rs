@@ -19,12 +19,12 @@ use futures::future::BoxFuture;
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::Client;
-use kube::runtime::events::Recorder;
 use tracing::info;
 
 use crate::Trigger;
 use crate::clusterip_repair::model::ServiceCidrRecord;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
+use crate::events::SeriesRecorder;
 use crate::findings::ReportOnce;
 use crate::section::Settings;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, networking_v1_serves};
@@ -67,7 +67,7 @@ pub struct ServiceCidrLoop {
     ranges: Vec<IpNet>,
     /// Kept for the loop's life, so a condition that clears and comes back is counted into its
     /// first event's series ([`crate::events::emit_in`]).
-    recorder: Recorder,
+    recorder: SeriesRecorder,
     /// The reported condition (inconsistent or not ready), so each gets its event and log line
     /// once when it appears, and again only if it clears and comes back.
     reported: ReportOnce<String>,
@@ -102,7 +102,7 @@ impl ServiceCidrLoop {
         }
         cidrs.read_one(kube::Api::all(client.clone()), DEFAULT_SERVICE_CIDR);
         Some(Self {
-            recorder: Recorder::new(client.clone(), settings.reporter()),
+            recorder: SeriesRecorder::new(client.clone(), settings.reporter()),
             section,
             ranges: settings.service_ranges.clone(),
             reported: ReportOnce::new(),
@@ -169,6 +169,7 @@ impl Reconciler for ServiceCidrLoop {
         &'a self,
         ctx: &'a PassContext,
     ) -> BoxFuture<'a, Result<PassReport, LoopError>> {
+        self.recorder.forget_idle();
         Box::pin(self.pass(ctx))
     }
 }
