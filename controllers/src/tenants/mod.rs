@@ -571,7 +571,13 @@ impl Manager {
         if decision.undecided.iter().any(|undecided| undecided == key) {
             return Entry::Waiting("its etcd's answer and the decision on its etcd keys");
         }
-        match self.loaded.remove(key) {
+        let loaded = self.loaded.remove(key);
+        if self.loaded.is_empty() {
+            // Its table grew to hold every load of a fleet's start, entries the size of a
+            // tenant's whole configuration; kept, it would be a few KiB a tenant for good.
+            self.loaded.shrink_to_fit();
+        }
+        match loaded {
             Some((_, Ok(loaded))) => {
                 let running = self.start(key, spec, loaded);
                 let entry = running.entry();
