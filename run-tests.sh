@@ -65,6 +65,7 @@ need etcdctl || missing+=(etcd-client)
 need buildah || missing+=(buildah)
 need shellcheck || missing+=(shellcheck)
 need musl-gcc || missing+=(musl-tools)
+need make || missing+=(make)  # jemalloc's C build, in the static binary
 need openssl || missing+=(openssl)
 need curl || missing+=(curl)
 need promtool || missing+=(prometheus)

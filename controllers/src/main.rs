@@ -5,6 +5,12 @@ use std::process::ExitCode;
 use bootstrap_controller::cli::{Cli, EXIT_CONFIG, env_value_error, execute};
 use clap::{CommandFactory, FromArgMatches};
 
+/// The static build's allocator (the image's): see `tikv-jemallocator` in the workspace's
+/// Cargo.toml. glibc builds keep glibc's.
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let matches = match Cli::command().try_get_matches() {
