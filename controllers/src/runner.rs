@@ -1288,9 +1288,11 @@ mod tests {
     #[tokio::test]
     async fn a_trigger_that_panics_or_ends_leaves_the_loops_other_triggers_working() {
         let (fake, trigger, _polled) = Fake::new("a").with_trigger();
-        let (armed_tx, armed_rx) = tokio::sync::oneshot::channel::<()>();
+        // Set in the same poll that panics: once it is seen, the panic has been caught.
+        let panicked = Arc::new(AtomicBool::new(false));
+        let flag = panicked.clone();
         let panicking = futures::stream::once(async move {
-            let _ = armed_rx.await;
+            flag.store(true, Ordering::SeqCst);
             panic!("a trigger stream's own bug");
         })
         .boxed();
@@ -1299,8 +1301,10 @@ mod tests {
         let fake = Arc::new(fake);
         let harness = start(vec![fake.clone()], options(), true);
         eventually("first pass", || fake.finished.load(Ordering::SeqCst) == 1).await;
-        armed_tx.send(()).unwrap();
-        tokio::task::yield_now().await;
+        eventually("the panicking trigger polled", || {
+            panicked.load(Ordering::SeqCst)
+        })
+        .await;
         trigger.send(()).unwrap();
         eventually("triggered pass after the others failed", || {
             fake.finished.load(Ordering::SeqCst) == 2

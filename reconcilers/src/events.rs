@@ -54,7 +54,7 @@ pub async fn emit_in(
     action: &str,
     note: &str,
 ) -> Result<(), kube::Error> {
-    let (recorder, _) = recorder.current(Instant::now());
+    let recorder = recorder.current(Instant::now());
     publish(&recorder, reference, type_, reason, action, note).await
 }
 
@@ -89,8 +89,6 @@ struct Kept {
     published: u32,
     /// When the last one was.
     last: Option<Instant>,
-    /// How many Recorders came before `recorder`.
-    generation: u64,
 }
 
 impl SeriesRecorder {
@@ -108,16 +106,12 @@ impl SeriesRecorder {
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
-    /// The Recorder the event published at `now` goes through, and its generation (how many
-    /// came before it).
-    fn current(&self, now: Instant) -> (Recorder, u64) {
+    /// The Recorder the event published at `now` goes through: a fresh one after
+    /// [`MAX_KEPT_EVENTS`].
+    fn current(&self, now: Instant) -> Recorder {
         let mut kept = self.kept();
-        let full = kept.published >= MAX_KEPT_EVENTS;
-        if full {
-            kept.generation = kept.generation.wrapping_add(1);
-        }
         let recorder = match kept.recorder.take() {
-            Some(recorder) if !full => recorder,
+            Some(recorder) if kept.published < MAX_KEPT_EVENTS => recorder,
             _ => {
                 kept.published = 0;
                 Recorder::new(self.client.clone(), self.reporter.clone())
@@ -126,7 +120,7 @@ impl SeriesRecorder {
         kept.published += 1;
         kept.last = Some(now);
         kept.recorder = Some(recorder.clone());
-        (recorder, kept.generation)
+        recorder
     }
 
     /// Lets the kept events go once none was published for [`SERIES_TTL`]: none of them could
@@ -141,11 +135,7 @@ impl SeriesRecorder {
             .last
             .is_some_and(|last| now.saturating_duration_since(last) >= SERIES_TTL)
         {
-            if kept.recorder.take().is_some() {
-                kept.generation = kept.generation.wrapping_add(1);
-            }
-            kept.published = 0;
-            kept.last = None;
+            *kept = Kept::default();
         }
     }
 
@@ -153,6 +143,12 @@ impl SeriesRecorder {
     #[cfg(test)]
     fn holds_events(&self) -> bool {
         self.kept().recorder.is_some()
+    }
+
+    /// Events published through the Recorder held now.
+    #[cfg(test)]
+    fn published(&self) -> u32 {
+        self.kept().published
     }
 }
 
@@ -248,17 +244,15 @@ mod tests {
         let recorder = SeriesRecorder::new(idle_client(), reporter("a"));
         let now = Instant::now();
         for _ in 0..MAX_KEPT_EVENTS {
-            assert_eq!(recorder.current(now).1, 0);
+            recorder.current(now);
         }
+        assert_eq!(recorder.published(), MAX_KEPT_EVENTS);
+        recorder.current(now);
         assert_eq!(
-            recorder.current(now).1,
+            recorder.published(),
             1,
             "the Recorder after the bound is a fresh one"
         );
-        for _ in 1..MAX_KEPT_EVENTS {
-            assert_eq!(recorder.current(now).1, 1);
-        }
-        assert_eq!(recorder.current(now).1, 2);
     }
 
     #[tokio::test]
@@ -280,10 +274,12 @@ mod tests {
         recorder.current(at(ttl - 1));
         recorder.forget_idle_at(at(ttl));
         assert!(recorder.holds_events(), "the TTL runs from the last event");
+        assert_eq!(recorder.published(), 2);
         recorder.forget_idle_at(at(2 * ttl - 1));
         assert!(!recorder.holds_events());
+        recorder.current(at(2 * ttl));
         assert_eq!(
-            recorder.current(at(2 * ttl)).1,
+            recorder.published(),
             1,
             "the next event starts a fresh Recorder"
         );
