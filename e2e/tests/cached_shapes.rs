@@ -853,6 +853,7 @@ async fn cached_shapes(target: &Target, client: &Client) -> Result<()> {
                     )
                     .await?;
                     addresses.delete(ip, &DeleteParams::default()).await?;
+                    // The controller may make it again first; `put` then replaces that one.
                     put(client, &ip_address(ip, name, shape)?)
                         .await
                         .with_context(|| format!("the {shape} IPAddress of {name}"))?;

@@ -1184,12 +1184,12 @@ fn is_ipv4_with_leading_zeros(name: &str) -> bool {
         })
 }
 
-/// An IPAddress's `spec.parentRef` without empty `group` and `namespace`, which kube-apiserver
-/// does not tell from absent ones (objects the backdoor wrote may carry them).
+/// An IPAddress's `spec.parentRef` without empty or null `group` and `namespace`, which
+/// kube-apiserver does not tell from absent ones (it decodes all three to "").
 fn parent_ref(obj: &Value) -> Option<Value> {
     let mut parent = obj.pointer("/spec/parentRef")?.clone();
     if let Some(fields) = parent.as_object_mut() {
-        fields.retain(|_, v| v.as_str() != Some(""));
+        fields.retain(|_, v| !v.is_null() && v.as_str() != Some(""));
     }
     Some(parent)
 }

@@ -124,6 +124,28 @@ async fn ip_address_parent_is_immutable_and_an_empty_group_is_not_serialized() {
     api.replace("10.96.200.220", &PostParams::default(), &same)
         .await
         .unwrap();
+    // The same parent with its group null: kube-apiserver decodes null as "", so accepted.
+    api.patch(
+        "10.96.200.220",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"parentRef": {"group": null}}})),
+    )
+    .await
+    .unwrap();
+    let dynamic: Api<DynamicObject> = Api::all_with(
+        api.clone().into_client(),
+        &ApiResource::erase::<IPAddress>(&()),
+    );
+    let mut nulled = serde_json::to_value(api.get("10.96.200.220").await.unwrap()).unwrap();
+    nulled["spec"]["parentRef"]["group"] = Value::Null;
+    dynamic
+        .replace(
+            "10.96.200.220",
+            &PostParams::default(),
+            &serde_json::from_value(nulled).unwrap(),
+        )
+        .await
+        .unwrap();
 }
 
 /// Untyped: `k8s_openapi`'s Event cannot leave out `eventTime`.
