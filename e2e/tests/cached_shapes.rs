@@ -191,15 +191,27 @@ async fn put(client: &Client, object: &Value) -> Result<()> {
         .context("name")?
         .to_owned();
     let mut typed: DynamicObject = serde_json::from_value(object.clone())?;
-    match api.create(&PostParams::default(), &typed).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(status)) if status.code == 409 => {
-            typed.metadata.resource_version = api.get(&name).await?.metadata.resource_version;
-            api.replace(&name, &PostParams::default(), &typed)
-                .await
-                .with_context(|| format!("replacing {name}"))?;
+    // The controller may write the object between the read and the replace: a conflict is
+    // tried again, a few times.
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        typed.metadata.resource_version = None;
+        match api.create(&PostParams::default(), &typed).await {
+            Ok(_) => break,
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(err) => return Err(err).with_context(|| format!("creating {name}: {object}")),
         }
-        Err(err) => return Err(err).with_context(|| format!("creating {name}: {object}")),
+        typed.metadata.resource_version = match api.get_opt(&name).await? {
+            Some(current) => current.metadata.resource_version,
+            None if attempts < 5 => continue,
+            None => anyhow::bail!("{name} exists and does not, {attempts} times"),
+        };
+        match api.replace(&name, &PostParams::default(), &typed).await {
+            Ok(_) => break,
+            Err(kube::Error::Api(status)) if status.code == 409 && attempts < 5 => {}
+            Err(err) => return Err(err).with_context(|| format!("replacing {name}")),
+        }
     }
     if let Some(status) = object.get("status").filter(|s| !s.is_null()) {
         api.patch_status(
