@@ -241,7 +241,7 @@ pub(super) fn drift_of(
         message.push(')');
     }
     let drift = crate::contract::drift(
-        finding.kind,
+        finding.problem.drift_kind(),
         finding.regarding.object(),
         action,
         message,

@@ -8,10 +8,7 @@ use std::net::IpAddr;
 use crate::alloc::{IpFamily, ServiceRange};
 use crate::service_cache::record::ServiceRecord;
 
-use super::plan::{
-    ACTION_CLUSTERIP_ALLOCATION, ACTION_CLUSTERIP_VALIDATION, EventSpec, Finding, Regarding,
-    Repair, SharedWith,
-};
+use super::plan::{Finding, Problem, Regarding, Repair, SharedWith};
 
 /// Decides an audit pass (no IPAddress API): rebuild each configured range's allocation from
 /// all Services, as the legacy bitmap repair does, and report what it would have reported.
@@ -31,25 +28,17 @@ pub fn decide_audit_mode<'a>(
     let mut findings = Vec::new();
     for &svc in &services {
         for raw in svc.cluster_ips.iter() {
-            let report = |kind, reason, action, note: String, error_type| Finding {
-                kind,
+            let report = |problem, note: String| Finding {
+                problem,
                 regarding: Regarding::service(svc),
-                event: Some(EventSpec {
-                    reason,
-                    action,
-                    note,
-                }),
-                error_type: Some(error_type),
+                note,
                 repair: Repair::None,
                 shared_with: None,
             };
             let Some(ip) = raw.ip() else {
                 findings.push(report(
-                    "clusterip_not_valid",
-                    "ClusterIPNotValid",
-                    ACTION_CLUSTERIP_VALIDATION,
+                    Problem::NotValid,
                     format!("Cluster IP {raw} is not a valid IP; please recreate service"),
-                    "invalid",
                 ));
                 continue;
             };
@@ -59,25 +48,19 @@ pub fn decide_audit_mode<'a>(
                 .find(|(range, _)| range.family() == family)
             else {
                 findings.push(report(
-                    "clusterip_not_valid",
-                    "ClusterIPNotValid",
-                    ACTION_CLUSTERIP_VALIDATION,
+                    Problem::NotValid,
                     format!(
                         "Cluster IP {ip}({family}) is of ip family that is no longer configured on cluster; please recreate service"
                     ),
-                    "invalid",
                 ));
                 continue;
             };
             if !range.holds_service_ip(ip) {
                 findings.push(report(
-                    "clusterip_out_of_range",
-                    "ClusterIPOutOfRange",
-                    ACTION_CLUSTERIP_ALLOCATION,
+                    Problem::OutOfRange,
                     format!(
                         "Cluster IP [{family}]:{ip} is not within the service CIDR {range}; please recreate service"
                     ),
-                    "outOfRange",
                 ));
             } else if !taken.insert(ip) {
                 // The Service that allocated it: the first in key order listing it
@@ -88,13 +71,10 @@ pub fn decide_audit_mode<'a>(
                         .filter(|first| first.key_cmp(svc).is_ne())
                         .map(|first| SharedWith::of(ip, first)),
                     ..report(
-                        "clusterip_already_allocated",
-                        "ClusterIPAlreadyAllocated",
-                        ACTION_CLUSTERIP_ALLOCATION,
+                        Problem::AlreadyAllocated,
                         format!(
                             "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
                         ),
-                        "duplicate",
                     )
                 });
             }
@@ -155,7 +135,7 @@ mod tests {
         decision
             .findings
             .iter()
-            .map(|finding| finding.kind)
+            .map(|finding| finding.problem.drift_kind())
             .collect()
     }
 

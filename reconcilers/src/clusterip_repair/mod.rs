@@ -59,7 +59,7 @@ use apply::{
 };
 use audit::AuditDecision;
 use model::{IpAddressRecord, ServiceCidrRecord};
-use plan::{Decision, Finding, Repair};
+use plan::{Decision, Finding, Problem, Repair};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "clusterip-repair";
@@ -207,11 +207,16 @@ pub struct ClusterIpRepairLoop {
 }
 
 /// A report-only finding: its kind, the object and the sentence.
-type ReportKey = (&'static str, String, String);
+type ReportKey = (Problem, String, String);
 
 fn report_key(finding: &Finding) -> Option<ReportKey> {
-    matches!(finding.repair, plan::Repair::None)
-        .then(|| (finding.kind, finding.regarding.object(), finding.summary()))
+    matches!(finding.repair, plan::Repair::None).then(|| {
+        (
+            finding.problem,
+            finding.regarding.object(),
+            finding.summary(),
+        )
+    })
 }
 
 impl ClusterIpRepairLoop {
@@ -443,7 +448,7 @@ impl ClusterIpRepairLoop {
     }
 
     fn count(&self, finding: &Finding) {
-        if let Some(error_type) = finding.error_type {
+        if let Some(error_type) = finding.problem.error_type() {
             self.metrics
                 .ip_errors
                 .get_or_create(&[("type", error_type)])
@@ -702,14 +707,14 @@ impl ClusterIpRepairLoop {
         }
         self.wakeup
             .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
-        debug!(object = %finding.regarding.object(), kind = finding.kind, %why, "finding disproved by a live read of the Service; the cache is behind");
+        debug!(object = %finding.regarding.object(), kind = finding.problem.drift_kind(), %why, "finding disproved by a live read of the Service; the cache is behind");
     }
 
     /// Publishes the finding's event. A failure is the caller's to retry: the finding must not
     /// be marked reported without its event (the namespace it goes into may not exist yet). An
     /// event into a namespace being deleted is dropped instead ([`crate::events`]).
     async fn publish(&self, finding: &Finding) -> Result<(), LoopError> {
-        let Some(event) = &finding.event else {
+        let Some((reason, action)) = finding.problem.event() else {
             return Ok(());
         };
         let reference = object_reference(&finding.regarding);
@@ -717,9 +722,9 @@ impl ClusterIpRepairLoop {
             &self.recorder,
             &reference,
             EventType::Warning,
-            event.reason,
-            event.action,
-            &event.note,
+            reason,
+            action,
+            &finding.note,
         )
         .await
         .map_err(LoopError::Api)

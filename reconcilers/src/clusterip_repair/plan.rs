@@ -63,12 +63,78 @@ impl Regarding {
     }
 }
 
-/// A Warning event, exactly as upstream would emit it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EventSpec {
-    pub reason: &'static str,
-    pub action: &'static str,
-    pub note: String,
+/// What is wrong with one cluster IP or one IPAddress: it names the drift and gives upstream's
+/// event reason and action and the `type` of its error counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Problem {
+    /// The Service's cluster IP does not parse, or is of a family no range has.
+    NotValid,
+    /// The cluster IP lies outside every configured range.
+    OutOfRange,
+    /// The cluster IP has no IPAddress.
+    NotAllocated,
+    /// The cluster IP's IPAddress names another parent.
+    WrongReference,
+    /// The cluster IP's IPAddress lacks the allocator's labels (upstream recreates it silently).
+    WrongLabels,
+    /// The cluster IP's IPAddress is another controller's: reported, left alone.
+    ForeignManager,
+    /// Another Service holds the cluster IP too.
+    AlreadyAllocated,
+    /// An IPAddress of the allocator's whose parent is no Service.
+    NotAService,
+    /// An IPAddress of the allocator's whose Service does not exist.
+    Leaked,
+    /// An IPAddress of the allocator's whose Service does not list it.
+    WrongParent,
+}
+
+impl Problem {
+    /// The drift kind in `check` output and the drift metrics.
+    pub fn drift_kind(self) -> &'static str {
+        match self {
+            Problem::NotValid => "clusterip_not_valid",
+            Problem::OutOfRange => "clusterip_out_of_range",
+            Problem::NotAllocated => "clusterip_not_allocated",
+            Problem::WrongReference => "ipaddress_wrong_reference",
+            Problem::WrongLabels => "ipaddress_wrong_labels",
+            Problem::ForeignManager => "ipaddress_foreign_manager",
+            Problem::AlreadyAllocated => "clusterip_already_allocated",
+            Problem::NotAService => "ipaddress_not_a_service",
+            Problem::Leaked => "ipaddress_leaked",
+            Problem::WrongParent => "ipaddress_wrong_parent",
+        }
+    }
+
+    /// The Warning event's reason and action, upstream's; `None` where upstream emits none.
+    pub fn event(self) -> Option<(&'static str, &'static str)> {
+        Some(match self {
+            Problem::NotValid => ("ClusterIPNotValid", ACTION_CLUSTERIP_VALIDATION),
+            Problem::OutOfRange => ("ClusterIPOutOfRange", ACTION_CLUSTERIP_ALLOCATION),
+            Problem::NotAllocated | Problem::WrongReference => {
+                ("ClusterIPNotAllocated", ACTION_CLUSTERIP_ALLOCATION)
+            }
+            Problem::AlreadyAllocated => ("ClusterIPAlreadyAllocated", ACTION_CLUSTERIP_ALLOCATION),
+            Problem::NotAService | Problem::Leaked => {
+                ("IPAddressNotAllocated", ACTION_IPADDRESS_ALLOCATION)
+            }
+            Problem::WrongParent => ("IPAddressWrongReference", ACTION_IPADDRESS_ALLOCATION),
+            Problem::WrongLabels | Problem::ForeignManager => return None,
+        })
+    }
+
+    /// The `type` label of `clusterip_repair_ip_errors_total`, as upstream's legacy metric names
+    /// them; `None` where upstream counts nothing.
+    pub fn error_type(self) -> Option<&'static str> {
+        Some(match self {
+            Problem::NotValid => "invalid",
+            Problem::OutOfRange => "outOfRange",
+            Problem::NotAllocated | Problem::WrongReference => "repair",
+            Problem::AlreadyAllocated => "duplicate",
+            Problem::NotAService | Problem::Leaked | Problem::WrongParent => "leak",
+            Problem::WrongLabels | Problem::ForeignManager => return None,
+        })
+    }
 }
 
 impl ObjectVersion {
@@ -169,13 +235,10 @@ impl Repair {
 /// One thing a pass found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Finding {
-    /// Stable drift label (`Drift::kind`).
-    pub kind: &'static str,
+    pub problem: Problem,
     pub regarding: Regarding,
-    /// The Warning event upstream emits for it; `None` where upstream repairs silently.
-    pub event: Option<EventSpec>,
-    /// `type` label of `clusterip_repair_ip_errors_total`, as upstream's legacy metric names them.
-    pub error_type: Option<&'static str>,
+    /// The note of the problem's Warning event, upstream's wording; empty where it has none.
+    pub note: String,
     pub repair: Repair,
     /// For a cluster IP held twice: the other Service holding it (the first in etcd key
     /// order), which a live read must find holding it too before the finding is reported.
@@ -215,18 +278,18 @@ impl Finding {
 
     /// A sentence for the drift report.
     pub fn summary(&self) -> String {
-        match (&self.event, &self.repair) {
-            (Some(event), _) => format!("{}: {}", event.reason, event.note),
+        match (self.problem.event(), &self.repair) {
+            (Some((reason, _)), _) => format!("{reason}: {}", self.note),
             (None, Repair::Recreate { ip, owner, .. }) => format!(
                 "IPAddress {ip} for Service {}/{} lacks the allocator's labels; recreating it",
                 owner.namespace, owner.name
             ),
-            (None, _) if self.kind == "ipaddress_foreign_manager" => {
+            (None, _) if self.problem == Problem::ForeignManager => {
                 "the IPAddress of a cluster IP of this Service is managed by another controller than \
                  ipallocator.k8s.io; left alone"
                     .to_owned()
             }
-            (None, _) => self.kind.to_owned(),
+            (None, _) => self.problem.drift_kind().to_owned(),
         }
     }
 }
@@ -456,14 +519,9 @@ fn valid_service_ip(
     let Some(ip) = raw.ip() else {
         // Upstream prints the parsed value (always `<nil>`); the written value is what helps.
         phase.findings.push(Finding {
-            kind: "clusterip_not_valid",
+            problem: Problem::NotValid,
             regarding: Regarding::service(svc),
-            event: Some(EventSpec {
-                reason: "ClusterIPNotValid",
-                action: ACTION_CLUSTERIP_VALIDATION,
-                note: format!("Cluster IP {raw} is not a valid IP; please recreate Service"),
-            }),
-            error_type: Some("invalid"),
+            note: format!("Cluster IP {raw} is not a valid IP; please recreate Service"),
             repair: Repair::None,
             shared_with: None,
         });
@@ -472,16 +530,11 @@ fn valid_service_ip(
     let family = IpFamily::of(ip);
     if !ranges.iter().any(|range| range.holds_service_ip(ip)) {
         phase.findings.push(Finding {
-            kind: "clusterip_out_of_range",
+            problem: Problem::OutOfRange,
             regarding: Regarding::service(svc),
-            event: Some(EventSpec {
-                reason: "ClusterIPOutOfRange",
-                action: ACTION_CLUSTERIP_ALLOCATION,
-                note: format!(
+            note: format!(
                     "Cluster IP [{family}]: {ip} is not within any configured Service CIDR; please recreate service"
                 ),
-            }),
-            error_type: Some("outOfRange"),
             repair: Repair::None,
             shared_with: None,
         });
@@ -516,14 +569,9 @@ fn sync_service_ip<'a>(
     let Some(at) = at else {
         claims.insert(ip, None, svc);
         phase.findings.push(Finding {
-            kind: "clusterip_not_allocated",
+            problem: Problem::NotAllocated,
             regarding: Regarding::service(svc),
-            event: Some(EventSpec {
-                reason: "ClusterIPNotAllocated",
-                action: ACTION_CLUSTERIP_ALLOCATION,
-                note: format!("Cluster IP [{family}]: {ip} is not allocated; repairing"),
-            }),
-            error_type: Some("repair"),
+            note: format!("Cluster IP [{family}]: {ip} is not allocated; repairing"),
             repair: Repair::Create {
                 ip,
                 owner: ServiceRef::of(svc),
@@ -556,10 +604,9 @@ fn sync_allocated_ip<'a>(
         // Upstream recreates these; we never touch IPAddresses another controller manages.
         if parent_is_this {
             phase.findings.push(Finding {
-                kind: "ipaddress_foreign_manager",
+                problem: Problem::ForeignManager,
                 regarding: Regarding::service(svc),
-                event: None,
-                error_type: None,
+                note: String::new(),
                 repair: Repair::None,
                 shared_with: None,
             });
@@ -626,17 +673,12 @@ fn wrong_reference(
 ) -> Finding {
     let family = IpFamily::of(ip);
     Finding {
-        kind: "ipaddress_wrong_reference",
+        problem: Problem::WrongReference,
         regarding: Regarding::service(svc),
-        event: Some(EventSpec {
-            reason: "ClusterIPNotAllocated",
-            action: ACTION_CLUSTERIP_ALLOCATION,
-            note: format!(
-                "the ClusterIP [{family}]: {ip} for Service {}/{} has a wrong reference; repairing",
-                svc.namespace, svc.name
-            ),
-        }),
-        error_type: Some("repair"),
+        note: format!(
+            "the ClusterIP [{family}]: {ip} for Service {}/{} has a wrong reference; repairing",
+            svc.namespace, svc.name
+        ),
         repair: Repair::Recreate {
             ip,
             owner: ServiceRef::of(svc),
@@ -659,10 +701,9 @@ fn wrong_reference(
 /// gives it: recreated with them.
 fn wrong_labels(svc: &ServiceRecord, ip: IpAddr, existing: &IpAddressRecord) -> Finding {
     Finding {
-        kind: "ipaddress_wrong_labels",
+        problem: Problem::WrongLabels,
         regarding: Regarding::service(svc),
-        event: None,
-        error_type: None,
+        note: String::new(),
         repair: Repair::Recreate {
             ip,
             owner: ServiceRef::of(svc),
@@ -683,16 +724,11 @@ fn wrong_labels(svc: &ServiceRecord, ip: IpAddr, existing: &IpAddressRecord) -> 
 fn already_allocated(svc: &ServiceRecord, ip: IpAddr, other: Option<&ServiceRecord>) -> Finding {
     let family = IpFamily::of(ip);
     Finding {
-        kind: "clusterip_already_allocated",
+        problem: Problem::AlreadyAllocated,
         regarding: Regarding::service(svc),
-        event: Some(EventSpec {
-            reason: "ClusterIPAlreadyAllocated",
-            action: ACTION_CLUSTERIP_ALLOCATION,
-            note: format!(
-                "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
-            ),
-        }),
-        error_type: Some("duplicate"),
+        note: format!(
+            "Cluster IP [{family}]:{ip} was assigned to multiple services; please recreate service"
+        ),
         repair: Repair::None,
         shared_with: other.map(|other| SharedWith::of(ip, other)),
     }
@@ -745,14 +781,9 @@ fn held_elsewhere(
         }
     };
     phase.findings.push(Finding {
-        kind: "clusterip_already_allocated",
+        problem: Problem::AlreadyAllocated,
         regarding: Regarding::service(svc),
-        event: Some(EventSpec {
-            reason: "ClusterIPAlreadyAllocated",
-            action: ACTION_CLUSTERIP_ALLOCATION,
-            note,
-        }),
-        error_type: Some("duplicate"),
+        note,
         repair: Repair::None,
         shared_with,
     });
@@ -787,8 +818,7 @@ fn sync_ip_address(
         other => {
             decision.findings.push(clean_up(
                 ip,
-                "ipaddress_not_a_service",
-                "IPAddressNotAllocated",
+                Problem::NotAService,
                 format!(
                     "IPAddress {} appears to have been modified, not referencing a Service {}: cleaning up",
                     ip.name,
@@ -814,8 +844,7 @@ fn sync_ip_address(
                 }
                 _ => decision.findings.push(clean_up(
                     ip,
-                    "ipaddress_leaked",
-                    "IPAddressNotAllocated",
+                    Problem::Leaked,
                     format!(
                         "IPAddress: {} for Service {}/{} appears to have leaked: cleaning up",
                         ip.name, parent.namespace, parent.name
@@ -835,8 +864,7 @@ fn sync_ip_address(
             } else if !listed {
                 decision.findings.push(clean_up(
                     ip,
-                    "ipaddress_wrong_parent",
-                    "IPAddressWrongReference",
+                    Problem::WrongParent,
                     format!(
                         "IPAddress: {} for Service {}/{} has a wrong reference; cleaning up",
                         ip.name, svc.namespace, svc.name
@@ -852,25 +880,19 @@ fn sync_ip_address(
     }
 }
 
-/// An IPAddress deleted as a leak, on `ground`, with upstream's event (`reason`, `note`); `was`
+/// An IPAddress deleted as a leak (`problem`), on `ground`, with upstream's event `note`; `was`
 /// says what it was.
 fn clean_up(
     ip: &IpAddressRecord,
-    kind: &'static str,
-    reason: &'static str,
+    problem: Problem,
     note: String,
     was: String,
     ground: DeleteGround,
 ) -> Finding {
     Finding {
-        kind,
+        problem,
         regarding: Regarding::ip_address(ip),
-        event: Some(EventSpec {
-            reason,
-            action: ACTION_IPADDRESS_ALLOCATION,
-            note,
-        }),
-        error_type: Some("leak"),
+        note,
         repair: Repair::Delete {
             name: ip.name.to_string().into(),
             existing: ObjectVersion::of(ip),
@@ -977,7 +999,11 @@ mod tests {
         decision
             .findings
             .iter()
-            .filter_map(|f| f.event.as_ref().map(|e| (e.reason, e.note.clone())))
+            .filter_map(|f| {
+                f.problem
+                    .event()
+                    .map(|(reason, _)| (reason, f.note.clone()))
+            })
             .collect()
     }
 
@@ -1000,11 +1026,8 @@ mod tests {
             )]
         );
         let finding = &decision.findings[0];
-        assert_eq!(
-            finding.event.as_ref().unwrap().action,
-            "ClusterIPValidation"
-        );
-        assert_eq!(finding.error_type, Some("invalid"));
+        assert_eq!(finding.problem.event().unwrap().1, "ClusterIPValidation");
+        assert_eq!(finding.problem.error_type(), Some("invalid"));
         assert_eq!(finding.repair, Repair::None);
     }
 
@@ -1052,7 +1075,7 @@ mod tests {
             }
         );
         assert_eq!(
-            decision.findings[0].event.as_ref().unwrap().action,
+            decision.findings[0].problem.event().unwrap().1,
             "ClusterIPAllocation"
         );
     }
@@ -1066,7 +1089,7 @@ mod tests {
         let kinds: Vec<_> = decision
             .findings
             .iter()
-            .map(|f| (f.kind, f.regarding.object()))
+            .map(|f| (f.problem.drift_kind(), f.regarding.object()))
             .collect();
         assert_eq!(
             kinds,
@@ -1125,7 +1148,7 @@ mod tests {
             let got: Vec<_> = decision
                 .findings
                 .iter()
-                .map(|f| (f.kind, f.regarding.object()))
+                .map(|f| (f.problem.drift_kind(), f.regarding.object()))
                 .collect();
             assert_eq!(
                 got,
@@ -1138,7 +1161,7 @@ mod tests {
             let got: Vec<_> = audit
                 .findings
                 .iter()
-                .map(|f| (f.kind, f.regarding.object()))
+                .map(|f| (f.problem.drift_kind(), f.regarding.object()))
                 .collect();
             assert_eq!(
                 got,
@@ -1169,7 +1192,7 @@ mod tests {
             )]
         );
         assert_eq!(decision.findings[0].repair, Repair::None);
-        assert_eq!(decision.findings[0].error_type, Some("duplicate"));
+        assert_eq!(decision.findings[0].problem.error_type(), Some("duplicate"));
     }
 
     /// The same for a foreign IPAddress naming another Service: "multiple services" only when
@@ -1187,7 +1210,7 @@ mod tests {
                 .findings
                 .iter()
                 .filter(|f| f.regarding.object() == "Service/d/a")
-                .map(|f| f.event.as_ref().unwrap().note.clone())
+                .map(|f| f.note.clone())
                 .collect();
             assert_eq!(found.len(), 1, "{decision:?}");
             found[0].clone()
@@ -1227,7 +1250,10 @@ mod tests {
     fn an_ip_listed_twice_by_one_service_is_repaired_once() {
         let decision = decide(&[svc("d", "a", &["10.0.0.5", "10.0.0.5"])], &[]);
         assert_eq!(decision.findings.len(), 1);
-        assert_eq!(decision.findings[0].kind, "clusterip_not_allocated");
+        assert_eq!(
+            decision.findings[0].problem.drift_kind(),
+            "clusterip_not_allocated"
+        );
         let consistent = decide(
             &[svc("d", "a", &["10.0.0.5", "10.0.0.5"])],
             &[owned("10.0.0.5", "d", "a")],
@@ -1272,7 +1298,10 @@ mod tests {
             &[owned("10.0.0.5", "d", "gone")],
         );
         assert_eq!(decision.findings.len(), 1);
-        assert_eq!(decision.findings[0].kind, "ipaddress_wrong_reference");
+        assert_eq!(
+            decision.findings[0].problem.drift_kind(),
+            "ipaddress_wrong_reference"
+        );
         match &decision.findings[0].repair {
             Repair::Recreate {
                 owner,
@@ -1384,8 +1413,8 @@ mod tests {
                 contested_seen |= reference
                     .findings
                     .iter()
-                    .any(|f| f.kind == "clusterip_already_allocated");
-                kinds.extend(reference.findings.iter().map(|f| f.kind));
+                    .any(|f| f.problem == Problem::AlreadyAllocated);
+                kinds.extend(reference.findings.iter().map(|f| f.problem.drift_kind()));
                 let mut reversed = services.clone();
                 reversed.reverse();
                 let mut reversed_ips = ips.clone();
@@ -1487,8 +1516,11 @@ mod tests {
         ip.labels.set_family(Some("IPv4"));
         let decision = decide(&[svc("d", "a", &["fd00::5"])], &[ip]);
         assert_eq!(decision.findings.len(), 1);
-        assert_eq!(decision.findings[0].kind, "ipaddress_wrong_labels");
-        assert!(decision.findings[0].event.is_none());
+        assert_eq!(
+            decision.findings[0].problem.drift_kind(),
+            "ipaddress_wrong_labels"
+        );
+        assert!(decision.findings[0].problem.event().is_none());
         assert!(decision.findings[0].repair.deletes());
     }
 
@@ -1508,7 +1540,11 @@ mod tests {
             decision.findings.iter().all(|f| f.repair == Repair::None),
             "{decision:?}"
         );
-        let kinds: Vec<_> = decision.findings.iter().map(|f| f.kind).collect();
+        let kinds: Vec<_> = decision
+            .findings
+            .iter()
+            .map(|f| f.problem.drift_kind())
+            .collect();
         assert_eq!(
             kinds,
             ["ipaddress_foreign_manager", "clusterip_already_allocated"]
@@ -1548,7 +1584,7 @@ mod tests {
             }
         )));
         assert_eq!(
-            decision.findings[0].event.as_ref().unwrap().action,
+            decision.findings[0].problem.event().unwrap().1,
             "IPAddressAllocation"
         );
     }
@@ -1617,7 +1653,7 @@ mod tests {
             .map(|f| {
                 let change = f.change();
                 (
-                    f.kind,
+                    f.problem.drift_kind(),
                     change.as_ref().map(|c| c.was.clone()),
                     change.map(|c| c.became),
                 )
@@ -1685,7 +1721,10 @@ mod tests {
     fn no_service_cidr_means_everything_is_out_of_range() {
         let decision =
             decide_ipaddress_mode(&[svc("d", "a", &["10.0.0.5"])], &[], &[], now(), GRACE);
-        assert_eq!(decision.findings[0].kind, "clusterip_out_of_range");
+        assert_eq!(
+            decision.findings[0].problem.drift_kind(),
+            "clusterip_out_of_range"
+        );
     }
 
     fn configured() -> Vec<ServiceRange> {
@@ -1710,7 +1749,7 @@ mod tests {
         for findings in [ipaddress_mode, audit] {
             let duplicates: Vec<_> = findings
                 .iter()
-                .filter(|f| f.kind == "clusterip_already_allocated")
+                .filter(|f| f.problem == Problem::AlreadyAllocated)
                 .map(|f| {
                     let other = f.shared_with.as_ref().map(|other| {
                         (
@@ -1760,9 +1799,9 @@ mod tests {
             .map(|f| {
                 (
                     f.regarding.object(),
-                    f.event.as_ref().unwrap().reason,
-                    f.event.as_ref().unwrap().note.clone(),
-                    f.error_type,
+                    f.problem.event().unwrap().0,
+                    f.note.clone(),
+                    f.problem.error_type(),
                 )
             })
             .collect();
@@ -1800,7 +1839,7 @@ mod tests {
         let only_v4 = [ServiceRange::new("10.0.0.0/24".parse().unwrap())];
         let audit = decide_audit_mode(&[svc("a", "v6", &["fd00::5"])], &only_v4);
         assert_eq!(
-            audit.findings[0].event.as_ref().unwrap().note,
+            audit.findings[0].note,
             "Cluster IP fd00::5(IPv6) is of ip family that is no longer configured on cluster; please recreate service"
         );
     }
