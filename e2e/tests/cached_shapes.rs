@@ -25,7 +25,7 @@ use common::{
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
-use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 
@@ -185,37 +185,12 @@ fn shapes(full: &Value, minimal: Value, nullable: &[&str]) -> Result<Vec<Value>>
 /// Creates `object` through the API, or replaces the one of its name; then writes its status
 /// (which a create or replace ignores), if it has one.
 async fn put(client: &Client, object: &Value) -> Result<()> {
+    common::create_or_replace(client, object).await?;
     let api = common::api_of(client, object).await?;
-    let name = object["metadata"]["name"]
-        .as_str()
-        .context("name")?
-        .to_owned();
-    let mut typed: DynamicObject = serde_json::from_value(object.clone())?;
-    // The controller may write the object between the read and the replace: a conflict is
-    // tried again, a few times.
-    let mut attempts = 0;
-    loop {
-        attempts += 1;
-        typed.metadata.resource_version = None;
-        match api.create(&PostParams::default(), &typed).await {
-            Ok(_) => break,
-            Err(kube::Error::Api(status)) if status.code == 409 => {}
-            Err(err) => return Err(err).with_context(|| format!("creating {name}: {object}")),
-        }
-        typed.metadata.resource_version = match api.get_opt(&name).await? {
-            Some(current) => current.metadata.resource_version,
-            None if attempts < 5 => continue,
-            None => anyhow::bail!("{name} exists and does not, {attempts} times"),
-        };
-        match api.replace(&name, &PostParams::default(), &typed).await {
-            Ok(_) => break,
-            Err(kube::Error::Api(status)) if status.code == 409 && attempts < 5 => {}
-            Err(err) => return Err(err).with_context(|| format!("replacing {name}")),
-        }
-    }
+    let name = object["metadata"]["name"].as_str().context("name")?;
     if let Some(status) = object.get("status").filter(|s| !s.is_null()) {
         api.patch_status(
-            &name,
+            name,
             &PatchParams::default(),
             &Patch::Merge(json!({"status": status})),
         )

@@ -31,25 +31,11 @@ use serde_json::{Value, json};
 /// Creates `object` through the API, or replaces the one of its name (a shared cluster keeps
 /// the `kubernetes` Endpoints of earlier tests).
 async fn put(client: &Client, object: &Value) -> Result<()> {
-    let api = common::api_of(client, object).await?;
     let mut object = object.clone();
     if let Some(metadata) = object["metadata"].as_object_mut() {
         metadata.remove("uid");
     }
-    let name = object["metadata"]["name"]
-        .as_str()
-        .context("name")?
-        .to_owned();
-    let mut typed: DynamicObject = serde_json::from_value(object)?;
-    match api.create(&PostParams::default(), &typed).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(status)) if status.code == 409 => {
-            typed.metadata.resource_version = api.get(&name).await?.metadata.resource_version;
-            api.replace(&name, &PostParams::default(), &typed).await?;
-            Ok(())
-        }
-        Err(err) => Err(err).with_context(|| format!("creating {name}")),
-    }
+    common::create_or_replace(client, &object).await
 }
 
 /// What the hostile objects leave behind on a real cluster, removed whatever the test's outcome

@@ -886,6 +886,38 @@ pub async fn api_of(
     })
 }
 
+/// Creates `object` through the API, or replaces the one of its name. The controller may write
+/// that object between the read and the replace: a conflict is tried again, a few times.
+pub async fn create_or_replace(client: &Client, object: &serde_json::Value) -> Result<()> {
+    let api = api_of(client, object).await?;
+    let name = object["metadata"]["name"]
+        .as_str()
+        .context("name")?
+        .to_owned();
+    let mut typed: kube::api::DynamicObject = serde_json::from_value(object.clone())?;
+    let post = kube::api::PostParams::default();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        typed.metadata.resource_version = None;
+        match api.create(&post, &typed).await {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(err) => return Err(err).with_context(|| format!("creating {name}: {object}")),
+        }
+        let Some(current) = api.get_opt(&name).await? else {
+            ensure!(attempt < 5, "{name} exists and does not, {attempt} times");
+            continue;
+        };
+        typed.metadata.resource_version = current.metadata.resource_version;
+        match api.replace(&name, &post, &typed).await {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 409 && attempt < 5 => {}
+            Err(err) => return Err(err).with_context(|| format!("replacing {name}")),
+        }
+    }
+}
+
 /// A NodePort Service in `default` asking for `node_port`, as the NodePort tests plant it.
 pub fn node_port_service(name: &str, node_port: i32) -> serde_json::Value {
     serde_json::json!({
