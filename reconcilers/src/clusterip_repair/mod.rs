@@ -206,7 +206,7 @@ pub struct ClusterIpRepairLoop {
     reported: crate::findings::ReportOnce<ReportKey>,
 }
 
-/// A report-only finding: its kind, the object and the sentence.
+/// A report-only finding: its problem, the object and the sentence.
 type ReportKey = (Problem, String, String);
 
 fn report_key(finding: &Finding) -> Option<ReportKey> {
