@@ -1,10 +1,11 @@
 """code_size.py measures what it says in its header: it runs, every hop of the path it follows
-is found, its lexer tells code from comments and strings, and no product function is over 100
-lines."""
+is found, its lexer tells code from comments and strings, no product function is over 100
+lines, and ARCHITECTURE.md states the path's figures as the script measures them."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -64,3 +65,16 @@ def test_the_lexer_counts_code_lines_and_finds_test_modules(tmp_path):
         ("one", 4, 3),
         ("two", 9, 1),
     ]
+
+
+def test_architecture_states_the_paths_figures_as_measured():
+    text = " ".join((ROOT / "ARCHITECTURE.md").read_text().split())
+    match = re.search(r"(\d+) hops in (\d+) files, naming (\d+) project types", text)
+    assert match, "ARCHITECTURE.md states the path's hops, files and types"
+    path = code_size.measure()["system_namespaces_path"]
+    measured = (path["hops"], len(path["files"]), len(path["types"]))
+    stated = tuple(int(figure) for figure in match.groups())
+    assert stated == measured, (
+        f"ARCHITECTURE.md says {stated[0]} hops, {stated[1]} files, {stated[2]} types; "
+        f"code_size.py measures {measured[0]}, {measured[1]}, {measured[2]}: update the text"
+    )
