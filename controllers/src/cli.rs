@@ -15,7 +15,7 @@ use crate::config::{
 use crate::kubeconfig;
 use crate::loops::build_loops;
 use crate::metrics::{RunnerMetrics, new_registry};
-use crate::process::Controller;
+use crate::process::{Controller, StartError};
 use crate::runner::{CheckResult, check_once};
 use crate::tenant_kubeconfig;
 
@@ -196,27 +196,40 @@ fn config_print(args: &ConfigArgs) -> ExitCode {
 
 /// `run`: one cluster, or (with the tenants settings) management mode.
 async fn run_command(args: &ConfigArgs) -> ExitCode {
-    match load_config(args) {
-        Ok(config) if config.tenants.is_some() => {
-            let allowed = config
-                .tenants
-                .as_ref()
-                .map(|tenants| tenants.etcd_allowed_cidrs.clone())
-                .unwrap_or_default();
-            // Every tenant's configuration starts from the file: one the tenants cannot
-            // use is refused now, not once per tenant.
-            match TenantBase::load(args).and_then(|base| {
-                let base = base.allowing_etcd_in(allowed);
-                base.tenant(None)?;
-                Ok(base)
-            }) {
-                Ok(base) => run(config, Some(base)).await,
-                Err(errors) => config_error(&errors),
-            }
-        }
-        Ok(config) => run(config, None).await,
-        Err(errors) => config_error(&errors),
+    let config = match load_config(args) {
+        Ok(config) => config,
+        Err(errors) => return config_error(&errors),
+    };
+    if config.tenants.is_some() {
+        return run_management(args, config).await;
     }
+    let Some((kube_config, client)) = connect(&config).await else {
+        return ExitCode::from(EXIT_CONFIG);
+    };
+    serve(Controller::start(&config, &kube_config, client).await).await
+}
+
+/// Management mode: every tenant's configuration starts from the file, so one the tenants cannot
+/// use is refused now, not once per tenant.
+async fn run_management(args: &ConfigArgs, config: Config) -> ExitCode {
+    let allowed = config
+        .tenants
+        .as_ref()
+        .map(|tenants| tenants.etcd_allowed_cidrs.clone())
+        .unwrap_or_default();
+    let base = TenantBase::load(args).and_then(|base| {
+        let base = base.allowing_etcd_in(allowed);
+        base.tenant(None)?;
+        Ok(base)
+    });
+    let base = match base {
+        Ok(base) => base,
+        Err(errors) => return config_error(&errors),
+    };
+    let Some((kube_config, client)) = connect(&config).await else {
+        return ExitCode::from(EXIT_CONFIG);
+    };
+    serve(Controller::start_management(&config, &kube_config, client, base).await).await
 }
 
 /// `check`: one dry-run pass of every loop against one cluster.
@@ -408,7 +421,9 @@ async fn wait_for_signal() {
     }
 }
 
-async fn run(config: Config, tenant_base: Option<TenantBase>) -> ExitCode {
+/// Starts the log as configured, then makes the client of `--kubeconfig`; `None` once it has
+/// logged and printed why it cannot.
+async fn connect(config: &Config) -> Option<(kube::Config, kube::Client)> {
     init_logging(config.log_format, "info");
     for warning in variable_warnings() {
         warn!("{warning}");
@@ -418,11 +433,11 @@ async fn run(config: Config, tenant_base: Option<TenantBase>) -> ExitCode {
         Err(message) => {
             error!("{message}");
             eprintln!("error: {message}");
-            return ExitCode::from(EXIT_CONFIG);
+            return None;
         }
     };
-    let client = match crate::client::build(&kube_config, config.kubeconfig.as_deref()) {
-        Ok(client) => client,
+    match crate::client::build(&kube_config, config.kubeconfig.as_deref()) {
+        Ok(client) => Some((kube_config, client)),
         Err(err) => {
             let message = format!(
                 "cannot build a Kubernetes client for {}: {err} (check the kubeconfig's \
@@ -431,13 +446,13 @@ async fn run(config: Config, tenant_base: Option<TenantBase>) -> ExitCode {
             );
             error!("{message}");
             eprintln!("error: {message}");
-            return ExitCode::from(EXIT_CONFIG);
+            None
         }
-    };
-    let started = match tenant_base {
-        Some(base) => Controller::start_management(&config, &kube_config, client, base).await,
-        None => Controller::start(&config, &kube_config, client).await,
-    };
+    }
+}
+
+/// Runs the started controller until a signal stops it.
+async fn serve(started: Result<Controller, StartError>) -> ExitCode {
     let controller = match started {
         Ok(controller) => controller,
         Err(message) => {

@@ -60,7 +60,6 @@ PATH_HOPS: list[tuple[str, str]] = [
     ("reconcilers/src/section.rs", "trait LoopSection"),
     ("reconcilers/src/system_namespaces/section.rs", "struct Section"),
     ("reconcilers/src/system_namespaces/section.rs", "Section::validate"),
-    ("controllers/src/cli.rs", "fn run"),
     ("controllers/src/process.rs", "Controller::start"),
     ("controllers/src/loops.rs", "fn build_runner"),
     ("controllers/src/loops.rs", "fn build_cluster_loops"),
