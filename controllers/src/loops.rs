@@ -88,9 +88,7 @@ pub fn build_cluster_loops(
     };
     let mut context = BuildContext::new(client.clone(), registry, &settings, load_kubeconfig);
     let mut loops = Vec::new();
-    if config.settings.endpoint_reconciler_type.is_none()
-        && config.loops.apiserver_endpoints.enabled
-    {
+    if config.loops.apiserver_endpoints.mode.is_none() && config.loops.apiserver_endpoints.enabled {
         info!("{ENDPOINTS_UNNAMED}");
     }
     for (key, section) in config.loops.sections() {

@@ -105,7 +105,7 @@ async fn wait_for(
 async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
     let section = &env.config.loops.apiserver_endpoints;
     let settings = &env.config.settings;
-    if !section.enabled || settings.endpoint_mode() != EndpointsMode::Lease {
+    if !section.enabled || section.endpoint_mode() != EndpointsMode::Lease {
         return Ok("skipped: the endpoints loop is not in lease mode".to_owned());
     }
     let target = Section::target(settings);

@@ -120,8 +120,8 @@ async fn demo(mut config: Config, keep_running: bool) -> ExitCode {
     config.admin_addr = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
     // The demo's controller stands in for the sidecar of the simulated apiserver, so it names
     // lease mode, as a sidecar's manifest does, unless the file chose another.
-    if config.settings.endpoint_reconciler_type.is_none() {
-        config.settings.endpoint_reconciler_type = Some(EndpointsMode::Lease);
+    if config.loops.apiserver_endpoints.mode.is_none() {
+        config.loops.apiserver_endpoints.mode = Some(EndpointsMode::Lease);
     }
     // Membership at demo speed: a killed member goes after seconds, not upstream's 15 s.
     config.loops.apiserver_endpoints.interval = Duration::from_secs(1);

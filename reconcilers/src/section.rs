@@ -39,9 +39,10 @@ impl ConfigError {
     }
 }
 
-/// The settings outside `loops` that loops read: kube-apiserver's flags, held once in the
+/// The settings outside `loops` that several loops read: kube-apiserver's flags, held once in the
 /// effective configuration (its top-level keys, which this serialises to), and what belongs to
-/// this replica and its cluster. Validated before any section sees them.
+/// this replica and its cluster. Validated before any section sees them. The two flags only the
+/// endpoints loop reads (`endpointReconcilerType`, `apiserverCount`) are held by its section.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Settings {
@@ -69,13 +70,6 @@ pub struct Settings {
     /// `kubernetesServiceNodePort`, when not 0 (written as 0 when `None`).
     #[serde(serialize_with = "serialize_node_port")]
     pub kubernetes_service_node_port: Option<u16>,
-    /// `endpointReconcilerType`; `None` when no flag, variable or file key names a mode: the
-    /// endpoints loop is then not built, so a process started with nothing chosen never rewrites
-    /// the cluster's endpoints.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub endpoint_reconciler_type: Option<EndpointsMode>,
-    /// `apiserverCount`.
-    pub apiserver_count: u32,
     /// The `--etcd-*` settings (etcd mode when `etcdServers` is set); a tenant's also hold its
     /// client certificate, from its Secret, and its etcd's addresses and cluster as checked
     /// before it started (management mode).
@@ -109,45 +103,6 @@ fn serialize_node_port<S: serde::Serializer>(
     serializer.serialize_u16(port.unwrap_or(0))
 }
 
-/// `--endpoint-reconciler-type`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EndpointsMode {
-    /// Membership from per-instance Leases.
-    Lease,
-    /// Addresses from configuration: IPs and DNS names, re-resolved every interval.
-    Static,
-    /// Upstream's deprecated `master-count`: every instance adds itself and trims to the count.
-    MasterCount,
-    /// Leave the endpoints alone.
-    None,
-}
-
-impl EndpointsMode {
-    /// The name `--endpoint-reconciler-type` takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EndpointsMode::Lease => "lease",
-            EndpointsMode::Static => "static",
-            EndpointsMode::MasterCount => "master-count",
-            EndpointsMode::None => "none",
-        }
-    }
-
-    /// Every mode, in the order `--help` lists them.
-    pub const ALL: [EndpointsMode; 4] = [
-        EndpointsMode::Lease,
-        EndpointsMode::Static,
-        EndpointsMode::MasterCount,
-        EndpointsMode::None,
-    ];
-
-    /// The mode `--endpoint-reconciler-type` names, if any.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
-    }
-}
-
 /// Builds the kube configuration (the kubeconfig's) that the endpoints loop's readiness probe of
 /// a full URL starts from.
 pub type ConfigLoader = Arc<
@@ -177,11 +132,6 @@ impl Settings {
         self.secure_port.unwrap_or(DEFAULT_SECURE_PORT)
     }
 
-    /// The endpoints' mode the loops follow: the one named, else `none`.
-    pub fn endpoint_mode(&self) -> EndpointsMode {
-        self.endpoint_reconciler_type.unwrap_or(EndpointsMode::None)
-    }
-
     /// etcd mode's settings, when `etcdServers` is set.
     pub fn etcd(&self) -> Option<&EtcdConfig> {
         (!self.etcd.servers.is_empty()).then_some(&self.etcd)
@@ -193,10 +143,8 @@ pub const DEFAULT_SECURE_PORT: u16 = 6443;
 
 /// The controller's empty configuration, which its tests compare with this: kube-apiserver's
 /// defaults (no range configured: read from the cluster; node ports 30000-32767, no `securePort`
-/// (the endpoints on 6443, the Service's targetPort kept), no node port for `kubernetes`, no advertise address, one apiserver,
-/// `default/kubernetes`) except the endpoints, which are left alone (`none`) until the operator
-/// names a mode: a process started with nothing chosen must not rewrite them with its host's
-/// address. No identity or etcd, which belong to a replica.
+/// (the endpoints on 6443, the Service's targetPort kept), no node port for `kubernetes`, no
+/// advertise address, `default/kubernetes`). No identity or etcd, which belong to a replica.
 impl Default for Settings {
     fn default() -> Self {
         Settings {
@@ -205,8 +153,6 @@ impl Default for Settings {
             secure_port: None,
             kubernetes_service_node_port: None,
             advertise_address: None,
-            endpoint_reconciler_type: None,
-            apiserver_count: 1,
             kubernetes_service: ServiceName {
                 namespace: "default".to_owned(),
                 name: "kubernetes".to_owned(),

@@ -33,10 +33,12 @@ struct Cfg {
 /// `lease` mode, advertising `address`, with an identity of its own.
 fn cfg(address: &str) -> Cfg {
     Cfg {
-        section: Section::default(),
+        section: Section {
+            mode: Some(EndpointsMode::Lease),
+            ..Section::default()
+        },
         settings: Settings {
             advertise_address: Some(ip(address)),
-            endpoint_reconciler_type: Some(EndpointsMode::Lease),
             identity: format!("test-{address}"),
             ..common::settings(&[])
         },
@@ -47,13 +49,11 @@ fn cfg(address: &str) -> Cfg {
 fn static_cfg(addresses: &[&str]) -> Cfg {
     Cfg {
         section: Section {
+            mode: Some(EndpointsMode::Static),
             static_addresses: addresses.iter().map(|a| (*a).to_owned()).collect(),
             ..Section::default()
         },
-        settings: Settings {
-            endpoint_reconciler_type: Some(EndpointsMode::Static),
-            ..common::settings(&[])
-        },
+        settings: common::settings(&[]),
     }
 }
 
@@ -752,8 +752,8 @@ async fn master_count_adds_itself_on_every_instance_and_trims() {
     let sim = sim().await;
     let mk = |a: &str| {
         let mut c = cfg(a);
-        c.settings.endpoint_reconciler_type = Some(EndpointsMode::MasterCount);
-        c.settings.apiserver_count = 2;
+        c.section.mode = Some(EndpointsMode::MasterCount);
+        c.section.apiserver_count = 2;
         c
     };
     let a = instance(&sim, &mk("192.0.2.1"), true);

@@ -5,11 +5,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use reconcilers::alloc::{IpFamily, PortRange};
+use reconcilers::apiserver_endpoints::EndpointsMode;
 use reconcilers::legacy_alloc::etcd::{DEFAULT_PREFIX, EtcdConfig};
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
-use reconcilers::section::{
-    ConfigError, DurationError, EndpointsMode, ServiceName, Settings, format_duration,
-};
+use reconcilers::section::{ConfigError, DurationError, ServiceName, Settings, format_duration};
 
 use super::file::{locate, parse_file_all, read_text};
 use super::settings::{ConfigArgs, FileConfig, Given, Source};
@@ -246,7 +245,9 @@ impl Config {
             refuse_process_etcd(args, &file, &mut errors);
         }
 
-        let loops = file.loops.clone().unwrap_or_default();
+        let mut loops = file.loops.clone().unwrap_or_default();
+        loops.apiserver_endpoints.mode = endpoint_reconciler_type;
+        loops.apiserver_endpoints.apiserver_count = apiserver_count;
         let mut config = Config {
             settings: Settings {
                 service_ranges: service_cluster_ip_range,
@@ -254,8 +255,6 @@ impl Config {
                 advertise_address,
                 secure_port,
                 kubernetes_service_node_port,
-                endpoint_reconciler_type,
-                apiserver_count,
                 etcd,
                 kubernetes_service: ServiceName {
                     namespace: loops.kubernetes_service.namespace.clone(),

@@ -38,11 +38,12 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+pub use reconcilers::apiserver_endpoints::EndpointsMode;
 pub use reconcilers::names::{
     NameError, validate_dns1123_label, validate_dns1123_subdomain, validate_qualified_name,
 };
 pub use reconcilers::section::{
-    ConfigError, DurationError, EndpointsMode, LoopSection, ServiceName, Settings, duration_format,
+    ConfigError, DurationError, LoopSection, ServiceName, Settings, duration_format,
     format_duration, parse_duration,
 };
 
@@ -76,7 +77,22 @@ pub struct Config {
     /// Management mode, when a Secret selector is set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tenants: Option<Tenants>,
+    #[serde(flatten, serialize_with = "serialize_loops")]
     pub loops: Loops,
+}
+
+/// `loops`, after the endpoints loop's two kube-apiserver flags, which its section holds and the
+/// file names at the top level (`endpointReconcilerType`, `apiserverCount`).
+fn serialize_loops<S: serde::Serializer>(loops: &Loops, serializer: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let endpoints = &loops.apiserver_endpoints;
+    let mut map = serializer.serialize_map(None)?;
+    if let Some(mode) = endpoints.mode {
+        map.serialize_entry("endpointReconcilerType", &mode)?;
+    }
+    map.serialize_entry("apiserverCount", &endpoints.apiserver_count)?;
+    map.serialize_entry("loops", loops)?;
+    map.end()
 }
 
 /// Management mode: which Secrets of the management cluster are tenant clusters.

@@ -32,7 +32,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::ValueEnum;
-use reconcilers::section::{DurationError, EndpointsMode, duration_format, parse_duration};
+use reconcilers::apiserver_endpoints::EndpointsMode;
+use reconcilers::section::{DurationError, duration_format, parse_duration};
 use serde::{Deserialize, Serialize};
 
 use super::Loops;

@@ -259,7 +259,7 @@ impl TenantBase {
         };
         let config = self.merged(fragment)?;
         self.check_tenant_etcd(&config)?;
-        match config.settings.endpoint_mode() {
+        match config.loops.apiserver_endpoints.endpoint_mode() {
             EndpointsMode::Static | EndpointsMode::None => Ok(config),
             other => Err(ConfigErrors(vec![ConfigError::new(
                 tenant_field("endpointReconcilerType"),

@@ -101,10 +101,13 @@ fn defaults_match_upstream() {
     );
     assert_eq!(config.settings.secure_port, None);
     assert_eq!(
-        config.settings.endpoint_reconciler_type, None,
+        config.loops.apiserver_endpoints.mode, None,
         "no mode is assumed: the endpoints are left alone until one is named"
     );
-    assert_eq!(config.settings.endpoint_mode(), EndpointsMode::None);
+    assert_eq!(
+        config.loops.apiserver_endpoints.endpoint_mode(),
+        EndpointsMode::None
+    );
     assert_eq!(config.admin_addr, "0.0.0.0:8080".parse().unwrap());
     assert_eq!(
         config.loops.system_namespaces.interval,
@@ -497,7 +500,7 @@ fn apiserver_count_and_advertise_address() {
     }
     // Named by no one, no endpoints are written, so the address's family does not matter.
     let unnamed = from_yaml("serviceClusterIPRange: 10.96.0.0/12\nadvertiseAddress: fd00::1\n");
-    assert_eq!(unnamed.unwrap().settings.endpoint_reconciler_type, None);
+    assert_eq!(unnamed.unwrap().loops.apiserver_endpoints.mode, None);
     rejected(
         "advertiseAddress: not-an-ip\n",
         "advertiseAddress",
@@ -621,7 +624,7 @@ fn a_tenant_fragment_merges_over_the_file_and_is_validated_as_the_file() {
     );
     let defaults = base.tenant(None).unwrap();
     assert_eq!(
-        defaults.settings.endpoint_reconciler_type,
+        defaults.loops.apiserver_endpoints.mode,
         Some(EndpointsMode::None)
     );
     assert_eq!(defaults.tenants, None, "a tenant is one cluster");
@@ -861,7 +864,7 @@ fn flags_override_file_override_defaults() {
         Duration::from_secs(10)
     );
     assert_eq!(config.loops.system_namespaces.namespaces.len(), 4);
-    assert_eq!(config.settings.apiserver_count, 1);
+    assert_eq!(config.loops.apiserver_endpoints.apiserver_count, 1);
 }
 
 #[test]
@@ -916,10 +919,17 @@ fn leader_election_errors_name_what_was_given() {
 #[test]
 fn printed_config_parses_back_to_the_same() {
     let config = from_yaml(
-        "serviceClusterIPRange: 10.96.0.0/12,fd00::/108\nadvertiseAddress: 192.0.2.3\nloops:\n  systemNamespaces:\n    interval: 1m30s\n    namespaces:\n      - name: extra\n        labels:\n          team: core\n",
+        "serviceClusterIPRange: 10.96.0.0/12,fd00::/108\nadvertiseAddress: 192.0.2.3\nendpointReconcilerType: master-count\napiserverCount: 3\nloops:\n  systemNamespaces:\n    interval: 1m30s\n    namespaces:\n      - name: extra\n        labels:\n          team: core\n",
     )
     .unwrap();
+    assert_eq!(config.loops.apiserver_endpoints.apiserver_count, 3);
     let yaml = config.to_yaml().unwrap();
+    // The endpoints loop's two kube-apiserver flags print at the top level, as the file has them.
+    assert!(
+        yaml.contains("\nendpointReconcilerType: master-count\n"),
+        "{yaml}"
+    );
+    assert!(yaml.contains("\napiserverCount: 3\n"), "{yaml}");
     let again = from_yaml(&yaml).unwrap();
     assert_eq!(config, again, "{yaml}");
 }

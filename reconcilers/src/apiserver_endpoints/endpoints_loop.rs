@@ -45,8 +45,6 @@ struct State {
 /// Writes the `kubernetes` Endpoints and EndpointSlices.
 pub struct ApiserverEndpointsLoop {
     section: Section,
-    /// The top-level settings: the mode and `apiserverCount`.
-    settings: Settings,
     /// The Service the endpoints serve (from `settings`).
     pub(super) target: EndpointsTarget,
     /// This instance's address: `advertiseAddress`, or the default route's.
@@ -111,7 +109,6 @@ impl ApiserverEndpointsLoop {
             named_writers: std::sync::Mutex::default(),
             lease_problems: ReportOnce::new(),
             section: section.clone(),
-            settings: settings.clone(),
             target: target.clone(),
             advertise_address: section.advertise_address(settings),
             reporter: deps.reporter,
@@ -151,7 +148,7 @@ impl ApiserverEndpointsLoop {
             true => None,
             false => slices.get_opt(&target.service_name).await?,
         };
-        let sources = match self.settings.endpoint_mode() {
+        let sources = match self.section.endpoint_mode() {
             EndpointsMode::Lease => {
                 let api = Api::namespaced(ctx.client.clone(), &self.section.lease_namespace);
                 // A failed list is an error, never an empty membership.
@@ -245,7 +242,7 @@ impl ApiserverEndpointsLoop {
                 _ => tracing::warn!("{note}"),
             }
         }
-        if self.settings.endpoint_mode() == EndpointsMode::Lease {
+        if self.section.endpoint_mode() == EndpointsMode::Lease {
             let wake = plan.next_expiry.and_then(|t| {
                 let left = Timestamp::now().duration_until(t);
                 Duration::try_from(left)
@@ -276,7 +273,7 @@ impl ApiserverEndpointsLoop {
             &snapshot,
             &mut state.memory,
             &self.section,
-            &self.settings,
+            &self.target,
             now,
         );
         self.say(&plan);
@@ -323,7 +320,7 @@ impl ApiserverEndpointsLoop {
             .await
             .last_pass
             .is_some_and(|at| at.elapsed() < self.section.interval * 2);
-        let writer = match self.settings.endpoint_mode() {
+        let writer = match self.section.endpoint_mode() {
             // The runner's election may have handed leadership over since the last pass.
             EndpointsMode::Lease => recently_leading && ctx.leads(),
             EndpointsMode::MasterCount => true,
@@ -343,7 +340,7 @@ impl Reconciler for ApiserverEndpointsLoop {
     }
 
     fn needs_leadership(&self) -> bool {
-        self.settings.endpoint_mode() != EndpointsMode::MasterCount
+        self.section.endpoint_mode() != EndpointsMode::MasterCount
     }
 
     fn triggers(&self) -> Vec<Trigger> {
@@ -355,7 +352,7 @@ impl Reconciler for ApiserverEndpointsLoop {
         .into_iter()
         .flatten()
         .collect();
-        if self.settings.endpoint_mode() == EndpointsMode::Lease {
+        if self.section.endpoint_mode() == EndpointsMode::Lease {
             triggers.extend(
                 self.leases
                     .take_events()

@@ -65,14 +65,14 @@ pub use probe::{
     SystemResolver, default_route_address,
 };
 pub use section::{
-    DEFAULT_INTERVAL, DEFAULT_LEASE_TTL, Section, StaticAddress, StaticAddressError,
+    DEFAULT_INTERVAL, DEFAULT_LEASE_TTL, EndpointsMode, Section, StaticAddress, StaticAddressError,
 };
 pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate};
 
 use crate::contract::Reconciler;
 use crate::metrics::MetricRegistry;
+pub use crate::section::ConfigLoader;
 use crate::section::Settings;
-pub use crate::section::{ConfigLoader, EndpointsMode};
 
 /// The endpoints loop's name: in logs, `/readyz`, metrics and events (the Lease loop's is
 /// [`lease_loop::NAME`]).
@@ -103,7 +103,7 @@ pub fn build_loops(
     registry: &mut dyn MetricRegistry,
 ) -> Vec<Box<dyn Reconciler>> {
     let mut loops: Vec<Box<dyn Reconciler>> = Vec::new();
-    let mode = settings.endpoint_mode();
+    let mode = section.endpoint_mode();
     if mode == EndpointsMode::None {
         return loops;
     }

@@ -30,7 +30,6 @@ use super::objects::{
 };
 use super::{Section, StaticAddress};
 use crate::alloc::IpFamily;
-use crate::section::Settings;
 
 /// What a pass of the endpoints loop reads before it decides anything.
 pub struct Snapshot {
@@ -181,10 +180,9 @@ pub fn plan(
     snapshot: &Snapshot,
     memory: &mut Memory,
     section: &Section,
-    settings: &Settings,
+    target: &EndpointsTarget,
     now: Timestamp,
 ) -> Plan {
-    let target = Section::target(settings);
     let listed = listed(section, snapshot.endpoints.as_ref(), &snapshot.slices);
     let mut plan = Plan {
         target: target.clone(),
@@ -194,7 +192,7 @@ pub fn plan(
         plan.findings.push(Finding::EndpointsLeft);
     }
     plan.members = match &snapshot.sources {
-        Sources::Leases(leases) => lease_members(&mut plan, memory, section, &target, leases, now),
+        Sources::Leases(leases) => lease_members(&mut plan, memory, section, target, leases, now),
         Sources::Static(answers) => {
             let entries = section.static_entries();
             static_members(&entries, answers, memory, &mut plan.findings)
@@ -203,7 +201,7 @@ pub fn plan(
             (Some(own), true) => master_count_members(
                 &listed,
                 own,
-                usize::try_from(settings.apiserver_count).unwrap_or(usize::MAX),
+                usize::try_from(section.apiserver_count).unwrap_or(usize::MAX),
             ),
             (Some(own), false) => {
                 let mut without = listed.clone();
@@ -242,7 +240,7 @@ pub fn plan(
         plan.change = previous.changes_to(&plan.members);
         memory.empty = EmptyStreak::default();
         if section.name_conflicting_writers {
-            plan.writers = other_writers(&target, snapshot.endpoints.as_ref(), &snapshot.slices);
+            plan.writers = other_writers(target, snapshot.endpoints.as_ref(), &snapshot.slices);
         }
     }
     plan.writes = writes(

@@ -1,7 +1,7 @@
-//! `loops.apiserverEndpoints`: the section of the configuration file, which is also the one
-//! configuration both endpoint loops read, with the top-level settings (the Service range,
-//! `securePort`, `advertiseAddress`, `endpointReconcilerType`, `apiserverCount` and this
-//! replica's identity).
+//! `loops.apiserverEndpoints`: the section of the configuration file, with the mode
+//! (`endpointReconcilerType`) and `apiserverCount`, which is also the one configuration both
+//! endpoint loops read, with the top-level settings (the Service range, `securePort`,
+//! `advertiseAddress` and this replica's identity).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -21,8 +21,8 @@ use crate::alloc::IpFamily;
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
 use crate::section::{
-    self, BuildContext, BuildError, EndpointsMode, LoopSection, Settings, duration_format,
-    format_duration, validate_interval,
+    self, BuildContext, BuildError, LoopSection, Settings, duration_format, format_duration,
+    validate_interval,
 };
 
 /// Upstream's interval of the endpoint reconcilers (10 s), for both loops.
@@ -30,12 +30,22 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 /// Upstream's membership Lease TTL (`--endpoint-reconciler-type=lease`: 15 s).
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15);
 
-/// `loops.apiserverEndpoints`: the `kubernetes` Endpoints and EndpointSlices. The mode is
-/// `endpointReconcilerType`; the address `advertiseAddress`, the port `securePort`. The one
-/// configuration type of both loops: they are built from the section and the settings.
+/// `loops.apiserverEndpoints`: the `kubernetes` Endpoints and EndpointSlices, with the mode
+/// (`endpointReconcilerType`) and `apiserverCount`; the address is `advertiseAddress`, the port
+/// `securePort`. The one configuration type of both loops: they are built from the section and
+/// the settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 pub struct Section {
+    /// `endpointReconcilerType`. Like `apiserverCount` it is kube-apiserver's flag, so the file
+    /// names it at the top level and `--endpoint-reconciler-type` sets it; the effective
+    /// configuration prints both there. `None` when nothing names a mode: the loops are then not
+    /// built, so a process started with nothing chosen never rewrites the cluster's endpoints.
+    #[serde(skip)]
+    pub mode: Option<EndpointsMode>,
+    /// `apiserverCount` (`master-count` mode): a positive count.
+    #[serde(skip)]
+    pub apiserver_count: u32,
     pub enabled: bool,
     /// Lease renewal, endpoints check and DNS re-resolution interval.
     #[serde(with = "duration_format")]
@@ -84,6 +94,8 @@ pub struct Section {
 impl Default for Section {
     fn default() -> Self {
         Section {
+            mode: None,
+            apiserver_count: 1,
             enabled: true,
             interval: DEFAULT_INTERVAL,
             lease_namespace: "kube-system".to_owned(),
@@ -103,6 +115,11 @@ impl Default for Section {
 }
 
 impl Section {
+    /// The mode the loops follow: the one named, else `none`.
+    pub fn endpoint_mode(&self) -> EndpointsMode {
+        self.mode.unwrap_or(EndpointsMode::None)
+    }
+
     /// `advertiseAddress`, else the default-route address of the primary range's family (what
     /// kube-apiserver does when `--advertise-address` is unset).
     pub fn advertise_address(&self, settings: &Settings) -> Option<IpAddr> {
@@ -131,8 +148,8 @@ impl Section {
             .collect()
     }
 
-    /// Every check of the section; the settings it reads (`advertiseAddress`, `securePort`,
-    /// `apiserverCount`, the ranges) are checked where they are parsed.
+    /// Every check of the section; the settings it reads (`advertiseAddress`, `securePort`, the
+    /// ranges) and `apiserverCount` are checked where they are parsed.
     fn validate_fields(
         &self,
         path: &str,
@@ -140,7 +157,7 @@ impl Section {
         errors: &mut Vec<section::ConfigError>,
     ) {
         validate_interval(path, self.interval, errors);
-        let mode = settings.endpoint_mode();
+        let mode = self.endpoint_mode();
         let probes = matches!(mode, EndpointsMode::Lease | EndpointsMode::MasterCount);
         if self.enabled && probes && self.advertise_address(settings).is_none() {
             errors.push(section::ConfigError::new(
@@ -259,6 +276,45 @@ impl Section {
     }
 }
 
+/// `--endpoint-reconciler-type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndpointsMode {
+    /// Membership from per-instance Leases.
+    Lease,
+    /// Addresses from configuration: IPs and DNS names, re-resolved every interval.
+    Static,
+    /// Upstream's deprecated `master-count`: every instance adds itself and trims to the count.
+    MasterCount,
+    /// Leave the endpoints alone.
+    None,
+}
+
+impl EndpointsMode {
+    /// The name `--endpoint-reconciler-type` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointsMode::Lease => "lease",
+            EndpointsMode::Static => "static",
+            EndpointsMode::MasterCount => "master-count",
+            EndpointsMode::None => "none",
+        }
+    }
+
+    /// Every mode, in the order `--help` lists them.
+    pub const ALL: [EndpointsMode; 4] = [
+        EndpointsMode::Lease,
+        EndpointsMode::Static,
+        EndpointsMode::MasterCount,
+        EndpointsMode::None,
+    ];
+
+    /// The mode `--endpoint-reconciler-type` names, if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|mode| mode.as_str() == name)
+    }
+}
+
 /// Bounds of the shutdown probing: it delays the stop by about the window, inside the runner's
 /// `shutdownTimeout` (default 30 s) and a pod's grace period (default 30 s).
 const MAX_SHUTDOWN_PROBES: u32 = 10;
@@ -290,7 +346,7 @@ impl LoopSection for Section {
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
         let settings = context.settings;
-        let mode = settings.endpoint_mode();
+        let mode = self.endpoint_mode();
         if mode == EndpointsMode::None {
             return Ok(Vec::new());
         }
@@ -376,12 +432,18 @@ mod tests {
 
     const PATH: &str = "loops.apiserverEndpoints";
 
-    /// `lease` mode with an advertised address.
+    /// An advertised address.
     fn settings() -> Settings {
         Settings {
             advertise_address: Some("192.0.2.1".parse().unwrap()),
-            endpoint_reconciler_type: Some(EndpointsMode::Lease),
             ..crate::section::test_settings()
+        }
+    }
+
+    fn mode(mode: EndpointsMode) -> Section {
+        Section {
+            mode: Some(mode),
+            ..Section::default()
         }
     }
 
@@ -394,7 +456,7 @@ mod tests {
     #[test]
     fn the_defaults_with_an_address_are_valid() {
         assert_eq!(
-            fields(&Section::default(), &settings()),
+            fields(&mode(EndpointsMode::Lease), &settings()),
             Vec::<String>::new()
         );
     }
@@ -403,7 +465,7 @@ mod tests {
     fn ttl_must_exceed_interval() {
         let section = Section {
             lease_ttl: Duration::from_secs(10),
-            ..Section::default()
+            ..mode(EndpointsMode::Lease)
         };
         assert_eq!(
             fields(&section, &settings()),
@@ -433,16 +495,12 @@ mod tests {
                 .to_string()
                 .contains("no scheme")
         );
-        let static_mode = Settings {
-            endpoint_reconciler_type: Some(EndpointsMode::Static),
-            ..settings()
-        };
         let section = Section {
             static_addresses: vec!["192.0.2.1".into(), "bad name".into()],
-            ..Section::default()
+            ..mode(EndpointsMode::Static)
         };
         assert_eq!(
-            fields(&section, &static_mode),
+            fields(&section, &settings()),
             ["loops.apiserverEndpoints.staticAddresses[1]"]
         );
         assert_eq!(
@@ -454,7 +512,7 @@ mod tests {
             ..section
         };
         assert_eq!(
-            fields(&empty, &static_mode),
+            fields(&empty, &settings()),
             ["loops.apiserverEndpoints.staticAddresses"]
         );
     }
@@ -462,14 +520,13 @@ mod tests {
     #[test]
     fn none_mode_needs_nothing() {
         let none = Settings {
-            endpoint_reconciler_type: Some(EndpointsMode::None),
             advertise_address: None,
             ..settings()
         };
         let section = Section {
             lease_ttl: Duration::from_secs(1),
             shutdown_probes: 0,
-            ..Section::default()
+            ..mode(EndpointsMode::None)
         };
         assert_eq!(fields(&section, &none), Vec::<String>::new());
     }
