@@ -787,19 +787,18 @@ pub async fn check_once(
         let name = reconciler.name();
         async move {
             let mut backoff = new_backoff(Duration::from_millis(100), Duration::from_secs(2));
+            let unapplied = UnappliedDrift::default();
             loop {
-                let result = check_pass(&*reconciler, &ctx, &metrics).await;
-                let retry = match &result {
-                    Ok(_) | Err(CheckFailure::Permanent(_)) => false,
-                    Err(CheckFailure::Transient(_)) => true,
-                };
+                let result = run_pass(&*reconciler, &ctx, &metrics, &unapplied).await;
+                // Waiting will not fix missing permissions, objects the loop cannot work with,
+                // or a panic.
+                let retry = matches!(&result, Err(PassError::Failed(err))
+                    if !matches!(err.category(), "invalid" | "forbidden"));
                 let delay = backoff.next().unwrap_or(Duration::from_secs(2));
                 if !retry || tokio::time::Instant::now() + delay >= deadline {
-                    return CheckResult {
-                        name,
-                        result: result.map_err(CheckFailure::into_error),
-                    };
+                    return CheckResult { name, result };
                 }
+                debug!("check pass failed; retrying");
                 tokio::time::sleep(delay).await;
             }
         }
@@ -809,50 +808,6 @@ pub async fn check_once(
     cancel.cancel();
     trigger_tasks.abort_all();
     results
-}
-
-enum CheckFailure {
-    Transient(PassError),
-    Permanent(PassError),
-}
-
-impl CheckFailure {
-    fn into_error(self) -> PassError {
-        match self {
-            CheckFailure::Transient(err) | CheckFailure::Permanent(err) => err,
-        }
-    }
-}
-
-async fn check_pass(
-    reconciler: &dyn Reconciler,
-    ctx: &PassContext,
-    metrics: &RunnerMetrics,
-) -> Result<PassReport, CheckFailure> {
-    let name = reconciler.name();
-    let (result, took) = invoke(reconciler, ctx).await;
-    match result {
-        Ok(Ok(report)) => {
-            metrics.pass(name, "success", took);
-            Ok(report)
-        }
-        // Waiting will not fix missing permissions or objects the loop cannot work with.
-        Ok(Err(err)) if matches!(err.category(), "invalid" | "forbidden") => {
-            metrics.pass(name, "failure", took);
-            Err(CheckFailure::Permanent(PassError::Failed(err)))
-        }
-        Ok(Err(err)) => {
-            metrics.pass(name, "failure", took);
-            debug!(error = %err, "check pass failed; retrying");
-            Err(CheckFailure::Transient(PassError::Failed(err)))
-        }
-        Err(panic) => {
-            metrics.pass(name, "panic", took);
-            Err(CheckFailure::Permanent(PassError::Panicked(panic_message(
-                &*panic,
-            ))))
-        }
-    }
 }
 
 #[cfg(test)]
