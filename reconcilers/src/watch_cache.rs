@@ -26,6 +26,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard};
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::ListParams;
 use kube::runtime::watcher;
 use kube::{Api, Resource};
@@ -687,7 +689,11 @@ impl<K: WholeObject> Whole<K> {
 /// An object decoded as a Go client decodes it: `null` anywhere in an object reads as the field
 /// left out (k8s-openapi refuses a `null` where it wants a value; Go's decoder takes the zero
 /// value), and a condition's `lastTransitionTime`, which k8s-openapi requires, as Go's zero time
-/// when it is left out. Unknown fields are ignored, as k8s-openapi does anyway.
+/// when it is left out. A Lease's `renewTime` or `acquireTime` that jiff cannot read reads as
+/// jiff's latest time: jiff ends at 9999-12-30T22:00:00Z, the API takes up to
+/// 9999-12-31T23:59:59Z, and one such Lease would otherwise fail every list of its namespace's
+/// Leases (the membership judges it a renewal in the future). Unknown fields are ignored, as
+/// k8s-openapi does anyway.
 #[derive(Clone, Debug)]
 pub struct Lenient<K>(pub K);
 
@@ -716,11 +722,17 @@ impl<K: Resource> Resource for Lenient<K> {
     }
 }
 
-impl<'de, K: DeserializeOwned> serde::Deserialize<'de> for Lenient<K> {
+impl<'de, K> serde::Deserialize<'de> for Lenient<K>
+where
+    K: Resource<DynamicType = ()> + DeserializeOwned,
+{
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         use serde::de::Error;
         let mut value = serde_json::Value::deserialize(deserializer)?;
         drop_nulls(&mut value);
+        if K::group(&()) == Lease::group(&()) && K::kind(&()) == Lease::kind(&()) {
+            clamp_lease_times(&mut value);
+        }
         serde_json::from_value(value)
             .map(Lenient)
             .map_err(D::Error::custom)
@@ -753,6 +765,23 @@ fn drop_nulls(value: &mut serde_json::Value) {
         }
         serde_json::Value::Array(items) => items.iter_mut().for_each(drop_nulls),
         _ => {}
+    }
+}
+
+/// Sets a Lease's `renewTime` and `acquireTime` that jiff cannot read to jiff's latest time.
+fn clamp_lease_times(lease: &mut serde_json::Value) {
+    let Some(spec) = lease.get_mut("spec").and_then(|spec| spec.as_object_mut()) else {
+        return;
+    };
+    for key in ["renewTime", "acquireTime"] {
+        let unreadable = spec
+            .get(key)
+            .and_then(|time| time.as_str())
+            .is_some_and(|text| text.parse::<Timestamp>().is_err());
+        if unreadable {
+            let latest = Timestamp::MAX.strftime("%Y-%m-%dT%H:%M:%S%.6fZ");
+            spec.insert(key.to_owned(), latest.to_string().into());
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Endpoints, ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
@@ -18,7 +19,7 @@ use kube::runtime::watcher;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use super::lease::{MEMBER_LABEL, MemberLease, lease_trigger};
+use super::lease::{MEMBER_LABEL, lease_trigger};
 use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
 use super::plan::{Finding, Memory, Plan, Snapshot, Sources, listed, plan};
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver};
@@ -69,7 +70,7 @@ pub struct ApiserverEndpointsLoop {
     /// The objects each pass reads, kept by the watches that are also this loop's triggers.
     endpoints: WatchCache<Lenient<Endpoints>>,
     slices: WatchCache<Lenient<EndpointSlice>>,
-    leases: WatchCache<Lenient<MemberLease>>,
+    leases: WatchCache<Lenient<Lease>>,
     /// The Service the endpoints serve: its IP family is theirs.
     service: WatchCache<Lenient<Service>>,
     /// Unusable membership Leases, logged once each while they stay.

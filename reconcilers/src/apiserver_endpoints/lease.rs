@@ -232,82 +232,12 @@ pub fn membership<'a>(
     out
 }
 
-/// A membership Lease as the cache receives it. k8s-openapi reads a Lease's times with jiff,
-/// whose latest time is 9999-12-30T22:00:00Z; a Lease "renewed" later than that (the API takes
-/// 9999-12-31T23:59:59Z) would fail every list of the namespace's Leases and freeze the
-/// membership. Such a time is read as jiff's latest, which [`membership`] reports as a renewal
-/// in the future.
-#[derive(Clone, Debug)]
-pub struct MemberLease(pub Lease);
-
-impl std::ops::Deref for MemberLease {
-    type Target = Lease;
-    fn deref(&self) -> &Lease {
-        &self.0
-    }
-}
-
-/// Serialized as the Lease it is (its cache weighs objects by their JSON size).
-impl serde::Serialize for MemberLease {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        self.0.serialize(serializer)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for MemberLease {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        use serde::de::Error;
-        let mut value = serde_json::Value::deserialize(deserializer)?;
-        if let Some(spec) = value.get_mut("spec").and_then(|spec| spec.as_object_mut()) {
-            for field in ["renewTime", "acquireTime"] {
-                let unreadable = spec
-                    .get(field)
-                    .and_then(|time| time.as_str())
-                    .is_some_and(|text| text.parse::<Timestamp>().is_err());
-                if unreadable {
-                    let latest = Timestamp::MAX
-                        .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
-                        .to_string();
-                    spec.insert(field.to_owned(), serde_json::Value::String(latest));
-                }
-            }
-        }
-        serde_json::from_value(value)
-            .map(MemberLease)
-            .map_err(D::Error::custom)
-    }
-}
-
-impl kube::Resource for MemberLease {
-    type DynamicType = ();
-    type Scope = kube::core::NamespaceResourceScope;
-
-    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
-        Lease::kind(dt)
-    }
-    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
-        Lease::group(dt)
-    }
-    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
-        Lease::version(dt)
-    }
-    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
-        Lease::plural(dt)
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.0.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.0.metadata
-    }
-}
-
 /// The Lease watch as a trigger, minus plain renewals: with N members a renewal arrives every
 /// interval/N, and each would cost the leader a pass that finds nothing. A Lease fires when it
 /// appears, goes, changes address, or is renewed after it had expired (a member coming back).
 pub fn lease_trigger<S>(stream: S, fallback_ttl: Duration) -> Trigger
 where
-    S: futures::Stream<Item = CacheEvent<Lenient<MemberLease>>> + Send + 'static,
+    S: futures::Stream<Item = CacheEvent<Lenient<Lease>>> + Send + 'static,
 {
     let mut seen: BTreeMap<String, (IpAddr, Timestamp)> = BTreeMap::new();
     stream
@@ -534,9 +464,10 @@ mod tests {
             serde_json::from_value::<Vec<Lease>>(list.clone()).is_err(),
             "k8s-openapi alone cannot read it"
         );
-        let leases: Vec<MemberLease> = serde_json::from_value(list).unwrap();
+        let leases: Vec<Lenient<Lease>> = serde_json::from_value(list).unwrap();
         assert_eq!(
             leases[0]
+                .0
                 .spec
                 .as_ref()
                 .unwrap()
@@ -650,7 +581,7 @@ mod tests {
 
     #[tokio::test]
     async fn lease_trigger_ignores_plain_renewals() {
-        let lease = |ip: &str, renewed| Lenient(MemberLease(own(ip).renewed(None, renewed)));
+        let lease = |ip: &str, renewed| Lenient(own(ip).renewed(None, renewed));
         let now = Timestamp::now();
         let long_ago = Timestamp::from_second(1_600_000_000).unwrap();
         let events = vec![

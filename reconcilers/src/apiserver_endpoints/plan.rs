@@ -18,11 +18,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Endpoints;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
-use super::lease::{MemberLease, Sightings, membership};
+use super::lease::{Sightings, membership};
 use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
 use super::objects::{
     EndpointsTarget, Op, Write, desired_endpoints, endpoints_drift, listed_members, other_writers,
@@ -54,7 +55,7 @@ pub struct Snapshot {
 
 /// Where the members come from, by `endpointReconcilerType`.
 pub enum Sources {
-    Leases(Vec<MemberLease>),
+    Leases(Vec<Lease>),
     /// Each `static` name's answer.
     Static(BTreeMap<String, Result<Vec<IpAddr>, String>>),
     /// Whether the local apiserver counts as ready (never while shutting down).
@@ -259,15 +260,10 @@ fn lease_members(
     memory: &mut Memory,
     section: &Section,
     target: &EndpointsTarget,
-    leases: &[MemberLease],
+    leases: &[Lease],
     now: Timestamp,
 ) -> MemberSet {
-    let judged = membership(
-        leases.iter().map(|lease| &lease.0),
-        now,
-        section.lease_ttl,
-        &mut memory.sightings,
-    );
+    let judged = membership(leases, now, section.lease_ttl, &mut memory.sightings);
     plan.lease_problems = judged.problems;
     // One port for all members (the Endpoints have one subset): a member whose sidecar says
     // otherwise is misconfigured, and clients would miss it.
