@@ -69,10 +69,7 @@ pub use section::{
 };
 pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate};
 
-use crate::contract::Reconciler;
-use crate::metrics::MetricRegistry;
 pub use crate::section::ConfigLoader;
-use crate::section::Settings;
 
 /// The endpoints loop's name: in logs, `/readyz`, metrics and events (the Lease loop's is
 /// [`lease_loop::NAME`]).
@@ -91,30 +88,4 @@ pub struct EndpointsDeps {
     /// The server the readiness probe asks, checked once to be this instance's own (`None`:
     /// not checked).
     pub probed: Option<ProbedServer>,
-}
-
-/// The loops for `endpointReconcilerType`: `lease` gives the per-instance lease loop and the
-/// leader-only endpoints loop; `static` and `master-count` give the endpoints loop; `none` gives
-/// nothing. `section` and `settings` must have passed validation.
-pub fn build_loops(
-    section: &Section,
-    settings: &Settings,
-    deps: EndpointsDeps,
-    registry: &mut dyn MetricRegistry,
-) -> Vec<Box<dyn Reconciler>> {
-    let mut loops: Vec<Box<dyn Reconciler>> = Vec::new();
-    let mode = section.endpoint_mode();
-    if mode == EndpointsMode::None {
-        return loops;
-    }
-    deps.shutdown.register(registry);
-    if mode == EndpointsMode::Lease
-        && let Some(lease_loop) = ApiserverLeaseLoop::new(section, settings, deps.clone(), registry)
-    {
-        loops.push(Box::new(lease_loop));
-    }
-    loops.push(Box::new(ApiserverEndpointsLoop::new(
-        section, settings, deps, registry,
-    )));
-    loops
 }

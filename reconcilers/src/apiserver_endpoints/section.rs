@@ -16,7 +16,7 @@ use super::probe::{
     default_route_address,
 };
 use super::shutdown::{OnShutdown, ShutdownGate};
-use super::{EndpointsDeps, build_loops};
+use super::{ApiserverEndpointsLoop, ApiserverLeaseLoop, EndpointsDeps};
 use crate::alloc::IpFamily;
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
@@ -123,9 +123,10 @@ impl Section {
     /// `advertiseAddress`, else the default-route address of the primary range's family (what
     /// kube-apiserver does when `--advertise-address` is unset).
     pub fn advertise_address(&self, settings: &Settings) -> Option<IpAddr> {
-        settings
-            .advertise_address
-            .or_else(|| default_route_address(primary_family(settings).unwrap_or(IpFamily::V4)))
+        settings.advertise_address.or_else(|| {
+            let primary = settings.service_ranges.first();
+            default_route_address(primary.map_or(IpFamily::V4, IpFamily::of_net))
+        })
     }
 
     /// The Service the endpoints serve, from `settings`: the `kubernetes` Service, `securePort`
@@ -136,7 +137,7 @@ impl Section {
             namespace: settings.kubernetes_service.namespace.clone(),
             service_name: settings.kubernetes_service.name.clone(),
             port: i32::from(settings.endpoints_port()),
-            primary_family: primary_family(settings),
+            primary_family: settings.service_ranges.first().map(IpFamily::of_net),
         }
     }
 
@@ -257,23 +258,6 @@ impl Section {
             ));
         }
     }
-
-    /// The local apiserver's readiness: `/readyz` (or the configured path) through the client,
-    /// or a full URL with the kubeconfig's CA and credentials.
-    fn readiness(&self, context: &BuildContext<'_>) -> Arc<dyn ReadinessProbe> {
-        let timeout = self.interval.min(Duration::from_secs(5));
-        let url = self.readyz_url.as_str();
-        if url.starts_with("http://") || url.starts_with("https://") {
-            Arc::new(LazyUrlReadyz::new(
-                url,
-                timeout,
-                context.load_kubeconfig.clone(),
-            ))
-        } else {
-            let path = if url.is_empty() { "/readyz" } else { url };
-            Arc::new(ApiserverReadyz::new(context.client.clone(), path, timeout))
-        }
-    }
 }
 
 /// `--endpoint-reconciler-type`.
@@ -323,13 +307,6 @@ const MAX_SHUTDOWN_PROBE_WINDOW: Duration = Duration::from_secs(10);
 /// re-probed within a second, plus the probe's own timeout of up to 5 s).
 const MAX_READINESS_FAILURE_THRESHOLD: u32 = 10;
 
-fn primary_family(settings: &Settings) -> Option<IpFamily> {
-    settings.service_ranges.first().map(|net| match net {
-        ipnet::IpNet::V4(_) => IpFamily::V4,
-        ipnet::IpNet::V6(_) => IpFamily::V6,
-    })
-}
-
 impl LoopSection for Section {
     fn enabled(&self) -> bool {
         self.enabled
@@ -339,8 +316,9 @@ impl LoopSection for Section {
         self.validate_fields(path, settings, errors);
     }
 
-    /// `apiserver-lease` on every replica and `apiserver-endpoints` on the leader (on every
-    /// replica in master-count mode, as upstream), as [`build_loops`] says.
+    /// The loops of the mode: `lease` gives `apiserver-lease`, on every replica, and
+    /// `apiserver-endpoints`, on the leader; `static` gives `apiserver-endpoints`, and
+    /// `master-count` gives it on every replica, as upstream; `none` gives nothing.
     fn build(
         &self,
         context: &mut BuildContext<'_>,
@@ -363,7 +341,21 @@ impl LoopSection for Section {
         if let Some(address) = address {
             tracing::info!(%address, mode = mode.as_str(), "apiserver endpoints: this instance's address");
         }
-        let readiness = self.readiness(context);
+        // The local apiserver's readiness: `/readyz` (or the configured path) through the
+        // client, or a full URL with the kubeconfig's CA and credentials.
+        let url = self.readyz_url.as_str();
+        let full_url = url.starts_with("http://") || url.starts_with("https://");
+        let timeout = self.interval.min(Duration::from_secs(5));
+        let readiness: Arc<dyn ReadinessProbe> = if full_url {
+            Arc::new(LazyUrlReadyz::new(
+                url,
+                timeout,
+                context.load_kubeconfig.clone(),
+            ))
+        } else {
+            let path = if url.is_empty() { "/readyz" } else { url };
+            Arc::new(ApiserverReadyz::new(context.client.clone(), path, timeout))
+        };
         let deps = EndpointsDeps {
             client: context.client.clone(),
             shutdown: Arc::new(ShutdownGate::new(self, readiness.clone())),
@@ -371,15 +363,25 @@ impl LoopSection for Section {
             resolver: Arc::new(SystemResolver),
             reporter: context.settings.reporter(),
             probed: Some(ProbedServer {
-                url: Some(self.readyz_url.clone())
-                    .filter(|url| url.starts_with("http://") || url.starts_with("https://")),
+                url: full_url.then(|| url.to_owned()),
                 load: context.load_kubeconfig.clone(),
             }),
         };
-        Ok(build_loops(self, settings, deps, context.registry)
-            .into_iter()
-            .map(Arc::from)
-            .collect())
+        deps.shutdown.register(context.registry);
+        let mut loops: Vec<Arc<dyn Reconciler>> = Vec::new();
+        if mode == EndpointsMode::Lease
+            && let Some(lease_loop) =
+                ApiserverLeaseLoop::new(self, settings, deps.clone(), context.registry)
+        {
+            loops.push(Arc::new(lease_loop));
+        }
+        loops.push(Arc::new(ApiserverEndpointsLoop::new(
+            self,
+            settings,
+            deps,
+            context.registry,
+        )));
+        Ok(loops)
     }
 }
 
