@@ -20,15 +20,15 @@
 //! its resourceVersion is gone (a `410 Gone` answer) lists again instead of retrying the same
 //! version, and an event line that does not decode is reported as [`ListWatchError::Undecodable`]
 //! (kube's client drops a truncated line silently and reports any other as an API error of code
-//! 0). Every error is followed by a pause before the next request, as kube-runtime's
-//! `DefaultBackoff` pauses (800 ms doubling to 30 s, jittered, from the start again after an
-//! event or two minutes without an error), and so is a watch that ended without sending a line
-//! (kube-runtime's watcher would watch again at once, however often the server does that). The initial list is always a paged LIST:
-//! kube-runtime's `StreamingList` strategy is not used by any cache.
+//! 0). Every error is followed by a pause before the next request, and so is a watch that ended
+//! without sending a line (kube-runtime's watcher would watch again at once, however often the
+//! server does that). The pauses are kube-runtime's `DefaultBackoff` (800 ms doubling to 30 s,
+//! jittered, from 800 ms again once two minutes have passed since the last pause), reset by every
+//! event as its `StreamBackoff` resets it. The initial list is always a paged LIST: kube-runtime's
+//! `StreamingList` strategy is not used by any cache.
 
 use std::time::Duration;
 
-use backon::BackoffBuilder;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -36,7 +36,8 @@ use http_body_util::BodyExt;
 use kube::api::{ListParams, VersionMatch, WatchEvent, WatchParams};
 use kube::client::Body;
 use kube::core::Status;
-use kube::runtime::watcher::{self, Event, ListSemantic};
+use kube::runtime::utils::Backoff as _;
+use kube::runtime::watcher::{self, DefaultBackoff, Event, ListSemantic};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
@@ -82,7 +83,7 @@ where
         api,
         config,
         phase: Phase::Empty,
-        backoff: Backoff::default(),
+        backoff: DefaultBackoff::default(),
         resume_at: None,
     };
     futures::stream::unfold(state, |mut state| async move {
@@ -97,7 +98,7 @@ struct ListWatch<K> {
     client: Client,
     config: watcher::Config,
     phase: Phase<K>,
-    backoff: Backoff,
+    backoff: DefaultBackoff,
     /// After an error, when the next request may be sent.
     resume_at: Option<tokio::time::Instant>,
 }
@@ -141,9 +142,10 @@ where
             match &item {
                 Ok(_) => self.backoff.reset(),
                 Err(err) => {
-                    let pause = self.backoff.next(tokio::time::Instant::now());
+                    // Never `None`: the backoff sets no limit on attempts.
+                    let pause = self.backoff.next();
                     tracing::debug!(error = %err, ?pause, "list+watch failed; backing off");
-                    self.resume_at = Some(tokio::time::Instant::now() + pause);
+                    self.resume_at = pause.map(|pause| tokio::time::Instant::now() + pause);
                 }
             }
             return item;
@@ -268,8 +270,10 @@ where
                 // A server that ends every watch at once, sending nothing, would
                 // otherwise be asked again and again without a pause.
                 if !*heard {
-                    let now = tokio::time::Instant::now();
-                    self.resume_at = Some(now + self.backoff.next(now));
+                    self.resume_at = self
+                        .backoff
+                        .next()
+                        .map(|pause| tokio::time::Instant::now() + pause);
                 }
                 self.phase = Phase::Listed {
                     resource_version: std::mem::take(resource_version),
@@ -571,47 +575,6 @@ impl LineSplitter {
     }
 }
 
-/// kube-runtime's `DefaultBackoff`: from 800 ms doubling to 30 s, jittered, from the start again
-/// after an event (`StreamBackoff` resets on every item that is not an error) or when two
-/// minutes have passed since the last pause (`ResetTimerBackoff`).
-struct Backoff {
-    inner: backon::ExponentialBackoff,
-    last: Option<tokio::time::Instant>,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(800);
-    const MOST: Duration = Duration::from_secs(30);
-    const RESET_AFTER: Duration = Duration::from_secs(120);
-
-    fn builder() -> backon::ExponentialBuilder {
-        crate::retry::backoff(Self::FIRST, Self::MOST)
-    }
-
-    /// The pause after an error at `now`.
-    fn next(&mut self, now: tokio::time::Instant) -> Duration {
-        if self.last.is_some_and(|last| now > last + Self::RESET_AFTER) {
-            self.reset();
-        }
-        self.last = Some(now);
-        // Never exhausted (no limit on attempts); the longest pause were it to be.
-        self.inner.next().unwrap_or(Self::MOST)
-    }
-
-    fn reset(&mut self) {
-        self.inner = Self::builder().build();
-    }
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff {
-            inner: Self::builder().build(),
-            last: None,
-        }
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -692,30 +655,5 @@ mod tests {
         assert_eq!(watch.field_selector.as_deref(), Some("metadata.name=a"));
         assert_eq!(idle_timeout(&config), Some(Duration::from_secs(295)));
         assert_eq!(idle_timeout(&config.clone().timeout(0)), None);
-    }
-
-    #[test]
-    fn the_backoff_doubles_to_its_most_and_starts_again_after_two_quiet_minutes() {
-        let now = tokio::time::Instant::now();
-        let mut backoff = Backoff::default();
-        let first = backoff.next(now);
-        assert!(
-            first >= Backoff::FIRST && first < 2 * Backoff::FIRST,
-            "{first:?}"
-        );
-        let mut last = first;
-        for _ in 0..10 {
-            last = backoff.next(now);
-        }
-        assert!(
-            last >= Backoff::MOST && last < 2 * Backoff::MOST,
-            "{last:?}"
-        );
-        let later = now + Backoff::RESET_AFTER + Duration::from_secs(1);
-        let again = backoff.next(later);
-        assert!(again < 2 * Backoff::FIRST, "{again:?}");
-        assert!(backoff.next(later) >= 2 * Backoff::FIRST);
-        backoff.reset();
-        assert!(backoff.next(later) < 2 * Backoff::FIRST);
     }
 }
