@@ -18,47 +18,59 @@ use futures::stream::BoxStream;
 /// fresh. The runner debounces the items.
 pub type Trigger = BoxStream<'static, ()>;
 
-/// A trigger that fires at an instant a pass chooses (a Lease's expiry, a re-probe): the pass
-/// sets the next instant, replacing the one before; `None` fires nothing.
+/// A trigger that fires at an instant a pass chooses (a Lease's expiry, a re-probe, a finding to
+/// look at again): once, and not again until a pass chooses another instant.
+#[derive(Default)]
 pub struct WakeAt {
     next: tokio::sync::watch::Sender<Option<tokio::time::Instant>>,
 }
 
-impl Default for WakeAt {
-    fn default() -> Self {
-        Self {
-            next: tokio::sync::watch::channel(None).0,
-        }
-    }
-}
-
 impl WakeAt {
+    /// Fires at `at` instead of the instant set before; `None` fires nothing.
     pub fn set(&self, at: Option<tokio::time::Instant>) {
         self.next.send_replace(at);
     }
 
-    /// The trigger: one item at each instant set (the pass it wakes sets the next one).
+    /// Fires at `at`, or at the instant set before if that is earlier: a pass that finds several
+    /// things to look at again is woken for the first of them.
+    pub fn schedule(&self, at: tokio::time::Instant) {
+        self.next.send_if_modified(|next| {
+            let earlier = next.is_none_or(|current| at < current);
+            if earlier {
+                *next = Some(at);
+            }
+            earlier
+        });
+    }
+
+    /// The trigger: one item at each instant set or scheduled.
     pub fn trigger(&self) -> Trigger {
         use futures::StreamExt;
-        let rx = self.next.subscribe();
-        futures::stream::unfold(rx, |mut rx| async move {
+        // The trigger clears the instant it fired at: left set, it would fire again at every
+        // poll until a pass replaced it, and would keep a later instant from being scheduled.
+        let next = self.next.clone();
+        let rx = next.subscribe();
+        futures::stream::unfold((next, rx), |(next, mut rx)| async move {
             loop {
                 let at = *rx.borrow_and_update();
-                match at {
-                    Some(at) => {
-                        tokio::select! {
-                            _ = tokio::time::sleep_until(at) => {
-                                rx.borrow_and_update();
-                                return Some(((), rx));
+                let due = async move {
+                    match at {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = due => {
+                        next.send_if_modified(|next| {
+                            let fired = *next == at;
+                            if fired {
+                                *next = None;
                             }
-                            changed = rx.changed() => if changed.is_err() { return None },
-                        }
+                            fired
+                        });
+                        return Some(((), (next, rx)));
                     }
-                    None => {
-                        if rx.changed().await.is_err() {
-                            return None;
-                        }
-                    }
+                    changed = rx.changed() => if changed.is_err() { return None },
                 }
             }
         })
@@ -327,6 +339,25 @@ pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(10);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_wake_fires_once_at_the_earliest_instant_scheduled() {
+        use futures::StreamExt;
+        let wake = WakeAt::default();
+        let mut trigger = wake.trigger();
+        let now = tokio::time::Instant::now();
+        wake.schedule(now + Duration::from_secs(600));
+        wake.schedule(now + Duration::from_millis(50));
+        wake.schedule(now + Duration::from_secs(300));
+        let fired = tokio::time::timeout(Duration::from_secs(60), trigger.next()).await;
+        assert_eq!(fired, Ok(Some(())));
+        let again = tokio::time::timeout(Duration::from_millis(300), trigger.next()).await;
+        assert!(again.is_err(), "a fired instant fires no more");
+        // The next instant chosen fires in its turn.
+        wake.schedule(tokio::time::Instant::now() + Duration::from_millis(50));
+        let fired = tokio::time::timeout(Duration::from_secs(60), trigger.next()).await;
+        assert_eq!(fired, Ok(Some(())));
+    }
 
     #[test]
     fn an_api_refusal_reads_as_one_line() {

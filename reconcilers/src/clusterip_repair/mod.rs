@@ -46,7 +46,9 @@ use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
-use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::contract::{
+    Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt,
+};
 use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
@@ -66,48 +68,6 @@ pub const NAME: &str = "clusterip-repair";
 
 /// When a delete is deferred, the loop looks again after this long.
 const DEFERRAL_RETRY: Duration = Duration::from_secs(10);
-
-/// Wakes the loop at a chosen time (orphans leaving their grace period, deferred deletes).
-#[derive(Debug, Default)]
-struct Wakeup {
-    at: Mutex<Option<tokio::time::Instant>>,
-    changed: Notify,
-}
-
-impl Wakeup {
-    fn schedule(&self, at: tokio::time::Instant) {
-        let mut slot = self.at.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none_or(|current| at < current) {
-            *slot = Some(at);
-            self.changed.notify_one();
-        }
-    }
-
-    fn stream(self: Arc<Self>) -> Trigger {
-        futures::stream::unfold(self, |wakeup| async move {
-            loop {
-                let at = *wakeup.at.lock().unwrap_or_else(|p| p.into_inner());
-                match at {
-                    Some(at) => {
-                        tokio::select! {
-                            () = tokio::time::sleep_until(at) => {
-                                let mut slot = wakeup.at.lock().unwrap_or_else(|p| p.into_inner());
-                                if *slot == Some(at) {
-                                    *slot = None;
-                                }
-                                drop(slot);
-                                return Some(((), wakeup));
-                            }
-                            () = wakeup.changed.notified() => {}
-                        }
-                    }
-                    None => wakeup.changed.notified().await,
-                }
-            }
-        })
-        .boxed()
-    }
-}
 
 /// etcd mode's bitmaps: built at the first pass that finds the cluster allocating with them,
 /// from the configured range or the one read from the cluster. Their etcd watches wake the loop
@@ -196,7 +156,9 @@ pub struct ClusterIpRepairLoop {
     /// Kept for the loop's life, so a finding that clears and comes back is counted into its
     /// first event's series ([`crate::events::emit_in`]).
     recorder: SeriesRecorder,
-    wakeup: Arc<Wakeup>,
+    /// Wakes the loop when orphans leave their grace period and when deferred findings are
+    /// looked at again.
+    wakeup: WakeAt,
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
     legacy: Option<LegacySlot>,
     /// The ranges audit mode and the bitmaps work with: configured, or read from the cluster.
@@ -278,7 +240,7 @@ impl ClusterIpRepairLoop {
             services,
             discovered: Mutex::new(None),
             legacy_skip_logged: std::sync::atomic::AtomicBool::new(false),
-            wakeup: Arc::default(),
+            wakeup: WakeAt::default(),
         }
     }
 
@@ -741,7 +703,7 @@ impl Reconciler for ClusterIpRepairLoop {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        let mut triggers = vec![self.services.subscribe(), self.wakeup.clone().stream()];
+        let mut triggers = vec![self.services.subscribe(), self.wakeup.trigger()];
         if let Some(legacy) = &self.legacy {
             triggers.push(legacy.triggers());
         }
