@@ -8,9 +8,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::config::TenantBase;
 use crate::config::{
-    Config, ConfigArgs, ConfigError, ConfigErrors, LogFormat, format_duration, parse_duration,
+    Config, ConfigArgs, ConfigError, ConfigErrors, LogFormat, TenantBase, Tenants, format_duration,
+    parse_duration,
 };
 use crate::kubeconfig;
 use crate::loops::build_loops;
@@ -200,8 +200,8 @@ async fn run_command(args: &ConfigArgs) -> ExitCode {
         Ok(config) => config,
         Err(errors) => return config_error(&errors),
     };
-    if config.tenants.is_some() {
-        return run_management(args, config).await;
+    if let Some(tenants) = config.tenants.clone() {
+        return run_management(args, config, tenants).await;
     }
     let Some((kube_config, client)) = connect(&config).await else {
         return ExitCode::from(EXIT_CONFIG);
@@ -211,14 +211,8 @@ async fn run_command(args: &ConfigArgs) -> ExitCode {
 
 /// Management mode: every tenant's configuration starts from the file, so one the tenants cannot
 /// use is refused now, not once per tenant.
-async fn run_management(args: &ConfigArgs, config: Config) -> ExitCode {
-    let allowed = config
-        .tenants
-        .as_ref()
-        .map(|tenants| tenants.etcd_allowed_cidrs.clone())
-        .unwrap_or_default();
-    let base = TenantBase::load(args).and_then(|base| {
-        let base = base.allowing_etcd_in(allowed);
+async fn run_management(args: &ConfigArgs, config: Config, tenants: Tenants) -> ExitCode {
+    let base = TenantBase::load(args, tenants).and_then(|base| {
         base.tenant(None)?;
         Ok(base)
     });

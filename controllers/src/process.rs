@@ -10,13 +10,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::admin::{self, AdminState};
-use crate::config::{Config, LeaderElection, TenantBase};
+use crate::config::{Config, TenantBase};
 use crate::health::Health;
 use crate::leader::{self, LeaderMetrics};
 use crate::loops::{build_runner, kubeconfig_loader};
 use crate::metrics::new_registry;
 use crate::runner::Runner;
-use crate::shards::{ShardSettings, Shards};
+use crate::shards::Shards;
 use crate::tenant_kubeconfig::CredentialPolicy;
 use crate::tenants::{self, Directory, Ownership, TenantMetrics, TenantSettings};
 use reconcilers::budget::{BudgetLimits, CacheBudget};
@@ -105,17 +105,15 @@ impl Controller {
     }
 
     /// Management mode: one runtime per tenant Secret, shared between replicas (see
-    /// [`crate::tenants`]); `base` is what every tenant's configuration is made from. Without
-    /// `config.tenants` there is no tenant to keep, and the process keeps its own cluster.
+    /// [`crate::tenants`]); `base` says where the tenants are and what every tenant's
+    /// configuration is made from.
     pub async fn start_management(
         config: &Config,
         kube_config: &kube::Config,
         client: kube::Client,
         base: TenantBase,
     ) -> Result<Controller, StartError> {
-        let Some(tenants) = config.tenants.clone() else {
-            return Controller::start(config, kube_config, client).await;
-        };
+        let tenants = &base.tenants;
         info!(
             selector = %tenants.secret_selector,
             namespace = tenants.namespace.as_deref().unwrap_or("(all)"),
@@ -131,7 +129,6 @@ impl Controller {
         let (work, directory) = Controller::spawn_management(
             config,
             &client,
-            tenants,
             base,
             &mut registry,
             health.clone(),
@@ -192,7 +189,6 @@ impl Controller {
     fn spawn_management(
         config: &Config,
         client: &kube::Client,
-        tenants: crate::config::Tenants,
         base: TenantBase,
         registry: &mut prometheus_client::registry::Registry,
         health: Health,
@@ -202,7 +198,7 @@ impl Controller {
         let metrics = TenantMetrics::register(registry);
         let pools = tenants::Pools {
             caches: reconcilers::budget::CachePool::new(
-                tenants.cache_total_bytes(),
+                base.tenants.cache_total_bytes(),
                 crate::config::TENANT_CACHE_FLOOR_BYTES,
                 "--tenants-cache-total-mib (tenants.cacheTotalMiB in the configuration \
                  file)",
@@ -214,22 +210,12 @@ impl Controller {
                 registry,
             ),
         };
-        let identity = config.settings.identity.clone();
+        let election = config.election();
         let shards_cancel = CancellationToken::new();
         // A dry run holds no replica Lease: it would count as a replica the real ones
         // hand tenants to, which it would then only observe.
         let (ownership, shards) = if config.leader_election.enabled && !config.dry_run {
-            let shards = Shards::spawn(
-                client.clone(),
-                ShardSettings {
-                    namespace: config.leader_election.lease_namespace.clone(),
-                    group: config.leader_election.lease_name.clone(),
-                    identity: identity.clone(),
-                    lease_duration: config.leader_election.lease_duration,
-                    renew_grace: config.leader_election.renew_grace,
-                },
-                shards_cancel.clone(),
-            );
+            let shards = Shards::spawn(client.clone(), election.clone(), shards_cancel.clone());
             let views = shards.views.clone();
             let leadership = shards.leadership();
             let shards = Arc::new(shards);
@@ -243,26 +229,22 @@ impl Controller {
                 Some(shards),
             )
         } else {
-            (Ownership::single(&identity), None)
+            (Ownership::single(&election.identity), None)
+        };
+        let plugins = &base.tenants.credential_plugins;
+        let credentials = CredentialPolicy {
+            plugins: plugins.clone(),
+            // Allowed plugins run under this program's credential-plugin subcommand; without
+            // its path none can run.
+            runner: (!plugins.is_empty())
+                .then(|| std::env::current_exe().ok())
+                .flatten(),
         };
         let settings = TenantSettings {
-            selector: tenants.secret_selector.clone(),
-            namespace: tenants.namespace.clone(),
-            kubeconfig_key: tenants.kubeconfig_key.clone(),
             base,
-            identity,
-            credentials: CredentialPolicy {
-                plugins: tenants.credential_plugins.clone(),
-                // Allowed plugins run under this program's credential-plugin
-                // subcommand; without its path none can run.
-                runner: (!tenants.credential_plugins.is_empty())
-                    .then(|| std::env::current_exe().ok())
-                    .flatten(),
-            },
-            cache_budgets: tenants.clone(),
+            election,
+            credentials,
             pools,
-            claims_namespace: config.leader_election.lease_namespace.clone(),
-            claims_group: config.leader_election.lease_name.clone(),
             dry_run: config.dry_run,
         };
         let manager = tenants::spawn(
@@ -316,18 +298,13 @@ impl Controller {
                 config.leader_election.renew_grace,
             )
             .map_err(StartError::ElectionClient)?;
-            // The election's holder is the identity every loop reports, derived when not set.
-            let settings = LeaderElection {
-                identity: config.settings.identity.clone(),
-                ..config.leader_election.clone()
-            };
             let clients = leader::ElectionClients {
                 watch: client.clone(),
                 write: election_client,
             };
             let (receiver, task) = leader::spawn(
                 clients,
-                settings,
+                config.election(),
                 leader_metrics,
                 health,
                 leader_cancel.clone(),

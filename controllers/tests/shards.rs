@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Trigger, Verb};
-use bootstrap_controller::shards::{self, ShardSettings, Shards, View};
+use bootstrap_controller::config::LeaderElection;
+use bootstrap_controller::shards::{self, Shards, View};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use kube::api::DeleteParams;
@@ -21,24 +22,25 @@ const NAMESPACE: &str = "kube-system";
 const GROUP: &str = "bootstrap-controller";
 const AGENT: &str = "shards-test/";
 
-fn settings(identity: &str, lease_duration: Duration, renew_grace: Duration) -> ShardSettings {
-    ShardSettings {
-        namespace: NAMESPACE.to_owned(),
-        group: GROUP.to_owned(),
+fn settings(identity: &str, lease_duration: Duration, renew_grace: Duration) -> LeaderElection {
+    LeaderElection {
+        enabled: true,
+        lease_name: GROUP.to_owned(),
+        lease_namespace: NAMESPACE.to_owned(),
         identity: identity.to_owned(),
         lease_duration,
         renew_grace,
     }
 }
 
-fn short(identity: &str) -> ShardSettings {
+fn short(identity: &str) -> LeaderElection {
     // Fenced 1 s after the last renewal, judged dead 3 s after it was seen: a 2 s margin for a
     // loaded test machine to let each replica's runtimes stop in time. The manager has 3 s to
     // acknowledge a view.
     settings(identity, Duration::from_secs(3), Duration::from_secs(2))
 }
 
-fn long(identity: &str) -> ShardSettings {
+fn long(identity: &str) -> LeaderElection {
     settings(identity, Duration::from_secs(300), Duration::from_secs(10))
 }
 
@@ -140,7 +142,7 @@ impl Group {
         })
     }
 
-    async fn replica(&self, settings: ShardSettings) -> anyhow::Result<Replica> {
+    async fn replica(&self, settings: LeaderElection) -> anyhow::Result<Replica> {
         let client = kube::Client::try_from(kube_config(&self.sim, &settings.identity).await?)?;
         Ok(Replica::start(
             client,
@@ -154,7 +156,7 @@ impl Group {
     async fn settled<const N: usize>(
         &self,
         identities: [&str; N],
-        settings: fn(&str) -> ShardSettings,
+        settings: fn(&str) -> LeaderElection,
     ) -> anyhow::Result<[Replica; N]> {
         let mut replicas = Vec::with_capacity(N);
         for identity in identities {
@@ -288,7 +290,7 @@ struct Replica {
 impl Replica {
     fn start(
         client: kube::Client,
-        settings: ShardSettings,
+        settings: LeaderElection,
         claims: &Claims,
         tenants: &Arc<[String]>,
     ) -> Replica {

@@ -289,6 +289,16 @@ impl Config {
         serde_saphyr::to_string(self)
     }
 
+    /// The leader election as this replica joins it (the single cluster's election, or the
+    /// replica group of management mode): its identity is the effective one, never the empty
+    /// "derive one" the configuration may hold.
+    pub fn election(&self) -> LeaderElection {
+        LeaderElection {
+            identity: self.settings.identity.clone(),
+            ..self.leader_election.clone()
+        }
+    }
+
     /// This instance's identity (leader-election holder, membership Lease holder, event
     /// reporter): the configured one, else one derived from the host name, the advertise address
     /// and the admin address (see [`derived_identity`]).

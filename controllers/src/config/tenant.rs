@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ipnet::IpNet;
 use reconcilers::apiserver_endpoints::EndpointsMode;
 use reconcilers::legacy_alloc::etcd::DEFAULT_PREFIX;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
@@ -196,19 +195,20 @@ const RESOURCE_KEYS: [&str; 38] = [
     "statefulsets",
 ];
 
-/// What every tenant's configuration is made from: the flags and the file as it was read at
-/// start. A tenant's fragment is merged over the file (flags still win, as over the file).
+/// What every tenant is made from: the flags and the file as it was read at start, which a
+/// tenant's fragment is merged over (flags still win, as over the file), and management mode's
+/// settings, which say where the tenants are and what they may use.
 #[derive(Debug, Clone)]
 pub struct TenantBase {
     args: ConfigArgs,
     file: serde_json::Value,
-    /// `--tenants-etcd-allowed-cidrs`: where a tenant's etcd may be; none, no tenant etcd.
-    etcd_allowed: Vec<IpNet>,
+    /// The process's own, never a tenant's: a fragment may not set `tenants`.
+    pub tenants: Tenants,
 }
 
 impl TenantBase {
     /// Reads `--config` again, as a tree the fragments merge into.
-    pub fn load(args: &ConfigArgs) -> Result<TenantBase, ConfigErrors> {
+    pub fn load(args: &ConfigArgs, tenants: Tenants) -> Result<TenantBase, ConfigErrors> {
         let file = match &args.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|err| {
@@ -234,18 +234,8 @@ impl TenantBase {
         Ok(TenantBase {
             args,
             file,
-            etcd_allowed: Vec::new(),
+            tenants,
         })
-    }
-
-    /// The networks a tenant's etcd may be in (`--tenants-etcd-allowed-cidrs`).
-    pub fn allowing_etcd_in(mut self, networks: Vec<IpNet>) -> TenantBase {
-        self.etcd_allowed = networks;
-        self
-    }
-
-    pub fn etcd_allowed(&self) -> &[IpNet] {
-        &self.etcd_allowed
     }
 
     /// One tenant's configuration: `fragment` (the Secret's annotation, if any) over the file,
@@ -309,7 +299,7 @@ impl TenantBase {
     /// A tenant's etcd: only where the operator allows one, at a URL of the plain form, under a
     /// prefix of its own.
     fn check_tenant_etcd(&self, config: &Config) -> Result<(), ConfigErrors> {
-        if !config.settings.etcd.servers.is_empty() && self.etcd_allowed.is_empty() {
+        if !config.settings.etcd.servers.is_empty() && self.tenants.etcd_allowed_cidrs.is_empty() {
             return Err(ConfigErrors(vec![ConfigError::new(
                 tenant_field("etcdServers"),
                 "is not allowed: the operator has not set --tenants-etcd-allowed-cidrs \

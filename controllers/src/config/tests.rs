@@ -583,6 +583,8 @@ fn tenants_settings_from_flags_and_file_are_validated() {
     );
 }
 
+/// The base of the tenants of a process started with `file` and a selector flag, as `run`
+/// builds it: from the process's own management mode.
 fn tenant_base(file: &str) -> TenantBase {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("config.yaml");
@@ -592,7 +594,8 @@ fn tenant_base(file: &str) -> TenantBase {
         tenants_secret_selector: Some("a=b".to_owned()),
         ..ConfigArgs::default()
     };
-    TenantBase::load(&args).unwrap()
+    let tenants = Config::load(&args).unwrap().tenants.unwrap();
+    TenantBase::load(&args, tenants).unwrap()
 }
 
 #[test]
@@ -604,16 +607,23 @@ fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
         tenants_cache_total_mib: Some("40".to_owned()),
         ..ConfigArgs::default()
     };
-    let process = Config::merge(&args, FileConfig::default()).unwrap();
+    let tenants = Config::merge(&args, FileConfig::default())
+        .unwrap()
+        .tenants
+        .unwrap();
     assert_eq!(
-        process
-            .tenants
-            .map(|t| (t.cache_max_objects, t.cache_max_mib, t.cache_total_mib)),
-        Some((2000, 8, 40))
+        (
+            tenants.cache_max_objects,
+            tenants.cache_max_mib,
+            tenants.cache_total_mib
+        ),
+        (2000, 8, 40)
     );
     // A tenant is one cluster: the flags would otherwise refuse every tenant as if they were
     // given without a selector.
-    let tenant = TenantBase::load(&args).unwrap().tenant(None).unwrap();
+    let base = TenantBase::load(&args, tenants.clone()).unwrap();
+    assert_eq!(base.tenants, tenants);
+    let tenant = base.tenant(None).unwrap();
     assert_eq!(tenant.tenants, None);
 }
 
@@ -779,8 +789,7 @@ fn a_fragment_names_no_file_and_stays_above_the_floors() {
 
 #[test]
 fn a_tenant_etcd_prefix_is_a_plain_key_path() {
-    let base = tenant_base("tenants:\n  secretSelector: a=b\n")
-        .allowing_etcd_in(vec!["192.0.2.0/24".parse().unwrap()]);
+    let base = tenant_base("tenants:\n  secretSelector: a=b\n  etcdAllowedCIDRs: [192.0.2.0/24]\n");
     let tenant = base
         .tenant(Some(
             "etcdServers: https://192.0.2.1:2379\netcdPrefix: /tenants/a\n",
@@ -1009,7 +1018,7 @@ fn tenant_etcd_servers_need_the_operators_networks_and_plain_urls() {
         error.message.contains("--tenants-etcd-allowed-cidrs"),
         "{error}"
     );
-    let base = base.allowing_etcd_in(vec!["192.0.2.0/24".parse().unwrap()]);
+    let base = tenant_base("tenants:\n  secretSelector: a=b\n  etcdAllowedCIDRs: [192.0.2.0/24]\n");
     assert!(base.tenant(Some(fragment)).is_ok());
     for (server, named) in [
         ("https://user:pw@192.0.2.1:2379", "userinfo"),

@@ -62,6 +62,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::config::LeaderElection;
 use state::State;
 pub(crate) use view::hash_suffix;
 pub use view::{Leadership, View, group_label, lease_name};
@@ -74,22 +75,6 @@ pub const VIEW_ANNOTATION: &str = "bootstrap-controller.io/view";
 /// Annotation on the Lease of a fenced replica, which owns nothing: its tenants have stopped
 /// within this many milliseconds of the annotation being seen (0: they have stopped already).
 pub const FENCED_ANNOTATION: &str = "bootstrap-controller.io/fenced";
-
-/// Where the replica Leases live and how this replica keeps its own.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShardSettings {
-    /// Namespace of the replica Leases.
-    pub namespace: String,
-    /// Leases are named `<group>-<identity>` and labelled `REPLICA_LABEL=<group>`.
-    pub group: String,
-    /// This replica.
-    pub identity: String,
-    /// Also the deadline for the manager to acknowledge a view, and for the watch to deliver
-    /// this replica's own write back.
-    pub lease_duration: Duration,
-    /// How long before the others could judge this replica dead it stops owning anything.
-    pub renew_grace: Duration,
-}
 
 /// What a stop leaves to do with this replica's Lease.
 #[derive(Debug)]
@@ -127,13 +112,19 @@ pub struct Shards {
 impl Shards {
     /// Starts announcing this replica and following the others. Never exits on API errors: it
     /// retries with backoff (and is fenced while its own Lease cannot be renewed).
+    ///
+    /// The replica Leases live in the election's namespace, named `<group>-<identity>` and
+    /// labelled `REPLICA_LABEL=<group>`, the group being the election's Lease name. The Lease
+    /// duration is also the deadline for the manager to acknowledge a view, and for the watch to
+    /// deliver this replica's own write back; the renew grace is how long before the others
+    /// could judge this replica dead it stops owning anything.
     pub fn spawn(
         client: kube::Client,
-        settings: ShardSettings,
+        election: LeaderElection,
         cancel: CancellationToken,
     ) -> Shards {
-        let name = lease_name(&settings.group, &settings.identity);
-        let mut state = State::new(&settings, name.clone());
+        let name = lease_name(&election.lease_name, &election.identity);
+        let mut state = State::new(&election, name.clone());
         let view = state.current(Instant::now(), None);
         let leadership = Leadership::default();
         if view.fenced {
@@ -141,20 +132,20 @@ impl Shards {
         }
         let (views, receiver) = watch::channel(view);
         let (acks, ack_receiver) = watch::channel(None);
-        let leases: Api<Lease> = Api::namespaced(client.clone(), &settings.namespace);
+        let leases: Api<Lease> = Api::namespaced(client.clone(), &election.lease_namespace);
         let span = info_span!(
             "shards",
-            group = %settings.group,
-            identity = %settings.identity
+            group = %election.lease_name,
+            identity = %election.identity
         );
-        let release_timeout = settings.renew_grace.max(Duration::from_secs(1));
+        let release_timeout = election.renew_grace.max(Duration::from_secs(1));
         let following = Following {
             views,
             acks: ack_receiver,
             leadership: leadership.clone(),
         };
         let task =
-            tokio::spawn(follow(client, settings, state, following, cancel).instrument(span));
+            tokio::spawn(follow(client, election, state, following, cancel).instrument(span));
         Shards {
             views: receiver,
             acks,
@@ -267,7 +258,7 @@ struct Following {
 
 async fn follow(
     client: kube::Client,
-    settings: ShardSettings,
+    election: LeaderElection,
     mut state: State,
     following: Following,
     cancel: CancellationToken,
@@ -277,10 +268,10 @@ async fn follow(
         mut acks,
         leadership,
     } = following;
-    let leases: Api<Lease> = Api::namespaced(client.clone(), &settings.namespace);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &election.lease_namespace);
     let namespaces = reconcilers::lease::LeaseNamespaces::new(
         client.clone(),
-        reconcilers::events::reporter(&settings.identity),
+        reconcilers::events::reporter(&election.identity),
         "replica-group",
     );
     let mut watch = watcher(
@@ -297,7 +288,7 @@ async fn follow(
     let mut write_failure = reconcilers::findings::RepeatedFailure::default();
     let mut watch_failure = reconcilers::findings::RepeatedFailure::default();
     let mut acks_open = true;
-    info!(lease = %state.name, namespace = %settings.namespace, "joining the replica group");
+    info!(lease = %state.name, namespace = %election.lease_namespace, "joining the replica group");
     loop {
         let now = Instant::now();
         let ack = *acks.borrow();

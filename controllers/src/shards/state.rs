@@ -14,7 +14,8 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::view::{View, fenced_view_id, group_label, view_id};
-use super::{FENCED_ANNOTATION, Left, REPLICA_LABEL, ShardSettings, VIEW_ANNOTATION};
+use super::{FENCED_ANNOTATION, Left, REPLICA_LABEL, VIEW_ANNOTATION};
+use crate::config::LeaderElection;
 
 /// Another replica's Lease, as last seen.
 #[derive(Debug)]
@@ -126,17 +127,17 @@ pub(super) struct Content {
 }
 
 impl State {
-    pub(super) fn new(settings: &ShardSettings, name: String) -> Self {
-        let duration = settings.lease_duration;
-        let mut fence_span = duration.saturating_sub(settings.renew_grace);
+    pub(super) fn new(election: &LeaderElection, name: String) -> Self {
+        let duration = election.lease_duration;
+        let mut fence_span = duration.saturating_sub(election.renew_grace);
         if fence_span.is_zero() {
-            warn!(lease_duration = ?duration, renew_grace = ?settings.renew_grace, "the renew grace is not shorter than the Lease; fencing at half the Lease");
+            warn!(lease_duration = ?duration, renew_grace = ?election.renew_grace, "the renew grace is not shorter than the Lease; fencing at half the Lease");
             fence_span = duration / 2;
         }
         Self {
-            identity: settings.identity.clone(),
+            identity: election.identity.clone(),
             name,
-            group_label: group_label(&settings.group),
+            group_label: group_label(&election.lease_name),
             duration,
             renew_every: (duration / 3)
                 .min(fence_span / 2)

@@ -66,10 +66,11 @@ fn removing_a_member_moves_only_its_tenants() {
     assert!(!fenced.owns("x") && View::single("a").owns("x"));
 }
 
-fn settings() -> ShardSettings {
-    ShardSettings {
-        namespace: "kube-system".into(),
-        group: "g".into(),
+fn settings() -> LeaderElection {
+    LeaderElection {
+        enabled: true,
+        lease_name: "g".into(),
+        lease_namespace: "kube-system".into(),
         identity: "me".into(),
         lease_duration: Duration::from_secs(15),
         renew_grace: Duration::from_secs(5),

@@ -197,8 +197,11 @@ async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked,
         .tenant(spec.fragment.as_deref())
         .map_err(|errors| format!("configuration: {errors}"))?;
     config.settings.etcd.inline_tls = etcd_tls(key, spec, &config)?;
-    let addresses =
-        checked_addresses(&config.settings.etcd.servers, settings.base.etcd_allowed()).await?;
+    let addresses = checked_addresses(
+        &config.settings.etcd.servers,
+        &settings.base.tenants.etcd_allowed_cidrs,
+    )
+    .await?;
     let pin = EtcdPin {
         addresses,
         cluster_id: None,

@@ -29,7 +29,10 @@ pub(super) async fn load(
         .base
         .tenant(spec.fragment.as_deref())
         .map_err(|errors| format!("configuration: {errors}"))?;
-    let source = format!("Secret {key} key {:?}", settings.kubeconfig_key);
+    let source = format!(
+        "Secret {key} key {:?}",
+        settings.base.tenants.kubeconfig_key
+    );
     let bytes = spec.kubeconfig.as_ref().ok_or_else(|| {
         format!(
             "{source} is missing (the kubeconfig must be under that data key; set \

@@ -43,7 +43,7 @@ use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::config::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
+use crate::config::{LeaderElection, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
 use crate::etcd_claims::{self, RECORD_LABEL, Record};
 use crate::health::{CheckState, Health};
 use crate::metrics::tenant_registry;
@@ -92,22 +92,16 @@ pub const BUDGET_CHECK: &str = "cache-budget";
 /// Where the tenants are and how each is configured.
 #[derive(Clone, Debug)]
 pub struct TenantSettings {
-    pub selector: String,
-    pub namespace: Option<String>,
-    pub kubeconfig_key: String,
+    /// Which Secrets are tenants, and what each tenant's configuration is made from.
     pub base: TenantBase,
-    /// This replica: the events' `reportingInstance`.
-    pub identity: String,
+    /// The replica group as this replica joins it: its identity is the events'
+    /// `reportingInstance`, and the etcd-claim records ([`crate::etcd_claims`]) are kept in its
+    /// namespace, their names starting with its Lease name.
+    pub election: LeaderElection,
     /// What a tenant kubeconfig may use beyond inline material.
     pub credentials: CredentialPolicy,
-    /// The tenants' cache budgets: the process's, and the operator's for single tenants.
-    pub cache_budgets: crate::config::Tenants,
     /// What all tenants share.
     pub pools: Pools,
-    /// Where the etcd-claim records are kept ([`crate::etcd_claims`]): the controller's own
-    /// namespace, and the replicas' group (the Lease name) their names start with.
-    pub claims_namespace: String,
-    pub claims_group: String,
     /// A dry run writes no etcd-claim record: it holds no Lease of any kind.
     pub dry_run: bool,
 }
@@ -231,7 +225,7 @@ pub fn spawn(
     );
     let reporter = Reporter {
         controller: "bootstrap-controller".to_owned(),
-        instance: Some(settings.identity.clone()),
+        instance: Some(settings.election.identity.clone()),
     };
     let manager = Manager {
         reporter,
@@ -312,14 +306,15 @@ struct Manager {
 impl Manager {
     async fn run(mut self, ownership: Ownership, cancel: CancellationToken) {
         let Ownership { mut views, ack, .. } = ownership;
-        let api: Api<Secret> = match &self.settings.namespace {
+        let tenants = &self.settings.base.tenants;
+        let api: Api<Secret> = match &tenants.namespace {
             Some(namespace) => Api::namespaced(self.client.clone(), namespace),
             None => Api::all(self.client.clone()),
         };
-        let config = watcher::Config::default().labels(&self.settings.selector);
+        let config = watcher::Config::default().labels(&tenants.secret_selector);
         let mut events = watcher(api, config).default_backoff().boxed();
         let records_api: Api<Lease> =
-            Api::namespaced(self.client.clone(), &self.settings.claims_namespace);
+            Api::namespaced(self.client.clone(), &self.settings.election.lease_namespace);
         let records_config = watcher::Config::default().labels(&format!("{RECORD_LABEL}=true"));
         let mut record_events = watcher(records_api, records_config)
             .default_backoff()
@@ -384,7 +379,7 @@ impl Manager {
         secrets: &mut Listed<Spec>,
         event: Result<watcher::Event<Secret>, watcher::Error>,
     ) {
-        let key = self.settings.kubeconfig_key.clone();
+        let key = self.settings.base.tenants.kubeconfig_key.clone();
         let seen = secrets.apply(
             event,
             |secret| Spec::of(secret, &key),
@@ -411,7 +406,7 @@ impl Manager {
 
     /// An etcd-claim record watched.
     fn record_seen(&mut self, event: Result<watcher::Event<Lease>, watcher::Error>) {
-        let group = self.settings.claims_group.clone();
+        let group = self.settings.election.lease_name.clone();
         let seen = self.records.apply(
             event,
             |lease| etcd_claims::parse(&group, lease).map(|record| (record.name.clone(), record)),
@@ -421,7 +416,7 @@ impl Manager {
             Seen::Listed(records) => debug!(records, "etcd-claim records listed"),
             Seen::Failed { message, new: true } => warn!(
                 error = %message,
-                namespace = %self.settings.claims_namespace,
+                namespace = %self.settings.election.lease_namespace,
                 "cannot watch the etcd-claim records (Leases labelled {RECORD_LABEL}); tenants whose etcd keys overlap wait for them"
             ),
             Seen::Failed { .. } | Seen::Changed => {}
@@ -766,7 +761,7 @@ impl Manager {
             })
         };
         let budget = CacheBudget::new(
-            self.settings.cache_budgets.cache_limits(key),
+            self.settings.base.tenants.cache_limits(key),
             format!(
                 "--tenants-cache-max-objects / --tenants-cache-max-mib, or for this tenant \
                  tenants.cacheBudgets.{key:?} in the configuration file"

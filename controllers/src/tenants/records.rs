@@ -66,8 +66,9 @@ impl Manager {
         let now = Instant::now();
         self.recording
             .retain(|_, at| now.duration_since(*at) < RECORD_RETRY);
-        let group = &self.settings.claims_group;
-        let api: Api<Lease> = Api::namespaced(self.client.clone(), &self.settings.claims_namespace);
+        let group = &self.settings.election.lease_name;
+        let api: Api<Lease> =
+            Api::namespaced(self.client.clone(), &self.settings.election.lease_namespace);
         let mut writes = Vec::new();
         for (key, running) in &self.running {
             let Some((_, EtcdState::Known(asked))) = self.etcds.get(key) else {
