@@ -19,7 +19,6 @@ pub mod etcd;
 pub mod repair;
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -80,35 +79,20 @@ pub struct Outlet<'a> {
     pub count: &'a (dyn Fn(&'static str) + Sync),
 }
 
-/// Why a pass over a key failed.
-#[derive(Debug, thiserror::Error)]
-pub enum PassError {
-    #[error(transparent)]
-    Etcd(#[from] EtcdError),
-    /// The Services holding bits about to be set could not be read live: nothing was written.
-    #[error("cannot confirm the Services holding {noun}s missing from {key}: {why}")]
-    Unconfirmed {
-        noun: &'static str,
-        key: String,
-        why: String,
-    },
-}
-
 /// Up to this many bits missing from a bitmap are confirmed by a GET of each one's Service;
 /// more (a key just created, a bitmap rebuilt) by one fresh list of the Services.
 const CONFIRM_BY_GET: usize = 32;
 
-/// The `confirm` of [`LegacyBitmap::pass`], for the repairs: the bits in `offsets` that no Service
-/// holds when read live. Each bit's Service by the cache (`owner`: namespace, name, uid) is read
-/// and must be the same object still holding it (`holds`); where one is not, or there are many
-/// bits, a fresh list of the Services (`fresh_in_use`) decides, as it also sees a second holder
-/// the cache put behind a gone one.
-pub async fn confirm_live(
+/// The bits in `offsets` that no Service holds when read live. Each bit's Service by the cache
+/// (`holders`: namespace, name, uid) is read and must be the same object still holding it
+/// (`holds`); where one is not, or there are many bits, a fresh list of the Services
+/// (`fresh_in_use`) decides, as it also sees a second holder the cache put behind a gone one.
+async fn confirm_live(
     client: &kube::Client,
     offsets: Vec<usize>,
     holders: &HashMap<usize, ServiceRef>,
     holds: impl Fn(&ServiceRecord, usize) -> bool,
-    fresh_in_use: impl FnOnce() -> BoxFuture<'static, Option<FixedBitSet>>,
+    fresh_in_use: &(dyn Fn() -> BoxFuture<'static, Option<FixedBitSet>> + Sync),
 ) -> Result<HashSet<usize>, String> {
     let mut suspects = Vec::new();
     if offsets.len() > CONFIRM_BY_GET {
@@ -158,14 +142,6 @@ pub enum BitmapFinding {
     /// Stored under this range (empty: none), rebuilt under the configured one (opted in).
     RangeRebuilt(String),
     Unusable(String),
-}
-
-/// What a pass over one key found. `new` holds the findings that appeared in this pass (for
-/// events and counters); `drift` every current one (for `check` and the runner).
-#[derive(Debug, Default)]
-pub struct BitmapPass {
-    pub drift: Vec<Drift>,
-    pub new: Vec<BitmapFinding>,
 }
 
 /// A stored value as a pass reads it: its bits on the configured range's offsets, and the range
@@ -292,10 +268,14 @@ impl LegacyBitmap {
         }
     }
 
-    /// A repair loop's pass over the key: [`pass`](Self::pass) against the bits the Services
-    /// hold (`in_use`, each one's first holder in `holders`), `holds` telling whether a Service
-    /// read live still holds a bit and `fresh_in_use` listing the Services afresh; the drift
-    /// goes into `report`, the new findings to `outlet`.
+    /// A repair loop's pass over the key: reads it, plans it against the bits the Services hold
+    /// (`in_use`, each one's first holder in `holders`) and writes the plan by compare-and-swap;
+    /// the drift goes into `report`, the new findings to `outlet`. `fresh_in_use` lists the
+    /// Services afresh and gives the offsets they hold, `None` if the list failed; a pass lists
+    /// at most once, when a leak is due for release or the bitmap is to be rebuilt under another
+    /// range. Every bit about to be set is confirmed by the Services read live (`holds`: whether
+    /// one still holds a bit), as a bit set for a Service that is gone would hold its port or IP
+    /// until three sightings release it; such a bit is neither set nor reported.
     pub async fn repair(
         &self,
         ctx: &PassContext,
@@ -305,27 +285,104 @@ impl LegacyBitmap {
         outlet: &Outlet<'_>,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        let owner = |offset: usize| {
-            (holders.get(&offset))
-                .map(|holder| format!("Service/{}/{}", holder.namespace, holder.name))
+        // Whether this pass listed the Services afresh, and the offsets they hold when it did
+        // and the list succeeded.
+        let mut listed = false;
+        let mut fresh: Option<FixedBitSet> = None;
+        // Bits missing from the stored bitmap, judged live: whether no Service holds them after
+        // all. Kept across the attempts of a compare-and-swap.
+        let mut judged: HashMap<usize, bool> = HashMap::new();
+        let new = 'pass: {
+            for _ in 0..WRITE_ATTEMPTS {
+                let stored = match self.cache.get() {
+                    Some(stored) => stored,
+                    None => self
+                        .store
+                        .get(&self.key)
+                        .await
+                        .map_err(|err| self.failed(err))?,
+                };
+                let stored = match self.read(stored, report) {
+                    Ok(stored) => stored,
+                    Err(new) => break 'pass new,
+                };
+                // Moving to another range drops what falls outside it: only on a fresh complete
+                // list of the Services, never on the cache alone. Its Services are the ones in use.
+                if let Some((from, dropped)) = stored
+                    .range_change
+                    .as_ref()
+                    .filter(|(from, _)| !from.is_empty())
+                {
+                    if !listed {
+                        listed = true;
+                        fresh = fresh_in_use().await;
+                    }
+                    if fresh.is_none() {
+                        break 'pass self.report_only(
+                            report,
+                            "range_mismatch",
+                            BitmapFinding::RangeMismatch(from.clone()),
+                            format!(
+                                "the stored range {from:?} is not the configured {}: the bitmap is to be rebuilt under {} ({dropped} allocations outside it dropped; {}), once a fresh list of the Services succeeds",
+                                self.range, self.range, self.subject.rebuild_setting
+                            ),
+                        );
+                    }
+                }
+                let in_use = fresh.as_ref().unwrap_or(in_use);
+
+                let mut plan = {
+                    let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
+                    plan(
+                        &stored.bits,
+                        in_use,
+                        &mut leaks,
+                        false,
+                        Instant::now(),
+                        self.spacing,
+                    )
+                };
+                if !plan.held.is_empty() {
+                    if !listed {
+                        listed = true;
+                        fresh = fresh_in_use().await;
+                    }
+                    if let Some(fresh) = &fresh {
+                        let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
+                        plan.release_held(&mut leaks, fresh);
+                    }
+                }
+                self.drop_gone(&mut plan, &mut judged, ctx, holders, &holds, fresh_in_use)
+                    .await?;
+
+                let write = stored.value.is_none()
+                    || stored.range_change.is_some()
+                    || plan.changes(&stored.bits);
+                let applied = write && !ctx.dry_run;
+                if applied && !self.write(&stored, &plan).await? {
+                    continue;
+                }
+                break 'pass self.outcome(&plan, stored.range_change, applied, holders, report);
+            }
+            return Err(self.failed(EtcdError::Conflicts {
+                key: self.key.clone(),
+                attempts: WRITE_ATTEMPTS,
+            }));
         };
-        let confirm = |offsets| confirm_live(&ctx.client, offsets, holders, &holds, fresh_in_use);
-        let pass = self
-            .pass(in_use, &owner, ctx.dry_run, fresh_in_use, confirm)
-            .await
-            .map_err(|err| {
-                LoopError::Other(format!(
-                    "{} bitmap in etcd: {err}",
-                    self.subject.bitmap_name
-                ))
-            })?;
-        report.drift.extend(pass.drift);
-        self.tell(ctx.dry_run, holders, outlet, pass.new).await
+        self.tell(ctx.dry_run, holders, outlet, new).await
     }
 
-    /// The new findings of a pass: counted, and each one's event published. A range mismatch is
-    /// reported with its event or not at all (the next pass tries again); the others' events
-    /// are best effort, as the bitmap is repaired either way.
+    /// Why a pass over the key failed, as the loop reports it.
+    fn failed(&self, why: impl std::fmt::Display) -> LoopError {
+        LoopError::Other(format!(
+            "{} bitmap in etcd: {why}",
+            self.subject.bitmap_name
+        ))
+    }
+
+    /// The new findings of a pass: each one logged, counted and its event published. A range
+    /// mismatch is reported with its event or not at all (the next pass tries again); the
+    /// others' events are best effort, as the bitmap is repaired either way.
     async fn tell(
         &self,
         dry_run: bool,
@@ -333,58 +390,13 @@ impl LegacyBitmap {
         outlet: &Outlet<'_>,
         new: Vec<BitmapFinding>,
     ) -> Result<(), LoopError> {
-        let Subject {
-            item_noun,
-            item_reason,
-            bitmap_name,
-            ..
-        } = self.subject;
         let kubernetes =
             ServiceRef::named(outlet.kubernetes_service.0, outlet.kubernetes_service.1);
-        let count = outlet.count;
         let mut unpublished = None;
         for finding in new {
-            let (about, reason, note) = match &finding {
-                BitmapFinding::NotAllocated(offset) => {
-                    count("repair");
-                    let Some(holder) = holders.get(offset) else {
-                        continue;
-                    };
-                    let item = match self.subject.family {
-                        Some(family) => format!("[{family}]:{}", self.item(*offset)),
-                        None => self.item(*offset),
-                    };
-                    let note = format!("{item_noun} {item} is not allocated; repairing");
-                    (holder, format!("{item_reason}NotAllocated"), note)
-                }
-                BitmapFinding::Released(offset) => {
-                    count("leak");
-                    let note = format!(
-                        "{item_noun} {} appeared to have leaked (no Service holds it); released \
-                         it from the allocation bitmap",
-                        self.item(*offset)
-                    );
-                    (&kubernetes, format!("{item_reason}Released"), note)
-                }
-                BitmapFinding::RangeMismatch(stored) => {
-                    let note = self.range_mismatch_note(stored);
-                    (&kubernetes, format!("{bitmap_name}RangeMismatch"), note)
-                }
-                // The bitmap rebuilt under the configured range (or its range filled in).
-                BitmapFinding::RangeRebuilt(stored) => {
-                    count("repair");
-                    let note = format!(
-                        "rebuilt the {bitmap_name} allocation bitmap under {} (stored under \
-                         {stored:?})",
-                        self.range
-                    );
-                    (&kubernetes, format!("{bitmap_name}BitmapRebuilt"), note)
-                }
-                BitmapFinding::Unusable(_) => {
-                    count("invalid");
-                    continue;
-                }
-                BitmapFinding::MayHaveLeaked(_) | BitmapFinding::ReleaseHeld(_) => continue,
+            let Some((about, reason, note)) = self.record(&finding, holders, &kubernetes, outlet)
+            else {
+                continue;
             };
             let published = match dry_run {
                 true => Ok(()),
@@ -404,9 +416,9 @@ impl LegacyBitmap {
             };
             if matches!(finding, BitmapFinding::RangeMismatch(_)) {
                 match published {
-                    Ok(()) => count("rangeMismatch"),
+                    Ok(()) => (outlet.count)("rangeMismatch"),
                     Err(err) => {
-                        self.forget(&finding);
+                        self.reported.forget(&finding);
                         unpublished.get_or_insert(err);
                     }
                 }
@@ -418,117 +430,101 @@ impl LegacyBitmap {
         }
     }
 
-    /// Forgets a finding reported in an earlier pass, so the next pass that finds it reports it
-    /// again: for a finding whose event could not be written.
-    pub fn forget(&self, finding: &BitmapFinding) {
-        self.reported.forget(finding);
-    }
-
-    /// One pass: `in_use` holds the offsets the Services hold (of this key's size), `owner`
-    /// names the Service holding an offset, `fresh_in_use` lists the Services afresh and gives
-    /// the offsets they hold, `None` if the list failed (called only when a leak is due for
-    /// release). `confirm` reads the Services holding the given offsets live and returns the
-    /// offsets none of them holds any more (its error: no read could tell); it is asked about
-    /// every bit about to be set, as a bit set for a Service that is gone would hold its port or
-    /// IP until three sightings release it, and such a bit is neither set nor reported.
-    pub async fn pass<C, F>(
+    /// Logs a new finding and counts it; its event, if it has one: the Service it is about
+    /// (a bit's holder, or `kubernetes` for the bitmap itself), its reason and its note.
+    fn record<'a>(
         &self,
-        in_use: &FixedBitSet,
-        owner: &(dyn Fn(usize) -> Option<String> + Sync),
-        dry_run: bool,
-        fresh_in_use: impl FnOnce() -> BoxFuture<'static, Option<FixedBitSet>>,
-        confirm: C,
-    ) -> Result<BitmapPass, PassError>
-    where
-        C: Fn(Vec<usize>) -> F,
-        F: Future<Output = Result<HashSet<usize>, String>>,
-    {
-        let mut fresh_in_use = Some(fresh_in_use);
-        // The offsets a fresh list of the Services holds, once one was made in this pass.
-        let mut fresh: Option<FixedBitSet> = None;
-        // Bits missing from the stored bitmap, judged by `confirm`: whether no live Service
-        // holds them after all. Kept across the attempts of a compare-and-swap.
-        let mut judged: HashMap<usize, bool> = HashMap::new();
-        for _ in 0..WRITE_ATTEMPTS {
-            let stored = match self.cache.get() {
-                Some(stored) => stored,
-                None => self.store.get(&self.key).await?,
-            };
-            if stored.is_none() && !self.create_if_missing {
-                return Ok(BitmapPass::default());
-            }
-            let stored = match self.read(stored) {
-                Ok(stored) => stored,
-                Err(report_only) => return Ok(report_only),
-            };
-            // Moving to another range drops what falls outside it: only on a fresh complete
-            // list of the Services, never on the cache alone. Its Services are the ones in use.
-            if let Some((from, dropped)) = stored
-                .range_change
-                .as_ref()
-                .filter(|(from, _)| !from.is_empty())
-                && fresh.is_none()
-            {
-                fresh = match fresh_in_use.take() {
-                    Some(list) => list().await,
-                    None => None,
-                };
-                if fresh.is_none() {
-                    return Ok(self.report_only(
-                        "range_mismatch",
-                        BitmapFinding::RangeMismatch(from.clone()),
-                        format!(
-                            "the stored range {from:?} is not the configured {}: the bitmap is to be rebuilt under {} ({dropped} allocations outside it dropped; {}), once a fresh list of the Services succeeds",
-                            self.range, self.range, self.subject.rebuild_setting
-                        ),
-                    ));
-                }
-            }
-            let in_use = fresh.as_ref().unwrap_or(in_use);
-
-            let mut plan = {
-                let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
-                plan(
-                    &stored.bits,
-                    in_use,
-                    &mut leaks,
-                    false,
-                    Instant::now(),
-                    self.spacing,
-                )
-            };
-            if !plan.held.is_empty() {
-                if fresh.is_none()
-                    && let Some(list) = fresh_in_use.take()
-                {
-                    fresh = list().await;
-                }
-                if let Some(fresh) = &fresh {
-                    let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
-                    plan.release_held(&mut leaks, fresh);
-                }
-            }
-            self.drop_gone(&mut plan, &mut judged, &confirm).await?;
-
-            let write = stored.value.is_none()
-                || stored.range_change.is_some()
-                || plan.changes(&stored.bits);
-            let applied = write && !dry_run;
-            if applied && !self.write(&stored, &plan).await? {
-                debug!(
-                    key = self.key,
-                    "the etcd key changed while the repair wrote it; reading it again"
+        finding: &BitmapFinding,
+        holders: &'a HashMap<usize, ServiceRef>,
+        kubernetes: &'a ServiceRef,
+        outlet: &Outlet<'_>,
+    ) -> Option<(&'a ServiceRef, String, String)> {
+        let Subject {
+            noun,
+            item_noun,
+            item_reason,
+            bitmap_name,
+            rebuild_setting,
+            ..
+        } = self.subject;
+        let (key, count) = (self.key.as_str(), outlet.count);
+        match finding {
+            BitmapFinding::NotAllocated(offset) => {
+                let item = self.item(*offset);
+                warn!(
+                    key,
+                    "the {noun} {item} is in use but not allocated; repairing"
                 );
-                self.cache.forget();
-                continue;
+                count("repair");
+                let holder = holders.get(offset)?;
+                let item = match self.subject.family {
+                    Some(family) => format!("[{family}]:{item}"),
+                    None => item,
+                };
+                let note = format!("{item_noun} {item} is not allocated; repairing");
+                Some((holder, format!("{item_reason}NotAllocated"), note))
             }
-            return Ok(self.outcome(&plan, stored.range_change, applied, owner));
+            BitmapFinding::MayHaveLeaked(offset) => {
+                warn!(
+                    key,
+                    "the {noun} {} may have leaked: flagging for later clean up",
+                    self.item(*offset)
+                );
+                None
+            }
+            BitmapFinding::Released(offset) => {
+                let item = self.item(*offset);
+                warn!(key, "the {noun} {item} appears to have leaked: cleaning up");
+                count("leak");
+                let note = format!(
+                    "{item_noun} {item} appeared to have leaked (no Service holds it); released \
+                     it from the allocation bitmap"
+                );
+                Some((kubernetes, format!("{item_reason}Released"), note))
+            }
+            BitmapFinding::ReleaseHeld(offset) => {
+                warn!(
+                    key,
+                    "the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: keeping it until one does",
+                    self.item(*offset)
+                );
+                None
+            }
+            BitmapFinding::RangeMismatch(stored) => {
+                let note = self.range_mismatch_note(stored);
+                warn!(key, stored, configured = self.range, "{note}");
+                Some((kubernetes, format!("{bitmap_name}RangeMismatch"), note))
+            }
+            // The bitmap rebuilt under the configured range (or its range filled in).
+            BitmapFinding::RangeRebuilt(stored) => {
+                if stored.is_empty() {
+                    warn!(
+                        key,
+                        configured = self.range,
+                        "the stored bitmap has no range; filling in the configured one ({rebuild_setting} is set)"
+                    );
+                } else {
+                    warn!(
+                        key,
+                        stored,
+                        configured = self.range,
+                        "the stored range differs from the configured one; rebuilding the bitmap under the configured range, dropping the allocations outside it ({rebuild_setting} is set)"
+                    );
+                }
+                count("repair");
+                let note = format!(
+                    "rebuilt the {bitmap_name} allocation bitmap under {} (stored under \
+                     {stored:?})",
+                    self.range
+                );
+                Some((kubernetes, format!("{bitmap_name}BitmapRebuilt"), note))
+            }
+            BitmapFinding::Unusable(why) => {
+                warn!(key, "the stored bitmap cannot be used: {why}");
+                count("invalid");
+                None
+            }
         }
-        Err(EtcdError::Conflicts {
-            key: self.key.clone(),
-            attempts: WRITE_ATTEMPTS,
-        }
-        .into())
     }
 
     /// The drift kind of this key's subject for a finding (`leaked`: `nodeport_leaked`).
@@ -551,24 +547,34 @@ impl LegacyBitmap {
         format!("etcd{}", self.key)
     }
 
-    /// A pass that writes nothing and reports one finding about the key.
-    fn report_only(&self, suffix: &str, finding: BitmapFinding, message: String) -> BitmapPass {
-        let new = self.report(vec![finding]);
-        let drift = vec![drift(
-            self.kind(suffix),
-            self.object(),
-            Action::Report,
-            message,
-            false,
-        )];
-        BitmapPass { drift, new }
+    /// Ends a pass that writes nothing with one finding about the key: its drift goes into
+    /// `report`; returns it if it is new.
+    fn report_only(
+        &self,
+        report: &mut PassReport,
+        suffix: &str,
+        finding: BitmapFinding,
+        message: String,
+    ) -> Vec<BitmapFinding> {
+        let kind = self.kind(suffix);
+        (report.drift).push(drift(kind, self.object(), Action::Report, message, false));
+        self.reported.update(vec![finding])
     }
 
-    /// The stored value decoded and its bits moved onto the configured range; `Err` is the whole
-    /// pass when the value cannot be used, or lies under another range this pass may not leave.
-    fn read(&self, stored: Option<etcd::Stored>) -> Result<Stored, BitmapPass> {
-        let unusable = |message: String| {
+    /// The stored value decoded and its bits moved onto the configured range. When the key is
+    /// missing and left so, or its value cannot be used, or lies under another range this pass
+    /// may not leave, the pass ends here: `Err` holds its new findings, its drift is in `report`.
+    fn read(
+        &self,
+        stored: Option<etcd::Stored>,
+        report: &mut PassReport,
+    ) -> Result<Stored, Vec<BitmapFinding>> {
+        if stored.is_none() && !self.create_if_missing {
+            return Err(Vec::new());
+        }
+        let mut unusable = |message: String| {
             self.report_only(
+                report,
                 "unusable",
                 BitmapFinding::Unusable(message.clone()),
                 message,
@@ -605,6 +611,7 @@ impl LegacyBitmap {
             // nothing. Leak sightings made under the other range mean nothing any more.
             *self.leaks.lock().unwrap_or_else(|p| p.into_inner()) = LeakTracker::default();
             return Err(self.report_only(
+                report,
                 "range_mismatch",
                 BitmapFinding::RangeMismatch(from.clone()),
                 self.range_mismatch_note(from),
@@ -629,18 +636,17 @@ impl LegacyBitmap {
         })
     }
 
-    /// Asks `confirm` about the bits the plan would set that were not judged yet, and takes out
-    /// of the plan those no live Service holds (the Service cache is behind).
-    async fn drop_gone<C, F>(
+    /// Confirms live ([`confirm_live`]) the bits the plan would set that were not judged yet,
+    /// and takes out of the plan those no live Service holds (the Service cache is behind).
+    async fn drop_gone(
         &self,
         plan: &mut repair::Plan,
         judged: &mut HashMap<usize, bool>,
-        confirm: &C,
-    ) -> Result<(), PassError>
-    where
-        C: Fn(Vec<usize>) -> F,
-        F: Future<Output = Result<HashSet<usize>, String>>,
-    {
+        ctx: &PassContext,
+        holders: &HashMap<usize, ServiceRef>,
+        holds: &impl Fn(&ServiceRecord, usize) -> bool,
+        fresh_in_use: &(dyn Fn() -> BoxFuture<'static, Option<FixedBitSet>> + Sync),
+    ) -> Result<(), LoopError> {
         let unjudged: Vec<usize> = plan
             .not_allocated
             .iter()
@@ -648,12 +654,14 @@ impl LegacyBitmap {
             .filter(|offset| !judged.contains_key(offset))
             .collect();
         if !unjudged.is_empty() {
-            let gone = confirm(unjudged.clone())
-                .await
-                .map_err(|why| PassError::Unconfirmed {
-                    noun: self.subject.noun,
-                    key: self.key.clone(),
-                    why,
+            let offsets = unjudged.clone();
+            // Without a live read nothing is written: a bit set for a gone Service would hold it.
+            let gone = (confirm_live(&ctx.client, offsets, holders, holds, fresh_in_use).await)
+                .map_err(|why| {
+                    let (noun, key) = (self.subject.noun, &self.key);
+                    self.failed(format!(
+                        "cannot confirm the Services holding {noun}s missing from {key}: {why}"
+                    ))
                 })?;
             for offset in unjudged {
                 judged.insert(offset, gone.contains(&offset));
@@ -680,8 +688,8 @@ impl LegacyBitmap {
     }
 
     /// Writes the plan's bitmap by compare-and-swap on the revision read; false when the key
-    /// changed in between.
-    async fn write(&self, stored: &Stored, plan: &repair::Plan) -> Result<bool, PassError> {
+    /// changed in between, its cached value then dropped so the next attempt reads it again.
+    async fn write(&self, stored: &Stored, plan: &repair::Plan) -> Result<bool, LoopError> {
         let bytes = bitmap_to_bytes(&plan.bitmap);
         let new_value = match &stored.value {
             Some(value) => value.with_range_and_data(self.range.clone(), bytes),
@@ -691,25 +699,35 @@ impl LegacyBitmap {
         match self
             .store
             .compare_and_swap_revision(&self.key, stored.mod_revision, encoded.clone())
-            .await?
+            .await
+            .map_err(|err| self.failed(err))?
         {
             Some(revision) => {
                 self.cache.wrote(encoded, revision);
                 Ok(true)
             }
-            None => Ok(false),
+            None => {
+                debug!(
+                    key = self.key,
+                    "the etcd key changed while the repair wrote it; reading it again"
+                );
+                self.cache.forget();
+                Ok(false)
+            }
         }
     }
 
-    /// The drifts and the new findings of a pass that planned (and, when `applied`, wrote) `plan`.
+    /// Ends a pass that planned (and, when `applied`, wrote) `plan`: its drifts go into `report`;
+    /// returns its new findings.
     fn outcome(
         &self,
         plan: &repair::Plan,
         range_change: Option<(String, usize)>,
         applied: bool,
-        owner: &(dyn Fn(usize) -> Option<String> + Sync),
-    ) -> BitmapPass {
-        let mut drifts = self.bit_drifts(plan, applied, owner);
+        holders: &HashMap<usize, ServiceRef>,
+        report: &mut PassReport,
+    ) -> Vec<BitmapFinding> {
+        let mut drifts = self.bit_drifts(plan, applied, holders);
         let mut findings: Vec<BitmapFinding> = Vec::new();
         if let Some((from, dropped)) = &range_change {
             drifts.push(self.range_drift(from, *dropped, applied));
@@ -743,7 +761,7 @@ impl LegacyBitmap {
             })
             .cloned()
             .collect();
-        let new = self.report(findings);
+        let new = self.reported.update(findings);
         if applied {
             // Written: what was repaired is gone, so if it comes back (the bit cleared again
             // before a pass saw it set) that is a new occurrence, reported and counted again.
@@ -751,22 +769,27 @@ impl LegacyBitmap {
                 self.reported.forget(finding);
             }
         }
-        BitmapPass { drift: drifts, new }
+        report.drift.extend(drifts);
+        new
     }
 
-    /// One drift per bit the plan sets, clears, or keeps though it looks leaked.
+    /// One drift per bit the plan sets (on the Service holding it), clears, or keeps though it
+    /// looks leaked.
     fn bit_drifts(
         &self,
         plan: &repair::Plan,
         applied: bool,
-        owner: &(dyn Fn(usize) -> Option<String> + Sync),
+        holders: &HashMap<usize, ServiceRef>,
     ) -> Vec<Drift> {
         let (noun, key, object) = (self.subject.noun, &self.key, self.object());
         let state = |offset, state: &str| format!("{noun} {} {state} in {key}", self.item(offset));
         let allocate = plan.not_allocated.iter().map(|&offset| {
             drift(
                 self.kind("not_allocated"),
-                owner(offset).unwrap_or_else(|| object.clone()),
+                (holders.get(&offset)).map_or_else(
+                    || object.clone(),
+                    |holder| format!("Service/{}/{}", holder.namespace, holder.name),
+                ),
                 Action::Update,
                 format!(
                     "the {noun} {} is in use but not allocated in {key}; repairing",
@@ -836,73 +859,5 @@ impl LegacyBitmap {
                 self.key, self.range
             ),
         )
-    }
-
-    /// Logs the findings that are new; returns them.
-    fn report(&self, findings: Vec<BitmapFinding>) -> Vec<BitmapFinding> {
-        let new = self.reported.update(findings);
-        let (noun, key) = (self.subject.noun, self.key.as_str());
-        for finding in &new {
-            match finding {
-                BitmapFinding::NotAllocated(offset) => {
-                    warn!(
-                        key,
-                        "the {noun} {} is in use but not allocated; repairing",
-                        self.item(*offset)
-                    );
-                }
-                BitmapFinding::MayHaveLeaked(offset) => {
-                    warn!(
-                        key,
-                        "the {noun} {} may have leaked: flagging for later clean up",
-                        self.item(*offset)
-                    );
-                }
-                BitmapFinding::Released(offset) => {
-                    warn!(
-                        key,
-                        "the {noun} {} appears to have leaked: cleaning up",
-                        self.item(*offset)
-                    );
-                }
-                BitmapFinding::ReleaseHeld(offset) => {
-                    warn!(
-                        key,
-                        "the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: keeping it until one does",
-                        self.item(*offset)
-                    );
-                }
-                BitmapFinding::RangeMismatch(stored) => {
-                    warn!(
-                        key,
-                        stored,
-                        configured = self.range,
-                        "{}",
-                        self.range_mismatch_note(stored)
-                    );
-                }
-                BitmapFinding::RangeRebuilt(stored) if stored.is_empty() => {
-                    warn!(
-                        key,
-                        configured = self.range,
-                        "the stored bitmap has no range; filling in the configured one ({} is set)",
-                        self.subject.rebuild_setting
-                    );
-                }
-                BitmapFinding::RangeRebuilt(stored) => {
-                    warn!(
-                        key,
-                        stored,
-                        configured = self.range,
-                        "the stored range differs from the configured one; rebuilding the bitmap under the configured range, dropping the allocations outside it ({} is set)",
-                        self.subject.rebuild_setting
-                    );
-                }
-                BitmapFinding::Unusable(why) => {
-                    warn!(key, "the stored bitmap cannot be used: {why}");
-                }
-            }
-        }
-        new
     }
 }
