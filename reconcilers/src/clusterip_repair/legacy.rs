@@ -8,44 +8,63 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::{Arc, OnceLock};
 
 use fixedbitset::FixedBitSet;
+use futures::StreamExt;
 use futures::future::BoxFuture;
 use ipnet::IpNet;
+use tokio::sync::Notify;
 
 use super::plan::ACTION_CLUSTERIP_ALLOCATION;
+use super::{ClusterIpRepairLoop, Section};
 use crate::alloc::ServiceRange;
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
-use crate::events::SeriesRecorder;
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
 use crate::service_cache::record::{ClusterIp, ServiceRecord, ServiceRef};
-use crate::watch_cache::WatchCache;
+use crate::service_range::ServiceRanges;
 
-/// The bitmaps of the configured ranges, primary first.
+/// The bitmaps of the ranges, primary first: built at the first pass that finds the cluster
+/// allocating with them, from the configured range or the one read from the cluster. Their etcd
+/// watches wake the loop from then on; where they are left alone, nothing watches them.
 pub(super) struct LegacyIpBitmaps {
-    bitmaps: Vec<(LegacyBitmap, ServiceRange)>,
-    /// LIST page size of the fresh list that confirms a leak.
-    page_size: u32,
+    pub(super) etcd: EtcdConfig,
     /// The `kubernetes` Service: a range mismatch is reported in an event about it.
     kubernetes_service: ServiceName,
-}
-
-/// How the bitmaps are built.
-pub(super) struct BitmapSettings<'a> {
-    pub etcd: &'a EtcdConfig,
-    pub interval: std::time::Duration,
-    pub page_size: u32,
-    pub rebuild_on_range_change: bool,
-    pub kubernetes_service: &'a ServiceName,
+    bitmaps: Arc<OnceLock<Vec<(LegacyBitmap, ServiceRange)>>>,
+    built: Arc<Notify>,
 }
 
 impl LegacyIpBitmaps {
-    pub(super) fn new(settings: &BitmapSettings<'_>, ranges: &[IpNet]) -> Self {
-        let etcd = settings.etcd;
-        let store = EtcdStore::new(etcd.clone());
-        let bitmaps = ranges
+    pub(super) fn new(etcd: EtcdConfig, kubernetes_service: ServiceName) -> Self {
+        Self {
+            etcd,
+            kubernetes_service,
+            bitmaps: Arc::default(),
+            built: Arc::default(),
+        }
+    }
+
+    /// The bitmaps, built from `ranges` the first time.
+    async fn get_or_build(
+        &self,
+        section: &Section,
+        ranges: &ServiceRanges,
+    ) -> Result<&[(LegacyBitmap, ServiceRange)], LoopError> {
+        if let Some(bitmaps) = self.bitmaps.get() {
+            return Ok(bitmaps);
+        }
+        let ranges = ranges.resolve().await?;
+        let bitmaps = self.bitmaps.get_or_init(|| self.build(section, &ranges));
+        self.built.notify_one();
+        Ok(bitmaps)
+    }
+
+    fn build(&self, section: &Section, ranges: &[IpNet]) -> Vec<(LegacyBitmap, ServiceRange)> {
+        let store = EtcdStore::new(self.etcd.clone());
+        ranges
             .iter()
             .zip([RangeKey::ServiceIps, RangeKey::SecondaryServiceIps])
             .map(|(net, key)| {
@@ -53,7 +72,7 @@ impl LegacyIpBitmaps {
                 let size = usize::try_from(range.legacy_bitmap_size()).unwrap_or(usize::MAX);
                 let bitmap = LegacyBitmap::new(
                     store.clone(),
-                    etcd.key(key),
+                    self.etcd.key(key),
                     net.to_string(),
                     size,
                     false,
@@ -85,53 +104,71 @@ impl LegacyIpBitmaps {
                             |ip| self::offset(&range, ip, size),
                         ))
                     },
-                    settings.rebuild_on_range_change,
-                    settings.interval,
+                    section.rebuild_bitmap_on_range_change,
+                    section.interval,
                 );
                 (bitmap, range)
             })
-            .collect();
-        Self {
-            bitmaps,
-            page_size: settings.page_size,
-            kubernetes_service: settings.kubernetes_service.clone(),
-        }
-    }
-
-    pub(super) fn triggers(&self) -> Vec<Trigger> {
-        self.bitmaps
-            .iter()
-            .map(|(bitmap, _)| bitmap.watch())
             .collect()
     }
 
-    /// Repairs each bitmap against the cluster IPs the Service cache holds.
-    pub(super) async fn pass(
+    /// The bitmaps' etcd watches, once they are built.
+    pub(super) fn triggers(&self) -> Trigger {
+        let (bitmaps, built) = (self.bitmaps.clone(), self.built.clone());
+        futures::stream::once(async move {
+            loop {
+                if let Some(bitmaps) = bitmaps.get() {
+                    let watches = bitmaps.iter().map(|(bitmap, _)| bitmap.watch());
+                    return futures::stream::select_all(watches);
+                }
+                built.notified().await;
+            }
+        })
+        .flatten()
+        .boxed()
+    }
+}
+
+impl ClusterIpRepairLoop {
+    /// etcd mode, where kube-apiserver allocates with the bitmaps: repairs each against the
+    /// cluster IPs the Service cache holds.
+    pub(super) async fn repair_legacy_bitmaps(
         &self,
         ctx: &PassContext,
-        services: &WatchCache<ServiceRecord>,
-        recorder: &SeriesRecorder,
-        count: &(dyn Fn(&'static str) + Sync),
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        let outlet = Outlet {
-            recorder,
-            kubernetes_service: (
-                &self.kubernetes_service.namespace,
-                &self.kubernetes_service.name,
-            ),
-            count,
+        let Some(legacy) = &self.legacy else {
+            return Ok(());
         };
-        for (bitmap, range) in &self.bitmaps {
+        if !self.keeps_legacy_bitmaps(&ctx.client).await? {
+            return Ok(());
+        }
+        let bitmaps = legacy.get_or_build(&self.section, &self.ranges).await?;
+        let count = |error_type: &'static str| {
+            self.metrics
+                .ip_errors
+                .get_or_create(&[("type", error_type)])
+                .inc();
+        };
+        let outlet = Outlet {
+            recorder: &self.recorder,
+            kubernetes_service: (
+                &legacy.kubernetes_service.namespace,
+                &legacy.kubernetes_service.name,
+            ),
+            count: &count,
+        };
+        for (bitmap, range) in bitmaps {
             let (in_use, holders) = {
-                let state = services.read();
+                let state = self.services.read();
                 if !state.synced {
                     return Ok(());
                 }
                 in_use(state.values(), range, bitmap_size(range))
             };
             let fresh_in_use = || -> BoxFuture<'static, Option<FixedBitSet>> {
-                let (client, page_size, range) = (ctx.client.clone(), self.page_size, *range);
+                let (client, page_size, range) =
+                    (ctx.client.clone(), self.section.page_size, *range);
                 Box::pin(async move {
                     let services = crate::service_cache::fresh_services(&client, page_size).await?;
                     Some(self::in_use(services.iter(), &range, bitmap_size(&range)).0)

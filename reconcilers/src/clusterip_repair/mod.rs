@@ -32,17 +32,15 @@ pub mod section;
 pub use metrics::RepairMetrics;
 pub use section::{DEFAULT_INTERVAL, DEFAULT_ORPHAN_GRACE_PERIOD, RepairMode, Section};
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use backon::Retryable;
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::runtime::events::EventType;
 use kube::{Api, Client};
-use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
@@ -51,7 +49,7 @@ use crate::contract::{
 };
 use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
-use crate::section::{ServiceName, Settings};
+use crate::section::Settings;
 use crate::service_cache::record::ServiceRecord;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges, networking_v1_serves};
 use crate::watch_cache::WatchCache;
@@ -68,61 +66,6 @@ pub const NAME: &str = "clusterip-repair";
 
 /// When a delete is deferred, the loop looks again after this long.
 const DEFERRAL_RETRY: Duration = Duration::from_secs(10);
-
-/// etcd mode's bitmaps: built at the first pass that finds the cluster allocating with them,
-/// from the configured range or the one read from the cluster. Their etcd watches wake the loop
-/// from then on; where they are left alone, nothing watches them.
-struct LegacySlot {
-    etcd: crate::legacy_alloc::etcd::EtcdConfig,
-    /// The `kubernetes` Service: a range mismatch is reported in an event about it.
-    kubernetes_service: ServiceName,
-    bitmaps: Arc<std::sync::OnceLock<legacy::LegacyIpBitmaps>>,
-    built: Arc<Notify>,
-}
-
-impl LegacySlot {
-    fn build(&self, section: &Section, ranges: Vec<IpNet>) {
-        self.bitmaps.get_or_init(|| {
-            let settings = legacy::BitmapSettings {
-                etcd: &self.etcd,
-                interval: section.interval,
-                page_size: section.page_size,
-                rebuild_on_range_change: section.rebuild_bitmap_on_range_change,
-                kubernetes_service: &self.kubernetes_service,
-            };
-            legacy::LegacyIpBitmaps::new(&settings, &ranges)
-        });
-        self.built.notify_one();
-    }
-
-    async fn get_or_build(
-        &self,
-        section: &Section,
-        ranges: &ServiceRanges,
-    ) -> Result<&legacy::LegacyIpBitmaps, LoopError> {
-        if self.bitmaps.get().is_none() {
-            self.build(section, ranges.resolve().await?);
-        }
-        self.bitmaps
-            .get()
-            .ok_or_else(|| LoopError::Other("the etcd bitmaps were not built".to_owned()))
-    }
-
-    /// The bitmaps' etcd watches, once they are built.
-    fn triggers(&self) -> Trigger {
-        let (bitmaps, built) = (self.bitmaps.clone(), self.built.clone());
-        futures::stream::once(async move {
-            loop {
-                if let Some(bitmaps) = bitmaps.get() {
-                    return futures::stream::select_all(bitmaps.triggers());
-                }
-                built.notified().await;
-            }
-        })
-        .flatten()
-        .boxed()
-    }
-}
 
 /// Which APIs the cluster serves, from discovery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,7 +103,7 @@ pub struct ClusterIpRepairLoop {
     /// looked at again.
     wakeup: WakeAt,
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
-    legacy: Option<LegacySlot>,
+    legacy: Option<legacy::LegacyIpBitmaps>,
     /// The ranges audit mode and the bitmaps work with: configured, or read from the cluster.
     ranges: ServiceRanges,
     /// Findings this loop only reports (a duplicate or out-of-range cluster IP), as they stood
@@ -217,11 +160,8 @@ impl ClusterIpRepairLoop {
         // nobody mistakes them for kube-apiserver's own repair.
         let reporter = settings.reporter();
         let budget = &settings.cache_budget;
-        let legacy = settings.etcd().map(|etcd| LegacySlot {
-            etcd: etcd.clone(),
-            kubernetes_service: settings.kubernetes_service.clone(),
-            bitmaps: Arc::default(),
-            built: Arc::default(),
+        let legacy = (settings.etcd()).map(|etcd| {
+            legacy::LegacyIpBitmaps::new(etcd.clone(), settings.kubernetes_service.clone())
         });
         Self {
             legacy,
@@ -311,7 +251,7 @@ impl ClusterIpRepairLoop {
         };
         let keeps = served == Served::NoIpAddressApi;
         if !keeps
-            && let Some(slot) = &self.legacy
+            && let Some(legacy) = &self.legacy
             && !self
                 .legacy_skip_logged
                 .swap(true, std::sync::atomic::Ordering::Relaxed)
@@ -319,8 +259,8 @@ impl ClusterIpRepairLoop {
             info!(
                 keys = %format_args!(
                     "{}, {}",
-                    slot.etcd.key(crate::legacy_alloc::etcd::RangeKey::ServiceIps),
-                    slot.etcd.key(crate::legacy_alloc::etcd::RangeKey::SecondaryServiceIps)
+                    legacy.etcd.key(crate::legacy_alloc::etcd::RangeKey::ServiceIps),
+                    legacy.etcd.key(crate::legacy_alloc::etcd::RangeKey::SecondaryServiceIps)
                 ),
                 "the cluster serves the IPAddress API, by which kube-apiserver allocates cluster \
                  IPs: the legacy ClusterIP bitmaps in etcd are left alone"
@@ -758,36 +698,10 @@ impl Reconciler for ClusterIpRepairLoop {
         self.recorder.forget_idle();
         Box::pin(async move {
             let mut result = self.pass(ctx).await;
-            let legacy = match (&result, &self.legacy) {
-                (Ok(_), Some(slot)) => match self.keeps_legacy_bitmaps(&ctx.client).await {
-                    Ok(false) => None,
-                    Ok(true) => match slot.get_or_build(&self.section, &self.ranges).await {
-                        Ok(bitmaps) => Some(bitmaps),
-                        Err(err) => {
-                            result = Err(err);
-                            None
-                        }
-                    },
-                    Err(err) => {
-                        result = Err(err);
-                        None
-                    }
-                },
-                _ => None,
-            };
-            if let (Ok(report), Some(legacy)) = (&mut result, legacy) {
-                let count = |error_type: &'static str| {
-                    self.metrics
-                        .ip_errors
-                        .get_or_create(&[("type", error_type)])
-                        .inc();
-                };
-                if let Err(err) = legacy
-                    .pass(ctx, &self.services, &self.recorder, &count, report)
-                    .await
-                {
-                    result = Err(err);
-                }
+            if let Ok(report) = &mut result
+                && let Err(err) = self.repair_legacy_bitmaps(ctx, report).await
+            {
+                result = Err(err);
             }
             if let Err(err) = &result
                 && !matches!(err, LoopError::NotSynced(_))
