@@ -14,11 +14,11 @@
 //!   ends a silent one after the server-side timeout plus a margin), but each of its lines (one
 //!   event) holds at most `max_watch_line_bytes`.
 //!
-//! The clients of all tenants may share a [`ResponsePool`]: the most bytes all their responses
-//! hold at once, whatever the number of tenants. A response whose growth would take the pool
-//! over what it may hold fails as over a bound of its own, unless its client holds no more than
-//! the pool's floor: a tenant reading small responses is never failed by what others read. As
-//! for the caches' pool (both are a [`BytePool`]), every client's floor is kept out
+//! The clients of all tenants may share a [`BytePool`]: the most bytes all their responses
+//! hold at once, whatever the number of tenants ([`TENANTS_RESPONSE_POOL_BYTES`]). A response
+//! whose growth would take the pool over what it may hold fails as over a bound of its own,
+//! unless its client holds no more than the pool's floor: a tenant reading small responses is
+//! never failed by what others read. As for the caches' pool, every client's floor is kept out
 //! of what the clients above theirs may take, and the floor is at most half a fair share, so
 //! for a given set of clients the pool holds at most its total (beside the chunk that breaches)
 //! however many there are.
@@ -43,8 +43,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
-use prometheus_client::registry::Registry;
-use reconcilers::budget::{BytePool, move_count};
+use reconcilers::budget::{BytePool, PoolMember, move_count};
 use tokio::time::{Instant, Sleep};
 use tower::{Layer, Service};
 
@@ -118,7 +117,7 @@ impl Limits {
     }
 
     /// The layer for one client whose bytes in flight count in `pool` too.
-    pub fn for_one_client_in(self, pool: &ResponsePool) -> LimitLayer {
+    pub fn for_one_client_in(self, pool: &BytePool) -> LimitLayer {
         LimitLayer {
             limits: self,
             client: Arc::new(ClientState::in_pool(pool)),
@@ -126,40 +125,15 @@ impl Limits {
     }
 }
 
-/// The most bytes the responses of many clients hold at once; clones share it.
-#[derive(Clone, Debug)]
-pub struct ResponsePool(Arc<BytePool>);
+/// The most bytes all tenants' responses hold at once. A few tenants can read a response of the
+/// largest size one may have (8 MiB) at once; a flood of hostile tenants costs no more than this,
+/// whatever their number.
+pub const TENANTS_RESPONSE_POOL_BYTES: usize = 32 * 1024 * 1024;
 
-impl std::ops::Deref for ResponsePool {
-    type Target = BytePool;
-
-    fn deref(&self) -> &BytePool {
-        &self.0
-    }
-}
-
-impl ResponsePool {
-    /// All tenants' responses: 32 MiB, of which each client may hold 1 MiB whatever the others
-    /// hold (a LIST page of 500 typical Services is well under it), shrinking to half its fair
-    /// share when the clients are more than 16. A few tenants can read a response of the
-    /// largest size one may have (8 MiB) at once; a flood of hostile tenants costs no more than
-    /// the 32 MiB, whatever their number.
-    pub const TENANTS_MAX_BYTES: usize = 32 * 1024 * 1024;
-    pub const TENANTS_FLOOR: usize = 1024 * 1024;
-
-    /// A pool of `max_bytes`, of which each client may hold `floor` whatever the others hold;
-    /// its metric `response_pool_bytes` goes to `registry`.
-    pub fn new(max_bytes: usize, floor: usize, registry: &mut Registry) -> Self {
-        let pool = ResponsePool(Arc::new(BytePool::new(max_bytes, floor)));
-        registry.register(
-            "response_pool_bytes",
-            "Bytes the responses of every tenant's client hold at once (bodies being read, watch \
-             events not yet complete)",
-            pool.gauge(),
-        );
-        pool
-    }
-}
+/// What each tenant's client may hold of [`TENANTS_RESPONSE_POOL_BYTES`] whatever the others hold
+/// (a LIST page of 500 typical Services is well under it), shrinking to half its fair share when
+/// the clients are more than 16.
+pub const TENANTS_RESPONSE_FLOOR_BYTES: usize = 1024 * 1024;
 
 /// [`Limits`] as a tower layer, with the state of the client it is part of.
 #[derive(Clone, Debug)]
@@ -198,7 +172,7 @@ struct ClientState {
     /// The bytes its responses hold.
     in_flight: AtomicUsize,
     /// Where those bytes count too, with other clients'.
-    pool: Option<ResponsePool>,
+    pool: Option<PoolMember>,
     pause: Mutex<Pause>,
     /// The pages of the LIST under way, by path: a request without a `continue` token starts
     /// a list, one with a token continues the last list of its path. Paths are the client's
@@ -236,22 +210,12 @@ struct Pause {
     cause: Option<LimitError>,
 }
 
-impl Drop for ClientState {
-    /// A client gone no longer takes a share of its pool.
-    fn drop(&mut self) {
-        if let Some(pool) = &self.pool {
-            pool.leave();
-        }
-    }
-}
-
 impl ClientState {
     /// A client whose bytes count in `pool` too, taking a share of it while it lives.
-    fn in_pool(pool: &ResponsePool) -> Self {
-        pool.join();
+    fn in_pool(pool: &BytePool) -> Self {
         ClientState {
             in_flight: AtomicUsize::default(),
-            pool: Some(pool.clone()),
+            pool: Some(pool.join()),
             pause: Mutex::default(),
             list_pages: Mutex::default(),
             notice: Mutex::default(),
@@ -925,7 +889,7 @@ mod tests {
     /// the clients above them may take, so their number cannot take the pool past its total.
     #[tokio::test]
     async fn with_many_clients_the_floor_is_half_a_fair_share_of_the_pool() {
-        let pool = ResponsePool::new(24, 4, &mut Registry::default());
+        let pool = BytePool::new(24, 4);
         let clients: Vec<_> = (0..6)
             .map(|_| Arc::new(ClientState::in_pool(&pool)))
             .collect();
@@ -959,7 +923,7 @@ mod tests {
     #[tokio::test]
     async fn clients_share_the_pool_and_the_one_that_grows_past_it_fails_above_its_floor() {
         // Three clients with a floor of 4 each: those above it may fill the pool to 12.
-        let pool = ResponsePool::new(24, 4, &mut Registry::default());
+        let pool = BytePool::new(24, 4);
         let client = || Arc::new(ClientState::in_pool(&pool));
         let (first, second, third) = (client(), client(), client());
         assert_eq!(pool.bounds(), (4, 12));

@@ -204,12 +204,17 @@ impl Controller {
                  file)",
                 registry,
             ),
-            responses: crate::limits::ResponsePool::new(
-                crate::limits::ResponsePool::TENANTS_MAX_BYTES,
-                crate::limits::ResponsePool::TENANTS_FLOOR,
-                registry,
+            responses: reconcilers::budget::BytePool::new(
+                crate::limits::TENANTS_RESPONSE_POOL_BYTES,
+                crate::limits::TENANTS_RESPONSE_FLOOR_BYTES,
             ),
         };
+        registry.register(
+            "response_pool_bytes",
+            "Bytes the responses of every tenant's client hold at once (bodies being read, watch \
+             events not yet complete)",
+            pools.responses.gauge(),
+        );
         let election = config.election();
         let shards_cancel = CancellationToken::new();
         // A dry run holds no replica Lease: it would count as a replica the real ones

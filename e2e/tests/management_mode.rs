@@ -868,7 +868,7 @@ fn chart_memory_limit_mib() -> Result<u64> {
 #[test]
 fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
     use bootstrap_controller::config::{DEFAULT_TENANTS_CACHE_TOTAL_MIB, TENANT_CACHE_FLOOR_BYTES};
-    use bootstrap_controller::limits::ResponsePool;
+    use bootstrap_controller::limits::{TENANTS_RESPONSE_FLOOR_BYTES, TENANTS_RESPONSE_POOL_BYTES};
     use reconcilers::budget::pool_bounds;
     const MIB: usize = 1024 * 1024;
     const FLEET_OF_10_MIB: f64 = 20.3;
@@ -877,7 +877,7 @@ fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
     let caches = usize::try_from(DEFAULT_TENANTS_CACHE_TOTAL_MIB)? * MIB;
     let pools = [
         (caches, TENANT_CACHE_FLOOR_BYTES),
-        (ResponsePool::TENANTS_MAX_BYTES, ResponsePool::TENANTS_FLOOR),
+        (TENANTS_RESPONSE_POOL_BYTES, TENANTS_RESPONSE_FLOOR_BYTES),
     ];
     // However many tenants, the floors kept for them and what the others may take add up to
     // the pool's total: no more.
@@ -888,7 +888,7 @@ fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
             assert!(above_floors >= total / 2, "{tenants} tenants");
         }
     }
-    let pooled_mib = (caches + ResponsePool::TENANTS_MAX_BYTES) / MIB;
+    let pooled_mib = (caches + TENANTS_RESPONSE_POOL_BYTES) / MIB;
     assert_eq!(pooled_mib, 128, "the pools' worst case with the defaults");
     // The rest grows with the fleet: each tenant's own cost (measured with the image's static
     // build: 20.3 MiB for 10 tenants, 39.4 for 100; BENCHMARKS.md, "The shipped build") and what its server may send ahead of the

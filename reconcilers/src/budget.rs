@@ -93,28 +93,17 @@ pub struct Breach {
 
 /// The most bytes the caches of many clusters hold together; clones share it.
 #[derive(Clone, Debug)]
-pub struct CachePool(Arc<PoolShared>);
-
-#[derive(Debug)]
-struct PoolShared {
+pub struct CachePool {
     bytes: BytePool,
     /// Named in every pool [`Breach`]: the setting that raises the total.
     hint: String,
     breaches: Counter,
 }
 
-impl std::ops::Deref for CachePool {
-    type Target = BytePool;
-
-    fn deref(&self) -> &BytePool {
-        &self.0.bytes
-    }
-}
-
 impl PartialEq for CachePool {
     /// Two pools are equal when their limits are (what a configuration compares).
     fn eq(&self, other: &Self) -> bool {
-        self.limits() == other.limits()
+        self.bytes.limits() == other.bytes.limits()
     }
 }
 
@@ -134,7 +123,7 @@ impl CachePool {
         registry.register(
             "cache_pool_bytes",
             "Estimated bytes the caches of every tenant hold together",
-            pool.gauge(),
+            pool.bytes.gauge(),
         );
         let limit = Gauge::<i64>::default();
         limit.set(i64::try_from(max_bytes).unwrap_or(i64::MAX));
@@ -147,29 +136,32 @@ impl CachePool {
             "cache_pool_over",
             "Tenants paused because their caches' growth would have taken every tenant's caches \
              together over their total",
-            pool.0.breaches.clone(),
+            pool.breaches.clone(),
         );
         pool
     }
 
     fn unregistered(max_bytes: usize, floor: usize, hint: String) -> Self {
-        CachePool(Arc::new(PoolShared {
+        CachePool {
             bytes: BytePool::new(max_bytes, floor),
             hint,
             breaches: Counter::default(),
-        }))
+        }
     }
 }
 
 /// The bytes that many members hold together (every tenant's caches, every tenant client's
 /// responses): at most `max_bytes`, of which each member may hold `floor` whatever the others
-/// hold (see [`pool_bounds`]).
+/// hold (see [`pool_bounds`]); clones share it.
+#[derive(Clone, Debug)]
+pub struct BytePool(Arc<PoolCounts>);
+
 #[derive(Debug)]
-pub struct BytePool {
+struct PoolCounts {
     max_bytes: usize,
     /// What a member may hold however full the pool is, at most half its fair share.
     floor: usize,
-    /// The members counting in the pool: the fair share is the total over their number.
+    /// The [`PoolMember`]s alive: the fair share is the total over their number.
     members: AtomicUsize,
     bytes: AtomicUsize,
     gauge: Gauge,
@@ -177,60 +169,71 @@ pub struct BytePool {
 
 impl BytePool {
     pub fn new(max_bytes: usize, floor: usize) -> Self {
-        BytePool {
+        BytePool(Arc::new(PoolCounts {
             max_bytes,
             floor,
             members: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
             gauge: Gauge::default(),
-        }
+        }))
     }
 
     /// The gauge of the bytes held, for a registry.
     pub fn gauge(&self) -> Gauge {
-        self.gauge.clone()
+        self.0.gauge.clone()
     }
 
     /// `max_bytes` and `floor`, as given.
     pub fn limits(&self) -> (usize, usize) {
-        (self.max_bytes, self.floor)
+        (self.0.max_bytes, self.0.floor)
     }
 
-    /// One more member takes a share of the pool, until it [`leave`](Self::leave)s.
-    pub fn join(&self) {
-        self.members.fetch_add(1, Ordering::AcqRel);
-    }
-
-    pub fn leave(&self) {
-        self.members.fetch_sub(1, Ordering::AcqRel);
+    /// One more member, taking a share of the pool while the returned member lives.
+    pub fn join(&self) -> PoolMember {
+        self.0.members.fetch_add(1, Ordering::AcqRel);
+        PoolMember(self.clone())
     }
 
     /// What one member may hold however full the pool is, and what the members above it may
     /// take the pool to: see [`pool_bounds`].
     pub fn bounds(&self) -> (usize, usize) {
         pool_bounds(
-            self.max_bytes,
-            self.floor,
-            self.members.load(Ordering::Acquire),
+            self.0.max_bytes,
+            self.0.floor,
+            self.0.members.load(Ordering::Acquire),
         )
     }
 
     /// The bytes every member holds now.
     pub fn held(&self) -> usize {
-        self.bytes.load(Ordering::Acquire)
+        self.0.bytes.load(Ordering::Acquire)
     }
+}
 
-    /// Moves a member's count from `before` to `after` bytes, the member holding `member_now`
-    /// in all; when it grew above its floor with the pool over what the members above their
-    /// floors may take, that limit.
+/// One member's share of a [`BytePool`], from [`BytePool::join`] until it is dropped.
+#[derive(Debug)]
+pub struct PoolMember(BytePool);
+
+impl PoolMember {
+    /// Moves this member's count from `before` to `after` bytes, the member holding
+    /// `member_now` in all; when it grew above its floor with the pool over what the members
+    /// above their floors may take, that limit.
     pub fn moved(&self, before: usize, after: usize, member_now: usize) -> Result<(), usize> {
-        let now = move_count(&self.bytes, before, after);
-        self.gauge.set(i64::try_from(now).unwrap_or(i64::MAX));
-        let (floor, above_floors) = self.bounds();
+        let pool = &self.0;
+        let now = move_count(&pool.0.bytes, before, after);
+        pool.0.gauge.set(i64::try_from(now).unwrap_or(i64::MAX));
+        let (floor, above_floors) = pool.bounds();
         if after > before && now > above_floors && member_now > floor {
             return Err(above_floors);
         }
         Ok(())
+    }
+}
+
+impl Drop for PoolMember {
+    fn drop(&mut self) {
+        let PoolMember(pool) = self;
+        pool.0.members.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -271,8 +274,9 @@ pub struct CacheBudget(Arc<Shared>);
 
 struct Shared {
     limits: BudgetLimits,
-    /// What this budget's bytes are counted in too, with other clusters' budgets.
-    pool: Option<CachePool>,
+    /// What this budget's bytes are counted in too, with other clusters' budgets, and this
+    /// cluster's share of it.
+    pool: Option<(CachePool, PoolMember)>,
     /// Named in every [`Breach`]: the setting that raises the limits.
     hint: String,
     objects: AtomicUsize,
@@ -361,12 +365,12 @@ impl CacheBudget {
     }
 
     fn unregistered(limits: BudgetLimits, hint: String, pool: Option<CachePool>) -> Self {
-        if let Some(pool) = &pool {
-            pool.join();
-        }
         CacheBudget(Arc::new(Shared {
             limits,
-            pool,
+            pool: pool.map(|pool| {
+                let member = pool.bytes.join();
+                (pool, member)
+            }),
             hint,
             objects: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
@@ -428,9 +432,9 @@ impl CacheBudget {
             })
             .inc();
         if breach.pooled
-            && let Some(pool) = &self.0.pool
+            && let Some((pool, _)) = &self.0.pool
         {
-            pool.0.breaches.inc();
+            pool.breaches.inc();
         }
         let hook = self
             .0
@@ -466,8 +470,8 @@ impl CacheBudget {
     ) -> Result<(), Breach> {
         let objects_now = move_count(&self.0.objects, before.0, after.0);
         let bytes_now = move_count(&self.0.bytes, before.1, after.1);
-        let pooled =
-            (self.0.pool.as_ref()).map(|pool| (pool, pool.moved(before.1, after.1, bytes_now)));
+        let pooled = (self.0.pool.as_ref())
+            .map(|(pool, member)| (pool, member.moved(before.1, after.1, bytes_now)));
         self.0
             .metrics
             .objects
@@ -491,7 +495,7 @@ impl CacheBudget {
             return Err(breach("bytes", limits.max_bytes, &self.0.hint, false));
         }
         if let Some((pool, Err(above_floors))) = pooled {
-            return Err(breach("bytes", above_floors, &pool.0.hint, true));
+            return Err(breach("bytes", above_floors, &pool.hint, true));
         }
         Ok(())
     }
@@ -591,15 +595,6 @@ impl Account {
         self.listing = None;
         // Releasing never breaches.
         let _ = self.recharge(0, 0);
-    }
-}
-
-impl Drop for Shared {
-    /// A cluster gone no longer takes a share of its pool.
-    fn drop(&mut self) {
-        if let Some(pool) = &self.pool {
-            pool.leave();
-        }
     }
 }
 
@@ -940,7 +935,7 @@ mod tests {
                 let accounts: Vec<_> = (0..clusters)
                     .map(|_| pooled_account(&pool, usize::MAX).1)
                     .collect();
-                let floor = pool.bounds().0;
+                let floor = pool.bytes.bounds().0;
                 let hostile = (clusters / hostile_share).max(1);
                 let (mut hostile, mut small): (Vec<_>, Vec<_>) = accounts
                     .into_iter()
@@ -957,7 +952,7 @@ mod tests {
                             let name = format!("{n}-{round}-{event}");
                             let applied =
                                 account.apply(&watcher::Event::Apply(namespace(&name)), |_| EVENT);
-                            most = most.max(pool.held());
+                            most = most.max(pool.bytes.held());
                             if applied.is_err() {
                                 breaches += 1;
                                 if round == 0 {
@@ -980,7 +975,7 @@ mod tests {
                             .unwrap_or_else(|breach| {
                                 panic!("a cluster within its floor of {floor} bytes: {breach}")
                             });
-                        most = most.max(pool.held());
+                        most = most.max(pool.bytes.held());
                     }
                 }
                 let case = format!("{clusters} clusters, 1 in {hostile_share} hostile");
@@ -1009,11 +1004,11 @@ mod tests {
         };
         fill(&mut large_account, 0..10, 50).unwrap();
         fill(&mut grower_account, 0..2, 50).unwrap();
-        assert_eq!(pool.held(), 600);
+        assert_eq!(pool.bytes.held(), 600);
         // Over what the others may take, but within the floor kept for it: a small cluster is
         // never paused by the others.
         fill(&mut small_account, 0..2, 50).unwrap();
-        assert_eq!((small.held().1, pool.held()), (100, 700));
+        assert_eq!((small.held().1, pool.bytes.held()), (100, 700));
         // Above its floor with the pool over the total less the floors: the cluster that
         // grows breaches, naming the total.
         let breach = fill(&mut grower_account, 2..3, 50).unwrap_err();
@@ -1026,12 +1021,18 @@ mod tests {
             "{text}"
         );
         grower_account.release();
-        assert_eq!((grower.held().1, pool.held()), (0, 600));
+        assert_eq!((grower.held().1, pool.bytes.held()), (0, 600));
         // Its own budget comes first, named as such.
         let own = fill(&mut large_account, 10..11, 400).unwrap_err();
         assert!(!own.pooled && own.to_string().contains("--own"), "{own}");
         drop(large_account);
-        assert_eq!((large.held().1, pool.held()), (0, 100));
+        assert_eq!((large.held().1, pool.bytes.held()), (0, 100));
+        drop((large, grower, grower_account));
+        assert_eq!(
+            pool.bytes.bounds(),
+            (100, 900),
+            "clusters gone give back their shares"
+        );
     }
 
     #[test]

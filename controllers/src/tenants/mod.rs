@@ -111,7 +111,7 @@ pub struct TenantSettings {
 #[derive(Clone, Debug)]
 pub struct Pools {
     pub caches: reconcilers::budget::CachePool,
-    pub responses: crate::limits::ResponsePool,
+    pub responses: reconcilers::budget::BytePool,
 }
 
 /// What the runtime of a tenant is made from: any change restarts the tenant.
