@@ -6,13 +6,10 @@
 //! `serviceClusterIPRange` is reported (a Warning event on the `kubernetes` Service naming both
 //! ranges) and left alone, unless `rebuildBitmapOnRangeChange` is set.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, OnceLock};
 
-use fixedbitset::FixedBitSet;
 use futures::StreamExt;
-use futures::future::BoxFuture;
 use ipnet::IpNet;
 use tokio::sync::Notify;
 
@@ -23,7 +20,7 @@ use crate::contract::{LoopError, PassContext, PassReport, Trigger};
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
-use crate::service_cache::record::{ClusterIp, ServiceRecord, ServiceRef};
+use crate::service_cache::record::{ClusterIp, ServiceRecord};
 use crate::service_range::ServiceRanges;
 
 /// The bitmaps of the ranges, primary first: built at the first pass that finds the cluster
@@ -33,7 +30,7 @@ pub(super) struct LegacyIpBitmaps {
     pub(super) etcd: EtcdConfig,
     /// The `kubernetes` Service: a range mismatch is reported in an event about it.
     kubernetes_service: ServiceName,
-    bitmaps: Arc<OnceLock<Vec<(LegacyBitmap, ServiceRange)>>>,
+    bitmaps: Arc<OnceLock<Vec<LegacyBitmap>>>,
     built: Arc<Notify>,
 }
 
@@ -52,7 +49,7 @@ impl LegacyIpBitmaps {
         &self,
         section: &Section,
         ranges: &ServiceRanges,
-    ) -> Result<&[(LegacyBitmap, ServiceRange)], LoopError> {
+    ) -> Result<&[LegacyBitmap], LoopError> {
         if let Some(bitmaps) = self.bitmaps.get() {
             return Ok(bitmaps);
         }
@@ -62,15 +59,15 @@ impl LegacyIpBitmaps {
         Ok(bitmaps)
     }
 
-    fn build(&self, section: &Section, ranges: &[IpNet]) -> Vec<(LegacyBitmap, ServiceRange)> {
+    fn build(&self, section: &Section, ranges: &[IpNet]) -> Vec<LegacyBitmap> {
         let store = EtcdStore::new(self.etcd.clone());
         ranges
             .iter()
             .zip([RangeKey::ServiceIps, RangeKey::SecondaryServiceIps])
             .map(|(net, key)| {
                 let range = ServiceRange::new(*net);
-                let size = usize::try_from(range.legacy_bitmap_size()).unwrap_or(usize::MAX);
-                let bitmap = LegacyBitmap::new(
+                let size = bitmap_size(&range);
+                LegacyBitmap::new(
                     store.clone(),
                     self.etcd.key(key),
                     net.to_string(),
@@ -104,10 +101,16 @@ impl LegacyIpBitmaps {
                             |ip| self::offset(&range, ip, size),
                         ))
                     },
+                    move |service: &ServiceRecord| {
+                        (service.cluster_ips.iter())
+                            .filter_map(ClusterIp::ip)
+                            .filter_map(|ip| offset(&range, ip, size))
+                            .collect()
+                    },
+                    section.page_size,
                     section.rebuild_bitmap_on_range_change,
                     section.interval,
-                );
-                (bitmap, range)
+                )
             })
             .collect()
     }
@@ -118,7 +121,7 @@ impl LegacyIpBitmaps {
         futures::stream::once(async move {
             loop {
                 if let Some(bitmaps) = bitmaps.get() {
-                    let watches = bitmaps.iter().map(|(bitmap, _)| bitmap.watch());
+                    let watches = bitmaps.iter().map(LegacyBitmap::watch);
                     return futures::stream::select_all(watches);
                 }
                 built.notified().await;
@@ -158,36 +161,15 @@ impl ClusterIpRepairLoop {
             ),
             count: &count,
         };
-        for (bitmap, range) in bitmaps {
+        for bitmap in bitmaps {
             let (in_use, holders) = {
                 let state = self.services.read();
                 if !state.synced {
                     return Ok(());
                 }
-                in_use(state.values(), range, bitmap_size(range))
+                bitmap.in_use(state.values())
             };
-            let fresh_in_use = || -> BoxFuture<'static, Option<FixedBitSet>> {
-                let (client, page_size, range) =
-                    (ctx.client.clone(), self.section.page_size, *range);
-                Box::pin(async move {
-                    let services = crate::service_cache::fresh_services(&client, page_size).await?;
-                    Some(self::in_use(services.iter(), &range, bitmap_size(&range)).0)
-                })
-            };
-            let holds = |service: &ServiceRecord, offset: usize| {
-                range
-                    .address_at(offset as u128 + 1)
-                    .is_some_and(|ip| service.lists_ip(ip))
-            };
-            (bitmap.repair(
-                ctx,
-                (&in_use, &holders),
-                holds,
-                &fresh_in_use,
-                &outlet,
-                report,
-            ))
-            .await?;
+            (bitmap.repair(ctx, (&in_use, &holders), &outlet, report)).await?;
         }
         Ok(())
     }
@@ -197,38 +179,7 @@ fn bitmap_size(range: &ServiceRange) -> usize {
     usize::try_from(range.legacy_bitmap_size()).unwrap_or(usize::MAX)
 }
 
-/// The offsets (`ip - (network + 1)`, upstream's) the Services' cluster IPs take in `range`'s
-/// bitmap, and the Service holding each that upstream's walk of a LIST meets first: the
-/// smallest etcd key (the cache's order is a hash map's).
-fn in_use<'a>(
-    services: impl Iterator<Item = &'a ServiceRecord>,
-    range: &ServiceRange,
-    size: usize,
-) -> (FixedBitSet, HashMap<usize, ServiceRef>) {
-    let mut bits = FixedBitSet::with_capacity(size);
-    let mut first: HashMap<usize, &ServiceRecord> = HashMap::new();
-    for service in services {
-        for ip in service.cluster_ips.iter().filter_map(ClusterIp::ip) {
-            if let Some(offset) = offset(range, ip, size) {
-                bits.insert(offset);
-                first
-                    .entry(offset)
-                    .and_modify(|held| {
-                        if service.key_cmp(held).is_lt() {
-                            *held = service;
-                        }
-                    })
-                    .or_insert(service);
-            }
-        }
-    }
-    let owners = first
-        .into_iter()
-        .map(|(offset, service)| (offset, ServiceRef::of(service)))
-        .collect();
-    (bits, owners)
-}
-
+/// The offset of `ip` in `range`'s bitmap: `ip - (network + 1)`, upstream's.
 fn offset(range: &ServiceRange, ip: IpAddr, size: usize) -> Option<usize> {
     let from_network = range.offset_of(ip)?;
     let offset = usize::try_from(from_network.checked_sub(1)?).ok()?;
@@ -241,6 +192,17 @@ mod tests {
 
     use super::*;
     use crate::service_cache::record::Token;
+
+    /// The bitmap the loop builds for `cidr`.
+    fn bitmap(cidr: &str) -> LegacyBitmap {
+        let kubernetes = ServiceName {
+            namespace: "default".into(),
+            name: "kubernetes".into(),
+        };
+        let legacy = LegacyIpBitmaps::new(EtcdConfig::default(), kubernetes);
+        let mut bitmaps = legacy.build(&Section::default(), &[cidr.parse().unwrap()]);
+        bitmaps.remove(0)
+    }
 
     fn service(name: &str, ips: &[&str]) -> ServiceRecord {
         ServiceRecord {
@@ -270,15 +232,16 @@ mod tests {
             service("outside", &["10.97.0.1"]),
             service("dual", &["fd00::5", "10.96.0.10"]),
             service("twice", &["10.96.0.10"]),
+            service("past the IPv6 cap", &["fd00::1:0"]),
         ];
-        let (bits, owners) = in_use(services.iter(), &v4, size);
+        let (bits, owners) = bitmap("10.96.0.0/24").in_use(&services);
         assert_eq!(bits.ones().collect::<Vec<_>>(), vec![0, 9, 253]);
         assert_eq!(owners[&9].name.as_str(), "dual");
 
         let v6 = ServiceRange::new("fd00::/64".parse().unwrap());
         let size = bitmap_size(&v6);
         assert_eq!(size, 65_535);
-        let (bits, _) = in_use(services.iter(), &v6, size);
+        let (bits, _) = bitmap("fd00::/64").in_use(&services);
         assert_eq!(bits.ones().collect::<Vec<_>>(), vec![4]);
         assert_eq!(offset(&v6, "fd00::1:0".parse().unwrap(), size), None);
     }
@@ -287,13 +250,13 @@ mod tests {
     /// first: the smallest etcd key (`a-b/x` before `a/z`), whatever the cache's order.
     #[test]
     fn the_owner_of_a_shared_ip_is_the_first_etcd_key() {
-        let range = ServiceRange::new("10.96.0.0/24".parse().unwrap());
+        let bitmap = bitmap("10.96.0.0/24");
         let mut first = service("z", &["10.96.0.10"]);
         first.namespace = "a".into();
         let mut second = service("x", &["10.96.0.10"]);
         second.namespace = "a-b".into();
         for order in [[&first, &second], [&second, &first]] {
-            let (_, owners) = in_use(order.into_iter(), &range, bitmap_size(&range));
+            let (_, owners) = bitmap.in_use(order);
             assert_eq!(
                 (owners[&9].namespace.as_str(), owners[&9].name.as_str()),
                 ("a-b", "x")
@@ -314,7 +277,7 @@ mod tests {
         ] {
             let range = ServiceRange::new(cidr.parse().unwrap());
             let size = bitmap_size(&range);
-            let (in_use, _) = in_use(services.iter(), &range, size);
+            let (in_use, _) = bitmap(cidr).in_use(&services);
             let leaked = offset(&range, leaked.parse().unwrap(), size).unwrap();
             let mut stored = in_use.clone();
             stored.insert(leaked);

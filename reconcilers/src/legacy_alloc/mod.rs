@@ -23,15 +23,16 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use fixedbitset::FixedBitSet;
-use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use kube::runtime::events::EventType;
+use smallvec::SmallVec;
 use tracing::{debug, warn};
 
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, drift};
 use crate::events::SeriesRecorder;
 use crate::findings::ReportOnce;
+use crate::service_cache::fresh_services;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::{ServiceRecord, ServiceRef};
 use codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
@@ -83,53 +84,6 @@ pub struct Outlet<'a> {
 /// more (a key just created, a bitmap rebuilt) by one fresh list of the Services.
 const CONFIRM_BY_GET: usize = 32;
 
-/// The bits in `offsets` that no Service holds when read live. Each bit's Service by the cache
-/// (`holders`: namespace, name, uid) is read and must be the same object still holding it
-/// (`holds`); where one is not, or there are many bits, a fresh list of the Services
-/// (`fresh_in_use`) decides, as it also sees a second holder the cache put behind a gone one.
-async fn confirm_live(
-    client: &kube::Client,
-    offsets: Vec<usize>,
-    holders: &HashMap<usize, ServiceRef>,
-    holds: impl Fn(&ServiceRecord, usize) -> bool,
-    fresh_in_use: &(dyn Fn() -> BoxFuture<'static, Option<FixedBitSet>> + Sync),
-) -> Result<HashSet<usize>, String> {
-    let mut suspects = Vec::new();
-    if offsets.len() > CONFIRM_BY_GET {
-        suspects = offsets;
-    } else {
-        for offset in offsets {
-            let Some(ServiceRef {
-                namespace,
-                name,
-                uid,
-            }) = holders.get(&offset)
-            else {
-                suspects.push(offset);
-                continue;
-            };
-            let liveness = live::confirm(client, namespace, name, uid, |service| {
-                holds(service, offset)
-            })
-            .await
-            .map_err(|err| format!("cannot read Service {namespace}/{name}: {err}"))?;
-            if liveness != Liveness::Holds {
-                suspects.push(offset);
-            }
-        }
-    }
-    if suspects.is_empty() {
-        return Ok(HashSet::new());
-    }
-    let fresh = fresh_in_use()
-        .await
-        .ok_or_else(|| "cannot list the Services".to_owned())?;
-    Ok(suspects
-        .into_iter()
-        .filter(|offset| !fresh.contains(*offset))
-        .collect())
-}
-
 /// A finding about a stored bitmap, reported once while it lasts.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum BitmapFinding {
@@ -156,6 +110,10 @@ struct Stored {
 /// Moves bitmap bytes stored under the given range onto the configured range's offsets.
 pub type Rebase = dyn Fn(&str, &[u8]) -> Option<FixedBitSet> + Send + Sync;
 
+/// The offsets a Service holds in a key's bitmap: its node ports', or its cluster IPs' in the
+/// key's range. Those past the bitmap are ignored.
+pub type Offsets = dyn Fn(&ServiceRecord) -> SmallVec<[usize; 4]> + Send + Sync;
+
 /// One range key and what earlier passes saw of it.
 pub struct LegacyBitmap {
     store: EtcdStore,
@@ -172,6 +130,9 @@ pub struct LegacyBitmap {
     /// The bitmap bytes stored under another range, moved onto this key's range (see
     /// [`repair::rebase`]); `None` when that range cannot be read.
     rebase: Box<Rebase>,
+    offsets: Box<Offsets>,
+    /// The page size of a fresh list of the Services.
+    page_size: u32,
     /// Whether a bitmap stored under another range (or none) is rebuilt under `range`: the
     /// operator's opt-in; otherwise it is reported and left alone.
     rebuild_on_range_change: bool,
@@ -194,6 +155,8 @@ impl LegacyBitmap {
         subject: Subject,
         item: impl Fn(usize) -> String + Send + Sync + 'static,
         rebase: impl Fn(&str, &[u8]) -> Option<FixedBitSet> + Send + Sync + 'static,
+        offsets: impl Fn(&ServiceRecord) -> SmallVec<[usize; 4]> + Send + Sync + 'static,
+        page_size: u32,
         rebuild_on_range_change: bool,
         spacing: Duration,
     ) -> Self {
@@ -206,6 +169,8 @@ impl LegacyBitmap {
             subject,
             item: Box::new(item),
             rebase: Box::new(rebase),
+            offsets: Box::new(offsets),
+            page_size,
             rebuild_on_range_change,
             spacing,
             leaks: Mutex::default(),
@@ -226,6 +191,44 @@ impl LegacyBitmap {
     /// Renders an offset as the port or IP it stands for.
     pub fn item(&self, offset: usize) -> String {
         (self.item)(offset)
+    }
+
+    /// The bits `services` hold, and the Service holding each that upstream's walk of a LIST
+    /// meets first: the smallest etcd key (a cache's order is a hash map's).
+    pub fn in_use<'a>(
+        &self,
+        services: impl IntoIterator<Item = &'a ServiceRecord>,
+    ) -> (FixedBitSet, HashMap<usize, ServiceRef>) {
+        let mut bits = FixedBitSet::with_capacity(self.size);
+        let mut first: HashMap<usize, &ServiceRecord> = HashMap::new();
+        for service in services {
+            for offset in (self.offsets)(service) {
+                // FixedBitSet panics on a bit past its length.
+                if offset >= self.size {
+                    continue;
+                }
+                bits.insert(offset);
+                first
+                    .entry(offset)
+                    .and_modify(|held| {
+                        if service.key_cmp(held).is_lt() {
+                            *held = service;
+                        }
+                    })
+                    .or_insert(service);
+            }
+        }
+        let holders = first
+            .into_iter()
+            .map(|(offset, service)| (offset, ServiceRef::of(service)))
+            .collect();
+        (bits, holders)
+    }
+
+    /// The bits the Services hold by a fresh list of them, `None` if the list failed.
+    async fn fresh_in_use(&self, client: &kube::Client) -> Option<FixedBitSet> {
+        let services = fresh_services(client, self.page_size).await?;
+        Some(self.in_use(&services).0)
     }
 
     /// What is wrong when the key is stored under `stored` (empty: no range), and how to
@@ -268,20 +271,17 @@ impl LegacyBitmap {
         }
     }
 
-    /// A repair loop's pass over the key: reads it, plans it against the bits the Services hold
-    /// (`in_use`, each one's first holder in `holders`) and writes the plan by compare-and-swap;
-    /// the drift goes into `report`, the new findings to `outlet`. `fresh_in_use` lists the
-    /// Services afresh and gives the offsets they hold, `None` if the list failed; a pass lists
-    /// at most once, when a leak is due for release or the bitmap is to be rebuilt under another
-    /// range. Every bit about to be set is confirmed by the Services read live (`holds`: whether
-    /// one still holds a bit), as a bit set for a Service that is gone would hold its port or IP
-    /// until three sightings release it; such a bit is neither set nor reported.
+    /// A repair loop's pass over the key: reads it, plans it against the bits the cached
+    /// Services hold (`in_use` and `holders`, as [`Self::in_use`] gives them) and writes the plan
+    /// by compare-and-swap; the drift goes into `report`, the new findings to `outlet`. A pass
+    /// lists the Services afresh at most once, when a leak is due for release or the bitmap is to
+    /// be rebuilt under another range. Every bit about to be set is confirmed by the Services
+    /// read live, as a bit set for a Service that is gone would hold its port or IP until three
+    /// sightings release it; such a bit is neither set nor reported.
     pub async fn repair(
         &self,
         ctx: &PassContext,
         (in_use, holders): (&FixedBitSet, &HashMap<usize, ServiceRef>),
-        holds: impl Fn(&ServiceRecord, usize) -> bool,
-        fresh_in_use: &(dyn Fn() -> BoxFuture<'static, Option<FixedBitSet>> + Sync),
         outlet: &Outlet<'_>,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
@@ -315,7 +315,7 @@ impl LegacyBitmap {
                 {
                     if !listed {
                         listed = true;
-                        fresh = fresh_in_use().await;
+                        fresh = self.fresh_in_use(&ctx.client).await;
                     }
                     if fresh.is_none() {
                         break 'pass self.report_only(
@@ -345,15 +345,14 @@ impl LegacyBitmap {
                 if !plan.held.is_empty() {
                     if !listed {
                         listed = true;
-                        fresh = fresh_in_use().await;
+                        fresh = self.fresh_in_use(&ctx.client).await;
                     }
                     if let Some(fresh) = &fresh {
                         let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
                         plan.release_held(&mut leaks, fresh);
                     }
                 }
-                self.drop_gone(&mut plan, &mut judged, ctx, holders, &holds, fresh_in_use)
-                    .await?;
+                self.drop_gone(&mut plan, &mut judged, ctx, holders).await?;
 
                 let write = stored.value.is_none()
                     || stored.range_change.is_some()
@@ -636,16 +635,59 @@ impl LegacyBitmap {
         })
     }
 
-    /// Confirms live ([`confirm_live`]) the bits the plan would set that were not judged yet,
-    /// and takes out of the plan those no live Service holds (the Service cache is behind).
+    /// The bits in `offsets` that no Service holds when read live. Each bit's Service by the
+    /// cache (`holders`: namespace, name, uid) is read and must be the same object still holding
+    /// it; where one is not, or there are many bits, a fresh list of the Services decides, as it
+    /// also sees a second holder the cache put behind a gone one.
+    async fn confirm_live(
+        &self,
+        client: &kube::Client,
+        offsets: Vec<usize>,
+        holders: &HashMap<usize, ServiceRef>,
+    ) -> Result<HashSet<usize>, String> {
+        let mut suspects = Vec::new();
+        if offsets.len() > CONFIRM_BY_GET {
+            suspects = offsets;
+        } else {
+            for offset in offsets {
+                let Some(ServiceRef {
+                    namespace,
+                    name,
+                    uid,
+                }) = holders.get(&offset)
+                else {
+                    suspects.push(offset);
+                    continue;
+                };
+                let liveness = live::confirm(client, namespace, name, uid, |service| {
+                    (self.offsets)(service).contains(&offset)
+                })
+                .await
+                .map_err(|err| format!("cannot read Service {namespace}/{name}: {err}"))?;
+                if liveness != Liveness::Holds {
+                    suspects.push(offset);
+                }
+            }
+        }
+        if suspects.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let fresh = (self.fresh_in_use(client).await)
+            .ok_or_else(|| "cannot list the Services".to_owned())?;
+        Ok(suspects
+            .into_iter()
+            .filter(|offset| !fresh.contains(*offset))
+            .collect())
+    }
+
+    /// Confirms live ([`Self::confirm_live`]) the bits the plan would set that were not judged
+    /// yet, and takes out of the plan those no live Service holds (the Service cache is behind).
     async fn drop_gone(
         &self,
         plan: &mut repair::Plan,
         judged: &mut HashMap<usize, bool>,
         ctx: &PassContext,
         holders: &HashMap<usize, ServiceRef>,
-        holds: &impl Fn(&ServiceRecord, usize) -> bool,
-        fresh_in_use: &(dyn Fn() -> BoxFuture<'static, Option<FixedBitSet>> + Sync),
     ) -> Result<(), LoopError> {
         let unjudged: Vec<usize> = plan
             .not_allocated
@@ -656,13 +698,12 @@ impl LegacyBitmap {
         if !unjudged.is_empty() {
             let offsets = unjudged.clone();
             // Without a live read nothing is written: a bit set for a gone Service would hold it.
-            let gone = (confirm_live(&ctx.client, offsets, holders, holds, fresh_in_use).await)
-                .map_err(|why| {
-                    let (noun, key) = (self.subject.noun, &self.key);
-                    self.failed(format!(
-                        "cannot confirm the Services holding {noun}s missing from {key}: {why}"
-                    ))
-                })?;
+            let gone = (self.confirm_live(&ctx.client, offsets, holders).await).map_err(|why| {
+                let (noun, key) = (self.subject.noun, &self.key);
+                self.failed(format!(
+                    "cannot confirm the Services holding {noun}s missing from {key}: {why}"
+                ))
+            })?;
             for offset in unjudged {
                 judged.insert(offset, gone.contains(&offset));
             }

@@ -2,14 +2,12 @@
 //! released once confirmed), and upstream's events about the findings. Services are never
 //! changed.
 
-use futures::future::BoxFuture;
 use kube::runtime::events::EventType;
 
 use super::plan::{self, Finding, Problem};
 use super::{EVENT_ACTION, NodePortRepairLoop};
 use crate::contract::{LoopError, PassContext, PassReport};
 use crate::legacy_alloc::{LegacyBitmap, Outlet};
-use crate::service_cache::fresh_services;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::ServiceRecord;
 
@@ -22,7 +20,8 @@ impl NodePortRepairLoop {
     }
 
     /// etcd mode: repairs the bitmap against the ports in use; `PortNotAllocated` on the
-    /// Service of each port found missing.
+    /// Service of each port found missing. The pass's scan holds the bits and first holders
+    /// [`LegacyBitmap::in_use`] would give for the same Services, so the cache is scanned once.
     pub(super) async fn repair_bitmap(
         &self,
         ctx: &PassContext,
@@ -30,20 +29,6 @@ impl NodePortRepairLoop {
         scan: &plan::Scan,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        let fresh_in_use = || -> BoxFuture<'static, Option<fixedbitset::FixedBitSet>> {
-            let (client, page_size, range) =
-                (ctx.client.clone(), self.section.page_size, self.range);
-            Box::pin(async move {
-                let services = fresh_services(&client, page_size).await?;
-                Some(plan::scan(&services, range).in_use)
-            })
-        };
-        let base = i32::from(self.range.base());
-        let holds = |service: &ServiceRecord, offset: usize| {
-            i32::try_from(offset).is_ok_and(|offset| {
-                plan::collect_service_node_ports(service).contains(&(base + offset))
-            })
-        };
         let count = |error_type| self.count(error_type);
         let outlet = Outlet {
             recorder: &self.recorder,
@@ -53,8 +38,8 @@ impl NodePortRepairLoop {
             ),
             count: &count,
         };
-        let holders = (&scan.in_use, &scan.owners);
-        (etcd.repair(ctx, holders, holds, &fresh_in_use, &outlet, report)).await
+        let in_use = (&scan.in_use, &scan.owners);
+        (etcd.repair(ctx, in_use, &outlet, report)).await
     }
 
     /// Reads the Services a new finding rests on live, as the cache may be behind: the

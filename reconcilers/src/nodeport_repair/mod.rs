@@ -112,6 +112,12 @@ impl NodePortRepairLoop {
                         |port| range.offset(port),
                     ))
                 },
+                move |service: &ServiceRecord| {
+                    (plan::collect_service_node_ports(service).into_iter())
+                        .filter_map(|port| range.offset(port))
+                        .collect()
+                },
+                section.page_size,
                 section.rebuild_bitmap_on_range_change,
                 section.interval,
             )
