@@ -59,7 +59,7 @@ use apply::{
 };
 use audit::AuditDecision;
 use model::{IpAddressRecord, ServiceCidrRecord};
-use plan::{Decision, Finding, Problem, Repair};
+use plan::{Finding, Problem, Repair};
 
 /// The loop's name: in logs, `/readyz`, metrics and events.
 pub const NAME: &str = "clusterip-repair";
@@ -299,46 +299,7 @@ impl ClusterIpRepairLoop {
         for range in &usage {
             debug!(range = %range.range, allocated = %range.allocated, free = %range.free, "service range usage");
         }
-        let mut report = PassReport::default();
-        let appeared = self.appeared(&findings);
-        let mut unpublished = None;
-        for finding in findings {
-            let key = report_key(&finding);
-            if key.as_ref().is_none_or(|key| appeared.contains(key)) {
-                match apply::verify(&ctx.client, &finding).await {
-                    Verdict::Confirmed => {}
-                    Verdict::Contradicted(why) => {
-                        self.disproved(&finding, &why);
-                        continue;
-                    }
-                    Verdict::Unknown(why) => {
-                        if let Some(key) = &key {
-                            self.reported.forget(key);
-                        }
-                        info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; reported when a pass can");
-                        report.push(drift_of(&finding, Action::Report, false, None));
-                        continue;
-                    }
-                }
-                if !ctx.dry_run
-                    && let Err(err) = self.publish(&finding).await
-                {
-                    // Counted, logged and published on the next pass instead.
-                    if let Some(key) = &key {
-                        self.reported.forget(key);
-                    }
-                    unpublished.get_or_insert(err);
-                    report.push(drift_of(&finding, Action::Report, false, None));
-                    continue;
-                }
-                self.count(&finding);
-            }
-            report.push(drift_of(&finding, Action::Report, false, None));
-        }
-        match unpublished {
-            Some(err) => Err(err),
-            None => Ok(report),
-        }
+        self.act(ctx, Served::NoIpAddressApi, findings).await
     }
 
     /// The report-only findings of a complete pass that were not there after the last one.
@@ -387,7 +348,14 @@ impl ClusterIpRepairLoop {
                 self.section.orphan_grace_period,
             )
         };
-        self.act(ctx, decision).await
+        if let Some(at) = decision.next_recheck {
+            let wait = (at - jiff::Timestamp::now())
+                .try_into()
+                .unwrap_or(Duration::ZERO);
+            self.wakeup
+                .schedule(tokio::time::Instant::now() + wait + Duration::from_millis(50));
+        }
+        self.act(ctx, Served::IpAddressApi, decision.findings).await
     }
 
     /// Upstream's repair waits until the default ServiceCIDR exists (the service-cidr loop
@@ -417,25 +385,24 @@ impl ClusterIpRepairLoop {
         })
     }
 
-    async fn act(&self, ctx: &PassContext, decision: Decision) -> Result<PassReport, LoopError> {
-        if let Some(at) = decision.next_recheck {
-            let wait = (at - jiff::Timestamp::now())
-                .try_into()
-                .unwrap_or(Duration::ZERO);
-            self.wakeup
-                .schedule(tokio::time::Instant::now() + wait + Duration::from_millis(50));
-        }
+    /// Verifies, repairs and reports the findings of a complete pass of the mode `served` says.
+    async fn act(
+        &self,
+        ctx: &PassContext,
+        served: Served,
+        findings: Vec<Finding>,
+    ) -> Result<PassReport, LoopError> {
         let mut report = PassReport::default();
         let mut first_error: Option<LoopError> = None;
-        let appeared = self.appeared(&decision.findings);
-        let mut findings = decision.findings.into_iter();
+        let appeared = self.appeared(&findings);
+        let mut findings = findings.into_iter();
         while let Some(finding) = findings.next() {
             // A cache emptied during the pass (its tenant paused over budget, a relist begun)
             // no longer holds what the findings were decided on: the rest wait for a pass on
             // synced caches, rather than each being checked live, deferred and kept in the
             // report against a client that may be failing every request. Those that appeared
             // in this pass are reported by that pass.
-            if let Some(what) = self.unsynced() {
+            if let Some(what) = self.unsynced(served) {
                 self.forget_appeared(std::iter::once(finding).chain(findings), &appeared);
                 return Err(LoopError::NotSynced(format!(
                     "{what} cache stopped being synced during the pass"
@@ -458,7 +425,7 @@ impl ClusterIpRepairLoop {
                     continue;
                 }
                 Verdict::Unknown(why) => {
-                    report.push(self.deferred(&finding, report_only.as_ref(), &why));
+                    report.push(self.unconfirmed(served, &finding, report_only.as_ref(), &why));
                     continue;
                 }
             }
@@ -530,8 +497,13 @@ impl ClusterIpRepairLoop {
         }
     }
 
-    /// The first cache an IPAddress-mode pass decides on that is not synced, if any.
-    fn unsynced(&self) -> Option<&'static str> {
+    /// The first cache an IPAddress-mode pass decides on that is not synced, if any. None for
+    /// an audit pass: its IPAddress and ServiceCIDR caches are never synced, and its findings
+    /// are only reported, each after a live read of its Service.
+    fn unsynced(&self, served: Served) -> Option<&'static str> {
+        if served == Served::NoIpAddressApi {
+            return None;
+        }
         [
             (self.services.read().synced, "Service"),
             (self.ip_addresses.read().synced, "IPAddress"),
@@ -541,14 +513,25 @@ impl ClusterIpRepairLoop {
         .find_map(|(synced, what)| (!synced).then_some(what))
     }
 
-    /// A finding the live read could not confirm: looked at again soon, and a report waits for
-    /// a pass that can confirm it.
-    fn deferred(&self, finding: &Finding, report_only: Option<&ReportKey>, why: &str) -> Drift {
-        self.wakeup
-            .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
+    /// A finding the live read could not confirm: a report waits for a pass that can confirm
+    /// it. An audit pass only reports, so it waits for the next pass on the interval; an
+    /// IPAddress-mode finding is looked at again soon.
+    fn unconfirmed(
+        &self,
+        served: Served,
+        finding: &Finding,
+        report_only: Option<&ReportKey>,
+        why: &str,
+    ) -> Drift {
         if let Some(key) = report_only {
             self.reported.forget(key);
         }
+        if served == Served::NoIpAddressApi {
+            info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; reported when a pass can");
+            return drift_of(finding, Action::Report, false, None);
+        }
+        self.wakeup
+            .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
         if finding.repair.deletes() {
             self.metrics
                 .deferred_deletes
