@@ -13,34 +13,27 @@ use reconcilers::section::{ConfigError, DurationError, ServiceName, Settings, fo
 use super::file::{locate, parse_file_all, read_text};
 use super::settings::{ConfigArgs, FileConfig, Given, Source};
 use super::tenant::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, merge_tenants};
-use super::values::{NotABool, NotANumber, parse_service_cidrs};
+use super::values::{NotANumber, parse_service_cidrs};
 use super::{Config, ConfigErrors, LeaderElection};
 
 /// The `--etcd-*` settings, validated: servers are http(s) URLs, a client certificate comes with
 /// its key, the files are readable, and nothing but the servers turns etcd mode on.
 pub(super) fn merge_etcd(given: Given, errors: &mut Vec<ConfigError>) -> EtcdConfig {
     let servers_source = given.etcd_servers;
-    let mut servers = Vec::new();
-    if let Some(source) = &servers_source {
-        for server in source
-            .value
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-        {
-            let valid = server.parse::<http::Uri>().is_ok_and(|uri| {
+    let servers = servers_source.as_ref().map_or_else(Vec::new, |source| {
+        items(source, errors, |server| {
+            let url = server.parse::<http::Uri>().is_ok_and(|uri| {
                 matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
             });
-            if valid {
-                servers.push(server.to_owned());
+            if url {
+                Ok(server.to_owned())
             } else {
-                errors.push(ConfigError::new(
-                    source.field,
-                    format!("{server:?} is not an etcd URL (expected e.g. https://192.0.2.1:2379)"),
-                ));
+                Err(format!(
+                    "{server:?} is not an etcd URL (expected e.g. https://192.0.2.1:2379)"
+                ))
             }
-        }
-    }
+        })
+    });
     let mut path = |source: Option<Source<PathBuf>>| {
         let source = source?;
         if servers_source.is_none() {
@@ -230,8 +223,9 @@ impl Config {
         let leader_election = merge_leader_election(&mut given, &mut errors);
 
         let kubeconfig = given.kubeconfig.take().map(|source| source.value);
-        let dry_run = boolean(given.dry_run.take(), false, &mut errors);
-        let timer_only = boolean(given.timer_only.take(), false, &mut errors);
+        let dry_run = valid(given.dry_run.take(), &mut errors).is_some_and(|source| source.value);
+        let timer_only =
+            valid(given.timer_only.take(), &mut errors).is_some_and(|source| source.value);
         let log_format = given
             .log_format
             .take()
@@ -377,22 +371,10 @@ pub(super) fn merge_leader_election(
     let lease_namespace = given.leader_elect_lease_namespace.take();
     // A duration that does not parse is reported here and left at its default, so the checks
     // below do not report it again.
-    let mut duration = |source: Option<Source<Result<Duration, DurationError>>>| {
-        let source = source?;
-        match source.value {
-            Ok(value) => Some(Source {
-                value,
-                field: source.field,
-            }),
-            Err(err) => {
-                errors.push(ConfigError::new(source.field, err.to_string()));
-                None
-            }
-        }
-    };
-    let lease_duration = duration(given.leader_elect_lease_duration.take());
-    let renew_grace = duration(given.leader_elect_renew_grace.take());
-    let enabled = boolean(given.leader_elect.take(), defaults.enabled, errors);
+    let lease_duration = valid(given.leader_elect_lease_duration.take(), errors);
+    let renew_grace = valid(given.leader_elect_renew_grace.take(), errors);
+    let enabled =
+        valid(given.leader_elect.take(), errors).map_or(defaults.enabled, |source| source.value);
     let election = LeaderElection {
         enabled,
         lease_name: lease_name
@@ -494,26 +476,37 @@ fn check_lease_durations(
     }
 }
 
-/// A boolean setting: its value, or `default` when it was not given or (with its error noted)
-/// is not a boolean.
-fn boolean(
-    source: Option<Source<Result<bool, NotABool>>>,
-    default: bool,
+/// A setting that parsed, or `None` when it was not given or (with its error noted) did not
+/// parse: the caller falls back to its default.
+fn valid<T, E: std::fmt::Display>(
+    source: Option<Source<Result<T, E>>>,
     errors: &mut Vec<ConfigError>,
-) -> bool {
-    match source {
-        Some(Source {
-            value: Ok(value), ..
-        }) => value,
-        Some(Source {
-            value: Err(err),
-            field,
-        }) => {
-            errors.push(ConfigError::new(field, err));
-            default
-        }
-        None => default,
-    }
+) -> Option<Source<T>> {
+    let Source { value, field } = source?;
+    value
+        .map(|value| Source { value, field })
+        .map_err(|err| errors.push(ConfigError::new(field, err)))
+        .ok()
+}
+
+/// A comma-separated list: the items `parse` takes, in order, and an error naming the setting
+/// for each one it refuses (with the message it gives); empty items are skipped.
+pub(super) fn items<T>(
+    source: &Source<String>,
+    errors: &mut Vec<ConfigError>,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Vec<T> {
+    source
+        .value
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .filter_map(|item| {
+            parse(item)
+                .map_err(|message| errors.push(ConfigError::new(source.field, message)))
+                .ok()
+        })
+        .collect()
 }
 
 /// `advertiseAddress`: an address the cluster can reach.

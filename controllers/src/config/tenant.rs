@@ -12,6 +12,7 @@ use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{ConfigError, format_duration, parse_duration};
 
 use super::file::parse_file;
+use super::merge::items;
 use super::settings::{ConfigArgs, Given, Source, TenantBudgetFile};
 use super::values::NotANumber;
 use super::{
@@ -797,13 +798,7 @@ fn kubeconfig_key(source: Source<String>, errors: &mut Vec<ConfigError>) -> Stri
 
 /// `tenants.credentialPlugins`: absolute paths of the programs a tenant kubeconfig may run.
 fn credential_plugins(source: Source<String>, errors: &mut Vec<ConfigError>) -> Vec<PathBuf> {
-    let mut credential_plugins = Vec::new();
-    for path in source
-        .value
-        .split(',')
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-    {
+    let paths = items(&source, errors, |path| {
         let directory = path.ends_with('/');
         let path = PathBuf::from(path);
         let plain = !directory
@@ -814,16 +809,18 @@ fn credential_plugins(source: Source<String>, errors: &mut Vec<ConfigError>) -> 
                 )
             });
         if !path.is_absolute() || !plain || path.file_name().is_none() {
-            errors.push(ConfigError::new(
-                source.field,
-                format!(
-                    "{} is not an absolute path to a program (e.g. \
-                     /usr/local/bin/aws-iam-authenticator): a plugin is allowed by the path \
-                     that runs, never looked up in PATH",
-                    path.display()
-                ),
+            return Err(format!(
+                "{} is not an absolute path to a program (e.g. \
+                 /usr/local/bin/aws-iam-authenticator): a plugin is allowed by the path that \
+                 runs, never looked up in PATH",
+                path.display()
             ));
-        } else if !credential_plugins.contains(&path) {
+        }
+        Ok(path)
+    });
+    let mut credential_plugins = Vec::new();
+    for path in paths {
+        if !credential_plugins.contains(&path) {
             credential_plugins.push(path);
         }
     }
@@ -832,27 +829,14 @@ fn credential_plugins(source: Source<String>, errors: &mut Vec<ConfigError>) -> 
 
 /// `tenants.etcdAllowedCIDRs`: the networks a tenant's etcd may be in.
 fn etcd_allowed_cidrs(source: Source<String>, errors: &mut Vec<ConfigError>) -> Vec<ipnet::IpNet> {
-    let mut etcd_allowed_cidrs = Vec::new();
-    for text in source
-        .value
-        .split(',')
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-    {
-        match text.parse::<ipnet::IpNet>() {
-            Ok(net) if net.trunc() == net => etcd_allowed_cidrs.push(net),
-            Ok(net) => errors.push(ConfigError::new(
-                source.field,
-                format!(
-                    "{text} has host bits set: write the network, {}",
-                    net.trunc()
-                ),
-            )),
-            Err(_) => errors.push(ConfigError::new(
-                source.field,
-                format!("{text:?} is not a CIDR (e.g. 10.0.16.0/20 or fd00:10::/64)"),
-            )),
-        }
-    }
-    etcd_allowed_cidrs
+    items(&source, errors, |text| match text.parse::<ipnet::IpNet>() {
+        Ok(net) if net.trunc() == net => Ok(net),
+        Ok(net) => Err(format!(
+            "{text} has host bits set: write the network, {}",
+            net.trunc()
+        )),
+        Err(_) => Err(format!(
+            "{text:?} is not a CIDR (e.g. 10.0.16.0/20 or fd00:10::/64)"
+        )),
+    })
 }
