@@ -10,7 +10,7 @@ use tracing::{error, info, warn};
 
 use crate::config::{
     Config, ConfigArgs, ConfigError, ConfigErrors, LogFormat, TenantBase, Tenants, format_duration,
-    parse_duration,
+    parse_duration, positive_duration,
 };
 use crate::kubeconfig;
 use crate::loops::build_loops;
@@ -228,20 +228,9 @@ async fn run_management(args: &ConfigArgs, config: Config, tenants: Tenants) -> 
 
 /// `check`: one dry-run pass of every loop against one cluster.
 async fn check_command(args: &ConfigArgs, timeout: &str, output: OutputFormat) -> ExitCode {
-    let timeout = match parse_duration(timeout) {
-        Ok(timeout) if !timeout.is_zero() => timeout,
-        Ok(_) => {
-            return config_error(&ConfigErrors(vec![ConfigError::new(
-                "--timeout",
-                "must be greater than zero (e.g. 30s)",
-            )]));
-        }
-        Err(err) => {
-            return config_error(&ConfigErrors(vec![ConfigError::new(
-                "--timeout",
-                err.to_string(),
-            )]));
-        }
+    let mut errors = Vec::new();
+    let Some(timeout) = positive_duration("--timeout", parse_duration(timeout), &mut errors) else {
+        return config_error(&ConfigErrors(errors));
     };
     match load_config(args) {
         Ok(config) if config.tenants.is_some() => {

@@ -216,9 +216,8 @@ impl Config {
         let shutdown_timeout = given
             .shutdown_timeout
             .take()
-            .map_or_else(default_shutdown_timeout, |source| {
-                shutdown_timeout(source, &mut errors)
-            });
+            .and_then(|source| positive_duration(source.field, source.value, &mut errors))
+            .unwrap_or_else(default_shutdown_timeout);
 
         let leader_election = merge_leader_election(&mut given, &mut errors);
 
@@ -657,18 +656,18 @@ fn admin_addr(source: Source<String>, errors: &mut Vec<ConfigError>) -> SocketAd
     })
 }
 
-/// `shutdownTimeout`: a duration above zero.
-fn shutdown_timeout(
-    source: Source<Result<Duration, DurationError>>,
+/// A duration above zero (`shutdownTimeout`, `check --timeout`), or `None` after its error,
+/// naming `field`, is noted.
+pub fn positive_duration(
+    field: &'static str,
+    value: Result<Duration, DurationError>,
     errors: &mut Vec<ConfigError>,
-) -> Duration {
-    match source.value {
-        Ok(timeout) if !timeout.is_zero() => return timeout,
-        Ok(_) => errors.push(ConfigError::new(
-            source.field,
-            "must be greater than zero (e.g. 30s)",
-        )),
-        Err(err) => errors.push(ConfigError::new(source.field, err.to_string())),
-    }
-    default_shutdown_timeout()
+) -> Option<Duration> {
+    let message = match value {
+        Ok(duration) if !duration.is_zero() => return Some(duration),
+        Ok(_) => "must be greater than zero (e.g. 30s)".to_owned(),
+        Err(err) => err.to_string(),
+    };
+    errors.push(ConfigError::new(field, message));
+    None
 }
