@@ -11,7 +11,7 @@ use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{ConfigError, DurationError, ServiceName, Settings, format_duration};
 
 use super::file::{locate, parse_file_all, read_text};
-use super::settings::{ConfigArgs, FileConfig, Given, Source};
+use super::settings::{ConfigArgs, FileConfig, Given, Source, items, valid};
 use super::tenant::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, merge_tenants};
 use super::values::{NotANumber, parse_service_cidrs};
 use super::{Config, ConfigErrors, LeaderElection};
@@ -473,39 +473,6 @@ fn check_lease_durations(
             (None, None) => {}
         }
     }
-}
-
-/// A setting that parsed, or `None` when it was not given or (with its error noted) did not
-/// parse: the caller falls back to its default.
-fn valid<T, E: std::fmt::Display>(
-    source: Option<Source<Result<T, E>>>,
-    errors: &mut Vec<ConfigError>,
-) -> Option<Source<T>> {
-    let Source { value, field } = source?;
-    value
-        .map(|value| Source { value, field })
-        .map_err(|err| errors.push(ConfigError::new(field, err)))
-        .ok()
-}
-
-/// A comma-separated list: the items `parse` takes, in order, and an error naming the setting
-/// for each one it refuses (with the message it gives); empty items are skipped.
-pub(super) fn items<T>(
-    source: &Source<String>,
-    errors: &mut Vec<ConfigError>,
-    parse: impl Fn(&str) -> Result<T, String>,
-) -> Vec<T> {
-    source
-        .value
-        .split(',')
-        .map(str::trim)
-        .filter(|item| !item.is_empty())
-        .filter_map(|item| {
-            parse(item)
-                .map_err(|message| errors.push(ConfigError::new(source.field, message)))
-                .ok()
-        })
-        .collect()
 }
 
 /// `advertiseAddress`: an address the cluster can reach.

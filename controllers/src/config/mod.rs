@@ -9,7 +9,8 @@
 //!
 //! By concern, each file using only those listed before it: `values.rs` (value types and their
 //! parsers), `settings.rs` (the one list of the top-level settings, from which the flags with
-//! their environment variables, the file's fields and the flag-over-file pick follow),
+//! their environment variables, the file's fields and the flag-over-file pick follow, with the
+//! reporting of a picked value or list item that does not parse),
 //! `suggest.rs` (near misses of mistyped keys and variables), `file.rs` (the file's parser, which
 //! reports every problem of a file with its line), `tenant.rs` (management mode, and a tenant's annotation fragment merged
 //! over the file), `merge.rs` (flags over file over defaults, and validation); this module holds

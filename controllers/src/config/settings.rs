@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 use reconcilers::apiserver_endpoints::EndpointsMode;
-use reconcilers::section::{DurationError, duration_format, parse_duration};
+use reconcilers::section::{ConfigError, DurationError, duration_format, parse_duration};
 use serde::{Deserialize, Serialize};
 
 use super::Loops;
@@ -75,6 +75,39 @@ pub(super) fn pick<T>(
         }),
         (None, None) => None,
     }
+}
+
+/// A setting that parsed, or `None` when it was not given or (with its error noted) did not
+/// parse: the caller falls back to its default.
+pub(super) fn valid<T, E: std::fmt::Display>(
+    source: Option<Source<Result<T, E>>>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<Source<T>> {
+    let Source { value, field } = source?;
+    value
+        .map(|value| Source { value, field })
+        .map_err(|err| errors.push(ConfigError::new(field, err)))
+        .ok()
+}
+
+/// A comma-separated list: the items `parse` takes, in order, and an error naming the setting
+/// for each one it refuses (with the message it gives); empty items are skipped.
+pub(super) fn items<T>(
+    source: &Source<String>,
+    errors: &mut Vec<ConfigError>,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Vec<T> {
+    source
+        .value
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .filter_map(|item| {
+            parse(item)
+                .map_err(|message| errors.push(ConfigError::new(source.field, message)))
+                .ok()
+        })
+        .collect()
 }
 
 macro_rules! settings {

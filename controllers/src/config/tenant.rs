@@ -12,8 +12,7 @@ use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{ConfigError, format_duration, parse_duration};
 
 use super::file::parse_file;
-use super::merge::items;
-use super::settings::{ConfigArgs, Given, Source, TenantBudgetFile};
+use super::settings::{ConfigArgs, Given, Source, TenantBudgetFile, items};
 use super::values::NotANumber;
 use super::{
     Config, ConfigErrors, DEFAULT_TENANTS_CACHE_MAX_MIB, DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
