@@ -142,16 +142,22 @@ def test_a_run_where_nothing_ran_against_the_cluster_fails(tmp_path: Path):
     assert "no test ran against the cluster" in done.stdout
 
 
-# A stand-in cargo: `cargo build` is only noted in the calls; `cargo test` writes what the suite's
-# tests would record where BOOTSTRAP_E2E_SKIP_LOG says, prints cargo's `Running` lines, and exits
-# with FAKE_CARGO_STATUS; its arguments go to a file.
+# A stand-in cargo: `cargo build` and `cargo test --no-run` are only noted in the calls; `cargo
+# test` writes what the suite's tests would record where BOOTSTRAP_E2E_SKIP_LOG says, prints
+# cargo's `Running` lines, and exits with FAKE_CARGO_STATUS; its arguments go to a file. A run of
+# `--test no_fight` alone reads and writes the files named with `.no_fight` after them instead.
 FAKE_CARGO = r'''#!/usr/bin/env bash
 set -euo pipefail
-if [ "$1" = build ]; then echo "cargo $*" >>"$FAKE_DIR/calls"; exit 0; fi
-printf '%s\n' "$@" >"$FAKE_DIR/cargo-args"
-env | grep '^BOOTSTRAP_E2E_' | sort >"$FAKE_DIR/cargo-env"
-cat "$FAKE_DIR/record" >>"$BOOTSTRAP_E2E_SKIP_LOG"
-cat "$FAKE_DIR/output"
+case " $* " in
+  " build "* | *" --no-run "*) echo "cargo $*" >>"$FAKE_DIR/calls"; exit 0 ;;
+esac
+suffix=
+case " $* " in *" --test no_fight --no-fail-fast "*) suffix=.no_fight ;; esac
+printf '%s\n' "$@" >"$FAKE_DIR/cargo-args$suffix"
+env | grep '^BOOTSTRAP_E2E_' | sort >"$FAKE_DIR/cargo-env$suffix"
+cat "$FAKE_DIR/record$suffix" >>"$BOOTSTRAP_E2E_SKIP_LOG"
+cat "$FAKE_DIR/output$suffix"
+if [ -n "$suffix" ]; then exit "${FAKE_NO_FIGHT_STATUS:-0}"; fi
 exit "${FAKE_CARGO_STATUS:-0}"
 '''
 
@@ -170,16 +176,19 @@ SERVES_IPADDRESSES = '{"kind": "APIResourceList", "resources": [{"name": "ipaddr
 
 
 def run_test_sh(tmp: Path, record: str, *args: str, cargo_status: int = 0,
-                discovery: str = SERVES_IPADDRESSES, output: str = OUTPUT_ALPHA):
+                discovery: str = SERVES_IPADDRESSES, output: str = OUTPUT_ALPHA,
+                no_fight: tuple[str, str, int] | None = None):
     """test.sh as CI runs it, from a copy of e2e/control-plane beside stand-ins for build.sh,
-    up.sh and down.sh (the control plane) and on a PATH with the stand-in cargo and curl."""
+    up.sh and down.sh (the control plane) and on a PATH with the stand-in cargo and curl. With
+    `no_fight` (what that file records and prints, and its exit status), the suite has a test file
+    no_fight too."""
     copy = tmp / "repo" / "e2e" / "control-plane"
     copy.mkdir(parents=True)
     for name in ("test.sh", "skips.sh"):
         shutil.copy(CONTROL_PLANE / name, copy / name)
     tests = tmp / "repo" / "e2e" / "tests"
     tests.mkdir()
-    for name in ("alpha", "gamma"):
+    for name in ("alpha", "gamma") + (("no_fight",) if no_fight else ()):
         (tests / f"{name}.rs").write_text("")
     (copy / "expected-skips.txt").write_text(EXPECTED_TEXT)
     for name, body in STAND_INS.items():
@@ -200,6 +209,10 @@ def run_test_sh(tmp: Path, record: str, *args: str, cargo_status: int = 0,
     (state / "output").write_text(output)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(state),
            "FAKE_CARGO_STATUS": str(cargo_status), "TMPDIR": str(tmp)}
+    if no_fight:
+        (state / "record.no_fight").write_text(no_fight[0])
+        (state / "output.no_fight").write_text(no_fight[1])
+        env["FAKE_NO_FIGHT_STATUS"] = str(no_fight[2])
     done = subprocess.run([str(copy / "test.sh"), *args], env=env, capture_output=True,
                           text=True, timeout=120)
     return done, state
@@ -234,6 +247,47 @@ def test_test_sh_records_the_skips_and_compares_the_whole_suite(tmp_path: Path):
     left = list(tmp_path.glob("control-plane-e2e-skips-*")) + list(
         tmp_path.glob("control-plane-e2e-output-*"))
     assert not left, left
+
+
+NO_FIGHT_RECORD = "CLUSTER no_fight::judged: runs against the given cluster\n"
+NO_FIGHT_OUTPUT = "     Running tests/no_fight.rs (target/debug/deps/no_fight-0123456789abcdef)\n"
+
+
+def test_test_sh_runs_no_fight_beside_the_suite_on_a_control_plane_of_its_own(tmp_path: Path):
+    record = RECORD_ALPHA + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
+    done, state = run_test_sh(tmp_path, record, no_fight=(NO_FIGHT_RECORD, NO_FIGHT_OUTPUT, 0))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "test files alpha no_fight ran: compared with their lines" in done.stdout
+    args = (state / "cargo-args").read_text().splitlines()
+    assert "no_fight" not in args and args[5:7] == ["--test", "alpha"], args
+    apart_args = (state / "cargo-args.no_fight").read_text().splitlines()
+    assert apart_args[5:] == ["--test", "no_fight", "--no-fail-fast", "--", "--test-threads=1"]
+    calls = (state / "calls").read_text().splitlines()
+    ups = [c.split()[1] for c in calls if c.startswith("up.sh ")]
+    downs = sorted(c.split()[1] for c in calls if c.startswith("down.sh "))
+    assert len(ups) == 2 and ups[1] == ups[0] + "/apart", calls
+    assert downs == sorted(ups), calls
+    # Both runs are built before either runs.
+    built = [c for c in calls if "--no-run" in c]
+    assert built and "--test alpha" in built[0] and "--test no_fight" in built[0], calls
+    apart_env = (state / "cargo-env.no_fight").read_text()
+    assert f"BOOTSTRAP_E2E_KUBECONFIG={ups[1]}/admin.kubeconfig" in apart_env, apart_env
+    assert "== no_fight, on its own control plane (exit status 0)" in done.stdout
+    assert NO_FIGHT_OUTPUT in done.stdout
+
+
+def test_test_sh_fails_when_no_fight_beside_the_suite_fails_or_skips_unexpectedly(
+        tmp_path: Path):
+    record = RECORD_ALPHA + ("" if as_root() else "SKIPPED alpha::three: needs root\n")
+    done, _ = run_test_sh(tmp_path / "failed", record,
+                          no_fight=(NO_FIGHT_RECORD, NO_FIGHT_OUTPUT, 101))
+    assert done.returncode == 101, done.stdout + done.stderr
+    assert "(exit status 101)" in done.stdout
+    skipped = NO_FIGHT_RECORD + "SKIPPED no_fight::judged: a new reason\n"
+    done, _ = run_test_sh(tmp_path / "skipped", record,
+                          no_fight=(skipped, NO_FIGHT_OUTPUT, 0))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "  + SKIPPED no_fight::judged: a new reason" in done.stdout
 
 
 def test_test_sh_fails_on_an_unexpected_skip_even_when_every_test_passed(tmp_path: Path):
