@@ -303,10 +303,20 @@ pub fn skipped_under_shared_control_plane(binary: &str, test: &str) -> bool {
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A control plane of a test's own, holding the lock that keeps its test file's control planes
-/// one at a time; the control plane stops before the lock is released.
+/// one at a time (until [`OwnControlPlane::let_the_next_start`]); the control plane stops before
+/// the lock is released.
 pub struct OwnControlPlane {
     cp: ControlPlane,
-    _one: tokio::sync::MutexGuard<'static, ()>,
+    one: Option<tokio::sync::MutexGuard<'static, ()>>,
+}
+
+impl OwnControlPlane {
+    /// Releases the lock while this control plane keeps running: for a test that from here on
+    /// only waits and then counts requests in its own audit log, which a second control plane
+    /// beside it neither adds to nor changes.
+    pub fn let_the_next_start(&mut self) {
+        self.one = None;
+    }
 }
 
 impl std::ops::Deref for OwnControlPlane {
@@ -340,7 +350,7 @@ pub async fn own_control_plane_with(
     let one = ONE_AT_A_TIME.lock().await;
     Ok(Some(OwnControlPlane {
         cp: ControlPlane::start_with(apiservers, extra)?,
-        _one: one,
+        one: Some(one),
     }))
 }
 
