@@ -121,10 +121,7 @@ pub struct ServiceName {
 impl Settings {
     /// Who events say they come from: the controller, and this replica.
     pub fn reporter(&self) -> kube::runtime::events::Reporter {
-        kube::runtime::events::Reporter {
-            controller: "bootstrap-controller".to_owned(),
-            instance: Some(self.identity.clone()),
-        }
+        crate::events::reporter(&self.identity)
     }
 
     /// The endpoints' port: `securePort`, else kube-apiserver's default.
