@@ -20,7 +20,10 @@ use serde::Deserialize;
 
 use crate::config::{format_cidrs, parse_service_cidrs};
 use reconcilers::alloc::PortRange;
+// Why no manifest was generated: the field (a kube-apiserver flag, a manifest field or one of
+// this command's options) and what to do.
 use reconcilers::legacy_alloc::etcd::DEFAULT_PREFIX as DEFAULT_ETCD_PREFIX;
+use reconcilers::section::ConfigError;
 
 /// The sidecar's static pod, with kubeadm's defaults: the template of [`generate`].
 pub const TEMPLATE: &str = include_str!("../../deploy/sidecar/bootstrap-controller.yaml");
@@ -110,24 +113,6 @@ impl PullPolicy {
     }
 }
 
-/// Why no manifest was generated: the field (a kube-apiserver flag, a manifest field or one of
-/// this command's options) and what to do.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct SidecarError {
-    pub field: String,
-    pub message: String,
-}
-
-impl SidecarError {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            message: message.into(),
-        }
-    }
-}
-
 // The minimal shape of a static pod: everything else in it is ignored.
 #[derive(Debug, Deserialize)]
 struct StaticPod {
@@ -170,7 +155,7 @@ impl ApiserverFlags {
 }
 
 /// Reads at most [`MAX_MANIFEST_BYTES`] from `path` (`-`: stdin).
-pub fn read_manifest(path: &Path) -> Result<String, SidecarError> {
+pub fn read_manifest(path: &Path) -> Result<String, ConfigError> {
     let field = "--kube-apiserver-manifest";
     let mut bytes = Vec::new();
     let limit = MAX_MANIFEST_BYTES + 1;
@@ -185,7 +170,7 @@ pub fn read_manifest(path: &Path) -> Result<String, SidecarError> {
         path.display().to_string()
     };
     read.map_err(|err| {
-        SidecarError::new(
+        ConfigError::new(
             field,
             format!(
                 "cannot read {shown}: {err} (kubeadm's is {KUBEADM_MANIFEST}, readable by root \
@@ -194,7 +179,7 @@ pub fn read_manifest(path: &Path) -> Result<String, SidecarError> {
         )
     })?;
     if bytes.len() as u64 > MAX_MANIFEST_BYTES {
-        return Err(SidecarError::new(
+        return Err(ConfigError::new(
             field,
             format!(
                 "{shown} is larger than 1 MiB, which no static pod manifest is: point it at \
@@ -203,7 +188,7 @@ pub fn read_manifest(path: &Path) -> Result<String, SidecarError> {
         ));
     }
     String::from_utf8(bytes).map_err(|_| {
-        SidecarError::new(
+        ConfigError::new(
             field,
             format!("{shown} is not UTF-8 text: point it at kube-apiserver's static pod manifest"),
         )
@@ -212,7 +197,7 @@ pub fn read_manifest(path: &Path) -> Result<String, SidecarError> {
 
 /// The flags of the container `container` in the static pod manifest `text`: its `command`
 /// then its `args`, as the kubelet joins them.
-pub fn parse_manifest(text: &str, container: &str) -> Result<ApiserverFlags, SidecarError> {
+pub fn parse_manifest(text: &str, container: &str) -> Result<ApiserverFlags, ConfigError> {
     let mut failed_path = None;
     let parsed: Result<StaticPod, _> =
         serde_saphyr::with_deserializer_from_str(text, |deserializer| {
@@ -227,13 +212,13 @@ pub fn parse_manifest(text: &str, container: &str) -> Result<ApiserverFlags, Sid
             .unwrap_or_else(|| "(manifest)".to_owned());
         let message = err.to_string();
         let first = message.lines().next().unwrap_or("invalid YAML").trim();
-        SidecarError::new(
+        ConfigError::new(
             field,
             format!("{first} (expected kube-apiserver's static pod manifest, a Pod in YAML)"),
         )
     })?;
     if let Some(kind) = pod.kind.as_deref().filter(|kind| *kind != "Pod") {
-        return Err(SidecarError::new(
+        return Err(ConfigError::new(
             "kind",
             format!(
                 "is {kind:?}, not Pod: point --kube-apiserver-manifest at kube-apiserver's static pod manifest"
@@ -249,7 +234,7 @@ pub fn parse_manifest(text: &str, container: &str) -> Result<ApiserverFlags, Sid
             .iter()
             .filter_map(|c| c.name.as_deref())
             .collect();
-        return Err(SidecarError::new(
+        return Err(ConfigError::new(
             "spec.containers",
             format!(
                 "no container named {container:?} (found: {}): point --kube-apiserver-manifest \
@@ -263,7 +248,7 @@ pub fn parse_manifest(text: &str, container: &str) -> Result<ApiserverFlags, Sid
         ));
     };
     if named.next().is_some() {
-        return Err(SidecarError::new(
+        return Err(ConfigError::new(
             "spec.containers",
             format!(
                 "two containers are named {container:?}, which Kubernetes refuses: fix the manifest"
@@ -274,7 +259,7 @@ pub fn parse_manifest(text: &str, container: &str) -> Result<ApiserverFlags, Sid
 }
 
 /// kube-apiserver's flags among `words` (pflag's forms `--name=value` and `--name value`).
-fn parse_flags<'a>(words: impl Iterator<Item = &'a str>) -> Result<ApiserverFlags, SidecarError> {
+fn parse_flags<'a>(words: impl Iterator<Item = &'a str>) -> Result<ApiserverFlags, ConfigError> {
     let mut flags = ApiserverFlags::default();
     let mut words = words.peekable();
     while let Some(word) = words.next() {
@@ -291,7 +276,7 @@ fn parse_flags<'a>(words: impl Iterator<Item = &'a str>) -> Result<ApiserverFlag
         let value = match inline {
             Some(value) => value.to_owned(),
             None => words.next().map(str::to_owned).ok_or_else(|| {
-                SidecarError::new(
+                ConfigError::new(
                     format!("--{name}"),
                     "is kube-apiserver's last argument, with no value: give it one \
                      (--{name}=VALUE)",
@@ -302,7 +287,7 @@ fn parse_flags<'a>(words: impl Iterator<Item = &'a str>) -> Result<ApiserverFlag
         if let Some(earlier) = flags.values.get(name)
             && *earlier != value
         {
-            return Err(SidecarError::new(
+            return Err(ConfigError::new(
                 format!("--{name}"),
                 format!(
                     "kube-apiserver's manifest gives it twice, {earlier:?} and {value:?}: keep \
@@ -338,9 +323,9 @@ pub struct EtcdValues {
 }
 
 /// Checks the flags' values and picks kube-apiserver's defaults for those not given.
-pub fn values(flags: &ApiserverFlags, etcd: bool) -> Result<Values, SidecarError> {
+pub fn values(flags: &ApiserverFlags, etcd: bool) -> Result<Values, ConfigError> {
     let range = flags.get("service-cluster-ip-range").ok_or_else(|| {
-        SidecarError::new(
+        ConfigError::new(
             "--service-cluster-ip-range",
             "kube-apiserver's manifest does not set it, and the sidecar needs the range \
              kube-apiserver allocates from (unset, kube-apiserver falls back to the deprecated \
@@ -351,7 +336,7 @@ pub fn values(flags: &ApiserverFlags, etcd: bool) -> Result<Values, SidecarError
     let service_cluster_ip_range = parse_service_cidrs(range)
         .map(|cidrs| format_cidrs(&cidrs))
         .map_err(|err| {
-            SidecarError::new(
+            ConfigError::new(
                 "--service-cluster-ip-range",
                 format!("kube-apiserver's value {range:?}: {err}"),
             )
@@ -367,7 +352,7 @@ pub fn values(flags: &ApiserverFlags, etcd: bool) -> Result<Values, SidecarError
             .ok()
             .filter(|port| *port > 0)
             .ok_or_else(|| {
-                SidecarError::new(
+                ConfigError::new(
                     "--secure-port",
                     format!(
                         "kube-apiserver's value {text:?} is not a port of 1-65535 (0 turns \
@@ -383,7 +368,7 @@ pub fn values(flags: &ApiserverFlags, etcd: bool) -> Result<Values, SidecarError
             .parse::<IpAddr>()
             .map(|ip| ip.to_string())
             .map_err(|_| {
-                SidecarError::new(
+                ConfigError::new(
                     "--advertise-address",
                     format!(
                         "kube-apiserver's value {text:?} is not an IP address: fix it in \
@@ -395,7 +380,7 @@ pub fn values(flags: &ApiserverFlags, etcd: bool) -> Result<Values, SidecarError
     if let Some(kind) = flags.get("endpoint-reconciler-type")
         && !["lease", "master-count", "none"].contains(&kind)
     {
-        return Err(SidecarError::new(
+        return Err(ConfigError::new(
             "--endpoint-reconciler-type",
             format!(
                 "kube-apiserver's value {kind:?} is none of lease, master-count, none: fix it \
@@ -415,11 +400,11 @@ pub fn values(flags: &ApiserverFlags, etcd: bool) -> Result<Values, SidecarError
 
 /// kube-apiserver's port range forms (utilnet.PortRange.Set: `BASE-LAST`, `BASE+OFFSET`, or
 /// one port) as the `BASE-LAST` the controller takes.
-fn node_port_range(text: &str) -> Result<String, SidecarError> {
+fn node_port_range(text: &str) -> Result<String, ConfigError> {
     PortRange::parse_any_form(text)
         .map(|range| range.to_string())
         .map_err(|err| {
-            SidecarError::new(
+            ConfigError::new(
                 "--service-node-port-range",
                 format!(
                     "kube-apiserver's value: {err} (or BASE+OFFSET, or one port); fix it in \
@@ -429,10 +414,10 @@ fn node_port_range(text: &str) -> Result<String, SidecarError> {
         })
 }
 
-fn etcd_values(flags: &ApiserverFlags) -> Result<EtcdValues, SidecarError> {
+fn etcd_values(flags: &ApiserverFlags) -> Result<EtcdValues, ConfigError> {
     let required = |name: &str| {
         flags.get(name).ok_or_else(|| {
-            SidecarError::new(
+            ConfigError::new(
                 format!("--{name}"),
                 "kube-apiserver's manifest does not set it, and --etcd reads the legacy \
                  allocation bitmaps with kube-apiserver's own etcd client settings: leave --etcd \
@@ -447,7 +432,7 @@ fn etcd_values(flags: &ApiserverFlags) -> Result<EtcdValues, SidecarError> {
             matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
         }) && yaml_safe(server);
         if !valid {
-            return Err(SidecarError::new(
+            return Err(ConfigError::new(
                 "--etcd-servers",
                 format!(
                     "kube-apiserver's value has {server:?}, not an etcd URL (expected e.g. \
@@ -457,12 +442,12 @@ fn etcd_values(flags: &ApiserverFlags) -> Result<EtcdValues, SidecarError> {
         }
         checked.push(server);
     }
-    let path = |name: &str| -> Result<String, SidecarError> {
+    let path = |name: &str| -> Result<String, ConfigError> {
         let path = required(name)?;
         if path.starts_with('/') && yaml_safe(path) {
             Ok(path.to_owned())
         } else {
-            Err(SidecarError::new(
+            Err(ConfigError::new(
                 format!("--{name}"),
                 format!(
                     "kube-apiserver's value {path:?} is not an absolute path without spaces, \
@@ -474,7 +459,7 @@ fn etcd_values(flags: &ApiserverFlags) -> Result<EtcdValues, SidecarError> {
     };
     let prefix = flags.get("etcd-prefix").unwrap_or(DEFAULT_ETCD_PREFIX);
     if !prefix.starts_with('/') || !yaml_safe(prefix) {
-        return Err(SidecarError::new(
+        return Err(ConfigError::new(
             "--etcd-prefix",
             format!(
                 "kube-apiserver's value {prefix:?} is not a key prefix such as /registry: fix \
@@ -505,9 +490,9 @@ pub fn generate(
     values: &Values,
     image: &str,
     pull_policy: PullPolicy,
-) -> Result<String, SidecarError> {
+) -> Result<String, ConfigError> {
     if !yaml_safe(image) {
-        return Err(SidecarError::new(
+        return Err(ConfigError::new(
             "--image",
             format!("{image:?} is not an image reference (expected e.g. {DEFAULT_IMAGE})"),
         ));
@@ -605,7 +590,7 @@ impl Edit {
 
 /// Applies every edit in one pass over the lines (a replaced value is never matched again);
 /// each must change a line, the keys and variables exactly one.
-fn apply(template: &str, edits: &mut [Edit]) -> Result<String, SidecarError> {
+fn apply(template: &str, edits: &mut [Edit]) -> Result<String, ConfigError> {
     let mut out = String::with_capacity(template.len() + 256);
     let mut env_name: Option<&str> = None;
     for line in template.split_inclusive('\n') {
@@ -664,7 +649,7 @@ fn apply(template: &str, edits: &mut [Edit]) -> Result<String, SidecarError> {
     for edit in edits.iter() {
         let once = !matches!(edit.kind, EditKind::Path { .. });
         if edit.hits == 0 || (once && edit.hits > 1) {
-            return Err(SidecarError::new(
+            return Err(ConfigError::new(
                 "(template)",
                 format!(
                     "{} was found {} times in the built-in sidecar manifest: this binary is \
@@ -759,11 +744,11 @@ pub fn summary(values: &Values, flags: &ApiserverFlags) -> String {
 
 /// Writes `text` to `path` through `.NAME.tmp` in the same directory, renamed over it: the
 /// kubelet ignores hidden files in its manifest directory and never sees half a manifest.
-pub fn write_atomically(path: &Path, text: &str) -> Result<(), SidecarError> {
+pub fn write_atomically(path: &Path, text: &str) -> Result<(), ConfigError> {
     let field = "--output";
     let name = path
         .file_name()
-        .ok_or_else(|| SidecarError::new(field, format!("{} names no file", path.display())))?;
+        .ok_or_else(|| ConfigError::new(field, format!("{} names no file", path.display())))?;
     let mut hidden = std::ffi::OsString::from(".");
     hidden.push(name);
     hidden.push(".tmp");
@@ -771,7 +756,7 @@ pub fn write_atomically(path: &Path, text: &str) -> Result<(), SidecarError> {
     let written = std::fs::write(&temporary, text).and_then(|()| std::fs::rename(&temporary, path));
     written.map_err(|err| {
         let _ = std::fs::remove_file(&temporary);
-        SidecarError::new(
+        ConfigError::new(
             field,
             format!(
                 "cannot write {}: {err} (check the directory exists and is writable)",
@@ -783,7 +768,7 @@ pub fn write_atomically(path: &Path, text: &str) -> Result<(), SidecarError> {
 
 /// `sidecar manifest`: the manifest (stdout or --output), then what was read and the endpoint
 /// reconciler's advice on stderr.
-pub fn run_manifest(args: &ManifestArgs) -> Result<(String, String), SidecarError> {
+pub fn run_manifest(args: &ManifestArgs) -> Result<(String, String), ConfigError> {
     let text = read_manifest(&args.kube_apiserver_manifest)?;
     let flags = parse_manifest(&text, &args.container)?;
     let values = values(&flags, args.etcd)?;

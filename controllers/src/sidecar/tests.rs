@@ -3,7 +3,7 @@ use super::*;
 /// kube-apiserver's manifest as kubeadm v1.37.2 writes it (testdata/kubeadm/README header).
 const KUBEADM: &str = include_str!("../../../testdata/kubeadm/kube-apiserver.yaml");
 
-fn generate_from(text: &str, etcd: bool) -> Result<String, SidecarError> {
+fn generate_from(text: &str, etcd: bool) -> Result<String, ConfigError> {
     let flags = parse_manifest(text, "kube-apiserver")?;
     generate(
         &values(&flags, etcd)?,
@@ -42,7 +42,7 @@ fn env_value(manifest: &str, name: &str) -> Option<String> {
         .map(|env| env["value"].as_str().unwrap().to_owned())
 }
 
-fn error(text: &str, etcd: bool) -> SidecarError {
+fn error(text: &str, etcd: bool) -> ConfigError {
     generate_from(text, etcd).unwrap_err()
 }
 
