@@ -523,9 +523,7 @@ impl Elector {
         } else if !raced && !self.failing {
             warn!(error = %err, "leader election cannot reach the API; retrying");
         }
-        self.election.leading = false;
-        self.election.renewed_at = None;
-        self.publish(false);
+        self.step_down();
         if raced {
             match self.leases.get_opt(&self.settings.lease_name).await {
                 Ok(lease) => self.election.observe(lease, Instant::now()),
@@ -563,9 +561,7 @@ impl Elector {
         }
         if self.election.leading && !self.election.holds() {
             warn!(holder = ?self.election.holder(), "another replica holds the leader-election Lease; stepping down");
-            self.election.leading = false;
-            self.election.renewed_at = None;
-            self.publish(false);
+            self.step_down();
             self.health
                 .set_check(READYZ_CHECK, CheckState::Passing(role(false)));
         } else if !self.failing && self.election.known && self.election.holder().is_some() {
@@ -580,6 +576,12 @@ impl Elector {
 
     fn publish(&self, leader: bool) {
         publish(&self.sender, &self.metrics, &self.health, leader);
+    }
+
+    fn step_down(&mut self) {
+        self.election.leading = false;
+        self.election.renewed_at = None;
+        self.publish(false);
     }
 
     /// On the way out: no longer the leader, and a leader hands the Lease over at once (a
