@@ -273,6 +273,13 @@ impl TenantBase {
             for key in PROCESS_WIDE_KEYS {
                 map.remove(key);
             }
+            // The process's identity, which names this replica in every tenant's events too.
+            if let Some(identity) = self.file.pointer("/leaderElection/identity") {
+                map.insert(
+                    "leaderElection".to_owned(),
+                    serde_json::json!({ "identity": identity }),
+                );
+            }
         }
         let text = serde_saphyr::to_string(&merged).map_err(|err| {
             ConfigError::new(

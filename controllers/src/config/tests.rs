@@ -599,6 +599,16 @@ fn tenant_base(file: &str) -> TenantBase {
 }
 
 #[test]
+fn a_tenant_has_the_processs_configured_identity_and_its_fragment_cannot_change_it() {
+    let base = tenant_base("leaderElection:\n  identity: manager-a\n");
+    assert_eq!(base.tenant(None).unwrap().settings.identity, "manager-a");
+    let refused = base
+        .tenant(Some("leaderElection:\n  identity: someone-else\n"))
+        .unwrap_err();
+    assert!(refused.0[0].field.ends_with("leaderElection"), "{refused}");
+}
+
+#[test]
 fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
     let args = ConfigArgs {
         tenants_secret_selector: Some("a=b".to_owned()),
