@@ -741,7 +741,8 @@ async fn run_pass(
             metrics.panic(name);
             metrics.error(name, "panic");
             let message = Sanitized::new(&panic_message(&*panic)).into_string();
-            error!(panic = %message, "pass panicked; the loop will retry");
+            // Neutral on what follows: `run` retries, `check` reports it and does not.
+            error!(panic = %message, "pass panicked");
             Err(PassError::Panicked(message))
         }
     }
@@ -798,7 +799,9 @@ pub async fn check_once(
                 if !retry || tokio::time::Instant::now() + delay >= deadline {
                     return CheckResult { name, result };
                 }
-                debug!("check pass failed; retrying");
+                if let Err(err) = &result {
+                    debug!(error = %err, "check pass failed; retrying");
+                }
                 tokio::time::sleep(delay).await;
             }
         }
