@@ -24,7 +24,9 @@
 //! without sending a line (kube-runtime's watcher would watch again at once, however often the
 //! server does that). The pauses are kube-runtime's `DefaultBackoff` (800 ms doubling to 30 s,
 //! jittered, from 800 ms again once two minutes have passed since the last pause), reset by every
-//! event as its `StreamBackoff` resets it. The initial list is always a paged LIST: kube-runtime's
+//! event but `Init`, which is said before the LIST is sent (kube-runtime's `StreamBackoff` resets
+//! on it too, so a LIST that keeps failing is retried every second or so there; here its pauses
+//! grow). The initial list is always a paged LIST: kube-runtime's
 //! `StreamingList` strategy is not used by any cache.
 
 use std::time::Duration;
@@ -140,6 +142,8 @@ where
                 continue;
             };
             match &item {
+                // Said before the LIST is sent: no sign that the API answers again.
+                Ok(Event::Init) => {}
                 Ok(_) => self.backoff.reset(),
                 Err(err) => {
                     // Never `None`: the backoff sets no limit on attempts.

@@ -354,3 +354,32 @@ async fn a_server_that_ends_every_watch_at_once_is_watched_again_only_after_a_pa
     driven.expect(&["apply a"]).await;
     assert_eq!(lists(&sim), 1, "an empty watch is no reason to list again");
 }
+
+#[tokio::test]
+async fn a_list_that_keeps_failing_is_retried_after_pauses_that_grow() {
+    let sim = sim().await;
+    let api: Api<ConfigMap> = Api::namespaced(sim.client(), "default");
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::List),
+        Some("configmaps"),
+        1.0,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    let mut driven = Driven::start(&api, watcher::Config::default());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Pauses from 800 ms doubling (jitter adds up to as much again): lists at 0, by 1.6 s, by
+    // 4.8 s, then not before 5.6 s; at most three in 5 s however fast the machine is. A pause
+    // that never grew (0.8 to 1.6 s each) would have sent at least four.
+    let failed = lists(&sim);
+    assert!((1..=3).contains(&failed), "{failed} lists in 5 s");
+    sim.faults().clear();
+    loop {
+        match driven.next().await.as_str() {
+            "init-done" => break,
+            item => assert!(item == "init" || item.starts_with("error: "), "{item}"),
+        }
+    }
+}
