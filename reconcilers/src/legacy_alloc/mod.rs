@@ -274,10 +274,11 @@ impl LegacyBitmap {
     /// A repair loop's pass over the key: reads it, plans it against the bits the cached
     /// Services hold (`in_use` and `holders`, as [`Self::in_use`] gives them) and writes the plan
     /// by compare-and-swap; the drift goes into `report`, the new findings to `outlet`. A pass
-    /// lists the Services afresh at most once, when a leak is due for release or the bitmap is to
-    /// be rebuilt under another range. Every bit about to be set is confirmed by the Services
-    /// read live, as a bit set for a Service that is gone would hold its port or IP until three
-    /// sightings release it; such a bit is neither set nor reported.
+    /// lists the Services afresh once when a leak is due for release or the bitmap is to be
+    /// rebuilt under another range. Every bit about to be set is confirmed by the Services read
+    /// live (a GET of its holder each, or a list when a GET does not confirm it or there are many),
+    /// as a bit set for a Service that is gone would hold its port or IP until three sightings
+    /// release it; such a bit is neither set nor reported.
     pub async fn repair(
         &self,
         ctx: &PassContext,
