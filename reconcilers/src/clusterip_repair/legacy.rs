@@ -9,6 +9,7 @@
 use std::net::IpAddr;
 use std::sync::{Arc, OnceLock};
 
+use fixedbitset::FixedBitSet;
 use futures::StreamExt;
 use ipnet::IpNet;
 use tokio::sync::Notify;
@@ -22,6 +23,9 @@ use crate::legacy_alloc::{LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
 use crate::service_cache::record::{ClusterIp, ServiceRecord};
 use crate::service_range::ServiceRanges;
+
+/// The most bits kube-apiserver's bitmap allocator keeps for a range: 20 host bits.
+const MAX_BITMAP_BITS: u128 = 1 << 20;
 
 /// The bitmaps of the ranges, primary first: built at the first pass that finds the cluster
 /// allocating with them, from the configured range or the one read from the cluster. Their etcd
@@ -54,6 +58,19 @@ impl LegacyIpBitmaps {
             return Ok(bitmaps);
         }
         let ranges = ranges.resolve().await?;
+        // kube-apiserver refuses such a range wherever it allocates with a bitmap
+        // (`validateMaxCIDRRange`), and its bitmap would take this process 512 MiB at /0.
+        if let Some(wide) = ranges
+            .iter()
+            .find(|net| ServiceRange::new(**net).legacy_bitmap_size() > MAX_BITMAP_BITS)
+        {
+            return Err(LoopError::Invalid(format!(
+                "the service range {wide} has more than 20 host bits, more than kube-apiserver's \
+                 bitmap allocator takes (an IPv4 mask of /12 or longer): no legacy bitmap is \
+                 repaired for it; set serviceClusterIPRange to kube-apiserver's \
+                 --service-cluster-ip-range"
+            )));
+        }
         let bitmaps = self.bitmaps.get_or_init(|| self.build(section, &ranges));
         self.built.notify_one();
         Ok(bitmaps)
@@ -90,17 +107,7 @@ impl LegacyIpBitmaps {
                             .address_at(offset as u128 + 1)
                             .map_or_else(|| format!("offset {offset}"), |ip| ip.to_string())
                     },
-                    move |stored: &str, data: &[u8]| {
-                        let from = ServiceRange::new(stored.parse::<IpNet>().ok()?);
-                        let bits =
-                            crate::legacy_alloc::codec::bitmap_from_bytes(data, bitmap_size(&from));
-                        Some(crate::legacy_alloc::repair::rebase(
-                            &bits,
-                            size,
-                            |offset| from.address_at(offset as u128 + 1),
-                            |ip| self::offset(&range, ip, size),
-                        ))
-                    },
+                    move |stored: &str, data: &[u8]| rebased(&range, size, stored, data),
                     move |service: &ServiceRecord| {
                         (service.cluster_ips.iter())
                             .filter_map(ClusterIp::ip)
@@ -179,6 +186,22 @@ fn bitmap_size(range: &ServiceRange) -> usize {
     usize::try_from(range.legacy_bitmap_size()).unwrap_or(usize::MAX)
 }
 
+/// The bitmap stored under the range `stored`, moved to `range`'s offsets; `None` when `stored`
+/// is not a CIDR.
+fn rebased(range: &ServiceRange, size: usize, stored: &str, data: &[u8]) -> Option<FixedBitSet> {
+    let from = ServiceRange::new(stored.parse::<IpNet>().ok()?);
+    // The stored range is etcd's text: a wide one (0.0.0.0/0 is 2^32 bits) must not size the
+    // bitmap. Bits past the stored bytes are all clear.
+    let stored_bits = bitmap_size(&from).min(data.len().saturating_mul(8));
+    let bits = crate::legacy_alloc::codec::bitmap_from_bytes(data, stored_bits);
+    Some(crate::legacy_alloc::repair::rebase(
+        &bits,
+        size,
+        |offset| from.address_at(offset as u128 + 1),
+        |ip| offset(range, ip, size),
+    ))
+}
+
 /// The offset of `ip` in `range`'s bitmap: `ip - (network + 1)`, upstream's.
 fn offset(range: &ServiceRange, ip: IpAddr, size: usize) -> Option<usize> {
     let from_network = range.offset_of(ip)?;
@@ -244,6 +267,76 @@ mod tests {
         let (bits, _) = bitmap("fd00::/64").in_use(&services);
         assert_eq!(bits.ones().collect::<Vec<_>>(), vec![4]);
         assert_eq!(offset(&v6, "fd00::1:0".parse().unwrap(), size), None);
+    }
+
+    /// A range kube-apiserver's bitmap allocator refuses is refused here too, naming it, and no
+    /// bitmap is built for it.
+    #[tokio::test]
+    async fn a_range_over_20_host_bits_gets_no_bitmap() {
+        let client = kube::Client::new(
+            tower::service_fn(|_request: http::Request<kube::client::Body>| async {
+                Err::<http::Response<kube::client::Body>, std::io::Error>(std::io::Error::other(
+                    "not called",
+                ))
+            }),
+            "default",
+        );
+        let kubernetes = ServiceName {
+            namespace: "default".into(),
+            name: "kubernetes".into(),
+        };
+        let legacy = LegacyIpBitmaps::new(EtcdConfig::default(), kubernetes.clone());
+        let wide = ServiceRanges::new(
+            client.clone(),
+            vec!["10.0.0.0/11".parse().unwrap()],
+            kubernetes.clone(),
+        );
+        let Err(err) = legacy.get_or_build(&Section::default(), &wide).await else {
+            panic!("a bitmap was built for 10.0.0.0/11");
+        };
+        assert!(
+            matches!(&err, LoopError::Invalid(why) if why.contains("10.0.0.0/11")),
+            "{err}"
+        );
+        assert!(legacy.bitmaps.get().is_none());
+        let widest = ServiceRanges::new(client, vec!["10.0.0.0/12".parse().unwrap()], kubernetes);
+        assert_eq!(
+            legacy
+                .get_or_build(&Section::default(), &widest)
+                .await
+                .unwrap()
+                .len(),
+            1
+        );
+    }
+
+    /// The most memory this process has held, in KiB (`VmHWM`).
+    fn peak_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    /// A stored range as wide as 0.0.0.0/0 (2^32 bits, 512 MiB) is read from its bytes alone,
+    /// not sized by it.
+    #[test]
+    fn a_wide_stored_range_is_sized_by_its_bytes() {
+        let range = ServiceRange::new("0.0.1.0/24".parse().unwrap());
+        let size = bitmap_size(&range);
+        // Offset o of 0.0.0.0/0 is the address o + 1: 0.0.1.5 is offset 260, and offset 4 of
+        // 0.0.1.0/24.
+        let mut bytes = vec![0u8; 33];
+        bytes[32 - 260 / 8] |= 1 << (260 % 8);
+        bytes[32] |= 1;
+        let before = peak_kib();
+        let moved = rebased(&range, size, "0.0.0.0/0", &bytes).unwrap();
+        let grown = peak_kib() - before;
+        assert!(grown < 128 * 1024, "{grown} KiB held to read 33 bytes");
+        assert_eq!(moved.len(), size);
+        assert_eq!(moved.ones().collect::<Vec<_>>(), vec![4]);
+        let empty = rebased(&range, size, "0.0.0.0/0", &[]).unwrap();
+        assert_eq!(empty.count_ones(..), 0);
+        assert!(rebased(&range, size, "not a range", &bytes).is_none());
     }
 
     /// The event of an IP missing from the bitmap goes to the Service upstream's walk meets
