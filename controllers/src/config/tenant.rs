@@ -93,7 +93,7 @@ pub(super) fn below_floors(fragment: &serde_json::Value) -> Vec<ConfigError> {
                     format_duration(least),
                 ),
                 Floor::Count(least) => (
-                    value.as_u64().is_some_and(|given| given < least),
+                    count_as_parsed(value).is_some_and(|given| given < least),
                     least.to_string(),
                 ),
             };
@@ -109,6 +109,12 @@ pub(super) fn below_floors(fragment: &serde_json::Value) -> Vec<ConfigError> {
         }
     }
     errors
+}
+
+/// `value` read as the configuration's parser reads a count, which takes a quoted `"1"` too.
+fn count_as_parsed(value: &serde_json::Value) -> Option<u64> {
+    let text = serde_saphyr::to_string(value).ok()?;
+    serde_saphyr::from_str::<u64>(&text).ok()
 }
 
 /// A tenant's `etcdPrefix` is a plain absolute key path (`/registry`, `/tenants/a`): no empty,

@@ -774,6 +774,11 @@ fn a_fragment_names_no_file_and_stays_above_the_floors() {
             "loops:\n  clusterIPRepair:\n    pageSize: 1\n",
             "loops.clusterIPRepair.pageSize",
         ),
+        // Quoted, as the configuration's parser takes a count too.
+        (
+            "loops:\n  nodePortRepair:\n    pageSize: \"1\"\n",
+            "loops.nodePortRepair.pageSize",
+        ),
         (
             "loops:\n  apiserverEndpoints:\n    leaseTTL: 100ms\n",
             "loops.apiserverEndpoints.leaseTTL",
