@@ -189,7 +189,8 @@ pub type BreachNotice = Arc<dyn Fn(&LimitError, Duration) + Send + Sync>;
 #[derive(Default)]
 struct Notice {
     hook: Option<BreachNotice>,
-    /// The last breach, while breaches follow each other within the longest pause of each.
+    /// When the last breach's pause ends: a breach within the longest pause after it is the
+    /// same misbehaviour.
     last: Option<Instant>,
 }
 
@@ -252,14 +253,15 @@ impl ClientState {
             length
         };
         // Told once while the server goes on breaking bounds: a breach within the longest pause
-        // of the last one is the same misbehaviour (a server that breaks one bound with a list
-        // and answers the other requests well would otherwise be told of every pause).
+        // after the last pause ended is the same misbehaviour (a server that breaks one bound
+        // with a list and answers the other requests well would otherwise be told of every
+        // pause, and one breaking a bound at every chance would be told once per longest pause).
         let hook = {
             let mut notice = self.notice.lock().unwrap_or_else(PoisonError::into_inner);
             let new = notice
                 .last
                 .is_none_or(|last| now.saturating_duration_since(last) > limits.max_pause);
-            notice.last = Some(now);
+            notice.last = Some(now + length);
             notice.hook.clone().filter(|_| new)
         };
         if let Some(hook) = hook {
@@ -1075,8 +1077,14 @@ mod tests {
         client.breached_at(&SMALL, &LimitError::TooLarge(10), at(130));
         assert_eq!(told.lock().unwrap().len(), 1, "one notice while it goes on");
         assert_eq!(told.lock().unwrap()[0].1, SMALL.first_pause);
-        // Longer than the longest pause without a breach: a new occurrence.
+        // Again as soon as its longest pause (until 230 s) ends, and again after the next one
+        // (until 331 s): still the same misbehaviour.
         client.breached_at(&SMALL, &LimitError::TooManyPages(3), at(231));
+        client.breached_at(&SMALL, &LimitError::TooManyPages(3), at(332));
+        assert_eq!(told.lock().unwrap().len(), 1, "one notice while it goes on");
+        // Longer than the longest pause without a breach after a pause (until 432 s) ended: a
+        // new occurrence.
+        client.breached_at(&SMALL, &LimitError::TooManyPages(3), at(533));
         assert_eq!(told.lock().unwrap().len(), 2);
     }
 }
