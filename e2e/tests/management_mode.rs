@@ -1226,3 +1226,62 @@ async fn a_dry_run_holds_no_replica_lease_and_takes_no_tenant_from_a_real_replic
     dry.terminate()?;
     Ok(())
 }
+
+/// A failed watch of the tenant Secrets fails `/readyz`; once the watch is back, a Secret event
+/// makes it pass again. kube's watcher resumes a failed watch from the version it had, without
+/// listing again, so the list that first made it pass does not come again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_fails_while_the_secret_watch_fails_and_passes_once_it_is_back() -> Result<()> {
+    let fleet = fleet(1).await?;
+    let management = fleet.management();
+    let mut controller = ControllerProcess::start(
+        management.kubeconfig_path(),
+        &management_args(&["--leader-elect=false"]),
+    )?;
+    controller.wait_ready().await?;
+    wait_converged(&fleet, &[0]).await?;
+    let lists_before = management.request_count("list", "secrets");
+    // The open watch ends, and starting it again is refused once.
+    management.faults().inject(FaultRule::next(
+        Some(Verb::Watch),
+        Some("secrets"),
+        1,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    management.close_watches();
+    eventually("/readyz failing for the Secret watch", CONVERGE, || async {
+        let (status, body) = controller.admin_get("/readyz?verbose").await?;
+        Ok((status != 200 && body.contains("cannot watch the tenant Secrets")).then_some(()))
+    })
+    .await?;
+    eventually("the Secret watch open again", CONVERGE, || async {
+        Ok(
+            (management.faults().rules().is_empty() && management.open_watches("secrets") == 1)
+                .then_some(()),
+        )
+    })
+    .await?;
+    ensure!(
+        management.request_count("list", "secrets") == lists_before,
+        "the watcher listed again: this test no longer shows a watch resumed without a list"
+    );
+    Api::<Secret>::namespaced(management.client(), "tenants")
+        .patch(
+            &secret_name(0),
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"metadata": {"labels": {"e2e.bootstrap-controller.io/touched": "1"}}}),
+            ),
+        )
+        .await?;
+    eventually("/readyz passing again", CONVERGE, || async {
+        let (status, _) = controller.admin_get("/readyz").await?;
+        Ok((status == 200).then_some(()))
+    })
+    .await?;
+    ensure!(controller.is_running(), "{}", controller.log());
+    Ok(())
+}

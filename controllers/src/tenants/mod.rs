@@ -76,6 +76,10 @@ pub const LOAD_TIMEOUT: Duration =
 /// did not answer, and the end of claims' grace, are seen at least this often.
 const TIMER: Duration = Duration::from_secs(5);
 
+/// How long without an error the Secret watch has resumed after: kube-runtime's default backoff
+/// pauses at most 30 s, jittered up to twice that, between attempts.
+const SECRETS_QUIET: Duration = Duration::from_secs(120);
+
 /// A sync looks at every tenant, and every event asks for one: with thousands of Secrets
 /// loading at once, a sync per event would make the fleet's start-up quadratic. After a sync,
 /// the next waits this many times as long as that one took, so the manager spends at most a
@@ -248,6 +252,7 @@ pub fn spawn(
         conflicts: HashMap::new(),
         acked: None,
         leadership: ownership.leadership.clone(),
+        secrets_failed_at: None,
     };
     tokio::spawn(
         manager
@@ -301,6 +306,8 @@ struct Manager {
     /// The last view acknowledged.
     acked: Option<u64>,
     leadership: Leadership,
+    /// When the Secret watch last failed, while `/readyz` says so.
+    secrets_failed_at: Option<Instant>,
 }
 
 impl Manager {
@@ -362,7 +369,11 @@ impl Manager {
                 Some(done) = self.asks.join_next(), if !self.asks.is_empty() => {
                     self.asked(done);
                 }
-                _ = timer.tick() => {}
+                _ = timer.tick() => {
+                    if self.secrets_failed_at.is_some_and(|at| at.elapsed() > SECRETS_QUIET) {
+                        self.secrets_watched();
+                    }
+                }
             }
             wanted = true;
         }
@@ -388,20 +399,33 @@ impl Manager {
         match seen {
             Seen::Listed(tenants) => {
                 info!(tenants, "tenant Secrets listed");
-                self.health
-                    .set_check(READYZ_CHECK, CheckState::Passing(String::new()));
+                self.secrets_watched();
             }
             Seen::Failed { message, new } => {
                 if new {
                     warn!(error = %message, "cannot watch the tenant Secrets; retrying (running tenants go on)");
                 }
+                self.secrets_failed_at = Some(Instant::now());
                 self.health.set_check(
                     READYZ_CHECK,
                     CheckState::Failing(format!("cannot watch the tenant Secrets: {message}")),
                 );
             }
-            Seen::Changed => {}
+            Seen::Changed => {
+                if self.secrets_failed_at.is_some() {
+                    self.secrets_watched();
+                }
+            }
         }
+    }
+
+    /// The Secret watch works again. kube's watcher resumes a failed watch from the version it
+    /// had, without a list and so without an event while nothing changes: a watch that has not
+    /// failed for [`SECRETS_QUIET`], longer than its longest pause between attempts, has resumed.
+    fn secrets_watched(&mut self) {
+        self.secrets_failed_at = None;
+        self.health
+            .set_check(READYZ_CHECK, CheckState::Passing(String::new()));
     }
 
     /// An etcd-claim record watched.
