@@ -18,7 +18,7 @@ use tokio::sync::OnceCell;
 
 use super::Section;
 use super::metrics::Label;
-use super::probe::ReadinessProbe;
+use super::probe::{NotReady, ReadinessProbe};
 use crate::metrics::{MetricRegistry, loop_registry, registered};
 
 /// `loops.apiserverEndpoints.onShutdown`.
@@ -152,7 +152,7 @@ impl ShutdownGate {
         self.window.checked_div(self.probes - 1).unwrap_or_default()
     }
 
-    /// An apiserver that does not answer within this at shutdown is treated as going away.
+    /// How long a shutdown probe waits for an answer.
     fn probe_timeout(&self) -> Duration {
         self.spacing().max(Duration::from_secs(1))
     }
@@ -189,22 +189,35 @@ impl ShutdownGate {
             OnShutdown::WithdrawIfApiserverStopping => {}
         }
         let timeout = self.probe_timeout();
+        let mut unanswered = 0;
         for n in 0..self.probes {
             if n > 0 {
                 tokio::time::sleep(self.spacing()).await;
             }
-            let failed = match tokio::time::timeout(timeout, self.readiness.check()).await {
-                Ok(Ok(())) => None,
-                Ok(Err(why)) => Some(why.to_string()),
-                Err(_) => Some(format!("no answer within {timeout:?}")),
-            };
-            if let Some(why) = failed {
-                return ShutdownDecision {
-                    withdraw: true,
-                    apiserver_ready: false,
-                    reason: format!("the local apiserver is stopping: {why}"),
-                };
+            match tokio::time::timeout(timeout, self.readiness.check()).await {
+                Ok(Ok(())) => {}
+                // A busy apiserver answers late too: no answer is no sign that it is stopping.
+                Ok(Err(NotReady::TimedOut { .. })) | Err(_) => unanswered += 1,
+                Ok(Err(why)) => {
+                    return ShutdownDecision {
+                        withdraw: true,
+                        apiserver_ready: false,
+                        reason: format!("the local apiserver is stopping: {why}"),
+                    };
+                }
             }
+        }
+        if unanswered > 0 {
+            return ShutdownDecision {
+                withdraw: false,
+                apiserver_ready: false,
+                reason: format!(
+                    "the local apiserver did not answer {unanswered} of {} readiness probes \
+                     within {timeout:?} and refused none: the membership is not withdrawn on a \
+                     guess, and its Lease expires after its TTL if the apiserver is gone",
+                    self.probes
+                ),
+            };
         }
         ShutdownDecision {
             withdraw: false,
@@ -228,7 +241,6 @@ mod tests {
     use futures::future::BoxFuture;
 
     use super::*;
-    use crate::apiserver_endpoints::NotReady;
 
     /// Answers from a script, then ready; counts the probes.
     struct Scripted {
@@ -297,6 +309,33 @@ mod tests {
         assert_eq!(gate.decide().await, decision);
         assert_eq!(probe.calls.load(Ordering::SeqCst), 2);
         assert_eq!((gate.count("kept"), gate.count("withdrew")), (0, 1));
+    }
+
+    /// Never answers.
+    struct Silent;
+
+    impl ReadinessProbe for Silent {
+        fn check(&self) -> BoxFuture<'_, Result<(), NotReady>> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    #[tokio::test]
+    async fn an_apiserver_that_does_not_answer_keeps_the_membership() {
+        let section = Section {
+            shutdown_probes: 3,
+            shutdown_probe_window: Duration::from_millis(20),
+            ..Section::default()
+        };
+        let decision = ShutdownGate::new(&section, Arc::new(Silent)).decide().await;
+        assert!(
+            !decision.withdraw && !decision.apiserver_ready,
+            "{decision:?}"
+        );
+        assert!(
+            decision.reason.contains("did not answer 3 of 3"),
+            "{decision:?}"
+        );
     }
 
     #[tokio::test]
