@@ -366,6 +366,36 @@ async fn expired_lease_removes_the_member_with_an_event() {
     );
 }
 
+/// A sidecar restarted beside a busy apiserver: failures before any probe passed keep the live
+/// Lease its last process left, until readinessFailureThreshold (3) of them in a row.
+#[tokio::test]
+async fn a_restarted_sidecar_keeps_its_live_lease_until_the_threshold_of_failures() {
+    let sim = sim().await;
+    let instances = three_members(&sim).await;
+    let restarted = instance(&sim, &cfg("192.0.2.9"), false);
+    let lease = || {
+        sim.backdoor()
+            .get(
+                "leases.coordination.k8s.io",
+                "kube-system",
+                "apiserver-192.0.2.9",
+            )
+            .unwrap()
+    };
+    for _ in 0..2 {
+        let report = pass(&restarted.lease, &sim).await;
+        assert!(report.drift.is_empty(), "{:?}", report.drift);
+        assert!(lease().is_some(), "the live Lease is kept");
+    }
+    assert_eq!(
+        listed_after_pass(&sim, &instances[0]).await,
+        vec!["192.0.2.10", "192.0.2.2", "192.0.2.9"]
+    );
+    let report = pass(&restarted.lease, &sim).await;
+    assert_eq!(report.drift[0].kind, "member_lease_not_ready");
+    assert!(lease().is_none());
+}
+
 #[tokio::test]
 async fn lease_expiry_without_any_write_wakes_the_leader() {
     let sim = sim().await;

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use super::lease::{MEMBER_LABEL, lease_trigger};
 use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
 use super::plan::{Finding, Memory, Plan, Snapshot, Sources, listed, plan};
-use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver};
+use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, Verdict};
 use super::shutdown::ShutdownGate;
 use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
 use crate::alloc::IpFamily;
@@ -195,18 +195,20 @@ impl ApiserverEndpointsLoop {
     }
 
     /// `master-count` mode: whether the local apiserver counts as ready (shutting down counts
-    /// as not ready).
-    async fn ready(&self, withdrawing: bool) -> bool {
+    /// as not ready); `None` while it is [`Verdict::Unproven`].
+    async fn ready(&self, withdrawing: bool) -> Option<bool> {
         let probed = self.probed.lock().ok().and_then(|mut p| p.take());
         if let Some(probed) = probed {
             probed.warn_if_elsewhere(self.advertise_address).await;
         }
-        let ready = !withdrawing
-            && (self.failures)
-                .judge(self.readiness.check().await)
-                .result()
-                .is_ok();
-        if !ready && self.advertise_address.is_some() {
+        if withdrawing {
+            return Some(false);
+        }
+        let ready = match self.failures.judge(self.readiness.check().await) {
+            Verdict::Unproven { .. } => None,
+            verdict => Some(verdict.result().is_ok()),
+        };
+        if ready != Some(true) && self.advertise_address.is_some() {
             tracing::debug!("local apiserver not ready or shutting down; not adding this instance");
         }
         ready

@@ -204,6 +204,11 @@ impl ApiserverLeaseLoop {
                     tokio::time::Instant::now() + RECHECK.min(self.interval),
                 ));
             }
+            // Probed again soon, so that it is judged one way or the other within the
+            // threshold's seconds.
+            Verdict::Unproven { .. } => self.recheck.set(Some(
+                tokio::time::Instant::now() + RECHECK.min(self.interval),
+            )),
             Verdict::Ready | Verdict::NotReady(_) => self.recheck.set(None),
         }
     }
@@ -346,7 +351,10 @@ impl ApiserverLeaseLoop {
         let verdict = self.failures.judge(self.readiness.check().await);
         self.note_tolerated(&verdict);
         let ready = verdict.result();
-        self.note_readiness(&ready);
+        let unproven = matches!(verdict, Verdict::Unproven { .. });
+        if !unproven {
+            self.note_readiness(&ready);
+        }
         let cached = self.last_written.lock().ok().and_then(|mut c| c.take());
         if ready.is_ok()
             && !ctx.dry_run
@@ -362,6 +370,18 @@ impl ApiserverLeaseLoop {
         let existing = api.get_opt(&self.own.name()).await?;
         if let Some(existing) = &existing {
             self.check_ours(existing)?;
+        }
+        if unproven {
+            // A live Lease an earlier process of this instance left is not withdrawn on a
+            // failure before any probe passed; a stale one goes.
+            if self.live(existing.as_ref()) {
+                tracing::debug!(
+                    "local apiserver not ready yet: not joining, and keeping the live membership \
+                     Lease until a probe passes or readinessFailureThreshold fail"
+                );
+                return Ok(PassReport::default());
+            }
+            self.note_readiness(&ready);
         }
 
         // The Lease is this instance's own heartbeat, not cluster state that drifts: in dry-run

@@ -58,9 +58,10 @@ pub enum Sources {
     Leases(Vec<Lease>),
     /// Each `static` name's answer.
     Static(BTreeMap<String, Result<Vec<IpAddr>, String>>),
-    /// Whether the local apiserver counts as ready (never while shutting down).
+    /// Whether the local apiserver counts as ready (never while shutting down); `None` before a
+    /// probe passed and while fewer than the threshold failed: its address is left as listed.
     MasterCount {
-        ready: bool,
+        ready: Option<bool>,
     },
     None,
 }
@@ -199,17 +200,17 @@ pub fn plan(
             static_members(&entries, answers, memory, &mut plan.findings)
         }
         Sources::MasterCount { ready } => match (snapshot.own, ready) {
-            (Some(own), true) => master_count_members(
+            (Some(own), Some(true)) => master_count_members(
                 &listed,
                 own,
                 usize::try_from(section.apiserver_count).unwrap_or(usize::MAX),
             ),
-            (Some(own), false) => {
+            (Some(own), Some(false)) => {
                 let mut without = listed.clone();
                 without.remove(&own);
                 without
             }
-            (None, _) => listed.clone(),
+            (None, _) | (_, None) => listed.clone(),
         },
         Sources::None => MemberSet::new(),
     };

@@ -260,6 +260,8 @@ pub fn probed_elsewhere(host: &str, advertised: Option<IpAddr>) -> Option<String
 pub struct FailureThreshold {
     threshold: u32,
     failures: std::sync::atomic::AtomicU32,
+    /// Whether a probe has passed in this process.
+    passed: std::sync::atomic::AtomicBool,
 }
 
 /// What one probe means once earlier ones are counted.
@@ -271,17 +273,24 @@ pub enum Verdict {
         failures: u32,
         reason: NotReady,
     },
+    /// Failed before any probe passed, fewer than the threshold in a row: not ready to join,
+    /// and no reason yet to withdraw what an earlier process of this instance left.
+    Unproven {
+        failures: u32,
+        reason: NotReady,
+    },
     NotReady(NotReady),
 }
 
 impl FailureThreshold {
-    /// `threshold` failures in a row are not ready (at least 1). Not ready until a probe
-    /// passes: only a member that was ready is given the benefit of the doubt.
+    /// `threshold` failures in a row are not ready (at least 1). Before a probe passes, fewer
+    /// are [`Verdict::Unproven`]: no member is added on them, and none withdrawn (a restarted
+    /// sidecar's first probe may meet a busy apiserver that its last process kept listed).
     pub fn new(threshold: u32) -> Self {
-        let threshold = threshold.max(1);
         Self {
-            threshold,
-            failures: std::sync::atomic::AtomicU32::new(threshold),
+            threshold: threshold.max(1),
+            failures: std::sync::atomic::AtomicU32::new(0),
+            passed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -295,6 +304,7 @@ impl FailureThreshold {
         match probe {
             Ok(()) => {
                 self.failures.store(0, Ordering::Relaxed);
+                self.passed.store(true, Ordering::Relaxed);
                 Verdict::Ready
             }
             Err(reason) => {
@@ -303,7 +313,9 @@ impl FailureThreshold {
                     .fetch_add(1, Ordering::Relaxed)
                     .saturating_add(1)
                     .min(self.threshold);
-                if failures < self.threshold {
+                if failures < self.threshold && !self.passed.load(Ordering::Relaxed) {
+                    Verdict::Unproven { failures, reason }
+                } else if failures < self.threshold {
                     Verdict::Tolerated { failures, reason }
                 } else {
                     self.failures.store(self.threshold, Ordering::Relaxed);
@@ -315,11 +327,11 @@ impl FailureThreshold {
 }
 
 impl Verdict {
-    /// Ready or tolerated: `Ok`; not ready: why.
+    /// Ready or tolerated: `Ok`; not ready or unproven: why.
     pub fn result(&self) -> Result<(), NotReady> {
         match self {
             Verdict::Ready | Verdict::Tolerated { .. } => Ok(()),
-            Verdict::NotReady(reason) => Err(reason.clone()),
+            Verdict::NotReady(reason) | Verdict::Unproven { reason, .. } => Err(reason.clone()),
         }
     }
 }
@@ -426,6 +438,7 @@ mod tests {
                 |ok| match threshold.judge(if *ok { Ok(()) } else { failed() }) {
                     Verdict::Ready => "ready",
                     Verdict::Tolerated { .. } => "tolerated",
+                    Verdict::Unproven { .. } => "unproven",
                     Verdict::NotReady(_) => "not ready",
                 },
             )
@@ -456,9 +469,10 @@ mod tests {
         let probes = [
             false, true, false, true, false, false, true, false, false, false, false, true,
         ];
-        // Not ready until a probe passes; then a member is kept below the threshold.
+        // Unproven until a probe passes, unless the threshold is reached first; then a member is
+        // kept below the threshold.
         let want = [
-            "not ready",
+            "unproven",
             "ready",
             "tolerated",
             "ready",
@@ -472,6 +486,10 @@ mod tests {
             "ready",
         ];
         assert_eq!(kinds(&three, &probes), want);
+        assert_eq!(
+            kinds(&FailureThreshold::new(3), &[false, false, false, false]),
+            ["unproven", "unproven", "not ready", "not ready"]
+        );
         // 1: every failure counts, as without a threshold; 0 is read as 1.
         assert_eq!(
             kinds(&FailureThreshold::new(1), &[false, true]),
