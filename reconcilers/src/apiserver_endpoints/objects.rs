@@ -26,6 +26,8 @@ use crate::alloc::IpFamily;
 
 /// Makes the EndpointSliceMirroring controller ignore the Endpoints (we write the slices).
 pub const SKIP_MIRROR_LABEL: &str = "endpointslice.kubernetes.io/skip-mirror";
+/// Set by a controller on the slices it keeps; neither kube-apiserver nor this controller sets it.
+pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
 /// Ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// The port name upstream uses for the apiserver endpoint.
@@ -407,6 +409,7 @@ pub fn plan_slices(
         if service_label(have) == Some(&target.service_name)
             && !wanted.contains(name.as_str())
             && have.metadata.deletion_timestamp.is_none()
+            && managed_by(have).is_none()
         {
             changes.push(Write {
                 drift: vec![(
@@ -427,6 +430,22 @@ pub fn plan_slices(
 
 fn service_label(slice: &EndpointSlice) -> Option<&String> {
     (slice.metadata.labels.as_ref()).and_then(|labels| labels.get(SERVICE_NAME_LABEL))
+}
+
+fn managed_by(slice: &EndpointSlice) -> Option<&String> {
+    (slice.metadata.labels.as_ref()).and_then(|labels| labels.get(MANAGED_BY_LABEL))
+}
+
+/// The slices of the Service another controller keeps (`managed-by` set), by name, with that
+/// controller: left alone, as deleting them would only make it write them again.
+pub fn foreign_slices<'a>(
+    target: &EndpointsTarget,
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+) -> Vec<(String, String)> {
+    (slices.into_iter())
+        .filter(|slice| service_label(slice) == Some(&target.service_name))
+        .filter_map(|slice| Some((slice.metadata.name.clone()?, managed_by(slice)?.clone())))
+        .collect()
 }
 
 /// The write that brings existing slice `have` to `want`, if they differ: recreated when its
@@ -852,6 +871,28 @@ mod tests {
             Some("x")
         );
         assert!(plan_slices(&target(), &m, std::slice::from_ref(repaired)).is_empty());
+    }
+
+    /// A slice of the Service another controller keeps (the mirroring controller's, say) is
+    /// not deleted: that controller would write it again, pass after pass.
+    #[test]
+    fn a_slice_another_controller_keeps_is_left_alone_and_named() {
+        let m = members(&["192.0.2.1"]);
+        let mut mirrored = desired_slices(&target(), &m).remove(0);
+        mirrored.metadata.name = Some("kubernetes-x7k2p".into());
+        mirrored.metadata.labels.as_mut().unwrap().insert(
+            MANAGED_BY_LABEL.to_owned(),
+            "endpointslicemirroring-controller.k8s.io".to_owned(),
+        );
+        let existing = vec![desired_slices(&target(), &m).remove(0), mirrored.clone()];
+        assert!(plan_slices(&target(), &m, &existing).is_empty());
+        assert_eq!(
+            foreign_slices(&target(), &existing),
+            [(
+                "kubernetes-x7k2p".to_owned(),
+                "endpointslicemirroring-controller.k8s.io".to_owned()
+            )]
+        );
     }
 
     #[test]

@@ -26,8 +26,8 @@ use k8s_openapi::jiff::Timestamp;
 use super::lease::{Sightings, membership};
 use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
 use super::objects::{
-    EndpointsTarget, Op, Write, desired_endpoints, endpoints_drift, listed_members, other_writers,
-    plan_slices, slice_members,
+    EndpointsTarget, MANAGED_BY_LABEL, Op, SKIP_MIRROR_LABEL, Write, desired_endpoints,
+    endpoints_drift, foreign_slices, listed_members, other_writers, plan_slices, slice_members,
 };
 use super::{Section, StaticAddress};
 use crate::alloc::IpFamily;
@@ -86,6 +86,8 @@ pub struct Memory {
     warned_family: BTreeSet<IpAddr>,
     /// Slices only: whether a leftover Endpoints object was reported.
     warned_endpoints_left: bool,
+    /// Slices kept by another controller, already warned about.
+    warned_foreign: BTreeSet<String>,
     /// When each membership Lease was seen renewed (expiry on this clock).
     sightings: Sightings,
 }
@@ -134,6 +136,8 @@ pub enum Finding {
     },
     /// A `static` name whose lookup failed resolves again (logged).
     StaticResolves { name: String },
+    /// A slice of the Service that another controller keeps, left alone (logged once).
+    ForeignSlice { name: String, manager: String },
 }
 
 impl Finding {
@@ -172,6 +176,13 @@ impl Finding {
                 kept.iter().copied().collect::<MemberSet>()
             ),
             Finding::StaticResolves { name } => format!("static address {name} resolves again"),
+            Finding::ForeignSlice { name, manager } => format!(
+                "EndpointSlice {namespace}/{name} of Service {service} is kept by {manager} \
+                 (its {MANAGED_BY_LABEL} label), not written from the apiserver members: its \
+                 addresses are served too, and it is left alone, as {manager} would write it \
+                 again; remove what it is made from (for the mirroring controller, an Endpoints \
+                 without the label {SKIP_MIRROR_LABEL}: \"true\")"
+            ),
         }
     }
 }
@@ -192,6 +203,12 @@ pub fn plan(
     };
     if snapshot.endpoints_left && !std::mem::replace(&mut memory.warned_endpoints_left, true) {
         plan.findings.push(Finding::EndpointsLeft);
+    }
+    let slices = snapshot.slices.iter().chain(&snapshot.unlabelled);
+    for (name, manager) in foreign_slices(target, slices) {
+        if memory.warned_foreign.insert(name.clone()) {
+            plan.findings.push(Finding::ForeignSlice { name, manager });
+        }
     }
     plan.members = match &snapshot.sources {
         Sources::Leases(leases) => lease_members(&mut plan, memory, section, target, leases, now),
@@ -450,6 +467,52 @@ fn writes(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// A slice another controller keeps is named once, however many passes meet it.
+    #[test]
+    fn a_foreign_slice_is_reported_once() {
+        let target = EndpointsTarget {
+            namespace: "default".into(),
+            service_name: "kubernetes".into(),
+            port: 6443,
+            primary_family: None,
+        };
+        let mut mirrored = EndpointSlice {
+            address_type: "IPv4".into(),
+            ..EndpointSlice::default()
+        };
+        mirrored.metadata.name = Some("kubernetes-x7k2p".into());
+        mirrored.metadata.labels = Some(
+            [
+                ("kubernetes.io/service-name", "kubernetes"),
+                (MANAGED_BY_LABEL, "endpointslicemirroring-controller.k8s.io"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+        );
+        let snapshot = Snapshot {
+            endpoints: None,
+            endpoints_left: false,
+            slices: vec![mirrored],
+            unlabelled: None,
+            sources: Sources::None,
+            service_family: None,
+            own: None,
+            withdrawing: false,
+        };
+        let mut memory = Memory::default();
+        let section = Section::default();
+        let now = Timestamp::now();
+        let first = plan(&snapshot, &mut memory, &section, &target, now);
+        assert!(
+            matches!(first.findings.as_slice(), [Finding::ForeignSlice { name, .. }] if name == "kubernetes-x7k2p"),
+            "{:?}",
+            first.findings
+        );
+        let again = plan(&snapshot, &mut memory, &section, &target, now);
+        assert!(again.findings.is_empty(), "{:?}", again.findings);
+    }
 
     #[test]
     fn master_count_adds_own_within_count() {
