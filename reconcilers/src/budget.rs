@@ -849,6 +849,49 @@ mod tests {
         assert_eq!(budget.held(), (0, 0), "a cache gone gives back all it held");
     }
 
+    /// A projected record's weight counts what it keeps of the object: Services with a huge
+    /// uid go over a budget that holds thousands of ordinary ones, and what one was charged is
+    /// what its delete gives back.
+    #[test]
+    fn a_record_holding_large_text_is_charged_for_it() {
+        use crate::service_cache::record::{ServiceObject, ServiceRecord};
+        use crate::watch_cache::Cached;
+        let service = |name: &str, uid: &str| -> ServiceObject {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "d", "uid": uid},
+                "spec": {"clusterIP": "10.96.1.2", "clusterIPs": ["10.96.1.2"]},
+            }))
+            .unwrap()
+        };
+        let (budget, mut account) = new_account(usize::MAX - 1, 4 << 20);
+        let weight = ServiceRecord::weight;
+        for i in 0..1_000 {
+            let event = watcher::Event::Apply(service(
+                &format!("s{i}"),
+                "6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f",
+            ));
+            account.apply(&event, weight).unwrap();
+        }
+        let ordinary = budget.held().1;
+        let large = service("large", &"u".repeat(1 << 20));
+        account
+            .apply(&watcher::Event::Apply(large.clone()), weight)
+            .unwrap();
+        assert!(budget.held().1 >= ordinary + (1 << 20));
+        account
+            .apply(&watcher::Event::Delete(large), weight)
+            .unwrap();
+        assert_eq!(budget.held().1, ordinary);
+
+        let breach = (0..4)
+            .find_map(|i| {
+                let event = watcher::Event::Apply(service(&format!("u{i}"), &"u".repeat(1 << 20)));
+                account.apply(&event, weight).err()
+            })
+            .unwrap();
+        assert_eq!(breach.unit, "bytes");
+    }
+
     #[test]
     fn the_event_that_goes_over_names_the_budget_and_its_setting() {
         let (budget, mut account) = new_account(2, usize::MAX);

@@ -47,12 +47,25 @@ pub trait Cached: Clone + Debug + Send + Sync + 'static {
     fn project(object: &Self::Object) -> Self;
     fn key(&self) -> Self::Key;
     /// What one object costs its cache's budget: by default its entry and its slot in the
-    /// index, twice (a vector and a table grow by doubling), plus the names it holds.
+    /// index, twice (a vector and a table grow by doubling), plus the names it holds and what
+    /// its record keeps on the heap ([`Self::heap_bytes`]). The object is projected here as the
+    /// cache projects it: a record holds far less than its object (a Service's status, labels
+    /// and annotations are dropped), so weighing the object would over-charge every cluster,
+    /// while a record holding untrusted text must be charged for it.
     fn weight(object: &Self::Object) -> usize {
         let meta = object.meta();
         let names = meta.name.as_ref().map_or(0, String::len)
             + meta.namespace.as_ref().map_or(0, String::len);
-        2 * (std::mem::size_of::<Entry<Self>>() + INDEX_SLOT) + names
+        (2 * (std::mem::size_of::<Entry<Self>>() + INDEX_SLOT))
+            .saturating_add(names)
+            .saturating_add(Self::project(object).heap_bytes())
+    }
+    /// The bytes the record keeps on the heap besides its name and namespace (which
+    /// [`Self::weight`] counts from the object): boxed text, lists that do not fit inside the
+    /// record. An object's fields are the tenant's API's to choose, so text of any length or
+    /// lists of any size are counted as held; what the record keeps inline counts nothing.
+    fn heap_bytes(&self) -> usize {
+        0
     }
     /// The object's resourceVersion, where the record keeps it as a number ([`Whole`] compares
     /// it with the object it keeps).

@@ -68,6 +68,26 @@ impl ParentRef {
     pub fn is_service(&self) -> bool {
         matches!(self.kind, ParentKind::Service)
     }
+
+    /// Names too long to sit inside the record, and the group and resource of a parent that is
+    /// not a Service.
+    fn heap_bytes(&self) -> usize {
+        let kind = match &self.kind {
+            ParentKind::Service => 0,
+            ParentKind::Other(other) => {
+                size_of::<(Box<str>, Box<str>)>() + other.0.len() + other.1.len()
+            }
+        };
+        name_heap_bytes(&self.namespace) + name_heap_bytes(&self.name) + kind
+    }
+}
+
+fn name_heap_bytes(name: &Name) -> usize {
+    if name.is_heap_allocated() {
+        name.capacity()
+    } else {
+        0
+    }
 }
 
 /// The two labels of an IPAddress the repair reads. The values the allocator writes (on every
@@ -140,6 +160,15 @@ impl IpLabels {
             let keep = unusual.is_some();
             self.set_unusual(|labels| labels.family = unusual, keep);
         }
+    }
+
+    /// The values other than the allocator's, kept behind their pointer.
+    fn heap_bytes(&self) -> usize {
+        self.unusual.as_ref().map_or(0, |unusual| {
+            size_of::<UnusualLabels>()
+                + unusual.managed_by.as_ref().map_or(0, |value| value.len())
+                + unusual.family.as_ref().map_or(0, |value| value.len())
+        })
     }
 
     /// Changes the unusual values, keeping none allocated when there are none (so equal labels
@@ -339,6 +368,14 @@ impl Cached for IpAddressRecord {
     fn key(&self) -> Self::Key {
         self.name.clone()
     }
+    /// A uid or resourceVersion of an unusual shape, unusual labels and the parent's names and
+    /// kind: all the object's to make as large as it likes.
+    fn heap_bytes(&self) -> usize {
+        self.parent.as_ref().map_or(0, ParentRef::heap_bytes)
+            + self.labels.heap_bytes()
+            + self.uid.heap_bytes()
+            + self.resource_version.heap_bytes()
+    }
 }
 
 #[cfg(test)]
@@ -353,6 +390,59 @@ mod tests {
 
     fn ip_address(json: &str) -> IpAddressRecord {
         IpAddressRecord::from(&serde_json::from_str::<IpAddressObject>(json).unwrap())
+    }
+
+    fn ip_address_weight(object: serde_json::Value) -> usize {
+        IpAddressRecord::weight(&serde_json::from_value(object).unwrap())
+    }
+
+    /// An IPAddress as the allocator writes them keeps nothing on the heap; one whose uid,
+    /// resourceVersion, labels or parent a tenant's API made large is counted for all of it.
+    #[test]
+    fn an_ip_address_weighs_the_text_it_keeps() {
+        let ordinary = ip_address_weight(serde_json::json!({
+            "metadata": {"name": "10.96.1.2", "uid": "6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f",
+                "resourceVersion": "48213",
+                "labels": {LABEL_MANAGED_BY: IPALLOCATOR_MANAGER, LABEL_IP_FAMILY: "IPv4"}},
+            "spec": {"parentRef": {"group": "", "resource": "services", "namespace": "shop",
+                "name": "web"}},
+        }));
+        assert!(ordinary < 512, "{ordinary}");
+
+        let huge = "h".repeat(1 << 20);
+        for (field, object) in [
+            (
+                "uid",
+                serde_json::json!({"metadata": {"name": "10.96.1.2", "uid": huge}}),
+            ),
+            (
+                "resourceVersion",
+                serde_json::json!({"metadata": {"name": "10.96.1.2", "resourceVersion": huge}}),
+            ),
+            (
+                "labels",
+                serde_json::json!({"metadata": {"name": "10.96.1.2",
+                    "labels": {LABEL_MANAGED_BY: huge}}}),
+            ),
+            (
+                "parent's group",
+                serde_json::json!({"metadata": {"name": "10.96.1.2"},
+                    "spec": {"parentRef": {"group": huge, "resource": "services"}}}),
+            ),
+            (
+                "parent's namespace",
+                serde_json::json!({"metadata": {"name": "10.96.1.2"},
+                    "spec": {"parentRef": {"resource": "services", "namespace": huge}}}),
+            ),
+            (
+                "parent's name",
+                serde_json::json!({"metadata": {"name": "10.96.1.2"},
+                    "spec": {"parentRef": {"resource": "services", "name": huge}}}),
+            ),
+        ] {
+            let weight = ip_address_weight(object);
+            assert!(weight >= 1 << 20, "{field}: {weight}");
+        }
     }
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/k8s-api");

@@ -123,6 +123,14 @@ impl ClusterIp {
             ClusterIp::Invalid(_) => None,
         }
     }
+
+    /// The text kept of an entry that does not parse.
+    pub fn heap_bytes(&self) -> usize {
+        match self {
+            ClusterIp::Ip(_) => 0,
+            ClusterIp::Invalid(raw) => raw.len(),
+        }
+    }
 }
 
 impl std::fmt::Display for ClusterIp {
@@ -209,6 +217,14 @@ impl Token {
         match self {
             Token::Number(number) => Some(*number),
             _ => None,
+        }
+    }
+
+    /// The text kept of a token without the usual shape.
+    pub fn heap_bytes(&self) -> usize {
+        match self {
+            Token::Uuid(_) | Token::Number(_) => 0,
+            Token::Text(text) => text.len(),
         }
     }
 }
@@ -514,6 +530,23 @@ impl crate::watch_cache::Cached for ServiceRecord {
     fn key(&self) -> Self::Key {
         (self.namespace.clone(), self.name.clone())
     }
+    /// A uid of any other shape than a UUID, cluster IPs that do not parse and node ports are
+    /// the object's to make as large as it likes; two cluster IPs stay inside the record.
+    fn heap_bytes(&self) -> usize {
+        let spilled = if self.cluster_ips.spilled() {
+            self.cluster_ips.capacity() * size_of::<ClusterIp>()
+        } else {
+            0
+        };
+        self.uid.heap_bytes()
+            + spilled
+            + self
+                .cluster_ips
+                .iter()
+                .map(ClusterIp::heap_bytes)
+                .sum::<usize>()
+            + size_of_val::<[(i32, Protocol)]>(&self.node_ports)
+    }
     fn resource_version(&self) -> Option<u64> {
         (self.resource_version != 0).then_some(self.resource_version)
     }
@@ -576,6 +609,12 @@ impl crate::watch_cache::Cached for ServiceCidrRecord {
     fn key(&self) -> Self::Key {
         self.name.clone()
     }
+    /// Both lists of CIDRs, and the text of each as written.
+    fn heap_bytes(&self) -> usize {
+        self.cidrs.capacity() * size_of::<IpNet>()
+            + self.raw_cidrs.capacity() * size_of::<Box<str>>()
+            + self.raw_cidrs.iter().map(|raw| raw.len()).sum::<usize>()
+    }
     fn resource_version(&self) -> Option<u64> {
         (self.resource_version != 0).then_some(self.resource_version)
     }
@@ -585,9 +624,93 @@ impl crate::watch_cache::Cached for ServiceCidrRecord {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::watch_cache::Cached;
 
     fn service(json: &str) -> ServiceRecord {
         ServiceRecord::from(&serde_json::from_str::<ServiceObject>(json).unwrap())
+    }
+
+    fn weight<T: Cached>(object: serde_json::Value) -> usize {
+        T::weight(&serde_json::from_value(object).unwrap())
+    }
+
+    /// A Service as kube-apiserver makes them: nothing of it on the heap, so the budget
+    /// counts no more than its cache entry and names, and a budget sized for compact records
+    /// holds as many as it was sized for.
+    #[test]
+    fn an_ordinary_service_weighs_its_entry_and_names() {
+        let object = serde_json::json!({
+            "metadata": {"name": "web", "namespace": "shop",
+                "uid": "6f2c1d5e-8b7a-4c3d-9e1f-0a2b3c4d5e6f", "resourceVersion": "48213",
+                "creationTimestamp": "2026-11-28T10:00:00Z"},
+            "spec": {"clusterIP": "10.96.1.2", "clusterIPs": ["10.96.1.2"],
+                "ports": [{"port": 80, "protocol": "TCP", "targetPort": 8080}]},
+        });
+        let record = ServiceRecord::project(&serde_json::from_value(object.clone()).unwrap());
+        assert_eq!(record.heap_bytes(), 0);
+        let ordinary = weight::<ServiceRecord>(object);
+        assert!(ordinary < 512, "{ordinary}");
+    }
+
+    /// A tenant's API may serve a uid that is no UUID, cluster IPs that do not parse and node
+    /// ports by the thousand: the record keeps them all, so the budget counts them all.
+    #[test]
+    fn a_service_weighs_the_text_and_lists_it_keeps() {
+        let uid = "u".repeat(1 << 20);
+        let weight_of_uid = weight::<ServiceRecord>(serde_json::json!({
+            "metadata": {"name": "s", "namespace": "d", "uid": uid},
+        }));
+        assert!(weight_of_uid >= 1 << 20, "{weight_of_uid}");
+
+        let ips: Vec<String> = (0..10_000).map(|i| format!("not-an-ip-{i}")).collect();
+        let text: usize = ips.iter().map(String::len).sum();
+        let weight_of_ips = weight::<ServiceRecord>(serde_json::json!({
+            "metadata": {"name": "s", "namespace": "d"},
+            "spec": {"clusterIP": ips[0], "clusterIPs": ips},
+        }));
+        assert!(
+            weight_of_ips >= text + 10_000 * size_of::<ClusterIp>(),
+            "{weight_of_ips}"
+        );
+
+        let ports: Vec<_> = (1..=10_000)
+            .map(|port| serde_json::json!({"port": 80, "nodePort": port}))
+            .collect();
+        let weight_of_ports = weight::<ServiceRecord>(serde_json::json!({
+            "metadata": {"name": "s", "namespace": "d"},
+            "spec": {"ports": ports},
+        }));
+        assert!(
+            weight_of_ports >= 10_000 * size_of::<(i32, Protocol)>(),
+            "{weight_of_ports}"
+        );
+    }
+
+    /// `spec.cidrs` is kept twice, parsed and as written: both count, whatever their number
+    /// and length.
+    #[test]
+    fn a_service_cidr_weighs_the_cidrs_it_keeps() {
+        let cidrs: Vec<String> = (0..1_000)
+            .map(|i| format!("{i}-{}", "x".repeat(1 << 10)))
+            .collect();
+        let text: usize = cidrs.iter().map(String::len).sum();
+        let of_text = weight::<ServiceCidrRecord>(serde_json::json!({
+            "metadata": {"name": "kubernetes"},
+            "spec": {"cidrs": cidrs},
+        }));
+        assert!(of_text >= text + 1_000 * size_of::<Box<str>>(), "{of_text}");
+
+        let valid: Vec<String> = (0..1_000)
+            .map(|i| format!("10.{}.0.0/24", i % 256))
+            .collect();
+        let of_valid = weight::<ServiceCidrRecord>(serde_json::json!({
+            "metadata": {"name": "kubernetes"},
+            "spec": {"cidrs": valid},
+        }));
+        assert!(
+            of_valid >= 1_000 * (size_of::<IpNet>() + size_of::<Box<str>>()),
+            "{of_valid}"
+        );
     }
 
     /// The order of `<namespace>/<name>` as bytes, for every pair of a few names chosen around
