@@ -38,6 +38,11 @@ mod pb {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time allowed for one request (for a watch: until etcd answers it).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// HTTP/2 pings on an open connection, and how long one may go unanswered: a connection dropped
+/// without a reset (a partition) would otherwise leave the watch waiting on it for ever, its key
+/// cached as live. Above etcd's least ping interval (`--grpc-keepalive-min-time`, 5 s).
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// kube-apiserver's `--etcd-prefix` default (`DefaultEtcdPathPrefix` in
 /// staging/src/k8s.io/apiserver/pkg/server/options/etcd.go).
@@ -232,10 +237,12 @@ impl KeyCache {
         *self.lock() = KeyCacheState { live, value };
     }
 
-    /// A write of ours went through at `mod_revision`.
+    /// A write of ours went through at `mod_revision`; a newer value the watch already brought
+    /// (another writer's, just after ours) stays.
     pub fn wrote(&self, value: Vec<u8>, mod_revision: i64) {
         let mut state = self.lock();
-        if state.live {
+        let newer = matches!(&state.value, Some(Some(seen)) if seen.mod_revision >= mod_revision);
+        if state.live && !newer {
             state.value = Some(Some(Stored {
                 value,
                 mod_revision,
@@ -447,7 +454,11 @@ impl EtcdStore {
             let endpoint = Endpoint::from_shared(server.clone())
                 .map_err(|err| EtcdError::Connect(format!("{server}: {}", chain(&err))))?
                 .connect_timeout(CONNECT_TIMEOUT)
-                .timeout(REQUEST_TIMEOUT);
+                .timeout(REQUEST_TIMEOUT)
+                .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+                .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+                .keep_alive_while_idle(true)
+                .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
             let endpoint = match &tls {
                 Some(tls) => endpoint
                     .tls_config(tls.clone())
@@ -823,8 +834,25 @@ fn new_backoff() -> backon::ExponentialBackoff {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// The watch may bring another writer's value, just after ours, before our write's answer:
+    /// the answer does not take the cache back to ours.
+    #[test]
+    fn a_write_of_ours_does_not_replace_a_newer_value_the_watch_brought() {
+        let cache = KeyCache::default();
+        let stored = |value: &[u8], mod_revision| Stored {
+            value: value.to_vec(),
+            mod_revision,
+        };
+        cache.watched(true, Some(Some(stored(b"theirs", 8))));
+        cache.wrote(b"ours".to_vec(), 7);
+        assert_eq!(cache.get().unwrap().unwrap().value, b"theirs");
+        cache.wrote(b"ours again".to_vec(), 9);
+        assert_eq!(cache.get().unwrap().unwrap().mod_revision, 9);
+    }
 
     #[test]
     fn keys_are_kube_apiservers() {

@@ -31,7 +31,7 @@ use tracing::{debug, warn};
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, drift};
 use crate::events::SeriesRecorder;
-use crate::findings::ReportOnce;
+use crate::findings::{RepeatedFailure, ReportOnce};
 use crate::service_cache::fresh_services;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::{ServiceRecord, ServiceRef};
@@ -140,6 +140,8 @@ pub struct LegacyBitmap {
     spacing: Duration,
     leaks: Mutex<LeakTracker>,
     reported: ReportOnce<BitmapFinding>,
+    /// The last failure to list the Services afresh, warned about once.
+    list_failure: Mutex<RepeatedFailure>,
     /// The key's value as its watch last saw it: at rest a pass reads nothing from etcd.
     cache: KeyCache,
 }
@@ -175,6 +177,7 @@ impl LegacyBitmap {
             spacing,
             leaks: Mutex::default(),
             reported: ReportOnce::new(),
+            list_failure: Mutex::default(),
             cache: KeyCache::default(),
         }
     }
@@ -225,10 +228,25 @@ impl LegacyBitmap {
         (bits, holders)
     }
 
-    /// The bits the Services hold by a fresh list of them, `None` if the list failed.
+    /// The bits the Services hold by a fresh list of them, `None` if the list failed (warned
+    /// about once while it fails the same way).
     async fn fresh_in_use(&self, client: &kube::Client) -> Option<FixedBitSet> {
-        let services = fresh_services(client, self.page_size).await?;
-        Some(self.in_use(&services).0)
+        let listed = fresh_services(client, self.page_size).await;
+        let mut failure = self.list_failure.lock().unwrap_or_else(|p| p.into_inner());
+        match listed {
+            Ok(services) => {
+                failure.succeeded();
+                Some(self.in_use(&services).0)
+            }
+            Err(err) => {
+                if failure.is_new(&err) {
+                    tracing::warn!(key = %self.key, error = %err, "cannot list the Services afresh: no leak is released, no bit set and no range rebuilt until a list succeeds");
+                } else {
+                    tracing::debug!(key = %self.key, error = %err, "cannot list the Services afresh");
+                }
+                None
+            }
+        }
     }
 
     /// What is wrong when the key is stored under `stored` (empty: no range), and how to

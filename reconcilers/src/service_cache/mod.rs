@@ -8,29 +8,24 @@ pub mod record;
 
 use kube::Client;
 use kube::api::{Api, ListParams};
-use tracing::warn;
 
 use record::{ServiceObject, ServiceRecord};
 
 /// Every Service, listed now page by page: a read as fresh as the API's, for a decision no cache
-/// may take alone (releasing a leaked bit of a bitmap in etcd). `None` (logged) when any page
-/// fails.
-pub async fn fresh_services(client: &Client, page_size: u32) -> Option<Vec<ServiceRecord>> {
+/// may take alone (releasing a leaked bit of a bitmap in etcd). The caller reports a failure.
+pub async fn fresh_services(
+    client: &Client,
+    page_size: u32,
+) -> Result<Vec<ServiceRecord>, kube::Error> {
     let api: Api<ServiceObject> = Api::all(client.clone());
     let mut services = Vec::new();
     let mut params = ListParams::default().limit(page_size);
     loop {
-        let page = match api.list(&params).await {
-            Ok(page) => page,
-            Err(err) => {
-                warn!(error = %err, "cannot list the Services to confirm a leak; it stays held");
-                return None;
-            }
-        };
+        let page = api.list(&params).await?;
         services.extend(page.items.iter().map(ServiceRecord::from));
         match page.metadata.continue_ {
             Some(token) if !token.is_empty() => params = params.continue_token(&token),
-            _ => return Some(services),
+            _ => return Ok(services),
         }
     }
 }
