@@ -505,6 +505,23 @@ impl EtcdStore {
             })
         };
         let config = &self.config;
+        // No system roots are trusted for etcd (kube-apiserver's --etcd-cafile names the CA too):
+        // without one, an https server fails every connection with a bare handshake error.
+        let has_ca = match &config.inline_tls {
+            Some(inline) => inline.ca.is_some(),
+            None => config.ca_file.is_some(),
+        };
+        if let Some(server) = (config.servers.iter()).find(|s| s.starts_with("https://"))
+            && !has_ca
+        {
+            return Err(EtcdError::Tls {
+                settings: self.tls_settings(),
+                message: format!(
+                    "{server} is https, and no CA is given to verify it: give the CA that signed \
+                     etcd's serving certificate (kube-apiserver's --etcd-cafile)"
+                ),
+            });
+        }
         if let Some(inline) = &config.inline_tls {
             if inline.ca.is_none() && inline.cert.is_none() {
                 return Ok(None);
@@ -852,6 +869,26 @@ mod tests {
         assert_eq!(cache.get().unwrap().unwrap().value, b"theirs");
         cache.wrote(b"ours again".to_vec(), 9);
         assert_eq!(cache.get().unwrap().unwrap().mod_revision, 9);
+    }
+
+    /// An https server without a CA is refused naming the server and the setting, before any
+    /// connection fails a handshake.
+    #[test]
+    fn an_https_server_needs_a_ca() {
+        let store = EtcdStore::new(EtcdConfig {
+            servers: vec!["https://192.0.2.1:2379".to_owned()],
+            ..EtcdConfig::default()
+        });
+        let err = store.tls().unwrap_err().to_string();
+        assert!(
+            err.contains("--etcd-cafile") && err.contains("https://192.0.2.1:2379 is https"),
+            "{err}"
+        );
+        let plain = EtcdStore::new(EtcdConfig {
+            servers: vec!["http://192.0.2.1:2379".to_owned()],
+            ..EtcdConfig::default()
+        });
+        assert!(plain.tls().unwrap().is_none());
     }
 
     #[test]
