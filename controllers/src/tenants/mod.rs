@@ -76,6 +76,9 @@ pub const LOAD_TIMEOUT: Duration =
 /// did not answer, and the end of claims' grace, are seen at least this often.
 const TIMER: Duration = Duration::from_secs(5);
 
+/// Tenant Secrets per LIST page.
+const SECRET_PAGE_SIZE: u32 = 50;
+
 /// How long without an error the Secret watch has resumed after: kube-runtime's default backoff
 /// pauses at most 30 s, jittered up to twice that, between attempts.
 const SECRETS_QUIET: Duration = Duration::from_secs(120);
@@ -318,7 +321,11 @@ impl Manager {
             Some(namespace) => Api::namespaced(self.client.clone(), namespace),
             None => Api::all(self.client.clone()),
         };
-        let config = watcher::Config::default().labels(&tenants.secret_selector);
+        // A Secret may hold up to 1 MiB: pages of 50, not kube's 500, bound what one page of a
+        // LIST makes this process hold.
+        let config = watcher::Config::default()
+            .labels(&tenants.secret_selector)
+            .page_size(SECRET_PAGE_SIZE);
         let mut events = watcher(api, config).default_backoff().boxed();
         let records_api: Api<Lease> =
             Api::namespaced(self.client.clone(), &self.settings.election.lease_namespace);
