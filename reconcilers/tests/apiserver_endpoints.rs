@@ -396,6 +396,38 @@ async fn a_restarted_sidecar_keeps_its_live_lease_until_the_threshold_of_failure
     assert!(lease().is_none());
 }
 
+/// A replica that leads again after another led meets the members as they are listed, not as
+/// it last wrote them: what joined meanwhile was announced by the other.
+#[tokio::test]
+async fn a_replica_leading_again_does_not_announce_what_another_announced() {
+    let sim = sim().await;
+    let fast = |address| {
+        let mut cfg = cfg(address);
+        cfg.section.interval = std::time::Duration::from_millis(200);
+        cfg
+    };
+    let a = instance(&sim, &fast("192.0.2.10"), true);
+    let b = instance(&sim, &fast("192.0.2.2"), true);
+    pass(&a.lease, &sim).await;
+    pass(&b.lease, &sim).await;
+    pass(&a.endpoints, &sim).await;
+    assert_eq!(a.endpoints.metrics().changes("joined"), 2);
+    // b leads while a third member joins; then a leads again.
+    let c = instance(&sim, &fast("192.0.2.9"), true);
+    pass(&c.lease, &sim).await;
+    assert_eq!(
+        listed_after_pass(&sim, &b).await,
+        vec!["192.0.2.10", "192.0.2.2", "192.0.2.9"]
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    pass(&a.endpoints, &sim).await;
+    assert_eq!(
+        a.endpoints.metrics().changes("joined"),
+        2,
+        "announced again"
+    );
+}
+
 #[tokio::test]
 async fn lease_expiry_without_any_write_wakes_the_leader() {
     let sim = sim().await;

@@ -263,6 +263,12 @@ impl ApiserverEndpointsLoop {
     async fn pass(&self, ctx: &PassContext, withdrawing: bool) -> Result<PassReport, LoopError> {
         let mut state = self.state.lock().await;
         if !withdrawing {
+            // Leading again after a pause (another replica led): the members are judged against
+            // what is listed now, not what this replica last wrote, or whatever changed meanwhile
+            // would be announced a second time.
+            if (state.last_pass).is_none_or(|at| at.elapsed() >= self.section.interval * 2) {
+                state.memory.previous = None;
+            }
             state.last_pass = Some(Instant::now());
         }
         let snapshot = self.read(ctx, withdrawing).await?;
