@@ -718,6 +718,29 @@ async fn shutdown_withdraws_at_once_and_the_last_member_empties_the_set() {
     );
 }
 
+/// The only static name fails to resolve from the start: nothing is written (no member), and
+/// the failure is still published as its Warning event.
+#[tokio::test]
+async fn a_finding_of_a_pass_that_writes_nothing_is_still_published() {
+    let sim = sim().await;
+    let resolver = Arc::new(FakeResolver::default());
+    resolver.answer("lb.example.com", Err("SERVFAIL".into()));
+    let c = static_cfg(&["lb.example.com"]);
+    let mut registry = Registry::default();
+    let l = ApiserverEndpointsLoop::new(
+        &c.section,
+        &c.settings,
+        deps(&sim, Arc::new(Flag::new(true)), resolver),
+        &mut registry,
+    );
+    pass(&l, &sim).await;
+    assert!(endpoints(&sim).await.is_none());
+    eventually("StaticAddressResolutionFailed event", || async {
+        event_reasons(&sim).contains(&"StaticAddressResolutionFailed".to_owned())
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn static_names_keep_the_last_good_set_of_the_services_family() {
     let sim = sim().await;

@@ -96,15 +96,9 @@ impl ApiserverEndpointsLoop {
         Ok(None)
     }
 
-    /// Publishes what a pass that wrote says, with its metrics: the findings' warnings, who
-    /// joined, expired or left, the repairs (writes no membership change explains) in one event,
-    /// and, once each, another writer of an object it had to repair.
-    pub(super) async fn publish_notes(
-        &self,
-        reference: &ObjectReference,
-        plan: &Plan,
-        report: &PassReport,
-    ) {
+    /// Publishes the findings' warnings as events, whether the pass then writes, is refused or
+    /// fails: each finding is in a plan once.
+    pub(super) async fn publish_findings(&self, reference: &ObjectReference, plan: &Plan) {
         for finding in &plan.findings {
             if let Some(reason) = finding.reason() {
                 let note = finding.note(&self.target);
@@ -112,6 +106,17 @@ impl ApiserverEndpointsLoop {
                     .await;
             }
         }
+    }
+
+    /// Publishes what a pass that wrote says, with its metrics: who joined, expired or left, the
+    /// repairs (writes no membership change explains) in one event, and, once each, another
+    /// writer of an object it had to repair.
+    pub(super) async fn publish_notes(
+        &self,
+        reference: &ObjectReference,
+        plan: &Plan,
+        report: &PassReport,
+    ) {
         self.announce(reference, &plan.change, &plan.expired).await;
         let repairs: Vec<&Drift> = (report.drift.iter())
             .filter(|d| d.applied)

@@ -286,6 +286,10 @@ impl ApiserverEndpointsLoop {
             now,
         );
         self.say(&plan);
+        if !ctx.dry_run && !plan.findings.is_empty() {
+            let found = self.reference(snapshot.endpoints.clone());
+            self.publish_findings(&found, &plan).await;
+        }
         let (written, report) = self.apply(ctx, &plan, snapshot.endpoints).await?;
         if ctx.dry_run || plan.refused.is_some() {
             return Ok(report);
