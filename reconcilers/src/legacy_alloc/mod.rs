@@ -292,8 +292,9 @@ impl LegacyBitmap {
     /// A repair loop's pass over the key: reads it, plans it against the bits the cached
     /// Services hold (`in_use` and `holders`, as [`Self::in_use`] gives them) and writes the plan
     /// by compare-and-swap; the drift goes into `report`, the new findings to `outlet`. A pass
-    /// lists the Services afresh once when a leak is due for release or the bitmap is to be
-    /// rebuilt under another range. Every bit about to be set is confirmed by the Services read
+    /// lists the Services afresh when a leak is due for release or the bitmap is to be rebuilt
+    /// under another range, once after each read of the key (again after a lost
+    /// compare-and-swap). Every bit about to be set is confirmed by the Services read
     /// live (a GET of its holder each, or a list when a GET does not confirm it or there are many),
     /// as a bit set for a Service that is gone would hold its port or IP until three sightings
     /// release it; such a bit is neither set nor reported.
@@ -304,9 +305,8 @@ impl LegacyBitmap {
         outlet: &Outlet<'_>,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        // Whether this pass listed the Services afresh, and the offsets they hold when it did
-        // and the list succeeded.
-        let mut listed = false;
+        // The offsets the Services hold by a fresh list taken after this attempt's read, once
+        // one succeeded.
         let mut fresh: Option<FixedBitSet> = None;
         // Bits missing from the stored bitmap, judged live: whether no Service holds them after
         // all. Kept across the attempts of a compare-and-swap.
@@ -332,8 +332,7 @@ impl LegacyBitmap {
                     .as_ref()
                     .filter(|(from, _)| !from.is_empty())
                 {
-                    if !listed {
-                        listed = true;
+                    if fresh.is_none() {
                         fresh = self.fresh_in_use(&ctx.client).await;
                     }
                     if fresh.is_none() {
@@ -362,8 +361,7 @@ impl LegacyBitmap {
                     )
                 };
                 if !plan.held.is_empty() {
-                    if !listed {
-                        listed = true;
+                    if fresh.is_none() {
                         fresh = self.fresh_in_use(&ctx.client).await;
                     }
                     if let Some(fresh) = &fresh {
@@ -378,6 +376,9 @@ impl LegacyBitmap {
                     || plan.changes(&stored.bits);
                 let applied = write && !ctx.dry_run;
                 if applied && !self.write(&stored, &plan).await? {
+                    // Someone wrote the key since it was read: a release is judged again on a
+                    // list taken after the next read, never on one older than what it reads.
+                    fresh = None;
                     continue;
                 }
                 break 'pass self.outcome(&plan, stored.range_change, applied, holders, report);

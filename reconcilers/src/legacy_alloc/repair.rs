@@ -54,11 +54,14 @@ pub struct Plan {
 impl Plan {
     /// Releases the held bits that `fresh_in_use` (the offsets a fresh list of the Services
     /// holds) confirms unused; the others were in use after all (the cache was behind), and are
-    /// no suspects any more.
+    /// no suspects any more. A released bit keeps its sightings until a stored bitmap no longer
+    /// holds it: a write that loses its compare-and-swap leaves it set, and it must not start
+    /// over as a new suspect.
     pub fn release_held(&mut self, leaks: &mut LeakTracker, fresh_in_use: &FixedBitSet) {
         for offset in self.held.drain(..) {
-            leaks.sightings.remove(&offset);
-            if !fresh_in_use.contains(offset) {
+            if fresh_in_use.contains(offset) {
+                leaks.sightings.remove(&offset);
+            } else {
                 self.bitmap.set(offset, false);
                 self.released.push(offset);
             }
@@ -108,8 +111,8 @@ pub fn plan(
         if sighting.count < SIGHTINGS_BEFORE_RELEASE {
             bitmap.insert(offset);
         } else if fresh {
+            // Its sightings go once a stored bitmap no longer holds it (see `release_held`).
             released.push(offset);
-            leaks.sightings.remove(&offset);
         } else {
             bitmap.insert(offset);
             held.push(offset);
@@ -197,6 +200,12 @@ mod tests {
         assert_eq!(ports(&plan.bitmap), Vec::<usize>::new());
         assert_eq!(plan.released, vec![11]);
         assert!(plan.changes(&stored));
+        // Its write lost a compare-and-swap: read again, still set, it is released again, not
+        // seen anew.
+        let again = pass(&stored, &bits(&[]), &mut leaks, true);
+        assert_eq!((again.released, again.flagged), (vec![11], vec![]));
+        // Written: no longer stored, no suspect any more.
+        pass(&plan.bitmap, &bits(&[]), &mut leaks, true);
         assert_eq!(leaks.suspects(), 0);
     }
 
@@ -249,7 +258,18 @@ mod tests {
         assert_eq!(ports(&plan.bitmap), vec![150, 160, 170]);
         plan.release_held(&mut leaks, &bits(&[160, 170]));
         assert_eq!(ports(&plan.bitmap), vec![160, 170]);
-        assert_eq!((plan.released, plan.held.len()), (vec![50], 0));
+        assert_eq!((plan.released.clone(), plan.held.len()), (vec![50], 0));
+        // 170 was in use after all; 150 stays a suspect until a stored bitmap no longer holds it
+        // (a write that loses its compare-and-swap must not make it a new one).
+        assert_eq!(leaks.suspects(), 1);
+        let mut again = pass(&stored, &bits(&[160]), &mut leaks, false);
+        assert_eq!(
+            (again.held.clone(), again.flagged.clone()),
+            (vec![50], vec![70])
+        );
+        again.release_held(&mut leaks, &bits(&[160, 170]));
+        assert_eq!(again.released, vec![50]);
+        pass(&plan.bitmap, &bits(&[160, 170]), &mut leaks, false);
         assert_eq!(leaks.suspects(), 0);
     }
 
