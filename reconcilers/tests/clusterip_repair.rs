@@ -948,6 +948,55 @@ async fn orphan_younger_than_the_grace_period_is_kept_then_deleted() -> Result<(
     Ok(())
 }
 
+/// kube-apiserver writes the IPAddress, then the Service; their events come on two watches, and
+/// the Service's may arrive first. The IPAddress is read live before one is created for it, so
+/// the repair sends no create at all (the create would only meet 409, yet it is a write to an
+/// object that is not the controller's).
+#[tokio::test]
+async fn an_ipaddress_the_cache_has_not_seen_yet_is_not_created_again() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a first clean pass", |r| {
+        r.is_clean()
+    })
+    .await?;
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::Watch),
+        Some("ipaddresses.networking.k8s.io"),
+        1.0,
+        FaultKind::Latency { millis: 3000 },
+    ));
+    // The open IPAddress watch ends; its next one opens late, while the Services' goes on.
+    sim.close_watches();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let object: IPAddress = serde_json::from_value(ip_address_json(
+        "10.96.9.8",
+        service_ref("shop", "early"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    Api::<IPAddress>::all(client.clone())
+        .create(&PostParams::default(), &object)
+        .await?;
+    sim.backdoor()
+        .put(backdoor_service("shop", "early", &["10.96.9.8"]))?;
+    sim.clear_requests();
+    for _ in 0..5 {
+        repair.reconcile(&ctx(&client, false)).await.ok();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let creates: Vec<_> = (sim.requests().into_iter())
+        .filter(|r| r.verb == "create" && r.resource.starts_with("ipaddresses"))
+        .collect();
+    assert!(creates.is_empty(), "{creates:?}");
+    sim.faults().clear();
+    Ok(())
+}
+
 #[tokio::test]
 async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate() -> Result<()> {
     let sim = start_sim().await?;

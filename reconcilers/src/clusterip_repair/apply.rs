@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{DeleteParams, PostParams, Preconditions};
+use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Api, Client};
 
 use super::model::{self, IPALLOCATOR_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
@@ -85,7 +85,11 @@ pub(super) async fn verify(client: &Client, finding: &Finding) -> Verdict {
         },
         Repair::Create { ip, owner } => {
             let ip = *ip;
-            confirm(client, owner, |svc| svc.lists_ip(ip)).await
+            let verdict = confirm(client, owner, |svc| svc.lists_ip(ip)).await;
+            if !matches!(verdict, Verdict::Confirmed) {
+                return verdict;
+            }
+            unallocated(client, ip).await
         }
         Repair::Recreate {
             ip,
@@ -94,6 +98,19 @@ pub(super) async fn verify(client: &Client, finding: &Finding) -> Verdict {
             ..
         } => verify_recreate(client, *ip, owner, dangling_parent.as_ref()).await,
         Repair::Delete { name, ground, .. } => verify_delete(client, name, ground).await,
+    }
+}
+
+/// Whether `ip` has no IPAddress, read live: kube-apiserver writes the IPAddress just before
+/// the Service, and the two arrive on different watches, so the Service's may come first.
+/// Listed by name (the IPAddress cache's grant), not read with a GET.
+async fn unallocated(client: &Client, ip: IpAddr) -> Verdict {
+    let api: Api<IPAddress> = Api::all(client.clone());
+    let by_name = ListParams::default().fields(&format!("metadata.name={ip}"));
+    match api.list(&by_name).await {
+        Ok(list) if list.items.is_empty() => Verdict::Confirmed,
+        Ok(_) => Verdict::Contradicted(format!("IPAddress {ip} exists")),
+        Err(err) => Verdict::Unknown(format!("cannot list IPAddress {ip}: {err}")),
     }
 }
 
