@@ -1008,13 +1008,16 @@ async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate()
         r.is_clean()
     })
     .await?;
-    // IPAddress watch events arrive late; the Service shows up first.
+    // IPAddress watch events arrive late; the Service shows up first. The fault delays a new
+    // watch, so the open one ends first and reopens late.
     sim.faults().inject(FaultRule::probability(
         Some(Verb::Watch),
         Some("ipaddresses.networking.k8s.io"),
         1.0,
         FaultKind::Latency { millis: 1500 },
     ));
+    sim.close_watches();
+    tokio::time::sleep(Duration::from_millis(300)).await;
     sim.backdoor()
         .put(backdoor_service("shop", "late", &["10.96.9.9"]))?;
     // The allocator's own write, delayed, lands while the repair may be running.
