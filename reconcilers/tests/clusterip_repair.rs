@@ -948,6 +948,20 @@ async fn orphan_younger_than_the_grace_period_is_kept_then_deleted() -> Result<(
     Ok(())
 }
 
+/// From now on the IPAddress watch reopens `millis` late, and the open one ends: what happens
+/// to IPAddresses reaches the cache that late, while the Services' watch goes on. The fault
+/// delays new requests only, not the events of an open watch.
+async fn ipaddress_events_late(sim: &Sim, millis: u64) {
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::Watch),
+        Some("ipaddresses.networking.k8s.io"),
+        1.0,
+        FaultKind::Latency { millis },
+    ));
+    sim.close_watches();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
 /// kube-apiserver writes the IPAddress, then the Service; their events come on two watches, and
 /// the Service's may arrive first. The IPAddress is read live before one is created for it, so
 /// the repair sends no create at all (the create would only meet 409, yet it is a write to an
@@ -963,15 +977,7 @@ async fn an_ipaddress_the_cache_has_not_seen_yet_is_not_created_again() -> Resul
         r.is_clean()
     })
     .await?;
-    sim.faults().inject(FaultRule::probability(
-        Some(Verb::Watch),
-        Some("ipaddresses.networking.k8s.io"),
-        1.0,
-        FaultKind::Latency { millis: 3000 },
-    ));
-    // The open IPAddress watch ends; its next one opens late, while the Services' goes on.
-    sim.close_watches();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    ipaddress_events_late(&sim, 3000).await;
     let object: IPAddress = serde_json::from_value(ip_address_json(
         "10.96.9.8",
         service_ref("shop", "early"),
@@ -985,7 +991,9 @@ async fn an_ipaddress_the_cache_has_not_seen_yet_is_not_created_again() -> Resul
     sim.backdoor()
         .put(backdoor_service("shop", "early", &["10.96.9.8"]))?;
     sim.clear_requests();
-    for _ in 0..5 {
+    // The Services' watch is back within 1.6 s (the list+watch's first pause), the IPAddresses'
+    // not before 3 s.
+    for _ in 0..10 {
         repair.reconcile(&ctx(&client, false)).await.ok();
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -1008,16 +1016,8 @@ async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate()
         r.is_clean()
     })
     .await?;
-    // IPAddress watch events arrive late; the Service shows up first. The fault delays a new
-    // watch, so the open one ends first and reopens late.
-    sim.faults().inject(FaultRule::probability(
-        Some(Verb::Watch),
-        Some("ipaddresses.networking.k8s.io"),
-        1.0,
-        FaultKind::Latency { millis: 1500 },
-    ));
-    sim.close_watches();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // IPAddress watch events arrive late; the Service shows up first.
+    ipaddress_events_late(&sim, 1500).await;
     sim.backdoor()
         .put(backdoor_service("shop", "late", &["10.96.9.9"]))?;
     // The allocator's own write, delayed, lands while the repair may be running.
