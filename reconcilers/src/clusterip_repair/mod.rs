@@ -592,7 +592,7 @@ impl ClusterIpRepairLoop {
         }
         self.wakeup
             .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
-        debug!(object = %finding.regarding.object(), kind = finding.problem.drift_kind(), %why, "finding disproved by a live read of the Service; the cache is behind");
+        debug!(object = %finding.regarding.object(), kind = finding.problem.drift_kind(), %why, "finding disproved by a live read; the cache is behind");
     }
 
     /// Publishes the finding's event. A failure is the caller's to retry: the finding must not
