@@ -8,8 +8,6 @@
 //! loser reads again rather than overwriting. Another holder's Lease is judged alive by when
 //! this observer saw it change ([`sign_of_life`], [`Liveness`]), by this observer's own clock,
 //! as client-go's leader election judges it by its `observedTime`: hosts' clocks need not agree.
-//! The membership Leases are judged by the same rule on the wall clock, since their expiry is
-//! also shown to people.
 
 use std::time::{Duration, Instant};
 
@@ -137,8 +135,8 @@ impl LeaseNamespaces {
 }
 
 /// One Lease's liveness as this observer judges it: alive until a lease duration after it last
-/// saw a [`sign_of_life`] change, by this observer's clock (`std`'s or tokio's `Instant`, so
-/// tests can pause time, or the wall clock's `Timestamp`).
+/// saw a [`sign_of_life`] change, by this observer's monotonic clock (`std`'s or tokio's
+/// `Instant`, so tests can pause time).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Liveness<I = Instant> {
     seen: Option<(Option<String>, Option<Timestamp>)>,
@@ -151,15 +149,6 @@ impl<I: Copy + std::ops::Add<Duration, Output = I>> Liveness<I> {
         Liveness {
             seen: None,
             changed_at: now,
-        }
-    }
-
-    /// `lease` as seen, unchanged since `at`: a Lease first met that is to be judged by its own
-    /// times rather than counted from now.
-    pub fn seen(lease: &Lease, at: I) -> Self {
-        Liveness {
-            seen: Some(sign_of_life(lease)),
-            changed_at: at,
         }
     }
 

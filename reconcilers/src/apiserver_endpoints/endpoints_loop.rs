@@ -246,12 +246,7 @@ impl ApiserverEndpointsLoop {
             }
         }
         if self.section.endpoint_mode() == EndpointsMode::Lease {
-            let wake = plan.next_expiry.and_then(|t| {
-                let left = Timestamp::now().duration_until(t);
-                Duration::try_from(left)
-                    .ok()
-                    .map(|d| Instant::now() + d + Duration::from_millis(50))
-            });
+            let wake = plan.next_expiry.map(|t| t + Duration::from_millis(50));
             self.next_expiry.set(wake);
         }
     }
@@ -284,6 +279,7 @@ impl ApiserverEndpointsLoop {
             &self.section,
             &self.target,
             now,
+            Instant::now(),
         );
         self.say(&plan);
         if !ctx.dry_run && !plan.findings.is_empty() {

@@ -14,6 +14,7 @@ use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::runtime::watcher;
+use tokio::time::Instant;
 
 use super::members::{MemberSet, parse_ip};
 use crate::budget::{CacheError, CacheEvent};
@@ -147,12 +148,15 @@ pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaseMembership {
     pub members: MemberSet,
-    /// The live Leases, each with its expiry as judged (see [`Sightings`]).
+    /// The live Leases, each with its expiry as judged (see [`Sightings`]), on the wall clock
+    /// for people to read.
     pub live: Vec<ObservedMember>,
     /// Leases whose time ran out (their address is not a member unless another live Lease has it).
     pub expired: Vec<ObservedMember>,
     /// Why each unusable Lease is not a member.
     pub problems: Vec<String>,
+    /// When the first live Lease runs out unless it is renewed, on the monotonic clock.
+    pub next_expiry: Option<Instant>,
 }
 
 /// A renewal further ahead of the reader's clock than this is no clock's error but a corrupted
@@ -161,42 +165,65 @@ const FAR_FUTURE: SignedDuration = SignedDuration::from_hours(24);
 
 /// Each Lease's [`Liveness`], the rule every Lease protocol of this project judges by: a
 /// member expires a lease duration after this reader saw its Lease change, by the reader's own
-/// clock, as client-go's leader election does (its `observedTime`), so a control-plane host whose
-/// clock is off is neither flapping nor missing: comparing the writer's `renewTime` with the
-/// reader's clock would make a host 5 s behind expire and rejoin every interval, and one a whole
-/// TTL behind never be listed. A Lease met for the first time (every Lease on a new leader's
-/// first pass), or renewed back in time, is judged by its `renewTime`: live, it counts as renewed now (so a member a few
-/// seconds behind does not expire before its next renewal); expired, it waits for a change to be
-/// seen (so a long-dead member is not listed). Wall-clock times, since expiries are also shown.
-pub type Sightings = BTreeMap<String, Liveness<Timestamp>>;
+/// monotonic clock, as client-go's leader election does (its `observedTime`). So a control-plane
+/// host whose clock is off is neither flapping nor missing: comparing the writer's `renewTime`
+/// with the reader's clock would make a host 5 s behind expire and rejoin every interval, and one
+/// a whole TTL behind never be listed. And a step of the reader's own wall clock (an NTP
+/// correction, a resumed VM) neither drops the members nor keeps dead ones longer.
+///
+/// A Lease met for the first time (every Lease on a new leader's first pass), or renewed back in
+/// time, is judged by its `renewTime` against the wall clock, the only time it can be judged by
+/// then: live, it counts as renewed now (so a member a few seconds behind does not expire before
+/// its next renewal); expired, it stays expired until a change is seen (so a long-dead member is
+/// not listed). On a failover, this first judgement drops a member whose host clock is more than
+/// about TTL − interval behind the new leader's until its next renewal is seen.
+pub type Sightings = BTreeMap<String, Sighting>;
 
-/// Records `lease` as seen at `now` and gives its expiry (see [`Sightings`]).
-fn expiry(
+/// One Lease as this reader saw it.
+#[derive(Clone, Debug)]
+pub struct Sighting {
+    liveness: Liveness<Instant>,
+    /// Met already expired, and not seen to change since.
+    stale: bool,
+}
+
+/// Records `lease` as seen at `mono` and gives how long it stays live unless it changes again
+/// (`None`: it is expired; see [`Sightings`]).
+fn time_left(
     sightings: &mut Sightings,
     lease: &Lease,
     member: &ObservedMember,
     now: Timestamp,
-) -> Timestamp {
+    mono: Instant,
+) -> Option<Duration> {
     let name = &member.lease_name;
     // Renewed back in time (a clock stepped back, a hand edit): met afresh.
-    if (sightings.get(name)).is_some_and(|seen| seen.renewed() > Some(member.renewed)) {
+    if (sightings.get(name)).is_some_and(|seen| seen.liveness.renewed() > Some(member.renewed)) {
         sightings.remove(name);
     }
-    let liveness = sightings
-        .entry(name.clone())
-        .or_insert_with(|| match member.expires > now {
-            true => Liveness::new(now),
-            false => Liveness::seen(lease, member.renewed),
-        });
-    liveness.observe(Some(lease), now);
-    let changed = liveness.changed_at();
-    changed.checked_add(member.duration).unwrap_or(changed)
+    let first = !sightings.contains_key(name);
+    let sighting = sightings.entry(name.clone()).or_insert_with(|| Sighting {
+        liveness: Liveness::new(mono),
+        stale: member.expires <= now,
+    });
+    // Only a renewal seen after the first sight revives a stale Lease.
+    if sighting.liveness.observe(Some(lease), mono) && !first {
+        sighting.stale = false;
+    }
+    if sighting.stale {
+        return None;
+    }
+    let duration = member.duration.unsigned_abs();
+    let since = mono.saturating_duration_since(sighting.liveness.changed_at());
+    duration.checked_sub(since).filter(|left| !left.is_zero())
 }
 
-/// Judge every Lease (expiry as [`Sightings`] says). Leases being deleted are not members.
+/// Judge every Lease (expiry as [`Sightings`] says) at `now` on the wall clock and `mono` on the
+/// monotonic one. Leases being deleted are not members.
 pub fn membership<'a>(
     leases: impl IntoIterator<Item = &'a Lease>,
     now: Timestamp,
+    mono: Instant,
     fallback_ttl: Duration,
     sightings: &mut Sightings,
 ) -> LeaseMembership {
@@ -216,12 +243,21 @@ pub fn membership<'a>(
             }
             Ok(mut member) => {
                 present.insert(member.lease_name.clone());
-                member.expires = expiry(sightings, lease, &member, now);
-                if member.expires > now {
-                    out.members.insert(member.address);
-                    out.live.push(member);
-                } else {
-                    out.expired.push(member);
+                match time_left(sightings, lease, &member, now, mono) {
+                    Some(left) => {
+                        member.expires = SignedDuration::try_from(left)
+                            .ok()
+                            .and_then(|left| now.checked_add(left).ok())
+                            .unwrap_or(Timestamp::MAX);
+                        let deadline = mono.checked_add(left);
+                        out.next_expiry = match (out.next_expiry, deadline) {
+                            (Some(next), Some(deadline)) => Some(next.min(deadline)),
+                            (next, deadline) => next.or(deadline),
+                        };
+                        out.members.insert(member.address);
+                        out.live.push(member);
+                    }
+                    None => out.expired.push(member),
                 }
             }
             Err(problem) => out.problems.push(problem),
@@ -305,6 +341,7 @@ mod tests {
         let judged = membership(
             &[lease],
             now,
+            Instant::now(),
             Duration::from_secs(15),
             &mut Sightings::default(),
         );
@@ -320,6 +357,7 @@ mod tests {
         let judged = membership(
             &[skewed],
             now,
+            Instant::now(),
             Duration::from_secs(15),
             &mut Sightings::default(),
         );
@@ -340,6 +378,13 @@ mod tests {
 
     fn at(secs: i64) -> Timestamp {
         Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    /// The monotonic clock `secs` after a fixed start (which this clock, unlike the wall one,
+    /// cannot be set to).
+    fn mono(secs: i64) -> Instant {
+        static START: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+        *START + Duration::from_secs(secs.unsigned_abs())
     }
 
     #[test]
@@ -393,6 +438,7 @@ mod tests {
         let m = membership(
             &[live, dead, garbage, deleting],
             at(5),
+            mono(5),
             Duration::from_secs(15),
             &mut Sightings::default(),
         );
@@ -410,6 +456,7 @@ mod tests {
             membership(
                 std::slice::from_ref(&lease),
                 at(14),
+                mono(14),
                 Duration::ZERO,
                 &mut Sightings::default()
             )
@@ -421,6 +468,7 @@ mod tests {
             membership(
                 std::slice::from_ref(&lease),
                 at(15),
+                mono(15),
                 Duration::ZERO,
                 &mut Sightings::default()
             )
@@ -481,6 +529,7 @@ mod tests {
         let judged = membership(
             leases.iter().map(|lease| &lease.0),
             "2026-11-25T08:00:05Z".parse().unwrap(),
+            Instant::now(),
             Duration::from_secs(15),
             &mut Sightings::default(),
         );
@@ -501,7 +550,13 @@ mod tests {
         for second in 0..120 {
             let renewed_at = second - second % 10;
             let lease = own("192.0.2.7").renewed(None, at(renewed_at - skew));
-            let judged = membership(&[lease], at(second), Duration::ZERO, &mut sightings);
+            let judged = membership(
+                &[lease],
+                at(second),
+                mono(second),
+                Duration::ZERO,
+                &mut sightings,
+            );
             listed.push(!judged.members.is_empty());
         }
         let flips = listed.windows(2).filter(|pair| pair[0] && !pair[1]).count();
@@ -520,17 +575,48 @@ mod tests {
     }
 
     #[test]
+    fn a_step_of_the_readers_wall_clock_neither_drops_nor_keeps_a_member() {
+        let mut sightings = Sightings::default();
+        let renewed = |second| own("192.0.2.7").renewed(None, at(second));
+        let mut judge = |lease, wall, monotonic| {
+            membership(
+                &[lease],
+                at(wall),
+                mono(monotonic),
+                Duration::ZERO,
+                &mut sightings,
+            )
+        };
+        judge(renewed(0), 0, 0);
+        // The reader's wall clock steps a minute ahead 5 s later: the member renewed 6 s ago.
+        assert_eq!(judge(renewed(0), 66, 6).members.len(), 1);
+        assert_eq!(judge(renewed(10), 70, 10).members.len(), 1);
+        // Then two minutes back, and the member stops renewing: gone 15 s after its last
+        // renewal was seen, not when the wall clock comes back to that renewal.
+        assert_eq!(judge(renewed(10), -50, 24).members.len(), 1);
+        let judged = judge(renewed(10), -49, 25);
+        assert!(judged.members.is_empty());
+        assert_eq!(judged.expired.len(), 1);
+    }
+
+    #[test]
     fn a_renewal_back_in_time_is_judged_by_its_renew_time_as_if_met_afresh() {
         let mut sightings = Sightings::default();
         let first = own("192.0.2.7").renewed(None, at(0));
-        membership(&[first], at(0), Duration::ZERO, &mut sightings);
+        membership(&[first], at(0), mono(0), Duration::ZERO, &mut sightings);
         // Its host's clock stepped back 3 s: still live by its renewTime, so counted from now.
         let back = own("192.0.2.7").renewed(None, at(-3));
-        let judged = membership(&[back], at(10), Duration::ZERO, &mut sightings);
+        let judged = membership(&[back], at(10), mono(10), Duration::ZERO, &mut sightings);
         assert_eq!(judged.live[0].expires, at(25));
         // Set back a minute (an old copy restored): expired by its renewTime, so not listed.
         let restored = own("192.0.2.7").renewed(None, at(-60));
-        let judged = membership(&[restored], at(11), Duration::ZERO, &mut sightings);
+        let judged = membership(
+            &[restored],
+            at(11),
+            mono(11),
+            Duration::ZERO,
+            &mut sightings,
+        );
         assert!(judged.members.is_empty());
     }
 
@@ -539,7 +625,7 @@ mod tests {
         let mut sightings = Sightings::default();
         // Its clock is a minute behind: by its renewTime it expired long ago.
         let first = own("192.0.2.7").renewed(None, at(-60));
-        let judged = membership(&[first], at(0), Duration::ZERO, &mut sightings);
+        let judged = membership(&[first], at(0), mono(0), Duration::ZERO, &mut sightings);
         assert!(
             judged.members.is_empty(),
             "not yet seen renewed: judged by renewTime"
@@ -548,6 +634,7 @@ mod tests {
         let judged = membership(
             std::slice::from_ref(&second),
             at(10),
+            mono(10),
             Duration::ZERO,
             &mut sightings,
         );
@@ -556,6 +643,7 @@ mod tests {
         let judged = membership(
             std::slice::from_ref(&second),
             at(24),
+            mono(24),
             Duration::ZERO,
             &mut sightings,
         );
@@ -563,16 +651,18 @@ mod tests {
         let judged = membership(
             std::slice::from_ref(&second),
             at(25),
+            mono(25),
             Duration::ZERO,
             &mut sightings,
         );
         assert!(judged.members.is_empty());
         assert_eq!(judged.expired.len(), 1);
         // A deleted Lease is forgotten: back, it is judged by its renewTime again.
-        membership(&[], at(26), Duration::ZERO, &mut sightings);
+        membership(&[], at(26), mono(26), Duration::ZERO, &mut sightings);
         let judged = membership(
             std::slice::from_ref(&second),
             at(27),
+            mono(27),
             Duration::ZERO,
             &mut sightings,
         );

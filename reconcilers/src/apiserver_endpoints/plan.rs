@@ -22,6 +22,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Endpoints;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
+use tokio::time::Instant;
 
 use super::lease::{Sightings, membership};
 use super::members::{EmptyStreak, MemberSet, MembershipChange, endpoint_ip_problem};
@@ -107,8 +108,8 @@ pub struct Plan {
     pub change: MembershipChange,
     /// Addresses whose Lease ran out (events say "expired" rather than "left").
     pub expired: BTreeSet<IpAddr>,
-    /// Earliest expiry among live membership Leases.
-    pub next_expiry: Option<Timestamp>,
+    /// Earliest expiry among live membership Leases, on the monotonic clock.
+    pub next_expiry: Option<Instant>,
     /// Who last wrote each object before this pass, when not this controller.
     pub writers: BTreeMap<String, String>,
     /// No member: nothing is written, for this reason.
@@ -195,6 +196,7 @@ pub fn plan(
     section: &Section,
     target: &EndpointsTarget,
     now: Timestamp,
+    mono: Instant,
 ) -> Plan {
     let listed = listed(section, snapshot.endpoints.as_ref(), &snapshot.slices);
     let mut plan = Plan {
@@ -211,7 +213,9 @@ pub fn plan(
         }
     }
     plan.members = match &snapshot.sources {
-        Sources::Leases(leases) => lease_members(&mut plan, memory, section, target, leases, now),
+        Sources::Leases(leases) => {
+            lease_members(&mut plan, memory, section, target, leases, (now, mono))
+        }
         Sources::Static(answers) => {
             let entries = section.static_entries();
             static_members(&entries, answers, memory, &mut plan.findings)
@@ -279,9 +283,9 @@ fn lease_members(
     section: &Section,
     target: &EndpointsTarget,
     leases: &[Lease],
-    now: Timestamp,
+    (now, mono): (Timestamp, Instant),
 ) -> MemberSet {
-    let judged = membership(leases, now, section.lease_ttl, &mut memory.sightings);
+    let judged = membership(leases, now, mono, section.lease_ttl, &mut memory.sightings);
     plan.lease_problems = judged.problems;
     // One port for all members (the Endpoints have one subset): a member whose sidecar says
     // otherwise is misconfigured, and clients would miss it.
@@ -296,7 +300,7 @@ fn lease_members(
         }
     }
     plan.expired = judged.expired.iter().map(|m| m.address).collect();
-    plan.next_expiry = judged.live.iter().map(|m| m.expires).min();
+    plan.next_expiry = judged.next_expiry;
     judged.members
 }
 
@@ -504,13 +508,27 @@ mod tests {
         let mut memory = Memory::default();
         let section = Section::default();
         let now = Timestamp::now();
-        let first = plan(&snapshot, &mut memory, &section, &target, now);
+        let first = plan(
+            &snapshot,
+            &mut memory,
+            &section,
+            &target,
+            now,
+            Instant::now(),
+        );
         assert!(
             matches!(first.findings.as_slice(), [Finding::ForeignSlice { name, .. }] if name == "kubernetes-x7k2p"),
             "{:?}",
             first.findings
         );
-        let again = plan(&snapshot, &mut memory, &section, &target, now);
+        let again = plan(
+            &snapshot,
+            &mut memory,
+            &section,
+            &target,
+            now,
+            Instant::now(),
+        );
         assert!(again.findings.is_empty(), "{:?}", again.findings);
     }
 
