@@ -354,6 +354,7 @@ async fn elect(
         sender,
         listing: None,
         failing: false,
+        watch_failure: reconcilers::findings::RepeatedFailure::default(),
         retry_at: None,
     };
     loop {
@@ -446,6 +447,8 @@ struct Elector {
     listing: Option<Option<Lease>>,
     /// Whether the last write failed for another reason than a lost race.
     failing: bool,
+    /// The Lease watch's failures, each warned about once.
+    watch_failure: reconcilers::findings::RepeatedFailure,
     delays: backon::ExponentialBackoff,
     retry_at: Option<Instant>,
 }
@@ -556,8 +559,31 @@ impl Elector {
             Ok(watcher::Event::Apply(lease)) => self.election.observe(Some(lease), now),
             Ok(watcher::Event::Delete(_)) => self.election.observe(None, now),
             Err(err) => {
-                debug!(error = %err, "leader-election Lease watch failed; retrying with backoff");
+                if self.watch_failure.is_new(&err) {
+                    warn!(error = %err, "cannot watch the leader-election Lease; retrying with backoff (the same failure again is logged at debug level)");
+                } else {
+                    debug!(error = %err, "leader-election Lease watch failed again");
+                }
+                // Until the watch has told who leads, its failure is the reason this replica
+                // is neither leader nor standby.
+                if !self.election.known {
+                    self.health.set_check(
+                        READYZ_CHECK,
+                        CheckState::Failing(format!("cannot watch the Lease: {err}")),
+                    );
+                }
+                return;
             }
+        }
+        self.watch_failure.succeeded();
+        // A failed write that left this replica a standby of a live leader is over: the watch
+        // reaches the API, and there is nothing to write until that leader's Lease expires.
+        let standby =
+            !self.election.leading && matches!(self.election.next_step(now), Step::Wait(_));
+        if self.failing && standby {
+            info!("leader election reaches the API again");
+            self.failing = false;
+            self.delays = backoff(&self.settings);
         }
         if self.election.leading && !self.election.holds() {
             warn!(holder = ?self.election.holder(), "another replica holds the leader-election Lease; stepping down");

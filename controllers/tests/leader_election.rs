@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use bootstrap_controller::config::LeaderElection;
 use bootstrap_controller::health::Health;
 use bootstrap_controller::leader::{self, LeaderMetrics};
@@ -226,4 +226,94 @@ async fn the_same_identity_in_another_process_is_not_taken_for_this_one() -> any
     )
     .await;
     stop(sim, cancel_second, task_second).await
+}
+
+/// The readiness lines of `health` reach `want`.
+async fn readiness_becomes(what: &str, health: &Health, want: impl Fn(&[String]) -> bool) {
+    let holds = || std::future::ready(want(&health.readiness().lines));
+    if let Err(err) = test_support::eventually(what, Duration::from_secs(30), holds).await {
+        panic!("{err}: {:?}", health.readiness());
+    }
+}
+
+/// The Lease as another replica renews it now, written past the API (and its faults).
+fn renewed_by_other(sim: &Sim) -> anyhow::Result<()> {
+    let now = k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.6fZ");
+    sim.backdoor().put(serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": "bootstrap-controller", "namespace": "kube-system"},
+        "spec": {"holderIdentity": "other", "renewTime": now.to_string(),
+                 "leaseDurationSeconds": 2},
+    }))?;
+    Ok(())
+}
+
+/// A standby whose takeover failed on an API error is ready again once it sees another replica
+/// lead: nothing is left for it to write, so no later write would clear the failure.
+#[tokio::test]
+async fn a_standby_whose_takeover_failed_is_ready_again_once_another_leads() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    renewed_by_other(&sim)?;
+    let health = Health::default();
+    let (leads, task, cancel) = candidate(&sim, "b", health.clone()).await?;
+    let standby = |lines: &[String]| lines == ["[+]leader-election ok (standby)"];
+    readiness_becomes("a standby", &health, standby).await;
+
+    // The other replica stops renewing, and b's takeover fails.
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::Update),
+        Some("leases"),
+        1.0,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    readiness_becomes("not ready after the failed takeover", &health, |lines| {
+        lines[0].starts_with("[-]leader-election failed: cannot renew or observe the Lease")
+    })
+    .await;
+
+    // The other replica renews again, before b's next try; b's writes would still fail.
+    let renewing = async {
+        loop {
+            renewed_by_other(&sim).expect("a backdoor write");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    };
+    tokio::select! {
+        () = readiness_becomes("a standby again", &health, standby) => {}
+        () = renewing => {}
+    }
+    assert!(!*leads.borrow());
+    stop(sim, cancel, task).await
+}
+
+/// A replica that cannot watch the Lease says so on `/readyz` rather than waiting silently.
+#[tokio::test]
+async fn a_lease_watch_that_fails_is_the_readiness_reason() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::List),
+        Some("leases"),
+        1.0,
+        FaultKind::Error {
+            code: 403,
+            retry_after_seconds: None,
+        },
+    ));
+    let health = Health::default();
+    let (_leads, task, cancel) = candidate(&sim, "b", health.clone()).await?;
+    readiness_becomes("the watch's failure named", &health, |lines| {
+        lines[0].starts_with("[-]leader-election failed: cannot watch the Lease")
+            && lines[0].contains("403")
+    })
+    .await;
+    sim.faults().clear();
+    readiness_becomes("leads once it can watch", &health, |lines| {
+        lines == ["[+]leader-election ok (leader)"]
+    })
+    .await;
+    stop(sim, cancel, task).await
 }
