@@ -790,7 +790,11 @@ pub async fn check_once(
             let mut backoff = new_backoff(Duration::from_millis(100), Duration::from_secs(2));
             let unapplied = UnappliedDrift::default();
             loop {
-                let result = run_pass(&*reconciler, &ctx, &metrics, &unapplied).await;
+                // A read the API stalls must not outlast the check's own timeout.
+                let pass = run_pass(&*reconciler, &ctx, &metrics, &unapplied);
+                let result = tokio::time::timeout_at(deadline, pass)
+                    .await
+                    .unwrap_or(Err(PassError::TimedOut(timeout)));
                 // Waiting will not fix missing permissions, objects the loop cannot work with,
                 // or a panic.
                 let retry = matches!(&result, Err(PassError::Failed(err))
@@ -1633,6 +1637,24 @@ mod tests {
         );
         assert_eq!(invalid.started.load(Ordering::SeqCst), 1, "not retried");
         assert!(started.elapsed() < Duration::from_secs(60));
+    }
+
+    #[tokio::test]
+    async fn check_once_gives_up_on_a_pass_that_outlasts_its_timeout() {
+        let stalled = Arc::new(Fake::new("stalled").script(&[Step::Block]));
+        let mut registry = new_registry();
+        let metrics = RunnerMetrics::register(&mut registry);
+        let loops: Vec<Arc<dyn Reconciler>> = vec![stalled.clone()];
+        let timeout = Duration::from_millis(300);
+        let check = check_once(&loops, offline_client(), &metrics, timeout);
+        let results = tokio::time::timeout(Duration::from_secs(60), check)
+            .await
+            .expect("the check ends at its timeout, not when the pass does");
+        assert!(
+            matches!(results[0].result, Err(PassError::TimedOut(t)) if t == timeout),
+            "{:?}",
+            results[0].result.as_ref().err()
+        );
     }
 
     /// What a subscriber writes, for tests that read the log.
