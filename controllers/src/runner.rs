@@ -105,8 +105,8 @@ impl Runner {
     }
 
     /// Runs every loop until `cancel` fires, then shuts down gracefully within
-    /// [`RunnerOptions::shutdown_timeout`]: triggers stop, running passes finish, and each loop's
-    /// shutdown hook runs.
+    /// [`RunnerOptions::shutdown_timeout`]: running passes finish, each loop's shutdown hook runs,
+    /// and then the triggers stop.
     pub async fn run(self, leader: watch::Receiver<bool>, cancel: CancellationToken) {
         let Runner {
             loops,
@@ -121,7 +121,9 @@ impl Runner {
             dry_run: options.dry_run,
             leader: leader.clone(),
         };
-        let trigger_cancel = cancel.child_token();
+        // Not a child of `cancel`: the triggers keep the caches fed until the shutdown hooks,
+        // which may read them, have run.
+        let trigger_cancel = CancellationToken::new();
         let mut trigger_tasks = JoinSet::new();
         let mut loop_tasks = JoinSet::new();
         for reconciler in loops {
@@ -150,9 +152,8 @@ impl Runner {
         cancel.cancelled().await;
         info!(
             timeout = ?options.shutdown_timeout,
-            "shutting down: stopping triggers, letting running passes finish, running shutdown hooks"
+            "shutting down: letting running passes finish, running shutdown hooks"
         );
-        trigger_cancel.cancel();
         let drain = async {
             while let Some(joined) = loop_tasks.join_next().await {
                 if let Err(err) = joined
@@ -172,6 +173,7 @@ impl Runner {
             );
             loop_tasks.abort_all();
         }
+        trigger_cancel.cancel();
         trigger_tasks.abort_all();
         info!("all loops stopped");
     }
@@ -1273,6 +1275,28 @@ mod tests {
         })
         .await;
         stop(harness).await;
+    }
+
+    /// A shutdown hook may read a loop's caches: their triggers are polled until it has run.
+    #[tokio::test]
+    async fn triggers_are_polled_until_the_shutdown_hooks_have_run() {
+        let (fake, trigger, polled) = Fake::new("a").script(&[Step::Block]).with_trigger();
+        let fake = Arc::new(fake);
+        let harness = start(vec![fake.clone()], options(), true);
+        eventually("a pass running", || {
+            fake.started.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        harness.cancel.cancel();
+        trigger.send(()).unwrap();
+        eventually("the trigger polled while the pass finishes", || {
+            polled.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        assert!(!fake.shutdown_called.load(Ordering::SeqCst));
+        fake.release.notify_one();
+        harness.handle.await.unwrap();
+        assert!(fake.shutdown_called.load(Ordering::SeqCst));
     }
 
     #[tokio::test]
