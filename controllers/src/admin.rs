@@ -1,14 +1,21 @@
 //! Admin HTTP server: `/livez`, `/readyz` and `/metrics`.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
@@ -33,15 +40,142 @@ pub fn router(state: AdminState) -> Router {
         .with_state(state)
 }
 
-/// Serves until `stop` fires. Requests in flight get a moment to finish.
+/// What one peer may hold of the server. The port is unauthenticated and, by default, open to
+/// every pod, so what a client can make the process keep is bounded: its connections, and how
+/// long it may take to send a request's headers.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionLimits {
+    /// Open connections per peer address; one more is closed at once, while other peers (the
+    /// kubelet's probes, Prometheus) are served.
+    pub per_peer: usize,
+    /// Open connections in all.
+    pub total: usize,
+    /// A request's headers must arrive within this, or the connection is closed (also an idle
+    /// HTTP/1 connection waiting for its next request).
+    pub header_timeout: Duration,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            per_peer: 16,
+            total: 256,
+            header_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// How long requests in flight may finish after `stop`.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// Serves until `stop` fires, within [`ConnectionLimits::default`]. Requests in flight get a
+/// moment to finish.
 pub async fn serve(
     listener: TcpListener,
     state: AdminState,
     stop: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await
+    serve_within(listener, state, stop, ConnectionLimits::default()).await;
+    Ok(())
+}
+
+/// [`serve`] within `limits`.
+pub async fn serve_within(
+    listener: TcpListener,
+    state: AdminState,
+    stop: CancellationToken,
+    limits: ConnectionLimits,
+) {
+    let service = TowerToHyperService::new(router(state));
+    // HTTP/1 only: probes and scrapes speak it, and its header timeout runs from the first byte.
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let open: Arc<Mutex<BTreeMap<IpAddr, usize>>> = Arc::default();
+    let mut connections = JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                // Out of file descriptors, most likely: give the open connections time to end.
+                tracing::debug!(error = %err, "admin server cannot accept a connection");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(admitted) = Admitted::new(&open, peer.ip(), &limits) else {
+            tracing::debug!(%peer, "admin server connection over its limit; closed");
+            continue;
+        };
+        let (builder, service, stop) = (builder.clone(), service.clone(), stop.clone());
+        connections.spawn(async move {
+            let _admitted = admitted;
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            tokio::select! {
+                ended = connection.as_mut() => {
+                    if let Err(err) = ended {
+                        tracing::debug!(error = %err, "admin server connection ended");
+                    }
+                    return;
+                }
+                () = stop.cancelled() => connection.as_mut().graceful_shutdown(),
+            }
+            let _ = tokio::time::timeout(SHUTDOWN_GRACE, connection).await;
+        });
+        // Reap the ended connections' tasks as they go.
+        while connections.try_join_next().is_some() {}
+    }
+    while connections.join_next().await.is_some() {}
+}
+
+/// One admitted connection, counted against its peer and the total until dropped.
+struct Admitted {
+    open: Arc<Mutex<BTreeMap<IpAddr, usize>>>,
+    peer: IpAddr,
+}
+
+impl Admitted {
+    fn new(
+        open: &Arc<Mutex<BTreeMap<IpAddr, usize>>>,
+        peer: IpAddr,
+        limits: &ConnectionLimits,
+    ) -> Option<Self> {
+        let mut counts = open.lock().unwrap_or_else(|poison| poison.into_inner());
+        let total: usize = counts.values().sum();
+        let of_peer = counts.entry(peer).or_default();
+        if *of_peer >= limits.per_peer || total >= limits.total {
+            if *of_peer == 0 {
+                counts.remove(&peer);
+            }
+            return None;
+        }
+        *of_peer += 1;
+        Some(Admitted {
+            open: open.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut counts = self
+            .open
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if let Some(count) = counts.get_mut(&self.peer) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                counts.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// The process is alive as long as it answers: loops that fail are retried, never fatal, so a
@@ -173,5 +307,89 @@ mod tests {
 
         stop.cancel();
         server.await.unwrap().unwrap();
+    }
+
+    fn quiet_state() -> AdminState {
+        AdminState {
+            health: Health::default(),
+            registry: Arc::new(new_registry()),
+            tenants: None,
+            shutting_down: CancellationToken::new(),
+        }
+    }
+
+    /// Whether the server closed `stream` (rather than leaving it open) within 10 s.
+    async fn closed(stream: &mut tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut buffer = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buffer)).await;
+        matches!(read, Ok(Ok(0)) | Ok(Err(_)))
+    }
+
+    #[tokio::test]
+    async fn a_client_that_sends_nothing_is_closed_after_the_header_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let limits = ConnectionLimits {
+            header_timeout: Duration::from_millis(200),
+            ..ConnectionLimits::default()
+        };
+        let server = tokio::spawn(serve_within(listener, quiet_state(), stop.clone(), limits));
+        let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+        assert!(closed(&mut silent).await, "an idle connection is not kept");
+        stop.cancel();
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn one_peer_over_its_connections_is_refused_alone() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let limits = ConnectionLimits {
+            per_peer: 3,
+            ..ConnectionLimits::default()
+        };
+        let server = tokio::spawn(serve_within(listener, quiet_state(), stop.clone(), limits));
+        let from = |source: &'static str| async move {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+            socket.connect(addr).await.unwrap()
+        };
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(from("127.0.0.1").await);
+        }
+        // Accepted in order, so the fourth is the one over the limit.
+        let mut fourth = from("127.0.0.1").await;
+        assert!(closed(&mut fourth).await, "over the limit");
+        let mut other = from("127.0.0.2").await;
+        {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            other
+                .write_all(b"GET /livez HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let mut response = String::new();
+            other.read_to_string(&mut response).await.unwrap();
+            assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        }
+        // A connection that ends frees its place.
+        drop(held.pop());
+        let served = test_support::eventually("a place freed", Duration::from_secs(10), || async {
+            let mut again = from("127.0.0.1").await;
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let sent = again
+                .write_all(b"GET /livez HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+                .await;
+            let mut response = String::new();
+            let read = again.read_to_string(&mut response).await;
+            sent.is_ok() && read.is_ok() && response.starts_with("HTTP/1.1 200")
+        })
+        .await;
+        assert!(served.is_ok(), "{served:?}");
+        stop.cancel();
+        server.await.unwrap();
     }
 }
