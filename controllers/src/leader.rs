@@ -179,7 +179,7 @@ struct Election {
     known: bool,
     /// When the holder or renew time last changed, by this replica's clock: a standby takes
     /// over only after a whole lease duration without change.
-    liveness: Liveness<Instant>,
+    liveness: Liveness,
     /// When this replica's last successful write (as holder) was sent.
     renewed_at: Option<Instant>,
     /// The renew times (in the Lease's microseconds) of this process's last writes, sent or

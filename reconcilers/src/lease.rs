@@ -9,7 +9,7 @@
 //! this observer saw it change ([`sign_of_life`], [`Liveness`]), by this observer's own clock,
 //! as client-go's leader election judges it by its `observedTime`: hosts' clocks need not agree.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
@@ -17,6 +17,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::runtime::events::{EventType, Reporter};
+use tokio::time::Instant;
 
 use crate::contract::ignore_already_exists;
 
@@ -135,17 +136,17 @@ impl LeaseNamespaces {
 }
 
 /// One Lease's liveness as this observer judges it: alive until a lease duration after it last
-/// saw a [`sign_of_life`] change, by this observer's monotonic clock (`std`'s or tokio's
-/// `Instant`, so tests can pause time).
+/// saw a [`sign_of_life`] change, by this observer's monotonic clock (tokio's, so tests can
+/// pause time).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Liveness<I = Instant> {
+pub struct Liveness {
     seen: Option<(Option<String>, Option<Timestamp>)>,
-    changed_at: I,
+    changed_at: Instant,
 }
 
-impl<I: Copy + std::ops::Add<Duration, Output = I>> Liveness<I> {
+impl Liveness {
     /// Nothing seen yet: a Lease first met counts from `now`.
-    pub fn new(now: I) -> Self {
+    pub fn new(now: Instant) -> Self {
         Liveness {
             seen: None,
             changed_at: now,
@@ -154,7 +155,7 @@ impl<I: Copy + std::ops::Add<Duration, Output = I>> Liveness<I> {
 
     /// Records the Lease as seen at `now` (`None`: it does not exist); true when that is a
     /// change, which restarts its time.
-    pub fn observe(&mut self, lease: Option<&Lease>, now: I) -> bool {
+    pub fn observe(&mut self, lease: Option<&Lease>, now: Instant) -> bool {
         // An absent Lease is neither holder nor renew time, so its creation is a change.
         let seen = lease.map_or((None, None), sign_of_life);
         let changed = self.seen.as_ref() != Some(&seen);
@@ -171,12 +172,12 @@ impl<I: Copy + std::ops::Add<Duration, Output = I>> Liveness<I> {
     }
 
     /// When this observer last saw it change.
-    pub fn changed_at(&self) -> I {
+    pub fn changed_at(&self) -> Instant {
         self.changed_at
     }
 
     /// When it expires if it does not change again.
-    pub fn expires(&self, duration: Duration) -> I {
+    pub fn expires(&self, duration: Duration) -> Instant {
         self.changed_at + duration
     }
 }

@@ -182,7 +182,7 @@ pub type Sightings = BTreeMap<String, Sighting>;
 /// One Lease as this reader saw it.
 #[derive(Clone, Debug)]
 pub struct Sighting {
-    liveness: Liveness<Instant>,
+    liveness: Liveness,
     /// Met already expired, and not seen to change since.
     stale: bool,
 }
