@@ -948,6 +948,59 @@ async fn orphan_younger_than_the_grace_period_is_kept_then_deleted() -> Result<(
     Ok(())
 }
 
+/// kube-apiserver's clock 90 s behind this controller's: a Service being created (its IPAddress
+/// written, the Service itself not yet) has an IPAddress that looks 90 s old, past the grace.
+/// It is left alone until the grace has passed on this controller's clock too, and the Service
+/// lands in time.
+#[tokio::test]
+async fn an_orphan_that_only_looks_old_to_a_clock_ahead_is_not_deleted() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, false, "a first pass", |_| true).await?;
+    let ip_cache_before = repair.cache_bytes().1;
+    let behind = (jiff::Timestamp::now() - jiff::SignedDuration::from_secs(90))
+        .round(jiff::Unit::Second)?
+        .to_string();
+    sim.backdoor().put(ip_address_json(
+        "10.96.201.2",
+        service_ref("shop", "web"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        &behind,
+    ))?;
+    pass_until(
+        &repair,
+        &client,
+        false,
+        "a pass seeing the IPAddress",
+        |_| repair.cache_bytes().1 != ip_cache_before,
+    )
+    .await?;
+    let report = pass_until(&repair, &client, false, "a second pass", |_| true).await?;
+    assert!(
+        !has_drift(&report, "ipaddress_leaked", "IPAddress/10.96.201.2"),
+        "{report:#?}"
+    );
+    assert!(ip_address(&client, "10.96.201.2").await?.is_some());
+    // The Service lands; the IPAddress is its.
+    sim.backdoor()
+        .put(backdoor_service("shop", "web", &["10.96.201.2"]))?;
+    pass_until(&repair, &client, false, "a pass with the Service", |_| {
+        cached(&repair, "shop", "web")
+    })
+    .await?;
+    assert!(ip_address(&client, "10.96.201.2").await?.is_some());
+    assert!(
+        repair_events(&client, "IPAddressNotAllocated")
+            .await?
+            .is_empty()
+    );
+    Ok(())
+}
+
 /// From now on the IPAddress watch reopens `millis` late, and the open one ends: what happens
 /// to IPAddresses reaches the cache that late, while the Services' watch goes on. The fault
 /// delays new requests only, not the events of an open watch.

@@ -102,6 +102,8 @@ pub struct ClusterIpRepairLoop {
     /// Wakes the loop when orphans leave their grace period and when deferred findings are
     /// looked at again.
     wakeup: WakeAt,
+    /// When each IPAddress was first found deletable by its age, on this clock.
+    first_deletable: Mutex<plan::FirstDeletable>,
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
     legacy: Option<legacy::LegacyIpBitmaps>,
     /// The ranges audit mode and the bitmaps work with: configured, or read from the cluster.
@@ -181,6 +183,7 @@ impl ClusterIpRepairLoop {
             discovered: Mutex::new(None),
             legacy_skip_logged: std::sync::atomic::AtomicBool::new(false),
             wakeup: WakeAt::default(),
+            first_deletable: Mutex::default(),
         }
     }
 
@@ -321,7 +324,7 @@ impl ClusterIpRepairLoop {
 
     async fn ipaddress_pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
         let now = jiff::Timestamp::now();
-        let decision = {
+        let mut decision = {
             let services = self.services.read();
             let ip_addresses = self.ip_addresses.read();
             let service_cidrs = self.service_cidrs.read();
@@ -348,6 +351,16 @@ impl ClusterIpRepairLoop {
                 self.section.orphan_grace_period,
             )
         };
+        plan::hold_until_seen_as_old(
+            &mut decision,
+            &mut self
+                .first_deletable
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner()),
+            now,
+            tokio::time::Instant::now(),
+            self.section.orphan_grace_period,
+        );
         if let Some(at) = decision.next_recheck {
             let wait = (at - jiff::Timestamp::now())
                 .try_into()

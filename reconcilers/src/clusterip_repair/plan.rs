@@ -508,6 +508,71 @@ pub fn decide_ipaddress_mode<'a>(
     decision
 }
 
+/// When this controller first found each IPAddress deletable by its age (an orphan, or one
+/// written ahead of a Service that does not list it yet), on its own monotonic clock. That age
+/// is kube-apiserver's `creationTimestamp` against this controller's clock, which may run ahead:
+/// 90 s ahead, a Service being created (its IPAddress written, its webhooks still running) would
+/// look like a leak the moment its IPAddress is seen. So the grace is also waited out here,
+/// from the first sight. IPAddresses already deletable at the first pass are judged by their
+/// `creationTimestamp` alone: nothing better is known of them, and a restart should not hold
+/// back cleaning up old leaks.
+#[derive(Debug, Default)]
+pub struct FirstDeletable {
+    /// By IPAddress uid; `None`: met at the first pass.
+    since: std::collections::BTreeMap<Box<str>, Option<tokio::time::Instant>>,
+    started: bool,
+}
+
+/// Holds back the deletes [`decide_ipaddress_mode`] found on an IPAddress's age until the same
+/// grace has also passed on this controller's clock since it first found them (see
+/// [`FirstDeletable`]); the decision's recheck covers them.
+pub fn hold_until_seen_as_old(
+    decision: &mut Decision,
+    first: &mut FirstDeletable,
+    now: jiff::Timestamp,
+    mono: tokio::time::Instant,
+    orphan_grace: Duration,
+) {
+    let first_pass = !std::mem::replace(&mut first.started, true);
+    let mut since = std::collections::BTreeMap::new();
+    let mut recheck = None;
+    decision.findings.retain(|finding| {
+        let Repair::Delete {
+            existing, ground, ..
+        } = &finding.repair
+        else {
+            return true;
+        };
+        let grace = match ground {
+            DeleteGround::ParentGone(_) => orphan_grace,
+            DeleteGround::ParentDoesNotList(_) => UNLISTED_GRACE.unsigned_abs(),
+            DeleteGround::NotAService => return true,
+        };
+        let met = match first.since.get(&existing.uid) {
+            Some(met) => *met,
+            None if first_pass => None,
+            None => Some(mono),
+        };
+        since.insert(existing.uid.clone(), met);
+        let left = met.map_or(Duration::ZERO, |met| {
+            grace.saturating_sub(mono.saturating_duration_since(met))
+        });
+        if left.is_zero() {
+            return true;
+        }
+        let at = jiff::SignedDuration::try_from(left)
+            .ok()
+            .and_then(|left| now.checked_add(left).ok())
+            .unwrap_or(jiff::Timestamp::MAX);
+        recheck = Some(recheck.map_or(at, |earlier: jiff::Timestamp| earlier.min(at)));
+        false
+    });
+    if let Some(at) = recheck {
+        decision.recheck_by(at);
+    }
+    first.since = since;
+}
+
 /// The Service's cluster IP, if it is one and lies in a configured range; else `None`, and the
 /// finding upstream's `syncService` reports for it is pushed.
 fn valid_service_ip(
