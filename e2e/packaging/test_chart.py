@@ -763,6 +763,20 @@ def test_priority_class_is_system_cluster_critical_only_in_kube_system(namespace
      "replicaCount is 2 with config.leaderElection.enabled=false"),
     ({"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
      "metrics.serviceMonitor.enabled=true scrapes the metrics Service"),
+    # The chart hands etcd.* and the target kubeconfig to the binary as environment variables,
+    # which win over the configuration file: the file's value would be ignored.
+    ({**CASES["etcd"], "config": {"etcdPrefix": "/tenant-a"}},
+     "config.etcdPrefix with etcd.servers set: set etcd.prefix instead"),
+    ({**CASES["etcd"], "config": {"etcdServers": "https://etcd-1.etcd:2379"}},
+     "config.etcdServers with etcd.servers set: set etcd.servers instead"),
+    ({**CASES["etcd"], "config": {"etcdCAFile": "/etc/ssl/etcd-ca.crt"}},
+     "config.etcdCAFile with etcd.servers set: set etcd.caSecret and etcd.caKey instead"),
+    ({**CASES["etcd"], "config": {"etcdCertFile": "/etc/ssl/etcd.crt"}},
+     "config.etcdCertFile with etcd.servers set: set etcd.certificatesSecret instead"),
+    ({**CASES["etcd"], "config": {"etcdKeyFile": "/etc/ssl/etcd.key"}},
+     "config.etcdKeyFile with etcd.servers set: set etcd.certificatesSecret instead"),
+    ({**CASES["hosted"], "config": {"kubeconfig": "/etc/target/kubeconfig"}},
+     "config.kubeconfig with targetKubeconfig.secretName set: set targetKubeconfig.key instead"),
 ])
 def test_contradictory_values_are_refused_with_the_fix(values, complaint):
     with pytest.raises(helm.HelmError) as err:

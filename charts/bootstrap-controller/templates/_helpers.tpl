@@ -215,6 +215,19 @@ system-cluster-critical
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- /* settingsEnv hands these to the binary as environment variables, which win over the
+configuration file: the file's value would be ignored without a word. */ -}}
+{{- if .Values.etcd.servers -}}
+{{- $instead := dict "etcdServers" "etcd.servers" "etcdPrefix" "etcd.prefix" "etcdCAFile" "etcd.caSecret and etcd.caKey" "etcdCertFile" "etcd.certificatesSecret" "etcdKeyFile" "etcd.certificatesSecret" -}}
+{{- range $key, $value := $instead -}}
+{{- if hasKey $.Values.config $key -}}
+{{- fail (printf "config.%s with etcd.servers set: set %s instead. The chart passes etcd.* to the controller as environment variables, which win over the configuration file, so config.%s would be ignored." $key $value $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.targetKubeconfig.secretName (hasKey .Values.config "kubeconfig") -}}
+{{- fail "config.kubeconfig with targetKubeconfig.secretName set: set targetKubeconfig.key instead (the key of the kubeconfig in that Secret). The chart passes the mounted kubeconfig to the controller as BOOTSTRAP_KUBECONFIG, which wins over the configuration file, so config.kubeconfig would be ignored." -}}
+{{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
 {{- fail "metrics.serviceMonitor.enabled=true scrapes the metrics Service, but metrics.service.enabled=false renders none. Turn metrics.service.enabled on, or the ServiceMonitor off." -}}
 {{- end -}}
