@@ -22,6 +22,7 @@ from harness import (
     Controller,
     RecordingProxy,
     Sim,
+    binary,
     container_args,
     objects,
     render_text,
@@ -247,6 +248,30 @@ def test_etcd_servers_are_refused_in_management_mode():
     with pytest.raises(helm.HelmError) as err:
         objects({**CASES["capi"], "etcd": {"servers": ["https://etcd-0.etcd:2379"]}})
     assert "etcd.servers" in str(err.value) and "etcdServers" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("mode, address", [
+    ("lease", "192.0.2.1"), ("lease", None), ("master-count", "192.0.2.1")])
+def test_apiserver_endpoint_modes_are_refused_in_the_binarys_words(mode, address, tmp_path):
+    """In management mode the process is none of a tenant's apiservers: `run` exits at start on
+    `lease` and `master-count` (an advertise address or not), so the chart refuses them too,
+    before the pods crash-loop, with the binary's reason."""
+    config = {"endpointReconcilerType": mode}
+    if address:
+        config["advertiseAddress"] = address
+    with pytest.raises(helm.HelmError) as err:
+        objects({**CASES["capi"], "config": config})
+    refusal = str(err.value)
+    # The binary, given the same settings: the chart's environment and file with that mode.
+    file = {**config_file(CASES["capi"]), **config}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(file))
+    env = {**env_of(CASES["capi"]), "BOOTSTRAP_CONFIG": str(tmp_path / "config.yaml")}
+    done = subprocess.run([str(binary("bootstrap-controller")), "run"], capture_output=True,
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", **env})
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    reason = re.search(r"endpointReconcilerType: (.*)", done.stderr).group(1)
+    assert f"config.endpointReconcilerType with tenants.enabled=true: {reason}" in refusal, (
+        refusal, done.stderr)
 
 
 @pytest.mark.parametrize("tenants, complaint", [

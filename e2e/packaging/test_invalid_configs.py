@@ -135,12 +135,13 @@ def test_conventional_keys_are_where_users_look():
     assert "securePort" not in yaml.safe_load(values)["config"]
 
 
-def test_lease_mode_in_the_deployment_needs_an_address_every_replica_stands_for():
-    """`lease` is the sidecar's mode: in the chart's Deployment each pod would advertise its own
-    address (the binary accepts it: a pod has a default route), so the chart refuses it unless
-    the address is given."""
-    refusal = chart_refusal({"config": {"endpointReconcilerType": "lease"}})
-    assert refusal is not None and "config.endpointReconcilerType" in refusal, refusal
+@pytest.mark.parametrize("mode", ["lease", "master-count"])
+def test_own_address_modes_in_the_deployment_need_an_address_every_replica_stands_for(mode):
+    """`lease` (the sidecar's mode) and `master-count` list the advertise address: in the chart's
+    Deployment each pod would advertise its own (the binary accepts it: a pod has a default
+    route), so the chart refuses them unless the address is given."""
+    refusal = chart_refusal({"config": {"endpointReconcilerType": mode}})
+    assert refusal is not None and f"config.endpointReconcilerType: {mode}" in refusal, refusal
     assert "static" in refusal and "sidecar" in refusal, refusal
-    assert chart_refusal({"config": {"endpointReconcilerType": "lease",
+    assert chart_refusal({"config": {"endpointReconcilerType": mode,
                                      "advertiseAddress": "192.0.2.1"}}) is None

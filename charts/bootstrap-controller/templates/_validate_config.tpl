@@ -103,8 +103,13 @@ schema lets them through to this check, which can say so). */ -}}
 {{- fail (printf "config.kubernetesServiceNodePort: %d is outside the node port range %s (use 0 for a ClusterIP Service, or a port inside config.serviceNodePortRange)" $nodePort $portRange) -}}
 {{- end -}}
 
-{{- if and (eq $mode "lease") (not $config.advertiseAddress) -}}
-{{- fail "config.endpointReconcilerType: lease in the chart's Deployment would list each pod's own address in the `kubernetes` endpoints, and every in-cluster client would dial the controller. Use static with the apiservers' (or their load balancer's) addresses in config.loops.apiserverEndpoints.staticAddresses, or the sidecar beside each kube-apiserver (README, Install); set config.advertiseAddress only for an address every replica stands for (a VIP in front of the apiservers)." -}}
+{{- /* As `run` refuses them in management mode (controllers/src/config/tenant.rs), in its words. */ -}}
+{{- if and .Values.tenants.enabled (has $mode (list "lease" "master-count")) -}}
+{{- fail (printf "config.endpointReconcilerType with tenants.enabled=true: %q makes this process one of the tenant's apiservers, which it is not: use static (with the tenant's load-balancer address under loops.apiserverEndpoints) or none" $mode) -}}
+{{- end -}}
+{{- /* Both list the advertise address, which in a pod defaults to the pod's own. */ -}}
+{{- if and (has $mode (list "lease" "master-count")) (not $config.advertiseAddress) -}}
+{{- fail (printf "config.endpointReconcilerType: %s in the chart's Deployment would list each pod's own address in the `kubernetes` endpoints, and every in-cluster client would dial the controller. Use static with the apiservers' (or their load balancer's) addresses in config.loops.apiserverEndpoints.staticAddresses, or the sidecar beside each kube-apiserver (README, Install); set config.advertiseAddress only for an address every replica stands for (a VIP in front of the apiservers)." $mode) -}}
 {{- end -}}
 {{- if and (eq $mode "static") (not $endpoints.staticAddresses) -}}
 {{- fail "config.loops.apiserverEndpoints.staticAddresses: endpointReconcilerType static needs at least one IP address or DNS name (the apiservers' or their load balancer's)" -}}
