@@ -777,6 +777,8 @@ def test_priority_class_is_system_cluster_critical_only_in_kube_system(namespace
      "config.etcdKeyFile with etcd.servers set: set etcd.certificatesSecret instead"),
     ({**CASES["hosted"], "config": {"kubeconfig": "/etc/target/kubeconfig"}},
      "config.kubeconfig with targetKubeconfig.secretName set: set targetKubeconfig.key instead"),
+    ({"config": {"adminAddr": "[::]:9090"}},
+     "config.adminAddr: [::]:9090 listens on port 9090, not adminPort (8080)"),
 ])
 def test_contradictory_values_are_refused_with_the_fix(values, complaint):
     with pytest.raises(helm.HelmError) as err:
@@ -826,6 +828,18 @@ def test_values_users_expect_reach_the_objects():
     default = pod_spec({})
     assert default["securityContext"]["runAsUser"] == 65532
     assert default["containers"][0]["image"] == "ghcr.io/bootstrap-controller/bootstrap-controller:0.1.0"
+
+
+@pytest.mark.parametrize("values, admin", [
+    ({}, "0.0.0.0:8080"),
+    ({"adminPort": 9090}, "0.0.0.0:9090"),
+    # An IPv6-only cluster's pods have no IPv4 address to bind.
+    ({"config": {"adminAddr": "[::]:8080"}}, "[::]:8080"),
+    ({"adminPort": 9090, "config": {"adminAddr": "[::]:9090"}}, "[::]:9090"),
+])
+def test_the_admin_server_listens_where_config_says(values, admin):
+    _, env = container_args(objects(values))
+    assert env["BOOTSTRAP_ADMIN_ADDR"] == admin, env
 
 
 @pytest.mark.parametrize("values, complaint", [

@@ -141,7 +141,7 @@ system-cluster-critical
 - name: BOOTSTRAP_CONFIG
   value: /etc/bootstrap-controller/config.yaml
 - name: BOOTSTRAP_ADMIN_ADDR
-  value: "0.0.0.0:{{ .Values.adminPort }}"
+  value: {{ .Values.config.adminAddr | default (printf "0.0.0.0:%d" (int .Values.adminPort)) | quote }}
 {{- if .Values.targetKubeconfig.secretName }}
 - name: BOOTSTRAP_KUBECONFIG
   value: /etc/bootstrap-controller/target/{{ .Values.targetKubeconfig.key }}

@@ -150,5 +150,9 @@ schema lets them through to this check, which can say so). */ -}}
 {{- if or (not (regexMatch "^([0-9]{1,3}(\\.[0-9]{1,3}){3}|\\[[0-9a-fA-F:.]+\\]):[0-9]{1,5}$" $admin)) (gt $port 65535) -}}
 {{- fail (printf "config.adminAddr: %q is not an address:port (expected e.g. 0.0.0.0:8080 or [::]:8080)" $admin) -}}
 {{- end -}}
+{{- /* The container port, the probes and the metrics Service use adminPort. */ -}}
+{{- if ne $port (int $.Values.adminPort) -}}
+{{- fail (printf "config.adminAddr: %s listens on port %d, not adminPort (%d), where the probes and the metrics Service reach the admin server: set adminPort=%d too, or use port %d" $admin $port (int $.Values.adminPort) $port (int $.Values.adminPort)) -}}
+{{- end -}}
 {{- end -}}
 {{- end }}
