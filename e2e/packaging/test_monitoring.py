@@ -135,6 +135,17 @@ def test_prometheusrule_carries_the_file_with_this_releases_selector(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_a_dry_run_release_has_no_leader_alert():
+    """A dry run joins no leader election (bootstrap_leader is 0 on every replica), so
+    BootstrapNoLeader, critical, would fire for as long as it runs."""
+    docs = render({"config": {"dryRun": True},
+                   "metrics": {"prometheusRule": {"enabled": True}}})["prometheusrule.yaml"]
+    names = [r["alert"] for g in docs[0]["spec"]["groups"] for r in g["rules"]]
+    assert names == [a["alert"] for a in alerts() if a["alert"] != "BootstrapNoLeader"]
+    live = rendered_rule({"enabled": True})
+    assert "BootstrapNoLeader" in [r["alert"] for g in live["spec"]["groups"] for r in g["rules"]]
+
+
 def test_prometheusrule_overrides_follow_values():
     rule = rendered_rule({
         "enabled": True,
