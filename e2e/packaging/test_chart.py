@@ -584,9 +584,13 @@ def test_hosted_rbac_binds_the_kubeconfigs_identity_and_renders_alone():
             kubernetes_validate.validate(doc, version, strict=True)
     # The management cluster's release (rbac.create=false) renders no RBAC.
     assert not rbac_of(CASES["hosted"])
-    # The NOTES give that command.
+    # The NOTES give that command, naming the kubeconfig's identity when the values do not.
     notes = render_text(CASES["hosted"])["NOTES.txt"]
     assert "--show-only templates/rbac.yaml" in notes and "rbac.create=true" in notes, notes
+    assert "rbac.subjects[0].name=<the kubeconfig user>" in notes, notes
+    named = render_text({**CASES["hosted"], "rbac": {
+        "create": False, "subjects": [{"kind": "User", "name": "system:bootstrap-controller"}]}})
+    assert "rbac.subjects[0]" not in named["NOTES.txt"], named["NOTES.txt"]
 
 
 SIDECAR_EQUIVALENT = {
@@ -777,6 +781,9 @@ def test_priority_class_is_system_cluster_critical_only_in_kube_system(namespace
      "config.etcdKeyFile with etcd.servers set: set etcd.certificatesSecret instead"),
     ({**CASES["hosted"], "config": {"kubeconfig": "/etc/target/kubeconfig"}},
      "config.kubeconfig with targetKubeconfig.secretName set: set targetKubeconfig.key instead"),
+    # The pods reach the target cluster with its kubeconfig, not the ServiceAccount's token.
+    ({"targetKubeconfig": {"secretName": "target-cluster-kubeconfig"}},
+     "targetKubeconfig.secretName with rbac.create=true and no rbac.subjects"),
     ({"config": {"adminAddr": "[::]:9090"}},
      "config.adminAddr: [::]:9090 listens on port 9090, not adminPort (8080)"),
 ])

@@ -62,8 +62,10 @@ CHART_CASES = {
     "defaults": (CASES["defaults"], 1),
     "static": (merge(CASES["defaults"], {"config": STATIC}), 1),
     "etcd": (CASES["etcd"], 1),
-    # The hosted release's RBAC, rendered for the target cluster (rbac.create=true there).
-    "hosted": (merge(CASES["hosted"], {"rbac": {"create": True}, "config": STATIC}), 1),
+    # The hosted release's RBAC, rendered for the target cluster (rbac.create=true there, bound
+    # to the kubeconfig's identity).
+    "hosted": (merge(CASES["hosted"], {"rbac": {"create": True, "subjects": [
+        {"kind": "User", "name": "system:bootstrap-controller"}]}, "config": STATIC}), 1),
     "lease": (RBAC_VALUES, 2),
 }
 

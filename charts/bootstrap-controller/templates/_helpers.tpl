@@ -228,6 +228,9 @@ configuration file: the file's value would be ignored without a word. */ -}}
 {{- if and .Values.targetKubeconfig.secretName (hasKey .Values.config "kubeconfig") -}}
 {{- fail "config.kubeconfig with targetKubeconfig.secretName set: set targetKubeconfig.key instead (the key of the kubeconfig in that Secret). The chart passes the mounted kubeconfig to the controller as BOOTSTRAP_KUBECONFIG, which wins over the configuration file, so config.kubeconfig would be ignored." -}}
 {{- end -}}
+{{- if and .Values.targetKubeconfig.secretName .Values.rbac.create (not .Values.rbac.subjects) -}}
+{{- fail "targetKubeconfig.secretName with rbac.create=true and no rbac.subjects: the bindings would grant the release's ServiceAccount, which the pods do not use (they reach the cluster with the target kubeconfig). Set rbac.create=false and apply the RBAC in the target cluster (the chart README, Hosted control planes), or name the kubeconfig's identity in rbac.subjects." -}}
+{{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
 {{- fail "metrics.serviceMonitor.enabled=true scrapes the metrics Service, but metrics.service.enabled=false renders none. Turn metrics.service.enabled on, or the ServiceMonitor off." -}}
 {{- end -}}
