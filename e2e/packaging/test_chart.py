@@ -168,6 +168,9 @@ def test_optional_objects_follow_their_values():
     assert "ServiceMonitor" not in kinds({})
     assert "ServiceMonitor" in kinds(CASES["metrics"])
     assert "PodDisruptionBudget" in kinds({})
+    # Replicas made unready by an API outage must not block a node drain.
+    pdb = next(o for o in objects({}) if o["kind"] == "PodDisruptionBudget")
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     assert "PodDisruptionBudget" not in kinds(CASES["ha-off"])
     assert "ClusterRole" not in kinds(CASES["hosted"])
     assert "Service" not in kinds({"metrics": {"service": {"enabled": False}}})
