@@ -217,6 +217,41 @@ def test_settings_reach_the_container_as_the_binarys_environment(case, env):
                        "BOOTSTRAP_TENANTS_CACHE_TOTAL_MIB": "96"}
 
 
+def test_cache_budgets_reach_the_binary_through_the_configuration_file(tmp_path):
+    """tenants.cacheBudgets (one tenant's budget, which its own Secret cannot set) goes into the
+    file, beside the environment's other tenants settings; the binary reads both, and leaves
+    out of a budget what it does not name (the process's)."""
+    budgets = {"capi-clusters/big-cluster": {"maxObjects": 400000, "maxMiB": 256},
+               "capi-clusters/small": {"maxMiB": 8}}
+    values = {"tenants": {**CASES["capi"]["tenants"], "cacheBudgets": budgets}}
+    helm.Chart.load(CHART).validate_schema(values)
+    assert config_file(values)["tenants"] == {"cacheBudgets": budgets}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config_file(values)))
+    env = {**env_of(values), "BOOTSTRAP_CONFIG": str(tmp_path / "config.yaml")}
+    done = subprocess.run([str(binary("bootstrap-controller")), "config", "print"],
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", **env})
+    assert done.returncode == 0, done.stderr
+    tenants = yaml.safe_load(done.stdout)["tenants"]
+    assert tenants["secretSelector"] == SELECTOR, tenants
+    assert tenants["cacheBudgets"] == {
+        "capi-clusters/big-cluster": {"maxObjects": 400000, "maxMiB": 256},
+        "capi-clusters/small": {"maxObjects": 50000, "maxMiB": 8}}, tenants
+    # Without budgets the file has no tenants section: the environment holds the rest.
+    assert "tenants" not in config_file(CASES["capi"])
+
+
+@pytest.mark.parametrize("budgets, complaint", [
+    ({"big-cluster": {"maxObjects": 1}}, "big-cluster"),
+    ({"capi-clusters/big": {"maxObjects": 0}}, "maxObjects"),
+    ({"capi-clusters/big": {"objects": 1}}, "objects"),
+])
+def test_schema_rejects_wrong_cache_budgets(budgets, complaint):
+    with pytest.raises(helm.HelmValuesError) as err:
+        helm.Chart.load(CHART).validate_schema({"tenants": {"cacheBudgets": budgets}})
+    assert complaint in str(err.value), str(err.value)
+
+
 def test_disabled_renders_as_before():
     env = env_of({})
     assert not [k for k in env if k.startswith("BOOTSTRAP_TENANTS_")], env

@@ -63,13 +63,17 @@ release's own, so that the Role writing them covers no other component's Leases.
 {{- end }}
 
 {{/* The configuration file: config, with the membership Lease namespace (and in management
-mode the replicas' Lease namespace) made explicit. */}}
+mode the replicas' Lease namespace) made explicit; in management mode with the tenants' cache
+budgets, which have no environment variable. */}}
 {{- define "bootstrap-controller.config" -}}
 {{- $config := deepCopy .Values.config -}}
 {{- if .Values.tenants.enabled -}}
 {{- $le := default dict $config.leaderElection -}}
 {{- $_ := set $le "leaseNamespace" (include "bootstrap-controller.leaseNamespace" .) -}}
 {{- $_ := set $config "leaderElection" $le -}}
+{{- with .Values.tenants.cacheBudgets -}}
+{{- $_ := set $config "tenants" (dict "cacheBudgets" .) -}}
+{{- end -}}
 {{- end -}}
 {{- if eq (include "bootstrap-controller.endpointMode" .) "lease" -}}
 {{- $loops := default dict $config.loops -}}
