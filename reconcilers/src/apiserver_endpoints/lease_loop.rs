@@ -1,6 +1,7 @@
 //! `apiserver-lease`: this instance's membership Lease. Runs on every instance (no leadership):
 //! each sidecar vouches only for its own apiserver.
 
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::runtime::events::EventType;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
 use super::apply::delete_if_uid;
@@ -49,15 +51,20 @@ pub struct LeaseMetrics {
 }
 
 impl LeaseMetrics {
-    pub fn register(registry: &mut dyn MetricRegistry) -> Self {
+    /// `address` labels the readiness gauge: instances sharing one address (a VIP) renew one
+    /// Lease and count as one member, which alerts tell apart only by it.
+    pub fn register(registry: &mut dyn MetricRegistry, address: IpAddr) -> Self {
         let registry = loop_registry(registry, NAME);
+        let ready: Family<[(&'static str, String); 1], Gauge> = registered(
+            registry,
+            "apiserver_ready",
+            "1 while the local apiserver's readiness check passes and this instance holds its membership Lease for the advertised address",
+            Family::default(),
+        );
         Self {
-            ready: registered(
-                registry,
-                "apiserver_ready",
-                "1 while the local apiserver's readiness check passes and this instance holds its membership Lease",
-                Gauge::default(),
-            ),
+            ready: ready
+                .get_or_create(&[("address", address.to_string())])
+                .clone(),
             renewals: registered(
                 registry,
                 "renewals",
@@ -153,7 +160,7 @@ impl ApiserverLeaseLoop {
             failures: FailureThreshold::new(section.readiness_failure_threshold),
             recheck: WakeAt::default(),
             shutdown: deps.shutdown,
-            metrics: LeaseMetrics::register(registry),
+            metrics: LeaseMetrics::register(registry, address),
             last_ready: Mutex::new(None),
             warned_shared: std::sync::atomic::AtomicBool::new(false),
             last_written: Mutex::new(None),
@@ -683,5 +690,23 @@ impl Reconciler for ApiserverLeaseLoop {
                 ))),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_is_labelled_with_the_advertised_address() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = LeaseMetrics::register(&mut registry, "192.0.2.1".parse().unwrap());
+        metrics.ready.set(1);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("apiserver_lease_apiserver_ready{address=\"192.0.2.1\"} 1\n"),
+            "{text}"
+        );
     }
 }
