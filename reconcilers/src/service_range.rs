@@ -6,9 +6,11 @@
 //! kube-apiserver creates from its own `--service-cluster-ip-range`. Older clusters have nothing
 //! that tells the range (the `kubernetes` Service's ClusterIP shows its family, not its size):
 //! a loop that needs the range then refuses to work, with an error naming the setting, and the
-//! other loops go on.
+//! other loops go on. A control plane upgraded in place (1.32 to 1.33) serves ServiceCIDRs from
+//! then on, so discovery's "not served" is believed for a loop's interval only ([`Discovered`]).
 
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Service;
@@ -84,7 +86,52 @@ impl From<RangeError> for LoopError {
     }
 }
 
-/// What the cluster said, kept once read.
+/// An answer of discovery, kept: one that finds the API for good, one that does not for
+/// `recheck` after it was given.
+#[derive(Debug)]
+pub(crate) struct Discovered<T> {
+    kept: Mutex<Option<Kept<T>>>,
+    recheck: Duration,
+}
+
+#[derive(Debug)]
+struct Kept<T> {
+    answer: T,
+    served: bool,
+    at: Instant,
+}
+
+impl<T: Clone> Discovered<T> {
+    pub(crate) fn new(recheck: Duration) -> Self {
+        Discovered {
+            kept: Mutex::new(None),
+            recheck,
+        }
+    }
+
+    /// The kept answer, unless discovery is to be asked again.
+    pub(crate) fn get(&self) -> Option<T> {
+        let kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        kept.as_ref()
+            .filter(|kept| kept.served || kept.at.elapsed() < self.recheck)
+            .map(|kept| kept.answer.clone())
+    }
+
+    /// Keeps `answer`, which finds the API or not (`served`); returns whether the API was found
+    /// by the answer kept before, if there was one.
+    pub(crate) fn keep(&self, answer: T, served: bool) -> Option<bool> {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = kept.as_ref().map(|kept| kept.served);
+        *kept = Some(Kept {
+            answer,
+            served,
+            at: Instant::now(),
+        });
+        before
+    }
+}
+
+/// What the cluster said.
 #[derive(Clone, Debug)]
 enum Found {
     Ranges(Vec<IpNet>),
@@ -93,23 +140,30 @@ enum Found {
 }
 
 /// The service ranges a loop works with: the configured ones, or the `kubernetes` ServiceCIDR's,
-/// read once (two requests) the first time a pass needs them.
+/// read (two requests) the first time a pass needs them and kept; where the cluster serves no
+/// ServiceCIDR, read again once `recheck` has passed.
 pub struct ServiceRanges {
     configured: Vec<IpNet>,
     client: Client,
     /// The `kubernetes` Service, whose ClusterIP names the family in the error.
     service: ServiceName,
-    found: Mutex<Option<Found>>,
+    found: Discovered<Found>,
 }
 
 impl ServiceRanges {
-    /// `configured` empty: read the range from the cluster.
-    pub fn new(client: Client, configured: Vec<IpNet>, service: ServiceName) -> Self {
+    /// `configured` empty: read the range from the cluster, and where it serves no ServiceCIDR,
+    /// read it again at most once per `recheck` (the loop's interval).
+    pub fn new(
+        client: Client,
+        configured: Vec<IpNet>,
+        service: ServiceName,
+        recheck: Duration,
+    ) -> Self {
         ServiceRanges {
             configured,
             client,
             service,
-            found: Mutex::new(None),
+            found: Discovered::new(recheck),
         }
     }
 
@@ -123,12 +177,12 @@ impl ServiceRanges {
         if !self.configured.is_empty() {
             return Ok(self.configured.clone());
         }
-        let known = self.found.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let found = match known {
+        let found = match self.found.get() {
             Some(found) => found,
             None => {
                 let found = self.read().await?;
-                *self.found.lock().unwrap_or_else(|p| p.into_inner()) = Some(found.clone());
+                let served = matches!(found, Found::Ranges(_));
+                self.found.keep(found.clone(), served);
                 if let Found::Ranges(ranges) = &found {
                     tracing::info!(
                         ranges = %ranges.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),

@@ -1,9 +1,12 @@
 //! The service-cidr loop against the simulator: the default ServiceCIDR created and made Ready,
-//! each repair an event from this controller, nothing written in a dry run.
+//! each repair an event from this controller, nothing written in a dry run; a cluster upgraded
+//! in place to serve ServiceCIDRs is found by discovery asked again.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
+
+use std::time::Duration;
 
 use anyhow::Result;
 use apiserver_sim::{Sim, SimConfig};
@@ -54,5 +57,55 @@ async fn a_missing_default_service_cidr_is_created_with_an_event_for_each_repair
         })
     );
     assert_eq!(common::events_of(&sim, "DefaultServiceCIDRReady").len(), 1);
+    Ok(())
+}
+
+/// A cluster before 1.33 serves no ServiceCIDR, and its control plane is upgraded in place. The
+/// loop believes discovery's no for its interval, then asks again and creates the object; a yes
+/// is kept for good.
+#[tokio::test]
+async fn a_cluster_that_serves_service_cidrs_after_an_upgrade_gets_the_default_one() -> Result<()> {
+    let sim = Sim::start(SimConfig {
+        seed_namespaces: vec!["default".into(), "kube-system".into()],
+        serve_networking_v1: false,
+        ..SimConfig::default()
+    })
+    .await?;
+    let settings = common::settings(&["10.96.0.0/12"]);
+    let with_interval = |interval| {
+        let section = Section {
+            interval,
+            ..Section::default()
+        };
+        ServiceCidrLoop::new(sim.client(), section, &settings).unwrap()
+    };
+    // Every pass of this one comes an interval after the one before.
+    let every_pass = with_interval(Duration::ZERO);
+    let hourly = with_interval(Duration::from_secs(3600));
+    for repair in [&every_pass, &hourly] {
+        let report = repair.reconcile(&common::ctx(&sim, false)).await?;
+        assert!(report.drift.is_empty(), "{report:?}");
+    }
+    assert_eq!(common::networking_discoveries(&sim), 2);
+
+    sim.set_serve_networking_v1(true);
+    let report = hourly.reconcile(&common::ctx(&sim, false)).await?;
+    assert!(report.drift.is_empty(), "{report:?}");
+    assert_eq!(
+        common::networking_discoveries(&sim),
+        2,
+        "within the interval, discovery is not asked again"
+    );
+
+    let report = every_pass.reconcile(&common::ctx(&sim, false)).await?;
+    let missing = common::drift_of_kind(&report, "servicecidr_missing");
+    assert!(missing.len() == 1 && missing[0].applied, "{report:?}");
+    assert_eq!(common::networking_discoveries(&sim), 3);
+    every_pass.reconcile(&common::ctx(&sim, false)).await?;
+    assert_eq!(
+        common::networking_discoveries(&sim),
+        3,
+        "a cluster found serving ServiceCIDRs is not asked again"
+    );
     Ok(())
 }

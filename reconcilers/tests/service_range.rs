@@ -1,11 +1,14 @@
 //! No `serviceClusterIPRange` configured: the loops read the range from the cluster's
 //! `kubernetes` ServiceCIDR, and where the cluster has none (before Kubernetes 1.33) the ClusterIP
 //! repair refuses with an error naming the setting while the `kubernetes` Service loop goes on.
-//! The cluster's range is TEST-NET-1, unlike kube-apiserver's or kubeadm's defaults.
+//! The cluster's range is TEST-NET-1, unlike kube-apiserver's or kubeadm's defaults. A cluster
+//! upgraded in place to serve ServiceCIDRs gives the range from then on.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
+
+use std::time::Duration;
 
 use anyhow::Result;
 use apiserver_sim::{Sim, SimConfig};
@@ -265,6 +268,64 @@ async fn a_service_cidr_with_nulls_and_unknown_fields_still_gives_the_range() ->
     assert_eq!(
         kubernetes_service_ip(&sim).await?.as_deref(),
         Some("192.0.2.1")
+    );
+    Ok(())
+}
+
+/// The `kubernetes` Service loop, with no range configured, on a cluster before 1.33 whose
+/// control plane is upgraded in place: discovery's no is believed for the loop's interval, then
+/// asked again, and the range read from the ServiceCIDR kube-apiserver now creates.
+#[tokio::test]
+async fn after_an_upgrade_in_place_the_range_is_read_from_the_cluster() -> Result<()> {
+    let sim = cluster(false).await?;
+    let with_interval = |interval| {
+        KubernetesServiceLoop::new(
+            kubernetes_service::Section {
+                interval,
+                ..kubernetes_service::Section::default()
+            },
+            &common::settings(&[]),
+            sim.client(),
+            &mut Registry::default(),
+        )
+    };
+    // Every pass of this one comes an interval after the one before.
+    let every_pass = with_interval(Duration::ZERO);
+    let hourly = with_interval(Duration::from_secs(3600));
+    let missing_unapplied = |report: &reconcilers::PassReport| {
+        let missing = common::drift_of_kind(report, "service_missing");
+        missing.len() == 1 && !missing[0].applied
+    };
+    for service_loop in [&every_pass, &hourly] {
+        let report = service_loop.reconcile(&common::ctx(&sim, false)).await?;
+        assert!(missing_unapplied(&report), "{report:?}");
+    }
+    assert_eq!(common::networking_discoveries(&sim), 2);
+
+    sim.set_serve_networking_v1(true);
+    create_kubernetes_service_cidr(&sim).await?;
+    let report = hourly.reconcile(&common::ctx(&sim, false)).await?;
+    assert!(missing_unapplied(&report), "{report:?}");
+    assert_eq!(
+        common::networking_discoveries(&sim),
+        2,
+        "within the interval, discovery is not asked again"
+    );
+
+    every_pass.reconcile(&common::ctx(&sim, false)).await?;
+    let created = Api::<Service>::namespaced(sim.client(), "default")
+        .get("kubernetes")
+        .await?;
+    assert_eq!(
+        created.spec.and_then(|spec| spec.cluster_ip).as_deref(),
+        Some("192.0.2.1")
+    );
+    assert_eq!(common::networking_discoveries(&sim), 3);
+    every_pass.reconcile(&common::ctx(&sim, false)).await?;
+    assert_eq!(
+        common::networking_discoveries(&sim),
+        3,
+        "the range read is kept"
     );
     Ok(())
 }

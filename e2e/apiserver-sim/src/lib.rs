@@ -414,6 +414,14 @@ impl Sim {
             .store(ready, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Serves `networking.k8s.io/v1` from now on, or stops serving it (see
+    /// [`SimConfig::serve_networking_v1`]): a control plane upgraded or downgraded in place.
+    pub fn set_serve_networking_v1(&self, served: bool) {
+        self.shared
+            .serve_networking_v1
+            .store(served, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Ends every open watch stream cleanly, as an apiserver restart or a load balancer's idle
     /// timeout would; clients re-watch from their last resourceVersion.
     pub fn close_watches(&self) {

@@ -290,6 +290,7 @@ mod tests {
             client.clone(),
             vec!["10.0.0.0/11".parse().unwrap()],
             kubernetes.clone(),
+            std::time::Duration::ZERO,
         );
         let Err(err) = legacy.get_or_build(&Section::default(), &wide).await else {
             panic!("a bitmap was built for 10.0.0.0/11");
@@ -299,7 +300,12 @@ mod tests {
             "{err}"
         );
         assert!(legacy.bitmaps.get().is_none());
-        let widest = ServiceRanges::new(client, vec!["10.0.0.0/12".parse().unwrap()], kubernetes);
+        let widest = ServiceRanges::new(
+            client,
+            vec!["10.0.0.0/12".parse().unwrap()],
+            kubernetes,
+            std::time::Duration::ZERO,
+        );
         assert_eq!(
             legacy
                 .get_or_build(&Section::default(), &widest)

@@ -171,6 +171,7 @@ impl ClusterIpRepairLoop {
                 client.clone(),
                 settings.service_ranges.clone(),
                 settings.kubernetes_service.clone(),
+                section.interval,
             ),
             reported: crate::findings::ReportOnce::new(),
             recorder: SeriesRecorder::new(client.clone(), reporter),

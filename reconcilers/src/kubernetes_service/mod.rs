@@ -117,6 +117,7 @@ impl KubernetesServiceLoop {
                 namespace: section.namespace.clone(),
                 name: section.name.clone(),
             },
+            section.interval,
         );
         Self {
             ranges,

@@ -10,7 +10,7 @@
 //! The files: `section.rs` (the configuration), `plan.rs` (what the object needs, pure, with the
 //! table of its cases), `apply.rs` (a pass: the writes of its plan); here the loop.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use backon::Retryable;
@@ -27,7 +27,7 @@ use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
 use crate::events::SeriesRecorder;
 use crate::findings::ReportOnce;
 use crate::section::Settings;
-use crate::service_range::{DEFAULT_SERVICE_CIDR, networking_v1_serves};
+use crate::service_range::{DEFAULT_SERVICE_CIDR, Discovered, networking_v1_serves};
 use crate::watch_cache::{WatchCache, Whole};
 
 mod apply;
@@ -44,19 +44,24 @@ pub const NAME: &str = "service-cidr";
 /// does (events name this controller, `bootstrap-controller`).
 pub const CONTROLLER_NAME: &str = "kubernetes-service-cidr-controller";
 
-/// Whether the API serves networking.k8s.io/v1 ServiceCIDRs; the answer is kept in `slot`.
-async fn served(client: &Client, slot: &Mutex<Option<bool>>) -> Result<bool, kube::Error> {
-    if let Some(served) = *slot.lock().unwrap_or_else(|p| p.into_inner()) {
+/// Whether the API serves networking.k8s.io/v1 ServiceCIDRs, as `kept` has it or discovery says.
+async fn served(client: &Client, kept: &Discovered<bool>) -> Result<bool, kube::Error> {
+    if let Some(served) = kept.get() {
         return Ok(served);
     }
     let served = networking_v1_serves(client, &["servicecidrs"]).await?;
-    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-    if slot.is_none() && !served {
-        info!(
-            "the API serves no networking.k8s.io/v1 ServiceCIDR; the service-cidr loop has nothing to do"
-        );
+    match (kept.keep(served, served), served) {
+        (None, false) => info!(
+            "the API serves no networking.k8s.io/v1 ServiceCIDR; the service-cidr loop has \
+             nothing to do, and asks again each interval"
+        ),
+        (Some(false), true) => {
+            info!(
+                "the API serves networking.k8s.io/v1 ServiceCIDRs now; the service-cidr loop starts"
+            )
+        }
+        _ => {}
     }
-    *slot = Some(served);
     Ok(served)
 }
 
@@ -71,8 +76,9 @@ pub struct ServiceCidrLoop {
     /// The reported condition (inconsistent or not ready), so each gets its event and log line
     /// once when it appears, and again only if it clears and comes back.
     reported: ReportOnce<String>,
-    /// Whether the API serves ServiceCIDRs, once discovery has answered.
-    served: Arc<Mutex<Option<bool>>>,
+    /// Whether the API serves ServiceCIDRs, once discovery has answered; "no" is asked again
+    /// after an interval (a control plane upgraded in place serves them from then on).
+    served: Arc<Discovered<bool>>,
     client: Client,
     /// Every ServiceCIDR as a record, kept by the watch of ServiceCIDRs the cluster's loops
     /// share (its changes trigger this loop), and the default one whole, read again when its
@@ -101,12 +107,13 @@ impl ServiceCidrLoop {
             return None;
         }
         cidrs.read_one(kube::Api::all(client.clone()), DEFAULT_SERVICE_CIDR);
+        let served = Arc::new(Discovered::new(section.interval));
         Some(Self {
             recorder: SeriesRecorder::new(client.clone(), settings.reporter()),
             section,
             ranges: settings.service_ranges.clone(),
             reported: ReportOnce::new(),
-            served: Arc::new(Mutex::new(None)),
+            served,
             cidrs,
             cidr: Whole::default(),
             client,
@@ -145,22 +152,19 @@ impl Reconciler for ServiceCidrLoop {
     }
 
     /// The watch of ServiceCIDRs, once discovery says the API serves them (retried with backoff
-    /// until it answers); none where it does not.
+    /// until it answers, and asked again each interval while it says no).
     fn triggers(&self) -> Vec<Trigger> {
         let changes = self.cidrs.subscribe();
-        let (client, slot) = (self.client.clone(), self.served.clone());
+        let (client, kept) = (self.client.clone(), self.served.clone());
+        let interval = self.section.interval;
         let trigger = async move {
-            let discover = || served(&client, &slot);
-            match discover
-                .retry(crate::retry::backoff(
-                    Duration::from_millis(200),
-                    Duration::from_secs(30),
-                ))
-                .await
-            {
-                Ok(true) => changes,
-                Ok(false) | Err(_) => futures::stream::pending().boxed(),
+            let discover = || served(&client, &kept);
+            let backoff =
+                || crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(30));
+            while !discover.retry(backoff()).await.unwrap_or(false) {
+                tokio::time::sleep(interval).await;
             }
+            changes
         };
         vec![futures::stream::once(trigger).flatten().boxed()]
     }

@@ -162,3 +162,15 @@ pub fn event_reasons(sim: &Sim) -> Vec<String> {
         .filter_map(|e| e["reason"].as_str().map(str::to_owned))
         .collect()
 }
+
+/// Discovery requests for networking.k8s.io/v1 (whether the cluster serves ServiceCIDRs) so far.
+pub fn networking_discoveries(sim: &Sim) -> usize {
+    sim.requests()
+        .iter()
+        .filter(|r| {
+            r.path
+                .trim_end_matches('/')
+                .ends_with("/apis/networking.k8s.io/v1")
+        })
+        .count()
+}
