@@ -1,6 +1,7 @@
 //! The service-cidr loop against the simulator: the default ServiceCIDR created and made Ready,
 //! each repair an event from this controller, nothing written in a dry run; a cluster upgraded
-//! in place to serve ServiceCIDRs is found by discovery asked again.
+//! in place to serve ServiceCIDRs is found by discovery asked again; one kube-apiserver created
+//! first is no repair.
 
 #![allow(clippy::unwrap_used)]
 
@@ -9,7 +10,8 @@ mod common;
 use std::time::Duration;
 
 use anyhow::Result;
-use apiserver_sim::{Sim, SimConfig};
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
+use futures::StreamExt;
 use reconcilers::Reconciler;
 use reconcilers::service_cidr::{Section, ServiceCidrLoop};
 
@@ -107,5 +109,60 @@ async fn a_cluster_that_serves_service_cidrs_after_an_upgrade_gets_the_default_o
         3,
         "a cluster found serving ServiceCIDRs is not asked again"
     );
+    Ok(())
+}
+
+/// kube-apiserver 1.33+ creates the ServiceCIDR `kubernetes` itself, and the loop's watch may not
+/// have shown it yet: the create meets 409 AlreadyExists, which is no repair (no event, no
+/// applied drift).
+#[tokio::test]
+async fn a_create_that_meets_the_one_kube_apiserver_made_is_no_repair() -> Result<()> {
+    let sim = common::sim().await;
+    let repair = ServiceCidrLoop::new(
+        sim.client(),
+        Section::default(),
+        &common::settings(&["10.96.0.0/12"]),
+    )
+    .unwrap();
+    let triggers = futures::stream::select_all(repair.triggers());
+    let drive = tokio::spawn(triggers.for_each(|_| async {}));
+    common::eventually("the ServiceCIDR watch is open", || async {
+        sim.open_watches("servicecidrs") > 0
+    })
+    .await;
+    // The watch ends and opens again, but is never answered: the cache stays as it was.
+    sim.faults().inject(FaultRule::next(
+        Some(Verb::Watch),
+        Some("servicecidrs"),
+        1,
+        FaultKind::Hang,
+    ));
+    sim.close_watches();
+    common::eventually("the ServiceCIDR watch hangs", || async {
+        sim.faults().rules().is_empty()
+    })
+    .await;
+    sim.backdoor().put(serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "ServiceCIDR",
+        "metadata": {"name": "kubernetes"},
+        "spec": {"cidrs": ["10.96.0.0/12"]},
+    }))?;
+
+    let report = repair.reconcile(&common::ctx(&sim, false)).await?;
+    assert_eq!(sim.request_count("create", "servicecidrs"), 1);
+    assert!(
+        common::drift_of_kind(&report, "servicecidr_missing")
+            .iter()
+            .all(|d| !d.applied),
+        "{report:?}"
+    );
+    assert_eq!(
+        common::events_of(&sim, "DefaultServiceCIDRCreated").len(),
+        0,
+        "{:?}",
+        common::event_reasons(&sim)
+    );
+    drive.abort();
     Ok(())
 }

@@ -116,9 +116,13 @@ impl ServiceCidrLoop {
             }),
             status: None,
         };
-        let current = match api.create(&PostParams::default(), &new).await {
-            Ok(created) => Some(created),
-            Err(kube::Error::Api(status)) if status.code == 409 => self.current(api).await?,
+        let created = match api.create(&PostParams::default(), &new).await {
+            Ok(created) => created,
+            // kube-apiserver 1.33+ creates it too, and the watch had not shown it yet: nothing
+            // was repaired, and the status step takes the object as the watch has it.
+            Err(kube::Error::Api(status)) if status.code == 409 => {
+                return Ok(Written::Now(Box::new(self.current(api).await?)));
+            }
             Err(err) => {
                 self.warn_event(
                     "KubernetesDefaultServiceCIDRError",
@@ -134,7 +138,7 @@ impl ServiceCidrLoop {
             drift("servicecidr_missing", object, Action::Create, message, true)
                 .changed("absent", format!("CIDRs {}", go_list(&desired))),
         );
-        Ok(Written::Now(Box::new(current)))
+        Ok(Written::Now(Box::new(Some(created))))
     }
 
     /// Upgrades a single-stack default ServiceCIDR to the configured dual-stack ranges.
