@@ -1,7 +1,7 @@
 //! The service-cidr loop against the simulator: the default ServiceCIDR created and made Ready,
 //! each repair an event from this controller, nothing written in a dry run; a cluster upgraded
 //! in place to serve ServiceCIDRs is found by discovery asked again; one kube-apiserver created
-//! first is no repair.
+//! first is no repair; a create refused at every retry is one event.
 
 #![allow(clippy::unwrap_used)]
 
@@ -164,5 +164,49 @@ async fn a_create_that_meets_the_one_kube_apiserver_made_is_no_repair() -> Resul
         common::event_reasons(&sim)
     );
     drive.abort();
+    Ok(())
+}
+
+/// A create refused (403: RBAC, an admission webhook) fails the pass, and the runner retries it:
+/// upstream's `KubernetesDefaultServiceCIDRError` is published when the failure appears, not at
+/// every retry; once the create goes through, the object is made.
+#[tokio::test]
+async fn a_create_refused_at_every_retry_is_one_error_event() -> Result<()> {
+    let sim = common::sim().await;
+    let repair = ServiceCidrLoop::new(
+        sim.client(),
+        Section::default(),
+        &common::settings(&["10.96.0.0/12"]),
+    )
+    .unwrap();
+    sim.faults().inject(FaultRule::next(
+        Some(Verb::Create),
+        Some("servicecidrs"),
+        3,
+        FaultKind::Error {
+            code: 403,
+            retry_after_seconds: None,
+        },
+    ));
+    for _ in 0..3 {
+        assert!(repair.reconcile(&common::ctx(&sim, false)).await.is_err());
+    }
+    let errors = common::events_of(&sim, "KubernetesDefaultServiceCIDRError");
+    assert_eq!(errors.len(), 1, "{:?}", common::event_reasons(&sim));
+    assert_eq!(errors[0]["type"], "Warning");
+    assert_eq!(
+        errors[0]["series"],
+        serde_json::Value::Null,
+        "published once, not a series of retries"
+    );
+
+    let report = repair.reconcile(&common::ctx(&sim, false)).await?;
+    let missing = common::drift_of_kind(&report, "servicecidr_missing");
+    assert!(missing.len() == 1 && missing[0].applied, "{report:?}");
+    assert_eq!(sim.request_count("create", "servicecidrs"), 4);
+    assert_eq!(
+        common::events_of(&sim, "KubernetesDefaultServiceCIDRError").len(),
+        1
+    );
     Ok(())
 }

@@ -2,6 +2,8 @@
 //! condition set, each unless the pass is a dry run, with upstream's events and the drift each
 //! is reported as.
 
+use std::sync::PoisonError;
+
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -16,6 +18,8 @@ use crate::contract::{Action, LoopError, PassContext, PassReport, drift};
 use crate::service_range::DEFAULT_SERVICE_CIDR;
 
 const READY_MESSAGE: &str = "Kubernetes default Service CIDR is ready";
+/// Upstream's reason for a write that failed.
+const ERROR_REASON: &str = "KubernetesDefaultServiceCIDRError";
 /// events.k8s.io/v1 needs an action; upstream's core/v1 events have none.
 const EVENT_ACTION: &str = "DefaultServiceCIDRSync";
 
@@ -32,6 +36,21 @@ enum Written {
 impl ServiceCidrLoop {
     async fn warn_event(&self, reason: &str, note: String) {
         self.event(EventType::Warning, reason, note).await;
+    }
+
+    /// Upstream's event for a failed `write`, published when the failure appears (which write,
+    /// and the code and reason of the API's answer), not again while the retries fail alike.
+    async fn failed(&self, write: &str, err: &kube::Error, note: String) {
+        let how = match err {
+            kube::Error::Api(status) => format!("{write}: {} {}", status.code, status.reason),
+            _ => format!("{write}: no API status"),
+        };
+        let new = (self.failure.lock())
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_new(&how);
+        if new {
+            self.warn_event(ERROR_REASON, note).await;
+        }
     }
 
     /// Every repair is an event too (upstream's controller only logs these).
@@ -80,6 +99,11 @@ impl ServiceCidrLoop {
         }
         self.sync_status(ctx, &api, current.as_ref(), &object, &mut report)
             .await?;
+        if !ctx.dry_run {
+            (self.failure.lock())
+                .unwrap_or_else(PoisonError::into_inner)
+                .succeeded();
+        }
         Ok(report)
     }
 
@@ -124,11 +148,8 @@ impl ServiceCidrLoop {
                 return Ok(Written::Now(Box::new(self.current(api).await?)));
             }
             Err(err) => {
-                self.warn_event(
-                    "KubernetesDefaultServiceCIDRError",
-                    "The default ServiceCIDR can not be created".to_owned(),
-                )
-                .await;
+                let note = "The default ServiceCIDR can not be created".to_owned();
+                self.failed("create", &err, note).await;
                 return Err(err.into());
             }
         };
@@ -199,15 +220,12 @@ impl ServiceCidrLoop {
                 Ok(Written::Now(Box::new(Some(updated))))
             }
             Err(err) => {
-                self.warn_event(
-                    "KubernetesDefaultServiceCIDRError",
-                    format!(
-                        "The default ServiceCIDR can not be upgraded from {} to dual stack {} : {err}",
-                        desired.first().map_or("", String::as_str),
-                        go_list(&desired)
-                    ),
-                )
-                .await;
+                let note = format!(
+                    "The default ServiceCIDR can not be upgraded from {} to dual stack {} : {err}",
+                    desired.first().map_or("", String::as_str),
+                    go_list(&desired)
+                );
+                self.failed("upgrade", &err, note).await;
                 Err(err.into())
             }
         }
@@ -312,11 +330,8 @@ impl ServiceCidrLoop {
             .patch_status(DEFAULT_SERVICE_CIDR, &params, &Patch::Apply(&status))
             .await
         {
-            self.warn_event(
-                "KubernetesDefaultServiceCIDRError",
-                "The default ServiceCIDR Status can not be set to Ready=True".to_owned(),
-            )
-            .await;
+            let note = "The default ServiceCIDR Status can not be set to Ready=True".to_owned();
+            self.failed("status", &err, note).await;
             return Err(err.into());
         }
         self.repair_event("DefaultServiceCIDRReady", &message).await;

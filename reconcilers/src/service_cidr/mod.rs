@@ -10,7 +10,7 @@
 //! The files: `section.rs` (the configuration), `plan.rs` (what the object needs, pure, with the
 //! table of its cases), `apply.rs` (a pass: the writes of its plan); here the loop.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backon::Retryable;
@@ -25,7 +25,7 @@ use crate::Trigger;
 use crate::clusterip_repair::model::ServiceCidrRecord;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
 use crate::events::SeriesRecorder;
-use crate::findings::ReportOnce;
+use crate::findings::{RepeatedFailure, ReportOnce};
 use crate::section::Settings;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, Discovered, networking_v1_serves};
 use crate::watch_cache::{WatchCache, Whole};
@@ -76,6 +76,9 @@ pub struct ServiceCidrLoop {
     /// The reported condition (inconsistent or not ready), so each gets its event and log line
     /// once when it appears, and again only if it clears and comes back.
     reported: ReportOnce<String>,
+    /// How the last write failed, so its `KubernetesDefaultServiceCIDRError` event is published
+    /// when the failure appears, not at every retry that fails alike.
+    failure: Mutex<RepeatedFailure>,
     /// Whether the API serves ServiceCIDRs, once discovery has answered; "no" is asked again
     /// after an interval (a control plane upgraded in place serves them from then on).
     served: Arc<Discovered<bool>>,
@@ -113,6 +116,7 @@ impl ServiceCidrLoop {
             section,
             ranges: settings.service_ranges.clone(),
             reported: ReportOnce::new(),
+            failure: Mutex::default(),
             served,
             cidrs,
             cidr: Whole::default(),
