@@ -1,7 +1,8 @@
 //! The service-cidr loop against the simulator: the default ServiceCIDR created and made Ready,
 //! each repair an event from this controller, nothing written in a dry run; a cluster upgraded
 //! in place to serve ServiceCIDRs is found by discovery asked again; one kube-apiserver created
-//! first is no repair; a create refused at every retry is one event.
+//! first is no repair; a create refused at every retry is one event; a `Ready=False` someone
+//! else set is one event, whatever its reason.
 
 #![allow(clippy::unwrap_used)]
 
@@ -208,5 +209,49 @@ async fn a_create_refused_at_every_retry_is_one_error_event() -> Result<()> {
         common::events_of(&sim, "KubernetesDefaultServiceCIDRError").len(),
         1
     );
+    Ok(())
+}
+
+/// Someone else set `Ready=False` with an empty reason, which events.k8s.io/v1 refuses as an
+/// event's: the loop's one Warning event about it has a reason of its own, and the condition's
+/// (quoted) and message in its note.
+#[tokio::test]
+async fn a_not_ready_condition_without_a_reason_is_one_warning_event() -> Result<()> {
+    let sim = common::sim().await;
+    sim.backdoor().put(serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "ServiceCIDR",
+        "metadata": {"name": "kubernetes"},
+        "spec": {"cidrs": ["10.96.0.0/12"]},
+        "status": {"conditions": [{
+            "type": "Ready", "status": "False", "reason": "",
+            "message": "the allocator is down",
+            "lastTransitionTime": "2026-01-01T00:00:00Z",
+        }]},
+    }))?;
+    let repair = ServiceCidrLoop::new(
+        sim.client(),
+        Section::default(),
+        &common::settings(&["10.96.0.0/12"]),
+    )
+    .unwrap();
+    for _ in 0..3 {
+        let report = repair.reconcile(&common::ctx(&sim, false)).await?;
+        assert_eq!(
+            common::drift_of_kind(&report, "servicecidr_not_ready").len(),
+            1,
+            "{report:?}"
+        );
+    }
+    let events = common::events_of(&sim, "KubernetesDefaultServiceCIDRNotReady");
+    assert_eq!(events.len(), 1, "{:?}", common::event_reasons(&sim));
+    assert_eq!(events[0]["type"], "Warning");
+    assert_eq!(events[0]["regarding"]["name"], "kubernetes");
+    assert_eq!(
+        events[0]["note"],
+        "Ready=False (reason \"\"): Configuration matches, but the allocator is down"
+    );
+    assert_eq!(events[0]["series"], serde_json::Value::Null);
+    assert_eq!(common::writes(&sim), Vec::<String>::new());
     Ok(())
 }

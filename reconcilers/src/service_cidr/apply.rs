@@ -12,7 +12,7 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::EventType;
 use tracing::warn;
 
-use super::plan::{Plan, go_list, plan, ready_words};
+use super::plan::{Plan, go_list, is_event_reason, plan, ready_words};
 use super::{CONTROLLER_NAME, ServiceCidrLoop};
 use crate::contract::{Action, LoopError, PassContext, PassReport, drift};
 use crate::service_range::DEFAULT_SERVICE_CIDR;
@@ -20,6 +20,8 @@ use crate::service_range::DEFAULT_SERVICE_CIDR;
 const READY_MESSAGE: &str = "Kubernetes default Service CIDR is ready";
 /// Upstream's reason for a write that failed.
 const ERROR_REASON: &str = "KubernetesDefaultServiceCIDRError";
+/// The reason of the `Ready=False` event when the condition's own is none an event can have.
+const NOT_READY_REASON: &str = "KubernetesDefaultServiceCIDRNotReady";
 /// events.k8s.io/v1 needs an action; upstream's core/v1 events have none.
 const EVENT_ACTION: &str = "DefaultServiceCIDRSync";
 
@@ -273,7 +275,14 @@ impl ServiceCidrLoop {
             }
             Plan::NotReady { reason, .. } => {
                 if appeared {
-                    self.warn_event(&reason, note.clone()).await;
+                    warn!(%reason, %note, "The default ServiceCIDR is not ready");
+                    if is_event_reason(&reason) {
+                        self.warn_event(&reason, note.clone()).await;
+                    } else {
+                        let reason = crate::sanitize::Sanitized::within(&reason, 128);
+                        let quoted = format!("Ready=False (reason \"{reason}\"): {note}");
+                        self.warn_event(NOT_READY_REASON, quoted).await;
+                    }
                 }
                 report.push(drift(
                     "servicecidr_not_ready",

@@ -78,6 +78,17 @@ pub fn plan(current: Option<&ServiceCIDR>, desired: &[IpNet]) -> Plan {
     }
 }
 
+/// Whether a `Ready=False` condition's reason can be its event's, as upstream publishes it:
+/// events.k8s.io/v1 refuses an empty reason or one over 128 bytes, and one a condition's own
+/// validation would refuse (`^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`) reads as no reason.
+pub(super) fn is_event_reason(reason: &str) -> bool {
+    let inner = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | ',' | ':');
+    reason.len() <= 128
+        && reason.starts_with(|c: char| c.is_ascii_alphabetic())
+        && reason.ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+        && reason.chars().all(inner)
+}
+
 /// The Ready condition of `current` in words, as a repair's log line says what it was.
 pub(super) fn ready_words(current: Option<&ServiceCIDR>) -> String {
     let ready = current
@@ -174,6 +185,24 @@ mod tests {
         let mut terminating = object(&matching, None);
         terminating.metadata.deletion_timestamp = Some(Time(jiff::Timestamp::UNIX_EPOCH));
         assert_eq!(plan(Some(&terminating), &dual), Plan::Terminating);
+    }
+
+    #[test]
+    fn a_condition_reason_is_an_event_reason_when_events_take_it() {
+        for good in ["Because", "A", "Not_Ready:2,x_", &"R".repeat(128)] {
+            assert!(is_event_reason(good), "{good}");
+        }
+        for bad in [
+            "",
+            &"R".repeat(129),
+            "not ready",
+            "1Ready",
+            "Ready:",
+            "Ready\n",
+            "Bereit\u{e4}",
+        ] {
+            assert!(!is_event_reason(bad), "{bad:?}");
+        }
     }
 
     #[test]
