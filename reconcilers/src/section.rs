@@ -67,8 +67,11 @@ pub struct Settings {
     /// default never rewrites it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secure_port: Option<u16>,
-    /// `kubernetesServiceNodePort`, when not 0 (written as 0 when `None`).
-    #[serde(serialize_with = "serialize_node_port")]
+    /// `kubernetesServiceNodePort`: 0 for a ClusterIP `kubernetes` Service, a port for a
+    /// NodePort one. `None` when the operator set none: a Service is created ClusterIP and an
+    /// existing one keeps its type and node port (a kube-apiserver's
+    /// `--kubernetes-service-node-port`), so that a default never rewrites it.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kubernetes_service_node_port: Option<u16>,
     /// The `--etcd-*` settings (etcd mode when `etcdServers` is set); a tenant's also hold its
     /// client certificate, from its Secret, and its etcd's addresses and cluster as checked
@@ -94,13 +97,6 @@ fn serialize_cidrs<S: serde::Serializer>(
 ) -> Result<S::Ok, S::Error> {
     let text: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
     serializer.serialize_str(&text.join(","))
-}
-
-fn serialize_node_port<S: serde::Serializer>(
-    port: &Option<u16>,
-    serializer: S,
-) -> Result<S::Ok, S::Error> {
-    serializer.serialize_u16(port.unwrap_or(0))
 }
 
 /// Builds the kube configuration (the kubeconfig's) that the endpoints loop's readiness probe of
@@ -140,8 +136,8 @@ pub const DEFAULT_SECURE_PORT: u16 = 6443;
 
 /// The controller's empty configuration, which its tests compare with this: kube-apiserver's
 /// defaults (no range configured: read from the cluster; node ports 30000-32767, no `securePort`
-/// (the endpoints on 6443, the Service's targetPort kept), no node port for `kubernetes`, no
-/// advertise address, `default/kubernetes`). No identity or etcd, which belong to a replica.
+/// (the endpoints on 6443, the Service's targetPort kept), no `kubernetesServiceNodePort` (the
+/// Service's type and node port kept), no advertise address, `default/kubernetes`). No identity or etcd, which belong to a replica.
 impl Default for Settings {
     fn default() -> Self {
         Settings {

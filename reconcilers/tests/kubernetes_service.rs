@@ -89,7 +89,12 @@ async fn creates_the_service_with_the_first_ip_and_then_rests() {
 #[tokio::test]
 async fn every_repairable_drift_is_repaired() {
     let sim = sim().await;
-    let l = service_loop(&sim, Section::default(), settings());
+    // A NodePort Service is type drift only when ClusterIP is asked for: unset keeps it.
+    let settings = Settings {
+        kubernetes_service_node_port: Some(0),
+        ..settings()
+    };
+    let l = service_loop(&sim, Section::default(), settings);
     l.reconcile(&ctx(&sim, false)).await.unwrap();
 
     let corruptions: Vec<(&str, Corruption)> = vec![
@@ -149,6 +154,38 @@ async fn every_repairable_drift_is_repaired() {
         event_reasons(&sim).contains(&"KubernetesServiceRepaired".to_owned())
     })
     .await;
+}
+
+/// kube-apiserver run with `--kubernetes-service-node-port=30443` made the Service NodePort;
+/// with `kubernetesServiceNodePort` unset the loop leaves its type and node port, which its
+/// clients use.
+#[tokio::test]
+async fn without_a_node_port_a_node_port_service_is_left_as_it_is() {
+    let sim = sim().await;
+    sim.backdoor()
+        .put(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "kubernetes", "namespace": "default", "labels": {"provider": "kubernetes", "component": "apiserver"}},
+            "spec": {
+                "clusterIP": "10.96.0.1",
+                "clusterIPs": ["10.96.0.1"],
+                "ipFamilies": ["IPv4"],
+                "ipFamilyPolicy": "SingleStack",
+                "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443, "nodePort": 30443}],
+                "sessionAffinity": "None",
+                "type": "NodePort"
+            }
+        }))
+        .unwrap();
+    let l = service_loop(&sim, Section::default(), settings());
+    sim.clear_requests();
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    let spec = service(&sim).await.unwrap().spec.unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("NodePort"));
+    assert_eq!(spec.ports.unwrap()[0].node_port, Some(30443));
 }
 
 /// upstream controller_test.go's "service definition wrong port, no expected update": upstream's

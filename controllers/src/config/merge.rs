@@ -569,15 +569,14 @@ fn check_advertise_family(
     ));
 }
 
-/// `kubernetesServiceNodePort`: 0 (a ClusterIP Service: `None`) or a port inside the node port
-/// range.
+/// `kubernetesServiceNodePort`: 0 (a ClusterIP Service) or a port inside the node port range.
 fn kubernetes_service_node_port(
     source: Source<Result<u32, NotANumber>>,
     range: PortRange,
     errors: &mut Vec<ConfigError>,
 ) -> Option<u16> {
     let message = match source.value {
-        Ok(0) => return None,
+        Ok(0) => return Some(0),
         Ok(port) => match u16::try_from(port) {
             Ok(port) if range.contains(port) => return Some(port),
             _ => format!(

@@ -441,6 +441,11 @@ fn node_port_must_be_in_range() {
     );
     let config = from_yaml("kubernetesServiceNodePort: 30443\n").unwrap();
     assert_eq!(config.settings.kubernetes_service_node_port, Some(30443));
+    // 0 asks for a ClusterIP Service; left out, the Service's own type is kept.
+    let config = from_yaml("kubernetesServiceNodePort: 0\n").unwrap();
+    assert_eq!(config.settings.kubernetes_service_node_port, Some(0));
+    let config = from_yaml("dryRun: false\n").unwrap();
+    assert_eq!(config.settings.kubernetes_service_node_port, None);
 }
 
 /// A numeric flag's text that is no number is quoted as given, with the flag and the fix.

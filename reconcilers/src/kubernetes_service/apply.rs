@@ -291,7 +291,7 @@ impl KubernetesServiceLoop {
             )
             .await?;
             // If the delete has not finished yet the create conflicts; the next pass creates.
-            let want = desired_service(&self.section, settings);
+            let want = desired_service(&self.section, settings, Some(existing));
             match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
                 Ok(_) => applied = true,
                 Err(err) => {

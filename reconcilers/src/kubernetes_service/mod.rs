@@ -182,7 +182,7 @@ impl KubernetesServiceLoop {
                 )
             };
             self.publish(
-                &desired_service(&self.section, &self.settings),
+                &desired_service(&self.section, &self.settings, None),
                 EventType::Warning,
                 reason,
                 note,

@@ -54,7 +54,7 @@ pub fn plan(
     let Some(existing) = existing else {
         return match unknown_range {
             Some(why) => Plan::MissingUnknownRange(why),
-            None => Plan::Create(Box::new(desired_service(section, settings))),
+            None => Plan::Create(Box::new(desired_service(section, settings, None))),
         };
     };
     let (drift, immutable): (Vec<_>, Vec<_>) = service_drift(section, settings, &existing)
@@ -74,8 +74,13 @@ pub fn plan(
 pub const PROVIDER_LABEL: (&str, &str) = ("provider", "kubernetes");
 pub const COMPONENT_LABEL: (&str, &str) = ("component", "apiserver");
 
-/// The Service to create when none exists.
-pub fn desired_service(section: &Section, settings: &Settings) -> Service {
+/// The Service to create when none exists, or anew in place of `existing` (for its clusterIP),
+/// keeping its type, node port and targetPort where the settings leave them unset.
+pub fn desired_service(
+    section: &Section,
+    settings: &Settings,
+    existing: Option<&Service>,
+) -> Service {
     Service {
         metadata: ObjectMeta {
             name: Some(section.name.clone()),
@@ -87,13 +92,13 @@ pub fn desired_service(section: &Section, settings: &Settings) -> Service {
             ..ObjectMeta::default()
         },
         spec: Some(ServiceSpec {
-            ports: Some(ports(section, settings, None)),
+            ports: Some(ports(section, settings, existing)),
             selector: None,
             // As upstream: clusterIP and SingleStack, clusterIPs and ipFamilies left to the API.
             cluster_ip: cluster_ips(settings).first().map(ToString::to_string),
             ip_family_policy: Some("SingleStack".to_owned()),
             session_affinity: Some("None".to_owned()),
-            type_: Some(service_type(settings).to_owned()),
+            type_: Some(service_type(settings, existing).0.to_owned()),
             ..ServiceSpec::default()
         }),
         status: None,
@@ -214,7 +219,7 @@ pub fn service_drift(
     }
     // The API defaults an unset type to ClusterIP.
     let found_type = spec.type_.clone().unwrap_or_else(|| "ClusterIP".to_owned());
-    if found_type != service_type(settings) {
+    if found_type != service_type(settings, Some(existing)).0 {
         drift.push(ServiceDrift::Type {
             found: spec.type_.clone(),
         });
@@ -278,7 +283,7 @@ pub fn repaired_service(section: &Section, settings: &Settings, existing: &Servi
     spec.selector = None;
     spec.session_affinity = Some("None".to_owned());
     spec.session_affinity_config = None;
-    let want_type = service_type(settings);
+    let want_type = service_type(settings, Some(existing)).0;
     if spec.type_.as_deref().unwrap_or("ClusterIP") != want_type {
         spec.type_ = Some(want_type.to_owned());
         // Fields the API only allows on NodePort/LoadBalancer/ExternalName Services.
@@ -321,7 +326,7 @@ mod tests {
 
     #[test]
     fn desired_service_matches_upstream_shape() {
-        let json = serde_json::to_value(desired_service(&section(), &settings())).unwrap();
+        let json = serde_json::to_value(desired_service(&section(), &settings(), None)).unwrap();
         assert_eq!(
             json,
             serde_json::json!({
@@ -358,7 +363,7 @@ mod tests {
             port: 8443,
             ..section()
         };
-        let spec = desired_service(&section, &settings).spec.unwrap();
+        let spec = desired_service(&section, &settings, None).spec.unwrap();
         assert_eq!(spec.ip_family_policy.as_deref(), Some("SingleStack"));
         assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.1"));
         assert_eq!(
@@ -372,7 +377,7 @@ mod tests {
     }
 
     fn existing() -> Service {
-        let mut s = desired_service(&section(), &settings());
+        let mut s = desired_service(&section(), &settings(), None);
         // What the API adds on create.
         s.metadata.resource_version = Some("5".into());
         s.metadata.uid = Some("u".into());
@@ -409,9 +414,11 @@ mod tests {
         spec.external_traffic_policy = Some("Cluster".into());
         spec.selector = Some(BTreeMap::from([("app".into(), "x".into())]));
         spec.session_affinity = Some("ClientIP".into());
-        // A configured securePort is repaired; without one the targetPort is kept (below).
+        // A configured securePort and node port (0: ClusterIP) are repaired; without them the
+        // targetPort, type and node port are kept (below).
         let settings = Settings {
             secure_port: Some(6443),
+            kubernetes_service_node_port: Some(0),
             ..settings()
         };
         let kinds: Vec<_> = service_drift(&section(), &settings, &s)
@@ -466,11 +473,43 @@ mod tests {
             (443, Some(IntOrString::Int(443)))
         );
         // Created, it gets kube-apiserver's default.
-        let created = desired_service(&section(), &settings()).spec.unwrap();
+        let created = desired_service(&section(), &settings(), None).spec.unwrap();
         assert_eq!(
             created.ports.unwrap()[0].target_port,
             Some(IntOrString::Int(6443))
         );
+    }
+
+    #[test]
+    fn without_a_node_port_the_services_type_and_node_port_are_kept() {
+        // kube-apiserver run with --kubernetes-service-node-port=30443 made it NodePort.
+        let mut s = existing();
+        let spec = s.spec.as_mut().unwrap();
+        spec.type_ = Some("NodePort".into());
+        spec.ports.as_mut().unwrap()[0].node_port = Some(30443);
+        assert_eq!(settings().kubernetes_service_node_port, None);
+        assert!(service_drift(&section(), &settings(), &s).is_empty());
+        // The port itself is still repaired, keeping the type and node port.
+        s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].port = 8443;
+        let spec = repaired_service(&section(), &settings(), &s).spec.unwrap();
+        assert_eq!(spec.type_.as_deref(), Some("NodePort"));
+        let port = &spec.ports.unwrap()[0];
+        assert_eq!((port.port, port.node_port), (443, Some(30443)));
+        // Created, it is ClusterIP; 0 asks for ClusterIP, which repairs the NodePort one.
+        let created = desired_service(&section(), &settings(), None).spec.unwrap();
+        assert_eq!(created.type_.as_deref(), Some("ClusterIP"));
+        let cluster_ip = Settings {
+            kubernetes_service_node_port: Some(0),
+            ..settings()
+        };
+        let kinds: Vec<_> = service_drift(&section(), &cluster_ip, &s)
+            .iter()
+            .map(ServiceDrift::kind)
+            .collect();
+        assert_eq!(kinds, ["service_ports", "service_type"]);
+        let spec = repaired_service(&section(), &cluster_ip, &s).spec.unwrap();
+        assert_eq!(spec.type_.as_deref(), Some("ClusterIP"));
+        assert_eq!(spec.ports.unwrap()[0].node_port, None);
     }
 
     #[test]
@@ -549,7 +588,7 @@ mod tests {
         );
         assert_eq!(
             plan(&section(), &settings(), None, None),
-            Plan::Create(Box::new(desired_service(&section(), &settings())))
+            Plan::Create(Box::new(desired_service(&section(), &settings(), None)))
         );
         let as_desired = plan(&section(), &settings(), Some(existing()), None);
         assert!(

@@ -131,16 +131,34 @@ pub fn cluster_ips(settings: &Settings) -> Vec<IpAddr> {
         .collect()
 }
 
-/// `NodePort` with `kubernetesServiceNodePort`, else `ClusterIP`.
-pub(super) fn service_type(settings: &Settings) -> &'static str {
-    if settings.kubernetes_service_node_port.is_some() {
-        "NodePort"
-    } else {
-        "ClusterIP"
+/// The Service's type and node port. `kubernetesServiceNodePort` 0 makes it ClusterIP, a port
+/// NodePort on that port. Unset, an existing NodePort Service keeps its type and node port
+/// (kube-apiserver's `--kubernetes-service-node-port` makes one, and its clients use that port),
+/// so that no default rewrites what the cluster chose; any other Service is ClusterIP.
+pub(super) fn service_type(
+    settings: &Settings,
+    existing: Option<&Service>,
+) -> (&'static str, Option<i32>) {
+    match settings.kubernetes_service_node_port {
+        Some(0) => ("ClusterIP", None),
+        Some(port) => ("NodePort", Some(i32::from(port))),
+        None => match existing
+            .and_then(|service| service.spec.as_ref())
+            .filter(|spec| spec.type_.as_deref() == Some("NodePort"))
+        {
+            Some(spec) => (
+                "NodePort",
+                (spec.ports.as_ref())
+                    .and_then(|ports| ports.first())
+                    .and_then(|port| port.node_port),
+            ),
+            None => ("ClusterIP", None),
+        },
     }
 }
 
-/// The Service's one port: the section's port to `securePort`, on the node port if any. Without
+/// The Service's one port: the section's port to `securePort`, on the node port if any
+/// ([`service_type`]). Without
 /// a configured `securePort` the targetPort is the one `existing` has (kube-apiserver's default
 /// 6443 on a Service being created), so that no default rewrites what the cluster chose.
 pub(super) fn ports(
@@ -162,7 +180,7 @@ pub(super) fn ports(
         protocol: Some("TCP".to_owned()),
         port: i32::from(section.port),
         target_port: Some(target_port),
-        node_port: settings.kubernetes_service_node_port.map(i32::from),
+        node_port: service_type(settings, existing).1,
         app_protocol: None,
     }]
 }
