@@ -7,13 +7,19 @@ use std::collections::BTreeMap;
 
 use apiserver_sim::Sim;
 use common::{ctx, event_reasons, eventually, sim, writes};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, PostParams};
+use kube::runtime::watcher;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
-use reconcilers::kubernetes_service::{KubernetesServiceLoop, RepairPolicy, Section};
+use reconcilers::kubernetes_service::{
+    KubernetesServiceLoop, RepairPolicy, Section, desired_service,
+};
 use reconcilers::section::Settings;
+use reconcilers::service_cache::record::ServiceRecord;
+use reconcilers::watch_cache::WatchCache;
 
 type Corruption = Box<dyn Fn(&mut Service)>;
 
@@ -451,6 +457,51 @@ async fn a_refused_repair_is_reported_once_and_not_counted_as_a_repair() {
     assert_eq!(l.metrics().repairs("service_type"), 1);
     let spec = service(&sim).await.unwrap().spec.unwrap();
     assert_eq!(spec.type_.as_deref(), Some("NodePort"));
+}
+
+/// The cache had no Service (it lags behind the API; this one watches `kube-system` only) while
+/// another writer, kube-apiserver starting say, created it: the loop's create meets
+/// AlreadyExists. The Service was not missing, so nothing is reported as created, no event is
+/// published and no repair counted.
+#[tokio::test]
+async fn a_service_another_writer_created_first_is_not_reported_as_created() {
+    let sim = sim().await;
+    let settings = settings();
+    let services = WatchCache::<ServiceRecord>::new(
+        Api::namespaced(sim.client(), "kube-system"),
+        watcher::Config::default(),
+        &settings.cache_budget,
+    );
+    let l = KubernetesServiceLoop::with_services(
+        Section::default(),
+        &settings,
+        sim.client(),
+        services.clone(),
+        &mut Registry::default(),
+    );
+    let mut triggers = futures::stream::select_all(l.triggers());
+    let _driver = tokio::spawn(async move { while triggers.next().await.is_some() {} });
+    eventually("the cache synced", || {
+        let services = services.clone();
+        async move { services.current().is_some() }
+    })
+    .await;
+    let first = desired_service(&Section::default(), &settings, None);
+    api(&sim)
+        .create(&PostParams::default(), &first)
+        .await
+        .unwrap();
+    sim.clear_requests();
+
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    let creates: Vec<u16> = (sim.requests().iter())
+        .filter(|r| r.verb == "create" && r.resource == "services")
+        .map(|r| r.status)
+        .collect();
+    assert_eq!(creates, [409], "the cache did not know the Service");
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(events_of_reason(&sim, "KubernetesServiceCreated"), 0);
+    assert_eq!(l.metrics().repairs("service_missing"), 0);
 }
 
 /// A creation the API refuses (the primary range's first IP is another Service's) is reported

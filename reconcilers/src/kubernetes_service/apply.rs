@@ -82,7 +82,9 @@ impl KubernetesServiceLoop {
         let mut refused = None;
         let mut applied = false;
         if !ctx.dry_run {
-            let created = match api.create(&PostParams::default(), want).await {
+            let created = match ignore_already_exists(
+                api.create(&PostParams::default(), want).await,
+            ) {
                 // Its cluster IP taken or outside the range the apiserver serves: nothing this
                 // loop can change, so reported rather than failed.
                 Err(kube::Error::Api(status)) if status.code == 422 => {
@@ -92,7 +94,13 @@ impl KubernetesServiceLoop {
                     });
                     None
                 }
-                other => ignore_already_exists(other)?,
+                // Another writer (kube-apiserver starting, say) created it after the cache
+                // looked: it was not missing, and the next pass judges it as it is.
+                Ok(None) => {
+                    tracing::info!(service = %object, "the kubernetes Service was created by another writer meanwhile; judged next pass");
+                    return Ok(None);
+                }
+                other => other?,
             };
             applied = created.is_some();
             if let Some(created) = &created {
