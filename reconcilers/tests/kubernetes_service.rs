@@ -314,6 +314,82 @@ async fn cluster_ip_mismatch_recreated_only_with_opt_in() {
     assert!(l.reconcile(&ctx(&sim, false)).await.unwrap().is_clean());
 }
 
+/// The desired clusterIP is another Service's: recreated there, the Service would be refused and
+/// the cluster left without one. So it is not deleted; the refusal is reported once (a warning
+/// event, a refusal counted), never as a recreation.
+#[tokio::test]
+async fn a_recreation_the_api_would_refuse_deletes_nothing() {
+    let sim = sim().await;
+    plant_wrong_ip(&sim);
+    let taker: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "taker", "namespace": "default"},
+        "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}
+    }))
+    .unwrap();
+    api(&sim)
+        .create(&PostParams::default(), &taker)
+        .await
+        .unwrap();
+    let l = service_loop(
+        &sim,
+        Section {
+            recreate_on_cluster_ip_mismatch: true,
+            ..Section::default()
+        },
+        settings(),
+    );
+    sim.clear_requests();
+    for pass in 0..3 {
+        let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+        assert_eq!(report.drift.len(), 1, "pass {pass}: {report:?}");
+        assert!(!report.drift[0].applied, "pass {pass}: {report:?}");
+        assert!(
+            report.drift[0].message.contains("not deleted"),
+            "pass {pass}: {report:?}"
+        );
+    }
+    let deletes: Vec<String> = (writes(&sim).into_iter())
+        .filter(|w| w.starts_with("delete"))
+        .collect();
+    assert_eq!(deletes, Vec::<String>::new());
+    assert_eq!(cluster_ip(&sim).await.as_deref(), Some("10.96.0.50"));
+    assert_eq!(events_of_reason(&sim, "KubernetesServiceRecreated"), 0);
+    assert_eq!(events_of_reason(&sim, "KubernetesServiceRepairRefused"), 1);
+    assert_eq!(l.metrics().repairs("service_cluster_ip"), 0);
+    assert_eq!(l.metrics().refusals("service_cluster_ip"), 1);
+}
+
+/// A finalizer holds the deleted Service, so the create meets AlreadyExists: it is not
+/// recreated yet, and not reported nor counted as if it were.
+#[tokio::test]
+async fn a_recreation_a_finalizer_holds_is_not_reported_as_done() {
+    let sim = sim().await;
+    plant_wrong_ip(&sim);
+    tamper_service(&sim, |s| {
+        s.metadata.finalizers = Some(vec!["example.com/hold".into()])
+    })
+    .await;
+    let l = service_loop(
+        &sim,
+        Section {
+            recreate_on_cluster_ip_mismatch: true,
+            ..Section::default()
+        },
+        settings(),
+    );
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert_eq!(report.drift.len(), 1, "{report:?}");
+    assert!(!report.drift[0].applied, "{report:?}");
+    assert!(
+        report.drift[0].message.contains("still being removed"),
+        "{report:?}"
+    );
+    let held = service(&sim).await.unwrap();
+    assert!(held.metadata.deletion_timestamp.is_some());
+    assert_eq!(events_of_reason(&sim, "KubernetesServiceRecreated"), 0);
+    assert_eq!(l.metrics().repairs("service_cluster_ip"), 0);
+}
+
 #[tokio::test]
 async fn node_port_with_two_ranges_is_single_stack() {
     let sim = Sim::start(apiserver_sim::SimConfig {

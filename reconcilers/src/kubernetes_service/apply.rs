@@ -16,10 +16,10 @@ use crate::contract::{
 };
 use crate::section::Settings;
 
-/// What a pass did: its report, and the write the API refused in it, if any.
+/// What a pass did: its report, and the writes the API refused in it.
 pub(super) struct Applied {
     pub(super) report: PassReport,
-    pub(super) refused: Option<Refusal>,
+    pub(super) refused: Vec<Refusal>,
 }
 
 impl KubernetesServiceLoop {
@@ -42,9 +42,11 @@ impl KubernetesServiceLoop {
                     format!("the Service does not exist; not created: {why}"),
                     false,
                 ));
-                None
+                Vec::new()
             }
-            Plan::Create(want) => self.create(ctx, &api, &object, &want, &mut report).await?,
+            Plan::Create(want) => {
+                Vec::from_iter(self.create(ctx, &api, &object, &want, &mut report).await?)
+            }
             Plan::Existing {
                 existing,
                 drift,
@@ -55,17 +57,18 @@ impl KubernetesServiceLoop {
                 let refused = self
                     .repair(ctx, &api, &object, &existing, drift, repaired, &mut report)
                     .await?;
-                self.cluster_ip(
-                    ctx,
-                    &api,
-                    settings,
-                    &existing,
-                    mismatch,
-                    recreate,
-                    &mut report,
-                )
-                .await?;
-                refused
+                let recreate_refused = self
+                    .cluster_ip(
+                        ctx,
+                        &api,
+                        settings,
+                        &existing,
+                        mismatch,
+                        recreate,
+                        &mut report,
+                    )
+                    .await?;
+                refused.into_iter().chain(recreate_refused).collect()
             }
         };
         Ok(Applied { report, refused })
@@ -223,7 +226,7 @@ impl KubernetesServiceLoop {
         mismatch: Option<ServiceDrift>,
         recreate: bool,
         report: &mut PassReport,
-    ) -> Result<(), LoopError> {
+    ) -> Result<Option<Refusal>, LoopError> {
         let object = self.section.object_ref();
         self.metrics
             .cluster_ip_mismatch
@@ -232,15 +235,15 @@ impl KubernetesServiceLoop {
             if let Ok(mut last) = self.last_mismatch.lock() {
                 *last = None;
             }
-            return Ok(());
+            return Ok(None);
         };
 
         if recreate {
-            let drift = self
+            let (drift, refused) = self
                 .recreate(ctx, api, settings, existing, &mismatch)
                 .await?;
             report.push(drift);
-            return Ok(());
+            return Ok(refused);
         }
 
         let first_time = self
@@ -275,11 +278,13 @@ impl KubernetesServiceLoop {
             ),
             false,
         ));
-        Ok(())
+        Ok(None)
     }
 
     /// The Service deleted, by its uid and resourceVersion, and created anew to get the desired
-    /// clusterIP (`recreateOnClusterIPMismatch`); the drift it is reported as.
+    /// clusterIP (`recreateOnClusterIPMismatch`); the drift it is reported as, and the write the
+    /// API refused, if any. It is deleted only once the API shows it would take the new one
+    /// ([`Self::refusal_of_copy`]): deleted on a guess, it could stay missing for good.
     async fn recreate(
         &self,
         ctx: &PassContext,
@@ -287,9 +292,24 @@ impl KubernetesServiceLoop {
         settings: &Settings,
         existing: &Service,
         mismatch: &ServiceDrift,
-    ) -> Result<Drift, LoopError> {
-        let mut applied = false;
-        if !ctx.dry_run {
+    ) -> Result<(Drift, Option<Refusal>), LoopError> {
+        let want = desired_service(&self.section, settings, Some(existing));
+        let refusal = |message: String| Refusal {
+            kinds: vec![mismatch.kind()],
+            message,
+        };
+        // What kept it from being recreated (none once it is), and the refusal among those.
+        let (kept, refused) = if ctx.dry_run {
+            (
+                Some("would delete and recreate the Service".to_owned()),
+                None,
+            )
+        } else if let Some(why) = self.refusal_of_copy(api, existing, &want).await? {
+            let why = format!(
+                "not deleted, as the API would refuse to create it at that clusterIP: {why}"
+            );
+            (Some(why.clone()), Some(refusal(why)))
+        } else {
             api.delete(
                 &self.section.name,
                 &DeleteParams::default().preconditions(Preconditions {
@@ -298,15 +318,27 @@ impl KubernetesServiceLoop {
                 }),
             )
             .await?;
-            // If the delete has not finished yet the create conflicts; the next pass creates.
-            let want = desired_service(&self.section, settings, Some(existing));
             match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
-                Ok(_) => applied = true,
-                Err(err) => {
-                    tracing::warn!(error = %err, "recreating the kubernetes Service failed; retrying next pass")
+                Ok(Some(_)) => (None, None),
+                // A finalizer holds the deleted Service: a later pass creates it once it is gone.
+                Ok(None) => (
+                    Some("deleted the Service, which is still being removed".to_owned()),
+                    None,
+                ),
+                // Taken since the dry run: the next passes report the Service missing.
+                Err(kube::Error::Api(status)) if status.code == 422 => {
+                    let why = format!(
+                        "deleted the Service, but the API refused to create it: {}",
+                        causes(&status)
+                    );
+                    (Some(why.clone()), Some(refusal(why)))
                 }
+                Err(err) => return Err(err.into()),
             }
-            KubernetesServiceMetrics::count(&self.metrics.repairs, &["service_cluster_ip"]);
+        };
+        let applied = kept.is_none();
+        if applied {
+            KubernetesServiceMetrics::count(&self.metrics.repairs, &[mismatch.kind()]);
             self.publish(
                 existing,
                 EventType::Warning,
@@ -324,20 +356,60 @@ impl KubernetesServiceLoop {
             ),
             other => (other.to_string(), "recreated".to_owned()),
         };
-        Ok(drift(
-            mismatch.kind(),
-            self.section.object_ref(),
-            Action::Delete,
-            format!(
-                "{mismatch}; {} (recreateOnClusterIPMismatch)",
-                if applied {
-                    "deleted and recreated the Service"
-                } else {
-                    "would delete and recreate the Service"
-                }
-            ),
-            applied,
-        )
-        .changed(was, became))
+        let done = kept.unwrap_or_else(|| "deleted and recreated the Service".to_owned());
+        Ok((
+            drift(
+                mismatch.kind(),
+                self.section.object_ref(),
+                Action::Delete,
+                format!("{mismatch}; {done} (recreateOnClusterIPMismatch)"),
+                applied,
+            )
+            .changed(was, became),
+            refused,
+        ))
+    }
+
+    /// Why the API would refuse `want` (422: its clusterIP held by another Service, or outside
+    /// the range kube-apiserver serves), by a dry-run create of a copy under a generated name,
+    /// without the node ports `existing` holds (free once it is deleted).
+    async fn refusal_of_copy(
+        &self,
+        api: &Api<Service>,
+        existing: &Service,
+        want: &Service,
+    ) -> Result<Option<String>, LoopError> {
+        let held: Vec<i32> = (existing.spec.iter())
+            .flat_map(|spec| spec.ports.iter().flatten())
+            .filter_map(|port| port.node_port)
+            .collect();
+        let mut copy = want.clone();
+        copy.metadata.generate_name = copy.metadata.name.take().map(|name| format!("{name}-"));
+        for port in (copy.spec.iter_mut()).flat_map(|spec| spec.ports.iter_mut().flatten()) {
+            port.node_port = port.node_port.filter(|node_port| !held.contains(node_port));
+        }
+        let dry_run = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        match api.create(&dry_run, &copy).await {
+            Ok(_) => Ok(None),
+            Err(kube::Error::Api(status)) if status.code == 422 => Ok(Some(causes(&status))),
+            Err(err) => Err(err.into()),
+        }
+    }
+}
+
+/// A refusal's causes (`field: message`, which never name the object, so a copy under a
+/// generated name is refused in the same words each pass), else its message.
+fn causes(status: &kube::core::Status) -> String {
+    let causes: Vec<String> = (status.details.iter())
+        .flat_map(|details| &details.causes)
+        .map(|cause| format!("{}: {}", cause.field, cause.message))
+        .collect();
+    if causes.is_empty() {
+        status.message.clone()
+    } else {
+        causes.join("; ")
     }
 }
