@@ -617,6 +617,17 @@ impl<K: WholeObject> WatchCache<Lenient<K>> {
             .find(|object| object.meta().name.as_deref() == Some(name)))
     }
 
+    /// The named object: from the cache when it is current, else one GET of that name, so a loop
+    /// that reads a few named objects of a large collection never lists it. A GET needs the `get`
+    /// verb and applies no selector: for a cache of the whole collection.
+    pub async fn get_named(&self, api: &Api<K>, name: &str) -> Result<Option<K>, kube::Error> {
+        if let Some(state) = self.current() {
+            let key = (api.namespace().map(str::to_owned), name.to_owned());
+            return Ok(state.get(&key).map(|object| object.0.clone()));
+        }
+        Ok(lenient(api).get_opt(name).await?.map(|object| object.0))
+    }
+
     /// Every object the watch selects: from the cache when it is synced, else from a LIST with
     /// the watch's selectors. A failed list is an error, never an empty answer.
     pub async fn list(&self, api: &Api<K>) -> Result<Vec<K>, kube::Error> {

@@ -1,16 +1,114 @@
 //! The system-namespaces loop against the simulator: every namespace it creates gets its
-//! event, even on a cluster that lacks `default`, where those events are written.
+//! event, even on a cluster that lacks `default`, where those events are written; a pass reads
+//! only the declared names, never every namespace.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
 use anyhow::Result;
-use apiserver_sim::{Sim, SimConfig};
+use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
+use futures::StreamExt;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::budget::CacheBudget;
 use reconcilers::system_namespaces::{Section, SystemNamespacesLoop};
+
+fn namespaces_loop(sim: &Sim) -> SystemNamespacesLoop {
+    SystemNamespacesLoop::new(
+        sim.client(),
+        Section::default(),
+        &CacheBudget::default(),
+        common::reporter(),
+        &mut Registry::default(),
+    )
+}
+
+/// The reads of namespaces sent since the requests were last cleared, as `verb name`.
+fn namespace_reads(sim: &Sim) -> Vec<String> {
+    let mut reads: Vec<String> = sim
+        .requests()
+        .iter()
+        .filter(|r| r.resource == "namespaces" && matches!(r.verb.as_str(), "get" | "list"))
+        .map(|r| format!("{} {}", r.verb, r.name))
+        .collect();
+    reads.sort();
+    reads
+}
+
+/// Polls the loop's triggers (which drive its namespace watch) in the background.
+fn drive(repair: &SystemNamespacesLoop) {
+    let mut triggers = futures::stream::select_all(repair.triggers());
+    tokio::spawn(async move { while triggers.next().await.is_some() {} });
+}
+
+/// A pass reads the declared names only: one GET each while the cache is not current (before it
+/// lists, and after a watch failure on a quiet cluster, where no event proves it current again),
+/// nothing while it is; never a LIST of every namespace.
+#[tokio::test]
+async fn a_pass_reads_only_the_declared_names_and_never_lists_every_namespace() -> Result<()> {
+    let mut seed: Vec<String> = (0..20).map(|i| format!("tenant-{i}")).collect();
+    seed.extend(["default".into(), "kube-system".into()]);
+    let sim = Sim::start(SimConfig {
+        seed_namespaces: seed,
+        ..SimConfig::default()
+    })
+    .await?;
+    let repair = namespaces_loop(&sim);
+    let ctx = common::ctx(&sim, false);
+    let declared_gets = [
+        "get default",
+        "get kube-node-lease",
+        "get kube-public",
+        "get kube-system",
+    ];
+
+    sim.clear_requests();
+    repair.reconcile(&ctx).await?;
+    assert_eq!(
+        namespace_reads(&sim),
+        declared_gets,
+        "before the cache lists"
+    );
+
+    drive(&repair);
+    common::eventually("a pass reads the listed cache", || async {
+        sim.clear_requests();
+        repair.reconcile(&ctx).await.is_ok() && namespace_reads(&sim).is_empty()
+    })
+    .await;
+
+    sim.faults().inject(FaultRule::next(
+        Some(Verb::Watch),
+        Some("namespaces"),
+        1_000_000,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    sim.close_watches();
+    common::eventually("the watch failure makes passes read the API", || async {
+        sim.clear_requests();
+        repair.reconcile(&ctx).await.is_ok() && !namespace_reads(&sim).is_empty()
+    })
+    .await;
+    sim.faults().clear();
+    common::eventually("the watch is back", || async {
+        sim.open_watches("namespaces") == 1
+    })
+    .await;
+
+    // Nothing changes a namespace: the cache is not proven current, and each pass reads the
+    // declared names again.
+    sim.clear_requests();
+    for _ in 0..3 {
+        repair.reconcile(&ctx).await?;
+    }
+    let expected: Vec<&str> = declared_gets.iter().flat_map(|get| [*get; 3]).collect();
+    assert_eq!(namespace_reads(&sim), expected);
+    Ok(())
+}
 
 #[tokio::test]
 async fn each_created_namespace_has_its_event_even_when_default_was_missing() -> Result<()> {
@@ -19,13 +117,7 @@ async fn each_created_namespace_has_its_event_even_when_default_was_missing() ->
         ..SimConfig::default()
     })
     .await?;
-    let repair = SystemNamespacesLoop::new(
-        sim.client(),
-        Section::default(),
-        &CacheBudget::default(),
-        common::reporter(),
-        &mut Registry::default(),
-    );
+    let repair = namespaces_loop(&sim);
 
     let report = repair.reconcile(&common::ctx(&sim, false)).await?;
     let created: Vec<(&str, bool)> = report

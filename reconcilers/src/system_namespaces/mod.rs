@@ -10,7 +10,6 @@
 //! the table of its cases), `apply.rs` (the writes); here the loop: the namespace cache and a
 //! pass over the declared namespaces.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -41,7 +40,8 @@ const EVENTS_NAMESPACE: &str = "default";
 pub struct SystemNamespacesLoop {
     config: Section,
     api: Api<Namespace>,
-    /// Every namespace, kept by a watch that is also the loop's trigger.
+    /// Every namespace, kept by a watch that is also the loop's trigger; a pass reads only the
+    /// declared names from it.
     cache: WatchCache<Lenient<Namespace>>,
     missing: Gauge,
     /// Namespaces reported stuck terminating: warned about once when each gets stuck.
@@ -79,17 +79,9 @@ impl SystemNamespacesLoop {
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        // From the cache while it is current, else one LIST: never a decision on a guess.
-        let namespaces: HashMap<String, Namespace> = self
-            .cache
-            .list(&self.api)
-            .await
-            .map_err(LoopError::Api)?
-            .into_iter()
-            .filter_map(|namespace| Some((namespace.metadata.name.clone()?, namespace)))
-            .collect();
         let mut found_by_spec = Vec::with_capacity(self.config.namespaces.len());
         let mut first_error = None;
+        let mut unread = false;
         let mut still_missing = 0;
         let mut stuck = std::collections::BTreeMap::new();
         let now = jiff::Timestamp::now();
@@ -99,8 +91,19 @@ impl SystemNamespacesLoop {
         order.sort_by_key(|&at| self.config.namespaces[at].name != EVENTS_NAMESPACE);
         for at in order {
             let spec = &self.config.namespaces[at];
-            let existing = namespaces.get(&spec.name);
-            let need = assess(spec, existing, now);
+            // Only the declared names are read (from the cache while it is current, else one GET
+            // each): a cluster of thousands of namespaces is never listed by a pass.
+            let existing = match self.cache.get_named(&self.api, &spec.name).await {
+                Ok(existing) => existing,
+                Err(err) => {
+                    unread = true;
+                    tracing::error!(namespace = %spec.name, error = %err,
+                        "unable to read required system namespace");
+                    first_error.get_or_insert(err);
+                    continue;
+                }
+            };
+            let need = assess(spec, existing.as_ref(), now);
             if let Some(note) = need.stuck_note(&spec.name) {
                 stuck.insert(format!("Namespace/{}", spec.name), note);
             }
@@ -126,10 +129,14 @@ impl SystemNamespacesLoop {
         for (_, found) in found_by_spec {
             report.push(found);
         }
-        self.missing
-            .set(i64::try_from(still_missing).unwrap_or(i64::MAX));
-        for object in self.stuck.update(stuck.keys().cloned()) {
-            tracing::warn!(%object, "{}", stuck.get(&object).map(String::as_str).unwrap_or_default());
+        // A namespace not read this pass may be missing or stuck: the gauge keeps its last
+        // value, and a stuck one forgotten would be warned about again.
+        if !unread {
+            self.missing
+                .set(i64::try_from(still_missing).unwrap_or(i64::MAX));
+            for object in self.stuck.update(stuck.keys().cloned()) {
+                tracing::warn!(%object, "{}", stuck.get(&object).map(String::as_str).unwrap_or_default());
+            }
         }
         match first_error {
             // Every namespace was tried; the runner retries the pass with backoff.
