@@ -9,6 +9,9 @@ mod common;
 use anyhow::Result;
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+use kube::api::PostParams;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::budget::CacheBudget;
@@ -107,6 +110,50 @@ async fn a_pass_reads_only_the_declared_names_and_never_lists_every_namespace() 
     }
     let expected: Vec<&str> = declared_gets.iter().flat_map(|get| [*get; 3]).collect();
     assert_eq!(namespace_reads(&sim), expected);
+    Ok(())
+}
+
+/// Changes to namespaces nobody declared do not wake the loop; a change to a declared one does.
+/// (The test's runtime has one thread: once a pass sees a change in the cache, the trigger has
+/// counted it, and every change before it.)
+#[tokio::test]
+async fn only_changes_to_declared_namespaces_wake_the_loop() -> Result<()> {
+    let sim = Sim::start(SimConfig {
+        seed_namespaces: Section::default()
+            .namespaces
+            .into_iter()
+            .map(|spec| spec.name)
+            .collect(),
+        ..SimConfig::default()
+    })
+    .await?;
+    let repair = namespaces_loop(&sim);
+    let woken = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut triggers = futures::stream::select_all(repair.triggers());
+    let count = woken.clone();
+    tokio::spawn(async move {
+        while triggers.next().await.is_some() {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let woken = move || woken.load(std::sync::atomic::Ordering::SeqCst);
+    common::eventually("the cache lists", || async { woken() == 1 }).await;
+
+    let api: Api<Namespace> = Api::all(sim.client());
+    for name in ["tenant-a", "tenant-b", "tenant-c"] {
+        let namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        api.create(&PostParams::default(), &namespace).await?;
+    }
+    sim.backdoor().delete("namespaces", "", "kube-public")?;
+    let dry_run = common::ctx(&sim, true);
+    common::eventually("a pass sees kube-public gone", || async {
+        let report = repair.reconcile(&dry_run).await.unwrap();
+        common::drift_of_kind(&report, "namespace_missing")
+            .iter()
+            .any(|drift| drift.object == "Namespace/kube-public")
+    })
+    .await;
+    assert_eq!(woken(), 2, "the list, then kube-public's deletion");
     Ok(())
 }
 

@@ -12,6 +12,7 @@
 
 use std::time::Duration;
 
+use futures::StreamExt;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::events::Reporter;
@@ -156,11 +157,26 @@ impl Reconciler for SystemNamespacesLoop {
     }
 
     fn triggers(&self) -> Vec<Trigger> {
-        self.cache
-            .take_events()
-            .map(watch_trigger)
-            .into_iter()
-            .collect()
+        let declared: std::collections::HashSet<String> = self
+            .config
+            .namespaces
+            .iter()
+            .map(|spec| spec.name.clone())
+            .collect();
+        // A change to a namespace nobody declared needs no pass; a completed (re)list, a lost
+        // event or a breached budget still wakes one.
+        let events = self.cache.take_events().map(|events| {
+            events.filter(move |event| {
+                let undeclared = match event {
+                    Ok(watcher::Event::Apply(namespace) | watcher::Event::Delete(namespace)) => {
+                        !declared.contains(namespace.0.metadata.name.as_deref().unwrap_or_default())
+                    }
+                    _ => false,
+                };
+                futures::future::ready(!undeclared)
+            })
+        });
+        events.map(watch_trigger).into_iter().collect()
     }
 
     fn reconcile<'a>(
