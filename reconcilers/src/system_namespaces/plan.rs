@@ -29,7 +29,8 @@ pub enum NamespaceNeed {
     Terminating,
     /// Being deleted for [`STUCK_TERMINATING`] or longer: left alone, and reported.
     StuckTerminating {
-        stuck_for: Duration,
+        /// Its `deletionTimestamp`: what it is reported with, the same every pass.
+        since: jiff::Timestamp,
         /// What it waits for: `metadata.finalizers` and `spec.finalizers`.
         finalizers: Vec<String>,
     },
@@ -50,12 +51,10 @@ pub fn assess(
         return NamespaceNeed::Create;
     };
     if let Some(since) = &existing.metadata.deletion_timestamp {
-        let stuck_for = Duration::try_from(now - since.0)
-            .ok()
-            .filter(|age| *age >= STUCK_TERMINATING);
-        let Some(stuck_for) = stuck_for else {
+        let stuck = Duration::try_from(now - since.0).is_ok_and(|age| age >= STUCK_TERMINATING);
+        if !stuck {
             return NamespaceNeed::Terminating;
-        };
+        }
         let finalizers = existing
             .metadata
             .finalizers
@@ -72,7 +71,7 @@ pub fn assess(
             .cloned()
             .collect();
         return NamespaceNeed::StuckTerminating {
-            stuck_for,
+            since: since.0,
             finalizers,
         };
     }
@@ -89,20 +88,16 @@ pub fn assess(
 }
 
 impl NamespaceNeed {
-    /// What a stuck namespace is reported with, in the log and the pass's report.
+    /// What a stuck namespace is reported with, in the log and the pass's report: the same
+    /// every pass while nothing changes, so it is reported once.
     pub fn stuck_note(&self, name: &str) -> Option<String> {
-        let NamespaceNeed::StuckTerminating {
-            stuck_for,
-            finalizers,
-        } = self
-        else {
+        let NamespaceNeed::StuckTerminating { since, finalizers } = self else {
             return None;
         };
         Some(format!(
-            "required system namespace {name} has been terminating for {}s, waiting for \
+            "required system namespace {name} has been terminating since {since}, waiting for \
              finalizers [{}]; it is left alone and recreated once it is gone (remove what holds \
              it, or its finalizer)",
-            stuck_for.as_secs(),
             finalizers.join(", ")
         ))
     }
@@ -198,12 +193,25 @@ mod tests {
             NamespaceNeed::Terminating
         );
         existing.metadata.deletion_timestamp = since(300);
+        let stuck = assess(&spec, Some(&existing), now());
         assert_eq!(
-            assess(&spec, Some(&existing), now()),
+            stuck,
             NamespaceNeed::StuckTerminating {
-                stuck_for: STUCK_TERMINATING,
+                since: now() - STUCK_TERMINATING,
                 finalizers: vec!["example.com/hold".into()],
             }
+        );
+        // A pass a minute later reports it in the same words: the runner reports it once.
+        let later = assess(&spec, Some(&existing), now() + Duration::from_secs(60));
+        assert_eq!(
+            later.stuck_note("kube-public"),
+            stuck.stuck_note("kube-public")
+        );
+        assert!(
+            stuck.stuck_note("kube-public").unwrap().contains(
+                "terminating since 2027-01-15T07:55:00Z, waiting for finalizers [example.com/hold]"
+            ),
+            "{stuck:?}"
         );
         // A deletion time ahead of this clock is not stuck.
         existing.metadata.deletion_timestamp = Some(Time(now() + Duration::from_secs(600)));
