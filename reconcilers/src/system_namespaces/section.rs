@@ -96,36 +96,7 @@ impl LoopSection for Section {
                     ),
                 ));
             }
-            for key in namespace.labels.keys() {
-                if let Err(why) = validate_qualified_name(key) {
-                    errors.push(ConfigError::new(
-                        format!("{field}.labels"),
-                        format!(
-                            "key {key:?} is not a valid label key: {why} (expected e.g. \
-                             example.com/team or team)"
-                        ),
-                    ));
-                }
-            }
-            for (key, value) in &namespace.labels {
-                if let Err(why) = validate_label_value(value) {
-                    errors.push(ConfigError::new(
-                        format!("{field}.labels.{key}"),
-                        format!("{value:?} is not a valid label value: {why}"),
-                    ));
-                }
-            }
-            for key in namespace.annotations.keys() {
-                if let Err(why) = validate_qualified_name(key) {
-                    errors.push(ConfigError::new(
-                        format!("{field}.annotations"),
-                        format!(
-                            "key {key:?} is not a valid annotation key: {why} (expected e.g. \
-                             example.com/owner)"
-                        ),
-                    ));
-                }
-            }
+            validate_metadata(&field, namespace, errors);
         }
     }
 
@@ -140,6 +111,56 @@ impl LoopSection for Section {
             context.settings.reporter(),
             context.registry,
         ))])
+    }
+}
+
+/// The label kube-apiserver sets on every namespace, to the namespace's name.
+const METADATA_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+
+/// The declared labels and annotations of the namespace at `field`.
+fn validate_metadata(field: &str, namespace: &NamespaceSpec, errors: &mut Vec<ConfigError>) {
+    for key in namespace.labels.keys() {
+        if let Err(why) = validate_qualified_name(key) {
+            errors.push(ConfigError::new(
+                format!("{field}.labels"),
+                format!(
+                    "key {key:?} is not a valid label key: {why} (expected e.g. \
+                     example.com/team or team)"
+                ),
+            ));
+        }
+    }
+    for (key, value) in &namespace.labels {
+        if let Err(why) = validate_label_value(value) {
+            errors.push(ConfigError::new(
+                format!("{field}.labels.{key}"),
+                format!("{value:?} is not a valid label value: {why}"),
+            ));
+        }
+    }
+    // Any other value would be reset by kube-apiserver and set again by every pass.
+    if let Some(value) = namespace.labels.get(METADATA_NAME_LABEL)
+        && *value != namespace.name
+    {
+        errors.push(ConfigError::new(
+            format!("{field}.labels.{METADATA_NAME_LABEL}"),
+            format!(
+                "{value:?} is not the namespace's name {:?}: kube-apiserver always sets it to \
+                 the namespace's name; remove it",
+                namespace.name
+            ),
+        ));
+    }
+    for key in namespace.annotations.keys() {
+        if let Err(why) = validate_qualified_name(key) {
+            errors.push(ConfigError::new(
+                format!("{field}.annotations"),
+                format!(
+                    "key {key:?} is not a valid annotation key: {why} (expected e.g. \
+                     example.com/owner)"
+                ),
+            ));
+        }
     }
 }
 
@@ -159,5 +180,45 @@ mod tests {
             ["kube-system", "kube-public", "kube-node-lease", "default"]
         );
         assert_eq!(Section::default().interval, Duration::from_secs(60));
+    }
+
+    /// The errors of validating `namespaces` as the section's list.
+    fn errors_of(namespaces: Vec<NamespaceSpec>) -> Vec<ConfigError> {
+        let section = Section {
+            namespaces,
+            ..Section::default()
+        };
+        let mut errors = Vec::new();
+        section.validate(
+            "loops.systemNamespaces",
+            &crate::section::test_settings(),
+            &mut errors,
+        );
+        errors
+    }
+
+    #[test]
+    fn the_metadata_name_label_may_only_be_the_namespaces_name() {
+        let with_label = |name: &str, value: &str| NamespaceSpec {
+            labels: BTreeMap::from([(METADATA_NAME_LABEL.into(), value.into())]),
+            ..NamespaceSpec::named(name)
+        };
+        assert_eq!(errors_of(vec![with_label("tenants", "tenants")]), []);
+        let errors = errors_of(vec![
+            NamespaceSpec::named("kube-system"),
+            with_label("tenants", "other"),
+        ]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(
+            errors[0].field,
+            "loops.systemNamespaces.namespaces[1].labels.kubernetes.io/metadata.name"
+        );
+        assert!(
+            errors[0]
+                .message
+                .contains("kube-apiserver always sets it to the namespace's name; remove it"),
+            "{}",
+            errors[0].message
+        );
     }
 }
