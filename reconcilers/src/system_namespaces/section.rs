@@ -117,6 +117,10 @@ impl LoopSection for Section {
 /// The label kube-apiserver sets on every namespace, to the namespace's name.
 const METADATA_NAME_LABEL: &str = "kubernetes.io/metadata.name";
 
+/// The most bytes of annotations (keys and values) kube-apiserver takes on one object
+/// (`TotalAnnotationSizeLimitB`).
+const ANNOTATIONS_LIMIT_BYTES: usize = 256 * 1024;
+
 /// The declared labels and annotations of the namespace at `field`.
 fn validate_metadata(field: &str, namespace: &NamespaceSpec, errors: &mut Vec<ConfigError>) {
     for key in namespace.labels.keys() {
@@ -161,6 +165,21 @@ fn validate_metadata(field: &str, namespace: &NamespaceSpec, errors: &mut Vec<Co
                 ),
             ));
         }
+    }
+    let size: usize = namespace
+        .annotations
+        .iter()
+        .map(|(key, value)| key.len() + value.len())
+        .sum();
+    if size > ANNOTATIONS_LIMIT_BYTES {
+        errors.push(ConfigError::new(
+            format!("{field}.annotations"),
+            format!(
+                "the annotations take {size} bytes (keys and values), more than the \
+                 {ANNOTATIONS_LIMIT_BYTES} kube-apiserver takes on one object; declare fewer \
+                 or shorter annotations"
+            ),
+        ));
     }
 }
 
@@ -217,6 +236,35 @@ mod tests {
             errors[0]
                 .message
                 .contains("kube-apiserver always sets it to the namespace's name; remove it"),
+            "{}",
+            errors[0].message
+        );
+    }
+
+    #[test]
+    fn annotations_over_kube_apiservers_limit_are_refused() {
+        let annotated = |values: &[usize]| NamespaceSpec {
+            annotations: values
+                .iter()
+                .enumerate()
+                .map(|(at, len)| (format!("a{at}"), "x".repeat(*len)))
+                .collect(),
+            ..NamespaceSpec::named("tenants")
+        };
+        // Two keys of 2 bytes: at the limit, then a byte over it.
+        let at_limit = ANNOTATIONS_LIMIT_BYTES - 4;
+        assert_eq!(
+            errors_of(vec![annotated(&[at_limit / 2, at_limit / 2])]),
+            []
+        );
+        let errors = errors_of(vec![annotated(&[at_limit / 2, at_limit / 2 + 1])]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(
+            errors[0].field,
+            "loops.systemNamespaces.namespaces[0].annotations"
+        );
+        assert!(
+            errors[0].message.contains("262145 bytes"),
             "{}",
             errors[0].message
         );
