@@ -157,6 +157,37 @@ async fn only_changes_to_declared_namespaces_wake_the_loop() -> Result<()> {
     Ok(())
 }
 
+/// A namespace read as absent but created meanwhile (here every read answers 404) is no repair:
+/// its create meets AlreadyExists, and nothing is reported, counted or published.
+#[tokio::test]
+async fn a_create_that_finds_the_namespace_exists_reports_nothing() -> Result<()> {
+    let sim = Sim::start(SimConfig {
+        seed_namespaces: Section::default()
+            .namespaces
+            .into_iter()
+            .map(|spec| spec.name)
+            .collect(),
+        ..SimConfig::default()
+    })
+    .await?;
+    let repair = namespaces_loop(&sim);
+    sim.faults().inject(FaultRule::next(
+        Some(Verb::Get),
+        Some("namespaces"),
+        4,
+        FaultKind::Error {
+            code: 404,
+            retry_after_seconds: None,
+        },
+    ));
+
+    let report = repair.reconcile(&common::ctx(&sim, false)).await?;
+    assert_eq!(sim.request_count("create", "namespaces"), 4);
+    assert!(report.drift.is_empty(), "{:?}", report.drift);
+    assert!(common::events_of(&sim, "SystemNamespaceCreated").is_empty());
+    Ok(())
+}
+
 #[tokio::test]
 async fn each_created_namespace_has_its_event_even_when_default_was_missing() -> Result<()> {
     let sim = Sim::start(SimConfig {

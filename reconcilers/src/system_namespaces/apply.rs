@@ -43,15 +43,18 @@ impl SystemNamespacesLoop {
                             .create(&PostParams::default(), &desired_namespace(spec))
                             .await,
                     )?;
-                    if let Some(created) = created {
-                        self.publish(
-                            &created,
-                            "SystemNamespaceCreated",
-                            "Create",
-                            format!("created missing system namespace {}", spec.name),
-                        )
-                        .await;
-                    }
+                    // Created meanwhile (the read lagged): nothing was repaired, and the next
+                    // pass reads it.
+                    let Some(created) = created else {
+                        return Ok(None);
+                    };
+                    self.publish(
+                        &created,
+                        "SystemNamespaceCreated",
+                        "Create",
+                        format!("created missing system namespace {}", spec.name),
+                    )
+                    .await;
                 }
                 Ok(Some(
                     drift(
