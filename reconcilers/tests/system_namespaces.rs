@@ -188,6 +188,69 @@ async fn a_create_that_finds_the_namespace_exists_reports_nothing() -> Result<()
     Ok(())
 }
 
+/// What a test's subscriber wrote.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Namespaces that cannot be created fail every pass alike: the loop itself warns about nothing
+/// (the runner warns about the pass's error once, and at debug level while it repeats), and the
+/// error, the same every pass, names each namespace that failed and stays a 403.
+#[tokio::test]
+async fn a_failing_create_is_one_error_naming_each_namespace_and_no_warning_of_the_loop()
+-> Result<()> {
+    let sim = common::sim().await;
+    let repair = namespaces_loop(&sim);
+    sim.faults().inject(FaultRule::next(
+        Some(Verb::Create),
+        Some("namespaces"),
+        1_000,
+        FaultKind::Error {
+            code: 403,
+            retry_after_seconds: None,
+        },
+    ));
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let ctx = common::ctx(&sim, false);
+    let mut errors = Vec::new();
+    for _ in 0..3 {
+        let err = repair.reconcile(&ctx).await.unwrap_err();
+        assert_eq!(err.category(), "forbidden");
+        errors.push(err.to_string());
+    }
+    assert_eq!(sim.request_count("create", "namespaces"), 6);
+    assert!(
+        errors[0].contains("namespaces kube-public, kube-node-lease: "),
+        "{}",
+        errors[0]
+    );
+    assert!(errors.iter().all(|err| *err == errors[0]), "{errors:?}");
+    let log = String::from_utf8(captured.0.lock().unwrap().clone())?;
+    let warned: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(" reconcilers::"))
+        .collect();
+    assert_eq!(warned, Vec::<&str>::new());
+    Ok(())
+}
+
 #[tokio::test]
 async fn each_created_namespace_has_its_event_even_when_default_was_missing() -> Result<()> {
     let sim = Sim::start(SimConfig {

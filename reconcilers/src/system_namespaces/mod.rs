@@ -82,6 +82,8 @@ impl SystemNamespacesLoop {
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
         let mut found_by_spec = Vec::with_capacity(self.config.namespaces.len());
         let mut first_error = None;
+        // The namespaces that failed, by their place in the configuration.
+        let mut failed = Vec::new();
         let mut unread = false;
         let mut still_missing = 0;
         let mut stuck = std::collections::BTreeMap::new();
@@ -98,8 +100,10 @@ impl SystemNamespacesLoop {
                 Ok(existing) => existing,
                 Err(err) => {
                     unread = true;
-                    tracing::error!(namespace = %spec.name, error = %err,
+                    // The runner warns about the pass's error, naming each namespace, once.
+                    tracing::debug!(namespace = %spec.name, error = %err,
                         "unable to read required system namespace");
+                    failed.push(at);
                     first_error.get_or_insert(err);
                     continue;
                 }
@@ -118,8 +122,9 @@ impl SystemNamespacesLoop {
                 Ok(None) => {}
                 Err(err) => {
                     still_missing += usize::from(existing.is_none());
-                    tracing::error!(namespace = %spec.name, error = %err,
+                    tracing::debug!(namespace = %spec.name, error = %err,
                         "unable to reconcile required system namespace");
+                    failed.push(at);
                     first_error.get_or_insert(err);
                 }
             }
@@ -141,10 +146,31 @@ impl SystemNamespacesLoop {
         }
         match first_error {
             // Every namespace was tried; the runner retries the pass with backoff.
-            Some(err) => Err(LoopError::Api(err)),
+            Some(err) => {
+                failed.sort_unstable();
+                let names: Vec<&str> = failed
+                    .iter()
+                    .map(|&at| self.config.namespaces[at].name.as_str())
+                    .collect();
+                Err(naming(&names, err))
+            }
             None => Ok(report),
         }
     }
+}
+
+/// A failed pass's error: the first failure, its text naming every namespace that failed. It
+/// stays the same kind of error, so it is counted under the same category (a 403 stays
+/// `forbidden`).
+fn naming(failed: &[&str], first: kube::Error) -> LoopError {
+    let names = format!("namespaces {}", failed.join(", "));
+    LoopError::Api(match first {
+        kube::Error::Api(mut status) => {
+            status.message = format!("{names}: {}", status.message);
+            kube::Error::Api(status)
+        }
+        other => kube::Error::Service(format!("{names}: {other}").into()),
+    })
 }
 
 impl Reconciler for SystemNamespacesLoop {
