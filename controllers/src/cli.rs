@@ -212,7 +212,7 @@ async fn run_command(args: &ConfigArgs) -> ExitCode {
 /// Management mode: every tenant's configuration starts from the file, so one the tenants cannot
 /// use is refused now, not once per tenant.
 async fn run_management(args: &ConfigArgs, config: Config, tenants: Tenants) -> ExitCode {
-    let base = TenantBase::load(args, tenants).and_then(|base| {
+    let base = TenantBase::load(args, tenants, config.dry_run).and_then(|base| {
         base.tenant(None)?;
         Ok(base)
     });

@@ -210,11 +210,19 @@ pub struct TenantBase {
     file: serde_json::Value,
     /// The process's own, never a tenant's: a fragment may not set `tenants`.
     pub tenants: Tenants,
+    /// The process's dry run, which a fragment may turn on for its tenant but never off: the
+    /// operator's promise that nothing is written, kept by a process that fences no tenant.
+    dry_run: bool,
 }
 
 impl TenantBase {
-    /// Reads `--config` again, as a tree the fragments merge into.
-    pub fn load(args: &ConfigArgs, tenants: Tenants) -> Result<TenantBase, ConfigErrors> {
+    /// Reads `--config` again, as a tree the fragments merge into, for the tenants of a process
+    /// in management mode (`tenants`) that runs dry or not (`dry_run`).
+    pub fn load(
+        args: &ConfigArgs,
+        tenants: Tenants,
+        dry_run: bool,
+    ) -> Result<TenantBase, ConfigErrors> {
         let file = match &args.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|err| {
@@ -241,6 +249,7 @@ impl TenantBase {
             args,
             file,
             tenants,
+            dry_run,
         })
     }
 
@@ -253,7 +262,8 @@ impl TenantBase {
             Some(text) => tenant_fragment(text)?,
             None => serde_json::Value::Null,
         };
-        let config = self.merged(fragment)?;
+        let mut config = self.merged(fragment)?;
+        config.dry_run |= self.dry_run;
         self.check_tenant_etcd(&config)?;
         match config.loops.apiserver_endpoints.endpoint_mode() {
             EndpointsMode::Static | EndpointsMode::None => Ok(config),

@@ -599,8 +599,8 @@ fn tenant_base(file: &str) -> TenantBase {
         tenants_secret_selector: Some("a=b".to_owned()),
         ..ConfigArgs::default()
     };
-    let tenants = Config::load(&args).unwrap().tenants.unwrap();
-    TenantBase::load(&args, tenants).unwrap()
+    let process = Config::load(&args).unwrap();
+    TenantBase::load(&args, process.tenants.unwrap(), process.dry_run).unwrap()
 }
 
 #[test]
@@ -611,6 +611,16 @@ fn a_tenant_has_the_processs_configured_identity_and_its_fragment_cannot_change_
         .tenant(Some("leaderElection:\n  identity: someone-else\n"))
         .unwrap_err();
     assert!(refused.0[0].field.ends_with("leaderElection"), "{refused}");
+}
+
+#[test]
+fn a_tenant_fragment_may_turn_dry_run_on_but_never_off() {
+    let dry = tenant_base("dryRun: true\ntenants:\n  secretSelector: a=b\n");
+    assert!(dry.tenant(None).unwrap().dry_run);
+    assert!(dry.tenant(Some("dryRun: false")).unwrap().dry_run);
+    let live = tenant_base("tenants:\n  secretSelector: a=b\n");
+    assert!(!live.tenant(None).unwrap().dry_run);
+    assert!(live.tenant(Some("dryRun: true")).unwrap().dry_run);
 }
 
 #[test]
@@ -636,7 +646,7 @@ fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
     );
     // A tenant is one cluster: the flags would otherwise refuse every tenant as if they were
     // given without a selector.
-    let base = TenantBase::load(&args, tenants.clone()).unwrap();
+    let base = TenantBase::load(&args, tenants.clone(), false).unwrap();
     assert_eq!(base.tenants, tenants);
     let tenant = base.tenant(None).unwrap();
     assert_eq!(tenant.tenants, None);
