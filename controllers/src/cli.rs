@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::config::{
-    Config, ConfigArgs, ConfigError, ConfigErrors, LogFormat, TenantBase, Tenants, format_duration,
+    Config, ConfigArgs, ConfigError, ConfigErrors, LogFormat, TenantBase, format_duration,
     parse_duration, positive_duration,
 };
 use crate::kubeconfig;
@@ -167,7 +167,7 @@ fn config_validate(args: &ConfigArgs) -> ExitCode {
         )]));
     };
     print_variable_warnings();
-    match load_config(args) {
+    match load_process(args) {
         Ok(_) => {
             println!("{}: configuration is valid", file.display());
             ExitCode::from(EXIT_OK)
@@ -179,8 +179,8 @@ fn config_validate(args: &ConfigArgs) -> ExitCode {
 /// `config print`: the effective configuration as YAML.
 fn config_print(args: &ConfigArgs) -> ExitCode {
     print_variable_warnings();
-    match load_config(args) {
-        Ok(config) => match config.to_yaml() {
+    match load_process(args) {
+        Ok((config, _)) => match config.to_yaml() {
             Ok(yaml) => {
                 print!("{yaml}");
                 ExitCode::from(EXIT_OK)
@@ -196,12 +196,12 @@ fn config_print(args: &ConfigArgs) -> ExitCode {
 
 /// `run`: one cluster, or (with the tenants settings) management mode.
 async fn run_command(args: &ConfigArgs) -> ExitCode {
-    let config = match load_config(args) {
-        Ok(config) => config,
+    let (config, base) = match load_process(args) {
+        Ok(loaded) => loaded,
         Err(errors) => return config_error(&errors),
     };
-    if let Some(tenants) = config.tenants.clone() {
-        return run_management(args, config, tenants).await;
+    if let Some(base) = base {
+        return run_management(config, base).await;
     }
     let Some((kube_config, client)) = connect(&config).await else {
         return ExitCode::from(EXIT_CONFIG);
@@ -209,17 +209,8 @@ async fn run_command(args: &ConfigArgs) -> ExitCode {
     serve(Controller::start(&config, &kube_config, client).await).await
 }
 
-/// Management mode: every tenant's configuration starts from the file, so one the tenants cannot
-/// use is refused now, not once per tenant.
-async fn run_management(args: &ConfigArgs, config: Config, tenants: Tenants) -> ExitCode {
-    let base = TenantBase::load(args, tenants, config.dry_run).and_then(|base| {
-        base.tenant(None)?;
-        Ok(base)
-    });
-    let base = match base {
-        Ok(base) => base,
-        Err(errors) => return config_error(&errors),
-    };
+/// Management mode: the tenants of the management cluster, each from `base`.
+async fn run_management(config: Config, base: TenantBase) -> ExitCode {
     let Some((kube_config, client)) = connect(&config).await else {
         return ExitCode::from(EXIT_CONFIG);
     };
@@ -275,6 +266,15 @@ pub fn env_value_error(
             1,
         )
     })
+}
+
+/// The configuration `run` starts with and, in management mode, the base of every tenant's: a
+/// file the tenants cannot use is refused now, not once per tenant, and `config validate` and
+/// `config print` refuse what `run` refuses.
+fn load_process(args: &ConfigArgs) -> Result<(Config, Option<TenantBase>), ConfigErrors> {
+    let config = load_config(args)?;
+    let base = TenantBase::load(args, &config)?;
+    Ok((config, base))
 }
 
 /// [`Config::load`], with the environment checked too: a variable with the settings' prefix

@@ -57,6 +57,13 @@ fn invalid_configurations_exit_2_naming_the_field() {
             "etcdServers",
             "is not used in management mode",
         ),
+        // Every tenant's configuration starts from the file: `run` refuses one the tenants
+        // cannot use, and so do `config validate` and `config print`.
+        (
+            "tenants:\n  secretSelector: a=b\nendpointReconcilerType: master-count\n",
+            "endpointReconcilerType",
+            "which it is not",
+        ),
     ];
     for (yaml, field, reason) in cases {
         let path = write_config(&dir, yaml);
@@ -76,9 +83,11 @@ fn invalid_configurations_exit_2_naming_the_field() {
             "{yaml}: expected {reason:?} in {stderr}"
         );
 
-        let (code, _, stderr) = run(binary().args(["config", "validate", "--config"]).arg(&path));
-        assert_eq!(code, 2, "{yaml}: {stderr}");
-        assert!(stderr.contains(field), "{yaml}: {stderr}");
+        for command in ["validate", "print"] {
+            let (code, _, stderr) = run(binary().args(["config", command, "--config"]).arg(&path));
+            assert_eq!(code, 2, "{command} {yaml}: {stderr}");
+            assert!(stderr.contains(field), "{command} {yaml}: {stderr}");
+        }
     }
 }
 

@@ -216,13 +216,13 @@ pub struct TenantBase {
 }
 
 impl TenantBase {
-    /// Reads `--config` again, as a tree the fragments merge into, for the tenants of a process
-    /// in management mode (`tenants`) that runs dry or not (`dry_run`).
-    pub fn load(
-        args: &ConfigArgs,
-        tenants: Tenants,
-        dry_run: bool,
-    ) -> Result<TenantBase, ConfigErrors> {
+    /// The base of the tenants of `process` (merged from `args`), or `None` outside management
+    /// mode. Reads `--config` again, as a tree the fragments merge into, and refuses a file that
+    /// does not make a valid tenant configuration by itself: every tenant's starts from it.
+    pub fn load(args: &ConfigArgs, process: &Config) -> Result<Option<TenantBase>, ConfigErrors> {
+        let Some(tenants) = process.tenants.clone() else {
+            return Ok(None);
+        };
         let file = match &args.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|err| {
@@ -245,12 +245,14 @@ impl TenantBase {
             kubeconfig: None,
             ..args.clone()
         };
-        Ok(TenantBase {
+        let base = TenantBase {
             args,
             file,
             tenants,
-            dry_run,
-        })
+            dry_run: process.dry_run,
+        };
+        base.tenant(None)?;
+        Ok(Some(base))
     }
 
     /// One tenant's configuration: `fragment` (the Secret's annotation, if any) over the file,

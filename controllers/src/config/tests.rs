@@ -599,8 +599,9 @@ fn tenant_base(file: &str) -> TenantBase {
         tenants_secret_selector: Some("a=b".to_owned()),
         ..ConfigArgs::default()
     };
-    let process = Config::load(&args).unwrap();
-    TenantBase::load(&args, process.tenants.unwrap(), process.dry_run).unwrap()
+    TenantBase::load(&args, &Config::load(&args).unwrap())
+        .unwrap()
+        .unwrap()
 }
 
 #[test]
@@ -632,10 +633,8 @@ fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
         tenants_cache_total_mib: Some("40".to_owned()),
         ..ConfigArgs::default()
     };
-    let tenants = Config::merge(&args, FileConfig::default())
-        .unwrap()
-        .tenants
-        .unwrap();
+    let process = Config::merge(&args, FileConfig::default()).unwrap();
+    let tenants = process.tenants.clone().unwrap();
     assert_eq!(
         (
             tenants.cache_max_objects,
@@ -646,7 +645,7 @@ fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
     );
     // A tenant is one cluster: the flags would otherwise refuse every tenant as if they were
     // given without a selector.
-    let base = TenantBase::load(&args, tenants.clone(), false).unwrap();
+    let base = TenantBase::load(&args, &process).unwrap().unwrap();
     assert_eq!(base.tenants, tenants);
     let tenant = base.tenant(None).unwrap();
     assert_eq!(tenant.tenants, None);
