@@ -139,6 +139,9 @@ schema lets them through to this check, which can say so). */ -}}
 {{- if lt $lease 2000.0 -}}
 {{- fail "config.leaderElection.leaseDuration: must be at least 2s (e.g. 15s)" -}}
 {{- end -}}
+{{- if ne (mod (int64 (round $lease 0)) 1000) 0 -}}
+{{- fail "config.leaderElection.leaseDuration: must be whole seconds (e.g. 15s): a Lease holds whole seconds" -}}
+{{- end -}}
 {{- $grace := float64 (include "bootstrap-controller.durationMs" (default "5s" $election.renewGrace)) -}}
 {{- if or (lt $grace 1000.0) (ge $grace $lease) -}}
 {{- fail (printf "config.leaderElection.renewGrace: must be at least 1s and shorter than the lease duration (%s) (e.g. 5s with a 15s lease)" (default "15s" $election.leaseDuration)) -}}

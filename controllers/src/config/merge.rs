@@ -442,14 +442,20 @@ fn check_lease_durations(
     renew_grace: Option<&Source<Duration>>,
     errors: &mut Vec<ConfigError>,
 ) {
-    // A Lease holds whole seconds (leaseDurationSeconds).
-    if let Some(source) = lease_duration
-        && source.value.as_secs() < 2
-    {
-        errors.push(ConfigError::new(
-            source.field,
-            "must be at least 2s (e.g. 15s)",
-        ));
+    // A Lease holds whole seconds (leaseDurationSeconds): a fraction would be dropped from what
+    // the standbys wait, not from how long the leader leads.
+    let refused = lease_duration.and_then(|source| {
+        let why = match source.value {
+            short if short.as_secs() < 2 => "must be at least 2s (e.g. 15s)",
+            fraction if fraction.subsec_nanos() != 0 => {
+                "must be whole seconds (e.g. 15s): a Lease holds whole seconds"
+            }
+            _ => return None,
+        };
+        Some(ConfigError::new(source.field, why))
+    });
+    if let Some(refused) = refused {
+        errors.push(refused);
     } else if election.renew_grace.as_secs() < 1 || election.renew_grace >= election.lease_duration
     {
         match (renew_grace, lease_duration) {

@@ -954,6 +954,29 @@ fn leader_election_errors_name_what_was_given() {
     from_yaml("leaderElection:\n  enabled: false\n  leaseName: Not_A_Name\n").unwrap();
 }
 
+/// The Lease holds whole seconds: a fraction the standbys never wait for is refused, not
+/// dropped.
+#[test]
+fn a_lease_duration_is_whole_seconds() {
+    rejected(
+        "leaderElection:\n  leaseDuration: 15900ms\n",
+        "leaderElection.leaseDuration",
+        &["must be whole seconds (e.g. 15s)"],
+    );
+    let args = ConfigArgs {
+        leader_elect_lease_duration: Some("15.5s".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--leader-elect-lease-duration");
+    assert!(error.message.contains("must be whole seconds"), "{error}");
+    let config = from_yaml("leaderElection:\n  leaseDuration: 16000ms\n").unwrap();
+    assert_eq!(
+        config.leader_election.lease_duration,
+        Duration::from_secs(16)
+    );
+}
+
 #[test]
 fn printed_config_parses_back_to_the_same() {
     let config = from_yaml(
