@@ -211,6 +211,31 @@ fn invalid_flag_and_env_values_exit_2_naming_the_flag() {
     );
 }
 
+/// A deadline past any a check needs is refused naming the flag, before a clock is read, with
+/// a cluster to check at hand.
+#[tokio::test]
+async fn check_refuses_a_timeout_longer_than_any_setting_needs() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    let kubeconfig = sim.kubeconfig_path().to_owned();
+    let (code, _, stderr) = tokio::task::spawn_blocking(move || {
+        run(binary().arg("--kubeconfig").arg(&kubeconfig).args([
+            "--service-cluster-ip-range",
+            "10.96.0.0/12",
+            "check",
+            "--timeout",
+            "2562047788015215h",
+        ]))
+    })
+    .await?;
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("--timeout: \"2562047788015215h\" is longer than 8760h"),
+        "{stderr}"
+    );
+    sim.shutdown().await;
+    Ok(())
+}
+
 #[test]
 fn config_print_shows_the_effective_configuration() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -303,7 +303,17 @@ pub enum DurationError {
     NotADuration(String),
     #[error("{0:?} is negative {DURATION_HINT}")]
     Negative(String),
+    #[error(
+        "{0:?} is longer than 8760h (365 days), more than any setting needs: give a shorter \
+         duration (e.g. 10s, 1m, 24h)"
+    )]
+    TooLong(String),
 }
+
+/// The longest duration a setting takes: far beyond any interval, timeout or lease a cluster
+/// needs, and short enough that a deadline (now plus it) and a Lease's `leaseDurationSeconds`
+/// (an i32) always hold it.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
 const DURATION_HINT: &str =
     "(expected a number with a unit: ms, s, m or h, e.g. 10s, 1m30s, 500ms)";
@@ -318,7 +328,12 @@ pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
     let parsed: jiff::SignedDuration = trimmed
         .parse()
         .map_err(|_| DurationError::NotADuration(text.to_owned()))?;
-    Duration::try_from(parsed).map_err(|_| DurationError::Negative(text.to_owned()))
+    let duration =
+        Duration::try_from(parsed).map_err(|_| DurationError::Negative(text.to_owned()))?;
+    if duration > MAX_DURATION {
+        return Err(DurationError::TooLong(text.to_owned()));
+    }
+    Ok(duration)
 }
 
 /// Formats a duration the way [`parse_duration`] reads it, e.g. `1m30s`, `500ms`.

@@ -1017,6 +1017,35 @@ fn durations_round_trip() {
     }
 }
 
+/// A duration past any a setting needs is refused where it is read, naming the field, before a
+/// deadline or a Lease is made of it.
+#[test]
+fn a_duration_longer_than_any_setting_needs_is_refused() {
+    for (yaml, field) in [
+        (
+            "loops:\n  systemNamespaces:\n    interval: 2562047788015215h\n",
+            "loops.systemNamespaces.interval",
+        ),
+        (
+            "leaderElection:\n  leaseDuration: 8761h\n  renewGrace: 5s\n",
+            "leaderElection.leaseDuration",
+        ),
+        ("shutdownTimeout: 9000h\n", "shutdownTimeout"),
+    ] {
+        rejected(yaml, field, &["is longer than 8760h (365 days)"]);
+    }
+    let args = ConfigArgs {
+        leader_elect_lease_duration: Some("2562047788015215h".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--leader-elect-lease-duration");
+    assert_eq!(
+        parse_duration("8760h").unwrap(),
+        reconcilers::section::MAX_DURATION
+    );
+}
+
 #[test]
 fn derived_identity_is_stable_within_the_process() {
     let config = Config::merge(&ConfigArgs::default(), FileConfig::default()).unwrap();
