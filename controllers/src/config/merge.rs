@@ -219,6 +219,10 @@ impl Config {
             .and_then(|source| positive_duration(source.field, source.value, &mut errors))
             .unwrap_or_else(default_shutdown_timeout);
 
+        let identity_field = given
+            .leader_elect_identity
+            .as_ref()
+            .map_or("--leader-elect-identity", |source| source.field);
         let leader_election = merge_leader_election(&mut given, &mut errors);
 
         let kubeconfig = given.kubeconfig.take().map(|source| source.value);
@@ -267,6 +271,7 @@ impl Config {
             loops,
         };
         config.settings.identity = config.identity();
+        check_identity(&config.settings.identity, identity_field, &mut errors);
         // Sections validate against the settings of the effective configuration.
         config.loops.validate(&config.settings, &mut errors);
 
@@ -312,6 +317,26 @@ impl Config {
                 )
             })
             .clone()
+    }
+}
+
+/// The most an event's `reportingInstance` holds: this replica's identity names it in every
+/// event, which the API refuses beyond it.
+const MAX_IDENTITY_BYTES: usize = 128;
+
+/// The effective identity (`field`'s, or the one derived when none is given) fits an event.
+fn check_identity(identity: &str, field: &'static str, errors: &mut Vec<ConfigError>) {
+    if identity.len() > MAX_IDENTITY_BYTES {
+        errors.push(ConfigError::new(
+            field,
+            format!(
+                "the identity {identity:?} is {} bytes long, more than the \
+                 {MAX_IDENTITY_BYTES} an event's reportingInstance holds: set \
+                 --leader-elect-identity (leaderElection.identity) to a shorter one (e.g. the \
+                 pod name)",
+                identity.len()
+            ),
+        ));
     }
 }
 

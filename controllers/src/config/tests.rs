@@ -954,6 +954,26 @@ fn leader_election_errors_name_what_was_given() {
     from_yaml("leaderElection:\n  enabled: false\n  leaseName: Not_A_Name\n").unwrap();
 }
 
+/// The identity names this replica in every event, whose reportingInstance holds 128 bytes.
+#[test]
+fn an_identity_longer_than_an_event_holds_is_refused() {
+    let long = "r".repeat(129);
+    rejected(
+        &format!("leaderElection:\n  identity: {long}\n"),
+        "leaderElection.identity",
+        &["is 129 bytes long", "reportingInstance holds"],
+    );
+    let args = ConfigArgs {
+        leader_elect_identity: Some(long),
+        ..ConfigArgs::default()
+    };
+    let error = single_error(Config::merge(&args, FileConfig::default()));
+    assert_eq!(error.field, "--leader-elect-identity");
+    let fits = "r".repeat(128);
+    let config = from_yaml(&format!("leaderElection:\n  identity: {fits}\n")).unwrap();
+    assert_eq!(config.settings.identity, fits);
+}
+
 /// The Lease holds whole seconds: a fraction the standbys never wait for is refused, not
 /// dropped.
 #[test]
