@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use reconcilers::apiserver_endpoints::EndpointsMode;
+use reconcilers::apiserver_endpoints::{EndpointsMode, StaticAddress};
 use reconcilers::legacy_alloc::etcd::DEFAULT_PREFIX;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{ConfigError, format_duration, parse_duration};
@@ -268,7 +268,8 @@ impl TenantBase {
         config.dry_run |= self.dry_run;
         self.check_tenant_etcd(&config)?;
         match config.loops.apiserver_endpoints.endpoint_mode() {
-            EndpointsMode::Static | EndpointsMode::None => Ok(config),
+            EndpointsMode::Static => check_static_addresses(&config).map(|()| config),
+            EndpointsMode::None => Ok(config),
             other => Err(ConfigErrors(vec![ConfigError::new(
                 tenant_field("endpointReconcilerType"),
                 format!(
@@ -362,6 +363,37 @@ impl TenantBase {
             )]));
         }
         Ok(())
+    }
+}
+
+/// A tenant's static endpoints are IP addresses: a name would be resolved by this process, with
+/// the management cluster's DNS, and what it answers written into the tenant's endpoints, where
+/// the tenant's users read it.
+fn check_static_addresses(config: &Config) -> Result<(), ConfigErrors> {
+    let refused: Vec<ConfigError> = config
+        .loops
+        .apiserver_endpoints
+        .static_addresses
+        .iter()
+        .enumerate()
+        .filter(|(_, entry)| matches!(StaticAddress::parse(entry), Ok(StaticAddress::Name(_))))
+        .map(|(index, entry)| {
+            ConfigError::new(
+                tenant_field(&format!(
+                    "loops.apiserverEndpoints.staticAddresses[{index}]"
+                )),
+                format!(
+                    "{entry:?} is a DNS name, which this process would resolve with the \
+                     management cluster's DNS and write what it answers into the tenant's \
+                     endpoints: a tenant lists IP addresses only (its load balancer's, e.g. \
+                     192.0.2.40)"
+                ),
+            )
+        })
+        .collect();
+    match refused.is_empty() {
+        true => Ok(()),
+        false => Err(ConfigErrors(refused)),
     }
 }
 

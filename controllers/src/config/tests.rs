@@ -625,6 +625,30 @@ fn a_tenant_fragment_may_turn_dry_run_on_but_never_off() {
 }
 
 #[test]
+fn a_tenants_static_addresses_are_ip_addresses() {
+    let base = tenant_base("tenants:\n  secretSelector: a=b\n");
+    let static_mode = |addresses: &str| {
+        format!(
+            "endpointReconcilerType: static\nloops:\n  apiserverEndpoints:\n    \
+             staticAddresses: {addresses}\n"
+        )
+    };
+    let refused = base
+        .tenant(Some(&static_mode("[192.0.2.40, kube-dns.kube-system.svc]")))
+        .unwrap_err();
+    assert_eq!(refused.0.len(), 1, "{refused}");
+    assert_eq!(
+        refused.0[0].field,
+        "bootstrap-controller.io/config: loops.apiserverEndpoints.staticAddresses[1]"
+    );
+    assert!(refused.0[0].message.contains("is a DNS name"), "{refused}");
+    let tenant = base
+        .tenant(Some(&static_mode("[192.0.2.40, \"2001:db8::40\"]")))
+        .unwrap();
+    assert_eq!(tenant.loops.apiserver_endpoints.static_entries().len(), 2);
+}
+
+#[test]
 fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
     let args = ConfigArgs {
         tenants_secret_selector: Some("a=b".to_owned()),
