@@ -501,7 +501,7 @@ impl Shared {
             return Err(ApiError::already_exists(def, &name));
         }
         let plan = if res == self.svc_idx {
-            services::on_create(&self.alloc, &st, &mut body)
+            services::on_create(&self.alloc, &st, &mut body, dry_run)
                 .map_err(|errs| ApiError::invalid(def, &name, &errs))?
         } else {
             services::Plan::default()

@@ -326,6 +326,7 @@ fn allocate_cluster_ips(
     svc: &mut Value,
     plan: &mut Plan,
     errs: &mut FieldErrors,
+    dry_run: bool,
 ) {
     if spec_type(svc) == "ExternalName" {
         return;
@@ -457,7 +458,7 @@ fn allocate_cluster_ips(
                     ));
                     return;
                 }
-                if cfg.ip_taken(st, *ip) || plan.allocate_ips.contains(ip) {
+                if !dry_run && (cfg.ip_taken(st, *ip) || plan.allocate_ips.contains(ip)) {
                     errs.push((
                         "spec.clusterIPs".into(),
                         format!(
@@ -657,13 +658,20 @@ fn allocate_node_ports(
 }
 
 /// Allocation for a new Service. Returns field errors (422) if a request cannot be honoured.
-pub fn on_create(cfg: &AllocConfig, st: &State, svc: &mut Value) -> Result<Plan, FieldErrors> {
+/// Allocation for a create. A dry run, as kube-apiserver's dry-run allocators, checks that a
+/// requested cluster IP lies in range but not whether it is taken.
+pub fn on_create(
+    cfg: &AllocConfig,
+    st: &State,
+    svc: &mut Value,
+    dry_run: bool,
+) -> Result<Plan, FieldErrors> {
     let mut plan = Plan::default();
     let mut errs = FieldErrors::new();
     if !cfg.enabled {
         return Ok(plan);
     }
-    allocate_cluster_ips(cfg, st, svc, &mut plan, &mut errs);
+    allocate_cluster_ips(cfg, st, svc, &mut plan, &mut errs, dry_run);
     allocate_node_ports(cfg, st, None, svc, &mut plan, &mut errs);
     if errs.is_empty() { Ok(plan) } else { Err(errs) }
 }
@@ -750,7 +758,7 @@ pub fn on_update(
             }
         }
     } else if !has_ips(svc) || spec_type(old) == "ExternalName" {
-        allocate_cluster_ips(cfg, st, svc, &mut plan, &mut errs);
+        allocate_cluster_ips(cfg, st, svc, &mut plan, &mut errs, false);
     }
     allocate_node_ports(cfg, st, Some(old), svc, &mut plan, &mut errs);
     if errs.is_empty() { Ok(plan) } else { Err(errs) }

@@ -694,6 +694,7 @@ impl Reconciler for ApiserverLeaseLoop {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

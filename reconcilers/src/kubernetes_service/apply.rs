@@ -5,7 +5,8 @@
 //! once while it lasts.
 
 use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use k8s_openapi::api::networking::v1::IPAddress;
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::runtime::events::EventType;
 
 use super::metrics::KubernetesServiceMetrics;
@@ -370,15 +371,19 @@ impl KubernetesServiceLoop {
         ))
     }
 
-    /// Why the API would refuse `want` (422: its clusterIP held by another Service, or outside
-    /// the range kube-apiserver serves), by a dry-run create of a copy under a generated name,
-    /// without the node ports `existing` holds (free once it is deleted).
+    /// Why the API would refuse `want`: its clusterIP held by another Service or IPAddress
+    /// ([`Self::holder_of`]), or outside the range kube-apiserver serves (422 to a dry-run create
+    /// of a copy under a generated name, without the node ports `existing` holds, free once it is
+    /// deleted).
     async fn refusal_of_copy(
         &self,
         api: &Api<Service>,
         existing: &Service,
         want: &Service,
     ) -> Result<Option<String>, LoopError> {
+        if let Some(holder) = self.holder_of(want).await? {
+            return Ok(Some(holder));
+        }
         let held: Vec<i32> = (existing.spec.iter())
             .flat_map(|spec| spec.ports.iter().flatten())
             .filter_map(|port| port.node_port)
@@ -399,6 +404,49 @@ impl KubernetesServiceLoop {
         }
     }
 }
+
+impl KubernetesServiceLoop {
+    /// Who else holds one of `want`'s clusterIPs, read live: kube-apiserver's dry-run create
+    /// checks only that an IP lies in its range (its dry-run allocators look at nothing
+    /// allocated), so the Services and, where they are served, the IPAddresses are looked at
+    /// here. Every Service is listed: a recreate is rare, and a cache may lag.
+    async fn holder_of(&self, want: &Service) -> Result<Option<String>, LoopError> {
+        let mut wanted: Vec<std::net::IpAddr> = (want.spec.iter())
+            .flat_map(|spec| spec.cluster_ips.iter().flatten().chain(&spec.cluster_ip))
+            .filter_map(|ip| ip.parse().ok())
+            .collect();
+        wanted.dedup();
+        let services = crate::service_cache::fresh_services(&self.client, HOLDER_PAGE).await?;
+        let (namespace, name) = (&self.section.namespace, &self.section.name);
+        let holder = (services.iter())
+            .filter(|svc| (&*svc.namespace, &*svc.name) != (namespace.as_str(), name.as_str()))
+            .find_map(|svc| {
+                let ip = wanted.iter().find(|ip| svc.lists_ip(**ip))?;
+                Some(format!(
+                    "{ip} is held by Service {}/{}",
+                    svc.namespace, svc.name
+                ))
+            });
+        if holder.is_some() {
+            return Ok(holder);
+        }
+        let addresses: Api<IPAddress> = Api::all(self.client.clone());
+        for ip in &wanted {
+            let by_name = ListParams::default().fields(&format!("metadata.name={ip}"));
+            match addresses.list(&by_name).await {
+                Ok(list) if list.items.is_empty() => {}
+                Ok(_) => return Ok(Some(format!("{ip} has an IPAddress object"))),
+                // A cluster before 1.33 serves no IPAddress API.
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Services per page of [`KubernetesServiceLoop::holder_of`]'s list.
+const HOLDER_PAGE: u32 = 500;
 
 /// A refusal's causes (`field: message`, which never name the object, so a copy under a
 /// generated name is refused in the same words each pass), else its message.

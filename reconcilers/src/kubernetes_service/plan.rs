@@ -6,7 +6,7 @@
 //! | missing, and no range known (no `serviceClusterIPRange`, no `kubernetes` ServiceCIDR) | [`Plan::MissingUnknownRange`]: reported, not created (its ClusterIP cannot be chosen) |
 //! | missing | [`Plan::Create`] the [`desired_service`] |
 //! | ports, type, selector, sessionAffinity or its two labels differ | one update to the [`repaired_service`]; with `repair: off` reported only |
-//! | clusterIP not the first IP of the primary range (immutable) | reported once; with `recreateOnClusterIPMismatch`, deleted (by uid and resourceVersion) once a dry-run create shows the API takes the IP, and created |
+//! | clusterIP not the first IP of the primary range (immutable) | reported once; with `recreateOnClusterIPMismatch`, deleted (by uid and resourceVersion) once no other Service or IPAddress holds the IP (a live list) and a dry-run create shows the API takes it, and created |
 //! | as desired | nothing |
 //!
 //! Both kinds of drift at once give both steps, the update first.

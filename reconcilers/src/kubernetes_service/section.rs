@@ -52,8 +52,8 @@ pub struct Section {
     /// missing and report drift (upstream's behaviour).
     pub repair: RepairPolicy,
     /// Delete and recreate the Service when its clusterIP is not the first IP of the primary
-    /// range, once a dry-run create shows the API takes that IP. Destructive (connections through
-    /// the old IP break); off by default.
+    /// range, once nothing else holds that IP and a dry-run create shows the API takes it.
+    /// Destructive (connections through the old IP break); off by default.
     #[serde(rename = "recreateOnClusterIPMismatch")]
     pub recreate_on_cluster_ip_mismatch: bool,
 }
