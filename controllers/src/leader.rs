@@ -354,6 +354,7 @@ async fn elect(
         sender,
         listing: None,
         failing: false,
+        failing_transiently: false,
         watch_failure: reconcilers::findings::RepeatedFailure::default(),
         retry_at: None,
     };
@@ -447,6 +448,9 @@ struct Elector {
     listing: Option<Option<Lease>>,
     /// Whether the last write failed for another reason than a lost race.
     failing: bool,
+    /// Whether that failure may pass by itself (no answer, a timeout, 429, 5xx) rather than be
+    /// a refusal (401, 403, another 4xx) that only a successful write can be shown to be over.
+    failing_transiently: bool,
     /// The Lease watch's failures, each warned about once.
     watch_failure: reconcilers::findings::RepeatedFailure,
     delays: backon::ExponentialBackoff,
@@ -536,6 +540,8 @@ impl Elector {
                 .set_check(READYZ_CHECK, CheckState::Passing(role(false)));
         } else {
             self.failing = true;
+            self.failing_transiently =
+                lease::status_code(&err).is_none_or(|code| code == 429 || code >= 500);
             self.health.set_check(
                 READYZ_CHECK,
                 CheckState::Failing(format!(
@@ -556,8 +562,16 @@ impl Elector {
             Ok(watcher::Event::InitDone) => {
                 self.election.observe(self.listing.take().flatten(), now);
             }
-            Ok(watcher::Event::Apply(lease)) => self.election.observe(Some(lease), now),
-            Ok(watcher::Event::Delete(_)) => self.election.observe(None, now),
+            // A watch that delivers is working: its next failure is news. A list alone is
+            // not, as the watch after it may fail alike.
+            Ok(watcher::Event::Apply(lease)) => {
+                self.watch_failure.succeeded();
+                self.election.observe(Some(lease), now);
+            }
+            Ok(watcher::Event::Delete(_)) => {
+                self.watch_failure.succeeded();
+                self.election.observe(None, now);
+            }
             Err(err) => {
                 if self.watch_failure.is_new(&err) {
                     warn!(error = %err, "cannot watch the leader-election Lease; retrying with backoff (the same failure again is logged at debug level)");
@@ -575,12 +589,12 @@ impl Elector {
                 return;
             }
         }
-        self.watch_failure.succeeded();
-        // A failed write that left this replica a standby of a live leader is over: the watch
-        // reaches the API, and there is nothing to write until that leader's Lease expires.
+        // A failed write that left this replica a standby of a live leader is over when it was
+        // the API's unavailability: the watch reaches the API, and there is nothing to write
+        // until that leader's Lease expires. A refusal stays until a write succeeds.
         let standby =
             !self.election.leading && matches!(self.election.next_step(now), Step::Wait(_));
-        if self.failing && standby {
+        if self.failing && self.failing_transiently && standby {
             info!("leader election reaches the API again");
             self.failing = false;
             self.delays = backoff(&self.settings);

@@ -253,6 +253,30 @@ fn renewed_by_other(sim: &Sim) -> anyhow::Result<()> {
 /// lead: nothing is left for it to write, so no later write would clear the failure.
 #[tokio::test]
 async fn a_standby_whose_takeover_failed_is_ready_again_once_another_leads() -> anyhow::Result<()> {
+    let (sim, task, cancel, leads) = takeover_fails_then_another_leads(500).await?;
+    assert!(!*leads.borrow());
+    stop(sim, cancel, task).await
+}
+
+/// A takeover the API refused (403 here) is no unavailability that passes by itself: while no
+/// write of this replica has succeeded, it stays not ready, though another replica leads.
+#[tokio::test]
+async fn a_standby_whose_takeover_was_refused_stays_not_ready() -> anyhow::Result<()> {
+    let (sim, task, cancel, _leads) = takeover_fails_then_another_leads(403).await?;
+    stop(sim, cancel, task).await
+}
+
+/// Candidate `b` beside another replica that stops renewing; b's takeover fails with `code`,
+/// then the other replica renews again. Returns once b's readiness shows what `code` calls for:
+/// a standby again for an unavailability (5xx), still failing for a refusal (4xx).
+async fn takeover_fails_then_another_leads(
+    code: u16,
+) -> anyhow::Result<(
+    Sim,
+    JoinHandle<()>,
+    CancellationToken,
+    watch::Receiver<bool>,
+)> {
     let sim = Sim::start(SimConfig::default()).await?;
     renewed_by_other(&sim)?;
     let health = Health::default();
@@ -266,7 +290,7 @@ async fn a_standby_whose_takeover_failed_is_ready_again_once_another_leads() -> 
         Some("leases"),
         1.0,
         FaultKind::Error {
-            code: 500,
+            code,
             retry_after_seconds: None,
         },
     ));
@@ -282,12 +306,25 @@ async fn a_standby_whose_takeover_failed_is_ready_again_once_another_leads() -> 
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
     };
-    tokio::select! {
-        () = readiness_becomes("a standby again", &health, standby) => {}
-        () = renewing => {}
+    if code >= 500 {
+        tokio::select! {
+            () = readiness_becomes("a standby again", &health, standby) => {}
+            () = renewing => {}
+        }
+    } else {
+        // Seen renewing for a while (several of its renewals, each a watch event).
+        let watched = tokio::time::sleep(Duration::from_secs(3));
+        tokio::select! {
+            () = watched => {}
+            () = renewing => {}
+        }
+        let lines = health.readiness().lines;
+        assert!(
+            lines[0].starts_with("[-]leader-election failed"),
+            "{lines:?}"
+        );
     }
-    assert!(!*leads.borrow());
-    stop(sim, cancel, task).await
+    Ok((sim, task, cancel, leads))
 }
 
 /// A replica that cannot watch the Lease says so on `/readyz` rather than waiting silently.
