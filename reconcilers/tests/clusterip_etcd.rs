@@ -1,8 +1,9 @@
 //! The ClusterIP repair's etcd mode against a real etcd and the in-process simulator: the
 //! legacy `serviceips` bitmap repaired where kube-apiserver allocates with it (a cluster that
 //! serves no IPAddress API), never created where it does not exist, left alone where the
-//! IPAddress API is served (Kubernetes 1.33+), and never rewritten under a range other than
-//! the one it is stored under unless the operator opts in.
+//! IPAddress API is served (Kubernetes 1.33+, also once a control plane is upgraded in place),
+//! and never rewritten under a range other than the one it is stored under unless the operator
+//! opts in.
 
 #![allow(clippy::unwrap_used)]
 
@@ -66,18 +67,29 @@ async fn repair_with(
     rebuild: bool,
     registry: &mut Registry,
 ) -> Arc<ClusterIpRepairLoop> {
+    let section = clusterip_repair::Section {
+        mode,
+        interval: Duration::from_secs(180),
+        rebuild_bitmap_on_range_change: rebuild,
+        ..clusterip_repair::Section::default()
+    };
+    repair_in(sim, etcd, section, registry).await
+}
+
+/// The loop of `section`, its triggers driven.
+async fn repair_in(
+    sim: &Sim,
+    etcd: &Etcd,
+    section: clusterip_repair::Section,
+    registry: &mut Registry,
+) -> Arc<ClusterIpRepairLoop> {
     let settings = Settings {
         etcd: etcd.config(),
         ..common::settings(&[RANGE])
     };
     let repair = Arc::new(ClusterIpRepairLoop::new(
         sim.client(),
-        clusterip_repair::Section {
-            mode,
-            interval: Duration::from_secs(180),
-            rebuild_bitmap_on_range_change: rebuild,
-            ..clusterip_repair::Section::default()
-        },
+        section,
         &settings,
         registry,
     ));
@@ -99,9 +111,14 @@ async fn pass(sim: &Sim, repair: &ClusterIpRepairLoop) -> reconcilers::PassRepor
 }
 
 async fn web_ip(sim: &Sim) -> String {
+    web_ip_named(sim, "web").await
+}
+
+/// A Service `name` in `default` is created; its cluster IP.
+async fn web_ip_named(sim: &Sim, name: &str) -> String {
     let services: Api<Service> = Api::namespaced(sim.client(), "default");
     let web: Service = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "web", "namespace": "default"},
+        "metadata": {"name": name, "namespace": "default"},
         "spec": {"ports": [{"port": 80}]}
     }))
     .unwrap();
@@ -448,6 +465,94 @@ async fn where_the_ipaddress_api_is_served_the_legacy_bitmap_is_left_alone() {
             "{mode:?}: the repair sent etcd requests"
         );
     }
+}
+
+/// A control plane upgraded in place from 1.32 to 1.33+, this controller not restarted:
+/// discovery's "not served" is believed for one interval only, so the passes after the upgrade
+/// repair IPAddress objects (an IPAddress leaked before the upgrade is deleted) and leave the
+/// legacy bitmap alone: a Service created after the upgrade, which kube-apiserver allocated by
+/// its IPAddress, is not set in the bitmap and has no `ClusterIPNotAllocated`.
+#[tokio::test]
+async fn after_an_upgrade_in_place_the_ipaddress_repair_runs_and_the_bitmap_is_left_alone() {
+    let etcd = Etcd::start(None).await;
+    let store = EtcdStore::new(etcd.config());
+    let sim = old_sim().await;
+    web_ip(&sim).await;
+    let empty = RangeAllocation::new(RANGE.to_owned(), bitmap(&[]));
+    assert!(
+        store
+            .compare_and_swap(KEY, None, empty.encode())
+            .await
+            .unwrap()
+    );
+    let leaked = serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "IPAddress",
+        "metadata": {
+            "name": "10.96.201.1",
+            "creationTimestamp": "2020-01-01T00:00:00Z",
+            "labels": {
+                "ipaddress.kubernetes.io/ip-family": "IPv4",
+                "ipaddress.kubernetes.io/managed-by": "ipallocator.k8s.io",
+            },
+        },
+        "spec": {"parentRef": {
+            "group": "", "resource": "services", "namespace": "default", "name": "gone",
+        }},
+    });
+    sim.backdoor().put(leaked).unwrap();
+    let leaked_exists = || {
+        sim.backdoor()
+            .list("ipaddresses.networking.k8s.io")
+            .unwrap()
+            .iter()
+            .any(|ip| ip["metadata"]["name"] == "10.96.201.1")
+    };
+    let interval = Duration::from_millis(300);
+    let section = clusterip_repair::Section {
+        interval,
+        ..clusterip_repair::Section::default()
+    };
+    let mut registry = Registry::default();
+    let repair = repair_in(&sim, &etcd, section, &mut registry).await;
+    // Before the upgrade: the bitmap is kube-apiserver's, and repaired.
+    let legacy = pass(&sim, &repair).await;
+    assert!(
+        legacy
+            .drift
+            .iter()
+            .any(|d| d.kind == "clusterip_bitmap_not_allocated" && d.applied),
+        "{legacy:?}"
+    );
+    assert_eq!(ip_events(&sim, "ClusterIPNotAllocated").len(), 1);
+    let before = store.get(KEY).await.unwrap().unwrap();
+    sim.set_serve_networking_v1(true);
+    create_default_service_cidr(&sim).await;
+    // The "not served" kept before the upgrade runs out.
+    tokio::time::sleep(interval + Duration::from_millis(100)).await;
+    web_ip_named(&sim, "api").await;
+    common::eventually("the leaked IPAddress deleted", || async {
+        let report = pass(&sim, &repair).await;
+        assert!(
+            !report
+                .drift
+                .iter()
+                .any(|d| d.kind.starts_with("clusterip_bitmap")),
+            "{report:?}"
+        );
+        !leaked_exists()
+    })
+    .await;
+    let after = pass(&sim, &repair).await;
+    assert!(after.drift.is_empty(), "{after:?}");
+    assert_eq!(
+        store.get(KEY).await.unwrap().unwrap(),
+        before,
+        "the legacy bitmap was written after the upgrade"
+    );
+    assert_eq!(ip_events(&sim, "ClusterIPNotAllocated").len(), 1);
+    assert_eq!(ip_events(&sim, "IPAddressNotAllocated").len(), 1);
+    assert_eq!(ip_errors(&registry, "leak"), 1);
 }
 
 /// The ServiceCIDR `kubernetes`, as kube-apiserver 1.33+ creates it from its flag.

@@ -29,7 +29,8 @@ const MAX_BITMAP_BITS: u128 = 1 << 20;
 
 /// The bitmaps of the ranges, primary first: built at the first pass that finds the cluster
 /// allocating with them, from the configured range or the one read from the cluster. Their etcd
-/// watches wake the loop from then on; where they are left alone, nothing watches them.
+/// watches wake the loop from then on, also once a control plane upgraded in place has them
+/// left alone; where they are left alone from the start, nothing watches them.
 pub(super) struct LegacyIpBitmaps {
     pub(super) etcd: EtcdConfig,
     /// The `kubernetes` Service: a range mismatch is reported in an event about it.

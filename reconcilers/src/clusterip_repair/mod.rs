@@ -15,9 +15,10 @@
 //! managed by anyone but `ipallocator.k8s.io` are never written.
 //!
 //! Where the API serves no IPAddress (older clusters, generic control planes; found by
-//! discovery), the loop audits instead: it rebuilds each configured range's allocation from all
-//! Services and reports duplicates, out-of-range and invalid IPs with the legacy repair's
-//! reasons, without writing. In etcd mode it also repairs the legacy bitmaps there ([`legacy`]),
+//! discovery, asked again each interval until it is served, so a control plane upgraded in place
+//! gets the IPAddress repair without a restart), the loop audits instead: it rebuilds each
+//! configured range's allocation from all Services and reports duplicates, out-of-range and
+//! invalid IPs with the legacy repair's reasons, without writing. In etcd mode it also repairs the legacy bitmaps there ([`legacy`]),
 //! and only there: where the IPAddress API is served they are left alone
 //! ([`ClusterIpRepairLoop::keeps_legacy_bitmaps`] says why).
 
@@ -32,7 +33,7 @@ pub mod section;
 pub use metrics::RepairMetrics;
 pub use section::{DEFAULT_INTERVAL, DEFAULT_ORPHAN_GRACE_PERIOD, RepairMode, Section};
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backon::Retryable;
@@ -41,6 +42,7 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::runtime::events::EventType;
 use kube::{Api, Client};
+use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
@@ -51,7 +53,7 @@ use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
 use crate::section::Settings;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges, networking_v1_serves};
+use crate::service_range::{DEFAULT_SERVICE_CIDR, Discovered, ServiceRanges, networking_v1_serves};
 use crate::watch_cache::WatchCache;
 pub use apply::new_ip_address;
 use apply::{
@@ -74,13 +76,30 @@ enum Served {
     NoIpAddressApi,
 }
 
-async fn discover(client: &Client) -> Result<Served, kube::Error> {
+/// What the cluster serves, as `kept` has it or discovery says. An answer is logged when it is
+/// the first or differs from the one kept before; the API found served tells `found`, so that
+/// the caches are fed without waiting out the gated trigger's interval.
+async fn discover(
+    client: &Client,
+    kept: &Discovered<Served>,
+    found: &Notify,
+) -> Result<Served, kube::Error> {
+    if let Some(served) = kept.get() {
+        return Ok(served);
+    }
     let serves = networking_v1_serves(client, &["ipaddresses", "servicecidrs"]).await?;
-    Ok(if serves {
+    let served = if serves {
         Served::IpAddressApi
     } else {
         Served::NoIpAddressApi
-    })
+    };
+    if kept.keep(served, serves) != Some(serves) {
+        info!(?served, "networking.k8s.io/v1 discovered");
+        if serves {
+            found.notify_one();
+        }
+    }
+    Ok(served)
 }
 
 /// The ClusterIP repair loop (`clusterip-repair`).
@@ -92,8 +111,11 @@ pub struct ClusterIpRepairLoop {
     services: WatchCache<ServiceRecord>,
     ip_addresses: WatchCache<IpAddressRecord>,
     service_cidrs: WatchCache<ServiceCidrRecord>,
-    /// What discovery found, once it answered.
-    discovered: Mutex<Option<Served>>,
+    /// What discovery found, once it answered: "not served" is asked again after an interval
+    /// (a control plane upgraded in place serves the IPAddress API from then on).
+    discovered: Arc<Discovered<Served>>,
+    /// Told when discovery first finds the IPAddress API served.
+    found: Arc<Notify>,
     /// Whether the legacy bitmaps left alone were logged.
     legacy_skip_logged: std::sync::atomic::AtomicBool,
     /// Kept for the loop's life, so a finding that clears and comes back is counted into its
@@ -165,6 +187,7 @@ impl ClusterIpRepairLoop {
         let legacy = (settings.etcd()).map(|etcd| {
             legacy::LegacyIpBitmaps::new(etcd.clone(), settings.kubernetes_service.clone())
         });
+        let discovered = Arc::new(Discovered::new(section.interval));
         Self {
             legacy,
             ranges: ServiceRanges::new(
@@ -181,7 +204,8 @@ impl ClusterIpRepairLoop {
             section,
             metrics: RepairMetrics::register(registry),
             services,
-            discovered: Mutex::new(None),
+            discovered,
+            found: Arc::default(),
             legacy_skip_logged: std::sync::atomic::AtomicBool::new(false),
             wakeup: WakeAt::default(),
             first_deletable: Mutex::default(),
@@ -219,20 +243,16 @@ impl ClusterIpRepairLoop {
         }
     }
 
-    /// What the cluster serves, by discovery, asked once.
+    /// What the cluster serves, by discovery: "served" kept for good, "not served" for an
+    /// interval.
     async fn discovered(&self, client: &Client) -> Result<Served, LoopError> {
-        if let Some(served) = *self.discovered.lock().unwrap_or_else(|p| p.into_inner()) {
-            return Ok(served);
-        }
-        let served = discover(client).await?;
-        info!(?served, "networking.k8s.io/v1 discovered");
-        *self.discovered.lock().unwrap_or_else(|p| p.into_inner()) = Some(served);
-        Ok(served)
+        Ok(discover(client, &self.discovered, &self.found).await?)
     }
 
     /// etcd mode: whether kube-apiserver allocates cluster IPs with the legacy bitmaps, so that
     /// they are repaired. Only where the cluster serves no `networking.k8s.io/v1` IPAddress API
-    /// (asked by discovery whatever `mode` says; `ipAddress` mode asserts it is served).
+    /// (asked by discovery whatever `mode` says, again each interval until it is served;
+    /// `ipAddress` mode asserts it is served).
     ///
     /// Upstream (`pkg/registry/core/rest/storage_core.go`) runs the bitmap repair only while
     /// the `MultiCIDRServiceAllocator` gate is off; with it on, it runs `RepairIPAddress` and
@@ -647,19 +667,25 @@ impl Reconciler for ClusterIpRepairLoop {
         if self.section.mode == RepairMode::Audit {
             return triggers;
         }
-        // IPAddress and ServiceCIDR caches only where the API serves them.
-        let client = self.client.clone();
-        let mode = self.section.mode;
+        // IPAddress and ServiceCIDR caches only where the API serves them: discovery is asked
+        // again each interval until it is.
+        let (client, kept, found) = (
+            self.client.clone(),
+            self.discovered.clone(),
+            self.found.clone(),
+        );
+        let (mode, interval) = (self.section.mode, self.section.interval);
         let caches = futures::stream::select(
             self.ip_addresses.subscribe(),
             self.service_cidrs.subscribe(),
         );
         let gated = futures::stream::once(async move {
-            let served = if mode == RepairMode::IpAddress {
-                Served::IpAddressApi
-            } else {
-                let attempt = || discover(&client);
-                let mut failure = crate::findings::RepeatedFailure::default();
+            if mode == RepairMode::IpAddress {
+                return caches;
+            }
+            let attempt = || discover(&client, &kept, &found);
+            let mut failure = crate::findings::RepeatedFailure::default();
+            loop {
                 let discovered = attempt
                     .retry(crate::retry::backoff(
                         Duration::from_millis(500),
@@ -673,13 +699,15 @@ impl Reconciler for ClusterIpRepairLoop {
                         }
                     })
                     .await;
-                // The backoff never runs out, so an error cannot come back; audit is the safe
-                // answer if it ever did.
-                discovered.unwrap_or(Served::NoIpAddressApi)
-            };
-            match served {
-                Served::IpAddressApi => caches.boxed(),
-                Served::NoIpAddressApi => futures::stream::pending().boxed(),
+                // The backoff never runs out, so an error cannot come back; audit, asked again
+                // after an interval, is the safe answer if it ever did.
+                if discovered.unwrap_or(Served::NoIpAddressApi) == Served::IpAddressApi {
+                    return caches;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(interval) => {}
+                    () = found.notified() => {}
+                }
             }
         })
         .flatten()

@@ -19,7 +19,7 @@ use crate::watch_cache;
 #[serde(rename_all = "camelCase")]
 pub enum RepairMode {
     /// IPAddress mode when discovery shows `networking.k8s.io/v1` IPAddress and ServiceCIDR,
-    /// audit mode otherwise.
+    /// audit mode otherwise, until discovery, asked again each interval, shows them.
     #[default]
     Auto,
     /// Repair IPAddress objects (Kubernetes 1.33+).
