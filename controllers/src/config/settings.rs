@@ -293,9 +293,9 @@ settings! {
         file "securePort": u32 => Result<u32, NotANumber> = parse_u32;
 
     /// NodePort of the `kubernetes` Service, inside --service-node-port-range; 0 makes it of type
-    /// ClusterIP. Unset, a Service is created ClusterIP and an existing one keeps its type and
-    /// node port (kube-apiserver's --kubernetes-service-node-port). [default: unset: the
-    /// Service's type and node port kept]
+    /// ClusterIP. Unset, a Service is created ClusterIP and an existing NodePort one keeps its
+    /// type and node port (kube-apiserver's --kubernetes-service-node-port). [default: unset: a
+    /// NodePort Service's type and node port kept]
     kubernetes_service_node_port: String = "kubernetes-service-node-port",
         "BOOTSTRAP_KUBERNETES_SERVICE_NODE_PORT", "PORT";
         file "kubernetesServiceNodePort": u32 => Result<u32, NotANumber> = parse_u32;
