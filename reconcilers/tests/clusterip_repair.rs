@@ -1001,6 +1001,46 @@ async fn an_orphan_that_only_looks_old_to_a_clock_ahead_is_not_deleted() -> Resu
     Ok(())
 }
 
+/// As above, with the IPAddress already there at the loop's first pass (a restart, a failover):
+/// 90 s past is no age a clock's error cannot explain, so it is held from first sight too.
+#[tokio::test]
+async fn an_orphan_that_only_looks_old_at_the_first_pass_is_not_deleted() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    let behind = (jiff::Timestamp::now() - jiff::SignedDuration::from_secs(90))
+        .round(jiff::Unit::Second)?
+        .to_string();
+    sim.backdoor().put(ip_address_json(
+        "10.96.201.3",
+        service_ref("shop", "api"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        &behind,
+    ))?;
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    let report = pass_until(&repair, &client, false, "a first pass", |_| true).await?;
+    assert!(
+        !has_drift(&report, "ipaddress_leaked", "IPAddress/10.96.201.3"),
+        "{report:#?}"
+    );
+    assert!(ip_address(&client, "10.96.201.3").await?.is_some());
+    sim.backdoor()
+        .put(backdoor_service("shop", "api", &["10.96.201.3"]))?;
+    pass_until(&repair, &client, false, "a pass with the Service", |_| {
+        cached(&repair, "shop", "api")
+    })
+    .await?;
+    assert!(ip_address(&client, "10.96.201.3").await?.is_some());
+    assert!(
+        repair_events(&client, "IPAddressNotAllocated")
+            .await?
+            .is_empty()
+    );
+    Ok(())
+}
+
 /// From now on the IPAddress watch reopens `millis` late, and the open one ends: what happens
 /// to IPAddresses reaches the cache that late, while the Services' watch goes on. The fault
 /// delays new requests only, not the events of an open watch.

@@ -301,13 +301,46 @@ pub struct Decision {
     /// Earliest time an IPAddress still inside a grace period becomes deletable: the loop should
     /// look again then.
     pub next_recheck: Option<jiff::Timestamp>,
+    /// The uids of the IPAddresses waiting out a grace (see [`FirstDeletable`]).
+    pub waiting: Vec<Box<str>>,
+    /// The uids of the IPAddresses deleted on their age that are older than their grace by
+    /// more than [`FAR_PAST_GRACE`] (see [`FirstDeletable`]).
+    pub far_past_grace: std::collections::BTreeSet<Box<str>>,
 }
 
 impl Decision {
     fn recheck_by(&mut self, at: jiff::Timestamp) {
         self.next_recheck = Some(self.next_recheck.map_or(at, |earlier| earlier.min(at)));
     }
+
+    /// `ip` waits out a grace until `at`.
+    fn wait(&mut self, ip: &IpAddressRecord, at: jiff::Timestamp) {
+        self.recheck_by(at);
+        self.waiting.push(ObjectVersion::of(ip).uid);
+    }
+
+    /// `ip`, past its `grace` by its `creationTimestamp` at `now`, is deleted: noted when it is
+    /// so far past that no clock's error explains it.
+    fn past_grace(
+        &mut self,
+        ip: &IpAddressRecord,
+        grace: jiff::SignedDuration,
+        now: jiff::Timestamp,
+    ) {
+        let far = ip.created.is_none_or(|created| {
+            (created.checked_add(grace))
+                .and_then(|at| at.checked_add(FAR_PAST_GRACE))
+                .is_ok_and(|at| at < now)
+        });
+        if far {
+            self.far_past_grace.insert(ObjectVersion::of(ip).uid);
+        }
+    }
 }
+
+/// How far past its grace by its `creationTimestamp` an IPAddress met at the first pass must be
+/// to be deleted at once (see [`FirstDeletable`]): further than two clocks drift apart.
+pub const FAR_PAST_GRACE: jiff::SignedDuration = jiff::SignedDuration::from_mins(10);
 
 /// Services by namespace/name, built only when a pass needs it: a consistent cluster never
 /// does, because the Service phase has already matched every healthy IPAddress with its parent.
@@ -494,7 +527,7 @@ pub fn decide_ipaddress_mode<'a>(
     }
     let mut decision = Decision {
         findings: phase.findings,
-        next_recheck: None,
+        ..Decision::default()
     };
     let service_findings = decision.findings.len();
     for (ip, settled) in ip_addresses.iter().zip(settled) {
@@ -508,23 +541,23 @@ pub fn decide_ipaddress_mode<'a>(
     decision
 }
 
-/// When this controller first found each IPAddress deletable by its age (an orphan, or one
-/// written ahead of a Service that does not list it yet), on its own monotonic clock. That age
-/// is kube-apiserver's `creationTimestamp` against this controller's clock, which may run ahead:
+/// When this controller first saw each IPAddress that waits out a grace or is deleted on its age
+/// (an orphan, or one not listed by its Service), on its own monotonic clock. That age is
+/// kube-apiserver's `creationTimestamp` against this controller's clock, which may run ahead:
 /// 90 s ahead, a Service being created (its IPAddress written, its webhooks still running) would
 /// look like a leak the moment its IPAddress is seen. So the grace is also waited out here,
-/// from the first sight. IPAddresses already deletable at the first pass are judged by their
-/// `creationTimestamp` alone: nothing better is known of them, and a restart should not hold
-/// back cleaning up old leaks.
+/// from the first sight. One deletable at the loop's first pass is judged by its
+/// `creationTimestamp` alone when it is past its grace by more than [`FAR_PAST_GRACE`]: nothing
+/// better is known of it, and a restart should not hold back cleaning up old leaks.
 #[derive(Debug, Default)]
 pub struct FirstDeletable {
-    /// By IPAddress uid; `None`: met at the first pass.
+    /// By IPAddress uid; `None`: judged by its `creationTimestamp` alone.
     since: std::collections::BTreeMap<Box<str>, Option<tokio::time::Instant>>,
     started: bool,
 }
 
 /// Holds back the deletes [`decide_ipaddress_mode`] found on an IPAddress's age until the same
-/// grace has also passed on this controller's clock since it first found them (see
+/// grace has also passed on this controller's clock since it first saw them (see
 /// [`FirstDeletable`]); the decision's recheck covers them.
 pub fn hold_until_seen_as_old(
     decision: &mut Decision,
@@ -535,6 +568,11 @@ pub fn hold_until_seen_as_old(
 ) {
     let first_pass = !std::mem::replace(&mut first.started, true);
     let mut since = std::collections::BTreeMap::new();
+    for uid in &decision.waiting {
+        let met = first.since.get(uid).copied().unwrap_or(Some(mono));
+        since.insert(uid.clone(), met);
+    }
+    let far_past_grace = &decision.far_past_grace;
     let mut recheck = None;
     decision.findings.retain(|finding| {
         let Repair::Delete {
@@ -550,7 +588,7 @@ pub fn hold_until_seen_as_old(
         };
         let met = match first.since.get(&existing.uid) {
             Some(met) => *met,
-            None if first_pass => None,
+            None if first_pass && far_past_grace.contains(&existing.uid) => None,
             None => Some(mono),
         };
         since.insert(existing.uid.clone(), met);
@@ -904,29 +942,34 @@ fn sync_ip_address(
                 .created
                 .and_then(|created| created.checked_add(grace).ok());
             match turns_deletable {
-                Some(at) if at >= now => {
-                    decision.recheck_by(at);
+                Some(at) if at >= now => decision.wait(ip, at),
+                _ => {
+                    decision.past_grace(ip, grace, now);
+                    decision.findings.push(clean_up(
+                        ip,
+                        Problem::Leaked,
+                        format!(
+                            "IPAddress: {} for Service {}/{} appears to have leaked: cleaning up",
+                            ip.name, parent.namespace, parent.name
+                        ),
+                        format!(
+                            "IPAddress {} for Service {}/{}, which does not exist",
+                            ip.name, parent.namespace, parent.name
+                        ),
+                        DeleteGround::ParentGone(ServiceRef::named(
+                            &parent.namespace,
+                            &parent.name,
+                        )),
+                    ));
                 }
-                _ => decision.findings.push(clean_up(
-                    ip,
-                    Problem::Leaked,
-                    format!(
-                        "IPAddress: {} for Service {}/{} appears to have leaked: cleaning up",
-                        ip.name, parent.namespace, parent.name
-                    ),
-                    format!(
-                        "IPAddress {} for Service {}/{}, which does not exist",
-                        ip.name, parent.namespace, parent.name
-                    ),
-                    DeleteGround::ParentGone(ServiceRef::named(&parent.namespace, &parent.name)),
-                )),
             }
         }
         Some(svc) => {
             let listed = addr.is_some_and(|addr| svc.lists_ip(addr));
             if !listed && let Some(at) = written_ahead_of_its_service(ip, svc, now) {
-                decision.recheck_by(at);
+                decision.wait(ip, at);
             } else if !listed {
+                decision.past_grace(ip, UNLISTED_GRACE, now);
                 decision.findings.push(clean_up(
                     ip,
                     Problem::WrongParent,
