@@ -45,10 +45,11 @@ pub fn router(state: AdminState) -> Router {
 /// long it may take to send a request's headers.
 #[derive(Clone, Copy, Debug)]
 pub struct ConnectionLimits {
-    /// Open connections per peer address; one more is closed at once, while other peers (the
-    /// kubelet's probes, Prometheus) are served.
+    /// Open connections per peer address; one more closes that peer's oldest, so a client
+    /// that holds connections open loses them, not the newest request of another (the
+    /// kubelet's probes, Prometheus).
     pub per_peer: usize,
-    /// Open connections in all.
+    /// Open connections in all; one more closes the oldest.
     pub total: usize,
     /// A request's headers must arrive within this, or the connection is closed (also an idle
     /// HTTP/1 connection waiting for its next request).
@@ -60,7 +61,7 @@ impl Default for ConnectionLimits {
         ConnectionLimits {
             per_peer: 16,
             total: 256,
-            header_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -92,7 +93,7 @@ pub async fn serve_within(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
-    let open: Arc<Mutex<BTreeMap<IpAddr, usize>>> = Arc::default();
+    let open: Arc<Mutex<Open>> = Arc::default();
     let mut connections = JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -108,13 +109,9 @@ pub async fn serve_within(
                 continue;
             }
         };
-        let Some(admitted) = Admitted::new(&open, peer.ip(), &limits) else {
-            tracing::debug!(%peer, "admin server connection over its limit; closed");
-            continue;
-        };
+        let admitted = Admitted::new(&open, peer.ip(), &limits);
         let (builder, service, stop) = (builder.clone(), service.clone(), stop.clone());
         connections.spawn(async move {
-            let _admitted = admitted;
             let connection = builder.serve_connection(TokioIo::new(stream), service);
             tokio::pin!(connection);
             tokio::select! {
@@ -122,6 +119,10 @@ pub async fn serve_within(
                     if let Err(err) = ended {
                         tracing::debug!(error = %err, "admin server connection ended");
                     }
+                    return;
+                }
+                () = admitted.evicted.cancelled() => {
+                    tracing::debug!(%peer, "admin server connection closed for a newer one");
                     return;
                 }
                 () = stop.cancelled() => connection.as_mut().graceful_shutdown(),
@@ -134,47 +135,57 @@ pub async fn serve_within(
     while connections.join_next().await.is_some() {}
 }
 
+/// The open connections, oldest first, each with its peer and what closes it.
+#[derive(Default)]
+struct Open {
+    next: u64,
+    by_age: BTreeMap<u64, (IpAddr, CancellationToken)>,
+}
+
 /// One admitted connection, counted against its peer and the total until dropped.
 struct Admitted {
-    open: Arc<Mutex<BTreeMap<IpAddr, usize>>>,
-    peer: IpAddr,
+    open: Arc<Mutex<Open>>,
+    id: u64,
+    /// Cancelled when a newer connection takes its place.
+    evicted: CancellationToken,
 }
 
 impl Admitted {
-    fn new(
-        open: &Arc<Mutex<BTreeMap<IpAddr, usize>>>,
-        peer: IpAddr,
-        limits: &ConnectionLimits,
-    ) -> Option<Self> {
-        let mut counts = open.lock().unwrap_or_else(|poison| poison.into_inner());
-        let total: usize = counts.values().sum();
-        let of_peer = counts.entry(peer).or_default();
-        if *of_peer >= limits.per_peer || total >= limits.total {
-            if *of_peer == 0 {
-                counts.remove(&peer);
-            }
-            return None;
+    /// Admits a connection of `peer`, closing the peer's oldest when it holds its limit, else
+    /// the oldest of all when the server holds its total.
+    fn new(open: &Arc<Mutex<Open>>, peer: IpAddr, limits: &ConnectionLimits) -> Self {
+        let mut state = open.lock().unwrap_or_else(|poison| poison.into_inner());
+        let of_peer: Vec<u64> = (state.by_age.iter())
+            .filter(|(_, (from, _))| *from == peer)
+            .map(|(id, _)| *id)
+            .collect();
+        let oldest = match of_peer.first() {
+            Some(id) if of_peer.len() >= limits.per_peer => Some(*id),
+            _ if state.by_age.len() >= limits.total => state.by_age.keys().next().copied(),
+            _ => None,
+        };
+        if let Some((_, evicted)) = oldest.and_then(|id| state.by_age.remove(&id)) {
+            evicted.cancel();
         }
-        *of_peer += 1;
-        Some(Admitted {
+        let id = state.next;
+        state.next += 1;
+        let evicted = CancellationToken::new();
+        state.by_age.insert(id, (peer, evicted.clone()));
+        Admitted {
             open: open.clone(),
-            peer,
-        })
+            id,
+            evicted,
+        }
     }
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        let mut counts = self
+        let mut state = self
             .open
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
-        if let Some(count) = counts.get_mut(&self.peer) {
-            *count = count.saturating_sub(1);
-            if *count == 0 {
-                counts.remove(&self.peer);
-            }
-        }
+        state.by_age.remove(&self.id);
     }
 }
 
@@ -343,13 +354,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn one_peer_over_its_connections_is_refused_alone() {
+    async fn a_peer_over_its_connections_loses_its_oldest_and_no_newcomer_is_refused() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stop = CancellationToken::new();
         let limits = ConnectionLimits {
             per_peer: 3,
-            ..ConnectionLimits::default()
+            total: 4,
+            // Longer than the test: only the limits close a connection here.
+            header_timeout: Duration::from_secs(60),
         };
         let server = tokio::spawn(serve_within(listener, quiet_state(), stop.clone(), limits));
         let from = |source: &'static str| async move {
@@ -357,38 +370,28 @@ mod tests {
             socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
             socket.connect(addr).await.unwrap()
         };
-        let mut held = Vec::new();
-        for _ in 0..3 {
-            held.push(from("127.0.0.1").await);
-        }
-        // Accepted in order, so the fourth is the one over the limit.
-        let mut fourth = from("127.0.0.1").await;
-        assert!(closed(&mut fourth).await, "over the limit");
-        let mut other = from("127.0.0.2").await;
-        {
+        let served = |mut stream: tokio::net::TcpStream| async move {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            other
+            stream
                 .write_all(b"GET /livez HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
                 .await
                 .unwrap();
             let mut response = String::new();
-            other.read_to_string(&mut response).await.unwrap();
-            assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+            stream.read_to_string(&mut response).await.unwrap();
+            response.starts_with("HTTP/1.1 200")
+        };
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(from("127.0.0.1").await);
         }
-        // A connection that ends frees its place.
-        drop(held.pop());
-        let served = test_support::eventually("a place freed", Duration::from_secs(10), || async {
-            let mut again = from("127.0.0.1").await;
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let sent = again
-                .write_all(b"GET /livez HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-                .await;
-            let mut response = String::new();
-            let read = again.read_to_string(&mut response).await;
-            sent.is_ok() && read.is_ok() && response.starts_with("HTTP/1.1 200")
-        })
-        .await;
-        assert!(served.is_ok(), "{served:?}");
+        // Accepted in order: a fourth of the same peer is served, and the first held is closed.
+        assert!(served(from("127.0.0.1").await).await);
+        assert!(closed(&mut held[0]).await, "the peer's oldest is closed");
+        // Two of another peer fill the total; one more closes the oldest of all, held[1].
+        let mut others = vec![from("127.0.0.2").await, from("127.0.0.2").await];
+        assert!(served(from("127.0.0.3").await).await);
+        assert!(closed(&mut held[1]).await, "the oldest of all is closed");
+        others.clear();
         stop.cancel();
         server.await.unwrap();
     }
