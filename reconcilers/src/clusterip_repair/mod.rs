@@ -24,6 +24,7 @@
 
 mod apply;
 pub mod audit;
+pub mod grace;
 mod legacy;
 pub mod metrics;
 pub mod model;
@@ -125,7 +126,7 @@ pub struct ClusterIpRepairLoop {
     /// looked at again.
     wakeup: WakeAt,
     /// When each IPAddress was first found deletable by its age, on this clock.
-    first_deletable: Mutex<plan::FirstDeletable>,
+    first_deletable: Mutex<grace::FirstDeletable>,
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
     legacy: Option<legacy::LegacyIpBitmaps>,
     /// The ranges audit mode and the bitmaps work with: configured, or read from the cluster.
@@ -372,7 +373,7 @@ impl ClusterIpRepairLoop {
                 self.section.orphan_grace_period,
             )
         };
-        plan::hold_until_seen_as_old(
+        grace::hold_until_seen_as_old(
             &mut decision,
             &mut self
                 .first_deletable

@@ -301,15 +301,15 @@ pub struct Decision {
     /// Earliest time an IPAddress still inside a grace period becomes deletable: the loop should
     /// look again then.
     pub next_recheck: Option<jiff::Timestamp>,
-    /// The uids of the IPAddresses waiting out a grace (see [`FirstDeletable`]).
+    /// The uids of the IPAddresses waiting out a grace (see the `grace` module).
     pub waiting: Vec<Box<str>>,
     /// The uids of the IPAddresses deleted on their age that are older than their grace by
-    /// more than [`FAR_PAST_GRACE`] (see [`FirstDeletable`]).
+    /// more than [`FAR_PAST_GRACE`] (see the `grace` module).
     pub far_past_grace: std::collections::BTreeSet<Box<str>>,
 }
 
 impl Decision {
-    fn recheck_by(&mut self, at: jiff::Timestamp) {
+    pub(super) fn recheck_by(&mut self, at: jiff::Timestamp) {
         self.next_recheck = Some(self.next_recheck.map_or(at, |earlier| earlier.min(at)));
     }
 
@@ -337,10 +337,6 @@ impl Decision {
         }
     }
 }
-
-/// How far past its grace by its `creationTimestamp` an IPAddress met at the first pass must be
-/// to be deleted at once (see [`FirstDeletable`]): further than two clocks drift apart.
-pub const FAR_PAST_GRACE: jiff::SignedDuration = jiff::SignedDuration::from_mins(10);
 
 /// Services by namespace/name, built only when a pass needs it: a consistent cluster never
 /// does, because the Service phase has already matched every healthy IPAddress with its parent.
@@ -539,76 +535,6 @@ pub fn decide_ipaddress_mode<'a>(
     // sorting them is cheaper than sorting every IPAddress).
     decision.findings[service_findings..].sort_by_key(|finding| finding.regarding.object());
     decision
-}
-
-/// When this controller first saw each IPAddress that waits out a grace or is deleted on its age
-/// (an orphan, or one not listed by its Service), on its own monotonic clock. That age is
-/// kube-apiserver's `creationTimestamp` against this controller's clock, which may run ahead:
-/// 90 s ahead, a Service being created (its IPAddress written, its webhooks still running) would
-/// look like a leak the moment its IPAddress is seen. So the grace is also waited out here,
-/// from the first sight. One deletable at the loop's first pass is judged by its
-/// `creationTimestamp` alone when it is past its grace by more than [`FAR_PAST_GRACE`]: nothing
-/// better is known of it, and a restart should not hold back cleaning up old leaks.
-#[derive(Debug, Default)]
-pub struct FirstDeletable {
-    /// By IPAddress uid; `None`: judged by its `creationTimestamp` alone.
-    since: std::collections::BTreeMap<Box<str>, Option<tokio::time::Instant>>,
-    started: bool,
-}
-
-/// Holds back the deletes [`decide_ipaddress_mode`] found on an IPAddress's age until the same
-/// grace has also passed on this controller's clock since it first saw them (see
-/// [`FirstDeletable`]); the decision's recheck covers them.
-pub fn hold_until_seen_as_old(
-    decision: &mut Decision,
-    first: &mut FirstDeletable,
-    now: jiff::Timestamp,
-    mono: tokio::time::Instant,
-    orphan_grace: Duration,
-) {
-    let first_pass = !std::mem::replace(&mut first.started, true);
-    let mut since = std::collections::BTreeMap::new();
-    for uid in &decision.waiting {
-        let met = first.since.get(uid).copied().unwrap_or(Some(mono));
-        since.insert(uid.clone(), met);
-    }
-    let far_past_grace = &decision.far_past_grace;
-    let mut recheck = None;
-    decision.findings.retain(|finding| {
-        let Repair::Delete {
-            existing, ground, ..
-        } = &finding.repair
-        else {
-            return true;
-        };
-        let grace = match ground {
-            DeleteGround::ParentGone(_) => orphan_grace,
-            DeleteGround::ParentDoesNotList(_) => UNLISTED_GRACE.unsigned_abs(),
-            DeleteGround::NotAService => return true,
-        };
-        let met = match first.since.get(&existing.uid) {
-            Some(met) => *met,
-            None if first_pass && far_past_grace.contains(&existing.uid) => None,
-            None => Some(mono),
-        };
-        since.insert(existing.uid.clone(), met);
-        let left = met.map_or(Duration::ZERO, |met| {
-            grace.saturating_sub(mono.saturating_duration_since(met))
-        });
-        if left.is_zero() {
-            return true;
-        }
-        let at = jiff::SignedDuration::try_from(left)
-            .ok()
-            .and_then(|left| now.checked_add(left).ok())
-            .unwrap_or(jiff::Timestamp::MAX);
-        recheck = Some(recheck.map_or(at, |earlier: jiff::Timestamp| earlier.min(at)));
-        false
-    });
-    if let Some(at) = recheck {
-        decision.recheck_by(at);
-    }
-    first.since = since;
 }
 
 /// The Service's cluster IP, if it is one and lies in a configured range; else `None`, and the
@@ -1016,6 +942,10 @@ fn clean_up(
 /// dual-stack upgrade, ExternalName to ClusterIP, a retried create). Deleting it in between would
 /// free an IP that is about to be in use.
 pub const UNLISTED_GRACE: jiff::SignedDuration = jiff::SignedDuration::from_secs(5);
+
+/// How far past its grace by its `creationTimestamp` an IPAddress met at the first pass must be
+/// to be deleted at once (see the `grace` module): further than two clocks drift apart.
+pub const FAR_PAST_GRACE: jiff::SignedDuration = jiff::SignedDuration::from_mins(10);
 
 /// When an IPAddress its Service does not list turns deletable, if it is still in
 /// [`UNLISTED_GRACE`]: only one created after its Service can be waiting for the Service's
