@@ -357,6 +357,11 @@ async fn a_recreation_the_api_would_refuse_deletes_nothing() {
     assert_eq!(events_of_reason(&sim, "KubernetesServiceRepairRefused"), 1);
     assert_eq!(l.metrics().repairs("service_cluster_ip"), 0);
     assert_eq!(l.metrics().refusals("service_cluster_ip"), 1);
+    // The holder, found by one live list of every namespace, is believed for the interval.
+    let everywhere = (sim.requests().into_iter())
+        .filter(|r| r.verb == "list" && r.resource == "services" && r.namespace.is_empty())
+        .count();
+    assert_eq!(everywhere, 1);
 }
 
 /// A finalizer holds the deleted Service, so the create meets AlreadyExists: it is not

@@ -409,8 +409,26 @@ impl KubernetesServiceLoop {
     /// Who else holds one of `want`'s clusterIPs, read live: kube-apiserver's dry-run create
     /// checks only that an IP lies in its range (its dry-run allocators look at nothing
     /// allocated), so the Services and, where they are served, the IPAddresses are looked at
-    /// here. Every Service is listed: a recreate is rare, and a cache may lag.
+    /// here. Every Service is listed, as a cache may lag; a holder found is believed for the
+    /// loop's interval, so passes woken meanwhile list nothing.
     async fn holder_of(&self, want: &Service) -> Result<Option<String>, LoopError> {
+        let now = tokio::time::Instant::now();
+        {
+            let known = self.holder.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((at, holder)) = known.as_ref()
+                && now.duration_since(*at) < self.section.interval
+            {
+                return Ok(Some(holder.clone()));
+            }
+        }
+        let holder = self.holder_listed(want).await?;
+        *self.holder.lock().unwrap_or_else(|p| p.into_inner()) =
+            holder.clone().map(|holder| (now, holder));
+        Ok(holder)
+    }
+
+    /// [`Self::holder_of`], read now.
+    async fn holder_listed(&self, want: &Service) -> Result<Option<String>, LoopError> {
         let mut wanted: Vec<std::net::IpAddr> = (want.spec.iter())
             .flat_map(|spec| spec.cluster_ips.iter().flatten().chain(&spec.cluster_ip))
             .filter_map(|ip| ip.parse().ok())

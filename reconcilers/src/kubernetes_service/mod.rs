@@ -18,8 +18,11 @@
 //! Events on the Service: `KubernetesServiceCreated`, `KubernetesServiceRepaired`,
 //! `ClusterIPMismatch` (Warning, once per distinct mismatch), `KubernetesServiceRecreated`
 //! (Warning, opt-in only), `KubernetesServiceCreateRefused` and `KubernetesServiceRepairRefused`
-//! (Warning, once per distinct refusal: the API answered 422 to the write). RBAC: `services` get/list/watch/create/update in the Service namespace
-//! (plus delete for `recreateOnClusterIPMismatch`), `events.k8s.io` `events` create/patch.
+//! (Warning, once per distinct refusal: the API answered 422 to the write). RBAC: `services`
+//! get/list/watch/create/update in the Service namespace (plus delete for
+//! `recreateOnClusterIPMismatch`, which also lists `services` and `networking.k8s.io`
+//! `ipaddresses` in every namespace to find another holder of the IP), `events.k8s.io`
+//! `events` create/patch.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -80,6 +83,8 @@ pub struct KubernetesServiceLoop {
     /// record's resourceVersion changes.
     services: WatchCache<ServiceRecord>,
     service: Whole<Service>,
+    /// Another holder of the clusterIP a recreate wants, when it was found.
+    holder: Mutex<Option<(tokio::time::Instant, String)>>,
     /// `serviceClusterIPRange`, or the `kubernetes` ServiceCIDR's ranges when it is not set.
     ranges: ServiceRanges,
 }
@@ -130,6 +135,7 @@ impl KubernetesServiceLoop {
             refusals: ReportOnce::new(),
             services,
             service: Whole::default(),
+            holder: Mutex::new(None),
         }
     }
 
