@@ -49,7 +49,7 @@ pub struct ConnectionLimits {
     /// that holds connections open loses them, not the newest request of another (the
     /// kubelet's probes, Prometheus).
     pub per_peer: usize,
-    /// Open connections in all; one more closes the oldest.
+    /// Open connections in all; one more closes the oldest of the peer holding the most.
     pub total: usize,
     /// A request's headers must arrive within this, or the connection is closed (also an idle
     /// HTTP/1 connection waiting for its next request).
@@ -142,6 +142,22 @@ struct Open {
     by_age: BTreeMap<u64, (IpAddr, CancellationToken)>,
 }
 
+impl Open {
+    /// The oldest connection of the peer that holds the most (the older one's on a tie): the
+    /// server full, the party filling it pays, not a peer with one request.
+    fn oldest_of_the_largest(&self) -> Option<u64> {
+        let mut held: BTreeMap<IpAddr, (usize, u64)> = BTreeMap::new();
+        for (id, (peer, _)) in &self.by_age {
+            held.entry(*peer).or_insert((0, *id)).0 += 1;
+        }
+        let largest = held.values().map(|(count, _)| *count).max()?;
+        (held.values())
+            .filter(|(count, _)| *count == largest)
+            .map(|(_, oldest)| *oldest)
+            .min()
+    }
+}
+
 /// One admitted connection, counted against its peer and the total until dropped.
 struct Admitted {
     open: Arc<Mutex<Open>>,
@@ -161,7 +177,7 @@ impl Admitted {
             .collect();
         let oldest = match of_peer.first() {
             Some(id) if of_peer.len() >= limits.per_peer => Some(*id),
-            _ if state.by_age.len() >= limits.total => state.by_age.keys().next().copied(),
+            _ if state.by_age.len() >= limits.total => state.oldest_of_the_largest(),
             _ => None,
         };
         if let Some((_, evicted)) = oldest.and_then(|id| state.by_age.remove(&id)) {
@@ -337,6 +353,14 @@ mod tests {
         matches!(read, Ok(Ok(0)) | Ok(Err(_)))
     }
 
+    /// Whether `stream` is still open: nothing to read, and no end, for a moment.
+    async fn still_open(stream: &mut tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut buffer = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_millis(300), stream.read(&mut buffer));
+        read.await.is_err()
+    }
+
     #[tokio::test]
     async fn a_client_that_sends_nothing_is_closed_after_the_header_timeout() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -380,18 +404,27 @@ mod tests {
             stream.read_to_string(&mut response).await.unwrap();
             response.starts_with("HTTP/1.1 200")
         };
+        // The oldest of all, alone from its peer.
+        let mut lone = from("127.0.0.4").await;
         let mut held = Vec::new();
         for _ in 0..3 {
             held.push(from("127.0.0.1").await);
         }
-        // Accepted in order: a fourth of the same peer is served, and the first held is closed.
+        // Accepted in order: a fourth of the same peer is served, and the peer's oldest closed.
         assert!(served(from("127.0.0.1").await).await);
         assert!(closed(&mut held[0]).await, "the peer's oldest is closed");
-        // Two of another peer fill the total; one more closes the oldest of all, held[1].
-        let mut others = vec![from("127.0.0.2").await, from("127.0.0.2").await];
+        // The server full, a newcomer closes the oldest of the peer holding the most: held[1],
+        // not the lone connection, which is older.
+        let _other = from("127.0.0.2").await;
         assert!(served(from("127.0.0.3").await).await);
-        assert!(closed(&mut held[1]).await, "the oldest of all is closed");
-        others.clear();
+        assert!(
+            closed(&mut held[1]).await,
+            "the largest peer's oldest is closed"
+        );
+        assert!(
+            still_open(&mut lone).await,
+            "a peer with one connection keeps it"
+        );
         stop.cancel();
         server.await.unwrap();
     }
