@@ -448,8 +448,8 @@ struct Elector {
     listing: Option<Option<Lease>>,
     /// Whether the last write failed for another reason than a lost race.
     failing: bool,
-    /// Whether that failure may pass by itself (no answer, a timeout, 429, 5xx) rather than be
-    /// a refusal (401, 403, another 4xx) that only a successful write can be shown to be over.
+    /// Whether that failure may pass by itself (no answer, a timeout, 404, 429, 5xx) rather
+    /// than be a refusal (400, 401, 403, 422) that only a successful write can show is over.
     failing_transiently: bool,
     /// The Lease watch's failures, each warned about once.
     watch_failure: reconcilers::findings::RepeatedFailure,
@@ -540,8 +540,10 @@ impl Elector {
                 .set_check(READYZ_CHECK, CheckState::Passing(role(false)));
         } else {
             self.failing = true;
+            // A 404 is the Lease deleted under a renewal: another replica may create it at
+            // once, which is no refusal of this one.
             self.failing_transiently =
-                lease::status_code(&err).is_none_or(|code| code == 429 || code >= 500);
+                !matches!(lease::status_code(&err), Some(400 | 401 | 403 | 422));
             self.health.set_check(
                 READYZ_CHECK,
                 CheckState::Failing(format!(

@@ -253,8 +253,17 @@ fn renewed_by_other(sim: &Sim) -> anyhow::Result<()> {
 /// lead: nothing is left for it to write, so no later write would clear the failure.
 #[tokio::test]
 async fn a_standby_whose_takeover_failed_is_ready_again_once_another_leads() -> anyhow::Result<()> {
-    let (sim, task, cancel, leads) = takeover_fails_then_another_leads(500).await?;
+    let (sim, task, cancel, leads) = takeover_fails_then_another_leads(500, true).await?;
     assert!(!*leads.borrow());
+    stop(sim, cancel, task).await
+}
+
+/// A takeover that met a Lease deleted under it (404) is no refusal: another replica may have
+/// created it since, and this one is a ready standby again once it sees that.
+#[tokio::test]
+async fn a_standby_whose_takeover_met_no_lease_is_ready_again_once_another_leads()
+-> anyhow::Result<()> {
+    let (sim, task, cancel, _leads) = takeover_fails_then_another_leads(404, true).await?;
     stop(sim, cancel, task).await
 }
 
@@ -262,15 +271,16 @@ async fn a_standby_whose_takeover_failed_is_ready_again_once_another_leads() -> 
 /// write of this replica has succeeded, it stays not ready, though another replica leads.
 #[tokio::test]
 async fn a_standby_whose_takeover_was_refused_stays_not_ready() -> anyhow::Result<()> {
-    let (sim, task, cancel, _leads) = takeover_fails_then_another_leads(403).await?;
+    let (sim, task, cancel, _leads) = takeover_fails_then_another_leads(403, false).await?;
     stop(sim, cancel, task).await
 }
 
 /// Candidate `b` beside another replica that stops renewing; b's takeover fails with `code`,
 /// then the other replica renews again. Returns once b's readiness shows what `code` calls for:
-/// a standby again for an unavailability (5xx), still failing for a refusal (4xx).
+/// a standby again when the failure `passes` by itself, still failing for a refusal.
 async fn takeover_fails_then_another_leads(
     code: u16,
+    passes: bool,
 ) -> anyhow::Result<(
     Sim,
     JoinHandle<()>,
@@ -306,7 +316,7 @@ async fn takeover_fails_then_another_leads(
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
     };
-    if code >= 500 {
+    if passes {
         tokio::select! {
             () = readiness_becomes("a standby again", &health, standby) => {}
             () = renewing => {}
