@@ -309,6 +309,30 @@ def test_apiserver_endpoint_modes_are_refused_in_the_binarys_words(mode, address
         refusal, done.stderr)
 
 
+@pytest.mark.parametrize("entry, refused", [
+    ("lb.example.com", True), ("192.0.2.40", False), ("2001:db8::40", False)])
+def test_a_tenants_static_addresses_are_ip_addresses_in_the_binarys_words(entry, refused,
+                                                                          tmp_path):
+    """Every tenant's static endpoints come from the file: a name in them would be resolved with
+    the management cluster's DNS. `run` exits at start on one, so the chart refuses it too, in
+    the binary's words."""
+    config = {"endpointReconcilerType": "static",
+              "loops": {"apiserverEndpoints": {"staticAddresses": [entry]}}}
+    if not refused:
+        objects({**CASES["capi"], "config": config})
+        return
+    with pytest.raises(helm.HelmError) as err:
+        objects({**CASES["capi"], "config": config})
+    file = {**config_file(CASES["capi"]), **config}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(file))
+    env = {**env_of(CASES["capi"]), "BOOTSTRAP_CONFIG": str(tmp_path / "config.yaml")}
+    done = subprocess.run([str(binary("bootstrap-controller")), "run"], capture_output=True,
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", **env})
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    reason = re.search(r"is a DNS name, (.*)", done.stderr).group(1)
+    assert f"is a DNS name, {reason}" in str(err.value), (str(err.value), done.stderr)
+
+
 @pytest.mark.parametrize("tenants, complaint", [
     ({"selector": SELECTOR}, "selector"),
     ({"enabled": "yes"}, "enabled"),

@@ -107,6 +107,13 @@ schema lets them through to this check, which can say so). */ -}}
 {{- if and .Values.tenants.enabled (has $mode (list "lease" "master-count")) -}}
 {{- fail (printf "config.endpointReconcilerType with tenants.enabled=true: %q makes this process one of the tenant's apiservers, which it is not: use static (with the tenant's load-balancer address under loops.apiserverEndpoints) or none" $mode) -}}
 {{- end -}}
+{{- if and .Values.tenants.enabled (eq $mode "static") -}}
+{{- range $index, $entry := ($endpoints.staticAddresses | default list) -}}
+{{- if not (or (regexMatch "^[0-9]{1,3}(\\.[0-9]{1,3}){3}$" (toString $entry)) (regexMatch "^[0-9a-fA-F:.]*:[0-9a-fA-F:.]*$" (toString $entry))) -}}
+{{- fail (printf "config.loops.apiserverEndpoints.staticAddresses[%d] with tenants.enabled=true: %q is a DNS name, which this process would resolve with the management cluster's DNS and write what it answers into the tenant's endpoints: a tenant lists IP addresses only (its load balancer's, e.g. 192.0.2.40)" $index (toString $entry)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- /* Both list the advertise address, which in a pod defaults to the pod's own. */ -}}
 {{- if and (has $mode (list "lease" "master-count")) (not $config.advertiseAddress) -}}
 {{- fail (printf "config.endpointReconcilerType: %s in the chart's Deployment would list each pod's own address in the `kubernetes` endpoints, and every in-cluster client would dial the controller. Use static with the apiservers' (or their load balancer's) addresses in config.loops.apiserverEndpoints.staticAddresses, or the sidecar beside each kube-apiserver (README, Install); set config.advertiseAddress only for an address every replica stands for (a VIP in front of the apiservers)." $mode) -}}
