@@ -452,7 +452,7 @@ async fn three_apiservers_join_leave_crash_and_heal() -> Result<()> {
         kubeconfig,
         "service",
         "--type=merge",
-        r#"{"spec":{"type":"NodePort","ports":[{"name":"https","port":8443,"protocol":"TCP","targetPort":6443}]}}"#,
+        r#"{"spec":{"ports":[{"name":"https","port":8443,"protocol":"TCP","targetPort":6443}]}}"#,
     )?;
     let services = Api::<Service>::namespaced(client.clone(), "default");
     eventually("Service repaired", CONVERGE, || async {
