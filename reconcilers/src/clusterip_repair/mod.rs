@@ -373,16 +373,20 @@ impl ClusterIpRepairLoop {
                 self.section.orphan_grace_period,
             )
         };
-        grace::hold_until_seen_as_old(
-            &mut decision,
-            &mut self
-                .first_deletable
-                .lock()
-                .unwrap_or_else(|poison| poison.into_inner()),
-            now,
-            tokio::time::Instant::now(),
-            self.section.orphan_grace_period,
-        );
+        // Held back only where it would delete: a dry run (`check`, one pass) reports what
+        // the IPAddresses' own times say.
+        if !ctx.dry_run {
+            grace::hold_until_seen_as_old(
+                &mut decision,
+                &mut self
+                    .first_deletable
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner()),
+                now,
+                tokio::time::Instant::now(),
+                self.section.orphan_grace_period,
+            );
+        }
         if let Some(at) = decision.next_recheck {
             let wait = (at - jiff::Timestamp::now())
                 .try_into()
