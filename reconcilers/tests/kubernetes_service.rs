@@ -364,6 +364,63 @@ async fn a_recreation_the_api_would_refuse_deletes_nothing() {
     assert_eq!(everywhere, 1);
 }
 
+/// A dual-stack Service of the wrong primary family holds the wanted IP as its secondary: its
+/// own IPAddress, released with it, is no other holder, so the Service is recreated.
+#[tokio::test]
+async fn a_recreation_takes_the_ip_the_service_itself_holds_as_secondary() {
+    let ranges: Vec<ipnet::IpNet> = vec![
+        "10.96.0.0/12".parse().unwrap(),
+        "fd00:10:96::/108".parse().unwrap(),
+    ];
+    let sim = Sim::start(apiserver_sim::SimConfig {
+        seed_namespaces: vec!["default".into()],
+        service_cluster_ip_ranges: ranges.clone(),
+        ..apiserver_sim::SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let dual: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kubernetes", "namespace": "default",
+                     "labels": {"provider": "kubernetes", "component": "apiserver"}},
+        "spec": {
+            "clusterIP": "fd00:10:96::1",
+            "clusterIPs": ["fd00:10:96::1", "10.96.0.1"],
+            "ipFamilies": ["IPv6", "IPv4"],
+            "ipFamilyPolicy": "RequireDualStack",
+            "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443}]
+        }
+    }))
+    .unwrap();
+    api(&sim)
+        .create(&PostParams::default(), &dual)
+        .await
+        .unwrap();
+    let own: Api<k8s_openapi::api::networking::v1::IPAddress> = Api::all(sim.client());
+    assert!(
+        own.get_opt("10.96.0.1").await.unwrap().is_some(),
+        "the simulator allocates it"
+    );
+    let l = service_loop(
+        &sim,
+        Section {
+            recreate_on_cluster_ip_mismatch: true,
+            ..Section::default()
+        },
+        Settings {
+            service_ranges: ranges,
+            ..settings()
+        },
+    );
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    let recreated = (report.drift.iter())
+        .find(|d| d.kind == "service_cluster_ip")
+        .unwrap_or_else(|| panic!("{report:?}"));
+    assert!(recreated.applied, "{report:?}");
+    let spec = service(&sim).await.unwrap().spec.unwrap();
+    assert_eq!(spec.cluster_ips, Some(vec!["10.96.0.1".to_owned()]));
+    assert_eq!(events_of_reason(&sim, "KubernetesServiceRepairRefused"), 0);
+}
+
 /// A finalizer holds the deleted Service, so the create meets AlreadyExists: it is not
 /// recreated yet, and not reported nor counted as if it were.
 #[tokio::test]

@@ -17,19 +17,14 @@ use crate::contract::{
 };
 use crate::section::Settings;
 
-/// What a pass did: its report, and the writes the API refused in it.
-pub(super) struct Applied {
-    pub(super) report: PassReport,
-    pub(super) refused: Vec<Refusal>,
-}
-
 impl KubernetesServiceLoop {
+    /// What a pass did: its report, and the writes the API refused in it.
     pub(super) async fn apply(
         &self,
         ctx: &PassContext,
         settings: &Settings,
         plan: Plan,
-    ) -> Result<Applied, LoopError> {
+    ) -> Result<(PassReport, Vec<Refusal>), LoopError> {
         let section = &self.section;
         let api: Api<Service> = Api::namespaced(ctx.client.clone(), &section.namespace);
         let mut report = PassReport::default();
@@ -72,7 +67,7 @@ impl KubernetesServiceLoop {
                 refused.into_iter().chain(recreate_refused).collect()
             }
         };
-        Ok(Applied { report, refused })
+        Ok((report, refused))
     }
 
     async fn create(
@@ -233,9 +228,7 @@ impl KubernetesServiceLoop {
             .cluster_ip_mismatch
             .set(i64::from(mismatch.is_some()));
         let Some(mismatch) = mismatch else {
-            if let Ok(mut last) = self.last_mismatch.lock() {
-                *last = None;
-            }
+            self.mismatches.update(None);
             return Ok(None);
         };
 
@@ -247,16 +240,8 @@ impl KubernetesServiceLoop {
             return Ok(refused);
         }
 
-        let first_time = self
-            .last_mismatch
-            .lock()
-            .map(|mut last| {
-                let new = last.as_ref() != Some(&mismatch);
-                *last = Some(mismatch.clone());
-                new
-            })
-            .unwrap_or(true);
-        if first_time {
+        // Keyed by its text, which names the IPs found and wanted.
+        if !self.mismatches.update([mismatch.to_string()]).is_empty() {
             tracing::warn!(service = %object, drift = %mismatch, "the kubernetes Service has the wrong clusterIP");
             if !ctx.dry_run {
                 self.publish(
@@ -452,7 +437,9 @@ impl KubernetesServiceLoop {
         for ip in &wanted {
             let by_name = ListParams::default().fields(&format!("metadata.name={ip}"));
             match addresses.list(&by_name).await {
-                Ok(list) if list.items.is_empty() => {}
+                // The Service's own IPAddress (a dual-stack Service's secondary IP, wanted as
+                // the primary) is released with it: no other holder.
+                Ok(list) if list.items.iter().all(|a| self.is_own(a)) => {}
                 Ok(_) => return Ok(Some(format!("{ip} has an IPAddress object"))),
                 // A cluster before 1.33 serves no IPAddress API.
                 Err(kube::Error::Api(status)) if status.code == 404 => {}
@@ -460,6 +447,19 @@ impl KubernetesServiceLoop {
             }
         }
         Ok(None)
+    }
+}
+
+impl KubernetesServiceLoop {
+    /// Whether `address` is allocated to this loop's Service (its `parentRef`).
+    fn is_own(&self, address: &IPAddress) -> bool {
+        address.spec.as_ref().is_some_and(|spec| {
+            let parent = &spec.parent_ref;
+            parent.group.as_deref().unwrap_or_default().is_empty()
+                && parent.resource == "services"
+                && parent.namespace.as_deref() == Some(self.section.namespace.as_str())
+                && parent.name == self.section.name
+        })
     }
 }
 

@@ -47,19 +47,11 @@ impl KubernetesServiceMetrics {
     }
 
     pub fn repairs(&self, kind: &str) -> u64 {
-        self.repairs
-            .get_or_create(&KindLabel {
-                kind: kind.to_owned(),
-            })
-            .get()
+        Self::counted(&self.repairs, kind).get()
     }
 
     pub fn refusals(&self, kind: &str) -> u64 {
-        self.refusals
-            .get_or_create(&KindLabel {
-                kind: kind.to_owned(),
-            })
-            .get()
+        Self::counted(&self.refusals, kind).get()
     }
 
     pub fn cluster_ip_mismatch(&self) -> i64 {
@@ -71,11 +63,15 @@ impl KubernetesServiceMetrics {
     /// Counts one repair or refusal of each kind.
     pub(super) fn count(family: &Family<KindLabel, Counter>, kinds: &[&str]) {
         for kind in kinds {
-            family
-                .get_or_create(&KindLabel {
-                    kind: (*kind).to_owned(),
-                })
-                .inc();
+            Self::counted(family, kind).inc();
         }
+    }
+
+    fn counted(family: &Family<KindLabel, Counter>, kind: &str) -> Counter {
+        family
+            .get_or_create(&KindLabel {
+                kind: kind.to_owned(),
+            })
+            .clone()
     }
 }

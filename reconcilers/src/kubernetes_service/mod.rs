@@ -46,7 +46,6 @@ mod metrics;
 mod plan;
 mod section;
 
-use apply::Applied;
 pub use metrics::KubernetesServiceMetrics;
 pub use plan::{
     COMPONENT_LABEL, PROVIDER_LABEL, Plan, ServiceDrift, desired_service, plan, repaired_service,
@@ -74,8 +73,8 @@ pub struct KubernetesServiceLoop {
     /// of its own).
     reporter: Reporter,
     metrics: KubernetesServiceMetrics,
-    /// The last clusterIP mismatch warned about, so the warning event is not repeated every pass.
-    last_mismatch: Mutex<Option<ServiceDrift>>,
+    /// The clusterIP mismatch warned about, so the warning event is not repeated every pass.
+    mismatches: ReportOnce<String>,
     /// Writes the API refused, reported once each while the refusal lasts.
     refusals: ReportOnce<Refusal>,
     /// Every Service as a record, kept by the watch of Services the cluster's loops share (its
@@ -131,7 +130,7 @@ impl KubernetesServiceLoop {
             section,
             settings: settings.clone(),
             metrics: KubernetesServiceMetrics::register(registry),
-            last_mismatch: Mutex::new(None),
+            mismatches: ReportOnce::new(),
             refusals: ReportOnce::new(),
             services,
             service: Whole::default(),
@@ -160,7 +159,7 @@ impl KubernetesServiceLoop {
     /// One pass, then the write the API refused in it (if any) reported once: a refusal stays
     /// until what the API objects to changes, so a warning on every pass would only repeat it.
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        let Applied { report, refused } = self.pass_writing(ctx).await?;
+        let (report, refused) = self.pass_writing(ctx).await?;
         for refusal in self.refusals.update(refused) {
             let create = refusal.kinds == ["service_missing"];
             let object = self.section.object_ref();
@@ -200,7 +199,10 @@ impl KubernetesServiceLoop {
 
     /// The Service range in effect, the Service as the watch has it, its plan, and the plan
     /// applied.
-    async fn pass_writing(&self, ctx: &PassContext) -> Result<Applied, LoopError> {
+    async fn pass_writing(
+        &self,
+        ctx: &PassContext,
+    ) -> Result<(PassReport, Vec<Refusal>), LoopError> {
         // Without serviceClusterIPRange the range is the `kubernetes` ServiceCIDR's. Where the
         // cluster does not tell it (before 1.33), the ClusterIP is neither chosen nor checked.
         let mut unknown_range: Option<String> = None;
