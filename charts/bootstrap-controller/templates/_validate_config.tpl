@@ -142,6 +142,22 @@ schema lets them through to this check, which can say so). */ -}}
 {{- fail "config.shutdownTimeout: must be greater than zero (e.g. 30s)" -}}
 {{- end -}}
 {{- $election := default dict $config.leaderElection -}}
+{{- $endpoints := default dict $loops.apiserverEndpoints -}}
+{{- $durations := dict "shutdownTimeout" $config.shutdownTimeout "leaderElection.leaseDuration" $election.leaseDuration "leaderElection.renewGrace" $election.renewGrace "loops.apiserverEndpoints.leaseTTL" $endpoints.leaseTTL "loops.apiserverEndpoints.shutdownProbeWindow" $endpoints.shutdownProbeWindow "loops.clusterIPRepair.orphanGracePeriod" $repair.orphanGracePeriod -}}
+{{- range $name := list "systemNamespaces" "kubernetesService" "apiserverEndpoints" "serviceCIDR" "clusterIPRepair" "nodePortRepair" -}}
+{{- $_ := set $durations (printf "loops.%s.interval" $name) (get (default dict (get $loops $name)) "interval") -}}
+{{- end -}}
+{{- range $field, $value := $durations -}}
+{{- /* 8760h in milliseconds: the binary's longest duration. */ -}}
+{{- if and $value (gt (float64 (include "bootstrap-controller.durationMs" $value)) 31536000000.0) -}}
+{{- fail (printf "config.%s: %q is longer than 8760h (365 days), more than any setting needs: give a shorter duration (e.g. 10s, 1m, 24h)" $field (toString $value)) -}}
+{{- end -}}
+{{- end -}}
+{{- /* The schema's maxLength counts characters; an event's reportingInstance holds bytes. */ -}}
+{{- $identity := toString (default "" $election.identity) -}}
+{{- if gt (len $identity) 128 -}}
+{{- fail (printf "config.leaderElection.identity: the identity %q is %d bytes long, more than the 128 an event's reportingInstance holds: set leaderElection.identity to a shorter one (e.g. the pod name)" $identity (len $identity)) -}}
+{{- end -}}
 {{- $lease := float64 (include "bootstrap-controller.durationMs" (default "15s" $election.leaseDuration)) -}}
 {{- if lt $lease 2000.0 -}}
 {{- fail "config.leaderElection.leaseDuration: must be at least 2s (e.g. 15s)" -}}
