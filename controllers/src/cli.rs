@@ -200,21 +200,20 @@ async fn run_command(args: &ConfigArgs) -> ExitCode {
         Ok(loaded) => loaded,
         Err(errors) => return config_error(&errors),
     };
-    if let Some(base) = base {
-        return run_management(config, base).await;
-    }
-    let Some((kube_config, client)) = connect(&config).await else {
-        return ExitCode::from(EXIT_CONFIG);
+    let (kube_config, client) = match connect(&config, "info").await {
+        Ok(connected) => connected,
+        Err(message) => {
+            error!("{message}");
+            eprintln!("error: {message}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
     };
-    serve(Controller::start(&config, &kube_config, client).await).await
-}
-
-/// Management mode: the tenants of the management cluster, each from `base`.
-async fn run_management(config: Config, base: TenantBase) -> ExitCode {
-    let Some((kube_config, client)) = connect(&config).await else {
-        return ExitCode::from(EXIT_CONFIG);
+    let started = match base {
+        // Management mode: the tenants of the management cluster, each from `base`.
+        Some(base) => Controller::start_management(&config, &kube_config, client, base).await,
+        None => Controller::start(&config, &kube_config, client).await,
     };
-    serve(Controller::start_management(&config, &kube_config, client, base).await).await
+    serve(started).await
 }
 
 /// `check`: one dry-run pass of every loop against one cluster.
@@ -404,34 +403,28 @@ async fn wait_for_signal() {
     }
 }
 
-/// Starts the log as configured, then makes the client of `--kubeconfig`; `None` once it has
-/// logged and printed why it cannot.
-async fn connect(config: &Config) -> Option<(kube::Config, kube::Client)> {
-    init_logging(config.log_format, "info");
+/// Starts the log as configured (`default_filter` without RUST_LOG), then makes the client of
+/// `--kubeconfig`; the error is the message saying why it cannot.
+async fn connect(
+    config: &Config,
+    default_filter: &str,
+) -> Result<(kube::Config, kube::Client), String> {
+    init_logging(config.log_format, default_filter);
     for warning in variable_warnings() {
         warn!("{warning}");
     }
-    let kube_config = match kubeconfig::load(config.kubeconfig.as_deref()).await {
-        Ok(kube_config) => kube_config,
-        Err(message) => {
-            error!("{message}");
-            eprintln!("error: {message}");
-            return None;
-        }
-    };
-    match crate::client::build(&kube_config, config.kubeconfig.as_deref()) {
-        Ok(client) => Some((kube_config, client)),
-        Err(err) => {
-            let message = format!(
+    let kube_config = kubeconfig::load(config.kubeconfig.as_deref())
+        .await
+        .map_err(|err| err.to_string())?;
+    let client =
+        crate::client::build(&kube_config, config.kubeconfig.as_deref()).map_err(|err| {
+            format!(
                 "cannot build a Kubernetes client for {}: {err} (check the kubeconfig's \
-                 certificates and credentials)",
+             certificates and credentials)",
                 kube_config.cluster_url
-            );
-            error!("{message}");
-            eprintln!("error: {message}");
-            None
-        }
-    }
+            )
+        })?;
+    Ok((kube_config, client))
 }
 
 /// Runs the started controller until a signal stops it.
@@ -492,27 +485,15 @@ async fn wait_for_api(client: &kube::Client, timeout: Duration) -> Result<(), Ap
 }
 
 async fn check(config: Config, timeout: Duration, output: OutputFormat) -> ExitCode {
-    init_logging(config.log_format, "warn");
-    for warning in variable_warnings() {
-        warn!("{warning}");
-    }
     let fail = |message: String| {
         eprintln!("error: {message}");
         ExitCode::from(EXIT_CONFIG)
     };
-    let kube_config = match kubeconfig::load(config.kubeconfig.as_deref()).await {
-        Ok(kube_config) => kube_config,
-        Err(err) => return fail(err.to_string()),
+    let (kube_config, client) = match connect(&config, "warn").await {
+        Ok(connected) => connected,
+        Err(message) => return fail(message),
     };
     let server = kube_config.cluster_url.to_string();
-    let client = match crate::client::build(&kube_config, config.kubeconfig.as_deref()) {
-        Ok(client) => client,
-        Err(err) => {
-            return fail(format!(
-                "cannot build a Kubernetes client for {server}: {err}"
-            ));
-        }
-    };
     if let Err(err) = wait_for_api(&client, timeout).await {
         return fail(format!(
             "cannot reach the API server at {server} within {}: {err} (check the kubeconfig \

@@ -34,7 +34,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
 use std::sync::{Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -43,7 +42,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
-use reconcilers::budget::{BytePool, PoolMember, move_count};
+use reconcilers::budget::{BytePool, Count, PoolMember, move_count};
 use tokio::time::{Instant, Sleep};
 use tower::{Layer, Service};
 
@@ -108,19 +107,17 @@ impl Limits {
             .min(self.max_pause)
     }
 
-    /// The layer for one client: its responses share one in-flight budget and one pause.
-    pub fn for_one_client(self) -> LimitLayer {
+    /// The layer for one client: its responses share one in-flight budget and one pause, and
+    /// their bytes count in `pool` too, if given.
+    pub fn for_one_client(self, pool: Option<&BytePool>) -> LimitLayer {
+        // The client takes a share of the pool while it lives.
+        let client = ClientState {
+            pool: pool.map(BytePool::join),
+            ..ClientState::default()
+        };
         LimitLayer {
             limits: self,
-            client: Arc::default(),
-        }
-    }
-
-    /// The layer for one client whose bytes in flight count in `pool` too.
-    pub fn for_one_client_in(self, pool: &BytePool) -> LimitLayer {
-        LimitLayer {
-            limits: self,
-            client: Arc::new(ClientState::in_pool(pool)),
+            client: Arc::new(client),
         }
     }
 }
@@ -146,23 +143,13 @@ impl LimitLayer {
     /// `hook` is told when the client's server starts breaking bounds (the first breach, or
     /// the first after a longest pause without one).
     pub fn on_breach(&self, hook: BreachNotice) {
-        self.client
-            .notice
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .hook = Some(hook);
+        self.client.pause().notice = Some(hook);
     }
 
     /// A bound broken outside the layer (the cluster's caches over their budget): the client
     /// pauses as for a bound of its own; returns the pause.
     pub fn breach(&self, cause: LimitError) -> Duration {
-        self.client.breached(&self.limits, &cause);
-        self.client
-            .pause()
-            .until
-            .map_or(self.limits.first_pause, |until| {
-                until.saturating_duration_since(Instant::now())
-            })
+        self.client.breached(&self.limits, &cause)
     }
 }
 
@@ -170,7 +157,7 @@ impl LimitLayer {
 #[derive(Debug, Default)]
 struct ClientState {
     /// The bytes its responses hold.
-    in_flight: AtomicUsize,
+    in_flight: Count,
     /// Where those bytes count too, with other clients'.
     pool: Option<PoolMember>,
     pause: Mutex<Pause>,
@@ -178,8 +165,6 @@ struct ClientState {
     /// a list, one with a token continues the last list of its path. Paths are the client's
     /// own requests, so the map stays small whatever the server does.
     list_pages: Mutex<std::collections::HashMap<String, u32>>,
-    /// Who is told when the server breaks a bound, and when it was last told.
-    notice: Mutex<Notice>,
 }
 
 /// Called with the cause and the pause when a client's server breaks a bound: once when it
@@ -187,42 +172,29 @@ struct ClientState {
 pub type BreachNotice = Arc<dyn Fn(&LimitError, Duration) + Send + Sync>;
 
 #[derive(Default)]
-struct Notice {
-    hook: Option<BreachNotice>,
-    /// When the last breach's pause ends: a breach within the longest pause after it is the
-    /// same misbehaviour.
-    last: Option<Instant>,
-}
-
-impl std::fmt::Debug for Notice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Notice")
-            .field("hook", &self.hook.is_some())
-            .field("last", &self.last)
-            .finish()
-    }
-}
-
-#[derive(Debug, Default)]
 struct Pause {
+    /// When the last breach's pause ends: a breach within the longest pause after it is the
+    /// same misbehaviour, not told again.
     until: Option<Instant>,
     /// Breaches since the last response that completed within its bounds.
     breaches: u32,
     cause: Option<LimitError>,
+    /// Who is told when the server starts breaking bounds.
+    notice: Option<BreachNotice>,
+}
+
+impl std::fmt::Debug for Pause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pause")
+            .field("until", &self.until)
+            .field("breaches", &self.breaches)
+            .field("cause", &self.cause)
+            .field("notice", &self.notice.is_some())
+            .finish()
+    }
 }
 
 impl ClientState {
-    /// A client whose bytes count in `pool` too, taking a share of it while it lives.
-    fn in_pool(pool: &BytePool) -> Self {
-        ClientState {
-            in_flight: AtomicUsize::default(),
-            pool: Some(pool.join()),
-            pause: Mutex::default(),
-            list_pages: Mutex::default(),
-            notice: Mutex::default(),
-        }
-    }
-
     fn pause(&self) -> std::sync::MutexGuard<'_, Pause> {
         // A panic while holding the lock leaves a consistent `Pause` (plain field writes).
         self.pause.lock().unwrap_or_else(PoisonError::into_inner)
@@ -238,35 +210,31 @@ impl ClientState {
         })
     }
 
-    /// A bound broken: the next pause starts now.
-    fn breached(&self, limits: &Limits, cause: &LimitError) {
-        self.breached_at(limits, cause, Instant::now());
+    /// A bound broken: the next pause starts now; returns its length.
+    fn breached(&self, limits: &Limits, cause: &LimitError) -> Duration {
+        self.breached_at(limits, cause, Instant::now())
     }
 
-    fn breached_at(&self, limits: &Limits, cause: &LimitError, now: Instant) {
-        let length = {
+    fn breached_at(&self, limits: &Limits, cause: &LimitError, now: Instant) -> Duration {
+        let (length, hook) = {
             let mut pause = self.pause();
             let length = limits.pause_after(pause.breaches);
+            // Told once while the server goes on breaking bounds: a breach within the longest
+            // pause after the last pause ended is the same misbehaviour (a server that breaks one
+            // bound with a list and answers the other requests well would otherwise be told of
+            // every pause, and one breaking a bound at every chance would be told once per
+            // longest pause).
+            let new = (pause.until)
+                .is_none_or(|last| now.saturating_duration_since(last) > limits.max_pause);
             pause.until = Some(now + length);
             pause.breaches = pause.breaches.saturating_add(1);
             pause.cause = Some(cause.clone());
-            length
-        };
-        // Told once while the server goes on breaking bounds: a breach within the longest pause
-        // after the last pause ended is the same misbehaviour (a server that breaks one bound
-        // with a list and answers the other requests well would otherwise be told of every
-        // pause, and one breaking a bound at every chance would be told once per longest pause).
-        let hook = {
-            let mut notice = self.notice.lock().unwrap_or_else(PoisonError::into_inner);
-            let new = notice
-                .last
-                .is_none_or(|last| now.saturating_duration_since(last) > limits.max_pause);
-            notice.last = Some(now + length);
-            notice.hook.clone().filter(|_| new)
+            (length, pause.notice.clone().filter(|_| new))
         };
         if let Some(hook) = hook {
             hook(cause, length);
         }
+        length
     }
 
     /// A connection closed for a flood: one breach, however many of its requests report it.
@@ -484,19 +452,15 @@ impl<B> Drop for BoundedBody<B> {
     }
 }
 
+/// What a body has read so far, against its [`Limits`].
 enum Bound {
     Whole {
-        max: usize,
         read: usize,
-        chunk_cost: usize,
-        timeout: Duration,
         deadline: Pin<Box<Sleep>>,
     },
     Lines {
-        max: usize,
         since_newline: usize,
         events: u64,
-        max_events: u64,
     },
 }
 
@@ -510,17 +474,12 @@ impl<B> BoundedBody<B> {
     ) -> Self {
         let bound = if watch {
             Bound::Lines {
-                max: limits.max_watch_line_bytes,
                 since_newline: 0,
                 events: 0,
-                max_events: limits.max_watch_events,
             }
         } else {
             Bound::Whole {
-                max: limits.max_response_bytes,
                 read: 0,
-                chunk_cost: limits.chunk_cost,
-                timeout: limits.answer_timeout,
                 deadline: Box::pin(tokio::time::sleep_until(deadline)),
             }
         };
@@ -560,42 +519,39 @@ impl<B> BoundedBody<B> {
 }
 
 impl Bound {
-    /// Counts a chunk; the error when it crosses the bound.
-    fn count(&mut self, data: &[u8]) -> Result<(), LimitError> {
+    /// Counts a chunk; the error when it crosses a bound of `limits`.
+    fn count(&mut self, data: &[u8], limits: &Limits) -> Result<(), LimitError> {
         match self {
-            Bound::Whole {
-                max,
-                read,
-                chunk_cost,
-                ..
-            } => {
-                *read = read.saturating_add(data.len()).saturating_add(*chunk_cost);
-                if *read > *max {
-                    return Err(LimitError::TooLarge(*max));
+            Bound::Whole { read, .. } => {
+                let max = limits.max_response_bytes;
+                *read = read
+                    .saturating_add(data.len())
+                    .saturating_add(limits.chunk_cost);
+                if *read > max {
+                    return Err(LimitError::TooLarge(max));
                 }
             }
             Bound::Lines {
-                max,
                 since_newline,
                 events,
-                max_events,
             } => {
+                let (max, max_events) = (limits.max_watch_line_bytes, limits.max_watch_events);
                 let mut segments = data.split(|byte| *byte == b'\n');
                 // The first segment continues the line before this chunk.
                 let first = segments.next().map_or(0, <[u8]>::len);
                 let mut line = since_newline.saturating_add(first);
                 for segment in segments {
-                    if line > *max {
-                        return Err(LimitError::LineTooLong(*max));
+                    if line > max {
+                        return Err(LimitError::LineTooLong(max));
                     }
                     *events = events.saturating_add(1);
-                    if *events > *max_events {
-                        return Err(LimitError::TooManyEvents(*max_events));
+                    if *events > max_events {
+                        return Err(LimitError::TooManyEvents(max_events));
                     }
                     line = segment.len();
                 }
-                if line > *max {
-                    return Err(LimitError::LineTooLong(*max));
+                if line > max {
+                    return Err(LimitError::LineTooLong(max));
                 }
                 *since_newline = line;
             }
@@ -613,15 +569,10 @@ impl Bound {
     }
 
     /// The deadline of a whole response, if it has passed (registers the waker otherwise).
-    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Option<LimitError> {
+    fn poll_deadline(&mut self, cx: &mut Context<'_>, limits: &Limits) -> Option<LimitError> {
         match self {
-            Bound::Whole {
-                timeout, deadline, ..
-            } => deadline
-                .as_mut()
-                .poll(cx)
-                .is_ready()
-                .then_some(LimitError::TooSlow(*timeout)),
+            Bound::Whole { deadline, .. } => (deadline.as_mut().poll(cx).is_ready())
+                .then_some(LimitError::TooSlow(limits.answer_timeout)),
             Bound::Lines { .. } => None,
         }
     }
@@ -643,7 +594,7 @@ where
         if this.failed {
             return Poll::Ready(None);
         }
-        if let Some(err) = this.bound.poll_deadline(cx) {
+        if let Some(err) = this.bound.poll_deadline(cx, &this.limits) {
             return this.fail(err);
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
@@ -667,7 +618,7 @@ where
             }
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    let counted = this.bound.count(data);
+                    let counted = this.bound.count(data, &this.limits);
                     let held = this.bound.held();
                     if let Err(err) = counted.and_then(|()| this.hold(held)) {
                         return this.fail(err);
@@ -690,7 +641,7 @@ where
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::sync::atomic::Ordering;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use http_body_util::{BodyExt, StreamBody};
 
@@ -825,7 +776,7 @@ mod tests {
         let server = tower::service_fn(|_: Request<()>| {
             futures::future::ready(Ok::<_, BoxError>(Response::new(chunks(&["{}"]))))
         });
-        let mut limited = SMALL.for_one_client().layer(server);
+        let mut limited = SMALL.for_one_client(None).layer(server);
         let mut get = async |uri: &str| -> Result<(), String> {
             let request = Request::get(uri).body(()).map_err(|e| e.to_string())?;
             let response = limited.call(request).await.map_err(|e| e.to_string())?;
@@ -864,13 +815,13 @@ mod tests {
         let mut first = bounded_in(&["12345678"], false, &client);
         let frame = first.frame().await.unwrap().unwrap();
         assert_eq!(frame.into_data().unwrap(), "12345678");
-        assert_eq!(in_flight.load(Ordering::Acquire), 8);
+        assert_eq!(in_flight.get(), 8);
         let err = read(bounded_in(&["12345678"], false, &client))
             .await
             .unwrap_err();
         assert_eq!(err, LimitError::TooMuchAtOnce(15).to_string());
         drop(first);
-        assert_eq!(in_flight.load(Ordering::Acquire), 0);
+        assert_eq!(in_flight.get(), 0);
         assert_eq!(
             read(bounded_in(&["12345678"], false, &client))
                 .await
@@ -884,7 +835,7 @@ mod tests {
             &client,
         ));
         assert_eq!(watch.await.unwrap().len(), 20);
-        assert_eq!(in_flight.load(Ordering::Acquire), 0);
+        assert_eq!(in_flight.get(), 0);
     }
 
     /// Many clients: the floor shrinks to half a fair share, and the floors are kept out of what
@@ -893,7 +844,7 @@ mod tests {
     async fn with_many_clients_the_floor_is_half_a_fair_share_of_the_pool() {
         let pool = BytePool::new(24, 4);
         let clients: Vec<_> = (0..6)
-            .map(|_| Arc::new(ClientState::in_pool(&pool)))
+            .map(|_| SMALL.for_one_client(Some(&pool)).client)
             .collect();
         assert_eq!(pool.bounds(), (2, 12));
         let mut bodies = Vec::new();
@@ -926,7 +877,7 @@ mod tests {
     async fn clients_share_the_pool_and_the_one_that_grows_past_it_fails_above_its_floor() {
         // Three clients with a floor of 4 each: those above it may fill the pool to 12.
         let pool = BytePool::new(24, 4);
-        let client = || Arc::new(ClientState::in_pool(&pool));
+        let client = || SMALL.for_one_client(Some(&pool)).client;
         let (first, second, third) = (client(), client(), client());
         assert_eq!(pool.bounds(), (4, 12));
         let mut large = bounded_in(&["12345678"], false, &first);
@@ -967,7 +918,7 @@ mod tests {
         let never = tower::service_fn(|_: Request<()>| {
             futures::future::pending::<Result<Response<Chunks>, BoxError>>()
         });
-        let mut limited = SMALL.for_one_client().layer(never);
+        let mut limited = SMALL.for_one_client(None).layer(never);
         let err = limited
             .call(Request::new(()))
             .await
@@ -1005,7 +956,7 @@ mod tests {
             };
             futures::future::ready(Ok::<_, BoxError>(Response::new(body)))
         });
-        let mut limited = quick.for_one_client().layer(server);
+        let mut limited = quick.for_one_client(None).layer(server);
         let mut get = async || -> Result<Vec<u8>, String> {
             let response = limited
                 .call(Request::new(()))
@@ -1063,7 +1014,7 @@ mod tests {
 
     #[test]
     fn a_server_breaking_bounds_is_told_once_until_it_stops_for_a_longest_pause() {
-        let layer = SMALL.for_one_client();
+        let layer = SMALL.for_one_client(None);
         let told = Arc::new(Mutex::new(Vec::new()));
         let seen = told.clone();
         layer.on_breach(Arc::new(move |cause, pause| {

@@ -170,7 +170,7 @@ async fn a_tenant_server_writes_at_most_the_tenant_windows_ahead_of_the_reader()
 async fn a_flood_of_tiny_frames_is_a_broken_bound_and_pauses_the_tenant() -> Result<()> {
     let (url, ca, written) = serve_endless(1).await?;
     let client = builder_reading_ahead(&config(&url, ca)?, Some(ReadAhead::TENANT))?
-        .with_layer(&Limits::TENANT.for_one_client())
+        .with_layer(&Limits::TENANT.for_one_client(None))
         .build();
     let response = client.send(get("/api/v1/namespaces")?).await?;
     ensure!(response.status() == http::StatusCode::OK, "{response:?}");
@@ -220,7 +220,7 @@ async fn legitimate_traffic_fits_the_tenant_windows() -> Result<()> {
     const PAGE: usize = 7 * 1024 * 1024;
     let (url, ca, _) = serve(PIECE, PAGE / PIECE).await?;
     let client = builder_reading_ahead(&config(&url, ca)?, Some(ReadAhead::TENANT))?
-        .with_layer(&Limits::TENANT.for_one_client())
+        .with_layer(&Limits::TENANT.for_one_client(None))
         .build();
     let response = client.send(get("/api/v1/services")?).await?;
     ensure!(response.status() == http::StatusCode::OK, "{response:?}");
@@ -234,7 +234,7 @@ async fn legitimate_traffic_fits_the_tenant_windows() -> Result<()> {
     const EVENT: usize = 200;
     let (url, ca, written) = serve_endless(EVENT).await?;
     let client = builder_reading_ahead(&config(&url, ca)?, Some(ReadAhead::TENANT))?
-        .with_layer(&Limits::TENANT.for_one_client())
+        .with_layer(&Limits::TENANT.for_one_client(None))
         .build();
     let mut watches = Vec::new();
     for watch in 0..4 {

@@ -11,8 +11,8 @@ use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{ConfigError, DurationError, ServiceName, Settings, format_duration};
 
 use super::file::{locate, parse_file_all, read_text};
-use super::settings::{ConfigArgs, FileConfig, Given, Source, items, valid};
-use super::tenant::{TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, merge_tenants};
+use super::settings::{ConfigArgs, FileConfig, Given, Source, check_name, items, valid};
+use super::tenant::merge_tenants;
 use super::values::{NotANumber, parse_service_cidrs};
 use super::{Config, ConfigErrors, LeaderElection};
 
@@ -85,39 +85,6 @@ pub(super) fn merge_etcd(given: Given, errors: &mut Vec<ConfigError>) -> EtcdCon
         prefix,
         inline_tls: None,
         pin: None,
-    }
-}
-
-/// In management mode every tenant has its own etcd (servers and prefix in its annotation,
-/// credentials in its Secret): one process-wide etcd would be shared by every tenant, each
-/// repairing the others' bitmaps with its own cluster's Services.
-pub(super) fn refuse_process_etcd(
-    args: &ConfigArgs,
-    file: &FileConfig,
-    errors: &mut Vec<ConfigError>,
-) {
-    let set = [
-        (args.etcd_servers.is_some(), "--etcd-servers"),
-        (args.etcd_prefix.is_some(), "--etcd-prefix"),
-        (args.etcd_cafile.is_some(), "--etcd-cafile"),
-        (args.etcd_certfile.is_some(), "--etcd-certfile"),
-        (args.etcd_keyfile.is_some(), "--etcd-keyfile"),
-        (file.etcd_servers.is_some(), "etcdServers"),
-        (file.etcd_prefix.is_some(), "etcdPrefix"),
-        (file.etcd_cafile.is_some(), "etcdCAFile"),
-        (file.etcd_certfile.is_some(), "etcdCertFile"),
-        (file.etcd_keyfile.is_some(), "etcdKeyFile"),
-    ];
-    for (_, field) in set.into_iter().filter(|(given, _)| *given) {
-        errors.push(ConfigError::new(
-            field,
-            format!(
-                "is not used in management mode: each tenant's etcd is its own (etcdServers and \
-                 etcdPrefix in its Secret's {TENANT_CONFIG_ANNOTATION} annotation, the client \
-                 certificate in its data keys {}, {}, {}); remove it",
-                TENANT_ETCD_KEYS.ca, TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
-            ),
-        ));
     }
 }
 
@@ -196,8 +163,13 @@ impl Config {
             .and_then(|source| parsed(source, |text| text.parse::<PortRange>(), &mut errors))
             .unwrap_or_default();
 
-        let (advertise_address, endpoint_reconciler_type, apiserver_count) =
-            merge_endpoints(&mut given, service_cluster_ip_range.first(), &mut errors);
+        let mut loops = file.loops.clone().unwrap_or_default();
+        let advertise_address = merge_endpoints(
+            &mut given,
+            service_cluster_ip_range.first(),
+            &mut loops.apiserver_endpoints,
+            &mut errors,
+        );
         let secure_port = given
             .secure_port
             .take()
@@ -234,17 +206,9 @@ impl Config {
             .take()
             .map(|source| source.value)
             .unwrap_or_default();
-        let budgets = file.tenants.as_ref().and_then(|t| t.cache_budgets.as_ref());
-        let tenants = merge_tenants(&mut given, budgets, &mut errors);
-        // In management mode etcd is each tenant's, never the process's.
+        let tenants = merge_tenants(&mut given, args, &file, &mut errors);
         let etcd = merge_etcd(given, &mut errors);
-        if tenants.is_some() {
-            refuse_process_etcd(args, &file, &mut errors);
-        }
 
-        let mut loops = file.loops.clone().unwrap_or_default();
-        loops.apiserver_endpoints.mode = endpoint_reconciler_type;
-        loops.apiserver_endpoints.apiserver_count = apiserver_count;
         let mut config = Config {
             settings: Settings {
                 service_ranges: service_cluster_ip_range,
@@ -419,7 +383,14 @@ pub(super) fn merge_leader_election(
             .map_or(defaults.renew_grace, |source| source.value),
     };
     if election.enabled {
-        check_lease_names(lease_name.as_ref(), lease_namespace.as_ref(), errors);
+        if let Some(source) = &lease_name {
+            let example = "expected e.g. bootstrap-controller";
+            check_name(source, validate_dns1123_subdomain, "Lease", example, errors);
+        }
+        if let Some(source) = &lease_namespace {
+            let example = "expected e.g. kube-system";
+            check_name(source, validate_dns1123_label, "namespace", example, errors);
+        }
         check_lease_durations(
             &election,
             lease_duration.as_ref(),
@@ -428,36 +399,6 @@ pub(super) fn merge_leader_election(
         );
     }
     election
-}
-
-/// The Lease's name and namespace, as the API takes them.
-fn check_lease_names(
-    lease_name: Option<&Source<String>>,
-    lease_namespace: Option<&Source<String>>,
-    errors: &mut Vec<ConfigError>,
-) {
-    if let Some(source) = lease_name
-        && let Err(why) = validate_dns1123_subdomain(&source.value)
-    {
-        errors.push(ConfigError::new(
-            source.field,
-            format!(
-                "{:?} is not a valid Lease name: {why} (expected e.g. bootstrap-controller)",
-                source.value
-            ),
-        ));
-    }
-    if let Some(source) = lease_namespace
-        && let Err(why) = validate_dns1123_label(&source.value)
-    {
-        errors.push(ConfigError::new(
-            source.field,
-            format!(
-                "{:?} is not a valid namespace name: {why} (expected e.g. kube-system)",
-                source.value
-            ),
-        ));
-    }
 }
 
 /// The lease duration and the renew grace, together: a grace shorter than the duration.
@@ -540,29 +481,34 @@ fn secure_port(
 }
 
 /// The settings of the `kubernetes` endpoints outside `loops.apiserverEndpoints`: the advertise
-/// address, the mode and `apiserverCount`, with the address's family checked against the primary
-/// service range where endpoints are written.
+/// address (returned), and the mode and `apiserverCount` (set in `endpoints`, the section that
+/// holds them), with the address's family checked against the primary service range where
+/// endpoints are written.
 fn merge_endpoints(
     given: &mut Given,
     primary_range: Option<&ipnet::IpNet>,
+    endpoints: &mut reconcilers::apiserver_endpoints::Section,
     errors: &mut Vec<ConfigError>,
-) -> (Option<IpAddr>, Option<EndpointsMode>, u32) {
+) -> Option<IpAddr> {
     let address_source = given.advertise_address.take();
     let address = address_source
         .as_ref()
         .and_then(|source| advertise_address(source, errors));
-    let mode = given
+    endpoints.mode = given
         .endpoint_reconciler_type
         .take()
         .map(|source| source.value);
-    let count = given
+    endpoints.apiserver_count = given
         .apiserver_count
         .take()
         .map_or(1, |source| apiserver_count(source, errors));
-    if mode.is_some_and(|mode| mode != EndpointsMode::None) {
+    if endpoints
+        .mode
+        .is_some_and(|mode| mode != EndpointsMode::None)
+    {
         check_advertise_family(address_source.as_ref().zip(address), primary_range, errors);
     }
-    (address, mode, count)
+    address
 }
 
 /// A value parsed by `parse`, or `None` after its error, naming where it came from.

@@ -124,13 +124,14 @@ pub struct Tenants {
     pub etcd_allowed_cidrs: Vec<IpNet>,
 }
 
-/// A budget the operator set for one tenant (`tenants.cacheBudgets`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+/// A budget the operator set for one tenant (`tenants.cacheBudgets`). In the file what it leaves
+/// out is the process's; the merge sets both, so `config print` shows the budget in force.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct TenantBudget {
-    pub max_objects: u32,
+    pub max_objects: Option<u32>,
     #[serde(rename = "maxMiB")]
-    pub max_mib: u32,
+    pub max_mib: Option<u32>,
 }
 
 /// The default `--tenants-cache-max-objects`: see CONFIG.md for how it was sized.
@@ -145,10 +146,9 @@ pub const TENANT_CACHE_FLOOR_BYTES: usize = 1024 * 1024;
 impl Tenants {
     /// The cache budget of the tenant of Secret `key` (`namespace/name`).
     pub fn cache_limits(&self, key: &str) -> reconcilers::budget::BudgetLimits {
-        let (objects, mib) = match self.cache_budgets.get(key) {
-            Some(budget) => (budget.max_objects, budget.max_mib),
-            None => (self.cache_max_objects, self.cache_max_mib),
-        };
+        let budget = self.cache_budgets.get(key).copied().unwrap_or_default();
+        let objects = budget.max_objects.unwrap_or(self.cache_max_objects);
+        let mib = budget.max_mib.unwrap_or(self.cache_max_mib);
         reconcilers::budget::BudgetLimits {
             max_objects: usize::try_from(objects).unwrap_or(usize::MAX),
             max_bytes: usize::try_from(mib)

@@ -33,11 +33,12 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 use reconcilers::apiserver_endpoints::EndpointsMode;
+use reconcilers::names::NameError;
 use reconcilers::section::{ConfigError, DurationError, duration_format, parse_duration};
 use serde::{Deserialize, Serialize};
 
-use super::Loops;
-use super::values::{NotABool, NotANumber, StringOrList, parse_bool, parse_i64, parse_u32};
+use super::values::{NotANumber, StringOrList, parse_bool, parse_number};
+use super::{Loops, TenantBudget};
 
 /// One setting's names, as the docs name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,17 +65,11 @@ pub(super) fn pick<T>(
     file: Option<T>,
     file_field: &'static str,
 ) -> Option<Source<T>> {
-    match (flag, file) {
-        (Some(value), _) => Some(Source {
-            value,
-            field: flag_name,
-        }),
-        (None, Some(value)) => Some(Source {
-            value,
-            field: file_field,
-        }),
-        (None, None) => None,
-    }
+    let (value, field) = match flag {
+        Some(value) => (value, flag_name),
+        None => (file?, file_field),
+    };
+    Some(Source { value, field })
 }
 
 /// A setting that parsed, or `None` when it was not given or (with its error noted) did not
@@ -108,6 +103,28 @@ pub(super) fn items<T>(
                 .ok()
         })
         .collect()
+}
+
+/// Whether `source` is a name of `kind` as `validate` (the API's rule for it) takes it; if not,
+/// its error, ending with `example`.
+pub(super) fn check_name(
+    source: &Source<String>,
+    validate: fn(&str) -> Result<(), NameError>,
+    kind: &str,
+    example: &str,
+    errors: &mut Vec<ConfigError>,
+) -> bool {
+    let Err(why) = validate(&source.value) else {
+        return true;
+    };
+    errors.push(ConfigError::new(
+        source.field,
+        format!(
+            "{:?} is not a valid {kind} name: {why} ({example})",
+            source.value
+        ),
+    ));
+    false
 }
 
 macro_rules! settings {
@@ -290,7 +307,7 @@ settings! {
     /// a managed cluster's 443 is never rewritten). [default: unset: endpoints on 6443, the
     /// Service's targetPort kept]
     secure_port: String = "secure-port", "BOOTSTRAP_SECURE_PORT", "PORT";
-        file "securePort": u32 => Result<u32, NotANumber> = parse_u32;
+        file "securePort": u32 => Result<u32, NotANumber> = parse_number;
 
     /// NodePort of the `kubernetes` Service, inside --service-node-port-range; 0 makes it of type
     /// ClusterIP. Unset, a Service is created ClusterIP and an existing NodePort one keeps its
@@ -298,7 +315,7 @@ settings! {
     /// NodePort Service's type and node port kept]
     kubernetes_service_node_port: String = "kubernetes-service-node-port",
         "BOOTSTRAP_KUBERNETES_SERVICE_NODE_PORT", "PORT";
-        file "kubernetesServiceNodePort": u32 => Result<u32, NotANumber> = parse_u32;
+        file "kubernetesServiceNodePort": u32 => Result<u32, NotANumber> = parse_number;
 
     /// How the `kubernetes` endpoints are maintained: `lease` (one Lease per apiserver: a
     /// sidecar beside each kube-apiserver), `static` (addresses from the configuration file),
@@ -313,7 +330,7 @@ settings! {
     /// Number of apiservers, used only by `--endpoint-reconciler-type=master-count`; must be
     /// positive. [default: 1]
     apiserver_count: String = "apiserver-count", "BOOTSTRAP_APISERVER_COUNT", "N";
-        file "apiserverCount": i64 => Result<i64, NotANumber> = parse_i64;
+        file "apiserverCount": i64 => Result<i64, NotANumber> = parse_number;
 
     /// Kubeconfig file. [default: `$KUBECONFIG`, then `~/.kube/config`, then the in-cluster
     /// service account]
@@ -348,13 +365,13 @@ settings! {
     /// never keeps a real replica from leading. `--dry-run` alone means true. [default: false]
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     dry_run: String = "dry-run", "BOOTSTRAP_DRY_RUN", "BOOL";
-        file "dryRun": bool => Result<bool, NotABool> = parse_bool;
+        file "dryRun": bool => Result<bool, String> = parse_bool;
 
     /// Ignore watch triggers: every loop runs only at start and on its interval, as upstream.
     /// `--timer-only` alone means true. [default: false]
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     timer_only: String = "timer-only", "BOOTSTRAP_TIMER_ONLY", "BOOL";
-        file "timerOnly": bool => Result<bool, NotABool> = parse_bool;
+        file "timerOnly": bool => Result<bool, String> = parse_bool;
 
     /// Address of the admin HTTP server (/livez, /readyz, /metrics). [default: 0.0.0.0:8080]
     admin_addr: String = "admin-addr", "BOOTSTRAP_ADMIN_ADDR", "ADDR:PORT";
@@ -369,7 +386,7 @@ settings! {
     #[arg(num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     leader_elect: String = "leader-elect", "BOOTSTRAP_LEADER_ELECT", "BOOL";
         file "leaderElection.enabled" in leader_election.enabled
-            => Result<bool, NotABool> = parse_bool;
+            => Result<bool, String> = parse_bool;
 
     /// Name of the leader-election Lease. [default: bootstrap-controller]
     leader_elect_lease_name: String = "leader-elect-lease-name",
@@ -441,14 +458,14 @@ settings! {
     tenants_cache_max_objects: String = "tenants-cache-max-objects",
         "BOOTSTRAP_TENANTS_CACHE_MAX_OBJECTS", "N";
         file "tenants.cacheMaxObjects" in tenants.cache_max_objects
-            => Result<u32, NotANumber> = parse_u32;
+            => Result<u32, NotANumber> = parse_number;
 
     /// Management mode: the most MiB one tenant's caches may hold together (estimated: a whole
     /// decoded object about five times its JSON size). Over it, as over
     /// --tenants-cache-max-objects. [default: 32]
     tenants_cache_max_mib: String = "tenants-cache-max-mib", "BOOTSTRAP_TENANTS_CACHE_MAX_MIB",
         "MIB";
-        file "tenants.cacheMaxMiB" in tenants.cache_max_mib => Result<u32, NotANumber> = parse_u32;
+        file "tenants.cacheMaxMiB" in tenants.cache_max_mib => Result<u32, NotANumber> = parse_number;
 
     /// Management mode: the most MiB every tenant's caches may hold together (estimated, as
     /// --tenants-cache-max-mib), however many tenants there are. A tenant whose caches would
@@ -457,7 +474,7 @@ settings! {
     tenants_cache_total_mib: String = "tenants-cache-total-mib",
         "BOOTSTRAP_TENANTS_CACHE_TOTAL_MIB", "MIB";
         file "tenants.cacheTotalMiB" in tenants.cache_total_mib
-            => Result<u32, NotANumber> = parse_u32;
+            => Result<u32, NotANumber> = parse_number;
 
     /// Management mode: the networks (CIDRs, comma-separated) a tenant's etcd may be in, e.g.
     /// `10.0.16.0/20`. A tenant's etcdServers must name addresses, or host names resolving only
@@ -520,16 +537,7 @@ pub struct TenantsFile {
     pub cache_total_mib: Option<u32>,
     /// Budgets the operator raises (or lowers) for single tenants, by `namespace/name` of their
     /// Secret; a tenant's own annotation cannot.
-    pub cache_budgets: Option<std::collections::BTreeMap<String, TenantBudgetFile>>,
+    pub cache_budgets: Option<std::collections::BTreeMap<String, TenantBudget>>,
     #[serde(rename = "etcdAllowedCIDRs")]
     pub etcd_allowed_cidrs: Option<StringOrList>,
-}
-
-/// One tenant's cache budget in `tenants.cacheBudgets`; what is left out is the process's.
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct TenantBudgetFile {
-    pub max_objects: Option<u32>,
-    #[serde(rename = "maxMiB")]
-    pub max_mib: Option<u32>,
 }

@@ -11,9 +11,9 @@ use reconcilers::legacy_alloc::etcd::DEFAULT_PREFIX;
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
 use reconcilers::section::{ConfigError, format_duration, parse_duration};
 
-use super::file::parse_file;
-use super::settings::{ConfigArgs, Given, Source, TenantBudgetFile, items};
-use super::values::NotANumber;
+use super::file::{parse_file, read_text};
+use super::settings::{ConfigArgs, FileConfig, Given, Source, check_name, items};
+use super::values::{NotANumber, StringOrList};
 use super::{
     Config, ConfigErrors, DEFAULT_TENANTS_CACHE_MAX_MIB, DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
     DEFAULT_TENANTS_CACHE_TOTAL_MIB, TenantBudget, Tenants,
@@ -224,12 +224,8 @@ impl TenantBase {
             return Ok(None);
         };
         let file = match &args.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|err| {
-                    ConfigError::new("--config", format!("cannot read {}: {err}", path.display()))
-                })?;
-                yaml_tree(&text).map_err(|message| ConfigError::new("--config", message))?
-            }
+            Some(path) => yaml_tree(&read_text(path)?)
+                .map_err(|message| ConfigError::new("--config", message))?,
             None => serde_json::Value::Null,
         };
         // Flags that name the management cluster or management mode are not a tenant's.
@@ -264,14 +260,27 @@ impl TenantBase {
             Some(text) => tenant_fragment(text)?,
             None => serde_json::Value::Null,
         };
+        // A refusal names the annotation only for what the fragment sets; the rest is the
+        // file's (or a flag's), and is named as the file names it.
+        let named = |path: &str, pointer: &str| match fragment.pointer(pointer) {
+            Some(_) => tenant_field(path),
+            None => path.to_owned(),
+        };
+        let mode_field = named("endpointReconcilerType", "/endpointReconcilerType");
+        let addresses_field = named(
+            "loops.apiserverEndpoints.staticAddresses",
+            "/loops/apiserverEndpoints/staticAddresses",
+        );
         let mut config = self.merged(fragment)?;
         config.dry_run |= self.dry_run;
         self.check_tenant_etcd(&config)?;
         match config.loops.apiserver_endpoints.endpoint_mode() {
-            EndpointsMode::Static => check_static_addresses(&config).map(|()| config),
+            EndpointsMode::Static => {
+                check_static_addresses(&config, &addresses_field).map(|()| config)
+            }
             EndpointsMode::None => Ok(config),
             other => Err(ConfigErrors(vec![ConfigError::new(
-                tenant_field("endpointReconcilerType"),
+                mode_field,
                 format!(
                     "{:?} makes this process one of the tenant's apiservers, which it is not: \
                      use static (with the tenant's load-balancer address under \
@@ -369,7 +378,7 @@ impl TenantBase {
 /// A tenant's static endpoints are IP addresses: a name would be resolved by this process, with
 /// the management cluster's DNS, and what it answers written into the tenant's endpoints, where
 /// the tenant's users read it.
-fn check_static_addresses(config: &Config) -> Result<(), ConfigErrors> {
+fn check_static_addresses(config: &Config, field: &str) -> Result<(), ConfigErrors> {
     let refused: Vec<ConfigError> = config
         .loops
         .apiserver_endpoints
@@ -379,9 +388,7 @@ fn check_static_addresses(config: &Config) -> Result<(), ConfigErrors> {
         .filter(|(_, entry)| matches!(StaticAddress::parse(entry), Ok(StaticAddress::Name(_))))
         .map(|(index, entry)| {
             ConfigError::new(
-                tenant_field(&format!(
-                    "loops.apiserverEndpoints.staticAddresses[{index}]"
-                )),
+                format!("{field}[{index}]"),
                 format!(
                     "{entry:?} is a DNS name, which this process would resolve with the \
                      management cluster's DNS and write what it answers into the tenant's \
@@ -456,20 +463,13 @@ fn tenant_fragment(text: &str) -> Result<serde_json::Value, ConfigErrors> {
 /// and mean nothing to etcd, yet make one etcd look like another.
 pub fn tenant_etcd_url(server: &str) -> Result<(String, String, u16), String> {
     let example = "write scheme://host:port only, e.g. https://192.0.2.10:2379";
-    if server.contains('@') {
-        return Err(format!(
-            "has userinfo (user@), which etcd is never sent: {example}"
-        ));
-    }
-    if server.contains('?') {
-        return Err(format!(
-            "has a query (?...), which etcd is never sent: {example}"
-        ));
-    }
-    if server.contains('#') {
-        return Err(format!(
-            "has a fragment (#...), which etcd is never sent: {example}"
-        ));
+    let unsent = [
+        ('@', "userinfo (user@)"),
+        ('?', "a query (?...)"),
+        ('#', "a fragment (#...)"),
+    ];
+    if let Some((_, part)) = unsent.iter().find(|(mark, _)| server.contains(*mark)) {
+        return Err(format!("has {part}, which etcd is never sent: {example}"));
     }
     let uri: http::Uri = server
         .parse()
@@ -508,16 +508,10 @@ pub fn tenant_etcd_url(server: &str) -> Result<(String, String, u16), String> {
 /// refused for it when it loads).
 pub fn fragment_etcd(fragment: &str) -> Option<(Vec<String>, String)> {
     let tree = yaml_tree(fragment).ok()?;
-    let servers: Vec<String> = match tree.get("etcdServers")? {
-        serde_json::Value::String(text) => text.split(',').map(str::to_owned).collect(),
-        serde_json::Value::Array(list) => list
-            .iter()
-            .filter_map(|v| v.as_str().map(str::to_owned))
-            .collect(),
-        _ => return None,
-    };
-    let servers: Vec<String> = servers
-        .iter()
+    // Read as the file's parser reads it: a list or comma-separated text.
+    let servers = serde_json::from_value::<StringOrList>(tree.get("etcdServers")?.clone()).ok()?;
+    let servers: Vec<String> = String::from(servers)
+        .split(',')
         .map(|s| s.trim().trim_end_matches('/').to_ascii_lowercase())
         .filter(|s| !s.is_empty())
         .collect();
@@ -565,13 +559,15 @@ pub(super) fn deep_merge(base: &mut serde_json::Value, over: serde_json::Value) 
 /// The Secret data key Cluster API's `<cluster>-kubeconfig` Secrets use.
 pub const DEFAULT_TENANTS_KUBECONFIG_KEY: &str = "value";
 
-/// Management mode's settings: flags over the file's `tenants` section. `None` when no
-/// selector is set (the one cluster of `--kubeconfig`).
+/// Management mode's settings: flags over the file's `tenants` section, and none of the
+/// process's etcd settings. `None` when no selector is set (the one cluster of `--kubeconfig`).
 pub(super) fn merge_tenants(
     given: &mut Given,
-    budgets: Option<&BTreeMap<String, TenantBudgetFile>>,
+    args: &ConfigArgs,
+    file: &FileConfig,
     errors: &mut Vec<ConfigError>,
 ) -> Option<Tenants> {
+    let budgets = file.tenants.as_ref().and_then(|t| t.cache_budgets.as_ref());
     let namespace = given.tenants_namespace.take();
     let key = given.tenants_kubeconfig_key.take();
     let plugins = given.tenants_credential_plugins.take();
@@ -600,31 +596,24 @@ pub(super) fn merge_tenants(
         }
         return None;
     };
-    let cache_max_objects = positive(
-        max_objects,
-        DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
-        "50000",
-        errors,
-    );
-    let cache_max_mib = positive(max_mib, DEFAULT_TENANTS_CACHE_MAX_MIB, "32", errors);
-    let cache_total_mib = positive(total_mib, DEFAULT_TENANTS_CACHE_TOTAL_MIB, "96", errors);
+    // In management mode etcd is each tenant's, never the process's.
+    refuse_process_etcd(args, file, errors);
+    let cache_max_objects = positive(max_objects, DEFAULT_TENANTS_CACHE_MAX_OBJECTS, errors);
+    let cache_max_mib = positive(max_mib, DEFAULT_TENANTS_CACHE_MAX_MIB, errors);
+    let cache_total_mib = positive(total_mib, DEFAULT_TENANTS_CACHE_TOTAL_MIB, errors);
     let cache_budgets = cache_budgets(budgets, cache_max_objects, cache_max_mib, errors);
     let selector_text = secret_selector(selector, errors);
-    let namespace = namespace.and_then(|source| {
-        match reconcilers::names::validate_dns1123_label(&source.value) {
-            Ok(()) => Some(source.value),
-            Err(why) => {
-                errors.push(ConfigError::new(
-                    source.field,
-                    format!(
-                        "{:?} is not a valid namespace name: {why} (e.g. tenants)",
-                        source.value
-                    ),
-                ));
-                None
-            }
-        }
-    });
+    let namespace = namespace
+        .filter(|source| {
+            check_name(
+                source,
+                validate_dns1123_label,
+                "namespace",
+                "e.g. tenants",
+                errors,
+            )
+        })
+        .map(|source| source.value);
     let kubeconfig_key = key.map_or_else(
         || DEFAULT_TENANTS_KUBECONFIG_KEY.to_owned(),
         |source| kubeconfig_key(source, errors),
@@ -644,6 +633,35 @@ pub(super) fn merge_tenants(
         cache_budgets,
         etcd_allowed_cidrs,
     })
+}
+
+/// In management mode every tenant has its own etcd (servers and prefix in its annotation,
+/// credentials in its Secret): one process-wide etcd would be shared by every tenant, each
+/// repairing the others' bitmaps with its own cluster's Services.
+fn refuse_process_etcd(args: &ConfigArgs, file: &FileConfig, errors: &mut Vec<ConfigError>) {
+    let set = [
+        (args.etcd_servers.is_some(), "--etcd-servers"),
+        (args.etcd_prefix.is_some(), "--etcd-prefix"),
+        (args.etcd_cafile.is_some(), "--etcd-cafile"),
+        (args.etcd_certfile.is_some(), "--etcd-certfile"),
+        (args.etcd_keyfile.is_some(), "--etcd-keyfile"),
+        (file.etcd_servers.is_some(), "etcdServers"),
+        (file.etcd_prefix.is_some(), "etcdPrefix"),
+        (file.etcd_cafile.is_some(), "etcdCAFile"),
+        (file.etcd_certfile.is_some(), "etcdCertFile"),
+        (file.etcd_keyfile.is_some(), "etcdKeyFile"),
+    ];
+    for (_, field) in set.into_iter().filter(|(given, _)| *given) {
+        errors.push(ConfigError::new(
+            field,
+            format!(
+                "is not used in management mode: each tenant's etcd is its own (etcdServers and \
+                 etcdPrefix in its Secret's {TENANT_CONFIG_ANNOTATION} annotation, the client \
+                 certificate in its data keys {}, {}, {}); remove it",
+                TENANT_ETCD_KEYS.ca, TENANT_ETCD_KEYS.cert, TENANT_ETCD_KEYS.key
+            ),
+        ));
+    }
 }
 
 /// Checks a label selector as `kubectl get -l` writes it (`k`, `!k`, `k=v`, `k==v`, `k!=v`,
@@ -746,11 +764,10 @@ pub(super) fn validate_label_selector(selector: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// A positive whole number, or `default` when not given.
+/// A positive whole number, or `default` (the example an error gives) when not given.
 fn positive(
     source: Option<Source<Result<u32, NotANumber>>>,
     default: u32,
-    example: &str,
     errors: &mut Vec<ConfigError>,
 ) -> u32 {
     let Some(source) = source else {
@@ -763,7 +780,7 @@ fn positive(
     };
     errors.push(ConfigError::new(
         source.field,
-        format!("{text} is not a positive whole number (e.g. {example})"),
+        format!("{text} is not a positive whole number (e.g. {default})"),
     ));
     default
 }
@@ -771,7 +788,7 @@ fn positive(
 /// `tenants.cacheBudgets`: the operator's raise per tenant, keyed by its Secret's namespace/name;
 /// what a budget leaves out is the process's.
 fn cache_budgets(
-    budgets: Option<&BTreeMap<String, TenantBudgetFile>>,
+    budgets: Option<&BTreeMap<String, TenantBudget>>,
     max_objects: u32,
     max_mib: u32,
     errors: &mut Vec<ConfigError>,
@@ -802,8 +819,8 @@ fn cache_budgets(
         cache_budgets.insert(
             key.clone(),
             TenantBudget {
-                max_objects: budget.max_objects.unwrap_or(max_objects),
-                max_mib: budget.max_mib.unwrap_or(max_mib),
+                max_objects: budget.max_objects.or(Some(max_objects)),
+                max_mib: budget.max_mib.or(Some(max_mib)),
             },
         );
     }

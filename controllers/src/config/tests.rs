@@ -648,6 +648,34 @@ fn a_tenants_static_addresses_are_ip_addresses() {
     assert_eq!(tenant.loops.apiserver_endpoints.static_entries().len(), 2);
 }
 
+/// What the file sets is named as the file names it, not under the tenant annotation.
+#[test]
+fn a_tenant_refusal_of_the_files_own_setting_names_the_file_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    let file = "tenants:\n  secretSelector: a=b\nendpointReconcilerType: static\nloops:\n  \
+                apiserverEndpoints:\n    staticAddresses: [kube-dns.kube-system.svc]\n";
+    std::fs::write(&path, file).unwrap();
+    let args = ConfigArgs {
+        config: Some(path),
+        tenants_secret_selector: Some("a=b".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let refused = TenantBase::load(&args, &Config::load(&args).unwrap()).unwrap_err();
+    assert_eq!(refused.0.len(), 1, "{refused}");
+    assert_eq!(
+        refused.0[0].field,
+        "loops.apiserverEndpoints.staticAddresses[0]"
+    );
+    std::fs::write(
+        args.config.as_ref().unwrap(),
+        "tenants:\n  secretSelector: a=b\nendpointReconcilerType: lease\n",
+    )
+    .unwrap();
+    let refused = TenantBase::load(&args, &Config::load(&args).unwrap()).unwrap_err();
+    assert_eq!(refused.0[0].field, "endpointReconcilerType", "{refused}");
+}
+
 #[test]
 fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
     let args = ConfigArgs {

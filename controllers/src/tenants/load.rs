@@ -50,7 +50,7 @@ pub(super) async fn load(
         ));
     }
     config.settings.etcd.pin = etcd_pin;
-    let limits = Limits::TENANT.for_one_client_in(&settings.pools.responses);
+    let limits = Limits::TENANT.for_one_client(Some(&settings.pools.responses));
     let client = {
         let kube_config = kube_config.clone();
         let limits = limits.clone();
