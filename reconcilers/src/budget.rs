@@ -38,7 +38,7 @@
 use std::collections::HashMap;
 use std::fmt::Debug;
 use std::hash::{BuildHasher, Hash};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -53,7 +53,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::de::DeserializeOwned;
 
-use crate::list_watch::{ListWatchError, list_watch};
+use crate::list_watch::{ListWatch, ListWatchError};
 use crate::metrics::MetricRegistry;
 
 /// The most a cluster's caches may hold together.
@@ -103,7 +103,8 @@ pub struct CachePool {
 impl PartialEq for CachePool {
     /// Two pools are equal when their limits are (what a configuration compares).
     fn eq(&self, other: &Self) -> bool {
-        self.bytes.limits() == other.bytes.limits()
+        let limits = |pool: &CachePool| (pool.bytes.0.max_bytes, pool.bytes.0.floor);
+        limits(self) == limits(other)
     }
 }
 
@@ -163,8 +164,7 @@ struct PoolCounts {
     floor: usize,
     /// The [`PoolMember`]s alive: the fair share is the total over their number.
     members: AtomicUsize,
-    bytes: AtomicUsize,
-    gauge: Gauge,
+    bytes: Count,
 }
 
 impl BytePool {
@@ -173,19 +173,13 @@ impl BytePool {
             max_bytes,
             floor,
             members: AtomicUsize::new(0),
-            bytes: AtomicUsize::new(0),
-            gauge: Gauge::default(),
+            bytes: Count::default(),
         }))
     }
 
     /// The gauge of the bytes held, for a registry.
-    pub fn gauge(&self) -> Gauge {
-        self.0.gauge.clone()
-    }
-
-    /// `max_bytes` and `floor`, as given.
-    pub fn limits(&self) -> (usize, usize) {
-        (self.0.max_bytes, self.0.floor)
+    pub fn gauge(&self) -> Count {
+        self.0.bytes.clone()
     }
 
     /// One more member, taking a share of the pool while the returned member lives.
@@ -206,7 +200,7 @@ impl BytePool {
 
     /// The bytes every member holds now.
     pub fn held(&self) -> usize {
-        self.0.bytes.load(Ordering::Acquire)
+        count_of(&self.0.bytes)
     }
 }
 
@@ -221,7 +215,6 @@ impl PoolMember {
     pub fn moved(&self, before: usize, after: usize, member_now: usize) -> Result<(), usize> {
         let pool = &self.0;
         let now = move_count(&pool.0.bytes, before, after);
-        pool.0.gauge.set(i64::try_from(now).unwrap_or(i64::MAX));
         let (floor, above_floors) = pool.bounds();
         if after > before && now > above_floors && member_now > floor {
             return Err(above_floors);
@@ -249,13 +242,25 @@ pub fn pool_bounds(total: usize, floor: usize, members: usize) -> (usize, usize)
     (floor, total - members * floor)
 }
 
-/// Moves `counter` by `after - before`; the count now.
-pub fn move_count(counter: &AtomicUsize, before: usize, after: usize) -> usize {
-    if after >= before {
-        counter.fetch_add(after - before, Ordering::AcqRel) + (after - before)
+/// A count of objects or bytes held, which is also its own gauge: what a registry exposes is
+/// the count the limits are checked against.
+pub type Count = Gauge<u64, AtomicU64>;
+
+/// Moves `count` by `after - before`; the count now.
+pub fn move_count(count: &Count, before: usize, after: usize) -> usize {
+    // usize and u64 are the same size on every target this builds for.
+    let (before, after) = (before as u64, after as u64);
+    let now = if after >= before {
+        count.inc_by(after - before) + (after - before)
     } else {
-        counter.fetch_sub(before - after, Ordering::AcqRel) - (before - after)
-    }
+        count.dec_by(before - after) - (before - after)
+    };
+    now as usize
+}
+
+/// What `count` holds now.
+pub fn count_of(count: &Count) -> usize {
+    count.get() as usize
 }
 
 /// Decides the pause after a breach (and reports it); returns how long the cache waits before
@@ -279,8 +284,6 @@ struct Shared {
     pool: Option<(CachePool, PoolMember)>,
     /// Named in every [`Breach`]: the setting that raises the limits.
     hint: String,
-    objects: AtomicUsize,
-    bytes: AtomicUsize,
     hook: Mutex<Option<BreachHook>>,
     recovery: Mutex<Option<RecoveryHook>>,
     /// The last breach and the end of its pause: every cache of the cluster drops what it holds
@@ -294,10 +297,11 @@ struct ResourceLabels {
     resource: String,
 }
 
+/// The objects and bytes the caches hold are counted in these gauges themselves.
 #[derive(Clone, Default)]
 struct CacheMetrics {
-    objects: Gauge,
-    bytes: Gauge,
+    objects: Count,
+    bytes: Count,
     over_budget: Family<ResourceLabels, Counter>,
     lost: Family<ResourceLabels, Counter>,
 }
@@ -320,8 +324,7 @@ impl Debug for CacheBudget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CacheBudget")
             .field("limits", &self.0.limits)
-            .field("objects", &self.0.objects.load(Ordering::Relaxed))
-            .field("bytes", &self.0.bytes.load(Ordering::Relaxed))
+            .field("held", &self.held())
             .finish()
     }
 }
@@ -372,8 +375,6 @@ impl CacheBudget {
                 (pool, member)
             }),
             hint,
-            objects: AtomicUsize::new(0),
-            bytes: AtomicUsize::new(0),
             hook: Mutex::new(None),
             recovery: Mutex::new(None),
             pause: tokio::sync::watch::Sender::new(None),
@@ -381,16 +382,10 @@ impl CacheBudget {
         }))
     }
 
-    pub fn limits(&self) -> BudgetLimits {
-        self.0.limits
-    }
-
     /// What the caches hold now: objects and estimated bytes.
     pub fn held(&self) -> (usize, usize) {
-        (
-            self.0.objects.load(Ordering::Acquire),
-            self.0.bytes.load(Ordering::Acquire),
-        )
+        let metrics = &self.0.metrics;
+        (count_of(&metrics.objects), count_of(&metrics.bytes))
     }
 
     fn is_limited(&self) -> bool {
@@ -468,18 +463,10 @@ impl CacheBudget {
         after: (usize, usize),
         resource: &str,
     ) -> Result<(), Breach> {
-        let objects_now = move_count(&self.0.objects, before.0, after.0);
-        let bytes_now = move_count(&self.0.bytes, before.1, after.1);
+        let objects_now = move_count(&self.0.metrics.objects, before.0, after.0);
+        let bytes_now = move_count(&self.0.metrics.bytes, before.1, after.1);
         let pooled = (self.0.pool.as_ref())
             .map(|(pool, member)| (pool, member.moved(before.1, after.1, bytes_now)));
-        self.0
-            .metrics
-            .objects
-            .set(i64::try_from(objects_now).unwrap_or(i64::MAX));
-        self.0
-            .metrics
-            .bytes
-            .set(i64::try_from(bytes_now).unwrap_or(i64::MAX));
         let limits = self.0.limits;
         let breach = |unit, limit, hint: &str, pooled| Breach {
             resource: resource.to_owned(),
@@ -509,9 +496,6 @@ struct Account {
     resource: String,
     held: Tally,
     listing: Option<Tally>,
-    /// What the budget was last charged for this cache.
-    objects: usize,
-    bytes: usize,
 }
 
 /// Objects by key with their weights, and the weights' sum, kept as they change (an event
@@ -541,8 +525,6 @@ impl Account {
             resource,
             held: Tally::default(),
             listing: None,
-            objects: 0,
-            bytes: 0,
         }
     }
 
@@ -558,6 +540,7 @@ impl Account {
         event: &watcher::Event<K>,
         weight: impl Fn(&K) -> usize,
     ) -> Result<(), Breach> {
+        let before = self.totals();
         match event {
             watcher::Event::Init => self.listing = Some(Tally::default()),
             watcher::Event::InitApply(object) => self
@@ -572,29 +555,26 @@ impl Account {
             watcher::Event::Apply(object) => self.held.insert(Self::key(object), weight(object)),
             watcher::Event::Delete(object) => self.held.remove(Self::key(object)),
         }
-        let (listing_objects, listing_bytes) = self
-            .listing
-            .as_ref()
-            .map_or((0, 0), |tally| (tally.weights.len(), tally.bytes));
-        self.recharge(
-            self.held.weights.len() + listing_objects,
-            self.held.bytes + listing_bytes,
-        )
+        (self.budget).charge(before, self.totals(), &self.resource)
     }
 
-    fn recharge(&mut self, objects: usize, bytes: usize) -> Result<(), Breach> {
-        let result =
-            (self.budget).charge((self.objects, self.bytes), (objects, bytes), &self.resource);
-        (self.objects, self.bytes) = (objects, bytes);
-        result
+    /// The objects and bytes the cache holds, as the budget was charged for them.
+    fn totals(&self) -> (usize, usize) {
+        [Some(&self.held), self.listing.as_ref()]
+            .into_iter()
+            .flatten()
+            .fold((0, 0), |(objects, bytes), tally| {
+                (objects + tally.weights.len(), bytes + tally.bytes)
+            })
     }
 
     /// Gives back everything: the cache has dropped its contents.
     fn release(&mut self) {
+        let before = self.totals();
         self.held = Tally::default();
         self.listing = None;
         // Releasing never breaches.
-        let _ = self.recharge(0, 0);
+        let _ = (self.budget).charge(before, (0, 0), &self.resource);
     }
 }
 
@@ -627,30 +607,25 @@ pub enum CacheError {
 /// What a cache's watch yields.
 pub type CacheEvent<K> = Result<watcher::Event<K>, CacheError>;
 
-/// The longest wait before listing again after an event that could not be decoded.
-const MAX_LOST_DELAY: Duration = Duration::from_secs(60);
-
-struct WatchState<K: Resource + Clone + Debug + Send + 'static> {
-    api: Api<K>,
-    config: watcher::Config,
-    inner: Option<BoxStream<'static, Result<watcher::Event<K>, ListWatchError>>>,
+struct WatchState<K> {
+    list_watch: ListWatch<K>,
+    /// The kind watched, e.g. `Service`.
+    resource: String,
     account: Option<Account>,
     budget: CacheBudget,
     weight: fn(&K) -> usize,
-    /// How long to wait before the next watcher starts.
+    /// How long to wait before listing again: the pause after a breach.
     delay: Duration,
-    /// Lost events since the last complete list (for the backoff).
-    lost: u32,
     /// Whether this cache went over the budget and has not listed within it since.
     over: bool,
     /// The cluster's pauses (another cache's breach empties this one too).
     pauses: tokio::sync::watch::Receiver<Option<(tokio::time::Instant, Breach)>>,
 }
 
-/// The watch that feeds one cache: [`list_watch`] (with its backoff) within `budget`,
-/// each object weighing `weight(object)` bytes, ending (and starting again) on an event it
-/// cannot decode. A cache applies each `Ok` event; on [`CacheError::OverBudget`] it drops its
-/// contents and on [`CacheError::Lost`] it is not current until the next `InitDone`.
+/// The watch that feeds one cache: a [`ListWatch`] (with its backoff) within `budget`, each
+/// object weighing `weight(object)` bytes, listing again (after the list+watch's pause) on an
+/// event it cannot decode. A cache applies each `Ok` event; on [`CacheError::OverBudget`] it
+/// drops its contents and on [`CacheError::Lost`] it is not current until the next `InitDone`.
 pub fn watch<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -663,25 +638,20 @@ where
 {
     let resource = K::kind(&K::DynamicType::default()).into_owned();
     let state = WatchState {
-        api,
-        config,
-        inner: None,
+        list_watch: ListWatch::new(api, config),
         account: budget
             .is_limited()
             .then(|| Account::new(budget.clone(), resource.clone())),
+        resource,
         budget: budget.clone(),
         weight,
         delay: Duration::ZERO,
-        lost: 0,
         over: false,
         pauses: budget.0.pause.subscribe(),
     };
-    futures::stream::unfold(state, move |mut state| {
-        let resource = resource.clone();
-        async move {
-            let item = state.next(&resource).await;
-            Some((item, state))
-        }
+    futures::stream::unfold(state, |mut state| async move {
+        let item = state.next().await;
+        Some((item, state))
     })
     .boxed()
 }
@@ -691,18 +661,12 @@ where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
     K::DynamicType: Default + Eq + Hash + Clone,
 {
-    async fn next(&mut self, resource: &str) -> CacheEvent<K> {
+    async fn next(&mut self) -> CacheEvent<K> {
         loop {
-            let inner = match &mut self.inner {
-                Some(inner) => inner,
-                None => {
-                    if !self.delay.is_zero() {
-                        tokio::time::sleep(self.delay).await;
-                    }
-                    self.inner
-                        .insert(list_watch(self.api.clone(), self.config.clone()))
-                }
-            };
+            let delay = std::mem::take(&mut self.delay);
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             let limited = self.account.is_some();
             let item = tokio::select! {
                 biased;
@@ -713,7 +677,7 @@ where
                             if let Some(account) = &mut self.account {
                                 account.release();
                             }
-                            self.inner = None;
+                            self.list_watch.restart();
                             self.over = true;
                             self.delay =
                                 until.saturating_duration_since(tokio::time::Instant::now());
@@ -722,23 +686,15 @@ where
                         _ => continue,
                     }
                 }
-                item = inner.next() => item,
-            };
-            // A list+watch never ends; should it, a new one starts.
-            let Some(item) = item else {
-                self.inner = None;
-                continue;
+                item = self.list_watch.next() => item,
             };
             return match item {
                 Ok(event) => {
-                    if matches!(event, watcher::Event::InitDone) {
-                        self.lost = 0;
-                    }
                     if let Some(account) = &mut self.account
                         && let Err(breach) = account.apply(&event, self.weight)
                     {
                         account.release();
-                        self.inner = None;
+                        self.list_watch.restart();
                         self.over = true;
                         self.delay = self.budget.breached(&breach);
                         // This cache's own pause: not a second breach to react to.
@@ -751,22 +707,15 @@ where
                     }
                     Ok(event)
                 }
+                // The list+watch lists again after its backoff's pause.
                 Err(ListWatchError::Undecodable(source)) => {
-                    self.budget.lost(resource);
-                    self.inner = None;
-                    self.delay = Duration::from_secs(1)
-                        .saturating_mul(2u32.saturating_pow(self.lost.min(8)))
-                        .min(MAX_LOST_DELAY);
-                    self.lost = self.lost.saturating_add(1);
+                    self.budget.lost(&self.resource);
                     Err(CacheError::Lost {
-                        resource: resource.to_owned(),
+                        resource: self.resource.clone(),
                         source,
                     })
                 }
-                Err(err) => {
-                    self.delay = Duration::ZERO;
-                    Err(CacheError::Watch(err))
-                }
+                Err(err) => Err(CacheError::Watch(err)),
             };
         }
     }

@@ -32,15 +32,13 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use futures::StreamExt;
-use futures::stream::BoxStream;
 use http_body_util::BodyExt;
 use kube::api::{ListParams, VersionMatch, WatchEvent, WatchParams};
 use kube::client::Body;
 use kube::core::Status;
 use kube::runtime::utils::Backoff as _;
 use kube::runtime::watcher::{self, DefaultBackoff, Event, ListSemantic};
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 /// The longest event line a watch may send. kube-apiserver refuses request bodies over 3 MiB, so
@@ -72,32 +70,10 @@ pub enum ListWatchError {
     LineTooLong(usize),
 }
 
-/// The events of `api`'s objects as `config` selects them, for ever: see the module doc.
-pub fn list_watch<K>(
+/// The events of `api`'s objects as `config` selects them, for ever ([`ListWatch::next`]): see
+/// the module doc.
+pub struct ListWatch<K> {
     api: Api<K>,
-    config: watcher::Config,
-) -> BoxStream<'static, Result<Event<K>, ListWatchError>>
-where
-    K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
-{
-    let state = ListWatch {
-        client: api.clone().into_client(),
-        api,
-        config,
-        phase: Phase::Empty,
-        backoff: DefaultBackoff::default(),
-        resume_at: None,
-    };
-    futures::stream::unfold(state, |mut state| async move {
-        let item = state.next().await;
-        Some((item, state))
-    })
-    .boxed()
-}
-
-struct ListWatch<K> {
-    api: Api<K>,
-    client: Client,
     config: watcher::Config,
     phase: Phase<K>,
     backoff: DefaultBackoff,
@@ -132,7 +108,27 @@ impl<K> ListWatch<K>
 where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
-    async fn next(&mut self) -> Result<Event<K>, ListWatchError> {
+    pub fn new(api: Api<K>, config: watcher::Config) -> Self {
+        ListWatch {
+            api,
+            config,
+            phase: Phase::Empty,
+            backoff: DefaultBackoff::default(),
+            resume_at: None,
+        }
+    }
+
+    /// Drops what is listed or watched: the next event is the `Init` of a new list, sent at
+    /// once, its backoff started again.
+    pub fn restart(&mut self) {
+        self.phase = Phase::Empty;
+        self.backoff = DefaultBackoff::default();
+        self.resume_at = None;
+    }
+
+    /// The next event or error. Dropping the future before it completes loses nothing: a
+    /// request under way is sent again, a watch read on from where it was.
+    pub async fn next(&mut self) -> Result<Event<K>, ListWatchError> {
         loop {
             if let Some(at) = self.resume_at {
                 tokio::time::sleep_until(at).await;
@@ -221,8 +217,7 @@ where
     /// Opens a watch from `resource_version`.
     async fn start(&mut self, resource_version: String) -> Step<K> {
         let started = Box::pin(start_watch(
-            &self.client,
-            self.api.resource_url(),
+            &self.api,
             &watch_params(&self.config),
             &resource_version,
         ))
@@ -378,16 +373,15 @@ fn idle_timeout(config: &watcher::Config) -> Option<Duration> {
     }
 }
 
-/// Starts a watch of `url` from `version` as kube's `Api::watch` does (the request kube builds,
+/// Starts a watch of `api` from `version` as kube's `Api::watch` does (the request kube builds,
 /// marked `"watch"`, uncompressed as `Client::request_events` asks); its body, or the error the
 /// server answered with.
-async fn start_watch(
-    client: &Client,
-    url: &str,
+async fn start_watch<K: Resource + Clone>(
+    api: &Api<K>,
     params: &WatchParams,
     version: &str,
 ) -> Result<Body, kube::Error> {
-    let mut request = kube::core::Request::new(url)
+    let mut request = kube::core::Request::new(api.resource_url())
         .watch(params, version)
         .map_err(kube::Error::BuildRequest)?;
     request.extensions_mut().insert("watch");
@@ -397,7 +391,12 @@ async fn start_watch(
         http::header::ACCEPT_ENCODING,
         http::HeaderValue::from_static("identity"),
     );
-    let response = client.send(request.map(Body::from)).await?;
+    // The API's own client: a stream keeps no second one beside it.
+    let response = api
+        .clone()
+        .into_client()
+        .send(request.map(Body::from))
+        .await?;
     let status = response.status();
     if status.is_client_error() || status.is_server_error() {
         return Err(kube::Error::Api(
@@ -470,9 +469,6 @@ async fn next_line(
 /// (an unexpected EOF somewhere in the error's chain, or the chunk decoder's words for one, or
 /// a read timeout): the watch resumes without an error.
 fn is_end_of_watch(error: &kube::Error) -> bool {
-    if error.to_string().contains("unexpected EOF during chunk") {
-        return true;
-    }
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
     while let Some(err) = source {
         if let Some(io) = err.downcast_ref::<std::io::Error>()
@@ -568,7 +564,8 @@ impl LineSplitter {
     }
 
     /// Whether nothing is held: no bytes and no buffer between events.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.partial.capacity() == 0 && self.rest.is_empty()
     }
 

@@ -314,8 +314,6 @@ pub struct WatchCache<T: Cached> {
 /// (nor weigh on the budget with) every object of the kind.
 struct Scope<K> {
     page_size: OnceLock<u32>,
-    /// A loop reads every object.
-    every: std::sync::atomic::AtomicBool,
     named: Mutex<Named<K>>,
 }
 
@@ -323,15 +321,15 @@ enum Named<K> {
     Nothing,
     /// The API (namespace) and name of the one object named.
     One(Box<Api<K>>, String),
-    /// Loops named different objects: the cache keeps every object.
-    Several,
+    /// A loop reads every object, or loops named different objects: the cache keeps every
+    /// object.
+    Every,
 }
 
 impl<K> Default for Scope<K> {
     fn default() -> Self {
         Self {
             page_size: OnceLock::new(),
-            every: std::sync::atomic::AtomicBool::new(false),
             named: Mutex::new(Named::Nothing),
         }
     }
@@ -340,13 +338,14 @@ impl<K> Default for Scope<K> {
 impl<K: Resource + Clone> Scope<K> {
     /// The one object to watch, unless a loop reads every object (or none is named).
     fn one(&self) -> Option<(Api<K>, String)> {
-        if self.every.load(std::sync::atomic::Ordering::SeqCst) {
-            return None;
-        }
-        match &*self.named.lock().unwrap_or_else(PoisonError::into_inner) {
+        match &*self.named() {
             Named::One(api, name) => Some((Api::clone(api), name.clone())),
-            Named::Nothing | Named::Several => None,
+            Named::Nothing | Named::Every => None,
         }
+    }
+
+    fn named(&self) -> std::sync::MutexGuard<'_, Named<K>> {
+        self.named.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -417,18 +416,12 @@ impl<T: Cached> WatchCache<T> {
     /// already (or the watch started).
     pub fn read_every(&self, page_size: u32) {
         let _ = self.scope.page_size.set(page_size);
-        self.scope
-            .every
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        *self.scope.named() = Named::Every;
     }
 
     /// A loop reads only the object `name` of `api` (its namespace, for a namespaced kind).
     pub fn read_one(&self, api: Api<T::Object>, name: &str) {
-        let mut named = self
-            .scope
-            .named
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut named = self.scope.named();
         *named = match &*named {
             Named::Nothing => Named::One(Box::new(api), name.to_owned()),
             Named::One(held, held_name)
@@ -436,7 +429,7 @@ impl<T: Cached> WatchCache<T> {
             {
                 Named::One(Box::new(api), name.to_owned())
             }
-            Named::One(..) | Named::Several => Named::Several,
+            Named::One(..) | Named::Every => Named::Every,
         };
     }
 
@@ -647,17 +640,9 @@ impl<K: WholeObject> WatchCache<Lenient<K>> {
 /// of its name, so no permission beyond the watch's) only when the record cache is not current
 /// or holds a resourceVersion other than the kept one's. The loop shares the record cache's
 /// watch, and a pass at rest reads the kept object and sends nothing.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Whole<K> {
     held: Mutex<Option<K>>,
-}
-
-impl<K> Default for Whole<K> {
-    fn default() -> Self {
-        Self {
-            held: Mutex::new(None),
-        }
-    }
 }
 
 impl<K: WholeObject> Whole<K> {

@@ -9,11 +9,10 @@ use std::time::Duration;
 
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use common::sim;
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::runtime::watcher::{self, Event};
-use reconcilers::list_watch::{ListWatchError, MAX_LINE_BYTES, list_watch};
+use reconcilers::list_watch::{ListWatch, ListWatchError, MAX_LINE_BYTES};
 use tokio::sync::mpsc;
 
 fn config_map(name: &str, labelled: bool) -> ConfigMap {
@@ -50,10 +49,11 @@ struct Driven {
 
 impl Driven {
     fn start(api: &Api<ConfigMap>, config: watcher::Config) -> Self {
-        let mut stream = list_watch(api.clone(), config);
+        let mut list_watch = ListWatch::new(api.clone(), config);
         let (tx, items) = mpsc::unbounded_channel();
         let task = tokio::spawn(async move {
-            while let Some(item) = stream.next().await {
+            loop {
+                let item = list_watch.next().await;
                 if tx.send(describe(&item)).is_err() {
                     return;
                 }
