@@ -9,17 +9,17 @@
 use std::net::IpAddr;
 use std::sync::{Arc, OnceLock};
 
-use fixedbitset::FixedBitSet;
 use futures::StreamExt;
 use ipnet::IpNet;
+use smallvec::SmallVec;
 use tokio::sync::Notify;
 
 use super::plan::ACTION_CLUSTERIP_ALLOCATION;
 use super::{ClusterIpRepairLoop, Section};
-use crate::alloc::ServiceRange;
+use crate::alloc::{IpFamily, ServiceRange};
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
-use crate::legacy_alloc::{LegacyBitmap, Outlet, Subject};
+use crate::legacy_alloc::{BitmapRange, LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
 use crate::service_cache::record::{ClusterIp, ServiceRecord};
 use crate::service_range::ServiceRanges;
@@ -35,7 +35,7 @@ pub(super) struct LegacyIpBitmaps {
     pub(super) etcd: EtcdConfig,
     /// The `kubernetes` Service: a range mismatch is reported in an event about it.
     kubernetes_service: ServiceName,
-    bitmaps: Arc<OnceLock<Vec<LegacyBitmap>>>,
+    bitmaps: Arc<OnceLock<Vec<LegacyBitmap<ServiceRange>>>>,
     built: Arc<Notify>,
 }
 
@@ -54,7 +54,7 @@ impl LegacyIpBitmaps {
         &self,
         section: &Section,
         ranges: &ServiceRanges,
-    ) -> Result<&[LegacyBitmap], LoopError> {
+    ) -> Result<&[LegacyBitmap<ServiceRange>], LoopError> {
         if let Some(bitmaps) = self.bitmaps.get() {
             return Ok(bitmaps);
         }
@@ -77,44 +77,16 @@ impl LegacyIpBitmaps {
         Ok(bitmaps)
     }
 
-    fn build(&self, section: &Section, ranges: &[IpNet]) -> Vec<LegacyBitmap> {
+    fn build(&self, section: &Section, ranges: &[IpNet]) -> Vec<LegacyBitmap<ServiceRange>> {
         let store = EtcdStore::new(self.etcd.clone());
         ranges
             .iter()
             .zip([RangeKey::ServiceIps, RangeKey::SecondaryServiceIps])
             .map(|(net, key)| {
-                let range = ServiceRange::new(*net);
-                let size = bitmap_size(&range);
                 LegacyBitmap::new(
                     store.clone(),
                     self.etcd.key(key),
-                    net.to_string(),
-                    size,
-                    false,
-                    Subject {
-                        noun: "cluster IP",
-                        kind_prefix: "clusterip",
-                        range_setting: "serviceClusterIPRange",
-                        apiserver_flag: "--service-cluster-ip-range",
-                        rebuild_setting: "loops.clusterIPRepair.rebuildBitmapOnRangeChange",
-                        item_noun: "Cluster IP",
-                        family: Some(range.family()),
-                        event_action: ACTION_CLUSTERIP_ALLOCATION,
-                        item_reason: "ClusterIP",
-                        bitmap_name: "ClusterIP",
-                    },
-                    move |offset| {
-                        range
-                            .address_at(offset as u128 + 1)
-                            .map_or_else(|| format!("offset {offset}"), |ip| ip.to_string())
-                    },
-                    move |stored: &str, data: &[u8]| rebased(&range, size, stored, data),
-                    move |service: &ServiceRecord| {
-                        (service.cluster_ips.iter())
-                            .filter_map(ClusterIp::ip)
-                            .filter_map(|ip| offset(&range, ip, size))
-                            .collect()
-                    },
+                    ServiceRange::new(*net),
                     section.page_size,
                     section.rebuild_bitmap_on_range_change,
                     section.interval,
@@ -155,19 +127,13 @@ impl ClusterIpRepairLoop {
             return Ok(());
         }
         let bitmaps = legacy.get_or_build(&self.section, &self.ranges).await?;
-        let count = |error_type: &'static str| {
-            self.metrics
-                .ip_errors
-                .get_or_create(&[("type", error_type)])
-                .inc();
-        };
         let outlet = Outlet {
             recorder: &self.recorder,
             kubernetes_service: (
                 &legacy.kubernetes_service.namespace,
                 &legacy.kubernetes_service.name,
             ),
-            count: &count,
+            errors: &self.metrics.ip_errors,
         };
         for bitmap in bitmaps {
             let (in_use, holders) = {
@@ -183,31 +149,52 @@ impl ClusterIpRepairLoop {
     }
 }
 
-fn bitmap_size(range: &ServiceRange) -> usize {
-    usize::try_from(range.legacy_bitmap_size()).unwrap_or(usize::MAX)
-}
+/// The cluster-IP bitmap of a CIDR: a bit per address from network + 1, upstream's.
+impl BitmapRange for ServiceRange {
+    type Item = IpAddr;
+    const SUBJECT: Subject = Subject {
+        noun: "cluster IP",
+        kind_prefix: "clusterip",
+        range_setting: "serviceClusterIPRange",
+        apiserver_flag: "--service-cluster-ip-range",
+        rebuild_setting: "loops.clusterIPRepair.rebuildBitmapOnRangeChange",
+        item_noun: "Cluster IP",
+        event_action: ACTION_CLUSTERIP_ALLOCATION,
+        item_reason: "ClusterIP",
+        bitmap_name: "ClusterIP",
+        create_if_missing: false,
+    };
 
-/// The bitmap stored under the range `stored`, moved to `range`'s offsets; `None` when `stored`
-/// is not a CIDR.
-fn rebased(range: &ServiceRange, size: usize, stored: &str, data: &[u8]) -> Option<FixedBitSet> {
-    let from = ServiceRange::new(stored.parse::<IpNet>().ok()?);
-    // The stored range is etcd's text: a wide one (0.0.0.0/0 is 2^32 bits) must not size the
-    // bitmap. Bits past the stored bytes are all clear.
-    let stored_bits = bitmap_size(&from).min(data.len().saturating_mul(8));
-    let bits = crate::legacy_alloc::codec::bitmap_from_bytes(data, stored_bits);
-    Some(crate::legacy_alloc::repair::rebase(
-        &bits,
-        size,
-        |offset| from.address_at(offset as u128 + 1),
-        |ip| offset(range, ip, size),
-    ))
-}
+    fn parse(stored: &str) -> Option<Self> {
+        stored.parse().ok().map(ServiceRange::new)
+    }
 
-/// The offset of `ip` in `range`'s bitmap: `ip - (network + 1)`, upstream's.
-fn offset(range: &ServiceRange, ip: IpAddr, size: usize) -> Option<usize> {
-    let from_network = range.offset_of(ip)?;
-    let offset = usize::try_from(from_network.checked_sub(1)?).ok()?;
-    (offset < size).then_some(offset)
+    fn bits(&self) -> usize {
+        usize::try_from(self.legacy_bitmap_size()).unwrap_or(usize::MAX)
+    }
+
+    fn item(&self, bit: usize) -> Option<IpAddr> {
+        self.address_at(bit as u128 + 1)
+    }
+
+    /// `ip - (network + 1)`.
+    fn bit(&self, ip: IpAddr) -> Option<usize> {
+        let from_network = self.offset_of(ip)?;
+        let offset = usize::try_from(from_network.checked_sub(1)?).ok()?;
+        (offset < self.bits()).then_some(offset)
+    }
+
+    fn held(service: &ServiceRecord) -> SmallVec<[IpAddr; 4]> {
+        service
+            .cluster_ips
+            .iter()
+            .filter_map(ClusterIp::ip)
+            .collect()
+    }
+
+    fn family(&self) -> Option<IpFamily> {
+        Some(ServiceRange::family(self))
+    }
 }
 
 #[cfg(test)]
@@ -218,7 +205,7 @@ mod tests {
     use crate::service_cache::record::Token;
 
     /// The bitmap the loop builds for `cidr`.
-    fn bitmap(cidr: &str) -> LegacyBitmap {
+    fn bitmap(cidr: &str) -> LegacyBitmap<ServiceRange> {
         let kubernetes = ServiceName {
             namespace: "default".into(),
             name: "kubernetes".into(),
@@ -246,7 +233,7 @@ mod tests {
     #[test]
     fn offsets_are_upstreams() {
         let v4 = ServiceRange::new("10.96.0.0/24".parse().unwrap());
-        let size = bitmap_size(&v4);
+        let size = v4.bits();
         assert_eq!(size, 254);
         let services = [
             service("first", &["10.96.0.1"]),
@@ -263,11 +250,11 @@ mod tests {
         assert_eq!(owners[&9].name.as_str(), "dual");
 
         let v6 = ServiceRange::new("fd00::/64".parse().unwrap());
-        let size = bitmap_size(&v6);
+        let size = v6.bits();
         assert_eq!(size, 65_535);
         let (bits, _) = bitmap("fd00::/64").in_use(&services);
         assert_eq!(bits.ones().collect::<Vec<_>>(), vec![4]);
-        assert_eq!(offset(&v6, "fd00::1:0".parse().unwrap(), size), None);
+        assert_eq!(v6.bit("fd00::1:0".parse().unwrap()), None);
     }
 
     /// A range kube-apiserver's bitmap allocator refuses is refused here too, naming it, and no
@@ -328,22 +315,22 @@ mod tests {
     /// not sized by it.
     #[test]
     fn a_wide_stored_range_is_sized_by_its_bytes() {
-        let range = ServiceRange::new("0.0.1.0/24".parse().unwrap());
-        let size = bitmap_size(&range);
+        let bitmap = bitmap("0.0.1.0/24");
+        let size = 254;
         // Offset o of 0.0.0.0/0 is the address o + 1: 0.0.1.5 is offset 260, and offset 4 of
         // 0.0.1.0/24.
         let mut bytes = vec![0u8; 33];
         bytes[32 - 260 / 8] |= 1 << (260 % 8);
         bytes[32] |= 1;
         let before = peak_kib();
-        let moved = rebased(&range, size, "0.0.0.0/0", &bytes).unwrap();
+        let moved = bitmap.rebase("0.0.0.0/0", &bytes).unwrap();
         let grown = peak_kib() - before;
         assert!(grown < 128 * 1024, "{grown} KiB held to read 33 bytes");
         assert_eq!(moved.len(), size);
         assert_eq!(moved.ones().collect::<Vec<_>>(), vec![4]);
-        let empty = rebased(&range, size, "0.0.0.0/0", &[]).unwrap();
+        let empty = bitmap.rebase("0.0.0.0/0", &[]).unwrap();
         assert_eq!(empty.count_ones(..), 0);
-        assert!(rebased(&range, size, "not a range", &bytes).is_none());
+        assert!(bitmap.rebase("not a range", &bytes).is_none());
     }
 
     /// The event of an IP missing from the bitmap goes to the Service upstream's walk meets
@@ -376,9 +363,8 @@ mod tests {
             ("2000::/108", "2000::10"),
         ] {
             let range = ServiceRange::new(cidr.parse().unwrap());
-            let size = bitmap_size(&range);
             let (in_use, _) = bitmap(cidr).in_use(&services);
-            let leaked = offset(&range, leaked.parse().unwrap(), size).unwrap();
+            let leaked = range.bit(leaked.parse().unwrap()).unwrap();
             let mut stored = in_use.clone();
             stored.insert(leaked);
             let mut leaks = LeakTracker::default();

@@ -29,21 +29,14 @@ pub enum DecodeError {
     Invalid(String),
 }
 
-/// How a value was (or is to be) encoded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Encoding {
-    Protobuf,
-    Json,
-}
-
-/// A decoded `RangeAllocation`: its range, its bitmap bytes and, kept as they were, its metadata.
+/// A decoded `RangeAllocation`: its range, its bitmap bytes and, kept as they were, its metadata,
+/// whose form is the encoding the value is written back in.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RangeAllocation {
     /// `"30000-32767"`, or the CIDR.
     pub range: String,
     /// The bitmap, big-endian and minimal.
     pub data: Vec<u8>,
-    pub encoding: Encoding,
     metadata: Metadata,
 }
 
@@ -61,7 +54,6 @@ impl RangeAllocation {
         Self {
             range,
             data,
-            encoding: Encoding::Protobuf,
             metadata: Metadata::Protobuf(Vec::new()),
         }
     }
@@ -111,7 +103,6 @@ impl RangeAllocation {
         Ok(Self {
             range: object.range.unwrap_or_default(),
             data: object.data.unwrap_or_default(),
-            encoding: Encoding::Protobuf,
             metadata: Metadata::Protobuf(object.metadata.unwrap_or_default()),
         })
     }
@@ -126,7 +117,6 @@ impl RangeAllocation {
         Ok(Self {
             range: object.range,
             data,
-            encoding: Encoding::Json,
             metadata: Metadata::Json(object.metadata),
         })
     }
@@ -278,7 +268,7 @@ mod tests {
         let from_pb = RangeAllocation::decode(&pb).unwrap();
         assert_eq!(from_pb.range, "rangeValue");
         assert_eq!(from_pb.data, vec![3]);
-        assert_eq!(from_pb.encoding, Encoding::Protobuf);
+        assert!(matches!(from_pb.metadata, Metadata::Protobuf(_)));
         assert_eq!(from_pb.encode(), pb);
 
         let json = fixture("core.v1.RangeAllocation.json");
@@ -287,7 +277,7 @@ mod tests {
             (from_json.range.as_str(), from_json.data.as_slice()),
             ("rangeValue", &[3u8][..])
         );
-        assert_eq!(from_json.encoding, Encoding::Json);
+        assert!(matches!(from_json.metadata, Metadata::Json(_)));
         let again = RangeAllocation::decode(&from_json.encode()).unwrap();
         assert_eq!(again, from_json);
     }

@@ -430,13 +430,7 @@ impl EtcdStore {
         if found == expected {
             return Ok(());
         }
-        let mut slot = self.connection.lock().await;
-        if slot
-            .as_ref()
-            .is_some_and(|current| current.generation == connection.generation)
-        {
-            *slot = None;
-        }
+        self.drop_connection(connection).await;
         Err(EtcdError::OtherCluster {
             server: connection.server.clone(),
             expected,
@@ -497,12 +491,16 @@ impl EtcdStore {
     }
 
     fn tls(&self) -> Result<Option<ClientTlsConfig>, EtcdError> {
-        let read = |flag: &'static str, path: &PathBuf| {
-            std::fs::read(path).map_err(|source| EtcdError::File {
-                flag,
-                path: path.clone(),
-                source,
-            })
+        let read = |flag: &'static str, path: &Option<PathBuf>| {
+            (path.as_ref())
+                .map(|path| {
+                    std::fs::read(path).map_err(|source| EtcdError::File {
+                        flag,
+                        path: path.clone(),
+                        source,
+                    })
+                })
+                .transpose()
         };
         let config = &self.config;
         // No system roots are trusted for etcd (kube-apiserver's --etcd-cafile names the CA too):
@@ -522,33 +520,37 @@ impl EtcdStore {
                 ),
             });
         }
-        if let Some(inline) = &config.inline_tls {
-            if inline.ca.is_none() && inline.cert.is_none() {
-                return Ok(None);
-            }
-            let mut tls = ClientTlsConfig::new();
-            if let Some(ca) = &inline.ca {
-                tls = tls.ca_certificate(Certificate::from_pem(ca));
-            }
-            if let (Some(cert), Some(key)) = (&inline.cert, &inline.key) {
-                tls = tls.identity(Identity::from_pem(cert, key));
-            }
-            return Ok(Some(tls));
-        }
-        if config.ca_file.is_none() && config.cert_file.is_none() {
+        let (ca, cert, key) = match &config.inline_tls {
+            Some(inline) => (inline.ca.clone(), inline.cert.clone(), inline.key.clone()),
+            None => (
+                read("--etcd-cafile", &config.ca_file)?,
+                read("--etcd-certfile", &config.cert_file)?,
+                read("--etcd-keyfile", &config.key_file)?,
+            ),
+        };
+        if ca.is_none() && cert.is_none() {
             return Ok(None);
         }
         let mut tls = ClientTlsConfig::new();
-        if let Some(ca) = &config.ca_file {
-            tls = tls.ca_certificate(Certificate::from_pem(read("--etcd-cafile", ca)?));
+        if let Some(ca) = ca {
+            tls = tls.ca_certificate(Certificate::from_pem(ca));
         }
-        if let (Some(cert), Some(key)) = (&config.cert_file, &config.key_file) {
-            tls = tls.identity(Identity::from_pem(
-                read("--etcd-certfile", cert)?,
-                read("--etcd-keyfile", key)?,
-            ));
+        if let (Some(cert), Some(key)) = (cert, key) {
+            tls = tls.identity(Identity::from_pem(cert, key));
         }
         Ok(Some(tls))
+    }
+
+    /// Drops `connection` unless a newer one took its place, so the next call connects afresh;
+    /// whether it did.
+    async fn drop_connection(&self, connection: &Connection) -> bool {
+        let mut slot = self.connection.lock().await;
+        let current =
+            (slot.as_ref()).is_some_and(|current| current.generation == connection.generation);
+        if current {
+            *slot = None;
+        }
+        current
     }
 
     /// Turns a failed call into an error; one that is not etcd's own answer drops the
@@ -562,15 +564,9 @@ impl EtcdStore {
                 | Code::Cancelled
                 | Code::DeadlineExceeded
                 | Code::Internal
-        ) {
-            let mut slot = self.connection.lock().await;
-            if slot
-                .as_ref()
-                .is_some_and(|current| current.generation == connection.generation)
-            {
-                debug!(server = connection.server, code = ?status.code(), "dropping the etcd connection");
-                *slot = None;
-            }
+        ) && self.drop_connection(connection).await
+        {
+            debug!(server = connection.server, code = ?status.code(), "dropping the etcd connection");
         }
         EtcdError::Status {
             server: connection.server.clone(),

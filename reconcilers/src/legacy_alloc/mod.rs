@@ -25,6 +25,8 @@ use std::time::{Duration, Instant};
 use fixedbitset::FixedBitSet;
 use futures::stream::BoxStream;
 use kube::runtime::events::EventType;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use smallvec::SmallVec;
 use tracing::{debug, warn};
 
@@ -59,8 +61,6 @@ pub struct Subject {
     pub rebuild_setting: &'static str,
     /// A bit's item in upstream's event notes: `"Port"`, `"Cluster IP"`.
     pub item_noun: &'static str,
-    /// The IP family a cluster IP's "not allocated" note names (`Cluster IP [IPv4]:…`).
-    pub family: Option<IpFamily>,
     /// upstream's event action: `"PortAllocation"`, `"ClusterIPAllocation"`.
     pub event_action: &'static str,
     /// The reasons of the events about one bit start with this (`PortNotAllocated`,
@@ -69,6 +69,31 @@ pub struct Subject {
     /// range): `"Port"` and `"NodePort"`, `"ClusterIP"` and `"ClusterIP"`.
     pub item_reason: &'static str,
     pub bitmap_name: &'static str,
+    /// Whether a missing key is created (the NodePort key), or left missing (the ClusterIP keys
+    /// do not exist where kube-apiserver allocates with IPAddress objects alone).
+    pub create_if_missing: bool,
+}
+
+/// The range a key's bitmap numbers: node ports, or the cluster IPs of a CIDR. Its `Display`
+/// is the range as kube-apiserver stores it in the key: `"30000-32767"`, or the CIDR.
+pub trait BitmapRange: std::fmt::Display + Sized + Send + Sync {
+    /// What a bit stands for: a port, an IP.
+    type Item: std::fmt::Display;
+    const SUBJECT: Subject;
+    /// A range as stored in a key (etcd's text); `None` when it cannot be read.
+    fn parse(stored: &str) -> Option<Self>;
+    /// The bits of the range's bitmap.
+    fn bits(&self) -> usize;
+    /// The item at a bit; `None` past the range.
+    fn item(&self, bit: usize) -> Option<Self::Item>;
+    /// The bit of an item; `None` outside the range.
+    fn bit(&self, item: Self::Item) -> Option<usize>;
+    /// Every item of this kind a Service holds, in any range.
+    fn held(service: &ServiceRecord) -> SmallVec<[Self::Item; 4]>;
+    /// The IP family a cluster IP's "not allocated" note names (`Cluster IP [IPv4]:…`).
+    fn family(&self) -> Option<IpFamily> {
+        None
+    }
 }
 
 /// Where a repair's findings about its bitmap go: its error counter (by the metric's `type`)
@@ -77,7 +102,13 @@ pub struct Outlet<'a> {
     /// The loop's own, kept for its life ([`crate::events::emit_in`]).
     pub recorder: &'a SeriesRecorder,
     pub kubernetes_service: (&'a str, &'a str),
-    pub count: &'a (dyn Fn(&'static str) + Sync),
+    pub errors: &'a Family<[(&'static str, &'static str); 1], Counter>,
+}
+
+impl Outlet<'_> {
+    fn count(&self, error_type: &'static str) {
+        self.errors.get_or_create(&[("type", error_type)]).inc();
+    }
 }
 
 /// Up to this many bits missing from a bitmap are confirmed by a GET of each one's Service;
@@ -107,30 +138,12 @@ struct Stored {
     range_change: Option<(String, usize)>,
 }
 
-/// Moves bitmap bytes stored under the given range onto the configured range's offsets.
-pub type Rebase = dyn Fn(&str, &[u8]) -> Option<FixedBitSet> + Send + Sync;
-
-/// The offsets a Service holds in a key's bitmap: its node ports', or its cluster IPs' in the
-/// key's range. Those past the bitmap are ignored.
-pub type Offsets = dyn Fn(&ServiceRecord) -> SmallVec<[usize; 4]> + Send + Sync;
-
 /// One range key and what earlier passes saw of it.
-pub struct LegacyBitmap {
+pub struct LegacyBitmap<R: BitmapRange> {
     store: EtcdStore,
     key: String,
-    /// The range the key must hold: `"30000-32767"`, or the CIDR.
-    range: String,
-    size: usize,
-    /// Whether a missing key is created (the NodePort key), or left missing (the ClusterIP keys
-    /// do not exist where kube-apiserver allocates with IPAddress objects alone).
-    create_if_missing: bool,
-    subject: Subject,
-    /// Renders an offset: the port, or the IP.
-    item: Box<dyn Fn(usize) -> String + Send + Sync>,
-    /// The bitmap bytes stored under another range, moved onto this key's range (see
-    /// [`repair::rebase`]); `None` when that range cannot be read.
-    rebase: Box<Rebase>,
-    offsets: Box<Offsets>,
+    /// The range the key must hold.
+    range: R,
     /// The page size of a fresh list of the Services.
     page_size: u32,
     /// Whether a bitmap stored under another range (or none) is rebuilt under `range`: the
@@ -146,18 +159,11 @@ pub struct LegacyBitmap {
     cache: KeyCache,
 }
 
-impl LegacyBitmap {
-    #[allow(clippy::too_many_arguments)]
+impl<R: BitmapRange> LegacyBitmap<R> {
     pub fn new(
         store: EtcdStore,
         key: String,
-        range: String,
-        size: usize,
-        create_if_missing: bool,
-        subject: Subject,
-        item: impl Fn(usize) -> String + Send + Sync + 'static,
-        rebase: impl Fn(&str, &[u8]) -> Option<FixedBitSet> + Send + Sync + 'static,
-        offsets: impl Fn(&ServiceRecord) -> SmallVec<[usize; 4]> + Send + Sync + 'static,
+        range: R,
         page_size: u32,
         rebuild_on_range_change: bool,
         spacing: Duration,
@@ -166,12 +172,6 @@ impl LegacyBitmap {
             store,
             key,
             range,
-            size,
-            create_if_missing,
-            subject,
-            item: Box::new(item),
-            rebase: Box::new(rebase),
-            offsets: Box::new(offsets),
             page_size,
             rebuild_on_range_change,
             spacing,
@@ -182,18 +182,37 @@ impl LegacyBitmap {
         }
     }
 
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-
     /// A trigger stream: yields when the key changes in etcd, and keeps the value passes read.
     pub fn watch(&self) -> BoxStream<'static, ()> {
         self.store.watch(self.key.clone(), self.cache.clone())
     }
 
     /// Renders an offset as the port or IP it stands for.
-    pub fn item(&self, offset: usize) -> String {
-        (self.item)(offset)
+    fn item(&self, offset: usize) -> String {
+        (self.range.item(offset))
+            .map_or_else(|| format!("offset {offset}"), |item| item.to_string())
+    }
+
+    /// The bits of the range `service` holds.
+    fn held_bits(&self, service: &ServiceRecord) -> impl Iterator<Item = usize> {
+        R::held(service)
+            .into_iter()
+            .filter_map(|item| self.range.bit(item))
+    }
+
+    /// The bitmap bytes `data` stored under the range `stored`, moved onto this key's range (see
+    /// [`repair::rebase`]); `None` when `stored` cannot be read.
+    pub(crate) fn rebase(&self, stored: &str, data: &[u8]) -> Option<FixedBitSet> {
+        let from = R::parse(stored)?;
+        // The stored range is etcd's text: a wide one (0.0.0.0/0 is 2^32 bits) must not size the
+        // bitmap. Bits past the stored bytes are all clear.
+        let bits = bitmap_from_bytes(data, from.bits().min(data.len().saturating_mul(8)));
+        Some(repair::rebase(
+            &bits,
+            self.range.bits(),
+            |offset| from.item(offset),
+            |item| self.range.bit(item),
+        ))
     }
 
     /// The bits `services` hold, and the Service holding each that upstream's walk of a LIST
@@ -202,12 +221,13 @@ impl LegacyBitmap {
         &self,
         services: impl IntoIterator<Item = &'a ServiceRecord>,
     ) -> (FixedBitSet, HashMap<usize, ServiceRef>) {
-        let mut bits = FixedBitSet::with_capacity(self.size);
+        let size = self.range.bits();
+        let mut bits = FixedBitSet::with_capacity(size);
         let mut first: HashMap<usize, &ServiceRecord> = HashMap::new();
         for service in services {
-            for offset in (self.offsets)(service) {
+            for offset in self.held_bits(service) {
                 // FixedBitSet panics on a bit past its length.
-                if offset >= self.size {
+                if offset >= size {
                     continue;
                 }
                 bits.insert(offset);
@@ -251,14 +271,14 @@ impl LegacyBitmap {
 
     /// What is wrong when the key is stored under `stored` (empty: no range), and how to
     /// resolve it: the drift's message, the event's note and the log line.
-    pub fn range_mismatch_note(&self, stored: &str) -> String {
+    fn range_mismatch_note(&self, stored: &str) -> String {
         let Subject {
             noun,
             range_setting,
             apiserver_flag,
             rebuild_setting,
             ..
-        } = self.subject;
+        } = R::SUBJECT;
         let (key, configured) = (&self.key, &self.range);
         if self.rebuild_on_range_change {
             let under = match stored {
@@ -342,7 +362,7 @@ impl LegacyBitmap {
                             BitmapFinding::RangeMismatch(from.clone()),
                             format!(
                                 "the stored range {from:?} is not the configured {}: the bitmap is to be rebuilt under {} ({dropped} allocations outside it dropped; {}), once a fresh list of the Services succeeds",
-                                self.range, self.range, self.subject.rebuild_setting
+                                self.range, self.range, R::SUBJECT.rebuild_setting
                             ),
                         );
                     }
@@ -393,10 +413,7 @@ impl LegacyBitmap {
 
     /// Why a pass over the key failed, as the loop reports it.
     fn failed(&self, why: impl std::fmt::Display) -> LoopError {
-        LoopError::Other(format!(
-            "{} bitmap in etcd: {why}",
-            self.subject.bitmap_name
-        ))
+        LoopError::Other(format!("{} bitmap in etcd: {why}", R::SUBJECT.bitmap_name))
     }
 
     /// The new findings of a pass: each one logged, counted and its event published. A range
@@ -421,7 +438,7 @@ impl LegacyBitmap {
                 true => Ok(()),
                 false => {
                     let reference = crate::events::service_reference(about);
-                    let action = self.subject.event_action;
+                    let action = R::SUBJECT.event_action;
                     (crate::events::emit_in(
                         outlet.recorder,
                         &reference,
@@ -435,7 +452,7 @@ impl LegacyBitmap {
             };
             if matches!(finding, BitmapFinding::RangeMismatch(_)) {
                 match published {
-                    Ok(()) => (outlet.count)("rangeMismatch"),
+                    Ok(()) => outlet.count("rangeMismatch"),
                     Err(err) => {
                         self.reported.forget(&finding);
                         unpublished.get_or_insert(err);
@@ -465,8 +482,8 @@ impl LegacyBitmap {
             bitmap_name,
             rebuild_setting,
             ..
-        } = self.subject;
-        let (key, count) = (self.key.as_str(), outlet.count);
+        } = R::SUBJECT;
+        let key = self.key.as_str();
         match finding {
             BitmapFinding::NotAllocated(offset) => {
                 let item = self.item(*offset);
@@ -474,9 +491,9 @@ impl LegacyBitmap {
                     key,
                     "the {noun} {item} is in use but not allocated; repairing"
                 );
-                count("repair");
+                outlet.count("repair");
                 let holder = holders.get(offset)?;
-                let item = match self.subject.family {
+                let item = match self.range.family() {
                     Some(family) => format!("[{family}]:{item}"),
                     None => item,
                 };
@@ -494,7 +511,7 @@ impl LegacyBitmap {
             BitmapFinding::Released(offset) => {
                 let item = self.item(*offset);
                 warn!(key, "the {noun} {item} appears to have leaked: cleaning up");
-                count("leak");
+                outlet.count("leak");
                 let note = format!(
                     "{item_noun} {item} appeared to have leaked (no Service holds it); released \
                      it from the allocation bitmap"
@@ -511,7 +528,7 @@ impl LegacyBitmap {
             }
             BitmapFinding::RangeMismatch(stored) => {
                 let note = self.range_mismatch_note(stored);
-                warn!(key, stored, configured = self.range, "{note}");
+                warn!(key, stored, configured = %self.range, "{note}");
                 Some((kubernetes, format!("{bitmap_name}RangeMismatch"), note))
             }
             // The bitmap rebuilt under the configured range (or its range filled in).
@@ -519,18 +536,18 @@ impl LegacyBitmap {
                 if stored.is_empty() {
                     warn!(
                         key,
-                        configured = self.range,
+                        configured = %self.range,
                         "the stored bitmap has no range; filling in the configured one ({rebuild_setting} is set)"
                     );
                 } else {
                     warn!(
                         key,
                         stored,
-                        configured = self.range,
+                        configured = %self.range,
                         "the stored range differs from the configured one; rebuilding the bitmap under the configured range, dropping the allocations outside it ({rebuild_setting} is set)"
                     );
                 }
-                count("repair");
+                outlet.count("repair");
                 let note = format!(
                     "rebuilt the {bitmap_name} allocation bitmap under {} (stored under \
                      {stored:?})",
@@ -540,7 +557,7 @@ impl LegacyBitmap {
             }
             BitmapFinding::Unusable(why) => {
                 warn!(key, "the stored bitmap cannot be used: {why}");
-                count("invalid");
+                outlet.count("invalid");
                 None
             }
         }
@@ -548,7 +565,7 @@ impl LegacyBitmap {
 
     /// The drift kind of this key's subject for a finding (`leaked`: `nodeport_leaked`).
     fn kind(&self, suffix: &str) -> &'static str {
-        match (self.subject.kind_prefix, suffix) {
+        match (R::SUBJECT.kind_prefix, suffix) {
             ("nodeport", "not_allocated") => "nodeport_not_allocated",
             ("nodeport", "leaked") => "nodeport_leaked",
             ("nodeport", "leak_held") => "nodeport_leak_held",
@@ -588,7 +605,7 @@ impl LegacyBitmap {
         stored: Option<etcd::Stored>,
         report: &mut PassReport,
     ) -> Result<Stored, Vec<BitmapFinding>> {
-        if stored.is_none() && !self.create_if_missing {
+        if stored.is_none() && !R::SUBJECT.create_if_missing {
             return Err(Vec::new());
         }
         let mut unusable = |message: String| {
@@ -612,16 +629,16 @@ impl LegacyBitmap {
         let moved_from = value
             .as_ref()
             .map(|value| value.range.clone())
-            .filter(|range| *range != self.range);
+            .filter(|range| *range != self.range.to_string());
         let bits = match (&value, &moved_from) {
-            (None, _) => FixedBitSet::with_capacity(self.size),
-            (Some(value), Some(from)) if !from.is_empty() => (self.rebase)(from, &value.data)
+            (None, _) => FixedBitSet::with_capacity(self.range.bits()),
+            (Some(value), Some(from)) if !from.is_empty() => (self.rebase(from, &value.data))
                 .ok_or_else(|| {
                     unusable(format!(
                         "the stored range {from:?} cannot be read; nothing is written to it"
                     ))
                 })?,
-            (Some(value), _) => bitmap_from_bytes(&value.data, self.size),
+            (Some(value), _) => bitmap_from_bytes(&value.data, self.range.bits()),
         };
         if let Some(from) = &moved_from
             && !self.rebuild_on_range_change
@@ -680,7 +697,7 @@ impl LegacyBitmap {
                     continue;
                 };
                 let liveness = live::confirm(client, namespace, name, uid, |service| {
-                    (self.offsets)(service).contains(&offset)
+                    self.held_bits(service).any(|held| held == offset)
                 })
                 .await
                 .map_err(|err| format!("cannot read Service {namespace}/{name}: {err}"))?;
@@ -719,7 +736,7 @@ impl LegacyBitmap {
             let offsets = unjudged.clone();
             // Without a live read nothing is written: a bit set for a gone Service would hold it.
             let gone = (self.confirm_live(&ctx.client, offsets, holders).await).map_err(|why| {
-                let (noun, key) = (self.subject.noun, &self.key);
+                let (noun, key) = (R::SUBJECT.noun, &self.key);
                 self.failed(format!(
                     "cannot confirm the Services holding {noun}s missing from {key}: {why}"
                 ))
@@ -753,8 +770,8 @@ impl LegacyBitmap {
     async fn write(&self, stored: &Stored, plan: &repair::Plan) -> Result<bool, LoopError> {
         let bytes = bitmap_to_bytes(&plan.bitmap);
         let new_value = match &stored.value {
-            Some(value) => value.with_range_and_data(self.range.clone(), bytes),
-            None => RangeAllocation::new(self.range.clone(), bytes),
+            Some(value) => value.with_range_and_data(self.range.to_string(), bytes),
+            None => RangeAllocation::new(self.range.to_string(), bytes),
         };
         let encoded = new_value.encode();
         match self
@@ -810,23 +827,19 @@ impl LegacyBitmap {
         );
         findings.extend(plan.released.iter().map(|&o| BitmapFinding::Released(o)));
         findings.extend(plan.held.iter().map(|&o| BitmapFinding::ReleaseHeld(o)));
-        let repaired: Vec<BitmapFinding> = findings
-            .iter()
-            .filter(|finding| {
+        let new = self.reported.update(findings.iter().cloned());
+        if applied {
+            // Written: what was repaired is gone, so if it comes back (the bit cleared again
+            // before a pass saw it set) that is a new occurrence, reported and counted again.
+            let repaired = findings.iter().filter(|finding| {
                 matches!(
                     finding,
                     BitmapFinding::NotAllocated(_)
                         | BitmapFinding::Released(_)
                         | BitmapFinding::RangeRebuilt(_)
                 )
-            })
-            .cloned()
-            .collect();
-        let new = self.reported.update(findings);
-        if applied {
-            // Written: what was repaired is gone, so if it comes back (the bit cleared again
-            // before a pass saw it set) that is a new occurrence, reported and counted again.
-            for finding in &repaired {
+            });
+            for finding in repaired {
                 self.reported.forget(finding);
             }
         }
@@ -842,7 +855,7 @@ impl LegacyBitmap {
         applied: bool,
         holders: &HashMap<usize, ServiceRef>,
     ) -> Vec<Drift> {
-        let (noun, key, object) = (self.subject.noun, &self.key, self.object());
+        let (noun, key, object) = (R::SUBJECT.noun, &self.key, self.object());
         let state = |offset, state: &str| format!("{noun} {} {state} in {key}", self.item(offset));
         let allocate = plan.not_allocated.iter().map(|&offset| {
             drift(
@@ -894,12 +907,15 @@ impl LegacyBitmap {
         let message = if from.is_empty() {
             format!(
                 "the stored value has no range: {} is filled in ({})",
-                self.range, self.subject.rebuild_setting
+                self.range,
+                R::SUBJECT.rebuild_setting
             )
         } else {
             format!(
                 "the stored range {from:?} is not the configured {}: the bitmap is rebuilt under {} ({dropped} allocations outside it dropped; {})",
-                self.range, self.range, self.subject.rebuild_setting
+                self.range,
+                self.range,
+                R::SUBJECT.rebuild_setting
             )
         };
         let was = match from {

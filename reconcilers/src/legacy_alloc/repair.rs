@@ -28,13 +28,6 @@ struct Sighting {
     last: Instant,
 }
 
-impl LeakTracker {
-    /// Bits suspected of having leaked now.
-    pub fn suspects(&self) -> usize {
-        self.sightings.len()
-    }
-}
-
 /// What one pass decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -206,7 +199,7 @@ mod tests {
         assert_eq!((again.released, again.flagged), (vec![11], vec![]));
         // Written: no longer stored, no suspect any more.
         pass(&plan.bitmap, &bits(&[]), &mut leaks, true);
-        assert_eq!(leaks.suspects(), 0);
+        assert_eq!(leaks.sightings.len(), 0);
     }
 
     /// TestRepairWithExisting: Services holding 111, 122, 133 (an out-of-range port, an empty
@@ -261,7 +254,7 @@ mod tests {
         assert_eq!((plan.released.clone(), plan.held.len()), (vec![50], 0));
         // 170 was in use after all; 150 stays a suspect until a stored bitmap no longer holds it
         // (a write that loses its compare-and-swap must not make it a new one).
-        assert_eq!(leaks.suspects(), 1);
+        assert_eq!(leaks.sightings.len(), 1);
         let mut again = pass(&stored, &bits(&[160]), &mut leaks, false);
         assert_eq!(
             (again.held.clone(), again.flagged.clone()),
@@ -270,7 +263,7 @@ mod tests {
         again.release_held(&mut leaks, &bits(&[160, 170]));
         assert_eq!(again.released, vec![50]);
         pass(&plan.bitmap, &bits(&[160, 170]), &mut leaks, false);
-        assert_eq!(leaks.suspects(), 0);
+        assert_eq!(leaks.sightings.len(), 0);
     }
 
     /// TestRepairStaleCacheStillRepairsAllocations: a stale view still sets what is in use.
@@ -291,7 +284,7 @@ mod tests {
         pass(&stored, &bits(&[]), &mut leaks, true);
         pass(&stored, &bits(&[]), &mut leaks, true);
         pass(&stored, &bits(&[111]), &mut leaks, true);
-        assert_eq!(leaks.suspects(), 0);
+        assert_eq!(leaks.sightings.len(), 0);
         let plan = pass(&stored, &bits(&[]), &mut leaks, true);
         assert_eq!(plan.flagged, vec![11]);
         assert_eq!(ports(&plan.bitmap), vec![111]);

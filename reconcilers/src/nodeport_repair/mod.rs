@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use kube::Client;
+use smallvec::SmallVec;
 use tracing::{debug, warn};
 
 use crate::alloc::PortRange;
@@ -35,7 +36,7 @@ use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Tr
 use crate::events::SeriesRecorder;
 use crate::findings::ReportOnce;
 use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
-use crate::legacy_alloc::{LegacyBitmap, Subject};
+use crate::legacy_alloc::{BitmapRange, LegacyBitmap, Subject};
 use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::live::Liveness;
@@ -64,7 +65,44 @@ pub struct NodePortRepairLoop {
     recorder: SeriesRecorder,
     reported: ReportOnce<Finding>,
     metrics: NodePortMetrics,
-    etcd: Option<LegacyBitmap>,
+    etcd: Option<LegacyBitmap<PortRange>>,
+}
+
+/// The node-port bitmap: a bit per port of the range, from its base.
+impl BitmapRange for PortRange {
+    type Item = i32;
+    const SUBJECT: Subject = Subject {
+        noun: "node port",
+        kind_prefix: "nodeport",
+        range_setting: "serviceNodePortRange",
+        apiserver_flag: "--service-node-port-range",
+        rebuild_setting: "loops.nodePortRepair.rebuildBitmapOnRangeChange",
+        item_noun: "Port",
+        event_action: EVENT_ACTION,
+        item_reason: "Port",
+        bitmap_name: "NodePort",
+        create_if_missing: true,
+    };
+
+    fn parse(stored: &str) -> Option<Self> {
+        PortRange::parse_any_form(stored).ok()
+    }
+
+    fn bits(&self) -> usize {
+        self.size()
+    }
+
+    fn item(&self, bit: usize) -> Option<i32> {
+        i32::try_from(usize::from(self.base()) + bit).ok()
+    }
+
+    fn bit(&self, port: i32) -> Option<usize> {
+        self.offset(port)
+    }
+
+    fn held(service: &ServiceRecord) -> SmallVec<[i32; 4]> {
+        plan::collect_service_node_ports(service)
+    }
 }
 
 impl NodePortRepairLoop {
@@ -86,37 +124,7 @@ impl NodePortRepairLoop {
             LegacyBitmap::new(
                 EtcdStore::new(etcd.clone()),
                 etcd.key(RangeKey::NodePorts),
-                range.to_string(),
-                range.size(),
-                true,
-                Subject {
-                    noun: "node port",
-                    kind_prefix: "nodeport",
-                    range_setting: "serviceNodePortRange",
-                    apiserver_flag: "--service-node-port-range",
-                    rebuild_setting: "loops.nodePortRepair.rebuildBitmapOnRangeChange",
-                    item_noun: "Port",
-                    family: None,
-                    event_action: EVENT_ACTION,
-                    item_reason: "Port",
-                    bitmap_name: "NodePort",
-                },
-                move |offset| (usize::from(range.base()) + offset).to_string(),
-                move |stored: &str, data: &[u8]| {
-                    let from = PortRange::parse_any_form(stored).ok()?;
-                    let bits = crate::legacy_alloc::codec::bitmap_from_bytes(data, from.size());
-                    Some(crate::legacy_alloc::repair::rebase(
-                        &bits,
-                        range.size(),
-                        |offset| i32::try_from(usize::from(from.base()) + offset).ok(),
-                        |port| range.offset(port),
-                    ))
-                },
-                move |service: &ServiceRecord| {
-                    (plan::collect_service_node_ports(service).into_iter())
-                        .filter_map(|port| range.offset(port))
-                        .collect()
-                },
+                range,
                 section.page_size,
                 section.rebuild_bitmap_on_range_change,
                 section.interval,
@@ -184,7 +192,9 @@ impl NodePortRepairLoop {
                 unpublished.get_or_insert(err);
                 continue;
             }
-            self.count(finding.problem.error_type());
+            (self.metrics.port_errors)
+                .get_or_create(&[("type", finding.problem.error_type())])
+                .inc();
             warn!(
                 service = %format_args!("{}/{}", finding.service.namespace, finding.service.name),
                 port = finding.port,
