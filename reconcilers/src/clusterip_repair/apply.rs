@@ -12,7 +12,7 @@ use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Api, Client};
 
 use super::model::{self, IPALLOCATOR_MANAGER, LABEL_IP_FAMILY, LABEL_MANAGED_BY};
-use super::plan::{DeleteGround, Finding, Regarding, Repair};
+use super::plan::{Finding, Regarding, Repair};
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError};
 use crate::service_cache::live::{self, Liveness};
@@ -96,8 +96,21 @@ pub(super) async fn verify(client: &Client, finding: &Finding) -> Verdict {
             owner,
             dangling_parent,
             ..
-        } => verify_recreate(client, *ip, owner, dangling_parent.as_ref()).await,
-        Repair::Delete { name, ground, .. } => verify_delete(client, name, ground).await,
+        } => {
+            let verdict = confirm(client, owner, |svc| svc.lists_ip(*ip)).await;
+            match dangling_parent {
+                Some(parent) if matches!(verdict, Verdict::Confirmed) => {
+                    does_not_list(client, parent, *ip).await
+                }
+                _ => verdict,
+            }
+        }
+        Repair::Delete { name, parent, .. } => match (parent, name.parse::<IpAddr>()) {
+            (Some(parent), Ok(ip)) => does_not_list(client, parent, ip).await,
+            // A parent that is no Service is one whatever the Services are, and no Service can
+            // list a name that is no IP.
+            _ => Verdict::Confirmed,
+        },
     }
 }
 
@@ -114,42 +127,8 @@ async fn unallocated(client: &Client, ip: IpAddr) -> Verdict {
     }
 }
 
-async fn verify_delete(client: &Client, name: &str, ground: &DeleteGround) -> Verdict {
-    let ServiceRef {
-        namespace,
-        name: parent,
-        ..
-    } = match ground {
-        DeleteGround::NotAService => return Verdict::Confirmed,
-        DeleteGround::ParentGone(parent) | DeleteGround::ParentDoesNotList(parent) => parent,
-    };
-    let Ok(ip) = name.parse::<IpAddr>() else {
-        // No Service can list a name that is no IP.
-        return Verdict::Confirmed;
-    };
-    match live::read(client, namespace, parent).await {
-        Ok(None) => Verdict::Confirmed,
-        Ok(Some(service)) if !service.lists_ip(ip) => Verdict::Confirmed,
-        Ok(Some(_)) => Verdict::Contradicted(format!(
-            "Service {namespace}/{parent} exists and lists {ip}, but the Service cache did not show it"
-        )),
-        Err(err) => unknown(namespace, parent, &err),
-    }
-}
-
-async fn verify_recreate(
-    client: &Client,
-    ip: IpAddr,
-    owner: &ServiceRef,
-    dangling_parent: Option<&ServiceRef>,
-) -> Verdict {
-    let verdict = confirm(client, owner, |svc| svc.lists_ip(ip)).await;
-    if !matches!(verdict, Verdict::Confirmed) {
-        return verdict;
-    }
-    let Some(parent) = dangling_parent else {
-        return Verdict::Confirmed;
-    };
+/// Whether `parent`, read live, is gone or does not list `ip`.
+async fn does_not_list(client: &Client, parent: &ServiceRef, ip: IpAddr) -> Verdict {
     match live::read(client, &parent.namespace, &parent.name).await {
         Ok(Some(service)) if service.lists_ip(ip) => Verdict::Contradicted(format!(
             "Service {}/{} exists and lists {ip}, but the Service cache did not show it",
@@ -236,21 +215,14 @@ pub(super) fn object_reference(regarding: &Regarding) -> ObjectReference {
     }
 }
 
-pub(super) fn action_of(repair: &Repair) -> Action {
-    match repair {
+/// The drift a finding is reported as, its action the write its repair makes.
+pub(super) fn drift_of(finding: &Finding, applied: bool, note: Option<String>) -> Drift {
+    let action = match finding.repair {
         Repair::None => Action::Report,
         Repair::Create { .. } => Action::Create,
         Repair::Recreate { .. } => Action::Update,
         Repair::Delete { .. } => Action::Delete,
-    }
-}
-
-pub(super) fn drift_of(
-    finding: &Finding,
-    action: Action,
-    applied: bool,
-    note: Option<String>,
-) -> Drift {
+    };
     let mut message = finding.summary();
     if let Some(note) = note {
         message.push_str(" (");
@@ -265,7 +237,7 @@ pub(super) fn drift_of(
         applied,
     );
     match finding.change() {
-        Some(change) if action != Action::Report => drift.changed(change.was, change.became),
-        _ => drift,
+        Some(change) => drift.changed(change.was, change.became),
+        None => drift,
     }
 }

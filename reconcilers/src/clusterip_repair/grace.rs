@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::plan::{Decision, DeleteGround, Repair, UNLISTED_GRACE};
+use super::plan::{Decision, Problem, Repair, UNLISTED_GRACE};
 
 /// When this controller first saw each IPAddress that waits out a grace or is deleted on its age
 /// (an orphan, or one not listed by its Service), on its own monotonic clock. That age is
@@ -40,16 +40,13 @@ pub fn hold_until_seen_as_old(
     let far_past_grace = &decision.far_past_grace;
     let mut recheck = None;
     decision.findings.retain(|finding| {
-        let Repair::Delete {
-            existing, ground, ..
-        } = &finding.repair
-        else {
+        let Repair::Delete { existing, .. } = &finding.repair else {
             return true;
         };
-        let grace = match ground {
-            DeleteGround::ParentGone(_) => orphan_grace,
-            DeleteGround::ParentDoesNotList(_) => UNLISTED_GRACE.unsigned_abs(),
-            DeleteGround::NotAService => return true,
+        let grace = match finding.problem {
+            Problem::Leaked => orphan_grace,
+            Problem::WrongParent => UNLISTED_GRACE.unsigned_abs(),
+            _ => return true,
         };
         let met = match first.since.get(&existing.uid) {
             Some(met) => *met,

@@ -47,9 +47,7 @@ use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
-use crate::contract::{
-    Action, Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt,
-};
+use crate::contract::{Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt};
 use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
 use crate::section::Settings;
@@ -57,9 +55,7 @@ use crate::service_cache::record::ServiceRecord;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, Discovered, ServiceRanges, networking_v1_serves};
 use crate::watch_cache::WatchCache;
 pub use apply::new_ip_address;
-use apply::{
-    Outcome, Verdict, action_of, create_ip_address, delete_ip_address, drift_of, object_reference,
-};
+use apply::{Outcome, Verdict, create_ip_address, delete_ip_address, drift_of, object_reference};
 use audit::AuditDecision;
 use model::{IpAddressRecord, ServiceCidrRecord};
 use plan::{Finding, Problem, Repair};
@@ -237,17 +233,8 @@ impl ClusterIpRepairLoop {
         match self.section.mode {
             RepairMode::IpAddress => Ok(Served::IpAddressApi),
             RepairMode::Audit => Ok(Served::NoIpAddressApi),
-            RepairMode::Auto => {
-                let served = self.discovered(client).await?;
-                Ok(served)
-            }
+            RepairMode::Auto => Ok(discover(client, &self.discovered, &self.found).await?),
         }
-    }
-
-    /// What the cluster serves, by discovery: "served" kept for good, "not served" for an
-    /// interval.
-    async fn discovered(&self, client: &Client) -> Result<Served, LoopError> {
-        Ok(discover(client, &self.discovered, &self.found).await?)
     }
 
     /// etcd mode: whether kube-apiserver allocates cluster IPs with the legacy bitmaps, so that
@@ -272,7 +259,9 @@ impl ClusterIpRepairLoop {
     async fn keeps_legacy_bitmaps(&self, client: &Client) -> Result<bool, LoopError> {
         let served = match self.section.mode {
             RepairMode::IpAddress => Served::IpAddressApi,
-            RepairMode::Auto | RepairMode::Audit => self.discovered(client).await?,
+            RepairMode::Auto | RepairMode::Audit => {
+                discover(client, &self.discovered, &self.found).await?
+            }
         };
         let keeps = served == Served::NoIpAddressApi;
         if !keeps
@@ -416,10 +405,6 @@ impl ClusterIpRepairLoop {
             name: DEFAULT_SERVICE_CIDR.into(),
             resource_version: 0,
             cidrs: configured.to_vec(),
-            raw_cidrs: configured
-                .iter()
-                .map(|net| net.to_string().into_boxed_str())
-                .collect(),
             deleting: false,
         })
     }
@@ -453,10 +438,9 @@ impl ClusterIpRepairLoop {
                 .is_some_and(|key| !appeared.contains(key))
             {
                 // Reported when it appeared; still there, still in `check`'s list.
-                report.push(drift_of(&finding, Action::Report, false, None));
+                report.push(drift_of(&finding, false, None));
                 continue;
             }
-            let action = action_of(&finding.repair);
             match apply::verify(&ctx.client, &finding).await {
                 Verdict::Confirmed => {}
                 Verdict::Contradicted(why) => {
@@ -485,32 +469,29 @@ impl ClusterIpRepairLoop {
             };
             match outcome {
                 Outcome::Skip => continue,
-                Outcome::Done => match self.publish(&finding).await {
-                    Ok(()) => {
-                        if report_only.is_some() {
-                            self.count(&finding);
+                Outcome::Done => {
+                    match self.publish(&finding).await {
+                        Ok(()) if report_only.is_some() => self.count(&finding),
+                        Ok(()) => {}
+                        Err(err) => {
+                            // A report-only finding is counted and published on the next pass
+                            // instead (the runner retries a failed pass soon); a repair is done.
+                            if let Some(key) = &report_only {
+                                self.reported.forget(key);
+                            }
+                            first_error.get_or_insert(err);
                         }
-                        report.push(drift_of(&finding, action, action != Action::Report, None));
                     }
-                    Err(err) => {
-                        // A report-only finding is counted and published on the next pass
-                        // instead (the runner retries a failed pass soon); a repair is done.
-                        if let Some(key) = &report_only {
-                            self.reported.forget(key);
-                        }
-                        first_error.get_or_insert(err);
-                        report.push(drift_of(&finding, action, action != Action::Report, None));
-                    }
-                },
+                    report.push(drift_of(&finding, report_only.is_none(), None));
+                }
                 Outcome::DryRun => {
                     if report_only.is_some() {
                         self.count(&finding);
                     }
-                    report.push(drift_of(&finding, action, false, None));
+                    report.push(drift_of(&finding, false, None));
                 }
                 Outcome::Failed => report.push(drift_of(
                     &finding,
-                    action,
                     false,
                     Some("the write failed; retrying".to_owned()),
                 )),
@@ -567,7 +548,7 @@ impl ClusterIpRepairLoop {
         }
         if served == Served::NoIpAddressApi {
             info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; reported when a pass can");
-            return drift_of(finding, Action::Report, false, None);
+            return drift_of(finding, false, None);
         }
         self.wakeup
             .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
@@ -578,12 +559,7 @@ impl ClusterIpRepairLoop {
                 .inc();
         }
         info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; deferred");
-        drift_of(
-            finding,
-            action_of(&finding.repair),
-            false,
-            Some(format!("deferred: {why}")),
-        )
+        drift_of(finding, false, Some(format!("deferred: {why}")))
     }
 
     /// Carries out one repair of a finding [`apply::verify`] confirmed. The deletes are

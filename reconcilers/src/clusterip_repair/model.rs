@@ -455,16 +455,13 @@ mod tests {
         );
         assert!(!ip.name.to_string().is_empty());
         assert!(ip.parent.is_some());
-        let cidr = ServiceCidrRecord::from(
-            &serde_json::from_str::<ServiceCidrObject>(
-                &std::fs::read_to_string(format!(
-                    "{FIXTURES}/networking.k8s.io.v1.ServiceCIDR.json"
-                ))
+        let object = serde_json::from_str::<ServiceCidrObject>(
+            &std::fs::read_to_string(format!("{FIXTURES}/networking.k8s.io.v1.ServiceCIDR.json"))
                 .unwrap(),
-            )
-            .unwrap(),
-        );
-        assert!(!cidr.raw_cidrs.is_empty());
+        )
+        .unwrap();
+        assert!(!object.spec.cidrs.is_empty());
+        let cidr = ServiceCidrRecord::from(&object);
         assert!(
             cidr.cidrs.is_empty(),
             "placeholder CIDR strings are not parsed as ranges"
@@ -636,10 +633,8 @@ mod tests {
                "status":{"conditions":[{"type":"Ready","lastTransitionTime":null}]}}"#,
         ] {
             let cidr: ServiceCidrObject = serde_json::from_str(json).unwrap();
-            assert!(
-                ServiceCidrRecord::from(&cidr).raw_cidrs.is_empty(),
-                "{json}"
-            );
+            assert!(cidr.spec.cidrs.is_empty(), "{json}");
+            assert!(ServiceCidrRecord::from(&cidr).cidrs.is_empty(), "{json}");
         }
         let cidr: ServiceCidrObject = serde_json::from_str(
             r#"{"metadata":{"name":"kubernetes","deletionTimestamp":"2026-01-01T00:00:00Z"},

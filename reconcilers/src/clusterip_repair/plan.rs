@@ -147,17 +147,6 @@ impl ObjectVersion {
     }
 }
 
-/// Why deleting an IPAddress is right; re-checked against the live API before the delete.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum DeleteGround {
-    /// `spec.parentRef` does not name a Service: true whatever the Services are.
-    NotAService,
-    /// The parent Service does not exist.
-    ParentGone(ServiceRef),
-    /// The parent Service exists but does not list the IP.
-    ParentDoesNotList(ServiceRef),
-}
-
 /// The write a finding calls for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Repair {
@@ -175,11 +164,15 @@ pub enum Repair {
         /// The existing IPAddress in words (its parent and labels), for the repair's log line.
         was: Box<str>,
     },
-    /// Delete the IPAddress named `name` (if still at `existing`).
+    /// Delete the IPAddress named `name` (if still at `existing`). Why is the finding's
+    /// problem: not a Service's ([`Problem::NotAService`], true whatever the Services are), its
+    /// Service gone ([`Problem::Leaked`]) or not listing it ([`Problem::WrongParent`]).
     Delete {
         name: Box<str>,
         existing: ObjectVersion,
-        ground: DeleteGround,
+        /// The parent Service, which a live read must find gone or not listing the IP before
+        /// the delete; `None` for a parent that is no Service.
+        parent: Option<ServiceRef>,
         /// The IPAddress in words (its parent), for the repair's log line.
         was: Box<str>,
     },
@@ -411,8 +404,8 @@ impl<'i, 'a> IpIndex<'i, 'a> {
 /// The lookups a pass makes, built once per pass.
 struct Index<'i, 'a> {
     ip_addresses: &'i [&'a IpAddressRecord],
-    ips_by_addr: &'i IpIndex<'i, 'a>,
-    services_by_key: &'i ServicesByKey<'i, 'a>,
+    ips_by_addr: IpIndex<'i, 'a>,
+    services_by_key: ServicesByKey<'i, 'a>,
 }
 
 fn ranges_of<'a>(
@@ -490,15 +483,13 @@ pub fn decide_ipaddress_mode<'a>(
     services.sort_unstable_by(|a, b| a.key_cmp(b));
     let ip_addresses: Vec<&IpAddressRecord> = ip_addresses.into_iter().collect();
     let ranges = ranges_of(service_cidrs);
-    let ips_by_addr = IpIndex::of(&ip_addresses);
-    let services_by_key = ServicesByKey {
-        services: &services,
-        map: OnceCell::new(),
-    };
     let index = Index {
         ip_addresses: &ip_addresses,
-        ips_by_addr: &ips_by_addr,
-        services_by_key: &services_by_key,
+        ips_by_addr: IpIndex::of(&ip_addresses),
+        services_by_key: ServicesByKey {
+            services: &services,
+            map: OnceCell::new(),
+        },
     };
     let mut phase = ServicePhase::default();
     let mut claims = Claims::new(ip_addresses.len());
@@ -528,7 +519,7 @@ pub fn decide_ipaddress_mode<'a>(
     let service_findings = decision.findings.len();
     for (ip, settled) in ip_addresses.iter().zip(settled) {
         if !settled {
-            sync_ip_address(ip, &services_by_key, now, orphan_grace, &mut decision);
+            sync_ip_address(ip, &index.services_by_key, now, orphan_grace, &mut decision);
         }
     }
     // IPAddresses come in cache order; report them in name order (there are few findings, and
@@ -844,18 +835,8 @@ fn sync_ip_address(
     }
     let parent = match ip.parent.as_ref() {
         Some(parent) if parent.is_service() => parent,
-        other => {
-            decision.findings.push(clean_up(
-                ip,
-                Problem::NotAService,
-                format!(
-                    "IPAddress {} appears to have been modified, not referencing a Service {}: cleaning up",
-                    ip.name,
-                    go_parent_ref(other)
-                ),
-                format!("IPAddress {} {}", ip.name, parent_words(other)),
-                DeleteGround::NotAService,
-            ));
+        _ => {
+            decision.findings.push(clean_up(ip, Problem::NotAService));
             return;
         }
     };
@@ -871,22 +852,7 @@ fn sync_ip_address(
                 Some(at) if at >= now => decision.wait(ip, at),
                 _ => {
                     decision.past_grace(ip, grace, now);
-                    decision.findings.push(clean_up(
-                        ip,
-                        Problem::Leaked,
-                        format!(
-                            "IPAddress: {} for Service {}/{} appears to have leaked: cleaning up",
-                            ip.name, parent.namespace, parent.name
-                        ),
-                        format!(
-                            "IPAddress {} for Service {}/{}, which does not exist",
-                            ip.name, parent.namespace, parent.name
-                        ),
-                        DeleteGround::ParentGone(ServiceRef::named(
-                            &parent.namespace,
-                            &parent.name,
-                        )),
-                    ));
+                    decision.findings.push(clean_up(ip, Problem::Leaked));
                 }
             }
         }
@@ -896,42 +862,55 @@ fn sync_ip_address(
                 decision.wait(ip, at);
             } else if !listed {
                 decision.past_grace(ip, UNLISTED_GRACE, now);
-                decision.findings.push(clean_up(
-                    ip,
-                    Problem::WrongParent,
-                    format!(
-                        "IPAddress: {} for Service {}/{} has a wrong reference; cleaning up",
-                        ip.name, svc.namespace, svc.name
-                    ),
-                    format!(
-                        "IPAddress {} for Service {}/{}, which does not list it",
-                        ip.name, svc.namespace, svc.name
-                    ),
-                    DeleteGround::ParentDoesNotList(ServiceRef::named(&svc.namespace, &svc.name)),
-                ));
+                decision.findings.push(clean_up(ip, Problem::WrongParent));
             }
         }
     }
 }
 
-/// An IPAddress deleted as a leak (`problem`), on `ground`, with upstream's event `note`; `was`
-/// says what it was.
-fn clean_up(
-    ip: &IpAddressRecord,
-    problem: Problem,
-    note: String,
-    was: String,
-    ground: DeleteGround,
-) -> Finding {
+/// An IPAddress deleted as a leak (`problem`: [`Problem::NotAService`], [`Problem::Leaked`] or
+/// [`Problem::WrongParent`]), with upstream's event note.
+fn clean_up(ip: &IpAddressRecord, problem: Problem) -> Finding {
+    let name = &ip.name;
+    let parent = ip.parent.as_ref().filter(|p| p.is_service());
+    let (note, was) = match (problem, parent) {
+        (Problem::Leaked, Some(p)) => (
+            format!(
+                "IPAddress: {name} for Service {}/{} appears to have leaked: cleaning up",
+                p.namespace, p.name
+            ),
+            format!(
+                "IPAddress {name} for Service {}/{}, which does not exist",
+                p.namespace, p.name
+            ),
+        ),
+        (Problem::WrongParent, Some(p)) => (
+            format!(
+                "IPAddress: {name} for Service {}/{} has a wrong reference; cleaning up",
+                p.namespace, p.name
+            ),
+            format!(
+                "IPAddress {name} for Service {}/{}, which does not list it",
+                p.namespace, p.name
+            ),
+        ),
+        _ => (
+            format!(
+                "IPAddress {name} appears to have been modified, not referencing a Service {}: cleaning up",
+                go_parent_ref(ip.parent.as_ref())
+            ),
+            format!("IPAddress {name} {}", parent_words(ip.parent.as_ref())),
+        ),
+    };
     Finding {
         problem,
         regarding: Regarding::ip_address(ip),
         note,
         repair: Repair::Delete {
-            name: ip.name.to_string().into(),
+            name: name.to_string().into(),
             existing: ObjectVersion::of(ip),
             was: was.into(),
-            ground,
+            parent: parent.map(|p| ServiceRef::named(&p.namespace, &p.name)),
         },
         shared_with: None,
     }
@@ -1024,7 +1003,6 @@ mod tests {
                 "10.0.0.0/24".parse().unwrap(),
                 "fd00::/108".parse().unwrap(),
             ],
-            raw_cidrs: vec!["10.0.0.0/24".into(), "fd00::/108".into()],
             deleting: false,
         }]
     }
@@ -1499,10 +1477,11 @@ mod tests {
         assert!(matches!(
             &decision.findings[0].repair,
             Repair::Delete {
-                ground: DeleteGround::ParentDoesNotList { .. },
+                parent: Some(_),
                 ..
             }
         ));
+        assert_eq!(decision.findings[0].problem, Problem::WrongParent);
         assert_eq!(
             decision.findings[0].regarding.object(),
             "IPAddress/10.0.0.5"
@@ -1614,13 +1593,13 @@ mod tests {
                 ),
             ]
         );
-        assert!(decision.findings.iter().all(|f| matches!(
-            f.repair,
-            Repair::Delete {
-                ground: DeleteGround::NotAService,
-                ..
-            }
-        )));
+        assert!(
+            decision
+                .findings
+                .iter()
+                .all(|f| f.problem == Problem::NotAService
+                    && matches!(f.repair, Repair::Delete { parent: None, .. }))
+        );
         assert_eq!(
             decision.findings[0].problem.event().unwrap().1,
             "IPAddressAllocation"
