@@ -6,37 +6,30 @@ use kube::runtime::events::EventType;
 
 use super::plan::{self, Finding, Problem};
 use super::{EVENT_ACTION, NodePortRepairLoop};
+use crate::alloc::PortRange;
 use crate::contract::{LoopError, PassContext, PassReport};
 use crate::legacy_alloc::{LegacyBitmap, Outlet};
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::ServiceRecord;
 
 impl NodePortRepairLoop {
-    pub(super) fn count(&self, error_type: &'static str) {
-        self.metrics
-            .port_errors
-            .get_or_create(&[("type", error_type)])
-            .inc();
-    }
-
     /// etcd mode: repairs the bitmap against the ports in use; `PortNotAllocated` on the
     /// Service of each port found missing. The pass's scan holds the bits and first holders
     /// [`LegacyBitmap::in_use`] would give for the same Services, so the cache is scanned once.
     pub(super) async fn repair_bitmap(
         &self,
         ctx: &PassContext,
-        etcd: &LegacyBitmap,
+        etcd: &LegacyBitmap<PortRange>,
         scan: &plan::Scan,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
-        let count = |error_type| self.count(error_type);
         let outlet = Outlet {
             recorder: &self.recorder,
             kubernetes_service: (
                 &self.kubernetes_service.namespace,
                 &self.kubernetes_service.name,
             ),
-            count: &count,
+            errors: &self.metrics.port_errors,
         };
         let in_use = (&scan.in_use, &scan.owners);
         (etcd.repair(ctx, in_use, &outlet, report)).await

@@ -14,7 +14,9 @@ use tracing::warn;
 
 use super::plan::{Plan, go_list, is_event_reason, plan, ready_words};
 use super::{CONTROLLER_NAME, ServiceCidrLoop};
-use crate::contract::{Action, LoopError, PassContext, PassReport, drift};
+use crate::contract::{
+    Action, Drift, LoopError, PassContext, PassReport, drift, ignore_already_exists,
+};
 use crate::service_range::DEFAULT_SERVICE_CIDR;
 
 const READY_MESSAGE: &str = "Kubernetes default Service CIDR is ready";
@@ -24,6 +26,12 @@ const ERROR_REASON: &str = "KubernetesDefaultServiceCIDRError";
 const NOT_READY_REASON: &str = "KubernetesDefaultServiceCIDRNotReady";
 /// events.k8s.io/v1 needs an action; upstream's core/v1 events have none.
 const EVENT_ACTION: &str = "DefaultServiceCIDRSync";
+
+/// The drift `kind` of the default ServiceCIDR, not (yet) repaired.
+fn found(kind: &'static str, action: Action, message: String) -> Drift {
+    let object = format!("ServiceCIDR/{DEFAULT_SERVICE_CIDR}");
+    drift(kind, object, action, message, false)
+}
 
 /// What a write leaves for the status step.
 enum Written {
@@ -36,10 +44,6 @@ enum Written {
 }
 
 impl ServiceCidrLoop {
-    async fn warn_event(&self, reason: &str, note: String) {
-        self.event(EventType::Warning, reason, note).await;
-    }
-
     /// Upstream's event for a failed `write`, published when the failure appears (which write,
     /// and the code and reason of the API's answer), not again while the retries fail alike.
     async fn failed(&self, write: &str, err: &kube::Error, note: String) {
@@ -51,13 +55,27 @@ impl ServiceCidrLoop {
             .unwrap_or_else(PoisonError::into_inner)
             .is_new(&how);
         if new {
-            self.warn_event(ERROR_REASON, note).await;
+            self.event(EventType::Warning, ERROR_REASON, note).await;
         }
     }
 
-    /// Every repair is an event too (upstream's controller only logs these).
-    async fn repair_event(&self, reason: &str, note: &str) {
-        self.event(EventType::Normal, reason, note.to_owned()).await;
+    /// A repair made: `found` applied, with what it `was` and `became`, and its event (upstream's
+    /// controller only logs these).
+    async fn repaired(
+        &self,
+        reason: &str,
+        found: Drift,
+        was: String,
+        became: String,
+        report: &mut PassReport,
+    ) {
+        self.event(EventType::Normal, reason, found.message.clone())
+            .await;
+        let applied = Drift {
+            applied: true,
+            ..found
+        };
+        report.push(applied.changed(was, became));
     }
 
     async fn event(&self, type_: EventType, reason: &str, note: String) {
@@ -85,12 +103,11 @@ impl ServiceCidrLoop {
             return Ok(report);
         }
         let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());
-        let object = format!("ServiceCIDR/{DEFAULT_SERVICE_CIDR}");
         let mut current = self.current(&api).await?;
         let written = match plan(current.as_ref(), &self.ranges) {
-            Plan::Create => self.create(ctx, &api, &object, &mut report).await?,
+            Plan::Create => self.create(ctx, &api, &mut report).await?,
             Plan::UpgradeToDualStack => {
-                (self.upgrade(ctx, &api, current.as_ref(), &object, &mut report)).await?
+                (self.upgrade(ctx, &api, current.as_ref(), &mut report)).await?
             }
             _ => Written::Unchanged,
         };
@@ -99,7 +116,7 @@ impl ServiceCidrLoop {
             Written::Now(now) => current = *now,
             Written::Unchanged => {}
         }
-        self.sync_status(ctx, &api, current.as_ref(), &object, &mut report)
+        self.sync_status(ctx, &api, current.as_ref(), &mut report)
             .await?;
         if !ctx.dry_run {
             (self.failure.lock())
@@ -114,7 +131,6 @@ impl ServiceCidrLoop {
         &self,
         ctx: &PassContext,
         api: &Api<ServiceCIDR>,
-        object: &str,
         report: &mut PassReport,
     ) -> Result<Written, LoopError> {
         let desired = self.desired();
@@ -122,14 +138,9 @@ impl ServiceCidrLoop {
             "default ServiceCIDR is missing; creating it with CIDRs {}",
             go_list(&desired)
         );
+        let missing = found("servicecidr_missing", Action::Create, message);
         if ctx.dry_run {
-            report.push(drift(
-                "servicecidr_missing",
-                object,
-                Action::Create,
-                message,
-                false,
-            ));
+            report.push(missing);
             return Ok(Written::Stop);
         }
         let new = ServiceCIDR {
@@ -142,25 +153,26 @@ impl ServiceCidrLoop {
             }),
             status: None,
         };
-        let created = match api.create(&PostParams::default(), &new).await {
-            Ok(created) => created,
+        let created = match ignore_already_exists(api.create(&PostParams::default(), &new).await) {
+            Ok(Some(created)) => created,
             // kube-apiserver 1.33+ creates it too, and the watch had not shown it yet: nothing
             // was repaired, and the status step takes the object as the watch has it.
-            Err(kube::Error::Api(status)) if status.code == 409 => {
-                return Ok(Written::Now(Box::new(self.current(api).await?)));
-            }
+            Ok(None) => return Ok(Written::Now(Box::new(self.current(api).await?))),
             Err(err) => {
                 let note = "The default ServiceCIDR can not be created".to_owned();
                 self.failed("create", &err, note).await;
                 return Err(err.into());
             }
         };
-        self.repair_event("DefaultServiceCIDRCreated", &message)
-            .await;
-        report.push(
-            drift("servicecidr_missing", object, Action::Create, message, true)
-                .changed("absent", format!("CIDRs {}", go_list(&desired))),
-        );
+        let became = format!("CIDRs {}", go_list(&desired));
+        self.repaired(
+            "DefaultServiceCIDRCreated",
+            missing,
+            "absent".to_owned(),
+            became,
+            report,
+        )
+        .await;
         Ok(Written::Now(Box::new(Some(created))))
     }
 
@@ -170,7 +182,6 @@ impl ServiceCidrLoop {
         ctx: &PassContext,
         api: &Api<ServiceCIDR>,
         current: Option<&ServiceCIDR>,
-        object: &str,
         report: &mut PassReport,
     ) -> Result<Written, LoopError> {
         let desired = self.desired();
@@ -178,14 +189,9 @@ impl ServiceCidrLoop {
             "default ServiceCIDR is single-stack; upgrading it to dual-stack {}",
             go_list(&desired)
         );
+        let single = found("servicecidr_single_stack", Action::Update, message);
         if ctx.dry_run {
-            report.push(drift(
-                "servicecidr_single_stack",
-                object,
-                Action::Update,
-                message,
-                false,
-            ));
+            report.push(single);
             return Ok(Written::Stop);
         }
         let Some(mut upgraded) = current.cloned() else {
@@ -204,21 +210,10 @@ impl ServiceCidrLoop {
             .await
         {
             Ok(updated) => {
-                self.repair_event("DefaultServiceCIDRUpgraded", &message)
+                let (was, became) = (go_list(&was), go_list(&desired));
+                let (was, became) = (format!("CIDRs {was}"), format!("CIDRs {became}"));
+                self.repaired("DefaultServiceCIDRUpgraded", single, was, became, report)
                     .await;
-                report.push(
-                    drift(
-                        "servicecidr_single_stack",
-                        object,
-                        Action::Update,
-                        message,
-                        true,
-                    )
-                    .changed(
-                        format!("CIDRs {}", go_list(&was)),
-                        format!("CIDRs {}", go_list(&desired)),
-                    ),
-                );
                 Ok(Written::Now(Box::new(Some(updated))))
             }
             Err(err) => {
@@ -238,7 +233,6 @@ impl ServiceCidrLoop {
         ctx: &PassContext,
         api: &Api<ServiceCIDR>,
         current: Option<&ServiceCIDR>,
-        object: &str,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
         let plan = plan(current, &self.ranges);
@@ -262,37 +256,29 @@ impl ServiceCidrLoop {
             Plan::Inconsistent { .. } => {
                 if appeared {
                     warn!(%note, "Inconsistent ServiceCIDR status");
-                    self.warn_event("KubernetesDefaultServiceCIDRInconsistent", note.clone())
-                        .await;
+                    let reason = "KubernetesDefaultServiceCIDRInconsistent";
+                    self.event(EventType::Warning, reason, note.clone()).await;
                 }
-                report.push(drift(
+                report.push(found(
                     "servicecidr_inconsistent",
-                    object,
                     Action::Report,
                     format!("KubernetesDefaultServiceCIDRInconsistent: {note}"),
-                    false,
                 ));
             }
             Plan::NotReady { reason, .. } => {
                 if appeared {
                     warn!(%reason, %note, "The default ServiceCIDR is not ready");
                     if is_event_reason(&reason) {
-                        self.warn_event(&reason, note.clone()).await;
+                        self.event(EventType::Warning, &reason, note.clone()).await;
                     } else {
                         let reason = crate::sanitize::Sanitized::within(&reason, 128);
                         let quoted = format!("Ready=False (reason \"{reason}\"): {note}");
-                        self.warn_event(NOT_READY_REASON, quoted).await;
+                        (self.event(EventType::Warning, NOT_READY_REASON, quoted)).await;
                     }
                 }
-                report.push(drift(
-                    "servicecidr_not_ready",
-                    object,
-                    Action::Report,
-                    note,
-                    false,
-                ));
+                report.push(found("servicecidr_not_ready", Action::Report, note));
             }
-            Plan::SetReady => self.set_ready(ctx, api, current, object, report).await?,
+            Plan::SetReady => self.set_ready(ctx, api, current, report).await?,
             Plan::Create | Plan::UpgradeToDualStack | Plan::Terminating | Plan::InSync => {}
         }
         Ok(())
@@ -305,19 +291,13 @@ impl ServiceCidrLoop {
         ctx: &PassContext,
         api: &Api<ServiceCIDR>,
         current: Option<&ServiceCIDR>,
-        object: &str,
         report: &mut PassReport,
     ) -> Result<(), LoopError> {
         let message =
             "default ServiceCIDR matches the configuration; setting Ready=True".to_owned();
+        let not_ready = found("servicecidr_not_ready", Action::Update, message);
         if ctx.dry_run {
-            report.push(drift(
-                "servicecidr_not_ready",
-                object,
-                Action::Update,
-                message,
-                false,
-            ));
+            report.push(not_ready);
             return Ok(());
         }
         let now = jiff::Timestamp::now()
@@ -343,17 +323,15 @@ impl ServiceCidrLoop {
             self.failed("status", &err, note).await;
             return Err(err.into());
         }
-        self.repair_event("DefaultServiceCIDRReady", &message).await;
-        report.push(
-            drift(
-                "servicecidr_not_ready",
-                object,
-                Action::Update,
-                message,
-                true,
-            )
-            .changed(ready_words(current), "condition Ready=True"),
-        );
+        let became = "condition Ready=True".to_owned();
+        self.repaired(
+            "DefaultServiceCIDRReady",
+            not_ready,
+            ready_words(current),
+            became,
+            report,
+        )
+        .await;
         Ok(())
     }
 }
