@@ -63,20 +63,13 @@ impl LeaderMetrics {
     }
 }
 
-/// Leadership without election: always the leader.
-pub fn always_leader(metrics: &LeaderMetrics) -> watch::Receiver<bool> {
-    metrics.is_leader.set(1);
+/// Leadership without election: every loop runs ungated. `leads` is what the `leader` gauge
+/// reports: true with election off, false for a dry run. A dry run's passes write nothing, so
+/// they need no leader to keep two writers apart, and it joins no election: taking the Lease
+/// would make the real replicas wait for a process that repairs nothing.
+pub fn without_election(metrics: &LeaderMetrics, leads: bool) -> watch::Receiver<bool> {
+    metrics.is_leader.set(i64::from(leads));
     // Dropping the sender is fine: the runner treats a closed channel as "no more changes".
-    let (_sender, receiver) = watch::channel(true);
-    receiver
-}
-
-/// Leadership of a dry run: its passes write nothing, so they need no leader to keep two
-/// writers apart, and it joins no election. Taking the Lease would make the real replicas wait
-/// for a process that repairs nothing, so it runs every loop's dry passes ungated and reports
-/// that it does not lead.
-pub fn dry_run(metrics: &LeaderMetrics) -> watch::Receiver<bool> {
-    metrics.is_leader.set(0);
     let (_sender, receiver) = watch::channel(true);
     receiver
 }

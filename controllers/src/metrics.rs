@@ -7,7 +7,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -23,31 +22,11 @@ pub fn new_registry() -> Registry {
     Registry::with_prefix(METRICS_PREFIX)
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct LoopLabels {
-    pub r#loop: &'static str,
-}
+/// A family's labels in their order: `loop` first, then the family's own (`result`, `kind`,
+/// `category`).
+type Labels<const N: usize> = [(&'static str, &'static str); N];
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PassLabels {
-    pub r#loop: &'static str,
-    /// `success`, `failure` or `panic`.
-    pub result: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DriftLabels {
-    pub r#loop: &'static str,
-    pub kind: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ErrorLabels {
-    pub r#loop: &'static str,
-    pub category: &'static str,
-}
-
-type HistogramFamily = Family<LoopLabels, Histogram, fn() -> Histogram>;
+type HistogramFamily = Family<Labels<1>, Histogram, fn() -> Histogram>;
 type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 fn pass_duration_histogram() -> Histogram {
@@ -81,21 +60,21 @@ pub fn tenant_registry(tenant: String, metrics: TenantRegistry) -> Registry {
 /// Handles to the runtime's per-loop metrics. Cheap to clone.
 #[derive(Clone)]
 pub struct RunnerMetrics {
-    passes: Family<PassLabels, Counter>,
+    passes: Family<Labels<2>, Counter>,
     pass_duration: HistogramFamily,
-    last_success: Family<LoopLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    drift_found: Family<DriftLabels, Counter>,
-    drift_repaired: Family<DriftLabels, Counter>,
-    errors: Family<ErrorLabels, Counter>,
-    panics: Family<LoopLabels, Counter>,
-    ready: Family<LoopLabels, Gauge>,
-    drift_unrepaired: Family<DriftLabels, Gauge>,
+    last_success: Family<Labels<1>, FloatGauge>,
+    drift_found: Family<Labels<2>, Counter>,
+    drift_repaired: Family<Labels<2>, Counter>,
+    errors: Family<Labels<2>, Counter>,
+    panics: Family<Labels<1>, Counter>,
+    ready: Family<Labels<1>, Gauge>,
+    drift_unrepaired: Family<Labels<2>, Gauge>,
     /// The kinds each loop's `drift_unrepaired` was last set for, so a kind that cleared is set
     /// back to zero (a family cannot be listed).
     unrepaired_kinds: Arc<Mutex<BTreeMap<&'static str, BTreeSet<&'static str>>>>,
     heal_duration: HistogramFamily,
-    interval: Family<LoopLabels, FloatGauge>,
-    active: Family<LoopLabels, Gauge>,
+    interval: Family<Labels<1>, FloatGauge>,
+    active: Family<Labels<1>, Gauge>,
 }
 
 impl RunnerMetrics {
@@ -183,10 +162,7 @@ impl RunnerMetrics {
 
     pub fn pass(&self, name: &'static str, result: &'static str, duration: Duration) {
         self.passes
-            .get_or_create(&PassLabels {
-                r#loop: name,
-                result,
-            })
+            .get_or_create(&[("loop", name), ("result", result)])
             .inc();
         self.pass_duration
             .get_or_create(&loop_labels(name))
@@ -202,7 +178,7 @@ impl RunnerMetrics {
     }
 
     pub fn drift(&self, name: &'static str, kind: &'static str, applied: bool) {
-        let labels = DriftLabels { r#loop: name, kind };
+        let labels = [("loop", name), ("kind", kind)];
         self.drift_found.get_or_create(&labels).inc();
         if applied {
             self.drift_repaired.get_or_create(&labels).inc();
@@ -211,10 +187,7 @@ impl RunnerMetrics {
 
     pub fn error(&self, name: &'static str, category: &'static str) {
         self.errors
-            .get_or_create(&ErrorLabels {
-                r#loop: name,
-                category,
-            })
+            .get_or_create(&[("loop", name), ("category", category)])
             .inc();
     }
 
@@ -239,7 +212,7 @@ impl RunnerMetrics {
         for kind in known.iter() {
             let count = counts.get(kind).copied().unwrap_or(0);
             self.drift_unrepaired
-                .get_or_create(&DriftLabels { r#loop: name, kind })
+                .get_or_create(&[("loop", name), ("kind", kind)])
                 .set(count);
         }
     }
@@ -269,18 +242,18 @@ impl RunnerMetrics {
             .set(interval.as_secs_f64());
         self.set_active(name, active);
         for result in ["success", "failure", "panic"] {
-            drop(self.passes.get_or_create(&PassLabels {
-                r#loop: name,
-                result,
-            }));
+            drop(
+                self.passes
+                    .get_or_create(&[("loop", name), ("result", result)]),
+            );
         }
         drop(self.panics.get_or_create(&loop_labels(name)));
         self.set_ready(name, false);
     }
 }
 
-fn loop_labels(name: &'static str) -> LoopLabels {
-    LoopLabels { r#loop: name }
+fn loop_labels(name: &'static str) -> Labels<1> {
+    [("loop", name)]
 }
 
 /// `bootstrap_etcd_mode`: whether the allocation bitmaps in etcd are repaired too.
@@ -350,12 +323,12 @@ pub fn process_registry() -> Arc<Registry> {
     REGISTRY
         .get_or_init(|| {
             let mut registry = Registry::default();
-            let build_info = Family::<BuildLabels, Gauge>::default();
+            let build_info = Family::<Labels<2>, Gauge>::default();
             build_info
-                .get_or_create(&BuildLabels {
-                    version: crate::build_info::VERSION.to_owned(),
-                    commit: crate::build_info::COMMIT.to_owned(),
-                })
+                .get_or_create(&[
+                    ("version", crate::build_info::VERSION),
+                    ("commit", crate::build_info::COMMIT),
+                ])
                 .set(1);
             registry.register(
                 "bootstrap_build_info",
@@ -366,12 +339,6 @@ pub fn process_registry() -> Arc<Registry> {
             Arc::new(registry)
         })
         .clone()
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BuildLabels {
-    pub version: String,
-    pub commit: String,
 }
 
 /// The kernel's clock tick for the times in `/proc/<pid>/stat`: `USER_HZ`, 100 on every

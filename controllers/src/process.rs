@@ -295,7 +295,7 @@ impl Controller {
                      never keeps a real replica from leading); every loop runs its dry passes"
                 );
             }
-            (leader::dry_run(&leader_metrics), None)
+            (leader::without_election(&leader_metrics, false), None)
         } else if config.leader_election.enabled {
             let election_client = leader::election_client(
                 kube_config,
@@ -316,7 +316,7 @@ impl Controller {
             );
             (receiver, Some(task))
         } else {
-            (leader::always_leader(&leader_metrics), None)
+            (leader::without_election(&leader_metrics, true), None)
         };
         Ok(tokio::spawn(async move {
             runner.run(leader, cancel).await;

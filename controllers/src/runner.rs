@@ -552,13 +552,7 @@ impl LoopTask {
 
     async fn shutdown(&self) {
         let started = Instant::now();
-        let hook =
-            std::panic::catch_unwind(AssertUnwindSafe(|| self.reconciler.shutdown(&self.ctx)));
-        let result = match hook {
-            Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
-            Err(panic) => Err(panic),
-        };
-        match result {
+        match invoke(|| self.reconciler.shutdown(&self.ctx)).await {
             Ok(Ok(())) => info!(took = ?started.elapsed(), "loop stopped"),
             Ok(Err(err)) => warn!(error = %Sanitized::of(&err), "shutdown hook failed"),
             Err(panic) => error!(panic = panic_message(&*panic), "shutdown hook panicked"),
@@ -661,17 +655,13 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
 /// A panic while building or polling a pass, as caught by [`invoke`].
 type Panic = Box<dyn Any + Send>;
 
-/// Runs one pass with panics caught, whether they happen while the future is built or polled.
-async fn invoke(
-    reconciler: &dyn Reconciler,
-    ctx: &PassContext,
-) -> (Result<Result<PassReport, LoopError>, Panic>, Duration) {
-    let started = Instant::now();
-    let result = match std::panic::catch_unwind(AssertUnwindSafe(|| reconciler.reconcile(ctx))) {
+/// Calls a loop's hook (its pass, its shutdown) with panics caught, whether they happen while
+/// the future is built or polled.
+async fn invoke<F: Future>(call: impl FnOnce() -> F) -> Result<F::Output, Panic> {
+    match std::panic::catch_unwind(AssertUnwindSafe(call)) {
         Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
         Err(panic) => Err(panic),
-    };
-    (result, started.elapsed())
+    }
 }
 
 /// Drift left undone, as [`run_pass`] remembers it between passes.
@@ -681,7 +671,7 @@ type UnappliedDrift = reconcilers::findings::ReportOnce<(&'static str, String, S
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
     #[error(transparent)]
-    Failed(#[from] reconcilers::LoopError),
+    Failed(#[from] LoopError),
     #[error("pass panicked: {0}")]
     Panicked(String),
     #[error("pass did not finish within {0:?}; abandoned it")]
@@ -697,7 +687,9 @@ async fn run_pass(
     unapplied: &UnappliedDrift,
 ) -> Result<PassReport, PassError> {
     let name = reconciler.name();
-    let (result, took) = invoke(reconciler, ctx).await;
+    let started = Instant::now();
+    let result = invoke(|| reconciler.reconcile(ctx)).await;
+    let took = started.elapsed();
     match result {
         Ok(Ok(report)) => {
             metrics.pass(name, "success", took);
