@@ -20,6 +20,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::PostParams;
 use kube::{Api, Client};
+use reconcilers::apiserver_endpoints::EndpointsTarget;
 use reconcilers::apiserver_endpoints::lease::OwnLease;
 use test_support::readyz::FakeReadyz;
 
@@ -211,9 +212,8 @@ async fn plant_member_lease(
 ) -> Result<(OwnLease, Lease)> {
     let member = OwnLease {
         namespace: "kube-system".into(),
-        service_name: "kubernetes".into(),
+        target: EndpointsTarget::default(),
         address: address.parse()?,
-        port: 6443,
         holder: holder.into(),
         ttl,
     };

@@ -24,7 +24,7 @@ use super::objects::{EndpointsTarget, SERVICE_NAME_LABEL, service_family};
 use super::plan::{Finding, Memory, Plan, Snapshot, Sources, listed, plan};
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Resolver, Verdict};
 use super::shutdown::ShutdownGate;
-use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress};
+use super::{EndpointsDeps, EndpointsMode, NAME, Section, StaticAddress, within};
 use crate::alloc::IpFamily;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt};
 use crate::findings::ReportOnce;
@@ -54,9 +54,9 @@ pub struct ApiserverEndpointsLoop {
     readiness: Arc<dyn ReadinessProbe>,
     /// `master-count` mode: failed probes in a row that take this instance out.
     failures: FailureThreshold,
-    /// `master-count` mode: the server the readiness probe asks, checked once (then `None`) to
-    /// be this instance's apiserver.
-    probed: std::sync::Mutex<Option<ProbedServer>>,
+    /// `master-count` mode: the server the readiness probe asks, checked once to be this
+    /// instance's apiserver.
+    probed: Option<ProbedServer>,
     shutdown: Arc<ShutdownGate>,
     resolver: Arc<dyn Resolver>,
     /// Who its events say they come from ([`crate::events::emit`] says why each gets a Recorder
@@ -116,7 +116,7 @@ impl ApiserverEndpointsLoop {
             client: deps.client,
             readiness: deps.readiness,
             failures: FailureThreshold::new(section.readiness_failure_threshold),
-            probed: std::sync::Mutex::new(deps.probed.clone()),
+            probed: deps.probed,
             shutdown: deps.shutdown,
             resolver: deps.resolver,
             metrics: EndpointsMetrics::register(registry),
@@ -197,8 +197,7 @@ impl ApiserverEndpointsLoop {
     /// `master-count` mode: whether the local apiserver counts as ready (shutting down counts
     /// as not ready); `None` while it is [`Verdict::Unproven`].
     async fn ready(&self, withdrawing: bool) -> Option<bool> {
-        let probed = self.probed.lock().ok().and_then(|mut p| p.take());
-        if let Some(probed) = probed {
+        if let Some(probed) = &self.probed {
             probed.warn_if_elsewhere(self.advertise_address).await;
         }
         if withdrawing {
@@ -387,12 +386,8 @@ impl Reconciler for ApiserverEndpointsLoop {
                 return Ok(());
             }
             let bound = self.section.interval * 2;
-            match tokio::time::timeout(bound, self.pass(ctx, true)).await {
-                Ok(result) => result.map(|_| ()),
-                Err(_) => Err(LoopError::Other(format!(
-                    "removing this instance from the kubernetes endpoints timed out after {bound:?}"
-                ))),
-            }
+            let what = "removing this instance from the kubernetes endpoints".to_owned();
+            within(bound, what, self.pass(ctx, true)).await.map(|_| ())
         })
     }
 }

@@ -17,6 +17,7 @@ use kube::runtime::watcher;
 use tokio::time::Instant;
 
 use super::members::{MemberSet, parse_ip};
+use super::objects::EndpointsTarget;
 use crate::budget::{CacheError, CacheEvent};
 use crate::contract::Trigger;
 use crate::lease::Liveness;
@@ -33,9 +34,9 @@ pub const PORT_ANNOTATION: &str = "bootstrap-controller.io/secure-port";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OwnLease {
     pub namespace: String,
-    pub service_name: String,
+    /// The Service the member serves: its name labels the Lease, its port is the member's.
+    pub target: EndpointsTarget,
     pub address: IpAddr,
-    pub port: i32,
     /// `holderIdentity`: who writes it (pod or host name), for humans.
     pub holder: String,
     pub ttl: Duration,
@@ -68,10 +69,10 @@ impl OwnLease {
             .metadata
             .labels
             .get_or_insert_with(BTreeMap::new)
-            .insert(MEMBER_LABEL.to_owned(), self.service_name.clone());
+            .insert(MEMBER_LABEL.to_owned(), self.target.service_name.clone());
         let annotations = lease.metadata.annotations.get_or_insert_with(BTreeMap::new);
         annotations.insert(ADDRESS_ANNOTATION.to_owned(), self.address.to_string());
-        annotations.insert(PORT_ANNOTATION.to_owned(), self.port.to_string());
+        annotations.insert(PORT_ANNOTATION.to_owned(), self.target.port.to_string());
         let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
         spec.holder_identity = Some(self.holder.clone());
         spec.lease_duration_seconds = Some(ttl_seconds(self.ttl));
@@ -368,9 +369,8 @@ mod tests {
     fn own(ip: &str) -> OwnLease {
         OwnLease {
             namespace: "kube-system".into(),
-            service_name: "kubernetes".into(),
+            target: EndpointsTarget::default(),
             address: ip.parse().unwrap(),
-            port: 6443,
             holder: "cp-1".into(),
             ttl: Duration::from_secs(15),
         }

@@ -17,10 +17,10 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use super::apply::delete_if_uid;
 use super::lease::{MEMBER_LABEL, OwnLease, observe};
-use super::objects::{EndpointsTarget, service_family};
+use super::objects::service_family;
 use super::probe::{FailureThreshold, ProbedServer, ReadinessProbe, Verdict};
 use super::shutdown::ShutdownGate;
-use super::{EndpointsDeps, Section};
+use super::{EndpointsDeps, Section, within};
 use crate::alloc::IpFamily;
 use crate::contract::{
     Action, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt, drift,
@@ -89,17 +89,13 @@ impl LeaseMetrics {
 /// Keeps this instance's membership Lease while its apiserver is ready.
 pub struct ApiserverLeaseLoop {
     own: OwnLease,
-    /// The Service the endpoints serve, and whether `own.address` was defaulted (for messages).
-    target: EndpointsTarget,
+    /// Whether `own.address` was defaulted (for messages).
     address_defaulted: bool,
     /// The Service's IP family once learnt from the cluster (no range configured).
     service_family: std::sync::OnceLock<(IpFamily, String)>,
-    /// Whether an address another instance renews is left to Lease expiry.
-    keep_shared_address: bool,
     /// The server the readiness probe asks: checked at the first pass to be this instance's
     /// apiserver, and its certificate now and then ([`CERTIFICATE_RECHECK`]).
     probed: Option<ProbedServer>,
-    probed_checked: std::sync::atomic::AtomicBool,
     check_certificate: bool,
     /// When the certificate is next checked (whether it lacked the address at the last check is
     /// the metric's value).
@@ -113,8 +109,6 @@ pub struct ApiserverLeaseLoop {
     shutdown: Arc<ShutdownGate>,
     metrics: LeaseMetrics,
     last_ready: Mutex<Option<bool>>,
-    /// Whether the "another instance renews this Lease" warning was logged.
-    warned_shared: std::sync::atomic::AtomicBool,
     /// The Lease as this instance last wrote it: a renewal is then one PUT on top of it (its
     /// resourceVersion guards against anyone else's write), not a GET and a PUT.
     last_written: Mutex<Option<Lease>>,
@@ -137,24 +131,19 @@ impl ApiserverLeaseLoop {
         } else {
             settings.identity.clone()
         };
-        let target = Section::target(settings);
         Some(Self {
             address_defaulted: settings.advertise_address.is_none(),
             service_family: std::sync::OnceLock::new(),
-            keep_shared_address: section.keep_shared_address,
             probed: deps.probed.clone(),
-            probed_checked: std::sync::atomic::AtomicBool::new(false),
             check_certificate: section.check_serving_certificate,
             next_certificate_check: Mutex::new(None),
             own: OwnLease {
                 namespace: section.lease_namespace.clone(),
-                service_name: target.service_name.clone(),
+                target: Section::target(settings),
                 address,
-                port: target.port,
                 holder,
                 ttl: section.lease_ttl,
             },
-            target,
             interval: section.interval,
             readiness: deps.readiness,
             failures: FailureThreshold::new(section.readiness_failure_threshold),
@@ -162,7 +151,6 @@ impl ApiserverLeaseLoop {
             shutdown: deps.shutdown,
             metrics: LeaseMetrics::register(registry, address),
             last_ready: Mutex::new(None),
-            warned_shared: std::sync::atomic::AtomicBool::new(false),
             last_written: Mutex::new(None),
             reporter: deps.reporter,
         })
@@ -196,40 +184,40 @@ impl ApiserverLeaseLoop {
     /// A failure below the threshold: the membership stays, and the next probe comes within a
     /// second (logged when a run of failures starts).
     fn note_tolerated(&self, verdict: &Verdict) {
-        match verdict {
-            Verdict::Tolerated { failures, reason } => {
-                if *failures == 1 {
-                    tracing::info!(
-                        address = %self.own.address,
-                        %reason,
-                        threshold = self.failures.threshold(),
-                        "local apiserver's readiness probe failed; keeping this instance's \
-                         membership unless it fails readinessFailureThreshold times in a row"
-                    );
-                }
-                self.recheck.set(Some(
-                    tokio::time::Instant::now() + RECHECK.min(self.interval),
-                ));
-            }
-            // Probed again soon, so that it is judged one way or the other within the
-            // threshold's seconds.
-            Verdict::Unproven { .. } => self.recheck.set(Some(
-                tokio::time::Instant::now() + RECHECK.min(self.interval),
-            )),
-            Verdict::Ready | Verdict::NotReady(_) => self.recheck.set(None),
+        if let Verdict::Tolerated {
+            failures: 1,
+            reason,
+        } = verdict
+        {
+            tracing::info!(
+                address = %self.own.address,
+                %reason,
+                threshold = self.failures.threshold(),
+                "local apiserver's readiness probe failed; keeping this instance's \
+                 membership unless it fails readinessFailureThreshold times in a row"
+            );
         }
+        // An unproven failure is probed again soon too, so that it is judged one way or the
+        // other within the threshold's seconds.
+        let soon = matches!(
+            verdict,
+            Verdict::Tolerated { .. } | Verdict::Unproven { .. }
+        );
+        let at = tokio::time::Instant::now() + RECHECK.min(self.interval);
+        self.recheck.set(soon.then_some(at));
     }
 
     /// Refuses an address of the other family than the Service's: in-cluster clients of an IPv6
     /// Service cannot use an IPv4 endpoint (the endpoints loop would leave it out). The family is
     /// the range's, else the Service's, read until it exists (a start-up cost only).
     async fn check_family(&self, ctx: &PassContext) -> Result<(), LoopError> {
-        let (family, source) = match (self.target.primary_family, self.service_family.get()) {
+        let (family, source) = match (self.own.target.primary_family, self.service_family.get()) {
             (Some(family), _) => (family, "serviceClusterIPRange".to_owned()),
             (None, Some(known)) => known.clone(),
             (None, None) => {
-                let api: Api<Service> = Api::namespaced(ctx.client.clone(), &self.target.namespace);
-                let service = api.get_opt(&self.target.service_name).await?;
+                let api: Api<Service> =
+                    Api::namespaced(ctx.client.clone(), &self.own.target.namespace);
+                let service = api.get_opt(&self.own.target.service_name).await?;
                 let Some(known) = service.as_ref().and_then(service_family) else {
                     return Ok(());
                 };
@@ -256,8 +244,8 @@ impl ApiserverLeaseLoop {
              (--advertise-address) to this apiserver's {} address",
             self.own.address,
             own.as_str(),
-            self.target.namespace,
-            self.target.service_name,
+            self.own.target.namespace,
+            self.own.target.service_name,
             family.as_str(),
             family.as_str()
         )))
@@ -325,13 +313,7 @@ impl ApiserverLeaseLoop {
         if member.expires <= Timestamp::now() {
             return;
         }
-        if self.keep_shared_address {
-            self.shutdown.note_shared(holder.clone());
-        }
-        if !self
-            .warned_shared
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
+        if self.shutdown.note_shared(holder.clone()) {
             tracing::warn!(
                 lease = %self.own.object_ref(),
                 %holder,
@@ -344,11 +326,7 @@ impl ApiserverLeaseLoop {
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        if let Some(probed) = &self.probed
-            && !self
-                .probed_checked
-                .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
+        if let Some(probed) = &self.probed {
             probed.warn_if_elsewhere(Some(self.own.address)).await;
         }
         self.check_serving_certificate().await;
@@ -472,7 +450,7 @@ impl ApiserverLeaseLoop {
             .labels
             .as_ref()
             .and_then(|l| l.get(MEMBER_LABEL))
-            == Some(&self.own.service_name);
+            == Some(&self.own.target.service_name);
         let our_address = existing
             .metadata
             .annotations
@@ -487,7 +465,7 @@ impl ApiserverLeaseLoop {
             "{} exists but is not a membership Lease (no label {MEMBER_LABEL}={} and no {} \
              annotation for {}); refusing to overwrite it: delete or rename it",
             self.own.object_ref(),
-            self.own.service_name,
+            self.own.target.service_name,
             super::lease::ADDRESS_ANNOTATION,
             self.own.address
         )))
@@ -517,7 +495,7 @@ impl ApiserverLeaseLoop {
             return Ok(report);
         }
         if let Some(existing) = existing {
-            let applied = self.delete(api, &existing).await?;
+            let applied = delete_if_uid(api, &self.own.name(), existing.metadata.uid).await?;
             report.push(
                 drift(
                     "member_lease_not_ready",
@@ -614,11 +592,6 @@ impl ApiserverLeaseLoop {
         self.metrics.renewals.inc();
         self.metrics.ready.set(1);
     }
-
-    async fn delete(&self, api: &Api<Lease>, existing: &Lease) -> Result<bool, LoopError> {
-        let uid = existing.metadata.uid.clone();
-        Ok(delete_if_uid(api, &self.own.name(), uid).await?)
-    }
 }
 
 impl Reconciler for ApiserverLeaseLoop {
@@ -672,23 +645,15 @@ impl Reconciler for ApiserverLeaseLoop {
                 return Ok(());
             }
             let work = async {
-                match api.get_opt(&self.own.name()).await? {
-                    Some(existing) => self.delete(&api, &existing).await.map(|_| ()),
-                    None => Ok(()),
+                if let Some(existing) = api.get_opt(&self.own.name()).await? {
+                    delete_if_uid(&api, &self.own.name(), existing.metadata.uid).await?;
                 }
+                Ok::<(), LoopError>(())
             };
-            match tokio::time::timeout(bound, work).await {
-                Ok(result) => {
-                    if result.is_ok() {
-                        tracing::info!(lease = %self.own.object_ref(), "deleted this instance's membership Lease");
-                    }
-                    result
-                }
-                Err(_) => Err(LoopError::Other(format!(
-                    "deleting {} timed out after {bound:?}",
-                    self.own.object_ref()
-                ))),
-            }
+            let what = format!("deleting {}", self.own.object_ref());
+            within(bound, what, work).await?;
+            tracing::info!(lease = %self.own.object_ref(), "deleted this instance's membership Lease");
+            Ok(())
         })
     }
 }

@@ -53,8 +53,11 @@ mod section;
 pub mod shutdown;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kube::runtime::events::Reporter;
+
+use crate::contract::LoopError;
 
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
@@ -88,4 +91,21 @@ pub struct EndpointsDeps {
     /// The server the readiness probe asks, checked once to be this instance's own (`None`:
     /// not checked).
     pub probed: Option<ProbedServer>,
+}
+
+/// `work` within `bound`: a withdrawal at stop gets as long as upstream's `RemoveEndpoints`
+/// (twice the interval); running out is an error saying what timed out.
+async fn within<T>(
+    bound: Duration,
+    what: String,
+    work: impl Future<Output = Result<T, LoopError>>,
+) -> Result<T, LoopError> {
+    let timed_out = || {
+        Err(LoopError::Other(format!(
+            "{what} timed out after {bound:?}"
+        )))
+    };
+    tokio::time::timeout(bound, work)
+        .await
+        .unwrap_or_else(|_| timed_out())
 }

@@ -141,12 +141,23 @@ pub fn desired_endpoints(
 /// One difference found on an object: `(metric kind, human message)`.
 pub type DriftLine = (&'static str, String);
 
-fn describe_port(port: &EndpointPort) -> String {
+/// What a drift of the ports says: the ports found, each `name/protocol:port` (`-` for none),
+/// and the one wanted.
+fn ports_drift<'a>(
+    target: &EndpointsTarget,
+    found: impl Iterator<Item = (&'a Option<String>, &'a Option<String>, Option<i32>)>,
+) -> String {
+    let found: Vec<String> = found
+        .map(|(name, protocol, port)| {
+            let port = port.map_or("-".to_owned(), |n| n.to_string());
+            let (name, protocol) = (name.as_deref(), protocol.as_deref());
+            format!("{}/{}:{port}", name.unwrap_or(""), protocol.unwrap_or(""))
+        })
+        .collect();
     format!(
-        "{}/{}:{}",
-        port.name.as_deref().unwrap_or(""),
-        port.protocol.as_deref().unwrap_or(""),
-        port.port
+        "ports are [{}], want [https/TCP:{}]",
+        found.join(", "),
+        target.port
     )
 }
 
@@ -213,13 +224,8 @@ pub fn endpoints_drift(
     if !members.is_empty() && subsets.len() == 1 {
         let found = subsets[0].ports.clone().unwrap_or_default();
         if found != target.endpoint_ports() {
-            let found: Vec<String> = found.iter().map(describe_port).collect();
-            let message = format!(
-                "ports are [{}], want [https/TCP:{}]",
-                found.join(", "),
-                target.port
-            );
-            drift.push(("endpoints_ports", message));
+            let found = found.iter().map(|p| (&p.name, &p.protocol, Some(p.port)));
+            drift.push(("endpoints_ports", ports_drift(target, found)));
         }
     }
     drift
@@ -479,19 +485,8 @@ fn slice_repair(
         drift.push(("endpointslice_endpoints", message));
     }
     if have.ports != want.ports {
-        let found: Vec<String> = (have.ports.iter().flatten())
-            .map(|p| {
-                let port = p.port.map_or("-".to_owned(), |n| n.to_string());
-                let (name, protocol) = (p.name.as_deref(), p.protocol.as_deref());
-                format!("{}/{}:{port}", name.unwrap_or(""), protocol.unwrap_or(""))
-            })
-            .collect();
-        let message = format!(
-            "ports are [{}], want [https/TCP:{}]",
-            found.join(", "),
-            target.port
-        );
-        drift.push(("endpointslice_ports", message));
+        let found = (have.ports.iter().flatten()).map(|p| (&p.name, &p.protocol, p.port));
+        drift.push(("endpointslice_ports", ports_drift(target, found)));
     }
     let label = service_label(have);
     if label != Some(&target.service_name) {

@@ -122,6 +122,8 @@ impl ReadinessProbe for ApiserverReadyz {
 pub struct ProbedServer {
     pub url: Option<String>,
     pub load: ConfigLoader,
+    /// Whether [`Self::warn_if_elsewhere`] has looked: once per process, whichever loop asks.
+    pub checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ProbedServer {
@@ -138,8 +140,14 @@ impl ProbedServer {
     }
 
     /// Warns if the probe asks another server than this instance's apiserver
-    /// ([`probed_elsewhere`]); a host that cannot be told is not warned about.
+    /// ([`probed_elsewhere`]); a host that cannot be told is not warned about. Looks once.
     pub async fn warn_if_elsewhere(&self, advertised: Option<IpAddr>) {
+        if self
+            .checked
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
         let Ok((_, uri)) = self.target().await else {
             return;
         };

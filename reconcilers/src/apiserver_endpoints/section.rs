@@ -149,67 +149,6 @@ impl Section {
             .collect()
     }
 
-    /// Every check of the section; the settings it reads (`advertiseAddress`, `securePort`, the
-    /// ranges) and `apiserverCount` are checked where they are parsed.
-    fn validate_fields(
-        &self,
-        path: &str,
-        settings: &Settings,
-        errors: &mut Vec<section::ConfigError>,
-    ) {
-        validate_interval(path, self.interval, errors);
-        let mode = self.endpoint_mode();
-        let probes = matches!(mode, EndpointsMode::Lease | EndpointsMode::MasterCount);
-        if self.enabled && probes && self.advertise_address(settings).is_none() {
-            errors.push(section::ConfigError::new(
-                "advertiseAddress",
-                format!(
-                    "not set and this host has no default route to take it from; endpoint \
-                     reconciler {} needs the apiserver's address (--advertise-address)",
-                    mode.as_str()
-                ),
-            ));
-        }
-        if mode == EndpointsMode::Lease {
-            if let Err(why) = validate_dns1123_label(&self.lease_namespace) {
-                errors.push(section::ConfigError::new(
-                    format!("{path}.leaseNamespace"),
-                    format!("{why} (expected e.g. kube-system)"),
-                ));
-            }
-            if self.lease_ttl <= self.interval || self.lease_ttl < Duration::from_secs(1) {
-                errors.push(section::ConfigError::new(
-                    format!("{path}.leaseTTL"),
-                    format!(
-                        "{} must be at least 1s and longer than interval {}, or members expire \
-                         between renewals (upstream: 15s with a 10s interval)",
-                        format_duration(self.lease_ttl),
-                        format_duration(self.interval)
-                    ),
-                ));
-            }
-        }
-        if probes {
-            self.validate_probing(path, errors);
-        }
-        if mode == EndpointsMode::Static {
-            if self.static_addresses.is_empty() {
-                errors.push(section::ConfigError::new(
-                    format!("{path}.staticAddresses"),
-                    "endpointReconcilerType static needs at least one IP address or DNS name",
-                ));
-            }
-            for (index, entry) in self.static_addresses.iter().enumerate() {
-                if let Err(why) = StaticAddress::parse(entry) {
-                    errors.push(section::ConfigError::new(
-                        format!("{path}.staticAddresses[{index}]"),
-                        why,
-                    ));
-                }
-            }
-        }
-    }
-
     /// The checks of the readiness probing (`lease` and `master-count` modes).
     fn validate_probing(&self, path: &str, errors: &mut Vec<section::ConfigError>) {
         if !self.readyz_url.is_empty() {
@@ -312,8 +251,60 @@ impl LoopSection for Section {
         self.enabled
     }
 
+    /// Every check of the section; the settings it reads (`advertiseAddress`, `securePort`, the
+    /// ranges) and `apiserverCount` are checked where they are parsed.
     fn validate(&self, path: &str, settings: &Settings, errors: &mut Vec<section::ConfigError>) {
-        self.validate_fields(path, settings, errors);
+        validate_interval(path, self.interval, errors);
+        let mode = self.endpoint_mode();
+        let probes = matches!(mode, EndpointsMode::Lease | EndpointsMode::MasterCount);
+        if self.enabled && probes && self.advertise_address(settings).is_none() {
+            errors.push(section::ConfigError::new(
+                "advertiseAddress",
+                format!(
+                    "not set and this host has no default route to take it from; endpoint \
+                     reconciler {} needs the apiserver's address (--advertise-address)",
+                    mode.as_str()
+                ),
+            ));
+        }
+        if mode == EndpointsMode::Lease {
+            if let Err(why) = validate_dns1123_label(&self.lease_namespace) {
+                errors.push(section::ConfigError::new(
+                    format!("{path}.leaseNamespace"),
+                    format!("{why} (expected e.g. kube-system)"),
+                ));
+            }
+            if self.lease_ttl <= self.interval || self.lease_ttl < Duration::from_secs(1) {
+                errors.push(section::ConfigError::new(
+                    format!("{path}.leaseTTL"),
+                    format!(
+                        "{} must be at least 1s and longer than interval {}, or members expire \
+                         between renewals (upstream: 15s with a 10s interval)",
+                        format_duration(self.lease_ttl),
+                        format_duration(self.interval)
+                    ),
+                ));
+            }
+        }
+        if probes {
+            self.validate_probing(path, errors);
+        }
+        if mode == EndpointsMode::Static {
+            if self.static_addresses.is_empty() {
+                errors.push(section::ConfigError::new(
+                    format!("{path}.staticAddresses"),
+                    "endpointReconcilerType static needs at least one IP address or DNS name",
+                ));
+            }
+            for (index, entry) in self.static_addresses.iter().enumerate() {
+                if let Err(why) = StaticAddress::parse(entry) {
+                    errors.push(section::ConfigError::new(
+                        format!("{path}.staticAddresses[{index}]"),
+                        why,
+                    ));
+                }
+            }
+        }
     }
 
     /// The loops of the mode: `lease` gives `apiserver-lease`, on every replica, and
@@ -365,6 +356,7 @@ impl LoopSection for Section {
             probed: Some(ProbedServer {
                 url: full_url.then(|| url.to_owned()),
                 load: context.load_kubeconfig.clone(),
+                checked: Arc::default(),
             }),
         };
         deps.shutdown.register(context.registry);

@@ -76,10 +76,13 @@ pub struct ShutdownGate {
     /// Another instance seen renewing this address's membership Lease (see
     /// [`ShutdownGate::note_shared`]).
     shared: std::sync::Mutex<Option<String>>,
+    /// `keepSharedAddress`: whether a shared address is left to Lease expiry.
+    keep_shared: bool,
 }
 
 impl ShutdownGate {
-    /// The gate of `section`'s `onShutdown`, `shutdownProbes` and `shutdownProbeWindow`.
+    /// The gate of `section`'s `onShutdown`, `shutdownProbes`, `shutdownProbeWindow` and
+    /// `keepSharedAddress`.
     pub fn new(section: &Section, readiness: Arc<dyn ReadinessProbe>) -> Self {
         Self {
             policy: section.on_shutdown,
@@ -89,6 +92,7 @@ impl ShutdownGate {
             decided: OnceCell::new(),
             decisions: Family::default(),
             shared: std::sync::Mutex::new(None),
+            keep_shared: section.keep_shared_address,
         }
     }
 
@@ -96,16 +100,19 @@ impl ShutdownGate {
     /// shared (several apiservers behind one VIP). From then on no stop of this instance
     /// withdraws the address: the other may still serve behind it, and once its own apiserver
     /// is down this sidecar often cannot see the Lease any more (it talks through that
-    /// apiserver). The address then goes by Lease expiry once nobody renews it.
-    pub fn note_shared(&self, holder: String) {
-        if let Ok(mut shared) = self.shared.lock() {
-            *shared = Some(holder);
-        }
+    /// apiserver). The address then goes by Lease expiry once nobody renews it. True the first
+    /// time, when the sharing is to be said.
+    pub fn note_shared(&self, holder: String) -> bool {
+        self.shared
+            .lock()
+            .is_ok_and(|mut shared| shared.replace(holder).is_none())
     }
 
-    /// The other instance seen renewing this address's Lease, if any.
+    /// The other instance seen renewing this address's Lease, if any and `keepSharedAddress`
+    /// leaves it to Lease expiry.
     pub fn shared_with(&self) -> Option<String> {
-        self.shared.lock().ok()?.clone()
+        let shared = self.shared.lock().ok()?.clone();
+        shared.filter(|_| self.keep_shared)
     }
 
     /// Registers `bootstrap_apiserver_endpoints_shutdown_total{decision}`.
