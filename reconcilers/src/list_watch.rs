@@ -26,7 +26,10 @@
 //! jittered, from 800 ms again once two minutes have passed since the last pause), reset by every
 //! event but `Init`, which is said before the LIST is sent (kube-runtime's `StreamBackoff` resets
 //! on it too, so a LIST that keeps failing is retried every second or so there; here its pauses
-//! grow). The initial list is always a paged LIST: kube-runtime's
+//! grow). A LIST that the watch forced (a `410`, an event that does not decode, an object without
+//! a resourceVersion) waits on a second backoff of the same shape that no event resets, only its
+//! own two minutes: a server that forces one after every list would otherwise be listed, whole,
+//! about every second for ever. The initial list is always a paged LIST: kube-runtime's
 //! `StreamingList` strategy is not used by any cache.
 
 use std::time::Duration;
@@ -76,7 +79,10 @@ pub struct ListWatch<K> {
     api: Api<K>,
     config: watcher::Config,
     phase: Phase<K>,
+    /// Pauses after an error that leaves the list current, or a LIST that failed.
     backoff: DefaultBackoff,
+    /// Pauses before a LIST the watch forced; not reset by events (see the module doc).
+    relist_backoff: DefaultBackoff,
     /// After an error, when the next request may be sent.
     resume_at: Option<tokio::time::Instant>,
 }
@@ -114,6 +120,7 @@ where
             config,
             phase: Phase::Empty,
             backoff: DefaultBackoff::default(),
+            relist_backoff: DefaultBackoff::default(),
             resume_at: None,
         }
     }
@@ -123,6 +130,7 @@ where
     pub fn restart(&mut self) {
         self.phase = Phase::Empty;
         self.backoff = DefaultBackoff::default();
+        self.relist_backoff = DefaultBackoff::default();
         self.resume_at = None;
     }
 
@@ -142,8 +150,18 @@ where
                 Ok(Event::Init) => {}
                 Ok(_) => self.backoff.reset(),
                 Err(err) => {
+                    let forced_list = matches!(self.phase, Phase::Empty)
+                        && !matches!(
+                            err,
+                            ListWatchError::Watch(watcher::Error::InitialListFailed(_))
+                        );
+                    let backoff = if forced_list {
+                        &mut self.relist_backoff
+                    } else {
+                        &mut self.backoff
+                    };
                     // Never `None`: the backoff sets no limit on attempts.
-                    let pause = self.backoff.next();
+                    let pause = backoff.next();
                     tracing::debug!(error = %err, ?pause, "list+watch failed; backing off");
                     self.resume_at = pause.map(|pause| tokio::time::Instant::now() + pause);
                 }

@@ -383,3 +383,48 @@ async fn a_list_that_keeps_failing_is_retried_after_pauses_that_grow() {
         }
     }
 }
+
+/// How many LISTs a list+watch sends in 5 s when every watch answers with `fault`, each of which
+/// forces a new LIST; then the watch is healthy again and the list+watch catches up.
+async fn lists_in_five_seconds_when_every_watch_forces_one(fault: FaultKind) -> usize {
+    let sim = sim().await;
+    let api: Api<ConfigMap> = Api::namespaced(sim.client(), "default");
+    create(&api, "a", true).await;
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::Watch),
+        Some("configmaps"),
+        1.0,
+        fault,
+    ));
+    let mut driven = Driven::start(&api, watcher::Config::default());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let forced = lists(&sim);
+    sim.faults().clear();
+    create(&api, "b", true).await;
+    loop {
+        let item = driven.next().await;
+        if item == "apply b" || item == "init-apply b" {
+            break;
+        }
+    }
+    forced
+}
+
+// Every list in these succeeds and yields objects, which reset the backoff of other errors; the
+// forced LISTs' pauses grow regardless (800 ms doubling, jitter adding up to as much again):
+// lists at 0, then not before 0.8 s, 2.4 s and 5.6 s, so at most three in 5 s however fast the
+// machine is. Pauses reset by each list (0.8 to 1.6 s each) would have sent at least four.
+
+#[tokio::test]
+async fn a_server_whose_every_watch_is_gone_is_listed_again_after_pauses_that_grow() {
+    let forced = lists_in_five_seconds_when_every_watch_forces_one(FaultKind::WatchGone).await;
+    assert!((1..=3).contains(&forced), "{forced} lists in 5 s");
+}
+
+#[tokio::test]
+async fn a_server_whose_every_watch_sends_an_undecodable_event_is_listed_again_after_pauses_that_grow()
+ {
+    let forced =
+        lists_in_five_seconds_when_every_watch_forces_one(FaultKind::UndecodableWatchEvent).await;
+    assert!((1..=3).contains(&forced), "{forced} lists in 5 s");
+}

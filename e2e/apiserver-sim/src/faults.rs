@@ -68,6 +68,9 @@ pub enum FaultKind {
     EndlessResponse,
     /// Answer a watch with one event line of this many bytes (a hostile or broken server).
     HugeWatchEvent { bytes: u64 },
+    /// Answer a watch with one event line that is JSON but no object of any kind (its `object`
+    /// a string): what a restored etcd or a hostile server could send.
+    UndecodableWatchEvent,
     /// Answer a LIST with a valid page of new objects of the listed resource (a few, each with
     /// a name never sent before) whose `continue` token is never empty, on every continued
     /// request too: a list that never completes although each page is well formed and small.
@@ -86,6 +89,7 @@ impl FaultKind {
                 | FaultKind::CutWatchAfter { .. }
                 | FaultKind::WatchGone
                 | FaultKind::HugeWatchEvent { .. }
+                | FaultKind::UndecodableWatchEvent
                 | FaultKind::EndlessNewObjects
         )
     }

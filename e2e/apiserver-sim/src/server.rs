@@ -1282,6 +1282,7 @@ fn watch(
     let mut cut_after_events: Option<u64> = None;
     let mut cut_after: Option<Duration> = None;
     let mut gone = false;
+    let mut undecodable = false;
     let mut huge_event: Option<u64> = None;
     let mut endless_new = false;
     for f in faults {
@@ -1289,6 +1290,7 @@ fn watch(
             FaultKind::CutWatchAfterEvents { events } => cut_after_events = Some(events),
             FaultKind::CutWatchAfter { millis } => cut_after = Some(Duration::from_millis(millis)),
             FaultKind::WatchGone => gone = true,
+            FaultKind::UndecodableWatchEvent => undecodable = true,
             FaultKind::HugeWatchEvent { bytes } => huge_event = Some(bytes),
             FaultKind::EndlessNewObjects => endless_new = true,
             _ => {}
@@ -1329,6 +1331,14 @@ fn watch(
         let _guard = guard;
         if let Some(line) = early_gone {
             let _ = tx.send(line).await;
+            return;
+        }
+        if undecodable {
+            let _ = tx
+                .send(Bytes::from_static(
+                    b"{\"type\":\"ADDED\",\"object\":\"x\"}\n",
+                ))
+                .await;
             return;
         }
         if let Some(bytes) = huge_event {
