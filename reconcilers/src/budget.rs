@@ -388,6 +388,16 @@ impl CacheBudget {
         (count_of(&metrics.objects), count_of(&metrics.bytes))
     }
 
+    /// The most objects the caches may hold together.
+    pub fn max_objects(&self) -> usize {
+        self.0.limits.max_objects
+    }
+
+    /// The setting that raises the limits, for a message naming them.
+    pub fn hint(&self) -> &str {
+        &self.0.hint
+    }
+
     fn is_limited(&self) -> bool {
         self.0.limits != BudgetLimits::UNLIMITED || self.0.pool.is_some()
     }

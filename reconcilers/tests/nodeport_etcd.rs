@@ -17,6 +17,7 @@ use futures::StreamExt;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
 use reconcilers::alloc::PortRange;
+use reconcilers::budget::{BudgetLimits, CacheBudget};
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
 use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey, Stored};
 use reconcilers::nodeport_repair::{self, NodePortRepairLoop};
@@ -85,6 +86,16 @@ impl Harness {
 
     /// `rebuild`: `rebuildBitmapOnRangeChange`.
     async fn start_with(sim: &Sim, etcd: EtcdConfig, interval: Duration, rebuild: bool) -> Self {
+        Self::start_within(sim, settings(etcd), interval, rebuild).await
+    }
+
+    /// With `settings` as they are.
+    async fn start_within(
+        sim: &Sim,
+        settings: Settings,
+        interval: Duration,
+        rebuild: bool,
+    ) -> Self {
         let mut registry = Registry::default();
         let repair = Arc::new(NodePortRepairLoop::new(
             sim.client(),
@@ -94,7 +105,7 @@ impl Harness {
                 rebuild_bitmap_on_range_change: rebuild,
                 ..nodeport_repair::Section::default()
             },
-            &settings(etcd),
+            &settings,
             None,
             &mut registry,
         ));
@@ -314,6 +325,67 @@ async fn a_leak_is_released_only_when_a_fresh_list_confirms_it() {
     );
     // The watcher's one list, then the fresh lists that confirmed the suspects.
     assert!(sim.request_count("list", "services") >= 2);
+}
+
+/// A tenant API whose list of Services never ends (each page small and valid, its `continue`
+/// never empty): the fresh list that would confirm a leak stops once it has more Services than
+/// the cache budget allows, holding one page at a time until then, and nothing is released on
+/// it. Without the bound the pass would list for ever.
+#[tokio::test]
+async fn a_fresh_list_that_never_ends_stops_at_the_cache_budget_and_releases_nothing() {
+    let (etcd, store, sim) = etcd_and_sim().await;
+    put_service(&sim, "web", 30080);
+    let limits = BudgetLimits {
+        max_objects: 100,
+        max_bytes: usize::MAX,
+    };
+    let budget = CacheBudget::new(limits, "the test's", None, &mut Registry::default());
+    let settings = Settings {
+        cache_budget: budget,
+        ..settings(etcd.config())
+    };
+    let harness = Harness::start_within(&sim, settings, Duration::from_millis(1), false).await;
+    harness.pass(&sim, false).await.unwrap();
+    let value = store.get(KEY).await.unwrap().unwrap();
+    let stored = RangeAllocation::new(range().to_string(), bitmap(&[30080, 30500]));
+    assert!(
+        store
+            .compare_and_swap(KEY, Some(value.mod_revision), stored.encode())
+            .await
+            .unwrap()
+    );
+    // The cache has listed; its watch goes on. Every LIST from now on never ends.
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::List),
+        Some("services"),
+        1.0,
+        FaultKind::EndlessPages,
+    ));
+    let before = sim.request_count("list", "services");
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        // A guard against a hang only: the pass is not timed.
+        let report = tokio::time::timeout(Duration::from_secs(60), harness.pass(&sim, false))
+            .await
+            .expect("the pass ends")
+            .unwrap();
+        assert!(!kinds(&report).contains(&"nodeport_leaked"), "{report:?}");
+        held.extend(
+            (report.drift.iter())
+                .filter(|drift| drift.kind == "nodeport_leak_held")
+                .map(|drift| drift.message.clone()),
+        );
+    }
+    assert!(held.iter().any(|held| held.contains("30500")), "{held:?}");
+    let value = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(ports_of(&value.value), vec![30080, 30500]);
+    // Pages of 20 new Services: a fresh list stops at its sixth page (120 > 100).
+    let lists = sim.request_count("list", "services") - before;
+    assert!(
+        (6..=5 * 2 * 6).contains(&lists),
+        "{lists} LISTs in five passes"
+    );
 }
 
 #[tokio::test]

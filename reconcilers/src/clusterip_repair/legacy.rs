@@ -17,10 +17,12 @@ use tokio::sync::Notify;
 use super::plan::ACTION_CLUSTERIP_ALLOCATION;
 use super::{ClusterIpRepairLoop, Section};
 use crate::alloc::{IpFamily, ServiceRange};
+use crate::budget::CacheBudget;
 use crate::contract::{LoopError, PassContext, PassReport, Trigger};
 use crate::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapRange, LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
+use crate::service_cache::FreshList;
 use crate::service_cache::record::{ClusterIp, ServiceRecord};
 use crate::service_range::ServiceRanges;
 
@@ -35,15 +37,22 @@ pub(super) struct LegacyIpBitmaps {
     pub(super) etcd: EtcdConfig,
     /// The `kubernetes` Service: a range mismatch is reported in an event about it.
     kubernetes_service: ServiceName,
+    /// The cluster's cache budget, which bounds a fresh list of the Services.
+    budget: CacheBudget,
     bitmaps: Arc<OnceLock<Vec<LegacyBitmap<ServiceRange>>>>,
     built: Arc<Notify>,
 }
 
 impl LegacyIpBitmaps {
-    pub(super) fn new(etcd: EtcdConfig, kubernetes_service: ServiceName) -> Self {
+    pub(super) fn new(
+        etcd: EtcdConfig,
+        kubernetes_service: ServiceName,
+        budget: CacheBudget,
+    ) -> Self {
         Self {
             etcd,
             kubernetes_service,
+            budget,
             bitmaps: Arc::default(),
             built: Arc::default(),
         }
@@ -87,7 +96,10 @@ impl LegacyIpBitmaps {
                     store.clone(),
                     self.etcd.key(key),
                     ServiceRange::new(*net),
-                    section.page_size,
+                    FreshList {
+                        page_size: section.page_size,
+                        budget: self.budget.clone(),
+                    },
                     section.rebuild_bitmap_on_range_change,
                     section.interval,
                 )
@@ -210,7 +222,8 @@ mod tests {
             namespace: "default".into(),
             name: "kubernetes".into(),
         };
-        let legacy = LegacyIpBitmaps::new(EtcdConfig::default(), kubernetes);
+        let legacy =
+            LegacyIpBitmaps::new(EtcdConfig::default(), kubernetes, CacheBudget::default());
         let mut bitmaps = legacy.build(&Section::default(), &[cidr.parse().unwrap()]);
         bitmaps.remove(0)
     }
@@ -273,7 +286,11 @@ mod tests {
             namespace: "default".into(),
             name: "kubernetes".into(),
         };
-        let legacy = LegacyIpBitmaps::new(EtcdConfig::default(), kubernetes.clone());
+        let legacy = LegacyIpBitmaps::new(
+            EtcdConfig::default(),
+            kubernetes.clone(),
+            CacheBudget::default(),
+        );
         let wide = ServiceRanges::new(
             client.clone(),
             vec!["10.0.0.0/11".parse().unwrap()],

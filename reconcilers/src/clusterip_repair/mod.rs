@@ -182,7 +182,11 @@ impl ClusterIpRepairLoop {
         let reporter = settings.reporter();
         let budget = &settings.cache_budget;
         let legacy = (settings.etcd()).map(|etcd| {
-            legacy::LegacyIpBitmaps::new(etcd.clone(), settings.kubernetes_service.clone())
+            legacy::LegacyIpBitmaps::new(
+                etcd.clone(),
+                settings.kubernetes_service.clone(),
+                settings.cache_budget.clone(),
+            )
         });
         let discovered = Arc::new(Discovered::new(section.interval));
         Self {

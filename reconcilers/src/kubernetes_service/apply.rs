@@ -16,6 +16,7 @@ use crate::contract::{
     Action, Drift, LoopError, PassContext, PassReport, drift, ignore_already_exists,
 };
 use crate::section::Settings;
+use crate::service_cache::FreshList;
 
 impl KubernetesServiceLoop {
     /// What a pass did: its report, and the writes the API refused in it.
@@ -419,17 +420,26 @@ impl KubernetesServiceLoop {
             .filter_map(|ip| ip.parse().ok())
             .collect();
         wanted.dedup();
-        let services = crate::service_cache::fresh_services(&self.client, HOLDER_PAGE).await?;
+        let fresh_list = FreshList {
+            page_size: HOLDER_PAGE,
+            budget: self.settings.cache_budget.clone(),
+        };
         let (namespace, name) = (&self.section.namespace, &self.section.name);
-        let holder = (services.iter())
-            .filter(|svc| (&*svc.namespace, &*svc.name) != (namespace.as_str(), name.as_str()))
-            .find_map(|svc| {
-                let ip = wanted.iter().find(|ip| svc.lists_ip(**ip))?;
-                Some(format!(
+        let mut holder = None;
+        (fresh_list.each(&self.client, |svc| {
+            if holder.is_some()
+                || (&*svc.namespace, &*svc.name) == (namespace.as_str(), name.as_str())
+            {
+                return;
+            }
+            if let Some(ip) = wanted.iter().find(|ip| svc.lists_ip(**ip)) {
+                holder = Some(format!(
                     "{ip} is held by Service {}/{}",
                     svc.namespace, svc.name
-                ))
-            });
+                ));
+            }
+        }))
+        .await?;
         if holder.is_some() {
             return Ok(holder);
         }

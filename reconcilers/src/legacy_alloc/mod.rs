@@ -34,7 +34,7 @@ use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, drift};
 use crate::events::SeriesRecorder;
 use crate::findings::{RepeatedFailure, ReportOnce};
-use crate::service_cache::fresh_services;
+use crate::service_cache::FreshList;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::{ServiceRecord, ServiceRef};
 use codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
@@ -144,8 +144,8 @@ pub struct LegacyBitmap<R: BitmapRange> {
     key: String,
     /// The range the key must hold.
     range: R,
-    /// The page size of a fresh list of the Services.
-    page_size: u32,
+    /// How the Services are listed afresh.
+    fresh_list: FreshList,
     /// Whether a bitmap stored under another range (or none) is rebuilt under `range`: the
     /// operator's opt-in; otherwise it is reported and left alone.
     rebuild_on_range_change: bool,
@@ -164,7 +164,7 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         store: EtcdStore,
         key: String,
         range: R,
-        page_size: u32,
+        fresh_list: FreshList,
         rebuild_on_range_change: bool,
         spacing: Duration,
     ) -> Self {
@@ -172,7 +172,7 @@ impl<R: BitmapRange> LegacyBitmap<R> {
             store,
             key,
             range,
-            page_size,
+            fresh_list,
             rebuild_on_range_change,
             spacing,
             leaks: Mutex::default(),
@@ -251,12 +251,20 @@ impl<R: BitmapRange> LegacyBitmap<R> {
     /// The bits the Services hold by a fresh list of them, `None` if the list failed (warned
     /// about once while it fails the same way).
     async fn fresh_in_use(&self, client: &kube::Client) -> Option<FixedBitSet> {
-        let listed = fresh_services(client, self.page_size).await;
+        let size = self.range.bits();
+        let mut bits = FixedBitSet::with_capacity(size);
+        let listed = (self.fresh_list.each(client, |service| {
+            // FixedBitSet panics on a bit past its length.
+            for offset in self.held_bits(service).filter(|offset| *offset < size) {
+                bits.insert(offset);
+            }
+        }))
+        .await;
         let mut failure = self.list_failure.lock().unwrap_or_else(|p| p.into_inner());
         match listed {
-            Ok(services) => {
+            Ok(()) => {
                 failure.succeeded();
-                Some(self.in_use(&services).0)
+                Some(bits)
             }
             Err(err) => {
                 if failure.is_new(&err) {

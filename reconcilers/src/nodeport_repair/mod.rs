@@ -39,6 +39,7 @@ use crate::legacy_alloc::etcd::{EtcdStore, RangeKey};
 use crate::legacy_alloc::{BitmapRange, LegacyBitmap, Subject};
 use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
+use crate::service_cache::FreshList;
 use crate::service_cache::live::Liveness;
 use crate::service_cache::record::ServiceRecord;
 use crate::watch_cache::WatchCache;
@@ -125,7 +126,10 @@ impl NodePortRepairLoop {
                 EtcdStore::new(etcd.clone()),
                 etcd.key(RangeKey::NodePorts),
                 range,
-                section.page_size,
+                FreshList {
+                    page_size: section.page_size,
+                    budget: settings.cache_budget.clone(),
+                },
                 section.rebuild_bitmap_on_range_change,
                 section.interval,
             )
