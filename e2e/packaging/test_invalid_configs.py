@@ -79,6 +79,7 @@ def test_valid_neighbours_render():
         {"leaderElection": {"leaseDuration": "1h", "renewGrace": "1m30s"}},
         {"loops": {"clusterIPRepair": {"orphanGracePeriod": "5s"}}},
         {"loops": {"clusterIPRepair": {"interval": "8760h"}}, "shutdownTimeout": "8760h"},
+        {"loops": {"nodePortRepair": {"leakSightingSpacing": "8760h"}}},
         {"leaderElection": {"identity": "\u00e9" * 64}},
         {"loops": {"systemNamespaces": {"interval": "500ms"}}},
         {"adminAddr": "[::]:8080"},

@@ -29,7 +29,7 @@ async fn own(test: &str, apiservers: usize) -> Result<Option<OwnControlPlane>> {
     own_control_plane("real_allocations", test, apiservers).await
 }
 
-/// The NodePort repair's interval in these tests: sightings of a leak are this far apart.
+/// The repairs' interval in these tests, and how far apart sightings of a leak count.
 const INTERVAL: Duration = Duration::from_secs(2);
 
 /// `kubectl create service nodeport NAME --node-port PORT` through the real apiserver.
@@ -165,8 +165,9 @@ async fn node_port_bitmap_repaired_beside_the_real_allocator() -> Result<()> {
     .await?;
 
     let config = ConfigFile::new(&format!(
-        "serviceClusterIPRange: {}\nendpointReconcilerType: none\nloops:\n  nodePortRepair:\n    interval: {}s\n",
+        "serviceClusterIPRange: {}\nendpointReconcilerType: none\nloops:\n  nodePortRepair:\n    interval: {}s\n    leakSightingSpacing: {}s\n",
         cp.service_range()?,
+        INTERVAL.as_secs(),
         INTERVAL.as_secs()
     ))?;
     let user = "bootstrap-controller";
@@ -337,8 +338,9 @@ async fn a_node_port_range_mismatch_is_reported_and_the_bitmap_left_alone() -> R
     ensure!(ports.contains(&30100), "kube-apiserver did not set 30100");
 
     let config = ConfigFile::new(&format!(
-        "serviceClusterIPRange: {}\nserviceNodePortRange: 20000-22767\nendpointReconcilerType: none\nloops:\n  nodePortRepair:\n    interval: {}s\n",
+        "serviceClusterIPRange: {}\nserviceNodePortRange: 20000-22767\nendpointReconcilerType: none\nloops:\n  nodePortRepair:\n    interval: {}s\n    leakSightingSpacing: {}s\n",
         cp.service_range()?,
+        INTERVAL.as_secs(),
         INTERVAL.as_secs()
     ))?;
     let kubeconfig = cp.user_kubeconfig("bootstrap-controller", &["system:masters"], 1)?;
@@ -499,8 +501,9 @@ async fn the_legacy_cluster_ip_bitmap_of_an_upgraded_cluster_is_left_alone() -> 
     let revision = store.get(&key).await?.context("written")?.mod_revision;
 
     let config = ConfigFile::new(&format!(
-        "serviceClusterIPRange: {}\nendpointReconcilerType: none\nloops:\n  clusterIPRepair:\n    interval: {}s\n",
+        "serviceClusterIPRange: {}\nendpointReconcilerType: none\nloops:\n  clusterIPRepair:\n    interval: {}s\n    leakSightingSpacing: {}s\n",
         cp.service_range()?,
+        INTERVAL.as_secs(),
         INTERVAL.as_secs()
     ))?;
     let kubeconfig = cp.user_kubeconfig("bootstrap-controller", &["system:masters"], 1)?;

@@ -147,6 +147,9 @@ schema lets them through to this check, which can say so). */ -}}
 {{- range $name := list "systemNamespaces" "kubernetesService" "apiserverEndpoints" "serviceCIDR" "clusterIPRepair" "nodePortRepair" -}}
 {{- $_ := set $durations (printf "loops.%s.interval" $name) (get (default dict (get $loops $name)) "interval") -}}
 {{- end -}}
+{{- range $name := list "clusterIPRepair" "nodePortRepair" -}}
+{{- $_ := set $durations (printf "loops.%s.leakSightingSpacing" $name) (get (default dict (get $loops $name)) "leakSightingSpacing") -}}
+{{- end -}}
 {{- range $field, $value := $durations -}}
 {{- /* 8760h in milliseconds: the binary's longest duration. */ -}}
 {{- if and $value (gt (float64 (include "bootstrap-controller.durationMs" $value)) 31536000000.0) -}}

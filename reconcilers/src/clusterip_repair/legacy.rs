@@ -101,7 +101,7 @@ impl LegacyIpBitmaps {
                         budget: self.budget.clone(),
                     },
                     section.rebuild_bitmap_on_range_change,
-                    section.interval,
+                    section.leak_sighting_spacing,
                 )
             })
             .collect()

@@ -6,7 +6,8 @@
 //! kube-apiserver sets the bit before it creates the Service, so a young bit without its Service
 //! is normal. It is released only on its third sighting, and only when a fresh list of the
 //! Services confirms it unused; until then it stays set. Upstream sees a leak once per 3-minute pass;
-//! passes here also run on every Service change, so sightings count only when `spacing` apart.
+//! passes here also run on every Service change and may be set closer, so sightings count only
+//! when `spacing` apart (the loop's `leakSightingSpacing`, 3 minutes by default).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -15,6 +16,11 @@ use fixedbitset::FixedBitSet;
 
 /// Sightings of an unused bit before it is released (upstream's `numRepairsBeforeLeakCleanup`).
 pub const SIGHTINGS_BEFORE_RELEASE: u8 = 3;
+
+/// How far apart sightings count by default: upstream's repair interval (3 minutes), whatever
+/// the loop's own interval. kube-apiserver sets a bit before the Service is stored, with
+/// admission (webhooks among it) in between, so a bit is released no sooner than upstream would.
+pub const DEFAULT_SIGHTING_SPACING: Duration = Duration::from_secs(180);
 
 /// Unused bits seen so far, across passes.
 #[derive(Debug, Default)]

@@ -131,7 +131,7 @@ impl NodePortRepairLoop {
                     budget: settings.cache_budget.clone(),
                 },
                 section.rebuild_bitmap_on_range_change,
-                section.interval,
+                section.leak_sighting_spacing,
             )
         });
         Self {

@@ -35,6 +35,10 @@ pub struct Section {
     /// and left alone. For an operator who changed kube-apiserver's `--service-node-port-range`
     /// and wants the bitmap moved before kube-apiserver's restart does it.
     pub rebuild_bitmap_on_range_change: bool,
+    /// etcd mode: how far apart the three sightings of a set bit no Service holds must be
+    /// before it is released (upstream's passes are 3 minutes apart; this loop's may be closer).
+    #[serde(with = "duration_format")]
+    pub leak_sighting_spacing: Duration,
 }
 
 impl Default for Section {
@@ -44,6 +48,7 @@ impl Default for Section {
             interval: DEFAULT_INTERVAL,
             page_size: watch_cache::DEFAULT_PAGE_SIZE,
             rebuild_bitmap_on_range_change: false,
+            leak_sighting_spacing: crate::legacy_alloc::repair::DEFAULT_SIGHTING_SPACING,
         }
     }
 }
@@ -94,5 +99,9 @@ mod tests {
             ]
         );
         assert_eq!(Section::default().interval, Duration::from_secs(180));
+        assert_eq!(
+            Section::default().leak_sighting_spacing,
+            Duration::from_secs(180)
+        );
     }
 }
