@@ -195,9 +195,12 @@ impl<R: BitmapRange> LegacyBitmap<R> {
 
     /// The bits of the range `service` holds.
     fn held_bits(&self, service: &ServiceRecord) -> impl Iterator<Item = usize> {
+        let size = self.range.bits();
         R::held(service)
             .into_iter()
             .filter_map(|item| self.range.bit(item))
+            // FixedBitSet panics on a bit past its length.
+            .filter(move |offset| *offset < size)
     }
 
     /// The bitmap bytes `data` stored under the range `stored`, moved onto this key's range (see
@@ -226,10 +229,6 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         let mut first: HashMap<usize, &ServiceRecord> = HashMap::new();
         for service in services {
             for offset in self.held_bits(service) {
-                // FixedBitSet panics on a bit past its length.
-                if offset >= size {
-                    continue;
-                }
                 bits.insert(offset);
                 first
                     .entry(offset)
@@ -251,14 +250,10 @@ impl<R: BitmapRange> LegacyBitmap<R> {
     /// The bits the Services hold by a fresh list of them, `None` if the list failed (warned
     /// about once while it fails the same way).
     async fn fresh_in_use(&self, client: &kube::Client) -> Option<FixedBitSet> {
-        let size = self.range.bits();
-        let mut bits = FixedBitSet::with_capacity(size);
-        let listed = (self.fresh_list.each(client, |service| {
-            // FixedBitSet panics on a bit past its length.
-            for offset in self.held_bits(service).filter(|offset| *offset < size) {
-                bits.insert(offset);
-            }
-        }))
+        let mut bits = FixedBitSet::with_capacity(self.range.bits());
+        let listed = (self
+            .fresh_list
+            .each(client, |service| bits.extend(self.held_bits(service))))
         .await;
         let mut failure = self.list_failure.lock().unwrap_or_else(|p| p.into_inner());
         match listed {
