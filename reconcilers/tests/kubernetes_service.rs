@@ -330,6 +330,16 @@ async fn a_recreation_the_api_would_refuse_deletes_nothing() {
         .create(&PostParams::default(), &taker)
         .await
         .unwrap();
+    // More Services than a page of the holder search, all after the holder in key order.
+    for i in 0..600 {
+        sim.backdoor()
+            .put(serde_json::json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": format!("filler-{i}"), "namespace": "zz"},
+                "spec": {"ports": [{"port": 80}]}
+            }))
+            .unwrap();
+    }
     let l = service_loop(
         &sim,
         Section {
@@ -357,7 +367,8 @@ async fn a_recreation_the_api_would_refuse_deletes_nothing() {
     assert_eq!(events_of_reason(&sim, "KubernetesServiceRepairRefused"), 1);
     assert_eq!(l.metrics().repairs("service_cluster_ip"), 0);
     assert_eq!(l.metrics().refusals("service_cluster_ip"), 1);
-    // The holder, found by one live list of every namespace, is believed for the interval.
+    // The holder, found on the first page of one live list of every namespace (the list stops
+    // there), is believed for the interval.
     let everywhere = (sim.requests().into_iter())
         .filter(|r| r.verb == "list" && r.resource == "services" && r.namespace.is_empty())
         .count();

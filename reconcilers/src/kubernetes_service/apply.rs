@@ -4,6 +4,8 @@
 //! by retrying it, so it is not an error of the pass: it is returned, and the loop reports it
 //! once while it lasts.
 
+use std::ops::ControlFlow;
+
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::IPAddress;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
@@ -427,17 +429,17 @@ impl KubernetesServiceLoop {
         let (namespace, name) = (&self.section.namespace, &self.section.name);
         let mut holder = None;
         (fresh_list.each(&self.client, |svc| {
-            if holder.is_some()
-                || (&*svc.namespace, &*svc.name) == (namespace.as_str(), name.as_str())
-            {
-                return;
+            if (&*svc.namespace, &*svc.name) == (namespace.as_str(), name.as_str()) {
+                return ControlFlow::Continue(());
             }
-            if let Some(ip) = wanted.iter().find(|ip| svc.lists_ip(**ip)) {
-                holder = Some(format!(
-                    "{ip} is held by Service {}/{}",
-                    svc.namespace, svc.name
-                ));
-            }
+            let Some(ip) = wanted.iter().find(|ip| svc.lists_ip(**ip)) else {
+                return ControlFlow::Continue(());
+            };
+            holder = Some(format!(
+                "{ip} is held by Service {}/{}",
+                svc.namespace, svc.name
+            ));
+            ControlFlow::Break(())
         }))
         .await?;
         if holder.is_some() {

@@ -19,6 +19,7 @@ pub mod etcd;
 pub mod repair;
 
 use std::collections::{HashMap, HashSet};
+use std::ops::ControlFlow;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -251,9 +252,10 @@ impl<R: BitmapRange> LegacyBitmap<R> {
     /// about once while it fails the same way).
     async fn fresh_in_use(&self, client: &kube::Client) -> Option<FixedBitSet> {
         let mut bits = FixedBitSet::with_capacity(self.range.bits());
-        let listed = (self
-            .fresh_list
-            .each(client, |service| bits.extend(self.held_bits(service))))
+        let listed = (self.fresh_list.each(client, |service| {
+            bits.extend(self.held_bits(service));
+            ControlFlow::Continue(())
+        }))
         .await;
         let mut failure = self.list_failure.lock().unwrap_or_else(|p| p.into_inner());
         match listed {

@@ -6,6 +6,8 @@
 pub mod live;
 pub mod record;
 
+use std::ops::ControlFlow;
+
 use kube::Client;
 use kube::api::{Api, ListParams};
 
@@ -49,11 +51,11 @@ impl From<FreshListError> for LoopError {
 }
 
 impl FreshList {
-    /// Hands every Service to `each` as its page arrives.
+    /// Hands every Service to `each` as its page arrives, until `each` breaks.
     pub async fn each(
         &self,
         client: &Client,
-        mut each: impl FnMut(&ServiceRecord),
+        mut each: impl FnMut(&ServiceRecord) -> ControlFlow<()>,
     ) -> Result<(), FreshListError> {
         let api: Api<ServiceObject> = Api::all(client.clone());
         let limit = self.budget.max_objects();
@@ -69,7 +71,9 @@ impl FreshList {
                 });
             }
             for service in &page.items {
-                each(&ServiceRecord::from(service));
+                if each(&ServiceRecord::from(service)).is_break() {
+                    return Ok(());
+                }
             }
             match page.metadata.continue_ {
                 Some(token) if !token.is_empty() => params = params.continue_token(&token),
