@@ -375,10 +375,8 @@ async fn a_recreation_the_api_would_refuse_deletes_nothing() {
     assert_eq!(everywhere, 1);
 }
 
-/// A dual-stack Service of the wrong primary family holds the wanted IP as its secondary: its
-/// own IPAddress, released with it, is no other holder, so the Service is recreated.
-#[tokio::test]
-async fn a_recreation_takes_the_ip_the_service_itself_holds_as_secondary() {
+/// A simulator allocating from an IPv4 and an IPv6 service range, and the ranges.
+async fn dual_stack_sim() -> (Sim, Vec<ipnet::IpNet>) {
     let ranges: Vec<ipnet::IpNet> = vec![
         "10.96.0.0/12".parse().unwrap(),
         "fd00:10:96::/108".parse().unwrap(),
@@ -390,6 +388,14 @@ async fn a_recreation_takes_the_ip_the_service_itself_holds_as_secondary() {
     })
     .await
     .unwrap();
+    (sim, ranges)
+}
+
+/// A dual-stack Service of the wrong primary family holds the wanted IP as its secondary: its
+/// own IPAddress, released with it, is no other holder, so the Service is recreated.
+#[tokio::test]
+async fn a_recreation_takes_the_ip_the_service_itself_holds_as_secondary() {
+    let (sim, ranges) = dual_stack_sim().await;
     let dual: Service = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "kubernetes", "namespace": "default",
                      "labels": {"provider": "kubernetes", "component": "apiserver"}},
@@ -497,17 +503,7 @@ async fn node_port_with_two_ranges_is_single_stack() {
 /// points at endpoints nobody serves. kube-apiserver's own SingleStack Service is left as it is.
 #[tokio::test]
 async fn two_ranges_keep_the_service_single_stack_of_the_primary_family() {
-    let ranges: Vec<ipnet::IpNet> = vec![
-        "10.96.0.0/12".parse().unwrap(),
-        "fd00:10:96::/108".parse().unwrap(),
-    ];
-    let sim = Sim::start(apiserver_sim::SimConfig {
-        seed_namespaces: vec!["default".into()],
-        service_cluster_ip_ranges: ranges.clone(),
-        ..apiserver_sim::SimConfig::default()
-    })
-    .await
-    .unwrap();
+    let (sim, ranges) = dual_stack_sim().await;
     let dual = service_loop(
         &sim,
         Section::default(),
