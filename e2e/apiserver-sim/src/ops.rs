@@ -1184,12 +1184,17 @@ fn is_ipv4_with_leading_zeros(name: &str) -> bool {
         })
 }
 
-/// An IPAddress's `spec.parentRef` without empty or null `group` and `namespace`, which
-/// kube-apiserver does not tell from absent ones (it decodes all three to "").
+/// An IPAddress's `spec.parentRef` as kube-apiserver compares it: its four fields only (it drops
+/// unknown ones when it decodes), without empty or null `group` and `namespace`, which it does
+/// not tell from absent ones (it decodes all three to "").
 fn parent_ref(obj: &Value) -> Option<Value> {
     let mut parent = obj.pointer("/spec/parentRef")?.clone();
     if let Some(fields) = parent.as_object_mut() {
-        fields.retain(|_, v| !v.is_null() && v.as_str() != Some(""));
+        fields.retain(|k, v| {
+            ["group", "resource", "namespace", "name"].contains(&k.as_str())
+                && !v.is_null()
+                && v.as_str() != Some("")
+        });
     }
     Some(parent)
 }

@@ -146,6 +146,18 @@ async fn ip_address_parent_is_immutable_and_an_empty_group_is_not_serialized() {
         )
         .await
         .unwrap();
+    // The same parent with a field kube-apiserver does not know: it drops the field when it
+    // decodes, so accepted.
+    let mut unknown = serde_json::to_value(api.get("10.96.200.220").await.unwrap()).unwrap();
+    unknown["spec"]["parentRef"]["futureField"] = json!({"nested": true});
+    dynamic
+        .replace(
+            "10.96.200.220",
+            &PostParams::default(),
+            &serde_json::from_value(unknown).unwrap(),
+        )
+        .await
+        .unwrap();
 }
 
 /// Untyped: `k8s_openapi`'s Event cannot leave out `eventTime`.
