@@ -116,3 +116,106 @@ async fn a_pinned_connection_whose_check_gets_no_answer_fails_the_call() {
         );
     }
 }
+
+/// A TCP relay to `target`, which the test may point elsewhere: `switch` makes new connections
+/// reach the new target and closes the ones already relayed (the connections of an etcd that
+/// went away behind an address another etcd then answers on).
+struct Relay {
+    address: SocketAddr,
+    target: std::sync::Arc<std::sync::Mutex<SocketAddr>>,
+    relayed: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl Relay {
+    async fn start(target: SocketAddr) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let target = std::sync::Arc::new(std::sync::Mutex::new(target));
+        let relayed = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (to, tasks) = (target.clone(), relayed.clone());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let at = *to.lock().unwrap();
+                tasks.lock().unwrap().push(tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(at).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                }));
+            }
+        });
+        Relay {
+            address,
+            target,
+            relayed,
+        }
+    }
+
+    fn switch(&self, target: SocketAddr) {
+        *self.target.lock().unwrap() = target;
+        for task in self.relayed.lock().unwrap().drain(..) {
+            task.abort();
+        }
+    }
+}
+
+/// The pinned address comes to be answered by another etcd while the client is connected: the
+/// connection it checked closes, and the next one is checked before anything is sent on it, so
+/// a create-if-absent (which the other etcd would accept) never reaches the other etcd.
+#[tokio::test]
+async fn a_pinned_address_that_another_etcd_takes_over_gets_no_write() {
+    let one = Etcd::start(None).await;
+    let other = Etcd::start(None).await;
+    let one_id = EtcdStore::new(one.config()).cluster_id().await.unwrap();
+    let relay = Relay::start(address(&one)).await;
+    let mut config = one.config();
+    config.pin = Some(EtcdPin {
+        addresses: vec![vec![relay.address]],
+        cluster_id: Some(one_id),
+    });
+    let store = EtcdStore::new(config);
+    assert!(
+        store
+            .compare_and_swap("/first", None, b"v".to_vec())
+            .await
+            .unwrap()
+    );
+
+    relay.switch(address(&other));
+    // Time for the client to see its connection closed (a write sent on the closed one fails
+    // whatever the client does).
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    // The closed connection's call fails; the next connects afresh and finds the other cluster.
+    let refused = store.compare_and_swap("/second", None, b"v".to_vec()).await;
+    assert!(
+        matches!(
+            refused,
+            Err(EtcdError::Status {
+                code: tonic::Code::Unavailable,
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    for _ in 0..2 {
+        let refused = store.compare_and_swap("/second", None, b"v".to_vec()).await;
+        assert!(
+            matches!(refused, Err(EtcdError::OtherCluster { .. })),
+            "{refused:?}"
+        );
+    }
+    assert!(
+        EtcdStore::new(other.config())
+            .get("/second")
+            .await
+            .unwrap()
+            .is_none(),
+        "the other etcd got the write"
+    );
+    assert!(
+        EtcdStore::new(one.config())
+            .get("/second")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}

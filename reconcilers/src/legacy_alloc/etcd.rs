@@ -466,7 +466,7 @@ impl EtcdStore {
                 Some(pin) => {
                     let addresses = pin.addresses.get(index).cloned().unwrap_or_default();
                     endpoint
-                        .connect_with_connector(PinnedConnector(Arc::new(addresses)))
+                        .connect_with_connector(PinnedConnector::new(addresses))
                         .await
                 }
                 None => endpoint.connect().await,
@@ -653,8 +653,8 @@ impl EtcdStore {
             }],
             failure: Vec::new(),
         };
-        // A pinned connection's cluster was checked when it was made; the answer is checked
-        // too, so a channel that reconnected underneath to another etcd goes no further.
+        // A pinned connection's cluster was checked when it was made, and it never reconnects
+        // unchecked (`PinnedConnector`); the answer is checked too.
         let response = match KvClient::new(connection.channel.clone()).txn(request).await {
             Ok(response) => response.into_inner(),
             Err(status) => return Err(self.failed(&connection, status).await),
@@ -798,8 +798,25 @@ impl EtcdStore {
 
 /// Connects to the addresses a tenant's etcd server was checked at, in order, whatever the
 /// URL's host name resolves to now; TLS (when configured) still verifies the URL's host name.
+/// It makes one connection only: the channel would otherwise reconnect by itself when that one
+/// closes, and send the next request to whatever answers at the address then (another etcd,
+/// restored or replaced) before the cluster ID of its answer could be checked. Refused instead,
+/// the request fails, the store drops the channel, and its next call connects afresh and checks
+/// the cluster before sending anything.
 #[derive(Clone)]
-struct PinnedConnector(Arc<Vec<SocketAddr>>);
+struct PinnedConnector {
+    addresses: Arc<Vec<SocketAddr>>,
+    used: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl PinnedConnector {
+    fn new(addresses: Vec<SocketAddr>) -> Self {
+        PinnedConnector {
+            addresses: Arc::new(addresses),
+            used: Arc::default(),
+        }
+    }
+}
 
 impl tonic::codegen::Service<http::Uri> for PinnedConnector {
     type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
@@ -814,8 +831,15 @@ impl tonic::codegen::Service<http::Uri> for PinnedConnector {
     }
 
     fn call(&mut self, _: http::Uri) -> Self::Future {
-        let addresses = self.0.clone();
+        let addresses = self.addresses.clone();
+        let again = self.used.swap(true, std::sync::atomic::Ordering::SeqCst);
         Box::pin(async move {
+            if again {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::NotConnected,
+                    "the checked etcd connection closed; the next call checks a new one",
+                ));
+            }
             if addresses.is_empty() {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::AddrNotAvailable,
