@@ -363,6 +363,35 @@ mod tests {
         assert_eq!(probe.calls.load(Ordering::SeqCst), 0);
     }
 
+    /// Another instance renewing this address's Lease keeps the address at a stop, whatever the
+    /// policy and the probes say, unless `keepSharedAddress` is off; the sharing is said once.
+    #[tokio::test]
+    async fn a_shared_address_is_kept_at_stop_unless_keep_shared_address_is_off() {
+        for (keep, withdraw) in [(true, false), (false, true)] {
+            let section = Section {
+                on_shutdown: OnShutdown::WithdrawIfApiserverStopping,
+                shutdown_probes: 2,
+                shutdown_probe_window: Duration::from_millis(20),
+                keep_shared_address: keep,
+                ..Section::default()
+            };
+            let probe = Scripted::new(&[false]);
+            let gate = ShutdownGate::new(&section, probe.clone());
+            assert!(gate.note_shared("apiserver-b".to_owned()));
+            assert!(!gate.note_shared("apiserver-b".to_owned()));
+            assert_eq!(gate.shared_with(), keep.then(|| "apiserver-b".to_owned()));
+            let decision = gate.decide().await;
+            assert_eq!(decision.withdraw, withdraw, "keep {keep}: {decision:?}");
+            assert_eq!(
+                decision.reason.contains("a shared address"),
+                keep,
+                "{decision:?}"
+            );
+            // Kept for the sharing: the apiserver is not even probed.
+            assert_eq!(probe.calls.load(Ordering::SeqCst), usize::from(!keep));
+        }
+    }
+
     #[test]
     fn probes_are_spread_over_the_window() {
         let probe = || Scripted::new(&[]);
