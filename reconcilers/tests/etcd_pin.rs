@@ -219,3 +219,45 @@ async fn a_pinned_address_that_another_etcd_takes_over_gets_no_write() {
             .is_none()
     );
 }
+
+/// The checked connection closes and the same etcd answers again (a restart, a network blip):
+/// the call on the closed connection fails, and the next connects, checks and writes.
+#[tokio::test]
+async fn a_pinned_client_whose_connection_closes_connects_again_to_the_same_etcd() {
+    let one = Etcd::start(None).await;
+    let one_id = EtcdStore::new(one.config()).cluster_id().await.unwrap();
+    let relay = Relay::start(address(&one)).await;
+    let mut config = one.config();
+    config.pin = Some(EtcdPin {
+        addresses: vec![vec![relay.address]],
+        cluster_id: Some(one_id),
+    });
+    let store = EtcdStore::new(config);
+    assert!(store.get("/k").await.unwrap().is_none());
+    relay.switch(address(&one));
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let failed = store.get("/k").await;
+    assert!(
+        matches!(
+            failed,
+            Err(EtcdError::Status {
+                code: tonic::Code::Unavailable,
+                ..
+            })
+        ),
+        "{failed:?}"
+    );
+    assert!(
+        store
+            .compare_and_swap("/k", None, b"v".to_vec())
+            .await
+            .unwrap()
+    );
+    assert!(
+        EtcdStore::new(one.config())
+            .get("/k")
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
