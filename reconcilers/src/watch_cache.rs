@@ -670,6 +670,12 @@ impl<K: WholeObject> Whole<K> {
         Ok(found)
     }
 
+    /// Keeps the object a write of the loop's answered with: once the watch brings that write,
+    /// the next pass reads it from here rather than listing it again.
+    pub fn written(&self, object: K) {
+        *self.lock() = Some(object);
+    }
+
     /// What the current cache says without a request: `Some(None)` for an object it does not
     /// hold, the kept object when the cache holds its resourceVersion.
     fn kept<T: Cached>(&self, cache: &WatchCache<T>, key: &T::Key) -> Option<Option<K>> {

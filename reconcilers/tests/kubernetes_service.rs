@@ -19,7 +19,7 @@ use reconcilers::kubernetes_service::{
 };
 use reconcilers::section::Settings;
 use reconcilers::service_cache::record::ServiceRecord;
-use reconcilers::watch_cache::WatchCache;
+use reconcilers::watch_cache::{Cached, WatchCache};
 
 type Corruption = Box<dyn Fn(&mut Service)>;
 
@@ -647,6 +647,69 @@ async fn a_service_another_writer_created_first_is_not_reported_as_created() {
     assert!(report.is_clean(), "{report:?}");
     assert_eq!(events_of_reason(&sim, "KubernetesServiceCreated"), 0);
     assert_eq!(l.metrics().repairs("service_missing"), 0);
+}
+
+/// The loop keeps what its own create answered: once the watch brings the created Service, the
+/// next pass reads it from the cache and asks the API nothing, where it would otherwise list the
+/// Service again to have it whole.
+#[tokio::test]
+async fn a_pass_after_its_own_create_asks_the_api_nothing() {
+    let sim = sim().await;
+    let settings = settings();
+    let services = WatchCache::<ServiceRecord>::new(
+        Api::namespaced(sim.client(), "default"),
+        watcher::Config::default(),
+        &settings.cache_budget,
+    );
+    let l = KubernetesServiceLoop::with_services(
+        Section::default(),
+        &settings,
+        sim.client(),
+        services.clone(),
+        &mut Registry::default(),
+    );
+    let mut triggers = futures::stream::select_all(l.triggers());
+    let _driver = tokio::spawn(async move { while triggers.next().await.is_some() {} });
+    eventually("the cache synced", || {
+        let services = services.clone();
+        async move { services.current().is_some() }
+    })
+    .await;
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert!(
+        report
+            .drift
+            .iter()
+            .any(|d| d.kind == "service_missing" && d.applied),
+        "{report:?}"
+    );
+    let created: u64 = (service(&sim).await.unwrap().metadata.resource_version)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let key = (
+        reconcilers::service_cache::record::Name::from("default"),
+        reconcilers::service_cache::record::Name::from("kubernetes"),
+    );
+    eventually("the cache holds the created Service", || {
+        let services = services.clone();
+        let key = key.clone();
+        async move {
+            let state = services.current();
+            state.and_then(|state| state.get(&key).and_then(|r| r.resource_version()))
+                == Some(created)
+        }
+    })
+    .await;
+    sim.clear_requests();
+
+    let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    let asked: Vec<String> = (sim.requests().iter())
+        .filter(|r| r.resource == "services")
+        .map(|r| format!("{} {}", r.verb, r.path))
+        .collect();
+    assert_eq!(asked, Vec::<String>::new());
 }
 
 /// A creation the API refuses (the primary range's first IP is another Service's) is reported

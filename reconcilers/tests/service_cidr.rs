@@ -14,7 +14,9 @@ use anyhow::Result;
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use futures::StreamExt;
 use reconcilers::Reconciler;
+use reconcilers::clusterip_repair::model::ServiceCidrRecord;
 use reconcilers::service_cidr::{Section, ServiceCidrLoop};
+use reconcilers::watch_cache::{Cached, WatchCache};
 
 #[tokio::test]
 async fn a_missing_default_service_cidr_is_created_with_an_event_for_each_repair() -> Result<()> {
@@ -60,6 +62,58 @@ async fn a_missing_default_service_cidr_is_created_with_an_event_for_each_repair
         })
     );
     assert_eq!(common::events_of(&sim, "DefaultServiceCIDRReady").len(), 1);
+    Ok(())
+}
+
+/// The loop keeps what its own writes answered (the create, then the Ready status): once the
+/// watch brings them, the next pass reads the ServiceCIDR from the cache and asks the API
+/// nothing, where it would otherwise list it again to have it whole.
+#[tokio::test]
+async fn a_pass_after_its_own_writes_asks_the_api_nothing() -> Result<()> {
+    let sim = common::sim().await;
+    let settings = common::settings(&["10.96.0.0/12"]);
+    let cidrs = WatchCache::<ServiceCidrRecord>::shared(sim.client(), &settings.cache_budget);
+    let repair =
+        ServiceCidrLoop::with_cidrs(sim.client(), Section::default(), &settings, cidrs.clone())
+            .unwrap();
+    let triggers = futures::stream::select_all(repair.triggers());
+    let drive = tokio::spawn(triggers.for_each(|_| async {}));
+    common::eventually("the ServiceCIDR cache synced", || async {
+        cidrs.current().is_some()
+    })
+    .await;
+    let report = repair.reconcile(&common::ctx(&sim, false)).await?;
+    assert!(
+        common::drift_of_kind(&report, "servicecidr_not_ready")
+            .iter()
+            .any(|d| d.applied),
+        "{report:?}"
+    );
+    let api: kube::Api<k8s_openapi::api::networking::v1::ServiceCIDR> =
+        kube::Api::all(sim.client());
+    let written: u64 = api
+        .get("kubernetes")
+        .await?
+        .metadata
+        .resource_version
+        .unwrap()
+        .parse()?;
+    let key: Box<str> = "kubernetes".into();
+    common::eventually("the cache holds the written ServiceCIDR", || async {
+        let state = cidrs.current();
+        state.and_then(|state| state.get(&key).and_then(|r| r.resource_version())) == Some(written)
+    })
+    .await;
+    sim.clear_requests();
+
+    let report = repair.reconcile(&common::ctx(&sim, false)).await?;
+    assert!(report.is_clean(), "{report:?}");
+    let asked: Vec<String> = (sim.requests().iter())
+        .filter(|r| r.resource == "servicecidrs")
+        .map(|r| format!("{} {}", r.verb, r.path))
+        .collect();
+    assert_eq!(asked, Vec::<String>::new());
+    drive.abort();
     Ok(())
 }
 

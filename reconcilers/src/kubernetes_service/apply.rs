@@ -106,6 +106,7 @@ impl KubernetesServiceLoop {
             };
             applied = created.is_some();
             if let Some(created) = &created {
+                self.service.written(created.clone());
                 KubernetesServiceMetrics::count(&self.metrics.repairs, &["service_missing"]);
                 self.publish(
                     created,
@@ -157,7 +158,10 @@ impl KubernetesServiceLoop {
         if let Some(repaired) = repaired.filter(|_| !ctx.dry_run) {
             let name = existing.metadata.name.clone().unwrap_or_default();
             match api.replace(&name, &PostParams::default(), &repaired).await {
-                Ok(_) => applied = true,
+                Ok(replaced) => {
+                    self.service.written(replaced);
+                    applied = true;
+                }
                 // Refused as invalid (a node port another Service holds, say): retrying the
                 // same write cannot help, so it is reported, not failed, and not a repair.
                 Err(kube::Error::Api(status)) if status.code == 422 => {
@@ -308,7 +312,10 @@ impl KubernetesServiceLoop {
             )
             .await?;
             match ignore_already_exists(api.create(&PostParams::default(), &want).await) {
-                Ok(Some(_)) => (None, None),
+                Ok(Some(created)) => {
+                    self.service.written(created);
+                    (None, None)
+                }
                 // A finalizer holds the deleted Service: a later pass creates it once it is gone.
                 Ok(None) => (
                     Some("deleted the Service, which is still being removed".to_owned()),

@@ -154,7 +154,10 @@ impl ServiceCidrLoop {
             status: None,
         };
         let created = match ignore_already_exists(api.create(&PostParams::default(), &new).await) {
-            Ok(Some(created)) => created,
+            Ok(Some(created)) => {
+                self.cidr.written(created.clone());
+                created
+            }
             // kube-apiserver 1.33+ creates it too, and the watch had not shown it yet: nothing
             // was repaired, and the status step takes the object as the watch has it.
             Ok(None) => return Ok(Written::Now(Box::new(self.current(api).await?))),
@@ -315,13 +318,16 @@ impl ServiceCidrLoop {
             }]},
         });
         let params = PatchParams::apply(CONTROLLER_NAME).force();
-        if let Err(err) = api
+        match api
             .patch_status(DEFAULT_SERVICE_CIDR, &params, &Patch::Apply(&status))
             .await
         {
-            let note = "The default ServiceCIDR Status can not be set to Ready=True".to_owned();
-            self.failed("status", &err, note).await;
-            return Err(err.into());
+            Ok(patched) => self.cidr.written(patched),
+            Err(err) => {
+                let note = "The default ServiceCIDR Status can not be set to Ready=True".to_owned();
+                self.failed("status", &err, note).await;
+                return Err(err.into());
+            }
         }
         let became = "condition Ready=True".to_owned();
         self.repaired(
