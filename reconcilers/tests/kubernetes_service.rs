@@ -604,16 +604,19 @@ async fn a_refused_repair_is_reported_once_and_not_counted_as_a_repair() {
     assert_eq!(spec.type_.as_deref(), Some("NodePort"));
 }
 
-/// The cache had no Service (it lags behind the API; this one watches `kube-system` only) while
-/// another writer, kube-apiserver starting say, created it: the loop's create meets
-/// AlreadyExists. The Service was not missing, so nothing is reported as created, no event is
-/// published and no repair counted.
-#[tokio::test]
-async fn a_service_another_writer_created_first_is_not_reported_as_created() {
-    let sim = sim().await;
+/// The loop with a Service cache of its own that watches `namespace`, its triggers driven, once
+/// the cache has synced.
+async fn synced_loop(
+    sim: &Sim,
+    namespace: &str,
+) -> (
+    WatchCache<ServiceRecord>,
+    KubernetesServiceLoop,
+    tokio::task::JoinHandle<()>,
+) {
     let settings = settings();
     let services = WatchCache::<ServiceRecord>::new(
-        Api::namespaced(sim.client(), "kube-system"),
+        Api::namespaced(sim.client(), namespace),
         watcher::Config::default(),
         &settings.cache_budget,
     );
@@ -625,12 +628,24 @@ async fn a_service_another_writer_created_first_is_not_reported_as_created() {
         &mut Registry::default(),
     );
     let mut triggers = futures::stream::select_all(l.triggers());
-    let _driver = tokio::spawn(async move { while triggers.next().await.is_some() {} });
+    let driver = tokio::spawn(async move { while triggers.next().await.is_some() {} });
     eventually("the cache synced", || {
         let services = services.clone();
         async move { services.current().is_some() }
     })
     .await;
+    (services, l, driver)
+}
+
+/// The cache had no Service (it lags behind the API; this one watches `kube-system` only) while
+/// another writer, kube-apiserver starting say, created it: the loop's create meets
+/// AlreadyExists. The Service was not missing, so nothing is reported as created, no event is
+/// published and no repair counted.
+#[tokio::test]
+async fn a_service_another_writer_created_first_is_not_reported_as_created() {
+    let sim = sim().await;
+    let settings = settings();
+    let (_, l, _driver) = synced_loop(&sim, "kube-system").await;
     let first = desired_service(&Section::default(), &settings, None);
     api(&sim)
         .create(&PostParams::default(), &first)
@@ -655,26 +670,7 @@ async fn a_service_another_writer_created_first_is_not_reported_as_created() {
 #[tokio::test]
 async fn a_pass_after_its_own_create_asks_the_api_nothing() {
     let sim = sim().await;
-    let settings = settings();
-    let services = WatchCache::<ServiceRecord>::new(
-        Api::namespaced(sim.client(), "default"),
-        watcher::Config::default(),
-        &settings.cache_budget,
-    );
-    let l = KubernetesServiceLoop::with_services(
-        Section::default(),
-        &settings,
-        sim.client(),
-        services.clone(),
-        &mut Registry::default(),
-    );
-    let mut triggers = futures::stream::select_all(l.triggers());
-    let _driver = tokio::spawn(async move { while triggers.next().await.is_some() {} });
-    eventually("the cache synced", || {
-        let services = services.clone();
-        async move { services.current().is_some() }
-    })
-    .await;
+    let (services, l, _driver) = synced_loop(&sim, "default").await;
     let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
     assert!(
         report
