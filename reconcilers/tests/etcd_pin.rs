@@ -150,12 +150,41 @@ impl Relay {
         }
     }
 
-    fn switch(&self, target: SocketAddr) {
+    /// Points the relay at `target` and closes what it relayed, then leaves the client time to
+    /// see its connection closed (a call sent on the closed one fails whatever the client does).
+    async fn switch(&self, target: SocketAddr) {
         *self.target.lock().unwrap() = target;
         for task in self.relayed.lock().unwrap().drain(..) {
             task.abort();
         }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
+}
+
+/// A store pinned to `one`'s cluster at a relay that reaches `one`.
+async fn pinned_through_relay(one: &Etcd) -> (EtcdStore, Relay) {
+    let one_id = EtcdStore::new(one.config()).cluster_id().await.unwrap();
+    let relay = Relay::start(address(one)).await;
+    let mut config = one.config();
+    config.pin = Some(EtcdPin {
+        addresses: vec![vec![relay.address]],
+        cluster_id: Some(one_id),
+    });
+    (EtcdStore::new(config), relay)
+}
+
+/// The call made on a connection that closed: failed as unavailable, nothing sent elsewhere.
+fn unavailable<T: std::fmt::Debug>(result: Result<T, EtcdError>) {
+    assert!(
+        matches!(
+            result,
+            Err(EtcdError::Status {
+                code: tonic::Code::Unavailable,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
 }
 
 /// The pinned address comes to be answered by another etcd while the client is connected: the
@@ -165,14 +194,7 @@ impl Relay {
 async fn a_pinned_address_that_another_etcd_takes_over_gets_no_write() {
     let one = Etcd::start(None).await;
     let other = Etcd::start(None).await;
-    let one_id = EtcdStore::new(one.config()).cluster_id().await.unwrap();
-    let relay = Relay::start(address(&one)).await;
-    let mut config = one.config();
-    config.pin = Some(EtcdPin {
-        addresses: vec![vec![relay.address]],
-        cluster_id: Some(one_id),
-    });
-    let store = EtcdStore::new(config);
+    let (store, relay) = pinned_through_relay(&one).await;
     assert!(
         store
             .compare_and_swap("/first", None, b"v".to_vec())
@@ -180,22 +202,9 @@ async fn a_pinned_address_that_another_etcd_takes_over_gets_no_write() {
             .unwrap()
     );
 
-    relay.switch(address(&other));
-    // Time for the client to see its connection closed (a write sent on the closed one fails
-    // whatever the client does).
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    relay.switch(address(&other)).await;
     // The closed connection's call fails; the next connects afresh and finds the other cluster.
-    let refused = store.compare_and_swap("/second", None, b"v".to_vec()).await;
-    assert!(
-        matches!(
-            refused,
-            Err(EtcdError::Status {
-                code: tonic::Code::Unavailable,
-                ..
-            })
-        ),
-        "{refused:?}"
-    );
+    unavailable(store.compare_and_swap("/second", None, b"v".to_vec()).await);
     for _ in 0..2 {
         let refused = store.compare_and_swap("/second", None, b"v".to_vec()).await;
         assert!(
@@ -225,28 +234,10 @@ async fn a_pinned_address_that_another_etcd_takes_over_gets_no_write() {
 #[tokio::test]
 async fn a_pinned_client_whose_connection_closes_connects_again_to_the_same_etcd() {
     let one = Etcd::start(None).await;
-    let one_id = EtcdStore::new(one.config()).cluster_id().await.unwrap();
-    let relay = Relay::start(address(&one)).await;
-    let mut config = one.config();
-    config.pin = Some(EtcdPin {
-        addresses: vec![vec![relay.address]],
-        cluster_id: Some(one_id),
-    });
-    let store = EtcdStore::new(config);
+    let (store, relay) = pinned_through_relay(&one).await;
     assert!(store.get("/k").await.unwrap().is_none());
-    relay.switch(address(&one));
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let failed = store.get("/k").await;
-    assert!(
-        matches!(
-            failed,
-            Err(EtcdError::Status {
-                code: tonic::Code::Unavailable,
-                ..
-            })
-        ),
-        "{failed:?}"
-    );
+    relay.switch(address(&one)).await;
+    unavailable(store.get("/k").await);
     assert!(
         store
             .compare_and_swap("/k", None, b"v".to_vec())
