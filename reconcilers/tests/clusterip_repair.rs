@@ -1001,14 +1001,15 @@ async fn an_orphan_that_only_looks_old_to_a_clock_ahead_is_not_deleted() -> Resu
     Ok(())
 }
 
-/// As above, with the IPAddress already there at the loop's first pass (a restart, a failover):
-/// 90 s past is no age a clock's error cannot explain, so it is held from first sight too.
+/// As above, with the IPAddress already there at the loop's first pass (a restart, a failover)
+/// and kube-apiserver's clock an hour behind: nothing in the view was created after it, so
+/// nothing shows it old on kube-apiserver's own clock, and it is held from first sight too.
 #[tokio::test]
 async fn an_orphan_that_only_looks_old_at_the_first_pass_is_not_deleted() -> Result<()> {
     let sim = start_sim().await?;
     let client = sim.client();
     ensure_default_service_cidr(&client).await?;
-    let behind = (jiff::Timestamp::now() - jiff::SignedDuration::from_secs(90))
+    let behind = (jiff::Timestamp::now() - jiff::SignedDuration::from_hours(1))
         .round(jiff::Unit::Second)?
         .to_string();
     sim.backdoor().put(ip_address_json(
@@ -1856,6 +1857,8 @@ async fn a_cache_emptied_mid_pass_stops_the_pass_before_the_next_finding() -> Re
             LONG_AGO,
         ))?;
     }
+    // A Service created now shows kube-apiserver's clock past the orphans' grace.
+    create_service(&client, "shop", "now", None, false).await?;
     let section = clusterip_repair::Section {
         mode: RepairMode::IpAddress,
         ..config(Duration::from_secs(60))

@@ -11,9 +11,10 @@ use super::plan::{Decision, Problem, Repair, UNLISTED_GRACE};
 /// 90 s ahead, a Service being created (its IPAddress written, its webhooks still running) would
 /// look like a leak the moment its IPAddress is seen. So the grace is also waited out here,
 /// from the first sight. One deletable at the loop's first pass is judged by its
-/// `creationTimestamp` alone when it is past its grace by more than
-/// [`FAR_PAST_GRACE`](super::plan::FAR_PAST_GRACE): nothing better is known of it, and a
-/// restart should not hold back cleaning up old leaks.
+/// `creationTimestamp` alone when kube-apiserver's own clock shows it past its grace: another
+/// object of the view was created more than the grace after it. A restart then does not hold
+/// back cleaning up old leaks, and a clock of this controller's however far ahead never makes
+/// one in-flight look old (the newest objects are the in-flight ones).
 #[derive(Debug, Default)]
 pub struct FirstDeletable {
     /// By IPAddress uid; `None`: judged by its `creationTimestamp` alone.
@@ -37,7 +38,7 @@ pub fn hold_until_seen_as_old(
         let met = first.since.get(uid).copied().unwrap_or(Some(mono));
         since.insert(uid.clone(), met);
     }
-    let far_past_grace = &decision.far_past_grace;
+    let past_on_api_clock = &decision.past_grace_on_api_clock;
     let mut recheck = None;
     decision.findings.retain(|finding| {
         let Repair::Delete { existing, .. } = &finding.repair else {
@@ -50,7 +51,7 @@ pub fn hold_until_seen_as_old(
         };
         let met = match first.since.get(&existing.uid) {
             Some(met) => *met,
-            None if first_pass && far_past_grace.contains(&existing.uid) => None,
+            None if first_pass && past_on_api_clock.contains(&existing.uid) => None,
             None => Some(mono),
         };
         since.insert(existing.uid.clone(), met);

@@ -296,9 +296,9 @@ pub struct Decision {
     pub next_recheck: Option<jiff::Timestamp>,
     /// The uids of the IPAddresses waiting out a grace (see the `grace` module).
     pub waiting: Vec<Box<str>>,
-    /// The uids of the IPAddresses deleted on their age that are older than their grace by
-    /// more than [`FAR_PAST_GRACE`] (see the `grace` module).
-    pub far_past_grace: std::collections::BTreeSet<Box<str>>,
+    /// The uids of the IPAddresses deleted on their age that kube-apiserver's own clock shows
+    /// past their grace (see the `grace` module).
+    pub past_grace_on_api_clock: std::collections::BTreeSet<Box<str>>,
 }
 
 impl Decision {
@@ -312,21 +312,25 @@ impl Decision {
         self.waiting.push(ObjectVersion::of(ip).uid);
     }
 
-    /// `ip`, past its `grace` by its `creationTimestamp` at `now`, is deleted: noted when it is
-    /// so far past that no clock's error explains it.
+    /// `ip`, past its `grace` by its `creationTimestamp` at this controller's clock, is deleted:
+    /// noted when it is past its grace on kube-apiserver's clock too, that is when an object
+    /// in the view was created more than `grace` after it (`api_reached`, the newest
+    /// `creationTimestamp` of the view, is a time kube-apiserver's clock has reached).
     fn past_grace(
         &mut self,
         ip: &IpAddressRecord,
         grace: jiff::SignedDuration,
-        now: jiff::Timestamp,
+        api_reached: Option<jiff::Timestamp>,
     ) {
-        let far = ip.created.is_none_or(|created| {
-            (created.checked_add(grace))
-                .and_then(|at| at.checked_add(FAR_PAST_GRACE))
-                .is_ok_and(|at| at < now)
-        });
-        if far {
-            self.far_past_grace.insert(ObjectVersion::of(ip).uid);
+        let past = ip
+            .created
+            .zip(api_reached)
+            .is_some_and(|(created, reached)| {
+                created.checked_add(grace).is_ok_and(|at| at < reached)
+            });
+        if past {
+            self.past_grace_on_api_clock
+                .insert(ObjectVersion::of(ip).uid);
         }
     }
 }
@@ -508,6 +512,9 @@ pub fn decide_ipaddress_mode<'a>(
         }
     }
 
+    let api_reached = (ip_addresses.iter().filter_map(|ip| ip.created))
+        .chain(services.iter().filter_map(|svc| svc.created))
+        .max();
     let mut settled = vec![false; ip_addresses.len()];
     for &at in phase.rewritten.iter().chain(&phase.matched) {
         settled[at as usize] = true;
@@ -519,7 +526,8 @@ pub fn decide_ipaddress_mode<'a>(
     let service_findings = decision.findings.len();
     for (ip, settled) in ip_addresses.iter().zip(settled) {
         if !settled {
-            sync_ip_address(ip, &index.services_by_key, now, orphan_grace, &mut decision);
+            let at = Moment { now, api_reached };
+            sync_ip_address(ip, &index.services_by_key, at, orphan_grace, &mut decision);
         }
     }
     // IPAddresses come in cache order; report them in name order (there are few findings, and
@@ -823,10 +831,18 @@ fn go_parent_ref(parent: Option<&ParentRef>) -> String {
     }
 }
 
+/// A pass's time: this controller's clock, and the newest time the view shows kube-apiserver's
+/// clock has reached.
+#[derive(Clone, Copy)]
+struct Moment {
+    now: jiff::Timestamp,
+    api_reached: Option<jiff::Timestamp>,
+}
+
 fn sync_ip_address(
     ip: &IpAddressRecord,
     services_by_key: &ServicesByKey<'_, '_>,
-    now: jiff::Timestamp,
+    Moment { now, api_reached }: Moment,
     orphan_grace: Duration,
     decision: &mut Decision,
 ) {
@@ -851,7 +867,7 @@ fn sync_ip_address(
             match turns_deletable {
                 Some(at) if at >= now => decision.wait(ip, at),
                 _ => {
-                    decision.past_grace(ip, grace, now);
+                    decision.past_grace(ip, grace, api_reached);
                     decision.findings.push(clean_up(ip, Problem::Leaked));
                 }
             }
@@ -861,7 +877,7 @@ fn sync_ip_address(
             if !listed && let Some(at) = written_ahead_of_its_service(ip, svc, now) {
                 decision.wait(ip, at);
             } else if !listed {
-                decision.past_grace(ip, UNLISTED_GRACE, now);
+                decision.past_grace(ip, UNLISTED_GRACE, api_reached);
                 decision.findings.push(clean_up(ip, Problem::WrongParent));
             }
         }
@@ -921,10 +937,6 @@ fn clean_up(ip: &IpAddressRecord, problem: Problem) -> Finding {
 /// dual-stack upgrade, ExternalName to ClusterIP, a retried create). Deleting it in between would
 /// free an IP that is about to be in use.
 pub const UNLISTED_GRACE: jiff::SignedDuration = jiff::SignedDuration::from_secs(5);
-
-/// How far past its grace by its `creationTimestamp` an IPAddress met at the first pass must be
-/// to be deleted at once (see the `grace` module): further than two clocks drift apart.
-pub const FAR_PAST_GRACE: jiff::SignedDuration = jiff::SignedDuration::from_mins(10);
 
 /// When an IPAddress its Service does not list turns deletable, if it is still in
 /// [`UNLISTED_GRACE`]: only one created after its Service can be waiting for the Service's
@@ -1623,6 +1635,30 @@ mod tests {
         assert_eq!(
             decision.next_recheck,
             Some(now() + jiff::SignedDuration::from_secs(40))
+        );
+    }
+
+    /// A leak is past its grace on kube-apiserver's clock only when the view holds an object
+    /// created more than the grace after it; an hour past on this controller's clock alone
+    /// (a clock that runs ahead) is not.
+    #[test]
+    fn a_leak_is_past_its_grace_on_the_apis_clock_only_when_a_newer_object_shows_it() {
+        let leak = ipaddr("10.0.0.7", Some(("", "services", "d", "gone")), 3600);
+        let alone = decide(&[], std::slice::from_ref(&leak));
+        assert_eq!(alone.findings.len(), 1);
+        assert!(alone.past_grace_on_api_clock.is_empty());
+
+        let within = ipaddr("10.0.0.8", Some(("", "services", "d", "web")), 3600 - 60);
+        let mut after = svc("d", "web", &["10.0.0.8"]);
+        after.created = Some(now() - jiff::SignedDuration::from_secs(3600 - 61));
+        let near = decide(&[], &[leak.clone(), within.clone()]);
+        assert!(near.past_grace_on_api_clock.is_empty(), "{near:#?}");
+        let shown = decide(&[after], &[leak, within]);
+        assert_eq!(
+            (shown.past_grace_on_api_clock.iter())
+                .map(|uid| &**uid)
+                .collect::<Vec<_>>(),
+            ["uid-10.0.0.7"]
         );
     }
 
