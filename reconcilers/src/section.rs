@@ -19,6 +19,7 @@ use crate::legacy_alloc::etcd::EtcdConfig;
 use crate::metrics::MetricRegistry;
 use crate::service_cache::record::ServiceCidrRecord;
 use crate::service_cache::record::ServiceRecord;
+use crate::service_range::NetworkingDiscovery;
 use crate::watch_cache::WatchCache;
 
 /// One invalid value: the field (flag or YAML path) and what is wrong with it, with the fix.
@@ -191,6 +192,8 @@ pub struct BuildContext<'a> {
     services: Option<WatchCache<ServiceRecord>>,
     /// The ServiceCIDR cache, likewise ([`BuildContext::service_cidrs`]).
     service_cidrs: Option<WatchCache<ServiceCidrRecord>>,
+    /// Discovery of networking.k8s.io/v1, likewise ([`BuildContext::discovery`]).
+    discovery: Option<Arc<NetworkingDiscovery>>,
 }
 
 impl<'a> BuildContext<'a> {
@@ -207,7 +210,17 @@ impl<'a> BuildContext<'a> {
             load_kubeconfig,
             services: None,
             service_cidrs: None,
+            discovery: None,
         }
+    }
+
+    /// Discovery of networking.k8s.io/v1 every loop of this cluster shares, so that the
+    /// cluster is asked once however many loops need the answer.
+    pub fn discovery(&mut self) -> Arc<NetworkingDiscovery> {
+        (self
+            .discovery
+            .get_or_insert_with(|| NetworkingDiscovery::new(self.client.clone())))
+        .clone()
     }
 
     /// The Service cache every loop of this cluster that reads Services shares, so the process

@@ -7,10 +7,13 @@
 //! that tells the range (the `kubernetes` Service's ClusterIP shows its family, not its size):
 //! a loop that needs the range then refuses to work, with an error naming the setting, and the
 //! other loops go on. A control plane upgraded in place (1.32 to 1.33) serves ServiceCIDRs from
-//! then on, so discovery's "not served" is believed for a loop's interval only ([`Discovered`]).
+//! then on, so discovery's "not served" is believed for a loop's interval only
+//! ([`NetworkingDiscovery`]).
 
-use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Service;
@@ -86,48 +89,71 @@ impl From<RangeError> for LoopError {
     }
 }
 
-/// An answer of discovery, kept: one that finds the API for good, one that does not for
-/// `recheck` after it was given.
-#[derive(Debug)]
-pub(crate) struct Discovered<T> {
-    kept: Mutex<Option<Kept<T>>>,
-    recheck: Duration,
+/// What discovery says of networking.k8s.io/v1, asked once for all the loops of a cluster: a
+/// loop that asks while a request is in flight waits for its answer. An answer that finds what
+/// a loop asks for is kept for good; one that does not is asked again once the asking loop's
+/// `recheck` has passed since it was given (a control plane upgraded in place serves the API
+/// from then on).
+pub struct NetworkingDiscovery {
+    client: Client,
+    /// The resources the group version serves (none where it is not served), and when that
+    /// was answered.
+    kept: tokio::sync::Mutex<Option<(Vec<String>, Instant)>>,
 }
 
-#[derive(Debug)]
-struct Kept<T> {
-    answer: T,
-    served: bool,
-    at: Instant,
-}
+impl NetworkingDiscovery {
+    pub fn new(client: Client) -> Arc<Self> {
+        Arc::new(NetworkingDiscovery {
+            client,
+            kept: tokio::sync::Mutex::new(None),
+        })
+    }
 
-impl<T: Clone> Discovered<T> {
-    pub(crate) fn new(recheck: Duration) -> Self {
-        Discovered {
-            kept: Mutex::new(None),
-            recheck,
+    /// Whether the API serves every one of `resources` (plural names) in networking.k8s.io/v1;
+    /// a cluster without the group version serves none.
+    pub async fn serves(&self, resources: &[&str], recheck: Duration) -> Result<bool, kube::Error> {
+        let serves_all = |served: &[String]| {
+            resources
+                .iter()
+                .all(|name| served.iter().any(|r| r == name))
+        };
+        let mut kept = self.kept.lock().await;
+        if let Some((served, at)) = kept.as_ref()
+            && (serves_all(served) || at.elapsed() < recheck)
+        {
+            return Ok(serves_all(served));
         }
+        let served = match self
+            .client
+            .list_api_group_resources("networking.k8s.io/v1")
+            .await
+        {
+            Ok(list) => list.resources.into_iter().map(|r| r.name).collect(),
+            Err(kube::Error::Api(status)) if status.code == 404 => Vec::new(),
+            Err(err) => return Err(err),
+        };
+        let answer = serves_all(&served);
+        *kept = Some((served, Instant::now()));
+        Ok(answer)
     }
+}
 
-    /// The kept answer, unless discovery is to be asked again.
-    pub(crate) fn get(&self) -> Option<T> {
-        let kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        kept.as_ref()
-            .filter(|kept| kept.served || kept.at.elapsed() < self.recheck)
-            .map(|kept| kept.answer.clone())
+/// Tells whether an answer differs from the one before, so that a loop logs what discovery
+/// found when it is the first answer or a change, not at every pass.
+#[derive(Debug)]
+pub(crate) struct LastAnswer<T>(Mutex<Option<T>>);
+
+impl<T> Default for LastAnswer<T> {
+    fn default() -> Self {
+        LastAnswer(Mutex::new(None))
     }
+}
 
-    /// Keeps `answer`, which finds the API or not (`served`); returns whether the API was found
-    /// by the answer kept before, if there was one.
-    pub(crate) fn keep(&self, answer: T, served: bool) -> Option<bool> {
-        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-        let before = kept.as_ref().map(|kept| kept.served);
-        *kept = Some(Kept {
-            answer,
-            served,
-            at: Instant::now(),
-        });
-        before
+impl<T: Copy + PartialEq> LastAnswer<T> {
+    /// Keeps `answer`; returns the one kept before, if any.
+    pub(crate) fn replace(&self, answer: T) -> Option<T> {
+        let mut last = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        last.replace(answer)
     }
 }
 
@@ -140,30 +166,35 @@ enum Found {
 }
 
 /// The service ranges a loop works with: the configured ones, or the `kubernetes` ServiceCIDR's,
-/// read (two requests) the first time a pass needs them and kept; where the cluster serves no
-/// ServiceCIDR, read again once `recheck` has passed.
+/// read (one request) the first time a pass needs them and kept; where the cluster serves no
+/// ServiceCIDR, discovery is asked again once `recheck` has passed.
 pub struct ServiceRanges {
     configured: Vec<IpNet>,
     client: Client,
+    discovery: Arc<NetworkingDiscovery>,
+    recheck: Duration,
     /// The `kubernetes` Service, whose ClusterIP names the family in the error.
     service: ServiceName,
-    found: Discovered<Found>,
+    found: Mutex<Option<Found>>,
 }
 
 impl ServiceRanges {
     /// `configured` empty: read the range from the cluster, and where it serves no ServiceCIDR,
-    /// read it again at most once per `recheck` (the loop's interval).
+    /// ask discovery again at most once per `recheck` (the loop's interval).
     pub fn new(
         client: Client,
         configured: Vec<IpNet>,
         service: ServiceName,
+        discovery: Arc<NetworkingDiscovery>,
         recheck: Duration,
     ) -> Self {
         ServiceRanges {
             configured,
             client,
+            discovery,
+            recheck,
             service,
-            found: Discovered::new(recheck),
+            found: Mutex::new(None),
         }
     }
 
@@ -177,29 +208,44 @@ impl ServiceRanges {
         if !self.configured.is_empty() {
             return Ok(self.configured.clone());
         }
-        let found = match self.found.get() {
-            Some(found) => found,
-            None => {
-                let found = self.read().await?;
-                let served = matches!(found, Found::Ranges(_));
-                self.found.keep(found.clone(), served);
-                if let Found::Ranges(ranges) = &found {
-                    tracing::info!(
-                        ranges = %ranges.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
-                        "serviceClusterIPRange is not set; using the ranges of the ServiceCIDR \"kubernetes\""
-                    );
-                }
-                found
+        let kept = self.kept();
+        let found = match kept {
+            Some(Found::Ranges(ranges)) => return Ok(ranges),
+            // The hint is read once: discovery, asked again, answers from what it keeps
+            // within `recheck`.
+            Some(Found::NotServed(hint))
+                if !self
+                    .discovery
+                    .serves(&["servicecidrs"], self.recheck)
+                    .await? =>
+            {
+                Found::NotServed(hint)
             }
+            _ => self.read().await?,
         };
+        if let Found::Ranges(ranges) = &found {
+            tracing::info!(
+                ranges = %ranges.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+                "serviceClusterIPRange is not set; using the ranges of the ServiceCIDR \"kubernetes\""
+            );
+        }
+        *self.found.lock().unwrap_or_else(PoisonError::into_inner) = Some(found.clone());
         match found {
             Found::Ranges(ranges) => Ok(ranges),
             Found::NotServed(hint) => Err(RangeError::Unknown { hint }),
         }
     }
 
+    fn kept(&self) -> Option<Found> {
+        (self.found.lock().unwrap_or_else(PoisonError::into_inner)).clone()
+    }
+
     async fn read(&self) -> Result<Found, RangeError> {
-        if !networking_v1_serves(&self.client, &["servicecidrs"]).await? {
+        if !self
+            .discovery
+            .serves(&["servicecidrs"], self.recheck)
+            .await?
+        {
             return Ok(Found::NotServed(self.hint().await?));
         }
         // A LIST of the one object: the loops' RBAC lists and watches ServiceCIDRs, never gets.
@@ -234,24 +280,6 @@ impl ServiceRanges {
             ),
             None => String::new(),
         })
-    }
-}
-
-/// Whether discovery says the API serves every one of `resources` (plural names) in
-/// networking.k8s.io/v1; a cluster without the group version serves none.
-pub async fn networking_v1_serves(
-    client: &Client,
-    resources: &[&str],
-) -> Result<bool, kube::Error> {
-    match client
-        .list_api_group_resources("networking.k8s.io/v1")
-        .await
-    {
-        Ok(list) => Ok(resources
-            .iter()
-            .all(|name| list.resources.iter().any(|r| r.name == *name))),
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
-        Err(err) => Err(err),
     }
 }
 

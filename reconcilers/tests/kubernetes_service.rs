@@ -19,6 +19,7 @@ use reconcilers::kubernetes_service::{
 };
 use reconcilers::section::Settings;
 use reconcilers::service_cache::record::ServiceRecord;
+use reconcilers::service_range::NetworkingDiscovery;
 use reconcilers::watch_cache::{Cached, WatchCache};
 
 type Corruption = Box<dyn Fn(&mut Service)>;
@@ -620,11 +621,11 @@ async fn synced_loop(
         watcher::Config::default(),
         &settings.cache_budget,
     );
-    let l = KubernetesServiceLoop::with_services(
+    let l = KubernetesServiceLoop::with_shared(
         Section::default(),
         &settings,
         sim.client(),
-        services.clone(),
+        (services.clone(), NetworkingDiscovery::new(sim.client())),
         &mut Registry::default(),
     );
     let mut triggers = futures::stream::select_all(l.triggers());

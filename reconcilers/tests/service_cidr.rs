@@ -16,6 +16,7 @@ use futures::StreamExt;
 use reconcilers::Reconciler;
 use reconcilers::clusterip_repair::model::ServiceCidrRecord;
 use reconcilers::service_cidr::{Section, ServiceCidrLoop};
+use reconcilers::service_range::NetworkingDiscovery;
 use reconcilers::watch_cache::{Cached, WatchCache};
 
 #[tokio::test]
@@ -73,9 +74,10 @@ async fn a_pass_after_its_own_writes_asks_the_api_nothing() -> Result<()> {
     let sim = common::sim().await;
     let settings = common::settings(&["10.96.0.0/12"]);
     let cidrs = WatchCache::<ServiceCidrRecord>::shared(sim.client(), &settings.cache_budget);
+    let discovery = NetworkingDiscovery::new(sim.client());
+    let shared = (cidrs.clone(), discovery);
     let repair =
-        ServiceCidrLoop::with_cidrs(sim.client(), Section::default(), &settings, cidrs.clone())
-            .unwrap();
+        ServiceCidrLoop::with_shared(sim.client(), Section::default(), &settings, shared).unwrap();
     let triggers = futures::stream::select_all(repair.triggers());
     let drive = tokio::spawn(triggers.for_each(|_| async {}));
     common::eventually("the ServiceCIDR cache synced", || async {

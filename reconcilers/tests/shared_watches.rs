@@ -1,6 +1,6 @@
 //! The loops built together through one `BuildContext`, as the runtime builds them: one watch
 //! per resource whatever number of loops read it, each loop woken by its changes, and the loops
-//! that write one object whole reading it from their kept copy at rest.
+//! that write one object whole reading it from their kept copy at rest; discovery asked once.
 
 #![allow(clippy::unwrap_used)]
 
@@ -108,6 +108,12 @@ async fn the_loops_of_a_cluster_watch_each_resource_once_and_read_nothing_at_res
         [""],
         "the repairs read every Service"
     );
+    // The ServiceCIDR loop and the ClusterIP repair (its pass and its gated trigger) all ask
+    // discovery whether networking.k8s.io/v1 serves what they need: the cluster is asked once.
+    let discovery = (sim.requests().iter())
+        .filter(|r| r.path == "/apis/networking.k8s.io/v1")
+        .count();
+    assert_eq!(discovery, 1, "discovery of networking.k8s.io/v1");
 
     let before = reads(&sim);
     for built in &loops {

@@ -135,7 +135,7 @@ impl ClusterIpRepairLoop {
         let Some(legacy) = &self.legacy else {
             return Ok(());
         };
-        if !self.keeps_legacy_bitmaps(&ctx.client).await? {
+        if !self.keeps_legacy_bitmaps().await? {
             return Ok(());
         }
         let bitmaps = legacy.get_or_build(&self.section, &self.ranges).await?;
@@ -215,6 +215,7 @@ mod tests {
 
     use super::*;
     use crate::service_cache::record::Token;
+    use crate::service_range::NetworkingDiscovery;
 
     /// The bitmap the loop builds for `cidr`.
     fn bitmap(cidr: &str) -> LegacyBitmap<ServiceRange> {
@@ -295,6 +296,7 @@ mod tests {
             client.clone(),
             vec!["10.0.0.0/11".parse().unwrap()],
             kubernetes.clone(),
+            NetworkingDiscovery::new(client.clone()),
             std::time::Duration::ZERO,
         );
         let Err(err) = legacy.get_or_build(&Section::default(), &wide).await else {
@@ -306,9 +308,10 @@ mod tests {
         );
         assert!(legacy.bitmaps.get().is_none());
         let widest = ServiceRanges::new(
-            client,
+            client.clone(),
             vec!["10.0.0.0/12".parse().unwrap()],
             kubernetes,
+            NetworkingDiscovery::new(client),
             std::time::Duration::ZERO,
         );
         assert_eq!(

@@ -52,7 +52,7 @@ use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
 use crate::section::Settings;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_range::{DEFAULT_SERVICE_CIDR, Discovered, ServiceRanges, networking_v1_serves};
+use crate::service_range::{DEFAULT_SERVICE_CIDR, LastAnswer, NetworkingDiscovery, ServiceRanges};
 use crate::watch_cache::WatchCache;
 pub use apply::new_ip_address;
 use apply::{Outcome, Verdict, create_ip_address, delete_ip_address, drift_of, object_reference};
@@ -73,35 +73,39 @@ enum Served {
     NoIpAddressApi,
 }
 
-/// What the cluster serves, as `kept` has it or discovery says. An answer is logged when it is
-/// the first or differs from the one kept before; the API found served tells `found`, so that
-/// the caches are fed without waiting out the gated trigger's interval.
-async fn discover(
-    client: &Client,
-    kept: &Discovered<Served>,
-    found: &Notify,
-) -> Result<Served, kube::Error> {
-    if let Some(served) = kept.get() {
-        return Ok(served);
-    }
-    let serves = networking_v1_serves(client, &["ipaddresses", "servicecidrs"]).await?;
-    let served = if serves {
-        Served::IpAddressApi
-    } else {
-        Served::NoIpAddressApi
-    };
-    if kept.keep(served, serves) != Some(serves) {
-        info!(?served, "networking.k8s.io/v1 discovered");
-        if serves {
-            found.notify_one();
+/// What discovery says the cluster serves, and the answer before: an answer is logged when it
+/// is the first or differs from the one before; the API found served tells `found`, so that the
+/// caches are fed without waiting out the gated trigger's interval.
+struct Discovered {
+    discovery: Arc<NetworkingDiscovery>,
+    recheck: Duration,
+    last: LastAnswer<Served>,
+    /// Told when discovery first finds the IPAddress API served.
+    found: Notify,
+}
+
+impl Discovered {
+    async fn ask(&self) -> Result<Served, kube::Error> {
+        let serves = (self.discovery)
+            .serves(&["ipaddresses", "servicecidrs"], self.recheck)
+            .await?;
+        let served = if serves {
+            Served::IpAddressApi
+        } else {
+            Served::NoIpAddressApi
+        };
+        if self.last.replace(served) != Some(served) {
+            info!(?served, "networking.k8s.io/v1 discovered");
+            if serves {
+                self.found.notify_one();
+            }
         }
+        Ok(served)
     }
-    Ok(served)
 }
 
 /// The ClusterIP repair loop (`clusterip-repair`).
 pub struct ClusterIpRepairLoop {
-    client: Client,
     section: Section,
     metrics: RepairMetrics,
     /// Shared with the NodePort repair ([`Self::shared_services`]).
@@ -110,9 +114,7 @@ pub struct ClusterIpRepairLoop {
     service_cidrs: WatchCache<ServiceCidrRecord>,
     /// What discovery found, once it answered: "not served" is asked again after an interval
     /// (a control plane upgraded in place serves the IPAddress API from then on).
-    discovered: Arc<Discovered<Served>>,
-    /// Told when discovery first finds the IPAddress API served.
-    found: Arc<Notify>,
+    discovered: Arc<Discovered>,
     /// Whether the legacy bitmaps left alone were logged.
     legacy_skip_logged: std::sync::atomic::AtomicBool,
     /// Kept for the loop's life, so a finding that clears and comes back is counted into its
@@ -159,22 +161,27 @@ impl ClusterIpRepairLoop {
         let budget = &settings.cache_budget;
         let services = WatchCache::every(client.clone(), section.page_size, budget);
         let service_cidrs = WatchCache::every(client.clone(), section.page_size, budget);
+        let discovery = NetworkingDiscovery::new(client.clone());
         Self::with_shared(
             client,
             section,
             settings,
-            (services, service_cidrs),
+            (services, service_cidrs, discovery),
             registry,
         )
     }
 
     /// [`Self::new`] with the Service and ServiceCIDR caches other loops may share (whichever
-    /// subscribes first feeds each).
+    /// subscribes first feeds each) and their discovery.
     pub fn with_shared(
         client: Client,
         section: Section,
         settings: &Settings,
-        (services, service_cidrs): (WatchCache<ServiceRecord>, WatchCache<ServiceCidrRecord>),
+        (services, service_cidrs, discovery): (
+            WatchCache<ServiceRecord>,
+            WatchCache<ServiceCidrRecord>,
+            Arc<NetworkingDiscovery>,
+        ),
         registry: &mut dyn MetricRegistry,
     ) -> Self {
         // Events name this controller (upstream's reasons, not its reporting controller), so
@@ -188,25 +195,29 @@ impl ClusterIpRepairLoop {
                 settings.cache_budget.clone(),
             )
         });
-        let discovered = Arc::new(Discovered::new(section.interval));
+        let discovered = Arc::new(Discovered {
+            discovery: discovery.clone(),
+            recheck: section.interval,
+            last: LastAnswer::default(),
+            found: Notify::new(),
+        });
         Self {
             legacy,
             ranges: ServiceRanges::new(
                 client.clone(),
                 settings.service_ranges.clone(),
                 settings.kubernetes_service.clone(),
+                discovery,
                 section.interval,
             ),
             reported: crate::findings::ReportOnce::new(),
             recorder: SeriesRecorder::new(client.clone(), reporter),
             ip_addresses: WatchCache::every(client.clone(), section.page_size, budget),
             service_cidrs,
-            client,
             section,
             metrics: RepairMetrics::register(registry),
             services,
             discovered,
-            found: Arc::default(),
             legacy_skip_logged: std::sync::atomic::AtomicBool::new(false),
             wakeup: WakeAt::default(),
             first_deletable: Mutex::default(),
@@ -233,11 +244,11 @@ impl ClusterIpRepairLoop {
     }
 
     /// Which repair runs: the configured mode, or discovery's answer.
-    async fn served(&self, client: &Client) -> Result<Served, LoopError> {
+    async fn served(&self) -> Result<Served, LoopError> {
         match self.section.mode {
             RepairMode::IpAddress => Ok(Served::IpAddressApi),
             RepairMode::Audit => Ok(Served::NoIpAddressApi),
-            RepairMode::Auto => Ok(discover(client, &self.discovered, &self.found).await?),
+            RepairMode::Auto => Ok(self.discovered.ask().await?),
         }
     }
 
@@ -260,12 +271,10 @@ impl ClusterIpRepairLoop {
     /// dual-write (1.33, or 1.34 with dual write turned back on) is not what it allocates by:
     /// upstream repairs none there, and neither does this loop. Repairing it there would set
     /// bits nobody reads and send `ClusterIPNotAllocated` for every new Service.
-    async fn keeps_legacy_bitmaps(&self, client: &Client) -> Result<bool, LoopError> {
+    async fn keeps_legacy_bitmaps(&self) -> Result<bool, LoopError> {
         let served = match self.section.mode {
             RepairMode::IpAddress => Served::IpAddressApi,
-            RepairMode::Auto | RepairMode::Audit => {
-                discover(client, &self.discovered, &self.found).await?
-            }
+            RepairMode::Auto | RepairMode::Audit => self.discovered.ask().await?,
         };
         let keeps = served == Served::NoIpAddressApi;
         if !keeps
@@ -288,7 +297,7 @@ impl ClusterIpRepairLoop {
     }
 
     async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
-        match self.served(&ctx.client).await? {
+        match self.served().await? {
             Served::NoIpAddressApi => self.audit_pass(ctx).await,
             Served::IpAddressApi => self.ipaddress_pass(ctx).await,
         }
@@ -654,11 +663,7 @@ impl Reconciler for ClusterIpRepairLoop {
         }
         // IPAddress and ServiceCIDR caches only where the API serves them: discovery is asked
         // again each interval until it is.
-        let (client, kept, found) = (
-            self.client.clone(),
-            self.discovered.clone(),
-            self.found.clone(),
-        );
+        let discovered = self.discovered.clone();
         let (mode, interval) = (self.section.mode, self.section.interval);
         let caches = futures::stream::select(
             self.ip_addresses.subscribe(),
@@ -668,10 +673,10 @@ impl Reconciler for ClusterIpRepairLoop {
             if mode == RepairMode::IpAddress {
                 return caches;
             }
-            let attempt = || discover(&client, &kept, &found);
+            let attempt = || discovered.ask();
             let mut failure = crate::findings::RepeatedFailure::default();
             loop {
-                let discovered = attempt
+                let answer = attempt
                     .retry(crate::retry::backoff(
                         Duration::from_millis(500),
                         Duration::from_secs(30),
@@ -686,12 +691,12 @@ impl Reconciler for ClusterIpRepairLoop {
                     .await;
                 // The backoff never runs out, so an error cannot come back; audit, asked again
                 // after an interval, is the safe answer if it ever did.
-                if discovered.unwrap_or(Served::NoIpAddressApi) == Served::IpAddressApi {
+                if answer.unwrap_or(Served::NoIpAddressApi) == Served::IpAddressApi {
                     return caches;
                 }
                 tokio::select! {
                     () = tokio::time::sleep(interval) => {}
-                    () = found.notified() => {}
+                    () = discovered.found.notified() => {}
                 }
             }
         })

@@ -105,7 +105,7 @@ impl LoopSection for Section {
             context.client.clone(),
             self.clone(),
             context.settings,
-            (services, service_cidrs),
+            (services, service_cidrs, context.discovery()),
             context.registry,
         );
         Ok(vec![Arc::new(built)])

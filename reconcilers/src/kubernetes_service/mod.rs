@@ -24,7 +24,7 @@
 //! `ipaddresses` in every namespace to find another holder of the IP), `events.k8s.io`
 //! `events` create/patch.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -38,7 +38,7 @@ use crate::findings::ReportOnce;
 use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::{Name, ServiceRecord};
-use crate::service_range::{RangeError, ServiceRanges};
+use crate::service_range::{NetworkingDiscovery, RangeError, ServiceRanges};
 use crate::watch_cache::{WatchCache, Whole};
 
 mod apply;
@@ -98,16 +98,17 @@ impl KubernetesServiceLoop {
         registry: &mut dyn MetricRegistry,
     ) -> Self {
         let services = WatchCache::shared(client.clone(), &settings.cache_budget);
-        Self::with_services(section, settings, client, services, registry)
+        let discovery = NetworkingDiscovery::new(client.clone());
+        Self::with_shared(section, settings, client, (services, discovery), registry)
     }
 
     /// [`Self::new`] with the Service cache the cluster's loops share (whichever subscribes
-    /// first feeds it).
-    pub fn with_services(
+    /// first feeds it) and their discovery.
+    pub fn with_shared(
         section: Section,
         settings: &Settings,
         client: kube::Client,
-        services: WatchCache<ServiceRecord>,
+        (services, discovery): (WatchCache<ServiceRecord>, Arc<NetworkingDiscovery>),
         registry: &mut dyn MetricRegistry,
     ) -> Self {
         services.read_one(
@@ -121,6 +122,7 @@ impl KubernetesServiceLoop {
                 namespace: section.namespace.clone(),
                 name: section.name.clone(),
             },
+            discovery,
             section.interval,
         );
         Self {

@@ -103,12 +103,12 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let services = context.services(None);
-        Ok(vec![Arc::new(KubernetesServiceLoop::with_services(
+        let shared = (context.services(None), context.discovery());
+        Ok(vec![Arc::new(KubernetesServiceLoop::with_shared(
             self.clone(),
             context.settings,
             context.client.clone(),
-            services,
+            shared,
             context.registry,
         ))])
     }

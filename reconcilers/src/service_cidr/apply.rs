@@ -99,7 +99,7 @@ impl ServiceCidrLoop {
 
     pub(super) async fn pass(&self, ctx: &PassContext) -> Result<PassReport, LoopError> {
         let mut report = PassReport::default();
-        if !self.served(&ctx.client).await? {
+        if !self.served().await? {
             return Ok(report);
         }
         let api: Api<ServiceCIDR> = Api::all(ctx.client.clone());

@@ -27,7 +27,7 @@ use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
 use crate::events::SeriesRecorder;
 use crate::findings::{RepeatedFailure, ReportOnce};
 use crate::section::Settings;
-use crate::service_range::{DEFAULT_SERVICE_CIDR, Discovered, networking_v1_serves};
+use crate::service_range::{DEFAULT_SERVICE_CIDR, LastAnswer, NetworkingDiscovery};
 use crate::watch_cache::{WatchCache, Whole};
 
 mod apply;
@@ -44,25 +44,34 @@ pub const NAME: &str = "service-cidr";
 /// does (events name this controller, `bootstrap-controller`).
 pub const CONTROLLER_NAME: &str = "kubernetes-service-cidr-controller";
 
-/// Whether the API serves networking.k8s.io/v1 ServiceCIDRs, as `kept` has it or discovery says.
-async fn served(client: &Client, kept: &Discovered<bool>) -> Result<bool, kube::Error> {
-    if let Some(served) = kept.get() {
-        return Ok(served);
-    }
-    let served = networking_v1_serves(client, &["servicecidrs"]).await?;
-    match (kept.keep(served, served), served) {
-        (None, false) => info!(
-            "the API serves no networking.k8s.io/v1 ServiceCIDR; the service-cidr loop has \
-             nothing to do, and asks again each interval"
-        ),
-        (Some(false), true) => {
-            info!(
-                "the API serves networking.k8s.io/v1 ServiceCIDRs now; the service-cidr loop starts"
-            )
+/// What discovery says of ServiceCIDRs, and the answer before, so that it is logged when it is
+/// the first or a change.
+struct Served {
+    discovery: Arc<NetworkingDiscovery>,
+    recheck: Duration,
+    last: LastAnswer<bool>,
+}
+
+impl Served {
+    /// Whether the API serves networking.k8s.io/v1 ServiceCIDRs.
+    async fn ask(&self) -> Result<bool, kube::Error> {
+        let served = (self.discovery)
+            .serves(&["servicecidrs"], self.recheck)
+            .await?;
+        match (self.last.replace(served), served) {
+            (None, false) => info!(
+                "the API serves no networking.k8s.io/v1 ServiceCIDR; the service-cidr loop has \
+                 nothing to do, and asks again each interval"
+            ),
+            (Some(false), true) => {
+                info!(
+                    "the API serves networking.k8s.io/v1 ServiceCIDRs now; the service-cidr loop starts"
+                )
+            }
+            _ => {}
         }
-        _ => {}
+        Ok(served)
     }
-    Ok(served)
 }
 
 /// The default ServiceCIDR loop (`service-cidr`).
@@ -81,8 +90,7 @@ pub struct ServiceCidrLoop {
     failure: Mutex<RepeatedFailure>,
     /// Whether the API serves ServiceCIDRs, once discovery has answered; "no" is asked again
     /// after an interval (a control plane upgraded in place serves them from then on).
-    served: Arc<Discovered<bool>>,
-    client: Client,
+    served: Arc<Served>,
     /// Every ServiceCIDR as a record, kept by the watch of ServiceCIDRs the cluster's loops
     /// share (its changes trigger this loop), and the default one whole, read again when its
     /// record's resourceVersion changes.
@@ -95,22 +103,27 @@ impl ServiceCidrLoop {
     /// ranges; `None` when no range is configured (there is nothing to create or check then).
     pub fn new(client: Client, section: Section, settings: &Settings) -> Option<Self> {
         let cidrs = WatchCache::shared(client.clone(), &settings.cache_budget);
-        Self::with_cidrs(client, section, settings, cidrs)
+        let discovery = NetworkingDiscovery::new(client.clone());
+        Self::with_shared(client, section, settings, (cidrs, discovery))
     }
 
     /// [`Self::new`] with the ServiceCIDR cache the cluster's loops share (whichever subscribes
-    /// first feeds it).
-    pub fn with_cidrs(
+    /// first feeds it) and its discovery.
+    pub fn with_shared(
         client: Client,
         section: Section,
         settings: &Settings,
-        cidrs: WatchCache<ServiceCidrRecord>,
+        (cidrs, discovery): (WatchCache<ServiceCidrRecord>, Arc<NetworkingDiscovery>),
     ) -> Option<Self> {
         if settings.service_ranges.is_empty() {
             return None;
         }
         cidrs.read_one(kube::Api::all(client.clone()), DEFAULT_SERVICE_CIDR);
-        let served = Arc::new(Discovered::new(section.interval));
+        let served = Arc::new(Served {
+            discovery,
+            recheck: section.interval,
+            last: LastAnswer::default(),
+        });
         Some(Self {
             recorder: SeriesRecorder::new(client.clone(), settings.reporter()),
             section,
@@ -120,7 +133,6 @@ impl ServiceCidrLoop {
             served,
             cidrs,
             cidr: Whole::default(),
-            client,
         })
     }
 
@@ -141,8 +153,8 @@ impl ServiceCidrLoop {
             .await?)
     }
 
-    async fn served(&self, client: &Client) -> Result<bool, LoopError> {
-        Ok(served(client, &self.served).await?)
+    async fn served(&self) -> Result<bool, LoopError> {
+        Ok(self.served.ask().await?)
     }
 }
 
@@ -159,10 +171,10 @@ impl Reconciler for ServiceCidrLoop {
     /// until it answers, and asked again each interval while it says no).
     fn triggers(&self) -> Vec<Trigger> {
         let changes = self.cidrs.subscribe();
-        let (client, kept) = (self.client.clone(), self.served.clone());
+        let served = self.served.clone();
         let interval = self.section.interval;
         let trigger = async move {
-            let discover = || served(&client, &kept);
+            let discover = || served.ask();
             let backoff =
                 || crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(30));
             while !discover.retry(backoff()).await.unwrap_or(false) {

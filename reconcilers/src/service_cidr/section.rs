@@ -52,12 +52,12 @@ impl LoopSection for Section {
         &self,
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
-        let cidrs = context.service_cidrs(None);
-        match ServiceCidrLoop::with_cidrs(
+        let shared = (context.service_cidrs(None), context.discovery());
+        match ServiceCidrLoop::with_shared(
             context.client.clone(),
             self.clone(),
             context.settings,
-            cidrs,
+            shared,
         ) {
             Some(built) => Ok(vec![Arc::new(built)]),
             None => {
