@@ -9,6 +9,7 @@ pub mod apiserver_endpoints;
 pub mod budget;
 pub mod clusterip_repair;
 pub mod contract;
+pub mod discovery;
 pub mod events;
 pub mod findings;
 pub mod kubernetes_service;

@@ -15,11 +15,11 @@ use ipnet::IpNet;
 use crate::alloc::PortRange;
 use crate::budget::CacheBudget;
 use crate::contract::Reconciler;
+use crate::discovery::NetworkingDiscovery;
 use crate::legacy_alloc::etcd::EtcdConfig;
 use crate::metrics::MetricRegistry;
 use crate::service_cache::record::ServiceCidrRecord;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_range::NetworkingDiscovery;
 use crate::watch_cache::WatchCache;
 
 /// One invalid value: the field (flag or YAML path) and what is wrong with it, with the fix.

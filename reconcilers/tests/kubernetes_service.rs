@@ -14,12 +14,12 @@ use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use prometheus_client::registry::Registry;
 use reconcilers::Reconciler;
+use reconcilers::discovery::NetworkingDiscovery;
 use reconcilers::kubernetes_service::{
     KubernetesServiceLoop, RepairPolicy, Section, desired_service,
 };
 use reconcilers::section::Settings;
 use reconcilers::service_cache::record::ServiceRecord;
-use reconcilers::service_range::NetworkingDiscovery;
 use reconcilers::watch_cache::{Cached, WatchCache};
 
 type Corruption = Box<dyn Fn(&mut Service)>;

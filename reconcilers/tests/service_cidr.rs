@@ -15,8 +15,8 @@ use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
 use futures::StreamExt;
 use reconcilers::Reconciler;
 use reconcilers::clusterip_repair::model::ServiceCidrRecord;
+use reconcilers::discovery::NetworkingDiscovery;
 use reconcilers::service_cidr::{Section, ServiceCidrLoop};
-use reconcilers::service_range::NetworkingDiscovery;
 use reconcilers::watch_cache::{Cached, WatchCache};
 
 #[tokio::test]

@@ -214,8 +214,8 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use crate::discovery::NetworkingDiscovery;
     use crate::service_cache::record::Token;
-    use crate::service_range::NetworkingDiscovery;
 
     /// The bitmap the loop builds for `cidr`.
     fn bitmap(cidr: &str) -> LegacyBitmap<ServiceRange> {

@@ -48,11 +48,12 @@ use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
 use crate::contract::{Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt};
+use crate::discovery::{LastAnswer, NetworkingDiscovery};
 use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
 use crate::section::Settings;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_range::{DEFAULT_SERVICE_CIDR, LastAnswer, NetworkingDiscovery, ServiceRanges};
+use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
 use crate::watch_cache::WatchCache;
 pub use apply::new_ip_address;
 use apply::{Outcome, Verdict, create_ip_address, delete_ip_address, drift_of, object_reference};

@@ -34,11 +34,12 @@ use kube::api::Api;
 use kube::runtime::events::{EventType, Reporter};
 
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger};
+use crate::discovery::NetworkingDiscovery;
 use crate::findings::ReportOnce;
 use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::{Name, ServiceRecord};
-use crate::service_range::{NetworkingDiscovery, RangeError, ServiceRanges};
+use crate::service_range::{RangeError, ServiceRanges};
 use crate::watch_cache::{WatchCache, Whole};
 
 mod apply;

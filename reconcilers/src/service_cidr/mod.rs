@@ -24,10 +24,11 @@ use tracing::info;
 use crate::Trigger;
 use crate::clusterip_repair::model::ServiceCidrRecord;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
+use crate::discovery::{LastAnswer, NetworkingDiscovery};
 use crate::events::SeriesRecorder;
 use crate::findings::{RepeatedFailure, ReportOnce};
 use crate::section::Settings;
-use crate::service_range::{DEFAULT_SERVICE_CIDR, LastAnswer, NetworkingDiscovery};
+use crate::service_range::DEFAULT_SERVICE_CIDR;
 use crate::watch_cache::{WatchCache, Whole};
 
 mod apply;
