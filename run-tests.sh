@@ -117,8 +117,9 @@ fi
 # its output. A run that stops before then stops it too.
 stage "the oldest supported Kubernetes' build (e2e/control-plane/build.sh --kubernetes 1.30), beside the next stages at nice 19"
 oldest_build_log=$(mktemp -t oldest-build-XXXXXX)
-# setsid: a process group of its own (go and its compilers), which the trap stops as one.
-setsid nice -n 19 e2e/control-plane/build.sh --kubernetes 1.30 >"$oldest_build_log" 2>&1 &
+# setsid: a process group of its own (go and its compilers), which the trap stops as one; --wait:
+# should setsid fork, its status is still the build's.
+setsid --wait nice -n 19 e2e/control-plane/build.sh --kubernetes 1.30 >"$oldest_build_log" 2>&1 &
 oldest_build=$!
 trap 'kill -TERM -- "-$oldest_build" 2>/dev/null || true' EXIT
 
