@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The whole suite on a fresh Debian 12 machine, in one command: installs what is missing (Debian
-# packages, Python packages, actionlint, the musl target), builds the real control plane and the
-# real node from their Go modules (cached in target/), runs the real node's scenarios and
+# packages, Python packages, actionlint, cargo-nextest, the musl target), builds the real control
+# plane and the real node from their Go modules (cached in target/), runs the real node's scenarios and
 # upstream's conformance tests on it (e2e/node/test.sh) and kind's (e2e/kind/test.sh), then the
-# tests the README lists: cargo test, the packaging tests and the end-to-end suite against a real
-# control plane. `.ci/run` runs it after its lints.
+# tests the README lists: the workspace's tests (cargo-nextest, which it installs), the packaging
+# tests and the end-to-end suite against a real control plane. `.ci/run` runs it after its lints.
 #
 # Needs: root (apt-get, and the node's namespaces and cgroups), the Rust toolchain (rustup) and
 # Go 1.26 or newer. Everything else it installs.
@@ -43,6 +43,41 @@ need() { command -v "$1" >/dev/null 2>&1; }
 started=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
 
+# Builds that only need the CPU run in the background at the lowest CPU priority, beside stages
+# that mostly wait (downloads, the real node's and kind's clusters), which keep the CPU they ask
+# for. `finish NAME` waits for one (if it was started), shows its output and fails the run if it
+# failed; a run that stops before then stops the ones still running.
+declare -A background_pid=() background_log=()
+stop_background() {
+  local name
+  for name in "${!background_pid[@]}"; do
+    kill -TERM -- "-${background_pid[$name]}" 2>/dev/null || true
+  done
+}
+trap stop_background EXIT
+# in_background NAME COMMAND...: setsid, a process group of its own (go or cargo and their
+# compilers), which stop_background stops as one; --wait: should setsid fork, the status is
+# still COMMAND's.
+in_background() {
+  local name=$1
+  shift
+  background_log[$name]=$(mktemp -t run-tests-background-XXXXXX)
+  setsid --wait nice -n 19 "$@" >"${background_log[$name]}" 2>&1 &
+  background_pid[$name]=$!
+}
+finish() {
+  local name=$1 status=0
+  [ -n "${background_pid[$name]+set}" ] || return 0
+  wait "${background_pid[$name]}" || status=$?
+  unset "background_pid[$name]"
+  cat "${background_log[$name]}"
+  rm -f "${background_log[$name]}"
+  if [ "$status" != 0 ]; then
+    echo "run-tests.sh: $name failed (exit $status; its output above)" >&2
+    exit 1
+  fi
+}
+
 stage "installing what is missing"
 if ! need cargo; then
   echo "run-tests.sh: cargo is not on PATH; install the Rust toolchain with rustup (https://rustup.rs)" >&2
@@ -51,6 +86,15 @@ fi
 if ! need go || ! go version | grep -Eq 'go1\.(2[6-9]|[3-9][0-9])'; then
   echo "run-tests.sh: the Go toolchain 1.26 or newer is needed (it builds the real control plane and node from their Go modules); found: $(go version 2>/dev/null || echo none)" >&2
   exit 1
+fi
+# cargo-nextest runs the workspace's tests (the README's test command), many at once. Its own
+# build (a debug build: it only starts and watches test processes) runs beside the installs and
+# builds below and is waited for before its first use.
+nextest_version=0.9.151
+if ! cargo nextest --version 2>/dev/null | grep -q "^cargo-nextest $nextest_version\b"; then
+  in_background "installing cargo-nextest $nextest_version" \
+    cargo install cargo-nextest --version "$nextest_version" --locked --debug \
+    --no-default-features --features default-no-update
 fi
 # kubectl is the independent client in the simulator's tests; etcd (Debian's 3.4) runs in the
 # etcd-mode tests, etcdctl sets up its users and roles where etcd's auth is tested; buildah
@@ -102,6 +146,7 @@ python3 -c 'import helm_python, kubernetes_validate; print("helm", helm_python.h
 stage "real control plane binaries"
 e2e/control-plane/build.sh
 if [ "$install_only" = 1 ]; then
+  finish "installing cargo-nextest $nextest_version"
   stage "installed; ./run-tests.sh runs the suite"
   exit 0
 fi
@@ -111,17 +156,10 @@ if [ "$all_versions" = 1 ]; then
   exit
 fi
 
-# The oldest supported minor's control plane (its stage below) is a Go build that only needs the
-# CPU: it runs beside the real node's and kind's stages, whose clusters mostly wait, at the
-# lowest CPU priority so that they keep the CPU they ask for. Its stage waits for it and shows
-# its output. A run that stops before then stops it too.
+# The oldest supported minor's control plane (its stage below): a Go build beside the real
+# node's and kind's stages.
 stage "the oldest supported Kubernetes' build (e2e/control-plane/build.sh --kubernetes 1.30), beside the next stages at nice 19"
-oldest_build_log=$(mktemp -t oldest-build-XXXXXX)
-# setsid: a process group of its own (go and its compilers), which the trap stops as one; --wait:
-# should setsid fork, its status is still the build's.
-setsid --wait nice -n 19 e2e/control-plane/build.sh --kubernetes 1.30 >"$oldest_build_log" 2>&1 &
-oldest_build=$!
-trap 'kill -TERM -- "-$oldest_build" 2>/dev/null || true' EXIT
+in_background "building Kubernetes 1.30" e2e/control-plane/build.sh --kubernetes 1.30
 
 # A one-node cluster (kubeadm's layout, containerd, kubelet, kube-proxy, the sidecar as a static
 # pod) in namespaces of its own; installs containerd, runc and the CNI plugins where missing.
@@ -142,18 +180,11 @@ e2e/kind/test.sh
 # their own, whatever the version), compared with their lines of expected-skips.txt. Every
 # minor: --all-versions.
 stage "the oldest supported Kubernetes (e2e/control-plane/test.sh --kubernetes 1.30)"
-built=0
-wait "$oldest_build" || built=$?
-trap - EXIT
-cat "$oldest_build_log"
-rm -f "$oldest_build_log"
-if [ "$built" != 0 ]; then
-  echo "run-tests.sh: building Kubernetes 1.30 failed (exit $built; its output above)" >&2
-  exit 1
-fi
+finish "building Kubernetes 1.30"
 cargo build --workspace --bins
 e2e/control-plane/test.sh --kubernetes 1.30
 
-stage "tests (README: cargo test --workspace && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh)"
+finish "installing cargo-nextest $nextest_version"
+stage "tests (README: cargo nextest run --workspace && cargo test --workspace --doc && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh)"
 # The last command: its status is the script's (set -e does not stop inside an && list).
-cargo test --workspace && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh
+cargo nextest run --workspace && cargo test --workspace --doc && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh

@@ -4,8 +4,8 @@
 # BOOTSTRAP_E2E_KUBECONFIG pointing at it, and stops it with down.sh whatever happens. With no
 # test named, it runs the test files that run against a given cluster: every file but those
 # expected-skips.txt lists as NOCLUSTER, which start simulators or control planes of their own
-# whatever the cluster and run in the plain `cargo test --workspace` (a packaging test checks that
-# none of them asks for the cluster). Cases that need the simulator's backdoor or fault injection
+# whatever the cluster and run with the workspace's tests (`cargo nextest run --workspace`; a
+# packaging test checks that none of them asks for the cluster). Cases that need the simulator's backdoor or fault injection
 # are skipped there. Each skip is recorded (BOOTSTRAP_E2E_SKIP_LOG); the run ends with the list of
 # what was skipped and why and of the test files that ran nothing against the cluster, and fails
 # when that list is not those files' lines of expected-skips.txt (compared when the suite runs

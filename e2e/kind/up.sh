@@ -83,7 +83,7 @@ else
   log "end-to-end tests against the cluster"
   cargo build --workspace --bins
   # The test files that run against the cluster they are given: the others start simulators or
-  # control planes of their own and are run by `cargo test --workspace` anyway. One test at a
+  # control planes of their own and run with the workspace's tests anyway. One test at a
   # time, as the README says: they share the cluster's `kubernetes` endpoints. What they skip is
   # recorded and compared with those files' lines of the list the real control plane's run keeps
   # (e2e/control-plane/skips.sh): the skips depend on a cluster being given, not on which.

@@ -49,6 +49,27 @@ def test_the_one_command_ends_with_the_readme_test_command():
     assert "\ne2e/node/test.sh\n" in script and "\ne2e/kind/test.sh\n" in script, script
 
 
+def test_the_test_runner_the_readme_names_is_the_one_run_tests_installs():
+    command = readme_commands()[1]
+    assert command.startswith("cargo nextest run --workspace && cargo test --workspace --doc"), command
+    script = (ROOT / "run-tests.sh").read_text()
+    version = re.search(r"^nextest_version=(\S+)$", script, re.M)
+    assert version, "run-tests.sh pins no cargo-nextest version"
+    assert 'cargo install cargo-nextest --version "$nextest_version" --locked' in script
+    testing = " ".join((ROOT / "TESTING.md").read_text().split())
+    assert f"cargo install cargo-nextest --version {version.group(1)} --locked" in testing
+    # The config nextest reads from the workspace's root.
+    config = (ROOT / ".config" / "nextest.toml").read_text()
+    assert re.search(r"^test-threads = \d+$", config, re.M), config
+    # The control planes' test group: a thread for each slot, and one for the at-rest test, which
+    # gives its slot back while it waits.
+    harness = (ROOT / "e2e" / "tests" / "common" / "control_plane.rs").read_text()
+    slots = re.search(r"pub const CONTROL_PLANE_SLOTS: usize = (\d+);", harness)
+    threads = re.search(r"^control-planes = \{ max-threads = (\d+) \}$", config, re.M)
+    assert slots and threads, (slots, threads)
+    assert int(threads.group(1)) == int(slots.group(1)) + 1, (threads.group(1), slots.group(1))
+
+
 def test_the_one_command_refuses_bad_usage_with_exit_2():
     result = subprocess.run(
         [str(ROOT / "run-tests.sh"), "--no-such-flag"], capture_output=True, text=True, timeout=30

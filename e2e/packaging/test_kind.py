@@ -229,7 +229,7 @@ def test_up_lists_what_the_suite_skipped_and_fails_on_a_skip_not_expected():
     tests_env = calls[index(calls, "cargo", "test")]["env"]
     assert "BOOTSTRAP_E2E_SKIP_LOG" in tests_env, tests_env
     # Only the files that run against a given cluster: the others start simulators of their own
-    # and are run by `cargo test --workspace`, not a second time here.
+    # and run with the workspace's tests (`cargo nextest run --workspace`), not a second time here.
     args = calls[index(calls, "cargo", "test")]["args"]
     named = sorted(args[i + 1] for i, a in enumerate(args[:-1]) if a == "--test")
     expected = (ROOT / "e2e" / "control-plane" / "expected-skips.txt").read_text()

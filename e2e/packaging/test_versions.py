@@ -79,9 +79,11 @@ def test_run_tests_runs_the_suite_on_the_oldest_and_all_versions_on_every_minor(
     oldest, newest = supported()
     assert f"e2e/control-plane/test.sh --kubernetes 1.{oldest}" in script
     # Its build, started early beside the real node's and kind's stages, is the same minor's.
-    builds = re.findall(r"e2e/control-plane/build\.sh --kubernetes (1\.\d+) ", script)
+    builds = re.findall(r"e2e/control-plane/build\.sh --kubernetes (1\.\d+)\b", script)
     assert builds == [f"1.{oldest}"] * len(builds) and builds, builds
-    assert f"building Kubernetes 1.{oldest} failed" in script
+    # Its stage waits for it, and fails the run with its output when it failed.
+    assert f'in_background "building Kubernetes 1.{oldest}" e2e/control-plane/build.sh' in script
+    assert f'finish "building Kubernetes 1.{oldest}"' in script
     assert "--all-versions" in script
     assert "`./run-tests.sh --all-versions`" in readme_section()
     assert f"newest (1.{newest}) and the oldest (1.{oldest})" in readme_section()

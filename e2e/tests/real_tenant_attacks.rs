@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use common::control_plane::{
-    ControlPlane, describe, self_contained_kubeconfig, skipped_under_shared_control_plane, writes,
+    ControlPlane, control_plane_slot, describe, self_contained_kubeconfig,
+    skipped_under_shared_control_plane, writes,
 };
 use common::node_port_bitmap::NodePortBitmap;
 use common::{CONVERGE, ControllerProcess, client_from, eventually, kubectl};
@@ -131,6 +132,8 @@ async fn a_secret_writer_cannot_take_the_controllers_token_run_read_or_reach_ano
     ) {
         return Ok(());
     }
+    // Held until every control plane below has stopped (dropped after them).
+    let _slot = control_plane_slot().await?;
     let management = ControlPlane::start(1)?;
     let etcd_url = management.etcd_url()?.to_owned();
     let etcd_network = management.etcd_network()?;

@@ -22,7 +22,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 use common::control_plane::{
-    ControlPlane, built_binaries_of, self_contained_kubeconfig, skipped_under_shared_control_plane,
+    ControlPlane, built_binaries_of, control_plane_slot, self_contained_kubeconfig,
+    skipped_under_shared_control_plane,
 };
 use common::node_port_bitmap::NodePortBitmap;
 use common::{CONVERGE, ControllerProcess, client_from, eventually, kubectl};
@@ -196,6 +197,8 @@ async fn management_mode_keeps_real_tenants_on_one_etcd_apart() -> Result<()> {
     let started = Instant::now();
     // The management control plane owns the etcd; the tenants (dropped first, declared after)
     // store in it under their own prefixes.
+    // Held until every control plane below has stopped (dropped after them).
+    let _slot = control_plane_slot().await?;
     let management = ControlPlane::start(1)?;
     let etcd_url = management.etcd_url()?.to_owned();
     let oldest = built_binaries_of(OLDEST)?;

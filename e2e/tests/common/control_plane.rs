@@ -285,7 +285,8 @@ impl Drop for ControlPlane {
 }
 
 /// Under `test.sh` (the suite against a shared control plane) the tests that start control planes
-/// of their own are not repeated: they run in the plain `cargo test --workspace`. `binary` is the
+/// of their own are not repeated: they run with the workspace's tests (`cargo nextest run
+/// --workspace`, or `cargo test --workspace`). `binary` is the
 /// test file's name, for the command that runs it.
 pub fn skipped_under_shared_control_plane(binary: &str, test: &str) -> bool {
     if std::env::var_os("BOOTSTRAP_E2E_KUBECONFIG").is_some() {
@@ -298,16 +299,58 @@ pub fn skipped_under_shared_control_plane(binary: &str, test: &str) -> bool {
     false
 }
 
-/// One control plane at a time in a test file (a binary of its own, with its own copy of this
-/// lock): each is three processes that want a core.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// How many tests may hold a [`ControlPlaneSlot`] at once. `.config/nextest.toml` gives its
+/// `control-planes` test group as many threads, so that a test waiting for a slot does not take
+/// one of the threads the other tests run on.
+pub const CONTROL_PLANE_SLOTS: usize = 2;
 
-/// A control plane of a test's own, holding the lock that keeps its test file's control planes
-/// one at a time (until [`OwnControlPlane::let_the_next_start`]); the control plane stops before
-/// the lock is released.
+/// The right to start control planes, which [`CONTROL_PLANE_SLOTS`] tests on the machine hold at
+/// a time. Each control plane is three processes that want a core, and the tests that start them
+/// run in processes of their own, side by side (`cargo nextest run`), so a slot is a file's lock
+/// (`flock`), in the build's temporary directory; the kernel releases it when the holder exits,
+/// however it exits.
+pub struct ControlPlaneSlot {
+    _lock: std::fs::File,
+}
+
+/// Waits for a [`ControlPlaneSlot`]: until a test holding one stops its control planes (or no
+/// longer needs the cores, see [`OwnControlPlane::let_the_next_start`]).
+pub async fn control_plane_slot() -> Result<ControlPlaneSlot> {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let mut files = Vec::new();
+    for n in 0..CONTROL_PLANE_SLOTS {
+        let path = dir.join(format!("control-plane-slot-{n}.lock"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        files.push((path, file));
+    }
+    loop {
+        for n in 0..files.len() {
+            match files[n].1.try_lock() {
+                Ok(()) => {
+                    let (_, lock) = files.swap_remove(n);
+                    return Ok(ControlPlaneSlot { _lock: lock });
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {}
+                Err(std::fs::TryLockError::Error(err)) => {
+                    let path = files[n].0.display();
+                    return Err(err).with_context(|| format!("locking {path}"));
+                }
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
+/// A control plane of a test's own, holding the [`ControlPlaneSlot`] (until
+/// [`OwnControlPlane::let_the_next_start`]); the control plane stops before the slot is released.
 pub struct OwnControlPlane {
     cp: ControlPlane,
-    one: Option<tokio::sync::MutexGuard<'static, ()>>,
+    slot: Option<ControlPlaneSlot>,
 }
 
 impl OwnControlPlane {
@@ -315,7 +358,7 @@ impl OwnControlPlane {
     /// only waits and then counts requests in its own audit log, which a second control plane
     /// beside it neither adds to nor changes.
     pub fn let_the_next_start(&mut self) {
-        self.one = None;
+        self.slot = None;
     }
 }
 
@@ -326,8 +369,8 @@ impl std::ops::Deref for OwnControlPlane {
     }
 }
 
-/// Starts a control plane of `apiservers` for `test` of the test file `binary` once the file's
-/// other control planes have stopped; `None` under the shared control plane, where the test is
+/// Starts a control plane of `apiservers` for `test` of the test file `binary` once it holds the
+/// [`ControlPlaneSlot`]; `None` under the shared control plane, where the test is
 /// skipped (see [`skipped_under_shared_control_plane`]).
 pub async fn own_control_plane(
     binary: &str,
@@ -347,10 +390,10 @@ pub async fn own_control_plane_with(
     if skipped_under_shared_control_plane(binary, test) {
         return Ok(None);
     }
-    let one = ONE_AT_A_TIME.lock().await;
+    let slot = control_plane_slot().await?;
     Ok(Some(OwnControlPlane {
         cp: ControlPlane::start_with(apiservers, extra)?,
-        one: Some(one),
+        slot: Some(slot),
     }))
 }
 
