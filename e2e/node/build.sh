@@ -23,11 +23,23 @@
 # tagged as deploy/sidecar/bootstrap-controller.yaml names it, into
 # $out/images/bootstrap-controller.tar.
 #
-# Usage: e2e/node/build.sh            prints the directory holding bin/ and images/
+# NODE_CONFORMANCE=0 leaves the conformance part out; `--conformance` builds only it, once the
+# rest is built (e2e/node/test.sh builds it so, at a low priority, while the node's scenarios run).
+#
+# Usage: e2e/node/build.sh [--conformance]   prints the directory holding bin/ and images/
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
+only_conformance=false
+case "$*" in
+  "") ;;
+  --conformance) only_conformance=true ;;
+  *)
+    echo "usage: e2e/node/build.sh [--conformance]   (NODE_CONFORMANCE=0: without the conformance tests' binaries and images)" >&2
+    exit 2
+    ;;
+esac
 
 module_version() { # go.mod file, module path -> the version it requires
   awk -v m="$2" '$1 == m && $2 ~ /^v/ { print $2; exit } $1 == "require" && $2 == m { print $3; exit }' "$1"
@@ -238,9 +250,24 @@ conformance() {
 }
 
 mkdir -p "$(dirname "$out")"
-# Tests may call this at once: one builds, the others wait and find the result.
+# Tests may call this at once: one builds, the others wait and find the result. The conformance
+# part has a lock of its own, so that it builds beside a call that only needs the rest.
 exec 9>"$out.lock"
 flock 9
+if [ "$only_conformance" = true ]; then
+  if ! cached; then
+    echo "build.sh --conformance: the node's binaries are not built yet (e2e/node/build.sh builds them)" >&2
+    exit 2
+  fi
+  exec 9>&-
+  coredns_image=$("$out/bin/kubeadm" config images list --kubernetes-version "$k8s_version" | grep '/coredns:')
+  coredns_out=$(dirname "$out")/coredns-${coredns_image##*:}
+  exec 8>"$conformance_out.lock"
+  flock 8
+  conformance >&2
+  echo "$out"
+  exit 0
+fi
 if ! cached; then
   for tool in go buildah; do
     if ! command -v "$tool" >/dev/null 2>&1; then
@@ -289,7 +316,12 @@ fi
 # kubeadm names the CoreDNS it deploys for this version.
 coredns_image=$("$out/bin/kubeadm" config images list --kubernetes-version "$k8s_version" | grep '/coredns:')
 coredns_out=$(dirname "$out")/coredns-${coredns_image##*:}
-conformance >&2
+if [ "${NODE_CONFORMANCE:-1}" != 0 ]; then
+  exec 8>"$conformance_out.lock"
+  flock 8
+  conformance >&2
+  exec 8>&-
+fi
 started=$(date +%s)
 controller_image >&2
 echo "build.sh: bootstrap-controller image $controller_image built in $(($(date +%s) - started)) s" >&2

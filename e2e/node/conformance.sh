@@ -36,6 +36,10 @@ export KUBECONFIG
 # build.sh's directory: the one holding the node's bin/.
 # shellcheck source=/dev/null
 . "$(dirname "$NODE_BIN")/versions.env"
+if [ ! -x "$E2E_TEST" ] || [ ! -d "$CONFORMANCE_IMAGES" ]; then
+  echo "conformance.sh: upstream's conformance tests are not built ($E2E_TEST); e2e/node/build.sh --conformance builds them" >&2
+  exit 2
+fi
 out=$dir/conformance
 rm -rf "$out"
 mkdir -p "$out"

@@ -10,7 +10,8 @@
 # nothing is expected to.
 #
 # Usage: e2e/node/test.sh [pytest options, e.g. -k killed]
-# NODE_CONFORMANCE=0 leaves the conformance tests out (and says so), e.g. beside -k.
+# NODE_CONFORMANCE=0 leaves the conformance tests out (and says so), e.g. beside -k, and does not
+# build them.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,7 +21,11 @@ if [ "$(id -u)" != 0 ]; then
 fi
 dir=$(mktemp -d -t node-e2e-XXXXXX)
 status=1
+conformance_build=
+conformance_log=$(mktemp -t node-e2e-conformance-build-XXXXXX)
 finish() {
+  [ -z "$conformance_build" ] || kill -TERM -- "-$conformance_build" 2>/dev/null || true
+  rm -f "$conformance_log"
   "$here/down.sh" "$dir" >/dev/null || true
   if [ "$status" = 0 ]; then
     rm -rf "$dir"
@@ -30,7 +35,16 @@ finish() {
 }
 trap finish EXIT
 
-"$here/up.sh" "$dir" --without-sidecar --apiservers 2
+# The node (up.sh builds its binaries, installs what the node needs and starts it) without the
+# conformance tests' binaries and images: those (e2e.test alone is minutes of compile on a fresh
+# machine) build next, in a process group of their own, beside the node's scenarios, which mostly
+# wait: at a low priority (nice 10), which still comes before the builds ./run-tests.sh runs at
+# the lowest (nice 19) and needs later.
+NODE_CONFORMANCE=0 "$here/up.sh" "$dir" --without-sidecar --apiservers 2
+if [ "${NODE_CONFORMANCE:-1}" != 0 ]; then
+  setsid --wait nice -n 10 "$here/build.sh" --conformance >"$conformance_log" 2>&1 &
+  conformance_build=$!
+fi
 # -p no:cacheprovider: nothing written into the repository. -rs: a skipped test is listed with
 # its reason.
 BOOTSTRAP_NODE_DIR=$dir python3 -m pytest -p no:cacheprovider -v -s -rs "$here/test_node.py" \
@@ -44,6 +58,14 @@ fi
 if [ "${NODE_CONFORMANCE:-1}" = 0 ]; then
   echo "test.sh: not checked against the node: upstream's conformance tests (NODE_CONFORMANCE=0)"
 else
+  built=0
+  wait "$conformance_build" || built=$?
+  conformance_build=
+  cat "$conformance_log" >&2
+  if [ "$built" != 0 ]; then
+    echo "test.sh: building the conformance tests failed (exit $built; its output above)" >&2
+    exit 1
+  fi
   "$here/conformance.sh" "$dir"
   echo "test.sh: not checked against the node: nothing (no scenario skipped, the conformance tests ran)"
 fi
