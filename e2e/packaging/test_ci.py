@@ -61,6 +61,7 @@ def test_the_test_runner_the_readme_names_is_the_one_run_tests_installs():
     # The config nextest reads from the workspace's root.
     config = (ROOT / ".config" / "nextest.toml").read_text()
     assert re.search(r"^test-threads = \d+$", config, re.M), config
+    assert f'recommended = "{version.group(1)}"' in config, config
     # The control planes' test group: a thread for each slot, and one for the at-rest test, which
     # gives its slot back while it waits.
     harness = (ROOT / "e2e" / "tests" / "common" / "control_plane.rs").read_text()
