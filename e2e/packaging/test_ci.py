@@ -69,6 +69,11 @@ def test_the_test_runner_the_readme_names_is_the_one_run_tests_installs():
     threads = re.search(r"^control-planes = \{ max-threads = (\d+) \}$", config, re.M)
     assert slots and threads, (slots, threads)
     assert int(threads.group(1)) == int(slots.group(1)) + 1, (threads.group(1), slots.group(1))
+    # The filters name binaries and tests that exist (a filter that matches nothing is no error).
+    for binary in re.findall(r"binary\((\w+)\)", config):
+        assert (ROOT / "e2e" / "tests" / f"{binary}.rs").exists(), binary
+    for binary, test in re.findall(r"binary\((\w+)\) & test\((\w+)\)", config):
+        assert f"fn {test}(" in (ROOT / "e2e" / "tests" / f"{binary}.rs").read_text(), test
 
 
 def test_the_one_command_refuses_bad_usage_with_exit_2():
