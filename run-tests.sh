@@ -55,14 +55,14 @@ stop_background() {
   done
 }
 trap stop_background EXIT
-# in_background NAME COMMAND...: setsid, a process group of its own (go or cargo and their
-# compilers), which stop_background stops as one; --wait: should setsid fork, the status is
-# still COMMAND's.
+# in_background NAME NICENESS COMMAND...: setsid, a process group of its own (go or cargo and
+# their compilers, or a suite and its cluster), which stop_background stops as one; --wait:
+# should setsid fork, the status is still COMMAND's.
 in_background() {
-  local name=$1
-  shift
+  local name=$1 niceness=$2
+  shift 2
   background_log[$name]=$(mktemp -t run-tests-background-XXXXXX)
-  setsid --wait nice -n 19 "$@" >"${background_log[$name]}" 2>&1 &
+  setsid --wait nice -n "$niceness" "$@" >"${background_log[$name]}" 2>&1 &
   background_pid[$name]=$!
 }
 finish() {
@@ -92,7 +92,7 @@ fi
 # builds below and is waited for before its first use.
 nextest_version=0.9.151
 if ! cargo nextest --version 2>/dev/null | grep -q "^cargo-nextest $nextest_version\b"; then
-  in_background "installing cargo-nextest $nextest_version" \
+  in_background "installing cargo-nextest $nextest_version" 19 \
     cargo install cargo-nextest --version "$nextest_version" --locked --debug \
     --no-default-features --features default-no-update
 fi
@@ -159,7 +159,7 @@ fi
 # The oldest supported minor's control plane (its stage below): a Go build beside the real
 # node's and kind's stages.
 stage "the oldest supported Kubernetes' build (e2e/control-plane/build.sh --kubernetes 1.30), beside the next stages at nice 19"
-in_background "building Kubernetes 1.30" e2e/control-plane/build.sh --kubernetes 1.30
+in_background "building Kubernetes 1.30" 19 e2e/control-plane/build.sh --kubernetes 1.30
 
 # A one-node cluster (kubeadm's layout, containerd, kubelet, kube-proxy, the sidecar as a static
 # pod) in namespaces of its own; installs containerd, runc and the CNI plugins where missing.
@@ -171,18 +171,18 @@ e2e/node/test.sh
 # kind as users try it (e2e/kind/up.sh: the end-to-end suite against the cluster, the sidecar,
 # the chart) with podman and a kind node image built here from the real node's binaries, nothing
 # pulled; installs podman, debootstrap and jq where missing.
-stage "kind (e2e/kind/test.sh)"
-e2e/kind/test.sh
-
-# The oldest supported minor: its own build (about 4 min of compile on a fresh machine, then
-# cached; started before the real node's stage) and, as test.sh runs by default, every test file
-# that runs against the cluster it is given (the others start simulators or control planes of
-# their own, whatever the version), compared with their lines of expected-skips.txt. Every
-# minor: --all-versions.
-stage "the oldest supported Kubernetes (e2e/control-plane/test.sh --kubernetes 1.30)"
+# Beside it, at the usual priority, the oldest supported minor: its build (started before the real
+# node's stage) and, as test.sh runs by default, every test file that runs against the cluster it
+# is given (the others start simulators or control planes of their own, whatever the version),
+# compared with their lines of expected-skips.txt; its output follows kind's. Both mostly wait on
+# their clusters. Every minor: --all-versions.
+stage "kind (e2e/kind/test.sh), and beside it the oldest supported Kubernetes (e2e/control-plane/test.sh --kubernetes 1.30)"
 finish "building Kubernetes 1.30"
 cargo build --workspace --bins
-e2e/control-plane/test.sh --kubernetes 1.30
+in_background "the end-to-end suite on Kubernetes 1.30" 0 e2e/control-plane/test.sh --kubernetes 1.30
+e2e/kind/test.sh
+stage "the oldest supported Kubernetes (e2e/control-plane/test.sh --kubernetes 1.30), run beside kind's stage"
+finish "the end-to-end suite on Kubernetes 1.30"
 
 finish "installing cargo-nextest $nextest_version"
 stage "tests (README: cargo nextest run --workspace && cargo test --workspace --doc && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh)"

@@ -82,7 +82,7 @@ def test_run_tests_runs_the_suite_on_the_oldest_and_all_versions_on_every_minor(
     builds = re.findall(r"e2e/control-plane/build\.sh --kubernetes (1\.\d+)\b", script)
     assert builds == [f"1.{oldest}"] * len(builds) and builds, builds
     # Its stage waits for it, and fails the run with its output when it failed.
-    assert f'in_background "building Kubernetes 1.{oldest}" e2e/control-plane/build.sh' in script
+    assert f'in_background "building Kubernetes 1.{oldest}" 19 e2e/control-plane/build.sh' in script
     assert f'finish "building Kubernetes 1.{oldest}"' in script
     assert "--all-versions" in script
     assert "`./run-tests.sh --all-versions`" in readme_section()
@@ -94,8 +94,13 @@ def test_the_oldest_minors_run_covers_every_test_file_that_runs_against_the_clus
     # test_control_plane_skips.py checks that); naming files here would let a new one go unrun.
     script = (ROOT / "run-tests.sh").read_text()
     oldest, _ = supported()
-    runs = re.findall(rf"^e2e/control-plane/test\.sh --kubernetes 1\.{oldest}(.*)$", script, re.M)
-    assert runs == [""], f"run-tests.sh runs the oldest minor as {runs!r}, not with test.sh's default"
+    # Beside kind's stage, at the usual priority, and waited for.
+    runs = re.findall(
+        rf'^in_background "([^"]+)" 0 e2e/control-plane/test\.sh --kubernetes 1\.{oldest}(.*)$',
+        script, re.M)
+    assert [args for _, args in runs] == [""], \
+        f"run-tests.sh runs the oldest minor as {runs!r}, not with test.sh's default"
+    assert f'\nfinish "{runs[0][0]}"\n' in script
 
 
 def test_each_pinned_minor_replaces_its_staging_modules_within_that_minor():
