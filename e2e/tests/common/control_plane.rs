@@ -299,10 +299,11 @@ pub fn skipped_under_shared_control_plane(binary: &str, test: &str) -> bool {
     false
 }
 
-/// How many tests may hold a [`ControlPlaneSlot`] at once. `.config/nextest.toml` gives its
-/// `control-planes` test group as many threads, so that a test waiting for a slot does not take
-/// one of the threads the other tests run on.
-pub const CONTROL_PLANE_SLOTS: usize = 2;
+/// How many tests may hold a [`ControlPlaneSlot`] at once: one, as more control planes starting
+/// beside the other tests leave those tests' short leader Leases waiting for the CPU.
+/// `.config/nextest.toml` gives its `control-planes` test group as many threads, so that no test
+/// waits for a slot on a thread (a waiting test polls, and one started later may take it first).
+pub const CONTROL_PLANE_SLOTS: usize = 1;
 
 /// The right to start control planes, which [`CONTROL_PLANE_SLOTS`] tests on the machine hold at
 /// a time. Each control plane is three processes that want a core, and the tests that start them
