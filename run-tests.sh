@@ -43,9 +43,9 @@ need() { command -v "$1" >/dev/null 2>&1; }
 started=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
 
-# Builds that only need the CPU run in the background at the lowest CPU priority, beside stages
-# that mostly wait (downloads, the real node's and kind's clusters), which keep the CPU they ask
-# for. `finish NAME` waits for one (if it was started), shows its output and fails the run if it
+# Work that can go on beside a stage runs in the background: builds that only need the CPU at the
+# lowest CPU priority, beside stages that mostly wait (downloads, the real node's and kind's
+# clusters), which keep the CPU they ask for; a suite that mostly waits too at the usual one. `finish NAME` waits for one (if it was started), shows its output and fails the run if it
 # failed; a run that stops before then stops the ones still running.
 declare -A background_pid=() background_log=()
 stop_background() {

@@ -299,52 +299,32 @@ pub fn skipped_under_shared_control_plane(binary: &str, test: &str) -> bool {
     false
 }
 
-/// How many tests may hold a [`ControlPlaneSlot`] at once: one, as more control planes starting
-/// beside the other tests leave those tests' short leader Leases waiting for the CPU.
-/// `.config/nextest.toml` gives its `control-planes` test group as many threads, so that no test
-/// waits for a slot on a thread (a waiting test polls, and one started later may take it first).
-pub const CONTROL_PLANE_SLOTS: usize = 1;
-
-/// The right to start control planes, which [`CONTROL_PLANE_SLOTS`] tests on the machine hold at
-/// a time. Each control plane is three processes that want a core, and the tests that start them
-/// run in processes of their own, side by side (`cargo nextest run`), so a slot is a file's lock
-/// (`flock`), in the build's temporary directory; the kernel releases it when the holder exits,
-/// however it exits.
+/// The right to start control planes, which one test on the machine holds at a time: each
+/// control plane is three processes that want a core, and more of them starting beside the other
+/// tests leave those tests' short leader Leases waiting for the CPU. The tests run in processes of
+/// their own, side by side (`cargo nextest run`; `.config/nextest.toml` gives them one thread, so
+/// none waits here on a thread the other tests could use), so the slot is a file's lock (`flock`)
+/// in the build's temporary directory; the kernel releases it when the holder exits, however it
+/// exits.
 pub struct ControlPlaneSlot {
     _lock: std::fs::File,
 }
 
-/// Waits for a [`ControlPlaneSlot`]: until a test holding one stops its control planes (or no
+/// Waits for the [`ControlPlaneSlot`]: until the test holding it stops its control planes (or no
 /// longer needs the cores, see [`OwnControlPlane::let_the_next_start`]).
 pub async fn control_plane_slot() -> Result<ControlPlaneSlot> {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let mut files = Vec::new();
-    for n in 0..CONTROL_PLANE_SLOTS {
-        let path = dir.join(format!("control-plane-slot-{n}.lock"));
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        files.push((path, file));
-    }
-    loop {
-        for n in 0..files.len() {
-            match files[n].1.try_lock() {
-                Ok(()) => {
-                    let (_, lock) = files.swap_remove(n);
-                    return Ok(ControlPlaneSlot { _lock: lock });
-                }
-                Err(std::fs::TryLockError::WouldBlock) => {}
-                Err(std::fs::TryLockError::Error(err)) => {
-                    let path = files[n].0.display();
-                    return Err(err).with_context(|| format!("locking {path}"));
-                }
-            }
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    }
+    let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("control-plane-slot.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let lock = tokio::task::spawn_blocking(move || file.lock().map(|()| file))
+        .await
+        .context("waiting for the control plane slot")?
+        .with_context(|| format!("locking {}", path.display()))?;
+    Ok(ControlPlaneSlot { _lock: lock })
 }
 
 /// A control plane of a test's own, holding the [`ControlPlaneSlot`] (until
