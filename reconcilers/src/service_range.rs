@@ -99,7 +99,7 @@ enum Found {
 /// The service ranges a loop works with: the configured ones, or the `kubernetes` ServiceCIDR's,
 /// read (one request) the first time a pass needs them and kept; where the cluster serves no
 /// ServiceCIDR, discovery is asked again once `recheck` has passed.
-pub struct ServiceRanges {
+pub struct RangeLookup {
     configured: Vec<IpNet>,
     client: Client,
     discovery: Arc<NetworkingDiscovery>,
@@ -109,7 +109,7 @@ pub struct ServiceRanges {
     found: Mutex<Option<Found>>,
 }
 
-impl ServiceRanges {
+impl RangeLookup {
     /// `configured` empty: read the range from the cluster, and where it serves no ServiceCIDR,
     /// ask discovery again at most once per `recheck` (the loop's interval).
     pub fn new(
@@ -119,7 +119,7 @@ impl ServiceRanges {
         discovery: Arc<NetworkingDiscovery>,
         recheck: Duration,
     ) -> Self {
-        ServiceRanges {
+        RangeLookup {
             configured,
             client,
             discovery,

@@ -24,7 +24,7 @@ use crate::legacy_alloc::{BitmapRange, LegacyBitmap, Outlet, Subject};
 use crate::section::ServiceName;
 use crate::service_cache::FreshList;
 use crate::service_cache::record::{ClusterIp, ServiceRecord};
-use crate::service_range::ServiceRanges;
+use crate::service_range::RangeLookup;
 
 /// The most bits kube-apiserver's bitmap allocator keeps for a range: 20 host bits.
 const MAX_BITMAP_BITS: u128 = 1 << 20;
@@ -62,7 +62,7 @@ impl LegacyIpBitmaps {
     async fn get_or_build(
         &self,
         section: &Section,
-        ranges: &ServiceRanges,
+        ranges: &RangeLookup,
     ) -> Result<&[LegacyBitmap<ServiceRange>], LoopError> {
         if let Some(bitmaps) = self.bitmaps.get() {
             return Ok(bitmaps);
@@ -292,7 +292,7 @@ mod tests {
             kubernetes.clone(),
             CacheBudget::default(),
         );
-        let wide = ServiceRanges::new(
+        let wide = RangeLookup::new(
             client.clone(),
             vec!["10.0.0.0/11".parse().unwrap()],
             kubernetes.clone(),
@@ -307,7 +307,7 @@ mod tests {
             "{err}"
         );
         assert!(legacy.bitmaps.get().is_none());
-        let widest = ServiceRanges::new(
+        let widest = RangeLookup::new(
             client.clone(),
             vec!["10.0.0.0/12".parse().unwrap()],
             kubernetes,

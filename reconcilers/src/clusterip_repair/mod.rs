@@ -53,7 +53,7 @@ use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
 use crate::section::Settings;
 use crate::service_cache::record::ServiceRecord;
-use crate::service_range::{DEFAULT_SERVICE_CIDR, ServiceRanges};
+use crate::service_range::{DEFAULT_SERVICE_CIDR, RangeLookup};
 use crate::watch_cache::WatchCache;
 pub use apply::new_ip_address;
 use apply::{Outcome, Verdict, create_ip_address, delete_ip_address, drift_of, object_reference};
@@ -129,7 +129,7 @@ pub struct ClusterIpRepairLoop {
     /// etcd mode's bitmaps ([`legacy`]), built once the ranges are known.
     legacy: Option<legacy::LegacyIpBitmaps>,
     /// The ranges audit mode and the bitmaps work with: configured, or read from the cluster.
-    ranges: ServiceRanges,
+    ranges: RangeLookup,
     /// Findings this loop only reports (a duplicate or out-of-range cluster IP), as they stood
     /// after the last pass: each gets its event and count when it appears, not on every pass.
     reported: crate::findings::ReportOnce<ReportKey>,
@@ -204,7 +204,7 @@ impl ClusterIpRepairLoop {
         });
         Self {
             legacy,
-            ranges: ServiceRanges::new(
+            ranges: RangeLookup::new(
                 client.clone(),
                 settings.service_ranges.clone(),
                 settings.kubernetes_service.clone(),

@@ -39,7 +39,7 @@ use crate::findings::ReportOnce;
 use crate::metrics::MetricRegistry;
 use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::{Name, ServiceRecord};
-use crate::service_range::{RangeError, ServiceRanges};
+use crate::service_range::{RangeError, RangeLookup};
 use crate::watch_cache::{WatchCache, Whole};
 
 mod apply;
@@ -86,7 +86,7 @@ pub struct KubernetesServiceLoop {
     /// Another holder of the clusterIP a recreate wants, when it was found.
     holder: Mutex<Option<(tokio::time::Instant, String)>>,
     /// `serviceClusterIPRange`, or the `kubernetes` ServiceCIDR's ranges when it is not set.
-    ranges: ServiceRanges,
+    ranges: RangeLookup,
 }
 
 impl KubernetesServiceLoop {
@@ -116,7 +116,7 @@ impl KubernetesServiceLoop {
             Api::namespaced(client.clone(), &section.namespace),
             &section.name,
         );
-        let ranges = ServiceRanges::new(
+        let ranges = RangeLookup::new(
             client.clone(),
             settings.service_ranges.clone(),
             ServiceName {
