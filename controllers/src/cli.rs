@@ -13,8 +13,8 @@ use crate::config::{
     parse_duration, positive_duration,
 };
 use crate::kubeconfig;
-use crate::loops::build_loops;
 use crate::metrics::{RunnerMetrics, new_registry};
+use crate::process::build_loops;
 use crate::process::{Controller, StartError};
 use crate::runner::{CheckResult, check_once};
 use crate::tenant_kubeconfig;

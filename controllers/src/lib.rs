@@ -12,7 +12,6 @@ pub mod kubeconfig;
 pub mod leader;
 pub mod limits;
 pub mod log_format;
-pub mod loops;
 pub mod metrics;
 pub mod process;
 pub mod runner;

@@ -136,6 +136,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
                 instance: Some(member_settings.identity.clone()),
             },
             probed: None,
+            budget: reconcilers::budget::CacheBudget::default(),
         };
         let lease_loop =
             ApiserverLeaseLoop::new(section, &member_settings, deps, &mut Registry::default())

@@ -313,13 +313,6 @@ impl Default for CacheBudget {
     }
 }
 
-impl PartialEq for CacheBudget {
-    /// Two budgets are equal when their limits are (what a configuration compares).
-    fn eq(&self, other: &Self) -> bool {
-        self.0.limits == other.0.limits
-    }
-}
-
 impl Debug for CacheBudget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CacheBudget")

@@ -85,10 +85,6 @@ pub struct Settings {
     /// This replica: events' `reportingInstance`, membership Lease holder.
     #[serde(skip)]
     pub identity: String,
-    /// What the cluster's caches may hold together (unlimited for the cluster of
-    /// `--kubeconfig`; a tenant's own in management mode).
-    #[serde(skip)]
-    pub cache_budget: CacheBudget,
 }
 
 /// `a,b`, as the flag takes them.
@@ -153,7 +149,6 @@ impl Default for Settings {
             },
             identity: String::new(),
             etcd: EtcdConfig::default(),
-            cache_budget: CacheBudget::default(),
         }
     }
 }
@@ -186,6 +181,9 @@ pub struct BuildContext<'a> {
     /// its own name.
     pub registry: &'a mut dyn MetricRegistry,
     pub settings: &'a Settings,
+    /// What the cluster's caches may hold together (unlimited for the cluster of
+    /// `--kubeconfig`; a tenant's own in management mode).
+    pub budget: CacheBudget,
     /// Loads the kubeconfig again (a readiness probe of a full URL uses its CA and credentials).
     pub load_kubeconfig: ConfigLoader,
     /// The Service cache, made by the first loop that asks ([`BuildContext::services`]).
@@ -201,12 +199,14 @@ impl<'a> BuildContext<'a> {
         client: kube::Client,
         registry: &'a mut dyn MetricRegistry,
         settings: &'a Settings,
+        budget: CacheBudget,
         load_kubeconfig: ConfigLoader,
     ) -> Self {
         BuildContext {
             client,
             registry,
             settings,
+            budget,
             load_kubeconfig,
             services: None,
             service_cidrs: None,
@@ -232,7 +232,7 @@ impl<'a> BuildContext<'a> {
         shared(
             &mut self.services,
             &self.client,
-            self.settings,
+            &self.budget,
             page_size.into(),
         )
     }
@@ -246,7 +246,7 @@ impl<'a> BuildContext<'a> {
         shared(
             &mut self.service_cidrs,
             &self.client,
-            self.settings,
+            &self.budget,
             page_size.into(),
         )
     }
@@ -256,11 +256,10 @@ impl<'a> BuildContext<'a> {
 fn shared<T: crate::watch_cache::Cached>(
     slot: &mut Option<WatchCache<T>>,
     client: &kube::Client,
-    settings: &Settings,
+    budget: &CacheBudget,
     page_size: Option<u32>,
 ) -> WatchCache<T> {
-    let cache =
-        slot.get_or_insert_with(|| WatchCache::shared(client.clone(), &settings.cache_budget));
+    let cache = slot.get_or_insert_with(|| WatchCache::shared(client.clone(), budget));
     if let Some(page_size) = page_size {
         cache.read_every(page_size);
     }

@@ -307,6 +307,9 @@ pub struct WatchCache<T: Cached> {
     /// What a cache shared by several loops ([`Self::shared`]) watches, settled when its watch
     /// starts.
     scope: Arc<Scope<T::Object>>,
+    /// The budget of the cluster's caches, which this one counts against: the loops' other
+    /// reads of every object (a fresh LIST) count against it too.
+    budget: CacheBudget,
 }
 
 /// What the loops sharing a cache read: every object of the kind (in pages of the first size
@@ -354,13 +357,14 @@ impl<T: Cached> WatchCache<T> {
     /// [`Self::take_events`] or [`Self::subscribe`] is polled.
     pub fn new(api: Api<T::Object>, config: watcher::Config, budget: &CacheBudget) -> Self {
         let watch = budget::watch(api, config.clone(), budget, T::weight);
-        Self::with_watch(watch, &config, Arc::default())
+        Self::with_watch(watch, &config, Arc::default(), budget.clone())
     }
 
     fn with_watch(
         watch: WatchEvents<T::Object>,
         config: &watcher::Config,
         scope: Arc<Scope<T::Object>>,
+        budget: CacheBudget,
     ) -> Self {
         let selection = ListParams {
             label_selector: config.label_selector.clone(),
@@ -376,7 +380,13 @@ impl<T: Cached> WatchCache<T> {
             events: Arc::new(Mutex::new(Some(events))),
             changes,
             scope,
+            budget,
         }
+    }
+
+    /// The budget of the cluster's caches this cache counts against.
+    pub fn budget(&self) -> &CacheBudget {
+        &self.budget
     }
 
     /// A cache of every object of the kind, listed in pages of `page_size`.
@@ -392,24 +402,24 @@ impl<T: Cached> WatchCache<T> {
     /// Settled when the watch starts.
     pub fn shared(client: kube::Client, budget: &CacheBudget) -> Self {
         let scope: Arc<Scope<T::Object>> = Arc::default();
-        let (settled, budget) = (scope.clone(), budget.clone());
+        let (settled, watched) = (scope.clone(), budget.clone());
         let watch = futures::stream::once(async move {
             let size = *settled.page_size.get_or_init(|| DEFAULT_PAGE_SIZE);
             match settled.one() {
                 Some((api, name)) => {
                     let config =
                         watcher::Config::default().fields(&format!("metadata.name={name}"));
-                    budget::watch(api, config, &budget, T::weight)
+                    budget::watch(api, config, &watched, T::weight)
                 }
                 None => {
                     let config = watcher::Config::default().page_size(size);
-                    budget::watch(Api::all(client), config, &budget, T::weight)
+                    budget::watch(Api::all(client), config, &watched, T::weight)
                 }
             }
         })
         .flatten()
         .boxed();
-        Self::with_watch(watch, &watcher::Config::default(), scope)
+        Self::with_watch(watch, &watcher::Config::default(), scope, budget.clone())
     }
 
     /// A loop reads every object, listing in pages of `page_size` unless a size was named

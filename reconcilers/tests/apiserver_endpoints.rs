@@ -74,6 +74,7 @@ fn deps(
         resolver,
         reporter: reporter(),
         probed: None,
+        budget: reconcilers::budget::CacheBudget::default(),
     }
 }
 

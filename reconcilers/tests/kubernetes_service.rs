@@ -619,7 +619,7 @@ async fn synced_loop(
     let services = WatchCache::<ServiceRecord>::new(
         Api::namespaced(sim.client(), namespace),
         watcher::Config::default(),
-        &settings.cache_budget,
+        &reconcilers::budget::CacheBudget::default(),
     );
     let l = KubernetesServiceLoop::with_shared(
         Section::default(),

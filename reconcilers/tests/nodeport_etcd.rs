@@ -22,6 +22,7 @@ use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitma
 use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey, Stored};
 use reconcilers::nodeport_repair::{self, NodePortRepairLoop};
 use reconcilers::section::Settings;
+use reconcilers::watch_cache::WatchCache;
 use serde_json::json;
 
 const KEY: &str = "/registry/ranges/servicenodeports";
@@ -94,7 +95,7 @@ impl Harness {
             rebuild_bitmap_on_range_change: rebuild,
             ..nodeport_repair::Section::default()
         };
-        Self::start_within(sim, settings(etcd), section).await
+        Self::start_within(sim, settings(etcd), section, CacheBudget::default()).await
     }
 
     /// With `settings` and `section` as they are.
@@ -102,13 +103,15 @@ impl Harness {
         sim: &Sim,
         settings: Settings,
         section: nodeport_repair::Section,
+        budget: CacheBudget,
     ) -> Self {
         let mut registry = Registry::default();
+        let services = WatchCache::every(sim.client(), section.page_size, &budget);
         let repair = Arc::new(NodePortRepairLoop::new(
             sim.client(),
             section,
             &settings,
-            None,
+            Some(services),
             &mut registry,
         ));
         let mut triggers = repair.triggers();
@@ -342,16 +345,13 @@ async fn a_fresh_list_that_never_ends_stops_at_the_cache_budget_and_releases_not
         max_bytes: usize::MAX,
     };
     let budget = CacheBudget::new(limits, "the test's", None, &mut Registry::default());
-    let settings = Settings {
-        cache_budget: budget,
-        ..settings(etcd.config())
-    };
+    let settings = settings(etcd.config());
     let section = nodeport_repair::Section {
         interval: Duration::from_millis(1),
         leak_sighting_spacing: Duration::from_millis(1),
         ..nodeport_repair::Section::default()
     };
-    let harness = Harness::start_within(&sim, settings, section).await;
+    let harness = Harness::start_within(&sim, settings, section, budget).await;
     harness.pass(&sim, false).await.unwrap();
     let value = store.get(KEY).await.unwrap().unwrap();
     let stored = RangeAllocation::new(range().to_string(), bitmap(&[30080, 30500]));
@@ -405,7 +405,13 @@ async fn a_short_interval_does_not_hasten_the_release_of_a_leak() {
         interval: Duration::from_millis(1),
         ..nodeport_repair::Section::default()
     };
-    let harness = Harness::start_within(&sim, settings(etcd.config()), section).await;
+    let harness = Harness::start_within(
+        &sim,
+        settings(etcd.config()),
+        section,
+        CacheBudget::default(),
+    )
+    .await;
     store_first(
         &store,
         RangeAllocation::new(range().to_string(), bitmap(&[30500])).encode(),

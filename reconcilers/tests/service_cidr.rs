@@ -73,7 +73,10 @@ async fn a_missing_default_service_cidr_is_created_with_an_event_for_each_repair
 async fn a_pass_after_its_own_writes_asks_the_api_nothing() -> Result<()> {
     let sim = common::sim().await;
     let settings = common::settings(&["10.96.0.0/12"]);
-    let cidrs = WatchCache::<ServiceCidrRecord>::shared(sim.client(), &settings.cache_budget);
+    let cidrs = WatchCache::<ServiceCidrRecord>::shared(
+        sim.client(),
+        &reconcilers::budget::CacheBudget::default(),
+    );
     let discovery = NetworkingDiscovery::new(sim.client());
     let shared = (cidrs.clone(), discovery);
     let repair =

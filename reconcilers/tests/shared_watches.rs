@@ -36,7 +36,13 @@ fn started(
     let mut registry = Registry::default();
     let loader: reconcilers::apiserver_endpoints::ConfigLoader =
         Arc::new(|| Box::pin(async { Err("no kubeconfig in this test".into()) }));
-    let mut context = BuildContext::new(sim.client(), &mut registry, &settings, loader);
+    let mut context = BuildContext::new(
+        sim.client(),
+        &mut registry,
+        &settings,
+        reconcilers::budget::CacheBudget::default(),
+        loader,
+    );
     let loops: Vec<Arc<dyn Reconciler>> = sections
         .iter()
         .flat_map(|section| section.build(&mut context).unwrap())

@@ -222,7 +222,6 @@ impl Config {
                     name: loops.kubernetes_service.name.clone(),
                 },
                 identity: String::new(),
-                cache_budget: reconcilers::budget::CacheBudget::default(),
             },
             kubeconfig,
             dry_run,

@@ -88,7 +88,7 @@ impl ApiserverEndpointsLoop {
         registry: &mut dyn MetricRegistry,
     ) -> Self {
         let target = &Section::target(settings);
-        let (budget, here) = (&settings.cache_budget, &target.namespace);
+        let (budget, here) = (&deps.budget, &target.namespace);
         let client = &deps.client;
         let named =
             || watcher::Config::default().fields(&format!("metadata.name={}", target.service_name));

@@ -57,6 +57,7 @@ use std::time::Duration;
 
 use kube::runtime::events::Reporter;
 
+use crate::budget::CacheBudget;
 use crate::contract::LoopError;
 
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
@@ -68,7 +69,8 @@ pub use probe::{
     SystemResolver, default_route_address,
 };
 pub use section::{
-    DEFAULT_INTERVAL, DEFAULT_LEASE_TTL, EndpointsMode, Section, StaticAddress, StaticAddressError,
+    DEFAULT_INTERVAL, DEFAULT_LEASE_TTL, ENDPOINTS_UNNAMED, EndpointsMode, Section, StaticAddress,
+    StaticAddressError,
 };
 pub use shutdown::{OnShutdown, ShutdownDecision, ShutdownGate};
 
@@ -91,6 +93,8 @@ pub struct EndpointsDeps {
     /// The server the readiness probe asks, checked once to be this instance's own (`None`:
     /// not checked).
     pub probed: Option<ProbedServer>,
+    /// What the cluster's caches may hold together.
+    pub budget: CacheBudget,
 }
 
 /// `work` within `bound`: a withdrawal at stop gets as long as upstream's `RemoveEndpoints`

@@ -30,6 +30,12 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 /// Upstream's membership Lease TTL (`--endpoint-reconciler-type=lease`: 15 s).
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15);
 
+/// Said once when the loops are built and no mode is named: they are then not built.
+pub const ENDPOINTS_UNNAMED: &str = "the kubernetes endpoints are left alone: no endpoint \
+     reconciler type is named; to keep them, set --endpoint-reconciler-type \
+     (BOOTSTRAP_ENDPOINT_RECONCILER_TYPE, file key endpointReconcilerType) to lease, static or \
+     master-count";
+
 /// `loops.apiserverEndpoints`: the `kubernetes` Endpoints and EndpointSlices, with the mode
 /// (`endpointReconcilerType`) and `apiserverCount`; the address is `advertiseAddress`, the port
 /// `securePort`. The one configuration type of both loops: they are built from the section and
@@ -315,7 +321,10 @@ impl LoopSection for Section {
         context: &mut BuildContext<'_>,
     ) -> Result<Vec<Arc<dyn Reconciler>>, BuildError> {
         let settings = context.settings;
-        let mode = self.endpoint_mode();
+        let Some(mode) = self.mode else {
+            tracing::info!("{ENDPOINTS_UNNAMED}");
+            return Ok(Vec::new());
+        };
         if mode == EndpointsMode::None {
             return Ok(Vec::new());
         }
@@ -353,6 +362,7 @@ impl LoopSection for Section {
             readiness,
             resolver: Arc::new(SystemResolver),
             reporter: context.settings.reporter(),
+            budget: context.budget.clone(),
             probed: Some(ProbedServer {
                 url: full_url.then(|| url.to_owned()),
                 load: context.load_kubeconfig.clone(),

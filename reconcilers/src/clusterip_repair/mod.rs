@@ -47,6 +47,7 @@ use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::alloc::ServiceRange;
+use crate::budget::CacheBudget;
 use crate::contract::{Drift, LoopError, PassContext, PassReport, Reconciler, Trigger, WakeAt};
 use crate::discovery::{LastAnswer, NetworkingDiscovery};
 use crate::events::SeriesRecorder;
@@ -159,7 +160,7 @@ impl ClusterIpRepairLoop {
         settings: &Settings,
         registry: &mut dyn MetricRegistry,
     ) -> Self {
-        let budget = &settings.cache_budget;
+        let budget = &CacheBudget::default();
         let services = WatchCache::every(client.clone(), section.page_size, budget);
         let service_cidrs = WatchCache::every(client.clone(), section.page_size, budget);
         let discovery = NetworkingDiscovery::new(client.clone());
@@ -188,12 +189,12 @@ impl ClusterIpRepairLoop {
         // Events name this controller (upstream's reasons, not its reporting controller), so
         // nobody mistakes them for kube-apiserver's own repair.
         let reporter = settings.reporter();
-        let budget = &settings.cache_budget;
+        let budget = services.budget().clone();
         let legacy = (settings.etcd()).map(|etcd| {
             legacy::LegacyIpBitmaps::new(
                 etcd.clone(),
                 settings.kubernetes_service.clone(),
-                settings.cache_budget.clone(),
+                budget.clone(),
             )
         });
         let discovered = Arc::new(Discovered {
@@ -213,7 +214,7 @@ impl ClusterIpRepairLoop {
             ),
             reported: crate::findings::ReportOnce::new(),
             recorder: SeriesRecorder::new(client.clone(), reporter),
-            ip_addresses: WatchCache::every(client.clone(), section.page_size, budget),
+            ip_addresses: WatchCache::every(client.clone(), section.page_size, &budget),
             service_cidrs,
             section,
             metrics: RepairMetrics::register(registry),

@@ -431,7 +431,7 @@ impl KubernetesServiceLoop {
         wanted.dedup();
         let fresh_list = FreshList {
             page_size: HOLDER_PAGE,
-            budget: self.settings.cache_budget.clone(),
+            budget: self.services.budget().clone(),
         };
         let (namespace, name) = (&self.section.namespace, &self.section.name);
         let mut holder = None;

@@ -33,6 +33,7 @@ use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{EventType, Reporter};
 
+use crate::budget::CacheBudget;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler, Trigger};
 use crate::discovery::NetworkingDiscovery;
 use crate::findings::ReportOnce;
@@ -98,7 +99,7 @@ impl KubernetesServiceLoop {
         client: kube::Client,
         registry: &mut dyn MetricRegistry,
     ) -> Self {
-        let services = WatchCache::shared(client.clone(), &settings.cache_budget);
+        let services = WatchCache::shared(client.clone(), &CacheBudget::default());
         let discovery = NetworkingDiscovery::new(client.clone());
         Self::with_shared(section, settings, client, (services, discovery), registry)
     }

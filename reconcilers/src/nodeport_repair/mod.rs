@@ -32,6 +32,7 @@ use smallvec::SmallVec;
 use tracing::{debug, warn};
 
 use crate::alloc::PortRange;
+use crate::budget::CacheBudget;
 use crate::contract::{Action, LoopError, PassContext, PassReport, Reconciler, Trigger, drift};
 use crate::events::SeriesRecorder;
 use crate::findings::ReportOnce;
@@ -121,6 +122,9 @@ impl NodePortRepairLoop {
         // nobody mistakes them for kube-apiserver's own repair.
         let reporter = settings.reporter();
         let range = settings.node_port_range;
+        let services = services.unwrap_or_else(|| {
+            WatchCache::every(client.clone(), section.page_size, &CacheBudget::default())
+        });
         let etcd = settings.etcd().map(|etcd| {
             LegacyBitmap::new(
                 EtcdStore::new(etcd.clone()),
@@ -128,7 +132,7 @@ impl NodePortRepairLoop {
                 range,
                 FreshList {
                     page_size: section.page_size,
-                    budget: settings.cache_budget.clone(),
+                    budget: services.budget().clone(),
                 },
                 section.rebuild_bitmap_on_range_change,
                 section.leak_sighting_spacing,
@@ -136,9 +140,7 @@ impl NodePortRepairLoop {
         });
         Self {
             recorder: SeriesRecorder::new(client.clone(), reporter),
-            services: services.unwrap_or_else(|| {
-                WatchCache::every(client.clone(), section.page_size, &settings.cache_budget)
-            }),
+            services,
             section,
             range,
             kubernetes_service: settings.kubernetes_service.clone(),

@@ -22,6 +22,7 @@ use kube::Client;
 use tracing::info;
 
 use crate::Trigger;
+use crate::budget::CacheBudget;
 use crate::clusterip_repair::model::ServiceCidrRecord;
 use crate::contract::{LoopError, PassContext, PassReport, Reconciler};
 use crate::discovery::{LastAnswer, NetworkingDiscovery};
@@ -103,7 +104,7 @@ impl ServiceCidrLoop {
     /// The loop of a validated `section`, with `settings.service_ranges` as the ServiceCIDR's
     /// ranges; `None` when no range is configured (there is nothing to create or check then).
     pub fn new(client: Client, section: Section, settings: &Settings) -> Option<Self> {
-        let cidrs = WatchCache::shared(client.clone(), &settings.cache_budget);
+        let cidrs = WatchCache::shared(client.clone(), &CacheBudget::default());
         let discovery = NetworkingDiscovery::new(client.clone());
         Self::with_shared(client, section, settings, (cidrs, discovery))
     }

@@ -107,7 +107,7 @@ impl LoopSection for Section {
         Ok(vec![Arc::new(SystemNamespacesLoop::new(
             context.client.clone(),
             self.clone(),
-            &context.settings.cache_budget,
+            &context.budget,
             context.settings.reporter(),
             context.registry,
         ))])
