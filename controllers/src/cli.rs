@@ -14,8 +14,8 @@ use crate::config::{
 };
 use crate::kubeconfig;
 use crate::metrics::{RunnerMetrics, new_registry};
-use crate::process::build_loops;
 use crate::process::{Controller, StartError};
+use crate::runner::build_loops;
 use crate::runner::{CheckResult, check_once};
 use crate::tenant_kubeconfig;
 

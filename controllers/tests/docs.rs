@@ -369,7 +369,7 @@ async fn config_md_documents_every_metric() {
     let mut registry = new_registry();
     RunnerMetrics::register(&mut registry);
     LeaderMetrics::register(&mut registry);
-    let loops = bootstrap_controller::process::build_loops(&config, &client, &mut registry);
+    let loops = bootstrap_controller::runner::build_loops(&config, &client, &mut registry);
     assert!(loops.len() >= 7, "every loop is built");
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");

@@ -4,7 +4,7 @@
 //! (under the configured data key) reaches the tenant's API, and its annotation
 //! [`TENANT_CONFIG_ANNOTATION`] (a YAML fragment of the configuration file) holds the tenant's
 //! own settings. Every tenant gets the runtime the single-cluster mode runs (the loops of
-//! [`crate::process::build_runner`], driven by a [`Runner`]) with its own client and its own metrics
+//! [`crate::runner::build_runner`], driven by a [`Runner`]) with its own client and its own metrics
 //! registry labelled `tenant`, so a tenant that is down, slow or hostile only occupies its own
 //! tasks and connections.
 //!
@@ -801,7 +801,7 @@ impl Manager {
             &mut metrics,
         );
         let runner =
-            crate::process::build_runner(&config, &client, load_kubeconfig, &budget, &mut metrics);
+            crate::runner::build_runner(&config, &client, load_kubeconfig, &budget, &mut metrics);
         let health = runner.health();
         limits.on_breach(self.api_over_limit(key, spec));
         budget.on_breach(self.over_budget(key, spec, limits, health.clone()));
