@@ -42,7 +42,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
-use reconcilers::budget::{BytePool, Count, PoolMember, move_count};
+use reconcilers::budget::{BytePool, Count, PoolShare, move_count};
 use tokio::time::{Instant, Sleep};
 use tower::{Layer, Service};
 
@@ -159,7 +159,7 @@ struct ClientState {
     /// The bytes its responses hold.
     in_flight: Count,
     /// Where those bytes count too, with other clients'.
-    pool: Option<PoolMember>,
+    pool: Option<PoolShare>,
     pause: Mutex<Pause>,
     /// The pages of the LIST under way, by path: a request without a `continue` token starts
     /// a list, one with a token continues the last list of its path. Paths are the client's

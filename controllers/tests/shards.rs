@@ -442,7 +442,7 @@ async fn eventually(what: &str, claims: &Claims, mut condition: impl FnMut() -> 
     }
 }
 
-/// Every replica settled on one view of exactly these members, and each tenant runs on its
+/// Every replica settled on one view of exactly these replicas, and each tenant runs on its
 /// owner under that view.
 fn converged(replicas: &[&Replica], claims: &Claims, tenants: &[String]) -> bool {
     let views: Vec<View> = replicas.iter().map(|r| r.view()).collect();
@@ -455,7 +455,7 @@ fn converged(replicas: &[&Replica], claims: &Claims, tenants: &[String]) -> bool
     views
         .iter()
         .all(|v| v.settled && !v.fenced && v.id == first.id)
-        && first.members.iter().map(String::as_str).eq(identities)
+        && first.replicas.iter().map(String::as_str).eq(identities)
         && running.len() == tenants.len()
         && tenants
             .iter()
@@ -483,7 +483,7 @@ async fn one_replica_settles_and_owns_every_tenant() -> anyhow::Result<()> {
     let group = Group::start().await?;
     let [a] = group.settled(["a"], short).await?;
     let view = a.view();
-    assert_eq!(&*view.members, ["a".to_owned()]);
+    assert_eq!(&*view.replicas, ["a".to_owned()]);
     assert!(group.tenants.iter().all(|t| view.owns(t)));
 
     let lease = group.leases().get(&a.lease_name()).await?;

@@ -151,8 +151,8 @@ impl CachePool {
     }
 }
 
-/// The bytes that many members hold together (every tenant's caches, every tenant client's
-/// responses): at most `max_bytes`, of which each member may hold `floor` whatever the others
+/// The bytes that many sharers hold together (every tenant's caches, every tenant client's
+/// responses): at most `max_bytes`, of which each sharer may hold `floor` whatever the others
 /// hold (see [`pool_bounds`]); clones share it.
 #[derive(Clone, Debug)]
 pub struct BytePool(Arc<PoolCounts>);
@@ -160,10 +160,10 @@ pub struct BytePool(Arc<PoolCounts>);
 #[derive(Debug)]
 struct PoolCounts {
     max_bytes: usize,
-    /// What a member may hold however full the pool is, at most half its fair share.
+    /// What a sharer may hold however full the pool is, at most half its fair share.
     floor: usize,
-    /// The [`PoolMember`]s alive: the fair share is the total over their number.
-    members: AtomicUsize,
+    /// The [`PoolShare`]s alive: the fair share is the total over their number.
+    sharers: AtomicUsize,
     bytes: Count,
 }
 
@@ -172,7 +172,7 @@ impl BytePool {
         BytePool(Arc::new(PoolCounts {
             max_bytes,
             floor,
-            members: AtomicUsize::new(0),
+            sharers: AtomicUsize::new(0),
             bytes: Count::default(),
         }))
     }
@@ -182,64 +182,64 @@ impl BytePool {
         self.0.bytes.clone()
     }
 
-    /// One more member, taking a share of the pool while the returned member lives.
-    pub fn join(&self) -> PoolMember {
-        self.0.members.fetch_add(1, Ordering::AcqRel);
-        PoolMember(self.clone())
+    /// One more sharer, taking a share of the pool while the returned [`PoolShare`] lives.
+    pub fn join(&self) -> PoolShare {
+        self.0.sharers.fetch_add(1, Ordering::AcqRel);
+        PoolShare(self.clone())
     }
 
-    /// What one member may hold however full the pool is, and what the members above it may
+    /// What one sharer may hold however full the pool is, and what the sharers above it may
     /// take the pool to: see [`pool_bounds`].
     pub fn bounds(&self) -> (usize, usize) {
         pool_bounds(
             self.0.max_bytes,
             self.0.floor,
-            self.0.members.load(Ordering::Acquire),
+            self.0.sharers.load(Ordering::Acquire),
         )
     }
 
-    /// The bytes every member holds now.
+    /// The bytes every sharer holds now.
     pub fn held(&self) -> usize {
         count_of(&self.0.bytes)
     }
 }
 
-/// One member's share of a [`BytePool`], from [`BytePool::join`] until it is dropped.
+/// One sharer's place in a [`BytePool`], from [`BytePool::join`] until it is dropped.
 #[derive(Debug)]
-pub struct PoolMember(BytePool);
+pub struct PoolShare(BytePool);
 
-impl PoolMember {
-    /// Moves this member's count from `before` to `after` bytes, the member holding
-    /// `member_now` in all; when it grew above its floor with the pool over what the members
+impl PoolShare {
+    /// Moves this sharer's count from `before` to `after` bytes, the sharer holding
+    /// `sharer_now` in all; when it grew above its floor with the pool over what the sharers
     /// above their floors may take, that limit.
-    pub fn moved(&self, before: usize, after: usize, member_now: usize) -> Result<(), usize> {
+    pub fn moved(&self, before: usize, after: usize, sharer_now: usize) -> Result<(), usize> {
         let pool = &self.0;
         let now = move_count(&pool.0.bytes, before, after);
         let (floor, above_floors) = pool.bounds();
-        if after > before && now > above_floors && member_now > floor {
+        if after > before && now > above_floors && sharer_now > floor {
             return Err(above_floors);
         }
         Ok(())
     }
 }
 
-impl Drop for PoolMember {
+impl Drop for PoolShare {
     fn drop(&mut self) {
-        let PoolMember(pool) = self;
-        pool.0.members.fetch_sub(1, Ordering::AcqRel);
+        let PoolShare(pool) = self;
+        pool.0.sharers.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// For a pool of `total` bytes shared by `members`: what one member may hold however full the
+/// For a pool of `total` bytes shared by `sharers`: what one sharer may hold however full the
 /// pool is (`floor`, or half a fair share of the total when that is less), and the most the pool
-/// may hold when a member above that grows (the total less every member's floor). The members
+/// may hold when a sharer above that grows (the total less every sharer's floor). The sharers
 /// within their floors hold at most the floors' sum, which is kept out of what the others may
 /// take, so all together hold at most `total`; the floors' sum is at most half the total, so the
-/// members above their floor always have the other half.
-pub fn pool_bounds(total: usize, floor: usize, members: usize) -> (usize, usize) {
-    let members = members.max(1);
-    let floor = floor.min(total / members.saturating_mul(2));
-    (floor, total - members * floor)
+/// sharers above their floor always have the other half.
+pub fn pool_bounds(total: usize, floor: usize, sharers: usize) -> (usize, usize) {
+    let sharers = sharers.max(1);
+    let floor = floor.min(total / sharers.saturating_mul(2));
+    (floor, total - sharers * floor)
 }
 
 /// A count of objects or bytes held, which is also its own gauge: what a registry exposes is
@@ -281,7 +281,7 @@ struct Shared {
     limits: BudgetLimits,
     /// What this budget's bytes are counted in too, with other clusters' budgets, and this
     /// cluster's share of it.
-    pool: Option<(CachePool, PoolMember)>,
+    pool: Option<(CachePool, PoolShare)>,
     /// Named in every [`Breach`]: the setting that raises the limits.
     hint: String,
     hook: Mutex<Option<BreachHook>>,
@@ -364,8 +364,8 @@ impl CacheBudget {
         CacheBudget(Arc::new(Shared {
             limits,
             pool: pool.map(|pool| {
-                let member = pool.bytes.join();
-                (pool, member)
+                let sharer = pool.bytes.join();
+                (pool, sharer)
             }),
             hint,
             hook: Mutex::new(None),
@@ -469,7 +469,7 @@ impl CacheBudget {
         let objects_now = move_count(&self.0.metrics.objects, before.0, after.0);
         let bytes_now = move_count(&self.0.metrics.bytes, before.1, after.1);
         let pooled = (self.0.pool.as_ref())
-            .map(|(pool, member)| (pool, member.moved(before.1, after.1, bytes_now)));
+            .map(|(pool, sharer)| (pool, sharer.moved(before.1, after.1, bytes_now)));
         let limits = self.0.limits;
         let breach = |unit, limit, hint: &str, pooled| Breach {
             resource: resource.to_owned(),
@@ -908,12 +908,12 @@ mod tests {
         // Many: half a fair share each, so the floors take at most half the total.
         assert_eq!(pool_bounds(1000, 100, 40), (12, 520));
         assert_eq!(pool_bounds(1000, 100, 5000), (0, 1000));
-        // No members yet counts as one.
+        // No sharers yet counts as one.
         assert_eq!(pool_bounds(1000, 100, 0), (100, 900));
-        for members in [1, 2, 5, 10, 48, 49, 96, 97, 300, 1000, 100_000] {
-            let (floor, above) = pool_bounds(96 << 20, 1 << 20, members);
-            assert!(members * floor <= (96 << 20) / 2, "{members}");
-            assert_eq!(above + members * floor, 96 << 20, "{members}");
+        for sharers in [1, 2, 5, 10, 48, 49, 96, 97, 300, 1000, 100_000] {
+            let (floor, above) = pool_bounds(96 << 20, 1 << 20, sharers);
+            assert!(sharers * floor <= (96 << 20) / 2, "{sharers}");
+            assert_eq!(above + sharers * floor, 96 << 20, "{sharers}");
         }
     }
 

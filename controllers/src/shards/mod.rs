@@ -4,11 +4,11 @@
 //!
 //! "Never two writers" rests on two rules:
 //!
-//! - Acknowledged views. A view is the set of live members, each with its incarnation (the
+//! - Acknowledged views. A view is the set of live replicas, each with its incarnation (the
 //!   `acquireTime` of its Lease, new whenever it joins or rejoins after a fence); its id is a
 //!   hash of both. The manager stops the tenants it no longer owns, then acknowledges the id (an
 //!   annotation on its Lease). A replica starts a tenant it newly owns only once every live
-//!   member's Lease carries that id, so the previous owner has stopped it. This replica's own
+//!   replica's Lease carries that id, so the previous owner has stopped it. This replica's own
 //!   acknowledgement counts only once the watch has delivered it back: the watch is one ordered
 //!   stream, so by then every other Lease is seen at least as recently as that write, and two
 //!   replicas cannot each see the other agree with a different view. A rejoining replica's new
@@ -234,8 +234,8 @@ fn publish(sender: &watch::Sender<View>, leadership: &Leadership, view: View) {
         if *current == view {
             return false;
         }
-        if current.members != view.members {
-            info!(members = ?view.members, view = view.id, "replica membership changed");
+        if current.replicas != view.replicas {
+            info!(replicas = ?view.replicas, view = view.id, "replica membership changed");
         } else if current.settled != view.settled || current.fenced != view.fenced {
             debug!(
                 view = view.id,

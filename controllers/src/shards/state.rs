@@ -19,7 +19,7 @@ use crate::config::LeaderElection;
 
 /// Another replica's Lease, as last seen.
 #[derive(Debug)]
-pub(super) struct Member {
+pub(super) struct Replica {
     pub(super) identity: String,
     /// Its `acquireTime` in microseconds: a replica that rejoins does so under a new one.
     pub(super) incarnation: Option<i64>,
@@ -39,7 +39,7 @@ pub(super) struct Member {
     pub(super) cleanup_at: Instant,
 }
 
-impl Member {
+impl Replica {
     /// When the others may count it gone: expired, or its fenced annotation's time passed.
     pub(super) fn gone_at(&self) -> Instant {
         let expiry = self.changed_at + self.duration;
@@ -89,7 +89,7 @@ pub(super) struct State {
     /// A Lease unchanged this long belongs to a replica that is gone for good (a replaced pod
     /// under a new name): deleting it keeps the group's Leases from piling up.
     pub(super) cleanup_after: Duration,
-    pub(super) others: BTreeMap<String, Member>,
+    pub(super) others: BTreeMap<String, Replica>,
     /// Whether the Lease is believed to exist (`None`: unknown, try creating it).
     pub(super) exists: Option<bool>,
     /// resourceVersion of this replica's last successful write.
@@ -196,7 +196,7 @@ impl State {
             self.unacknowledged.drain(..=last);
         }
         self.others
-            .retain(|_, member| !member.deleted || member.alive(now));
+            .retain(|_, replica| !replica.deleted || replica.alive(now));
         match (&self.fence, self.cause(now)) {
             (None, Some(cause)) => {
                 self.report(cause);
@@ -252,7 +252,7 @@ impl State {
 
     pub(super) fn view(&self, now: Instant) -> View {
         let joined = self.renewed_at.is_some() && !self.stopping;
-        let live: Vec<&Member> = self
+        let live: Vec<&Replica> = self
             .others
             .values()
             .filter(|m| m.identity != self.identity && m.alive(now))
@@ -264,11 +264,11 @@ impl State {
         if joined {
             entries.insert(&self.identity, self.acquired.map(|t| t.as_microsecond()));
         }
-        let members: Arc<[String]> = entries.keys().map(|m| (*m).to_owned()).collect();
+        let replicas: Arc<[String]> = entries.keys().map(|m| (*m).to_owned()).collect();
         let (id, settled) = match &self.fence {
             Some(fence) => (fence.id, false),
             None => {
-                let id = view_id(entries.iter().map(|(member, at)| (*member, *at)));
+                let id = view_id(entries.iter().map(|(replica, at)| (*replica, *at)));
                 let settled = joined
                     && self.written.ack == Some(id)
                     && self.written.fenced.is_none()
@@ -280,7 +280,7 @@ impl State {
         };
         View {
             id,
-            members,
+            replicas,
             me: self.identity.clone(),
             settled,
             fenced: self.fence.is_some(),
@@ -332,7 +332,7 @@ impl State {
             let seen = known.and_then(|k| k.fenced).map_or(now, |(seen, _)| seen);
             (seen, Duration::from_millis(ms).min(duration))
         });
-        let member = Member {
+        let replica = Replica {
             identity: identity.to_owned(),
             incarnation: spec
                 .and_then(|s| s.acquire_time.as_ref())
@@ -346,14 +346,14 @@ impl State {
             version: lease.metadata.resource_version.clone(),
             cleanup_at,
         };
-        self.others.insert(name.to_owned(), member);
+        self.others.insert(name.to_owned(), replica);
     }
 
     /// Another replica's Lease went away, or lost its holder, without its owner's word: it
     /// counts as live until it would have expired (its owner may still run its tenants).
     pub(super) fn deleted(&mut self, name: &str) {
-        if let Some(member) = self.others.get_mut(name) {
-            member.deleted = true;
+        if let Some(replica) = self.others.get_mut(name) {
+            replica.deleted = true;
         }
     }
 
@@ -448,7 +448,7 @@ impl State {
         self.written = content;
     }
 
-    /// The earliest time the view changes with no event: a member expiring or its fenced
+    /// The earliest time the view changes with no event: a replica expiring or its fenced
     /// annotation's time passing, this replica's fence falling due, or a Lease to clean up.
     pub(super) fn next_change(&self, now: Instant) -> Option<Instant> {
         let own = [
@@ -471,10 +471,10 @@ impl State {
     /// rescheduled in case the deletion fails.
     pub(super) fn due_for_cleanup(&mut self, now: Instant) -> Vec<(String, Option<String>)> {
         let mut due = Vec::new();
-        for (name, member) in &mut self.others {
-            if !member.deleted && member.cleanup_at <= now {
-                member.cleanup_at = now + self.cleanup_after;
-                due.push((name.clone(), member.version.clone()));
+        for (name, replica) in &mut self.others {
+            if !replica.deleted && replica.cleanup_at <= now {
+                replica.cleanup_at = now + self.cleanup_after;
+                due.push((name.clone(), replica.version.clone()));
             }
         }
         due

@@ -15,9 +15,9 @@ const PINNED_VIEW: u64 = 0x2c5b_7173_ce31_6e36;
 const PINNED_INCARNATION_VIEW: u64 = 0x8e01_65ff_aa58_3c07;
 const PINNED_WEIGHT: u64 = 0xbbf1_216c_4bc4_75aa;
 
-fn view(members: &[&str], me: &str) -> View {
+fn view(replicas: &[&str], me: &str) -> View {
     View {
-        members: members.iter().map(|m| (*m).to_owned()).collect(),
+        replicas: replicas.iter().map(|m| (*m).to_owned()).collect(),
         ..View::single(me)
     }
 }
@@ -144,11 +144,11 @@ async fn a_view_settles_once_every_live_lease_acknowledges_it_after_this_ones_ow
     let t0 = Instant::now();
     let mut state = State::new(&settings(), lease_name("g", "me"));
     let view = state.current(t0, None);
-    assert!(view.fenced && !view.settled && view.members.is_empty());
+    assert!(view.fenced && !view.settled && view.replicas.is_empty());
 
     state.observe(&lease("g-other", "other", 1, None, 5), t0);
     let view = join(&mut state, t0);
-    assert_eq!(&*view.members, ["me".to_owned(), "other".to_owned()]);
+    assert_eq!(&*view.replicas, ["me".to_owned(), "other".to_owned()]);
     assert!(!view.settled, "the other replica has not acknowledged it");
 
     state.observe(&lease("g-other", "other", 2, Some(view.id), 8), t0);
@@ -189,7 +189,7 @@ async fn a_rejoining_member_makes_a_new_view() {
     other.spec.as_mut().unwrap().acquire_time = Some(MicroTime(Timestamp::from_second(2).unwrap()));
     state.observe(&other, t0);
     let after = state.current(t0, Some(before.id));
-    assert_eq!(before.members, after.members);
+    assert_eq!(before.replicas, after.replicas);
     assert_ne!(
         before.id, after.id,
         "an acknowledgement of the old incarnation is worthless"
@@ -205,8 +205,8 @@ async fn members_expire_by_this_replicas_clock_and_fencing_comes_first() {
     state.observe(&lease("g-other", "other", 1, None, 5), at(t0, 10_000));
     let renewed = at(t0, 5_000);
     let ack = Some(join(&mut state, renewed).id);
-    assert_eq!(state.view(at(t0, 14_999)).members.len(), 2);
-    assert_eq!(&*state.view(at(t0, 15_000)).members, ["me".to_owned()]);
+    assert_eq!(state.view(at(t0, 14_999)).replicas.len(), 2);
+    assert_eq!(&*state.view(at(t0, 15_000)).replicas, ["me".to_owned()]);
     // Own renewals failing: fenced at lease duration less grace after the last one was sent,
     // before the others can see this replica's Lease expire.
     assert!(!state.current(at(renewed, 9_999), ack).fenced);
@@ -282,7 +282,7 @@ async fn a_watch_that_does_not_deliver_this_replicas_writes_back_fences_it() {
 async fn a_lease_gone_without_its_owners_word_counts_until_it_would_have_expired() {
     let t0 = Instant::now();
     let mut state = State::new(&settings(), lease_name("g", "me"));
-    let members = |state: &State, millis| state.view(at(t0, millis)).members.len();
+    let replicas = |state: &State, millis| state.view(at(t0, millis)).replicas.len();
     // Deleted by hand.
     let deleted = lease("g-a", "a", 1, None, 5);
     state.observe(&deleted, t0);
@@ -299,9 +299,9 @@ async fn a_lease_gone_without_its_owners_word_counts_until_it_would_have_expired
     state.relisted(&[], at(t0, 2_000));
     // One written back from a copy (the same renew time): no sign of life either.
     state.observe(&deleted, at(t0, 10_000));
-    assert_eq!(members(&state, 14_999), 3);
+    assert_eq!(replicas(&state, 14_999), 3);
     assert_eq!(state.next_change(at(t0, 2_000)), Some(at(t0, 15_000)));
-    assert_eq!(members(&state, 15_000), 0);
+    assert_eq!(replicas(&state, 15_000), 0);
     state.current(at(t0, 15_000), None);
     let left: Vec<&String> = state.others.keys().collect();
     assert_eq!(left, ["g-a"], "the deleted ones are dropped once expired");
@@ -321,33 +321,33 @@ async fn a_lease_gone_without_its_owners_word_counts_until_it_would_have_expired
 async fn a_fenced_lease_counts_until_its_time_has_passed_from_when_it_was_seen() {
     let t0 = Instant::now();
     let mut state = State::new(&settings(), lease_name("g", "me"));
-    let members = |state: &State, millis| state.view(at(t0, millis)).members.len();
+    let replicas = |state: &State, millis| state.view(at(t0, millis)).replicas.len();
     state.observe(&fenced(lease("g-a", "a", 1, None, 5), "2000"), t0);
     // Renewed, still fenced: counted from the first sight.
     state.observe(
         &fenced(lease("g-a", "a", 2, None, 6), "2000"),
         at(t0, 1_000),
     );
-    assert_eq!(members(&state, 1_999), 1);
+    assert_eq!(replicas(&state, 1_999), 1);
     assert_eq!(state.next_change(at(t0, 1_000)), Some(at(t0, 2_000)));
-    assert_eq!(members(&state, 2_000), 0);
+    assert_eq!(replicas(&state, 2_000), 0);
     // Its word withdrawn (it rejoins): live again.
     state.observe(&lease("g-a", "a", 3, None, 7), at(t0, 3_000));
-    assert_eq!(members(&state, 3_000), 1);
+    assert_eq!(replicas(&state, 3_000), 1);
     // A clean stop: 0, gone at once; its deletion then changes nothing.
     let released = fenced(lease("g-a", "a", 4, None, 8), "0");
     state.observe(&released, at(t0, 4_000));
-    assert_eq!(members(&state, 4_000), 0);
+    assert_eq!(replicas(&state, 4_000), 0);
     state.forget(&released);
-    assert_eq!(members(&state, 4_000), 0);
+    assert_eq!(replicas(&state, 4_000), 0);
     // Beyond the Lease's duration, or not a number: the Lease's expiry decides.
     state.observe(
         &fenced(lease("g-b", "b", 1, None, 9), &u64::MAX.to_string()),
         t0,
     );
     state.observe(&fenced(lease("g-c", "c", 1, None, 10), "soon"), t0);
-    assert_eq!(members(&state, 14_999), 2);
-    assert_eq!(members(&state, 15_000), 0);
+    assert_eq!(replicas(&state, 14_999), 2);
+    assert_eq!(replicas(&state, 15_000), 0);
 }
 
 #[tokio::test]

@@ -8,13 +8,13 @@ use tokio::sync::watch;
 /// Which replicas are live, as this replica sees them, and whether they all agree.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct View {
-    /// Stable hash of the sorted live members and their incarnations; a fenced view has an id
+    /// Stable hash of the sorted live replicas and their incarnations; a fenced view has an id
     /// of its own (per fence), so acknowledging it says the manager saw that fence.
     pub id: u64,
     /// Sorted live identities, including this replica once its Lease is written.
-    pub members: Arc<[String]>,
+    pub replicas: Arc<[String]>,
     pub me: String,
-    /// Every live member's Lease acknowledges `id`.
+    /// Every live replica's Lease acknowledges `id`.
     pub settled: bool,
     /// This replica cannot prove its own Lease is current, or its manager or watch is stuck: it
     /// owns nothing.
@@ -26,19 +26,19 @@ impl View {
     pub fn single(me: &str) -> View {
         View {
             id: view_id([(me, None)]),
-            members: Arc::from([me.to_owned()]),
+            replicas: Arc::from([me.to_owned()]),
             me: me.to_owned(),
             settled: true,
             fenced: false,
         }
     }
 
-    /// The member with the highest rendezvous weight for `tenant` (ties to the greater name,
-    /// which cannot happen between distinct members in practice but keeps the choice total).
+    /// The replica with the highest rendezvous weight for `tenant` (ties to the greater name,
+    /// which cannot happen between distinct replicas in practice but keeps the choice total).
     pub fn owner(&self, tenant: &str) -> Option<&str> {
-        self.members
+        self.replicas
             .iter()
-            .max_by_key(|member| (weight(member, tenant), member.as_str()))
+            .max_by_key(|replica| (weight(replica, tenant), replica.as_str()))
             .map(String::as_str)
     }
 
@@ -131,20 +131,22 @@ impl StableHasher {
     }
 }
 
-pub(super) fn weight(member: &str, tenant: &str) -> u64 {
+pub(super) fn weight(replica: &str, tenant: &str) -> u64 {
     let mut hasher = StableHasher::new();
-    hasher.write_str(member);
+    hasher.write_str(replica);
     hasher.write_str(tenant);
     hasher.finish()
 }
 
-/// Members sorted by identity, each with its incarnation (microseconds since the epoch). A
-/// member without one hashes as its name alone; an incarnation follows its name behind a length
-/// no string can have, so it cannot be taken for another member's name.
-pub(super) fn view_id<'a>(sorted_members: impl IntoIterator<Item = (&'a str, Option<i64>)>) -> u64 {
+/// Replicas sorted by identity, each with its incarnation (microseconds since the epoch). A
+/// replica without one hashes as its name alone; an incarnation follows its name behind a length
+/// no string can have, so it cannot be taken for another replica's name.
+pub(super) fn view_id<'a>(
+    sorted_replicas: impl IntoIterator<Item = (&'a str, Option<i64>)>,
+) -> u64 {
     let mut hasher = StableHasher::new();
-    for (member, incarnation) in sorted_members {
-        hasher.write_str(member);
+    for (replica, incarnation) in sorted_replicas {
+        hasher.write_str(replica);
         if let Some(incarnation) = incarnation {
             hasher.write(&u64::MAX.to_le_bytes());
             hasher.write(&incarnation.to_le_bytes());

@@ -633,7 +633,7 @@ impl Manager {
     fn publish(&self, view: &View, entries: BTreeMap<String, Entry>) {
         self.metrics
             .replicas
-            .set(i64::try_from(view.members.len()).unwrap_or(i64::MAX));
+            .set(i64::try_from(view.replicas.len()).unwrap_or(i64::MAX));
         self.metrics.fenced.set(i64::from(view.fenced));
         let mut counts: BTreeMap<&str, i64> = BTreeMap::new();
         for entry in entries.values() {
