@@ -429,29 +429,29 @@ struct ServicePhase {
     /// IPAddresses (positions in `Index::ip_addresses`) this phase (re)creates: the IPAddress
     /// phase must not delete them.
     rewritten: Vec<u32>,
-    /// IPAddresses whose parent is the Service that claimed them: the IPAddress phase has
+    /// IPAddresses whose parent is the Service that holds them first: the IPAddress phase has
     /// nothing to say about them.
     matched: Vec<u32>,
 }
 
-/// Which Service first claimed each IP during the Service phase (a later claimant is a
+/// Which Service first held each IP during the Service phase (a later holder is a
 /// duplicate): by the position of the IP's IPAddress, or, for the few IPs without one, by IP.
-/// A map of every IP to its claimant would take 56 bytes a slot, two million slots at a million
+/// A map of every IP to its holder would take 56 bytes a slot, two million slots at a million
 /// Services.
-struct Claims<'a> {
+struct FirstHolders<'a> {
     by_ip_address: Vec<Option<&'a ServiceRecord>>,
     unallocated: FastMap<IpAddr, &'a ServiceRecord>,
 }
 
-impl<'a> Claims<'a> {
+impl<'a> FirstHolders<'a> {
     fn new(ip_addresses: usize) -> Self {
-        Claims {
+        FirstHolders {
             by_ip_address: vec![None; ip_addresses],
             unallocated: fast_map(0),
         }
     }
 
-    /// The Service that claimed `ip`, whose IPAddress is at `at` (if any).
+    /// The Service that held `ip` first, whose IPAddress is at `at` (if any).
     fn get(&self, ip: IpAddr, at: Option<u32>) -> Option<&'a ServiceRecord> {
         match at {
             Some(at) => self.by_ip_address[at as usize],
@@ -481,7 +481,7 @@ pub fn decide_ipaddress_mode<'a>(
     orphan_grace: Duration,
 ) -> Decision {
     let mut services: Vec<&ServiceRecord> = services.into_iter().collect();
-    // Upstream's legacy repair walks a LIST, in etcd key order: "who claimed it first" is the
+    // Upstream's legacy repair walks a LIST, in etcd key order: "who held it first" is the
     // Service with the smaller key. Its lister order is a map's; key order makes the outcome
     // the same whatever order the caches hold.
     services.sort_unstable_by(|a, b| a.key_cmp(b));
@@ -496,7 +496,7 @@ pub fn decide_ipaddress_mode<'a>(
         },
     };
     let mut phase = ServicePhase::default();
-    let mut claims = Claims::new(ip_addresses.len());
+    let mut holders = FirstHolders::new(ip_addresses.len());
     for svc in &services {
         for cluster_ip in svc.cluster_ips.iter() {
             let at = cluster_ip.ip().and_then(|ip| index.ips_by_addr.get(ip));
@@ -506,7 +506,7 @@ pub fn decide_ipaddress_mode<'a>(
                 at,
                 &ranges,
                 &index,
-                &mut claims,
+                &mut holders,
                 &mut phase,
             );
         }
@@ -579,7 +579,7 @@ fn sync_service_ip<'a>(
     at: Option<u32>,
     ranges: &[ServiceRange],
     index: &Index<'_, '_>,
-    claims: &mut Claims<'a>,
+    holders: &mut FirstHolders<'a>,
     phase: &mut ServicePhase,
 ) {
     let this = (&*svc.namespace, &*svc.name);
@@ -587,7 +587,7 @@ fn sync_service_ip<'a>(
         return;
     };
     let family = IpFamily::of(ip);
-    if let Some(first) = claims.get(ip, at) {
+    if let Some(first) = holders.get(ip, at) {
         if (&*first.namespace, &*first.name) != this {
             phase.findings.push(already_allocated(svc, ip, Some(first)));
         }
@@ -595,7 +595,7 @@ fn sync_service_ip<'a>(
     }
 
     let Some(at) = at else {
-        claims.insert(ip, None, svc);
+        holders.insert(ip, None, svc);
         phase.findings.push(Finding {
             problem: Problem::NotAllocated,
             regarding: Regarding::service(svc),
@@ -608,7 +608,7 @@ fn sync_service_ip<'a>(
         });
         return;
     };
-    sync_allocated_ip(svc, ip, at, index, claims, phase);
+    sync_allocated_ip(svc, ip, at, index, holders, phase);
 }
 
 /// The rest of upstream's `syncService` for a cluster IP that has an IPAddress (at `at` in
@@ -618,7 +618,7 @@ fn sync_allocated_ip<'a>(
     ip: IpAddr,
     at: u32,
     index: &Index<'_, '_>,
-    claims: &mut Claims<'a>,
+    holders: &mut FirstHolders<'a>,
     phase: &mut ServicePhase,
 ) {
     let this = (&*svc.namespace, &*svc.name);
@@ -651,7 +651,7 @@ fn sync_allocated_ip<'a>(
             if !parent_is_this {
                 match index.services_by_key.get(&p.namespace, &p.name) {
                     None => {
-                        claims.insert(ip, Some(at), svc);
+                        holders.insert(ip, Some(at), svc);
                         phase.rewritten.push(at);
                         phase.findings.push(wrong_reference(Some(ServiceRef::named(
                             &p.namespace,
@@ -673,17 +673,17 @@ fn sync_allocated_ip<'a>(
             }
         }
         _ => {
-            claims.insert(ip, Some(at), svc);
+            holders.insert(ip, Some(at), svc);
             phase.rewritten.push(at);
             phase.findings.push(wrong_reference(None));
             return;
         }
     }
 
-    claims.insert(ip, Some(at), svc);
+    holders.insert(ip, Some(at), svc);
     let labels_right = existing.labels_as_allocated(family);
     if labels_right && parent_is_this {
-        // The claiming Service is the parent: the IPAddress phase would find the same.
+        // The Service holding it first is the parent: the IPAddress phase would find the same.
         phase.matched.push(at);
     } else if !labels_right {
         phase.rewritten.push(at);
@@ -1163,7 +1163,7 @@ mod tests {
         }
     }
 
-    /// Two Services holding one IP: the one whose etcd key comes first claims it, as in
+    /// Two Services holding one IP: the one whose etcd key comes first holds it, as in
     /// upstream's walk of a LIST; the event lands on the other. `a-b/x` sorts before `a/z`
     /// (`-` is below `/`), although namespace "a" sorts before "a-b".
     #[test]
@@ -1452,7 +1452,7 @@ mod tests {
                 same_findings(&decided, &reference, &format!("seed {seed}, pool {pool}"));
             }
         }
-        assert!(contested_seen, "some seeds have IPs claimed twice");
+        assert!(contested_seen, "some seeds have IPs held twice");
         assert!(
             kinds.len() >= 9,
             "the seeds cover most kinds of finding: {kinds:?}"
