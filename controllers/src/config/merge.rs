@@ -235,7 +235,7 @@ impl Config {
         };
         config.settings.identity = config.identity();
         check_identity(&config.settings.identity, identity_field, &mut errors);
-        // Sections validate against the settings of the effective configuration.
+        // The loops' sections validate against the settings of the effective configuration.
         config.loops.validate(&config.settings, &mut errors);
 
         if errors.is_empty() {

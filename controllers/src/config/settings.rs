@@ -6,7 +6,7 @@
 //!
 //! - [`ConfigArgs`], the flags (`--config` first, then every setting in list order, which is
 //!   `--help`'s order);
-//! - [`FileConfig`], the file (every entry with a file type, plus the structured sections, whose
+//! - [`FileConfig`], the file (every entry with a file type, plus the nested blocks, whose
 //!   shapes are written by hand below);
 //! - [`Given`], each setting as the user gave it: the flag's value if set, else the file's,
 //!   with the flag or the YAML key it came from, which `merge.rs` validates and defaults;
@@ -22,8 +22,8 @@
 //!   `From`, as a YAML list of CIDRs into the flag's comma-separated text);
 //! - `file "key": T => Result<T, E> = parse` — the flag's text is parsed by `parse`, so that a
 //!   bad flag value is an error naming the flag, while the file's typed value is taken as is;
-//! - `file "section.key" in section.field` — the file's side is an optional field of a
-//!   structured section (its type converts into the flag's as above); `=> Result<T, E> = parse`
+//! - `file "block.key" in block.field` — the file's side is an optional field of a
+//!   nested block (its type converts into the flag's as above); `=> Result<T, E> = parse`
 //!   may follow, as for a top-level key.
 //!
 //! A file value read through a serde adapter names it last: `, with "duration_format::option"`.
@@ -129,8 +129,8 @@ pub(super) fn check_name(
 
 macro_rules! settings {
     (
-        sections {
-            $($section:ident: $section_ty:ty = $section_key:literal,)+
+        blocks {
+            $($block:ident: $block_ty:ty = $block_key:literal,)+
         }
         $(
             $(#[$attr:meta])*
@@ -197,7 +197,7 @@ macro_rules! settings {
         }
 
         /// The `--config` file. Top-level scalars mirror the flags (a flag wins over its field);
-        /// the structured sections have no flags of their own but the `--leader-elect-*` and
+        /// the nested blocks have no flags of their own but the `--leader-elect-*` and
         /// `--tenants-*` ones.
         #[derive(Debug, Clone, Default, Deserialize)]
         #[serde(deny_unknown_fields)]
@@ -208,8 +208,8 @@ macro_rules! settings {
                 pub $field: Option<$file_ty>,
             )?)+
             $(
-                #[serde(rename = $section_key)]
-                pub $section: Option<$section_ty>,
+                #[serde(rename = $block_key)]
+                pub $block: Option<$block_ty>,
             )+
         }
 
@@ -273,9 +273,9 @@ macro_rules! settings {
 }
 
 settings! {
-    // The file's structured sections: their fields are no top-level keys, and the entries whose
+    // The file's nested blocks: their fields are no top-level keys, and the entries whose
     // file side is one of them name it with `in`.
-    sections {
+    blocks {
         leader_election: LeaderElectionFile = "leaderElection",
         tenants: TenantsFile = "tenants",
         loops: Loops = "loops",
