@@ -152,8 +152,9 @@ fn report_key(finding: &Finding) -> Option<ReportKey> {
 impl ClusterIpRepairLoop {
     /// Builds the loop of a validated `section` with validated `settings` (the service ranges,
     /// the `kubernetes` Service, etcd mode, the identity events report); registers its metrics
-    /// in `registry` (give it the runtime's prefixed registry). The client feeds the caches;
-    /// passes use the client of their context.
+    /// in `registry` (give it the runtime's prefixed registry). The client feeds the caches,
+    /// its own and unlimited (its section builds it with the cluster's shared ones,
+    /// [`Self::with_shared`]); passes use the client of their context.
     pub fn new(
         client: Client,
         section: Section,
@@ -174,7 +175,8 @@ impl ClusterIpRepairLoop {
     }
 
     /// [`Self::new`] with the Service and ServiceCIDR caches other loops may share (whichever
-    /// subscribes first feeds each) and their discovery.
+    /// subscribes first feeds each) and their discovery. Its own IPAddress cache and the
+    /// bitmaps' fresh LISTs count against the Service cache's budget (the cluster's).
     pub fn with_shared(
         client: Client,
         section: Section,

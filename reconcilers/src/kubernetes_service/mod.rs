@@ -92,7 +92,8 @@ pub struct KubernetesServiceLoop {
 
 impl KubernetesServiceLoop {
     /// The loop of a validated `section`, with validated `settings` (events report as
-    /// [`Settings::reporter`]).
+    /// [`Settings::reporter`]), its caches its own and unlimited; its section builds it with
+    /// the cluster's shared ones ([`Self::with_shared`]).
     pub fn new(
         section: Section,
         settings: &Settings,

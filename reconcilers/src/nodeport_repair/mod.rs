@@ -110,7 +110,8 @@ impl BitmapRange for PortRange {
 impl NodePortRepairLoop {
     /// Builds the loop of a validated `section` with validated `settings` (the node-port range,
     /// etcd mode, the identity events report). `services` is the Service cache another loop keeps
-    /// (the ClusterIP repair's), or `None` for one of its own.
+    /// (the ClusterIP repair's), or `None` for one of its own, unlimited. Its fresh LISTs count
+    /// against the budget of that cache.
     pub fn new(
         client: Client,
         section: Section,

@@ -103,6 +103,8 @@ pub struct ServiceCidrLoop {
 impl ServiceCidrLoop {
     /// The loop of a validated `section`, with `settings.service_ranges` as the ServiceCIDR's
     /// ranges; `None` when no range is configured (there is nothing to create or check then).
+    /// Its caches are its own and unlimited; its section builds it with the cluster's shared
+    /// ones ([`Self::with_shared`]).
     pub fn new(client: Client, section: Section, settings: &Settings) -> Option<Self> {
         let cidrs = WatchCache::shared(client.clone(), &CacheBudget::default());
         let discovery = NetworkingDiscovery::new(client.clone());
