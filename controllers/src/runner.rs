@@ -1777,18 +1777,28 @@ mod tests {
         }
     }
 
+    impl Captured {
+        /// A subscriber writing info lines and above, without colour, into this buffer.
+        fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync + use<> {
+            let writer = self.clone();
+            tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_max_level(tracing::Level::INFO)
+                .with_writer(move || writer.clone())
+                .finish()
+        }
+
+        fn text(&self) -> String {
+            String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+        }
+    }
+
     /// Every repair is one info line of one shape: the loop, the object, what it was and what it
     /// became; drift left undone is no repair line.
     #[tokio::test]
     async fn each_repair_is_one_info_line_naming_loop_object_was_and_became() {
         let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .with_writer(move || writer.clone())
-            .finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
+        let _guard = tracing::subscriber::set_default(captured.subscriber());
         let fake = Fake::new("a").script(&[Step::SucceedWithDrift, Step::ReportDrift]);
         let metrics = RunnerMetrics::register(&mut new_registry());
         let ctx = PassContext::leading(offline_client(), false);
@@ -1796,7 +1806,7 @@ mod tests {
         for _ in 0..2 {
             run_pass(&fake, &ctx, &metrics, &unapplied).await.unwrap();
         }
-        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let log = captured.text();
         let repairs: Vec<&str> = log
             .lines()
             .filter(|line| line.contains("repaired"))
@@ -1813,82 +1823,61 @@ mod tests {
             assert!(repairs[0].contains(field), "{field} in {}", repairs[0]);
         }
     }
-}
-
-#[cfg(test)]
-mod build_tests {
-    #![allow(clippy::unwrap_used)]
-
-    use std::io;
-    use std::sync::{Arc, Mutex};
-
-    use super::*;
-    use crate::config::{ConfigArgs, EndpointsMode};
-    use reconcilers::apiserver_endpoints::ENDPOINTS_UNNAMED;
-
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl io::Write for Captured {
-        fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> io::Result<()> {
-            Ok(())
-        }
-    }
 
     /// The names of the loops `args` builds, and what building them logged at info.
-    fn built(args: ConfigArgs) -> (Vec<&'static str>, String) {
+    fn built(args: crate::config::ConfigArgs) -> (Vec<&'static str>, String) {
         let config = Config::load(&args).unwrap();
         let kube_config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
         let client = kube::Client::try_from(kube_config).unwrap();
         let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .with_writer(move || writer.clone())
-            .finish();
-        let loops = tracing::subscriber::with_default(subscriber, || {
+        let loops = tracing::subscriber::with_default(captured.subscriber(), || {
             build_loops(&config, &client, &mut Registry::default())
         });
         let names = loops.iter().map(|built| built.name()).collect();
-        let logged = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
-        (names, logged)
+        (names, captured.text())
     }
 
     #[tokio::test]
     async fn with_no_endpoints_mode_named_the_endpoints_are_left_alone_and_that_is_said_once() {
-        let (names, logged) = built(ConfigArgs::default());
+        let (names, logged) = built(crate::config::ConfigArgs::default());
         assert!(names.contains(&"system-namespaces"), "{names:?}");
         assert!(
             !names.iter().any(|name| name.starts_with("apiserver-")),
             "no endpoints loop without a mode named: {names:?}"
         );
         assert_eq!(
-            logged.matches(ENDPOINTS_UNNAMED).count(),
+            logged
+                .matches(reconcilers::apiserver_endpoints::ENDPOINTS_UNNAMED)
+                .count(),
             1,
             "one line naming the flag: {logged}"
         );
         assert!(logged.contains(" INFO "), "{logged}");
-        assert!(ENDPOINTS_UNNAMED.contains("--endpoint-reconciler-type"));
+        assert!(
+            reconcilers::apiserver_endpoints::ENDPOINTS_UNNAMED
+                .contains("--endpoint-reconciler-type")
+        );
 
-        let (names, logged) = built(ConfigArgs {
-            endpoint_reconciler_type: Some(EndpointsMode::Lease),
+        let (names, logged) = built(crate::config::ConfigArgs {
+            endpoint_reconciler_type: Some(crate::config::EndpointsMode::Lease),
             advertise_address: Some("192.0.2.10".to_owned()),
-            ..ConfigArgs::default()
+            ..crate::config::ConfigArgs::default()
         });
         assert!(names.contains(&"apiserver-lease"), "{names:?}");
         assert!(names.contains(&"apiserver-endpoints"), "{names:?}");
-        assert!(!logged.contains(ENDPOINTS_UNNAMED), "{logged}");
+        assert!(
+            !logged.contains(reconcilers::apiserver_endpoints::ENDPOINTS_UNNAMED),
+            "{logged}"
+        );
 
-        let (names, logged) = built(ConfigArgs {
-            endpoint_reconciler_type: Some(EndpointsMode::None),
-            ..ConfigArgs::default()
+        let (names, logged) = built(crate::config::ConfigArgs {
+            endpoint_reconciler_type: Some(crate::config::EndpointsMode::None),
+            ..crate::config::ConfigArgs::default()
         });
         assert!(!names.iter().any(|name| name.starts_with("apiserver-")));
-        assert!(!logged.contains(ENDPOINTS_UNNAMED), "named none: {logged}");
+        assert!(
+            !logged.contains(reconcilers::apiserver_endpoints::ENDPOINTS_UNNAMED),
+            "named none: {logged}"
+        );
     }
 }
