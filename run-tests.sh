@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The whole suite on a fresh Debian 12 machine, in one command: installs what is missing (Debian
 # packages, Python packages, actionlint, cargo-nextest, the musl target), builds the real control
-# plane and the real node from their Go modules (cached in target/), runs the real node's scenarios and
-# upstream's conformance tests on it (e2e/node/test.sh) and kind's (e2e/kind/test.sh), then the
-# tests the README lists: the workspace's tests (cargo-nextest, which it installs), the packaging
-# tests and the end-to-end suite against a real control plane. `.ci/run` runs it after its lints.
+# plane from its Go modules (cached in target/), runs the tests the README lists (the workspace's
+# tests by cargo-nextest, which it installs, the packaging tests and the end-to-end suite against a
+# real control plane) while it builds the real node and kind's node image in the background, then
+# runs the real node's scenarios and upstream's conformance tests on it (e2e/node/test.sh) and
+# kind's (e2e/kind/test.sh). `.ci/run` runs it after its lints.
 #
 # Needs: root (apt-get, and the node's namespaces and cgroups), the Rust toolchain (rustup) and
 # Go 1.26 or newer. Everything else it installs.
 #
 # It also runs the end-to-end suite's version-dependent test files on the oldest supported
-# Kubernetes (1.30; README: Kubernetes versions) before the newest's whole suite in the README's
-# command. --all-versions runs, after installing, the whole end-to-end suite on every supported
-# minor instead (e2e/control-plane/all-versions.sh; hours on a fresh machine: one build each).
+# Kubernetes (1.30; README: Kubernetes versions), beside kind's stage. --all-versions runs, after
+# installing, the whole end-to-end suite on every supported minor instead
+# (e2e/control-plane/all-versions.sh; hours on a fresh machine: one build each).
 #
 # Usage: ./run-tests.sh [--install-only | --all-versions]
 set -euo pipefail
@@ -44,8 +45,9 @@ started=$(date +%s)
 stage() { echo "== $1 ($(($(date +%s) - started)) s)"; }
 
 # Work that can go on beside a stage runs in the background: builds that only need the CPU at the
-# lowest CPU priority, beside stages that mostly wait (downloads, the real node's and kind's
-# clusters), which keep the CPU they ask for; a suite that mostly waits too at the usual one. `finish NAME` waits for one (if it was started), shows its output and fails the run if it
+# lowest CPU priority, beside stages that mostly wait (the tests, the real node's and kind's
+# clusters), which keep the CPU they ask for; a suite that mostly waits too at the usual one.
+# `finish NAME` waits for one (if it was started), shows its output and fails the run if it
 # failed; a run that stops before then stops the ones still running.
 declare -A background_pid=() background_log=()
 stop_background() {
@@ -57,12 +59,18 @@ stop_background() {
 trap stop_background EXIT
 # in_background NAME NICENESS COMMAND...: setsid, a process group of its own (go or cargo and
 # their compilers, or a suite and its cluster), which stop_background stops as one; --wait:
-# should setsid fork, the status is still COMMAND's.
+# should setsid fork, the status is still COMMAND's. A new session is also a new autogroup of
+# the scheduler (sched_autogroup_enabled, on in Debian's kernels), and the CPU is shared between
+# autogroups before a process's niceness counts within its own: the group's niceness
+# (/proc/self/autogroup) is set too, or a build "at nice 19" would take as much CPU as the whole
+# foreground (measured here: two such builds beside two foreground processes took two thirds).
 in_background() {
   local name=$1 niceness=$2
   shift 2
   background_log[$name]=$(mktemp -t run-tests-background-XXXXXX)
-  setsid --wait nice -n "$niceness" "$@" >"${background_log[$name]}" 2>&1 &
+  # shellcheck disable=SC2016 # the inner sh expands them
+  setsid --wait sh -c 'n=$1; shift; echo "$n" >/proc/self/autogroup 2>/dev/null || true; exec nice -n "$n" "$@"' \
+    sh "$niceness" "$@" >"${background_log[$name]}" 2>&1 &
   background_pid[$name]=$!
 }
 finish() {
@@ -156,26 +164,42 @@ if [ "$all_versions" = 1 ]; then
   exit
 fi
 
-# The oldest supported minor's control plane (its stage below): a Go build beside the real
-# node's and kind's stages.
-stage "the oldest supported Kubernetes' build (e2e/control-plane/build.sh --kubernetes 1.30), beside the next stages at nice 19"
+# What the later stages build, in the background at the lowest priority beside the tests below,
+# which mostly wait on the processes they start: the real node's binaries, images and
+# conformance tests, the static binary's image, kind and its node image (e2e/kind/test.sh
+# --build-only, which runs e2e/node/build.sh and installs podman, debootstrap and jq), and the
+# oldest supported minor's control plane. On a fresh machine these are most of the run's
+# compiling; the tests leave the CPU to them.
+stage "building for the real node, kind and Kubernetes 1.30 at nice 19, beside the tests"
+in_background "building for the real node and kind" 19 e2e/kind/test.sh --build-only
 in_background "building Kubernetes 1.30" 19 e2e/control-plane/build.sh --kubernetes 1.30
+
+# The README's test command. set -e does not stop inside an && list: the caller checks its status.
+readme_test_command() {
+  cargo nextest run --workspace && cargo test --workspace --doc && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh
+}
+finish "installing cargo-nextest $nextest_version"
+stage "tests (README: cargo nextest run --workspace && cargo test --workspace --doc && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh)"
+if ! readme_test_command; then
+  echo "run-tests.sh: the README's test command failed (its output above)" >&2
+  exit 1
+fi
 
 # A one-node cluster (kubeadm's layout, containerd, kubelet, kube-proxy, the sidecar as a static
 # pod) in namespaces of its own; installs containerd, runc and the CNI plugins where missing.
 # After its scenarios, upstream's conformance tests of Services, Endpoints, EndpointSlices and
 # ServiceCIDRs run on it (e2e/node/conformance.sh), judged by the audit log as well.
 stage "a real node (e2e/node/test.sh)"
+finish "building for the real node and kind"
 e2e/node/test.sh
 
 # kind as users try it (e2e/kind/up.sh: the end-to-end suite against the cluster, the sidecar,
 # the chart) with podman and a kind node image built here from the real node's binaries, nothing
-# pulled; installs podman, debootstrap and jq where missing.
-# Beside it, at the usual priority, the oldest supported minor: its build (started before the real
-# node's stage) and, as test.sh runs by default, every test file that runs against the cluster it
-# is given (the others start simulators or control planes of their own, whatever the version),
-# compared with their lines of expected-skips.txt; its output follows kind's. Both mostly wait on
-# their clusters. Every minor: --all-versions.
+# pulled. Beside it, at the usual priority, the oldest supported minor: as test.sh runs by
+# default, every test file that runs against the cluster it is given (the others start
+# simulators or control planes of their own, whatever the version), compared with their lines of
+# expected-skips.txt; its output follows kind's. Both mostly wait on their clusters. Every
+# minor: --all-versions.
 stage "kind (e2e/kind/test.sh), and beside it the oldest supported Kubernetes (e2e/control-plane/test.sh --kubernetes 1.30)"
 finish "building Kubernetes 1.30"
 cargo build --workspace --bins
@@ -183,8 +207,4 @@ in_background "the end-to-end suite on Kubernetes 1.30" 0 e2e/control-plane/test
 e2e/kind/test.sh
 stage "the oldest supported Kubernetes (e2e/control-plane/test.sh --kubernetes 1.30), run beside kind's stage"
 finish "the end-to-end suite on Kubernetes 1.30"
-
-finish "installing cargo-nextest $nextest_version"
-stage "tests (README: cargo nextest run --workspace && cargo test --workspace --doc && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh)"
-# The last command: its status is the script's (set -e does not stop inside an && list).
-cargo nextest run --workspace && cargo test --workspace --doc && python3 -m pytest e2e/packaging && e2e/control-plane/test.sh
+stage "passed"

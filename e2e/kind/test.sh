@@ -18,8 +18,11 @@
 #   - a podman network of its own in 198.18.128.0/24 (KIND_EXPERIMENTAL_PODMAN_NETWORK), as
 #     kind's would get one of podman's 10.89.x.0/24 ranges.
 #
-# Usage: e2e/kind/test.sh      (as root). Environment: SKIP_E2E=1 (passed to up.sh, which says
-# that it skips the end-to-end tests; so does this script, first and last).
+# Usage: e2e/kind/test.sh [--build-only]     (as root). --build-only installs and builds what the
+# run needs (the packages above, kind, e2e/node/build.sh's binaries, the node image) and stops:
+# ./run-tests.sh runs it so in the background, beside the tests that mostly wait. Environment:
+# SKIP_E2E=1 (passed to up.sh, which says that it skips the end-to-end tests; so does this
+# script, first and last).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,9 +33,18 @@ NETWORK=bootstrap-controller-kind
 NETWORK_SUBNET=198.18.128.0/24
 CLUSTER=bootstrap-controller
 export CLUSTER
+build_only=false
+case "$*" in
+  "") ;;
+  --build-only) build_only=true ;;
+  *)
+    echo "usage: e2e/kind/test.sh [--build-only]   (as root)" >&2
+    exit 2
+    ;;
+esac
 
 [ "$(id -u)" = 0 ] || die "test.sh must run as root (rootful podman, debootstrap)"
-if [ "${SKIP_E2E:-0}" = 1 ]; then
+if [ "${SKIP_E2E:-0}" = 1 ] && [ "$build_only" = false ]; then
   log "SKIP_E2E=1: the end-to-end tests will not run against the kind cluster"
 fi
 for tool in go cargo; do
@@ -63,6 +75,9 @@ NODE_IMAGE=$(NODE_BUILD="$node_build" "$here/build-node-image.sh")
 # shellcheck source=/dev/null
 . "$node_build/versions.env"
 log "built in $(($(date +%s) - started)) s: $NODE_IMAGE"
+if [ "$build_only" = true ]; then
+  exit 0
+fi
 
 work=$(mktemp -d)
 made_modules=false

@@ -1,5 +1,5 @@
 """What CI runs is what the README says, and the real control plane's scripts are sound: CI ends
-with the README's one command (run-tests.sh), which ends with the README's test command verbatim,
+with the README's one command (run-tests.sh), which runs the README's test command verbatim,
 and the scripts are shellcheck-clean and refuse bad usage with a usage message."""
 
 from __future__ import annotations
@@ -40,13 +40,38 @@ def test_ci_ends_with_the_readme_one_command():
     assert last_command(ROOT / ".ci" / "run") == one_command
 
 
-def test_the_one_command_ends_with_the_readme_test_command():
+def test_the_one_command_runs_the_readme_test_command_and_fails_with_it():
     command = readme_commands()[1]
     assert "e2e/control-plane/test.sh" in command, command
-    # set -e does not stop inside an && list: only as the last command does its failure fail.
-    assert last_command(ROOT / "run-tests.sh") == command
     script = (ROOT / "run-tests.sh").read_text()
+    lines = [line.strip() for line in script.splitlines()]
+    # Verbatim, as the body of a function whose status is checked: set -e does not stop inside an
+    # && list, so a failure of its first parts would pass unseen.
+    body = re.search(r"^readme_test_command\(\) \{\n(.*)\n\}$", script, re.M)
+    assert body and body.group(1).strip() == command, body
+    assert "if ! readme_test_command; then" in lines, lines
+    failed = lines.index("if ! readme_test_command; then")
+    assert lines[failed + 2] == "exit 1", lines[failed:failed + 4]
+    # Then the real node's stage and kind's, whose builds ran beside it.
     assert "\ne2e/node/test.sh\n" in script and "\ne2e/kind/test.sh\n" in script, script
+    assert script.index("if ! readme_test_command") < script.index("\ne2e/node/test.sh\n")
+    assert 'in_background "building for the real node and kind" 19 e2e/kind/test.sh --build-only' \
+        in script
+    assert script.index("e2e/kind/test.sh --build-only") < script.index("if ! readme_test_command")
+    assert script.index('finish "building for the real node and kind"') \
+        < script.index("\ne2e/node/test.sh\n")
+
+
+def test_background_builds_lower_their_autogroup_too():
+    # A session of its own (setsid) is an autogroup of its own, and the scheduler shares the CPU
+    # between autogroups before niceness counts: without the group's niceness, a build "at nice
+    # 19" takes as much CPU as the whole foreground.
+    for path in (ROOT / "run-tests.sh", ROOT / "e2e" / "node" / "test.sh"):
+        text = path.read_text()
+        starts = [line for line in text.splitlines() if "setsid --wait" in line]
+        assert starts, path
+        for line in starts:
+            assert ">/proc/self/autogroup" in line and "exec nice -n" in line, (path, line)
 
 
 def test_the_test_runner_the_readme_names_is_the_one_run_tests_installs():

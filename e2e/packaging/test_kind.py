@@ -495,3 +495,11 @@ def test_kind_scripts_are_shellcheck_clean():
     assert "e2e/kind/lib.sh" in scripts and "e2e/kind/up.sh" in scripts
     done = subprocess.run([shellcheck, "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_test_sh_refuses_bad_usage_with_exit_2():
+    # Checked before anything is installed or built; --build-only is what ./run-tests.sh runs.
+    result = subprocess.run([str(KIND / "test.sh"), "--no-such-flag"], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2, result
+    assert "usage: e2e/kind/test.sh [--build-only]" in result.stderr, result.stderr
