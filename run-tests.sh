@@ -168,11 +168,20 @@ fi
 # which mostly wait on the processes they start: the real node's binaries, images and
 # conformance tests, the static binary's image, kind and its node image (e2e/kind/test.sh
 # --build-only, which runs e2e/node/build.sh and installs podman, debootstrap and jq), and the
-# oldest supported minor's control plane. On a fresh machine these are most of the run's
-# compiling; the tests leave the CPU to them.
+# oldest supported minor's control plane. On a fresh machine these are most of the run's Go
+# builds; the tests leave them the CPU they do not use.
+# The 1.30 build starts when the others are done: the real node's stage needs theirs first, the
+# 1.30 suite needs its only beside kind's stage, and it goes on through the real node's stage,
+# which mostly waits too.
 stage "building for the real node, kind and Kubernetes 1.30 at nice 19, beside the tests"
-in_background "building for the real node and kind" 19 e2e/kind/test.sh --build-only
-in_background "building Kubernetes 1.30" 19 e2e/control-plane/build.sh --kubernetes 1.30
+node_built=$(mktemp -u -t run-tests-node-built-XXXXXX)
+# shellcheck disable=SC2016 # the inner sh expands them
+in_background "building for the real node and kind" 19 \
+  sh -c 'e2e/kind/test.sh --build-only && touch "$1"' sh "$node_built"
+# shellcheck disable=SC2016 # the inner sh expands them
+in_background "building Kubernetes 1.30" 19 \
+  sh -c 'built=$1; shift; until [ -e "$built" ]; do sleep 5; done; rm -f "$built"; exec "$@"' sh "$node_built" \
+  e2e/control-plane/build.sh --kubernetes 1.30
 
 # The README's test command. set -e does not stop inside an && list: the caller checks its status.
 readme_test_command() {

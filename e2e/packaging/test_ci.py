@@ -55,8 +55,8 @@ def test_the_one_command_runs_the_readme_test_command_and_fails_with_it():
     # Then the real node's stage and kind's, whose builds ran beside it.
     assert "\ne2e/node/test.sh\n" in script and "\ne2e/kind/test.sh\n" in script, script
     assert script.index("if ! readme_test_command") < script.index("\ne2e/node/test.sh\n")
-    assert 'in_background "building for the real node and kind" 19 e2e/kind/test.sh --build-only' \
-        in script
+    assert 'in_background "building for the real node and kind" 19 \\\n' \
+        """  sh -c 'e2e/kind/test.sh --build-only && touch "$1"' sh "$node_built"\n""" in script
     assert script.index("e2e/kind/test.sh --build-only") < script.index("if ! readme_test_command")
     assert script.index('finish "building for the real node and kind"') \
         < script.index("\ne2e/node/test.sh\n")
