@@ -839,7 +839,7 @@ async fn sigterm_renews_the_membership_lease_and_releases_the_leader_lease() -> 
             .map(|t| t.0)
     };
     let before = renewed(leases.get_opt(&lease).await?).context("renewed at start")?;
-    let seen = cp.audit_events(1)?.len();
+    let seen = settled_audit(&cp, 1, "sidecar-1").await?;
     let status = controller.terminate()?;
     let log = controller.log();
     ensure!(status.success(), "exit status {status}:\n{log}");
@@ -888,6 +888,43 @@ async fn sigterm_renews_the_membership_lease_and_releases_the_leader_lease() -> 
     );
     wait_listed(&client, &[&address], "the address kept").await?;
     Ok(())
+}
+
+/// How many audit events apiserver `n` has logged once `user`'s writes besides its Leases have
+/// settled. The pass that lists a member publishes its events (the member joined, the repairs)
+/// just after its Endpoints and EndpointSlice writes: one still on its way when the count is
+/// taken would count as written after it. Settled: an event was written after the last Endpoints
+/// or EndpointSlice write, and no other write came for two seconds.
+async fn settled_audit(cp: &ControlPlane, n: usize, user_name: &str) -> Result<usize> {
+    let others = |events: &[serde_json::Value]| -> Vec<String> {
+        writes(events)
+            .into_iter()
+            .filter(|event| user(event) == user_name && event["objectRef"]["resource"] != "leases")
+            .map(describe)
+            .collect()
+    };
+    let deadline = Instant::now() + CONVERGE;
+    let (mut last, mut since) = (others(&cp.audit_events(n)?), Instant::now());
+    loop {
+        // An event written after the last write of another kind (or no write at all).
+        let told = last
+            .iter()
+            .rposition(|write| !write.contains(" events "))
+            .is_none_or(|at| last[at..].iter().any(|write| write.contains(" events ")));
+        if told && since.elapsed() >= Duration::from_secs(2) {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{user_name}'s writes did not settle in {CONVERGE:?}: {last:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = others(&cp.audit_events(n)?);
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+    }
+    Ok(cp.audit_events(n)?.len())
 }
 
 /// The writes of the replicas `users` to the objects only the leader writes, oldest first, as
