@@ -131,6 +131,7 @@ fn build_cluster_loops(
         client.clone(),
         registry,
         &config.settings,
+        config.loops.kubernetes_service.service(),
         budget.clone(),
         load_kubeconfig,
     );

@@ -258,6 +258,7 @@ async fn a_loop_added_as_the_architecture_says_is_validated_built_and_run() -> a
             client.clone(),
             &mut registry,
             &settings,
+            reconcilers::kubernetes_service::Section::default().service(),
             reconcilers::budget::CacheBudget::default(),
             Arc::new(|| Box::pin(async { Err("not used by this loop".into()) })),
         ))

@@ -7,7 +7,8 @@ use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig};
 use bootstrap_controller::config::{Config, ConfigArgs, FileConfig};
 use bootstrap_controller::kubeconfig;
 use bootstrap_controller::process::Controller;
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Endpoints, Namespace};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Api;
 
 async fn eventually<F, Fut>(what: &str, condition: F)
@@ -200,5 +201,83 @@ async fn a_dry_run_holds_no_lease_and_never_keeps_a_real_replica_from_leading() 
         tokio::time::timeout(Duration::from_secs(30), controller.wait()).await?;
     }
     sim.shutdown().await;
+    Ok(())
+}
+
+/// `loops.kubernetesService` names the `kubernetes` Service once, in its section: its loop keeps
+/// that Service, and the endpoints loop, built beside it, writes that Service's Endpoints and
+/// EndpointSlice; nothing is written under the default name.
+#[tokio::test]
+async fn the_endpoints_follow_the_kubernetes_service_named_in_its_section() -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    let kube_config = kubeconfig::load(Some(sim.kubeconfig_path())).await?;
+    let args = ConfigArgs {
+        admin_addr: Some("127.0.0.1:0".to_owned()),
+        leader_elect: Some("false".to_owned()),
+        ..ConfigArgs::default()
+    };
+    let file = "endpointReconcilerType: static\n\
+        serviceClusterIPRange: 10.96.0.0/16\n\
+        loops:\n  \
+          kubernetesService: {namespace: kube-system, name: apiserver}\n  \
+          apiserverEndpoints: {interval: 1s, staticAddresses: [192.0.2.10]}\n  \
+          serviceCIDR: {enabled: false}\n  \
+          clusterIPRepair: {enabled: false}\n  \
+          nodePortRepair: {enabled: false}\n";
+    let config = Config::load_text(&args, file, None)?;
+    let controller = Controller::start(
+        &config,
+        &kube_config,
+        kube::Client::try_from(kube_config.clone())?,
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
+
+    let endpoints: Api<Endpoints> = Api::namespaced(sim.client(), "kube-system");
+    eventually("kube-system/apiserver's Endpoints", || async {
+        let addresses = endpoints
+            .get_opt("apiserver")
+            .await
+            .ok()
+            .flatten()
+            .map(|e| {
+                e.subsets
+                    .unwrap_or_default()
+                    .into_iter()
+                    .flat_map(|subset| subset.addresses.unwrap_or_default())
+                    .map(|address| address.ip)
+                    .collect::<Vec<_>>()
+            });
+        addresses == Some(vec!["192.0.2.10".to_owned()])
+    })
+    .await;
+    let slices: Api<EndpointSlice> = Api::namespaced(sim.client(), "kube-system");
+    let slice = slices.get_opt("apiserver").await?;
+    let addresses: Vec<String> = slice
+        .map(|slice| {
+            slice
+                .endpoints
+                .into_iter()
+                .flat_map(|endpoint| endpoint.addresses)
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(
+        addresses,
+        ["192.0.2.10"],
+        "kube-system/apiserver's EndpointSlice"
+    );
+    for (namespace, name) in [("default", "kubernetes"), ("kube-system", "kubernetes")] {
+        let endpoints: Api<Endpoints> = Api::namespaced(sim.client(), namespace);
+        let slices: Api<EndpointSlice> = Api::namespaced(sim.client(), namespace);
+        assert!(
+            endpoints.get_opt(name).await?.is_none(),
+            "{namespace}/{name}"
+        );
+        assert!(slices.get_opt(name).await?.is_none(), "{namespace}/{name}");
+    }
+
+    controller.cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(30), controller.wait()).await?;
     Ok(())
 }

@@ -108,7 +108,8 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
     if !section.enabled || section.endpoint_mode() != EndpointsMode::Lease {
         return Ok("skipped: the endpoints loop is not in lease mode".to_owned());
     }
-    let target = Section::target(settings);
+    let service = env.config.loops.kubernetes_service.service();
+    let target = Section::target(settings, &service);
     let name = target.service_name.clone();
     let port = target.port;
     let api: Api<Endpoints> = Api::namespaced(env.client.clone(), &target.namespace);
@@ -135,6 +136,7 @@ async fn run(env: &DemoEnv<'_>) -> Result<String, String> {
                 controller: "bootstrap-controller-demo".to_owned(),
                 instance: Some(member_settings.identity.clone()),
             },
+            service: service.clone(),
             probed: None,
             budget: reconcilers::budget::CacheBudget::default(),
         };

@@ -279,6 +279,7 @@ async fn child(kubeconfig: &str, role: &str) -> Result<()> {
             ..clusterip_repair::Section::default()
         },
         &settings,
+        reconcilers::kubernetes_service::Section::default().service(),
         &mut registry,
     ));
     let ctx = PassContext::leading(client.clone(), true);

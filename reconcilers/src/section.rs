@@ -79,9 +79,6 @@ pub struct Settings {
     /// before it started (management mode).
     #[serde(flatten)]
     pub etcd: EtcdConfig,
-    /// The `kubernetes` Service (`loops.kubernetesService`): its endpoints carry the same name.
-    #[serde(skip)]
-    pub kubernetes_service: ServiceName,
     /// This replica: events' `reportingInstance`, membership Lease holder.
     #[serde(skip)]
     pub identity: String,
@@ -134,7 +131,8 @@ pub const DEFAULT_SECURE_PORT: u16 = 6443;
 /// The controller's empty configuration, which its tests compare with this: kube-apiserver's
 /// defaults (no range configured: read from the cluster; node ports 30000-32767, no `securePort`
 /// (the endpoints on 6443, the Service's targetPort kept), no `kubernetesServiceNodePort` (the
-/// Service's type and node port kept), no advertise address, `default/kubernetes`). No identity or etcd, which belong to a replica.
+/// Service's type and node port kept), no advertise address). No identity or etcd, which belong
+/// to a replica.
 impl Default for Settings {
     fn default() -> Self {
         Settings {
@@ -143,10 +141,6 @@ impl Default for Settings {
             secure_port: None,
             kubernetes_service_node_port: None,
             advertise_address: None,
-            kubernetes_service: ServiceName {
-                namespace: "default".to_owned(),
-                name: "kubernetes".to_owned(),
-            },
             identity: String::new(),
             etcd: EtcdConfig::default(),
         }
@@ -181,6 +175,10 @@ pub struct BuildContext<'a> {
     /// its own name.
     pub registry: &'a mut dyn MetricRegistry,
     pub settings: &'a Settings,
+    /// The `kubernetes` Service (`loops.kubernetesService`, the section that names it): the
+    /// endpoints loops write its Endpoints and EndpointSlice, and the repairs post their etcd
+    /// bitmaps' events on it (the ClusterIP repair's range error also names its ClusterIP).
+    pub kubernetes_service: ServiceName,
     /// What the cluster's caches may hold together (unlimited for the cluster of
     /// `--kubeconfig`; a tenant's own in management mode).
     pub budget: CacheBudget,
@@ -199,6 +197,7 @@ impl<'a> BuildContext<'a> {
         client: kube::Client,
         registry: &'a mut dyn MetricRegistry,
         settings: &'a Settings,
+        kubernetes_service: ServiceName,
         budget: CacheBudget,
         load_kubeconfig: ConfigLoader,
     ) -> Self {
@@ -206,6 +205,7 @@ impl<'a> BuildContext<'a> {
             client,
             registry,
             settings,
+            kubernetes_service,
             budget,
             load_kubeconfig,
             services: None,

@@ -73,6 +73,7 @@ fn deps(
         readiness,
         resolver,
         reporter: reporter(),
+        service: reconcilers::kubernetes_service::Section::default().service(),
         probed: None,
         budget: reconcilers::budget::CacheBudget::default(),
     }

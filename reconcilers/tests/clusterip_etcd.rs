@@ -91,6 +91,7 @@ async fn repair_in(
         sim.client(),
         section,
         &settings,
+        reconcilers::kubernetes_service::Section::default().service(),
         registry,
     ));
     let mut triggers = futures::stream::select_all(repair.triggers());

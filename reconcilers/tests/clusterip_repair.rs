@@ -85,7 +85,13 @@ async fn repair_with(
         service_ranges: ranges(),
         ..common::settings(&[])
     };
-    let repair = ClusterIpRepairLoop::new(client.clone(), section, &settings, &mut registry);
+    let repair = ClusterIpRepairLoop::new(
+        client.clone(),
+        section,
+        &settings,
+        reconcilers::kubernetes_service::Section::default().service(),
+        &mut registry,
+    );
     Ok((Arc::new(repair), registry))
 }
 

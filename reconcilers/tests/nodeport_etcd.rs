@@ -111,6 +111,7 @@ impl Harness {
             sim.client(),
             section,
             &settings,
+            reconcilers::kubernetes_service::Section::default().service(),
             Some(services),
             &mut registry,
         ));
@@ -941,6 +942,7 @@ async fn passes_at_rest_send_etcd_nothing() {
             ..nodeport_repair::Section::default()
         },
         &settings(etcd.config()),
+        reconcilers::kubernetes_service::Section::default().service(),
         None,
         &mut Registry::default(),
     ));

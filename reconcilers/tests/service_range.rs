@@ -72,6 +72,7 @@ fn unconfigured_repair(sim: &Sim) -> ClusterIpRepairLoop {
             ..clusterip_repair::Section::default()
         },
         &common::settings(&[]),
+        reconcilers::kubernetes_service::Section::default().service(),
         &mut Registry::default(),
     )
 }
@@ -175,6 +176,7 @@ async fn without_a_service_cidr_the_repair_refuses_and_names_the_setting() -> Re
         sim.client(),
         clusterip_repair::Section::default(),
         &common::settings(&[]),
+        reconcilers::kubernetes_service::Section::default().service(),
         &mut Registry::default(),
     );
     let _triggers = drive(repair.triggers());

@@ -40,6 +40,7 @@ fn started(
         sim.client(),
         &mut registry,
         &settings,
+        reconcilers::kubernetes_service::Section::default().service(),
         reconcilers::budget::CacheBudget::default(),
         loader,
     );

@@ -8,7 +8,7 @@ use reconcilers::alloc::{IpFamily, PortRange};
 use reconcilers::apiserver_endpoints::EndpointsMode;
 use reconcilers::legacy_alloc::etcd::{DEFAULT_PREFIX, EtcdConfig};
 use reconcilers::names::{validate_dns1123_label, validate_dns1123_subdomain};
-use reconcilers::section::{ConfigError, DurationError, ServiceName, Settings, format_duration};
+use reconcilers::section::{ConfigError, DurationError, Settings, format_duration};
 
 use super::file::{locate, parse_file_all, read_text};
 use super::settings::{ConfigArgs, FileConfig, Given, Source, check_name, items, valid};
@@ -217,10 +217,6 @@ impl Config {
                 secure_port,
                 kubernetes_service_node_port,
                 etcd,
-                kubernetes_service: ServiceName {
-                    namespace: loops.kubernetes_service.namespace.clone(),
-                    name: loops.kubernetes_service.name.clone(),
-                },
                 identity: String::new(),
             },
             kubeconfig,

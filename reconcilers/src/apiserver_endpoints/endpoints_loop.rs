@@ -87,7 +87,7 @@ impl ApiserverEndpointsLoop {
         deps: EndpointsDeps,
         registry: &mut dyn MetricRegistry,
     ) -> Self {
-        let target = &Section::target(settings);
+        let target = &Section::target(settings, &deps.service);
         let (budget, here) = (&deps.budget, &target.namespace);
         let client = &deps.client;
         let named =

@@ -139,7 +139,7 @@ impl ApiserverLeaseLoop {
             next_certificate_check: Mutex::new(None),
             own: OwnLease {
                 namespace: section.lease_namespace.clone(),
-                target: Section::target(settings),
+                target: Section::target(settings, &deps.service),
                 address,
                 holder,
                 ttl: section.lease_ttl,

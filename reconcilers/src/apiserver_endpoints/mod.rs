@@ -59,6 +59,7 @@ use kube::runtime::events::Reporter;
 
 use crate::budget::CacheBudget;
 use crate::contract::LoopError;
+use crate::section::ServiceName;
 
 pub use endpoints_loop::{ApiserverEndpointsLoop, EndpointsMetrics};
 pub use lease_loop::{ApiserverLeaseLoop, LeaseMetrics};
@@ -90,6 +91,8 @@ pub struct EndpointsDeps {
     /// Name resolution (`static` mode).
     pub resolver: Arc<dyn Resolver>,
     pub reporter: Reporter,
+    /// The `kubernetes` Service whose endpoints these are.
+    pub service: ServiceName,
     /// The server the readiness probe asks, checked once to be this instance's own (`None`:
     /// not checked).
     pub probed: Option<ProbedServer>,

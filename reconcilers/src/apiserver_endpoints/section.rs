@@ -21,8 +21,8 @@ use crate::alloc::IpFamily;
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
 use crate::section::{
-    self, BuildContext, BuildError, LoopSection, Settings, duration_format, format_duration,
-    validate_interval,
+    self, BuildContext, BuildError, LoopSection, ServiceName, Settings, duration_format,
+    format_duration, validate_interval,
 };
 
 /// Upstream's interval of the endpoint reconcilers (10 s), for both loops.
@@ -135,13 +135,13 @@ impl Section {
         })
     }
 
-    /// The Service the endpoints serve, from `settings`: the `kubernetes` Service, `securePort`
-    /// and the primary range's family. Public so the demo and tests build members that match
-    /// the running controller.
-    pub fn target(settings: &Settings) -> EndpointsTarget {
+    /// The Service the endpoints serve: the `kubernetes` Service, with `securePort` and the
+    /// primary range's family from `settings`. Public so the demo and tests build members that
+    /// match the running controller.
+    pub fn target(settings: &Settings, service: &ServiceName) -> EndpointsTarget {
         EndpointsTarget {
-            namespace: settings.kubernetes_service.namespace.clone(),
-            service_name: settings.kubernetes_service.name.clone(),
+            namespace: service.namespace.clone(),
+            service_name: service.name.clone(),
             port: i32::from(settings.endpoints_port()),
             primary_family: settings.service_ranges.first().map(IpFamily::of_net),
         }
@@ -362,6 +362,7 @@ impl LoopSection for Section {
             readiness,
             resolver: Arc::new(SystemResolver),
             reporter: context.settings.reporter(),
+            service: context.kubernetes_service.clone(),
             budget: context.budget.clone(),
             probed: Some(ProbedServer {
                 url: full_url.then(|| url.to_owned()),

@@ -52,7 +52,7 @@ use crate::contract::{Drift, LoopError, PassContext, PassReport, Reconciler, Tri
 use crate::discovery::{LastAnswer, NetworkingDiscovery};
 use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
-use crate::section::Settings;
+use crate::section::{ServiceName, Settings};
 use crate::service_cache::record::ServiceRecord;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, RangeLookup};
 use crate::watch_cache::WatchCache;
@@ -151,14 +151,16 @@ fn report_key(finding: &Finding) -> Option<ReportKey> {
 
 impl ClusterIpRepairLoop {
     /// Builds the loop of a validated `section` with validated `settings` (the service ranges,
-    /// the `kubernetes` Service, etcd mode, the identity events report); registers its metrics
-    /// in `registry` (give it the runtime's prefixed registry). The client feeds the caches,
-    /// its own and unlimited (its section builds it with the cluster's shared ones,
+    /// etcd mode, the identity events report) and the `kubernetes` Service (the legacy bitmap's
+    /// events are posted on it, and a missing range's error names its ClusterIP); registers its
+    /// metrics in `registry` (give it the runtime's prefixed registry). The client feeds the
+    /// caches, its own and unlimited (its section builds it with the cluster's shared ones,
     /// [`Self::with_shared`]); passes use the client of their context.
     pub fn new(
         client: Client,
         section: Section,
         settings: &Settings,
+        kubernetes_service: ServiceName,
         registry: &mut dyn MetricRegistry,
     ) -> Self {
         let budget = &CacheBudget::default();
@@ -169,6 +171,7 @@ impl ClusterIpRepairLoop {
             client,
             section,
             settings,
+            kubernetes_service,
             (services, service_cidrs, discovery),
             registry,
         )
@@ -181,6 +184,7 @@ impl ClusterIpRepairLoop {
         client: Client,
         section: Section,
         settings: &Settings,
+        kubernetes_service: ServiceName,
         (services, service_cidrs, discovery): (
             WatchCache<ServiceRecord>,
             WatchCache<ServiceCidrRecord>,
@@ -193,11 +197,7 @@ impl ClusterIpRepairLoop {
         let reporter = settings.reporter();
         let budget = services.budget().clone();
         let legacy = (settings.etcd()).map(|etcd| {
-            legacy::LegacyIpBitmaps::new(
-                etcd.clone(),
-                settings.kubernetes_service.clone(),
-                budget.clone(),
-            )
+            legacy::LegacyIpBitmaps::new(etcd.clone(), kubernetes_service.clone(), budget.clone())
         });
         let discovered = Arc::new(Discovered {
             discovery: discovery.clone(),
@@ -210,7 +210,7 @@ impl ClusterIpRepairLoop {
             ranges: RangeLookup::new(
                 client.clone(),
                 settings.service_ranges.clone(),
-                settings.kubernetes_service.clone(),
+                kubernetes_service,
                 discovery,
                 section.interval,
             ),

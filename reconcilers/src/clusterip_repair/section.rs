@@ -105,6 +105,7 @@ impl LoopSection for Section {
             context.client.clone(),
             self.clone(),
             context.settings,
+            context.kubernetes_service.clone(),
             (services, service_cidrs, context.discovery()),
             context.registry,
         );

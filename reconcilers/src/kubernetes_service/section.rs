@@ -15,8 +15,8 @@ use crate::alloc::ServiceRange;
 use crate::contract::Reconciler;
 use crate::names::validate_dns1123_label;
 use crate::section::{
-    self, BuildContext, BuildError, DEFAULT_SECURE_PORT, LoopSection, Settings, duration_format,
-    validate_interval,
+    self, BuildContext, BuildError, DEFAULT_SECURE_PORT, LoopSection, ServiceName, Settings,
+    duration_format, validate_interval,
 };
 
 /// Upstream's interval (`kubernetesservice`: every 10 s).
@@ -115,6 +115,14 @@ impl LoopSection for Section {
 }
 
 impl Section {
+    /// The Service this section keeps, which the endpoints loops and the repairs read too.
+    pub fn service(&self) -> ServiceName {
+        ServiceName {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+        }
+    }
+
     pub fn object_ref(&self) -> String {
         format!("Service/{}/{}", self.namespace, self.name)
     }

@@ -109,13 +109,15 @@ impl BitmapRange for PortRange {
 
 impl NodePortRepairLoop {
     /// Builds the loop of a validated `section` with validated `settings` (the node-port range,
-    /// etcd mode, the identity events report). `services` is the Service cache another loop keeps
+    /// etcd mode, the identity events report) and the `kubernetes` Service (the legacy bitmap's
+    /// events are posted on it). `services` is the Service cache another loop keeps
     /// (the ClusterIP repair's), or `None` for one of its own, unlimited. Its fresh LISTs count
     /// against the budget of that cache.
     pub fn new(
         client: Client,
         section: Section,
         settings: &Settings,
+        kubernetes_service: ServiceName,
         services: Option<WatchCache<ServiceRecord>>,
         registry: &mut dyn MetricRegistry,
     ) -> Self {
@@ -144,7 +146,7 @@ impl NodePortRepairLoop {
             services,
             section,
             range,
-            kubernetes_service: settings.kubernetes_service.clone(),
+            kubernetes_service,
             reported: ReportOnce::new(),
             metrics: NodePortMetrics::register(registry),
             etcd,

@@ -74,6 +74,7 @@ impl LoopSection for Section {
             context.client.clone(),
             self.clone(),
             context.settings,
+            context.kubernetes_service.clone(),
             Some(services),
             context.registry,
         ))])
