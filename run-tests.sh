@@ -168,9 +168,10 @@ fi
 # What the later stages build, in the background at the lowest priority beside the tests below,
 # which mostly wait on the processes they start: the real node's binaries, images and
 # conformance tests, the static binary's image, kind and its node image (e2e/kind/test.sh
-# --build-only, which runs e2e/node/build.sh and installs podman, debootstrap and jq), and the
-# oldest supported minor's control plane. On a fresh machine these are most of the run's Go
-# builds; the tests leave them the CPU they do not use.
+# --build-only, which runs e2e/node/build.sh and installs podman, debootstrap, jq, buildah and
+# the tools build.sh copies into the conformance tests' images), and the oldest supported
+# minor's control plane. On a fresh machine these are most of the run's Go builds; the tests
+# leave them the CPU they do not use.
 # The 1.30 build starts when the others are done: the real node's stage needs theirs first, the
 # 1.30 suite needs its only beside kind's stage, and it goes on through the real node's stage,
 # which mostly waits too.

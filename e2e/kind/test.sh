@@ -50,11 +50,15 @@ fi
 for tool in go cargo; do
   command -v "$tool" >/dev/null 2>&1 || die "test.sh needs $tool (Go 1.26, Rust)"
 done
-# What a fresh Debian lacks, installed as e2e/node/up.sh installs its own.
+# What a fresh Debian lacks, installed as e2e/node/up.sh installs its own: kind's tools, and
+# what e2e/node/build.sh (run below, before up.sh has installed anything under --build-only)
+# builds the images with.
 missing=()
-for tool in podman runc debootstrap jq; do
+for tool in podman runc debootstrap jq buildah; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
+[ -x /bin/busybox ] || missing+=(busybox-static)
+[ -x /bin/nc.openbsd ] || missing+=(netcat-openbsd)
 if [ "${#missing[@]}" -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"

@@ -503,3 +503,38 @@ def test_test_sh_refuses_bad_usage_with_exit_2():
                             text=True, timeout=30)
     assert result.returncode == 2, result
     assert "usage: e2e/kind/test.sh [--build-only]" in result.stderr, result.stderr
+
+
+# The Debian package of each tool e2e/node/build.sh copies into the conformance tests' images.
+# A tool build.sh starts to take that is not here fails the test below until it is added.
+IMAGE_TOOL_PACKAGES = {
+    "/bin/busybox": "busybox-static",
+    "/bin/bash": None,  # essential: on every Debian
+    "/usr/bin/curl": "curl",
+    "/bin/nc.openbsd": "netcat-openbsd",
+    "/usr/sbin/ip": "iproute2",
+    "/usr/bin/ss": "iproute2",
+}
+
+
+def test_build_only_installs_what_the_node_build_takes_from_this_machine():
+    """`test.sh --build-only` runs beside the tests on a fresh machine, before e2e/node/up.sh has
+    installed the node's packages: e2e/node/build.sh's image tools and buildah must come from
+    its own installs or from run-tests.sh's, which run before it."""
+    build = (ROOT / "e2e" / "node" / "build.sh").read_text()
+    listed = re.search(r'for tool in "\$busybox" ([^;]*); do', build)
+    assert listed, "build.sh's check of the image tools"
+    tools = ["/bin/busybox", *listed.group(1).split()]
+    assert re.search(r"for tool in go buildah; do", build), "build.sh's check of its builders"
+    installs = ""
+    for script in (KIND / "test.sh", ROOT / "run-tests.sh"):
+        installs += "\n".join(
+            line for line in script.read_text().splitlines() if "missing+=" in line or "for tool in" in line
+        )
+    installed = set(re.findall(r"missing\+=\(([^)]*)\)", installs))
+    installed |= {word for line in re.findall(r"for tool in ([^;]*); do", installs) for word in line.split()}
+    for tool in tools:
+        assert tool in IMAGE_TOOL_PACKAGES, f"{tool}: add its Debian package to IMAGE_TOOL_PACKAGES"
+        package = IMAGE_TOOL_PACKAGES[tool]
+        assert package is None or package in installed, f"{tool} ({package}) is not installed first"
+    assert "buildah" in installed
