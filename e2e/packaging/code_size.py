@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """How big the product code is, how long its functions are, and how far one setting travels.
 
-Run from anywhere: `python3 e2e/packaging/code_size.py` (`--json` for the figures as JSON).
+Run from anywhere: `python3 e2e/packaging/code_size.py` (`--json` for the figures as JSON,
+`--areas` for the product lines of each module directory as well).
 It prints three things, each defined here so that anyone gets the same numbers:
 
 1. Product lines of code per crate outside e2e/ (`controllers`, `reconcilers`) and their total.
@@ -305,13 +306,21 @@ def hop_text(source: Source, item: str) -> str:
     return source.code[found.start() : source.item_end(found.start())]
 
 
+def area(path: Path) -> str:
+    """A file's area: its module directory under `src/` (a loop, `config`, `tenants`), or the
+    file itself for a module of one file."""
+    parts = path.relative_to(ROOT).parts
+    return "/".join(parts[:3]) if len(parts) > 3 else "/".join(parts)
+
+
 def measure() -> dict:
-    per_crate, long_functions, every_file = {}, [], []
+    per_crate, per_area, long_functions, every_file = {}, {}, [], []
     for crate in CRATES:
         files = product_files(crate)
         per_crate[crate] = sum(code_lines(source, skip) for source, skip in files.values())
         for path, (source, skip) in files.items():
             every_file.append((source, skip))
+            per_area[area(path)] = per_area.get(area(path), 0) + code_lines(source, skip)
             for name, line, length in functions(source, skip):
                 if length > MAX_FUNCTION_LINES:
                     long_functions.append(
@@ -327,6 +336,7 @@ def measure() -> dict:
     return {
         "product_lines": per_crate,
         "product_lines_total": sum(per_crate.values()),
+        "product_lines_by_area": dict(sorted(per_area.items(), key=lambda item: (-item[1], item[0]))),
         "functions_over_100_lines": long_functions,
         "system_namespaces_path": {
             "hops": len(PATH_HOPS),
@@ -345,6 +355,10 @@ def main() -> int:
     for crate, lines in figures["product_lines"].items():
         print(f"  {crate:<12} {lines:>6}")
     print(f"  {'total':<12} {figures['product_lines_total']:>6}")
+    if "--areas" in sys.argv[1:]:
+        print("product lines by area (a module directory under src/, or a one-file module):")
+        for name, lines in figures["product_lines_by_area"].items():
+            print(f"  {lines:>6} {name}")
     long = figures["functions_over_100_lines"]
     print(f"product functions over {MAX_FUNCTION_LINES} lines: {len(long)}")
     for function in long:

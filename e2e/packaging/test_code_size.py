@@ -23,6 +23,9 @@ def test_it_runs_and_prints_every_figure():
     figures = json.loads(run.stdout)
     assert set(figures["product_lines"]) == {"controllers", "reconcilers"}
     assert figures["product_lines_total"] == sum(figures["product_lines"].values())
+    areas = figures["product_lines_by_area"]
+    assert sum(areas.values()) == figures["product_lines_total"], areas
+    assert "reconcilers/src/system_namespaces" in areas and "controllers/src/runner.rs" in areas
     assert all(lines > 1000 for lines in figures["product_lines"].values()), figures
     path = figures["system_namespaces_path"]
     assert path["hops"] == len(code_size.PATH_HOPS)
