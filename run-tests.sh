@@ -60,18 +60,12 @@ trap stop_background EXIT
 # in_background NAME NICENESS COMMAND...: setsid, a process group of its own (go or cargo and
 # their compilers, or a suite and its cluster), which stop_background stops as one; --wait:
 # should setsid fork, the status is still COMMAND's. A new session is also a new autogroup of
-# the scheduler (where /proc/sys/kernel/sched_autogroup_enabled is 1, as on the machines
-# measured here), and the CPU is shared between autogroups before a process's niceness counts
-# within its own: the group's niceness (/proc/self/autogroup) is set too, or a build "at nice
-# 19" would take as much CPU as the whole foreground (measured here: two such builds beside two
-# foreground processes took two thirds).
+# the scheduler, whose niceness at-priority.sh sets with the command's (see there why).
 in_background() {
   local name=$1 niceness=$2
   shift 2
   background_log[$name]=$(mktemp -t run-tests-background-XXXXXX)
-  # shellcheck disable=SC2016 # the inner sh expands them
-  setsid --wait sh -c 'n=$1; shift; echo "$n" >/proc/self/autogroup 2>/dev/null || true; exec nice -n "$n" "$@"' \
-    sh "$niceness" "$@" >"${background_log[$name]}" 2>&1 &
+  setsid --wait e2e/steps/at-priority.sh "$niceness" "$@" >"${background_log[$name]}" 2>&1 &
   background_pid[$name]=$!
 }
 finish() {

@@ -42,11 +42,9 @@ trap finish EXIT
 # the lowest (nice 19) and needs later.
 NODE_CONFORMANCE=0 "$here/up.sh" "$dir" --without-sidecar --apiservers 2
 if [ "${NODE_CONFORMANCE:-1}" != 0 ]; then
-  # A session of its own is an autogroup of its own, whose niceness is set too: the scheduler
-  # shares the CPU between autogroups first (sched_autogroup_enabled).
-  # shellcheck disable=SC2016 # the inner sh expands them
-  setsid --wait sh -c 'echo 10 >/proc/self/autogroup 2>/dev/null || true; exec nice -n 10 "$@"' \
-    sh "$here/build.sh" --conformance >"$conformance_log" 2>&1 &
+  # A session of its own is an autogroup of its own, whose niceness at-priority.sh sets too.
+  setsid --wait "$here/../steps/at-priority.sh" 10 "$here/build.sh" --conformance \
+    >"$conformance_log" 2>&1 &
   conformance_build=$!
 fi
 # -p no:cacheprovider: nothing written into the repository. -rs: a skipped test is listed with

@@ -4,6 +4,7 @@ and the scripts are shellcheck-clean and refuse bad usage with a usage message."
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -70,7 +71,24 @@ def test_background_builds_lower_their_autogroup_too():
         starts = [line for line in path.read_text().splitlines() if "setsid --wait" in line]
         assert starts, path
         for line in starts:
-            assert ">/proc/self/autogroup" in line and "exec nice -n" in line, (path, line)
+            assert re.search(r'setsid --wait "?\S*steps/at-priority\.sh"? ', line), (path, line)
+
+
+def test_at_priority_sets_the_niceness_of_the_command_and_of_its_autogroup():
+    script = ROOT / "e2e" / "steps" / "at-priority.sh"
+    run = subprocess.run(
+        ["setsid", "--wait", str(script), "7", "sh", "-c", "nice; cat /proc/self/autogroup 2>/dev/null"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = run.stdout.splitlines()
+    assert lines[0] == "7", run.stdout
+    if os.path.exists("/proc/self/autogroup"):
+        # `/autogroup-N nice 7`: the session's own group, lowered too.
+        assert re.fullmatch(r"/autogroup-\d+ nice 7", lines[1]), run.stdout
+    refused = subprocess.run([str(script), "7"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "usage" in refused.stderr
 
 
 def test_the_test_runner_the_readme_names_is_the_one_run_tests_installs():
