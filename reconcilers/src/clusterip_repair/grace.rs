@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::plan::{Decision, Problem, Repair, UNLISTED_GRACE};
+use super::plan::{Decision, Finding, Problem, Repair, UNLISTED_GRACE};
 
 /// When this controller first saw each IPAddress that waits out a grace or is deleted on its age
 /// (an orphan, or one not listed by its Service), on its own monotonic clock. That age is
@@ -22,16 +22,27 @@ pub struct FirstDeletable {
     started: bool,
 }
 
+/// A delete held back: the finding, the grace it waits out on this controller's clock, and how
+/// much of it is left.
+#[derive(Debug)]
+pub struct Held {
+    pub finding: Finding,
+    pub grace: Duration,
+    pub left: Duration,
+}
+
 /// Holds back the deletes [`decide_ipaddress_mode`](super::plan::decide_ipaddress_mode) found
 /// on an IPAddress's age until the same grace has also passed on this controller's clock since
-/// it first saw them (see [`FirstDeletable`]); the decision's recheck covers them.
+/// it first saw them (see [`FirstDeletable`]); the decision's recheck covers them. Returns the
+/// findings held back, for a dry run to report: it deletes nothing, but says what a run would
+/// do and when.
 pub fn hold_until_seen_as_old(
     decision: &mut Decision,
     first: &mut FirstDeletable,
     now: jiff::Timestamp,
     mono: tokio::time::Instant,
     orphan_grace: Duration,
-) {
+) -> Vec<Held> {
     let first_pass = !std::mem::replace(&mut first.started, true);
     let mut since = std::collections::BTreeMap::new();
     for uid in &decision.waiting {
@@ -40,14 +51,17 @@ pub fn hold_until_seen_as_old(
     }
     let past_on_api_clock = &decision.past_grace_on_api_clock;
     let mut recheck = None;
-    decision.findings.retain(|finding| {
-        let Repair::Delete { existing, .. } = &finding.repair else {
-            return true;
-        };
-        let grace = match finding.problem {
-            Problem::Leaked => orphan_grace,
-            Problem::WrongParent => UNLISTED_GRACE.unsigned_abs(),
-            _ => return true,
+    let mut held = Vec::new();
+    for finding in std::mem::take(&mut decision.findings) {
+        let (existing, grace) = match (&finding.repair, &finding.problem) {
+            (Repair::Delete { existing, .. }, Problem::Leaked) => (existing, orphan_grace),
+            (Repair::Delete { existing, .. }, Problem::WrongParent) => {
+                (existing, UNLISTED_GRACE.unsigned_abs())
+            }
+            _ => {
+                decision.findings.push(finding);
+                continue;
+            }
         };
         let met = match first.since.get(&existing.uid) {
             Some(met) => *met,
@@ -59,17 +73,23 @@ pub fn hold_until_seen_as_old(
             grace.saturating_sub(mono.saturating_duration_since(met))
         });
         if left.is_zero() {
-            return true;
+            decision.findings.push(finding);
+            continue;
         }
         let at = jiff::SignedDuration::try_from(left)
             .ok()
             .and_then(|left| now.checked_add(left).ok())
             .unwrap_or(jiff::Timestamp::MAX);
         recheck = Some(recheck.map_or(at, |earlier: jiff::Timestamp| earlier.min(at)));
-        false
-    });
+        held.push(Held {
+            finding,
+            grace,
+            left,
+        });
+    }
     if let Some(at) = recheck {
         decision.recheck_by(at);
     }
     first.since = since;
+    held
 }

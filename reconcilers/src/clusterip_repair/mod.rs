@@ -52,7 +52,7 @@ use crate::contract::{Drift, LoopError, PassContext, PassReport, Reconciler, Tri
 use crate::discovery::{LastAnswer, NetworkingDiscovery};
 use crate::events::SeriesRecorder;
 use crate::metrics::MetricRegistry;
-use crate::section::{ServiceName, Settings};
+use crate::section::{ServiceName, Settings, format_duration};
 use crate::service_cache::record::ServiceRecord;
 use crate::service_range::{DEFAULT_SERVICE_CIDR, RangeLookup};
 use crate::watch_cache::WatchCache;
@@ -379,20 +379,16 @@ impl ClusterIpRepairLoop {
                 self.section.orphan_grace_period,
             )
         };
-        // Held back only where it would delete: a dry run (`check`, one pass) reports what
-        // the IPAddresses' own times say.
-        if !ctx.dry_run {
-            grace::hold_until_seen_as_old(
-                &mut decision,
-                &mut self
-                    .first_deletable
-                    .lock()
-                    .unwrap_or_else(|poison| poison.into_inner()),
-                now,
-                tokio::time::Instant::now(),
-                self.section.orphan_grace_period,
-            );
-        }
+        let held = grace::hold_until_seen_as_old(
+            &mut decision,
+            &mut self
+                .first_deletable
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner()),
+            now,
+            tokio::time::Instant::now(),
+            self.section.orphan_grace_period,
+        );
         if let Some(at) = decision.next_recheck {
             let wait = (at - jiff::Timestamp::now())
                 .try_into()
@@ -400,7 +396,24 @@ impl ClusterIpRepairLoop {
             self.wakeup
                 .schedule(tokio::time::Instant::now() + wait + Duration::from_millis(50));
         }
-        self.act(ctx, Served::IpAddressApi, decision.findings).await
+        let mut report = self
+            .act(ctx, Served::IpAddressApi, decision.findings)
+            .await?;
+        // A run leaves these alone in this pass, neither checked live nor reported; a dry run
+        // (`check`) says which leaks a run would hold back, and for how long, rather than leave
+        // them out of its list or show them as deleted at once.
+        if ctx.dry_run {
+            for held in held {
+                let note = format!(
+                    "held: a run deletes it once this controller has seen it for {}, {} from now",
+                    format_duration(held.grace),
+                    // Whole seconds: the pass's own instants are no part of what it means.
+                    format_duration(Duration::from_secs(held.left.as_secs_f64().ceil() as u64)),
+                );
+                report.push(drift_of(&held.finding, false, Some(note)));
+            }
+        }
+        Ok(report)
     }
 
     /// Upstream's repair waits until the default ServiceCIDR exists (the service-cidr loop
