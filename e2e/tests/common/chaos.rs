@@ -21,6 +21,10 @@ loops:
   nodePortRepair: {interval: 2s}
 ";
 
+/// Seconds within which a converged member has renewed its Lease: more than its interval (2 s),
+/// well within its TTL (6 s), so that `check` run next finds it live by its renewTime.
+const MEMBER_RENEWED_WITHIN: i64 = 3;
+
 /// Offsets in the simulator's service range (see [`service_ip`]): Service web's cluster IP, in
 /// the middle of the five addresses whose IPAddresses the breakage deletes; and where the orphan
 /// IPAddresses it plants start.
@@ -383,6 +387,25 @@ async fn converged(
     let slice_ips = slice_ips(&slice);
     if slice_ips != members {
         return Ok(Some(format!("EndpointSlice lists {slice_ips:?}")));
+    }
+    // The leader counts a membership Lease's TTL from when it saw the renewal, which faults on
+    // its watch delay; `check`, meeting each Lease once, counts it from its renewTime. So
+    // converged also means every member has renewed its Lease lately (it renews every 2 s), not
+    // only that the leader still lists it, or `check` could rightly judge one that has not
+    // renewed since the faults as expired.
+    for member in members {
+        let path = format!("leases/kube-system/apiserver-{member}");
+        let renewed = backdoor_get(sim, &path).await?.and_then(|lease| {
+            lease["spec"]["renewTime"]
+                .as_str()
+                .and_then(|at| at.parse::<Timestamp>().ok())
+        });
+        let fresh =
+            Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(MEMBER_RENEWED_WITHIN);
+        match renewed {
+            Some(at) if at >= fresh => {}
+            other => return Ok(Some(format!("{path} last renewed at {other:?}"))),
+        }
     }
     if backdoor_get(sim, &format!("ipaddresses/{web_ip}"))
         .await?
