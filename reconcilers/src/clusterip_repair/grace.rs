@@ -22,20 +22,18 @@ pub struct FirstDeletable {
     started: bool,
 }
 
-/// A delete held back: the finding, the grace it waits out on this controller's clock, and how
-/// much of it is left.
+/// A delete held back: the finding, and the grace it waits out on this controller's clock.
 #[derive(Debug)]
 pub struct Held {
     pub finding: Finding,
     pub grace: Duration,
-    pub left: Duration,
 }
 
 /// Holds back the deletes [`decide_ipaddress_mode`](super::plan::decide_ipaddress_mode) found
 /// on an IPAddress's age until the same grace has also passed on this controller's clock since
 /// it first saw them (see [`FirstDeletable`]); the decision's recheck covers them. Returns the
 /// findings held back, for a dry run to report: it deletes nothing, but says what a run would
-/// do and when.
+/// do.
 pub fn hold_until_seen_as_old(
     decision: &mut Decision,
     first: &mut FirstDeletable,
@@ -81,11 +79,7 @@ pub fn hold_until_seen_as_old(
             .and_then(|left| now.checked_add(left).ok())
             .unwrap_or(jiff::Timestamp::MAX);
         recheck = Some(recheck.map_or(at, |earlier: jiff::Timestamp| earlier.min(at)));
-        held.push(Held {
-            finding,
-            grace,
-            left,
-        });
+        held.push(Held { finding, grace });
     }
     if let Some(at) = recheck {
         decision.recheck_by(at);

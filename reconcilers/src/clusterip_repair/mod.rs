@@ -400,15 +400,14 @@ impl ClusterIpRepairLoop {
             .act(ctx, Served::IpAddressApi, decision.findings)
             .await?;
         // A run leaves these alone in this pass, neither checked live nor reported; a dry run
-        // (`check`) says which leaks a run would hold back, and for how long, rather than leave
-        // them out of its list or show them as deleted at once.
+        // (`check`) says which leaks a run would hold back rather than leave them out of its
+        // list or show them as deleted at once. The note names the grace, not the time left,
+        // so that the drift is the same on every pass of `run --dry-run` and logged once.
         if ctx.dry_run {
             for held in held {
                 let note = format!(
-                    "held: a run deletes it once this controller has seen it for {}, {} from now",
+                    "held: a run deletes it once this controller has seen it for {}",
                     format_duration(held.grace),
-                    // Whole seconds: the pass's own instants are no part of what it means.
-                    format_duration(Duration::from_secs(held.left.as_secs_f64().ceil() as u64)),
                 );
                 report.push(drift_of(&held.finding, false, Some(note)));
             }
