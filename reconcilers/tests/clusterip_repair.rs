@@ -1304,6 +1304,56 @@ async fn stale_service_cache_neither_deletes_nor_reports() -> Result<()> {
     Ok(())
 }
 
+/// A dry run reads a held leak live before it says a run would delete it, as it does every
+/// other finding: a Service the cache cannot know about lists the IP, so the leak is not in the
+/// report at all.
+#[tokio::test]
+async fn a_dry_run_does_not_report_a_held_leak_that_a_live_read_disproves() -> Result<()> {
+    let sim = start_sim().await?;
+    let client = sim.client();
+    ensure_default_service_cidr(&client).await?;
+    sim.faults().inject(FaultRule::probability(
+        Some(Verb::Watch),
+        Some("services"),
+        1.0,
+        FaultKind::Error {
+            code: 500,
+            retry_after_seconds: None,
+        },
+    ));
+    let (repair, _registry) = repair_with(&sim, &client, config(Duration::from_secs(60))).await?;
+    let _triggers = drive_triggers(&repair);
+    pass_until(&repair, &client, true, "a first clean pass", |r| {
+        r.is_clean()
+    })
+    .await?;
+    create_service(&client, "shop", "unseen", Some("10.96.10.11"), false).await?;
+    sim.backdoor().put(ip_address_json(
+        "10.96.10.11",
+        service_ref("shop", "unseen"),
+        Some("ipallocator.k8s.io"),
+        "IPv4",
+        LONG_AGO,
+    ))?;
+    let report = pass_until(
+        &repair,
+        &client,
+        true,
+        "the held leak's live read, or its report",
+        |r| {
+            live_reads(&sim, "shop", "unseen") > 0
+                || has_drift(r, "ipaddress_leaked", "IPAddress/10.96.10.11")
+        },
+    )
+    .await?;
+    assert!(
+        !has_drift(&report, "ipaddress_leaked", "IPAddress/10.96.10.11"),
+        "a held leak that a live read disproves was reported: {report:#?}"
+    );
+    assert!(ip_address(&client, "10.96.10.11").await?.is_some());
+    Ok(())
+}
+
 /// GETs of the Service `namespace/name` the simulator answered: the repair's live reads.
 fn live_reads(sim: &Sim, namespace: &str, name: &str) -> usize {
     sim.requests()

@@ -401,12 +401,21 @@ impl ClusterIpRepairLoop {
             .await?;
         // A run leaves these alone in this pass, neither checked live nor reported; a dry run
         // (`check`) says which leaks a run would hold back rather than leave them out of its
-        // list or show them as deleted at once. The note names the grace, not the time left,
-        // so that the drift is the same on every pass of `run --dry-run` and logged once.
+        // list or show them as deleted at once, each read live first as the others are. The
+        // note names the grace, not the time left, so that the drift is the same on every pass
+        // of `run --dry-run` and logged once.
         if ctx.dry_run {
             for held in held {
+                let note = match apply::verify(&ctx.client, &held.finding).await {
+                    Verdict::Confirmed => String::new(),
+                    Verdict::Contradicted(why) => {
+                        self.disproved(&held.finding, &why);
+                        continue;
+                    }
+                    Verdict::Unknown(why) => format!("; not confirmed live: {why}"),
+                };
                 let note = format!(
-                    "held: a run deletes it once this controller has seen it for {}",
+                    "held: a run deletes it once this controller has seen it for {}{note}",
                     format_duration(held.grace),
                 );
                 report.push(drift_of(&held.finding, false, Some(note)));
