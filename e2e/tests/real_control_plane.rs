@@ -800,6 +800,112 @@ async fn an_ipv6_service_range_on_a_real_control_plane() -> Result<()> {
     Ok(())
 }
 
+/// Two service ranges, IPv4 first: the cluster's `kubernetes` Service is single-stack IPv4.
+const DUAL_STACK_RANGES: &str = "10.97.0.0/24,2001:db8:97::/112";
+
+/// A `kubernetes` Service of the wrong primary family on a real dual-stack control plane
+/// (IPv6 first, holding the IPv4 range's first address as its secondary), as one left by a
+/// cluster whose ranges were swapped: with `recreateOnClusterIPMismatch`, this controller's
+/// checks (a live list, then kube-apiserver's dry-run create of the copy) let it through, and
+/// it is recreated single-stack IPv4 on that address, once, with its event. kube-apiserver's
+/// own loop only creates a missing Service and leaves this one as it is.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kubernetes_service_of_the_wrong_primary_family_is_recreated() -> Result<()> {
+    let test = "a_kubernetes_service_of_the_wrong_primary_family_is_recreated";
+    let Some(cp) = own_control_plane_with(
+        "real_control_plane",
+        test,
+        1,
+        &["--service-cluster-ip-range", DUAL_STACK_RANGES],
+    )
+    .await?
+    else {
+        return Ok(());
+    };
+    let client = client_from(&cp.admin_kubeconfig(1)).await?;
+    let services = Api::<Service>::namespaced(client.clone(), "default");
+    let family = |service: &Service| {
+        let spec = service.spec.clone().unwrap_or_default();
+        (spec.ip_families, spec.cluster_ips)
+    };
+    let made = eventually("kube-apiserver's kubernetes Service", CONVERGE, || async {
+        Ok(services.get_opt("kubernetes").await?)
+    })
+    .await?;
+    ensure!(
+        family(&made) == (Some(vec!["IPv4".into()]), Some(vec!["10.97.0.1".into()])),
+        "kube-apiserver made {:?}",
+        family(&made)
+    );
+    let wrong: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kubernetes", "namespace": "default",
+                     "labels": {"provider": "kubernetes", "component": "apiserver"}},
+        "spec": {
+            "clusterIP": "2001:db8:97::1",
+            "clusterIPs": ["2001:db8:97::1", "10.97.0.1"],
+            "ipFamilies": ["IPv6", "IPv4"],
+            "ipFamilyPolicy": "RequireDualStack",
+            "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443}]
+        }
+    }))?;
+    // kube-apiserver's loop recreates a missing Service every 10 s: the swap is tried again
+    // should it win the gap between the delete and the create.
+    eventually("the wrong-family Service in place", CONVERGE, || async {
+        if let Some(current) = services.get_opt("kubernetes").await?
+            && family(&current).0.as_deref() == Some(&["IPv6".to_owned(), "IPv4".to_owned()][..])
+        {
+            return Ok(Some(()));
+        }
+        services
+            .delete("kubernetes", &DeleteParams::default())
+            .await
+            .ok();
+        services.create(&PostParams::default(), &wrong).await.ok();
+        Ok(None)
+    })
+    .await?;
+
+    let config = ConfigFile::new(&format!(
+        "serviceClusterIPRange: {DUAL_STACK_RANGES}\nloops:\n  kubernetesService:\n    recreateOnClusterIPMismatch: true\n"
+    ))?;
+    let mut controller = sidecar(&cp, 1, &config)?;
+    controller.wait_ready().await?;
+    let right = eventually("the kubernetes Service recreated", CONVERGE, || async {
+        Ok(services
+            .get_opt("kubernetes")
+            .await?
+            .filter(|s| family(s).0.as_deref() == Some(&["IPv4".to_owned()][..])))
+    })
+    .await?;
+    let spec = right.spec.clone().context("no spec")?;
+    ensure!(
+        spec.cluster_ips.as_deref() == Some(&["10.97.0.1".to_owned()][..])
+            && spec.ip_family_policy.as_deref() == Some("SingleStack"),
+        "recreated as {:?} {:?}",
+        spec.cluster_ips,
+        spec.ip_family_policy
+    );
+    eventually("the recreation counted", CONVERGE, || async {
+        let repaired = controller
+            .repaired("kubernetes-service", "service_cluster_ip")
+            .await?;
+        Ok((repaired == 1).then_some(()))
+    })
+    .await?;
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), "default")
+        .list(&Default::default())
+        .await?;
+    let recreated = (events.items.iter())
+        .filter(|e| e.reason.as_deref() == Some("KubernetesServiceRecreated"))
+        .count();
+    ensure!(
+        recreated == 1,
+        "{recreated} KubernetesServiceRecreated events"
+    );
+    ensure!(controller.is_running());
+    Ok(())
+}
+
 /// The membership Lease of the apiserver advertising `address`.
 fn membership_lease(address: &str) -> String {
     format!("apiserver-{}", address.replace(':', "-"))
