@@ -195,25 +195,7 @@ impl Controller {
     ) -> (tokio::task::JoinHandle<()>, Directory) {
         let directory = Directory::default();
         let metrics = TenantMetrics::register(registry);
-        let pools = tenants::Pools {
-            caches: reconcilers::budget::CachePool::new(
-                base.tenants.cache_total_bytes(),
-                crate::config::TENANT_CACHE_FLOOR_BYTES,
-                "--tenants-cache-total-mib (tenants.cacheTotalMiB in the configuration \
-                 file)",
-                registry,
-            ),
-            responses: reconcilers::budget::BytePool::new(
-                crate::limits::TENANTS_RESPONSE_POOL_BYTES,
-                crate::limits::TENANTS_RESPONSE_FLOOR_BYTES,
-            ),
-        };
-        registry.register(
-            "response_pool_bytes",
-            "Bytes the responses of every tenant's client hold at once (bodies being read, watch \
-             events not yet complete)",
-            pools.responses.gauge(),
-        );
+        let pools = tenants::Pools::new(base.tenants.cache_total_bytes(), registry);
         let election = config.election();
         let shards_cancel = CancellationToken::new();
         // A dry run holds no replica Lease: it would count as a replica the real ones

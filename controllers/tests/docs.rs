@@ -1,6 +1,7 @@
-//! The docs state what the binary does: every flag of `run` (name, environment variable and
-//! default, from clap) appears in CONFIG.md's flag table, which names no flag the binary does not
-//! have, and the README and guides name only flags that exist.
+//! The docs state what the binary does: every flag of `run` (name, value name, environment
+//! variable and default, from clap) appears in CONFIG.md's flag table, which names no flag the
+//! binary does not have; every metric the process registers, in either mode, has a row of
+//! CONFIG.md's metrics table; and the README and guides name only flags that exist.
 
 use std::collections::BTreeMap;
 
@@ -12,6 +13,8 @@ use clap::CommandFactory;
 struct Flag {
     env: Option<String>,
     default: Option<String>,
+    /// As `--help` writes the flag: `--name VALUE`, `--name[=VALUE]` or `--name`.
+    usage: String,
 }
 
 /// `run`'s flags by long name, with their env var and the default their help states.
@@ -41,11 +44,25 @@ fn clap_flags() -> BTreeMap<String, Flag> {
                     .and_then(|(_, rest)| rest.split_once(']'))
                     .map(|(default, _)| default.to_owned())
             });
+        let value = arg.get_value_names().map(|names| {
+            names
+                .iter()
+                .map(|name| name.as_str())
+                .collect::<Vec<_>>()
+                .join(" ")
+        });
+        let optional = arg.get_num_args().is_some_and(|n| n.min_values() == 0);
+        let usage = match value {
+            Some(value) if optional => format!("--{long}[={value}]"),
+            Some(value) => format!("--{long} {value}"),
+            None => format!("--{long}"),
+        };
         flags.insert(
             format!("--{long}"),
             Flag {
                 env: arg.get_env().map(|e| e.to_string_lossy().into_owned()),
                 default,
+                usage,
             },
         );
     }
@@ -148,6 +165,17 @@ fn config_md_documents_every_flag_with_its_env_and_default() {
             problems.push(format!(
                 "{name}: env {:?} in --help, {env} in CONFIG.md",
                 flag.env
+            ));
+        }
+        // The value's name as `--help` shows it, so that a reader finds the one in the other.
+        let documented = row[0].split('`').skip(1).step_by(2).find(|code| {
+            code.strip_prefix(name.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '[']))
+        });
+        if documented != Some(flag.usage.as_str()) {
+            problems.push(format!(
+                "{name}: `{}` in --help, {documented:?} in CONFIG.md",
+                flag.usage
             ));
         }
     }
@@ -371,8 +399,23 @@ async fn config_md_documents_every_metric() {
     LeaderMetrics::register(&mut registry);
     let loops = bootstrap_controller::runner::build_loops(&config, &client, &mut registry);
     assert!(loops.len() >= 7, "every loop is built");
+    // Management mode's own: the tenant manager's, the pools', and (in a registry of its own, as
+    // each tenant has) a tenant's limited cache budget.
+    bootstrap_controller::tenants::TenantMetrics::register(&mut registry);
+    bootstrap_controller::tenants::Pools::new(1 << 20, &mut registry);
+    let mut tenant = new_registry();
+    reconcilers::budget::CacheBudget::new(
+        reconcilers::budget::BudgetLimits {
+            max_objects: 10,
+            max_bytes: 1 << 20,
+        },
+        "a hint",
+        None,
+        &mut tenant,
+    );
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+    prometheus_client::encoding::text::encode(&mut text, &tenant).expect("encodes");
     let registered: std::collections::BTreeSet<String> = text
         .lines()
         .filter_map(|line| line.strip_prefix("# TYPE "))
@@ -388,11 +431,12 @@ async fn config_md_documents_every_metric() {
         .collect();
     let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/CONFIG.md"))
         .expect("CONFIG.md");
+    // A row may name several: "`a`, `b`".
     let documented: std::collections::BTreeSet<String> =
         table_after(&doc, "## Metrics (prefix `bootstrap_`)")
             .iter()
             .filter_map(|row| row.first())
-            .map(|cell| cell.trim_matches('`').to_owned())
+            .flat_map(|cell| cell.split('`').skip(1).step_by(2).map(str::to_owned))
             .collect();
     assert!(
         registered.len() >= 5,

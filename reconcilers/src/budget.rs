@@ -135,8 +135,8 @@ impl CachePool {
         );
         registry.register(
             "cache_pool_over",
-            "Tenants paused because their caches' growth would have taken every tenant's caches \
-             together over their total",
+            "Pauses of a tenant because its caches' growth would have taken every tenant's \
+             caches together over their total (one a breach)",
             pool.breaches.clone(),
         );
         pool

@@ -449,7 +449,7 @@ settings! {
     /// kubeconfig's `exec` may run, e.g. `/usr/local/bin/aws-iam-authenticator`. Any other exec
     /// entry is refused. [default: none]
     tenants_credential_plugins: String = "tenants-credential-plugins",
-        "BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS", "PATHS";
+        "BOOTSTRAP_TENANTS_CREDENTIAL_PLUGINS", "PATH[,PATH]";
         file "tenants.credentialPlugins" in tenants.credential_plugins;
 
     /// Management mode: the most objects one tenant's caches may hold together (its Services,

@@ -121,6 +121,31 @@ pub struct Pools {
     pub responses: reconcilers::budget::BytePool,
 }
 
+impl Pools {
+    /// The pools, caches' total `cache_total_bytes`, with their metrics in `registry`.
+    pub fn new(cache_total_bytes: usize, registry: &mut Registry) -> Self {
+        let pools = Pools {
+            caches: reconcilers::budget::CachePool::new(
+                cache_total_bytes,
+                crate::config::TENANT_CACHE_FLOOR_BYTES,
+                "--tenants-cache-total-mib (tenants.cacheTotalMiB in the configuration file)",
+                registry,
+            ),
+            responses: reconcilers::budget::BytePool::new(
+                crate::limits::TENANTS_RESPONSE_POOL_BYTES,
+                crate::limits::TENANTS_RESPONSE_FLOOR_BYTES,
+            ),
+        };
+        registry.register(
+            "response_pool_bytes",
+            "Bytes the responses of every tenant's client hold at once (bodies being read, watch \
+             events not yet complete)",
+            pools.responses.gauge(),
+        );
+        pools
+    }
+}
+
 /// What the runtime of a tenant is made from: any change restarts the tenant.
 ///
 /// Every sync compares each running tenant's Spec with its Secret's; the Secret's bytes are
