@@ -9,7 +9,8 @@ use crate::metrics::{MetricRegistry, loop_registry, registered};
 /// Counters mirroring upstream's `apiserver_clusterip_repair_*`, plus the deferrals.
 #[derive(Clone, Debug, Default)]
 pub struct RepairMetrics {
-    /// `type` = leak | repair | full | outOfRange | duplicate | unknown | invalid.
+    /// `type` = leak | repair | outOfRange | duplicate | invalid, and rangeMismatch in etcd
+    /// mode (upstream's `full` and `unknown` have no case here).
     pub ip_errors: Family<[(&'static str, &'static str); 1], Counter>,
     pub reconcile_errors: Counter,
     /// `reason` = stale_cache | verify_failed.
