@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
 use kube::core::Status;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::service_cache::record::ServiceRef;
 
@@ -41,7 +41,9 @@ pub async fn emit(
     note: &str,
 ) -> Result<(), kube::Error> {
     let recorder = Recorder::new(client.clone(), reporter.clone());
-    publish(&recorder, reference, type_, reason, action, note).await
+    publish(&recorder, reference, type_, reason, action, note)
+        .await
+        .inspect_err(|err| cannot_publish(true, reason, reference, err))
 }
 
 /// [`emit`] through `recorder`, which a repair keeps for its loop's life, so a finding that
@@ -54,8 +56,29 @@ pub async fn emit_in(
     action: &str,
     note: &str,
 ) -> Result<(), kube::Error> {
-    let recorder = recorder.current(Instant::now());
-    publish(&recorder, reference, type_, reason, action, note).await
+    let kube_recorder = recorder.current(Instant::now());
+    let result = publish(&kube_recorder, reference, type_, reason, action, note).await;
+    // The callers retry a refused event on their next pass, for as long as the refusal lasts
+    // (RBAC taken away, a webhook, a quota): the first failure after a success is warned about,
+    // the rest of the streak logged at debug level.
+    let first = {
+        let mut kept = recorder.kept();
+        let first = result.is_err() && !kept.failing;
+        kept.failing = result.is_err();
+        first
+    };
+    result.inspect_err(|err| cannot_publish(first, reason, reference, err))
+}
+
+/// Logs an event that could not be published: at warn level when `warn`, else at debug level.
+fn cannot_publish(warn: bool, reason: &str, reference: &ObjectReference, err: &kube::Error) {
+    let object = reference.name.as_deref().unwrap_or("");
+    let error = crate::sanitize::Sanitized::new(&err.to_string());
+    if warn {
+        warn!(reason, object, %error, "cannot publish event (until one is published again, further failures are logged at debug level)");
+    } else {
+        debug!(reason, object, %error, "cannot publish event, again");
+    }
 }
 
 /// The most events a [`SeriesRecorder`] publishes through one kube Recorder before it starts a
@@ -89,6 +112,8 @@ struct Kept {
     published: u32,
     /// When the last one was.
     last: Option<Instant>,
+    /// Whether the last publish failed.
+    failing: bool,
 }
 
 impl SeriesRecorder {
@@ -180,14 +205,7 @@ async fn publish(
             );
             Ok(())
         }
-        other => other.inspect_err(|err| {
-            warn!(
-                reason,
-                object = reference.name.as_deref().unwrap_or(""),
-                error = %crate::sanitize::Sanitized::new(&err.to_string()),
-                "cannot publish event"
-            )
-        }),
+        other => other,
     }
 }
 

@@ -1354,6 +1354,76 @@ async fn a_dry_run_does_not_report_a_held_leak_that_a_live_read_disproves() -> R
     Ok(())
 }
 
+/// Repairs and events the API keeps refusing: every pass finds the same findings again and tries
+/// again, but each finding is counted once, each refused repair warned about once, and the
+/// refused events once for the streak.
+#[tokio::test]
+async fn refused_repairs_and_events_are_counted_and_warned_about_once() -> Result<()> {
+    let setup = every_case().await?;
+    let (repair, client, sim) = (&setup.repair, &setup.client, &setup.sim);
+    for (verb, resource) in [
+        (Verb::Create, "ipaddresses.networking.k8s.io"),
+        (Verb::Delete, "ipaddresses.networking.k8s.io"),
+        (Verb::Create, "events"),
+    ] {
+        sim.faults().inject(FaultRule::next(
+            Some(verb),
+            Some(resource),
+            100_000,
+            FaultKind::Error {
+                code: 403,
+                retry_after_seconds: None,
+            },
+        ));
+    }
+    let (captured, _guard) = common::Captured::warnings();
+    let errors = |registry: &Registry| {
+        metric_text(registry)
+            .lines()
+            .filter(|line| line.starts_with("clusterip_repair_ip_errors_total{"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let snapshot = || {
+        (
+            errors(&setup.registry),
+            captured.count("repair failed"),
+            captured.count("cannot publish event"),
+        )
+    };
+    // The first pass on synced caches tries every repair.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while captured.count("repair failed") == 0 {
+        let result = repair.reconcile(&ctx(client, false)).await;
+        if tokio::time::Instant::now() > deadline {
+            bail!("no repair tried; last pass: {result:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut seen = vec![snapshot()];
+    for pass in 0..2 {
+        let result = repair.reconcile(&ctx(client, false)).await;
+        assert!(result.is_err(), "pass {pass}: the refused writes fail it");
+        seen.push(snapshot());
+    }
+    let (counted, refused, events) = &seen[0];
+    assert!(
+        *refused >= 3,
+        "the first pass warns of each refused repair: {seen:?}"
+    );
+    assert_eq!(*events, 1, "{}", captured.text());
+    assert!(
+        counted.iter().any(|line| line.contains("repair")),
+        "{counted:?}"
+    );
+    assert!(
+        seen.iter().all(|later| later == &seen[0]),
+        "later passes counted or warned again: {seen:?}\n{}",
+        captured.text()
+    );
+    Ok(())
+}
+
 /// GETs of the Service `namespace/name` the simulator answered: the repair's live reads.
 fn live_reads(sim: &Sim, namespace: &str, name: &str) -> usize {
     sim.requests()

@@ -188,20 +188,6 @@ async fn a_create_that_finds_the_namespace_exists_reports_nothing() -> Result<()
     Ok(())
 }
 
-/// What a test's subscriber wrote.
-#[derive(Clone, Default)]
-struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Namespaces that cannot be created fail every pass alike: the loop itself warns about nothing
 /// (the runner warns about the pass's error once, and at debug level while it repeats), and the
 /// error, the same every pass, names each namespace that failed and stays a 403.
@@ -219,14 +205,7 @@ async fn a_failing_create_is_one_error_naming_each_namespace_and_no_warning_of_t
             retry_after_seconds: None,
         },
     ));
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (captured, _guard) = common::Captured::warnings();
 
     let ctx = common::ctx(&sim, false);
     let mut errors = Vec::new();
@@ -242,7 +221,7 @@ async fn a_failing_create_is_one_error_naming_each_namespace_and_no_warning_of_t
         errors[0]
     );
     assert!(errors.iter().all(|err| *err == errors[0]), "{errors:?}");
-    let log = String::from_utf8(captured.0.lock().unwrap().clone())?;
+    let log = captured.text();
     let warned: Vec<&str> = log
         .lines()
         .filter(|line| line.contains(" reconcilers::"))

@@ -131,22 +131,21 @@ pub struct ClusterIpRepairLoop {
     legacy: Option<legacy::LegacyIpBitmaps>,
     /// The ranges audit mode and the bitmaps work with: configured, or read from the cluster.
     ranges: RangeLookup,
-    /// Findings this loop only reports (a duplicate or out-of-range cluster IP), as they stood
-    /// after the last pass: each gets its event and count when it appears, not on every pass.
-    reported: crate::findings::ReportOnce<ReportKey>,
+    /// The findings as they stood after the last pass: each is counted when it appears, not on
+    /// every pass (a repair the API keeps refusing is found again on every pass), and one this
+    /// loop only reports (a duplicate or out-of-range cluster IP) gets its event then.
+    reported: crate::findings::ReportOnce<FindingKey>,
 }
 
-/// A report-only finding: its problem, the object and the sentence.
-type ReportKey = (Problem, String, String);
+/// A finding: its problem, the object and the sentence.
+type FindingKey = (Problem, String, String);
 
-fn report_key(finding: &Finding) -> Option<ReportKey> {
-    matches!(finding.repair, plan::Repair::None).then(|| {
-        (
-            finding.problem,
-            finding.regarding.object(),
-            finding.summary(),
-        )
-    })
+fn finding_key(finding: &Finding) -> FindingKey {
+    (
+        finding.problem,
+        finding.regarding.object(),
+        finding.summary(),
+    )
 }
 
 impl ClusterIpRepairLoop {
@@ -334,9 +333,9 @@ impl ClusterIpRepairLoop {
     }
 
     /// The report-only findings of a complete pass that were not there after the last one.
-    fn appeared(&self, findings: &[Finding]) -> std::collections::HashSet<ReportKey> {
+    fn appeared(&self, findings: &[Finding]) -> std::collections::HashSet<FindingKey> {
         self.reported
-            .update(findings.iter().filter_map(report_key))
+            .update(findings.iter().map(finding_key))
             .into_iter()
             .collect()
     }
@@ -470,11 +469,10 @@ impl ClusterIpRepairLoop {
                     "{what} cache stopped being synced during the pass"
                 )));
             }
-            let report_only = report_key(&finding);
-            if report_only
-                .as_ref()
-                .is_some_and(|key| !appeared.contains(key))
-            {
+            let key = finding_key(&finding);
+            let new = appeared.contains(&key);
+            let report_only = matches!(finding.repair, plan::Repair::None);
+            if report_only && !new {
                 // Reported when it appeared; still there, still in `check`'s list.
                 report.push(drift_of(&finding, false, None));
                 continue;
@@ -486,11 +484,11 @@ impl ClusterIpRepairLoop {
                     continue;
                 }
                 Verdict::Unknown(why) => {
-                    report.push(self.unconfirmed(served, &finding, report_only.as_ref(), &why));
+                    report.push(self.unconfirmed(served, &finding, &key, &why));
                     continue;
                 }
             }
-            if report_only.is_none() {
+            if !report_only && new {
                 self.count(&finding);
             }
             let outcome = if ctx.dry_run {
@@ -499,7 +497,13 @@ impl ClusterIpRepairLoop {
                 match self.repair(ctx, &finding).await {
                     Ok(outcome) => outcome,
                     Err(err) => {
-                        warn!(object = %finding.regarding.object(), error = %err, "repair failed");
+                        // Found again on every pass while the API refuses it: warned about
+                        // when it appears (the pass's error is the runner's to report).
+                        if new {
+                            warn!(object = %finding.regarding.object(), error = %err, "repair failed; retrying (logged at debug level while it fails)");
+                        } else {
+                            debug!(object = %finding.regarding.object(), error = %err, "repair failed, again");
+                        }
                         first_error.get_or_insert(err);
                         Outcome::Failed
                     }
@@ -509,21 +513,21 @@ impl ClusterIpRepairLoop {
                 Outcome::Skip => continue,
                 Outcome::Done => {
                     match self.publish(&finding).await {
-                        Ok(()) if report_only.is_some() => self.count(&finding),
+                        Ok(()) if report_only => self.count(&finding),
                         Ok(()) => {}
                         Err(err) => {
                             // A report-only finding is counted and published on the next pass
                             // instead (the runner retries a failed pass soon); a repair is done.
-                            if let Some(key) = &report_only {
-                                self.reported.forget(key);
+                            if report_only {
+                                self.reported.forget(&key);
                             }
                             first_error.get_or_insert(err);
                         }
                     }
-                    report.push(drift_of(&finding, report_only.is_none(), None));
+                    report.push(drift_of(&finding, !report_only, None));
                 }
                 Outcome::DryRun => {
-                    if report_only.is_some() {
+                    if report_only {
                         self.count(&finding);
                     }
                     report.push(drift_of(&finding, false, None));
@@ -546,9 +550,9 @@ impl ClusterIpRepairLoop {
     fn forget_appeared(
         &self,
         rest: impl Iterator<Item = Finding>,
-        appeared: &std::collections::HashSet<ReportKey>,
+        appeared: &std::collections::HashSet<FindingKey>,
     ) {
-        for key in rest.filter_map(|finding| report_key(&finding)) {
+        for key in rest.map(|finding| finding_key(&finding)) {
             if appeared.contains(&key) {
                 self.reported.forget(&key);
             }
@@ -574,16 +578,9 @@ impl ClusterIpRepairLoop {
     /// A finding the live read could not confirm: a report waits for a pass that can confirm
     /// it. An audit pass only reports, so it waits for the next pass on the interval; an
     /// IPAddress-mode finding is looked at again soon.
-    fn unconfirmed(
-        &self,
-        served: Served,
-        finding: &Finding,
-        report_only: Option<&ReportKey>,
-        why: &str,
-    ) -> Drift {
-        if let Some(key) = report_only {
-            self.reported.forget(key);
-        }
+    fn unconfirmed(&self, served: Served, finding: &Finding, key: &FindingKey, why: &str) -> Drift {
+        // Counted (and reported, for a report-only one) by the pass that confirms it.
+        self.reported.forget(key);
         if served == Served::NoIpAddressApi {
             info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; reported when a pass can");
             return drift_of(finding, false, None);
@@ -633,10 +630,8 @@ impl ClusterIpRepairLoop {
     /// after the cache caught up decides again. Only the deferred deletes are counted, as the
     /// sign of a cache that disagrees with the API.
     fn disproved(&self, finding: &Finding, why: &str) {
-        if let Some(key) = report_key(finding) {
-            // Not reported: should it persist, the next pass checks it again.
-            self.reported.forget(&key);
-        }
+        // Not reported: should it persist, the next pass checks it again.
+        self.reported.forget(&finding_key(finding));
         if finding.repair.deletes() {
             self.metrics
                 .deferred_deletes

@@ -174,3 +174,43 @@ pub fn networking_discoveries(sim: &Sim) -> usize {
         })
         .count()
 }
+
+/// What a test's subscriber wrote.
+#[derive(Clone, Default)]
+pub struct Captured(std::sync::Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    /// Captures the lines at warn level and above logged on this thread until the guard drops.
+    pub fn warnings() -> (Self, tracing::subscriber::DefaultGuard) {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(move || writer.clone())
+            .finish();
+        (captured, tracing::subscriber::set_default(subscriber))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// The lines holding `needle`.
+    pub fn count(&self, needle: &str) -> usize {
+        self.text()
+            .lines()
+            .filter(|line| line.contains(needle))
+            .count()
+    }
+}
