@@ -207,10 +207,10 @@ pub fn plan(
         plan.findings.push(Finding::EndpointsLeft);
     }
     let slices = snapshot.slices.iter().chain(&snapshot.unlabelled);
-    for (name, manager) in foreign_slices(target, slices) {
-        if memory.warned_foreign.insert(name.clone()) {
-            plan.findings.push(Finding::ForeignSlice { name, manager });
-        }
+    let foreign: BTreeMap<String, String> = foreign_slices(target, slices).into_iter().collect();
+    for name in newly(&mut memory.warned_foreign, foreign.keys().cloned()) {
+        let manager = foreign.get(&name).cloned().unwrap_or_default();
+        plan.findings.push(Finding::ForeignSlice { name, manager });
     }
     plan.members = match &snapshot.sources {
         Sources::Leases(leases) => {
@@ -289,15 +289,10 @@ fn lease_members(
     plan.lease_problems = judged.problems;
     // One port for all members (the Endpoints have one subset): a member whose sidecar says
     // otherwise is misconfigured, and clients would miss it.
-    for member in &judged.live {
-        if let Some(port) = member.port.filter(|p| *p != target.port)
-            && memory.warned_ports.insert((member.address, port))
-        {
-            plan.findings.push(Finding::OtherPort {
-                member: member.address,
-                port,
-            });
-        }
+    let other_ports = (judged.live.iter())
+        .filter_map(|member| Some((member.address, member.port.filter(|p| *p != target.port)?)));
+    for (member, port) in newly(&mut memory.warned_ports, other_ports) {
+        plan.findings.push(Finding::OtherPort { member, port });
     }
     plan.expired = judged.expired.iter().map(|m| m.address).collect();
     plan.next_expiry = judged.next_expiry;
@@ -393,33 +388,42 @@ fn leave_out_unusable(
         .filter(|ip| IpFamily::of(**ip) != family)
         .copied()
         .collect();
-    for member in other {
-        plan.members.remove(&member);
-        if memory.warned_family.insert(member) {
-            let note = format!(
-                "left out {member}: an {} address, but the {} Service is {} (from {source}); set \
-                 that apiserver's advertiseAddress (--advertise-address) to its {} address",
-                IpFamily::of(member).as_str(),
-                plan.target.service_name,
-                family.as_str(),
-                family.as_str()
-            );
-            plan.findings.push(Finding::WrongFamily { member, note });
-        }
+    for member in &other {
+        plan.members.remove(member);
     }
-    memory
-        .warned_family
-        .retain(|ip| IpFamily::of(*ip) != family);
+    for member in newly(&mut memory.warned_family, other) {
+        let note = format!(
+            "left out {member}: an {} address, but the {} Service is {} (from {source}); set \
+             that apiserver's advertiseAddress (--advertise-address) to its {} address",
+            IpFamily::of(member).as_str(),
+            plan.target.service_name,
+            family.as_str(),
+            family.as_str()
+        );
+        plan.findings.push(Finding::WrongFamily { member, note });
+    }
     let rejected: Vec<(IpAddr, &'static str)> = (plan.members.iter())
         .filter_map(|ip| endpoint_ip_problem(ip).map(|why| (*ip, why)))
         .collect();
-    for (member, why) in rejected {
-        plan.members.remove(&member);
-        if memory.warned_invalid.insert(member) {
-            plan.findings.push(Finding::Rejected { member, why });
-        }
+    for (member, _) in &rejected {
+        plan.members.remove(member);
+    }
+    let why: BTreeMap<IpAddr, &'static str> = rejected.into_iter().collect();
+    for member in newly(&mut memory.warned_invalid, why.keys().copied()) {
+        let why = why.get(&member).copied().unwrap_or_default();
+        plan.findings.push(Finding::Rejected { member, why });
     }
     family
+}
+
+/// The items of `current` that `warned` does not hold, which then holds `current`: each is
+/// warned about when it appears, again only after it cleared and came back, and `warned` never
+/// holds more than what the pass found (names and addresses come from the cluster).
+fn newly<K: Ord + Clone>(warned: &mut BTreeSet<K>, current: impl IntoIterator<Item = K>) -> Vec<K> {
+    let current: BTreeSet<K> = current.into_iter().collect();
+    let new = current.difference(warned).cloned().collect();
+    *warned = current;
+    new
 }
 
 /// Who the endpoints list now: the Endpoints' addresses, or with slices only, the slices'.
@@ -472,7 +476,9 @@ fn writes(
 mod tests {
     use super::*;
 
-    /// A slice another controller keeps is named once, however many passes meet it.
+    /// A slice another controller keeps is named once, however many passes meet it, and again
+    /// once it was gone and came back; what is remembered is what the last pass found, however
+    /// many names come and go.
     #[test]
     fn a_foreign_slice_is_reported_once() {
         let target = EndpointsTarget {
@@ -530,6 +536,39 @@ mod tests {
             Instant::now(),
         );
         assert!(again.findings.is_empty(), "{:?}", again.findings);
+
+        let mut snapshot = snapshot;
+        for n in 0..100 {
+            snapshot.slices[0].metadata.name = Some(format!("kubernetes-churn-{n}"));
+            let pass = plan(
+                &snapshot,
+                &mut memory,
+                &section,
+                &target,
+                now,
+                Instant::now(),
+            );
+            assert_eq!(pass.findings.len(), 1, "{:?}", pass.findings);
+        }
+        assert_eq!(
+            memory.warned_foreign.len(),
+            1,
+            "only the last pass's names are kept"
+        );
+        snapshot.slices[0].metadata.name = Some("kubernetes-x7k2p".into());
+        let back = plan(
+            &snapshot,
+            &mut memory,
+            &section,
+            &target,
+            now,
+            Instant::now(),
+        );
+        assert!(
+            matches!(back.findings.as_slice(), [Finding::ForeignSlice { name, .. }] if name == "kubernetes-x7k2p"),
+            "named again once back: {:?}",
+            back.findings
+        );
     }
 
     #[test]
