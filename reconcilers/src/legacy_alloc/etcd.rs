@@ -672,42 +672,34 @@ impl EtcdStore {
     /// Reconnects with backoff, forever.
     pub fn watch(&self, key: String, cache: KeyCache) -> BoxStream<'static, ()> {
         let store = self.clone();
-        let state = (
-            store,
-            key,
-            cache,
-            None,
-            new_backoff(),
-            RepeatedFailure::default(),
-        );
+        let state = (store, key, cache, None, Restarts::default());
         futures::stream::unfold(
             state,
-            |(store, key, cache, mut stream, mut backoff, mut failure)| async move {
+            |(store, key, cache, mut stream, mut restarts)| async move {
                 loop {
                     let Some(watch) = stream.as_mut() else {
                         match store.establish(&key, &cache).await {
                             Ok(watch) => {
                                 debug!(key, "watching the etcd key");
                                 stream = Some(watch);
-                                backoff = new_backoff();
-                                failure.succeeded();
-                                return Some(((), (store, key, cache, stream, backoff, failure)));
-                            }
-                            Err(err) if failure.is_new(&err) => {
-                                warn!(key, error = %err, "cannot watch the etcd key; retrying (the same failure again is logged at debug level)");
+                                restarts.established(tokio::time::Instant::now());
+                                return Some(((), (store, key, cache, stream, restarts)));
                             }
                             Err(err) => {
-                                debug!(key, error = %err, "cannot watch the etcd key, again");
+                                let wait = restarts.ended(tokio::time::Instant::now(), &err);
+                                if wait.warn {
+                                    warn!(key, error = %err, "cannot watch the etcd key; retrying (the same failure again is logged at debug level)");
+                                } else {
+                                    debug!(key, error = %err, "cannot watch the etcd key, again");
+                                }
+                                tokio::time::sleep(wait.pause).await;
                             }
                         }
-                        tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(30))).await;
                         continue;
                     };
-                    match watch.next().await {
+                    let ended = match watch.next().await {
                         Some(Ok(response)) if response.canceled => {
-                            warn!(key, reason = response.cancel_reason, "etcd canceled the watch; re-establishing it");
-                            cache.watched(false, None);
-                            stream = None;
+                            format!("etcd canceled the watch: {}", response.cancel_reason)
                         }
                         Some(Ok(response)) if !response.events.is_empty() => {
                             for event in response.events {
@@ -720,20 +712,23 @@ impl EtcdStore {
                                     cache.watched(true, Some(value));
                                 }
                             }
-                            return Some(((), (store, key, cache, stream, backoff, failure)));
+                            return Some(((), (store, key, cache, stream, restarts)));
                         }
-                        Some(Ok(_)) => {}
+                        Some(Ok(_)) => continue,
                         Some(Err(err)) => {
-                            warn!(key, code = ?err.code(), error = err.message(), "the etcd watch failed; re-establishing it");
-                            cache.watched(false, None);
-                            stream = None;
+                            format!("the etcd watch failed: {:?}: {}", err.code(), err.message())
                         }
-                        None => {
-                            debug!(key, "the etcd watch ended; re-establishing it");
-                            cache.watched(false, None);
-                            stream = None;
-                        }
+                        None => "the etcd watch ended".to_owned(),
+                    };
+                    cache.watched(false, None);
+                    stream = None;
+                    let wait = restarts.ended(tokio::time::Instant::now(), &ended);
+                    if wait.warn {
+                        warn!(key, reason = %ended, "the etcd watch ended; re-establishing it (the same again is logged at debug level)");
+                    } else {
+                        debug!(key, reason = %ended, "the etcd watch ended again; re-establishing it");
                     }
+                    tokio::time::sleep(wait.pause).await;
                 }
             },
         )
@@ -870,10 +865,106 @@ fn new_backoff() -> backon::ExponentialBackoff {
     crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(30)).build()
 }
 
+/// How long a watch must have run before its end counts as a fresh start rather than one more
+/// failure: an etcd (a tenant's) that takes every watch and then cancels it, fails it or closes
+/// it at once would otherwise be asked again at once, for ever, one warning each time.
+const HEALTHY_WATCH: Duration = Duration::from_secs(60);
+
+/// When to set a watch up again, and whether to warn: the backoff and the repeated-failure
+/// guard go back to their start only after a watch ran for [`HEALTHY_WATCH`].
+#[derive(Debug)]
+struct Restarts {
+    backoff: backon::ExponentialBackoff,
+    failure: RepeatedFailure,
+    since: Option<tokio::time::Instant>,
+}
+
+impl Default for Restarts {
+    fn default() -> Self {
+        Restarts {
+            backoff: new_backoff(),
+            failure: RepeatedFailure::default(),
+            since: None,
+        }
+    }
+}
+
+/// What to do after a watch ended or could not be set up.
+#[derive(Debug, PartialEq)]
+struct Restart {
+    warn: bool,
+    pause: Duration,
+}
+
+impl Restarts {
+    fn established(&mut self, now: tokio::time::Instant) {
+        self.since = Some(now);
+    }
+
+    /// The watch (or its set-up) ended at `now` with `why`.
+    fn ended(&mut self, now: tokio::time::Instant, why: &impl std::fmt::Display) -> Restart {
+        let ran = self
+            .since
+            .take()
+            .is_some_and(|since| now.saturating_duration_since(since) >= HEALTHY_WATCH);
+        if ran {
+            self.backoff = new_backoff();
+            self.failure.succeeded();
+        }
+        Restart {
+            warn: self.failure.is_new(why),
+            pause: match ran {
+                true => Duration::ZERO,
+                false => self.backoff.next().unwrap_or(Duration::from_secs(30)),
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// An etcd that takes every watch and ends it at once is asked again later and later, warned
+    /// about once; a watch that ran for a while starts the backoff and the warning afresh.
+    #[test]
+    fn watches_that_end_at_once_back_off_and_warn_once() {
+        let mut restarts = Restarts::default();
+        let start = tokio::time::Instant::now();
+        let mut now = start;
+        let mut pauses = Vec::new();
+        let mut warnings = 0;
+        for _ in 0..12 {
+            restarts.established(now);
+            let restart = restarts.ended(now, &"etcd canceled the watch: compacted");
+            warnings += usize::from(restart.warn);
+            pauses.push(restart.pause);
+            now += restart.pause;
+        }
+        assert_eq!(warnings, 1);
+        assert!(pauses.iter().all(|pause| !pause.is_zero()), "{pauses:?}");
+        assert!(
+            pauses.last() >= Some(&Duration::from_secs(10)),
+            "the pauses grow towards the backoff's 30 s: {pauses:?}"
+        );
+        // A set-up that fails without a watch counts the same.
+        let failed = restarts.ended(now, &"connection refused");
+        assert!(failed.warn && !failed.pause.is_zero(), "{failed:?}");
+        // A watch that ran for a minute: the next starts at once, its end warned about again.
+        restarts.established(now);
+        let healthy = restarts.ended(now + HEALTHY_WATCH, &"connection refused");
+        assert_eq!(
+            healthy,
+            Restart {
+                warn: true,
+                pause: Duration::ZERO
+            }
+        );
+        restarts.established(now + HEALTHY_WATCH);
+        let quick = restarts.ended(now + HEALTHY_WATCH, &"connection refused");
+        assert!(!quick.warn && !quick.pause.is_zero(), "{quick:?}");
+    }
 
     /// The watch may bring another writer's value, just after ours, before our write's answer:
     /// the answer does not take the cache back to ours.
