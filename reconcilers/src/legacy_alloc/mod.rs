@@ -455,9 +455,12 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                     .await
                 }
             };
-            if matches!(finding, BitmapFinding::RangeMismatch(_)) {
+            if let BitmapFinding::RangeMismatch(stored) = &finding {
                 match published {
-                    Ok(()) => outlet.count("rangeMismatch"),
+                    Ok(()) => {
+                        warn!(key = self.key.as_str(), stored, configured = %self.range, "{note}");
+                        outlet.count("rangeMismatch");
+                    }
                     Err(err) => {
                         self.reported.forget(&finding);
                         unpublished.get_or_insert(err);
@@ -531,9 +534,10 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                 );
                 None
             }
+            // Logged once its event is published (`tell`): a refused event makes the next pass
+            // find it anew.
             BitmapFinding::RangeMismatch(stored) => {
                 let note = self.range_mismatch_note(stored);
-                warn!(key, stored, configured = %self.range, "{note}");
                 Some((kubernetes, format!("{bitmap_name}RangeMismatch"), note))
             }
             // The bitmap rebuilt under the configured range (or its range filled in).
