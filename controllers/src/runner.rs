@@ -555,6 +555,9 @@ impl LoopTask {
             before.last_error.as_deref(),
             before.consecutive_failures,
         ) {
+            FailureLog::Warn if matches!(reason, PassError::Panicked(_)) => {
+                error!(error = %message, retry_in = ?delay, "pass panicked; retrying with backoff (the same panic again is logged at debug level)")
+            }
             FailureLog::Warn => {
                 warn!(error = %message, retry_in = ?delay, "pass failed; retrying with backoff (the same failure again is logged at debug level)")
             }
@@ -826,8 +829,9 @@ async fn run_pass(
             metrics.panic(name);
             metrics.error(name, "panic");
             let message = Sanitized::new(&panic_message(&*panic)).into_string();
-            // Neutral on what follows: `run` retries, `check` reports it and does not.
-            error!(panic = %message, "pass panicked");
+            // Reported by what follows, once: `run` logs it as it retries (at error level when it
+            // is new), `check` prints it in its result.
+            debug!(panic = %message, "pass panicked");
             Err(PassError::Panicked(message))
         }
     }
@@ -1792,6 +1796,32 @@ mod tests {
         fn text(&self) -> String {
             String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
         }
+    }
+
+    /// A pass that panics on every retry is logged once, at error level, with its message.
+    #[tokio::test]
+    async fn a_pass_that_keeps_panicking_is_logged_once() {
+        let captured = Captured::default();
+        let _guard = tracing::subscriber::set_default(captured.subscriber());
+        let panicky = Arc::new(Fake::new("panicky").script(&[
+            Step::Panic,
+            Step::Panic,
+            Step::Panic,
+            Step::Succeed,
+        ]));
+        let harness = start(vec![panicky.clone()], options(), true);
+        eventually("recovered after three panics", || {
+            panicky.finished.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        drop(harness);
+        let log = captured.text();
+        let panics: Vec<&str> = log.lines().filter(|l| l.contains("panicked")).collect();
+        assert_eq!(panics.len(), 1, "{log}");
+        assert!(
+            panics[0].contains(" ERROR ") && panics[0].contains("scripted panic"),
+            "{log}"
+        );
     }
 
     /// Every repair is one info line of one shape: the loop, the object, what it was and what it
