@@ -23,7 +23,7 @@
 //! tenants last known keep running.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -276,7 +276,7 @@ pub fn spawn(
         records: Listed::default(),
         unclaimed: HashMap::new(),
         recording: HashMap::new(),
-        record_errors: Arc::new(Mutex::new(None)),
+        record_errors: Arc::default(),
         conflicts: HashMap::new(),
         acked: None,
         leadership: ownership.leadership.clone(),
@@ -327,7 +327,7 @@ struct Manager {
     /// Records being written or deleted, by name, with when: retried after [`RECORD_RETRY`].
     recording: HashMap<String, Instant>,
     /// The last error writing a record, logged once.
-    record_errors: Arc<Mutex<Option<String>>>,
+    record_errors: Arc<records::RecordErrors>,
     /// Tenants refused for their etcd (keys another tenant keeps, or an etcd that could not be
     /// asked), reported once per version and reason.
     conflicts: HashMap<String, (Spec, Sanitized)>,
@@ -616,6 +616,8 @@ impl Manager {
             }
             return Entry::Invalid(reason);
         }
+        // Refused no longer: the same refusal coming back is reported again.
+        self.conflicts.remove(key);
         if !view.settled {
             return Entry::Waiting("the hand-over");
         }
@@ -744,16 +746,17 @@ impl Manager {
     /// What happens when a tenant's caches would go over their budget: its client pauses as for
     /// a broken bound (every request fails at once until the pause ends, so its loops neither
     /// read nor write on what they no longer hold), `/readyz` says so, and the Secret gets one
-    /// Warning event per runtime (a breach repeats after each pause while the tenant is too
-    /// large; the event would only repeat too).
+    /// Warning event until its caches list within their budget again (`reported`, which the
+    /// recovery clears; a breach repeats after each pause while the tenant is too large, and the
+    /// event would only repeat too).
     fn over_budget(
         &self,
         key: &str,
         spec: &Spec,
         limits: crate::limits::LimitLayer,
         health: Health,
+        reported: Arc<std::sync::atomic::AtomicBool>,
     ) -> reconcilers::budget::BreachHook {
-        let reported = std::sync::atomic::AtomicBool::new(false);
         let warn_on_secret = self.secret_events(spec);
         let key = key.to_owned();
         Arc::new(move |breach: &reconcilers::budget::Breach| {
@@ -829,10 +832,18 @@ impl Manager {
             crate::runner::build_runner(&config, &client, load_kubeconfig, &budget, &mut metrics);
         let health = runner.health();
         limits.on_breach(self.api_over_limit(key, spec));
-        budget.on_breach(self.over_budget(key, spec, limits, health.clone()));
+        let over_budget_reported = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        budget.on_breach(self.over_budget(
+            key,
+            spec,
+            limits,
+            health.clone(),
+            over_budget_reported.clone(),
+        ));
         budget.on_recovery({
             let health = health.clone();
             Arc::new(move || {
+                over_budget_reported.store(false, std::sync::atomic::Ordering::Release);
                 health.set_check(
                     BUDGET_CHECK,
                     CheckState::Passing("its caches listed within their budget again".to_owned()),

@@ -152,11 +152,14 @@ impl Manager {
     }
 }
 
+/// The last failure of each record's write or deletion, by record name, until it succeeds.
+pub(super) type RecordErrors = Mutex<HashMap<String, String>>;
+
 /// Logs how a record's write or deletion ended: a conflict or a record already gone is a race
-/// with another replica, settled on the next try; other errors are warned once until another
-/// comes.
+/// with another replica, settled on the next try; another error is warned about once for its
+/// record until that record's write succeeds or fails otherwise.
 fn report_record(
-    errors: &Mutex<Option<String>>,
+    errors: &RecordErrors,
     name: &str,
     what: &str,
     result: Result<Result<(), kube::Error>, tokio::time::error::Elapsed>,
@@ -164,6 +167,10 @@ fn report_record(
     let message = match result {
         Ok(Ok(())) => {
             debug!(record = %name, "etcd-claim record {what} done");
+            errors
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(name);
             return;
         }
         Ok(Err(err))
@@ -171,14 +178,77 @@ fn report_record(
                 || (lease::status_code(&err) == Some(404) && what == "delete") =>
         {
             debug!(record = %name, error = %err, "etcd-claim record {what} raced another writer; tried again later");
+            errors
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(name);
             return;
         }
         Ok(Err(err)) => err.to_string(),
         Err(_) => format!("no answer within {} s", RECORD_TIMEOUT.as_secs()),
     };
     let mut last = errors.lock().unwrap_or_else(|p| p.into_inner());
-    if last.as_deref() != Some(message.as_str()) {
-        warn!(record = %name, error = %message, "cannot {what} an etcd-claim record; tried again in {} s", RECORD_RETRY.as_secs());
-        *last = Some(message);
+    if last.get(name) != Some(&message) {
+        warn!(record = %name, error = %message, "cannot {what} an etcd-claim record; tried again in {} s (the same failure again is logged at debug level)", RECORD_RETRY.as_secs());
+        last.insert(name.to_owned(), message);
+    } else {
+        debug!(record = %name, error = %message, "cannot {what} an etcd-claim record, again");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn refused(record: &str) -> Result<Result<(), kube::Error>, tokio::time::error::Elapsed> {
+        let status =
+            kube::core::Status::failure(&format!("leases \"{record}\" is forbidden"), "Forbidden")
+                .with_code(403)
+                .boxed();
+        Ok(Err(kube::Error::Api(status)))
+    }
+
+    /// Two records refused in turn are each warned about once, not at every retry; a record
+    /// whose write then succeeds is warned about again when it fails again.
+    #[test]
+    fn each_records_failure_is_warned_about_once_until_it_succeeds() {
+        let captured = std::sync::Arc::new(Mutex::new(Vec::<u8>::new()));
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(move || CapturedWriter(writer.clone()))
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let errors = RecordErrors::default();
+        for _ in 0..5 {
+            report_record(&errors, "a", "write", refused("a"));
+            report_record(&errors, "b", "write", refused("b"));
+        }
+        let warnings = || {
+            String::from_utf8(captured.lock().unwrap().clone())
+                .unwrap()
+                .lines()
+                .filter(|line| line.contains(" WARN "))
+                .count()
+        };
+        assert_eq!(warnings(), 2);
+        report_record(&errors, "a", "write", Ok(Ok(())));
+        report_record(&errors, "a", "write", refused("a"));
+        assert_eq!(warnings(), 3);
+        assert_eq!(errors.lock().unwrap().len(), 2);
+    }
+
+    struct CapturedWriter(std::sync::Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for CapturedWriter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 }
