@@ -43,7 +43,11 @@ pub async fn emit(
     let recorder = Recorder::new(client.clone(), reporter.clone());
     publish(&recorder, reference, type_, reason, action, note)
         .await
-        .inspect_err(|err| cannot_publish(true, reason, reference, err))
+        .inspect_err(|err| {
+            let object = reference.name.as_deref().unwrap_or("");
+            let error = crate::sanitize::Sanitized::new(&err.to_string());
+            warn!(reason, object, %error, "cannot publish event");
+        })
 }
 
 /// [`emit`] through `recorder`, which a repair keeps for its loop's life, so a finding that
