@@ -135,6 +135,10 @@ pub struct ClusterIpRepairLoop {
     /// every pass (a repair the API keeps refusing is found again on every pass), and one this
     /// loop only reports (a duplicate or out-of-range cluster IP) gets its event then.
     reported: crate::findings::ReportOnce<FindingKey>,
+    /// The findings a live read could not confirm in the last pass that finished: one that
+    /// stays so (an API answering the caches' watches but failing the reads) is logged and
+    /// counted when it is first deferred, not every time it is looked at again.
+    deferred: crate::findings::ReportOnce<FindingKey>,
 }
 
 /// A finding: its problem, the object and the sentence.
@@ -214,6 +218,7 @@ impl ClusterIpRepairLoop {
                 section.interval,
             ),
             reported: crate::findings::ReportOnce::new(),
+            deferred: crate::findings::ReportOnce::new(),
             recorder: SeriesRecorder::new(client.clone(), reporter),
             ip_addresses: WatchCache::every(client.clone(), section.page_size, &budget),
             service_cidrs,
@@ -456,6 +461,7 @@ impl ClusterIpRepairLoop {
         let mut report = PassReport::default();
         let mut first_error: Option<LoopError> = None;
         let appeared = self.appeared(&findings);
+        let mut deferred = Vec::new();
         let mut findings = findings.into_iter();
         while let Some(finding) = findings.next() {
             // A cache emptied during the pass (its tenant paused over budget, a relist begun)
@@ -485,6 +491,7 @@ impl ClusterIpRepairLoop {
                 }
                 Verdict::Unknown(why) => {
                     report.push(self.unconfirmed(served, &finding, &key, &why));
+                    deferred.push(key);
                     continue;
                 }
             }
@@ -539,6 +546,7 @@ impl ClusterIpRepairLoop {
                 )),
             }
         }
+        self.deferred.update(deferred);
         match first_error {
             Some(err) => Err(err),
             None => Ok(report),
@@ -581,19 +589,28 @@ impl ClusterIpRepairLoop {
     fn unconfirmed(&self, served: Served, finding: &Finding, key: &FindingKey, why: &str) -> Drift {
         // Counted (and reported, for a report-only one) by the pass that confirms it.
         self.reported.forget(key);
+        let again = self.deferred.is_present(key);
         if served == Served::NoIpAddressApi {
-            info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; reported when a pass can");
+            if again {
+                debug!(object = %finding.regarding.object(), %why, "cannot confirm a finding live, again");
+            } else {
+                info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; reported when a pass can");
+            }
             return drift_of(finding, false, None);
         }
         self.wakeup
             .schedule(tokio::time::Instant::now() + DEFERRAL_RETRY);
-        if finding.repair.deletes() {
-            self.metrics
-                .deferred_deletes
-                .get_or_create(&[("reason", "verify_failed")])
-                .inc();
+        if again {
+            debug!(object = %finding.regarding.object(), %why, "cannot confirm a finding live, again; deferred");
+        } else {
+            if finding.repair.deletes() {
+                self.metrics
+                    .deferred_deletes
+                    .get_or_create(&[("reason", "verify_failed")])
+                    .inc();
+            }
+            info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; deferred");
         }
-        info!(object = %finding.regarding.object(), %why, "cannot confirm a finding live; deferred");
         drift_of(finding, false, Some(format!("deferred: {why}")))
     }
 
