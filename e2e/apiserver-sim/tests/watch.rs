@@ -266,11 +266,12 @@ async fn watcher_relists_after_gone() {
     sim.shutdown().await;
 }
 
-/// A small window makes live watches fall behind and get 410; the watcher still converges.
+/// A watch window of 3 events (what the simulator keeps to resume a watch from): the watcher
+/// converges on 30 objects created in a row, whether or not one of its watches fell behind and
+/// was answered 410 on the way (`watcher_relists_after_gone` makes sure of the 410 path).
 #[tokio::test]
 async fn watcher_converges_with_tiny_window() {
     let (sim, api) = with_watch_window(3).await;
-    // Errors (410s) are expected; the watcher recovers by itself on the next poll.
     let (reader, task) = reflect(&api, watcher::Config::default());
     for i in 0..30 {
         create(&api, &format!("c{i}")).await;
