@@ -122,19 +122,6 @@ impl ApiserverEndpointsLoop {
             .filter(|d| d.applied)
             .filter(|d| plan.change.is_empty() || !MEMBERSHIP_KINDS.contains(&d.kind))
             .collect();
-        // The writers named are those of this pass's repairs: a fight that stopped is forgotten,
-        // so a writer coming back is named again, and the set holds no more than one pass's.
-        let current: BTreeSet<(String, String)> = (repairs.iter())
-            .filter_map(|d| Some((d.object.clone(), plan.writers.get(&d.object)?.clone())))
-            .collect();
-        let writers: Vec<(String, String)> = match self.named_writers.lock() {
-            Ok(mut named) => {
-                let new = current.difference(&named).cloned().collect();
-                *named = current;
-                new
-            }
-            Err(_) => Vec::new(),
-        };
         if repairs.is_empty() {
             return;
         }
@@ -151,6 +138,14 @@ impl ApiserverEndpointsLoop {
         note.truncate(1000);
         self.publish(reference, EventType::Normal, "EndpointsRepaired", note)
             .await;
+        let writers: BTreeSet<(String, String)> = (repairs.iter())
+            .filter_map(|d| Some((d.object.clone(), plan.writers.get(&d.object)?.clone())))
+            .filter(|pair| {
+                self.named_writers
+                    .lock()
+                    .is_ok_and(|mut named| named.insert(pair.clone()))
+            })
+            .collect();
         for (object, manager) in writers {
             let why = format!(
                 "{object} was last written by {manager:?} (its field manager), not by this \
