@@ -32,6 +32,10 @@ const MEMBERSHIP_KINDS: [&str; 7] = [
     "endpoints_missing",
 ];
 
+/// The most (object, field manager) pairs remembered as named: a fight comes back to the same
+/// few, and the bound keeps a cluster that names new ones without end from growing the set.
+const MAX_NAMED_WRITERS: usize = 64;
+
 impl ApiserverEndpointsLoop {
     /// Performs the plan's writes, unless the pass is a dry run; returns the Endpoints as
     /// written or found (what events are about) and one report line per drift (or why nothing
@@ -141,9 +145,15 @@ impl ApiserverEndpointsLoop {
         let writers: BTreeSet<(String, String)> = (repairs.iter())
             .filter_map(|d| Some((d.object.clone(), plan.writers.get(&d.object)?.clone())))
             .filter(|pair| {
-                self.named_writers
-                    .lock()
-                    .is_ok_and(|mut named| named.insert(pair.clone()))
+                self.named_writers.lock().is_ok_and(|mut named| {
+                    // Managers' names come from the cluster: a tenant's API could send new ones
+                    // without end. Past the bound the set starts afresh, so each further name
+                    // is still named once, and one named long ago may be named again.
+                    if named.len() >= MAX_NAMED_WRITERS && !named.contains(pair) {
+                        named.clear();
+                    }
+                    named.insert(pair.clone())
+                })
             })
             .collect();
         for (object, manager) in writers {
