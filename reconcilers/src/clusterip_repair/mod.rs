@@ -337,7 +337,7 @@ impl ClusterIpRepairLoop {
         self.act(ctx, Served::NoIpAddressApi, findings).await
     }
 
-    /// The report-only findings of a complete pass that were not there after the last one.
+    /// The findings of a complete pass that were not there after the last one.
     fn appeared(&self, findings: &[Finding]) -> std::collections::HashSet<FindingKey> {
         self.reported
             .update(findings.iter().map(finding_key))
