@@ -14,6 +14,7 @@ bounds only against hanging.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -198,8 +199,11 @@ def namespace_repairs(node: Node, release: str, namespace: str) -> int:
 
 
 def audit_now() -> str:
-    """An audit timestamp for now (the node shares the host's clock)."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + ".000000Z"
+    """An audit timestamp for now, to the microsecond as the audit log writes them (the node shares
+    the host's clock). Not truncated to the second: a create that landed earlier in the same
+    second (the last round's repair) would then count as one made after it."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 state: dict = {}
