@@ -128,7 +128,7 @@ sidecar_wait_listed "${addresses[@]}"
 say "${#sidecars[@]} sidecar(s) restarted with repair intervals of $interval"
 
 # --- what the run starts with: the check tells the tests' objects by it ---
-since=$(date -u +%Y-%m-%dT%H:%M:%S.000000Z)
+since=$(date -u +%Y-%m-%dT%H:%M:%S.%6NZ)
 kubectl get namespaces -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' >"$out/namespaces-before"
 kubectl get ipaddresses -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' >"$out/ipaddresses-before"
 python3 - "$since" "$out/namespaces-before" "$out/ipaddresses-before" >"$out/before.json" <<'EOF'
