@@ -285,6 +285,33 @@ async fn cluster_ip_mismatch_is_reported_never_fixed_by_default() {
     })
     .await;
     assert_eq!(cluster_ip(&sim).await.as_deref(), Some("10.96.0.50"));
+
+    // Deleted and created again with the same wrong IP: another Service, another finding.
+    let old_uid = uid(&sim).await;
+    sim.backdoor()
+        .delete("services", "default", "kubernetes")
+        .unwrap();
+    plant_wrong_ip(&sim);
+    let new_uid = uid(&sim).await;
+    assert_ne!(old_uid, new_uid);
+    // Until the loop's cache has both the delete and the create, a pass may try a create of its
+    // own, which the API refuses as the Service exists.
+    eventually("a second ClusterIPMismatch warning", || async {
+        l.reconcile(&ctx(&sim, false)).await.unwrap();
+        events_of_reason(&sim, "ClusterIPMismatch") == 2
+    })
+    .await;
+    for _ in 0..5 {
+        let report = l.reconcile(&ctx(&sim, false)).await.unwrap();
+        assert_eq!(report.drift.len(), 1, "{report:?}");
+    }
+    assert_eq!(events_of_reason(&sim, "ClusterIPMismatch"), 2);
+    assert_eq!(uid(&sim).await, new_uid);
+    assert_eq!(cluster_ip(&sim).await.as_deref(), Some("10.96.0.50"));
+}
+
+async fn uid(sim: &Sim) -> Option<String> {
+    api(sim).get("kubernetes").await.unwrap().metadata.uid
 }
 
 #[tokio::test]

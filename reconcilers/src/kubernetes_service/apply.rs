@@ -217,7 +217,7 @@ impl KubernetesServiceLoop {
         Ok(refused)
     }
 
-    /// The clusterIP: immutable, so reported once per distinct mismatch, or (opted in) the
+    /// The clusterIP: immutable, so reported once per Service (uid) and mismatch, or (opted in) the
     /// Service deleted, by its uid and resourceVersion, and created anew.
     #[allow(clippy::too_many_arguments)]
     async fn cluster_ip(
@@ -247,8 +247,14 @@ impl KubernetesServiceLoop {
             return Ok(refused);
         }
 
-        // Keyed by its text, which names the IPs found and wanted.
-        if !self.mismatches.update([mismatch.to_string()]).is_empty() {
+        // Keyed by the Service's uid and the text, which names the IPs found and wanted: a
+        // Service deleted and created again with the same wrong IP is a new finding.
+        let uid = existing.metadata.uid.as_deref().unwrap_or_default();
+        if !self
+            .mismatches
+            .update([format!("{uid} {mismatch}")])
+            .is_empty()
+        {
             tracing::warn!(service = %object, drift = %mismatch, "the kubernetes Service has the wrong clusterIP");
             if !ctx.dry_run {
                 self.publish(

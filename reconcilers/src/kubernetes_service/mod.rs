@@ -16,7 +16,7 @@
 //! lead nowhere. A Service someone else made dual-stack is left so (only its primary IP is judged).
 //!
 //! Events on the Service: `KubernetesServiceCreated`, `KubernetesServiceRepaired`,
-//! `ClusterIPMismatch` (Warning, once per distinct mismatch), `KubernetesServiceRecreated`
+//! `ClusterIPMismatch` (Warning, once per Service and mismatch), `KubernetesServiceRecreated`
 //! (Warning, opt-in only), `KubernetesServiceCreateRefused` and `KubernetesServiceRepairRefused`
 //! (Warning, once per distinct refusal: the API answered 422 to the write). RBAC: `services`
 //! get/list/watch/create/update in the Service namespace (plus delete for
@@ -75,7 +75,8 @@ pub struct KubernetesServiceLoop {
     /// of its own).
     reporter: Reporter,
     metrics: KubernetesServiceMetrics,
-    /// The clusterIP mismatch warned about, so the warning event is not repeated every pass.
+    /// The clusterIP mismatch warned about (the Service's uid and the mismatch), so the warning
+    /// event is not repeated every pass.
     mismatches: ReportOnce<String>,
     /// Writes the API refused, reported once each while the refusal lasts.
     refusals: ReportOnce<Refusal>,
