@@ -194,7 +194,7 @@ impl Controller {
         cancel: CancellationToken,
     ) -> (tokio::task::JoinHandle<()>, Directory) {
         let directory = Directory::default();
-        let metrics = TenantMetrics::register(registry);
+        let metrics = TenantMetrics::register(registry, base.tenants.secrets_total_bytes());
         let pools = tenants::Pools::new(base.tenants.cache_total_bytes(), registry);
         let election = config.election();
         let shards_cancel = CancellationToken::new();

@@ -401,7 +401,7 @@ async fn config_md_documents_every_metric() {
     assert!(loops.len() >= 7, "every loop is built");
     // Management mode's own: the tenant manager's, the pools', and (in a registry of its own, as
     // each tenant has) a tenant's limited cache budget.
-    bootstrap_controller::tenants::TenantMetrics::register(&mut registry);
+    bootstrap_controller::tenants::TenantMetrics::register(&mut registry, 64 * 1024 * 1024);
     bootstrap_controller::tenants::Pools::new(1 << 20, &mut registry);
     let mut tenant = new_registry();
     reconcilers::budget::CacheBudget::new(

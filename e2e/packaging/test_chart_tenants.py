@@ -211,10 +211,11 @@ def test_settings_reach_the_container_as_the_binarys_environment(case, env):
     args, rendered = container_args(objects(values))
     assert args == ["run"]
     tenants = {k: v for k, v in rendered.items() if k.startswith("BOOTSTRAP_TENANTS_")}
-    # The cache budget is always given in management mode, at the chart's defaults here.
+    # The budgets are always given in management mode, at the chart's defaults here.
     assert tenants == {**env, "BOOTSTRAP_TENANTS_CACHE_MAX_OBJECTS": "50000",
                        "BOOTSTRAP_TENANTS_CACHE_MAX_MIB": "32",
-                       "BOOTSTRAP_TENANTS_CACHE_TOTAL_MIB": "96"}
+                       "BOOTSTRAP_TENANTS_CACHE_TOTAL_MIB": "96",
+                       "BOOTSTRAP_TENANTS_SECRETS_TOTAL_MIB": "8"}
 
 
 def test_cache_budgets_reach_the_binary_through_the_configuration_file(tmp_path):

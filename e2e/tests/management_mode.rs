@@ -841,6 +841,130 @@ async fn many_hostile_tenants_together_stay_within_the_total_of_every_tenants_ca
     Ok(())
 }
 
+/// Pads tenant `i`'s kubeconfig with a YAML comment of `bytes` bytes, as a Secret's writer may.
+async fn pad_kubeconfig(secrets: &Api<Secret>, i: usize, bytes: usize) -> Result<()> {
+    let mut secret = secrets.get(&secret_name(i)).await?;
+    let data = secret.data.get_or_insert_with(Default::default);
+    let kubeconfig = data.get_mut("value").context("no kubeconfig under value")?;
+    kubeconfig.0.extend_from_slice(b"\n# ");
+    kubeconfig.0.extend(std::iter::repeat_n(b'x', bytes));
+    kubeconfig.0.push(b'\n');
+    secrets
+        .replace(&secret_name(i), &PostParams::default(), &secret)
+        .await?;
+    Ok(())
+}
+
+/// The tenant Secrets' data has a budget (`--tenants-secrets-total-mib`): the Secret that would
+/// take it over is held without its data and its tenant not run, alone, with one
+/// `TenantOverBudget` event naming the flag, while the others run; once another Secret is
+/// deleted the Secrets are listed again and it starts; and a running tenant whose Secret grows
+/// over the budget is the one stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_over_the_secrets_budget_is_held_without_its_data_alone() -> Result<()> {
+    const PAD: usize = 600 * 1024;
+    let fleet = fleet(3).await?;
+    let management = fleet.management().client();
+    let secrets: Api<Secret> = Api::namespaced(management.clone(), "tenants");
+    // Listed by name, tenant 0 (about 1 KiB) and tenant 1 (600 KiB) fit in 1 MiB; tenant 2
+    // (600 KiB) would take them over it.
+    pad_kubeconfig(&secrets, 1, PAD).await?;
+    pad_kubeconfig(&secrets, 2, PAD).await?;
+    let mut controller = ControllerProcess::start(
+        fleet.management().kubeconfig_path(),
+        &management_args(&["--leader-elect=false", "--tenants-secrets-total-mib", "1"]),
+    )?;
+    controller.wait_ready().await?;
+    wait_converged(&fleet, &[0, 1]).await?;
+    let events: Api<Event> = Api::namespaced(management.clone(), "tenants");
+    let over_budget = async |i: usize| -> Result<Option<()>> {
+        let notes: Vec<String> = events
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("TenantOverBudget"))
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.clone()) == Some(secret_name(i)))
+            .filter_map(|e| e.note)
+            .collect();
+        ensure!(
+            notes
+                .iter()
+                .all(|n| n.contains("--tenants-secrets-total-mib")),
+            "{notes:?}"
+        );
+        Ok((!notes.is_empty()).then_some(()))
+    };
+    eventually("TenantOverBudget on tenant 2's Secret", CONVERGE, || {
+        over_budget(2)
+    })
+    .await?;
+    ensure!(
+        over_budget_secrets(&events).await? == BTreeSet::from([secret_name(2)]),
+        "only tenant 2 is over the budget"
+    );
+    ensure!(
+        writes(fleet.tenant(2).context("tenant")?).is_empty(),
+        "the shed tenant was written"
+    );
+    let metric = |metrics: &str, name: &str| -> Result<f64> {
+        let line = metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{name} ")))
+            .with_context(|| format!("no {name} in\n{metrics}"))?;
+        Ok(line.trim().parse()?)
+    };
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    let held = metric(&metrics, "bootstrap_tenant_secret_bytes")?;
+    ensure!(
+        held > PAD as f64 && held <= 1024.0 * 1024.0,
+        "held {held} bytes"
+    );
+    ensure!(metric(&metrics, "bootstrap_tenant_secret_limit_bytes")? == 1024.0 * 1024.0);
+    ensure!(metric(&metrics, "bootstrap_tenant_secrets_shed_total")? == 1.0);
+
+    // Tenant 1 deleted: room for tenant 2, brought back by a list (at most a minute after the
+    // last).
+    secrets
+        .delete(&secret_name(1), &DeleteParams::default())
+        .await?;
+    eventually(
+        "tenant 2 started once tenant 1 made room",
+        Duration::from_secs(120),
+        || async { Ok(converged(fleet.tenant(2).context("tenant")?).then_some(())) },
+    )
+    .await?;
+    ensure!(
+        controller.log().contains("listing them again"),
+        "{}",
+        controller.log()
+    );
+
+    // Tenant 0 grows over the budget beside tenant 2: it is the one stopped, tenant 2 runs on.
+    pad_kubeconfig(&secrets, 0, PAD).await?;
+    eventually("TenantOverBudget on tenant 0's Secret", CONVERGE, || {
+        over_budget(0)
+    })
+    .await?;
+    let two = fleet.tenant(2).context("tenant")?;
+    two.backdoor().delete("namespaces", "", "kube-public")?;
+    wait_converged(&fleet, &[2]).await?;
+    let zero = fleet.tenant(0).context("tenant")?;
+    zero.backdoor().delete("namespaces", "", "kube-public")?;
+    let (_, metrics) = controller.admin_get("/metrics").await?;
+    ensure!(metric(&metrics, "bootstrap_tenant_secrets_shed_total")? == 2.0);
+    let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+    ensure!(
+        readyz.contains(&format!("[-]tenant tenants/{} not started", secret_name(0)))
+            && readyz.contains("--tenants-secrets-total-mib"),
+        "{readyz}"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(!converged(zero), "the stopped tenant 0 was repaired");
+    ensure!(controller.is_running(), "{}", controller.log());
+    Ok(())
+}
+
 /// The chart's memory limit (values.yaml, `resources.limits.memory`), in MiB.
 fn chart_memory_limit_mib() -> Result<u64> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -863,17 +987,21 @@ fn chart_memory_limit_mib() -> Result<u64> {
 /// response pool, however many of them flood; beside these the process costs what a fleet of
 /// healthy tenants costs (BENCHMARKS.md, "The shipped build": 39.4 MiB at 100 tenants), and what the
 /// tenants' servers send ahead of the reader, which no pool counts (controllers/CONFIG.md,
-/// "Tenant cache budgets"). Fails when a default changes so that the counted part no longer
+/// "Tenant cache budgets"), and the tenant Secrets' data, at most `--tenants-secrets-total-mib`
+/// however large the Secrets' writers make them. Fails when a default changes so that the counted part no longer
 /// fits the chart's limit with a fifth of it left for the rest.
 #[test]
 fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
-    use bootstrap_controller::config::{DEFAULT_TENANTS_CACHE_TOTAL_MIB, TENANT_CACHE_FLOOR_BYTES};
+    use bootstrap_controller::config::{
+        DEFAULT_TENANTS_CACHE_TOTAL_MIB, DEFAULT_TENANTS_SECRETS_TOTAL_MIB,
+        TENANT_CACHE_FLOOR_BYTES,
+    };
     use bootstrap_controller::limits::{TENANTS_RESPONSE_FLOOR_BYTES, TENANTS_RESPONSE_POOL_BYTES};
     use reconcilers::budget::pool_bounds;
     const MIB: usize = 1024 * 1024;
     const FLEET_OF_10_MIB: f64 = 20.3;
     const FLEET_OF_100_MIB: f64 = 39.4;
-    const DOCUMENTED_FLEET: u32 = 80;
+    const DOCUMENTED_FLEET: u32 = 70;
     let caches = usize::try_from(DEFAULT_TENANTS_CACHE_TOTAL_MIB)? * MIB;
     let pools = [
         (caches, TENANT_CACHE_FLOOR_BYTES),
@@ -899,7 +1027,10 @@ fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
     let worst = |tenants: f64| {
         let fleet =
             FLEET_OF_10_MIB + (tenants - 10.0) * (FLEET_OF_100_MIB - FLEET_OF_10_MIB) / 90.0;
-        pooled_mib as f64 + fleet + tenants * read_ahead_mib
+        pooled_mib as f64
+            + f64::from(DEFAULT_TENANTS_SECRETS_TOTAL_MIB)
+            + fleet
+            + tenants * read_ahead_mib
     };
     let limit = chart_memory_limit_mib()? as f64;
     // The fleet CONFIG.md says the defaults hold whatever its tenants do, with a fifth of the

@@ -169,6 +169,8 @@ system-cluster-critical
   value: {{ .Values.tenants.cacheMaxMiB | int64 | quote }}
 - name: BOOTSTRAP_TENANTS_CACHE_TOTAL_MIB
   value: {{ .Values.tenants.cacheTotalMiB | int64 | quote }}
+- name: BOOTSTRAP_TENANTS_SECRETS_TOTAL_MIB
+  value: {{ .Values.tenants.secretsTotalMiB | int64 | quote }}
 {{- if .Values.tenants.etcdAllowedCIDRs }}
 - name: BOOTSTRAP_TENANTS_ETCD_ALLOWED_CIDRS
   value: {{ join "," .Values.tenants.etcdAllowedCIDRs | quote }}

@@ -113,6 +113,9 @@ pub struct Tenants {
     /// What every tenant's caches may hold together.
     #[serde(rename = "cacheTotalMiB")]
     pub cache_total_mib: u32,
+    /// What the tenant Secrets' data and annotations may hold together.
+    #[serde(rename = "secretsTotalMiB")]
+    pub secrets_total_mib: u32,
     /// The operator's budgets for single tenants, by `namespace/name`.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub cache_budgets: BTreeMap<String, TenantBudget>,
@@ -140,6 +143,8 @@ pub const DEFAULT_TENANTS_CACHE_MAX_OBJECTS: u32 = 50_000;
 pub const DEFAULT_TENANTS_CACHE_MAX_MIB: u32 = 32;
 /// The default `--tenants-cache-total-mib`: see CONFIG.md for how it was sized.
 pub const DEFAULT_TENANTS_CACHE_TOTAL_MIB: u32 = 96;
+/// The default `--tenants-secrets-total-mib`: see CONFIG.md for how it was sized.
+pub const DEFAULT_TENANTS_SECRETS_TOTAL_MIB: u32 = 8;
 /// What one tenant's caches may hold whatever the others hold (the pool's floor).
 pub const TENANT_CACHE_FLOOR_BYTES: usize = 1024 * 1024;
 
@@ -159,10 +164,19 @@ impl Tenants {
 
     /// What every tenant's caches may hold together, in bytes.
     pub fn cache_total_bytes(&self) -> usize {
-        usize::try_from(self.cache_total_mib)
-            .unwrap_or(usize::MAX)
-            .saturating_mul(1024 * 1024)
+        mib(self.cache_total_mib)
     }
+
+    /// What the tenant Secrets' data and annotations may hold together, in bytes.
+    pub fn secrets_total_bytes(&self) -> usize {
+        mib(self.secrets_total_mib)
+    }
+}
+
+fn mib(mib: u32) -> usize {
+    usize::try_from(mib)
+        .unwrap_or(usize::MAX)
+        .saturating_mul(1024 * 1024)
 }
 
 /// Leader election among replicas of this controller.

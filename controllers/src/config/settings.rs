@@ -476,6 +476,15 @@ settings! {
         file "tenants.cacheTotalMiB" in tenants.cache_total_mib
             => Result<u32, NotANumber> = parse_number;
 
+    /// Management mode: the most MiB the tenant Secrets' data (kubeconfig, etcd certificates)
+    /// and configuration annotations may take in this process together. A Secret that would
+    /// take them over it is held without them, its tenant not started (or stopped), alone,
+    /// until others make room. [default: 8]
+    tenants_secrets_total_mib: String = "tenants-secrets-total-mib",
+        "BOOTSTRAP_TENANTS_SECRETS_TOTAL_MIB", "MIB";
+        file "tenants.secretsTotalMiB" in tenants.secrets_total_mib
+            => Result<u32, NotANumber> = parse_number;
+
     /// Management mode: the networks (CIDRs, comma-separated) a tenant's etcd may be in, e.g.
     /// `10.0.16.0/20`. A tenant's etcdServers must name addresses, or host names resolving only
     /// to addresses, inside them; without any, etcdServers in a tenant's annotation is refused.
@@ -535,6 +544,8 @@ pub struct TenantsFile {
     pub cache_max_mib: Option<u32>,
     #[serde(rename = "cacheTotalMiB")]
     pub cache_total_mib: Option<u32>,
+    #[serde(rename = "secretsTotalMiB")]
+    pub secrets_total_mib: Option<u32>,
     /// Budgets the operator raises (or lowers) for single tenants, by `namespace/name` of their
     /// Secret; a tenant's own annotation cannot.
     pub cache_budgets: Option<std::collections::BTreeMap<String, TenantBudget>>,

@@ -16,7 +16,7 @@ use super::settings::{ConfigArgs, FileConfig, Given, Source, check_name, items};
 use super::values::{NotANumber, StringOrList};
 use super::{
     Config, ConfigErrors, DEFAULT_TENANTS_CACHE_MAX_MIB, DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
-    DEFAULT_TENANTS_CACHE_TOTAL_MIB, TenantBudget, Tenants,
+    DEFAULT_TENANTS_CACHE_TOTAL_MIB, DEFAULT_TENANTS_SECRETS_TOTAL_MIB, TenantBudget, Tenants,
 };
 
 /// The annotation on a tenant's Secret holding its YAML fragment of the configuration file.
@@ -237,6 +237,7 @@ impl TenantBase {
             tenants_cache_max_objects: None,
             tenants_cache_max_mib: None,
             tenants_cache_total_mib: None,
+            tenants_secrets_total_mib: None,
             tenants_etcd_allowed_cidrs: None,
             kubeconfig: None,
             ..args.clone()
@@ -574,6 +575,7 @@ pub(super) fn merge_tenants(
     let max_objects = given.tenants_cache_max_objects.take();
     let max_mib = given.tenants_cache_max_mib.take();
     let total_mib = given.tenants_cache_total_mib.take();
+    let secrets_mib = given.tenants_secrets_total_mib.take();
     let etcd_allowed = given.tenants_etcd_allowed_cidrs.take();
     let Some(selector) = given.tenants_secret_selector.take() else {
         let fields = [namespace, key, plugins, etcd_allowed]
@@ -581,7 +583,7 @@ pub(super) fn merge_tenants(
             .flatten()
             .map(|source| source.field)
             .chain(
-                [max_objects, max_mib, total_mib]
+                [max_objects, max_mib, total_mib, secrets_mib]
                     .into_iter()
                     .flatten()
                     .map(|s| s.field),
@@ -601,6 +603,7 @@ pub(super) fn merge_tenants(
     let cache_max_objects = positive(max_objects, DEFAULT_TENANTS_CACHE_MAX_OBJECTS, errors);
     let cache_max_mib = positive(max_mib, DEFAULT_TENANTS_CACHE_MAX_MIB, errors);
     let cache_total_mib = positive(total_mib, DEFAULT_TENANTS_CACHE_TOTAL_MIB, errors);
+    let secrets_total_mib = positive(secrets_mib, DEFAULT_TENANTS_SECRETS_TOTAL_MIB, errors);
     let cache_budgets = cache_budgets(budgets, cache_max_objects, cache_max_mib, errors);
     let selector_text = secret_selector(selector, errors);
     let namespace = namespace
@@ -630,6 +633,7 @@ pub(super) fn merge_tenants(
         cache_max_objects,
         cache_max_mib,
         cache_total_mib,
+        secrets_total_mib,
         cache_budgets,
         etcd_allowed_cidrs,
     })

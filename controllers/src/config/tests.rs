@@ -538,6 +538,7 @@ fn tenants_settings_from_flags_and_file_are_validated() {
             cache_max_objects: super::DEFAULT_TENANTS_CACHE_MAX_OBJECTS,
             cache_max_mib: super::DEFAULT_TENANTS_CACHE_MAX_MIB,
             cache_total_mib: super::DEFAULT_TENANTS_CACHE_TOTAL_MIB,
+            secrets_total_mib: super::DEFAULT_TENANTS_SECRETS_TOTAL_MIB,
             cache_budgets: Default::default(),
             etcd_allowed_cidrs: Vec::new(),
         })
@@ -683,6 +684,7 @@ fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
         tenants_cache_max_objects: Some("2000".to_owned()),
         tenants_cache_max_mib: Some("8".to_owned()),
         tenants_cache_total_mib: Some("40".to_owned()),
+        tenants_secrets_total_mib: Some("16".to_owned()),
         ..ConfigArgs::default()
     };
     let process = Config::merge(&args, FileConfig::default()).unwrap();
@@ -691,10 +693,12 @@ fn the_cache_budget_flags_are_the_processs_not_a_tenants() {
         (
             tenants.cache_max_objects,
             tenants.cache_max_mib,
-            tenants.cache_total_mib
+            tenants.cache_total_mib,
+            tenants.secrets_total_mib
         ),
-        (2000, 8, 40)
+        (2000, 8, 40, 16)
     );
+    assert_eq!(tenants.secrets_total_bytes(), 16 * 1024 * 1024);
     // A tenant is one cluster: the flags would otherwise refuse every tenant as if they were
     // given without a selector.
     let base = TenantBase::load(&args, &process).unwrap().unwrap();

@@ -28,10 +28,14 @@ pub struct TenantMetrics {
     pub(super) stops: Family<ReasonLabels, Counter>,
     pub(super) replicas: Gauge,
     pub(super) fenced: Gauge,
+    pub(super) secret_bytes: Gauge,
+    pub(super) secret_limit_bytes: Gauge,
+    pub(super) secrets_shed: Counter,
 }
 
 impl TenantMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
+    /// Registers the metrics; `secret_limit` is `--tenants-secrets-total-mib` in bytes.
+    pub fn register(registry: &mut Registry, secret_limit: usize) -> Self {
         let metrics = TenantMetrics::default();
         registry.register(
             "tenants",
@@ -68,6 +72,27 @@ impl TenantMetrics {
             "1 while this replica cannot prove its replica Lease is current: it runs no tenant",
             metrics.fenced.clone(),
         );
+        registry.register(
+            "tenant_secret_bytes",
+            "Bytes the tenant Secrets' kubeconfigs, etcd certificates and configuration \
+             annotations take in this replica",
+            metrics.secret_bytes.clone(),
+        );
+        registry.register(
+            "tenant_secret_limit_bytes",
+            "The most bytes they may take together (--tenants-secrets-total-mib)",
+            metrics.secret_limit_bytes.clone(),
+        );
+        registry.register(
+            "tenant_secrets_shed",
+            "Tenant Secrets held without their data, their tenant not run, as they would have \
+             taken the Secrets over --tenants-secrets-total-mib; counted once per version of \
+             the Secret",
+            metrics.secrets_shed.clone(),
+        );
+        metrics
+            .secret_limit_bytes
+            .set(i64::try_from(secret_limit).unwrap_or(i64::MAX));
         for state in STATES {
             metrics.tenants.get_or_create(&StateLabels { state }).set(0);
         }

@@ -61,7 +61,7 @@ mod records;
 pub use directory::Directory;
 use directory::Entry;
 use etcd::{AskOutcome, EtcdState};
-use listed::{Listed, Seen};
+use listed::{Held, Listed, Seen};
 use load::{Loaded, load};
 pub use metrics::TenantMetrics;
 use metrics::{ReasonLabels, STATES, StateLabels};
@@ -82,6 +82,11 @@ const SECRET_PAGE_SIZE: u32 = 50;
 /// How long without an error the Secret watch has resumed after: kube-runtime's default backoff
 /// pauses at most 30 s, jittered up to twice that, between attempts.
 const SECRETS_QUIET: Duration = Duration::from_secs(120);
+
+/// The least time between two re-lists of the tenant Secrets made to hold again a Secret shed
+/// for the Secrets' budget once others made room: a re-list reads every Secret, and a writer
+/// deleting and creating Secrets must not make the manager list them without pause.
+const RELIST_SPACING: Duration = Duration::from_secs(60);
 
 /// A sync looks at every tenant, and every event asks for one: with thousands of Secrets
 /// loading at once, a sync per event would make the fleet's start-up quadratic. After a sync,
@@ -161,6 +166,28 @@ struct Spec {
     fragment: Option<String>,
     /// The etcd client certificate's data keys ([`TENANT_ETCD_KEYS`]): CA, certificate, key.
     etcd: [Option<Arc<[u8]>>; 3],
+    /// Held without its kubeconfig, annotation and certificates, which were this many bytes:
+    /// they would have taken the Secrets over `--tenants-secrets-total-mib`.
+    shed: Option<usize>,
+}
+
+impl Held for Spec {
+    fn held(&self) -> usize {
+        let bytes = |data: &Option<Arc<[u8]>>| data.as_ref().map_or(0, |d| d.len());
+        bytes(&self.kubeconfig)
+            + self.fragment.as_ref().map_or(0, String::len)
+            + self.etcd.iter().map(bytes).sum::<usize>()
+    }
+
+    fn shed(self) -> Self {
+        Spec {
+            shed: Some(self.held()),
+            kubeconfig: None,
+            fragment: None,
+            etcd: [None, None, None],
+            ..self
+        }
+    }
 }
 
 impl Spec {
@@ -191,9 +218,34 @@ impl Spec {
             ],
             namespace,
             name,
+            shed: None,
         };
         Some((format!("{}/{}", spec.namespace, spec.name), spec))
     }
+}
+
+/// The etcd-claim records are this controller's own Leases, each of a few hundred bytes, one a
+/// tenant Secret: they have no budget of their own.
+impl Held for Record {
+    fn held(&self) -> usize {
+        0
+    }
+
+    fn shed(self) -> Self {
+        self
+    }
+}
+
+/// Whether a Secret held without its data (shed) would fit in the room the others leave.
+fn room_for_shed(secrets: &Listed<Spec>) -> bool {
+    let (held, limit) = secrets.held();
+    let room = limit.map_or(usize::MAX, |limit| limit.saturating_sub(held));
+    secrets
+        .complete
+        .iter()
+        .flatten()
+        .filter_map(|(_, spec)| spec.shed)
+        .any(|wanted| wanted <= room)
 }
 
 /// A tenant whose loops run here.
@@ -329,7 +381,7 @@ struct Manager {
     /// The last error writing a record, logged once.
     record_errors: Arc<records::RecordErrors>,
     /// Tenants refused for their etcd (keys another tenant keeps, or an etcd that could not be
-    /// asked), reported once per version and reason.
+    /// asked) or shed for the Secrets' budget, reported once per version and reason.
     conflicts: HashMap<String, (Spec, Sanitized)>,
     /// The last view acknowledged.
     acked: Option<u64>,
@@ -351,7 +403,9 @@ impl Manager {
         let config = watcher::Config::default()
             .labels(&tenants.secret_selector)
             .page_size(SECRET_PAGE_SIZE);
-        let mut events = watcher(api, config).default_backoff().boxed();
+        let mut events = watcher(api.clone(), config.clone())
+            .default_backoff()
+            .boxed();
         let records_api: Api<Lease> =
             Api::namespaced(self.client.clone(), &self.settings.election.lease_namespace);
         let records_config = watcher::Config::default().labels(&format!("{RECORD_LABEL}=true"));
@@ -359,7 +413,8 @@ impl Manager {
             .default_backoff()
             .boxed();
         // Only complete lists are acted on.
-        let mut secrets = Listed::<Spec>::default();
+        let mut secrets = Listed::<Spec>::budgeted(tenants.secrets_total_bytes());
+        let mut relisted = Instant::now();
         let mut views_open = true;
         // Failed record writes and etcds that did not answer are tried again on this timer,
         // not only when an event comes.
@@ -371,10 +426,14 @@ impl Manager {
         loop {
             if wanted && tokio::time::Instant::now() >= next_sync {
                 wanted = false;
+                let held = secrets.held().0;
                 if let Some(secrets) = &secrets.complete {
                     let view = views.borrow().clone();
                     let began = tokio::time::Instant::now();
                     self.sync(secrets, &view, ack.as_ref()).await;
+                    self.metrics
+                        .secret_bytes
+                        .set(i64::try_from(held).unwrap_or(i64::MAX));
                     let ended = tokio::time::Instant::now();
                     next_sync = ended + (ended - began) * SYNC_SPACING;
                 }
@@ -404,6 +463,12 @@ impl Manager {
                 _ = timer.tick() => {
                     if self.secrets_failed_at.is_some_and(|at| at.elapsed() > SECRETS_QUIET) {
                         self.secrets_watched();
+                    }
+                    // A shed Secret's data is not kept, so only a list can bring it back.
+                    if relisted.elapsed() >= RELIST_SPACING && room_for_shed(&secrets) {
+                        info!("the tenant Secrets' budget has room for a Secret held without its data; listing them again");
+                        events = watcher(api.clone(), config.clone()).default_backoff().boxed();
+                        relisted = Instant::now();
                     }
                 }
             }
@@ -598,6 +663,17 @@ impl Manager {
         if !view.owns(key) {
             return Entry::Elsewhere(view.owner(key).unwrap_or("none").to_owned());
         }
+        if let Some(wanted) = spec.shed {
+            let reason = self.over_secrets_budget(wanted);
+            if self.conflicts.get(key) != Some(&(spec.clone(), reason.clone())) {
+                warn!(tenant = %key, "{reason}");
+                self.metrics.secrets_shed.inc();
+                self.secret_events(spec)("TenantOverBudget", "StartTenant", reason.to_string());
+                self.conflicts
+                    .insert(key.to_owned(), (spec.clone(), reason.clone()));
+            }
+            return Entry::Invalid(reason);
+        }
         if let Some((_, reason)) = self.invalid.get(key) {
             return Entry::Invalid(reason.clone());
         }
@@ -708,6 +784,19 @@ impl Manager {
                 abort,
             },
         );
+    }
+
+    /// Why a Secret shed for the Secrets' budget does not start its tenant.
+    fn over_secrets_budget(&self, wanted: usize) -> Sanitized {
+        let tenants = &self.settings.base.tenants;
+        Sanitized::of(format_args!(
+            "its kubeconfig, etcd certificates and configuration annotation ({wanted} bytes) \
+             would take the tenant Secrets this process holds over --tenants-secrets-total-mib \
+             ({} MiB; tenants.secretsTotalMiB): not kept, and the tenant not run. It is \
+             started once other Secrets make room (deleted or smaller), or once the budget is \
+             raised",
+            tenants.secrets_total_mib
+        ))
     }
 
     /// A Secret that cannot start its tenant: a log line, the counter, and a Warning event on
