@@ -501,20 +501,7 @@ impl ClusterIpRepairLoop {
             let outcome = if ctx.dry_run {
                 Outcome::DryRun
             } else {
-                match self.repair(ctx, &finding).await {
-                    Ok(outcome) => outcome,
-                    Err(err) => {
-                        // Found again on every pass while the API refuses it: warned about
-                        // when it appears (the pass's error is the runner's to report).
-                        if new {
-                            warn!(object = %finding.regarding.object(), error = %err, "repair failed; retrying (logged at debug level while it fails)");
-                        } else {
-                            debug!(object = %finding.regarding.object(), error = %err, "repair failed, again");
-                        }
-                        first_error.get_or_insert(err);
-                        Outcome::Failed
-                    }
-                }
+                self.write(ctx, &finding, new, &mut first_error).await
             };
             match outcome {
                 Outcome::Skip => continue,
@@ -550,6 +537,30 @@ impl ClusterIpRepairLoop {
         match first_error {
             Some(err) => Err(err),
             None => Ok(report),
+        }
+    }
+
+    /// A confirmed finding's repair written. A write the API refuses is found again on every
+    /// pass: it is warned about when the finding appears (`new`) and kept as the pass's error,
+    /// which is the runner's to report.
+    async fn write(
+        &self,
+        ctx: &PassContext,
+        finding: &Finding,
+        new: bool,
+        first_error: &mut Option<LoopError>,
+    ) -> Outcome {
+        match self.repair(ctx, finding).await {
+            Ok(outcome) => outcome,
+            Err(err) => {
+                if new {
+                    warn!(object = %finding.regarding.object(), error = %err, "repair failed; retrying (logged at debug level while it fails)");
+                } else {
+                    debug!(object = %finding.regarding.object(), error = %err, "repair failed, again");
+                }
+                first_error.get_or_insert(err);
+                Outcome::Failed
+            }
         }
     }
 
