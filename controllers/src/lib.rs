@@ -19,3 +19,5 @@ pub mod shards;
 pub mod sidecar;
 pub mod tenant_kubeconfig;
 pub mod tenants;
+#[cfg(test)]
+mod test_log;

@@ -918,6 +918,7 @@ mod tests {
 
     use super::*;
     use crate::metrics::{encode, new_registry};
+    use crate::test_log::Captured;
 
     /// A client whose every request fails: the fake loops never use it.
     fn offline_client() -> kube::Client {
@@ -1768,41 +1769,11 @@ mod tests {
         );
     }
 
-    /// What a subscriber writes, for tests that read the log.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl Captured {
-        /// A subscriber writing info lines and above, without colour, into this buffer.
-        fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync + use<> {
-            let writer = self.clone();
-            tracing_subscriber::fmt()
-                .with_ansi(false)
-                .with_max_level(tracing::Level::INFO)
-                .with_writer(move || writer.clone())
-                .finish()
-        }
-
-        fn text(&self) -> String {
-            String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
-        }
-    }
-
     /// A pass that panics on every retry is logged once, at error level, with its message.
     #[tokio::test]
     async fn a_pass_that_keeps_panicking_is_logged_once() {
         let captured = Captured::default();
-        let _guard = tracing::subscriber::set_default(captured.subscriber());
+        let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::INFO));
         let panicky = Arc::new(Fake::new("panicky").script(&[
             Step::Panic,
             Step::Panic,
@@ -1829,7 +1800,7 @@ mod tests {
     #[tokio::test]
     async fn each_repair_is_one_info_line_naming_loop_object_was_and_became() {
         let captured = Captured::default();
-        let _guard = tracing::subscriber::set_default(captured.subscriber());
+        let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::INFO));
         let fake = Fake::new("a").script(&[Step::SucceedWithDrift, Step::ReportDrift]);
         let metrics = RunnerMetrics::register(&mut new_registry());
         let ctx = PassContext::leading(offline_client(), false);
@@ -1861,9 +1832,10 @@ mod tests {
         let kube_config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
         let client = kube::Client::try_from(kube_config).unwrap();
         let captured = Captured::default();
-        let loops = tracing::subscriber::with_default(captured.subscriber(), || {
-            build_loops(&config, &client, &mut Registry::default())
-        });
+        let loops =
+            tracing::subscriber::with_default(captured.subscriber(tracing::Level::INFO), || {
+                build_loops(&config, &client, &mut Registry::default())
+            });
         let names = loops.iter().map(|built| built.name()).collect();
         (names, captured.text())
     }

@@ -200,6 +200,7 @@ fn report_record(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::test_log::Captured;
 
     fn refused(record: &str) -> Result<Result<(), kube::Error>, tokio::time::error::Elapsed> {
         let status =
@@ -213,22 +214,16 @@ mod tests {
     /// whose write then succeeds is warned about again when it fails again.
     #[test]
     fn each_records_failure_is_warned_about_once_until_it_succeeds() {
-        let captured = std::sync::Arc::new(Mutex::new(Vec::<u8>::new()));
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::WARN)
-            .with_writer(move || CapturedWriter(writer.clone()))
-            .finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
+        let captured = Captured::default();
+        let _guard = tracing::subscriber::set_default(captured.subscriber(tracing::Level::WARN));
         let errors = RecordErrors::default();
         for _ in 0..5 {
             report_record(&errors, "a", "write", refused("a"));
             report_record(&errors, "b", "write", refused("b"));
         }
         let warnings = || {
-            String::from_utf8(captured.lock().unwrap().clone())
-                .unwrap()
+            captured
+                .text()
                 .lines()
                 .filter(|line| line.contains(" WARN "))
                 .count()
@@ -238,17 +233,5 @@ mod tests {
         report_record(&errors, "a", "write", refused("a"));
         assert_eq!(warnings(), 3);
         assert_eq!(errors.lock().unwrap().len(), 2);
-    }
-
-    struct CapturedWriter(std::sync::Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for CapturedWriter {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
     }
 }
