@@ -110,8 +110,11 @@ impl<V: Held> Listed<V> {
                     let room = self.room(self.next_held + self.kept_total);
                     let value = fit(value, room);
                     self.next_held += value.held();
-                    if let Some(next) = self.next.as_mut() {
-                        next.insert(name, value);
+                    // A name listed twice counts once.
+                    if let Some(next) = self.next.as_mut()
+                        && let Some(replaced) = next.insert(name, value)
+                    {
+                        self.next_held -= replaced.held();
                     }
                 }
             }
