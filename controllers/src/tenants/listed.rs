@@ -65,13 +65,18 @@ impl<V> Default for Listed<V> {
     }
 }
 
-impl<V: Held> Listed<V> {
+impl<V: Held + PartialEq + Clone> Listed<V> {
     /// A collection whose entries may hold at most `limit` bytes together.
     pub(super) fn budgeted(limit: usize) -> Self {
         Self {
             limit: Some(limit),
             ..Self::default()
         }
+    }
+
+    /// Whether a list is under way.
+    pub(super) fn listing(&self) -> bool {
+        self.next.is_some()
     }
 
     /// What the entries of the last complete list hold, and the most they may.
@@ -108,7 +113,9 @@ impl<V: Held> Listed<V> {
                         self.kept_total -= kept;
                     }
                     let room = self.room(self.next_held + self.kept_total);
-                    let value = fit(value, room);
+                    let value = self
+                        .known(&name, value)
+                        .unwrap_or_else(|value| fit(value, room));
                     self.next_held += value.held();
                     // A name listed twice counts once.
                     if let Some(next) = self.next.as_mut()
@@ -134,7 +141,9 @@ impl<V: Held> Listed<V> {
                 {
                     let before = self.held_by(&name);
                     let room = self.room(self.held - before);
-                    let value = fit(value, room);
+                    let value = self
+                        .known(&name, value)
+                        .unwrap_or_else(|value| fit(value, room));
                     self.held = self.held - before + value.held();
                     if let Some(known) = self.complete.as_mut() {
                         known.insert(name, value);
@@ -156,6 +165,16 @@ impl<V: Held> Listed<V> {
             }
         }
         Seen::Changed
+    }
+
+    /// The entry the last list holds for `name`, if `value` is the same: kept rather than
+    /// `value`, so that what the entry holds (shared with whoever took a copy of it) is held
+    /// once, not again by each list.
+    fn known(&self, name: &str, value: V) -> Result<V, V> {
+        match self.complete.as_ref().and_then(|known| known.get(name)) {
+            Some(known) if *known == value => Ok(known.clone()),
+            _ => Err(value),
+        }
     }
 
     fn held_by(&self, name: &str) -> usize {
@@ -186,12 +205,14 @@ fn fit<V: Held>(value: V, room: usize) -> V {
 mod tests {
     use super::*;
 
-    /// A test entry: its name, and the bytes it holds (or held, once shed).
+    /// A test entry: its name, and the bytes it holds (or held, once shed); `data` stands for
+    /// what it holds, compared by value like a Secret's bytes.
     #[derive(Clone, Debug, PartialEq)]
     struct Item {
         name: String,
         bytes: usize,
         shed: bool,
+        data: std::sync::Arc<usize>,
     }
 
     impl Held for Item {
@@ -208,6 +229,7 @@ mod tests {
             name: name.to_owned(),
             bytes,
             shed: false,
+            data: std::sync::Arc::new(bytes),
         }
     }
 
@@ -295,6 +317,14 @@ mod tests {
         list(&mut listed, &[item("a", 4), item("b", 4)]);
         assert_eq!(shed(&listed), Vec::<&str>::new());
         assert_eq!(listed.held().0, 8);
+
+        // An entry listed or watched again unchanged is the one held already, not a copy.
+        let held_a = |listed: &Listed<Item>| listed.complete.as_ref().unwrap()["a"].data.clone();
+        let before = held_a(&listed);
+        list(&mut listed, &[item("a", 4), item("b", 4)]);
+        listed.apply(Ok(watcher::Event::Apply(item("a", 4))), entry, name);
+        assert!(std::sync::Arc::ptr_eq(&before, &held_a(&listed)));
+        assert!(!listed.listing());
 
         // One entry larger than the whole budget is never held.
         listed.apply(Ok(watcher::Event::Apply(item("d", 11))), entry, name);

@@ -86,8 +86,8 @@ impl TenantMetrics {
         registry.register(
             "tenant_secrets_shed",
             "Tenant Secrets held without their data, their tenant not run, as they would have \
-             taken the Secrets over --tenants-secrets-total-mib; counted once per version of \
-             the Secret",
+             taken the Secrets over --tenants-secrets-total-mib; counted once when shed (again \
+             if shed at another size)",
             metrics.secrets_shed.clone(),
         );
         metrics

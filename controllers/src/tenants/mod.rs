@@ -76,8 +76,9 @@ pub const LOAD_TIMEOUT: Duration =
 /// did not answer, and the end of claims' grace, are seen at least this often.
 const TIMER: Duration = Duration::from_secs(5);
 
-/// Tenant Secrets per LIST page.
-const SECRET_PAGE_SIZE: u32 = 50;
+/// Tenant Secrets per LIST page: a Secret may hold up to 1 MiB, so a page may hold up to
+/// 10 MiB (about 14 MiB as JSON, base64 inflating the data), read at once.
+const SECRET_PAGE_SIZE: u32 = 10;
 
 /// How long without an error the Secret watch has resumed after: kube-runtime's default backoff
 /// pauses at most 30 s, jittered up to twice that, between attempts.
@@ -163,7 +164,7 @@ struct Spec {
     /// Orders tenants whose etcd keys would overlap: the older Secret keeps them.
     created: Option<Timestamp>,
     kubeconfig: Option<Arc<[u8]>>,
-    fragment: Option<String>,
+    fragment: Option<Arc<str>>,
     /// The etcd client certificate's data keys ([`TENANT_ETCD_KEYS`]): CA, certificate, key.
     etcd: [Option<Arc<[u8]>>; 3],
     /// Held without its kubeconfig, annotation and certificates, which were this many bytes:
@@ -175,7 +176,7 @@ impl Held for Spec {
     fn held(&self) -> usize {
         let bytes = |data: &Option<Arc<[u8]>>| data.as_ref().map_or(0, |d| d.len());
         bytes(&self.kubeconfig)
-            + self.fragment.as_ref().map_or(0, String::len)
+            + self.fragment.as_ref().map_or(0, |f| f.len())
             + self.etcd.iter().map(bytes).sum::<usize>()
     }
 
@@ -210,7 +211,7 @@ impl Spec {
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(TENANT_CONFIG_ANNOTATION))
-                .cloned(),
+                .map(|f| Arc::from(f.as_str())),
             etcd: [
                 data(TENANT_ETCD_KEYS.ca),
                 data(TENANT_ETCD_KEYS.cert),
@@ -398,7 +399,7 @@ impl Manager {
             Some(namespace) => Api::namespaced(self.client.clone(), namespace),
             None => Api::all(self.client.clone()),
         };
-        // A Secret may hold up to 1 MiB: pages of 50, not kube's 500, bound what one page of a
+        // A Secret may hold up to 1 MiB: small pages, not kube's 500, bound what one page of a
         // LIST makes this process hold.
         let config = watcher::Config::default()
             .labels(&tenants.secret_selector)
@@ -465,7 +466,10 @@ impl Manager {
                         self.secrets_watched();
                     }
                     // A shed Secret's data is not kept, so only a list can bring it back.
-                    if relisted.elapsed() >= RELIST_SPACING && room_for_shed(&secrets) {
+                    if relisted.elapsed() >= RELIST_SPACING
+                        && !secrets.listing()
+                        && room_for_shed(&secrets)
+                    {
                         info!("the tenant Secrets' budget has room for a Secret held without its data; listing them again");
                         events = watcher(api.clone(), config.clone()).default_backoff().boxed();
                         relisted = Instant::now();

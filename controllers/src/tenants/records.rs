@@ -89,7 +89,18 @@ impl Manager {
             writes.push((name, lease));
         }
         let candidates = candidates(&self.etcds, secrets);
-        let listed: Vec<Record> = records.values().cloned().collect();
+        // A Secret shed for the Secrets' budget is held without its annotation, so what it
+        // claims is not known: its records are kept, neither counted unclaimed nor deleted.
+        let shed = |record: &Record| {
+            secrets
+                .get(&record.tenant)
+                .is_some_and(|s| s.shed.is_some())
+        };
+        let listed: Vec<Record> = records
+            .values()
+            .filter(|record| !shed(record))
+            .cloned()
+            .collect();
         let (newly, expired) =
             etcd_claims::unclaimed(&listed, &candidates, &mut self.unclaimed, now);
         for record in newly {
