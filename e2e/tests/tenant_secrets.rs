@@ -725,6 +725,98 @@ async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Resu
     Ok(())
 }
 
+/// A Secret shed for the Secrets' budget (`--tenants-secrets-total-mib`) is held without its
+/// annotation, so what its tenant claims of an etcd is not known: its claim's record is kept as
+/// it was (not even counted unclaimed, which starts its deletion), and the younger tenant whose
+/// prefix overlaps stays refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shed_secret_keeps_its_etcd_claim() -> Result<()> {
+    const PAD: usize = 600 * 1024;
+    let etcd = PlainEtcd::start().await?;
+    let (fleet, management) = fleet_without_its_secrets(3).await?;
+    let (secrets, events) = secrets_and_events(&management);
+    let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
+    let url = etcd.url();
+    let args = [
+        "--tenants-etcd-allowed-cidrs",
+        LOOPBACK,
+        "--leader-elect-lease-namespace",
+        NAMESPACE,
+        "--tenants-secrets-total-mib",
+        "1",
+    ];
+    let mut controller = start_controller(&fleet, &args)?;
+    controller.wait_ready().await?;
+    let old = format!("etcdServers: {url}\netcdPrefix: /tenants/a\n");
+    old_then_young(
+        &fleet,
+        &secrets,
+        &old,
+        &format!("etcdServers: {url}\netcdPrefix: /tenants/a/b\n"),
+    )
+    .await?;
+    let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
+    eventually("the old tenant's claim recorded", CONVERGE, || async {
+        Ok((records.list(&selector).await?.items.len() == 1).then_some(()))
+    })
+    .await
+    .with_context(|| controller.log())?;
+    let refused_line = format!("[-]tenant {NAMESPACE}/aa-young-kubeconfig not started: ");
+    let padded = |i: usize| -> Result<String> {
+        Ok(format!(
+            "{}\n# {}\n",
+            token_kubeconfig(&fleet, i)?,
+            "x".repeat(PAD)
+        ))
+    };
+    // A third tenant takes 600 KiB of the 1 MiB, then the old one's Secret grows by as much.
+    create_secret(&secrets, "filler", &padded(2)?, None, &[]).await?;
+    wait_converged(&fleet, 2).await?;
+    let mut grown = secrets.get("zz-old-kubeconfig").await?;
+    let data = grown.data.get_or_insert_with(Default::default);
+    data.insert(
+        "value".to_owned(),
+        k8s_openapi::ByteString(padded(0)?.into_bytes()),
+    );
+    secrets
+        .replace("zz-old-kubeconfig", &PostParams::default(), &grown)
+        .await?;
+    eventually("the old tenant shed", CONVERGE, || async {
+        let shed = events
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("TenantOverBudget")
+                    && e.regarding.and_then(|r| r.name).as_deref() == Some("zz-old-kubeconfig")
+            });
+        Ok(shed.then_some(()))
+    })
+    .await
+    .with_context(|| controller.log())?;
+    // Several syncs of the manager's timer later, the claim is as it was.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let log = controller.log();
+    ensure!(
+        !log.contains("no tenant Secret makes this etcd claim any more"),
+        "{log}"
+    );
+    ensure!(
+        records.list(&selector).await?.items.len() == 1,
+        "the claim's record went"
+    );
+    let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+    ensure!(
+        readyz
+            .lines()
+            .any(|l| l.starts_with(&refused_line) && l.contains("tenants/zz-old-kubeconfig")),
+        "{readyz}"
+    );
+    ensure!(!converged(&fleet, 1), "the younger tenant was written");
+    Ok(())
+}
+
 /// One etcd is one etcd however its URL is written: what decides is the cluster ID it answers
 /// with. A tenant aiming at another's keys through another spelling of its etcd's address, set
 /// to rebuild the bitmap under a range of its own, is refused and the bitmap stays as it was.
