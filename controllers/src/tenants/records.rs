@@ -88,33 +88,7 @@ impl Manager {
             let lease = etcd_claims::record(group, uid, key, &asked.claim, &asked.servers, version);
             writes.push((name, lease));
         }
-        let candidates = candidates(&self.etcds, secrets);
-        // A Secret shed for the Secrets' budget is held without its annotation, so what it
-        // claims is not known: its records are kept, neither counted unclaimed nor deleted.
-        let shed = |record: &Record| {
-            secrets
-                .get(&record.tenant)
-                .is_some_and(|s| s.shed.is_some())
-        };
-        let listed: Vec<Record> = records
-            .values()
-            .filter(|record| !shed(record))
-            .cloned()
-            .collect();
-        let (newly, expired) =
-            etcd_claims::unclaimed(&listed, &candidates, &mut self.unclaimed, now);
-        for record in newly {
-            info!(
-                record = %record.name,
-                tenant = %record.tenant,
-                "no tenant Secret makes this etcd claim any more; it holds its keys for {} s, then it is deleted",
-                CLAIM_GRACE.as_secs()
-            );
-        }
-        let deletions: Vec<(String, Option<String>)> = expired
-            .into_iter()
-            .map(|record| (record.name.clone(), record.resource_version.clone()))
-            .collect();
+        let deletions = expired_records(records, &self.etcds, secrets, &mut self.unclaimed, now);
         for (name, lease) in writes {
             // Under way or failed lately: its time is kept, not renewed, so that it comes due.
             if self.recording.contains_key(&name) {
@@ -161,6 +135,43 @@ impl Manager {
             });
         }
     }
+}
+
+/// The records no Secret has made for [`CLAIM_GRACE`], to delete (name and resourceVersion);
+/// those that became unclaimed are logged. A Secret shed for the Secrets' budget is held without
+/// its annotation, so what it claims is not known: its records are kept, neither counted
+/// unclaimed nor deleted.
+fn expired_records(
+    records: &BTreeMap<String, Record>,
+    etcds: &HashMap<String, (Spec, EtcdState)>,
+    secrets: &BTreeMap<String, Spec>,
+    unclaimed: &mut HashMap<String, Instant>,
+    now: Instant,
+) -> Vec<(String, Option<String>)> {
+    let candidates = candidates(etcds, secrets);
+    let shed = |record: &Record| {
+        secrets
+            .get(&record.tenant)
+            .is_some_and(|s| s.shed.is_some())
+    };
+    let listed: Vec<Record> = records
+        .values()
+        .filter(|record| !shed(record))
+        .cloned()
+        .collect();
+    let (newly, expired) = etcd_claims::unclaimed(&listed, &candidates, unclaimed, now);
+    for record in newly {
+        info!(
+            record = %record.name,
+            tenant = %record.tenant,
+            "no tenant Secret makes this etcd claim any more; it holds its keys for {} s, then it is deleted",
+            CLAIM_GRACE.as_secs()
+        );
+    }
+    expired
+        .into_iter()
+        .map(|record| (record.name.clone(), record.resource_version.clone()))
+        .collect()
 }
 
 /// The last failure of each record's write or deletion, by record name, until it succeeds.
