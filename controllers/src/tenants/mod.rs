@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -43,7 +42,7 @@ use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::config::{LeaderElection, TENANT_CONFIG_ANNOTATION, TENANT_ETCD_KEYS, TenantBase};
+use crate::config::{LeaderElection, TenantBase};
 use crate::etcd_claims::{self, RECORD_LABEL, Record};
 use crate::health::{CheckState, Health};
 use crate::metrics::tenant_registry;
@@ -57,14 +56,16 @@ mod listed;
 mod load;
 mod metrics;
 mod records;
+mod spec;
 
 pub use directory::Directory;
 use directory::Entry;
 use etcd::{AskOutcome, EtcdState};
-use listed::{Held, Listed, Seen};
+use listed::{Listed, Seen};
 use load::{Loaded, load};
 pub use metrics::TenantMetrics;
 use metrics::{ReasonLabels, STATES, StateLabels};
+use spec::{Spec, room_for_shed};
 
 /// The longest a tenant's configuration and client may take to load: past it the Secret is
 /// reported and the tenant not started. Reading a Secret takes milliseconds; an allowed
@@ -150,103 +151,6 @@ impl Pools {
         );
         pools
     }
-}
-
-/// What the runtime of a tenant is made from: any change restarts the tenant.
-///
-/// Every sync compares each running tenant's Spec with its Secret's; the Secret's bytes are
-/// shared (`Arc`), so an unchanged Spec compares by pointer rather than byte by byte.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Spec {
-    namespace: String,
-    name: String,
-    uid: String,
-    /// Orders tenants whose etcd keys would overlap: the older Secret keeps them.
-    created: Option<Timestamp>,
-    kubeconfig: Option<Arc<[u8]>>,
-    fragment: Option<Arc<str>>,
-    /// The etcd client certificate's data keys ([`TENANT_ETCD_KEYS`]): CA, certificate, key.
-    etcd: [Option<Arc<[u8]>>; 3],
-    /// Held without its kubeconfig, annotation and certificates, which were this many bytes:
-    /// they would have taken the Secrets over `--tenants-secrets-total-mib`.
-    shed: Option<usize>,
-}
-
-impl Held for Spec {
-    fn held(&self) -> usize {
-        let bytes = |data: &Option<Arc<[u8]>>| data.as_ref().map_or(0, |d| d.len());
-        bytes(&self.kubeconfig)
-            + self.fragment.as_ref().map_or(0, |f| f.len())
-            + self.etcd.iter().map(bytes).sum::<usize>()
-    }
-
-    fn shed(self) -> Self {
-        Spec {
-            shed: Some(self.held()),
-            kubeconfig: None,
-            fragment: None,
-            etcd: [None, None, None],
-            ..self
-        }
-    }
-}
-
-impl Spec {
-    fn of(secret: &Secret, key: &str) -> Option<(String, Spec)> {
-        let namespace = secret.metadata.namespace.clone()?;
-        let name = secret.metadata.name.clone()?;
-        let data = |key: &str| {
-            secret
-                .data
-                .as_ref()
-                .and_then(|data| data.get(key))
-                .map(|bytes| Arc::from(bytes.0.as_slice()))
-        };
-        let spec = Spec {
-            uid: secret.metadata.uid.clone().unwrap_or_default(),
-            created: secret.metadata.creation_timestamp.as_ref().map(|t| t.0),
-            kubeconfig: data(key),
-            fragment: secret
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(TENANT_CONFIG_ANNOTATION))
-                .map(|f| Arc::from(f.as_str())),
-            etcd: [
-                data(TENANT_ETCD_KEYS.ca),
-                data(TENANT_ETCD_KEYS.cert),
-                data(TENANT_ETCD_KEYS.key),
-            ],
-            namespace,
-            name,
-            shed: None,
-        };
-        Some((format!("{}/{}", spec.namespace, spec.name), spec))
-    }
-}
-
-/// The etcd-claim records are this controller's own Leases, each of a few hundred bytes, one a
-/// tenant Secret: they have no budget of their own.
-impl Held for Record {
-    fn held(&self) -> usize {
-        0
-    }
-
-    fn shed(self) -> Self {
-        self
-    }
-}
-
-/// Whether a Secret held without its data (shed) would fit in the room the others leave.
-fn room_for_shed(secrets: &Listed<Spec>) -> bool {
-    let (held, limit) = secrets.held();
-    let room = limit.map_or(usize::MAX, |limit| limit.saturating_sub(held));
-    secrets
-        .complete
-        .iter()
-        .flatten()
-        .filter_map(|(_, spec)| spec.shed)
-        .any(|wanted| wanted <= room)
 }
 
 /// A tenant whose loops run here.
