@@ -235,6 +235,56 @@ async fn missing_allocations_are_set_and_leaks_released_on_the_third_sighting() 
     );
 }
 
+/// A value with every bit set and no Service (a tenant's etcd is the tenant's): the bits are
+/// followed `MAX_SUSPECTS` at a time, each pass naming at most ten of a kind in an event and
+/// telling the rest in one, until every one is released.
+#[tokio::test]
+async fn a_value_with_every_bit_set_is_released_a_budget_at_a_time() {
+    use reconcilers::legacy_alloc::repair::MAX_SUSPECTS;
+    let (etcd, store, sim) = etcd_and_sim().await;
+    let mut every = FixedBitSet::with_capacity(range().size());
+    every.insert_range(..);
+    let stored = RangeAllocation::new(range().to_string(), bitmap_to_bytes(&every));
+    store_first(&store, stored.encode()).await;
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_millis(1)).await;
+    // Event writes (a create, or a patch of its series), each one request.
+    let event_writes = || {
+        sim.requests()
+            .iter()
+            .filter(|r| r.resource == "events" && r.verb != "get" && r.verb != "list")
+            .count()
+    };
+    let (mut released, mut passes, mut batches) = (0, 0, 0);
+    while released < range().size() {
+        passes += 1;
+        assert!(passes <= 20, "{released} of {} released", range().size());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        sim.clear_requests();
+        let report = harness.pass(&sim, false).await.unwrap();
+        assert!(report.drift.len() <= MAX_SUSPECTS, "{}", report.drift.len());
+        let now = kinds(&report)
+            .iter()
+            .filter(|kind| **kind == "nodeport_leaked")
+            .count();
+        if now > 0 {
+            // Ten events name a port each, one tells the others.
+            batches += 1;
+            assert_eq!(now, MAX_SUSPECTS.min(range().size() - released));
+            assert_eq!(event_writes(), 11, "{now} released");
+        } else {
+            assert_eq!(event_writes(), 0);
+        }
+        released += now;
+    }
+    assert_eq!(batches, range().size().div_ceil(MAX_SUSPECTS));
+    assert_eq!(
+        harness.errors("leak"),
+        u64::try_from(range().size()).unwrap()
+    );
+    let value = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(ports_of(&value.value), Vec::<u16>::new());
+}
+
 /// A bit cleared again right after its repair, before any pass saw it set, is a new occurrence:
 /// reported (event, metric) and repaired again, not taken for the one already repaired.
 #[tokio::test]

@@ -747,7 +747,7 @@ impl EtcdStore {
             request_union: Some(watch_request::RequestUnion::CreateRequest(
                 WatchCreateRequest {
                     key: key.as_bytes().to_vec(),
-                    start_revision: revision + 1,
+                    start_revision: revision.saturating_add(1),
                     ..Default::default()
                 },
             )),

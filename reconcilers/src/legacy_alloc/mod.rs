@@ -16,7 +16,10 @@
 
 pub mod codec;
 pub mod etcd;
+mod findings;
 pub mod repair;
+
+pub use findings::BitmapFinding;
 
 use std::collections::{HashMap, HashSet};
 use std::ops::ControlFlow;
@@ -25,11 +28,10 @@ use std::time::{Duration, Instant};
 
 use fixedbitset::FixedBitSet;
 use futures::stream::BoxStream;
-use kube::runtime::events::EventType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use smallvec::SmallVec;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, drift};
@@ -115,20 +117,6 @@ impl Outlet<'_> {
 /// Up to this many bits missing from a bitmap are confirmed by a GET of each one's Service;
 /// more (a key just created, a bitmap rebuilt) by one fresh list of the Services.
 const CONFIRM_BY_GET: usize = 32;
-
-/// A finding about a stored bitmap, reported once while it lasts.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum BitmapFinding {
-    NotAllocated(usize),
-    MayHaveLeaked(usize),
-    Released(usize),
-    ReleaseHeld(usize),
-    /// Stored under this range (empty: none), not the configured one; nothing written.
-    RangeMismatch(String),
-    /// Stored under this range (empty: none), rebuilt under the configured one (opted in).
-    RangeRebuilt(String),
-    Unusable(String),
-}
 
 /// A stored value as a pass reads it: its bits on the configured range's offsets, and the range
 /// it was stored under with the number of allocations that move drops, when that differs.
@@ -421,157 +409,6 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         LoopError::Other(format!("{} bitmap in etcd: {why}", R::SUBJECT.bitmap_name))
     }
 
-    /// The new findings of a pass: each one logged, counted and its event published. A range
-    /// mismatch is reported with its event or not at all (the next pass tries again); the
-    /// others' events are best effort, as the bitmap is repaired either way.
-    async fn tell(
-        &self,
-        dry_run: bool,
-        holders: &HashMap<usize, ServiceRef>,
-        outlet: &Outlet<'_>,
-        new: Vec<BitmapFinding>,
-    ) -> Result<(), LoopError> {
-        let kubernetes =
-            ServiceRef::named(outlet.kubernetes_service.0, outlet.kubernetes_service.1);
-        let mut unpublished = None;
-        for finding in new {
-            let Some((about, reason, note)) = self.record(&finding, holders, &kubernetes, outlet)
-            else {
-                continue;
-            };
-            let published = match dry_run {
-                true => Ok(()),
-                false => {
-                    let reference = crate::events::service_reference(about);
-                    let action = R::SUBJECT.event_action;
-                    (crate::events::emit_in(
-                        outlet.recorder,
-                        &reference,
-                        EventType::Warning,
-                        &reason,
-                        action,
-                        &note,
-                    ))
-                    .await
-                }
-            };
-            if let BitmapFinding::RangeMismatch(stored) = &finding {
-                match published {
-                    Ok(()) => {
-                        warn!(key = self.key.as_str(), stored, configured = %self.range, "{note}");
-                        outlet.count("rangeMismatch");
-                    }
-                    Err(err) => {
-                        self.reported.forget(&finding);
-                        unpublished.get_or_insert(err);
-                    }
-                }
-            }
-        }
-        match unpublished {
-            Some(err) => Err(LoopError::Api(err)),
-            None => Ok(()),
-        }
-    }
-
-    /// Logs a new finding and counts it; its event, if it has one: the Service it is about
-    /// (a bit's holder, or `kubernetes` for the bitmap itself), its reason and its note.
-    fn record<'a>(
-        &self,
-        finding: &BitmapFinding,
-        holders: &'a HashMap<usize, ServiceRef>,
-        kubernetes: &'a ServiceRef,
-        outlet: &Outlet<'_>,
-    ) -> Option<(&'a ServiceRef, String, String)> {
-        let Subject {
-            noun,
-            item_noun,
-            item_reason,
-            bitmap_name,
-            rebuild_setting,
-            ..
-        } = R::SUBJECT;
-        let key = self.key.as_str();
-        match finding {
-            BitmapFinding::NotAllocated(offset) => {
-                let item = self.item(*offset);
-                warn!(
-                    key,
-                    "the {noun} {item} is in use but not allocated; repairing"
-                );
-                outlet.count("repair");
-                let holder = holders.get(offset)?;
-                let item = match self.range.family() {
-                    Some(family) => format!("[{family}]:{item}"),
-                    None => item,
-                };
-                let note = format!("{item_noun} {item} is not allocated; repairing");
-                Some((holder, format!("{item_reason}NotAllocated"), note))
-            }
-            BitmapFinding::MayHaveLeaked(offset) => {
-                warn!(
-                    key,
-                    "the {noun} {} may have leaked: flagging for later clean up",
-                    self.item(*offset)
-                );
-                None
-            }
-            BitmapFinding::Released(offset) => {
-                let item = self.item(*offset);
-                warn!(key, "the {noun} {item} appears to have leaked: cleaning up");
-                outlet.count("leak");
-                let note = format!(
-                    "{item_noun} {item} appeared to have leaked (no Service holds it); released \
-                     it from the allocation bitmap"
-                );
-                Some((kubernetes, format!("{item_reason}Released"), note))
-            }
-            BitmapFinding::ReleaseHeld(offset) => {
-                warn!(
-                    key,
-                    "the {noun} {} appears to have leaked, but no fresh list of the Services has confirmed it unused yet: keeping it until one does",
-                    self.item(*offset)
-                );
-                None
-            }
-            // Logged once its event is published (`tell`): a refused event makes the next pass
-            // find it anew.
-            BitmapFinding::RangeMismatch(stored) => {
-                let note = self.range_mismatch_note(stored);
-                Some((kubernetes, format!("{bitmap_name}RangeMismatch"), note))
-            }
-            // The bitmap rebuilt under the configured range (or its range filled in).
-            BitmapFinding::RangeRebuilt(stored) => {
-                if stored.is_empty() {
-                    warn!(
-                        key,
-                        configured = %self.range,
-                        "the stored bitmap has no range; filling in the configured one ({rebuild_setting} is set)"
-                    );
-                } else {
-                    warn!(
-                        key,
-                        stored,
-                        configured = %self.range,
-                        "the stored range differs from the configured one; rebuilding the bitmap under the configured range, dropping the allocations outside it ({rebuild_setting} is set)"
-                    );
-                }
-                outlet.count("repair");
-                let note = format!(
-                    "rebuilt the {bitmap_name} allocation bitmap under {} (stored under \
-                     {stored:?})",
-                    self.range
-                );
-                Some((kubernetes, format!("{bitmap_name}BitmapRebuilt"), note))
-            }
-            BitmapFinding::Unusable(why) => {
-                warn!(key, "the stored bitmap cannot be used: {why}");
-                outlet.count("invalid");
-                None
-            }
-        }
-    }
-
     /// The drift kind of this key's subject for a finding (`leaked`: `nodeport_leaked`).
     fn kind(&self, suffix: &str) -> &'static str {
         match (R::SUBJECT.kind_prefix, suffix) {
@@ -637,8 +474,11 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         // process's configuration, or was changed).
         let moved_from = value
             .as_ref()
-            .map(|value| value.range.clone())
-            .filter(|range| *range != self.range.to_string());
+            .map(|value| value.range.as_str())
+            .filter(|range| *range != self.range.to_string())
+            // etcd's text, quoted in findings kept while they last: a range is a few dozen
+            // bytes at most, so a longer one is cut (and then cannot be read).
+            .map(|range| crate::sanitize::Sanitized::within(range, 100).to_string());
         let bits = match (&value, &moved_from) {
             (None, _) => FixedBitSet::with_capacity(self.range.bits()),
             (Some(value), Some(from)) if !from.is_empty() => (self.rebase(from, &value.data))
@@ -836,6 +676,9 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         );
         findings.extend(plan.released.iter().map(|&o| BitmapFinding::Released(o)));
         findings.extend(plan.held.iter().map(|&o| BitmapFinding::ReleaseHeld(o)));
+        if plan.unfollowed > 0 {
+            findings.push(BitmapFinding::Unfollowed);
+        }
         let new = self.reported.update(findings.iter().cloned());
         if applied {
             // Written: what was repaired is gone, so if it comes back (the bit cleared again

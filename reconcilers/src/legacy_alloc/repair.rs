@@ -22,7 +22,14 @@ pub const SIGHTINGS_BEFORE_RELEASE: u8 = 3;
 /// admission (webhooks among it) in between, so a bit is released no sooner than upstream would.
 pub const DEFAULT_SIGHTING_SPACING: Duration = Duration::from_secs(180);
 
-/// Unused bits seen so far, across passes.
+/// The most unused bits followed (their sightings counted) at once, per key. A bitmap has up to
+/// 2^20 bits and its etcd value may set every one (a tenant's etcd is the tenant's): each bit
+/// followed costs its sightings, its drift and its finding, so the others stay set (the side
+/// that takes nothing from a Service) and are followed as the followed ones are settled, released
+/// or found in use. Upstream follows every one; a cluster's leaks come a few at a time.
+pub const MAX_SUSPECTS: usize = 1024;
+
+/// Unused bits seen so far, across passes: at most [`MAX_SUSPECTS`].
 #[derive(Debug, Default)]
 pub struct LeakTracker {
     sightings: HashMap<usize, Sighting>,
@@ -48,6 +55,8 @@ pub struct Plan {
     /// Unused bits seen often enough, kept until a fresh list of the Services confirms them
     /// unused.
     pub held: Vec<usize>,
+    /// Unused bits not followed yet ([`MAX_SUSPECTS`] are): kept.
+    pub unfollowed: usize,
 }
 
 impl Plan {
@@ -95,7 +104,13 @@ pub fn plan(
         .retain(|offset, _| stored.contains(*offset) && !in_use.contains(*offset));
 
     let (mut flagged, mut released, mut held) = (Vec::new(), Vec::new(), Vec::new());
+    let mut unfollowed = 0;
     for offset in unused {
+        if leaks.sightings.len() >= MAX_SUSPECTS && !leaks.sightings.contains_key(&offset) {
+            bitmap.insert(offset);
+            unfollowed += 1;
+            continue;
+        }
         let sighting = leaks.sightings.entry(offset).or_insert_with(|| {
             flagged.push(offset);
             Sighting {
@@ -123,6 +138,7 @@ pub fn plan(
         flagged,
         released,
         held,
+        unfollowed,
     }
 }
 
@@ -173,6 +189,45 @@ mod tests {
         fresh: bool,
     ) -> Plan {
         plan(stored, in_use, leaks, fresh, Instant::now(), Duration::ZERO)
+    }
+
+    /// An etcd value with every bit set and no Service: [`MAX_SUSPECTS`] bits are followed and
+    /// released, the others kept, then followed in their turn.
+    #[test]
+    fn unused_bits_are_followed_a_budget_at_a_time() {
+        let size = 3 * MAX_SUSPECTS + 7;
+        let mut stored = FixedBitSet::with_capacity(size);
+        stored.insert_range(..);
+        let none = FixedBitSet::with_capacity(size);
+        let mut leaks = LeakTracker::default();
+        let first = plan(
+            &stored,
+            &none,
+            &mut leaks,
+            true,
+            Instant::now(),
+            Duration::ZERO,
+        );
+        assert_eq!(first.flagged.len(), MAX_SUSPECTS);
+        assert_eq!(first.unfollowed, size - MAX_SUSPECTS);
+        assert_eq!(first.bitmap.count_ones(..), size, "nothing released yet");
+        let mut released = 0;
+        for _ in 0..20 {
+            let pass = plan(
+                &stored,
+                &none,
+                &mut leaks,
+                true,
+                Instant::now(),
+                Duration::ZERO,
+            );
+            assert!(leaks.sightings.len() <= MAX_SUSPECTS);
+            assert!(pass.released.len() <= MAX_SUSPECTS);
+            released += pass.released.len();
+            stored = pass.bitmap;
+        }
+        assert_eq!(released, size, "every bit released in its turn");
+        assert_eq!(stored.count_ones(..), 0);
     }
 
     /// TestRepair: an empty bitmap and no Services: nothing to change.
