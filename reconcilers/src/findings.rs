@@ -78,19 +78,25 @@ impl<K: Eq + Hash + Clone> ReportOnce<K> {
 
 /// A failure that repeats while it lasts (an outage fails every retry the same way): warned about
 /// when it first appears or changes, logged at debug while it repeats, new again after a success.
+///
+/// It keeps a hash of the failure's message, not the message: an error may quote what a server
+/// sent (a Status message of megabytes), and it is kept for as long as the failure lasts.
 #[derive(Debug, Default)]
 pub struct RepeatedFailure {
-    last: Option<String>,
+    last: Option<u64>,
 }
 
 impl RepeatedFailure {
     /// Whether `error` should be warned about: it differs from the failure seen last.
     pub fn is_new(&mut self, error: &impl std::fmt::Display) -> bool {
-        let message = error.to_string();
-        if self.last.as_deref() == Some(message.as_str()) {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::hash::DefaultHasher::new();
+        error.to_string().hash(&mut hasher);
+        let message = Some(hasher.finish());
+        if self.last == message {
             return false;
         }
-        self.last = Some(message);
+        self.last = message;
         true
     }
 

@@ -113,7 +113,11 @@ pub fn observe(lease: &Lease, fallback_ttl: Duration) -> Result<ObservedMember, 
         .and_then(|a| a.get(ADDRESS_ANNOTATION))
         .cloned();
     let Some(address) = found.as_deref().and_then(parse_ip) else {
-        let found = found.map_or("no".to_owned(), |v| format!("a non-IP ({v:?})"));
+        // The value is the Lease writer's: quoted at most 64 bytes of it, as the problem is
+        // kept for as long as the Lease is.
+        let found = found.map_or("no".to_owned(), |v| {
+            format!("a non-IP ({})", crate::sanitize::Sanitized::within(&v, 64))
+        });
         return Err(format!(
             "Lease {lease_name} has {found} annotation {ADDRESS_ANNOTATION}; ignoring it"
         ));
