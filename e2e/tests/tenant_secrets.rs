@@ -177,6 +177,63 @@ async fn old_then_young(
     .await
 }
 
+/// The etcd-claim tests' start: Debian's etcd, a fleet of `tenants` without their Secrets, and
+/// what the tests read of the management cluster; [`ClaimTest::controller`] starts the
+/// controller, allowed the loopback etcds and keeping its claim records in [`NAMESPACE`].
+struct ClaimTest {
+    etcd: PlainEtcd,
+    fleet: Fleet,
+    secrets: Api<Secret>,
+    events: Api<Event>,
+    records: Api<Lease>,
+    args: Vec<String>,
+}
+
+impl ClaimTest {
+    async fn start(tenants: usize, extra: &[&str]) -> Result<Self> {
+        let etcd = PlainEtcd::start().await?;
+        let (fleet, management) = fleet_without_its_secrets(tenants).await?;
+        let (secrets, events) = secrets_and_events(&management);
+        let mut args: Vec<String> = [
+            "--tenants-etcd-allowed-cidrs",
+            LOOPBACK,
+            "--leader-elect-lease-namespace",
+            NAMESPACE,
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        Ok(ClaimTest {
+            etcd,
+            fleet,
+            secrets,
+            events,
+            records: Api::namespaced(management, NAMESPACE),
+            args,
+        })
+    }
+
+    /// The controller, started (again) with the same flags, once ready.
+    async fn controller(&self) -> Result<ControllerProcess> {
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let mut controller = start_controller(&self.fleet, &args)?;
+        controller.wait_ready().await?;
+        Ok(controller)
+    }
+
+    /// The claim records (Leases) in the management cluster.
+    async fn claims(&self) -> Result<Vec<Lease>> {
+        let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
+        Ok(self.records.list(&selector).await?.items)
+    }
+
+    /// Secret "zz-old" for tenant 0 claiming `old`, then "aa-young" for tenant 1 claiming
+    /// `young` ([`old_then_young`]).
+    async fn old_then_young(&self, old: &str, young: &str) -> Result<()> {
+        old_then_young(&self.fleet, &self.secrets, old, young).await
+    }
+}
+
 /// A kubeconfig with one cluster and one user, `cluster` and `user` being their YAML bodies
 /// (indented by four spaces).
 fn kubeconfig(cluster: &str, user: &str) -> String {
@@ -242,7 +299,12 @@ struct Listener {
 
 impl Listener {
     async fn start() -> Result<Self> {
-        let socket = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(0).await
+    }
+
+    /// On 127.0.0.1:`port` (0: a free one).
+    async fn start_on(port: u16) -> Result<Self> {
+        let socket = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
         let port = socket.local_addr()?.port();
         let accepted = Arc::new(AtomicUsize::new(0));
         let received = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -615,39 +677,33 @@ async fn allowed_credential_plugins_run_bounded_and_their_output_stays_private()
 /// refused, also across a restart, and the returning tenant keeps them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Result<()> {
-    let etcd = PlainEtcd::start().await?;
-    let (fleet, management) = fleet_without_its_secrets(3).await?;
-    let (secrets, events) = secrets_and_events(&management);
-    let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
-    let url = etcd.url();
-    let args = [
-        "--tenants-etcd-allowed-cidrs",
-        LOOPBACK,
-        "--leader-elect-lease-namespace",
-        NAMESPACE,
-    ];
-    let mut controller = start_controller(&fleet, &args)?;
-    controller.wait_ready().await?;
+    let test = ClaimTest::start(3, &[]).await?;
+    let ClaimTest {
+        fleet,
+        secrets,
+        events,
+        ..
+    } = &test;
+    let mut controller = test.controller().await?;
+    let url = test.etcd.url();
     // "zz-old" is older; "aa-young" sorts first by name but came later.
     let old = format!("etcdServers: {url}\netcdPrefix: /tenants/a\n");
-    old_then_young(
-        &fleet,
-        &secrets,
+    test.old_then_young(
         &old,
         &format!("etcdServers: [{url}/]\netcdPrefix: /tenants/a/b\n"),
     )
     .await?;
     // Credentials go to TLS servers only.
     create_secret(
-        &secrets,
+        secrets,
         "plain-etcd",
-        &token_kubeconfig(&fleet, 2)?,
+        &token_kubeconfig(fleet, 2)?,
         Some("etcdServers: http://127.0.0.1:9\netcdPrefix: /tenants/c\n"),
         &[("etcd-client.crt", b"x"), ("etcd-client.key", b"y")],
     )
     .await?;
     let found = eventually("both refused", CONVERGE, || async {
-        let found = refusals(&events).await?;
+        let found = refusals(events).await?;
         Ok((found.contains_key("aa-young-kubeconfig")
             && found.contains_key("plain-etcd-kubeconfig"))
         .then_some(found))
@@ -665,10 +721,9 @@ async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Resu
         found["plain-etcd-kubeconfig"]
     );
     ensure!(!found.contains_key("zz-old-kubeconfig"), "{found:?}");
-    ensure!(!converged(&fleet, 1), "the younger tenant was written");
-    let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
+    ensure!(!converged(fleet, 1), "the younger tenant was written");
     eventually("the old tenant's claim recorded", CONVERGE, || async {
-        Ok((records.list(&selector).await?.items.len() == 1).then_some(()))
+        Ok((test.claims().await?.len() == 1).then_some(()))
     })
     .await?;
 
@@ -683,8 +738,7 @@ async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Resu
     })
     .await?;
     controller.terminate()?;
-    let mut controller = start_controller(&fleet, &args)?;
-    controller.wait_ready().await?;
+    let controller = test.controller().await?;
     let refused_line = format!("[-]tenant {NAMESPACE}/aa-young-kubeconfig not started: ");
     eventually("the younger tenant refused again", CONVERGE, || async {
         let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
@@ -699,17 +753,14 @@ async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Resu
     tokio::time::sleep(Duration::from_secs(12)).await;
     let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
     ensure!(readyz.contains(&refused_line), "{readyz}");
-    ensure!(!converged(&fleet, 1), "the younger tenant was written");
-    ensure!(
-        records.list(&selector).await?.items.len() == 1,
-        "the claim's record went"
-    );
+    ensure!(!converged(fleet, 1), "the younger tenant was written");
+    ensure!(test.claims().await?.len() == 1, "the claim's record went");
 
     // Created again under its name (another uid): the old tenant runs with its keys.
     create_secret(
-        &secrets,
+        secrets,
         "zz-old",
-        &token_kubeconfig(&fleet, 0)?,
+        &token_kubeconfig(fleet, 0)?,
         Some(&old),
         &[],
     )
@@ -721,7 +772,7 @@ async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Resu
     .await
     .with_context(|| controller.log())?;
     ensure!(readyz.contains(&refused_line), "{readyz}");
-    ensure!(!converged(&fleet, 1), "the younger tenant was written");
+    ensure!(!converged(fleet, 1), "the younger tenant was written");
     Ok(())
 }
 
@@ -732,32 +783,22 @@ async fn tenants_whose_etcd_keys_overlap_are_refused_the_younger_first() -> Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shed_secret_keeps_its_etcd_claim() -> Result<()> {
     const PAD: usize = 600 * 1024;
-    let etcd = PlainEtcd::start().await?;
-    let (fleet, management) = fleet_without_its_secrets(3).await?;
-    let (secrets, events) = secrets_and_events(&management);
-    let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
-    let url = etcd.url();
-    let args = [
-        "--tenants-etcd-allowed-cidrs",
-        LOOPBACK,
-        "--leader-elect-lease-namespace",
-        NAMESPACE,
-        "--tenants-secrets-total-mib",
-        "1",
-    ];
-    let mut controller = start_controller(&fleet, &args)?;
-    controller.wait_ready().await?;
-    let old = format!("etcdServers: {url}\netcdPrefix: /tenants/a\n");
-    old_then_young(
-        &fleet,
-        &secrets,
-        &old,
+    let test = ClaimTest::start(3, &["--tenants-secrets-total-mib", "1"]).await?;
+    let ClaimTest {
+        fleet,
+        secrets,
+        events,
+        ..
+    } = &test;
+    let controller = test.controller().await?;
+    let url = test.etcd.url();
+    test.old_then_young(
+        &format!("etcdServers: {url}\netcdPrefix: /tenants/a\n"),
         &format!("etcdServers: {url}\netcdPrefix: /tenants/a/b\n"),
     )
     .await?;
-    let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
     eventually("the old tenant's claim recorded", CONVERGE, || async {
-        Ok((records.list(&selector).await?.items.len() == 1).then_some(()))
+        Ok((test.claims().await?.len() == 1).then_some(()))
     })
     .await
     .with_context(|| controller.log())?;
@@ -765,13 +806,13 @@ async fn a_shed_secret_keeps_its_etcd_claim() -> Result<()> {
     let padded = |i: usize| -> Result<String> {
         Ok(format!(
             "{}\n# {}\n",
-            token_kubeconfig(&fleet, i)?,
+            token_kubeconfig(fleet, i)?,
             "x".repeat(PAD)
         ))
     };
     // A third tenant takes 600 KiB of the 1 MiB, then the old one's Secret grows by as much.
-    create_secret(&secrets, "filler", &padded(2)?, None, &[]).await?;
-    wait_converged(&fleet, 2).await?;
+    create_secret(secrets, "filler", &padded(2)?, None, &[]).await?;
+    wait_converged(fleet, 2).await?;
     let mut grown = secrets.get("zz-old-kubeconfig").await?;
     let data = grown.data.get_or_insert_with(Default::default);
     data.insert(
@@ -802,10 +843,7 @@ async fn a_shed_secret_keeps_its_etcd_claim() -> Result<()> {
         !log.contains("no tenant Secret makes this etcd claim any more"),
         "{log}"
     );
-    ensure!(
-        records.list(&selector).await?.items.len() == 1,
-        "the claim's record went"
-    );
+    ensure!(test.claims().await?.len() == 1, "the claim's record went");
     let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
     ensure!(
         readyz
@@ -813,7 +851,7 @@ async fn a_shed_secret_keeps_its_etcd_claim() -> Result<()> {
             .any(|l| l.starts_with(&refused_line) && l.contains("tenants/zz-old-kubeconfig")),
         "{readyz}"
     );
-    ensure!(!converged(&fleet, 1), "the younger tenant was written");
+    ensure!(!converged(fleet, 1), "the younger tenant was written");
     Ok(())
 }
 
@@ -822,25 +860,20 @@ async fn a_shed_secret_keeps_its_etcd_claim() -> Result<()> {
 /// to rebuild the bitmap under a range of its own, is refused and the bitmap stays as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_etcd_is_one_etcd_however_its_url_is_written() -> Result<()> {
-    let etcd = PlainEtcd::start().await?;
-    let (fleet, management) = fleet_without_its_secrets(2).await?;
-    let (secrets, events) = secrets_and_events(&management);
-    let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
-    let mut controller = start_controller(
-        &fleet,
-        &[
-            "--tenants-etcd-allowed-cidrs",
-            LOOPBACK,
-            "--leader-elect-lease-namespace",
-            NAMESPACE,
-        ],
-    )?;
-    controller.wait_ready().await?;
+    let test = ClaimTest::start(2, &[]).await?;
+    let ClaimTest {
+        etcd,
+        fleet,
+        secrets,
+        events,
+        ..
+    } = &test;
+    let controller = test.controller().await?;
     let loops = "loops:\n  nodePortRepair:\n    interval: 5s\n";
     create_secret(
-        &secrets,
+        secrets,
         "first",
-        &token_kubeconfig(&fleet, 0)?,
+        &token_kubeconfig(fleet, 0)?,
         Some(&format!(
             "etcdServers: {}\netcdPrefix: /tenants/a\n{loops}",
             etcd.url()
@@ -854,9 +887,8 @@ async fn one_etcd_is_one_etcd_however_its_url_is_written() -> Result<()> {
     })
     .await
     .with_context(|| controller.log())?;
-    let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
     eventually("the first tenant's claim recorded", CONVERGE, || async {
-        Ok((records.list(&selector).await?.items.len() == 1).then_some(()))
+        Ok((test.claims().await?.len() == 1).then_some(()))
     })
     .await?;
 
@@ -883,16 +915,16 @@ async fn one_etcd_is_one_etcd_however_its_url_is_written() -> Result<()> {
              30000-30099\n{loops}    rebuildBitmapOnRangeChange: true\n"
         );
         create_secret(
-            &secrets,
+            secrets,
             name,
-            &token_kubeconfig(&fleet, 1)?,
+            &token_kubeconfig(fleet, 1)?,
             Some(&fragment),
             &[],
         )
         .await?;
     }
     let found = eventually("every other spelling refused", CONVERGE, || async {
-        let found = refusals(&events).await?;
+        let found = refusals(events).await?;
         Ok(spellings
             .iter()
             .all(|(name, ..)| found.contains_key(&format!("{name}-kubeconfig")))
@@ -914,7 +946,7 @@ async fn one_etcd_is_one_etcd_however_its_url_is_written() -> Result<()> {
         now.as_ref().map(|s| s.mod_revision) == Some(written.mod_revision),
         "the first tenant's bitmap was rewritten: {now:?}"
     );
-    ensure!(!converged(&fleet, 1), "a refused tenant was written");
+    ensure!(!converged(fleet, 1), "a refused tenant was written");
     Ok(())
 }
 
@@ -922,20 +954,14 @@ async fn one_etcd_is_one_etcd_however_its_url_is_written() -> Result<()> {
 /// event of the Secrets or the records to wake it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_claim_record_write_is_tried_again_on_a_timer() -> Result<()> {
-    let etcd = PlainEtcd::start().await?;
-    let (fleet, management) = fleet_without_its_secrets(1).await?;
-    let (secrets, _) = secrets_and_events(&management);
-    let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
-    let mut controller = start_controller(
-        &fleet,
-        &[
-            "--tenants-etcd-allowed-cidrs",
-            LOOPBACK,
-            "--leader-elect-lease-namespace",
-            NAMESPACE,
-        ],
-    )?;
-    controller.wait_ready().await?;
+    let test = ClaimTest::start(1, &[]).await?;
+    let ClaimTest {
+        etcd,
+        fleet,
+        secrets,
+        ..
+    } = &test;
+    let controller = test.controller().await?;
     fleet.management().faults().inject(FaultRule::next(
         Some(Verb::Create),
         Some("leases.coordination.k8s.io"),
@@ -946,9 +972,9 @@ async fn a_failed_claim_record_write_is_tried_again_on_a_timer() -> Result<()> {
         },
     ));
     create_secret(
-        &secrets,
+        secrets,
         "recorded",
-        &token_kubeconfig(&fleet, 0)?,
+        &token_kubeconfig(fleet, 0)?,
         Some(&format!(
             "etcdServers: {}\netcdPrefix: /tenants/a\n",
             etcd.url()
@@ -956,11 +982,10 @@ async fn a_failed_claim_record_write_is_tried_again_on_a_timer() -> Result<()> {
         &[],
     )
     .await?;
-    wait_converged(&fleet, 0).await?;
-    let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
+    wait_converged(fleet, 0).await?;
     // The first write fails; the next comes after the retry delay (30 s), on the timer.
     eventually("the claim recorded", Duration::from_secs(90), || async {
-        Ok((records.list(&selector).await?.items.len() == 1).then_some(()))
+        Ok((test.claims().await?.len() == 1).then_some(()))
     })
     .await
     .with_context(|| {
@@ -1081,33 +1106,25 @@ async fn tenant_etcds_are_reached_only_inside_the_networks_the_operator_allows()
 /// and a restarted controller decides alike from the records.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_secret_edited_to_claim_a_running_tenants_etcd_keys_is_refused() -> Result<()> {
-    let (fleet, management) = fleet_without_its_secrets(2).await?;
-    let (secrets, events) = secrets_and_events(&management);
-    let records: Api<Lease> = Api::namespaced(management.clone(), NAMESPACE);
-    let plain_etcd = PlainEtcd::start().await?;
-    let etcd = plain_etcd.url();
-    let args = [
-        "--leader-elect-lease-namespace",
-        NAMESPACE,
-        "--tenants-etcd-allowed-cidrs",
-        LOOPBACK,
-    ];
-    let mut controller = start_controller(&fleet, &args)?;
-    controller.wait_ready().await?;
-    old_then_young(
-        &fleet,
-        &secrets,
+    let test = ClaimTest::start(2, &[]).await?;
+    let ClaimTest {
+        fleet,
+        secrets,
+        events,
+        ..
+    } = &test;
+    let mut controller = test.controller().await?;
+    let etcd = test.etcd.url();
+    test.old_then_young(
         &format!("etcdServers: {etcd}\netcdPrefix: /tenants/b\n"),
         &format!("etcdServers: {etcd}\netcdPrefix: /tenants/a\n"),
     )
     .await?;
-    wait_converged(&fleet, 1).await?;
-    let selector = ListParams::default().labels("bootstrap-controller.io/etcd-claim=true");
+    wait_converged(fleet, 1).await?;
     eventually("both claims recorded", CONVERGE, || async {
-        let prefixes: Vec<String> = records
-            .list(&selector)
+        let prefixes: Vec<String> = test
+            .claims()
             .await?
-            .items
             .into_iter()
             .filter_map(|lease| {
                 lease
@@ -1134,7 +1151,7 @@ async fn an_old_secret_edited_to_claim_a_running_tenants_etcd_keys_is_refused() 
         )
         .await?;
     let why = eventually("the edited old Secret refused", CONVERGE, || async {
-        Ok(refusals(&events).await?.remove("zz-old-kubeconfig"))
+        Ok(refusals(events).await?.remove("zz-old-kubeconfig"))
     })
     .await?;
     ensure!(
@@ -1151,8 +1168,7 @@ async fn an_old_secret_edited_to_claim_a_running_tenants_etcd_keys_is_refused() 
 
     // A new process (the records are all it knows of the past) decides alike.
     controller.terminate()?;
-    let mut controller = start_controller(&fleet, &args)?;
-    controller.wait_ready().await?;
+    let controller = test.controller().await?;
     let readyz = eventually("the young tenant running again", CONVERGE, || async {
         let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
         Ok(runs(&readyz, "aa-young-kubeconfig").then_some(readyz))
@@ -1183,10 +1199,72 @@ async fn an_old_secret_edited_to_claim_a_running_tenants_etcd_keys_is_refused() 
         )),
         "{readyz}"
     );
+    ensure!(test.claims().await?.len() == 2, "a record went");
+    Ok(())
+}
+
+/// An etcd that cannot be asked is asked again every 30 s, and each failure may read otherwise:
+/// the Secret version is reported once (one event, one count), while `/readyz?verbose` shows the
+/// failure of the moment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_that_cannot_be_asked_is_reported_once_a_version() -> Result<()> {
+    let (fleet, management) = fleet_without_its_secrets(1).await?;
+    let (secrets, events) = secrets_and_events(&management);
+    let mut controller = start_controller(&fleet, &["--tenants-etcd-allowed-cidrs", LOOPBACK])?;
+    controller.wait_ready().await?;
+    // Nothing listens there yet: the connection is refused.
+    let port = free_port()?.port();
+    create_secret(
+        &secrets,
+        "unasked",
+        &token_kubeconfig(&fleet, 0)?,
+        Some(&format!(
+            "etcdServers: http://127.0.0.1:{port}\netcdPrefix: /tenants/a\n"
+        )),
+        &[],
+    )
+    .await?;
+    let refused_line = format!("[-]tenant {NAMESPACE}/unasked-kubeconfig not started: ");
+    let failing = |what: &'static str| {
+        let (controller, refused_line) = (&controller, &refused_line);
+        eventually(what, Duration::from_secs(90), move || async move {
+            let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+            Ok(readyz
+                .lines()
+                .find(|line| line.starts_with(refused_line.as_str()))
+                .map(str::to_owned))
+        })
+    };
+    let first = failing("the refused connection")
+        .await
+        .with_context(|| controller.log())?;
+    ensure!(!first.contains("no answer within"), "{first}");
+    // Then something listens and never answers: the next ask fails otherwise.
+    let listener = Listener::start_on(port).await?;
+    let silent = "the silent etcd's failure";
+    let changed = eventually(silent, Duration::from_secs(120), || async {
+        let line = failing(silent).await?;
+        Ok((line != first).then_some(line))
+    })
+    .await;
+    if let Err(err) = changed {
+        let (_, readyz) = controller.admin_get("/readyz?verbose").await?;
+        return Err(err.context(format!("{readyz}\n{}", controller.log())));
+    }
+    ensure!(listener.accepted.load(Ordering::SeqCst) > 0, "never asked");
+    let (_, metrics) = controller.admin_get("/metrics").await?;
     ensure!(
-        records.list(&selector).await?.items.len() == 2,
-        "a record went"
+        metrics.contains("bootstrap_tenant_config_errors_total 1\n"),
+        "{metrics}"
     );
+    let reported = refusals(&events).await?;
+    ensure!(
+        reported
+            .get("unasked-kubeconfig")
+            .is_some_and(|note| note == &first[refused_line.len()..]),
+        "{reported:?} against {first}"
+    );
+    controller.terminate()?;
     Ok(())
 }
 

@@ -46,8 +46,8 @@ impl TenantMetrics {
         );
         registry.register(
             "tenant_config_errors",
-            "Tenant Secrets found unusable (bad kubeconfig or configuration fragment), counted \
-             once per version of the Secret",
+            "Tenant Secrets found unusable (bad kubeconfig or configuration fragment, etcd \
+             refused), counted once per version of the Secret and reason",
             metrics.config_errors.clone(),
         );
         registry.register(
@@ -58,8 +58,8 @@ impl TenantMetrics {
         registry.register(
             "tenant_stops",
             "Tenant runtimes stopped on this replica, by reason (deleted, changed, moved: \
-             another replica owns it now, refused: its etcd keys overlap an older tenant's, \
-             shutdown)",
+             another replica owns it now, refused: its etcd keys overlap another tenant's \
+             that keeps them, shutdown)",
             metrics.stops.clone(),
         );
         registry.register(

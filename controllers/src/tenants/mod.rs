@@ -286,8 +286,9 @@ struct Manager {
     /// The last error writing a record, logged once.
     record_errors: Arc<records::RecordErrors>,
     /// Tenants refused for their etcd (keys another tenant keeps, or an etcd that could not be
-    /// asked) or shed for the Secrets' budget, reported once per version and reason.
-    conflicts: HashMap<String, (Spec, Sanitized)>,
+    /// asked) or shed for the Secrets' budget, reported once per version and reason; `None`:
+    /// its etcd could not be asked, reported once per version whatever the failure said.
+    conflicts: HashMap<String, (Spec, Option<Sanitized>)>,
     /// The last view acknowledged.
     acked: Option<u64>,
     leadership: Leadership,
@@ -573,12 +574,12 @@ impl Manager {
         }
         if let Some(wanted) = spec.shed {
             let reason = self.over_secrets_budget(wanted);
-            if self.conflicts.get(key) != Some(&(spec.clone(), reason.clone())) {
+            let finding = (spec.clone(), Some(reason.clone()));
+            if self.conflicts.get(key) != Some(&finding) {
                 warn!(tenant = %key, "{reason}");
                 self.metrics.secrets_shed.inc();
                 self.secret_events(spec)("TenantOverBudget", "StartTenant", reason.to_string());
-                self.conflicts
-                    .insert(key.to_owned(), (spec.clone(), reason.clone()));
+                self.conflicts.insert(key.to_owned(), finding);
             }
             return Entry::Invalid(reason);
         }
@@ -590,13 +591,16 @@ impl Manager {
             .get(key)
             .and_then(|(_, state)| state.failure())
             .map(str::to_owned);
-        if let Some(reason) = decision.refused.get(key).or(failure.as_ref()) {
+        let refused = decision.refused.get(key);
+        if let Some(reason) = refused.or(failure.as_ref()) {
             // It names etcd prefixes and servers the tenants' annotations wrote.
             let reason = Sanitized::new(reason);
-            if self.conflicts.get(key) != Some(&(spec.clone(), reason.clone())) {
+            // An etcd that cannot be asked is asked again every `ASK_RETRY`, and each failure
+            // may read otherwise (a refused connection, then no answer): one report a version.
+            let finding = (spec.clone(), refused.map(|_| reason.clone()));
+            if self.conflicts.get(key) != Some(&finding) {
                 self.refuse(key, spec, &reason);
-                self.conflicts
-                    .insert(key.to_owned(), (spec.clone(), reason.clone()));
+                self.conflicts.insert(key.to_owned(), finding);
             }
             return Entry::Invalid(reason);
         }
