@@ -985,18 +985,20 @@ fn chart_memory_limit_mib() -> Result<u64> {
 /// `--tenants-cache-total-mib` (estimated, and the estimate is at least what a cache takes:
 /// BENCHMARKS.md, "What one object costs a cache"), their responses being read at most the
 /// response pool, however many of them flood; beside these the process costs what a fleet of
-/// healthy tenants costs (BENCHMARKS.md, "The shipped build": 39.4 MiB at 100 tenants), and what the
+/// healthy tenants costs (BENCHMARKS.md, "The shipped build": 37.0 MiB at 100 tenants), and what the
 /// tenants' servers send ahead of the reader, which no pool counts (controllers/CONFIG.md,
 /// "Tenant cache budgets"). Fails when a default changes so that the counted part no longer
-/// fits the chart's limit with a fifth of it left for the rest.
+/// fits the chart's limit with a fifth of it left for the rest, or no longer fits it with what
+/// the tenant Secrets' writers can make the process hold besides (CONFIG.md, "Tenant Secrets'
+/// budget").
 #[test]
 fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
     use bootstrap_controller::config::{DEFAULT_TENANTS_CACHE_TOTAL_MIB, TENANT_CACHE_FLOOR_BYTES};
     use bootstrap_controller::limits::{TENANTS_RESPONSE_FLOOR_BYTES, TENANTS_RESPONSE_POOL_BYTES};
     use reconcilers::budget::pool_bounds;
     const MIB: usize = 1024 * 1024;
-    const FLEET_OF_10_MIB: f64 = 20.3;
-    const FLEET_OF_100_MIB: f64 = 39.4;
+    const FLEET_OF_10_MIB: f64 = 20.5;
+    const FLEET_OF_100_MIB: f64 = 37.0;
     const DOCUMENTED_FLEET: u32 = 80;
     let caches = usize::try_from(DEFAULT_TENANTS_CACHE_TOTAL_MIB)? * MIB;
     let pools = [
@@ -1015,7 +1017,7 @@ fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
     let pooled_mib = (caches + TENANTS_RESPONSE_POOL_BYTES) / MIB;
     assert_eq!(pooled_mib, 128, "the pools' worst case with the defaults");
     // The rest grows with the fleet: each tenant's own cost (measured with the image's static
-    // build: 20.3 MiB for 10 tenants, 39.4 for 100; BENCHMARKS.md, "The shipped build") and what its server may send ahead of the
+    // build: 20.5 MiB for 10 tenants, 37.0 for 100; BENCHMARKS.md, "The shipped build") and what its server may send ahead of the
     // reader (its HTTP/2 connection window).
     let read_ahead_mib =
         f64::from(bootstrap_controller::client::ReadAhead::TENANT.h2_connection_window)
@@ -1044,6 +1046,26 @@ fn the_defaults_worst_case_fits_the_charts_memory_limit() -> Result<()> {
     ensure!(
         worst(DOCUMENTED_FLEET as f64 + 10.0) > 0.8 * limit,
         "the defaults hold more than {DOCUMENTED_FLEET} tenants: say so in CONFIG.md"
+    );
+    // The Secrets' writers, trusted with their tenant only, add up to twice their budget and a
+    // page of Secrets being read (10 Secrets of at most 1 MiB each, as JSON).
+    const SECRETS_PAGE_MIB: f64 = 14.0;
+    ensure!(
+        config.contains("about 14 MiB as JSON"),
+        "CONFIG.md gives another size for a page of Secrets"
+    );
+    let secrets = 2.0 * f64::from(bootstrap_controller::config::DEFAULT_TENANTS_SECRETS_TOTAL_MIB)
+        + SECRETS_PAGE_MIB;
+    let with_secrets = at_documented + secrets;
+    ensure!(
+        with_secrets <= limit,
+        "{DOCUMENTED_FLEET} tenants and the Secrets' writers may take the controller to \
+         {with_secrets:.1} MiB, over the chart's {limit} MiB memory limit"
+    );
+    let documented = format!("{with_secrets:.1} MiB with the Secrets' writers");
+    ensure!(
+        config.contains(&documented),
+        "CONFIG.md does not say {documented:?}"
     );
     Ok(())
 }

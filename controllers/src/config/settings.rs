@@ -468,8 +468,9 @@ settings! {
         file "tenants.cacheMaxMiB" in tenants.cache_max_mib => Result<u32, NotANumber> = parse_number;
 
     /// Management mode: the most MiB every tenant's caches may hold together (estimated, as
-    /// --tenants-cache-max-mib), however many tenants there are. A tenant whose caches would
-    /// take the total over it, holding more than 1 MiB itself, is emptied and paused, alone.
+    /// --tenants-cache-max-mib), however many tenants there are. Every tenant may hold its floor
+    /// (1 MiB, or half its fair share when the tenants are many); one above it whose caches
+    /// would take the total over the total less every floor is emptied and paused, alone.
     /// [default: 96]
     tenants_cache_total_mib: String = "tenants-cache-total-mib",
         "BOOTSTRAP_TENANTS_CACHE_TOTAL_MIB", "MIB";
