@@ -396,9 +396,8 @@ impl LoopTask {
         debug!(?interval, needs_leadership = gated, "loop started");
         let mut backoff: Option<backon::ExponentialBackoff> = None;
         let mut triggers_open = true;
-        // Consecutive trigger-woken passes that still had to repair something: a sign that
-        // another actor undoes our writes, which would otherwise become a hot loop.
-        let mut fight_streak: u32 = 0;
+        // Trigger-woken passes in a row that repaired again, or nothing (`streaks_after`).
+        let mut streaks = (0, 0);
         let mut woken_by_trigger = false;
         // Drift left as it is (report-only, dry run) is logged and counted when it appears, not
         // again on every pass while it lasts.
@@ -435,7 +434,7 @@ impl LoopTask {
                     {
                         self.metrics.heal(name, since.elapsed());
                     }
-                    fight_streak = fight_streak_after(fight_streak, woken_by_trigger && repaired);
+                    streaks = streaks_after(streaks, woken_by_trigger, repaired);
                     self.succeeded();
                     with_jitter(interval, self.options.jitter)
                 }
@@ -457,7 +456,7 @@ impl LoopTask {
             // the loop, but no sooner than a second later, so a burst of events cannot turn a
             // failing API into a retry storm.
             let listen_to_triggers = !self.options.timer_only;
-            let mut debounce = trigger_delay(fight_streak, self.options.debounce, interval);
+            let mut debounce = trigger_delay(streaks, self.options.debounce, interval);
             if backoff.is_some() {
                 debounce = debounce.max(wait.min(FAILING_TRIGGER_DELAY));
             }
@@ -668,15 +667,51 @@ const FAILING_TRIGGER_DELAY: Duration = Duration::from_secs(1);
 /// Triggered passes that keep repairing drift before the runner slows them down.
 const FIGHT_STREAK_THRESHOLD: u32 = 5;
 
-/// Quiet time before a triggered pass: the debounce, then doubling from 100 ms once the loop
-/// seems to fight another actor, up to the loop's interval (where the timer takes over anyway).
-fn trigger_delay(fight_streak: u32, debounce: Duration, interval: Duration) -> Duration {
-    if fight_streak < FIGHT_STREAK_THRESHOLD {
+/// The streaks `(fight, idle)` after a successful pass: trigger-woken passes in a row that still
+/// had to repair something (a sign that another actor undoes our writes) or repaired nothing
+/// (events that change nothing the loop keeps: a busy allocator, or a tenant's etcd or API
+/// writing for the sake of it, each a whole pass, a bitmap of megabytes decoded). Either would
+/// otherwise become a hot loop.
+fn streaks_after((fight, idle): (u32, u32), woken_by_trigger: bool, repaired: bool) -> (u32, u32) {
+    let fight = fight_streak_after(fight, woken_by_trigger && repaired);
+    let idle = match (woken_by_trigger, repaired) {
+        (true, false) => idle.saturating_add(1),
+        (true, true) => 0,
+        (false, _) => idle,
+    };
+    (fight, idle)
+}
+
+/// Triggered passes in a row that repair nothing before the runner slows them down.
+const IDLE_STREAK_THRESHOLD: u32 = 20;
+
+/// The longest quiet time before a triggered pass while triggers keep changing nothing: a
+/// repair that events bring stays within a second.
+const IDLE_TRIGGER_DELAY: Duration = Duration::from_secs(1);
+
+/// Quiet time before a triggered pass, by the streaks of triggered passes (repairing again,
+/// repairing nothing): the debounce, then doubling from 100 ms once the loop seems to fight
+/// another actor, up to the loop's interval (where the timer takes over anyway), or once
+/// triggers keep changing nothing, up to [`IDLE_TRIGGER_DELAY`].
+fn trigger_delay(
+    (fight_streak, idle_streak): (u32, u32),
+    debounce: Duration,
+    interval: Duration,
+) -> Duration {
+    let (streak, threshold, most) = if fight_streak >= FIGHT_STREAK_THRESHOLD {
+        (fight_streak, FIGHT_STREAK_THRESHOLD, interval)
+    } else if idle_streak >= IDLE_STREAK_THRESHOLD {
+        (
+            idle_streak,
+            IDLE_STREAK_THRESHOLD,
+            IDLE_TRIGGER_DELAY.min(interval),
+        )
+    } else {
         return debounce;
-    }
-    let doublings = (fight_streak - FIGHT_STREAK_THRESHOLD).min(20);
+    };
+    let doublings = (streak - threshold).min(20);
     (Duration::from_millis(100) * 2u32.pow(doublings))
-        .min(interval)
+        .min(most)
         .max(debounce)
 }
 
@@ -1461,20 +1496,53 @@ mod tests {
     }
 
     #[test]
-    fn triggered_passes_slow_down_when_fighting_another_actor() {
+    fn triggered_passes_slow_down_when_fighting_another_actor_or_changing_nothing() {
         let debounce = Duration::from_millis(10);
         let interval = Duration::from_secs(60);
-        assert_eq!(trigger_delay(0, debounce, interval), debounce);
-        assert_eq!(trigger_delay(4, debounce, interval), debounce);
-        assert_eq!(
-            trigger_delay(5, debounce, interval),
-            Duration::from_millis(100)
-        );
-        assert_eq!(
-            trigger_delay(6, debounce, interval),
-            Duration::from_millis(200)
-        );
-        assert_eq!(trigger_delay(50, debounce, interval), interval);
+        let fight = |streak| trigger_delay((streak, 0), debounce, interval);
+        assert_eq!(fight(0), debounce);
+        assert_eq!(fight(4), debounce);
+        assert_eq!(fight(5), Duration::from_millis(100));
+        assert_eq!(fight(6), Duration::from_millis(200));
+        assert_eq!(fight(50), interval);
+        let idle = |streak| trigger_delay((0, streak), debounce, interval);
+        assert_eq!(idle(19), debounce);
+        assert_eq!(idle(20), Duration::from_millis(100));
+        assert_eq!(idle(23), Duration::from_millis(800));
+        assert_eq!(idle(24), IDLE_TRIGGER_DELAY);
+        assert_eq!(idle(u32::MAX), IDLE_TRIGGER_DELAY);
+        // Never past the interval, where the timer takes over.
+        let short = Duration::from_millis(300);
+        assert_eq!(trigger_delay((0, 30), debounce, short), short);
+        // A triggered repair ends the idle streak; the timer's passes leave it as it is.
+        assert_eq!(streaks_after((0, 25), true, true), (1, 0));
+        assert_eq!(streaks_after((0, 25), true, false), (0, 26));
+        assert_eq!(streaks_after((0, 25), false, true), (0, 25));
+    }
+
+    #[tokio::test]
+    async fn triggers_that_change_nothing_do_not_become_a_hot_loop() {
+        // Every pass finds nothing, and a trigger comes every millisecond.
+        let (fake, trigger, _polled) = Fake::new("a").with_trigger();
+        let fake = Arc::new(fake.script(&vec![Step::Succeed; 2000]));
+        let harness = start(vec![fake.clone()], options(), true);
+        let feeder = tokio::spawn(async move {
+            while trigger.send(()).is_ok() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
+        eventually("the idle streak reached", || {
+            fake.finished.load(Ordering::SeqCst) > IDLE_STREAK_THRESHOLD as usize + 6
+        })
+        .await;
+        // Past the threshold, delays double from 100 ms up to a second: 3 s allow a few passes
+        // (unthrottled, the 10 ms debounce would allow ~300).
+        let before = fake.finished.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let during = fake.finished.load(Ordering::SeqCst) - before;
+        assert!((1..=6).contains(&during), "{during} passes in 3 s");
+        feeder.abort();
+        stop(harness).await;
     }
 
     #[tokio::test]
