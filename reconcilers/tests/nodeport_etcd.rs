@@ -285,6 +285,44 @@ async fn a_value_with_every_bit_set_is_released_a_budget_at_a_time() {
     assert_eq!(ports_of(&value.value), Vec::<u16>::new());
 }
 
+/// A released port that kube-apiserver allocates again before the next pass (its Service still
+/// in admission, so in no list yet) is a new suspect: it waits three sightings again, never
+/// released on the old one's.
+#[tokio::test]
+async fn a_released_port_allocated_again_waits_its_own_sightings() {
+    let (etcd, store, sim) = etcd_and_sim().await;
+    let stored = RangeAllocation::new(range().to_string(), bitmap(&[30500]));
+    store_first(&store, stored.encode()).await;
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_millis(1)).await;
+    let mut released = false;
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let report = harness.pass(&sim, false).await.unwrap();
+        released = kinds(&report).contains(&"nodeport_leaked");
+    }
+    assert!(released, "released on the third sighting");
+    // kube-apiserver allocates it again.
+    let value = store.get(KEY).await.unwrap().unwrap();
+    assert_eq!(ports_of(&value.value), Vec::<u16>::new());
+    let again = RangeAllocation::new(range().to_string(), bitmap(&[30500]));
+    assert!(
+        store
+            .compare_and_swap(KEY, Some(value.mod_revision), again.encode())
+            .await
+            .unwrap()
+    );
+    for sighting in 1..3 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let report = harness.pass(&sim, false).await.unwrap();
+        assert!(
+            !kinds(&report).contains(&"nodeport_leaked"),
+            "released again on sighting {sighting}: {report:?}"
+        );
+        let value = store.get(KEY).await.unwrap().unwrap();
+        assert_eq!(ports_of(&value.value), vec![30500]);
+    }
+}
+
 /// A bit cleared again right after its repair, before any pass saw it set, is a new occurrence:
 /// reported (event, metric) and repaired again, not taken for the one already repaired.
 #[tokio::test]

@@ -37,6 +37,7 @@ use crate::alloc::IpFamily;
 use crate::contract::{Action, Drift, LoopError, PassContext, PassReport, drift};
 use crate::events::SeriesRecorder;
 use crate::findings::{RepeatedFailure, ReportOnce};
+use crate::sanitize::Sanitized;
 use crate::service_cache::FreshList;
 use crate::service_cache::live::{self, Liveness};
 use crate::service_cache::record::{ServiceRecord, ServiceRef};
@@ -394,6 +395,10 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                     fresh = None;
                     continue;
                 }
+                if applied {
+                    let mut leaks = self.leaks.lock().unwrap_or_else(|p| p.into_inner());
+                    leaks.written(&plan.released);
+                }
                 break 'pass self.outcome(&plan, stored.range_change, applied, holders, report);
             }
             return Err(self.failed(EtcdError::Conflicts {
@@ -472,23 +477,24 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         // The range the value was stored under, when it is not the configured one: empty
         // (never initialized), or another range (kube-apiserver's flag differs from this
         // process's configuration, or was changed).
-        let moved_from = value
+        let stored_range = value
             .as_ref()
             .map(|value| value.range.as_str())
-            .filter(|range| *range != self.range.to_string())
-            // etcd's text, quoted in findings kept while they last: a range is a few dozen
-            // bytes at most, so a longer one is cut (and then cannot be read).
-            .map(|range| crate::sanitize::Sanitized::within(range, 100).to_string());
-        let bits = match (&value, &moved_from) {
+            .filter(|range| *range != self.range.to_string());
+        let bits = match (&value, stored_range) {
             (None, _) => FixedBitSet::with_capacity(self.range.bits()),
             (Some(value), Some(from)) if !from.is_empty() => (self.rebase(from, &value.data))
                 .ok_or_else(|| {
                     unusable(format!(
-                        "the stored range {from:?} cannot be read; nothing is written to it"
+                        "the stored range \"{}\" cannot be read; nothing is written to it",
+                        Sanitized::within(from, 100)
                     ))
                 })?,
             (Some(value), _) => bitmap_from_bytes(&value.data, self.range.bits()),
         };
+        // etcd's text, quoted in findings kept while they last: a range is a few dozen bytes,
+        // so a longer one is cut.
+        let moved_from = stored_range.map(|range| Sanitized::within(range, 100).to_string());
         if let Some(from) = &moved_from
             && !self.rebuild_on_range_change
         {

@@ -35,6 +35,18 @@ pub struct LeakTracker {
     sightings: HashMap<usize, Sighting>,
 }
 
+impl LeakTracker {
+    /// The bitmap without the `released` bits is stored: they are suspects no more. One set
+    /// again before the next pass reads it is kube-apiserver's new allocation (its Service
+    /// perhaps still in admission), a new suspect with no sighting yet, never a bit released
+    /// again on the sightings of the old one.
+    pub fn written(&mut self, released: &[usize]) {
+        for offset in released {
+            self.sightings.remove(offset);
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Sighting {
     count: u8,
@@ -62,9 +74,9 @@ pub struct Plan {
 impl Plan {
     /// Releases the held bits that `fresh_in_use` (the offsets a fresh list of the Services
     /// holds) confirms unused; the others were in use after all (the cache was behind), and are
-    /// no suspects any more. A released bit keeps its sightings until a stored bitmap no longer
-    /// holds it: a write that loses its compare-and-swap leaves it set, and it must not start
-    /// over as a new suspect.
+    /// no suspects any more. A released bit keeps its sightings until its write succeeds
+    /// ([`LeakTracker::written`]): a write that loses its compare-and-swap leaves it set, and it
+    /// must not start over as a new suspect.
     pub fn release_held(&mut self, leaks: &mut LeakTracker, fresh_in_use: &FixedBitSet) {
         for offset in self.held.drain(..) {
             if fresh_in_use.contains(offset) {
@@ -96,7 +108,6 @@ pub fn plan(
     let mut bitmap = in_use.clone();
     bitmap.grow(stored.len());
     let not_allocated: Vec<usize> = in_use.difference(stored).collect();
-    let unused: Vec<usize> = stored.difference(in_use).collect();
 
     // A bit in use, or no longer set, is no suspect.
     leaks
@@ -105,7 +116,7 @@ pub fn plan(
 
     let (mut flagged, mut released, mut held) = (Vec::new(), Vec::new(), Vec::new());
     let mut unfollowed = 0;
-    for offset in unused {
+    for offset in stored.difference(in_use) {
         if leaks.sightings.len() >= MAX_SUSPECTS && !leaks.sightings.contains_key(&offset) {
             bitmap.insert(offset);
             unfollowed += 1;
