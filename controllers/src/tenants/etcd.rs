@@ -34,6 +34,38 @@ pub(super) struct Asked {
     pub(super) servers: Vec<String>,
 }
 
+/// Why a Secret's etcd could not be asked.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Unasked {
+    pub(super) reason: String,
+    /// It did not answer (no answer in time, no connection, a name that does not resolve
+    /// now): asked again, it may fail in other words each time. Otherwise its configuration
+    /// or the operator's networks refuse it.
+    pub(super) unanswered: bool,
+}
+
+impl Unasked {
+    fn refused(reason: String) -> Self {
+        Unasked {
+            reason,
+            unanswered: false,
+        }
+    }
+
+    fn unanswered(reason: String) -> Self {
+        Unasked {
+            reason,
+            unanswered: true,
+        }
+    }
+}
+
+impl std::fmt::Display for Unasked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
 /// What is known of a Secret's etcd.
 #[derive(Clone, Debug)]
 pub(super) enum EtcdState {
@@ -42,12 +74,12 @@ pub(super) enum EtcdState {
     /// Being asked; `failed` holds why the last time did not answer.
     Asking {
         prefix: String,
-        failed: Option<String>,
+        failed: Option<Unasked>,
     },
     /// Could not be asked, at `at`: the tenant is not started, and it is asked again later.
     Failed {
         prefix: String,
-        reason: String,
+        reason: Unasked,
         at: Instant,
     },
     Known(Asked),
@@ -70,7 +102,7 @@ impl EtcdState {
     }
 
     /// Why the tenant cannot start, when its etcd could not be asked.
-    pub(super) fn failure(&self) -> Option<&str> {
+    pub(super) fn failure(&self) -> Option<&Unasked> {
         match self {
             EtcdState::Asking {
                 failed: Some(reason),
@@ -83,7 +115,7 @@ impl EtcdState {
 }
 
 /// What an ask task ends with: the tenant, the Secret version asked about, and the outcome.
-pub(super) type AskOutcome = (String, Spec, Result<Asked, String>);
+pub(super) type AskOutcome = (String, Spec, Result<Asked, Unasked>);
 
 impl Manager {
     /// Keeps what is known of every Secret's etcd: asks about a new Secret version, and again
@@ -138,14 +170,14 @@ impl Manager {
                     .catch_unwind();
                     let result = match asking.await {
                         Ok(Ok(result)) => result,
-                        Ok(Err(_)) => Err(format!(
+                        Ok(Err(_)) => Err(Unasked::unanswered(format!(
                             "{TENANT_CONFIG_ANNOTATION}: etcdServers: no answer within {} s",
                             ASK_TIMEOUT.as_secs()
-                        )),
-                        Err(_) => Err(format!(
+                        ))),
+                        Err(_) => Err(Unasked::unanswered(format!(
                             "{TENANT_CONFIG_ANNOTATION}: etcdServers: asking the etcd failed \
                              abnormally"
-                        )),
+                        ))),
                     };
                     (task_key, spec, result)
                 }
@@ -191,12 +223,12 @@ impl Manager {
 /// Asks a Secret's etcd who it is: its configuration (fragment over the file, validated), its
 /// credentials, its servers' addresses (each inside the allowed networks), and one count-only
 /// read of its node-port key at those addresses, whose answer names the cluster.
-async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked, String> {
+async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked, Unasked> {
     let mut config = settings
         .base
         .tenant(spec.fragment.as_deref())
-        .map_err(|errors| format!("configuration: {errors}"))?;
-    config.settings.etcd.inline_tls = etcd_tls(key, spec, &config)?;
+        .map_err(|errors| Unasked::refused(format!("configuration: {errors}")))?;
+    config.settings.etcd.inline_tls = etcd_tls(key, spec, &config).map_err(Unasked::refused)?;
     let addresses = checked_addresses(
         &config.settings.etcd.servers,
         &settings.base.tenants.etcd_allowed_cidrs,
@@ -207,15 +239,12 @@ async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked,
         cluster_id: None,
     };
     config.settings.etcd.pin = Some(pin.clone());
-    let etcd = config
-        .settings
-        .etcd()
-        .cloned()
-        .ok_or_else(|| format!("{TENANT_CONFIG_ANNOTATION}: etcdServers is empty"))?;
-    let cluster = EtcdStore::new(etcd)
-        .cluster_id()
-        .await
-        .map_err(|err| format!("{TENANT_CONFIG_ANNOTATION}: etcdServers: {err}"))?;
+    let etcd = config.settings.etcd().cloned().ok_or_else(|| {
+        Unasked::refused(format!("{TENANT_CONFIG_ANNOTATION}: etcdServers is empty"))
+    })?;
+    let cluster = EtcdStore::new(etcd).cluster_id().await.map_err(|err| {
+        Unasked::unanswered(format!("{TENANT_CONFIG_ANNOTATION}: etcdServers: {err}"))
+    })?;
     Ok(Asked {
         claim: EtcdClaim {
             cluster,
@@ -236,16 +265,21 @@ async fn ask(settings: &TenantSettings, key: &str, spec: &Spec) -> Result<Asked,
 pub(super) async fn checked_addresses(
     servers: &[String],
     allowed: &[IpNet],
-) -> Result<Vec<Vec<SocketAddr>>, String> {
+) -> Result<Vec<Vec<SocketAddr>>, Unasked> {
     let field = format!("{TENANT_CONFIG_ANNOTATION}: etcdServers");
     let mut all = Vec::with_capacity(servers.len());
     for server in servers {
-        let (_, host, port) = tenant_etcd_url(server).map_err(|why| format!("{field}: {why}"))?;
+        let (_, host, port) =
+            tenant_etcd_url(server).map_err(|why| Unasked::refused(format!("{field}: {why}")))?;
         let resolved: Vec<SocketAddr> = match host.parse::<IpAddr>() {
             Ok(ip) => vec![SocketAddr::new(ip, port)],
             Err(_) => tokio::net::lookup_host((host.as_str(), port))
                 .await
-                .map_err(|err| format!("{field}: {server:?}: cannot resolve {host:?}: {err}"))?
+                .map_err(|err| {
+                    Unasked::unanswered(format!(
+                        "{field}: {server:?}: cannot resolve {host:?}: {err}"
+                    ))
+                })?
                 .collect(),
         };
         // An IPv4-mapped IPv6 address is the IPv4 address it maps: checked and reached as such.
@@ -256,15 +290,15 @@ pub(super) async fn checked_addresses(
         addresses.sort();
         addresses.dedup();
         if addresses.is_empty() {
-            return Err(format!(
+            return Err(Unasked::refused(format!(
                 "{field}: {server:?}: {host:?} resolves to no address"
-            ));
+            )));
         }
         if let Some(outside) = addresses
             .iter()
             .find(|address| !allowed_address(address.ip(), allowed))
         {
-            return Err(format!(
+            return Err(Unasked::refused(format!(
                 "{field}: {server:?} is at {}, outside the networks a tenant's etcd may be in \
                  (--tenants-etcd-allowed-cidrs: {}): name an etcd inside them, or ask the \
                  operator to allow its network",
@@ -274,7 +308,7 @@ pub(super) async fn checked_addresses(
                     .map(ToString::to_string)
                     .collect::<Vec<_>>()
                     .join(",")
-            ));
+            )));
         }
         all.push(addresses);
     }
@@ -328,7 +362,7 @@ mod tests {
                 .await
                 .expect_err(server);
             assert!(
-                err.contains(why) && err.contains("etcdServers"),
+                err.reason.contains(why) && err.reason.contains("etcdServers") && !err.unanswered,
                 "{server}: {err}"
             );
         }

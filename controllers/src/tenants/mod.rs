@@ -287,7 +287,7 @@ struct Manager {
     record_errors: Arc<records::RecordErrors>,
     /// Tenants refused for their etcd (keys another tenant keeps, or an etcd that could not be
     /// asked) or shed for the Secrets' budget, reported once per version and reason; `None`:
-    /// its etcd could not be asked, reported once per version whatever the failure said.
+    /// its etcd did not answer, reported once per version whatever the failure said.
     conflicts: HashMap<String, (Spec, Option<Sanitized>)>,
     /// The last view acknowledged.
     acked: Option<u64>,
@@ -590,14 +590,15 @@ impl Manager {
             .etcds
             .get(key)
             .and_then(|(_, state)| state.failure())
-            .map(str::to_owned);
+            .cloned();
         let refused = decision.refused.get(key);
-        if let Some(reason) = refused.or(failure.as_ref()) {
+        if let Some(reason) = refused.or(failure.as_ref().map(|failure| &failure.reason)) {
             // It names etcd prefixes and servers the tenants' annotations wrote.
             let reason = Sanitized::new(reason);
-            // An etcd that cannot be asked is asked again every `ASK_RETRY`, and each failure
+            // An etcd that does not answer is asked again every `ASK_RETRY`, and each failure
             // may read otherwise (a refused connection, then no answer): one report a version.
-            let finding = (spec.clone(), refused.map(|_| reason.clone()));
+            let unanswered = refused.is_none() && failure.is_some_and(|f| f.unanswered);
+            let finding = (spec.clone(), (!unanswered).then(|| reason.clone()));
             if self.conflicts.get(key) != Some(&finding) {
                 self.refuse(key, spec, &reason);
                 self.conflicts.insert(key.to_owned(), finding);
