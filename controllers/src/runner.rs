@@ -420,6 +420,7 @@ impl LoopTask {
 
             // Boxed, as the shutdown below: a loop spends its life waiting, and its task keeps
             // the size of its largest state, a pass's (about 1.5 KiB a loop, six loops a tenant).
+            let reported = unapplied.reported();
             let wait = match Box::pin(self.pass(interval, gated, &unapplied)).await {
                 None => {
                     warn!("lost leadership during a pass; abandoned it");
@@ -434,7 +435,8 @@ impl LoopTask {
                     {
                         self.metrics.heal(name, since.elapsed());
                     }
-                    streaks = streaks_after(streaks, woken_by_trigger, repaired);
+                    let found = repaired || unapplied.reported() > reported;
+                    streaks = streaks_after(streaks, woken_by_trigger, repaired, found);
                     self.succeeded();
                     with_jitter(interval, self.options.jitter)
                 }
@@ -668,16 +670,21 @@ const FAILING_TRIGGER_DELAY: Duration = Duration::from_secs(1);
 const FIGHT_STREAK_THRESHOLD: u32 = 5;
 
 /// The streaks `(fight, idle)` after a successful pass: trigger-woken passes in a row that still
-/// had to repair something (a sign that another actor undoes our writes) or repaired nothing
-/// (events that change nothing the loop keeps: a busy allocator, or a tenant's etcd or API
-/// writing for the sake of it, each a whole pass, a bitmap of megabytes decoded). Either would
-/// otherwise become a hot loop.
-fn streaks_after((fight, idle): (u32, u32), woken_by_trigger: bool, repaired: bool) -> (u32, u32) {
+/// had to repair something (a sign that another actor undoes our writes), or that found nothing,
+/// neither a repair nor drift new since the last pass (events that change nothing the loop
+/// keeps: a busy allocator, or a tenant's etcd or API writing for the sake of it, each a whole
+/// pass, a bitmap of megabytes decoded). Either would otherwise become a hot loop. A pass the
+/// timer woke ends the idle streak: triggers had left the loop alone for its interval.
+fn streaks_after(
+    (fight, idle): (u32, u32),
+    woken_by_trigger: bool,
+    repaired: bool,
+    found: bool,
+) -> (u32, u32) {
     let fight = fight_streak_after(fight, woken_by_trigger && repaired);
-    let idle = match (woken_by_trigger, repaired) {
+    let idle = match (woken_by_trigger, found) {
         (true, false) => idle.saturating_add(1),
-        (true, true) => 0,
-        (false, _) => idle,
+        _ => 0,
     };
     (fight, idle)
 }
@@ -1514,10 +1521,12 @@ mod tests {
         // Never past the interval, where the timer takes over.
         let short = Duration::from_millis(300);
         assert_eq!(trigger_delay((0, 30), debounce, short), short);
-        // A triggered repair ends the idle streak; the timer's passes leave it as it is.
-        assert_eq!(streaks_after((0, 25), true, true), (1, 0));
-        assert_eq!(streaks_after((0, 25), true, false), (0, 26));
-        assert_eq!(streaks_after((0, 25), false, true), (0, 25));
+        // A triggered pass that repairs or reports something new ends the idle streak, and so
+        // does a pass the timer woke.
+        assert_eq!(streaks_after((0, 25), true, true, true), (1, 0));
+        assert_eq!(streaks_after((0, 25), true, false, true), (0, 0));
+        assert_eq!(streaks_after((0, 25), true, false, false), (0, 26));
+        assert_eq!(streaks_after((0, 25), false, false, false), (0, 0));
     }
 
     #[tokio::test]

@@ -12,17 +12,21 @@
 use std::collections::HashSet;
 use std::hash::Hash;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The set of findings reported so far and still present.
 #[derive(Debug)]
 pub struct ReportOnce<K> {
     present: Mutex<HashSet<K>>,
+    /// How many new findings [`ReportOnce::update`] has returned in all.
+    reported: AtomicU64,
 }
 
 impl<K> Default for ReportOnce<K> {
     fn default() -> Self {
         Self {
             present: Mutex::new(HashSet::new()),
+            reported: AtomicU64::new(0),
         }
     }
 }
@@ -45,7 +49,14 @@ impl<K: Eq + Hash + Clone> ReportOnce<K> {
             }
         }
         *present = next;
+        self.reported.fetch_add(new.len() as u64, Ordering::Relaxed);
         new
+    }
+
+    /// How many new findings [`ReportOnce::update`] has returned in all: whether a pass
+    /// reported anything new, for one who reads it before and after.
+    pub fn reported(&self) -> u64 {
+        self.reported.load(Ordering::Relaxed)
     }
 
     /// Forgets `finding`, so the next complete pass that finds it returns it as new: for a
