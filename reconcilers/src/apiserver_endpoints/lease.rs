@@ -415,6 +415,23 @@ mod tests {
     }
 
     #[test]
+    fn a_non_ip_address_is_quoted_cut() {
+        let mut lease = own("192.0.2.1").renewed(None, at(0));
+        lease
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(ADDRESS_ANNOTATION.to_owned(), "x".repeat(256 * 1024));
+        let problem = observe(&lease, Duration::from_secs(1)).unwrap_err();
+        assert!(
+            problem.len() < 300 && problem.contains("a non-IP"),
+            "{} bytes: {}",
+            problem.len(),
+            &problem[..problem.len().min(300)]
+        );
+    }
+
+    #[test]
     fn renewal_keeps_acquire_time_and_metadata() {
         let mut first = own("192.0.2.1").renewed(None, at(0));
         first.metadata.resource_version = Some("9".into());

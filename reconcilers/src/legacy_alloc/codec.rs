@@ -314,6 +314,15 @@ mod tests {
             )
             .is_err()
         );
+        // A type of 100 KiB is quoted cut: the error is kept while the value lasts.
+        let long = format!(
+            "{{\"kind\":\"RangeAllocation\",\"apiVersion\":\"{}\"}}",
+            "v".repeat(100 * 1024)
+        );
+        let err = RangeAllocation::decode(long.as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(err.len() < 400 && err.contains("more bytes cut"), "{err}");
         let pb = fixture("core.v1.RangeAllocation.pb");
         for cut in 0..pb.len() {
             // Any prefix decodes or fails; none panics.
