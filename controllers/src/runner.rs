@@ -1529,55 +1529,49 @@ mod tests {
         assert_eq!(streaks_after((0, 25), false, false, false), (0, 0));
     }
 
-    #[tokio::test]
-    async fn triggers_that_change_nothing_do_not_become_a_hot_loop() {
-        // Every pass finds nothing, and a trigger comes every millisecond.
+    /// The passes of a loop whose trigger fires every millisecond and whose every pass is
+    /// `step`, made in `window` once more than `warm` passes have run.
+    async fn passes_under_a_trigger_flood(step: Step, warm: usize, window: Duration) -> usize {
         let (fake, trigger, _polled) = Fake::new("a").with_trigger();
-        let fake = Arc::new(fake.script(&vec![Step::Succeed; 2000]));
+        let fake = Arc::new(fake.script(&vec![step; 2000]));
         let harness = start(vec![fake.clone()], options(), true);
         let feeder = tokio::spawn(async move {
             while trigger.send(()).is_ok() {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         });
-        eventually("the idle streak reached", || {
-            fake.finished.load(Ordering::SeqCst) > IDLE_STREAK_THRESHOLD as usize + 6
+        eventually("the streak reached", || {
+            fake.finished.load(Ordering::SeqCst) > warm
         })
         .await;
-        // Past the threshold, delays double from 100 ms up to a second: 3 s allow a few passes
-        // (unthrottled, the 10 ms debounce would allow ~300).
         let before = fake.finished.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        tokio::time::sleep(window).await;
         let during = fake.finished.load(Ordering::SeqCst) - before;
-        assert!((1..=6).contains(&during), "{during} passes in 3 s");
         feeder.abort();
         stop(harness).await;
+        during
+    }
+
+    #[tokio::test]
+    async fn triggers_that_change_nothing_do_not_become_a_hot_loop() {
+        // Past the threshold, delays double from 100 ms up to a second: 3 s allow a few passes
+        // (unthrottled, the 10 ms debounce would allow ~300).
+        let warm = IDLE_STREAK_THRESHOLD as usize + 6;
+        let during =
+            passes_under_a_trigger_flood(Step::Succeed, warm, Duration::from_secs(3)).await;
+        assert!((1..=6).contains(&during), "{during} passes in 3 s");
     }
 
     #[tokio::test]
     async fn a_fight_over_drift_does_not_become_a_hot_loop() {
-        // Every pass repairs drift and every repair triggers the loop again.
-        let (fake, trigger, _polled) = Fake::new("a").with_trigger();
-        let steps = vec![Step::SucceedWithDrift; 1000];
-        let fake = Arc::new(fake.script(&steps));
-        let harness = start(vec![fake.clone()], options(), true);
-        let feeder = tokio::spawn(async move {
-            while trigger.send(()).is_ok() {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        });
-        eventually("the fight is detected", || {
-            fake.finished.load(Ordering::SeqCst) > FIGHT_STREAK_THRESHOLD as usize + 3
-        })
-        .await;
-        // Past the threshold, delays double from 100 ms: 2 s of fighting allow only a handful
-        // of passes (unthrottled, the 10 ms debounce would allow ~200).
-        let before = fake.finished.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let during = fake.finished.load(Ordering::SeqCst) - before;
+        // Every pass repairs drift. Past the threshold, delays double from 100 ms: 2 s of
+        // fighting allow only a handful of passes (unthrottled, the 10 ms debounce would allow
+        // ~200).
+        let warm = FIGHT_STREAK_THRESHOLD as usize + 3;
+        let during =
+            passes_under_a_trigger_flood(Step::SucceedWithDrift, warm, Duration::from_secs(2))
+                .await;
         assert!(during <= 6, "{during} passes in 2 s while fighting");
-        feeder.abort();
-        stop(harness).await;
     }
 
     #[tokio::test]

@@ -27,7 +27,7 @@ pub enum BitmapFinding {
 }
 
 impl BitmapFinding {
-    /// Which of the findings about one bit it is, for [`NAMED_PER_PASS`].
+    /// Which of the findings about one bit it is (an index), for [`NAMED_PER_PASS`].
     fn of_a_bit(&self) -> Option<usize> {
         match self {
             BitmapFinding::NotAllocated(_) => Some(0),
@@ -57,17 +57,19 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         let kubernetes =
             ServiceRef::named(outlet.kubernetes_service.0, outlet.kubernetes_service.1);
         let mut unpublished = None;
-        let mut of_a_bit = [0usize; 4];
+        // Of each finding about one bit: how many, and the first past the named ones.
+        let mut of_a_bit: [(usize, Option<BitmapFinding>); 4] = Default::default();
         for finding in new {
+            self.count(&finding, outlet);
             if let Some(which) = finding.of_a_bit() {
-                of_a_bit[which] += 1;
-                if of_a_bit[which] > NAMED_PER_PASS {
-                    self.count(&finding, outlet);
+                let (seen, past) = &mut of_a_bit[which];
+                *seen += 1;
+                if *seen > NAMED_PER_PASS {
+                    past.get_or_insert(finding);
                     continue;
                 }
             }
-            let Some((about, reason, note)) = self.record(&finding, holders, &kubernetes, outlet)
-            else {
+            let Some((about, reason, note)) = self.record(&finding, holders, &kubernetes) else {
                 continue;
             };
             let published = match dry_run {
@@ -99,9 +101,10 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                 }
             }
         }
-        for (which, count) in of_a_bit.into_iter().enumerate() {
-            if let Some(more) = count.checked_sub(NAMED_PER_PASS).filter(|more| *more > 0) {
-                self.tell_more(dry_run, outlet, &kubernetes, which, more)
+        for (seen, past) in of_a_bit {
+            if let Some(past) = past {
+                let more = seen - NAMED_PER_PASS;
+                self.tell_more(dry_run, outlet, &kubernetes, &past, more)
                     .await;
             }
         }
@@ -111,24 +114,27 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         }
     }
 
-    /// Counts a finding about one bit told with others ([`Self::tell_more`]), as
-    /// [`Self::record`] counts it.
+    /// Counts a new finding, named or told with others: each bit counts. A range mismatch is
+    /// counted once its event is published ([`Self::tell`]).
     fn count(&self, finding: &BitmapFinding, outlet: &Outlet<'_>) {
         match finding {
-            BitmapFinding::NotAllocated(_) => outlet.count("repair"),
+            BitmapFinding::NotAllocated(_) | BitmapFinding::RangeRebuilt(_) => {
+                outlet.count("repair")
+            }
             BitmapFinding::Released(_) => outlet.count("leak"),
+            BitmapFinding::Unusable(_) => outlet.count("invalid"),
             _ => {}
         }
     }
 
-    /// One line (and one event, for bits set or released) for the `more` findings of one kind
-    /// about one bit past the [`NAMED_PER_PASS`] of a pass; each bit is in the pass's drift.
+    /// One line (and one event, for bits set or released) for the `more` findings of the kind of
+    /// `past` past the [`NAMED_PER_PASS`] of a pass.
     async fn tell_more(
         &self,
         dry_run: bool,
         outlet: &Outlet<'_>,
         kubernetes: &ServiceRef,
-        which: usize,
+        past: &BitmapFinding,
         more: usize,
     ) {
         let Subject {
@@ -139,19 +145,19 @@ impl<R: BitmapRange> LegacyBitmap<R> {
             ..
         } = R::SUBJECT;
         let key = self.key.as_str();
-        let (line, event) = match which {
-            0 => (
+        let (line, event) = match past {
+            BitmapFinding::NotAllocated(_) => (
                 format!("{more} more {noun}s are in use but not allocated; repairing"),
                 Some((
                     format!("{item_reason}NotAllocated"),
                     format!("{more} more {item_noun}s are not allocated; repairing"),
                 )),
             ),
-            1 => (
+            BitmapFinding::MayHaveLeaked(_) => (
                 format!("{more} more {noun}s may have leaked: flagging for later clean up"),
                 None,
             ),
-            2 => (
+            BitmapFinding::Released(_) => (
                 format!("{more} more {noun}s appear to have leaked: cleaning up"),
                 Some((
                     format!("{item_reason}Released"),
@@ -161,13 +167,14 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                     ),
                 )),
             ),
-            _ => (
+            BitmapFinding::ReleaseHeld(_) => (
                 format!(
                     "{more} more {noun}s appear to have leaked, but no fresh list of the \
                      Services has confirmed them unused yet: keeping them until one does"
                 ),
                 None,
             ),
+            _ => return,
         };
         warn!(key, "{line}");
         if let Some((reason, note)) = event.filter(|_| !dry_run) {
@@ -187,14 +194,13 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         }
     }
 
-    /// Logs a new finding and counts it; its event, if it has one: the Service it is about
-    /// (a bit's holder, or `kubernetes` for the bitmap itself), its reason and its note.
+    /// Logs a new finding; its event, if it has one: the Service it is about (a bit's holder,
+    /// or `kubernetes` for the bitmap itself), its reason and its note.
     fn record<'a>(
         &self,
         finding: &BitmapFinding,
         holders: &'a HashMap<usize, ServiceRef>,
         kubernetes: &'a ServiceRef,
-        outlet: &Outlet<'_>,
     ) -> Option<(&'a ServiceRef, String, String)> {
         let Subject {
             noun,
@@ -211,7 +217,6 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                     key,
                     "the {noun} {item} is in use but not allocated; repairing"
                 );
-                outlet.count("repair");
                 let holder = holders.get(offset)?;
                 let item = match self.range.family() {
                     Some(family) => format!("[{family}]:{item}"),
@@ -231,7 +236,6 @@ impl<R: BitmapRange> LegacyBitmap<R> {
             BitmapFinding::Released(offset) => {
                 let item = self.item(*offset);
                 warn!(key, "the {noun} {item} appears to have leaked: cleaning up");
-                outlet.count("leak");
                 let note = format!(
                     "{item_noun} {item} appeared to have leaked (no Service holds it); released \
                      it from the allocation bitmap"
@@ -254,13 +258,11 @@ impl<R: BitmapRange> LegacyBitmap<R> {
             }
             // The bitmap rebuilt under the configured range (or its range filled in).
             BitmapFinding::RangeRebuilt(stored) => {
-                outlet.count("repair");
                 let note = self.rebuilt(stored);
                 Some((kubernetes, format!("{bitmap_name}BitmapRebuilt"), note))
             }
             BitmapFinding::Unusable(why) => {
                 warn!(key, "the stored bitmap cannot be used: {why}");
-                outlet.count("invalid");
                 None
             }
             BitmapFinding::Unfollowed => {

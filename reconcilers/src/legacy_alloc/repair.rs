@@ -211,31 +211,17 @@ mod tests {
         stored.insert_range(..);
         let none = FixedBitSet::with_capacity(size);
         let mut leaks = LeakTracker::default();
-        let first = plan(
-            &stored,
-            &none,
-            &mut leaks,
-            true,
-            Instant::now(),
-            Duration::ZERO,
-        );
+        let first = pass(&stored, &none, &mut leaks, true);
         assert_eq!(first.flagged.len(), MAX_SUSPECTS);
         assert_eq!(first.unfollowed, size - MAX_SUSPECTS);
         assert_eq!(first.bitmap.count_ones(..), size, "nothing released yet");
         let mut released = 0;
         for _ in 0..20 {
-            let pass = plan(
-                &stored,
-                &none,
-                &mut leaks,
-                true,
-                Instant::now(),
-                Duration::ZERO,
-            );
+            let plan = pass(&stored, &none, &mut leaks, true);
             assert!(leaks.sightings.len() <= MAX_SUSPECTS);
-            assert!(pass.released.len() <= MAX_SUSPECTS);
-            released += pass.released.len();
-            stored = pass.bitmap;
+            assert!(plan.released.len() <= MAX_SUSPECTS);
+            released += plan.released.len();
+            stored = plan.bitmap;
         }
         assert_eq!(released, size, "every bit released in its turn");
         assert_eq!(stored.count_ones(..), 0);
