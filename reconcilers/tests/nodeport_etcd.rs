@@ -19,7 +19,9 @@ use reconcilers::Reconciler;
 use reconcilers::alloc::PortRange;
 use reconcilers::budget::{BudgetLimits, CacheBudget};
 use reconcilers::legacy_alloc::codec::{RangeAllocation, bitmap_from_bytes, bitmap_to_bytes};
-use reconcilers::legacy_alloc::etcd::{EtcdConfig, EtcdStore, RangeKey, Stored};
+use reconcilers::legacy_alloc::etcd::{
+    EtcdConfig, EtcdError, EtcdStore, KeyCache, MAX_VALUE_BYTES, RangeKey, Stored,
+};
 use reconcilers::nodeport_repair::{self, NodePortRepairLoop};
 use reconcilers::section::Settings;
 use reconcilers::watch_cache::WatchCache;
@@ -847,6 +849,71 @@ async fn with_the_opt_in_a_shrunk_range_drops_what_falls_outside() {
 
     harness.settled_at(&sim, &store, &value).await;
     assert_eq!(harness.errors("repair"), 1);
+}
+
+/// Waits (at most 30 s) for the watched key's cache to hold `value`: `None`, unknown.
+async fn cache_holds(cache: &KeyCache, value: Option<Vec<u8>>) {
+    for _ in 0..600 {
+        let held = cache.get().map(|stored| stored.unwrap().value);
+        if held == value {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the cache never held {:?}", value.map(|v| v.len()));
+}
+
+/// A value larger than any bitmap kube-apiserver writes (a tenant's etcd is the tenant's) is
+/// reported once and left alone, whether a message may carry it (over `MAX_VALUE_BYTES`) or not
+/// (over 512 KiB, refused before it is read); the watch does not hold it, and holds the key
+/// again once its value is back within bounds.
+#[tokio::test]
+async fn a_value_larger_than_any_bitmap_is_reported_once_and_left_alone() {
+    let (etcd, store, sim) = etcd_and_sim().await;
+    put_service(&sim, "web", 30080);
+    let small = RangeAllocation::new(range().to_string(), bitmap(&[30080])).encode();
+    store_first(&store, small.clone()).await;
+    let cache = KeyCache::default();
+    let watch = tokio::spawn(
+        store
+            .watch(KEY.to_owned(), cache.clone())
+            .for_each(|()| async {}),
+    );
+    cache_holds(&cache, Some(small.clone())).await;
+    let harness = Harness::start(&sim, etcd.config(), Duration::from_secs(180)).await;
+    assert!(harness.pass(&sim, false).await.unwrap().drift.is_empty());
+
+    let mut revision = store.get(KEY).await.unwrap().unwrap().mod_revision;
+    for len in [MAX_VALUE_BYTES, 600 * 1024] {
+        let large = RangeAllocation::new(range().to_string(), vec![0xff; len]).encode();
+        revision = (store
+            .compare_and_swap_revision(KEY, Some(revision), large)
+            .await)
+            .unwrap()
+            .unwrap();
+        cache_holds(&cache, None).await;
+        let err = store.get(KEY).await.unwrap_err();
+        assert!(matches!(err, EtcdError::TooLarge { .. }), "{err}");
+        let report = harness.pass(&sim, false).await.unwrap();
+        assert_eq!(kinds(&report), vec!["nodeport_bitmap_unusable"], "{len}");
+        assert!(
+            (report.drift[0].message).contains(&format!("over {MAX_VALUE_BYTES} bytes")),
+            "{}",
+            report.drift[0].message
+        );
+    }
+    // One finding: the same text both times.
+    assert_eq!(harness.errors("invalid"), 1);
+    // Nothing was written over it: the last value is still at its revision.
+    assert!(
+        store
+            .compare_and_swap(KEY, Some(revision), small.clone())
+            .await
+            .unwrap()
+    );
+    cache_holds(&cache, Some(small)).await;
+    assert!(harness.pass(&sim, false).await.unwrap().drift.is_empty());
+    watch.abort();
 }
 
 #[tokio::test]

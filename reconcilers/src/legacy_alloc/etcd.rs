@@ -44,6 +44,24 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The largest value of a range key that is read: kube-apiserver's largest bitmap is of 2^20
+/// addresses (its flags take no larger service range: `maxCIDRBits` in
+/// cmd/kube-apiserver/app/options/validation.go), 128 KiB, about 171 KiB as JSON, and a few
+/// hundred bytes of envelope. A larger value is not kube-apiserver's (a tenant's etcd is the
+/// tenant's): it is reported, and never held nor written.
+pub const MAX_VALUE_BYTES: usize = 192 * 1024;
+/// The largest message read from etcd (tonic's default is 4 MiB): a value and the header
+/// around it, or a watch response of two changes of the key. A longer one is refused before it
+/// is read; a watch it ends starts again from the key's value.
+const MAX_MESSAGE_BYTES: usize = 512 * 1024;
+/// What an etcd may send ahead of the reader, per stream and per connection (hyper's defaults
+/// are 2 and 5 MiB): a server that sends without being asked fills these and waits.
+const STREAM_WINDOW: u32 = 256 * 1024;
+const CONNECTION_WINDOW: u32 = 512 * 1024;
+// The largest bitmap as JSON (base64) with room for its envelope, and two values in a message.
+const _: () = assert!((1 << 20) / 8 * 4 / 3 + 4096 < MAX_VALUE_BYTES);
+const _: () = assert!(2 * MAX_VALUE_BYTES <= MAX_MESSAGE_BYTES);
+
 /// kube-apiserver's `--etcd-prefix` default (`DefaultEtcdPathPrefix` in
 /// staging/src/k8s.io/apiserver/pkg/server/options/etcd.go).
 pub const DEFAULT_PREFIX: &str = "/registry";
@@ -184,6 +202,12 @@ pub enum EtcdError {
         key: String,
         reason: String,
     },
+    #[error(
+        "etcd key {key} holds a value over {limit} bytes, more than any bitmap kube-apiserver \
+         writes there (at most 128 KiB, about 171 KiB as JSON): it is not read and nothing is \
+         written to it; find what else writes the key"
+    )]
+    TooLarge { key: String, limit: usize },
     #[error("etcd key {key} changed under every write ({attempts} compare-and-swap conflicts)")]
     Conflicts { key: String, attempts: usize },
     #[error(
@@ -405,10 +429,7 @@ impl EtcdStore {
             count_only: true,
             ..Default::default()
         };
-        let response = KvClient::new(connection.channel.clone())
-            .range(request)
-            .await?
-            .into_inner();
+        let response = kv(connection).range(request).await?.into_inner();
         match response.header.map(|header| header.cluster_id) {
             Some(id) if id != 0 => Ok(id),
             _ => Err(tonic::Status::unknown(
@@ -452,7 +473,9 @@ impl EtcdStore {
                 .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
                 .keep_alive_timeout(KEEPALIVE_TIMEOUT)
                 .keep_alive_while_idle(true)
-                .tcp_keepalive(Some(KEEPALIVE_INTERVAL));
+                .tcp_keepalive(Some(KEEPALIVE_INTERVAL))
+                .initial_stream_window_size(STREAM_WINDOW)
+                .initial_connection_window_size(CONNECTION_WINDOW);
             let endpoint = match &tls {
                 Some(tls) => endpoint
                     .tls_config(tls.clone())
@@ -582,11 +605,9 @@ impl EtcdStore {
             key: key.as_bytes().to_vec(),
             ..Default::default()
         };
-        let response = match KvClient::new(connection.channel.clone())
-            .range(request)
-            .await
-        {
+        let response = match kv(&connection).range(request).await {
             Ok(response) => response.into_inner(),
+            Err(status) if too_long(&status) => return Err(too_large(key)),
             Err(status) => return Err(self.failed(&connection, status).await),
         };
         self.same_cluster(&connection, response.header.as_ref())
@@ -599,9 +620,10 @@ impl EtcdStore {
         Ok((stored, revision))
     }
 
-    /// The key's value, `None` when it does not exist.
+    /// The key's value, `None` when it does not exist; a value over [`MAX_VALUE_BYTES`] is
+    /// [`EtcdError::TooLarge`].
     pub async fn get(&self, key: &str) -> Result<Option<Stored>, EtcdError> {
-        Ok(self.range(key).await?.0)
+        within_bounds(key, self.range(key).await?.0)
     }
 
     /// Writes `value` only if the key was last written at `mod_revision`, or, with `None`, only
@@ -655,7 +677,7 @@ impl EtcdStore {
         };
         // A pinned connection's cluster was checked when it was made, and it never reconnects
         // unchecked (`PinnedConnector`); the answer is checked too.
-        let response = match KvClient::new(connection.channel.clone()).txn(request).await {
+        let response = match kv(&connection).txn(request).await {
             Ok(response) => response.into_inner(),
             Err(status) => return Err(self.failed(&connection, status).await),
         };
@@ -709,7 +731,8 @@ impl EtcdStore {
                                         value: kv.value,
                                         mod_revision: kv.mod_revision,
                                     });
-                                    cache.watched(true, Some(value));
+                                    // Too large: not held, and passes read (and report) it.
+                                    cache.watched(true, within_bounds(&key, value).ok());
                                 }
                             }
                             return Some(((), (store, key, cache, stream, restarts)));
@@ -757,6 +780,7 @@ impl EtcdStore {
         let requests =
             futures::stream::once(async move { create }).chain(futures::stream::pending());
         let mut watch = match WatchClient::new(connection.channel.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .watch(requests)
             .await
         {
@@ -786,8 +810,34 @@ impl EtcdStore {
                     .await);
             }
         }
-        cache.watched(true, Some(stored));
+        cache.watched(true, within_bounds(key, stored).ok());
         Ok(watch)
+    }
+}
+
+fn kv(connection: &Connection) -> KvClient<Channel> {
+    KvClient::new(connection.channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// Whether tonic refused an answer for its length (`MAX_MESSAGE_BYTES`): for a read of one
+/// key, its value is over it.
+fn too_long(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::OutOfRange
+        && (status.message()).starts_with("Error, decoded message length too large")
+}
+
+fn too_large(key: &str) -> EtcdError {
+    EtcdError::TooLarge {
+        key: key.to_owned(),
+        limit: MAX_VALUE_BYTES,
+    }
+}
+
+/// `stored`, unless its value is over [`MAX_VALUE_BYTES`].
+fn within_bounds(key: &str, stored: Option<Stored>) -> Result<Option<Stored>, EtcdError> {
+    match stored {
+        Some(stored) if stored.value.len() > MAX_VALUE_BYTES => Err(too_large(key)),
+        stored => Ok(stored),
     }
 }
 
@@ -1021,5 +1071,28 @@ mod tests {
             config.key(RangeKey::SecondaryServiceIps),
             "/custom/ranges/secondaryserviceips"
         );
+    }
+
+    /// The bounds as the operator's docs give them.
+    #[test]
+    fn the_documented_bounds_are_these() {
+        let kib = |bytes: usize| format!("{} KiB", bytes / 1024);
+        let config = include_str!("../../../controllers/CONFIG.md").replace('\n', " ");
+        let security = include_str!("../../../docs/security.md").replace('\n', " ");
+        for doc in [&config, &security] {
+            assert!(doc.contains(&format!("value over {}", kib(MAX_VALUE_BYTES))));
+            assert!(doc.contains(&format!("message over {}", kib(MAX_MESSAGE_BYTES))));
+        }
+        let window = format!(
+            "window is {} ({} a stream)",
+            kib(CONNECTION_WINDOW as usize),
+            kib(STREAM_WINDOW as usize)
+        );
+        assert!(config.contains(&window), "{window}");
+        assert!(config.contains(&format!("at most {} a message", kib(MAX_MESSAGE_BYTES))));
+        assert!(security.contains(&format!(
+            "at most {} sent ahead",
+            kib(CONNECTION_WINDOW as usize)
+        )));
     }
 }

@@ -329,11 +329,15 @@ impl<R: BitmapRange> LegacyBitmap<R> {
             for _ in 0..WRITE_ATTEMPTS {
                 let stored = match self.cache.get() {
                     Some(stored) => stored,
-                    None => self
-                        .store
-                        .get(&self.key)
-                        .await
-                        .map_err(|err| self.failed(err))?,
+                    None => match self.store.get(&self.key).await {
+                        Ok(stored) => stored,
+                        Err(err @ EtcdError::TooLarge { .. }) => {
+                            let message = err.to_string();
+                            let finding = BitmapFinding::Unusable(message.clone());
+                            break 'pass self.report_only(report, "unusable", finding, message);
+                        }
+                        Err(err) => return Err(self.failed(err)),
+                    },
                 };
                 let stored = match self.read(stored, report) {
                     Ok(stored) => stored,
