@@ -424,11 +424,13 @@ impl<R: BitmapRange> LegacyBitmap<R> {
             ("nodeport", "not_allocated") => "nodeport_not_allocated",
             ("nodeport", "leaked") => "nodeport_leaked",
             ("nodeport", "leak_held") => "nodeport_leak_held",
+            ("nodeport", "leaks_unfollowed") => "nodeport_leaks_unfollowed",
             ("nodeport", "range_mismatch") => "nodeport_range_mismatch",
             ("nodeport", _) => "nodeport_bitmap_unusable",
             (_, "not_allocated") => "clusterip_bitmap_not_allocated",
             (_, "leaked") => "clusterip_bitmap_leaked",
             (_, "leak_held") => "clusterip_bitmap_leak_held",
+            (_, "leaks_unfollowed") => "clusterip_bitmap_leaks_unfollowed",
             (_, "range_mismatch") => "clusterip_bitmap_range_mismatch",
             _ => "clusterip_bitmap_unusable",
         }
@@ -710,7 +712,7 @@ impl<R: BitmapRange> LegacyBitmap<R> {
     }
 
     /// One drift per bit the plan sets (on the Service holding it), clears, or keeps though it
-    /// looks leaked.
+    /// looks leaked, and one for the unused bits it does not follow.
     fn bit_drifts(
         &self,
         plan: &repair::Plan,
@@ -760,7 +762,21 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                 false,
             )
         });
-        allocate.chain(release).chain(hold).collect()
+        // One drift for the bits past the followed ones: their number, not each of them.
+        let unfollowed = (plan.unfollowed > 0).then(|| {
+            drift(
+                self.kind("leaks_unfollowed"),
+                object.clone(),
+                Action::Report,
+                format!(
+                    "{} {noun}s set that no Service holds are not followed yet (at most {} are at once): kept set until their turn",
+                    plan.unfollowed,
+                    repair::MAX_SUSPECTS
+                ),
+                false,
+            )
+        });
+        (allocate.chain(release).chain(hold).chain(unfollowed)).collect()
     }
 
     /// The drift of a bitmap stored under another range (`from`, empty for none) than the
