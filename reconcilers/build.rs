@@ -14,6 +14,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(false)
         .build_transport(false)
+        // Counts a response's entries before it is decoded (`legacy_alloc::wire`).
+        .codec_path("crate::legacy_alloc::wire::BoundedCodec")
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -18,6 +18,7 @@ pub mod codec;
 pub mod etcd;
 mod findings;
 pub mod repair;
+mod wire;
 
 pub use findings::BitmapFinding;
 
