@@ -18,6 +18,7 @@ use crate::process::{Controller, StartError};
 use crate::runner::build_loops;
 use crate::runner::{CheckResult, check_once};
 use crate::tenant_kubeconfig;
+use reconcilers::sanitize::Sanitized;
 
 /// No drift (`check`), or a clean exit.
 pub const EXIT_OK: u8 = 0;
@@ -539,7 +540,7 @@ pub fn check_report(server: &str, results: &[CheckResult], output: OutputFormat)
                         })).collect::<Vec<_>>(),
                     }),
                     Err(err) => {
-                        serde_json::json!({ "name": result.name, "error": err.to_string() })
+                        serde_json::json!({ "name": result.name, "error": Sanitized::of(err).into_string() })
                     }
                 })
                 .collect();
@@ -572,7 +573,11 @@ pub fn check_report(server: &str, results: &[CheckResult], output: OutputFormat)
                             ));
                         }
                     }
-                    Err(err) => out.push_str(&format!("{}: ERROR: {err}\n", result.name)),
+                    // An API's or etcd's text: escaped and cut, as in the log.
+                    Err(err) => {
+                        let err = Sanitized::of(err);
+                        out.push_str(&format!("{}: ERROR: {err}\n", result.name));
+                    }
                 }
             }
             out.push('\n');

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use ipnet::IpNet;
 use reconcilers::legacy_alloc::etcd::{EtcdPin, EtcdStore};
+use reconcilers::sanitize::Sanitized;
 use tracing::{Instrument, debug, info_span};
 
 use super::load::etcd_tls;
@@ -45,16 +46,18 @@ pub(super) struct Unasked {
 }
 
 impl Unasked {
+    // Kept (and retried) while the Secret lasts: an etcd's error text is cut here, not only
+    // where it is shown.
     fn refused(reason: String) -> Self {
         Unasked {
-            reason,
+            reason: Sanitized::new(&reason).into_string(),
             unanswered: false,
         }
     }
 
     fn unanswered(reason: String) -> Self {
         Unasked {
-            reason,
+            reason: Sanitized::new(&reason).into_string(),
             unanswered: true,
         }
     }
