@@ -165,7 +165,9 @@ def test_leader_election_off_grants_the_etcd_claim_records_only():
 def test_configured_lease_namespace_and_subjects_are_used():
     values = CASES["lease-namespace"]
     assert grants(values) == expected("capi-clusters", "bc-leases")
-    for binding in (o for o in rbac(values) if o["kind"] == "RoleBinding"):
+    bindings = [o for o in rbac(values) if o["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["bc-leases", "capi-clusters"]
+    for binding in bindings:
         assert binding["subjects"] == [{"kind": "User", "name": "system:bootstrap-controller",
                                         "apiGroup": "rbac.authorization.k8s.io"}]
     assert config_file(values)["leaderElection"] == {
@@ -497,7 +499,9 @@ def test_tenant_cluster_rbac_renders_alone_as_the_chart_readme_says():
     resources = {r for d in docs if "rules" in d for rule in d["rules"] for r in rule["resources"]}
     assert {"namespaces", "services", "ipaddresses", "events"} <= resources, resources
     assert "leases" not in resources and "secrets" not in resources, resources
-    for binding in (d for d in docs if d["kind"].endswith("Binding")):
+    bindings = [d for d in docs if d["kind"].endswith("Binding")]
+    assert bindings, docs
+    for binding in bindings:
         assert binding["subjects"] == [{"kind": "User", "name": "capi-admin",
                                         "apiGroup": "rbac.authorization.k8s.io"}]
     for version in KUBE_VERSIONS:

@@ -930,6 +930,12 @@ async fn a_readiness_probe_of_another_server_is_reported() -> Result<()> {
     )?;
     let member = start_member(target.kubeconfig(), &config, "192.0.2.51", "member-51")?;
     wait_members(&client, &["192.0.2.51"], "the member listed").await?;
+    // Probes go on every second: once three more have come, a warning each time would show.
+    let probed = readyz.probes();
+    eventually("three more probes", CONVERGE, || async {
+        Ok((readyz.probes() >= probed + 3).then_some(()))
+    })
+    .await?;
     let log = member.log();
     let warning = "the readiness probe asks 0.0.0.0, which is neither loopback nor this \
                    instance's advertiseAddress 192.0.2.51";

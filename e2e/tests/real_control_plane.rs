@@ -215,14 +215,18 @@ async fn sidecars_beside_real_apiservers() -> Result<()> {
             a1.clone(),
         );
         tokio::spawn(async move {
+            // The reads that answered: a watch that saw nothing proves nothing.
+            let mut seen = 0usize;
             while watching.load(Ordering::SeqCst) {
-                if let Ok((endpoints, slice)) = listed(&client).await
-                    && (!endpoints.contains(&a1) || !slice.contains(&a1))
-                {
-                    missing.store(true, Ordering::SeqCst);
+                if let Ok((endpoints, slice)) = listed(&client).await {
+                    seen += 1;
+                    if !endpoints.contains(&a1) || !slice.contains(&a1) {
+                        missing.store(true, Ordering::SeqCst);
+                    }
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            seen
         })
     };
     let status = first.terminate()?;
@@ -235,7 +239,11 @@ async fn sidecars_beside_real_apiservers() -> Result<()> {
     .await?;
     tokio::time::sleep(Duration::from_secs(4)).await; // past a Lease TTL after the restart
     watching.store(false, Ordering::SeqCst);
-    watcher.await?;
+    let seen = watcher.await?;
+    ensure!(
+        seen >= 10,
+        "the endpoints were read {seen} times while watched"
+    );
     ensure!(
         !missing.load(Ordering::SeqCst),
         "restarting the sidecar of a healthy apiserver took its address out of the endpoints\n{}",
@@ -279,14 +287,18 @@ async fn a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_re
     let watcher = {
         let (client, watching, missing) = (client.clone(), watching.clone(), missing.clone());
         tokio::spawn(async move {
+            // The reads that answered: a watch that saw nothing proves nothing.
+            let mut seen = 0usize;
             while watching.load(Ordering::SeqCst) {
-                if let Ok((endpoints, slice)) = listed(&client).await
-                    && (!endpoints.contains(VIP) || !slice.contains(VIP))
-                {
-                    missing.store(true, Ordering::SeqCst);
+                if let Ok((endpoints, slice)) = listed(&client).await {
+                    seen += 1;
+                    if !endpoints.contains(VIP) || !slice.contains(VIP) {
+                        missing.store(true, Ordering::SeqCst);
+                    }
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            seen
         })
     };
     // Apiserver 2 stops: /readyz fails at once; its sidecar probes it past the threshold.
@@ -302,7 +314,11 @@ async fn a_vip_in_front_of_two_real_apiservers_stays_listed_through_a_rolling_re
     );
     tokio::time::sleep(Duration::from_secs(5)).await; // past a Lease TTL
     watching.store(false, Ordering::SeqCst);
-    watcher.await?;
+    let seen = watcher.await?;
+    ensure!(
+        seen >= 10,
+        "the endpoints were read {seen} times while watched"
+    );
     ensure!(
         !missing.load(Ordering::SeqCst),
         "the VIP left the endpoints while apiserver 1 served behind it\n{}\n{log}",

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use common::control_plane::{
     ControlPlane, built_binaries_of, control_plane_slot, self_contained_kubeconfig,
     skipped_under_shared_control_plane,
@@ -202,6 +202,12 @@ async fn management_mode_keeps_real_tenants_on_one_etcd_apart() -> Result<()> {
     let management = ControlPlane::start(1)?;
     let etcd_url = management.etcd_url()?.to_owned();
     let oldest = built_binaries_of(OLDEST)?;
+    if oldest.is_none() && std::env::var_os("BOOTSTRAP_E2E_OLDEST_REQUIRED").is_some() {
+        bail!(
+            "tenant-b on Kubernetes {OLDEST}: its binaries are not built, and \
+             BOOTSTRAP_E2E_OLDEST_REQUIRED is set (e2e/control-plane/build.sh --kubernetes {OLDEST})"
+        );
+    }
     if oldest.is_none() {
         common::skip(&format!(
             "tenant-b on Kubernetes {OLDEST}: its binaries are not built \

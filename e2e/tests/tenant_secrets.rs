@@ -511,7 +511,7 @@ async fn hostile_kubeconfigs_and_fragments_are_refused_by_field_and_never_acted_
     }
     ensure!(!readyz.contains(token), "/readyz quotes the token");
     let (_, metrics) = controller.admin_get("/metrics").await?;
-    let expected = format!("bootstrap_tenant_config_errors_total {}", cases.len());
+    let expected = format!("bootstrap_tenant_config_errors_total {}\n", cases.len());
     ensure!(
         metrics.contains(&expected),
         "{expected} missing in\n{metrics}"
@@ -539,7 +539,16 @@ async fn hostile_kubeconfigs_and_fragments_are_refused_by_field_and_never_acted_
         !controller.log().contains(token),
         "the log quotes the token"
     );
-    // Refused Secrets are reported once per version, not on every event.
+    // Refused Secrets are reported once per version, not on every event: a label changes
+    // none of what the tenant's configuration is read from.
+    let patch = json!({"metadata": {"labels": {"touched": "yes"}}});
+    secrets
+        .patch(
+            &format!("{}-kubeconfig", cases[0].0),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (_, metrics) = controller.admin_get("/metrics").await?;
     ensure!(metrics.contains(&expected), "reported again:\n{metrics}");
@@ -1263,6 +1272,18 @@ async fn an_etcd_that_cannot_be_asked_is_reported_once_a_version() -> Result<()>
             .get("unasked-kubeconfig")
             .is_some_and(|note| note == &first[refused_line.len()..]),
         "{reported:?} against {first}"
+    );
+    // One event, never repeated: neither a second one nor a series on the first.
+    let written: Vec<_> = (events.list(&Default::default()).await?.items)
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("TenantConfigInvalid"))
+        .filter(|e| {
+            (e.regarding.as_ref()).and_then(|r| r.name.as_deref()) == Some("unasked-kubeconfig")
+        })
+        .collect();
+    ensure!(
+        written.len() == 1 && written[0].series.is_none(),
+        "{written:?}"
     );
     controller.terminate()?;
     Ok(())

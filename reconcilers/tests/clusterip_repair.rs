@@ -1143,7 +1143,8 @@ async fn an_ipaddress_the_cache_has_not_seen_yet_is_not_created_again() -> Resul
         r.is_clean()
     })
     .await?;
-    ipaddress_events_late(&sim, 3000).await;
+    // Long enough that the Service surely reaches the cache first, short of the test's end.
+    ipaddress_events_late(&sim, 10_000).await;
     let object: IPAddress = serde_json::from_value(ip_address_json(
         "10.96.9.8",
         service_ref("shop", "early"),
@@ -1158,11 +1159,9 @@ async fn an_ipaddress_the_cache_has_not_seen_yet_is_not_created_again() -> Resul
         .put(backdoor_service("shop", "early", &["10.96.9.8"]))?;
     sim.clear_requests();
     // The Services' watch is back within 1.6 s (the list+watch's first pause), the IPAddresses'
-    // not before 3 s.
-    for _ in 0..10 {
-        repair.reconcile(&ctx(&client, false)).await.ok();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    // not before 10 s: a pass once the Service is cached meets it without its IPAddress.
+    until_cached(&repair, "shop", "early").await?;
+    repair.reconcile(&ctx(&client, false)).await?;
     let requests = sim.requests();
     let of = |verb: &str| {
         (requests.iter())
@@ -1188,8 +1187,8 @@ async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate()
         r.is_clean()
     })
     .await?;
-    // IPAddress watch events arrive late; the Service shows up first.
-    ipaddress_events_late(&sim, 1500).await;
+    // IPAddress watch events arrive late (8 s); the Service shows up first.
+    ipaddress_events_late(&sim, 8000).await;
     sim.backdoor()
         .put(backdoor_service("shop", "late", &["10.96.9.9"]))?;
     // The allocator's own write, delayed, lands while the repair may be running.
@@ -1210,10 +1209,18 @@ async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate()
                 .await
         })
     };
-    for _ in 0..10 {
+    sim.clear_requests();
+    until_cached(&repair, "shop", "late").await?;
+    for _ in 0..3 {
+        // A create of the repair's may meet the allocator's (409): the next pass goes on.
         repair.reconcile(&ctx(&client, false)).await.ok();
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // The passes met the Service without its IPAddress in the cache and read it live: without
+    // that read nothing here shows the race happened.
+    let live_reads = (sim.requests().iter())
+        .filter(|r| r.verb == "list" && r.resource.starts_with("ipaddresses"))
+        .count();
+    assert!(live_reads > 0, "no live read of the IPAddress");
     // The allocator's create lands, or finds the repair's IPAddress for the same Service there
     // (the repair may act in the 300 ms when the IPAddress truly does not exist).
     match writer.await? {
@@ -1445,6 +1452,17 @@ fn live_reads(sim: &Sim, namespace: &str, name: &str) -> usize {
 }
 
 /// Whether the repair's Service cache holds `namespace/name`.
+/// Waits (at most 20 s) until the repair's Service cache holds `namespace/name`.
+async fn until_cached(repair: &ClusterIpRepairLoop, namespace: &str, name: &str) -> Result<()> {
+    for _ in 0..200 {
+        if cached(repair, namespace, name) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("the Service {namespace}/{name} never reached the cache")
+}
+
 fn cached(repair: &ClusterIpRepairLoop, namespace: &str, name: &str) -> bool {
     use reconcilers::service_cache::record::Name;
     repair
