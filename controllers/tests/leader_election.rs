@@ -1,6 +1,8 @@
 //! Leader election against the API simulator: one leader at a time, failover on release, and
 //! stepping down (without exiting) while the API fails.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use apiserver_sim::{FaultKind, FaultRule, Sim, SimConfig, Verb};
@@ -60,6 +62,29 @@ fn leases_fail(sim: &Sim, kind: FaultKind) {
         .inject(FaultRule::probability(None, Some("leases"), 1.0, kind));
 }
 
+/// Whether `receiver` said true at any moment from now on (a sleep then a read of its last
+/// value would miss a brief second leader).
+fn ever_true(receiver: &watch::Receiver<bool>) -> Arc<AtomicBool> {
+    let seen = Arc::new(AtomicBool::new(*receiver.borrow()));
+    let (mut receiver, flag) = (receiver.clone(), seen.clone());
+    tokio::spawn(async move {
+        while receiver.changed().await.is_ok() {
+            if *receiver.borrow_and_update() {
+                flag.store(true, Ordering::SeqCst);
+            }
+        }
+    });
+    seen
+}
+
+/// The Lease writes that went through (creates and updates answered 2xx).
+fn lease_writes(sim: &Sim) -> usize {
+    (sim.requests().iter())
+        .filter(|r| r.resource == "leases" && matches!(r.verb.as_str(), "create" | "update"))
+        .filter(|r| (200..300).contains(&r.status))
+        .count()
+}
+
 async fn eventually(what: &str, receiver: &watch::Receiver<bool>, want: bool) {
     let holds = || std::future::ready(*receiver.borrow() == want);
     if let Err(err) = test_support::eventually(what, Duration::from_secs(30), holds).await {
@@ -75,10 +100,21 @@ async fn one_leader_at_a_time_and_failover_on_release() -> anyhow::Result<()> {
     eventually("a leads", &a, true).await;
 
     let (b, task_b, cancel_b) = candidate(&sim, "b", Health::default()).await?;
+    let b_led = ever_true(&b);
+    sim.clear_requests();
     // Give b a few renew periods to (wrongly) take over.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(*a.borrow(), "a keeps leading while it renews");
-    assert!(!*b.borrow(), "b must not lead while a holds the Lease");
+    assert!(
+        !b_led.load(Ordering::SeqCst),
+        "b must not lead while a holds the Lease"
+    );
+    // Only a writes it: its renewals, and no take-over by b.
+    assert!(
+        lease_writes(&sim) >= 1,
+        "a never renewed: {:?}",
+        sim.requests()
+    );
 
     cancel_a.cancel();
     task_a.await?;
@@ -208,11 +244,12 @@ async fn the_same_identity_in_another_process_is_not_taken_for_this_one() -> any
     eventually("the first process leads", &first, true).await;
 
     let (second, task_second, cancel_second) = candidate(&sim, "node-a", Health::default()).await?;
+    let second_led = ever_true(&second);
     // Give the second a few renew periods to (wrongly) take the Lease as its own.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(*first.borrow(), "the first keeps leading while it renews");
     assert!(
-        !*second.borrow(),
+        !second_led.load(Ordering::SeqCst),
         "a Lease under this identity that this process did not write is another's"
     );
 

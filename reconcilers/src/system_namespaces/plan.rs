@@ -182,7 +182,7 @@ mod tests {
     }
 
     #[test]
-    fn terminating_namespace_counts_as_present_and_is_reported_once_stuck() {
+    fn terminating_namespace_counts_as_present_and_is_stuck_in_the_same_words_later() {
         let mut existing = namespace("kube-public", &[]);
         let spec = spec_with_label("kube-public", "team", "platform");
         existing.metadata.finalizers = Some(vec!["example.com/hold".into()]);
