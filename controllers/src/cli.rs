@@ -534,9 +534,9 @@ pub fn check_report(server: &str, results: &[CheckResult], output: OutputFormat)
                         "name": result.name,
                         "drift": report.drift.iter().map(|drift| serde_json::json!({
                             "kind": drift.kind,
-                            "object": drift.object,
+                            "object": Sanitized::new(&drift.object).into_string(),
                             "action": drift.action.as_str(),
-                            "message": drift.message,
+                            "message": Sanitized::new(&drift.message).into_string(),
                         })).collect::<Vec<_>>(),
                     }),
                     Err(err) => {
@@ -564,12 +564,13 @@ pub fn check_report(server: &str, results: &[CheckResult], output: OutputFormat)
                     Ok(report) => {
                         out.push_str(&format!("{}: {} drift\n", result.name, report.drift.len()));
                         for drift in &report.drift {
+                            // Names and text from the API or etcd: escaped and cut, as in the log.
                             out.push_str(&format!(
                                 "  - {} [{}] {}: {}\n",
-                                drift.object,
+                                Sanitized::new(&drift.object),
                                 drift.kind,
                                 would(drift.action),
-                                drift.message
+                                Sanitized::new(&drift.message)
                             ));
                         }
                     }

@@ -1143,7 +1143,7 @@ async fn an_ipaddress_the_cache_has_not_seen_yet_is_not_created_again() -> Resul
         r.is_clean()
     })
     .await?;
-    // Long enough that the Service surely reaches the cache first, short of the test's end.
+    // Long enough that the Service reaches the cache first (within 6 s, below).
     ipaddress_events_late(&sim, 10_000).await;
     let object: IPAddress = serde_json::from_value(ip_address_json(
         "10.96.9.8",
@@ -1160,7 +1160,7 @@ async fn an_ipaddress_the_cache_has_not_seen_yet_is_not_created_again() -> Resul
     sim.clear_requests();
     // The Services' watch is back within 1.6 s (the list+watch's first pause), the IPAddresses'
     // not before 10 s: a pass once the Service is cached meets it without its IPAddress.
-    until_cached(&repair, "shop", "early").await?;
+    until_cached(&repair, ("shop", "early"), Duration::from_secs(6)).await?;
     repair.reconcile(&ctx(&client, false)).await?;
     let requests = sim.requests();
     let of = |verb: &str| {
@@ -1210,7 +1210,7 @@ async fn service_visible_before_its_ipaddress_is_not_repaired_into_a_duplicate()
         })
     };
     sim.clear_requests();
-    until_cached(&repair, "shop", "late").await?;
+    until_cached(&repair, ("shop", "late"), Duration::from_secs(5)).await?;
     for _ in 0..3 {
         // A create of the repair's may meet the allocator's (409): the next pass goes on.
         repair.reconcile(&ctx(&client, false)).await.ok();
@@ -1451,18 +1451,24 @@ fn live_reads(sim: &Sim, namespace: &str, name: &str) -> usize {
         .count()
 }
 
-/// Whether the repair's Service cache holds `namespace/name`.
-/// Waits (at most 20 s) until the repair's Service cache holds `namespace/name`.
-async fn until_cached(repair: &ClusterIpRepairLoop, namespace: &str, name: &str) -> Result<()> {
-    for _ in 0..200 {
+/// Waits until the repair's Service cache holds `namespace/name`, at most `within`: past it,
+/// the IPAddress held back behind it may have reached its cache too, and the race is gone.
+async fn until_cached(
+    repair: &ClusterIpRepairLoop,
+    (namespace, name): (&str, &str),
+    within: Duration,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
         if cached(repair, namespace, name) {
             return Ok(());
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    bail!("the Service {namespace}/{name} never reached the cache")
+    bail!("the Service {namespace}/{name} was not cached within {within:?}: no race to test")
 }
 
+/// Whether the repair's Service cache holds `namespace/name`.
 fn cached(repair: &ClusterIpRepairLoop, namespace: &str, name: &str) -> bool {
     use reconcilers::service_cache::record::Name;
     repair

@@ -259,9 +259,14 @@ impl KeyCache {
         }
     }
 
-    /// What the watch saw at `revision` (`live`: the watch is established).
+    /// What the watch saw at `revision` (`live`: the watch is established). An event older
+    /// than a write of ours the cache holds already (the watch behind it) changes nothing.
     fn watched(&self, live: bool, value: Option<Option<Stored>>, revision: i64) {
-        *self.lock() = KeyCacheState {
+        let mut state = self.lock();
+        if live && state.live && revision < state.revision {
+            return;
+        }
+        *state = KeyCacheState {
             live,
             value,
             revision,
@@ -1053,6 +1058,10 @@ mod tests {
         cache.watched(true, Some(None), 12);
         cache.wrote(b"ours".to_vec(), 11);
         assert_eq!(cache.get(), Some(None));
+        // An event older than a write of ours, the watch behind it, puts nothing older back.
+        cache.wrote(b"ours at 14".to_vec(), 14);
+        cache.watched(true, Some(Some(stored(b"theirs at 13", 13))), 13);
+        assert_eq!(cache.get().unwrap().unwrap().value, b"ours at 14");
     }
 
     /// An https server without a CA is refused naming the server and the setting, before any
@@ -1117,7 +1126,7 @@ mod tests {
             "at most {} sent ahead",
             kib(CONNECTION_WINDOW as usize)
         )));
-        let entries = super::super::wire::MAX_FIELDS;
+        let entries = super::super::wire::MAX_ENTRIES;
         let entries = format!("{},{:03} entries", entries / 1000, entries % 1000);
         assert!(
             config.contains(&format!("at most {entries} in it")),

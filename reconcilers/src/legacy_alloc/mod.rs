@@ -763,19 +763,25 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                 false,
             )
         });
-        // One drift for the bits past the followed ones: their number, not each of them.
+        // One drift for the bits past the followed ones, in the same words whatever their
+        // number (a new message would be a new finding each time it changed): the number is in
+        // its change.
         let unfollowed = (plan.unfollowed > 0).then(|| {
+            let unfollowed = format!(
+                "{} {noun}s set in {key} that no Service holds, not followed yet",
+                plan.unfollowed
+            );
             drift(
                 self.kind("leaks_unfollowed"),
                 object.clone(),
                 Action::Report,
                 format!(
-                    "{} {noun}s set that no Service holds are not followed yet (at most {} are at once): kept set until their turn",
-                    plan.unfollowed,
+                    "more {noun}s are set that no Service holds than are followed at once ({}): the others are kept set until their turn",
                     repair::MAX_SUSPECTS
                 ),
                 false,
             )
+            .changed(unfollowed.clone(), unfollowed)
         });
         (allocate.chain(release).chain(hold).chain(unfollowed)).collect()
     }

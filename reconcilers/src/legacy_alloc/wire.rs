@@ -16,14 +16,18 @@ use tonic::Status;
 use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic_prost::{ProstDecoder, ProstEncoder};
 
-/// The most top-level fields a message from etcd may have: a few header fields and, in a watch
-/// response, its events. A watch of one key that fell behind may be sent more than this in one
-/// response; refused, the watch starts again from the key's value, and nothing is lost.
-pub const MAX_FIELDS: usize = 1024;
+/// The most entries (events of a watch response, keys of a range response) a message from etcd
+/// may have. etcd sends a watcher at most 1,000 revisions in one response (`watchBatchMaxRevs`
+/// in server/storage/mvcc/watchable_store.go), one event each for the one key watched here.
+pub const MAX_ENTRIES: usize = 1024;
+
+/// The most top-level fields a message may have: its entries and its own few (a watch response
+/// has seven besides its events), each counted, whatever its field.
+const MAX_FIELDS: usize = MAX_ENTRIES + 16;
 
 /// Why a message is refused: the same text each time, so a watch refused again and again is
 /// warned about once.
-const TOO_MANY: &str = "an etcd message with more than 1024 entries was refused";
+const TOO_MANY: &str = "an etcd message of more than 1024 entries was refused";
 const MALFORMED: &str = "an etcd message that is not protobuf was refused";
 
 /// prost's codec, with each message's entries counted before it is decoded.
@@ -75,7 +79,7 @@ impl<U: Message + Default> Decoder for BoundedDecoder<U> {
     }
 }
 
-/// Refuses a message of more than [`MAX_FIELDS`] top-level fields, or one that is not a
+/// Refuses a message of more than `MAX_FIELDS` top-level fields, or one that is not a
 /// sequence of protobuf fields (a group, which etcd's protos never use, included: prost would
 /// skip it and go on decoding what follows).
 fn check(mut message: &[u8]) -> Result<(), Status> {
@@ -132,7 +136,10 @@ mod tests {
 
     #[test]
     fn a_message_of_more_entries_than_the_bound_is_refused_before_it_is_decoded() {
-        assert!(check(&empty_events(MAX_FIELDS)).is_ok());
+        // The most entries, beside a header.
+        let mut most = [0x0a, 0x00].to_vec();
+        most.extend(empty_events(MAX_ENTRIES));
+        assert!(check(&most).is_ok());
         let refused = check(&empty_events(MAX_FIELDS + 1)).unwrap_err();
         assert_eq!(refused.code(), tonic::Code::OutOfRange);
         assert_eq!(refused.message(), TOO_MANY);
