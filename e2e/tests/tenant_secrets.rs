@@ -549,8 +549,19 @@ async fn hostile_kubeconfigs_and_fragments_are_refused_by_field_and_never_acted_
             &Patch::Merge(&patch),
         )
         .await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // A Secret refused after it, reported, shows the controller has had the label's event.
+    let (_, kubeconfig, fragment, _) = &cases[0];
+    create_secret(&secrets, "late", kubeconfig, fragment.as_deref(), &[]).await?;
+    eventually("the later Secret refused", CONVERGE, || async {
+        Ok(refusals(&events)
+            .await?
+            .contains_key("late-kubeconfig")
+            .then_some(()))
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let (_, metrics) = controller.admin_get("/metrics").await?;
+    let expected = format!("bootstrap_tenant_config_errors_total {}\n", cases.len() + 1);
     ensure!(metrics.contains(&expected), "reported again:\n{metrics}");
     Ok(())
 }
