@@ -328,19 +328,7 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         let mut judged: HashMap<usize, bool> = HashMap::new();
         let new = 'pass: {
             for _ in 0..WRITE_ATTEMPTS {
-                let stored = match self.cache.get() {
-                    Some(stored) => stored,
-                    None => match self.store.get(&self.key).await {
-                        Ok(stored) => stored,
-                        Err(err @ EtcdError::TooLarge { .. }) => {
-                            let message = err.to_string();
-                            let finding = BitmapFinding::Unusable(message.clone());
-                            break 'pass self.report_only(report, "unusable", finding, message);
-                        }
-                        Err(err) => return Err(self.failed(err)),
-                    },
-                };
-                let stored = match self.read(stored, report) {
+                let stored = match self.read(self.current().await?, report) {
                     Ok(stored) => stored,
                     Err(new) => break 'pass new,
                 };
@@ -455,17 +443,27 @@ impl<R: BitmapRange> LegacyBitmap<R> {
         self.reported.update(vec![finding])
     }
 
+    /// The key's value as its watch keeps it, or else as etcd has it; `Ok(Err(why))` for a value
+    /// too large to read, an unusable bitmap like any other.
+    async fn current(&self) -> Result<Result<Option<etcd::Stored>, String>, LoopError> {
+        if let Some(stored) = self.cache.get() {
+            return Ok(Ok(stored));
+        }
+        match self.store.get(&self.key).await {
+            Ok(stored) => Ok(Ok(stored)),
+            Err(err @ EtcdError::TooLarge { .. }) => Ok(Err(err.to_string())),
+            Err(err) => Err(self.failed(err)),
+        }
+    }
+
     /// The stored value decoded and its bits moved onto the configured range. When the key is
     /// missing and left so, or its value cannot be used, or lies under another range this pass
     /// may not leave, the pass ends here: `Err` holds its new findings, its drift is in `report`.
     fn read(
         &self,
-        stored: Option<etcd::Stored>,
+        stored: Result<Option<etcd::Stored>, String>,
         report: &mut PassReport,
     ) -> Result<Stored, Vec<BitmapFinding>> {
-        if stored.is_none() && !R::SUBJECT.create_if_missing {
-            return Err(Vec::new());
-        }
         let mut unusable = |message: String| {
             self.report_only(
                 report,
@@ -474,6 +472,10 @@ impl<R: BitmapRange> LegacyBitmap<R> {
                 message,
             )
         };
+        let stored = stored.map_err(&mut unusable)?;
+        if stored.is_none() && !R::SUBJECT.create_if_missing {
+            return Err(Vec::new());
+        }
         let (value, mod_revision) = match stored {
             None => (None, None),
             Some(stored) => match RangeAllocation::decode(&stored.value) {
